@@ -1,0 +1,7 @@
+"""``python -m opd`` runs the ``opd`` command line."""
+
+import sys
+
+from opd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,223 @@
+"""Distillation and supervised losses.
+
+Two layers:
+
+* Pure tensor kernels (:func:`token_kl`, :func:`shift_token_mask`) with no config and no
+  I/O, so other frameworks can call them. They follow the next-token convention used
+  everywhere in opd: the logits at position ``t`` predict token ``t + 1``.
+* Loss-function objects (:class:`DistillationLossFn`, :class:`NLLLossFn`) that the
+  trainer calls per micro-batch. They select the positions that carry loss, call the
+  kernels, and normalise by the number of valid tokens (or sequences) of the *global*
+  batch, so gradient accumulation gives the same gradient as one large batch.
+
+Notation: P is the teacher distribution, Q the student's.
+forward KL = KL(P‖Q) = Σ_v P(v)·(log P(v) − log Q(v)) (mass-covering);
+reverse KL = KL(Q‖P) = Σ_v Q(v)·(log Q(v) − log P(v)) (mode-seeking);
+mixed = w·forward + (1 − w)·reverse, with w = ``mixed_kl_weight``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+KLType = Literal["forward", "reverse", "mixed"]
+KL_TYPES: tuple[str, ...] = ("forward", "reverse", "mixed")
+KLReduction = Literal["mean", "sum"]
+
+
+def shift_token_mask(token_mask: torch.Tensor) -> torch.Tensor:
+    """Aligns a per-token loss mask with next-token logits.
+
+    ``token_mask[b, t]`` is 1 when token ``t`` carries loss. That token is predicted by
+    the logits at position ``t - 1``, so the mask for ``logits[:, :-1]`` is
+    ``token_mask[:, 1:]``. This is the one place where opd shifts masks.
+
+    Args:
+        token_mask: ``[B, L]`` 0/1 mask over the tokens of ``input_ids``.
+
+    Returns:
+        ``[B, L - 1]`` mask over the logit positions ``0 .. L - 2``.
+    """
+    return token_mask[:, 1:]
+
+
+def _plogp_difference(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Per-position Σ_v P(v)·(log P(v) − log Q(v)) with the convention 0·log 0 = 0.
+
+    Terms where P(v) = 0 exactly (log P = −inf, e.g. a masked-out vocabulary entry or an
+    extreme logit) contribute 0 instead of NaN; ``torch.where`` keeps their gradient at 0.
+    """
+    p = log_p.exp()
+    terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros((), dtype=p.dtype, device=p.device))
+    return terms.sum(dim=-1)
+
+
+def token_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    kl_type: str,
+    mixed_kl_weight: float = 0.5,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Per-position KL divergence between teacher and student on the full vocabulary.
+
+    Args:
+        student_logits: ``[..., V]`` student logits (gradients flow through these).
+        teacher_logits: ``[..., V]`` teacher logits (treated as given; no gradient is
+            needed, but none is blocked either).
+        kl_type: ``"forward"`` (KL(P‖Q)), ``"reverse"`` (KL(Q‖P)) or ``"mixed"``.
+        mixed_kl_weight: weight w of the forward term for ``"mixed"``.
+        temperature: both logits are divided by it before the softmax.
+
+    Returns:
+        ``student_logits.shape[:-1]`` divergences, in float32 (or float64 when the
+        inputs are float64). No masking, no reduction.
+    """
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student and teacher logits differ in shape: {tuple(student_logits.shape)} "
+            f"vs {tuple(teacher_logits.shape)}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    # Softmax in at least fp32: bf16 log-probs lose ~3 significant digits.
+    compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    log_q = torch.log_softmax(student_logits.to(compute_dtype) / temperature, dim=-1)
+    log_p = torch.log_softmax(teacher_logits.to(compute_dtype) / temperature, dim=-1)
+    if kl_type == "forward":
+        return _plogp_difference(log_p, log_q)
+    if kl_type == "reverse":
+        return _plogp_difference(log_q, log_p)
+    forward = _plogp_difference(log_p, log_q)
+    reverse = _plogp_difference(log_q, log_p)
+    return mixed_kl_weight * forward + (1.0 - mixed_kl_weight) * reverse
+
+
+def _global_normalizer(reduction: str, global_valid_tokens: int, global_valid_seqs: int) -> float:
+    """The denominator of the global-batch loss (at least 1, so an all-masked batch gives 0)."""
+    count = global_valid_tokens if reduction == "mean" else global_valid_seqs
+    return float(max(count, 1))
+
+
+class DistillationLossFn:
+    """Token-level KL between the teacher and the student on response tokens.
+
+    The loss is ``Σ_{valid positions} KL_t / N`` where, for ``kl_reduction="mean"``, N is
+    the number of valid (response, non-padding) tokens in the whole global batch, and for
+    ``"sum"`` N is the number of sequences in the global batch (each response's KL is
+    summed over its tokens, then averaged over sequences).
+
+    Args:
+        kl_type: ``"forward"``, ``"reverse"`` or ``"mixed"``.
+        mixed_kl_weight: weight of the forward KL in ``"mixed"``.
+        temperature: softmax temperature applied to both models' logits.
+        kl_reduction: ``"mean"`` (per token) or ``"sum"`` (per sequence).
+        vocab_size: if set, both logits are cut to their first ``vocab_size`` entries.
+            Models often pad their output layer beyond the tokenizer (Qwen2.5-32B has
+            152,064 outputs, 1.5B has 151,936, the tokenizer 151,665): the extra entries
+            are not real tokens and must not enter the divergence.
+    """
+
+    def __init__(
+        self,
+        kl_type: str = "reverse",
+        mixed_kl_weight: float = 0.5,
+        temperature: float = 1.0,
+        kl_reduction: str = "mean",
+        vocab_size: int | None = None,
+    ) -> None:
+        if kl_type not in KL_TYPES:
+            raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+        if kl_reduction not in ("mean", "sum"):
+            raise ValueError(f"kl_reduction must be 'mean' or 'sum', got {kl_reduction!r}")
+        self.kl_type = kl_type
+        self.mixed_kl_weight = mixed_kl_weight
+        self.temperature = temperature
+        self.kl_reduction = kl_reduction
+        self.vocab_size = vocab_size
+
+    def __call__(
+        self,
+        student_logits: torch.Tensor,
+        data: dict[str, Any],
+        global_valid_tokens: int,
+        global_valid_seqs: int,
+        teacher_logits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Computes this micro-batch's share of the global distillation loss.
+
+        Args:
+            student_logits: ``[B, L, V_s]`` logits for ``data["input_ids"]``.
+            data: micro-batch with ``token_mask [B, L]``.
+            global_valid_tokens: valid loss tokens in the whole global batch.
+            global_valid_seqs: sequences in the whole global batch.
+            teacher_logits: ``[B, L, V_t]`` teacher logits for the same ids.
+
+        Returns:
+            ``(loss, metrics)``; metrics hold this micro-batch's contributions to the
+            global ``loss``, ``kl_forward`` and ``kl_reverse`` (token means) and
+            ``num_valid_tokens``.
+        """
+        if teacher_logits is None:
+            raise ValueError("DistillationLossFn needs teacher_logits")
+        if self.vocab_size is not None:
+            student_logits = student_logits[..., : self.vocab_size]
+            teacher_logits = teacher_logits[..., : self.vocab_size]
+        loss_mask = shift_token_mask(data["token_mask"]).bool()
+        # Only the selected positions ever see a softmax: prompt and padding rows of the
+        # [B, L, V] logits are skipped instead of computed and then masked to zero.
+        student_rows = student_logits[:, :-1][loss_mask]
+        teacher_rows = teacher_logits[:, :-1][loss_mask]
+        divergence = token_kl(
+            student_rows, teacher_rows, self.kl_type, self.mixed_kl_weight, self.temperature
+        )
+        normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
+        # sum() of an empty selection is 0 with a graph attached, so an all-masked
+        # micro-batch contributes zero loss and zero gradient.
+        loss = divergence.sum() / normalizer
+        with torch.no_grad():
+            token_normalizer = float(max(global_valid_tokens, 1))
+            if self.kl_type == "forward" and self.temperature == 1.0:
+                forward_sum = divergence.sum()
+            else:
+                forward_sum = token_kl(student_rows, teacher_rows, "forward").sum()
+            if self.kl_type == "reverse" and self.temperature == 1.0:
+                reverse_sum = divergence.sum()
+            else:
+                reverse_sum = token_kl(student_rows, teacher_rows, "reverse").sum()
+        metrics = {
+            "loss": float(loss.detach()),
+            "kl_forward": float(forward_sum) / token_normalizer,
+            "kl_reverse": float(reverse_sum) / token_normalizer,
+            "num_valid_tokens": float(loss_mask.sum()),
+        }
+        return loss, metrics
+
+
+class NLLLossFn:
+    """Negative log-likelihood of the masked tokens (supervised fine-tuning).
+
+    Normalised by the global number of valid tokens, like :class:`DistillationLossFn`.
+    """
+
+    def __call__(
+        self,
+        student_logits: torch.Tensor,
+        data: dict[str, Any],
+        global_valid_tokens: int,
+        global_valid_seqs: int,
+        teacher_logits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Returns this micro-batch's share of the global mean token NLL, and metrics."""
+        loss_mask = shift_token_mask(data["token_mask"]).bool()
+        targets = data["input_ids"][:, 1:][loss_mask]
+        rows = student_logits[:, :-1][loss_mask]
+        compute_dtype = torch.promote_types(rows.dtype, torch.float32)
+        log_probs = torch.log_softmax(rows.to(compute_dtype), dim=-1)
+        token_nll = -log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        loss = token_nll.sum() / float(max(global_valid_tokens, 1))
+        return loss, {"loss": float(loss.detach()), "num_valid_tokens": float(loss_mask.sum())}

@@ -1,0 +1,199 @@
+"""Converters from task-specific dataset layouts to the chat format.
+
+opd trains on chat-format examples (``{"messages": [...], ...}``). Math datasets
+such as DeepScaleR are usually published as flat rows instead::
+
+    {"problem": "What is 1+1?", "ground_truth_answer": "2"}
+
+This module turns such "math-cl" rows into a single user turn built from a prompt
+template, keeping the answer under ``ground_truth`` for the reward environment.
+
+It can also be run as a script to convert a dataset once, ahead of training::
+
+    python -m opd.data.converters --input data/train.parquet --output train.jsonl \\
+        --prompt-file examples/prompts/math_think_answer.txt
+"""
+
+import argparse
+import json
+import string
+import sys
+from pathlib import Path
+from typing import Any
+
+from opd.utils.errors import DataError, OpdError
+
+PROMPT_PLACEHOLDER = "prompt"
+
+
+def load_prompt_template(path: str | Path) -> str:
+    """Reads a prompt template and checks that it is a usable ``str.format`` template.
+
+    The text is returned exactly as stored (no stripping): a trailing newline, or
+    the lack of one, changes what the model sees, e.g. a template that ends in
+    ``Assistant: <think>`` makes the student continue right after the tag.
+
+    Args:
+        path: UTF-8 text file containing exactly one kind of placeholder,
+            ``{prompt}``. Literal braces must be written as ``{{`` and ``}}``.
+
+    Returns:
+        The template text.
+
+    Raises:
+        DataError: If the file is missing or unreadable, has no ``{prompt}``
+            placeholder, or has other placeholders or unbalanced braces.
+    """
+    path = Path(path)
+    try:
+        template = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DataError(f"prompt file {path} not found") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"prompt file {path} could not be read as UTF-8 text: {err}") from None
+
+    # Parse the template up front so a stray brace is reported once, naming the
+    # file, rather than as a KeyError on the first example.
+    try:
+        field_names = {field for _, field, _, _ in string.Formatter().parse(template) if field is not None}
+    except ValueError as err:
+        raise DataError(
+            f"prompt file {path} is not a valid str.format template ({err}); write literal braces as {{{{ and }}}}"
+        ) from None
+
+    if PROMPT_PLACEHOLDER not in field_names:
+        raise DataError(f"prompt file {path} must contain the {{prompt}} placeholder where the problem goes")
+    unexpected = sorted(field_names - {PROMPT_PLACEHOLDER})
+    if unexpected:
+        shown = ", ".join("{" + name + "}" for name in unexpected)
+        raise DataError(
+            f"prompt file {path} has unknown placeholder(s) {shown}; only {{prompt}} is filled in, "
+            "so write literal braces as {{ and }}"
+        )
+    return template
+
+
+def math_cl_to_chat(example: dict[str, Any], prompt_template: str) -> dict[str, Any]:
+    """Converts one math-cl row into a chat-format example.
+
+    Args:
+        example: A row with ``problem`` (str) and ``ground_truth_answer``
+            (str or number). Other fields are ignored.
+        prompt_template: Template from :func:`load_prompt_template`; the problem
+            is substituted for ``{prompt}``.
+
+    Returns:
+        ``{"messages": [{"role": "user", "content": ...}], "ground_truth": str,
+        "problem": str}``.
+
+    Raises:
+        DataError: If a field is missing or has the wrong type. The message does
+            not name the row; callers that know it (see ``load_chat_dataset``)
+            prefix it.
+    """
+    if not isinstance(example, dict):
+        raise DataError(f'expected an object with "problem" and "ground_truth_answer", got {_type_name(example)}')
+
+    problem = example.get("problem")
+    if problem is None:
+        raise DataError(
+            f'missing "problem" (math_cl rows need "problem" and "ground_truth_answer"); {_keys_hint(example)}'
+        )
+    if not isinstance(problem, str) or not problem.strip():
+        raise DataError(f'"problem" must be a non-empty string, got {_describe(problem)}')
+
+    answer = example.get("ground_truth_answer")
+    if answer is None:
+        raise DataError(
+            f'missing "ground_truth_answer" (math_cl rows need "problem" and "ground_truth_answer"); '
+            f"{_keys_hint(example)}"
+        )
+    # bool is a subclass of int, but True as a math answer is almost surely a bad column.
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise DataError(f'"ground_truth_answer" must be a string or a number, got {_type_name(answer)}')
+
+    return {
+        "messages": [{"role": "user", "content": prompt_template.format(prompt=problem)}],
+        "ground_truth": str(answer),
+        "problem": problem,
+    }
+
+
+def _type_name(value: Any) -> str:
+    """Names a value's type the way a user who wrote JSON would recognise it."""
+    return "null" if value is None else type(value).__name__
+
+
+def _describe(value: Any) -> str:
+    """Describes a bad value: an empty string is shown as such, anything else by type."""
+    return "an empty string" if isinstance(value, str) else _type_name(value)
+
+
+def _keys_hint(example: dict[str, Any]) -> str:
+    """Lists the keys a row does have, which usually reveals a renamed column."""
+    keys = ", ".join(sorted(map(str, example))) or "none"
+    return f"found keys: {keys}"
+
+
+def _build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m opd.data.converters",
+        description="Convert a math-cl dataset (problem, ground_truth_answer) to chat-format JSONL.",
+    )
+    parser.add_argument(
+        "--input",
+        required=True,
+        help="a .jsonl/.json/.parquet file, a save_to_disk directory, or a Hugging Face hub dataset name",
+    )
+    parser.add_argument(
+        "--split", default="train", help="split to read from a saved DatasetDict or hub dataset (default: train)"
+    )
+    parser.add_argument("--output", required=True, help="chat-format .jsonl file to write")
+    parser.add_argument("--prompt-file", required=True, help="prompt template containing {prompt}")
+    parser.add_argument("--max-examples", type=int, default=None, help="convert only the first N rows")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the process exit status.
+
+    Args:
+        argv: Arguments without the program name; defaults to ``sys.argv[1:]``.
+
+    Returns:
+        0 on success, 2 if the input, prompt file or output is unusable (the
+        reason is printed to stderr as one line, without a traceback).
+    """
+    # Imported here rather than at the top because opd.data.datasets imports this
+    # module for math_cl_to_chat; a top-level import would be circular.
+    from opd.data.datasets import load_chat_dataset
+
+    args = _build_arg_parser().parse_args(argv)
+    try:
+        # Load and convert everything before opening the output, so a bad row
+        # never leaves a half-written file behind.
+        examples = load_chat_dataset(
+            args.input,
+            split=args.split,
+            data_format="math_cl",
+            prompt_file=args.prompt_file,
+            max_examples=args.max_examples,
+        )
+        output = Path(args.output)
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            with output.open("w", encoding="utf-8") as f:
+                for example in examples:
+                    f.write(json.dumps(example, ensure_ascii=False) + "\n")
+        except OSError as err:
+            raise DataError(f"could not write output file {output}: {err}") from None
+    except OpdError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    print(f"wrote {len(examples)} examples to {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""Loading chat datasets from local files, saved Hugging Face datasets, or the hub.
+
+Every training and evaluation dataset in opd ends up as a list of plain dicts::
+
+    {"messages": [{"role": "user", "content": "..."}, ...], **other_fields}
+
+Other fields (e.g. ``ground_truth``) are carried along untouched so that reward
+environments can use them. Datasets in other layouts are converted on load; see
+:mod:`opd.data.converters`.
+
+Every problem with the data raises :class:`~opd.utils.errors.DataError` with one
+message naming the source and the position of the bad example: ``line N`` for
+JSONL (1-based, as editors show it), ``item N`` for JSON and ``row N`` for parquet
+and Hugging Face datasets (also 1-based).
+"""
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from opd.data.converters import load_prompt_template, math_cl_to_chat
+from opd.utils.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+VALID_ROLES = ("system", "user", "assistant", "tool")
+DATA_FORMATS = ("chat", "math_cl")
+
+# Suffixes (and prefixes) that make a source unambiguously a local path. A missing
+# file that looks like this is reported as "not found" instead of being sent to
+# the hub, where it would fail with a confusing repository-name error.
+_LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+_LOCAL_PREFIXES = ("./", "../", "/", "~")
+
+# (position label, raw row) pairs, e.g. ("line 7", {...}).
+_RawRows = Iterator[tuple[str, Any]]
+
+
+def load_chat_dataset(
+    source: str,
+    *,
+    split: str = "train",
+    data_format: str = "chat",
+    prompt_file: str | None = None,
+    max_examples: int | None = None,
+) -> list[dict[str, Any]]:
+    """Loads and validates a dataset of chat examples.
+
+    Args:
+        source: One of
+            - a ``.jsonl`` file with one JSON object per line (blank lines skipped);
+            - a ``.json`` file holding a list of objects, or an object with that
+              list under ``"data"``;
+            - a ``.parquet`` file;
+            - a directory written by ``Dataset.save_to_disk`` or
+              ``DatasetDict.save_to_disk``;
+            - otherwise, a Hugging Face hub dataset name, loaded with
+              ``datasets.load_dataset(source, split=split)``.
+        split: Split to use for a saved ``DatasetDict`` or a hub dataset. Ignored
+            for single files and saved single ``Dataset`` directories, which hold
+            exactly one split.
+        data_format: ``"chat"`` for examples that already have ``messages``, or
+            ``"math_cl"`` for ``problem`` / ``ground_truth_answer`` rows, which
+            are converted with :func:`~opd.data.converters.math_cl_to_chat`.
+        prompt_file: Prompt template for ``"math_cl"`` (required there, unused
+            for ``"chat"``).
+        max_examples: If set, keep only the first this many examples.
+
+    Returns:
+        The examples as plain dicts ``{"messages": [...], **other_fields}``, in
+        source order.
+
+    Raises:
+        ConfigError: If ``data_format`` or ``max_examples`` is invalid, or
+            ``prompt_file`` is missing for ``"math_cl"``.
+        DataError: If the source cannot be found or read, is empty, or any
+            example is malformed.
+    """
+    if data_format not in DATA_FORMATS:
+        raise ConfigError(f"data.data_format must be one of {_quoted(DATA_FORMATS)}, got {data_format!r}")
+    # bool is a subclass of int; max_examples=True is a config typo, not "1".
+    valid_count = isinstance(max_examples, int) and not isinstance(max_examples, bool) and max_examples >= 1
+    if max_examples is not None and not valid_count:
+        raise ConfigError(f"max_examples must be a positive integer or None, got {max_examples!r}")
+
+    prompt_template = None
+    if data_format == "math_cl":
+        if not prompt_file:
+            raise ConfigError('data.prompt_file is required when data_format is "math_cl"')
+        # Read the template before the data so a bad template fails fast.
+        prompt_template = load_prompt_template(prompt_file)
+
+    examples = []
+    for where, raw in _iter_raw_rows(source, split):
+        if data_format == "math_cl":
+            try:
+                raw = math_cl_to_chat(raw, prompt_template)
+            except DataError as err:
+                raise DataError(f"{where}: {err}") from None
+        examples.append(_validate_chat_example(raw, where))
+        # Stop before reading further rows, so a bad row past the cut-off is not reported.
+        if max_examples is not None and len(examples) >= max_examples:
+            break
+
+    if not examples:
+        raise DataError(f"{_describe_source(source, split)} contains no examples")
+    logger.info("Loaded %d examples from %s", len(examples), _describe_source(source, split))
+    return examples
+
+
+def split_prompt_and_response(
+    messages: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Separates the prompt from a reference response.
+
+    On-policy distillation only needs the prompt: the student writes its own
+    response. A conversation that ends with an assistant turn carries a reference
+    response, which is split off here (e.g. for evaluation or SFT warm-up).
+
+    Args:
+        messages: A validated ``messages`` list.
+
+    Returns:
+        ``(prompt, response)``. If the last message is from the assistant,
+        ``prompt`` is every message before it and ``response`` is that message;
+        otherwise ``prompt`` is all messages and ``response`` is ``None``. The
+        prompt is a new list; the message dicts themselves are not copied.
+    """
+    if messages and messages[-1].get("role") == "assistant":
+        return list(messages[:-1]), messages[-1]
+    return list(messages), None
+
+
+# ---------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------
+
+
+def _validate_chat_example(raw: Any, where: str) -> dict[str, Any]:
+    """Checks one chat example and returns it as ``{"messages": [...], **other_fields}``."""
+    if not isinstance(raw, dict):
+        raise DataError(f'{where}: expected an object with a "messages" list, got {_type_name(raw)}')
+
+    if "messages" not in raw:
+        hint = ' (rows with "problem" and "ground_truth_answer" need data_format="math_cl")' if "problem" in raw else ""
+        keys = ", ".join(sorted(map(str, raw))) or "none"
+        raise DataError(f'{where}: missing "messages"{hint}; found keys: {keys}')
+
+    messages = raw["messages"]
+    if not isinstance(messages, list):
+        raise DataError(
+            f'{where}: "messages" must be a list of {{"role", "content"}} dicts, got {_type_name(messages)}'
+        )
+    if not messages:
+        raise DataError(f'{where}: "messages" must not be empty')
+
+    clean_messages = [_validate_message(message, f"{where}: messages[{i}]") for i, message in enumerate(messages)]
+
+    if not any(message["role"] == "user" for message in clean_messages):
+        roles = ", ".join(message["role"] for message in clean_messages)
+        raise DataError(f'{where}: "messages" needs at least one "user" message, found roles: {roles}')
+
+    # Build a new dict so callers can modify examples without touching the source.
+    return {"messages": clean_messages, **{key: value for key, value in raw.items() if key != "messages"}}
+
+
+def _validate_message(message: Any, where: str) -> dict[str, Any]:
+    """Checks one message; ``where`` already names the example and the message index."""
+    if not isinstance(message, dict):
+        raise DataError(f'{where} must be a {{"role", "content"}} dict, got {_type_name(message)}')
+
+    role = message.get("role")
+    if role not in VALID_ROLES:
+        got = "nothing (missing)" if role is None else repr(role)
+        raise DataError(f'{where}: "role" must be one of {_quoted(VALID_ROLES)}, got {got}')
+
+    content = message.get("content")
+    if not isinstance(content, str):
+        raise DataError(f'{where}: "content" must be a string, got {_type_name(content)}')
+
+    # Arrow stores a list of messages as a struct column with the union of all keys,
+    # filling absent ones with None (e.g. "name" on every message once one has it).
+    # Dropping None extras makes parquet and saved datasets load the same messages
+    # as the JSONL they were made from.
+    extras = {key: value for key, value in message.items() if key not in ("role", "content") and value is not None}
+    return {"role": role, "content": content, **extras}
+
+
+# ---------------------------------------------------------------------------
+# Readers: each yields (position label, raw row) pairs
+# ---------------------------------------------------------------------------
+
+
+def _iter_raw_rows(source: str, split: str) -> _RawRows:
+    """Picks a reader for ``source``: a local file, a saved dataset, or a hub name."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return _iter_saved_dataset(path, source, split)
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl":
+            return _iter_jsonl(path, source)
+        if suffix == ".json":
+            return _iter_json(path, source)
+        if suffix == ".parquet":
+            return _iter_parquet(path, source)
+        raise DataError(
+            f"data file {source} has unsupported extension {path.suffix!r}; expected {_quoted(_LOCAL_SUFFIXES)}"
+        )
+    if source.lower().endswith(_LOCAL_SUFFIXES) or source.startswith(_LOCAL_PREFIXES):
+        raise DataError(f"data file {source} not found")
+    return _iter_hub_dataset(source, split)
+
+
+def _iter_jsonl(path: Path, source: str) -> _RawRows:
+    # utf-8-sig drops a byte-order mark, which would otherwise make line 1 invalid JSON.
+    try:
+        with path.open(encoding="utf-8-sig") as f:
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"data file {source}, line {line_number}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+                yield where, row
+    except UnicodeDecodeError as err:
+        raise DataError(f"data file {source} is not valid UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise DataError(f"data file {source} could not be read: {err}") from None
+
+
+def _iter_json(path: Path, source: str) -> _RawRows:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
+    except json.JSONDecodeError as err:
+        raise DataError(
+            f"data file {source}, line {err.lineno}: invalid JSON ({err.msg} at column {err.colno})"
+        ) from None
+    except UnicodeDecodeError as err:
+        raise DataError(f"data file {source} is not valid UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise DataError(f"data file {source} could not be read: {err}") from None
+
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    if not isinstance(data, list):
+        raise DataError(
+            f'data file {source}: expected a JSON list of examples or an object with a "data" list, '
+            f"got {_type_name(data)}"
+        )
+    for item_number, row in enumerate(data, start=1):
+        yield f"data file {source}, item {item_number}", row
+
+
+def _iter_parquet(path: Path, source: str) -> _RawRows:
+    import pyarrow
+    import pyarrow.parquet
+
+    try:
+        rows = pyarrow.parquet.read_table(path).to_pylist()
+    except (pyarrow.ArrowException, OSError) as err:
+        raise DataError(f"data file {source} could not be read as parquet: {err}") from None
+    for row_number, row in enumerate(rows, start=1):
+        yield f"data file {source}, row {row_number}", row
+
+
+def _iter_saved_dataset(path: Path, source: str, split: str) -> _RawRows:
+    # Importing `datasets` takes about a second, so only sources that need it pay for it.
+    import datasets
+
+    # save_to_disk writes state.json for a Dataset and dataset_dict.json for a
+    # DatasetDict; any other directory is not something load_from_disk can read.
+    if not (path / "state.json").is_file() and not (path / "dataset_dict.json").is_file():
+        raise DataError(
+            f"data directory {source} is not a dataset saved with Dataset.save_to_disk or "
+            "DatasetDict.save_to_disk (no state.json or dataset_dict.json)"
+        )
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except Exception as err:  # noqa: BLE001 - any failure here means the directory is unreadable
+        raise DataError(f"data directory {source} could not be loaded: {_short_reason(err)}") from None
+
+    where = f"dataset {source}"
+    if isinstance(dataset, datasets.DatasetDict):
+        if split not in dataset:
+            raise DataError(f"dataset {source} has no split {split!r}; available splits: {', '.join(sorted(dataset))}")
+        dataset = dataset[split]
+        where = f"dataset {source} (split {split})"
+    for row_number, row in enumerate(dataset, start=1):
+        yield f"{where}, row {row_number}", row
+
+
+def _iter_hub_dataset(source: str, split: str) -> _RawRows:
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(source, split=split)
+    except Exception as err:  # noqa: BLE001 - offline, unknown repo, bad split: all reported the same way
+        raise DataError(
+            f"dataset {source!r} does not exist locally and could not be loaded from the Hugging Face hub "
+            f"(split {split!r}): {_short_reason(err)}"
+        ) from None
+    for row_number, row in enumerate(dataset, start=1):
+        yield f"dataset {source} (split {split}), row {row_number}", row
+
+
+# ---------------------------------------------------------------------------
+# Message helpers
+# ---------------------------------------------------------------------------
+
+
+def _describe_source(source: str, split: str) -> str:
+    path = Path(source).expanduser()
+    if path.is_file():
+        return f"data file {source}"
+    if path.is_dir() and not (path / "dataset_dict.json").is_file():
+        return f"dataset {source}"
+    return f"dataset {source} (split {split})"
+
+
+def _type_name(value: Any) -> str:
+    """Names a value's type the way a user who wrote JSON would recognise it."""
+    return "null" if value is None else type(value).__name__
+
+
+def _quoted(names: tuple[str, ...]) -> str:
+    return ", ".join(f'"{name}"' for name in names)
+
+
+def _short_reason(err: Exception) -> str:
+    """First line of an exception message, trimmed: library errors can be pages long."""
+    lines = str(err).strip().splitlines()
+    text = lines[0] if lines else ""
+    reason = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return reason if len(reason) <= 300 else reason[:297] + "..."

@@ -1,0 +1,120 @@
+"""Turning chat examples into token sequences and padded training batches.
+
+The chat template is applied here, and only here. A prompt is the conversation up to
+the assistant turn, rendered with ``add_generation_prompt=True``; a fixed-data response
+is the text that the template adds for the assistant message, cut after the first EOS.
+Sequences are right-padded: ``[prompt | response | padding]``, so the default position
+ids 0..L-1 are correct for every real token, and ``token_mask`` marks the tokens that
+carry loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.utils.errors import DataError
+
+
+def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
+    """Applies the tokenizer's chat template and returns the text."""
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Tokenizes rendered chat text; the template already placed every special token."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_prompt(tokenizer: Any, prompt_messages: list[dict]) -> list[int]:
+    """Token ids of a prompt, ending with the template's assistant header."""
+    return encode_text(tokenizer, render_chat(tokenizer, prompt_messages, add_generation_prompt=True))
+
+
+def encode_response(tokenizer: Any, prompt_messages: list[dict], response: dict) -> list[int]:
+    """Token ids that the chat template adds for ``response`` after the prompt.
+
+    The response is rendered in context (so any per-turn markup is exactly the
+    template's), then tokenized on its own, so prompt ids + response ids is the same
+    prompt the student would be given at generation time. Everything after the first
+    EOS (e.g. ChatML's newline after ``<|im_end|>``) is dropped: generation stops there.
+
+    Raises:
+        DataError: if the template does not render the prompt as a prefix of the
+            whole conversation (such a template cannot be used for training).
+    """
+    prompt_text = render_chat(tokenizer, prompt_messages, add_generation_prompt=True)
+    full_text = render_chat(tokenizer, prompt_messages + [response], add_generation_prompt=False)
+    if not full_text.startswith(prompt_text):
+        raise DataError(
+            "the chat template does not render the prompt (with add_generation_prompt=True) "
+            "as a prefix of the full conversation; cannot split prompt and response tokens"
+        )
+    response_ids = encode_text(tokenizer, full_text[len(prompt_text):])
+    eos_id = tokenizer.eos_token_id
+    if eos_id is not None and eos_id in response_ids:
+        response_ids = response_ids[: response_ids.index(eos_id) + 1]
+    return response_ids
+
+
+def build_token_mask(
+    input_lengths: torch.Tensor, prompt_lengths: torch.Tensor, max_length: int, mask_prompt_tokens: bool
+) -> torch.Tensor:
+    """Marks the tokens that carry loss in right-padded sequences.
+
+    Args:
+        input_lengths: ``[B]`` real length of each sequence (prompt + response).
+        prompt_lengths: ``[B]`` prompt length of each sequence.
+        max_length: padded length L.
+        mask_prompt_tokens: if True only response tokens carry loss; otherwise every
+            real token except the first (which nothing predicts).
+
+    Returns:
+        ``[B, L]`` float mask: 1 on loss tokens, 0 on the prompt (if masked) and padding.
+    """
+    positions = torch.arange(max_length).unsqueeze(0)
+    start = prompt_lengths.unsqueeze(1) if mask_prompt_tokens else torch.ones_like(prompt_lengths).unsqueeze(1)
+    return ((positions >= start) & (positions < input_lengths.unsqueeze(1))).float()
+
+
+def pack_sequences(
+    sequences: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    pad_token_id: int,
+    mask_prompt_tokens: bool = True,
+) -> BatchedDataDict:
+    """Right-pads token sequences into a training batch.
+
+    Args:
+        sequences: prompt + response ids per row.
+        prompt_lengths: prompt length per row.
+        pad_token_id: id used for padding (never carries loss).
+        mask_prompt_tokens: see :func:`build_token_mask`.
+
+    Returns:
+        A batch with ``input_ids [B, L]``, ``input_lengths [B]``, ``prompt_lengths [B]``
+        and ``token_mask [B, L]``.
+    """
+    lengths = torch.tensor([len(seq) for seq in sequences], dtype=torch.long)
+    width = int(lengths.max()) if len(sequences) else 0
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        input_ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+    prompts = torch.tensor(list(prompt_lengths), dtype=torch.long)
+    return BatchedDataDict(
+        input_ids=input_ids,
+        input_lengths=lengths,
+        prompt_lengths=prompts,
+        token_mask=build_token_mask(lengths, prompts, width, mask_prompt_tokens),
+    )
+
+
+def attention_mask_from_lengths(input_lengths: torch.Tensor, max_length: int) -> torch.Tensor:
+    """``[B, L]`` 1/0 attention mask for right-padded sequences."""
+    positions = torch.arange(max_length, device=input_lengths.device).unsqueeze(0)
+    return (positions < input_lengths.unsqueeze(1)).long()

@@ -1,0 +1,133 @@
+"""Student generation with Hugging Face ``generate`` (the embedded default backend).
+
+It samples with the very model that is being trained, so its weights are never stale and
+no refit is needed. The KV cache is on, prompts are left-padded for generation (as HF
+requires) and the output is re-laid right-padded (``[prompt | response | pad]``), the
+layout every other stage uses. The sampler's per-token log-probs come from the
+processed scores (after temperature / top-k / top-p), i.e. the distribution the token
+was actually drawn from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.generation.config import GenerateStrategyConfig
+
+
+def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
+    """Maps ``generate_strategy`` onto ``generate`` keyword arguments.
+
+    Every knob is passed explicitly so that a model's own ``generation_config`` (which
+    for Qwen sets top_k=20, top_p=0.8, repetition_penalty=1.05) cannot change what the
+    config asked for.
+    """
+    common = {"repetition_penalty": 1.0, "num_beams": 1}
+    if strategy.decoding_method == "greedy":
+        return {**common, "do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+    if strategy.decoding_method == "top_k":
+        return {**common, "do_sample": True, "temperature": strategy.temperature, "top_k": strategy.top_k, "top_p": 1.0}
+    return {**common, "do_sample": True, "temperature": strategy.temperature, "top_k": 0, "top_p": strategy.top_p}
+
+
+class HFGeneration:
+    """``GenerationInterface`` over an in-process ``PreTrainedModel``.
+
+    Args:
+        model: the causal LM to sample from (the student itself).
+        tokenizer: supplies the pad and EOS ids.
+    """
+
+    needs_refit = False
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any) -> None:
+        self.model = model
+        self.pad_token_id = tokenizer.pad_token_id
+        self.eos_token_id = tokenizer.eos_token_id
+        self._was_training = False
+
+    def prepare_for_generation(self) -> None:
+        """Puts the model in eval mode (no dropout while sampling)."""
+        self._was_training = self.model.training
+        self.model.eval()
+
+    def finish_generation(self) -> None:
+        """Restores the model's train/eval mode."""
+        self.model.train(self._was_training)
+
+    def generate(
+        self, prompts: list[list[int]], strategy: GenerateStrategyConfig, num_samples: int = 1
+    ) -> BatchedDataDict:
+        """Samples ``num_samples`` responses per prompt (see ``GenerationInterface``)."""
+        expanded = [prompt for prompt in prompts for _ in range(num_samples)]
+        prompt_width = max(len(prompt) for prompt in expanded)
+        left_padded = torch.full((len(expanded), prompt_width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros_like(left_padded)
+        for row, prompt in enumerate(expanded):
+            left_padded[row, prompt_width - len(prompt):] = torch.tensor(prompt)
+            attention[row, prompt_width - len(prompt):] = 1
+        with torch.inference_mode():
+            new_tokens, new_token_logprobs = self._sample(left_padded, attention, strategy)
+        # Tensors born in inference mode cannot enter the student's autograd graph later;
+        # clones made outside it are ordinary tensors.
+        return self._right_pad(expanded, new_tokens.clone(), new_token_logprobs.clone())
+
+    def _sample(
+        self, left_padded: torch.Tensor, attention: torch.Tensor, strategy: GenerateStrategyConfig
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs ``generate``; returns the new tokens and their sampling log-probs (on CPU)."""
+        device = next(self.model.parameters()).device
+        prompt_width = left_padded.shape[1]
+        output = self.model.generate(
+            input_ids=left_padded.to(device),
+            attention_mask=attention.to(device),
+            max_new_tokens=strategy.max_length,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **sampling_kwargs(strategy),
+        )
+        new_tokens = output.sequences[:, prompt_width:].cpu()
+        # log_softmax of the processed scores = log-prob under the sampling distribution.
+        # Gathered step by step: stacking [B, T, V] scores would not fit for a 150k vocab.
+        token_logprobs = torch.stack(
+            [
+                torch.log_softmax(step_scores.float(), dim=-1).gather(-1, output.sequences[:, prompt_width + t, None]).squeeze(-1)
+                for t, step_scores in enumerate(output.scores)
+            ],
+            dim=1,
+        ).cpu()
+        return new_tokens, token_logprobs
+
+    def _right_pad(
+        self, prompts: list[list[int]], new_tokens: torch.Tensor, new_token_logprobs: torch.Tensor
+    ) -> BatchedDataDict:
+        """Re-lays generated rows as ``[prompt | response | pad]`` and records lengths."""
+        is_eos = new_tokens == self.eos_token_id
+        has_eos = is_eos.any(dim=1)
+        # Response = tokens up to and including the first EOS (all of them if none).
+        first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, new_tokens.shape[1] - 1, dtype=torch.long))
+        response_lengths = first_eos + 1
+        prompt_lengths = torch.tensor([len(prompt) for prompt in prompts], dtype=torch.long)
+        input_lengths = prompt_lengths + response_lengths
+        width = int(input_lengths.max())
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros((len(prompts), width), dtype=torch.float32)
+        for row, prompt in enumerate(prompts):
+            p, r = len(prompt), int(response_lengths[row])
+            input_ids[row, :p] = torch.tensor(prompt)
+            input_ids[row, p : p + r] = new_tokens[row, :r]
+            logprobs[row, p : p + r] = new_token_logprobs[row, :r]
+        return BatchedDataDict(
+            input_ids=input_ids,
+            input_lengths=input_lengths,
+            prompt_lengths=prompt_lengths,
+            response_lengths=response_lengths,
+            generation_logprobs=logprobs,
+            truncated=~has_eos,
+        )

@@ -1,0 +1,140 @@
+"""The trainable student: a Hugging Face causal LM with its optimizer and schedule.
+
+``train`` performs one optimizer step over a global batch: it counts the valid tokens of
+the whole batch first, then runs forward/backward micro-batch by micro-batch (asking the
+teacher for the same micro-batch's logits when a teacher is given), so the loss
+function can normalise globally and gradient accumulation is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from pydantic import Field
+from transformers import get_scheduler
+
+from opd.algorithms.loss_functions import shift_token_mask
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.sequences import attention_mask_from_lengths
+from opd.utils.config import StrictConfig
+
+
+class OptimizerConfig(StrictConfig):
+    """AdamW and learning-rate schedule settings."""
+
+    learning_rate: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    adam_epsilon: float = Field(1e-8, gt=0.0)
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="null disables clipping")
+    warmup_steps: int = Field(0, ge=0)
+    lr_scheduler: str = Field("constant_with_warmup", pattern="^(constant_with_warmup|linear|cosine)$")
+
+
+class HFPolicy:
+    """``PolicyInterface`` for an in-process ``PreTrainedModel``.
+
+    Args:
+        model: the student (trained in place).
+        optimizer_config: AdamW / schedule settings.
+        micro_batch_size: sequences per forward/backward pass.
+        total_steps: optimizer steps planned (for decaying schedules).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer_config: OptimizerConfig,
+        micro_batch_size: int,
+        total_steps: int,
+    ) -> None:
+        self.model = model
+        self.model.train()
+        self.micro_batch_size = micro_batch_size
+        self.config = optimizer_config
+        # No weight decay on biases and norms, the usual transformer recipe.
+        decay, no_decay = [], []
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            (no_decay if param.dim() < 2 or "norm" in name.lower() else decay).append(param)
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": optimizer_config.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=optimizer_config.learning_rate,
+            betas=(optimizer_config.adam_beta1, optimizer_config.adam_beta2),
+            eps=optimizer_config.adam_epsilon,
+        )
+        self.scheduler = get_scheduler(
+            optimizer_config.lr_scheduler,
+            optimizer=self.optimizer,
+            num_warmup_steps=optimizer_config.warmup_steps,
+            num_training_steps=max(total_steps, 1),
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _forward_logits(self, micro_batch: BatchedDataDict) -> torch.Tensor:
+        input_ids = micro_batch["input_ids"].to(self.device)
+        attention_mask = attention_mask_from_lengths(micro_batch["input_lengths"].to(self.device), input_ids.shape[1])
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def train(
+        self,
+        data: BatchedDataDict,
+        loss_fn: Any,
+        teacher_logits_fn: Callable[[BatchedDataDict], torch.Tensor] | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step over ``data`` (the whole global batch).
+
+        Args:
+            data: right-padded batch with ``input_ids``, ``input_lengths``, ``token_mask``.
+            loss_fn: a :class:`~opd.algorithms.interfaces.LossFunction`.
+            teacher_logits_fn: returns teacher logits for a micro-batch; None for losses
+                that need no teacher (SFT).
+
+        Returns:
+            Global-batch metrics: the loss function's metrics summed over micro-batches,
+            plus ``grad_norm`` (before clipping) and ``lr`` (used for this step).
+        """
+        global_valid_tokens = int(shift_token_mask(data["token_mask"]).sum())
+        global_valid_seqs = data.size
+        totals: dict[str, float] = {}
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro_batch in data.make_microbatches(self.micro_batch_size):
+            # Cut the micro-batch to its own longest row: padding costs compute.
+            width = int(micro_batch["input_lengths"].max())
+            micro_batch = BatchedDataDict(
+                {k: v[:, :width] if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in micro_batch.items()}
+            ).to(self.device)
+            teacher_logits = teacher_logits_fn(micro_batch) if teacher_logits_fn is not None else None
+            student_logits = self._forward_logits(micro_batch)
+            loss, metrics = loss_fn(
+                student_logits, micro_batch, global_valid_tokens, global_valid_seqs, teacher_logits=teacher_logits
+            )
+            loss.backward()
+            del teacher_logits, student_logits
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + value
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        totals["grad_norm"] = float(grad_norm)
+        totals["lr"] = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return totals
+
+    def save_pretrained(self, directory: str, tokenizer: Any | None = None) -> None:
+        """Writes the student (safetensors) and optionally its tokenizer to ``directory``."""
+        self.model.save_pretrained(directory, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)

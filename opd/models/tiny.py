@@ -1,0 +1,144 @@
+"""Tiny Qwen2-architecture models and a byte-level tokenizer, built locally.
+
+Tests, the CPU demo and benchmarks need real Hugging Face models without downloading
+anything. This module builds them from a config: a byte-level BPE tokenizer with no
+merges (every UTF-8 byte is a token, so any text round-trips) plus ChatML special tokens
+and a Qwen-style chat template, and randomly initialised ``Qwen2ForCausalLM`` models of a
+few presets. A model path of the form ``tiny:<preset>`` in a config resolves here.
+
+Everything is deterministic for a given seed, so two processes building ``tiny:student``
+get bitwise-identical weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from opd.utils.errors import ConfigError
+
+TINY_PREFIX = "tiny:"
+
+# ChatML, the format Qwen2.5-Instruct uses, without Qwen's default system prompt.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
+
+
+@dataclass(frozen=True)
+class TinyPreset:
+    """Shape of a tiny Qwen2 model."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    seed: int
+
+
+TINY_PRESETS: dict[str, TinyPreset] = {
+    # The teacher is wider and deeper than the student, as in a real distillation pair.
+    "teacher": TinyPreset(128, 256, 4, 4, 2, seed=1234),
+    "student": TinyPreset(64, 128, 2, 4, 2, seed=4321),
+    # A second, independently initialised model of the student's shape (for tests).
+    "student-b": TinyPreset(64, 128, 2, 4, 2, seed=999),
+}
+
+
+def is_tiny_path(path: str | None) -> bool:
+    """Whether a model/tokenizer path names a locally built tiny model (``tiny:<preset>``)."""
+    return isinstance(path, str) and path.startswith(TINY_PREFIX)
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Builds the byte-level tokenizer shared by all tiny models.
+
+    Returns:
+        A fast tokenizer with 256 byte tokens followed by ``<|endoftext|>`` (padding),
+        ``<|im_start|>`` and ``<|im_end|>`` (end of turn, used as EOS), and a ChatML
+        chat template.
+    """
+    byte_alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: index for index, symbol in enumerate(byte_alphabet)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # No regex split and no prefix space: the text maps to its bytes one to one.
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def tiny_model_config(preset_name: str, vocab_size: int, eos_token_id: int, pad_token_id: int) -> Qwen2Config:
+    """Returns the ``Qwen2Config`` of a tiny preset.
+
+    Raises:
+        ConfigError: if the preset name is unknown.
+    """
+    if preset_name not in TINY_PRESETS:
+        raise ConfigError(
+            f"unknown tiny model '{TINY_PREFIX}{preset_name}'; available: "
+            + ", ".join(TINY_PREFIX + name for name in TINY_PRESETS)
+        )
+    preset = TINY_PRESETS[preset_name]
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+    )
+
+
+def build_tiny_model(preset_name: str, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
+    """Builds a randomly initialised tiny Qwen2 causal LM, deterministically.
+
+    Args:
+        preset_name: a key of :data:`TINY_PRESETS` (without the ``tiny:`` prefix).
+        dtype: parameter dtype.
+
+    Returns:
+        The model, in train mode, with a generation config whose EOS/pad tokens match
+        :func:`build_tiny_tokenizer`.
+    """
+    tokenizer = build_tiny_tokenizer()
+    config = tiny_model_config(
+        preset_name, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
+    # A private generator keeps the global RNG (and so the run's seed) untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_PRESETS[preset_name].seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.to(dtype)
+
+
+def save_tiny_pair(directory: str, preset_name: str) -> str:
+    """Builds a tiny model and its tokenizer and saves both as an HF model directory.
+
+    Returns:
+        The directory, loadable with ``AutoModelForCausalLM.from_pretrained``.
+    """
+    build_tiny_model(preset_name).save_pretrained(directory)
+    build_tiny_tokenizer().save_pretrained(directory)
+    return directory

@@ -1,0 +1,23 @@
+"""User-facing error types.
+
+Everything a user can get wrong (a config key, a data line, a model pair) raises a
+subclass of :class:`OpdError`. The command-line entry point catches these, prints the
+one-line message and exits with status 2, so users never see a Python traceback for
+their own mistakes. Bugs in opd itself still raise ordinary exceptions.
+"""
+
+
+class OpdError(Exception):
+    """Base class for errors caused by user input; the message is shown as is."""
+
+
+class ConfigError(OpdError):
+    """A configuration key is unknown, has the wrong type, or is out of range."""
+
+
+class DataError(OpdError):
+    """A dataset file, line or field is missing or malformed."""
+
+
+class ModelCompatibilityError(OpdError):
+    """Teacher and student cannot be paired (e.g. different tokenizers)."""
