@@ -256,6 +256,32 @@ def check_config_against_data(config: MasterConfig, train_examples: list[Prepare
             )
 
 
+def check_output_is_fresh(config: MasterConfig) -> None:
+    """Refuses to start a fresh run over the final model or checkpoints of an earlier one.
+
+    Resuming is not implemented yet, so a fresh run would overwrite ``step_N``
+    directories or ``final_model/`` that hold earlier work; stopping is the safe choice.
+
+    Raises:
+        ConfigError: naming the checkpoint directory and the newest checkpoint in it.
+    """
+    final_model = Path(config.output_dir) / "final_model"
+    if final_model.exists():
+        raise ConfigError(
+            f"output_dir '{config.output_dir}' already holds final_model/ from an earlier run; choose another "
+            "output_dir or move it away. Nothing was changed."
+        )
+    if not config.checkpointing.enabled:
+        return
+    latest = CheckpointManager(config.checkpointing).latest_checkpoint()
+    if latest is not None:
+        raise ConfigError(
+            f"checkpointing.checkpoint_dir '{config.checkpointing.checkpoint_dir}' already holds {latest.name} "
+            "from an earlier run; choose another output_dir (or checkpointing.checkpoint_dir), or move the "
+            "old checkpoints away. Nothing was changed."
+        )
+
+
 def setup(master_config: MasterConfig) -> tuple:
     """Builds everything ``distillation_train`` needs, checking user input first.
 
@@ -269,6 +295,7 @@ def setup(master_config: MasterConfig) -> tuple:
     """
     config = master_config
     micro_batch_size, _ = resolve_micro_batching(config)
+    check_output_is_fresh(config)
     set_seed(config.training.seed)
 
     tokenizer_path = config.model.tokenizer_path or config.model.student_model_path

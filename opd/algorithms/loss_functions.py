@@ -47,11 +47,16 @@ def _plogp_difference(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     """Per-position Σ_v P(v)·(log P(v) − log Q(v)) with the convention 0·log 0 = 0.
 
     Terms where P(v) = 0 exactly (log P = −inf, e.g. a masked-out vocabulary entry or an
-    extreme logit) contribute 0 instead of NaN; ``torch.where`` keeps their gradient at 0.
+    extreme logit) contribute 0 instead of NaN. Both logs are replaced by 0 there *before*
+    the product, so no −inf ever enters the graph and the gradient stays finite (a
+    ``where`` applied after the product would still back-propagate 0·inf = NaN).
     """
     p = log_p.exp()
-    terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros((), dtype=p.dtype, device=p.device))
-    return terms.sum(dim=-1)
+    support = p > 0
+    zero = torch.zeros((), dtype=p.dtype, device=p.device)
+    safe_log_p = torch.where(support, log_p, zero)
+    safe_log_q = torch.where(support, log_q, zero)
+    return (p * (safe_log_p - safe_log_q)).sum(dim=-1)
 
 
 def token_kl(
@@ -91,6 +96,11 @@ def token_kl(
     if kl_type == "forward":
         return _plogp_difference(log_p, log_q)
     if kl_type == "reverse":
+        return _plogp_difference(log_q, log_p)
+    # A zero-weight direction is skipped, not multiplied by 0: it may be +inf (0·inf = NaN).
+    if mixed_kl_weight == 1.0:
+        return _plogp_difference(log_p, log_q)
+    if mixed_kl_weight == 0.0:
         return _plogp_difference(log_q, log_p)
     forward = _plogp_difference(log_p, log_q)
     reverse = _plogp_difference(log_q, log_p)

@@ -36,7 +36,6 @@ class CheckpointingConfig(StrictConfig):
     enabled: bool = True
     checkpoint_dir: str = Field("checkpoints", description="directory holding step_N/ checkpoints")
     keep_top_k: int | None = Field(3, ge=1, description="newest checkpoints kept; null keeps all")
-    resume: bool = Field(True, description="continue from the newest complete checkpoint if one exists")
 
 
 class CheckpointManager:

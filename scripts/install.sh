@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs opd (editable) and its dependencies into the current Python environment.
+#
+#   bash scripts/install.sh [EXTRAS]      e.g. bash scripts/install.sh test
+#
+# PyTorch is handled first, because a bare `torch` requirement pulls several GB of CUDA
+# packages: an already installed torch is kept as it is; on a machine with an NVIDIA GPU
+# the default (CUDA) build is installed; otherwise the CPU build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+EXTRAS="${1:-}"
+PIP=("$PYTHON" -m pip install --quiet --disable-pip-version-check)
+
+if "$PYTHON" -c "import torch" 2>/dev/null; then
+  echo "[install] keeping the installed torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "[install] NVIDIA GPU found: installing the CUDA build of torch"
+  "${PIP[@]}" torch
+else
+  echo "[install] no GPU: installing the CPU build of torch"
+  # A local wheel (pip find-links) or PyTorch's CPU index; never the multi-GB CUDA wheels.
+  "${PIP[@]}" "torch==2.13.0+cpu" 2>/dev/null \
+    || "${PIP[@]}" torch --index-url https://download.pytorch.org/whl/cpu
+fi
+
+if [ -n "$EXTRAS" ]; then
+  "${PIP[@]}" -e ".[$EXTRAS]"
+else
+  "${PIP[@]}" -e .
+fi
+echo "[install] opd installed"
