@@ -31,6 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_third_party_output() -> None:
+    """Keeps the console to opd's own progress lines.
+
+    transformers draws a progress bar for every shard it writes or loads (one per
+    checkpoint), and torchdata warns about an internal call of its own on every start.
+    """
+    import warnings
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+
 def run_train(config_path: str, overrides: list[str]) -> None:
     """Loads and validates the config, builds every component and runs the training loop."""
     # Imported here so that `opd --help` and config errors do not pay for importing torch.
@@ -39,6 +53,7 @@ def run_train(config_path: str, overrides: list[str]) -> None:
     from opd.utils.logger import setup_console_logging
 
     setup_console_logging()
+    quiet_third_party_output()
     config = load_config(MasterConfig, config_path, overrides)
     distillation_train(*setup(config))
 

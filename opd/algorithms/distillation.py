@@ -323,10 +323,9 @@ def setup(master_config: MasterConfig) -> tuple:
 
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
-    teacher_tokenizer = load_tokenizer(
-        config.model.teacher_model_path if not config.model.tokenizer_path else tokenizer_path,
-        config.model.trust_remote_code,
-    )
+    # The teacher's own tokenizer is checked even when model.tokenizer_path overrides the
+    # student's: the teacher's logits are indexed by the ids its tokenizer defines.
+    teacher_tokenizer = load_tokenizer(config.model.teacher_model_path, config.model.trust_remote_code)
     check_tokenizer_compatibility(
         tokenizer, teacher_tokenizer, config.model.student_model_path, config.model.teacher_model_path
     )

@@ -33,6 +33,19 @@ class StrictConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
 
+def _first_line(error: Exception) -> str:
+    """The first line of an exception's message (OmegaConf appends multi-line context)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's problem description with its 1-based line and column, on one line."""
+    problem = getattr(error, "problem", None) or _first_line(error)
+    mark = getattr(error, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
+
+
 def _load_yaml_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Reads one YAML file and the parents it names under ``defaults``, merged."""
     path = path.resolve()
@@ -43,7 +56,7 @@ def _load_yaml_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> dict[st
     try:
         tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as error:
-        raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(error)}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {path}: the top level must be a mapping of keys")
     parents = tree.pop("defaults", None) or []
@@ -78,12 +91,14 @@ def load_config_tree(config_path: str | Path, overrides: list[str] | None = None
             )
         try:
             tree = OmegaConf.merge(tree, OmegaConf.from_dotlist([override]))
+        except yaml.YAMLError as error:  # the value after '=' is parsed as YAML
+            raise ConfigError(f"override '{override}': the value is not valid YAML: {_yaml_problem(error)}") from None
         except OmegaConfBaseException as error:
-            raise ConfigError(f"override '{override}': {error}") from None
+            raise ConfigError(f"override '{override}': {_first_line(error)}") from None
     try:
         return OmegaConf.to_container(tree, resolve=True)  # type: ignore[return-value]
     except OmegaConfBaseException as error:
-        raise ConfigError(f"config interpolation failed: {error}".splitlines()[0]) from None
+        raise ConfigError(f"config interpolation failed: {_first_line(error)}") from None
 
 
 def _allowed_keys(model_cls: type[BaseModel], location: tuple[Any, ...]) -> list[str]:

@@ -44,8 +44,10 @@ def setup_console_logging(level: int = logging.INFO) -> None:
 
 def _format_value(value: Any) -> str:
     if isinstance(value, float):
-        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
-            return f"{value:.3e}"
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        if value != 0 and abs(value) < 1e-3:
+            return f"{value:.2e}"
         return f"{value:.4f}"
     return str(value)
 
@@ -96,7 +98,10 @@ class Logger:
             self._tensorboard.flush()
         if self.config.console:
             keys = console_keys if console_keys is not None else list(metrics)
-            shown = "  ".join(f"{key.split('/', 1)[-1]}={_format_value(metrics[key])}" for key in keys if key in metrics)
+            # train/ is the default namespace on the console; val/, timing/, perf/ stay visible.
+            shown = "  ".join(
+                f"{key.removeprefix('train/')}={_format_value(metrics[key])}" for key in keys if key in metrics
+            )
             print(f"{self._progress(step)} {shown}", flush=True)
 
     def _progress(self, step: int) -> str:

@@ -1,0 +1,260 @@
+"""Tests for ``opd.utils.config``: YAML loading with ``defaults``, overrides, validation.
+
+Every user mistake must become one :class:`ConfigError` whose message names the dotted key
+and what is allowed, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from opd.algorithms.distillation import MasterConfig
+from opd.utils.config import config_to_yaml, load_config, load_config_tree
+from opd.utils.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+CONFIGS = REPO_ROOT / "examples" / "configs"
+TINY = CONFIGS / "distillation_tiny.yaml"
+
+
+def load(*overrides: str, path: Path = TINY) -> MasterConfig:
+    return load_config(MasterConfig, path, list(overrides))
+
+
+def config_error(*overrides: str, path: Path = TINY) -> str:
+    with pytest.raises(ConfigError) as error:
+        load(*overrides, path=path)
+    return str(error.value)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def test_tiny_config_inherits_from_template():
+    config = load()
+    # The child's own keys.
+    assert config.output_dir == "results/distillation_tiny"
+    assert config.model.teacher_model_path == "tiny:teacher"
+    assert config.model.student_model_path == "tiny:student"
+    assert config.distillation.num_samples_per_prompt == 2
+    assert config.training.batch_size == 8
+    assert config.training.learning_rate == pytest.approx(1e-3)
+    # Nested sections merge key by key: the child changes some generate_strategy keys and
+    # inherits the rest from distillation.yaml.
+    assert config.distillation.generate_strategy.decoding_method == "top_p"
+    assert config.distillation.generate_strategy.max_length == 32
+    assert config.distillation.generate_strategy.top_k == 50
+    assert config.validation.generate_strategy.decoding_method == "greedy"
+    assert config.validation.generate_strategy.top_p == pytest.approx(0.95)
+    # Keys only in the parent.
+    assert config.training.adam_beta2 == pytest.approx(0.999)
+    assert config.training.max_grad_norm == pytest.approx(1.0)
+    assert config.checkpointing.keep_top_k == 3
+    assert config.distillation.kl_reduction == "mean"
+    # Interpolations resolve after the merge, against the child's output_dir.
+    assert config.logger.log_dir == "results/distillation_tiny/logs"
+    assert config.checkpointing.checkpoint_dir == "results/distillation_tiny/checkpoints"
+
+
+def test_template_config_loads():
+    config = load(path=CONFIGS / "distillation.yaml")
+    assert config.model.student_model_path == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert config.distillation.lambda_ == 1.0
+    assert config.logger.log_dir == "results/distillation/logs"
+
+
+def test_defaults_list_later_parents_win(tmp_path):
+    (tmp_path / "a.yaml").write_text("x: 1\ny: {p: 1, q: 1}\n")
+    (tmp_path / "b.yaml").write_text("y: {q: 2, r: 2}\n")
+    (tmp_path / "child.yaml").write_text("defaults: [a.yaml, b.yaml]\nz: 3\ny: {r: 3}\n")
+    tree = load_config_tree(tmp_path / "child.yaml")
+    assert tree == {"x": 1, "y": {"p": 1, "q": 2, "r": 3}, "z": 3}
+
+
+def test_overrides_apply_with_types():
+    config = load("training.learning_rate=1e-4", "distillation.lambda=0.5", "training.batch_size=4",
+                  "data.shuffle=false", "distillation.generate_strategy.top_p=0.5")
+    assert isinstance(config.training.learning_rate, float)
+    assert config.training.learning_rate == pytest.approx(1e-4)
+    assert isinstance(config.distillation.lambda_, float)
+    assert config.distillation.lambda_ == pytest.approx(0.5)
+    assert config.training.batch_size == 4 and isinstance(config.training.batch_size, int)
+    assert config.data.shuffle is False
+    assert config.distillation.generate_strategy.top_p == pytest.approx(0.5)
+
+
+def test_overrides_feed_interpolations_and_null():
+    config = load("output_dir=/tmp/elsewhere", "data.val_path=null", "training.max_grad_norm=null")
+    assert config.logger.log_dir == "/tmp/elsewhere/logs"
+    assert config.checkpointing.checkpoint_dir == "/tmp/elsewhere/checkpoints"
+    assert config.data.val_path is None
+    assert config.training.max_grad_norm is None
+
+
+def test_dumped_config_loads_back_identically(tmp_path):
+    config = load("distillation.lambda=0.25", "distillation.kl_type=mixed")
+    text = config_to_yaml(config)
+    assert "lambda: 0.25" in text
+    path = tmp_path / "dumped.yaml"
+    path.write_text(text)
+    assert load(path=path) == config
+
+
+# --------------------------------------------------------------------------- unknown keys
+
+
+def test_unknown_top_level_key():
+    message = config_error("trainig.batch_size=4")
+    assert "'trainig'" in message
+    assert "did you mean 'training'" in message
+
+
+def test_unknown_nested_key_suggests_the_right_one():
+    message = config_error("distillation.kl_typ=forward")
+    assert "distillation.kl_typ" in message
+    assert "did you mean 'kl_type'" in message
+    assert "lambda" in message  # the allowed keys are listed with their YAML spelling
+
+
+def test_unknown_deeply_nested_key():
+    message = config_error("distillation.generate_strategy.top_kk=3")
+    assert "distillation.generate_strategy.top_kk" in message
+    assert "did you mean 'top_k'" in message
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text(f"defaults: {TINY}\ntraining:\n  lerning_rate: 0.1\n")
+    message = config_error(path=path)
+    assert "training.lerning_rate" in message
+    assert "did you mean 'learning_rate'" in message
+
+
+# --------------------------------------------------------------------------- bad values
+
+
+def test_wrong_type():
+    message = config_error("training.batch_size=abc")
+    assert "training.batch_size" in message
+    assert "abc" in message
+    assert "integer" in message
+
+
+@pytest.mark.parametrize(
+    "override, key, detail",
+    [
+        ("distillation.lambda=1.5", "distillation.lambda", "less than or equal to 1"),
+        ("distillation.lambda=-0.1", "distillation.lambda", "greater than or equal to 0"),
+        ("distillation.generate_strategy.top_p=0", "distillation.generate_strategy.top_p", "greater than 0"),
+        ("distillation.generate_strategy.top_p=1.1", "distillation.generate_strategy.top_p", "less than or equal to 1"),
+        ("distillation.num_samples_per_prompt=0", "distillation.num_samples_per_prompt", "greater than or equal to 1"),
+        ("training.learning_rate=0", "training.learning_rate", "greater than 0"),
+        ("distillation.kl_temperature=0", "distillation.kl_temperature", "greater than 0"),
+    ],
+)
+def test_out_of_range(override, key, detail):
+    message = config_error(override)
+    assert key in message
+    assert detail in message
+
+
+def test_kl_type_lists_allowed_values():
+    message = config_error("distillation.kl_type=fwd")
+    assert "distillation.kl_type" in message
+    assert "'fwd'" in message
+    for allowed in ("forward", "reverse", "mixed"):
+        assert allowed in message
+
+
+def test_several_problems_are_reported_together():
+    message = config_error("distillation.lambda=2", "training.batch_size=abc")
+    assert "distillation.lambda" in message and "training.batch_size" in message
+
+
+# --------------------------------------------------------------------------- malformed input
+
+
+@pytest.mark.parametrize("override", ["training.learning_rate", "=3"])
+def test_malformed_override(override):
+    message = config_error(override)
+    assert override in message
+    assert "key.sub=value" in message
+
+
+@pytest.mark.parametrize(
+    "override", ["training.batch_size=[1", "training.batch_size={a", 'model.student_model_path="abc']
+)
+def test_unparsable_override_value(override):
+    message = config_error(override)
+    assert override in message
+
+
+def test_broken_interpolation_in_override_is_one_line():
+    message = config_error("output_dir=${")
+    assert "output_dir=${" in message
+    assert "\n" not in message
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    message = config_error(path=missing)
+    assert "not found" in message
+    assert str(missing) in message
+
+
+def test_missing_parent_config_file(tmp_path):
+    path = tmp_path / "child.yaml"
+    path.write_text("defaults: parent_missing.yaml\n")
+    message = config_error(path=path)
+    assert "not found" in message
+    assert "parent_missing.yaml" in message
+
+
+def test_invalid_yaml(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("training:\n  batch_size: [1, 2\n  seed: 3\n")
+    message = config_error(path=path)
+    assert "not valid YAML" in message
+    assert str(path) in message
+
+
+def test_invalid_yaml_error_is_one_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("training:\n  batch_size: [1, 2\n  seed: 3\n")
+    message = config_error(path=path)
+    assert "\n" not in message
+    assert "line 2" in message or "line 3" in message
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    assert "mapping" in config_error(path=path)
+
+
+def test_defaults_cycle(tmp_path):
+    (tmp_path / "a.yaml").write_text("defaults: b.yaml\nx: 1\n")
+    (tmp_path / "b.yaml").write_text("defaults: a.yaml\ny: 2\n")
+    message = config_error(path=tmp_path / "a.yaml")
+    assert "cycle" in message
+
+
+def test_self_referencing_defaults(tmp_path):
+    (tmp_path / "self.yaml").write_text("defaults: self.yaml\n")
+    assert "cycle" in config_error(path=tmp_path / "self.yaml")
+
+
+def test_bad_interpolation(tmp_path):
+    message = config_error("output_dir=${no_such_key}/x")
+    assert "no_such_key" in message
+
+
+def test_missing_required_key(tmp_path):
+    path = tmp_path / "incomplete.yaml"
+    path.write_text("model:\n  teacher_model_path: tiny:teacher\ndata:\n  train_path: x.jsonl\n")
+    message = config_error(path=path)
+    assert "model.student_model_path" in message
+    assert "missing" in message
