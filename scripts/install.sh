@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 EXTRAS="${1:-}"
+export PIP_ROOT_USER_ACTION=ignore  # installing as root in a container is deliberate
 PIP=("$PYTHON" -m pip install --quiet --disable-pip-version-check)
 
 if "$PYTHON" -c "import torch" 2>/dev/null; then
