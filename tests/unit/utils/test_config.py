@@ -41,7 +41,7 @@ def test_tiny_config_inherits_from_template():
     assert config.model.student_model_path == "tiny:student"
     assert config.distillation.num_samples_per_prompt == 2
     assert config.training.batch_size == 8
-    assert config.training.learning_rate == pytest.approx(1e-3)
+    assert config.training.learning_rate == pytest.approx(3e-3)
     # Nested sections merge key by key: the child changes some generate_strategy keys and
     # inherits the rest from distillation.yaml.
     assert config.distillation.generate_strategy.decoding_method == "top_p"
