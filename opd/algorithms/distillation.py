@@ -521,6 +521,9 @@ def distillation_train(
     config = master_config
     state = distillation_save_state
     if student_generation is None:
+        # NeMo-RL's convention: a policy that can sample (e.g. Megatron) generates itself.
+        if not callable(getattr(student_policy, "generate", None)):
+            raise ValueError("student_generation is None but the student policy has no generate() method")
         student_generation = student_policy  # type: ignore[assignment]
     # A separate engine (e.g. vLLM) holds its own weights; they go stale after each update.
     generation_is_stale = bool(getattr(student_generation, "needs_refit", False))
