@@ -1,18 +1,24 @@
-"""The ``opd`` command line: ``opd train --config FILE [key.sub=value ...]``.
+"""The ``opd`` command line.
+
+* ``opd train --config FILE [key.sub=value ...]`` — distil (resumes if checkpoints exist);
+* ``opd eval --config FILE [key.sub=value ...]`` — validate one model and exit;
+* ``opd plot LOG_DIR`` — redraw the curves and summary from a run's ``metrics.jsonl``.
 
 User mistakes (config, data, incompatible models) end the run with one ``error:`` line
 and exit status 2, before any model is loaded where possible; no traceback is shown
-for them.
+for them. A run that diverges (too many non-finite steps) exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from opd.utils.errors import OpdError
+from opd.utils.errors import OpdError, TrainingDivergedError
 
 EXIT_USER_ERROR = 2
+EXIT_TRAINING_FAILED = 1
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser("train", help="run on-policy distillation (student learns from teacher)")
     _add_config_arguments(train)
+    evaluate = commands.add_parser("eval", help="validate a model (validation.model_path) against the teacher")
+    _add_config_arguments(evaluate)
+    plot = commands.add_parser("plot", help="draw curves.png and summary.txt from a run's metrics.jsonl")
+    plot.add_argument("arguments", nargs=argparse.REMAINDER, help="LOG_DIR_OR_JSONL [--output PNG]")
     return parser
 
 
@@ -45,25 +55,39 @@ def quiet_third_party_output() -> None:
     warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 
-def run_train(config_path: str, overrides: list[str]) -> None:
-    """Loads and validates the config, builds every component and runs the training loop."""
+def run_train(config_path: str, overrides: list[str], val_only: bool = False) -> None:
+    """Loads and validates the config, then trains (or only validates, for ``opd eval``)."""
     # Imported here so that `opd --help` and config errors do not pay for importing torch.
-    from opd.algorithms.distillation import MasterConfig, distillation_train, setup
+    from opd.algorithms.distillation import MasterConfig, distillation_train, evaluate, setup
     from opd.utils.config import load_config
     from opd.utils.logger import setup_console_logging
+    from opd.utils.plotting import plot_curves, write_summary
 
     setup_console_logging()
     quiet_third_party_output()
     config = load_config(MasterConfig, config_path, overrides)
+    if val_only or config.val_only:
+        evaluate(config)
+        return
     distillation_train(*setup(config))
+    metrics_file = Path(config.logger.log_dir) / "metrics.jsonl"
+    if config.logger.jsonl and metrics_file.is_file():
+        print(f"curves: {plot_curves(metrics_file)}")
+        print(write_summary(metrics_file))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``opd`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
+    if args.command == "plot":
+        from opd.utils.plotting import main as plot_main
+
+        return plot_main(args.arguments)
     try:
-        if args.command == "train":
-            run_train(args.config, args.overrides)
+        run_train(args.config, args.overrides, val_only=args.command == "eval")
+    except TrainingDivergedError as error:
+        print(f"opd: error: {error}", file=sys.stderr)
+        return EXIT_TRAINING_FAILED
     except OpdError as error:
         print(f"opd: error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR

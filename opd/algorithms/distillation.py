@@ -18,6 +18,7 @@ The driver only talks to the interfaces in :mod:`opd.models.interfaces`, as NeMo
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -28,6 +29,7 @@ from typing import Any, Literal, TypedDict
 
 import numpy as np
 import torch
+import yaml
 from pydantic import Field
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -35,17 +37,13 @@ from opd.algorithms.interfaces import LossFunction
 from opd.algorithms.loss_functions import DistillationLossFn, shift_token_mask, token_kl
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.config import DataConfig
-from opd.data.datasets import load_chat_dataset, split_prompt_and_response
-from opd.data.sequences import (
-    attention_mask_from_lengths,
-    build_token_mask,
-    encode_prompt,
-    encode_response,
-    pack_sequences,
-)
+from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader, prepare_examples
+from opd.data.datasets import load_chat_dataset
+from opd.data.sequences import attention_mask_from_lengths, build_token_mask, pack_sequences
 from opd.environments.math_verifier import is_correct
 from opd.models.config import ModelConfig
 from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.generation.hf_generation import HFGeneration
 from opd.models.generation.hf_generation import HFGeneration
 from opd.models.interfaces import GenerationInterface, PolicyInterface, TeacherInterface
 from opd.models.loading import (
@@ -60,8 +58,10 @@ from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from opd.utils.config import StrictConfig, config_to_yaml
-from opd.utils.errors import ConfigError, DataError
+from opd.utils.errors import ConfigError, TrainingDivergedError
 from opd.utils.logger import Logger, LoggerConfig
+from opd.utils.rng import capture_rng_state, restore_rng_state
+from opd.utils.signals import GracefulStop
 
 log = logging.getLogger("opd")
 
@@ -94,6 +94,9 @@ class TrainingConfig(OptimizerConfig):
     max_num_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     val_freq: int = Field(0, ge=0, description="validate every N steps; 0 disables periodic validation")
     save_freq: int = Field(0, ge=0, description="checkpoint every N steps; 0 saves only at the end")
+    max_consecutive_nonfinite_steps: int = Field(
+        5, ge=1, description="stop after this many steps in a row with a NaN/inf loss or gradient"
+    )
     seed: int = 42
 
 
@@ -107,12 +110,17 @@ class ValidationConfig(StrictConfig):
         default_factory=lambda: GenerateStrategyConfig(decoding_method="greedy"),
         description="the student's decoding for validation (greedy by default)",
     )
+    teacher_baseline: bool = Field(False, description="once, before training: the teacher answers the val prompts")
+    model_path: str | None = Field(
+        None, description="model evaluated by `opd eval` / val_only: a model dir or step_N checkpoint"
+    )
 
 
 class MasterConfig(StrictConfig):
     """The whole run's configuration (one YAML file)."""
 
     output_dir: str = Field("results/distillation", description="final model, logs and checkpoints go here")
+    val_only: bool = Field(False, description="run validation on validation.model_path (or the student) and exit")
     model: ModelConfig
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
@@ -158,80 +166,25 @@ def resolve_micro_batching(config: MasterConfig) -> tuple[int, int]:
 
 
 class DistillationSaveState(TypedDict):
-    """Counters saved in every checkpoint and restored on resume."""
+    """Counters saved in every checkpoint (``save_state.json``) and restored on resume."""
 
     step: int
     epoch: int
     consumed_samples: int
     best_metric: float | None
+    best_step: int | None
+    consecutive_nonfinite_steps: int
 
 
 def _default_save_state() -> DistillationSaveState:
-    return {"step": 0, "epoch": 0, "consumed_samples": 0, "best_metric": None}
-
-
-# --------------------------------------------------------------------------- data
-
-
-class PreparedExample(TypedDict):
-    """A tokenized example: the prompt ids, the fixed response ids, the ground truth."""
-
-    prompt_ids: list[int]
-    response_ids: list[int] | None
-    ground_truth: str | None
-
-
-def prepare_examples(
-    examples: list[dict], tokenizer: Any, max_prompt_length: int | None, source: str
-) -> list[PreparedExample]:
-    """Applies the chat template and tokenizes; drops prompts longer than the limit.
-
-    Raises:
-        DataError: if every prompt is over ``max_prompt_length``.
-    """
-    prepared: list[PreparedExample] = []
-    for example in examples:
-        prompt_messages, response = split_prompt_and_response(example["messages"])
-        prompt_ids = encode_prompt(tokenizer, prompt_messages)
-        if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
-            continue
-        response_ids = encode_response(tokenizer, prompt_messages, response) if response else None
-        ground_truth = example.get("ground_truth")
-        prepared.append(
-            PreparedExample(
-                prompt_ids=prompt_ids,
-                response_ids=response_ids,
-                ground_truth=None if ground_truth is None else str(ground_truth),
-            )
-        )
-    skipped = len(examples) - len(prepared)
-    if skipped:
-        log.warning("%s: skipped %d of %d prompts longer than data.max_prompt_length", source, skipped, len(examples))
-    if not prepared:
-        raise DataError(f"{source}: no prompt fits data.max_prompt_length = {max_prompt_length}")
-    return prepared
-
-
-def _collate_examples(examples: list[PreparedExample]) -> list[PreparedExample]:
-    """Keeps a batch as a list: prompts have different lengths and are padded later."""
-    return examples
-
-
-def make_dataloader(
-    examples: list[PreparedExample], batch_size: int, shuffle: bool, seed: int, drop_last: bool
-) -> StatefulDataLoader:
-    """A resumable dataloader (its ``state_dict`` goes into checkpoints)."""
-    generator = torch.Generator()
-    generator.manual_seed(seed)
-    return StatefulDataLoader(
-        examples,  # a list is a map-style dataset
-        batch_size=batch_size,
-        shuffle=shuffle,
-        drop_last=drop_last,
-        collate_fn=_collate_examples,
-        generator=generator,
-        num_workers=0,
-    )
+    return {
+        "step": 0,
+        "epoch": 0,
+        "consumed_samples": 0,
+        "best_metric": None,
+        "best_step": None,
+        "consecutive_nonfinite_steps": 0,
+    }
 
 
 # --------------------------------------------------------------------------- setup
@@ -256,37 +209,87 @@ def check_config_against_data(config: MasterConfig, train_examples: list[Prepare
             )
 
 
-def check_output_is_fresh(config: MasterConfig) -> None:
-    """Refuses to start a fresh run over the final model or checkpoints of an earlier one.
+def check_output_is_fresh(config: MasterConfig, checkpointer: CheckpointManager) -> None:
+    """Refuses to overwrite the final model of an earlier run that left no checkpoint.
 
-    Resuming is not implemented yet, so a fresh run would overwrite ``step_N``
-    directories or ``final_model/`` that hold earlier work; stopping is the safe choice.
+    With checkpoints, rerunning the same command resumes instead (see :func:`setup`).
 
     Raises:
-        ConfigError: naming the checkpoint directory and the newest checkpoint in it.
+        ConfigError: naming the directory that already holds a final model.
     """
     final_model = Path(config.output_dir) / "final_model"
-    if final_model.exists():
+    if final_model.exists() and checkpointer.latest_checkpoint() is None:
         raise ConfigError(
-            f"output_dir '{config.output_dir}' already holds final_model/ from an earlier run; choose another "
-            "output_dir or move it away. Nothing was changed."
+            f"output_dir '{config.output_dir}' already holds final_model/ from an earlier run that left no "
+            "checkpoint to resume from; choose another output_dir or move it away. Nothing was changed."
         )
-    if not config.checkpointing.enabled:
+
+
+def _load_tokenizer(config: MasterConfig) -> Any:
+    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.student_model_path, config.model.trust_remote_code)
+    if config.data.chat_template:
+        tokenizer.chat_template = config.data.chat_template
+    return tokenizer
+
+
+def _load_examples(config: MasterConfig, tokenizer: Any, path: str, split: str, max_examples: int | None) -> list[PreparedExample]:
+    raw = load_chat_dataset(
+        path, split=split, max_examples=max_examples, data_format=config.data.data_format, prompt_file=config.data.prompt_file
+    )
+    return prepare_examples(raw, tokenizer, config.data.max_prompt_length, path)
+
+
+def _load_models(config: MasterConfig, tokenizer: Any, student_path: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Loads student (from ``student_path``) and frozen teacher, after the tokenizer check."""
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    # The teacher's own tokenizer is checked even when model.tokenizer_path overrides the
+    # student's: the teacher's logits are indexed by the ids its tokenizer defines.
+    teacher_tokenizer = load_tokenizer(config.model.teacher_model_path, config.model.trust_remote_code)
+    check_tokenizer_compatibility(tokenizer, teacher_tokenizer, student_path, config.model.teacher_model_path)
+    log.info("loading student %s and teacher %s (%s on %s)", student_path,
+             config.model.teacher_model_path, str(dtype).replace("torch.", ""), device)
+    student_model = load_causal_lm(student_path, dtype, device, config.model)
+    teacher_model = load_causal_lm(config.model.teacher_model_path, dtype, device, config.model)
+    for model, name in ((student_model, student_path), (teacher_model, config.model.teacher_model_path)):
+        check_output_sizes(model, len(tokenizer), name)
+    return student_model, teacher_model
+
+
+def _warn_on_config_change(checkpoint: Path, config: MasterConfig) -> None:
+    """Lists the keys whose values differ from the checkpoint's config, so a resume never changes a run silently."""
+    saved_file = checkpoint / "config.yaml"
+    if not saved_file.is_file():
         return
-    latest = CheckpointManager(config.checkpointing).latest_checkpoint()
-    if latest is not None:
-        raise ConfigError(
-            f"checkpointing.checkpoint_dir '{config.checkpointing.checkpoint_dir}' already holds {latest.name} "
-            "from an earlier run; choose another output_dir (or checkpointing.checkpoint_dir), or move the "
-            "old checkpoints away. Nothing was changed."
+    saved = _flatten(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {})
+    current = _flatten(config.model_dump(mode="json", by_alias=True))
+    changed = sorted(key for key in saved.keys() | current.keys() if saved.get(key) != current.get(key))
+    if changed:
+        log.warning(
+            "resuming with a config that differs from %s in: %s",
+            saved_file,
+            ", ".join(f"{key} ({saved.get(key)!r} -> {current.get(key)!r})" for key in changed),
         )
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def setup(master_config: MasterConfig) -> tuple:
     """Builds everything ``distillation_train`` needs, checking user input first.
 
     Order matters: data files are read and validated before any model is loaded, so a
-    malformed line fails in seconds, not after loading a 32B teacher.
+    malformed line fails in seconds, not after loading a 32B teacher. If the checkpoint
+    directory holds a complete checkpoint, the run resumes from the newest one: the
+    student's weights, optimizer, schedule and counters are restored here, the RNG
+    streams and data position by ``distillation_train``.
 
     Returns:
         ``(student_policy, teacher_policy, student_generation, dataloader,
@@ -295,47 +298,33 @@ def setup(master_config: MasterConfig) -> tuple:
     """
     config = master_config
     micro_batch_size, _ = resolve_micro_batching(config)
-    check_output_is_fresh(config)
+    checkpointer = CheckpointManager(config.checkpointing)
+    check_output_is_fresh(config, checkpointer)
     set_seed(config.training.seed)
 
-    tokenizer_path = config.model.tokenizer_path or config.model.student_model_path
-    tokenizer = load_tokenizer(tokenizer_path, config.model.trust_remote_code)
-    if config.data.chat_template:
-        tokenizer.chat_template = config.data.chat_template
-
-    data_kwargs = {"data_format": config.data.data_format, "prompt_file": config.data.prompt_file}
-    train_raw = load_chat_dataset(
-        config.data.train_path, split=config.data.train_split, max_examples=config.data.max_train_examples, **data_kwargs
+    tokenizer = _load_tokenizer(config)
+    train_examples = _load_examples(
+        config, tokenizer, config.data.train_path, config.data.train_split, config.data.max_train_examples
     )
-    train_examples = prepare_examples(train_raw, tokenizer, config.data.max_prompt_length, config.data.train_path)
     check_config_against_data(config, train_examples)
     if len(train_examples) < config.training.batch_size:
         raise ConfigError(
             f"training.batch_size = {config.training.batch_size} exceeds the {len(train_examples)} "
             f"usable examples in '{config.data.train_path}'"
         )
-    val_examples = None
-    if config.data.val_path:
-        val_raw = load_chat_dataset(
-            config.data.val_path, split=config.data.val_split, max_examples=config.data.max_val_examples, **data_kwargs
-        )
-        val_examples = prepare_examples(val_raw, tokenizer, config.data.max_prompt_length, config.data.val_path)
-
-    device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device)
-    # The teacher's own tokenizer is checked even when model.tokenizer_path overrides the
-    # student's: the teacher's logits are indexed by the ids its tokenizer defines.
-    teacher_tokenizer = load_tokenizer(config.model.teacher_model_path, config.model.trust_remote_code)
-    check_tokenizer_compatibility(
-        tokenizer, teacher_tokenizer, config.model.student_model_path, config.model.teacher_model_path
+    val_examples = (
+        _load_examples(config, tokenizer, config.data.val_path, config.data.val_split, config.data.max_val_examples)
+        if config.data.val_path
+        else None
     )
-    log.info("loading student %s and teacher %s (%s on %s)", config.model.student_model_path,
-             config.model.teacher_model_path, str(dtype).replace("torch.", ""), device)
-    student_model = load_causal_lm(config.model.student_model_path, dtype, device, config.model)
-    teacher_model = load_causal_lm(config.model.teacher_model_path, dtype, device, config.model)
-    vocab_size = len(tokenizer)
-    check_output_sizes(student_model, vocab_size, config.model.student_model_path)
-    check_output_sizes(teacher_model, vocab_size, config.model.teacher_model_path)
+
+    resume_from = None
+    if config.checkpointing.enabled:
+        for leftover in checkpointer.remove_incomplete():
+            log.warning("removed %s, an incomplete checkpoint from an interrupted write", leftover)
+        resume_from = checkpointer.latest_checkpoint()
+    student_path = str(resume_from / "policy") if resume_from else config.model.student_model_path
+    student_model, teacher_model = _load_models(config, tokenizer, student_path)
 
     steps_per_epoch = len(train_examples) // config.training.batch_size
     total_steps = steps_per_epoch * config.training.num_epochs
@@ -345,24 +334,25 @@ def setup(master_config: MasterConfig) -> tuple:
     student_policy = HFPolicy(student_model, config.training, micro_batch_size, total_steps)
     teacher_policy = LocalTeacher(teacher_model)
     student_generation = HFGeneration(student_model, tokenizer)
-    dataloader = make_dataloader(
-        train_examples, config.training.batch_size, config.data.shuffle, config.training.seed, drop_last=True
+    dataloader = make_train_dataloader(
+        train_examples, config.training.batch_size, config.data.shuffle, config.training.seed
     )
-    val_dataloader = (
-        make_dataloader(val_examples, config.validation.batch_size, False, config.training.seed, drop_last=False)
-        if val_examples
-        else None
-    )
+    val_dataloader = make_eval_dataloader(val_examples, config.validation.batch_size) if val_examples else None
     loss_fn = DistillationLossFn(
         kl_type=config.distillation.kl_type,
         mixed_kl_weight=config.distillation.mixed_kl_weight,
         temperature=config.distillation.kl_temperature,
         kl_reduction=config.distillation.kl_reduction,
-        vocab_size=vocab_size,
+        vocab_size=len(tokenizer),
     )
-    logger = Logger(config.logger, total_steps)
-    checkpointer = CheckpointManager(config.checkpointing)
     save_state = _default_save_state()
+    if resume_from is not None:
+        _warn_on_config_change(resume_from, config)
+        student_policy.load_state_dict(checkpointer.load_optimizer_state(resume_from))
+        save_state.update(checkpointer.load_save_state(resume_from))  # type: ignore[typeddict-item]
+        checkpointer.protected_step = save_state["best_step"]
+        log.info("resuming from %s (step %d of %d)", resume_from, save_state["step"], total_steps)
+    logger = Logger(config.logger, total_steps)
     log.info(
         "%d train prompts, %s val prompts, %d steps (%d per epoch), %d sequences per step in micro-batches of %d",
         len(train_examples), len(val_examples) if val_examples else 0, total_steps, steps_per_epoch,
@@ -423,62 +413,118 @@ def _peak_memory_mb() -> float:
 def validate(
     student_generation: GenerationInterface,
     student_model: torch.nn.Module,
-    teacher_policy: TeacherInterface,
+    teacher_policy: TeacherInterface | None,
     val_dataloader: StatefulDataLoader,
     tokenizer: Any,
     master_config: MasterConfig,
+    prefix: str = "val/",
 ) -> dict[str, float]:
-    """Student generates on the validation prompts; reports accuracy, KL and lengths.
+    """A model generates on the validation prompts; reports accuracy, KL and lengths.
+
+    Validation draws its own random numbers (``fork_rng``), so how often and with which
+    decoding it runs never changes the training run's sampling.
+
+    Args:
+        student_generation: engine that answers the prompts.
+        student_model: the model whose distribution is compared with the teacher's.
+        teacher_policy: the teacher for ``kl_*``; None skips the KL (teacher baseline).
+        val_dataloader: validation examples.
+        tokenizer: decodes responses for answer checking.
+        master_config: supplies ``validation.generate_strategy``.
+        prefix: metric-name prefix (``val/`` or ``val/teacher_``).
 
     Returns:
-        ``val/kl_forward`` and ``val/kl_reverse`` (token means over the generated
-        responses, teacher vs student), ``val/mean_response_length``,
-        ``val/truncation_rate``, and ``val/accuracy`` when the data has ground truth.
+        ``{prefix}kl_forward`` / ``kl_reverse`` (token means over the generated
+        responses), ``mean_response_length``, ``truncation_rate``, and ``accuracy`` when
+        the data has ground truth.
     """
     strategy = master_config.validation.generate_strategy
     vocab_size = len(tokenizer)
     totals = {"kl_forward": 0.0, "kl_reverse": 0.0, "tokens": 0.0, "length": 0.0, "truncated": 0.0}
     correct, graded, rows = 0, 0, 0
     student_device = next(student_model.parameters()).device
-    for examples in val_dataloader:
-        student_generation.prepare_for_generation()
-        try:
-            batch = student_generation.generate([example["prompt_ids"] for example in examples], strategy, 1)
-        finally:
-            student_generation.finish_generation()
-        batch["token_mask"] = build_token_mask(
-            batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1], True
-        )
-        teacher_logits = teacher_policy.get_logits(batch)[..., :vocab_size]
-        with torch.inference_mode():
-            input_ids = batch["input_ids"].to(student_device)
-            attention = attention_mask_from_lengths(batch["input_lengths"].to(student_device), input_ids.shape[1])
-            student_logits = student_model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
-            mask = shift_token_mask(batch["token_mask"]).bool().to(student_device)
-            student_rows = student_logits[:, :-1][..., :vocab_size][mask]
-            teacher_rows = teacher_logits[:, :-1].to(student_device)[mask]
-            totals["kl_forward"] += float(token_kl(student_rows, teacher_rows, "forward").sum())
-            totals["kl_reverse"] += float(token_kl(student_rows, teacher_rows, "reverse").sum())
-            totals["tokens"] += float(mask.sum())
-        totals["length"] += float(batch["response_lengths"].sum())
-        totals["truncated"] += float(batch["truncated"].sum())
-        rows += batch.size
-        for row, example in enumerate(examples):
-            if example["ground_truth"] is None:
-                continue
-            start, end = int(batch["prompt_lengths"][row]), int(batch["input_lengths"][row])
-            response = tokenizer.decode(batch["input_ids"][row, start:end], skip_special_tokens=True)
-            correct += is_correct(response, example["ground_truth"])
-            graded += 1
-    tokens = max(totals["tokens"], 1.0)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        for examples in val_dataloader:
+            student_generation.prepare_for_generation()
+            try:
+                batch = student_generation.generate([example["prompt_ids"] for example in examples], strategy, 1)
+            finally:
+                student_generation.finish_generation()
+            if teacher_policy is not None:
+                batch["token_mask"] = build_token_mask(
+                    batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1], True
+                )
+                teacher_logits = teacher_policy.get_logits(batch)[..., :vocab_size]
+                with torch.inference_mode():
+                    input_ids = batch["input_ids"].to(student_device)
+                    attention = attention_mask_from_lengths(batch["input_lengths"].to(student_device), input_ids.shape[1])
+                    student_logits = student_model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
+                    mask = shift_token_mask(batch["token_mask"]).bool().to(student_device)
+                    student_rows = student_logits[:, :-1][..., :vocab_size][mask]
+                    teacher_rows = teacher_logits[:, :-1].to(student_device)[mask]
+                    totals["kl_forward"] += float(token_kl(student_rows, teacher_rows, "forward").sum())
+                    totals["kl_reverse"] += float(token_kl(student_rows, teacher_rows, "reverse").sum())
+                    totals["tokens"] += float(mask.sum())
+            totals["length"] += float(batch["response_lengths"].sum())
+            totals["truncated"] += float(batch["truncated"].sum())
+            rows += batch.size
+            for row, example in enumerate(examples):
+                if example["ground_truth"] is None:
+                    continue
+                start, end = int(batch["prompt_lengths"][row]), int(batch["input_lengths"][row])
+                response = tokenizer.decode(batch["input_ids"][row, start:end], skip_special_tokens=True)
+                correct += is_correct(response, example["ground_truth"])
+                graded += 1
     metrics = {
-        "val/kl_forward": totals["kl_forward"] / tokens,
-        "val/kl_reverse": totals["kl_reverse"] / tokens,
-        "val/mean_response_length": totals["length"] / max(rows, 1),
-        "val/truncation_rate": totals["truncated"] / max(rows, 1),
+        f"{prefix}mean_response_length": totals["length"] / max(rows, 1),
+        f"{prefix}truncation_rate": totals["truncated"] / max(rows, 1),
     }
+    if teacher_policy is not None:
+        tokens = max(totals["tokens"], 1.0)
+        metrics[f"{prefix}kl_forward"] = totals["kl_forward"] / tokens
+        metrics[f"{prefix}kl_reverse"] = totals["kl_reverse"] / tokens
     if graded:
-        metrics["val/accuracy"] = correct / graded
+        metrics[f"{prefix}accuracy"] = correct / graded
+    return metrics
+
+
+def evaluate(master_config: MasterConfig) -> dict[str, float]:
+    """``opd eval`` / ``val_only``: validates one model against the teacher and returns metrics.
+
+    The model is ``validation.model_path`` (an HF model directory or a ``step_N``
+    checkpoint), else the newest checkpoint of the run, else ``model.student_model_path``.
+    Metrics are also written to ``<log_dir>/eval_metrics.json``.
+
+    Raises:
+        ConfigError: if there is no validation data or the model cannot be found.
+    """
+    config = master_config
+    if not config.data.val_path:
+        raise ConfigError("evaluation needs validation data: set data.val_path")
+    set_seed(config.training.seed)
+    tokenizer = _load_tokenizer(config)
+    examples = _load_examples(config, tokenizer, config.data.val_path, config.data.val_split, config.data.max_val_examples)
+    model_path = config.validation.model_path
+    if model_path is None:
+        latest = CheckpointManager(config.checkpointing).latest_checkpoint()
+        model_path = str(latest) if latest else config.model.student_model_path
+    if (Path(model_path) / "policy" / "config.json").is_file():  # a step_N checkpoint
+        model_path = str(Path(model_path) / "policy")
+    student_model, teacher_model = _load_models(config, tokenizer, model_path)
+    student_model.eval()
+    metrics = validate(
+        HFGeneration(student_model, tokenizer), student_model, LocalTeacher(teacher_model),
+        make_eval_dataloader(examples, config.validation.batch_size), tokenizer, config,
+    )
+    log_dir = Path(config.logger.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / "eval_metrics.json").write_text(
+        json.dumps({"model_path": model_path, **metrics}, indent=2), encoding="utf-8"
+    )
+    for key, value in metrics.items():
+        print(f"{key:<28} {value:.4f}")
+    print(f"evaluated {model_path} on {len(examples)} prompts; written to {log_dir / 'eval_metrics.json'}")
     return metrics
 
 
@@ -505,6 +551,11 @@ def distillation_train(
 ) -> None:
     """Runs on-policy distillation until ``max_num_steps`` or ``num_epochs`` is reached.
 
+    If ``distillation_save_state`` comes from a checkpoint (step > 0), the RNG streams,
+    the λ coin and the data position are restored from that checkpoint first, so the
+    remaining steps are exactly those of an uninterrupted run. SIGINT / SIGTERM finish
+    the current step, write a checkpoint and return.
+
     Args:
         student_policy: the trainable student.
         teacher_policy: the frozen teacher (scores the very tokens the student trains on).
@@ -517,6 +568,9 @@ def distillation_train(
         checkpointer: writes ``step_N`` checkpoints.
         distillation_save_state: run counters (step, epoch, consumed samples, best metric).
         master_config: the validated run config.
+
+    Raises:
+        TrainingDivergedError: after ``max_consecutive_nonfinite_steps`` skipped steps.
     """
     config = master_config
     state = distillation_save_state
@@ -529,8 +583,10 @@ def distillation_train(
     generation_is_stale = bool(getattr(student_generation, "needs_refit", False))
     lambda_coin = random.Random(config.training.seed + 1)
     total_steps = logger.total_steps
+    steps_per_epoch = len(dataloader)
     pad_token_id = tokenizer.pad_token_id
     student_model = student_policy.model  # type: ignore[attr-defined]
+    checkpoints_on = config.checkpointing.enabled
 
     def run_validation(step: int) -> None:
         if val_dataloader is None:
@@ -539,102 +595,125 @@ def distillation_train(
         metrics = validate(student_generation, student_model, teacher_policy, val_dataloader, tokenizer, config)
         metrics["timing/validation"] = time.perf_counter() - start
         teacher_policy.pop_seconds_spent()  # type: ignore[attr-defined]
+        _track_best(metrics, step)
         logger.log_metrics(metrics, step, console_keys=[k for k in metrics if k.startswith("val/")])
 
-    if state["step"] == 0 and config.validation.val_at_start:
-        run_validation(0)
+    def _track_best(metrics: dict[str, float], step: int) -> None:
+        name = config.checkpointing.metric_name
+        if name is None or name not in metrics or not math.isfinite(metrics[name]):
+            return
+        best = state["best_metric"]
+        better = best is None or (metrics[name] > best if config.checkpointing.higher_is_better else metrics[name] < best)
+        if better:
+            state["best_metric"], state["best_step"] = metrics[name], step
+            checkpointer.protected_step = step
 
-    done = state["step"] >= total_steps
-    while not done and state["epoch"] < config.training.num_epochs:
-        for examples in dataloader:
-            step_start = time.perf_counter()
-            timings: dict[str, float] = {}
-            on_policy = lambda_coin.random() < config.distillation.lambda_
-            phase_start = time.perf_counter()
-            if on_policy:
-                if generation_is_stale:
-                    student_generation.refit(student_policy)  # type: ignore[attr-defined]
-                    generation_is_stale = False
-                batch = build_on_policy_batch(examples, student_generation, config)
-                timings["timing/generation"] = time.perf_counter() - phase_start
-            else:
-                batch = build_fixed_data_batch(examples, pad_token_id, config.distillation.mask_prompt_tokens)
-                timings["timing/generation"] = 0.0
-            train_start = time.perf_counter()
-            train_metrics = student_policy.train(batch, loss_fn, teacher_logits_fn=teacher_policy.get_logits)
-            train_seconds = time.perf_counter() - train_start
-            teacher_seconds = teacher_policy.pop_seconds_spent()  # type: ignore[attr-defined]
-            generation_is_stale = bool(getattr(student_generation, "needs_refit", False))
-            timings["timing/teacher"] = teacher_seconds
-            timings["timing/training"] = train_seconds - teacher_seconds
+    def save(step: int) -> None:
+        start = time.perf_counter()
+        path = checkpointer.save(
+            step, student_policy, tokenizer, dict(state),
+            {"dataloader": dataloader.state_dict(), "rng": capture_rng_state(lambda_coin)},
+            config_to_yaml(config),
+        )
+        seconds = time.perf_counter() - start
+        logger.log_metrics({"timing/checkpoint": seconds}, step, console_keys=[])
+        log.info("checkpoint %s written in %.2fs", path, seconds)
 
-            state["step"] += 1
-            state["consumed_samples"] += len(examples)
-            step_seconds = time.perf_counter() - step_start
-            timings["timing/step"] = step_seconds
-            metrics: dict[str, Any] = {f"train/{key}": value for key, value in train_metrics.items()}
-            metrics["train/on_policy"] = int(on_policy)
-            metrics["train/mean_response_length"] = float(batch["response_lengths"].float().mean())
-            metrics["train/truncation_rate"] = float(batch["truncated"].float().mean())
-            metrics["train/epoch"] = state["epoch"]
-            metrics.update(timings)
-            metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / step_seconds
-            metrics["perf/peak_memory_mb"] = _peak_memory_mb()
-            logger.log_metrics(metrics, state["step"], console_keys=_CONSOLE_KEYS)
+    if state["step"] >= total_steps:
+        log.info("the run is already complete (step %d of %d); nothing to do", state["step"], total_steps)
+        logger.close()
+        return
+    # Records past the resumed step belong to steps that are about to be re-run.
+    logger.truncate_after(state["step"])
+    if state["step"] > 0:
+        training_state = checkpointer.load_training_state(checkpointer.root / f"step_{state['step']}")
+        restore_rng_state(training_state["rng"], lambda_coin)
+        if state["step"] % steps_per_epoch:  # mid-epoch: continue after the last consumed batch
+            dataloader.load_state_dict(training_state["dataloader"])
+    else:
+        if config.validation.teacher_baseline and val_dataloader is not None:
+            teacher_model = teacher_policy.model  # type: ignore[attr-defined]
+            baseline = validate(HFGeneration(teacher_model, tokenizer), teacher_model, None, val_dataloader,
+                                tokenizer, config, prefix="val/teacher_")
+            logger.log_metrics(baseline, 0, console_keys=list(baseline))
+        if config.validation.val_at_start:
+            run_validation(0)
 
+    with GracefulStop() as stop:
+        while state["step"] < total_steps and not stop.requested:
+            state["epoch"] = state["step"] // steps_per_epoch
+            dataloader.sampler.set_epoch(state["epoch"])  # type: ignore[attr-defined]
+            for examples in dataloader:
+                step_start = time.perf_counter()
+                timings: dict[str, float] = {}
+                on_policy = lambda_coin.random() < config.distillation.lambda_
+                if on_policy:
+                    if generation_is_stale:
+                        student_generation.refit(student_policy)  # type: ignore[attr-defined]
+                    batch = build_on_policy_batch(examples, student_generation, config)
+                    timings["timing/generation"] = time.perf_counter() - step_start
+                else:
+                    batch = build_fixed_data_batch(examples, pad_token_id, config.distillation.mask_prompt_tokens)
+                    timings["timing/generation"] = 0.0
+                train_start = time.perf_counter()
+                train_metrics = student_policy.train(batch, loss_fn, teacher_logits_fn=teacher_policy.get_logits)
+                train_seconds = time.perf_counter() - train_start
+                teacher_seconds = teacher_policy.pop_seconds_spent()  # type: ignore[attr-defined]
+                generation_is_stale = bool(getattr(student_generation, "needs_refit", False))
+                timings["timing/teacher"] = teacher_seconds
+                timings["timing/training"] = train_seconds - teacher_seconds
+
+                state["step"] += 1
+                state["consumed_samples"] += len(examples)
+                skipped = bool(train_metrics.get("skipped_nonfinite"))
+                state["consecutive_nonfinite_steps"] = state["consecutive_nonfinite_steps"] + 1 if skipped else 0
+                step_seconds = time.perf_counter() - step_start
+                timings["timing/step"] = step_seconds
+                metrics: dict[str, Any] = {f"train/{key}": value for key, value in train_metrics.items()}
+                metrics["train/on_policy"] = int(on_policy)
+                metrics["train/mean_response_length"] = float(batch["response_lengths"].float().mean())
+                metrics["train/truncation_rate"] = float(batch["truncated"].float().mean())
+                metrics["train/epoch"] = state["epoch"]
+                metrics.update(timings)
+                metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / step_seconds
+                metrics["perf/peak_memory_mb"] = _peak_memory_mb()
+                logger.log_metrics(metrics, state["step"], console_keys=_CONSOLE_KEYS)
+                if skipped:
+                    log.warning("step %d: non-finite loss or gradient; step skipped, weights unchanged", state["step"])
+                    if state["consecutive_nonfinite_steps"] >= config.training.max_consecutive_nonfinite_steps:
+                        logger.close()
+                        raise TrainingDivergedError(
+                            f"{state['consecutive_nonfinite_steps']} consecutive steps had a non-finite loss or "
+                            f"gradient (last: step {state['step']}); the weights are still those of step "
+                            f"{state['step'] - state['consecutive_nonfinite_steps']}. Lower training.learning_rate "
+                            "or check the data; raise training.max_consecutive_nonfinite_steps to tolerate more."
+                        )
+
+                step = state["step"]
+                is_last = step >= total_steps
+                if config.training.val_freq and step % config.training.val_freq == 0 and not is_last:
+                    run_validation(step)
+                if checkpoints_on and config.training.save_freq and step % config.training.save_freq == 0 and not is_last:
+                    save(step)
+                if is_last or stop.requested:
+                    break
+
+        if stop.requested and state["step"] < total_steps:
             step = state["step"]
-            is_last = step >= total_steps
-            if config.training.val_freq and step % config.training.val_freq == 0 and not is_last:
-                run_validation(step)
-            if config.checkpointing.enabled and config.training.save_freq and step % config.training.save_freq == 0 and not is_last:
-                save_checkpoint(student_policy, tokenizer, checkpointer, state, dataloader, lambda_coin, config)
-            if is_last:
-                done = True
-                break
-        else:
-            state["epoch"] += 1
+            saved = checkpoints_on and config.checkpointing.save_on_signal
+            if saved and checkpointer.latest_checkpoint() != checkpointer.root / f"step_{step}":
+                save(step)
+            logger.close()
+            where = f"checkpoint {checkpointer.root / f'step_{step}'}" if saved else "no checkpoint written"
+            print(f"opd: stopped by {stop.signal_name} after step {step}/{total_steps} ({where}); "
+                  "rerun the same command to resume.", flush=True)
+            return
 
     if config.validation.val_at_end:
         run_validation(state["step"])
-    if config.checkpointing.enabled:
-        save_checkpoint(student_policy, tokenizer, checkpointer, state, dataloader, lambda_coin, config)
+    if checkpoints_on:
+        save(state["step"])
     final_dir = Path(config.output_dir) / "final_model"
     student_policy.save_pretrained(str(final_dir), tokenizer=tokenizer)  # type: ignore[call-arg]
     log.info("final student written to %s", final_dir)
     logger.close()
-
-
-def save_checkpoint(
-    student_policy: Any,
-    tokenizer: Any,
-    checkpointer: CheckpointManager,
-    state: DistillationSaveState,
-    dataloader: StatefulDataLoader,
-    lambda_coin: random.Random,
-    config: MasterConfig,
-) -> Path:
-    """Writes ``step_N`` with the model, optimizer, RNG states and dataloader position."""
-    start = time.perf_counter()
-    training_state = {
-        "dataloader": dataloader.state_dict(),
-        "rng_python": random.getstate(),
-        "rng_numpy": np.random.get_state(),
-        "rng_torch": torch.get_rng_state(),
-        "rng_lambda_coin": lambda_coin.getstate(),
-    }
-    path = checkpointer.save(
-        state["step"], student_policy, tokenizer, dict(state), _to_plain(training_state), config_to_yaml(config)
-    )
-    log.info("checkpoint %s written in %.1fs", path, time.perf_counter() - start)
-    return path
-
-
-def _to_plain(value: Any) -> Any:
-    """Makes RNG states loadable with ``torch.load(weights_only=True)`` (tuples/arrays → lists/tensors)."""
-    if isinstance(value, dict):
-        return {key: _to_plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_to_plain(item) for item in value]
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value.copy())
-    return value

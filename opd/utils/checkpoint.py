@@ -35,7 +35,12 @@ class CheckpointingConfig(StrictConfig):
 
     enabled: bool = True
     checkpoint_dir: str = Field("checkpoints", description="directory holding step_N/ checkpoints")
-    keep_top_k: int | None = Field(3, ge=1, description="newest checkpoints kept; null keeps all")
+    keep_top_k: int | None = Field(3, ge=1, description="newest checkpoints kept (plus the best); null keeps all")
+    metric_name: str | None = Field(
+        "val/kl_reverse", description="validation metric that picks the best checkpoint; null disables"
+    )
+    higher_is_better: bool = Field(False, description="whether a larger metric_name is better")
+    save_on_signal: bool = Field(True, description="write a checkpoint when SIGINT/SIGTERM stops the run")
 
 
 class CheckpointManager:
@@ -48,6 +53,17 @@ class CheckpointManager:
     def __init__(self, config: CheckpointingConfig) -> None:
         self.config = config
         self.root = Path(config.checkpoint_dir)
+        self.protected_step: int | None = None
+        """A step whose checkpoint pruning never deletes (the best one so far)."""
+
+    def remove_incomplete(self) -> list[Path]:
+        """Deletes temporary directories left by a write that was killed; returns them."""
+        if not self.root.is_dir():
+            return []
+        leftovers = [child for child in self.root.iterdir() if child.name.startswith(".tmp_step_")]
+        for path in leftovers:
+            shutil.rmtree(path, ignore_errors=True)
+        return leftovers
 
     def list_checkpoints(self) -> list[tuple[int, Path]]:
         """Complete checkpoints as ``(step, path)``, oldest first (temporary dirs ignored)."""
@@ -78,7 +94,8 @@ class CheckpointManager:
 
         Args:
             step: optimizer step just completed.
-            policy: has ``model``, ``optimizer``, ``scheduler`` and ``save_pretrained``.
+            policy: has ``save_pretrained(dir, tokenizer=...)`` and ``state_dict()``
+                (optimizer and scheduler state).
             tokenizer: saved beside the model.
             save_state: JSON-serialisable run counters.
             training_state: tensors/containers (RNG, dataloader) saved with torch.save.
@@ -94,10 +111,7 @@ class CheckpointManager:
             shutil.rmtree(staging)
         staging.mkdir()
         policy.save_pretrained(str(staging / "policy"), tokenizer=tokenizer)
-        torch.save(
-            {"optimizer": policy.optimizer.state_dict(), "scheduler": policy.scheduler.state_dict()},
-            staging / "optimizer.pt",
-        )
+        torch.save(policy.state_dict(), staging / "optimizer.pt")
         torch.save(training_state, staging / "training_state.pt")
         (staging / "config.yaml").write_text(config_yaml, encoding="utf-8")
         # save_state.json marks completeness, so it is written last.
@@ -110,11 +124,12 @@ class CheckpointManager:
         return final
 
     def _prune(self) -> None:
-        """Deletes all but the newest ``keep_top_k`` checkpoints."""
+        """Deletes all but the newest ``keep_top_k`` checkpoints and the protected (best) one."""
         if self.config.keep_top_k is None:
             return
-        for _, path in self.list_checkpoints()[: -self.config.keep_top_k]:
-            shutil.rmtree(path, ignore_errors=True)
+        for step, path in self.list_checkpoints()[: -self.config.keep_top_k]:
+            if step != self.protected_step:
+                shutil.rmtree(path, ignore_errors=True)
 
     @staticmethod
     def load_save_state(checkpoint: Path) -> dict[str, Any]:

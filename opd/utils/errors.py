@@ -21,3 +21,7 @@ class DataError(OpdError):
 
 class ModelCompatibilityError(OpdError):
     """Teacher and student cannot be paired (e.g. different tokenizers)."""
+
+
+class TrainingDivergedError(OpdError):
+    """Too many consecutive steps had a non-finite loss or gradient; the run stopped."""

@@ -102,7 +102,9 @@ class HFPolicy:
 
         Returns:
             Global-batch metrics: the loss function's metrics summed over micro-batches,
-            plus ``grad_norm`` (before clipping) and ``lr`` (used for this step).
+            plus ``grad_norm`` (before clipping), ``lr`` (used for this step) and
+            ``skipped_nonfinite`` (1 if the loss or gradient was NaN/inf and the step was
+            skipped without touching the weights).
         """
         global_valid_tokens = int(shift_token_mask(data["token_mask"]).sum())
         global_valid_seqs = data.size
@@ -124,14 +126,30 @@ class HFPolicy:
             del teacher_logits, student_logits
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
-        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        parameters = [param for param in self.model.parameters() if param.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([param.grad for param in parameters]) if parameters else torch.tensor(0.0)
         totals["grad_norm"] = float(grad_norm)
         totals["lr"] = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        # A NaN/inf loss or gradient would poison the weights and Adam's moments for good:
+        # such a step is skipped entirely (no optimizer or schedule step) and reported.
+        finite = math.isfinite(totals.get("loss", 0.0)) and math.isfinite(totals["grad_norm"])
+        totals["skipped_nonfinite"] = 0.0 if finite else 1.0
+        if finite:
+            if self.config.max_grad_norm is not None and parameters:
+                torch.nn.utils.clip_grads_with_norm_(parameters, self.config.max_grad_norm, grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return totals
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer and LR-schedule state (the weights are saved as an HF model directory)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
 
     def save_pretrained(self, directory: str, tokenizer: Any | None = None) -> None:
         """Writes the student (safetensors) and optionally its tokenizer to ``directory``."""

@@ -405,22 +405,31 @@ def test_teacher_is_frozen(e2e_run):
     assert logits.shape == (*batch["input_ids"].shape, len(tokenizer))
 
 
-def test_setup_refuses_to_overwrite_an_earlier_run(tmp_path):
+def test_rerunning_a_finished_run_changes_nothing(tmp_path):
     config = run_config(tmp_path, "checkpointing.enabled=true", "training.save_freq=0", "training.max_num_steps=2")
     distillation_train(*setup(config))
     checkpoint = Path(config.checkpointing.checkpoint_dir) / "step_2"
-    final_model = Path(config.output_dir) / "final_model"
     save_state = json.loads((checkpoint / "save_state.json").read_text())
     assert save_state["step"] == 2
     assert save_state["consumed_samples"] == 2 * config.training.batch_size
+    weights = (checkpoint / "policy" / "model.safetensors").read_bytes()
+    log_lines = (Path(config.logger.log_dir) / "metrics.jsonl").read_text()
 
+    # The same command again resumes at step 2 of 2: nothing to do, nothing rewritten.
+    distillation_train(*setup(config))
+    assert json.loads((checkpoint / "save_state.json").read_text()) == save_state
+    assert (checkpoint / "policy" / "model.safetensors").read_bytes() == weights
+    assert (Path(config.logger.log_dir) / "metrics.jsonl").read_text() == log_lines
+
+
+def test_setup_refuses_to_overwrite_a_final_model_without_checkpoints(tmp_path):
+    config = run_config(tmp_path, "training.max_num_steps=1")  # checkpointing disabled
+    distillation_train(*setup(config))
+    final_model = Path(config.output_dir) / "final_model"
+    before = (final_model / "model.safetensors").read_bytes()
     with pytest.raises(ConfigError, match="final_model"):
         setup(config)
-    final_model.rename(tmp_path / "moved_final_model")
-    with pytest.raises(ConfigError, match="step_2"):
-        setup(config)
-    # Nothing of the earlier run was touched by the refused attempts.
-    assert json.loads((checkpoint / "save_state.json").read_text()) == save_state
+    assert (final_model / "model.safetensors").read_bytes() == before
 
 
 # --------------------------------------------------------------------------- fixed-data batch

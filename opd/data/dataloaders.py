@@ -1,0 +1,106 @@
+"""Tokenized training examples and resumable dataloaders.
+
+Prompts are rendered with the chat template and tokenized once, at start-up. The
+training loader is torchdata's ``StatefulDataLoader`` (its ``state_dict`` goes into every
+checkpoint) over a sampler whose shuffle order is a function of ``(seed, epoch)`` only:
+``set_epoch(e)`` before each epoch, as with ``DistributedSampler``. A resumed run
+therefore sees exactly the batches an uninterrupted run would, in every later epoch too.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, TypedDict
+
+import torch
+from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from opd.data.datasets import split_prompt_and_response
+from opd.data.sequences import encode_prompt, encode_response
+from opd.utils.errors import DataError
+
+log = logging.getLogger("opd")
+
+
+class PreparedExample(TypedDict):
+    """A tokenized example: the prompt ids, the fixed response ids, the ground truth."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] | None
+    ground_truth: str | None
+
+
+def prepare_examples(
+    examples: list[dict], tokenizer: Any, max_prompt_length: int | None, source: str
+) -> list[PreparedExample]:
+    """Applies the chat template and tokenizes; drops prompts longer than the limit.
+
+    Raises:
+        DataError: if every prompt is over ``max_prompt_length``.
+    """
+    prepared: list[PreparedExample] = []
+    for example in examples:
+        prompt_messages, response = split_prompt_and_response(example["messages"])
+        prompt_ids = encode_prompt(tokenizer, prompt_messages)
+        if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+            continue
+        response_ids = encode_response(tokenizer, prompt_messages, response) if response else None
+        ground_truth = example.get("ground_truth")
+        prepared.append(
+            PreparedExample(
+                prompt_ids=prompt_ids,
+                response_ids=response_ids,
+                ground_truth=None if ground_truth is None else str(ground_truth),
+            )
+        )
+    skipped = len(examples) - len(prepared)
+    if skipped:
+        log.warning("%s: skipped %d of %d prompts longer than data.max_prompt_length", source, skipped, len(examples))
+    if not prepared:
+        raise DataError(f"{source}: no prompt fits data.max_prompt_length = {max_prompt_length}")
+    return prepared
+
+
+def _collate_examples(examples: list[PreparedExample]) -> list[PreparedExample]:
+    """Keeps a batch as a list: prompts have different lengths and are padded later."""
+    return examples
+
+
+def make_train_dataloader(
+    examples: list[PreparedExample], batch_size: int, shuffle: bool, seed: int
+) -> StatefulDataLoader:
+    """A resumable loader of full batches; call ``loader.sampler.set_epoch(e)`` per epoch.
+
+    A single-replica ``DistributedSampler`` draws each epoch's permutation from
+    ``seed + epoch`` alone, so the order never depends on how many batches an earlier
+    process consumed. Incomplete last batches are dropped (every step has ``batch_size``
+    prompts), so an epoch is ``len(examples) // batch_size`` steps.
+    """
+    sampler = DistributedSampler(examples, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=False)
+    # Its own generator: otherwise every new epoch iterator draws a seed from torch's global
+    # RNG, and a resumed run (which starts an iterator mid-epoch) would shift the sampling noise.
+    private_generator = torch.Generator()
+    private_generator.manual_seed(seed)
+    return StatefulDataLoader(
+        examples,  # a list is a map-style dataset
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=_collate_examples,
+        num_workers=0,
+        generator=private_generator,
+    )
+
+
+def make_eval_dataloader(examples: list[PreparedExample], batch_size: int) -> StatefulDataLoader:
+    """A loader over every validation example, in order (with a private generator, as above)."""
+    return StatefulDataLoader(
+        examples,
+        batch_size=batch_size,
+        shuffle=False,
+        drop_last=False,
+        collate_fn=_collate_examples,
+        num_workers=0,
+        generator=torch.Generator(),
+    )

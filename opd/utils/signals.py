@@ -1,0 +1,50 @@
+"""Graceful stop on SIGINT / SIGTERM.
+
+The first signal only sets a flag: the training loop finishes the step it is in, writes a
+checkpoint and exits cleanly, so a cluster pre-emption (SIGTERM) or a Ctrl-C loses no
+work. A second signal restores the default behaviour and interrupts at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+
+class GracefulStop:
+    """Context manager that turns the first SIGINT/SIGTERM into a stop request.
+
+    Attributes:
+        signal_name: name of the signal that asked to stop, or None.
+    """
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        """Whether a stop was requested."""
+        return self.signal_name is not None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signal_name = signal.Signals(signum).name
+        # The next signal gets the previous behaviour (KeyboardInterrupt / termination).
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def __enter__(self) -> "GracefulStop":
+        # Handlers can only be installed from the main thread (e.g. not under some test runners).
+        if threading.current_thread() is threading.main_thread():
+            for sig in self._SIGNALS:
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
