@@ -353,6 +353,7 @@ def setup(master_config: MasterConfig) -> tuple:
         checkpointer.protected_step = save_state["best_step"]
         log.info("resuming from %s (step %d of %d)", resume_from, save_state["step"], total_steps)
     logger = Logger(config.logger, total_steps)
+    logger.log_hyperparams(config.model_dump(mode="json", by_alias=True))
     log.info(
         "%d train prompts, %s val prompts, %d steps (%d per epoch), %d sequences per step in micro-batches of %d",
         len(train_examples), len(val_examples) if val_examples else 0, total_steps, steps_per_epoch,

@@ -258,3 +258,28 @@ def test_missing_required_key(tmp_path):
     message = config_error(path=path)
     assert "model.student_model_path" in message
     assert "missing" in message
+
+
+def _field_paths(model_cls, prefix=""):
+    """Every leaf key of a config class, dotted, with YAML spellings."""
+    paths = []
+    for name, info in model_cls.model_fields.items():
+        key = prefix + (info.alias or name)
+        nested = [arg for arg in (getattr(info.annotation, "__args__", None) or (info.annotation,))
+                  if isinstance(arg, type) and hasattr(arg, "model_fields")]
+        paths += _field_paths(nested[0], key + ".") if nested else [key]
+    return paths
+
+
+def test_template_documents_every_config_key():
+    """examples/configs/distillation.yaml spells out every key MasterConfig accepts."""
+    tree = yaml.safe_load((REPO_ROOT / "examples" / "configs" / "distillation.yaml").read_text())
+    missing = []
+    for path in _field_paths(MasterConfig):
+        node = tree
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                missing.append(path)
+                break
+            node = node[part]
+    assert not missing, f"keys missing from distillation.yaml: {missing}"
