@@ -21,8 +21,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import resource
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Literal, TypedDict
@@ -620,8 +622,14 @@ def distillation_train(
         logger.log_metrics({"timing/checkpoint": seconds}, step, console_keys=[])
         log.info("checkpoint %s written in %.2fs", path, seconds)
 
+    final_dir = Path(config.output_dir) / "final_model"
     if state["step"] >= total_steps:
-        log.info("the run is already complete (step %d of %d); nothing to do", state["step"], total_steps)
+        if not (final_dir / "config.json").is_file():
+            # Killed after the last checkpoint but before the final model was written.
+            write_final_model(student_policy, tokenizer, final_dir)
+            log.info("the run was complete; final student written to %s from the last checkpoint", final_dir)
+        else:
+            log.info("the run is already complete (step %d of %d); nothing to do", state["step"], total_steps)
         logger.close()
         return
     # Records past the resumed step belong to steps that are about to be re-run.
@@ -714,7 +722,26 @@ def distillation_train(
         run_validation(state["step"])
     if checkpoints_on:
         save(state["step"])
-    final_dir = Path(config.output_dir) / "final_model"
-    student_policy.save_pretrained(str(final_dir), tokenizer=tokenizer)  # type: ignore[call-arg]
+    write_final_model(student_policy, tokenizer, final_dir)
     log.info("final student written to %s", final_dir)
     logger.close()
+
+
+def write_final_model(student_policy: Any, tokenizer: Any, final_dir: Path) -> None:
+    """Writes the student as an HF model directory, atomically (temporary dir, then rename).
+
+    A kill mid-write leaves the previous ``final_model/`` (or none), never a partial one.
+    """
+    staging = final_dir.with_name(f".tmp_{final_dir.name}")
+    if staging.exists():
+        shutil.rmtree(staging)
+    student_policy.save_pretrained(str(staging), tokenizer=tokenizer)
+    if final_dir.exists():
+        retired = final_dir.with_name(f".old_{final_dir.name}")
+        if retired.exists():
+            shutil.rmtree(retired)
+        os.replace(final_dir, retired)
+        os.replace(staging, final_dir)
+        shutil.rmtree(retired)
+    else:
+        os.replace(staging, final_dir)

@@ -15,8 +15,6 @@ Usage::
   inside ``opd.utils.checkpoint._fsync_tree``.
 * ``slow_final_model_seconds``: sleep that long before ``final_model/`` is written (after the
   last checkpoint).
-* ``nan_loss`` (list of step numbers, or ``"all"``): the loss tensor of every micro-batch of
-  those optimizer steps is multiplied by NaN, so the gradient is NaN.
 
 Everything else behaves exactly like ``python -m opd ...``: the exit status is ``main``'s.
 """
@@ -31,7 +29,6 @@ from pathlib import Path
 
 def install_hooks(hooks: dict) -> None:
     import opd.utils.checkpoint as checkpoint_module
-    from opd.algorithms.loss_functions import DistillationLossFn
     from opd.models.policy.hf_policy import HFPolicy
     from opd.utils.logger import Logger
 
@@ -74,25 +71,6 @@ def install_hooks(hooks: dict) -> None:
             return original_save_pretrained(self, directory, *args, **kwargs)
 
         HFPolicy.save_pretrained = save_pretrained
-
-    if "nan_loss" in hooks:
-        nan_steps = hooks["nan_loss"]
-        original_train = HFPolicy.train
-        original_call = DistillationLossFn.__call__
-        state = {"step": 0}
-
-        def train(self, *args, **kwargs):
-            state["step"] += 1
-            return original_train(self, *args, **kwargs)
-
-        def call(self, *args, **kwargs):
-            loss, metrics = original_call(self, *args, **kwargs)
-            if nan_steps == "all" or state["step"] in nan_steps:
-                loss = loss * float("nan")
-            return loss, metrics
-
-        HFPolicy.train = train
-        DistillationLossFn.__call__ = call
 
 
 def main() -> int:
