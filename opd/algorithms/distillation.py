@@ -21,10 +21,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import resource
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Literal, TypedDict
@@ -37,6 +35,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.interfaces import LossFunction
 from opd.algorithms.loss_functions import DistillationLossFn, shift_token_mask, token_kl
+from opd.algorithms.training_loop import run_training_loop
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.config import DataConfig
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader, prepare_examples
@@ -45,7 +44,6 @@ from opd.data.sequences import attention_mask_from_lengths, build_token_mask, pa
 from opd.environments.math_verifier import is_correct
 from opd.models.config import ModelConfig
 from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.hf_generation import HFGeneration
 from opd.models.generation.hf_generation import HFGeneration
 from opd.models.interfaces import GenerationInterface, PolicyInterface, TeacherInterface
 from opd.models.loading import (
@@ -59,11 +57,9 @@ from opd.models.loading import (
 from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
-from opd.utils.config import StrictConfig, config_to_yaml
-from opd.utils.errors import ConfigError, TrainingDivergedError
+from opd.utils.config import StrictConfig
+from opd.utils.errors import ConfigError
 from opd.utils.logger import Logger, LoggerConfig
-from opd.utils.rng import capture_rng_state, restore_rng_state
-from opd.utils.signals import GracefulStop
 
 log = logging.getLogger("opd")
 
@@ -576,172 +572,72 @@ def distillation_train(
         TrainingDivergedError: after ``max_consecutive_nonfinite_steps`` skipped steps.
     """
     config = master_config
-    state = distillation_save_state
     if student_generation is None:
         # NeMo-RL's convention: a policy that can sample (e.g. Megatron) generates itself.
         if not callable(getattr(student_policy, "generate", None)):
             raise ValueError("student_generation is None but the student policy has no generate() method")
         student_generation = student_policy  # type: ignore[assignment]
+    generation: GenerationInterface = student_generation  # type: ignore[assignment]
     # A separate engine (e.g. vLLM) holds its own weights; they go stale after each update.
-    generation_is_stale = bool(getattr(student_generation, "needs_refit", False))
+    generation_is_stale = bool(getattr(generation, "needs_refit", False))
     lambda_coin = random.Random(config.training.seed + 1)
-    total_steps = logger.total_steps
-    steps_per_epoch = len(dataloader)
-    pad_token_id = tokenizer.pad_token_id
     student_model = student_policy.model  # type: ignore[attr-defined]
-    checkpoints_on = config.checkpointing.enabled
 
-    def run_validation(step: int) -> None:
-        if val_dataloader is None:
-            return
-        start = time.perf_counter()
-        metrics = validate(student_generation, student_model, teacher_policy, val_dataloader, tokenizer, config)
-        metrics["timing/validation"] = time.perf_counter() - start
-        teacher_policy.pop_seconds_spent()  # type: ignore[attr-defined]
-        _track_best(metrics, step)
-        logger.log_metrics(metrics, step, console_keys=[k for k in metrics if k.startswith("val/")])
-
-    def _track_best(metrics: dict[str, float], step: int) -> None:
-        name = config.checkpointing.metric_name
-        if name is None or name not in metrics or not math.isfinite(metrics[name]):
-            return
-        best = state["best_metric"]
-        better = best is None or (metrics[name] > best if config.checkpointing.higher_is_better else metrics[name] < best)
-        if better:
-            state["best_metric"], state["best_step"] = metrics[name], step
-            checkpointer.protected_step = step
-
-    def save(step: int) -> None:
-        start = time.perf_counter()
-        path = checkpointer.save(
-            step, student_policy, tokenizer, dict(state),
-            {"dataloader": dataloader.state_dict(), "rng": capture_rng_state(lambda_coin)},
-            config_to_yaml(config),
-        )
-        seconds = time.perf_counter() - start
-        logger.log_metrics({"timing/checkpoint": seconds}, step, console_keys=[])
-        log.info("checkpoint %s written in %.2fs", path, seconds)
-
-    final_dir = Path(config.output_dir) / "final_model"
-    if state["step"] >= total_steps:
-        if not (final_dir / "config.json").is_file():
-            # Killed after the last checkpoint but before the final model was written.
-            write_final_model(student_policy, tokenizer, final_dir)
-            log.info("the run was complete; final student written to %s from the last checkpoint", final_dir)
+    def train_step(examples: list[PreparedExample]) -> dict[str, Any]:
+        nonlocal generation_is_stale
+        step_start = time.perf_counter()
+        timings: dict[str, float] = {}
+        on_policy = lambda_coin.random() < config.distillation.lambda_
+        if on_policy:
+            if generation_is_stale:
+                generation.refit(student_policy)  # type: ignore[attr-defined]
+            batch = build_on_policy_batch(examples, generation, config)
+            timings["timing/generation"] = time.perf_counter() - step_start
         else:
-            log.info("the run is already complete (step %d of %d); nothing to do", state["step"], total_steps)
-        logger.close()
-        return
-    # Records past the resumed step belong to steps that are about to be re-run.
-    logger.truncate_after(state["step"])
-    if state["step"] > 0:
-        training_state = checkpointer.load_training_state(checkpointer.root / f"step_{state['step']}")
-        restore_rng_state(training_state["rng"], lambda_coin)
-        if state["step"] % steps_per_epoch:  # mid-epoch: continue after the last consumed batch
-            dataloader.load_state_dict(training_state["dataloader"])
-    else:
-        if config.validation.teacher_baseline and val_dataloader is not None:
-            teacher_model = teacher_policy.model  # type: ignore[attr-defined]
-            baseline = validate(HFGeneration(teacher_model, tokenizer), teacher_model, None, val_dataloader,
-                                tokenizer, config, prefix="val/teacher_")
-            logger.log_metrics(baseline, 0, console_keys=list(baseline))
-        if config.validation.val_at_start:
-            run_validation(0)
+            batch = build_fixed_data_batch(examples, tokenizer.pad_token_id, config.distillation.mask_prompt_tokens)
+            timings["timing/generation"] = 0.0
+        train_start = time.perf_counter()
+        train_metrics = student_policy.train(batch, loss_fn, teacher_logits_fn=teacher_policy.get_logits)
+        train_seconds = time.perf_counter() - train_start
+        teacher_seconds = teacher_policy.pop_seconds_spent()  # type: ignore[attr-defined]
+        generation_is_stale = bool(getattr(generation, "needs_refit", False))
+        timings["timing/teacher"] = teacher_seconds
+        timings["timing/training"] = train_seconds - teacher_seconds
+        step_seconds = time.perf_counter() - step_start
+        timings["timing/step"] = step_seconds
+        metrics: dict[str, Any] = {f"train/{key}": value for key, value in train_metrics.items()}
+        metrics["train/on_policy"] = int(on_policy)
+        metrics["train/mean_response_length"] = float(batch["response_lengths"].float().mean())
+        metrics["train/truncation_rate"] = float(batch["truncated"].float().mean())
+        metrics.update(timings)
+        metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / step_seconds
+        metrics["perf/peak_memory_mb"] = _peak_memory_mb()
+        return metrics
 
-    with GracefulStop() as stop:
-        while state["step"] < total_steps and not stop.requested:
-            state["epoch"] = state["step"] // steps_per_epoch
-            dataloader.sampler.set_epoch(state["epoch"])  # type: ignore[attr-defined]
-            for examples in dataloader:
-                step_start = time.perf_counter()
-                timings: dict[str, float] = {}
-                on_policy = lambda_coin.random() < config.distillation.lambda_
-                if on_policy:
-                    if generation_is_stale:
-                        student_generation.refit(student_policy)  # type: ignore[attr-defined]
-                    batch = build_on_policy_batch(examples, student_generation, config)
-                    timings["timing/generation"] = time.perf_counter() - step_start
-                else:
-                    batch = build_fixed_data_batch(examples, pad_token_id, config.distillation.mask_prompt_tokens)
-                    timings["timing/generation"] = 0.0
-                train_start = time.perf_counter()
-                train_metrics = student_policy.train(batch, loss_fn, teacher_logits_fn=teacher_policy.get_logits)
-                train_seconds = time.perf_counter() - train_start
-                teacher_seconds = teacher_policy.pop_seconds_spent()  # type: ignore[attr-defined]
-                generation_is_stale = bool(getattr(student_generation, "needs_refit", False))
-                timings["timing/teacher"] = teacher_seconds
-                timings["timing/training"] = train_seconds - teacher_seconds
+    def run_validation() -> dict[str, float]:
+        metrics = validate(generation, student_model, teacher_policy, val_dataloader, tokenizer, config)  # type: ignore[arg-type]
+        teacher_policy.pop_seconds_spent()  # type: ignore[attr-defined]
+        return metrics
 
-                state["step"] += 1
-                state["consumed_samples"] += len(examples)
-                skipped = bool(train_metrics.get("skipped_nonfinite"))
-                state["consecutive_nonfinite_steps"] = state["consecutive_nonfinite_steps"] + 1 if skipped else 0
-                step_seconds = time.perf_counter() - step_start
-                timings["timing/step"] = step_seconds
-                metrics: dict[str, Any] = {f"train/{key}": value for key, value in train_metrics.items()}
-                metrics["train/on_policy"] = int(on_policy)
-                metrics["train/mean_response_length"] = float(batch["response_lengths"].float().mean())
-                metrics["train/truncation_rate"] = float(batch["truncated"].float().mean())
-                metrics["train/epoch"] = state["epoch"]
-                metrics.update(timings)
-                metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / step_seconds
-                metrics["perf/peak_memory_mb"] = _peak_memory_mb()
-                logger.log_metrics(metrics, state["step"], console_keys=_CONSOLE_KEYS)
-                if skipped:
-                    log.warning("step %d: non-finite loss or gradient; step skipped, weights unchanged", state["step"])
-                    if state["consecutive_nonfinite_steps"] >= config.training.max_consecutive_nonfinite_steps:
-                        logger.close()
-                        raise TrainingDivergedError(
-                            f"{state['consecutive_nonfinite_steps']} consecutive steps had a non-finite loss or "
-                            f"gradient (last: step {state['step']}); the weights are still those of step "
-                            f"{state['step'] - state['consecutive_nonfinite_steps']}. Lower training.learning_rate "
-                            "or check the data; raise training.max_consecutive_nonfinite_steps to tolerate more."
-                        )
-
-                step = state["step"]
-                is_last = step >= total_steps
-                if config.training.val_freq and step % config.training.val_freq == 0 and not is_last:
-                    run_validation(step)
-                if checkpoints_on and config.training.save_freq and step % config.training.save_freq == 0 and not is_last:
-                    save(step)
-                if is_last or stop.requested:
-                    break
-
-        if stop.requested and state["step"] < total_steps:
-            step = state["step"]
-            saved = checkpoints_on and config.checkpointing.save_on_signal
-            if saved and checkpointer.latest_checkpoint() != checkpointer.root / f"step_{step}":
-                save(step)
-            logger.close()
-            where = f"checkpoint {checkpointer.root / f'step_{step}'}" if saved else "no checkpoint written"
-            print(f"opd: stopped by {stop.signal_name} after step {step}/{total_steps} ({where}); "
-                  "rerun the same command to resume.", flush=True)
+    def teacher_baseline() -> None:
+        if not config.validation.teacher_baseline or val_dataloader is None:
             return
+        teacher_model = teacher_policy.model  # type: ignore[attr-defined]
+        baseline = validate(HFGeneration(teacher_model, tokenizer), teacher_model, None, val_dataloader,
+                            tokenizer, config, prefix="val/teacher_")
+        logger.log_metrics(baseline, 0, console_keys=list(baseline))
 
-    if config.validation.val_at_end:
-        run_validation(state["step"])
-    if checkpoints_on:
-        save(state["step"])
-    write_final_model(student_policy, tokenizer, final_dir)
-    log.info("final student written to %s", final_dir)
-    logger.close()
-
-
-def write_final_model(student_policy: Any, tokenizer: Any, final_dir: Path) -> None:
-    """Writes the student as an HF model directory, atomically (temporary dir, then rename).
-
-    A kill mid-write leaves the previous ``final_model/`` (or none), never a partial one.
-    """
-    staging = final_dir.with_name(f".tmp_{final_dir.name}")
-    if staging.exists():
-        shutil.rmtree(staging)
-    student_policy.save_pretrained(str(staging), tokenizer=tokenizer)
-    if final_dir.exists():
-        retired = final_dir.with_name(f".old_{final_dir.name}")
-        if retired.exists():
-            shutil.rmtree(retired)
-        os.replace(final_dir, retired)
-        os.replace(staging, final_dir)
-        shutil.rmtree(retired)
-    else:
-        os.replace(staging, final_dir)
+    run_training_loop(
+        policy=student_policy,
+        tokenizer=tokenizer,
+        dataloader=dataloader,
+        logger=logger,
+        checkpointer=checkpointer,
+        state=distillation_save_state,  # type: ignore[arg-type]
+        config=config,
+        train_step=train_step,
+        validate=run_validation if val_dataloader is not None else None,
+        before_first_step=teacher_baseline,
+        algorithm_rng=lambda_coin,
+        console_keys=_CONSOLE_KEYS,
+    )
