@@ -66,7 +66,8 @@ def install_hooks(hooks: dict) -> None:
         original_save_pretrained = HFPolicy.save_pretrained
 
         def save_pretrained(self, directory, *args, **kwargs):
-            if Path(directory).name == "final_model":
+            # The final model is written to a temporary sibling (.tmp_final_model) first.
+            if Path(directory).name.endswith("final_model"):
                 time.sleep(final_seconds)
             return original_save_pretrained(self, directory, *args, **kwargs)
 
