@@ -1,4 +1,4 @@
-"""On-policy knowledge distillation: configs, ``setup()``, ``distillation_train()``, ``validate()``.
+"""On-policy knowledge distillation: configs, ``setup()``, ``distillation_train()``, ``evaluate()``.
 
 One optimizer step (see ``docs/guides/on-policy-distillation.md``):
 
@@ -13,7 +13,10 @@ One optimizer step (see ``docs/guides/on-policy-distillation.md``):
    written every ``save_freq`` steps.
 
 The driver only talks to the interfaces in :mod:`opd.models.interfaces`, as NeMo-RL's
-``grpo_train`` does, so other generation engines and teachers plug in unchanged.
+``grpo_train`` does, so other generation engines and teachers plug in unchanged. What
+happens around a step (resume, validation, checkpoints, stop) is shared with SFT in
+:mod:`opd.algorithms.training_loop`; ``validate`` lives in :mod:`opd.algorithms.validation`
+and is importable from here too.
 """
 
 from __future__ import annotations
@@ -34,14 +37,14 @@ from pydantic import Field
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.interfaces import LossFunction
-from opd.algorithms.loss_functions import DistillationLossFn, shift_token_mask, token_kl
+from opd.algorithms.loss_functions import DistillationLossFn
 from opd.algorithms.training_loop import run_training_loop
+from opd.algorithms.validation import ValidationConfig, validate
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.config import DataConfig
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader, prepare_examples
 from opd.data.datasets import load_chat_dataset
-from opd.data.sequences import attention_mask_from_lengths, build_token_mask, pack_sequences
-from opd.environments.math_verifier import is_correct
+from opd.data.sequences import build_token_mask, pack_sequences
 from opd.models.config import ModelConfig
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.hf_generation import HFGeneration
@@ -98,16 +101,9 @@ class TrainingConfig(OptimizerConfig):
     seed: int = 42
 
 
-class ValidationConfig(StrictConfig):
-    """How validation generates and what it reports."""
+class DistillationValidationConfig(ValidationConfig):
+    """Validation settings of a distillation run (adds the teacher baseline and ``opd eval``'s model)."""
 
-    val_at_start: bool = True
-    val_at_end: bool = True
-    batch_size: int = Field(16, ge=1, description="prompts per validation generation batch")
-    generate_strategy: GenerateStrategyConfig = Field(
-        default_factory=lambda: GenerateStrategyConfig(decoding_method="greedy"),
-        description="the student's decoding for validation (greedy by default)",
-    )
     teacher_baseline: bool = Field(False, description="once, before training: the teacher answers the val prompts")
     model_path: str | None = Field(
         None, description="model evaluated by `opd eval` / val_only: a model dir or step_N checkpoint"
@@ -123,7 +119,7 @@ class MasterConfig(StrictConfig):
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     data: DataConfig
-    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    validation: DistillationValidationConfig = Field(default_factory=DistillationValidationConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
 
@@ -404,88 +400,6 @@ def _peak_memory_mb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def validate(
-    student_generation: GenerationInterface,
-    student_model: torch.nn.Module,
-    teacher_policy: TeacherInterface | None,
-    val_dataloader: StatefulDataLoader,
-    tokenizer: Any,
-    master_config: MasterConfig,
-    prefix: str = "val/",
-) -> dict[str, float]:
-    """A model generates on the validation prompts; reports accuracy, KL and lengths.
-
-    Validation draws its own random numbers (``fork_rng``), so how often and with which
-    decoding it runs never changes the training run's sampling.
-
-    Args:
-        student_generation: engine that answers the prompts.
-        student_model: the model whose distribution is compared with the teacher's.
-        teacher_policy: the teacher for ``kl_*``; None skips the KL (teacher baseline).
-        val_dataloader: validation examples.
-        tokenizer: decodes responses for answer checking.
-        master_config: supplies ``validation.generate_strategy``.
-        prefix: metric-name prefix (``val/`` or ``val/teacher_``).
-
-    Returns:
-        ``{prefix}kl_forward`` / ``kl_reverse`` (token means over the generated
-        responses), ``mean_response_length``, ``truncation_rate``, and ``accuracy`` when
-        the data has ground truth.
-    """
-    strategy = master_config.validation.generate_strategy
-    vocab_size = len(tokenizer)
-    totals = {"kl_forward": 0.0, "kl_reverse": 0.0, "tokens": 0.0, "length": 0.0, "truncated": 0.0}
-    correct, graded, rows = 0, 0, 0
-    student_device = next(student_model.parameters()).device
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        for examples in val_dataloader:
-            student_generation.prepare_for_generation()
-            try:
-                batch = student_generation.generate([example["prompt_ids"] for example in examples], strategy, 1)
-            finally:
-                student_generation.finish_generation()
-            if teacher_policy is not None:
-                batch["token_mask"] = build_token_mask(
-                    batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1], True
-                )
-                teacher_logits = teacher_policy.get_logits(batch)[..., :vocab_size]
-                with torch.inference_mode():
-                    input_ids = batch["input_ids"].to(student_device)
-                    attention = attention_mask_from_lengths(batch["input_lengths"].to(student_device), input_ids.shape[1])
-                    student_logits = student_model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
-                    mask = shift_token_mask(batch["token_mask"]).bool().to(student_device)
-                    student_rows = student_logits[:, :-1][..., :vocab_size][mask]
-                    teacher_rows = teacher_logits[:, :-1].to(student_device)[mask]
-                    totals["kl_forward"] += float(token_kl(student_rows, teacher_rows, "forward").sum())
-                    totals["kl_reverse"] += float(token_kl(student_rows, teacher_rows, "reverse").sum())
-                    totals["tokens"] += float(mask.sum())
-            totals["length"] += float(batch["response_lengths"].sum())
-            totals["truncated"] += float(batch["truncated"].sum())
-            rows += batch.size
-            for row, example in enumerate(examples):
-                if example["ground_truth"] is None:
-                    continue
-                start, end = int(batch["prompt_lengths"][row]), int(batch["input_lengths"][row])
-                response = tokenizer.decode(batch["input_ids"][row, start:end], skip_special_tokens=True)
-                correct += is_correct(response, example["ground_truth"])
-                graded += 1
-    metrics = {
-        f"{prefix}mean_response_length": totals["length"] / max(rows, 1),
-        f"{prefix}truncation_rate": totals["truncated"] / max(rows, 1),
-    }
-    if teacher_policy is not None:
-        tokens = max(totals["tokens"], 1.0)
-        metrics[f"{prefix}kl_forward"] = totals["kl_forward"] / tokens
-        metrics[f"{prefix}kl_reverse"] = totals["kl_reverse"] / tokens
-    if graded:
-        metrics[f"{prefix}accuracy"] = correct / graded
-    return metrics
 
 
 def evaluate(master_config: MasterConfig) -> dict[str, float]:
