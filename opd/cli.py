@@ -2,6 +2,7 @@
 
 * ``opd train --config FILE [key.sub=value ...]`` — distil (resumes if checkpoints exist);
 * ``opd eval --config FILE [key.sub=value ...]`` — validate one model and exit;
+* ``opd sft --config FILE [key.sub=value ...]`` — supervised fine-tuning (resumes too);
 * ``opd plot LOG_DIR`` — redraw the curves and summary from a run's ``metrics.jsonl``.
 
 User mistakes (config, data, incompatible models) end the run with one ``error:`` line
@@ -36,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(train)
     evaluate = commands.add_parser("eval", help="validate a model (validation.model_path) against the teacher")
     _add_config_arguments(evaluate)
+    sft = commands.add_parser("sft", help="supervised fine-tuning on the dataset's assistant answers")
+    _add_config_arguments(sft)
     plot = commands.add_parser("plot", help="draw curves.png and summary.txt from a run's metrics.jsonl")
     plot.add_argument("arguments", nargs=argparse.REMAINDER, help="LOG_DIR_OR_JSONL [--output PNG]")
     return parser
@@ -60,24 +63,47 @@ def run_train(config_path: str, overrides: list[str], val_only: bool = False) ->
     # Imported here so that `opd --help` and config errors do not pay for importing torch.
     from opd.algorithms.distillation import MasterConfig, distillation_train, evaluate, setup
     from opd.utils.config import load_config
-    from opd.utils.logger import setup_console_logging
-    from opd.utils.plotting import plot_curves, write_summary
 
-    setup_console_logging()
-    quiet_third_party_output()
+    _prepare_console()
     config = load_config(MasterConfig, config_path, overrides)
     if val_only or config.val_only:
         evaluate(config)
         return
     distillation_train(*setup(config))
-    metrics_file = Path(config.logger.log_dir) / "metrics.jsonl"
-    if config.logger.jsonl and metrics_file.is_file():
-        # The run itself succeeded; a plot that cannot be drawn must not turn it into an error.
-        try:
-            print(write_summary(metrics_file))
-            print(f"curves: {plot_curves(metrics_file)}")
-        except OpdError as error:
-            print(f"opd: warning: no curves drawn: {error}", file=sys.stderr)
+    _draw_curves(config.logger)
+
+
+def run_sft(config_path: str, overrides: list[str]) -> None:
+    """Loads and validates an SFT config, then fine-tunes."""
+    from opd.algorithms.sft import SFTMasterConfig, setup, sft_train
+    from opd.utils.config import load_config
+
+    _prepare_console()
+    config = load_config(SFTMasterConfig, config_path, overrides)
+    sft_train(*setup(config))
+    _draw_curves(config.logger)
+
+
+def _prepare_console() -> None:
+    from opd.utils.logger import setup_console_logging
+
+    setup_console_logging()
+    quiet_third_party_output()
+
+
+def _draw_curves(logger_config: "object") -> None:
+    """Writes summary.txt and curves.png next to metrics.jsonl; a failure here is only a warning."""
+    from opd.utils.plotting import plot_curves, write_summary
+
+    metrics_file = Path(logger_config.log_dir) / "metrics.jsonl"  # type: ignore[attr-defined]
+    if not (logger_config.jsonl and metrics_file.is_file()):  # type: ignore[attr-defined]
+        return
+    # The run itself succeeded; a plot that cannot be drawn must not turn it into an error.
+    try:
+        print(write_summary(metrics_file))
+        print(f"curves: {plot_curves(metrics_file)}")
+    except OpdError as error:
+        print(f"opd: warning: no curves drawn: {error}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return plot_main(args.arguments)
     try:
-        run_train(args.config, args.overrides, val_only=args.command == "eval")
+        if args.command == "sft":
+            run_sft(args.config, args.overrides)
+        else:
+            run_train(args.config, args.overrides, val_only=args.command == "eval")
     except TrainingDivergedError as error:
         print(f"opd: error: {error}", file=sys.stderr)
         return EXIT_TRAINING_FAILED

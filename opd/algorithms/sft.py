@@ -1,0 +1,198 @@
+"""Supervised fine-tuning (SFT) on fixed chat data: configs, ``setup()``, ``sft_train()``.
+
+The model learns the dataset's final assistant message by token-level NLL (prompt and
+padding never carry loss). SFT shares every piece of a distillation run except the step
+itself: the data loading and chat template, :class:`~opd.models.policy.hf_policy.HFPolicy`
+(micro-batching, gradient accumulation, the non-finite guard), validation, atomic
+checkpoints, exact resume and the logs (:mod:`opd.algorithms.training_loop`). It prepares
+the CPU demo's teacher and student and is the baseline distillation is compared with.
+
+    opd sft --config examples/configs/sft.yaml [key.sub=value ...]
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Literal, TypedDict
+
+from pydantic import Field
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from opd.algorithms.distillation import build_fixed_data_batch
+from opd.algorithms.loss_functions import NLLLossFn
+from opd.algorithms.training_loop import run_training_loop
+from opd.algorithms.validation import ValidationConfig, validate
+from opd.data.config import DataConfig
+from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader, prepare_examples
+from opd.data.datasets import load_chat_dataset
+from opd.models.generation.hf_generation import HFGeneration
+from opd.models.loading import check_output_sizes, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
+from opd.utils.config import StrictConfig
+from opd.utils.errors import ConfigError
+from opd.utils.logger import Logger, LoggerConfig
+
+log = logging.getLogger("opd")
+
+
+class SFTModelConfig(StrictConfig):
+    """The model to fine-tune and how to load it."""
+
+    model_path: str = Field(description="HF hub name, local model directory or tiny:<preset>")
+    tokenizer_path: str | None = Field(None, description="defaults to model_path")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    trust_remote_code: bool = False
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
+
+
+class SFTTrainingConfig(OptimizerConfig):
+    """Loop, batch and optimizer settings of SFT (same meaning as in distillation)."""
+
+    batch_size: int = Field(32, ge=1, description="sequences per optimizer step")
+    micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward/backward; null = batch_size")
+    num_epochs: int = Field(1, ge=1)
+    max_num_steps: int | None = Field(None, ge=1)
+    val_freq: int = Field(0, ge=0)
+    save_freq: int = Field(0, ge=0)
+    max_consecutive_nonfinite_steps: int = Field(5, ge=1)
+    seed: int = 42
+
+
+class SFTMasterConfig(StrictConfig):
+    """The whole configuration of an SFT run."""
+
+    output_dir: str = "results/sft"
+    model: SFTModelConfig
+    training: SFTTrainingConfig = Field(default_factory=SFTTrainingConfig)
+    data: DataConfig
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    checkpointing: CheckpointingConfig = Field(
+        default_factory=lambda: CheckpointingConfig(metric_name="val/accuracy", higher_is_better=True)
+    )
+
+
+class SFTSaveState(TypedDict):
+    """Counters saved in every checkpoint and restored on resume."""
+
+    step: int
+    epoch: int
+    consumed_samples: int
+    best_metric: float | None
+    best_step: int | None
+    consecutive_nonfinite_steps: int
+
+
+def _load_examples(config: SFTMasterConfig, tokenizer: Any, path: str, split: str, limit: int | None) -> list[PreparedExample]:
+    raw = load_chat_dataset(path, split=split, max_examples=limit, data_format=config.data.data_format,
+                            prompt_file=config.data.prompt_file)
+    return prepare_examples(raw, tokenizer, config.data.max_prompt_length, path)
+
+
+def setup(master_config: SFTMasterConfig) -> tuple:
+    """Builds what ``sft_train`` needs; resumes from the newest checkpoint if there is one.
+
+    Returns:
+        ``(policy, dataloader, val_dataloader, tokenizer, loss_fn, logger, checkpointer,
+        sft_save_state, master_config)``.
+
+    Raises:
+        ConfigError: if a training example has no assistant answer to learn, or the
+            batch is larger than the data.
+    """
+    config = master_config
+    checkpointer = CheckpointManager(config.checkpointing)
+    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.model_path, config.model.trust_remote_code)
+    if config.data.chat_template:
+        tokenizer.chat_template = config.data.chat_template
+    train_examples = _load_examples(config, tokenizer, config.data.train_path, config.data.train_split,
+                                    config.data.max_train_examples)
+    missing = sum(example["response_ids"] is None for example in train_examples)
+    if missing:
+        raise ConfigError(
+            f"SFT learns the final assistant message, but {missing} of {len(train_examples)} examples in "
+            f"'{config.data.train_path}' have none"
+        )
+    if len(train_examples) < config.training.batch_size:
+        raise ConfigError(f"training.batch_size = {config.training.batch_size} exceeds the "
+                          f"{len(train_examples)} usable examples in '{config.data.train_path}'")
+    val_examples = (
+        _load_examples(config, tokenizer, config.data.val_path, config.data.val_split, config.data.max_val_examples)
+        if config.data.val_path else None
+    )
+
+    resume_from = None
+    if config.checkpointing.enabled:
+        for leftover in checkpointer.remove_incomplete():
+            log.warning("removed %s, an incomplete checkpoint from an interrupted write", leftover)
+        resume_from = checkpointer.latest_checkpoint()
+    model_path = str(resume_from / "policy") if resume_from else config.model.model_path
+    device = resolve_device(config.model.device)
+    model = load_causal_lm(model_path, resolve_dtype(config.model.dtype, device), device, config.model)  # type: ignore[arg-type]
+    check_output_sizes(model, len(tokenizer), model_path)
+
+    steps_per_epoch = len(train_examples) // config.training.batch_size
+    total_steps = steps_per_epoch * config.training.num_epochs
+    if config.training.max_num_steps is not None:
+        total_steps = min(total_steps, config.training.max_num_steps)
+    micro_batch_size = config.training.micro_batch_size or config.training.batch_size
+    policy = HFPolicy(model, config.training, micro_batch_size, total_steps)
+    save_state: SFTSaveState = {"step": 0, "epoch": 0, "consumed_samples": 0, "best_metric": None,
+                                "best_step": None, "consecutive_nonfinite_steps": 0}
+    if resume_from is not None:
+        policy.load_state_dict(checkpointer.load_optimizer_state(resume_from))
+        save_state.update(checkpointer.load_save_state(resume_from))  # type: ignore[typeddict-item]
+        checkpointer.protected_step = save_state["best_step"]
+        log.info("resuming from %s (step %d of %d)", resume_from, save_state["step"], total_steps)
+    dataloader = make_train_dataloader(train_examples, config.training.batch_size, config.data.shuffle,
+                                       config.training.seed)
+    val_dataloader = make_eval_dataloader(val_examples, config.validation.batch_size) if val_examples else None
+    logger = Logger(config.logger, total_steps)
+    logger.log_hyperparams(config.model_dump(mode="json", by_alias=True))
+    log.info("SFT of %s: %d train examples, %s val, %d steps", model_path, len(train_examples),
+             len(val_examples) if val_examples else 0, total_steps)
+    return policy, dataloader, val_dataloader, tokenizer, NLLLossFn(), logger, checkpointer, save_state, master_config
+
+
+def sft_train(
+    policy: HFPolicy,
+    dataloader: StatefulDataLoader,
+    val_dataloader: StatefulDataLoader | None,
+    tokenizer: Any,
+    loss_fn: Any,
+    logger: Logger,
+    checkpointer: CheckpointManager,
+    sft_save_state: SFTSaveState,
+    master_config: SFTMasterConfig,
+) -> None:
+    """Fine-tunes ``policy`` on the dataset's assistant turns until the step budget is spent."""
+    generation = HFGeneration(policy.model, tokenizer)
+
+    def train_step(examples: list[PreparedExample]) -> dict[str, Any]:
+        start = time.perf_counter()
+        batch = build_fixed_data_batch(examples, tokenizer.pad_token_id, mask_prompt_tokens=True)
+        metrics = {f"train/{key}": value for key, value in policy.train(batch, loss_fn).items()}
+        seconds = time.perf_counter() - start
+        metrics["train/mean_response_length"] = float(batch["response_lengths"].float().mean())
+        metrics["timing/step"] = seconds
+        metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / seconds
+        return metrics
+
+    def run_validation() -> dict[str, float]:
+        return validate(generation, policy.model, None, val_dataloader, tokenizer, master_config)  # type: ignore[arg-type]
+
+    run_training_loop(
+        policy=policy,
+        tokenizer=tokenizer,
+        dataloader=dataloader,
+        logger=logger,
+        checkpointer=checkpointer,
+        state=sft_save_state,  # type: ignore[arg-type]
+        config=master_config,
+        train_step=train_step,
+        validate=run_validation if val_dataloader is not None else None,
+        console_keys=["train/loss", "train/grad_norm", "train/lr", "perf/tokens_per_s"],
+    )
