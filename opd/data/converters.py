@@ -78,13 +78,14 @@ def math_cl_to_chat(example: dict[str, Any], prompt_template: str) -> dict[str, 
 
     Args:
         example: A row with ``problem`` (str) and ``ground_truth_answer``
-            (str or number). Other fields are ignored.
+            (str or number), and optionally ``solution`` (str), a worked answer that
+            becomes the assistant message. Other fields are ignored.
         prompt_template: Template from :func:`load_prompt_template`; the problem
             is substituted for ``{prompt}``.
 
     Returns:
-        ``{"messages": [{"role": "user", "content": ...}], "ground_truth": str,
-        "problem": str}``.
+        ``{"messages": [{"role": "user", "content": ...}, (assistant solution)],
+        "ground_truth": str, "problem": str}``.
 
     Raises:
         DataError: If a field is missing or has the wrong type. The message does
@@ -112,11 +113,15 @@ def math_cl_to_chat(example: dict[str, Any], prompt_template: str) -> dict[str, 
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise DataError(f'"ground_truth_answer" must be a string or a number, got {_type_name(answer)}')
 
-    return {
-        "messages": [{"role": "user", "content": prompt_template.format(prompt=problem)}],
-        "ground_truth": str(answer),
-        "problem": problem,
-    }
+    messages = [{"role": "user", "content": prompt_template.format(prompt=problem)}]
+    # An optional worked solution becomes the assistant turn: the fixed data of λ < 1 steps
+    # and the target of SFT.
+    solution = example.get("solution")
+    if solution is not None:
+        if not isinstance(solution, str) or not solution.strip():
+            raise DataError(f'"solution" must be a non-empty string when present, got {_describe(solution)}')
+        messages.append({"role": "assistant", "content": solution})
+    return {"messages": messages, "ground_truth": str(answer), "problem": problem}
 
 
 def _type_name(value: Any) -> str:

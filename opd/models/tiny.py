@@ -15,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from collections.abc import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from opd.utils.errors import ConfigError
@@ -56,6 +58,9 @@ TINY_PRESETS: dict[str, TinyPreset] = {
     "student": TinyPreset(64, 128, 2, 4, 2, seed=4321),
     # A second, independently initialised model of the student's shape (for tests).
     "student-b": TinyPreset(64, 128, 2, 4, 2, seed=999),
+    # The CPU demo's task models (examples/demo/prepare_models.py): trained with opd sft.
+    "demo-teacher": TinyPreset(128, 512, 4, 4, 2, seed=11),
+    "demo-student": TinyPreset(64, 256, 2, 4, 2, seed=12),
 }
 
 
@@ -84,6 +89,48 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """Trains a small byte-level BPE tokenizer on a task's text (deterministic for the same texts).
+
+    Digits are always single tokens (so arithmetic stays learnable digit by digit), every
+    byte has a token (any text round-trips), and the special tokens and ChatML template
+    are those of :func:`build_tiny_tokenizer`. Repeated text such as a long fixed prompt
+    compresses to a few words' worth of tokens, which keeps CPU demos fast.
+
+    Args:
+        texts: training text, e.g. rendered chat conversations of the task.
+        vocab_size: upper bound on the vocabulary (fewer if the text has fewer merges).
+    """
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        # No word-boundary regex: merges may span spaces, so a fixed prompt that opens every
+        # example shrinks to a handful of tokens.
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def build_model_for_tokenizer(preset_name: str, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
+    """A randomly initialised tiny preset sized for ``tokenizer``'s vocabulary (deterministic)."""
+    config = tiny_model_config(preset_name, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_PRESETS[preset_name].seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
 
 
 def tiny_model_config(preset_name: str, vocab_size: int, eos_token_id: int, pad_token_id: int) -> Qwen2Config:
@@ -125,16 +172,7 @@ def build_tiny_model(preset_name: str, dtype: torch.dtype = torch.float32) -> Qw
         The model, in train mode, with a generation config whose EOS/pad tokens match
         :func:`build_tiny_tokenizer`.
     """
-    tokenizer = build_tiny_tokenizer()
-    config = tiny_model_config(
-        preset_name, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id
-    )
-    # A private generator keeps the global RNG (and so the run's seed) untouched.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(TINY_PRESETS[preset_name].seed)
-        model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model = build_model_for_tokenizer(preset_name, build_tiny_tokenizer())
     return model.to(dtype)
 
 

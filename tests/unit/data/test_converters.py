@@ -290,3 +290,18 @@ def test_cli_runs_as_a_module(tmp_path, prompt_file):
     )
     assert failed.returncode == 2
     assert failed.stderr.strip() == f"error: prompt file {tmp_path / 'missing_prompt.txt'} not found"
+
+
+def test_math_cl_solution_becomes_the_assistant_turn():
+    template = "Q: {prompt}\nA: <think>"
+    example = math_cl_to_chat(
+        {"problem": "What is 1 + 2?", "ground_truth_answer": 3, "solution": "1+2=3. </think> <answer> \\boxed{3} </answer>"},
+        template,
+    )
+    assert example["messages"] == [
+        {"role": "user", "content": "Q: What is 1 + 2?\nA: <think>"},
+        {"role": "assistant", "content": "1+2=3. </think> <answer> \\boxed{3} </answer>"},
+    ]
+    assert example["ground_truth"] == "3"
+    with pytest.raises(DataError, match='"solution"'):
+        math_cl_to_chat({"problem": "p", "ground_truth_answer": "1", "solution": ""}, template)

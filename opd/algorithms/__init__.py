@@ -1,0 +1,1 @@
+"""Algorithms: on-policy distillation, SFT, their losses and the shared run lifecycle."""

@@ -1,0 +1,1 @@
+"""Task environments: answer extraction and verification."""

@@ -1,0 +1,1 @@
+"""Models: interfaces, loading, tiny local models, the student policy, generation and teachers."""

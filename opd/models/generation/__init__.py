@@ -1,0 +1,1 @@
+"""Student generation backends (Hugging Face ``generate`` today)."""

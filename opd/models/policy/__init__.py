@@ -1,0 +1,1 @@
+"""The trainable student policy (Hugging Face causal LM with optimizer and schedule)."""

@@ -1,0 +1,1 @@
+"""Teacher backends (an in-process frozen model today)."""

@@ -1,0 +1,1 @@
+"""Utilities: config, logging, checkpoints, RNG, signals, plotting, errors."""
