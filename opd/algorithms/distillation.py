@@ -32,13 +32,12 @@ from typing import Any, Literal, TypedDict
 
 import numpy as np
 import torch
-import yaml
 from pydantic import Field
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.interfaces import LossFunction
 from opd.algorithms.loss_functions import DistillationLossFn
-from opd.algorithms.training_loop import run_training_loop
+from opd.algorithms.training_loop import check_output_is_fresh, run_training_loop, warn_on_config_change
 from opd.algorithms.validation import ValidationConfig, validate
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.config import DataConfig
@@ -203,22 +202,6 @@ def check_config_against_data(config: MasterConfig, train_examples: list[Prepare
             )
 
 
-def check_output_is_fresh(config: MasterConfig, checkpointer: CheckpointManager) -> None:
-    """Refuses to overwrite the final model of an earlier run that left no checkpoint.
-
-    With checkpoints, rerunning the same command resumes instead (see :func:`setup`).
-
-    Raises:
-        ConfigError: naming the directory that already holds a final model.
-    """
-    final_model = Path(config.output_dir) / "final_model"
-    if final_model.exists() and checkpointer.latest_checkpoint() is None:
-        raise ConfigError(
-            f"output_dir '{config.output_dir}' already holds final_model/ from an earlier run that left no "
-            "checkpoint to resume from; choose another output_dir or move it away. Nothing was changed."
-        )
-
-
 def _load_tokenizer(config: MasterConfig) -> Any:
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.student_model_path, config.model.trust_remote_code)
     if config.data.chat_template:
@@ -250,32 +233,6 @@ def _load_models(config: MasterConfig, tokenizer: Any, student_path: str) -> tup
     return student_model, teacher_model
 
 
-def _warn_on_config_change(checkpoint: Path, config: MasterConfig) -> None:
-    """Lists the keys whose values differ from the checkpoint's config, so a resume never changes a run silently."""
-    saved_file = checkpoint / "config.yaml"
-    if not saved_file.is_file():
-        return
-    saved = _flatten(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {})
-    current = _flatten(config.model_dump(mode="json", by_alias=True))
-    changed = sorted(key for key in saved.keys() | current.keys() if saved.get(key) != current.get(key))
-    if changed:
-        log.warning(
-            "resuming with a config that differs from %s in: %s",
-            saved_file,
-            ", ".join(f"{key} ({saved.get(key)!r} -> {current.get(key)!r})" for key in changed),
-        )
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def setup(master_config: MasterConfig) -> tuple:
     """Builds everything ``distillation_train`` needs, checking user input first.
 
@@ -293,7 +250,7 @@ def setup(master_config: MasterConfig) -> tuple:
     config = master_config
     micro_batch_size, _ = resolve_micro_batching(config)
     checkpointer = CheckpointManager(config.checkpointing)
-    check_output_is_fresh(config, checkpointer)
+    check_output_is_fresh(config.output_dir, checkpointer)
     set_seed(config.training.seed)
 
     tokenizer = _load_tokenizer(config)
@@ -341,7 +298,7 @@ def setup(master_config: MasterConfig) -> tuple:
     )
     save_state = _default_save_state()
     if resume_from is not None:
-        _warn_on_config_change(resume_from, config)
+        warn_on_config_change(resume_from, config)
         student_policy.load_state_dict(checkpointer.load_optimizer_state(resume_from))
         save_state.update(checkpointer.load_save_state(resume_from))  # type: ignore[typeddict-item]
         checkpointer.protected_step = save_state["best_step"]

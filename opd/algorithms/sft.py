@@ -21,7 +21,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.distillation import build_fixed_data_batch
 from opd.algorithms.loss_functions import NLLLossFn
-from opd.algorithms.training_loop import run_training_loop
+from opd.algorithms.training_loop import check_output_is_fresh, run_training_loop, warn_on_config_change
 from opd.algorithms.validation import ValidationConfig, validate
 from opd.data.config import DataConfig
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader, prepare_examples
@@ -105,6 +105,7 @@ def setup(master_config: SFTMasterConfig) -> tuple:
     """
     config = master_config
     checkpointer = CheckpointManager(config.checkpointing)
+    check_output_is_fresh(config.output_dir, checkpointer)
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.model_path, config.model.trust_remote_code)
     if config.data.chat_template:
         tokenizer.chat_template = config.data.chat_template
@@ -143,6 +144,7 @@ def setup(master_config: SFTMasterConfig) -> tuple:
     save_state: SFTSaveState = {"step": 0, "epoch": 0, "consumed_samples": 0, "best_metric": None,
                                 "best_step": None, "consecutive_nonfinite_steps": 0}
     if resume_from is not None:
+        warn_on_config_change(resume_from, config)
         policy.load_state_dict(checkpointer.load_optimizer_state(resume_from))
         save_state.update(checkpointer.load_save_state(resume_from))  # type: ignore[typeddict-item]
         checkpointer.protected_step = save_state["best_step"]

@@ -28,12 +28,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import yaml
 from pydantic import BaseModel
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.utils.checkpoint import CheckpointManager
 from opd.utils.config import config_to_yaml
-from opd.utils.errors import TrainingDivergedError
+from opd.utils.errors import ConfigError, TrainingDivergedError
 from opd.utils.logger import Logger
 from opd.utils.rng import capture_rng_state, restore_rng_state
 from opd.utils.signals import GracefulStop
@@ -192,6 +193,47 @@ def run_training_loop(
     write_final_model(policy, tokenizer, final_dir)
     log.info("final model written to %s", final_dir)
     logger.close()
+
+
+def check_output_is_fresh(output_dir: str, checkpointer: CheckpointManager) -> None:
+    """Refuses to overwrite the final model of an earlier run that left no checkpoint.
+
+    With checkpoints, rerunning the same command resumes instead.
+
+    Raises:
+        ConfigError: naming the directory that already holds a final model.
+    """
+    if (Path(output_dir) / "final_model").exists() and checkpointer.latest_checkpoint() is None:
+        raise ConfigError(
+            f"output_dir '{output_dir}' already holds final_model/ from an earlier run that left no "
+            "checkpoint to resume from; choose another output_dir or move it away. Nothing was changed."
+        )
+
+
+def warn_on_config_change(checkpoint: Path, config: BaseModel) -> None:
+    """Logs the keys whose values differ from the checkpoint's config, so a resume never changes a run silently."""
+    saved_file = checkpoint / "config.yaml"
+    if not saved_file.is_file():
+        return
+    saved = _flatten(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {})
+    current = _flatten(config.model_dump(mode="json", by_alias=True))
+    changed = sorted(key for key in saved.keys() | current.keys() if saved.get(key) != current.get(key))
+    if changed:
+        log.warning(
+            "resuming with a config that differs from %s in: %s",
+            saved_file,
+            ", ".join(f"{key} ({saved.get(key)!r} -> {current.get(key)!r})" for key in changed),
+        )
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def write_final_model(policy: Any, tokenizer: Any, final_dir: Path) -> None:
