@@ -82,17 +82,35 @@ def token_kl(
     """
     if kl_type not in KL_TYPES:
         raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
+    return _combine(log_q, log_p, kl_type, mixed_kl_weight)
+
+
+def _log_probs(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Student and teacher log-probabilities at ``temperature``, in at least float32.
+
+    bf16 log-probs lose ~3 significant digits, so the softmax never runs in it.
+
+    Raises:
+        ValueError: if the two logits differ in shape (e.g. vocabularies of different size).
+    """
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(
             f"student and teacher logits differ in shape: {tuple(student_logits.shape)} "
             f"vs {tuple(teacher_logits.shape)}"
         )
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    # Softmax in at least fp32: bf16 log-probs lose ~3 significant digits.
     compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
     log_q = torch.log_softmax(student_logits.to(compute_dtype) / temperature, dim=-1)
     log_p = torch.log_softmax(teacher_logits.to(compute_dtype) / temperature, dim=-1)
+    return log_q, log_p
+
+
+def _combine(log_q: torch.Tensor, log_p: torch.Tensor, kl_type: str, mixed_kl_weight: float) -> torch.Tensor:
+    """The divergence named by ``kl_type`` from precomputed log-probabilities."""
     if kl_type == "forward":
         return _plogp_difference(log_p, log_q)
     if kl_type == "reverse":
@@ -182,23 +200,21 @@ class DistillationLossFn:
         # [B, L, V] logits are skipped instead of computed and then masked to zero.
         student_rows = student_logits[:, :-1][loss_mask]
         teacher_rows = teacher_logits[:, :-1][loss_mask]
-        divergence = token_kl(
-            student_rows, teacher_rows, self.kl_type, self.mixed_kl_weight, self.temperature
-        )
+        log_q, log_p = _log_probs(student_rows, teacher_rows, self.temperature)
+        divergence = _combine(log_q, log_p, self.kl_type, self.mixed_kl_weight)
         normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
         # sum() of an empty selection is 0 with a graph attached, so an all-masked
         # micro-batch contributes zero loss and zero gradient.
         loss = divergence.sum() / normalizer
         with torch.no_grad():
+            # The metrics are both KL directions at temperature 1. At temperature 1 they
+            # reuse the loss's log-probabilities instead of a second pair of softmaxes.
+            if self.temperature != 1.0:
+                log_q, log_p = _log_probs(student_rows, teacher_rows, 1.0)
+            log_q, log_p = log_q.detach(), log_p.detach()
+            forward_sum = _plogp_difference(log_p, log_q).sum()
+            reverse_sum = _plogp_difference(log_q, log_p).sum()
             token_normalizer = float(max(global_valid_tokens, 1))
-            if self.kl_type == "forward" and self.temperature == 1.0:
-                forward_sum = divergence.sum()
-            else:
-                forward_sum = token_kl(student_rows, teacher_rows, "forward").sum()
-            if self.kl_type == "reverse" and self.temperature == 1.0:
-                reverse_sum = divergence.sum()
-            else:
-                reverse_sum = token_kl(student_rows, teacher_rows, "reverse").sum()
         metrics = {
             "loss": float(loss.detach()),
             "kl_forward": float(forward_sum) / token_normalizer,
