@@ -51,7 +51,7 @@ def run_sft(init_dir: Path, output_dir: Path, steps: int, extra: list[str]) -> P
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--teacher-steps", type=int, default=600)
+    parser.add_argument("--teacher-steps", type=int, default=2000)
     parser.add_argument("--student-steps", type=int, default=60)
     parser.add_argument("--work-dir", default=str(REPO / "results" / "demo_prep"))
     args = parser.parse_args()

@@ -94,20 +94,27 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
     """Trains a small byte-level BPE tokenizer on a task's text (deterministic for the same texts).
 
-    Digits are always single tokens (so arithmetic stays learnable digit by digit), every
-    byte has a token (any text round-trips), and the special tokens and ChatML template
-    are those of :func:`build_tiny_tokenizer`. Repeated text such as a long fixed prompt
-    compresses to a few words' worth of tokens, which keeps CPU demos fast.
+    It splits text exactly as Qwen2's tokenizer does (transformers' ``PRETOKENIZE_REGEX``:
+    words, single digits, punctuation runs) before byte-level BPE. That is not only
+    realistic: ``AutoTokenizer`` loads any tokenizer saved beside a Qwen2 model as a
+    ``Qwen2Tokenizer`` and re-applies that split, so a tokenizer trained with another
+    split would tokenize differently once saved and reloaded. Digits stay single tokens,
+    every byte has a token, and the special tokens and ChatML template are those of
+    :func:`build_tiny_tokenizer`.
 
     Args:
         texts: training text, e.g. rendered chat conversations of the task.
         vocab_size: upper bound on the vocabulary (fewer if the text has fewer merges).
     """
+    from tokenizers import Regex
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.Sequence(
-        # No word-boundary regex: merges may span spaces, so a fixed prompt that opens every
-        # example shrinks to a handful of tokens.
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(

@@ -65,3 +65,22 @@ def test_saved_pair_reloads_with_auto_classes(tmp_path):
     for (name, a), b in zip(original.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
     assert tokenizer.chat_template == build_tiny_tokenizer().chat_template
+
+
+def test_task_tokenizer_survives_save_and_auto_reload(tmp_path):
+    """AutoTokenizer reloads it (as a Qwen2Tokenizer) with the very same token ids."""
+    from transformers import AutoTokenizer
+
+    from opd.models.tiny import build_model_for_tokenizer, train_bpe_tokenizer
+
+    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n"
+             for a in range(10, 60) for b in range(20, 40)]
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=400)
+    build_model_for_tokenizer("demo-student", tokenizer).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    sample = texts[123] + " What is 987 + 654? héllo"
+    assert reloaded(sample, add_special_tokens=False)["input_ids"] == tokenizer(sample, add_special_tokens=False)["input_ids"]
+    ids = tokenizer("12345", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 5  # digits stay single tokens
+    assert len(tokenizer(texts[0], add_special_tokens=False)["input_ids"]) < len(texts[0].encode()) / 2  # merges help
