@@ -28,7 +28,7 @@ import random
 import resource
 import time
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -37,7 +37,13 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.interfaces import LossFunction
 from opd.algorithms.loss_functions import DistillationLossFn
-from opd.algorithms.training_loop import check_output_is_fresh, run_training_loop, warn_on_config_change
+from opd.algorithms.training_loop import (
+    RunSaveState,
+    check_output_is_fresh,
+    fresh_save_state,
+    run_training_loop,
+    warn_on_config_change,
+)
 from opd.algorithms.validation import ValidationConfig, validate
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.config import DataConfig
@@ -158,26 +164,8 @@ def resolve_micro_batching(config: MasterConfig) -> tuple[int, int]:
 # --------------------------------------------------------------------------- state
 
 
-class DistillationSaveState(TypedDict):
-    """Counters saved in every checkpoint (``save_state.json``) and restored on resume."""
-
-    step: int
-    epoch: int
-    consumed_samples: int
-    best_metric: float | None
-    best_step: int | None
-    consecutive_nonfinite_steps: int
-
-
-def _default_save_state() -> DistillationSaveState:
-    return {
-        "step": 0,
-        "epoch": 0,
-        "consumed_samples": 0,
-        "best_metric": None,
-        "best_step": None,
-        "consecutive_nonfinite_steps": 0,
-    }
+DistillationSaveState = RunSaveState
+"""Counters saved in every checkpoint (see :class:`~opd.algorithms.training_loop.RunSaveState`)."""
 
 
 # --------------------------------------------------------------------------- setup
@@ -296,7 +284,7 @@ def setup(master_config: MasterConfig) -> tuple:
         kl_reduction=config.distillation.kl_reduction,
         vocab_size=len(tokenizer),
     )
-    save_state = _default_save_state()
+    save_state = fresh_save_state()
     if resume_from is not None:
         warn_on_config_change(resume_from, config)
         student_policy.load_state_dict(checkpointer.load_optimizer_state(resume_from))

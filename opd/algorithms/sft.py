@@ -14,18 +14,25 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Literal, TypedDict
+from typing import Any
 
 from pydantic import Field
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.distillation import build_fixed_data_batch
 from opd.algorithms.loss_functions import NLLLossFn
-from opd.algorithms.training_loop import check_output_is_fresh, run_training_loop, warn_on_config_change
+from opd.algorithms.training_loop import (
+    RunSaveState,
+    check_output_is_fresh,
+    fresh_save_state,
+    run_training_loop,
+    warn_on_config_change,
+)
 from opd.algorithms.validation import ValidationConfig, validate
 from opd.data.config import DataConfig
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader, prepare_examples
 from opd.data.datasets import load_chat_dataset
+from opd.models.config import ModelLoadingConfig
 from opd.models.generation.hf_generation import HFGeneration
 from opd.models.loading import check_output_sizes, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
@@ -37,15 +44,11 @@ from opd.utils.logger import Logger, LoggerConfig
 log = logging.getLogger("opd")
 
 
-class SFTModelConfig(StrictConfig):
+class SFTModelConfig(ModelLoadingConfig):
     """The model to fine-tune and how to load it."""
 
     model_path: str = Field(description="HF hub name, local model directory or tiny:<preset>")
     tokenizer_path: str | None = Field(None, description="defaults to model_path")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    trust_remote_code: bool = False
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
 
 
 class SFTTrainingConfig(OptimizerConfig):
@@ -75,15 +78,8 @@ class SFTMasterConfig(StrictConfig):
     )
 
 
-class SFTSaveState(TypedDict):
-    """Counters saved in every checkpoint and restored on resume."""
-
-    step: int
-    epoch: int
-    consumed_samples: int
-    best_metric: float | None
-    best_step: int | None
-    consecutive_nonfinite_steps: int
+SFTSaveState = RunSaveState
+"""Counters saved in every checkpoint (see :class:`~opd.algorithms.training_loop.RunSaveState`)."""
 
 
 def _load_examples(config: SFTMasterConfig, tokenizer: Any, path: str, split: str, limit: int | None) -> list[PreparedExample]:
@@ -141,8 +137,7 @@ def setup(master_config: SFTMasterConfig) -> tuple:
         total_steps = min(total_steps, config.training.max_num_steps)
     micro_batch_size = config.training.micro_batch_size or config.training.batch_size
     policy = HFPolicy(model, config.training, micro_batch_size, total_steps)
-    save_state: SFTSaveState = {"step": 0, "epoch": 0, "consumed_samples": 0, "best_metric": None,
-                                "best_step": None, "consecutive_nonfinite_steps": 0}
+    save_state: SFTSaveState = fresh_save_state()
     if resume_from is not None:
         warn_on_config_change(resume_from, config)
         policy.load_state_dict(checkpointer.load_optimizer_state(resume_from))

@@ -26,7 +26,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 import yaml
 from pydantic import BaseModel
@@ -40,6 +40,23 @@ from opd.utils.rng import capture_rng_state, restore_rng_state
 from opd.utils.signals import GracefulStop
 
 log = logging.getLogger("opd")
+
+class RunSaveState(TypedDict):
+    """Counters saved in every checkpoint (``save_state.json``) and restored on resume."""
+
+    step: int
+    epoch: int
+    consumed_samples: int
+    best_metric: float | None
+    best_step: int | None
+    consecutive_nonfinite_steps: int
+
+
+def fresh_save_state() -> RunSaveState:
+    """The save state of a run that has not taken a step yet."""
+    return {"step": 0, "epoch": 0, "consumed_samples": 0, "best_metric": None, "best_step": None,
+            "consecutive_nonfinite_steps": 0}
+
 
 StepFn = Callable[[list[Any]], dict[str, Any]]
 """Runs one optimizer step on a batch of examples; returns namespaced metrics
