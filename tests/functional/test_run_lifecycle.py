@@ -23,9 +23,7 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +36,7 @@ from opd.algorithms.distillation import MasterConfig, distillation_train, setup
 from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from opd.utils.config import load_config, validate_config
 from opd.utils.errors import TrainingDivergedError
+from opd_test_helpers import BackgroundProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).resolve().with_name("lifecycle_runner.py")
@@ -79,63 +78,16 @@ def train_argv(output_dir: Path, *extra: str) -> list[str]:
     return ["train", "--config", str(REPO_ROOT / TINY), f"output_dir={output_dir}", *LIFECYCLE_OVERRIDES, *extra]
 
 
-class Process:
-    """A started ``opd`` process whose stdout/stderr go to files (no pipe can fill up)."""
+class Process(BackgroundProcess):
+    """An ``opd`` process, started plainly or through ``lifecycle_runner.py`` with pause hooks."""
 
     def __init__(self, name: str, argv: list[str], workdir: Path, hooks: dict | None = None) -> None:
-        self.name = name
         self.argv = argv
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.stdout_path = workdir / f"{name}.stdout"
-        self.stderr_path = workdir / f"{name}.stderr"
         if hooks is None:
             command = [sys.executable, "-m", "opd", *argv]
         else:
             command = [sys.executable, str(RUNNER), json.dumps(hooks), *argv]
-        with open(self.stdout_path, "w") as stdout, open(self.stderr_path, "w") as stderr:
-            self.popen = subprocess.Popen(
-                command, cwd=REPO_ROOT, stdout=stdout, stderr=stderr, env=SUBPROCESS_ENV
-            )
-
-    @property
-    def stdout(self) -> str:
-        return self.stdout_path.read_text()
-
-    @property
-    def stderr(self) -> str:
-        return self.stderr_path.read_text()
-
-    def output(self) -> str:
-        """The tail of both streams, for assertion messages."""
-        return f"--- {self.name} stdout:\n{self.stdout[-3000:]}\n--- {self.name} stderr:\n{self.stderr[-3000:]}"
-
-    def wait(self, timeout: float = PROCESS_TIMEOUT) -> int:
-        try:
-            return self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
-            raise AssertionError(f"{self.name} did not finish within {timeout} s\n{self.output()}") from None
-
-    def wait_until(self, condition, what: str, timeout: float = PROCESS_TIMEOUT) -> None:
-        """Polls ``condition()`` every 10 ms; fails if the process ends first or time runs out."""
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if self.popen.poll() is not None:
-                raise AssertionError(
-                    f"{self.name} exited (status {self.popen.returncode}) before {what}\n{self.output()}"
-                )
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.name}: no {what} within {timeout} s\n{self.output()}")
-            time.sleep(0.01)
-
-    def send(self, sig: int) -> None:
-        self.popen.send_signal(sig)
-
-    def stop_if_running(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait()
+        super().__init__(name, command, workdir, SUBPROCESS_ENV, PROCESS_TIMEOUT)
 
 
 def read_records(output_dir: Path) -> list[dict]:

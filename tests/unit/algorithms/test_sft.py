@@ -35,10 +35,8 @@ import logging
 import math
 import os
 import signal
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -53,6 +51,7 @@ from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
+from opd_test_helpers import BackgroundProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SFT_CONFIG = REPO_ROOT / "examples" / "configs" / "sft.yaml"
@@ -502,47 +501,9 @@ RESUME_OVERRIDES = [
 CLI_RUN_STEPS = 3
 
 
-class Process:
-    """A started process whose stdout/stderr go to files (no pipe can fill up)."""
-
-    def __init__(self, name: str, command: list[str], workdir: Path) -> None:
-        self.name = name
-        self.stdout_path = workdir / f"{name}.stdout"
-        self.stderr_path = workdir / f"{name}.stderr"
-        with open(self.stdout_path, "w") as stdout, open(self.stderr_path, "w") as stderr:
-            self.popen = subprocess.Popen(command, cwd=REPO_ROOT, stdout=stdout, stderr=stderr, env=SUBPROCESS_ENV)
-
-    @property
-    def stdout(self) -> str:
-        return self.stdout_path.read_text()
-
-    @property
-    def stderr(self) -> str:
-        return self.stderr_path.read_text()
-
-    def output(self) -> str:
-        return f"--- {self.name} stdout:\n{self.stdout[-3000:]}\n--- {self.name} stderr:\n{self.stderr[-3000:]}"
-
-    def wait(self, timeout: float = PROCESS_TIMEOUT) -> int:
-        try:
-            return self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.stop_if_running()
-            raise AssertionError(f"{self.name} did not finish within {timeout} s\n{self.output()}") from None
-
-    def wait_until(self, condition, what: str, timeout: float = PROCESS_TIMEOUT) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if self.popen.poll() is not None:
-                raise AssertionError(f"{self.name} exited ({self.popen.returncode}) before {what}\n{self.output()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.name}: no {what} within {timeout} s\n{self.output()}")
-            time.sleep(0.01)
-
-    def stop_if_running(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait()
+def Process(name: str, command: list[str], workdir: Path) -> BackgroundProcess:  # noqa: N802 (reads like a class)
+    """Starts ``command`` in the background with this module's environment and timeout."""
+    return BackgroundProcess(name, command, workdir, SUBPROCESS_ENV, PROCESS_TIMEOUT)
 
 
 def logged_steps(log_dir: Path) -> list[int]:

@@ -1,0 +1,73 @@
+"""Helpers shared by several test modules."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class BackgroundProcess:
+    """A started process whose stdout/stderr go to files (no pipe can fill up and block it).
+
+    Args:
+        name: label used in file names and assertion messages.
+        command: the full command line.
+        workdir: where ``<name>.stdout`` / ``<name>.stderr`` are written.
+        env: the process environment.
+        timeout: default seconds for :meth:`wait` and :meth:`wait_until`.
+    """
+
+    def __init__(self, name: str, command: list[str], workdir: Path, env: dict[str, str], timeout: float) -> None:
+        self.name = name
+        self.timeout = timeout
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.stdout_path = workdir / f"{name}.stdout"
+        self.stderr_path = workdir / f"{name}.stderr"
+        with open(self.stdout_path, "w") as stdout, open(self.stderr_path, "w") as stderr:
+            self.popen = subprocess.Popen(command, cwd=REPO_ROOT, stdout=stdout, stderr=stderr, env=env)
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_path.read_text()
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def output(self) -> str:
+        """The tail of both streams, for assertion messages."""
+        return f"--- {self.name} stdout:\n{self.stdout[-3000:]}\n--- {self.name} stderr:\n{self.stderr[-3000:]}"
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Waits for the exit status; kills the process and fails after ``timeout``."""
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop_if_running()
+            raise AssertionError(f"{self.name} did not finish within {timeout} s\n{self.output()}") from None
+
+    def wait_until(self, condition: Callable[[], bool], what: str, timeout: float | None = None) -> None:
+        """Polls ``condition()`` every 10 ms; fails if the process ends first or time runs out."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.popen.poll() is not None:
+                raise AssertionError(
+                    f"{self.name} exited (status {self.popen.returncode}) before {what}\n{self.output()}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: no {what} within {timeout} s\n{self.output()}")
+            time.sleep(0.01)
+
+    def send(self, sig: int) -> None:
+        self.popen.send_signal(sig)
+
+    def stop_if_running(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
