@@ -1,7 +1,9 @@
 """Run on-policy distillation: ``python examples/run_distillation.py --config FILE [key=value ...]``.
 
 A thin wrapper over ``opd train`` for users who prefer NeMo-RL's ``examples/run_*.py``
-style. With no ``--config`` it runs the embedded CPU demo config.
+style. With no ``--config`` it runs the seconds-long smoke config
+(``examples/configs/distillation_tiny.yaml``, random tiny models); the README's demo is
+``examples/demo/run_demo.py``.
 """
 
 import sys

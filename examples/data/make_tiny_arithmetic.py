@@ -1,4 +1,4 @@
-"""Writes the small chat dataset that the embedded CPU demo trains on.
+"""Writes the small chat dataset of the smoke-test config (distillation_tiny.yaml) and the tests.
 
 Two-digit additions and subtractions in the Hugging Face chat format, with a short
 worked answer ending in ``\\boxed{}`` and the ground truth kept for validation. Output is

@@ -98,6 +98,11 @@ class TrainingConfig(OptimizerConfig):
     gradient_accumulation_steps: int | None = Field(None, ge=1, description="micro-batches per optimizer step")
     num_epochs: int = Field(1, ge=1)
     max_num_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    max_train_time_s: float | None = Field(
+        None, gt=0,
+        description="end the run once its optimizer steps (not validation or checkpoints) have taken this "
+        "many seconds; for equal-compute comparisons. The learning-rate schedule still follows max_num_steps",
+    )
     val_freq: int = Field(0, ge=0, description="validate every N steps; 0 disables periodic validation")
     save_freq: int = Field(0, ge=0, description="checkpoint every N steps; 0 saves only at the end")
     max_consecutive_nonfinite_steps: int = Field(

@@ -58,6 +58,11 @@ class SFTTrainingConfig(OptimizerConfig):
     micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward/backward; null = batch_size")
     num_epochs: int = Field(1, ge=1)
     max_num_steps: int | None = Field(None, ge=1)
+    max_train_time_s: float | None = Field(
+        None, gt=0,
+        description="end the run once its optimizer steps (not validation or checkpoints) have taken this "
+        "many seconds; for equal-compute comparisons. The learning-rate schedule still follows max_num_steps",
+    )
     val_freq: int = Field(0, ge=0)
     save_freq: int = Field(0, ge=0)
     max_consecutive_nonfinite_steps: int = Field(5, ge=1)

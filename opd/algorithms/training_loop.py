@@ -50,12 +50,14 @@ class RunSaveState(TypedDict):
     best_metric: float | None
     best_step: int | None
     consecutive_nonfinite_steps: int
+    train_time_s: float
+    """Seconds spent in optimizer steps so far (validation and checkpoints excluded)."""
 
 
 def fresh_save_state() -> RunSaveState:
     """The save state of a run that has not taken a step yet."""
     return {"step": 0, "epoch": 0, "consumed_samples": 0, "best_metric": None, "best_step": None,
-            "consecutive_nonfinite_steps": 0}
+            "consecutive_nonfinite_steps": 0, "train_time_s": 0.0}
 
 
 StepFn = Callable[[list[Any]], dict[str, Any]]
@@ -106,6 +108,8 @@ def run_training_loop(
     algorithm_rng = algorithm_rng or random.Random(0)
     training, checkpointing = config.training, config.checkpointing  # type: ignore[attr-defined]
     total_steps = logger.total_steps
+    time_budget = getattr(training, "max_train_time_s", None)
+    state.setdefault("train_time_s", 0.0)  # checkpoints written before this counter existed
     steps_per_epoch = len(dataloader)
     final_dir = Path(config.output_dir) / "final_model"  # type: ignore[attr-defined]
 
@@ -139,6 +143,8 @@ def run_training_loop(
         logger.log_metrics({"timing/checkpoint": seconds}, step, console_keys=[])
         log.info("checkpoint %s written in %.2fs", path, seconds)
 
+    if time_budget is not None and state["train_time_s"] >= time_budget:
+        total_steps = state["step"]  # a run that ended on its time budget is complete
     if state["step"] >= total_steps:
         if not (final_dir / "config.json").is_file():
             # Killed after the last checkpoint but before the final model was written.
@@ -166,7 +172,9 @@ def run_training_loop(
             state["epoch"] = state["step"] // steps_per_epoch
             dataloader.sampler.set_epoch(state["epoch"])  # type: ignore[attr-defined]
             for examples in dataloader:
+                step_start = time.perf_counter()
                 metrics = train_step(examples)
+                state["train_time_s"] += time.perf_counter() - step_start
                 state["step"] += 1
                 state["consumed_samples"] += len(examples)
                 skipped = bool(metrics.get("train/skipped_nonfinite"))
@@ -184,6 +192,10 @@ def run_training_loop(
                             "or check the data; raise training.max_consecutive_nonfinite_steps to tolerate more."
                         )
                 step = state["step"]
+                out_of_time = time_budget is not None and state["train_time_s"] >= time_budget
+                if out_of_time and step < total_steps:
+                    log.info("training.max_train_time_s=%s reached after step %d; finishing the run", time_budget, step)
+                    total_steps = step
                 is_last = step >= total_steps
                 if training.val_freq and step % training.val_freq == 0 and not is_last:
                     run_validation(step)

@@ -45,6 +45,12 @@ class LoggerConfig(StrictConfig):
     jsonl: bool = Field(True, description="write <log_dir>/metrics.jsonl, one JSON record per step")
     tensorboard: bool = Field(False, description="write TensorBoard event files to <log_dir>/tensorboard")
     console: bool = Field(True, description="print one progress line per step")
+    progress_bar: bool = Field(
+        False,
+        description="on a terminal, replace the per-step lines with one in-place progress bar showing the "
+        "latest step's metrics (validation results still print); elsewhere (CI logs, files) print a step "
+        "line every 5% of the run instead",
+    )
     wandb: bool = Field(False, description="log to Weights & Biases (pip install 'opd[wandb]')")
     wandb_project: str = Field("opd", description="W&B project name")
     wandb_mode: Literal["online", "offline", "disabled"] = Field(
@@ -151,6 +157,7 @@ class Logger:
         self._first_step_time = 0.0
         self._records_written = 0
         self._closed = False
+        self._bar: Any = None  # the tqdm bar of progress_bar mode, created on the first step record
         self._jsonl = open(self.metrics_path, "a", encoding="utf-8") if config.jsonl else None
         self._tensorboard: Any = None
         self._tensorboard_writer_cls: Any = None
@@ -275,7 +282,29 @@ class Logger:
             )
             # An explicitly empty selection (e.g. a checkpoint's timing) prints no line at all.
             if shown or console_keys is None:
+                self._print_progress(step, now, shown, is_step_record=any(k.startswith("train/") for k in metrics))
+
+    def _print_progress(self, step: int, now: float, shown: str, is_step_record: bool) -> None:
+        """Prints one console record: a line, or (progress_bar mode) an update of the bar."""
+        if not self.config.progress_bar:
+            print(f"{self._progress(step, now)} {shown}".rstrip(), flush=True)
+            return
+        if not sys.stdout.isatty():
+            # A carriage-return bar turns into one endless line in a log file: print every 5%.
+            every = max(self.total_steps // 20, 1)
+            if not is_step_record or step % every == 0 or step >= self.total_steps:
                 print(f"{self._progress(step, now)} {shown}".rstrip(), flush=True)
+            return
+        if self._bar is None:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=self.total_steps, initial=step if not is_step_record else step - 1,
+                             desc="steps", dynamic_ncols=True, file=sys.stdout)
+        if is_step_record:
+            self._bar.update(max(step - self._bar.n, 0))
+            self._bar.set_postfix_str(shown, refresh=True)
+        else:
+            self._bar.write(f"step {step}: {shown}")
 
     def _mlflow_log_metrics(self, scalars: dict[str, float | int], step: int) -> None:
         from mlflow.entities import Metric
@@ -413,6 +442,9 @@ class Logger:
         if self._closed:
             return
         self._closed = True
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

@@ -37,6 +37,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -686,3 +687,37 @@ def test_resume_with_a_changed_config_warns(tmp_path, caplog):
         setup(changed)
     warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
     assert any("training.learning_rate" in message for message in warnings), warnings
+
+
+# --------------------------------------------------------------------------- time budget
+
+
+def test_time_budget_ends_the_run_like_its_last_step(tmp_path, monkeypatch):
+    """training.max_train_time_s stops at the first step past the budget, then ends normally.
+
+    Each step is made to take at least 0.05 s, so a 0.12 s budget is crossed by step 3 at
+    the latest (sooner if the real work is slow) and long before the 20 planned steps. The
+    run writes its final model and a checkpoint of the step it ended on; rerunning the
+    same command finds the run complete instead of training on.
+    """
+    import opd.algorithms.sft as sft_module
+
+    real_train = sft_module.HFPolicy.train
+
+    def slow_train(self, *args, **kwargs):
+        time.sleep(0.05)
+        return real_train(self, *args, **kwargs)
+
+    monkeypatch.setattr(sft_module.HFPolicy, "train", slow_train)
+    run = tmp_path / "run"
+    overrides = ["training.max_num_steps=20", "training.max_train_time_s=0.12", "checkpointing.enabled=true"]
+    sft_train(*setup(sft_config(tmp_path, *overrides)))
+    steps = [record["step"] for record in read_jsonl(run / "logs" / "metrics.jsonl") if "train/loss" in record]
+    assert 1 <= len(steps) <= 3 and steps == list(range(1, len(steps) + 1))
+    saved = json.loads((run / "checkpoints" / f"step_{steps[-1]}" / "save_state.json").read_text())
+    assert saved["step"] == steps[-1] and saved["train_time_s"] >= 0.12
+    assert (run / "final_model" / "config.json").is_file()
+
+    sft_train(*setup(sft_config(tmp_path, *overrides)))  # the rerun resumes into a complete run
+    steps_after = [record["step"] for record in read_jsonl(run / "logs" / "metrics.jsonl") if "train/loss" in record]
+    assert steps_after == steps

@@ -244,6 +244,33 @@ def test_console_eta_uses_steps_logged_in_this_process(tmp_path, capsys, monkeyp
     assert "00:30<01:10" in lines[2]
 
 
+def test_progress_bar_outside_a_terminal_prints_every_five_percent(tmp_path, capsys):
+    """In a log file a carriage-return bar would be one endless line: a step line per 5% instead."""
+    logger = make_logger(tmp_path, total_steps=100, console=True, progress_bar=True)
+    for step in range(1, 101):
+        logger.log_metrics({"train/loss": 1.0 / step}, step=step)
+        if step == 50:
+            logger.log_metrics({"val/accuracy": 0.5}, step=50, console_keys=["val/accuracy"])
+    logger.close()
+    lines = capsys.readouterr().out.splitlines()
+    step_lines = [line for line in lines if "loss=" in line]
+    assert [int(re.match(r"step +(\d+)/", line).group(1)) for line in step_lines] == list(range(5, 101, 5))
+    assert [line for line in lines if "val/accuracy=0.5000" in line]  # validation always prints
+
+
+def test_progress_bar_on_a_terminal_is_one_bar_with_the_latest_metrics(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    logger = make_logger(tmp_path, total_steps=20, console=True, progress_bar=True)
+    logger.log_metrics({"val/accuracy": 0.25}, step=0, console_keys=["val/accuracy"])
+    for step in range(1, 21):
+        logger.log_metrics({"train/loss": float(step)}, step=step)
+    logger.close()
+    out = capsys.readouterr().out
+    assert "step 0: val/accuracy=0.2500" in out  # written above the bar, not into it
+    assert "20/20" in out and "loss=20.0000" in out
+    assert "step 20/20 [" not in out  # no per-step lines
+
+
 # --------------------------------------------------------------------------- optional backends
 
 

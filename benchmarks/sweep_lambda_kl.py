@@ -1,0 +1,239 @@
+"""λ × kl_type sweep on the demo task, plus SFT on teacher-generated answers.
+
+Every setting distils the demo student (``examples/demo/models/student``) from the demo
+teacher with ``examples/configs/demo.yaml`` and one change: ``distillation.lambda`` ∈
+{0, 0.5, 1} × ``distillation.kl_type`` ∈ {forward, reverse, mixed}. The baseline is
+sequence-level distillation: plain SFT of the same student on the teacher's own greedy
+answers to the training prompts (same optimizer, learning rate and batch size).
+
+Each setting runs twice:
+
+* **equal steps** — ``--steps`` optimizer steps;
+* **equal wall-clock** — as many steps as fit in ``--time-budget-s`` seconds of training
+  (``training.max_train_time_s``: generation, teacher and update time; validation
+  excluded). The SFT baseline is charged for generating its teacher answers: its training
+  budget is the time budget minus the measured generation time of the answers it uses.
+
+The table gives test-split accuracy (greedy, the task's 256 held-out problems) and the
+final validation KL (forward and reverse, on the student's greedy answers), per setting.
+One extra equal-steps row samples the on-policy answers at temperature 1 instead of the
+demo's greedy decoding.
+Runs go ``--jobs`` at a time, one CPU thread each, so every run sees the same load.
+
+Usage: ``python benchmarks/sweep_lambda_kl.py [--steps 150] [--time-budget-s 120] [--jobs 2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "examples" / "configs" / "demo.yaml"
+SFT_CONFIG = REPO / "examples" / "configs" / "sft_arithmetic.yaml"
+TASK = REPO / "examples" / "data" / "arithmetic"
+LAMBDAS = (0.0, 0.5, 1.0)
+KL_TYPES = ("forward", "reverse", "mixed")
+NO_STEP_CAP = 100_000  # equal wall-clock runs stop on their time budget
+
+
+def run_opd(arguments: list[str], log_file: Path) -> None:
+    """Runs ``python -m opd ...`` on one CPU thread; raises with the log's tail on failure."""
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "w", encoding="utf-8") as log:
+        status = subprocess.run([sys.executable, "-m", "opd", *arguments], stdout=log, stderr=subprocess.STDOUT,
+                                cwd=REPO, env=environment).returncode
+    if status != 0:
+        tail = "\n".join(log_file.read_text(encoding="utf-8").splitlines()[-15:])
+        raise RuntimeError(f"opd {' '.join(arguments[:3])} failed (exit {status}); log {log_file}:\n{tail}")
+
+
+def common_overrides(output_dir: Path) -> list[str]:
+    """Quiet, checkpoint-free runs that validate only at the end.
+
+    The learning rate is constant after warm-up: an equal-time run does not know its
+    length in advance, so a decaying schedule would not be the same for both budgets.
+    """
+    return [
+        f"output_dir={output_dir}", "logger.console=false", "checkpointing.enabled=false",
+        "training.lr_scheduler=constant_with_warmup",
+        "training.val_freq=0", "validation.val_at_start=false", "validation.val_at_end=true",
+    ]
+
+
+def budget_overrides(steps: int | None, seconds: float | None) -> list[str]:
+    if seconds is not None:
+        return [f"training.max_num_steps={NO_STEP_CAP}", f"training.max_train_time_s={seconds}"]
+    return [f"training.max_num_steps={steps}"]
+
+
+def test_metrics(config: Path, model_dir: Path, output_dir: Path, extra: list[str]) -> dict[str, float]:
+    """Test-split accuracy and KL to the teacher of ``model_dir`` (``opd eval``)."""
+    log_dir = output_dir / "test_eval"
+    run_opd(["eval", "--config", str(config), *extra, f"validation.model_path={model_dir}",
+             f"data.val_path={TASK / 'test.jsonl'}", "data.max_val_examples=null", f"logger.log_dir={log_dir}",
+             "logger.console=false"], output_dir / "test_eval.log")
+    return json.loads((log_dir / "eval_metrics.json").read_text(encoding="utf-8"))
+
+
+def summarise_run(output_dir: Path) -> dict[str, float]:
+    """Steps, training seconds and the final validation KL from a run's metrics.jsonl."""
+    records = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines() if line]
+    step_records = [r for r in records if "timing/step" in r]
+    val = [r for r in records if "val/accuracy" in r][-1]
+    return {
+        "steps": len(step_records),
+        "train_seconds": sum(r["timing/step"] for r in step_records),
+        "val_kl_forward": val.get("val/kl_forward", float("nan")),
+        "val_kl_reverse": val.get("val/kl_reverse", float("nan")),
+    }
+
+
+def distillation_setting(name: str, overrides: list[str], budget: list[str], root: Path) -> dict:
+    output_dir = root / name
+    run_opd(["train", "--config", str(CONFIG), *common_overrides(output_dir), *overrides, *budget],
+            root / f"{name}.log")
+    result = summarise_run(output_dir)
+    result["test_accuracy"] = test_metrics(CONFIG, output_dir / "final_model", output_dir, [])["val/accuracy"]
+    return {"setting": name, **result}
+
+
+def make_teacher_answers(prompts: int, root: Path) -> tuple[Path, float]:
+    """The teacher's greedy answers to the first ``prompts`` training problems, as math-cl rows.
+
+    Returns the jsonl path and the seconds the generation took.
+    """
+    import torch
+
+    from opd.algorithms.distillation import MasterConfig
+    from opd.data.converters import load_prompt_template, math_cl_to_chat
+    from opd.data.dataloaders import prepare_examples
+    from opd.models.generation.hf_generation import HFGeneration
+    from opd.models.loading import load_tokenizer
+    from opd.utils.config import load_config
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(MasterConfig, str(CONFIG), [])
+    tokenizer = load_tokenizer(config.model.teacher_model_path)
+    teacher = AutoModelForCausalLM.from_pretrained(config.model.teacher_model_path, dtype=torch.float32).eval()
+    template = load_prompt_template(REPO / config.data.prompt_file)
+    rows = [json.loads(line) for line, _ in zip(open(TASK / "train.jsonl", encoding="utf-8"), range(prompts))]
+    examples = prepare_examples([math_cl_to_chat(row, template) for row in rows], tokenizer, None, "train.jsonl")
+    generation = HFGeneration(teacher, tokenizer)
+    start = time.perf_counter()
+    answers: list[str] = []
+    batch = config.validation.batch_size
+    for offset in range(0, len(examples), batch):
+        chunk = examples[offset : offset + batch]
+        out = generation.generate([e["prompt_ids"] for e in chunk], config.validation.generate_strategy)
+        for row in range(len(chunk)):
+            prompt_length, length = int(out["prompt_lengths"][row]), int(out["input_lengths"][row])
+            answers.append(tokenizer.decode(out["input_ids"][row, prompt_length:length], skip_special_tokens=True))
+    seconds = time.perf_counter() - start
+    path = root / "teacher_answers.jsonl"
+    with open(path, "w", encoding="utf-8") as handle:
+        for row, answer in zip(rows, answers):
+            handle.write(json.dumps({**row, "solution": answer}) + "\n")
+    return path, seconds
+
+
+def sft_setting(name: str, answers: Path, budget: list[str], root: Path) -> dict:
+    """SFT of the demo student on teacher answers, with the demo's optimizer settings."""
+    from opd.algorithms.distillation import MasterConfig
+    from opd.utils.config import load_config
+
+    demo = load_config(MasterConfig, str(CONFIG), [])
+    output_dir = root / name
+    run_opd([
+        "sft", "--config", str(SFT_CONFIG), *common_overrides(output_dir), *budget,
+        f"model.model_path={demo.model.student_model_path}", f"data.train_path={answers}",
+        f"training.batch_size={demo.training.batch_size}", f"training.learning_rate={demo.training.learning_rate}",
+        f"training.warmup_steps={demo.training.warmup_steps}",
+        "training.num_epochs=1000",
+    ], root / f"{name}.log")
+    records = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines() if line]
+    steps = [r for r in records if "train/loss" in r]
+    # The distillation config's eval (same test split and decoding) also gives the KL to the teacher.
+    metrics = test_metrics(CONFIG, output_dir / "final_model", output_dir, [])
+    return {"setting": name, "steps": len(steps), "train_seconds": sum(r.get("timing/step", 0.0) for r in steps),
+            "test_accuracy": metrics["val/accuracy"], "val_kl_forward": float("nan"), "val_kl_reverse": float("nan")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150, help="optimizer steps of the equal-steps runs")
+    parser.add_argument("--time-budget-s", type=float, default=120.0, help="training seconds of the equal-time runs")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one CPU thread each)")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "sweep_lambda_kl")
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not (TASK / "test.jsonl").is_file():
+        subprocess.run([sys.executable, str(REPO / "examples" / "data" / "make_arithmetic_task.py")], check=True)
+
+    from opd.algorithms.distillation import MasterConfig
+    from opd.utils.config import load_config
+
+    batch_size = load_config(MasterConfig, str(CONFIG), []).training.batch_size
+    print(f"teacher answers for {args.steps * batch_size} training prompts ...", flush=True)
+    answers, answer_seconds = make_teacher_answers(args.steps * batch_size, args.out)
+    per_prompt = answer_seconds / (args.steps * batch_size)
+    print(f"  {answer_seconds:.1f} s ({per_prompt * 1000:.1f} ms per prompt)", flush=True)
+
+    jobs = []
+    for budget_name, steps, seconds in (("steps", args.steps, None), ("time", None, args.time_budget_s)):
+        for lam in LAMBDAS:
+            for kl in KL_TYPES:
+                name = f"{budget_name}/lambda{lam:g}_{kl}"
+                overrides = [f"distillation.lambda={lam}", f"distillation.kl_type={kl}"]
+                jobs.append((budget_name, lambda n=name, o=overrides, b=budget_overrides(steps, seconds):
+                             distillation_setting(n, o, b, args.out)))
+        if seconds is None:
+            # The demo samples greedily; this row shows what temperature-1 sampling does instead.
+            jobs.append((budget_name, lambda b=budget_overrides(steps, None): distillation_setting(
+                "steps/lambda1_forward_temp1", ["distillation.lambda=1.0", "distillation.kl_type=forward",
+                                                "distillation.generate_strategy.decoding_method=top_p",
+                                                "distillation.generate_strategy.temperature=1.0"], b, args.out)))
+        # SFT pays for its teacher answers: at equal time, the answers for the prompts it
+        # can consume come out of its budget (the answers file is reused over epochs).
+        if seconds is None:
+            sft_budget = budget_overrides(steps, None)
+        else:
+            sft_budget = budget_overrides(None, max(seconds - answer_seconds, 1.0))
+        jobs.append((budget_name, lambda n=f"{budget_name}/sft_teacher_answers", b=sft_budget:
+                     sft_setting(n, answers, b, args.out)))
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = [(budget, pool.submit(job)) for budget, job in jobs]
+        results = []
+        for budget, future in futures:
+            result = {"budget": budget, **future.result()}
+            results.append(result)
+            print(f"  done {result['setting']}: test accuracy {result['test_accuracy']:.3f} "
+                  f"after {result['steps']} steps", flush=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+
+    print()
+    print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+          f"{args.jobs} runs at a time (1 thread each); total {(time.perf_counter() - start) / 60:.1f} min")
+    print(f"equal steps = {args.steps} steps; equal wall-clock = {args.time_budget_s:g} s of training "
+          f"(SFT: minus {answer_seconds:.0f} s of teacher answers)")
+    header = f"{'setting':<28} {'budget':<6} {'steps':>6} {'train s':>8} {'test acc':>9} {'val KL fwd':>11} {'val KL rev':>11}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(f"{r['setting'].split('/', 1)[1]:<28} {r['budget']:<6} {r['steps']:>6} {r['train_seconds']:>8.0f} "
+              f"{r['test_accuracy']:>9.3f} {r['val_kl_forward']:>11.4f} {r['val_kl_reverse']:>11.4f}")
+
+
+if __name__ == "__main__":
+    main()
