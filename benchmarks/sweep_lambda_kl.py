@@ -11,8 +11,9 @@ Each setting runs twice:
 * **equal steps** — ``--steps`` optimizer steps;
 * **equal wall-clock** — as many steps as fit in ``--time-budget-s`` seconds of training
   (``training.max_train_time_s``: generation, teacher and update time; validation
-  excluded). The SFT baseline is charged for generating its teacher answers: its training
-  budget is the time budget minus the measured generation time of the answers it uses.
+  excluded). The SFT baseline is charged for generating the teacher answers it trains on
+  (measured per answer, batched like validation): at equal time it gets as many steps as
+  fit in the budget at the cost of one SFT step plus a batch of teacher answers.
 
 The table gives test-split accuracy (greedy, the task's 256 held-out problems) and the
 final validation KL (forward and reverse, on the student's greedy answers), per setting.
@@ -109,8 +110,14 @@ def distillation_setting(name: str, overrides: list[str], budget: list[str], roo
 def make_teacher_answers(prompts: int, root: Path) -> tuple[Path, float]:
     """The teacher's greedy answers to the first ``prompts`` training problems, as math-cl rows.
 
-    Returns the jsonl path and the seconds the generation took.
+    Returns the jsonl path and the seconds the generation took. A finished answers file
+    (with its timing) from an earlier sweep in the same directory is reused.
     """
+    path, meta_path = root / "teacher_answers.jsonl", root / "teacher_answers.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if meta["prompts"] == prompts and path.is_file():
+            return path, meta["seconds"]
     import torch
 
     from opd.algorithms.distillation import MasterConfig
@@ -138,10 +145,10 @@ def make_teacher_answers(prompts: int, root: Path) -> tuple[Path, float]:
             prompt_length, length = int(out["prompt_lengths"][row]), int(out["input_lengths"][row])
             answers.append(tokenizer.decode(out["input_ids"][row, prompt_length:length], skip_special_tokens=True))
     seconds = time.perf_counter() - start
-    path = root / "teacher_answers.jsonl"
     with open(path, "w", encoding="utf-8") as handle:
         for row, answer in zip(rows, answers):
             handle.write(json.dumps({**row, "solution": answer}) + "\n")
+    meta_path.write_text(json.dumps({"prompts": prompts, "seconds": seconds}), encoding="utf-8")
     return path, seconds
 
 
@@ -202,31 +209,41 @@ def main() -> None:
                 "steps/lambda1_forward_temp1", ["distillation.lambda=1.0", "distillation.kl_type=forward",
                                                 "distillation.generate_strategy.decoding_method=top_p",
                                                 "distillation.generate_strategy.temperature=1.0"], b, args.out)))
-        # SFT pays for its teacher answers: at equal time, the answers for the prompts it
-        # can consume come out of its budget (the answers file is reused over epochs).
-        if seconds is None:
-            sft_budget = budget_overrides(steps, None)
-        else:
-            sft_budget = budget_overrides(None, max(seconds - answer_seconds, 1.0))
-        jobs.append((budget_name, lambda n=f"{budget_name}/sft_teacher_answers", b=sft_budget:
-                     sft_setting(n, answers, b, args.out)))
+
+    def sft_both_budgets() -> list[dict]:
+        """Equal steps first; its step time then sizes the equal-time run.
+
+        At equal wall-clock SFT pays for the teacher answers it consumes: each of its steps
+        costs one SFT step plus ``batch_size`` teacher answers (measured above), so it gets
+        as many steps as fit in the budget at that combined cost.
+        """
+        equal_steps = sft_setting("steps/sft_teacher_answers", answers, budget_overrides(args.steps, None), args.out)
+        step_cost = equal_steps["train_seconds"] / equal_steps["steps"] + batch_size * per_prompt
+        steps_in_budget = max(int(args.time_budget_s // step_cost), 1)
+        equal_time = sft_setting("time/sft_teacher_answers", answers, budget_overrides(steps_in_budget, None), args.out)
+        equal_time["train_seconds"] += steps_in_budget * batch_size * per_prompt  # charged answer time
+        return [equal_steps, equal_time]
+
+    jobs.insert(0, ("sft", sft_both_budgets))  # first: its two runs are sequential
 
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [(budget, pool.submit(job)) for budget, job in jobs]
+        futures = [pool.submit(job) for _, job in jobs]
         results = []
-        for budget, future in futures:
-            result = {"budget": budget, **future.result()}
-            results.append(result)
-            print(f"  done {result['setting']}: test accuracy {result['test_accuracy']:.3f} "
-                  f"after {result['steps']} steps", flush=True)
+        for future in futures:
+            outcome = future.result()
+            for result in outcome if isinstance(outcome, list) else [outcome]:
+                result["budget"] = result["setting"].split("/", 1)[0]
+                results.append(result)
+                print(f"  done {result['setting']}: test accuracy {result['test_accuracy']:.3f} "
+                      f"after {result['steps']} steps", flush=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
 
     print()
     print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
           f"{args.jobs} runs at a time (1 thread each); total {(time.perf_counter() - start) / 60:.1f} min")
     print(f"equal steps = {args.steps} steps; equal wall-clock = {args.time_budget_s:g} s of training "
-          f"(SFT: minus {answer_seconds:.0f} s of teacher answers)")
+          f"(SFT's train s include {per_prompt * 1000:.0f} ms of teacher generation per answer it trains on)")
     header = f"{'setting':<28} {'budget':<6} {'steps':>6} {'train s':>8} {'test acc':>9} {'val KL fwd':>11} {'val KL rev':>11}"
     print(header)
     print("-" * len(header))

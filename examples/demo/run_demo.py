@@ -12,7 +12,8 @@ It also writes ``<output_dir>/demo_results.json``, the run's logs and curves
 (``<output_dir>/logs/curves.png``) and the distilled model (``<output_dir>/final_model``).
 
 Usage: ``python examples/demo/run_demo.py [--config FILE] [key.sub=value ...]``
-(the overrides go to the distillation config, e.g. ``training.max_num_steps=60``).
+(the overrides go to the distillation config, e.g. ``training.max_num_steps=60``; relative
+paths, as in ``demo.yaml``, are relative to the repository root).
 The models are rebuilt from scratch by ``python examples/demo/prepare_models.py``.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -61,12 +63,18 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="distillation config overrides")
     args = parser.parse_args()
     start = time.perf_counter()
+    # demo.yaml's paths (models, data, output_dir) are relative to the repository root.
+    os.chdir(REPO)
 
     ensure_task_data()
     from opd.algorithms.distillation import MasterConfig
     from opd.utils.config import load_config
+    from opd.utils.errors import OpdError
 
-    config = load_config(MasterConfig, str(args.config), args.overrides)  # fails fast on a bad override
+    try:  # a bad key or value stops here, before any model is loaded, with one line
+        config = load_config(MasterConfig, str(args.config), args.overrides)
+    except OpdError as error:
+        raise SystemExit(f"run_demo: error: {error}") from None
     output_dir = Path(config.output_dir)
     teacher, student = Path(config.model.teacher_model_path), Path(config.model.student_model_path)
     for path in (teacher, student):

@@ -1,12 +1,14 @@
 """A shortened run of the README's main job: the demo student must measurably learn.
 
 ``examples/demo/run_demo.py`` with the committed demo models, cut to SHORT_STEPS
-on-policy steps (about two minutes on 2 CPU cores). The student's greedy test accuracy
-after distillation must exceed its accuracy before by at least MIN_GAIN. The margin
-comes from repeated runs of exactly this command with different seeds (see the guide,
-section 7): the smallest gain measured was well above MIN_GAIN, while the student's
-accuracy without training is fixed (greedy decoding), so a broken loss, mask or
-update cannot pass.
+on-policy steps (cosine decay over those steps; about two minutes on 2 CPU cores). The
+student's greedy test accuracy after distillation must exceed its accuracy before
+(0.000: greedy decoding of fixed weights, so it does not vary) by at least MIN_GAIN.
+
+Why 0.15: this exact command with training.seed = 1, 2, 3, 4 (2026-11-21, 2 CPU cores)
+gave gains of 0.312, 0.352, 0.242 and 0.285 — mean 0.298, standard deviation 0.047, so
+0.15 is three standard deviations below the mean — while a run whose loss, mask or
+update is broken leaves the student at or near 0.000.
 """
 
 import json
