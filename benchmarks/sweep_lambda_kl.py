@@ -243,13 +243,16 @@ def main() -> None:
     print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
           f"{args.jobs} runs at a time (1 thread each); total {(time.perf_counter() - start) / 60:.1f} min")
     print(f"equal steps = {args.steps} steps; equal wall-clock = {args.time_budget_s:g} s of training "
-          f"(SFT's train s include {per_prompt * 1000:.0f} ms of teacher generation per answer it trains on)")
+          f"(the equal-time SFT row's train s include {per_prompt * 1000:.0f} ms of teacher generation per answer "
+          f"it trains on; the equal-steps row's exclude the {answer_seconds:.0f} s its answers took)")
     header = f"{'setting':<28} {'budget':<6} {'steps':>6} {'train s':>8} {'test acc':>9} {'val KL fwd':>11} {'val KL rev':>11}"
     print(header)
     print("-" * len(header))
     for r in results:
+        kl = "".join(f" {value:>11.4f}" if value == value else f" {'-':>11}"  # SFT has no teacher KL
+                     for value in (r["val_kl_forward"], r["val_kl_reverse"]))
         print(f"{r['setting'].split('/', 1)[1]:<28} {r['budget']:<6} {r['steps']:>6} {r['train_seconds']:>8.0f} "
-              f"{r['test_accuracy']:>9.3f} {r['val_kl_forward']:>11.4f} {r['val_kl_reverse']:>11.4f}")
+              f"{r['test_accuracy']:>9.3f}{kl}")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,12 @@ def test_accuracy(config_path: Path, overrides: list[str], model_path: Path, log
     return json.loads((log_dir / "eval_metrics.json").read_text(encoding="utf-8"))["val/accuracy"]
 
 
+def describe(model_dir: Path) -> str:
+    """``4 layers, hidden 128`` from a model directory's config.json."""
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    return f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="distillation config")
@@ -97,17 +103,18 @@ def main() -> None:
 
     gap = teacher_accuracy - before
     closed = (after - before) / gap if gap > 0 else float("nan")
+    test_examples = len((TASK_DIR / "test.jsonl").read_text(encoding="utf-8").splitlines())
     results = {
         "teacher": teacher_accuracy, "student_before": before, "student_after": after,
-        "gap_closed": closed, "minutes": minutes, "test_examples": sum(1 for _ in open(TASK_DIR / "test.jsonl")),
-        "output_dir": str(output_dir),
+        "gap_closed": closed, "minutes": minutes, "test_examples": test_examples, "output_dir": str(output_dir),
     }
     (output_dir / "demo_results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
     print()
-    print(f"{'model':<34} {'test accuracy':>13}")
-    print(f"{'teacher (4 layers, hidden 128)':<34} {teacher_accuracy:>13.3f}")
-    print(f"{'student before (2 layers, 64)':<34} {before:>13.3f}")
-    print(f"{'student after distillation':<34} {after:>13.3f}")
+    rows = [(f"teacher ({describe(teacher)})", teacher_accuracy), (f"student before ({describe(student)})", before),
+            ("student after distillation", after)]
+    print(f"{'model':<36} {'test accuracy':>13}")
+    for name, accuracy in rows:
+        print(f"{name:<36} {accuracy:>13.3f}")
     print(f"gap closed: {closed:.0%} of the teacher-student gap, in {minutes:.1f} minutes; "
           f"curves: {output_dir / 'logs' / 'curves.png'}")
     print(f"demo accuracy teacher={teacher_accuracy:.3f} student_before={before:.3f} "
