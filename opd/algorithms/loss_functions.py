@@ -2,8 +2,8 @@
 
 Two layers:
 
-* Pure tensor kernels (:func:`token_kl`, :func:`shift_token_mask`) with no config and no
-  I/O, so other frameworks can call them. They follow the next-token convention used
+* Pure tensor kernels (:func:`token_kl`, :func:`generalized_jsd`, :func:`topk_token_kl`,
+  :func:`shift_token_mask`) with no config and no I/O, so other frameworks can call them. They follow the next-token convention used
   everywhere in opd: the logits at position ``t`` predict token ``t + 1``.
 * Loss-function objects (:class:`DistillationLossFn`, :class:`NLLLossFn`) that the
   trainer calls per micro-batch. They select the positions that carry loss, call the
@@ -18,6 +18,7 @@ mixed = w·forward + (1 − w)·reverse, with w = ``mixed_kl_weight``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
@@ -123,6 +124,114 @@ def _combine(log_q: torch.Tensor, log_p: torch.Tensor, kl_type: str, mixed_kl_we
     forward = _plogp_difference(log_p, log_q)
     reverse = _plogp_difference(log_q, log_p)
     return mixed_kl_weight * forward + (1.0 - mixed_kl_weight) * reverse
+
+
+def generalized_jsd(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    beta: float,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Per-position generalized Jensen-Shannon divergence JSD(β) (GKD, TRL's convention).
+
+    With M = (1 − β)·Q + β·P, JSD(β) = β·KL(P‖M) + (1 − β)·KL(Q‖M). The end points are
+    the two KLs themselves: β = 0 gives forward KL(P‖Q) and β = 1 reverse KL(Q‖P) (the
+    mixture formula would give 0 there). Values lie in [0, ∞); for 0 < β < 1 they are
+    bounded by the binary entropy of β, so JSD stays finite even where one distribution
+    has zeros.
+
+    Args:
+        student_logits: ``[..., V]`` student logits Q (gradients flow through these).
+        teacher_logits: ``[..., V]`` teacher logits P.
+        beta: interpolation weight in [0, 1].
+        temperature: both logits are divided by it before the softmax.
+
+    Returns:
+        ``student_logits.shape[:-1]`` divergences in float32 (float64 for float64 inputs).
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
+    if beta == 0.0:
+        return _plogp_difference(log_p, log_q)
+    if beta == 1.0:
+        return _plogp_difference(log_q, log_p)
+    # log M by logsumexp of the weighted logs: exact where either distribution underflows.
+    log_m = torch.logsumexp(torch.stack([log_q + math.log(1.0 - beta), log_p + math.log(beta)]), dim=0)
+    return beta * _plogp_difference(log_p, log_m) + (1.0 - beta) * _plogp_difference(log_q, log_m)
+
+
+def topk_token_kl(
+    student_logits: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    kl_type: str,
+    mixed_kl_weight: float = 0.5,
+    tail: bool = True,
+) -> torch.Tensor:
+    """Per-position KL against a teacher that sent only its top-k log-probs and token ids.
+
+    With ``tail=True`` (the default) the divergence is taken over k + 1 classes: the k
+    teacher tokens and one "rest" class holding the teacher's remaining mass
+    1 − Σ_k P(v) and the student's mass on every other token. That is the exact KL of
+    the two distributions coarsened to those classes, so it is a true divergence:
+    never negative, zero when the distributions agree, a lower bound of the full KL, and
+    equal to it when the k ids cover the vocabulary. With ``tail=False`` both
+    distributions are renormalised over the k tokens (NeMo-RL's top-k approximation,
+    kept for comparison): it ignores mass outside the top k, so it can be zero while the
+    full distributions differ.
+
+    Args:
+        student_logits: ``[..., V]`` student logits (full vocabulary).
+        teacher_topk_logprobs: ``[..., k]`` teacher log-probabilities of its top-k tokens,
+            normalised over the teacher's full vocabulary.
+        teacher_topk_ids: ``[..., k]`` the ids of those tokens (distinct per position).
+        kl_type: ``"forward"``, ``"reverse"`` or ``"mixed"``, as in :func:`token_kl`.
+        mixed_kl_weight: weight of the forward term for ``"mixed"``.
+        tail: keep the rest class (True) or renormalise over the top k (False).
+
+    Returns:
+        ``student_logits.shape[:-1]`` divergences in float32 (float64 for float64 inputs).
+    """
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+    if teacher_topk_logprobs.shape != teacher_topk_ids.shape:
+        raise ValueError(
+            f"teacher top-k log-probs and ids differ in shape: {tuple(teacher_topk_logprobs.shape)} "
+            f"vs {tuple(teacher_topk_ids.shape)}"
+        )
+    if teacher_topk_ids.shape[:-1] != student_logits.shape[:-1]:
+        raise ValueError(
+            f"teacher top-k positions {tuple(teacher_topk_ids.shape[:-1])} do not match the student's "
+            f"{tuple(student_logits.shape[:-1])}"
+        )
+    compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    log_q_full = torch.log_softmax(student_logits.to(compute_dtype), dim=-1)
+    log_q = log_q_full.gather(-1, teacher_topk_ids)
+    log_p = teacher_topk_logprobs.to(compute_dtype)
+    if not tail:
+        return _combine(
+            log_q - torch.logsumexp(log_q, dim=-1, keepdim=True),
+            log_p - torch.logsumexp(log_p, dim=-1, keepdim=True),
+            kl_type, mixed_kl_weight,
+        )
+    in_topk = torch.zeros_like(log_q_full, dtype=torch.bool).scatter_(-1, teacher_topk_ids, True)
+    # Student rest mass as a logsumexp over the other tokens: exact even when Σ_k Q ≈ 1.
+    log_q_rest = torch.logsumexp(log_q_full.masked_fill(in_topk, float("-inf")), dim=-1, keepdim=True)
+    # Teacher rest mass 1 − Σ_k P. Below the dtype's smallest normal number it is lost to
+    # rounding (it can even come out negative), although a teacher with finite logits
+    # always has some: it is floored there, so a student with mass outside the teacher's
+    # top k gets a large finite penalty instead of an infinite loss with NaN gradients.
+    p_rest = -torch.expm1(torch.logsumexp(log_p, dim=-1, keepdim=True))
+    log_p_rest = torch.log(p_rest.clamp(min=torch.finfo(compute_dtype).tiny))
+    # When the k ids cover the vocabulary the rest class is empty for both models; any
+    # teacher "rest" left by rounding is not mass the student could match.
+    covers_vocabulary = in_topk.all(dim=-1, keepdim=True)
+    log_p_rest = log_p_rest.masked_fill(covers_vocabulary, float("-inf"))
+    return _combine(torch.cat([log_q, log_q_rest], dim=-1), torch.cat([log_p, log_p_rest], dim=-1),
+                    kl_type, mixed_kl_weight)
 
 
 def _global_normalizer(reduction: str, global_valid_tokens: int, global_valid_seqs: int) -> float:
