@@ -3,8 +3,10 @@
 Two layers:
 
 * Pure tensor kernels (:func:`token_kl`, :func:`generalized_jsd`, :func:`topk_token_kl`,
-  :func:`shift_token_mask`) with no config and no I/O, so other frameworks can call them. They follow the next-token convention used
-  everywhere in opd: the logits at position ``t`` predict token ``t + 1``.
+  :func:`sampled_token_advantages`, :func:`sampled_token_pg_loss`, :func:`shift_token_mask`)
+  with no config and no I/O, so other frameworks can call them. They follow the
+  next-token convention used everywhere in opd: the logits at position ``t`` predict
+  token ``t + 1``.
 * Loss-function objects (:class:`DistillationLossFn`, :class:`NLLLossFn`) that the
   trainer calls per micro-batch. They select the positions that carry loss, call the
   kernels, and normalise by the number of valid tokens (or sequences) of the *global*
@@ -232,6 +234,85 @@ def topk_token_kl(
     log_p_rest = log_p_rest.masked_fill(covers_vocabulary, float("-inf"))
     return _combine(torch.cat([log_q, log_q_rest], dim=-1), torch.cat([log_p, log_p_rest], dim=-1),
                     kl_type, mixed_kl_weight)
+
+
+def sampled_token_advantages(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    teacher_tau: float = 1.0,
+    student_tau: float = 1.0,
+    discount: float = 0.0,
+    task_reward: torch.Tensor | None = None,
+    adv_tau: float = 0.0,
+) -> torch.Tensor:
+    """Per-token advantages of the sampled-token distillation objective (no gradient).
+
+    a_t = teacher_tau · log P(x_t) − student_tau · log Q(x_t) for each sampled token x_t,
+    plus ``adv_tau · task_reward`` of its sequence on every token (the hybrid of seed 003).
+    With ``discount`` γ > 0 each token also collects the discounted a of the tokens after
+    it in the same sequence: A_t = Σ_{t' ≥ t} γ^{t'−t} a_{t'}. With τ = 1 and γ = 0,
+    E[−A_t · ∇log Q(x_t)] is the gradient of the reverse KL(Q‖P) at that position.
+
+    Args:
+        student_logprobs: ``[B, T]`` log Q of the sampled tokens (detached here).
+        teacher_logprobs: ``[B, T]`` log P of the same tokens.
+        mask: ``[B, T]`` 1 on response tokens; advantages are 0 elsewhere.
+        teacher_tau, student_tau: weights of the two log-probabilities.
+        discount: γ in [0, 1].
+        task_reward: optional ``[B]`` per-sequence reward (e.g. 1.0 if the verifier
+            accepts the answer).
+        adv_tau: weight of the task reward.
+
+    Returns:
+        ``[B, T]`` advantages in float32 (float64 for float64 inputs).
+    """
+    if not 0.0 <= discount <= 1.0:
+        raise ValueError(f"discount must be in [0, 1], got {discount}")
+    dtype = torch.promote_types(student_logprobs.dtype, torch.float32)
+    weights = mask.to(dtype)
+    per_token = teacher_tau * teacher_logprobs.detach().to(dtype) - student_tau * student_logprobs.detach().to(dtype)
+    if task_reward is not None and adv_tau != 0.0:
+        per_token = per_token + adv_tau * task_reward.detach().to(dtype).unsqueeze(-1)
+    per_token = per_token * weights
+    if discount == 0.0:
+        return per_token
+    advantages = torch.zeros_like(per_token)
+    running = torch.zeros_like(per_token[:, 0])
+    for t in range(per_token.shape[1] - 1, -1, -1):  # reverse cumulative sum, right to left
+        running = per_token[:, t] + discount * running
+        advantages[:, t] = running
+    return advantages * weights
+
+
+def sampled_token_pg_loss(
+    student_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_ratio: float | None = 0.2,
+) -> torch.Tensor:
+    """Per-token clipped policy-gradient loss −min(r·A, clip(r, 1 − ε, 1 + ε)·A).
+
+    r = exp(log Q − log Q_sampler) corrects for the sampler's weights being older than
+    the student's (or a different engine's); with ``clip_ratio`` None the loss is −r·A.
+    Gradients flow only through ``student_logprobs``. No masking or reduction: the
+    advantages are already 0 off the response.
+
+    Args:
+        student_logprobs: ``[B, T]`` log Q of the sampled tokens under the current student.
+        sampler_logprobs: ``[B, T]`` log-probs the sampler drew them with.
+        advantages: ``[B, T]`` from :func:`sampled_token_advantages`.
+        clip_ratio: ε, or None for no clipping.
+
+    Returns:
+        ``[B, T]`` per-token losses.
+    """
+    ratio = torch.exp(student_logprobs - sampler_logprobs.detach().to(student_logprobs.dtype))
+    unclipped = ratio * advantages
+    if clip_ratio is None:
+        return -unclipped
+    clipped = ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio) * advantages
+    return -torch.minimum(unclipped, clipped)
 
 
 def _global_normalizer(reduction: str, global_valid_tokens: int, global_valid_seqs: int) -> float:

@@ -1,5 +1,5 @@
-"""generalized_jsd and topk_token_kl against plain float64 references, with their invariants.
-
+"""The loss kernels beyond token_kl (generalized_jsd, topk_token_kl, sampled-token policy gradient)
+against plain float64 references, with their invariants.
 The references loop over positions and vocabulary entries in Python floats, sharing no
 code with opd.algorithms.loss_functions.
 """
@@ -11,7 +11,13 @@ import math
 import pytest
 import torch
 
-from opd.algorithms.loss_functions import generalized_jsd, token_kl, topk_token_kl
+from opd.algorithms.loss_functions import (
+    generalized_jsd,
+    sampled_token_advantages,
+    sampled_token_pg_loss,
+    token_kl,
+    topk_token_kl,
+)
 
 KL_TYPES = ("forward", "reverse", "mixed")
 
@@ -220,3 +226,72 @@ def test_topk_rejects_mismatched_shapes():
         topk_token_kl(student[:1], values, ids, "forward")
     with pytest.raises(ValueError, match="kl_type"):
         topk_token_kl(student, values, ids, "backward")
+
+
+# --------------------------------------------------------------------------- sampled-token policy gradient
+
+
+def reference_advantages(student, teacher, mask, teacher_tau, student_tau, discount, reward, adv_tau):
+    rows = []
+    for b in range(student.shape[0]):
+        a = [(teacher_tau * teacher[b, t].item() - student_tau * student[b, t].item()
+              + (adv_tau * reward[b].item() if reward is not None else 0.0)) * mask[b, t].item()
+             for t in range(student.shape[1])]
+        out = []
+        for t in range(len(a)):
+            out.append(sum(discount ** (u - t) * a[u] for u in range(t, len(a))) * mask[b, t].item()
+                       if discount > 0 else a[t])
+        rows.append(out)
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("discount", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("with_reward", [False, True])
+def test_advantages_match_reference(discount, with_reward):
+    generator = torch.Generator().manual_seed(11)
+    student = -torch.rand(3, 6, generator=generator, dtype=torch.float64) * 4
+    teacher = -torch.rand(3, 6, generator=generator, dtype=torch.float64) * 4
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
+    reward = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64) if with_reward else None
+    got = sampled_token_advantages(student, teacher, mask, 0.8, 1.2, discount, reward, adv_tau=0.5)
+    expected = reference_advantages(student, teacher, mask, 0.8, 1.2, discount, reward, 0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert (got[2] == 0).all()  # an all-masked row (empty response) has no advantage
+
+
+def test_expected_pg_gradient_is_the_reverse_kl_gradient():
+    """Σ_v Q(v)·∇loss(v) with a fresh sampler (r = 1) equals ∇ KL(Q‖P), position by position."""
+    generator = torch.Generator().manual_seed(3)
+    student_logits = torch.randn(2, 9, generator=generator, dtype=torch.float64, requires_grad=True)
+    teacher_logits = torch.randn(2, 9, generator=generator, dtype=torch.float64)
+    log_q = torch.log_softmax(student_logits, dim=-1)
+    log_p = torch.log_softmax(teacher_logits, dim=-1)
+    expected_loss = torch.zeros((), dtype=torch.float64)
+    for v in range(9):  # every token as "the sampled one", weighted by its probability
+        sampled_q, sampled_p = log_q[:, v:v + 1], log_p[:, v:v + 1]
+        advantages = sampled_token_advantages(sampled_q, sampled_p, torch.ones_like(sampled_q))
+        loss = sampled_token_pg_loss(sampled_q, sampled_q.detach(), advantages, clip_ratio=0.2)
+        expected_loss = expected_loss + (log_q[:, v].detach().exp() * loss[:, 0]).sum()
+    (pg_grad,) = torch.autograd.grad(expected_loss, student_logits)
+    (kl_grad,) = torch.autograd.grad(token_kl(student_logits, teacher_logits, "reverse").sum(), student_logits)
+    torch.testing.assert_close(pg_grad, kl_grad, rtol=1e-10, atol=1e-12)
+
+
+def test_pg_loss_clips_the_ratio_on_the_side_the_advantage_favours():
+    student = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]], dtype=torch.float64)).requires_grad_(True)
+    sampler = torch.log(torch.tensor([[0.25, 0.25, 1.0, 1.0]], dtype=torch.float64))  # r = 2, 2, 0.5, 0.5
+    advantages = torch.tensor([[1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
+    loss = sampled_token_pg_loss(student, sampler, advantages, clip_ratio=0.2)
+    # r = 2, A > 0: clipped at 1.2, no gradient. r = 2, A < 0: −min(−2, −1.2) = 2, gradient flows.
+    # r = 0.5, A > 0: −min(0.5, 0.8) = −0.5, gradient flows. r = 0.5, A < 0: clipped at 0.8.
+    torch.testing.assert_close(loss, torch.tensor([[-1.2, 2.0, -0.5, 0.8]], dtype=torch.float64))
+    (grad,) = torch.autograd.grad(loss.sum(), student)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 2.0, -0.5, 0.0]], dtype=torch.float64))
+    unclipped = sampled_token_pg_loss(student, sampler, advantages, clip_ratio=None)
+    torch.testing.assert_close(unclipped, torch.tensor([[-2.0, 2.0, -0.5, 0.5]], dtype=torch.float64))
+
+
+def test_advantages_reject_bad_discount():
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="discount"):
+        sampled_token_advantages(x, x, x, discount=1.5)
