@@ -1,5 +1,6 @@
 """The loss kernels beyond token_kl (generalized_jsd, topk_token_kl, sampled-token policy gradient)
 against plain float64 references, with their invariants.
+
 The references loop over positions and vocabulary entries in Python floats, sharing no
 code with opd.algorithms.loss_functions.
 """
