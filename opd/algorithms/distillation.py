@@ -39,6 +39,7 @@ from opd.algorithms.interfaces import LossFunction
 from opd.algorithms.loss_functions import DistillationLossFn
 from opd.algorithms.training_loop import (
     RunSaveState,
+    TrainingLoopConfig,
     check_output_is_fresh,
     fresh_save_state,
     run_training_loop,
@@ -62,7 +63,7 @@ from opd.models.loading import (
     resolve_device,
     resolve_dtype,
 )
-from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.models.policy.hf_policy import HFPolicy
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from opd.utils.config import StrictConfig
@@ -90,25 +91,12 @@ class DistillationConfig(StrictConfig):
     generate_strategy: GenerateStrategyConfig = Field(default_factory=GenerateStrategyConfig)
 
 
-class TrainingConfig(OptimizerConfig):
+class TrainingConfig(TrainingLoopConfig):
     """Loop, batch and optimizer settings (the specification's §4.3 keys)."""
 
     batch_size: int = Field(8, ge=1, description="prompts per optimizer step")
     micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward/backward pass")
     gradient_accumulation_steps: int | None = Field(None, ge=1, description="micro-batches per optimizer step")
-    num_epochs: int = Field(1, ge=1)
-    max_num_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
-    max_train_time_s: float | None = Field(
-        None, gt=0,
-        description="end the run once its optimizer steps (not validation or checkpoints) have taken this "
-        "many seconds; for equal-compute comparisons. The learning-rate schedule still follows max_num_steps",
-    )
-    val_freq: int = Field(0, ge=0, description="validate every N steps; 0 disables periodic validation")
-    save_freq: int = Field(0, ge=0, description="checkpoint every N steps; 0 saves only at the end")
-    max_consecutive_nonfinite_steps: int = Field(
-        5, ge=1, description="stop after this many steps in a row with a NaN/inf loss or gradient"
-    )
-    seed: int = 42
 
 
 class DistillationValidationConfig(ValidationConfig):

@@ -23,6 +23,7 @@ from opd.algorithms.distillation import build_fixed_data_batch
 from opd.algorithms.loss_functions import NLLLossFn
 from opd.algorithms.training_loop import (
     RunSaveState,
+    TrainingLoopConfig,
     check_output_is_fresh,
     fresh_save_state,
     run_training_loop,
@@ -35,7 +36,7 @@ from opd.data.datasets import load_chat_dataset
 from opd.models.config import ModelLoadingConfig
 from opd.models.generation.hf_generation import HFGeneration
 from opd.models.loading import check_output_sizes, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
-from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.models.policy.hf_policy import HFPolicy
 from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError
@@ -51,22 +52,11 @@ class SFTModelConfig(ModelLoadingConfig):
     tokenizer_path: str | None = Field(None, description="defaults to model_path")
 
 
-class SFTTrainingConfig(OptimizerConfig):
+class SFTTrainingConfig(TrainingLoopConfig):
     """Loop, batch and optimizer settings of SFT (same meaning as in distillation)."""
 
     batch_size: int = Field(32, ge=1, description="sequences per optimizer step")
     micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward/backward; null = batch_size")
-    num_epochs: int = Field(1, ge=1)
-    max_num_steps: int | None = Field(None, ge=1)
-    max_train_time_s: float | None = Field(
-        None, gt=0,
-        description="end the run once its optimizer steps (not validation or checkpoints) have taken this "
-        "many seconds; for equal-compute comparisons. The learning-rate schedule still follows max_num_steps",
-    )
-    val_freq: int = Field(0, ge=0)
-    save_freq: int = Field(0, ge=0)
-    max_consecutive_nonfinite_steps: int = Field(5, ge=1)
-    seed: int = 42
 
 
 class SFTMasterConfig(StrictConfig):

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any, Callable, TypedDict
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from opd.models.policy.hf_policy import OptimizerConfig
 from opd.utils.checkpoint import CheckpointManager
 from opd.utils.config import config_to_yaml
 from opd.utils.errors import ConfigError, TrainingDivergedError
@@ -40,6 +41,24 @@ from opd.utils.rng import capture_rng_state, restore_rng_state
 from opd.utils.signals import GracefulStop
 
 log = logging.getLogger("opd")
+
+class TrainingLoopConfig(OptimizerConfig):
+    """Run-length, cadence and safety settings that every algorithm's ``training`` section shares."""
+
+    num_epochs: int = Field(1, ge=1, description="passes over the training data")
+    max_num_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    max_train_time_s: float | None = Field(
+        None, gt=0,
+        description="end the run once its optimizer steps (not validation or checkpoints) have taken this "
+        "many seconds; for equal-compute comparisons. The learning-rate schedule still follows max_num_steps",
+    )
+    val_freq: int = Field(0, ge=0, description="validate every N steps; 0 disables periodic validation")
+    save_freq: int = Field(0, ge=0, description="checkpoint every N steps; 0 saves only at the end")
+    max_consecutive_nonfinite_steps: int = Field(
+        5, ge=1, description="stop after this many steps in a row with a NaN/inf loss or gradient"
+    )
+    seed: int = 42
+
 
 class RunSaveState(TypedDict):
     """Counters saved in every checkpoint (``save_state.json``) and restored on resume."""
@@ -108,7 +127,7 @@ def run_training_loop(
     algorithm_rng = algorithm_rng or random.Random(0)
     training, checkpointing = config.training, config.checkpointing  # type: ignore[attr-defined]
     total_steps = logger.total_steps
-    time_budget = getattr(training, "max_train_time_s", None)
+    time_budget = training.max_train_time_s
     state.setdefault("train_time_s", 0.0)  # checkpoints written before this counter existed
     steps_per_epoch = len(dataloader)
     final_dir = Path(config.output_dir) / "final_model"  # type: ignore[attr-defined]
