@@ -41,6 +41,7 @@ from opd.algorithms.training_loop import (
     RunSaveState,
     TrainingLoopConfig,
     check_output_is_fresh,
+    find_resume_checkpoint,
     fresh_save_state,
     run_training_loop,
     warn_on_config_change,
@@ -250,11 +251,7 @@ def setup(master_config: MasterConfig) -> tuple:
         else None
     )
 
-    resume_from = None
-    if config.checkpointing.enabled:
-        for leftover in checkpointer.remove_incomplete():
-            log.warning("removed %s, an incomplete checkpoint from an interrupted write", leftover)
-        resume_from = checkpointer.latest_checkpoint()
+    resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)
     student_path = str(resume_from / "policy") if resume_from else config.model.student_model_path
     student_model, teacher_model = _load_models(config, tokenizer, student_path)
 

@@ -25,6 +25,7 @@ from opd.algorithms.training_loop import (
     RunSaveState,
     TrainingLoopConfig,
     check_output_is_fresh,
+    find_resume_checkpoint,
     fresh_save_state,
     run_training_loop,
     warn_on_config_change,
@@ -116,11 +117,7 @@ def setup(master_config: SFTMasterConfig) -> tuple:
         if config.data.val_path else None
     )
 
-    resume_from = None
-    if config.checkpointing.enabled:
-        for leftover in checkpointer.remove_incomplete():
-            log.warning("removed %s, an incomplete checkpoint from an interrupted write", leftover)
-        resume_from = checkpointer.latest_checkpoint()
+    resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)
     model_path = str(resume_from / "policy") if resume_from else config.model.model_path
     device = resolve_device(config.model.device)
     model = load_causal_lm(model_path, resolve_dtype(config.model.dtype, device), device, config.model)  # type: ignore[arg-type]

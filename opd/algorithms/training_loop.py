@@ -243,6 +243,19 @@ def run_training_loop(
     logger.close()
 
 
+def find_resume_checkpoint(checkpointing_enabled: bool, checkpointer: CheckpointManager) -> Path | None:
+    """The checkpoint a run resumes from: the newest complete ``step_N``, or None.
+
+    Half-written ``.tmp_step_N`` directories left by a killed write are removed first
+    (with a warning), so they can never be mistaken for a checkpoint.
+    """
+    if not checkpointing_enabled:
+        return None
+    for leftover in checkpointer.remove_incomplete():
+        log.warning("removed %s, an incomplete checkpoint from an interrupted write", leftover)
+    return checkpointer.latest_checkpoint()
+
+
 def check_output_is_fresh(output_dir: str, checkpointer: CheckpointManager) -> None:
     """Refuses to overwrite the final model of an earlier run that left no checkpoint.
 
