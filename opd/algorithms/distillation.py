@@ -36,7 +36,8 @@ from pydantic import Field
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.interfaces import LossFunction
-from opd.algorithms.loss_functions import DistillationLossFn
+from opd.algorithms.fused_lm_head import output_head_of
+from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn
 from opd.algorithms.training_loop import (
     RunSaveState,
     TrainingLoopConfig,
@@ -52,6 +53,7 @@ from opd.data.config import DataConfig
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader, prepare_examples
 from opd.data.datasets import load_chat_dataset
 from opd.data.sequences import build_token_mask, pack_sequences
+from opd.environments.math_verifier import is_correct
 from opd.models.config import ModelConfig
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.hf_generation import HFGeneration
@@ -92,6 +94,32 @@ class DistillationConfig(StrictConfig):
     generate_strategy: GenerateStrategyConfig = Field(default_factory=GenerateStrategyConfig)
 
 
+class LossFnConfig(StrictConfig):
+    """What the student matches and how the loss is computed (``loss_fn:`` in the YAML).
+
+    ``distillation.kl_type`` / ``mixed_kl_weight`` / ``kl_temperature`` / ``kl_reduction``
+    (the specification's keys) keep their meaning; this section chooses the teacher
+    signal, the divergence family and the memory-lean fused computation.
+    """
+
+    type: Literal["full_vocab", "topk", "sampled_token"] = Field(
+        "full_vocab",
+        description="full_vocab: exact divergence over the whole vocabulary; topk: the teacher sends its top "
+        "teacher_topk log-probs per position; sampled_token: reverse KL on the sampled token as a policy gradient",
+    )
+    divergence: Literal["kl", "jsd"] = Field("kl", description="kl (distillation.kl_type) or generalized jsd (jsd_beta)")
+    jsd_beta: float = Field(0.5, ge=0.0, le=1.0, description="JSD interpolation: 0 = forward KL, 1 = reverse KL")
+    teacher_topk: int = Field(64, ge=1, description="k of the top-k teacher signal and of the top-k metrics")
+    topk_tail: bool = Field(True, description="top-k keeps a 'rest' class (a true divergence); false renormalises")
+    fused_lm_head: bool = Field(True, description="compute logits and loss chunk by chunk from hidden states")
+    chunk_size: int | None = Field(None, ge=1, description="positions per fused chunk; null: ~128 MiB of logits")
+    teacher_tau: float = Field(1.0, description="sampled_token: weight of the teacher's log-prob in the advantage")
+    student_tau: float = Field(1.0, description="sampled_token: weight of the student's log-prob in the advantage")
+    discount: float = Field(0.0, ge=0.0, le=1.0, description="sampled_token: discount over future tokens' advantages")
+    adv_tau: float = Field(0.0, description="sampled_token: weight of the task reward (the math verifier)")
+    clip_ratio: float | None = Field(0.2, gt=0.0, description="sampled_token: importance-ratio clip; null: none")
+
+
 class TrainingConfig(TrainingLoopConfig):
     """Loop, batch and optimizer settings (the specification's §4.3 keys)."""
 
@@ -116,6 +144,7 @@ class MasterConfig(StrictConfig):
     val_only: bool = Field(False, description="run validation on validation.model_path (or the student) and exit")
     model: ModelConfig
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
+    loss_fn: LossFnConfig = Field(default_factory=LossFnConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     data: DataConfig
     validation: DistillationValidationConfig = Field(default_factory=DistillationValidationConfig)
@@ -172,8 +201,64 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def check_loss_config(config: MasterConfig) -> None:
+    """Cross-checks between ``loss_fn`` and ``distillation`` that pydantic cannot express.
+
+    Raises:
+        ConfigError: naming the keys that conflict.
+    """
+    loss = config.loss_fn
+    if loss.type == "sampled_token":
+        if config.distillation.lambda_ < 1.0:
+            raise ConfigError(
+                f"loss_fn.type = sampled_token needs the student's own samples on every step, but "
+                f"distillation.lambda = {config.distillation.lambda_}; set distillation.lambda = 1.0"
+            )
+        if config.distillation.kl_temperature != 1.0:
+            raise ConfigError(
+                "loss_fn.type = sampled_token scores the tokens under the sampler's own distribution; set "
+                "distillation.kl_temperature = 1.0 and choose the sampling temperature in generate_strategy"
+            )
+    if loss.type == "topk" and loss.divergence == "jsd":
+        raise ConfigError("loss_fn.divergence = jsd needs the teacher's full vocabulary; use loss_fn.type = full_vocab")
+
+
+def make_loss_fn(config: MasterConfig, vocab_size: int) -> DistillationLossFn | SampledTokenLossFn:
+    """The loss object described by ``distillation`` and ``loss_fn``."""
+    loss, distillation = config.loss_fn, config.distillation
+    if loss.type == "sampled_token":
+        return SampledTokenLossFn(
+            teacher_tau=loss.teacher_tau, student_tau=loss.student_tau, discount=loss.discount,
+            adv_tau=loss.adv_tau, clip_ratio=loss.clip_ratio, kl_reduction=distillation.kl_reduction,
+            fused_lm_head=loss.fused_lm_head, chunk_size=loss.chunk_size, vocab_size=vocab_size,
+        )
+    return DistillationLossFn(
+        kl_type=distillation.kl_type,
+        mixed_kl_weight=distillation.mixed_kl_weight,
+        temperature=distillation.kl_temperature,
+        kl_reduction=distillation.kl_reduction,
+        vocab_size=vocab_size,
+        divergence=loss.divergence,
+        jsd_beta=loss.jsd_beta,
+        teacher_signal=loss.type,
+        teacher_topk=loss.teacher_topk,
+        topk_tail=loss.topk_tail,
+        fused_lm_head=loss.fused_lm_head,
+        chunk_size=loss.chunk_size,
+    )
+
+
 def check_config_against_data(config: MasterConfig, train_examples: list[PreparedExample]) -> None:
-    """Cross-checks that need the data: λ < 1 needs fixed responses to train on."""
+    """Cross-checks that need the data: λ < 1 needs fixed responses to train on, a task
+    reward needs ground-truth answers."""
+    if config.loss_fn.type == "sampled_token" and config.loss_fn.adv_tau != 0.0:
+        missing = sum(example["ground_truth"] is None for example in train_examples)
+        if missing:
+            raise ConfigError(
+                f"loss_fn.adv_tau = {config.loss_fn.adv_tau} rewards correct answers, but {missing} of "
+                f"{len(train_examples)} examples in '{config.data.train_path}' have no ground-truth answer; "
+                "use data_format math_cl (or set loss_fn.adv_tau = 0)"
+            )
     if config.distillation.lambda_ < 1.0:
         missing = sum(example["response_ids"] is None for example in train_examples)
         if missing:
@@ -231,6 +316,7 @@ def setup(master_config: MasterConfig) -> tuple:
     """
     config = master_config
     micro_batch_size, _ = resolve_micro_batching(config)
+    check_loss_config(config)
     checkpointer = CheckpointManager(config.checkpointing)
     check_output_is_fresh(config.output_dir, checkpointer)
     set_seed(config.training.seed)
@@ -267,13 +353,14 @@ def setup(master_config: MasterConfig) -> tuple:
         train_examples, config.training.batch_size, config.data.shuffle, config.training.seed
     )
     val_dataloader = make_eval_dataloader(val_examples, config.validation.batch_size) if val_examples else None
-    loss_fn = DistillationLossFn(
-        kl_type=config.distillation.kl_type,
-        mixed_kl_weight=config.distillation.mixed_kl_weight,
-        temperature=config.distillation.kl_temperature,
-        kl_reduction=config.distillation.kl_reduction,
-        vocab_size=len(tokenizer),
-    )
+    loss_fn = make_loss_fn(config, len(tokenizer))
+    if config.loss_fn.fused_lm_head:
+        # Fail before training if a model's head cannot be fused (soft-capped logits, ...).
+        for model, name in ((student_model, "the student"), (teacher_model, "the teacher")):
+            try:
+                output_head_of(model, name)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
     save_state = fresh_save_state()
     if resume_from is not None:
         warn_on_config_change(resume_from, config)
@@ -330,6 +417,17 @@ def build_on_policy_batch(
     return batch
 
 
+def task_rewards(batch: BatchedDataDict, examples: list[PreparedExample], num_samples: int, tokenizer: Any) -> torch.Tensor:
+    """``[N]`` task reward of each sampled response: 1.0 if the math verifier accepts it."""
+    rewards = torch.zeros(batch.size, dtype=torch.float32)
+    for row in range(batch.size):
+        example = examples[row // num_samples]  # samples of one prompt are adjacent
+        start, end = int(batch["prompt_lengths"][row]), int(batch["input_lengths"][row])
+        response = tokenizer.decode(batch["input_ids"][row, start:end], skip_special_tokens=True)
+        rewards[row] = float(is_correct(response, example["ground_truth"]))
+    return rewards
+
+
 def _peak_memory_mb() -> float:
     """Peak resident memory of this process (CPU) or peak allocated GPU memory, in MiB."""
     if torch.cuda.is_available():
@@ -379,7 +477,7 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
 # --------------------------------------------------------------------------- training loop
 
 _CONSOLE_KEYS = [
-    "train/loss", "train/kl_forward", "train/kl_reverse", "train/on_policy",
+    "train/loss", "train/kl_forward", "train/kl_reverse", "train/kl_reverse_estimate", "train/on_policy",
     "train/mean_response_length", "perf/tokens_per_s",
 ]
 
@@ -445,8 +543,12 @@ def distillation_train(
         else:
             batch = build_fixed_data_batch(examples, tokenizer.pad_token_id, config.distillation.mask_prompt_tokens)
             timings["timing/generation"] = 0.0
+        if on_policy and getattr(loss_fn, "adv_tau", 0.0) != 0.0:
+            batch["task_reward"] = task_rewards(batch, examples, config.distillation.num_samples_per_prompt, tokenizer)
         train_start = time.perf_counter()
-        train_metrics = student_policy.train(batch, loss_fn, teacher_logits_fn=teacher_policy.get_logits)
+        query_teacher = getattr(loss_fn, "query_teacher", None)
+        teacher_fn = (lambda micro_batch: query_teacher(teacher_policy, micro_batch)) if query_teacher else teacher_policy.get_logits
+        train_metrics = student_policy.train(batch, loss_fn, teacher_fn=teacher_fn)
         train_seconds = time.perf_counter() - train_start
         teacher_seconds = teacher_policy.pop_seconds_spent()  # type: ignore[attr-defined]
         generation_is_stale = bool(getattr(generation, "needs_refit", False))

@@ -18,13 +18,18 @@ class LossFunction(Protocol):
 
     def __call__(
         self,
-        student_logits: torch.Tensor,
+        student_output: Any,
         data: dict[str, Any],
         global_valid_tokens: int,
         global_valid_seqs: int,
-        teacher_logits: torch.Tensor | None = None,
+        teacher_output: Any = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Returns the loss (already divided by the global normaliser) and metrics.
+
+        ``student_output`` is the student's ``[B, L, V]`` logits, or, when the loss sets
+        ``fused_lm_head = True``, an :class:`~opd.algorithms.fused_lm_head.LMHeadInput`
+        (hidden states and head) from which it makes the logits chunk by chunk.
+        ``teacher_output`` is whatever the loss's ``query_teacher`` asked the teacher for.
 
         Metrics are likewise global-normalised contributions, so the trainer sums them
         over micro-batches to get global-batch values.

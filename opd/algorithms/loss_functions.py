@@ -7,10 +7,13 @@ Two layers:
   with no config and no I/O, so other frameworks can call them. They follow the
   next-token convention used everywhere in opd: the logits at position ``t`` predict
   token ``t + 1``.
-* Loss-function objects (:class:`DistillationLossFn`, :class:`NLLLossFn`) that the
-  trainer calls per micro-batch. They select the positions that carry loss, call the
-  kernels, and normalise by the number of valid tokens (or sequences) of the *global*
-  batch, so gradient accumulation gives the same gradient as one large batch.
+* Loss-function objects (:class:`DistillationLossFn`, :class:`SampledTokenLossFn`,
+  :class:`NLLLossFn`) that the trainer calls per micro-batch. They say what they need
+  from the teacher (``query_teacher``), select the positions that carry loss, call the
+  kernels (directly on logits, or chunk by chunk fused with the LM head, see
+  :mod:`opd.algorithms.fused_lm_head`), and normalise by the number of valid tokens (or
+  sequences) of the *global* batch, so gradient accumulation gives the same gradient as
+  one large batch.
 
 Notation: P is the teacher distribution, Q the student's.
 forward KL = KL(P‖Q) = Σ_v P(v)·(log P(v) − log Q(v)) (mass-covering);
@@ -21,9 +24,11 @@ mixed = w·forward + (1 − w)·reverse, with w = ``mixed_kl_weight``.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
+
+from opd.algorithms.fused_lm_head import LMHeadInput, chunked_lm_head_loss
 
 KLType = Literal["forward", "reverse", "mixed"]
 KL_TYPES: tuple[str, ...] = ("forward", "reverse", "mixed")
@@ -172,6 +177,7 @@ def topk_token_kl(
     kl_type: str,
     mixed_kl_weight: float = 0.5,
     tail: bool = True,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Per-position KL against a teacher that sent only its top-k log-probs and token ids.
 
@@ -193,6 +199,9 @@ def topk_token_kl(
         kl_type: ``"forward"``, ``"reverse"`` or ``"mixed"``, as in :func:`token_kl`.
         mixed_kl_weight: weight of the forward term for ``"mixed"``.
         tail: keep the rest class (True) or renormalise over the top k (False).
+        temperature: the student's logits are divided by it; the teacher's log-probs
+            must already be at the same temperature (the teacher applies it before its
+            top-k, since the top-k set itself depends on it only through ties).
 
     Returns:
         ``student_logits.shape[:-1]`` divergences in float32 (float64 for float64 inputs).
@@ -209,8 +218,10 @@ def topk_token_kl(
             f"teacher top-k positions {tuple(teacher_topk_ids.shape[:-1])} do not match the student's "
             f"{tuple(student_logits.shape[:-1])}"
         )
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
-    log_q_full = torch.log_softmax(student_logits.to(compute_dtype), dim=-1)
+    log_q_full = torch.log_softmax(student_logits.to(compute_dtype) / temperature, dim=-1)
     log_q = log_q_full.gather(-1, teacher_topk_ids)
     log_p = teacher_topk_logprobs.to(compute_dtype)
     if not tail:
@@ -321,23 +332,138 @@ def _global_normalizer(reduction: str, global_valid_tokens: int, global_valid_se
     return float(max(count, 1))
 
 
-class DistillationLossFn:
-    """Token-level KL between the teacher and the student on response tokens.
+DIVERGENCES: tuple[str, ...] = ("kl", "jsd")
+TEACHER_SIGNALS: tuple[str, ...] = ("full_vocab", "topk")
 
-    The loss is ``Σ_{valid positions} KL_t / N`` where, for ``kl_reduction="mean"``, N is
+
+class _TeacherMetrics:
+    """Sums, over the loss positions, the per-step diagnostics of teacher vs student.
+
+    ``kl_forward`` / ``kl_reverse`` at temperature 1 (over the k + 1 top-k classes when
+    the teacher sent only its top k, which is a lower bound of the full KL), the
+    teacher's probability mass on its top-k tokens, the student's mass on those same
+    tokens, and the overlap of the two models' top-k sets (|top-k_P ∩ top-k_Q| / k).
+    Called on detached chunks, so it never adds to the autograd graph.
+    """
+
+    def __init__(self, k: int, temperature: float, vocab_size: int | None) -> None:
+        self.k = k
+        self.temperature = temperature
+        self.vocab_size = vocab_size
+        self.sums = {"kl_forward": 0.0, "kl_reverse": 0.0, "teacher_topk_mass": 0.0,
+                     "student_mass_on_teacher_topk": 0.0, "topk_overlap": 0.0}
+
+    @torch.no_grad()
+    def full_vocab(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
+        """Metrics from both models' full logits (``[C, V]``)."""
+        log_q, log_p = _log_probs(student_logits, teacher_logits, 1.0)
+        self.sums["kl_forward"] += float(_plogp_difference(log_p, log_q).sum())
+        self.sums["kl_reverse"] += float(_plogp_difference(log_q, log_p).sum())
+        k = min(self.k, log_p.shape[-1])
+        teacher_topk_logprobs, teacher_topk_ids = log_p.topk(k, dim=-1)
+        self._topk(log_q, teacher_topk_logprobs, teacher_topk_ids)
+
+    @torch.no_grad()
+    def topk(self, student_logits: torch.Tensor, teacher_topk_logprobs: torch.Tensor, teacher_topk_ids: torch.Tensor) -> None:
+        """Metrics from the student's logits and the teacher's top-k (at the loss temperature)."""
+        for kl_type in ("forward", "reverse"):
+            self.sums[f"kl_{kl_type}"] += float(
+                topk_token_kl(student_logits, teacher_topk_logprobs, teacher_topk_ids, kl_type,
+                              temperature=self.temperature).sum()
+            )
+        compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
+        log_q = torch.log_softmax(student_logits.to(compute_dtype) / self.temperature, dim=-1)
+        self._topk(log_q, teacher_topk_logprobs.to(compute_dtype), teacher_topk_ids)
+
+    def _topk(self, log_q: torch.Tensor, teacher_topk_logprobs: torch.Tensor, teacher_topk_ids: torch.Tensor) -> None:
+        k = teacher_topk_ids.shape[-1]
+        self.sums["teacher_topk_mass"] += float(teacher_topk_logprobs.exp().sum())
+        self.sums["student_mass_on_teacher_topk"] += float(log_q.gather(-1, teacher_topk_ids).exp().sum())
+        student_topk_ids = log_q.topk(min(k, log_q.shape[-1]), dim=-1).indices
+        shared = (teacher_topk_ids.unsqueeze(-1) == student_topk_ids.unsqueeze(-2)).any(dim=-1).sum()
+        self.sums["topk_overlap"] += float(shared) / k
+
+    def metrics(self, token_normalizer: float) -> dict[str, float]:
+        """The sums as this micro-batch's share of the global token means."""
+        return {key: value / token_normalizer for key, value in self.sums.items()}
+
+
+def _rows(value: Any, mask: torch.Tensor, shift: int = 0) -> Any:
+    """The loss positions of a per-position input laid out ``[B, L, ...]``.
+
+    ``shift = 0`` for inputs indexed by logit position (``t`` predicts token ``t + 1``:
+    logits, top-k), ``1`` for inputs indexed by token position (a token's own log-prob).
+    """
+    if isinstance(value, LMHeadInput):
+        return LMHeadInput(value.hidden_states[:, :-1][mask], value.weight, value.bias, value.vocab_size)
+    if shift == 0:
+        return value[:, :-1][mask]
+    return value[:, 1:][mask]
+
+
+def _apply_loss(
+    student_rows: torch.Tensor | LMHeadInput,
+    divergence: Callable[..., torch.Tensor],
+    row_inputs: tuple[Any, ...],
+    normalizer: float,
+    chunk_rows: int | None,
+    observer: Callable[..., None] | None,
+) -> torch.Tensor:
+    """Σ_positions divergence / normalizer, fused with the LM head when given hidden states."""
+    if isinstance(student_rows, LMHeadInput):
+        weights = torch.full(student_rows.hidden_states.shape[:1], 1.0 / normalizer,
+                             dtype=torch.float64, device=student_rows.hidden_states.device)
+        return chunked_lm_head_loss(student_rows, divergence, row_inputs, weights, chunk_rows, observer)
+    materialised = tuple(
+        row_input.logits() if isinstance(row_input, LMHeadInput) else row_input for row_input in row_inputs
+    )
+    # sum() of an empty selection is 0 with a graph attached, so an all-masked
+    # micro-batch contributes zero loss and zero gradient.
+    loss = divergence(student_rows, *materialised).sum() / normalizer
+    if observer is not None:
+        observer(student_rows.detach(), *materialised)
+    return loss
+
+
+class DistillationLossFn:
+    """Token-level divergence between the teacher and the student on response tokens.
+
+    The loss is ``Σ_{valid positions} D_t / N`` where, for ``kl_reduction="mean"``, N is
     the number of valid (response, non-padding) tokens in the whole global batch, and for
-    ``"sum"`` N is the number of sequences in the global batch (each response's KL is
-    summed over its tokens, then averaged over sequences).
+    ``"sum"`` N is the number of sequences in the global batch (each response's
+    divergence is summed over its tokens, then averaged over sequences).
+
+    D_t is chosen by ``divergence`` and ``teacher_signal``:
+
+    * ``kl`` over the full vocabulary (:func:`token_kl`: forward, reverse or mixed), or
+      the generalized ``jsd`` with ``jsd_beta`` (:func:`generalized_jsd`);
+    * with ``teacher_signal="topk"`` the teacher sends only its top ``teacher_topk``
+      log-probs per position and D_t is :func:`topk_token_kl` (``topk_tail`` keeps the
+      rest class; False is NeMo-RL's renormalised variant). JSD needs the full vocabulary.
+
+    With ``fused_lm_head`` the student's logits are never materialised: the policy hands
+    over final hidden states and the head (:class:`~opd.algorithms.fused_lm_head.LMHeadInput`)
+    and the loss runs chunk by chunk (:func:`~opd.algorithms.fused_lm_head.chunked_lm_head_loss`),
+    with the same value and gradients. An in-process teacher then sends hidden states
+    too, and its logits are made per chunk as well.
 
     Args:
-        kl_type: ``"forward"``, ``"reverse"`` or ``"mixed"``.
+        kl_type: ``"forward"``, ``"reverse"`` or ``"mixed"`` (for ``divergence="kl"``).
         mixed_kl_weight: weight of the forward KL in ``"mixed"``.
-        temperature: softmax temperature applied to both models' logits.
+        temperature: distillation temperature applied to both models' logits (separate
+            from the sampling temperature).
         kl_reduction: ``"mean"`` (per token) or ``"sum"`` (per sequence).
         vocab_size: if set, both logits are cut to their first ``vocab_size`` entries.
             Models often pad their output layer beyond the tokenizer (Qwen2.5-32B has
             152,064 outputs, 1.5B has 151,936, the tokenizer 151,665): the extra entries
             are not real tokens and must not enter the divergence.
+        divergence: ``"kl"`` or ``"jsd"``.
+        jsd_beta: β of the generalized JSD (0 = forward KL, 1 = reverse KL).
+        teacher_signal: ``"full_vocab"`` or ``"topk"``.
+        teacher_topk: k of the top-k teacher signal and of the top-k metrics.
+        topk_tail: keep the top-k rest class (True) or renormalise (False).
+        fused_lm_head: take hidden states and compute the loss chunk by chunk.
+        chunk_size: positions per fused chunk (None: ~128 MiB of fp32 logits per chunk).
     """
 
     def __init__(
@@ -347,68 +473,197 @@ class DistillationLossFn:
         temperature: float = 1.0,
         kl_reduction: str = "mean",
         vocab_size: int | None = None,
+        divergence: str = "kl",
+        jsd_beta: float = 0.5,
+        teacher_signal: str = "full_vocab",
+        teacher_topk: int = 64,
+        topk_tail: bool = True,
+        fused_lm_head: bool = False,
+        chunk_size: int | None = None,
     ) -> None:
         if kl_type not in KL_TYPES:
             raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
         if kl_reduction not in ("mean", "sum"):
             raise ValueError(f"kl_reduction must be 'mean' or 'sum', got {kl_reduction!r}")
+        if divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+        if teacher_signal not in TEACHER_SIGNALS:
+            raise ValueError(f"teacher_signal must be one of {TEACHER_SIGNALS}, got {teacher_signal!r}")
+        if divergence == "jsd" and teacher_signal == "topk":
+            raise ValueError("the generalized JSD needs the teacher's full vocabulary; use divergence='kl' with top-k")
+        if teacher_topk < 1:
+            raise ValueError(f"teacher_topk must be >= 1, got {teacher_topk}")
         self.kl_type = kl_type
         self.mixed_kl_weight = mixed_kl_weight
         self.temperature = temperature
         self.kl_reduction = kl_reduction
         self.vocab_size = vocab_size
+        self.divergence = divergence
+        self.jsd_beta = jsd_beta
+        self.teacher_signal = teacher_signal
+        self.teacher_topk = teacher_topk
+        self.topk_tail = topk_tail
+        self.fused_lm_head = fused_lm_head
+        self.chunk_size = chunk_size
+
+    def query_teacher(self, teacher: Any, data: Any) -> Any:
+        """Asks ``teacher`` for what this loss needs on micro-batch ``data``.
+
+        Full-vocabulary logits (or, for the fused path with an in-process teacher, its
+        hidden states and head), or the top-k log-probs and ids at the loss temperature.
+        """
+        if self.teacher_signal == "topk":
+            return teacher.get_topk_logprobs(data, self.teacher_topk, self.temperature, self.vocab_size)
+        if self.fused_lm_head and callable(getattr(teacher, "get_hidden_states", None)):
+            return teacher.get_hidden_states(data)
+        return teacher.get_logits(data)
+
+    def _divergence(self, student_logits: torch.Tensor, *teacher: torch.Tensor) -> torch.Tensor:
+        if self.teacher_signal == "topk":
+            return topk_token_kl(student_logits, teacher[0], teacher[1], self.kl_type, self.mixed_kl_weight,
+                                 tail=self.topk_tail, temperature=self.temperature)
+        if self.divergence == "jsd":
+            return generalized_jsd(student_logits, teacher[0], self.jsd_beta, self.temperature)
+        return token_kl(student_logits, teacher[0], self.kl_type, self.mixed_kl_weight, self.temperature)
+
+    def _cut_vocabulary(self, value: Any) -> Any:
+        if self.vocab_size is None:
+            return value
+        if isinstance(value, LMHeadInput):
+            return LMHeadInput(value.hidden_states, value.weight, value.bias, self.vocab_size)
+        return value[..., : self.vocab_size]
 
     def __call__(
         self,
-        student_logits: torch.Tensor,
+        student_output: torch.Tensor | LMHeadInput,
         data: dict[str, Any],
         global_valid_tokens: int,
         global_valid_seqs: int,
-        teacher_logits: torch.Tensor | None = None,
+        teacher_output: Any = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Computes this micro-batch's share of the global distillation loss.
 
         Args:
-            student_logits: ``[B, L, V_s]`` logits for ``data["input_ids"]``.
+            student_output: ``[B, L, V_s]`` logits for ``data["input_ids"]``, or (fused)
+                an :class:`LMHeadInput` with ``[B, L, D]`` hidden states.
             data: micro-batch with ``token_mask [B, L]``.
             global_valid_tokens: valid loss tokens in the whole global batch.
             global_valid_seqs: sequences in the whole global batch.
-            teacher_logits: ``[B, L, V_t]`` teacher logits for the same ids.
+            teacher_output: what :meth:`query_teacher` returned: ``[B, L, V_t]`` logits,
+                an :class:`LMHeadInput`, or ``([B, L, k] log-probs, [B, L, k] ids)``.
 
         Returns:
             ``(loss, metrics)``; metrics hold this micro-batch's contributions to the
-            global ``loss``, ``kl_forward`` and ``kl_reverse`` (token means) and
+            global ``loss``, ``kl_forward``, ``kl_reverse``, ``teacher_topk_mass``,
+            ``student_mass_on_teacher_topk``, ``topk_overlap`` (token means) and
             ``num_valid_tokens``.
         """
-        if teacher_logits is None:
-            raise ValueError("DistillationLossFn needs teacher_logits")
-        if self.vocab_size is not None:
-            student_logits = student_logits[..., : self.vocab_size]
-            teacher_logits = teacher_logits[..., : self.vocab_size]
+        if teacher_output is None:
+            raise ValueError("DistillationLossFn needs the teacher's output")
         loss_mask = shift_token_mask(data["token_mask"]).bool()
-        # Only the selected positions ever see a softmax: prompt and padding rows of the
-        # [B, L, V] logits are skipped instead of computed and then masked to zero.
-        student_rows = student_logits[:, :-1][loss_mask]
-        teacher_rows = teacher_logits[:, :-1][loss_mask]
-        log_q, log_p = _log_probs(student_rows, teacher_rows, self.temperature)
-        divergence = _combine(log_q, log_p, self.kl_type, self.mixed_kl_weight)
+        # Only the selected positions ever see a softmax: prompt and padding rows are
+        # skipped instead of computed and then masked to zero.
+        student_rows = _rows(self._cut_vocabulary(student_output), loss_mask)
+        if self.teacher_signal == "topk":
+            logprobs, ids = teacher_output
+            teacher_rows: tuple[Any, ...] = (_rows(logprobs, loss_mask), _rows(ids, loss_mask))
+        else:
+            teacher_rows = (_rows(self._cut_vocabulary(teacher_output), loss_mask),)
+        collector = _TeacherMetrics(self.teacher_topk, self.temperature, self.vocab_size)
+        observer = collector.topk if self.teacher_signal == "topk" else collector.full_vocab
         normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
-        # sum() of an empty selection is 0 with a graph attached, so an all-masked
-        # micro-batch contributes zero loss and zero gradient.
-        loss = divergence.sum() / normalizer
-        with torch.no_grad():
-            # The metrics are both KL directions at temperature 1. At temperature 1 they
-            # reuse the loss's log-probabilities instead of a second pair of softmaxes.
-            if self.temperature != 1.0:
-                log_q, log_p = _log_probs(student_rows, teacher_rows, 1.0)
-            log_q, log_p = log_q.detach(), log_p.detach()
-            forward_sum = _plogp_difference(log_p, log_q).sum()
-            reverse_sum = _plogp_difference(log_q, log_p).sum()
-            token_normalizer = float(max(global_valid_tokens, 1))
+        loss = _apply_loss(student_rows, self._divergence, teacher_rows, normalizer, self.chunk_size, observer)
+        metrics = {"loss": float(loss.detach()), **collector.metrics(float(max(global_valid_tokens, 1))),
+                   "num_valid_tokens": float(loss_mask.sum())}
+        return loss, metrics
+
+
+class SampledTokenLossFn:
+    """Reverse KL on the sampled tokens only, as a clipped policy gradient.
+
+    The form used by the Thinking Machines cookbook, prime-rl and slime: the teacher
+    sends one log-prob per position (that of the token the student sampled), the
+    per-token advantage is ``teacher_tau · log P − student_tau · log Q_sampler``
+    (:func:`sampled_token_advantages`, optionally discounted over later tokens and plus
+    ``adv_tau ·`` the sequence's task reward from ``data["task_reward"]``), and the loss is
+    :func:`sampled_token_pg_loss` with the importance ratio against the sampler's
+    log-probs (``data["generation_logprobs"]``). Normalised like :class:`DistillationLossFn`.
+
+    It needs on-policy samples: fixed data has no sampler log-probs.
+    """
+
+    def __init__(
+        self,
+        teacher_tau: float = 1.0,
+        student_tau: float = 1.0,
+        discount: float = 0.0,
+        adv_tau: float = 0.0,
+        clip_ratio: float | None = 0.2,
+        kl_reduction: str = "mean",
+        fused_lm_head: bool = False,
+        chunk_size: int | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        if kl_reduction not in ("mean", "sum"):
+            raise ValueError(f"kl_reduction must be 'mean' or 'sum', got {kl_reduction!r}")
+        self.teacher_tau = teacher_tau
+        self.student_tau = student_tau
+        self.discount = discount
+        self.adv_tau = adv_tau
+        self.clip_ratio = clip_ratio
+        self.kl_reduction = kl_reduction
+        self.fused_lm_head = fused_lm_head
+        self.chunk_size = chunk_size
+        self.vocab_size = vocab_size
+
+    def query_teacher(self, teacher: Any, data: Any) -> torch.Tensor:
+        """The teacher's log-prob of each token of ``data["input_ids"]`` (``[B, L]``)."""
+        return teacher.get_token_logprobs(data, self.vocab_size)
+
+    def _divergence(self, student_logits: torch.Tensor, targets: torch.Tensor, sampler_logprobs: torch.Tensor,
+                    advantages: torch.Tensor) -> torch.Tensor:
+        compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
+        log_q = torch.log_softmax(student_logits.to(compute_dtype), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return sampled_token_pg_loss(log_q, sampler_logprobs, advantages, self.clip_ratio)
+
+    def __call__(
+        self,
+        student_output: torch.Tensor | LMHeadInput,
+        data: dict[str, Any],
+        global_valid_tokens: int,
+        global_valid_seqs: int,
+        teacher_output: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """This micro-batch's share of the global policy-gradient loss, and metrics.
+
+        Metrics: ``loss``, ``kl_reverse_estimate`` (mean of log Q_sampler − log P over the
+        sampled tokens, the single-sample reverse-KL estimate), ``advantage`` (mean),
+        ``num_valid_tokens``.
+        """
+        if teacher_output is None:
+            raise ValueError("SampledTokenLossFn needs the teacher's token log-probs")
+        if "generation_logprobs" not in data:
+            raise ValueError("the sampled-token loss needs on-policy samples with the sampler's log-probs")
+        token_mask = shift_token_mask(data["token_mask"])
+        loss_mask = token_mask.bool()
+        sampler_logprobs = data["generation_logprobs"][:, 1:]
+        teacher_logprobs = teacher_output[:, 1:].to(sampler_logprobs.device)
+        advantages = sampled_token_advantages(
+            sampler_logprobs, teacher_logprobs, token_mask, self.teacher_tau, self.student_tau, self.discount,
+            data.get("task_reward"), self.adv_tau,
+        )
+        student = student_output
+        if self.vocab_size is not None:
+            student = (LMHeadInput(student.hidden_states, student.weight, student.bias, self.vocab_size)
+                       if isinstance(student, LMHeadInput) else student[..., : self.vocab_size])
+        row_inputs = (data["input_ids"][:, 1:][loss_mask], sampler_logprobs[loss_mask], advantages[loss_mask])
+        normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
+        loss = _apply_loss(_rows(student, loss_mask), self._divergence, row_inputs, normalizer, self.chunk_size, None)
+        token_normalizer = float(max(global_valid_tokens, 1))
         metrics = {
             "loss": float(loss.detach()),
-            "kl_forward": float(forward_sum) / token_normalizer,
-            "kl_reverse": float(reverse_sum) / token_normalizer,
+            "kl_reverse_estimate": float((sampler_logprobs - teacher_logprobs)[loss_mask].sum()) / token_normalizer,
+            "advantage": float(advantages[loss_mask].sum()) / token_normalizer,
             "num_valid_tokens": float(loss_mask.sum()),
         }
         return loss, metrics
@@ -422,13 +677,17 @@ class NLLLossFn:
 
     def __call__(
         self,
-        student_logits: torch.Tensor,
+        student_output: torch.Tensor,
         data: dict[str, Any],
         global_valid_tokens: int,
         global_valid_seqs: int,
-        teacher_logits: torch.Tensor | None = None,
+        teacher_output: Any = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Returns this micro-batch's share of the global mean token NLL, and metrics."""
+        """Returns this micro-batch's share of the global mean token NLL, and metrics.
+
+        ``student_output`` is the ``[B, L, V]`` logits; ``teacher_output`` is ignored.
+        """
+        student_logits = student_output
         loss_mask = shift_token_mask(data["token_mask"]).bool()
         targets = data["input_ids"][:, 1:][loss_mask]
         rows = student_logits[:, :-1][loss_mask]

@@ -48,6 +48,16 @@ class TeacherInterface(Protocol):
         """Full-vocabulary logits ``[B, L, V]`` for ``data["input_ids"]`` (no gradient)."""
         ...
 
+    def get_topk_logprobs(
+        self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k log-probs and ids ``([B, L, k], [B, L, k])``; position t describes token t + 1."""
+        ...
+
+    def get_token_logprobs(self, data: BatchedDataDict, vocab_size: int | None = None) -> torch.Tensor:
+        """``[B, L]`` log-prob of each token given the tokens before it (0 at position 0)."""
+        ...
+
 
 class PolicyInterface(Protocol):
     """The trainable student."""

@@ -2,8 +2,10 @@
 
 ``train`` performs one optimizer step over a global batch: it counts the valid tokens of
 the whole batch first, then runs forward/backward micro-batch by micro-batch (asking the
-teacher for the same micro-batch's logits when a teacher is given), so the loss
-function can normalise globally and gradient accumulation is exact.
+teacher for the same micro-batch's output when a teacher is given), so the loss
+function can normalise globally and gradient accumulation is exact. For a fused loss
+the student's forward stops at the final hidden states and the loss makes the logits
+chunk by chunk.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from pydantic import Field
 from transformers import get_scheduler
 
+from opd.algorithms.fused_lm_head import LMHeadInput, final_hidden_states, output_head_of
 from opd.algorithms.loss_functions import shift_token_mask
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import attention_mask_from_lengths
@@ -81,24 +84,29 @@ class HFPolicy:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _forward_logits(self, micro_batch: BatchedDataDict) -> torch.Tensor:
+    def _forward(self, micro_batch: BatchedDataDict, fused_lm_head: bool) -> torch.Tensor | LMHeadInput:
+        """The student's logits, or (fused loss) its final hidden states and head."""
         input_ids = micro_batch["input_ids"].to(self.device)
         attention_mask = attention_mask_from_lengths(micro_batch["input_lengths"].to(self.device), input_ids.shape[1])
+        if fused_lm_head:
+            weight, bias = output_head_of(self.model, "the student")
+            return LMHeadInput(final_hidden_states(self.model, input_ids, attention_mask), weight, bias)
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
     def train(
         self,
         data: BatchedDataDict,
         loss_fn: Any,
-        teacher_logits_fn: Callable[[BatchedDataDict], torch.Tensor] | None = None,
+        teacher_fn: Callable[[BatchedDataDict], Any] | None = None,
     ) -> dict[str, float]:
         """One optimizer step over ``data`` (the whole global batch).
 
         Args:
             data: right-padded batch with ``input_ids``, ``input_lengths``, ``token_mask``.
-            loss_fn: a :class:`~opd.algorithms.interfaces.LossFunction`.
-            teacher_logits_fn: returns teacher logits for a micro-batch; None for losses
-                that need no teacher (SFT).
+            loss_fn: a :class:`~opd.algorithms.interfaces.LossFunction`; if it sets
+                ``fused_lm_head`` it receives hidden states and the head, not logits.
+            teacher_fn: returns the teacher's output for a micro-batch (what the loss's
+                ``query_teacher`` asks for); None for losses that need no teacher (SFT).
 
         Returns:
             Global-batch metrics: the loss function's metrics summed over micro-batches,
@@ -117,13 +125,13 @@ class HFPolicy:
             micro_batch = BatchedDataDict(
                 {k: v[:, :width] if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in micro_batch.items()}
             ).to(self.device)
-            teacher_logits = teacher_logits_fn(micro_batch) if teacher_logits_fn is not None else None
-            student_logits = self._forward_logits(micro_batch)
+            teacher_output = teacher_fn(micro_batch) if teacher_fn is not None else None
+            student_output = self._forward(micro_batch, bool(getattr(loss_fn, "fused_lm_head", False)))
             loss, metrics = loss_fn(
-                student_logits, micro_batch, global_valid_tokens, global_valid_seqs, teacher_logits=teacher_logits
+                student_output, micro_batch, global_valid_tokens, global_valid_seqs, teacher_output=teacher_output
             )
             loss.backward()
-            del teacher_logits, student_logits
+            del teacher_output, student_output
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         parameters = [param for param in self.model.parameters() if param.grad is not None]

@@ -286,19 +286,24 @@ def e2e_run(tmp_path_factory):
     calls = count_generate_calls(generation)
     generated: list = []
     scored: list[torch.Tensor] = []
-    original_generate, original_get_logits = generation.generate, teacher_policy.get_logits
+    original_generate = generation.generate
+    # The default fused loss asks the teacher for hidden states, the plain one for logits.
+    original_scorers = {name: getattr(teacher_policy, name) for name in ("get_logits", "get_hidden_states")}
 
     def recording_generate(*args, **kwargs):
         batch = original_generate(*args, **kwargs)
         generated.append({key: value.clone() for key, value in batch.items()})
         return batch
 
-    def recording_get_logits(batch):
-        scored.append(batch["input_ids"].detach().cpu().clone())
-        return original_get_logits(batch)
+    def recording_scorer(name):
+        def score(batch):
+            scored.append(batch["input_ids"].detach().cpu().clone())
+            return original_scorers[name](batch)
+        return score
 
     generation.generate = recording_generate  # type: ignore[method-assign]
-    teacher_policy.get_logits = recording_get_logits  # type: ignore[method-assign]
+    for name in original_scorers:
+        setattr(teacher_policy, name, recording_scorer(name))
     distillation_train(*parts)
     return {
         "config": config, "parts": parts, "after_setup": after_setup, "calls": calls,
@@ -608,7 +613,7 @@ def train_one_step(batch, micro_batch_size, teacher, loss_fn, max_grad_norm):
                 grads[names[id(param)]] = param.grad.detach().clone()
 
     policy.optimizer.register_step_pre_hook(capture)
-    metrics = policy.train(batch, loss_fn, teacher_logits_fn=teacher.get_logits)
+    metrics = policy.train(batch, loss_fn, teacher_fn=teacher.get_logits)
     return metrics, grads, snapshot(model)
 
 
@@ -652,7 +657,7 @@ def test_teacher_equal_to_student_gives_zero_loss_and_gradient(tokenizer, kl_typ
     attention = attention_mask_from_lengths(batch["input_lengths"], batch["input_ids"].shape[1])
     student_logits = model(input_ids=batch["input_ids"], attention_mask=attention, use_cache=False).logits
     tokens = int(batch["token_mask"][:, 1:].sum())
-    loss, _ = loss_fn(student_logits, batch, tokens, batch.size, teacher_logits=teacher.get_logits(batch))
+    loss, _ = loss_fn(student_logits, batch, tokens, batch.size, teacher_output=teacher.get_logits(batch))
     assert tokens > 0
     assert abs(float(loss.detach())) <= 1e-6
     loss.backward()
@@ -662,14 +667,14 @@ def test_teacher_equal_to_student_gives_zero_loss_and_gradient(tokenizer, kl_typ
     # Through the policy: the reported loss and pre-clipping gradient norm are zero too.
     optimizer_config = OptimizerConfig(learning_rate=1e-3, warmup_steps=0)
     policy = HFPolicy(build_tiny_model("student"), optimizer_config, 2, 1)
-    metrics = policy.train(batch, loss_fn, teacher_logits_fn=teacher.get_logits)
+    metrics = policy.train(batch, loss_fn, teacher_fn=teacher.get_logits)
     assert abs(metrics["loss"]) <= 1e-6
     assert metrics["kl_forward"] <= 1e-6 and metrics["kl_reverse"] <= 1e-6
     assert metrics["grad_norm"] <= 1e-6
     # Control: against a different teacher the same step has a clearly non-zero gradient.
     other = HFPolicy(build_tiny_model("student"), optimizer_config, 2, 1)
     other_teacher = LocalTeacher(build_tiny_model("student-b"))
-    other_metrics = other.train(batch, loss_fn, teacher_logits_fn=other_teacher.get_logits)
+    other_metrics = other.train(batch, loss_fn, teacher_fn=other_teacher.get_logits)
     assert other_metrics["loss"] > 1e-4 and other_metrics["grad_norm"] > 1e-4
 
 

@@ -370,7 +370,7 @@ def test_loss_only_sees_response_predicting_positions(kl_type):
     teacher, data, loss_fn, n_tok, n_seq, predicting = _shift_case(kl_type)
     assert n_tok == 8
 
-    loss, _ = loss_fn(teacher.clone(), data, n_tok, n_seq, teacher_logits=teacher)
+    loss, _ = loss_fn(teacher.clone(), data, n_tok, n_seq, teacher_output=teacher)
     assert loss.item() == 0.0
 
     # Every single response-predicting position, perturbed alone, must be seen.
@@ -378,7 +378,7 @@ def test_loss_only_sees_response_predicting_positions(kl_type):
         for t in positions:
             student = teacher.clone()
             student[b, t] += torch.randn(teacher.shape[-1]) * 2.0
-            loss, _ = loss_fn(student, data, n_tok, n_seq, teacher_logits=teacher)
+            loss, _ = loss_fn(student, data, n_tok, n_seq, teacher_output=teacher)
             assert loss.item() > 0.0, (b, t)
 
     # Any other position (prompt, the logits after the last response token, padding,
@@ -389,7 +389,7 @@ def test_loss_only_sees_response_predicting_positions(kl_type):
                 continue
             student = teacher.clone()
             student[b, t] += torch.randn(teacher.shape[-1]) * 5.0
-            loss, metrics = loss_fn(student, data, n_tok, n_seq, teacher_logits=teacher)
+            loss, metrics = loss_fn(student, data, n_tok, n_seq, teacher_output=teacher)
             assert loss.item() == 0.0, (b, t)
             assert metrics["kl_forward"] == 0.0 and metrics["kl_reverse"] == 0.0
 
@@ -408,7 +408,7 @@ def test_distillation_loss_matches_reference(kl_type, weight, temperature, reduc
     student, teacher, data = make_batch(LENGTHS, PROMPTS, SEQ_LEN, VOCAB, seed=13)
     n_tok, n_seq = global_counts(data["token_mask"])
     loss_fn = DistillationLossFn(kl_type, weight, temperature, reduction)
-    loss, metrics = loss_fn(student, data, n_tok, n_seq, teacher_logits=teacher)
+    loss, metrics = loss_fn(student, data, n_tok, n_seq, teacher_output=teacher)
 
     total, count = ref_masked_kl_sum(student, teacher, data["token_mask"], kl_type, weight, temperature)
     assert count == sum(LENGTHS) == n_tok
@@ -424,7 +424,7 @@ def test_distillation_metrics_match_reference(kl_type, temperature):
     student, teacher, data = make_batch(LENGTHS, PROMPTS, SEQ_LEN, VOCAB, seed=14)
     n_tok, n_seq = global_counts(data["token_mask"])
     loss_fn = DistillationLossFn(kl_type, 0.3, temperature, "sum")
-    _, metrics = loss_fn(student, data, n_tok, n_seq, teacher_logits=teacher)
+    _, metrics = loss_fn(student, data, n_tok, n_seq, teacher_output=teacher)
     # kl_forward / kl_reverse are token means of the plain (T = 1) divergences, whatever
     # the loss's own temperature and reduction.
     fwd, count = ref_masked_kl_sum(student, teacher, data["token_mask"], "forward")
@@ -439,7 +439,7 @@ def test_num_valid_tokens_counts_micro_batch_only_and_ignores_position_zero():
     # Row 0's response starts at token 0, which no logit predicts: it cannot carry loss.
     assert data["token_mask"][0, 0] == 1
     loss_fn = DistillationLossFn("forward")
-    _, metrics = loss_fn(student, data, 100, 10, teacher_logits=teacher)
+    _, metrics = loss_fn(student, data, 100, 10, teacher_output=teacher)
     assert metrics["num_valid_tokens"] == 1.0 + 3.0
 
 
@@ -455,7 +455,7 @@ def test_gradient_accumulation_matches_full_batch(kl_type, weight, reduction, sp
     loss_fn = DistillationLossFn(kl_type, weight, 0.7, reduction)
 
     full_student = student.clone().requires_grad_()
-    full_loss, full_metrics = loss_fn(full_student, data, n_tok, n_seq, teacher_logits=teacher)
+    full_loss, full_metrics = loss_fn(full_student, data, n_tok, n_seq, teacher_output=teacher)
     full_loss.backward()
 
     # Micro-batches backprop into the same leaf, so .grad accumulates like in the trainer.
@@ -466,7 +466,7 @@ def test_gradient_accumulation_matches_full_batch(kl_type, weight, reduction, sp
     for size in split:
         sl = slice(start, start + size)
         micro = {k: v[sl] for k, v in data.items()}
-        loss, metrics = loss_fn(acc_student[sl], micro, n_tok, n_seq, teacher_logits=teacher[sl])
+        loss, metrics = loss_fn(acc_student[sl], micro, n_tok, n_seq, teacher_output=teacher[sl])
         loss.backward()
         acc_loss += loss.item()
         for k in acc_metrics:
@@ -486,7 +486,7 @@ def test_distillation_gradient_matches_reference(kl_type, reduction):
     student, teacher, data = make_batch(LENGTHS, PROMPTS, SEQ_LEN, VOCAB, seed=17, dtype=torch.float64)
     n_tok, n_seq = global_counts(data["token_mask"])
     student.requires_grad_()
-    loss, _ = DistillationLossFn(kl_type, 0.4, 0.7, reduction)(student, data, n_tok, n_seq, teacher_logits=teacher)
+    loss, _ = DistillationLossFn(kl_type, 0.4, 0.7, reduction)(student, data, n_tok, n_seq, teacher_output=teacher)
     loss.backward()
 
     ref_student = student.detach().clone().requires_grad_()
@@ -508,7 +508,7 @@ def test_all_masked_batch_gives_exact_zero(kl_type, reduction):
     # Whole global batch empty (normaliser 0) and an empty micro-batch of a non-empty batch.
     for n_tok, n_seq in ((0, 0), (0, 3), (17, 6)):
         student.grad = None
-        loss, metrics = loss_fn(student, data, n_tok, n_seq, teacher_logits=teacher)
+        loss, metrics = loss_fn(student, data, n_tok, n_seq, teacher_output=teacher)
         assert loss.item() == 0.0
         loss.backward()
         assert student.grad is not None and torch.all(student.grad == 0)
@@ -528,7 +528,7 @@ def test_empty_response_row_contributes_nothing(kl_type, reduction):
     empty = LENGTHS.index(0)
 
     a = student.clone().requires_grad_()
-    loss_a, _ = loss_fn(a, data, n_tok, n_seq, teacher_logits=teacher)
+    loss_a, _ = loss_fn(a, data, n_tok, n_seq, teacher_output=teacher)
     loss_a.backward()
 
     b_init = student.clone()
@@ -536,7 +536,7 @@ def test_empty_response_row_contributes_nothing(kl_type, reduction):
     teacher_b = teacher.clone()
     teacher_b[empty] = torch.randn(SEQ_LEN, VOCAB) * 50.0
     b = b_init.requires_grad_()
-    loss_b, _ = loss_fn(b, data, n_tok, n_seq, teacher_logits=teacher_b)
+    loss_b, _ = loss_fn(b, data, n_tok, n_seq, teacher_output=teacher_b)
     loss_b.backward()
 
     assert loss_a.item() == loss_b.item()
@@ -548,7 +548,7 @@ def test_empty_response_row_contributes_nothing(kl_type, reduction):
 def test_vocab_size_slicing_ignores_padded_logits(kl_type):
     student, teacher, data = make_batch(LENGTHS, PROMPTS, SEQ_LEN, VOCAB, seed=20)
     n_tok, n_seq = global_counts(data["token_mask"])
-    plain, plain_metrics = DistillationLossFn(kl_type)(student, data, n_tok, n_seq, teacher_logits=teacher)
+    plain, plain_metrics = DistillationLossFn(kl_type)(student, data, n_tok, n_seq, teacher_output=teacher)
 
     # Student and teacher padded to *different* widths with huge random junk.
     g = torch.Generator().manual_seed(21)
@@ -557,7 +557,7 @@ def test_vocab_size_slicing_ignores_padded_logits(kl_type):
     padded_s = torch.cat([student, junk_s], dim=-1).requires_grad_()
     padded_t = torch.cat([teacher, junk_t], dim=-1)
     sliced_fn = DistillationLossFn(kl_type, vocab_size=VOCAB)
-    sliced, sliced_metrics = sliced_fn(padded_s, data, n_tok, n_seq, teacher_logits=padded_t)
+    sliced, sliced_metrics = sliced_fn(padded_s, data, n_tok, n_seq, teacher_output=padded_t)
 
     assert sliced.item() == pytest.approx(plain.item(), rel=1e-6)
     for k in ("kl_forward", "kl_reverse", "num_valid_tokens"):
@@ -567,7 +567,7 @@ def test_vocab_size_slicing_ignores_padded_logits(kl_type):
 
     # Without slicing, the mismatched widths are an error rather than a silent mix-up.
     with pytest.raises(ValueError):
-        DistillationLossFn(kl_type)(padded_s, data, n_tok, n_seq, teacher_logits=padded_t)
+        DistillationLossFn(kl_type)(padded_s, data, n_tok, n_seq, teacher_output=padded_t)
 
 
 def test_distillation_loss_rejects_bad_config():
@@ -579,7 +579,7 @@ def test_distillation_loss_rejects_bad_config():
         DistillationLossFn(kl_reduction="token")
     student, _, data = make_batch((2,), (1,), 4, 5)
     with pytest.raises(ValueError):
-        DistillationLossFn()(student, data, 2, 1, teacher_logits=None)
+        DistillationLossFn()(student, data, 2, 1, teacher_output=None)
 
 
 # --------------------------------------------------------------------------- NLLLossFn

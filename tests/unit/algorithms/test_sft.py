@@ -168,16 +168,16 @@ def spy_on_nll_loss(monkeypatch) -> list[dict]:
     calls: list[dict] = []
     original = NLLLossFn.__call__
 
-    def spy(self, student_logits, data, global_valid_tokens, global_valid_seqs, teacher_logits=None):
+    def spy(self, student_logits, data, global_valid_tokens, global_valid_seqs, teacher_output=None):
         loss, metrics = original(self, student_logits, data, global_valid_tokens, global_valid_seqs,
-                                 teacher_logits=teacher_logits)
+                                 teacher_output=teacher_output)
         calls.append({
             "input_ids": data["input_ids"].detach().clone(),
             "token_mask": data["token_mask"].detach().clone(),
             "input_lengths": data["input_lengths"].detach().clone(),
             "global_valid_tokens": global_valid_tokens,
             "global_valid_seqs": global_valid_seqs,
-            "teacher_logits": teacher_logits,
+            "teacher_output": teacher_output,
             "metrics": dict(metrics),
         })
         return loss, metrics
@@ -336,7 +336,7 @@ def test_loss_covers_exactly_the_assistant_answer(tmp_path, monkeypatch, tokeniz
     for call in calls:
         ids, mask = call["input_ids"][0], call["token_mask"][0]
         assert ids.tolist() == prompt_ids + response_ids
-        assert call["teacher_logits"] is None
+        assert call["teacher_output"] is None
         assert call["global_valid_seqs"] == 1
         assert call["global_valid_tokens"] == response_length
         assert call["metrics"]["num_valid_tokens"] == response_length

@@ -1,0 +1,296 @@
+"""The fused, chunked LM-head loss against the plain path that materialises the logits.
+
+Every divergence opd offers is computed both ways on random hidden states and heads, for
+chunk sizes from one position to more than all of them: loss values and the gradients of
+the hidden states, the head weight and its bias must agree to rounding (float64: 1e-12).
+Then the same through real tiny Hugging Face models: the policy's fused forward, the
+in-process teacher's hidden states / top-k / token log-probs, and one optimizer step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from opd.algorithms.fused_lm_head import (
+    LMHeadInput,
+    chunked_lm_head_loss,
+    default_chunk_rows,
+    final_hidden_states,
+    output_head_of,
+)
+from opd.algorithms.loss_functions import (
+    DistillationLossFn,
+    SampledTokenLossFn,
+    generalized_jsd,
+    sampled_token_pg_loss,
+    token_kl,
+    topk_token_kl,
+)
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.sequences import attention_mask_from_lengths, pack_sequences
+from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.models.teacher.local_teacher import LocalTeacher
+from opd.models.tiny import build_tiny_model
+
+N, D, V = 11, 6, 17
+
+
+def random_case(dtype: torch.dtype, seed: int = 0, bias: bool = True, n: int = N):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, D, generator=generator, dtype=dtype)
+    weight = torch.randn(V, D, generator=generator, dtype=dtype)
+    head_bias = torch.randn(V, generator=generator, dtype=dtype) if bias else None
+    teacher_hidden = torch.randn(n, D + 2, generator=generator, dtype=dtype) * 2
+    teacher_weight = torch.randn(V, D + 2, generator=generator, dtype=dtype)
+    weights = torch.rand(n, generator=generator, dtype=torch.float64)
+    return hidden, weight, head_bias, teacher_hidden, teacher_weight, weights
+
+
+def topk_of(logits: torch.Tensor, k: int, temperature: float = 1.0):
+    log_p = torch.log_softmax(logits.double() / temperature, dim=-1)
+    values, ids = log_p.topk(k, dim=-1)
+    return values.to(logits.dtype), ids
+
+
+# Each divergence as (name, fn(student_logits, teacher_logits, targets) -> (divergence, row inputs)).
+def _kl(kl_type):
+    return lambda teacher_logits: (functools.partial(_call_token_kl, kl_type), (teacher_logits,))
+
+
+def _call_token_kl(kl_type, student, teacher):
+    return token_kl(student, teacher, kl_type, 0.3, 1.7)
+
+
+def _jsd(student, teacher):
+    return generalized_jsd(student, teacher, 0.3, 0.8)
+
+
+def _topk(tail, kl_type, student, logprobs, ids):
+    return topk_token_kl(student, logprobs, ids, kl_type, 0.4, tail=tail, temperature=1.3)
+
+
+def _pg(student, targets, sampler_logprobs, advantages):
+    log_q = torch.log_softmax(student, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    return sampled_token_pg_loss(log_q, sampler_logprobs, advantages, 0.2)
+
+
+def divergence_cases(teacher_logits: torch.Tensor):
+    generator = torch.Generator().manual_seed(7)
+    n = teacher_logits.shape[0]
+    targets = torch.randint(0, V, (n,), generator=generator)
+    sampler = torch.log_softmax(torch.randn(n, V, generator=generator, dtype=teacher_logits.dtype), -1)[range(n), targets]
+    advantages = torch.randn(n, generator=generator, dtype=teacher_logits.dtype)
+    cases = {f"kl-{kl_type}": (functools.partial(_call_token_kl, kl_type), (teacher_logits,))
+             for kl_type in ("forward", "reverse", "mixed")}
+    cases["jsd"] = (_jsd, (teacher_logits,))
+    for k in (1, 5, V):
+        logprobs, ids = topk_of(teacher_logits, k, 1.3)
+        for tail in (True, False):
+            cases[f"topk{k}-{'tail' if tail else 'renorm'}"] = (
+                functools.partial(_topk, tail, "mixed"), (logprobs, ids))
+    cases["sampled-token"] = (_pg, (targets, sampler, advantages))
+    return cases
+
+
+def plain_loss(hidden, weight, bias, divergence, row_inputs, weights):
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return (divergence(logits, *row_inputs) * weights.to(logits.dtype)).sum()
+
+
+def gradients(loss, tensors):
+    return torch.autograd.grad(loss, [t for t in tensors if t is not None])
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, N, 64])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_fused_equals_plain_for_every_divergence(dtype, chunk_rows):
+    hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(dtype)
+    teacher_logits = teacher_hidden @ teacher_weight.T
+    tolerance = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 2e-5, "atol": 2e-6}
+    for name, (divergence, row_inputs) in divergence_cases(teacher_logits).items():
+        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        expected = plain_loss(*leaves, divergence, row_inputs, weights)
+        expected_grads = gradients(expected, leaves)
+        fused_leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        fused = chunked_lm_head_loss(LMHeadInput(*fused_leaves), divergence, row_inputs, weights, chunk_rows)
+        fused_grads = gradients(fused, fused_leaves)
+        torch.testing.assert_close(fused, expected.to(fused.dtype), **tolerance, msg=name)
+        for got, want, what in zip(fused_grads, expected_grads, ("hidden", "weight", "bias")):
+            torch.testing.assert_close(got, want, **tolerance, msg=f"{name}: d/d{what}")
+
+
+def test_teacher_logits_made_per_chunk_equal_given_logits():
+    hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(torch.float64, seed=3)
+    teacher_head = LMHeadInput(teacher_hidden, teacher_weight)
+    divergence = functools.partial(_call_token_kl, "forward")
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    expected = plain_loss(*leaves, divergence, (teacher_head.logits(),), weights)
+    expected_grads = gradients(expected, leaves)
+    fused = chunked_lm_head_loss(LMHeadInput(hidden.requires_grad_(True), weight.requires_grad_(True),
+                                             bias.requires_grad_(True)), divergence, (teacher_head,), weights, 4)
+    torch.testing.assert_close(fused, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(gradients(fused, (hidden, weight, bias)), expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_gradcheck_through_the_fused_function():
+    hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(torch.float64, seed=5, n=5)
+    teacher_logits = teacher_hidden @ teacher_weight.T
+    divergence = functools.partial(_call_token_kl, "mixed")
+
+    def fused(h, w, b):
+        return chunked_lm_head_loss(LMHeadInput(h, w, b), divergence, (teacher_logits,), weights, 2)
+
+    inputs = tuple(t.clone().requires_grad_(True) for t in (hidden, weight, bias))
+    assert torch.autograd.gradcheck(fused, inputs)
+
+
+def test_upstream_gradient_scales_the_precomputed_gradients():
+    hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(torch.float64, seed=2)
+    teacher_logits = teacher_hidden @ teacher_weight.T
+    divergence = functools.partial(_call_token_kl, "reverse")
+    h = hidden.clone().requires_grad_(True)
+    (grad_once,) = torch.autograd.grad(chunked_lm_head_loss(LMHeadInput(h, weight, bias), divergence,
+                                                            (teacher_logits,), weights, 3), h)
+    (grad_scaled,) = torch.autograd.grad(-2.5 * chunked_lm_head_loss(LMHeadInput(h, weight, bias), divergence,
+                                                                     (teacher_logits,), weights, 3), h)
+    torch.testing.assert_close(grad_scaled, -2.5 * grad_once, rtol=1e-13, atol=1e-14)
+
+
+def test_no_positions_gives_zero_loss_and_zero_gradients():
+    hidden, weight, bias, _, _, _ = random_case(torch.float64, n=0)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    loss = chunked_lm_head_loss(LMHeadInput(*leaves), functools.partial(_call_token_kl, "forward"),
+                                (torch.zeros(0, V, dtype=torch.float64),), torch.zeros(0, dtype=torch.float64))
+    assert float(loss.detach()) == 0.0
+    for grad in gradients(loss, leaves):
+        assert float(grad.abs().sum()) == 0.0
+
+
+def test_padded_output_rows_are_never_used_and_get_no_gradient():
+    hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(torch.float64, seed=4)
+    teacher_logits = teacher_hidden @ teacher_weight.T
+    padded_weight = torch.cat([weight, torch.full((3, D), 1e3, dtype=torch.float64)]).requires_grad_(True)
+    padded_bias = torch.cat([bias, torch.full((3,), 1e3, dtype=torch.float64)]).requires_grad_(True)
+    divergence = functools.partial(_call_token_kl, "forward")
+    fused = chunked_lm_head_loss(LMHeadInput(hidden, padded_weight, padded_bias, vocab_size=V), divergence,
+                                 (teacher_logits,), weights, 4)
+    expected = plain_loss(hidden, weight, bias, divergence, (teacher_logits,), weights)
+    torch.testing.assert_close(fused, expected, rtol=1e-12, atol=1e-12)
+    grad_weight, grad_bias = torch.autograd.grad(fused, [padded_weight, padded_bias])
+    assert float(grad_weight[V:].abs().sum()) == 0.0 and float(grad_bias[V:].abs().sum()) == 0.0
+
+
+def test_extreme_logits_stay_finite_in_the_fused_path():
+    hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(torch.float32, seed=6)
+    hidden = (hidden * 300).requires_grad_(True)  # logits in the thousands
+    teacher_logits = teacher_hidden @ teacher_weight.T * 500
+    for name, (divergence, row_inputs) in divergence_cases(teacher_logits).items():
+        loss = chunked_lm_head_loss(LMHeadInput(hidden, weight, bias), divergence, row_inputs, weights, 4)
+        (grad,) = torch.autograd.grad(loss, hidden)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all(), name
+
+
+def test_default_chunk_is_128_mib_of_fp32_logits():
+    assert default_chunk_rows(151_669) == 222
+    assert default_chunk_rows(151_669) * 151_669 * 4 <= 129 * 2**20
+    assert default_chunk_rows(455) >= 8192
+
+
+# --------------------------------------------------------------------------- real models
+
+
+def tiny_batch() -> BatchedDataDict:
+    generator = torch.Generator().manual_seed(11)
+    lengths, prompts = [9, 14, 6, 12], [4, 6, 5, 3]
+    sequences = [torch.randint(3, 120, (n,), generator=generator).tolist() for n in lengths]
+    return pack_sequences(sequences, prompts, 0, True)
+
+
+@pytest.mark.parametrize("loss_kind", ["kl-mixed", "jsd", "topk-tail", "topk-renorm", "sampled-token"])
+def test_fused_policy_step_equals_plain_step(loss_kind):
+    """One optimizer step of a real tiny student: fused and plain give the same gradients."""
+    batch = tiny_batch()
+    vocab = build_tiny_model("student").config.vocab_size - 5  # cut: padded output rows
+    teacher = LocalTeacher(build_tiny_model("teacher", dtype=torch.float64))
+    if loss_kind == "sampled-token":
+        # The sampler's log-probs: the student's own, slightly off (an older copy), so that
+        # some ratios fall inside the clip range and some outside.
+        generator = torch.Generator().manual_seed(1)
+        student = build_tiny_model("student", dtype=torch.float64)
+        with torch.no_grad():
+            logits = student(input_ids=batch["input_ids"]).logits[..., :vocab]
+        own = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+        noise = 0.3 * torch.randn(own.shape, generator=generator, dtype=torch.float64)
+        batch["generation_logprobs"] = torch.cat([torch.zeros_like(own[:, :1]), own + noise], dim=1)
+        make = functools.partial(SampledTokenLossFn, discount=0.5, vocab_size=vocab, chunk_size=5)
+    else:
+        options = {"kl-mixed": {"kl_type": "mixed"}, "jsd": {"divergence": "jsd", "jsd_beta": 0.7},
+                   "topk-tail": {"teacher_signal": "topk", "teacher_topk": 4},
+                   "topk-renorm": {"teacher_signal": "topk", "teacher_topk": 4, "topk_tail": False}}[loss_kind]
+        make = functools.partial(DistillationLossFn, temperature=1.5, vocab_size=vocab, chunk_size=5, **options)
+    results = []
+    for fused in (False, True):
+        model = build_tiny_model("student", dtype=torch.float64)
+        policy = HFPolicy(model, OptimizerConfig(learning_rate=1e-3, max_grad_norm=None), 3, 1)
+        grads: dict[str, torch.Tensor] = {}
+        names = {id(p): n for n, p in model.named_parameters()}
+        policy.optimizer.register_step_pre_hook(lambda opt, *_: grads.update(
+            {names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]}))
+        loss_fn = make(fused_lm_head=fused)
+        metrics = policy.train(batch, loss_fn, teacher_fn=functools.partial(loss_fn.query_teacher, teacher))
+        results.append((metrics, grads))
+    (plain_metrics, plain_grads), (fused_metrics, fused_grads) = results
+    for key, value in plain_metrics.items():
+        assert fused_metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    assert plain_metrics["grad_norm"] > 1e-3
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_final_hidden_states_through_the_head_are_the_model_logits():
+    model = build_tiny_model("student", dtype=torch.float64)
+    batch = tiny_batch()
+    attention = attention_mask_from_lengths(batch["input_lengths"], batch["input_ids"].shape[1])
+    weight, bias = output_head_of(model)
+    hidden = final_hidden_states(model, batch["input_ids"], attention)
+    logits = model(input_ids=batch["input_ids"], attention_mask=attention).logits
+    torch.testing.assert_close(LMHeadInput(hidden, weight, bias).logits(), logits, rtol=1e-12, atol=1e-12)
+
+
+def test_local_teacher_answers_agree_with_its_logits():
+    teacher = LocalTeacher(build_tiny_model("teacher", dtype=torch.float64))
+    batch = tiny_batch()
+    logits = teacher.get_logits(batch)
+    vocab = logits.shape[-1] - 7
+    log_p = torch.log_softmax(logits[..., :vocab].float() / 2.0, dim=-1)
+    values, ids = teacher.get_topk_logprobs(batch, 5, temperature=2.0, vocab_size=vocab)
+    assert values.shape == ids.shape == (*batch["input_ids"].shape, 5)
+    torch.testing.assert_close(values, log_p.topk(5, dim=-1).values, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(log_p.gather(-1, ids), values, rtol=1e-6, atol=1e-6)
+    assert int(ids.max()) < vocab
+    all_values, _ = teacher.get_topk_logprobs(batch, vocab + 50, vocab_size=vocab)  # k >= vocab: capped
+    assert all_values.shape[-1] == vocab
+
+    token_logprobs = teacher.get_token_logprobs(batch, vocab_size=vocab)
+    full = torch.log_softmax(logits[..., :vocab].double(), dim=-1)
+    expected = full[:, :-1].gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    assert torch.all(token_logprobs[:, 0] == 0)
+    torch.testing.assert_close(token_logprobs[:, 1:].double(), expected, rtol=1e-6, atol=1e-6)
+
+    head = teacher.get_hidden_states(batch)
+    torch.testing.assert_close(head.logits(), logits, rtol=1e-12, atol=1e-12)
+    assert not head.hidden_states.is_inference() and not head.hidden_states.requires_grad
+
+
+@pytest.mark.parametrize("attribute", ["final_logit_softcapping", "logit_scale"])
+def test_models_that_transform_logits_are_refused_by_the_fused_path(attribute):
+    config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    setattr(config, attribute, 30.0)
+    with pytest.raises(ValueError, match=f"config.{attribute} = 30.0.*loss_fn.fused_lm_head = false"):
+        output_head_of(Qwen2ForCausalLM(config), "the student")
