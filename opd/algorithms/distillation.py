@@ -558,6 +558,8 @@ def distillation_train(
         timings["timing/step"] = step_seconds
         metrics: dict[str, Any] = {f"train/{key}": value for key, value in train_metrics.items()}
         metrics["train/on_policy"] = int(on_policy)
+        if "task_reward" in batch:
+            metrics["train/task_reward"] = float(batch["task_reward"].mean())
         metrics["train/mean_response_length"] = float(batch["response_lengths"].float().mean())
         metrics["train/truncation_rate"] = float(batch["truncated"].float().mean())
         metrics.update(timings)
