@@ -125,6 +125,9 @@ class TrainingConfig(TrainingLoopConfig):
 
     batch_size: int = Field(8, ge=1, description="prompts per optimizer step")
     micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward/backward pass")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="padded-token budget per forward/backward pass (length-sorted dynamic batching)"
+    )
     gradient_accumulation_steps: int | None = Field(None, ge=1, description="micro-batches per optimizer step")
 
 
@@ -165,6 +168,11 @@ def resolve_micro_batching(config: MasterConfig) -> tuple[int, int]:
     training = config.training
     sequences = training.batch_size * config.distillation.num_samples_per_prompt
     micro, accumulation = training.micro_batch_size, training.gradient_accumulation_steps
+    if training.micro_batch_tokens is not None and (micro is not None or accumulation is not None):
+        raise ConfigError(
+            "training.micro_batch_tokens forms micro-batches by a token budget; set training.micro_batch_size "
+            "and training.gradient_accumulation_steps to null when you use it"
+        )
     if micro is None and accumulation is None:
         return sequences, 1
     if micro is None:
@@ -346,7 +354,9 @@ def setup(master_config: MasterConfig) -> tuple:
     if config.training.max_num_steps is not None:
         total_steps = min(total_steps, config.training.max_num_steps)
 
-    student_policy = HFPolicy(student_model, config.training, micro_batch_size, total_steps)
+    student_policy = HFPolicy(
+        student_model, config.training, micro_batch_size, total_steps, config.training.micro_batch_tokens
+    )
     teacher_policy = LocalTeacher(teacher_model)
     student_generation = HFGeneration(student_model, tokenizer)
     dataloader = make_train_dataloader(

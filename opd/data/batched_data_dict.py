@@ -52,6 +52,36 @@ class BatchedDataDict(dict):
         for start in range(0, self.size, micro_batch_size):
             yield self.slice(start, start + micro_batch_size)
 
+    def make_token_budget_microbatches(
+        self, max_tokens: int, length_key: str = "input_lengths"
+    ) -> Iterator["BatchedDataDict"]:
+        """Yields micro-batches of at most ``max_tokens`` padded tokens, longest rows first.
+
+        Rows are sorted by length (descending) and filled greedily while
+        ``rows × longest row`` stays within the budget (dynamic batching): short sequences
+        travel many to a micro-batch, long ones few, and rows of similar length share one,
+        so little compute goes to padding. A row longer than the budget gets a micro-batch
+        of its own. Every row appears exactly once; the order differs from the input's,
+        which a globally normalised loss does not see.
+
+        Args:
+            max_tokens: budget of ``rows × max(length)`` per micro-batch.
+            length_key: the ``[B]`` field holding each row's length.
+        """
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        lengths = self[length_key].tolist()
+        order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
+        group: list[int] = []
+        for row in order:
+            # Sorted descending, so the group's first row is its longest.
+            if group and (len(group) + 1) * lengths[group[0]] > max_tokens:
+                yield self.select_indices(group)
+                group = []
+            group.append(row)
+        if group:
+            yield self.select_indices(group)
+
     def to(self, device: torch.device | str) -> "BatchedDataDict":
         """Moves tensor fields to ``device`` (lists are left as they are)."""
         return BatchedDataDict(

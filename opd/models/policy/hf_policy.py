@@ -45,6 +45,9 @@ class HFPolicy:
         optimizer_config: AdamW / schedule settings.
         micro_batch_size: sequences per forward/backward pass.
         total_steps: optimizer steps planned (for decaying schedules).
+        micro_batch_tokens: if set, micro-batches are formed by this budget of padded
+            tokens instead (length-sorted dynamic batching) and ``micro_batch_size`` is
+            not used.
     """
 
     def __init__(
@@ -53,10 +56,12 @@ class HFPolicy:
         optimizer_config: OptimizerConfig,
         micro_batch_size: int,
         total_steps: int,
+        micro_batch_tokens: int | None = None,
     ) -> None:
         self.model = model
         self.model.train()
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         self.config = optimizer_config
         # No weight decay on biases and norms, the usual transformer recipe.
         decay, no_decay = [], []
@@ -119,7 +124,12 @@ class HFPolicy:
         totals: dict[str, float] = {}
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        for micro_batch in data.make_microbatches(self.micro_batch_size):
+        micro_batches = (
+            data.make_token_budget_microbatches(self.micro_batch_tokens)
+            if self.micro_batch_tokens is not None
+            else data.make_microbatches(self.micro_batch_size)
+        )
+        for micro_batch in micro_batches:
             # Cut the micro-batch to its own longest row: padding costs compute.
             width = int(micro_batch["input_lengths"].max())
             micro_batch = BatchedDataDict(

@@ -723,6 +723,16 @@ def test_resolve_micro_batching_inconsistent_knobs():
     assert "16" in message
 
 
+@pytest.mark.parametrize(("micro", "accumulation"), [(4, None), (None, 2)])
+def test_token_budget_excludes_the_count_knobs(micro, accumulation):
+    config = batching_config(8, 1, micro, accumulation)
+    config.training.micro_batch_tokens = 512
+    with pytest.raises(ConfigError, match=r"training\.micro_batch_tokens.*micro_batch_size.*null"):
+        resolve_micro_batching(config)
+    config.training.micro_batch_size = config.training.gradient_accumulation_steps = None
+    assert resolve_micro_batching(config) == (8, 1)  # the token budget decides the micro-batches
+
+
 def test_resolve_micro_batching_accumulation_must_divide():
     with pytest.raises(ConfigError) as error:
         resolve_micro_batching(batching_config(8, 2, None, 3))
