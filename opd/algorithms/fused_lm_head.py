@@ -174,18 +174,32 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(dim=0)
             del grad_logits
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype),
-                              grad_bias.to(bias.dtype) if grad_bias is not None else None)
+        # Kept on ctx rather than save_for_backward: backward hands them to autograd and
+        # drops its own reference, so the weight's gradient is adopted, not copied.
+        ctx.gradients = (grad_hidden, grad_weight.to(weight.dtype),
+                         grad_bias.to(bias.dtype) if grad_bias is not None else None)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple:  # type: ignore[override]
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        scale = grad_output.to(grad_hidden.dtype)
+        if ctx.gradients is None:
+            raise RuntimeError("chunked_lm_head_loss supports one backward pass per forward (its gradients were handed over)")
+        grad_hidden, grad_weight, grad_bias = ctx.gradients
+        ctx.gradients = None
+        # The loss is usually the graph's root (grad_output = 1): hand the saved gradients
+        # over as they are. Scaling would allocate a second [V, D] weight gradient, which
+        # at Qwen's vocabulary is most of this loss's memory.
+        unit = bool(grad_output == 1)
+
+        def scaled(gradient: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
+            if gradient is None or not needed:
+                return None
+            return gradient if unit else gradient * grad_output.to(gradient.dtype)
+
         return (
-            grad_hidden * scale if ctx.needs_input_grad[0] else None,
-            grad_weight * scale.to(grad_weight.dtype) if ctx.needs_input_grad[1] else None,
-            grad_bias * scale.to(grad_bias.dtype) if grad_bias is not None and ctx.needs_input_grad[2] else None,
+            scaled(grad_hidden, ctx.needs_input_grad[0]),
+            scaled(grad_weight, ctx.needs_input_grad[1]),
+            scaled(grad_bias, ctx.needs_input_grad[2]),
             None, None, None, None, None,
         )
 

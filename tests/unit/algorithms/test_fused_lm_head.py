@@ -137,7 +137,10 @@ def test_teacher_logits_made_per_chunk_equal_given_logits():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def test_gradcheck_through_the_fused_function():
+def test_gradients_match_central_differences():
+    """gradcheck's test, done by hand: ``torch.autograd.gradcheck`` runs backward twice on
+    one graph, which the fused function refuses (it hands its gradients over to save a
+    copy of the weight gradient). Central differences along random directions instead."""
     hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(torch.float64, seed=5, n=5)
     teacher_logits = teacher_hidden @ teacher_weight.T
     divergence = functools.partial(_call_token_kl, "mixed")
@@ -145,8 +148,18 @@ def test_gradcheck_through_the_fused_function():
     def fused(h, w, b):
         return chunked_lm_head_loss(LMHeadInput(h, w, b), divergence, (teacher_logits,), weights, 2)
 
-    inputs = tuple(t.clone().requires_grad_(True) for t in (hidden, weight, bias))
-    assert torch.autograd.gradcheck(fused, inputs)
+    inputs = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    analytic = torch.autograd.grad(fused(*inputs), inputs)
+    generator = torch.Generator().manual_seed(9)
+    step = 1e-6
+    with torch.no_grad():
+        for _ in range(4):
+            directions = [torch.randn(t.shape, generator=generator, dtype=torch.float64) for t in inputs]
+            plus = fused(*[t + step * d for t, d in zip(inputs, directions)])
+            minus = fused(*[t - step * d for t, d in zip(inputs, directions)])
+            numeric = float((plus - minus) / (2 * step))
+            predicted = sum(float((g * d).sum()) for g, d in zip(analytic, directions))
+            assert numeric == pytest.approx(predicted, rel=1e-6, abs=1e-9)
 
 
 def test_upstream_gradient_scales_the_precomputed_gradients():
@@ -159,6 +172,16 @@ def test_upstream_gradient_scales_the_precomputed_gradients():
     (grad_scaled,) = torch.autograd.grad(-2.5 * chunked_lm_head_loss(LMHeadInput(h, weight, bias), divergence,
                                                                      (teacher_logits,), weights, 3), h)
     torch.testing.assert_close(grad_scaled, -2.5 * grad_once, rtol=1e-13, atol=1e-14)
+
+
+def test_a_second_backward_pass_is_refused_not_wrong():
+    hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(torch.float64, seed=8)
+    h = hidden.clone().requires_grad_(True)
+    loss = chunked_lm_head_loss(LMHeadInput(h, weight, bias), functools.partial(_call_token_kl, "forward"),
+                                (teacher_hidden @ teacher_weight.T,), weights)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward pass"):
+        loss.backward()
 
 
 def test_no_positions_gives_zero_loss_and_zero_gradients():
