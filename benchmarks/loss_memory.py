@@ -9,7 +9,8 @@ vocabulary V = 151,669 and hidden size D = 1,536 (Qwen2.5-1.5B's head), fp32 on 
 N tokens, of
 
 * **opd fused** — ``chunked_lm_head_loss`` with :func:`opd.algorithms.loss_functions.generalized_jsd`
-  (β = 0.5) and the teacher given as its hidden states and head (an in-process teacher:
+  (β = 0.5) and its closed-form gradient (``full_vocab_divergence_with_grad``), as
+  ``DistillationLossFn`` runs it, and the teacher given as its hidden states and head (an in-process teacher:
   its logits are made per chunk, without gradient);
 * **TRL** — ``GKDTrainer.generalized_jsd_loss`` (β = 0.5, TRL's default) called as
   ``GKDTrainer.compute_loss`` calls it: full student logits (with gradient) and teacher
@@ -172,17 +173,20 @@ def _loss_functions(chunk_rows: int | None) -> dict[str, Callable[..., Any]]:
         import functools
 
         from opd.algorithms.fused_lm_head import LMHeadInput, chunked_lm_head_loss
-        from opd.algorithms.loss_functions import generalized_jsd
+        from opd.algorithms.loss_functions import full_vocab_divergence_with_grad, generalized_jsd
 
         tokens = hidden.shape[0]
         # Weight 1/N per position: the mean over positions, as TRL's batchmean and the naive mean.
         position_weights = torch.full((tokens,), 1.0 / tokens, dtype=torch.float64)
+        # As DistillationLossFn's fused path: the closed-form gradient of the JSD (its
+        # per-step metrics are left out; TRL's loss computes none either).
         return chunked_lm_head_loss(
             LMHeadInput(hidden, weight),
             functools.partial(generalized_jsd, beta=BETA),
             (LMHeadInput(teacher_hidden, teacher_weight),),
             position_weights,
             chunk_rows=chunk_rows,
+            value_and_grad=functools.partial(full_vocab_divergence_with_grad, jsd_beta=BETA),
         )
 
     def trl_loss(hidden, weight, teacher_hidden, teacher_weight):

@@ -120,6 +120,10 @@ are made chunk by chunk."""
 DivergenceFn = Callable[..., torch.Tensor]
 """``(student_logits [C, V], *row_inputs_chunk) -> [C]`` per-position losses."""
 
+ValueAndGradFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""``(student_logits [C, V], *row_inputs_chunk) -> (losses [C], ∂losses/∂logits [C, V])``:
+a closed-form alternative to autograd through ``divergence`` (same values)."""
+
 ChunkObserver = Callable[..., None]
 """``(student_logits [C, V] detached, *row_inputs_chunk)``: collects metrics, no gradient."""
 
@@ -148,6 +152,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         row_inputs: RowInputs,
         chunk_rows: int,
         observer: ChunkObserver | None,
+        value_and_grad: ValueAndGradFn | None,
     ) -> torch.Tensor:
         accumulate = torch.promote_types(hidden.dtype, torch.float32)
         grad_hidden = torch.zeros_like(hidden)
@@ -158,11 +163,18 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             rows = slice(start, start + chunk_rows)
             chunk_hidden = hidden[rows]
             chunk_inputs = tuple(_chunk_of(row_input, rows) for row_input in row_inputs)
-            with torch.enable_grad():
-                logits = _linear(chunk_hidden, weight, bias).detach().requires_grad_(True)
-                losses = divergence(logits, *chunk_inputs)
-                chunk_total = (losses * position_weights[rows].to(losses.dtype)).sum()
-                (grad_logits,) = torch.autograd.grad(chunk_total, logits)
+            if value_and_grad is not None:
+                logits = _linear(chunk_hidden, weight, bias)
+                losses, grad_logits = value_and_grad(logits, *chunk_inputs)
+                chunk_weights = position_weights[rows].to(losses.dtype)
+                chunk_total = (losses * chunk_weights).sum()
+                grad_logits.mul_(chunk_weights.unsqueeze(-1))
+            else:
+                with torch.enable_grad():
+                    logits = _linear(chunk_hidden, weight, bias).detach().requires_grad_(True)
+                    losses = divergence(logits, *chunk_inputs)
+                    chunk_total = (losses * position_weights[rows].to(losses.dtype)).sum()
+                    (grad_logits,) = torch.autograd.grad(chunk_total, logits)
             total += chunk_total.detach()
             if observer is not None:
                 observer(logits.detach(), *chunk_inputs)
@@ -200,7 +212,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             scaled(grad_hidden, ctx.needs_input_grad[0]),
             scaled(grad_weight, ctx.needs_input_grad[1]),
             scaled(grad_bias, ctx.needs_input_grad[2]),
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )
 
 
@@ -211,6 +223,7 @@ def chunked_lm_head_loss(
     position_weights: torch.Tensor,
     chunk_rows: int | None = None,
     observer: ChunkObserver | None = None,
+    value_and_grad: ValueAndGradFn | None = None,
 ) -> torch.Tensor:
     """Σ_i w_i · divergence(student_logits_i, row_inputs_i) without materialising the logits.
 
@@ -227,6 +240,8 @@ def chunked_lm_head_loss(
         position_weights: ``[N]`` weight of each position (e.g. 1 / global token count).
         chunk_rows: positions per chunk; None picks :func:`default_chunk_rows`.
         observer: called on each chunk's detached logits and inputs, e.g. for metrics.
+        value_and_grad: optional closed-form ``(losses, gradient)`` of ``divergence``;
+            used instead of autograd when given (fewer ``[chunk × V]`` temporaries).
 
     Returns:
         The scalar loss, differentiable with respect to ``student``'s tensors.
@@ -238,4 +253,6 @@ def chunked_lm_head_loss(
     if position_weights.shape != hidden.shape[:1]:
         raise ValueError(f"position_weights {tuple(position_weights.shape)} do not match {hidden.shape[0]} positions")
     rows = chunk_rows or default_chunk_rows(weight.shape[0])
-    return _ChunkedLMHeadLoss.apply(hidden, weight, bias, position_weights, divergence, tuple(row_inputs), rows, observer)
+    return _ChunkedLMHeadLoss.apply(
+        hidden, weight, bias, position_weights, divergence, tuple(row_inputs), rows, observer, value_and_grad
+    )

@@ -112,8 +112,10 @@ def _log_probs(
             f"vs {tuple(teacher_logits.shape)}"
         )
     compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
-    log_q = torch.log_softmax(student_logits.to(compute_dtype) / temperature, dim=-1)
-    log_p = torch.log_softmax(teacher_logits.to(compute_dtype) / temperature, dim=-1)
+    # Dividing by 1 would still copy a [positions × vocab] tensor.
+    scale = (lambda logits: logits) if temperature == 1.0 else (lambda logits: logits / temperature)
+    log_q = torch.log_softmax(scale(student_logits.to(compute_dtype)), dim=-1)
+    log_p = torch.log_softmax(scale(teacher_logits.to(compute_dtype)), dim=-1)
     return log_q, log_p
 
 
@@ -168,6 +170,67 @@ def generalized_jsd(
     # log M by logsumexp of the weighted logs: exact where either distribution underflows.
     log_m = torch.logsumexp(torch.stack([log_q + math.log(1.0 - beta), log_p + math.log(beta)]), dim=0)
     return beta * _plogp_difference(log_p, log_m) + (1.0 - beta) * _plogp_difference(log_q, log_m)
+
+
+def full_vocab_divergence_with_grad(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    kl_type: str = "forward",
+    mixed_kl_weight: float = 0.5,
+    temperature: float = 1.0,
+    jsd_beta: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position divergence and its gradient with respect to the student's logits.
+
+    The same values as :func:`token_kl` (or :func:`generalized_jsd` when ``jsd_beta`` is
+    given), with the gradient in closed form instead of autograd, for the fused loss:
+    autograd would keep about a dozen ``[positions × vocab]`` intermediates of the
+    softmaxes and the mixture alive for its backward pass; this keeps about five.
+    With Q = softmax(s / T) and g = ∂D/∂Q, the chain rule through the softmax gives
+    ∂D/∂s = Q ⊙ (g − Σ_v Q_v g_v) / T, where
+
+    * forward KL(P‖Q): ∂D/∂s = (Q − P) / T;
+    * reverse KL(Q‖P): g = log Q − log P (+1, which the centring cancels);
+    * JSD(β), M = βP + (1 − β)Q: g = (1 − β)(log Q − log M) (the P/M and Q/M terms cancel).
+
+    Terms where Q = 0 exactly contribute nothing (0·log 0 = 0), as in the kernels.
+
+    Args:
+        student_logits: ``[C, V]`` student logits.
+        teacher_logits: ``[C, V]`` teacher logits.
+        kl_type: ``"forward"``, ``"reverse"`` or ``"mixed"`` (ignored for JSD).
+        mixed_kl_weight: weight of the forward KL for ``"mixed"``.
+        temperature: applied to both models' logits.
+        jsd_beta: if not None, the generalized JSD with this β instead of a KL.
+
+    Returns:
+        ``(values [C], gradient [C, V])`` in float32 (float64 for float64 input).
+    """
+    log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
+    q = log_q.exp()
+    if jsd_beta is not None and jsd_beta in (0.0, 1.0):
+        kl_type, mixed_kl_weight, jsd_beta = ("forward" if jsd_beta == 0.0 else "reverse"), 0.5, None
+    if jsd_beta is not None:
+        log_m = torch.logaddexp(log_q + math.log(1.0 - jsd_beta), log_p + math.log(jsd_beta))
+        values = jsd_beta * _plogp_difference(log_p, log_m) + (1.0 - jsd_beta) * _plogp_difference(log_q, log_m)
+        return values, _softmax_chain(q, (1.0 - jsd_beta) * (log_q - log_m), temperature)
+    forward_weight = {"forward": 1.0, "reverse": 0.0}.get(kl_type, mixed_kl_weight)
+    values = torch.zeros(q.shape[:-1], dtype=q.dtype, device=q.device)
+    grad = torch.zeros_like(q)
+    if forward_weight != 0.0:  # a zero-weight direction is skipped: it may be +inf
+        values += forward_weight * _plogp_difference(log_p, log_q)
+        grad += (forward_weight / temperature) * (q - log_p.exp())
+    if forward_weight != 1.0:
+        values += (1.0 - forward_weight) * _plogp_difference(log_q, log_p)
+        grad += (1.0 - forward_weight) * _softmax_chain(q, log_q - log_p, temperature)
+    return values, grad
+
+
+def _softmax_chain(q: torch.Tensor, grad_q: torch.Tensor, temperature: float) -> torch.Tensor:
+    """∂D/∂s = Q ⊙ (g − Σ_v Q_v g_v) / T for Q = softmax(s / T), with 0 where Q = 0."""
+    grad_q = torch.where(q > 0, grad_q, torch.zeros((), dtype=q.dtype, device=q.device))
+    centred = grad_q - (q * grad_q).sum(dim=-1, keepdim=True)
+    return q * centred / temperature
 
 
 def topk_token_kl(
@@ -408,12 +471,13 @@ def _apply_loss(
     normalizer: float,
     chunk_rows: int | None,
     observer: Callable[..., None] | None,
+    value_and_grad: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Σ_positions divergence / normalizer, fused with the LM head when given hidden states."""
     if isinstance(student_rows, LMHeadInput):
         weights = torch.full(student_rows.hidden_states.shape[:1], 1.0 / normalizer,
                              dtype=torch.float64, device=student_rows.hidden_states.device)
-        return chunked_lm_head_loss(student_rows, divergence, row_inputs, weights, chunk_rows, observer)
+        return chunked_lm_head_loss(student_rows, divergence, row_inputs, weights, chunk_rows, observer, value_and_grad)
     materialised = tuple(
         row_input.logits() if isinstance(row_input, LMHeadInput) else row_input for row_input in row_inputs
     )
@@ -526,6 +590,13 @@ class DistillationLossFn:
             return generalized_jsd(student_logits, teacher[0], self.jsd_beta, self.temperature)
         return token_kl(student_logits, teacher[0], self.kl_type, self.mixed_kl_weight, self.temperature)
 
+    def _divergence_with_grad(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor):
+        """Closed-form value and gradient of the full-vocabulary divergence (fused path)."""
+        return full_vocab_divergence_with_grad(
+            student_logits, teacher_logits, self.kl_type, self.mixed_kl_weight, self.temperature,
+            self.jsd_beta if self.divergence == "jsd" else None,
+        )
+
     def _cut_vocabulary(self, value: Any) -> Any:
         if self.vocab_size is None:
             return value
@@ -572,7 +643,9 @@ class DistillationLossFn:
         collector = _TeacherMetrics(self.teacher_topk, self.temperature, self.vocab_size)
         observer = collector.topk if self.teacher_signal == "topk" else collector.full_vocab
         normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
-        loss = _apply_loss(student_rows, self._divergence, teacher_rows, normalizer, self.chunk_size, observer)
+        closed_form = self._divergence_with_grad if self.teacher_signal == "full_vocab" else None
+        loss = _apply_loss(student_rows, self._divergence, teacher_rows, normalizer, self.chunk_size, observer,
+                           closed_form)
         metrics = {"loss": float(loss.detach()), **collector.metrics(float(max(global_valid_tokens, 1))),
                    "num_valid_tokens": float(loss_mask.sum())}
         return loss, metrics

@@ -25,6 +25,7 @@ from opd.algorithms.fused_lm_head import (
 from opd.algorithms.loss_functions import (
     DistillationLossFn,
     SampledTokenLossFn,
+    full_vocab_divergence_with_grad,
     generalized_jsd,
     sampled_token_pg_loss,
     token_kl,
@@ -121,6 +122,50 @@ def test_fused_equals_plain_for_every_divergence(dtype, chunk_rows):
         torch.testing.assert_close(fused, expected.to(fused.dtype), **tolerance, msg=name)
         for got, want, what in zip(fused_grads, expected_grads, ("hidden", "weight", "bias")):
             torch.testing.assert_close(got, want, **tolerance, msg=f"{name}: d/d{what}")
+
+
+CLOSED_FORMS = [("forward", None), ("reverse", None), ("mixed", None), ("mixed0", None), ("mixed1", None),
+                ("-", 0.0), ("-", 0.3), ("-", 0.9), ("-", 1.0)]
+
+
+@pytest.mark.parametrize(("kl_type", "beta"), CLOSED_FORMS)
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("scale", [1.0, 40.0], ids=["normal", "extreme"])
+def test_closed_form_gradient_equals_autograd(kl_type, beta, temperature, scale):
+    generator = torch.Generator().manual_seed(13)
+    student = torch.randn(7, V, generator=generator, dtype=torch.float64) * scale
+    teacher = torch.randn(7, V, generator=generator, dtype=torch.float64) * scale
+    teacher[0, :5] = float("-inf")  # a teacher that rules tokens out (P = 0 there)
+    weight = {"mixed0": 0.0, "mixed1": 1.0}.get(kl_type, 0.3)
+    kl = "mixed" if kl_type.startswith("mixed") else kl_type
+    has_reverse_kl = beta == 1.0 if beta is not None else (kl == "reverse" or (kl == "mixed" and weight != 1.0))
+    if has_reverse_kl:
+        teacher[0, :5] = -30.0 * scale  # reverse KL is +inf where P = 0 and Q > 0: very unlikely instead
+    leaf = student.clone().requires_grad_(True)
+    expected = (generalized_jsd(leaf, teacher, beta, temperature) if beta is not None
+                else token_kl(leaf, teacher, kl, weight, temperature))
+    (expected_grad,) = torch.autograd.grad(expected.sum(), leaf)
+    values, grad = full_vocab_divergence_with_grad(student, teacher, kl if beta is None else "forward", weight,
+                                                   temperature, beta)
+    torch.testing.assert_close(values, expected.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-12)
+    assert torch.isfinite(values).all() and torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("divergence", ["kl", "jsd"])
+def test_fused_with_closed_form_equals_plain(divergence):
+    hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(torch.float64, seed=12)
+    teacher_logits = teacher_hidden @ teacher_weight.T
+    loss_fn = DistillationLossFn("mixed", 0.3, temperature=1.4, divergence=divergence, jsd_beta=0.6)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    expected = plain_loss(*leaves, loss_fn._divergence, (teacher_logits,), weights)
+    expected_grads = gradients(expected, leaves)
+    fused_leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    fused = chunked_lm_head_loss(LMHeadInput(*fused_leaves), loss_fn._divergence, (teacher_logits,), weights, 3,
+                                 value_and_grad=loss_fn._divergence_with_grad)
+    torch.testing.assert_close(fused, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(gradients(fused, fused_leaves), expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 def test_teacher_logits_made_per_chunk_equal_given_logits():
