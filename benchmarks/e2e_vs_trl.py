@@ -1,0 +1,807 @@
+"""End-to-end on-policy distillation speed and memory: opd vs TRL's ``GKDTrainer``.
+
+What is compared: one optimizer step of fully on-policy distillation (λ = 1) — the
+student samples responses to a batch of prompts, the frozen teacher scores them, the
+student takes one AdamW step on the generalized JSD (β = 0.5) between the two — run by
+opd (``setup`` + ``distillation_train``) and by TRL's ``trl.experimental.gkd.GKDTrainer``,
+on the same CPU, with the same models, tokenizer, prompts and settings. Two sizes:
+
+* ``small``: a byte-level BPE tokenizer trained on the benchmark's prompts (≈2k tokens);
+* ``qwen_vocab``: the real Qwen2/2.5 vocabulary size, 151,669 outputs. The tokenizer is
+  the small one with unreachable filler entries appended to its BPE vocabulary (no merges
+  produce them) until ``len(tokenizer) == 151,669``, so text tokenizes exactly as with the
+  small tokenizer (checked), while the embedding, the LM head, every logit row, the
+  sampler's softmax and the divergence have Qwen's width.
+
+The models are opd's tiny presets (:mod:`opd.models.tiny`): teacher ``hidden 128 × 4
+layers``, student ``hidden 64 × 2 layers``, randomly initialised, fp32, tied embeddings,
+saved once as HF model directories that both frameworks load.
+
+How the comparison is made fair:
+
+* identical inputs: the same model directories, tokenizer and JSONL chat rows; every
+  prompt renders to exactly ``--prompt-tokens`` tokens (prompts are picked by length), so
+  both frameworks see the same shapes whatever order their shuffles give;
+* identical work: λ = 1 (every step on-policy), ``max_new_tokens`` = opd's
+  ``generate_strategy.max_length``, sampling at the same temperature with top-k off and
+  top-p = 1 (TRL's fixed ``top_k=0, top_p=1.0`` = opd ``decoding_method=top_p, top_p=1``),
+  both with the KV cache. The student is untrained, so its next-token distribution is
+  nearly uniform and EOS is rare: responses almost always run to ``max_new_tokens``. The
+  table shows each framework's mean response length so any difference is visible;
+* identical objective: TRL computes ``generalized_jsd_loss(beta)`` with its default
+  temperature 1 (``compute_loss`` does not pass ``args.temperature``, which only sets the
+  sampling temperature), so opd runs ``loss_fn.divergence=jsd, jsd_beta=β,
+  distillation.kl_temperature=1``; both average over response tokens;
+* identical optimisation: per-device batch = opd ``training.batch_size``, one forward /
+  backward per step (no accumulation), ``torch.optim.AdamW`` with the same lr, betas, eps
+  and weight decay 0 (TRL's default ``adamw_torch_fused`` is replaced by ``adamw_torch``,
+  the implementation opd uses), constant learning rate without warm-up, max_grad_norm 1;
+* TRL's defaults are kept otherwise, except what would make it do *different* work:
+  ``gradient_checkpointing=False`` (TRL's default ``True`` recomputes activations in the
+  backward pass *and* turns the KV cache off during generation; opd does neither),
+  ``bf16=False`` (fp32 like opd), no saving, evaluation or reporting. opd keeps its own
+  defaults (notably ``loss_fn.fused_lm_head: true``); validation and checkpoints are off.
+
+What is measured, per size, in fresh processes that alternate TRL, opd, TRL, opd, …
+(``--rounds`` of each), each process running ``--warmup`` untimed and ``--steps`` timed
+steps:
+
+* step time: the median over all timed steps of the framework's own step — TRL: a
+  ``TrainerCallback`` from ``on_step_begin`` to ``on_step_end`` (generation, forward,
+  backward, clipping, optimizer and scheduler step); opd: ``timing/step`` from
+  ``metrics.jsonl`` (the same span). ``loop s`` is the median interval between the ends of
+  consecutive steps, which also holds data loading and logging;
+* per-phase times: opd's ``timing/generation``, ``timing/teacher``, ``timing/training``;
+  for TRL the generation call and the teacher's forward are timed by wrappers/hooks and
+  the rest of the step is "training";
+* tokens/s: (prompt + response tokens of the step, padding excluded, response up to and
+  including EOS) / step time, the median over steps, defined identically for both;
+* peak RSS: the process's ``VmHWM`` at the end of the last timed step (imports, models,
+  optimizer state and the steps included); ``Δ train`` is the peak during the steps minus
+  the RSS just before the first one (the high-water mark is reset there).
+
+Overhead report: a third kind of process times, at the same shapes, the essential parts
+of an opd step alone, without opd's driver — HF ``generate`` (KV cache, same sampling),
+the teacher's decoder forward to its final hidden states (``inference_mode``), and the
+student's forward + opd's fused JSD loss + backward + clipping + AdamW step — and prints
+opd's step time over their sum, next to opd's own per-phase timings.
+
+The last line is machine-readable:
+``e2e opd/trl step_time small=<ratio> qwen_vocab=<ratio> peak_rss small=<ratio> qwen_vocab=<ratio>``.
+
+Usage: ``python benchmarks/e2e_vs_trl.py [--steps 6] [--warmup 2] [--rounds 2]
+[--batch-size 4] [--max-new-tokens 32] [--sizes small,qwen_vocab]``. Nothing is
+downloaded. Run it on an otherwise idle machine: times assume the cores are free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import random
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+QWEN_VOCAB = 151_669
+"""Qwen2/2.5 vocabulary size used for the ``qwen_vocab`` model (its output layer width)."""
+SMALL_VOCAB_TARGET = 2048
+"""Upper bound of the BPE vocabulary trained for the ``small`` model."""
+STUDENT_PRESET, TEACHER_PRESET = "student", "teacher"
+"""opd tiny presets: student hidden 64 × 2 layers, teacher hidden 128 × 4 layers."""
+JSD_BETA = 0.5
+"""TRL's default β; opd's ``loss_fn.jsd_beta`` gets the same value."""
+SAMPLING_TEMPERATURE = 0.9
+"""TRL's default ``temperature`` (sampling only); opd's ``generate_strategy.temperature``."""
+LEARNING_RATE = 1e-5
+SEED = 42
+NUM_PROMPTS = 64
+SIZES = ("small", "qwen_vocab")
+FRAMEWORKS = ("trl", "opd")
+MIB = 2**20
+
+
+# --------------------------------------------------------------------------------------
+# Process memory (Linux /proc).
+# --------------------------------------------------------------------------------------
+
+
+def _proc_status_bytes(key: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of this process, in bytes."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        match = re.search(rf"^{key}:\s+(\d+) kB", status.read(), re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else 0
+
+
+def _reset_peak_rss() -> bool:
+    """Sets ``VmHWM`` back to the current RSS, so the next peak is the training steps' own.
+
+    Returns:
+        False if the kernel refused (then ``Δ train`` is reported as unknown).
+    """
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class _PeakTracker:
+    """Whole-process peak RSS plus the peak of the training steps alone."""
+
+    def __init__(self) -> None:
+        self.setup_peak = 0
+        self.baseline = 0
+        self.reset_ok = False
+
+    def start_training(self) -> None:
+        """Called just before the first step: remembers the setup peak, resets the mark."""
+        self.setup_peak = _proc_status_bytes("VmHWM")
+        self.baseline = _proc_status_bytes("VmRSS")
+        self.reset_ok = _reset_peak_rss()
+
+    def finish(self) -> dict[str, float | None]:
+        """Called at the end of the last timed step."""
+        train_peak = _proc_status_bytes("VmHWM")
+        return {
+            "peak_rss_mib": max(self.setup_peak, train_peak) / MIB,
+            "train_delta_mib": (train_peak - self.baseline) / MIB if self.reset_ok else None,
+        }
+
+
+# --------------------------------------------------------------------------------------
+# Shared inputs: prompts, tokenizers, models (built once by the parent process).
+# --------------------------------------------------------------------------------------
+
+_SYLLABLES = ("ka", "lo", "mi", "ten", "ra", "su", "vo", "pe", "di", "ng", "ar", "bel", "cor", "dun", "el",
+              "fa", "gor", "hin", "is", "jo", "ku", "lam", "mon", "nor", "ost", "pra", "qui", "ros", "sel", "tur")
+
+
+def _pseudo_words(rng: random.Random, count: int) -> list[str]:
+    """Distinct made-up words: enough distinct character pairs for a ≈2k BPE vocabulary."""
+    words: set[str] = set()
+    while len(words) < count:
+        words.add("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))))
+    return sorted(words)
+
+
+def _make_texts(seed: int) -> tuple[list[str], list[str]]:
+    """Candidate prompt sentences and answer sentences (deterministic)."""
+    rng = random.Random(seed)
+    words = _pseudo_words(rng, 1500)
+
+    def sentence(low: int, high: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(rng.randint(low, high))).capitalize() + "."
+
+    questions = [f"Question {i}: {sentence(4, 20)} What follows?" for i in range(4000)]
+    answers = [sentence(5, 15) for _ in range(4000)]
+    return questions, answers
+
+
+def _padded_qwen_tokenizer(small: Any) -> Any:
+    """The small tokenizer with filler BPE entries appended until it has ``QWEN_VOCAB`` tokens.
+
+    The filler strings contain ``<|`` and ``|>``, which the Qwen pre-tokenizer regex always
+    splits apart, and no merge produces them, so no text ever maps to a filler id: the
+    tokenization of real text is the small tokenizer's, only the id space is Qwen-sized.
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(small.backend_tokenizer.to_str())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    # Added (special) tokens live outside model.vocab but occupy ids too.
+    used_ids = set(vocab.values()) | {token["id"] for token in spec["added_tokens"]}
+    next_id = max(used_ids) + 1
+    filler = 0
+    while next_id < QWEN_VOCAB:
+        vocab[f"<|fill_{filler}|>"] = next_id
+        filler += 1
+        next_id += 1
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token=small.eos_token, pad_token=small.pad_token
+    )
+    tokenizer.chat_template = small.chat_template
+    return tokenizer
+
+
+def build_inputs(workdir: Path, prompt_tokens: int) -> dict[str, Any]:
+    """Builds data, tokenizers and models for both sizes under ``workdir``.
+
+    Returns:
+        Facts for the header: vocabulary sizes, parameter counts, prompt count.
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    from opd.models.tiny import build_model_for_tokenizer, train_bpe_tokenizer
+
+    questions, answers = _make_texts(SEED)
+    chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in zip(questions, answers)]
+    # Trained on whole ChatML conversations, as a real tokenizer has seen them: "user",
+    # "assistant" and the newlines of the template become single tokens.
+    small = train_bpe_tokenizer(
+        (f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n" for q, a in zip(questions, answers)),
+        SMALL_VOCAB_TARGET,
+    )
+    # Keep only prompts whose rendered chat prompt is exactly prompt_tokens long: both
+    # frameworks then process the same shapes at every step, whatever their shuffles pick.
+    rows = []
+    for chat in chats:
+        prompt = small.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=False)
+        if len(small(prompt, add_special_tokens=False)["input_ids"]) == prompt_tokens:
+            rows.append({"messages": chat})
+        if len(rows) == NUM_PROMPTS:
+            break
+    if len(rows) < NUM_PROMPTS:
+        raise SystemExit(f"only {len(rows)} prompts of exactly {prompt_tokens} tokens; choose another --prompt-tokens")
+    data_path = workdir / "train.jsonl"
+    data_path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+
+    facts: dict[str, Any] = {"num_prompts": len(rows)}
+    for size, tokenizer in (("small", small), ("qwen_vocab", _padded_qwen_tokenizer(small))):
+        for role, preset in (("student", STUDENT_PRESET), ("teacher", TEACHER_PRESET)):
+            directory = workdir / size / role
+            model = build_model_for_tokenizer(preset, tokenizer)
+            model.save_pretrained(directory)
+            tokenizer.save_pretrained(directory)
+            facts[f"{size}_{role}_params"] = sum(p.numel() for p in model.parameters())
+            del model
+        # What both frameworks will load (AutoTokenizer may re-wrap it as a Qwen2Tokenizer).
+        reloaded = AutoTokenizer.from_pretrained(workdir / size / "student")
+        facts[f"{size}_vocab"] = len(reloaded)
+        for row in rows[:8]:
+            text = reloaded.apply_chat_template(row["messages"], tokenize=False)
+            if reloaded(text, add_special_tokens=False)["input_ids"] != small(text, add_special_tokens=False)["input_ids"]:
+                raise SystemExit(f"{size}: the reloaded tokenizer tokenizes differently from the small one")
+    if facts["qwen_vocab_vocab"] != QWEN_VOCAB:
+        raise SystemExit(f"qwen_vocab tokenizer has {facts['qwen_vocab_vocab']} tokens, expected {QWEN_VOCAB}")
+    torch.manual_seed(SEED)
+    return facts
+
+
+# --------------------------------------------------------------------------------------
+# Workers: one run of one framework (or the parts) in its own process.
+# --------------------------------------------------------------------------------------
+
+
+def _read_rows(workdir: Path) -> list[dict[str, Any]]:
+    with open(workdir / "train.jsonl", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def run_trl(args: argparse.Namespace) -> dict[str, Any]:
+    """One TRL ``GKDTrainer`` run; returns per-step timings, tokens and peak RSS."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    workdir = Path(args.workdir)
+    model_dir = workdir / args.size
+    tokenizer = AutoTokenizer.from_pretrained(model_dir / "student")
+    student = AutoModelForCausalLM.from_pretrained(model_dir / "student", dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir / "teacher", dtype=torch.float32)
+    dataset = Dataset.from_list(_read_rows(workdir))
+    total_steps = args.warmup + args.steps
+
+    phases = {"generation": 0.0, "teacher": 0.0}
+    step_tokens: list[dict[str, float]] = []
+
+    class TimedGKDTrainer(GKDTrainer):
+        """GKDTrainer plus measurement: the generation call is timed, tokens are counted."""
+
+        @staticmethod
+        def generate_on_policy_outputs(model, inputs, generation_config):  # type: ignore[override]
+            start = time.perf_counter()
+            outputs = GKDTrainer.generate_on_policy_outputs(model, inputs, generation_config)
+            phases["generation"] += time.perf_counter() - start
+            return outputs
+
+        def training_step(self, model, inputs, num_items_in_batch=None):  # type: ignore[override]
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            # GKD replaced the batch in place with prompt + sampled completion; the
+            # attention mask marks exactly the prompt and response tokens (to EOS).
+            prompt_width = inputs["prompts"].shape[1]
+            mask = inputs["attention_mask"]
+            step_tokens.append({
+                "tokens": float(mask.sum()),
+                "response_length": float(mask[:, prompt_width:].sum()) / mask.shape[0],
+                "prompt_length": float(inputs["prompt_attention_mask"].sum()) / mask.shape[0],
+            })
+            return loss
+
+    peak = _PeakTracker()
+    records: list[dict[str, float]] = []
+
+    class StepTimer(TrainerCallback):
+        """``on_step_begin`` → ``on_step_end``: the whole optimizer step."""
+
+        def __init__(self) -> None:
+            self.begin = 0.0
+            self.last_end: float | None = None
+            self.result_memory: dict[str, Any] = {}
+
+        def on_train_begin(self, *_: Any, **__: Any) -> None:
+            peak.start_training()
+
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            phases["generation"] = phases["teacher"] = 0.0
+            self.begin = time.perf_counter()
+
+        def on_step_end(self, _args: Any, state: Any, *__: Any, **___: Any) -> None:
+            end = time.perf_counter()
+            step = end - self.begin
+            records.append({
+                "step": step,
+                "loop": end - self.last_end if self.last_end is not None else float("nan"),
+                "generation": phases["generation"],
+                "teacher": phases["teacher"],
+                "training": step - phases["generation"] - phases["teacher"],
+                **step_tokens[-1],
+            })
+            self.last_end = end
+            if state.global_step == total_steps:
+                self.result_memory = peak.finish()
+
+    config = GKDConfig(
+        output_dir=str(workdir / f"trl_out_{args.size}_{args.run_index}"),
+        lmbda=1.0,
+        beta=JSD_BETA,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1,
+        max_steps=total_steps,
+        learning_rate=LEARNING_RATE,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        optim="adamw_torch",  # torch.optim.AdamW, the implementation opd uses
+        gradient_checkpointing=False,  # True would recompute activations and disable the KV cache
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=SEED,
+    )
+    timer = StepTimer()
+    trainer = TimedGKDTrainer(
+        model=student, teacher_model=teacher, args=config, train_dataset=dataset,
+        processing_class=tokenizer, callbacks=[timer],
+    )
+
+    def teacher_pre_hook(*_: Any) -> None:
+        phases["teacher_start"] = time.perf_counter()
+
+    def teacher_post_hook(*_: Any) -> None:
+        phases["teacher"] += time.perf_counter() - phases["teacher_start"]
+
+    trainer.teacher_model.register_forward_pre_hook(teacher_pre_hook)
+    trainer.teacher_model.register_forward_hook(teacher_post_hook)
+    trainer.train()
+    return {
+        "records": records[args.warmup:],
+        "generation_use_cache": bool(trainer.generation_config.use_cache),
+        "threads": torch.get_num_threads(),
+        **timer.result_memory,
+    }
+
+
+def opd_config_tree(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    """The opd config equivalent to the TRL run (see the module docstring)."""
+    model_dir = Path(args.workdir) / args.size
+    return {
+        "output_dir": str(run_dir),
+        "model": {
+            "student_model_path": str(model_dir / "student"),
+            "teacher_model_path": str(model_dir / "teacher"),
+            "dtype": "float32",
+            "device": "cpu",
+        },
+        "distillation": {
+            "lambda": 1.0,
+            "kl_temperature": 1.0,  # TRL's compute_loss uses temperature 1 in the loss
+            "kl_reduction": "mean",
+            "num_samples_per_prompt": 1,
+            "generate_strategy": {
+                "max_length": args.max_new_tokens,
+                "temperature": args.temperature,
+                "decoding_method": "top_p",
+                "top_p": 1.0,
+            },
+        },
+        "loss_fn": {"type": "full_vocab", "divergence": "jsd", "jsd_beta": JSD_BETA},
+        "training": {
+            "batch_size": args.batch_size,
+            "micro_batch_size": None,
+            "gradient_accumulation_steps": None,
+            "learning_rate": LEARNING_RATE,
+            "weight_decay": 0.0,
+            "adam_beta1": 0.9,
+            "adam_beta2": 0.999,
+            "adam_epsilon": 1e-8,
+            "max_grad_norm": 1.0,
+            "warmup_steps": 0,
+            "lr_scheduler": "constant_with_warmup",
+            "num_epochs": 1000,
+            "max_num_steps": args.warmup + args.steps,
+            "val_freq": 0,
+            "save_freq": 0,
+            "seed": SEED,
+        },
+        "data": {
+            "train_path": str(Path(args.workdir) / "train.jsonl"),
+            "val_path": None,
+            "max_prompt_length": None,
+            "shuffle": True,
+        },
+        "validation": {"val_at_start": False, "val_at_end": False},
+        "logger": {"log_dir": str(run_dir / "logs"), "jsonl": True, "console": False, "progress_bar": False},
+        "checkpointing": {"enabled": False},
+    }
+
+
+def run_opd(args: argparse.Namespace) -> dict[str, Any]:
+    """One opd run; returns per-step timings (from metrics.jsonl), tokens and peak RSS."""
+    import torch
+
+    from opd.algorithms.distillation import MasterConfig, distillation_train, setup
+    from opd.utils.config import validate_config
+
+    run_dir = Path(args.workdir) / f"opd_out_{args.size}_{args.run_index}"
+    config = validate_config(MasterConfig, opd_config_tree(args, run_dir))
+    parts = setup(config)
+    logger = parts[7]
+    total_steps = args.warmup + args.steps
+    peak = _PeakTracker()
+    step_ends: list[float] = []
+    memory: dict[str, Any] = {}
+    log_metrics = logger.log_metrics
+
+    def timed_log_metrics(metrics: dict[str, Any], step: int, *rest: Any, **kwargs: Any) -> None:
+        # The loop logs each step right after it: the end of a step, for the loop interval.
+        if "timing/step" in metrics:
+            step_ends.append(time.perf_counter())
+            if step == total_steps:
+                memory.update(peak.finish())
+        log_metrics(metrics, step, *rest, **kwargs)
+
+    logger.log_metrics = timed_log_metrics  # type: ignore[method-assign]
+    peak.start_training()
+    distillation_train(*parts)
+
+    steps = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [record for record in steps if "timing/step" in record]
+    records = []
+    for index, record in enumerate(steps):
+        tokens = record["perf/tokens_per_s"] * record["timing/step"]  # = input_lengths.sum()
+        records.append({
+            "step": record["timing/step"],
+            "loop": step_ends[index] - step_ends[index - 1] if index else float("nan"),
+            "generation": record["timing/generation"],
+            "teacher": record["timing/teacher"],
+            "training": record["timing/training"],
+            "tokens": tokens,
+            "response_length": record["train/mean_response_length"],
+            "prompt_length": tokens / args.batch_size - record["train/mean_response_length"],
+        })
+    return {"records": records[args.warmup:], "generation_use_cache": True, "threads": torch.get_num_threads(),
+            **memory}
+
+
+def run_parts(args: argparse.Namespace) -> dict[str, Any]:
+    """Times the essential parts of an opd step alone, at the benchmark's shapes.
+
+    Generation: HF ``generate`` with the KV cache and the same sampling. Teacher: its
+    decoder forward to the final hidden states under ``inference_mode`` (opd's fused loss
+    applies the teacher's head inside the loss). Student: decoder forward, opd's fused
+    JSD loss (both heads, the divergence), backward, clipping and an AdamW step.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.algorithms.fused_lm_head import LMHeadInput, final_hidden_states, output_head_of
+    from opd.algorithms.loss_functions import DistillationLossFn, shift_token_mask
+    from opd.data.batched_data_dict import BatchedDataDict
+    from opd.data.sequences import attention_mask_from_lengths, build_token_mask, encode_prompt
+
+    torch.manual_seed(SEED)
+    workdir = Path(args.workdir)
+    model_dir = workdir / args.size
+    tokenizer = AutoTokenizer.from_pretrained(model_dir / "student")
+    student = AutoModelForCausalLM.from_pretrained(model_dir / "student", dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir / "teacher", dtype=torch.float32)
+    teacher.eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8,
+                                  weight_decay=0.0)
+    loss_fn = DistillationLossFn(divergence="jsd", jsd_beta=JSD_BETA, temperature=1.0, vocab_size=len(tokenizer),
+                                 fused_lm_head=True)
+    prompts = [encode_prompt(tokenizer, row["messages"][:1]) for row in _read_rows(workdir)]
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    times: dict[str, list[float]] = {"generation": [], "teacher": [], "student": []}
+    response_lengths = []
+    for step in range(args.warmup + args.steps):
+        batch_prompts = prompts[(step * args.batch_size) % len(prompts):][: args.batch_size]
+        width = max(len(p) for p in batch_prompts)
+        left = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts])
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts])
+
+        student.eval()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            sequences = student.generate(
+                input_ids=left, attention_mask=attention, max_new_tokens=args.max_new_tokens, do_sample=True,
+                temperature=args.temperature, top_k=0, top_p=1.0, use_cache=True, pad_token_id=pad,
+                eos_token_id=eos,
+            )
+        generation = time.perf_counter() - start
+
+        # Right-padded [prompt | response to first EOS | pad], as opd trains on (untimed glue).
+        new = sequences[:, width:].clone()
+        is_eos = new == eos
+        lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full((new.shape[0],), new.shape[1]))
+        prompt_lengths = torch.tensor([len(p) for p in batch_prompts])
+        input_lengths = prompt_lengths + lengths
+        ids = torch.full((len(batch_prompts), int(input_lengths.max())), pad, dtype=torch.long)
+        for row, prompt in enumerate(batch_prompts):
+            ids[row, : len(prompt)] = torch.tensor(prompt)
+            ids[row, len(prompt): int(input_lengths[row])] = new[row, : int(lengths[row])]
+        batch = BatchedDataDict(input_ids=ids, input_lengths=input_lengths, prompt_lengths=prompt_lengths,
+                                token_mask=build_token_mask(input_lengths, prompt_lengths, ids.shape[1], True))
+        mask = attention_mask_from_lengths(input_lengths, ids.shape[1])
+        response_lengths.append(float(lengths.float().mean()))
+
+        start = time.perf_counter()
+        with torch.inference_mode():
+            teacher_hidden = final_hidden_states(teacher, ids, mask)
+        teacher_seconds = time.perf_counter() - start
+        teacher_hidden = teacher_hidden.clone()  # an ordinary tensor, usable in autograd (untimed)
+        teacher_weight, teacher_bias = output_head_of(teacher)
+
+        student.train()
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        weight, bias = output_head_of(student)
+        valid_tokens = int(shift_token_mask(batch["token_mask"]).sum())
+        loss, _ = loss_fn(
+            LMHeadInput(final_hidden_states(student, ids, mask), weight, bias), batch, valid_tokens, batch.size,
+            teacher_output=LMHeadInput(teacher_hidden, teacher_weight, teacher_bias),
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        optimizer.step()
+        student_seconds = time.perf_counter() - start
+
+        if step >= args.warmup:
+            times["generation"].append(generation)
+            times["teacher"].append(teacher_seconds)
+            times["student"].append(student_seconds)
+    return {"times": times, "response_lengths": response_lengths[args.warmup:]}
+
+
+WORKERS = {"trl": run_trl, "opd": run_opd, "parts": run_parts}
+
+
+# --------------------------------------------------------------------------------------
+# Parent: build inputs, alternate runs, report.
+# --------------------------------------------------------------------------------------
+
+
+def _spawn(kind: str, size: str, run_index: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Runs one worker process and returns its JSON result (exits with its log on failure)."""
+    out = workdir / f"result_{kind}_{size}_{run_index}.json"
+    log_path = workdir / f"log_{kind}_{size}_{run_index}.txt"
+    command = [
+        sys.executable, os.path.abspath(__file__), "--worker", kind, "--size", size, "--workdir", str(workdir),
+        "--out", str(out), "--run-index", str(run_index), "--steps", str(args.steps), "--warmup", str(args.warmup),
+        "--batch-size", str(args.batch_size), "--max-new-tokens", str(args.max_new_tokens),
+        "--temperature", str(args.temperature),
+    ]
+    start = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log_file:
+        completed = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, check=False)
+    seconds = time.perf_counter() - start
+    if completed.returncode != 0:
+        tail = log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
+        raise SystemExit(f"worker {kind}/{size} failed (exit {completed.returncode}):\n{tail}")
+    result = json.loads(out.read_text(encoding="utf-8"))
+    result["process_s"] = seconds
+    print(f"  {kind:<5} {size:<10} run {run_index}: {seconds:5.1f} s", flush=True)
+    return result
+
+
+def _median(values: list[float]) -> float:
+    finite = [value for value in values if value == value]
+    return statistics.median(finite) if finite else float("nan")
+
+
+def _summarise(results: list[dict[str, Any]]) -> dict[str, float]:
+    """Pools the timed steps of all runs of one framework at one size."""
+    records = [record for result in results for record in result["records"]]
+    deltas = [result.get("train_delta_mib") for result in results]
+    return {
+        "step": _median([r["step"] for r in records]),
+        "loop": _median([r["loop"] for r in records]),
+        "generation": _median([r["generation"] for r in records]),
+        "teacher": _median([r["teacher"] for r in records]),
+        "training": _median([r["training"] for r in records]),
+        "tokens_per_s": _median([r["tokens"] / r["step"] for r in records]),
+        "tokens": statistics.mean(r["tokens"] for r in records),
+        "prompt_length": statistics.mean(r["prompt_length"] for r in records),
+        "response_length": statistics.mean(r["response_length"] for r in records),
+        "peak_rss_mib": max(result["peak_rss_mib"] for result in results),
+        "train_delta_mib": max(deltas) if all(d is not None for d in deltas) else float("nan"),
+        "steps": len(records),
+        "kv_cache": all(result["generation_use_cache"] for result in results),
+        "threads": results[0]["threads"],
+    }
+
+
+def _machine_header(args: argparse.Namespace) -> list[str]:
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            match = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read(), re.MULTILINE)
+        cpu = match.group(1).strip() if match else cpu
+        with open("/proc/meminfo", encoding="utf-8") as meminfo:
+            ram_gib = int(re.search(r"^MemTotal:\s+(\d+)", meminfo.read(), re.MULTILINE).group(1)) / 2**20
+    except OSError:
+        ram_gib = float("nan")
+    versions = ", ".join(
+        f"{name} {importlib.metadata.version(name)}" for name in ("torch", "transformers", "trl", "accelerate")
+    )
+    return [
+        f"# machine: {cpu}; {os.cpu_count()} logical cores; {ram_gib:.1f} GiB RAM; Python {platform.python_version()}",
+        f"# versions: {versions}",
+        f"# command: {shlex.join([os.path.basename(sys.executable)] + sys.argv)}",
+    ]
+
+
+def _fmt(value: float, digits: int = 3) -> str:
+    return "nan" if value != value else f"{value:.{digits}f}"
+
+
+def main(args: argparse.Namespace) -> None:
+    sizes = [size.strip() for size in args.sizes.split(",") if size.strip()]
+    unknown = set(sizes) - set(SIZES)
+    if unknown:
+        raise SystemExit(f"unknown --sizes {sorted(unknown)}; choose from {SIZES}")
+    wall_start = time.perf_counter()
+    header = _machine_header(args)
+    for line in header:
+        print(line)
+    with tempfile.TemporaryDirectory(prefix="opd_e2e_") as tmp:
+        workdir = Path(tmp)
+        facts = build_inputs(workdir, args.prompt_tokens)
+        print(
+            f"# setup: λ=1, JSD β={JSD_BETA} (loss temperature 1), sampling temperature {args.temperature} "
+            f"top_k off top_p 1.0, max_new_tokens {args.max_new_tokens}, batch {args.batch_size}, "
+            f"{args.prompt_tokens}-token prompts ({facts['num_prompts']}), AdamW lr {LEARNING_RATE} wd 0 constant, "
+            f"max_grad_norm 1, fp32 CPU; {args.warmup} warm-up + {args.steps} timed steps per run, "
+            f"{args.rounds} alternating runs per framework"
+        )
+        for size in sizes:
+            print(f"# {size}: vocab {facts[f'{size}_vocab']:,}; student {facts[f'{size}_student_params'] / 1e6:.2f}M "
+                  f"params (hidden 64 × 2 layers), teacher {facts[f'{size}_teacher_params'] / 1e6:.2f}M "
+                  "(hidden 128 × 4 layers), tied embeddings")
+        print("# qwen_vocab tokenizer = the small BPE tokenizer + unreachable filler entries up to 151,669 ids "
+              "(same tokenization, Qwen-sized output layer)")
+        print("# TRL changed from its defaults for equal work: gradient_checkpointing=False (default True also "
+              "turns off the KV cache in generation), optim=adamw_torch (default adamw_torch_fused), bf16=False")
+        print("runs:", flush=True)
+
+        summaries: dict[str, dict[str, dict[str, float]]] = {}
+        parts: dict[str, dict[str, Any]] = {}
+        for size in sizes:
+            runs: dict[str, list[dict[str, Any]]] = {framework: [] for framework in FRAMEWORKS}
+            for round_index in range(args.rounds):
+                for framework in FRAMEWORKS:  # alternating: trl, opd, trl, opd, ...
+                    runs[framework].append(_spawn(framework, size, round_index, args, workdir))
+            summaries[size] = {framework: _summarise(runs[framework]) for framework in FRAMEWORKS}
+            if not args.skip_parts:
+                parts[size] = _spawn("parts", size, 0, args, workdir)
+
+    print()
+    print("end-to-end (median over timed steps; times in seconds; RSS in MiB)")
+    columns = ("size", "framework", "step s", "loop s", "gen s", "teacher s", "train s", "tokens/s",
+               "tok/step", "resp len", "peak RSS", "Δ train")
+    print("  ".join(f"{column:>10}" for column in columns))
+    for size in sizes:
+        trl, opd = summaries[size]["trl"], summaries[size]["opd"]
+        for name, summary in (("TRL", trl), ("opd", opd)):
+            cells = [size, name, _fmt(summary["step"]), _fmt(summary["loop"]), _fmt(summary["generation"]),
+                     _fmt(summary["teacher"]), _fmt(summary["training"]), _fmt(summary["tokens_per_s"], 0),
+                     _fmt(summary["tokens"], 1), _fmt(summary["response_length"], 1),
+                     _fmt(summary["peak_rss_mib"], 0), _fmt(summary["train_delta_mib"], 0)]
+            print("  ".join(f"{cell:>10}" for cell in cells))
+        ratio_keys = ("step", "loop", "generation", "teacher", "training", "tokens_per_s", "tokens",
+                      "response_length", "peak_rss_mib", "train_delta_mib")
+        cells = [size, "opd/TRL"] + [_fmt(opd[key] / trl[key] if trl[key] else float("nan"), 2) for key in ratio_keys]
+        print("  ".join(f"{cell:>10}" for cell in cells))
+    for size in sizes:
+        trl, opd = summaries[size]["trl"], summaries[size]["opd"]
+        print(f"# {size}: {trl['steps']} TRL / {opd['steps']} opd timed steps; prompt tokens per row "
+              f"TRL {trl['prompt_length']:.1f} opd {opd['prompt_length']:.1f}; KV cache in generation "
+              f"TRL {'on' if trl['kv_cache'] else 'OFF'} opd {'on' if opd['kv_cache'] else 'OFF'}; "
+              f"torch threads {trl['threads']}/{opd['threads']}")
+
+    if parts:
+        print()
+        print("opd overhead: essential parts timed alone at the same shapes (median s) vs opd's own phase timings")
+        for size in sizes:
+            opd, part = summaries[size]["opd"], parts[size]["times"]
+            alone = {key: _median(values) for key, values in part.items()}
+            total = sum(alone.values())
+            print(f"  {size}: generation {alone['generation']:.3f} (opd {opd['generation']:.3f})  "
+                  f"teacher fwd {alone['teacher']:.3f} (opd {opd['teacher']:.3f})  "
+                  f"student fwd+loss+bwd+AdamW {alone['student']:.3f} (opd {opd['training']:.3f})  "
+                  f"sum {total:.3f}  opd step {opd['step']:.3f}  overhead {100 * (opd['step'] / total - 1):+.1f}%  "
+                  f"(parts resp len {statistics.mean(parts[size]['response_lengths']):.1f})")
+
+    print()
+    print(f"# total wall time {time.perf_counter() - wall_start:.0f} s")
+
+    def ratio(size: str, key: str) -> str:
+        if size not in summaries:
+            return "nan"
+        return f"{summaries[size]['opd'][key] / summaries[size]['trl'][key]:.3f}"
+
+    print(f"e2e opd/trl step_time small={ratio('small', 'step')} qwen_vocab={ratio('qwen_vocab', 'step')} "
+          f"peak_rss small={ratio('small', 'peak_rss_mib')} qwen_vocab={ratio('qwen_vocab', 'peak_rss_mib')}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each run")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating runs per framework and size")
+    parser.add_argument("--batch-size", type=int, default=4, help="prompts per step (one sample each)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="response budget per prompt")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="exact length of every rendered prompt")
+    parser.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE, help="sampling temperature")
+    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ",".join(SIZES))
+    parser.add_argument("--skip-parts", action="store_true", help="skip the overhead report")
+    # Internal: a worker process.
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--size", choices=SIZES, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--run-index", type=int, default=0, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    # Quiet, and no tokenizer thread pool competing with the timed steps.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if arguments.worker:
+        # Workers run from the repository root's package without installation too.
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        worker_result = WORKERS[arguments.worker](arguments)
+        Path(arguments.out).write_text(json.dumps(worker_result), encoding="utf-8")
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        main(arguments)
