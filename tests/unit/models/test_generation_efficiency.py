@@ -1,0 +1,66 @@
+"""Generation does only the work it needs: the KV cache is used at every decoding step,
+and a batch stops as soon as every sequence has produced EOS."""
+
+from __future__ import annotations
+
+import torch
+
+from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.generation.hf_generation import HFGeneration
+from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+
+GREEDY = GenerateStrategyConfig(decoding_method="greedy", max_length=40)
+THREE_TOKENS = GenerateStrategyConfig(decoding_method="greedy", max_length=3)
+
+
+class ForwardRecorder:
+    """Records, for each forward call of a model, how many new tokens it was fed and
+    whether it got a KV cache from the previous step."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls: list[tuple[int, bool]] = []
+        model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = kwargs.get("past_key_values")
+        self.calls.append((int(input_ids.shape[1]), cache is not None and cache.get_seq_length() > 0))
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    texts = ["What is 2 + 3?", "hi", "Count to five, please."]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=False) for text in texts]
+
+
+def test_every_decoding_step_after_the_prompt_reuses_the_cache():
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model("student")
+    recorder = ForwardRecorder(model)
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts(tokenizer)]
+    batch = HFGeneration(model, tokenizer).generate(ids, GREEDY, 1)
+    steps = int(batch["response_lengths"].max())
+    # One prefill over the whole (left-padded) prompt, then one token per step from the cache.
+    assert recorder.calls[0] == (max(map(len, ids)), False)
+    assert recorder.calls[1:] == [(1, True)] * (len(recorder.calls) - 1)
+    assert len(recorder.calls) <= steps
+
+
+def test_batch_stops_when_every_sequence_has_ended():
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model("student")
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts(tokenizer)]
+    # Find the greedy continuation of each prompt, then declare the token each row emits
+    # at step 3 the EOS of a second generation: every row ends by its third token.
+    probe = HFGeneration(model, tokenizer).generate(ids, THREE_TOKENS, 1)
+    third_tokens = {int(probe["input_ids"][row, int(probe["prompt_lengths"][row]) + 2]) for row in range(len(ids))}
+    if len(third_tokens) != 1:  # rows disagree: use one row only, so a single EOS id suffices
+        ids = ids[:1]
+        third_tokens = {int(probe["input_ids"][0, int(probe["prompt_lengths"][0]) + 2])}
+    generation = HFGeneration(model, tokenizer)
+    generation.eos_token_id = third_tokens.pop()
+    recorder = ForwardRecorder(model)
+    batch = generation.generate(ids, GREEDY, 1)
+    assert int(batch["response_lengths"].max()) <= 3
+    assert not batch["truncated"].any()
+    assert len(recorder.calls) <= 3, "decoding must stop once every row has emitted EOS, not run to max_length=40"
