@@ -128,6 +128,7 @@ class TrainingConfig(TrainingLoopConfig):
     micro_batch_tokens: int | None = Field(
         None, ge=1, description="padded-token budget per forward/backward pass (length-sorted dynamic batching)"
     )
+    sequence_packing: bool = Field(False, description="pack each micro-batch into one padding-free row")
     gradient_accumulation_steps: int | None = Field(None, ge=1, description="micro-batches per optimizer step")
 
 
@@ -227,6 +228,11 @@ def check_loss_config(config: MasterConfig) -> None:
                 "loss_fn.type = sampled_token scores the tokens under the sampler's own distribution; set "
                 "distillation.kl_temperature = 1.0 and choose the sampling temperature in generate_strategy"
             )
+    if loss.type == "sampled_token" and config.training.sequence_packing:
+        raise ConfigError(
+            "training.sequence_packing does not support loss_fn.type = sampled_token yet (its per-sequence "
+            "advantages need the sequence boundaries); set training.sequence_packing = false"
+        )
     if loss.type == "topk" and loss.divergence == "jsd":
         raise ConfigError("loss_fn.divergence = jsd needs the teacher's full vocabulary; use loss_fn.type = full_vocab")
 
@@ -355,7 +361,8 @@ def setup(master_config: MasterConfig) -> tuple:
         total_steps = min(total_steps, config.training.max_num_steps)
 
     student_policy = HFPolicy(
-        student_model, config.training, micro_batch_size, total_steps, config.training.micro_batch_tokens
+        student_model, config.training, micro_batch_size, total_steps, config.training.micro_batch_tokens,
+        config.training.sequence_packing,
     )
     teacher_policy = LocalTeacher(teacher_model)
     student_generation = HFGeneration(student_model, tokenizer)

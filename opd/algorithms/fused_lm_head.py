@@ -98,13 +98,20 @@ def output_head_of(model: torch.nn.Module, model_name: str = "model") -> tuple[t
     return head.weight, head.bias
 
 
-def final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def final_hidden_states(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The hidden states that a causal LM's ``lm_head`` would read (after the final norm).
 
-    Runs the decoder alone (``model.get_decoder()``), so no logits are computed.
+    Runs the decoder alone (``model.get_decoder()``), so no logits are computed. Packed
+    sequences pass ``position_ids`` and no attention mask.
     """
-    decoder = model.get_decoder()
-    return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return model.get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
 
 
 def default_chunk_rows(vocab_size: int) -> int:

@@ -118,3 +118,58 @@ def attention_mask_from_lengths(input_lengths: torch.Tensor, max_length: int) ->
     """``[B, L]`` 1/0 attention mask for right-padded sequences."""
     positions = torch.arange(max_length, device=input_lengths.device).unsqueeze(0)
     return (positions < input_lengths.unsqueeze(1)).long()
+
+
+PACKED_TOKEN_FIELDS = ("input_ids", "token_mask", "generation_logprobs")
+"""Per-token ``[B, L]`` fields that :func:`pack_padding_free` carries into the packed row."""
+
+
+def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
+    """Concatenates the rows of a right-padded batch into one row without padding.
+
+    Sequence packing: no compute is spent on padding. ``position_ids`` restart at 0 for
+    each sequence; a model called with them, ``attention_mask=None`` and no KV cache
+    attends within each sequence only (transformers detects the restarts and builds a
+    block-diagonal causal mask), so every token sees exactly the context it had in its
+    own row. The first token of each sequence gets ``token_mask = 0``: in the packed row
+    it would be "predicted" by the previous sequence's last token, which is not a real
+    prediction (in a padded row, nothing predicts it at all).
+
+    Args:
+        batch: right-padded batch with ``input_lengths`` and the per-token fields in
+            :data:`PACKED_TOKEN_FIELDS` (those present are packed; per-sequence fields
+            are dropped).
+
+    Returns:
+        A one-row batch with ``input_ids``, ``token_mask`` (and ``generation_logprobs``)
+        of shape ``[1, T]``, ``position_ids [1, T]``, ``input_lengths [1]`` (= T) and
+        ``sequence_lengths`` (``[1, B]``, the packed sequences' lengths in order).
+    """
+    lengths = [int(length) for length in batch["input_lengths"]]
+    packed = BatchedDataDict()
+    for field in PACKED_TOKEN_FIELDS:
+        if field in batch:
+            packed[field] = torch.cat([batch[field][row, :length] for row, length in enumerate(lengths)]).unsqueeze(0)
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    if "token_mask" in packed:
+        packed["token_mask"] = packed["token_mask"].clone()
+        packed["token_mask"][0, starts] = 0
+    device = batch["input_ids"].device
+    packed["position_ids"] = torch.cat([torch.arange(length, device=device) for length in lengths]).unsqueeze(0)
+    packed["input_lengths"] = torch.tensor([sum(lengths)], device=device)
+    packed["sequence_lengths"] = torch.tensor([lengths], device=device)
+    return packed
+
+
+def model_inputs(batch: BatchedDataDict, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Keyword arguments of a causal LM's forward for ``batch`` on ``device``.
+
+    A packed batch (it has ``position_ids``) is passed with them and no attention mask,
+    so each packed sequence attends only to itself; a right-padded batch with the
+    attention mask of its lengths.
+    """
+    input_ids = batch["input_ids"].to(device)
+    if "position_ids" in batch:
+        return {"input_ids": input_ids, "position_ids": batch["position_ids"].to(device), "attention_mask": None}
+    return {"input_ids": input_ids,
+            "attention_mask": attention_mask_from_lengths(batch["input_lengths"].to(device), input_ids.shape[1])}

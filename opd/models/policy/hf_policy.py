@@ -20,7 +20,7 @@ from transformers import get_scheduler
 from opd.algorithms.fused_lm_head import LMHeadInput, final_hidden_states, output_head_of
 from opd.algorithms.loss_functions import shift_token_mask
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.data.sequences import attention_mask_from_lengths
+from opd.data.sequences import model_inputs, pack_padding_free
 from opd.utils.config import StrictConfig
 
 
@@ -48,6 +48,8 @@ class HFPolicy:
         micro_batch_tokens: if set, micro-batches are formed by this budget of padded
             tokens instead (length-sorted dynamic batching) and ``micro_batch_size`` is
             not used.
+        sequence_packing: concatenate each micro-batch's sequences into one row without
+            padding (:func:`~opd.data.sequences.pack_padding_free`); same loss.
     """
 
     def __init__(
@@ -57,11 +59,13 @@ class HFPolicy:
         micro_batch_size: int,
         total_steps: int,
         micro_batch_tokens: int | None = None,
+        sequence_packing: bool = False,
     ) -> None:
         self.model = model
         self.model.train()
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
+        self.sequence_packing = sequence_packing
         self.config = optimizer_config
         # No weight decay on biases and norms, the usual transformer recipe.
         decay, no_decay = [], []
@@ -91,12 +95,11 @@ class HFPolicy:
 
     def _forward(self, micro_batch: BatchedDataDict, fused_lm_head: bool) -> torch.Tensor | LMHeadInput:
         """The student's logits, or (fused loss) its final hidden states and head."""
-        input_ids = micro_batch["input_ids"].to(self.device)
-        attention_mask = attention_mask_from_lengths(micro_batch["input_lengths"].to(self.device), input_ids.shape[1])
+        inputs = model_inputs(micro_batch, self.device)
         if fused_lm_head:
             weight, bias = output_head_of(self.model, "the student")
-            return LMHeadInput(final_hidden_states(self.model, input_ids, attention_mask), weight, bias)
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            return LMHeadInput(final_hidden_states(self.model, **inputs), weight, bias)
+        return self.model(**inputs, use_cache=False).logits
 
     def train(
         self,
@@ -135,6 +138,8 @@ class HFPolicy:
             micro_batch = BatchedDataDict(
                 {k: v[:, :width] if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in micro_batch.items()}
             ).to(self.device)
+            if self.sequence_packing:
+                micro_batch = pack_padding_free(micro_batch)
             teacher_output = teacher_fn(micro_batch) if teacher_fn is not None else None
             student_output = self._forward(micro_batch, bool(getattr(loss_fn, "fused_lm_head", False)))
             loss, metrics = loss_fn(

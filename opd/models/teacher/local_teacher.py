@@ -23,7 +23,7 @@ import torch
 
 from opd.algorithms.fused_lm_head import LMHeadInput, default_chunk_rows, final_hidden_states, output_head_of
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.data.sequences import attention_mask_from_lengths
+from opd.data.sequences import model_inputs
 
 
 class LocalTeacher:
@@ -40,17 +40,14 @@ class LocalTeacher:
         self.seconds_spent = 0.0
         """Wall time spent scoring since the last :meth:`pop_seconds_spent`."""
 
-    def _inputs(self, data: BatchedDataDict) -> tuple[torch.Tensor, torch.Tensor]:
-        device = next(self.model.parameters()).device
-        input_ids = data["input_ids"].to(device)
-        return input_ids, attention_mask_from_lengths(data["input_lengths"].to(device), input_ids.shape[1])
+    def _inputs(self, data: BatchedDataDict) -> dict[str, torch.Tensor]:
+        return model_inputs(data, next(self.model.parameters()).device)
 
     def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
         """Teacher logits ``[B, L, V]`` for right-padded ``data["input_ids"]``."""
         start = time.perf_counter()
-        input_ids, attention_mask = self._inputs(data)
         with torch.inference_mode():
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            logits = self.model(**self._inputs(data), use_cache=False).logits
         # Inference-mode tensors cannot be saved for the student's backward pass; a clone
         # made outside inference mode is an ordinary constant tensor.
         logits = logits.clone()
@@ -61,9 +58,8 @@ class LocalTeacher:
         """Final hidden states ``[B, L, D]`` and the output head, for the fused loss."""
         start = time.perf_counter()
         weight, bias = output_head_of(self.model, "the teacher")
-        input_ids, attention_mask = self._inputs(data)
         with torch.inference_mode():
-            hidden = final_hidden_states(self.model, input_ids, attention_mask)
+            hidden = final_hidden_states(self.model, **self._inputs(data))
         hidden = hidden.clone()  # an ordinary tensor, as in get_logits
         self.seconds_spent += time.perf_counter() - start
         return LMHeadInput(hidden, weight.detach(), bias.detach() if bias is not None else None)

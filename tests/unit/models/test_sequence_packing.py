@@ -1,0 +1,120 @@
+"""Sequence packing: the padding-free layout, the models' outputs on it, and one optimizer
+step that gives the same loss and gradients as the padded batch."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from opd.algorithms.distillation import MasterConfig, distillation_train, setup
+from opd.algorithms.loss_functions import DistillationLossFn, shift_token_mask
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.sequences import pack_padding_free, pack_sequences
+from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.models.teacher.local_teacher import LocalTeacher
+from opd.models.tiny import build_tiny_model
+from opd.utils.config import load_config
+from opd.utils.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+LENGTHS, PROMPTS = [6, 13, 2, 9, 11], [2, 5, 1, 9, 4]  # one sequence that is all prompt
+
+
+def padded_batch(mask_prompt_tokens: bool = True) -> BatchedDataDict:
+    generator = torch.Generator().manual_seed(4)
+    sequences = [torch.randint(3, 120, (n,), generator=generator).tolist() for n in LENGTHS]
+    return pack_sequences(sequences, PROMPTS, 0, mask_prompt_tokens)
+
+
+@pytest.mark.parametrize("mask_prompt_tokens", [True, False])
+def test_packed_layout(mask_prompt_tokens):
+    batch = padded_batch(mask_prompt_tokens)
+    packed = pack_padding_free(batch)
+    total = sum(LENGTHS)
+    assert packed.size == 1 and packed["input_ids"].shape == (1, total)
+    assert packed["input_lengths"].tolist() == [total]
+    assert packed["sequence_lengths"].tolist() == [LENGTHS]
+    start = 0
+    for row, length in enumerate(LENGTHS):
+        assert packed["input_ids"][0, start:start + length].tolist() == batch["input_ids"][row, :length].tolist()
+        assert packed["position_ids"][0, start:start + length].tolist() == list(range(length))
+        assert packed["token_mask"][0, start] == 0  # nothing real predicts a sequence's first token
+        assert packed["token_mask"][0, start + 1:start + length].tolist() == batch["token_mask"][row, 1:length].tolist()
+        start += length
+    # Exactly the same loss positions.
+    assert int(shift_token_mask(packed["token_mask"]).sum()) == int(shift_token_mask(batch["token_mask"]).sum())
+
+
+def test_models_see_each_packed_sequence_alone():
+    batch = padded_batch()
+    teacher = LocalTeacher(build_tiny_model("teacher", dtype=torch.float64))
+    padded_logits = teacher.get_logits(batch)
+    packed_logits = teacher.get_logits(pack_padding_free(batch))
+    start = 0
+    for row, length in enumerate(LENGTHS):
+        torch.testing.assert_close(packed_logits[0, start:start + length], padded_logits[row, :length],
+                                   rtol=1e-10, atol=1e-10)
+        start += length
+
+
+def one_step(batch, loss_fn, packing, micro_batch_size=2, micro_batch_tokens=None):
+    model = build_tiny_model("student", dtype=torch.float64)
+    policy = HFPolicy(model, OptimizerConfig(learning_rate=1e-3, max_grad_norm=None), micro_batch_size, 1,
+                      micro_batch_tokens=micro_batch_tokens, sequence_packing=packing)
+    grads: dict[str, torch.Tensor] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    policy.optimizer.register_step_pre_hook(lambda opt, *_: grads.update(
+        {names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]}))
+    teacher = LocalTeacher(build_tiny_model("teacher", dtype=torch.float64))
+    metrics = policy.train(batch, loss_fn, teacher_fn=functools.partial(loss_fn.query_teacher, teacher))
+    return metrics, grads
+
+
+@pytest.mark.parametrize("options", [
+    {"kl_type": "mixed"},
+    {"kl_type": "reverse", "fused_lm_head": True},
+    {"divergence": "jsd", "jsd_beta": 0.4, "fused_lm_head": True, "kl_reduction": "sum"},
+    {"teacher_signal": "topk", "teacher_topk": 5, "kl_type": "forward", "fused_lm_head": True},
+], ids=["kl", "kl-fused", "jsd-fused-sum", "topk-fused"])
+@pytest.mark.parametrize("batching", [{"micro_batch_size": 2}, {"micro_batch_size": 5},
+                                      {"micro_batch_tokens": 30}], ids=["mbs2", "mbs5", "tokens30"])
+def test_packed_step_equals_padded_step(options, batching):
+    batch = padded_batch()
+    loss_fn = DistillationLossFn(temperature=1.3, **options)
+    reference_metrics, reference_grads = one_step(batch, loss_fn, packing=False)
+    metrics, grads = one_step(batch, loss_fn, packing=True, **batching)
+    assert reference_metrics["grad_norm"] > 1e-4
+    for key, value in reference_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def run_config(tmp_path: Path, *overrides: str) -> MasterConfig:
+    base = [
+        f"output_dir={tmp_path / 'run'}", f"data.train_path={REPO_ROOT / 'examples/data/tiny_arithmetic/train.jsonl'}",
+        "data.val_path=null", "validation.val_at_start=false", "validation.val_at_end=false",
+        "checkpointing.enabled=false", "logger.console=false", "training.batch_size=3",
+        "training.micro_batch_size=null", "training.max_num_steps=2", "distillation.generate_strategy.max_length=8",
+    ]
+    return load_config(MasterConfig, REPO_ROOT / "examples/configs/distillation_tiny.yaml", base + list(overrides))
+
+
+def test_packed_run_logs_the_padded_run_losses(tmp_path):
+    losses = {}
+    for packing in ("false", "true"):
+        config = run_config(tmp_path / packing, f"training.sequence_packing={packing}")
+        distillation_train(*setup(config))
+        lines = (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()
+        losses[packing] = [r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r]
+    assert len(losses["true"]) == 2
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-4)
+
+
+def test_packing_refuses_the_sampled_token_loss(tmp_path):
+    with pytest.raises(ConfigError, match=r"training\.sequence_packing.*sampled_token"):
+        setup(run_config(tmp_path, "training.sequence_packing=true", "loss_fn.type=sampled_token"))
