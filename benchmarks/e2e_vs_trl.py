@@ -64,12 +64,14 @@ Overhead report: a third kind of process times, at the same shapes, the essentia
 of an opd step alone, without opd's driver — HF ``generate`` (KV cache, same sampling),
 the teacher's decoder forward to its final hidden states (``inference_mode``), and the
 student's forward + opd's fused JSD loss + backward + clipping + AdamW step — and prints
-opd's step time over their sum, next to opd's own per-phase timings.
+opd's step time over their sum, next to opd's own per-phase timings. Once, untimed, it
+also checks on one batch that opd's loss equals TRL's ``generalized_jsd_loss`` (same
+weights, same tokens), i.e. that both runs optimise the same objective.
 
 The last line is machine-readable:
 ``e2e opd/trl step_time small=<ratio> qwen_vocab=<ratio> peak_rss small=<ratio> qwen_vocab=<ratio>``.
 
-Usage: ``python benchmarks/e2e_vs_trl.py [--steps 6] [--warmup 2] [--rounds 2]
+Usage: ``python benchmarks/e2e_vs_trl.py [--steps 8] [--warmup 2] [--rounds 3]
 [--batch-size 4] [--max-new-tokens 32] [--sizes small,qwen_vocab]``. Nothing is
 downloaded. Run it on an otherwise idle machine: times assume the cores are free.
 """
@@ -83,6 +85,7 @@ import os
 import platform
 import random
 import re
+import resource
 import shlex
 import statistics
 import subprocess
@@ -231,7 +234,8 @@ def build_inputs(workdir: Path, prompt_tokens: int) -> dict[str, Any]:
     # Trained on whole ChatML conversations, as a real tokenizer has seen them: "user",
     # "assistant" and the newlines of the template become single tokens.
     small = train_bpe_tokenizer(
-        (f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n" for q, a in zip(questions, answers)),
+        (f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n"
+         for q, a in zip(questions, answers)),
         SMALL_VOCAB_TARGET,
     )
     # Keep only prompts whose rendered chat prompt is exactly prompt_tokens long: both
@@ -262,7 +266,8 @@ def build_inputs(workdir: Path, prompt_tokens: int) -> dict[str, Any]:
         facts[f"{size}_vocab"] = len(reloaded)
         for row in rows[:8]:
             text = reloaded.apply_chat_template(row["messages"], tokenize=False)
-            if reloaded(text, add_special_tokens=False)["input_ids"] != small(text, add_special_tokens=False)["input_ids"]:
+            reference = small(text, add_special_tokens=False)["input_ids"]
+            if reloaded(text, add_special_tokens=False)["input_ids"] != reference:
                 raise SystemExit(f"{size}: the reloaded tokenizer tokenizes differently from the small one")
     if facts["qwen_vocab_vocab"] != QWEN_VOCAB:
         raise SystemExit(f"qwen_vocab tokenizer has {facts['qwen_vocab_vocab']} tokens, expected {QWEN_VOCAB}")
@@ -578,6 +583,9 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         teacher_hidden = teacher_hidden.clone()  # an ordinary tensor, usable in autograd (untimed)
         teacher_weight, teacher_bias = output_head_of(teacher)
 
+        if step == 0:  # once, untimed: the two frameworks' objectives agree on this batch
+            objective_check = _objective_check(student, teacher, batch, mask, loss_fn)
+
         student.train()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -596,7 +604,38 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
             times["generation"].append(generation)
             times["teacher"].append(teacher_seconds)
             times["student"].append(student_seconds)
-    return {"times": times, "response_lengths": response_lengths[args.warmup:]}
+    return {"times": times, "response_lengths": response_lengths[args.warmup:], **objective_check}
+
+
+def _objective_check(student: Any, teacher: Any, batch: Any, mask: Any, loss_fn: Any) -> dict[str, float]:
+    """opd's loss and TRL's ``GKDTrainer.generalized_jsd_loss`` on one batch, same weights.
+
+    TRL's loss is called as its ``compute_loss`` calls it: full logits of both models,
+    shifted by one, labels ``-100`` outside the response, temperature 1, batch-mean over
+    the valid labels. Equal values show that both runs optimise the same objective.
+    """
+    import torch
+    from trl.experimental.gkd import GKDTrainer
+
+    from opd.algorithms.fused_lm_head import LMHeadInput, final_hidden_states, output_head_of
+    from opd.algorithms.loss_functions import shift_token_mask
+
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        weight, bias = output_head_of(student)
+        teacher_weight, teacher_bias = output_head_of(teacher)
+        opd_loss, _ = loss_fn(
+            LMHeadInput(final_hidden_states(student, ids, mask), weight, bias), batch,
+            int(shift_token_mask(batch["token_mask"]).sum()), batch.size,
+            teacher_output=LMHeadInput(final_hidden_states(teacher, ids, mask), teacher_weight, teacher_bias),
+        )
+        labels = ids.masked_fill(batch["token_mask"] == 0, -100)
+        trl_loss = GKDTrainer.generalized_jsd_loss(
+            student(input_ids=ids, attention_mask=mask).logits[:, :-1],
+            teacher(input_ids=ids, attention_mask=mask).logits[:, :-1],
+            labels=labels[:, 1:], beta=JSD_BETA,
+        )
+    return {"opd_loss": float(opd_loss), "trl_loss": float(trl_loss)}
 
 
 WORKERS = {"trl": run_trl, "opd": run_opd, "parts": run_parts}
@@ -657,6 +696,20 @@ def _summarise(results: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def _cpu_seconds() -> tuple[float, float]:
+    """(CPU-seconds the whole machine has been busy, CPU-seconds of this process and its children)."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal ...: busy = all but idle and iowait.
+    busy = sum(fields[:8]) - fields[3] - fields[4]
+    own = sum(
+        getattr(resource.getrusage(who), attribute)
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for attribute in ("ru_utime", "ru_stime")
+    )
+    return busy / os.sysconf("SC_CLK_TCK"), own
+
+
 def _machine_header(args: argparse.Namespace) -> list[str]:
     cpu = platform.processor() or "unknown"
     try:
@@ -673,7 +726,7 @@ def _machine_header(args: argparse.Namespace) -> list[str]:
     return [
         f"# machine: {cpu}; {os.cpu_count()} logical cores; {ram_gib:.1f} GiB RAM; Python {platform.python_version()}",
         f"# versions: {versions}",
-        f"# command: {shlex.join([os.path.basename(sys.executable)] + sys.argv)}",
+        f"# command: {shlex.join(['python'] + sys.argv)}",
     ]
 
 
@@ -687,6 +740,9 @@ def main(args: argparse.Namespace) -> None:
     if unknown:
         raise SystemExit(f"unknown --sizes {sorted(unknown)}; choose from {SIZES}")
     wall_start = time.perf_counter()
+    # Other processes' CPU use during the run is measured: with tiny models every op is
+    # short, and a competing process makes the worker threads wait on each other.
+    machine_busy_start, own_start = _cpu_seconds()
     header = _machine_header(args)
     for line in header:
         print(line)
@@ -750,6 +806,9 @@ def main(args: argparse.Namespace) -> None:
         print("opd overhead: essential parts timed alone at the same shapes (median s) vs opd's own phase timings")
         for size in sizes:
             opd, part = summaries[size]["opd"], parts[size]["times"]
+            opd_loss, trl_loss = parts[size]["opd_loss"], parts[size]["trl_loss"]
+            print(f"  {size}: objective check on one batch: opd loss {opd_loss:.6f}, TRL generalized_jsd_loss "
+                  f"{trl_loss:.6f} (relative difference {abs(opd_loss - trl_loss) / abs(trl_loss):.1e})")
             alone = {key: _median(values) for key, values in part.items()}
             total = sum(alone.values())
             print(f"  {size}: generation {alone['generation']:.3f} (opd {opd['generation']:.3f})  "
@@ -759,7 +818,12 @@ def main(args: argparse.Namespace) -> None:
                   f"(parts resp len {statistics.mean(parts[size]['response_lengths']):.1f})")
 
     print()
-    print(f"# total wall time {time.perf_counter() - wall_start:.0f} s")
+    machine_busy_end, own_end = _cpu_seconds()
+    foreign = (machine_busy_end - machine_busy_start) - (own_end - own_start)
+    wall = time.perf_counter() - wall_start
+    print(f"# total wall time {wall:.0f} s; CPU used by other processes meanwhile {max(foreign, 0.0):.0f} CPU-s "
+          f"({100 * max(foreign, 0.0) / (wall * (os.cpu_count() or 1)):.0f}% of the machine)"
+          + ("; WARNING: the machine was not idle, timings are unreliable" if foreign > 0.05 * wall else ""))
 
     def ratio(size: str, key: str) -> str:
         if size not in summaries:
@@ -773,9 +837,9 @@ def main(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per run")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each run")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating runs per framework and size")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs per framework and size")
     parser.add_argument("--batch-size", type=int, default=4, help="prompts per step (one sample each)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="response budget per prompt")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="exact length of every rendered prompt")

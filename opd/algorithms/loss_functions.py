@@ -23,6 +23,7 @@ mixed = w·forward + (1 − w)·reverse, with w = ``mixed_kl_weight``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Literal
 
@@ -179,6 +180,7 @@ def full_vocab_divergence_with_grad(
     mixed_kl_weight: float = 0.5,
     temperature: float = 1.0,
     jsd_beta: float | None = None,
+    observe_log_probs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position divergence and its gradient with respect to the student's logits.
 
@@ -202,11 +204,15 @@ def full_vocab_divergence_with_grad(
         mixed_kl_weight: weight of the forward KL for ``"mixed"``.
         temperature: applied to both models' logits.
         jsd_beta: if not None, the generalized JSD with this β instead of a KL.
+        observe_log_probs: called with ``(log Q, log P)`` once they exist, so that
+            per-step metrics can reuse them instead of a second pair of softmaxes.
 
     Returns:
         ``(values [C], gradient [C, V])`` in float32 (float64 for float64 input).
     """
     log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
+    if observe_log_probs is not None:
+        observe_log_probs(log_q, log_p)
     q = log_q.exp()
     if jsd_beta is not None and jsd_beta in (0.0, 1.0):
         kl_type, mixed_kl_weight, jsd_beta = ("forward" if jsd_beta == 0.0 else "reverse"), 0.5, None
@@ -419,7 +425,11 @@ class _TeacherMetrics:
     @torch.no_grad()
     def full_vocab(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
         """Metrics from both models' full logits (``[C, V]``)."""
-        log_q, log_p = _log_probs(student_logits, teacher_logits, 1.0)
+        self.from_log_probs(*_log_probs(student_logits, teacher_logits, 1.0))
+
+    @torch.no_grad()
+    def from_log_probs(self, log_q: torch.Tensor, log_p: torch.Tensor) -> None:
+        """Metrics from both models' log-probabilities at temperature 1 (``[C, V]``)."""
         self.sums["kl_forward"] += float(_plogp_difference(log_p, log_q).sum())
         self.sums["kl_reverse"] += float(_plogp_difference(log_q, log_p).sum())
         k = min(self.k, log_p.shape[-1])
@@ -590,11 +600,14 @@ class DistillationLossFn:
             return generalized_jsd(student_logits, teacher[0], self.jsd_beta, self.temperature)
         return token_kl(student_logits, teacher[0], self.kl_type, self.mixed_kl_weight, self.temperature)
 
-    def _divergence_with_grad(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor):
+    def _divergence_with_grad(
+        self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+        observe_log_probs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Closed-form value and gradient of the full-vocabulary divergence (fused path)."""
         return full_vocab_divergence_with_grad(
             student_logits, teacher_logits, self.kl_type, self.mixed_kl_weight, self.temperature,
-            self.jsd_beta if self.divergence == "jsd" else None,
+            self.jsd_beta if self.divergence == "jsd" else None, observe_log_probs,
         )
 
     def _cut_vocabulary(self, value: Any) -> Any:
@@ -644,6 +657,10 @@ class DistillationLossFn:
         observer = collector.topk if self.teacher_signal == "topk" else collector.full_vocab
         normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
         closed_form = self._divergence_with_grad if self.teacher_signal == "full_vocab" else None
+        if closed_form is not None and self.temperature == 1.0 and isinstance(student_rows, LMHeadInput):
+            # The metrics are at temperature 1: reuse the fused loss's log-probabilities.
+            closed_form = functools.partial(self._divergence_with_grad, observe_log_probs=collector.from_log_probs)
+            observer = None
         loss = _apply_loss(student_rows, self._divergence, teacher_rows, normalizer, self.chunk_size, observer,
                            closed_form)
         metrics = {"loss": float(loss.detach()), **collector.metrics(float(max(global_valid_tokens, 1))),

@@ -279,8 +279,9 @@ def tiny_batch() -> BatchedDataDict:
     return pack_sequences(sequences, prompts, 0, True)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 1.5])
 @pytest.mark.parametrize("loss_kind", ["kl-mixed", "jsd", "topk-tail", "topk-renorm", "sampled-token"])
-def test_fused_policy_step_equals_plain_step(loss_kind):
+def test_fused_policy_step_equals_plain_step(loss_kind, temperature):
     """One optimizer step of a real tiny student: fused and plain give the same gradients."""
     batch = tiny_batch()
     vocab = build_tiny_model("student").config.vocab_size - 5  # cut: padded output rows
@@ -300,7 +301,8 @@ def test_fused_policy_step_equals_plain_step(loss_kind):
         options = {"kl-mixed": {"kl_type": "mixed"}, "jsd": {"divergence": "jsd", "jsd_beta": 0.7},
                    "topk-tail": {"teacher_signal": "topk", "teacher_topk": 4},
                    "topk-renorm": {"teacher_signal": "topk", "teacher_topk": 4, "topk_tail": False}}[loss_kind]
-        make = functools.partial(DistillationLossFn, temperature=1.5, vocab_size=vocab, chunk_size=5, **options)
+        make = functools.partial(DistillationLossFn, temperature=temperature, vocab_size=vocab, chunk_size=5,
+                                 **options)
     results = []
     for fused in (False, True):
         model = build_tiny_model("student", dtype=torch.float64)
