@@ -424,6 +424,9 @@ def build_on_policy_batch(
             [example["prompt_ids"] for example in examples],
             config.distillation.generate_strategy,
             config.distillation.num_samples_per_prompt,
+            # Only the sampled-token loss reads the sampler's log-probs; computing them
+            # costs a log-softmax over the vocabulary at every decoding step.
+            return_logprobs=config.loss_fn.type == "sampled_token",
         )
     finally:
         student_generation.finish_generation()

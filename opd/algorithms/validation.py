@@ -70,7 +70,9 @@ def validate(
         for examples in val_dataloader:
             student_generation.prepare_for_generation()
             try:
-                batch = student_generation.generate([example["prompt_ids"] for example in examples], strategy, 1)
+                batch = student_generation.generate(
+                    [example["prompt_ids"] for example in examples], strategy, 1, return_logprobs=False
+                )
             finally:
                 student_generation.finish_generation()
             if teacher_policy is not None:

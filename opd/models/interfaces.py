@@ -28,8 +28,13 @@ class GenerationInterface(Protocol):
     def finish_generation(self) -> None:
         """Releases what generation held (train mode, sleep, ...)."""
 
-    def generate(self, prompts: list[list[int]], strategy: Any, num_samples: int) -> BatchedDataDict:
+    def generate(
+        self, prompts: list[list[int]], strategy: Any, num_samples: int, return_logprobs: bool = True
+    ) -> BatchedDataDict:
         """Samples ``num_samples`` responses per prompt.
+
+        ``return_logprobs=False`` tells the engine that nobody needs the sampler's
+        log-probs (the batch then has no ``generation_logprobs``), so it may skip them.
 
         Returns:
             A batch of ``len(prompts) * num_samples`` rows (samples of one prompt are

@@ -64,3 +64,15 @@ def test_batch_stops_when_every_sequence_has_ended():
     assert int(batch["response_lengths"].max()) <= 3
     assert not batch["truncated"].any()
     assert len(recorder.calls) <= 3, "decoding must stop once every row has emitted EOS, not run to max_length=40"
+
+
+def test_logprobs_only_when_asked_and_the_same_tokens_either_way():
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model("student")
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts(tokenizer)]
+    generation = HFGeneration(model, tokenizer)
+    with_logprobs = generation.generate(ids, GREEDY, 1)
+    without = generation.generate(ids, GREEDY, 1, return_logprobs=False)
+    assert "generation_logprobs" in with_logprobs and "generation_logprobs" not in without
+    for key in ("input_ids", "input_lengths", "prompt_lengths", "response_lengths", "truncated"):
+        assert torch.equal(with_logprobs[key], without[key]), key
