@@ -7,15 +7,17 @@ hidden states and its ``lm_head`` weight, and for each chunk of positions it
 
 1. makes that chunk's student logits (and, for an in-process teacher, the teacher's
    logits from the teacher's hidden states and head),
-2. computes the divergence and its gradient with respect to the chunk's logits (the same
-   kernel the unfused path calls, so the value is identical to fp32 rounding),
+2. computes the divergence and its gradient with respect to the chunk's logits, by
+   autograd through the same kernel the unfused path calls, or by a closed form of that
+   gradient when the loss supplies one (``value_and_grad``; fewer temporaries),
 3. turns that gradient into the gradients of the hidden states and of the head weight
    (two matmuls) and drops the chunk's logits.
 
-The gradients are computed during the forward pass and scaled by the incoming gradient
-in ``backward`` (the approach of Liger-Kernel's fused-linear losses), so nothing is
+The gradients are computed during the forward pass and handed to autograd in
+``backward`` (the approach of Liger-Kernel's fused-linear losses), so nothing is
 recomputed and peak memory is one chunk's worth of ``[chunk × vocab]`` tensors plus the
-weight gradient that any backward pass needs anyway.
+weight gradient that any backward pass needs anyway (held once: autograd adopts it).
+Values and gradients equal the unfused computation's to floating-point rounding.
 """
 
 from __future__ import annotations
@@ -188,7 +190,9 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             del logits, losses
             # d loss / d hidden = g·W and d loss / d W = gᵀ·h for logits = h·Wᵀ + b.
             grad_logits = grad_logits.to(accumulate)
-            grad_hidden[rows] = (grad_logits @ weight.to(accumulate)).to(hidden.dtype)
+            # In the weight's own dtype, as autograd would: casting a bf16 [V, D] weight
+            # to fp32 here would copy it once per chunk.
+            grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             grad_weight.addmm_(grad_logits.T, chunk_hidden.to(accumulate))
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(dim=0)

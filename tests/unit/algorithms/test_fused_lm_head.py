@@ -364,3 +364,22 @@ def test_models_that_transform_logits_are_refused_by_the_fused_path(attribute):
     setattr(config, attribute, 30.0)
     with pytest.raises(ValueError, match=f"config.{attribute} = 30.0.*loss_fn.fused_lm_head = false"):
         output_head_of(Qwen2ForCausalLM(config), "the student")
+
+
+def test_bfloat16_models_run_through_the_fused_path():
+    """A bf16 student: logits and matmuls in bf16, divergences in fp32, weight gradient
+    accumulated in fp32 and returned in bf16; close to the plain bf16 path."""
+    hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(torch.float32, seed=14)
+    teacher_logits = (teacher_hidden @ teacher_weight.T).bfloat16()
+    loss_fn = DistillationLossFn("mixed", 0.5)
+    leaves = [t.bfloat16().requires_grad_(True) for t in (hidden, weight, bias)]
+    expected = plain_loss(*leaves, loss_fn._divergence, (teacher_logits,), weights)
+    expected_grads = gradients(expected, leaves)
+    fused_leaves = [t.bfloat16().requires_grad_(True) for t in (hidden, weight, bias)]
+    fused = chunked_lm_head_loss(LMHeadInput(*fused_leaves), loss_fn._divergence, (teacher_logits,), weights, 4,
+                                 value_and_grad=loss_fn._divergence_with_grad)
+    assert fused.dtype == torch.float32
+    torch.testing.assert_close(fused, expected.float(), rtol=1e-2, atol=1e-3)
+    for got, want, leaf in zip(gradients(fused, fused_leaves), expected_grads, fused_leaves):
+        assert got.dtype == leaf.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=1e-2)
