@@ -24,8 +24,8 @@ How the comparison is made fair:
   both frameworks see the same shapes whatever order their shuffles give;
 * identical work: λ = 1 (every step on-policy), ``max_new_tokens`` = opd's
   ``generate_strategy.max_length``, sampling at the same temperature with top-k off and
-  top-p = 1 (TRL's fixed ``top_k=0, top_p=1.0`` = opd ``decoding_method=top_p, top_p=1``),
-  both with the KV cache. The student is untrained, so its next-token distribution is
+  top-p = 1 (TRL's fixed ``top_k=0, top_p=1.0`` = opd ``decoding_method=top_p, top_p=1``).
+  The student is untrained, so its next-token distribution is
   nearly uniform and EOS is rare: responses almost always run to ``max_new_tokens``. The
   table shows each framework's mean response length so any difference is visible;
 * identical objective: TRL computes ``generalized_jsd_loss(beta)`` with its default
@@ -36,13 +36,17 @@ How the comparison is made fair:
   backward per step (no accumulation), ``torch.optim.AdamW`` with the same lr, betas, eps
   and weight decay 0 (TRL's default ``adamw_torch_fused`` is replaced by ``adamw_torch``,
   the implementation opd uses), constant learning rate without warm-up, max_grad_norm 1;
-* TRL's defaults are kept otherwise, except what would make it do *different* work:
-  ``gradient_checkpointing=False`` (TRL's default ``True`` recomputes activations in the
-  backward pass *and* turns the KV cache off during generation; opd does neither),
-  ``bf16=False`` (fp32 like opd), no saving, evaluation or reporting. opd keeps its own
-  defaults (notably ``loss_fn.fused_lm_head: true``); validation and checkpoints are off.
+* TRL's defaults are kept otherwise (``bf16=False`` for fp32 like opd; no saving,
+  evaluation or reporting), and TRL runs twice: **TRL** as shipped, with
+  ``gradient_checkpointing=True`` (``GKDConfig``'s default: activations are recomputed in
+  the backward pass and ``GKDTrainer`` turns the KV cache off during generation), and
+  **TRL gc-off** with ``gradient_checkpointing=False``, which does the same work as opd
+  (KV cache on, no recomputation). The machine-readable last line compares with TRL as
+  shipped, the line before it with TRL gc-off. opd keeps its own defaults (notably
+  ``loss_fn.fused_lm_head: true`` and ``generation.decode_loop: opd``); validation and
+  checkpoints are off.
 
-What is measured, per size, in fresh processes that alternate TRL, opd, TRL, opd, …
+What is measured, per size, in fresh processes that alternate TRL, TRL gc-off, opd, …
 (``--rounds`` of each), each process running ``--warmup`` untimed and ``--steps`` timed
 steps:
 
@@ -60,16 +64,18 @@ steps:
   optimizer state and the steps included); ``Δ train`` is the peak during the steps minus
   the RSS just before the first one (the high-water mark is reset there).
 
-Overhead report: a third kind of process times, at the same shapes, the essential parts
-of an opd step alone, without opd's driver — HF ``generate`` (KV cache, same sampling),
+Overhead report: another kind of process times, at the same shapes, the essential parts
+of an opd step alone, without opd's driver — opd's decode loop (KV cache, same sampling;
+HF ``generate`` is timed next to it for reference),
 the teacher's decoder forward to its final hidden states (``inference_mode``), and the
 student's forward + opd's fused JSD loss + backward + clipping + AdamW step — and prints
 opd's step time over their sum, next to opd's own per-phase timings. Once, untimed, it
 also checks on one batch that opd's loss equals TRL's ``generalized_jsd_loss`` (same
 weights, same tokens), i.e. that both runs optimise the same objective.
 
-The last line is machine-readable:
-``e2e opd/trl step_time small=<ratio> qwen_vocab=<ratio> peak_rss small=<ratio> qwen_vocab=<ratio>``.
+The last two lines are machine-readable:
+``e2e opd/trl_gc_off step_time small=<ratio> qwen_vocab=<ratio> peak_rss small=<ratio> qwen_vocab=<ratio>``
+then the same with ``e2e opd/trl``.
 
 Usage: ``python benchmarks/e2e_vs_trl.py [--steps 8] [--warmup 2] [--rounds 3]
 [--batch-size 4] [--max-new-tokens 32] [--sizes small,qwen_vocab]``. Nothing is
@@ -109,7 +115,9 @@ LEARNING_RATE = 1e-5
 SEED = 42
 NUM_PROMPTS = 64
 SIZES = ("small", "qwen_vocab")
-FRAMEWORKS = ("trl", "opd")
+FRAMEWORKS = ("trl", "trl_nogc", "opd")
+"""Alternated in this order: TRL as shipped, TRL with gradient checkpointing off, opd."""
+LABELS = {"trl": "TRL", "trl_nogc": "TRL gc-off", "opd": "opd"}
 MIB = 2**20
 
 
@@ -285,8 +293,14 @@ def _read_rows(workdir: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in handle]
 
 
-def run_trl(args: argparse.Namespace) -> dict[str, Any]:
-    """One TRL ``GKDTrainer`` run; returns per-step timings, tokens and peak RSS."""
+def run_trl(args: argparse.Namespace, gradient_checkpointing: bool = True) -> dict[str, Any]:
+    """One TRL ``GKDTrainer`` run; returns per-step timings, tokens and peak RSS.
+
+    Args:
+        args: the worker's arguments.
+        gradient_checkpointing: TRL's default ``True`` (activations recomputed in the
+            backward pass, KV cache off in generation), or ``False`` (equal work to opd).
+    """
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -377,7 +391,7 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
         adam_epsilon=1e-8,
         max_grad_norm=1.0,
         optim="adamw_torch",  # torch.optim.AdamW, the implementation opd uses
-        gradient_checkpointing=False,  # True would recompute activations and disable the KV cache
+        gradient_checkpointing=gradient_checkpointing,  # TRL default True: recompute + no KV cache
         bf16=False,
         fp16=False,
         use_cpu=True,
@@ -517,7 +531,8 @@ def run_opd(args: argparse.Namespace) -> dict[str, Any]:
 def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     """Times the essential parts of an opd step alone, at the benchmark's shapes.
 
-    Generation: HF ``generate`` with the KV cache and the same sampling. Teacher: its
+    Generation: opd's decode loop (what opd runs), and HF ``generate`` on the same prompts
+    for reference, both with the KV cache and the same sampling. Teacher: its
     decoder forward to the final hidden states under ``inference_mode`` (opd's fused loss
     applies the teacher's head inside the loss). Student: decoder forward, opd's fused
     JSD loss (both heads, the divergence), backward, clipping and an AdamW step.
@@ -529,6 +544,8 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     from opd.algorithms.loss_functions import DistillationLossFn, shift_token_mask
     from opd.data.batched_data_dict import BatchedDataDict
     from opd.data.sequences import attention_mask_from_lengths, build_token_mask, encode_prompt
+    from opd.models.generation.config import GenerateStrategyConfig
+    from opd.models.generation.decode_loop import decode
 
     torch.manual_seed(SEED)
     workdir = Path(args.workdir)
@@ -543,7 +560,10 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
                                  fused_lm_head=True)
     prompts = [encode_prompt(tokenizer, row["messages"][:1]) for row in _read_rows(workdir)]
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    strategy = GenerateStrategyConfig(max_length=args.max_new_tokens, temperature=args.temperature,
+                                      decoding_method="top_p", top_p=1.0)
     times: dict[str, list[float]] = {"generation": [], "teacher": [], "student": []}
+    hf_generate_times: list[float] = []
     response_lengths = []
     for step in range(args.warmup + args.steps):
         batch_prompts = prompts[(step * args.batch_size) % len(prompts):][: args.batch_size]
@@ -554,15 +574,19 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         student.eval()
         start = time.perf_counter()
         with torch.inference_mode():
-            sequences = student.generate(
+            student.generate(
                 input_ids=left, attention_mask=attention, max_new_tokens=args.max_new_tokens, do_sample=True,
                 temperature=args.temperature, top_k=0, top_p=1.0, use_cache=True, pad_token_id=pad,
                 eos_token_id=eos,
             )
+        hf_generate_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        with torch.inference_mode():
+            new, _ = decode(student, left, attention, strategy, eos, pad, return_logprobs=False)
         generation = time.perf_counter() - start
 
         # Right-padded [prompt | response to first EOS | pad], as opd trains on (untimed glue).
-        new = sequences[:, width:].clone()
+        new = new.clone()
         is_eos = new == eos
         lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full((new.shape[0],), new.shape[1]))
         prompt_lengths = torch.tensor([len(p) for p in batch_prompts])
@@ -601,10 +625,12 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         student_seconds = time.perf_counter() - start
 
         if step >= args.warmup:
+            hf_generate_times.append(hf_generate_seconds)
             times["generation"].append(generation)
             times["teacher"].append(teacher_seconds)
             times["student"].append(student_seconds)
-    return {"times": times, "response_lengths": response_lengths[args.warmup:], **objective_check}
+    return {"times": times, "hf_generate": hf_generate_times, "response_lengths": response_lengths[args.warmup:],
+            **objective_check}
 
 
 def _objective_check(student: Any, teacher: Any, batch: Any, mask: Any, loss_fn: Any) -> dict[str, float]:
@@ -638,7 +664,12 @@ def _objective_check(student: Any, teacher: Any, batch: Any, mask: Any, loss_fn:
     return {"opd_loss": float(opd_loss), "trl_loss": float(trl_loss)}
 
 
-WORKERS = {"trl": run_trl, "opd": run_opd, "parts": run_parts}
+def run_trl_without_checkpointing(args: argparse.Namespace) -> dict[str, Any]:
+    """TRL with ``gradient_checkpointing=False``: the same work as opd (KV cache on, no recompute)."""
+    return run_trl(args, gradient_checkpointing=False)
+
+
+WORKERS = {"trl": run_trl, "trl_nogc": run_trl_without_checkpointing, "opd": run_opd, "parts": run_parts}
 
 
 # --------------------------------------------------------------------------------------
@@ -665,7 +696,7 @@ def _spawn(kind: str, size: str, run_index: int, args: argparse.Namespace, workd
         raise SystemExit(f"worker {kind}/{size} failed (exit {completed.returncode}):\n{tail}")
     result = json.loads(out.read_text(encoding="utf-8"))
     result["process_s"] = seconds
-    print(f"  {kind:<5} {size:<10} run {run_index}: {seconds:5.1f} s", flush=True)
+    print(f"  {kind:<8} {size:<10} run {run_index}: {seconds:5.1f} s", flush=True)
     return result
 
 
@@ -762,8 +793,9 @@ def main(args: argparse.Namespace) -> None:
                   "(hidden 128 × 4 layers), tied embeddings")
         print("# qwen_vocab tokenizer = the small BPE tokenizer + unreachable filler entries up to 151,669 ids "
               "(same tokenization, Qwen-sized output layer)")
-        print("# TRL changed from its defaults for equal work: gradient_checkpointing=False (default True also "
-              "turns off the KV cache in generation), optim=adamw_torch (default adamw_torch_fused), bf16=False")
+        print("# TRL = GKDTrainer with its defaults (gradient_checkpointing=True: activations recomputed in backward "
+              "and the KV cache off in generation); TRL gc-off = the same with gradient_checkpointing=False "
+              "(equal work to opd). Both: optim=adamw_torch (default adamw_torch_fused), bf16=False")
         print("runs:", flush=True)
 
         summaries: dict[str, dict[str, dict[str, float]]] = {}
@@ -771,7 +803,7 @@ def main(args: argparse.Namespace) -> None:
         for size in sizes:
             runs: dict[str, list[dict[str, Any]]] = {framework: [] for framework in FRAMEWORKS}
             for round_index in range(args.rounds):
-                for framework in FRAMEWORKS:  # alternating: trl, opd, trl, opd, ...
+                for framework in FRAMEWORKS:  # alternating: trl, trl_nogc, opd, trl, ...
                     runs[framework].append(_spawn(framework, size, round_index, args, workdir))
             summaries[size] = {framework: _summarise(runs[framework]) for framework in FRAMEWORKS}
             if not args.skip_parts:
@@ -783,23 +815,29 @@ def main(args: argparse.Namespace) -> None:
                "tok/step", "resp len", "peak RSS", "Δ train")
     print("  ".join(f"{column:>10}" for column in columns))
     for size in sizes:
-        trl, opd = summaries[size]["trl"], summaries[size]["opd"]
-        for name, summary in (("TRL", trl), ("opd", opd)):
-            cells = [size, name, _fmt(summary["step"]), _fmt(summary["loop"]), _fmt(summary["generation"]),
+        opd = summaries[size]["opd"]
+        for framework in FRAMEWORKS:
+            summary = summaries[size][framework]
+            cells = [size, LABELS[framework], _fmt(summary["step"]), _fmt(summary["loop"]), _fmt(summary["generation"]),
                      _fmt(summary["teacher"]), _fmt(summary["training"]), _fmt(summary["tokens_per_s"], 0),
                      _fmt(summary["tokens"], 1), _fmt(summary["response_length"], 1),
                      _fmt(summary["peak_rss_mib"], 0), _fmt(summary["train_delta_mib"], 0)]
             print("  ".join(f"{cell:>10}" for cell in cells))
         ratio_keys = ("step", "loop", "generation", "teacher", "training", "tokens_per_s", "tokens",
                       "response_length", "peak_rss_mib", "train_delta_mib")
-        cells = [size, "opd/TRL"] + [_fmt(opd[key] / trl[key] if trl[key] else float("nan"), 2) for key in ratio_keys]
-        print("  ".join(f"{cell:>10}" for cell in cells))
+        for framework in ("trl", "trl_nogc"):
+            other = summaries[size][framework]
+            cells = [size, f"opd/{LABELS[framework]}"] + [
+                _fmt(opd[key] / other[key] if other[key] else float("nan"), 2) for key in ratio_keys
+            ]
+            print("  ".join(f"{cell:>10}" for cell in cells))
     for size in sizes:
-        trl, opd = summaries[size]["trl"], summaries[size]["opd"]
-        print(f"# {size}: {trl['steps']} TRL / {opd['steps']} opd timed steps; prompt tokens per row "
-              f"TRL {trl['prompt_length']:.1f} opd {opd['prompt_length']:.1f}; KV cache in generation "
-              f"TRL {'on' if trl['kv_cache'] else 'OFF'} opd {'on' if opd['kv_cache'] else 'OFF'}; "
-              f"torch threads {trl['threads']}/{opd['threads']}")
+        described = "; ".join(
+            f"{LABELS[framework]}: {summary['steps']} timed steps, prompt tokens/row {summary['prompt_length']:.1f}, "
+            f"KV cache {'on' if summary['kv_cache'] else 'OFF'}, {summary['threads']} threads"
+            for framework, summary in summaries[size].items()
+        )
+        print(f"# {size}: {described}")
 
     if parts:
         print()
@@ -811,7 +849,8 @@ def main(args: argparse.Namespace) -> None:
                   f"{trl_loss:.6f} (relative difference {abs(opd_loss - trl_loss) / abs(trl_loss):.1e})")
             alone = {key: _median(values) for key, values in part.items()}
             total = sum(alone.values())
-            print(f"  {size}: generation {alone['generation']:.3f} (opd {opd['generation']:.3f})  "
+            print(f"  {size}: generation {alone['generation']:.3f} (opd {opd['generation']:.3f}; HF generate alone "
+                  f"{_median(parts[size]['hf_generate']):.3f})  "
                   f"teacher fwd {alone['teacher']:.3f} (opd {opd['teacher']:.3f})  "
                   f"student fwd+loss+bwd+AdamW {alone['student']:.3f} (opd {opd['training']:.3f})  "
                   f"sum {total:.3f}  opd step {opd['step']:.3f}  overhead {100 * (opd['step'] / total - 1):+.1f}%  "
@@ -825,13 +864,17 @@ def main(args: argparse.Namespace) -> None:
           f"({100 * max(foreign, 0.0) / (wall * (os.cpu_count() or 1)):.0f}% of the machine)"
           + ("; WARNING: the machine was not idle, timings are unreliable" if foreign > 0.05 * wall else ""))
 
-    def ratio(size: str, key: str) -> str:
+    def ratio(size: str, key: str, trl: str) -> str:
         if size not in summaries:
             return "nan"
-        return f"{summaries[size]['opd'][key] / summaries[size]['trl'][key]:.3f}"
+        return f"{summaries[size]['opd'][key] / summaries[size][trl][key]:.3f}"
 
-    print(f"e2e opd/trl step_time small={ratio('small', 'step')} qwen_vocab={ratio('qwen_vocab', 'step')} "
-          f"peak_rss small={ratio('small', 'peak_rss_mib')} qwen_vocab={ratio('qwen_vocab', 'peak_rss_mib')}")
+    # Against TRL with gradient checkpointing off (equal work), then the headline against
+    # TRL as shipped, which is what a user gets from GKDConfig's defaults.
+    for trl, name in (("trl_nogc", "trl_gc_off"), ("trl", "trl")):
+        print(f"e2e opd/{name} step_time small={ratio('small', 'step', trl)} "
+              f"qwen_vocab={ratio('qwen_vocab', 'step', trl)} peak_rss small={ratio('small', 'peak_rss_mib', trl)} "
+              f"qwen_vocab={ratio('qwen_vocab', 'peak_rss_mib', trl)}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

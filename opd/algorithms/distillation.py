@@ -55,7 +55,7 @@ from opd.data.datasets import load_chat_dataset
 from opd.data.sequences import build_token_mask, pack_sequences
 from opd.environments.math_verifier import is_correct
 from opd.models.config import ModelConfig
-from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.generation.config import GenerateStrategyConfig, GenerationConfig
 from opd.models.generation.hf_generation import HFGeneration
 from opd.models.interfaces import GenerationInterface, PolicyInterface, TeacherInterface
 from opd.models.loading import (
@@ -149,6 +149,7 @@ class MasterConfig(StrictConfig):
     model: ModelConfig
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
     loss_fn: LossFnConfig = Field(default_factory=LossFnConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     data: DataConfig
     validation: DistillationValidationConfig = Field(default_factory=DistillationValidationConfig)
@@ -365,7 +366,7 @@ def setup(master_config: MasterConfig) -> tuple:
         config.training.sequence_packing,
     )
     teacher_policy = LocalTeacher(teacher_model)
-    student_generation = HFGeneration(student_model, tokenizer)
+    student_generation = HFGeneration(student_model, tokenizer, config.generation.decode_loop)
     dataloader = make_train_dataloader(
         train_examples, config.training.batch_size, config.data.shuffle, config.training.seed
     )
@@ -480,8 +481,8 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
     student_model, teacher_model = _load_models(config, tokenizer, model_path)
     student_model.eval()
     metrics = validate(
-        HFGeneration(student_model, tokenizer), student_model, LocalTeacher(teacher_model),
-        make_eval_dataloader(examples, config.validation.batch_size), tokenizer, config,
+        HFGeneration(student_model, tokenizer, config.generation.decode_loop), student_model,
+        LocalTeacher(teacher_model), make_eval_dataloader(examples, config.validation.batch_size), tokenizer, config,
     )
     log_dir = Path(config.logger.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -596,8 +597,9 @@ def distillation_train(
         if not config.validation.teacher_baseline or val_dataloader is None:
             return
         teacher_model = teacher_policy.model  # type: ignore[attr-defined]
-        baseline = validate(HFGeneration(teacher_model, tokenizer), teacher_model, None, val_dataloader,
-                            tokenizer, config, prefix="val/teacher_")
+        teacher_generation = HFGeneration(teacher_model, tokenizer, config.generation.decode_loop)
+        baseline = validate(teacher_generation, teacher_model, None, val_dataloader, tokenizer, config,
+                            prefix="val/teacher_")
         logger.log_metrics(baseline, 0, console_keys=list(baseline))
 
     run_training_loop(

@@ -23,3 +23,16 @@ class GenerateStrategyConfig(StrictConfig):
     decoding_method: Literal["greedy", "top_k", "top_p"] = "greedy"
     top_k: int = Field(50, ge=1, description="candidates kept by decoding_method=top_k")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="probability mass kept by decoding_method=top_p")
+
+
+class GenerationConfig(StrictConfig):
+    """Which engine samples the student's responses.
+
+    ``decode_loop`` (backend ``hf``): ``opd`` runs opd's KV-cache loop
+    (:mod:`opd.models.generation.decode_loop`: finished rows leave the batch, tokens are
+    drawn by an exact inverse-CDF lookup); ``generate`` calls transformers'
+    ``model.generate`` (for architectures the loop does not cover, or to compare).
+    """
+
+    backend: Literal["hf"] = Field("hf", description="generation engine: hf = the in-process student model")
+    decode_loop: Literal["opd", "generate"] = Field("opd", description="hf backend: opd's decode loop or model.generate")

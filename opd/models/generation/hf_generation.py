@@ -1,11 +1,13 @@
-"""Student generation with Hugging Face ``generate`` (the embedded default backend).
+"""Student generation with the in-process Hugging Face model (the embedded default backend).
 
 It samples with the very model that is being trained, so its weights are never stale and
-no refit is needed. The KV cache is on, prompts are left-padded for generation (as HF
-requires) and the output is re-laid right-padded (``[prompt | response | pad]``), the
-layout every other stage uses. The sampler's per-token log-probs come from the
-processed scores (after temperature / top-k / top-p), i.e. the distribution the token
-was actually drawn from.
+no refit is needed. Two decode loops, both with the KV cache: opd's own
+(:mod:`opd.models.generation.decode_loop`, the default: finished rows leave the batch and
+tokens are drawn without ``torch.multinomial``) and transformers' ``generate``. Prompts
+are left-padded for decoding and the output is re-laid right-padded
+(``[prompt | response | pad]``), the layout every other stage uses. The sampler's
+per-token log-probs are taken under the processed distribution (after temperature /
+top-k / top-p), i.e. the distribution the token was actually drawn from.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.generation.decode_loop import decode
 
 
 def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
@@ -39,12 +42,16 @@ class HFGeneration:
     Args:
         model: the causal LM to sample from (the student itself).
         tokenizer: supplies the pad and EOS ids.
+        decode_loop: ``opd`` (opd's KV-cache loop) or ``generate`` (``model.generate``).
     """
 
     needs_refit = False
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, decode_loop: str = "opd") -> None:
+        if decode_loop not in ("opd", "generate"):
+            raise ValueError(f"decode_loop must be 'opd' or 'generate', got {decode_loop!r}")
         self.model = model
+        self.decode_loop = decode_loop
         self.pad_token_id = tokenizer.pad_token_id
         self.eos_token_id = tokenizer.eos_token_id
         self._was_training = False
@@ -67,9 +74,9 @@ class HFGeneration:
     ) -> BatchedDataDict:
         """Samples ``num_samples`` responses per prompt (see ``GenerationInterface``).
 
-        With ``return_logprobs=False`` the batch has no ``generation_logprobs``: ``generate``
-        is then not asked for per-step scores, and no log-softmax over the vocabulary runs
-        at each step (about 10% of generation time at Qwen's vocabulary on CPU).
+        With ``return_logprobs=False`` the batch has no ``generation_logprobs`` and no
+        log-softmax over the vocabulary runs at each step (about 10% of ``generate``'s time
+        at Qwen's vocabulary on CPU).
         """
         expanded = [prompt for prompt in prompts for _ in range(num_samples)]
         prompt_width = max(len(prompt) for prompt in expanded)
@@ -90,8 +97,14 @@ class HFGeneration:
         self, left_padded: torch.Tensor, attention: torch.Tensor, strategy: GenerateStrategyConfig,
         return_logprobs: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Runs ``generate``; returns the new tokens and (if asked) their sampling log-probs (on CPU)."""
+        """Runs the decode loop; returns the new tokens and (if asked) their sampling log-probs (on CPU)."""
         device = next(self.model.parameters()).device
+        if self.decode_loop == "opd":
+            new_tokens, token_logprobs = decode(
+                self.model, left_padded.to(device), attention.to(device), strategy,
+                self.eos_token_id, self.pad_token_id, return_logprobs,
+            )
+            return new_tokens.cpu(), token_logprobs.cpu() if token_logprobs is not None else None
         prompt_width = left_padded.shape[1]
         output = self.model.generate(
             input_ids=left_padded.to(device),

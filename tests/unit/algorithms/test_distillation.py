@@ -225,6 +225,20 @@ def test_lambda_zero_never_generates(tmp_path):
     assert calls == []
 
 
+@pytest.mark.parametrize("decode_loop", ["opd", "generate"])
+def test_generation_decode_loop_is_chosen_by_the_config(tmp_path, decode_loop):
+    config = run_config(tmp_path, f"generation.decode_loop={decode_loop}")
+    parts = setup(config)
+    assert parts[2].decode_loop == decode_loop
+    distillation_train(*parts)
+    assert all(record["train/on_policy"] == 1 for record in train_records(config))
+
+
+def test_generation_decode_loop_rejects_an_unknown_value(tmp_path):
+    with pytest.raises(ConfigError, match=r"generation\.decode_loop"):
+        run_config(tmp_path, "generation.decode_loop=vllm")
+
+
 def test_lambda_half_follows_seeded_coin(tmp_path):
     steps = 8
     config = run_config(tmp_path, "distillation.lambda=0.5", f"training.max_num_steps={steps}")
@@ -472,9 +486,10 @@ def test_fixed_data_batch_alignment(tokenizer, mask_prompt_tokens):
 # --------------------------------------------------------------------------- on-policy batch
 
 
-def test_greedy_generation_matches_manual_argmax_and_forward_logprobs(tokenizer):
+@pytest.mark.parametrize("decode_loop", ["opd", "generate"])
+def test_greedy_generation_matches_manual_argmax_and_forward_logprobs(tokenizer, decode_loop):
     model = build_tiny_model("student")
-    generation = HFGeneration(model, tokenizer)
+    generation = HFGeneration(model, tokenizer, decode_loop)
     prompts = [chat_prompt(tokenizer, text) for text in PROMPT_TEXTS]
     strategy = GenerateStrategyConfig(decoding_method="greedy", max_length=8)
     hook = add_lm_head_hook(model, tokenizer.eos_token_id, scale=20.0)
@@ -509,9 +524,10 @@ def test_greedy_generation_matches_manual_argmax_and_forward_logprobs(tokenizer)
     ],
     ids=["top_p=1,T=0.7", "top_p=0.9,T=1.3", "top_k=5,T=0.7"],
 )
-def test_sampled_generation_logprobs_are_the_tempered_distribution(tokenizer, strategy):
+@pytest.mark.parametrize("decode_loop", ["opd", "generate"])
+def test_sampled_generation_logprobs_are_the_tempered_distribution(tokenizer, strategy, decode_loop):
     model = build_tiny_model("student")
-    generation = HFGeneration(model, tokenizer)
+    generation = HFGeneration(model, tokenizer, decode_loop)
     base_prompts = [chat_prompt(tokenizer, text) for text in PROMPT_TEXTS]
     num_samples = 6
     prompts = [prompt for prompt in base_prompts for _ in range(num_samples)]

@@ -3,6 +3,7 @@ and a batch stops as soon as every sequence has produced EOS."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from opd.models.generation.config import GenerateStrategyConfig
@@ -33,12 +34,16 @@ def prompts(tokenizer) -> list[list[int]]:
                                           tokenize=False) for text in texts]
 
 
-def test_every_decoding_step_after_the_prompt_reuses_the_cache():
+DECODE_LOOPS = pytest.mark.parametrize("decode_loop", ["opd", "generate"])
+
+
+@DECODE_LOOPS
+def test_every_decoding_step_after_the_prompt_reuses_the_cache(decode_loop):
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model("student")
     recorder = ForwardRecorder(model)
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts(tokenizer)]
-    batch = HFGeneration(model, tokenizer).generate(ids, GREEDY, 1)
+    batch = HFGeneration(model, tokenizer, decode_loop).generate(ids, GREEDY, 1)
     steps = int(batch["response_lengths"].max())
     # One prefill over the whole (left-padded) prompt, then one token per step from the cache.
     assert recorder.calls[0] == (max(map(len, ids)), False)
@@ -46,7 +51,8 @@ def test_every_decoding_step_after_the_prompt_reuses_the_cache():
     assert len(recorder.calls) <= steps
 
 
-def test_batch_stops_when_every_sequence_has_ended():
+@DECODE_LOOPS
+def test_batch_stops_when_every_sequence_has_ended(decode_loop):
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model("student")
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts(tokenizer)]
@@ -57,7 +63,7 @@ def test_batch_stops_when_every_sequence_has_ended():
     if len(third_tokens) != 1:  # rows disagree: use one row only, so a single EOS id suffices
         ids = ids[:1]
         third_tokens = {int(probe["input_ids"][0, int(probe["prompt_lengths"][0]) + 2])}
-    generation = HFGeneration(model, tokenizer)
+    generation = HFGeneration(model, tokenizer, decode_loop)
     generation.eos_token_id = third_tokens.pop()
     recorder = ForwardRecorder(model)
     batch = generation.generate(ids, GREEDY, 1)
@@ -66,11 +72,12 @@ def test_batch_stops_when_every_sequence_has_ended():
     assert len(recorder.calls) <= 3, "decoding must stop once every row has emitted EOS, not run to max_length=40"
 
 
-def test_logprobs_only_when_asked_and_the_same_tokens_either_way():
+@DECODE_LOOPS
+def test_logprobs_only_when_asked_and_the_same_tokens_either_way(decode_loop):
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model("student")
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts(tokenizer)]
-    generation = HFGeneration(model, tokenizer)
+    generation = HFGeneration(model, tokenizer, decode_loop)
     with_logprobs = generation.generate(ids, GREEDY, 1)
     without = generation.generate(ids, GREEDY, 1, return_logprobs=False)
     assert "generation_logprobs" in with_logprobs and "generation_logprobs" not in without

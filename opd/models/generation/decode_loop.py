@@ -1,0 +1,93 @@
+"""opd's KV-cache decode loop for an in-process Hugging Face causal LM.
+
+It does what ``model.generate`` does for the one case the student needs (sampling or
+greedy, one sequence per row, stop at EOS or ``max_new_tokens``) and two things it does
+not:
+
+* **finished rows leave the batch.** When a row emits EOS its cache entries are dropped
+  (``Cache.batch_select_indices``) and later forward passes run on the remaining rows
+  only; ``generate`` keeps computing every row until all have finished.
+* **a cheap draw.** Tokens are drawn by an exact inverse-CDF lookup
+  (:func:`opd.models.generation.sampling.sample_from_probs`) instead of
+  ``torch.multinomial``, whose per-entry random variates cost more than the LM head at a
+  150k vocabulary on CPU.
+
+Prompts arrive left-padded with their attention mask; position ids are derived from the
+mask exactly as ``generate`` derives them, so greedy decoding reproduces ``generate``'s
+tokens (tested).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.generation.sampling import next_tokens
+
+
+def decode(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    strategy: GenerateStrategyConfig,
+    eos_token_id: int,
+    pad_token_id: int,
+    return_logprobs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Generates up to ``strategy.max_length`` new tokens per row.
+
+    Call it under ``torch.inference_mode()`` with the model in eval mode.
+
+    Args:
+        model: a causal LM accepting ``past_key_values``, ``position_ids`` and ``logits_to_keep``.
+        input_ids: ``[B, P]`` left-padded prompts (on the model's device).
+        attention_mask: ``[B, P]`` 1 for prompt tokens, 0 for the left padding.
+        strategy: decoding method, temperature, top-k / top-p and the new-token budget.
+        eos_token_id: the token that ends a response (it is kept in the output).
+        pad_token_id: fills a row's positions after its EOS.
+        return_logprobs: also return each token's log-prob under the sampling distribution.
+
+    Returns:
+        ``([B, T] new tokens, [B, T] float32 log-probs or None)`` where ``T`` is the number
+        of decoding steps run (the longest response). Positions after a row's EOS hold
+        ``pad_token_id`` and log-prob 0.
+    """
+    rows = input_ids.shape[0]
+    device = input_ids.device
+    budget = strategy.max_length
+    tokens = torch.full((rows, budget), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((rows, budget), dtype=torch.float32, device=device) if return_logprobs else None
+
+    cache = DynamicCache(config=model.config)
+    # As generate: position = number of real tokens before it; padding gets position 0.
+    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    output = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=cache, use_cache=True, logits_to_keep=1,
+    )
+    active = torch.arange(rows, device=device)  # original row of each row still decoding
+    next_position = position_ids[:, -1:] + 1
+    mask = attention_mask
+    steps_run = 0
+    for step in range(budget):
+        chosen, chosen_logprobs = next_tokens(output.logits[:, -1, :], strategy, return_logprobs)
+        tokens[active, step] = chosen
+        if logprobs is not None:
+            logprobs[active, step] = chosen_logprobs
+        steps_run = step + 1
+        still_running = chosen != eos_token_id
+        if step == budget - 1 or not bool(still_running.any()):
+            break
+        if not bool(still_running.all()):
+            keep = still_running.nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            active, chosen, mask, next_position = active[keep], chosen[keep], mask[keep], next_position[keep]
+        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+        output = model(
+            input_ids=chosen.unsqueeze(-1), attention_mask=mask, position_ids=next_position,
+            past_key_values=cache, use_cache=True,
+        )
+        next_position = next_position + 1
+    tokens = tokens[:, :steps_run]
+    return tokens, logprobs[:, :steps_run] if logprobs is not None else None
