@@ -33,9 +33,9 @@ How the comparison is made fair:
   sampling temperature), so opd runs ``loss_fn.divergence=jsd, jsd_beta=β,
   distillation.kl_temperature=1``; both average over response tokens;
 * identical optimisation: per-device batch = opd ``training.batch_size``, one forward /
-  backward per step (no accumulation), ``torch.optim.AdamW`` with the same lr, betas, eps
-  and weight decay 0 (TRL's default ``adamw_torch_fused`` is replaced by ``adamw_torch``,
-  the implementation opd uses), constant learning rate without warm-up, max_grad_norm 1;
+  backward per step (no accumulation), the fused ``torch.optim.AdamW`` kernel with the
+  same lr, betas, eps and weight decay 0 (TRL's default ``adamw_torch_fused``, opd's
+  ``adam_implementation: auto``), constant learning rate without warm-up, max_grad_norm 1;
 * TRL's defaults are kept otherwise (``bf16=False`` for fp32 like opd; no saving,
   evaluation or reporting), and TRL runs twice: **TRL** as shipped, with
   ``gradient_checkpointing=True`` (``GKDConfig``'s default: activations are recomputed in
@@ -390,7 +390,7 @@ def run_trl(args: argparse.Namespace, gradient_checkpointing: bool = True) -> di
         adam_beta2=0.999,
         adam_epsilon=1e-8,
         max_grad_norm=1.0,
-        optim="adamw_torch",  # torch.optim.AdamW, the implementation opd uses
+        optim="adamw_torch_fused",  # TRL's default, spelled out: the kernel opd's auto picks on CPU
         gradient_checkpointing=gradient_checkpointing,  # TRL default True: recompute + no KV cache
         bf16=False,
         fp16=False,
@@ -554,7 +554,7 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     student = AutoModelForCausalLM.from_pretrained(model_dir / "student", dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(model_dir / "teacher", dtype=torch.float32)
     teacher.eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(student.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8,
+    optimizer = torch.optim.AdamW(student.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8, fused=True,
                                   weight_decay=0.0)
     loss_fn = DistillationLossFn(divergence="jsd", jsd_beta=JSD_BETA, temperature=1.0, vocab_size=len(tokenizer),
                                  fused_lm_head=True)
@@ -795,7 +795,7 @@ def main(args: argparse.Namespace) -> None:
               "(same tokenization, Qwen-sized output layer)")
         print("# TRL = GKDTrainer with its defaults (gradient_checkpointing=True: activations recomputed in backward "
               "and the KV cache off in generation); TRL gc-off = the same with gradient_checkpointing=False "
-              "(equal work to opd). Both: optim=adamw_torch (default adamw_torch_fused), bf16=False")
+              "(equal work to opd). Both: bf16=False (fp32 like opd), TRL's default fused AdamW")
         print("runs:", flush=True)
 
         summaries: dict[str, dict[str, dict[str, float]]] = {}

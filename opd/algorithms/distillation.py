@@ -36,6 +36,7 @@ from pydantic import Field
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.interfaces import LossFunction
+from opd.algorithms.compiled_kernels import resolve_compile_kernels
 from opd.algorithms.fused_lm_head import output_head_of
 from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn
 from opd.algorithms.training_loop import (
@@ -113,6 +114,9 @@ class LossFnConfig(StrictConfig):
     topk_tail: bool = Field(True, description="top-k keeps a 'rest' class (a true divergence); false renormalises")
     fused_lm_head: bool = Field(True, description="compute logits and loss chunk by chunk from hidden states")
     chunk_size: int | None = Field(None, ge=1, description="positions per fused chunk; null: ~128 MiB of logits")
+    compile_kernels: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile the full-vocabulary loss kernels; auto: where a compiler toolchain exists"
+    )
     teacher_tau: float = Field(1.0, description="sampled_token: weight of the teacher's log-prob in the advantage")
     student_tau: float = Field(1.0, description="sampled_token: weight of the student's log-prob in the advantage")
     discount: float = Field(0.0, ge=0.0, le=1.0, description="sampled_token: discount over future tokens' advantages")
@@ -218,6 +222,8 @@ def check_loss_config(config: MasterConfig) -> None:
         ConfigError: naming the keys that conflict.
     """
     loss = config.loss_fn
+    # `true` without a compiler toolchain stops here, before any model is loaded.
+    resolve_compile_kernels(loss.compile_kernels, resolve_device(config.model.device).type)
     if loss.type == "sampled_token":
         if config.distillation.lambda_ < 1.0:
             raise ConfigError(
@@ -260,6 +266,7 @@ def make_loss_fn(config: MasterConfig, vocab_size: int) -> DistillationLossFn | 
         topk_tail=loss.topk_tail,
         fused_lm_head=loss.fused_lm_head,
         chunk_size=loss.chunk_size,
+        compile_kernels=resolve_compile_kernels(loss.compile_kernels, resolve_device(config.model.device).type),
     )
 
 

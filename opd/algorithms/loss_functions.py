@@ -29,6 +29,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from opd.algorithms.compiled_kernels import compiled, kl_metrics_from_logits
 from opd.algorithms.fused_lm_head import LMHeadInput, chunked_lm_head_loss
 
 KLType = Literal["forward", "reverse", "mixed"]
@@ -415,17 +416,34 @@ class _TeacherMetrics:
     Called on detached chunks, so it never adds to the autograd graph.
     """
 
-    def __init__(self, k: int, temperature: float, vocab_size: int | None) -> None:
+    def __init__(self, k: int, temperature: float, vocab_size: int | None, compile_kernels: bool = False) -> None:
         self.k = k
         self.temperature = temperature
         self.vocab_size = vocab_size
+        self.compile_kernels = compile_kernels
         self.sums = {"kl_forward": 0.0, "kl_reverse": 0.0, "teacher_topk_mass": 0.0,
                      "student_mass_on_teacher_topk": 0.0, "topk_overlap": 0.0}
 
     @torch.no_grad()
     def full_vocab(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
         """Metrics from both models' full logits (``[C, V]``)."""
-        self.from_log_probs(*_log_probs(student_logits, teacher_logits, 1.0))
+        if not self.compile_kernels:
+            self.from_log_probs(*_log_probs(student_logits, teacher_logits, 1.0))
+            return
+        # Compiled: the KLs in a few fused passes, the top-k metrics from the logits and
+        # log-normalisers (top-k of the logits = top-k of the log-probs, row by row).
+        kl_forward, kl_reverse, log_norm_q, log_norm_p = compiled(kl_metrics_from_logits)(
+            student_logits, teacher_logits
+        )
+        self.sums["kl_forward"] += float(kl_forward)
+        self.sums["kl_reverse"] += float(kl_reverse)
+        k = min(self.k, teacher_logits.shape[-1])
+        compute_dtype = log_norm_q.dtype
+        teacher_top_logits, teacher_topk_ids = teacher_logits.topk(k, dim=-1)
+        teacher_topk_logprobs = teacher_top_logits.to(compute_dtype) - log_norm_p.unsqueeze(-1)
+        student_logprobs_at = student_logits.gather(-1, teacher_topk_ids).to(compute_dtype) - log_norm_q.unsqueeze(-1)
+        student_topk_ids = student_logits.topk(k, dim=-1).indices
+        self._add_topk(teacher_topk_logprobs, teacher_topk_ids, student_logprobs_at, student_topk_ids)
 
     @torch.no_grad()
     def from_log_probs(self, log_q: torch.Tensor, log_p: torch.Tensor) -> None:
@@ -450,9 +468,16 @@ class _TeacherMetrics:
 
     def _topk(self, log_q: torch.Tensor, teacher_topk_logprobs: torch.Tensor, teacher_topk_ids: torch.Tensor) -> None:
         k = teacher_topk_ids.shape[-1]
-        self.sums["teacher_topk_mass"] += float(teacher_topk_logprobs.exp().sum())
-        self.sums["student_mass_on_teacher_topk"] += float(log_q.gather(-1, teacher_topk_ids).exp().sum())
         student_topk_ids = log_q.topk(min(k, log_q.shape[-1]), dim=-1).indices
+        self._add_topk(teacher_topk_logprobs, teacher_topk_ids, log_q.gather(-1, teacher_topk_ids), student_topk_ids)
+
+    def _add_topk(
+        self, teacher_topk_logprobs: torch.Tensor, teacher_topk_ids: torch.Tensor,
+        student_logprobs_at_teacher_topk: torch.Tensor, student_topk_ids: torch.Tensor,
+    ) -> None:
+        k = teacher_topk_ids.shape[-1]
+        self.sums["teacher_topk_mass"] += float(teacher_topk_logprobs.exp().sum())
+        self.sums["student_mass_on_teacher_topk"] += float(student_logprobs_at_teacher_topk.exp().sum())
         shared = (teacher_topk_ids.unsqueeze(-1) == student_topk_ids.unsqueeze(-2)).any(dim=-1).sum()
         self.sums["topk_overlap"] += float(shared) / k
 
@@ -538,6 +563,9 @@ class DistillationLossFn:
         topk_tail: keep the top-k rest class (True) or renormalise (False).
         fused_lm_head: take hidden states and compute the loss chunk by chunk.
         chunk_size: positions per fused chunk (None: ~128 MiB of fp32 logits per chunk).
+        compile_kernels: ``torch.compile`` the per-chunk kernels of the full-vocabulary
+            loss (the closed-form divergence with ``fused_lm_head``, and the metrics);
+            see :mod:`opd.algorithms.compiled_kernels`.
     """
 
     def __init__(
@@ -554,6 +582,7 @@ class DistillationLossFn:
         topk_tail: bool = True,
         fused_lm_head: bool = False,
         chunk_size: int | None = None,
+        compile_kernels: bool = False,
     ) -> None:
         if kl_type not in KL_TYPES:
             raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
@@ -579,6 +608,7 @@ class DistillationLossFn:
         self.topk_tail = topk_tail
         self.fused_lm_head = fused_lm_head
         self.chunk_size = chunk_size
+        self.compile_kernels = compile_kernels
 
     def query_teacher(self, teacher: Any, data: Any) -> Any:
         """Asks ``teacher`` for what this loss needs on micro-batch ``data``.
@@ -605,7 +635,10 @@ class DistillationLossFn:
         observe_log_probs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Closed-form value and gradient of the full-vocabulary divergence (fused path)."""
-        return full_vocab_divergence_with_grad(
+        kernel = full_vocab_divergence_with_grad
+        if self.compile_kernels and observe_log_probs is None:
+            kernel = compiled(full_vocab_divergence_with_grad)
+        return kernel(
             student_logits, teacher_logits, self.kl_type, self.mixed_kl_weight, self.temperature,
             self.jsd_beta if self.divergence == "jsd" else None, observe_log_probs,
         )
@@ -653,12 +686,14 @@ class DistillationLossFn:
             teacher_rows: tuple[Any, ...] = (_rows(logprobs, loss_mask), _rows(ids, loss_mask))
         else:
             teacher_rows = (_rows(self._cut_vocabulary(teacher_output), loss_mask),)
-        collector = _TeacherMetrics(self.teacher_topk, self.temperature, self.vocab_size)
+        collector = _TeacherMetrics(self.teacher_topk, self.temperature, self.vocab_size, self.compile_kernels)
         observer = collector.topk if self.teacher_signal == "topk" else collector.full_vocab
         normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
         closed_form = self._divergence_with_grad if self.teacher_signal == "full_vocab" else None
-        if closed_form is not None and self.temperature == 1.0 and isinstance(student_rows, LMHeadInput):
+        if (closed_form is not None and self.temperature == 1.0 and isinstance(student_rows, LMHeadInput)
+                and not self.compile_kernels):
             # The metrics are at temperature 1: reuse the fused loss's log-probabilities.
+            # (Compiled kernels recompute them instead: fused passes beat writing them out.)
             closed_form = functools.partial(self._divergence_with_grad, observe_log_probs=collector.from_log_probs)
             observer = None
         loss = _apply_loss(student_rows, self._divergence, teacher_rows, normalizer, self.chunk_size, observer,
