@@ -535,11 +535,13 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     for reference, both with the KV cache and the same sampling. Teacher: its
     decoder forward to the final hidden states under ``inference_mode`` (opd's fused loss
     applies the teacher's head inside the loss). Student: decoder forward, opd's fused
-    JSD loss (both heads, the divergence), backward, clipping and an AdamW step.
+    JSD loss (both heads, the divergence; compiled kernels as opd's default), backward,
+    clipping and a fused AdamW step.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from opd.algorithms.compiled_kernels import resolve_compile_kernels
     from opd.algorithms.fused_lm_head import LMHeadInput, final_hidden_states, output_head_of
     from opd.algorithms.loss_functions import DistillationLossFn, shift_token_mask
     from opd.data.batched_data_dict import BatchedDataDict
@@ -556,8 +558,10 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     teacher.eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(student.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8, fused=True,
                                   weight_decay=0.0)
+    # The loss exactly as opd's default config builds it (compiled kernels where a C++
+    # compiler exists); the first calls (compilation) fall in the untimed warm-up steps.
     loss_fn = DistillationLossFn(divergence="jsd", jsd_beta=JSD_BETA, temperature=1.0, vocab_size=len(tokenizer),
-                                 fused_lm_head=True)
+                                 fused_lm_head=True, compile_kernels=resolve_compile_kernels("auto", "cpu"))
     prompts = [encode_prompt(tokenizer, row["messages"][:1]) for row in _read_rows(workdir)]
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     strategy = GenerateStrategyConfig(max_length=args.max_new_tokens, temperature=args.temperature,

@@ -62,13 +62,16 @@ def decode(
     cache = DynamicCache(config=model.config)
     # As generate: position = number of real tokens before it; padding gets position 0.
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    # Without padding the causal structure alone is the mask: passing none lets the
+    # attention kernel take its causal fast path instead of building a mask every step.
+    # (Rows that finish leave the batch, so no padding ever appears later.)
+    mask = attention_mask if not bool(attention_mask.all()) else None
     output = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
         past_key_values=cache, use_cache=True, logits_to_keep=1,
     )
     active = torch.arange(rows, device=device)  # original row of each row still decoding
     next_position = position_ids[:, -1:] + 1
-    mask = attention_mask
     steps_run = 0
     for step in range(budget):
         chosen, chosen_logprobs = next_tokens(output.logits[:, -1, :], strategy, return_logprobs)
@@ -82,8 +85,10 @@ def decode(
         if not bool(still_running.all()):
             keep = still_running.nonzero().squeeze(-1)
             cache.batch_select_indices(keep)
-            active, chosen, mask, next_position = active[keep], chosen[keep], mask[keep], next_position[keep]
-        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+            active, chosen, next_position = active[keep], chosen[keep], next_position[keep]
+            mask = mask[keep] if mask is not None else None
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
         output = model(
             input_ids=chosen.unsqueeze(-1), attention_mask=mask, position_ids=next_position,
             past_key_values=cache, use_cache=True,

@@ -166,10 +166,14 @@ def staggered_eos(model, tokenizer, ids: list[list[int]], strategy: GenerateStra
     return max(sorted({token for response in responses for token in response}), key=lambda t: len(end_steps(t)))
 
 
-def test_greedy_equals_generate_when_rows_end_at_different_steps(tokenizer):
+@pytest.mark.parametrize("equal_lengths", [False, True], ids=["padded", "unpadded"])
+def test_greedy_equals_generate_when_rows_end_at_different_steps(tokenizer, equal_lengths):
     # The teacher preset (larger initial weights) gives varied greedy continuations.
     model = build_tiny_model("teacher").eval()
     ids = prompt_ids(tokenizer)
+    if equal_lengths:  # no left padding: the loop then passes no attention mask at all
+        shortest = min(map(len, ids))
+        ids = [prompt[-shortest:] for prompt in ids]
     strategy = GenerateStrategyConfig(decoding_method="greedy", max_length=12)
     eos = staggered_eos(model, tokenizer, ids, strategy)
     ours = HFGeneration(model, tokenizer, "opd")
