@@ -235,11 +235,6 @@ def check_loss_config(config: MasterConfig) -> None:
                 "loss_fn.type = sampled_token scores the tokens under the sampler's own distribution; set "
                 "distillation.kl_temperature = 1.0 and choose the sampling temperature in generate_strategy"
             )
-    if loss.type == "sampled_token" and config.training.sequence_packing:
-        raise ConfigError(
-            "training.sequence_packing does not support loss_fn.type = sampled_token yet (its per-sequence "
-            "advantages need the sequence boundaries); set training.sequence_packing = false"
-        )
     if loss.type == "topk" and loss.divergence == "jsd":
         raise ConfigError("loss_fn.divergence = jsd needs the teacher's full vocabulary; use loss_fn.type = full_vocab")
 

@@ -326,6 +326,7 @@ def sampled_token_advantages(
     discount: float = 0.0,
     task_reward: torch.Tensor | None = None,
     adv_tau: float = 0.0,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token advantages of the sampled-token distillation objective (no gradient).
 
@@ -342,8 +343,12 @@ def sampled_token_advantages(
         teacher_tau, student_tau: weights of the two log-probabilities.
         discount: γ in [0, 1].
         task_reward: optional ``[B]`` per-sequence reward (e.g. 1.0 if the verifier
-            accepts the answer).
+            accepts the answer), or ``[B, T]`` with each token holding its sequence's
+            reward (packed rows).
         adv_tau: weight of the task reward.
+        segment_ids: optional ``[B, T]`` index of the sequence each position belongs to,
+            for rows that pack several sequences: the discounted sum stops at a change of
+            segment. None: each row is one sequence.
 
     Returns:
         ``[B, T]`` advantages in float32 (float64 for float64 inputs).
@@ -354,13 +359,17 @@ def sampled_token_advantages(
     weights = mask.to(dtype)
     per_token = teacher_tau * teacher_logprobs.detach().to(dtype) - student_tau * student_logprobs.detach().to(dtype)
     if task_reward is not None and adv_tau != 0.0:
-        per_token = per_token + adv_tau * task_reward.detach().to(dtype).unsqueeze(-1)
+        reward = task_reward.detach().to(dtype)
+        per_token = per_token + adv_tau * (reward if reward.dim() == 2 else reward.unsqueeze(-1))
     per_token = per_token * weights
     if discount == 0.0:
         return per_token
     advantages = torch.zeros_like(per_token)
     running = torch.zeros_like(per_token[:, 0])
     for t in range(per_token.shape[1] - 1, -1, -1):  # reverse cumulative sum, right to left
+        if segment_ids is not None and t + 1 < per_token.shape[1]:
+            # Position t + 1 starts another packed sequence: nothing of it flows back.
+            running = running * (segment_ids[:, t] == segment_ids[:, t + 1]).to(dtype)
         running = per_token[:, t] + discount * running
         advantages[:, t] = running
     return advantages * weights
@@ -773,9 +782,15 @@ class SampledTokenLossFn:
         loss_mask = token_mask.bool()
         sampler_logprobs = data["generation_logprobs"][:, 1:]
         teacher_logprobs = teacher_output[:, 1:].to(sampler_logprobs.device)
+        # Packed rows (sequence packing) carry each token's sequence index: the advantages
+        # of one sequence never collect the next one's.
+        segment_ids = data["segment_ids"][:, 1:] if "segment_ids" in data else None
+        task_reward = data.get("task_reward")
+        if task_reward is not None and task_reward.dim() == 2:  # per token (packed): align with the targets
+            task_reward = task_reward[:, 1:]
         advantages = sampled_token_advantages(
             sampler_logprobs, teacher_logprobs, token_mask, self.teacher_tau, self.student_tau, self.discount,
-            data.get("task_reward"), self.adv_tau,
+            task_reward, self.adv_tau, segment_ids,
         )
         student = student_output
         if self.vocab_size is not None:

@@ -142,8 +142,10 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
 
     Returns:
         A one-row batch with ``input_ids``, ``token_mask`` (and ``generation_logprobs``)
-        of shape ``[1, T]``, ``position_ids [1, T]``, ``input_lengths [1]`` (= T) and
-        ``sequence_lengths`` (``[1, B]``, the packed sequences' lengths in order).
+        of shape ``[1, T]``, ``position_ids [1, T]``, ``segment_ids [1, T]`` (the index of
+        each token's sequence), ``input_lengths [1]`` (= T) and ``sequence_lengths``
+        (``[1, B]``, the packed sequences' lengths in order). A per-sequence
+        ``task_reward [B]`` becomes ``[1, T]``: each token holds its sequence's reward.
     """
     lengths = [int(length) for length in batch["input_lengths"]]
     packed = BatchedDataDict()
@@ -156,6 +158,11 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
         packed["token_mask"][0, starts] = 0
     device = batch["input_ids"].device
     packed["position_ids"] = torch.cat([torch.arange(length, device=device) for length in lengths]).unsqueeze(0)
+    lengths_tensor = torch.tensor(lengths, device=device)
+    packed["segment_ids"] = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_tensor).unsqueeze(0)
+    if "task_reward" in batch:
+        packed["task_reward"] = torch.repeat_interleave(batch["task_reward"], lengths_tensor.to(
+            batch["task_reward"].device)).unsqueeze(0)
     packed["input_lengths"] = torch.tensor([sum(lengths)], device=device)
     packed["sequence_lengths"] = torch.tensor([lengths], device=device)
     return packed

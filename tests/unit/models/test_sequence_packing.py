@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from opd.algorithms.distillation import MasterConfig, distillation_train, setup
-from opd.algorithms.loss_functions import DistillationLossFn, shift_token_mask
+from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn, shift_token_mask
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_padding_free, pack_sequences
 from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
@@ -94,6 +94,45 @@ def test_packed_step_equals_padded_step(options, batching):
         torch.testing.assert_close(grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("options", [
+    {"discount": 0.0, "clip_ratio": 0.2},
+    {"discount": 0.8, "adv_tau": 0.5, "clip_ratio": None},
+    {"discount": 1.0, "adv_tau": 1.0, "student_tau": 0.5, "clip_ratio": 0.1, "fused_lm_head": True},
+], ids=["no-discount", "discount-reward", "full-discount-fused"])
+@pytest.mark.parametrize("batching", [{"micro_batch_size": 2}, {"micro_batch_size": 5},
+                                      {"micro_batch_tokens": 30}], ids=["mbs2", "mbs5", "tokens30"])
+def test_packed_sampled_token_step_equals_padded_step(options, batching):
+    # The discounted advantages run along a sequence: packed, they must stop at each
+    # sequence's end instead of collecting the next sequence's tokens.
+    batch = padded_batch()
+    # Sampler log-probs near the student's own (as on-policy), so that importance ratios
+    # sit on both sides of the clip range and gradients flow.
+    with torch.no_grad():
+        logits = build_tiny_model("student", dtype=torch.float64)(batch["input_ids"]).logits
+    own = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    generator = torch.Generator().manual_seed(6)
+    noise = 0.3 * torch.randn(own.shape, generator=generator, dtype=torch.float64)
+    batch["generation_logprobs"] = torch.nn.functional.pad(own + noise, (1, 0)) * batch["token_mask"]
+    batch["task_reward"] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    loss_fn = SampledTokenLossFn(**options)
+    reference_metrics, reference_grads = one_step(batch, loss_fn, packing=False)
+    metrics, grads = one_step(batch, loss_fn, packing=True, **batching)
+    assert reference_metrics["grad_norm"] > 1e-4
+    for key, value in reference_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_packed_layout_carries_segments_and_per_token_rewards():
+    batch = padded_batch()
+    batch["task_reward"] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
+    packed = pack_padding_free(batch)
+    expected_segments = [index for index, length in enumerate(LENGTHS) for _ in range(length)]
+    assert packed["segment_ids"][0].tolist() == expected_segments
+    assert packed["task_reward"][0].tolist() == [float(batch["task_reward"][s]) for s in expected_segments]
+
+
 def run_config(tmp_path: Path, *overrides: str) -> MasterConfig:
     base = [
         f"output_dir={tmp_path / 'run'}", f"data.train_path={REPO_ROOT / 'examples/data/tiny_arithmetic/train.jsonl'}",
@@ -115,6 +154,13 @@ def test_packed_run_logs_the_padded_run_losses(tmp_path):
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-4)
 
 
-def test_packing_refuses_the_sampled_token_loss(tmp_path):
-    with pytest.raises(ConfigError, match=r"training\.sequence_packing.*sampled_token"):
-        setup(run_config(tmp_path, "training.sequence_packing=true", "loss_fn.type=sampled_token"))
+def test_packed_sampled_token_run_logs_the_padded_run_losses(tmp_path):
+    losses = {}
+    for packing in ("false", "true"):
+        config = run_config(tmp_path / packing, f"training.sequence_packing={packing}", "loss_fn.type=sampled_token",
+                            "loss_fn.discount=0.9", "distillation.generate_strategy.decoding_method=greedy")
+        distillation_train(*setup(config))
+        lines = (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()
+        losses[packing] = [r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r]
+    assert len(losses["true"]) == 2
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-4)
