@@ -74,6 +74,17 @@ def one_step(batch, loss_fn, packing, micro_batch_size=2, micro_batch_tokens=Non
     return metrics, grads
 
 
+def assert_packed_step_equals_padded_step(batch, loss_fn, batching) -> None:
+    """Same metrics and gradients, to float64 rounding, packed (with ``batching``) as padded."""
+    reference_metrics, reference_grads = one_step(batch, loss_fn, packing=False)
+    metrics, grads = one_step(batch, loss_fn, packing=True, **batching)
+    assert reference_metrics["grad_norm"] > 1e-4
+    for key, value in reference_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("options", [
     {"kl_type": "mixed"},
     {"kl_type": "reverse", "fused_lm_head": True},
@@ -85,13 +96,7 @@ def one_step(batch, loss_fn, packing, micro_batch_size=2, micro_batch_tokens=Non
 def test_packed_step_equals_padded_step(options, batching):
     batch = padded_batch()
     loss_fn = DistillationLossFn(temperature=1.3, **options)
-    reference_metrics, reference_grads = one_step(batch, loss_fn, packing=False)
-    metrics, grads = one_step(batch, loss_fn, packing=True, **batching)
-    assert reference_metrics["grad_norm"] > 1e-4
-    for key, value in reference_metrics.items():
-        assert metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
-    for name, grad in reference_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+    assert_packed_step_equals_padded_step(batch, loss_fn, batching)
 
 
 @pytest.mark.parametrize("options", [
@@ -115,13 +120,7 @@ def test_packed_sampled_token_step_equals_padded_step(options, batching):
     batch["generation_logprobs"] = torch.nn.functional.pad(own + noise, (1, 0)) * batch["token_mask"]
     batch["task_reward"] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
     loss_fn = SampledTokenLossFn(**options)
-    reference_metrics, reference_grads = one_step(batch, loss_fn, packing=False)
-    metrics, grads = one_step(batch, loss_fn, packing=True, **batching)
-    assert reference_metrics["grad_norm"] > 1e-4
-    for key, value in reference_metrics.items():
-        assert metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
-    for name, grad in reference_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+    assert_packed_step_equals_padded_step(batch, loss_fn, batching)
 
 
 def test_packed_layout_carries_segments_and_per_token_rewards():
