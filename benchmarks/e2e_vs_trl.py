@@ -43,8 +43,10 @@ How the comparison is made fair:
   **TRL gc-off** with ``gradient_checkpointing=False``, which does the same work as opd
   (KV cache on, no recomputation). The machine-readable last line compares with TRL as
   shipped, the line before it with TRL gc-off. opd keeps its own defaults (notably
-  ``loss_fn.fused_lm_head: true`` and ``generation.decode_loop: opd``); validation and
-  checkpoints are off.
+  ``loss_fn.fused_lm_head: true`` and ``generation.decode_loop: opd``) and turns on one
+  option that is off by default, ``generation.compile_decode: true`` (``torch.compile``
+  of the one-token decode step; it compiles during the warm-up steps, and pays off for
+  any run longer than a few dozen steps); validation and checkpoints are off.
 
 What is measured, per size, in fresh processes that alternate TRL, TRL gc-off, opd, …
 (``--rounds`` of each), each process running ``--warmup`` untimed and ``--steps`` timed
@@ -65,8 +67,8 @@ steps:
   the RSS just before the first one (the high-water mark is reset there).
 
 Overhead report: another kind of process times, at the same shapes, the essential parts
-of an opd step alone, without opd's driver — opd's decode loop (KV cache, same sampling;
-HF ``generate`` is timed next to it for reference),
+of an opd step alone, without opd's driver — opd's decode loop (KV cache, same sampling,
+compiled step as in the opd runs; HF ``generate`` is timed next to it for reference),
 the teacher's decoder forward to its final hidden states (``inference_mode``), and the
 student's forward + opd's fused JSD loss + backward + clipping + AdamW step — and prints
 opd's step time over their sum, next to opd's own per-phase timings. Once, untimed, it
@@ -450,6 +452,8 @@ def opd_config_tree(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             },
         },
         "loss_fn": {"type": "full_vocab", "divergence": "jsd", "jsd_beta": JSD_BETA},
+        # Compiled during the warm-up steps; see the module docstring.
+        "generation": {"decode_loop": "opd", "compile_decode": True},
         "training": {
             "batch_size": args.batch_size,
             "micro_batch_size": None,
@@ -531,7 +535,7 @@ def run_opd(args: argparse.Namespace) -> dict[str, Any]:
 def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     """Times the essential parts of an opd step alone, at the benchmark's shapes.
 
-    Generation: opd's decode loop (what opd runs), and HF ``generate`` on the same prompts
+    Generation: opd's decode loop with the compiled step (what the opd runs use), and HF ``generate`` on the same prompts
     for reference, both with the KV cache and the same sampling. Teacher: its
     decoder forward to the final hidden states under ``inference_mode`` (opd's fused loss
     applies the teacher's head inside the loss). Student: decoder forward, opd's fused
@@ -547,7 +551,7 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     from opd.data.batched_data_dict import BatchedDataDict
     from opd.data.sequences import attention_mask_from_lengths, build_token_mask, encode_prompt
     from opd.models.generation.config import GenerateStrategyConfig
-    from opd.models.generation.decode_loop import decode
+    from opd.models.generation.decode_loop import compile_decode_step, decode
 
     torch.manual_seed(SEED)
     workdir = Path(args.workdir)
@@ -562,6 +566,7 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     # compiler exists); the first calls (compilation) fall in the untimed warm-up steps.
     loss_fn = DistillationLossFn(divergence="jsd", jsd_beta=JSD_BETA, temperature=1.0, vocab_size=len(tokenizer),
                                  fused_lm_head=True, compile_kernels=resolve_compile_kernels("auto", "cpu"))
+    step_forward = compile_decode_step(student)  # compiled in the warm-up steps, as in the opd runs
     prompts = [encode_prompt(tokenizer, row["messages"][:1]) for row in _read_rows(workdir)]
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     strategy = GenerateStrategyConfig(max_length=args.max_new_tokens, temperature=args.temperature,
@@ -578,15 +583,8 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         student.eval()
         start = time.perf_counter()
         with torch.inference_mode():
-            student.generate(
-                input_ids=left, attention_mask=attention, max_new_tokens=args.max_new_tokens, do_sample=True,
-                temperature=args.temperature, top_k=0, top_p=1.0, use_cache=True, pad_token_id=pad,
-                eos_token_id=eos,
-            )
-        hf_generate_seconds = time.perf_counter() - start
-        start = time.perf_counter()
-        with torch.inference_mode():
-            new, _ = decode(student, left, attention, strategy, eos, pad, return_logprobs=False)
+            new, _ = decode(student, left, attention, strategy, eos, pad, return_logprobs=False,
+                            step_forward=step_forward)
         generation = time.perf_counter() - start
 
         # Right-padded [prompt | response to first EOS | pad], as opd trains on (untimed glue).
@@ -627,6 +625,18 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         optimizer.step()
         student_seconds = time.perf_counter() - start
+
+        # HF generate for reference, after the step: each timed part then follows what
+        # precedes it in an opd step (generation follows the previous optimizer step).
+        student.eval()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            student.generate(
+                input_ids=left, attention_mask=attention, max_new_tokens=args.max_new_tokens, do_sample=True,
+                temperature=args.temperature, top_k=0, top_p=1.0, use_cache=True, pad_token_id=pad,
+                eos_token_id=eos,
+            )
+        hf_generate_seconds = time.perf_counter() - start
 
         if step >= args.warmup:
             hf_generate_times.append(hf_generate_seconds)
@@ -799,7 +809,8 @@ def main(args: argparse.Namespace) -> None:
               "(same tokenization, Qwen-sized output layer)")
         print("# TRL = GKDTrainer with its defaults (gradient_checkpointing=True: activations recomputed in backward "
               "and the KV cache off in generation); TRL gc-off = the same with gradient_checkpointing=False "
-              "(equal work to opd). Both: bf16=False (fp32 like opd), TRL's default fused AdamW")
+              "(equal work to opd). Both: bf16=False (fp32 like opd), TRL's default fused AdamW. "
+              "opd: its defaults + generation.compile_decode=true")
         print("runs:", flush=True)
 
         summaries: dict[str, dict[str, dict[str, float]]] = {}

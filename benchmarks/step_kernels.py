@@ -8,7 +8,9 @@ disturbed). Rows, at the two vocabularies of ``e2e_vs_trl.py`` (2,048 and Qwen's
   ``generate`` uses) vs opd's inverse-CDF draw
   (:func:`opd.models.generation.sampling.sample_from_probs`);
 * **decode**: 32 sampled tokens with the KV cache: ``model.generate`` vs opd's decode
-  loop (:func:`opd.models.generation.decode_loop.decode`), the opd student preset;
+  loop (:func:`opd.models.generation.decode_loop.decode`), the opd student preset; then
+  opd's loop eager vs with its one-token step compiled (``generation.compile_decode``),
+  the first compiled call (compilation) reported separately;
 * **AdamW**: one step over the student's parameters: per-tensor loop, ``foreach``, fused
   (``training.adam_implementation``);
 * **fused loss**: forward + backward of opd's fused JSD loss (β = 0.5) over 128 response
@@ -38,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from opd.algorithms.fused_lm_head import LMHeadInput  # noqa: E402
 from opd.algorithms.loss_functions import DistillationLossFn  # noqa: E402
 from opd.models.generation.config import GenerateStrategyConfig  # noqa: E402
-from opd.models.generation.decode_loop import decode  # noqa: E402
+from opd.models.generation.decode_loop import compile_decode_step, decode  # noqa: E402
 from opd.models.generation.sampling import sample_from_probs  # noqa: E402
 from opd.models.tiny import build_model_for_tokenizer, build_tiny_tokenizer  # noqa: E402
 
@@ -82,12 +84,19 @@ def decode_rows(vocab: int, repeats: int) -> list[tuple[str, str, float, float]]
                            temperature=0.9, top_k=0, top_p=1.0, use_cache=True, pad_token_id=0,
                            eos_token_id=model.config.vocab_size + 1)
 
-    def with_opd() -> None:
+    def with_opd(step_forward: Callable[..., object] | None = None) -> None:
         with torch.inference_mode():
-            decode(model, prompts, mask, strategy, never, 0, return_logprobs=False)
+            decode(model, prompts, mask, strategy, never, 0, return_logprobs=False, step_forward=step_forward)
 
-    return [("decode 32 tokens", "generate → opd loop", median_seconds(with_generate, repeats),
-             median_seconds(with_opd, repeats))]
+    step_forward = compile_decode_step(model)
+    start = time.perf_counter()
+    with_opd(step_forward)  # compiles (or loads inductor's cached kernels)
+    first_call = time.perf_counter() - start
+    eager_loop = median_seconds(with_opd, repeats)
+    return [("decode 32 tokens", "generate → opd loop", median_seconds(with_generate, repeats), eager_loop),
+            ("decode 32 tokens", "opd loop → compiled step", eager_loop,
+             median_seconds(lambda: with_opd(step_forward), repeats)),
+            ("  first compiled call", "(compilation)", float("nan"), first_call)]
 
 
 def adam_rows(vocab: int, repeats: int) -> list[tuple[str, str, float, float]]:

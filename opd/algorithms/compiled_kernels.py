@@ -85,8 +85,13 @@ def compiler_toolchain_problem(device_type: str) -> str | None:
     return f"opd does not compile kernels for device type {device_type!r}"
 
 
-def resolve_compile_kernels(setting: bool | str, device_type: str) -> bool:
-    """``loss_fn.compile_kernels`` → whether to compile: ``auto`` compiles where the toolchain exists.
+def resolve_compile_kernels(setting: bool | str, device_type: str, key: str = "loss_fn.compile_kernels") -> bool:
+    """A compile setting (``auto`` / true / false) → whether to compile: ``auto`` compiles where the toolchain exists.
+
+    Args:
+        setting: the config value.
+        device_type: where the compiled code would run (``cpu``, ``cuda``).
+        key: the config key, for the error message.
 
     Raises:
         ConfigError: ``true`` was asked for but the toolchain is missing.
@@ -95,6 +100,6 @@ def resolve_compile_kernels(setting: bool | str, device_type: str) -> bool:
     if setting == "auto":
         return problem is None
     if setting and problem is not None:
-        raise ConfigError(f"loss_fn.compile_kernels: true cannot work on {device_type}: {problem}; "
-                          "install it or set loss_fn.compile_kernels to auto or false")
+        raise ConfigError(f"{key}: true cannot work on {device_type}: {problem}; "
+                          f"install it or set {key} to auto or false")
     return bool(setting)

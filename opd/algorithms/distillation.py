@@ -334,6 +334,9 @@ def setup(master_config: MasterConfig) -> tuple:
     config = master_config
     micro_batch_size, _ = resolve_micro_batching(config)
     check_loss_config(config)
+    # generation.compile_decode: true without a compiler toolchain stops here too.
+    resolve_compile_kernels(config.generation.compile_decode, resolve_device(config.model.device).type,
+                            "generation.compile_decode")
     checkpointer = CheckpointManager(config.checkpointing)
     check_output_is_fresh(config.output_dir, checkpointer)
     set_seed(config.training.seed)
@@ -368,7 +371,10 @@ def setup(master_config: MasterConfig) -> tuple:
         config.training.sequence_packing,
     )
     teacher_policy = LocalTeacher(teacher_model)
-    student_generation = HFGeneration(student_model, tokenizer, config.generation.decode_loop)
+    student_generation = HFGeneration(
+        student_model, tokenizer, config.generation.decode_loop,
+        resolve_compile_kernels(config.generation.compile_decode, student_model.device.type, "generation.compile_decode"),
+    )
     dataloader = make_train_dataloader(
         train_examples, config.training.batch_size, config.data.shuffle, config.training.seed
     )
@@ -483,7 +489,12 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
     student_model, teacher_model = _load_models(config, tokenizer, model_path)
     student_model.eval()
     metrics = validate(
-        HFGeneration(student_model, tokenizer, config.generation.decode_loop), student_model,
+        HFGeneration(
+            student_model, tokenizer, config.generation.decode_loop,
+            resolve_compile_kernels(config.generation.compile_decode, student_model.device.type,
+                                    "generation.compile_decode"),
+        ),
+        student_model,
         LocalTeacher(teacher_model), make_eval_dataloader(examples, config.validation.batch_size), tokenizer, config,
     )
     log_dir = Path(config.logger.log_dir)

@@ -15,13 +15,24 @@ not:
 Prompts arrive left-padded with their attention mask; position ids are derived from the
 mask exactly as ``generate`` derives them, so greedy decoding reproduces ``generate``'s
 tokens (tested).
+
+Optionally the one-token steps run through a ``torch.compile``-d forward
+(:func:`compile_decode_step`, config ``generation.compile_decode``). With a tiny model the
+step is bound by per-operator overhead (a 2-layer, 64-wide Qwen2 spends 0.8 ms per step in
+Python and dispatch on CPU); compiled it takes 0.53 ms. (Inductor's C++ wrapper,
+``cpp_wrapper``, makes the step alone faster still but slowed the rest of a training step
+by a third on the 2-core machine, so it is not used.) The prefill stays eager: prompt widths vary from batch to batch, one-token steps do not.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any, Callable
+
 import torch
 from transformers import DynamicCache
 
+from opd.algorithms.fused_lm_head import output_head_of
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.sampling import next_tokens
 
@@ -34,6 +45,7 @@ def decode(
     eos_token_id: int,
     pad_token_id: int,
     return_logprobs: bool,
+    step_forward: Callable[..., Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Generates up to ``strategy.max_length`` new tokens per row.
 
@@ -47,6 +59,8 @@ def decode(
         eos_token_id: the token that ends a response (it is kept in the output).
         pad_token_id: fills a row's positions after its EOS.
         return_logprobs: also return each token's log-prob under the sampling distribution.
+        step_forward: runs the one-token steps instead of ``model`` (the compiled forward
+            from :func:`compile_decode_step`); ``None`` calls ``model``.
 
     Returns:
         ``([B, T] new tokens, [B, T] float32 log-probs or None)`` where ``T`` is the number
@@ -89,10 +103,42 @@ def decode(
             mask = mask[keep] if mask is not None else None
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
-        output = model(
+        output = (step_forward or model)(
             input_ids=chosen.unsqueeze(-1), attention_mask=mask, position_ids=next_position,
             past_key_values=cache, use_cache=True,
         )
         next_position = next_position + 1
     tokens = tokens[:, :steps_run]
     return tokens, logprobs[:, :steps_run] if logprobs is not None else None
+
+
+def compile_decode_step(model: torch.nn.Module) -> Callable[..., Any]:
+    """A one-token decode step with the model's decoder compiled and its output layer eager.
+
+    ``dynamic=True`` keeps the batch size (rows leave as they finish) and the cache length
+    symbolic, so a run compiles a handful of graphs (with and without an attention mask,
+    and once more for a single remaining row, which torch specialises) rather than one per
+    step. Inductor fuses the decoder's small element-wise operators (norms, rotary
+    embedding, SiLU), whose dispatch overhead is where a small model's step time goes.
+    The output layer stays eager: at Qwen's vocabulary it is one large matrix product,
+    which compiled took 14% longer per decode (0.40 s against 0.35 s for 32 tokens on the
+    2-core CPU machine). A model whose logits are transformed after the head
+    (soft-capping, scaling) has its whole ``forward`` compiled instead. The parameters
+    are graph inputs, so training updates them in place without recompiling.
+
+    Returns:
+        A callable with ``model``'s keyword arguments whose result has ``.logits``
+        (``[B, 1, V]``: the last position only).
+    """
+    try:
+        output_head_of(model)
+    except ValueError:
+        return torch.compile(model.forward, dynamic=True)
+    decoder = torch.compile(model.get_decoder().forward, dynamic=True)
+
+    def step(input_ids: torch.Tensor, **inputs: Any) -> SimpleNamespace:
+        embeds = model.get_input_embeddings()(input_ids)
+        hidden = decoder(inputs_embeds=embeds, **inputs).last_hidden_state[:, -1:]
+        return SimpleNamespace(logits=model.get_output_embeddings()(hidden))
+
+    return step

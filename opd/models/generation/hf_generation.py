@@ -18,7 +18,7 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.decode_loop import decode
+from opd.models.generation.decode_loop import compile_decode_step, decode
 
 
 def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
@@ -43,15 +43,20 @@ class HFGeneration:
         model: the causal LM to sample from (the student itself).
         tokenizer: supplies the pad and EOS ids.
         decode_loop: ``opd`` (opd's KV-cache loop) or ``generate`` (``model.generate``).
+        compile_decode: run the opd loop's one-token steps through ``torch.compile``
+            (compiled on first use; ignored by the ``generate`` loop).
     """
 
     needs_refit = False
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, decode_loop: str = "opd") -> None:
+    def __init__(
+        self, model: torch.nn.Module, tokenizer: Any, decode_loop: str = "opd", compile_decode: bool = False
+    ) -> None:
         if decode_loop not in ("opd", "generate"):
             raise ValueError(f"decode_loop must be 'opd' or 'generate', got {decode_loop!r}")
         self.model = model
         self.decode_loop = decode_loop
+        self.step_forward = compile_decode_step(model) if compile_decode and decode_loop == "opd" else None
         self.pad_token_id = tokenizer.pad_token_id
         self.eos_token_id = tokenizer.eos_token_id
         self._was_training = False
@@ -102,7 +107,7 @@ class HFGeneration:
         if self.decode_loop == "opd":
             new_tokens, token_logprobs = decode(
                 self.model, left_padded.to(device), attention.to(device), strategy,
-                self.eos_token_id, self.pad_token_id, return_logprobs,
+                self.eos_token_id, self.pad_token_id, return_logprobs, self.step_forward,
             )
             return new_tokens.cpu(), token_logprobs.cpu() if token_logprobs is not None else None
         prompt_width = left_padded.shape[1]

@@ -17,11 +17,13 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from opd.algorithms.compiled_kernels import compiler_toolchain_problem, resolve_compile_kernels
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.decode_loop import decode
 from opd.models.generation.hf_generation import HFGeneration
 from opd.models.generation.sampling import next_tokens, sample_from_probs, warp_logits
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.utils.errors import ConfigError
 
 
 def hf_warped(logits: torch.Tensor, strategy: GenerateStrategyConfig) -> torch.Tensor:
@@ -213,3 +215,47 @@ def test_finished_rows_are_no_longer_fed_to_the_model(tokenizer):
     expected = [len(ids)] + [int((~ended_by[:, step - 1]).sum()) for step in range(1, tokens.shape[1])]
     assert batch_sizes == expected
     assert min(batch_sizes) < len(ids)
+
+
+# ------------------------------------------------------------------ compiled decode step
+
+
+@pytest.mark.skipif(compiler_toolchain_problem("cpu") is not None, reason="torch.compile needs a C++ compiler on CPU")
+def test_compiled_step_equals_eager_and_follows_in_place_weight_updates(tokenizer):
+    """generation.compile_decode: same tokens as the eager loop, before and after an optimizer-like update.
+
+    Rows end at different steps (the batch shrinks down to one row, which torch compiles
+    separately), prompts are padded (an attention mask is passed). The weights are then
+    changed in place, as the optimizer does: a compiled step that had baked them in as
+    constants would keep producing the old model's tokens.
+    """
+    torch.manual_seed(0)
+    model = build_tiny_model("teacher").eval()
+    ids = prompt_ids(tokenizer)
+    strategy = GenerateStrategyConfig(decoding_method="greedy", max_length=12)
+    eos = staggered_eos(model, tokenizer, ids, strategy)
+    eager = HFGeneration(model, tokenizer, "opd")
+    compiled = HFGeneration(model, tokenizer, "opd", compile_decode=True)
+    assert compiled.step_forward is not None
+    eager.eos_token_id = compiled.eos_token_id = eos
+    generated = []
+    for update in range(2):
+        if update:
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(torch.randn_like(parameter) * 0.05)
+        a, b = eager.generate(ids, strategy), compiled.generate(ids, strategy)
+        for key in ("input_ids", "input_lengths", "response_lengths", "truncated"):
+            assert torch.equal(a[key], b[key]), (update, key)
+        torch.testing.assert_close(a["generation_logprobs"], b["generation_logprobs"], rtol=0, atol=1e-4)
+        generated.append(a["input_ids"])
+    # The update changed what the model generates, so stale weights could not have passed.
+    assert generated[0].shape != generated[1].shape or not torch.equal(*generated)
+
+
+def test_compile_decode_true_without_a_compiler_names_the_key(monkeypatch):
+    monkeypatch.setattr("opd.algorithms.compiled_kernels.shutil.which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ConfigError, match="generation.compile_decode"):
+        resolve_compile_kernels(True, "cpu", "generation.compile_decode")
+    assert resolve_compile_kernels("auto", "cpu", "generation.compile_decode") is False
