@@ -3,7 +3,9 @@
 * ``opd train --config FILE [key.sub=value ...]`` — distil (resumes if checkpoints exist);
 * ``opd eval --config FILE [key.sub=value ...]`` — validate one model and exit;
 * ``opd sft --config FILE [key.sub=value ...]`` — supervised fine-tuning (resumes too);
-* ``opd plot LOG_DIR`` — redraw the curves and summary from a run's ``metrics.jsonl``.
+* ``opd plot LOG_DIR`` — redraw the curves and summary from a run's ``metrics.jsonl``;
+* ``opd serve-teacher --model DIR [--port N ...]`` — serve a teacher's prompt log-probs
+  over HTTP for ``teacher.backend: remote`` (:mod:`opd.models.teacher.server`).
 
 User mistakes (config, data, incompatible models) end the run with one ``error:`` line
 and exit status 2, before any model is loaded where possible; no traceback is shown
@@ -41,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(sft)
     plot = commands.add_parser("plot", help="draw curves.png and summary.txt from a run's metrics.jsonl")
     plot.add_argument("arguments", nargs=argparse.REMAINDER, help="LOG_DIR_OR_JSONL [--output PNG]")
+    serve = commands.add_parser("serve-teacher", help="serve a teacher's prompt log-probs over HTTP (127.0.0.1)",
+                                add_help=False)
+    serve.add_argument("arguments", nargs=argparse.REMAINDER, help="--model DIR [--port 8000] ... (see --help)")
     return parser
 
 
@@ -108,6 +113,12 @@ def _draw_curves(logger_config: "object") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``opd`` console script; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve-teacher"]:
+        # Its options are the server's own (argparse's REMAINDER would not pass a leading --model on).
+        from opd.models.teacher.server import main as serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "plot":
         from opd.utils.plotting import main as plot_main

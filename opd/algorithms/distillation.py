@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import resource
 import time
@@ -55,7 +56,7 @@ from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_tra
 from opd.data.datasets import load_chat_dataset
 from opd.data.sequences import build_token_mask, pack_sequences
 from opd.environments.math_verifier import is_correct
-from opd.models.config import ModelConfig
+from opd.models.config import ModelConfig, TeacherConfig
 from opd.models.generation.config import GenerateStrategyConfig, GenerationConfig
 from opd.models.generation.hf_generation import HFGeneration
 from opd.models.interfaces import GenerationInterface, PolicyInterface, TeacherInterface
@@ -69,6 +70,7 @@ from opd.models.loading import (
 )
 from opd.models.policy.hf_policy import HFPolicy
 from opd.models.teacher.local_teacher import LocalTeacher
+from opd.models.teacher.remote_teacher import RemoteTeacher
 from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError
@@ -151,6 +153,7 @@ class MasterConfig(StrictConfig):
     output_dir: str = Field("results/distillation", description="final model, logs and checkpoints go here")
     val_only: bool = Field(False, description="run validation on validation.model_path (or the student) and exit")
     model: ModelConfig
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
     loss_fn: LossFnConfig = Field(default_factory=LossFnConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
@@ -239,6 +242,46 @@ def check_loss_config(config: MasterConfig) -> None:
         raise ConfigError("loss_fn.divergence = jsd needs the teacher's full vocabulary; use loss_fn.type = full_vocab")
 
 
+def check_teacher_config(config: MasterConfig) -> None:
+    """What a local or served teacher needs from the rest of the config (checked before any model loads).
+
+    Raises:
+        ConfigError: naming the keys that conflict.
+    """
+    teacher = config.teacher
+    if teacher.backend == "local":
+        if config.model.teacher_model_path is None:
+            raise ConfigError("model.teacher_model_path is required with teacher.backend = local")
+        return
+    if teacher.remote.url is None:
+        raise ConfigError("teacher.backend = remote needs teacher.remote.url (e.g. http://127.0.0.1:8000)")
+    if config.loss_fn.type == "full_vocab":
+        raise ConfigError("teacher.backend = remote sends top-k log-probs, not full-vocabulary logits; "
+                          "set loss_fn.type = topk or sampled_token")
+    if config.loss_fn.type == "topk" and config.distillation.kl_temperature != 1.0:
+        raise ConfigError(f"teacher.backend = remote answers at temperature 1, but distillation.kl_temperature = "
+                          f"{config.distillation.kl_temperature}; set it to 1.0")
+    if config.validation.teacher_baseline:
+        raise ConfigError("validation.teacher_baseline generates with the teacher model in process; "
+                          "set it to false with teacher.backend = remote")
+    if teacher.remote.api_key_env and not os.environ.get(teacher.remote.api_key_env):
+        raise ConfigError(f"teacher.remote.api_key_env names the environment variable "
+                          f"{teacher.remote.api_key_env}, which is unset or empty")
+
+
+def connect_remote_teacher(config: MasterConfig, tokenizer: Any) -> RemoteTeacher:
+    """The client of the served teacher, after checking that it answers and tokenizes like ``tokenizer``."""
+    remote = config.teacher.remote
+    assert remote.url is not None  # check_teacher_config
+    client = RemoteTeacher(
+        remote.url, remote.model, os.environ.get(remote.api_key_env) if remote.api_key_env else None,
+        remote.max_concurrency, remote.sequences_per_request, remote.timeout_s, remote.max_retries, remote.backoff_s,
+    )
+    client.connect(tokenizer)
+    log.info("teacher: %s served at %s", client.model, remote.url)
+    return client
+
+
 def make_loss_fn(config: MasterConfig, vocab_size: int) -> DistillationLossFn | SampledTokenLossFn:
     """The loss object described by ``distillation`` and ``loss_fn``."""
     loss, distillation = config.loss_fn, config.distillation
@@ -300,10 +343,21 @@ def _load_examples(config: MasterConfig, tokenizer: Any, path: str, split: str, 
     return prepare_examples(raw, tokenizer, config.data.max_prompt_length, path)
 
 
-def _load_models(config: MasterConfig, tokenizer: Any, student_path: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Loads student (from ``student_path``) and frozen teacher, after the tokenizer check."""
+def _load_models(
+    config: MasterConfig, tokenizer: Any, student_path: str
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """Loads student (from ``student_path``) and frozen teacher, after the tokenizer check.
+
+    A served teacher (``teacher.backend: remote``) is not loaded: the teacher is None.
+    """
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
+    if config.teacher.backend == "remote":
+        log.info("loading student %s (%s on %s)", student_path, str(dtype).replace("torch.", ""), device)
+        student_model = load_causal_lm(student_path, dtype, device, config.model)
+        check_output_sizes(student_model, len(tokenizer), student_path)
+        return student_model, None
+    assert config.model.teacher_model_path is not None  # check_teacher_config
     # The teacher's own tokenizer is checked even when model.tokenizer_path overrides the
     # student's: the teacher's logits are indexed by the ids its tokenizer defines.
     teacher_tokenizer = load_tokenizer(config.model.teacher_model_path, config.model.trust_remote_code)
@@ -334,6 +388,7 @@ def setup(master_config: MasterConfig) -> tuple:
     config = master_config
     micro_batch_size, _ = resolve_micro_batching(config)
     check_loss_config(config)
+    check_teacher_config(config)
     # generation.compile_decode: true without a compiler toolchain stops here too.
     resolve_compile_kernels(config.generation.compile_decode, resolve_device(config.model.device).type,
                             "generation.compile_decode")
@@ -359,7 +414,11 @@ def setup(master_config: MasterConfig) -> tuple:
 
     resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)
     student_path = str(resume_from / "policy") if resume_from else config.model.student_model_path
+    # A served teacher is checked before the student loads: an unreachable or mismatched
+    # server fails in seconds.
+    remote_teacher = connect_remote_teacher(config, tokenizer) if config.teacher.backend == "remote" else None
     student_model, teacher_model = _load_models(config, tokenizer, student_path)
+    teacher_policy = remote_teacher or LocalTeacher(teacher_model)
 
     steps_per_epoch = len(train_examples) // config.training.batch_size
     total_steps = steps_per_epoch * config.training.num_epochs
@@ -370,7 +429,6 @@ def setup(master_config: MasterConfig) -> tuple:
         student_model, config.training, micro_batch_size, total_steps, config.training.micro_batch_tokens,
         config.training.sequence_packing,
     )
-    teacher_policy = LocalTeacher(teacher_model)
     student_generation = HFGeneration(
         student_model, tokenizer, config.generation.decode_loop,
         resolve_compile_kernels(config.generation.compile_decode, student_model.device.type, "generation.compile_decode"),
@@ -383,6 +441,8 @@ def setup(master_config: MasterConfig) -> tuple:
     if config.loss_fn.fused_lm_head:
         # Fail before training if a model's head cannot be fused (soft-capped logits, ...).
         for model, name in ((student_model, "the student"), (teacher_model, "the teacher")):
+            if model is None:  # a served teacher applies its own head
+                continue
             try:
                 output_head_of(model, name)
             except ValueError as error:
@@ -477,6 +537,7 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
     config = master_config
     if not config.data.val_path:
         raise ConfigError("evaluation needs validation data: set data.val_path")
+    check_teacher_config(config)
     set_seed(config.training.seed)
     tokenizer = _load_tokenizer(config)
     examples = _load_examples(config, tokenizer, config.data.val_path, config.data.val_split, config.data.max_val_examples)
@@ -495,7 +556,8 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
                                     "generation.compile_decode"),
         ),
         student_model,
-        LocalTeacher(teacher_model), make_eval_dataloader(examples, config.validation.batch_size), tokenizer, config,
+        connect_remote_teacher(config, tokenizer) if teacher_model is None else LocalTeacher(teacher_model),
+        make_eval_dataloader(examples, config.validation.batch_size), tokenizer, config,
     )
     log_dir = Path(config.logger.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)

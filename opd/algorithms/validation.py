@@ -12,7 +12,7 @@ import torch
 from pydantic import Field
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from opd.algorithms.loss_functions import shift_token_mask, token_kl
+from opd.algorithms.loss_functions import shift_token_mask, token_kl, topk_token_kl
 from opd.data.sequences import attention_mask_from_lengths, build_token_mask
 from opd.environments.math_verifier import is_correct
 from opd.models.generation.config import GenerateStrategyConfig
@@ -79,16 +79,28 @@ def validate(
                 batch["token_mask"] = build_token_mask(
                     batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1], True
                 )
-                teacher_logits = teacher_policy.get_logits(batch)[..., :vocab_size]
+                # A served teacher sends its top k: the KLs are then taken over the k + 1
+                # classes of topk_token_kl (a lower bound of the full-vocabulary KL).
+                full_vocabulary = getattr(teacher_policy, "full_vocabulary", True)
+                if full_vocabulary:
+                    teacher_logits = teacher_policy.get_logits(batch)[..., :vocab_size]
+                else:
+                    top_logprobs, top_ids = teacher_policy.get_topk_logprobs(
+                        batch, master_config.loss_fn.teacher_topk, 1.0, vocab_size
+                    )
                 with torch.inference_mode():
                     input_ids = batch["input_ids"].to(student_device)
                     attention = attention_mask_from_lengths(batch["input_lengths"].to(student_device), input_ids.shape[1])
                     student_logits = student_model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
                     mask = shift_token_mask(batch["token_mask"]).bool().to(student_device)
                     student_rows = student_logits[:, :-1][..., :vocab_size][mask]
-                    teacher_rows = teacher_logits[:, :-1].to(student_device)[mask]
-                    totals["kl_forward"] += float(token_kl(student_rows, teacher_rows, "forward").sum())
-                    totals["kl_reverse"] += float(token_kl(student_rows, teacher_rows, "reverse").sum())
+                    for direction in ("forward", "reverse"):
+                        if full_vocabulary:
+                            kl = token_kl(student_rows, teacher_logits[:, :-1].to(student_device)[mask], direction)
+                        else:
+                            kl = topk_token_kl(student_rows, top_logprobs[:, :-1].to(student_device)[mask],
+                                               top_ids[:, :-1].to(student_device)[mask], direction)
+                        totals[f"kl_{direction}"] += float(kl.sum())
                     totals["tokens"] += float(mask.sum())
             totals["length"] += float(batch["response_lengths"].sum())
             totals["truncated"] += float(batch["truncated"].sum())

@@ -25,6 +25,28 @@ class ModelConfig(ModelLoadingConfig):
     for the locally built tiny models of :mod:`opd.models.tiny`.
     """
 
-    teacher_model_path: str = Field(description="teacher: hub name, local directory or tiny:<preset>")
+    teacher_model_path: str | None = Field(
+        None, description="teacher: hub name, local directory or tiny:<preset> (required unless teacher.backend=remote)"
+    )
     student_model_path: str = Field(description="student: hub name, local directory or tiny:<preset>")
     tokenizer_path: str | None = Field(None, description="defaults to student_model_path")
+
+
+class RemoteTeacherConfig(StrictConfig):
+    """Where the served teacher is and how to talk to it (``teacher.remote``)."""
+
+    url: str | None = Field(None, description="base URL of vLLM's OpenAI-compatible server or opd serve-teacher")
+    model: str | None = Field(None, description="served model name; null = the first model the server lists")
+    api_key_env: str | None = Field(None, description="environment variable holding the bearer token, if any")
+    max_concurrency: int = Field(4, ge=1, description="requests in flight at once")
+    sequences_per_request: int = Field(8, ge=1, description="sequences scored per request")
+    timeout_s: float = Field(120.0, gt=0, description="per-request timeout in seconds")
+    max_retries: int = Field(4, ge=0, description="further attempts after a failed request (exponential backoff)")
+    backoff_s: float = Field(0.5, ge=0, description="wait before the first retry, doubled for each next one")
+
+
+class TeacherConfig(StrictConfig):
+    """Where the teacher runs: in the trainer's process (``local``) or behind HTTP (``remote``)."""
+
+    backend: Literal["local", "remote"] = Field("local", description="local = model.teacher_model_path in process")
+    remote: RemoteTeacherConfig = Field(default_factory=RemoteTeacherConfig, description="used when backend = remote")

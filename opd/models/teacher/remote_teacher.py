@@ -1,0 +1,275 @@
+"""A teacher served over HTTP: vLLM's OpenAI-compatible server or ``opd serve-teacher``.
+
+The client sends the student's token ids as prompts of ``POST /v1/completions`` with
+``max_tokens: 1`` and ``prompt_logprobs: k`` (the request vLLM answers with each prompt
+position's log-probs) and turns the answers into what the loss asks for:
+
+* ``get_topk_logprobs``: the teacher's top-k log-probs and ids at each position ``t``
+  (describing token ``t + 1``), from the answer at position ``t + 1``;
+* ``get_token_logprobs``: the log-prob of each actual token.
+
+Full-vocabulary logits never cross the wire (``get_logits`` is refused).
+
+Robustness: sequences go out in requests of ``sequences_per_request``, at most
+``max_concurrency`` at a time; a request that fails in transport (refused connection,
+timeout, truncated body), with HTTP 408 / 429 / 5xx, or with an answer that does not
+match what was sent is retried up to ``max_retries`` times with exponential backoff.
+Every answer is checked before use: one choice per sequence, ``prompt_token_ids`` (when
+returned) equal to the ids sent, one entry per position, each position naming the very
+token that was sent there with a finite log-prob, at least ``k`` candidates. Anything
+else is an error: a misaligned answer is never fed to the loss. Other HTTP errors (400,
+401, 404, 413) stop at once with the server's message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.utils.errors import OpdError
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class TeacherServiceError(OpdError):
+    """The served teacher could not give a usable answer (after retries, where retrying made sense)."""
+
+
+class _Retryable(Exception):
+    """A failure worth another attempt (transport, overload, a malformed or misaligned answer)."""
+
+
+class RemoteTeacher:
+    """``TeacherInterface`` over a served teacher.
+
+    Args:
+        url: base URL of the server, e.g. ``http://127.0.0.1:8000``.
+        model: the served model name sent with each request (None: the server's first model).
+        api_key: bearer token, if the server requires one.
+        max_concurrency: requests in flight at once.
+        sequences_per_request: sequences per ``/v1/completions`` request.
+        timeout_s: per-request timeout (connect, read and write).
+        max_retries: further attempts after a retryable failure.
+        backoff_s: wait before the first retry; doubled for each next one.
+    """
+
+    full_vocabulary = False
+    """Served teachers send top-k log-probs, never full-vocabulary logits."""
+
+    def __init__(self, url: str, model: str | None = None, api_key: str | None = None, max_concurrency: int = 4,
+                 sequences_per_request: int = 8, timeout_s: float = 60.0, max_retries: int = 4,
+                 backoff_s: float = 0.5) -> None:
+        self.url = url.rstrip("/")
+        self.max_concurrency = max_concurrency
+        self.sequences_per_request = sequences_per_request
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s,
+                                    limits=httpx.Limits(max_connections=max_concurrency))
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="opd-teacher")
+        self.model = model
+        self.seconds_spent = 0.0
+        """Wall time spent waiting for the teacher since the last :meth:`pop_seconds_spent`."""
+        self.retries = 0
+        """Retried requests so far (logged; a growing count means an unhealthy server)."""
+
+    # ------------------------------------------------------------------ set-up checks
+
+    def connect(self, tokenizer: Any) -> None:
+        """Checks, before training, that the server answers and tokenizes like ``tokenizer``.
+
+        Resolves the served model name when none was given, then asks the server to
+        tokenize a probe text; different ids mean a different tokenizer, whose
+        log-probs would describe other tokens.
+
+        Raises:
+            TeacherServiceError: unreachable server, unknown model, or a tokenizer mismatch.
+        """
+        models = self._request("GET", "/v1/models", None)
+        served = [entry.get("id") for entry in models.get("data", []) if isinstance(entry, dict)]
+        if self.model is None:
+            if not served:
+                raise TeacherServiceError(f"teacher server {self.url} lists no models at /v1/models")
+            self.model = served[0]
+        elif self.model not in served:
+            raise TeacherServiceError(f"teacher server {self.url} does not serve {self.model!r} (it serves {served})")
+        probe = "The teacher and the student must split text into the same tokens: 12 + 30 = 42."
+        expected = tokenizer(probe, add_special_tokens=False)["input_ids"]
+        answer = self._request("POST", "/tokenize", {"model": self.model, "prompt": probe, "add_special_tokens": False})
+        if answer.get("tokens") != expected:
+            raise TeacherServiceError(
+                f"the teacher server {self.url} ({self.model}) tokenizes differently from the student's tokenizer "
+                f"(probe text → {answer.get('tokens')} there, {expected} here); teacher and student must share a "
+                "tokenizer"
+            )
+
+    # ------------------------------------------------------------------ TeacherInterface
+
+    def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
+        """Refused: a served teacher sends top-k log-probs (set ``loss_fn.teacher_signal: topk``)."""
+        raise TeacherServiceError("a served teacher sends top-k log-probs, not full-vocabulary logits; "
+                                  "set loss_fn.teacher_signal = topk (or use loss_fn.type = sampled_token)")
+
+    def get_topk_logprobs(
+        self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's top-k log-probs and ids at each position (position t describes token t + 1).
+
+        Positions that predict nothing real (a sequence's last token, padding) hold a
+        placeholder distribution (ids ``0 … k-1``, each with probability ``1 / (2k)``): the
+        loss masks them, and they keep every value finite.
+
+        Raises:
+            TeacherServiceError: if ``temperature`` is not 1 (servers answer at temperature 1).
+        """
+        if temperature != 1.0:
+            raise TeacherServiceError(f"a served teacher answers at temperature 1, not {temperature}; "
+                                      "set distillation.kl_temperature = 1")
+        input_ids, lengths = data["input_ids"], data["input_lengths"]
+        rows, width = input_ids.shape
+        values = torch.full((rows, width, k), math.log(0.5 / k), dtype=torch.float32)
+        ids = torch.arange(k, dtype=torch.long).expand(rows, width, k).clone()
+        for row, answer in enumerate(self._score(input_ids, lengths, k)):
+            for position in range(1, len(answer)):
+                top = sorted(answer[position].items(), key=lambda item: -item[1])[:k]
+                ids[row, position - 1] = torch.tensor([token for token, _ in top])
+                values[row, position - 1] = torch.tensor([logprob for _, logprob in top])
+        return values, ids
+
+    def get_token_logprobs(self, data: BatchedDataDict, vocab_size: int | None = None) -> torch.Tensor:
+        """``[B, L]`` log P(token t | tokens before t); 0 at position 0 and on padding."""
+        input_ids, lengths = data["input_ids"], data["input_lengths"]
+        result = torch.zeros(input_ids.shape, dtype=torch.float32)
+        for row, answer in enumerate(self._score(input_ids, lengths, 0)):
+            for position in range(1, len(answer)):
+                result[row, position] = answer[position][int(input_ids[row, position])]
+        return result
+
+    def pop_seconds_spent(self) -> float:
+        """Returns the waiting time accumulated so far and resets the counter."""
+        seconds, self.seconds_spent = self.seconds_spent, 0.0
+        return seconds
+
+    def close(self) -> None:
+        """Closes the connections and the request threads."""
+        self._pool.shutdown(wait=True)
+        self._client.close()
+
+    # ------------------------------------------------------------------ requests
+
+    def _score(self, input_ids: torch.Tensor, lengths: torch.Tensor, k: int) -> list[list[dict[int, float]]]:
+        """Per sequence, per position ``t ≥ 1``: ``{token id: log-prob}`` (index 0 is an empty dict)."""
+        start = time.perf_counter()
+        sequences = [input_ids[row, : int(lengths[row])].tolist() for row in range(input_ids.shape[0])]
+        groups = [sequences[begin: begin + self.sequences_per_request]
+                  for begin in range(0, len(sequences), self.sequences_per_request)]
+        answers = [answer for group in self._pool.map(lambda group: self._score_group(group, k), groups)
+                   for answer in group]
+        self.seconds_spent += time.perf_counter() - start
+        return answers
+
+    def _score_group(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]]:
+        body = {"model": self.model, "prompt": sequences, "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": k, "return_token_ids": True}
+        return self._with_retries(
+            lambda: _parse_prompt_logprobs(self._send("POST", "/v1/completions", body), sequences, k),
+            "/v1/completions",
+        )
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        return self._with_retries(lambda: self._send(method, path, body), path)
+
+    def _send(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        """One HTTP exchange; raises :class:`_Retryable` or :class:`TeacherServiceError`."""
+        try:
+            response = self._client.request(method, path, json=body)
+        except httpx.TransportError as error:  # refused, reset, timed out, cut short
+            raise _Retryable(f"{type(error).__name__}: {error}") from None
+        if response.status_code in RETRYABLE_STATUS:
+            raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
+        if response.status_code != 200:
+            raise TeacherServiceError(f"teacher server {self.url}{path} answered HTTP {response.status_code}: "
+                                      f"{response.text[:500]}")
+        try:
+            payload = response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise _Retryable(f"the answer is not valid JSON ({error}); truncated?") from None
+        if not isinstance(payload, dict):
+            raise _Retryable("the answer is not a JSON object")
+        return payload
+
+    def _with_retries(self, attempt: Any, path: str) -> Any:
+        wait = self.backoff_s
+        for attempt_number in range(self.max_retries + 1):
+            try:
+                return attempt()
+            except _Retryable as problem:
+                if attempt_number == self.max_retries:
+                    raise TeacherServiceError(
+                        f"teacher server {self.url}{path} gave no usable answer after {self.max_retries + 1} "
+                        f"attempts; last problem: {problem}"
+                    ) from None
+                self.retries += 1
+                log.warning("teacher server %s%s: %s; retrying in %.1f s", self.url, path, problem, wait)
+                time.sleep(wait)
+                wait *= 2
+        raise AssertionError("unreachable")
+
+
+def _parse_prompt_logprobs(payload: dict[str, Any], sequences: list[list[int]], k: int) -> list[list[dict[int, float]]]:
+    """Checks a ``/v1/completions`` answer against the ids sent and extracts the log-probs.
+
+    Raises:
+        _Retryable: naming the first thing that does not match.
+    """
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or len(choices) != len(sequences):
+        raise _Retryable(f"expected {len(sequences)} choices, got "
+                         f"{len(choices) if isinstance(choices, list) else type(choices).__name__}")
+    ordered = sorted(choices, key=lambda choice: choice.get("index", 0) if isinstance(choice, dict) else 0)
+    answers = []
+    for number, (choice, sent) in enumerate(zip(ordered, sequences)):
+        if not isinstance(choice, dict) or choice.get("index", number) != number:
+            raise _Retryable(f"choice {number} is missing or out of order")
+        echoed = choice.get("prompt_token_ids")
+        if echoed is not None and echoed != sent:
+            raise _Retryable(f"sequence {number}: the server scored other token ids than were sent")
+        positions = choice.get("prompt_logprobs")
+        if not isinstance(positions, list) or len(positions) != len(sent):
+            got = len(positions) if isinstance(positions, list) else type(positions).__name__
+            raise _Retryable(f"sequence {number}: {got} prompt_logprobs entries for {len(sent)} tokens")
+        answer: list[dict[int, float]] = [{}]
+        for position in range(1, len(sent)):
+            entry = positions[position]
+            if not isinstance(entry, dict):
+                raise _Retryable(f"sequence {number}, position {position}: no log-probs")
+            candidates: dict[int, float] = {}
+            for token, info in entry.items():
+                logprob = info.get("logprob") if isinstance(info, dict) else info
+                if not isinstance(logprob, (int, float)) or math.isnan(logprob) or logprob > 0:
+                    raise _Retryable(f"sequence {number}, position {position}: log-prob {logprob!r} for token {token}")
+                candidates[int(token)] = float(logprob)
+            if sent[position] not in candidates:
+                raise _Retryable(f"sequence {number}, position {position}: the answer does not score the token "
+                                 f"sent there ({sent[position]})")
+            if not math.isfinite(candidates[sent[position]]):
+                # The loss would take log 0 for a token the student did produce.
+                raise _Retryable(f"sequence {number}, position {position}: the teacher gives the token sent there "
+                                 f"({sent[position]}) probability 0")
+            if len(candidates) < k:
+                raise _Retryable(f"sequence {number}, position {position}: {len(candidates)} candidates, "
+                                 f"fewer than k = {k}")
+            answer.append(candidates)
+        answers.append(answer)
+    return answers
