@@ -141,10 +141,12 @@ class RemoteTeacher:
         values = torch.full((rows, width, k), math.log(0.5 / k), dtype=torch.float32)
         ids = torch.arange(k, dtype=torch.long).expand(rows, width, k).clone()
         for row, answer in enumerate(self._score(input_ids, lengths, k)):
-            for position in range(1, len(answer)):
-                top = sorted(answer[position].items(), key=lambda item: -item[1])[:k]
-                ids[row, position - 1] = torch.tensor([token for token, _ in top])
-                values[row, position - 1] = torch.tensor([logprob for _, logprob in top])
+            if len(answer) < 2:
+                continue
+            # One tensor per row, not per position: this loop runs over every scored token.
+            tops = [sorted(candidates.items(), key=lambda item: -item[1])[:k] for candidates in answer[1:]]
+            ids[row, : len(tops)] = torch.tensor([[token for token, _ in top] for top in tops])
+            values[row, : len(tops)] = torch.tensor([[logprob for _, logprob in top] for top in tops])
         return values, ids
 
     def get_token_logprobs(self, data: BatchedDataDict, vocab_size: int | None = None) -> torch.Tensor:
