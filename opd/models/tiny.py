@@ -59,8 +59,10 @@ TINY_PRESETS: dict[str, TinyPreset] = {
     # A second, independently initialised model of the student's shape (for tests).
     "student-b": TinyPreset(64, 128, 2, 4, 2, seed=999),
     # The CPU demo's task models (examples/demo/prepare_models.py): trained with opd sft.
+    # Both have attention heads of 32 dimensions, the smallest vLLM's CPU attention
+    # kernels take, so the demo also runs with generation.backend=vllm.
     "demo-teacher": TinyPreset(128, 512, 4, 4, 2, seed=11),
-    "demo-student": TinyPreset(64, 256, 2, 4, 2, seed=12),
+    "demo-student": TinyPreset(128, 256, 2, 4, 2, seed=12),
 }
 
 

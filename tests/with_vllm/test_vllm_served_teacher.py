@@ -1,0 +1,138 @@
+"""The remote-teacher client against a real vLLM OpenAI-compatible server on 127.0.0.1.
+
+vLLM's ``python -m vllm.entrypoints.openai.api_server`` serves the CPU demo's teacher
+(fp32); the client's top-k and token log-probs must equal the in-process teacher's within
+1e-4, and the loss built from them must equal the in-process loss. The server starts once
+for the module (about 30-40 s on the 2-core machine).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here; run: bash scripts/test_vllm.sh")
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn  # noqa: E402
+from opd.data.batched_data_dict import BatchedDataDict  # noqa: E402
+from opd.models.teacher.local_teacher import LocalTeacher  # noqa: E402
+from opd.models.teacher.remote_teacher import RemoteTeacher  # noqa: E402
+from opd_test_helpers import REPO_ROOT, BackgroundProcess  # noqa: E402
+
+TEACHER_DIR = REPO_ROOT / "examples" / "demo" / "models" / "teacher"
+STUDENT_DIR = REPO_ROOT / "examples" / "demo" / "models" / "student"
+K = 16
+TEXTS = ["What is 123 + 456?", "5 + 5", "Add 40 and 302, then show the carry step by step."]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def server_is_up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TEACHER_DIR),
+        "--served-model-name", "demo-teacher", "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--max-logprobs", str(K),
+        "--kv-cache-memory-bytes", str(128 * 2**20),
+    ]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    process = BackgroundProcess("vllm-server", command, tmp_path_factory.mktemp("vllm"), env, timeout=240)
+    try:
+        process.wait_until(lambda: server_is_up(url), "the server answering /v1/models")
+        yield url
+    finally:
+        process.stop_if_running()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TEACHER_DIR)
+
+
+@pytest.fixture(scope="module")
+def teacher_model():
+    return AutoModelForCausalLM.from_pretrained(TEACHER_DIR, dtype=torch.float32).eval()
+
+
+def batch_of(tokenizer, texts: list[str]) -> BatchedDataDict:
+    """Right-padded chat rows of different lengths, with a token mask over each response."""
+    ids = []
+    for text in texts:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+        ids.append(prompt + tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+    width = max(map(len, ids))
+    input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
+    for row, sequence in enumerate(ids):
+        input_ids[row, : len(sequence)] = torch.tensor(sequence)
+    lengths = torch.tensor([len(sequence) for sequence in ids])
+    mask = torch.zeros_like(input_ids, dtype=torch.float32)
+    for row, n in enumerate(lengths.tolist()):
+        mask[row, 5:n] = 1.0
+    return BatchedDataDict(input_ids=input_ids, input_lengths=lengths, token_mask=mask)
+
+
+def test_vllm_prompt_logprobs_equal_the_in_process_teacher(vllm_server, teacher_model, tokenizer):
+    remote = RemoteTeacher(vllm_server, model="demo-teacher", sequences_per_request=2, max_concurrency=2)
+    remote.connect(tokenizer)  # /tokenize of a probe text equals the HF tokenizer's ids
+    local = LocalTeacher(teacher_model)
+    batch = batch_of(tokenizer, TEXTS)
+    vocab = len(tokenizer)
+    values, ids = remote.get_topk_logprobs(batch, K, 1.0, vocab)
+    local_values, local_ids = local.get_topk_logprobs(batch, K, 1.0, vocab)
+    largest = 0.0
+    for row, n in enumerate(batch["input_lengths"].tolist()):
+        difference = (values[row, : n - 1] - local_values[row, : n - 1]).abs()
+        largest = max(largest, float(difference.max()))
+        assert float(difference.max()) <= 1e-4
+        # Ties between near-equal candidates may order differently; the top 3 must not.
+        assert torch.equal(ids[row, : n - 1, :3], local_ids[row, : n - 1, :3])
+    token = remote.get_token_logprobs(batch, vocab)
+    local_token = local.get_token_logprobs(batch, vocab)
+    for row, n in enumerate(batch["input_lengths"].tolist()):
+        torch.testing.assert_close(token[row, :n], local_token[row, :n], rtol=0, atol=1e-4)
+    print(f"largest |served - in-process| top-{K} log-prob difference: {largest:.2e}")
+    remote.close()
+
+
+@pytest.mark.parametrize("loss", ["topk", "sampled_token"])
+def test_loss_from_the_vllm_teacher_equals_the_in_process_one(vllm_server, teacher_model, tokenizer, loss):
+    torch.manual_seed(0)
+    batch = batch_of(tokenizer, TEXTS)
+    vocab = len(tokenizer)
+    if loss == "topk":
+        loss_fn = DistillationLossFn(kl_type="forward", teacher_signal="topk", teacher_topk=K, vocab_size=vocab)
+    else:
+        batch["generation_logprobs"] = -torch.rand(batch["input_ids"].shape)
+        loss_fn = SampledTokenLossFn(vocab_size=vocab)
+    student = AutoModelForCausalLM.from_pretrained(STUDENT_DIR, dtype=torch.float32)
+    logits = student(input_ids=batch["input_ids"]).logits.detach()
+    valid = int(batch["token_mask"][:, 1:].sum())
+    remote = RemoteTeacher(vllm_server, model="demo-teacher")
+    remote.connect(tokenizer)
+    served_loss, _ = loss_fn(logits, batch, valid, batch.size, teacher_output=loss_fn.query_teacher(remote, batch))
+    local_loss, _ = loss_fn(logits, batch, valid, batch.size,
+                            teacher_output=loss_fn.query_teacher(LocalTeacher(teacher_model), batch))
+    assert torch.isfinite(served_loss)
+    torch.testing.assert_close(served_loss, local_loss, rtol=1e-4, atol=1e-5)
+    remote.close()
