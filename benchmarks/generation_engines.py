@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -91,7 +92,8 @@ def start_server(command: list[str], url: str, log_path: Path) -> tuple[subproce
     """Starts a teacher server and waits for ``/v1/models``; returns it and its start-up seconds."""
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        # Its own process group: vLLM's server starts an engine-core process that must stop with it.
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                    env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
     while True:
         if process.poll() is not None:
@@ -197,8 +199,8 @@ def main() -> None:
             print(f"{name} start-up: {seconds_to_start:.1f} s")
     finally:
         for process in processes:
-            process.terminate()
-            process.wait(timeout=30)
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=60)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -21,14 +24,19 @@ class BackgroundProcess:
         timeout: default seconds for :meth:`wait` and :meth:`wait_until`.
     """
 
-    def __init__(self, name: str, command: list[str], workdir: Path, env: dict[str, str], timeout: float) -> None:
+    def __init__(self, name: str, command: list[str], workdir: Path, env: dict[str, str], timeout: float,
+                 own_process_group: bool = False) -> None:
         self.name = name
         self.timeout = timeout
+        # A server that starts worker processes of its own (vLLM's engine core) is given
+        # its own process group, so stopping it stops them too.
+        self.own_process_group = own_process_group
         workdir.mkdir(parents=True, exist_ok=True)
         self.stdout_path = workdir / f"{name}.stdout"
         self.stderr_path = workdir / f"{name}.stderr"
         with open(self.stdout_path, "w") as stdout, open(self.stderr_path, "w") as stderr:
-            self.popen = subprocess.Popen(command, cwd=REPO_ROOT, stdout=stdout, stderr=stderr, env=env)
+            self.popen = subprocess.Popen(command, cwd=REPO_ROOT, stdout=stdout, stderr=stderr, env=env,
+                                          start_new_session=own_process_group)
 
     @property
     def stdout(self) -> str:
@@ -68,6 +76,11 @@ class BackgroundProcess:
         self.popen.send_signal(sig)
 
     def stop_if_running(self) -> None:
+        if self.own_process_group:
+            with contextlib.suppress(ProcessLookupError):  # the group may be gone already
+                os.killpg(self.popen.pid, signal.SIGKILL)  # the process and every child it started
+            self.popen.wait()
+            return
         if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait()

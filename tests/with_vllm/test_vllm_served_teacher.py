@@ -56,7 +56,8 @@ def vllm_server(tmp_path_factory):
         "--kv-cache-memory-bytes", str(128 * 2**20),
     ]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    process = BackgroundProcess("vllm-server", command, tmp_path_factory.mktemp("vllm"), env, timeout=240)
+    process = BackgroundProcess("vllm-server", command, tmp_path_factory.mktemp("vllm"), env, timeout=240,
+                                own_process_group=True)
     try:
         process.wait_until(lambda: server_is_up(url), "the server answering /v1/models")
         yield url

@@ -206,7 +206,8 @@ class VllmGeneration:
     def prepare_for_generation(self) -> None:
         """Wakes whatever the engine freed during training (GPU sleep mode; nothing on CPU)."""
         if self._asleep:
-            self.llm.wake_up()
+            # Only what is still asleep: a refit may already have woken the weights.
+            self.llm.wake_up(tags=sorted(self._asleep))
             self._asleep.clear()
 
     def finish_generation(self) -> None:
