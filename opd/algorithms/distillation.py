@@ -55,6 +55,7 @@ from opd.data.config import DataConfig
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader, prepare_examples
 from opd.data.datasets import load_chat_dataset
 from opd.data.sequences import build_token_mask, pack_sequences
+from opd.data.teacher_context import TeacherContext
 from opd.environments.math_verifier import is_correct
 from opd.models.config import ModelConfig, TeacherConfig
 from opd.models.generation.config import GenerateStrategyConfig, GenerationConfig
@@ -69,6 +70,7 @@ from opd.models.loading import (
     resolve_dtype,
 )
 from opd.models.policy.hf_policy import HFPolicy
+from opd.models.teacher.context_teacher import ContextTeacher
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.remote_teacher import RemoteTeacher
 from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
@@ -95,6 +97,23 @@ class DistillationConfig(StrictConfig):
     mask_prompt_tokens: bool = True
     num_samples_per_prompt: int = Field(1, ge=1)
     generate_strategy: GenerateStrategyConfig = Field(default_factory=GenerateStrategyConfig)
+    teacher_context: str | None = Field(
+        None, description="context distillation: text only the teacher sees, inserted into every prompt"
+    )
+    teacher_context_key: str | None = Field(
+        None, description="context distillation: dataset field holding a per-example teacher-only context"
+    )
+    teacher_context_placement: Literal["user_prefix", "system"] = Field(
+        "user_prefix", description="user_prefix = before the first user message; system = as / in the system message"
+    )
+    teacher_context_separator: str = Field("\n\n", description="between the context and the text after it")
+
+    def teacher_context_spec(self) -> TeacherContext | None:
+        """The teacher-only context these keys describe, or None without one."""
+        if self.teacher_context is None and self.teacher_context_key is None:
+            return None
+        return TeacherContext(self.teacher_context, self.teacher_context_key, self.teacher_context_placement,
+                              self.teacher_context_separator)
 
 
 class LossFnConfig(StrictConfig):
@@ -142,6 +161,10 @@ class DistillationValidationConfig(ValidationConfig):
     """Validation settings of a distillation run (adds the teacher baseline and ``opd eval``'s model)."""
 
     teacher_baseline: bool = Field(False, description="once, before training: the teacher answers the val prompts")
+    eval_baseline: bool = Field(
+        False, description="once, before training: student without and teacher with the teacher-only context "
+                           "answer the val prompts (val/baseline_*)"
+    )
     model_path: str | None = Field(
         None, description="model evaluated by `opd eval` / val_only: a model dir or step_N checkpoint"
     )
@@ -270,10 +293,21 @@ def check_teacher_config(config: MasterConfig) -> None:
         ConfigError: naming the keys that conflict.
     """
     teacher = config.teacher
+    distillation = config.distillation
+    if distillation.teacher_context_spec() is not None and not distillation.mask_prompt_tokens:
+        raise ConfigError("distillation.teacher_context: the teacher's prompt differs from the student's, so only "
+                          "completion tokens can be scored; set distillation.mask_prompt_tokens = true")
+    if config.validation.eval_baseline and distillation.teacher_context_spec() is None:
+        raise ConfigError("validation.eval_baseline compares the student without and the teacher with the "
+                          "teacher-only context; set distillation.teacher_context or teacher_context_key")
     if teacher.backend == "local":
         if config.model.teacher_model_path is None:
-            raise ConfigError("model.teacher_model_path is required with teacher.backend = local")
+            raise ConfigError("model.teacher_model_path is required with teacher.backend = local "
+                              "('student' = a frozen copy of the student's initial weights)")
         return
+    if config.validation.eval_baseline:
+        raise ConfigError("validation.eval_baseline generates with the teacher model in process; "
+                          "set it to false with teacher.backend = remote")
     if teacher.remote.url is None:
         raise ConfigError("teacher.backend = remote needs teacher.remote.url (e.g. http://127.0.0.1:8000)")
     if config.loss_fn.type == "full_vocab":
@@ -288,6 +322,13 @@ def check_teacher_config(config: MasterConfig) -> None:
     if teacher.remote.api_key_env and not os.environ.get(teacher.remote.api_key_env):
         raise ConfigError(f"teacher.remote.api_key_env names the environment variable "
                           f"{teacher.remote.api_key_env}, which is unset or empty")
+
+
+def wrap_teacher(teacher: Any, config: MasterConfig, tokenizer: Any) -> Any:
+    """With a teacher-only context, a teacher that scores each completion under its own prompt."""
+    if config.distillation.teacher_context_spec() is None:
+        return teacher
+    return ContextTeacher(teacher, tokenizer.pad_token_id)
 
 
 def connect_remote_teacher(config: MasterConfig, tokenizer: Any) -> RemoteTeacher:
@@ -361,7 +402,24 @@ def _load_examples(config: MasterConfig, tokenizer: Any, path: str, split: str, 
     raw = load_chat_dataset(
         path, split=split, max_examples=max_examples, data_format=config.data.data_format, prompt_file=config.data.prompt_file
     )
-    return prepare_examples(raw, tokenizer, config.data.max_prompt_length, path)
+    return prepare_examples(raw, tokenizer, config.data.max_prompt_length, path,
+                            config.distillation.teacher_context_spec())
+
+
+SELF_DISTILLATION_TEACHER = "student"
+"""``model.teacher_model_path: student``: the teacher is a frozen copy of the student's initial weights."""
+
+
+def resolve_teacher_path(config: MasterConfig) -> str:
+    """The in-process teacher's model path; ``student`` means the student's starting point.
+
+    For self-distillation the teacher is ``model.student_model_path`` as given, never the
+    checkpoint a run resumes from: the teacher stays the initial student for the whole run
+    (a second copy of the weights in memory, without gradients or optimizer state).
+    """
+    path = config.model.teacher_model_path
+    assert path is not None  # check_teacher_config
+    return config.model.student_model_path if path == SELF_DISTILLATION_TEACHER else path
 
 
 def _load_models(
@@ -378,16 +436,16 @@ def _load_models(
         student_model = load_causal_lm(student_path, dtype, device, config.model)
         check_output_sizes(student_model, len(tokenizer), student_path)
         return student_model, None
-    assert config.model.teacher_model_path is not None  # check_teacher_config
+    teacher_path = resolve_teacher_path(config)
     # The teacher's own tokenizer is checked even when model.tokenizer_path overrides the
     # student's: the teacher's logits are indexed by the ids its tokenizer defines.
-    teacher_tokenizer = load_tokenizer(config.model.teacher_model_path, config.model.trust_remote_code)
-    check_tokenizer_compatibility(tokenizer, teacher_tokenizer, student_path, config.model.teacher_model_path)
+    teacher_tokenizer = load_tokenizer(teacher_path, config.model.trust_remote_code)
+    check_tokenizer_compatibility(tokenizer, teacher_tokenizer, student_path, teacher_path)
     log.info("loading student %s and teacher %s (%s on %s)", student_path,
-             config.model.teacher_model_path, str(dtype).replace("torch.", ""), device)
+             teacher_path, str(dtype).replace("torch.", ""), device)
     student_model = load_causal_lm(student_path, dtype, device, config.model)
-    teacher_model = load_causal_lm(config.model.teacher_model_path, dtype, device, config.model)
-    for model, name in ((student_model, student_path), (teacher_model, config.model.teacher_model_path)):
+    teacher_model = load_causal_lm(teacher_path, dtype, device, config.model)
+    for model, name in ((student_model, student_path), (teacher_model, teacher_path)):
         check_output_sizes(model, len(tokenizer), name)
     return student_model, teacher_model
 
@@ -453,7 +511,7 @@ def setup(master_config: MasterConfig) -> tuple:
     # server fails in seconds.
     remote_teacher = connect_remote_teacher(config, tokenizer) if config.teacher.backend == "remote" else None
     student_model, teacher_model = _load_models(config, tokenizer, student_path)
-    teacher_policy = remote_teacher or LocalTeacher(teacher_model)
+    teacher_policy = wrap_teacher(remote_teacher or LocalTeacher(teacher_model), config, tokenizer)
 
     steps_per_epoch = len(train_examples) // config.training.batch_size
     total_steps = steps_per_epoch * config.training.num_epochs
@@ -510,7 +568,14 @@ def build_fixed_data_batch(examples: list[PreparedExample], pad_token_id: int, m
     )
     batch["response_lengths"] = batch["input_lengths"] - batch["prompt_lengths"]
     batch["truncated"] = torch.zeros(batch.size, dtype=torch.bool)
+    attach_teacher_prompts(batch, examples, 1)
     return batch
+
+
+def attach_teacher_prompts(batch: BatchedDataDict, examples: list[PreparedExample], num_samples: int) -> None:
+    """Context distillation: gives each row its example's teacher prompt (samples of one prompt are adjacent)."""
+    if examples and "teacher_prompt_ids" in examples[0]:
+        batch["teacher_prompt_ids"] = [examples[row // num_samples]["teacher_prompt_ids"] for row in range(batch.size)]
 
 
 def build_on_policy_batch(
@@ -535,6 +600,7 @@ def build_on_policy_batch(
         batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1],
         config.distillation.mask_prompt_tokens,
     )
+    attach_teacher_prompts(batch, examples, config.distillation.num_samples_per_prompt)
     return batch
 
 
@@ -694,23 +760,45 @@ def distillation_train(
         metrics["perf/peak_memory_mb"] = _peak_memory_mb()
         return metrics
 
-    def run_validation() -> dict[str, float]:
+    def refresh_generation() -> None:
         nonlocal generation_is_stale
+        generation.refit(student_policy)  # type: ignore[attr-defined]
+        generation_is_stale = False
+
+    def run_validation() -> dict[str, float]:
         if generation_is_stale:  # validation samples too: from the weights just trained
-            generation.refit(student_policy)  # type: ignore[attr-defined]
-            generation_is_stale = False
+            refresh_generation()
         metrics = validate(generation, student_model, teacher_policy, val_dataloader, tokenizer, config)  # type: ignore[arg-type]
         teacher_policy.pop_seconds_spent()  # type: ignore[attr-defined]
         return metrics
 
-    def teacher_baseline() -> None:
-        if not config.validation.teacher_baseline or val_dataloader is None:
+    def baselines() -> None:
+        """Once, on a fresh run: the teacher's answers (with its context, if any) and the eval baseline."""
+        if val_dataloader is None or not (config.validation.teacher_baseline or config.validation.eval_baseline):
             return
         teacher_model = teacher_policy.model  # type: ignore[attr-defined]
         teacher_generation = HFGeneration(teacher_model, tokenizer, config.generation.decode_loop)
-        baseline = validate(teacher_generation, teacher_model, None, val_dataloader, tokenizer, config,
-                            prefix="val/teacher_")
-        logger.log_metrics(baseline, 0, console_keys=list(baseline))
+        with_context = config.distillation.teacher_context_spec() is not None
+        prompt_key = "teacher_prompt_ids" if with_context else "prompt_ids"
+        teacher_metrics = validate(teacher_generation, teacher_model, None, val_dataloader, tokenizer, config,
+                                   prefix="val/teacher_", prompt_key=prompt_key)
+        metrics = dict(teacher_metrics) if config.validation.teacher_baseline else {}
+        if config.validation.eval_baseline:
+            # The student as it starts, without the context; the teacher, with it.
+            if generation_is_stale:
+                refresh_generation()
+            student_metrics = validate(generation, student_model, None, val_dataloader, tokenizer, config,
+                                       prefix="val/student_")
+            student_accuracy = student_metrics.get("val/student_accuracy")
+            teacher_accuracy = teacher_metrics.get("val/teacher_accuracy")
+            if student_accuracy is None or teacher_accuracy is None:
+                log.warning("validation.eval_baseline: the validation data has no ground truth; no accuracies")
+            else:
+                metrics["val/baseline_student_accuracy"] = student_accuracy
+                metrics["val/baseline_teacher_accuracy"] = teacher_accuracy
+                metrics["val/baseline_accuracy_gap"] = teacher_accuracy - student_accuracy
+        if metrics:
+            logger.log_metrics(metrics, 0, console_keys=list(metrics))
 
     run_training_loop(
         policy=student_policy,
@@ -722,7 +810,7 @@ def distillation_train(
         config=config,
         train_step=train_step,
         validate=run_validation if val_dataloader is not None else None,
-        before_first_step=teacher_baseline,
+        before_first_step=baselines,
         algorithm_rng=lambda_coin,
         console_keys=_CONSOLE_KEYS,
     )

@@ -40,6 +40,7 @@ def validate(
     tokenizer: Any,
     master_config: Any,
     prefix: str = "val/",
+    prompt_key: str = "prompt_ids",
 ) -> dict[str, float]:
     """A model generates on the validation prompts; reports accuracy, KL and lengths.
 
@@ -54,6 +55,8 @@ def validate(
         tokenizer: decodes responses for answer checking.
         master_config: a run config; supplies ``validation.generate_strategy``.
         prefix: metric-name prefix (``val/`` or ``val/teacher_``).
+        prompt_key: which prompt of each example the model answers: ``prompt_ids``, or
+            ``teacher_prompt_ids`` for a teacher answering with its teacher-only context.
 
     Returns:
         ``{prefix}kl_forward`` / ``kl_reverse`` (token means over the generated
@@ -71,10 +74,12 @@ def validate(
             student_generation.prepare_for_generation()
             try:
                 batch = student_generation.generate(
-                    [example["prompt_ids"] for example in examples], strategy, 1, return_logprobs=False
+                    [example[prompt_key] for example in examples], strategy, 1, return_logprobs=False
                 )
             finally:
                 student_generation.finish_generation()
+            if "teacher_prompt_ids" in examples[0]:  # context distillation: the teacher's own prompts
+                batch["teacher_prompt_ids"] = [example["teacher_prompt_ids"] for example in examples]
             if teacher_policy is not None:
                 batch["token_mask"] = build_token_mask(
                     batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1], True

@@ -79,13 +79,13 @@ def math_cl_to_chat(example: dict[str, Any], prompt_template: str) -> dict[str, 
     Args:
         example: A row with ``problem`` (str) and ``ground_truth_answer``
             (str or number), and optionally ``solution`` (str), a worked answer that
-            becomes the assistant message. Other fields are ignored.
+            becomes the assistant message. Other fields are kept as they are.
         prompt_template: Template from :func:`load_prompt_template`; the problem
             is substituted for ``{prompt}``.
 
     Returns:
         ``{"messages": [{"role": "user", "content": ...}, (assistant solution)],
-        "ground_truth": str, "problem": str}``.
+        "ground_truth": str, "problem": str, **other_fields}``.
 
     Raises:
         DataError: If a field is missing or has the wrong type. The message does
@@ -121,7 +121,9 @@ def math_cl_to_chat(example: dict[str, Any], prompt_template: str) -> dict[str, 
         if not isinstance(solution, str) or not solution.strip():
             raise DataError(f'"solution" must be a non-empty string when present, got {_describe(solution)}')
         messages.append({"role": "assistant", "content": solution})
-    return {"messages": messages, "ground_truth": str(answer), "problem": problem}
+    # Other columns ride along (a per-example teacher context, say: distillation.teacher_context_key).
+    extra = {key: value for key, value in example.items() if key not in ("problem", "ground_truth_answer", "solution")}
+    return {**extra, "messages": messages, "ground_truth": str(answer), "problem": problem}
 
 
 def _type_name(value: Any) -> str:

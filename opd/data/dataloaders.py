@@ -15,45 +15,63 @@ from typing import Any, TypedDict
 import torch
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
+from typing_extensions import NotRequired  # in typing from Python 3.11
 
 from opd.data.datasets import split_prompt_and_response
 from opd.data.sequences import encode_prompt, encode_response
+from opd.data.teacher_context import TeacherContext
 from opd.utils.errors import DataError
 
 log = logging.getLogger("opd")
 
 
 class PreparedExample(TypedDict):
-    """A tokenized example: the prompt ids, the fixed response ids, the ground truth."""
+    """A tokenized example: the prompt ids, the fixed response ids, the ground truth.
+
+    ``teacher_prompt_ids`` (context distillation only) is the prompt the teacher sees:
+    the same conversation with the teacher-only context inserted.
+    """
 
     prompt_ids: list[int]
     response_ids: list[int] | None
     ground_truth: str | None
+    teacher_prompt_ids: NotRequired[list[int]]
 
 
 def prepare_examples(
-    examples: list[dict], tokenizer: Any, max_prompt_length: int | None, source: str
+    examples: list[dict], tokenizer: Any, max_prompt_length: int | None, source: str,
+    teacher_context: TeacherContext | None = None,
 ) -> list[PreparedExample]:
     """Applies the chat template and tokenizes; drops prompts longer than the limit.
 
+    With a ``teacher_context``, each example also gets the teacher's prompt: the context
+    is inserted into the messages, then the chat template is applied and the whole
+    rendered prompt tokenized (``max_prompt_length`` applies to the student's prompt).
+
     Raises:
-        DataError: if every prompt is over ``max_prompt_length``.
+        DataError: if every prompt is over ``max_prompt_length``, or (naming the source
+            and the example) if an example lacks its per-example context.
     """
     prepared: list[PreparedExample] = []
-    for example in examples:
+    for index, example in enumerate(examples):
         prompt_messages, response = split_prompt_and_response(example["messages"])
         prompt_ids = encode_prompt(tokenizer, prompt_messages)
         if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
             continue
         response_ids = encode_response(tokenizer, prompt_messages, response) if response else None
         ground_truth = example.get("ground_truth")
-        prepared.append(
-            PreparedExample(
-                prompt_ids=prompt_ids,
-                response_ids=response_ids,
-                ground_truth=None if ground_truth is None else str(ground_truth),
-            )
+        item = PreparedExample(
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            ground_truth=None if ground_truth is None else str(ground_truth),
         )
+        if teacher_context is not None:
+            try:
+                context = teacher_context.context_for(example)
+                item["teacher_prompt_ids"] = encode_prompt(tokenizer, teacher_context.apply(prompt_messages, context))
+            except DataError as error:
+                raise DataError(f"{source}: example {index + 1}: {error}") from None
+        prepared.append(item)
     skipped = len(examples) - len(prepared)
     if skipped:
         log.warning("%s: skipped %d of %d prompts longer than data.max_prompt_length", source, skipped, len(examples))

@@ -146,6 +146,8 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
         each token's sequence), ``input_lengths [1]`` (= T) and ``sequence_lengths``
         (``[1, B]``, the packed sequences' lengths in order). A per-sequence
         ``task_reward [B]`` becomes ``[1, T]``: each token holds its sequence's reward.
+        With ``teacher_prompt_ids`` (context distillation), the row keeps them as a
+        one-element list of the B prompts, and ``prompt_lengths`` as ``[1, B]``.
     """
     lengths = [int(length) for length in batch["input_lengths"]]
     packed = BatchedDataDict()
@@ -165,6 +167,10 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
             batch["task_reward"].device)).unsqueeze(0)
     packed["input_lengths"] = torch.tensor([sum(lengths)], device=device)
     packed["sequence_lengths"] = torch.tensor([lengths], device=device)
+    if "teacher_prompt_ids" in batch:
+        # Context distillation: the teacher rebuilds each sequence under its own prompt.
+        packed["teacher_prompt_ids"] = [list(batch["teacher_prompt_ids"])]
+        packed["prompt_lengths"] = batch["prompt_lengths"].reshape(1, -1)
     return packed
 
 

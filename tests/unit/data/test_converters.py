@@ -125,6 +125,7 @@ def test_math_cl_to_chat_builds_a_user_turn():
         "messages": [{"role": "user", "content": "Q: What is 1+1? {}"}],
         "ground_truth": "2",
         "problem": "What is 1+1?",
+        "level": 1,  # other columns ride along (e.g. a per-example teacher context)
     }
 
 

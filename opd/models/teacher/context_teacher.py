@@ -1,0 +1,169 @@
+"""Context distillation: the teacher scores the student's completion under its own, longer prompt.
+
+The student sees ``[prompt | completion]``; the teacher sees ``[teacher prompt |
+completion]``, where the teacher prompt is the same conversation with a teacher-only
+context inserted (:mod:`opd.data.teacher_context`) and rendered through the chat template
+on its own. The completion's token ids are appended as they are, never re-tokenized, so
+completion token ``j`` is the same id in both rows and only its position differs: it sits
+at ``p + j`` in the student's row and at ``q + j`` in the teacher's (``p``, ``q`` the two
+prompt lengths).
+
+:class:`ContextTeacher` wraps any teacher (in process or served): it builds the teacher's
+rows from a micro-batch, asks the wrapped teacher, and moves each answer back to the
+student's positions, so the loss never knows there was a context. Positions outside the
+completion (the prompt, padding) carry zeros: the loss masks them.
+
+Both micro-batch layouts are handled: right-padded rows, and the one packed row of
+``training.sequence_packing`` (whose ``sequence_lengths`` give the segments).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from opd.algorithms.fused_lm_head import LMHeadInput
+from opd.data.batched_data_dict import BatchedDataDict
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One sequence of a micro-batch: where it lives in the student's tensor and its prompts."""
+
+    row: int  # row of the student tensor (always 0 in a packed batch)
+    offset: int  # where the sequence starts in that row (0 unless packed)
+    prompt_length: int  # p
+    length: int  # prompt + completion
+    teacher_prompt: list[int]
+
+    @property
+    def completion_length(self) -> int:
+        return self.length - self.prompt_length
+
+
+def _segments(data: BatchedDataDict) -> list[_Segment]:
+    """The sequences of a right-padded or packed micro-batch with their teacher prompts."""
+    if "teacher_prompt_ids" not in data:
+        raise ValueError("context distillation needs data['teacher_prompt_ids'] (one teacher prompt per sequence)")
+    if "sequence_lengths" in data:  # one packed row of several sequences
+        lengths = [int(length) for length in data["sequence_lengths"][0]]
+        prompt_lengths = [int(length) for length in data["prompt_lengths"][0]]
+        teacher_prompts = data["teacher_prompt_ids"][0]
+        offsets = [sum(lengths[:index]) for index in range(len(lengths))]
+        return [_Segment(0, offset, prompt, length, list(teacher))
+                for offset, prompt, length, teacher in zip(offsets, prompt_lengths, lengths, teacher_prompts)]
+    return [
+        _Segment(row, 0, int(prompt), int(length), list(teacher))
+        for row, (prompt, length, teacher) in enumerate(
+            zip(data["prompt_lengths"], data["input_lengths"], data["teacher_prompt_ids"]))
+    ]
+
+
+class ContextTeacher:
+    """A teacher that sees each sequence with its own teacher-only prompt.
+
+    Args:
+        teacher: the wrapped ``TeacherInterface`` (``LocalTeacher`` or ``RemoteTeacher``).
+        pad_token_id: fills the teacher rows past their length.
+    """
+
+    def __init__(self, teacher: Any, pad_token_id: int) -> None:
+        self.teacher = teacher
+        self.pad_token_id = pad_token_id
+        self.full_vocabulary = getattr(teacher, "full_vocabulary", True)
+
+    @property
+    def model(self) -> Any:
+        """The wrapped teacher's model (in-process teachers only)."""
+        return self.teacher.model
+
+    def pop_seconds_spent(self) -> float:
+        return self.teacher.pop_seconds_spent()
+
+    # ------------------------------------------------------------------ rows
+
+    def teacher_batch(self, data: BatchedDataDict) -> tuple[BatchedDataDict, list[_Segment]]:
+        """The teacher's right-padded rows ``[teacher prompt | completion]``, one per sequence."""
+        segments = _segments(data)
+        rows = []
+        masks = []
+        for segment in segments:
+            start = segment.offset + segment.prompt_length
+            completion = data["input_ids"][segment.row, start : segment.offset + segment.length].tolist()
+            rows.append(segment.teacher_prompt + completion)
+            completion_mask = data["token_mask"][segment.row, start : segment.offset + segment.length] \
+                if "token_mask" in data else torch.ones(len(completion))
+            masks.append([0.0] * len(segment.teacher_prompt) + completion_mask.tolist())
+        width = max((len(row) for row in rows), default=0)
+        device = data["input_ids"].device
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        token_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+        for index, (row, mask) in enumerate(zip(rows, masks)):
+            input_ids[index, : len(row)] = torch.tensor(row, dtype=torch.long)
+            token_mask[index, : len(mask)] = torch.tensor(mask, dtype=torch.float32)
+        batch = BatchedDataDict(
+            input_ids=input_ids,
+            input_lengths=torch.tensor([len(row) for row in rows], dtype=torch.long),
+            prompt_lengths=torch.tensor([len(segment.teacher_prompt) for segment in segments], dtype=torch.long),
+            token_mask=token_mask,
+        )
+        return batch.to(device), segments
+
+    def _to_student_positions(
+        self, data: BatchedDataDict, segments: list[_Segment], teacher_output: torch.Tensor, predicts_next: bool
+    ) -> torch.Tensor:
+        """Moves the teacher's per-position answers to the student's positions.
+
+        ``predicts_next``: position ``t`` describes token ``t + 1`` (logits, top-k, hidden
+        states), so the completion's answers start one position before it; otherwise
+        position ``t`` describes token ``t`` (token log-probs).
+        """
+        shape = (*data["input_ids"].shape, *teacher_output.shape[2:])
+        out = torch.zeros(shape, dtype=teacher_output.dtype, device=teacher_output.device)
+        shift = 1 if predicts_next else 0
+        for index, segment in enumerate(segments):
+            count = segment.completion_length
+            if count == 0:
+                continue
+            student_start = segment.offset + segment.prompt_length - shift
+            teacher_start = len(segment.teacher_prompt) - shift
+            out[segment.row, student_start : student_start + count] = \
+                teacher_output[index, teacher_start : teacher_start + count]
+        return out
+
+    # ------------------------------------------------------------------ TeacherInterface
+
+    def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
+        """``[B, L, V]`` teacher logits at the student's positions (zeros outside the completions)."""
+        batch, segments = self.teacher_batch(data)
+        return self._to_student_positions(data, segments, self.teacher.get_logits(batch), predicts_next=True)
+
+    def get_topk_logprobs(
+        self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k log-probs and ids at the student's positions."""
+        batch, segments = self.teacher_batch(data)
+        values, ids = self.teacher.get_topk_logprobs(batch, k, temperature, vocab_size)
+        return (self._to_student_positions(data, segments, values, predicts_next=True),
+                self._to_student_positions(data, segments, ids, predicts_next=True))
+
+    def get_token_logprobs(self, data: BatchedDataDict, vocab_size: int | None = None) -> torch.Tensor:
+        """``[B, L]`` teacher log-prob of each completion token, at the student's positions."""
+        batch, segments = self.teacher_batch(data)
+        return self._to_student_positions(data, segments, self.teacher.get_token_logprobs(batch, vocab_size),
+                                          predicts_next=False)
+
+    @property
+    def get_hidden_states(self) -> Callable[[BatchedDataDict], LMHeadInput] | None:
+        """The fused loss's entry (final hidden states and head), where the wrapped teacher has one."""
+        if not callable(getattr(self.teacher, "get_hidden_states", None)):
+            return None
+        return self._hidden_states
+
+    def _hidden_states(self, data: BatchedDataDict) -> LMHeadInput:
+        batch, segments = self.teacher_batch(data)
+        head = self.teacher.get_hidden_states(batch)
+        hidden = self._to_student_positions(data, segments, head.hidden_states, predicts_next=True)
+        return LMHeadInput(hidden, head.weight, head.bias)
