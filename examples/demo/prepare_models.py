@@ -7,7 +7,7 @@
    32 dimensions, the smallest vLLM's CPU attention takes;
 4. fine-tunes both with ``opd sft`` (``examples/configs/sft_arithmetic.yaml``: batch 32,
    AdamW 2e-3, constant after 100 warm-up steps) on the worked solutions: the teacher for
-   1500 steps, long enough to be accurate; the student for 250, so it writes the trace and
+   1500 steps, long enough to be accurate; the student for 300, so it writes the trace and
    the answer tags but gets the sums wrong;
 5. copies the two final models to ``examples/demo/models/{teacher,student}``.
 
@@ -58,7 +58,7 @@ def run_sft(init_dir: Path, output_dir: Path, steps: int, extra: list[str]) -> P
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--teacher-steps", type=int, default=1500)
-    parser.add_argument("--student-steps", type=int, default=250)
+    parser.add_argument("--student-steps", type=int, default=300)
     parser.add_argument("--work-dir", default=str(REPO / "results" / "demo_prep"))
     parser.add_argument("--only", choices=["teacher", "student"], default=None,
                         help="rebuild one model and keep the other (the tokenizer is read from the kept one)")
