@@ -38,6 +38,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.interfaces import LossFunction
 from opd.algorithms.compiled_kernels import resolve_compile_kernels
+from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
 from opd.algorithms.fused_lm_head import output_head_of
 from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn
 from opd.algorithms.training_loop import (
@@ -124,10 +125,11 @@ class LossFnConfig(StrictConfig):
     signal, the divergence family and the memory-lean fused computation.
     """
 
-    type: Literal["full_vocab", "topk", "sampled_token"] = Field(
+    type: Literal["full_vocab", "topk", "sampled_token", "hybrid_full_vocab"] = Field(
         "full_vocab",
         description="full_vocab: exact divergence over the whole vocabulary; topk: the teacher sends its top "
-        "teacher_topk log-probs per position; sampled_token: reverse KL on the sampled token as a policy gradient",
+        "teacher_topk log-probs per position; sampled_token: reverse KL on the sampled token as a policy gradient; "
+        "hybrid_full_vocab: the tau-weighted reverse KL over the vocabulary plus adv_tau x task-reward policy gradient",
     )
     divergence: Literal["kl", "jsd"] = Field("kl", description="kl (distillation.kl_type) or generalized jsd (jsd_beta)")
     jsd_beta: float = Field(0.5, ge=0.0, le=1.0, description="JSD interpolation: 0 = forward KL, 1 = reverse KL")
@@ -138,10 +140,12 @@ class LossFnConfig(StrictConfig):
     compile_kernels: bool | Literal["auto"] = Field(
         "auto", description="torch.compile the full-vocabulary loss kernels; auto: where a compiler toolchain exists"
     )
-    teacher_tau: float = Field(1.0, description="sampled_token: weight of the teacher's log-prob in the advantage")
-    student_tau: float = Field(1.0, description="sampled_token: weight of the student's log-prob in the advantage")
+    teacher_tau: float = Field(1.0, description="sampled_token / hybrid_full_vocab: weight of the teacher's log-prob")
+    student_tau: float = Field(1.0, description="sampled_token / hybrid_full_vocab: weight of the student's log-prob")
     discount: float = Field(0.0, ge=0.0, le=1.0, description="sampled_token: discount over future tokens' advantages")
-    adv_tau: float = Field(0.0, description="sampled_token: weight of the task reward (the math verifier)")
+    adv_tau: float = Field(
+        0.0, description="sampled_token / hybrid_full_vocab: weight of the task reward (the math verifier)"
+    )
     clip_ratio: float | None = Field(0.2, gt=0.0, description="sampled_token: importance-ratio clip; null: none")
 
 
@@ -261,6 +265,15 @@ def check_loss_config(config: MasterConfig) -> None:
                 "loss_fn.type = sampled_token scores the tokens under the sampler's own distribution; set "
                 "distillation.kl_temperature = 1.0 and choose the sampling temperature in generate_strategy"
             )
+    if loss.type == "hybrid_full_vocab":
+        if loss.adv_tau != 0.0 and config.distillation.lambda_ < 1.0:
+            raise ConfigError(
+                f"loss_fn.adv_tau = {loss.adv_tau} rewards the student's own answers, which only on-policy steps "
+                f"have, but distillation.lambda = {config.distillation.lambda_}; set distillation.lambda = 1.0"
+            )
+        if config.distillation.kl_temperature != 1.0:
+            raise ConfigError("loss_fn.type = hybrid_full_vocab works at temperature 1; set "
+                              "distillation.kl_temperature = 1.0")
     if loss.type == "topk" and loss.divergence == "jsd":
         raise ConfigError("loss_fn.divergence = jsd needs the teacher's full vocabulary; use loss_fn.type = full_vocab")
 
@@ -310,7 +323,7 @@ def check_teacher_config(config: MasterConfig) -> None:
                           "set it to false with teacher.backend = remote")
     if teacher.remote.url is None:
         raise ConfigError("teacher.backend = remote needs teacher.remote.url (e.g. http://127.0.0.1:8000)")
-    if config.loss_fn.type == "full_vocab":
+    if config.loss_fn.type in ("full_vocab", "hybrid_full_vocab"):
         raise ConfigError("teacher.backend = remote sends top-k log-probs, not full-vocabulary logits; "
                           "set loss_fn.type = topk or sampled_token")
     if config.loss_fn.type == "topk" and config.distillation.kl_temperature != 1.0:
@@ -344,9 +357,14 @@ def connect_remote_teacher(config: MasterConfig, tokenizer: Any) -> RemoteTeache
     return client
 
 
-def make_loss_fn(config: MasterConfig, vocab_size: int) -> DistillationLossFn | SampledTokenLossFn:
+def make_loss_fn(
+    config: MasterConfig, vocab_size: int
+) -> DistillationLossFn | SampledTokenLossFn | FullVocabHybridLossFn:
     """The loss object described by ``distillation`` and ``loss_fn``."""
     loss, distillation = config.loss_fn, config.distillation
+    if loss.type == "hybrid_full_vocab":
+        return FullVocabHybridLossFn(teacher_tau=loss.teacher_tau, student_tau=loss.student_tau, adv_tau=loss.adv_tau,
+                                     kl_reduction=distillation.kl_reduction, vocab_size=vocab_size)
     if loss.type == "sampled_token":
         return SampledTokenLossFn(
             teacher_tau=loss.teacher_tau, student_tau=loss.student_tau, discount=loss.discount,
@@ -373,7 +391,7 @@ def make_loss_fn(config: MasterConfig, vocab_size: int) -> DistillationLossFn | 
 def check_config_against_data(config: MasterConfig, train_examples: list[PreparedExample]) -> None:
     """Cross-checks that need the data: λ < 1 needs fixed responses to train on, a task
     reward needs ground-truth answers."""
-    if config.loss_fn.type == "sampled_token" and config.loss_fn.adv_tau != 0.0:
+    if config.loss_fn.type in ("sampled_token", "hybrid_full_vocab") and config.loss_fn.adv_tau != 0.0:
         missing = sum(example["ground_truth"] is None for example in train_examples)
         if missing:
             raise ConfigError(

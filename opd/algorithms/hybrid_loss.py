@@ -1,0 +1,104 @@
+"""The hybrid objective of seed 003 with the distillation terms taken over the whole vocabulary.
+
+The sampled-token form (:class:`~opd.algorithms.loss_functions.SampledTokenLossFn`) gives
+each sampled token x the advantage ``adv_tau · r + teacher_tau · log p(x) − student_tau ·
+log q(x)`` (``r`` the sequence's task reward, ``p`` the teacher, ``q`` the student) and
+follows the policy gradient ``−A · ∇ log q(x)``. Its expectation over x ~ q is the
+gradient of
+
+    L = Σ_t [ Σ_v q_t(v) (student_tau · log q_t(v) − teacher_tau · log p_t(v)) − adv_tau · r · log q_t(x_t) ]
+
+whose first part is exact, needing no sampling at all: with both τ = 1 it is the reverse
+KL(q‖p) at each position. :class:`FullVocabHybridLossFn` computes L from the two models'
+full logits (so it needs the teacher's logits: an in-process teacher) and keeps the
+task-reward term as a policy gradient on the sampled tokens, since the reward exists only
+for the sequence that was sampled. Normalised like the other losses
+(``distillation.kl_reduction``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from opd.algorithms.loss_functions import _global_normalizer, _rows, shift_token_mask
+
+
+class FullVocabHybridLossFn:
+    """``loss_fn.type: hybrid_full_vocab`` (see the module docstring).
+
+    Args:
+        teacher_tau: weight of the teacher's log-probs.
+        student_tau: weight of the student's log-probs (an entropy term).
+        adv_tau: weight of the task reward (``data["task_reward"]``, on-policy steps).
+        kl_reduction: ``mean`` (per response token) or ``sum`` (per sequence).
+        vocab_size: the tokenizer's vocabulary (logits past it, padding, are cut).
+    """
+
+    fused_lm_head = False  # needs the student's logits for the log-prob of the sampled tokens
+
+    def __init__(
+        self,
+        teacher_tau: float = 1.0,
+        student_tau: float = 1.0,
+        adv_tau: float = 0.0,
+        kl_reduction: str = "mean",
+        vocab_size: int | None = None,
+    ) -> None:
+        if kl_reduction not in ("mean", "sum"):
+            raise ValueError(f"kl_reduction must be 'mean' or 'sum', got {kl_reduction!r}")
+        self.teacher_tau = teacher_tau
+        self.student_tau = student_tau
+        self.adv_tau = adv_tau
+        self.kl_reduction = kl_reduction
+        self.vocab_size = vocab_size
+
+    def query_teacher(self, teacher: Any, data: Any) -> torch.Tensor:
+        """The teacher's full-vocabulary logits for micro-batch ``data``."""
+        return teacher.get_logits(data)
+
+    def __call__(
+        self,
+        student_output: torch.Tensor,
+        data: dict[str, Any],
+        global_valid_tokens: int,
+        global_valid_seqs: int,
+        teacher_output: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """This micro-batch's share of the global loss, and metrics.
+
+        Metrics (contributions to global token means): ``loss``, ``kl_forward``,
+        ``kl_reverse`` (at τ = 1), ``task_reward_term`` (the reward part of the loss),
+        ``num_valid_tokens``.
+        """
+        if teacher_output is None:
+            raise ValueError("FullVocabHybridLossFn needs the teacher's logits")
+        loss_mask = shift_token_mask(data["token_mask"]).bool()
+        vocab = self.vocab_size or student_output.shape[-1]
+        compute_dtype = torch.promote_types(student_output.dtype, torch.float32)
+        log_q = torch.log_softmax(_rows(student_output[..., :vocab], loss_mask).to(compute_dtype), dim=-1)
+        log_p = torch.log_softmax(_rows(teacher_output[..., :vocab], loss_mask).to(compute_dtype), dim=-1)
+        q = log_q.exp()
+        loss_sum = (q * (self.student_tau * log_q - self.teacher_tau * log_p)).sum()
+        reward_term = torch.zeros((), dtype=compute_dtype, device=log_q.device)
+        if self.adv_tau != 0.0 and "task_reward" in data:
+            targets = _rows(data["input_ids"], loss_mask, shift=1)
+            reward = data["task_reward"]
+            # [B] per sequence, or [B, T] per token in packed rows: one value per loss position.
+            per_position = reward.unsqueeze(-1).expand_as(data["input_ids"]) if reward.dim() == 1 else reward
+            rewards = _rows(per_position, loss_mask, shift=1).to(compute_dtype)
+            reward_term = -self.adv_tau * (rewards * log_q.gather(-1, targets.unsqueeze(-1)).squeeze(-1)).sum()
+        normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
+        loss = (loss_sum + reward_term) / normalizer
+        with torch.no_grad():
+            tokens = float(max(global_valid_tokens, 1))
+            p = log_p.exp()
+            metrics = {
+                "loss": float(loss.detach()),
+                "kl_forward": float((p * (log_p - log_q)).sum()) / tokens,
+                "kl_reverse": float((q * (log_q - log_p)).sum()) / tokens,
+                "task_reward_term": float(reward_term) / normalizer,
+                "num_valid_tokens": float(loss_mask.sum()),
+            }
+        return loss, metrics

@@ -1,0 +1,152 @@
+"""``loss_fn.type: hybrid_full_vocab``: seed 003's hybrid with the distillation terms over the vocabulary.
+
+* the value equals a float64 reference (masks with an all-masked row, extreme logits,
+  both reductions, per-sequence and packed per-token rewards);
+* with both τ = 1 and no reward it is the reverse KL of ``DistillationLossFn``, value and
+  gradient;
+* its gradient equals the exact expectation, over the vocabulary, of the sampled-token
+  policy gradient ``−A(x) ∇ log q(x)`` with ``A = teacher_tau log p − student_tau log q``;
+* the reward term's gradient is ``−adv_tau · r · (e_x − q)`` at each sampled token;
+* a short run with the math verifier's reward trains and logs it; config mistakes name keys.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from opd.algorithms.distillation import MasterConfig, check_loss_config, check_teacher_config, distillation_train, setup
+from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
+from opd.algorithms.loss_functions import DistillationLossFn
+from opd.utils.config import load_config
+from opd.utils.errors import ConfigError
+from opd_test_helpers import REPO_ROOT
+
+TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
+B, L, V = 3, 7, 11
+
+
+def inputs(seed: int = 0, scale: float = 3.0):
+    generator = torch.Generator().manual_seed(seed)
+    student = (torch.randn(B, L, V, generator=generator, dtype=torch.float64) * scale).requires_grad_(True)
+    teacher = torch.randn(B, L, V, generator=generator, dtype=torch.float64) * scale
+    input_ids = torch.randint(0, V, (B, L), generator=generator)
+    token_mask = torch.zeros(B, L)
+    token_mask[0, 2:6] = 1.0
+    token_mask[1, 1:7] = 1.0  # row 2 stays all-masked
+    reward = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    data = {"input_ids": input_ids, "token_mask": token_mask, "task_reward": reward}
+    return student, teacher, data
+
+
+def reference(student, teacher, data, teacher_tau, student_tau, adv_tau, normalizer):
+    total = torch.zeros((), dtype=torch.float64)
+    for b in range(B):
+        for t in range(1, L):
+            if data["token_mask"][b, t] == 0:
+                continue
+            log_q = torch.log_softmax(student[b, t - 1], -1)
+            log_p = torch.log_softmax(teacher[b, t - 1], -1)
+            total = total + (log_q.exp() * (student_tau * log_q - teacher_tau * log_p)).sum()
+            total = total - adv_tau * data["task_reward"][b] * log_q[data["input_ids"][b, t]]
+    return total / normalizer
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("scale", [3.0, 60.0])  # 60: extreme logits, near one-hot distributions
+def test_value_equals_the_float64_reference(reduction, scale):
+    student, teacher, data = inputs(scale=scale)
+    tokens = int(data["token_mask"][:, 1:].sum())
+    loss_fn = FullVocabHybridLossFn(teacher_tau=0.7, student_tau=0.4, adv_tau=0.5, kl_reduction=reduction)
+    loss, metrics = loss_fn(student, data, tokens, B, teacher_output=teacher)
+    normalizer = tokens if reduction == "mean" else B
+    expected = reference(student, teacher, data, 0.7, 0.4, 0.5, normalizer)
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+    assert metrics["num_valid_tokens"] == tokens
+
+
+def test_packed_per_token_rewards_equal_per_sequence_rewards():
+    student, teacher, data = inputs(seed=3)
+    tokens = int(data["token_mask"][:, 1:].sum())
+    loss_fn = FullVocabHybridLossFn(adv_tau=2.0)
+    per_sequence, _ = loss_fn(student, data, tokens, B, teacher_output=teacher)
+    per_token = dict(data, task_reward=data["task_reward"].unsqueeze(-1).expand(B, L).clone())
+    packed_form, _ = loss_fn(student, per_token, tokens, B, teacher_output=teacher)
+    torch.testing.assert_close(packed_form, per_sequence, rtol=0, atol=0)
+
+
+def test_with_unit_taus_and_no_reward_it_is_the_reverse_kl():
+    student, teacher, data = inputs(seed=1)
+    tokens = int(data["token_mask"][:, 1:].sum())
+    hybrid, _ = FullVocabHybridLossFn()(student, data, tokens, B, teacher_output=teacher)
+    (hybrid_grad,) = torch.autograd.grad(hybrid, student)
+    kl, _ = DistillationLossFn(kl_type="reverse", fused_lm_head=False, compile_kernels=False)(
+        student, data, tokens, B, teacher_output=teacher)
+    (kl_grad,) = torch.autograd.grad(kl, student)
+    torch.testing.assert_close(hybrid, kl, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(hybrid_grad, kl_grad, rtol=1e-9, atol=1e-12)
+
+
+def test_gradient_is_the_expected_sampled_token_policy_gradient():
+    student, teacher, data = inputs(seed=2)
+    tokens = int(data["token_mask"][:, 1:].sum())
+    teacher_tau, student_tau, adv_tau = 0.8, 0.3, 1.5
+    loss, _ = FullVocabHybridLossFn(teacher_tau, student_tau, adv_tau)(student, data, tokens, B,
+                                                                       teacher_output=teacher)
+    (grad,) = torch.autograd.grad(loss, student)
+    expected = torch.zeros_like(grad)
+    with torch.no_grad():
+        for b in range(B):
+            for t in range(1, L):
+                if data["token_mask"][b, t] == 0:
+                    continue
+                log_q = torch.log_softmax(student[b, t - 1], -1)
+                q = log_q.exp()
+                advantage = teacher_tau * torch.log_softmax(teacher[b, t - 1], -1) - student_tau * log_q
+                # E_x~q[-A(x) (e_x - q)] over the whole vocabulary, in closed form:
+                expected[b, t - 1] = -(q * advantage - q * (q * advantage).sum())
+                # the reward's policy gradient at the sampled token
+                onehot = torch.zeros(V, dtype=torch.float64)
+                onehot[data["input_ids"][b, t]] = 1.0
+                expected[b, t - 1] += -adv_tau * data["task_reward"][b] * (onehot - q)
+    torch.testing.assert_close(grad, expected / tokens, rtol=1e-9, atol=1e-12)
+
+
+def test_an_all_masked_batch_gives_zero():
+    student, teacher, data = inputs()
+    data["token_mask"].zero_()
+    loss, metrics = FullVocabHybridLossFn(adv_tau=1.0)(student, data, 0, B, teacher_output=teacher)
+    assert float(loss.detach()) == 0.0 and metrics["num_valid_tokens"] == 0
+
+
+def test_a_short_run_with_the_verifier_reward_trains_and_logs_it(tmp_path):
+    config = load_config(MasterConfig, TINY_CONFIG, [
+        f"output_dir={tmp_path}", "checkpointing.enabled=false", "logger.console=false", "training.max_num_steps=2",
+        "training.batch_size=4", "training.micro_batch_size=4", "data.val_path=null",
+        "validation.val_at_start=false", "validation.val_at_end=false",
+        "loss_fn.type=hybrid_full_vocab", "loss_fn.adv_tau=0.5", "loss_fn.student_tau=0.5",
+    ])
+    distillation_train(*setup(config))
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "train/loss" in row]
+    assert len(steps) == 2
+    assert all("train/task_reward" in row and "train/task_reward_term" in row for row in steps)
+    assert all(row["train/kl_reverse"] >= 0 for row in steps)
+
+
+@pytest.mark.parametrize("overrides, check, message", [
+    (["loss_fn.type=hybrid_full_vocab", "loss_fn.adv_tau=1.0", "distillation.lambda=0.5"], "loss",
+     "set distillation.lambda = 1.0"),
+    (["loss_fn.type=hybrid_full_vocab", "distillation.kl_temperature=2.0"], "loss",
+     "set distillation.kl_temperature = 1.0"),
+    (["loss_fn.type=hybrid_full_vocab", "teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1"], "teacher",
+     "set loss_fn.type = topk or sampled_token"),
+])
+def test_hybrid_config_mistakes_name_the_keys(tmp_path, overrides, check, message):
+    config = load_config(MasterConfig, TINY_CONFIG, [f"output_dir={tmp_path}"] + overrides)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        (check_loss_config if check == "loss" else check_teacher_config)(config)
