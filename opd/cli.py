@@ -66,7 +66,7 @@ def quiet_third_party_output() -> None:
 def run_train(config_path: str, overrides: list[str], val_only: bool = False) -> None:
     """Loads and validates the config, then trains (or only validates, for ``opd eval``)."""
     # Imported here so that `opd --help` and config errors do not pay for importing torch.
-    from opd.algorithms.distillation import MasterConfig, distillation_train, evaluate, setup
+    from opd.algorithms.distillation import MasterConfig, close_generation, distillation_train, evaluate, setup
     from opd.utils.config import load_config
 
     _prepare_console()
@@ -74,7 +74,11 @@ def run_train(config_path: str, overrides: list[str], val_only: bool = False) ->
     if val_only or config.val_only:
         evaluate(config)
         return
-    distillation_train(*setup(config))
+    parts = setup(config)
+    try:
+        distillation_train(*parts)
+    finally:
+        close_generation(parts[2])  # a vLLM engine: a later run in this process opens its own
     _draw_curves(config.logger)
 
 

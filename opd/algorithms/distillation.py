@@ -481,6 +481,13 @@ def build_student_generation(config: MasterConfig, student_model: torch.nn.Modul
     )
 
 
+def close_generation(generation: Any) -> None:
+    """Shuts down an engine that holds resources of its own (vLLM); a no-op for the HF backend."""
+    close = getattr(generation, "close", None)
+    if callable(close):
+        close()
+
+
 def setup(master_config: MasterConfig) -> tuple:
     """Builds everything ``distillation_train`` needs, checking user input first.
 
@@ -666,12 +673,13 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
         model_path = str(Path(model_path) / "policy")
     student_model, teacher_model = _load_models(config, tokenizer, model_path)
     student_model.eval()
-    metrics = validate(
-        build_student_generation(config, student_model, tokenizer),
-        student_model,
-        connect_remote_teacher(config, tokenizer) if teacher_model is None else LocalTeacher(teacher_model),
-        make_eval_dataloader(examples, config.validation.batch_size), tokenizer, config,
-    )
+    teacher = connect_remote_teacher(config, tokenizer) if teacher_model is None else LocalTeacher(teacher_model)
+    generation = build_student_generation(config, student_model, tokenizer)
+    try:
+        metrics = validate(generation, student_model, wrap_teacher(teacher, config, tokenizer),
+                           make_eval_dataloader(examples, config.validation.batch_size), tokenizer, config)
+    finally:
+        close_generation(generation)
     log_dir = Path(config.logger.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / "eval_metrics.json").write_text(
