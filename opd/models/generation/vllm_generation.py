@@ -47,13 +47,15 @@ _MAX_SEED = 2**31 - 1
 
 
 def _configure_vllm_environment(device_type: str) -> None:
-    """Sets the environment vLLM reads: an in-process engine core, and on CPU no thread pinning.
+    """Sets the environment vLLM reads: an in-process engine core, quieter logs, and on CPU no thread pinning.
 
     The engine core must run in this process: refit hands it tensors, not files. On CPU,
     pinning OpenMP threads to cores would pin the trainer's threads too; ``setdefault``
     leaves a user's explicit choice of that alone.
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # refit hands tensors to the worker in process
+    # vLLM logs every refit's cache reset at INFO; a training log wants its warnings only.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if device_type == "cpu":
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
