@@ -29,12 +29,10 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import torch
@@ -44,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from timing import median_seconds  # noqa: E402
 from opd.data.converters import load_prompt_template, math_cl_to_chat  # noqa: E402
 from opd.models.generation.config import GenerateStrategyConfig, VllmGenerationConfig  # noqa: E402
 from opd.models.generation.hf_generation import HFGeneration  # noqa: E402
@@ -56,16 +55,6 @@ TEACHER = REPO / "examples" / "demo" / "models" / "teacher"
 VAL = REPO / "examples" / "data" / "arithmetic" / "val.jsonl"
 TEMPLATE = REPO / "examples" / "prompts" / "math_think_answer.txt"
 MAX_NEW_TOKENS = 96
-
-
-def median_seconds(call: Callable[[], object], repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def task_prompts(tokenizer, count: int) -> list[list[int]]:

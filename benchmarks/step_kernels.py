@@ -27,7 +27,6 @@ compiling).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from timing import median_seconds  # noqa: E402
 from opd.algorithms.fused_lm_head import LMHeadInput  # noqa: E402
 from opd.algorithms.loss_functions import DistillationLossFn  # noqa: E402
 from opd.models.generation.config import GenerateStrategyConfig  # noqa: E402
@@ -46,16 +46,6 @@ from opd.models.tiny import build_model_for_tokenizer, build_tiny_tokenizer  # n
 
 VOCABULARIES = (2048, 151_669)
 ROWS, PROMPT_TOKENS, NEW_TOKENS, LOSS_POSITIONS = 4, 32, 32, 128
-
-
-def median_seconds(call: Callable[[], object], repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def student_with_vocabulary(vocab: int) -> torch.nn.Module:
