@@ -84,3 +84,32 @@ class BackgroundProcess:
         if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait()
+
+
+def served_and_in_process_losses(loss: str, kl_type: str, batch, student, remote, local, k: int, vocab: int):
+    """One loss computed twice on the same student logits: from the served and the in-process teacher.
+
+    Args:
+        loss: ``topk`` (top-k KL of direction ``kl_type``) or ``sampled_token`` (random
+            sampler log-probs are added to ``batch`` for it).
+        batch: right-padded rows with ``token_mask``.
+        student: the model whose logits enter both losses.
+        remote, local: the served and the in-process teacher.
+
+    Returns:
+        ``(served_loss, in_process_loss)``.
+    """
+    import torch
+
+    from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn
+
+    if loss == "topk":
+        loss_fn = DistillationLossFn(kl_type=kl_type, teacher_signal="topk", teacher_topk=k, vocab_size=vocab)
+    else:
+        batch["generation_logprobs"] = -torch.rand(batch["input_ids"].shape)
+        loss_fn = SampledTokenLossFn(vocab_size=vocab)
+    logits = student(input_ids=batch["input_ids"]).logits.detach()
+    valid = int(batch["token_mask"][:, 1:].sum())
+    served, _ = loss_fn(logits, batch, valid, batch.size, teacher_output=loss_fn.query_teacher(remote, batch))
+    in_process, _ = loss_fn(logits, batch, valid, batch.size, teacher_output=loss_fn.query_teacher(local, batch))
+    return served, in_process

@@ -20,11 +20,10 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn  # noqa: E402
 from opd.data.batched_data_dict import BatchedDataDict  # noqa: E402
 from opd.models.teacher.local_teacher import LocalTeacher  # noqa: E402
 from opd.models.teacher.remote_teacher import RemoteTeacher  # noqa: E402
-from opd_test_helpers import REPO_ROOT, BackgroundProcess  # noqa: E402
+from opd_test_helpers import REPO_ROOT, BackgroundProcess, served_and_in_process_losses  # noqa: E402
 
 TEACHER_DIR = REPO_ROOT / "examples" / "demo" / "models" / "teacher"
 STUDENT_DIR = REPO_ROOT / "examples" / "demo" / "models" / "student"
@@ -119,21 +118,12 @@ def test_vllm_prompt_logprobs_equal_the_in_process_teacher(vllm_server, teacher_
 @pytest.mark.parametrize("loss", ["topk", "sampled_token"])
 def test_loss_from_the_vllm_teacher_equals_the_in_process_one(vllm_server, teacher_model, tokenizer, loss):
     torch.manual_seed(0)
-    batch = batch_of(tokenizer, TEXTS)
-    vocab = len(tokenizer)
-    if loss == "topk":
-        loss_fn = DistillationLossFn(kl_type="forward", teacher_signal="topk", teacher_topk=K, vocab_size=vocab)
-    else:
-        batch["generation_logprobs"] = -torch.rand(batch["input_ids"].shape)
-        loss_fn = SampledTokenLossFn(vocab_size=vocab)
-    student = AutoModelForCausalLM.from_pretrained(STUDENT_DIR, dtype=torch.float32)
-    logits = student(input_ids=batch["input_ids"]).logits.detach()
-    valid = int(batch["token_mask"][:, 1:].sum())
     remote = RemoteTeacher(vllm_server, model="demo-teacher")
     remote.connect(tokenizer)
-    served_loss, _ = loss_fn(logits, batch, valid, batch.size, teacher_output=loss_fn.query_teacher(remote, batch))
-    local_loss, _ = loss_fn(logits, batch, valid, batch.size,
-                            teacher_output=loss_fn.query_teacher(LocalTeacher(teacher_model), batch))
+    student = AutoModelForCausalLM.from_pretrained(STUDENT_DIR, dtype=torch.float32)
+    served_loss, local_loss = served_and_in_process_losses(
+        loss, "forward", batch_of(tokenizer, TEXTS), student, remote, LocalTeacher(teacher_model), K, len(tokenizer),
+    )
     assert torch.isfinite(served_loss)
     torch.testing.assert_close(served_loss, local_loss, rtol=1e-4, atol=1e-5)
     remote.close()

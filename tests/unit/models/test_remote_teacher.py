@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from opd.algorithms.distillation import MasterConfig, check_teacher_config, distillation_train, setup
-from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn
+from opd.algorithms.loss_functions import DistillationLossFn
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.remote_teacher import RemoteTeacher, TeacherServiceError
@@ -39,7 +39,7 @@ from opd.models.teacher.server import TeacherService, build_server
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
-from opd_test_helpers import REPO_ROOT, BackgroundProcess
+from opd_test_helpers import REPO_ROOT, BackgroundProcess, served_and_in_process_losses
 
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 TRAIN_DATA = REPO_ROOT / "examples" / "data" / "tiny_arithmetic" / "train.jsonl"
@@ -142,21 +142,12 @@ def test_served_topk_and_token_logprobs_equal_the_in_process_teacher(served, tea
 @pytest.mark.parametrize("loss", ["topk", "sampled_token"])
 def test_loss_from_the_served_teacher_equals_the_in_process_one(served, teacher_model, tokenizer, loss):
     torch.manual_seed(0)
-    batch = batch_of(tokenizer, TEXTS)
-    vocab = len(tokenizer)
-    if loss == "topk":
-        loss_fn = DistillationLossFn(kl_type="reverse", teacher_signal="topk", teacher_topk=K, vocab_size=vocab)
-    else:
-        batch["generation_logprobs"] = -torch.rand(batch["input_ids"].shape)
-        loss_fn = SampledTokenLossFn(vocab_size=vocab)
-    student = build_tiny_model("student")
-    logits = student(input_ids=batch["input_ids"]).logits.detach()
-    valid = int(batch["token_mask"][:, 1:].sum())
     remote = client(served.url)
     remote.connect(tokenizer)
-    served_loss, _ = loss_fn(logits, batch, valid, batch.size, teacher_output=loss_fn.query_teacher(remote, batch))
-    local_loss, _ = loss_fn(logits, batch, valid, batch.size,
-                            teacher_output=loss_fn.query_teacher(LocalTeacher(teacher_model), batch))
+    served_loss, local_loss = served_and_in_process_losses(
+        loss, "reverse", batch_of(tokenizer, TEXTS), build_tiny_model("student"), remote, LocalTeacher(teacher_model),
+        K, len(tokenizer),
+    )
     assert torch.isfinite(served_loss)
     torch.testing.assert_close(served_loss, local_loss, rtol=1e-5, atol=1e-6)
     remote.close()
