@@ -1,0 +1,204 @@
+"""Reference values: whole training runs, step by step, before the architecture refactor.
+
+Two kinds of runs are pinned against the numbers the baseline code logged to
+``<output_dir>/logs/metrics.jsonl``:
+
+1. **Tiny runs** (``reference_runs.json``): ``opd train`` in process on
+   ``examples/configs/distillation_tiny.yaml`` (tiny local models, seconds each) for 10
+   steps with validation at steps 0, 5 and 10, once per loss configuration in
+   :data:`RUN_OVERRIDES`. Asserted per step: ``train/loss`` and the train KLs logged by
+   the configuration (``train/kl_forward``, ``train/kl_reverse``,
+   ``train/kl_reverse_estimate``) within rel 1e-4 (abs 1e-7 near zero), the exact
+   ``train/on_policy`` flag and ``train/num_valid_tokens`` count (which pin the λ coin
+   and the sampled lengths); per validation ``val/kl_forward`` / ``val/kl_reverse``
+   within abs 1e-4 and ``val/accuracy`` within 1e-9.
+2. **The demo** (``reference_demo.json``): ``examples/demo/run_demo.py`` (the README's
+   main job) cut to 100 steps with validation at steps 0, 50 and 100, as a subprocess
+   (:data:`DEMO_OVERRIDES`; several minutes on 2 CPU cores). Asserted: ``val/accuracy``
+   within 1.5/128 absolute, ``val/kl_forward`` / ``val/kl_reverse`` within rel 1e-3, and
+   ``train/loss`` at every step 1..100 within rel 1e-3 (looser than the tiny runs: the
+   run compounds 100 steps).
+
+Config keys are the baseline's. The refactor renames them: every override lives in
+:data:`RUN_OVERRIDES`, :data:`COMMON_RUN_OVERRIDES` and :data:`DEMO_OVERRIDES` below,
+the only places to update. The JSON files store the baseline overrides next to the
+values, for the record.
+
+The values were produced from the baseline checkout (commit in the JSON files) with::
+
+    cd <checkout> && PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tests/reference/record_reference_values.py --part runs --repeat 2
+    cd <checkout> && PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tests/reference/record_reference_values.py --part demo --repeat 2
+
+Reproducibility, checked on the recording machine (2 CPU cores, OMP_NUM_THREADS=1,
+torch 2.13.0+cpu): both parts were recorded with ``--repeat 2`` and every recorded number
+was bit-for-bit identical between the repeats. For the tiny runs both repeats ran in one
+process; configuration ``full_vocab_reverse`` also matched, bit for bit, a separate
+``opd train`` subprocess with the same overrides. The demo was run four times in all
+(two ``--repeat 2`` recordings, each run its own subprocess): all four identical. The
+tiny runs use the default ``loss_fn.compile_kernels: auto``, which compiled the loss
+kernels on the recording machine (it has g++); without a C++ compiler they run eagerly,
+which differs only by float rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+REFERENCE_DIR = Path(__file__).resolve().parent
+RUNS_FILE = REFERENCE_DIR / "reference_runs.json"
+DEMO_FILE = REFERENCE_DIR / "reference_demo.json"
+
+# ==================================================================== config overrides
+# Baseline key names. Update these (and only these) when the config schema changes.
+TINY_CONFIG = "examples/configs/distillation_tiny.yaml"
+COMMON_RUN_OVERRIDES: list[str] = ["training.max_num_steps=10", "training.val_freq=5", "training.save_freq=0"]
+"""Every tiny run: 10 steps, validation at steps 0, 5 and 10 (val_at_start / val_at_end are on)."""
+RUN_OVERRIDES: dict[str, list[str]] = {
+    # (a) the tiny config as it is: full-vocabulary reverse KL, fused LM head.
+    "full_vocab_reverse": [],
+    # (b) top-8 teacher signal (with the rest class), mixed KL with forward weight 0.3.
+    "topk8_mixed_0.3": ["distillation.kl_type=mixed", "distillation.mixed_kl_weight=0.3",
+                        "loss_fn.type=topk", "loss_fn.teacher_topk=8"],
+    # (c) reverse KL on the sampled token as a clipped policy gradient.
+    "sampled_token": ["loss_fn.type=sampled_token"],
+    # (d) generalized Jensen-Shannon divergence, beta 0.3.
+    "jsd_0.3": ["loss_fn.divergence=jsd", "loss_fn.jsd_beta=0.3"],
+    # (e) lambda 0.5: fixed-data and on-policy steps mixed, forward KL.
+    "lambda_0.5_forward": ["distillation.lambda=0.5", "distillation.kl_type=forward"],
+    # (f) the hybrid loss over the full vocabulary.
+    "hybrid_full_vocab": ["loss_fn.type=hybrid_full_vocab"],
+}
+"""Per tiny-run configuration: the overrides on top of the tiny config and :data:`COMMON_RUN_OVERRIDES`."""
+DEMO_SCRIPT = "examples/demo/run_demo.py"
+DEMO_OVERRIDES: list[str] = ["training.max_num_steps=100", "training.val_freq=50", "training.save_freq=0",
+                             "training.seed=42"]
+"""The demo run (demo.yaml keeps validation.val_at_start and val_at_end on): validation at 0, 50, 100."""
+# =====================================================================================
+
+TRAIN_KEYS = ("train/loss", "train/kl_forward", "train/kl_reverse", "train/kl_reverse_estimate")
+"""Per-step float metrics recorded where a configuration logs them (rel tolerance)."""
+TRAIN_EXACT_KEYS = ("train/on_policy", "train/num_valid_tokens")
+"""Per-step counts recorded where logged, asserted exactly."""
+VAL_KEYS = ("val/kl_forward", "val/kl_reverse", "val/accuracy")
+RUN_VAL_STEPS = [0, 5, 10]
+DEMO_VAL_STEPS = [0, 50, 100]
+DEMO_STEPS = 100
+DEMO_TIMEOUT_S = 1800
+"""Only guards against a hang: the demo run takes minutes on 2 idle cores, far longer on busy ones."""
+
+
+def read_metrics(log_dir: Path) -> list[dict[str, Any]]:
+    """The records of ``<log_dir>/metrics.jsonl``, in order."""
+    lines = (log_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def extract_values(records: list[dict[str, Any]], train_keys: tuple[str, ...], exact_keys: tuple[str, ...],
+                   val_keys: tuple[str, ...]) -> dict[str, Any]:
+    """The recorded quantities of a run: per-step training metrics and per-validation metrics.
+
+    Returns:
+        ``{"train": {step: {key: value}}, "val": {step: {key: value}}}`` with string step
+        keys (as JSON stores them); a key a record lacks is left out.
+    """
+    train: dict[str, dict[str, float]] = {}
+    val: dict[str, dict[str, float]] = {}
+    for record in records:
+        step = str(record["step"])
+        if "train/loss" in record:
+            if step in train:
+                raise AssertionError(f"two training records for step {step}")
+            train[step] = {key: record[key] for key in (*train_keys, *exact_keys) if key in record}
+        if any(key in record for key in val_keys):
+            if step in val:
+                raise AssertionError(f"two validation records for step {step}")
+            val[step] = {key: record[key] for key in val_keys if key in record}
+    return {"train": train, "val": val}
+
+
+def run_tiny(name: str, output_dir: Path) -> dict[str, Any]:
+    """Trains tiny-run configuration ``name`` in this process and returns its recorded values.
+
+    Runs from the repository root (the tiny config's data paths are relative to it).
+    """
+    from opd.cli import main as opd_main
+
+    overrides = [*COMMON_RUN_OVERRIDES, *RUN_OVERRIDES[name], f"output_dir={output_dir}"]
+    previous = Path.cwd()
+    os.chdir(REPO)
+    try:
+        status = opd_main(["train", "--config", TINY_CONFIG, *overrides])
+    finally:
+        os.chdir(previous)
+    assert status == 0, f"{name}: opd train exited with {status}"
+    return extract_values(read_metrics(output_dir / "logs"), TRAIN_KEYS, TRAIN_EXACT_KEYS, VAL_KEYS)
+
+
+def run_demo(output_dir: Path) -> dict[str, Any]:
+    """Runs the shortened demo as a subprocess and returns its recorded values."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / DEMO_SCRIPT), f"output_dir={output_dir}", *DEMO_OVERRIDES],
+        check=False, capture_output=True, text=True, cwd=REPO, timeout=DEMO_TIMEOUT_S,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return extract_values(read_metrics(output_dir / "logs"), ("train/loss",), (), VAL_KEYS)
+
+
+def _assert_train(actual: dict[str, Any], expected: dict[str, Any], rel: float, label: str) -> None:
+    assert sorted(actual, key=int) == sorted(expected, key=int), f"{label}: training steps differ"
+    for step, values in expected.items():
+        assert set(actual[step]) == set(values), f"{label} step {step}: logged metrics differ"
+        for key, value in values.items():
+            if key in TRAIN_EXACT_KEYS:
+                assert actual[step][key] == value, f"{label} step {step}: {key}"
+            else:
+                assert actual[step][key] == pytest.approx(value, rel=rel, abs=1e-7), f"{label} step {step}: {key}"
+
+
+def _assert_val(actual: dict[str, Any], expected: dict[str, Any], steps: list[int], kl_tolerance: dict[str, float],
+                accuracy_abs: float, label: str) -> None:
+    assert sorted(int(step) for step in expected) == steps  # the recording itself
+    assert sorted(int(step) for step in actual) == steps, f"{label}: validation steps differ"
+    for step, values in expected.items():
+        assert set(actual[step]) == set(values), f"{label} validation at {step}: logged metrics differ"
+        for key, value in values.items():
+            tolerance = {"abs": accuracy_abs} if key == "val/accuracy" else kl_tolerance
+            assert actual[step][key] == pytest.approx(value, **tolerance), f"{label} validation at {step}: {key}"
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def run_reference() -> dict[str, Any]:
+    return json.loads(RUNS_FILE.read_text(encoding="utf-8"))
+
+
+def test_run_reference_covers_every_configuration(run_reference):
+    assert set(run_reference["runs"]) == set(RUN_OVERRIDES)
+
+
+@pytest.mark.parametrize("name", list(RUN_OVERRIDES))
+def test_tiny_run_matches_reference(name, run_reference, tmp_path):
+    expected = run_reference["runs"][name]
+    actual = run_tiny(name, tmp_path / name)
+    assert sorted(expected["train"], key=int) == [str(step) for step in range(1, 11)]  # the recording itself
+    _assert_train(actual["train"], expected["train"], 1e-4, name)
+    _assert_val(actual["val"], expected["val"], RUN_VAL_STEPS, {"abs": 1e-4}, 1e-9, name)
+
+
+def test_demo_validation_curve_matches_reference(tmp_path):
+    expected = json.loads(DEMO_FILE.read_text(encoding="utf-8"))
+    actual = run_demo(tmp_path / "demo")
+    assert sorted(expected["train"], key=int) == [str(step) for step in range(1, DEMO_STEPS + 1)]
+    _assert_train(actual["train"], expected["train"], 1e-3, "demo")
+    _assert_val(actual["val"], expected["val"], DEMO_VAL_STEPS, {"rel": 1e-3}, 1.5 / 128, "demo")
