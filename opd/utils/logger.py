@@ -8,7 +8,10 @@ receives the same flat dictionary for a step:
   ``{"step": N, "time": seconds, "<metric>": value, ...}``, flushed at once;
 * TensorBoard (``logger.tensorboard``), Weights & Biases (``logger.wandb``) and MLflow
   (``logger.mlflow``) get the numeric values as scalars (anything else is skipped);
-* the console gets one progress line per call.
+* the console gets one line per call: ``step 12/50  24% 01:02<03:17,  5.19s/step`` and the
+  record's console metrics. With ``logger.progress_bar`` a terminal gets one in-place
+  `tqdm <https://tqdm.github.io>`_ bar instead (validation results still print as lines),
+  and a log file a step line every 5% of the run.
 
 The optional backends are imported only when switched on; a missing package is a
 :class:`~opd.utils.errors.ConfigError` raised when the :class:`Logger` is built, before
@@ -25,17 +28,27 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError
+from opd.utils.text import first_line
 
 log = logging.getLogger("opd")
 
 METRICS_FILENAME = "metrics.jsonl"
+
+# Outside a terminal, progress_bar mode prints a step line each time the run passes another
+# 1/20 of its steps: every 5%, about 20 lines whatever the run's length.
+_PLAIN_LINES_PER_RUN = 20
+# The terminal bar and the plain lines read alike: step, percentage, elapsed<ETA, rate, metrics.
+_BAR_FORMAT = "step {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}, {rate_fmt}{postfix}"
 
 
 class LoggerConfig(StrictConfig):
@@ -49,7 +62,7 @@ class LoggerConfig(StrictConfig):
         False,
         description="on a terminal, replace the per-step lines with one in-place progress bar showing the "
         "latest step's metrics (validation results still print); elsewhere (CI logs, files) print a step "
-        "line every 5% of the run instead",
+        "line every 5% of the run (and at its first and last step) instead",
     )
     wandb: bool = Field(False, description="log to Weights & Biases (pip install 'opd[wandb]')")
     wandb_project: str = Field("opd", description="W&B project name")
@@ -157,8 +170,11 @@ class Logger:
         self._first_step_time = 0.0
         self._records_written = 0
         self._closed = False
-        self._bar: Any = None  # the tqdm bar of progress_bar mode, created on the first step record
-        self._jsonl = open(self.metrics_path, "a", encoding="utf-8") if config.jsonl else None
+        self._bar: _RunBar | None = None  # progress_bar mode on a terminal; made by the first console record
+        self._bar_logging = ExitStack()  # routes opd's console log messages above the bar while it is drawn
+        self._on_terminal: bool | None = None  # progress_bar mode: decided on the first console record
+        self._last_line_mark: int | None = None  # progress_bar mode outside a terminal: 5% mark of the last line
+        self._jsonl = open(self.metrics_path, "a", encoding="utf-8") if config.jsonl else None  # noqa: SIM115 - open for the whole run
         self._tensorboard: Any = None
         self._tensorboard_writer_cls: Any = None
         self._wandb_run: Any = None
@@ -169,9 +185,7 @@ class Logger:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
                 except ImportError:  # tensorboard is an optional extra
-                    log.warning(
-                        "logger.tensorboard is on but tensorboard is not installed; pip install 'opd[logging]'"
-                    )
+                    log.warning("logger.tensorboard is on but tensorboard is not installed; pip install 'opd[logging]'")
                 else:
                     self._tensorboard_writer_cls = SummaryWriter
                     self._tensorboard = SummaryWriter(log_dir=str(self.tensorboard_dir))
@@ -213,7 +227,7 @@ class Logger:
             )
         except Exception as error:  # wandb raises its own types (no API key, bad project, ...)
             raise ConfigError(
-                f"logger.wandb: could not start a W&B run ({_first_line(error)}); "
+                f"logger.wandb: could not start a W&B run ({first_line(error)}); "
                 "log in with `wandb login`, set WANDB_API_KEY, or use logger.wandb_mode=offline"
             ) from None
 
@@ -235,7 +249,7 @@ class Logger:
             run = client.create_run(experiment_id, run_name=self.config.run_name)
         except Exception as error:  # MlflowException, connection errors, ...
             raise ConfigError(
-                f"logger.mlflow: could not start an MLflow run at {uri!r} ({_first_line(error)})"
+                f"logger.mlflow: could not start an MLflow run at {uri!r} ({first_line(error)})"
             ) from None
         self._mlflow_client = client
         self._mlflow_run_id = run.info.run_id
@@ -282,29 +296,96 @@ class Logger:
             )
             # An explicitly empty selection (e.g. a checkpoint's timing) prints no line at all.
             if shown or console_keys is None:
-                self._print_progress(step, now, shown, is_step_record=any(k.startswith("train/") for k in metrics))
+                self._console(step, now, shown, is_step_record=any(k.startswith("train/") for k in metrics))
 
-    def _print_progress(self, step: int, now: float, shown: str, is_step_record: bool) -> None:
-        """Prints one console record: a line, or (progress_bar mode) an update of the bar."""
+    def _console(self, step: int, now: float, shown: str, is_step_record: bool) -> None:
+        """Shows one record on the console: a plain line, or (progress_bar mode) on the bar.
+
+        Args:
+            step: the record's step.
+            now: ``time.perf_counter()`` when the record arrived.
+            shown: the console metrics, ``"loss=0.5000  kl_forward=0.1235"``.
+            is_step_record: a training step's record (it has ``train/*`` metrics), as
+                opposed to validation or other records, which always print.
+        """
         if not self.config.progress_bar:
-            print(f"{self._progress(step, now)} {shown}".rstrip(), flush=True)
+            print(self._line(step, now, shown), flush=True)
             return
-        if not sys.stdout.isatty():
-            # A carriage-return bar turns into one endless line in a log file: print every 5%.
-            every = max(self.total_steps // 20, 1)
-            if not is_step_record or step % every == 0 or step >= self.total_steps:
-                print(f"{self._progress(step, now)} {shown}".rstrip(), flush=True)
+        if self._on_terminal is None:
+            # Decided once, so one run never mixes the bar with plain lines.
+            self._on_terminal = _is_terminal(sys.stdout)
+        if not self._on_terminal:
+            # A carriage-return bar would be one endless line in a log file: a line every 5% instead.
+            if not is_step_record or self._passes_line_mark(step):
+                print(self._line(step, now, shown), flush=True)
             return
-        if self._bar is None:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=self.total_steps, initial=step if not is_step_record else step - 1,
-                             desc="steps", dynamic_ncols=True, file=sys.stdout)
+        timing = self._timing(step, now)
+        bar = self._bar
+        if bar is None:  # not `self._bar or ...`: a tqdm bar of total 0 is falsy
+            # A resumed run's first step record is the step after the checkpoint: the bar starts there.
+            bar = self._open_bar(initial=step - 1 if is_step_record else step, timing=timing)
+        bar.timing = timing
         if is_step_record:
-            self._bar.update(max(step - self._bar.n, 0))
-            self._bar.set_postfix_str(shown, refresh=True)
+            # n is set rather than update()d so that each record draws the bar exactly once,
+            # with its own metrics, whatever tqdm's redraw interval.
+            bar.n = step
+            bar.set_postfix_str(shown, refresh=True)
         else:
-            self._bar.write(f"step {step}: {shown}")
+            bar.write(f"step {step}: {shown}", file=sys.stdout)
+
+    def _open_bar(self, initial: int, timing: tuple[float, float]) -> _RunBar:
+        """Draws the progress_bar-mode bar on the terminal at step ``initial``."""
+        self._bar = _RunBar(
+            total=self.total_steps,
+            initial=initial,
+            timing=timing,
+            unit="step",
+            bar_format=_BAR_FORMAT,
+            dynamic_ncols=True,
+            file=sys.stdout,
+        )
+        if any(_is_console_handler(handler) for handler in log.handlers):
+            # opd's warnings and checkpoint messages would otherwise land in the middle of the
+            # bar's line; tqdm clears the bar, writes them and redraws it below.
+            self._bar_logging.enter_context(logging_redirect_tqdm(loggers=[log], tqdm_class=_RunBar))
+        return self._bar
+
+    def _timing(self, step: int, now: float) -> tuple[float, float]:
+        """The console's elapsed seconds and rate (steps per second, 0 when not known yet).
+
+        Elapsed time counts from this logger's start. The rate is the mean over the steps
+        logged by this process since its first record, so a resumed run is not credited
+        with the steps it skipped and the ETA (remaining steps / rate) stays honest.
+        """
+        elapsed = now - self.start_time
+        if self._first_step is not None and step > self._first_step and now > self._first_step_time:
+            return elapsed, (step - self._first_step) / (now - self._first_step_time)
+        if step > 0 and elapsed > 0:
+            # The first record of this process comes after one step of work since the start.
+            return elapsed, 1.0 / elapsed
+        return elapsed, 0.0
+
+    def _line(self, step: int, now: float, shown: str) -> str:
+        """``step 12/50  24% 01:02<03:17,  5.19s/step, loss=0.5000``: one plain console line."""
+        elapsed, rate = self._timing(step, now)
+        # The step is padded to the width of the total so that a log's lines align.
+        line_format = _BAR_FORMAT.replace("{n_fmt}", f"{{n_fmt:>{len(str(self.total_steps))}}}")
+        line_format = line_format.replace("|{bar}|", "")
+        return tqdm.format_meter(
+            step, self.total_steps, elapsed, rate=rate, unit="step", bar_format=line_format, postfix=shown or None
+        )
+
+    def _passes_line_mark(self, step: int) -> bool:
+        """Whether a step record gets a line outside a terminal (progress_bar mode).
+
+        It does when it is the first step record of this process, the last step of the
+        run, or the first to pass another 5% of the run since the previous line.
+        """
+        mark = step * _PLAIN_LINES_PER_RUN // max(self.total_steps, 1)
+        if mark == self._last_line_mark and step < self.total_steps:  # the first step finds None here
+            return False
+        self._last_line_mark = mark
+        return True
 
     def _mlflow_log_metrics(self, scalars: dict[str, float | int], step: int) -> None:
         from mlflow.entities import Metric
@@ -315,7 +396,7 @@ class Logger:
         for start in range(0, len(entries), batch):
             self._mlflow_client.log_batch(self._mlflow_run_id, metrics=entries[start : start + batch])
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+    def log_hyperparams(self, params: Mapping[str, Any] | BaseModel) -> None:
         """Records the resolved run config with every backend that keeps hyperparameters.
 
         Nested sections are flattened to dotted keys (``training.learning_rate``). W&B gets
@@ -327,8 +408,8 @@ class Logger:
         """
         if self._closed:
             raise RuntimeError("Logger.log_hyperparams called after close()")
-        if hasattr(params, "model_dump"):
-            params = params.model_dump(mode="json", by_alias=True)  # type: ignore[union-attr]
+        if isinstance(params, BaseModel):
+            params = params.model_dump(mode="json", by_alias=True)
         flat = flatten_dict(params)
         if not flat:
             return
@@ -344,9 +425,7 @@ class Logger:
             for start in range(0, len(entries), batch):
                 self._mlflow_client.log_batch(self._mlflow_run_id, params=entries[start : start + batch])
         if self._tensorboard is not None:
-            rows = "\n".join(
-                f"| {key} | {_param_text(value).replace('|', '&#124;')} |" for key, value in flat.items()
-            )
+            rows = "\n".join(f"| {key} | {_param_text(value).replace('|', '&#124;')} |" for key, value in flat.items())
             self._tensorboard.add_text("config", f"| key | value |\n|---|---|\n{rows}", 0)
             self._tensorboard.flush()
 
@@ -401,36 +480,7 @@ class Logger:
         os.replace(temporary, path)
         self._time_offset = last_time
         if self.config.jsonl:
-            self._jsonl = open(path, "a", encoding="utf-8")
-
-    # ------------------------------------------------------------------ console
-
-    def _progress(self, step: int, now: float | None = None) -> str:
-        """``step 12/50 [####----------------] 01:02<04:05``: position, bar, elapsed and ETA.
-
-        Elapsed time counts from this logger's start. The ETA multiplies the remaining steps
-        by the mean time per step logged by this process (from its first logged step), so a
-        resumed run is not credited with the steps it skipped; ``--:--`` until it is known.
-        """
-        now = time.perf_counter() if now is None else now
-        elapsed = now - self.start_time
-        total = self.total_steps
-        fraction = min(max(step / total, 0.0), 1.0) if total > 0 else 0.0
-        width = 20
-        filled = int(fraction * width)
-        bar = "#" * filled + "-" * (width - filled)
-        remaining = max(total - step, 0)
-        if self._first_step is not None and step > self._first_step:
-            eta = (now - self._first_step_time) / (step - self._first_step) * remaining
-            eta_text = _clock(eta)
-        elif remaining == 0:
-            eta_text = _clock(0.0)
-        elif step > 0:
-            # The first record of this process comes after one step of work since the start.
-            eta_text = _clock(elapsed * remaining)
-        else:
-            eta_text = "--:--"
-        return f"step {step:>{len(str(total))}}/{total} [{bar}] {_clock(elapsed)}<{eta_text}"
+            self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run
 
     # ------------------------------------------------------------------ shutdown
 
@@ -445,6 +495,7 @@ class Logger:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        self._bar_logging.close()  # opd's own console handler is back
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
@@ -456,13 +507,13 @@ class Logger:
             try:
                 run.finish()
             except Exception as error:  # never lose the run's other outputs to a W&B hiccup
-                log.warning("could not finish the W&B run: %s", _first_line(error))
+                log.warning("could not finish the W&B run: %s", first_line(error))
         if self._mlflow_client is not None:
             client, self._mlflow_client = self._mlflow_client, None
             try:
                 client.set_terminated(self._mlflow_run_id, status="FINISHED")
             except Exception as error:
-                log.warning("could not end the MLflow run: %s", _first_line(error))
+                log.warning("could not end the MLflow run: %s", first_line(error))
 
     def __enter__(self) -> Logger:
         return self
@@ -499,17 +550,50 @@ def _param_text(value: Any) -> str:
     return str(value)
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+def _is_terminal(stream: IO[str]) -> bool:
+    """Whether ``stream`` is a terminal that can show a bar.
+
+    False for files, pipes and closed streams, and for a terminal that reports zero
+    columns (a pseudo-terminal nobody sized, as ``script`` makes in CI): tqdm draws
+    nothing there.
+    """
+    try:
+        if not stream.isatty():
+            return False
+    except (AttributeError, ValueError):  # no isatty(), or a closed stream
+        return False
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):  # no file descriptor (an in-memory stream): trust isatty()
+        return True
 
 
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours:d}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+def _is_console_handler(handler: logging.Handler) -> bool:
+    """A logging handler that writes to the console (stdout or stderr), not to a file."""
+    return isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr)
 
 
-def is_main_process() -> bool:
-    """True on the process that owns logging (rank 0 when launched distributed)."""
-    return os.environ.get("RANK", "0") == "0"
+class _RunBar(tqdm):
+    """The progress_bar-mode bar, showing the :class:`Logger`'s elapsed time and rate.
+
+    tqdm would time the bar from its creation and count the resumed step's jump to the
+    first step of this process as instant work; the Logger's timing
+    (:meth:`Logger._timing`) is the one the plain lines show.
+
+    Args:
+        timing: (elapsed seconds, steps per second or 0 when unknown); reassigned to the
+            ``timing`` attribute before each redraw.
+        *args: passed to :class:`tqdm.tqdm`.
+        **kwargs: passed to :class:`tqdm.tqdm`.
+    """
+
+    def __init__(self, *args: Any, timing: tuple[float, float], **kwargs: Any) -> None:
+        self.timing = timing  # set first: tqdm draws the bar from its constructor
+        super().__init__(*args, **kwargs)
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        """tqdm's display fields with the Logger's elapsed time and rate."""
+        values = super().format_dict
+        values["elapsed"], values["rate"] = self.timing
+        return values

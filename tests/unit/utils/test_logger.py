@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -207,8 +210,45 @@ def test_truncate_after_without_file_is_a_no_op(tmp_path):
 # --------------------------------------------------------------------------- console
 
 
-def test_console_line_format(tmp_path, capsys):
+class FakeTerminal(io.StringIO):
+    """A captured stdout that says it is a terminal, so the logger draws its tqdm bar into it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def fake_terminal(monkeypatch) -> FakeTerminal:
+    """Replaces sys.stdout with a FakeTerminal (in the test body: pytest's capture resets sys.stdout
+    after fixtures are set up)."""
+    stream = FakeTerminal()
+    monkeypatch.setattr(sys, "stdout", stream)
+    return stream
+
+
+@pytest.fixture
+def clock(monkeypatch) -> dict[str, float]:
+    """The logger's time.perf_counter, advanced by hand."""
+    now = {"now": 1000.0}
+    monkeypatch.setattr("opd.utils.logger.time.perf_counter", lambda: now["now"])
+    return now
+
+
+def bar_frames(out: str) -> list[str]:
+    """Each drawing of the bar: tqdm redraws in place after a carriage return."""
+    return [frame for line in out.split("\n") for frame in line.split("\r") if frame.startswith("step ")]
+
+
+def frame_steps(frames: list[str], total: int) -> list[int]:
+    return [int(match.group(1)) for frame in frames if (match := re.match(rf"step (\d+)/{total} ", frame))]
+
+
+def line_steps(lines: list[str]) -> list[int]:
+    return [int(re.match(r"step +(\d+)/", line).group(1)) for line in lines]
+
+
+def test_console_line_format(tmp_path, capsys, clock):
     logger = make_logger(tmp_path, total_steps=50, console=True)
+    clock["now"] += 6
     logger.log_metrics({"train/loss": 0.5, "train/kl_forward": 0.123456, "perf/tokens_per_s": 1234.5}, step=12)
     logger.log_metrics({"val/accuracy": 0.25, "val/kl_reverse": 0.5, "timing/validation": 3.0}, step=12,
                        console_keys=["val/accuracy", "val/kl_reverse", "val/missing"])
@@ -217,31 +257,65 @@ def test_console_line_format(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2
     train_line, val_line = lines
-    assert re.match(r"^step 12/50 \[#{4}-{16}\] \d\d:\d\d<\d\d:\d\d ", train_line), train_line
+    # 6 s count as one step (the first record of the process): 38 steps left at 6 s each.
+    assert train_line.startswith("step 12/50  24% 00:06<03:48,  6.00s/step, "), train_line
     assert "loss=0.5000" in train_line and "kl_forward=0.1235" in train_line
     assert "train/" not in train_line
     assert "perf/tokens_per_s=1234" in train_line  # other namespaces keep their prefix
+    assert val_line.startswith("step 12/50  24% "), val_line
     assert "val/accuracy=0.2500" in val_line and "val/kl_reverse=0.5000" in val_line
     assert "timing/validation" not in val_line and "missing" not in val_line
 
 
-def test_console_eta_uses_steps_logged_in_this_process(tmp_path, capsys, monkeypatch):
-    clock = {"now": 1000.0}
-    monkeypatch.setattr("opd.utils.logger.time.perf_counter", lambda: clock["now"])
+def test_console_eta_uses_steps_logged_in_this_process(tmp_path, capsys, clock):
     # A run resumed at step 90 of 100; each step takes 10 s.
     logger = make_logger(tmp_path, total_steps=100, console=True)
-    clock["now"] += 10
-    logger.log_metrics({"train/loss": 1.0}, step=91)
-    clock["now"] += 10
-    logger.log_metrics({"train/loss": 1.0}, step=92)
-    clock["now"] += 10
-    logger.log_metrics({"train/loss": 1.0}, step=93)
+    for step in (91, 92, 93):
+        clock["now"] += 10
+        logger.log_metrics({"train/loss": 1.0}, step=step)
     logger.close()
     lines = capsys.readouterr().out.splitlines()
-    # Averaging over all 93 steps would give about 2 s; the real 10 s/step gives 01:10 for 7 left.
-    assert "00:10<01:30" in lines[0]  # first record: one step of 10 s, 9 steps left
-    assert "00:20<01:20" in lines[1]
-    assert "00:30<01:10" in lines[2]
+    # Averaging over all 93 steps would give about 3 s/step; the real 10 s/step gives 01:10 for 7 left.
+    assert lines[0].startswith("step  91/100  91% 00:10<01:30, 10.00s/step")  # first record: one step of 10 s
+    assert lines[1].startswith("step  92/100  92% 00:20<01:20, 10.00s/step")
+    assert lines[2].startswith("step  93/100  93% 00:30<01:10, 10.00s/step")
+
+
+def test_console_eta_is_unknown_before_the_first_step(tmp_path, capsys, clock):
+    logger = make_logger(tmp_path, total_steps=4, console=True)
+    clock["now"] += 3
+    logger.log_metrics({"val/accuracy": 0.5}, step=0, console_keys=["val/accuracy"])
+    clock["now"] += 2
+    logger.log_metrics({"train/loss": 1.0}, step=1)
+    logger.close()
+    start, first = capsys.readouterr().out.splitlines()
+    assert start.startswith("step 0/4   0% 00:03<?, ?step/s, val/accuracy=0.5000"), start
+    assert first.startswith("step 1/4  25% 00:05<00:06,  2.00s/step, loss=1.0000"), first
+
+
+def test_progress_bar_off_prints_one_plain_line_per_record_even_on_a_terminal(tmp_path, monkeypatch):
+    """logger.progress_bar: false keeps the per-step lines: no bar, no carriage returns."""
+    terminal = fake_terminal(monkeypatch)
+    logger = make_logger(tmp_path, total_steps=10, console=True, progress_bar=False)
+    for step in range(1, 11):
+        logger.log_metrics({"train/loss": 1.0 / step}, step=step)
+    logger.close()
+    out = terminal.getvalue()
+    assert "\r" not in out and "|" not in out
+    lines = out.splitlines()
+    assert line_steps(lines) == list(range(1, 11))
+    assert lines[-1].startswith("step 10/10 100% ") and lines[-1].endswith("loss=0.1000")
+
+
+def test_console_off_prints_nothing(tmp_path, monkeypatch, capsys):
+    terminal = fake_terminal(monkeypatch)
+    logger = make_logger(tmp_path, total_steps=10, console=False, progress_bar=True)
+    for step in range(1, 11):
+        logger.log_metrics({"train/loss": 1.0}, step=step)
+    logger.log_metrics({"val/accuracy": 0.5}, step=10, console_keys=["val/accuracy"])
+    logger.close()
+    assert terminal.getvalue() == ""
+    assert capsys.readouterr().err == ""
 
 
 def test_progress_bar_outside_a_terminal_prints_every_five_percent(tmp_path, capsys):
@@ -252,23 +326,140 @@ def test_progress_bar_outside_a_terminal_prints_every_five_percent(tmp_path, cap
         if step == 50:
             logger.log_metrics({"val/accuracy": 0.5}, step=50, console_keys=["val/accuracy"])
     logger.close()
-    lines = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out
+    assert "\r" not in out
+    lines = out.splitlines()
     step_lines = [line for line in lines if "loss=" in line]
-    assert [int(re.match(r"step +(\d+)/", line).group(1)) for line in step_lines] == list(range(5, 101, 5))
-    assert [line for line in lines if "val/accuracy=0.5000" in line]  # validation always prints
+    assert line_steps(step_lines) == [1, *range(5, 101, 5)]  # the first step, then every 5%
+    assert step_lines[1].startswith("step   5/100   5% ") and step_lines[1].endswith(", loss=0.2000")
+    assert step_lines[-1].startswith("step 100/100 100% ") and step_lines[-1].endswith(", loss=0.0100")
+    val_lines = [line for line in lines if "val/accuracy=0.5000" in line]  # validation always prints
+    assert len(val_lines) == 1 and val_lines[0].startswith("step  50/100  50% ")
+    assert len(lines) == len(step_lines) + 1
 
 
-def test_progress_bar_on_a_terminal_is_one_bar_with_the_latest_metrics(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+def test_progress_bar_outside_a_terminal_with_an_uneven_total(tmp_path, capsys):
+    logger = make_logger(tmp_path, total_steps=7, console=True, progress_bar=True)
+    for step in range(1, 8):
+        logger.log_metrics({"train/loss": 1.0}, step=step)
+    logger.close()
+    # Every step of a 7-step run passes another 5%: each gets its line.
+    assert line_steps(capsys.readouterr().out.splitlines()) == list(range(1, 8))
+
+    logger = make_logger(tmp_path, total_steps=1000, console=True, progress_bar=True)
+    for step in range(1, 1000):  # a run stopped before its last step ends on its last 5% line
+        logger.log_metrics({"train/loss": 1.0}, step=step)
+    logger.close()
+    assert line_steps(capsys.readouterr().out.splitlines()) == [1, *range(50, 1000, 50)]
+
+
+def test_progress_bar_outside_a_terminal_resumed_starts_at_the_resumed_step(tmp_path, capsys, clock):
+    logger = make_logger(tmp_path, total_steps=100, console=True, progress_bar=True)
+    logger.truncate_after(90)
+    for step in range(91, 101):
+        clock["now"] += 10
+        logger.log_metrics({"train/loss": 1.0}, step=step)
+    logger.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert line_steps(lines) == [91, 95, 100]
+    assert lines[1].startswith("step  95/100  95% 00:50<00:50, 10.00s/step")
+
+
+def test_progress_bar_on_a_terminal_is_one_bar_with_the_latest_metrics(tmp_path, monkeypatch):
+    terminal = fake_terminal(monkeypatch)
     logger = make_logger(tmp_path, total_steps=20, console=True, progress_bar=True)
     logger.log_metrics({"val/accuracy": 0.25}, step=0, console_keys=["val/accuracy"])
     for step in range(1, 21):
-        logger.log_metrics({"train/loss": float(step)}, step=step)
+        logger.log_metrics({"train/loss": float(step), "perf/tokens_per_s": 100.0}, step=step,
+                           console_keys=["train/loss", "perf/tokens_per_s"])
+    logger.log_metrics({"val/accuracy": 0.75}, step=20, console_keys=["val/accuracy"])
     logger.close()
-    out = capsys.readouterr().out
-    assert "step 0: val/accuracy=0.2500" in out  # written above the bar, not into it
-    assert "20/20" in out and "loss=20.0000" in out
-    assert "step 20/20 [" not in out  # no per-step lines
+    out = terminal.getvalue()
+    assert "\r" in out  # drawn in place
+    # Validation results are written above the bar, each on a line of its own.
+    assert "\nstep 0: val/accuracy=0.2500\n" in out.replace("\r", "\n")
+    assert "\nstep 20: val/accuracy=0.7500\n" in out.replace("\r", "\n")
+    frames = bar_frames(out)
+    steps = frame_steps(frames, 20)
+    assert steps[0] == 0 and steps[-1] == 20  # the bar starts at the validation's step 0
+    assert steps == sorted(steps) and set(range(21)) <= set(steps)  # every step is drawn, in order
+    final = frames[-1]
+    assert re.match(r"step 20/20 100%\|#+\| \d\d:\d\d<00:00, +[\d.]+(step/s|s/step), ", final), final
+    assert final.endswith(", loss=20.0000  perf/tokens_per_s=100")
+    assert out.endswith("\n")  # close() leaves the final bar on its own line
+    assert not [line for line in out.split("\n") if line.startswith("step 20/20 100% 0")]  # no plain lines
+
+
+def test_progress_bar_on_a_terminal_resumed_starts_at_the_resumed_step(tmp_path, monkeypatch, clock):
+    terminal = fake_terminal(monkeypatch)
+    logger = make_logger(tmp_path, total_steps=100, console=True, progress_bar=True)
+    logger.truncate_after(90)
+    for step in range(91, 94):
+        clock["now"] += 10
+        logger.log_metrics({"train/loss": 1.0}, step=step)
+    logger.close()
+    frames = bar_frames(terminal.getvalue())
+    steps = frame_steps(frames, 100)
+    assert steps[0] == 90 and min(steps) == 90 and steps[-1] == 93
+    # The ETA counts only the steps run by this process: 10 s each.
+    assert [frame for frame in frames if frame.startswith("step 93/100  93%|")][-1].split("| ")[1].startswith(
+        "00:30<01:10, 10.00s/step, loss=1.0000"
+    )
+
+
+@pytest.mark.parametrize("columns", [100, 0])
+def test_progress_bar_on_a_real_pseudo_terminal(tmp_path, monkeypatch, columns):
+    """A sized terminal gets the bar; one that reports zero columns (where tqdm draws nothing) gets lines."""
+    pytest.importorskip("termios", reason="needs a POSIX pseudo-terminal")
+    import fcntl
+    import select
+    import struct
+    import termios
+
+    main_fd, terminal_fd = os.openpty()
+    try:
+        with open(terminal_fd, "w", encoding="utf-8") as terminal:
+            fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+            monkeypatch.setattr(sys, "stdout", terminal)
+            # Few steps: the pseudo-terminal holds only a few KB until it is read below.
+            logger = make_logger(tmp_path, total_steps=20, console=True, progress_bar=True)
+            for step in range(1, 21):
+                logger.log_metrics({"train/loss": 1.0}, step=step)
+            logger.close()
+            terminal.flush()
+            monkeypatch.undo()  # sys.stdout is pytest's again before this stream is closed
+            chunks = []
+            while select.select([main_fd], [], [], 0.5)[0]:
+                chunks.append(os.read(main_fd, 65536))
+    finally:
+        os.close(main_fd)
+    out = b"".join(chunks).decode("utf-8").replace("\r\n", "\n")  # the terminal turns \n into \r\n
+    if columns:
+        frames = bar_frames(out)
+        assert "\r" in out and frame_steps(frames, 20)[-1] == 20
+        assert len(frames[-1]) <= columns and frames[-1].endswith(", loss=1.0000")
+    else:
+        assert "\r" not in out
+        assert line_steps(out.splitlines()) == list(range(1, 21))  # each step of 20 is another 5%
+
+
+def test_progress_bar_routes_opd_log_messages_above_the_bar(tmp_path, monkeypatch):
+    """A warning while the bar is drawn clears the bar, prints, and redraws it (tqdm.write)."""
+    terminal = fake_terminal(monkeypatch)
+    errors = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", errors)
+    opd_log = logging.getLogger("opd")
+    handler = logging.StreamHandler(sys.stderr)
+    monkeypatch.setattr(opd_log, "handlers", [handler])
+    monkeypatch.setattr(opd_log, "propagate", False)
+    logger = make_logger(tmp_path, total_steps=10, console=True, progress_bar=True)
+    logger.log_metrics({"train/loss": 1.0}, step=1)
+    drawn = len(frame_steps(bar_frames(terminal.getvalue()), 10))
+    opd_log.warning("checkpoint written")
+    assert "checkpoint written\n" in errors.getvalue()
+    assert len(frame_steps(bar_frames(terminal.getvalue()), 10)) == drawn + 1  # redrawn below the message
+    logger.close()
+    assert opd_log.handlers == [handler]  # the console handler is back once the bar is gone
 
 
 # --------------------------------------------------------------------------- optional backends
