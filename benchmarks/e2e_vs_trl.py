@@ -30,8 +30,8 @@ How the comparison is made fair:
   table shows each framework's mean response length so any difference is visible;
 * identical objective: TRL computes ``generalized_jsd_loss(beta)`` with its default
   temperature 1 (``compute_loss`` does not pass ``args.temperature``, which only sets the
-  sampling temperature), so opd runs ``loss_fn.divergence=jsd, jsd_beta=β,
-  distillation.kl_temperature=1``; both average over response tokens;
+  sampling temperature), so opd runs ``loss_fn.type=jsd, loss_fn.beta=β,
+  loss_fn.temperature=1``; both average over response tokens;
 * identical optimisation: per-device batch = opd ``training.batch_size``, one forward /
   backward per step (no accumulation), the fused ``torch.optim.AdamW`` kernel with the
   same lr, betas, eps and weight decay 0 (TRL's default ``adamw_torch_fused``, opd's
@@ -110,7 +110,7 @@ SMALL_VOCAB_TARGET = 2048
 STUDENT_PRESET, TEACHER_PRESET = "student", "teacher"
 """opd tiny presets: student hidden 64 × 2 layers, teacher hidden 128 × 4 layers."""
 JSD_BETA = 0.5
-"""TRL's default β; opd's ``loss_fn.jsd_beta`` gets the same value."""
+"""TRL's default β; opd's ``loss_fn.beta`` gets the same value."""
 SAMPLING_TEMPERATURE = 0.9
 """TRL's default ``temperature`` (sampling only); opd's ``generate_strategy.temperature``."""
 LEARNING_RATE = 1e-5
@@ -441,8 +441,6 @@ def opd_config_tree(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         },
         "distillation": {
             "lambda": 1.0,
-            "kl_temperature": 1.0,  # TRL's compute_loss uses temperature 1 in the loss
-            "kl_reduction": "mean",
             "num_samples_per_prompt": 1,
             "generate_strategy": {
                 "max_length": args.max_new_tokens,
@@ -451,7 +449,8 @@ def opd_config_tree(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
                 "top_p": 1.0,
             },
         },
-        "loss_fn": {"type": "full_vocab", "divergence": "jsd", "jsd_beta": JSD_BETA},
+        # temperature 1: TRL's compute_loss uses temperature 1 in the loss.
+        "loss_fn": {"type": "jsd", "beta": JSD_BETA, "temperature": 1.0, "reduction": "mean"},
         # Compiled during the warm-up steps; see the module docstring.
         "generation": {"decode_loop": "opd", "compile_decode": True},
         "training": {
@@ -488,13 +487,15 @@ def run_opd(args: argparse.Namespace) -> dict[str, Any]:
     """One opd run; returns per-step timings (from metrics.jsonl), tokens and peak RSS."""
     import torch
 
-    from opd.algorithms.distillation import MasterConfig, distillation_train, setup
+    from opd.algorithms.distillation import distillation_train
+    from opd.algorithms.distillation_config import MasterConfig
+    from opd.algorithms.distillation_setup import setup
     from opd.utils.config import validate_config
 
     run_dir = Path(args.workdir) / f"opd_out_{args.size}_{args.run_index}"
     config = validate_config(MasterConfig, opd_config_tree(args, run_dir))
     parts = setup(config)
-    logger = parts[7]
+    logger = parts.logger
     total_steps = args.warmup + args.steps
     peak = _PeakTracker()
     step_ends: list[float] = []
@@ -511,7 +512,7 @@ def run_opd(args: argparse.Namespace) -> dict[str, Any]:
 
     logger.log_metrics = timed_log_metrics  # type: ignore[method-assign]
     peak.start_training()
-    distillation_train(*parts)
+    distillation_train(**parts.as_arguments())
 
     steps = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = [record for record in steps if "timing/step" in record]
@@ -546,12 +547,12 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd.algorithms.compiled_kernels import resolve_compile_kernels
-    from opd.algorithms.fused_lm_head import LMHeadInput, final_hidden_states, output_head_of
-    from opd.algorithms.loss_functions import DistillationLossFn, shift_token_mask
+    from opd.algorithms.loss_functions import DistillationLossFn
     from opd.data.batched_data_dict import BatchedDataDict
-    from opd.data.sequences import attention_mask_from_lengths, build_token_mask, encode_prompt
+    from opd.data.sequences import attention_mask_from_lengths, build_token_mask, encode_prompt, shift_token_mask
     from opd.models.generation.config import GenerateStrategyConfig
     from opd.models.generation.decode_loop import compile_decode_step, decode
+    from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of
 
     torch.manual_seed(SEED)
     workdir = Path(args.workdir)
@@ -657,8 +658,8 @@ def _objective_check(student: Any, teacher: Any, batch: Any, mask: Any, loss_fn:
     import torch
     from trl.experimental.gkd import GKDTrainer
 
-    from opd.algorithms.fused_lm_head import LMHeadInput, final_hidden_states, output_head_of
-    from opd.algorithms.loss_functions import shift_token_mask
+    from opd.data.sequences import shift_token_mask
+    from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of
 
     ids = batch["input_ids"]
     with torch.no_grad():

@@ -172,8 +172,9 @@ def _loss_functions(chunk_rows: int | None) -> dict[str, Callable[..., Any]]:
     def opd_loss(hidden, weight, teacher_hidden, teacher_weight):
         import functools
 
-        from opd.algorithms.fused_lm_head import LMHeadInput, chunked_lm_head_loss
+        from opd.algorithms.fused_lm_head import chunked_lm_head_loss
         from opd.algorithms.loss_functions import full_vocab_divergence_with_grad, generalized_jsd
+        from opd.models.lm_head import LMHeadInput
 
         tokens = hidden.shape[0]
         # Weight 1/N per position: the mean over positions, as TRL's batchmean and the naive mean.
@@ -228,7 +229,7 @@ def run_worker(method: str, tokens: int, cap_gib: float, chunk_rows: int | None,
     if method == "trl":
         record["trl_function"] = _trl_generalized_jsd_loss()[1]
     if method == "opd":
-        from opd.algorithms.fused_lm_head import default_chunk_rows
+        from opd.models.lm_head import default_chunk_rows
 
         record["chunk_rows"] = chunk_rows or default_chunk_rows(VOCAB)
 

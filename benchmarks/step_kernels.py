@@ -37,11 +37,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from timing import median_seconds  # noqa: E402
-from opd.algorithms.fused_lm_head import LMHeadInput  # noqa: E402
 from opd.algorithms.loss_functions import DistillationLossFn  # noqa: E402
 from opd.models.generation.config import GenerateStrategyConfig  # noqa: E402
 from opd.models.generation.decode_loop import compile_decode_step, decode  # noqa: E402
 from opd.models.generation.sampling import sample_from_probs  # noqa: E402
+from opd.models.lm_head import LMHeadInput  # noqa: E402
 from opd.models.tiny import build_model_for_tokenizer, build_tiny_tokenizer  # noqa: E402
 
 VOCABULARIES = (2048, 151_669)

@@ -2,7 +2,7 @@
 
 Every setting distils the demo student (``examples/demo/models/student``) from the demo
 teacher with ``examples/configs/demo.yaml`` and one change: ``distillation.lambda`` ∈
-{0, 0.5, 1} × ``distillation.kl_type`` ∈ {forward, reverse, mixed}. The baseline is
+{0, 0.5, 1} × ``loss_fn.kl_type`` ∈ {forward, reverse, mixed}. The baseline is
 sequence-level distillation: plain SFT of the same student on the teacher's own greedy
 answers to the training prompts (same optimizer, learning rate and batch size).
 
@@ -120,7 +120,7 @@ def make_teacher_answers(prompts: int, root: Path) -> tuple[Path, float]:
             return path, meta["seconds"]
     import torch
 
-    from opd.algorithms.distillation import MasterConfig
+    from opd.algorithms.distillation_config import MasterConfig
     from opd.data.converters import load_prompt_template, math_cl_to_chat
     from opd.data.dataloaders import prepare_examples
     from opd.models.generation.hf_generation import HFGeneration
@@ -154,7 +154,7 @@ def make_teacher_answers(prompts: int, root: Path) -> tuple[Path, float]:
 
 def sft_setting(name: str, answers: Path, budget: list[str], root: Path) -> dict:
     """SFT of the demo student on teacher answers, with the demo's optimizer settings."""
-    from opd.algorithms.distillation import MasterConfig
+    from opd.algorithms.distillation_config import MasterConfig
     from opd.utils.config import load_config
 
     demo = load_config(MasterConfig, str(CONFIG), [])
@@ -186,7 +186,7 @@ def main() -> None:
     if not (TASK / "test.jsonl").is_file():
         subprocess.run([sys.executable, str(REPO / "examples" / "data" / "make_arithmetic_task.py")], check=True)
 
-    from opd.algorithms.distillation import MasterConfig
+    from opd.algorithms.distillation_config import MasterConfig
     from opd.utils.config import load_config
 
     batch_size = load_config(MasterConfig, str(CONFIG), []).training.batch_size
@@ -200,13 +200,13 @@ def main() -> None:
         for lam in LAMBDAS:
             for kl in KL_TYPES:
                 name = f"{budget_name}/lambda{lam:g}_{kl}"
-                overrides = [f"distillation.lambda={lam}", f"distillation.kl_type={kl}"]
+                overrides = [f"distillation.lambda={lam}", f"loss_fn.kl_type={kl}"]
                 jobs.append((budget_name, lambda n=name, o=overrides, b=budget_overrides(steps, seconds):
                              distillation_setting(n, o, b, args.out)))
         if seconds is None:
             # The demo samples greedily; this row shows what temperature-1 sampling does instead.
             jobs.append((budget_name, lambda b=budget_overrides(steps, None): distillation_setting(
-                "steps/lambda1_forward_temp1", ["distillation.lambda=1.0", "distillation.kl_type=forward",
+                "steps/lambda1_forward_temp1", ["distillation.lambda=1.0", "loss_fn.kl_type=forward",
                                                 "distillation.generate_strategy.decoding_method=top_p",
                                                 "distillation.generate_strategy.temperature=1.0"], b, args.out)))
 

@@ -60,14 +60,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from opd.algorithms.distillation import MasterConfig  # noqa: E402
-from opd.algorithms.loss_functions import KL_TYPES, shift_token_mask, token_kl, topk_token_kl  # noqa: E402
+from opd.algorithms.distillation_config import MasterConfig  # noqa: E402
+from opd.algorithms.loss_functions import KL_TYPES, token_kl, topk_token_kl  # noqa: E402
 from opd.data.dataloaders import prepare_examples  # noqa: E402
 from opd.data.datasets import load_chat_dataset  # noqa: E402
-from opd.data.sequences import attention_mask_from_lengths, build_token_mask  # noqa: E402
+from opd.data.sequences import attention_mask_from_lengths, build_token_mask, shift_token_mask  # noqa: E402
 from opd.models.generation.config import GenerateStrategyConfig  # noqa: E402
 from opd.models.generation.hf_generation import HFGeneration  # noqa: E402
-from opd.models.loading import check_tokenizer_compatibility, freeze, load_tokenizer  # noqa: E402
+from opd.models.loading import check_tokenizer_compatibility, load_tokenizer  # noqa: E402
 from opd.utils.config import load_config  # noqa: E402
 
 DEFAULT_CONFIG = REPO / "examples" / "configs" / "demo.yaml"
@@ -339,8 +339,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
     transformers_logging.disable_progress_bar()  # keep the report free of loading bars
-    teacher = freeze(AutoModelForCausalLM.from_pretrained(teacher_path, dtype=torch.float32))
-    student = freeze(AutoModelForCausalLM.from_pretrained(student_path, dtype=torch.float32))
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_path, dtype=torch.float32).eval().requires_grad_(False)
+    student = AutoModelForCausalLM.from_pretrained(student_path, dtype=torch.float32).eval().requires_grad_(False)
 
     prompts = load_test_prompts(config, tokenizer, args.num_prompts)
     strategy = decoding_strategy(args.decoding, config.distillation.generate_strategy.max_length)

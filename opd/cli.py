@@ -17,8 +17,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from opd.utils.errors import OpdError, TrainingDivergedError
+
+if TYPE_CHECKING:  # importing the logger pulls in torch; `opd --help` should not wait for it
+    from opd.utils.logger import LoggerConfig
 
 EXIT_USER_ERROR = 2
 EXIT_TRAINING_FAILED = 1
@@ -43,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(sft)
     plot = commands.add_parser("plot", help="draw curves.png and summary.txt from a run's metrics.jsonl")
     plot.add_argument("arguments", nargs=argparse.REMAINDER, help="LOG_DIR_OR_JSONL [--output PNG]")
-    serve = commands.add_parser("serve-teacher", help="serve a teacher's prompt log-probs over HTTP (127.0.0.1)",
-                                add_help=False)
+    serve = commands.add_parser(
+        "serve-teacher", help="serve a teacher's prompt log-probs over HTTP (127.0.0.1)", add_help=False
+    )
     serve.add_argument("arguments", nargs=argparse.REMAINDER, help="--model DIR [--port 8000] ... (see --help)")
     return parser
 
@@ -66,7 +71,10 @@ def quiet_third_party_output() -> None:
 def run_train(config_path: str, overrides: list[str], val_only: bool = False) -> None:
     """Loads and validates the config, then trains (or only validates, for ``opd eval``)."""
     # Imported here so that `opd --help` and config errors do not pay for importing torch.
-    from opd.algorithms.distillation import MasterConfig, close_generation, distillation_train, evaluate, setup
+    from opd.algorithms.distillation import distillation_train
+    from opd.algorithms.distillation_config import MasterConfig
+    from opd.algorithms.distillation_setup import setup
+    from opd.algorithms.evaluation import evaluate
     from opd.utils.config import load_config
 
     _prepare_console()
@@ -74,11 +82,11 @@ def run_train(config_path: str, overrides: list[str], val_only: bool = False) ->
     if val_only or config.val_only:
         evaluate(config)
         return
-    parts = setup(config)
+    components = setup(config)
     try:
-        distillation_train(*parts)
+        distillation_train(**components.as_arguments())
     finally:
-        close_generation(parts[2])  # a vLLM engine: a later run in this process opens its own
+        components.close()  # a vLLM engine: a later run in this process opens its own
     _draw_curves(config.logger)
 
 
@@ -89,7 +97,7 @@ def run_sft(config_path: str, overrides: list[str]) -> None:
 
     _prepare_console()
     config = load_config(SFTMasterConfig, config_path, overrides)
-    sft_train(*setup(config))
+    sft_train(**setup(config).as_arguments())
     _draw_curves(config.logger)
 
 
@@ -100,12 +108,12 @@ def _prepare_console() -> None:
     quiet_third_party_output()
 
 
-def _draw_curves(logger_config: "object") -> None:
+def _draw_curves(logger_config: LoggerConfig) -> None:
     """Writes summary.txt and curves.png next to metrics.jsonl; a failure here is only a warning."""
     from opd.utils.plotting import plot_curves, write_summary
 
-    metrics_file = Path(logger_config.log_dir) / "metrics.jsonl"  # type: ignore[attr-defined]
-    if not (logger_config.jsonl and metrics_file.is_file()):  # type: ignore[attr-defined]
+    metrics_file = Path(logger_config.log_dir) / "metrics.jsonl"
+    if not (logger_config.jsonl and metrics_file.is_file()):
         return
     # The run itself succeeded; a plot that cannot be drawn must not turn it into an error.
     try:

@@ -110,6 +110,7 @@ def served_and_in_process_losses(loss: str, kl_type: str, batch, student, remote
         loss_fn = SampledTokenLossFn(vocab_size=vocab)
     logits = student(input_ids=batch["input_ids"]).logits.detach()
     valid = int(batch["token_mask"][:, 1:].sum())
-    served, _ = loss_fn(logits, batch, valid, batch.size, teacher_output=loss_fn.query_teacher(remote, batch))
-    in_process, _ = loss_fn(logits, batch, valid, batch.size, teacher_output=loss_fn.query_teacher(local, batch))
+    request = loss_fn.teacher_request
+    served, _ = loss_fn(logits, batch, valid, batch.size, teacher_output=remote.score(batch, request))
+    in_process, _ = loss_fn(logits, batch, valid, batch.size, teacher_output=local.score(batch, request))
     return served, in_process

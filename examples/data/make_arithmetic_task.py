@@ -10,7 +10,7 @@ column by column from the right, with carries, the way a person would:
 So 347+589=936. </think> <answer> \\boxed{936} </answer>
 
 Train / validation / test splits are disjoint (no problem appears twice), and the output
-is deterministic for a given seed. ``python -m opd.data.converters`` or
+is deterministic for a given seed. ``python -m opd.data.convert_math_cl`` or
 ``data.data_format: math_cl`` turns rows into chat examples with the prompt.
 
 Usage: ``python examples/data/make_arithmetic_task.py [--digits 3] [--out-dir DIR]``

@@ -44,7 +44,7 @@ def main() -> None:
         subprocess.run([sys.executable, str(REPO / "examples" / "data" / "make_arithmetic_task.py")], check=True)
     if not (HINTS / "test.jsonl").is_file():
         write_hint_data()
-    from opd.algorithms.distillation import MasterConfig
+    from opd.algorithms.distillation_config import MasterConfig
     from opd.utils.config import load_config
     from opd.utils.errors import OpdError
 

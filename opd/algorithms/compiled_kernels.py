@@ -18,7 +18,8 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar, cast
 
 import torch
 
@@ -30,7 +31,7 @@ KernelT = TypeVar("KernelT", bound=Callable[..., object])
 @functools.cache
 def compiled(kernel: KernelT) -> KernelT:
     """``kernel`` compiled once per process (dynamic in the number of positions)."""
-    return torch.compile(kernel, dynamic=True)  # type: ignore[return-value]
+    return cast(KernelT, torch.compile(kernel, dynamic=True))
 
 
 def kl_metrics_from_logits(
@@ -100,6 +101,7 @@ def resolve_compile_kernels(setting: bool | str, device_type: str, key: str = "l
     if setting == "auto":
         return problem is None
     if setting and problem is not None:
-        raise ConfigError(f"{key}: true cannot work on {device_type}: {problem}; "
-                          f"install it or set {key} to auto or false")
+        raise ConfigError(
+            f"{key}: true cannot work on {device_type}: {problem}; install it or set {key} to auto or false"
+        )
     return bool(setting)

@@ -22,104 +22,12 @@ Values and gradients equal the unfused computation's to floating-point rounding.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-ROWS_BUDGET_ELEMENTS = 2**25
-"""Default chunk size in logits elements (``chunk_rows × vocab``): 128 MiB per fp32
-``[chunk × vocab]`` tensor, a few of which are alive while a chunk is processed."""
-
-# Configs that change logits after the head's matmul; the fused path would skip them.
-_LOGIT_TRANSFORM_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-
-
-@dataclass
-class LMHeadInput:
-    """Final hidden states and the output layer that turns them into logits.
-
-    Attributes:
-        hidden_states: ``[..., D]`` hidden states after the model's final norm.
-        weight: ``[V, D]`` output-embedding (``lm_head``) weight.
-        bias: ``[V]`` output bias, or None (most LLMs have none).
-        vocab_size: if set, only the first ``vocab_size`` outputs are real tokens (padded
-            output layers); the rest are never computed.
-    """
-
-    hidden_states: torch.Tensor
-    weight: torch.Tensor
-    bias: torch.Tensor | None = None
-    vocab_size: int | None = None
-
-    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The weight and bias cut to the real vocabulary (views, no copy)."""
-        if self.vocab_size is None:
-            return self.weight, self.bias
-        bias = self.bias[: self.vocab_size] if self.bias is not None else None
-        return self.weight[: self.vocab_size], bias
-
-    def select(self, mask: torch.Tensor) -> "LMHeadInput":
-        """The same head over the hidden-state rows where ``mask`` is True (``[N, D]``)."""
-        return LMHeadInput(self.hidden_states[mask], self.weight, self.bias, self.vocab_size)
-
-    def logits(self, rows: slice | None = None) -> torch.Tensor:
-        """The logits of ``hidden_states[rows]`` (all rows if None)."""
-        weight, bias = self.head()
-        hidden = self.hidden_states if rows is None else self.hidden_states[rows]
-        return _linear(hidden, weight, bias)
-
-
-def _linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.nn.functional.linear(hidden, weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype))
-
-
-def output_head_of(model: torch.nn.Module, model_name: str = "model") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ``lm_head`` weight and bias of a Hugging Face causal LM, for the fused path.
-
-    Raises:
-        ValueError: if the model transforms its logits after the head (soft-capping,
-            scaling) or has no plain linear output layer: the fused path would compute a
-            different distribution than the model's own ``forward``.
-    """
-    config = getattr(model, "config", None)
-    for attribute in _LOGIT_TRANSFORM_ATTRIBUTES:
-        value = getattr(config, attribute, None)
-        if value not in (None, 1, 1.0):
-            raise ValueError(
-                f"{model_name} sets config.{attribute} = {value}, which the fused LM-head loss does not apply; "
-                "set loss_fn.fused_lm_head = false"
-            )
-    head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        raise ValueError(
-            f"{model_name}'s output layer is {type(head).__name__}, not a linear layer; "
-            "set loss_fn.fused_lm_head = false"
-        )
-    return head.weight, head.bias
-
-
-def final_hidden_states(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The hidden states that a causal LM's ``lm_head`` would read (after the final norm).
-
-    Runs the decoder alone (``model.get_decoder()``), so no logits are computed. Packed
-    sequences pass ``position_ids`` and no attention mask.
-    """
-    return model.get_decoder()(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state
-
-
-def default_chunk_rows(vocab_size: int) -> int:
-    """Positions per chunk so that one ``[chunk × vocab]`` fp32 tensor is 128 MiB."""
-    return max(1, math.ceil(ROWS_BUDGET_ELEMENTS / max(vocab_size, 1)))
-
+from opd.models.lm_head import LMHeadInput, default_chunk_rows, linear_logits
 
 RowInputs = tuple[Any, ...]
 """Per-position inputs of the divergence (teacher logits, top-k log-probs and ids, target
@@ -151,7 +59,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     """Σ_i w_i · divergence_i with the gradients made in forward, chunk by chunk."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -173,14 +81,14 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             chunk_hidden = hidden[rows]
             chunk_inputs = tuple(_chunk_of(row_input, rows) for row_input in row_inputs)
             if value_and_grad is not None:
-                logits = _linear(chunk_hidden, weight, bias)
+                logits = linear_logits(chunk_hidden, weight, bias)
                 losses, grad_logits = value_and_grad(logits, *chunk_inputs)
                 chunk_weights = position_weights[rows].to(losses.dtype)
                 chunk_total = (losses * chunk_weights).sum()
                 grad_logits.mul_(chunk_weights.unsqueeze(-1))
             else:
                 with torch.enable_grad():
-                    logits = _linear(chunk_hidden, weight, bias).detach().requires_grad_(True)
+                    logits = linear_logits(chunk_hidden, weight, bias).detach().requires_grad_(True)
                     losses = divergence(logits, *chunk_inputs)
                     chunk_total = (losses * position_weights[rows].to(losses.dtype)).sum()
                     (grad_logits,) = torch.autograd.grad(chunk_total, logits)
@@ -199,14 +107,19 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             del grad_logits
         # Kept on ctx rather than save_for_backward: backward hands them to autograd and
         # drops its own reference, so the weight's gradient is adopted, not copied.
-        ctx.gradients = (grad_hidden, grad_weight.to(weight.dtype),
-                         grad_bias.to(bias.dtype) if grad_bias is not None else None)
+        ctx.gradients = (
+            grad_hidden,
+            grad_weight.to(weight.dtype),
+            grad_bias.to(bias.dtype) if grad_bias is not None and bias is not None else None,
+        )
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
         if ctx.gradients is None:
-            raise RuntimeError("chunked_lm_head_loss supports one backward pass per forward (its gradients were handed over)")
+            raise RuntimeError(
+                "chunked_lm_head_loss supports one backward pass per forward (its gradients were handed over)"
+            )
         grad_hidden, grad_weight, grad_bias = ctx.gradients
         ctx.gradients = None
         # The loss is usually the graph's root (grad_output = 1): hand the saved gradients
@@ -223,7 +136,12 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             scaled(grad_hidden, ctx.needs_input_grad[0]),
             scaled(grad_weight, ctx.needs_input_grad[1]),
             scaled(grad_bias, ctx.needs_input_grad[2]),
-            None, None, None, None, None, None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
         )
 
 

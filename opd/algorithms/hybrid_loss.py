@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from opd.algorithms.loss_functions import _global_normalizer, _rows, shift_token_mask
+from opd.models.interfaces import FullVocabRequest, LossFunction, TeacherRequest
 
 
-class FullVocabHybridLossFn:
+class FullVocabHybridLossFn(LossFunction):
     """``loss_fn.type: hybrid_full_vocab`` (see the module docstring).
 
     Args:
@@ -54,9 +55,15 @@ class FullVocabHybridLossFn:
         self.kl_reduction = kl_reduction
         self.vocab_size = vocab_size
 
-    def query_teacher(self, teacher: Any, data: Any) -> torch.Tensor:
-        """The teacher's full-vocabulary logits for micro-batch ``data``."""
-        return teacher.get_logits(data)
+    @property
+    def teacher_request(self) -> TeacherRequest:
+        """The teacher's full-vocabulary logits (the sampled tokens' log-probs need the student's too)."""
+        return FullVocabRequest()
+
+    @property
+    def needs_task_reward(self) -> bool:
+        """Whether ``adv_tau`` weighs a task reward in."""
+        return self.adv_tau != 0.0
 
     def __call__(
         self,

@@ -3,13 +3,14 @@
 Two layers:
 
 * Pure tensor kernels (:func:`token_kl`, :func:`generalized_jsd`, :func:`topk_token_kl`,
-  :func:`sampled_token_advantages`, :func:`sampled_token_pg_loss`, :func:`shift_token_mask`)
+  :func:`sampled_token_advantages`, :func:`sampled_token_pg_loss`; the mask shift
+  :func:`~opd.data.sequences.shift_token_mask` is re-exported here)
   with no config and no I/O, so other frameworks can call them. They follow the
   next-token convention used everywhere in opd: the logits at position ``t`` predict
   token ``t + 1``.
 * Loss-function objects (:class:`DistillationLossFn`, :class:`SampledTokenLossFn`,
   :class:`NLLLossFn`) that the trainer calls per micro-batch. They say what they need
-  from the teacher (``query_teacher``), select the positions that carry loss, call the
+  from the teacher (``teacher_request``), select the positions that carry loss, call the
   kernels (directly on logits, or chunk by chunk fused with the LM head, see
   :mod:`opd.algorithms.fused_lm_head`), and normalise by the number of valid tokens (or
   sequences) of the *global* batch, so gradient accumulation gives the same gradient as
@@ -25,32 +26,26 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 
 from opd.algorithms.compiled_kernels import compiled, kl_metrics_from_logits
-from opd.algorithms.fused_lm_head import LMHeadInput, chunked_lm_head_loss
+from opd.algorithms.fused_lm_head import chunked_lm_head_loss
+from opd.data.sequences import shift_token_mask  # re-exported: part of the kernel API
+from opd.models.interfaces import (
+    FullVocabRequest,
+    LossFunction,
+    TeacherRequest,
+    TokenLogprobsRequest,
+    TopKRequest,
+)
+from opd.models.lm_head import LMHeadInput, token_log_probs
 
 KLType = Literal["forward", "reverse", "mixed"]
 KL_TYPES: tuple[str, ...] = ("forward", "reverse", "mixed")
 KLReduction = Literal["mean", "sum"]
-
-
-def shift_token_mask(token_mask: torch.Tensor) -> torch.Tensor:
-    """Aligns a per-token loss mask with next-token logits.
-
-    ``token_mask[b, t]`` is 1 when token ``t`` carries loss. That token is predicted by
-    the logits at position ``t - 1``, so the mask for ``logits[:, :-1]`` is
-    ``token_mask[:, 1:]``. This is the one place where opd shifts masks.
-
-    Args:
-        token_mask: ``[B, L]`` 0/1 mask over the tokens of ``input_ids``.
-
-    Returns:
-        ``[B, L - 1]`` mask over the logit positions ``0 .. L - 2``.
-    """
-    return token_mask[:, 1:]
 
 
 def _plogp_difference(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -298,7 +293,8 @@ def topk_token_kl(
         return _combine(
             log_q - torch.logsumexp(log_q, dim=-1, keepdim=True),
             log_p - torch.logsumexp(log_p, dim=-1, keepdim=True),
-            kl_type, mixed_kl_weight,
+            kl_type,
+            mixed_kl_weight,
         )
     in_topk = torch.zeros_like(log_q_full, dtype=torch.bool).scatter_(-1, teacher_topk_ids, True)
     # Student rest mass as a logsumexp over the other tokens: exact even when Σ_k Q ≈ 1.
@@ -313,8 +309,9 @@ def topk_token_kl(
     # teacher "rest" left by rounding is not mass the student could match.
     covers_vocabulary = in_topk.all(dim=-1, keepdim=True)
     log_p_rest = log_p_rest.masked_fill(covers_vocabulary, float("-inf"))
-    return _combine(torch.cat([log_q, log_q_rest], dim=-1), torch.cat([log_p, log_p_rest], dim=-1),
-                    kl_type, mixed_kl_weight)
+    return _combine(
+        torch.cat([log_q, log_q_rest], dim=-1), torch.cat([log_p, log_p_rest], dim=-1), kl_type, mixed_kl_weight
+    )
 
 
 def sampled_token_advantages(
@@ -430,8 +427,13 @@ class _TeacherMetrics:
         self.temperature = temperature
         self.vocab_size = vocab_size
         self.compile_kernels = compile_kernels
-        self.sums = {"kl_forward": 0.0, "kl_reverse": 0.0, "teacher_topk_mass": 0.0,
-                     "student_mass_on_teacher_topk": 0.0, "topk_overlap": 0.0}
+        self.sums = {
+            "kl_forward": 0.0,
+            "kl_reverse": 0.0,
+            "teacher_topk_mass": 0.0,
+            "student_mass_on_teacher_topk": 0.0,
+            "topk_overlap": 0.0,
+        }
 
     @torch.no_grad()
     def full_vocab(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
@@ -464,12 +466,15 @@ class _TeacherMetrics:
         self._topk(log_q, teacher_topk_logprobs, teacher_topk_ids)
 
     @torch.no_grad()
-    def topk(self, student_logits: torch.Tensor, teacher_topk_logprobs: torch.Tensor, teacher_topk_ids: torch.Tensor) -> None:
+    def topk(
+        self, student_logits: torch.Tensor, teacher_topk_logprobs: torch.Tensor, teacher_topk_ids: torch.Tensor
+    ) -> None:
         """Metrics from the student's logits and the teacher's top-k (at the loss temperature)."""
         for kl_type in ("forward", "reverse"):
             self.sums[f"kl_{kl_type}"] += float(
-                topk_token_kl(student_logits, teacher_topk_logprobs, teacher_topk_ids, kl_type,
-                              temperature=self.temperature).sum()
+                topk_token_kl(
+                    student_logits, teacher_topk_logprobs, teacher_topk_ids, kl_type, temperature=self.temperature
+                ).sum()
             )
         compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
         log_q = torch.log_softmax(student_logits.to(compute_dtype) / self.temperature, dim=-1)
@@ -481,8 +486,11 @@ class _TeacherMetrics:
         self._add_topk(teacher_topk_logprobs, teacher_topk_ids, log_q.gather(-1, teacher_topk_ids), student_topk_ids)
 
     def _add_topk(
-        self, teacher_topk_logprobs: torch.Tensor, teacher_topk_ids: torch.Tensor,
-        student_logprobs_at_teacher_topk: torch.Tensor, student_topk_ids: torch.Tensor,
+        self,
+        teacher_topk_logprobs: torch.Tensor,
+        teacher_topk_ids: torch.Tensor,
+        student_logprobs_at_teacher_topk: torch.Tensor,
+        student_topk_ids: torch.Tensor,
     ) -> None:
         k = teacher_topk_ids.shape[-1]
         self.sums["teacher_topk_mass"] += float(teacher_topk_logprobs.exp().sum())
@@ -519,8 +527,12 @@ def _apply_loss(
 ) -> torch.Tensor:
     """Σ_positions divergence / normalizer, fused with the LM head when given hidden states."""
     if isinstance(student_rows, LMHeadInput):
-        weights = torch.full(student_rows.hidden_states.shape[:1], 1.0 / normalizer,
-                             dtype=torch.float64, device=student_rows.hidden_states.device)
+        weights = torch.full(
+            student_rows.hidden_states.shape[:1],
+            1.0 / normalizer,
+            dtype=torch.float64,
+            device=student_rows.hidden_states.device,
+        )
         return chunked_lm_head_loss(student_rows, divergence, row_inputs, weights, chunk_rows, observer, value_and_grad)
     materialised = tuple(
         row_input.logits() if isinstance(row_input, LMHeadInput) else row_input for row_input in row_inputs
@@ -533,7 +545,7 @@ def _apply_loss(
     return loss
 
 
-class DistillationLossFn:
+class DistillationLossFn(LossFunction):
     """Token-level divergence between the teacher and the student on response tokens.
 
     The loss is ``Σ_{valid positions} D_t / N`` where, for ``kl_reduction="mean"``, N is
@@ -619,28 +631,33 @@ class DistillationLossFn:
         self.chunk_size = chunk_size
         self.compile_kernels = compile_kernels
 
-    def query_teacher(self, teacher: Any, data: Any) -> Any:
-        """Asks ``teacher`` for what this loss needs on micro-batch ``data``.
-
-        Full-vocabulary logits (or, for the fused path with an in-process teacher, its
-        hidden states and head), or the top-k log-probs and ids at the loss temperature.
-        """
+    @property
+    def teacher_request(self) -> TeacherRequest:
+        """Full-vocabulary logits (hidden states and head for the fused loss), or the top-k
+        log-probs and ids at the loss temperature."""
         if self.teacher_signal == "topk":
-            return teacher.get_topk_logprobs(data, self.teacher_topk, self.temperature, self.vocab_size)
-        if self.fused_lm_head and callable(getattr(teacher, "get_hidden_states", None)):
-            return teacher.get_hidden_states(data)
-        return teacher.get_logits(data)
+            return TopKRequest(self.teacher_topk, self.temperature, self.vocab_size)
+        return FullVocabRequest(prefer_hidden_states=self.fused_lm_head)
 
     def _divergence(self, student_logits: torch.Tensor, *teacher: torch.Tensor) -> torch.Tensor:
         if self.teacher_signal == "topk":
-            return topk_token_kl(student_logits, teacher[0], teacher[1], self.kl_type, self.mixed_kl_weight,
-                                 tail=self.topk_tail, temperature=self.temperature)
+            return topk_token_kl(
+                student_logits,
+                teacher[0],
+                teacher[1],
+                self.kl_type,
+                self.mixed_kl_weight,
+                tail=self.topk_tail,
+                temperature=self.temperature,
+            )
         if self.divergence == "jsd":
             return generalized_jsd(student_logits, teacher[0], self.jsd_beta, self.temperature)
         return token_kl(student_logits, teacher[0], self.kl_type, self.mixed_kl_weight, self.temperature)
 
     def _divergence_with_grad(
-        self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor,
         observe_log_probs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Closed-form value and gradient of the full-vocabulary divergence (fused path)."""
@@ -648,8 +665,13 @@ class DistillationLossFn:
         if self.compile_kernels and observe_log_probs is None:
             kernel = compiled(full_vocab_divergence_with_grad)
         return kernel(
-            student_logits, teacher_logits, self.kl_type, self.mixed_kl_weight, self.temperature,
-            self.jsd_beta if self.divergence == "jsd" else None, observe_log_probs,
+            student_logits,
+            teacher_logits,
+            self.kl_type,
+            self.mixed_kl_weight,
+            self.temperature,
+            self.jsd_beta if self.divergence == "jsd" else None,
+            observe_log_probs,
         )
 
     def _cut_vocabulary(self, value: Any) -> Any:
@@ -675,7 +697,7 @@ class DistillationLossFn:
             data: micro-batch with ``token_mask [B, L]``.
             global_valid_tokens: valid loss tokens in the whole global batch.
             global_valid_seqs: sequences in the whole global batch.
-            teacher_output: what :meth:`query_teacher` returned: ``[B, L, V_t]`` logits,
+            teacher_output: the teacher's answer to :attr:`teacher_request`: ``[B, L, V_t]`` logits,
                 an :class:`LMHeadInput`, or ``([B, L, k] log-probs, [B, L, k] ids)``.
 
         Returns:
@@ -696,23 +718,31 @@ class DistillationLossFn:
         else:
             teacher_rows = (_rows(self._cut_vocabulary(teacher_output), loss_mask),)
         collector = _TeacherMetrics(self.teacher_topk, self.temperature, self.vocab_size, self.compile_kernels)
-        observer = collector.topk if self.teacher_signal == "topk" else collector.full_vocab
+        observer: Callable[..., None] | None = collector.topk if self.teacher_signal == "topk" else collector.full_vocab
         normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
         closed_form = self._divergence_with_grad if self.teacher_signal == "full_vocab" else None
-        if (closed_form is not None and self.temperature == 1.0 and isinstance(student_rows, LMHeadInput)
-                and not self.compile_kernels):
+        if (
+            closed_form is not None
+            and self.temperature == 1.0
+            and isinstance(student_rows, LMHeadInput)
+            and not self.compile_kernels
+        ):
             # The metrics are at temperature 1: reuse the fused loss's log-probabilities.
             # (Compiled kernels recompute them instead: fused passes beat writing them out.)
             closed_form = functools.partial(self._divergence_with_grad, observe_log_probs=collector.from_log_probs)
             observer = None
-        loss = _apply_loss(student_rows, self._divergence, teacher_rows, normalizer, self.chunk_size, observer,
-                           closed_form)
-        metrics = {"loss": float(loss.detach()), **collector.metrics(float(max(global_valid_tokens, 1))),
-                   "num_valid_tokens": float(loss_mask.sum())}
+        loss = _apply_loss(
+            student_rows, self._divergence, teacher_rows, normalizer, self.chunk_size, observer, closed_form
+        )
+        metrics = {
+            "loss": float(loss.detach()),
+            **collector.metrics(float(max(global_valid_tokens, 1))),
+            "num_valid_tokens": float(loss_mask.sum()),
+        }
         return loss, metrics
 
 
-class SampledTokenLossFn:
+class SampledTokenLossFn(LossFunction):
     """Reverse KL on the sampled tokens only, as a clipped policy gradient.
 
     The form used by the Thinking Machines cookbook, prime-rl and slime: the teacher
@@ -750,14 +780,30 @@ class SampledTokenLossFn:
         self.chunk_size = chunk_size
         self.vocab_size = vocab_size
 
-    def query_teacher(self, teacher: Any, data: Any) -> torch.Tensor:
+    @property
+    def teacher_request(self) -> TeacherRequest:
         """The teacher's log-prob of each token of ``data["input_ids"]`` (``[B, L]``)."""
-        return teacher.get_token_logprobs(data, self.vocab_size)
+        return TokenLogprobsRequest(self.vocab_size)
 
-    def _divergence(self, student_logits: torch.Tensor, targets: torch.Tensor, sampler_logprobs: torch.Tensor,
-                    advantages: torch.Tensor) -> torch.Tensor:
+    @property
+    def needs_task_reward(self) -> bool:
+        """Whether ``adv_tau`` weighs a task reward in."""
+        return self.adv_tau != 0.0
+
+    @property
+    def needs_sampler_logprobs(self) -> bool:
+        """Always: the importance ratio is against the sampler's log-probs."""
+        return True
+
+    def _divergence(
+        self,
+        student_logits: torch.Tensor,
+        targets: torch.Tensor,
+        sampler_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+    ) -> torch.Tensor:
         compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
-        log_q = torch.log_softmax(student_logits.to(compute_dtype), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        log_q = token_log_probs(torch.log_softmax(student_logits.to(compute_dtype), dim=-1), targets)
         return sampled_token_pg_loss(log_q, sampler_logprobs, advantages, self.clip_ratio)
 
     def __call__(
@@ -789,13 +835,23 @@ class SampledTokenLossFn:
         if task_reward is not None and task_reward.dim() == 2:  # per token (packed): align with the targets
             task_reward = task_reward[:, 1:]
         advantages = sampled_token_advantages(
-            sampler_logprobs, teacher_logprobs, token_mask, self.teacher_tau, self.student_tau, self.discount,
-            task_reward, self.adv_tau, segment_ids,
+            sampler_logprobs,
+            teacher_logprobs,
+            token_mask,
+            self.teacher_tau,
+            self.student_tau,
+            self.discount,
+            task_reward,
+            self.adv_tau,
+            segment_ids,
         )
         student = student_output
         if self.vocab_size is not None:
-            student = (LMHeadInput(student.hidden_states, student.weight, student.bias, self.vocab_size)
-                       if isinstance(student, LMHeadInput) else student[..., : self.vocab_size])
+            student = (
+                LMHeadInput(student.hidden_states, student.weight, student.bias, self.vocab_size)
+                if isinstance(student, LMHeadInput)
+                else student[..., : self.vocab_size]
+            )
         row_inputs = (data["input_ids"][:, 1:][loss_mask], sampler_logprobs[loss_mask], advantages[loss_mask])
         normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
         loss = _apply_loss(_rows(student, loss_mask), self._divergence, row_inputs, normalizer, self.chunk_size, None)
@@ -809,7 +865,7 @@ class SampledTokenLossFn:
         return loss, metrics
 
 
-class NLLLossFn:
+class NLLLossFn(LossFunction):
     """Negative log-likelihood of the masked tokens (supervised fine-tuning).
 
     Normalised by the global number of valid tokens, like :class:`DistillationLossFn`.
@@ -833,6 +889,6 @@ class NLLLossFn:
         rows = student_logits[:, :-1][loss_mask]
         compute_dtype = torch.promote_types(rows.dtype, torch.float32)
         log_probs = torch.log_softmax(rows.to(compute_dtype), dim=-1)
-        token_nll = -log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        token_nll = -token_log_probs(log_probs, targets)
         loss = token_nll.sum() / float(max(global_valid_tokens, 1))
         return loss, {"loss": float(loss.detach()), "num_valid_tokens": float(loss_mask.sum())}

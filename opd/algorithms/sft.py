@@ -14,32 +14,32 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, fields
 from typing import Any
 
 from pydantic import Field
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from opd.algorithms.distillation import build_fixed_data_batch
 from opd.algorithms.loss_functions import NLLLossFn
+from opd.algorithms.run_setup import load_examples, load_run_tokenizer, plan_run_length, restore_run
 from opd.algorithms.training_loop import (
+    RunConfig,
     RunSaveState,
     TrainingLoopConfig,
     check_output_is_fresh,
     find_resume_checkpoint,
-    fresh_save_state,
     run_training_loop,
-    warn_on_config_change,
 )
 from opd.algorithms.validation import ValidationConfig, validate
+from opd.data.batches import build_fixed_data_batch
 from opd.data.config import DataConfig
-from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader, prepare_examples
-from opd.data.datasets import load_chat_dataset
+from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
 from opd.models.config import ModelLoadingConfig
 from opd.models.generation.hf_generation import HFGeneration
-from opd.models.loading import check_output_sizes, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from opd.models.interfaces import GenerationInterface, LossFunction, PolicyInterface
+from opd.models.loading import check_output_sizes, load_causal_lm, resolve_device, resolve_dtype
 from opd.models.policy.hf_policy import HFPolicy
 from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
-from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError
 from opd.utils.logger import Logger, LoggerConfig
 
@@ -60,7 +60,7 @@ class SFTTrainingConfig(TrainingLoopConfig):
     micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward/backward; null = batch_size")
 
 
-class SFTMasterConfig(StrictConfig):
+class SFTMasterConfig(RunConfig):
     """The whole configuration of an SFT run."""
 
     output_dir: str = "results/sft"
@@ -78,18 +78,28 @@ SFTSaveState = RunSaveState
 """Counters saved in every checkpoint (see :class:`~opd.algorithms.training_loop.RunSaveState`)."""
 
 
-def _load_examples(config: SFTMasterConfig, tokenizer: Any, path: str, split: str, limit: int | None) -> list[PreparedExample]:
-    raw = load_chat_dataset(path, split=split, max_examples=limit, data_format=config.data.data_format,
-                            prompt_file=config.data.prompt_file)
-    return prepare_examples(raw, tokenizer, config.data.max_prompt_length, path)
+@dataclass
+class SFTComponents:
+    """Everything :func:`sft_train` runs with (its fields are its arguments)."""
+
+    policy: PolicyInterface
+    generation: GenerationInterface
+    dataloader: StatefulDataLoader
+    val_dataloader: StatefulDataLoader | None
+    tokenizer: Any
+    loss_fn: LossFunction
+    logger: Logger
+    checkpointer: CheckpointManager
+    sft_save_state: SFTSaveState
+    master_config: SFTMasterConfig
+
+    def as_arguments(self) -> dict[str, Any]:
+        """The fields as keyword arguments of ``sft_train``."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}
 
 
-def setup(master_config: SFTMasterConfig) -> tuple:
+def setup(master_config: SFTMasterConfig) -> SFTComponents:
     """Builds what ``sft_train`` needs; resumes from the newest checkpoint if there is one.
-
-    Returns:
-        ``(policy, dataloader, val_dataloader, tokenizer, loss_fn, logger, checkpointer,
-        sft_save_state, master_config)``.
 
     Raises:
         ConfigError: if a training example has no assistant answer to learn, or the
@@ -98,67 +108,72 @@ def setup(master_config: SFTMasterConfig) -> tuple:
     config = master_config
     checkpointer = CheckpointManager(config.checkpointing)
     check_output_is_fresh(config.output_dir, checkpointer)
-    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.model_path, config.model.trust_remote_code)
-    if config.data.chat_template:
-        tokenizer.chat_template = config.data.chat_template
-    train_examples = _load_examples(config, tokenizer, config.data.train_path, config.data.train_split,
-                                    config.data.max_train_examples)
+    tokenizer = load_run_tokenizer(
+        config.model.tokenizer_path or config.model.model_path, config.model.trust_remote_code, config.data
+    )
+    train_examples = load_examples(config.data, tokenizer, "train")
     missing = sum(example["response_ids"] is None for example in train_examples)
     if missing:
         raise ConfigError(
             f"SFT learns the final assistant message, but {missing} of {len(train_examples)} examples in "
             f"'{config.data.train_path}' have none"
         )
-    if len(train_examples) < config.training.batch_size:
-        raise ConfigError(f"training.batch_size = {config.training.batch_size} exceeds the "
-                          f"{len(train_examples)} usable examples in '{config.data.train_path}'")
-    val_examples = (
-        _load_examples(config, tokenizer, config.data.val_path, config.data.val_split, config.data.max_val_examples)
-        if config.data.val_path else None
+    _, total_steps = plan_run_length(
+        len(train_examples),
+        config.training.batch_size,
+        config.training.num_epochs,
+        config.training.max_num_steps,
+        config.data.train_path,
     )
+    val_examples = load_examples(config.data, tokenizer, "val") if config.data.val_path else None
 
     resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)
     model_path = str(resume_from / "policy") if resume_from else config.model.model_path
     device = resolve_device(config.model.device)
-    model = load_causal_lm(model_path, resolve_dtype(config.model.dtype, device), device, config.model)  # type: ignore[arg-type]
+    model = load_causal_lm(model_path, resolve_dtype(config.model.dtype, device), device, config.model)
     check_output_sizes(model, len(tokenizer), model_path)
 
-    steps_per_epoch = len(train_examples) // config.training.batch_size
-    total_steps = steps_per_epoch * config.training.num_epochs
-    if config.training.max_num_steps is not None:
-        total_steps = min(total_steps, config.training.max_num_steps)
     micro_batch_size = config.training.micro_batch_size or config.training.batch_size
     policy = HFPolicy(model, config.training, micro_batch_size, total_steps)
-    save_state: SFTSaveState = fresh_save_state()
-    if resume_from is not None:
-        warn_on_config_change(resume_from, config)
-        policy.load_state_dict(checkpointer.load_optimizer_state(resume_from))
-        save_state.update(checkpointer.load_save_state(resume_from))  # type: ignore[typeddict-item]
-        checkpointer.protected_step = save_state["best_step"]
-        log.info("resuming from %s (step %d of %d)", resume_from, save_state["step"], total_steps)
-    dataloader = make_train_dataloader(train_examples, config.training.batch_size, config.data.shuffle,
-                                       config.training.seed)
-    val_dataloader = make_eval_dataloader(val_examples, config.validation.batch_size) if val_examples else None
+    save_state = restore_run(resume_from, policy, checkpointer, config, total_steps)
     logger = Logger(config.logger, total_steps)
     logger.log_hyperparams(config.model_dump(mode="json", by_alias=True))
-    log.info("SFT of %s: %d train examples, %s val, %d steps", model_path, len(train_examples),
-             len(val_examples) if val_examples else 0, total_steps)
-    return policy, dataloader, val_dataloader, tokenizer, NLLLossFn(), logger, checkpointer, save_state, master_config
+    log.info(
+        "SFT of %s: %d train examples, %s val, %d steps",
+        model_path,
+        len(train_examples),
+        len(val_examples) if val_examples else 0,
+        total_steps,
+    )
+    return SFTComponents(
+        policy=policy,
+        generation=HFGeneration(model, tokenizer),
+        dataloader=make_train_dataloader(
+            train_examples, config.training.batch_size, config.data.shuffle, config.training.seed
+        ),
+        val_dataloader=make_eval_dataloader(val_examples, config.validation.batch_size) if val_examples else None,
+        tokenizer=tokenizer,
+        loss_fn=NLLLossFn(),
+        logger=logger,
+        checkpointer=checkpointer,
+        sft_save_state=save_state,
+        master_config=config,
+    )
 
 
 def sft_train(
-    policy: HFPolicy,
+    policy: PolicyInterface,
+    generation: GenerationInterface,
     dataloader: StatefulDataLoader,
     val_dataloader: StatefulDataLoader | None,
     tokenizer: Any,
-    loss_fn: Any,
+    loss_fn: LossFunction,
     logger: Logger,
     checkpointer: CheckpointManager,
     sft_save_state: SFTSaveState,
     master_config: SFTMasterConfig,
 ) -> None:
     """Fine-tunes ``policy`` on the dataset's assistant turns until the step budget is spent."""
-    generation = HFGeneration(policy.model, tokenizer)
 
     def train_step(examples: list[PreparedExample]) -> dict[str, Any]:
         start = time.perf_counter()
@@ -170,8 +185,8 @@ def sft_train(
         metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / seconds
         return metrics
 
-    def run_validation() -> dict[str, float]:
-        return validate(generation, policy.model, None, val_dataloader, tokenizer, master_config)  # type: ignore[arg-type]
+    def run_validation(data: StatefulDataLoader) -> dict[str, float]:
+        return validate(generation, policy, None, data, tokenizer, master_config.validation.generate_strategy)
 
     run_training_loop(
         policy=policy,
@@ -179,9 +194,9 @@ def sft_train(
         dataloader=dataloader,
         logger=logger,
         checkpointer=checkpointer,
-        state=sft_save_state,  # type: ignore[arg-type]
+        state=sft_save_state,
         config=master_config,
         train_step=train_step,
-        validate=run_validation if val_dataloader is not None else None,
+        validate=(lambda: run_validation(val_dataloader)) if val_dataloader is not None else None,
         console_keys=["train/loss", "train/grad_norm", "train/lr", "perf/tokens_per_s"],
     )

@@ -25,22 +25,27 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypedDict
+from typing import Any, TypedDict
 
 import yaml
 from pydantic import BaseModel, Field
+from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from opd.models.policy.hf_policy import OptimizerConfig
-from opd.utils.checkpoint import CheckpointManager
-from opd.utils.config import config_to_yaml
+from opd.algorithms.validation import ValidationConfig
+from opd.models.config import OptimizerConfig
+from opd.models.interfaces import PolicyInterface
+from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
+from opd.utils.config import StrictConfig, config_to_yaml
 from opd.utils.errors import ConfigError, TrainingDivergedError
-from opd.utils.logger import Logger
+from opd.utils.logger import Logger, flatten_dict
 from opd.utils.rng import capture_rng_state, restore_rng_state
 from opd.utils.signals import GracefulStop
 
 log = logging.getLogger("opd")
+
 
 class TrainingLoopConfig(OptimizerConfig):
     """Run-length, cadence and safety settings that every algorithm's ``training`` section shares."""
@@ -48,7 +53,8 @@ class TrainingLoopConfig(OptimizerConfig):
     num_epochs: int = Field(1, ge=1, description="passes over the training data")
     max_num_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     max_train_time_s: float | None = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="end the run once its optimizer steps (not validation or checkpoints) have taken this "
         "many seconds; for equal-compute comparisons. The learning-rate schedule still follows max_num_steps",
     )
@@ -75,8 +81,24 @@ class RunSaveState(TypedDict):
 
 def fresh_save_state() -> RunSaveState:
     """The save state of a run that has not taken a step yet."""
-    return {"step": 0, "epoch": 0, "consumed_samples": 0, "best_metric": None, "best_step": None,
-            "consecutive_nonfinite_steps": 0, "train_time_s": 0.0}
+    return {
+        "step": 0,
+        "epoch": 0,
+        "consumed_samples": 0,
+        "best_metric": None,
+        "best_step": None,
+        "consecutive_nonfinite_steps": 0,
+        "train_time_s": 0.0,
+    }
+
+
+class RunConfig(StrictConfig):
+    """The sections every algorithm's config shares, which the training loop reads."""
+
+    output_dir: str
+    training: TrainingLoopConfig
+    validation: ValidationConfig
+    checkpointing: CheckpointingConfig
 
 
 StepFn = Callable[[list[Any]], dict[str, Any]]
@@ -89,13 +111,13 @@ ValidateFn = Callable[[], dict[str, float]]
 
 def run_training_loop(
     *,
-    policy: Any,
+    policy: PolicyInterface,
     tokenizer: Any,
     dataloader: StatefulDataLoader,
     logger: Logger,
     checkpointer: CheckpointManager,
-    state: dict[str, Any],
-    config: BaseModel,
+    state: RunSaveState,
+    config: RunConfig,
     train_step: StepFn,
     validate: ValidateFn | None,
     before_first_step: Callable[[], None] | None = None,
@@ -105,8 +127,7 @@ def run_training_loop(
     """Drives a run from ``state["step"]`` to ``logger.total_steps``.
 
     Args:
-        policy: the trained model; needs ``save_pretrained(dir, tokenizer=...)`` and
-            ``state_dict()`` (see :class:`~opd.utils.checkpoint.CheckpointManager`).
+        policy: the trained model (saved with ``save_pretrained`` and ``state_dict``).
         tokenizer: saved with every checkpoint and the final model.
         dataloader: the resumable training loader (one batch per step).
         logger: metric sink; its ``total_steps`` is the run length.
@@ -124,123 +145,190 @@ def run_training_loop(
     Raises:
         TrainingDivergedError: after ``max_consecutive_nonfinite_steps`` skipped steps.
     """
-    algorithm_rng = algorithm_rng or random.Random(0)
-    training, checkpointing = config.training, config.checkpointing  # type: ignore[attr-defined]
-    total_steps = logger.total_steps
-    time_budget = training.max_train_time_s
-    state.setdefault("train_time_s", 0.0)  # checkpoints written before this counter existed
-    steps_per_epoch = len(dataloader)
-    final_dir = Path(config.output_dir) / "final_model"  # type: ignore[attr-defined]
-
-    def run_validation(step: int) -> None:
-        if validate is None:
-            return
-        start = time.perf_counter()
-        metrics = validate()
-        metrics["timing/validation"] = time.perf_counter() - start
-        _track_best(metrics, step)
-        logger.log_metrics(metrics, step, console_keys=[key for key in metrics if key.startswith("val/")])
-
-    def _track_best(metrics: dict[str, float], step: int) -> None:
-        name = checkpointing.metric_name
-        if name is None or name not in metrics or not math.isfinite(metrics[name]):
-            return
-        best = state["best_metric"]
-        better = best is None or (metrics[name] > best if checkpointing.higher_is_better else metrics[name] < best)
-        if better:
-            state["best_metric"], state["best_step"] = metrics[name], step
-            checkpointer.protected_step = step
-
-    def save(step: int) -> None:
-        start = time.perf_counter()
-        path = checkpointer.save(
-            step, policy, tokenizer, dict(state),
-            {"dataloader": dataloader.state_dict(), "rng": capture_rng_state(algorithm_rng)},
-            config_to_yaml(config),
-        )
-        seconds = time.perf_counter() - start
-        logger.log_metrics({"timing/checkpoint": seconds}, step, console_keys=[])
-        log.info("checkpoint %s written in %.2fs", path, seconds)
-
-    if time_budget is not None and state["train_time_s"] >= time_budget:
-        total_steps = state["step"]  # a run that ended on its time budget is complete
-    if state["step"] >= total_steps:
-        if not (final_dir / "config.json").is_file():
-            # Killed after the last checkpoint but before the final model was written.
-            write_final_model(policy, tokenizer, final_dir)
-            log.info("the run was complete; final model written to %s from the last checkpoint", final_dir)
-        else:
-            log.info("the run is already complete (step %d of %d); nothing to do", state["step"], total_steps)
-        logger.close()
+    run = _TrainingRun(
+        policy, tokenizer, dataloader, logger, checkpointer, state, config, validate, algorithm_rng or random.Random(0)
+    )
+    if run.is_complete():
+        run.finish_complete_run()
         return
     # Records past the resumed step belong to steps that are about to be re-run.
     logger.truncate_after(state["step"])
     if state["step"] > 0:
-        training_state = checkpointer.load_training_state(checkpointer.root / f"step_{state['step']}")
-        restore_rng_state(training_state["rng"], algorithm_rng)
-        if state["step"] % steps_per_epoch:  # mid-epoch: continue after the last consumed batch
-            dataloader.load_state_dict(training_state["dataloader"])
+        run.restore_position()
     else:
         if before_first_step is not None:
             before_first_step()
-        if config.validation.val_at_start:  # type: ignore[attr-defined]
-            run_validation(0)
-
+        if config.validation.val_at_start:
+            run.validate(0)
     with GracefulStop() as stop:
-        while state["step"] < total_steps and not stop.requested:
-            state["epoch"] = state["step"] // steps_per_epoch
-            dataloader.sampler.set_epoch(state["epoch"])  # type: ignore[attr-defined]
+        while state["step"] < run.total_steps and not stop.requested:
+            state["epoch"] = state["step"] // len(dataloader)
+            _set_epoch(dataloader, state["epoch"])
             for examples in dataloader:
                 step_start = time.perf_counter()
                 metrics = train_step(examples)
                 state["train_time_s"] += time.perf_counter() - step_start
-                state["step"] += 1
-                state["consumed_samples"] += len(examples)
-                skipped = bool(metrics.get("train/skipped_nonfinite"))
-                state["consecutive_nonfinite_steps"] = state["consecutive_nonfinite_steps"] + 1 if skipped else 0
-                metrics["train/epoch"] = state["epoch"]
-                logger.log_metrics(metrics, state["step"], console_keys=console_keys)
-                if skipped:
-                    log.warning("step %d: non-finite loss or gradient; step skipped, weights unchanged", state["step"])
-                    if state["consecutive_nonfinite_steps"] >= training.max_consecutive_nonfinite_steps:
-                        logger.close()
-                        raise TrainingDivergedError(
-                            f"{state['consecutive_nonfinite_steps']} consecutive steps had a non-finite loss or "
-                            f"gradient (last: step {state['step']}); the weights are still those of step "
-                            f"{state['step'] - state['consecutive_nonfinite_steps']}. Lower training.learning_rate "
-                            "or check the data; raise training.max_consecutive_nonfinite_steps to tolerate more."
-                        )
-                step = state["step"]
-                out_of_time = time_budget is not None and state["train_time_s"] >= time_budget
-                if out_of_time and step < total_steps:
-                    log.info("training.max_train_time_s=%s reached after step %d; finishing the run", time_budget, step)
-                    total_steps = step
-                is_last = step >= total_steps
-                if training.val_freq and step % training.val_freq == 0 and not is_last:
-                    run_validation(step)
-                if checkpointing.enabled and training.save_freq and step % training.save_freq == 0 and not is_last:
-                    save(step)
+                is_last = run.after_step(len(examples), metrics, console_keys)
                 if is_last or stop.requested:
                     break
-
-        if stop.requested and state["step"] < total_steps:
-            step = state["step"]
-            saved = checkpointing.enabled and checkpointing.save_on_signal
-            if saved and checkpointer.latest_checkpoint() != checkpointer.root / f"step_{step}":
-                save(step)
-            logger.close()
-            where = f"checkpoint {checkpointer.root / f'step_{step}'}" if saved else "no checkpoint written"
-            print(f"opd: stopped by {stop.signal_name} after step {step}/{total_steps} ({where}); "
-                  "rerun the same command to resume.", flush=True)
+        if stop.requested and state["step"] < run.total_steps:
+            run.stop_on_signal(stop.signal_name)
             return
+    run.finish()
 
-    if config.validation.val_at_end:  # type: ignore[attr-defined]
-        run_validation(state["step"])
-    if checkpointing.enabled:
-        save(state["step"])
-    write_final_model(policy, tokenizer, final_dir)
-    log.info("final model written to %s", final_dir)
-    logger.close()
+
+class _TrainingRun:
+    """The pieces of :func:`run_training_loop` around the step: counters, validation, checkpoints."""
+
+    def __init__(
+        self,
+        policy: PolicyInterface,
+        tokenizer: Any,
+        dataloader: StatefulDataLoader,
+        logger: Logger,
+        checkpointer: CheckpointManager,
+        state: RunSaveState,
+        config: RunConfig,
+        validate: ValidateFn | None,
+        algorithm_rng: random.Random,
+    ) -> None:
+        self.policy, self.tokenizer, self.dataloader = policy, tokenizer, dataloader
+        self.logger, self.checkpointer, self.state, self.config = logger, checkpointer, state, config
+        self.validate_fn, self.algorithm_rng = validate, algorithm_rng
+        self.total_steps = logger.total_steps
+        self.time_budget = config.training.max_train_time_s
+        self.final_dir = Path(config.output_dir) / "final_model"
+
+    def is_complete(self) -> bool:
+        """Whether the run already took all its steps (or ran out of its time budget)."""
+        if self.time_budget is not None and self.state["train_time_s"] >= self.time_budget:
+            self.total_steps = self.state["step"]  # a run that ended on its time budget is complete
+        return self.state["step"] >= self.total_steps
+
+    def finish_complete_run(self) -> None:
+        """A rerun of a finished run: writes the final model if a kill came between it and the last checkpoint."""
+        if not (self.final_dir / "config.json").is_file():
+            write_final_model(self.policy, self.tokenizer, self.final_dir)
+            log.info("the run was complete; final model written to %s from the last checkpoint", self.final_dir)
+        else:
+            log.info("the run is already complete (step %d of %d); nothing to do", self.state["step"], self.total_steps)
+        self.logger.close()
+
+    def restore_position(self) -> None:
+        """Restores the RNG streams and, mid-epoch, the data position of the resumed checkpoint."""
+        step = self.state["step"]
+        training_state = self.checkpointer.load_training_state(self.checkpointer.root / f"step_{step}")
+        restore_rng_state(training_state["rng"], self.algorithm_rng)
+        if step % len(self.dataloader):  # mid-epoch: continue after the last consumed batch
+            self.dataloader.load_state_dict(training_state["dataloader"])
+
+    def after_step(self, batch_size: int, metrics: dict[str, Any], console_keys: list[str] | None) -> bool:
+        """Counts, logs, guards, validates and checkpoints after a step; returns whether it was the last.
+
+        Raises:
+            TrainingDivergedError: after too many consecutive non-finite steps.
+        """
+        state, training = self.state, self.config.training
+        state["step"] += 1
+        state["consumed_samples"] += batch_size
+        skipped = bool(metrics.get("train/skipped_nonfinite"))
+        state["consecutive_nonfinite_steps"] = state["consecutive_nonfinite_steps"] + 1 if skipped else 0
+        metrics["train/epoch"] = state["epoch"]
+        self.logger.log_metrics(metrics, state["step"], console_keys=console_keys)
+        if skipped:
+            self._guard_nonfinite()
+        step = state["step"]
+        out_of_time = self.time_budget is not None and state["train_time_s"] >= self.time_budget
+        if out_of_time and step < self.total_steps:
+            log.info("training.max_train_time_s=%s reached after step %d; finishing the run", self.time_budget, step)
+            self.total_steps = step
+        is_last = step >= self.total_steps
+        if training.val_freq and step % training.val_freq == 0 and not is_last:
+            self.validate(step)
+        if self.config.checkpointing.enabled and training.save_freq and step % training.save_freq == 0 and not is_last:
+            self.save(step)
+        return is_last
+
+    def _guard_nonfinite(self) -> None:
+        state = self.state
+        log.warning("step %d: non-finite loss or gradient; step skipped, weights unchanged", state["step"])
+        if state["consecutive_nonfinite_steps"] >= self.config.training.max_consecutive_nonfinite_steps:
+            self.logger.close()
+            raise TrainingDivergedError(
+                f"{state['consecutive_nonfinite_steps']} consecutive steps had a non-finite loss or "
+                f"gradient (last: step {state['step']}); the weights are still those of step "
+                f"{state['step'] - state['consecutive_nonfinite_steps']}. Lower training.learning_rate "
+                "or check the data; raise training.max_consecutive_nonfinite_steps to tolerate more."
+            )
+
+    def validate(self, step: int) -> None:
+        """Runs validation (if any), tracks the best metric and logs."""
+        if self.validate_fn is None:
+            return
+        start = time.perf_counter()
+        metrics = self.validate_fn()
+        metrics["timing/validation"] = time.perf_counter() - start
+        self._track_best(metrics, step)
+        self.logger.log_metrics(metrics, step, console_keys=[key for key in metrics if key.startswith("val/")])
+
+    def _track_best(self, metrics: dict[str, float], step: int) -> None:
+        checkpointing = self.config.checkpointing
+        name = checkpointing.metric_name
+        if name is None or name not in metrics or not math.isfinite(metrics[name]):
+            return
+        best = self.state["best_metric"]
+        better = best is None or (metrics[name] > best if checkpointing.higher_is_better else metrics[name] < best)
+        if better:
+            self.state["best_metric"], self.state["best_step"] = metrics[name], step
+            self.checkpointer.protected_step = step
+
+    def save(self, step: int) -> None:
+        """Writes the ``step_N`` checkpoint (weights, optimizer, counters, data position, RNGs)."""
+        start = time.perf_counter()
+        path = self.checkpointer.save(
+            step,
+            self.policy,
+            self.tokenizer,
+            dict(self.state),
+            {"dataloader": self.dataloader.state_dict(), "rng": capture_rng_state(self.algorithm_rng)},
+            config_to_yaml(self.config),
+        )
+        seconds = time.perf_counter() - start
+        self.logger.log_metrics({"timing/checkpoint": seconds}, step, console_keys=[])
+        log.info("checkpoint %s written in %.2fs", path, seconds)
+
+    def stop_on_signal(self, signal_name: str | None) -> None:
+        """SIGINT / SIGTERM: checkpoint the step just finished (unless already saved) and say how to resume."""
+        step = self.state["step"]
+        checkpointing = self.config.checkpointing
+        saved = checkpointing.enabled and checkpointing.save_on_signal
+        if saved and self.checkpointer.latest_checkpoint() != self.checkpointer.root / f"step_{step}":
+            self.save(step)
+        self.logger.close()
+        where = f"checkpoint {self.checkpointer.root / f'step_{step}'}" if saved else "no checkpoint written"
+        print(
+            f"opd: stopped by {signal_name} after step {step}/{self.total_steps} ({where}); "
+            "rerun the same command to resume.",
+            flush=True,
+        )
+
+    def finish(self) -> None:
+        """The end of the run: final validation, last checkpoint, ``final_model/``."""
+        if self.config.validation.val_at_end:
+            self.validate(self.state["step"])
+        if self.config.checkpointing.enabled:
+            self.save(self.state["step"])
+        write_final_model(self.policy, self.tokenizer, self.final_dir)
+        log.info("final model written to %s", self.final_dir)
+        self.logger.close()
+
+
+def _set_epoch(dataloader: StatefulDataLoader, epoch: int) -> None:
+    """Makes the shuffle order of this epoch a function of (seed, epoch) only."""
+    sampler = dataloader.sampler
+    if not isinstance(sampler, DistributedSampler):
+        raise TypeError(f"the training loader needs a DistributedSampler (set_epoch), not {type(sampler).__name__}")
+    sampler.set_epoch(epoch)
 
 
 def find_resume_checkpoint(checkpointing_enabled: bool, checkpointer: CheckpointManager) -> Path | None:
@@ -276,8 +364,8 @@ def warn_on_config_change(checkpoint: Path, config: BaseModel) -> None:
     saved_file = checkpoint / "config.yaml"
     if not saved_file.is_file():
         return
-    saved = _flatten(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {})
-    current = _flatten(config.model_dump(mode="json", by_alias=True))
+    saved = flatten_dict(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {})
+    current = flatten_dict(config.model_dump(mode="json", by_alias=True))
     changed = sorted(key for key in saved.keys() | current.keys() if saved.get(key) != current.get(key))
     if changed:
         log.warning(
@@ -287,17 +375,7 @@ def warn_on_config_change(checkpoint: Path, config: BaseModel) -> None:
         )
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def write_final_model(policy: Any, tokenizer: Any, final_dir: Path) -> None:
+def write_final_model(policy: PolicyInterface, tokenizer: Any, final_dir: Path) -> None:
     """Writes the model as an HF model directory, atomically (temporary dir, then rename).
 
     A kill mid-write leaves the previous ``final_model/`` (or none), never a partial one.

@@ -26,7 +26,7 @@ class BatchedDataDict(dict):
             raise ValueError(f"BatchedDataDict fields have different batch sizes: {sizes}")
         return next(iter(sizes.values()))
 
-    def select_indices(self, indices: Sequence[int] | torch.Tensor) -> "BatchedDataDict":
+    def select_indices(self, indices: Sequence[int] | torch.Tensor) -> BatchedDataDict:
         """Returns the rows at ``indices`` (in that order) of every field."""
         index_list = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
         out = BatchedDataDict()
@@ -37,15 +37,15 @@ class BatchedDataDict(dict):
                 out[key] = [value[i] for i in index_list]
         return out
 
-    def slice(self, start: int, end: int) -> "BatchedDataDict":
+    def slice(self, start: int, end: int) -> BatchedDataDict:
         """Returns rows ``start:end`` of every field."""
         return BatchedDataDict({key: value[start:end] for key, value in self.items()})
 
-    def repeat_interleave(self, repeats: int) -> "BatchedDataDict":
+    def repeat_interleave(self, repeats: int) -> BatchedDataDict:
         """Repeats each row ``repeats`` times in place order (a, a, b, b, ...)."""
         return self.select_indices([i for i in range(self.size) for _ in range(repeats)])
 
-    def make_microbatches(self, micro_batch_size: int) -> Iterator["BatchedDataDict"]:
+    def make_microbatches(self, micro_batch_size: int) -> Iterator[BatchedDataDict]:
         """Yields consecutive slices of at most ``micro_batch_size`` rows."""
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -54,7 +54,7 @@ class BatchedDataDict(dict):
 
     def make_token_budget_microbatches(
         self, max_tokens: int, length_key: str = "input_lengths"
-    ) -> Iterator["BatchedDataDict"]:
+    ) -> Iterator[BatchedDataDict]:
         """Yields micro-batches of at most ``max_tokens`` padded tokens, longest rows first.
 
         Rows are sorted by length (descending) and filled greedily while
@@ -82,14 +82,12 @@ class BatchedDataDict(dict):
         if group:
             yield self.select_indices(group)
 
-    def to(self, device: torch.device | str) -> "BatchedDataDict":
+    def to(self, device: torch.device | str) -> BatchedDataDict:
         """Moves tensor fields to ``device`` (lists are left as they are)."""
-        return BatchedDataDict(
-            {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.items()}
-        )
+        return BatchedDataDict({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.items()})
 
     @staticmethod
-    def concat(batches: Sequence["BatchedDataDict"], pad_values: dict[str, Any] | None = None) -> "BatchedDataDict":
+    def concat(batches: Sequence[BatchedDataDict], pad_values: dict[str, Any] | None = None) -> BatchedDataDict:
         """Concatenates batches row-wise, right-padding 2-D tensors to the longest.
 
         Args:

@@ -10,10 +10,10 @@ therefore sees exactly the batches an uninterrupted run would, in every later ep
 from __future__ import annotations
 
 import logging
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import NotRequired  # in typing from Python 3.11
 
@@ -39,7 +39,10 @@ class PreparedExample(TypedDict):
 
 
 def prepare_examples(
-    examples: list[dict], tokenizer: Any, max_prompt_length: int | None, source: str,
+    examples: list[dict],
+    tokenizer: Any,
+    max_prompt_length: int | None,
+    source: str,
     teacher_context: TeacherContext | None = None,
 ) -> list[PreparedExample]:
     """Applies the chat template and tokenizes; drops prompts longer than the limit.
@@ -95,7 +98,11 @@ def make_train_dataloader(
     process consumed. Incomplete last batches are dropped (every step has ``batch_size``
     prompts), so an epoch is ``len(examples) // batch_size`` steps.
     """
-    sampler = DistributedSampler(examples, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=False)
+    # A list is a map-style dataset (``__getitem__`` and ``__len__``), which is all the sampler reads.
+    dataset = cast("Dataset[PreparedExample]", examples)
+    sampler: DistributedSampler[PreparedExample] = DistributedSampler(
+        dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=False
+    )
     # Its own generator: otherwise every new epoch iterator draws a seed from torch's global
     # RNG, and a resumed run (which starts an iterator mid-epoch) would shift the sampling noise.
     private_generator = torch.Generator()

@@ -94,7 +94,7 @@ def load_chat_dataset(
 
     examples = []
     for where, raw in _iter_raw_rows(source, split):
-        if data_format == "math_cl":
+        if prompt_template is not None:  # data_format math_cl
             try:
                 raw = math_cl_to_chat(raw, prompt_template)
             except DataError as err:
@@ -281,7 +281,7 @@ def _iter_saved_dataset(path: Path, source: str, split: str) -> _RawRows:
         )
     try:
         dataset = datasets.load_from_disk(str(path))
-    except Exception as err:  # noqa: BLE001 - any failure here means the directory is unreadable
+    except Exception as err:
         raise DataError(f"data directory {source} could not be loaded: {_short_reason(err)}") from None
 
     where = f"dataset {source}"
@@ -299,7 +299,7 @@ def _iter_hub_dataset(source: str, split: str) -> _RawRows:
 
     try:
         dataset = datasets.load_dataset(source, split=split)
-    except Exception as err:  # noqa: BLE001 - offline, unknown repo, bad split: all reported the same way
+    except Exception as err:
         raise DataError(
             f"dataset {source!r} does not exist locally and could not be loaded from the Hugging Face hub "
             f"(split {split!r}): {_short_reason(err)}"

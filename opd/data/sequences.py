@@ -21,9 +21,7 @@ from opd.utils.errors import DataError
 
 def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
     """Applies the tokenizer's chat template and returns the text."""
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
@@ -49,13 +47,13 @@ def encode_response(tokenizer: Any, prompt_messages: list[dict], response: dict)
             whole conversation (such a template cannot be used for training).
     """
     prompt_text = render_chat(tokenizer, prompt_messages, add_generation_prompt=True)
-    full_text = render_chat(tokenizer, prompt_messages + [response], add_generation_prompt=False)
+    full_text = render_chat(tokenizer, [*prompt_messages, response], add_generation_prompt=False)
     if not full_text.startswith(prompt_text):
         raise DataError(
             "the chat template does not render the prompt (with add_generation_prompt=True) "
             "as a prefix of the full conversation; cannot split prompt and response tokens"
         )
-    response_ids = encode_text(tokenizer, full_text[len(prompt_text):])
+    response_ids = encode_text(tokenizer, full_text[len(prompt_text) :])
     eos_id = tokenizer.eos_token_id
     if eos_id is not None and eos_id in response_ids:
         response_ids = response_ids[: response_ids.index(eos_id) + 1]
@@ -80,6 +78,22 @@ def build_token_mask(
     positions = torch.arange(max_length).unsqueeze(0)
     start = prompt_lengths.unsqueeze(1) if mask_prompt_tokens else torch.ones_like(prompt_lengths).unsqueeze(1)
     return ((positions >= start) & (positions < input_lengths.unsqueeze(1))).float()
+
+
+def shift_token_mask(token_mask: torch.Tensor) -> torch.Tensor:
+    """Aligns a per-token loss mask with next-token logits.
+
+    ``token_mask[b, t]`` is 1 when token ``t`` carries loss. That token is predicted by
+    the logits at position ``t - 1``, so the mask for ``logits[:, :-1]`` is
+    ``token_mask[:, 1:]``. This is the one place where opd shifts masks.
+
+    Args:
+        token_mask: ``[B, L]`` 0/1 mask over the tokens of ``input_ids``.
+
+    Returns:
+        ``[B, L - 1]`` mask over the logit positions ``0 .. L - 2``.
+    """
+    return token_mask[:, 1:]
 
 
 def pack_sequences(
@@ -154,17 +168,20 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
     for field in PACKED_TOKEN_FIELDS:
         if field in batch:
             packed[field] = torch.cat([batch[field][row, :length] for row, length in enumerate(lengths)]).unsqueeze(0)
-    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
     if "token_mask" in packed:
         packed["token_mask"] = packed["token_mask"].clone()
         packed["token_mask"][0, starts] = 0
     device = batch["input_ids"].device
     packed["position_ids"] = torch.cat([torch.arange(length, device=device) for length in lengths]).unsqueeze(0)
     lengths_tensor = torch.tensor(lengths, device=device)
-    packed["segment_ids"] = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_tensor).unsqueeze(0)
+    packed["segment_ids"] = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), lengths_tensor
+    ).unsqueeze(0)
     if "task_reward" in batch:
-        packed["task_reward"] = torch.repeat_interleave(batch["task_reward"], lengths_tensor.to(
-            batch["task_reward"].device)).unsqueeze(0)
+        packed["task_reward"] = torch.repeat_interleave(
+            batch["task_reward"], lengths_tensor.to(batch["task_reward"].device)
+        ).unsqueeze(0)
     packed["input_lengths"] = torch.tensor([sum(lengths)], device=device)
     packed["sequence_lengths"] = torch.tensor([lengths], device=device)
     if "teacher_prompt_ids" in batch:
@@ -184,5 +201,7 @@ def model_inputs(batch: BatchedDataDict, device: torch.device | str) -> dict[str
     input_ids = batch["input_ids"].to(device)
     if "position_ids" in batch:
         return {"input_ids": input_ids, "position_ids": batch["position_ids"].to(device), "attention_mask": None}
-    return {"input_ids": input_ids,
-            "attention_mask": attention_mask_from_lengths(batch["input_lengths"].to(device), input_ids.shape[1])}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask_from_lengths(batch["input_lengths"].to(device), input_ids.shape[1]),
+    }

@@ -55,10 +55,16 @@ class TeacherContext:
         if self.key is not None:
             value = example.get(self.key)
             if not isinstance(value, str) or not value.strip():
-                found = "missing" if value is None else f"a {type(value).__name__}" if not isinstance(value, str) \
+                found = (
+                    "missing"
+                    if value is None
+                    else f"a {type(value).__name__}"
+                    if not isinstance(value, str)
                     else "an empty string"
-                raise DataError(f'field "{self.key}" (distillation.teacher_context_key) must be a non-empty string, '
-                                f"found {found}")
+                )
+                raise DataError(
+                    f'field "{self.key}" (distillation.teacher_context_key) must be a non-empty string, found {found}'
+                )
             parts.append(value)
         return self.separator.join(parts)
 

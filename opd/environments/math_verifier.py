@@ -4,12 +4,16 @@ The specification's math prompt asks for ``<answer> ... </answer>`` tags and a f
 ``\\boxed{...}``. :func:`extract_answer` takes the last ``\\boxed{}`` in the response (the
 innermost-balanced braces), else the last ``<answer>`` block; :func:`is_correct` compares
 it with the ground truth using Hugging Face's ``math-verify`` (symbolic equivalence, so
-``1/2`` equals ``0.5`` and ``\\frac{1}{2}``).
+``1/2`` equals ``0.5`` and ``\\frac{1}{2}``). :func:`grade_responses` grades a batch of
+generated rows, for validation accuracy and the task reward alike.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
+
+import torch
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -56,3 +60,29 @@ def is_correct(response: str, ground_truth: str) -> bool:
         return bool(verify(parse(f"${ground_truth}$"), parse(f"${answer}$")))
     except Exception:  # math-verify raises on unparsable input; that answer is wrong
         return False
+
+
+def grade_responses(
+    input_ids: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    input_lengths: torch.Tensor,
+    ground_truths: list[str | None],
+    tokenizer: Any,
+) -> list[bool | None]:
+    """Decodes each row's response and checks it (None where there is no ground truth).
+
+    Args:
+        input_ids: ``[N, L]`` right-padded ``[prompt | response | pad]`` rows.
+        prompt_lengths: ``[N]`` where each response starts.
+        input_lengths: ``[N]`` where each response ends.
+        ground_truths: one per row.
+        tokenizer: decodes the responses (special tokens skipped).
+    """
+    grades: list[bool | None] = []
+    for row, ground_truth in enumerate(ground_truths):
+        if ground_truth is None:
+            grades.append(None)
+            continue
+        start, end = int(prompt_lengths[row]), int(input_lengths[row])
+        grades.append(is_correct(tokenizer.decode(input_ids[row, start:end], skip_special_tokens=True), ground_truth))
+    return grades

@@ -1,4 +1,4 @@
-"""Which models to load and how (the ``model`` section of a config)."""
+"""Which models to load and how (the ``model`` and ``teacher`` sections), and the student's optimizer settings."""
 
 from __future__ import annotations
 
@@ -50,3 +50,19 @@ class TeacherConfig(StrictConfig):
 
     backend: Literal["local", "remote"] = Field("local", description="local = model.teacher_model_path in process")
     remote: RemoteTeacherConfig = Field(default_factory=RemoteTeacherConfig, description="used when backend = remote")
+
+
+class OptimizerConfig(StrictConfig):
+    """AdamW and learning-rate schedule settings."""
+
+    learning_rate: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    adam_epsilon: float = Field(1e-8, gt=0.0)
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="null disables clipping")
+    warmup_steps: int = Field(0, ge=0)
+    lr_scheduler: str = Field("constant_with_warmup", pattern="^(constant_with_warmup|linear|cosine)$")
+    adam_implementation: Literal["auto", "fused", "foreach", "for_loop"] = Field(
+        "auto", description="AdamW kernel: auto = fused where torch has it for the device, else foreach"
+    )

@@ -1,35 +1,206 @@
-"""Interfaces between the distillation driver and its backends.
+"""The contracts between the distillation driver and its backends.
 
-``distillation_train`` talks only to these protocols, never to a concrete backend, as in
-NeMo-RL. The embedded backends (HF models in one process) implement them today; vLLM
-generation, served teachers and Ray worker groups implement the same methods later, so
-the driver does not change.
+``distillation_train`` calls only what these classes declare, as NeMo-RL's ``grpo_train``
+does: the trainable student (:class:`PolicyInterface`), the engine that samples from it
+(:class:`GenerationInterface`), the frozen teacher (:class:`TeacherInterface`) and the
+loss (:class:`LossFunction`). Every backend subclasses its interface, so a missing method
+fails when the backend is built, not halfway through a run, and a new backend (a Ray
+worker group, a served teacher that sends hidden states, several teachers) plugs in
+without the driver changing.
+
+The teacher is asked for one typed *signal*, the one the loss needs:
+
+* :class:`FullVocabRequest`: the whole distribution at every position, as ``[B, L, V]``
+  logits or, for the fused loss, final hidden states and the output head
+  (:class:`~opd.models.lm_head.LMHeadInput`);
+* :class:`TopKRequest`: the top-k log-probs and their ids, ``([B, L, k], [B, L, k])``;
+* :class:`TokenLogprobsRequest`: the log-prob of each token given those before it, ``[B, L]``.
+
+Positions follow the next-token convention everywhere (logits and top-k at position ``t``
+describe token ``t + 1``), except token log-probs, which sit at the token's own position.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.lm_head import LMHeadInput
+
+# --------------------------------------------------------------------------- teacher signals
 
 
-class GenerationInterface(Protocol):
-    """Samples responses from the student."""
+@dataclass(frozen=True)
+class FullVocabRequest:
+    """The teacher's whole distribution at every position.
 
-    needs_refit: bool
-    """True when the engine holds its own copy of the weights (e.g. vLLM) that must be
-    refreshed after each optimizer step; False when it generates with the trained model."""
+    Attributes:
+        prefer_hidden_states: the loss can take final hidden states and the head instead of
+            logits (the fused loss makes the logits chunk by chunk); a teacher that holds
+            its model answers so, any other teacher answers with logits.
+    """
 
+    prefer_hidden_states: bool = False
+
+
+@dataclass(frozen=True)
+class TopKRequest:
+    """The teacher's ``k`` most likely tokens per position, with their log-probs.
+
+    Attributes:
+        k: tokens per position (capped at the vocabulary size).
+        temperature: log-probs of ``softmax(logits / temperature)``.
+        vocab_size: only the first ``vocab_size`` outputs are real tokens (None: all).
+    """
+
+    k: int
+    temperature: float = 1.0
+    vocab_size: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobsRequest:
+    """The teacher's log-prob of each token of the sequence, at temperature 1.
+
+    Attributes:
+        vocab_size: only the first ``vocab_size`` outputs are real tokens (None: all).
+    """
+
+    vocab_size: int | None = None
+
+
+TeacherRequest = FullVocabRequest | TopKRequest | TokenLogprobsRequest
+"""What a loss asks the teacher for."""
+
+TeacherSignal = torch.Tensor | LMHeadInput | tuple[torch.Tensor, torch.Tensor]
+"""A teacher's answer: logits or token log-probs, hidden states and head, or top-k (log-probs, ids)."""
+
+TeacherSignalFn = Callable[[BatchedDataDict], TeacherSignal]
+"""Scores one micro-batch (the driver binds the teacher, the request and its timer)."""
+
+
+# --------------------------------------------------------------------------- loss
+
+
+class LossFunction(ABC):
+    """Computes a micro-batch's share of the global-batch loss.
+
+    A loss function is called once per micro-batch. It receives the counts of valid tokens
+    and sequences in the *whole global batch*, so that it can normalise by them: the sum
+    of the micro-batch losses is then exactly the loss of one big batch, and gradient
+    accumulation changes nothing but memory.
+
+    Attributes:
+        fused_lm_head: the loss takes the student's final hidden states and head
+            (:class:`~opd.models.lm_head.LMHeadInput`) instead of ``[B, L, V]`` logits.
+    """
+
+    fused_lm_head: bool = False
+
+    @property
+    def teacher_request(self) -> TeacherRequest | None:
+        """What the loss needs from the teacher; None for losses that need no teacher (SFT)."""
+        return None
+
+    @property
+    def needs_task_reward(self) -> bool:
+        """On-policy batches must carry ``task_reward [N]`` (the verifier's grade of each response)."""
+        return False
+
+    @property
+    def needs_sampler_logprobs(self) -> bool:
+        """On-policy batches must carry ``generation_logprobs`` (the sampler's log-probs)."""
+        return False
+
+    @abstractmethod
+    def __call__(
+        self,
+        student_output: Any,
+        data: dict[str, Any],
+        global_valid_tokens: int,
+        global_valid_seqs: int,
+        teacher_output: Any = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Returns the loss (already divided by the global normaliser) and metrics.
+
+        ``student_output`` is the student's ``[B, L, V]`` logits, or an
+        :class:`~opd.models.lm_head.LMHeadInput` when ``fused_lm_head`` is set.
+        ``teacher_output`` is the teacher's answer to ``teacher_request``. Metrics are
+        global-normalised contributions too, so the trainer sums them over micro-batches.
+        """
+
+
+# --------------------------------------------------------------------------- backends
+
+
+class PolicyInterface(ABC):
+    """The trainable student."""
+
+    @abstractmethod
+    def train(
+        self, data: BatchedDataDict, loss_fn: LossFunction, teacher_signal: TeacherSignalFn | None = None
+    ) -> dict[str, float]:
+        """One optimizer step over ``data`` (the global batch), micro-batch by micro-batch.
+
+        Args:
+            data: right-padded batch with ``input_ids``, ``input_lengths``, ``token_mask``.
+            loss_fn: called on each micro-batch.
+            teacher_signal: scores a micro-batch with the teacher; None when the loss
+                needs no teacher.
+
+        Returns:
+            Global-batch metrics: the loss function's, summed over micro-batches, plus
+            ``grad_norm``, ``lr`` and ``skipped_nonfinite``.
+        """
+
+    @abstractmethod
+    def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
+        """The student's ``[B, L, V]`` logits for ``data["input_ids"]``, without gradient (validation)."""
+
+    @abstractmethod
+    def weights_for_refit(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of every parameter, as a separate generation engine loads them."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer and schedule state for a checkpoint (the weights are saved by :meth:`save_pretrained`)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned."""
+
+    @abstractmethod
+    def save_pretrained(self, directory: str, tokenizer: Any | None = None) -> None:
+        """Writes the student (and the tokenizer, if given) as a Hugging Face model directory."""
+
+
+class GenerationInterface(ABC):
+    """Samples responses from the student.
+
+    Attributes:
+        needs_refit: the engine holds its own copy of the weights (vLLM), which goes
+            stale after each optimizer step; False when it samples with the trained model.
+    """
+
+    needs_refit: ClassVar[bool] = False
+
+    @abstractmethod
     def prepare_for_generation(self) -> None:
         """Switches the engine on (eval mode, wake from sleep, ...)."""
 
-    def finish_generation(self) -> None:
-        """Releases what generation held (train mode, sleep, ...)."""
-
+    @abstractmethod
     def generate(
-        self, prompts: list[list[int]], strategy: Any, num_samples: int, return_logprobs: bool = True
+        self,
+        prompts: list[list[int]],
+        strategy: GenerateStrategyConfig,
+        num_samples: int = 1,
+        return_logprobs: bool = True,
     ) -> BatchedDataDict:
         """Samples ``num_samples`` responses per prompt.
 
@@ -43,39 +214,43 @@ class GenerationInterface(Protocol):
             ``generation_logprobs [N, L]`` (the sampler's log-prob of each response
             token at that token's position, 0 elsewhere) and ``truncated [N]`` (no EOS).
         """
-        ...
+
+    @abstractmethod
+    def finish_generation(self) -> None:
+        """Releases what generation held (train mode, sleep, ...)."""
+
+    def refit(self, policy: PolicyInterface) -> None:  # noqa: B027 - a no-op unless the engine holds weights
+        """Loads the policy's current weights; engines that sample with the policy itself need nothing."""
+
+    def close(self) -> None:  # noqa: B027 - a no-op unless the engine holds resources
+        """Frees the engine's own resources (processes, memory); the default holds none."""
 
 
-class TeacherInterface(Protocol):
+class TeacherInterface(ABC):
     """A frozen model that scores the student's tokens."""
 
-    def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
-        """Full-vocabulary logits ``[B, L, V]`` for ``data["input_ids"]`` (no gradient)."""
-        ...
+    @classmethod
+    @abstractmethod
+    def unsupported_reason(cls, request: TeacherRequest) -> str | None:
+        """Why this kind of teacher cannot answer ``request``, or None when it can.
 
-    def get_topk_logprobs(
-        self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k log-probs and ids ``([B, L, k], [B, L, k])``; position t describes token t + 1."""
-        ...
+        A class method, so that a config can be checked before any teacher is built.
+        """
 
-    def get_token_logprobs(self, data: BatchedDataDict, vocab_size: int | None = None) -> torch.Tensor:
-        """``[B, L]`` log-prob of each token given the tokens before it (0 at position 0)."""
-        ...
+    def refusal(self, request: TeacherRequest) -> str | None:
+        """This teacher's :meth:`unsupported_reason` for ``request`` (a wrapper asks what it wraps)."""
+        return self.unsupported_reason(request)
 
+    @abstractmethod
+    def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
+        """Answers ``request`` for the right-padded (or packed) micro-batch ``data``.
 
-class PolicyInterface(Protocol):
-    """The trainable student."""
+        Returns:
+            ``[B, L, V]`` logits or an :class:`~opd.models.lm_head.LMHeadInput` for a
+            :class:`FullVocabRequest`; ``([B, L, k] float32 log-probs, [B, L, k] int64
+            ids)`` sorted by probability for a :class:`TopKRequest`; ``[B, L]`` log-probs
+            (0 at position 0) for a :class:`TokenLogprobsRequest`.
+        """
 
-    def train(
-        self,
-        data: BatchedDataDict,
-        loss_fn: Any,
-        teacher_logits_fn: Callable[[BatchedDataDict], torch.Tensor] | None = None,
-    ) -> dict[str, float]:
-        """Runs forward/backward over micro-batches and one optimizer step; returns metrics."""
-        ...
-
-    def save_pretrained(self, directory: str) -> None:
-        """Writes the student as a Hugging Face model directory."""
-        ...
+    def close(self) -> None:  # noqa: B027 - a no-op unless the teacher holds resources
+        """Frees connections or processes; the default holds none."""

@@ -12,9 +12,9 @@ import logging
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from opd.models.config import ModelConfig
+from opd.models.config import ModelLoadingConfig
 from opd.models.tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer, is_tiny_path
 from opd.utils.errors import ConfigError, ModelCompatibilityError
 
@@ -47,6 +47,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     Raises:
         ConfigError: if the tokenizer cannot be loaded or has no EOS token.
     """
+    tokenizer: Any
     if is_tiny_path(path):
         tokenizer = build_tiny_tokenizer()
     else:
@@ -60,20 +61,19 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
         # Padding never carries loss or attention, so EOS is a safe stand-in.
         tokenizer.pad_token = tokenizer.eos_token
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ConfigError(
-            f"tokenizer '{path}' has no chat template; set data.chat_template in the config"
-        )
+        raise ConfigError(f"tokenizer '{path}' has no chat template; set data.chat_template in the config")
     return tokenizer
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, config: ModelConfig) -> torch.nn.Module:
+def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, config: ModelLoadingConfig) -> PreTrainedModel:
     """Loads ``AutoModelForCausalLM`` (or builds ``tiny:<preset>``) on ``device``.
 
     Raises:
         ConfigError: if the model cannot be loaded.
     """
+    model: PreTrainedModel
     if is_tiny_path(path):
-        model = build_tiny_model(path[len(TINY_PREFIX):], dtype=dtype)
+        model = build_tiny_model(path[len(TINY_PREFIX) :], dtype=dtype)
     else:
         kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": config.trust_remote_code}
         if config.attn_implementation:
@@ -82,13 +82,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, config: 
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         except (OSError, ValueError) as error:
             raise ConfigError(f"cannot load model from '{path}': {str(error).splitlines()[0]}") from None
-    return model.to(device)
-
-
-def freeze(model: torch.nn.Module) -> torch.nn.Module:
-    """Makes a model a frozen teacher: eval mode and no parameter requires grad."""
-    model.eval()
-    model.requires_grad_(False)
+    torch.nn.Module.to(model, device)  # in place (transformers' typing of its own .to() is unusable here)
     return model
 
 
@@ -122,7 +116,7 @@ def check_tokenizer_compatibility(
         )
 
 
-def check_output_sizes(model: torch.nn.Module, vocab_size: int, name: str) -> None:
+def check_output_sizes(model: PreTrainedModel, vocab_size: int, name: str) -> None:
     """Fails if a model's output layer cannot score every token of the tokenizer."""
     output_size = model.get_output_embeddings().weight.shape[0]
     if output_size < vocab_size:

@@ -12,11 +12,10 @@ get bitwise-identical weights.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from collections.abc import Iterable
-
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -86,9 +85,7 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(SPECIAL_TOKENS)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
 
@@ -182,7 +179,8 @@ def build_tiny_model(preset_name: str, dtype: torch.dtype = torch.float32) -> Qw
         :func:`build_tiny_tokenizer`.
     """
     model = build_model_for_tokenizer(preset_name, build_tiny_tokenizer())
-    return model.to(dtype)
+    torch.nn.Module.to(model, dtype)  # in place (transformers' typing of its own .to() is unusable here)
+    return model
 
 
 def save_tiny_pair(directory: str, preset_name: str) -> str:

@@ -6,6 +6,11 @@ overridden by the file's own keys, as NeMo-RL's example configs do. Command-line
 overrides use dotted keys (``training.learning_rate=1e-5``) and are applied last.
 ``${...}`` interpolations (e.g. ``${output_dir}/logs``) are resolved by OmegaConf.
 
+A section that is a choice of variants (``loss_fn``, chosen by its ``type``) follows one
+more rule: when a file or an override sets the section's ``type``, the keys it inherited
+from earlier layers that the chosen variant does not have are dropped, so a parent's
+documented defaults for one objective never leak into another.
+
 The merged tree is then validated by a pydantic model. Every problem (unknown key,
 wrong type, out-of-range value) becomes one :class:`~opd.utils.errors.ConfigError`
 whose message names the dotted key and what is allowed, before any model is loaded.
@@ -14,8 +19,9 @@ whose message names the dotted key and what is allowed, before any model is load
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar, get_args
 
 import yaml
 from omegaconf import OmegaConf
@@ -23,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from opd.utils.errors import ConfigError
+from opd.utils.text import first_line
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -32,21 +39,53 @@ class StrictConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
-
-def _first_line(error: Exception) -> str:
-    """The first line of an exception's message (OmegaConf appends multi-line context)."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    moved_keys: ClassVar[dict[str, str]] = {}
+    """Dotted keys of an older schema → where they live now (checked by :func:`validate_config`)."""
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:
     """PyYAML's problem description with its 1-based line and column, on one line."""
-    problem = getattr(error, "problem", None) or _first_line(error)
+    problem = getattr(error, "problem", None) or first_line(error)
     mark = getattr(error, "problem_mark", None)
     return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
-def _load_yaml_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+VariantKeys = Callable[[str, str], "set[str] | None"]
+"""``(top-level section, type) -> the keys that variant accepts``; None: not a choice of variants."""
+
+
+def _merge(*trees: dict[str, Any]) -> dict[str, Any]:
+    """OmegaConf's deep merge of plain trees (later trees win); interpolations stay unresolved."""
+    merged = OmegaConf.merge(*(OmegaConf.create(tree) for tree in trees))
+    return _plain(OmegaConf.to_container(merged, resolve=False))
+
+
+def _plain(container: Any) -> dict[str, Any]:
+    """A converted OmegaConf container, checked to be a mapping with string keys."""
+    if not isinstance(container, dict):
+        raise ConfigError("the top level of a config must be a mapping of keys")
+    return {str(key): value for key, value in container.items()}
+
+
+def _drop_keys_of_other_variants(
+    tree: dict[str, Any], incoming: dict[str, Any], variant_keys: VariantKeys | None
+) -> dict[str, Any]:
+    """``tree`` without the inherited keys that a ``type`` set in ``incoming`` no longer accepts."""
+    if variant_keys is None:
+        return tree
+    pruned = dict(tree)
+    for section, value in incoming.items():
+        if not (isinstance(value, dict) and "type" in value and isinstance(tree.get(section), dict)):
+            continue
+        accepted = variant_keys(section, str(value["type"]))
+        if accepted is not None:
+            pruned[section] = {key: item for key, item in tree[section].items() if key in accepted}
+    return pruned
+
+
+def _load_yaml_with_defaults(
+    path: Path, seen: tuple[Path, ...] = (), variant_keys: VariantKeys | None = None
+) -> dict[str, Any]:
     """Reads one YAML file and the parents it names under ``defaults``, merged."""
     path = path.resolve()
     if path in seen:
@@ -62,20 +101,23 @@ def _load_yaml_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> dict[st
     parents = tree.pop("defaults", None) or []
     if isinstance(parents, str):
         parents = [parents]
-    merged = OmegaConf.create()
+    merged: dict[str, Any] = {}
     for parent in parents:
-        parent_tree = _load_yaml_with_defaults(path.parent / parent, seen + (path,))
-        merged = OmegaConf.merge(merged, OmegaConf.create(parent_tree))
-    merged = OmegaConf.merge(merged, OmegaConf.create(tree))
-    return OmegaConf.to_container(merged, resolve=False)  # type: ignore[return-value]
+        merged = _merge(merged, _load_yaml_with_defaults(path.parent / parent, (*seen, path), variant_keys))
+    return _merge(_drop_keys_of_other_variants(merged, tree, variant_keys), tree)
 
 
-def load_config_tree(config_path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+def load_config_tree(
+    config_path: str | Path, overrides: list[str] | None = None, variant_keys: VariantKeys | None = None
+) -> dict[str, Any]:
     """Loads a YAML config, applies ``key.sub=value`` overrides and resolves interpolations.
 
     Args:
         config_path: path to the YAML file.
-        overrides: command-line overrides such as ``["training.learning_rate=1e-5"]``.
+        overrides: command-line overrides such as ``["training.learning_rate=1e-5"]``;
+            those that set a section's ``type`` are applied first.
+        variant_keys: the keys of each variant of a choice section (see the module
+            docstring); None merges every section key by key.
 
     Returns:
         The merged config as plain Python containers.
@@ -83,44 +125,85 @@ def load_config_tree(config_path: str | Path, overrides: list[str] | None = None
     Raises:
         ConfigError: on a missing/invalid file, a malformed override or a bad interpolation.
     """
-    tree = OmegaConf.create(_load_yaml_with_defaults(Path(config_path)))
-    for override in overrides or []:
+    tree = _load_yaml_with_defaults(Path(config_path), variant_keys=variant_keys)
+    ordered = sorted(overrides or [], key=lambda override: not override.split("=", 1)[0].endswith(".type"))
+    for override in ordered:
         if "=" not in override or override.startswith("="):
-            raise ConfigError(
-                f"override '{override}' must look like key.sub=value (e.g. training.learning_rate=1e-5)"
-            )
+            raise ConfigError(f"override '{override}' must look like key.sub=value (e.g. training.learning_rate=1e-5)")
         try:
-            tree = OmegaConf.merge(tree, OmegaConf.from_dotlist([override]))
+            layer = _plain(OmegaConf.to_container(OmegaConf.from_dotlist([override]), resolve=False))
+            tree = _merge(_drop_keys_of_other_variants(tree, layer, variant_keys), layer)
         except yaml.YAMLError as error:  # the value after '=' is parsed as YAML
             raise ConfigError(f"override '{override}': the value is not valid YAML: {_yaml_problem(error)}") from None
         except OmegaConfBaseException as error:
-            raise ConfigError(f"override '{override}': {_first_line(error)}") from None
+            raise ConfigError(f"override '{override}': {first_line(error)}") from None
     try:
-        return OmegaConf.to_container(tree, resolve=True)  # type: ignore[return-value]
+        return _plain(OmegaConf.to_container(OmegaConf.create(tree), resolve=True))
     except OmegaConfBaseException as error:
-        raise ConfigError(f"config interpolation failed: {_first_line(error)}") from None
+        raise ConfigError(f"config interpolation failed: {first_line(error)}") from None
 
 
-def _allowed_keys(model_cls: type[BaseModel], location: tuple[Any, ...]) -> list[str]:
-    """Field names (YAML spelling) of the config section at ``location``."""
-    current: Any = model_cls
+def _variants(annotation: Any) -> dict[str, type[BaseModel]]:
+    """The config sections an annotation allows, by tag: a discriminated union's variants,
+    or the one section inside ``Optional[Section]`` (tag ``""``)."""
+    found: dict[str, type[BaseModel]] = {}
+    pending = [annotation]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            tag_field = current.model_fields.get("type")
+            tag = tag_field.default if tag_field is not None and isinstance(tag_field.default, str) else ""
+            found[tag] = current
+            continue
+        pending.extend(arg for arg in get_args(current) if arg is not None)
+    return found
+
+
+def _section_at(model_cls: type[BaseModel], location: tuple[Any, ...]) -> tuple[type[BaseModel] | None, str]:
+    """The config section at ``location`` and the dotted YAML key of it (union tags dropped)."""
+    current: type[BaseModel] | None = model_cls
+    names: list[str] = []
     for part in location:
-        fields = getattr(current, "model_fields", None)
-        if not fields:
-            return []
-        match = next(
-            (info for name, info in fields.items() if (info.alias or name) == part or name == part),
-            None,
-        )
+        if current is None:
+            return None, ".".join(names)
+        fields = current.model_fields
+        match = next((info for name, info in fields.items() if (info.alias or name) == part or name == part), None)
         if match is None:
-            return []
-        current = match.annotation
-        # Optional[Section] and similar: take the pydantic model inside the union.
-        for arg in getattr(current, "__args__", ()) or ():
-            if isinstance(arg, type) and issubclass(arg, BaseModel):
-                current = arg
-    fields = getattr(current, "model_fields", {})
-    return [info.alias or name for name, info in fields.items()]
+            # A discriminated union puts the variant's tag in the location: already resolved.
+            continue
+        names.append(str(part))
+        variants = _variants(match.annotation)
+        current = next(iter(variants.values())) if len(variants) == 1 else None
+        if len(variants) > 1:
+            # The next part of the location is the tag of the variant that was validated.
+            index = location.index(part) + 1
+            tag = location[index] if index < len(location) else None
+            current = variants.get(str(tag)) if tag is not None else None
+    return current, ".".join(names)
+
+
+def _keys_of(section: type[BaseModel] | None) -> list[str]:
+    return [info.alias or name for name, info in section.model_fields.items()] if section is not None else []
+
+
+def _misplaced_key_hint(model_cls: type[BaseModel], location: tuple[Any, ...], key: str) -> str:
+    """For a key refused by one variant of a union: the variants that do have it."""
+    parent: type[BaseModel] | None = model_cls
+    for index, part in enumerate(location):
+        if parent is None:
+            return ""
+        info = parent.model_fields.get(str(part))
+        if info is None:
+            return ""
+        variants = _variants(info.annotation)
+        if len(variants) > 1:
+            owners = sorted(tag for tag, section in variants.items() if key in _keys_of(section))
+            chosen = location[index + 1] if index + 1 < len(location) else "?"
+            if owners:
+                return f" ({key} belongs to {part}.type = {' / '.join(owners)}, not {chosen})"
+            return ""
+        parent = next(iter(variants.values()), None)
+    return ""
 
 
 def _format_validation_error(model_cls: type[BaseModel], error: ValidationError) -> str:
@@ -128,38 +211,73 @@ def _format_validation_error(model_cls: type[BaseModel], error: ValidationError)
     lines = []
     for item in error.errors():
         location = tuple(item["loc"])
-        key = ".".join(str(part) for part in location)
+        _, dotted = _section_at(model_cls, location)
         if item["type"] == "extra_forbidden":
-            allowed = _allowed_keys(model_cls, location[:-1])
-            hint = difflib.get_close_matches(str(location[-1]), allowed, n=1)
-            suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
-            lines.append(
-                f"unknown key '{key}'{suggestion}; allowed keys here: {', '.join(sorted(allowed))}"
+            section, parent = _section_at(model_cls, location[:-1])
+            allowed = _keys_of(section)
+            name = str(location[-1])
+            key = f"{parent}.{name}" if parent else name
+            hint = difflib.get_close_matches(name, allowed, n=1)
+            # A key of another variant is more likely than a typo (kl_type is not a misspelt type).
+            suggestion = _misplaced_key_hint(model_cls, location, name) or (
+                f" (did you mean '{hint[0]}'?)" if hint else ""
             )
+            lines.append(f"unknown key '{key}'{suggestion}; allowed keys here: {', '.join(sorted(allowed))}")
         elif item["type"] == "missing":
-            lines.append(f"missing required key '{key}'")
+            lines.append(f"missing required key '{dotted}'")
+        elif not location:  # a check across sections: its message names the keys
+            lines.append(str(item["msg"]).removeprefix("Value error, "))
+        elif item["type"] == "union_tag_invalid":
+            lines.append(f"{dotted}.type = {item['ctx']['tag']!r}: expected one of {item['ctx']['expected_tags']}")
         else:
-            lines.append(f"{key} = {item.get('input')!r}: {item['msg']}")
+            lines.append(f"{dotted} = {item.get('input')!r}: {item['msg']}")
     return "invalid config: " + "; ".join(lines)
+
+
+def _moved_key_problems(model_cls: type[BaseModel], tree: dict[str, Any]) -> list[str]:
+    """Keys of an older schema still present in ``tree``, each with its new place."""
+    moved: dict[str, str] = getattr(model_cls, "moved_keys", {})
+    problems = []
+    for old, new in moved.items():
+        node: Any = tree
+        for part in old.split("."):
+            node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+        if node is not _ABSENT:
+            problems.append(f"config key '{old}' has moved: it is now {new}")
+    return problems
+
+
+_ABSENT = object()
 
 
 def validate_config(model_cls: type[ModelT], tree: dict[str, Any]) -> ModelT:
     """Validates a config tree into a typed config object.
 
     Raises:
-        ConfigError: naming every offending key and what it allows.
+        ConfigError: naming every offending key and what it allows, or, for a key an
+            older schema had (the class's ``moved_keys``), where it lives now.
     """
+    moved = _moved_key_problems(model_cls, tree)
+    if moved:
+        raise ConfigError("invalid config: " + "; ".join(moved))
     try:
         return model_cls.model_validate(tree)
     except ValidationError as error:
         raise ConfigError(_format_validation_error(model_cls, error)) from None
 
 
-def load_config(
-    model_cls: type[ModelT], config_path: str | Path, overrides: list[str] | None = None
-) -> ModelT:
+def load_config(model_cls: type[ModelT], config_path: str | Path, overrides: list[str] | None = None) -> ModelT:
     """Loads, overrides and validates a config file in one call (see :func:`load_config_tree`)."""
-    return validate_config(model_cls, load_config_tree(config_path, overrides))
+
+    def variant_keys(section: str, tag: str) -> set[str] | None:
+        info = model_cls.model_fields.get(section)
+        variants = _variants(info.annotation) if info is not None else {}
+        if len(variants) < 2:
+            return None
+        chosen = variants.get(tag)
+        return set(_keys_of(chosen)) if chosen is not None else None
+
+    return validate_config(model_cls, load_config_tree(config_path, overrides, variant_keys))
 
 
 def config_to_yaml(config: BaseModel) -> str:

@@ -9,7 +9,7 @@ tensors so that checkpoints load with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ import torch
 
 def capture_rng_state(lambda_coin: random.Random) -> dict[str, Any]:
     """Returns the state of every generator as tensors / lists / ints."""
-    numpy_state = np.random.get_state()
+    numpy_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
     state: dict[str, Any] = {
         "python": _to_lists(random.getstate()),
         "numpy": {

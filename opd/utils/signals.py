@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
+from typing import Any, TypeAlias
+
+SignalHandler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+"""What ``signal.getsignal`` returns and ``signal.signal`` takes back."""
 
 
 class GracefulStop:
@@ -23,7 +28,7 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, SignalHandler] = {}
 
     @property
     def requested(self) -> bool:
@@ -34,9 +39,9 @@ class GracefulStop:
         self.signal_name = signal.Signals(signum).name
         # The next signal gets the previous behaviour (KeyboardInterrupt / termination).
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            signal.signal(sig, handler)
 
-    def __enter__(self) -> "GracefulStop":
+    def __enter__(self) -> GracefulStop:
         # Handlers can only be installed from the main thread (e.g. not under some test runners).
         if threading.current_thread() is threading.main_thread():
             for sig in self._SIGNALS:
@@ -46,5 +51,5 @@ class GracefulStop:
 
     def __exit__(self, *exc_info: object) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            signal.signal(sig, handler)
         self._previous.clear()

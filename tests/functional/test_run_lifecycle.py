@@ -32,7 +32,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from opd.algorithms.distillation import MasterConfig, distillation_train, setup
+from opd.algorithms.distillation import distillation_train
+from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.distillation_setup import setup
+from opd.models.interfaces import LossFunction
 from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from opd.utils.config import load_config, validate_config
 from opd.utils.errors import TrainingDivergedError
@@ -421,38 +424,59 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
+class NaNOnSomeSteps(LossFunction):
+    """``loss``, except that ``poisoned()`` steps multiply its value by NaN; asks the teacher what ``loss`` asks."""
+
+    def __init__(self, loss: LossFunction, poisoned) -> None:
+        self.loss = loss
+        self.poisoned = poisoned
+        self.fused_lm_head = loss.fused_lm_head
+
+    @property
+    def teacher_request(self):
+        return self.loss.teacher_request
+
+    @property
+    def needs_task_reward(self) -> bool:
+        return self.loss.needs_task_reward
+
+    @property
+    def needs_sampler_logprobs(self) -> bool:
+        return self.loss.needs_sampler_logprobs
+
+    def __call__(self, *args, **kwargs):
+        value, metrics = self.loss(*args, **kwargs)
+        if self.poisoned():
+            value = value * float("nan")
+        return value, metrics
+
+
 def run_with_nan_steps(config: MasterConfig, nan_steps) -> dict:
     """Runs ``distillation_train`` with a loss that is NaN on ``nan_steps`` (a set or "all").
 
     Returns the student's weights before training and after every optimizer step, the
     optimizer's and scheduler's step counters after every step, and the raised error.
     """
-    parts = list(setup(config))
-    policy, loss_fn = parts[0], parts[6]
+    parts = setup(config)
+    policy = parts.student_policy
     trace = {"initial": snapshot(policy.model), "after": [], "optimizer_steps": [], "scheduler_steps": [],
              "error": None}
     step = {"n": 0}
     original_train = policy.train
 
-    def spy_train(batch, loss, **kwargs):
+    def spy_train(batch, loss, *args, **kwargs):
         step["n"] += 1
-        result = original_train(batch, loss, **kwargs)
+        result = original_train(batch, loss, *args, **kwargs)
         trace["after"].append(snapshot(policy.model))
         adam_steps = {int(state["step"]) for state in policy.optimizer.state.values()}
         trace["optimizer_steps"].append(adam_steps)
         trace["scheduler_steps"].append(policy.scheduler.last_epoch)
         return result
 
-    def nan_loss(*args, **kwargs):
-        value, metrics = loss_fn(*args, **kwargs)
-        if nan_steps == "all" or step["n"] in nan_steps:
-            value = value * float("nan")
-        return value, metrics
-
     policy.train = spy_train
-    parts[6] = nan_loss
+    parts.loss_fn = NaNOnSomeSteps(parts.loss_fn, lambda: nan_steps == "all" or step["n"] in nan_steps)
     try:
-        distillation_train(*parts)
+        distillation_train(**parts.as_arguments())
     except TrainingDivergedError as error:
         trace["error"] = error
     trace["records"] = train_records(Path(config.output_dir))
@@ -519,7 +543,7 @@ def test_keep_top_k_keeps_newest_and_best_checkpoint(tmp_path, higher_is_better)
         "checkpointing.metric_name=val/kl_reverse",
         f"checkpointing.higher_is_better={str(higher_is_better).lower()}",
     )
-    distillation_train(*setup(config))
+    distillation_train(**setup(config).as_arguments())
     validations = {r["step"]: r["val/kl_reverse"] for r in read_records(output_dir) if "val/kl_reverse" in r}
     assert sorted(validations) == [2, 4, 6, 8]
     pick = max if higher_is_better else min
@@ -539,7 +563,7 @@ def test_keep_top_k_keeps_newest_and_best_checkpoint(tmp_path, higher_is_better)
 def test_teacher_baseline_logs_step_zero_record_without_kl(tmp_path):
     output_dir = tmp_path / "run"
     config = inprocess_config(output_dir, "training.max_num_steps=1", "validation.teacher_baseline=true")
-    distillation_train(*setup(config))
+    distillation_train(**setup(config).as_arguments())
     step_zero = [r for r in read_records(output_dir) if r["step"] == 0]
     assert len(step_zero) == 1, step_zero
     record = step_zero[0]

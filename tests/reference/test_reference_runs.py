@@ -57,7 +57,8 @@ RUNS_FILE = REFERENCE_DIR / "reference_runs.json"
 DEMO_FILE = REFERENCE_DIR / "reference_demo.json"
 
 # ==================================================================== config overrides
-# Baseline key names. Update these (and only these) when the config schema changes.
+# The current key names (the JSON files keep the baseline's). Update these (and only these)
+# when the config schema changes.
 TINY_CONFIG = "examples/configs/distillation_tiny.yaml"
 COMMON_RUN_OVERRIDES: list[str] = ["training.max_num_steps=10", "training.val_freq=5", "training.save_freq=0"]
 """Every tiny run: 10 steps, validation at steps 0, 5 and 10 (val_at_start / val_at_end are on)."""
@@ -65,14 +66,14 @@ RUN_OVERRIDES: dict[str, list[str]] = {
     # (a) the tiny config as it is: full-vocabulary reverse KL, fused LM head.
     "full_vocab_reverse": [],
     # (b) top-8 teacher signal (with the rest class), mixed KL with forward weight 0.3.
-    "topk8_mixed_0.3": ["distillation.kl_type=mixed", "distillation.mixed_kl_weight=0.3",
-                        "loss_fn.type=topk", "loss_fn.teacher_topk=8"],
+    "topk8_mixed_0.3": ["loss_fn.kl_type=mixed", "loss_fn.mixed_kl_weight=0.3",
+                        "loss_fn.type=topk", "loss_fn.k=8"],
     # (c) reverse KL on the sampled token as a clipped policy gradient.
     "sampled_token": ["loss_fn.type=sampled_token"],
     # (d) generalized Jensen-Shannon divergence, beta 0.3.
-    "jsd_0.3": ["loss_fn.divergence=jsd", "loss_fn.jsd_beta=0.3"],
+    "jsd_0.3": ["loss_fn.type=jsd", "loss_fn.beta=0.3"],
     # (e) lambda 0.5: fixed-data and on-policy steps mixed, forward KL.
-    "lambda_0.5_forward": ["distillation.lambda=0.5", "distillation.kl_type=forward"],
+    "lambda_0.5_forward": ["distillation.lambda=0.5", "loss_fn.kl_type=forward"],
     # (f) the hybrid loss over the full vocabulary.
     "hybrid_full_vocab": ["loss_fn.type=hybrid_full_vocab"],
 }

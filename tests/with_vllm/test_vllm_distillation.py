@@ -13,7 +13,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; run: bash scripts/test_vllm.sh")
 
-from opd.algorithms.distillation import MasterConfig, distillation_train, setup  # noqa: E402
+
+from opd.algorithms.distillation import distillation_train  # noqa: E402
+from opd.algorithms.distillation_config import MasterConfig  # noqa: E402
+from opd.algorithms.distillation_setup import setup  # noqa: E402
 from opd.models.generation.hf_generation import HFGeneration  # noqa: E402
 from opd.models.generation.vllm_generation import VllmGeneration  # noqa: E402
 from opd.utils.config import load_config  # noqa: E402
@@ -35,13 +38,11 @@ def test_distillation_with_vllm_rollouts_equals_the_hf_backend_run(tmp_path, tas
         config = load_config(MasterConfig, DEMO_CONFIG, common + [f"output_dir={tmp_path / backend}",
                                                                    f"generation.backend={backend}"])
         parts = setup(config)
-        generation = parts[2]
-        assert isinstance(generation, VllmGeneration if backend == "vllm" else HFGeneration)
+        assert isinstance(parts.student_generation, VllmGeneration if backend == "vllm" else HFGeneration)
         try:
-            distillation_train(*parts)
+            distillation_train(**parts.as_arguments())
         finally:
-            if backend == "vllm":
-                generation.close()
+            parts.close()  # closes the vLLM engine (a no-op for the HF backend)
         lines = (tmp_path / backend / "logs" / "metrics.jsonl").read_text().splitlines()
         records[backend] = [json.loads(line) for line in lines]
     losses = {name: [r["train/loss"] for r in rows if "train/loss" in r] for name, rows in records.items()}

@@ -25,7 +25,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here; run: bash script
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from opd.algorithms.distillation import MasterConfig  # noqa: E402
+from opd.algorithms.distillation_config import MasterConfig  # noqa: E402
 from opd.algorithms.loss_functions import DistillationLossFn  # noqa: E402
 from opd.data.batched_data_dict import BatchedDataDict  # noqa: E402
 from opd.data.converters import load_prompt_template, math_cl_to_chat  # noqa: E402
@@ -115,7 +115,7 @@ def one_training_step(model: torch.nn.Module, tokenizer, prompts) -> None:
     for row in range(batch.size):
         batch["token_mask"][row, int(batch["prompt_lengths"][row]):int(batch["input_lengths"][row])] = True
     loss_fn = DistillationLossFn(kl_type="forward", vocab_size=len(tokenizer))
-    policy.train(batch, loss_fn, teacher_fn=teacher.get_logits)
+    policy.train(batch, loss_fn, teacher_signal=teacher.get_logits)
 
 
 def test_refit_after_a_training_step_matches_the_updated_student(engine, student, tokenizer, prompts):

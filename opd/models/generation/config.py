@@ -76,10 +76,12 @@ class GenerationConfig(StrictConfig):
     backend: Literal["hf", "vllm"] = Field(
         "hf", description="generation engine: hf = the in-process student model, vllm = a colocated vLLM engine"
     )
-    decode_loop: Literal["opd", "generate"] = Field("opd", description="hf backend: opd's decode loop or model.generate")
+    decode_loop: Literal["opd", "generate"] = Field(
+        "opd", description="hf backend: opd's decode loop or model.generate"
+    )
     compile_decode: Literal["auto"] | bool = Field(
         False,
         description="hf backend, opd loop: torch.compile the one-token decode step (auto = where a compiler "
-                    "toolchain exists); costs a few seconds of compilation per run, pays off over many steps",
+        "toolchain exists); costs a few seconds of compilation per run, pays off over many steps",
     )
     vllm: VllmGenerationConfig = Field(default_factory=VllmGenerationConfig, description="used when backend = vllm")

@@ -21,24 +21,26 @@ Optionally the one-token steps run through a ``torch.compile``-d forward
 step is bound by per-operator overhead (a 2-layer, 64-wide Qwen2 spends 0.8 ms per step in
 Python and dispatch on CPU); compiled it takes 0.53 ms. (Inductor's C++ wrapper,
 ``cpp_wrapper``, makes the step alone faster still but slowed the rest of a training step
-by a third on the 2-core machine, so it is not used.) The prefill stays eager: prompt widths vary from batch to batch, one-token steps do not.
+by a third on the 2-core machine, so it is not used.) The prefill stays eager: prompt widths
+vary from batch to batch, one-token steps do not.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
-from opd.algorithms.fused_lm_head import output_head_of
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.sampling import next_tokens
+from opd.models.lm_head import output_head_of
 
 
 def decode(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     strategy: GenerateStrategyConfig,
@@ -81,8 +83,12 @@ def decode(
     # (Rows that finish leave the batch, so no padding ever appears later.)
     mask = attention_mask if not bool(attention_mask.all()) else None
     output = model(
-        input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-        past_key_values=cache, use_cache=True, logits_to_keep=1,
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
     )
     active = torch.arange(rows, device=device)  # original row of each row still decoding
     next_position = position_ids[:, -1:] + 1
@@ -90,7 +96,7 @@ def decode(
     for step in range(budget):
         chosen, chosen_logprobs = next_tokens(output.logits[:, -1, :], strategy, return_logprobs)
         tokens[active, step] = chosen
-        if logprobs is not None:
+        if logprobs is not None and chosen_logprobs is not None:
             logprobs[active, step] = chosen_logprobs
         steps_run = step + 1
         still_running = chosen != eos_token_id
@@ -104,15 +110,18 @@ def decode(
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
         output = (step_forward or model)(
-            input_ids=chosen.unsqueeze(-1), attention_mask=mask, position_ids=next_position,
-            past_key_values=cache, use_cache=True,
+            input_ids=chosen.unsqueeze(-1),
+            attention_mask=mask,
+            position_ids=next_position,
+            past_key_values=cache,
+            use_cache=True,
         )
         next_position = next_position + 1
     tokens = tokens[:, :steps_run]
     return tokens, logprobs[:, :steps_run] if logprobs is not None else None
 
 
-def compile_decode_step(model: torch.nn.Module) -> Callable[..., Any]:
+def compile_decode_step(model: PreTrainedModel) -> Callable[..., Any]:
     """A one-token decode step with the model's decoder compiled and its output layer eager.
 
     ``dynamic=True`` keeps the batch size (rows leave as they finish) and the cache length

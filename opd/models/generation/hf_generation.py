@@ -12,14 +12,17 @@ top-k / top-p), i.e. the distribution the token was actually drawn from.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
+from transformers import PreTrainedModel
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.decode_loop import compile_decode_step, decode
 from opd.models.generation.rollout_batch import build_rollout_batch
+from opd.models.interfaces import GenerationInterface
+from opd.models.lm_head import token_log_probs
 
 
 def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
@@ -37,7 +40,7 @@ def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
     return {**common, "do_sample": True, "temperature": strategy.temperature, "top_k": 0, "top_p": strategy.top_p}
 
 
-class HFGeneration:
+class HFGeneration(GenerationInterface):
     """``GenerationInterface`` over an in-process ``PreTrainedModel``.
 
     Args:
@@ -48,10 +51,8 @@ class HFGeneration:
             (compiled on first use; ignored by the ``generate`` loop).
     """
 
-    needs_refit = False
-
     def __init__(
-        self, model: torch.nn.Module, tokenizer: Any, decode_loop: str = "opd", compile_decode: bool = False
+        self, model: PreTrainedModel, tokenizer: Any, decode_loop: str = "opd", compile_decode: bool = False
     ) -> None:
         if decode_loop not in ("opd", "generate"):
             raise ValueError(f"decode_loop must be 'opd' or 'generate', got {decode_loop!r}")
@@ -89,30 +90,41 @@ class HFGeneration:
         left_padded = torch.full((len(expanded), prompt_width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros_like(left_padded)
         for row, prompt in enumerate(expanded):
-            left_padded[row, prompt_width - len(prompt):] = torch.tensor(prompt)
-            attention[row, prompt_width - len(prompt):] = 1
+            left_padded[row, prompt_width - len(prompt) :] = torch.tensor(prompt)
+            attention[row, prompt_width - len(prompt) :] = 1
         with torch.inference_mode():
             new_tokens, new_token_logprobs = self._sample(left_padded, attention, strategy, return_logprobs)
         # Tensors born in inference mode cannot enter the student's autograd graph later;
         # clones made outside it are ordinary tensors.
-        batch = self._right_pad(expanded, new_tokens.clone(),
-                                new_token_logprobs.clone() if new_token_logprobs is not None else None)
+        batch = self._right_pad(
+            expanded, new_tokens.clone(), new_token_logprobs.clone() if new_token_logprobs is not None else None
+        )
         return batch
 
     def _sample(
-        self, left_padded: torch.Tensor, attention: torch.Tensor, strategy: GenerateStrategyConfig,
+        self,
+        left_padded: torch.Tensor,
+        attention: torch.Tensor,
+        strategy: GenerateStrategyConfig,
         return_logprobs: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the decode loop; returns the new tokens and (if asked) their sampling log-probs (on CPU)."""
         device = next(self.model.parameters()).device
         if self.decode_loop == "opd":
             new_tokens, token_logprobs = decode(
-                self.model, left_padded.to(device), attention.to(device), strategy,
-                self.eos_token_id, self.pad_token_id, return_logprobs, self.step_forward,
+                self.model,
+                left_padded.to(device),
+                attention.to(device),
+                strategy,
+                self.eos_token_id,
+                self.pad_token_id,
+                return_logprobs,
+                self.step_forward,
             )
             return new_tokens.cpu(), token_logprobs.cpu() if token_logprobs is not None else None
         prompt_width = left_padded.shape[1]
-        output = self.model.generate(
+        # transformers types generate()'s output as a union this call never returns.
+        output: Any = cast(Any, self.model).generate(
             input_ids=left_padded.to(device),
             attention_mask=attention.to(device),
             max_new_tokens=strategy.max_length,
@@ -130,7 +142,7 @@ class HFGeneration:
         # Gathered step by step: stacking [B, T, V] scores would not fit for a 150k vocab.
         token_logprobs = torch.stack(
             [
-                torch.log_softmax(step_scores.float(), dim=-1).gather(-1, output.sequences[:, prompt_width + t, None]).squeeze(-1)
+                token_log_probs(torch.log_softmax(step_scores.float(), dim=-1), output.sequences[:, prompt_width + t])
                 for t, step_scores in enumerate(output.scores)
             ],
             dim=1,
@@ -144,12 +156,15 @@ class HFGeneration:
         is_eos = new_tokens == self.eos_token_id
         has_eos = is_eos.any(dim=1)
         # Response = tokens up to and including the first EOS (all of them if none).
-        first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, new_tokens.shape[1] - 1, dtype=torch.long))
+        first_eos = torch.where(
+            has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, new_tokens.shape[1] - 1, dtype=torch.long)
+        )
         response_lengths = (first_eos + 1).tolist()
         return build_rollout_batch(
             prompts,
             [new_tokens[row, :length] for row, length in enumerate(response_lengths)],
-            None if new_token_logprobs is None
+            None
+            if new_token_logprobs is None
             else [new_token_logprobs[row, :length] for row, length in enumerate(response_lengths)],
             ~has_eos,
             self.pad_token_id,

@@ -31,10 +31,12 @@ import tempfile
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig, VllmGenerationConfig
 from opd.models.generation.rollout_batch import build_rollout_batch
+from opd.models.interfaces import GenerationInterface, PolicyInterface
 from opd.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -115,7 +117,7 @@ def _reload_worker_weights(worker: Any, weights: Any, tied_embeddings: bool) -> 
     return counted[0]
 
 
-class VllmGeneration:
+class VllmGeneration(GenerationInterface):
     """``GenerationInterface`` over a colocated, in-process vLLM engine.
 
     Args:
@@ -130,7 +132,7 @@ class VllmGeneration:
     """The engine open in this process: vLLM keeps its parallel state in process globals,
     so a second in-process engine would share, and on close tear down, the first one's."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, config: VllmGenerationConfig, seed: int = 0) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, config: VllmGenerationConfig, seed: int = 0) -> None:
         if VllmGeneration._open_engine is not None:
             raise RuntimeError("a colocated vLLM engine is already open in this process; close() it first")
         device_type = next(model.parameters()).device.type
@@ -143,7 +145,9 @@ class VllmGeneration:
         on_gpu = device_type == "cuda"
         self.sleep_enabled = on_gpu if config.enable_sleep_mode == "auto" else bool(config.enable_sleep_mode)
         if self.sleep_enabled and not on_gpu:
-            raise ConfigError("generation.vllm.enable_sleep_mode = true needs a CUDA device (vLLM's sleep mode is GPU-only)")
+            raise ConfigError(
+                "generation.vllm.enable_sleep_mode = true needs a CUDA device (vLLM's sleep mode is GPU-only)"
+            )
         dtype = str(model.dtype).removeprefix("torch.") if config.dtype == "auto" else config.dtype
         # The engine reads the architecture from a config.json; the student's own config,
         # written to a scratch directory, is the one that matches the weights in memory.
@@ -181,25 +185,27 @@ class VllmGeneration:
 
     # ------------------------------------------------------------------ refit
 
-    def refit(self, policy: Any) -> None:
+    def refit(self, policy: PolicyInterface) -> None:
         """Copies the policy's current weights into the engine (called by the driver when stale)."""
-        self.refit_from_model(policy.model)
+        self._load_weights(list(policy.weights_for_refit()))
 
-    def refit_from_model(self, model: torch.nn.Module) -> None:
-        """Copies ``model``'s parameters into the engine and drops the prefix cache.
+    def refit_from_model(self, model: PreTrainedModel) -> None:
+        """Copies ``model``'s parameters into the engine (the first load, from the student in memory)."""
+        self._load_weights([(name, parameter.detach()) for name, parameter in model.named_parameters()])
+
+    def _load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Streams ``(name, tensor)`` pairs into the engine and drops the prefix cache.
 
         Raises:
-            RuntimeError: if the engine did not receive every parameter.
+            RuntimeError: if the engine did not receive every tensor.
         """
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
-        expected = sum(1 for _ in model.named_parameters())
         with torch.no_grad():
-            weights = ((name, parameter.detach()) for name, parameter in model.named_parameters())
-            loaded = self.llm.collective_rpc(_reload_worker_weights, args=(weights, self.tied_embeddings))
-        if any(count != expected for count in loaded):
-            raise RuntimeError(f"vLLM refit: the engine took {loaded} tensors, the student has {expected}")
+            loaded = self.llm.collective_rpc(_reload_worker_weights, args=(iter(weights), self.tied_embeddings))
+        if any(count != len(weights) for count in loaded):
+            raise RuntimeError(f"vLLM refit: the engine took {loaded} tensors, the student has {len(weights)}")
         # Cached prefixes hold keys and values computed with the old weights.
         self.llm.reset_prefix_cache()
 
@@ -259,11 +265,9 @@ class VllmGeneration:
             )
             for seed in seeds
         ]
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": prompt} for prompt in expanded], params, use_tqdm=False
-        )
+        outputs = self.llm.generate([{"prompt_token_ids": prompt} for prompt in expanded], params, use_tqdm=False)
         responses, logprobs, truncated = [], [], []
-        for prompt, output in zip(expanded, outputs):
+        for _prompt, output in zip(expanded, outputs):
             completion = output.outputs[0]
             token_ids = list(completion.token_ids)
             responses.append(token_ids)
@@ -271,8 +275,9 @@ class VllmGeneration:
             if return_logprobs:
                 # Each entry maps the sampled token to its log-prob (logprobs=0: no extra candidates).
                 logprobs.append([entry[token].logprob for token, entry in zip(token_ids, completion.logprobs)])
-        return build_rollout_batch(expanded, responses, logprobs if return_logprobs else None, truncated,
-                                   self.pad_token_id)
+        return build_rollout_batch(
+            expanded, responses, logprobs if return_logprobs else None, truncated, self.pad_token_id
+        )
 
     def close(self) -> None:
         """Shuts the engine down and removes its scratch config directory."""

@@ -11,34 +11,17 @@ chunk by chunk.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Literal
+from collections.abc import Iterator
+from typing import Any
 
 import torch
-from pydantic import Field
-from transformers import get_scheduler
+from transformers import PreTrainedModel, get_scheduler
 
-from opd.algorithms.fused_lm_head import LMHeadInput, final_hidden_states, output_head_of
-from opd.algorithms.loss_functions import shift_token_mask
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.data.sequences import model_inputs, pack_padding_free
-from opd.utils.config import StrictConfig
-
-
-class OptimizerConfig(StrictConfig):
-    """AdamW and learning-rate schedule settings."""
-
-    learning_rate: float = Field(1e-5, gt=0.0)
-    weight_decay: float = Field(0.01, ge=0.0)
-    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
-    adam_epsilon: float = Field(1e-8, gt=0.0)
-    max_grad_norm: float | None = Field(1.0, gt=0.0, description="null disables clipping")
-    warmup_steps: int = Field(0, ge=0)
-    lr_scheduler: str = Field("constant_with_warmup", pattern="^(constant_with_warmup|linear|cosine)$")
-    adam_implementation: Literal["auto", "fused", "foreach", "for_loop"] = Field(
-        "auto", description="AdamW kernel: auto = fused where torch has it for the device, else foreach"
-    )
-
+from opd.data.sequences import model_inputs, pack_padding_free, shift_token_mask
+from opd.models.config import OptimizerConfig
+from opd.models.interfaces import LossFunction, PolicyInterface, TeacherSignalFn
+from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of
 
 # Devices with a fused AdamW kernel in torch ≥ 2.4 (CPU included).
 _FUSED_ADAM_DEVICES = ("cpu", "cuda", "xpu", "mps")
@@ -58,7 +41,7 @@ def adam_kernel_kwargs(implementation: str, params: list[torch.nn.Parameter]) ->
     return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[implementation]
 
 
-class HFPolicy:
+class HFPolicy(PolicyInterface):
     """``PolicyInterface`` for an in-process ``PreTrainedModel``.
 
     Args:
@@ -75,7 +58,7 @@ class HFPolicy:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         optimizer_config: OptimizerConfig,
         micro_batch_size: int,
         total_steps: int,
@@ -89,7 +72,8 @@ class HFPolicy:
         self.sequence_packing = sequence_packing
         self.config = optimizer_config
         # No weight decay on biases and norms, the usual transformer recipe.
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for name, param in model.named_parameters():
             if not param.requires_grad:
                 continue
@@ -124,19 +108,16 @@ class HFPolicy:
         return self.model(**inputs, use_cache=False).logits
 
     def train(
-        self,
-        data: BatchedDataDict,
-        loss_fn: Any,
-        teacher_fn: Callable[[BatchedDataDict], Any] | None = None,
+        self, data: BatchedDataDict, loss_fn: LossFunction, teacher_signal: TeacherSignalFn | None = None
     ) -> dict[str, float]:
         """One optimizer step over ``data`` (the whole global batch).
 
         Args:
             data: right-padded batch with ``input_ids``, ``input_lengths``, ``token_mask``.
-            loss_fn: a :class:`~opd.algorithms.interfaces.LossFunction`; if it sets
-                ``fused_lm_head`` it receives hidden states and the head, not logits.
-            teacher_fn: returns the teacher's output for a micro-batch (what the loss's
-                ``query_teacher`` asks for); None for losses that need no teacher (SFT).
+            loss_fn: called per micro-batch; if it sets ``fused_lm_head`` it receives
+                hidden states and the head, not logits.
+            teacher_signal: the teacher's answer for a micro-batch (what the loss's
+                ``teacher_request`` asks for); None for losses that need no teacher (SFT).
 
         Returns:
             Global-batch metrics: the loss function's metrics summed over micro-batches,
@@ -162,8 +143,8 @@ class HFPolicy:
             ).to(self.device)
             if self.sequence_packing:
                 micro_batch = pack_padding_free(micro_batch)
-            teacher_output = teacher_fn(micro_batch) if teacher_fn is not None else None
-            student_output = self._forward(micro_batch, bool(getattr(loss_fn, "fused_lm_head", False)))
+            teacher_output = teacher_signal(micro_batch) if teacher_signal is not None else None
+            student_output = self._forward(micro_batch, loss_fn.fused_lm_head)
             loss, metrics = loss_fn(
                 student_output, micro_batch, global_valid_tokens, global_valid_seqs, teacher_output=teacher_output
             )
@@ -172,7 +153,8 @@ class HFPolicy:
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         parameters = [param for param in self.model.parameters() if param.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([param.grad for param in parameters]) if parameters else torch.tensor(0.0)
+        gradients = [param.grad for param in parameters if param.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(gradients) if gradients else torch.tensor(0.0)
         totals["grad_norm"] = float(grad_norm)
         totals["lr"] = self.scheduler.get_last_lr()[0]
         # A NaN/inf loss or gradient would poison the weights and Adam's moments for good:
@@ -186,6 +168,16 @@ class HFPolicy:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return totals
+
+    def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
+        """``[B, L, V]`` logits of right-padded ``data["input_ids"]``, in inference mode."""
+        with torch.inference_mode():
+            return self.model(**model_inputs(data, self.device), use_cache=False).logits
+
+    def weights_for_refit(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter by name, detached (the engine copies them)."""
+        for name, parameter in self.model.named_parameters():
+            yield name, parameter.detach()
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer and LR-schedule state (the weights are saved as an HF model directory)."""

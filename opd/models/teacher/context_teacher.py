@@ -20,12 +20,12 @@ Both micro-batch layouts are handled: right-padded rows, and the one packed row 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 
-from opd.algorithms.fused_lm_head import LMHeadInput
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.interfaces import TeacherInterface, TeacherRequest, TeacherSignal, TokenLogprobsRequest
+from opd.models.lm_head import LMHeadInput
 
 
 @dataclass(frozen=True)
@@ -52,35 +52,42 @@ def _segments(data: BatchedDataDict) -> list[_Segment]:
         prompt_lengths = [int(length) for length in data["prompt_lengths"][0]]
         teacher_prompts = data["teacher_prompt_ids"][0]
         offsets = [sum(lengths[:index]) for index in range(len(lengths))]
-        return [_Segment(0, offset, prompt, length, list(teacher))
-                for offset, prompt, length, teacher in zip(offsets, prompt_lengths, lengths, teacher_prompts)]
+        return [
+            _Segment(0, offset, prompt, length, list(teacher))
+            for offset, prompt, length, teacher in zip(offsets, prompt_lengths, lengths, teacher_prompts)
+        ]
     return [
         _Segment(row, 0, int(prompt), int(length), list(teacher))
         for row, (prompt, length, teacher) in enumerate(
-            zip(data["prompt_lengths"], data["input_lengths"], data["teacher_prompt_ids"]))
+            zip(data["prompt_lengths"], data["input_lengths"], data["teacher_prompt_ids"])
+        )
     ]
 
 
-class ContextTeacher:
+class ContextTeacher(TeacherInterface):
     """A teacher that sees each sequence with its own teacher-only prompt.
 
+    It answers what the wrapped teacher answers, so
+    :meth:`~opd.models.interfaces.TeacherInterface.unsupported_reason` is asked of the
+    wrapped teacher's class.
+
     Args:
-        teacher: the wrapped ``TeacherInterface`` (``LocalTeacher`` or ``RemoteTeacher``).
+        teacher: the wrapped teacher (``LocalTeacher`` or ``RemoteTeacher``).
         pad_token_id: fills the teacher rows past their length.
     """
 
-    def __init__(self, teacher: Any, pad_token_id: int) -> None:
+    def __init__(self, teacher: TeacherInterface, pad_token_id: int) -> None:
         self.teacher = teacher
         self.pad_token_id = pad_token_id
-        self.full_vocabulary = getattr(teacher, "full_vocabulary", True)
 
-    @property
-    def model(self) -> Any:
-        """The wrapped teacher's model (in-process teachers only)."""
-        return self.teacher.model
+    @classmethod
+    def unsupported_reason(cls, request: TeacherRequest) -> str | None:
+        """None: a context changes the rows, not the signals (the wrapped teacher's class decides)."""
+        return None
 
-    def pop_seconds_spent(self) -> float:
-        return self.teacher.pop_seconds_spent()
+    def refusal(self, request: TeacherRequest) -> str | None:
+        """The wrapped teacher's refusal: the context changes the rows, not the signals."""
+        return self.teacher.refusal(request)
 
     # ------------------------------------------------------------------ rows
 
@@ -93,8 +100,11 @@ class ContextTeacher:
             start = segment.offset + segment.prompt_length
             completion = data["input_ids"][segment.row, start : segment.offset + segment.length].tolist()
             rows.append(segment.teacher_prompt + completion)
-            completion_mask = data["token_mask"][segment.row, start : segment.offset + segment.length] \
-                if "token_mask" in data else torch.ones(len(completion))
+            completion_mask = (
+                data["token_mask"][segment.row, start : segment.offset + segment.length]
+                if "token_mask" in data
+                else torch.ones(len(completion))
+            )
             masks.append([0.0] * len(segment.teacher_prompt) + completion_mask.tolist())
         width = max((len(row) for row in rows), default=0)
         device = data["input_ids"].device
@@ -129,41 +139,33 @@ class ContextTeacher:
                 continue
             student_start = segment.offset + segment.prompt_length - shift
             teacher_start = len(segment.teacher_prompt) - shift
-            out[segment.row, student_start : student_start + count] = \
-                teacher_output[index, teacher_start : teacher_start + count]
+            out[segment.row, student_start : student_start + count] = teacher_output[
+                index, teacher_start : teacher_start + count
+            ]
         return out
 
     # ------------------------------------------------------------------ TeacherInterface
 
-    def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
-        """``[B, L, V]`` teacher logits at the student's positions (zeros outside the completions)."""
-        batch, segments = self.teacher_batch(data)
-        return self._to_student_positions(data, segments, self.teacher.get_logits(batch), predicts_next=True)
+    def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
+        """The wrapped teacher's answer for ``[teacher prompt | completion]``, at the student's positions.
 
-    def get_topk_logprobs(
-        self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k log-probs and ids at the student's positions."""
+        Zeros outside the completions (the loss masks them). Logits, hidden states and
+        top-k describe the next token; token log-probs describe the token at their position.
+        """
         batch, segments = self.teacher_batch(data)
-        values, ids = self.teacher.get_topk_logprobs(batch, k, temperature, vocab_size)
-        return (self._to_student_positions(data, segments, values, predicts_next=True),
-                self._to_student_positions(data, segments, ids, predicts_next=True))
+        answer = self.teacher.score(batch, request)
+        predicts_next = not isinstance(request, TokenLogprobsRequest)
+        if isinstance(answer, LMHeadInput):
+            hidden = self._to_student_positions(data, segments, answer.hidden_states, predicts_next)
+            return LMHeadInput(hidden, answer.weight, answer.bias)
+        if isinstance(answer, tuple):
+            values, ids = answer
+            return (
+                self._to_student_positions(data, segments, values, predicts_next),
+                self._to_student_positions(data, segments, ids, predicts_next),
+            )
+        return self._to_student_positions(data, segments, answer, predicts_next)
 
-    def get_token_logprobs(self, data: BatchedDataDict, vocab_size: int | None = None) -> torch.Tensor:
-        """``[B, L]`` teacher log-prob of each completion token, at the student's positions."""
-        batch, segments = self.teacher_batch(data)
-        return self._to_student_positions(data, segments, self.teacher.get_token_logprobs(batch, vocab_size),
-                                          predicts_next=False)
-
-    @property
-    def get_hidden_states(self) -> Callable[[BatchedDataDict], LMHeadInput] | None:
-        """The fused loss's entry (final hidden states and head), where the wrapped teacher has one."""
-        if not callable(getattr(self.teacher, "get_hidden_states", None)):
-            return None
-        return self._hidden_states
-
-    def _hidden_states(self, data: BatchedDataDict) -> LMHeadInput:
-        batch, segments = self.teacher_batch(data)
-        head = self.teacher.get_hidden_states(batch)
-        hidden = self._to_student_positions(data, segments, head.hidden_states, predicts_next=True)
-        return LMHeadInput(hidden, head.weight, head.bias)
+    def close(self) -> None:
+        """Closes the wrapped teacher."""
+        self.teacher.close()

@@ -2,13 +2,15 @@
 
 The client sends the student's token ids as prompts of ``POST /v1/completions`` with
 ``max_tokens: 1`` and ``prompt_logprobs: k`` (the request vLLM answers with each prompt
-position's log-probs) and turns the answers into what the loss asks for:
+position's log-probs) and turns the answers into the signal the loss requested
+(:meth:`RemoteTeacher.score`):
 
-* ``get_topk_logprobs``: the teacher's top-k log-probs and ids at each position ``t``
-  (describing token ``t + 1``), from the answer at position ``t + 1``;
-* ``get_token_logprobs``: the log-prob of each actual token.
+* a :class:`~opd.models.interfaces.TopKRequest`: the teacher's top-k log-probs and ids at
+  each position ``t`` (describing token ``t + 1``), from the answer at position ``t + 1``;
+* a :class:`~opd.models.interfaces.TokenLogprobsRequest`: the log-prob of each actual token.
 
-Full-vocabulary logits never cross the wire (``get_logits`` is refused).
+Full-vocabulary logits never cross the wire: a
+:class:`~opd.models.interfaces.FullVocabRequest` is refused.
 
 Robustness: sequences go out in requests of ``sequences_per_request``, at most
 ``max_concurrency`` at a time; a request that fails in transport (refused connection,
@@ -34,6 +36,14 @@ import httpx
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.interfaces import (
+    FullVocabRequest,
+    TeacherInterface,
+    TeacherRequest,
+    TeacherSignal,
+    TokenLogprobsRequest,
+    TopKRequest,
+)
 from opd.utils.errors import OpdError
 
 log = logging.getLogger(__name__)
@@ -49,7 +59,7 @@ class _Retryable(Exception):
     """A failure worth another attempt (transport, overload, a malformed or misaligned answer)."""
 
 
-class RemoteTeacher:
+class RemoteTeacher(TeacherInterface):
     """``TeacherInterface`` over a served teacher.
 
     Args:
@@ -63,24 +73,28 @@ class RemoteTeacher:
         backoff_s: wait before the first retry; doubled for each next one.
     """
 
-    full_vocabulary = False
-    """Served teachers send top-k log-probs, never full-vocabulary logits."""
-
-    def __init__(self, url: str, model: str | None = None, api_key: str | None = None, max_concurrency: int = 4,
-                 sequences_per_request: int = 8, timeout_s: float = 60.0, max_retries: int = 4,
-                 backoff_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        max_concurrency: int = 4,
+        sequences_per_request: int = 8,
+        timeout_s: float = 60.0,
+        max_retries: int = 4,
+        backoff_s: float = 0.5,
+    ) -> None:
         self.url = url.rstrip("/")
         self.max_concurrency = max_concurrency
         self.sequences_per_request = sequences_per_request
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s,
-                                    limits=httpx.Limits(max_connections=max_concurrency))
+        self._client = httpx.Client(
+            base_url=self.url, headers=headers, timeout=timeout_s, limits=httpx.Limits(max_connections=max_concurrency)
+        )
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="opd-teacher")
         self.model = model
-        self.seconds_spent = 0.0
-        """Wall time spent waiting for the teacher since the last :meth:`pop_seconds_spent`."""
         self.retries = 0
         """Retried requests so far (logged; a growing count means an unhealthy server)."""
 
@@ -116,10 +130,28 @@ class RemoteTeacher:
 
     # ------------------------------------------------------------------ TeacherInterface
 
-    def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
-        """Refused: a served teacher sends top-k log-probs (set ``loss_fn.teacher_signal: topk``)."""
-        raise TeacherServiceError("a served teacher sends top-k log-probs, not full-vocabulary logits; "
-                                  "set loss_fn.teacher_signal = topk (or use loss_fn.type = sampled_token)")
+    @classmethod
+    def unsupported_reason(cls, request: TeacherRequest) -> str | None:
+        """Full-vocabulary requests, and top-k at a temperature other than 1, are refused."""
+        if isinstance(request, FullVocabRequest):
+            return "a served teacher sends top-k or token log-probs, not its full vocabulary"
+        if isinstance(request, TopKRequest) and request.temperature != 1.0:
+            return f"a served teacher answers at temperature 1, not {request.temperature}"
+        return None
+
+    def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
+        """Answers a top-k or token log-prob request (see :meth:`TeacherInterface.score`).
+
+        Raises:
+            TeacherServiceError: for a request :meth:`unsupported_reason` refuses.
+        """
+        reason = self.unsupported_reason(request)
+        if reason is not None:
+            raise TeacherServiceError(reason)
+        if isinstance(request, TopKRequest):
+            return self.get_topk_logprobs(data, request.k, request.temperature, request.vocab_size)
+        assert isinstance(request, TokenLogprobsRequest)  # the only kind left
+        return self.get_token_logprobs(data, request.vocab_size)
 
     def get_topk_logprobs(
         self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
@@ -134,8 +166,9 @@ class RemoteTeacher:
             TeacherServiceError: if ``temperature`` is not 1 (servers answer at temperature 1).
         """
         if temperature != 1.0:
-            raise TeacherServiceError(f"a served teacher answers at temperature 1, not {temperature}; "
-                                      "set distillation.kl_temperature = 1")
+            raise TeacherServiceError(
+                f"a served teacher answers at temperature 1, not {temperature}; set loss_fn.temperature = 1"
+            )
         input_ids, lengths = data["input_ids"], data["input_lengths"]
         rows, width = input_ids.shape
         values = torch.full((rows, width, k), math.log(0.5 / k), dtype=torch.float32)
@@ -158,11 +191,6 @@ class RemoteTeacher:
                 result[row, position] = answer[position][int(input_ids[row, position])]
         return result
 
-    def pop_seconds_spent(self) -> float:
-        """Returns the waiting time accumulated so far and resets the counter."""
-        seconds, self.seconds_spent = self.seconds_spent, 0.0
-        return seconds
-
     def close(self) -> None:
         """Closes the connections and the request threads."""
         self._pool.shutdown(wait=True)
@@ -172,18 +200,24 @@ class RemoteTeacher:
 
     def _score(self, input_ids: torch.Tensor, lengths: torch.Tensor, k: int) -> list[list[dict[int, float]]]:
         """Per sequence, per position ``t ≥ 1``: ``{token id: log-prob}`` (index 0 is an empty dict)."""
-        start = time.perf_counter()
         sequences = [input_ids[row, : int(lengths[row])].tolist() for row in range(input_ids.shape[0])]
-        groups = [sequences[begin: begin + self.sequences_per_request]
-                  for begin in range(0, len(sequences), self.sequences_per_request)]
-        answers = [answer for group in self._pool.map(lambda group: self._score_group(group, k), groups)
-                   for answer in group]
-        self.seconds_spent += time.perf_counter() - start
-        return answers
+        groups = [
+            sequences[begin : begin + self.sequences_per_request]
+            for begin in range(0, len(sequences), self.sequences_per_request)
+        ]
+        return [
+            answer for group in self._pool.map(lambda group: self._score_group(group, k), groups) for answer in group
+        ]
 
     def _score_group(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]]:
-        body = {"model": self.model, "prompt": sequences, "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": k, "return_token_ids": True}
+        body = {
+            "model": self.model,
+            "prompt": sequences,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": k,
+            "return_token_ids": True,
+        }
         return self._with_retries(
             lambda: _parse_prompt_logprobs(self._send("POST", "/v1/completions", body), sequences, k),
             "/v1/completions",
@@ -201,8 +235,9 @@ class RemoteTeacher:
         if response.status_code in RETRYABLE_STATUS:
             raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
         if response.status_code != 200:
-            raise TeacherServiceError(f"teacher server {self.url}{path} answered HTTP {response.status_code}: "
-                                      f"{response.text[:500]}")
+            raise TeacherServiceError(
+                f"teacher server {self.url}{path} answered HTTP {response.status_code}: {response.text[:500]}"
+            )
         try:
             payload = response.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -237,8 +272,10 @@ def _parse_prompt_logprobs(payload: dict[str, Any], sequences: list[list[int]], 
     """
     choices = payload.get("choices")
     if not isinstance(choices, list) or len(choices) != len(sequences):
-        raise _Retryable(f"expected {len(sequences)} choices, got "
-                         f"{len(choices) if isinstance(choices, list) else type(choices).__name__}")
+        raise _Retryable(
+            f"expected {len(sequences)} choices, got "
+            f"{len(choices) if isinstance(choices, list) else type(choices).__name__}"
+        )
     ordered = sorted(choices, key=lambda choice: choice.get("index", 0) if isinstance(choice, dict) else 0)
     answers = []
     for number, (choice, sent) in enumerate(zip(ordered, sequences)):
@@ -263,15 +300,20 @@ def _parse_prompt_logprobs(payload: dict[str, Any], sequences: list[list[int]], 
                     raise _Retryable(f"sequence {number}, position {position}: log-prob {logprob!r} for token {token}")
                 candidates[int(token)] = float(logprob)
             if sent[position] not in candidates:
-                raise _Retryable(f"sequence {number}, position {position}: the answer does not score the token "
-                                 f"sent there ({sent[position]})")
+                raise _Retryable(
+                    f"sequence {number}, position {position}: the answer does not score the token "
+                    f"sent there ({sent[position]})"
+                )
             if not math.isfinite(candidates[sent[position]]):
                 # The loss would take log 0 for a token the student did produce.
-                raise _Retryable(f"sequence {number}, position {position}: the teacher gives the token sent there "
-                                 f"({sent[position]}) probability 0")
+                raise _Retryable(
+                    f"sequence {number}, position {position}: the teacher gives the token sent there "
+                    f"({sent[position]}) probability 0"
+                )
             if len(candidates) < k:
-                raise _Retryable(f"sequence {number}, position {position}: {len(candidates)} candidates, "
-                                 f"fewer than k = {k}")
+                raise _Retryable(
+                    f"sequence {number}, position {position}: {len(candidates)} candidates, fewer than k = {k}"
+                )
             answer.append(candidates)
         answers.append(answer)
     return answers

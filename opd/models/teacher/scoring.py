@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel
 
-from opd.algorithms.fused_lm_head import LMHeadInput, default_chunk_rows, final_hidden_states, output_head_of
+from opd.models.lm_head import LMHeadInput, final_hidden_states, log_softmax_chunks, output_head_of, token_log_probs
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class PromptScorer:
             embedding matrix) are not tokens and are excluded from the softmax.
     """
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int) -> None:
+    def __init__(self, model: PreTrainedModel, vocab_size: int) -> None:
         self.model = model.eval().requires_grad_(False)
         self.vocab_size = vocab_size
         self.device = next(model.parameters()).device
@@ -56,19 +57,23 @@ class PromptScorer:
         attention = (torch.arange(input_ids.shape[1], device=self.device)[None, :] < lengths[:, None]).long()
         if not self.fused_head:
             logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
-            return [torch.log_softmax(logits[row, : int(n), : self.vocab_size].float(), dim=-1)
-                    for row, n in enumerate(lengths)]
+            return [
+                torch.log_softmax(logits[row, : int(n), : self.vocab_size].float(), dim=-1)
+                for row, n in enumerate(lengths)
+            ]
         hidden = final_hidden_states(self.model, input_ids, attention)
         weight, bias = output_head_of(self.model)
-        rows_per_chunk = default_chunk_rows(self.vocab_size)
-        result = []
-        for row, n in enumerate(lengths):
-            head = LMHeadInput(hidden[row, : int(n)], weight, bias, self.vocab_size)
-            result.append(torch.cat([
-                torch.log_softmax(head.logits(slice(begin, begin + rows_per_chunk)).float(), dim=-1)
-                for begin in range(0, int(n), rows_per_chunk)
-            ]))
-        return result
+        return [
+            torch.cat(
+                [
+                    log_p
+                    for log_p, _ in log_softmax_chunks(
+                        LMHeadInput(hidden[row, : int(n)], weight, bias, self.vocab_size)
+                    )
+                ]
+            )
+            for row, n in enumerate(lengths)
+        ]
 
     @torch.inference_mode()
     def score(self, sequences: list[list[int]], k: int) -> list[list[PositionLogprobs | None]]:
@@ -92,17 +97,19 @@ class PromptScorer:
             # Position t - 1's distribution predicts the token at t.
             predicting = log_p[:-1]
             actual = torch.tensor(sequence[1:], dtype=torch.long, device=self.device)
-            actual_logprobs = predicting.gather(-1, actual[:, None]).squeeze(-1)
+            actual_logprobs = token_log_probs(predicting, actual)
             ranks = (predicting > actual_logprobs[:, None]).sum(dim=-1) + 1
             top = predicting.topk(min(k, self.vocab_size), dim=-1) if k > 0 else None
             entries: list[PositionLogprobs | None] = [None]
             for t in range(len(sequence) - 1):
-                entries.append(PositionLogprobs(
-                    token_id=sequence[t + 1],
-                    logprob=float(actual_logprobs[t]),
-                    rank=int(ranks[t]),
-                    top_ids=top.indices[t].tolist() if top is not None else [],
-                    top_logprobs=top.values[t].tolist() if top is not None else [],
-                ))
+                entries.append(
+                    PositionLogprobs(
+                        token_id=sequence[t + 1],
+                        logprob=float(actual_logprobs[t]),
+                        rank=int(ranks[t]),
+                        top_ids=top.indices[t].tolist() if top is not None else [],
+                        top_logprobs=top.values[t].tolist() if top is not None else [],
+                    )
+                )
             answers.append(entries)
         return answers

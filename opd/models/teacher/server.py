@@ -62,8 +62,9 @@ class TeacherService:
         max_model_len: the longest sequence accepted, in tokens.
     """
 
-    def __init__(self, scorer: PromptScorer, tokenizer: Any, model_name: str, max_logprobs: int,
-                 max_model_len: int) -> None:
+    def __init__(
+        self, scorer: PromptScorer, tokenizer: Any, model_name: str, max_logprobs: int, max_model_len: int
+    ) -> None:
         self.scorer = scorer
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -72,8 +73,12 @@ class TeacherService:
         self._model_lock = threading.Lock()
 
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                            "max_model_len": self.max_model_len, "owned_by": "opd"}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": self.model_name, "object": "model", "max_model_len": self.max_model_len, "owned_by": "opd"}
+            ],
+        }
 
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         prompt = body.get("prompt")
@@ -89,30 +94,39 @@ class TeacherService:
         elif isinstance(prompt, list) and prompt and all(isinstance(item, list) for item in prompt):
             prompts = prompt
         else:
-            raise RequestError(HTTPStatus.BAD_REQUEST,
-                               "'prompt' must be a non-empty list of token ids or a list of such lists "
-                               "(this server scores token ids, not text)")
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                "'prompt' must be a non-empty list of token ids or a list of such lists "
+                "(this server scores token ids, not text)",
+            )
         vocab = self.scorer.vocab_size
         for index, ids in enumerate(prompts):
             if not ids or not all(isinstance(token, int) and 0 <= token < vocab for token in ids):
-                raise RequestError(HTTPStatus.BAD_REQUEST,
-                                   f"prompt {index}: expected a non-empty list of token ids in [0, {vocab})")
+                raise RequestError(
+                    HTTPStatus.BAD_REQUEST, f"prompt {index}: expected a non-empty list of token ids in [0, {vocab})"
+                )
             if len(ids) > self.max_model_len:
-                raise RequestError(HTTPStatus.BAD_REQUEST,
-                                   f"prompt {index} has {len(ids)} tokens, more than max_model_len {self.max_model_len}")
+                raise RequestError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"prompt {index} has {len(ids)} tokens, more than max_model_len {self.max_model_len}",
+                )
         return prompts
 
     def completions(self, body: dict[str, Any]) -> dict[str, Any]:
         model = body.get("model")
         if model is not None and model != self.model_name:
-            raise RequestError(HTTPStatus.NOT_FOUND, f"model {model!r} is not served here (serving {self.model_name!r})")
+            raise RequestError(
+                HTTPStatus.NOT_FOUND, f"model {model!r} is not served here (serving {self.model_name!r})"
+            )
         if body.get("max_tokens", 16) != 1:
             raise RequestError(HTTPStatus.BAD_REQUEST, "this server only scores prompts: set 'max_tokens' to 1")
         k = body.get("prompt_logprobs")
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= self.max_logprobs:
-            raise RequestError(HTTPStatus.BAD_REQUEST,
-                               f"'prompt_logprobs' must be an integer in [0, {self.max_logprobs}] "
-                               "(raise the server's --max-logprobs for more)")
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                f"'prompt_logprobs' must be an integer in [0, {self.max_logprobs}] "
+                "(raise the server's --max-logprobs for more)",
+            )
         prompts = self._prompts(body)
         with self._model_lock:
             scored = self.scorer.score(prompts, k)
@@ -131,9 +145,14 @@ class TeacherService:
                 choice["token_ids"] = []
             choices.append(choice)
         tokens = sum(len(ids) for ids in prompts)
-        return {"id": f"cmpl-opd-{time.time_ns()}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices,
-                "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}}
+        return {
+            "id": f"cmpl-opd-{time.time_ns()}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
+        }
 
     def _position_json(self, entry: Any) -> dict[str, dict[str, Any]] | None:
         if entry is None:
@@ -142,8 +161,11 @@ class TeacherService:
             str(token): {"logprob": logprob, "rank": rank + 1, "decoded_token": self.tokenizer.decode([token])}
             for rank, (token, logprob) in enumerate(zip(entry.top_ids, entry.top_logprobs))
         }
-        answer[str(entry.token_id)] = {"logprob": entry.logprob, "rank": entry.rank,
-                                       "decoded_token": self.tokenizer.decode([entry.token_id])}
+        answer[str(entry.token_id)] = {
+            "logprob": entry.logprob,
+            "rank": entry.rank,
+            "decoded_token": self.tokenizer.decode([entry.token_id]),
+        }
         return answer
 
 
@@ -154,7 +176,7 @@ def make_handler(service: TeacherService, api_key: str | None, max_request_bytes
         protocol_version = "HTTP/1.1"
         server_version = "opd-serve-teacher"
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
+        def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s " + format, self.address_string(), *args)
 
         def _reply(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
@@ -177,7 +199,7 @@ def make_handler(service: TeacherService, api_key: str | None, max_request_bytes
             self._error(HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token")
             return False
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        def do_GET(self) -> None:
             if self.path == "/health":
                 self._reply(HTTPStatus.OK, {"status": "ok"})
             elif self.path == "/v1/models":
@@ -186,7 +208,7 @@ def make_handler(service: TeacherService, api_key: str | None, max_request_bytes
             else:
                 self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             if not self._authorised():
                 return
             routes = {"/v1/completions": service.completions, "/tokenize": service.tokenize}
@@ -201,8 +223,10 @@ def make_handler(service: TeacherService, api_key: str | None, max_request_bytes
             if length > max_request_bytes:
                 # Refused before reading: the connection is closed rather than drained.
                 self.close_connection = True
-                self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                            f"request body of {length} bytes exceeds the server's limit of {max_request_bytes}")
+                self._error(
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                    f"request body of {length} bytes exceeds the server's limit of {max_request_bytes}",
+                )
                 return
             try:
                 body = json.loads(self.rfile.read(length))
@@ -220,8 +244,13 @@ def make_handler(service: TeacherService, api_key: str | None, max_request_bytes
     return Handler
 
 
-def build_server(service: TeacherService, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> ThreadingHTTPServer:
+def build_server(
+    service: TeacherService,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> ThreadingHTTPServer:
     """A threading HTTP server for ``service`` (not yet serving; call ``serve_forever``)."""
     server = ThreadingHTTPServer((host, port), make_handler(service, api_key, max_request_bytes))
     server.daemon_threads = True
@@ -229,18 +258,30 @@ def build_server(service: TeacherService, host: str = "127.0.0.1", port: int = 8
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="opd serve-teacher",
-                                     description="Serve a Hugging Face causal LM's prompt log-probs over HTTP.")
+    parser = argparse.ArgumentParser(
+        prog="opd serve-teacher", description="Serve a Hugging Face causal LM's prompt log-probs over HTTP."
+    )
     parser.add_argument("--model", required=True, help="Hugging Face model directory of the teacher")
     parser.add_argument("--served-model-name", help="name reported by /v1/models (default: --model)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key-env", metavar="VAR",
-                        help="environment variable holding the bearer token clients must send (default: none)")
-    parser.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
-                        help=f"largest prompt_logprobs accepted (default {DEFAULT_MAX_LOGPROBS})")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help=f"larger request bodies get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    parser.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        help="environment variable holding the bearer token clients must send (default: none)",
+    )
+    parser.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=DEFAULT_MAX_LOGPROBS,
+        help=f"largest prompt_logprobs accepted (default {DEFAULT_MAX_LOGPROBS})",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"larger request bodies get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES})",
+    )
     parser.add_argument("--max-model-len", type=int, help="longest sequence accepted (default: the model's)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
@@ -259,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
-            print(f"opd serve-teacher: error: --api-key-env {args.api_key_env} names an unset or empty variable",
-                  file=sys.stderr)
+            print(
+                f"opd serve-teacher: error: --api-key-env {args.api_key_env} names an unset or empty variable",
+                file=sys.stderr,
+            )
             return 2
     from opd.models.config import ModelLoadingConfig
     from opd.utils.errors import OpdError
@@ -268,16 +311,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = resolve_device(args.device)
         tokenizer = load_tokenizer(args.model, False)
-        model = load_causal_lm(args.model, getattr(torch, args.dtype), device,
-                               ModelLoadingConfig())
+        model = load_causal_lm(args.model, getattr(torch, args.dtype), device, ModelLoadingConfig())
     except OpdError as error:
         print(f"opd serve-teacher: error: {error}", file=sys.stderr)
         return 2
     max_model_len = args.max_model_len or int(getattr(model.config, "max_position_embeddings", 32768))
-    service = TeacherService(PromptScorer(model, len(tokenizer)), tokenizer, args.served_model_name or args.model,
-                             args.max_logprobs, max_model_len)
+    service = TeacherService(
+        PromptScorer(model, len(tokenizer)),
+        tokenizer,
+        args.served_model_name or args.model,
+        args.max_logprobs,
+        max_model_len,
+    )
     server = build_server(service, args.host, args.port, api_key, args.max_request_bytes)
     host, port = server.server_address[:2]
+    host = host.decode() if isinstance(host, bytes) else host
     # One parseable line, flushed: scripts and tests wait for it.
     print(f"opd serve-teacher: serving {service.model_name} on http://{host}:{port}", flush=True)
     try:

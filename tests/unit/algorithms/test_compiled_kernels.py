@@ -12,7 +12,8 @@ import torch
 
 from opd.algorithms import compiled_kernels
 from opd.algorithms.compiled_kernels import kl_metrics_from_logits, resolve_compile_kernels
-from opd.algorithms.distillation import MasterConfig, make_loss_fn, setup
+from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.distillation_setup import setup
 from opd.algorithms.fused_lm_head import LMHeadInput
 from opd.algorithms.loss_functions import DistillationLossFn
 from opd.utils.config import load_config
@@ -113,7 +114,7 @@ def test_required_compilation_without_a_compiler_stops_setup(tmp_path, no_compil
     with pytest.raises(ConfigError, match=r"loss_fn\.compile_kernels"):
         setup(run_config(tmp_path, "loss_fn.compile_kernels=true"))
     assert not (tmp_path / "run").exists()
-    assert make_loss_fn(run_config(tmp_path), 100).compile_kernels is False  # auto, no compiler
+    assert run_config(tmp_path).loss_fn.build(100, "cpu").compile_kernels is False  # auto, no compiler
 
 
 def test_unknown_compile_setting_is_a_config_error(tmp_path):

@@ -24,12 +24,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from opd.algorithms.distillation import MasterConfig, check_teacher_config, distillation_train, setup
+from opd.algorithms.distillation import distillation_train
+from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.distillation_setup import setup
 from opd.algorithms.loss_functions import DistillationLossFn
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.dataloaders import prepare_examples
 from opd.data.sequences import encode_prompt, encode_text, pack_padding_free, render_chat
 from opd.data.teacher_context import TeacherContext
+from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKRequest
 from opd.models.teacher.context_teacher import ContextTeacher
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
@@ -139,10 +142,10 @@ def test_logits_topk_and_token_logprobs_align_with_the_reference(teacher_model):
     batch = student_batch()
     teacher = ContextTeacher(LocalTeacher(teacher_model), pad_token_id=0)
     reference = reference_log_probs(teacher_model, batch)
-    logits = teacher.get_logits(batch)
-    values, ids = teacher.get_topk_logprobs(batch, K)
-    token = teacher.get_token_logprobs(batch)
-    hidden = teacher.get_hidden_states(batch)
+    logits = teacher.score(batch, FullVocabRequest())
+    values, ids = teacher.score(batch, TopKRequest(K))
+    token = teacher.score(batch, TokenLogprobsRequest())
+    hidden = teacher.score(batch, FullVocabRequest(prefer_hidden_states=True))
     head_logits = hidden.hidden_states @ hidden.weight.T
     for row, expected in enumerate(reference):
         p, n = int(batch["prompt_lengths"][row]), int(batch["input_lengths"][row])
@@ -167,10 +170,10 @@ def test_packed_micro_batches_align_like_padded_ones(teacher_model):
     teacher = ContextTeacher(LocalTeacher(teacher_model), pad_token_id=0)
     packed = pack_padding_free(batch)
     assert packed["input_ids"].shape[0] == 1 and len(packed["teacher_prompt_ids"][0]) == batch.size
-    padded_token = teacher.get_token_logprobs(batch)
-    packed_token = teacher.get_token_logprobs(packed)
-    padded_values, padded_ids = teacher.get_topk_logprobs(batch, K)
-    packed_values, packed_ids = teacher.get_topk_logprobs(packed, K)
+    padded_token = teacher.score(batch, TokenLogprobsRequest())
+    packed_token = teacher.score(packed, TokenLogprobsRequest())
+    padded_values, padded_ids = teacher.score(batch, TopKRequest(K))
+    packed_values, packed_ids = teacher.score(packed, TopKRequest(K))
     offset = 0
     for row in range(batch.size):
         p, n = int(batch["prompt_lengths"][row]), int(batch["input_lengths"][row])
@@ -191,7 +194,7 @@ def test_the_loss_through_the_context_teacher_equals_the_reference_loss(teacher_
                                  fused_lm_head=False)
     valid = int(batch["token_mask"][:, 1:].sum())
     teacher = ContextTeacher(LocalTeacher(teacher_model), pad_token_id=0)
-    loss, _ = loss_fn(logits, batch, valid, batch.size, teacher_output=loss_fn.query_teacher(teacher, batch))
+    loss, _ = loss_fn(logits, batch, valid, batch.size, teacher_output=teacher.score(batch, loss_fn.teacher_request))
     # reference: forward KL(teacher || student) per completion token, from the row-by-row teacher
     total = 0.0
     for row, expected in enumerate(reference_log_probs(teacher_model, batch)):
@@ -218,9 +221,9 @@ def run_metrics(tmp_path, name: str, overrides: list[str]) -> list[dict]:
         "training.batch_size=4", "training.micro_batch_size=4", "training.max_num_steps=2",
         "training.warmup_steps=0", "distillation.num_samples_per_prompt=1", "data.max_val_examples=8",
         "validation.val_at_start=false", "validation.val_at_end=false",
-        "distillation.kl_type=forward", "loss_fn.fused_lm_head=false",
+        "loss_fn.kl_type=forward", "loss_fn.fused_lm_head=false",
     ] + overrides)
-    distillation_train(*setup(config))
+    distillation_train(**setup(config).as_arguments())
     lines = (tmp_path / name / "logs" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 
@@ -264,6 +267,5 @@ def test_eval_baseline_logs_both_accuracies_and_their_gap(tmp_path):
       "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=topk"], "validation.eval_baseline generates"),
 ])
 def test_context_config_mistakes_name_the_keys(tmp_path, overrides, message):
-    config = load_config(MasterConfig, TINY_CONFIG, [f"output_dir={tmp_path}"] + overrides)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_teacher_config(config)
+        load_config(MasterConfig, TINY_CONFIG, [f"output_dir={tmp_path}"] + overrides)

@@ -27,17 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd.algorithms.distillation import (
-    MasterConfig,
-    build_fixed_data_batch,
-    build_on_policy_batch,
-    check_config_against_data,
-    distillation_train,
-    prepare_examples,
-    resolve_micro_batching,
-    setup,
-)
+from opd.algorithms.distillation import build_on_policy_batch, distillation_train
+from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
+from opd.algorithms.distillation_setup import check_config_against_data, setup
 from opd.algorithms.loss_functions import DistillationLossFn
+from opd.data.batches import build_fixed_data_batch
+from opd.data.dataloaders import prepare_examples
 from opd.data.sequences import attention_mask_from_lengths, encode_prompt
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.hf_generation import HFGeneration
@@ -214,8 +209,8 @@ def tokenizer():
 def test_lambda_zero_never_generates(tmp_path):
     config = run_config(tmp_path, "distillation.lambda=0")
     parts = setup(config)
-    calls = count_generate_calls(parts[2])
-    distillation_train(*parts)
+    calls = count_generate_calls(parts.student_generation)
+    distillation_train(**parts.as_arguments())
 
     records = train_records(config)
     assert [record["step"] for record in records] == [1, 2, 3]
@@ -229,8 +224,8 @@ def test_lambda_zero_never_generates(tmp_path):
 def test_generation_decode_loop_is_chosen_by_the_config(tmp_path, decode_loop):
     config = run_config(tmp_path, f"generation.decode_loop={decode_loop}")
     parts = setup(config)
-    assert parts[2].decode_loop == decode_loop
-    distillation_train(*parts)
+    assert parts.student_generation.decode_loop == decode_loop
+    distillation_train(**parts.as_arguments())
     assert all(record["train/on_policy"] == 1 for record in train_records(config))
 
 
@@ -243,8 +238,8 @@ def test_lambda_half_follows_seeded_coin(tmp_path):
     steps = 8
     config = run_config(tmp_path, "distillation.lambda=0.5", f"training.max_num_steps={steps}")
     parts = setup(config)
-    calls = count_generate_calls(parts[2])
-    distillation_train(*parts)
+    calls = count_generate_calls(parts.student_generation)
+    distillation_train(**parts.as_arguments())
 
     coin = random.Random(config.training.seed + 1)
     expected = [coin.random() < 0.5 for _ in range(steps)]
@@ -290,7 +285,7 @@ def e2e_run(tmp_path_factory):
         tmp_path, "distillation.lambda=1.0", "training.learning_rate=1e-3", f"training.max_num_steps={E2E_STEPS}"
     )
     parts = setup(config)
-    student_policy, teacher_policy, generation = parts[0], parts[1], parts[2]
+    student_policy, teacher_policy, generation = parts.student_policy, parts.teacher_policy, parts.student_generation
     after_setup = {
         "teacher_requires_grad": [p.requires_grad for p in teacher_policy.model.parameters()],
         "teacher_training": teacher_policy.model.training,
@@ -301,24 +296,21 @@ def e2e_run(tmp_path_factory):
     generated: list = []
     scored: list[torch.Tensor] = []
     original_generate = generation.generate
-    # The default fused loss asks the teacher for hidden states, the plain one for logits.
-    original_scorers = {name: getattr(teacher_policy, name) for name in ("get_logits", "get_hidden_states")}
+    # The driver asks the teacher through score() (the default fused loss for hidden states).
+    original_score = teacher_policy.score
 
     def recording_generate(*args, **kwargs):
         batch = original_generate(*args, **kwargs)
         generated.append({key: value.clone() for key, value in batch.items()})
         return batch
 
-    def recording_scorer(name):
-        def score(batch):
-            scored.append(batch["input_ids"].detach().cpu().clone())
-            return original_scorers[name](batch)
-        return score
+    def recording_score(batch, request):
+        scored.append(batch["input_ids"].detach().cpu().clone())
+        return original_score(batch, request)
 
     generation.generate = recording_generate  # type: ignore[method-assign]
-    for name in original_scorers:
-        setattr(teacher_policy, name, recording_scorer(name))
-    distillation_train(*parts)
+    teacher_policy.score = recording_score  # type: ignore[method-assign]
+    distillation_train(**parts.as_arguments())
     return {
         "config": config, "parts": parts, "after_setup": after_setup, "calls": calls,
         "generated": generated, "scored": scored,
@@ -360,7 +352,7 @@ def test_end_to_end_writes_loadable_final_model(e2e_run):
     assert tokenizer.chat_template == reference_tokenizer.chat_template
 
     loaded = dict(model.named_parameters())
-    trained = dict(e2e_run["parts"][0].model.named_parameters())
+    trained = dict(e2e_run["parts"].student_policy.model.named_parameters())
     initial = e2e_run["after_setup"]["student_params"]
     assert set(loaded) == set(initial)
     max_change = max(float((loaded[name].detach() - initial[name]).abs().max()) for name in initial)
@@ -403,8 +395,8 @@ def test_teacher_is_frozen(e2e_run):
     assert after_setup["teacher_requires_grad"] and not any(after_setup["teacher_requires_grad"])
     assert after_setup["teacher_training"] is False
 
-    teacher_policy = e2e_run["parts"][1]
-    student_policy = e2e_run["parts"][0]
+    teacher_policy = e2e_run["parts"].teacher_policy
+    student_policy = e2e_run["parts"].student_policy
     assert teacher_policy.model is not student_policy.model
     # Still frozen after training, and its weights never moved.
     assert not teacher_policy.model.training
@@ -413,7 +405,7 @@ def test_teacher_is_frozen(e2e_run):
     for name, param in teacher_policy.model.named_parameters():
         torch.testing.assert_close(param.detach(), after_setup["teacher_params"][name], rtol=0, atol=0)
 
-    tokenizer = e2e_run["parts"][5]
+    tokenizer = e2e_run["parts"].tokenizer
     examples = prepare_examples(VARIED_EXAMPLES, tokenizer, None, "varied")
     batch = build_fixed_data_batch(examples, tokenizer.pad_token_id, True)
     with torch.enable_grad():
@@ -426,7 +418,7 @@ def test_teacher_is_frozen(e2e_run):
 
 def test_rerunning_a_finished_run_changes_nothing(tmp_path):
     config = run_config(tmp_path, "checkpointing.enabled=true", "training.save_freq=0", "training.max_num_steps=2")
-    distillation_train(*setup(config))
+    distillation_train(**setup(config).as_arguments())
     checkpoint = Path(config.checkpointing.checkpoint_dir) / "step_2"
     save_state = json.loads((checkpoint / "save_state.json").read_text())
     assert save_state["step"] == 2
@@ -435,7 +427,7 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path):
     log_lines = (Path(config.logger.log_dir) / "metrics.jsonl").read_text()
 
     # The same command again resumes at step 2 of 2: nothing to do, nothing rewritten.
-    distillation_train(*setup(config))
+    distillation_train(**setup(config).as_arguments())
     assert json.loads((checkpoint / "save_state.json").read_text()) == save_state
     assert (checkpoint / "policy" / "model.safetensors").read_bytes() == weights
     assert (Path(config.logger.log_dir) / "metrics.jsonl").read_text() == log_lines
@@ -443,7 +435,7 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path):
 
 def test_setup_refuses_to_overwrite_a_final_model_without_checkpoints(tmp_path):
     config = run_config(tmp_path, "training.max_num_steps=1")  # checkpointing disabled
-    distillation_train(*setup(config))
+    distillation_train(**setup(config).as_arguments())
     final_model = Path(config.output_dir) / "final_model"
     before = (final_model / "model.safetensors").read_bytes()
     with pytest.raises(ConfigError, match="final_model"):
@@ -594,7 +586,7 @@ def test_build_on_policy_batch_masks_response_and_restores_mode(tmp_path, tokeni
 
     generation.generate = recording_generate  # type: ignore[method-assign]
     torch.manual_seed(0)
-    batch = build_on_policy_batch(examples, generation, config)
+    batch = build_on_policy_batch(examples, generation, config.loss_fn.build(len(tokenizer), "cpu"), config)
     assert modes == [False], "generation must run in eval mode"
     assert model.training, "train mode must be restored afterwards"
     assert batch["input_ids"].shape[0] == 2 * len(examples)
@@ -629,7 +621,7 @@ def train_one_step(batch, micro_batch_size, teacher, loss_fn, max_grad_norm):
                 grads[names[id(param)]] = param.grad.detach().clone()
 
     policy.optimizer.register_step_pre_hook(capture)
-    metrics = policy.train(batch, loss_fn, teacher_fn=teacher.get_logits)
+    metrics = policy.train(batch, loss_fn, teacher_signal=teacher.get_logits)
     return metrics, grads, snapshot(model)
 
 
@@ -683,14 +675,14 @@ def test_teacher_equal_to_student_gives_zero_loss_and_gradient(tokenizer, kl_typ
     # Through the policy: the reported loss and pre-clipping gradient norm are zero too.
     optimizer_config = OptimizerConfig(learning_rate=1e-3, warmup_steps=0)
     policy = HFPolicy(build_tiny_model("student"), optimizer_config, 2, 1)
-    metrics = policy.train(batch, loss_fn, teacher_fn=teacher.get_logits)
+    metrics = policy.train(batch, loss_fn, teacher_signal=teacher.get_logits)
     assert abs(metrics["loss"]) <= 1e-6
     assert metrics["kl_forward"] <= 1e-6 and metrics["kl_reverse"] <= 1e-6
     assert metrics["grad_norm"] <= 1e-6
     # Control: against a different teacher the same step has a clearly non-zero gradient.
     other = HFPolicy(build_tiny_model("student"), optimizer_config, 2, 1)
     other_teacher = LocalTeacher(build_tiny_model("student-b"))
-    other_metrics = other.train(batch, loss_fn, teacher_fn=other_teacher.get_logits)
+    other_metrics = other.train(batch, loss_fn, teacher_signal=other_teacher.get_logits)
     assert other_metrics["loss"] > 1e-4 and other_metrics["grad_norm"] > 1e-4
 
 

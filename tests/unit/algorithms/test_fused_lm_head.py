@@ -15,13 +15,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from opd.algorithms.fused_lm_head import (
-    LMHeadInput,
-    chunked_lm_head_loss,
-    default_chunk_rows,
-    final_hidden_states,
-    output_head_of,
-)
+from opd.algorithms.fused_lm_head import chunked_lm_head_loss
 from opd.algorithms.loss_functions import (
     DistillationLossFn,
     SampledTokenLossFn,
@@ -33,6 +27,7 @@ from opd.algorithms.loss_functions import (
 )
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import attention_mask_from_lengths, pack_sequences
+from opd.models.lm_head import LMHeadInput, default_chunk_rows, final_hidden_states, output_head_of
 from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model
@@ -312,7 +307,8 @@ def test_fused_policy_step_equals_plain_step(loss_kind, temperature):
         policy.optimizer.register_step_pre_hook(lambda opt, *_: grads.update(
             {names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]}))
         loss_fn = make(fused_lm_head=fused)
-        metrics = policy.train(batch, loss_fn, teacher_fn=functools.partial(loss_fn.query_teacher, teacher))
+        metrics = policy.train(batch, loss_fn, teacher_signal=functools.partial(teacher.score,
+                                                                                request=loss_fn.teacher_request))
         results.append((metrics, grads))
     (plain_metrics, plain_grads), (fused_metrics, fused_grads) = results
     for key, value in plain_metrics.items():

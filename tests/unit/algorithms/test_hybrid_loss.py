@@ -18,7 +18,9 @@ import re
 import pytest
 import torch
 
-from opd.algorithms.distillation import MasterConfig, check_loss_config, check_teacher_config, distillation_train, setup
+from opd.algorithms.distillation import distillation_train
+from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.distillation_setup import setup
 from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
 from opd.algorithms.loss_functions import DistillationLossFn
 from opd.utils.config import load_config
@@ -130,7 +132,7 @@ def test_a_short_run_with_the_verifier_reward_trains_and_logs_it(tmp_path):
         "validation.val_at_start=false", "validation.val_at_end=false",
         "loss_fn.type=hybrid_full_vocab", "loss_fn.adv_tau=0.5", "loss_fn.student_tau=0.5",
     ])
-    distillation_train(*setup(config))
+    distillation_train(**setup(config).as_arguments())
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "train/loss" in row]
     assert len(steps) == 2
@@ -138,15 +140,21 @@ def test_a_short_run_with_the_verifier_reward_trains_and_logs_it(tmp_path):
     assert all(row["train/kl_reverse"] >= 0 for row in steps)
 
 
-@pytest.mark.parametrize("overrides, check, message", [
-    (["loss_fn.type=hybrid_full_vocab", "loss_fn.adv_tau=1.0", "distillation.lambda=0.5"], "loss",
+@pytest.mark.parametrize("overrides, message", [
+    (["loss_fn.type=hybrid_full_vocab", "loss_fn.adv_tau=1.0", "distillation.lambda=0.5"],
      "set distillation.lambda = 1.0"),
-    (["loss_fn.type=hybrid_full_vocab", "distillation.kl_temperature=2.0"], "loss",
-     "set distillation.kl_temperature = 1.0"),
-    (["loss_fn.type=hybrid_full_vocab", "teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1"], "teacher",
-     "set loss_fn.type = topk or sampled_token"),
+    # The hybrid works at temperature 1: it has no temperature key, and the key names the
+    # objectives that have one.
+    (["loss_fn.type=hybrid_full_vocab", "loss_fn.temperature=2.0"],
+     "unknown key 'loss_fn.temperature' (temperature belongs to loss_fn.type = full_vocab / jsd / topk, "
+     "not hybrid_full_vocab)"),
+    (["loss_fn.type=hybrid_full_vocab", "distillation.kl_temperature=2.0"],
+     "config key 'distillation.kl_temperature' has moved: it is now loss_fn.temperature"),
+    (["loss_fn.type=hybrid_full_vocab", "teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1"],
+     "teacher.backend = remote cannot serve loss_fn.type = hybrid_full_vocab"),
+    (["loss_fn.type=hybrid_full_vocab", "teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1"],
+     "a served teacher answers loss_fn.type = topk at temperature 1, and sampled_token"),
 ])
-def test_hybrid_config_mistakes_name_the_keys(tmp_path, overrides, check, message):
-    config = load_config(MasterConfig, TINY_CONFIG, [f"output_dir={tmp_path}"] + overrides)
+def test_hybrid_config_mistakes_name_the_keys(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        (check_loss_config if check == "loss" else check_teacher_config)(config)
+        load_config(MasterConfig, TINY_CONFIG, [f"output_dir={tmp_path}"] + overrides)

@@ -1,5 +1,5 @@
 """The ``loss_fn:`` config section: its checks, the loss it builds, its metrics, and short
-real runs with each teacher signal.
+real runs with each teacher signal (the schema itself: ``test_loss_config.py``).
 
 Reference values are computed here in float64 from first principles (softmax, top-k sets,
 advantages), sharing no code with the loss functions under test.
@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd.algorithms.distillation import MasterConfig, distillation_train, make_loss_fn, setup
+from opd.algorithms.distillation import distillation_train
+from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.distillation_setup import setup
+from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
 from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
@@ -47,13 +50,26 @@ def train_records(config: MasterConfig) -> list[dict]:
     ("overrides", "message"),
     [
         (["loss_fn.type=sampled_token", "distillation.lambda=0.5"], r"distillation\.lambda = 0\.5"),
-        (["loss_fn.type=sampled_token", "distillation.kl_temperature=2.0"], r"distillation\.kl_temperature"),
-        (["loss_fn.type=topk", "loss_fn.divergence=jsd"], r"loss_fn\.divergence = jsd"),
+        # The sampled-token loss works at the sampler's temperature: it has no temperature
+        # key, so a temperature is refused naming the objectives that have one.
+        (["loss_fn.type=sampled_token", "loss_fn.temperature=2.0"],
+         r"unknown key 'loss_fn\.temperature' \(temperature belongs to loss_fn\.type = full_vocab / jsd / topk, "
+         r"not sampled_token\)"),
+        (["loss_fn.type=sampled_token", "distillation.kl_temperature=2.0"],
+         r"config key 'distillation\.kl_temperature' has moved: it is now loss_fn\.temperature"),
+        # The JSD needs the full vocabulary: the top-k objective has no beta, and the JSD is
+        # its own loss_fn.type.
+        (["loss_fn.type=topk", "loss_fn.beta=0.5"],
+         r"unknown key 'loss_fn\.beta' \(beta belongs to loss_fn\.type = jsd, not topk\)"),
+        (["loss_fn.type=topk", "loss_fn.divergence=jsd"],
+         r"config key 'loss_fn\.divergence' has moved: it is now loss_fn\.type \(jsd"),
     ],
+    ids=["sampled-token-lambda", "sampled-token-temperature", "sampled-token-old-temperature", "topk-beta",
+         "topk-old-divergence"],
 )
-def test_conflicting_loss_settings_stop_setup_with_the_keys_named(tmp_path, overrides, message):
+def test_conflicting_loss_settings_are_refused_with_the_keys_named(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
-        setup(run_config(tmp_path, *overrides))
+        setup(run_config(tmp_path, *overrides))  # refused at load, before setup
     assert not (tmp_path / "run" / "logs").exists(), "nothing may start before the config is rejected"
 
 
@@ -67,19 +83,24 @@ def test_task_reward_without_ground_truth_is_refused(tmp_path):
         setup(config)
 
 
-@pytest.mark.parametrize("key", ["loss_fn.jsd_beta=1.5", "loss_fn.teacher_topk=0", "loss_fn.type=exact",
-                                 "loss_fn.discount=-0.1", "loss_fn.chunk_size=0", "loss_fn.clip_ratio=0"])
-def test_out_of_range_loss_keys_are_rejected_at_load(tmp_path, key):
-    with pytest.raises(ConfigError, match=key.split("=")[0].replace(".", r"\.")):
-        run_config(tmp_path, key)
+@pytest.mark.parametrize(("loss_type", "key"), [
+    ("jsd", "loss_fn.beta=1.5"), ("full_vocab", "loss_fn.metrics_topk=0"), ("jsd", "loss_fn.metrics_topk=0"),
+    ("topk", "loss_fn.k=0"), (None, "loss_fn.type=exact"), ("sampled_token", "loss_fn.discount=-0.1"),
+    ("full_vocab", "loss_fn.chunk_size=0"), ("sampled_token", "loss_fn.clip_ratio=0"),
+])
+def test_out_of_range_loss_keys_are_rejected_at_load(tmp_path, loss_type, key):
+    overrides = ([f"loss_fn.type={loss_type}"] if loss_type else []) + [key]
+    with pytest.raises(ConfigError, match=key.split("=")[0].replace(".", r"\.")) as error:
+        run_config(tmp_path, *overrides)
+    assert "unknown key" not in str(error.value)  # refused for its value, not as a key of another type
 
 
-def test_make_loss_fn_maps_every_key(tmp_path):
-    config = run_config(tmp_path, "loss_fn.type=topk", "loss_fn.teacher_topk=7", "loss_fn.topk_tail=false",
-                        "loss_fn.fused_lm_head=false", "loss_fn.chunk_size=33", "distillation.kl_type=mixed",
-                        "distillation.mixed_kl_weight=0.25", "distillation.kl_temperature=1.5",
-                        "distillation.kl_reduction=sum")
-    loss_fn = make_loss_fn(config, 100)
+def test_the_loss_config_builds_a_loss_with_every_key(tmp_path):
+    config = run_config(tmp_path, "loss_fn.type=topk", "loss_fn.k=7", "loss_fn.tail=false",
+                        "loss_fn.fused_lm_head=false", "loss_fn.chunk_size=33", "loss_fn.kl_type=mixed",
+                        "loss_fn.mixed_kl_weight=0.25", "loss_fn.temperature=1.5",
+                        "loss_fn.reduction=sum")
+    loss_fn = config.loss_fn.build(100, "cpu")
     assert isinstance(loss_fn, DistillationLossFn)
     assert (loss_fn.teacher_signal, loss_fn.teacher_topk, loss_fn.topk_tail, loss_fn.fused_lm_head) == ("topk", 7, False, False)
     assert (loss_fn.kl_type, loss_fn.mixed_kl_weight, loss_fn.temperature, loss_fn.kl_reduction) == ("mixed", 0.25, 1.5, "sum")
@@ -87,10 +108,32 @@ def test_make_loss_fn_maps_every_key(tmp_path):
 
     config = run_config(tmp_path, "loss_fn.type=sampled_token", "loss_fn.teacher_tau=0.5", "loss_fn.student_tau=2.0",
                         "loss_fn.discount=0.9", "loss_fn.adv_tau=3.0", "loss_fn.clip_ratio=null")
-    loss_fn = make_loss_fn(config, 100)
+    loss_fn = config.loss_fn.build(100, "cpu")
     assert isinstance(loss_fn, SampledTokenLossFn)
     assert (loss_fn.teacher_tau, loss_fn.student_tau, loss_fn.discount, loss_fn.adv_tau, loss_fn.clip_ratio) == (
         0.5, 2.0, 0.9, 3.0, None)
+
+    config = run_config(tmp_path, "loss_fn.type=jsd", "loss_fn.beta=0.3", "loss_fn.temperature=2.0",
+                        "loss_fn.metrics_topk=5", "loss_fn.reduction=sum", "loss_fn.compile_kernels=false",
+                        "loss_fn.chunk_size=9")
+    loss_fn = config.loss_fn.build(100, "cpu")
+    assert isinstance(loss_fn, DistillationLossFn)
+    assert (loss_fn.divergence, loss_fn.jsd_beta, loss_fn.temperature, loss_fn.teacher_topk) == ("jsd", 0.3, 2.0, 5)
+    assert (loss_fn.kl_reduction, loss_fn.compile_kernels, loss_fn.chunk_size, loss_fn.vocab_size) == (
+        "sum", False, 9, 100)
+
+    config = run_config(tmp_path, "loss_fn.type=full_vocab", "loss_fn.kl_type=forward", "loss_fn.metrics_topk=3")
+    loss_fn = config.loss_fn.build(100, "cpu")
+    assert isinstance(loss_fn, DistillationLossFn)
+    assert (loss_fn.teacher_signal, loss_fn.divergence, loss_fn.kl_type, loss_fn.teacher_topk) == (
+        "full_vocab", "kl", "forward", 3)
+
+    config = run_config(tmp_path, "loss_fn.type=hybrid_full_vocab", "loss_fn.teacher_tau=0.5",
+                        "loss_fn.student_tau=2.0", "loss_fn.adv_tau=3.0", "loss_fn.reduction=sum")
+    loss_fn = config.loss_fn.build(100, "cpu")
+    assert isinstance(loss_fn, FullVocabHybridLossFn)
+    assert (loss_fn.teacher_tau, loss_fn.student_tau, loss_fn.adv_tau, loss_fn.kl_reduction, loss_fn.vocab_size) == (
+        0.5, 2.0, 3.0, "sum", 100)
 
 
 # --------------------------------------------------------------------------- metrics and values
@@ -163,8 +206,8 @@ def test_sampled_token_loss_against_a_reference():
 def test_fused_and_plain_runs_log_the_same_losses(tmp_path):
     runs = {}
     for fused in ("true", "false"):
-        config = run_config(tmp_path / fused, f"loss_fn.fused_lm_head={fused}", "distillation.kl_type=mixed")
-        distillation_train(*setup(config))
+        config = run_config(tmp_path / fused, f"loss_fn.fused_lm_head={fused}", "loss_fn.kl_type=mixed")
+        distillation_train(**setup(config).as_arguments())
         runs[fused] = train_records(config)
     assert len(runs["true"]) == len(runs["false"]) == 3
     for fused, plain in zip(runs["true"], runs["false"]):
@@ -176,9 +219,9 @@ def test_fused_and_plain_runs_log_the_same_losses(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "expected_keys"),
     [
-        (["loss_fn.type=topk", "loss_fn.teacher_topk=4"], ["train/kl_forward", "train/teacher_topk_mass"]),
-        (["loss_fn.type=topk", "loss_fn.teacher_topk=4", "loss_fn.topk_tail=false"], ["train/topk_overlap"]),
-        (["loss_fn.divergence=jsd", "loss_fn.jsd_beta=0.3"], ["train/kl_reverse"]),
+        (["loss_fn.type=topk", "loss_fn.k=4"], ["train/kl_forward", "train/teacher_topk_mass"]),
+        (["loss_fn.type=topk", "loss_fn.k=4", "loss_fn.tail=false"], ["train/topk_overlap"]),
+        (["loss_fn.type=jsd", "loss_fn.beta=0.3"], ["train/kl_reverse"]),
         (["loss_fn.type=sampled_token", "loss_fn.adv_tau=1.0", "loss_fn.discount=0.5",
           "distillation.generate_strategy.decoding_method=top_p", "distillation.generate_strategy.temperature=1.0",
           "distillation.generate_strategy.top_p=1.0"], ["train/kl_reverse_estimate", "train/task_reward"]),
@@ -188,13 +231,13 @@ def test_fused_and_plain_runs_log_the_same_losses(tmp_path):
 def test_each_teacher_signal_trains(tmp_path, overrides, expected_keys):
     config = run_config(tmp_path, "training.learning_rate=1e-3", *overrides)
     parts = setup(config)
-    before = {name: p.detach().clone() for name, p in parts[0].model.named_parameters()}
-    distillation_train(*parts)
+    before = {name: p.detach().clone() for name, p in parts.student_policy.model.named_parameters()}
+    distillation_train(**parts.as_arguments())
     records = train_records(config)
     assert len(records) == 3
     for record in records:
         assert math.isfinite(record["train/loss"]) and record["train/skipped_nonfinite"] == 0
         for key in expected_keys:
             assert math.isfinite(record[key]), key
-    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in parts[0].model.named_parameters())
+    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in parts.student_policy.model.named_parameters())
     assert moved > 1e-5, "the student must actually be updated"

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd.algorithms.distillation import MasterConfig, distillation_train, setup
+from opd.algorithms.distillation import distillation_train
+from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.distillation_setup import DistillationComponents, setup
 from opd.utils.config import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -44,8 +46,8 @@ class PassCounter:
         self.calls[kind] += 1
 
 
-def count_passes(parts) -> tuple[PassCounter, PassCounter]:
-    student_policy, teacher_policy, generation = parts[0], parts[1], parts[2]
+def count_passes(parts: DistillationComponents) -> tuple[PassCounter, PassCounter]:
+    student_policy, teacher_policy, generation = parts.student_policy, parts.teacher_policy, parts.student_generation
     student, teacher = PassCounter(student_policy.model), PassCounter(teacher_policy.model)
     original_generate = generation.generate
 
@@ -66,7 +68,7 @@ def test_on_policy_step_runs_each_model_once_per_micro_batch(tmp_path, fused, lo
     parts = setup(run_config(tmp_path, "distillation.lambda=1.0", "distillation.num_samples_per_prompt=2",
                              f"loss_fn.fused_lm_head={fused}", f"loss_fn.type={loss_type}"))
     student, teacher = count_passes(parts)
-    distillation_train(*parts)
+    distillation_train(**parts.as_arguments())
     micro_batches = STEPS * BATCH * 2 // 2  # two samples per prompt, two sequences per micro-batch
     # The student: one training forward per micro-batch (its backward follows), no
     # gradient-free re-scoring of its own samples; the rest is generation.
@@ -80,7 +82,7 @@ def test_on_policy_step_runs_each_model_once_per_micro_batch(tmp_path, fused, lo
 def test_fixed_data_steps_generate_nothing(tmp_path):
     parts = setup(run_config(tmp_path, "distillation.lambda=0.0", "distillation.num_samples_per_prompt=2"))
     student, teacher = count_passes(parts)
-    distillation_train(*parts)
+    distillation_train(**parts.as_arguments())
     micro_batches = STEPS * BATCH // 2  # fixed data: one sequence per prompt, whatever the sample count
     assert student.calls == {"generation": 0, "with_grad": micro_batches, "without_grad": 0}
     assert teacher.calls == {"generation": 0, "with_grad": 0, "without_grad": micro_batches}

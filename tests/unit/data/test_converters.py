@@ -1,4 +1,4 @@
-"""Tests for opd.data.converters: prompt templates, math-cl rows and the conversion CLI."""
+"""Tests for opd.data.converters (prompt templates, math-cl rows) and the conversion CLI opd.data.convert_math_cl."""
 
 import json
 import re
@@ -11,7 +11,8 @@ import pyarrow
 import pyarrow.parquet
 import pytest
 
-from opd.data.converters import load_prompt_template, main, math_cl_to_chat
+from opd.data.convert_math_cl import main
+from opd.data.converters import load_prompt_template, math_cl_to_chat
 from opd.data.datasets import load_chat_dataset
 from opd.utils.errors import ConfigError, DataError
 
@@ -211,7 +212,7 @@ def test_math_cl_bad_template_is_reported_before_the_data(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# CLI: python -m opd.data.converters
+# CLI: python -m opd.data.convert_math_cl
 # ---------------------------------------------------------------------------
 
 
@@ -280,14 +281,14 @@ def test_cli_runs_as_a_module(tmp_path, prompt_file):
     args = ["--input", str(source), "--output", str(output), "--prompt-file", str(prompt_file)]
 
     ok = subprocess.run(
-        [sys.executable, "-m", "opd.data.converters", *args], cwd=REPO_ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "opd.data.convert_math_cl", *args], cwd=REPO_ROOT, capture_output=True, text=True
     )
     assert ok.returncode == 0, ok.stderr
     assert json.loads(output.read_text(encoding="utf-8"))["ground_truth"] == "2"
 
     bad_args = [*args[:-1], str(tmp_path / "missing_prompt.txt")]
     failed = subprocess.run(
-        [sys.executable, "-m", "opd.data.converters", *bad_args], cwd=REPO_ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "opd.data.convert_math_cl", *bad_args], cwd=REPO_ROOT, capture_output=True, text=True
     )
     assert failed.returncode == 2
     assert failed.stderr.strip() == f"error: prompt file {tmp_path / 'missing_prompt.txt'} not found"

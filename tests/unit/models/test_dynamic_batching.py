@@ -55,7 +55,8 @@ def one_step(batch, loss_fn, teacher, micro_batch_size, micro_batch_tokens):
     names = {id(p): n for n, p in model.named_parameters()}
     policy.optimizer.register_step_pre_hook(lambda opt, *_: grads.update(
         {names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]}))
-    metrics = policy.train(batch, loss_fn, teacher_fn=functools.partial(loss_fn.query_teacher, teacher))
+    metrics = policy.train(batch, loss_fn,
+                           teacher_signal=functools.partial(teacher.score, request=loss_fn.teacher_request))
     return metrics, grads
 
 

@@ -29,9 +29,12 @@ import httpx
 import pytest
 import torch
 
-from opd.algorithms.distillation import MasterConfig, check_teacher_config, distillation_train, setup
+from opd.algorithms.distillation import distillation_train
+from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.distillation_setup import check_environment, setup
 from opd.algorithms.loss_functions import DistillationLossFn
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.interfaces import FullVocabRequest
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.remote_teacher import RemoteTeacher, TeacherServiceError
 from opd.models.teacher.scoring import PromptScorer
@@ -154,8 +157,8 @@ def test_loss_from_the_served_teacher_equals_the_in_process_one(served, teacher_
 
 
 def test_full_vocabulary_logits_are_refused(served, tokenizer):
-    with pytest.raises(TeacherServiceError, match="teacher_signal = topk"):
-        client(served.url).get_logits(batch_of(tokenizer, TEXTS))
+    with pytest.raises(TeacherServiceError, match="not its full vocabulary"):
+        client(served.url).score(batch_of(tokenizer, TEXTS), FullVocabRequest())
 
 
 def test_a_served_teacher_answers_only_at_temperature_one(served, tokenizer):
@@ -315,7 +318,7 @@ def test_persistent_faults_stop_with_a_clear_error_and_nothing_reaches_the_loss(
     try:
         remote = client(proxy.url, max_retries=2, sequences_per_request=len(TEXTS))
         with pytest.raises(TeacherServiceError, match=re.escape(message)) as raised:
-            reached_loss.append(loss_fn.query_teacher(remote, batch))
+            reached_loss.append(remote.score(batch, loss_fn.teacher_request))
     finally:
         proxy.running.stop()
     assert reached_loss == []
@@ -377,15 +380,15 @@ def test_distillation_with_the_served_teacher_equals_the_in_process_run(served, 
         "validation.val_at_end=false", "checkpointing.enabled=false", "logger.console=false",
         "training.batch_size=2", "training.micro_batch_size=null", "training.warmup_steps=0",
         "training.max_num_steps=3", "distillation.num_samples_per_prompt=1",
-        "distillation.generate_strategy.max_length=8", "loss_fn.type=topk", f"loss_fn.teacher_topk={K}",
+        "distillation.generate_strategy.max_length=8", "loss_fn.type=topk", f"loss_fn.k={K}",
     ]
     losses = {}
     for name, extra in (("local", []), ("remote", ["teacher.backend=remote", f"teacher.remote.url={served.url}",
                                                     "teacher.remote.backoff_s=0.01"])):
         config = load_config(MasterConfig, TINY_CONFIG, common + [f"output_dir={tmp_path / name}"] + extra)
         parts = setup(config)
-        assert isinstance(parts[1], RemoteTeacher if name == "remote" else LocalTeacher)
-        distillation_train(*parts)
+        assert isinstance(parts.teacher_policy, RemoteTeacher if name == "remote" else LocalTeacher)
+        distillation_train(**parts.as_arguments())
         records = [json.loads(line) for line in (tmp_path / name / "logs" / "metrics.jsonl").read_text().splitlines()]
         losses[name] = [record["train/loss"] for record in records if "train/loss" in record]
     assert len(losses["remote"]) == 3
@@ -396,9 +399,9 @@ def test_distillation_with_the_served_teacher_equals_the_in_process_run(served, 
 @pytest.mark.parametrize("overrides, message", [
     (["teacher.backend=remote"], "needs teacher.remote.url"),
     (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=full_vocab"],
-     "set loss_fn.type = topk or sampled_token"),
+     "teacher.backend = remote cannot serve loss_fn.type = full_vocab"),
     (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=topk",
-      "distillation.kl_temperature=2.0"], "answers at temperature 1"),
+      "loss_fn.temperature=2.0"], "answers at temperature 1"),
     (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=topk",
       "validation.teacher_baseline=true"], "teacher_baseline"),
     (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=topk",
@@ -407,9 +410,12 @@ def test_distillation_with_the_served_teacher_equals_the_in_process_run(served, 
 ])
 def test_teacher_config_mistakes_name_the_keys(tmp_path, overrides, message, monkeypatch):
     monkeypatch.delenv("OPD_TEST_UNSET_KEY", raising=False)
-    config = load_config(MasterConfig, TINY_CONFIG, [f"output_dir={tmp_path}", f"data.train_path={TRAIN_DATA}"] + overrides)
+    # Cross-section mistakes stop the config's validation; an unset API key variable stops
+    # the environment check that setup runs before anything is loaded.
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_teacher_config(config)
+        config = load_config(MasterConfig, TINY_CONFIG,
+                             [f"output_dir={tmp_path}", f"data.train_path={TRAIN_DATA}"] + overrides)
+        check_environment(config)
 
 
 def test_an_unreachable_teacher_server_fails_setup_before_the_student_loads(tmp_path):

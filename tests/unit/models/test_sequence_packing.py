@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd.algorithms.distillation import MasterConfig, distillation_train, setup
+from opd.algorithms.distillation import distillation_train
+from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.distillation_setup import setup
 from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn, shift_token_mask
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_padding_free, pack_sequences
@@ -70,7 +72,8 @@ def one_step(batch, loss_fn, packing, micro_batch_size=2, micro_batch_tokens=Non
     policy.optimizer.register_step_pre_hook(lambda opt, *_: grads.update(
         {names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]}))
     teacher = LocalTeacher(build_tiny_model("teacher", dtype=torch.float64))
-    metrics = policy.train(batch, loss_fn, teacher_fn=functools.partial(loss_fn.query_teacher, teacher))
+    metrics = policy.train(batch, loss_fn,
+                           teacher_signal=functools.partial(teacher.score, request=loss_fn.teacher_request))
     return metrics, grads
 
 
@@ -146,7 +149,7 @@ def test_packed_run_logs_the_padded_run_losses(tmp_path):
     losses = {}
     for packing in ("false", "true"):
         config = run_config(tmp_path / packing, f"training.sequence_packing={packing}")
-        distillation_train(*setup(config))
+        distillation_train(**setup(config).as_arguments())
         lines = (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()
         losses[packing] = [r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r]
     assert len(losses["true"]) == 2
@@ -158,7 +161,7 @@ def test_packed_sampled_token_run_logs_the_padded_run_losses(tmp_path):
     for packing in ("false", "true"):
         config = run_config(tmp_path / packing, f"training.sequence_packing={packing}", "loss_fn.type=sampled_token",
                             "loss_fn.discount=0.9", "distillation.generate_strategy.decoding_method=greedy")
-        distillation_train(*setup(config))
+        distillation_train(**setup(config).as_arguments())
         lines = (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()
         losses[packing] = [r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r]
     assert len(losses["true"]) == 2

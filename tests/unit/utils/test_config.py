@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opd.algorithms.distillation import MasterConfig
+from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.loss_config import LOSS_VARIANTS
 from opd.utils.config import config_to_yaml, load_config, load_config_tree
 from opd.utils.errors import ConfigError
 
@@ -53,7 +54,7 @@ def test_tiny_config_inherits_from_template():
     assert config.training.adam_beta2 == pytest.approx(0.999)
     assert config.training.max_grad_norm == pytest.approx(1.0)
     assert config.checkpointing.keep_top_k == 3
-    assert config.distillation.kl_reduction == "mean"
+    assert config.loss_fn.reduction == "mean"
     # Interpolations resolve after the merge, against the child's output_dir.
     assert config.logger.log_dir == "results/distillation_tiny/logs"
     assert config.checkpointing.checkpoint_dir == "results/distillation_tiny/checkpoints"
@@ -95,7 +96,7 @@ def test_overrides_feed_interpolations_and_null():
 
 
 def test_dumped_config_loads_back_identically(tmp_path):
-    config = load("distillation.lambda=0.25", "distillation.kl_type=mixed")
+    config = load("distillation.lambda=0.25", "loss_fn.kl_type=mixed")
     text = config_to_yaml(config)
     assert "lambda: 0.25" in text
     path = tmp_path / "dumped.yaml"
@@ -113,10 +114,14 @@ def test_unknown_top_level_key():
 
 
 def test_unknown_nested_key_suggests_the_right_one():
-    message = config_error("distillation.kl_typ=forward")
-    assert "distillation.kl_typ" in message
+    message = config_error("distillation.lamda=0.5")
+    assert "distillation.lamda" in message
+    assert "did you mean 'lambda'" in message
+    assert "num_samples_per_prompt" in message  # the allowed keys are listed with their YAML spelling
+    message = config_error("loss_fn.kl_typ=forward")
+    assert "loss_fn.kl_typ" in message
     assert "did you mean 'kl_type'" in message
-    assert "lambda" in message  # the allowed keys are listed with their YAML spelling
+    assert "mixed_kl_weight" in message
 
 
 def test_unknown_deeply_nested_key():
@@ -152,7 +157,7 @@ def test_wrong_type():
         ("distillation.generate_strategy.top_p=1.1", "distillation.generate_strategy.top_p", "less than or equal to 1"),
         ("distillation.num_samples_per_prompt=0", "distillation.num_samples_per_prompt", "greater than or equal to 1"),
         ("training.learning_rate=0", "training.learning_rate", "greater than 0"),
-        ("distillation.kl_temperature=0", "distillation.kl_temperature", "greater than 0"),
+        ("loss_fn.temperature=0", "loss_fn.temperature", "greater than 0"),
     ],
 )
 def test_out_of_range(override, key, detail):
@@ -162,8 +167,8 @@ def test_out_of_range(override, key, detail):
 
 
 def test_kl_type_lists_allowed_values():
-    message = config_error("distillation.kl_type=fwd")
-    assert "distillation.kl_type" in message
+    message = config_error("loss_fn.kl_type=fwd")
+    assert "loss_fn.kl_type" in message
     assert "'fwd'" in message
     for allowed in ("forward", "reverse", "mixed"):
         assert allowed in message
@@ -283,3 +288,15 @@ def test_template_documents_every_config_key():
                 break
             node = node[part]
     assert not missing, f"keys missing from distillation.yaml: {missing}"
+
+
+def test_template_documents_every_loss_type_and_its_keys():
+    """The default loss type's keys are live YAML; every other type and key is in the comment above them."""
+    text = (REPO_ROOT / "examples" / "configs" / "distillation.yaml").read_text()
+    section = text[text.index("# The objective: ONE choice"):text.index("\ntraining:")]
+    live = yaml.safe_load(section)["loss_fn"]
+    assert set(live) == set(LOSS_VARIANTS["full_vocab"].model_fields)
+    for loss_type, variant in LOSS_VARIANTS.items():
+        assert f"#   {loss_type}" in section, loss_type
+        for key in variant.model_fields:
+            assert key in section, (loss_type, key)

@@ -1,0 +1,252 @@
+"""The configuration of a distillation run: one YAML file, validated into :class:`MasterConfig`.
+
+Sections: ``model``, ``teacher``, ``distillation`` (the λ coin, sampling, context
+distillation), ``loss_fn`` (one typed objective, :mod:`opd.algorithms.loss_config`),
+``generation``, ``training``, ``data``, ``validation``, ``logger``, ``checkpointing``.
+Every key is documented in ``examples/configs/distillation.yaml``.
+
+What one section cannot check alone, :class:`MasterConfig` checks across sections when it
+is validated, so a conflicting config stops before any file is read or model loaded.
+Keys that moved in a schema change are listed in :data:`MOVED_KEYS`; a config that still
+uses one gets an error naming the new place.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from opd.algorithms.loss_config import (
+    FullVocabLossConfig,
+    HybridFullVocabLossConfig,
+    LossFnConfig,
+    SampledTokenLossConfig,
+)
+from opd.algorithms.training_loop import RunConfig, TrainingLoopConfig
+from opd.algorithms.validation import ValidationConfig
+from opd.data.config import DataConfig
+from opd.data.teacher_context import TeacherContext
+from opd.models.config import ModelConfig, TeacherConfig
+from opd.models.generation.config import GenerateStrategyConfig, GenerationConfig
+from opd.models.teacher.local_teacher import LocalTeacher
+from opd.models.teacher.remote_teacher import RemoteTeacher
+from opd.utils.checkpoint import CheckpointingConfig
+from opd.utils.config import StrictConfig
+from opd.utils.errors import ConfigError
+from opd.utils.logger import LoggerConfig
+
+MOVED_KEYS: dict[str, str] = {
+    "distillation.kl_type": "loss_fn.kl_type",
+    "distillation.mixed_kl_weight": "loss_fn.mixed_kl_weight",
+    "distillation.kl_temperature": "loss_fn.temperature",
+    "distillation.kl_reduction": "loss_fn.reduction",
+    "loss_fn.teacher_topk": "loss_fn.k (with loss_fn.type: topk) or loss_fn.metrics_topk (full_vocab, jsd)",
+    "loss_fn.topk_tail": "loss_fn.tail (with loss_fn.type: topk)",
+    "loss_fn.divergence": "loss_fn.type (jsd for the generalized JSD, full_vocab for the KL)",
+    "loss_fn.jsd_beta": "loss_fn.beta (with loss_fn.type: jsd)",
+}
+"""Old key → where it lives now (the loss became one typed ``loss_fn`` choice)."""
+
+
+class DistillationConfig(StrictConfig):
+    """The distillation strategy: the λ coin, on-policy sampling and the teacher-only context."""
+
+    lambda_: float = Field(
+        1.0, alias="lambda", ge=0.0, le=1.0, description="probability that a step uses the student's own samples"
+    )
+    mask_prompt_tokens: bool = True
+    num_samples_per_prompt: int = Field(1, ge=1)
+    generate_strategy: GenerateStrategyConfig = Field(default_factory=GenerateStrategyConfig)
+    teacher_context: str | None = Field(
+        None, description="context distillation: text only the teacher sees, inserted into every prompt"
+    )
+    teacher_context_key: str | None = Field(
+        None, description="context distillation: dataset field holding a per-example teacher-only context"
+    )
+    teacher_context_placement: Literal["user_prefix", "system"] = Field(
+        "user_prefix", description="user_prefix = before the first user message; system = as / in the system message"
+    )
+    teacher_context_separator: str = Field("\n\n", description="between the context and the text after it")
+
+    def teacher_context_spec(self) -> TeacherContext | None:
+        """The teacher-only context these keys describe, or None without one."""
+        if self.teacher_context is None and self.teacher_context_key is None:
+            return None
+        return TeacherContext(
+            self.teacher_context,
+            self.teacher_context_key,
+            self.teacher_context_placement,
+            self.teacher_context_separator,
+        )
+
+
+class TrainingConfig(TrainingLoopConfig):
+    """Loop, batch and optimizer settings (the specification's §4.3 keys)."""
+
+    batch_size: int = Field(8, ge=1, description="prompts per optimizer step")
+    micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward/backward pass")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="padded-token budget per forward/backward pass (length-sorted dynamic batching)"
+    )
+    sequence_packing: bool = Field(False, description="pack each micro-batch into one padding-free row")
+    gradient_accumulation_steps: int | None = Field(None, ge=1, description="micro-batches per optimizer step")
+
+
+class DistillationValidationConfig(ValidationConfig):
+    """Validation settings of a distillation run (adds the baselines and ``opd eval``'s model)."""
+
+    teacher_baseline: bool = Field(False, description="once, before training: the teacher answers the val prompts")
+    eval_baseline: bool = Field(
+        False,
+        description="once, before training: student without and teacher with the teacher-only context "
+        "answer the val prompts (val/baseline_*)",
+    )
+    teacher_topk: int = Field(
+        64,
+        ge=1,
+        description="k of the top-k KL that validation reports when the teacher cannot send its full "
+        "vocabulary (a served teacher)",
+    )
+    model_path: str | None = Field(
+        None, description="model evaluated by `opd eval` / val_only: a model dir or step_N checkpoint"
+    )
+
+
+class MasterConfig(RunConfig):
+    """The whole run's configuration (one YAML file)."""
+
+    moved_keys: ClassVar[dict[str, str]] = MOVED_KEYS
+
+    output_dir: str = Field("results/distillation", description="final model, logs and checkpoints go here")
+    val_only: bool = Field(False, description="run validation on validation.model_path (or the student) and exit")
+    model: ModelConfig
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    distillation: DistillationConfig = Field(default_factory=DistillationConfig)
+    loss_fn: LossFnConfig = Field(default_factory=FullVocabLossConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    data: DataConfig
+    validation: DistillationValidationConfig = Field(default_factory=DistillationValidationConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+
+    @model_validator(mode="after")
+    def _check_across_sections(self) -> MasterConfig:
+        """Combinations that span sections (each message names the keys that conflict)."""
+        for problem in (_loss_problem(self), _teacher_problem(self), _generation_problem(self)):
+            if problem is not None:
+                raise ValueError(problem)
+        return self
+
+
+def _loss_problem(config: MasterConfig) -> str | None:
+    """What the chosen objective needs from the λ coin."""
+    loss, lambda_ = config.loss_fn, config.distillation.lambda_
+    if isinstance(loss, SampledTokenLossConfig) and lambda_ < 1.0:
+        return (
+            f"loss_fn.type = sampled_token needs the student's own samples on every step, but "
+            f"distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
+        )
+    if isinstance(loss, HybridFullVocabLossConfig) and loss.adv_tau != 0.0 and lambda_ < 1.0:
+        return (
+            f"loss_fn.adv_tau = {loss.adv_tau} rewards the student's own answers, which only on-policy steps "
+            f"have, but distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
+        )
+    return None
+
+
+def _teacher_problem(config: MasterConfig) -> str | None:
+    """What the teacher backend and the teacher-only context need from the rest of the config."""
+    teacher, distillation = config.teacher, config.distillation
+    has_context = distillation.teacher_context_spec() is not None
+    if has_context and not distillation.mask_prompt_tokens:
+        return (
+            "distillation.teacher_context: the teacher's prompt differs from the student's, so only "
+            "completion tokens can be scored; set distillation.mask_prompt_tokens = true"
+        )
+    if config.validation.eval_baseline and not has_context:
+        return (
+            "validation.eval_baseline compares the student without and the teacher with the "
+            "teacher-only context; set distillation.teacher_context or teacher_context_key"
+        )
+    if teacher.backend == "local":
+        if config.model.teacher_model_path is None:
+            return (
+                "model.teacher_model_path is required with teacher.backend = local "
+                "('student' = a frozen copy of the student's initial weights)"
+            )
+        reason = LocalTeacher.unsupported_reason(config.loss_fn.teacher_request(None))
+    else:
+        baselines = {
+            "eval_baseline": config.validation.eval_baseline,
+            "teacher_baseline": config.validation.teacher_baseline,
+        }
+        for key, enabled in baselines.items():
+            if enabled:
+                return (
+                    f"validation.{key} generates with the teacher model in process; "
+                    "set it to false with teacher.backend = remote"
+                )
+        if teacher.remote.url is None:
+            return "teacher.backend = remote needs teacher.remote.url (e.g. http://127.0.0.1:8000)"
+        reason = RemoteTeacher.unsupported_reason(config.loss_fn.teacher_request(None))
+    if reason is not None:
+        return (
+            f"teacher.backend = {teacher.backend} cannot serve loss_fn.type = {config.loss_fn.type}: {reason}; "
+            "choose settings that teacher can answer (a served teacher answers loss_fn.type = topk at "
+            "temperature 1, and sampled_token)"
+        )
+    return None
+
+
+def _generation_problem(config: MasterConfig) -> str | None:
+    """vLLM's context length must leave room for the responses."""
+    if config.generation.backend != "vllm":
+        return None
+    max_model_len = config.generation.vllm.max_model_len
+    max_length = config.distillation.generate_strategy.max_length
+    if max_model_len is not None and max_model_len <= max_length:
+        return (
+            f"generation.vllm.max_model_len = {max_model_len} leaves no room for a prompt before "
+            f"distillation.generate_strategy.max_length = {max_length} new tokens"
+        )
+    return None
+
+
+def resolve_micro_batching(config: MasterConfig) -> tuple[int, int]:
+    """Returns ``(micro_batch_size, gradient_accumulation_steps)`` from the config.
+
+    On-policy steps train ``batch_size × num_samples_per_prompt`` sequences. As in
+    DeepSpeed, either knob may be given and the other is derived; if both are given they
+    must multiply to that number.
+
+    Raises:
+        ConfigError: if the two knobs disagree or do not divide the batch.
+    """
+    training = config.training
+    sequences = training.batch_size * config.distillation.num_samples_per_prompt
+    micro, accumulation = training.micro_batch_size, training.gradient_accumulation_steps
+    if training.micro_batch_tokens is not None and (micro is not None or accumulation is not None):
+        raise ConfigError(
+            "training.micro_batch_tokens forms micro-batches by a token budget; set training.micro_batch_size "
+            "and training.gradient_accumulation_steps to null when you use it"
+        )
+    if micro is None:
+        if accumulation is None:
+            return sequences, 1
+        if sequences % accumulation:
+            raise ConfigError(
+                f"training.gradient_accumulation_steps = {accumulation} must divide batch_size × "
+                f"num_samples_per_prompt = {sequences}"
+            )
+        return sequences // accumulation, accumulation
+    if accumulation is None:
+        return micro, math.ceil(sequences / micro)
+    if micro * accumulation != sequences:
+        raise ConfigError(
+            f"training.micro_batch_size ({micro}) × training.gradient_accumulation_steps ({accumulation}) "
+            f"must equal batch_size × num_samples_per_prompt = {sequences}; set only one of them"
+        )
+    return micro, accumulation

@@ -1,0 +1,357 @@
+"""Building a distillation run's components from its config: :func:`setup`.
+
+Order matters: the config's environment needs (vLLM, a compiler, an API key) and the data
+files are checked before any model is loaded, so a malformed line fails in seconds, not
+after loading a 32B teacher; a served teacher is reached before the student loads. If the
+checkpoint directory holds a complete checkpoint, the run resumes from the newest one:
+the student's weights, optimizer, schedule and counters are restored here, the RNG
+streams and data position by the training loop.
+
+The result is a :class:`DistillationComponents`, whose fields are exactly the arguments of
+:func:`opd.algorithms.distillation.distillation_train`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+from transformers import PreTrainedModel
+
+from opd.algorithms.compiled_kernels import resolve_compile_kernels
+from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
+from opd.algorithms.loss_config import (
+    FullVocabKernelSettings,
+    FusedHeadSettings,
+    HybridFullVocabLossConfig,
+    SampledTokenLossConfig,
+)
+from opd.algorithms.run_setup import load_examples, load_run_tokenizer, plan_run_length, restore_run
+from opd.algorithms.training_loop import RunSaveState, check_output_is_fresh, find_resume_checkpoint
+from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
+from opd.models.generation.hf_generation import HFGeneration
+from opd.models.interfaces import GenerationInterface, LossFunction, PolicyInterface, TeacherInterface
+from opd.models.lm_head import output_head_of
+from opd.models.loading import (
+    check_output_sizes,
+    check_tokenizer_compatibility,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
+from opd.models.policy.hf_policy import HFPolicy
+from opd.models.teacher.context_teacher import ContextTeacher
+from opd.models.teacher.local_teacher import LocalTeacher
+from opd.models.teacher.remote_teacher import RemoteTeacher
+from opd.utils.checkpoint import CheckpointManager
+from opd.utils.errors import ConfigError
+from opd.utils.logger import Logger
+
+log = logging.getLogger("opd")
+
+SELF_DISTILLATION_TEACHER = "student"
+"""``model.teacher_model_path: student``: the teacher is a frozen copy of the student's initial weights."""
+
+
+@dataclass
+class DistillationComponents:
+    """Everything :func:`~opd.algorithms.distillation.distillation_train` runs with.
+
+    Attributes:
+        student_policy: the trainable student.
+        teacher_policy: the frozen teacher (in process, served, with a context, ...).
+        student_generation: samples from the student.
+        teacher_generation: samples from the teacher (the validation baselines); None for
+            a served teacher.
+        dataloader: resumable loader of prepared training examples.
+        val_dataloader: validation examples, or None without validation data.
+        tokenizer: shared by teacher and student.
+        loss_fn: the objective ``loss_fn`` chose.
+        logger: metric sink.
+        checkpointer: writes and finds ``step_N`` checkpoints.
+        distillation_save_state: the run's counters (fresh or restored).
+        master_config: the validated config.
+    """
+
+    student_policy: PolicyInterface
+    teacher_policy: TeacherInterface
+    student_generation: GenerationInterface
+    teacher_generation: GenerationInterface | None
+    dataloader: StatefulDataLoader
+    val_dataloader: StatefulDataLoader | None
+    tokenizer: Any
+    loss_fn: LossFunction
+    logger: Logger
+    checkpointer: CheckpointManager
+    distillation_save_state: RunSaveState
+    master_config: MasterConfig
+
+    def as_arguments(self) -> dict[str, Any]:
+        """The fields as keyword arguments of ``distillation_train``."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+    def close(self) -> None:
+        """Frees what the engines and the teacher hold (a vLLM engine, a teacher's connections)."""
+        self.student_generation.close()
+        self.teacher_policy.close()
+
+
+def set_seed(seed: int) -> None:
+    """Seeds Python, NumPy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def check_environment(config: MasterConfig) -> None:
+    """What the config needs from this machine, checked before anything is read or loaded.
+
+    Raises:
+        ConfigError: vLLM asked for but not importable, ``compile_kernels`` /
+            ``compile_decode`` set to true without a compiler toolchain, or an API key
+            variable that is unset.
+    """
+    device_type = resolve_device(config.model.device).type
+    if isinstance(config.loss_fn, FullVocabKernelSettings):
+        resolve_compile_kernels(config.loss_fn.compile_kernels, device_type)
+    resolve_compile_kernels(config.generation.compile_decode, device_type, "generation.compile_decode")
+    if config.generation.backend == "vllm":
+        from opd.models.generation.vllm_generation import import_vllm  # optional and slow to import
+
+        import_vllm()
+    remote = config.teacher.remote
+    if config.teacher.backend == "remote" and remote.api_key_env and not os.environ.get(remote.api_key_env):
+        raise ConfigError(
+            f"teacher.remote.api_key_env names the environment variable {remote.api_key_env}, which is unset or empty"
+        )
+
+
+def check_config_against_data(config: MasterConfig, train_examples: list[PreparedExample]) -> None:
+    """Cross-checks that need the data: λ < 1 needs fixed responses to train on, a task
+    reward needs ground-truth answers.
+
+    Raises:
+        ConfigError: naming the key, the file and how many examples lack what it needs.
+    """
+    loss = config.loss_fn
+    if isinstance(loss, (SampledTokenLossConfig, HybridFullVocabLossConfig)) and loss.adv_tau != 0.0:
+        missing = sum(example["ground_truth"] is None for example in train_examples)
+        if missing:
+            raise ConfigError(
+                f"loss_fn.adv_tau = {loss.adv_tau} rewards correct answers, but {missing} of "
+                f"{len(train_examples)} examples in '{config.data.train_path}' have no ground-truth answer; "
+                "use data_format math_cl (or set loss_fn.adv_tau = 0)"
+            )
+    if config.distillation.lambda_ < 1.0:
+        missing = sum(example["response_ids"] is None for example in train_examples)
+        if missing:
+            raise ConfigError(
+                f"distillation.lambda = {config.distillation.lambda_} uses fixed data on some steps, but "
+                f"{missing} of {len(train_examples)} examples in '{config.data.train_path}' have no final "
+                "assistant message; add responses or set distillation.lambda = 1.0"
+            )
+
+
+def run_tokenizer(config: MasterConfig) -> Any:
+    """The tokenizer of the run: ``model.tokenizer_path``, else the student's."""
+    return load_run_tokenizer(
+        config.model.tokenizer_path or config.model.student_model_path, config.model.trust_remote_code, config.data
+    )
+
+
+def resolve_teacher_path(config: MasterConfig) -> str:
+    """The in-process teacher's model path; ``student`` means the student's starting point.
+
+    For self-distillation the teacher is ``model.student_model_path`` as given, never the
+    checkpoint a run resumes from: the teacher stays the initial student for the whole run
+    (a second copy of the weights in memory, without gradients or optimizer state).
+
+    Raises:
+        ConfigError: without ``model.teacher_model_path``.
+    """
+    path = config.model.teacher_model_path
+    if path is None:
+        raise ConfigError("model.teacher_model_path is required for an in-process teacher")
+    return config.model.student_model_path if path == SELF_DISTILLATION_TEACHER else path
+
+
+def load_models(
+    config: MasterConfig, tokenizer: Any, student_path: str
+) -> tuple[PreTrainedModel, PreTrainedModel | None]:
+    """Loads student (from ``student_path``) and frozen teacher, after the tokenizer check.
+
+    A served teacher (``teacher.backend: remote``) is not loaded: the teacher is None.
+
+    Raises:
+        ModelCompatibilityError: the teacher's tokenizer or an output layer does not
+            match the run's tokenizer.
+        ConfigError: a model whose head the fused loss cannot take.
+    """
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    if config.teacher.backend == "remote":
+        log.info("loading student %s (%s on %s)", student_path, str(dtype).replace("torch.", ""), device)
+        student_model = load_causal_lm(student_path, dtype, device, config.model)
+        check_output_sizes(student_model, len(tokenizer), student_path)
+        _check_fusable(config, student_model, None)
+        return student_model, None
+    teacher_path = resolve_teacher_path(config)
+    # The teacher's own tokenizer is checked even when model.tokenizer_path overrides the
+    # student's: the teacher's logits are indexed by the ids its tokenizer defines.
+    teacher_tokenizer = load_tokenizer(teacher_path, config.model.trust_remote_code)
+    check_tokenizer_compatibility(tokenizer, teacher_tokenizer, student_path, teacher_path)
+    log.info(
+        "loading student %s and teacher %s (%s on %s)",
+        student_path,
+        teacher_path,
+        str(dtype).replace("torch.", ""),
+        device,
+    )
+    student_model = load_causal_lm(student_path, dtype, device, config.model)
+    teacher_model = load_causal_lm(teacher_path, dtype, device, config.model)
+    for model, name in ((student_model, student_path), (teacher_model, teacher_path)):
+        check_output_sizes(model, len(tokenizer), name)
+    _check_fusable(config, student_model, teacher_model)
+    return student_model, teacher_model
+
+
+def _check_fusable(config: MasterConfig, student: PreTrainedModel, teacher: PreTrainedModel | None) -> None:
+    """Fails before training if a model's head cannot be fused (soft-capped logits, ...)."""
+    if not (isinstance(config.loss_fn, FusedHeadSettings) and config.loss_fn.fused_lm_head):
+        return
+    for model, name in ((student, "the student"), (teacher, "the teacher")):
+        if model is None:  # a served teacher applies its own head
+            continue
+        try:
+            output_head_of(model, name)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+
+def connect_remote_teacher(config: MasterConfig, tokenizer: Any) -> RemoteTeacher:
+    """The client of the served teacher, after checking that it answers and tokenizes like ``tokenizer``."""
+    remote = config.teacher.remote
+    if remote.url is None:
+        raise ConfigError("teacher.backend = remote needs teacher.remote.url")
+    client = RemoteTeacher(
+        remote.url,
+        remote.model,
+        os.environ.get(remote.api_key_env) if remote.api_key_env else None,
+        remote.max_concurrency,
+        remote.sequences_per_request,
+        remote.timeout_s,
+        remote.max_retries,
+        remote.backoff_s,
+    )
+    client.connect(tokenizer)
+    log.info("teacher: %s served at %s", client.model, remote.url)
+    return client
+
+
+def build_teacher(config: MasterConfig, tokenizer: Any, teacher: TeacherInterface) -> TeacherInterface:
+    """``teacher``, seeing each completion under its own prompt when there is a teacher-only context."""
+    if config.distillation.teacher_context_spec() is None:
+        return teacher
+    return ContextTeacher(teacher, tokenizer.pad_token_id)
+
+
+def build_generation(config: MasterConfig, model: PreTrainedModel, tokenizer: Any) -> GenerationInterface:
+    """The engine ``generation.backend`` names, sampling from (or starting from) ``model``."""
+    if config.generation.backend == "vllm":
+        # Imported here: vLLM is optional and slow to import.
+        from opd.models.generation.vllm_generation import VllmGeneration
+
+        return VllmGeneration(model, tokenizer, config.generation.vllm, config.training.seed)
+    device_type = next(model.parameters()).device.type
+    return HFGeneration(
+        model,
+        tokenizer,
+        config.generation.decode_loop,
+        resolve_compile_kernels(config.generation.compile_decode, device_type, "generation.compile_decode"),
+    )
+
+
+def setup(master_config: MasterConfig) -> DistillationComponents:
+    """Builds everything ``distillation_train`` needs, checking user input first (see the module docstring).
+
+    Raises:
+        ConfigError: a config the machine or the data cannot serve.
+        DataError: a malformed data file (naming the file and line).
+        ModelCompatibilityError: teacher and student that do not share a tokenizer.
+    """
+    config = master_config
+    micro_batch_size, _ = resolve_micro_batching(config)
+    check_environment(config)
+    checkpointer = CheckpointManager(config.checkpointing)
+    check_output_is_fresh(config.output_dir, checkpointer)
+    set_seed(config.training.seed)
+
+    tokenizer = run_tokenizer(config)
+    context = config.distillation.teacher_context_spec()
+    train_examples = load_examples(config.data, tokenizer, "train", context)
+    check_config_against_data(config, train_examples)
+    steps_per_epoch, total_steps = plan_run_length(
+        len(train_examples),
+        config.training.batch_size,
+        config.training.num_epochs,
+        config.training.max_num_steps,
+        config.data.train_path,
+    )
+    val_examples = load_examples(config.data, tokenizer, "val", context) if config.data.val_path else None
+
+    resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)
+    student_path = str(resume_from / "policy") if resume_from else config.model.student_model_path
+    # A served teacher is checked before the student loads: an unreachable or mismatched
+    # server fails in seconds.
+    remote_teacher = connect_remote_teacher(config, tokenizer) if config.teacher.backend == "remote" else None
+    student_model, teacher_model = load_models(config, tokenizer, student_path)
+    teacher: TeacherInterface | None = LocalTeacher(teacher_model) if teacher_model is not None else remote_teacher
+    if teacher is None:
+        raise ConfigError("no teacher: set model.teacher_model_path or teacher.backend = remote")
+    teacher_generation = (
+        None if teacher_model is None else HFGeneration(teacher_model, tokenizer, config.generation.decode_loop)
+    )
+
+    student_policy = HFPolicy(
+        student_model,
+        config.training,
+        micro_batch_size,
+        total_steps,
+        config.training.micro_batch_tokens,
+        config.training.sequence_packing,
+    )
+    save_state = restore_run(resume_from, student_policy, checkpointer, config, total_steps)
+    logger = Logger(config.logger, total_steps)
+    logger.log_hyperparams(config.model_dump(mode="json", by_alias=True))
+    log.info(
+        "%d train prompts, %s val prompts, %d steps (%d per epoch), %d sequences per step in micro-batches of %d",
+        len(train_examples),
+        len(val_examples) if val_examples else 0,
+        total_steps,
+        steps_per_epoch,
+        config.training.batch_size * config.distillation.num_samples_per_prompt,
+        micro_batch_size,
+    )
+    return DistillationComponents(
+        student_policy=student_policy,
+        teacher_policy=build_teacher(config, tokenizer, teacher),
+        student_generation=build_generation(config, student_model, tokenizer),
+        teacher_generation=teacher_generation,
+        dataloader=make_train_dataloader(
+            train_examples, config.training.batch_size, config.data.shuffle, config.training.seed
+        ),
+        val_dataloader=make_eval_dataloader(val_examples, config.validation.batch_size) if val_examples else None,
+        tokenizer=tokenizer,
+        loss_fn=config.loss_fn.build(len(tokenizer), resolve_device(config.model.device).type),
+        logger=logger,
+        checkpointer=checkpointer,
+        distillation_save_state=save_state,
+        master_config=config,
+    )

@@ -1,0 +1,89 @@
+"""``opd eval`` (and ``val_only: true``): validate one model against the teacher and exit.
+
+The model is ``validation.model_path`` (an HF model directory or a ``step_N``
+checkpoint), else the newest checkpoint of the run, else ``model.student_model_path``.
+It answers the validation prompts as in training's validation; the metrics are printed
+and written to ``<log_dir>/eval_metrics.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
+from opd.algorithms.distillation_setup import (
+    build_generation,
+    build_teacher,
+    check_environment,
+    connect_remote_teacher,
+    load_models,
+    run_tokenizer,
+    set_seed,
+)
+from opd.algorithms.run_setup import load_examples
+from opd.algorithms.validation import validate
+from opd.data.dataloaders import make_eval_dataloader
+from opd.models.interfaces import TeacherInterface
+from opd.models.policy.hf_policy import HFPolicy
+from opd.models.teacher.local_teacher import LocalTeacher
+from opd.utils.checkpoint import CheckpointManager
+from opd.utils.errors import ConfigError
+
+
+def resolve_eval_model(config: MasterConfig) -> str:
+    """The model directory ``opd eval`` validates (see the module docstring)."""
+    model_path = config.validation.model_path
+    if model_path is None:
+        latest = CheckpointManager(config.checkpointing).latest_checkpoint()
+        model_path = str(latest) if latest else config.model.student_model_path
+    if (Path(model_path) / "policy" / "config.json").is_file():  # a step_N checkpoint
+        model_path = str(Path(model_path) / "policy")
+    return model_path
+
+
+def evaluate(master_config: MasterConfig) -> dict[str, float]:
+    """Validates one model against the teacher; prints and returns the metrics.
+
+    Raises:
+        ConfigError: if there is no validation data or the model cannot be found.
+    """
+    config = master_config
+    if not config.data.val_path:
+        raise ConfigError("evaluation needs validation data: set data.val_path")
+    check_environment(config)
+    set_seed(config.training.seed)
+    tokenizer = run_tokenizer(config)
+    examples = load_examples(config.data, tokenizer, "val", config.distillation.teacher_context_spec())
+    model_path = resolve_eval_model(config)
+    student_model, teacher_model = load_models(config, tokenizer, model_path)
+    student_model.eval()
+    teacher: TeacherInterface = (
+        connect_remote_teacher(config, tokenizer) if teacher_model is None else LocalTeacher(teacher_model)
+    )
+    teacher = build_teacher(config, tokenizer, teacher)
+    # A policy only for the student's logits: its optimizer never steps.
+    policy = HFPolicy(student_model, config.training, resolve_micro_batching(config)[0], total_steps=1)
+    generation = build_generation(config, student_model, tokenizer)
+    try:
+        metrics = validate(
+            generation,
+            policy,
+            teacher,
+            make_eval_dataloader(examples, config.validation.batch_size),
+            tokenizer,
+            config.validation.generate_strategy,
+            config.validation.teacher_topk,
+        )
+    finally:
+        generation.close()
+        teacher.close()
+    log_dir = Path(config.logger.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / "eval_metrics.json").write_text(
+        json.dumps({"model_path": model_path, **metrics}, indent=2), encoding="utf-8"
+    )
+    for key, value in metrics.items():
+        print(f"{key:<28} {value:.4f}")
+    print(f"evaluated {model_path} on {len(examples)} prompts; written to {log_dir / 'eval_metrics.json'}")
+    return metrics

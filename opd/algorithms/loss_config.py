@@ -1,0 +1,227 @@
+"""The ``loss_fn:`` section: one typed choice of objective, each with only its own keys.
+
+``loss_fn.type`` picks a variant; each variant carries just the keys that objective
+reads, builds its loss object and says which teacher signal it needs, so a combination
+that means nothing (a top-k ``k`` on the full-vocabulary loss, a temperature on the
+sampled-token loss, the JSD over a top-k signal) cannot be written:
+
+========================  ==================================================  ==============================
+``type``                  objective                                            teacher signal
+========================  ==================================================  ==============================
+``full_vocab``            forward / reverse / mixed KL over the vocabulary      logits, or hidden states + head
+``jsd``                   generalized Jensen-Shannon divergence (GKD's β)       logits, or hidden states + head
+``topk``                  KL over the teacher's top k plus a "rest" class       top-k log-probs and ids
+``sampled_token``         reverse KL on the sampled token, a policy gradient    the sampled tokens' log-probs
+``hybrid_full_vocab``     τ-weighted reverse KL + task-reward policy gradient   logits
+========================  ==================================================  ==============================
+
+The loss objects themselves (:mod:`opd.algorithms.loss_functions`,
+:mod:`opd.algorithms.hybrid_loss`) take no config and can be built directly.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag
+
+from opd.algorithms.compiled_kernels import resolve_compile_kernels
+from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
+from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn
+from opd.models.interfaces import (
+    FullVocabRequest,
+    LossFunction,
+    TeacherRequest,
+    TokenLogprobsRequest,
+    TopKRequest,
+)
+from opd.utils.config import StrictConfig
+
+KLType = Literal["forward", "reverse", "mixed"]
+
+
+class _LossSettings(StrictConfig):
+    """Keys every objective has."""
+
+    reduction: Literal["mean", "sum"] = Field(
+        "mean", description="mean = over the global batch's response tokens; sum = per sequence, then mean"
+    )
+
+    @abstractmethod
+    def build(self, vocab_size: int, device_type: str) -> LossFunction:
+        """The loss object these keys describe (``vocab_size``: the tokenizer's; ``device_type``: the student's)."""
+
+    @abstractmethod
+    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
+        """The signal the loss asks the teacher for (equal to the built loss's ``teacher_request``)."""
+
+
+class _KLDirection(StrictConfig):
+    """Which KL: the specification's ``kl_type`` and ``mixed_kl_weight``."""
+
+    kl_type: KLType = Field("reverse", description="forward = KL(teacher‖student), reverse = KL(student‖teacher)")
+    mixed_kl_weight: float = Field(0.5, ge=0.0, le=1.0, description="weight of forward KL when kl_type = mixed")
+
+
+class _Temperature(StrictConfig):
+    temperature: float = Field(1.0, gt=0.0, description="softmax temperature of both models inside the divergence")
+
+
+class FusedHeadSettings(StrictConfig):
+    """Memory-lean computation: logits made chunk by chunk from hidden states."""
+
+    fused_lm_head: bool = Field(True, description="compute logits and loss chunk by chunk from hidden states")
+    chunk_size: int | None = Field(None, ge=1, description="positions per fused chunk; null: ~128 MiB of logits")
+
+
+class FullVocabKernelSettings(FusedHeadSettings):
+    compile_kernels: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile the full-vocabulary loss kernels; auto: where a compiler toolchain exists"
+    )
+    metrics_topk: int = Field(64, ge=1, description="k of the teacher_topk_mass / topk_overlap metrics")
+
+
+class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKernelSettings):
+    """``type: full_vocab``: the exact KL over the whole vocabulary (the default)."""
+
+    type: Literal["full_vocab"] = "full_vocab"
+
+    def build(self, vocab_size: int, device_type: str) -> LossFunction:
+        return DistillationLossFn(
+            kl_type=self.kl_type,
+            mixed_kl_weight=self.mixed_kl_weight,
+            temperature=self.temperature,
+            kl_reduction=self.reduction,
+            vocab_size=vocab_size,
+            teacher_topk=self.metrics_topk,
+            fused_lm_head=self.fused_lm_head,
+            chunk_size=self.chunk_size,
+            compile_kernels=resolve_compile_kernels(self.compile_kernels, device_type),
+        )
+
+    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
+        return FullVocabRequest(prefer_hidden_states=self.fused_lm_head)
+
+
+class JSDLossConfig(_LossSettings, _Temperature, FullVocabKernelSettings):
+    """``type: jsd``: the generalized Jensen-Shannon divergence of GKD / TRL."""
+
+    type: Literal["jsd"] = "jsd"
+    beta: float = Field(0.5, ge=0.0, le=1.0, description="interpolation: 0 = forward KL, 1 = reverse KL")
+
+    def build(self, vocab_size: int, device_type: str) -> LossFunction:
+        return DistillationLossFn(
+            temperature=self.temperature,
+            kl_reduction=self.reduction,
+            vocab_size=vocab_size,
+            divergence="jsd",
+            jsd_beta=self.beta,
+            teacher_topk=self.metrics_topk,
+            fused_lm_head=self.fused_lm_head,
+            chunk_size=self.chunk_size,
+            compile_kernels=resolve_compile_kernels(self.compile_kernels, device_type),
+        )
+
+    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
+        return FullVocabRequest(prefer_hidden_states=self.fused_lm_head)
+
+
+class TopKLossConfig(_LossSettings, _KLDirection, _Temperature, FusedHeadSettings):
+    """``type: topk``: the teacher sends its top ``k`` log-probs per position (what a served teacher sends)."""
+
+    type: Literal["topk"] = "topk"
+    k: int = Field(64, ge=1, description="teacher tokens per position")
+    tail: bool = Field(True, description="keep a 'rest' class (a true divergence); false renormalises over the k")
+
+    def build(self, vocab_size: int, device_type: str) -> LossFunction:
+        return DistillationLossFn(
+            kl_type=self.kl_type,
+            mixed_kl_weight=self.mixed_kl_weight,
+            temperature=self.temperature,
+            kl_reduction=self.reduction,
+            vocab_size=vocab_size,
+            teacher_signal="topk",
+            teacher_topk=self.k,
+            topk_tail=self.tail,
+            fused_lm_head=self.fused_lm_head,
+            chunk_size=self.chunk_size,
+        )
+
+    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
+        return TopKRequest(self.k, self.temperature, vocab_size)
+
+
+class _Taus(StrictConfig):
+    teacher_tau: float = Field(1.0, description="weight of the teacher's log-prob")
+    student_tau: float = Field(1.0, description="weight of the student's log-prob")
+    adv_tau: float = Field(0.0, description="weight of the task reward (the math verifier); needs lambda = 1")
+
+
+class SampledTokenLossConfig(_LossSettings, _Taus, FusedHeadSettings):
+    """``type: sampled_token``: reverse KL on the sampled tokens as a policy gradient (needs lambda = 1)."""
+
+    type: Literal["sampled_token"] = "sampled_token"
+    discount: float = Field(0.0, ge=0.0, le=1.0, description="discount over future tokens' advantages")
+    clip_ratio: float | None = Field(0.2, gt=0.0, description="importance-ratio clip; null: none")
+
+    def build(self, vocab_size: int, device_type: str) -> LossFunction:
+        return SampledTokenLossFn(
+            teacher_tau=self.teacher_tau,
+            student_tau=self.student_tau,
+            discount=self.discount,
+            adv_tau=self.adv_tau,
+            clip_ratio=self.clip_ratio,
+            kl_reduction=self.reduction,
+            fused_lm_head=self.fused_lm_head,
+            chunk_size=self.chunk_size,
+            vocab_size=vocab_size,
+        )
+
+    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
+        return TokenLogprobsRequest(vocab_size)
+
+
+class HybridFullVocabLossConfig(_LossSettings, _Taus):
+    """``type: hybrid_full_vocab``: Σ_v q(student_tau·log q − teacher_tau·log p) exactly, plus the task reward."""
+
+    type: Literal["hybrid_full_vocab"] = "hybrid_full_vocab"
+
+    def build(self, vocab_size: int, device_type: str) -> LossFunction:
+        return FullVocabHybridLossFn(
+            teacher_tau=self.teacher_tau,
+            student_tau=self.student_tau,
+            adv_tau=self.adv_tau,
+            kl_reduction=self.reduction,
+            vocab_size=vocab_size,
+        )
+
+    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
+        return FullVocabRequest()
+
+
+def _loss_type(value: Any) -> str:
+    """The variant's tag; a section without ``type`` is the default objective."""
+    if isinstance(value, dict):
+        return str(value.get("type", "full_vocab"))
+    return str(getattr(value, "type", "full_vocab"))
+
+
+LossFnConfig = Annotated[
+    Annotated[FullVocabLossConfig, Tag("full_vocab")]
+    | Annotated[JSDLossConfig, Tag("jsd")]
+    | Annotated[TopKLossConfig, Tag("topk")]
+    | Annotated[SampledTokenLossConfig, Tag("sampled_token")]
+    | Annotated[HybridFullVocabLossConfig, Tag("hybrid_full_vocab")],
+    Discriminator(_loss_type),
+]
+"""``loss_fn:``, one of the variants above, chosen by ``type``."""
+
+LOSS_VARIANTS: dict[str, type[_LossSettings]] = {
+    "full_vocab": FullVocabLossConfig,
+    "jsd": JSDLossConfig,
+    "topk": TopKLossConfig,
+    "sampled_token": SampledTokenLossConfig,
+    "hybrid_full_vocab": HybridFullVocabLossConfig,
+}
+"""Each ``loss_fn.type`` and its keys (used to say where a misplaced key belongs)."""

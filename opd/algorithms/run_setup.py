@@ -1,0 +1,104 @@
+"""Start-up steps that distillation and SFT share: tokenizer, data, run length, resume.
+
+Each algorithm's ``setup()`` calls these in the same order: the tokenizer and the data
+first (a malformed line fails in seconds, before any model loads), then the checkpoint to
+resume from, the models, and the restored optimizer state and counters.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Literal, cast
+
+from opd.algorithms.training_loop import RunSaveState, fresh_save_state, warn_on_config_change
+from opd.data.config import DataConfig
+from opd.data.dataloaders import PreparedExample, prepare_examples
+from opd.data.datasets import load_chat_dataset
+from opd.data.teacher_context import TeacherContext
+from opd.models.interfaces import PolicyInterface
+from opd.models.loading import load_tokenizer
+from opd.utils.checkpoint import CheckpointManager
+from opd.utils.config import StrictConfig
+from opd.utils.errors import ConfigError
+
+log = logging.getLogger("opd")
+
+
+def load_run_tokenizer(path: str, trust_remote_code: bool, data: DataConfig) -> Any:
+    """The run's tokenizer, with ``data.chat_template`` replacing its own template when set."""
+    tokenizer = load_tokenizer(path, trust_remote_code)
+    if data.chat_template:
+        tokenizer.chat_template = data.chat_template
+    return tokenizer
+
+
+def load_examples(
+    data: DataConfig,
+    tokenizer: Any,
+    split: Literal["train", "val"],
+    teacher_context: TeacherContext | None = None,
+    path: str | None = None,
+) -> list[PreparedExample]:
+    """Reads, checks and tokenizes the training or validation data of ``data``.
+
+    Args:
+        data: the ``data`` section.
+        tokenizer: applies the chat template.
+        split: which of the section's datasets.
+        teacher_context: context distillation's teacher-only context, if any.
+        path: a file to read instead of the section's (``opd eval`` on a test split).
+    """
+    source: str | None
+    if split == "train":
+        source, hf_split, limit = data.train_path, data.train_split, data.max_train_examples
+    else:
+        source, hf_split, limit = data.val_path, data.val_split, data.max_val_examples
+    if path is not None:
+        source = path
+    if source is None:
+        raise ConfigError(f"no {split} data: set data.{split}_path")
+    raw = load_chat_dataset(
+        source, split=hf_split, max_examples=limit, data_format=data.data_format, prompt_file=data.prompt_file
+    )
+    return prepare_examples(raw, tokenizer, data.max_prompt_length, source, teacher_context)
+
+
+def plan_run_length(
+    num_examples: int, batch_size: int, num_epochs: int, max_num_steps: int | None, train_path: str
+) -> tuple[int, int]:
+    """``(steps_per_epoch, total_steps)``: whole batches per epoch, cut at ``max_num_steps``.
+
+    Raises:
+        ConfigError: if the batch is larger than the data.
+    """
+    if num_examples < batch_size:
+        raise ConfigError(
+            f"training.batch_size = {batch_size} exceeds the {num_examples} usable examples in '{train_path}'"
+        )
+    steps_per_epoch = num_examples // batch_size
+    total_steps = steps_per_epoch * num_epochs
+    return steps_per_epoch, total_steps if max_num_steps is None else min(total_steps, max_num_steps)
+
+
+def restore_run(
+    resume_from: Path | None,
+    policy: PolicyInterface,
+    checkpointer: CheckpointManager,
+    config: StrictConfig,
+    total_steps: int,
+) -> RunSaveState:
+    """The run's counters: fresh, or those of ``resume_from`` with the optimizer state restored.
+
+    The weights were loaded from the checkpoint already; the RNG streams and the data
+    position are restored by the training loop.
+    """
+    if resume_from is None:
+        return fresh_save_state()
+    warn_on_config_change(resume_from, config)
+    policy.load_state_dict(checkpointer.load_optimizer_state(resume_from))
+    # Counters a checkpoint predates keep their fresh values.
+    save_state = cast(RunSaveState, {**fresh_save_state(), **checkpointer.load_save_state(resume_from)})
+    checkpointer.protected_step = save_state["best_step"]
+    log.info("resuming from %s (step %d of %d)", resume_from, save_state["step"], total_steps)
+    return save_state

@@ -1,0 +1,43 @@
+"""Training batches built from prepared examples, outside any generation engine.
+
+* :func:`build_fixed_data_batch`: the fixed-data branch of a step (and every SFT step):
+  each prompt followed by the dataset's own assistant answer, one row per example;
+* :func:`attach_teacher_prompts`: context distillation gives each row the prompt its
+  teacher sees, whichever branch made the row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.dataloaders import PreparedExample
+from opd.data.sequences import pack_sequences
+
+
+def build_fixed_data_batch(
+    examples: list[PreparedExample], pad_token_id: int, mask_prompt_tokens: bool
+) -> BatchedDataDict:
+    """Prompt + the dataset's assistant turn, one right-padded row per example.
+
+    Raises:
+        ValueError: if an example has no response (checked against the data at start-up).
+    """
+    sequences = []
+    for example in examples:
+        if example["response_ids"] is None:
+            raise ValueError("a fixed-data batch needs every example's response; this one has none")
+        sequences.append(example["prompt_ids"] + example["response_ids"])
+    batch = pack_sequences(
+        sequences, [len(example["prompt_ids"]) for example in examples], pad_token_id, mask_prompt_tokens
+    )
+    batch["response_lengths"] = batch["input_lengths"] - batch["prompt_lengths"]
+    batch["truncated"] = torch.zeros(batch.size, dtype=torch.bool)
+    attach_teacher_prompts(batch, examples, 1)
+    return batch
+
+
+def attach_teacher_prompts(batch: BatchedDataDict, examples: list[PreparedExample], num_samples: int) -> None:
+    """Context distillation: gives each row its example's teacher prompt (samples of one prompt are adjacent)."""
+    if examples and "teacher_prompt_ids" in examples[0]:
+        batch["teacher_prompt_ids"] = [examples[row // num_samples]["teacher_prompt_ids"] for row in range(batch.size)]

@@ -1,0 +1,130 @@
+"""A causal LM's output layer, apart from its decoder: hidden states in, logits out.
+
+Everything that turns a model's final hidden states into token probabilities without
+building the ``[positions × vocab]`` logits at once lives here, for every component that
+needs it: the student's fused loss, the in-process teacher, the teacher server and the
+decode loop.
+
+* :class:`LMHeadInput` pairs hidden states with the head (weight, bias, the real
+  vocabulary size) and makes logits for any slice of positions;
+* :func:`output_head_of` and :func:`final_hidden_states` take them from a Hugging Face
+  causal LM, refusing models whose logits the head alone would not reproduce;
+* :func:`log_softmax_chunks` walks the positions chunk by chunk, and
+  :func:`token_log_probs` picks the log-probability of given tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+ROWS_BUDGET_ELEMENTS = 2**25
+"""Default chunk size in logits elements (``chunk_rows × vocab``): 128 MiB per fp32
+``[chunk × vocab]`` tensor, a few of which are alive while a chunk is processed."""
+
+# Configs that change logits after the head's matmul; the fused path would skip them.
+_LOGIT_TRANSFORM_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+@dataclass
+class LMHeadInput:
+    """Final hidden states and the output layer that turns them into logits.
+
+    Attributes:
+        hidden_states: ``[..., D]`` hidden states after the model's final norm.
+        weight: ``[V, D]`` output-embedding (``lm_head``) weight.
+        bias: ``[V]`` output bias, or None (most LLMs have none).
+        vocab_size: if set, only the first ``vocab_size`` outputs are real tokens (padded
+            output layers); the rest are never computed.
+    """
+
+    hidden_states: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    vocab_size: int | None = None
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias cut to the real vocabulary (views, no copy)."""
+        if self.vocab_size is None:
+            return self.weight, self.bias
+        bias = self.bias[: self.vocab_size] if self.bias is not None else None
+        return self.weight[: self.vocab_size], bias
+
+    def logits(self, rows: slice | None = None) -> torch.Tensor:
+        """The logits of ``hidden_states[rows]`` (all rows if None)."""
+        weight, bias = self.head()
+        hidden = self.hidden_states if rows is None else self.hidden_states[rows]
+        return linear_logits(hidden, weight, bias)
+
+
+def linear_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``hidden · weightᵀ + bias`` in the hidden states' dtype."""
+    return torch.nn.functional.linear(hidden, weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype))
+
+
+def output_head_of(model: PreTrainedModel, model_name: str = "model") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``lm_head`` weight and bias of a Hugging Face causal LM, for the fused path.
+
+    Raises:
+        ValueError: if the model transforms its logits after the head (soft-capping,
+            scaling) or has no plain linear output layer: the fused path would compute a
+            different distribution than the model's own ``forward``.
+    """
+    config = getattr(model, "config", None)
+    for attribute in _LOGIT_TRANSFORM_ATTRIBUTES:
+        value = getattr(config, attribute, None)
+        if value not in (None, 1, 1.0):
+            raise ValueError(
+                f"{model_name} sets config.{attribute} = {value}, which the fused LM-head loss does not apply; "
+                "set loss_fn.fused_lm_head = false"
+            )
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(
+            f"{model_name}'s output layer is {type(head).__name__}, not a linear layer; "
+            "set loss_fn.fused_lm_head = false"
+        )
+    return head.weight, head.bias
+
+
+def final_hidden_states(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The hidden states that a causal LM's ``lm_head`` would read (after the final norm).
+
+    Runs the decoder alone (``model.get_decoder()``), so no logits are computed. Packed
+    sequences pass ``position_ids`` and no attention mask.
+    """
+    return model.get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
+
+
+def default_chunk_rows(vocab_size: int) -> int:
+    """Positions per chunk so that one ``[chunk × vocab]`` fp32 tensor is 128 MiB."""
+    return max(1, math.ceil(ROWS_BUDGET_ELEMENTS / max(vocab_size, 1)))
+
+
+def log_softmax_chunks(head: LMHeadInput, temperature: float = 1.0) -> Iterator[tuple[torch.Tensor, slice]]:
+    """Yields ``(log_softmax(logits / temperature) [C, V] float32, rows)`` over the positions.
+
+    ``head.hidden_states`` is ``[N, D]``; each chunk holds at most 128 MiB of logits, so
+    the ``[N, V]`` log-probabilities never exist at once. No gradient is recorded.
+    """
+    rows_per_chunk = default_chunk_rows(head.head()[0].shape[0])
+    with torch.no_grad():
+        for begin in range(0, head.hidden_states.shape[0], rows_per_chunk):
+            rows = slice(begin, begin + rows_per_chunk)
+            yield torch.log_softmax(head.logits(rows).float() / temperature, dim=-1), rows
+
+
+def token_log_probs(log_probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``log_probs[..., token_ids]`` per position: ``[..., V]`` and ``[...]`` ids give ``[...]``."""
+    return log_probs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
