@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from opd.algorithms.loss_config import (
     HybridFullVocabLossConfig,
     SampledTokenLossConfig,
 )
-from opd.algorithms.run_setup import load_examples, load_run_tokenizer, plan_run_length, restore_run
+from opd.algorithms.run_setup import DriverArguments, load_examples, load_run_tokenizer, plan_run_length, restore_run
 from opd.algorithms.training_loop import RunSaveState, check_output_is_fresh, find_resume_checkpoint
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
 from opd.models.generation.hf_generation import HFGeneration
@@ -61,7 +61,7 @@ SELF_DISTILLATION_TEACHER = "student"
 
 
 @dataclass
-class DistillationComponents:
+class DistillationComponents(DriverArguments):
     """Everything :func:`~opd.algorithms.distillation.distillation_train` runs with.
 
     Attributes:
@@ -92,10 +92,6 @@ class DistillationComponents:
     checkpointer: CheckpointManager
     distillation_save_state: RunSaveState
     master_config: MasterConfig
-
-    def as_arguments(self) -> dict[str, Any]:
-        """The fields as keyword arguments of ``distillation_train``."""
-        return {field.name: getattr(self, field.name) for field in fields(self)}
 
     def close(self) -> None:
         """Frees what the engines and the teacher hold (a vLLM engine, a teacher's connections)."""

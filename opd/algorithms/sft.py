@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.loss_functions import NLLLossFn
-from opd.algorithms.run_setup import load_examples, load_run_tokenizer, plan_run_length, restore_run
+from opd.algorithms.run_setup import DriverArguments, load_examples, load_run_tokenizer, plan_run_length, restore_run
 from opd.algorithms.training_loop import (
     RunConfig,
     RunSaveState,
@@ -79,7 +79,7 @@ SFTSaveState = RunSaveState
 
 
 @dataclass
-class SFTComponents:
+class SFTComponents(DriverArguments):
     """Everything :func:`sft_train` runs with (its fields are its arguments)."""
 
     policy: PolicyInterface
@@ -92,10 +92,6 @@ class SFTComponents:
     checkpointer: CheckpointManager
     sft_save_state: SFTSaveState
     master_config: SFTMasterConfig
-
-    def as_arguments(self) -> dict[str, Any]:
-        """The fields as keyword arguments of ``sft_train``."""
-        return {field.name: getattr(self, field.name) for field in fields(self)}
 
 
 def setup(master_config: SFTMasterConfig) -> SFTComponents:
