@@ -300,3 +300,23 @@ def test_template_documents_every_loss_type_and_its_keys():
         assert f"#   {loss_type}" in section, loss_type
         for key in variant.model_fields:
             assert key in section, (loss_type, key)
+
+
+SPECIFICATION_KEYS = {
+    "distillation": ["lambda"],
+    "loss_fn": ["kl_type"],
+    "distillation.generate_strategy": ["max_length", "temperature", "decoding_method"],
+    "training": ["batch_size", "learning_rate", "num_epochs", "gradient_accumulation_steps", "weight_decay",
+                 "val_freq"],
+    "model": ["teacher_model_path", "student_model_path"],
+}
+
+
+def test_template_keeps_the_specification_key_names():
+    """The specification's own key names stay spelled as it spells them, as live YAML keys of the template."""
+    tree = yaml.safe_load((REPO_ROOT / "examples" / "configs" / "distillation.yaml").read_text())
+    for section, keys in SPECIFICATION_KEYS.items():
+        node = tree
+        for part in section.split("."):
+            node = node[part]
+        assert set(keys) <= set(node), (section, set(keys) - set(node))
