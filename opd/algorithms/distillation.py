@@ -246,11 +246,13 @@ def distillation_train(
 
     def baselines() -> None:
         """Once, on a fresh run: the teacher's answers (with its context, if any) and the eval baseline."""
-        if val_dataloader is not None and teacher_generation is not None:
+        if val_dataloader is None or teacher_generation is None:
+            return
+        if config.validation.eval_baseline:  # the student answers too: from its current weights
             refresh_generation()
-            metrics = validation_baselines(student_generation, teacher_generation, val_dataloader, tokenizer, config)
-            if metrics:
-                logger.log_metrics(metrics, 0, console_keys=list(metrics))
+        metrics = validation_baselines(student_generation, teacher_generation, val_dataloader, tokenizer, config)
+        if metrics:
+            logger.log_metrics(metrics, 0, console_keys=list(metrics))
 
     run_training_loop(
         policy=student_policy,
