@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,7 +70,7 @@ class DistillationStepState:
     """What one step hands the next: the λ coin and whether the engine's weights are stale."""
 
     lambda_coin: random.Random
-    generation_is_stale: bool = field(default=False)
+    generation_is_stale: bool = False
 
 
 def distillation_step(
