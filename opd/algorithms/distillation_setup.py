@@ -36,6 +36,7 @@ from opd.algorithms.run_setup import DriverArguments, load_examples, load_run_to
 from opd.algorithms.training_loop import RunSaveState, check_output_is_fresh, find_resume_checkpoint
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
 from opd.models.generation.hf_generation import HFGeneration
+from opd.models.generation.stop_tokens import check_stop_tokens, describe_tokens, stop_token_ids
 from opd.models.interfaces import GenerationInterface, LossFunction, PolicyInterface, TeacherInterface
 from opd.models.lm_head import output_head_of
 from opd.models.loading import (
@@ -47,6 +48,7 @@ from opd.models.loading import (
     resolve_dtype,
 )
 from opd.models.policy.hf_policy import HFPolicy
+from opd.models.policy.lora import import_peft
 from opd.models.teacher.context_teacher import ContextTeacher
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.remote_teacher import RemoteTeacher
@@ -58,6 +60,8 @@ log = logging.getLogger("opd")
 
 SELF_DISTILLATION_TEACHER = "student"
 """``model.teacher_model_path: student``: the teacher is a frozen copy of the student's initial weights."""
+# Training prompts on which the teacher's probability of the student's stop tokens is probed.
+STOP_TOKEN_PROBE_PROMPTS = 8
 
 
 @dataclass
@@ -111,9 +115,11 @@ def check_environment(config: MasterConfig) -> None:
 
     Raises:
         ConfigError: vLLM asked for but not importable, ``compile_kernels`` /
-            ``compile_decode`` set to true without a compiler toolchain, or an API key
-            variable that is unset.
+            ``compile_decode`` set to true without a compiler toolchain, an API key
+            variable that is unset, or ``model.lora`` without peft.
     """
+    if config.model.active_lora() is not None:
+        import_peft()
     device_type = resolve_device(config.model.device).type
     if isinstance(config.loss_fn, FullVocabKernelSettings):
         resolve_compile_kernels(config.loss_fn.compile_kernels, device_type)
@@ -264,14 +270,47 @@ def build_generation(config: MasterConfig, model: PreTrainedModel, tokenizer: An
         # Imported here: vLLM is optional and slow to import.
         from opd.models.generation.vllm_generation import VllmGeneration
 
-        return VllmGeneration(model, tokenizer, config.generation.vllm, config.training.seed)
+        return VllmGeneration(
+            model, tokenizer, config.generation.vllm, config.training.seed, config.generation.stop_token_ids
+        )
     device_type = next(model.parameters()).device.type
     return HFGeneration(
         model,
         tokenizer,
         config.generation.decode_loop,
         resolve_compile_kernels(config.generation.compile_decode, device_type, "generation.compile_decode"),
+        config.generation.stop_token_ids,
     )
+
+
+def report_stop_tokens(
+    config: MasterConfig,
+    tokenizer: Any,
+    student_model: PreTrainedModel,
+    teacher_model: PreTrainedModel | None,
+    train_examples: list[PreparedExample],
+) -> tuple[int, ...]:
+    """Logs the student's stop tokens and checks them against the teacher's (see :func:`check_stop_tokens`).
+
+    Returns:
+        The ids that end the student's responses.
+
+    Raises:
+        ModelCompatibilityError: the student stops at a token the teacher never emits.
+    """
+    configured = config.generation.stop_token_ids
+    student_stops = tuple(sorted(configured)) if configured else stop_token_ids(tokenizer, student_model)
+    log.info("responses end at %s", describe_tokens(tokenizer, student_stops))
+    warning = check_stop_tokens(
+        tokenizer,
+        student_stops,
+        None if teacher_model is None else stop_token_ids(tokenizer, teacher_model),
+        teacher_model,
+        [example["prompt_ids"] for example in train_examples[:STOP_TOKEN_PROBE_PROMPTS]],
+    )
+    if warning:
+        log.warning(warning)
+    return student_stops
 
 
 def setup(master_config: MasterConfig) -> DistillationComponents:
@@ -303,11 +342,17 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     val_examples = load_examples(config.data, tokenizer, "val", context) if config.data.val_path else None
 
     resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)
-    student_path = str(resume_from / "policy") if resume_from else config.model.student_model_path
+    lora = config.model.active_lora()
+    # A LoRA run resumes from the base model plus the checkpoint's adapter (restored with
+    # the optimizer): the checkpoint's policy/ holds merged weights.
+    student_path = (
+        str(resume_from / "policy") if resume_from is not None and lora is None else config.model.student_model_path
+    )
     # A served teacher is checked before the student loads: an unreachable or mismatched
     # server fails in seconds.
     remote_teacher = connect_remote_teacher(config, tokenizer) if config.teacher.backend == "remote" else None
     student_model, teacher_model = load_models(config, tokenizer, student_path)
+    report_stop_tokens(config, tokenizer, student_model, teacher_model, train_examples)
     teacher: TeacherInterface | None = LocalTeacher(teacher_model) if teacher_model is not None else remote_teacher
     if teacher is None:
         raise ConfigError("no teacher: set model.teacher_model_path or teacher.backend = remote")
@@ -315,6 +360,10 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
         None if teacher_model is None else HFGeneration(teacher_model, tokenizer, config.generation.decode_loop)
     )
 
+    # Built before HFPolicy injects LoRA adapters into student_model: vLLM's first load
+    # wants the plain model's names (every rollout is preceded by a refit with the merged
+    # weights); the HF engine shares the module and so samples with the current adapter.
+    student_generation = build_generation(config, student_model, tokenizer)
     student_policy = HFPolicy(
         student_model,
         config.training,
@@ -322,6 +371,7 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
         total_steps,
         config.training.micro_batch_tokens,
         config.training.sequence_packing,
+        lora,
     )
     save_state = restore_run(resume_from, student_policy, checkpointer, config, total_steps)
     logger = Logger(config.logger, total_steps)
@@ -338,7 +388,7 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     return DistillationComponents(
         student_policy=student_policy,
         teacher_policy=build_teacher(config, tokenizer, teacher),
-        student_generation=build_generation(config, student_model, tokenizer),
+        student_generation=student_generation,
         teacher_generation=teacher_generation,
         dataloader=make_train_dataloader(
             train_examples, config.training.batch_size, config.data.shuffle, config.training.seed

@@ -4,6 +4,7 @@
   the sampler's log-probs agree;
 * after a training step the engine is stale; after ``refit`` its greedy rollouts equal
   the updated HF student's again (tied embeddings included);
+* every stop id (not only the tokenizer's EOS) ends a response, as in the HF backend;
 * sampled tokens carry the log-prob of the processed distribution (temperature, top-k,
   top-p), checked against a float64 reference; seeds come from torch's generator;
 * a prompt too long for the engine, and a second engine in the process, are refused.
@@ -87,6 +88,26 @@ def assert_same_rollouts(vllm_batch: BatchedDataDict, hf_batch: BatchedDataDict)
     if "generation_logprobs" in hf_batch:
         torch.testing.assert_close(vllm_batch["generation_logprobs"], hf_batch["generation_logprobs"],
                                    atol=1e-4, rtol=0)
+
+
+def test_every_stop_id_ends_a_response_as_in_the_hf_backend(engine, student, tokenizer, prompts):
+    """A second stop id (as a model's generation config lists several) ends vLLM's rollouts where HF's end."""
+    unstopped = HFGeneration(student, tokenizer, stop_ids=[]).generate(prompts, greedy(40))
+    # A token the first rollout emits at its fourth position becomes the second stop id.
+    second = int(unstopped["input_ids"][0, int(unstopped["prompt_lengths"][0]) + 3])
+    stops = (tokenizer.eos_token_id, second)
+    hf_batch = HFGeneration(student, tokenizer, stop_ids=stops).generate(prompts, greedy(40))
+    saved = engine.stop_ids
+    engine.stop_ids = stops
+    try:
+        vllm_batch = engine.generate(prompts, greedy(40))
+    finally:
+        engine.stop_ids = saved
+    assert_same_rollouts(vllm_batch, hf_batch)
+    assert int(vllm_batch["response_lengths"][0]) <= 4 and not bool(vllm_batch["truncated"][0])
+    for row in range(vllm_batch.size):
+        last = int(vllm_batch["input_ids"][row, int(vllm_batch["input_lengths"][row]) - 1])
+        assert (last in stops) == (not vllm_batch["truncated"][row])
 
 
 def test_greedy_rollouts_equal_the_hf_backend(engine, student, tokenizer, prompts):

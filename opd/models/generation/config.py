@@ -84,4 +84,9 @@ class GenerationConfig(StrictConfig):
         description="hf backend, opd loop: torch.compile the one-token decode step (auto = where a compiler "
         "toolchain exists); costs a few seconds of compilation per run, pays off over many steps",
     )
+    stop_token_ids: list[int] | None = Field(
+        None,
+        description="token ids that end a response; null = the tokenizer's EOS plus every id in the student's "
+        "generation_config.eos_token_id",
+    )
     vllm: VllmGenerationConfig = Field(default_factory=VllmGenerationConfig, description="used when backend = vllm")

@@ -1,10 +1,10 @@
 """opd's KV-cache decode loop for an in-process Hugging Face causal LM.
 
 It does what ``model.generate`` does for the one case the student needs (sampling or
-greedy, one sequence per row, stop at EOS or ``max_new_tokens``) and two things it does
+greedy, one sequence per row, stop at any stop token or after ``max_new_tokens``) and two things it does
 not:
 
-* **finished rows leave the batch.** When a row emits EOS its cache entries are dropped
+* **finished rows leave the batch.** When a row emits a stop token its cache entries are dropped
   (``Cache.batch_select_indices``) and later forward passes run on the remaining rows
   only; ``generate`` keeps computing every row until all have finished.
 * **a cheap draw.** Tokens are drawn by an exact inverse-CDF lookup
@@ -27,7 +27,7 @@ vary from batch to batch, one-token steps do not.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,6 +36,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.sampling import next_tokens
+from opd.models.generation.stop_tokens import is_stop
 from opd.models.lm_head import output_head_of
 
 
@@ -44,7 +45,7 @@ def decode(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     strategy: GenerateStrategyConfig,
-    eos_token_id: int,
+    stop_token_ids: Sequence[int],
     pad_token_id: int,
     return_logprobs: bool,
     step_forward: Callable[..., Any] | None = None,
@@ -58,15 +59,15 @@ def decode(
         input_ids: ``[B, P]`` left-padded prompts (on the model's device).
         attention_mask: ``[B, P]`` 1 for prompt tokens, 0 for the left padding.
         strategy: decoding method, temperature, top-k / top-p and the new-token budget.
-        eos_token_id: the token that ends a response (it is kept in the output).
-        pad_token_id: fills a row's positions after its EOS.
+        stop_token_ids: the tokens that end a response (the one emitted is kept in the output).
+        pad_token_id: fills a row's positions after its stop token.
         return_logprobs: also return each token's log-prob under the sampling distribution.
         step_forward: runs the one-token steps instead of ``model`` (the compiled forward
             from :func:`compile_decode_step`); ``None`` calls ``model``.
 
     Returns:
         ``([B, T] new tokens, [B, T] float32 log-probs or None)`` where ``T`` is the number
-        of decoding steps run (the longest response). Positions after a row's EOS hold
+        of decoding steps run (the longest response). Positions after a row's stop token hold
         ``pad_token_id`` and log-prob 0.
     """
     rows = input_ids.shape[0]
@@ -74,6 +75,7 @@ def decode(
     budget = strategy.max_length
     tokens = torch.full((rows, budget), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((rows, budget), dtype=torch.float32, device=device) if return_logprobs else None
+    stops = torch.tensor(list(stop_token_ids), dtype=torch.long, device=device)
 
     cache = DynamicCache(config=model.config)
     # As generate: position = number of real tokens before it; padding gets position 0.
@@ -99,7 +101,7 @@ def decode(
         if logprobs is not None and chosen_logprobs is not None:
             logprobs[active, step] = chosen_logprobs
         steps_run = step + 1
-        still_running = chosen != eos_token_id
+        still_running = ~is_stop(chosen, stops)
         if step == budget - 1 or not bool(still_running.any()):
             break
         if not bool(still_running.all()):

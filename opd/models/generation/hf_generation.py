@@ -12,6 +12,7 @@ top-k / top-p), i.e. the distribution the token was actually drawn from.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -21,6 +22,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.decode_loop import compile_decode_step, decode
 from opd.models.generation.rollout_batch import build_rollout_batch
+from opd.models.generation.stop_tokens import is_stop, stop_token_ids
 from opd.models.interfaces import GenerationInterface
 from opd.models.lm_head import token_log_probs
 
@@ -45,14 +47,21 @@ class HFGeneration(GenerationInterface):
 
     Args:
         model: the causal LM to sample from (the student itself).
-        tokenizer: supplies the pad and EOS ids.
+        tokenizer: supplies the pad id and, with the model's generation config, the stop ids.
         decode_loop: ``opd`` (opd's KV-cache loop) or ``generate`` (``model.generate``).
         compile_decode: run the opd loop's one-token steps through ``torch.compile``
             (compiled on first use; ignored by the ``generate`` loop).
+        stop_ids: the tokens that end a response; None = the tokenizer's EOS plus every
+            EOS id in ``model.generation_config`` (:func:`~opd.models.generation.stop_tokens.stop_token_ids`).
     """
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: Any, decode_loop: str = "opd", compile_decode: bool = False
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        decode_loop: str = "opd",
+        compile_decode: bool = False,
+        stop_ids: Sequence[int] | None = None,
     ) -> None:
         if decode_loop not in ("opd", "generate"):
             raise ValueError(f"decode_loop must be 'opd' or 'generate', got {decode_loop!r}")
@@ -60,7 +69,7 @@ class HFGeneration(GenerationInterface):
         self.decode_loop = decode_loop
         self.step_forward = compile_decode_step(model) if compile_decode and decode_loop == "opd" else None
         self.pad_token_id = tokenizer.pad_token_id
-        self.eos_token_id = tokenizer.eos_token_id
+        self.stop_ids = tuple(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
         self._was_training = False
 
     def prepare_for_generation(self) -> None:
@@ -116,7 +125,7 @@ class HFGeneration(GenerationInterface):
                 left_padded.to(device),
                 attention.to(device),
                 strategy,
-                self.eos_token_id,
+                self.stop_ids,
                 self.pad_token_id,
                 return_logprobs,
                 self.step_forward,
@@ -128,7 +137,7 @@ class HFGeneration(GenerationInterface):
             input_ids=left_padded.to(device),
             attention_mask=attention.to(device),
             max_new_tokens=strategy.max_length,
-            eos_token_id=self.eos_token_id,
+            eos_token_id=list(self.stop_ids),
             pad_token_id=self.pad_token_id,
             use_cache=True,
             output_scores=return_logprobs,
@@ -152,20 +161,20 @@ class HFGeneration(GenerationInterface):
     def _right_pad(
         self, prompts: list[list[int]], new_tokens: torch.Tensor, new_token_logprobs: torch.Tensor | None
     ) -> BatchedDataDict:
-        """Cuts each row after its first EOS and lays the rows out as ``[prompt | response | pad]``."""
-        is_eos = new_tokens == self.eos_token_id
-        has_eos = is_eos.any(dim=1)
-        # Response = tokens up to and including the first EOS (all of them if none).
-        first_eos = torch.where(
-            has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, new_tokens.shape[1] - 1, dtype=torch.long)
+        """Cuts each row after its first stop token and lays the rows out as ``[prompt | response | pad]``."""
+        stops = is_stop(new_tokens, torch.tensor(self.stop_ids, dtype=torch.long))
+        has_stop = stops.any(dim=1)
+        # Response = tokens up to and including the first stop token (all of them if none).
+        first_stop = torch.where(
+            has_stop, stops.int().argmax(dim=1), torch.full_like(has_stop, new_tokens.shape[1] - 1, dtype=torch.long)
         )
-        response_lengths = (first_eos + 1).tolist()
+        response_lengths = (first_stop + 1).tolist()
         return build_rollout_batch(
             prompts,
             [new_tokens[row, :length] for row, length in enumerate(response_lengths)],
             None
             if new_token_logprobs is None
             else [new_token_logprobs[row, :length] for row, length in enumerate(response_lengths)],
-            ~has_eos,
+            ~has_stop,
             self.pad_token_id,
         )

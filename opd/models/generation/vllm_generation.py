@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from transformers import PreTrainedModel
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig, VllmGenerationConfig
 from opd.models.generation.rollout_batch import build_rollout_batch
+from opd.models.generation.stop_tokens import ends_with_stop, stop_token_ids
 from opd.models.interfaces import GenerationInterface, PolicyInterface
 from opd.utils.errors import ConfigError
 
@@ -122,9 +124,11 @@ class VllmGeneration(GenerationInterface):
 
     Args:
         model: the student (its config builds the engine; its weights are copied in).
-        tokenizer: supplies the pad and EOS ids (the engine itself works on token ids only).
+        tokenizer: supplies the pad id and the EOS (the engine itself works on token ids only).
         config: ``generation.vllm``.
         seed: the engine's base seed (``training.seed``).
+        stop_ids: the tokens that end a response; None = the tokenizer's EOS plus every
+            EOS id in ``model.generation_config`` (as the HF backend).
     """
 
     needs_refit = True
@@ -132,7 +136,14 @@ class VllmGeneration(GenerationInterface):
     """The engine open in this process: vLLM keeps its parallel state in process globals,
     so a second in-process engine would share, and on close tear down, the first one's."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: Any, config: VllmGenerationConfig, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        config: VllmGenerationConfig,
+        seed: int = 0,
+        stop_ids: Sequence[int] | None = None,
+    ) -> None:
         if VllmGeneration._open_engine is not None:
             raise RuntimeError("a colocated vLLM engine is already open in this process; close() it first")
         device_type = next(model.parameters()).device.type
@@ -140,7 +151,7 @@ class VllmGeneration(GenerationInterface):
         vllm = import_vllm()
         self._sampling_params_class = vllm.SamplingParams
         self.pad_token_id = tokenizer.pad_token_id
-        self.eos_token_id = tokenizer.eos_token_id
+        self.stop_ids = tuple(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
         self.tied_embeddings = bool(getattr(model.config, "tie_word_embeddings", False))
         on_gpu = device_type == "cuda"
         self.sleep_enabled = on_gpu if config.enable_sleep_mode == "auto" else bool(config.enable_sleep_mode)
@@ -255,7 +266,7 @@ class VllmGeneration(GenerationInterface):
         params = [
             self._sampling_params_class(
                 max_tokens=strategy.max_length,
-                stop_token_ids=[self.eos_token_id],
+                stop_token_ids=list(self.stop_ids),
                 ignore_eos=False,
                 skip_special_tokens=False,
                 detokenize=False,
@@ -271,7 +282,7 @@ class VllmGeneration(GenerationInterface):
             completion = output.outputs[0]
             token_ids = list(completion.token_ids)
             responses.append(token_ids)
-            truncated.append(not token_ids or token_ids[-1] != self.eos_token_id)
+            truncated.append(not ends_with_stop(token_ids, self.stop_ids))
             if return_logprobs:
                 # Each entry maps the sampled token to its log-prob (logprobs=0: no extra candidates).
                 logprobs.append([entry[token].logprob for token, entry in zip(token_ids, completion.logprobs)])

@@ -180,7 +180,7 @@ def test_greedy_equals_generate_when_rows_end_at_different_steps(tokenizer, equa
     eos = staggered_eos(model, tokenizer, ids, strategy)
     ours = HFGeneration(model, tokenizer, "opd")
     theirs = HFGeneration(model, tokenizer, "generate")
-    ours.eos_token_id = theirs.eos_token_id = eos
+    ours.stop_ids = theirs.stop_ids = (eos,)
     a, b = ours.generate(ids, strategy), theirs.generate(ids, strategy)
     for key in ("input_ids", "input_lengths", "response_lengths", "truncated"):
         assert torch.equal(a[key], b[key]), key
@@ -206,7 +206,7 @@ def test_finished_rows_are_no_longer_fed_to_the_model(tokenizer):
             left[row, width - len(prompt):] = torch.tensor(prompt)
             mask[row, width - len(prompt):] = 1
         with torch.inference_mode():
-            tokens, _ = decode(model, left, mask, strategy, eos, tokenizer.pad_token_id, return_logprobs=False)
+            tokens, _ = decode(model, left, mask, strategy, [eos], tokenizer.pad_token_id, return_logprobs=False)
     finally:
         hook.remove()
     # Forward k (k ≥ 1) computes step k's logits: it must hold exactly the rows that have
@@ -237,7 +237,7 @@ def test_compiled_step_equals_eager_and_follows_in_place_weight_updates(tokenize
     eager = HFGeneration(model, tokenizer, "opd")
     compiled = HFGeneration(model, tokenizer, "opd", compile_decode=True)
     assert compiled.step_forward is not None
-    eager.eos_token_id = compiled.eos_token_id = eos
+    eager.stop_ids = compiled.stop_ids = (eos,)
     generated = []
     for update in range(2):
         if update:

@@ -64,7 +64,7 @@ def test_batch_stops_when_every_sequence_has_ended(decode_loop):
         ids = ids[:1]
         third_tokens = {int(probe["input_ids"][0, int(probe["prompt_lengths"][0]) + 2])}
     generation = HFGeneration(model, tokenizer, decode_loop)
-    generation.eos_token_id = third_tokens.pop()
+    generation.stop_ids = (third_tokens.pop(),)
     recorder = ForwardRecorder(model)
     batch = generation.generate(ids, GREEDY, 1)
     assert int(batch["response_lengths"].max()) <= 3
