@@ -33,7 +33,7 @@ from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.training_loop import RunSaveState, run_training_loop
 from opd.algorithms.validation import validate
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.data.batches import attach_teacher_prompts, build_fixed_data_batch
+from opd.data.batches import attach_teacher_prompts, build_fixed_data_batch, unique_responses_per_prompt
 from opd.data.dataloaders import PreparedExample
 from opd.data.sequences import build_token_mask
 from opd.environments.math_verifier import grade_responses
@@ -110,19 +110,26 @@ def distillation_step(
         with timer.time("training"):
             train_metrics = student_policy.train(batch, loss_fn, teacher_signal if request is not None else None)
         state.generation_is_stale = student_generation.needs_refit
-    return step_metrics(train_metrics, batch, on_policy, timer.pop())
+    return step_metrics(train_metrics, batch, on_policy, timer.pop(), config.distillation.num_samples_per_prompt)
 
 
 def step_metrics(
-    train_metrics: dict[str, float], batch: BatchedDataDict, on_policy: bool, seconds: dict[str, float]
+    train_metrics: dict[str, float],
+    batch: BatchedDataDict,
+    on_policy: bool,
+    seconds: dict[str, float],
+    samples_per_prompt: int = 1,
 ) -> dict[str, Any]:
     """A step's logged metrics: the trainer's (``train/*``), the batch's, and each phase's time.
 
     ``timing/training`` excludes the teacher, which is scored inside the trainer's
-    micro-batch loop and reported as ``timing/teacher``.
+    micro-batch loop and reported as ``timing/teacher``. On-policy steps also log
+    ``train/unique_responses_per_prompt`` (out of ``samples_per_prompt``).
     """
     metrics: dict[str, Any] = {f"train/{key}": value for key, value in train_metrics.items()}
     metrics["train/on_policy"] = int(on_policy)
+    if on_policy:
+        metrics["train/unique_responses_per_prompt"] = unique_responses_per_prompt(batch, samples_per_prompt)
     if "task_reward" in batch:
         metrics["train/task_reward"] = float(batch["task_reward"].mean())
     metrics["train/mean_response_length"] = float(batch["response_lengths"].float().mean())

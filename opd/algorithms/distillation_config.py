@@ -70,6 +70,17 @@ class DistillationConfig(StrictConfig):
     )
     teacher_context_separator: str = Field("\n\n", description="between the context and the text after it")
 
+    @model_validator(mode="after")
+    def _check_samples_can_differ(self) -> DistillationConfig:
+        """Greedy decoding makes every sample of a prompt the same: n copies cost n times and teach nothing new."""
+        if self.num_samples_per_prompt > 1 and self.generate_strategy.decoding_method == "greedy":
+            raise ValueError(
+                f"distillation.num_samples_per_prompt = {self.num_samples_per_prompt} with "
+                "distillation.generate_strategy.decoding_method = greedy gives identical copies of each response; "
+                "sample instead (decoding_method: top_k or top_p) or set num_samples_per_prompt = 1"
+            )
+        return self
+
     def teacher_context_spec(self) -> TeacherContext | None:
         """The teacher-only context these keys describe, or None without one."""
         if self.teacher_context is None and self.teacher_context_key is None:

@@ -3,7 +3,9 @@
 * :func:`build_fixed_data_batch`: the fixed-data branch of a step (and every SFT step):
   each prompt followed by the dataset's own assistant answer, one row per example;
 * :func:`attach_teacher_prompts`: context distillation gives each row the prompt its
-  teacher sees, whichever branch made the row.
+  teacher sees, whichever branch made the row;
+* :func:`unique_responses_per_prompt`: how many of a prompt's samples differ (greedy
+  samples, or a temperature too low, make copies that cost compute and teach nothing new).
 """
 
 from __future__ import annotations
@@ -41,3 +43,17 @@ def attach_teacher_prompts(batch: BatchedDataDict, examples: list[PreparedExampl
     """Context distillation: gives each row its example's teacher prompt (samples of one prompt are adjacent)."""
     if examples and "teacher_prompt_ids" in examples[0]:
         batch["teacher_prompt_ids"] = [examples[row // num_samples]["teacher_prompt_ids"] for row in range(batch.size)]
+
+
+def unique_responses_per_prompt(batch: BatchedDataDict, samples_per_prompt: int) -> float:
+    """The mean number of distinct responses among each prompt's ``samples_per_prompt`` adjacent rows.
+
+    Two responses are the same when their token ids are; 1.0 means every prompt's samples
+    were copies of one another, ``samples_per_prompt`` that they all differ.
+    """
+    responses = [
+        tuple(batch["input_ids"][row, int(batch["prompt_lengths"][row]) : int(batch["input_lengths"][row])].tolist())
+        for row in range(batch.size)
+    ]
+    groups = [responses[start : start + samples_per_prompt] for start in range(0, len(responses), samples_per_prompt)]
+    return sum(len(set(group)) for group in groups) / max(len(groups), 1)

@@ -695,7 +695,7 @@ def batching_config(batch_size: int, samples: int, micro: int | None, accumulati
         {
             "model": {"teacher_model_path": "tiny:teacher", "student_model_path": "tiny:student"},
             "data": {"train_path": "unused.jsonl"},
-            "distillation": {"num_samples_per_prompt": samples},
+            "distillation": {"num_samples_per_prompt": samples, "generate_strategy": {"decoding_method": "top_p"}},
             "training": {
                 "batch_size": batch_size,
                 "micro_batch_size": micro,
