@@ -41,6 +41,8 @@ from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from opd.utils.config import StrictConfig, config_to_yaml
 from opd.utils.errors import ConfigError, TrainingDivergedError
 from opd.utils.logger import Logger, flatten_dict
+from opd.utils.model_card import CARD_FILENAME, last_validation, render_model_card
+from opd.utils.plotting import read_metrics
 from opd.utils.rng import capture_rng_state, restore_rng_state
 from opd.utils.signals import GracefulStop
 
@@ -198,6 +200,7 @@ class _TrainingRun:
         self.total_steps = logger.total_steps
         self.time_budget = config.training.max_train_time_s
         self.final_dir = Path(config.output_dir) / "final_model"
+        self.last_validation: tuple[int, dict[str, float]] | None = None
 
     def is_complete(self) -> bool:
         """Whether the run already took all its steps (or ran out of its time budget)."""
@@ -208,7 +211,9 @@ class _TrainingRun:
     def finish_complete_run(self) -> None:
         """A rerun of a finished run: writes the final model if a kill came between it and the last checkpoint."""
         if not (self.final_dir / "config.json").is_file():
-            write_final_model(self.policy, self.tokenizer, self.final_dir)
+            if self.logger.metrics_path.is_file():
+                self.last_validation = last_validation(read_metrics(self.logger.metrics_path))
+            write_final_model(self.policy, self.tokenizer, self.final_dir, self._model_card())
             log.info("the run was complete; final model written to %s from the last checkpoint", self.final_dir)
         else:
             log.info("the run is already complete (step %d of %d); nothing to do", self.state["step"], self.total_steps)
@@ -269,7 +274,13 @@ class _TrainingRun:
         metrics = self.validate_fn()
         metrics["timing/validation"] = time.perf_counter() - start
         self._track_best(metrics, step)
+        self.last_validation = (step, {key: value for key, value in metrics.items() if key.startswith("val/")})
         self.logger.log_metrics(metrics, step, console_keys=[key for key in metrics if key.startswith("val/")])
+
+    def _model_card(self) -> str:
+        """``final_model/README.md`` for this run (see :mod:`opd.utils.model_card`)."""
+        config = self.config.model_dump(mode="json", by_alias=True)
+        return render_model_card(config, self.state["step"], self.last_validation)
 
     def _track_best(self, metrics: dict[str, float], step: int) -> None:
         checkpointing = self.config.checkpointing
@@ -318,7 +329,7 @@ class _TrainingRun:
             self.validate(self.state["step"])
         if self.config.checkpointing.enabled:
             self.save(self.state["step"])
-        write_final_model(self.policy, self.tokenizer, self.final_dir)
+        write_final_model(self.policy, self.tokenizer, self.final_dir, self._model_card())
         log.info("final model written to %s", self.final_dir)
         self.logger.close()
 
@@ -375,15 +386,18 @@ def warn_on_config_change(checkpoint: Path, config: BaseModel) -> None:
         )
 
 
-def write_final_model(policy: PolicyInterface, tokenizer: Any, final_dir: Path) -> None:
+def write_final_model(policy: PolicyInterface, tokenizer: Any, final_dir: Path, model_card: str | None = None) -> None:
     """Writes the model as an HF model directory, atomically (temporary dir, then rename).
 
     A kill mid-write leaves the previous ``final_model/`` (or none), never a partial one.
+    ``model_card``, when given, is written as the directory's ``README.md``.
     """
     staging = final_dir.with_name(f".tmp_{final_dir.name}")
     if staging.exists():
         shutil.rmtree(staging)
     policy.save_pretrained(str(staging), tokenizer=tokenizer)
+    if model_card is not None:
+        (staging / CARD_FILENAME).write_text(model_card, encoding="utf-8")
     if final_dir.exists():
         retired = final_dir.with_name(f".old_{final_dir.name}")
         if retired.exists():
