@@ -3,6 +3,8 @@
 * ``opd train --config FILE [key.sub=value ...]`` — distil (resumes if checkpoints exist);
 * ``opd eval --config FILE [key.sub=value ...]`` — validate one model and exit;
 * ``opd sft --config FILE [key.sub=value ...]`` — supervised fine-tuning (resumes too);
+* ``opd generate --config FILE [key.sub=value ...]`` — one model's (the teacher's) answers to
+  the training prompts, as chat-format fixed data (resumes too; :mod:`opd.algorithms.generate_data`);
 * ``opd plot LOG_DIR`` — redraw the curves and summary from a run's ``metrics.jsonl``;
 * ``opd serve-teacher --model DIR [--port N ...]`` — serve a teacher's prompt log-probs
   over HTTP for ``teacher.backend: remote`` (:mod:`opd.models.teacher.server`).
@@ -45,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(evaluate)
     sft = commands.add_parser("sft", help="supervised fine-tuning on the dataset's assistant answers")
     _add_config_arguments(sft)
+    generate = commands.add_parser("generate", help="write a model's answers to the prompts as fixed data (JSONL)")
+    _add_config_arguments(generate)
     plot = commands.add_parser("plot", help="draw curves.png and summary.txt from a run's metrics.jsonl")
     plot.add_argument("arguments", nargs=argparse.REMAINDER, help="LOG_DIR_OR_JSONL [--output PNG]")
     serve = commands.add_parser(
@@ -101,6 +105,16 @@ def run_sft(config_path: str, overrides: list[str]) -> None:
     _draw_curves(config.logger)
 
 
+def run_generate(config_path: str, overrides: list[str]) -> None:
+    """Loads a config with a ``generate`` section, writes the answers and prints the summary line."""
+    from opd.algorithms.generate_data import GenerateMasterConfig, generate_data
+    from opd.utils.config import load_config
+
+    _prepare_console()
+    config = load_config(GenerateMasterConfig, config_path, overrides)
+    print(generate_data(config).line())
+
+
 def _prepare_console() -> None:
     from opd.utils.logger import setup_console_logging
 
@@ -139,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "sft":
             run_sft(args.config, args.overrides)
+        elif args.command == "generate":
+            run_generate(args.config, args.overrides)
         else:
             run_train(args.config, args.overrides, val_only=args.command == "eval")
     except TrainingDivergedError as error:
