@@ -4,10 +4,14 @@ Two layers:
 
 * Pure tensor kernels (:func:`token_kl`, :func:`generalized_jsd`, :func:`topk_token_kl`,
   :func:`sampled_token_advantages`, :func:`sampled_token_pg_loss`; the mask shift
-  :func:`~opd.data.sequences.shift_token_mask` is re-exported here)
+  :func:`~opd.data.sequences.shift_token_mask` and the top-k rest-mass helpers
+  :func:`~opd.models.topk_rest.log1mexp` and
+  :func:`~opd.models.topk_rest.rest_logprobs_from_topk` are re-exported here)
   with no config and no I/O, so other frameworks can call them. They follow the
   next-token convention used everywhere in opd: the logits at position ``t`` predict
-  token ``t + 1``.
+  token ``t + 1``. They check their scalar arguments (``temperature`` finite and > 0,
+  ``mixed_kl_weight`` and ``beta`` in [0, 1]) and raise ``ValueError`` naming the
+  argument, as the loss objects and the YAML config do.
 * Loss-function objects (:class:`DistillationLossFn`, :class:`SampledTokenLossFn`,
   :class:`NLLLossFn`) that the trainer calls per micro-batch. They say what they need
   from the teacher (``teacher_request``), select the positions that carry loss, call the
@@ -39,13 +43,36 @@ from opd.models.interfaces import (
     LossFunction,
     TeacherRequest,
     TokenLogprobsRequest,
+    TopKLogprobs,
     TopKRequest,
 )
 from opd.models.lm_head import LMHeadInput, token_log_probs
 
+# Re-exported: part of the kernel API (the ``as`` form marks the re-export for linters).
+from opd.models.topk_rest import log1mexp as log1mexp
+from opd.models.topk_rest import rest_logprobs_from_topk as rest_logprobs_from_topk
+
 KLType = Literal["forward", "reverse", "mixed"]
 KL_TYPES: tuple[str, ...] = ("forward", "reverse", "mixed")
 KLReduction = Literal["mean", "sum"]
+
+
+def _check_kl_type(kl_type: str) -> None:
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+
+
+def _check_temperature(temperature: float) -> None:
+    # NaN fails every comparison, so it is caught here too.
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+
+
+def _check_weight(name: str, value: float) -> None:
+    """A convex weight: outside [0, 1] the mixture has a negative coefficient, and the
+    "divergence" can go negative."""
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
 
 
 def _plogp_difference(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -78,17 +105,20 @@ def token_kl(
         teacher_logits: ``[..., V]`` teacher logits (treated as given; no gradient is
             needed, but none is blocked either).
         kl_type: ``"forward"`` (KL(P‖Q)), ``"reverse"`` (KL(Q‖P)) or ``"mixed"``.
-        mixed_kl_weight: weight w of the forward term for ``"mixed"``.
-        temperature: both logits are divided by it before the softmax.
+        mixed_kl_weight: weight w of the forward term for ``"mixed"``, in [0, 1].
+        temperature: both logits are divided by it before the softmax (finite, > 0).
 
     Returns:
         ``student_logits.shape[:-1]`` divergences, in float32 (or float64 when the
         inputs are float64). No masking, no reduction.
+
+    Raises:
+        ValueError: for an unknown ``kl_type``, ``mixed_kl_weight`` outside [0, 1], a
+            temperature that is not a finite positive number, or logits of different shapes.
     """
-    if kl_type not in KL_TYPES:
-        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_kl_type(kl_type)
+    _check_weight("mixed_kl_weight", mixed_kl_weight)
+    _check_temperature(temperature)
     log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
     return _combine(log_q, log_p, kl_type, mixed_kl_weight)
 
@@ -150,15 +180,17 @@ def generalized_jsd(
         student_logits: ``[..., V]`` student logits Q (gradients flow through these).
         teacher_logits: ``[..., V]`` teacher logits P.
         beta: interpolation weight in [0, 1].
-        temperature: both logits are divided by it before the softmax.
+        temperature: both logits are divided by it before the softmax (finite, > 0).
 
     Returns:
         ``student_logits.shape[:-1]`` divergences in float32 (float64 for float64 inputs).
+
+    Raises:
+        ValueError: for ``beta`` outside [0, 1] or a temperature that is not a finite
+            positive number.
     """
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1], got {beta}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_weight("beta", beta)
+    _check_temperature(temperature)
     log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
     if beta == 0.0:
         return _plogp_difference(log_p, log_q)
@@ -205,7 +237,15 @@ def full_vocab_divergence_with_grad(
 
     Returns:
         ``(values [C], gradient [C, V])`` in float32 (float64 for float64 input).
+
+    Raises:
+        ValueError: for the arguments :func:`token_kl` and :func:`generalized_jsd` refuse.
     """
+    _check_kl_type(kl_type)
+    _check_weight("mixed_kl_weight", mixed_kl_weight)
+    _check_temperature(temperature)
+    if jsd_beta is not None:
+        _check_weight("jsd_beta", jsd_beta)
     log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
     if observe_log_probs is not None:
         observe_log_probs(log_q, log_p)
@@ -243,6 +283,7 @@ def topk_token_kl(
     mixed_kl_weight: float = 0.5,
     tail: bool = True,
     temperature: float = 1.0,
+    teacher_rest_logprobs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-position KL against a teacher that sent only its top-k log-probs and token ids.
 
@@ -256,37 +297,46 @@ def topk_token_kl(
     kept for comparison): it ignores mass outside the top k, so it can be zero while the
     full distributions differ.
 
+    Both rest masses are handled in log space, never as ``1 − Σ``: the student's is a
+    logsumexp over its other tokens; the teacher's is the one it sent
+    (``teacher_rest_logprobs``, summed from its full distribution), or else
+    ``log1mexp(logsumexp(top k))`` in float64 (:func:`~opd.models.topk_rest.rest_logprobs_from_topk`),
+    exact for the log-probs as given. (Subtracting in float32 loses a rest mass of 1e-7
+    to rounding and moves the divergence by several percent. The fallback cannot undo
+    the rounding of the log-probs themselves, e.g. the shared error of a float32
+    normaliser, so a teacher-sent rest is the exact one; see
+    ``benchmarks/rest_mass_precision.py``.)
+
     Args:
         student_logits: ``[..., V]`` student logits (full vocabulary).
         teacher_topk_logprobs: ``[..., k]`` teacher log-probabilities of its top-k tokens,
             normalised over the teacher's full vocabulary.
         teacher_topk_ids: ``[..., k]`` the ids of those tokens (distinct per position).
         kl_type: ``"forward"``, ``"reverse"`` or ``"mixed"``, as in :func:`token_kl`.
-        mixed_kl_weight: weight of the forward term for ``"mixed"``.
+        mixed_kl_weight: weight of the forward term for ``"mixed"``, in [0, 1].
         tail: keep the rest class (True) or renormalise over the top k (False).
         temperature: the student's logits are divided by it; the teacher's log-probs
             must already be at the same temperature (the teacher applies it before its
             top-k, since the top-k set itself depends on it only through ties).
+        teacher_rest_logprobs: optional ``[...]`` log of the teacher's mass outside its
+            top k (−inf where it is exactly 0), as computed by the teacher; None computes
+            it from ``teacher_topk_logprobs``. Unused with ``tail=False``.
 
     Returns:
         ``student_logits.shape[:-1]`` divergences in float32 (float64 for float64 inputs).
+
+    Raises:
+        ValueError: for an unknown ``kl_type``, ``mixed_kl_weight`` outside [0, 1], a
+            temperature that is not a finite positive number, no top-k entries (k = 0),
+            or inputs whose shapes do not match.
     """
-    if kl_type not in KL_TYPES:
-        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
-    if teacher_topk_logprobs.shape != teacher_topk_ids.shape:
-        raise ValueError(
-            f"teacher top-k log-probs and ids differ in shape: {tuple(teacher_topk_logprobs.shape)} "
-            f"vs {tuple(teacher_topk_ids.shape)}"
-        )
-    if teacher_topk_ids.shape[:-1] != student_logits.shape[:-1]:
-        raise ValueError(
-            f"teacher top-k positions {tuple(teacher_topk_ids.shape[:-1])} do not match the student's "
-            f"{tuple(student_logits.shape[:-1])}"
-        )
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_kl_type(kl_type)
+    _check_weight("mixed_kl_weight", mixed_kl_weight)
+    _check_temperature(temperature)
+    _check_topk_shapes(student_logits, teacher_topk_logprobs, teacher_topk_ids, teacher_rest_logprobs)
     compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
-    log_q_full = torch.log_softmax(student_logits.to(compute_dtype) / temperature, dim=-1)
+    scaled = student_logits.to(compute_dtype)
+    log_q_full = torch.log_softmax(scaled if temperature == 1.0 else scaled / temperature, dim=-1)
     log_q = log_q_full.gather(-1, teacher_topk_ids)
     log_p = teacher_topk_logprobs.to(compute_dtype)
     if not tail:
@@ -299,12 +349,14 @@ def topk_token_kl(
     in_topk = torch.zeros_like(log_q_full, dtype=torch.bool).scatter_(-1, teacher_topk_ids, True)
     # Student rest mass as a logsumexp over the other tokens: exact even when Σ_k Q ≈ 1.
     log_q_rest = torch.logsumexp(log_q_full.masked_fill(in_topk, float("-inf")), dim=-1, keepdim=True)
-    # Teacher rest mass 1 − Σ_k P. Below the dtype's smallest normal number it is lost to
-    # rounding (it can even come out negative), although a teacher with finite logits
-    # always has some: it is floored there, so a student with mass outside the teacher's
-    # top k gets a large finite penalty instead of an infinite loss with NaN gradients.
-    p_rest = -torch.expm1(torch.logsumexp(log_p, dim=-1, keepdim=True))
-    log_p_rest = torch.log(p_rest.clamp(min=torch.finfo(compute_dtype).tiny))
+    if teacher_rest_logprobs is None:
+        teacher_rest_logprobs = rest_logprobs_from_topk(teacher_topk_logprobs)
+    log_p_rest = teacher_rest_logprobs.to(compute_dtype).unsqueeze(-1)
+    # A teacher with finite logits always has some rest mass, but below the dtype's
+    # smallest normal number it is lost to rounding (and Σ_k P can round to 1): it is
+    # floored there, so a student with mass outside the teacher's top k gets a large
+    # finite penalty instead of an infinite loss with NaN gradients.
+    log_p_rest = log_p_rest.clamp(min=math.log(torch.finfo(compute_dtype).tiny))
     # When the k ids cover the vocabulary the rest class is empty for both models; any
     # teacher "rest" left by rounding is not mass the student could match.
     covers_vocabulary = in_topk.all(dim=-1, keepdim=True)
@@ -312,6 +364,34 @@ def topk_token_kl(
     return _combine(
         torch.cat([log_q, log_q_rest], dim=-1), torch.cat([log_p, log_p_rest], dim=-1), kl_type, mixed_kl_weight
     )
+
+
+def _check_topk_shapes(
+    student_logits: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    teacher_rest_logprobs: torch.Tensor | None,
+) -> None:
+    """The top-k inputs of :func:`topk_token_kl` agree with each other and with the student's positions."""
+    if teacher_topk_logprobs.shape != teacher_topk_ids.shape:
+        raise ValueError(
+            f"teacher top-k log-probs and ids differ in shape: {tuple(teacher_topk_logprobs.shape)} "
+            f"vs {tuple(teacher_topk_ids.shape)}"
+        )
+    if teacher_topk_ids.dim() == 0 or teacher_topk_ids.shape[-1] < 1:
+        raise ValueError(
+            f"the teacher's top-k needs k >= 1 entries per position, got shape {tuple(teacher_topk_ids.shape)}"
+        )
+    if teacher_topk_ids.shape[:-1] != student_logits.shape[:-1]:
+        raise ValueError(
+            f"teacher top-k positions {tuple(teacher_topk_ids.shape[:-1])} do not match the student's "
+            f"{tuple(student_logits.shape[:-1])}"
+        )
+    if teacher_rest_logprobs is not None and teacher_rest_logprobs.shape != teacher_topk_ids.shape[:-1]:
+        raise ValueError(
+            f"teacher_rest_logprobs has shape {tuple(teacher_rest_logprobs.shape)}, expected one value per "
+            f"position {tuple(teacher_topk_ids.shape[:-1])}"
+        )
 
 
 def sampled_token_advantages(
@@ -415,10 +495,19 @@ TEACHER_SIGNALS: tuple[str, ...] = ("full_vocab", "topk")
 class _TeacherMetrics:
     """Sums, over the loss positions, the per-step diagnostics of teacher vs student.
 
-    ``kl_forward`` / ``kl_reverse`` at temperature 1 (over the k + 1 top-k classes when
-    the teacher sent only its top k, which is a lower bound of the full KL), the
-    teacher's probability mass on its top-k tokens, the student's mass on those same
-    tokens, and the overlap of the two models' top-k sets (|top-k_P ∩ top-k_Q| / k).
+    ``kl_forward`` / ``kl_reverse`` (over the k + 1 top-k classes when the teacher sent
+    only its top k, which is a lower bound of the full KL), the teacher's probability
+    mass on its top-k tokens, the student's mass on those same tokens, and the overlap of
+    the two models' top-k sets (|top-k_P ∩ top-k_Q| / k).
+
+    All of them are taken at the loss temperature T, i.e. between softmax(logits / T) of
+    both models, whichever signal the teacher sent. Why T and not 1: a top-k teacher
+    answers at T only (its top-k log-probs are normalised at T), and its distribution at
+    1 cannot be recovered from them (the normaliser at 1 needs the tokens it did not
+    send), so T is the one temperature at which both signals can report the same
+    quantity; it is also the one the loss optimises (for a forward or reverse KL loss the
+    matching metric equals the loss per token). At T = 1, the usual case and the only one
+    a served teacher supports, this is the models' own distributions.
     Called on detached chunks, so it never adds to the autograd graph.
     """
 
@@ -437,10 +526,15 @@ class _TeacherMetrics:
 
     @torch.no_grad()
     def full_vocab(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
-        """Metrics from both models' full logits (``[C, V]``)."""
+        """Metrics from both models' full logits (``[C, V]``), at the loss temperature."""
         if not self.compile_kernels:
-            self.from_log_probs(*_log_probs(student_logits, teacher_logits, 1.0))
+            self.from_log_probs(*_log_probs(student_logits, teacher_logits, self.temperature))
             return
+        if self.temperature != 1.0:
+            # Scaled in float32 at least: bf16 logits / T would round once more.
+            compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
+            student_logits = student_logits.to(compute_dtype) / self.temperature
+            teacher_logits = teacher_logits.to(compute_dtype) / self.temperature
         # Compiled: the KLs in a few fused passes, the top-k metrics from the logits and
         # log-normalisers (top-k of the logits = top-k of the log-probs, row by row).
         kl_forward, kl_reverse, log_norm_q, log_norm_p = compiled(kl_metrics_from_logits)(
@@ -458,7 +552,7 @@ class _TeacherMetrics:
 
     @torch.no_grad()
     def from_log_probs(self, log_q: torch.Tensor, log_p: torch.Tensor) -> None:
-        """Metrics from both models' log-probabilities at temperature 1 (``[C, V]``)."""
+        """Metrics from both models' log-probabilities at the loss temperature (``[C, V]``)."""
         self.sums["kl_forward"] += float(_plogp_difference(log_p, log_q).sum())
         self.sums["kl_reverse"] += float(_plogp_difference(log_q, log_p).sum())
         k = min(self.k, log_p.shape[-1])
@@ -467,13 +561,22 @@ class _TeacherMetrics:
 
     @torch.no_grad()
     def topk(
-        self, student_logits: torch.Tensor, teacher_topk_logprobs: torch.Tensor, teacher_topk_ids: torch.Tensor
+        self,
+        student_logits: torch.Tensor,
+        teacher_topk_logprobs: torch.Tensor,
+        teacher_topk_ids: torch.Tensor,
+        teacher_rest_logprobs: torch.Tensor | None = None,
     ) -> None:
-        """Metrics from the student's logits and the teacher's top-k (at the loss temperature)."""
+        """Metrics from the student's logits and the teacher's top-k (both at the loss temperature)."""
         for kl_type in ("forward", "reverse"):
             self.sums[f"kl_{kl_type}"] += float(
                 topk_token_kl(
-                    student_logits, teacher_topk_logprobs, teacher_topk_ids, kl_type, temperature=self.temperature
+                    student_logits,
+                    teacher_topk_logprobs,
+                    teacher_topk_ids,
+                    kl_type,
+                    temperature=self.temperature,
+                    teacher_rest_logprobs=teacher_rest_logprobs,
                 ).sum()
             )
         compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
@@ -514,6 +617,26 @@ def _rows(value: Any, mask: torch.Tensor, shift: int = 0) -> Any:
     if shift == 0:
         return value[:, :-1][mask]
     return value[:, 1:][mask]
+
+
+def _topk_rows(teacher_output: Any, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loss positions of a top-k answer: ``(log-probs [N, k], ids [N, k], rest log-probs [N])``.
+
+    The rest is the teacher's own where it sent one (a :class:`TopKLogprobs` with
+    ``rest_logprobs``, or a triple), else computed here from the top-k log-probs in
+    float64, without cancellation, for the selected positions only.
+    """
+    if len(teacher_output) == 3:
+        logprobs, ids, rest = teacher_output
+    else:
+        logprobs, ids = teacher_output
+        rest = teacher_output.rest_logprobs if isinstance(teacher_output, TopKLogprobs) else None
+    logprob_rows = _rows(logprobs, mask)
+    if rest is None:
+        rest_rows = rest_logprobs_from_topk(logprob_rows).to(torch.promote_types(logprob_rows.dtype, torch.float32))
+    else:
+        rest_rows = _rows(rest, mask)
+    return logprob_rows, _rows(ids, mask), rest_rows
 
 
 def _apply_loss(
@@ -567,26 +690,32 @@ class DistillationLossFn(LossFunction):
     with the same value and gradients. An in-process teacher then sends hidden states
     too, and its logits are made per chunk as well.
 
+    The metrics (:meth:`__call__`) are taken at the loss temperature for every teacher
+    signal (see :class:`_TeacherMetrics` for why).
+
     Args:
         kl_type: ``"forward"``, ``"reverse"`` or ``"mixed"`` (for ``divergence="kl"``).
-        mixed_kl_weight: weight of the forward KL in ``"mixed"``.
+        mixed_kl_weight: weight of the forward KL in ``"mixed"``, in [0, 1].
         temperature: distillation temperature applied to both models' logits (separate
-            from the sampling temperature).
+            from the sampling temperature); a finite number > 0.
         kl_reduction: ``"mean"`` (per token) or ``"sum"`` (per sequence).
         vocab_size: if set, both logits are cut to their first ``vocab_size`` entries.
             Models often pad their output layer beyond the tokenizer (Qwen2.5-32B has
             152,064 outputs, 1.5B has 151,936, the tokenizer 151,665): the extra entries
             are not real tokens and must not enter the divergence.
         divergence: ``"kl"`` or ``"jsd"``.
-        jsd_beta: β of the generalized JSD (0 = forward KL, 1 = reverse KL).
+        jsd_beta: β of the generalized JSD (0 = forward KL, 1 = reverse KL), in [0, 1].
         teacher_signal: ``"full_vocab"`` or ``"topk"``.
-        teacher_topk: k of the top-k teacher signal and of the top-k metrics.
+        teacher_topk: k of the top-k teacher signal and of the top-k metrics (>= 1).
         topk_tail: keep the top-k rest class (True) or renormalise (False).
         fused_lm_head: take hidden states and compute the loss chunk by chunk.
-        chunk_size: positions per fused chunk (None: ~128 MiB of fp32 logits per chunk).
+        chunk_size: positions per fused chunk, >= 1 (None: ~128 MiB of fp32 logits per chunk).
         compile_kernels: ``torch.compile`` the per-chunk kernels of the full-vocabulary
             loss (the closed-form divergence with ``fused_lm_head``, and the metrics);
             see :mod:`opd.algorithms.compiled_kernels`.
+
+    Raises:
+        ValueError: naming the argument, for a value outside its range.
     """
 
     def __init__(
@@ -605,8 +734,10 @@ class DistillationLossFn(LossFunction):
         chunk_size: int | None = None,
         compile_kernels: bool = False,
     ) -> None:
-        if kl_type not in KL_TYPES:
-            raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+        _check_kl_type(kl_type)
+        _check_weight("mixed_kl_weight", mixed_kl_weight)
+        _check_weight("jsd_beta", jsd_beta)
+        _check_temperature(temperature)
         if kl_reduction not in ("mean", "sum"):
             raise ValueError(f"kl_reduction must be 'mean' or 'sum', got {kl_reduction!r}")
         if divergence not in DIVERGENCES:
@@ -617,6 +748,10 @@ class DistillationLossFn(LossFunction):
             raise ValueError("the generalized JSD needs the teacher's full vocabulary; use divergence='kl' with top-k")
         if teacher_topk < 1:
             raise ValueError(f"teacher_topk must be >= 1, got {teacher_topk}")
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1 (or None: the whole output layer), got {vocab_size}")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1 (or None: chosen from the vocabulary size), got {chunk_size}")
         self.kl_type = kl_type
         self.mixed_kl_weight = mixed_kl_weight
         self.temperature = temperature
@@ -649,6 +784,7 @@ class DistillationLossFn(LossFunction):
                 self.mixed_kl_weight,
                 tail=self.topk_tail,
                 temperature=self.temperature,
+                teacher_rest_logprobs=teacher[2],
             )
         if self.divergence == "jsd":
             return generalized_jsd(student_logits, teacher[0], self.jsd_beta, self.temperature)
@@ -698,13 +834,16 @@ class DistillationLossFn(LossFunction):
             global_valid_tokens: valid loss tokens in the whole global batch.
             global_valid_seqs: sequences in the whole global batch.
             teacher_output: the teacher's answer to :attr:`teacher_request`: ``[B, L, V_t]`` logits,
-                an :class:`LMHeadInput`, or ``([B, L, k] log-probs, [B, L, k] ids)``.
+                an :class:`LMHeadInput`, or ``([B, L, k] log-probs, [B, L, k] ids)``: a
+                :class:`~opd.models.interfaces.TopKLogprobs` carrying the teacher's rest
+                mass, a plain pair (the rest is then computed from the top-k), or a triple
+                with ``[B, L]`` rest log-probs third.
 
         Returns:
             ``(loss, metrics)``; metrics hold this micro-batch's contributions to the
             global ``loss``, ``kl_forward``, ``kl_reverse``, ``teacher_topk_mass``,
-            ``student_mass_on_teacher_topk``, ``topk_overlap`` (token means) and
-            ``num_valid_tokens``.
+            ``student_mass_on_teacher_topk``, ``topk_overlap`` (token means, all at the
+            loss temperature, for either teacher signal) and ``num_valid_tokens``.
         """
         if teacher_output is None:
             raise ValueError("DistillationLossFn needs the teacher's output")
@@ -713,21 +852,15 @@ class DistillationLossFn(LossFunction):
         # skipped instead of computed and then masked to zero.
         student_rows = _rows(self._cut_vocabulary(student_output), loss_mask)
         if self.teacher_signal == "topk":
-            logprobs, ids = teacher_output
-            teacher_rows: tuple[Any, ...] = (_rows(logprobs, loss_mask), _rows(ids, loss_mask))
+            teacher_rows: tuple[Any, ...] = _topk_rows(teacher_output, loss_mask)
         else:
             teacher_rows = (_rows(self._cut_vocabulary(teacher_output), loss_mask),)
         collector = _TeacherMetrics(self.teacher_topk, self.temperature, self.vocab_size, self.compile_kernels)
         observer: Callable[..., None] | None = collector.topk if self.teacher_signal == "topk" else collector.full_vocab
         normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
         closed_form = self._divergence_with_grad if self.teacher_signal == "full_vocab" else None
-        if (
-            closed_form is not None
-            and self.temperature == 1.0
-            and isinstance(student_rows, LMHeadInput)
-            and not self.compile_kernels
-        ):
-            # The metrics are at temperature 1: reuse the fused loss's log-probabilities.
+        if closed_form is not None and isinstance(student_rows, LMHeadInput) and not self.compile_kernels:
+            # The metrics are at the loss temperature: reuse the fused loss's log-probabilities.
             # (Compiled kernels recompute them instead: fused passes beat writing them out.)
             closed_form = functools.partial(self._divergence_with_grad, observe_log_probs=collector.from_log_probs)
             observer = None

@@ -24,6 +24,7 @@ from opd.models.interfaces import (
     PolicyInterface,
     TeacherInterface,
     TeacherRequest,
+    TopKLogprobs,
     TopKRequest,
 )
 from opd.utils.config import StrictConfig
@@ -142,8 +143,14 @@ def _kl_to_teacher(
         for direction in ("forward", "reverse"):
             if isinstance(answer, tuple):
                 top_logprobs, top_ids = answer
+                # A teacher that knows its full distribution sends the rest mass (exact); else None.
+                rest = answer.rest_logprobs if isinstance(answer, TopKLogprobs) else None
                 kl = topk_token_kl(
-                    student_rows, top_logprobs[:, :-1].to(device)[mask], top_ids[:, :-1].to(device)[mask], direction
+                    student_rows,
+                    top_logprobs[:, :-1].to(device)[mask],
+                    top_ids[:, :-1].to(device)[mask],
+                    direction,
+                    teacher_rest_logprobs=None if rest is None else rest[:, :-1].to(device)[mask],
                 )
             else:
                 assert isinstance(answer, torch.Tensor)  # full-vocabulary logits were asked for

@@ -13,7 +13,8 @@ The teacher is asked for one typed *signal*, the one the loss needs:
 * :class:`FullVocabRequest`: the whole distribution at every position, as ``[B, L, V]``
   logits or, for the fused loss, final hidden states and the output head
   (:class:`~opd.models.lm_head.LMHeadInput`);
-* :class:`TopKRequest`: the top-k log-probs and their ids, ``([B, L, k], [B, L, k])``;
+* :class:`TopKRequest`: the top-k log-probs and their ids, ``([B, L, k], [B, L, k])``, as a
+  :class:`TopKLogprobs` that may also carry the teacher's own rest mass ``[B, L]``;
 * :class:`TokenLogprobsRequest`: the log-prob of each token given those before it, ``[B, L]``.
 
 Positions follow the next-token convention everywhere (logits and top-k at position ``t``
@@ -22,6 +23,7 @@ describe token ``t + 1``), except token log-probs, which sit at the token's own 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -63,6 +65,50 @@ class TopKRequest:
     temperature: float = 1.0
     vocab_size: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"TopKRequest.k must be >= 1, got {self.k}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"TopKRequest.temperature must be a finite number > 0, got {self.temperature}")
+
+
+class TopKLogprobs(tuple[torch.Tensor, torch.Tensor]):
+    """A teacher's answer to a :class:`TopKRequest`: the pair ``(log-probs, ids)``, plus its rest mass.
+
+    A 2-tuple, so ``values, ids = answer`` works as for a plain pair; the attribute
+    :attr:`rest_logprobs` adds what only the teacher can compute well: log(1 − Σ_k P) at
+    each position, taken from its full distribution without subtracting (see
+    :mod:`opd.models.topk_rest`). A consumer that finds no rest (a plain pair, or None
+    here) computes it from the top-k log-probs instead, which is as exact as their own
+    rounding allows.
+
+    Attributes:
+        logprobs: ``[B, L, k]`` float32 log-probs, normalised over the full vocabulary,
+            sorted by probability.
+        ids: ``[B, L, k]`` int64 token ids.
+        rest_logprobs: ``[B, L]`` float32 log of the mass outside the k ids (−inf where they
+            cover the vocabulary), or None when the teacher does not know it.
+    """
+
+    rest_logprobs: torch.Tensor | None
+
+    def __new__(
+        cls, logprobs: torch.Tensor, ids: torch.Tensor, rest_logprobs: torch.Tensor | None = None
+    ) -> TopKLogprobs:
+        answer = super().__new__(cls, (logprobs, ids))
+        answer.rest_logprobs = rest_logprobs
+        return answer
+
+    @property
+    def logprobs(self) -> torch.Tensor:
+        """The ``[B, L, k]`` log-probs (element 0)."""
+        return self[0]
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """The ``[B, L, k]`` token ids (element 1)."""
+        return self[1]
+
 
 @dataclass(frozen=True)
 class TokenLogprobsRequest:
@@ -79,7 +125,8 @@ TeacherRequest = FullVocabRequest | TopKRequest | TokenLogprobsRequest
 """What a loss asks the teacher for."""
 
 TeacherSignal = torch.Tensor | LMHeadInput | tuple[torch.Tensor, torch.Tensor]
-"""A teacher's answer: logits or token log-probs, hidden states and head, or top-k (log-probs, ids)."""
+"""A teacher's answer: logits or token log-probs, hidden states and head, or top-k (log-probs, ids)
+(a :class:`TopKLogprobs` when the teacher sends its rest mass too)."""
 
 TeacherSignalFn = Callable[[BatchedDataDict], TeacherSignal]
 """Scores one micro-batch (the driver binds the teacher, the request and its timer)."""
@@ -248,7 +295,8 @@ class TeacherInterface(ABC):
         Returns:
             ``[B, L, V]`` logits or an :class:`~opd.models.lm_head.LMHeadInput` for a
             :class:`FullVocabRequest`; ``([B, L, k] float32 log-probs, [B, L, k] int64
-            ids)`` sorted by probability for a :class:`TopKRequest`; ``[B, L]`` log-probs
+            ids)`` sorted by probability for a :class:`TopKRequest` (a :class:`TopKLogprobs`,
+            with the rest mass where the teacher knows it); ``[B, L]`` log-probs
             (0 at position 0) for a :class:`TokenLogprobsRequest`.
         """
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.models.interfaces import TeacherInterface, TeacherRequest, TeacherSignal, TokenLogprobsRequest
+from opd.models.interfaces import TeacherInterface, TeacherRequest, TeacherSignal, TokenLogprobsRequest, TopKLogprobs
 from opd.models.lm_head import LMHeadInput
 
 
@@ -160,9 +160,12 @@ class ContextTeacher(TeacherInterface):
             return LMHeadInput(hidden, answer.weight, answer.bias)
         if isinstance(answer, tuple):
             values, ids = answer
-            return (
+            # The wrapped teacher's rest mass (when it sent one) moves with its top k.
+            rest = answer.rest_logprobs if isinstance(answer, TopKLogprobs) else None
+            return TopKLogprobs(
                 self._to_student_positions(data, segments, values, predicts_next),
                 self._to_student_positions(data, segments, ids, predicts_next),
+                self._to_student_positions(data, segments, rest, predicts_next) if rest is not None else None,
             )
         return self._to_student_positions(data, segments, answer, predicts_next)
 

@@ -7,7 +7,9 @@ It scores exactly the token ids it is given, in ``torch.inference_mode``, and an
 * full-vocabulary logits ``[B, L, V]`` (the plain exact loss);
 * final hidden states and its output head (the fused loss makes the logits chunk by
   chunk, so no ``[B, L, V]`` teacher tensor ever exists);
-* its top-k log-probs and token ids per position (what a served teacher would send);
+* its top-k log-probs and token ids per position (what a served teacher would send),
+  with the log of the mass outside them, summed from the full log-softmax so that a
+  tiny rest mass is not lost to cancellation (:mod:`opd.models.topk_rest`);
 * the log-prob of each actual token (the sampled-token loss).
 
 The last two are computed from the hidden states in chunks of positions, so they too
@@ -29,9 +31,11 @@ from opd.models.interfaces import (
     TeacherInterface,
     TeacherRequest,
     TeacherSignal,
+    TopKLogprobs,
     TopKRequest,
 )
 from opd.models.lm_head import LMHeadInput, final_hidden_states, log_softmax_chunks, output_head_of, token_log_probs
+from opd.models.topk_rest import rest_logprobs_outside
 
 
 class LocalTeacher(TeacherInterface):
@@ -88,8 +92,8 @@ class LocalTeacher(TeacherInterface):
 
     def get_topk_logprobs(
         self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The teacher's top-k log-probs and token ids at every position.
+    ) -> TopKLogprobs:
+        """The teacher's top-k log-probs and token ids at every position, and its rest mass.
 
         Args:
             data: right-padded ``input_ids`` / ``input_lengths``.
@@ -98,16 +102,22 @@ class LocalTeacher(TeacherInterface):
             vocab_size: only the first ``vocab_size`` outputs are real tokens.
 
         Returns:
-            ``([B, L, k] float32 log-probs, [B, L, k] int64 ids)``, sorted by probability;
-            position ``t`` describes the token that follows it (like logits).
+            ``([B, L, k] float32 log-probs, [B, L, k] int64 ids)``, sorted by probability,
+            with ``rest_logprobs`` ``[B, L]``: log Σ of the other tokens' probabilities
+            (−inf when k covers the vocabulary); position ``t`` describes the token that
+            follows it (like logits).
         """
-        values, ids = [], []
+        values, ids, rests = [], [], []
         for log_p, _ in self._log_prob_chunks(data, vocab_size, temperature):
             top = log_p.topk(min(k, log_p.shape[-1]), dim=-1)
             values.append(top.values)
             ids.append(top.indices)
+            # Summed over the other entries (all positive): 1 − Σ_k P would cancel.
+            rests.append(rest_logprobs_outside(log_p, top.indices))
         shape = data["input_ids"].shape
-        return torch.cat(values).reshape(*shape, -1), torch.cat(ids).reshape(*shape, -1)
+        return TopKLogprobs(
+            torch.cat(values).reshape(*shape, -1), torch.cat(ids).reshape(*shape, -1), torch.cat(rests).reshape(shape)
+        )
 
     def get_token_logprobs(self, data: BatchedDataDict, vocab_size: int | None = None) -> torch.Tensor:
         """``[B, L]`` log P(token t | tokens before t) at temperature 1; 0 at position 0."""

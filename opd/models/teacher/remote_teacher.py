@@ -6,7 +6,11 @@ position's log-probs) and turns the answers into the signal the loss requested
 (:meth:`RemoteTeacher.score`):
 
 * a :class:`~opd.models.interfaces.TopKRequest`: the teacher's top-k log-probs and ids at
-  each position ``t`` (describing token ``t + 1``), from the answer at position ``t + 1``;
+  each position ``t`` (describing token ``t + 1``), from the answer at position ``t + 1``,
+  with the log of the mass outside them: the one ``opd serve-teacher`` sends
+  (``prompt_topk_rest_mass``, summed from its full distribution), or, from a server that
+  does not send it (vLLM), log(1 − Σ_k P) computed here in float64 from the top-k
+  (:func:`~opd.models.topk_rest.rest_logprobs_from_topk`);
 * a :class:`~opd.models.interfaces.TokenLogprobsRequest`: the log-prob of each actual token.
 
 Full-vocabulary logits never cross the wire: a
@@ -18,7 +22,8 @@ timeout, truncated body), with HTTP 408 / 429 / 5xx, or with an answer that does
 match what was sent is retried up to ``max_retries`` times with exponential backoff.
 Every answer is checked before use: one choice per sequence, ``prompt_token_ids`` (when
 returned) equal to the ids sent, one entry per position, each position naming the very
-token that was sent there with a finite log-prob, at least ``k`` candidates. Anything
+token that was sent there with a finite log-prob, at least ``k`` candidates, and a rest
+mass (when sent) in [0, 1] that adds up with the top k to 1. Anything
 else is an error: a misaligned answer is never fed to the loss. Other HTTP errors (400,
 401, 404, 413) stop at once with the server's message.
 """
@@ -30,6 +35,7 @@ import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -42,13 +48,18 @@ from opd.models.interfaces import (
     TeacherRequest,
     TeacherSignal,
     TokenLogprobsRequest,
+    TopKLogprobs,
     TopKRequest,
 )
+from opd.models.teacher.server import REST_MASS_FIELD
+from opd.models.topk_rest import rest_logprobs_from_topk
 from opd.utils.errors import OpdError
 
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+REST_MASS_TOLERANCE = 1e-3
+"""How far Σ_k P + rest may be from 1 before a served rest mass is taken to describe other tokens."""
 
 
 class TeacherServiceError(OpdError):
@@ -155,12 +166,16 @@ class RemoteTeacher(TeacherInterface):
 
     def get_topk_logprobs(
         self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> TopKLogprobs:
         """The teacher's top-k log-probs and ids at each position (position t describes token t + 1).
 
+        ``rest_logprobs`` holds log(1 − Σ_k P): the server's own rest mass where it sends one,
+        else computed from the top-k in float64 (exact for the log-probs received, which a
+        float32 subtraction would not be).
+
         Positions that predict nothing real (a sequence's last token, padding) hold a
-        placeholder distribution (ids ``0 … k-1``, each with probability ``1 / (2k)``): the
-        loss masks them, and they keep every value finite.
+        placeholder distribution (ids ``0 … k-1``, each with probability ``1 / (2k)``, rest
+        1/2): the loss masks them, and they keep every value finite.
 
         Raises:
             TeacherServiceError: if ``temperature`` is not 1 (servers answer at temperature 1).
@@ -171,24 +186,31 @@ class RemoteTeacher(TeacherInterface):
             )
         input_ids, lengths = data["input_ids"], data["input_lengths"]
         rows, width = input_ids.shape
-        values = torch.full((rows, width, k), math.log(0.5 / k), dtype=torch.float32)
+        # float64 until the rest is known: JSON carries doubles, and the fallback needs them.
+        values = torch.full((rows, width, k), math.log(0.5 / k), dtype=torch.float64)
         ids = torch.arange(k, dtype=torch.long).expand(rows, width, k).clone()
+        served_rest = torch.full((rows, width), 0.5, dtype=torch.float64)
+        has_rest = torch.zeros((rows, width), dtype=torch.bool)
         for row, answer in enumerate(self._score(input_ids, lengths, k)):
-            if len(answer) < 2:
+            if len(answer.candidates) < 2:
                 continue
             # One tensor per row, not per position: this loop runs over every scored token.
-            tops = [sorted(candidates.items(), key=lambda item: -item[1])[:k] for candidates in answer[1:]]
+            tops = [_top_k(candidates, k) for candidates in answer.candidates[1:]]
             ids[row, : len(tops)] = torch.tensor([[token for token, _ in top] for top in tops])
             values[row, : len(tops)] = torch.tensor([[logprob for _, logprob in top] for top in tops])
-        return values, ids
+            if answer.rest_mass is not None:
+                served_rest[row, : len(tops)] = torch.tensor(answer.rest_mass[1:], dtype=torch.float64)
+                has_rest[row, : len(tops)] = True
+        rest = torch.where(has_rest, served_rest.log(), rest_logprobs_from_topk(values))
+        return TopKLogprobs(values.float(), ids, rest.float())
 
     def get_token_logprobs(self, data: BatchedDataDict, vocab_size: int | None = None) -> torch.Tensor:
         """``[B, L]`` log P(token t | tokens before t); 0 at position 0 and on padding."""
         input_ids, lengths = data["input_ids"], data["input_lengths"]
         result = torch.zeros(input_ids.shape, dtype=torch.float32)
         for row, answer in enumerate(self._score(input_ids, lengths, 0)):
-            for position in range(1, len(answer)):
-                result[row, position] = answer[position][int(input_ids[row, position])]
+            for position in range(1, len(answer.candidates)):
+                result[row, position] = answer.candidates[position][int(input_ids[row, position])]
         return result
 
     def close(self) -> None:
@@ -198,8 +220,8 @@ class RemoteTeacher(TeacherInterface):
 
     # ------------------------------------------------------------------ requests
 
-    def _score(self, input_ids: torch.Tensor, lengths: torch.Tensor, k: int) -> list[list[dict[int, float]]]:
-        """Per sequence, per position ``t ≥ 1``: ``{token id: log-prob}`` (index 0 is an empty dict)."""
+    def _score(self, input_ids: torch.Tensor, lengths: torch.Tensor, k: int) -> list[_ScoredSequence]:
+        """Per sequence: ``{token id: log-prob}`` per position ``t ≥ 1`` (index 0: ``{}``), and the rest mass."""
         sequences = [input_ids[row, : int(lengths[row])].tolist() for row in range(input_ids.shape[0])]
         groups = [
             sequences[begin : begin + self.sequences_per_request]
@@ -209,7 +231,7 @@ class RemoteTeacher(TeacherInterface):
             answer for group in self._pool.map(lambda group: self._score_group(group, k), groups) for answer in group
         ]
 
-    def _score_group(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float]]]:
+    def _score_group(self, sequences: list[list[int]], k: int) -> list[_ScoredSequence]:
         body = {
             "model": self.model,
             "prompt": sequences,
@@ -264,8 +286,51 @@ class RemoteTeacher(TeacherInterface):
         raise AssertionError("unreachable")
 
 
-def _parse_prompt_logprobs(payload: dict[str, Any], sequences: list[list[int]], k: int) -> list[list[dict[int, float]]]:
-    """Checks a ``/v1/completions`` answer against the ids sent and extracts the log-probs.
+@dataclass(frozen=True)
+class _ScoredSequence:
+    """One sequence's answer: per position ``{token id: log-prob}`` and, if the server sent it, the rest mass.
+
+    Index 0 of both lists stands for position 0, which has no prediction (``{}`` / None).
+    """
+
+    candidates: list[dict[int, float]]
+    rest_mass: list[float] | None
+
+
+def _top_k(candidates: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely ``(token, log-prob)`` of a position (the answer may add the actual token)."""
+    return sorted(candidates.items(), key=lambda item: -item[1])[:k]
+
+
+def _parse_rest_mass(
+    choice: dict[str, Any], number: int, candidates: list[dict[int, float]], k: int
+) -> list[float] | None:
+    """The choice's ``prompt_topk_rest_mass``, checked against its top-k log-probs; None if absent.
+
+    Raises:
+        _Retryable: a malformed list, a mass outside [0, 1], or one that does not add up
+            with the top k to 1 (it would describe other tokens than those sent).
+    """
+    served = choice.get(REST_MASS_FIELD)
+    if served is None or k == 0:
+        return None
+    if not isinstance(served, list) or len(served) != len(candidates):
+        raise _Retryable(f"sequence {number}: {REST_MASS_FIELD} is not a list of one entry per token")
+    for position in range(1, len(candidates)):
+        mass = served[position]
+        if not isinstance(mass, (int, float)) or not 0.0 <= mass <= 1.0 + REST_MASS_TOLERANCE:
+            raise _Retryable(f"sequence {number}, position {position}: rest mass {mass!r} is not in [0, 1]")
+        topk_mass = math.fsum(math.exp(logprob) for _, logprob in _top_k(candidates[position], k))
+        if abs(topk_mass + mass - 1.0) > REST_MASS_TOLERANCE:
+            raise _Retryable(
+                f"sequence {number}, position {position}: the top-{k} mass {topk_mass:.6g} and the rest mass "
+                f"{mass:.6g} do not add up to 1"
+            )
+    return [0.0] + [min(float(mass), 1.0) for mass in served[1:]]
+
+
+def _parse_prompt_logprobs(payload: dict[str, Any], sequences: list[list[int]], k: int) -> list[_ScoredSequence]:
+    """Checks a ``/v1/completions`` answer against the ids sent and extracts the log-probs (and rest masses).
 
     Raises:
         _Retryable: naming the first thing that does not match.
@@ -315,5 +380,5 @@ def _parse_prompt_logprobs(payload: dict[str, Any], sequences: list[list[int]], 
                     f"sequence {number}, position {position}: {len(candidates)} candidates, fewer than k = {k}"
                 )
             answer.append(candidates)
-        answers.append(answer)
+        answers.append(_ScoredSequence(answer, _parse_rest_mass(choice, number, answer, k)))
     return answers

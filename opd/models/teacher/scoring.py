@@ -3,7 +3,11 @@
 What ``opd serve-teacher`` computes for each request: for every position ``t ≥ 1`` of a
 sequence, the log-probability (temperature 1, over the tokenizer's real vocabulary) of
 the token at ``t`` given the tokens before it, and the ``k`` most likely tokens there,
-each with its rank. Position 0 has no prediction (``None``), as in vLLM.
+each with its rank. Position 0 has no prediction (``None``), as in vLLM. With ``k > 0``
+each position also carries the probability mass outside those ``k`` tokens, which vLLM
+does not send: it is summed over the other tokens of the full distribution
+(:func:`~opd.models.topk_rest.rest_logprobs_outside`), so it stays exact where
+1 − Σ_k P computed by the client would cancel.
 
 Sequences are scored together: one padded forward pass through the decoder, then the
 output layer chunk by chunk over the positions, so no ``[B, L, V]`` logits tensor is
@@ -13,17 +17,19 @@ after the head run their full ``forward`` instead).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from opd.models.lm_head import LMHeadInput, final_hidden_states, log_softmax_chunks, output_head_of, token_log_probs
+from opd.models.topk_rest import rest_logprobs_outside
 
 
 @dataclass(frozen=True)
 class PositionLogprobs:
-    """One position's answer: the actual token's log-prob and rank, and the top k."""
+    """One position's answer: the actual token's log-prob and rank, the top k and the mass left outside them."""
 
     token_id: int
     logprob: float
@@ -31,6 +37,8 @@ class PositionLogprobs:
     """1 + the number of vocabulary entries strictly more likely than the actual token."""
     top_ids: list[int]
     top_logprobs: list[float]
+    rest_mass: float | None = None
+    """Σ of the probabilities outside ``top_ids`` (0.0 when they cover the vocabulary); None for k = 0."""
 
 
 class PromptScorer:
@@ -100,6 +108,7 @@ class PromptScorer:
             actual_logprobs = token_log_probs(predicting, actual)
             ranks = (predicting > actual_logprobs[:, None]).sum(dim=-1) + 1
             top = predicting.topk(min(k, self.vocab_size), dim=-1) if k > 0 else None
+            rest_logprobs = rest_logprobs_outside(predicting, top.indices).tolist() if top is not None else None
             entries: list[PositionLogprobs | None] = [None]
             for t in range(len(sequence) - 1):
                 entries.append(
@@ -109,6 +118,8 @@ class PromptScorer:
                         rank=int(ranks[t]),
                         top_ids=top.indices[t].tolist() if top is not None else [],
                         top_logprobs=top.values[t].tolist() if top is not None else [],
+                        # exp in float64: a rest below float32's range (1e-38) still has a value.
+                        rest_mass=math.exp(rest_logprobs[t]) if rest_logprobs is not None else None,
                     )
                 )
             answers.append(entries)

@@ -11,6 +11,10 @@ tests):
   position 0, then per position a map ``"token id" → {"logprob", "rank",
   "decoded_token"}`` holding the actual token and the ``k`` most likely ones — and, when
   asked, ``prompt_token_ids``. No token is generated (the completion is empty).
+  One field goes beyond vLLM: with ``k > 0``, ``prompt_topk_rest_mass`` (``null`` at
+  position 0, then per position 1 − Σ of the ``k`` top tokens' probabilities, summed by
+  the server over the other tokens so that it does not cancel; a client that does not
+  know the field ignores it, and opd's client computes the mass itself when it is absent).
 * ``POST /tokenize`` (``{"prompt": text}`` → ``{"tokens": [...], "count": n}``), which
   the client uses to check that both sides tokenize alike.
 * ``GET /v1/models`` and ``GET /health``.
@@ -41,6 +45,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_LOGPROBS = 128
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+REST_MASS_FIELD = "prompt_topk_rest_mass"
+"""The choice field with each position's probability mass outside its top k (not in vLLM's API)."""
 
 
 class RequestError(Exception):
@@ -140,6 +146,8 @@ class TeacherService:
                 "logprobs": None,
                 "prompt_logprobs": [self._position_json(entry) for entry in entries],
             }
+            if k > 0:
+                choice[REST_MASS_FIELD] = [None if entry is None else entry.rest_mass for entry in entries]
             if body.get("return_token_ids"):
                 choice["prompt_token_ids"] = ids
                 choice["token_ids"] = []

@@ -425,10 +425,10 @@ def test_distillation_metrics_match_reference(kl_type, temperature):
     n_tok, n_seq = global_counts(data["token_mask"])
     loss_fn = DistillationLossFn(kl_type, 0.3, temperature, "sum")
     _, metrics = loss_fn(student, data, n_tok, n_seq, teacher_output=teacher)
-    # kl_forward / kl_reverse are token means of the plain (T = 1) divergences, whatever
-    # the loss's own temperature and reduction.
-    fwd, count = ref_masked_kl_sum(student, teacher, data["token_mask"], "forward")
-    rev, _ = ref_masked_kl_sum(student, teacher, data["token_mask"], "reverse")
+    # kl_forward / kl_reverse are token means of the divergences at the loss temperature
+    # (the only one a top-k teacher's answer describes), whatever the reduction.
+    fwd, count = ref_masked_kl_sum(student, teacher, data["token_mask"], "forward", temperature=temperature)
+    rev, _ = ref_masked_kl_sum(student, teacher, data["token_mask"], "reverse", temperature=temperature)
     assert metrics["kl_forward"] == pytest.approx(fwd.item() / count, rel=1e-5)
     assert metrics["kl_reverse"] == pytest.approx(rev.item() / count, rel=1e-5)
     assert metrics["num_valid_tokens"] == float(sum(LENGTHS))

@@ -1,7 +1,9 @@
 """The served teacher: ``opd serve-teacher`` and the remote-teacher client, over real HTTP on 127.0.0.1.
 
-* the answers equal the in-process teacher's (top-k log-probs and ids, token log-probs),
-  and so does the loss built from them;
+* the answers equal the in-process teacher's (top-k log-probs and ids, the rest mass
+  outside the top k, token log-probs), and so does the loss built from them;
+* the rest mass: sent by ``opd serve-teacher`` and checked by the client, or computed by
+  the client from the top-k when the server does not send it (as vLLM does not);
 * the server's refusals (bearer token, oversized body, too many log-probs, text prompts);
 * faults between client and server, injected by a forwarding proxy: HTTP 500s, a slow
   answer, a truncated body, answers that do not match the ids sent — retried, or
@@ -38,8 +40,9 @@ from opd.models.interfaces import FullVocabRequest
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.remote_teacher import RemoteTeacher, TeacherServiceError
 from opd.models.teacher.scoring import PromptScorer
-from opd.models.teacher.server import TeacherService, build_server
+from opd.models.teacher.server import REST_MASS_FIELD, TeacherService, build_server
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.models.topk_rest import rest_logprobs_from_topk
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 from opd_test_helpers import REPO_ROOT, BackgroundProcess, served_and_in_process_losses
@@ -126,14 +129,21 @@ def test_served_topk_and_token_logprobs_equal_the_in_process_teacher(served, tea
     remote.connect(tokenizer)
     local = LocalTeacher(teacher_model)
     vocab = len(tokenizer)
-    values, ids = remote.get_topk_logprobs(batch, K, 1.0, vocab)
-    local_values, local_ids = local.get_topk_logprobs(batch, K, 1.0, vocab)
+    answer = remote.get_topk_logprobs(batch, K, 1.0, vocab)
+    local_answer = local.get_topk_logprobs(batch, K, 1.0, vocab)
+    values, ids = answer
+    local_values, local_ids = local_answer
+    assert answer.rest_logprobs is not None and local_answer.rest_logprobs is not None
     lengths = batch["input_lengths"]
     for row, n in enumerate(lengths.tolist()):
         # Positions 0 … n-2 predict a real token; the rest are placeholders (masked).
         torch.testing.assert_close(values[row, : n - 1], local_values[row, : n - 1], rtol=0, atol=1e-4)
         assert torch.equal(ids[row, : n - 1], local_ids[row, : n - 1])
         assert torch.isfinite(values[row]).all()
+        # The server's own rest mass, not one the client subtracted.
+        torch.testing.assert_close(answer.rest_logprobs[row, : n - 1], local_answer.rest_logprobs[row, : n - 1],
+                                   rtol=0, atol=1e-4)
+        assert torch.isfinite(answer.rest_logprobs[row]).all()
     token = remote.get_token_logprobs(batch, vocab)
     local_token = local.get_token_logprobs(batch, vocab)
     for row, n in enumerate(lengths.tolist()):
@@ -229,7 +239,8 @@ class FaultProxy:
     ``faults`` is consumed one entry per ``/v1/completions`` request: ``ok``, ``500``,
     ``slow`` (waits 2 s, longer than the client's timeout), ``truncate`` (announces the
     full length, sends half the body, closes), ``misalign`` (reports other token ids),
-    ``short`` (drops the last position's log-probs).
+    ``short`` (drops the last position's log-probs), ``vllm`` (drops the rest masses, which
+    vLLM does not send), ``bad_rest`` (a rest mass that does not add up with the top k to 1).
     """
 
     def __init__(self, target: str, faults: list[str]) -> None:
@@ -278,6 +289,11 @@ class FaultProxy:
                     payload["choices"][0]["prompt_token_ids"][1] += 1
                 if fault == "short":
                     payload["choices"][0]["prompt_logprobs"].pop()
+                if fault == "vllm":
+                    for choice in payload["choices"]:
+                        choice.pop(REST_MASS_FIELD, None)
+                if fault == "bad_rest":
+                    payload["choices"][0][REST_MASS_FIELD][1] = 0.5
                 data = json.dumps(payload).encode()
                 if fault == "truncate":
                     self._send(200, data[: len(data) // 2], length=len(data))
@@ -309,6 +325,7 @@ def test_transient_faults_are_retried_and_the_answer_is_exact(served, teacher_mo
     ("misalign", "scored other token ids than were sent"),
     ("short", "prompt_logprobs entries for"),
     ("500", "HTTP 500"),
+    ("bad_rest", "do not add up to 1"),
 ])
 def test_persistent_faults_stop_with_a_clear_error_and_nothing_reaches_the_loss(served, tokenizer, fault, message):
     proxy = FaultProxy(served.url, [fault] * 10)
@@ -324,6 +341,39 @@ def test_persistent_faults_stop_with_a_clear_error_and_nothing_reaches_the_loss(
     assert reached_loss == []
     assert "after 3 attempts" in str(raised.value)
     assert proxy.seen == 3
+
+
+def test_without_served_rest_masses_the_client_computes_them_from_the_top_k(served, teacher_model, tokenizer):
+    """A vLLM server sends no rest mass: the client takes log(1 − Σ_k P) in float64 from the top k."""
+    proxy = FaultProxy(served.url, ["vllm"] * 10)
+    batch = batch_of(tokenizer, TEXTS)
+    vocab = len(tokenizer)
+    try:
+        answer = client(proxy.url, sequences_per_request=len(TEXTS)).get_topk_logprobs(batch, K, 1.0, vocab)
+    finally:
+        proxy.running.stop()
+    local = LocalTeacher(teacher_model).get_topk_logprobs(batch, K, 1.0, vocab)
+    assert answer.rest_logprobs is not None and local.rest_logprobs is not None
+    for row, n in enumerate(batch["input_lengths"].tolist()):
+        received = answer.logprobs[row, : n - 1]
+        torch.testing.assert_close(answer.rest_logprobs[row, : n - 1],
+                                   rest_logprobs_from_topk(received).float(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(answer.rest_logprobs[row, : n - 1], local.rest_logprobs[row, : n - 1],
+                                   rtol=0, atol=1e-4)
+
+
+def test_the_server_sends_rest_masses_only_with_top_k(served):
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 1, "prompt_logprobs": 3}
+    choice = httpx.post(f"{served.url}/v1/completions", json=body).json()["choices"][0]
+    rest = choice[REST_MASS_FIELD]
+    assert rest[0] is None and len(rest) == 4
+    for position in range(1, 4):
+        entries = choice["prompt_logprobs"][position]
+        top = sorted((info["logprob"] for info in entries.values()), reverse=True)[:3]
+        assert 0.0 < rest[position] < 1.0
+        assert math.fsum(math.exp(value) for value in top) + rest[position] == pytest.approx(1.0, abs=1e-5)
+    token_only = httpx.post(f"{served.url}/v1/completions", json={**body, "prompt_logprobs": 0}).json()
+    assert REST_MASS_FIELD not in token_only["choices"][0]
 
 
 # ------------------------------------------------------------------ a real server process
