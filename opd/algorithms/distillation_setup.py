@@ -32,7 +32,14 @@ from opd.algorithms.loss_config import (
     HybridFullVocabLossConfig,
     SampledTokenLossConfig,
 )
-from opd.algorithms.run_setup import DriverArguments, load_examples, load_run_tokenizer, plan_run_length, restore_run
+from opd.algorithms.run_setup import (
+    DriverArguments,
+    load_examples,
+    load_run_tokenizer,
+    plan_run_length,
+    report_overlap,
+    restore_run,
+)
 from opd.algorithms.training_loop import RunSaveState, check_output_is_fresh, find_resume_checkpoint
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
 from opd.models.generation.hf_generation import HFGeneration
@@ -339,7 +346,8 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
         config.training.max_num_steps,
         config.data.train_path,
     )
-    val_examples = load_examples(config.data, tokenizer, "val", context) if config.data.val_path else None
+    val_examples = load_examples(config.data, tokenizer, "val", context) if config.data.has_validation else None
+    report_overlap(train_examples, val_examples, config.data)
 
     resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)
     lora = config.model.active_lora()

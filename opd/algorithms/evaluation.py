@@ -49,8 +49,8 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
         ConfigError: if there is no validation data or the model cannot be found.
     """
     config = master_config
-    if not config.data.val_path:
-        raise ConfigError("evaluation needs validation data: set data.val_path")
+    if not config.data.has_validation:
+        raise ConfigError("evaluation needs validation data: set data.val_path or data.val_holdout")
     check_environment(config)
     set_seed(config.training.seed)
     tokenizer = run_tokenizer(config)

@@ -8,6 +8,7 @@ resume from, the models, and the restored optimizer state and counters.
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -50,6 +51,9 @@ def load_examples(
 ) -> list[PreparedExample]:
     """Reads, checks and tokenizes the training or validation data of ``data``.
 
+    With ``data.val_holdout``, validation is that many rows of the training source, drawn
+    with ``data.val_holdout_seed`` (see :func:`holdout_rows`), and training gets the rest.
+
     Args:
         data: the ``data`` section.
         tokenizer: applies the chat template.
@@ -64,12 +68,63 @@ def load_examples(
         source, hf_split, limit = data.val_path, data.val_split, data.max_val_examples
     if path is not None:
         source = path
+    elif data.val_holdout is not None:
+        raw = load_chat_dataset(
+            data.train_path, split=data.train_split, data_format=data.data_format, prompt_file=data.prompt_file
+        )
+        held_out = holdout_rows(len(raw), data.val_holdout, data.val_holdout_seed, data.train_path)
+        rows = [row for index, row in enumerate(raw) if (index in held_out) == (split == "val")]
+        where = f"{data.train_path} ({'held-out validation' if split == 'val' else 'training'} rows)"
+        return prepare_examples(
+            rows[:limit] if limit else rows, tokenizer, data.max_prompt_length, where, teacher_context
+        )
     if source is None:
-        raise ConfigError(f"no {split} data: set data.{split}_path")
+        raise ConfigError(
+            f"no {split} data: set data.{split}_path" + (" or data.val_holdout" if split == "val" else "")
+        )
     raw = load_chat_dataset(
         source, split=hf_split, max_examples=limit, data_format=data.data_format, prompt_file=data.prompt_file
     )
     return prepare_examples(raw, tokenizer, data.max_prompt_length, source, teacher_context)
+
+
+def holdout_rows(num_rows: int, holdout: int, seed: int, source: str) -> set[int]:
+    """The indices of the ``holdout`` validation rows among a source's ``num_rows``.
+
+    Drawn without replacement by a generator of its own, so the set depends on the seed
+    and the row count only, never on ``training.seed`` or on what else the run draws.
+
+    Raises:
+        ConfigError: if the holdout would leave no training rows.
+    """
+    if holdout >= num_rows:
+        raise ConfigError(
+            f"data.val_holdout = {holdout} would hold out every one of the {num_rows} rows of '{source}'; "
+            "use fewer validation rows"
+        )
+    return set(random.Random(seed).sample(range(num_rows), holdout))
+
+
+def report_overlap(train: list[PreparedExample], val: list[PreparedExample] | None, data: DataConfig) -> int:
+    """Warns when validation prompts also appear in the training data; returns their count.
+
+    Prompts are compared as token ids (what the model sees), so the same problem from two
+    files counts, and the count is exact.
+    """
+    if not val:
+        return 0
+    train_prompts = {tuple(example["prompt_ids"]) for example in train}
+    overlap = sum(tuple(example["prompt_ids"]) in train_prompts for example in val)
+    if overlap:
+        log.warning(
+            "%d of the %d validation prompts also appear in the training data (%s vs %s); validation then "
+            "measures memorisation too (data.val_holdout carves a disjoint validation set out of one source)",
+            overlap,
+            len(val),
+            data.val_path,
+            data.train_path,
+        )
+    return overlap
 
 
 def plan_run_length(

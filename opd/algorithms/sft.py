@@ -21,7 +21,14 @@ from pydantic import Field
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.loss_functions import NLLLossFn
-from opd.algorithms.run_setup import DriverArguments, load_examples, load_run_tokenizer, plan_run_length, restore_run
+from opd.algorithms.run_setup import (
+    DriverArguments,
+    load_examples,
+    load_run_tokenizer,
+    plan_run_length,
+    report_overlap,
+    restore_run,
+)
 from opd.algorithms.training_loop import (
     RunConfig,
     RunSaveState,
@@ -34,7 +41,7 @@ from opd.algorithms.validation import ValidationConfig, validate
 from opd.data.batches import build_fixed_data_batch
 from opd.data.config import DataConfig
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
-from opd.models.config import ModelLoadingConfig
+from opd.models.config import ModelLoadingConfig, StudentLoraSettings
 from opd.models.generation.hf_generation import HFGeneration
 from opd.models.interfaces import GenerationInterface, LossFunction, PolicyInterface
 from opd.models.loading import check_output_sizes, load_causal_lm, resolve_device, resolve_dtype
@@ -46,8 +53,8 @@ from opd.utils.logger import Logger, LoggerConfig
 log = logging.getLogger("opd")
 
 
-class SFTModelConfig(ModelLoadingConfig):
-    """The model to fine-tune and how to load it."""
+class SFTModelConfig(ModelLoadingConfig, StudentLoraSettings):
+    """The model to fine-tune, how to load it, and (``lora``) whether to train LoRA adapters only."""
 
     model_path: str = Field(description="HF hub name, local model directory or tiny:<preset>")
     tokenizer_path: str | None = Field(None, description="defaults to model_path")
@@ -121,16 +128,19 @@ def setup(master_config: SFTMasterConfig) -> SFTComponents:
         config.training.max_num_steps,
         config.data.train_path,
     )
-    val_examples = load_examples(config.data, tokenizer, "val") if config.data.val_path else None
+    val_examples = load_examples(config.data, tokenizer, "val") if config.data.has_validation else None
+    report_overlap(train_examples, val_examples, config.data)
 
     resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)
-    model_path = str(resume_from / "policy") if resume_from else config.model.model_path
+    lora = config.model.active_lora()
+    # A LoRA run resumes from the base model plus the adapter kept in the optimizer state.
+    model_path = str(resume_from / "policy") if resume_from is not None and lora is None else config.model.model_path
     device = resolve_device(config.model.device)
     model = load_causal_lm(model_path, resolve_dtype(config.model.dtype, device), device, config.model)
     check_output_sizes(model, len(tokenizer), model_path)
 
     micro_batch_size = config.training.micro_batch_size or config.training.batch_size
-    policy = HFPolicy(model, config.training, micro_batch_size, total_steps)
+    policy = HFPolicy(model, config.training, micro_batch_size, total_steps, lora=lora)
     save_state = restore_run(resume_from, policy, checkpointer, config, total_steps)
     logger = Logger(config.logger, total_steps)
     logger.log_hyperparams(config.model_dump(mode="json", by_alias=True))

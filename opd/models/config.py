@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from opd.utils.config import StrictConfig
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The attention and MLP projections of Qwen2 / Llama-style decoders."""
+
+# Layers the fused loss and the merged refit read directly: an adapter there would be skipped.
+_FORBIDDEN_LORA_TARGETS = ("lm_head", "embed_tokens")
 
 
 class ModelLoadingConfig(StrictConfig):
@@ -18,7 +24,51 @@ class ModelLoadingConfig(StrictConfig):
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
 
 
-class ModelConfig(ModelLoadingConfig):
+class LoraConfig(StrictConfig):
+    """Low-rank adapters on the student (``model.lora``), trained with ``peft`` instead of the full weights.
+
+    The section's presence switches LoRA on: ``model.lora: null`` (the default) is full
+    fine-tuning, and any given section (``model.lora: {r: 8}``, or an override such as
+    ``model.lora.r=8`` or ``model.lora.enabled=true``) trains adapters only.
+    ``enabled: false`` keeps the settings written down but trains the full model.
+    """
+
+    enabled: bool = Field(True, description="false = full fine-tuning despite the section")
+    r: int = Field(16, ge=1, description="rank of each adapter")
+    alpha: float = Field(32.0, gt=0.0, description="scaling numerator: the update is (alpha / r) · B·A")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter input during training")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        description="module names (suffixes) that get adapters, or all-linear (every linear layer but the head)",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _check_targets(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, str):
+            return value
+        if not value:
+            raise ValueError("needs at least one module name (or all-linear)")
+        forbidden = sorted(set(value) & set(_FORBIDDEN_LORA_TARGETS))
+        if forbidden:
+            raise ValueError(
+                f"{forbidden} cannot take an adapter: the fused loss and the merged refit read the embedding and "
+                "output layers' weights directly"
+            )
+        return value
+
+
+class StudentLoraSettings(StrictConfig):
+    """The ``lora`` key of a section that loads a trainable student."""
+
+    lora: LoraConfig | None = Field(None, description="low-rank adapters (peft); null = full fine-tuning")
+
+    def active_lora(self) -> LoraConfig | None:
+        """The LoRA settings if LoRA is on (section given and ``enabled``), else None."""
+        return self.lora if self.lora is not None and self.lora.enabled else None
+
+
+class ModelConfig(ModelLoadingConfig, StudentLoraSettings):
     """Teacher, student and tokenizer locations plus loading options.
 
     Paths are Hugging Face hub names, local model directories, or ``tiny:<preset>``

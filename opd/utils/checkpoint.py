@@ -3,8 +3,11 @@
 Layout of one checkpoint::
 
     checkpoint_dir/step_N/
-      policy/                 # the student as an HF model directory (safetensors + tokenizer)
-      optimizer.pt            # optimizer + scheduler state (loaded with weights_only=True)
+      policy/                 # the student as an HF model directory (safetensors + tokenizer);
+                              # a LoRA student: merged weights, plus policy/adapter/ (peft)
+      optimizer.pt            # optimizer + scheduler state (loaded with weights_only=True);
+                              # a LoRA student's adapter tensors too (``lora_adapter``): its
+                              # run resumes from the base model and these exact tensors
       training_state.pt       # RNG states and dataloader state (weights_only=True)
       save_state.json         # step, epoch, consumed samples, best metric
       config.yaml             # the resolved config of the run

@@ -6,12 +6,18 @@ teacher for the same micro-batch's output when a teacher is given), so the loss
 function can normalise globally and gradient accumulation is exact. For a fused loss
 the student's forward stops at the final hidden states and the loss makes the logits
 chunk by chunk.
+
+With ``lora`` settings the student is wrapped with peft adapters
+(:mod:`opd.models.policy.lora`): only the adapters are trained and held by AdamW, the
+refit weights and ``final_model/`` are the merged plain model, the adapter is saved
+beside them (``adapter/``) and in the checkpoint's optimizer state.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,9 +25,14 @@ from transformers import PreTrainedModel, get_scheduler
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs, pack_padding_free, shift_token_mask
-from opd.models.config import OptimizerConfig
+from opd.models.config import LoraConfig, OptimizerConfig
 from opd.models.interfaces import LossFunction, PolicyInterface, TeacherSignalFn
 from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of
+from opd.models.policy.lora import adapter_parameters, load_adapter_state, merged_tensors, wrap_with_lora
+from opd.utils.errors import OpdError
+
+ADAPTER_DIR = "adapter"
+"""Where :meth:`HFPolicy.save_pretrained` puts a LoRA student's adapter (peft's format)."""
 
 # Devices with a fused AdamW kernel in torch ≥ 2.4 (CPU included).
 _FUSED_ADAM_DEVICES = ("cpu", "cuda", "xpu", "mps")
@@ -54,6 +65,9 @@ class HFPolicy(PolicyInterface):
             not used.
         sequence_packing: concatenate each micro-batch's sequences into one row without
             padding (:func:`~opd.data.sequences.pack_padding_free`); same loss.
+        lora: LoRA settings, or None to train every weight. With LoRA, ``model`` gets its
+            adapters in place (anything else holding it, e.g. the HF generation engine,
+            samples with the current adapter) and its base weights are frozen.
     """
 
     def __init__(
@@ -64,8 +78,12 @@ class HFPolicy(PolicyInterface):
         total_steps: int,
         micro_batch_tokens: int | None = None,
         sequence_packing: bool = False,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
+        # The PeftModel around self.model: it saves the adapter; the forward runs on self.model.
+        self.peft_model = wrap_with_lora(model, lora) if lora is not None else None
         self.model.train()
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
@@ -175,21 +193,60 @@ class HFPolicy(PolicyInterface):
             return self.model(**model_inputs(data, self.device), use_cache=False).logits
 
     def weights_for_refit(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter by name, detached (the engine copies them)."""
+        """Every parameter by name, detached (the engine copies them).
+
+        A LoRA student yields the merged weights under the base model's names, so the
+        engine sees a plain model.
+        """
+        if self.lora is not None:
+            yield from merged_tensors(self.model, self.model.named_parameters())
+            return
         for name, parameter in self.model.named_parameters():
             yield name, parameter.detach()
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer and LR-schedule state (the weights are saved as an HF model directory)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Optimizer and LR-schedule state, plus a LoRA student's adapter weights.
+
+        A full fine-tuning run's weights are saved as an HF model directory; a LoRA run
+        resumes from the base model and these adapter tensors (exact copies), because the
+        merged weights of its model directory are not the base weights plus the adapter
+        bit for bit.
+        """
+        state: dict[str, Any] = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.lora is not None:
+            state["lora_adapter"] = {name: param.detach() for name, param in adapter_parameters(self.model).items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores what :meth:`state_dict` returned."""
+        """Restores what :meth:`state_dict` returned.
+
+        Raises:
+            OpdError: a LoRA checkpoint restored without ``model.lora``, or the reverse.
+        """
+        if (self.lora is not None) != ("lora_adapter" in state):
+            written = "with" if "lora_adapter" in state else "without"
+            raise OpdError(
+                f"the checkpoint was written {written} model.lora and this run is configured "
+                f"{'with' if self.lora is not None else 'without'} it; resume with the run's own model.lora setting"
+            )
+        if self.lora is not None:
+            load_adapter_state(self.model, state["lora_adapter"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     def save_pretrained(self, directory: str, tokenizer: Any | None = None) -> None:
-        """Writes the student (safetensors) and optionally its tokenizer to ``directory``."""
-        self.model.save_pretrained(directory, safe_serialization=True)
+        """Writes the student (safetensors) and optionally its tokenizer to ``directory``.
+
+        A LoRA student is written twice: merged into a plain model in ``directory``
+        (loadable with ``AutoModelForCausalLM.from_pretrained``, no peft keys) and as the
+        adapter alone in ``directory/adapter/`` (peft's ``adapter_config.json`` and
+        ``adapter_model.safetensors``, for ``PeftModel.from_pretrained(base, ...)``).
+        """
+        if self.peft_model is None:
+            self.model.save_pretrained(directory, safe_serialization=True)
+        else:
+            merged = dict(merged_tensors(self.model, self.model.state_dict().items()))
+            self.model.save_pretrained(directory, state_dict=merged, safe_serialization=True)
+            self.peft_model.save_pretrained(str(Path(directory) / ADAPTER_DIR), safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)

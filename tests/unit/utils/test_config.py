@@ -278,11 +278,16 @@ def _field_paths(model_cls, prefix=""):
 
 def test_template_documents_every_config_key():
     """examples/configs/distillation.yaml spells out every key MasterConfig accepts."""
-    tree = yaml.safe_load((REPO_ROOT / "examples" / "configs" / "distillation.yaml").read_text())
+    text = (REPO_ROOT / "examples" / "configs" / "distillation.yaml").read_text()
+    tree = yaml.safe_load(text)
     missing = []
     for path in _field_paths(MasterConfig):
         node = tree
         for part in path.split("."):
+            if node is None:  # an optional section, off (null) by default: its keys are listed in a comment
+                if f"#   {part}:" not in text:
+                    missing.append(path)
+                break
             if not isinstance(node, dict) or part not in node:
                 missing.append(path)
                 break

@@ -1,0 +1,146 @@
+"""LoRA students through ``peft``: wrapping, the adapter's state, merged weights.
+
+:func:`wrap_with_lora` injects adapters into the student *in place* (peft replaces each
+targeted ``nn.Linear`` by a ``lora.Linear`` holding the frozen base layer and the
+trainable ``lora_A`` / ``lora_B``). Every holder of the student module — the policy's
+forward, the fused LM-head path, the in-process generation engine — therefore runs with
+the current adapter without knowing about peft. Only the adapter's parameters keep
+``requires_grad``.
+
+A separate engine (vLLM) and ``final_model/`` need a plain model instead:
+:func:`merged_tensors` maps the wrapped model's tensors back to the base model's names,
+with ``W + (alpha / r)·B·A`` for every adapted weight, computed as peft's own
+``merge_and_unload`` does but without touching the module (an in-place merge and unmerge
+would not restore the base weights bit for bit, and exact resume needs them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from opd.models.config import LoraConfig
+from opd.utils.errors import ConfigError, OpdError
+
+ADAPTER_NAME = "default"
+"""The one adapter a student holds (peft's default name)."""
+
+_BASE_LAYER = ".base_layer"
+
+
+def import_peft() -> Any:
+    """The ``peft`` module.
+
+    Raises:
+        ConfigError: if peft is not installed, saying how to install it.
+    """
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("model.lora needs the peft package: pip install 'opd[lora]'") from None
+    return peft
+
+
+def wrap_with_lora(model: PreTrainedModel, config: LoraConfig) -> Any:
+    """Injects LoRA adapters into ``model`` (in place) and freezes everything else.
+
+    Returns:
+        The ``peft.PeftModel`` around ``model`` (for saving the adapter); ``model`` itself
+        now computes with the adapters.
+
+    Raises:
+        ConfigError: peft missing, no module matching ``model.lora.target_modules``, or an
+            adapter on the embedding or output layer.
+    """
+    peft = import_peft()
+    peft_config = peft.LoraConfig(
+        r=config.r,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=config.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        wrapped = peft.get_peft_model(model, peft_config, adapter_name=ADAPTER_NAME)
+    except ValueError as error:  # peft's "Target modules ... not found in the base model"
+        raise ConfigError(f"model.lora.target_modules = {config.target_modules!r}: {error}") from None
+    lora_layer = peft.tuners.lora.LoraLayer
+    for layer, role in ((model.get_input_embeddings(), "input embedding"), (model.get_output_embeddings(), "output")):
+        if isinstance(layer, lora_layer):
+            raise ConfigError(
+                f"model.lora.target_modules = {config.target_modules!r} puts an adapter on the {role} layer, which "
+                "the fused loss and the merged refit read directly; name the decoder's projections instead"
+            )
+    return wrapped
+
+
+def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The trainable (adapter) parameters of a wrapped model, by their names in ``model``."""
+    return {name: param for name, param in model.named_parameters() if param.requires_grad}
+
+
+def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copies saved adapter tensors into ``model``'s adapter parameters (exact copies).
+
+    Raises:
+        OpdError: if the saved adapter does not fit (another rank, other target modules).
+    """
+    params = adapter_parameters(model)
+    if set(state) != set(params):
+        missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+        raise OpdError(
+            "the checkpoint's LoRA adapter does not match model.lora "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]}); resume with the run's own model.lora settings"
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            if state[name].shape != param.shape:
+                raise OpdError(
+                    f"the checkpoint's LoRA tensor {name} has shape {tuple(state[name].shape)}, model.lora gives "
+                    f"{tuple(param.shape)}; resume with the run's own model.lora.r"
+                )
+            param.copy_(state[name])
+
+
+def merged_tensors(
+    model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` of a LoRA-wrapped ``model`` as the plain base model names and holds them.
+
+    Adapter tensors are dropped; ``<layer>.base_layer.<name>`` becomes ``<layer>.<name>``,
+    and an adapted layer's weight becomes ``W + ΔW`` in ``W``'s dtype (what peft's
+    merge writes). Everything else passes through detached.
+
+    Args:
+        model: the wrapped model (to find each adapted layer).
+        tensors: ``(name, tensor)`` pairs of ``model``, e.g. ``named_parameters()`` or
+            ``state_dict().items()``.
+    """
+    lora_layer = import_peft().tuners.lora.LoraLayer
+    adapted = {name: module for name, module in model.named_modules() if isinstance(module, lora_layer)}
+    for name, tensor in tensors:
+        owner, _, leaf = name.rpartition(".")
+        layer_name = _adapted_ancestor(owner, adapted)
+        if layer_name is None:
+            yield name, tensor.detach()
+        elif owner == layer_name + _BASE_LAYER:
+            value = tensor.detach()
+            if leaf == "weight":
+                with torch.no_grad():  # the adapter's parameters require grad
+                    value = (value + adapted[layer_name].get_delta_weight(ADAPTER_NAME)).to(value.dtype)
+            yield f"{layer_name}.{leaf}", value
+        # else: lora_A / lora_B of an adapted layer, which the merged weight already holds
+
+
+def _adapted_ancestor(module_name: str, adapted: dict[str, Any]) -> str | None:
+    """The adapted layer that ``module_name`` is or lies inside, if any (walking up the dotted path)."""
+    parts = module_name.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in adapted:
+            return candidate
+    return None
