@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Installs opd (editable) and its dependencies into the current Python environment.
+# Installs opd (editable) and its dependencies into the Python environment that
+# scripts/python_env.sh chooses: PYTHON if set; else the active virtual or conda
+# environment; else the checkout's .venv, created on first use (never the system's Python).
 #
 #   bash scripts/install.sh [EXTRAS]      e.g. bash scripts/install.sh test
 #
@@ -8,7 +10,7 @@
 # the default (CUDA) build is installed; otherwise the CPU build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
+source scripts/python_env.sh
 EXTRAS="${1:-}"
 export PIP_ROOT_USER_ACTION=ignore  # installing as root in a container is deliberate
 PIP=("$PYTHON" -m pip install --quiet --disable-pip-version-check)
@@ -30,4 +32,4 @@ if [ -n "$EXTRAS" ]; then
 else
   "${PIP[@]}" -e .
 fi
-echo "[install] opd installed"
+echo "[install] opd installed into $("$PYTHON" -c 'import sys; print(sys.prefix)')"

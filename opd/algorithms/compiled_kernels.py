@@ -18,7 +18,9 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import sysconfig
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar, cast
 
 import torch
@@ -70,7 +72,8 @@ def compiler_toolchain_problem(device_type: str) -> str | None:
     """Why ``torch.compile`` cannot build kernels for ``device_type`` here, or None if it can.
 
     Inductor writes C++ for CPU kernels (it needs a C++ compiler: ``$CXX``, ``g++`` or
-    ``clang++``) and Triton for GPU kernels.
+    ``clang++``, and the Python headers its wrappers include, ``Python.h``) and Triton
+    for GPU kernels.
     """
     if device_type == "cuda":
         try:
@@ -80,9 +83,12 @@ def compiler_toolchain_problem(device_type: str) -> str | None:
         return None
     if device_type == "cpu":
         candidates = [os.environ.get("CXX", ""), "g++", "clang++", "c++"]
-        if any(candidate and shutil.which(candidate) for candidate in candidates):
-            return None
-        return "no C++ compiler found (set $CXX or install g++ / clang++)"
+        if not any(candidate and shutil.which(candidate) for candidate in candidates):
+            return "no C++ compiler found (set $CXX or install g++ / clang++)"
+        headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+        if not headers.is_file():
+            return f"the Python headers are missing ({headers}; on Debian/Ubuntu: apt install python3-dev)"
+        return None
     return f"opd does not compile kernels for device type {device_type!r}"
 
 

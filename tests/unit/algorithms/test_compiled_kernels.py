@@ -99,6 +99,17 @@ def test_auto_follows_the_toolchain(no_compiler):
         resolve_compile_kernels(True, "cpu")
 
 
+def test_missing_python_headers_are_a_missing_toolchain(monkeypatch, tmp_path):
+    """A C++ compiler without Python.h cannot build inductor's CPU wrappers: auto must not compile."""
+    monkeypatch.setenv("CXX", "g++")
+    monkeypatch.setattr(compiled_kernels.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(compiled_kernels.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    assert "Python headers are missing" in compiled_kernels.compiler_toolchain_problem("cpu")
+    assert resolve_compile_kernels("auto", "cpu") is False
+    (tmp_path / "Python.h").write_text("")
+    assert compiled_kernels.compiler_toolchain_problem("cpu") is None
+
+
 def test_auto_compiles_where_a_compiler_exists():
     if not any(shutil.which(name) for name in ("g++", "clang++", "c++")):
         pytest.skip("no C++ compiler on this machine")
