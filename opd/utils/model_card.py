@@ -52,7 +52,9 @@ def _loss_summary(loss: Mapping[str, Any] | None) -> str:
     """``full_vocab (kl_type=reverse, temperature=1.0)``: the loss type and its main settings."""
     if not loss:
         return "cross-entropy on the dataset's answers"
-    main = ("kl_type", "mixed_kl_weight", "beta", "k", "tail", "temperature", "teacher_tau", "student_tau")
+    main = ["kl_type", "mixed_kl_weight", "beta", "k", "tail", "temperature", "teacher_tau", "student_tau"]
+    if loss.get("kl_type") != "mixed":  # the weight only means something for a mixed KL
+        main.remove("mixed_kl_weight")
     settings = ", ".join(f"{key}={_format_value(loss[key])}" for key in main if key in loss)
     return f"{loss.get('type', '?')} ({settings})" if settings else str(loss.get("type", "?"))
 
@@ -88,13 +90,14 @@ def _run_rows(config: Mapping[str, Any], steps: int, distillation: bool) -> list
     if distillation:
         rows.append(("λ (share of on-policy steps)", _format_value(_get(config, "distillation.lambda"))))
         strategy = _get(config, "distillation.generate_strategy") or {}
+        method = strategy.get("decoding_method")
+        if method == "top_k":
+            method = f"top_k {strategy.get('top_k')}, temperature {strategy.get('temperature')}"
+        elif method == "top_p":
+            method = f"top_p {strategy.get('top_p')}, temperature {strategy.get('temperature')}"
+        samples = _get(config, "distillation.num_samples_per_prompt")
         rows.append(
-            (
-                "student sampling",
-                f"{_get(config, 'distillation.num_samples_per_prompt')} per prompt, "
-                f"{strategy.get('decoding_method')}, temperature {strategy.get('temperature')}, "
-                f"up to {strategy.get('max_length')} new tokens",
-            )
+            ("student sampling", f"{samples} per prompt, {method}, up to {strategy.get('max_length')} new tokens")
         )
     rows.append(("loss", _loss_summary(_get(config, "loss_fn"))))
     rows.append(("optimizer steps", str(steps)))

@@ -35,6 +35,8 @@ def config_dict(path: Path, *overrides: str) -> dict:
 
 def test_card_of_the_specification_case(tmp_path):
     config = config_dict(MATH_CONFIG, "distillation.lambda=0.5")
+    mixed = render_model_card(config_dict(MATH_CONFIG, "loss_fn.kl_type=mixed", "loss_fn.mixed_kl_weight=0.3"), 1, None)
+    assert "| loss | full_vocab (kl_type=mixed, mixed_kl_weight=0.3, temperature=1) |" in mixed
     text = render_model_card(config, 500, (500, {"val/accuracy": 0.4321, "val/kl_reverse": 0.125}))
     path = tmp_path / "README.md"
     path.write_text(text)
@@ -51,11 +53,11 @@ def test_card_of_the_specification_case(tmp_path):
         "| training data | pe-nlp/math-cl (math_cl) |",
         "| validation data | 256 rows held out of the training data |",
         "| λ (share of on-policy steps) | 0.5 |",
-        "| loss | full_vocab (kl_type=reverse, mixed_kl_weight=0.5, temperature=1) |",
+        "| loss | full_vocab (kl_type=reverse, temperature=1) |",
         "| optimizer steps | 500 |",
         "| val/accuracy | 0.4321 |",
         "| val/kl_reverse | 0.125 |",
-        "| student sampling | 4 per prompt, top_k, temperature 0.1, up to 2048 new tokens |",
+        "| student sampling | 4 per prompt, top_k 50, temperature 0.1, up to 2048 new tokens |",
     ):
         assert row in body, row
     assert "Last validation, after step 500" in body
