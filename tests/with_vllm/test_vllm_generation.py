@@ -5,6 +5,8 @@
 * after a training step the engine is stale; after ``refit`` its greedy rollouts equal
   the updated HF student's again (tied embeddings included);
 * every stop id (not only the tokenizer's EOS) ends a response, as in the HF backend;
+* a LoRA student refits the engine with merged weights under the base names, after
+  which the engine's greedy rollouts equal the adapter model's;
 * sampled tokens carry the log-prob of the processed distribution (temperature, top-k,
   top-p), checked against a float64 reference; seeds come from torch's generator;
 * a prompt too long for the engine, and a second engine in the process, are refused.
@@ -30,6 +32,7 @@ from opd.algorithms.distillation_config import MasterConfig  # noqa: E402
 from opd.algorithms.loss_functions import DistillationLossFn  # noqa: E402
 from opd.data.batched_data_dict import BatchedDataDict  # noqa: E402
 from opd.data.converters import load_prompt_template, math_cl_to_chat  # noqa: E402
+from opd.models.config import LoraConfig  # noqa: E402
 from opd.models.generation.config import GenerateStrategyConfig, VllmGenerationConfig  # noqa: E402
 from opd.models.generation.hf_generation import HFGeneration  # noqa: E402
 from opd.models.generation.vllm_generation import VllmGeneration  # noqa: E402
@@ -126,17 +129,18 @@ def test_greedy_rollouts_equal_the_hf_backend(engine, student, tokenizer, prompt
     assert torch.equal(without["input_ids"], vllm_batch["input_ids"])
 
 
-def one_training_step(model: torch.nn.Module, tokenizer, prompts) -> None:
+def one_training_step(model: torch.nn.Module, tokenizer, prompts, lora: LoraConfig | None = None) -> HFPolicy:
     """One optimizer step of forward-KL distillation from the demo teacher on the student's own rollouts."""
     teacher = LocalTeacher(AutoModelForCausalLM.from_pretrained(TEACHER_DIR, dtype=torch.float32).eval())
     config = load_config(MasterConfig, DEMO_CONFIG, ["training.learning_rate=0.05", "training.warmup_steps=0"])
-    policy = HFPolicy(model, config.training, micro_batch_size=len(prompts), total_steps=1)
+    policy = HFPolicy(model, config.training, micro_batch_size=len(prompts), total_steps=1, lora=lora)
     batch = HFGeneration(model, tokenizer).generate(prompts, greedy(24), num_samples=1)
     batch["token_mask"] = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
     for row in range(batch.size):
         batch["token_mask"][row, int(batch["prompt_lengths"][row]):int(batch["input_lengths"][row])] = True
     loss_fn = DistillationLossFn(kl_type="forward", vocab_size=len(tokenizer))
     policy.train(batch, loss_fn, teacher_signal=teacher.get_logits)
+    return policy
 
 
 def test_refit_after_a_training_step_matches_the_updated_student(engine, student, tokenizer, prompts):
@@ -157,6 +161,26 @@ def test_refit_after_a_training_step_matches_the_updated_student(engine, student
         assert torch.equal(stale["input_ids"], before["input_ids"])  # no refit yet: the old weights
         engine.refit_from_model(model)
         assert_same_rollouts(engine.generate(prompts, greedy(48)), updated)
+    finally:
+        engine.refit_from_model(student)  # the other tests use the engine with the student's weights
+
+
+def test_a_lora_student_refits_the_engine_with_merged_weights(engine, student, tokenizer, prompts):
+    """The engine holds a plain model; a LoRA student's refit sends W + (alpha/r)·B·A under the base names."""
+    pytest.importorskip("peft", reason="LoRA needs peft (the vllm-test extra installs it)")
+    model = copy.deepcopy(student)
+    try:
+        before = engine.generate(prompts, greedy(48))
+        policy = one_training_step(model, tokenizer, prompts, LoraConfig(r=8, alpha=16))
+        names = [name for name, _ in policy.weights_for_refit()]
+        assert names and not any("lora" in name or "base_layer" in name for name in names)
+        model.eval()
+        with_adapter = HFGeneration(model, tokenizer).generate(prompts, greedy(48))
+        assert not torch.allclose(with_adapter["generation_logprobs"], before["generation_logprobs"], atol=1e-3), (
+            "the adapter step should change the student's log-probs, else this test shows nothing"
+        )
+        engine.refit(policy)
+        assert_same_rollouts(engine.generate(prompts, greedy(48)), with_adapter)
     finally:
         engine.refit_from_model(student)  # the other tests use the engine with the student's weights
 
