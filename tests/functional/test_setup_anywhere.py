@@ -29,12 +29,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pip
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = REPO / "scripts" / "python_env.sh"
 STDLIB_NAME = f"python{sys.version_info.major}.{sys.version_info.minor}"
+# pip's package directory, looked up on sys.path by hand: importing pip, or even
+# importlib.util.find_spec("pip"), makes setuptools' distutils shim switch itself off for
+# the rest of the session, after which torch.compile fails in every later test.
+PIP_DIR = next((Path(entry) / "pip" for entry in sys.path if (Path(entry) / "pip" / "__init__.py").is_file()), None)
 # What the checkout copy leaves out: git data, environments, run outputs and caches.
 NOT_COPIED = shutil.ignore_patterns(
     ".git",
@@ -77,7 +80,8 @@ def make_python(prefix: Path, externally_managed: bool = True, ensurepip: bool =
             continue
         (stdlib / entry.name).symlink_to(entry)
     (stdlib / "site-packages").mkdir()
-    (stdlib / "site-packages" / "pip").symlink_to(Path(pip.__file__).parent)
+    assert PIP_DIR is not None, "pip is not on sys.path"
+    (stdlib / "site-packages" / "pip").symlink_to(PIP_DIR)
     if externally_managed:
         (stdlib / "EXTERNALLY-MANAGED").write_text(
             "[externally-managed]\nError=this test's scratch Python refuses system-wide installs (PEP 668)\n"
