@@ -196,6 +196,8 @@ def demo_run_config(tmp_path, student_dir, *overrides):
             f"model.student_model_path={student_dir}",
             f"data.train_path={REPO_ROOT / 'examples' / 'data' / 'arithmetic' / 'train.jsonl'}",
             "data.val_path=null",
+            "data.max_train_examples=64",  # the file has 20,000 rows; the check probes 8
+            "training.batch_size=8",
             "training.max_num_steps=1",
             *overrides,
         ],
