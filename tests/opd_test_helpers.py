@@ -11,6 +11,20 @@ from pathlib import Path
 from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY_TRAIN_DATA = REPO_ROOT / "examples" / "data" / "tiny_arithmetic" / "train.jsonl"
+
+
+def short_run_overrides(tmp_path: Path, run_name: str = "run") -> list[str]:
+    """Config overrides every short test run shares: its own output dir, the tiny training
+    file, no validation data or validation passes, and a quiet console."""
+    return [
+        f"output_dir={tmp_path / run_name}",
+        f"data.train_path={TINY_TRAIN_DATA}",
+        "data.val_path=null",
+        "validation.val_at_start=false",
+        "validation.val_at_end=false",
+        "logger.console=false",
+    ]
 
 
 class BackgroundProcess:

@@ -42,6 +42,7 @@ from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.utils.config import load_config, validate_config
 from opd.utils.errors import ConfigError, ModelCompatibilityError
+from opd_test_helpers import short_run_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
@@ -75,13 +76,8 @@ PROMPT_TEXTS = ["hi", "What is 2 + 3?", "Count to five, please, and then stop.",
 def run_config(tmp_path: Path, *overrides: str) -> MasterConfig:
     """The tiny demo config cut down to a few fast steps: no validation, no checkpoints."""
     base = [
-        f"output_dir={tmp_path / 'run'}",
-        f"data.train_path={TRAIN_DATA}",
-        "data.val_path=null",
-        "validation.val_at_start=false",
-        "validation.val_at_end=false",
+        *short_run_overrides(tmp_path),
         "checkpointing.enabled=false",
-        "logger.console=false",
         "training.batch_size=2",
         "training.micro_batch_size=null",
         "training.warmup_steps=0",

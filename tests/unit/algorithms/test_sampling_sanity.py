@@ -23,11 +23,10 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import unique_responses_per_prompt
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
-from opd_test_helpers import REPO_ROOT
+from opd_test_helpers import REPO_ROOT, short_run_overrides
 
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 MATH_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_math.yaml"
-TRAIN_DATA = REPO_ROOT / "examples" / "data" / "tiny_arithmetic" / "train.jsonl"
 
 
 def test_greedy_with_several_samples_is_refused():
@@ -100,13 +99,8 @@ def test_an_on_policy_run_logs_unique_responses(tmp_path):
         MasterConfig,
         TINY_CONFIG,
         [
-            f"output_dir={tmp_path / 'run'}",
-            f"data.train_path={TRAIN_DATA}",
-            "data.val_path=null",
-            "validation.val_at_start=false",
-            "validation.val_at_end=false",
+            *short_run_overrides(tmp_path),
             "checkpointing.enabled=false",
-            "logger.console=false",
             "training.batch_size=2",
             "training.micro_batch_size=null",
             "training.max_num_steps=4",

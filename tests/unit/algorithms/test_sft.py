@@ -52,7 +52,7 @@ from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
-from opd_test_helpers import BackgroundProcess
+from opd_test_helpers import BackgroundProcess, short_run_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SFT_CONFIG = REPO_ROOT / "examples" / "configs" / "sft.yaml"
@@ -93,14 +93,9 @@ VARIED_ROWS = [
 def sft_config(tmp_path: Path, *overrides: str) -> SFTMasterConfig:
     """``sft.yaml`` cut down to a few fast steps: no validation, no checkpoints."""
     base = [
-        f"output_dir={tmp_path / 'run'}",
-        f"data.train_path={TRAIN_DATA}",
-        "data.val_path=null",
-        "validation.val_at_start=false",
-        "validation.val_at_end=false",
+        *short_run_overrides(tmp_path),
         "validation.generate_strategy.max_length=8",
         "checkpointing.enabled=false",
-        "logger.console=false",
         "training.batch_size=8",
         "training.warmup_steps=0",
         "training.max_num_steps=3",

@@ -49,6 +49,7 @@ from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError, OpdError
+from opd_test_helpers import short_run_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
@@ -65,12 +66,7 @@ LORA = [f"model.lora.r={LORA_RANK}", "model.lora.alpha=16", "model.lora.dropout=
 def run_config(tmp_path: Path, *overrides: str) -> MasterConfig:
     """The tiny distillation config cut down to a few fast steps, without validation."""
     base = [
-        f"output_dir={tmp_path / 'run'}",
-        f"data.train_path={TRAIN_DATA}",
-        "data.val_path=null",
-        "validation.val_at_start=false",
-        "validation.val_at_end=false",
-        "logger.console=false",
+        *short_run_overrides(tmp_path),
         "training.batch_size=4",
         "training.micro_batch_size=2",
         "training.warmup_steps=0",
@@ -388,13 +384,8 @@ def test_a_lora_checkpoint_needs_the_lora_setting_to_resume():
 
 def test_sft_trains_adapters_only(tmp_path):
     overrides = [
-        f"output_dir={tmp_path / 'sft'}",
-        f"data.train_path={TRAIN_DATA}",
-        "data.val_path=null",
-        "validation.val_at_start=false",
-        "validation.val_at_end=false",
+        *short_run_overrides(tmp_path, "sft"),
         "checkpointing.enabled=false",
-        "logger.console=false",
         "training.batch_size=4",
         "training.max_num_steps=2",
         "training.val_freq=0",
