@@ -306,7 +306,7 @@ def report_stop_tokens(
         ModelCompatibilityError: the student stops at a token the teacher never emits.
     """
     configured = config.generation.stop_token_ids
-    student_stops = tuple(sorted(configured)) if configured else stop_token_ids(tokenizer, student_model)
+    student_stops = tuple(sorted(configured)) if configured is not None else stop_token_ids(tokenizer, student_model)
     log.info("responses end at %s", describe_tokens(tokenizer, student_stops))
     warning = check_stop_tokens(
         tokenizer,

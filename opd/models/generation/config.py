@@ -86,6 +86,7 @@ class GenerationConfig(StrictConfig):
     )
     stop_token_ids: list[int] | None = Field(
         None,
+        min_length=1,
         description="token ids that end a response; null = the tokenizer's EOS plus every id in the student's "
         "generation_config.eos_token_id",
     )

@@ -246,3 +246,14 @@ def test_setup_warns_when_stop_tokens_differ(tmp_path, demo_tokenizer, caplog):
         components.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("differ from the teacher's" in message for message in warnings), warnings
+
+
+def test_an_empty_stop_list_is_refused():
+    """An empty list would mean responses never end: only null (the model's list) or ids are allowed."""
+    from opd.algorithms.distillation_config import MasterConfig
+    from opd.utils.config import load_config
+    from opd.utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"generation.stop_token_ids = \[\]"):
+        load_config(MasterConfig, REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml",
+                    ["generation.stop_token_ids=[]"])
