@@ -110,7 +110,12 @@ def distillation_step(
         with timer.time("training"):
             train_metrics = student_policy.train(batch, loss_fn, teacher_signal if request is not None else None)
         state.generation_is_stale = student_generation.needs_refit
-    return step_metrics(train_metrics, batch, on_policy, timer.pop(), config.distillation.num_samples_per_prompt)
+    seconds = timer.pop()
+    # Phases a distributed trainer timed itself (its colocated teacher, the dispatch).
+    for key in [key for key in train_metrics if key.endswith("_seconds")]:
+        phase = key.removesuffix("_seconds")
+        seconds[phase] = seconds.get(phase, 0.0) + train_metrics.pop(key)
+    return step_metrics(train_metrics, batch, on_policy, seconds, config.distillation.num_samples_per_prompt)
 
 
 def step_metrics(
@@ -123,7 +128,8 @@ def step_metrics(
     """A step's logged metrics: the trainer's (``train/*``), the batch's, and each phase's time.
 
     ``timing/training`` excludes the teacher, which is scored inside the trainer's
-    micro-batch loop and reported as ``timing/teacher``. On-policy steps also log
+    micro-batch loop and reported as ``timing/teacher``, and a distributed trainer's
+    ``timing/dispatch`` (planning each rank's micro-batches). On-policy steps also log
     ``train/unique_responses_per_prompt`` (out of ``samples_per_prompt``).
     """
     metrics: dict[str, Any] = {f"train/{key}": value for key, value in train_metrics.items()}
@@ -138,7 +144,9 @@ def step_metrics(
         metrics["timing/refit"] = seconds["refit"]
     metrics["timing/generation"] = seconds.get("generation", 0.0)
     metrics["timing/teacher"] = seconds.get("teacher", 0.0)
-    metrics["timing/training"] = seconds["training"] - seconds.get("teacher", 0.0)
+    if "dispatch" in seconds:
+        metrics["timing/dispatch"] = seconds["dispatch"]
+    metrics["timing/training"] = seconds["training"] - seconds.get("teacher", 0.0) - seconds.get("dispatch", 0.0)
     metrics["timing/step"] = seconds["step"]
     metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / seconds["step"]
     metrics["perf/peak_memory_mb"] = peak_memory_mb()

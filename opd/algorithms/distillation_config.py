@@ -28,8 +28,10 @@ from opd.algorithms.training_loop import RunConfig, TrainingLoopConfig
 from opd.algorithms.validation import ValidationConfig
 from opd.data.config import DataConfig
 from opd.data.teacher_context import TeacherContext
+from opd.distributed.config import ClusterConfig
 from opd.models.config import ModelConfig, TeacherConfig
 from opd.models.generation.config import GenerateStrategyConfig, GenerationConfig
+from opd.models.interfaces import FullVocabRequest
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.remote_teacher import RemoteTeacher
 from opd.utils.checkpoint import CheckpointingConfig
@@ -142,11 +144,15 @@ class MasterConfig(RunConfig):
     validation: DistillationValidationConfig = Field(default_factory=DistillationValidationConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    cluster: ClusterConfig | None = Field(
+        None, description="run on Ray worker groups (FSDP2 student, rollout, teacher); null = in this process"
+    )
 
     @model_validator(mode="after")
     def _check_across_sections(self) -> MasterConfig:
         """Combinations that span sections (each message names the keys that conflict)."""
-        for problem in (_loss_problem(self), _teacher_problem(self), _generation_problem(self)):
+        problems = (_loss_problem(self), _teacher_problem(self), _generation_problem(self), _cluster_problem(self))
+        for problem in problems:
             if problem is not None:
                 raise ValueError(problem)
         return self
@@ -222,6 +228,31 @@ def _generation_problem(config: MasterConfig) -> str | None:
         return (
             f"generation.vllm.max_model_len = {max_model_len} leaves no room for a prompt before "
             f"distillation.generate_strategy.max_length = {max_length} new tokens"
+        )
+    return None
+
+
+def _cluster_problem(config: MasterConfig) -> str | None:
+    """What the cluster's worker groups do not run (yet)."""
+    cluster = config.cluster
+    if cluster is None:
+        return None
+    if config.model.active_lora() is not None:
+        return "model.lora: LoRA students train in one process; remove the cluster section or model.lora"
+    if config.generation.backend != "hf":
+        return "cluster: rollout workers run the HF engine; set generation.backend = hf"
+    in_workers = config.teacher.backend == "local" and cluster.teacher.placement == "colocated"
+    if in_workers and config.distillation.teacher_context_spec() is not None:
+        return (
+            "distillation.teacher_context with cluster.teacher.placement = colocated: the trainer workers score "
+            "the student's own prompt; use cluster.teacher.placement = pool for context distillation"
+        )
+    in_pool = config.teacher.backend == "local" and cluster.teacher.placement == "pool"
+    if in_pool and isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
+        return (
+            f"loss_fn.type = {config.loss_fn.type} needs the teacher's full vocabulary, which a teacher pool "
+            "(cluster.teacher.placement = pool) does not send; use cluster.teacher.placement = colocated or "
+            "loss_fn.type = topk"
         )
     return None
 

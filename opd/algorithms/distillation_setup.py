@@ -17,6 +17,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -105,9 +106,10 @@ class DistillationComponents(DriverArguments):
     master_config: MasterConfig
 
     def close(self) -> None:
-        """Frees what the engines and the teacher hold (a vLLM engine, a teacher's connections)."""
+        """Frees what the engines, the teacher and the student hold (a vLLM engine, connections, workers)."""
         self.student_generation.close()
         self.teacher_policy.close()
+        self.student_policy.close()
 
 
 def set_seed(seed: int) -> None:
@@ -320,6 +322,89 @@ def report_stop_tokens(
     return student_stops
 
 
+def build_in_process(
+    config: MasterConfig,
+    tokenizer: Any,
+    total_steps: int,
+    micro_batch_size: int,
+    remote_teacher: TeacherInterface | None,
+    resume_from: Path | None,
+    train_examples: list[PreparedExample],
+) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, GenerationInterface | None]:
+    """Student, teacher and engines in this process: ``(student, teacher, student engine, teacher engine)``.
+
+    A resumed run loads the student's weights from the checkpoint's ``policy/``.
+    """
+    lora = config.model.active_lora()
+    # A LoRA run resumes from the base model plus the checkpoint's adapter (restored with
+    # the optimizer): the checkpoint's policy/ holds merged weights.
+    student_path = (
+        str(resume_from / "policy") if resume_from is not None and lora is None else config.model.student_model_path
+    )
+    student_model, teacher_model = load_models(config, tokenizer, student_path)
+    report_stop_tokens(config, tokenizer, student_model, teacher_model, train_examples)
+    teacher: TeacherInterface | None = LocalTeacher(teacher_model) if teacher_model is not None else remote_teacher
+    if teacher is None:
+        raise ConfigError("no teacher: set model.teacher_model_path or teacher.backend = remote")
+    teacher_generation = (
+        None if teacher_model is None else HFGeneration(teacher_model, tokenizer, config.generation.decode_loop)
+    )
+
+    # Built before HFPolicy injects LoRA adapters into student_model: vLLM's first load
+    # wants the plain model's names (every rollout is preceded by a refit with the merged
+    # weights); the HF engine shares the module and so samples with the current adapter.
+    student_generation = build_generation(config, student_model, tokenizer)
+    student_policy = HFPolicy(
+        student_model,
+        config.training,
+        micro_batch_size,
+        total_steps,
+        config.training.micro_batch_tokens,
+        config.training.sequence_packing,
+        lora,
+    )
+    return student_policy, teacher, student_generation, teacher_generation
+
+
+def build_on_cluster(
+    config: MasterConfig,
+    tokenizer: Any,
+    total_steps: int,
+    micro_batch_size: int,
+    remote_teacher: TeacherInterface | None,
+) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, GenerationInterface | None]:
+    """Student, teacher and rollout engines as Ray worker groups (``cluster:``); no teacher engine.
+
+    The workers load the student's starting weights; a resumed run then loads its shards
+    (``restore_run``). The validation baselines, which sample from the teacher, are skipped.
+    """
+    # Imported here: Ray is an optional extra that the in-process path never needs.
+    from opd.distributed.setup import ClusterRequest, build_cluster_backends
+
+    assert config.cluster is not None
+    if config.validation.teacher_baseline or config.validation.eval_baseline:
+        log.warning("cluster: the validation baselines sample from the teacher in-process; skipped")
+    teacher_path = resolve_teacher_path(config) if remote_teacher is None else None
+    if teacher_path is not None:  # before any worker loads a model
+        teacher_tokenizer = load_tokenizer(teacher_path, config.model.trust_remote_code)
+        check_tokenizer_compatibility(tokenizer, teacher_tokenizer, config.model.student_model_path, teacher_path)
+    request = ClusterRequest(
+        student_path=config.model.student_model_path,
+        teacher_path=teacher_path,
+        loading=config.model,
+        optimizer=config.training,
+        total_steps=total_steps,
+        micro_batch_size=micro_batch_size,
+        micro_batch_tokens=config.training.micro_batch_tokens,
+        sequence_packing=config.training.sequence_packing,
+        tokenizer=tokenizer,
+        decode_loop=config.generation.decode_loop,
+        stop_ids=tuple(config.generation.stop_token_ids) if config.generation.stop_token_ids else None,
+    )
+    policy, teacher, generation = build_cluster_backends(config.cluster, request, remote_teacher)
+    return policy, teacher, generation, None
+
+
 def setup(master_config: MasterConfig) -> DistillationComponents:
     """Builds everything ``distillation_train`` needs, checking user input first (see the module docstring).
 
@@ -350,37 +435,17 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     report_overlap(train_examples, val_examples, config.data)
 
     resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)
-    lora = config.model.active_lora()
-    # A LoRA run resumes from the base model plus the checkpoint's adapter (restored with
-    # the optimizer): the checkpoint's policy/ holds merged weights.
-    student_path = (
-        str(resume_from / "policy") if resume_from is not None and lora is None else config.model.student_model_path
-    )
     # A served teacher is checked before the student loads: an unreachable or mismatched
     # server fails in seconds.
     remote_teacher = connect_remote_teacher(config, tokenizer) if config.teacher.backend == "remote" else None
-    student_model, teacher_model = load_models(config, tokenizer, student_path)
-    report_stop_tokens(config, tokenizer, student_model, teacher_model, train_examples)
-    teacher: TeacherInterface | None = LocalTeacher(teacher_model) if teacher_model is not None else remote_teacher
-    if teacher is None:
-        raise ConfigError("no teacher: set model.teacher_model_path or teacher.backend = remote")
-    teacher_generation = (
-        None if teacher_model is None else HFGeneration(teacher_model, tokenizer, config.generation.decode_loop)
-    )
-
-    # Built before HFPolicy injects LoRA adapters into student_model: vLLM's first load
-    # wants the plain model's names (every rollout is preceded by a refit with the merged
-    # weights); the HF engine shares the module and so samples with the current adapter.
-    student_generation = build_generation(config, student_model, tokenizer)
-    student_policy = HFPolicy(
-        student_model,
-        config.training,
-        micro_batch_size,
-        total_steps,
-        config.training.micro_batch_tokens,
-        config.training.sequence_packing,
-        lora,
-    )
+    if config.cluster is not None:
+        student_policy, teacher, student_generation, teacher_generation = build_on_cluster(
+            config, tokenizer, total_steps, micro_batch_size, remote_teacher
+        )
+    else:
+        student_policy, teacher, student_generation, teacher_generation = build_in_process(
+            config, tokenizer, total_steps, micro_batch_size, remote_teacher, resume_from, train_examples
+        )
     save_state = restore_run(resume_from, student_policy, checkpointer, config, total_steps)
     logger = Logger(config.logger, total_steps)
     logger.log_hyperparams(config.model_dump(mode="json", by_alias=True))

@@ -159,7 +159,7 @@ def restore_run(
     if resume_from is None:
         return fresh_save_state()
     warn_on_config_change(resume_from, config)
-    policy.load_state_dict(checkpointer.load_optimizer_state(resume_from))
+    policy.load_checkpoint(resume_from)
     # Counters a checkpoint predates keep their fresh values.
     save_state = cast(RunSaveState, {**fresh_save_state(), **checkpointer.load_save_state(resume_from)})
     checkpointer.protected_step = save_state["best_step"]

@@ -27,6 +27,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -34,6 +35,11 @@ import torch
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput
+
+CHECKPOINT_POLICY_DIR = "policy"
+"""A checkpoint's student weights, as a Hugging Face model directory (in-process student)."""
+CHECKPOINT_OPTIMIZER_FILE = "optimizer.pt"
+"""A checkpoint's optimizer and schedule state (in-process student)."""
 
 # --------------------------------------------------------------------------- teacher signals
 
@@ -98,6 +104,11 @@ class TopKLogprobs(tuple[torch.Tensor, torch.Tensor]):
         answer = super().__new__(cls, (logprobs, ids))
         answer.rest_logprobs = rest_logprobs
         return answer
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (a teacher pool sends these between processes): a tuple
+        # subclass would otherwise be rebuilt from the pair alone.
+        return (TopKLogprobs, (self[0], self[1], self.rest_logprobs))
 
     @property
     def logprobs(self) -> torch.Tensor:
@@ -203,7 +214,9 @@ class PolicyInterface(ABC):
 
         Returns:
             Global-batch metrics: the loss function's, summed over micro-batches, plus
-            ``grad_norm``, ``lr`` and ``skipped_nonfinite``.
+            ``grad_norm``, ``lr`` and ``skipped_nonfinite``. A trainer that times phases
+            of its own (a distributed trainer's colocated teacher, its dispatch) adds
+            them as ``<phase>_seconds``; the driver logs them as ``timing/<phase>``.
         """
 
     @abstractmethod
@@ -225,6 +238,26 @@ class PolicyInterface(ABC):
     @abstractmethod
     def save_pretrained(self, directory: str, tokenizer: Any | None = None) -> None:
         """Writes the student (and the tokenizer, if given) as a Hugging Face model directory."""
+
+    def save_checkpoint(self, directory: Path, tokenizer: Any | None = None) -> None:
+        """Writes the student's part of a checkpoint into ``directory``.
+
+        By default the weights as a Hugging Face model directory (``policy/``) and the
+        optimizer and schedule (``optimizer.pt``); a sharded trainer writes its shards.
+        """
+        self.save_pretrained(str(directory / CHECKPOINT_POLICY_DIR), tokenizer=tokenizer)
+        torch.save(self.state_dict(), directory / CHECKPOINT_OPTIMIZER_FILE)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restores what :meth:`save_checkpoint` wrote, except weights that were loaded with the model.
+
+        The default restores the optimizer and schedule (``weights_only=True``); the
+        in-process student was loaded from ``policy/`` already.
+        """
+        self.load_state_dict(torch.load(directory / CHECKPOINT_OPTIMIZER_FILE, weights_only=True))
+
+    def close(self) -> None:  # noqa: B027 - a no-op unless the policy holds resources
+        """Frees workers or processes the policy started; the in-process student holds none."""
 
 
 class GenerationInterface(ABC):

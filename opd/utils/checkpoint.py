@@ -12,6 +12,14 @@ Layout of one checkpoint::
       save_state.json         # step, epoch, consumed samples, best metric
       config.yaml             # the resolved config of the run
 
+A student trained by FSDP2 workers (a ``cluster:`` run) writes, instead of ``policy/``
+and ``optimizer.pt``, its shards (:mod:`opd.distributed.trainer_worker`)::
+
+      policy_shards/          # weights + optimizer, torch.distributed.checkpoint, one file per rank
+      scheduler.pt            # the learning-rate schedule
+      model_config/           # the student's config.json (for `opd export`)
+      tokenizer/              # the run's tokenizer
+
 A checkpoint is written to ``.tmp_step_N`` and renamed to ``step_N`` only when every file
 is on disk, so a crash mid-write never leaves a directory that resume would pick.
 """
@@ -97,8 +105,8 @@ class CheckpointManager:
 
         Args:
             step: optimizer step just completed.
-            policy: has ``save_pretrained(dir, tokenizer=...)`` and ``state_dict()``
-                (optimizer and scheduler state).
+            policy: has ``save_checkpoint(dir, tokenizer=...)`` (weights, optimizer and
+                scheduler state; sharded for a distributed trainer).
             tokenizer: saved beside the model.
             save_state: JSON-serialisable run counters.
             training_state: tensors/containers (RNG, dataloader) saved with torch.save.
@@ -113,8 +121,7 @@ class CheckpointManager:
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir()
-        policy.save_pretrained(str(staging / "policy"), tokenizer=tokenizer)
-        torch.save(policy.state_dict(), staging / "optimizer.pt")
+        policy.save_checkpoint(staging, tokenizer=tokenizer)
         torch.save(training_state, staging / "training_state.pt")
         (staging / "config.yaml").write_text(config_yaml, encoding="utf-8")
         # save_state.json marks completeness, so it is written last.
@@ -143,11 +150,6 @@ class CheckpointManager:
     def load_training_state(checkpoint: Path) -> dict[str, Any]:
         """Reads RNG and dataloader state (``weights_only=True``: no arbitrary unpickling)."""
         return torch.load(checkpoint / "training_state.pt", weights_only=True)
-
-    @staticmethod
-    def load_optimizer_state(checkpoint: Path) -> dict[str, Any]:
-        """Reads optimizer and scheduler state (``weights_only=True``)."""
-        return torch.load(checkpoint / "optimizer.pt", weights_only=True)
 
 
 def _fsync_tree(directory: Path) -> None:

@@ -25,3 +25,17 @@ class ModelCompatibilityError(OpdError):
 
 class TrainingDivergedError(OpdError):
     """Too many consecutive steps had a non-finite loss or gradient; the run stopped."""
+
+
+class WorkerError(OpdError):
+    """A worker of a distributed run died, ran out of memory or failed; the run stopped.
+
+    Attributes:
+        role: the worker group (``trainer``, ``rollout``, ``teacher``).
+        rank: the worker's rank in its group.
+    """
+
+    def __init__(self, message: str, role: str, rank: int) -> None:
+        super().__init__(message)
+        self.role = role
+        self.rank = rank

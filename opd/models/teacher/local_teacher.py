@@ -46,6 +46,10 @@ class LocalTeacher(TeacherInterface):
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
+        # inference_mode is the cheapest no-gradient mode; a teacher whose weights are
+        # gathered during its forward (FSDP2) uses no_grad, because tensors made under
+        # inference_mode cannot take part in the student's backward pass.
+        self.no_grad_mode = torch.inference_mode
         self.model = model
         self.model.eval()
         self.model.requires_grad_(False)
@@ -68,7 +72,7 @@ class LocalTeacher(TeacherInterface):
 
     def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
         """Teacher logits ``[B, L, V]`` for right-padded ``data["input_ids"]``."""
-        with torch.inference_mode():
+        with self.no_grad_mode():
             logits = self.model(**self._inputs(data), use_cache=False).logits
         # Inference-mode tensors cannot be saved for the student's backward pass; a clone
         # made outside inference mode is an ordinary constant tensor.
@@ -76,11 +80,16 @@ class LocalTeacher(TeacherInterface):
 
     def get_hidden_states(self, data: BatchedDataDict) -> LMHeadInput:
         """Final hidden states ``[B, L, D]`` and the output head, for the fused loss."""
+        with self.no_grad_mode():
+            hidden = self.final_hidden_states(self._inputs(data))
+        # Read after the forward: a sharded model's head is whole only once it has run.
         weight, bias = output_head_of(self.model, "the teacher")
-        with torch.inference_mode():
-            hidden = final_hidden_states(self.model, **self._inputs(data))
         hidden = hidden.clone()  # an ordinary tensor, as in get_logits
         return LMHeadInput(hidden, weight.detach(), bias.detach() if bias is not None else None)
+
+    def final_hidden_states(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The decoder's final hidden states for model inputs (a sharded teacher runs them through FSDP)."""
+        return final_hidden_states(self.model, **inputs)
 
     def _log_prob_chunks(
         self, data: BatchedDataDict, vocab_size: int | None, temperature: float

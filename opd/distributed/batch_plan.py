@@ -1,0 +1,53 @@
+"""How the controller splits one global batch over the trainer ranks.
+
+* :func:`balance_by_tokens`: rows are dealt to ranks so that each rank gets the same
+  number of rows (±1) and about the same number of tokens: longest rows first, each to the
+  rank with the fewest tokens that still has room. Every rank keeps its rows in their
+  original order, so the split depends only on the lengths.
+* :func:`equalize_micro_batches`: FSDP2 gathers weights in every forward, a collective
+  that all ranks must join, so every rank must run the same number of micro-batches. A
+  rank with fewer gets *idle* micro-batches: a copy of its first one with no token
+  carrying loss, which adds exactly zero to the loss and to the gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+
+
+def balance_by_tokens(lengths: list[int], ranks: int) -> list[list[int]]:
+    """Row indices of each rank (see the module docstring)."""
+    # Every rank gets `base` rows and `extra` of them one more.
+    base, extra = divmod(len(lengths), ranks)
+    assigned: list[list[int]] = [[] for _ in range(ranks)]
+    tokens = [0] * ranks
+    for row in sorted(range(len(lengths)), key=lambda index: (-lengths[index], index)):
+        with_extra = sum(len(rows) > base for rows in assigned)
+        open_ranks = [
+            rank
+            for rank in range(ranks)
+            if len(assigned[rank]) < base or (len(assigned[rank]) == base and with_extra < extra)
+        ]
+        rank = min(open_ranks, key=lambda candidate: (tokens[candidate], candidate))
+        assigned[rank].append(row)
+        tokens[rank] += lengths[row]
+    return [sorted(rows) for rows in assigned]
+
+
+def idle_micro_batch(template: BatchedDataDict) -> BatchedDataDict:
+    """A micro-batch shaped like ``template`` in which no token carries loss."""
+    idle = BatchedDataDict(dict(template))
+    idle["token_mask"] = torch.zeros_like(template["token_mask"])
+    return idle
+
+
+def equalize_micro_batches(plans: list[list[BatchedDataDict]]) -> list[list[BatchedDataDict]]:
+    """Pads every rank's list of micro-batches with idle ones up to the longest list.
+
+    A rank with no rows at all borrows the shape of another rank's first micro-batch.
+    """
+    count = max(len(plan) for plan in plans)
+    template = next(plan[0] for plan in plans if plan)
+    return [plan + [idle_micro_batch(plan[0] if plan else template)] * (count - len(plan)) for plan in plans]

@@ -1,0 +1,89 @@
+"""FSDP2 for a Hugging Face causal LM: the process group, the sharding and whole tensors back.
+
+:func:`shard_model` applies ``fully_shard`` to every decoder layer and then to the whole
+model (whose own group holds the embedding, the final norm and the head, tied or not),
+and sets two things that distillation needs:
+
+* gradients are **summed** over the ranks, not averaged: every rank's loss is already
+  its share of the global-batch loss (normalised by the tokens of the whole batch), so
+  the sum is the gradient of one process over the whole batch;
+* the model gets an ``opd_hidden_states(input_ids, attention_mask, position_ids)`` method
+  that runs under FSDP's hooks like ``forward``: the fused loss needs the final hidden
+  states without the ``[tokens × vocab]`` logits, and the head's weight afterwards (the
+  root's parameters stay gathered after its forward until the backward is done).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from transformers import PreTrainedModel
+
+from opd.models.lm_head import final_hidden_states
+
+HIDDEN_STATES_METHOD = "opd_hidden_states"
+"""The method :func:`shard_model` adds: the decoder's final hidden states, run under FSDP's hooks."""
+
+
+def init_process_group(
+    rank: int, world_size: int, master_addr: str, master_port: int, backend: str, timeout_s: float
+) -> DeviceMesh:
+    """Joins the trainer's process group and returns its 1-D device mesh.
+
+    ``timeout_s`` bounds every collective: a rank whose peer died fails instead of waiting forever.
+    """
+    os.environ["MASTER_ADDR"] = master_addr
+    os.environ["MASTER_PORT"] = str(master_port)
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    return init_device_mesh(device_type, (world_size,))
+
+
+def _hidden_states(
+    self: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return final_hidden_states(self, input_ids, attention_mask, position_ids)
+
+
+def shard_model(model: PreTrainedModel, mesh: DeviceMesh) -> PreTrainedModel:
+    """Shards ``model`` in place with FSDP2 (see the module docstring) and returns it."""
+    decoder = model.get_decoder()
+    for layer in decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Sum, as plain SUM collectives: gloo has no pre-multiplied sum.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    setattr(model, HIDDEN_STATES_METHOD, types.MethodType(_hidden_states, model))
+    register_fsdp_forward_method(model, HIDDEN_STATES_METHOD)
+    return model
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a sharded DTensor (a collective: every rank must call it), else ``tensor``."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else tensor
+
+
+def whole_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` for every entry of the model's state dict, gathered one at a time.
+
+    Every rank must iterate to the end (each tensor is an all-gather); only one tensor is
+    whole in memory at a time beyond what the caller keeps.
+    """
+    for name, tensor in model.state_dict().items():
+        yield name, whole(tensor.detach())

@@ -1,0 +1,165 @@
+"""The student as N FSDP2 trainer workers, behind the same ``PolicyInterface`` as the in-process student.
+
+The driver calls :meth:`FSDPPolicy.train` with the global batch, as it would the
+in-process :class:`~opd.models.policy.hf_policy.HFPolicy`. The controller side here:
+
+1. counts the loss-carrying tokens and sequences of the *whole* batch (each rank's loss
+   is normalised by them, and FSDP2 sums the gradients, so N ranks compute the gradient
+   of one process);
+2. deals the rows to the ranks balanced by tokens and cuts each rank's share into
+   micro-batches, padded with idle ones to the same count on every rank
+   (:mod:`opd.distributed.batch_plan`);
+3. when the teacher runs elsewhere (a teacher pool or a served teacher), asks it for
+   each micro-batch's signal and sends the signals along; a colocated teacher scores in
+   the workers instead;
+4. runs the step on every rank and returns the global metrics.
+
+Checkpoints are sharded (``torch.distributed.checkpoint``, one file per rank plus
+metadata) and can be loaded by any number of ranks; ``save_pretrained`` gathers the
+whole model once, for ``final_model/`` and for ``opd export``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.sequences import pack_padding_free, shift_token_mask
+from opd.distributed.batch_plan import balance_by_tokens, equalize_micro_batches
+from opd.distributed.worker_group import WorkerGroup
+from opd.models.interfaces import LossFunction, PolicyInterface, TeacherSignalFn
+from opd.models.policy.optimization import plan_micro_batches
+
+
+class FSDPPolicy(PolicyInterface):
+    """``PolicyInterface`` over a :class:`WorkerGroup` of :class:`~opd.distributed.trainer_worker.TrainerWorker`.
+
+    Args:
+        workers: the trainer ranks.
+        micro_batch_size: rows per forward/backward pass on each rank.
+        micro_batch_tokens: a padded-token budget per micro-batch instead (length-sorted).
+        sequence_packing: each micro-batch is packed into one row without padding.
+        teacher_in_workers: the workers hold a colocated teacher and score with it.
+        on_close: called after the workers are gone (frees the cluster's resources).
+    """
+
+    def __init__(
+        self,
+        workers: WorkerGroup,
+        micro_batch_size: int,
+        micro_batch_tokens: int | None,
+        sequence_packing: bool,
+        teacher_in_workers: bool,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.workers = workers
+        self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
+        self.sequence_packing = sequence_packing
+        self.teacher_in_workers = teacher_in_workers
+        self.on_close = on_close
+
+    def plan(self, data: BatchedDataDict) -> list[list[BatchedDataDict]]:
+        """Each rank's micro-batches for ``data`` (the same number on every rank)."""
+        rows = balance_by_tokens(data["input_lengths"].tolist(), self.workers.size)
+        plans = [
+            plan_micro_batches(data.select_indices(indices), self.micro_batch_size, self.micro_batch_tokens)
+            if indices
+            else []
+            for indices in rows
+        ]
+        plans = equalize_micro_batches(plans)
+        if self.sequence_packing:
+            plans = [[pack_padding_free(micro_batch) for micro_batch in plan] for plan in plans]
+        return plans
+
+    def train(
+        self, data: BatchedDataDict, loss_fn: LossFunction, teacher_signal: TeacherSignalFn | None = None
+    ) -> dict[str, float]:
+        """One optimizer step over the global batch on every rank (see the module docstring).
+
+        Returns:
+            The global metrics, as :meth:`HFPolicy.train` returns them, plus
+            ``teacher_seconds`` (the slowest rank's time in its colocated teacher) and
+            ``dispatch_seconds`` (the controller's time planning the micro-batches).
+        """
+        start = time.perf_counter()
+        global_valid_tokens = int(shift_token_mask(data["token_mask"]).sum())
+        plans = self.plan(data)
+        dispatch_seconds = time.perf_counter() - start
+        signals: list[Any] = [None] * len(plans)
+        if teacher_signal is not None and not self.teacher_in_workers:  # timed by the driver as teacher time
+            signals = [[teacher_signal(micro_batch) for micro_batch in plan] for plan in plans]
+        results = self.workers.run_all(
+            "train",
+            loss_fn,
+            global_valid_tokens,
+            data.size,
+            per_rank=[(plan, signal) for plan, signal in zip(plans, signals, strict=True)],
+        )
+        metrics = dict(results[0])
+        # The slowest rank's colocated teacher time (zero when it scored elsewhere).
+        metrics["teacher_seconds"] = max(result["teacher_seconds"] for result in results)
+        metrics["dispatch_seconds"] = dispatch_seconds
+        return metrics
+
+    def split_rows(self, data: BatchedDataDict) -> tuple[list[BatchedDataDict], list[int]]:
+        """``data`` in one contiguous part per rank, each with at least one row (every rank must
+        run the forward); returns the parts and how many real rows each holds."""
+        size, ranks = data.size, self.workers.size
+        bounds = [size * rank // ranks for rank in range(ranks + 1)]
+        parts, counts = [], []
+        for rank in range(ranks):
+            begin, end = bounds[rank], bounds[rank + 1]
+            counts.append(end - begin)
+            parts.append(data.slice(begin, end) if end > begin else data.slice(0, 1))
+        return parts, counts
+
+    def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
+        """The student's ``[B, L, V]`` logits, each rank computing its share of the rows."""
+        parts, counts = self.split_rows(data)
+        results = self.workers.run_all("logits", per_rank=[(part,) for part in parts])
+        return torch.cat([logits[:count] for logits, count in zip(results, counts, strict=True)])
+
+    def weights_for_refit(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight, whole, gathered from the ranks (rank 0 sends them)."""
+        yield from self.workers.run_all("whole_weights")[0].items()
+
+    def weight_buckets(self, bucket_bytes: int) -> list[Any]:
+        """The whole weights as Ray object refs of about ``bucket_bytes`` each (filled by trainer rank 0)."""
+        return list(self.workers.run_all("weight_buckets", bucket_bytes)[0])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Not used: the optimizer state stays sharded in the workers (see :meth:`save_checkpoint`)."""
+        raise NotImplementedError("an FSDP2 student saves its optimizer state sharded: use save_checkpoint")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Not used: see :meth:`load_checkpoint`."""
+        raise NotImplementedError("an FSDP2 student loads its optimizer state sharded: use load_checkpoint")
+
+    def save_checkpoint(self, directory: Path, tokenizer: Any | None = None) -> None:
+        """Every rank writes its shard of weights and optimizer; the tokenizer and model config go beside them."""
+        self.workers.run_all("save_shards", str(directory))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(directory / "tokenizer"))
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restores weights, optimizer and schedule from a checkpoint written with any number of ranks."""
+        self.workers.run_all("load_shards", str(directory))
+
+    def save_pretrained(self, directory: str, tokenizer: Any | None = None) -> None:
+        """Gathers the whole student and writes it as a Hugging Face model directory (rank 0 writes)."""
+        self.workers.run_all("save_pretrained", directory)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+
+    def close(self) -> None:
+        """Stops the workers and frees the cluster's resources."""
+        self.workers.kill()
+        if self.on_close is not None:
+            self.on_close()

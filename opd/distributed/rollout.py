@@ -1,0 +1,169 @@
+"""Rollout workers: engines that sample from the student, refit from the trainer in buckets.
+
+:class:`RolloutWorker` is one Ray actor holding its own copy of the student and an
+:class:`~opd.models.generation.hf_generation.HFGeneration` engine over it.
+:class:`RayGeneration` is the ``GenerationInterface`` the driver sees:
+
+* ``generate`` deals the prompts to the workers in contiguous blocks (each prompt's
+  samples stay together on one worker) and concatenates the answers in prompt order.
+  Each call draws one seed from the controller's torch generator (which checkpoints
+  save and resume restores) and worker ``r`` samples with ``seed + r``, so the rollouts
+  are the same for a given seed, across a resume too;
+* ``refit`` moves the trainer's new weights after each update: rank 0 of the trainer
+  gathers them into buckets of ``cluster.rollout.refit_bucket_mb`` in Ray's object
+  store (shared memory on one node) and every worker loads the buckets in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.distributed.worker_group import WorkerGroup
+from opd.models.config import ModelLoadingConfig
+from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.generation.hf_generation import HFGeneration
+from opd.models.interfaces import GenerationInterface, PolicyInterface
+from opd.models.loading import load_causal_lm, resolve_device, resolve_dtype
+
+_SEED_RANGE = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What every rollout worker builds.
+
+    Attributes:
+        model_path: the student's starting weights (refit replaces them before sampling).
+        loading: dtype and loading options.
+        tokenizer: the run's tokenizer.
+        decode_loop: ``opd`` or ``generate`` (see ``generation.decode_loop``).
+        stop_ids: token ids that end a response (None: the model's own).
+        threads: torch threads of a CPU worker.
+    """
+
+    model_path: str
+    loading: ModelLoadingConfig
+    tokenizer: Any
+    decode_loop: str
+    stop_ids: tuple[int, ...] | None
+    threads: int
+
+
+class RolloutWorker:
+    """One rollout engine (a Ray actor): the student's weights and an HF sampler.
+
+    Args:
+        rank: this worker's rank among the rollout workers.
+        spec: what to build.
+    """
+
+    def __init__(self, rank: int, spec: RolloutSpec) -> None:
+        torch.set_num_threads(spec.threads)
+        self.rank = rank
+        device = resolve_device(spec.loading.device)
+        model = load_causal_lm(spec.model_path, resolve_dtype(spec.loading.dtype, device), device, spec.loading)
+        model.requires_grad_(False)
+        self.model = model
+        self.engine = HFGeneration(model, spec.tokenizer, spec.decode_loop, stop_ids=spec.stop_ids)
+
+    def load_buckets(self, bucket_refs: list[Any]) -> int:
+        """Copies the trainer's weights into this worker's model, one bucket at a time; returns the tensors loaded."""
+        own = self.model.state_dict()
+        loaded = 0
+        for ref in bucket_refs:
+            for name, tensor in ray.get(ref).items():
+                own[name].copy_(tensor)
+                loaded += 1
+        return loaded
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        strategy: GenerateStrategyConfig,
+        num_samples: int,
+        return_logprobs: bool,
+        seed: int,
+    ) -> BatchedDataDict:
+        """Samples ``num_samples`` responses to each of ``prompts`` with the torch seed ``seed + rank``."""
+        torch.manual_seed(seed + self.rank)
+        self.engine.prepare_for_generation()
+        try:
+            return self.engine.generate(prompts, strategy, num_samples, return_logprobs)
+        finally:
+            self.engine.finish_generation()
+
+
+class RayGeneration(GenerationInterface):
+    """``GenerationInterface`` over a :class:`WorkerGroup` of :class:`RolloutWorker` (see the module docstring).
+
+    Args:
+        workers: the rollout workers.
+        pad_token_id: pads the concatenated batch.
+        refit_bucket_bytes: size of one refit bucket.
+    """
+
+    needs_refit = True
+
+    def __init__(self, workers: WorkerGroup, pad_token_id: int, refit_bucket_bytes: int) -> None:
+        self.workers = workers
+        self.pad_token_id = pad_token_id
+        self.refit_bucket_bytes = refit_bucket_bytes
+
+    def prepare_for_generation(self) -> None:
+        """Nothing to switch on: the workers sample in eval mode on every call."""
+
+    def finish_generation(self) -> None:
+        """Nothing to release: HF workers keep their weights for the next refit."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        strategy: GenerateStrategyConfig,
+        num_samples: int = 1,
+        return_logprobs: bool = True,
+    ) -> BatchedDataDict:
+        """The workers' samples, in prompt order (see ``GenerationInterface.generate``)."""
+        seed = int(torch.randint(_SEED_RANGE, (1,)))
+        count = min(self.workers.size, len(prompts))
+        bounds = [len(prompts) * rank // count for rank in range(count + 1)]
+        refs = [
+            self.workers.actors[rank].generate.remote(
+                prompts[bounds[rank] : bounds[rank + 1]], strategy, num_samples, return_logprobs, seed
+            )
+            for rank in range(count)
+        ]
+        parts = self.workers.gather(refs, ranks=list(range(count)))
+        return BatchedDataDict.concat(parts, pad_values={"input_ids": self.pad_token_id})
+
+    def refit(self, policy: PolicyInterface) -> None:
+        """Loads ``policy``'s current weights into every worker, in buckets."""
+        from opd.distributed.fsdp_policy import FSDPPolicy
+
+        if isinstance(policy, FSDPPolicy):  # rank 0 of the trainer fills the buckets itself
+            refs = policy.weight_buckets(self.refit_bucket_bytes)
+        else:
+            refs = _buckets_of(policy, self.refit_bucket_bytes)
+        self.workers.run_all("load_buckets", refs)
+
+    def close(self) -> None:
+        """Stops the workers."""
+        self.workers.kill()
+
+
+def _buckets_of(policy: PolicyInterface, bucket_bytes: int) -> list[Any]:
+    """An in-process policy's weights as object-store buckets."""
+    refs, bucket, size = [], {}, 0
+    for name, tensor in policy.weights_for_refit():
+        bucket[name] = tensor.cpu()
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            refs.append(ray.put(bucket))
+            bucket, size = {}, 0
+    if bucket:
+        refs.append(ray.put(bucket))
+    return refs

@@ -1,0 +1,280 @@
+"""One rank of the FSDP2 student trainer: a Ray actor that holds a shard of the student.
+
+The controller (:class:`~opd.distributed.fsdp_policy.FSDPPolicy`) plans each rank's
+micro-batches and sends them; every rank runs forward and backward on its own, FSDP2
+sums the gradients over the ranks, and the ranks agree on the global metrics with one
+all-reduce before the optimizer step, so they all skip a non-finite step together.
+
+A colocated teacher is a frozen copy sharded the same way (no gradients, no optimizer):
+it scores each micro-batch right where the student's hidden states are, so the exact
+full-vocabulary loss needs nothing to cross a process boundary.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.sequences import model_inputs
+from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, shard_model, whole_state_dict
+from opd.models.config import ModelLoadingConfig, OptimizerConfig
+from opd.models.interfaces import LossFunction, TeacherRequest, TeacherSignal
+from opd.models.lm_head import LMHeadInput, output_head_of
+from opd.models.loading import load_causal_lm, resolve_dtype
+from opd.models.policy.optimization import apply_gradients, build_optimizer, build_scheduler
+from opd.models.teacher.local_teacher import LocalTeacher
+
+SHARDS_DIR = "policy_shards"
+"""Where a checkpoint keeps the trainer's sharded model and optimizer (torch.distributed.checkpoint)."""
+SCHEDULER_FILE = "scheduler.pt"
+MODEL_CONFIG_DIR = "model_config"
+"""The student's ``config.json`` in a sharded checkpoint."""
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """What every trainer rank builds: the student, its optimizer, and (colocated) the teacher.
+
+    Attributes:
+        student_path: the student's starting weights (hub name, directory or ``tiny:``).
+        teacher_path: a colocated teacher's weights; None when the teacher runs elsewhere.
+        loading: dtype and loading options of both models.
+        optimizer: AdamW and schedule settings.
+        total_steps: optimizer steps planned (for decaying schedules).
+        backend: ``gloo`` or ``nccl``.
+        timeout_s: bound on every collective.
+        threads: torch threads of a CPU rank.
+    """
+
+    student_path: str
+    teacher_path: str | None
+    loading: ModelLoadingConfig
+    optimizer: OptimizerConfig
+    total_steps: int
+    backend: str
+    timeout_s: float
+    threads: int
+
+
+class ShardedTeacher(LocalTeacher):
+    """A frozen teacher sharded with FSDP2: its forward gathers the weights, under ``no_grad``."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self.no_grad_mode = torch.no_grad
+
+    def final_hidden_states(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return getattr(self.model, HIDDEN_STATES_METHOD)(**inputs)
+
+
+class TrainerWorker:
+    """One FSDP2 rank (created by :class:`~opd.distributed.worker_group.WorkerGroup` as a Ray actor).
+
+    Args:
+        rank: this rank.
+        world_size: trainer ranks in all.
+        master_addr: where rank 0 listens for the process group.
+        master_port: its port.
+        spec: what to build.
+    """
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, spec: TrainerSpec) -> None:
+        torch.set_num_threads(spec.threads)
+        self.rank, self.world_size, self.spec = rank, world_size, spec
+        mesh = init_process_group(rank, world_size, master_addr, master_port, spec.backend, spec.timeout_s)
+        on_gpu = spec.backend == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        dtype = resolve_dtype(spec.loading.dtype, self.device)
+        self.model = shard_model(load_causal_lm(spec.student_path, dtype, self.device, spec.loading), mesh)
+        self.model.train()
+        self.optimizer = build_optimizer(self.model, spec.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, spec.optimizer, spec.total_steps)
+        self.teacher: ShardedTeacher | None = None
+        if spec.teacher_path is not None:
+            teacher_model = load_causal_lm(spec.teacher_path, dtype, self.device, spec.loading)
+            teacher_model.requires_grad_(False)
+            self.teacher = ShardedTeacher(shard_model(teacher_model, mesh))
+
+    def pid(self) -> int:
+        """This worker's process id (tests kill it to check fault handling)."""
+        return os.getpid()
+
+    # ------------------------------------------------------------------ training
+
+    def _forward(self, micro_batch: BatchedDataDict, fused_lm_head: bool) -> torch.Tensor | LMHeadInput:
+        inputs = model_inputs(micro_batch, self.device)
+        if fused_lm_head:
+            hidden = getattr(self.model, HIDDEN_STATES_METHOD)(**inputs)
+            weight, bias = output_head_of(self.model, "the student")  # whole after the forward
+            return LMHeadInput(hidden, weight, bias)
+        return self.model(**inputs, use_cache=False).logits
+
+    def train(
+        self,
+        loss_fn: LossFunction,
+        global_valid_tokens: int,
+        global_valid_seqs: int,
+        micro_batches: list[BatchedDataDict],
+        teacher_signals: list[TeacherSignal] | None,
+    ) -> dict[str, float]:
+        """Forward and backward over this rank's micro-batches, then one optimizer step on every rank.
+
+        Args:
+            loss_fn: called per micro-batch.
+            global_valid_tokens: loss-carrying tokens of the whole global batch.
+            global_valid_seqs: sequences of the whole global batch.
+            micro_batches: this rank's share, as many micro-batches as every other rank
+                (already packed when the run packs sequences).
+            teacher_signals: the teacher's answer for each micro-batch when the teacher
+                runs elsewhere; None to score with the colocated teacher (or no teacher).
+
+        Returns:
+            The global metrics (the same on every rank), plus ``teacher_seconds``: the
+            time this rank spent in its colocated teacher.
+        """
+        request = loss_fn.teacher_request
+        totals: dict[str, float] = {}
+        teacher_seconds = 0.0
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        for index, micro_batch in enumerate(micro_batches):
+            micro_batch = micro_batch.to(self.device)
+            teacher_output: Any = None
+            if teacher_signals is not None:
+                teacher_output = _to_device(teacher_signals[index], self.device)
+            elif request is not None:
+                start = time.perf_counter()
+                teacher_output = self._colocated_teacher().score(micro_batch, request)
+                teacher_seconds += time.perf_counter() - start
+            student_output = self._forward(micro_batch, loss_fn.fused_lm_head)
+            loss, metrics = loss_fn(
+                student_output, micro_batch, global_valid_tokens, global_valid_seqs, teacher_output=teacher_output
+            )
+            loss.backward()
+            del teacher_output, student_output
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + value
+        totals = self._sum_over_ranks(totals)
+        parameters = [param for param in self.model.parameters() if param.requires_grad]
+        totals = apply_gradients(parameters, self.optimizer, self.scheduler, self.spec.optimizer.max_grad_norm, totals)
+        totals["teacher_seconds"] = teacher_seconds
+        return totals
+
+    def _sum_over_ranks(self, totals: dict[str, float]) -> dict[str, float]:
+        """Each metric summed over the ranks (every rank computes the same keys)."""
+        keys = sorted(totals)
+        values = torch.tensor([totals[key] for key in keys], dtype=torch.float64)
+        dist.all_reduce(values)
+        return dict(zip(keys, values.tolist(), strict=True))
+
+    def _colocated_teacher(self) -> ShardedTeacher:
+        if self.teacher is None:
+            raise RuntimeError("this trainer has no colocated teacher; the controller must send teacher signals")
+        return self.teacher
+
+    # ------------------------------------------------------------------ inference
+
+    def logits(self, data: BatchedDataDict) -> torch.Tensor:
+        """The student's ``[B, L, V]`` logits for this rank's rows (every rank must call it)."""
+        with torch.no_grad():
+            return self.model(**model_inputs(data, self.device), use_cache=False).logits.float().cpu()
+
+    def teacher_score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
+        """The colocated teacher's answer for this rank's rows; hidden states come back as logits."""
+        with torch.no_grad():
+            signal = self._colocated_teacher().score(data, request)
+        if isinstance(signal, LMHeadInput):  # the head cannot leave the worker: make the logits here
+            signal = signal.logits()
+        return _to_device(signal, torch.device("cpu"))
+
+    # ------------------------------------------------------------------ weights out
+
+    def whole_weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0: every weight, whole, on CPU (the others gather with it and return nothing)."""
+        weights: dict[str, torch.Tensor] = {}
+        for name, tensor in whole_state_dict(self.model):
+            if self.rank == 0:
+                weights[name] = tensor.cpu()
+        return weights
+
+    def save_pretrained(self, directory: str) -> None:
+        """Gathers the whole student; rank 0 writes it as a Hugging Face model directory."""
+        weights = self.whole_weights()
+        if self.rank == 0:
+            self.model.save_pretrained(directory, state_dict=weights, safe_serialization=True)
+        dist.barrier()
+
+    def weight_buckets(self, bucket_bytes: int) -> list[Any]:
+        """Rank 0: the weights in buckets of about ``bucket_bytes``, each put in Ray's object store.
+
+        On one node the object store is shared memory: a rollout worker maps a bucket
+        without a copy through a socket. Returns the buckets' object refs (empty on other ranks).
+        """
+        import ray  # only inside a Ray actor
+
+        refs, bucket, size = [], {}, 0
+        for name, tensor in whole_state_dict(self.model):
+            if self.rank != 0:
+                continue
+            bucket[name] = tensor.cpu()
+            size += tensor.numel() * tensor.element_size()
+            if size >= bucket_bytes:
+                refs.append(ray.put(bucket))
+                bucket, size = {}, 0
+        if bucket:
+            refs.append(ray.put(bucket))
+        return refs
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_shards(self, directory: str) -> None:
+        """Writes this rank's shard of the model and optimizer (and, rank 0, the schedule) to ``directory``."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(directory) / SHARDS_DIR))
+        if self.rank == 0:
+            torch.save(self.scheduler.state_dict(), Path(directory) / SCHEDULER_FILE)
+            # What `opd export` needs to rebuild a model around the consolidated weights.
+            self.model.config.save_pretrained(str(Path(directory) / MODEL_CONFIG_DIR))
+        dist.barrier()
+
+    def load_shards(self, directory: str) -> None:
+        """Restores model, optimizer and schedule from a checkpoint written with any number of ranks."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(Path(directory) / SHARDS_DIR))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(strict=True),
+        )
+        self.scheduler.load_state_dict(torch.load(Path(directory) / SCHEDULER_FILE, weights_only=True))
+
+    def shutdown(self) -> None:
+        """Leaves the process group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _to_device(signal: Any, device: torch.device) -> Any:
+    """A teacher signal (tensor, or top-k pair with its rest mass) on ``device``."""
+    from opd.models.interfaces import TopKLogprobs
+
+    if isinstance(signal, TopKLogprobs):
+        rest = signal.rest_logprobs
+        return TopKLogprobs(
+            signal.logprobs.to(device), signal.ids.to(device), rest.to(device) if rest is not None else None
+        )
+    if isinstance(signal, tuple):
+        return tuple(part.to(device) for part in signal)
+    return signal.to(device)

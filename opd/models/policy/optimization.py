@@ -1,0 +1,138 @@
+"""One optimizer step's parts, shared by the in-process student and the FSDP2 trainer workers.
+
+* :func:`build_optimizer` / :func:`build_scheduler`: AdamW without weight decay on biases
+  and norms, and the learning-rate schedule;
+* :func:`plan_micro_batches`: a global batch (or one rank's share) cut into the
+  micro-batches of one forward/backward pass each, each trimmed to its longest row;
+* :func:`apply_gradients`: the global gradient norm, the non-finite guard, clipping and
+  the optimizer and schedule steps.
+
+Both trainers call the same functions, so a run on N workers and a run in one process
+differ only in where the gradients are summed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers import get_scheduler
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.config import OptimizerConfig
+
+# Devices with a fused AdamW kernel in torch ≥ 2.4 (CPU included).
+_FUSED_ADAM_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
+def adam_kernel_kwargs(implementation: str, params: list[torch.nn.Parameter]) -> dict[str, bool]:
+    """``torch.optim.AdamW`` keyword arguments for the chosen kernel.
+
+    The fused kernel updates all parameters in one pass, much faster than the per-tensor
+    loop on CPU for a student with a large embedding, which is why ``auto`` picks it
+    wherever it exists (TRL's default ``adamw_torch_fused`` does too).
+    """
+    if implementation == "auto":
+        fusable = all(p.device.type in _FUSED_ADAM_DEVICES and p.is_floating_point() for p in params)
+        implementation = "fused" if fusable else "foreach"
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[implementation]
+
+
+def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; no weight decay on biases and norms (the usual transformer recipe)."""
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.dim() < 2 or "norm" in name.lower() else decay).append(param)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.learning_rate,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_epsilon,
+        **adam_kernel_kwargs(config.adam_implementation, decay + no_decay),
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerConfig, total_steps: int) -> Any:
+    """The learning-rate schedule ``config.lr_scheduler`` names, over ``total_steps`` optimizer steps."""
+    return get_scheduler(
+        config.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=config.warmup_steps,
+        num_training_steps=max(total_steps, 1),
+    )
+
+
+def plan_micro_batches(
+    data: BatchedDataDict, micro_batch_size: int, micro_batch_tokens: int | None = None
+) -> list[BatchedDataDict]:
+    """``data`` cut into micro-batches, each trimmed to its own longest row (padding costs compute).
+
+    Micro-batches hold ``micro_batch_size`` rows in order, or, with ``micro_batch_tokens``,
+    length-sorted rows up to that budget of padded tokens.
+    """
+    chunks = (
+        data.make_token_budget_microbatches(micro_batch_tokens)
+        if micro_batch_tokens is not None
+        else data.make_microbatches(micro_batch_size)
+    )
+    planned = []
+    for chunk in chunks:
+        width = int(chunk["input_lengths"].max())
+        planned.append(
+            BatchedDataDict(
+                {k: v[:, :width] if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in chunk.items()}
+            )
+        )
+    return planned
+
+
+def global_grad_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The L2 norm of all gradients together; a sharded (DTensor) norm is reduced over the ranks first."""
+    gradients = [param.grad for param in parameters if param.grad is not None]
+    if not gradients:
+        return torch.tensor(0.0)
+    norm = torch.nn.utils.get_total_norm(gradients)
+    full_tensor = getattr(norm, "full_tensor", None)  # FSDP2 gradients are DTensors
+    return full_tensor() if full_tensor is not None else norm
+
+
+def apply_gradients(
+    parameters: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    max_grad_norm: float | None,
+    totals: dict[str, float],
+) -> dict[str, float]:
+    """Clips and applies the accumulated gradients, unless the loss or gradient is NaN/inf.
+
+    A non-finite loss or gradient would poison the weights and Adam's moments for good:
+    such a step is skipped entirely (no optimizer or schedule step) and reported.
+
+    Args:
+        parameters: every trainable parameter (with its accumulated ``grad``).
+        optimizer: steps them.
+        scheduler: the learning-rate schedule, stepped after the optimizer.
+        max_grad_norm: clip the global norm to this; None disables clipping.
+        totals: the step's summed loss metrics (``loss`` is checked for NaN/inf).
+
+    Returns:
+        ``totals`` plus ``grad_norm`` (before clipping), ``lr`` (used for this step) and
+        ``skipped_nonfinite`` (1.0 when the step was skipped).
+    """
+    with_grad = [param for param in parameters if param.grad is not None]
+    grad_norm = global_grad_norm(with_grad)
+    totals["grad_norm"] = float(grad_norm)
+    totals["lr"] = scheduler.get_last_lr()[0]
+    finite = math.isfinite(totals.get("loss", 0.0)) and math.isfinite(totals["grad_norm"])
+    totals["skipped_nonfinite"] = 0.0 if finite else 1.0
+    if finite:
+        if max_grad_norm is not None and with_grad:
+            torch.nn.utils.clip_grads_with_norm_(with_grad, max_grad_norm, grad_norm)
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return totals
