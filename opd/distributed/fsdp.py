@@ -83,7 +83,14 @@ def whole_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
     """``(name, full tensor)`` for every entry of the model's state dict, gathered one at a time.
 
     Every rank must iterate to the end (each tensor is an all-gather); only one tensor is
-    whole in memory at a time beyond what the caller keeps.
+    whole in memory at a time beyond what the caller keeps. A tensor held under two names
+    (a head tied to the embedding) is yielded once, under its first name, as a Hugging
+    Face model directory stores it.
     """
+    seen: set[int] = set()
     for name, tensor in model.state_dict().items():
+        local = getattr(tensor, "to_local", lambda: tensor)()  # tied names share the local shard's storage
+        if local.numel() and local.data_ptr() in seen:
+            continue
+        seen.add(local.data_ptr())
         yield name, whole(tensor.detach())

@@ -84,7 +84,7 @@ def _pool(count: int, cpus: int, gpus: int, name: str) -> object:
     bundle: dict[str, float] = {"CPU": float(cpus)}
     if gpus:
         bundle["GPU"] = float(gpus)
-    group = placement_group([dict(bundle) for _ in range(count)], strategy="PACK", name=name)
+    group = placement_group([dict(bundle) for _ in range(count)], strategy="PACK")
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:

@@ -188,7 +188,7 @@ class TrainerWorker:
         with torch.no_grad():
             return self.model(**model_inputs(data, self.device), use_cache=False).logits.float().cpu()
 
-    def teacher_score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
+    def teacher_score(self, request: TeacherRequest, data: BatchedDataDict) -> TeacherSignal:
         """The colocated teacher's answer for this rank's rows; hidden states come back as logits."""
         with torch.no_grad():
             signal = self._colocated_teacher().score(data, request)

@@ -1,0 +1,231 @@
+"""The cluster path equals the in-process path: a real local Ray cluster, 2 FSDP2 workers over gloo.
+
+* 10 steps of distillation (λ = 0.5: on-policy greedy rollouts from refit rollout
+  workers, and fixed-data steps; the exact fused full-vocabulary loss with a colocated,
+  sharded teacher; 2 micro-batches per rank) give the per-step losses and final weights
+  of one process with the same global batch and seed;
+* the colocated teacher and a teacher pool send the in-process teacher's signals;
+* HF rollout workers, refit from the trainer, generate the in-process greedy rollouts.
+
+One Ray cluster serves the module; every worker runs one thread (two shared cores).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from opd.algorithms.distillation import distillation_train
+from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.distillation_setup import setup
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.distributed.ray_cluster import RAY_ENVIRONMENT
+from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKLogprobs, TopKRequest
+from opd.models.loading import load_causal_lm
+from opd.models.teacher.local_teacher import LocalTeacher
+from opd.utils.config import load_config
+from opd.utils.plotting import read_metrics
+from opd_test_helpers import REPO_ROOT, short_run_overrides
+
+TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
+STEPS = 10
+RELATIVE_LOSS_TOLERANCE = 1e-5
+WEIGHT_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A private local Ray cluster for the module (runs reuse it instead of starting their own)."""
+    for key, value in RAY_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        _temp_dir=tempfile.mkdtemp(prefix="opd_ray_test_", dir="/tmp"),
+        configure_logging=False,
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+
+
+def equivalence_config(tmp_path: Path, name: str, *overrides: str) -> MasterConfig:
+    """10 steps, half on-policy (greedy), half fixed data; 8 sequences per step in micro-batches of 2."""
+    return load_config(
+        MasterConfig,
+        TINY,
+        [
+            *short_run_overrides(tmp_path, name),
+            f"training.max_num_steps={STEPS}",
+            "training.batch_size=8",
+            "training.micro_batch_size=2",
+            "training.save_freq=0",
+            "distillation.lambda=0.5",
+            "distillation.num_samples_per_prompt=1",
+            "distillation.generate_strategy.decoding_method=greedy",
+            "distillation.generate_strategy.max_length=12",
+            *overrides,
+        ],
+    )
+
+
+def train(config: MasterConfig) -> None:
+    components = setup(config)
+    try:
+        distillation_train(**components.as_arguments())
+    finally:
+        components.close()
+
+
+@pytest.fixture(scope="module")
+def equivalence_runs(ray_cluster, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("equivalence")
+    in_process = equivalence_config(tmp_path, "in_process")
+    on_cluster = equivalence_config(
+        tmp_path, "cluster", "cluster.trainer.workers=2", "cluster.rollout.workers=2"
+    )
+    train(in_process)
+    train(on_cluster)
+    return Path(in_process.output_dir), Path(on_cluster.output_dir)
+
+
+def test_two_fsdp_workers_match_one_process_step_by_step(equivalence_runs):
+    in_process, on_cluster = (read_metrics(run / "logs") for run in equivalence_runs)
+    expected = [record for record in in_process if "train/loss" in record]
+    actual = [record for record in on_cluster if "train/loss" in record]
+    assert [record["step"] for record in actual] == list(range(1, STEPS + 1))
+    assert [record["train/on_policy"] for record in actual] == [record["train/on_policy"] for record in expected]
+    assert 0 < sum(record["train/on_policy"] for record in actual) < STEPS  # both branches ran
+    for mine, reference in zip(actual, expected, strict=True):
+        for key in ("train/loss", "train/kl_forward", "train/grad_norm", "train/mean_response_length"):
+            assert math.isclose(mine[key], reference[key], rel_tol=RELATIVE_LOSS_TOLERANCE, abs_tol=1e-7), (
+                f"step {mine['step']} {key}: 2 workers {mine[key]!r}, one process {reference[key]!r}"
+            )
+    assert "timing/refit" in actual[next(i for i, r in enumerate(actual) if r["train/on_policy"])]
+
+
+def test_two_fsdp_workers_end_with_the_weights_of_one_process(equivalence_runs):
+    in_process, on_cluster = (load_file(str(run / "final_model" / "model.safetensors")) for run in equivalence_runs)
+    assert in_process.keys() == on_cluster.keys()
+    worst = max(float((in_process[name] - on_cluster[name]).abs().max()) for name in in_process)
+    assert worst <= WEIGHT_TOLERANCE, f"final weights differ by up to {worst:.2e}"
+    initial = load_causal_lm("tiny:student", torch.float32, torch.device("cpu"), _loading())
+    moved = max(float((initial.state_dict()[name] - in_process[name]).abs().max()) for name in in_process)
+    assert moved > 100 * WEIGHT_TOLERANCE  # the comparison is not between two untrained students
+
+
+# --------------------------------------------------------------------------- teacher signals and rollouts
+
+
+@pytest.fixture(scope="module")
+def cluster_components(ray_cluster, tmp_path_factory):
+    """Two trainer workers with a colocated teacher and two rollout workers (nothing trained)."""
+    config = equivalence_config(
+        tmp_path_factory.mktemp("components"),
+        "components",
+        "cluster.trainer.workers=2",
+        "cluster.rollout.workers=2",
+        "training.warmup_steps=0",
+    )
+    components = setup(config)
+    yield components
+    components.close()
+
+
+def scored_batch(size: int = 5) -> BatchedDataDict:
+    generator = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([9, 4, 7, 9, 2][:size])
+    ids = torch.randint(3, 200, (size, 9), generator=generator)
+    mask = torch.arange(9)[None, :] < lengths[:, None]
+    return BatchedDataDict({"input_ids": ids * mask, "input_lengths": lengths, "token_mask": mask.long()})
+
+
+def assert_same_signal(actual, expected, lengths) -> None:
+    if isinstance(expected, TopKLogprobs):
+        for row, length in enumerate(lengths.tolist()):
+            assert torch.equal(actual.ids[row, :length], expected.ids[row, :length])
+            torch.testing.assert_close(actual.logprobs[row, :length], expected.logprobs[row, :length], rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                actual.rest_logprobs[row, :length], expected.rest_logprobs[row, :length], rtol=0, atol=1e-5
+            )
+        return
+    for row, length in enumerate(lengths.tolist()):
+        torch.testing.assert_close(actual[row, :length], expected[row, :length], rtol=0, atol=1e-5)
+
+
+REQUESTS = [TopKRequest(k=5), TokenLogprobsRequest(), FullVocabRequest(prefer_hidden_states=True)]
+
+
+@pytest.mark.parametrize("request_", REQUESTS, ids=["topk", "token_logprobs", "full_vocab"])
+def test_colocated_teacher_sends_the_in_process_signal(cluster_components, request_):
+    batch = scored_batch()
+    reference = LocalTeacher(load_causal_lm("tiny:teacher", torch.float32, torch.device("cpu"), _loading()))
+    expected = reference.score(batch, request_)
+    if isinstance(request_, FullVocabRequest):  # the workers answer with logits: heads stay in the workers
+        expected = expected.logits().reshape(*batch["input_ids"].shape, -1)
+    actual = cluster_components.teacher_policy.score(batch, request_)
+    assert_same_signal(actual, expected, batch["input_lengths"])
+
+
+def test_teacher_pool_sends_the_in_process_signal(ray_cluster, tmp_path):
+    from opd.distributed.ray_cluster import build_pools
+    from opd.distributed.teacher_pool import TeacherPool, TeacherWorker
+    from opd.distributed.worker_group import WorkerGroup
+
+    cluster = equivalence_config(tmp_path, "pool", "cluster.teacher.placement=pool", "cluster.teacher.workers=2",
+                                 "loss_fn.type=topk").cluster
+    pools = build_pools(cluster, 0, 2)
+    workers = WorkerGroup("teacher", TeacherWorker, pools.teacher, lambda rank: (rank, "tiny:teacher", _loading(), 1))
+    try:
+        batch = scored_batch()
+        reference = LocalTeacher(load_causal_lm("tiny:teacher", torch.float32, torch.device("cpu"), _loading()))
+        for request_ in REQUESTS[:2]:
+            expected = reference.score(batch, request_)
+            assert_same_signal(TeacherPool(workers).score(batch, request_), expected, batch["input_lengths"])
+        with pytest.raises(ValueError, match="teacher pool"):
+            TeacherPool(workers).score(batch, FullVocabRequest())
+    finally:
+        workers.kill()
+        pools.remove()
+
+
+def test_rollout_workers_refit_from_the_trainer_generate_the_in_process_greedy_rollouts(cluster_components):
+    from opd.models.generation.hf_generation import HFGeneration
+
+    from opd.algorithms.loss_functions import NLLLossFn
+    from opd.data.batches import build_fixed_data_batch
+
+    config = cluster_components.master_config
+    examples = next(iter(cluster_components.dataloader))
+    prompts = [example["prompt_ids"] for example in examples[:5]]
+    # One SFT step moves the trainer's weights away from the rollout workers' starting point.
+    policy = cluster_components.student_policy
+    policy.train(build_fixed_data_batch(examples, cluster_components.tokenizer.pad_token_id, True), NLLLossFn())
+    weights = dict(policy.weights_for_refit())
+    student = load_causal_lm("tiny:student", torch.float32, torch.device("cpu"), _loading())
+    assert max(float((student.state_dict()[name] - tensor).abs().max()) for name, tensor in weights.items()) > 1e-4
+    cluster_components.student_generation.refit(policy)
+    strategy = config.distillation.generate_strategy
+    actual = cluster_components.student_generation.generate(prompts, strategy, 1, return_logprobs=True)
+    student.load_state_dict(weights, strict=False)
+    engine = HFGeneration(student, cluster_components.tokenizer, config.generation.decode_loop)
+    engine.prepare_for_generation()
+    expected = engine.generate(prompts, strategy, 1, return_logprobs=True)
+    assert actual["input_lengths"].tolist() == expected["input_lengths"].tolist()
+    for row, length in enumerate(expected["input_lengths"].tolist()):
+        assert actual["input_ids"][row, :length].tolist() == expected["input_ids"][row, :length].tolist()
+    torch.testing.assert_close(actual["generation_logprobs"][:, : expected["generation_logprobs"].shape[1]],
+                               expected["generation_logprobs"], rtol=0, atol=1e-5)
+
+
+def _loading():
+    from opd.models.config import ModelLoadingConfig
+
+    return ModelLoadingConfig(dtype="float32", device="cpu")
