@@ -5,6 +5,8 @@
 * ``opd sft --config FILE [key.sub=value ...]`` — supervised fine-tuning (resumes too);
 * ``opd generate --config FILE [key.sub=value ...]`` — one model's (the teacher's) answers to
   the training prompts, as chat-format fixed data (resumes too; :mod:`opd.algorithms.generate_data`);
+* ``opd export CHECKPOINT DIR`` — write a checkpoint's student (sharded or not) as a Hugging
+  Face model directory (:mod:`opd.utils.checkpoint_export`);
 * ``opd plot LOG_DIR`` — redraw the curves and summary from a run's ``metrics.jsonl``;
 * ``opd serve-teacher --model DIR [--port N ...]`` — serve a teacher's prompt log-probs
   over HTTP for ``teacher.backend: remote`` (:mod:`opd.models.teacher.server`).
@@ -49,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(sft)
     generate = commands.add_parser("generate", help="write a model's answers to the prompts as fixed data (JSONL)")
     _add_config_arguments(generate)
+    export = commands.add_parser("export", help="write a checkpoint's student as a Hugging Face model directory")
+    export.add_argument("checkpoint", help="a step_N checkpoint directory")
+    export.add_argument("output", help="the model directory to create")
     plot = commands.add_parser("plot", help="draw curves.png and summary.txt from a run's metrics.jsonl")
     plot.add_argument("arguments", nargs=argparse.REMAINDER, help="LOG_DIR_OR_JSONL [--output PNG]")
     serve = commands.add_parser(
@@ -151,7 +156,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return plot_main(args.arguments)
     try:
-        if args.command == "sft":
+        if args.command == "export":
+            from opd.utils.checkpoint_export import export_checkpoint
+
+            quiet_third_party_output()
+            print(f"opd: wrote {export_checkpoint(args.checkpoint, args.output)}")
+        elif args.command == "sft":
             run_sft(args.config, args.overrides)
         elif args.command == "generate":
             run_generate(args.config, args.overrides)

@@ -39,7 +39,7 @@ from opd.models.config import OptimizerConfig
 from opd.models.interfaces import PolicyInterface
 from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from opd.utils.config import StrictConfig, config_to_yaml
-from opd.utils.errors import ConfigError, TrainingDivergedError
+from opd.utils.errors import ConfigError, TrainingDivergedError, WorkerError
 from opd.utils.logger import Logger, flatten_dict
 from opd.utils.model_card import CARD_FILENAME, last_validation, render_model_card
 from opd.utils.plotting import read_metrics
@@ -146,6 +146,8 @@ def run_training_loop(
 
     Raises:
         TrainingDivergedError: after ``max_consecutive_nonfinite_steps`` skipped steps.
+        WorkerError: a distributed run lost a worker; the message names the role, the
+            rank and the newest complete checkpoint.
     """
     run = _TrainingRun(
         policy, tokenizer, dataloader, logger, checkpointer, state, config, validate, algorithm_rng or random.Random(0)
@@ -162,21 +164,32 @@ def run_training_loop(
             before_first_step()
         if config.validation.val_at_start:
             run.validate(0)
-    with GracefulStop() as stop:
-        while state["step"] < run.total_steps and not stop.requested:
-            state["epoch"] = state["step"] // len(dataloader)
-            _set_epoch(dataloader, state["epoch"])
-            for examples in dataloader:
-                step_start = time.perf_counter()
-                metrics = train_step(examples)
-                state["train_time_s"] += time.perf_counter() - step_start
-                is_last = run.after_step(len(examples), metrics, console_keys)
-                if is_last or stop.requested:
-                    break
-        if stop.requested and state["step"] < run.total_steps:
-            run.stop_on_signal(stop.signal_name)
-            return
-    run.finish()
+    try:
+        with GracefulStop() as stop:
+            while state["step"] < run.total_steps and not stop.requested:
+                state["epoch"] = state["step"] // len(dataloader)
+                _set_epoch(dataloader, state["epoch"])
+                for examples in dataloader:
+                    step_start = time.perf_counter()
+                    metrics = train_step(examples)
+                    state["train_time_s"] += time.perf_counter() - step_start
+                    is_last = run.after_step(len(examples), metrics, console_keys)
+                    if is_last or stop.requested:
+                        break
+            if stop.requested and state["step"] < run.total_steps:
+                run.stop_on_signal(stop.signal_name)
+                return
+        run.finish()
+    except WorkerError as error:
+        # A distributed run lost a worker: nothing more can be saved, so say what can be resumed.
+        logger.close()
+        latest = checkpointer.latest_checkpoint()
+        where = f"the newest complete checkpoint is {latest}" if latest is not None else "no checkpoint was written"
+        raise WorkerError(
+            f"{error} during step {state['step'] + 1}; {where}; rerun the same command to resume",
+            error.role,
+            error.rank,
+        ) from None
 
 
 class _TrainingRun:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from opd.models.lm_head import final_hidden_states
@@ -89,7 +90,7 @@ def whole_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
     """
     seen: set[int] = set()
     for name, tensor in model.state_dict().items():
-        local = getattr(tensor, "to_local", lambda: tensor)()  # tied names share the local shard's storage
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # tied names share its storage
         if local.numel() and local.data_ptr() in seen:
             continue
         seen.add(local.data_ptr())

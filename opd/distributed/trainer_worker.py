@@ -254,8 +254,8 @@ class TrainerWorker:
         set_state_dict(
             self.model,
             self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
+            model_state_dict=model_state,  # filled in place by dcp.load
+            optim_state_dict=optim_state,
             options=StateDictOptions(strict=True),
         )
         self.scheduler.load_state_dict(torch.load(Path(directory) / SCHEDULER_FILE, weights_only=True))

@@ -53,9 +53,9 @@ class WorkerGroup:
         env_vars: dict[str, str] | None = None,
     ) -> None:
         self.role = role
-        remote_class = ray.remote(worker_class)
-        self.actors = [
-            remote_class.options(  # type: ignore[attr-defined]
+        remote_class: Any = ray.remote(worker_class)
+        self.actors: list[Any] = [
+            remote_class.options(
                 num_cpus=slot.num_cpus,
                 num_gpus=slot.num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement_group, slot.bundle_index),

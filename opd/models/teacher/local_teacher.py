@@ -19,7 +19,9 @@ time, when the student's trainer asks for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -49,7 +51,7 @@ class LocalTeacher(TeacherInterface):
         # inference_mode is the cheapest no-gradient mode; a teacher whose weights are
         # gathered during its forward (FSDP2) uses no_grad, because tensors made under
         # inference_mode cannot take part in the student's backward pass.
-        self.no_grad_mode = torch.inference_mode
+        self.no_grad_mode: Callable[[], AbstractContextManager[Any]] = torch.inference_mode
         self.model = model
         self.model.eval()
         self.model.requires_grad_(False)

@@ -1,0 +1,187 @@
+"""Kill-and-resume and worker death on a real 2-worker cluster run (``opd train`` in a subprocess).
+
+Three runs of the same config (2 FSDP2 trainer workers over gloo, one rollout worker,
+sampled rollouts on some steps and fixed data on others, a checkpoint every step):
+
+* the reference runs uninterrupted;
+* the first is killed with SIGKILL (the whole command) after its second checkpoint, then
+  rerun: it must end with bitwise the reference's weights;
+* the second loses a trainer worker (SIGKILL to that Ray actor) after its second
+  checkpoint: the command must stop within a bounded time with one message naming the
+  role, the rank and the newest complete checkpoint, and nothing half-saved; rerun, it
+  must also end with the reference's weights.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from opd_test_helpers import REPO_ROOT, TINY_TRAIN_DATA
+
+TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
+STEPS = 5
+DEATH_DEADLINE_S = 60.0
+
+
+def command(output_dir: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "opd",
+        "train",
+        "--config",
+        str(TINY),
+        f"output_dir={output_dir}",
+        f"data.train_path={TINY_TRAIN_DATA}",
+        "data.val_path=null",
+        "validation.val_at_start=false",
+        "validation.val_at_end=false",
+        f"training.max_num_steps={STEPS}",
+        "training.batch_size=4",
+        "training.micro_batch_size=2",
+        "training.save_freq=1",
+        "checkpointing.keep_top_k=null",
+        "distillation.lambda=0.6",
+        "distillation.generate_strategy.max_length=12",
+        "cluster.trainer.workers=2",
+        "cluster.rollout.workers=1",
+    ]
+
+
+def environment() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+def start(output_dir: Path) -> subprocess.Popen:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        command(output_dir),
+        cwd=REPO_ROOT,
+        env=environment(),
+        stdout=open(output_dir.parent / f"{output_dir.name}.out", "a"),  # noqa: SIM115 - closed with the process
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def finish(process: subprocess.Popen, timeout: float = 300) -> int:
+    return process.wait(timeout=timeout)
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, f"the run ended (status {process.returncode}) before {path} appeared"
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
+        time.sleep(0.2)
+
+
+def log_of(output_dir: Path) -> str:
+    return (output_dir.parent / f"{output_dir.name}.out").read_text()
+
+
+def trainer_worker_pids(session_leader: int) -> list[int]:
+    """Ray actor processes of the trainer started by this run (its private cluster's workers)."""
+    listing = subprocess.run(["ps", "-eo", "pid,sid,args"], capture_output=True, text=True, check=True).stdout
+    pids = []
+    for line in listing.splitlines()[1:]:
+        pid, sid, args = line.strip().split(None, 2)
+        if int(sid) == session_leader and "TrainerWorker" in args:
+            pids.append(int(pid))
+    return pids
+
+
+def final_weights(output_dir: Path):
+    return load_file(str(output_dir / "final_model" / "model.safetensors"))
+
+
+def assert_bitwise(actual, expected, what: str) -> None:
+    assert actual.keys() == expected.keys(), what
+    differing = [name for name in expected if not (actual[name] == expected[name]).all()]
+    assert not differing, f"{what}: {len(differing)} tensors differ, first {differing[0]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster_faults")
+    results = {}
+    reference = start(root / "reference")
+    results["reference_status"] = finish(reference)
+
+    killed = start(root / "killed")
+    wait_for(root / "killed" / "checkpoints" / "step_2", killed)
+    os.killpg(killed.pid, signal.SIGKILL)  # the command and everything it started
+    results["killed_status"] = finish(killed)
+    results["killed_rerun_status"] = finish(start(root / "killed"))
+
+    dying = start(root / "dying")
+    wait_for(root / "dying" / "checkpoints" / "step_2", dying)
+    workers = trainer_worker_pids(dying.pid)
+    os.kill(workers[-1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    results["dying_status"] = finish(dying, timeout=DEATH_DEADLINE_S + 60)
+    results["dying_seconds"] = time.monotonic() - killed_at
+    results["dying_workers"] = workers
+    results["dying_log"] = log_of(root / "dying")
+    results["dying_checkpoints"] = sorted(path.name for path in (root / "dying" / "checkpoints").iterdir())
+    results["dying_rerun_status"] = finish(start(root / "dying"))
+    return root, results
+
+
+def test_the_reference_cluster_run_completes(runs):
+    root, results = runs
+    assert results["reference_status"] == 0, log_of(root / "reference")
+    assert (root / "reference" / "checkpoints" / f"step_{STEPS}" / "policy_shards").is_dir()
+
+
+def test_a_run_killed_with_sigkill_resumes_to_bitwise_the_same_weights(runs):
+    root, results = runs
+    assert results["killed_status"] == -signal.SIGKILL
+    assert results["killed_rerun_status"] == 0, log_of(root / "killed")
+    assert "resuming from" in log_of(root / "killed")
+    assert_bitwise(final_weights(root / "killed"), final_weights(root / "reference"), "killed and resumed")
+
+
+def test_a_dead_trainer_worker_stops_the_run_naming_role_rank_and_checkpoint(runs):
+    root, results = runs
+    assert len(results["dying_workers"]) == 2, results["dying_workers"]
+    assert results["dying_status"] == 2, results["dying_log"]
+    assert results["dying_seconds"] < DEATH_DEADLINE_S
+    error_lines = [line for line in results["dying_log"].splitlines() if line.startswith("opd: error:")]
+    assert len(error_lines) == 1, results["dying_log"]
+    assert "trainer worker" in error_lines[0] and "died" in error_lines[0]
+    assert "the newest complete checkpoint is" in error_lines[0] and "checkpoints/step_" in error_lines[0]
+    # Nothing half-saved: only complete step_N checkpoints, no temporary directory left behind.
+    assert all(name.startswith("step_") for name in results["dying_checkpoints"]), results["dying_checkpoints"]
+
+
+def test_a_run_that_lost_a_worker_resumes_to_bitwise_the_same_weights(runs):
+    root, results = runs
+    assert results["dying_rerun_status"] == 0, log_of(root / "dying")
+    assert_bitwise(final_weights(root / "dying"), final_weights(root / "reference"), "worker lost and resumed")
+
+
+def test_export_consolidates_a_sharded_checkpoint_into_the_final_model(runs, tmp_path):
+    root, _ = runs
+    exported = tmp_path / "exported"
+    status = subprocess.run(
+        [sys.executable, "-m", "opd", "export", str(root / "reference" / "checkpoints" / f"step_{STEPS}"), str(exported)],
+        cwd=REPO_ROOT,
+        env=environment(),
+        capture_output=True,
+        text=True,
+    )
+    assert status.returncode == 0, status.stderr
+    assert_bitwise(load_file(str(exported / "model.safetensors")), final_weights(root / "reference"), "export")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(str(exported))
+    AutoTokenizer.from_pretrained(str(exported))
