@@ -129,7 +129,9 @@ def step_metrics(
 
     ``timing/training`` excludes the teacher, which is scored inside the trainer's
     micro-batch loop and reported as ``timing/teacher``, and a distributed trainer's
-    ``timing/dispatch`` (planning each rank's micro-batches). On-policy steps also log
+    ``timing/dispatch`` (planning each rank's micro-batches). A distributed trainer also
+    reports ``timing/trainer_compute``: the slowest rank's own time in the step, part of
+    ``timing/training`` (the rest is the cost of calling the workers). On-policy steps also log
     ``train/unique_responses_per_prompt`` (out of ``samples_per_prompt``).
     """
     metrics: dict[str, Any] = {f"train/{key}": value for key, value in train_metrics.items()}
@@ -144,8 +146,9 @@ def step_metrics(
         metrics["timing/refit"] = seconds["refit"]
     metrics["timing/generation"] = seconds.get("generation", 0.0)
     metrics["timing/teacher"] = seconds.get("teacher", 0.0)
-    if "dispatch" in seconds:
-        metrics["timing/dispatch"] = seconds["dispatch"]
+    for phase in ("dispatch", "trainer_compute"):  # a distributed trainer's own timings
+        if phase in seconds:
+            metrics[f"timing/{phase}"] = seconds[phase]
     metrics["timing/training"] = seconds["training"] - seconds.get("teacher", 0.0) - seconds.get("dispatch", 0.0)
     metrics["timing/step"] = seconds["step"]
     metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / seconds["step"]

@@ -239,8 +239,6 @@ def _cluster_problem(config: MasterConfig) -> str | None:
         return None
     if config.model.active_lora() is not None:
         return "model.lora: LoRA students train in one process; remove the cluster section or model.lora"
-    if config.generation.backend != "hf":
-        return "cluster: rollout workers run the HF engine; set generation.backend = hf"
     in_workers = config.teacher.backend == "local" and cluster.teacher.placement == "colocated"
     if in_workers and config.distillation.teacher_context_spec() is not None:
         return (

@@ -400,6 +400,8 @@ def build_on_cluster(
         tokenizer=tokenizer,
         decode_loop=config.generation.decode_loop,
         stop_ids=tuple(config.generation.stop_token_ids) if config.generation.stop_token_ids else None,
+        vllm=config.generation.vllm if config.generation.backend == "vllm" else None,
+        seed=config.training.seed,
     )
     policy, teacher, generation = build_cluster_backends(config.cluster, request, remote_teacher)
     return policy, teacher, generation, None

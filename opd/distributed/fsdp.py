@@ -2,11 +2,15 @@
 
 :func:`shard_model` applies ``fully_shard`` to every decoder layer and then to the whole
 model (whose own group holds the embedding, the final norm and the head, tied or not),
-and sets two things that distillation needs:
+and sets what distillation needs:
 
 * gradients are **summed** over the ranks, not averaged: every rank's loss is already
   its share of the global-batch loss (normalised by the tokens of the whole batch), so
   the sum is the gradient of one process over the whole batch;
+* with a 16-bit ``model.dtype`` the student keeps fp32 master weights, Adam moments and
+  gradient reductions, and computes in 16 bits (FSDP2's mixed precision, as NeMo-RL and
+  verl train): an update far below bf16's resolution (a learning rate of 1e-6) is not
+  rounded away;
 * the model gets an ``opd_hidden_states(input_ids, attention_mask, position_ids)`` method
   that runs under FSDP's hooks like ``forward``: the fused loss needs the final hidden
   states without the ``[tokens × vocab]`` logits, and the head's weight afterwards (the
@@ -23,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
@@ -58,12 +62,26 @@ def _hidden_states(
     return final_hidden_states(self, input_ids, attention_mask, position_ids)
 
 
-def shard_model(model: PreTrainedModel, mesh: DeviceMesh) -> PreTrainedModel:
-    """Shards ``model`` in place with FSDP2 (see the module docstring) and returns it."""
+def shard_model(model: PreTrainedModel, mesh: DeviceMesh, compute_dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """Shards ``model`` in place with FSDP2 (see the module docstring) and returns it.
+
+    Args:
+        model: the model, loaded in the dtype its sharded weights keep (fp32 master
+            weights for a trained student).
+        mesh: the trainer's device mesh.
+        compute_dtype: gather the weights in this dtype for forward and backward and
+            reduce the gradients in fp32 (FSDP2 mixed precision); None computes in the
+            weights' own dtype.
+    """
+    policy = (
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype is not None
+        else MixedPrecisionPolicy()
+    )
     decoder = model.get_decoder()
     for layer in decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Sum, as plain SUM collectives: gloo has no pre-multiplied sum.

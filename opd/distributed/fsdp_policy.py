@@ -85,7 +85,8 @@ class FSDPPolicy(PolicyInterface):
 
         Returns:
             The global metrics, as :meth:`HFPolicy.train` returns them, plus
-            ``teacher_seconds`` (the slowest rank's time in its colocated teacher) and
+            ``teacher_seconds`` (the slowest rank's time in its colocated teacher),
+            ``trainer_compute_seconds`` (the slowest rank's time in the step) and
             ``dispatch_seconds`` (the controller's time planning the micro-batches).
         """
         start = time.perf_counter()
@@ -105,6 +106,8 @@ class FSDPPolicy(PolicyInterface):
         metrics = dict(results[0])
         # The slowest rank's colocated teacher time (zero when it scored elsewhere).
         metrics["teacher_seconds"] = max(result["teacher_seconds"] for result in results)
+        metrics.pop("compute_seconds")
+        metrics["trainer_compute_seconds"] = max(result["compute_seconds"] for result in results)
         metrics["dispatch_seconds"] = dispatch_seconds
         return metrics
 

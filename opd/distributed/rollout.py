@@ -1,7 +1,9 @@
 """Rollout workers: engines that sample from the student, refit from the trainer in buckets.
 
-:class:`RolloutWorker` is one Ray actor holding its own copy of the student and an
-:class:`~opd.models.generation.hf_generation.HFGeneration` engine over it.
+:class:`RolloutWorker` is one Ray actor holding its own engine over a copy of the
+student: :class:`~opd.models.generation.hf_generation.HFGeneration`, or with
+``generation.backend: vllm`` a :class:`~opd.models.generation.vllm_generation.VllmGeneration`
+engine (one per worker, in the worker's process).
 :class:`RayGeneration` is the ``GenerationInterface`` the driver sees:
 
 * ``generate`` deals the prompts to the workers in contiguous blocks (each prompt's
@@ -16,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +28,11 @@ import torch
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distributed.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
-from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.generation.config import GenerateStrategyConfig, VllmGenerationConfig
 from opd.models.generation.hf_generation import HFGeneration
 from opd.models.interfaces import GenerationInterface, PolicyInterface
 from opd.models.loading import load_causal_lm, resolve_device, resolve_dtype
+from opd.utils.errors import WorkerError
 
 _SEED_RANGE = 2**31 - 1
 
@@ -44,6 +48,8 @@ class RolloutSpec:
         decode_loop: ``opd`` or ``generate`` (see ``generation.decode_loop``).
         stop_ids: token ids that end a response (None: the model's own).
         threads: torch threads of a CPU worker.
+        vllm: the vLLM engine's settings, or None for the HF engine.
+        seed: the vLLM engine's seed (each worker adds its rank).
     """
 
     model_path: str
@@ -52,6 +58,8 @@ class RolloutSpec:
     decode_loop: str
     stop_ids: tuple[int, ...] | None
     threads: int
+    vllm: VllmGenerationConfig | None = None
+    seed: int = 0
 
 
 class RolloutWorker:
@@ -69,17 +77,35 @@ class RolloutWorker:
         model = load_causal_lm(spec.model_path, resolve_dtype(spec.loading.dtype, device), device, spec.loading)
         model.requires_grad_(False)
         self.model = model
-        self.engine = HFGeneration(model, spec.tokenizer, spec.decode_loop, stop_ids=spec.stop_ids)
+        self.vllm_engine: Any = None
+        self.engine: GenerationInterface
+        if spec.vllm is not None:
+            # Imported here: vLLM is optional, and only its rollout workers need it.
+            from opd.models.generation.vllm_generation import VllmGeneration
+
+            self.vllm_engine = VllmGeneration(model, spec.tokenizer, spec.vllm, spec.seed + rank, spec.stop_ids)
+            self.engine = self.vllm_engine
+        else:
+            self.engine = HFGeneration(model, spec.tokenizer, spec.decode_loop, stop_ids=spec.stop_ids)
 
     def load_buckets(self, bucket_refs: list[Any]) -> int:
-        """Copies the trainer's weights into this worker's model, one bucket at a time; returns the tensors loaded."""
+        """Copies the trainer's weights into this worker's engine, bucket by bucket; returns the tensors loaded.
+
+        The HF engine samples with the worker's model, which takes the tensors in place; a
+        vLLM engine takes them through its own weight loader.
+        """
         own = self.model.state_dict()
-        loaded = 0
+        pairs = []
         for ref in bucket_refs:
             for name, tensor in ray.get(ref).items():
-                own[name].copy_(tensor)
-                loaded += 1
-        return loaded
+                if self.vllm_engine is not None:
+                    pairs.append((name, tensor.to(own[name].dtype)))
+                else:
+                    own[name].copy_(tensor)
+                    pairs.append((name, own[name]))
+        if self.vllm_engine is not None:
+            self.vllm_engine.load_weights(pairs)
+        return len(pairs)
 
     def generate(
         self,
@@ -96,6 +122,10 @@ class RolloutWorker:
             return self.engine.generate(prompts, strategy, num_samples, return_logprobs)
         finally:
             self.engine.finish_generation()
+
+    def close(self) -> None:
+        """Frees the engine (a vLLM engine's scratch files and memory)."""
+        self.engine.close()
 
 
 class RayGeneration(GenerationInterface):
@@ -151,7 +181,10 @@ class RayGeneration(GenerationInterface):
         self.workers.run_all("load_buckets", refs)
 
     def close(self) -> None:
-        """Stops the workers."""
+        """Closes the engines and stops the workers (a worker that died already is skipped)."""
+        # A dead worker's engine went with its process; the others still close theirs.
+        with contextlib.suppress(WorkerError):
+            self.workers.run_all("close")
         self.workers.kill()
 
 

@@ -23,6 +23,7 @@ from opd.distributed.teacher_pool import ColocatedTeacher, TeacherPool, TeacherW
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
 from opd.distributed.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
+from opd.models.generation.config import VllmGenerationConfig
 from opd.models.interfaces import GenerationInterface, TeacherInterface
 
 log = logging.getLogger("opd")
@@ -46,6 +47,8 @@ class ClusterRequest:
         tokenizer: the run's tokenizer (the rollout workers decode with it).
         decode_loop: the rollout workers' decoding loop.
         stop_ids: ids that end a response (None: each model's own).
+        vllm: the rollout workers' vLLM settings, or None for HF rollout workers.
+        seed: the run's seed (vLLM engines are seeded from it).
     """
 
     student_path: str
@@ -59,6 +62,8 @@ class ClusterRequest:
     tokenizer: Any
     decode_loop: str
     stop_ids: tuple[int, ...] | None
+    vllm: VllmGenerationConfig | None = None
+    seed: int = 0
 
 
 def build_cluster_backends(
@@ -132,6 +137,8 @@ def build_cluster_backends(
             request.decode_loop,
             request.stop_ids,
             cluster.threads_per_worker,
+            request.vllm,
+            request.seed,
         )
         rollout = WorkerGroup("rollout", RolloutWorker, pools.rollout, lambda rank: (rank, rollout_spec), threads)
         groups.append(rollout)

@@ -94,7 +94,10 @@ class TrainerWorker:
         on_gpu = spec.backend == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         dtype = resolve_dtype(spec.loading.dtype, self.device)
-        self.model = shard_model(load_causal_lm(spec.student_path, dtype, self.device, spec.loading), mesh)
+        # fp32 master weights; a 16-bit model.dtype is the compute dtype (FSDP2 mixed precision).
+        self.compute_dtype = dtype
+        student = load_causal_lm(spec.student_path, torch.float32, self.device, spec.loading)
+        self.model = shard_model(student, mesh, dtype if dtype != torch.float32 else None)
         self.model.train()
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_scheduler(self.optimizer, spec.optimizer, spec.total_steps)
@@ -138,9 +141,11 @@ class TrainerWorker:
                 runs elsewhere; None to score with the colocated teacher (or no teacher).
 
         Returns:
-            The global metrics (the same on every rank), plus ``teacher_seconds``: the
-            time this rank spent in its colocated teacher.
+            The global metrics (the same on every rank), plus this rank's own timings:
+            ``teacher_seconds`` (in its colocated teacher) and ``compute_seconds`` (the
+            whole call).
         """
+        start = time.perf_counter()
         request = loss_fn.teacher_request
         totals: dict[str, float] = {}
         teacher_seconds = 0.0
@@ -167,6 +172,7 @@ class TrainerWorker:
         parameters = [param for param in self.model.parameters() if param.requires_grad]
         totals = apply_gradients(parameters, self.optimizer, self.scheduler, self.spec.optimizer.max_grad_norm, totals)
         totals["teacher_seconds"] = teacher_seconds
+        totals["compute_seconds"] = time.perf_counter() - start
         return totals
 
     def _sum_over_ranks(self, totals: dict[str, float]) -> dict[str, float]:
@@ -207,10 +213,13 @@ class TrainerWorker:
         return weights
 
     def save_pretrained(self, directory: str) -> None:
-        """Gathers the whole student; rank 0 writes it as a Hugging Face model directory."""
+        """Gathers the whole student; rank 0 writes it in ``model.dtype`` as a Hugging Face model directory."""
         weights = self.whole_weights()
-        if self.rank == 0:
+        if self.rank == 0:  # in model.dtype, as an in-process run writes it
+            weights = {name: tensor.to(self.compute_dtype) for name, tensor in weights.items()}
+            self.model.config.dtype = self.compute_dtype
             self.model.save_pretrained(directory, state_dict=weights, safe_serialization=True)
+            self.model.config.dtype = torch.float32
         dist.barrier()
 
     def weight_buckets(self, bucket_bytes: int) -> list[Any]:
@@ -242,8 +251,11 @@ class TrainerWorker:
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(directory) / SHARDS_DIR))
         if self.rank == 0:
             torch.save(self.scheduler.state_dict(), Path(directory) / SCHEDULER_FILE)
-            # What `opd export` needs to rebuild a model around the consolidated weights.
+            # What `opd export` needs to rebuild a model around the consolidated weights
+            # (the fp32 masters, written in model.dtype).
+            self.model.config.dtype = self.compute_dtype
             self.model.config.save_pretrained(str(Path(directory) / MODEL_CONFIG_DIR))
+            self.model.config.dtype = torch.float32
         dist.barrier()
 
     def load_shards(self, directory: str) -> None:

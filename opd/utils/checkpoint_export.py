@@ -14,6 +14,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -55,9 +56,10 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
 def _consolidate(checkpoint: Path, staging: Path) -> None:
     """The sharded student loaded whole in this process and saved with its tokenizer."""
     config = AutoConfig.from_pretrained(str(checkpoint / MODEL_CONFIG_DIR))
-    model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
-    # The shards hold the trainer's state dict under "model"; a head tied to the embedding
-    # is one tensor, loaded through the embedding's name.
+    dtype = config.dtype
+    # The shards hold fp32 master weights; the model is written in the run's model.dtype.
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # The shards hold the trainer's state dict under "model."; a tied head may be absent.
     state = model.state_dict()
     targets = {f"model.{name}": tensor for name, tensor in state.items()}
     stored = set(dcp.FileSystemReader(str(checkpoint / SHARDS_DIR)).read_metadata().state_dict_metadata)
@@ -69,5 +71,6 @@ def _consolidate(checkpoint: Path, staging: Path) -> None:
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(loaded, checkpoint_id=str(checkpoint / SHARDS_DIR), no_dist=True)
+    model.to(dtype)
     model.save_pretrained(str(staging), safe_serialization=True)
     AutoTokenizer.from_pretrained(str(checkpoint / TOKENIZER_DIR)).save_pretrained(str(staging))

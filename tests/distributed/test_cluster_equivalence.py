@@ -229,3 +229,29 @@ def _loading():
     from opd.models.config import ModelLoadingConfig
 
     return ModelLoadingConfig(dtype="float32", device="cpu")
+
+
+def test_a_bf16_cluster_run_computes_in_bf16_on_fp32_master_weights(ray_cluster, tmp_path):
+    """FSDP2 mixed precision: bf16 forward/backward, fp32 shards and reductions, the final model in bf16."""
+    import torch.distributed.checkpoint as dcp
+
+    fixed_data = ["distillation.lambda=0.0", "training.max_num_steps=3", "training.save_freq=3"]
+    reference = equivalence_config(tmp_path, "fp32", *fixed_data)
+    bf16 = equivalence_config(
+        tmp_path, "bf16", *fixed_data, "model.dtype=bfloat16", "cluster.trainer.workers=2", "cluster.rollout.workers=1"
+    )
+    train(reference)
+    train(bf16)
+    expected, actual = (
+        [record["train/loss"] for record in read_metrics(Path(config.output_dir) / "logs") if "train/loss" in record]
+        for config in (reference, bf16)
+    )
+    assert len(actual) == 3
+    for mine, fp32 in zip(actual, expected, strict=True):
+        assert mine != fp32  # computed in bf16 ...
+        assert math.isclose(mine, fp32, rel_tol=2e-2)  # ... close to fp32
+    shards = Path(bf16.output_dir) / "checkpoints" / "step_3" / "policy_shards"
+    stored = dcp.FileSystemReader(str(shards)).read_metadata().state_dict_metadata
+    assert stored["model.model.norm.weight"].properties.dtype == torch.float32
+    final = load_file(str(Path(bf16.output_dir) / "final_model" / "model.safetensors"))
+    assert {tensor.dtype for tensor in final.values()} == {torch.bfloat16}

@@ -1,15 +1,14 @@
-"""Kill-and-resume and worker death on a real 2-worker cluster run (``opd train`` in a subprocess).
+"""Worker death and kill-and-resume on a real 2-worker cluster run (``opd train`` in a subprocess).
 
-Three runs of the same config (2 FSDP2 trainer workers over gloo, one rollout worker,
+Two runs of the same config (2 FSDP2 trainer workers over gloo, one rollout worker,
 sampled rollouts on some steps and fixed data on others, a checkpoint every step):
 
 * the reference runs uninterrupted;
-* the first is killed with SIGKILL (the whole command) after its second checkpoint, then
-  rerun: it must end with bitwise the reference's weights;
-* the second loses a trainer worker (SIGKILL to that Ray actor) after its second
+* the other loses a trainer worker (SIGKILL to that Ray actor) after its first
   checkpoint: the command must stop within a bounded time with one message naming the
-  role, the rank and the newest complete checkpoint, and nothing half-saved; rerun, it
-  must also end with the reference's weights.
+  role, the rank and the newest complete checkpoint, and nothing half-saved. Rerun, it
+  resumes, and is killed whole with SIGKILL after its third checkpoint; rerun again, it
+  must end with bitwise the reference's weights.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from safetensors.torch import load_file
 from opd_test_helpers import REPO_ROOT, TINY_TRAIN_DATA
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
-STEPS = 5
+STEPS = 4
 DEATH_DEADLINE_S = 60.0
 
 
@@ -116,23 +115,23 @@ def runs(tmp_path_factory):
     reference = start(root / "reference")
     results["reference_status"] = finish(reference)
 
-    killed = start(root / "killed")
-    wait_for(root / "killed" / "checkpoints" / "step_2", killed)
-    os.killpg(killed.pid, signal.SIGKILL)  # the command and everything it started
-    results["killed_status"] = finish(killed)
-    results["killed_rerun_status"] = finish(start(root / "killed"))
-
-    dying = start(root / "dying")
-    wait_for(root / "dying" / "checkpoints" / "step_2", dying)
+    interrupted = root / "interrupted"
+    dying = start(interrupted)
+    wait_for(interrupted / "checkpoints" / "step_1", dying)
     workers = trainer_worker_pids(dying.pid)
     os.kill(workers[-1], signal.SIGKILL)
     killed_at = time.monotonic()
     results["dying_status"] = finish(dying, timeout=DEATH_DEADLINE_S + 60)
     results["dying_seconds"] = time.monotonic() - killed_at
     results["dying_workers"] = workers
-    results["dying_log"] = log_of(root / "dying")
-    results["dying_checkpoints"] = sorted(path.name for path in (root / "dying" / "checkpoints").iterdir())
-    results["dying_rerun_status"] = finish(start(root / "dying"))
+    results["dying_log"] = log_of(interrupted)
+    results["dying_checkpoints"] = sorted(path.name for path in (interrupted / "checkpoints").iterdir())
+
+    killed = start(interrupted)
+    wait_for(interrupted / "checkpoints" / "step_3", killed)
+    os.killpg(killed.pid, signal.SIGKILL)  # the command and everything it started
+    results["killed_status"] = finish(killed)
+    results["rerun_status"] = finish(start(interrupted))
     return root, results
 
 
@@ -140,14 +139,6 @@ def test_the_reference_cluster_run_completes(runs):
     root, results = runs
     assert results["reference_status"] == 0, log_of(root / "reference")
     assert (root / "reference" / "checkpoints" / f"step_{STEPS}" / "policy_shards").is_dir()
-
-
-def test_a_run_killed_with_sigkill_resumes_to_bitwise_the_same_weights(runs):
-    root, results = runs
-    assert results["killed_status"] == -signal.SIGKILL
-    assert results["killed_rerun_status"] == 0, log_of(root / "killed")
-    assert "resuming from" in log_of(root / "killed")
-    assert_bitwise(final_weights(root / "killed"), final_weights(root / "reference"), "killed and resumed")
 
 
 def test_a_dead_trainer_worker_stops_the_run_naming_role_rank_and_checkpoint(runs):
@@ -163,25 +154,21 @@ def test_a_dead_trainer_worker_stops_the_run_naming_role_rank_and_checkpoint(run
     assert all(name.startswith("step_") for name in results["dying_checkpoints"]), results["dying_checkpoints"]
 
 
-def test_a_run_that_lost_a_worker_resumes_to_bitwise_the_same_weights(runs):
+def test_a_run_that_lost_a_worker_and_was_killed_resumes_to_bitwise_the_same_weights(runs):
     root, results = runs
-    assert results["dying_rerun_status"] == 0, log_of(root / "dying")
-    assert_bitwise(final_weights(root / "dying"), final_weights(root / "reference"), "worker lost and resumed")
+    assert results["killed_status"] == -signal.SIGKILL
+    assert results["rerun_status"] == 0, log_of(root / "interrupted")
+    assert log_of(root / "interrupted").count("resuming from") == 2
+    assert_bitwise(final_weights(root / "interrupted"), final_weights(root / "reference"), "interrupted twice")
 
 
 def test_export_consolidates_a_sharded_checkpoint_into_the_final_model(runs, tmp_path):
-    root, _ = runs
-    exported = tmp_path / "exported"
-    status = subprocess.run(
-        [sys.executable, "-m", "opd", "export", str(root / "reference" / "checkpoints" / f"step_{STEPS}"), str(exported)],
-        cwd=REPO_ROOT,
-        env=environment(),
-        capture_output=True,
-        text=True,
-    )
-    assert status.returncode == 0, status.stderr
-    assert_bitwise(load_file(str(exported / "model.safetensors")), final_weights(root / "reference"), "export")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from opd.utils.checkpoint_export import export_checkpoint
+
+    root, _ = runs
+    exported = export_checkpoint(root / "reference" / "checkpoints" / f"step_{STEPS}", tmp_path / "exported")
+    assert_bitwise(load_file(str(exported / "model.safetensors")), final_weights(root / "reference"), "export")
     AutoModelForCausalLM.from_pretrained(str(exported))
     AutoTokenizer.from_pretrained(str(exported))

@@ -198,13 +198,13 @@ class VllmGeneration(GenerationInterface):
 
     def refit(self, policy: PolicyInterface) -> None:
         """Copies the policy's current weights into the engine (called by the driver when stale)."""
-        self._load_weights(list(policy.weights_for_refit()))
+        self.load_weights(list(policy.weights_for_refit()))
 
     def refit_from_model(self, model: PreTrainedModel) -> None:
         """Copies ``model``'s parameters into the engine (the first load, from the student in memory)."""
-        self._load_weights([(name, parameter.detach()) for name, parameter in model.named_parameters()])
+        self.load_weights([(name, parameter.detach()) for name, parameter in model.named_parameters()])
 
-    def _load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Streams ``(name, tensor)`` pairs into the engine and drops the prefix cache.
 
         Raises:

@@ -1,0 +1,158 @@
+"""Scaling of the cluster path on CPU: 1 against 2 trainer workers, colocated against split pools.
+
+Every configuration is one ``opd train`` run of the CPU demo (its committed tiny teacher
+and student, greedy on-policy rollouts of up to 96 tokens, the exact fused full-vocabulary
+loss with the teacher colocated in the trainer workers), in a fresh process with its own
+private Ray cluster, one thread per worker. Weak scaling: each trainer worker (and each
+rollout worker) gets ``--per-worker-batch`` prompts, so 2 workers train a global batch
+twice as large. Validation and checkpoints are off; the first ``--warmup`` steps are
+dropped and the medians of the rest are reported.
+
+Columns, all medians per step, from the run's ``metrics.jsonl``:
+
+* ``samples/s``: sequences trained per second of step time;
+* ``generation``, ``refit``, ``training`` (``timing/training``: the call to the trainer
+  workers, their teacher included), ``dispatch`` (the controller planning each rank's
+  micro-batches) and ``step``;
+* ``overhead``: the controller's share of a step, the step time minus the time the
+  workers computed (``timing/trainer_compute``, the slowest rank) and minus generation
+  and refit (themselves worker calls): the cost of the controller and of Ray's calls.
+
+Weak-scaling efficiency = samples/s of 2 workers / (2 × samples/s of 1 worker), colocated.
+
+Usage: ``python benchmarks/scaling.py [--steps 8] [--warmup 2] [--per-worker-batch 16]``
+(about 5 minutes on 2 cores). Run it on an otherwise idle machine. The last line is
+machine-readable: ``scaling weak_efficiency=<x> controller_overhead=<fraction>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = REPO_ROOT / "examples" / "configs" / "demo.yaml"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One measured configuration."""
+
+    name: str
+    workers: int  # trainer workers (and rollout workers); 0 = in process, no Ray
+    placement: str = "colocated"
+
+
+SETUPS = [
+    Setup("in-process", 0),
+    Setup("colocated 1+1", 1),
+    Setup("colocated 2+2", 2),
+    Setup("split 1+1", 1, "split"),
+    Setup("split 2+2", 2, "split"),
+]
+
+
+def run(setup: Setup, steps: int, per_worker_batch: int, workdir: Path) -> list[dict]:
+    """Runs one configuration and returns its per-step metric records."""
+    output = workdir / setup.name.replace(" ", "_").replace("+", "_")
+    batch = per_worker_batch * max(setup.workers, 1)
+    overrides = [
+        f"output_dir={output}",
+        f"training.max_num_steps={steps}",
+        f"training.batch_size={batch}",
+        f"training.micro_batch_size={per_worker_batch}",
+        "training.warmup_steps=0",
+        "training.val_freq=0",
+        "training.save_freq=0",
+        "checkpointing.enabled=false",
+        "validation.val_at_start=false",
+        "validation.val_at_end=false",
+        "logger.console=false",
+        "logger.progress_bar=false",
+    ]
+    if setup.workers:
+        overrides += [
+            f"cluster.trainer.workers={setup.workers}",
+            f"cluster.rollout.workers={setup.workers}",
+            f"cluster.placement={setup.placement}",
+        ]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    completed = subprocess.run(
+        [sys.executable, "-m", "opd", "train", "--config", str(DEMO_CONFIG), *overrides],
+        cwd=REPO_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+    )
+    if completed.returncode != 0:
+        raise SystemExit(f"{setup.name} failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}")
+    lines = (output / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if "timing/step" in record]
+
+
+def summarize(records: list[dict], warmup: int) -> dict[str, float]:
+    """Medians over the steps after the warm-up."""
+    kept = records[warmup:]
+
+    def median(key: str) -> float:
+        return statistics.median(record.get(key, 0.0) for record in kept)
+
+    step = median("timing/step")
+    summary = {key: median(f"timing/{key}") for key in ("generation", "refit", "training", "dispatch", "step")}
+    compute = median("timing/trainer_compute")
+    if compute:
+        worker_time = compute + summary["generation"] + summary["refit"]
+        summary["overhead"] = max(step - worker_time, 0.0) / step
+    else:
+        summary["overhead"] = float("nan")
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--per-worker-batch", type=int, default=16)
+    args = parser.parse_args()
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="opd_scaling_") as workdir:
+        for setup in SETUPS:
+            summary = summarize(run(setup, args.steps, args.per_worker_batch, Path(workdir)), args.warmup)
+            batch = args.per_worker_batch * max(setup.workers, 1)
+            summary["samples_per_s"] = batch / summary["step"]
+            rows.append((setup, batch, summary))
+            print(f"... {setup.name}: {summary['samples_per_s']:.2f} samples/s", file=sys.stderr, flush=True)
+
+    header = (
+        f"{'setup':<16}{'batch':>6}{'samples/s':>11}{'generation':>12}{'refit':>8}{'training':>10}"
+        f"{'dispatch':>10}{'step':>8}{'overhead':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for setup, batch, summary in rows:
+        print(
+            f"{setup.name:<16}{batch:>6}{summary['samples_per_s']:>11.2f}{summary['generation']:>11.2f}s"
+            f"{summary['refit']:>7.3f}s{summary['training']:>9.2f}s{summary['dispatch']:>9.4f}s"
+            f"{summary['step']:>7.2f}s{summary['overhead']:>10.1%}"
+        )
+    by_name = {setup.name: summary for setup, _, summary in rows}
+    one, two = by_name["colocated 1+1"], by_name["colocated 2+2"]
+    efficiency = two["samples_per_s"] / (2 * one["samples_per_s"])
+    print(
+        f"\nweak scaling, colocated 1 -> 2 workers: {efficiency:.2f}; split 1 -> 2: "
+        f"{by_name['split 2+2']['samples_per_s'] / (2 * by_name['split 1+1']['samples_per_s']):.2f}; "
+        f"1 worker vs in-process: {one['samples_per_s'] / by_name['in-process']['samples_per_s']:.2f}x"
+    )
+    print(f"scaling weak_efficiency={efficiency:.3f} controller_overhead={two['overhead']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
