@@ -21,7 +21,7 @@ from opd.distributed.ray_cluster import build_pools, cpus_needed, free_port, sta
 from opd.distributed.rollout import RayGeneration, RolloutSpec, RolloutWorker
 from opd.distributed.teacher_pool import ColocatedTeacher, TeacherPool, TeacherWorker
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
-from opd.distributed.worker_group import WorkerGroup
+from opd.distributed.worker_group import Slot, WorkerGroup
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.generation.config import VllmGenerationConfig
 from opd.models.interfaces import GenerationInterface, TeacherInterface
@@ -79,10 +79,8 @@ def build_cluster_backends(
     """
     colocated_teacher = served_teacher is None and cluster.teacher.placement == "colocated"
     teacher_workers = cluster.teacher.workers if served_teacher is None and not colocated_teacher else 0
-    rollout_workers = cluster.rollout.workers
-    started_ray = start_ray(cluster, cpus_needed(cluster, rollout_workers, teacher_workers))
-    pools = build_pools(cluster, rollout_workers, teacher_workers)
-    threads = {"OMP_NUM_THREADS": str(cluster.threads_per_worker), "TOKENIZERS_PARALLELISM": "false"}
+    started_ray = start_ray(cluster, cpus_needed(cluster, cluster.rollout.workers, teacher_workers))
+    pools = build_pools(cluster, cluster.rollout.workers, teacher_workers)
     groups: list[WorkerGroup] = []
 
     def release() -> None:
@@ -93,25 +91,7 @@ def build_cluster_backends(
             ray.shutdown()
 
     try:
-        master_port = free_port()
-        trainer_spec = TrainerSpec(
-            student_path=request.student_path,
-            teacher_path=request.teacher_path if colocated_teacher else None,
-            loading=request.loading,
-            optimizer=request.optimizer,
-            total_steps=request.total_steps,
-            backend=cluster.resolved_backend(),
-            timeout_s=cluster.worker_timeout_s,
-            threads=cluster.threads_per_worker,
-        )
-        master_addr = ray.util.get_node_ip_address()
-        trainer = WorkerGroup(
-            "trainer",
-            TrainerWorker,
-            pools.trainer,
-            lambda rank: (rank, cluster.trainer.workers, master_addr, master_port, trainer_spec),
-            threads,
-        )
+        trainer = _start_trainer(cluster, request, pools.trainer, colocated_teacher)
         groups.append(trainer)
         teacher: TeacherInterface
         if served_teacher is not None:
@@ -119,39 +99,20 @@ def build_cluster_backends(
         elif colocated_teacher:
             teacher = ColocatedTeacher(trainer)
         else:
-            assert request.teacher_path is not None
-            teacher_path = request.teacher_path
-            pool = WorkerGroup(
-                "teacher",
-                TeacherWorker,
-                pools.teacher,
-                lambda rank: (rank, teacher_path, request.loading, cluster.threads_per_worker),
-                threads,
-            )
-            groups.append(pool)
-            teacher = TeacherPool(pool)
-        rollout_spec = RolloutSpec(
-            request.student_path,
-            request.loading,
-            request.tokenizer,
-            request.decode_loop,
-            request.stop_ids,
-            cluster.threads_per_worker,
-            request.vllm,
-            request.seed,
-        )
-        rollout = WorkerGroup("rollout", RolloutWorker, pools.rollout, lambda rank: (rank, rollout_spec), threads)
+            teacher_pool = _start_teacher_pool(cluster, request, pools.teacher)
+            groups.append(teacher_pool)
+            teacher = TeacherPool(teacher_pool)
+        rollout = _start_rollout(cluster, request, pools.rollout)
         groups.append(rollout)
-        generation = RayGeneration(rollout, request.tokenizer.pad_token_id, int(cluster.rollout.refit_bucket_mb * _MIB))
     except BaseException:
         release()
         raise
     log.info(
         "cluster: %d trainer workers (%s), teacher %s, %d rollout workers, %s placement",
         cluster.trainer.workers,
-        trainer_spec.backend,
+        cluster.resolved_backend(),
         "served" if served_teacher is not None else cluster.teacher.placement,
-        rollout_workers,
+        cluster.rollout.workers,
         cluster.placement,
     )
     policy = FSDPPolicy(
@@ -162,4 +123,63 @@ def build_cluster_backends(
         teacher_in_workers=colocated_teacher,
         on_close=release,
     )
+    generation = RayGeneration(rollout, request.tokenizer.pad_token_id, int(cluster.rollout.refit_bucket_mb * _MIB))
     return policy, teacher, generation
+
+
+def _worker_environment(cluster: ClusterConfig) -> dict[str, str]:
+    """The environment of every worker: its thread count, and no tokenizer thread pool."""
+    return {"OMP_NUM_THREADS": str(cluster.threads_per_worker), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _start_trainer(
+    cluster: ClusterConfig, request: ClusterRequest, slots: list[Slot], colocated_teacher: bool
+) -> WorkerGroup:
+    """The FSDP2 trainer ranks (with the teacher, when it is colocated); rank 0 hosts the process group."""
+    spec = TrainerSpec(
+        student_path=request.student_path,
+        teacher_path=request.teacher_path if colocated_teacher else None,
+        loading=request.loading,
+        optimizer=request.optimizer,
+        total_steps=request.total_steps,
+        backend=cluster.resolved_backend(),
+        timeout_s=cluster.worker_timeout_s,
+        threads=cluster.threads_per_worker,
+    )
+    master_addr, master_port = ray.util.get_node_ip_address(), free_port()
+    return WorkerGroup(
+        "trainer",
+        TrainerWorker,
+        slots,
+        lambda rank: (rank, cluster.trainer.workers, master_addr, master_port, spec),
+        _worker_environment(cluster),
+    )
+
+
+def _start_teacher_pool(cluster: ClusterConfig, request: ClusterRequest, slots: list[Slot]) -> WorkerGroup:
+    """The teacher replicas of ``cluster.teacher.placement: pool``."""
+    teacher_path = request.teacher_path
+    if teacher_path is None:
+        raise ValueError("a teacher pool needs the teacher's model path")
+    return WorkerGroup(
+        "teacher",
+        TeacherWorker,
+        slots,
+        lambda rank: (rank, teacher_path, request.loading, cluster.threads_per_worker),
+        _worker_environment(cluster),
+    )
+
+
+def _start_rollout(cluster: ClusterConfig, request: ClusterRequest, slots: list[Slot]) -> WorkerGroup:
+    """The rollout workers (HF or vLLM engines over a copy of the student)."""
+    spec = RolloutSpec(
+        request.student_path,
+        request.loading,
+        request.tokenizer,
+        request.decode_loop,
+        request.stop_ids,
+        cluster.threads_per_worker,
+        request.vllm,
+        request.seed,
+    )
+    return WorkerGroup("rollout", RolloutWorker, slots, lambda rank: (rank, spec), _worker_environment(cluster))

@@ -8,12 +8,15 @@ sampled rollouts on some steps and fixed data on others, a checkpoint every step
   checkpoint: the command must stop within a bounded time with one message naming the
   role, the rank and the newest complete checkpoint, and nothing half-saved. Rerun, it
   resumes, and is killed whole with SIGKILL after its third checkpoint; rerun again, it
-  must end with bitwise the reference's weights.
+  must end with bitwise the reference's weights;
+* the reference's step-2 checkpoint, resumed on one trainer worker instead of two, must
+  end within float rounding (1e-5) of the reference's weights.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +33,7 @@ STEPS = 4
 DEATH_DEADLINE_S = 60.0
 
 
-def command(output_dir: Path) -> list[str]:
+def command(output_dir: Path, trainer_workers: int = 2) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -50,7 +53,7 @@ def command(output_dir: Path) -> list[str]:
         "checkpointing.keep_top_k=null",
         "distillation.lambda=0.6",
         "distillation.generate_strategy.max_length=12",
-        "cluster.trainer.workers=2",
+        f"cluster.trainer.workers={trainer_workers}",
         "cluster.rollout.workers=1",
     ]
 
@@ -59,10 +62,10 @@ def environment() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 
-def start(output_dir: Path) -> subprocess.Popen:
+def start(output_dir: Path, trainer_workers: int = 2) -> subprocess.Popen:
     output_dir.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
-        command(output_dir),
+        command(output_dir, trainer_workers),
         cwd=REPO_ROOT,
         env=environment(),
         stdout=open(output_dir.parent / f"{output_dir.name}.out", "a"),  # noqa: SIM115 - closed with the process
@@ -132,6 +135,11 @@ def runs(tmp_path_factory):
     os.killpg(killed.pid, signal.SIGKILL)  # the command and everything it started
     results["killed_status"] = finish(killed)
     results["rerun_status"] = finish(start(interrupted))
+
+    # The reference's step-2 checkpoint, resumed by one trainer worker instead of two.
+    resharded = root / "resharded"
+    shutil.copytree(root / "reference", resharded, ignore=shutil.ignore_patterns("step_3", "step_4", "final_model"))
+    results["resharded_status"] = finish(start(resharded, trainer_workers=1))
     return root, results
 
 
@@ -160,6 +168,18 @@ def test_a_run_that_lost_a_worker_and_was_killed_resumes_to_bitwise_the_same_wei
     assert results["rerun_status"] == 0, log_of(root / "interrupted")
     assert log_of(root / "interrupted").count("resuming from") == 2
     assert_bitwise(final_weights(root / "interrupted"), final_weights(root / "reference"), "interrupted twice")
+
+
+def test_a_checkpoint_of_two_workers_resumes_on_one_worker_to_the_same_weights(runs):
+    """torch.distributed.checkpoint reshards on load; only the order of the gradient sums changes."""
+    root, results = runs
+    assert results["resharded_status"] == 0, log_of(root / "resharded")
+    assert "resuming from" in log_of(root / "resharded") and "cluster.trainer.workers (2 -> 1)" in log_of(
+        root / "resharded"
+    )
+    resumed, reference = final_weights(root / "resharded"), final_weights(root / "reference")
+    worst = max(float((resumed[name] - reference[name]).abs().max()) for name in reference)
+    assert worst <= 1e-5, f"resumed on 1 worker, the final weights differ by up to {worst:.2e}"
 
 
 def test_export_consolidates_a_sharded_checkpoint_into_the_final_model(runs, tmp_path):
