@@ -11,17 +11,18 @@ dropped and the medians of the rest are reported.
 Columns, all medians per step, from the run's ``metrics.jsonl``:
 
 * ``samples/s``: sequences trained per second of step time;
-* ``generation``, ``refit``, ``training`` (``timing/training``: the call to the trainer
-  workers, their teacher included), ``dispatch`` (the controller planning each rank's
-  micro-batches) and ``step``;
+* ``generation``, ``refit``, ``teacher`` (in process: the teacher's forward; on the cluster
+  the colocated teacher's time on the slowest rank, part of the trainer call), ``training``
+  (``timing/training``: the call to the trainer workers without their teacher time),
+  ``dispatch`` (the controller planning each rank's micro-batches) and ``step``;
 * ``overhead``: the controller's share of a step, the step time minus the time the
   workers computed (``timing/trainer_compute``, the slowest rank) and minus generation
   and refit (themselves worker calls): the cost of the controller and of Ray's calls.
 
 Weak-scaling efficiency = samples/s of 2 workers / (2 × samples/s of 1 worker), colocated.
 
-Usage: ``python benchmarks/scaling.py [--steps 8] [--warmup 2] [--per-worker-batch 16]``
-(about 5 minutes on 2 cores). Run it on an otherwise idle machine. The last line is
+Usage: ``python benchmarks/scaling.py [--steps 14] [--warmup 4] [--per-worker-batch 16]``
+(about 7 minutes on 2 cores). Run it on an otherwise idle machine. The last line is
 machine-readable: ``scaling weak_efficiency=<x> controller_overhead=<fraction>``.
 """
 
@@ -105,7 +106,8 @@ def summarize(records: list[dict], warmup: int) -> dict[str, float]:
         return statistics.median(record.get(key, 0.0) for record in kept)
 
     step = median("timing/step")
-    summary = {key: median(f"timing/{key}") for key in ("generation", "refit", "training", "dispatch", "step")}
+    phases = ("generation", "refit", "teacher", "training", "dispatch", "step")
+    summary = {key: median(f"timing/{key}") for key in phases}
     compute = median("timing/trainer_compute")
     if compute:
         worker_time = compute + summary["generation"] + summary["refit"]
@@ -117,8 +119,8 @@ def summarize(records: list[dict], warmup: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--per-worker-batch", type=int, default=16)
     args = parser.parse_args()
 
@@ -132,7 +134,7 @@ def main() -> None:
             print(f"... {setup.name}: {summary['samples_per_s']:.2f} samples/s", file=sys.stderr, flush=True)
 
     header = (
-        f"{'setup':<16}{'batch':>6}{'samples/s':>11}{'generation':>12}{'refit':>8}{'training':>10}"
+        f"{'setup':<16}{'batch':>6}{'samples/s':>11}{'generation':>12}{'refit':>8}{'teacher':>9}{'training':>10}"
         f"{'dispatch':>10}{'step':>8}{'overhead':>10}"
     )
     print(header)
@@ -140,7 +142,8 @@ def main() -> None:
     for setup, batch, summary in rows:
         print(
             f"{setup.name:<16}{batch:>6}{summary['samples_per_s']:>11.2f}{summary['generation']:>11.2f}s"
-            f"{summary['refit']:>7.3f}s{summary['training']:>9.2f}s{summary['dispatch']:>9.4f}s"
+            f"{summary['refit']:>7.3f}s{summary['teacher']:>8.2f}s{summary['training']:>9.2f}s"
+            f"{summary['dispatch']:>9.4f}s"
             f"{summary['step']:>7.2f}s{summary['overhead']:>10.1%}"
         )
     by_name = {setup.name: summary for setup, _, summary in rows}

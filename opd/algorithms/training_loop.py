@@ -186,7 +186,7 @@ def run_training_loop(
         latest = checkpointer.latest_checkpoint()
         where = f"the newest complete checkpoint is {latest}" if latest is not None else "no checkpoint was written"
         raise WorkerError(
-            f"{error} during step {state['step'] + 1}; {where}; rerun the same command to resume",
+            f"{error} after step {state['step']} of {run.total_steps}; {where}; rerun the same command to resume",
             error.role,
             error.rank,
         ) from None

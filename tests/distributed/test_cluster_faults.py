@@ -128,7 +128,9 @@ def runs(tmp_path_factory):
     results["dying_seconds"] = time.monotonic() - killed_at
     results["dying_workers"] = workers
     results["dying_log"] = log_of(interrupted)
-    results["dying_checkpoints"] = sorted(path.name for path in (interrupted / "checkpoints").iterdir())
+    results["dying_checkpoints"] = {
+        path.name: (path / "save_state.json").is_file() for path in (interrupted / "checkpoints").iterdir()
+    }
 
     killed = start(interrupted)
     wait_for(interrupted / "checkpoints" / "step_3", killed)
@@ -156,10 +158,14 @@ def test_a_dead_trainer_worker_stops_the_run_naming_role_rank_and_checkpoint(run
     assert results["dying_seconds"] < DEATH_DEADLINE_S
     error_lines = [line for line in results["dying_log"].splitlines() if line.startswith("opd: error:")]
     assert len(error_lines) == 1, results["dying_log"]
-    assert "trainer worker" in error_lines[0] and "died" in error_lines[0]
+    assert "trainer worker" in error_lines[0] and "died" in error_lines[0] and "after step" in error_lines[0]
     assert "the newest complete checkpoint is" in error_lines[0] and "checkpoints/step_" in error_lines[0]
-    # Nothing half-saved: only complete step_N checkpoints, no temporary directory left behind.
-    assert all(name.startswith("step_") for name in results["dying_checkpoints"]), results["dying_checkpoints"]
+    # Nothing half-saved: every step_N is complete; a write the death interrupted stays a
+    # .tmp_step_N, which the rerun removes.
+    for name, complete in results["dying_checkpoints"].items():
+        assert name.startswith(("step_", ".tmp_step_")), name
+        assert complete or name.startswith(".tmp_step_"), f"{name} is published but incomplete"
+    assert not list((root / "interrupted" / "checkpoints").glob(".tmp_*"))  # the reruns removed them
 
 
 def test_a_run_that_lost_a_worker_and_was_killed_resumes_to_bitwise_the_same_weights(runs):
