@@ -11,7 +11,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/python_env.sh
 bash scripts/install.sh test
-"$PYTHON" -m pytest "$@"
+# The suite runs in parallel, one pytest worker per core (at most 4; OPD_TEST_WORKERS=1 runs it in
+# one process), each test file in one worker (its module fixtures are built once), one thread each.
+WORKERS="${OPD_TEST_WORKERS:-$("$PYTHON" -c 'import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))')}"
+if [ "$WORKERS" -gt 1 ]; then
+  OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PYTHON" -m pytest -n "$WORKERS" --dist loadfile "$@"
+else
+  "$PYTHON" -m pytest "$@"
+fi
 if [ "${OPD_SKIP_VLLM_TESTS:-0}" != "1" ]; then
   bash scripts/test_vllm.sh "$@"
 fi
