@@ -5,6 +5,7 @@ The suite runs with ``--import-mode=importlib``, which does not put test directo
 """
 
 import logging
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,3 +28,17 @@ def _restore_opd_logger():
     saved = (list(opd_log.handlers), opd_log.level, opd_log.propagate)
     yield
     opd_log.handlers[:], opd_log.level, opd_log.propagate = saved
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _arithmetic_task_exists():
+    """The demo's arithmetic task (``examples/data/arithmetic/``, generated, not committed) is on disk.
+
+    Several test modules read it; without this, whether it existed depended on a demo test
+    having run earlier in the same process. The generator is deterministic and writes each
+    file atomically, so parallel test workers may both run it.
+    """
+    task_dir = Path(_TESTS_DIR).parent / "examples" / "data" / "arithmetic"
+    if not all((task_dir / f"{split}.jsonl").is_file() for split in ("train", "val", "test")):
+        generator = task_dir.parent / "make_arithmetic_task.py"
+        subprocess.run([sys.executable, str(generator)], check=True, capture_output=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 from pathlib import Path
 
@@ -71,9 +72,13 @@ def main() -> None:
     # Test and validation first, so their problems are fixed whatever the train size.
     for name, size in (("test", args.test_size), ("val", args.val_size), ("train", args.train_size)):
         rows = make_rows(size, args.digits, rng, seen)
-        with open(out_dir / f"{name}.jsonl", "w", encoding="utf-8") as handle:
+        # Written whole under a private name, then renamed: a reader (another process
+        # writing the same deterministic files, a test) never sees a half-written file.
+        staging = out_dir / f".{name}.jsonl.{os.getpid()}"
+        with open(staging, "w", encoding="utf-8") as handle:
             for row in rows:
                 handle.write(json.dumps(row) + "\n")
+        os.replace(staging, out_dir / f"{name}.jsonl")
         print(f"wrote {len(rows)} problems to {out_dir / f'{name}.jsonl'}")
 
 
