@@ -17,7 +17,7 @@ import ray
 
 from opd.distributed.config import ClusterConfig
 from opd.distributed.fsdp_policy import FSDPPolicy
-from opd.distributed.ray_cluster import build_pools, cpus_needed, free_port, start_ray
+from opd.distributed.ray_cluster import build_pools, cpus_needed, start_ray
 from opd.distributed.rollout import RayGeneration, RolloutSpec, RolloutWorker
 from opd.distributed.teacher_pool import ColocatedTeacher, TeacherPool, TeacherWorker
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
@@ -135,7 +135,7 @@ def _worker_environment(cluster: ClusterConfig) -> dict[str, str]:
 def _start_trainer(
     cluster: ClusterConfig, request: ClusterRequest, slots: list[Slot], colocated_teacher: bool
 ) -> WorkerGroup:
-    """The FSDP2 trainer ranks (with the teacher, when it is colocated); rank 0 hosts the process group."""
+    """The FSDP2 trainer ranks (with the teacher, when it is colocated), in their process group."""
     spec = TrainerSpec(
         student_path=request.student_path,
         teacher_path=request.teacher_path if colocated_teacher else None,
@@ -146,14 +146,14 @@ def _start_trainer(
         timeout_s=cluster.worker_timeout_s,
         threads=cluster.threads_per_worker,
     )
-    master_addr, master_port = ray.util.get_node_ip_address(), free_port()
-    return WorkerGroup(
-        "trainer",
-        TrainerWorker,
-        slots,
-        lambda rank: (rank, cluster.trainer.workers, master_addr, master_port, spec),
-        _worker_environment(cluster),
+    world_size = cluster.trainer.workers
+    trainer = WorkerGroup(
+        "trainer", TrainerWorker, slots, lambda rank: (rank, world_size, spec), _worker_environment(cluster)
     )
+    # The process group meets on rank 0's node, which need not be the controller's.
+    master_addr, master_port = trainer.run_rank(0, "rendezvous_address")
+    trainer.run_all("start", master_addr, master_port)
+    return trainer
 
 
 def _start_teacher_pool(cluster: ClusterConfig, request: ClusterRequest, slots: list[Slot]) -> WorkerGroup:

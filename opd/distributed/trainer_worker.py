@@ -79,17 +79,31 @@ class ShardedTeacher(LocalTeacher):
 class TrainerWorker:
     """One FSDP2 rank (created by :class:`~opd.distributed.worker_group.WorkerGroup` as a Ray actor).
 
+    Built in two calls, because rank 0 may be on another node than the controller: the
+    constructor only records its place, rank 0's :meth:`rendezvous_address` names where the
+    process group meets, and :meth:`start` joins it and builds the models.
+
     Args:
         rank: this rank.
         world_size: trainer ranks in all.
-        master_addr: where rank 0 listens for the process group.
-        master_port: its port.
         spec: what to build.
     """
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, spec: TrainerSpec) -> None:
+    def __init__(self, rank: int, world_size: int, spec: TrainerSpec) -> None:
         torch.set_num_threads(spec.threads)
         self.rank, self.world_size, self.spec = rank, world_size, spec
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0: this node's address and a free port, where the process group will meet."""
+        import ray  # only inside a Ray actor
+
+        from opd.distributed.ray_cluster import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def start(self, master_addr: str, master_port: int) -> None:
+        """Joins the process group at rank 0's address, then loads and shards the models."""
+        spec, rank, world_size = self.spec, self.rank, self.world_size
         mesh = init_process_group(rank, world_size, master_addr, master_port, spec.backend, spec.timeout_s)
         on_gpu = spec.backend == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
