@@ -51,3 +51,15 @@ def equalize_micro_batches(plans: list[list[BatchedDataDict]]) -> list[list[Batc
     count = max(len(plan) for plan in plans)
     template = next(plan[0] for plan in plans if plan)
     return [plan + [idle_micro_batch(plan[0] if plan else template)] * (count - len(plan)) for plan in plans]
+
+
+def contiguous_blocks(data: BatchedDataDict, parts: int) -> tuple[list[BatchedDataDict], list[int]]:
+    """``data`` in ``parts`` contiguous blocks of rows, each with at least one row (a worker
+    that must join a collective gets a filler row); and how many real rows each block holds."""
+    bounds = [data.size * part // parts for part in range(parts + 1)]
+    blocks, counts = [], []
+    for part in range(parts):
+        begin, end = bounds[part], bounds[part + 1]
+        counts.append(end - begin)
+        blocks.append(data.slice(begin, end) if end > begin else data.slice(0, 1))
+    return blocks, counts

@@ -30,7 +30,7 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_padding_free, shift_token_mask
-from opd.distributed.batch_plan import balance_by_tokens, equalize_micro_batches
+from opd.distributed.batch_plan import balance_by_tokens, contiguous_blocks, equalize_micro_batches
 from opd.distributed.worker_group import WorkerGroup
 from opd.models.interfaces import LossFunction, PolicyInterface, TeacherSignalFn
 from opd.models.policy.optimization import plan_micro_batches
@@ -111,21 +111,9 @@ class FSDPPolicy(PolicyInterface):
         metrics["dispatch_seconds"] = dispatch_seconds
         return metrics
 
-    def split_rows(self, data: BatchedDataDict) -> tuple[list[BatchedDataDict], list[int]]:
-        """``data`` in one contiguous part per rank, each with at least one row (every rank must
-        run the forward); returns the parts and how many real rows each holds."""
-        size, ranks = data.size, self.workers.size
-        bounds = [size * rank // ranks for rank in range(ranks + 1)]
-        parts, counts = [], []
-        for rank in range(ranks):
-            begin, end = bounds[rank], bounds[rank + 1]
-            counts.append(end - begin)
-            parts.append(data.slice(begin, end) if end > begin else data.slice(0, 1))
-        return parts, counts
-
     def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
         """The student's ``[B, L, V]`` logits, each rank computing its share of the rows."""
-        parts, counts = self.split_rows(data)
+        parts, counts = contiguous_blocks(data, self.workers.size)
         results = self.workers.run_all("logits", per_rank=[(part,) for part in parts])
         return torch.cat([logits[:count] for logits, count in zip(results, counts, strict=True)])
 

@@ -26,6 +26,7 @@ import ray
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.distributed.refit_buckets import put_in_buckets
 from opd.distributed.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
 from opd.models.generation.config import GenerateStrategyConfig, VllmGenerationConfig
@@ -177,7 +178,7 @@ class RayGeneration(GenerationInterface):
         if isinstance(policy, FSDPPolicy):  # rank 0 of the trainer fills the buckets itself
             refs = policy.weight_buckets(self.refit_bucket_bytes)
         else:
-            refs = _buckets_of(policy, self.refit_bucket_bytes)
+            refs = put_in_buckets(policy.weights_for_refit(), self.refit_bucket_bytes)
         self.workers.run_all("load_buckets", refs)
 
     def close(self) -> None:
@@ -186,17 +187,3 @@ class RayGeneration(GenerationInterface):
         with contextlib.suppress(WorkerError):
             self.workers.run_all("close")
         self.workers.kill()
-
-
-def _buckets_of(policy: PolicyInterface, bucket_bytes: int) -> list[Any]:
-    """An in-process policy's weights as object-store buckets."""
-    refs, bucket, size = [], {}, 0
-    for name, tensor in policy.weights_for_refit():
-        bucket[name] = tensor.cpu()
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            refs.append(ray.put(bucket))
-            bucket, size = {}, 0
-    if bucket:
-        refs.append(ray.put(bucket))
-    return refs

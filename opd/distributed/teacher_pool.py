@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.distributed.batch_plan import contiguous_blocks
 from opd.distributed.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
 from opd.models.interfaces import (
@@ -30,17 +31,6 @@ from opd.models.interfaces import (
 )
 from opd.models.loading import load_causal_lm, resolve_device, resolve_dtype
 from opd.models.teacher.local_teacher import LocalTeacher
-
-
-def _split(data: BatchedDataDict, parts: int) -> tuple[list[BatchedDataDict], list[int]]:
-    """``data`` in ``parts`` contiguous blocks, each at least one row; and each block's real rows."""
-    bounds = [data.size * part // parts for part in range(parts + 1)]
-    blocks, counts = [], []
-    for part in range(parts):
-        begin, end = bounds[part], bounds[part + 1]
-        counts.append(end - begin)
-        blocks.append(data.slice(begin, end) if end > begin else data.slice(0, 1))
-    return blocks, counts
 
 
 def _concat(signals: list[Any], counts: list[int]) -> TeacherSignal:
@@ -81,7 +71,7 @@ class ColocatedTeacher(TeacherInterface):
         """Every rank scores a block of the rows; hidden states come back as logits."""
         if isinstance(request, FullVocabRequest):
             request = FullVocabRequest(prefer_hidden_states=False)
-        blocks, counts = _split(data, self.workers.size)
+        blocks, counts = contiguous_blocks(data, self.workers.size)
         return _concat(self.workers.run_all("teacher_score", request, per_rank=[(b,) for b in blocks]), counts)
 
 
@@ -137,7 +127,7 @@ class TeacherPool(TeacherInterface):
         if reason is not None:
             raise ValueError(reason)
         count = min(self.workers.size, data.size)
-        blocks, counts = _split(data, count)
+        blocks, counts = contiguous_blocks(data, count)
         refs = [self.workers.actors[rank].score.remote(block, request) for rank, block in enumerate(blocks)]
         return _concat(self.workers.gather(refs, ranks=list(range(count))), counts)
 

@@ -12,6 +12,7 @@ full-vocabulary loss needs nothing to cross a process boundary.
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from dataclasses import dataclass
@@ -242,20 +243,13 @@ class TrainerWorker:
         On one node the object store is shared memory: a rollout worker maps a bucket
         without a copy through a socket. Returns the buckets' object refs (empty on other ranks).
         """
-        import ray  # only inside a Ray actor
+        from opd.distributed.refit_buckets import put_in_buckets  # Ray: only inside an actor
 
-        refs, bucket, size = [], {}, 0
-        for name, tensor in whole_state_dict(self.model):
-            if self.rank != 0:
-                continue
-            bucket[name] = tensor.cpu()
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
-                refs.append(ray.put(bucket))
-                bucket, size = {}, 0
-        if bucket:
-            refs.append(ray.put(bucket))
-        return refs
+        weights = whole_state_dict(self.model)  # every rank gathers; rank 0 keeps the buckets
+        if self.rank != 0:
+            collections.deque(weights, maxlen=0)  # join every all-gather, keep nothing
+            return []
+        return put_in_buckets(weights, bucket_bytes)
 
     # ------------------------------------------------------------------ checkpoints
 
