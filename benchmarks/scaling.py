@@ -21,9 +21,16 @@ Columns, all medians per step, from the run's ``metrics.jsonl``:
 
 Weak-scaling efficiency = samples/s of 2 workers / (2 × samples/s of 1 worker), colocated.
 
-Usage: ``python benchmarks/scaling.py [--steps 14] [--warmup 4] [--per-worker-batch 16]``
-(about 7 minutes on 2 cores). Run it on an otherwise idle machine. The last line is
-machine-readable: ``scaling weak_efficiency=<x> controller_overhead=<fraction>``.
+Run-to-run noise on a shared 2-core machine is of the same size as the effect measured
+(a phase can take 0.35 s in one run and 0.47 s in the next), so the cluster setups run
+``--repeats`` times, interleaved (1+1, 2+2, 1+1, 2+2, ...), and each efficiency is taken
+within one repeat, from runs made back to back. The table shows the median over repeats
+of every column; the efficiency line gives the median and the range over repeats.
+
+Usage: ``python benchmarks/scaling.py [--steps 14] [--warmup 4] [--per-worker-batch 16]
+[--repeats 3]`` (about 6 minutes per repeat on 2 cores). Run it on an otherwise idle
+machine. The last line is machine-readable:
+``scaling weak_efficiency=<median> controller_overhead=<median fraction>``.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ SETUPS = [
 
 
 def run(setup: Setup, steps: int, per_worker_batch: int, workdir: Path) -> list[dict]:
-    """Runs one configuration and returns its per-step metric records."""
+    """Runs one configuration in a fresh ``workdir`` and returns its per-step metric records."""
     output = workdir / setup.name.replace(" ", "_").replace("+", "_")
     batch = per_worker_batch * max(setup.workers, 1)
     overrides = [
@@ -117,44 +124,67 @@ def summarize(records: list[dict], warmup: int) -> dict[str, float]:
     return summary
 
 
+def median_summary(summaries: list[dict[str, float]]) -> dict[str, float]:
+    """Every column's median over the repeats of one setup."""
+    return {key: statistics.median(summary[key] for summary in summaries) for key in summaries[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--per-worker-batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    rows = []
+    runs: dict[str, list[dict[str, float]]] = {setup.name: [] for setup in SETUPS}
     with tempfile.TemporaryDirectory(prefix="opd_scaling_") as workdir:
-        for setup in SETUPS:
-            summary = summarize(run(setup, args.steps, args.per_worker_batch, Path(workdir)), args.warmup)
-            batch = args.per_worker_batch * max(setup.workers, 1)
-            summary["samples_per_s"] = batch / summary["step"]
-            rows.append((setup, batch, summary))
-            print(f"... {setup.name}: {summary['samples_per_s']:.2f} samples/s", file=sys.stderr, flush=True)
+        for repeat in range(args.repeats):
+            # In process needs no repeat for the ratios; one run gives the reference row.
+            for setup in SETUPS if repeat == 0 else SETUPS[1:]:
+                records = run(setup, args.steps, args.per_worker_batch, Path(workdir) / f"repeat_{repeat}")
+                summary = summarize(records, args.warmup)
+                summary["samples_per_s"] = args.per_worker_batch * max(setup.workers, 1) / summary["step"]
+                runs[setup.name].append(summary)
+                print(
+                    f"... repeat {repeat + 1}/{args.repeats} {setup.name}: {summary['samples_per_s']:.2f} samples/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     header = (
         f"{'setup':<16}{'batch':>6}{'samples/s':>11}{'generation':>12}{'refit':>8}{'teacher':>9}{'training':>10}"
         f"{'dispatch':>10}{'step':>8}{'overhead':>10}"
     )
+    print(f"medians over {args.repeats} repeats (in-process: 1 run)")
     print(header)
     print("-" * len(header))
-    for setup, batch, summary in rows:
+    for setup in SETUPS:
+        summary = median_summary(runs[setup.name])
+        batch = args.per_worker_batch * max(setup.workers, 1)
         print(
             f"{setup.name:<16}{batch:>6}{summary['samples_per_s']:>11.2f}{summary['generation']:>11.2f}s"
             f"{summary['refit']:>7.3f}s{summary['teacher']:>8.2f}s{summary['training']:>9.2f}s"
             f"{summary['dispatch']:>9.4f}s"
             f"{summary['step']:>7.2f}s{summary['overhead']:>10.1%}"
         )
-    by_name = {setup.name: summary for setup, _, summary in rows}
-    one, two = by_name["colocated 1+1"], by_name["colocated 2+2"]
-    efficiency = two["samples_per_s"] / (2 * one["samples_per_s"])
+
+    def efficiencies(one: str, two: str) -> list[float]:
+        """Weak-scaling efficiency of each repeat, from its two back-to-back runs."""
+        return [b["samples_per_s"] / (2 * a["samples_per_s"]) for a, b in zip(runs[one], runs[two], strict=True)]
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f} (range {min(values):.2f}-{max(values):.2f})"
+
+    colocated = efficiencies("colocated 1+1", "colocated 2+2")
+    split = efficiencies("split 1+1", "split 2+2")
+    one_worker = median_summary(runs["colocated 1+1"])["samples_per_s"]
     print(
-        f"\nweak scaling, colocated 1 -> 2 workers: {efficiency:.2f}; split 1 -> 2: "
-        f"{by_name['split 2+2']['samples_per_s'] / (2 * by_name['split 1+1']['samples_per_s']):.2f}; "
-        f"1 worker vs in-process: {one['samples_per_s'] / by_name['in-process']['samples_per_s']:.2f}x"
+        f"\nweak scaling 1 -> 2 workers, colocated: {spread(colocated)}; split: {spread(split)}; "
+        f"1 worker vs in-process: {one_worker / runs['in-process'][0]['samples_per_s']:.2f}x"
     )
-    print(f"scaling weak_efficiency={efficiency:.3f} controller_overhead={two['overhead']:.4f}")
+    overhead = median_summary(runs["colocated 2+2"])["overhead"]
+    print(f"scaling weak_efficiency={statistics.median(colocated):.3f} controller_overhead={overhead:.4f}")
 
 
 if __name__ == "__main__":

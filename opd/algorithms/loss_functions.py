@@ -37,6 +37,7 @@ import torch
 
 from opd.algorithms.compiled_kernels import compiled, kl_metrics_from_logits
 from opd.algorithms.fused_lm_head import chunked_lm_head_loss
+from opd.algorithms.off_policy import OffPolicyCorrection, importance_weights, learner_log_probs
 from opd.data.sequences import shift_token_mask  # re-exported: part of the kernel API
 from opd.models.interfaces import (
     FullVocabRequest,
@@ -647,25 +648,84 @@ def _apply_loss(
     chunk_rows: int | None,
     observer: Callable[..., None] | None,
     value_and_grad: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    row_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Σ_positions divergence / normalizer, fused with the LM head when given hidden states."""
+    """Σ_positions w · divergence / normalizer, fused with the LM head when given hidden states.
+
+    ``row_weights`` (``[N]``, detached; None = all 1) are the off-policy importance
+    weights (:mod:`opd.algorithms.off_policy`).
+    """
     if isinstance(student_rows, LMHeadInput):
-        weights = torch.full(
-            student_rows.hidden_states.shape[:1],
-            1.0 / normalizer,
-            dtype=torch.float64,
-            device=student_rows.hidden_states.device,
-        )
+        device = student_rows.hidden_states.device
+        if row_weights is None:
+            rows = student_rows.hidden_states.shape[:1]
+            weights = torch.full(rows, 1.0 / normalizer, dtype=torch.float64, device=device)
+        else:
+            weights = row_weights.to(device=device, dtype=torch.float64) / normalizer
         return chunked_lm_head_loss(student_rows, divergence, row_inputs, weights, chunk_rows, observer, value_and_grad)
     materialised = tuple(
         row_input.logits() if isinstance(row_input, LMHeadInput) else row_input for row_input in row_inputs
     )
     # sum() of an empty selection is 0 with a graph attached, so an all-masked
     # micro-batch contributes zero loss and zero gradient.
-    loss = divergence(student_rows, *materialised).sum() / normalizer
+    per_position = divergence(student_rows, *materialised)
+    if row_weights is not None:
+        per_position = per_position * row_weights.to(device=per_position.device, dtype=per_position.dtype)
+    loss = per_position.sum() / normalizer
     if observer is not None:
         observer(student_rows.detach(), *materialised)
     return loss
+
+
+def off_policy_row_weights(
+    student_rows: torch.Tensor | LMHeadInput,
+    data: dict[str, Any],
+    loss_mask: torch.Tensor,
+    correction: OffPolicyCorrection,
+    global_valid_tokens: int,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The importance weight of each loss position of a micro-batch, and its metrics.
+
+    ``data["staleness"]`` is per sequence (``[B]``) or, in a packed row, per token
+    (``[1, T]``); ``data["generation_logprobs"]`` is indexed by token position, like the
+    targets. Rows of fresh samples are not computed: their weight is 1.
+
+    Returns:
+        ``([N] weights, metrics)``; the metrics are this micro-batch's share of the global
+        means over response tokens (``is_ratio_mean``, ``is_abs_log_ratio_mean``,
+        ``is_truncated_fraction``, ``is_masked_fraction``) and its ``is_ratio_max``.
+    """
+    staleness = data["staleness"]
+    per_token = staleness if staleness.dim() == 2 else staleness.unsqueeze(-1).expand_as(data["input_ids"])
+    stale = _rows(per_token, loss_mask, shift=1) > 0
+    sampler = _rows(data["generation_logprobs"], loss_mask, shift=1)
+    learner = torch.zeros_like(sampler)
+    if bool(stale.any()):
+        rows = stale.nonzero().squeeze(-1)
+        stale_rows = (
+            LMHeadInput(student_rows.hidden_states[rows], student_rows.weight, student_rows.bias)
+            if isinstance(student_rows, LMHeadInput)
+            else student_rows[rows]
+        )
+        targets = _rows(data["input_ids"], loss_mask, shift=1)
+        learner[rows] = learner_log_probs(stale_rows, targets[rows], correction.strategy).to(learner.dtype)
+    # Sequence of each position: its row, and its segment in a packed row.
+    input_ids = data["input_ids"]
+    row_index = torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(-1).expand_as(input_ids)
+    sequence_ids = _rows(row_index, loss_mask, shift=1)
+    if "segment_ids" in data:
+        segments = data["segment_ids"]
+        sequence_ids = sequence_ids * (int(segments.max()) + 1) + _rows(segments, loss_mask, shift=1)
+    weights, sums = importance_weights(learner, sampler, stale, sequence_ids, correction)
+    tokens = float(max(global_valid_tokens, 1))
+    metrics = {
+        "is_ratio_mean": sums["is_ratio"] / tokens,
+        "is_abs_log_ratio_mean": sums["is_abs_log_ratio"] / tokens,
+        "is_truncated_fraction": sums["is_truncated"] / tokens,
+        "is_masked_fraction": sums["is_masked"] / tokens,
+        "is_ratio_max": sums["is_ratio_max"],
+    }
+    return weights, metrics
 
 
 class DistillationLossFn(LossFunction):
@@ -713,6 +773,9 @@ class DistillationLossFn(LossFunction):
         compile_kernels: ``torch.compile`` the per-chunk kernels of the full-vocabulary
             loss (the closed-form divergence with ``fused_lm_head``, and the metrics);
             see :mod:`opd.algorithms.compiled_kernels`.
+        off_policy: weigh the positions of stale samples (a micro-batch with
+            ``staleness`` and ``generation_logprobs``) by truncated importance weights
+            (:mod:`opd.algorithms.off_policy`); None leaves every weight at 1.
 
     Raises:
         ValueError: naming the argument, for a value outside its range.
@@ -733,6 +796,7 @@ class DistillationLossFn(LossFunction):
         fused_lm_head: bool = False,
         chunk_size: int | None = None,
         compile_kernels: bool = False,
+        off_policy: OffPolicyCorrection | None = None,
     ) -> None:
         _check_kl_type(kl_type)
         _check_weight("mixed_kl_weight", mixed_kl_weight)
@@ -765,6 +829,7 @@ class DistillationLossFn(LossFunction):
         self.fused_lm_head = fused_lm_head
         self.chunk_size = chunk_size
         self.compile_kernels = compile_kernels
+        self.off_policy = off_policy
 
     @property
     def teacher_request(self) -> TeacherRequest:
@@ -864,12 +929,25 @@ class DistillationLossFn(LossFunction):
             # (Compiled kernels recompute them instead: fused passes beat writing them out.)
             closed_form = functools.partial(self._divergence_with_grad, observe_log_probs=collector.from_log_probs)
             observer = None
+        row_weights, correction_metrics = None, {}
+        if self.off_policy is not None and "staleness" in data and "generation_logprobs" in data:
+            row_weights, correction_metrics = off_policy_row_weights(
+                _rows(student_output, loss_mask), data, loss_mask, self.off_policy, global_valid_tokens
+            )
         loss = _apply_loss(
-            student_rows, self._divergence, teacher_rows, normalizer, self.chunk_size, observer, closed_form
+            student_rows,
+            self._divergence,
+            teacher_rows,
+            normalizer,
+            self.chunk_size,
+            observer,
+            closed_form,
+            row_weights,
         )
         metrics = {
             "loss": float(loss.detach()),
             **collector.metrics(float(max(global_valid_tokens, 1))),
+            **correction_metrics,
             "num_valid_tokens": float(loss_mask.sum()),
         }
         return loss, metrics

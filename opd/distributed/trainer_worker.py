@@ -31,7 +31,7 @@ from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import LossFunction, TeacherRequest, TeacherSignal
 from opd.models.lm_head import LMHeadInput, output_head_of
 from opd.models.loading import load_causal_lm, resolve_dtype
-from opd.models.policy.optimization import apply_gradients, build_optimizer, build_scheduler
+from opd.models.policy.optimization import accumulate_metrics, apply_gradients, build_optimizer, build_scheduler
 from opd.models.teacher.local_teacher import LocalTeacher
 
 SHARDS_DIR = "policy_shards"
@@ -172,17 +172,16 @@ class TrainerWorker:
             if teacher_signals is not None:
                 teacher_output = _to_device(teacher_signals[index], self.device)
             elif request is not None:
-                start = time.perf_counter()
+                teacher_start = time.perf_counter()
                 teacher_output = self._colocated_teacher().score(micro_batch, request)
-                teacher_seconds += time.perf_counter() - start
+                teacher_seconds += time.perf_counter() - teacher_start
             student_output = self._forward(micro_batch, loss_fn.fused_lm_head)
             loss, metrics = loss_fn(
                 student_output, micro_batch, global_valid_tokens, global_valid_seqs, teacher_output=teacher_output
             )
             loss.backward()
             del teacher_output, student_output
-            for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + value
+            accumulate_metrics(totals, metrics)
         totals = self._sum_over_ranks(totals)
         parameters = [param for param in self.model.parameters() if param.requires_grad]
         totals = apply_gradients(parameters, self.optimizer, self.scheduler, self.spec.optimizer.max_grad_norm, totals)
@@ -191,11 +190,17 @@ class TrainerWorker:
         return totals
 
     def _sum_over_ranks(self, totals: dict[str, float]) -> dict[str, float]:
-        """Each metric summed over the ranks (every rank computes the same keys)."""
-        keys = sorted(totals)
-        values = torch.tensor([totals[key] for key in keys], dtype=torch.float64)
-        dist.all_reduce(values)
-        return dict(zip(keys, values.tolist(), strict=True))
+        """Each metric summed over the ranks, ``*_max`` ones maximised (every rank computes the same keys)."""
+        reduced: dict[str, float] = {}
+        for op, keys in (
+            (dist.ReduceOp.SUM, sorted(key for key in totals if not key.endswith("_max"))),
+            (dist.ReduceOp.MAX, sorted(key for key in totals if key.endswith("_max"))),
+        ):
+            if keys:
+                values = torch.tensor([totals[key] for key in keys], dtype=torch.float64)
+                dist.all_reduce(values, op=op)
+                reduced.update(zip(keys, values.tolist(), strict=True))
+        return reduced
 
     def _colocated_teacher(self) -> ShardedTeacher:
         if self.teacher is None:

@@ -29,6 +29,7 @@ from opd.models.interfaces import LossFunction, PolicyInterface, TeacherSignalFn
 from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of
 from opd.models.policy.lora import adapter_parameters, load_adapter_state, merged_tensors, wrap_with_lora
 from opd.models.policy.optimization import (
+    accumulate_metrics,
     apply_gradients,
     build_optimizer,
     build_scheduler,
@@ -126,8 +127,7 @@ class HFPolicy(PolicyInterface):
             )
             loss.backward()
             del teacher_output, student_output
-            for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + value
+            accumulate_metrics(totals, metrics)
         parameters = [param for param in self.model.parameters() if param.requires_grad]
         return apply_gradients(parameters, self.optimizer, self.scheduler, self.config.max_grad_norm, totals)
 

@@ -90,6 +90,21 @@ def plan_micro_batches(
     return planned
 
 
+def accumulate_metrics(totals: dict[str, float], metrics: dict[str, float]) -> None:
+    """Adds a micro-batch's metrics to the step's: summed, except ``*_max`` keys, which keep the largest.
+
+    Loss functions report each micro-batch's share of a global mean, so the sum over
+    micro-batches (and over ranks) is the global mean; a ``*_max`` metric is a maximum.
+    """
+    for key, value in metrics.items():
+        if key not in totals:
+            totals[key] = value
+        elif key.endswith("_max"):
+            totals[key] = max(totals[key], value)
+        else:
+            totals[key] += value
+
+
 def global_grad_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
     """The L2 norm of all gradients together; a sharded (DTensor) norm is reduced over the ranks first."""
     gradients = [param.grad for param in parameters if param.grad is not None]

@@ -1,0 +1,185 @@
+"""Off-policy correction: truncated importance weights for samples drawn by an older policy.
+
+An asynchronous schedule (:mod:`opd.algorithms.rollout_schedule`) trains on samples that
+the rollout engine drew with weights one or two updates old. Each sample carries the
+sampler's log-prob of every token (``generation_logprobs``) and its ``staleness`` (how
+many updates the learner is ahead of the sampler). For a stale sample the loss weighs each
+response position ``t`` by
+
+    ρ_t = π_learner(y_t | y_<t) / π_sampler(y_t | y_<t),     w_t = min(ρ_t, cap)
+
+where both probabilities are those of the *sampling* distribution (the strategy's
+temperature and top-k / top-p filter applied to each model's logits; greedy decoding: the
+plain softmax), so that ρ_t = 1 whenever the two models agree. Optionally a token whose ρ_t
+leaves ``token_bounds``, or every token of a sequence whose geometric-mean ratio
+exp(mean_t log ρ_t) leaves ``sequence_bounds``, gets weight 0. Masked tokens stay in the
+loss's normaliser (the global count of response tokens), as in truncated importance
+sampling elsewhere, so a masked token lowers the loss instead of re-weighting the rest.
+
+The weights are detached: they scale each position's loss and gradient, never receive one.
+A sample with staleness 0 was drawn by the learner's own weights, so its weights are
+exactly 1 and nothing is computed for it: a synchronous run is unchanged, bit for bit.
+What ρ_t corrects, per loss type, is set out in the guide ("Overlapping rollout, teacher
+and training"): for the sampled-token loss it is the token-level correction of the
+sampled action; for the full-vocabulary and top-k losses, whose per-position loss is an
+exact expectation over the next token, it is a bounded per-token stand-in for the
+prefix's likelihood ratio ∏_{s<t} ρ_s, which is what makes a stale prefix off-policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.generation.sampling import warp_logits
+from opd.models.lm_head import LMHeadInput, linear_logits
+from opd.utils.config import StrictConfig
+
+_LEARNER_CHUNK_ROWS = 1024
+"""Rows of ``[rows × V]`` logits made at a time when the learner's log-probs come from hidden states."""
+
+
+class OffPolicyCorrectionConfig(StrictConfig):
+    """``training.off_policy_correction``: truncated importance weights for stale samples."""
+
+    enabled: Literal["auto"] | bool = Field(
+        "auto", description="auto = on for one_step_off and two_step_off, off (nothing is stale) for sync"
+    )
+    cap: float = Field(2.0, ge=1.0, description="truncation: each token's weight is min(ratio, cap)")
+    token_bounds: tuple[float, float] | None = Field(
+        None, description="[low, high]: a token whose ratio lies outside gets weight 0; null keeps every token"
+    )
+    sequence_bounds: tuple[float, float] | None = Field(
+        None,
+        description="[low, high]: every token of a sequence whose geometric-mean ratio lies outside gets "
+        "weight 0; null keeps every sequence",
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> OffPolicyCorrectionConfig:
+        for name in ("token_bounds", "sequence_bounds"):
+            bounds = getattr(self, name)
+            if bounds is not None and not 0.0 <= bounds[0] < 1.0 < bounds[1]:
+                raise ValueError(
+                    f"training.off_policy_correction.{name} = {list(bounds)} must be [low, high] with "
+                    "0 <= low < 1 < high (a ratio of 1 means the learner and the sampler agree)"
+                )
+        return self
+
+    def is_on(self, asynchronous: bool) -> bool:
+        """Whether the correction applies under a schedule that is (or is not) asynchronous."""
+        return asynchronous if self.enabled == "auto" else bool(self.enabled)
+
+
+@dataclass(frozen=True)
+class OffPolicyCorrection:
+    """What the loss needs to weigh stale samples (built from the config; sent to trainer workers).
+
+    Attributes:
+        cap: truncation of each token's ratio (>= 1).
+        token_bounds: ``(low, high)`` token mask, or None.
+        sequence_bounds: ``(low, high)`` sequence mask on the geometric-mean ratio, or None.
+        strategy: the rollout's sampling strategy (the distribution both log-probs are of).
+    """
+
+    cap: float
+    token_bounds: tuple[float, float] | None
+    sequence_bounds: tuple[float, float] | None
+    strategy: GenerateStrategyConfig
+
+    @classmethod
+    def from_config(cls, config: OffPolicyCorrectionConfig, strategy: GenerateStrategyConfig) -> OffPolicyCorrection:
+        """The runtime form of ``training.off_policy_correction`` for rollouts drawn with ``strategy``."""
+        return cls(config.cap, config.token_bounds, config.sequence_bounds, strategy)
+
+
+def sampling_log_probs(logits: torch.Tensor, targets: torch.Tensor, strategy: GenerateStrategyConfig) -> torch.Tensor:
+    """``[N]`` float32 log-probs of ``targets`` under the distribution ``strategy`` samples from.
+
+    The same distribution the samplers report (:func:`opd.models.generation.sampling.next_tokens`):
+    temperature and top-k / top-p filter for sampling, the plain softmax for greedy. A
+    target outside the filtered support gets ``-inf``.
+    """
+    warped = logits.float() if strategy.decoding_method == "greedy" else warp_logits(logits, strategy)
+    return warped.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(warped, dim=-1)
+
+
+@torch.no_grad()
+def learner_log_probs(
+    student_rows: torch.Tensor | LMHeadInput, targets: torch.Tensor, strategy: GenerateStrategyConfig
+) -> torch.Tensor:
+    """``[N]`` log-probs of ``targets`` under the learner's sampling distribution, without gradient.
+
+    Args:
+        student_rows: ``[N, V]`` logits, or an :class:`LMHeadInput` with ``[N, D]`` hidden
+            states (the logits are then made a chunk of rows at a time).
+        targets: ``[N]`` the sampled token of each row.
+        strategy: the rollout's sampling strategy.
+    """
+    if not isinstance(student_rows, LMHeadInput):
+        return sampling_log_probs(student_rows.detach(), targets, strategy)
+    # The sampler drew from the whole output layer, so the ratio uses it too (no vocabulary cut).
+    weight, bias = student_rows.weight, student_rows.bias
+    hidden = student_rows.hidden_states.detach()
+    parts = [
+        sampling_log_probs(linear_logits(hidden[start : start + _LEARNER_CHUNK_ROWS], weight, bias), chunk, strategy)
+        for start, chunk in zip(
+            range(0, hidden.shape[0], _LEARNER_CHUNK_ROWS), targets.split(_LEARNER_CHUNK_ROWS), strict=True
+        )
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32, device=targets.device)
+
+
+def importance_weights(
+    learner_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    stale: torch.Tensor,
+    sequence_ids: torch.Tensor,
+    correction: OffPolicyCorrection,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Each loss row's weight, and sums for the metrics.
+
+    Args:
+        learner_logprobs: ``[N]`` log π_learner of each row's sampled token.
+        sampler_logprobs: ``[N]`` log π_sampler of the same tokens.
+        stale: ``[N]`` bool, the row belongs to a sample with staleness > 0.
+        sequence_ids: ``[N]`` which sequence each row belongs to (for ``sequence_bounds``).
+        correction: cap and bounds.
+
+    Returns:
+        ``([N] float64 weights, sums)``: weights are exactly 1 on fresh rows. ``sums`` are
+        over all rows, a fresh row counting as ρ = 1: ``is_ratio`` (Σ ρ),
+        ``is_abs_log_ratio`` (Σ |log ρ|), ``is_truncated`` (rows with ρ > cap),
+        ``is_masked`` (rows given weight 0 by a bound) and ``is_ratio_max`` (the largest ρ;
+        0 without rows).
+    """
+    log_ratio = (learner_logprobs.double() - sampler_logprobs.double()).masked_fill(~stale, 0.0)
+    ratio = log_ratio.exp()
+    weights = ratio.clamp(max=correction.cap)  # exactly 1 on fresh rows: exp(0) = 1 <= cap
+    keep = torch.ones_like(stale)
+    if correction.token_bounds is not None:
+        low, high = correction.token_bounds
+        keep &= (ratio >= low) & (ratio <= high)
+    if correction.sequence_bounds is not None and bool(stale.any()):
+        low, high = correction.sequence_bounds
+        _, sequence = torch.unique(sequence_ids, return_inverse=True)
+        count = torch.zeros(int(sequence.max()) + 1, dtype=torch.float64, device=ratio.device)
+        total = torch.zeros_like(count)
+        count.index_add_(0, sequence, torch.ones_like(log_ratio))
+        total.index_add_(0, sequence, log_ratio)
+        geometric_mean = (total / count).exp()[sequence]
+        keep &= (geometric_mean >= low) & (geometric_mean <= high)
+    keep |= ~stale  # fresh rows are never masked: they are on-policy
+    weights = torch.where(keep, weights, torch.zeros_like(weights))
+    sums = {
+        "is_ratio": float(ratio.sum()),
+        "is_abs_log_ratio": float(log_ratio.abs().sum()),
+        "is_truncated": float((ratio > correction.cap).sum()),
+        "is_masked": float((~keep).sum()),
+        "is_ratio_max": float(ratio.max()) if ratio.numel() else 0.0,
+    }
+    return weights, sums

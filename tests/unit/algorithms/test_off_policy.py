@@ -1,0 +1,275 @@
+"""The off-policy correction (truncated importance weights) against a plain float64 reference.
+
+* :func:`importance_weights` on random ratios: truncation at the cap, the token and the
+  sequence masks, fresh rows left at exactly 1, against a loop written out in Python.
+* :func:`sampling_log_probs`: the learner's log-prob under the sampler's distribution
+  (temperature, top-k, top-p, greedy) equals what the sampler itself reports.
+* :class:`DistillationLossFn` with the correction: on fresh samples the loss and every
+  gradient are bitwise those of the uncorrected loss; on stale samples the loss equals
+  Σ_t w_t · D_t / N computed in float64 from the logits, on the plain and the fused path,
+  for the full-vocabulary and the top-k losses; all-masked and empty rows give zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from opd.algorithms.loss_functions import DistillationLossFn, token_kl, topk_token_kl
+from opd.algorithms.off_policy import (
+    OffPolicyCorrection,
+    OffPolicyCorrectionConfig,
+    importance_weights,
+    learner_log_probs,
+    sampling_log_probs,
+)
+from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.generation.sampling import next_tokens
+from opd.models.lm_head import LMHeadInput
+
+TOP_P = GenerateStrategyConfig(decoding_method="top_p", temperature=0.7, top_p=0.9)
+TOP_K = GenerateStrategyConfig(decoding_method="top_k", temperature=1.3, top_k=5)
+GREEDY = GenerateStrategyConfig(decoding_method="greedy")
+SAMPLE = GenerateStrategyConfig(decoding_method="top_p", temperature=1.0, top_p=1.0)
+
+
+def correction(cap=2.0, token_bounds=None, sequence_bounds=None, strategy=SAMPLE) -> OffPolicyCorrection:
+    return OffPolicyCorrection(cap, token_bounds, sequence_bounds, strategy)
+
+
+def reference_weights(learner, sampler, stale, sequence_ids, cap, token_bounds, sequence_bounds):
+    """The weights written out position by position in Python floats."""
+    n = len(learner)
+    ratios = [math.exp(learner[i] - sampler[i]) if stale[i] else 1.0 for i in range(n)]
+    weights = [min(r, cap) for r in ratios]
+    for i in range(n):
+        if not stale[i]:
+            continue
+        if token_bounds is not None and not token_bounds[0] <= ratios[i] <= token_bounds[1]:
+            weights[i] = 0.0
+        if sequence_bounds is not None:
+            members = [j for j in range(n) if sequence_ids[j] == sequence_ids[i]]
+            mean_log = sum(math.log(ratios[j]) for j in members) / len(members)
+            if not sequence_bounds[0] <= math.exp(mean_log) <= sequence_bounds[1]:
+                weights[i] = 0.0
+    return weights, ratios
+
+
+@pytest.mark.parametrize("token_bounds", [None, (0.5, 1.5)])
+@pytest.mark.parametrize("sequence_bounds", [None, (0.8, 1.25)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_importance_weights_match_a_python_reference(seed, token_bounds, sequence_bounds):
+    generator = torch.Generator().manual_seed(seed)
+    n = 40
+    sampler = -torch.rand(n, generator=generator, dtype=torch.float64) * 3
+    learner = sampler + torch.randn(n, generator=generator, dtype=torch.float64) * 0.6
+    sequence_ids = torch.arange(n) // 7  # six sequences of 7 positions and one of 5
+    stale = sequence_ids != 2  # one fresh sequence among stale ones (a mixed micro-batch)
+    cap = 1.7
+    weights, sums = importance_weights(
+        learner, sampler, stale, sequence_ids, correction(cap, token_bounds, sequence_bounds)
+    )
+    expected, ratios = reference_weights(
+        learner.tolist(), sampler.tolist(), stale.tolist(), sequence_ids.tolist(), cap, token_bounds, sequence_bounds
+    )
+    assert weights.dtype == torch.float64
+    torch.testing.assert_close(weights, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert torch.equal(weights[~stale], torch.ones(int((~stale).sum()), dtype=torch.float64))
+    assert sums["is_ratio"] == pytest.approx(sum(ratios), rel=1e-12)
+    assert sums["is_truncated"] == sum(r > cap for r in ratios)
+    assert sums["is_masked"] == sum(w == 0.0 for w in expected)
+    assert sums["is_ratio_max"] == pytest.approx(max(ratios), rel=1e-12)
+    if token_bounds is None and sequence_bounds is None:
+        assert sums["is_masked"] == 0
+    assert 0 < sums["is_truncated"] < n  # the case exercises truncation both ways
+
+
+def test_fresh_rows_have_weight_exactly_one_even_with_disagreeing_log_probs():
+    learner = torch.tensor([-0.1, -5.0, -2.0])
+    sampler = torch.tensor([-3.0, -0.2, -2.5])
+    weights, sums = importance_weights(
+        learner,
+        sampler,
+        torch.zeros(3, dtype=torch.bool),
+        torch.zeros(3, dtype=torch.long),
+        correction(1.0, (0.9, 1.1)),
+    )
+    assert torch.equal(weights, torch.ones(3, dtype=torch.float64))
+    assert sums == {
+        "is_ratio": 3.0,
+        "is_abs_log_ratio": 0.0,
+        "is_truncated": 0.0,
+        "is_masked": 0.0,
+        "is_ratio_max": 1.0,
+    }
+
+
+def test_a_token_the_learner_would_never_sample_gets_weight_zero():
+    # Learner log-prob -inf: the token lies outside the learner's top-k / top-p support.
+    weights, _ = importance_weights(
+        torch.tensor([float("-inf"), -1.0]),
+        torch.tensor([-2.0, -1.0]),
+        torch.ones(2, dtype=torch.bool),
+        torch.zeros(2, dtype=torch.long),
+        correction(),
+    )
+    assert weights.tolist() == [0.0, 1.0]
+
+
+def test_no_rows():
+    empty = torch.zeros(0)
+    weights, sums = importance_weights(
+        empty,
+        empty,
+        torch.zeros(0, dtype=torch.bool),
+        torch.zeros(0, dtype=torch.long),
+        correction(1.5, (0.5, 2), (0.5, 2)),
+    )
+    assert weights.numel() == 0 and sums["is_ratio_max"] == 0.0
+
+
+@pytest.mark.parametrize("strategy", [TOP_P, TOP_K, GREEDY, SAMPLE], ids=["top_p", "top_k", "greedy", "plain"])
+def test_learner_log_probs_are_the_samplers_own(strategy):
+    torch.manual_seed(0)
+    logits = torch.randn(9, 30) * 3
+    tokens, sampler_logprobs = next_tokens(logits, strategy, return_logprobs=True)
+    torch.testing.assert_close(sampling_log_probs(logits, tokens, strategy), sampler_logprobs, rtol=0, atol=1e-6)
+    # From hidden states and a head, chunk by chunk: the same numbers.
+    hidden, weight = torch.randn(9, 4), torch.randn(30, 4)
+    head_logits = hidden @ weight.T
+    tokens, _ = next_tokens(head_logits, strategy, return_logprobs=True)
+    torch.testing.assert_close(
+        learner_log_probs(LMHeadInput(hidden, weight), tokens, strategy),
+        sampling_log_probs(head_logits, tokens, strategy),
+        rtol=0,
+        atol=1e-6,
+    )
+
+
+def test_config_checks_bounds():
+    with pytest.raises(ValueError, match="token_bounds"):
+        OffPolicyCorrectionConfig(token_bounds=(1.2, 3.0))
+    with pytest.raises(ValueError, match="cap"):
+        OffPolicyCorrectionConfig(cap=0.5)
+    assert OffPolicyCorrectionConfig().is_on(asynchronous=True)
+    assert not OffPolicyCorrectionConfig().is_on(asynchronous=False)
+    assert OffPolicyCorrectionConfig(enabled=True).is_on(asynchronous=False)
+
+
+# --------------------------------------------------------------------------- the loss
+
+B, L, V, D = 3, 7, 13, 5
+
+
+def micro_batch(seed: int, staleness: list[int]):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, V, (B, L), generator=generator)
+    token_mask = torch.zeros(B, L)
+    token_mask[0, 3:7] = 1  # full response
+    token_mask[1, 2:5] = 1  # shorter, then padding
+    # row 2: an empty response (no loss positions)
+    generation_logprobs = -torch.rand(B, L, generator=generator) * 2
+    return {
+        "input_ids": input_ids,
+        "token_mask": token_mask,
+        "generation_logprobs": generation_logprobs * token_mask,
+        "staleness": torch.tensor(staleness),
+    }, generator
+
+
+def reference_loss(student_logits, teacher, data, cap, strategy, signal):
+    """Σ_t w_t · D_t / N in float64, one position at a time."""
+    total, count = 0.0, int(data["token_mask"][:, 1:].sum())
+    for row in range(B):
+        for t in range(L - 1):
+            if data["token_mask"][row, t + 1] == 0:
+                continue
+            logits = student_logits[row, t].double()
+            if signal == "topk":
+                divergence = topk_token_kl(
+                    logits[None], teacher[0][row, t][None].double(), teacher[1][row, t][None], "forward"
+                )
+            else:
+                divergence = token_kl(logits[None], teacher[row, t].double()[None], "forward")
+            weight = 1.0
+            if data["staleness"][row] > 0:
+                token = data["input_ids"][row, t + 1]
+                learner = float(sampling_log_probs(logits[None], token[None], strategy))
+                weight = min(math.exp(learner - float(data["generation_logprobs"][row, t + 1])), cap)
+            total += weight * float(divergence)
+    return total / count
+
+
+@pytest.mark.parametrize("signal", ["full_vocab", "topk"])
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+def test_fresh_samples_give_the_uncorrected_loss_bitwise(signal, fused):
+    data, generator = micro_batch(0, staleness=[0, 0, 0])
+    hidden = torch.randn(B, L, D, generator=generator)
+    head = torch.randn(V, D, generator=generator)
+    teacher_logits = torch.randn(B, L, V, generator=generator) * 2
+    teacher = teacher_logits if signal == "full_vocab" else torch.log_softmax(teacher_logits, -1).topk(4, dim=-1)
+    teacher = teacher if signal == "full_vocab" else (teacher.values, teacher.indices)
+    results = []
+    for off_policy in (None, correction(1.2, (0.9, 1.1), (0.95, 1.05))):
+        loss_fn = DistillationLossFn(
+            "forward", teacher_signal=signal, teacher_topk=4, fused_lm_head=fused, chunk_size=3, off_policy=off_policy
+        )
+        leaf = hidden.clone().requires_grad_(True)
+        student = LMHeadInput(leaf, head) if fused else leaf @ head.T
+        loss, metrics = loss_fn(student, data, int(data["token_mask"][:, 1:].sum()), B, teacher_output=teacher)
+        loss.backward()
+        results.append((loss.detach(), leaf.grad, metrics))
+    (loss_plain, grad_plain, _), (loss_corrected, grad_corrected, metrics) = results
+    assert torch.equal(loss_plain, loss_corrected)
+    assert torch.equal(grad_plain, grad_corrected)
+    assert metrics["is_ratio_mean"] == 1.0 and metrics["is_masked_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("signal", ["full_vocab", "topk"])
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+@pytest.mark.parametrize("strategy", [SAMPLE, TOP_P], ids=["plain", "top_p"])
+def test_stale_samples_are_weighted_as_the_reference(signal, fused, strategy):
+    data, generator = micro_batch(1, staleness=[1, 0, 2])
+    hidden = torch.randn(B, L, D, generator=generator, dtype=torch.float64)
+    head = torch.randn(V, D, generator=generator, dtype=torch.float64)
+    teacher_logits = torch.randn(B, L, V, generator=generator, dtype=torch.float64) * 2
+    top = torch.log_softmax(teacher_logits, -1).topk(4, dim=-1)
+    teacher = teacher_logits if signal == "full_vocab" else (top.values, top.indices)
+    # The sampler's log-probs: the learner's own, moved by a known amount per position.
+    student_logits = hidden @ head.T
+    data["input_ids"][0, 3] = student_logits[0, 2].argmax()  # inside every top-p support
+    own = sampling_log_probs(student_logits[:, :-1].reshape(-1, V), data["input_ids"][:, 1:].reshape(-1), strategy)
+    shift = torch.randn(B, L - 1, generator=generator, dtype=torch.float64) * 0.5
+    shift[0, 2] = -1.0  # the first response token of row 0: ratio e > cap
+    data["generation_logprobs"] = torch.zeros(B, L, dtype=torch.float64)
+    # A token outside the learner's top-p support (own log-prob -inf) was inside the
+    # sampler's: ratio 0, weight 0.
+    data["generation_logprobs"][:, 1:] = own.nan_to_num(neginf=-6.0).view(B, L - 1) + shift
+    cap = 1.3
+    loss_fn = DistillationLossFn(
+        "forward",
+        teacher_signal=signal,
+        teacher_topk=4,
+        fused_lm_head=fused,
+        chunk_size=2,
+        off_policy=correction(cap, strategy=strategy),
+    )
+    student = LMHeadInput(hidden, head) if fused else student_logits
+    loss, metrics = loss_fn(student, data, int(data["token_mask"][:, 1:].sum()), B, teacher_output=teacher)
+    expected = reference_loss(student_logits, teacher, data, cap, strategy, signal)
+    assert float(loss) == pytest.approx(expected, rel=1e-10)
+    assert metrics["is_truncated_fraction"] > 0  # some weights hit the cap
+    assert metrics["is_ratio_max"] > cap
+
+
+def test_all_masked_micro_batch_with_stale_rows_is_zero():
+    data, generator = micro_batch(2, staleness=[1, 1, 1])
+    data["token_mask"].zero_()
+    leaf = torch.randn(B, L, D, generator=generator).requires_grad_(True)
+    loss_fn = DistillationLossFn("reverse", fused_lm_head=True, off_policy=correction())
+    loss, metrics = loss_fn(LMHeadInput(leaf, torch.randn(V, D)), data, 0, B, teacher_output=torch.randn(B, L, V))
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and torch.count_nonzero(leaf.grad) == 0
+    assert metrics["is_ratio_max"] == 0.0
