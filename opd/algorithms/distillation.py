@@ -2,12 +2,15 @@
 
 One optimizer step (:func:`distillation_step`, see ``docs/guides/on-policy-distillation.md``):
 
-1. flip the λ coin (a dedicated, checkpointed RNG): with probability ``lambda`` the step
-   is on-policy and the student samples ``num_samples_per_prompt`` responses per prompt
-   (after a refit, when the engine holds its own stale weights); otherwise the step uses
-   fixed data (the dataset's assistant turn);
+1. the rollout schedule (:mod:`opd.algorithms.rollout_schedule`, ``training.scheduler``)
+   hands over the step's batch. It flipped the λ coin (a dedicated, checkpointed RNG)
+   when it started the batch: with probability ``lambda`` the step is on-policy and the
+   student sampled ``num_samples_per_prompt`` responses per prompt (after a weight sync,
+   when the engine holds its own weights); otherwise the step uses fixed data (the
+   dataset's assistant turn). ``sync`` samples now; ``one_step_off`` and
+   ``two_step_off`` sampled one or two steps ago, while earlier steps trained;
 2. the frozen teacher scores the very same token ids, micro-batch by micro-batch, with
-   the signal the loss asked for;
+   the signal the loss asked for (or the schedule had it scored ahead);
 3. the student minimises the loss on response tokens, normalised over the whole global
    batch, with gradient accumulation over micro-batches and one optimizer step;
 4. the step's metrics and the time of each phase are returned to the training loop,
@@ -26,17 +29,14 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.training_loop import RunSaveState, run_training_loop
+from opd.algorithms.rollout_schedule import RolloutSchedule, ScheduledBatch, signal_rows
+from opd.algorithms.training_loop import NextBatch, RunSaveState, run_training_loop
 from opd.algorithms.validation import validate
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.data.batches import attach_teacher_prompts, build_fixed_data_batch, unique_responses_per_prompt
-from opd.data.dataloaders import PreparedExample
-from opd.data.sequences import build_token_mask
-from opd.environments.math_verifier import grade_responses
+from opd.data.batches import unique_responses_per_prompt
 from opd.models.interfaces import (
     GenerationInterface,
     LossFunction,
@@ -67,63 +67,60 @@ _CONSOLE_KEYS = [
 
 @dataclass
 class DistillationStepState:
-    """What one step hands the next: the λ coin and whether the engine's weights are stale."""
+    """What one step hands the next: the rollout schedule (with the λ coin) and the policy version."""
 
-    lambda_coin: random.Random
-    generation_is_stale: bool = False
+    schedule: RolloutSchedule
+    policy_version: int = 0
+    """Optimizer steps taken so far: the version of the weights being trained."""
 
 
 def distillation_step(
-    examples: list[PreparedExample],
+    next_examples: NextBatch,
     state: DistillationStepState,
     student_policy: PolicyInterface,
     teacher_policy: TeacherInterface,
-    student_generation: GenerationInterface,
-    tokenizer: Any,
     loss_fn: LossFunction,
     config: MasterConfig,
-) -> dict[str, Any]:
-    """One optimizer step on a batch of prompts: λ coin → rollout or fixed data → teacher → train."""
+) -> tuple[int, dict[str, Any]]:
+    """One optimizer step: the schedule's batch (rollout or fixed data) → teacher → train.
+
+    Returns:
+        The number of prompts trained and the step's metrics.
+    """
     timer = Timer()
     with timer.time("step"):
-        on_policy = state.lambda_coin.random() < config.distillation.lambda_
-        if on_policy:
-            if state.generation_is_stale:
-                with timer.time("refit"):
-                    student_generation.refit(student_policy)
-            with timer.time("generation"):
-                batch = build_on_policy_batch(examples, student_generation, loss_fn, config)
-            if loss_fn.needs_task_reward:
-                batch["task_reward"] = task_rewards(
-                    batch, examples, config.distillation.num_samples_per_prompt, tokenizer
-                )
-        else:
-            batch = build_fixed_data_batch(examples, tokenizer.pad_token_id, config.distillation.mask_prompt_tokens)
-
+        scheduled = state.schedule.next_batch(next_examples, state.policy_version)
         request = loss_fn.teacher_request
 
         def teacher_signal(micro_batch: BatchedDataDict) -> TeacherSignal:
+            if scheduled.teacher_signal is not None:  # scored ahead, while an earlier step trained
+                return signal_rows(scheduled.teacher_signal, micro_batch)
             assert request is not None  # passed to the trainer only when the loss asks for one
             with timer.time("teacher"):
                 return teacher_policy.score(micro_batch, request)
 
         with timer.time("training"):
-            train_metrics = student_policy.train(batch, loss_fn, teacher_signal if request is not None else None)
-        state.generation_is_stale = student_generation.needs_refit
-    seconds = timer.pop()
+            train_metrics = student_policy.train(
+                scheduled.batch, loss_fn, teacher_signal if request is not None else None
+            )
+        state.policy_version += 1
+    seconds = {**timer.pop(), **scheduled.seconds}
     # Phases a distributed trainer timed itself (its colocated teacher, the dispatch).
     for key in [key for key in train_metrics if key.endswith("_seconds")]:
         phase = key.removesuffix("_seconds")
         seconds[phase] = seconds.get(phase, 0.0) + train_metrics.pop(key)
-    return step_metrics(train_metrics, batch, on_policy, seconds, config.distillation.num_samples_per_prompt)
+    metrics = step_metrics(
+        train_metrics, scheduled, seconds, config.distillation.num_samples_per_prompt, state.schedule.asynchronous
+    )
+    return len(scheduled.examples), metrics
 
 
 def step_metrics(
     train_metrics: dict[str, float],
-    batch: BatchedDataDict,
-    on_policy: bool,
+    scheduled: ScheduledBatch,
     seconds: dict[str, float],
     samples_per_prompt: int = 1,
+    asynchronous: bool = False,
 ) -> dict[str, Any]:
     """A step's logged metrics: the trainer's (``train/*``), the batch's, and each phase's time.
 
@@ -132,19 +129,37 @@ def step_metrics(
     ``timing/dispatch`` (planning each rank's micro-batches). A distributed trainer also
     reports ``timing/trainer_compute``: the slowest rank's own time in the step, part of
     ``timing/training`` (the rest is the cost of calling the workers). On-policy steps also log
-    ``train/unique_responses_per_prompt`` (out of ``samples_per_prompt``).
+    ``train/unique_responses_per_prompt`` (out of ``samples_per_prompt``) and
+    ``train/sampled_version``.
+
+    An asynchronous schedule logs, instead of ``timing/generation``, what the step waited
+    for (seed 002's names): ``timing/wait_prev_gen`` (the rollout started earlier),
+    ``timing/wait_prev_teacher`` (the teacher's score started earlier) and
+    ``timing/sync_rollout_weights`` (the weight sync to the rollout engine), and for
+    on-policy steps ``train/staleness_mean`` / ``train/staleness_max`` (the policy-version
+    lag of the step's samples).
     """
+    batch = scheduled.batch
     metrics: dict[str, Any] = {f"train/{key}": value for key, value in train_metrics.items()}
-    metrics["train/on_policy"] = int(on_policy)
-    if on_policy:
+    metrics["train/on_policy"] = int(scheduled.on_policy)
+    if scheduled.on_policy:
         metrics["train/unique_responses_per_prompt"] = unique_responses_per_prompt(batch, samples_per_prompt)
+        metrics["train/sampled_version"] = scheduled.sampled_version
+        if asynchronous:
+            # One lag per batch today; mean and max keep their meaning if samples ever mix versions.
+            metrics["train/staleness_mean"] = float(scheduled.staleness or 0)
+            metrics["train/staleness_max"] = scheduled.staleness or 0
     if "task_reward" in batch:
         metrics["train/task_reward"] = float(batch["task_reward"].mean())
     metrics["train/mean_response_length"] = float(batch["response_lengths"].float().mean())
     metrics["train/truncation_rate"] = float(batch["truncated"].float().mean())
-    if "refit" in seconds:
-        metrics["timing/refit"] = seconds["refit"]
-    metrics["timing/generation"] = seconds.get("generation", 0.0)
+    if asynchronous:
+        for phase in ("wait_prev_gen", "wait_prev_teacher", "sync_rollout_weights"):
+            metrics[f"timing/{phase}"] = seconds.get(phase, 0.0)
+    else:
+        if "refit" in seconds:
+            metrics["timing/refit"] = seconds["refit"]
+        metrics["timing/generation"] = seconds.get("generation", 0.0)
     metrics["timing/teacher"] = seconds.get("teacher", 0.0)
     for phase in ("dispatch", "trainer_compute"):  # a distributed trainer's own timings
         if phase in seconds:
@@ -154,46 +169,6 @@ def step_metrics(
     metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / seconds["step"]
     metrics["perf/peak_memory_mb"] = peak_memory_mb()
     return metrics
-
-
-def build_on_policy_batch(
-    examples: list[PreparedExample],
-    student_generation: GenerationInterface,
-    loss_fn: LossFunction,
-    config: MasterConfig,
-) -> BatchedDataDict:
-    """The on-policy branch: the student samples responses to the prompts."""
-    student_generation.prepare_for_generation()
-    try:
-        batch = student_generation.generate(
-            [example["prompt_ids"] for example in examples],
-            config.distillation.generate_strategy,
-            config.distillation.num_samples_per_prompt,
-            # Computing the sampler's log-probs costs a log-softmax over the vocabulary at
-            # every decoding step: only asked for when the loss reads them.
-            return_logprobs=loss_fn.needs_sampler_logprobs,
-        )
-    finally:
-        student_generation.finish_generation()
-    batch["token_mask"] = build_token_mask(
-        batch["input_lengths"],
-        batch["prompt_lengths"],
-        batch["input_ids"].shape[1],
-        config.distillation.mask_prompt_tokens,
-    )
-    attach_teacher_prompts(batch, examples, config.distillation.num_samples_per_prompt)
-    return batch
-
-
-def task_rewards(
-    batch: BatchedDataDict, examples: list[PreparedExample], num_samples: int, tokenizer: Any
-) -> torch.Tensor:
-    """``[N]`` task reward of each sampled response: 1.0 if the math verifier accepts it, else 0."""
-    ground_truths = [examples[row // num_samples]["ground_truth"] for row in range(batch.size)]  # samples adjacent
-    grades = grade_responses(
-        batch["input_ids"], batch["prompt_lengths"], batch["input_lengths"], ground_truths, tokenizer
-    )
-    return torch.tensor([float(grade is True) for grade in grades], dtype=torch.float32)
 
 
 def distillation_train(
@@ -236,19 +211,26 @@ def distillation_train(
         TrainingDivergedError: after ``max_consecutive_nonfinite_steps`` skipped steps.
     """
     config = master_config
-    state = DistillationStepState(
-        random.Random(config.training.seed + 1), generation_is_stale=student_generation.needs_refit
+    lambda_coin = random.Random(config.training.seed + 1)
+    schedule = RolloutSchedule(
+        config.training.scheduler,
+        student_generation,
+        teacher_policy,
+        student_policy,
+        loss_fn,
+        tokenizer,
+        config,
+        lambda_coin,
+        sampler_logprobs=config.training.correction_is_on(),
     )
+    state = DistillationStepState(schedule, policy_version=distillation_save_state["step"])
 
-    def train_step(examples: list[PreparedExample]) -> dict[str, Any]:
-        return distillation_step(
-            examples, state, student_policy, teacher_policy, student_generation, tokenizer, loss_fn, config
-        )
+    def train_step(next_examples: NextBatch) -> tuple[int, dict[str, Any]]:
+        return distillation_step(next_examples, state, student_policy, teacher_policy, loss_fn, config)
 
     def refresh_generation() -> None:
-        if state.generation_is_stale:  # validation samples too: from the weights just trained
-            student_generation.refit(student_policy)
-            state.generation_is_stale = False
+        # Validation samples too, from the weights just trained (rollouts in flight finish first).
+        schedule.refresh_for_validation(state.policy_version)
 
     def run_validation(data: StatefulDataLoader) -> dict[str, float]:
         refresh_generation()
@@ -283,8 +265,9 @@ def distillation_train(
         train_step=train_step,
         validate=(lambda: run_validation(val_dataloader)) if val_dataloader is not None else None,
         before_first_step=baselines,
-        algorithm_rng=state.lambda_coin,
+        algorithm_rng=lambda_coin,
         console_keys=_CONSOLE_KEYS,
+        in_flight=schedule,
     )
 
 

@@ -24,6 +24,7 @@ from opd.algorithms.loss_config import (
     LossFnConfig,
     SampledTokenLossConfig,
 )
+from opd.algorithms.off_policy import OffPolicyCorrectionConfig
 from opd.algorithms.training_loop import RunConfig, TrainingLoopConfig
 from opd.algorithms.validation import ValidationConfig
 from opd.data.config import DataConfig
@@ -105,6 +106,21 @@ class TrainingConfig(TrainingLoopConfig):
     )
     sequence_packing: bool = Field(False, description="pack each micro-batch into one padding-free row")
     gradient_accumulation_steps: int | None = Field(None, ge=1, description="micro-batches per optimizer step")
+    scheduler: Literal["sync", "one_step_off", "two_step_off"] = Field(
+        "sync",
+        description="sync = sample, score and train in turn; one_step_off = sample the next batch while the "
+        "student trains; two_step_off = also score the next batch while the student trains",
+    )
+    off_policy_correction: OffPolicyCorrectionConfig = Field(default_factory=OffPolicyCorrectionConfig)
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether rollouts are sampled ahead of the update (one_step_off, two_step_off)."""
+        return self.scheduler != "sync"
+
+    def correction_is_on(self) -> bool:
+        """Whether stale samples are weighted (``off_policy_correction.enabled``; auto = asynchronous)."""
+        return self.off_policy_correction.is_on(self.asynchronous)
 
 
 class DistillationValidationConfig(ValidationConfig):
@@ -151,7 +167,13 @@ class MasterConfig(RunConfig):
     @model_validator(mode="after")
     def _check_across_sections(self) -> MasterConfig:
         """Combinations that span sections (each message names the keys that conflict)."""
-        problems = (_loss_problem(self), _teacher_problem(self), _generation_problem(self), _cluster_problem(self))
+        problems = (
+            _loss_problem(self),
+            _teacher_problem(self),
+            _generation_problem(self),
+            _cluster_problem(self),
+            _schedule_problem(self),
+        )
         for problem in problems:
             if problem is not None:
                 raise ValueError(problem)
@@ -252,6 +274,47 @@ def _cluster_problem(config: MasterConfig) -> str | None:
             "(cluster.teacher.placement = pool) does not send; use cluster.teacher.placement = colocated or "
             "loss_fn.type = topk"
         )
+    return None
+
+
+def _schedule_problem(config: MasterConfig) -> str | None:
+    """What an asynchronous ``training.scheduler`` needs from the rest of the config."""
+    training = config.training
+    if not training.asynchronous:
+        return None
+    key = f"training.scheduler = {training.scheduler}"
+    cluster = config.cluster
+    if cluster is not None and cluster.placement != "split":
+        return (
+            f"{key} overlaps sampling with training, so the rollout workers need devices of their own; "
+            "set cluster.placement = split"
+        )
+    if config.model.active_lora() is not None:
+        return f"{key} with model.lora: the rollout engine's copy of a LoRA student is not supported; use sync"
+    if training.sequence_packing:
+        return f"{key} with training.sequence_packing is not supported; set training.sequence_packing = false"
+    if config.generation.backend == "vllm" and cluster is None:
+        return (
+            f"{key} with an in-process vLLM engine: the engine shares this process with training; "
+            "use the hf backend in process (it keeps its own copy of the weights) or a cluster"
+        )
+    loss = config.loss_fn
+    if isinstance(loss, HybridFullVocabLossConfig):
+        return f"{key}: loss_fn.type = hybrid_full_vocab has no off-policy correction yet; use sync"
+    full_vocab = isinstance(loss.teacher_request(None), FullVocabRequest)
+    if training.scheduler == "two_step_off" and full_vocab:
+        return (
+            f"{key} scores the next batch while the student trains, which the full-vocabulary teacher "
+            f"(loss_fn.type = {loss.type}) cannot: it scores inside the trainer. Use one_step_off, or "
+            "loss_fn.type = topk with a teacher that runs apart (cluster.teacher.placement = pool, or a served teacher)"
+        )
+    if training.scheduler == "two_step_off" and cluster is not None:
+        in_workers = config.teacher.backend == "local" and cluster.teacher.placement == "colocated"
+        if in_workers:
+            return (
+                f"{key} scores the next batch while the student trains; a teacher colocated in the trainer "
+                "workers cannot. Set cluster.teacher.placement = pool (or serve the teacher)"
+            )
     return None
 
 

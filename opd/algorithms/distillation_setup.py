@@ -33,6 +33,8 @@ from opd.algorithms.loss_config import (
     HybridFullVocabLossConfig,
     SampledTokenLossConfig,
 )
+from opd.algorithms.loss_functions import DistillationLossFn
+from opd.algorithms.off_policy import OffPolicyCorrection
 from opd.algorithms.run_setup import (
     DriverArguments,
     load_examples,
@@ -43,7 +45,7 @@ from opd.algorithms.run_setup import (
 )
 from opd.algorithms.training_loop import RunSaveState, check_output_is_fresh, find_resume_checkpoint
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
-from opd.models.generation.hf_generation import HFGeneration
+from opd.models.generation.hf_generation import HFGeneration, SnapshotHFGeneration
 from opd.models.generation.stop_tokens import check_stop_tokens, describe_tokens, stop_token_ids
 from opd.models.interfaces import GenerationInterface, LossFunction, PolicyInterface, TeacherInterface
 from opd.models.lm_head import output_head_of
@@ -283,13 +285,29 @@ def build_generation(config: MasterConfig, model: PreTrainedModel, tokenizer: An
             model, tokenizer, config.generation.vllm, config.training.seed, config.generation.stop_token_ids
         )
     device_type = next(model.parameters()).device.type
-    return HFGeneration(
+    # An asynchronous schedule samples with the weights of its last sync, not the live ones.
+    engine = SnapshotHFGeneration if config.training.asynchronous else HFGeneration
+    return engine(
         model,
         tokenizer,
         config.generation.decode_loop,
         resolve_compile_kernels(config.generation.compile_decode, device_type, "generation.compile_decode"),
         config.generation.stop_token_ids,
     )
+
+
+def build_loss(config: MasterConfig, tokenizer: Any) -> LossFunction:
+    """The ``loss_fn`` objective, weighing stale samples when ``training.off_policy_correction`` is on.
+
+    The sampled-token loss needs no weights of its own: its clipped ratio is already taken
+    against the sampler's log-probs, whatever weights drew them.
+    """
+    loss_fn = config.loss_fn.build(len(tokenizer), resolve_device(config.model.device).type)
+    if config.training.correction_is_on() and isinstance(loss_fn, DistillationLossFn):
+        loss_fn.off_policy = OffPolicyCorrection.from_config(
+            config.training.off_policy_correction, config.distillation.generate_strategy
+        )
+    return loss_fn
 
 
 def report_stop_tokens(
@@ -470,7 +488,7 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
         ),
         val_dataloader=make_eval_dataloader(val_examples, config.validation.batch_size) if val_examples else None,
         tokenizer=tokenizer,
-        loss_fn=config.loss_fn.build(len(tokenizer), resolve_device(config.model.device).type),
+        loss_fn=build_loss(config, tokenizer),
         logger=logger,
         checkpointer=checkpointer,
         distillation_save_state=save_state,

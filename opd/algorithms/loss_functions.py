@@ -929,7 +929,8 @@ class DistillationLossFn(LossFunction):
             # (Compiled kernels recompute them instead: fused passes beat writing them out.)
             closed_form = functools.partial(self._divergence_with_grad, observe_log_probs=collector.from_log_probs)
             observer = None
-        row_weights, correction_metrics = None, {}
+        row_weights: torch.Tensor | None = None
+        correction_metrics: dict[str, float] = {}
         if self.off_policy is not None and "staleness" in data and "generation_logprobs" in data:
             row_weights, correction_metrics = off_policy_row_weights(
                 _rows(student_output, loss_mask), data, loss_mask, self.off_policy, global_valid_tokens

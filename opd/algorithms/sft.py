@@ -30,6 +30,7 @@ from opd.algorithms.run_setup import (
     restore_run,
 )
 from opd.algorithms.training_loop import (
+    NextBatch,
     RunConfig,
     RunSaveState,
     TrainingLoopConfig,
@@ -181,7 +182,8 @@ def sft_train(
 ) -> None:
     """Fine-tunes ``policy`` on the dataset's assistant turns until the step budget is spent."""
 
-    def train_step(examples: list[PreparedExample]) -> dict[str, Any]:
+    def train_step(next_examples: NextBatch) -> tuple[int, dict[str, Any]]:
+        examples: list[PreparedExample] = next_examples()
         start = time.perf_counter()
         batch = build_fixed_data_batch(examples, tokenizer.pad_token_id, mask_prompt_tokens=True)
         metrics = {f"train/{key}": value for key, value in policy.train(batch, loss_fn).items()}
@@ -189,7 +191,7 @@ def sft_train(
         metrics["train/mean_response_length"] = float(batch["response_lengths"].float().mean())
         metrics["timing/step"] = seconds
         metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / seconds
-        return metrics
+        return len(examples), metrics
 
     def run_validation(data: StatefulDataLoader) -> dict[str, float]:
         return validate(generation, policy, None, data, tokenizer, master_config.validation.generate_strategy)

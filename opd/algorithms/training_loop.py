@@ -27,7 +27,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, Protocol, TypedDict
 
 import yaml
 from pydantic import BaseModel, Field
@@ -103,9 +103,31 @@ class RunConfig(StrictConfig):
     checkpointing: CheckpointingConfig
 
 
-StepFn = Callable[[list[Any]], dict[str, Any]]
-"""Runs one optimizer step on a batch of examples; returns namespaced metrics
-(``train/*``, ``timing/*``, ...) including ``train/skipped_nonfinite``."""
+NextBatch = Callable[[], list[Any]]
+"""Draws the next batch of examples from the training data, across epochs."""
+
+StepFn = Callable[[NextBatch], tuple[int, dict[str, Any]]]
+"""Runs one optimizer step, drawing the batches it needs (an asynchronous schedule draws
+ahead); returns the number of examples trained and namespaced metrics (``train/*``,
+``timing/*``, ...) including ``train/skipped_nonfinite``."""
+
+
+class InFlight(Protocol):
+    """Work an algorithm started ahead of its step (batches drawn, rollouts sampled), kept in checkpoints."""
+
+    @property
+    def ahead(self) -> int:
+        """Batches drawn from the data but not yet trained."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What is in flight, complete (waits for it), for a checkpoint."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restores a checkpoint's in-flight work (None: a checkpoint without any)."""
+        ...
+
 
 ValidateFn = Callable[[], dict[str, float]]
 """Runs validation; returns ``val/*`` metrics."""
@@ -125,6 +147,7 @@ def run_training_loop(
     before_first_step: Callable[[], None] | None = None,
     algorithm_rng: random.Random | None = None,
     console_keys: list[str] | None = None,
+    in_flight: InFlight | None = None,
 ) -> None:
     """Drives a run from ``state["step"]`` to ``logger.total_steps``.
 
@@ -143,6 +166,9 @@ def run_training_loop(
             validation (e.g. a teacher baseline).
         algorithm_rng: an algorithm's own generator (the λ coin), checkpointed with the rest.
         console_keys: step metrics shown on the console.
+        in_flight: work started ahead of its step (an asynchronous rollout schedule),
+            checkpointed with the rest; the data position saved is then that many
+            batches past the step.
 
     Raises:
         TrainingDivergedError: after ``max_consecutive_nonfinite_steps`` skipped steps.
@@ -150,7 +176,16 @@ def run_training_loop(
             rank and the newest complete checkpoint.
     """
     run = _TrainingRun(
-        policy, tokenizer, dataloader, logger, checkpointer, state, config, validate, algorithm_rng or random.Random(0)
+        policy,
+        tokenizer,
+        dataloader,
+        logger,
+        checkpointer,
+        state,
+        config,
+        validate,
+        algorithm_rng or random.Random(0),
+        in_flight,
     )
     if run.is_complete():
         run.finish_complete_run()
@@ -168,14 +203,11 @@ def run_training_loop(
         with GracefulStop() as stop:
             while state["step"] < run.total_steps and not stop.requested:
                 state["epoch"] = state["step"] // len(dataloader)
-                _set_epoch(dataloader, state["epoch"])
-                for examples in dataloader:
-                    step_start = time.perf_counter()
-                    metrics = train_step(examples)
-                    state["train_time_s"] += time.perf_counter() - step_start
-                    is_last = run.after_step(len(examples), metrics, console_keys)
-                    if is_last or stop.requested:
-                        break
+                step_start = time.perf_counter()
+                trained, metrics = train_step(run.data.next)
+                state["train_time_s"] += time.perf_counter() - step_start
+                if run.after_step(trained, metrics, console_keys):
+                    break
             if stop.requested and state["step"] < run.total_steps:
                 run.stop_on_signal(stop.signal_name)
                 return
@@ -206,10 +238,12 @@ class _TrainingRun:
         config: RunConfig,
         validate: ValidateFn | None,
         algorithm_rng: random.Random,
+        in_flight: InFlight | None = None,
     ) -> None:
         self.policy, self.tokenizer, self.dataloader = policy, tokenizer, dataloader
         self.logger, self.checkpointer, self.state, self.config = logger, checkpointer, state, config
-        self.validate_fn, self.algorithm_rng = validate, algorithm_rng
+        self.validate_fn, self.algorithm_rng, self.in_flight = validate, algorithm_rng, in_flight
+        self.data = _ContinuousData(dataloader, state["step"])
         self.total_steps = logger.total_steps
         self.time_budget = config.training.max_train_time_s
         self.final_dir = Path(config.output_dir) / "final_model"
@@ -233,11 +267,21 @@ class _TrainingRun:
         self.logger.close()
 
     def restore_position(self) -> None:
-        """Restores the RNG streams and, mid-epoch, the data position of the resumed checkpoint."""
+        """Restores the RNG streams, the work in flight and, mid-epoch, the data position of the resumed checkpoint."""
         step = self.state["step"]
         training_state = self.checkpointer.load_training_state(self.checkpointer.root / f"step_{step}")
         restore_rng_state(training_state["rng"], self.algorithm_rng)
-        if step % len(self.dataloader):  # mid-epoch: continue after the last consumed batch
+        # Batches drawn ahead of the step (in flight) moved the data past it.
+        position = training_state.get("data_position", step)
+        if self.in_flight is not None:
+            self.in_flight.load_state_dict(training_state.get("in_flight"))
+        elif position != step:
+            raise ConfigError(
+                f"checkpoint step_{step} holds {position - step} batches in flight from an asynchronous "
+                "training.scheduler; resume it with that scheduler"
+            )
+        self.data = _ContinuousData(self.dataloader, position)
+        if position % len(self.dataloader):  # mid-epoch: continue after the last drawn batch
             self.dataloader.load_state_dict(training_state["dataloader"])
 
     def after_step(self, batch_size: int, metrics: dict[str, Any], console_keys: list[str] | None) -> bool:
@@ -314,7 +358,13 @@ class _TrainingRun:
             self.policy,
             self.tokenizer,
             dict(self.state),
-            {"dataloader": self.dataloader.state_dict(), "rng": capture_rng_state(self.algorithm_rng)},
+            {
+                # In flight first: finishing it may not draw data, but it must be complete before the RNGs are read.
+                "in_flight": self.in_flight.state_dict() if self.in_flight is not None else None,
+                "data_position": self.data.position,
+                "dataloader": self.dataloader.state_dict(),
+                "rng": capture_rng_state(self.algorithm_rng),
+            },
             config_to_yaml(self.config),
         )
         seconds = time.perf_counter() - start
@@ -345,6 +395,38 @@ class _TrainingRun:
         write_final_model(self.policy, self.tokenizer, self.final_dir, self._model_card())
         log.info("final model written to %s", self.final_dir)
         self.logger.close()
+
+
+class _ContinuousData:
+    """The training batches one after another across epochs, counting how many were drawn.
+
+    Each epoch's order is set by ``sampler.set_epoch(epoch)`` when the epoch starts, where
+    the epoch of a batch is its position // batches per epoch.
+
+    Args:
+        dataloader: the resumable loader (positioned at ``position`` by the caller).
+        position: batches drawn before this object (a resumed run's data position).
+    """
+
+    def __init__(self, dataloader: StatefulDataLoader, position: int) -> None:
+        self.dataloader = dataloader
+        self.position = position
+        self._iterator: Any = None
+
+    def next(self) -> list[Any]:
+        """The next batch; a new epoch starts when the current one is used up."""
+        for _ in range(2):  # at most once past an epoch's end
+            if self._iterator is None:
+                _set_epoch(self.dataloader, self.position // len(self.dataloader))
+                self._iterator = iter(self.dataloader)
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                self._iterator = None
+                continue
+            self.position += 1
+            return batch
+        raise RuntimeError("the training data yielded no batch for a whole epoch")
 
 
 def _set_epoch(dataloader: StatefulDataLoader, epoch: int) -> None:

@@ -31,7 +31,7 @@ from opd.distributed.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
 from opd.models.generation.config import GenerateStrategyConfig, VllmGenerationConfig
 from opd.models.generation.hf_generation import HFGeneration
-from opd.models.interfaces import GenerationInterface, PolicyInterface
+from opd.models.interfaces import GenerationInterface, Pending, PolicyInterface
 from opd.models.loading import load_causal_lm, resolve_device, resolve_dtype
 from opd.utils.errors import WorkerError
 
@@ -159,6 +159,20 @@ class RayGeneration(GenerationInterface):
         return_logprobs: bool = True,
     ) -> BatchedDataDict:
         """The workers' samples, in prompt order (see ``GenerationInterface.generate``)."""
+        return self.generate_async(prompts, strategy, num_samples, return_logprobs).result()
+
+    def generate_async(
+        self,
+        prompts: list[list[int]],
+        strategy: GenerateStrategyConfig,
+        num_samples: int = 1,
+        return_logprobs: bool = True,
+    ) -> Pending[BatchedDataDict]:
+        """Hands each worker its share of the prompts and returns while they sample.
+
+        The sampling seed is drawn here, from the controller's torch generator, so a
+        rollout depends on when it was asked for, not on when it is collected.
+        """
         seed = int(torch.randint(_SEED_RANGE, (1,)))
         count = min(self.workers.size, len(prompts))
         bounds = [len(prompts) * rank // count for rank in range(count + 1)]
@@ -168,7 +182,9 @@ class RayGeneration(GenerationInterface):
             )
             for rank in range(count)
         ]
-        parts = self.workers.gather(refs, ranks=list(range(count)))
+        return self.workers.pending(refs, self._concat, ranks=list(range(count)))
+
+    def _concat(self, parts: list[BatchedDataDict]) -> BatchedDataDict:
         return BatchedDataDict.concat(parts, pad_values={"input_ids": self.pad_token_id})
 
     def refit(self, policy: PolicyInterface) -> None:

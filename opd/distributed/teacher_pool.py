@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from opd.distributed.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
 from opd.models.interfaces import (
     FullVocabRequest,
+    Pending,
     TeacherInterface,
     TeacherRequest,
     TeacherSignal,
@@ -123,13 +125,17 @@ class TeacherPool(TeacherInterface):
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
         """The replicas score contiguous blocks of the rows; the answers are joined in row order."""
+        return self.score_async(data, request).result()
+
+    def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
+        """Hands the replicas their blocks and returns while they score."""
         reason = self.unsupported_reason(request)
         if reason is not None:
             raise ValueError(reason)
         count = min(self.workers.size, data.size)
         blocks, counts = contiguous_blocks(data, count)
         refs = [self.workers.actors[rank].score.remote(block, request) for rank, block in enumerate(blocks)]
-        return _concat(self.workers.gather(refs, ranks=list(range(count))), counts)
+        return self.workers.pending(refs, functools.partial(_concat, counts=counts), ranks=list(range(count)))
 
     def close(self) -> None:
         """Stops the replicas."""

@@ -13,12 +13,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from opd.models.interfaces import Pending
 from opd.utils.errors import WorkerError
+
+ResultT = TypeVar("ResultT")
 
 log = logging.getLogger("opd")
 
@@ -111,6 +114,12 @@ class WorkerGroup:
                     raise self._worker_error(error, rank_of[ref]) from None
         return [results[ref] for ref in refs]
 
+    def pending(
+        self, refs: list[Any], combine: Callable[[list[Any]], ResultT], ranks: Sequence[int] | None = None
+    ) -> Pending[ResultT]:
+        """``combine(gather(refs))`` as a :class:`~opd.models.interfaces.Pending`: the workers run meanwhile."""
+        return _Gathered(self, refs, combine, ranks)
+
     def _worker_error(self, error: Exception, rank: int) -> WorkerError:
         where = f"{self.role} worker {rank} of {self.size}"
         if isinstance(error, ray.exceptions.OutOfMemoryError) or _is_oom(error):
@@ -125,6 +134,24 @@ class WorkerGroup:
         """Ends every actor of the group at once (frees peers stuck in a collective)."""
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+
+
+class _Gathered(Pending[ResultT]):
+    """Results of calls already submitted to a group's workers, gathered (once) when asked for."""
+
+    def __init__(
+        self, group: WorkerGroup, refs: list[Any], combine: Callable[[list[Any]], ResultT], ranks: Sequence[int] | None
+    ) -> None:
+        self.group, self.refs, self.combine, self.ranks = group, refs, combine, ranks
+        self.value: ResultT | None = None
+        self.gathered = False
+
+    def result(self) -> ResultT:
+        """Waits for every worker's part and combines them (fails as :meth:`WorkerGroup.gather` does)."""
+        if not self.gathered:
+            self.value = self.combine(self.group.gather(self.refs, self.ranks))
+            self.gathered = True
+        return self.value  # type: ignore[return-value]
 
 
 def _is_oom(error: Exception) -> bool:

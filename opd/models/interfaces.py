@@ -28,13 +28,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput
+
+ResultT = TypeVar("ResultT")
 
 CHECKPOINT_POLICY_DIR = "policy"
 """A checkpoint's student weights, as a Hugging Face model directory (in-process student)."""
@@ -260,6 +262,29 @@ class PolicyInterface(ABC):
         """Frees workers or processes the policy started; the in-process student holds none."""
 
 
+class Pending(ABC, Generic[ResultT]):
+    """A result that may still be computing elsewhere (a worker, a thread); :meth:`result` waits for it.
+
+    Asynchronous schedules (:mod:`opd.algorithms.rollout_schedule`) start a rollout or a
+    teacher's scoring with ``generate_async`` / ``score_async`` and collect it later.
+    """
+
+    @abstractmethod
+    def result(self) -> ResultT:
+        """The result, once it is ready; raises what computing it raised."""
+
+
+class Done(Pending[ResultT]):
+    """A result computed already (the default ``*_async`` of a backend that cannot run in the background)."""
+
+    def __init__(self, value: ResultT) -> None:
+        self.value = value
+
+    def result(self) -> ResultT:
+        """The value given."""
+        return self.value
+
+
 class GenerationInterface(ABC):
     """Samples responses from the student.
 
@@ -299,6 +324,25 @@ class GenerationInterface(ABC):
     def finish_generation(self) -> None:
         """Releases what generation held (train mode, sleep, ...)."""
 
+    def generate_async(
+        self,
+        prompts: list[list[int]],
+        strategy: GenerateStrategyConfig,
+        num_samples: int = 1,
+        return_logprobs: bool = True,
+    ) -> Pending[BatchedDataDict]:
+        """Starts :meth:`generate` (switched on and off around it) and returns at once, where the engine can.
+
+        Engines in other processes (rollout workers) sample while the caller goes on;
+        this default samples before returning. Calls are served in the order they are
+        made, so a :meth:`refit` made after this call does not change this rollout.
+        """
+        self.prepare_for_generation()
+        try:
+            return Done(self.generate(prompts, strategy, num_samples, return_logprobs))
+        finally:
+            self.finish_generation()
+
     def refit(self, policy: PolicyInterface) -> None:  # noqa: B027 - a no-op unless the engine holds weights
         """Loads the policy's current weights; engines that sample with the policy itself need nothing."""
 
@@ -332,6 +376,13 @@ class TeacherInterface(ABC):
             with the rest mass where the teacher knows it); ``[B, L]`` log-probs
             (0 at position 0) for a :class:`TokenLogprobsRequest`.
         """
+
+    def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
+        """Starts :meth:`score` and returns at once, where the teacher can (a pool, a server).
+
+        The default scores before returning.
+        """
+        return Done(self.score(data, request))
 
     def close(self) -> None:  # noqa: B027 - a no-op unless the teacher holds resources
         """Frees connections or processes; the default holds none."""

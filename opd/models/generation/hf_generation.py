@@ -12,6 +12,7 @@ top-k / top-p), i.e. the distribution the token was actually drawn from.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -23,7 +24,7 @@ from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.decode_loop import compile_decode_step, decode
 from opd.models.generation.rollout_batch import build_rollout_batch
 from opd.models.generation.stop_tokens import is_stop, stop_token_ids
-from opd.models.interfaces import GenerationInterface
+from opd.models.interfaces import GenerationInterface, PolicyInterface
 from opd.models.lm_head import token_log_probs
 
 
@@ -178,3 +179,39 @@ class HFGeneration(GenerationInterface):
             ~has_stop,
             self.pad_token_id,
         )
+
+
+class SnapshotHFGeneration(HFGeneration):
+    """An in-process HF engine on its own copy of the student, refreshed only by :meth:`refit`.
+
+    It samples with the weights of the last refit, as a rollout worker does, so an
+    asynchronous schedule (:mod:`opd.algorithms.rollout_schedule`) runs in one process with
+    exactly the samples it would draw on a cluster: one step behind under one-step-off,
+    two under two-step-off. The phases then run one after another (nothing overlaps), so
+    this engine reproduces and debugs an asynchronous run; it does not speed one up.
+
+    Args:
+        model: the student; the engine samples from a deep copy of it.
+        tokenizer, decode_loop, compile_decode, stop_ids: as for :class:`HFGeneration`.
+    """
+
+    needs_refit = True
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        decode_loop: str = "opd",
+        compile_decode: bool = False,
+        stop_ids: Sequence[int] | None = None,
+    ) -> None:
+        snapshot = copy.deepcopy(model)
+        snapshot.requires_grad_(False)
+        super().__init__(snapshot, tokenizer, decode_loop, compile_decode, stop_ids)
+
+    def refit(self, policy: PolicyInterface) -> None:
+        """Copies the policy's current weights into the engine's copy."""
+        own = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in policy.weights_for_refit():
+                own[name].copy_(tensor)

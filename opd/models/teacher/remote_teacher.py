@@ -34,7 +34,7 @@ import json
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,7 @@ import torch
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.interfaces import (
     FullVocabRequest,
+    Pending,
     TeacherInterface,
     TeacherRequest,
     TeacherSignal,
@@ -68,6 +69,17 @@ class TeacherServiceError(OpdError):
 
 class _Retryable(Exception):
     """A failure worth another attempt (transport, overload, a malformed or misaligned answer)."""
+
+
+class _InThread(Pending[TeacherSignal]):
+    """A score running on a background thread."""
+
+    def __init__(self, future: Future[TeacherSignal]) -> None:
+        self.future = future
+
+    def result(self) -> TeacherSignal:
+        """Waits for the thread; re-raises what scoring raised."""
+        return self.future.result()
 
 
 class RemoteTeacher(TeacherInterface):
@@ -105,6 +117,7 @@ class RemoteTeacher(TeacherInterface):
             base_url=self.url, headers=headers, timeout=timeout_s, limits=httpx.Limits(max_connections=max_concurrency)
         )
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="opd-teacher")
+        self._background: ThreadPoolExecutor | None = None  # score_async's thread, made on first use
         self.model = model
         self.retries = 0
         """Retried requests so far (logged; a growing count means an unhealthy server)."""
@@ -164,6 +177,15 @@ class RemoteTeacher(TeacherInterface):
         assert isinstance(request, TokenLogprobsRequest)  # the only kind left
         return self.get_token_logprobs(data, request.vocab_size)
 
+    def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
+        """Scores on a background thread (the server does the work) and returns at once.
+
+        One background thread: requests started this way are answered in order.
+        """
+        if self._background is None:
+            self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-teacher-async")
+        return _InThread(self._background.submit(self.score, data, request))
+
     def get_topk_logprobs(
         self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
     ) -> TopKLogprobs:
@@ -215,6 +237,8 @@ class RemoteTeacher(TeacherInterface):
 
     def close(self) -> None:
         """Closes the connections and the request threads."""
+        if self._background is not None:
+            self._background.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self._client.close()
 

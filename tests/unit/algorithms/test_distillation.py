@@ -26,11 +26,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from opd_test_helpers import short_run_overrides
 
-from opd.algorithms.distillation import build_on_policy_batch, distillation_train
+from opd.algorithms.distillation import distillation_train
 from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
 from opd.algorithms.distillation_setup import check_config_against_data, setup
 from opd.algorithms.loss_functions import DistillationLossFn
+from opd.algorithms.rollout_schedule import RolloutSchedule
 from opd.data.batches import build_fixed_data_batch
 from opd.data.dataloaders import prepare_examples
 from opd.data.sequences import attention_mask_from_lengths, encode_prompt
@@ -42,7 +44,6 @@ from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.utils.config import load_config, validate_config
 from opd.utils.errors import ConfigError, ModelCompatibilityError
-from opd_test_helpers import short_run_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
@@ -191,7 +192,7 @@ def manual_greedy(model: torch.nn.Module, prompt: list[int], max_length: int, eo
             ids.append(token)
             if token == eos:
                 break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.fixture(scope="module")
@@ -308,8 +309,12 @@ def e2e_run(tmp_path_factory):
     teacher_policy.score = recording_score  # type: ignore[method-assign]
     distillation_train(**parts.as_arguments())
     return {
-        "config": config, "parts": parts, "after_setup": after_setup, "calls": calls,
-        "generated": generated, "scored": scored,
+        "config": config,
+        "parts": parts,
+        "after_setup": after_setup,
+        "calls": calls,
+        "generated": generated,
+        "scored": scored,
     }
 
 
@@ -362,9 +367,17 @@ def test_end_to_end_writes_loadable_final_model(e2e_run):
 
 
 REQUIRED_METRICS = [
-    "train/loss", "train/kl_forward", "train/kl_reverse", "train/grad_norm", "train/lr",
-    "train/on_policy", "train/mean_response_length", "perf/tokens_per_s",
-    "timing/generation", "timing/teacher", "timing/training",
+    "train/loss",
+    "train/kl_forward",
+    "train/kl_reverse",
+    "train/grad_norm",
+    "train/lr",
+    "train/on_policy",
+    "train/mean_response_length",
+    "perf/tokens_per_s",
+    "timing/generation",
+    "timing/teacher",
+    "timing/training",
 ]
 
 
@@ -567,7 +580,7 @@ def test_generation_num_samples_gives_adjacent_rows(tokenizer):
     assert len({tuple(response) for response in first}) > 1
 
 
-def test_build_on_policy_batch_masks_response_and_restores_mode(tmp_path, tokenizer):
+def test_sync_schedule_batch_masks_response_and_restores_mode(tmp_path, tokenizer):
     config = run_config(tmp_path, "distillation.num_samples_per_prompt=2")
     model = build_tiny_model("student")
     model.train()
@@ -582,7 +595,12 @@ def test_build_on_policy_batch_masks_response_and_restores_mode(tmp_path, tokeni
 
     generation.generate = recording_generate  # type: ignore[method-assign]
     torch.manual_seed(0)
-    batch = build_on_policy_batch(examples, generation, config.loss_fn.build(len(tokenizer), "cpu"), config)
+    loss_fn = config.loss_fn.build(len(tokenizer), "cpu")
+    schedule = RolloutSchedule("sync", generation, None, None, loss_fn, tokenizer, config, random.Random(0))
+    scheduled = schedule.next_batch(lambda: examples, version=0)
+    batch = scheduled.batch
+    assert scheduled.on_policy and scheduled.sampled_version == 0 and scheduled.staleness == 0
+    assert scheduled.teacher_signal is None and "staleness" not in batch  # sync: scored and weighted as before
     assert modes == [False], "generation must run in eval mode"
     assert model.training, "train mode must be restored afterwards"
     assert batch["input_ids"].shape[0] == 2 * len(examples)

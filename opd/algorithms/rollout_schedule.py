@@ -1,0 +1,376 @@
+"""When each step's batch is sampled and scored: ``training.scheduler`` (sync, one-step-off, two-step-off).
+
+The driver asks :meth:`RolloutSchedule.next_batch` for the batch of the step it is about
+to train, and gets it with its rollout, its teacher signal (when scored ahead) and the
+time it waited. The schedule decides what runs while the student trains (seed 002, verl's
+asynchronous on-policy distillation recipe). With policy version ``v`` = the number of
+optimizer steps taken so far, step ``t`` (1-based) updates ``v = t − 1`` to ``t``:
+
+* ``sync`` (depth 0): step t's rollout is sampled at the start of step t, with the
+  weights being trained (version t − 1); nothing overlaps.
+* ``one_step_off`` (depth 1): during update t the rollout workers sample batch t + 1 with
+  the weights from before update t (version t − 1), so batch t + 1 trains on version t
+  one step stale. The weight sync to the rollout workers happens while the teacher scores
+  batch t. Warm-up: the first batch is sampled in step 1 with the initial weights.
+* ``two_step_off`` (depth 2): during update t the rollout workers sample batch t + 2 (with
+  version t − 1) and the teacher scores batch t + 1, so the teacher's time also hides
+  behind the update; samples are two steps stale. Warm-up: the first two batches are
+  sampled in step 1 with the initial weights.
+
+Every batch records ``sampled_version``, the version its rollout was sampled with; the
+step's ``staleness`` is ``v − sampled_version``. Rollouts and teacher scores run in the
+background where the backend can (:meth:`GenerationInterface.generate_async`,
+:meth:`TeacherInterface.score_async`: Ray workers, a served teacher); in one process the
+same schedule runs its phases one after another and draws the same samples.
+
+The λ coin of a step is flipped when its batch is started (one or two steps early under
+an asynchronous schedule); a fixed-data step needs no rollout.
+
+Checkpoints keep what is in flight (:meth:`RolloutSchedule.state_dict`): the batches
+started but not yet trained, with their rollouts and teacher signals, so a resumed run
+trains exactly the samples the uninterrupted run would have, none lost or repeated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from opd.algorithms.distillation_config import MasterConfig
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.batches import attach_teacher_prompts, build_fixed_data_batch
+from opd.data.dataloaders import PreparedExample
+from opd.data.sequences import build_token_mask
+from opd.environments.math_verifier import grade_responses
+from opd.models.interfaces import (
+    FullVocabRequest,
+    GenerationInterface,
+    LossFunction,
+    Pending,
+    PolicyInterface,
+    TeacherInterface,
+    TeacherSignal,
+    TopKLogprobs,
+)
+
+DEPTHS = {"sync": 0, "one_step_off": 1, "two_step_off": 2}
+"""How many steps ahead of the update each schedule samples."""
+
+NextExamples = Callable[[], list[PreparedExample]]
+"""Draws the next batch of prompts from the training data (across epochs)."""
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's training input, as the schedule hands it to the driver.
+
+    Attributes:
+        batch: the rollout (or fixed-data) batch with ``token_mask`` (and ``task_reward``,
+            ``staleness``, ``sample_index`` where they apply).
+        examples: the prompts it was made from.
+        on_policy: whether the λ coin chose the student's own samples.
+        sampled_version: the policy version the rollout was sampled with (None for fixed data).
+        staleness: optimizer steps between sampling and this update (None for fixed data).
+        teacher_signal: the whole batch's teacher signal when it was scored ahead, else
+            None (the trainer then scores each micro-batch itself).
+        seconds: the time the controller spent on this step's inputs, by phase.
+    """
+
+    batch: BatchedDataDict
+    examples: list[PreparedExample]
+    on_policy: bool
+    sampled_version: int | None
+    staleness: int | None
+    teacher_signal: TeacherSignal | None
+    seconds: dict[str, float]
+
+
+@dataclass
+class _Slot:
+    """A batch started but not yet trained."""
+
+    examples: list[PreparedExample]
+    on_policy: bool
+    sampled_version: int | None
+    rollout: Pending[BatchedDataDict] | None = None  # running or done; None once collected
+    batch: BatchedDataDict | None = None  # the collected training batch
+    teacher: Pending[TeacherSignal] | None = None
+    teacher_signal: TeacherSignal | None = None
+    teacher_started: bool = field(default=False)
+
+
+class RolloutSchedule:
+    """Starts rollouts and teacher scores ahead of the update, as ``training.scheduler`` says.
+
+    Args:
+        scheduler: ``sync``, ``one_step_off`` or ``two_step_off``.
+        generation: samples from the student (a :class:`GenerationInterface`).
+        teacher: scores batches ahead when the schedule asks (top-k and token signals).
+        policy: the student, the source of every weight sync.
+        loss_fn: says what the teacher must send and whether the sampler's log-probs are read.
+        tokenizer: pads fixed-data batches and grades answers for a task reward.
+        config: the run config (λ, sampling, masking).
+        lambda_coin: the λ coin (checkpointed by the training loop).
+        sampler_logprobs: ask the engine for the sampler's log-probs even when the loss
+            does not read them (the off-policy correction and its metrics do).
+    """
+
+    def __init__(
+        self,
+        scheduler: str,
+        generation: GenerationInterface,
+        teacher: TeacherInterface,
+        policy: PolicyInterface,
+        loss_fn: LossFunction,
+        tokenizer: Any,
+        config: MasterConfig,
+        lambda_coin: Any,
+        sampler_logprobs: bool = False,
+    ) -> None:
+        self.depth = DEPTHS[scheduler]
+        self.generation, self.teacher, self.policy = generation, teacher, policy
+        self.loss_fn, self.tokenizer, self.config, self.lambda_coin = loss_fn, tokenizer, config, lambda_coin
+        self.return_logprobs = loss_fn.needs_sampler_logprobs or sampler_logprobs
+        request = loss_fn.teacher_request
+        # Top-k and token signals are small enough to score a whole batch ahead; the full
+        # vocabulary is scored by the trainer, micro-batch by micro-batch, as in sync.
+        self.scores_ahead = self.depth > 0 and request is not None and not isinstance(request, FullVocabRequest)
+        self.queue: deque[_Slot] = deque()
+        self.rollout_version: int | None = None
+        """The policy version the engine's weights are (None: not known, refit before sampling)."""
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether rollouts are sampled ahead of the update."""
+        return self.depth > 0
+
+    @property
+    def ahead(self) -> int:
+        """Batches drawn from the data but not yet trained."""
+        return len(self.queue)
+
+    # ------------------------------------------------------------------ the step
+
+    def next_batch(self, next_examples: NextExamples, version: int) -> ScheduledBatch:
+        """The batch to train at policy version ``version``, after starting the rollouts due now.
+
+        Args:
+            next_examples: draws the next batch of prompts from the data.
+            version: optimizer steps taken so far.
+        """
+        seconds: dict[str, float] = {}
+        if not self.queue:  # sync, or the first step of an asynchronous run
+            self.queue.append(self._start(next_examples(), version, seconds))
+        current = self.queue[0]
+        self._collect(current, seconds)
+        if self.depth == 2:
+            if len(self.queue) < 2:  # warm-up: the second batch, with the initial weights too
+                self.queue.append(self._start(next_examples(), version, seconds))
+            self._collect(self.queue[1], seconds)  # its teacher now scores while the student trains
+        while len(self.queue) < self.depth + 1:  # sampled with the weights of now, trained later
+            self.queue.append(self._start(next_examples(), version, seconds))
+        teacher_signal = None
+        if current.teacher is not None:
+            start = time.perf_counter()
+            teacher_signal = current.teacher.result()
+            seconds["wait_prev_teacher"] = seconds.get("wait_prev_teacher", 0.0) + time.perf_counter() - start
+            current.teacher = None
+        elif current.teacher_signal is not None:  # restored from a checkpoint
+            teacher_signal = current.teacher_signal
+        self.queue.popleft()
+        assert current.batch is not None  # collected above
+        return self._scheduled(current, version, teacher_signal, seconds)
+
+    def sync_weights(self, version: int, seconds: dict[str, float] | None = None) -> None:
+        """Loads the policy's weights (version ``version``) into the engine, if it holds others."""
+        if not self.generation.needs_refit or self.rollout_version == version:
+            return
+        start = time.perf_counter()
+        self.generation.refit(self.policy)
+        self.rollout_version = version
+        if seconds is not None:
+            key = "sync_rollout_weights" if self.asynchronous else "refit"
+            seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
+
+    def refresh_for_validation(self, version: int) -> None:
+        """Before validation samples: rollouts in flight finish (and are kept), then the engine gets ``version``."""
+        self._drain()
+        self.sync_weights(version)
+
+    def _start(self, examples: list[PreparedExample], version: int, seconds: dict[str, float]) -> _Slot:
+        """Flips the step's λ coin and starts its rollout (synced to ``version`` first) or builds its fixed data."""
+        on_policy = self.lambda_coin.random() < self.config.distillation.lambda_
+        if not on_policy:
+            slot = _Slot(examples, False, None)
+            slot.batch = build_fixed_data_batch(
+                examples, self.tokenizer.pad_token_id, self.config.distillation.mask_prompt_tokens
+            )
+            self._start_teacher(slot)
+            return slot
+        self.sync_weights(version, seconds)
+        distillation = self.config.distillation
+        start = time.perf_counter()
+        rollout = self.generation.generate_async(
+            [example["prompt_ids"] for example in examples],
+            distillation.generate_strategy,
+            distillation.num_samples_per_prompt,
+            return_logprobs=self.return_logprobs,
+        )
+        if not self.asynchronous:
+            # In sync the rollout is the step's generation phase: it is collected at once.
+            slot = _Slot(examples, True, version, batch=self._finish_rollout(rollout.result(), examples))
+            seconds["generation"] = seconds.get("generation", 0.0) + time.perf_counter() - start
+            return slot
+        return _Slot(examples, True, version, rollout=rollout)
+
+    def _collect(self, slot: _Slot, seconds: dict[str, float]) -> None:
+        """Waits for a slot's rollout (timed as ``wait_prev_gen``) and starts its teacher."""
+        if slot.rollout is not None:
+            start = time.perf_counter()
+            raw = slot.rollout.result()
+            seconds["wait_prev_gen"] = seconds.get("wait_prev_gen", 0.0) + time.perf_counter() - start
+            slot.batch = self._finish_rollout(raw, slot.examples)
+            slot.rollout = None
+        self._start_teacher(slot)
+
+    def _start_teacher(self, slot: _Slot) -> None:
+        if self.scores_ahead and not slot.teacher_started and slot.batch is not None:
+            request = self.loss_fn.teacher_request
+            assert request is not None  # scores_ahead implies a request
+            slot.teacher = self.teacher.score_async(slot.batch, request)
+            slot.teacher_started = True
+
+    def _finish_rollout(self, batch: BatchedDataDict, examples: list[PreparedExample]) -> BatchedDataDict:
+        """A rollout made a training batch: its loss mask, the teacher's prompts, a task reward."""
+        distillation = self.config.distillation
+        batch["token_mask"] = build_token_mask(
+            batch["input_lengths"],
+            batch["prompt_lengths"],
+            batch["input_ids"].shape[1],
+            distillation.mask_prompt_tokens,
+        )
+        attach_teacher_prompts(batch, examples, distillation.num_samples_per_prompt)
+        if self.loss_fn.needs_task_reward:
+            batch["task_reward"] = task_rewards(batch, examples, distillation.num_samples_per_prompt, self.tokenizer)
+        return batch
+
+    def _scheduled(
+        self, slot: _Slot, version: int, teacher_signal: TeacherSignal | None, seconds: dict[str, float]
+    ) -> ScheduledBatch:
+        batch = slot.batch
+        assert batch is not None
+        staleness = version - slot.sampled_version if slot.sampled_version is not None else None
+        if staleness is not None and self.asynchronous:
+            batch["staleness"] = torch.full((batch.size,), staleness, dtype=torch.long)
+        if teacher_signal is not None:
+            batch["sample_index"] = torch.arange(batch.size)  # micro-batches find their rows of the signal
+        return ScheduledBatch(
+            batch, slot.examples, slot.on_policy, slot.sampled_version, staleness, teacher_signal, seconds
+        )
+
+    def _drain(self) -> None:
+        """Collects every rollout and teacher score in flight (results are kept for their steps)."""
+        for slot in self.queue:
+            self._collect(slot, {})
+            if slot.teacher is not None:
+                slot.teacher_signal = slot.teacher.result()
+                slot.teacher = None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The batches in flight, collected, as plain tensors and lists (``torch.load(weights_only=True)``)."""
+        self._drain()
+        return {
+            "depth": self.depth,
+            "slots": [
+                {
+                    "examples": slot.examples,
+                    "on_policy": slot.on_policy,
+                    "sampled_version": slot.sampled_version,
+                    "batch": dict(slot.batch) if slot.batch is not None else None,
+                    "teacher_signal": _signal_to_state(slot.teacher_signal),
+                    "teacher_started": slot.teacher_started,
+                }
+                for slot in self.queue
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restores the batches in flight of a checkpoint; the engine is refit before its next rollout.
+
+        Raises:
+            ValueError: the checkpoint was written under another ``training.scheduler``
+                with batches in flight.
+        """
+        self.queue.clear()
+        self.rollout_version = None
+        if state is None or not state["slots"]:
+            return
+        if state["depth"] != self.depth:
+            names = {depth: name for name, depth in DEPTHS.items()}
+            raise ValueError(
+                f"the checkpoint was written with training.scheduler = {names[state['depth']]} and has batches "
+                f"in flight; resume it with that scheduler (this run has {names[self.depth]})"
+            )
+        for saved in state["slots"]:
+            slot = _Slot(saved["examples"], saved["on_policy"], saved["sampled_version"])
+            slot.batch = BatchedDataDict(saved["batch"]) if saved["batch"] is not None else None
+            slot.teacher_signal = _signal_from_state(saved["teacher_signal"])
+            slot.teacher_started = saved["teacher_started"]
+            self.queue.append(slot)
+
+
+def _signal_to_state(signal: TeacherSignal | None) -> dict[str, Any] | None:
+    """A top-k or token signal as plain tensors (checkpoints are loaded with ``weights_only``)."""
+    if signal is None:
+        return None
+    if isinstance(signal, TopKLogprobs):
+        return {"kind": "topk", "logprobs": signal.logprobs, "ids": signal.ids, "rest": signal.rest_logprobs}
+    if isinstance(signal, tuple):
+        return {"kind": "tuple", "parts": list(signal)}
+    assert isinstance(signal, torch.Tensor)  # token log-probs (full-vocabulary signals are never scored ahead)
+    return {"kind": "tensor", "value": signal}
+
+
+def _signal_from_state(state: dict[str, Any] | None) -> TeacherSignal | None:
+    if state is None:
+        return None
+    if state["kind"] == "topk":
+        return TopKLogprobs(state["logprobs"], state["ids"], state["rest"])
+    if state["kind"] == "tuple":
+        return tuple(state["parts"])
+    return state["value"]
+
+
+def signal_rows(signal: TeacherSignal, micro_batch: BatchedDataDict) -> TeacherSignal:
+    """The rows of a whole batch's teacher signal that a micro-batch holds, cut to its width.
+
+    The micro-batch carries ``sample_index`` (its rows' places in the batch) and may be
+    trimmed to its own longest row, so the signal is cut to the same number of positions.
+    """
+    rows = micro_batch["sample_index"]
+    width = micro_batch["input_ids"].shape[1]
+    if isinstance(signal, TopKLogprobs):
+        rest = signal.rest_logprobs[rows, :width] if signal.rest_logprobs is not None else None
+        return TopKLogprobs(signal.logprobs[rows, :width], signal.ids[rows, :width], rest)
+    if isinstance(signal, tuple):
+        return tuple(part[rows, :width] for part in signal)  # type: ignore[return-value]
+    assert isinstance(signal, torch.Tensor)
+    return signal[rows, :width]
+
+
+def task_rewards(
+    batch: BatchedDataDict, examples: list[PreparedExample], num_samples: int, tokenizer: Any
+) -> torch.Tensor:
+    """``[N]`` task reward of each sampled response: 1.0 if the math verifier accepts it, else 0."""
+    ground_truths = [examples[row // num_samples]["ground_truth"] for row in range(batch.size)]  # samples adjacent
+    grades = grade_responses(
+        batch["input_ids"], batch["prompt_lengths"], batch["input_lengths"], ground_truths, tokenizer
+    )
+    return torch.tensor([float(grade is True) for grade in grades], dtype=torch.float32)
