@@ -13,47 +13,27 @@ One Ray cluster serves the module; every worker runs one thread (two shared core
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
-import ray
 import torch
+from opd_test_helpers import REPO_ROOT, short_run_overrides
 from safetensors.torch import load_file
 
 from opd.algorithms.distillation import distillation_train
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.distributed.ray_cluster import RAY_ENVIRONMENT
 from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKLogprobs, TopKRequest
 from opd.models.loading import load_causal_lm
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.utils.config import load_config
 from opd.utils.plotting import read_metrics
-from opd_test_helpers import REPO_ROOT, short_run_overrides
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 STEPS = 10
 RELATIVE_LOSS_TOLERANCE = 1e-5
 WEIGHT_TOLERANCE = 1e-5
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A private local Ray cluster for the module (runs reuse it instead of starting their own)."""
-    for key, value in RAY_ENVIRONMENT.items():
-        os.environ.setdefault(key, value)
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        _temp_dir=tempfile.mkdtemp(prefix="opd_ray_test_", dir="/tmp"),
-        configure_logging=False,
-        log_to_driver=False,
-    )
-    yield
-    ray.shutdown()
 
 
 def equivalence_config(tmp_path: Path, name: str, *overrides: str) -> MasterConfig:
@@ -197,10 +177,9 @@ def test_teacher_pool_sends_the_in_process_signal(ray_cluster, tmp_path):
 
 
 def test_rollout_workers_refit_from_the_trainer_generate_the_in_process_greedy_rollouts(cluster_components):
-    from opd.models.generation.hf_generation import HFGeneration
-
     from opd.algorithms.loss_functions import NLLLossFn
     from opd.data.batches import build_fixed_data_batch
+    from opd.models.generation.hf_generation import HFGeneration
 
     config = cluster_components.master_config
     examples = next(iter(cluster_components.dataloader))

@@ -24,9 +24,8 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
-
 from opd_test_helpers import REPO_ROOT, TINY_TRAIN_DATA
+from safetensors.torch import load_file
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 STEPS = 4
@@ -68,7 +67,7 @@ def start(output_dir: Path, trainer_workers: int = 2) -> subprocess.Popen:
         command(output_dir, trainer_workers),
         cwd=REPO_ROOT,
         env=environment(),
-        stdout=open(output_dir.parent / f"{output_dir.name}.out", "a"),  # noqa: SIM115 - closed with the process
+        stdout=open(output_dir.parent / f"{output_dir.name}.out", "a"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
