@@ -42,3 +42,32 @@ def _arithmetic_task_exists():
     if not all((task_dir / f"{split}.jsonl").is_file() for split in ("train", "val", "test")):
         generator = task_dir.parent / "make_arithmetic_task.py"
         subprocess.run([sys.executable, str(generator)], check=True, capture_output=True)
+
+
+# Test files that take minutes, slowest first (measured with --durations=0 on 2 cores).
+# The parallel run (pytest-xdist, --dist loadfile) hands files to workers in collection
+# order, so starting these first keeps one long file from running alone at the end.
+_SLOWEST_FILES = [
+    "reference/test_reference_runs.py",
+    "distributed/test_cluster_faults.py",
+    "functional/test_demo.py",
+    "distributed/test_async_cluster.py",
+    "distributed/test_cluster_equivalence.py",
+    "functional/test_run_lifecycle.py",
+    "unit/algorithms/test_sft.py",
+    "distributed/test_worker_errors.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Moves the slowest test files to the front; the order inside each file is kept."""
+    rank = {name: position for position, name in enumerate(_SLOWEST_FILES)}
+
+    def position(item) -> int:
+        try:
+            name = Path(item.path).resolve().relative_to(_TESTS_DIR).as_posix()
+        except ValueError:
+            return len(rank)
+        return rank.get(name, len(rank))
+
+    items.sort(key=position)

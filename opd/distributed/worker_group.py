@@ -155,8 +155,13 @@ class _Gathered(Pending[ResultT]):
 
 
 def _is_oom(error: Exception) -> bool:
+    """A device out of memory (``torch.OutOfMemoryError``) or the host (``MemoryError``)."""
     cause = getattr(error, "cause", None)
-    return "OutOfMemoryError" in type(cause).__name__ or "out of memory" in str(cause).lower()
+    return (
+        isinstance(cause, MemoryError)
+        or "OutOfMemoryError" in type(cause).__name__
+        or "out of memory" in str(cause).lower()
+    )
 
 
 def _first_line(error: Any) -> str:

@@ -19,12 +19,20 @@ Both micro-batch layouts are handled: right-padded rows, and the one packed row 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.models.interfaces import TeacherInterface, TeacherRequest, TeacherSignal, TokenLogprobsRequest, TopKLogprobs
+from opd.models.interfaces import (
+    Pending,
+    TeacherInterface,
+    TeacherRequest,
+    TeacherSignal,
+    TokenLogprobsRequest,
+    TopKLogprobs,
+)
 from opd.models.lm_head import LMHeadInput
 
 
@@ -152,8 +160,18 @@ class ContextTeacher(TeacherInterface):
         Zeros outside the completions (the loss masks them). Logits, hidden states and
         top-k describe the next token; token log-probs describe the token at their position.
         """
+        return self.score_async(data, request).result()
+
+    def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
+        """Starts the wrapped teacher's scoring (in the background where it can) and maps its answer on collection."""
         batch, segments = self.teacher_batch(data)
-        answer = self.teacher.score(batch, request)
+        answer = self.teacher.score_async(batch, request)
+        return _Mapped(answer, lambda signal: self._to_student_signal(data, segments, signal, request))
+
+    def _to_student_signal(
+        self, data: BatchedDataDict, segments: list[_Segment], answer: TeacherSignal, request: TeacherRequest
+    ) -> TeacherSignal:
+        """The wrapped teacher's answer moved to the student's positions (see :meth:`score`)."""
         predicts_next = not isinstance(request, TokenLogprobsRequest)
         if isinstance(answer, LMHeadInput):
             hidden = self._to_student_positions(data, segments, answer.hidden_states, predicts_next)
@@ -172,3 +190,14 @@ class ContextTeacher(TeacherInterface):
     def close(self) -> None:
         """Closes the wrapped teacher."""
         self.teacher.close()
+
+
+class _Mapped(Pending[TeacherSignal]):
+    """A pending answer, transformed when it is collected."""
+
+    def __init__(self, pending: Pending[TeacherSignal], transform: Callable[[TeacherSignal], TeacherSignal]) -> None:
+        self.pending, self.transform = pending, transform
+
+    def result(self) -> TeacherSignal:
+        """The transformed answer."""
+        return self.transform(self.pending.result())

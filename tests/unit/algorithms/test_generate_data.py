@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import opd.algorithms.distillation as distillation_module
+import opd.algorithms.rollout_schedule as schedule_module
 from opd.algorithms.distillation import distillation_train
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
@@ -295,13 +295,13 @@ def test_lambda_half_training_uses_the_generated_answers(reference, tmp_path, mo
         ],
     )
     fixed_batches: list[list[dict]] = []
-    build = distillation_module.build_fixed_data_batch
+    build = schedule_module.build_fixed_data_batch
 
     def recording_build(examples, *args, **kwargs):
         fixed_batches.append(list(examples))
         return build(examples, *args, **kwargs)
 
-    monkeypatch.setattr(distillation_module, "build_fixed_data_batch", recording_build)
+    monkeypatch.setattr(schedule_module, "build_fixed_data_batch", recording_build)
     components = setup(config)
     try:
         distillation_train(**components.as_arguments())
