@@ -57,6 +57,7 @@ from opd.models.interfaces import (
     TeacherSignal,
     TopKLogprobs,
 )
+from opd.utils.errors import ConfigError
 
 DEPTHS = {"sync": 0, "one_step_off": 1, "two_step_off": 2}
 """How many steps ahead of the update each schedule samples."""
@@ -305,7 +306,7 @@ class RolloutSchedule:
         """Restores the batches in flight of a checkpoint; the engine is refit before its next rollout.
 
         Raises:
-            ValueError: the checkpoint was written under another ``training.scheduler``
+            ConfigError: the checkpoint was written under another ``training.scheduler``
                 with batches in flight.
         """
         self.queue.clear()
@@ -314,7 +315,7 @@ class RolloutSchedule:
             return
         if state["depth"] != self.depth:
             names = {depth: name for name, depth in DEPTHS.items()}
-            raise ValueError(
+            raise ConfigError(
                 f"the checkpoint was written with training.scheduler = {names[state['depth']]} and has batches "
                 f"in flight; resume it with that scheduler (this run has {names[self.depth]})"
             )

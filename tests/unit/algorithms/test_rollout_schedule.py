@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from opd_test_helpers import short_run_overrides
 from opd.algorithms.distillation import distillation_train
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
-from opd.algorithms.rollout_schedule import DEPTHS
+from opd.algorithms.rollout_schedule import DEPTHS, RolloutSchedule
 from opd.models.generation.hf_generation import HFGeneration, SnapshotHFGeneration
 from opd.models.tiny import build_tiny_model
 from opd.utils.config import load_config
@@ -225,3 +226,34 @@ def test_crash_and_rerun_trains_exactly_what_the_uninterrupted_run_trains(tmp_pa
 def test_schedules_that_cannot_run_are_config_errors(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(MasterConfig, TINY_CONFIG, [*short_run_overrides(tmp_path), *overrides])
+
+
+def test_a_checkpoint_in_flight_resumes_only_under_its_scheduler(tmp_path):
+    config = run_config(tmp_path, "sync")
+    parts = setup(config)
+    schedule = RolloutSchedule(
+        "sync",
+        parts.student_generation,
+        parts.teacher_policy,
+        parts.student_policy,
+        parts.loss_fn,
+        parts.tokenizer,
+        config,
+        random.Random(0),
+    )
+    schedule.load_state_dict({"depth": 1, "slots": []})  # nothing in flight: any scheduler may resume
+    saved = {
+        "depth": 1,
+        "slots": [
+            {
+                "examples": [],
+                "on_policy": False,
+                "sampled_version": None,
+                "batch": None,
+                "teacher_signal": None,
+                "teacher_started": False,
+            }
+        ],
+    }
+    with pytest.raises(ConfigError, match=r"training\.scheduler = one_step_off"):
+        schedule.load_state_dict(saved)
