@@ -46,11 +46,12 @@ def _arithmetic_task_exists():
 
 # Test files that take minutes, slowest first (measured with --durations=0 on 2 cores).
 # The parallel run (pytest-xdist, --dist loadfile) hands files to workers in collection
-# order, so starting these first keeps one long file from running alone at the end.
+# order, two to each worker at the start, so starting these first keeps one long file
+# from running alone at the end. The demo's one long test leads: it cannot be split.
 _SLOWEST_FILES = [
+    "functional/test_demo.py",
     "reference/test_reference_runs.py",
     "distributed/test_cluster_faults.py",
-    "functional/test_demo.py",
     "distributed/test_async_cluster.py",
     "distributed/test_cluster_equivalence.py",
     "functional/test_run_lifecycle.py",
