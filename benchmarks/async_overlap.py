@@ -6,7 +6,9 @@ on split pools: one trainer worker and one rollout worker (and, for the top-k ru
 teacher worker), one thread each.
 
 **Speed** (``--part speed``): steps/s of each schedule, medians over the steps after
-``--warmup``, with the waits broken down (``wait_prev_gen``: the step waited for its
+``--warmup`` and over ``--repeats`` interleaved repeats (each speedup is taken within a
+repeat, against that repeat's sync run; the table gives their median and range), with
+the waits broken down (``wait_prev_gen``: the step waited for its
 rollout; ``wait_prev_teacher``: for its teacher score; ``sync``: the weight sync to the
 rollout worker; ``training``: the trainer call). Two groups, each against its own sync:
 
@@ -23,7 +25,7 @@ sync and one-step-off with and without the off-policy correction, over ``--seeds
 as mean ± standard deviation.
 
 Usage: ``python benchmarks/async_overlap.py [--part speed|learning|both]`` (speed: about
-6 minutes, learning: about 25 minutes on 2 cores). Run it on an otherwise idle machine.
+6 minutes per repeat, learning: about 27 minutes on 2 cores). Run it on an otherwise idle machine.
 The last line is machine-readable:
 ``async speedup one_step_off=<x> two_step_off=<y>`` (the full-vocabulary group's
 one-step-off speedup, and the top-k group's two-step-off speedup).
@@ -98,8 +100,34 @@ def run(setup: Setup, output: Path, overrides: list[str]) -> list[dict]:
     return [json.loads(line) for line in (output / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
+def measure(setup: Setup, output: Path, overrides: list[str], warmup: int) -> dict[str, float]:
+    """One speed run: the medians of its steps after ``warmup``."""
+    kept = [record for record in run(setup, output, overrides) if "timing/step" in record][warmup:]
+
+    def median(key: str) -> float:
+        return statistics.median(record.get(key, 0.0) for record in kept)
+
+    step = median("timing/step")
+    return {
+        "steps_per_s": 1.0 / step,
+        "step": step,
+        "generation": median("timing/generation"),
+        "wait_prev_gen": median("timing/wait_prev_gen"),
+        "wait_prev_teacher": median("timing/wait_prev_teacher"),
+        "teacher": median("timing/teacher"),
+        "sync": median("timing/sync_rollout_weights") + median("timing/refit"),
+        "training": median("timing/training"),
+        "staleness": max(record.get("train/staleness_max", 0) for record in kept),
+    }
+
+
+def baseline_of(name: str) -> str:
+    """The sync setup a setup's speedup is taken against (its own group's)."""
+    return "full-vocab sync" if name.startswith("full") else "top-k sync"
+
+
 def speed(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
-    """The speed table; returns the steps/s of each setup."""
+    """The speed table (medians over ``--repeats`` interleaved repeats); returns the median speedups."""
     overrides = [
         f"training.max_num_steps={args.steps}",
         f"training.batch_size={args.batch}",
@@ -109,45 +137,45 @@ def speed(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
         "validation.val_at_end=false",
         f"distillation.generate_strategy.max_length={args.max_length}",
     ]
-    rows = {}
-    for setup in SPEED_SETUPS:
-        records = [r for r in run(setup, workdir / setup.name.replace(" ", "_"), overrides) if "timing/step" in r]
-        kept = records[args.warmup :]
-
-        def median(key: str, kept: list[dict] = kept) -> float:
-            return statistics.median(record.get(key, 0.0) for record in kept)
-
-        step = median("timing/step")
-        rows[setup.name] = {
-            "steps_per_s": 1.0 / step,
-            "step": step,
-            "generation": median("timing/generation"),
-            "wait_prev_gen": median("timing/wait_prev_gen"),
-            "wait_prev_teacher": median("timing/wait_prev_teacher"),
-            "teacher": median("timing/teacher"),
-            "sync": median("timing/sync_rollout_weights") + median("timing/refit"),
-            "training": median("timing/training"),
-            "staleness": max(record.get("train/staleness_max", 0) for record in kept),
-        }
-        print(f"... {setup.name}: {rows[setup.name]['steps_per_s']:.3f} steps/s", file=sys.stderr, flush=True)
+    runs: dict[str, list[dict[str, float]]] = {setup.name: [] for setup in SPEED_SETUPS}
+    for repeat in range(args.repeats):
+        for setup in SPEED_SETUPS:
+            output = workdir / f"speed_{repeat}" / setup.name.replace(" ", "_")
+            runs[setup.name].append(measure(setup, output, overrides, args.warmup))
+            rate = runs[setup.name][-1]["steps_per_s"]
+            print(f"... repeat {repeat + 1} {setup.name}: {rate:.3f} steps/s", file=sys.stderr, flush=True)
+    rows = {
+        name: {key: statistics.median(r[key] for r in results) for key in results[0]} for name, results in runs.items()
+    }
+    # Each repeat's speedup against the sync run of the same repeat and group.
+    speedups = {
+        name: [
+            mine["steps_per_s"] / base["steps_per_s"]
+            for mine, base in zip(results, runs[baseline_of(name)], strict=True)
+        ]
+        for name, results in runs.items()
+    }
     header = (
-        f"{'setup':<26}{'steps/s':>9}{'speedup':>9}{'step':>8}{'generation':>12}{'wait_gen':>10}"
+        f"{'setup':<26}{'steps/s':>9}{'speedup (range)':>20}{'step':>8}{'generation':>12}{'wait_gen':>10}"
         f"{'teacher':>9}{'wait_teacher':>14}{'sync':>8}{'training':>10}{'staleness':>11}"
     )
     steps = f"{args.warmup + 1}-{args.steps}"
-    print(f"speed: batch {args.batch}, rollouts of up to {args.max_length} tokens, medians of steps {steps}")
+    print(
+        f"speed: batch {args.batch}, rollouts of up to {args.max_length} tokens, medians of steps {steps}, "
+        f"medians over {args.repeats} repeats"
+    )
     print(header)
     print("-" * len(header))
     for setup in SPEED_SETUPS:
-        row = rows[setup.name]
-        baseline = rows["full-vocab sync" if setup.name.startswith("full") else "top-k sync"]
+        row, ratios = rows[setup.name], speedups[setup.name]
+        spread = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
         print(
-            f"{setup.name:<26}{row['steps_per_s']:>9.3f}{row['steps_per_s'] / baseline['steps_per_s']:>8.2f}x"
+            f"{setup.name:<26}{row['steps_per_s']:>9.3f}{spread:>20}"
             f"{row['step']:>7.2f}s{row['generation']:>11.2f}s{row['wait_prev_gen']:>9.2f}s"
             f"{row['teacher']:>8.2f}s{row['wait_prev_teacher']:>13.2f}s{row['sync']:>7.3f}s"
             f"{row['training']:>9.2f}s{row['staleness']:>11}"
         )
-    return {name: row["steps_per_s"] for name, row in rows.items()}
+    return {name: statistics.median(ratios) for name, ratios in speedups.items()}
 
 
 def learning(args: argparse.Namespace, workdir: Path) -> None:
@@ -193,6 +221,7 @@ def main() -> None:
     parser.add_argument("--part", choices=["speed", "learning", "both"], default="both")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved repeats of the speed runs")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=96)
     parser.add_argument("--budget-s", type=float, default=150.0)
@@ -203,8 +232,7 @@ def main() -> None:
         if args.part in ("learning", "both"):
             learning(args, Path(workdir))
     if speeds is not None:
-        one = speeds["full-vocab one_step_off"] / speeds["full-vocab sync"]
-        two = speeds["top-k two_step_off"] / speeds["top-k sync"]
+        one, two = speeds["full-vocab one_step_off"], speeds["top-k two_step_off"]
         print(f"async speedup one_step_off={one:.3f} two_step_off={two:.3f}")
 
 
