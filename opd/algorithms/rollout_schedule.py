@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -102,7 +102,7 @@ class _Slot:
     batch: BatchedDataDict | None = None  # the collected training batch
     teacher: Pending[TeacherSignal] | None = None
     teacher_signal: TeacherSignal | None = None
-    teacher_started: bool = field(default=False)
+    teacher_started: bool = False
 
 
 class RolloutSchedule:

@@ -158,7 +158,7 @@ def test_correction_off_leaves_stale_samples_unweighted(tmp_path):
 
 
 class Crash(RuntimeError):
-    pass
+    """Stands for the process dying in the middle of a step."""
 
 
 @pytest.mark.parametrize("scheduler", ["one_step_off", "two_step_off"])
