@@ -230,12 +230,38 @@ def _teacher_problem(config: MasterConfig) -> str | None:
                 )
         if teacher.remote.url is None:
             return "teacher.backend = remote needs teacher.remote.url (e.g. http://127.0.0.1:8000)"
+        problem = _served_full_vocab_problem(config)
+        if problem is not None:
+            return problem
         reason = RemoteTeacher.unsupported_reason(config.loss_fn.teacher_request(None))
     if reason is not None:
         return (
             f"teacher.backend = {teacher.backend} cannot serve loss_fn.type = {config.loss_fn.type}: {reason}; "
             "choose settings that teacher can answer (a served teacher answers loss_fn.type = topk at "
             "temperature 1, and sampled_token)"
+        )
+    return None
+
+
+def _served_full_vocab_problem(config: MasterConfig) -> str | None:
+    """A full-vocabulary loss with a served teacher: hidden states over opd's protocol, and the head at hand."""
+    if not isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
+        return None
+    loss = f"loss_fn.type = {config.loss_fn.type}"
+    if config.teacher.remote.protocol == "openai":
+        return (
+            f"{loss} with a served teacher needs its hidden states, which vLLM's JSON does not carry; "
+            "set teacher.remote.protocol = opd (opd serve-teacher) or auto, or use loss_fn.type = topk"
+        )
+    if config.model.teacher_model_path is None:
+        return (
+            f"{loss} with a served teacher applies the teacher's output layer here: set model.teacher_model_path "
+            "to the served model's directory (only its output layer is read)"
+        )
+    if config.cluster is not None:
+        return (
+            f"{loss} with a served teacher on a cluster is not supported yet; use loss_fn.type = topk, "
+            "or cluster.teacher.placement = colocated with teacher.backend = local"
         )
     return None
 

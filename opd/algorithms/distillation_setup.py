@@ -47,12 +47,19 @@ from opd.algorithms.training_loop import RunSaveState, check_output_is_fresh, fi
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
 from opd.models.generation.hf_generation import HFGeneration, SnapshotHFGeneration
 from opd.models.generation.stop_tokens import check_stop_tokens, describe_tokens, stop_token_ids
-from opd.models.interfaces import GenerationInterface, LossFunction, PolicyInterface, TeacherInterface
-from opd.models.lm_head import output_head_of
+from opd.models.interfaces import (
+    FullVocabRequest,
+    GenerationInterface,
+    LossFunction,
+    PolicyInterface,
+    TeacherInterface,
+)
+from opd.models.lm_head import output_head_of, output_layer_of
 from opd.models.loading import (
     check_output_sizes,
     check_tokenizer_compatibility,
     load_causal_lm,
+    load_output_layer,
     load_tokenizer,
     resolve_device,
     resolve_dtype,
@@ -236,23 +243,43 @@ def load_models(
 
 
 def _check_fusable(config: MasterConfig, student: PreTrainedModel, teacher: PreTrainedModel | None) -> None:
-    """Fails before training if a model's head cannot be fused (soft-capped logits, ...)."""
+    """Fails before training if a model's head cannot be fused.
+
+    The student's must be a plain linear layer (the loss differentiates through it); the
+    teacher's may also scale or soft-cap its logits, which the fused loss applies.
+    """
     if not (isinstance(config.loss_fn, FusedHeadSettings) and config.loss_fn.fused_lm_head):
         return
-    for model, name in ((student, "the student"), (teacher, "the teacher")):
-        if model is None:  # a served teacher applies its own head
-            continue
-        try:
-            output_head_of(model, name)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+    try:
+        output_head_of(student, "the student")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    try:
+        if teacher is not None:  # a served teacher's head is checked when it connects
+            output_layer_of(teacher, "the teacher")
+    except ValueError as error:
+        raise ConfigError(f"{error}; set loss_fn.fused_lm_head = false") from None
 
 
 def connect_remote_teacher(config: MasterConfig, tokenizer: Any) -> RemoteTeacher:
-    """The client of the served teacher, after checking that it answers and tokenizes like ``tokenizer``."""
+    """The client of the served teacher, after checking that it answers and tokenizes like ``tokenizer``.
+
+    For a full-vocabulary loss it also loads the teacher's output layer (only that layer)
+    from ``model.teacher_model_path`` and checks it against the server's.
+    """
     remote = config.teacher.remote
     if remote.url is None:
         raise ConfigError("teacher.backend = remote needs teacher.remote.url")
+    output_layer = None
+    if isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
+        # The server sends hidden states; the exact logits are made here with its output layer.
+        device = resolve_device(config.model.device)
+        output_layer = load_output_layer(
+            resolve_teacher_path(config),
+            resolve_dtype(config.model.dtype, device),
+            device,
+            config.model.trust_remote_code,
+        )
     client = RemoteTeacher(
         remote.url,
         remote.model,
@@ -262,6 +289,9 @@ def connect_remote_teacher(config: MasterConfig, tokenizer: Any) -> RemoteTeache
         remote.timeout_s,
         remote.max_retries,
         remote.backoff_s,
+        remote.protocol,
+        remote.hidden_dtype,
+        output_layer,
     )
     client.connect(tokenizer)
     log.info("teacher: %s served at %s", client.model, remote.url)

@@ -177,6 +177,8 @@ def chunked_lm_head_loss(
     """
     weight, bias = student.head()
     hidden = student.hidden_states
+    if student.transforms_logits:
+        raise ValueError("the student's fused head must be a plain linear layer (no logit multiplier or soft cap)")
     if hidden.dim() != 2:
         raise ValueError(f"chunked_lm_head_loss takes [N, D] hidden states, got {tuple(hidden.shape)}")
     if position_weights.shape != hidden.shape[:1]:

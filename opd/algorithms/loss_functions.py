@@ -28,6 +28,7 @@ mixed = w·forward + (1 − w)·reverse, with w = ``mixed_kl_weight``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -614,7 +615,7 @@ def _rows(value: Any, mask: torch.Tensor, shift: int = 0) -> Any:
     logits, top-k), ``1`` for inputs indexed by token position (a token's own log-prob).
     """
     if isinstance(value, LMHeadInput):
-        return LMHeadInput(value.hidden_states[:, :-1][mask], value.weight, value.bias, value.vocab_size)
+        return value.with_rows(value.hidden_states[:, :-1][mask])
     if shift == 0:
         return value[:, :-1][mask]
     return value[:, 1:][mask]
@@ -879,7 +880,7 @@ class DistillationLossFn(LossFunction):
         if self.vocab_size is None:
             return value
         if isinstance(value, LMHeadInput):
-            return LMHeadInput(value.hidden_states, value.weight, value.bias, self.vocab_size)
+            return dataclasses.replace(value, vocab_size=self.vocab_size)
         return value[..., : self.vocab_size]
 
     def __call__(

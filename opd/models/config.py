@@ -93,6 +93,14 @@ class RemoteTeacherConfig(StrictConfig):
     timeout_s: float = Field(120.0, gt=0, description="per-request timeout in seconds")
     max_retries: int = Field(4, ge=0, description="further attempts after a failed request (exponential backoff)")
     backoff_s: float = Field(0.5, ge=0, description="wait before the first retry, doubled for each next one")
+    protocol: Literal["auto", "opd", "openai"] = Field(
+        "auto",
+        description="opd = opd serve-teacher's binary protocol (hidden states, top-k, token log-probs); "
+        "openai = vLLM's JSON prompt_logprobs (top-k, token log-probs); auto = opd where the server offers it",
+    )
+    hidden_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="precision of the hidden states on the wire (full-vocabulary losses); auto = the server's"
+    )
 
 
 class TeacherConfig(StrictConfig):

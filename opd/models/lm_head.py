@@ -8,13 +8,18 @@ decode loop.
 * :class:`LMHeadInput` pairs hidden states with the head (weight, bias, the real
   vocabulary size) and makes logits for any slice of positions;
 * :func:`output_head_of` and :func:`final_hidden_states` take them from a Hugging Face
-  causal LM, refusing models whose logits the head alone would not reproduce;
+  causal LM, refusing models whose logits the head alone would not reproduce (the
+  student's fused loss differentiates through a plain linear head);
+* :func:`output_layer_of` takes a teacher's head with the transform its architecture
+  applies after the matmul (Gemma's soft-capping, Cohere's and Granite's scaling), as an
+  :class:`OutputLayer`: a teacher is only evaluated, so any such transform is fine;
 * :func:`log_softmax_chunks` walks the positions chunk by chunk, and
   :func:`token_log_probs` picks the log-probability of given tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,12 +45,22 @@ class LMHeadInput:
         bias: ``[V]`` output bias, or None (most LLMs have none).
         vocab_size: if set, only the first ``vocab_size`` outputs are real tokens (padded
             output layers); the rest are never computed.
+        logit_multiplier: the logits are multiplied by it after the matmul (1: none).
+        logit_softcap: if set, the logits become ``cap · tanh(logits / cap)`` (after the
+            multiplier), as Gemma 2 does. Only a teacher's head may transform its logits.
     """
 
     hidden_states: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     vocab_size: int | None = None
+    logit_multiplier: float = 1.0
+    logit_softcap: float | None = None
+
+    @property
+    def transforms_logits(self) -> bool:
+        """The logits are not the plain matmul (a multiplier or a soft cap applies)."""
+        return self.logit_multiplier != 1.0 or self.logit_softcap is not None
 
     def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight and bias cut to the real vocabulary (views, no copy)."""
@@ -58,7 +73,77 @@ class LMHeadInput:
         """The logits of ``hidden_states[rows]`` (all rows if None)."""
         weight, bias = self.head()
         hidden = self.hidden_states if rows is None else self.hidden_states[rows]
-        return linear_logits(hidden, weight, bias)
+        logits = linear_logits(hidden, weight, bias)
+        if self.logit_multiplier != 1.0:
+            logits = logits * self.logit_multiplier
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
+
+    def with_rows(self, hidden_states: torch.Tensor) -> LMHeadInput:
+        """The same head over other hidden states (a selection of positions)."""
+        return dataclasses.replace(self, hidden_states=hidden_states)
+
+
+@dataclass(frozen=True)
+class OutputLayer:
+    """A model's output layer with the transform its architecture applies to the logits.
+
+    Attributes:
+        weight: ``[V, D]`` output-embedding weight.
+        bias: ``[V]`` output bias, or None.
+        logit_multiplier: logits are multiplied by it (Cohere's ``logit_scale``, the
+            inverse of Granite's ``logits_scaling``); 1 for most models.
+        logit_softcap: Gemma 2's ``final_logit_softcapping``, or None.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    logit_multiplier: float = 1.0
+    logit_softcap: float | None = None
+
+    def over(self, hidden_states: torch.Tensor, vocab_size: int | None = None) -> LMHeadInput:
+        """This layer applied to ``hidden_states`` (lazily: an :class:`LMHeadInput`)."""
+        bias = self.bias.detach() if self.bias is not None else None
+        return LMHeadInput(
+            hidden_states, self.weight.detach(), bias, vocab_size, self.logit_multiplier, self.logit_softcap
+        )
+
+
+def logit_transform_of(config: object, model_name: str = "model") -> tuple[float, float | None]:
+    """``(multiplier, soft cap)`` that a model's config applies to its logits after the head.
+
+    Raises:
+        ValueError: for a transform opd does not know how to reproduce.
+    """
+    multiplier, softcap = 1.0, None
+    scale = getattr(config, "logit_scale", None)
+    if scale not in (None, 1, 1.0):
+        multiplier *= float(scale)
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling not in (None, 1, 1.0):
+        multiplier /= float(scaling)
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap not in (None, 0, 0.0):
+        softcap = float(cap)
+    unknown = getattr(config, "output_multiplier_scale", None)
+    if unknown not in (None, 1, 1.0):
+        raise ValueError(f"{model_name} sets config.output_multiplier_scale = {unknown}, which opd does not apply")
+    return multiplier, softcap
+
+
+def output_layer_of(model: PreTrainedModel, model_name: str = "model") -> OutputLayer:
+    """A causal LM's linear output layer and its logit transform (for a teacher).
+
+    Raises:
+        ValueError: the model has no plain linear output layer, or transforms its logits
+            in a way opd does not know.
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"{model_name}'s output layer is {type(head).__name__}, not a linear layer")
+    multiplier, softcap = logit_transform_of(getattr(model, "config", None), model_name)
+    return OutputLayer(head.weight, head.bias, multiplier, softcap)
 
 
 def linear_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -9,12 +9,15 @@ they do not.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from opd.models.config import ModelLoadingConfig
+from opd.models.lm_head import OutputLayer, output_layer_of
 from opd.models.tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer, is_tiny_path
 from opd.utils.errors import ConfigError, ModelCompatibilityError
 
@@ -65,8 +68,18 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     return tokenizer
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, config: ModelLoadingConfig) -> PreTrainedModel:
+def load_causal_lm(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: ModelLoadingConfig,
+    device_map: str | None = None,
+) -> PreTrainedModel:
     """Loads ``AutoModelForCausalLM`` (or builds ``tiny:<preset>``) on ``device``.
+
+    Args:
+        device_map: spread the layers over the visible devices instead (``auto``,
+            ``balanced``, ...; Accelerate's placement); ``device`` is then ignored.
 
     Raises:
         ConfigError: if the model cannot be loaded.
@@ -78,10 +91,14 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, config: 
         kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": config.trust_remote_code}
         if config.attn_implementation:
             kwargs["attn_implementation"] = config.attn_implementation
+        if device_map is not None:
+            kwargs["device_map"] = device_map
         try:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         except (OSError, ValueError) as error:
             raise ConfigError(f"cannot load model from '{path}': {str(error).splitlines()[0]}") from None
+        if device_map is not None:
+            return model
     torch.nn.Module.to(model, device)  # in place (transformers' typing of its own .to() is unusable here)
     return model
 
@@ -124,3 +141,70 @@ def check_output_sizes(model: PreTrainedModel, vocab_size: int, name: str) -> No
             f"model '{name}' has {output_size} output logits but the tokenizer has "
             f"{vocab_size} tokens; the model does not fit this tokenizer"
         )
+
+
+def load_output_layer(
+    path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
+) -> OutputLayer:
+    """Loads only a causal LM's output layer (and its logit transform), not its decoder.
+
+    What a trainer needs to turn a served teacher's final hidden states into exact logits.
+    The layer's parameter names come from the architecture (built on the meta device, so
+    no memory is used), which also resolves tied embeddings; the tensor itself is read
+    from the model directory's safetensors files alone.
+
+    Args:
+        path: local model directory, or ``tiny:<preset>``.
+        dtype, device: where the layer is placed.
+
+    Raises:
+        ConfigError: no such directory, no safetensors weights, no linear output layer, or
+            the layer's tensor is not in the files.
+    """
+    if is_tiny_path(path):
+        model = build_tiny_model(path[len(TINY_PREFIX) :], dtype=dtype)
+        layer = output_layer_of(model, path)
+        return OutputLayer(
+            layer.weight.detach().to(device), _detached(layer.bias, device), layer.logit_multiplier, layer.logit_softcap
+        )
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ConfigError(f"the teacher's output layer is read from a local model directory; '{path}' is not one")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        layer = output_layer_of(skeleton, path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read the output layer of '{path}': {str(error).splitlines()[0]}") from None
+    parameters = list(skeleton.named_parameters(remove_duplicate=False))
+    weight_names = [name for name, parameter in parameters if parameter is layer.weight]
+    bias_names = [name for name, parameter in parameters if layer.bias is not None and parameter is layer.bias]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"'{path}' holds no *.safetensors files to read the teacher's output layer from")
+    weight = _read_tensor(files, weight_names, path)
+    bias = _read_tensor(files, bias_names, path) if bias_names else None
+    return OutputLayer(
+        weight.to(device=device, dtype=dtype),
+        None if bias is None else bias.to(device=device, dtype=dtype),
+        layer.logit_multiplier,
+        layer.logit_softcap,
+    )
+
+
+def _detached(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach().to(device)
+
+
+def _read_tensor(files: list[Path], names: list[str], path: str) -> torch.Tensor:
+    """The first of ``names`` found in the safetensors ``files``."""
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in names:
+                    if name in handle.keys():  # noqa: SIM118 (safe_open has keys(), not __contains__)
+                        return handle.get_tensor(name)
+        except SafetensorError as error:
+            raise ConfigError(f"cannot read {file}: {error}; the file is damaged or not safetensors") from None
+    raise ConfigError(f"none of {names} is in the safetensors files of '{path}'")

@@ -175,7 +175,7 @@ class ContextTeacher(TeacherInterface):
         predicts_next = not isinstance(request, TokenLogprobsRequest)
         if isinstance(answer, LMHeadInput):
             hidden = self._to_student_positions(data, segments, answer.hidden_states, predicts_next)
-            return LMHeadInput(hidden, answer.weight, answer.bias)
+            return answer.with_rows(hidden)
         if isinstance(answer, tuple):
             values, ids = answer
             # The wrapped teacher's rest mass (when it sent one) moves with its top k.

@@ -19,6 +19,7 @@ time, when the student's trainer asks for it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -36,7 +37,7 @@ from opd.models.interfaces import (
     TopKLogprobs,
     TopKRequest,
 )
-from opd.models.lm_head import LMHeadInput, final_hidden_states, log_softmax_chunks, output_head_of, token_log_probs
+from opd.models.lm_head import LMHeadInput, final_hidden_states, log_softmax_chunks, output_layer_of, token_log_probs
 from opd.models.topk_rest import rest_logprobs_outside
 
 
@@ -85,9 +86,8 @@ class LocalTeacher(TeacherInterface):
         with self.no_grad_mode():
             hidden = self.final_hidden_states(self._inputs(data))
         # Read after the forward: a sharded model's head is whole only once it has run.
-        weight, bias = output_head_of(self.model, "the teacher")
-        hidden = hidden.clone()  # an ordinary tensor, as in get_logits
-        return LMHeadInput(hidden, weight.detach(), bias.detach() if bias is not None else None)
+        layer = output_layer_of(self.model, "the teacher")
+        return layer.over(hidden.clone())  # an ordinary tensor, as in get_logits
 
     def final_hidden_states(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The decoder's final hidden states for model inputs (a sharded teacher runs them through FSDP)."""
@@ -98,7 +98,7 @@ class LocalTeacher(TeacherInterface):
     ) -> Iterator[tuple[torch.Tensor, slice]]:
         """Yields ``(log_softmax(logits / T) [C, V], rows)`` over the flattened ``B × L`` positions."""
         head = self.get_hidden_states(data)
-        flat = LMHeadInput(head.hidden_states.flatten(0, 1), head.weight, head.bias, vocab_size)
+        flat = dataclasses.replace(head, hidden_states=head.hidden_states.flatten(0, 1), vocab_size=vocab_size)
         return log_softmax_chunks(flat, temperature)
 
     def get_topk_logprobs(

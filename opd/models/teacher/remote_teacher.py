@@ -1,31 +1,31 @@
-"""A teacher served over HTTP: vLLM's OpenAI-compatible server or ``opd serve-teacher``.
+"""A teacher served over HTTP: ``opd serve-teacher`` or vLLM's OpenAI-compatible server.
 
-The client sends the student's token ids as prompts of ``POST /v1/completions`` with
-``max_tokens: 1`` and ``prompt_logprobs: k`` (the request vLLM answers with each prompt
-position's log-probs) and turns the answers into the signal the loss requested
-(:meth:`RemoteTeacher.score`):
+The client sends the student's token ids and turns the answers into the signal the loss
+requested (:meth:`RemoteTeacher.score`). It speaks two protocols, chosen per server
+(``protocol``: ``auto`` asks the server which it speaks):
 
-* a :class:`~opd.models.interfaces.TopKRequest`: the teacher's top-k log-probs and ids at
-  each position ``t`` (describing token ``t + 1``), from the answer at position ``t + 1``,
-  with the log of the mass outside them: the one ``opd serve-teacher`` sends
-  (``prompt_topk_rest_mass``, summed from its full distribution), or, from a server that
-  does not send it (vLLM), log(1 − Σ_k P) computed here in float64 from the top-k
-  (:func:`~opd.models.topk_rest.rest_logprobs_from_topk`);
-* a :class:`~opd.models.interfaces.TokenLogprobsRequest`: the log-prob of each actual token.
+* **opd's binary protocol** (:mod:`opd.models.teacher.wire`, ``opd serve-teacher``):
+  flat tensors, only at the positions the loss reads. It answers every request:
 
-Full-vocabulary logits never cross the wire: a
-:class:`~opd.models.interfaces.FullVocabRequest` is refused.
+  * a :class:`~opd.models.interfaces.FullVocabRequest`: the teacher's final hidden
+    states, which the trainer turns into exact full-vocabulary logits with the teacher's
+    output layer, loaded locally (:func:`~opd.models.loading.load_output_layer`) and
+    checked against the server's (shape, logit transform, checksum) when connecting;
+  * a :class:`~opd.models.interfaces.TopKRequest`: top-k ids and log-probs with the rest
+    log-mass the server summed in float64;
+  * a :class:`~opd.models.interfaces.TokenLogprobsRequest`: each actual token's log-prob.
+* **vLLM's JSON** (``/v1/completions`` with ``prompt_logprobs``,
+  :mod:`opd.models.teacher.openai_protocol`): top-k and token log-probs only. The rest
+  mass is the server's where it sends one, else log(1 − Σ_k P) computed here in float64.
 
 Robustness: sequences go out in requests of ``sequences_per_request``, at most
 ``max_concurrency`` at a time; a request that fails in transport (refused connection,
 timeout, truncated body), with HTTP 408 / 429 / 5xx, or with an answer that does not
-match what was sent is retried up to ``max_retries`` times with exponential backoff.
-Every answer is checked before use: one choice per sequence, ``prompt_token_ids`` (when
-returned) equal to the ids sent, one entry per position, each position naming the very
-token that was sent there with a finite log-prob, at least ``k`` candidates, and a rest
-mass (when sent) in [0, 1] that adds up with the top k to 1. Anything
-else is an error: a misaligned answer is never fed to the loss. Other HTTP errors (400,
-401, 404, 413) stop at once with the server's message.
+match what was sent (:class:`~opd.models.teacher.wire.WireError`: other token ids, a
+wrong shape or dtype, a checksum mismatch, a NaN) is retried up to ``max_retries`` times
+with exponential backoff, so a server restarted within that window is picked up. A
+misaligned answer is never fed to the loss. Other HTTP errors (400, 401, 404, 413) stop
+at once with the server's message.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import httpx
 import torch
@@ -52,15 +52,18 @@ from opd.models.interfaces import (
     TopKLogprobs,
     TopKRequest,
 )
-from opd.models.teacher.server import REST_MASS_FIELD
+from opd.models.lm_head import LMHeadInput, OutputLayer
+from opd.models.teacher import wire
+from opd.models.teacher.openai_protocol import ScoredSequence, parse_prompt_logprobs, top_k
+from opd.models.teacher.scoring import head_checksum
 from opd.models.topk_rest import rest_logprobs_from_topk
 from opd.utils.errors import OpdError
 
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-REST_MASS_TOLERANCE = 1e-3
-"""How far Σ_k P + rest may be from 1 before a served rest mass is taken to describe other tokens."""
+Protocol = Literal["auto", "opd", "openai"]
+AnswerT = TypeVar("AnswerT")
 
 
 class TeacherServiceError(OpdError):
@@ -82,6 +85,23 @@ class _InThread(Pending[TeacherSignal]):
         return self.future.result()
 
 
+def first_loss_positions(data: BatchedDataDict) -> list[int]:
+    """Per row, the first position a loss reads: one before the first token of ``token_mask``.
+
+    Position ``p`` predicts token ``p + 1``, so the response's first token is predicted
+    one position earlier. Rows without ``token_mask`` start at 0; a row with no loss token
+    starts at its last token, which predicts nothing (no row is scored).
+    """
+    lengths = data["input_lengths"].tolist()
+    if "token_mask" not in data:
+        return [0] * len(lengths)
+    firsts = []
+    for row, length in enumerate(lengths):
+        marked = data["token_mask"][row, :length].nonzero()
+        firsts.append(max(int(marked[0, 0]) - 1, 0) if marked.numel() else max(length - 1, 0))
+    return firsts
+
+
 class RemoteTeacher(TeacherInterface):
     """``TeacherInterface`` over a served teacher.
 
@@ -90,10 +110,16 @@ class RemoteTeacher(TeacherInterface):
         model: the served model name sent with each request (None: the server's first model).
         api_key: bearer token, if the server requires one.
         max_concurrency: requests in flight at once.
-        sequences_per_request: sequences per ``/v1/completions`` request.
+        sequences_per_request: sequences per request.
         timeout_s: per-request timeout (connect, read and write).
         max_retries: further attempts after a retryable failure.
         backoff_s: wait before the first retry; doubled for each next one.
+        protocol: ``opd`` (binary), ``openai`` (vLLM's JSON) or ``auto`` (``opd`` where the
+            server offers it).
+        hidden_dtype: precision of the hidden states on the wire (``auto``: the served
+            model's own).
+        output_layer: the teacher's output layer, loaded locally; needed for full-vocabulary
+            requests and checked against the server's in :meth:`connect`.
     """
 
     def __init__(
@@ -106,12 +132,18 @@ class RemoteTeacher(TeacherInterface):
         timeout_s: float = 60.0,
         max_retries: int = 4,
         backoff_s: float = 0.5,
+        protocol: Protocol = "auto",
+        hidden_dtype: str = "auto",
+        output_layer: OutputLayer | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.max_concurrency = max_concurrency
         self.sequences_per_request = sequences_per_request
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.protocol: Protocol = protocol
+        self.hidden_dtype = hidden_dtype
+        self.output_layer = output_layer
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(
             base_url=self.url, headers=headers, timeout=timeout_s, limits=httpx.Limits(max_connections=max_concurrency)
@@ -119,20 +151,25 @@ class RemoteTeacher(TeacherInterface):
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="opd-teacher")
         self._background: ThreadPoolExecutor | None = None  # score_async's thread, made on first use
         self.model = model
+        self.head_info: dict[str, Any] | None = None
         self.retries = 0
         """Retried requests so far (logged; a growing count means an unhealthy server)."""
+        self.bytes_received = 0
+        """Answer bytes received so far (the wire cost of the teacher signal)."""
 
     # ------------------------------------------------------------------ set-up checks
 
     def connect(self, tokenizer: Any) -> None:
-        """Checks, before training, that the server answers and tokenizes like ``tokenizer``.
+        """Checks, before training, that the server answers, tokenizes like ``tokenizer`` and holds the right head.
 
-        Resolves the served model name when none was given, then asks the server to
-        tokenize a probe text; different ids mean a different tokenizer, whose
-        log-probs would describe other tokens.
+        Resolves the served model name when none was given and, for ``protocol: auto``,
+        the protocol; asks the server to tokenize a probe text (different ids mean a
+        different tokenizer, whose log-probs would describe other tokens); and, with an
+        ``output_layer``, compares it with the server's.
 
         Raises:
-            TeacherServiceError: unreachable server, unknown model, or a tokenizer mismatch.
+            TeacherServiceError: unreachable server, unknown model, a tokenizer mismatch, a
+                server without opd's protocol where it is required, or another output layer.
         """
         models = self._request("GET", "/v1/models", None)
         served = [entry.get("id") for entry in models.get("data", []) if isinstance(entry, dict)]
@@ -151,27 +188,91 @@ class RemoteTeacher(TeacherInterface):
                 f"(probe text → {answer.get('tokens')} there, {expected} here); teacher and student must share a "
                 "tokenizer"
             )
+        self._resolve_protocol()
+        if self.output_layer is not None:
+            self.check_output_layer(self.output_layer)
+
+    def _resolve_protocol(self) -> None:
+        if self.protocol == "openai":
+            return
+        try:
+            info = self._request("GET", wire.INFO_PATH, None)
+        except TeacherServiceError as error:
+            if "HTTP 404" not in str(error):
+                raise
+            if self.protocol == "opd":
+                raise TeacherServiceError(
+                    f"teacher server {self.url} does not speak opd's binary protocol ({wire.INFO_PATH} is missing; "
+                    "vllm serve?); set teacher.remote.protocol = openai, which sends top-k and token log-probs only"
+                ) from None
+            self.protocol = "openai"
+            return
+        if info.get("format") != wire.FORMAT or not isinstance(info.get("head"), dict):
+            raise TeacherServiceError(
+                f"teacher server {self.url} speaks {info.get('format')!r}, not {wire.FORMAT!r}; update opd on one side"
+            )
+        self.protocol = "opd"
+        self.head_info = info["head"]
+
+    def check_output_layer(self, layer: OutputLayer) -> None:
+        """Fails unless ``layer`` is the served model's output layer.
+
+        Raises:
+            TeacherServiceError: no hidden states from this server, or a different shape,
+                logit transform or checksum (the weights of another model).
+        """
+        if self.protocol != "opd" or self.head_info is None:
+            raise TeacherServiceError(
+                f"teacher server {self.url} does not send hidden states (it speaks vLLM's JSON); a full-vocabulary "
+                "loss needs opd serve-teacher"
+            )
+        served = self.head_info
+        shape = (int(served["rows"]), int(served["hidden_size"]))
+        if tuple(layer.weight.shape) != shape:
+            raise TeacherServiceError(
+                f"the teacher's output layer loaded here is {tuple(layer.weight.shape)}, the served model's is "
+                f"{shape}: model.teacher_model_path must be the model the server serves"
+            )
+        transform = (layer.logit_multiplier, layer.logit_softcap, layer.bias is not None)
+        served_transform = (served["logit_multiplier"], served["logit_softcap"], served["bias"])
+        if transform != tuple(served_transform):
+            raise TeacherServiceError(
+                f"the output layer loaded here (multiplier, soft cap, bias) = {transform} differs from the served "
+                f"model's {tuple(served_transform)}"
+            )
+        local = head_checksum(layer.weight, getattr(torch, served["dtype"]))
+        if local != served["checksum"]:
+            raise TeacherServiceError(
+                f"the teacher's output layer loaded here has checksum {local}, the served model's "
+                f"{served['checksum']}: model.teacher_model_path must hold the weights the server serves"
+            )
+        self.output_layer = layer
 
     # ------------------------------------------------------------------ TeacherInterface
 
     @classmethod
     def unsupported_reason(cls, request: TeacherRequest) -> str | None:
-        """Full-vocabulary requests, and top-k at a temperature other than 1, are refused."""
-        if isinstance(request, FullVocabRequest):
-            return "a served teacher sends top-k or token log-probs, not its full vocabulary"
+        """Top-k at a temperature other than 1 is refused (servers answer at temperature 1).
+
+        Full-vocabulary requests are answered with hidden states, which needs opd's
+        protocol and the teacher's output layer (checked in :meth:`connect`).
+        """
         if isinstance(request, TopKRequest) and request.temperature != 1.0:
-            return f"a served teacher answers at temperature 1, not {request.temperature}"
+            return f"a served teacher answers top-k at temperature 1, not {request.temperature}"
         return None
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
-        """Answers a top-k or token log-prob request (see :meth:`TeacherInterface.score`).
+        """Answers ``request`` for ``data`` (see :meth:`TeacherInterface.score`).
 
         Raises:
-            TeacherServiceError: for a request :meth:`unsupported_reason` refuses.
+            TeacherServiceError: for a request this server cannot answer, or no usable answer.
         """
         reason = self.unsupported_reason(request)
         if reason is not None:
             raise TeacherServiceError(reason)
+        if isinstance(request, FullVocabRequest):
+            head = self.get_hidden_states(data)
+            return head if request.prefer_hidden_states else head.logits()
         if isinstance(request, TopKRequest):
             return self.get_topk_logprobs(data, request.k, request.temperature, request.vocab_size)
         assert isinstance(request, TokenLogprobsRequest)  # the only kind left
@@ -186,6 +287,29 @@ class RemoteTeacher(TeacherInterface):
             self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-teacher-async")
         return _InThread(self._background.submit(self.score, data, request))
 
+    def get_hidden_states(self, data: BatchedDataDict) -> LMHeadInput:
+        """The teacher's final hidden states ``[B, L, D]`` with its output layer, as an ``LMHeadInput``.
+
+        Only the positions the loss reads are sent; the others hold zeros (masked).
+
+        Raises:
+            TeacherServiceError: without opd's protocol or a checked output layer.
+        """
+        if self.output_layer is None or self.head_info is None:
+            raise TeacherServiceError(
+                "a full-vocabulary loss with a served teacher needs opd serve-teacher and the teacher's output "
+                "layer (model.teacher_model_path), checked when connecting"
+            )
+        layer = self.output_layer
+        dtype = wire.HIDDEN_DTYPES.get(self.hidden_dtype, getattr(torch, self.head_info["dtype"]))
+        shape = (int(self.head_info["hidden_size"]), dtype)
+        input_ids = data["input_ids"]
+        hidden = torch.zeros((*input_ids.shape, shape[0]), dtype=layer.weight.dtype)
+        body = {"signal": "hidden_states", "hidden_dtype": self.hidden_dtype}
+        for row, first, values in self._score_binary(data, body, shape):
+            hidden[row, first : first + values["hidden_states"].shape[0]] = values["hidden_states"].to(hidden.dtype)
+        return layer.over(hidden.to(layer.weight.device))
+
     def get_topk_logprobs(
         self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
     ) -> TopKLogprobs:
@@ -195,9 +319,9 @@ class RemoteTeacher(TeacherInterface):
         else computed from the top-k in float64 (exact for the log-probs received, which a
         float32 subtraction would not be).
 
-        Positions that predict nothing real (a sequence's last token, padding) hold a
-        placeholder distribution (ids ``0 … k-1``, each with probability ``1 / (2k)``, rest
-        1/2): the loss masks them, and they keep every value finite.
+        Positions the server did not score (before the response, a sequence's last token,
+        padding) hold a placeholder distribution (ids ``0 … k-1``, each with probability
+        ``1 / (2k)``, rest 1/2): the loss masks them, and they keep every value finite.
 
         Raises:
             TeacherServiceError: if ``temperature`` is not 1 (servers answer at temperature 1).
@@ -206,34 +330,56 @@ class RemoteTeacher(TeacherInterface):
             raise TeacherServiceError(
                 f"a served teacher answers at temperature 1, not {temperature}; set loss_fn.temperature = 1"
             )
-        input_ids, lengths = data["input_ids"], data["input_lengths"]
+        input_ids = data["input_ids"]
         rows, width = input_ids.shape
         # float64 until the rest is known: JSON carries doubles, and the fallback needs them.
         values = torch.full((rows, width, k), math.log(0.5 / k), dtype=torch.float64)
         ids = torch.arange(k, dtype=torch.long).expand(rows, width, k).clone()
-        served_rest = torch.full((rows, width), 0.5, dtype=torch.float64)
-        has_rest = torch.zeros((rows, width), dtype=torch.bool)
-        for row, answer in enumerate(self._score(input_ids, lengths, k)):
+        rest = torch.full((rows, width), math.log(0.5), dtype=torch.float64)
+        if self.protocol == "opd":
+            for row, first, answer in self._score_binary(data, {"signal": "topk", "k": k}, None, k):
+                end = first + answer["topk_ids"].shape[0]
+                ids[row, first:end] = answer["topk_ids"].long()
+                values[row, first:end] = answer["topk_logprobs"].double()
+                rest[row, first:end] = answer["rest_logprobs"]
+        else:
+            self._fill_topk_from_json(data, k, values, ids, rest)
+        device = input_ids.device
+        return TopKLogprobs(values.float().to(device), ids.to(device), rest.float().to(device))
+
+    def _fill_topk_from_json(
+        self, data: BatchedDataDict, k: int, values: torch.Tensor, ids: torch.Tensor, rest: torch.Tensor
+    ) -> None:
+        has_rest = torch.zeros(rest.shape, dtype=torch.bool)
+        served_rest = torch.ones(rest.shape, dtype=torch.float64)
+        for row, answer in enumerate(self._score_json(data["input_ids"], data["input_lengths"], k)):
             if len(answer.candidates) < 2:
                 continue
             # One tensor per row, not per position: this loop runs over every scored token.
-            tops = [_top_k(candidates, k) for candidates in answer.candidates[1:]]
+            tops = [top_k(candidates, k) for candidates in answer.candidates[1:]]
             ids[row, : len(tops)] = torch.tensor([[token for token, _ in top] for top in tops])
             values[row, : len(tops)] = torch.tensor([[logprob for _, logprob in top] for top in tops])
             if answer.rest_mass is not None:
                 served_rest[row, : len(tops)] = torch.tensor(answer.rest_mass[1:], dtype=torch.float64)
                 has_rest[row, : len(tops)] = True
-        rest = torch.where(has_rest, served_rest.log(), rest_logprobs_from_topk(values))
-        return TopKLogprobs(values.float(), ids, rest.float())
+            else:
+                rest[row, : len(tops)] = rest_logprobs_from_topk(values[row, : len(tops)])
+        rest.copy_(torch.where(has_rest, served_rest.log(), rest))
 
     def get_token_logprobs(self, data: BatchedDataDict, vocab_size: int | None = None) -> torch.Tensor:
-        """``[B, L]`` log P(token t | tokens before t); 0 at position 0 and on padding."""
+        """``[B, L]`` log P(token t | tokens before t); 0 where the server did not score (prompt, padding)."""
         input_ids, lengths = data["input_ids"], data["input_lengths"]
         result = torch.zeros(input_ids.shape, dtype=torch.float32)
-        for row, answer in enumerate(self._score(input_ids, lengths, 0)):
-            for position in range(1, len(answer.candidates)):
-                result[row, position] = answer.candidates[position][int(input_ids[row, position])]
-        return result
+        if self.protocol == "opd":
+            for row, first, answer in self._score_binary(data, {"signal": "token_logprobs"}, None):
+                values = answer["token_logprobs"]
+                # Row p describes the token at p + 1, which is where its log-prob sits.
+                result[row, first + 1 : first + 1 + values.shape[0]] = values
+        else:
+            for row, scored in enumerate(self._score_json(input_ids, lengths, 0)):
+                for position in range(1, len(scored.candidates)):
+                    result[row, position] = scored.candidates[position][int(input_ids[row, position])]
+        return result.to(input_ids.device)
 
     def close(self) -> None:
         """Closes the connections and the request threads."""
@@ -244,36 +390,69 @@ class RemoteTeacher(TeacherInterface):
 
     # ------------------------------------------------------------------ requests
 
-    def _score(self, input_ids: torch.Tensor, lengths: torch.Tensor, k: int) -> list[_ScoredSequence]:
-        """Per sequence: ``{token id: log-prob}`` per position ``t ≥ 1`` (index 0: ``{}``), and the rest mass."""
-        sequences = [input_ids[row, : int(lengths[row])].tolist() for row in range(input_ids.shape[0])]
-        groups = [
-            sequences[begin : begin + self.sequences_per_request]
-            for begin in range(0, len(sequences), self.sequences_per_request)
-        ]
+    def _groups(self, count: int) -> list[range]:
         return [
-            answer for group in self._pool.map(lambda group: self._score_group(group, k), groups) for answer in group
+            range(begin, min(begin + self.sequences_per_request, count))
+            for begin in range(0, count, self.sequences_per_request)
         ]
 
-    def _score_group(self, sequences: list[list[int]], k: int) -> list[_ScoredSequence]:
-        body = {
-            "model": self.model,
-            "prompt": sequences,
-            "max_tokens": 1,
-            "temperature": 0.0,
-            "prompt_logprobs": k,
-            "return_token_ids": True,
-        }
-        return self._with_retries(
-            lambda: _parse_prompt_logprobs(self._send("POST", "/v1/completions", body), sequences, k),
-            "/v1/completions",
-        )
+    def _score_binary(
+        self,
+        data: BatchedDataDict,
+        body: dict[str, Any],
+        hidden: tuple[int, torch.dtype] | None,
+        k: int = 0,
+    ) -> list[tuple[int, int, dict[str, torch.Tensor]]]:
+        """Per row ``(row, first position, that row's tensors)`` from ``/opd/v1/score``, requests in parallel."""
+        input_ids, lengths = data["input_ids"].cpu(), data["input_lengths"].tolist()
+        sequences = [input_ids[row, : lengths[row]].tolist() for row in range(len(lengths))]
+        firsts = first_loss_positions(data)
+        vocab = int(self.head_info["vocab_size"]) if self.head_info else None
+
+        def one_request(rows: range) -> list[tuple[int, int, dict[str, torch.Tensor]]]:
+            sent = [sequences[row] for row in rows]
+            starts = [firsts[row] for row in rows]
+            request = {"model": self.model, "sequences": sent, "first_positions": starts, **body}
+
+            def attempt() -> dict[str, torch.Tensor]:
+                answer = self._send_binary(request)
+                return wire.decode(answer, sent, starts, body["signal"], k, hidden, vocab)
+
+            tensors = self._with_retries(attempt, wire.SCORE_PATH)
+            split = [max(len(ids) - 1 - first, 0) for ids, first in zip(sent, starts)]
+            parts = {name: value.split(split) for name, value in tensors.items()}
+            return [
+                (row, first, {name: pieces[index] for name, pieces in parts.items()})
+                for index, (row, first) in enumerate(zip(rows, starts))
+            ]
+
+        return [item for group in self._pool.map(one_request, self._groups(len(sequences))) for item in group]
+
+    def _score_json(self, input_ids: torch.Tensor, lengths: torch.Tensor, k: int) -> list[ScoredSequence]:
+        """Per sequence: ``{token id: log-prob}`` per position ``t ≥ 1`` (index 0: ``{}``), and the rest mass."""
+        sequences = [input_ids[row, : int(lengths[row])].tolist() for row in range(input_ids.shape[0])]
+
+        def one_request(rows: range) -> list[ScoredSequence]:
+            sent = [sequences[row] for row in rows]
+            body = {
+                "model": self.model,
+                "prompt": sent,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "prompt_logprobs": k,
+                "return_token_ids": True,
+            }
+            return self._with_retries(
+                lambda: parse_prompt_logprobs(self._send("POST", "/v1/completions", body), sent, k), "/v1/completions"
+            )
+
+        return [answer for group in self._pool.map(one_request, self._groups(len(sequences))) for answer in group]
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
         return self._with_retries(lambda: self._send(method, path, body), path)
 
-    def _send(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        """One HTTP exchange; raises :class:`_Retryable` or :class:`TeacherServiceError`."""
+    def _exchange(self, method: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
+        """One HTTP exchange with a 200 answer; raises :class:`_Retryable` or :class:`TeacherServiceError`."""
         try:
             response = self._client.request(method, path, json=body)
         except httpx.TransportError as error:  # refused, reset, timed out, cut short
@@ -284,6 +463,12 @@ class RemoteTeacher(TeacherInterface):
             raise TeacherServiceError(
                 f"teacher server {self.url}{path} answered HTTP {response.status_code}: {response.text[:500]}"
             )
+        self.bytes_received += len(response.content)
+        return response
+
+    def _send(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        """A JSON exchange."""
+        response = self._exchange(method, path, body)
         try:
             payload = response.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -292,12 +477,20 @@ class RemoteTeacher(TeacherInterface):
             raise _Retryable("the answer is not a JSON object")
         return payload
 
-    def _with_retries(self, attempt: Any, path: str) -> Any:
+    def _send_binary(self, body: dict[str, Any]) -> bytes:
+        """A ``/opd/v1/score`` exchange: the raw tensor payload."""
+        response = self._exchange("POST", wire.SCORE_PATH, body)
+        media_type = response.headers.get("content-type", "")
+        if not media_type.startswith(wire.MEDIA_TYPE):
+            raise _Retryable(f"the answer is {media_type or 'untyped'}, not {wire.MEDIA_TYPE}")
+        return response.content
+
+    def _with_retries(self, attempt: Callable[[], AnswerT], path: str) -> AnswerT:
         wait = self.backoff_s
         for attempt_number in range(self.max_retries + 1):
             try:
                 return attempt()
-            except _Retryable as problem:
+            except (_Retryable, wire.WireError) as problem:
                 if attempt_number == self.max_retries:
                     raise TeacherServiceError(
                         f"teacher server {self.url}{path} gave no usable answer after {self.max_retries + 1} "
@@ -308,101 +501,3 @@ class RemoteTeacher(TeacherInterface):
                 time.sleep(wait)
                 wait *= 2
         raise AssertionError("unreachable")
-
-
-@dataclass(frozen=True)
-class _ScoredSequence:
-    """One sequence's answer: per position ``{token id: log-prob}`` and, if the server sent it, the rest mass.
-
-    Index 0 of both lists stands for position 0, which has no prediction (``{}`` / None).
-    """
-
-    candidates: list[dict[int, float]]
-    rest_mass: list[float] | None
-
-
-def _top_k(candidates: dict[int, float], k: int) -> list[tuple[int, float]]:
-    """The ``k`` most likely ``(token, log-prob)`` of a position (the answer may add the actual token)."""
-    return sorted(candidates.items(), key=lambda item: -item[1])[:k]
-
-
-def _parse_rest_mass(
-    choice: dict[str, Any], number: int, candidates: list[dict[int, float]], k: int
-) -> list[float] | None:
-    """The choice's ``prompt_topk_rest_mass``, checked against its top-k log-probs; None if absent.
-
-    Raises:
-        _Retryable: a malformed list, a mass outside [0, 1], or one that does not add up
-            with the top k to 1 (it would describe other tokens than those sent).
-    """
-    served = choice.get(REST_MASS_FIELD)
-    if served is None or k == 0:
-        return None
-    if not isinstance(served, list) or len(served) != len(candidates):
-        raise _Retryable(f"sequence {number}: {REST_MASS_FIELD} is not a list of one entry per token")
-    for position in range(1, len(candidates)):
-        mass = served[position]
-        if not isinstance(mass, (int, float)) or not 0.0 <= mass <= 1.0 + REST_MASS_TOLERANCE:
-            raise _Retryable(f"sequence {number}, position {position}: rest mass {mass!r} is not in [0, 1]")
-        topk_mass = math.fsum(math.exp(logprob) for _, logprob in _top_k(candidates[position], k))
-        if abs(topk_mass + mass - 1.0) > REST_MASS_TOLERANCE:
-            raise _Retryable(
-                f"sequence {number}, position {position}: the top-{k} mass {topk_mass:.6g} and the rest mass "
-                f"{mass:.6g} do not add up to 1"
-            )
-    return [0.0] + [min(float(mass), 1.0) for mass in served[1:]]
-
-
-def _parse_prompt_logprobs(payload: dict[str, Any], sequences: list[list[int]], k: int) -> list[_ScoredSequence]:
-    """Checks a ``/v1/completions`` answer against the ids sent and extracts the log-probs (and rest masses).
-
-    Raises:
-        _Retryable: naming the first thing that does not match.
-    """
-    choices = payload.get("choices")
-    if not isinstance(choices, list) or len(choices) != len(sequences):
-        raise _Retryable(
-            f"expected {len(sequences)} choices, got "
-            f"{len(choices) if isinstance(choices, list) else type(choices).__name__}"
-        )
-    ordered = sorted(choices, key=lambda choice: choice.get("index", 0) if isinstance(choice, dict) else 0)
-    answers = []
-    for number, (choice, sent) in enumerate(zip(ordered, sequences)):
-        if not isinstance(choice, dict) or choice.get("index", number) != number:
-            raise _Retryable(f"choice {number} is missing or out of order")
-        echoed = choice.get("prompt_token_ids")
-        if echoed is not None and echoed != sent:
-            raise _Retryable(f"sequence {number}: the server scored other token ids than were sent")
-        positions = choice.get("prompt_logprobs")
-        if not isinstance(positions, list) or len(positions) != len(sent):
-            got = len(positions) if isinstance(positions, list) else type(positions).__name__
-            raise _Retryable(f"sequence {number}: {got} prompt_logprobs entries for {len(sent)} tokens")
-        answer: list[dict[int, float]] = [{}]
-        for position in range(1, len(sent)):
-            entry = positions[position]
-            if not isinstance(entry, dict):
-                raise _Retryable(f"sequence {number}, position {position}: no log-probs")
-            candidates: dict[int, float] = {}
-            for token, info in entry.items():
-                logprob = info.get("logprob") if isinstance(info, dict) else info
-                if not isinstance(logprob, (int, float)) or math.isnan(logprob) or logprob > 0:
-                    raise _Retryable(f"sequence {number}, position {position}: log-prob {logprob!r} for token {token}")
-                candidates[int(token)] = float(logprob)
-            if sent[position] not in candidates:
-                raise _Retryable(
-                    f"sequence {number}, position {position}: the answer does not score the token "
-                    f"sent there ({sent[position]})"
-                )
-            if not math.isfinite(candidates[sent[position]]):
-                # The loss would take log 0 for a token the student did produce.
-                raise _Retryable(
-                    f"sequence {number}, position {position}: the teacher gives the token sent there "
-                    f"({sent[position]}) probability 0"
-                )
-            if len(candidates) < k:
-                raise _Retryable(
-                    f"sequence {number}, position {position}: {len(candidates)} candidates, fewer than k = {k}"
-                )
-            answer.append(candidates)
-        answers.append(_ScoredSequence(answer, _parse_rest_mass(choice, number, answer, k)))
-    return answers

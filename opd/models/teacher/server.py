@@ -1,28 +1,33 @@
-"""``opd serve-teacher``: a Hugging Face model as a teacher over HTTP.
+"""``opd serve-teacher``: a Hugging Face model as a teacher over HTTP (FastAPI on uvicorn).
 
-It speaks the subset of vLLM's OpenAI-compatible API that opd's remote teacher
-(:mod:`opd.models.teacher.remote_teacher`) uses, so the same client works against
-``vllm serve`` on GPUs and against this server wherever vLLM is not installed (and in
-tests):
+Two protocols, one model:
 
-* ``POST /v1/completions`` with token-id prompts (``"prompt": [ids]`` or a list of
-  them), ``"max_tokens": 1``, ``"prompt_logprobs": k`` and optionally
-  ``"return_token_ids": true``. Each choice carries ``prompt_logprobs`` — ``null`` at
-  position 0, then per position a map ``"token id" → {"logprob", "rank",
-  "decoded_token"}`` holding the actual token and the ``k`` most likely ones — and, when
-  asked, ``prompt_token_ids``. No token is generated (the completion is empty).
-  One field goes beyond vLLM: with ``k > 0``, ``prompt_topk_rest_mass`` (``null`` at
-  position 0, then per position 1 − Σ of the ``k`` top tokens' probabilities, summed by
-  the server over the other tokens so that it does not cancel; a client that does not
-  know the field ignores it, and opd's client computes the mass itself when it is absent).
-* ``POST /tokenize`` (``{"prompt": text}`` → ``{"tokens": [...], "count": n}``), which
-  the client uses to check that both sides tokenize alike.
-* ``GET /v1/models`` and ``GET /health``.
+* **vLLM's OpenAI-compatible subset**, so the same client works against ``vllm serve``:
+  ``POST /v1/completions`` with token-id prompts, ``"max_tokens": 1`` and
+  ``"prompt_logprobs": k`` (each choice's ``prompt_logprobs``: ``null`` at position 0,
+  then per position a map ``"token id" → {"logprob", "rank", "decoded_token"}`` with the
+  actual token and the top k; ``prompt_token_ids`` when ``"return_token_ids": true``),
+  plus one field vLLM does not send, ``prompt_topk_rest_mass`` (the mass outside the top
+  k, summed over the full distribution); ``POST /tokenize``; ``GET /v1/models``.
+* **opd's binary protocol** (:mod:`opd.models.teacher.wire`): ``POST /opd/v1/score``
+  answers top-k, token log-probs or final hidden states as flat tensors, only at the
+  positions asked for; ``GET /opd/v1/info`` describes the output layer (shape, logit
+  transform, checksum) that a trainer applies to the hidden states.
 
-It binds 127.0.0.1 unless told otherwise, checks ``Authorization: Bearer <key>`` when
-started with an API key, and refuses bodies over ``--max-request-bytes`` (HTTP 413)
-before reading them. Requests are served by threads; the model scores one request at a
-time.
+Concurrent requests of both kinds are coalesced into shared forward passes
+(:mod:`opd.models.teacher.batching`). ``GET /health`` answers without a token;
+``GET /metrics`` reports requests, tokens, forward passes, tokens per second and the
+queue depth in Prometheus' text format.
+
+It binds 127.0.0.1 unless told otherwise, checks ``Authorization: Bearer <key>`` on
+every route but ``/health`` when started with an API key, and refuses bodies over
+``--max-request-bytes`` (HTTP 413) before reading them. On SIGTERM or Ctrl-C it stops
+accepting connections and finishes the requests in flight before it exits.
+
+Why FastAPI and uvicorn rather than Ray Serve: a teacher server runs on the teacher's
+machine, often without the trainer's Ray cluster (or with ``vllm serve`` instead), and
+must start with one command; an asyncio server gives the batching loop and graceful
+shutdown with two small dependencies (the ``serve`` extra).
 """
 
 from __future__ import annotations
@@ -32,21 +37,30 @@ import hmac
 import json
 import logging
 import os
+import socket
 import sys
-import threading
 import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from opd.models.teacher.scoring import PromptScorer
+import torch
+
+from opd.models.teacher import wire
+from opd.models.teacher.batching import ScoringBatcher, ScoringJob
+from opd.models.teacher.openai_protocol import REST_MASS_FIELD
+from opd.models.teacher.scoring import PositionLogprobs, PromptScorer
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI, Request
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_LOGPROBS = 128
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
-REST_MASS_FIELD = "prompt_topk_rest_mass"
-"""The choice field with each position's probability mass outside its top k (not in vLLM's API)."""
+DEFAULT_MAX_BATCH_TOKENS = 16384
 
 
 class RequestError(Exception):
@@ -57,26 +71,42 @@ class RequestError(Exception):
         self.status = status
 
 
+def _is_token_list(value: Any) -> bool:
+    # bool is an int subclass: True/False are not token ids.
+    return isinstance(value, list) and all(isinstance(token, int) and not isinstance(token, bool) for token in value)
+
+
 class TeacherService:
     """The request logic, independent of HTTP (tested directly and through the server).
 
     Args:
-        scorer: computes the prompt log-probs.
+        scorer: the model.
         tokenizer: the teacher's tokenizer (``/tokenize`` and ``decoded_token``).
         model_name: the name ``/v1/models`` reports and requests may name.
-        max_logprobs: the largest ``prompt_logprobs`` accepted (vLLM's ``--max-logprobs``).
+        max_logprobs: the largest top-k accepted (vLLM's ``--max-logprobs``).
         max_model_len: the longest sequence accepted, in tokens.
+        max_batch_tokens: padded tokens per coalesced forward pass.
     """
 
     def __init__(
-        self, scorer: PromptScorer, tokenizer: Any, model_name: str, max_logprobs: int, max_model_len: int
+        self,
+        scorer: PromptScorer,
+        tokenizer: Any,
+        model_name: str,
+        max_logprobs: int,
+        max_model_len: int,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
     ) -> None:
         self.scorer = scorer
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_logprobs = max_logprobs
         self.max_model_len = max_model_len
-        self._model_lock = threading.Lock()
+        self.batcher = ScoringBatcher(scorer, max_batch_tokens)
+        self.requests: Counter[str] = Counter()
+        self._info: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ plain routes
 
     def models(self) -> dict[str, Any]:
         return {
@@ -86,6 +116,19 @@ class TeacherService:
             ],
         }
 
+    def info(self) -> dict[str, Any]:
+        """``/opd/v1/info``: the protocol, the model, and the output layer a trainer must hold."""
+        if self._info is None:  # the head's checksum reads the whole layer once
+            self._info = {
+                "format": wire.FORMAT,
+                "model": self.model_name,
+                "max_model_len": self.max_model_len,
+                "max_logprobs": self.max_logprobs,
+                "signals": list(wire.SIGNALS),
+                "head": self.scorer.head_info(),
+            }
+        return self._info
+
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -93,21 +136,54 @@ class TeacherService:
         tokens = self.tokenizer(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))["input_ids"]
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
 
-    def _prompts(self, body: dict[str, Any]) -> list[list[int]]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(token, int) for token in prompt):
-            prompts = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(item, list) for item in prompt):
-            prompts = prompt
-        else:
+    def metrics_text(self) -> str:
+        """Prometheus' text exposition format."""
+        stats = self.batcher.stats
+        lines = [
+            "# TYPE opd_teacher_requests_total counter",
+            *(
+                f'opd_teacher_requests_total{{route="{route}"}} {count}'
+                for route, count in sorted(self.requests.items())
+            ),
+            "# TYPE opd_teacher_sequences_total counter",
+            f"opd_teacher_sequences_total {stats.sequences}",
+            "# TYPE opd_teacher_tokens_total counter",
+            f"opd_teacher_tokens_total {stats.tokens}",
+            "# TYPE opd_teacher_forward_passes_total counter",
+            f"opd_teacher_forward_passes_total {stats.forward_passes}",
+            "# TYPE opd_teacher_batched_requests_total counter",
+            f"opd_teacher_batched_requests_total {stats.jobs}",
+            "# TYPE opd_teacher_busy_seconds_total counter",
+            f"opd_teacher_busy_seconds_total {stats.busy_seconds:.6f}",
+            "# TYPE opd_teacher_tokens_per_second gauge",
+            f"opd_teacher_tokens_per_second {stats.tokens_per_second():.3f}",
+            "# TYPE opd_teacher_queue_depth gauge",
+            f"opd_teacher_queue_depth {self.batcher.queue_depth}",
+        ]
+        return "\n".join(lines) + "\n"
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise RequestError(
+                HTTPStatus.NOT_FOUND, f"model {model!r} is not served here (serving {self.model_name!r})"
+            )
+
+    def _check_k(self, k: Any, name: str, minimum: int) -> int:
+        if not isinstance(k, int) or isinstance(k, bool) or not minimum <= k <= self.max_logprobs:
             raise RequestError(
                 HTTPStatus.BAD_REQUEST,
-                "'prompt' must be a non-empty list of token ids or a list of such lists "
-                "(this server scores token ids, not text)",
+                f"'{name}' must be an integer in [{minimum}, {self.max_logprobs}] "
+                "(raise the server's --max-logprobs for more)",
             )
+        return k
+
+    def _check_sequences(self, sequences: list[list[int]]) -> None:
         vocab = self.scorer.vocab_size
-        for index, ids in enumerate(prompts):
-            if not ids or not all(isinstance(token, int) and 0 <= token < vocab for token in ids):
+        for index, ids in enumerate(sequences):
+            if not ids or not all(0 <= token < vocab for token in ids):
                 raise RequestError(
                     HTTPStatus.BAD_REQUEST, f"prompt {index}: expected a non-empty list of token ids in [0, {vocab})"
                 )
@@ -116,26 +192,36 @@ class TeacherService:
                     HTTPStatus.BAD_REQUEST,
                     f"prompt {index} has {len(ids)} tokens, more than max_model_len {self.max_model_len}",
                 )
-        return prompts
 
-    def completions(self, body: dict[str, Any]) -> dict[str, Any]:
-        model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise RequestError(
-                HTTPStatus.NOT_FOUND, f"model {model!r} is not served here (serving {self.model_name!r})"
-            )
-        if body.get("max_tokens", 16) != 1:
-            raise RequestError(HTTPStatus.BAD_REQUEST, "this server only scores prompts: set 'max_tokens' to 1")
-        k = body.get("prompt_logprobs")
-        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= self.max_logprobs:
+    # ------------------------------------------------------------------ vLLM's completions
+
+    def _prompts(self, body: dict[str, Any]) -> list[list[int]]:
+        prompt = body.get("prompt")
+        if _is_token_list(prompt) and prompt:
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(_is_token_list(item) for item in prompt):
+            prompts = prompt
+        else:
             raise RequestError(
                 HTTPStatus.BAD_REQUEST,
-                f"'prompt_logprobs' must be an integer in [0, {self.max_logprobs}] "
-                "(raise the server's --max-logprobs for more)",
+                "'prompt' must be a non-empty list of token ids or a list of such lists "
+                "(this server scores token ids, not text)",
             )
+        self._check_sequences(prompts)
+        return prompts
+
+    async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``/v1/completions`` with ``max_tokens: 1`` and ``prompt_logprobs``."""
+        self._check_model(body)
+        if body.get("max_tokens", 16) != 1:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "this server only scores prompts: set 'max_tokens' to 1")
+        k = self._check_k(body.get("prompt_logprobs"), "prompt_logprobs", 0)
         prompts = self._prompts(body)
-        with self._model_lock:
-            scored = self.scorer.score(prompts, k)
+
+        def finish(rows: list[torch.Tensor]) -> list[list[PositionLogprobs | None]]:
+            return [self.scorer.prompt_logprobs(hidden, ids, k) for hidden, ids in zip(rows, prompts)]
+
+        scored = await self.batcher.submit(ScoringJob(prompts, [0] * len(prompts), finish))
         choices = []
         for index, (ids, entries) in enumerate(zip(prompts, scored)):
             # No token is generated: the client reads only the prompt log-probs.
@@ -162,7 +248,7 @@ class TeacherService:
             "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
         }
 
-    def _position_json(self, entry: Any) -> dict[str, dict[str, Any]] | None:
+    def _position_json(self, entry: PositionLogprobs | None) -> dict[str, dict[str, Any]] | None:
         if entry is None:
             return None
         answer = {
@@ -176,103 +262,244 @@ class TeacherService:
         }
         return answer
 
+    # ------------------------------------------------------------------ opd's binary scoring
 
-def make_handler(service: TeacherService, api_key: str | None, max_request_bytes: int) -> type[BaseHTTPRequestHandler]:
-    """The request handler class bound to ``service``."""
+    async def score(self, body: dict[str, Any]) -> bytes:
+        """``/opd/v1/score``: one signal at the positions asked for, as a tensor payload (see ``wire``)."""
+        self._check_model(body)
+        sequences = body.get("sequences")
+        if not (isinstance(sequences, list) and sequences and all(_is_token_list(item) for item in sequences)):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "'sequences' must be a non-empty list of lists of token ids")
+        self._check_sequences(sequences)
+        firsts = body.get("first_positions", [0] * len(sequences))
+        if not (_is_token_list(firsts) and len(firsts) == len(sequences)) or any(
+            not 0 <= first < len(ids) for first, ids in zip(firsts, sequences)
+        ):
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                "'first_positions' must hold one integer per sequence, each in [0, the sequence's length)",
+            )
+        signal = body.get("signal")
+        if signal not in wire.SIGNALS:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"'signal' must be one of {list(wire.SIGNALS)}, got {signal!r}")
+        finish = self._finisher(signal, body, sequences, firsts)
+        return await self.batcher.submit(ScoringJob(sequences, firsts, finish))
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "opd-serve-teacher"
+    def _finisher(
+        self, signal: str, body: dict[str, Any], sequences: list[list[int]], firsts: list[int]
+    ) -> Callable[[list[torch.Tensor]], bytes]:
+        """What turns the request's hidden rows into its answer body (run on the model thread)."""
+        if signal == "topk":
+            k = self._check_k(body.get("k"), "k", 1)
 
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("%s " + format, self.address_string(), *args)
+            def topk(rows: list[torch.Tensor]) -> bytes:
+                ids, logprobs, rest = self.scorer.topk(torch.cat(rows), k)
+                values = {"topk_ids": ids, "topk_logprobs": logprobs, "rest_logprobs": rest}
+                return wire.build_answer(sequences, firsts, "topk", values)
 
-        def _reply(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
-            data = json.dumps(payload).encode("utf-8")
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            return topk
+        if signal == "token_logprobs":
+            next_ids = torch.tensor(
+                [token for ids, first in zip(sequences, firsts) for token in ids[first + 1 :]], dtype=torch.long
+            )
 
-        def _error(self, status: HTTPStatus, message: str) -> None:
-            self._reply(status, {"error": {"message": message, "type": status.phrase, "code": int(status)}})
+            def token_logprobs(rows: list[torch.Tensor]) -> bytes:
+                values = {"token_logprobs": self.scorer.token_logprobs(torch.cat(rows), next_ids)}
+                return wire.build_answer(sequences, firsts, "token_logprobs", values)
 
-        def _authorised(self) -> bool:
-            if api_key is None:
-                return True
-            given = self.headers.get("Authorization", "")
-            if hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return True
-            self._error(HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token")
-            return False
+            return token_logprobs
+        name = body.get("hidden_dtype", "auto")
+        if name != "auto" and name not in wire.HIDDEN_DTYPES:
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                f"'hidden_dtype' must be auto or one of {list(wire.HIDDEN_DTYPES)}, got {name!r}",
+            )
+        dtype = self.scorer.dtype if name == "auto" else wire.HIDDEN_DTYPES[name]
 
-        def do_GET(self) -> None:
-            if self.path == "/health":
-                self._reply(HTTPStatus.OK, {"status": "ok"})
-            elif self.path == "/v1/models":
-                if self._authorised():
-                    self._reply(HTTPStatus.OK, service.models())
-            else:
-                self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
+        def hidden_states(rows: list[torch.Tensor]) -> bytes:
+            values = {"hidden_states": torch.cat(rows).to(dtype)}
+            return wire.build_answer(sequences, firsts, "hidden_states", values)
 
-        def do_POST(self) -> None:
-            if not self._authorised():
-                return
-            routes = {"/v1/completions": service.completions, "/tokenize": service.tokenize}
-            if self.path not in routes:
-                self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
-                return
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                self._error(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
-                return
-            if length > max_request_bytes:
-                # Refused before reading: the connection is closed rather than drained.
-                self.close_connection = True
-                self._error(
-                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                    f"request body of {length} bytes exceeds the server's limit of {max_request_bytes}",
-                )
-                return
-            try:
-                body = json.loads(self.rfile.read(length))
-                if not isinstance(body, dict):
-                    raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
-                self._reply(HTTPStatus.OK, routes[self.path](body))
-            except json.JSONDecodeError as error:
-                self._error(HTTPStatus.BAD_REQUEST, f"the body is not valid JSON: {error}")
-            except RequestError as error:
-                self._error(error.status, str(error))
-            except Exception as error:  # a bug or an out-of-memory: report it, keep serving
-                log.exception("request failed")
-                self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}")
-
-    return Handler
+        return hidden_states
 
 
-def build_server(
-    service: TeacherService,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-) -> ThreadingHTTPServer:
-    """A threading HTTP server for ``service`` (not yet serving; call ``serve_forever``)."""
-    server = ThreadingHTTPServer((host, port), make_handler(service, api_key, max_request_bytes))
-    server.daemon_threads = True
-    return server
+# ---------------------------------------------------------------------------- HTTP
+
+
+async def _read_json(request: Request, max_request_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object, refusing what is too large, unannounced, or not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is None:
+        raise RequestError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
+    if not declared.isdigit():
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"Content-Length {declared!r} is not a byte count")
+    if int(declared) > max_request_bytes:
+        raise RequestError(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            f"request body of {declared} bytes exceeds the server's limit of {max_request_bytes}",
+        )
+    raw = await request.body()
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"the body is not UTF-8 text ({error})") from None
+    except json.JSONDecodeError as error:
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"the body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise RequestError(HTTPStatus.BAD_REQUEST, "the body's JSON is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
+    return body
+
+
+def build_app(
+    service: TeacherService, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+) -> FastAPI:
+    """The ASGI application serving ``service`` (its batcher runs while the app does)."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.batcher.start()
+        yield
+        await service.batcher.stop()  # after uvicorn has let the requests in flight finish
+
+    app = FastAPI(title="opd serve-teacher", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error(status: HTTPStatus, message: str, close: bool = False) -> JSONResponse:
+        headers = {"Connection": "close"} if close else None
+        payload = {"error": {"message": message, "type": status.phrase, "code": int(status)}}
+        return JSONResponse(payload, status_code=int(status), headers=headers)
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, problem: RequestError) -> JSONResponse:
+        # An oversized body is refused unread: close rather than drain the connection.
+        return error(problem.status, str(problem), close=problem.status == HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, problem: StarletteHTTPException) -> JSONResponse:
+        status = HTTPStatus(problem.status_code)
+        return error(status, f"no route {request.url.path}" if status == HTTPStatus.NOT_FOUND else str(problem.detail))
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, problem: Exception) -> JSONResponse:
+        log.error("request %s failed: %s: %s", request.url.path, type(problem).__name__, problem)
+        return error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(problem).__name__}: {problem}")
+
+    def authorise(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise RequestError(HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token")
+
+    def counted(
+        route: str, handler: Callable[[Request], Awaitable[Response]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            authorise(request)
+            service.requests[route] += 1
+            return await handler(request)
+
+        return endpoint
+
+    async def completions(request: Request) -> Response:
+        return JSONResponse(await service.completions(await _read_json(request, max_request_bytes)))
+
+    async def score(request: Request) -> Response:
+        body = await service.score(await _read_json(request, max_request_bytes))
+        return Response(body, media_type=wire.MEDIA_TYPE)
+
+    async def tokenize(request: Request) -> Response:
+        return JSONResponse(service.tokenize(await _read_json(request, max_request_bytes)))
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(service.models())
+
+    async def info(request: Request) -> Response:
+        return JSONResponse(service.info())
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(service.metrics_text())
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    app.add_route("/health", health, methods=["GET"])
+    for path, handler, methods in (
+        ("/v1/completions", completions, ["POST"]),
+        (wire.SCORE_PATH, score, ["POST"]),
+        ("/tokenize", tokenize, ["POST"]),
+        ("/v1/models", models, ["GET"]),
+        (wire.INFO_PATH, info, ["GET"]),
+        ("/metrics", metrics, ["GET"]),
+    ):
+        app.add_route(path, counted(path, handler), methods=methods)
+    return app
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket (port 0: any free port).
+
+    Raises:
+        OSError: the address is in use or cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def uvicorn_server(app: FastAPI, graceful_timeout_s: int | None = None) -> Any:
+    """A uvicorn server for ``app`` (run it with ``server.run(sockets=[...])``)."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, timeout_graceful_shutdown=graceful_timeout_s, lifespan="on"
+    )
+    return uvicorn.Server(config)
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not in [0, 65535]")
+    return port
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="opd serve-teacher", description="Serve a Hugging Face causal LM's prompt log-probs over HTTP."
+        prog="opd serve-teacher", description="Serve a Hugging Face causal LM as a distillation teacher over HTTP."
     )
     parser.add_argument("--model", required=True, help="Hugging Face model directory of the teacher")
     parser.add_argument("--served-model-name", help="name reported by /v1/models (default: --model)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free port)")
     parser.add_argument(
         "--api-key-env",
         metavar="VAR",
@@ -280,66 +507,92 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--max-logprobs",
-        type=int,
+        type=_positive,
         default=DEFAULT_MAX_LOGPROBS,
-        help=f"largest prompt_logprobs accepted (default {DEFAULT_MAX_LOGPROBS})",
+        help=f"largest top-k accepted (default {DEFAULT_MAX_LOGPROBS})",
     )
     parser.add_argument(
         "--max-request-bytes",
-        type=int,
+        type=_positive,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help=f"larger request bodies get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES})",
     )
-    parser.add_argument("--max-model-len", type=int, help="longest sequence accepted (default: the model's)")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=_positive,
+        default=DEFAULT_MAX_BATCH_TOKENS,
+        help=f"padded tokens per coalesced forward pass (default {DEFAULT_MAX_BATCH_TOKENS})",
+    )
+    parser.add_argument("--max-model-len", type=_positive, help="longest sequence accepted (default: the model's)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (ignored with --device-map)")
+    parser.add_argument(
+        "--device-map",
+        help="spread a teacher too large for one device over all visible GPUs (auto, balanced, sequential)",
+    )
+    parser.add_argument(
+        "--graceful-timeout-s",
+        type=_positive,
+        default=None,
+        help="on SIGTERM, wait at most this long for requests in flight (default: until they finish)",
+    )
     return parser.parse_args(argv)
 
 
+def _fail(message: str) -> int:
+    print(f"opd serve-teacher: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``opd serve-teacher``; serves until interrupted."""
-    import torch
-
-    from opd.models.loading import load_causal_lm, load_tokenizer, resolve_device
-
+    """Entry point of ``opd serve-teacher``; serves until SIGTERM or Ctrl-C."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        return _fail("the server needs FastAPI and uvicorn: pip install 'opd[serve]'")
     api_key = None
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
-            print(
-                f"opd serve-teacher: error: --api-key-env {args.api_key_env} names an unset or empty variable",
-                file=sys.stderr,
-            )
-            return 2
+            return _fail(f"--api-key-env {args.api_key_env} names an unset or empty variable")
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "serving on %s without a bearer token: anyone who can reach this machine can use the teacher; "
+            "set --api-key-env",
+            args.host,
+        )
     from opd.models.config import ModelLoadingConfig
+    from opd.models.loading import load_causal_lm, load_tokenizer, resolve_device
     from opd.utils.errors import OpdError
 
     try:
+        sock = listening_socket(args.host, args.port)
+    except OSError as error:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}; choose another --port")
+    try:
         device = resolve_device(args.device)
         tokenizer = load_tokenizer(args.model, False)
-        model = load_causal_lm(args.model, getattr(torch, args.dtype), device, ModelLoadingConfig())
-    except OpdError as error:
-        print(f"opd serve-teacher: error: {error}", file=sys.stderr)
-        return 2
+        model = load_causal_lm(args.model, getattr(torch, args.dtype), device, ModelLoadingConfig(), args.device_map)
+        scorer = PromptScorer(model, len(tokenizer))
+    except (OpdError, ValueError) as error:
+        sock.close()
+        return _fail(str(error))
     max_model_len = args.max_model_len or int(getattr(model.config, "max_position_embeddings", 32768))
     service = TeacherService(
-        PromptScorer(model, len(tokenizer)),
+        scorer,
         tokenizer,
         args.served_model_name or args.model,
         args.max_logprobs,
         max_model_len,
+        args.max_batch_tokens,
     )
-    server = build_server(service, args.host, args.port, api_key, args.max_request_bytes)
-    host, port = server.server_address[:2]
-    host = host.decode() if isinstance(host, bytes) else host
+    host, port = sock.getsockname()[:2]
+    server = uvicorn_server(build_app(service, api_key, args.max_request_bytes), args.graceful_timeout_s)
     # One parseable line, flushed: scripts and tests wait for it.
     print(f"opd serve-teacher: serving {service.model_name} on http://{host}:{port}", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        log.info("interrupted; shutting down")
-    finally:
-        server.server_close()
+    server.run(sockets=[sock])
+    print("opd serve-teacher: stopped", flush=True)
     return 0
