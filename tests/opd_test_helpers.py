@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -128,3 +129,29 @@ def served_and_in_process_losses(loss: str, kl_type: str, batch, student, remote
     served, _ = loss_fn(logits, batch, valid, batch.size, teacher_output=remote.score(batch, request))
     in_process, _ = loss_fn(logits, batch, valid, batch.size, teacher_output=local.score(batch, request))
     return served, in_process
+
+
+class RunningServer:
+    """The teacher server's app on uvicorn, on a free port of 127.0.0.1, in a background thread."""
+
+    def __init__(self, service, **options) -> None:
+        from opd.models.teacher.server import build_app, listening_socket, uvicorn_server
+
+        self.service = service
+        sock = listening_socket("127.0.0.1", 0)
+        self.port = sock.getsockname()[1]
+        self.server = uvicorn_server(build_app(service, **options))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

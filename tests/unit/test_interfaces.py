@@ -70,8 +70,9 @@ def test_vllm_backend_declares_the_generation_interface():
     assert {"refit", "close"} <= methods  # it holds weights and an engine of its own
 
 
-def test_remote_teacher_refuses_the_full_vocabulary_and_other_temperatures():
-    assert RemoteTeacher.unsupported_reason(FullVocabRequest()) is not None
+def test_remote_teacher_refuses_top_k_at_other_temperatures():
+    # The full vocabulary comes as hidden states (needs opd's protocol, checked when connecting).
+    assert RemoteTeacher.unsupported_reason(FullVocabRequest()) is None
     assert RemoteTeacher.unsupported_reason(TopKRequest(8, temperature=2.0)) is not None
     assert RemoteTeacher.unsupported_reason(TopKRequest(8)) is None
     assert RemoteTeacher.unsupported_reason(TokenLogprobsRequest()) is None

@@ -1,16 +1,22 @@
 """The served teacher: ``opd serve-teacher`` and the remote-teacher client, over real HTTP on 127.0.0.1.
 
-* the answers equal the in-process teacher's (top-k log-probs and ids, the rest mass
-  outside the top k, token log-probs), and so does the loss built from them;
-* the rest mass: sent by ``opd serve-teacher`` and checked by the client, or computed by
-  the client from the top-k when the server does not send it (as vLLM does not);
-* the server's refusals (bearer token, oversized body, too many log-probs, text prompts);
+* the answers equal the in-process teacher's, over both protocols (vLLM's JSON and opd's
+  binary one): top-k log-probs and ids, the rest mass outside the top k, token
+  log-probs, and, over the binary protocol, the final hidden states, from which the
+  full-vocabulary losses equal the in-process ones within 1e-5;
+* the output layer loaded by the trainer is checked against the server's (shape,
+  checksum), and a server without opd's protocol is refused where it is needed;
+* the server's refusals (bearer token, oversized body, too many log-probs, text prompts,
+  boolean ids, bodies that are not UTF-8 or nested too deeply);
+* concurrent requests are coalesced into shared forward passes, with the same answers;
 * faults between client and server, injected by a forwarding proxy: HTTP 500s, a slow
-  answer, a truncated body, answers that do not match the ids sent — retried, or
-  stopped with a clear error, never fed to the loss;
-* the server process killed mid-run, and restarted within the retry window;
+  answer, a truncated body, answers that do not match the ids sent, and for binary
+  answers a checksum mismatch, a wrong dtype, a wrong shape — retried, or stopped with
+  a clear error, never fed to the loss;
+* the server process killed mid-run, and restarted within the retry window; SIGTERM
+  finishes the request in flight; a port in use is a one-line error;
 * a distillation run against the served teacher equals the same run with the teacher in
-  process.
+  process, for a top-k and for the exact full-vocabulary loss.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from opd_test_helpers import REPO_ROOT, BackgroundProcess, RunningServer, served_and_in_process_losses
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 from opd.algorithms.distillation import distillation_train
 from opd.algorithms.distillation_config import MasterConfig
@@ -37,26 +46,28 @@ from opd.algorithms.distillation_setup import check_environment, setup
 from opd.algorithms.loss_functions import DistillationLossFn
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.interfaces import FullVocabRequest
+from opd.models.lm_head import LMHeadInput, output_layer_of
+from opd.models.teacher import wire
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.remote_teacher import RemoteTeacher, TeacherServiceError
 from opd.models.teacher.scoring import PromptScorer
-from opd.models.teacher.server import REST_MASS_FIELD, TeacherService, build_server
+from opd.models.teacher.server import REST_MASS_FIELD, TeacherService
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.models.topk_rest import rest_logprobs_from_topk
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
-from opd_test_helpers import REPO_ROOT, BackgroundProcess, served_and_in_process_losses
 
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 TRAIN_DATA = REPO_ROOT / "examples" / "data" / "tiny_arithmetic" / "train.jsonl"
 K = 8
+PROTOCOLS = ["openai", "opd"]
 
 
 # ------------------------------------------------------------------------------ fixtures
 
 
-class RunningServer:
-    """An HTTP server on 127.0.0.1 serving in a background thread."""
+class ThreadedHTTP:
+    """A stdlib HTTP server (the fault proxy) serving in a background thread."""
 
     def __init__(self, server: ThreadingHTTPServer) -> None:
         self.server = server
@@ -89,7 +100,7 @@ def make_service(teacher_model, tokenizer, max_logprobs: int = 128) -> TeacherSe
 
 @pytest.fixture(scope="module")
 def served(teacher_model, tokenizer):
-    running = RunningServer(build_server(make_service(teacher_model, tokenizer), port=0))
+    running = RunningServer(make_service(teacher_model, tokenizer))
     yield running
     running.stop()
 
@@ -120,13 +131,20 @@ def client(url: str, **overrides) -> RemoteTeacher:
     return RemoteTeacher(url, **settings)
 
 
+def connected(url: str, tokenizer, **overrides) -> RemoteTeacher:
+    remote = client(url, **overrides)
+    remote.connect(tokenizer)
+    return remote
+
+
 # ------------------------------------------------------------------- equal to in-process
 
 
-def test_served_topk_and_token_logprobs_equal_the_in_process_teacher(served, teacher_model, tokenizer):
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_served_topk_and_token_logprobs_equal_the_in_process_teacher(served, teacher_model, tokenizer, protocol):
     batch = batch_of(tokenizer, TEXTS)
-    remote = client(served.url)
-    remote.connect(tokenizer)
+    remote = connected(served.url, tokenizer, protocol=protocol)
+    assert remote.protocol == protocol
     local = LocalTeacher(teacher_model)
     vocab = len(tokenizer)
     answer = remote.get_topk_logprobs(batch, K, 1.0, vocab)
@@ -134,29 +152,33 @@ def test_served_topk_and_token_logprobs_equal_the_in_process_teacher(served, tea
     values, ids = answer
     local_values, local_ids = local_answer
     assert answer.rest_logprobs is not None and local_answer.rest_logprobs is not None
-    lengths = batch["input_lengths"]
-    for row, n in enumerate(lengths.tolist()):
-        # Positions 0 … n-2 predict a real token; the rest are placeholders (masked).
-        torch.testing.assert_close(values[row, : n - 1], local_values[row, : n - 1], rtol=0, atol=1e-4)
-        assert torch.equal(ids[row, : n - 1], local_ids[row, : n - 1])
+    mask = batch["token_mask"]
+    for row, n in enumerate(batch["input_lengths"].tolist()):
+        # The binary protocol scores the positions that predict a loss token (from the
+        # one before the first masked token); JSON scores every position but the last.
+        first = int(mask[row].nonzero()[0, 0]) - 1 if protocol == "opd" else 0
+        scored = slice(first, n - 1)
+        torch.testing.assert_close(values[row, scored], local_values[row, scored], rtol=0, atol=1e-4)
+        assert torch.equal(ids[row, scored], local_ids[row, scored])
         assert torch.isfinite(values[row]).all()
         # The server's own rest mass, not one the client subtracted.
-        torch.testing.assert_close(answer.rest_logprobs[row, : n - 1], local_answer.rest_logprobs[row, : n - 1],
+        torch.testing.assert_close(answer.rest_logprobs[row, scored], local_answer.rest_logprobs[row, scored],
                                    rtol=0, atol=1e-4)
         assert torch.isfinite(answer.rest_logprobs[row]).all()
     token = remote.get_token_logprobs(batch, vocab)
     local_token = local.get_token_logprobs(batch, vocab)
-    for row, n in enumerate(lengths.tolist()):
-        torch.testing.assert_close(token[row, :n], local_token[row, :n], rtol=0, atol=1e-4)
+    for row, n in enumerate(batch["input_lengths"].tolist()):
+        first = int(mask[row].nonzero()[0, 0]) if protocol == "opd" else 1
+        torch.testing.assert_close(token[row, first:n], local_token[row, first:n], rtol=0, atol=1e-4)
         assert (token[row, n:] == 0).all()
     remote.close()
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("loss", ["topk", "sampled_token"])
-def test_loss_from_the_served_teacher_equals_the_in_process_one(served, teacher_model, tokenizer, loss):
+def test_loss_from_the_served_teacher_equals_the_in_process_one(served, teacher_model, tokenizer, loss, protocol):
     torch.manual_seed(0)
-    remote = client(served.url)
-    remote.connect(tokenizer)
+    remote = connected(served.url, tokenizer, protocol=protocol)
     served_loss, local_loss = served_and_in_process_losses(
         loss, "reverse", batch_of(tokenizer, TEXTS), build_tiny_model("student"), remote, LocalTeacher(teacher_model),
         K, len(tokenizer),
@@ -166,12 +188,86 @@ def test_loss_from_the_served_teacher_equals_the_in_process_one(served, teacher_
     remote.close()
 
 
-def test_full_vocabulary_logits_are_refused(served, tokenizer):
-    with pytest.raises(TeacherServiceError, match="not its full vocabulary"):
-        client(served.url).score(batch_of(tokenizer, TEXTS), FullVocabRequest())
+def teacher_layer(teacher_model):
+    layer = output_layer_of(teacher_model)
+    return type(layer)(layer.weight.detach().clone(), None, layer.logit_multiplier, layer.logit_softcap)
 
 
-def test_a_served_teacher_answers_only_at_temperature_one(served, tokenizer):
+@pytest.mark.parametrize("kl_type, divergence, fused", [
+    ("forward", "kl", True), ("reverse", "kl", True), ("mixed", "kl", True), ("reverse", "jsd", True),
+    ("mixed", "kl", False),
+])
+def test_full_vocabulary_loss_from_served_hidden_states_equals_the_in_process_loss(
+    served, teacher_model, tokenizer, kl_type, divergence, fused
+):
+    """Exact: the server sends fp32 hidden states, the trainer applies the teacher's head."""
+    remote = connected(served.url, tokenizer, protocol="opd", hidden_dtype="float32",
+                       output_layer=teacher_layer(teacher_model))
+    local = LocalTeacher(teacher_model)
+    batch = batch_of(tokenizer, TEXTS)
+    student = build_tiny_model("student")
+    loss_fn = DistillationLossFn(kl_type=kl_type, mixed_kl_weight=0.3, divergence=divergence,
+                                 vocab_size=len(tokenizer), fused_lm_head=fused)
+    request = loss_fn.teacher_request
+    assert isinstance(request, FullVocabRequest) and request.prefer_hidden_states == fused
+    served_signal, local_signal = remote.score(batch, request), local.score(batch, request)
+    assert isinstance(served_signal, LMHeadInput) == fused
+    valid = int(batch["token_mask"][:, 1:].sum())
+    losses = []
+    for signal_ in (served_signal, local_signal):
+        student.zero_grad()
+        if fused:
+            hidden = student.get_decoder()(input_ids=batch["input_ids"]).last_hidden_state
+            output = LMHeadInput(hidden, student.lm_head.weight)
+        else:
+            output = student(input_ids=batch["input_ids"]).logits
+        loss, _ = loss_fn(output, batch, valid, batch.size, teacher_output=signal_)
+        loss.backward()
+        losses.append((loss.detach(), student.lm_head.weight.grad.clone()))
+    (served_loss, served_grad), (local_loss, local_grad) = losses
+    assert float(local_loss) > 0
+    torch.testing.assert_close(served_loss, local_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(served_grad, local_grad, rtol=1e-5, atol=1e-7)
+    remote.close()
+
+
+def test_hidden_states_in_bfloat16_cost_half_the_bytes_and_stay_close(served, teacher_model, tokenizer):
+    batch = batch_of(tokenizer, TEXTS)
+    sizes, heads = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        remote = connected(served.url, tokenizer, protocol="opd", hidden_dtype=dtype,
+                           output_layer=teacher_layer(teacher_model), sequences_per_request=len(TEXTS))
+        before = remote.bytes_received
+        heads[dtype] = remote.get_hidden_states(batch)
+        sizes[dtype] = remote.bytes_received - before
+        remote.close()
+    rows = int(sum(batch["input_lengths"] - 1 - (batch["token_mask"].argmax(dim=1) - 1)))
+    width = teacher_model.config.hidden_size
+    # The payload is the hidden rows plus a small header and the echoed ids.
+    assert rows * width * 4 < sizes["float32"] < rows * width * 4 + 2048
+    assert rows * width * 2 < sizes["bfloat16"] < rows * width * 2 + 2048
+    scored = batch["token_mask"][:, 1:].bool()
+    exact = heads["float32"].hidden_states[:, :-1][scored]
+    rounded = heads["bfloat16"].hidden_states[:, :-1][scored]
+    torch.testing.assert_close(rounded, exact.bfloat16().float(), rtol=0, atol=0)
+
+
+def test_the_full_vocabulary_needs_opds_protocol_and_the_right_output_layer(served, teacher_model, tokenizer):
+    batch = batch_of(tokenizer, TEXTS)
+    with pytest.raises(TeacherServiceError, match="needs opd serve-teacher"):
+        connected(served.url, tokenizer, protocol="openai").score(batch, FullVocabRequest())
+    with pytest.raises(TeacherServiceError, match="speaks vLLM's JSON"):
+        connected(served.url, tokenizer, protocol="openai", output_layer=teacher_layer(teacher_model))
+    student = output_layer_of(build_tiny_model("student"))
+    with pytest.raises(TeacherServiceError, match="the served model's is"):
+        connected(served.url, tokenizer, output_layer=type(student)(student.weight.detach()))
+    perturbed = teacher_layer(teacher_model)
+    perturbed.weight[3, 5] += 1e-3
+    with pytest.raises(TeacherServiceError, match="checksum sha256:.*model.teacher_model_path must hold the weights"):
+        connected(served.url, tokenizer, output_layer=perturbed)
+
+
+def test_a_served_teacher_answers_top_k_only_at_temperature_one(served, tokenizer):
     with pytest.raises(TeacherServiceError, match="temperature 1"):
         client(served.url).get_topk_logprobs(batch_of(tokenizer, TEXTS), K, 2.0)
 
@@ -180,7 +276,7 @@ def test_a_served_teacher_answers_only_at_temperature_one(served, tokenizer):
 
 
 def test_bearer_token_is_required_when_configured(teacher_model, tokenizer):
-    running = RunningServer(build_server(make_service(teacher_model, tokenizer), port=0, api_key="s3cret"))
+    running = RunningServer(make_service(teacher_model, tokenizer), api_key="s3cret")
     try:
         with pytest.raises(TeacherServiceError, match="HTTP 401"):
             client(running.url).connect(tokenizer)
@@ -194,7 +290,7 @@ def test_bearer_token_is_required_when_configured(teacher_model, tokenizer):
 
 
 def test_oversized_requests_are_rejected_before_reading(teacher_model, tokenizer):
-    running = RunningServer(build_server(make_service(teacher_model, tokenizer), port=0, max_request_bytes=200))
+    running = RunningServer(make_service(teacher_model, tokenizer), max_request_bytes=200)
     try:
         response = httpx.post(f"{running.url}/v1/completions", json={"prompt": list(range(100)), "max_tokens": 1,
                                                                       "prompt_logprobs": 1})
@@ -234,16 +330,20 @@ def test_a_tokenizer_mismatch_stops_at_connect(served, tokenizer):
 
 
 class FaultProxy:
-    """Forwards requests to the real server, misbehaving on the requests named in ``faults``.
+    """Forwards requests to the real server, misbehaving on the scoring requests named in ``faults``.
 
-    ``faults`` is consumed one entry per ``/v1/completions`` request: ``ok``, ``500``,
-    ``slow`` (waits 2 s, longer than the client's timeout), ``truncate`` (announces the
-    full length, sends half the body, closes), ``misalign`` (reports other token ids),
-    ``short`` (drops the last position's log-probs), ``vllm`` (drops the rest masses, which
-    vLLM does not send), ``bad_rest`` (a rest mass that does not add up with the top k to 1).
+    ``faults`` is consumed one entry per scoring request (``/v1/completions`` or
+    ``/opd/v1/score``): ``ok``, ``500``, ``slow`` (waits 2 s, longer than the client's
+    timeout), ``truncate`` (announces the full length, sends half the body, closes),
+    ``misalign`` (reports other token ids). JSON answers only: ``short`` (drops the last
+    position's log-probs), ``vllm`` (drops the rest masses, which vLLM does not send),
+    ``bad_rest`` (a rest mass that does not add up with the top k to 1). Binary answers
+    only: ``checksum`` (one byte of a tensor flipped), ``dtype`` (a tensor re-encoded in
+    another dtype, with a valid checksum), ``shape`` (a row dropped, with a valid checksum).
+    ``no_opd`` on the proxy hides opd's protocol (HTTP 404 for ``/opd/v1/*``, as from vLLM).
     """
 
-    def __init__(self, target: str, faults: list[str]) -> None:
+    def __init__(self, target: str, faults: list[str], no_opd: bool = False) -> None:
         self.faults = list(faults)
         self.seen = 0
         proxy = self
@@ -259,19 +359,23 @@ class FaultProxy:
                 return httpx.request(method, f"{target}{self.path}", content=body or None,
                                      headers={"Content-Type": "application/json"})
 
-            def _send(self, status: int, data: bytes, length: int | None = None) -> None:
+            def _send(self, status: int, data: bytes, length: int | None = None,
+                      media_type: str = "application/json") -> None:
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", media_type)
                 self.send_header("Content-Length", str(len(data) if length is None else length))
                 self.end_headers()
                 self.wfile.write(data)
 
             def do_GET(self) -> None:  # noqa: N802
+                if no_opd and self.path.startswith("/opd/"):
+                    self._send(404, b'{"error": {"message": "Not Found"}}')
+                    return
                 response = self._forward("GET")
                 self._send(response.status_code, response.content)
 
             def do_POST(self) -> None:  # noqa: N802
-                if self.path != "/v1/completions":
+                if self.path not in ("/v1/completions", wire.SCORE_PATH):
                     response = self._forward("POST")
                     self._send(response.status_code, response.content)
                     return
@@ -284,57 +388,95 @@ class FaultProxy:
                 if fault == "slow":
                     time.sleep(2.0)
                 response = self._forward("POST")
-                payload = response.json()
-                if fault == "misalign":
-                    payload["choices"][0]["prompt_token_ids"][1] += 1
-                if fault == "short":
-                    payload["choices"][0]["prompt_logprobs"].pop()
-                if fault == "vllm":
-                    for choice in payload["choices"]:
-                        choice.pop(REST_MASS_FIELD, None)
-                if fault == "bad_rest":
-                    payload["choices"][0][REST_MASS_FIELD][1] = 0.5
-                data = json.dumps(payload).encode()
+                if self.path == wire.SCORE_PATH:
+                    data, media_type = damaged_binary(response.content, fault), wire.MEDIA_TYPE
+                else:
+                    data, media_type = damaged_json(response.json(), fault), "application/json"
                 if fault == "truncate":
-                    self._send(200, data[: len(data) // 2], length=len(data))
+                    self._send(200, data[: len(data) // 2], length=len(data), media_type=media_type)
                     self.close_connection = True
                     return
-                self._send(response.status_code, data)
+                self._send(response.status_code, data, media_type=media_type)
 
-        self.running = RunningServer(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
+        self.running = ThreadedHTTP(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
         self.running.server.daemon_threads = True
         self.url = self.running.url
 
 
+def damaged_json(payload: dict, fault: str) -> bytes:
+    if fault == "misalign":
+        payload["choices"][0]["prompt_token_ids"][1] += 1
+    if fault == "short":
+        payload["choices"][0]["prompt_logprobs"].pop()
+    if fault == "vllm":
+        for choice in payload["choices"]:
+            choice.pop(REST_MASS_FIELD, None)
+    if fault == "bad_rest":
+        payload["choices"][0][REST_MASS_FIELD][1] = 0.5
+    return json.dumps(payload).encode()
+
+
+def damaged_binary(body: bytes, fault: str) -> bytes:
+    if fault == "checksum":
+        damaged = bytearray(body)
+        damaged[-3] ^= 0x40  # inside the last tensor's bytes
+        return bytes(damaged)
+    if fault not in ("misalign", "dtype", "shape"):
+        return body
+    tensors = load_safetensors(body)
+    signal_ = wire._metadata(body)["signal"]
+    if fault == "misalign":
+        tensors["token_ids"][1] += 1
+    name = next(name for name in sorted(tensors) if name not in ("token_ids", "lengths", "first_positions"))
+    if fault == "dtype":
+        tensors[name] = tensors[name].to(torch.float16 if tensors[name].is_floating_point() else torch.int64)
+    if fault == "shape":
+        tensors[name] = tensors[name][1:]
+    # Re-encoded with a valid checksum: the client must notice the content, not the damage.
+    return save_safetensors(tensors, metadata={"format": wire.FORMAT, "signal": signal_,
+                                               "checksum": wire.checksum(tensors)})
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("faults", [["500", "500"], ["slow"], ["truncate"], ["500", "truncate", "slow"]])
-def test_transient_faults_are_retried_and_the_answer_is_exact(served, teacher_model, tokenizer, faults):
+def test_transient_faults_are_retried_and_the_answer_is_exact(served, teacher_model, tokenizer, faults, protocol):
     proxy = FaultProxy(served.url, faults)
     batch = batch_of(tokenizer, TEXTS)
     try:
-        remote = client(proxy.url, timeout_s=1.0, sequences_per_request=len(TEXTS), max_concurrency=1)
+        remote = connected(proxy.url, tokenizer, timeout_s=1.0, sequences_per_request=len(TEXTS), max_concurrency=1,
+                           protocol=protocol)
         token = remote.get_token_logprobs(batch, len(tokenizer))
     finally:
         proxy.running.stop()
     assert remote.retries == len(faults)
     expected = LocalTeacher(teacher_model).get_token_logprobs(batch, len(tokenizer))
+    mask = batch["token_mask"]
     for row, n in enumerate(batch["input_lengths"].tolist()):
-        torch.testing.assert_close(token[row, :n], expected[row, :n], rtol=0, atol=1e-4)
+        first = int(mask[row].nonzero()[0, 0]) if protocol == "opd" else 1
+        torch.testing.assert_close(token[row, first:n], expected[row, first:n], rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("fault, message", [
-    ("misalign", "scored other token ids than were sent"),
-    ("short", "prompt_logprobs entries for"),
-    ("500", "HTTP 500"),
-    ("bad_rest", "do not add up to 1"),
+@pytest.mark.parametrize("protocol, fault, message", [
+    ("openai", "misalign", "scored other token ids than were sent"),
+    ("openai", "short", "prompt_logprobs entries for"),
+    ("openai", "500", "HTTP 500"),
+    ("openai", "bad_rest", "do not add up to 1"),
+    ("opd", "misalign", "scored other token ids than were sent"),
+    ("opd", "checksum", "checksum mismatch"),
+    ("opd", "dtype", "rest_logprobs is torch.float16, expected torch.float64"),
+    ("opd", "shape", "has shape"),
+    ("opd", "truncate", "(truncated|RemoteProtocol|incomplete)"),
 ])
-def test_persistent_faults_stop_with_a_clear_error_and_nothing_reaches_the_loss(served, tokenizer, fault, message):
+def test_persistent_faults_stop_with_a_clear_error_and_nothing_reaches_the_loss(
+    served, tokenizer, protocol, fault, message
+):
     proxy = FaultProxy(served.url, [fault] * 10)
     loss_fn = DistillationLossFn(kl_type="reverse", teacher_signal="topk", teacher_topk=K, vocab_size=len(tokenizer))
     batch = batch_of(tokenizer, TEXTS)
     reached_loss = []
     try:
-        remote = client(proxy.url, max_retries=2, sequences_per_request=len(TEXTS))
-        with pytest.raises(TeacherServiceError, match=re.escape(message)) as raised:
+        remote = connected(proxy.url, tokenizer, max_retries=2, sequences_per_request=len(TEXTS), protocol=protocol)
+        with pytest.raises(TeacherServiceError, match=message) as raised:
             reached_loss.append(remote.score(batch, loss_fn.teacher_request))
     finally:
         proxy.running.stop()
@@ -343,13 +485,24 @@ def test_persistent_faults_stop_with_a_clear_error_and_nothing_reaches_the_loss(
     assert proxy.seen == 3
 
 
+def test_a_server_without_opds_protocol_falls_back_to_json_or_is_refused(served, tokenizer):
+    proxy = FaultProxy(served.url, [], no_opd=True)
+    try:
+        assert connected(proxy.url, tokenizer).protocol == "openai"  # auto
+        with pytest.raises(TeacherServiceError, match="does not speak opd's binary protocol"):
+            connected(proxy.url, tokenizer, protocol="opd")
+    finally:
+        proxy.running.stop()
+
+
 def test_without_served_rest_masses_the_client_computes_them_from_the_top_k(served, teacher_model, tokenizer):
     """A vLLM server sends no rest mass: the client takes log(1 − Σ_k P) in float64 from the top k."""
     proxy = FaultProxy(served.url, ["vllm"] * 10)
     batch = batch_of(tokenizer, TEXTS)
     vocab = len(tokenizer)
     try:
-        answer = client(proxy.url, sequences_per_request=len(TEXTS)).get_topk_logprobs(batch, K, 1.0, vocab)
+        remote = connected(proxy.url, tokenizer, sequences_per_request=len(TEXTS), protocol="openai")
+        answer = remote.get_topk_logprobs(batch, K, 1.0, vocab)
     finally:
         proxy.running.stop()
     local = LocalTeacher(teacher_model).get_topk_logprobs(batch, K, 1.0, vocab)
@@ -408,7 +561,7 @@ def test_server_killed_mid_run_stops_with_a_clear_error_and_a_restart_is_picked_
         with pytest.raises(TeacherServiceError, match="after 3 attempts.*(Connect|Remote|Read)"):
             remote.get_token_logprobs(batch)
         # Restarted while the client is backing off: the same request then succeeds.
-        slow_retry = client(f"http://127.0.0.1:{port}", max_retries=8, backoff_s=0.5)
+        slow_retry = client(f"http://127.0.0.1:{port}", max_retries=8, backoff_s=0.5, protocol="opd")
         restarter = threading.Thread(target=lambda: restarted.append(start_server_process(tmp_path, port, "server2")))
         restarter.start()
         after = slow_retry.get_token_logprobs(batch)
@@ -424,13 +577,15 @@ def test_server_killed_mid_run_stops_with_a_clear_error_and_a_restart_is_picked_
 # ------------------------------------------------------------------ distillation, end to end
 
 
-def test_distillation_with_the_served_teacher_equals_the_in_process_run(served, tmp_path):
+@pytest.mark.parametrize("loss", [["loss_fn.type=topk", f"loss_fn.k={K}"],
+                                  ["loss_fn.type=full_vocab", "teacher.remote.hidden_dtype=float32"]])
+def test_distillation_with_the_served_teacher_equals_the_in_process_run(served, tmp_path, loss):
     common = [
         f"data.train_path={TRAIN_DATA}", "data.val_path=null", "validation.val_at_start=false",
         "validation.val_at_end=false", "checkpointing.enabled=false", "logger.console=false",
         "training.batch_size=2", "training.micro_batch_size=null", "training.warmup_steps=0",
         "training.max_num_steps=3", "distillation.num_samples_per_prompt=1",
-        "distillation.generate_strategy.max_length=8", "loss_fn.type=topk", f"loss_fn.k={K}",
+        "distillation.generate_strategy.max_length=8", *loss,
     ]
     losses = {}
     for name, extra in (("local", []), ("remote", ["teacher.backend=remote", f"teacher.remote.url={served.url}",
@@ -443,15 +598,19 @@ def test_distillation_with_the_served_teacher_equals_the_in_process_run(served, 
         losses[name] = [record["train/loss"] for record in records if "train/loss" in record]
     assert len(losses["remote"]) == 3
     assert all(math.isfinite(value) for value in losses["remote"])
-    assert losses["remote"] == pytest.approx(losses["local"], rel=1e-4, abs=1e-6)
+    # The exact loss from hidden states is held to the issue's 1e-5; top-k to its float32 rounding.
+    tolerance = 1e-5 if "loss_fn.type=full_vocab" in loss else 1e-4
+    assert losses["remote"] == pytest.approx(losses["local"], rel=tolerance, abs=1e-7)
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["teacher.backend=remote"], "needs teacher.remote.url"),
-    (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=full_vocab"],
-     "teacher.backend = remote cannot serve loss_fn.type = full_vocab"),
+    (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=full_vocab",
+      "teacher.remote.protocol=openai"], "vLLM's JSON does not carry"),
+    (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=full_vocab",
+      "model.teacher_model_path=null"], "set model.teacher_model_path to the served model's directory"),
     (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=topk",
-      "loss_fn.temperature=2.0"], "answers at temperature 1"),
+      "loss_fn.temperature=2.0"], "answers top-k at temperature 1"),
     (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=topk",
       "validation.teacher_baseline=true"], "teacher_baseline"),
     (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=topk",
