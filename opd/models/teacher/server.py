@@ -37,6 +37,7 @@ import hmac
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -591,6 +592,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     host, port = sock.getsockname()[:2]
     server = uvicorn_server(build_app(service, api_key, args.max_request_bytes), args.graceful_timeout_s)
+    # uvicorn drains the requests in flight on SIGTERM / Ctrl-C, then re-raises the signal
+    # to the handlers it found; these make that a clean exit (status 0) after the drain.
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, lambda number, frame: None)
     # One parseable line, flushed: scripts and tests wait for it.
     print(f"opd serve-teacher: serving {service.model_name} on http://{host}:{port}", flush=True)
     server.run(sockets=[sock])

@@ -362,6 +362,55 @@ def test_models_that_transform_logits_are_refused_by_the_fused_path(attribute):
         output_head_of(Qwen2ForCausalLM(config), "the student")
 
 
+def tiny_transforming_teacher(family: str):
+    """A tiny causal LM whose architecture transforms its logits after the head."""
+    import transformers
+
+    common = dict(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8)
+    if family == "gemma2":
+        config = transformers.Gemma2Config(**common, final_logit_softcapping=3.0)
+        model = transformers.Gemma2ForCausalLM(config)
+    elif family == "cohere":
+        config = transformers.CohereConfig(**common, logit_scale=0.25)
+        model = transformers.CohereForCausalLM(config)
+    else:
+        config = transformers.GraniteConfig(**common, logits_scaling=4.0)
+        model = transformers.GraniteForCausalLM(config)
+    torch.manual_seed(0)
+    for parameter in model.parameters():  # large logits, so that the cap and the scale matter
+        torch.nn.init.normal_(parameter, std=1.0)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "granite"])
+def test_teacher_heads_that_transform_logits_reproduce_the_models_own_logits(family, tmp_path):
+    """Soft-capping and scaling are applied to a teacher's fused logits, in process and when served."""
+    from opd.models.loading import load_output_layer
+    from opd.models.teacher.scoring import PromptScorer
+
+    model = tiny_transforming_teacher(family)
+    input_ids = torch.randint(0, 48, (2, 7), generator=torch.Generator().manual_seed(1))
+    batch = BatchedDataDict(input_ids=input_ids, input_lengths=torch.tensor([7, 7]))
+    with torch.no_grad():
+        expected = model(input_ids=input_ids).logits
+    head = LocalTeacher(model).get_hidden_states(batch)
+    assert head.transforms_logits
+    torch.testing.assert_close(head.logits(), expected, rtol=1e-5, atol=1e-5)
+    # The served path: the decoder's rows on the server, the layer read from disk here.
+    model.save_pretrained(tmp_path)
+    layer = load_output_layer(str(tmp_path), torch.float32, torch.device("cpu"))
+    rows = PromptScorer(model, 48).hidden_rows(input_ids.tolist(), [0, 0])
+    served = torch.stack([layer.over(torch.cat([row, torch.zeros(1, 16)])).logits() for row in rows])
+    torch.testing.assert_close(served[:, :-1], expected[:, :-1], rtol=1e-5, atol=1e-5)
+    # Without the transform the logits would differ: the check can fail.
+    assert not torch.allclose(LMHeadInput(head.hidden_states, head.weight).logits(), expected, atol=1e-2)
+    # The student's fused loss still refuses such a head (it differentiates a plain linear layer).
+    with pytest.raises(ValueError, match="plain linear layer"):
+        chunked_lm_head_loss(head.with_rows(head.hidden_states[0]), lambda logits: logits.sum(-1), (),
+                             torch.ones(7))
+
+
 def test_bfloat16_models_run_through_the_fused_path():
     """A bf16 student: logits and matmuls in bf16, divergences in fp32, weight gradient
     accumulated in fp32 and returned in bf16; close to the plain bf16 path."""
