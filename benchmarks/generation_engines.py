@@ -165,7 +165,9 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}"
             process, startup[name] = start_server(command, url, log_dir / f"{port}.log")
             processes.append(process)
-            remote = RemoteTeacher(url, max_concurrency=2, sequences_per_request=8)
+            # vLLM's JSON for both servers: the same route, every position (benchmarks/served_teacher.py
+            # measures opd's binary protocol).
+            remote = RemoteTeacher(url, max_concurrency=2, sequences_per_request=8, protocol="openai")
             remote.connect(tokenizer)
             teachers[name] = remote
         reference_values, _ = teachers["in process (LocalTeacher)"].get_topk_logprobs(batch, args.topk, 1.0, vocab)

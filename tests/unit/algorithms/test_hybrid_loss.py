@@ -150,10 +150,10 @@ def test_a_short_run_with_the_verifier_reward_trains_and_logs_it(tmp_path):
      "not hybrid_full_vocab)"),
     (["loss_fn.type=hybrid_full_vocab", "distillation.kl_temperature=2.0"],
      "config key 'distillation.kl_temperature' has moved: it is now loss_fn.temperature"),
-    (["loss_fn.type=hybrid_full_vocab", "teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1"],
-     "teacher.backend = remote cannot serve loss_fn.type = hybrid_full_vocab"),
-    (["loss_fn.type=hybrid_full_vocab", "teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1"],
-     "a served teacher answers loss_fn.type = topk at temperature 1, and sampled_token"),
+    # A served teacher sends hidden states for it, over opd's protocol only.
+    (["loss_fn.type=hybrid_full_vocab", "teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1",
+      "teacher.remote.protocol=openai"],
+     "loss_fn.type = hybrid_full_vocab with a served teacher needs its hidden states"),
 ])
 def test_hybrid_config_mistakes_name_the_keys(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

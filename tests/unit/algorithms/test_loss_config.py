@@ -192,6 +192,8 @@ def test_a_file_that_sets_type_drops_its_parents_keys_of_other_types(tmp_path):
 BASE_TREE = {"model": {"teacher_model_path": "tiny:teacher", "student_model_path": "tiny:student"},
              "data": {"train_path": "unused.jsonl"}}
 REMOTE = {"backend": "remote", "remote": {"url": "http://127.0.0.1:1"}}
+# vLLM's JSON carries no hidden states: no full-vocabulary loss over it.
+REMOTE_JSON = {"backend": "remote", "remote": {"url": "http://127.0.0.1:1", "protocol": "openai"}}
 
 
 @pytest.mark.parametrize(("tree", "message"), [
@@ -199,11 +201,12 @@ REMOTE = {"backend": "remote", "remote": {"url": "http://127.0.0.1:1"}}
      "loss_fn.type = sampled_token needs the student's own samples on every step, but distillation.lambda = 0.5"),
     ({"loss_fn": {"type": "hybrid_full_vocab", "adv_tau": 1.0}, "distillation": {"lambda": 0.5}},
      "loss_fn.adv_tau = 1.0 rewards the student's own answers"),
-    ({"loss_fn": {"type": "full_vocab"}, "teacher": REMOTE},
-     "teacher.backend = remote cannot serve loss_fn.type = full_vocab"),
-    ({"loss_fn": {"type": "jsd"}, "teacher": REMOTE}, "teacher.backend = remote cannot serve loss_fn.type = jsd"),
-    ({"loss_fn": {"type": "hybrid_full_vocab"}, "teacher": REMOTE},
-     "teacher.backend = remote cannot serve loss_fn.type = hybrid_full_vocab"),
+    ({"loss_fn": {"type": "full_vocab"}, "teacher": REMOTE_JSON},
+     "loss_fn.type = full_vocab with a served teacher needs its hidden states, which vLLM's JSON does not carry"),
+    ({"loss_fn": {"type": "jsd"}, "teacher": REMOTE_JSON}, "loss_fn.type = jsd with a served teacher needs"),
+    ({"loss_fn": {"type": "hybrid_full_vocab"}, "teacher": REMOTE,
+      "model": {"teacher_model_path": None, "student_model_path": "tiny:student"}},
+     "loss_fn.type = hybrid_full_vocab with a served teacher applies the teacher's output layer here"),
     ({"loss_fn": {"type": "topk", "temperature": 2.0}, "teacher": REMOTE},
      "teacher.backend = remote cannot serve loss_fn.type = topk"),
 ], ids=["sampled-token-lambda", "hybrid-reward-lambda", "remote-full-vocab", "remote-jsd", "remote-hybrid",
