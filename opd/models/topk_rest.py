@@ -10,8 +10,9 @@ it right live here, in log space:
 
 * :func:`rest_logprobs_outside`: a teacher that holds its full log-softmax takes the
   logsumexp of the entries *outside* its top k. Every term is positive, so there is
-  nothing to cancel and float32 keeps its relative precision (LocalTeacher and
-  ``opd serve-teacher`` send this).
+  nothing to cancel and float32 keeps its relative precision (LocalTeacher sends this);
+  :func:`rest_logprobs_outside_summed_in_float64` sums the same terms in float64 (what
+  ``opd serve-teacher`` sends).
 * :func:`rest_logprobs_from_topk`: anyone holding only the top-k log-probs computes
   ``log1mexp(logsumexp(top k))`` in float64. That is exact for the log-probs as given;
   what it cannot undo is their own rounding (float32 log-probs carry a relative error of
@@ -82,3 +83,21 @@ def rest_logprobs_outside(log_probs: torch.Tensor, topk_ids: torch.Tensor) -> to
     """
     outside = log_probs.scatter(-1, topk_ids, float("-inf"))
     return torch.logsumexp(outside, dim=-1)
+
+
+def rest_logprobs_outside_summed_in_float64(log_probs: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`rest_logprobs_outside` as a float64 answer: what a teacher server sends.
+
+    Each outside probability is exponentiated in the input's precision, relative to the
+    largest of them (so that no tiny rest underflows), and they are summed in float64: the
+    sum of positive terms loses nothing to cancellation or to accumulated rounding.
+
+    Returns:
+        ``[...]`` float64 log rest masses; −inf where the ids cover the vocabulary.
+    """
+    outside = log_probs.scatter(-1, topk_ids, float("-inf"))
+    largest = outside.amax(dim=-1, keepdim=True)
+    empty = torch.isneginf(largest)
+    # In place: the [rows × vocab] copy above is the only one made.
+    total = outside.sub_(torch.where(empty, 0.0, largest)).exp_().sum(dim=-1, dtype=torch.float64)
+    return torch.where(empty.squeeze(-1), float("-inf"), total.log() + largest.squeeze(-1).double())

@@ -10,8 +10,8 @@ Scoring is two stages, so that a server can coalesce many requests into one forw
    so that no ``[positions × vocab]`` logits tensor exists at once:
 
    * :meth:`PromptScorer.topk`: the ``k`` most likely tokens and their log-probs, with the
-     log of the mass outside them summed in float64 over the full distribution (exact
-     where 1 − Σ_k P computed by a client would cancel);
+     log of the mass outside them summed in float64 over the rest of the distribution
+     (exact where 1 − Σ_k P computed by a client would cancel);
    * :meth:`PromptScorer.token_logprobs`: the log-prob of each actual next token;
    * :meth:`PromptScorer.prompt_logprobs`: vLLM's ``prompt_logprobs`` shape (the actual
      token with its rank, and the top k) for the OpenAI-compatible route;
@@ -31,6 +31,7 @@ import torch
 from transformers import PreTrainedModel
 
 from opd.models.lm_head import LMHeadInput, final_hidden_states, log_softmax_chunks, output_layer_of, token_log_probs
+from opd.models.topk_rest import rest_logprobs_outside_summed_in_float64
 
 HEAD_CHECKSUM_ROWS = 4096
 """Rows of the output layer hashed at a time (bounds the float32 copy's memory)."""
@@ -129,8 +130,7 @@ class PromptScorer:
             ids.append(top.indices.int())
             values.append(top.values)
             # Σ over the other tokens' probabilities (all positive) in float64: no cancellation.
-            outside = log_p.double().scatter(-1, top.indices, float("-inf"))
-            rests.append(torch.logsumexp(outside, dim=-1))
+            rests.append(rest_logprobs_outside_summed_in_float64(log_p, top.indices))
         if not ids:
             empty = torch.zeros((0, k))
             return empty.int(), empty.float(), torch.zeros(0, dtype=torch.float64)
@@ -160,7 +160,7 @@ class PromptScorer:
             top = log_p.topk(min(k, self.vocab_size), dim=-1) if k > 0 else None
             rests = None
             if top is not None:
-                rests = torch.logsumexp(log_p.double().scatter(-1, top.indices, float("-inf")), dim=-1).tolist()
+                rests = rest_logprobs_outside_summed_in_float64(log_p, top.indices).tolist()
             for offset in range(log_p.shape[0]):
                 entries.append(
                     PositionLogprobs(

@@ -38,7 +38,7 @@ from opd.models.interfaces import TopKLogprobs, TopKRequest
 from opd.models.teacher.context_teacher import ContextTeacher
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model
-from opd.models.topk_rest import rest_logprobs_outside
+from opd.models.topk_rest import rest_logprobs_outside, rest_logprobs_outside_summed_in_float64
 
 KL_TYPES = ("forward", "reverse", "mixed")
 REST_MASSES = (1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7)
@@ -146,6 +146,21 @@ def test_rest_from_the_full_distribution_keeps_float32_relative_precision(rest):
     got = rest_logprobs_outside(torch.log_softmax(teacher64.float(), -1), ids)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double().exp(), exact, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("rest", [*REST_MASSES, 1e-40])
+def test_the_servers_float64_sum_of_the_rest_matches_the_float64_reference(rest):
+    """What opd serve-teacher sends: relative error ~1e-7, even for a rest below float32's range."""
+    teacher64 = teacher_with_rest_mass(rest)
+    log_p = torch.log_softmax(teacher64.float(), -1)
+    ids = log_p.topk(K, dim=-1).indices
+    got = rest_logprobs_outside_summed_in_float64(log_p, ids)
+    assert got.dtype == torch.float64 and torch.isfinite(got).all()
+    # The reference: the same float32 log-probs, every step in float64.
+    reference = torch.logsumexp(log_p.double().scatter(-1, ids, -math.inf), dim=-1)
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-6)
+    all_ids = torch.arange(log_p.shape[-1]).expand(log_p.shape[0], -1)
+    assert rest_logprobs_outside_summed_in_float64(log_p, all_ids).tolist() == [-math.inf] * log_p.shape[0]
 
 
 def test_rest_is_minus_inf_not_nan_when_the_topk_rounds_to_one_or_more():
