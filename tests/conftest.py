@@ -57,6 +57,7 @@ _SLOWEST_FILES = [
     "functional/test_run_lifecycle.py",
     "unit/algorithms/test_sft.py",
     "distributed/test_worker_errors.py",
+    "unit/models/test_remote_teacher.py",
 ]
 
 
