@@ -262,6 +262,8 @@ def main() -> None:
         rows = [row for size in sizes for row in measure_size(size, args.repeats, root)]
     print("\n# served teacher vs in process: one training step (teacher signal, student forward, loss, backward, "
           f"AdamW), median of {args.repeats} interleaved repeats, 1 thread each")
+    positions = {row["size"]: row["loss_positions"] for row in rows}
+    print("loss positions per step: " + ", ".join(f"{size} {count}" for size, count in positions.items()))
     print("| vocabulary | loss | teacher | step s | ÷ in process (range) | payload B / loss token | loss rel. error |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
