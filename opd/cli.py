@@ -13,13 +13,17 @@
 
 User mistakes (config, data, incompatible models) end the run with one ``error:`` line
 and exit status 2, before any model is loaded where possible; no traceback is shown
-for them. A run that diverges (too many non-finite steps) exits with status 1.
+for them unless ``opd --debug ...`` or ``OPD_DEBUG=1`` asks for one. A run that diverges
+(too many non-finite steps) exits with status 1. Bugs in opd itself (any other
+exception) still show their traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,6 +46,9 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``opd`` command."""
     parser = argparse.ArgumentParser(prog="opd", description="On-policy knowledge distillation for LLMs.")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of user errors too (or set OPD_DEBUG=1)"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser("train", help="run on-policy distillation (student learns from teacher)")
     _add_config_arguments(train)
@@ -167,12 +174,11 @@ def main(argv: list[str] | None = None) -> int:
             run_generate(args.config, args.overrides)
         else:
             run_train(args.config, args.overrides, val_only=args.command == "eval")
-    except TrainingDivergedError as error:
-        print(f"opd: error: {error}", file=sys.stderr)
-        return EXIT_TRAINING_FAILED
     except OpdError as error:
+        if args.debug or os.environ.get("OPD_DEBUG") == "1":
+            traceback.print_exc()
         print(f"opd: error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return EXIT_TRAINING_FAILED if isinstance(error, TrainingDivergedError) else EXIT_USER_ERROR
     return 0
 
 

@@ -19,7 +19,7 @@ from opd.data.datasets import load_chat_dataset
 from opd.data.teacher_context import TeacherContext
 from opd.models.interfaces import PolicyInterface
 from opd.models.loading import load_tokenizer
-from opd.utils.checkpoint import CheckpointManager
+from opd.utils.checkpoint import CheckpointManager, reading_checkpoint
 from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError
 
@@ -159,9 +159,10 @@ def restore_run(
     if resume_from is None:
         return fresh_save_state()
     warn_on_config_change(resume_from, config)
-    policy.load_checkpoint(resume_from)
-    # Counters a checkpoint predates keep their fresh values.
-    save_state = cast(RunSaveState, {**fresh_save_state(), **checkpointer.load_save_state(resume_from)})
+    with reading_checkpoint(resume_from):
+        policy.load_checkpoint(resume_from)
+        # Counters a checkpoint predates keep their fresh values.
+        save_state = cast(RunSaveState, {**fresh_save_state(), **checkpointer.load_save_state(resume_from)})
     checkpointer.protected_step = save_state["best_step"]
     log.info("resuming from %s (step %d of %d)", resume_from, save_state["step"], total_steps)
     return save_state

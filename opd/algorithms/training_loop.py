@@ -37,7 +37,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from opd.algorithms.validation import ValidationConfig
 from opd.models.config import OptimizerConfig
 from opd.models.interfaces import PolicyInterface
-from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
+from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager, reading_checkpoint
 from opd.utils.config import StrictConfig, config_to_yaml
 from opd.utils.errors import ConfigError, TrainingDivergedError, WorkerError
 from opd.utils.logger import Logger, flatten_dict
@@ -269,7 +269,9 @@ class _TrainingRun:
     def restore_position(self) -> None:
         """Restores the RNG streams, the work in flight and, mid-epoch, the data position of the resumed checkpoint."""
         step = self.state["step"]
-        training_state = self.checkpointer.load_training_state(self.checkpointer.root / f"step_{step}")
+        checkpoint = self.checkpointer.root / f"step_{step}"
+        with reading_checkpoint(checkpoint):
+            training_state = self.checkpointer.load_training_state(checkpoint)
         restore_rng_state(training_state["rng"], self.algorithm_rng)
         # Batches drawn ahead of the step (in flight) moved the data past it.
         position = training_state.get("data_position", step)
@@ -441,13 +443,20 @@ def find_resume_checkpoint(checkpointing_enabled: bool, checkpointer: Checkpoint
     """The checkpoint a run resumes from: the newest complete ``step_N``, or None.
 
     Half-written ``.tmp_step_N`` directories left by a killed write are removed first
-    (with a warning), so they can never be mistaken for a checkpoint.
+    (with a warning), so they can never be mistaken for a checkpoint. The newest one is
+    checked against its manifest before anything is loaded from it.
+
+    Raises:
+        CheckpointDamagedError: the newest checkpoint is damaged (see :meth:`CheckpointManager.verify`).
     """
     if not checkpointing_enabled:
         return None
     for leftover in checkpointer.remove_incomplete():
         log.warning("removed %s, an incomplete checkpoint from an interrupted write", leftover)
-    return checkpointer.latest_checkpoint()
+    latest = checkpointer.latest_checkpoint()
+    if latest is not None:
+        checkpointer.verify(latest)
+    return latest
 
 
 def check_output_is_fresh(output_dir: str, checkpointer: CheckpointManager) -> None:

@@ -11,9 +11,13 @@ environments can use them. Datasets in other layouts are converted on load; see
 Every problem with the data raises :class:`~opd.utils.errors.DataError` with one
 message naming the source and the position of the bad example: ``line N`` for
 JSONL (1-based, as editors show it), ``item N`` for JSON and ``row N`` for parquet
-and Hugging Face datasets (also 1-based).
+and Hugging Face datasets (also 1-based). JSONL files are streamed: a line longer than
+:data:`MAX_JSONL_LINE_BYTES`, bytes that are not UTF-8 and strings that are not valid
+Unicode (lone surrogates) are refused with their line.
 """
 
+import codecs
+import itertools
 import json
 import logging
 from collections.abc import Iterator
@@ -33,6 +37,10 @@ DATA_FORMATS = ("chat", "math_cl")
 # the hub, where it would fail with a confusing repository-name error.
 _LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 _LOCAL_PREFIXES = ("./", "../", "/", "~")
+
+MAX_JSONL_LINE_BYTES = 16 * 2**20
+"""The longest JSONL line read (16 MiB; a 128k-token example is well under 1 MiB). A longer
+line is refused before it is parsed, having read only this many bytes of it."""
 
 # (position label, raw row) pairs, e.g. ("line 7", {...}).
 _RawRows = Iterator[tuple[str, Any]]
@@ -214,23 +222,63 @@ def _iter_raw_rows(source: str, split: str) -> _RawRows:
     return _iter_hub_dataset(source, split)
 
 
-def _iter_jsonl(path: Path, source: str) -> _RawRows:
-    # utf-8-sig drops a byte-order mark, which would otherwise make line 1 invalid JSON.
+def _iter_jsonl(path: Path, source: str, max_line_bytes: int = MAX_JSONL_LINE_BYTES) -> _RawRows:
+    """Streams a JSONL file line by line, never reading more than ``max_line_bytes`` + 1 bytes at once."""
     try:
-        with path.open(encoding="utf-8-sig") as f:
-            for line_number, line in enumerate(f, start=1):
+        with path.open("rb") as f:
+            offset = 0
+            for line_number in itertools.count(1):
+                raw = f.readline(max_line_bytes + 1)
+                if not raw:
+                    return
+                where = f"data file {source}, line {line_number}"
+                if len(raw) > max_line_bytes:
+                    raise DataError(
+                        f"{where} is longer than {max_line_bytes} bytes (MAX_JSONL_LINE_BYTES), the longest "
+                        "line opd reads; split the example or shorten it"
+                    )
+                if line_number == 1 and raw.startswith(codecs.BOM_UTF8):
+                    raw, offset = raw[len(codecs.BOM_UTF8) :], len(codecs.BOM_UTF8)
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise DataError(
+                        f"{where} is not valid UTF-8 ({err.reason} at byte {err.start + 1} of the line, "
+                        f"byte {offset + err.start + 1} of the file); save the file as UTF-8"
+                    ) from None
+                offset += len(raw)
                 if not line.strip():
                     continue
-                where = f"data file {source}, line {line_number}"
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise DataError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+                except RecursionError:
+                    raise DataError(f"{where}: the JSON is nested too deeply") from None
+                _check_unicode(row, where)
                 yield where, row
-    except UnicodeDecodeError as err:
-        raise DataError(f"data file {source} is not valid UTF-8 text ({err.reason} at byte {err.start})") from None
     except OSError as err:
         raise DataError(f"data file {source} could not be read: {err}") from None
+
+
+def _check_unicode(value: Any, where: str) -> None:
+    """Refuses strings that are not valid Unicode (a lone surrogate, which JSON's \\uXXXX escapes allow)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise DataError(
+                    f"{where}: a string holds a lone surrogate ({item[err.start]!r}), which is not valid Unicode; "
+                    "fix the \\u escape in the data"
+                ) from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _iter_json(path: Path, source: str) -> _RawRows:

@@ -11,6 +11,7 @@ Layout of one checkpoint::
       training_state.pt       # RNG states and dataloader state (weights_only=True)
       save_state.json         # step, epoch, consumed samples, best metric
       config.yaml             # the resolved config of the run
+      manifest.json           # every other file's size and CRC-32, written last
 
 A student trained by FSDP2 workers (a ``cluster:`` run) writes, instead of ``policy/``
 and ``optimizer.pt``, its shards (:mod:`opd.distributed.trainer_worker`)::
@@ -22,23 +23,44 @@ and ``optimizer.pt``, its shards (:mod:`opd.distributed.trainer_worker`)::
 
 A checkpoint is written to ``.tmp_step_N`` and renamed to ``step_N`` only when every file
 is on disk, so a crash mid-write never leaves a directory that resume would pick.
+
+Resume checks the newest checkpoint against its manifest before loading anything
+(:meth:`CheckpointManager.verify`): a file missing, truncated or changed since it was
+written stops the run with one message naming the file, and nothing is deleted or
+overwritten. The policy is to stop, not to fall back silently: the message gives the
+command that resumes from the previous complete checkpoint (moving the damaged one
+aside), so going back in training time is the user's decision.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import Field
+from safetensors import SafetensorError
 
 from opd.utils.config import StrictConfig
+from opd.utils.errors import OpdError
+from opd.utils.text import first_line
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = "opd-checkpoint-manifest/1"
+_READ_BLOCK = 8 * 2**20
+
+
+class CheckpointDamagedError(OpdError):
+    """A checkpoint's file is missing, truncated, changed or unreadable; nothing was loaded or removed."""
 
 
 class CheckpointingConfig(StrictConfig):
@@ -124,8 +146,9 @@ class CheckpointManager:
         policy.save_checkpoint(staging, tokenizer=tokenizer)
         torch.save(training_state, staging / "training_state.pt")
         (staging / "config.yaml").write_text(config_yaml, encoding="utf-8")
-        # save_state.json marks completeness, so it is written last.
         (staging / "save_state.json").write_text(json.dumps(save_state, indent=2), encoding="utf-8")
+        # The manifest describes every file written above, so it is written last.
+        write_manifest(staging)
         _fsync_tree(staging)
         if final.exists():  # re-saving the same step (e.g. after a resume)
             shutil.rmtree(final)
@@ -141,6 +164,31 @@ class CheckpointManager:
             if step != self.protected_step:
                 shutil.rmtree(path, ignore_errors=True)
 
+    def verify(self, checkpoint: Path) -> None:
+        """Checks every file of ``checkpoint`` against its manifest (sizes, then CRC-32s).
+
+        A checkpoint written before manifests existed has none; it is loaded unchecked.
+
+        Raises:
+            CheckpointDamagedError: naming the damaged file, what is wrong with it, and how
+                to resume from the previous complete checkpoint instead.
+        """
+        problem = manifest_problem(checkpoint)
+        if problem is None:
+            return
+        older = [path for step, path in self.list_checkpoints() if path != checkpoint]
+        if older:
+            aside = checkpoint.parent / f"damaged_{checkpoint.name}"
+            remedy = (
+                f"to resume from the previous complete checkpoint ({older[-1].name}), move the damaged one "
+                f"aside and rerun the same command: mv {checkpoint} {aside}"
+            )
+        else:
+            remedy = "there is no older checkpoint; start the run again with another output_dir"
+        raise CheckpointDamagedError(
+            f"checkpoint {checkpoint} is damaged: {problem}. Nothing was loaded, changed or deleted; {remedy}"
+        )
+
     @staticmethod
     def load_save_state(checkpoint: Path) -> dict[str, Any]:
         """Reads ``save_state.json`` of a checkpoint."""
@@ -150,6 +198,74 @@ class CheckpointManager:
     def load_training_state(checkpoint: Path) -> dict[str, Any]:
         """Reads RNG and dataloader state (``weights_only=True``: no arbitrary unpickling)."""
         return torch.load(checkpoint / "training_state.pt", weights_only=True)
+
+
+@contextlib.contextmanager
+def reading_checkpoint(checkpoint: Path) -> Iterator[None]:
+    """Turns a failure to read ``checkpoint`` (truncated, garbage, refused pickle) into one clear error.
+
+    The manifest catches damage done after a checkpoint was written; this covers
+    checkpoints written before manifests existed, and damage a manifest cannot see.
+
+    Raises:
+        CheckpointDamagedError: naming the checkpoint and the reader's complaint.
+    """
+    try:
+        yield
+    except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError, SafetensorError) as error:
+        aside = checkpoint.parent / f"damaged_{checkpoint.name}"
+        raise CheckpointDamagedError(
+            f"checkpoint {checkpoint} could not be read ({type(error).__name__}: {first_line(error)}); nothing "
+            f"was changed or deleted; move it aside (mv {checkpoint} {aside}) to resume from the previous checkpoint"
+        ) from None
+
+
+def _crc32(path: Path) -> str:
+    value = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(_READ_BLOCK):
+            value = zlib.crc32(block, value)
+    return f"{value:08x}"
+
+
+def write_manifest(directory: Path) -> None:
+    """Writes ``manifest.json``: the size and CRC-32 of every other file under ``directory``."""
+    files = {
+        path.relative_to(directory).as_posix(): {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != MANIFEST_FILE
+    }
+    manifest = {"format": MANIFEST_FORMAT, "files": files}
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+
+
+def manifest_problem(directory: Path) -> str | None:
+    """What does not match ``directory``'s manifest (the first problem found), or None.
+
+    Sizes are compared first for every file (cheap, and what a truncation changes), then
+    the checksums. Files added since (none are expected) are not reported.
+    """
+    path = directory / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+            raise ValueError(f"format {manifest.get('format')!r}")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+        return f"{MANIFEST_FILE} is unreadable ({error})"
+    for name, expected in files.items():
+        file = directory / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            return f"{name} has {size} bytes, {expected['bytes']} were written"
+    for name, expected in files.items():
+        if _crc32(directory / name) != expected["crc32"]:
+            return f"{name} has changed since it was written (CRC-32 mismatch)"
+    return None
 
 
 def _fsync_tree(directory: Path) -> None:

@@ -1,6 +1,7 @@
 """Loading YAML configs with command-line overrides, and validating them.
 
-A config file is YAML. It may name parent files under a top-level ``defaults`` key
+A config file is YAML, read strictly (:mod:`opd.utils.strict_yaml`: YAML 1.2's
+booleans and numbers, no key written twice, UTF-8). It may name parent files under a top-level ``defaults`` key
 (a path or a list of paths, relative to the file), which are loaded first and then
 overridden by the file's own keys, as NeMo-RL's example configs do. Command-line
 overrides use dotted keys (``training.learning_rate=1e-5``) and are applied last.
@@ -19,35 +20,81 @@ whose message names the dotted key and what is allowed, before any model is load
 from __future__ import annotations
 
 import difflib
+import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar, get_args
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 from opd.utils.errors import ConfigError
+from opd.utils.strict_yaml import parse_yaml_value, read_yaml_file, yaml_problem
 from opd.utils.text import first_line
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class StrictConfig(BaseModel):
-    """Base for config sections: unknown keys are errors and values are re-checked on assignment."""
+    """Base for config sections: unknown keys are errors and values are re-checked on assignment.
+
+    A number is a number: a boolean (YAML 1.1's ``yes`` / ``on`` included) or a quoted
+    string given for a numeric key is refused, where pydantic would quietly convert it.
+    """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
     moved_keys: ClassVar[dict[str, str]] = {}
     """Dotted keys of an older schema → where they live now (checked by :func:`validate_config`)."""
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_coerced(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name is None or not isinstance(value, (bool, str)):
+            return value
+        kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
+        if not kinds & {int, float}:
+            return value
+        expected = "an integer" if float not in kinds else "a number"
+        if isinstance(value, bool) and bool not in kinds:
+            raise ValueError(f"expected {expected}, got the boolean {str(value).lower()}")
+        if isinstance(value, str) and str not in kinds:
+            if value.lower() in _YAML11_BOOLEAN_WORDS:
+                raise ValueError(f"expected {expected}, got the word {value!r} (nor is it a boolean in YAML 1.2)")
+            if _looks_numeric(value):
+                raise ValueError(f"expected {expected}, got the string {value!r} (write it without quotes)")
+            raise ValueError(f"expected {expected}, got the string {value!r}")
+        return value
 
-def _yaml_problem(error: yaml.YAMLError) -> str:
-    """PyYAML's problem description with its 1-based line and column, on one line."""
-    problem = getattr(error, "problem", None) or first_line(error)
-    mark = getattr(error, "problem_mark", None)
-    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
+
+_YAML11_BOOLEAN_WORDS = frozenset({"yes", "no", "on", "off", "y", "n"})
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _scalar_kinds(annotation: Any) -> set[type]:
+    """The scalar types a field annotation accepts (through ``X | None``, ``Annotated`` and ``Literal``)."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return {type(choice) for choice in get_args(annotation)}
+    if origin in (Union, types.UnionType, Annotated):
+        arguments = get_args(annotation)
+        return set().union(
+            *(_scalar_kinds(argument) for argument in (arguments[:1] if origin is Annotated else arguments))
+        )
+    if isinstance(annotation, type) and issubclass(annotation, (bool, int, float, str)):
+        return {bool if issubclass(annotation, bool) else int if issubclass(annotation, int) else annotation}
+    if isinstance(annotation, type) and issubclass(annotation, (Path,)):
+        return {str}
+    return set()
 
 
 VariantKeys = Callable[[str, str], "set[str] | None"]
@@ -92,10 +139,7 @@ def _load_yaml_with_defaults(
         raise ConfigError(f"config file {path}: 'defaults' forms a cycle")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as error:
-        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(error)}") from None
+    tree = read_yaml_file(path)
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {path}: the top level must be a mapping of keys")
     parents = tree.pop("defaults", None) or []
@@ -105,6 +149,18 @@ def _load_yaml_with_defaults(
     for parent in parents:
         merged = _merge(merged, _load_yaml_with_defaults(path.parent / parent, (*seen, path), variant_keys))
     return _merge(_drop_keys_of_other_variants(merged, tree, variant_keys), tree)
+
+
+def _override_layer(override: str) -> dict[str, Any]:
+    """``a.b.c=value`` as ``{"a": {"b": {"c": value}}}``, the value read as strict YAML."""
+    key, text = override.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override '{override}': '{key}' is not a dotted key (e.g. training.learning_rate)")
+    layer: dict[str, Any] = {parts[-1]: parse_yaml_value(text)}
+    for part in reversed(parts[:-1]):
+        layer = {part: layer}
+    return layer
 
 
 def load_config_tree(
@@ -131,10 +187,10 @@ def load_config_tree(
         if "=" not in override or override.startswith("="):
             raise ConfigError(f"override '{override}' must look like key.sub=value (e.g. training.learning_rate=1e-5)")
         try:
-            layer = _plain(OmegaConf.to_container(OmegaConf.from_dotlist([override]), resolve=False))
+            layer = _override_layer(override)
             tree = _merge(_drop_keys_of_other_variants(tree, layer, variant_keys), layer)
         except yaml.YAMLError as error:  # the value after '=' is parsed as YAML
-            raise ConfigError(f"override '{override}': the value is not valid YAML: {_yaml_problem(error)}") from None
+            raise ConfigError(f"override '{override}': the value is not valid YAML: {yaml_problem(error)}") from None
         except OmegaConfBaseException as error:
             raise ConfigError(f"override '{override}': {first_line(error)}") from None
     try:
@@ -230,7 +286,7 @@ def _format_validation_error(model_cls: type[BaseModel], error: ValidationError)
         elif item["type"] == "union_tag_invalid":
             lines.append(f"{dotted}.type = {item['ctx']['tag']!r}: expected one of {item['ctx']['expected_tags']}")
         else:
-            lines.append(f"{dotted} = {item.get('input')!r}: {item['msg']}")
+            lines.append(f"{dotted} = {item.get('input')!r}: {str(item['msg']).removeprefix('Value error, ')}")
     return "invalid config: " + "; ".join(lines)
 
 

@@ -293,11 +293,46 @@ def test_unreadable_parquet(tmp_path):
         load_chat_dataset(str(path))
 
 
-def test_non_utf8_jsonl(tmp_path):
+def test_non_utf8_jsonl_names_the_line_and_the_byte_from_the_start_of_the_file(tmp_path):
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
     path = tmp_path / "latin1.jsonl"
-    path.write_bytes(b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
-    with pytest.raises(DataError, match=rf"data file {re.escape(str(path))} is not valid UTF-8"):
+    # Far past the reader's first 8 KiB, where a chunked reader would count from its chunk.
+    path.write_bytes(good.encode() * 200 + b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+    byte_in_line = len(b'{"messages": [{"role": "user", "content": "caf') + 1
+    byte_in_file = len(good.encode()) * 200 + byte_in_line
+    with pytest.raises(DataError, match=rf"data file {re.escape(str(path))}, line 201 is not valid UTF-8 "
+                                        rf"\(invalid continuation byte at byte {byte_in_line} of the line, "
+                                        rf"byte {byte_in_file} of the file\)"):
         load_chat_dataset(str(path))
+
+
+def test_a_lone_surrogate_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "surrogate.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "ok"}]}\n'
+                    '{"messages": [{"role": "user", "content": "bad \\udc80"}, '
+                    '{"role": "assistant", "content": "x"}]}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"line 2: a string holds a lone surrogate \('\\udc80'\)"):
+        load_chat_dataset(str(path))
+
+
+def test_an_overlong_line_is_refused_with_bounded_memory(tmp_path):
+    """A 50 MB line: refused before parsing, having read at most MAX_JSONL_LINE_BYTES of it."""
+    import tracemalloc
+
+    from opd.data.datasets import MAX_JSONL_LINE_BYTES
+
+    path = tmp_path / "huge.jsonl"
+    with path.open("wb") as handle:
+        handle.write(b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]}\n')
+        handle.write(b'{"messages": [{"role": "user", "content": "' + b"a" * (50 * 2**20) + b'"}]}\n')
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match=rf"line 2 is longer than {MAX_JSONL_LINE_BYTES} bytes"):
+            load_chat_dataset(str(path))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2.5 * MAX_JSONL_LINE_BYTES  # the 50 MB line was never held whole
 
 
 @pytest.mark.parametrize("name", ["empty.jsonl", "blank.jsonl", "empty.json"])

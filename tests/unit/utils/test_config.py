@@ -179,6 +179,53 @@ def test_several_problems_are_reported_together():
     assert "distillation.lambda" in message and "training.batch_size" in message
 
 
+@pytest.mark.parametrize("override, detail", [
+    ("training.batch_size=yes", "expected an integer, got the word 'yes'"),
+    ("distillation.lambda=on", "expected a number, got the word 'on'"),
+    ("training.batch_size=true", "expected an integer, got the boolean true"),
+    ('training.learning_rate="1e-5"', "got the string '1e-5' (write it without quotes)"),
+    ("training.max_num_steps='3'", "got the string '3' (write it without quotes)"),
+])
+def test_numbers_are_not_coerced_from_booleans_or_strings(override, detail):
+    message = config_error(override)
+    assert override.split("=")[0] in message and detail in message
+
+
+def test_yaml_12_numbers_and_booleans(tmp_path):
+    # YAML 1.1 reads 1e-5 as a string and 010 as 8; opd reads YAML 1.2's core scalars.
+    path = tmp_path / "numbers.yaml"
+    path.write_text(f"defaults: {TINY}\ntraining:\n  learning_rate: 1e-5\n  max_num_steps: 010\n"
+                    "distillation:\n  mask_prompt_tokens: True\n", encoding="utf-8")
+    config = load(path=path)
+    assert config.training.learning_rate == 1e-5 and config.training.max_num_steps == 10
+    assert config.distillation.mask_prompt_tokens is True
+    assert load("training.learning_rate=2e-4").training.learning_rate == 2e-4
+
+
+@pytest.mark.parametrize("text, lines", [
+    ("training:\n  batch_size: 4\ndata:\n  val_path: null\ntraining:\n  max_num_steps: 3\n", "lines 1 and 5"),
+    ("training:\n  batch_size: 4\n  warmup_steps: 0\n  batch_size: 8\n", "lines 2 and 4"),
+])
+def test_a_key_written_twice_names_both_lines(tmp_path, text, lines):
+    path = tmp_path / "twice.yaml"
+    path.write_text(f"defaults: {TINY}\n" + text, encoding="utf-8")
+    key = "training" if text.count("training:") == 2 else "batch_size"
+    shifted = " and ".join(str(int(number) + 1) for number in lines.removeprefix("lines ").split(" and "))
+    message = config_error(path=path)
+    assert f"key '{key}' appears twice in one mapping (lines {shifted})" in message and str(path) in message
+
+
+def test_a_config_that_is_not_utf8_or_empty_is_named(tmp_path):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(f"defaults: {TINY}\n# caf\xe9\n".encode("latin-1"))
+    assert config_error(path=latin1) == (f"config file {latin1} is not UTF-8 text: byte "
+                                         f"{len(f'defaults: {TINY}') + 7} (line 2) cannot be decoded; save the file "
+                                         "as UTF-8")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing here\n\n", encoding="utf-8")
+    assert "is empty" in config_error(path=empty)
+
+
 # --------------------------------------------------------------------------- malformed input
 
 

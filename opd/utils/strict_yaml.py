@@ -1,0 +1,121 @@
+"""Reading YAML configs strictly: YAML 1.2's scalars, no duplicate keys, UTF-8 named when it fails.
+
+PyYAML implements YAML 1.1, whose implicit scalars surprise config authors: ``yes``,
+``no``, ``on`` and ``off`` are booleans, ``1e-5`` (no dot) is a *string*, ``010`` is 8.
+:class:`StrictYamlLoader` resolves plain scalars as YAML 1.2's core schema does instead:
+booleans are only ``true`` / ``false``, ``1e-5`` is a float, ``010`` is 10, and every other
+word is a string (which a number field then refuses, naming the key). A key written twice
+in one mapping is an error naming both lines: in plain PyYAML the later one silently wins.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+from yaml.constructor import SafeConstructor
+
+from opd.utils.errors import ConfigError
+
+_BOOL = "tag:yaml.org,2002:bool"
+_INT = "tag:yaml.org,2002:int"
+_FLOAT = "tag:yaml.org,2002:float"
+_MERGE = "tag:yaml.org,2002:merge"
+
+# YAML 1.2 core schema (https://yaml.org/spec/1.2.2/#1032-tag-resolution).
+_BOOL_PATTERN = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_INT_PATTERN = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_FLOAT_PATTERN = re.compile(
+    r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+)
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names the same key twice."""
+
+    def __init__(self, key: Any, first_line: int, second_line: int) -> None:
+        super().__init__(f"key {key!r} appears twice in one mapping (lines {first_line} and {second_line})")
+        self.key = key
+        self.lines = (first_line, second_line)
+
+
+class StrictYamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 core scalars and duplicate keys refused."""
+
+    # YAML 1.1's bool / int / float resolvers out; YAML 1.2's are added below.
+    yaml_implicit_resolvers: ClassVar[dict[Any, list[tuple[str, re.Pattern[str]]]]] = {
+        first: [(tag, pattern) for tag, pattern in resolvers if tag not in (_BOOL, _INT, _FLOAT)]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == _MERGE:  # `<<: *anchor` merges are overrides by design
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise DuplicateKeyError(key, seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        text = str(self.construct_scalar(node))
+        if text.startswith("0o"):
+            return int(text[2:], 8)
+        if text.startswith("0x"):
+            return int(text[2:], 16)
+        return int(text, 10)  # 010 is ten, not YAML 1.1's octal eight
+
+
+StrictYamlLoader.add_implicit_resolver(_BOOL, _BOOL_PATTERN, list("tTfF"))
+StrictYamlLoader.add_implicit_resolver(_INT, _INT_PATTERN, list("-+0123456789"))
+StrictYamlLoader.add_implicit_resolver(_FLOAT, _FLOAT_PATTERN, list("-+0123456789."))
+StrictYamlLoader.add_constructor(_INT, StrictYamlLoader.construct_yaml_int)
+StrictYamlLoader.add_constructor(_FLOAT, SafeConstructor.construct_yaml_float)
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's problem description with its 1-based line and column, on one line."""
+    if isinstance(error, DuplicateKeyError):
+        return str(error)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    mark = getattr(error, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
+
+
+def parse_yaml_value(text: str) -> Any:
+    """One scalar or flow value (a command-line override's right-hand side) with the same rules.
+
+    Raises:
+        yaml.YAMLError: not valid YAML.
+    """
+    return yaml.load(text, Loader=StrictYamlLoader)
+
+
+def read_yaml_file(path: Path) -> Any:
+    """A YAML file's content, read strictly (see the module docstring).
+
+    Raises:
+        ConfigError: naming the file when it is not UTF-8 (with the line of the first bad
+            byte), is empty, or is not valid YAML (with line and column, or both lines of a
+            duplicate key).
+    """
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text: byte {error.start + 1} (line {line}) cannot be decoded; "
+            "save the file as UTF-8"
+        ) from None
+    if not text.strip() or all(not line.strip() or line.lstrip().startswith("#") for line in text.splitlines()):
+        raise ConfigError(f"config file {path} is empty; start from examples/configs/distillation.yaml")
+    try:
+        return yaml.load(text, Loader=StrictYamlLoader)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {yaml_problem(error)}") from None

@@ -1,0 +1,129 @@
+"""Damaged checkpoints: named with the damaged file, never loaded, never deleted or replaced.
+
+A real tiny run (``opd train`` in this process) writes ``step_2`` and ``step_4``; each test
+damages the newest one as a disk, a copy or a hand edit would, reruns the same command,
+and checks: exit status 2, one ``error:`` line naming the checkpoint and the file, no
+traceback, and every file of the run byte-identical afterwards. Following the message's
+advice (moving the damaged checkpoint aside) resumes from ``step_2``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from opd.cli import main
+from opd_test_helpers import REPO_ROOT, short_run_overrides
+
+TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
+RUN_OVERRIDES = ["training.max_num_steps=4", "training.save_freq=2", "checkpointing.keep_top_k=null",
+                 "training.batch_size=2", "training.micro_batch_size=null", "distillation.generate_strategy.max_length=8"]
+
+
+@pytest.fixture
+def cli(capsys):
+    """``opd.cli.main`` in this process: ``(status, stdout, stderr)``; opd's logger is put back afterwards."""
+    opd_log = logging.getLogger("opd")
+    saved = (list(opd_log.handlers), opd_log.level, opd_log.propagate)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        status = main(list(argv))
+        captured = capsys.readouterr()
+        return status, captured.out, captured.err
+
+    yield run
+    opd_log.handlers[:], opd_log.level, opd_log.propagate = saved
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("damaged")
+    opd_log = logging.getLogger("opd")
+    saved = (list(opd_log.handlers), opd_log.level, opd_log.propagate)
+    try:
+        status = main(["train", "--config", str(TINY), *short_run_overrides(root, "run"), *RUN_OVERRIDES])
+    finally:
+        opd_log.handlers[:], opd_log.level, opd_log.propagate = saved
+    assert status == 0
+    return root / "run"
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    return {path.relative_to(directory).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def garble(path: Path) -> None:
+    """Same size, other bytes: only the checksum can tell."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGES = {
+    "truncated optimizer": ("optimizer.pt", truncate, "optimizer.pt has"),
+    "truncated policy weights": ("policy/model.safetensors", truncate, "policy/model.safetensors has"),
+    "garbled training state": ("training_state.pt", garble, "training_state.pt has changed since it was written"),
+    "garbage save state": ("save_state.json", lambda path: path.write_text("{not json"), "save_state.json has"),
+    "missing tokenizer": ("policy/tokenizer.json", lambda path: path.unlink(), "policy/tokenizer.json is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_damaged_newest_checkpoint_stops_the_rerun_and_names_the_file(finished_run, tmp_path, cli, damage):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "final_model").rename(tmp_path / "final_model")  # as if the run had been killed before its end
+    name, spoil, message = DAMAGES[damage]
+    newest = run / "checkpoints" / "step_4"
+    spoil(newest / name)
+    before = snapshot(run)
+    status, _, err = cli("train", "--config", str(TINY), *short_run_overrides(tmp_path, "run"), *RUN_OVERRIDES)
+    assert status == 2
+    lines = [line for line in err.splitlines() if line.startswith("opd: error:")]
+    assert len(lines) == 1 and "Traceback" not in err
+    assert f"checkpoint {newest} is damaged: {message}" in lines[0]
+    assert f"mv {newest} {newest.parent / 'damaged_step_4'}" in lines[0] and "(step_2)" in lines[0]
+    assert snapshot(run) == before  # nothing loaded over, deleted or rewritten
+
+
+def test_following_the_advice_resumes_from_the_previous_checkpoint(finished_run, tmp_path, cli):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "final_model").rename(tmp_path / "final_model")
+    newest = run / "checkpoints" / "step_4"
+    truncate(newest / "optimizer.pt")
+    assert cli("train", "--config", str(TINY), *short_run_overrides(tmp_path, "run"), *RUN_OVERRIDES)[0] == 2
+    newest.rename(newest.parent / "damaged_step_4")
+    status, _, err = cli("train", "--config", str(TINY), *short_run_overrides(tmp_path, "run"), *RUN_OVERRIDES)
+    assert status == 0, err
+    assert "resuming from" in err and "step_2" in err
+    # The rerun redid steps 3 and 4 from step_2: the first run's losses (resume is exact).
+    def losses(directory: Path) -> dict[int, float]:
+        records = [json.loads(line) for line in (directory / "logs" / "metrics.jsonl").read_text().splitlines()]
+        return {record["step"]: record["train/loss"] for record in records if "train/loss" in record}
+
+    assert losses(run) == losses(finished_run) and sorted(losses(run)) == [1, 2, 3, 4]
+    assert (run / "checkpoints" / "damaged_step_4").is_dir()  # still there, for the user to inspect
+
+
+def test_a_checkpoint_without_a_manifest_is_still_checked_when_read(finished_run, tmp_path, cli):
+    """Written before manifests existed: a truncated file is named by the reader, not a traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "final_model").rename(tmp_path / "final_model")
+    newest = run / "checkpoints" / "step_4"
+    (newest / "manifest.json").unlink()
+    truncate(newest / "training_state.pt")
+    status, _, err = cli("train", "--config", str(TINY), *short_run_overrides(tmp_path, "run"), *RUN_OVERRIDES)
+    assert status == 2 and "Traceback" not in err
+    assert f"checkpoint {newest} could not be read" in err
