@@ -54,10 +54,11 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     if is_tiny_path(path):
         tokenizer = build_tiny_tokenizer()
     else:
+        _check_local_path(path, "tokenizer")
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as error:
-            raise ConfigError(f"cannot load tokenizer from '{path}': {str(error).splitlines()[0]}") from None
+            raise ConfigError(_loading_problem(path, error, "tokenizer")) from None
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"tokenizer '{path}' has no EOS token; generation could never stop")
     if tokenizer.pad_token_id is None:
@@ -66,6 +67,45 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError(f"tokenizer '{path}' has no chat template; set data.chat_template in the config")
     return tokenizer
+
+
+_LOCAL_PREFIXES = ("/", "./", "../", "~")
+
+
+def _check_local_path(path: str, what: str) -> None:
+    """A path that can only be local (absolute, ./, ../, ~, or more than one '/') must exist.
+
+    Otherwise transformers takes it for a hub repository id and reports a malformed id.
+
+    Raises:
+        ConfigError: naming the missing directory.
+    """
+    looks_local = path.startswith(_LOCAL_PREFIXES) or path.count("/") > 1
+    if looks_local and not Path(path).expanduser().exists():
+        raise ConfigError(f"{what} directory '{path}' does not exist")
+
+
+def _loading_problem(path: str, error: Exception, what: str = "model") -> str:
+    """One line saying why ``path`` did not load, and what to do."""
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if "trust_remote_code" in str(error):
+        return (
+            f"cannot load {what} from '{path}': it needs its own Python code; set model.trust_remote_code = true "
+            "if you trust that code"
+        )
+    directory = Path(path).expanduser()
+    if what == "model" and directory.is_dir():
+        for file in sorted(directory.glob("*.safetensors")):
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118 (safe_open has keys(), not __contains__)
+                        handle.get_slice(name)
+            except (SafetensorError, OSError) as damage:
+                return (
+                    f"cannot load model from '{path}': the weights file {file} is damaged or truncated "
+                    f"({str(damage).splitlines()[0]}); copy it again"
+                )
+    return f"cannot load {what} from '{path}': {message}"
 
 
 def load_causal_lm(
@@ -93,10 +133,11 @@ def load_causal_lm(
             kwargs["attn_implementation"] = config.attn_implementation
         if device_map is not None:
             kwargs["device_map"] = device_map
+        _check_local_path(path, "model")
         try:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"cannot load model from '{path}': {str(error).splitlines()[0]}") from None
+        except (OSError, ValueError, SafetensorError) as error:
+            raise ConfigError(_loading_problem(path, error)) from None
         if device_map is not None:
             return model
     torch.nn.Module.to(model, device)  # in place (transformers' typing of its own .to() is unusable here)

@@ -19,9 +19,11 @@ Concurrent requests of both kinds are coalesced into shared forward passes
 ``GET /metrics`` reports requests, tokens, forward passes, tokens per second and the
 queue depth in Prometheus' text format.
 
-It binds 127.0.0.1 unless told otherwise, checks ``Authorization: Bearer <key>`` on
-every route but ``/health`` when started with an API key, and refuses bodies over
-``--max-request-bytes`` (HTTP 413) before reading them. On SIGTERM or Ctrl-C it stops
+It binds 127.0.0.1 unless told otherwise (another interface needs a bearer token, or
+``--allow-unauthenticated``), checks ``Authorization: Bearer <key>`` on every route but
+``/health`` when started with an API key, refuses bodies over ``--max-request-bytes``
+(HTTP 413) before reading them, and gives a body ``--body-timeout-s`` to arrive
+(HTTP 408). On SIGTERM or Ctrl-C it stops
 accepting connections and finishes the requests in flight before it exits.
 
 Why FastAPI and uvicorn rather than Ray Serve: a teacher server runs on the teacher's
@@ -33,6 +35,7 @@ shutdown with two small dependencies (the ``serve`` extra).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import json
 import logging
@@ -62,6 +65,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_LOGPROBS = 128
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 DEFAULT_MAX_BATCH_TOKENS = 16384
+DEFAULT_BODY_TIMEOUT_S = 60.0
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class RequestError(Exception):
@@ -327,8 +332,8 @@ class TeacherService:
 # ---------------------------------------------------------------------------- HTTP
 
 
-async def _read_json(request: Request, max_request_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object, refusing what is too large, unannounced, or not JSON."""
+async def _read_json(request: Request, max_request_bytes: int, body_timeout_s: float) -> dict[str, Any]:
+    """The body as a JSON object, refusing what is too large, unannounced, too slow, or not JSON."""
     declared = request.headers.get("content-length")
     if declared is None:
         raise RequestError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
@@ -339,7 +344,13 @@ async def _read_json(request: Request, max_request_bytes: int) -> dict[str, Any]
             HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
             f"request body of {declared} bytes exceeds the server's limit of {max_request_bytes}",
         )
-    raw = await request.body()
+    try:
+        # A client that announces a body and sends it slowly (or never) does not hold the connection forever.
+        raw = await asyncio.wait_for(request.body(), timeout=body_timeout_s)
+    except asyncio.TimeoutError:
+        raise RequestError(
+            HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive within {body_timeout_s:g} s"
+        ) from None
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as error:
@@ -354,7 +365,10 @@ async def _read_json(request: Request, max_request_bytes: int) -> dict[str, Any]
 
 
 def build_app(
-    service: TeacherService, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    service: TeacherService,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> FastAPI:
     """The ASGI application serving ``service`` (its batcher runs while the app does)."""
     from fastapi import FastAPI
@@ -376,8 +390,9 @@ def build_app(
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, problem: RequestError) -> JSONResponse:
-        # An oversized body is refused unread: close rather than drain the connection.
-        return error(problem.status, str(problem), close=problem.status == HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        # A body refused unread (too large, too slow): close rather than drain the connection.
+        unread = problem.status in (HTTPStatus.REQUEST_ENTITY_TOO_LARGE, HTTPStatus.REQUEST_TIMEOUT)
+        return error(problem.status, str(problem), close=unread)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, problem: StarletteHTTPException) -> JSONResponse:
@@ -407,14 +422,14 @@ def build_app(
         return endpoint
 
     async def completions(request: Request) -> Response:
-        return JSONResponse(await service.completions(await _read_json(request, max_request_bytes)))
+        return JSONResponse(await service.completions(await _read_json(request, max_request_bytes, body_timeout_s)))
 
     async def score(request: Request) -> Response:
-        body = await service.score(await _read_json(request, max_request_bytes))
+        body = await service.score(await _read_json(request, max_request_bytes, body_timeout_s))
         return Response(body, media_type=wire.MEDIA_TYPE)
 
     async def tokenize(request: Request) -> Response:
-        return JSONResponse(service.tokenize(await _read_json(request, max_request_bytes)))
+        return JSONResponse(service.tokenize(await _read_json(request, max_request_bytes, body_timeout_s)))
 
     async def models(request: Request) -> Response:
         return JSONResponse(service.models())
@@ -532,6 +547,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="spread a teacher too large for one device over all visible GPUs (auto, balanced, sequential)",
     )
     parser.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help=f"a request body that takes longer to arrive gets HTTP 408 (default {DEFAULT_BODY_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve an interface other than loopback without --api-key-env (anyone who reaches it can use the teacher)",
+    )
+    parser.add_argument(
         "--graceful-timeout-s",
         type=_positive,
         default=None,
@@ -559,10 +585,15 @@ def main(argv: list[str] | None = None) -> int:
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
             return _fail(f"--api-key-env {args.api_key_env} names an unset or empty variable")
-    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if api_key is None and args.host not in LOOPBACK_HOSTS:
+        if not args.allow_unauthenticated:
+            return _fail(
+                f"--host {args.host} serves other machines, so set --api-key-env VAR (a bearer token); "
+                "--allow-unauthenticated serves without one"
+            )
         log.warning(
-            "serving on %s without a bearer token: anyone who can reach this machine can use the teacher; "
-            "set --api-key-env",
+            "serving on %s without a bearer token (--allow-unauthenticated): anyone who can reach this machine "
+            "can use the teacher",
             args.host,
         )
     from opd.models.config import ModelLoadingConfig
@@ -591,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
         args.max_batch_tokens,
     )
     host, port = sock.getsockname()[:2]
-    server = uvicorn_server(build_app(service, api_key, args.max_request_bytes), args.graceful_timeout_s)
+    app = build_app(service, api_key, args.max_request_bytes, args.body_timeout_s)
+    server = uvicorn_server(app, args.graceful_timeout_s)
     # uvicorn drains the requests in flight on SIGTERM / Ctrl-C, then re-raises the signal
     # to the handlers it found; these make that a clean exit (status 0) after the drain.
     for stop_signal in (signal.SIGTERM, signal.SIGINT):

@@ -157,10 +157,12 @@ def test_malformed_bodies_get_a_4xx_with_a_reason(teacher_model, tokenizer, body
     try:
         response = httpx.post(f"{running.url}{wire.SCORE_PATH}", content=body,
                               headers={"Content-Type": "application/json"})
+        after = httpx.post(f"{running.url}{wire.SCORE_PATH}", json={"sequences": [[5, 6, 7]], "signal": "topk", "k": 2})
     finally:
         running.stop()
     assert 400 <= response.status_code < 500
     assert message in response.json()["error"]["message"]
+    assert after.status_code == 200  # the next good request is answered
 
 
 @pytest.mark.parametrize("length_header, status", [(b"Content-Length: -5\r\n", b"400"), (b"", b"411")])
@@ -171,6 +173,31 @@ def test_bad_or_missing_content_length_is_answered_not_hung(teacher_model, token
     finally:
         running.stop()
     assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == status
+
+
+def test_a_body_that_does_not_arrive_gets_408_and_the_server_keeps_answering(teacher_model, tokenizer):
+    service = TeacherService(PromptScorer(teacher_model, len(tokenizer)), tokenizer, "tiny", 16, 512)
+    running = RunningServer(service, body_timeout_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", running.port), timeout=10) as connection:
+            connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+            began = time.monotonic()
+            answer = connection.recv(65536)  # the rest of the body never comes
+            waited = time.monotonic() - began
+        after = httpx.get(f"{running.url}/v1/models")
+    finally:
+        running.stop()
+    assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"408"
+    assert b"did not arrive within 0.5 s" in answer
+    assert 0.4 < waited < 5
+    assert after.status_code == 200
+
+
+def test_serving_other_machines_needs_a_token_or_an_explicit_flag(capsys):
+    from opd.models.teacher.server import main as serve_main
+
+    assert serve_main(["--model", "tiny:teacher", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "set --api-key-env VAR" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ a real server process

@@ -1,0 +1,190 @@
+"""Bad inputs a user can give, each with the exit status and the one-line message it must get.
+
+The table runs ``opd`` in this process on a tiny config; every case must end with exit
+status 2, exactly one ``opd: error:`` line matching its pattern, and no traceback. Then
+property-based fuzzing (hypothesis, bounded so that CI stays fast) throws arbitrary
+override values, data rows and HTTP bodies at the config loader, the data reader and the
+teacher server: a user error or success, never a crash, and for the server a 4xx or a
+200, never a 5xx and never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from opd.algorithms.distillation_config import MasterConfig
+from opd.cli import main
+from opd.data.datasets import MAX_JSONL_LINE_BYTES, load_chat_dataset
+from opd.models.teacher import wire
+from opd.models.teacher.scoring import PromptScorer
+from opd.models.teacher.server import TeacherService
+from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.utils.config import load_config
+from opd.utils.errors import ConfigError, DataError
+from opd_test_helpers import REPO_ROOT, TINY_TRAIN_DATA, RunningServer
+
+TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
+DEMO_TEACHER = REPO_ROOT / "examples" / "demo" / "models" / "teacher"
+GOOD_ROW = {"messages": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]}
+
+
+def write(path: Path, content: bytes | str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, str):
+        content = content.encode("utf-8")
+    path.write_bytes(content)
+    return path
+
+
+def config_file(tmp: Path, text: bytes | str) -> list[str]:
+    return ["--config", str(write(tmp / "bad.yaml", text))]
+
+
+def data_file(tmp: Path, lines: bytes) -> list[str]:
+    path = write(tmp / "data.jsonl", json.dumps(GOOD_ROW).encode() + b"\n" + lines)
+    return ["--config", str(TINY), f"data.train_path={path}"]
+
+
+def damaged_model(tmp: Path) -> list[str]:
+    directory = tmp / "model"
+    directory.mkdir()
+    for file in DEMO_TEACHER.iterdir():
+        data = file.read_bytes()
+        (directory / file.name).write_bytes(data[: len(data) // 3] if file.suffix == ".safetensors" else data)
+    return ["--config", str(TINY), f"model.student_model_path={directory}", f"model.teacher_model_path={directory}"]
+
+
+def overlong_line(tmp: Path) -> list[str]:
+    path = tmp / "long.jsonl"
+    with path.open("wb") as handle:
+        handle.write(json.dumps(GOOD_ROW).encode() + b"\n")
+        handle.write(b'{"messages": "' + b"x" * (MAX_JSONL_LINE_BYTES + 10) + b'"}\n')
+    return ["--config", str(TINY), f"data.train_path={path}"]
+
+
+# (category, arguments after "opd train" given a scratch directory, pattern of the one error line)
+CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
+    "config: yes for a number": (lambda t: ["--config", str(TINY), "training.batch_size=yes"],
+                                 r"training\.batch_size = 'yes': expected an integer, got the word 'yes'"),
+    "config: on for a number in a file": (
+        lambda t: config_file(t, f"defaults: {TINY}\ndistillation:\n  lambda: on\n"),
+        r"distillation\.lambda = 'on': expected a number"),
+    "config: a section written twice": (
+        lambda t: config_file(t, f"defaults: {TINY}\ntraining:\n  batch_size: 2\ntraining:\n  batch_size: 4\n"),
+        r"key 'training' appears twice in one mapping \(lines 2 and 4\)"),
+    "config: not UTF-8": (lambda t: config_file(t, b"training:\n  batch_size: 2 # \xff\n"),
+                          r"bad\.yaml is not UTF-8 text: byte \d+ \(line 2\)"),
+    "config: empty": (lambda t: config_file(t, "\n# nothing\n"), r"bad\.yaml is empty"),
+    "config: misspelt key": (lambda t: ["--config", str(TINY), "training.learning_rte=1e-4"],
+                             r"unknown key 'training\.learning_rte' \(did you mean 'learning_rate'\?\)"),
+    "config: out of range": (lambda t: ["--config", str(TINY), "distillation.lambda=1.5"],
+                             r"distillation\.lambda = 1\.5: .*less than or equal to 1"),
+    "config: missing file": (lambda t: ["--config", str(t / "nowhere.yaml")], r"config file not found"),
+    "data: malformed JSON line": (lambda t: data_file(t, b'{"messages": [\n'), r"data\.jsonl, line 2: invalid JSON"),
+    "data: not UTF-8": (lambda t: data_file(t, b'{"messages": "\xff"}\n'),
+                        r"data\.jsonl, line 2 is not valid UTF-8 \(.* byte 15 of the line"),
+    "data: lone surrogate": (lambda t: data_file(t, b'{"messages": [{"role": "user", "content": "\\ud800"}]}\n'),
+                             r"data\.jsonl, line 2: a string holds a lone surrogate"),
+    "data: line over the limit": (overlong_line, rf"long\.jsonl, line 2 is longer than {MAX_JSONL_LINE_BYTES} bytes"),
+    "data: missing file": (lambda t: ["--config", str(TINY), f"data.train_path={t / 'none.jsonl'}"],
+                           r"data file .*none\.jsonl not found"),
+    "model: missing local directory": (lambda t: ["--config", str(TINY), f"model.teacher_model_path={t}/no/model"],
+                                       r"tokenizer directory '.*/no/model' does not exist"),
+    "model: truncated weights": (damaged_model, r"the weights file .*model\.safetensors is damaged or truncated"),
+}
+
+
+@pytest.fixture
+def cli(capsys):
+    opd_log = logging.getLogger("opd")
+    saved = (list(opd_log.handlers), opd_log.level, opd_log.propagate)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        status = main(list(argv))
+        captured = capsys.readouterr()
+        return status, captured.out, captured.err
+
+    yield run
+    opd_log.handlers[:], opd_log.level, opd_log.propagate = saved
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_bad_input_ends_with_status_2_and_one_line_naming_it(case, tmp_path, cli):
+    arguments, pattern = CASES[case]
+    argv = arguments(tmp_path)
+    status, _, err = cli("train", *argv[:2], f"output_dir={tmp_path / 'out'}", f"data.train_path={TINY_TRAIN_DATA}",
+                         "data.val_path=null", *argv[2:])
+    errors = [line for line in err.splitlines() if line.startswith("opd: error:")]
+    assert status == 2, err
+    assert "Traceback" not in err
+    assert len(errors) == 1 and re.search(pattern, errors[0]), errors
+
+
+def test_debug_shows_the_traceback_of_a_user_error(tmp_path, cli):
+    status, _, err = cli("--debug", "train", "--config", str(TINY), "training.batch_size=yes")
+    assert status == 2 and "Traceback" in err and "ConfigError" in err
+
+
+# --------------------------------------------------------------------------- fuzzing
+
+BOUNDED = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+NUMERIC_KEYS = ["training.batch_size", "training.learning_rate", "distillation.lambda", "loss_fn.temperature",
+                "training.max_num_steps", "distillation.generate_strategy.top_p"]
+
+
+@BOUNDED
+@given(key=st.sampled_from(NUMERIC_KEYS), value=st.text(max_size=12))
+def test_fuzzed_override_values_are_accepted_or_a_config_error(key, value):
+    try:
+        load_config(MasterConfig, TINY, [f"{key}={value}"])
+    except ConfigError:
+        pass  # a user error, with its message; anything else fails the test
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
+    max_leaves=8,
+)
+
+
+@BOUNDED
+@given(row=JSON_VALUES | st.fixed_dictionaries({"messages": JSON_VALUES}), raw=st.binary(max_size=40))
+def test_fuzzed_data_rows_are_loaded_or_a_data_error(tmp_path, row, raw):
+    for index, line in enumerate((json.dumps(row).encode(), raw)):
+        path = write(tmp_path / f"fuzz{index}.jsonl", json.dumps(GOOD_ROW).encode() + b"\n" + line + b"\n")
+        try:
+            load_chat_dataset(str(path))
+        except (DataError, ConfigError):
+            pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    tokenizer = build_tiny_tokenizer()
+    running = RunningServer(TeacherService(PromptScorer(build_tiny_model("teacher"), len(tokenizer)), tokenizer,
+                                           "tiny", 16, 64), max_request_bytes=4096, body_timeout_s=2.0)
+    yield running
+    running.stop()
+
+
+@BOUNDED
+@given(path=st.sampled_from(["/v1/completions", wire.SCORE_PATH, "/tokenize"]),
+       body=st.binary(max_size=200) | JSON_VALUES.map(lambda value: json.dumps(value).encode())
+       | st.fixed_dictionaries({"sequences": JSON_VALUES, "signal": st.sampled_from(list(wire.SIGNALS)),
+                                "k": JSON_VALUES, "first_positions": JSON_VALUES}).map(lambda v: json.dumps(v).encode())
+       | st.fixed_dictionaries({"prompt": JSON_VALUES, "max_tokens": JSON_VALUES,
+                                "prompt_logprobs": JSON_VALUES}).map(lambda v: json.dumps(v).encode()))
+def test_fuzzed_http_bodies_get_a_4xx_or_an_answer_never_a_5xx_or_a_hang(server, path, body):
+    response = httpx.post(f"{server.url}{path}", content=body, headers={"Content-Type": "application/json"},
+                          timeout=30)
+    assert response.status_code == 200 or 400 <= response.status_code < 500, response.text
