@@ -63,6 +63,22 @@ def damaged_model(tmp: Path) -> list[str]:
     return ["--config", str(TINY), f"model.student_model_path={directory}", f"model.teacher_model_path={directory}"]
 
 
+def custom_code_model(tmp: Path) -> list[str]:
+    """A model directory whose config names Python code of its own (``auto_map``)."""
+    directory = tmp / "custom"
+    directory.mkdir()
+    for file in DEMO_TEACHER.iterdir():
+        (directory / file.name).write_bytes(file.read_bytes())
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="opd_custom", auto_map={"AutoConfig": "configuration_custom.CustomConfig",
+                                                     "AutoModelForCausalLM": "modeling_custom.CustomModel"})
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "configuration_custom.py").write_text(
+        "from transformers import PretrainedConfig\n\n\nclass CustomConfig(PretrainedConfig):\n"
+        "    model_type = 'opd_custom'\n")
+    return ["--config", str(TINY), f"model.student_model_path={directory}", f"model.teacher_model_path={directory}"]
+
+
 def overlong_line(tmp: Path) -> list[str]:
     path = tmp / "long.jsonl"
     with path.open("wb") as handle:
@@ -100,6 +116,7 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "model: missing local directory": (lambda t: ["--config", str(TINY), f"model.teacher_model_path={t}/no/model"],
                                        r"tokenizer directory '.*/no/model' does not exist"),
     "model: truncated weights": (damaged_model, r"the weights file .*model\.safetensors is damaged or truncated"),
+    "model: needs its own code": (custom_code_model, r"needs its own Python code; set model\.trust_remote_code = true"),
 }
 
 
