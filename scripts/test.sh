@@ -15,7 +15,9 @@ bash scripts/install.sh test
 # one process), each test file in one worker (its module fixtures are built once), one thread each.
 WORKERS="${OPD_TEST_WORKERS:-$("$PYTHON" -c 'import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))')}"
 if [ "$WORKERS" -gt 1 ]; then
-  OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PYTHON" -m pytest -n "$WORKERS" --dist loadfile "$@"
+  # --no-loadscope-reorder keeps tests/conftest.py's order (the slowest files first); xdist
+  # would otherwise start the files with the most tests first.
+  OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PYTHON" -m pytest -n "$WORKERS" --dist loadfile --no-loadscope-reorder "$@"
 else
   "$PYTHON" -m pytest "$@"
 fi
