@@ -184,6 +184,8 @@ def test_a_body_that_does_not_arrive_gets_408_and_the_server_keeps_answering(tea
             began = time.monotonic()
             answer = connection.recv(65536)  # the rest of the body never comes
             waited = time.monotonic() - began
+            while chunk := connection.recv(65536):  # the body may follow the headers separately
+                answer += chunk
         after = httpx.get(f"{running.url}/v1/models")
     finally:
         running.stop()
