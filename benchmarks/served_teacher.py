@@ -144,7 +144,7 @@ def start_server(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, str
             if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
                 return process, url
         except httpx.HTTPError:
-            pass
+            pass  # not listening yet
         if time.monotonic() > deadline:
             raise RuntimeError(f"opd serve-teacher did not start; see {log_path}")
         time.sleep(0.2)

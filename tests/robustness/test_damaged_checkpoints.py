@@ -16,28 +16,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from opd_test_helpers import REPO_ROOT, short_run_overrides
 
 from opd.cli import main
-from opd_test_helpers import REPO_ROOT, short_run_overrides
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 RUN_OVERRIDES = ["training.max_num_steps=4", "training.save_freq=2", "checkpointing.keep_top_k=null",
                  "training.batch_size=2", "training.micro_batch_size=null", "distillation.generate_strategy.max_length=8"]
-
-
-@pytest.fixture
-def cli(capsys):
-    """``opd.cli.main`` in this process: ``(status, stdout, stderr)``; opd's logger is put back afterwards."""
-    opd_log = logging.getLogger("opd")
-    saved = (list(opd_log.handlers), opd_log.level, opd_log.propagate)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        status = main(list(argv))
-        captured = capsys.readouterr()
-        return status, captured.out, captured.err
-
-    yield run
-    opd_log.handlers[:], opd_log.level, opd_log.propagate = saved
 
 
 @pytest.fixture(scope="module")
