@@ -64,6 +64,7 @@ from opd.models.interfaces import GenerationInterface
 from opd.models.loading import check_output_sizes, load_causal_lm, resolve_device, resolve_dtype
 from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError, DataError
+from opd.utils.logger import flatten_dict
 
 log = logging.getLogger("opd")
 
@@ -414,19 +415,8 @@ def settings_fingerprint(config: GenerateMasterConfig, model_path: str, prompts:
         "generation.backend": config.generation.backend,
         "training.seed": config.training.seed,
         "prompts": f"{len(prompts)} prompts, sha256 {digest.hexdigest()}",
-        **{f"generate.{key}": value for key, value in _flatten(sampling).items()},
+        **{f"generate.{key}": value for key, value in flatten_dict(sampling).items()},
     }
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` → ``{"a.b": 1}``."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def batch_seed(seed: int, batch: int) -> int:

@@ -190,11 +190,12 @@ def run_training_loop(
     if run.is_complete():
         run.finish_complete_run()
         return
+    if state["step"] > 0:
+        # Read before anything of the run is rewritten: a damaged checkpoint stops it with the logs intact.
+        run.restore_position()
     # Records past the resumed step belong to steps that are about to be re-run.
     logger.truncate_after(state["step"])
-    if state["step"] > 0:
-        run.restore_position()
-    else:
+    if state["step"] == 0:
         if before_first_step is not None:
             before_first_step()
         if config.validation.val_at_start:

@@ -99,3 +99,23 @@ def test_following_the_advice_resumes_from_the_previous_checkpoint(finished_run,
 
     assert losses(run) == losses(finished_run) and sorted(losses(run)) == [1, 2, 3, 4]
     assert (run / "checkpoints" / "damaged_step_4").is_dir()  # still there, for the user to inspect
+
+
+def test_a_checkpoint_without_a_manifest_is_still_checked_when_read(finished_run, tmp_path, cli):
+    """Written before manifests existed: a truncated file is named by the reader, not a traceback.
+
+    The run is cut back to ``step_2`` so that resuming must read its training state (a
+    complete run only needs the policy weights to write its final model).
+    """
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "final_model").rename(tmp_path / "final_model")
+    shutil.rmtree(run / "checkpoints" / "step_4")
+    newest = run / "checkpoints" / "step_2"
+    (newest / "manifest.json").unlink()
+    truncate(newest / "training_state.pt")
+    before = snapshot(run)
+    status, _, err = cli("train", "--config", str(TINY), *short_run_overrides(tmp_path, "run"), *RUN_OVERRIDES)
+    assert status == 2 and "Traceback" not in err
+    assert f"checkpoint {newest} could not be read" in err
+    assert snapshot(run) == before
