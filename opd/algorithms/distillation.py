@@ -103,6 +103,7 @@ def distillation_step(
             train_metrics = student_policy.train(
                 scheduled.batch, loss_fn, teacher_signal if request is not None else None
             )
+        train_metrics = loss_fn.finish_metrics(train_metrics)
         state.policy_version += 1
     seconds = {**timer.pop(), **scheduled.seconds}
     # Phases a distributed trainer timed itself (its colocated teacher, the dispatch).
@@ -161,9 +162,10 @@ def step_metrics(
             metrics["timing/refit"] = seconds["refit"]
         metrics["timing/generation"] = seconds.get("generation", 0.0)
     metrics["timing/teacher"] = seconds.get("teacher", 0.0)
-    for phase in ("dispatch", "trainer_compute"):  # a distributed trainer's own timings
-        if phase in seconds:
-            metrics[f"timing/{phase}"] = seconds[phase]
+    # A distributed trainer's own timings, and each of several teachers' (teacher/<name>).
+    known = {"step", "training", "teacher", "generation", "refit", "wait_prev_gen", "wait_prev_teacher"}
+    for phase in sorted(set(seconds) - known - {"sync_rollout_weights"}):
+        metrics[f"timing/{phase}"] = seconds[phase]
     metrics["timing/training"] = seconds["training"] - seconds.get("teacher", 0.0) - seconds.get("dispatch", 0.0)
     metrics["timing/step"] = seconds["step"]
     metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / seconds["step"]

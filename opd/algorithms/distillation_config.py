@@ -1,6 +1,6 @@
 """The configuration of a distillation run: one YAML file, validated into :class:`MasterConfig`.
 
-Sections: ``model``, ``teacher``, ``distillation`` (the λ coin, sampling, context
+Sections: ``model``, ``teacher`` (or ``teachers``: several), ``distillation`` (the λ coin, sampling, context
 distillation), ``loss_fn`` (one typed objective, :mod:`opd.algorithms.loss_config`),
 ``generation``, ``training``, ``data``, ``validation``, ``logger``, ``checkpointing``.
 Every key is documented in ``examples/configs/distillation.yaml``.
@@ -14,6 +14,7 @@ uses one gets an error naming the new place.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -30,7 +31,7 @@ from opd.algorithms.validation import ValidationConfig
 from opd.data.config import DataConfig
 from opd.data.teacher_context import TeacherContext
 from opd.distributed.config import ClusterConfig
-from opd.models.config import ModelConfig, TeacherConfig
+from opd.models.config import ModelConfig, RemoteTeacherConfig, TeacherConfig, TeachersConfig
 from opd.models.generation.config import GenerateStrategyConfig, GenerationConfig
 from opd.models.interfaces import FullVocabRequest
 from opd.models.teacher.local_teacher import LocalTeacher
@@ -152,6 +153,9 @@ class MasterConfig(RunConfig):
     val_only: bool = Field(False, description="run validation on validation.model_path (or the student) and exit")
     model: ModelConfig
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    teachers: TeachersConfig | None = Field(
+        None, description="several teachers (routing or mixture) instead of model.teacher_model_path / teacher"
+    )
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
     loss_fn: LossFnConfig = Field(default_factory=FullVocabLossConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
@@ -197,8 +201,8 @@ def _loss_problem(config: MasterConfig) -> str | None:
 
 
 def _teacher_problem(config: MasterConfig) -> str | None:
-    """What the teacher backend and the teacher-only context need from the rest of the config."""
-    teacher, distillation = config.teacher, config.distillation
+    """What the teacher backend(s) and the teacher-only context need from the rest of the config."""
+    distillation = config.distillation
     has_context = distillation.teacher_context_spec() is not None
     if has_context and not distillation.mask_prompt_tokens:
         return (
@@ -210,14 +214,10 @@ def _teacher_problem(config: MasterConfig) -> str | None:
             "validation.eval_baseline compares the student without and the teacher with the "
             "teacher-only context; set distillation.teacher_context or teacher_context_key"
         )
-    if teacher.backend == "local":
-        if config.model.teacher_model_path is None:
-            return (
-                "model.teacher_model_path is required with teacher.backend = local "
-                "('student' = a frozen copy of the student's initial weights)"
-            )
-        reason = LocalTeacher.unsupported_reason(config.loss_fn.teacher_request(None))
-    else:
+    if config.teachers is not None:
+        return _several_teachers_problem(config)
+    teacher = config.teacher
+    if teacher.backend == "remote":
         baselines = {
             "eval_baseline": config.validation.eval_baseline,
             "teacher_baseline": config.validation.teacher_baseline,
@@ -228,34 +228,93 @@ def _teacher_problem(config: MasterConfig) -> str | None:
                     f"validation.{key} generates with the teacher model in process; "
                     "set it to false with teacher.backend = remote"
                 )
-        if teacher.remote.url is None:
-            return "teacher.backend = remote needs teacher.remote.url (e.g. http://127.0.0.1:8000)"
-        problem = _served_full_vocab_problem(config)
+    elif config.model.teacher_model_path is None:
+        return (
+            "model.teacher_model_path is required with teacher.backend = local "
+            "('student' = a frozen copy of the student's initial weights)"
+        )
+    keys = _TeacherKeys("teacher.backend", "teacher.remote", "model.teacher_model_path")
+    return _one_teacher_problem(config, teacher.backend, teacher.remote, config.model.teacher_model_path, keys)
+
+
+@dataclass(frozen=True)
+class _TeacherKeys:
+    """Where a teacher's settings are, for the messages (``teacher:`` or ``teachers.members[i]``)."""
+
+    backend: str
+    remote: str
+    model_path: str
+
+
+def _one_teacher_problem(
+    config: MasterConfig, backend: str, remote: RemoteTeacherConfig, model_path: str | None, keys: _TeacherKeys
+) -> str | None:
+    """Whether one teacher, where it runs, can answer the signal ``loss_fn`` asks for."""
+    request = config.loss_fn.teacher_request(None)
+    if backend == "local":
+        reason = LocalTeacher.unsupported_reason(request)
+    else:
+        if remote.url is None:
+            return f"{keys.backend} = remote needs {keys.remote}.url (e.g. http://127.0.0.1:8000)"
+        problem = _served_full_vocab_problem(config, remote, model_path, keys)
         if problem is not None:
             return problem
-        reason = RemoteTeacher.unsupported_reason(config.loss_fn.teacher_request(None))
+        reason = RemoteTeacher.unsupported_reason(request)
     if reason is not None:
         return (
-            f"teacher.backend = {teacher.backend} cannot serve loss_fn.type = {config.loss_fn.type}: {reason}; "
+            f"{keys.backend} = {backend} cannot serve loss_fn.type = {config.loss_fn.type}: {reason}; "
             "choose settings that teacher can answer (a served teacher answers loss_fn.type = topk at "
             "temperature 1, and sampled_token)"
         )
     return None
 
 
-def _served_full_vocab_problem(config: MasterConfig) -> str | None:
+def _several_teachers_problem(config: MasterConfig) -> str | None:
+    """``teachers:`` replaces the single teacher's keys, and runs in process with the synchronous schedule."""
+    assert config.teachers is not None
+    if config.model.teacher_model_path is not None:
+        return (
+            "model.teacher_model_path and teachers: are two ways to name the teacher; with several teachers set "
+            "teachers.members[*].model_path and leave model.teacher_model_path unset"
+        )
+    if config.teacher.backend != "local" or config.teacher.remote.url is not None:
+        return "teacher: is for one teacher; with teachers:, set teachers.members[*].backend and remote instead"
+    unsupported = {
+        "cluster": config.cluster is not None,
+        f"training.scheduler = {config.training.scheduler}": config.training.asynchronous,
+        "training.sequence_packing": config.training.sequence_packing,
+        "validation.teacher_baseline": config.validation.teacher_baseline,
+        "validation.eval_baseline": config.validation.eval_baseline,
+    }
+    for key, used in unsupported.items():
+        if used:
+            return f"{key} is not supported with several teachers (teachers:) yet; remove one of the two"
+    for index, member in enumerate(config.teachers.members):
+        where = f"teachers.members[{index}]"
+        if member.backend == "local" and member.model_path is None:
+            return f"{where}.model_path is required with {where}.backend = local (teacher {member.name!r})"
+        keys = _TeacherKeys(f"{where}.backend", f"{where}.remote", f"{where}.model_path")
+        problem = _one_teacher_problem(config, member.backend, member.remote, member.model_path, keys)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _served_full_vocab_problem(
+    config: MasterConfig, remote: RemoteTeacherConfig, model_path: str | None, keys: _TeacherKeys
+) -> str | None:
     """A full-vocabulary loss with a served teacher: hidden states over opd's protocol, and the head at hand."""
     if not isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
         return None
     loss = f"loss_fn.type = {config.loss_fn.type}"
-    if config.teacher.remote.protocol == "openai":
+    if remote.protocol == "openai":
         return (
             f"{loss} with a served teacher needs its hidden states, which vLLM's JSON does not carry; "
-            "set teacher.remote.protocol = opd (opd serve-teacher) or auto, or use loss_fn.type = topk"
+            f"set {keys.remote}.protocol = opd (opd serve-teacher) or auto, or use loss_fn.type = topk"
         )
-    if config.model.teacher_model_path is None:
+    if model_path is None:
         return (
-            f"{loss} with a served teacher applies the teacher's output layer here: set model.teacher_model_path "
+            f"{loss} with a served teacher applies the teacher's output layer here: set {keys.model_path} "
             "to the served model's directory (only its output layer is read)"
         )
     if config.cluster is not None:

@@ -43,8 +43,10 @@ from opd.algorithms.run_setup import (
     report_overlap,
     restore_run,
 )
+from opd.algorithms.several_teachers_loss import MixtureLoss, RoutedLoss
 from opd.algorithms.training_loop import RunSaveState, check_output_is_fresh, find_resume_checkpoint
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
+from opd.models.config import RemoteTeacherConfig
 from opd.models.generation.hf_generation import HFGeneration, SnapshotHFGeneration
 from opd.models.generation.stop_tokens import check_stop_tokens, describe_tokens, stop_token_ids
 from opd.models.interfaces import (
@@ -69,6 +71,7 @@ from opd.models.policy.lora import import_peft
 from opd.models.teacher.context_teacher import ContextTeacher
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.remote_teacher import RemoteTeacher
+from opd.models.teacher.several_teachers import RoutedTeachers, TeacherMixture
 from opd.utils.checkpoint import CheckpointManager
 from opd.utils.errors import ConfigError
 from opd.utils.logger import Logger
@@ -207,7 +210,8 @@ def load_models(
 ) -> tuple[PreTrainedModel, PreTrainedModel | None]:
     """Loads student (from ``student_path``) and frozen teacher, after the tokenizer check.
 
-    A served teacher (``teacher.backend: remote``) is not loaded: the teacher is None.
+    A served teacher (``teacher.backend: remote``) is not loaded, nor are several teachers
+    (``teachers:``, see :func:`build_several_teachers`): the teacher is then None.
 
     Raises:
         ModelCompatibilityError: the teacher's tokenizer or an output layer does not
@@ -216,33 +220,36 @@ def load_models(
     """
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
-    if config.teacher.backend == "remote":
-        log.info("loading student %s (%s on %s)", student_path, str(dtype).replace("torch.", ""), device)
-        student_model = load_causal_lm(student_path, dtype, device, config.model)
-        check_output_sizes(student_model, len(tokenizer), student_path)
-        _check_fusable(config, student_model, None)
-        return student_model, None
-    teacher_path = resolve_teacher_path(config)
-    # The teacher's own tokenizer is checked even when model.tokenizer_path overrides the
-    # student's: the teacher's logits are indexed by the ids its tokenizer defines.
-    teacher_tokenizer = load_tokenizer(teacher_path, config.model.trust_remote_code)
-    check_tokenizer_compatibility(tokenizer, teacher_tokenizer, student_path, teacher_path)
-    log.info(
-        "loading student %s and teacher %s (%s on %s)",
-        student_path,
-        teacher_path,
-        str(dtype).replace("torch.", ""),
-        device,
-    )
+    teacher_model = None
+    if config.teacher.backend == "local" and config.teachers is None:
+        teacher_model = load_teacher_model(config, tokenizer, resolve_teacher_path(config), student_path)
+    log.info("loading student %s (%s on %s)", student_path, str(dtype).replace("torch.", ""), device)
     student_model = load_causal_lm(student_path, dtype, device, config.model)
-    teacher_model = load_causal_lm(teacher_path, dtype, device, config.model)
-    for model, name in ((student_model, student_path), (teacher_model, teacher_path)):
-        check_output_sizes(model, len(tokenizer), name)
+    check_output_sizes(student_model, len(tokenizer), student_path)
     _check_fusable(config, student_model, teacher_model)
     return student_model, teacher_model
 
 
-def _check_fusable(config: MasterConfig, student: PreTrainedModel, teacher: PreTrainedModel | None) -> None:
+def load_teacher_model(config: MasterConfig, tokenizer: Any, teacher_path: str, student_path: str) -> PreTrainedModel:
+    """Loads a frozen teacher in process, after checking that its tokenizer is the run's.
+
+    Raises:
+        ModelCompatibilityError: the teacher's tokenizer or output layer does not match
+            the run's tokenizer.
+    """
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    # The teacher's own tokenizer is checked even when model.tokenizer_path overrides the
+    # student's: the teacher's logits are indexed by the ids its tokenizer defines.
+    teacher_tokenizer = load_tokenizer(teacher_path, config.model.trust_remote_code)
+    check_tokenizer_compatibility(tokenizer, teacher_tokenizer, student_path, teacher_path)
+    log.info("loading teacher %s (%s on %s)", teacher_path, str(dtype).replace("torch.", ""), device)
+    teacher_model = load_causal_lm(teacher_path, dtype, device, config.model)
+    check_output_sizes(teacher_model, len(tokenizer), teacher_path)
+    return teacher_model
+
+
+def _check_fusable(config: MasterConfig, student: PreTrainedModel | None, teacher: PreTrainedModel | None) -> None:
     """Fails before training if a model's head cannot be fused.
 
     The student's must be a plain linear layer (the loss differentiates through it); the
@@ -251,7 +258,8 @@ def _check_fusable(config: MasterConfig, student: PreTrainedModel, teacher: PreT
     if not (isinstance(config.loss_fn, FusedHeadSettings) and config.loss_fn.fused_lm_head):
         return
     try:
-        output_head_of(student, "the student")
+        if student is not None:
+            output_head_of(student, "the student")
     except ValueError as error:
         raise ConfigError(str(error)) from None
     try:
@@ -261,13 +269,21 @@ def _check_fusable(config: MasterConfig, student: PreTrainedModel, teacher: PreT
         raise ConfigError(f"{error}; set loss_fn.fused_lm_head = false") from None
 
 
-def connect_remote_teacher(config: MasterConfig, tokenizer: Any) -> RemoteTeacher:
+def connect_remote_teacher(
+    config: MasterConfig, tokenizer: Any, remote: RemoteTeacherConfig | None = None, model_path: str | None = None
+) -> RemoteTeacher:
     """The client of the served teacher, after checking that it answers and tokenizes like ``tokenizer``.
 
     For a full-vocabulary loss it also loads the teacher's output layer (only that layer)
-    from ``model.teacher_model_path`` and checks it against the server's.
+    from ``model_path`` and checks it against the server's.
+
+    Args:
+        config: the run's config.
+        tokenizer: the run's tokenizer.
+        remote: the server's settings (default: ``teacher.remote``).
+        model_path: the served model's directory (default: ``model.teacher_model_path``).
     """
-    remote = config.teacher.remote
+    remote = remote or config.teacher.remote
     if remote.url is None:
         raise ConfigError("teacher.backend = remote needs teacher.remote.url")
     output_layer = None
@@ -275,7 +291,7 @@ def connect_remote_teacher(config: MasterConfig, tokenizer: Any) -> RemoteTeache
         # The server sends hidden states; the exact logits are made here with its output layer.
         device = resolve_device(config.model.device)
         output_layer = load_output_layer(
-            resolve_teacher_path(config),
+            model_path or resolve_teacher_path(config),
             resolve_dtype(config.model.dtype, device),
             device,
             config.model.trust_remote_code,
@@ -299,10 +315,44 @@ def connect_remote_teacher(config: MasterConfig, tokenizer: Any) -> RemoteTeache
 
 
 def build_teacher(config: MasterConfig, tokenizer: Any, teacher: TeacherInterface) -> TeacherInterface:
-    """``teacher``, seeing each completion under its own prompt when there is a teacher-only context."""
-    if config.distillation.teacher_context_spec() is None:
+    """``teacher``, seeing each completion under its own prompt when there is a teacher-only context.
+
+    Several teachers are returned as they are: each member was given the context when it
+    was built (:func:`build_several_teachers`).
+    """
+    if config.distillation.teacher_context_spec() is None or config.teachers is not None:
         return teacher
     return ContextTeacher(teacher, tokenizer.pad_token_id)
+
+
+def build_several_teachers(config: MasterConfig, tokenizer: Any) -> TeacherInterface:
+    """The ``teachers:`` members, in process or served, behind one routing or mixing teacher.
+
+    Each member is checked like a single teacher (tokenizer, output layer, server) and
+    given the teacher-only context, if any.
+    """
+    assert config.teachers is not None
+    members: list[TeacherInterface] = []
+    for member in config.teachers.members:
+        teacher: TeacherInterface
+        if member.backend == "remote":
+            teacher = connect_remote_teacher(config, tokenizer, member.remote, member.model_path)
+        else:
+            assert member.model_path is not None  # checked with the config
+            path = (
+                config.model.student_model_path if member.model_path == SELF_DISTILLATION_TEACHER else member.model_path
+            )
+            model = load_teacher_model(config, tokenizer, path, config.model.student_model_path)
+            _check_fusable(config, None, model)
+            teacher = LocalTeacher(model)
+        if config.distillation.teacher_context_spec() is not None:
+            teacher = ContextTeacher(teacher, tokenizer.pad_token_id)
+        members.append(teacher)
+    names = [member.name for member in config.teachers.members]
+    log.info("%d teachers (%s): %s", len(names), config.teachers.mode, ", ".join(names))
+    if config.teachers.mode == "route":
+        return RoutedTeachers(names, members)
+    return TeacherMixture(names, members, getattr(config.loss_fn, "temperature", 1.0))
 
 
 def build_generation(config: MasterConfig, model: PreTrainedModel, tokenizer: Any) -> GenerationInterface:
@@ -329,6 +379,9 @@ def build_generation(config: MasterConfig, model: PreTrainedModel, tokenizer: An
 def build_loss(config: MasterConfig, tokenizer: Any) -> LossFunction:
     """The ``loss_fn`` objective, weighing stale samples when ``training.off_policy_correction`` is on.
 
+    With several teachers, the objective is applied to each teacher's rows (routing) or to
+    their mixture (:mod:`opd.algorithms.several_teachers_loss`).
+
     The sampled-token loss needs no weights of its own: its clipped ratio is already taken
     against the sampler's log-probs, whatever weights drew them.
     """
@@ -337,6 +390,9 @@ def build_loss(config: MasterConfig, tokenizer: Any) -> LossFunction:
         loss_fn.off_policy = OffPolicyCorrection.from_config(
             config.training.off_policy_correction, config.distillation.generate_strategy
         )
+    if config.teachers is not None:
+        names = [member.name for member in config.teachers.members]
+        return RoutedLoss(loss_fn, names) if config.teachers.mode == "route" else MixtureLoss(loss_fn, names)
     return loss_fn
 
 
@@ -472,7 +528,8 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
 
     tokenizer = run_tokenizer(config)
     context = config.distillation.teacher_context_spec()
-    train_examples = load_examples(config.data, tokenizer, "train", context)
+    choice = config.teachers.choice() if config.teachers is not None else None
+    train_examples = load_examples(config.data, tokenizer, "train", context, teacher_choice=choice)
     check_config_against_data(config, train_examples)
     steps_per_epoch, total_steps = plan_run_length(
         len(train_examples),
@@ -481,13 +538,21 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
         config.training.max_num_steps,
         config.data.train_path,
     )
-    val_examples = load_examples(config.data, tokenizer, "val", context) if config.data.has_validation else None
+    val_examples = (
+        load_examples(config.data, tokenizer, "val", context, teacher_choice=choice)
+        if config.data.has_validation
+        else None
+    )
     report_overlap(train_examples, val_examples, config.data)
 
     resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)
     # A served teacher is checked before the student loads: an unreachable or mismatched
     # server fails in seconds.
-    remote_teacher = connect_remote_teacher(config, tokenizer) if config.teacher.backend == "remote" else None
+    remote_teacher: TeacherInterface | None = None
+    if config.teachers is not None:
+        remote_teacher = build_several_teachers(config, tokenizer)
+    elif config.teacher.backend == "remote":
+        remote_teacher = connect_remote_teacher(config, tokenizer)
     if config.cluster is not None:
         student_policy, teacher, student_generation, teacher_generation = build_on_cluster(
             config, tokenizer, total_steps, micro_batch_size, remote_teacher

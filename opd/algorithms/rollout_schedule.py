@@ -43,7 +43,7 @@ import torch
 
 from opd.algorithms.distillation_config import MasterConfig
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.data.batches import attach_teacher_prompts, build_fixed_data_batch
+from opd.data.batches import attach_teacher_fields, build_fixed_data_batch
 from opd.data.dataloaders import PreparedExample
 from opd.data.sequences import build_token_mask
 from opd.environments.math_verifier import grade_responses
@@ -255,7 +255,7 @@ class RolloutSchedule:
             batch["input_ids"].shape[1],
             distillation.mask_prompt_tokens,
         )
-        attach_teacher_prompts(batch, examples, distillation.num_samples_per_prompt)
+        attach_teacher_fields(batch, examples, distillation.num_samples_per_prompt)
         if self.loss_fn.needs_task_reward:
             batch["task_reward"] = task_rewards(batch, examples, distillation.num_samples_per_prompt, self.tokenizer)
         return batch

@@ -16,6 +16,7 @@ from opd.algorithms.training_loop import RunSaveState, fresh_save_state, warn_on
 from opd.data.config import DataConfig
 from opd.data.dataloaders import PreparedExample, prepare_examples
 from opd.data.datasets import load_chat_dataset
+from opd.data.teacher_choice import TeacherChoice
 from opd.data.teacher_context import TeacherContext
 from opd.models.interfaces import PolicyInterface
 from opd.models.loading import load_tokenizer
@@ -48,6 +49,7 @@ def load_examples(
     split: Literal["train", "val"],
     teacher_context: TeacherContext | None = None,
     path: str | None = None,
+    teacher_choice: TeacherChoice | None = None,
 ) -> list[PreparedExample]:
     """Reads, checks and tokenizes the training or validation data of ``data``.
 
@@ -60,6 +62,7 @@ def load_examples(
         split: which of the section's datasets.
         teacher_context: context distillation's teacher-only context, if any.
         path: a file to read instead of the section's (``opd eval`` on a test split).
+        teacher_choice: with several teachers, how each example is assigned its teacher(s).
     """
     source: str | None
     if split == "train":
@@ -76,7 +79,7 @@ def load_examples(
         rows = [row for index, row in enumerate(raw) if (index in held_out) == (split == "val")]
         where = f"{data.train_path} ({'held-out validation' if split == 'val' else 'training'} rows)"
         return prepare_examples(
-            rows[:limit] if limit else rows, tokenizer, data.max_prompt_length, where, teacher_context
+            rows[:limit] if limit else rows, tokenizer, data.max_prompt_length, where, teacher_context, teacher_choice
         )
     if source is None:
         raise ConfigError(
@@ -85,7 +88,7 @@ def load_examples(
     raw = load_chat_dataset(
         source, split=hf_split, max_examples=limit, data_format=data.data_format, prompt_file=data.prompt_file
     )
-    return prepare_examples(raw, tokenizer, data.max_prompt_length, source, teacher_context)
+    return prepare_examples(raw, tokenizer, data.max_prompt_length, source, teacher_context, teacher_choice)
 
 
 def holdout_rows(num_rows: int, holdout: int, seed: int, source: str) -> set[int]:

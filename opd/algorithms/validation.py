@@ -14,7 +14,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.loss_functions import token_kl, topk_token_kl
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.data.batches import attach_teacher_prompts
+from opd.data.batches import attach_teacher_fields
 from opd.data.sequences import build_token_mask, shift_token_mask
 from opd.environments.math_verifier import grade_responses
 from opd.models.generation.config import GenerateStrategyConfig
@@ -22,6 +22,7 @@ from opd.models.interfaces import (
     FullVocabRequest,
     GenerationInterface,
     PolicyInterface,
+    SeveralTeachersSignal,
     TeacherInterface,
     TeacherRequest,
     TopKLogprobs,
@@ -94,7 +95,7 @@ def validate(
             if teacher is not None:
                 if policy is None:
                     raise ValueError("validate needs the student policy to compare with the teacher")
-                attach_teacher_prompts(batch, examples, 1)
+                attach_teacher_fields(batch, examples, 1)
                 kl_forward, kl_reverse, tokens = _kl_to_teacher(batch, policy, teacher, vocab_size, teacher_topk)
                 totals["kl_forward"] += kl_forward
                 totals["kl_reverse"] += kl_reverse
@@ -134,6 +135,8 @@ def _kl_to_teacher(
     full_vocabulary = teacher.refusal(FullVocabRequest()) is None
     request: TeacherRequest = FullVocabRequest() if full_vocabulary else TopKRequest(topk, 1.0, vocab_size)
     answer = teacher.score(batch, request)
+    if isinstance(answer, SeveralTeachersSignal):  # each row's teacher (routing), or the mixture
+        answer = answer.combined()
     student_logits = policy.get_logits(batch)
     device = student_logits.device
     mask = shift_token_mask(batch["token_mask"]).bool().to(device)

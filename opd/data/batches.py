@@ -2,8 +2,9 @@
 
 * :func:`build_fixed_data_batch`: the fixed-data branch of a step (and every SFT step):
   each prompt followed by the dataset's own assistant answer, one row per example;
-* :func:`attach_teacher_prompts`: context distillation gives each row the prompt its
-  teacher sees, whichever branch made the row;
+* :func:`attach_teacher_fields`: each row gets its example's teacher-side fields,
+  whichever branch made the row: the prompt its teacher sees (context distillation) and
+  its teacher assignment (several teachers);
 * :func:`unique_responses_per_prompt`: how many of a prompt's samples differ (greedy
   samples, or a temperature too low, make copies that cost compute and teach nothing new).
 """
@@ -35,14 +36,26 @@ def build_fixed_data_batch(
     )
     batch["response_lengths"] = batch["input_lengths"] - batch["prompt_lengths"]
     batch["truncated"] = torch.zeros(batch.size, dtype=torch.bool)
-    attach_teacher_prompts(batch, examples, 1)
+    attach_teacher_fields(batch, examples, 1)
     return batch
 
 
-def attach_teacher_prompts(batch: BatchedDataDict, examples: list[PreparedExample], num_samples: int) -> None:
-    """Context distillation: gives each row its example's teacher prompt (samples of one prompt are adjacent)."""
-    if examples and "teacher_prompt_ids" in examples[0]:
-        batch["teacher_prompt_ids"] = [examples[row // num_samples]["teacher_prompt_ids"] for row in range(batch.size)]
+def attach_teacher_fields(batch: BatchedDataDict, examples: list[PreparedExample], num_samples: int) -> None:
+    """Gives each row its example's teacher-side fields (samples of one prompt are adjacent).
+
+    ``teacher_prompt_ids`` (context distillation: a list per row), ``teacher_index``
+    (routing: ``[N]`` int64) and ``teacher_weights`` (mixture: ``[N, teachers]`` float32),
+    where the examples have them.
+    """
+    if not examples:
+        return
+    owners = [examples[row // num_samples] for row in range(batch.size)]
+    if "teacher_prompt_ids" in examples[0]:
+        batch["teacher_prompt_ids"] = [example["teacher_prompt_ids"] for example in owners]
+    if "teacher_index" in examples[0]:
+        batch["teacher_index"] = torch.tensor([example["teacher_index"] for example in owners], dtype=torch.long)
+    if "teacher_weights" in examples[0]:
+        batch["teacher_weights"] = torch.tensor([example["teacher_weights"] for example in owners], dtype=torch.float32)
 
 
 def unique_responses_per_prompt(batch: BatchedDataDict, samples_per_prompt: int) -> float:

@@ -19,6 +19,7 @@ from typing_extensions import NotRequired  # in typing from Python 3.11
 
 from opd.data.datasets import split_prompt_and_response
 from opd.data.sequences import encode_prompt, encode_response
+from opd.data.teacher_choice import TeacherChoice
 from opd.data.teacher_context import TeacherContext
 from opd.utils.errors import DataError
 
@@ -29,13 +30,17 @@ class PreparedExample(TypedDict):
     """A tokenized example: the prompt ids, the fixed response ids, the ground truth.
 
     ``teacher_prompt_ids`` (context distillation only) is the prompt the teacher sees:
-    the same conversation with the teacher-only context inserted.
+    the same conversation with the teacher-only context inserted. With several teachers,
+    ``teacher_index`` (routing) or ``teacher_weights`` (mixture) assigns the example its
+    teacher(s) (:mod:`opd.data.teacher_choice`).
     """
 
     prompt_ids: list[int]
     response_ids: list[int] | None
     ground_truth: str | None
     teacher_prompt_ids: NotRequired[list[int]]
+    teacher_index: NotRequired[int]
+    teacher_weights: NotRequired[list[float]]
 
 
 def prepare_examples(
@@ -44,16 +49,20 @@ def prepare_examples(
     max_prompt_length: int | None,
     source: str,
     teacher_context: TeacherContext | None = None,
+    teacher_choice: TeacherChoice | None = None,
 ) -> list[PreparedExample]:
     """Applies the chat template and tokenizes; drops prompts longer than the limit.
 
     With a ``teacher_context``, each example also gets the teacher's prompt: the context
     is inserted into the messages, then the chat template is applied and the whole
     rendered prompt tokenized (``max_prompt_length`` applies to the student's prompt).
+    With a ``teacher_choice`` (several teachers), each example also gets its teacher
+    assignment.
 
     Raises:
         DataError: if every prompt is over ``max_prompt_length``, or (naming the source
-            and the example) if an example lacks its per-example context.
+            and the example) if an example lacks its per-example context or has a
+            malformed teacher assignment.
     """
     prepared: list[PreparedExample] = []
     for index, example in enumerate(examples):
@@ -72,6 +81,14 @@ def prepare_examples(
             try:
                 context = teacher_context.context_for(example)
                 item["teacher_prompt_ids"] = encode_prompt(tokenizer, teacher_context.apply(prompt_messages, context))
+            except DataError as error:
+                raise DataError(f"{source}: example {index + 1}: {error}") from None
+        if teacher_choice is not None:
+            try:
+                if teacher_choice.mode == "route":
+                    item["teacher_index"] = teacher_choice.index_for(example)
+                else:
+                    item["teacher_weights"] = teacher_choice.weights_for(example)
             except DataError as error:
                 raise DataError(f"{source}: example {index + 1}: {error}") from None
         prepared.append(item)

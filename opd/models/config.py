@@ -1,11 +1,12 @@
-"""Which models to load and how (the ``model`` and ``teacher`` sections), and the student's optimizer settings."""
+"""Which models to load and how (the ``model``, ``teacher`` and ``teachers`` sections), and the optimizer."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from opd.data.teacher_choice import TeacherChoice
 from opd.utils.config import StrictConfig
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -124,3 +125,77 @@ class OptimizerConfig(StrictConfig):
     adam_implementation: Literal["auto", "fused", "foreach", "for_loop"] = Field(
         "auto", description="AdamW kernel: auto = fused where torch has it for the device, else foreach"
     )
+
+
+class TeacherMemberConfig(StrictConfig):
+    """One of several teachers (``teachers.members[i]``): its name and where it runs."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$", description="used in routing, weights and metric names")
+    model_path: str | None = Field(
+        None,
+        description="hub name, local directory or tiny:<preset>; required in process, and for a served "
+        "teacher's full-vocabulary loss (its output layer)",
+    )
+    backend: Literal["local", "remote"] = Field("local", description="local = model_path in process")
+    remote: RemoteTeacherConfig = Field(default_factory=RemoteTeacherConfig, description="used when backend = remote")
+    weight: float = Field(1.0, ge=0.0, description="mixture: fixed weight (normalised over the members)")
+
+
+class TeachersConfig(StrictConfig):
+    """Several teachers (``teachers:``): each example routed to one, or every token scored by a mixture.
+
+    Set instead of ``model.teacher_model_path`` / ``teacher:``; every member answers the
+    signal ``loss_fn`` asks for.
+    """
+
+    mode: Literal["route", "mixture"] = Field(
+        description="route = each example to one teacher; mixture = the student matches Σ_i w_i p_i"
+    )
+    members: list[TeacherMemberConfig] = Field(min_length=1, description="the teachers, each with a unique name")
+    route_key: str | None = Field(None, description="route: the dataset field naming each example's teacher")
+    route_map: dict[str, str] | None = Field(
+        None, description="route: field value -> teacher name (null: the field holds teacher names)"
+    )
+    default: str | None = Field(None, description="route: the teacher of examples without a (mapped) field value")
+    weights_key: str | None = Field(
+        None, description="mixture: dataset field with per-example {teacher name: weight}; null = members' weight"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TeachersConfig:
+        names = [member.name for member in self.members]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"teachers.members: the names {repeated} are used more than once")
+        if self.mode == "route":
+            if self.route_key is None:
+                raise ValueError(
+                    "teachers.mode = route needs teachers.route_key (the dataset field naming the teacher)"
+                )
+            if self.weights_key is not None:
+                raise ValueError("teachers.weights_key is for teachers.mode = mixture")
+            for key, name in [
+                ("teachers.default", self.default),
+                *[(f"teachers.route_map.{value}", target) for value, target in (self.route_map or {}).items()],
+            ]:
+                if name is not None and name not in names:
+                    raise ValueError(f"{key} = {name!r} names no teacher; teachers.members are {', '.join(names)}")
+        else:
+            stray = [key for key in ("route_key", "route_map", "default") if getattr(self, key) is not None]
+            if stray:
+                raise ValueError(f"teachers.{stray[0]} is for teachers.mode = route")
+            if self.weights_key is None and sum(member.weight for member in self.members) <= 0:
+                raise ValueError("teachers.members[*].weight: the fixed weights must have a positive sum")
+        return self
+
+    def choice(self) -> TeacherChoice:
+        """How each example is assigned its teacher(s) (read when the data is loaded)."""
+        return TeacherChoice(
+            names=tuple(member.name for member in self.members),
+            mode=self.mode,
+            route_key=self.route_key,
+            route_map=self.route_map,
+            default=self.default,
+            weights=tuple(member.weight for member in self.members),
+            weights_key=self.weights_key,
+        )

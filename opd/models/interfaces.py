@@ -137,9 +137,31 @@ class TokenLogprobsRequest:
 TeacherRequest = FullVocabRequest | TopKRequest | TokenLogprobsRequest
 """What a loss asks the teacher for."""
 
-TeacherSignal = torch.Tensor | LMHeadInput | tuple[torch.Tensor, torch.Tensor]
+
+class SeveralTeachersSignal(ABC):
+    """The answer of several teachers (:mod:`opd.models.teacher.several_teachers`).
+
+    Losses built for several teachers read its parts; any other consumer (validation)
+    takes :meth:`combined`.
+
+    Attributes:
+        seconds: each teacher's scoring time, by name.
+    """
+
+    seconds: dict[str, float]
+
+    @abstractmethod
+    def combined(self) -> SingleTeacherSignal:
+        """One answer of the kind asked for, row by row what the teachers said."""
+
+
+SingleTeacherSignal = torch.Tensor | LMHeadInput | tuple[torch.Tensor, torch.Tensor]
+"""One teacher's answer (see :data:`TeacherSignal`)."""
+
+TeacherSignal = SingleTeacherSignal | SeveralTeachersSignal
 """A teacher's answer: logits or token log-probs, hidden states and head, or top-k (log-probs, ids)
-(a :class:`TopKLogprobs` when the teacher sends its rest mass too)."""
+(a :class:`TopKLogprobs` when the teacher sends its rest mass too); several teachers answer
+with a :class:`SeveralTeachersSignal`."""
 
 TeacherSignalFn = Callable[[BatchedDataDict], TeacherSignal]
 """Scores one micro-batch (the driver binds the teacher, the request and its timer)."""
@@ -177,6 +199,14 @@ class LossFunction(ABC):
     def needs_sampler_logprobs(self) -> bool:
         """On-policy batches must carry ``generation_logprobs`` (the sampler's log-probs)."""
         return False
+
+    def finish_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The step's metrics from their sum over micro-batches (and ranks); as they are by default.
+
+        A loss whose metric is a ratio of two sums (several teachers: a teacher's mean KL
+        over its own tokens) reports both sums per micro-batch and divides them here.
+        """
+        return metrics
 
     @abstractmethod
     def __call__(

@@ -82,12 +82,25 @@ def plan_micro_batches(
     planned = []
     for chunk in chunks:
         width = int(chunk["input_lengths"].max())
+        padded = chunk["input_ids"].shape[1]
+        # Only per-position fields are trimmed; per-row ones ([B, teachers] weights) keep their width.
         planned.append(
-            BatchedDataDict(
-                {k: v[:, :width] if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in chunk.items()}
-            )
+            BatchedDataDict({k: v[:, :width] if _per_position(k, v, padded) else v for k, v in chunk.items()})
         )
     return planned
+
+
+_PER_ROW_MATRICES = ("teacher_weights",)
+"""``[B, n]`` batch fields that are not laid out by position (a mixture's weight of each teacher)."""
+
+
+def _per_position(key: str, value: object, padded_width: int) -> bool:
+    return (
+        key not in _PER_ROW_MATRICES
+        and isinstance(value, torch.Tensor)
+        and value.dim() == 2
+        and value.shape[1] == padded_width
+    )
 
 
 def accumulate_metrics(totals: dict[str, float], metrics: dict[str, float]) -> None:

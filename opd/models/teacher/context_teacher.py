@@ -185,6 +185,8 @@ class ContextTeacher(TeacherInterface):
                 self._to_student_positions(data, segments, ids, predicts_next),
                 self._to_student_positions(data, segments, rest, predicts_next) if rest is not None else None,
             )
+        if not isinstance(answer, torch.Tensor):
+            raise TypeError("a teacher-only context wraps each of several teachers, not the group")
         return self._to_student_positions(data, segments, answer, predicts_next)
 
     def close(self) -> None:

@@ -1,0 +1,366 @@
+"""Several teachers behind one :class:`~opd.models.interfaces.TeacherInterface`.
+
+The driver keeps talking to one teacher; with a ``teachers:`` section it is one of these:
+
+* :class:`RoutedTeachers` (``teachers.mode: route``): every row goes to the one teacher
+  its example names (``teacher_index``, see :mod:`opd.data.teacher_choice`). Each member
+  scores only its own rows, with the signal the loss asked for, so a member with no row
+  in a micro-batch costs nothing and a full-vocabulary member still sends hidden states
+  and its own head to the fused loss. The answer is a :class:`RoutedSignal`: each
+  member's part, which :class:`~opd.algorithms.several_teachers_loss.RoutedLoss` applies
+  row group by row group.
+* :class:`TeacherMixture` (``teachers.mode: mixture``): every member scores every row and
+  the student matches the mixture ``p_mix = Σ_i w_i p_i`` of their distributions, with the
+  example's weights (``teacher_weights``). The answer is a :class:`MixedSignal`: the
+  mixture, in the form of the signal asked for, plus each member's own answer (for the
+  per-teacher metrics).
+
+The mixture for each signal (``w_i`` sum to 1 for every row; ``T`` the loss temperature):
+
+* full vocabulary: ``p_mix = Σ_i w_i softmax(z_i / T)``, sent as the logits
+  ``T · log p_mix``, so that the loss's own ``softmax(· / T)`` gives back ``p_mix``;
+* top-k: each member sends its top k at temperature ``T`` and its rest mass. A candidate
+  token (one in any member's top k) gets ``Σ_i w_i p_i(token)``, where a member that did
+  not list the token counts 0 for it: that member's probability of it stays in its rest.
+  The k most likely candidates are sent, and the rest is ``Σ_i w_i rest_i`` plus the
+  candidates not sent, summed from positive terms. It is a true distribution over the k
+  tokens and one rest class, exact when the members list the same tokens or k covers
+  the vocabulary; otherwise it moves mass from listed tokens into the rest;
+* token log-probs: ``log Σ_i w_i p_i(token)``, exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.interfaces import (
+    FullVocabRequest,
+    SeveralTeachersSignal,
+    SingleTeacherSignal,
+    TeacherInterface,
+    TeacherRequest,
+    TeacherSignal,
+    TopKLogprobs,
+    TopKRequest,
+)
+from opd.models.lm_head import LMHeadInput
+from opd.models.topk_rest import rest_logprobs_from_topk
+
+
+def _refusal_of_members(
+    names: Sequence[str], members: Sequence[TeacherInterface], request: TeacherRequest
+) -> str | None:
+    for name, member in zip(names, members, strict=True):
+        reason = member.refusal(request)
+        if reason is not None:
+            return f"teacher {name!r}: {reason}"
+    return None
+
+
+def _as_dense(signal: TeacherSignal) -> SingleTeacherSignal:
+    """Logits instead of hidden states and a head (answers that must be combined position by position)."""
+    if isinstance(signal, SeveralTeachersSignal):
+        raise TypeError("a member of several teachers is one teacher, not a group")
+    return signal.logits() if isinstance(signal, LMHeadInput) else signal
+
+
+def _tensors(signals: Sequence[SingleTeacherSignal]) -> list[torch.Tensor]:
+    tensors = [signal for signal in signals if isinstance(signal, torch.Tensor)]
+    if len(tensors) != len(signals):
+        raise TypeError("the teachers answered one request with different kinds of signal")
+    return tensors
+
+
+def _pairs(signals: Sequence[SingleTeacherSignal]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    pairs = [signal for signal in signals if isinstance(signal, tuple)]
+    if len(pairs) != len(signals):
+        raise TypeError("the teachers answered one request with different kinds of signal")
+    return pairs
+
+
+# --------------------------------------------------------------------------- routing
+
+
+@dataclass
+class RoutedPart:
+    """One member's answer for the rows routed to it.
+
+    Attributes:
+        teacher: the member's position in ``teachers.members``.
+        rows: ``[b]`` int64 positions of its rows in the micro-batch.
+        signal: the member's answer for those rows (in that order).
+    """
+
+    teacher: int
+    rows: torch.Tensor
+    signal: TeacherSignal
+
+
+@dataclass
+class RoutedSignal(SeveralTeachersSignal):
+    """Several teachers' answers, each for its own rows of one micro-batch.
+
+    Attributes:
+        parts: one per member that had rows, in member order.
+        batch_size: rows of the micro-batch.
+        seconds: each member's scoring time, by name.
+    """
+
+    parts: list[RoutedPart]
+    batch_size: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def combined(self) -> SingleTeacherSignal:
+        """The parts put back in row order, as one answer of the same kind.
+
+        Hidden states become logits; logits of members with different output widths are
+        cut to the narrowest (the extra outputs are padding, never tokens).
+        """
+        signals = [_as_dense(part.signal) for part in self.parts]
+        rows = [part.rows for part in self.parts]
+        if isinstance(signals[0], tuple):
+            pairs = _pairs(signals)
+            logprobs = _scatter_rows([pair[0] for pair in pairs], rows, self.batch_size)
+            ids = _scatter_rows([pair[1] for pair in pairs], rows, self.batch_size)
+            rests = [pair.rest_logprobs for pair in pairs if isinstance(pair, TopKLogprobs)]
+            known = [rest for rest in rests if rest is not None]
+            rest = _scatter_rows(known, rows, self.batch_size) if len(known) == len(pairs) else None
+            return TopKLogprobs(logprobs, ids, rest)
+        tensors = _tensors(signals)
+        if tensors[0].dim() == 3:
+            width = min(tensor.shape[-1] for tensor in tensors)
+            tensors = [tensor[..., :width] for tensor in tensors]
+        return _scatter_rows(tensors, rows, self.batch_size)
+
+
+def _scatter_rows(pieces: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], batch_size: int) -> torch.Tensor:
+    first = pieces[0]
+    out = first.new_zeros((batch_size, *first.shape[1:]))
+    for piece, index in zip(pieces, rows, strict=True):
+        out[index.to(out.device)] = piece.to(out.device)
+    return out
+
+
+class RoutedTeachers(TeacherInterface):
+    """Each row is scored by the one member its example was routed to (``teacher_index``).
+
+    Args:
+        names: the members' names (metric names).
+        members: the teachers, in ``teachers.members`` order.
+    """
+
+    def __init__(self, names: Sequence[str], members: Sequence[TeacherInterface]) -> None:
+        if len(names) != len(members) or not members:
+            raise ValueError("RoutedTeachers needs one name per member, and at least one member")
+        self.names = list(names)
+        self.members = list(members)
+
+    @classmethod
+    def unsupported_reason(cls, request: TeacherRequest) -> str | None:
+        """Depends on the members (see :meth:`refusal`)."""
+        return None
+
+    def refusal(self, request: TeacherRequest) -> str | None:
+        """The first member's refusal of ``request``, naming that member."""
+        return _refusal_of_members(self.names, self.members, request)
+
+    def score(self, data: BatchedDataDict, request: TeacherRequest) -> RoutedSignal:
+        """Each member scores its own rows; members without rows are not called.
+
+        Raises:
+            ValueError: if ``data`` has no ``teacher_index`` or one outside the members.
+        """
+        if "teacher_index" not in data:
+            raise ValueError("several teachers with routing need each row's teacher_index (set from the data)")
+        index = data["teacher_index"]
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= len(self.members)):
+            raise ValueError(f"teacher_index outside 0..{len(self.members) - 1}")
+        parts: list[RoutedPart] = []
+        seconds: dict[str, float] = {}
+        for position, (name, member) in enumerate(zip(self.names, self.members, strict=True)):
+            rows = (index == position).nonzero().squeeze(-1).cpu()
+            if rows.numel() == 0:
+                continue
+            started = time.perf_counter()
+            signal = member.score(data.select_indices(rows), request)
+            seconds[name] = time.perf_counter() - started
+            parts.append(RoutedPart(position, rows, signal))
+        return RoutedSignal(parts, data.size, seconds)
+
+    def close(self) -> None:
+        """Closes every member."""
+        for member in self.members:
+            member.close()
+
+
+# --------------------------------------------------------------------------- mixture
+
+
+@dataclass
+class MixedSignal(SeveralTeachersSignal):
+    """A mixture of teachers' answers, and each member's own answer.
+
+    Attributes:
+        mixed: the mixture, in the form of the signal asked for.
+        members: each member's answer (dense: logits, top-k or token log-probs).
+        weights: ``[B, members]`` each row's weight of each member (rows sum to 1).
+        seconds: each member's scoring time, by name.
+    """
+
+    mixed: SingleTeacherSignal
+    members: list[SingleTeacherSignal]
+    weights: torch.Tensor
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def combined(self) -> SingleTeacherSignal:
+        """The mixture."""
+        return self.mixed
+
+
+class TeacherMixture(TeacherInterface):
+    """Every row is scored by every member; the answer is the weighted mixture of their distributions.
+
+    Args:
+        names: the members' names (metric names).
+        members: the teachers, in ``teachers.members`` order.
+        temperature: the loss temperature ``T``: a full-vocabulary mixture mixes the
+            members' ``softmax(z / T)`` (top-k requests carry their own temperature).
+    """
+
+    def __init__(self, names: Sequence[str], members: Sequence[TeacherInterface], temperature: float = 1.0) -> None:
+        if len(names) != len(members) or not members:
+            raise ValueError("TeacherMixture needs one name per member, and at least one member")
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+        self.names = list(names)
+        self.members = list(members)
+        self.temperature = temperature
+
+    @classmethod
+    def unsupported_reason(cls, request: TeacherRequest) -> str | None:
+        """Depends on the members (see :meth:`refusal`)."""
+        return None
+
+    def refusal(self, request: TeacherRequest) -> str | None:
+        """The first member's refusal of ``request``, naming that member."""
+        return _refusal_of_members(self.names, self.members, request)
+
+    def score(self, data: BatchedDataDict, request: TeacherRequest) -> MixedSignal:
+        """Every member scores every row; their answers are mixed with the rows' ``teacher_weights``.
+
+        Raises:
+            ValueError: if ``data`` has no ``teacher_weights`` of one column per member.
+        """
+        weights = data.get("teacher_weights")
+        if weights is None or weights.dim() != 2 or weights.shape[1] != len(self.members):
+            raise ValueError(
+                f"a mixture of {len(self.members)} teachers needs each row's teacher_weights [B, {len(self.members)}]"
+            )
+        if isinstance(request, FullVocabRequest):
+            request = FullVocabRequest(prefer_hidden_states=False)  # mixed position by position
+        answers: list[SingleTeacherSignal] = []
+        seconds: dict[str, float] = {}
+        for name, member in zip(self.names, self.members, strict=True):
+            started = time.perf_counter()
+            answers.append(_as_dense(member.score(data, request)))
+            seconds[name] = time.perf_counter() - started
+        mixed: SingleTeacherSignal
+        if isinstance(request, FullVocabRequest):
+            mixed = mix_logits(_tensors(answers), weights, self.temperature)
+        elif isinstance(request, TopKRequest):
+            mixed = mix_topk(_pairs(answers), weights, request.k)
+        else:
+            mixed = mix_token_logprobs(_tensors(answers), weights)
+        return MixedSignal(mixed, answers, weights, seconds)
+
+    def close(self) -> None:
+        """Closes every member."""
+        for member in self.members:
+            member.close()
+
+
+def _log_weights(weights: torch.Tensor, like: torch.Tensor, extra_dims: int) -> torch.Tensor:
+    """``[members, B, 1, ...]`` log-weights broadcastable against stacked ``[members, B, L, ...]`` values."""
+    logs = weights.to(device=like.device, dtype=torch.float32).clamp_min(0).log().transpose(0, 1)
+    return logs.reshape(*logs.shape, *([1] * extra_dims))
+
+
+def mix_logits(logits: Sequence[torch.Tensor], weights: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``T · log Σ_i w_i softmax(z_i / T)``: logits whose tempered softmax is the mixture.
+
+    Args:
+        logits: each member's ``[B, L, V_i]`` logits (cut to the narrowest ``V``).
+        weights: ``[B, members]``, rows summing to 1.
+        temperature: ``T``.
+
+    Returns:
+        ``[B, L, V]`` float32.
+    """
+    width = min(member.shape[-1] for member in logits)
+    log_probs = torch.stack([torch.log_softmax(member[..., :width].float() / temperature, dim=-1) for member in logits])
+    mixed = torch.logsumexp(log_probs + _log_weights(weights, log_probs, 2), dim=0)
+    return mixed * temperature
+
+
+def mix_token_logprobs(logprobs: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """``log Σ_i w_i p_i(token)`` at every position, from each member's ``[B, L]`` token log-probs."""
+    stacked = torch.stack([member.float() for member in logprobs])
+    return torch.logsumexp(stacked + _log_weights(weights, stacked, 1), dim=0)
+
+
+def mix_topk(answers: Sequence[tuple[torch.Tensor, torch.Tensor]], weights: torch.Tensor, k: int) -> TopKLogprobs:
+    """The mixture's k most likely candidate tokens and its rest mass (see the module docstring).
+
+    Args:
+        answers: each member's ``([B, L, k_i] log-probs, [B, L, k_i] ids)``, with its rest
+            mass where it is a :class:`TopKLogprobs` that carries one.
+        weights: ``[B, members]``, rows summing to 1.
+        k: tokens to send per position.
+
+    Returns:
+        ``([B, L, k'] log-probs, ids, [B, L] rest log-probs)`` with ``k' = min(k, candidates)``,
+        sorted by probability.
+    """
+    ids = torch.cat([answer[1] for answer in answers], dim=-1)  # [B, L, C] candidates
+    probs = torch.zeros(ids.shape, dtype=torch.float64, device=ids.device)
+    rest = torch.zeros(ids.shape[:-1], dtype=torch.float64, device=ids.device)
+    member_weights = weights.to(device=ids.device, dtype=torch.float64)
+    for member, answer in enumerate(answers):
+        w = member_weights[:, member].reshape(-1, 1)
+        probs += w.unsqueeze(-1) * _probability_where_listed(ids, answer[1], answer[0])
+        member_rest = answer.rest_logprobs if isinstance(answer, TopKLogprobs) else None
+        if member_rest is None:
+            member_rest = rest_logprobs_from_topk(answer[0].double())
+        rest += w * member_rest.double().exp()
+    # A token listed by several members is one candidate (with the same mixed probability
+    # at each occurrence): every occurrence after the first is dropped.
+    sorted_ids, order = ids.sort(dim=-1, stable=True)
+    repeat_sorted = torch.zeros_like(sorted_ids, dtype=torch.bool)
+    repeat_sorted[..., 1:] = sorted_ids[..., 1:] == sorted_ids[..., :-1]
+    repeated = torch.zeros_like(repeat_sorted).scatter(-1, order, repeat_sorted)
+    probs = probs.masked_fill(repeated, -1.0)
+    # Each member listed min(k, V) distinct tokens, so there are at least that many candidates.
+    take = min(k, max(answer[1].shape[-1] for answer in answers))
+    top, chosen = probs.topk(take, dim=-1)
+    rest = rest + probs.scatter(-1, chosen, -1.0).clamp_min(0).sum(-1)  # candidates not sent
+    rest_logprobs = torch.where(rest > 0, rest.log(), torch.full_like(rest, -math.inf))
+    return TopKLogprobs(top.clamp_min(0).log().float(), ids.gather(-1, chosen), rest_logprobs.float())
+
+
+def _probability_where_listed(candidates: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """``[..., C]`` float64: a member's probability of each candidate where it listed it, else 0.
+
+    A binary search in the member's sorted ids (unique per position), so memory stays
+    ``O(C)`` per position.
+    """
+    sorted_ids, order = ids.sort(dim=-1)
+    place = torch.searchsorted(sorted_ids.contiguous(), candidates.contiguous()).clamp_max(ids.shape[-1] - 1)
+    listed = sorted_ids.gather(-1, place) == candidates
+    probs = logprobs.double().exp().gather(-1, order).gather(-1, place)
+    return torch.where(listed, probs, torch.zeros_like(probs))
