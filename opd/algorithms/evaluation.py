@@ -14,6 +14,7 @@ from pathlib import Path
 from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
 from opd.algorithms.distillation_setup import (
     build_generation,
+    build_several_teachers,
     build_teacher,
     check_environment,
     connect_remote_teacher,
@@ -54,13 +55,19 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
     check_environment(config)
     set_seed(config.training.seed)
     tokenizer = run_tokenizer(config)
-    examples = load_examples(config.data, tokenizer, "val", config.distillation.teacher_context_spec())
+    choice = config.teachers.choice() if config.teachers is not None else None
+    context = config.distillation.teacher_context_spec()
+    examples = load_examples(config.data, tokenizer, "val", context, teacher_choice=choice)
     model_path = resolve_eval_model(config)
     student_model, teacher_model = load_models(config, tokenizer, model_path)
     student_model.eval()
-    teacher: TeacherInterface = (
-        connect_remote_teacher(config, tokenizer) if teacher_model is None else LocalTeacher(teacher_model)
-    )
+    teacher: TeacherInterface
+    if config.teachers is not None:
+        teacher = build_several_teachers(config, tokenizer)
+    elif teacher_model is None:
+        teacher = connect_remote_teacher(config, tokenizer)
+    else:
+        teacher = LocalTeacher(teacher_model)
     teacher = build_teacher(config, tokenizer, teacher)
     # A policy only for the student's logits: its optimizer never steps.
     policy = HFPolicy(student_model, config.training, resolve_micro_batching(config)[0], total_steps=1)
