@@ -313,7 +313,10 @@ def topk_token_kl(
         student_logits: ``[..., V]`` student logits (full vocabulary).
         teacher_topk_logprobs: ``[..., k]`` teacher log-probabilities of its top-k tokens,
             normalised over the teacher's full vocabulary.
-        teacher_topk_ids: ``[..., k]`` the ids of those tokens (distinct per position).
+        teacher_topk_ids: ``[..., k]`` the ids of those tokens (distinct per position). An
+            id of −1 marks an empty slot, which takes part in neither class (a
+            cross-tokenizer teacher's token with no counterpart in the student's
+            vocabulary: its mass is in the rest, see :mod:`opd.models.teacher.cross_tokenizer`).
         kl_type: ``"forward"``, ``"reverse"`` or ``"mixed"``, as in :func:`token_kl`.
         mixed_kl_weight: weight of the forward term for ``"mixed"``, in [0, 1].
         tail: keep the rest class (True) or renormalise over the top k (False).
@@ -339,8 +342,10 @@ def topk_token_kl(
     compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
     scaled = student_logits.to(compute_dtype)
     log_q_full = torch.log_softmax(scaled if temperature == 1.0 else scaled / temperature, dim=-1)
-    log_q = log_q_full.gather(-1, teacher_topk_ids)
-    log_p = teacher_topk_logprobs.to(compute_dtype)
+    empty = teacher_topk_ids < 0
+    listed_ids = teacher_topk_ids.clamp_min(0)
+    log_q = log_q_full.gather(-1, listed_ids).masked_fill(empty, float("-inf"))
+    log_p = teacher_topk_logprobs.to(compute_dtype).masked_fill(empty, float("-inf"))
     if not tail:
         return _combine(
             log_q - torch.logsumexp(log_q, dim=-1, keepdim=True),
@@ -348,11 +353,12 @@ def topk_token_kl(
             kl_type,
             mixed_kl_weight,
         )
-    in_topk = torch.zeros_like(log_q_full, dtype=torch.bool).scatter_(-1, teacher_topk_ids, True)
+    # Counted, not written: an empty slot's placeholder id must not unmark a listed one.
+    in_topk = torch.zeros_like(log_q_full, dtype=torch.int32).scatter_add_(-1, listed_ids, (~empty).int()) > 0
     # Student rest mass as a logsumexp over the other tokens: exact even when Σ_k Q ≈ 1.
     log_q_rest = torch.logsumexp(log_q_full.masked_fill(in_topk, float("-inf")), dim=-1, keepdim=True)
     if teacher_rest_logprobs is None:
-        teacher_rest_logprobs = rest_logprobs_from_topk(teacher_topk_logprobs)
+        teacher_rest_logprobs = rest_logprobs_from_topk(teacher_topk_logprobs.masked_fill(empty, float("-inf")))
     log_p_rest = teacher_rest_logprobs.to(compute_dtype).unsqueeze(-1)
     # A teacher with finite logits always has some rest mass, but below the dtype's
     # smallest normal number it is lost to rounding (and Σ_k P can round to 1): it is
@@ -588,7 +594,11 @@ class _TeacherMetrics:
     def _topk(self, log_q: torch.Tensor, teacher_topk_logprobs: torch.Tensor, teacher_topk_ids: torch.Tensor) -> None:
         k = teacher_topk_ids.shape[-1]
         student_topk_ids = log_q.topk(min(k, log_q.shape[-1]), dim=-1).indices
-        self._add_topk(teacher_topk_logprobs, teacher_topk_ids, log_q.gather(-1, teacher_topk_ids), student_topk_ids)
+        empty = teacher_topk_ids < 0  # empty slots (see topk_token_kl) hold no mass on either side
+        at_teacher_topk = log_q.gather(-1, teacher_topk_ids.clamp_min(0)).masked_fill(empty, float("-inf"))
+        self._add_topk(
+            teacher_topk_logprobs.masked_fill(empty, float("-inf")), teacher_topk_ids, at_teacher_topk, student_topk_ids
+        )
 
     def _add_topk(
         self,
