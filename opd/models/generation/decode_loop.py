@@ -27,6 +27,7 @@ vary from batch to batch, one-token steps do not.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -55,7 +56,8 @@ def decode(
     Call it under ``torch.inference_mode()`` with the model in eval mode.
 
     Args:
-        model: a causal LM accepting ``past_key_values``, ``position_ids`` and ``logits_to_keep``.
+        model: a causal LM accepting a KV cache (``cache`` or ``past_key_values``),
+            ``position_ids`` and ``logits_to_keep``.
         input_ids: ``[B, P]`` left-padded prompts (on the model's device).
         attention_mask: ``[B, P]`` 1 for prompt tokens, 0 for the left padding.
         strategy: decoding method, temperature, top-k / top-p and the new-token budget.
@@ -84,13 +86,14 @@ def decode(
     # attention kernel take its causal fast path instead of building a mask every step.
     # (Rows that finish leave the batch, so no padding ever appears later.)
     mask = attention_mask if not bool(attention_mask.all()) else None
+    cache_keyword = _cache_keyword(model)
     output = model(
         input_ids=input_ids,
         attention_mask=mask,
         position_ids=position_ids,
-        past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **{cache_keyword: cache},
     )
     active = torch.arange(rows, device=device)  # original row of each row still decoding
     next_position = position_ids[:, -1:] + 1
@@ -115,8 +118,8 @@ def decode(
             input_ids=chosen.unsqueeze(-1),
             attention_mask=mask,
             position_ids=next_position,
-            past_key_values=cache,
             use_cache=True,
+            **{cache_keyword: cache},
         )
         next_position = next_position + 1
     tokens = tokens[:, :steps_run]
@@ -153,3 +156,9 @@ def compile_decode_step(model: PreTrainedModel) -> Callable[..., Any]:
         return SimpleNamespace(logits=model.get_output_embeddings()(hidden))
 
     return step
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """The forward keyword of the KV cache: ``cache`` from transformers 5.24 on, ``past_key_values`` before."""
+    forward = getattr(model, "forward", model)
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"

@@ -24,7 +24,8 @@ class ForwardRecorder:
 
     def _record(self, module, args, kwargs) -> None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        cache = kwargs.get("past_key_values")
+        # transformers 5.24 renamed generate's `past_key_values` keyword to `cache`.
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
         self.calls.append((int(input_ids.shape[1]), cache is not None and cache.get_seq_length() > 0))
 
 
