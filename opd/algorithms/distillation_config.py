@@ -24,6 +24,7 @@ from opd.algorithms.loss_config import (
     HybridFullVocabLossConfig,
     LossFnConfig,
     SampledTokenLossConfig,
+    TopKLossConfig,
 )
 from opd.algorithms.off_policy import OffPolicyCorrectionConfig
 from opd.algorithms.training_loop import RunConfig, TrainingLoopConfig
@@ -215,8 +216,14 @@ def _teacher_problem(config: MasterConfig) -> str | None:
             "teacher-only context; set distillation.teacher_context or teacher_context_key"
         )
     if config.teachers is not None:
+        if config.teacher.cross_tokenizer:
+            return "teacher.cross_tokenizer is for one teacher; several teachers must share the student's tokenizer"
         return _several_teachers_problem(config)
     teacher = config.teacher
+    if teacher.cross_tokenizer:
+        problem = _cross_tokenizer_problem(config)
+        if problem is not None:
+            return problem
     if teacher.backend == "remote":
         baselines = {
             "eval_baseline": config.validation.eval_baseline,
@@ -235,6 +242,28 @@ def _teacher_problem(config: MasterConfig) -> str | None:
         )
     keys = _TeacherKeys("teacher.backend", "teacher.remote", "model.teacher_model_path")
     return _one_teacher_problem(config, teacher.backend, teacher.remote, config.model.teacher_model_path, keys)
+
+
+def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
+    """A teacher with another tokenizer answers top-k over shared strings, in process with the sync schedule."""
+    if not isinstance(config.loss_fn, TopKLossConfig):
+        return (
+            f"teacher.cross_tokenizer maps the teacher's top-k onto the student's vocabulary; "
+            f"loss_fn.type = {config.loss_fn.type} is not supported with it, use loss_fn.type = topk"
+        )
+    if config.model.teacher_model_path is None:
+        return "teacher.cross_tokenizer reads the teacher's tokenizer from model.teacher_model_path; set it"
+    unsupported = {
+        "cluster": config.cluster is not None,
+        f"training.scheduler = {config.training.scheduler}": config.training.asynchronous,
+        "training.sequence_packing": config.training.sequence_packing,
+        "validation.teacher_baseline": config.validation.teacher_baseline,
+        "validation.eval_baseline": config.validation.eval_baseline,
+    }
+    for key, used in unsupported.items():
+        if used:
+            return f"{key} is not supported with teacher.cross_tokenizer yet; remove one of the two"
+    return None
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ from opd.models.loading import (
 from opd.models.policy.hf_policy import HFPolicy
 from opd.models.policy.lora import import_peft
 from opd.models.teacher.context_teacher import ContextTeacher
+from opd.models.teacher.cross_tokenizer import CrossTokenizerTeacher
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.remote_teacher import RemoteTeacher
 from opd.models.teacher.several_teachers import RoutedTeachers, TeacherMixture
@@ -182,6 +183,16 @@ def check_config_against_data(config: MasterConfig, train_examples: list[Prepare
             )
 
 
+def teacher_tokenizer_of(config: MasterConfig) -> Any | None:
+    """The teacher's own tokenizer when it differs from the student's (``teacher.cross_tokenizer``), else None."""
+    if not config.teacher.cross_tokenizer:
+        return None
+    tokenizer = load_tokenizer(resolve_teacher_path(config), config.model.trust_remote_code)
+    if config.data.chat_template:  # the run's template override is for the student's tokenizer only
+        log.info("data.chat_template applies to the student; the teacher renders prompts with its own template")
+    return tokenizer
+
+
 def run_tokenizer(config: MasterConfig) -> Any:
     """The tokenizer of the run: ``model.tokenizer_path``, else the student's."""
     return load_run_tokenizer(
@@ -222,7 +233,9 @@ def load_models(
     dtype = resolve_dtype(config.model.dtype, device)
     teacher_model = None
     if config.teacher.backend == "local" and config.teachers is None:
-        teacher_model = load_teacher_model(config, tokenizer, resolve_teacher_path(config), student_path)
+        teacher_model = load_teacher_model(
+            config, tokenizer, resolve_teacher_path(config), student_path, teacher_tokenizer_of(config)
+        )
     log.info("loading student %s (%s on %s)", student_path, str(dtype).replace("torch.", ""), device)
     student_model = load_causal_lm(student_path, dtype, device, config.model)
     check_output_sizes(student_model, len(tokenizer), student_path)
@@ -230,8 +243,13 @@ def load_models(
     return student_model, teacher_model
 
 
-def load_teacher_model(config: MasterConfig, tokenizer: Any, teacher_path: str, student_path: str) -> PreTrainedModel:
+def load_teacher_model(
+    config: MasterConfig, tokenizer: Any, teacher_path: str, student_path: str, own_tokenizer: Any | None = None
+) -> PreTrainedModel:
     """Loads a frozen teacher in process, after checking that its tokenizer is the run's.
+
+    With ``own_tokenizer`` (``teacher.cross_tokenizer``) the teacher keeps its own
+    tokenizer, and its output layer is checked against that one instead.
 
     Raises:
         ModelCompatibilityError: the teacher's tokenizer or output layer does not match
@@ -241,11 +259,12 @@ def load_teacher_model(config: MasterConfig, tokenizer: Any, teacher_path: str, 
     dtype = resolve_dtype(config.model.dtype, device)
     # The teacher's own tokenizer is checked even when model.tokenizer_path overrides the
     # student's: the teacher's logits are indexed by the ids its tokenizer defines.
-    teacher_tokenizer = load_tokenizer(teacher_path, config.model.trust_remote_code)
-    check_tokenizer_compatibility(tokenizer, teacher_tokenizer, student_path, teacher_path)
+    if own_tokenizer is None:
+        teacher_tokenizer = load_tokenizer(teacher_path, config.model.trust_remote_code)
+        check_tokenizer_compatibility(tokenizer, teacher_tokenizer, student_path, teacher_path)
     log.info("loading teacher %s (%s on %s)", teacher_path, str(dtype).replace("torch.", ""), device)
     teacher_model = load_causal_lm(teacher_path, dtype, device, config.model)
-    check_output_sizes(teacher_model, len(tokenizer), teacher_path)
+    check_output_sizes(teacher_model, len(own_tokenizer if own_tokenizer is not None else tokenizer), teacher_path)
     return teacher_model
 
 
@@ -309,17 +328,29 @@ def connect_remote_teacher(
         remote.hidden_dtype,
         output_layer,
     )
-    client.connect(tokenizer)
+    # A teacher with its own tokenizer must tokenize as that tokenizer does.
+    client.connect(teacher_tokenizer_of(config) or tokenizer)
     log.info("teacher: %s served at %s", client.model, remote.url)
     return client
 
 
-def build_teacher(config: MasterConfig, tokenizer: Any, teacher: TeacherInterface) -> TeacherInterface:
+def build_teacher(
+    config: MasterConfig, tokenizer: Any, teacher: TeacherInterface, teacher_tokenizer: Any | None = None
+) -> TeacherInterface:
     """``teacher``, seeing each completion under its own prompt when there is a teacher-only context.
 
-    Several teachers are returned as they are: each member was given the context when it
-    was built (:func:`build_several_teachers`).
+    A teacher with its own tokenizer (``teacher_tokenizer``) scores the re-tokenized
+    response under its own prompt, which already holds the context
+    (:class:`~opd.models.teacher.cross_tokenizer.CrossTokenizerTeacher`). Several teachers
+    are returned as they are: each member was given the context when it was built
+    (:func:`build_several_teachers`).
     """
+    if teacher_tokenizer is not None:
+        wrapped = CrossTokenizerTeacher(teacher, tokenizer, teacher_tokenizer)
+        log.info(
+            "teacher with its own tokenizer: %.0f%% of the student's tokens are shared", 100 * wrapped.shared_fraction
+        )
+        return wrapped
     if config.distillation.teacher_context_spec() is None or config.teachers is not None:
         return teacher
     return ContextTeacher(teacher, tokenizer.pad_token_id)
@@ -446,12 +477,16 @@ def build_in_process(
         str(resume_from / "policy") if resume_from is not None and lora is None else config.model.student_model_path
     )
     student_model, teacher_model = load_models(config, tokenizer, student_path)
-    report_stop_tokens(config, tokenizer, student_model, teacher_model, train_examples)
+    # A teacher with its own tokenizer has other stop ids and cannot sample in the student's ids.
+    same_ids = not config.teacher.cross_tokenizer
+    report_stop_tokens(config, tokenizer, student_model, teacher_model if same_ids else None, train_examples)
     teacher: TeacherInterface | None = LocalTeacher(teacher_model) if teacher_model is not None else remote_teacher
     if teacher is None:
         raise ConfigError("no teacher: set model.teacher_model_path or teacher.backend = remote")
     teacher_generation = (
-        None if teacher_model is None else HFGeneration(teacher_model, tokenizer, config.generation.decode_loop)
+        HFGeneration(teacher_model, tokenizer, config.generation.decode_loop)
+        if teacher_model is not None and same_ids
+        else None
     )
 
     # Built before HFPolicy injects LoRA adapters into student_model: vLLM's first load
@@ -529,7 +564,10 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     tokenizer = run_tokenizer(config)
     context = config.distillation.teacher_context_spec()
     choice = config.teachers.choice() if config.teachers is not None else None
-    train_examples = load_examples(config.data, tokenizer, "train", context, teacher_choice=choice)
+    teacher_tokenizer = teacher_tokenizer_of(config)
+    train_examples = load_examples(
+        config.data, tokenizer, "train", context, teacher_choice=choice, teacher_tokenizer=teacher_tokenizer
+    )
     check_config_against_data(config, train_examples)
     steps_per_epoch, total_steps = plan_run_length(
         len(train_examples),
@@ -539,7 +577,9 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
         config.data.train_path,
     )
     val_examples = (
-        load_examples(config.data, tokenizer, "val", context, teacher_choice=choice)
+        load_examples(
+            config.data, tokenizer, "val", context, teacher_choice=choice, teacher_tokenizer=teacher_tokenizer
+        )
         if config.data.has_validation
         else None
     )
@@ -575,7 +615,7 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     )
     return DistillationComponents(
         student_policy=student_policy,
-        teacher_policy=build_teacher(config, tokenizer, teacher),
+        teacher_policy=build_teacher(config, tokenizer, teacher, teacher_tokenizer),
         student_generation=student_generation,
         teacher_generation=teacher_generation,
         dataloader=make_train_dataloader(

@@ -21,6 +21,7 @@ from opd.algorithms.distillation_setup import (
     load_models,
     run_tokenizer,
     set_seed,
+    teacher_tokenizer_of,
 )
 from opd.algorithms.run_setup import load_examples
 from opd.algorithms.validation import validate
@@ -57,7 +58,10 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
     tokenizer = run_tokenizer(config)
     choice = config.teachers.choice() if config.teachers is not None else None
     context = config.distillation.teacher_context_spec()
-    examples = load_examples(config.data, tokenizer, "val", context, teacher_choice=choice)
+    teacher_tokenizer = teacher_tokenizer_of(config)
+    examples = load_examples(
+        config.data, tokenizer, "val", context, teacher_choice=choice, teacher_tokenizer=teacher_tokenizer
+    )
     model_path = resolve_eval_model(config)
     student_model, teacher_model = load_models(config, tokenizer, model_path)
     student_model.eval()
@@ -68,7 +72,7 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
         teacher = connect_remote_teacher(config, tokenizer)
     else:
         teacher = LocalTeacher(teacher_model)
-    teacher = build_teacher(config, tokenizer, teacher)
+    teacher = build_teacher(config, tokenizer, teacher, teacher_tokenizer)
     # A policy only for the student's logits: its optimizer never steps.
     policy = HFPolicy(student_model, config.training, resolve_micro_batching(config)[0], total_steps=1)
     generation = build_generation(config, student_model, tokenizer)

@@ -50,6 +50,7 @@ def load_examples(
     teacher_context: TeacherContext | None = None,
     path: str | None = None,
     teacher_choice: TeacherChoice | None = None,
+    teacher_tokenizer: Any | None = None,
 ) -> list[PreparedExample]:
     """Reads, checks and tokenizes the training or validation data of ``data``.
 
@@ -63,6 +64,7 @@ def load_examples(
         teacher_context: context distillation's teacher-only context, if any.
         path: a file to read instead of the section's (``opd eval`` on a test split).
         teacher_choice: with several teachers, how each example is assigned its teacher(s).
+        teacher_tokenizer: a teacher's own tokenizer, which renders its prompts (cross-tokenizer mode).
     """
     source: str | None
     if split == "train":
@@ -79,7 +81,13 @@ def load_examples(
         rows = [row for index, row in enumerate(raw) if (index in held_out) == (split == "val")]
         where = f"{data.train_path} ({'held-out validation' if split == 'val' else 'training'} rows)"
         return prepare_examples(
-            rows[:limit] if limit else rows, tokenizer, data.max_prompt_length, where, teacher_context, teacher_choice
+            rows[:limit] if limit else rows,
+            tokenizer,
+            data.max_prompt_length,
+            where,
+            teacher_context,
+            teacher_choice,
+            teacher_tokenizer,
         )
     if source is None:
         raise ConfigError(
@@ -88,7 +96,9 @@ def load_examples(
     raw = load_chat_dataset(
         source, split=hf_split, max_examples=limit, data_format=data.data_format, prompt_file=data.prompt_file
     )
-    return prepare_examples(raw, tokenizer, data.max_prompt_length, source, teacher_context, teacher_choice)
+    return prepare_examples(
+        raw, tokenizer, data.max_prompt_length, source, teacher_context, teacher_choice, teacher_tokenizer
+    )
 
 
 def holdout_rows(num_rows: int, holdout: int, seed: int, source: str) -> set[int]:

@@ -50,6 +50,7 @@ def prepare_examples(
     source: str,
     teacher_context: TeacherContext | None = None,
     teacher_choice: TeacherChoice | None = None,
+    teacher_tokenizer: Any | None = None,
 ) -> list[PreparedExample]:
     """Applies the chat template and tokenizes; drops prompts longer than the limit.
 
@@ -57,7 +58,8 @@ def prepare_examples(
     is inserted into the messages, then the chat template is applied and the whole
     rendered prompt tokenized (``max_prompt_length`` applies to the student's prompt).
     With a ``teacher_choice`` (several teachers), each example also gets its teacher
-    assignment.
+    assignment. With a ``teacher_tokenizer`` (a teacher with its own tokenizer), the
+    teacher's prompt is rendered and tokenized by it (with the context, if any).
 
     Raises:
         DataError: if every prompt is over ``max_prompt_length``, or (naming the source
@@ -77,20 +79,12 @@ def prepare_examples(
             response_ids=response_ids,
             ground_truth=None if ground_truth is None else str(ground_truth),
         )
-        if teacher_context is not None:
-            try:
-                context = teacher_context.context_for(example)
-                item["teacher_prompt_ids"] = encode_prompt(tokenizer, teacher_context.apply(prompt_messages, context))
-            except DataError as error:
-                raise DataError(f"{source}: example {index + 1}: {error}") from None
-        if teacher_choice is not None:
-            try:
-                if teacher_choice.mode == "route":
-                    item["teacher_index"] = teacher_choice.index_for(example)
-                else:
-                    item["teacher_weights"] = teacher_choice.weights_for(example)
-            except DataError as error:
-                raise DataError(f"{source}: example {index + 1}: {error}") from None
+        try:
+            _add_teacher_fields(
+                item, example, prompt_messages, tokenizer, teacher_context, teacher_choice, teacher_tokenizer
+            )
+        except DataError as error:
+            raise DataError(f"{source}: example {index + 1}: {error}") from None
         prepared.append(item)
     skipped = len(examples) - len(prepared)
     if skipped:
@@ -98,6 +92,28 @@ def prepare_examples(
     if not prepared:
         raise DataError(f"{source}: no prompt fits data.max_prompt_length = {max_prompt_length}")
     return prepared
+
+
+def _add_teacher_fields(
+    item: PreparedExample,
+    example: dict,
+    prompt_messages: list[dict],
+    tokenizer: Any,
+    teacher_context: TeacherContext | None,
+    teacher_choice: TeacherChoice | None,
+    teacher_tokenizer: Any | None,
+) -> None:
+    """The example's teacher prompt (a teacher-only context, or the teacher's own tokenizer) and assignment."""
+    if teacher_context is not None or teacher_tokenizer is not None:
+        messages = prompt_messages
+        if teacher_context is not None:
+            messages = teacher_context.apply(prompt_messages, teacher_context.context_for(example))
+        item["teacher_prompt_ids"] = encode_prompt(teacher_tokenizer or tokenizer, messages)
+    if teacher_choice is not None:
+        if teacher_choice.mode == "route":
+            item["teacher_index"] = teacher_choice.index_for(example)
+        else:
+            item["teacher_weights"] = teacher_choice.weights_for(example)
 
 
 def _collate_examples(examples: list[PreparedExample]) -> list[PreparedExample]:

@@ -109,6 +109,11 @@ class TeacherConfig(StrictConfig):
 
     backend: Literal["local", "remote"] = Field("local", description="local = model.teacher_model_path in process")
     remote: RemoteTeacherConfig = Field(default_factory=RemoteTeacherConfig, description="used when backend = remote")
+    cross_tokenizer: bool = Field(
+        False,
+        description="the teacher's tokenizer differs from the student's: it scores the response text under its own "
+        "tokenization, aligned by bytes (loss_fn.type topk; its tokenizer is read from model.teacher_model_path)",
+    )
 
 
 class OptimizerConfig(StrictConfig):

@@ -158,14 +158,15 @@ def check_tokenizer_compatibility(
         raise ModelCompatibilityError(
             f"teacher '{teacher_name}' and student '{student_name}' have different tokenizers: "
             f"{len(teacher_vocab)} vs {len(student_vocab)} tokens. Token-level distillation needs "
-            "one shared vocabulary (same model family)."
+            "one shared vocabulary (same model family), or teacher.cross_tokenizer = true (the teacher "
+            "scores the response text under its own tokenization; guide section 15)."
         )
     for token, token_id in student_vocab.items():
         if teacher_vocab.get(token) != token_id:
             raise ModelCompatibilityError(
                 f"teacher '{teacher_name}' and student '{student_name}' have different tokenizers: "
                 f"token {token!r} is id {token_id} in the student but {teacher_vocab.get(token)} "
-                "in the teacher."
+                "in the teacher; set teacher.cross_tokenizer = true to distil across tokenizers (guide section 15)."
             )
     if student_tokenizer.eos_token_id != teacher_tokenizer.eos_token_id:
         raise ModelCompatibilityError(

@@ -1,0 +1,275 @@
+"""Aligning two tokenizations of one text by byte offsets (a teacher with another tokenizer).
+
+Every token of a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen) stands for an exact
+byte string: its characters are bytes written through GPT-2's byte-to-unicode table.
+Two tokenizations of the same text are then two ways of cutting one byte string, and
+they agree exactly at the byte offsets where both cut. Between two such common
+boundaries lies an aligned *group*: some student tokens and some teacher tokens with the
+same bytes. At the start of a group both models have read the same text and predict
+what comes next, so their next-token distributions can be compared there.
+
+This works on bytes, not on decoded text, so it is linear in the length, exact for any
+UTF-8 (a multi-byte character split differently by the two tokenizers is one group), and
+free of the normalisation drift of incremental decoding (a decoder that strips or merges
+spaces, or that cannot decode half a character).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
+from typing import Any
+
+import torch
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's table, inverted: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    characters = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            characters.append(256 + extra)
+            extra += 1
+    return {chr(character): byte for byte, character in zip(printable, characters, strict=True)}
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return decoder is not None and "ByteLevel" in repr(decoder)
+
+
+def token_bytes(tokenizer: Any) -> list[bytes]:
+    """The bytes each id ``0 .. len(tokenizer) - 1`` stands for.
+
+    Byte-level tokenizers: each character of the token string through GPT-2's table.
+    Added and special tokens (``<|im_end|>``): their literal UTF-8 content. Other
+    tokenizers (SentencePiece): ``▁`` is a space and ``<0xNN>`` a byte.
+
+    Raises:
+        ValueError: naming the tokenizer and the token whose bytes cannot be found.
+    """
+    table = _unicode_to_byte()
+    byte_level = _is_byte_level(tokenizer)
+    added = {index: token.content for index, token in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    pieces: list[bytes] = []
+    for index, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        if index in added:
+            pieces.append(added[index].encode("utf-8"))
+        elif token is None:
+            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')}: id {index} has no token")
+        elif byte_level:
+            try:
+                pieces.append(bytes(table[character] for character in token))
+            except KeyError:
+                raise ValueError(
+                    f"tokenizer {getattr(tokenizer, 'name_or_path', '?')}: token {token!r} (id {index}) is not "
+                    "byte-level"
+                ) from None
+        elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            pieces.append(bytes([int(token[3:5], 16)]))
+        else:
+            pieces.append(token.replace("▁", " ").encode("utf-8"))
+    return pieces
+
+
+def shared_vocabulary(student_tokenizer: Any, teacher_tokenizer: Any) -> torch.Tensor:
+    """``[V_student]`` int64: the teacher id with the same bytes as each student id, or −1.
+
+    Special tokens map only to special tokens of the same content, and normal tokens only
+    to normal ones.
+    """
+    student_special = set(getattr(student_tokenizer, "added_tokens_decoder", {}))
+    teacher_special = set(getattr(teacher_tokenizer, "added_tokens_decoder", {}))
+    teacher_index = {
+        (piece, index in teacher_special): index for index, piece in enumerate(token_bytes(teacher_tokenizer))
+    }
+    mapping = [
+        teacher_index.get((piece, index in student_special), -1)
+        for index, piece in enumerate(token_bytes(student_tokenizer))
+    ]
+    return torch.tensor(mapping, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class AlignedGroup:
+    """Student tokens ``[student_start, student_end)`` and teacher tokens ``[teacher_start, teacher_end)``
+    covering the same bytes, between two common boundaries."""
+
+    student_start: int
+    student_end: int
+    teacher_start: int
+    teacher_end: int
+
+    @property
+    def one_to_one(self) -> bool:
+        """One token on each side."""
+        return self.student_end - self.student_start == 1 and self.teacher_end - self.teacher_start == 1
+
+
+def align_tokens(student_pieces: list[bytes], teacher_pieces: list[bytes]) -> list[AlignedGroup]:
+    """The groups of two tokenizations of one byte string, cut at their common boundaries.
+
+    Linear in the number of tokens. A token of zero bytes belongs to the group that ends
+    where it does.
+
+    Raises:
+        ValueError: if the two byte strings differ, naming the first differing offset.
+    """
+    student_text, teacher_text = b"".join(student_pieces), b"".join(teacher_pieces)
+    if student_text != teacher_text:
+        offset = next(
+            (i for i, (a, b) in enumerate(zip(student_text, teacher_text, strict=False)) if a != b),
+            min(len(student_text), len(teacher_text)),
+        )
+        raise ValueError(f"the two tokenizations differ at byte {offset}; they must cover the same bytes")
+    student_ends = list(accumulate(len(piece) for piece in student_pieces))
+    teacher_ends = list(accumulate(len(piece) for piece in teacher_pieces))
+    common = sorted(set(student_ends) & set(teacher_ends))
+    groups: list[AlignedGroup] = []
+    i = j = 0
+    for boundary in common:
+        next_i, next_j = i, j
+        while next_i < len(student_ends) and student_ends[next_i] <= boundary:
+            next_i += 1
+        while next_j < len(teacher_ends) and teacher_ends[next_j] <= boundary:
+            next_j += 1
+        groups.append(AlignedGroup(i, next_i, j, next_j))
+        i, j = next_i, next_j
+    return groups
+
+
+def _valid_utf8_length(data: bytes) -> int:
+    """The length of the longest prefix of ``data`` that is valid UTF-8."""
+    try:
+        data.decode("utf-8")
+        return len(data)
+    except UnicodeDecodeError as error:
+        return error.start
+
+
+def teacher_tokens_for_response(
+    student_response_ids: list[int],
+    student_tokenizer: Any,
+    teacher_tokenizer: Any,
+    student_pieces: list[bytes] | None = None,
+    teacher_pieces: list[bytes] | None = None,
+) -> tuple[list[int], list[AlignedGroup]]:
+    """The teacher's tokens for the student's response, and their alignment.
+
+    The response is cut at its special tokens (e.g. the final ``<|im_end|>``); each text
+    run is decoded to text from its exact bytes and tokenized by the teacher on its own
+    (no special tokens added), and each special token becomes the teacher's special token
+    of the same content, a group of its own. What cannot be aligned is left out of every
+    group, so its student tokens get no teacher signal:
+
+    * bytes that are not valid UTF-8 (a response cut inside a character by the length
+      limit, or an invalid byte the student sampled): the run is aligned up to the last
+      student token that ends before them;
+    * a run that the teacher's tokenizer does not give back byte for byte (a tokenizer
+      that normalises text);
+    * a special token the teacher does not have.
+
+    Tokenizing each run on its own can differ from how the teacher would tokenize it
+    after its prompt (a merge across the prompt boundary); the chat template ends the
+    prompt with a newline, after which byte-level tokenizers start a new word anyway.
+
+    Args:
+        student_response_ids: the response's student ids (no prompt, no padding).
+        student_tokenizer: the student's tokenizer.
+        teacher_tokenizer: the teacher's tokenizer.
+        student_pieces: :func:`token_bytes` of the student's tokenizer (computed if None).
+        teacher_pieces: :func:`token_bytes` of the teacher's tokenizer (computed if None).
+
+    Returns:
+        ``(teacher ids of the response, groups)``, groups in response token indices.
+    """
+    student_pieces = student_pieces if student_pieces is not None else _cached_pieces(student_tokenizer)
+    teacher_pieces = teacher_pieces if teacher_pieces is not None else _cached_pieces(teacher_tokenizer)
+    student_special = set(getattr(student_tokenizer, "added_tokens_decoder", {}))
+    teacher_special = {
+        token.content: index for index, token in getattr(teacher_tokenizer, "added_tokens_decoder", {}).items()
+    }
+    teacher_ids: list[int] = []
+    groups: list[AlignedGroup] = []
+    run_start = 0
+    for position in range(len(student_response_ids) + 1):
+        at_end = position == len(student_response_ids)
+        if not at_end and student_response_ids[position] not in student_special:
+            continue
+        whole = _align_run(
+            student_response_ids,
+            run_start,
+            position,
+            student_pieces,
+            teacher_tokenizer,
+            teacher_pieces,
+            teacher_ids,
+            groups,
+        )
+        if not whole:  # what follows was read after other text by the two models: not comparable
+            break
+        if not at_end:
+            content = student_pieces[student_response_ids[position]].decode("utf-8", errors="replace")
+            if content in teacher_special:
+                groups.append(AlignedGroup(position, position + 1, len(teacher_ids), len(teacher_ids) + 1))
+                teacher_ids.append(teacher_special[content])
+        run_start = position + 1
+    return teacher_ids, groups
+
+
+def _align_run(
+    ids: list[int],
+    start: int,
+    end: int,
+    student_pieces: list[bytes],
+    teacher_tokenizer: Any,
+    teacher_pieces: list[bytes],
+    teacher_ids: list[int],
+    groups: list[AlignedGroup],
+) -> bool:
+    """Tokenizes the text run ``ids[start:end]`` for the teacher and appends its groups (shifted).
+
+    Returns:
+        Whether the whole run was aligned (False: it was cut at invalid UTF-8, or the
+        teacher's tokenizer did not give its bytes back).
+    """
+    pieces = [student_pieces[token] for token in ids[start:end]]
+    # Keep whole student tokens within the valid UTF-8 prefix (repeat: cutting a token can cut a character).
+    count = len(pieces)
+    while True:
+        valid = _valid_utf8_length(b"".join(pieces[:count]))
+        ends = list(accumulate(len(piece) for piece in pieces[:count]))
+        kept = sum(1 for offset in ends if offset <= valid)
+        if kept == count:
+            break
+        count = kept
+    text = b"".join(pieces[:count]).decode("utf-8")
+    if not text:
+        return count == len(pieces)
+    run_teacher = teacher_tokenizer(text, add_special_tokens=False)["input_ids"]
+    try:
+        run_groups = align_tokens(pieces[:count], [teacher_pieces[token] for token in run_teacher])
+    except ValueError:
+        return False  # the teacher's tokenizer changed the text (normalisation): nothing aligns
+    offset = len(teacher_ids)
+    teacher_ids.extend(run_teacher)
+    groups.extend(
+        AlignedGroup(start + g.student_start, start + g.student_end, offset + g.teacher_start, offset + g.teacher_end)
+        for g in run_groups
+    )
+    return count == len(pieces)
+
+
+def _cached_pieces(tokenizer: Any) -> list[bytes]:
+    """:func:`token_bytes`, computed once per tokenizer object (kept on the object)."""
+    pieces = getattr(tokenizer, "_opd_token_bytes", None)
+    if pieces is None or len(pieces) != len(tokenizer):
+        pieces = token_bytes(tokenizer)
+        tokenizer._opd_token_bytes = pieces
+    return pieces

@@ -1,0 +1,182 @@
+"""A teacher with another tokenizer: it scores the student's response text under its own tokenization.
+
+Token-level distillation compares the two models' next-token distributions at each
+position, which needs one vocabulary. A teacher from another family (a Llama teacher for
+a Qwen student) tokenizes the same text differently. :class:`CrossTokenizerTeacher` wraps
+such a teacher (in process or served) and turns its answers into the student's terms:
+
+1. **Its own rows.** For each sequence, the teacher sees its own rendering of the prompt
+   (``teacher_prompt_ids``: the conversation through the teacher's chat template, with the
+   teacher-only context if any) followed by the student's response *text*, re-tokenized
+   by the teacher's tokenizer (:func:`opd.data.token_alignment.teacher_tokens_for_response`).
+2. **Alignment by bytes.** The two tokenizations of the response are cut into groups at
+   the byte offsets where both have a token boundary. At the start of each group, both
+   models have read the same text and predict what comes next.
+3. **Shared token strings.** There the teacher's top k (in its vocabulary, at the loss
+   temperature) are mapped onto student ids through the token strings both vocabularies
+   share (:func:`opd.data.token_alignment.shared_vocabulary`). A teacher token without a
+   student counterpart leaves an empty slot (id −1) and its mass joins the teacher's rest.
+   The loss (``loss_fn.type: topk``) is then the exact KL over the shared tokens the
+   teacher listed plus one rest class.
+4. **The rest of the positions** (inside a group of several tokens, where the two models
+   have read different amounts of text) get no teacher token at all: every slot empty,
+   all mass in the rest on both sides, so they add nothing to the loss.
+
+With two identical tokenizers every group is one token long and every string is shared,
+so the answer is exactly the teacher's own top k, and the loss the ordinary top-k loss.
+What the cross-tokenizer loss gives up against a shared vocabulary is described in the
+guide (section 15): positions inside multi-token groups, teacher mass on strings the
+student has no single token for (kept only as rest mass), and the full-vocabulary loss.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.token_alignment import shared_vocabulary, teacher_tokens_for_response
+from opd.models.interfaces import (
+    TeacherInterface,
+    TeacherRequest,
+    TeacherSignal,
+    TopKLogprobs,
+    TopKRequest,
+)
+from opd.models.topk_rest import rest_logprobs_from_topk
+
+
+class CrossTokenizerTeacher(TeacherInterface):
+    """Wraps a teacher whose tokenizer differs from the student's (see the module docstring).
+
+    Args:
+        teacher: the teacher, in its own vocabulary (local or served).
+        student_tokenizer: the run's (student's) tokenizer.
+        teacher_tokenizer: the teacher's tokenizer.
+    """
+
+    def __init__(self, teacher: TeacherInterface, student_tokenizer: Any, teacher_tokenizer: Any) -> None:
+        self.teacher = teacher
+        self.student_tokenizer = student_tokenizer
+        self.teacher_tokenizer = teacher_tokenizer
+        student_to_teacher = shared_vocabulary(student_tokenizer, teacher_tokenizer)
+        self.teacher_to_student = torch.full((len(teacher_tokenizer),), -1, dtype=torch.long)
+        mapped = (student_to_teacher >= 0).nonzero().squeeze(-1)
+        self.teacher_to_student[student_to_teacher[mapped]] = mapped
+        self.shared_fraction = float(mapped.numel()) / max(len(student_tokenizer), 1)
+        pad = teacher_tokenizer.pad_token_id
+        self.teacher_pad_id = pad if pad is not None else teacher_tokenizer.eos_token_id
+
+    @classmethod
+    def unsupported_reason(cls, request: TeacherRequest) -> str | None:
+        """Only top-k answers can be mapped onto the student's vocabulary."""
+        if not isinstance(request, TopKRequest):
+            return (
+                "a teacher with another tokenizer sends its top-k over the token strings both vocabularies "
+                "share; use loss_fn.type = topk"
+            )
+        return None
+
+    def refusal(self, request: TeacherRequest) -> str | None:
+        """This wrapper's reason, else the wrapped teacher's for the request it is sent."""
+        reason = self.unsupported_reason(request)
+        if reason is not None or not isinstance(request, TopKRequest):
+            return reason
+        return self.teacher.refusal(self._teacher_request(request))
+
+    def _teacher_request(self, request: TopKRequest) -> TopKRequest:
+        return TopKRequest(request.k, request.temperature, len(self.teacher_tokenizer))
+
+    def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
+        """The teacher's top k at the student's group starts, in student ids (empty slots −1).
+
+        Raises:
+            ValueError: for a request other than top-k, a packed micro-batch, or rows
+                without ``teacher_prompt_ids`` (the teacher's rendering of each prompt).
+        """
+        if not isinstance(request, TopKRequest):
+            raise ValueError(self.unsupported_reason(request))
+        if "sequence_lengths" in data:
+            raise ValueError("a teacher with another tokenizer scores right-padded rows, not packed ones")
+        if "teacher_prompt_ids" not in data:
+            raise ValueError("a teacher with another tokenizer needs data['teacher_prompt_ids'] (its own prompts)")
+        rows, groups_per_row = self._teacher_rows(data)
+        batch = _right_padded(rows, [len(prompt) for prompt in data["teacher_prompt_ids"]], self.teacher_pad_id)
+        answer = self.teacher.score(batch.to(data["input_ids"].device), self._teacher_request(request))
+        if isinstance(answer, tuple):
+            return self._to_student(data, answer, groups_per_row, request.k)
+        raise TypeError(f"the teacher answered a top-k request with {type(answer).__name__}")
+
+    def _teacher_rows(self, data: BatchedDataDict) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+        """Each row's ``[teacher prompt | re-tokenized response]`` and its group starts ``(student j, teacher j')``."""
+        rows, starts = [], []
+        for row, teacher_prompt in enumerate(data["teacher_prompt_ids"]):
+            prompt_length, length = int(data["prompt_lengths"][row]), int(data["input_lengths"][row])
+            response = data["input_ids"][row, prompt_length:length].tolist()
+            teacher_response, groups = teacher_tokens_for_response(
+                response, self.student_tokenizer, self.teacher_tokenizer
+            )
+            rows.append(list(teacher_prompt) + list(teacher_response))
+            starts.append([(group.student_start, group.teacher_start) for group in groups])
+        return rows, starts
+
+    def _to_student(
+        self,
+        data: BatchedDataDict,
+        answer: tuple[torch.Tensor, torch.Tensor],
+        groups_per_row: list[list[tuple[int, int]]],
+        k: int,
+    ) -> TopKLogprobs:
+        """Moves the teacher's top k to the student's group starts and maps its ids (see the module docstring)."""
+        teacher_logprobs, teacher_ids = answer[0], answer[1]
+        teacher_rest = answer.rest_logprobs if isinstance(answer, TopKLogprobs) else None
+        width = data["input_ids"].shape[1]
+        slots = teacher_ids.shape[-1]
+        device = teacher_ids.device
+        logprobs = torch.zeros((len(groups_per_row), width, slots), dtype=torch.float32, device=device)
+        ids = torch.full((len(groups_per_row), width, slots), -1, dtype=torch.long, device=device)
+        rest = torch.zeros((len(groups_per_row), width), dtype=torch.float32, device=device)  # log 1: all mass
+        mapping = self.teacher_to_student.to(device)
+        for row, starts in enumerate(groups_per_row):
+            prompt_length = int(data["prompt_lengths"][row])
+            teacher_prompt_length = len(data["teacher_prompt_ids"][row])
+            if not starts:
+                continue
+            student_positions = torch.tensor([prompt_length + j - 1 for j, _ in starts], device=device)
+            teacher_positions = torch.tensor([teacher_prompt_length + j - 1 for _, j in starts], device=device)
+            values = teacher_logprobs[row, teacher_positions].float()
+            student_ids = mapping[teacher_ids[row, teacher_positions]]
+            unmapped = student_ids < 0
+            own_rest = _rest_from(values) if teacher_rest is None else teacher_rest[row, teacher_positions].float()
+            # The mass of unmapped tokens joins the rest (summed in log space, never 1 - Σ).
+            moved = torch.logsumexp(values.masked_fill(~unmapped, -math.inf), dim=-1)
+            rest[row, student_positions] = torch.logaddexp(own_rest, moved)
+            logprobs[row, student_positions] = values.masked_fill(unmapped, 0.0)
+            ids[row, student_positions] = student_ids
+        return TopKLogprobs(logprobs, ids, rest)
+
+    def close(self) -> None:
+        """Closes the wrapped teacher."""
+        self.teacher.close()
+
+
+def _rest_from(topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """log(1 − Σ_k P) in float64, for a teacher that sent no rest mass."""
+    return rest_logprobs_from_topk(topk_logprobs.double()).float()
+
+
+def _right_padded(rows: list[list[int]], prompt_lengths: list[int], pad_id: int) -> BatchedDataDict:
+    width = max((len(row) for row in rows), default=0)
+    input_ids = torch.full((len(rows), max(width, 1)), pad_id, dtype=torch.long)
+    token_mask = torch.zeros_like(input_ids, dtype=torch.float32)
+    for index, (row, prompt_length) in enumerate(zip(rows, prompt_lengths, strict=True)):
+        input_ids[index, : len(row)] = torch.tensor(row, dtype=torch.long)
+        token_mask[index, prompt_length : len(row)] = 1.0
+    return BatchedDataDict(
+        input_ids=input_ids,
+        input_lengths=torch.tensor([len(row) for row in rows], dtype=torch.long),
+        prompt_lengths=torch.tensor(prompt_lengths, dtype=torch.long),
+        token_mask=token_mask,
+    )
