@@ -44,6 +44,13 @@ def _is_byte_level(tokenizer: Any) -> bool:
     return decoder is not None and "ByteLevel" in repr(decoder)
 
 
+def _is_sentencepiece_style(tokenizer: Any) -> bool:
+    """Words marked with ``▁`` (Metaspace) and bytes as ``<0xNN>`` tokens (Llama 2, Mistral, Gemma)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    described = repr(getattr(backend, "decoder", None)) + repr(getattr(backend, "pre_tokenizer", None))
+    return "Metaspace" in described or "ByteFallback" in described or "▁" in described
+
+
 def token_bytes(tokenizer: Any) -> list[bytes]:
     """The bytes each id ``0 .. len(tokenizer) - 1`` stands for.
 
@@ -56,6 +63,7 @@ def token_bytes(tokenizer: Any) -> list[bytes]:
     """
     table = _unicode_to_byte()
     byte_level = _is_byte_level(tokenizer)
+    sentencepiece = not byte_level and _is_sentencepiece_style(tokenizer)
     added = {index: token.content for index, token in getattr(tokenizer, "added_tokens_decoder", {}).items()}
     pieces: list[bytes] = []
     for index, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
@@ -73,8 +81,13 @@ def token_bytes(tokenizer: Any) -> list[bytes]:
                 ) from None
         elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
             pieces.append(bytes([int(token[3:5], 16)]))
-        else:
+        elif sentencepiece:
             pieces.append(token.replace("▁", " ").encode("utf-8"))
+        else:
+            raise ValueError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', '?')}: cannot tell the bytes of token {token!r} "
+                f"(id {index}): only byte-level BPE and SentencePiece-style (▁, <0xNN>) tokenizers are supported"
+            )
     return pieces
 
 
@@ -252,7 +265,8 @@ def _align_run(
     text = b"".join(pieces[:count]).decode("utf-8")
     if not text:
         return count == len(pieces)
-    run_teacher = teacher_tokenizer(text, add_special_tokens=False)["input_ids"]
+    # Special-token text the student spelled in plain bytes stays text for the teacher too.
+    run_teacher = teacher_tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     try:
         run_groups = align_tokens(pieces[:count], [teacher_pieces[token] for token in run_teacher])
     except ValueError:
