@@ -3,7 +3,7 @@
 1. trains a second byte-level BPE tokenizer with other merges and a smaller vocabulary
    (``--vocab-size``, 340) on other text (both tasks of ``arithmetic_two_tasks``), so the
    two tokenizers cut the same trace differently (e.g. ``carry`` or ``answer`` are one
-   token in one and several in the other) and number their shared tokens differently;
+   token in one and several in the other) and number some shared tokens differently;
 2. initialises a model of the demo teacher's shape for it and fine-tunes it with
    ``opd sft`` on the addition task for 1500 steps, exactly like the demo teacher;
 3. copies it to ``examples/demo/models/teacher_other_tokenizer``.
