@@ -253,6 +253,11 @@ def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
         )
     if config.model.teacher_model_path is None:
         return "teacher.cross_tokenizer reads the teacher's tokenizer from model.teacher_model_path; set it"
+    return _in_process_only_problem(config, "teacher.cross_tokenizer")
+
+
+def _in_process_only_problem(config: MasterConfig, feature: str) -> str | None:
+    """``feature`` runs in process with the sync schedule, on right-padded rows, without baselines."""
     unsupported = {
         "cluster": config.cluster is not None,
         f"training.scheduler = {config.training.scheduler}": config.training.asynchronous,
@@ -262,7 +267,7 @@ def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
     }
     for key, used in unsupported.items():
         if used:
-            return f"{key} is not supported with teacher.cross_tokenizer yet; remove one of the two"
+            return f"{key} is not supported with {feature} yet; remove one of the two"
     return None
 
 
@@ -308,16 +313,9 @@ def _several_teachers_problem(config: MasterConfig) -> str | None:
         )
     if config.teacher.backend != "local" or config.teacher.remote.url is not None:
         return "teacher: is for one teacher; with teachers:, set teachers.members[*].backend and remote instead"
-    unsupported = {
-        "cluster": config.cluster is not None,
-        f"training.scheduler = {config.training.scheduler}": config.training.asynchronous,
-        "training.sequence_packing": config.training.sequence_packing,
-        "validation.teacher_baseline": config.validation.teacher_baseline,
-        "validation.eval_baseline": config.validation.eval_baseline,
-    }
-    for key, used in unsupported.items():
-        if used:
-            return f"{key} is not supported with several teachers (teachers:) yet; remove one of the two"
+    problem = _in_process_only_problem(config, "several teachers (teachers:)")
+    if problem is not None:
+        return problem
     for index, member in enumerate(config.teachers.members):
         where = f"teachers.members[{index}]"
         if member.backend == "local" and member.model_path is None:
