@@ -14,6 +14,7 @@ uses one gets an error naming the new place.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -21,6 +22,7 @@ from pydantic import Field, model_validator
 
 from opd.algorithms.loss_config import (
     FullVocabLossConfig,
+    FusedHeadSettings,
     HybridFullVocabLossConfig,
     LossFnConfig,
     SampledTokenLossConfig,
@@ -32,7 +34,7 @@ from opd.algorithms.validation import ValidationConfig
 from opd.data.config import DataConfig
 from opd.data.teacher_context import TeacherContext
 from opd.distributed.config import ClusterConfig
-from opd.models.config import ModelConfig, RemoteTeacherConfig, TeacherConfig, TeachersConfig
+from opd.models.config import ModelConfig, RemoteTeacherConfig, TeacherConfig, TeacherMemberConfig, TeachersConfig
 from opd.models.generation.config import GenerateStrategyConfig, GenerationConfig
 from opd.models.interfaces import FullVocabRequest
 from opd.models.teacher.local_teacher import LocalTeacher
@@ -145,6 +147,35 @@ class DistillationValidationConfig(ValidationConfig):
     )
 
 
+class DistillationTeacherMemberConfig(TeacherMemberConfig):
+    """One of several teachers, with the objective (and so the signal) it is distilled with."""
+
+    loss_fn: LossFnConfig | None = Field(
+        None,
+        description="route: this teacher's own objective and signal (e.g. topk for a served teacher next to a "
+        "full_vocab one); null = the run's loss_fn",
+    )
+
+
+class DistillationTeachersConfig(TeachersConfig):
+    """``teachers:`` in a distillation run: the members may have objectives of their own (routing)."""
+
+    members: Sequence[DistillationTeacherMemberConfig] = Field(
+        min_length=1, description="the teachers, each with a unique name"
+    )
+
+    @model_validator(mode="after")
+    def _own_objectives_route(self) -> DistillationTeachersConfig:
+        if self.mode == "mixture":
+            for index, member in enumerate(self.members):
+                if member.loss_fn is not None:
+                    raise ValueError(
+                        f"teachers.members[{index}].loss_fn: a mixture compares the student with one mixed "
+                        "distribution, so every teacher answers the run's loss_fn; remove it (or use mode route)"
+                    )
+        return self
+
+
 class MasterConfig(RunConfig):
     """The whole run's configuration (one YAML file)."""
 
@@ -154,7 +185,7 @@ class MasterConfig(RunConfig):
     val_only: bool = Field(False, description="run validation on validation.model_path (or the student) and exit")
     model: ModelConfig
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
-    teachers: TeachersConfig | None = Field(
+    teachers: DistillationTeachersConfig | None = Field(
         None, description="several teachers (routing or mixture) instead of model.teacher_model_path / teacher"
     )
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
@@ -168,6 +199,17 @@ class MasterConfig(RunConfig):
     cluster: ClusterConfig | None = Field(
         None, description="run on Ray worker groups (FSDP2 student, rollout, teacher); null = in this process"
     )
+
+    def teacher_losses(self) -> list[tuple[str, LossFnConfig]]:
+        """Each teacher's objective with its key: ``loss_fn`` for one teacher, and for members without their own."""
+        if self.teachers is None:
+            return [("loss_fn", self.loss_fn)]
+        return [
+            (f"teachers.members[{index}].loss_fn", member.loss_fn)
+            if member.loss_fn is not None
+            else ("loss_fn", self.loss_fn)
+            for index, member in enumerate(self.teachers.members)
+        ]
 
     @model_validator(mode="after")
     def _check_across_sections(self) -> MasterConfig:
@@ -186,19 +228,32 @@ class MasterConfig(RunConfig):
 
 
 def _loss_problem(config: MasterConfig) -> str | None:
-    """What the chosen objective needs from the λ coin."""
-    loss, lambda_ = config.loss_fn, config.distillation.lambda_
-    if isinstance(loss, SampledTokenLossConfig) and lambda_ < 1.0:
-        return (
-            f"loss_fn.type = sampled_token needs the student's own samples on every step, but "
-            f"distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
-        )
-    if isinstance(loss, HybridFullVocabLossConfig) and loss.adv_tau != 0.0 and lambda_ < 1.0:
-        return (
-            f"loss_fn.adv_tau = {loss.adv_tau} rewards the student's own answers, which only on-policy steps "
-            f"have, but distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
-        )
+    """What each chosen objective needs from the λ coin, and what the teachers' objectives must share."""
+    lambda_ = config.distillation.lambda_
+    for key, loss in config.teacher_losses():
+        if isinstance(loss, SampledTokenLossConfig) and lambda_ < 1.0:
+            return (
+                f"{key}.type = sampled_token needs the student's own samples on every step, but "
+                f"distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
+            )
+        if isinstance(loss, HybridFullVocabLossConfig) and loss.adv_tau != 0.0 and lambda_ < 1.0:
+            return (
+                f"{key}.adv_tau = {loss.adv_tau} rewards the student's own answers, which only on-policy steps "
+                f"have, but distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
+            )
+        if _fused(loss) != _fused(config.loss_fn):
+            settable = key if isinstance(loss, FusedHeadSettings) else "loss_fn"
+            return (
+                f"{key} takes the student's {'hidden states' if _fused(loss) else 'logits'} but loss_fn takes its "
+                f"{'hidden states' if _fused(config.loss_fn) else 'logits'}: the student's output is computed once "
+                f"for every teacher; set {settable}.fused_lm_head so that both agree"
+            )
     return None
+
+
+def _fused(loss: LossFnConfig) -> bool:
+    """Whether the objective takes the student's final hidden states and head (the fused loss)."""
+    return isinstance(loss, FusedHeadSettings) and loss.fused_lm_head
 
 
 def _teacher_problem(config: MasterConfig) -> str | None:
@@ -240,7 +295,7 @@ def _teacher_problem(config: MasterConfig) -> str | None:
             "model.teacher_model_path is required with teacher.backend = local "
             "('student' = a frozen copy of the student's initial weights)"
         )
-    keys = _TeacherKeys("teacher.backend", "teacher.remote", "model.teacher_model_path")
+    keys = _TeacherKeys("teacher.backend", "teacher.remote", "model.teacher_model_path", "loss_fn", config.loss_fn)
     return _one_teacher_problem(config, teacher.backend, teacher.remote, config.model.teacher_model_path, keys)
 
 
@@ -273,18 +328,22 @@ def _in_process_only_problem(config: MasterConfig, feature: str) -> str | None:
 
 @dataclass(frozen=True)
 class _TeacherKeys:
-    """Where a teacher's settings are, for the messages (``teacher:`` or ``teachers.members[i]``)."""
+    """Where a teacher's settings are, for the messages (``teacher:`` or ``teachers.members[i]``),
+    and the objective it is distilled with (``loss`` names its key)."""
 
     backend: str
     remote: str
     model_path: str
+    loss: str
+    objective: LossFnConfig
 
 
 def _one_teacher_problem(
     config: MasterConfig, backend: str, remote: RemoteTeacherConfig, model_path: str | None, keys: _TeacherKeys
 ) -> str | None:
-    """Whether one teacher, where it runs, can answer the signal ``loss_fn`` asks for."""
-    request = config.loss_fn.teacher_request(None)
+    """Whether one teacher, where it runs, can answer the signal its objective (``keys.loss``) asks for."""
+    loss = keys.objective
+    request = loss.teacher_request(None)
     if backend == "local":
         reason = LocalTeacher.unsupported_reason(request)
     else:
@@ -296,7 +355,7 @@ def _one_teacher_problem(
         reason = RemoteTeacher.unsupported_reason(request)
     if reason is not None:
         return (
-            f"{keys.backend} = {backend} cannot serve loss_fn.type = {config.loss_fn.type}: {reason}; "
+            f"{keys.backend} = {backend} cannot serve {keys.loss}.type = {loss.type}: {reason}; "
             "choose settings that teacher can answer (a served teacher answers loss_fn.type = topk at "
             "temperature 1, and sampled_token)"
         )
@@ -316,11 +375,12 @@ def _several_teachers_problem(config: MasterConfig) -> str | None:
     problem = _in_process_only_problem(config, "several teachers (teachers:)")
     if problem is not None:
         return problem
+    losses = config.teacher_losses()
     for index, member in enumerate(config.teachers.members):
         where = f"teachers.members[{index}]"
         if member.backend == "local" and member.model_path is None:
             return f"{where}.model_path is required with {where}.backend = local (teacher {member.name!r})"
-        keys = _TeacherKeys(f"{where}.backend", f"{where}.remote", f"{where}.model_path")
+        keys = _TeacherKeys(f"{where}.backend", f"{where}.remote", f"{where}.model_path", *losses[index])
         problem = _one_teacher_problem(config, member.backend, member.remote, member.model_path, keys)
         if problem is not None:
             return problem
@@ -331,9 +391,9 @@ def _served_full_vocab_problem(
     config: MasterConfig, remote: RemoteTeacherConfig, model_path: str | None, keys: _TeacherKeys
 ) -> str | None:
     """A full-vocabulary loss with a served teacher: hidden states over opd's protocol, and the head at hand."""
-    if not isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
+    if not isinstance(keys.objective.teacher_request(None), FullVocabRequest):
         return None
-    loss = f"loss_fn.type = {config.loss_fn.type}"
+    loss = f"{keys.loss}.type = {keys.objective.type}"
     if remote.protocol == "openai":
         return (
             f"{loss} with a served teacher needs its hidden states, which vLLM's JSON does not carry; "

@@ -164,15 +164,15 @@ def check_config_against_data(config: MasterConfig, train_examples: list[Prepare
     Raises:
         ConfigError: naming the key, the file and how many examples lack what it needs.
     """
-    loss = config.loss_fn
-    if isinstance(loss, (SampledTokenLossConfig, HybridFullVocabLossConfig)) and loss.adv_tau != 0.0:
-        missing = sum(example["ground_truth"] is None for example in train_examples)
-        if missing:
-            raise ConfigError(
-                f"loss_fn.adv_tau = {loss.adv_tau} rewards correct answers, but {missing} of "
-                f"{len(train_examples)} examples in '{config.data.train_path}' have no ground-truth answer; "
-                "use data_format math_cl (or set loss_fn.adv_tau = 0)"
-            )
+    for key, loss in config.teacher_losses():
+        if isinstance(loss, (SampledTokenLossConfig, HybridFullVocabLossConfig)) and loss.adv_tau != 0.0:
+            missing = sum(example["ground_truth"] is None for example in train_examples)
+            if missing:
+                raise ConfigError(
+                    f"{key}.adv_tau = {loss.adv_tau} rewards correct answers, but {missing} of "
+                    f"{len(train_examples)} examples in '{config.data.train_path}' have no ground-truth answer; "
+                    f"use data_format math_cl (or set {key}.adv_tau = 0)"
+                )
     if config.distillation.lambda_ < 1.0:
         missing = sum(example["response_ids"] is None for example in train_examples)
         if missing:
@@ -348,7 +348,8 @@ def build_teacher(
     if teacher_tokenizer is not None:
         wrapped = CrossTokenizerTeacher(teacher, tokenizer, teacher_tokenizer)
         log.info(
-            "teacher with its own tokenizer: %.0f%% of the student's tokens are shared", 100 * wrapped.shared_fraction
+            "teacher with its own tokenizer: %.0f%% of the student's tokens have a comparable teacher token",
+            100 * wrapped.comparable_fraction,
         )
         return wrapped
     if config.distillation.teacher_context_spec() is None or config.teachers is not None:
@@ -416,15 +417,22 @@ def build_loss(config: MasterConfig, tokenizer: Any) -> LossFunction:
     The sampled-token loss needs no weights of its own: its clipped ratio is already taken
     against the sampler's log-probs, whatever weights drew them.
     """
-    loss_fn = config.loss_fn.build(len(tokenizer), resolve_device(config.model.device).type)
-    if config.training.correction_is_on() and isinstance(loss_fn, DistillationLossFn):
-        loss_fn.off_policy = OffPolicyCorrection.from_config(
-            config.training.off_policy_correction, config.distillation.generate_strategy
-        )
-    if config.teachers is not None:
-        names = [member.name for member in config.teachers.members]
-        return RoutedLoss(loss_fn, names) if config.teachers.mode == "route" else MixtureLoss(loss_fn, names)
-    return loss_fn
+    device_type = resolve_device(config.model.device).type
+    built: dict[str, LossFunction] = {}  # one objective per key: members without their own share loss_fn's
+    for key, loss in config.teacher_losses():
+        if key not in built:
+            objective = loss.build(len(tokenizer), device_type)
+            if config.training.correction_is_on() and isinstance(objective, DistillationLossFn):
+                objective.off_policy = OffPolicyCorrection.from_config(
+                    config.training.off_policy_correction, config.distillation.generate_strategy
+                )
+            built[key] = objective
+    if config.teachers is None:
+        return built["loss_fn"]
+    names = [member.name for member in config.teachers.members]
+    if config.teachers.mode == "route":
+        return RoutedLoss([built[key] for key, _ in config.teacher_losses()], names)
+    return MixtureLoss(built["loss_fn"], names)
 
 
 def report_stop_tokens(

@@ -3,10 +3,11 @@
 The objective stays the one ``loss_fn`` describes; these wrappers only decide which
 teacher answer it sees (:mod:`opd.models.teacher.several_teachers`):
 
-* :class:`RoutedLoss` (routing): the micro-batch's rows are split by teacher and the
-  objective is applied to each group with that teacher's answer. Every loss is a sum
-  over positions divided by a global normaliser, so the sum of the group losses is the
-  loss of the whole micro-batch, and its gradient, exactly as with one teacher.
+* :class:`RoutedLoss` (routing): the micro-batch's rows are split by teacher and each
+  group gets its teacher's objective (``loss_fn``, or the member's own
+  ``teachers.members[i].loss_fn``) with that teacher's answer. Every loss is a sum over
+  positions divided by a global normaliser, so the sum of the group losses is the loss
+  of the whole micro-batch, and its gradient, exactly as with one teacher per row.
 * :class:`MixtureLoss` (mixture): the objective is applied once, to the mixture; each
   member's answer is also compared with the student, without gradient, for its metrics.
 
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from opd.data.sequences import shift_token_mask
-from opd.models.interfaces import LossFunction, TeacherRequest
+from opd.models.interfaces import LossFunction, PerTeacherRequest, TeacherRequest
 from opd.models.lm_head import LMHeadInput
 from opd.models.policy.optimization import accumulate_metrics
 from opd.models.teacher.several_teachers import MixedSignal, RoutedSignal
@@ -103,12 +104,49 @@ class _SeveralTeachersLoss(LossFunction):
 
 
 class RoutedLoss(_SeveralTeachersLoss):
-    """The objective applied to each teacher's rows with that teacher's answer (a :class:`RoutedSignal`).
+    """Each teacher's objective applied to its rows with its answer (a :class:`RoutedSignal`).
 
     Args:
-        objective: the ``loss_fn`` objective.
+        objectives: one objective per teacher, in member order (the same object for
+            members without an objective of their own). They must agree on
+            ``fused_lm_head``: the student's output is computed once for all rows.
         names: the teachers' names, in member order.
+
+    Raises:
+        ValueError: without one objective per name, or if the objectives disagree on
+            ``fused_lm_head``.
     """
+
+    def __init__(self, objectives: Sequence[LossFunction], names: Sequence[str]) -> None:
+        if len(objectives) != len(names) or not objectives:
+            raise ValueError("RoutedLoss needs one objective per teacher")
+        if len({objective.fused_lm_head for objective in objectives}) > 1:
+            raise ValueError("the teachers' objectives must all take the fused LM head, or all take logits")
+        super().__init__(objectives[0], names)
+        self.objectives = list(objectives)
+
+    @property
+    def teacher_request(self) -> TeacherRequest | None:
+        """The one signal every teacher is asked for, or a :class:`PerTeacherRequest` when they differ."""
+        requests = [objective.teacher_request for objective in self.objectives]
+        singles = [
+            request for request in requests if request is not None and not isinstance(request, PerTeacherRequest)
+        ]
+        if len(singles) != len(requests):
+            raise ValueError("every routed teacher's objective must ask its teacher for one signal")
+        if all(request == singles[0] for request in singles):
+            return singles[0]
+        return PerTeacherRequest(tuple(singles))
+
+    @property
+    def needs_task_reward(self) -> bool:
+        """Whether any teacher's objective rewards the task."""
+        return any(objective.needs_task_reward for objective in self.objectives)
+
+    @property
+    def needs_sampler_logprobs(self) -> bool:
+        """Whether any teacher's objective needs the sampler's log-probs."""
+        return any(objective.needs_sampler_logprobs for objective in self.objectives)
 
     def __call__(
         self,
@@ -128,7 +166,7 @@ class RoutedLoss(_SeveralTeachersLoss):
         total: torch.Tensor | None = None
         metrics: dict[str, float] = {}
         for part in teacher_output.parts:
-            loss, part_metrics = self.objective(
+            loss, part_metrics = self.objectives[part.teacher](
                 _student_rows(student_output, part.rows),
                 _rows_of(data, part.rows),
                 global_valid_tokens,

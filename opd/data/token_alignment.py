@@ -109,6 +109,38 @@ def shared_vocabulary(student_tokenizer: Any, teacher_tokenizer: Any) -> torch.T
     return torch.tensor(mapping, dtype=torch.long)
 
 
+def comparable_vocabulary(student_tokenizer: Any, teacher_tokenizer: Any) -> torch.Tensor:
+    """:func:`shared_vocabulary`, keeping only the tokens whose next-token probability means the same in both.
+
+    A model's probability for the next token ``x`` is the probability that the text goes
+    on with ``x``'s bytes *and not with a longer token that starts with them*. So a
+    shared string means the same event to both models only if both vocabularies have the
+    same longer tokens starting with it. Where they differ, the shared token is a
+    different event: the teacher's ``" "`` before ``carry`` (which it spells
+    ``" ", "c", "ar", "r", "y"``) is the start of a word the student writes as one token
+    ``" carry"``, and mapping it onto the student's ``" "`` would teach the student to
+    spell the word another way. Such tokens are left out (−1), so their mass on either
+    side stays in the rest class, where the two agree. Special tokens are atomic and are
+    kept as :func:`shared_vocabulary` pairs them. With two equal vocabularies every
+    shared token is kept.
+
+    Returns:
+        ``[V_student]`` int64: the comparable teacher id of each student id, or −1.
+    """
+    mapping = shared_vocabulary(student_tokenizer, teacher_tokenizer)
+    student_pieces, teacher_pieces = _cached_pieces(student_tokenizer), _cached_pieces(teacher_tokenizer)
+    student_special = set(getattr(student_tokenizer, "added_tokens_decoder", {}))
+    teacher_special = set(getattr(teacher_tokenizer, "added_tokens_decoder", {}))
+    student_strings = {piece for index, piece in enumerate(student_pieces) if index not in student_special}
+    teacher_strings = {piece for index, piece in enumerate(teacher_pieces) if index not in teacher_special}
+    # A string is ambiguous if some token in only one vocabulary strictly extends it.
+    ambiguous = {piece[:end] for piece in student_strings ^ teacher_strings for end in range(len(piece))}
+    for index, piece in enumerate(student_pieces):
+        if index not in student_special and piece in ambiguous:
+            mapping[index] = -1
+    return mapping
+
+
 @dataclass(frozen=True)
 class AlignedGroup:
     """Student tokens ``[student_start, student_end)`` and teacher tokens ``[teacher_start, teacher_end)``

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -149,14 +150,16 @@ class TeacherMemberConfig(StrictConfig):
 class TeachersConfig(StrictConfig):
     """Several teachers (``teachers:``): each example routed to one, or every token scored by a mixture.
 
-    Set instead of ``model.teacher_model_path`` / ``teacher:``; every member answers the
-    signal ``loss_fn`` asks for.
+    Set instead of ``model.teacher_model_path`` / ``teacher:``. Every member answers the
+    signal ``loss_fn`` asks for; with routing, a distillation run may give a member an
+    objective (and so a signal) of its own
+    (:class:`~opd.algorithms.distillation_config.DistillationTeachersConfig`).
     """
 
     mode: Literal["route", "mixture"] = Field(
         description="route = each example to one teacher; mixture = the student matches Σ_i w_i p_i"
     )
-    members: list[TeacherMemberConfig] = Field(min_length=1, description="the teachers, each with a unique name")
+    members: Sequence[TeacherMemberConfig] = Field(min_length=1, description="the teachers, each with a unique name")
     route_key: str | None = Field(None, description="route: the dataset field naming each example's teacher")
     route_map: dict[str, str] | None = Field(
         None, description="route: field value -> teacher name (null: the field holds teacher names)"

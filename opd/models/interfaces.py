@@ -134,7 +134,25 @@ class TokenLogprobsRequest:
     vocab_size: int | None = None
 
 
-TeacherRequest = FullVocabRequest | TopKRequest | TokenLogprobsRequest
+SingleTeacherRequest = FullVocabRequest | TopKRequest | TokenLogprobsRequest
+"""What a loss asks one teacher for."""
+
+
+@dataclass(frozen=True)
+class PerTeacherRequest:
+    """Several routed teachers, each asked for its own signal (``teachers.members[i].loss_fn``).
+
+    Only :class:`~opd.models.teacher.several_teachers.RoutedTeachers` answers it; every
+    other teacher refuses it (:meth:`TeacherInterface.refusal`).
+
+    Attributes:
+        requests: one request per member, in ``teachers.members`` order.
+    """
+
+    requests: tuple[SingleTeacherRequest, ...]
+
+
+TeacherRequest = SingleTeacherRequest | PerTeacherRequest
 """What a loss asks the teacher for."""
 
 
@@ -392,7 +410,13 @@ class TeacherInterface(ABC):
         """
 
     def refusal(self, request: TeacherRequest) -> str | None:
-        """This teacher's :meth:`unsupported_reason` for ``request`` (a wrapper asks what it wraps)."""
+        """This teacher's :meth:`unsupported_reason` for ``request`` (a wrapper asks what it wraps).
+
+        One teacher answers one signal: a :class:`PerTeacherRequest` is refused unless a
+        subclass that holds several teachers says otherwise.
+        """
+        if isinstance(request, PerTeacherRequest):
+            return "one teacher answers one signal; a signal per teacher needs several teachers with routing"
         return self.unsupported_reason(request)
 
     @abstractmethod

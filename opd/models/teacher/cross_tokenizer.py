@@ -12,12 +12,16 @@ such a teacher (in process or served) and turns its answers into the student's t
 2. **Alignment by bytes.** The two tokenizations of the response are cut into groups at
    the byte offsets where both have a token boundary. At the start of each group, both
    models have read the same text and predict what comes next.
-3. **Shared token strings.** There the teacher's top k (in its vocabulary, at the loss
-   temperature) are mapped onto student ids through the token strings both vocabularies
-   share (:func:`opd.data.token_alignment.shared_vocabulary`). A teacher token without a
-   student counterpart leaves an empty slot (id −1) and its mass joins the teacher's rest.
-   The loss (``loss_fn.type: topk``) is then the exact KL over the shared tokens the
-   teacher listed plus one rest class.
+3. **Comparable token strings.** There the teacher's top k (in its vocabulary, at the
+   loss temperature) are mapped onto student ids through the token strings both
+   vocabularies share *and* that stand for the same event in both: the same longer tokens
+   start with them on both sides (:func:`opd.data.token_alignment.comparable_vocabulary`).
+   A shared string without that property is a different event for the two models (the
+   teacher's ``" "`` may be the start of a word the student writes as one token), and
+   mapping it would teach the student the teacher's spelling. A teacher token without a
+   comparable student counterpart leaves an empty slot (id −1) and its mass joins the
+   teacher's rest. The loss (``loss_fn.type: topk``) is then the exact KL over the
+   comparable tokens the teacher listed plus one rest class.
 4. **The rest of the positions** (inside a group of several tokens, where the two models
    have read different amounts of text) get no teacher token at all: every slot empty,
    all mass in the rest on both sides, so they add nothing to the loss.
@@ -37,7 +41,7 @@ from typing import Any
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.data.token_alignment import shared_vocabulary, teacher_tokens_for_response
+from opd.data.token_alignment import comparable_vocabulary, teacher_tokens_for_response
 from opd.models.interfaces import (
     TeacherInterface,
     TeacherRequest,
@@ -61,11 +65,11 @@ class CrossTokenizerTeacher(TeacherInterface):
         self.teacher = teacher
         self.student_tokenizer = student_tokenizer
         self.teacher_tokenizer = teacher_tokenizer
-        student_to_teacher = shared_vocabulary(student_tokenizer, teacher_tokenizer)
+        student_to_teacher = comparable_vocabulary(student_tokenizer, teacher_tokenizer)
         self.teacher_to_student = torch.full((len(teacher_tokenizer),), -1, dtype=torch.long)
         mapped = (student_to_teacher >= 0).nonzero().squeeze(-1)
         self.teacher_to_student[student_to_teacher[mapped]] = mapped
-        self.shared_fraction = float(mapped.numel()) / max(len(student_tokenizer), 1)
+        self.comparable_fraction = float(mapped.numel()) / max(len(student_tokenizer), 1)
         pad = teacher_tokenizer.pad_token_id
         self.teacher_pad_id = pad if pad is not None else teacher_tokenizer.eos_token_id
 

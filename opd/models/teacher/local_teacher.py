@@ -34,6 +34,7 @@ from opd.models.interfaces import (
     TeacherInterface,
     TeacherRequest,
     TeacherSignal,
+    TokenLogprobsRequest,
     TopKLogprobs,
     TopKRequest,
 )
@@ -63,12 +64,18 @@ class LocalTeacher(TeacherInterface):
         return None
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
-        """Answers ``request`` for ``data`` (see :meth:`TeacherInterface.score`)."""
+        """Answers ``request`` for ``data`` (see :meth:`TeacherInterface.score`).
+
+        Raises:
+            ValueError: for a :class:`~opd.models.interfaces.PerTeacherRequest` (one teacher, one signal).
+        """
         if isinstance(request, FullVocabRequest):
             return self.get_hidden_states(data) if request.prefer_hidden_states else self.get_logits(data)
         if isinstance(request, TopKRequest):
             return self.get_topk_logprobs(data, request.k, request.temperature, request.vocab_size)
-        return self.get_token_logprobs(data, request.vocab_size)
+        if isinstance(request, TokenLogprobsRequest):
+            return self.get_token_logprobs(data, request.vocab_size)
+        raise ValueError(self.refusal(request))
 
     def _inputs(self, data: BatchedDataDict) -> dict[str, torch.Tensor]:
         return model_inputs(data, next(self.model.parameters()).device)

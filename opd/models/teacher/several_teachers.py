@@ -4,9 +4,10 @@ The driver keeps talking to one teacher; with a ``teachers:`` section it is one 
 
 * :class:`RoutedTeachers` (``teachers.mode: route``): every row goes to the one teacher
   its example names (``teacher_index``, see :mod:`opd.data.teacher_choice`). Each member
-  scores only its own rows, with the signal the loss asked for, so a member with no row
-  in a micro-batch costs nothing and a full-vocabulary member still sends hidden states
-  and its own head to the fused loss. The answer is a :class:`RoutedSignal`: each
+  scores only its own rows, with the signal the loss asked for (one signal for all, or a
+  :class:`~opd.models.interfaces.PerTeacherRequest` when members have objectives of their
+  own), so a member with no row in a micro-batch costs nothing and a full-vocabulary
+  member still sends hidden states and its own head to the fused loss. The answer is a :class:`RoutedSignal`: each
   member's part, which :class:`~opd.algorithms.several_teachers_loss.RoutedLoss` applies
   row group by row group.
 * :class:`TeacherMixture` (``teachers.mode: mixture``): every member scores every row and
@@ -41,7 +42,9 @@ import torch
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.interfaces import (
     FullVocabRequest,
+    PerTeacherRequest,
     SeveralTeachersSignal,
+    SingleTeacherRequest,
     SingleTeacherSignal,
     TeacherInterface,
     TeacherRequest,
@@ -54,9 +57,10 @@ from opd.models.topk_rest import rest_logprobs_from_topk
 
 
 def _refusal_of_members(
-    names: Sequence[str], members: Sequence[TeacherInterface], request: TeacherRequest
+    names: Sequence[str], members: Sequence[TeacherInterface], requests: Sequence[TeacherRequest]
 ) -> str | None:
-    for name, member in zip(names, members, strict=True):
+    """The first member's refusal of its request, naming that member."""
+    for name, member, request in zip(names, members, requests, strict=True):
         reason = member.refusal(request)
         if reason is not None:
             return f"teacher {name!r}: {reason}"
@@ -167,14 +171,25 @@ class RoutedTeachers(TeacherInterface):
         return None
 
     def refusal(self, request: TeacherRequest) -> str | None:
-        """The first member's refusal of ``request``, naming that member."""
-        return _refusal_of_members(self.names, self.members, request)
+        """The first member's refusal of its request, naming that member."""
+        return _refusal_of_members(self.names, self.members, self._requests(request))
+
+    def _requests(self, request: TeacherRequest) -> list[SingleTeacherRequest]:
+        """Each member's request: its own from a :class:`PerTeacherRequest`, else ``request`` for all."""
+        if not isinstance(request, PerTeacherRequest):
+            return [request] * len(self.members)
+        if len(request.requests) != len(self.members):
+            raise ValueError(
+                f"a request per teacher has {len(request.requests)} requests for {len(self.members)} teachers"
+            )
+        return list(request.requests)
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> RoutedSignal:
-        """Each member scores its own rows; members without rows are not called.
+        """Each member scores its own rows, with its own request; members without rows are not called.
 
         Raises:
-            ValueError: if ``data`` has no ``teacher_index`` or one outside the members.
+            ValueError: if ``data`` has no ``teacher_index`` or one outside the members, or a
+                :class:`PerTeacherRequest` has not one request per member.
         """
         if "teacher_index" not in data:
             raise ValueError("several teachers with routing need each row's teacher_index (set from the data)")
@@ -183,12 +198,13 @@ class RoutedTeachers(TeacherInterface):
             raise ValueError(f"teacher_index outside 0..{len(self.members) - 1}")
         parts: list[RoutedPart] = []
         seconds: dict[str, float] = {}
+        requests = self._requests(request)
         for position, (name, member) in enumerate(zip(self.names, self.members, strict=True)):
             rows = (index == position).nonzero().squeeze(-1).cpu()
             if rows.numel() == 0:
                 continue
             started = time.perf_counter()
-            signal = member.score(data.select_indices(rows), request)
+            signal = member.score(data.select_indices(rows), requests[position])
             seconds[name] = time.perf_counter() - started
             parts.append(RoutedPart(position, rows, signal))
         return RoutedSignal(parts, data.size, seconds)
@@ -248,15 +264,20 @@ class TeacherMixture(TeacherInterface):
         return None
 
     def refusal(self, request: TeacherRequest) -> str | None:
-        """The first member's refusal of ``request``, naming that member."""
-        return _refusal_of_members(self.names, self.members, request)
+        """A signal per teacher (they are mixed, so all answer one), else the first member's refusal."""
+        if isinstance(request, PerTeacherRequest):
+            return "a mixture combines one signal from every teacher; it cannot ask each for its own"
+        return _refusal_of_members(self.names, self.members, [request] * len(self.members))
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> MixedSignal:
         """Every member scores every row; their answers are mixed with the rows' ``teacher_weights``.
 
         Raises:
-            ValueError: if ``data`` has no ``teacher_weights`` of one column per member.
+            ValueError: if ``data`` has no ``teacher_weights`` of one column per member, or
+                for a :class:`PerTeacherRequest`.
         """
+        if isinstance(request, PerTeacherRequest):
+            raise ValueError(self.refusal(request))
         weights = data.get("teacher_weights")
         if weights is None or weights.dim() != 2 or weights.shape[1] != len(self.members):
             raise ValueError(

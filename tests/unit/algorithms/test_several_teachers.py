@@ -32,6 +32,7 @@ from opd.data.dataloaders import prepare_examples
 from opd.data.teacher_choice import TeacherChoice
 from opd.models.interfaces import (
     FullVocabRequest,
+    PerTeacherRequest,
     TeacherInterface,
     TeacherRequest,
     TeacherSignal,
@@ -191,7 +192,7 @@ def test_the_routed_loss_equals_the_loss_with_each_rows_own_teacher(name, fused)
     data = make_batch()
     data["teacher_index"] = torch.tensor([1, 0, 0, 1, 1, 0])
     objective = OBJECTIVES[name](fused)
-    routed = RoutedLoss(objective, ["a", "b"])
+    routed = RoutedLoss([objective, objective], ["a", "b"])
     answer = RoutedTeachers(["a", "b"], teachers).score(data, routed.teacher_request)
     student, params = student_output(fused=fused)
     loss, metrics = routed(student, data, *counts(data), teacher_output=answer)
@@ -213,7 +214,8 @@ def test_the_routed_forward_kl_equals_a_float64_sum_over_each_rows_teacher():
     data = make_batch()
     index = torch.tensor([0, 1, 1, 0, 1, 0])
     data["teacher_index"] = index
-    routed = RoutedLoss(DistillationLossFn(kl_type="forward", fused_lm_head=True), ["a", "b"])
+    objective = DistillationLossFn(kl_type="forward", fused_lm_head=True)
+    routed = RoutedLoss([objective, objective], ["a", "b"])
     student, (hidden, head) = student_output(fused=True)
     answer = RoutedTeachers(["a", "b"], teachers).score(data, routed.teacher_request)
     loss, _ = routed(student, data, *counts(data), teacher_output=answer)
@@ -227,7 +229,8 @@ def test_each_teachers_kl_is_the_mean_over_its_own_tokens_across_micro_batches()
     data = make_batch()
     index = torch.tensor([0, 1, 1, 0, 1, 0])
     data["teacher_index"] = index
-    routed = RoutedLoss(DistillationLossFn(kl_type="forward"), ["a", "b"])
+    objective = DistillationLossFn(kl_type="forward")
+    routed = RoutedLoss([objective, objective], ["a", "b"])
     group = RoutedTeachers(["a", "b"], teachers)
     student, _ = student_output()
     totals: dict[str, float] = {}
@@ -244,6 +247,68 @@ def test_each_teachers_kl_is_the_mean_over_its_own_tokens_across_micro_batches()
         assert finished[f"teacher/{name}/token_share"] == pytest.approx(tokens / counts(data)[0])
     assert "teacher/a/num_valid_tokens" not in finished
     assert finished["teacher/a/token_share"] + finished["teacher/b/token_share"] == pytest.approx(1.0)
+
+
+def f64_topk_forward_kl_sum(teacher_logits, student_logits, mask, k):
+    """Σ over loss positions of the forward KL over the teacher's top k plus one rest class, in float64."""
+    log_p = torch.log_softmax(teacher_logits.double(), -1)[:, :-1]
+    log_q = torch.log_softmax(student_logits.double(), -1)[:, :-1]
+    top_p, ids = log_p.topk(k, dim=-1)
+    top_q = log_q.gather(-1, ids)
+    rest_p = torch.log1p(-top_p.exp().sum(-1).clamp(max=1 - 1e-12))
+    rest_q = torch.log1p(-top_q.exp().sum(-1).clamp(max=1 - 1e-12))
+    kl = (top_p.exp() * (top_p - top_q)).sum(-1) + rest_p.exp() * (rest_p - rest_q)
+    return (kl * mask[:, 1:].double()).sum()
+
+
+def test_each_routed_teacher_answers_its_own_signal_and_is_distilled_with_its_own_objective():
+    teachers = [TableTeacher(1), TableTeacher(2)]
+    data = make_batch()
+    index = torch.tensor([0, 1, 1, 0, 1, 0])
+    data["teacher_index"] = index
+    full = DistillationLossFn(kl_type="forward")
+    topk = DistillationLossFn(kl_type="forward", teacher_signal="topk", teacher_topk=3)
+    routed = RoutedLoss([full, topk], ["a", "b"])
+    request = routed.teacher_request
+    assert request == PerTeacherRequest((full.teacher_request, topk.teacher_request))
+    answer = RoutedTeachers(["a", "b"], teachers).score(data, request)
+    kinds = {part.teacher: type(part.signal) for part in answer.parts}
+    assert kinds == {0: torch.Tensor, 1: TopKLogprobs}
+    student, (hidden, head) = student_output()
+    loss, metrics = routed(student, data, *counts(data), teacher_output=answer)
+    mask = data["token_mask"]
+    a, b = (index == 0).nonzero().squeeze(-1), (index == 1).nonzero().squeeze(-1)
+    logits = hidden.detach() @ head.detach().T
+    expected = (f64_forward_kl_sum(teachers[0].logits[a], logits[a], mask[a])
+                + f64_topk_forward_kl_sum(teachers[1].logits[b], logits[b], mask[b], 3)) / counts(data)[0]
+    assert abs(float(loss) - float(expected)) < 1e-6
+    finished = routed.finish_metrics(metrics)
+    tokens_b = int(mask[b, 1:].sum())
+    expected_b = f64_topk_forward_kl_sum(teachers[1].logits[b], logits[b], mask[b], 3) / tokens_b
+    assert finished["teacher/b/kl_forward"] == pytest.approx(float(expected_b), abs=1e-5)
+    # With one objective for both, the teachers are asked one plain request.
+    assert RoutedLoss([full, full], ["a", "b"]).teacher_request == full.teacher_request
+
+
+def test_objectives_of_routed_teachers_must_agree_on_the_fused_head():
+    with pytest.raises(ValueError, match="fused LM head"):
+        RoutedLoss([DistillationLossFn(fused_lm_head=True), DistillationLossFn(fused_lm_head=False)], ["a", "b"])
+    with pytest.raises(ValueError, match="one objective per teacher"):
+        RoutedLoss([DistillationLossFn()], ["a", "b"])
+
+
+def test_a_request_per_teacher_is_answered_only_by_routed_teachers():
+    request = PerTeacherRequest((FullVocabRequest(), TopKRequest(2, 1.0, V)))
+    data = make_batch()
+    data["teacher_weights"] = random_weights(B, 2)
+    mixture = TeacherMixture(["a", "b"], [TableTeacher(1), TableTeacher(2)])
+    assert "cannot ask each for its own" in mixture.refusal(request)
+    with pytest.raises(ValueError, match="cannot ask each for its own"):
+        mixture.score(data, request)
+    assert "one teacher answers one signal" in TableTeacher(1).refusal(request)
+    with pytest.raises(ValueError, match="2 requests for 3 teachers"):
+        data["teacher_index"] = torch.zeros(B, dtype=torch.long)
+        RoutedTeachers(["a", "b", "c"], [TableTeacher(1), TableTeacher(2), TableTeacher(3)]).score(data, request)
 
 
 # ------------------------------------------------------------------ mixtures
@@ -417,6 +482,17 @@ TWO_TEACHERS = ["teachers.mode=route", "teachers.route_key=task", "model.teacher
     (["teachers.members=[{name: a, backend: remote}]"], r"teachers.members\[0\].backend = remote needs "
                                                         r"teachers.members\[0\].remote.url"),
     (["teachers.members=[{name: a}]"], r"teachers.members\[0\].model_path is required"),
+    (["teachers.mode=mixture", "teachers.route_key=null",
+      "teachers.members=[{name: a, model_path: 'tiny:teacher', loss_fn: {type: topk}}]"],
+     r"teachers.members\[0\].loss_fn: a mixture compares the student with one mixed distribution"),
+    (["teachers.members=[{name: a, model_path: 'tiny:teacher'}, "
+      "{name: b, model_path: 'tiny:teacher', loss_fn: {type: topk, fused_lm_head: false}}]"],
+     r"set teachers.members\[1\].loss_fn.fused_lm_head so that both agree"),
+    (["distillation.lambda=0.5", "teachers.members=[{name: a, model_path: 'tiny:teacher'}, "
+      "{name: b, model_path: 'tiny:teacher', loss_fn: {type: sampled_token}}]"],
+     r"teachers.members\[1\].loss_fn.type = sampled_token needs the student's own samples"),
+    (["teachers.members=[{name: a, model_path: 'tiny:teacher', loss_fn: {type: full_vocab, kl_typo: forward}}]"],
+     r"teachers.members.0.loss_fn.full_vocab.kl_typo|kl_typo"),
 ])
 def test_several_teacher_config_mistakes_name_their_keys(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -474,3 +550,37 @@ def test_a_routed_run_sends_every_example_to_its_teacher_and_logs_each_teachers_
         assert record["timing/teacher/add"] > 0 and record["timing/teacher/sub"] > 0
         assert record["train/teacher/add/kl_forward"] > 0 and record["train/teacher/sub/kl_reverse"] > 0
     assert any("val/kl_forward" in record for record in records)
+
+
+def test_a_routed_run_asks_each_teacher_for_its_own_signal(tmp_path):
+    _write_task_data(tmp_path / "train.jsonl", 24)
+    _write_task_data(tmp_path / "val.jsonl", 6)
+    config = load_config(MasterConfig, TINY_CONFIG, [
+        *TWO_TEACHERS, f"output_dir={tmp_path / 'run'}", f"data.train_path={tmp_path / 'train.jsonl'}",
+        f"data.val_path={tmp_path / 'val.jsonl'}", "training.max_num_steps=2", "training.val_freq=2",
+        "logger.console=false",
+        "teachers.members=[{name: add, model_path: 'tiny:teacher'}, "
+        "{name: sub, model_path: 'tiny:student-b', loss_fn: {type: topk, k: 4}}]",
+    ])
+    components = setup(config)
+    asked: dict[str, set[type]] = {"add": set(), "sub": set()}
+    group = components.teacher_policy
+    assert isinstance(group, RoutedTeachers)
+    for name, member in zip(group.names, group.members, strict=True):
+        original = member.score
+
+        def spy(data, request, name=name, original=original):
+            asked[name].add(type(request))
+            return original(data, request)
+
+        member.score = spy
+    try:
+        distillation_train(**components.as_arguments())
+    finally:
+        components.close()
+    # Training asks each its own signal; validation asks both for the full vocabulary (its KL metrics).
+    assert asked["add"] == {FullVocabRequest} and asked["sub"] == {TopKRequest, FullVocabRequest}
+    records = [json.loads(line) for line in (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [record for record in records if "train/loss" in record]
+    assert len(steps) == 2 and all(math.isfinite(record["train/loss"]) for record in steps)
+    assert all(record["train/teacher/sub/kl_reverse"] > 0 for record in steps)

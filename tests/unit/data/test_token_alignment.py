@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerFast
 from opd.data.token_alignment import (
     AlignedGroup,
     align_tokens,
+    comparable_vocabulary,
     shared_vocabulary,
     teacher_tokens_for_response,
     token_bytes,
@@ -285,6 +286,64 @@ def test_special_tokens_map_to_special_tokens_only():
     assert token_bytes(plain)[plain_id] == token_bytes(student_tokenizer)[im_end]  # the same bytes...
     assert int(shared_vocabulary(student_tokenizer, plain)[im_end]) == -1  # ...but special never maps to normal
     assert int(shared_vocabulary(plain, student_tokenizer)[plain_id]) == -1  # ...nor normal to special
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# comparable_vocabulary
+
+
+@pytest.mark.parametrize(("student_name", "teacher_name"), [("student", "teacher"), ("teacher", "student")])
+def test_comparable_vocabulary_keeps_a_shared_string_only_where_both_have_the_same_longer_tokens(
+    student_name, teacher_name
+):
+    student_tokenizer, teacher_tokenizer = TOKENIZERS[student_name](), TOKENIZERS[teacher_name]()
+    student_pieces, teacher_pieces = pieces_of(student_name), pieces_of(teacher_name)
+    shared = shared_vocabulary(student_tokenizer, teacher_tokenizer)
+    comparable = comparable_vocabulary(student_tokenizer, teacher_tokenizer)
+    student_special = set(student_tokenizer.added_tokens_decoder)
+    teacher_special = set(teacher_tokenizer.added_tokens_decoder)
+    student_strings = [p for i, p in enumerate(student_pieces) if i not in student_special]
+    teacher_strings = [p for i, p in enumerate(teacher_pieces) if i not in teacher_special]
+
+    def longer(strings: list[bytes], piece: bytes) -> set[bytes]:
+        return {other for other in strings if other != piece and other.startswith(piece)}
+
+    kept = dropped = 0
+    for index, piece in enumerate(student_pieces):
+        if int(shared[index]) < 0:
+            assert int(comparable[index]) == -1
+            continue
+        same_events = index in student_special or longer(student_strings, piece) == longer(teacher_strings, piece)
+        assert int(comparable[index]) == (int(shared[index]) if same_events else -1), (index, piece)
+        kept, dropped = kept + same_events, dropped + (not same_events)
+    assert kept > 0 and dropped > 0  # the case is not vacuous either way
+
+
+def test_comparable_vocabulary_of_equal_tokenizers_keeps_everything():
+    for name in ["student", "teacher", "byte_student"]:
+        tokenizer = TOKENIZERS[name]()
+        assert torch.equal(comparable_vocabulary(tokenizer, tokenizer), torch.arange(len(tokenizer)))
+
+
+def test_a_word_the_teacher_spells_in_pieces_drops_its_first_piece_not_the_digits():
+    # The student writes " carry" as one token; the teacher has no such token and starts it with " ".
+    student_backend = Tokenizer(models.BPE(vocab=byte_level_vocab("Ġc", "Ġca", "Ġcar", "Ġcarr", "Ġcarry"), merges=[
+        ("Ġ", "c"), ("Ġc", "a"), ("Ġca", "r"), ("Ġcar", "r"), ("Ġcarr", "y")]))
+    teacher_backend = Tokenizer(models.BPE(vocab=byte_level_vocab("ar"), merges=[("a", "r")]))
+    for backend in (student_backend, teacher_backend):
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+    student_tokenizer = PreTrainedTokenizerFast(tokenizer_object=student_backend, name_or_path="carry-student")
+    teacher_tokenizer = PreTrainedTokenizerFast(tokenizer_object=teacher_backend, name_or_path="pieces-teacher")
+    comparable = comparable_vocabulary(student_tokenizer, teacher_tokenizer)
+
+    def kept(token: str) -> bool:
+        return int(comparable[student_tokenizer.convert_tokens_to_ids(token)]) >= 0
+
+    assert not kept("Ġ")  # the teacher's " " also stands for the start of " carry"
+    assert not kept("a")  # the teacher's "a" also stands for the start of "ar"
+    assert kept("c") and kept("7") and kept(".")  # no longer token on either side: the same event
+    assert not kept("Ġcarry")  # the teacher has no such token at all
 
 
 # ---------------------------------------------------------------------------------------------------------------------

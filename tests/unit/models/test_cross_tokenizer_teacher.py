@@ -112,10 +112,18 @@ def test_identical_tokenizers_give_the_teachers_own_topk_and_the_ordinary_loss(t
 
 
 def _reference(student_tokenizer, teacher_tokenizer, model, data, row):
-    """Float64, by hand: the teacher on its own tokens; top k at group starts, ids mapped by string."""
+    """Float64, by hand: the teacher on its own tokens; top k at group starts, ids mapped by string
+    where both vocabularies have the same longer tokens starting with it."""
     student_pieces, teacher_pieces = token_bytes(student_tokenizer), token_bytes(teacher_tokenizer)
-    by_bytes = {piece: index for index, piece in enumerate(student_pieces)}
     specials = set(student_tokenizer.all_special_ids)
+    student_strings = [p for i, p in enumerate(student_pieces) if i not in specials]
+    teacher_strings = [p for i, p in enumerate(teacher_pieces) if i not in teacher_tokenizer.all_special_ids]
+
+    def longer(strings, piece):
+        return {other for other in strings if other != piece and other.startswith(piece)}
+
+    by_bytes = {piece: index for index, piece in enumerate(student_pieces)
+                if index not in specials and longer(student_strings, piece) == longer(teacher_strings, piece)}
     prompt_length, length = int(data["prompt_lengths"][row]), int(data["input_lengths"][row])
     response = data["input_ids"][row, prompt_length:length].tolist()
     text = b"".join(student_pieces[t] for t in response if t not in specials).decode("utf-8", errors="ignore")
