@@ -308,13 +308,18 @@ def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
         )
     if config.model.teacher_model_path is None:
         return "teacher.cross_tokenizer reads the teacher's tokenizer from model.teacher_model_path; set it"
-    return _in_process_only_problem(config, "teacher.cross_tokenizer")
+    cluster = config.cluster
+    if cluster is not None and config.teacher.backend == "local" and cluster.teacher.placement == "colocated":
+        return (
+            "teacher.cross_tokenizer with cluster.teacher.placement = colocated: the trainer workers score the "
+            "student's own tokens; set cluster.teacher.placement = pool (or serve the teacher)"
+        )
+    return _sync_only_problem(config, "teacher.cross_tokenizer")
 
 
-def _in_process_only_problem(config: MasterConfig, feature: str) -> str | None:
-    """``feature`` runs in process with the sync schedule, on right-padded rows, without baselines."""
+def _sync_only_problem(config: MasterConfig, feature: str) -> str | None:
+    """``feature`` runs with the sync schedule, on right-padded rows, without the validation baselines."""
     unsupported = {
-        "cluster": config.cluster is not None,
         f"training.scheduler = {config.training.scheduler}": config.training.asynchronous,
         "training.sequence_packing": config.training.sequence_packing,
         "validation.teacher_baseline": config.validation.teacher_baseline,
@@ -344,6 +349,12 @@ def _one_teacher_problem(
     """Whether one teacher, where it runs, can answer the signal its objective (``keys.loss``) asks for."""
     loss = keys.objective
     request = loss.teacher_request(None)
+    in_pool = config.cluster is not None and config.cluster.teacher.placement == "pool"
+    if backend == "local" and in_pool and config.teachers is not None and isinstance(request, FullVocabRequest):
+        return (
+            f"{keys.loss}.type = {loss.type} needs the teacher's full vocabulary, which a teacher pool "
+            f"(cluster.teacher.placement = pool) does not send; use {keys.loss}.type = topk or sampled_token"
+        )
     if backend == "local":
         reason = LocalTeacher.unsupported_reason(request)
     else:
@@ -372,9 +383,15 @@ def _several_teachers_problem(config: MasterConfig) -> str | None:
         )
     if config.teacher.backend != "local" or config.teacher.remote.url is not None:
         return "teacher: is for one teacher; with teachers:, set teachers.members[*].backend and remote instead"
-    problem = _in_process_only_problem(config, "several teachers (teachers:)")
+    problem = _sync_only_problem(config, "several teachers (teachers:)")
     if problem is not None:
         return problem
+    in_process = [member.name for member in config.teachers.members if member.backend == "local"]
+    if config.cluster is not None and in_process and config.cluster.teacher.placement == "colocated":
+        return (
+            f"several teachers on a cluster run each in a teacher pool of its own ({', '.join(in_process)}); "
+            "set cluster.teacher.placement = pool (or serve them)"
+        )
     losses = config.teacher_losses()
     for index, member in enumerate(config.teachers.members):
         where = f"teachers.members[{index}]"
@@ -433,13 +450,14 @@ def _cluster_problem(config: MasterConfig) -> str | None:
         return None
     if config.model.active_lora() is not None:
         return "model.lora: LoRA students train in one process; remove the cluster section or model.lora"
-    in_workers = config.teacher.backend == "local" and cluster.teacher.placement == "colocated"
+    one_local_teacher = config.teachers is None and config.teacher.backend == "local"  # teachers: are checked above
+    in_workers = one_local_teacher and cluster.teacher.placement == "colocated"
     if in_workers and config.distillation.teacher_context_spec() is not None:
         return (
             "distillation.teacher_context with cluster.teacher.placement = colocated: the trainer workers score "
             "the student's own prompt; use cluster.teacher.placement = pool for context distillation"
         )
-    in_pool = config.teacher.backend == "local" and cluster.teacher.placement == "pool"
+    in_pool = one_local_teacher and cluster.teacher.placement == "pool"
     if in_pool and isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
         return (
             f"loss_fn.type = {config.loss_fn.type} needs the teacher's full vocabulary, which a teacher pool "

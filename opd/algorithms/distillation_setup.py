@@ -46,7 +46,7 @@ from opd.algorithms.run_setup import (
 from opd.algorithms.several_teachers_loss import MixtureLoss, RoutedLoss
 from opd.algorithms.training_loop import RunSaveState, check_output_is_fresh, find_resume_checkpoint
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
-from opd.models.config import RemoteTeacherConfig
+from opd.models.config import RemoteTeacherConfig, TeacherMemberConfig
 from opd.models.generation.hf_generation import HFGeneration, SnapshotHFGeneration
 from opd.models.generation.stop_tokens import check_stop_tokens, describe_tokens, stop_token_ids
 from opd.models.interfaces import (
@@ -357,24 +357,33 @@ def build_teacher(
     return ContextTeacher(teacher, tokenizer.pad_token_id)
 
 
-def build_several_teachers(config: MasterConfig, tokenizer: Any) -> TeacherInterface:
-    """The ``teachers:`` members, in process or served, behind one routing or mixing teacher.
+def build_several_teachers(
+    config: MasterConfig, tokenizer: Any, ready: dict[str, TeacherInterface] | None = None
+) -> TeacherInterface:
+    """The ``teachers:`` members, in process, served or in pools, behind one routing or mixing teacher.
 
     Each member is checked like a single teacher (tokenizer, output layer, server) and
     given the teacher-only context, if any.
+
+    Args:
+        config: the run's config.
+        tokenizer: the run's tokenizer.
+        ready: members built already, by name (a cluster's teacher pools, servers
+            connected before the workers started); the others are connected or loaded here.
     """
     assert config.teachers is not None
+    ready = ready or {}
     members: list[TeacherInterface] = []
     for member in config.teachers.members:
         teacher: TeacherInterface
-        if member.backend == "remote":
+        if member.name in ready:
+            teacher = ready[member.name]
+        elif member.backend == "remote":
             teacher = connect_remote_teacher(config, tokenizer, member.remote, member.model_path)
         else:
-            assert member.model_path is not None  # checked with the config
-            path = (
-                config.model.student_model_path if member.model_path == SELF_DISTILLATION_TEACHER else member.model_path
+            model = load_teacher_model(
+                config, tokenizer, member_teacher_path(config, member), config.model.student_model_path
             )
-            model = load_teacher_model(config, tokenizer, path, config.model.student_model_path)
             _check_fusable(config, None, model)
             teacher = LocalTeacher(model)
         if config.distillation.teacher_context_spec() is not None:
@@ -385,6 +394,12 @@ def build_several_teachers(config: MasterConfig, tokenizer: Any) -> TeacherInter
     if config.teachers.mode == "route":
         return RoutedTeachers(names, members)
     return TeacherMixture(names, members, getattr(config.loss_fn, "temperature", 1.0))
+
+
+def member_teacher_path(config: MasterConfig, member: TeacherMemberConfig) -> str:
+    """A local member's model path (``student``: the student's starting point)."""
+    assert member.model_path is not None  # checked with the config
+    return config.model.student_model_path if member.model_path == SELF_DISTILLATION_TEACHER else member.model_path
 
 
 def build_generation(config: MasterConfig, model: PreTrainedModel, tokenizer: Any) -> GenerationInterface:
@@ -531,13 +546,24 @@ def build_on_cluster(
     assert config.cluster is not None
     if config.validation.teacher_baseline or config.validation.eval_baseline:
         log.warning("cluster: the validation baselines sample from the teacher in-process; skipped")
-    teacher_path = resolve_teacher_path(config) if remote_teacher is None else None
-    if teacher_path is not None:  # before any worker loads a model
-        teacher_tokenizer = load_tokenizer(teacher_path, config.model.trust_remote_code)
-        check_tokenizer_compatibility(tokenizer, teacher_tokenizer, config.model.student_model_path, teacher_path)
+    teacher_paths = _cluster_teacher_paths(config, remote_teacher)
+    same_tokenizer = not config.teacher.cross_tokenizer  # a cross-tokenizer teacher was checked as such
+    for path in teacher_paths.values() if same_tokenizer else ():  # before any worker loads a model
+        teacher_tokenizer = load_tokenizer(path, config.model.trust_remote_code)
+        check_tokenizer_compatibility(tokenizer, teacher_tokenizer, config.model.student_model_path, path)
+    # Served members connect before the workers start: a bad server fails in seconds.
+    served = (
+        {
+            member.name: connect_remote_teacher(config, tokenizer, member.remote, member.model_path)
+            for member in config.teachers.members
+            if member.backend == "remote"
+        }
+        if config.teachers is not None
+        else {}
+    )
     request = ClusterRequest(
         student_path=config.model.student_model_path,
-        teacher_path=teacher_path,
+        teacher_paths=teacher_paths,
         loading=config.model,
         optimizer=config.training,
         total_steps=total_steps,
@@ -550,8 +576,28 @@ def build_on_cluster(
         vllm=config.generation.vllm if config.generation.backend == "vllm" else None,
         seed=config.training.seed,
     )
-    policy, teacher, generation = build_cluster_backends(config.cluster, request, remote_teacher)
+    policy, on_cluster, generation = build_cluster_backends(config.cluster, request)
+    if config.teachers is None:
+        return policy, remote_teacher if remote_teacher is not None else on_cluster[0], generation, None
+    try:
+        local = [member.name for member in config.teachers.members if member.backend == "local"]
+        pools = dict(zip(local, on_cluster, strict=True))  # in the order of teacher_paths
+        teacher = build_several_teachers(config, tokenizer, {**served, **pools})
+    except BaseException:
+        policy.close()
+        raise
     return policy, teacher, generation, None
+
+
+def _cluster_teacher_paths(config: MasterConfig, remote_teacher: TeacherInterface | None) -> dict[str, str]:
+    """The teachers the cluster runs, by worker role: the one teacher, or each local member of ``teachers:``."""
+    if config.teachers is not None:
+        return {
+            f"teacher {member.name}": member_teacher_path(config, member)
+            for member in config.teachers.members
+            if member.backend == "local"
+        }
+    return {} if remote_teacher is not None else {"teacher": resolve_teacher_path(config)}
 
 
 def setup(master_config: MasterConfig) -> DistillationComponents:
@@ -598,7 +644,8 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     # server fails in seconds.
     remote_teacher: TeacherInterface | None = None
     if config.teachers is not None:
-        remote_teacher = build_several_teachers(config, tokenizer)
+        if config.cluster is None:  # on a cluster, the members are built with the workers
+            remote_teacher = build_several_teachers(config, tokenizer)
     elif config.teacher.backend == "remote":
         remote_teacher = connect_remote_teacher(config, tokenizer)
     if config.cluster is not None:

@@ -37,7 +37,9 @@ class ClusterRequest:
 
     Attributes:
         student_path: the student's starting weights.
-        teacher_path: an in-process teacher's weights; None for a served teacher.
+        teacher_paths: the teachers the cluster runs, by role name (``teacher``, or
+            ``teacher <name>`` for one of several): one colocated in the trainer workers,
+            or one or more, each in a pool of its own; empty when every teacher is served.
         loading: dtype and loading options.
         optimizer: AdamW and schedule settings.
         total_steps: optimizer steps planned.
@@ -52,7 +54,7 @@ class ClusterRequest:
     """
 
     student_path: str
-    teacher_path: str | None
+    teacher_paths: dict[str, str]
     loading: ModelLoadingConfig
     optimizer: OptimizerConfig
     total_steps: int
@@ -67,18 +69,30 @@ class ClusterRequest:
 
 
 def build_cluster_backends(
-    cluster: ClusterConfig, request: ClusterRequest, served_teacher: TeacherInterface | None
-) -> tuple[FSDPPolicy, TeacherInterface, GenerationInterface]:
-    """Starts the workers and returns the student, the teacher and the rollout engine.
+    cluster: ClusterConfig, request: ClusterRequest
+) -> tuple[FSDPPolicy, list[TeacherInterface], GenerationInterface]:
+    """Starts the workers and returns the student, the teachers the cluster runs and the rollout engine.
 
     Args:
         cluster: the ``cluster:`` section.
         request: what the run needs.
-        served_teacher: the client of a served teacher, or None to run the teacher model
-            (``request.teacher_path``) colocated or in a pool.
+
+    Returns:
+        The student, one teacher per entry of ``request.teacher_paths``, in order (colocated in the trainer
+        workers, or each in its own pool of ``cluster.teacher.workers``; served teachers
+        are the caller's) and the rollout engine.
+
+    Raises:
+        ValueError: for several teachers colocated in the trainer workers.
     """
-    colocated_teacher = served_teacher is None and cluster.teacher.placement == "colocated"
-    teacher_workers = cluster.teacher.workers if served_teacher is None and not colocated_teacher else 0
+    paths = list(request.teacher_paths.values())
+    colocated_teacher = bool(paths) and cluster.teacher.placement == "colocated"
+    if colocated_teacher and len(paths) > 1:
+        raise ValueError(
+            "several teachers on a cluster run in pools of their own; set cluster.teacher.placement = pool"
+        )
+    per_pool = cluster.teacher.workers
+    teacher_workers = 0 if colocated_teacher else per_pool * len(paths)
     started_ray = start_ray(cluster, cpus_needed(cluster, cluster.rollout.workers, teacher_workers))
     pools = build_pools(cluster, cluster.rollout.workers, teacher_workers)
     groups: list[WorkerGroup] = []
@@ -93,25 +107,29 @@ def build_cluster_backends(
     try:
         trainer = _start_trainer(cluster, request, pools.trainer, colocated_teacher)
         groups.append(trainer)
-        teacher: TeacherInterface
-        if served_teacher is not None:
-            teacher = served_teacher
-        elif colocated_teacher:
-            teacher = ColocatedTeacher(trainer)
+        teachers: list[TeacherInterface] = []
+        if colocated_teacher:
+            teachers.append(ColocatedTeacher(trainer))
         else:
-            teacher_pool = _start_teacher_pool(cluster, request, pools.teacher)
-            groups.append(teacher_pool)
-            teacher = TeacherPool(teacher_pool)
+            for index, (role, path) in enumerate(request.teacher_paths.items()):
+                slots = pools.teacher[index * per_pool : (index + 1) * per_pool]
+                teacher_pool = _start_teacher_pool(cluster, request, role, path, slots)
+                groups.append(teacher_pool)
+                teachers.append(TeacherPool(teacher_pool))
         rollout = _start_rollout(cluster, request, pools.rollout)
         groups.append(rollout)
     except BaseException:
         release()
         raise
     log.info(
-        "cluster: %d trainer workers (%s), teacher %s, %d rollout workers, %s placement",
+        "cluster: %d trainer workers (%s), %s, %d rollout workers, %s placement",
         cluster.trainer.workers,
         cluster.resolved_backend(),
-        "served" if served_teacher is not None else cluster.teacher.placement,
+        "teacher colocated"
+        if colocated_teacher
+        else f"{len(paths)} teacher pool(s) of {per_pool}"
+        if paths
+        else "teacher served",
         cluster.rollout.workers,
         cluster.placement,
     )
@@ -124,7 +142,7 @@ def build_cluster_backends(
         on_close=release,
     )
     generation = RayGeneration(rollout, request.tokenizer.pad_token_id, int(cluster.rollout.refit_bucket_mb * _MIB))
-    return policy, teacher, generation
+    return policy, teachers, generation
 
 
 def _worker_environment(cluster: ClusterConfig) -> dict[str, str]:
@@ -138,7 +156,7 @@ def _start_trainer(
     """The FSDP2 trainer ranks (with the teacher, when it is colocated), in their process group."""
     spec = TrainerSpec(
         student_path=request.student_path,
-        teacher_path=request.teacher_path if colocated_teacher else None,
+        teacher_path=next(iter(request.teacher_paths.values())) if colocated_teacher else None,
         loading=request.loading,
         optimizer=request.optimizer,
         total_steps=request.total_steps,
@@ -156,13 +174,12 @@ def _start_trainer(
     return trainer
 
 
-def _start_teacher_pool(cluster: ClusterConfig, request: ClusterRequest, slots: list[Slot]) -> WorkerGroup:
-    """The teacher replicas of ``cluster.teacher.placement: pool``."""
-    teacher_path = request.teacher_path
-    if teacher_path is None:
-        raise ValueError("a teacher pool needs the teacher's model path")
+def _start_teacher_pool(
+    cluster: ClusterConfig, request: ClusterRequest, role: str, teacher_path: str, slots: list[Slot]
+) -> WorkerGroup:
+    """The replicas of one teacher (``cluster.teacher.placement: pool``); ``role`` names them in errors."""
     return WorkerGroup(
-        "teacher",
+        role,
         TeacherWorker,
         slots,
         lambda rank: (rank, teacher_path, request.loading, cluster.threads_per_worker),

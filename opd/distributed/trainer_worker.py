@@ -13,6 +13,7 @@ full-vocabulary loss needs nothing to cross a process boundary.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
 from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, shard_model, whole_state_dict
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
-from opd.models.interfaces import LossFunction, TeacherRequest, TeacherSignal
+from opd.models.interfaces import LossFunction, TeacherRequest, TeacherSignal, signal_to_device
 from opd.models.lm_head import LMHeadInput, output_head_of
 from opd.models.loading import load_causal_lm, resolve_dtype
 from opd.models.policy.optimization import accumulate_metrics, apply_gradients, build_optimizer, build_scheduler
@@ -170,7 +171,7 @@ class TrainerWorker:
             micro_batch = micro_batch.to(self.device)
             teacher_output: Any = None
             if teacher_signals is not None:
-                teacher_output = _to_device(teacher_signals[index], self.device)
+                teacher_output = signal_to_device(teacher_signals[index], self.device)
             elif request is not None:
                 teacher_start = time.perf_counter()
                 teacher_output = self._colocated_teacher().score(micro_batch, request)
@@ -190,14 +191,22 @@ class TrainerWorker:
         return totals
 
     def _sum_over_ranks(self, totals: dict[str, float]) -> dict[str, float]:
-        """Each metric summed over the ranks, ``*_max`` ones maximised (every rank computes the same keys)."""
+        """Each metric summed over the ranks, ``*_max`` ones maximised.
+
+        Ranks may hold different keys (several routed teachers: a rank whose rows all
+        went to one teacher has no metrics of the other), so the keys are gathered first
+        and a rank without a key adds nothing to it (0 to a sum, −inf to a maximum).
+        """
+        gathered: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(totals))
+        every_key = sorted({key for keys in gathered for key in keys or []})
         reduced: dict[str, float] = {}
-        for op, keys in (
-            (dist.ReduceOp.SUM, sorted(key for key in totals if not key.endswith("_max"))),
-            (dist.ReduceOp.MAX, sorted(key for key in totals if key.endswith("_max"))),
+        for op, keys, missing in (
+            (dist.ReduceOp.SUM, [key for key in every_key if not key.endswith("_max")], 0.0),
+            (dist.ReduceOp.MAX, [key for key in every_key if key.endswith("_max")], -math.inf),
         ):
             if keys:
-                values = torch.tensor([totals[key] for key in keys], dtype=torch.float64)
+                values = torch.tensor([totals.get(key, missing) for key in keys], dtype=torch.float64)
                 dist.all_reduce(values, op=op)
                 reduced.update(zip(keys, values.tolist(), strict=True))
         return reduced
@@ -220,7 +229,7 @@ class TrainerWorker:
             signal = self._colocated_teacher().score(data, request)
         if isinstance(signal, LMHeadInput):  # the head cannot leave the worker: make the logits here
             signal = signal.logits()
-        return _to_device(signal, torch.device("cpu"))
+        return signal_to_device(signal, torch.device("cpu"))
 
     # ------------------------------------------------------------------ weights out
 
@@ -289,17 +298,3 @@ class TrainerWorker:
         """Leaves the process group."""
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _to_device(signal: Any, device: torch.device) -> Any:
-    """A teacher signal (tensor, or top-k pair with its rest mass) on ``device``."""
-    from opd.models.interfaces import TopKLogprobs
-
-    if isinstance(signal, TopKLogprobs):
-        rest = signal.rest_logprobs
-        return TopKLogprobs(
-            signal.logprobs.to(device), signal.ids.to(device), rest.to(device) if rest is not None else None
-        )
-    if isinstance(signal, tuple):
-        return tuple(part.to(device) for part in signal)
-    return signal.to(device)

@@ -23,6 +23,7 @@ describe token ``t + 1``), except token log-probs, which sit at the token's own 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -172,6 +173,10 @@ class SeveralTeachersSignal(ABC):
     def combined(self) -> SingleTeacherSignal:
         """One answer of the kind asked for, row by row what the teachers said."""
 
+    @abstractmethod
+    def to(self, device: torch.device) -> SeveralTeachersSignal:
+        """The same answer with every tensor on ``device`` (a cluster's trainer worker receives it)."""
+
 
 SingleTeacherSignal = torch.Tensor | LMHeadInput | tuple[torch.Tensor, torch.Tensor]
 """One teacher's answer (see :data:`TeacherSignal`)."""
@@ -180,6 +185,24 @@ TeacherSignal = SingleTeacherSignal | SeveralTeachersSignal
 """A teacher's answer: logits or token log-probs, hidden states and head, or top-k (log-probs, ids)
 (a :class:`TopKLogprobs` when the teacher sends its rest mass too); several teachers answer
 with a :class:`SeveralTeachersSignal`."""
+
+
+def signal_to_device(signal: TeacherSignal, device: torch.device) -> TeacherSignal:
+    """A teacher's answer with every tensor on ``device`` (the rest mass of a top-k answer kept)."""
+    if isinstance(signal, SeveralTeachersSignal):
+        return signal.to(device)
+    if isinstance(signal, TopKLogprobs):
+        rest = signal.rest_logprobs
+        return TopKLogprobs(signal[0].to(device), signal[1].to(device), rest.to(device) if rest is not None else None)
+    if isinstance(signal, tuple):
+        return (signal[0].to(device), signal[1].to(device))
+    if isinstance(signal, LMHeadInput):
+        bias = signal.bias.to(device) if signal.bias is not None else None
+        return dataclasses.replace(
+            signal, hidden_states=signal.hidden_states.to(device), weight=signal.weight.to(device), bias=bias
+        )
+    return signal.to(device)
+
 
 TeacherSignalFn = Callable[[BatchedDataDict], TeacherSignal]
 """Scores one micro-batch (the driver binds the teacher, the request and its timer)."""

@@ -51,6 +51,7 @@ from opd.models.interfaces import (
     TeacherSignal,
     TopKLogprobs,
     TopKRequest,
+    signal_to_device,
 )
 from opd.models.lm_head import LMHeadInput
 from opd.models.topk_rest import rest_logprobs_from_topk
@@ -141,6 +142,18 @@ class RoutedSignal(SeveralTeachersSignal):
             width = min(tensor.shape[-1] for tensor in tensors)
             tensors = [tensor[..., :width] for tensor in tensors]
         return _scatter_rows(tensors, rows, self.batch_size)
+
+    def to(self, device: torch.device) -> RoutedSignal:
+        """Every part's answer on ``device`` (the row positions stay on the CPU)."""
+        parts = [RoutedPart(part.teacher, part.rows, _single_to(part.signal, device)) for part in self.parts]
+        return RoutedSignal(parts, self.batch_size, dict(self.seconds))
+
+
+def _single_to(signal: TeacherSignal, device: torch.device) -> SingleTeacherSignal:
+    moved = signal_to_device(signal, device)
+    if isinstance(moved, SeveralTeachersSignal):
+        raise TypeError("a member of several teachers is one teacher, not a group")
+    return moved
 
 
 def _scatter_rows(pieces: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], batch_size: int) -> torch.Tensor:
@@ -237,6 +250,11 @@ class MixedSignal(SeveralTeachersSignal):
     def combined(self) -> SingleTeacherSignal:
         """The mixture."""
         return self.mixed
+
+    def to(self, device: torch.device) -> MixedSignal:
+        """The mixture, every member's answer and the weights on ``device``."""
+        members = [_single_to(member, device) for member in self.members]
+        return MixedSignal(_single_to(self.mixed, device), members, self.weights.to(device), dict(self.seconds))
 
 
 class TeacherMixture(TeacherInterface):
