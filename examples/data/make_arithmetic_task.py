@@ -9,11 +9,19 @@ column by column from the right, with carries, the way a person would:
     solution: 7+9=16 write 6 carry 1. 4+8+1=13 write 3 carry 1. 3+5+1=9 write 9. \
 So 347+589=936. </think> <answer> \\boxed{936} </answer>
 
+``--trace`` writes the same problems with fixed answers that are *not* the teacher's
+behaviour, for the λ study (``benchmarks/lambda_study.py``):
+
+* ``reference``: a valid trace in another format, as a dataset's reference solution
+  would be (``7+9 is 16, put 6, carry 1; 4+8+1 is 13, put 3, carry 1; 3+5+1 is 9, put
+  9. 347+589=936.``), with the same answer tags;
+* ``answer_only``: no trace at all, only ``</think> <answer> \\boxed{936} </answer>``.
+
 Train / validation / test splits are disjoint (no problem appears twice), and the output
-is deterministic for a given seed. ``python -m opd.data.convert_math_cl`` or
+is deterministic for a given seed (the problems do not depend on ``--trace``). ``python -m opd.data.convert_math_cl`` or
 ``data.data_format: math_cl`` turns rows into chat examples with the prompt.
 
-Usage: ``python examples/data/make_arithmetic_task.py [--digits 3] [--out-dir DIR]``
+Usage: ``python examples/data/make_arithmetic_task.py [--digits 3] [--trace teacher] [--out-dir DIR]``
 """
 
 from __future__ import annotations
@@ -41,7 +49,36 @@ def addition_trace(a: int, b: int) -> str:
     return f"{'. '.join(steps)}. So {a}+{b}={a + b}. </think> <answer> \\boxed{{{a + b}}} </answer>"
 
 
-def make_rows(count: int, digits: int, rng: random.Random, seen: set[tuple[int, int]]) -> list[dict]:
+ANSWER_TAGS = "</think> <answer> \\boxed{{{}}} </answer>"
+
+
+def reference_trace(a: int, b: int) -> str:
+    """A valid trace for ``a + b`` in another format than the teacher's (see the module docstring)."""
+    digits_a, digits_b = str(a)[::-1], str(b)[::-1]
+    carry, steps = 0, []
+    for position in range(max(len(digits_a), len(digits_b))):
+        x = int(digits_a[position]) if position < len(digits_a) else 0
+        y = int(digits_b[position]) if position < len(digits_b) else 0
+        total = x + y + carry
+        terms = f"{x}+{y}" + (f"+{carry}" if carry else "")
+        carry = total // 10
+        steps.append(f"{terms} is {total}, put {total % 10}" + (f", carry {carry}" if carry else ""))
+    if carry:
+        steps.append(f"put {carry}")
+    return f"{'; '.join(steps)}. {a}+{b}={a + b}. " + ANSWER_TAGS.format(a + b)
+
+
+def answer_only(a: int, b: int) -> str:
+    """No trace: only the answer tags."""
+    return ANSWER_TAGS.format(a + b)
+
+
+TRACES = {"teacher": addition_trace, "reference": reference_trace, "answer_only": answer_only}
+
+
+def make_rows(
+    count: int, digits: int, rng: random.Random, seen: set[tuple[int, int]], trace: str = "teacher"
+) -> list[dict]:
     """``count`` new problems whose operands have ``digits`` digits, none already in ``seen``."""
     low, high = 10 ** (digits - 1), 10**digits - 1
     rows = []
@@ -51,7 +88,7 @@ def make_rows(count: int, digits: int, rng: random.Random, seen: set[tuple[int, 
             continue
         seen.add((a, b))
         rows.append({"problem": f"What is {a} + {b}?", "ground_truth_answer": str(a + b),
-                     "solution": addition_trace(a, b)})
+                     "solution": TRACES[trace](a, b)})
     return rows
 
 
@@ -63,6 +100,7 @@ def main() -> None:
     parser.add_argument("--val-size", type=int, default=128)
     parser.add_argument("--test-size", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", choices=sorted(TRACES), default="teacher", help="the fixed answers' format")
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
@@ -71,7 +109,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     # Test and validation first, so their problems are fixed whatever the train size.
     for name, size in (("test", args.test_size), ("val", args.val_size), ("train", args.train_size)):
-        rows = make_rows(size, args.digits, rng, seen)
+        rows = make_rows(size, args.digits, rng, seen, args.trace)
         # Written whole under a private name, then renamed: a reader (another process
         # writing the same deterministic files, a test) never sees a half-written file.
         staging = out_dir / f".{name}.jsonl.{os.getpid()}"

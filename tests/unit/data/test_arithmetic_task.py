@@ -88,3 +88,37 @@ def test_rows_become_spec_prompts_whose_solution_the_verifier_accepts(task):
         assert row["problem"] in messages[0]["content"] and messages[0]["content"].rstrip().endswith("<think>")
         assert is_correct(messages[1]["content"], row["ground_truth_answer"])
         assert not is_correct(messages[1]["content"], str(int(row["ground_truth_answer"]) + 1))
+
+
+@pytest.mark.parametrize("trace", ["reference", "answer_only"])
+def test_other_trace_formats_keep_the_problems_and_a_correct_answer_the_verifier_accepts(task, tmp_path, trace):
+    other = generate(tmp_path / trace, "--trace", trace)
+    for split in SIZES:
+        assert [row["problem"] for row in other[split]] == [row["problem"] for row in task[split]]
+    template = load_prompt_template(PROMPT)
+    for row, teacher_row in zip(other["train"], task["train"], strict=True):
+        a, b = operands(row)
+        assert row["solution"] != teacher_row["solution"]  # not the teacher's format
+        assert " write " not in row["solution"]
+        answer = math_cl_to_chat(row, template)["messages"][1]["content"]
+        assert is_correct(answer, str(a + b)) and not is_correct(answer, str(a + b + 1))
+    if trace == "answer_only":
+        assert all(row["solution"].startswith("</think>") for row in other["train"])
+
+
+def test_reference_traces_are_correct_arithmetic_in_their_own_format(tmp_path):
+    rows = generate(tmp_path / "reference", "--trace", "reference")["train"]
+    step_pattern = re.compile(r"(\d)\+(\d)(?:\+(\d))? is (\d+), put (\d)(?:, carry (\d))?")
+    for row in rows:
+        a, b = operands(row)
+        think = row["solution"].split(" </think>")[0]
+        digits_a, digits_b = str(a)[::-1], str(b)[::-1]
+        carry = 0
+        steps = step_pattern.findall(think)
+        assert len(steps) == len(digits_a)
+        for position, (x, y, c, total, written, carry_out) in enumerate(steps):
+            assert (int(x), int(y), int(c or 0)) == (int(digits_a[position]), int(digits_b[position]), carry)
+            assert int(total) == int(x) + int(y) + carry and int(written) == int(total) % 10
+            carry = int(total) // 10
+            assert int(carry_out or 0) == carry
+        assert think.endswith(f"{a}+{b}={a + b}.") and (carry == 0 or f"put {carry}." in think)
