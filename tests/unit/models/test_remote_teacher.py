@@ -567,7 +567,8 @@ def test_server_killed_mid_run_stops_with_a_clear_error_and_a_restart_is_picked_
         after = slow_retry.get_token_logprobs(batch)
         restarter.join()
         assert slow_retry.retries >= 1
-        torch.testing.assert_close(after, before, rtol=0, atol=0)
+        # Another process computes it: equal to float32 rounding (kernels may depend on alignment).
+        torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-6)
     finally:
         first.stop_if_running()
         for process in restarted:

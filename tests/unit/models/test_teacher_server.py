@@ -100,8 +100,9 @@ def test_concurrent_requests_share_forward_passes_and_get_the_same_answers(
             together, alone = (wire.decode(body, sequences, [1, 1], "topk", 4)
                                for body in (answers[index], score(running.url, sequences)))
             assert torch.equal(together["topk_ids"], alone["topk_ids"])
-            torch.testing.assert_close(together["topk_logprobs"], alone["topk_logprobs"], rtol=0, atol=1e-5)
-            torch.testing.assert_close(together["rest_logprobs"], alone["rest_logprobs"], rtol=0, atol=1e-5)
+            # float32 rounding: a batch of another shape may take other kernels (AVX-512 ones do).
+            torch.testing.assert_close(together["topk_logprobs"], alone["topk_logprobs"], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(together["rest_logprobs"], alone["rest_logprobs"], rtol=1e-5, atol=1e-5)
     finally:
         running.stop()
     assert sum(count for count, _ in passes) == 12  # every sequence scored once
