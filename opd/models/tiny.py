@@ -62,6 +62,10 @@ TINY_PRESETS: dict[str, TinyPreset] = {
     # kernels take, so the demo also runs with generation.backend=vllm.
     "demo-teacher": TinyPreset(128, 512, 4, 4, 2, seed=11),
     "demo-student": TinyPreset(128, 256, 2, 4, 2, seed=12),
+    # The λ study's capacity-gap students (examples/demo/prepare_study_models.py): one
+    # layer, narrower than the demo student, still with 32-dimensional heads.
+    "study-student-small": TinyPreset(64, 128, 1, 2, 1, seed=13),
+    "study-student-tiny": TinyPreset(32, 64, 1, 1, 1, seed=14),
 }
 
 
