@@ -12,12 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from opd.utils.compile_cache import kernel_cache_dir_for
+
 # One set of CPU kernels for every x86-64 machine: PyTorch picks AVX-512 kernels where the
 # CPU has them, and their float32 reductions round differently from the AVX2 ones (1e-5
 # relative in an ill-conditioned gradient). The float32 values pinned in tests/reference
 # were recorded with the AVX2 kernels, which every x86-64 CPU of the last decade runs, so
 # the suite asks for those (before torch picks its kernels; an explicit setting wins).
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+# Inductor's kernel cache must not mix kernels compiled at a forced level with the user's
+# default-level ones (a default-level run that loaded them aborted: opd/utils/compile_cache.py).
+# Set here as well as in opd's compile path, since a test may compile before opd does.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", kernel_cache_dir_for(os.environ["ATEN_CPU_CAPABILITY"]))
 
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:

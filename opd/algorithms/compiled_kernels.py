@@ -21,10 +21,11 @@ import shutil
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import torch
 
+from opd.utils.compile_cache import compile_function
 from opd.utils.errors import ConfigError
 
 KernelT = TypeVar("KernelT", bound=Callable[..., object])
@@ -33,7 +34,7 @@ KernelT = TypeVar("KernelT", bound=Callable[..., object])
 @functools.cache
 def compiled(kernel: KernelT) -> KernelT:
     """``kernel`` compiled once per process (dynamic in the number of positions)."""
-    return cast(KernelT, torch.compile(kernel, dynamic=True))
+    return compile_function(kernel)
 
 
 def kl_metrics_from_logits(

@@ -39,6 +39,7 @@ from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.sampling import next_tokens
 from opd.models.generation.stop_tokens import is_stop
 from opd.models.lm_head import output_head_of
+from opd.utils.compile_cache import compile_function
 
 
 def decode(
@@ -147,8 +148,8 @@ def compile_decode_step(model: PreTrainedModel) -> Callable[..., Any]:
     try:
         output_head_of(model)
     except ValueError:
-        return torch.compile(model.forward, dynamic=True)
-    decoder = torch.compile(model.get_decoder().forward, dynamic=True)
+        return compile_function(model.forward)
+    decoder = compile_function(model.get_decoder().forward)
 
     def step(input_ids: torch.Tensor, **inputs: Any) -> SimpleNamespace:
         embeds = model.get_input_embeddings()(input_ids)

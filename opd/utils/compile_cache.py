@@ -1,0 +1,53 @@
+"""opd's one way into ``torch.compile``, with inductor's kernel cache kept apart per forced CPU level.
+
+PyTorch picks its CPU vector kernels from the CPU it runs on (AVX-512 where the CPU has
+it) unless the ``ATEN_CPU_CAPABILITY`` environment variable forces a level; opd's test
+suite forces ``avx2`` so that its recorded float32 references hold on every x86-64 CPU.
+Inductor's on-disk kernel cache (``TORCHINDUCTOR_CACHE_DIR``, by default
+``<tmp>/torchinductor_<user>``) does not keep the kernels compiled under a forced level
+apart from the others: on an AVX-512 CPU, a process at the default level that loaded
+the fused loss's kernels compiled under ``ATEN_CPU_CAPABILITY=avx2`` aborted with
+``double free or corruption`` (torch 2.13). So every process that forces a level and has
+not chosen a cache directory compiles into one of its own, named after the level, next
+to the default one; processes at the default level keep the default cache.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import tempfile
+from collections.abc import Callable
+from typing import TypeVar, cast
+
+FunctionT = TypeVar("FunctionT", bound=Callable[..., object])
+
+
+def kernel_cache_dir_for(capability: str) -> str:
+    """The inductor cache directory of processes that force ``ATEN_CPU_CAPABILITY=capability``."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no user name in a bare container: fall back to the uid
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_{capability}")
+
+
+def separate_kernel_cache_for_forced_cpu_capability() -> None:
+    """Points inductor at a cache of its own when ``ATEN_CPU_CAPABILITY`` is set (see the module docstring).
+
+    An explicit ``TORCHINDUCTOR_CACHE_DIR`` wins. Inductor fixes the variable for the
+    process the first time it needs its cache, which importing parts of torch's compiler
+    stack (e.g. through transformers) already does; ``import opd`` therefore calls this
+    first, and :func:`compile_function` again for processes that import opd late.
+    """
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = kernel_cache_dir_for(capability)
+
+
+def compile_function(function: FunctionT, *, dynamic: bool = True) -> FunctionT:
+    """``torch.compile(function, dynamic=dynamic)``, after choosing the kernel cache (see the module docstring)."""
+    import torch  # here, so that importing this module never makes torch choose its kernels
+
+    separate_kernel_cache_for_forced_cpu_capability()
+    return cast(FunctionT, torch.compile(function, dynamic=dynamic))
