@@ -32,12 +32,12 @@ hours on 2 cores at the default budgets.
 
 The study is resumable: each run's result is written to ``<out>/runs/<name>.json`` when it
 finishes (``benchmarks/results/lambda_study/runs/`` by default, kept in the repository),
-and a rerun skips the runs that have one (``--only`` selects runs by substrings of their names). The
-tables give, per scenario, setting and budget, the mean ± standard deviation over the
-seeds of the test accuracy (greedy, the 256 held-out problems) and of the forward and
-reverse KL to the teacher on the student's greedy test answers (the same measurement for
-SFT). The last line is machine-readable, for the demo's pair and the best fixed-data
-source at equal wall-clock:
+and a rerun at the same ``--steps`` / ``--time-budget-s`` skips the runs that have one
+(``--only`` selects runs by substrings of their names). The tables give, per scenario,
+setting and budget, the mean ± standard deviation over the seeds of the test accuracy
+(greedy, the 256 held-out problems) and of the forward and reverse KL to the teacher on
+the student's greedy test answers (the same measurement for SFT). The last line is
+machine-readable, for the demo's pair and the best fixed-data source at equal wall-clock:
 
     lambda_study equal_time lambda1=<mean>+-<std> lambda0=<mean>+-<std> sft=<mean>+-<std>
 
@@ -316,9 +316,13 @@ def main() -> None:
     def job(scenario: Scenario, setting: Setting, budget: str, seed: int) -> dict:
         name = run_name(scenario, budget, setting, seed)
         path = args.out / "runs" / f"{name.replace('/', '_')}.json"
-        if path.is_file():
-            return json.loads(path.read_text(encoding="utf-8"))
+        budget_value = args.steps if budget == "steps" else args.time_budget_s
+        if path.is_file():  # reused only if it ran at this invocation's budget
+            recorded = json.loads(path.read_text(encoding="utf-8"))
+            if recorded.get("budget_value") == budget_value:
+                return recorded
         result = run_one(scenario, setting, budget, seed, args, sources[scenario.name])
+        result["budget_value"] = budget_value
         path.write_text(json.dumps(result, indent=2), encoding="utf-8")
         print(f"  done {name}: test accuracy {result['test_accuracy']:.3f} after {result['steps']} steps", flush=True)
         return result
