@@ -55,7 +55,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,47 +64,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sweep_lambda_kl import (  # noqa: E402  (the sweep's run helpers, shared)
     CONFIG,
+    NO_STEP_CAP,
     SFT_CONFIG,
     TASK,
-    budget_overrides,
-    common_overrides,
     run_opd,
-    summarise_run,
-    test_metrics,
 )
 
 SOURCES = ("teacher_samples", "reference", "answer_only")
-KL_TYPES = ("forward", "reverse")
-TEMPERATURES = {"greedy": [], "temp0.1": ["distillation.generate_strategy.decoding_method=top_p",
-                                          "distillation.generate_strategy.temperature=0.1"],
-                "temp1": ["distillation.generate_strategy.decoding_method=top_p",
-                          "distillation.generate_strategy.temperature=1.0"]}
+TEMPERATURES = {"temp0.1": ("distillation.generate_strategy.decoding_method=top_p",
+                            "distillation.generate_strategy.temperature=0.1"),
+                "temp1": ("distillation.generate_strategy.decoding_method=top_p",
+                          "distillation.generate_strategy.temperature=1.0")}
 MODELS = REPO / "examples" / "demo" / "models"
 BATCH = 32  # demo.yaml's training.batch_size, also the SFT baselines'
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One row of the table: a method and its overrides (the budget and seed are added per run).
+    """One row of a table: a method and its overrides (the seed is added per run).
 
     Attributes:
         name: the row's name, e.g. ``lambda0.5_reference_forward``.
         kind: ``distill`` (``opd train``) or ``sft`` (``opd sft``).
         overrides: config overrides of the method.
         source: the fixed data it reads (None: on-policy only).
-        budgets: the budgets it runs at.
+        priority: 1 for the rows the headline compares, 2 for the rest (``--priority``).
     """
 
     name: str
     kind: str
     overrides: tuple[str, ...]
     source: str | None
-    budgets: tuple[str, ...] = ("steps", "time")
+    priority: int = 1
 
 
 @dataclass(frozen=True)
 class Scenario:
-    """A teacher, a student and a task; the demo's pair runs the full grid, the others a sample of it.
+    """A teacher, a student and a task.
 
     Attributes:
         name: the scenario's name (``demo``, ``student_small``, ``student_tiny``, ``5digit``).
@@ -113,7 +108,7 @@ class Scenario:
         student: the student's model directory.
         task: the directory with the task's train/val/test.jsonl (the teacher's trace format).
         digits: the operands' digits (the other sources are written with the same).
-        max_length: the generation limit of rollouts, validation and test.
+        max_length: the generation limit of rollouts and evaluations.
         sampled: whether only the sampled grid runs (see :func:`settings`).
     """
 
@@ -126,12 +121,8 @@ class Scenario:
     sampled: bool
 
     def overrides(self) -> list[str]:
-        """The config overrides that put this scenario's models, task and lengths into demo.yaml."""
-        if self.name == "demo":
-            return []  # demo.yaml as it is
-        return [f"model.teacher_model_path={self.teacher}", f"model.student_model_path={self.student}",
-                f"data.train_path={self.task / 'train.jsonl'}", f"data.val_path={self.task / 'val.jsonl'}",
-                f"distillation.generate_strategy.max_length={self.max_length}",
+        """The overrides that put this scenario's lengths and test split into a run (SFT or distillation)."""
+        return [f"data.val_path={self.task / 'test.jsonl'}", "data.max_val_examples=null",
                 f"validation.generate_strategy.max_length={self.max_length}"]
 
 
@@ -148,49 +139,43 @@ SCENARIOS = {
 }
 
 
-@dataclass
-class Sources:
-    """One scenario's fixed-data files, and the teacher's generation time per answer (charged at equal time)."""
-
-    paths: dict[str, Path] = field(default_factory=dict)
-    formats: dict[str, str] = field(default_factory=dict)
-    seconds_per_answer: dict[str, float] = field(default_factory=dict)
+def _distill(name: str, lam: float, kl: str, source: str | None, priority: int, *extra: str) -> Setting:
+    return Setting(name, "distill", (f"distillation.lambda={lam}", f"loss_fn.kl_type={kl}", *extra), source, priority)
 
 
 def settings(scenario: Scenario) -> list[Setting]:
-    """The grid of a scenario.
-
-    The demo's pair runs all of it (see the module docstring). The sampled grid of the other
-    scenarios keeps what the headline compares, at equal wall-clock only: λ = 1, λ = 0.5
-    and λ = 0 on the teacher's own samples (the specification's fixed data), forward KL,
-    and SFT on the teacher's samples (whose equal-steps run also measures its step time).
-    """
+    """The grid of a scenario (see the module docstring for why it is sampled)."""
+    core = [_distill("lambda1_forward", 1.0, "forward", None, 1),
+            _distill("lambda0_teacher_samples_forward", 0.0, "forward", "teacher_samples", 1),
+            Setting("sft_teacher_samples", "sft", (), "teacher_samples", 1)]
     if scenario.sampled:
-        return [Setting("lambda1_forward", "distill", ("distillation.lambda=1.0", "loss_fn.kl_type=forward"), None,
-                        ("time",)),
-                *(Setting(f"lambda{lam:g}_teacher_samples_forward", "distill",
-                          (f"distillation.lambda={lam}", "loss_fn.kl_type=forward"), "teacher_samples", ("time",))
-                  for lam in (0.0, 0.5)),
-                Setting("sft_teacher_samples", "sft", (), "teacher_samples")]
-    # Reverse KL at equal wall-clock only: the earlier sweep (guide section 8) found it far
-    # behind forward KL at both budgets, so its equal-steps rows buy the least.
-    budgets = {"forward": ("steps", "time"), "reverse": ("time",)}
-    grid = [Setting(f"lambda1_{kl}", "distill", ("distillation.lambda=1.0", f"loss_fn.kl_type={kl}"), None,
-                    budgets[kl]) for kl in KL_TYPES]
-    for lam in (0.0, 0.5):
-        for source in SOURCES:
-            for kl in KL_TYPES:
-                overrides = (f"distillation.lambda={lam}", f"loss_fn.kl_type={kl}")
-                grid.append(Setting(f"lambda{lam:g}_{source}_{kl}", "distill", overrides, source, budgets[kl]))
-    grid += [Setting(f"sft_{source}", "sft", (), source) for source in ("teacher_samples", "reference")]
-    grid += [Setting(f"lambda1_forward_{name}", "distill", ("distillation.lambda=1.0", "loss_fn.kl_type=forward",
-                                                            *overrides), None, ("steps",))
-             for name, overrides in TEMPERATURES.items() if overrides]
-    return grid
+        return core
+    return [*core,
+            _distill("lambda0_reference_forward", 0.0, "forward", "reference", 1),
+            _distill("lambda0_answer_only_forward", 0.0, "forward", "answer_only", 1),
+            Setting("sft_reference", "sft", (), "reference", 1),
+            *(_distill(f"lambda0.5_{source}_forward", 0.5, "forward", source, 2) for source in SOURCES),
+            _distill("lambda1_reverse", 1.0, "reverse", None, 2),
+            _distill("lambda0_reference_reverse", 0.0, "reverse", "reference", 2),
+            *(_distill(f"lambda1_forward_{name}", 1.0, "forward", None, 2, *overrides)
+              for name, overrides in TEMPERATURES.items())]
+
+
+@dataclass
+class Sources:
+    """One scenario's fixed-data files (math-cl rows), and the teacher's generation time per answer."""
+
+    paths: dict[str, Path] = field(default_factory=dict)
+    seconds_per_answer: dict[str, float] = field(default_factory=dict)
 
 
 def prepare_sources(out: Path, scenario: Scenario, prompts: int) -> Sources:
-    """Writes (once) the scenario's three fixed-data sources for its first ``prompts`` training problems."""
+    """Writes (once) the scenario's three fixed-data sources for its first ``prompts`` training problems.
+
+    The teacher's samples come from ``opd generate`` as chat rows; they are rewritten as
+    math-cl rows (the answer as the worked solution), so every source and the test split
+    share one format and one prompt.
+    """
     sources = Sources()
     data = out / "data" / scenario.name
     for trace in ("reference", "answer_only"):
@@ -199,7 +184,7 @@ def prepare_sources(out: Path, scenario: Scenario, prompts: int) -> Sources:
             subprocess.run([sys.executable, str(REPO / "examples" / "data" / "make_arithmetic_task.py"),
                             "--trace", trace, "--digits", str(scenario.digits), "--out-dir", str(directory)],
                            check=True, capture_output=True)
-        sources.paths[trace], sources.formats[trace] = directory / "train.jsonl", "math_cl"
+        sources.paths[trace] = directory / "train.jsonl"
         sources.seconds_per_answer[trace] = 0.0  # a dataset's own solutions cost nothing to make
     answers, meta = data / "teacher_samples.jsonl", data / "teacher_samples.json"
     if not meta.is_file() or json.loads(meta.read_text(encoding="utf-8"))["prompts"] != prompts:
@@ -215,69 +200,95 @@ def prepare_sources(out: Path, scenario: Scenario, prompts: int) -> Sources:
         seconds = time.perf_counter() - start
         rows = len(answers.read_text(encoding="utf-8").splitlines())
         meta.write_text(json.dumps({"prompts": prompts, "rows": rows, "seconds": seconds}), encoding="utf-8")
+    math_cl = data / "teacher_samples_math_cl.jsonl"
+    with open(answers, encoding="utf-8") as rows_in, open(math_cl, "w", encoding="utf-8") as rows_out:
+        for line in rows_in:
+            row = json.loads(line)
+            rows_out.write(json.dumps({"problem": row["problem"], "ground_truth_answer": row["ground_truth"],
+                                       "solution": row["messages"][-1]["content"]}) + "\n")
     recorded = json.loads(meta.read_text(encoding="utf-8"))
-    sources.paths["teacher_samples"], sources.formats["teacher_samples"] = answers, "chat"
+    sources.paths["teacher_samples"] = math_cl
     sources.seconds_per_answer["teacher_samples"] = recorded["seconds"] / max(recorded["rows"], 1)
     return sources
 
 
-def data_overrides(setting: Setting, sources: Sources) -> list[str]:
-    if setting.source is None:
-        return []
-    return [f"data.train_path={sources.paths[setting.source]}", f"data.data_format={sources.formats[setting.source]}"]
+def run_name(scenario: Scenario, setting: Setting, seed: int) -> str:
+    return f"{scenario.name}/{setting.name}/seed{seed}"
 
 
-def run_name(scenario: Scenario, budget: str, setting: Setting, seed: int) -> str:
-    """``<scenario>/<budget>/<setting>/seed<N>`` (the demo's runs keep the first study's names)."""
-    prefix = "" if scenario.name == "demo" else f"{scenario.name}/"
-    return f"{prefix}{budget}/{setting.name}/seed{seed}"
+def run_one(scenario: Scenario, setting: Setting, seed: int, args: argparse.Namespace, sources: Sources) -> dict:
+    """One run, evaluated on the test split every ``--eval-every`` steps; returns its learning curve.
 
-
-def run_one(scenario: Scenario, setting: Setting, budget: str, seed: int, args: argparse.Namespace,
-            sources: Sources) -> dict:
-    """One run, its test metrics and its charged time; the result is what ``runs/<name>.json`` holds."""
-    name = run_name(scenario, budget, setting, seed)
+    The run stops after ``--run-seconds`` of training time (validation excluded). Each
+    curve point carries the step, the training seconds so far and the *charged* seconds:
+    training plus the teacher-sample generation the steps consumed (one batch of answers
+    per fixed-data step of a distillation run, per SFT step).
+    """
+    name = run_name(scenario, setting, seed)
     output_dir = args.out / name
     log = args.out / "logs" / f"{name.replace('/', '_')}.log"
-    per_answer = sources.seconds_per_answer.get(setting.source or "", 0.0)
+    per_batch = BATCH * sources.seconds_per_answer.get(setting.source or "", 0.0)
+    common = [f"output_dir={output_dir}", "logger.console=false", "checkpointing.enabled=false",
+              # Constant after warm-up: a run read at two budgets must have one schedule.
+              "training.lr_scheduler=constant_with_warmup", "training.warmup_steps=10",
+              f"training.val_freq={args.eval_every}", "validation.val_at_start=false", "validation.val_at_end=true",
+              f"training.max_train_time_s={args.run_seconds}", f"training.seed={seed}", *scenario.overrides()]
+    data = [f"data.train_path={sources.paths[setting.source]}"] if setting.source else \
+        [f"data.train_path={scenario.task / 'train.jsonl'}"]
     if setting.kind == "distill":
-        limit = budget_overrides(args.steps, None) if budget == "steps" else budget_overrides(None, args.time_budget_s)
-        run_opd(["train", "--config", str(CONFIG), *common_overrides(output_dir), *scenario.overrides(),
-                 *setting.overrides, *data_overrides(setting, sources), *limit, f"training.seed={seed}"], log)
-        result = summarise_run(output_dir)
+        run_opd(["train", "--config", str(CONFIG), *common, *data, *setting.overrides,
+                 f"model.student_model_path={scenario.student}", f"model.teacher_model_path={scenario.teacher}",
+                 f"distillation.generate_strategy.max_length={scenario.max_length}",
+                 # The tiny vocabulary gains nothing from compiling, and the compilation's
+                 # seconds would count against a short budget.
+                 "loss_fn.compile_kernels=false", f"training.max_num_steps={NO_STEP_CAP}"], log)
     else:
-        steps = args.steps
-        if budget == "time":  # SFT pays for the answers it trains on: a step costs one update plus a batch of them
-            probe_name = run_name(scenario, "steps", setting, seed).replace("/", "_")
-            probe = json.loads((args.out / "runs" / f"{probe_name}.json").read_text())
-            steps = max(int(args.time_budget_s // (probe["train_seconds"] / probe["steps"] + BATCH * per_answer)), 1)
-        run_opd(["sft", "--config", str(SFT_CONFIG), *common_overrides(output_dir), f"training.max_num_steps={steps}",
-                 f"model.model_path={scenario.student}", *data_overrides(setting, sources),
-                 f"training.batch_size={BATCH}", "training.learning_rate=2.0e-3", "training.warmup_steps=10",
-                 "training.num_epochs=1000", f"training.seed={seed}",
-                 # Its data may be chat rows while the validation file is math-cl: the test eval below scores it.
-                 "data.val_path=null", "validation.val_at_end=false"], log)
-        records = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
-        steps_done = [record for record in records if "train/loss" in record]
-        result = {"steps": len(steps_done), "train_seconds": sum(r.get("timing/step", 0.0) for r in steps_done)}
-    metrics = test_metrics(CONFIG, output_dir / "final_model", output_dir, scenario.overrides(), scenario.task)
-    fixed_steps = result["steps"] if setting.kind == "sft" else None
-    result["charged_seconds"] = result["train_seconds"] + _answer_seconds(setting, result, per_answer, fixed_steps)
-    result.update(scenario=scenario.name, setting=setting.name, budget=budget, seed=seed,
-                  test_accuracy=metrics["val/accuracy"], machine=f"{platform.machine()} x{os.cpu_count()}")
-    # The KL to the teacher on the test split, the same measurement for every method (SFT included).
-    result["test_kl_forward"], result["test_kl_reverse"] = metrics["val/kl_forward"], metrics["val/kl_reverse"]
-    return result
+        cap = int(args.run_seconds // per_batch) + 1 if per_batch else NO_STEP_CAP  # charged time ends it sooner
+        run_opd(["sft", "--config", str(SFT_CONFIG), *common, *data, f"model.model_path={scenario.student}",
+                 f"training.batch_size={BATCH}", "training.learning_rate=2.0e-3", "training.num_epochs=1000",
+                 f"training.max_num_steps={cap}"], log)
+    records = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines() if line]
+    train_seconds = charged = 0.0
+    curve = []
+    for record in records:
+        if "timing/step" in record:
+            train_seconds += record["timing/step"]
+            fixed_step = setting.kind == "sft" or not record.get("train/on_policy", 1)
+            charged += record["timing/step"] + (per_batch if fixed_step else 0.0)
+        if "val/accuracy" in record:
+            curve.append({"step": record["step"], "train_seconds": train_seconds, "charged_seconds": charged,
+                          "accuracy": record["val/accuracy"], "kl_forward": record.get("val/kl_forward"),
+                          "kl_reverse": record.get("val/kl_reverse")})
+    return {"scenario": scenario.name, "setting": setting.name, "seed": seed, "run_seconds": args.run_seconds,
+            "eval_every": args.eval_every, "machine": f"{platform.machine()} x{os.cpu_count()}",
+            "jobs": args.jobs, "curve": curve}
 
 
-def _answer_seconds(setting: Setting, result: dict, per_answer: float, sft_steps: int | None) -> float:
-    """The teacher-sample generation time a run consumed (fixed-data steps of λ < 1 runs, every SFT step)."""
-    if per_answer == 0.0:
-        return 0.0
-    if sft_steps is not None:
-        return sft_steps * BATCH * per_answer
-    lam = next(float(o.split("=")[1]) for o in setting.overrides if o.startswith("distillation.lambda="))
-    return (1.0 - lam) * result["steps"] * BATCH * per_answer  # expected fixed-data steps
+def at_steps(result: dict, steps: int) -> dict | None:
+    """The curve point at ``steps`` optimizer steps (None if the run did not get there)."""
+    return next((point for point in result["curve"] if point["step"] == steps), None)
+
+
+def at_time(result: dict, seconds: float) -> dict | None:
+    """The curve at ``seconds`` of charged time, interpolated linearly between the evaluations around it.
+
+    None if the run stopped short of it or has no evaluation before it. Interpolating
+    keeps a method whose evaluations are further apart in time (slower steps) from being
+    read at an earlier point than a faster one.
+    """
+    curve = result["curve"]
+    if not curve or curve[-1]["charged_seconds"] < seconds or curve[0]["charged_seconds"] > seconds:
+        return None
+    after = next(index for index, point in enumerate(curve) if point["charged_seconds"] >= seconds)
+    if after == 0 or curve[after]["charged_seconds"] == seconds:
+        return curve[after]
+    low, high = curve[after - 1], curve[after]
+    share = (seconds - low["charged_seconds"]) / (high["charged_seconds"] - low["charged_seconds"])
+    point = {"step": low["step"] + share * (high["step"] - low["step"]), "charged_seconds": seconds}
+    for key in ("accuracy", "kl_forward", "kl_reverse"):
+        both = (low[key], high[key])
+        point[key] = None if None in both else both[0] + share * (both[1] - both[0])
+    return point
 
 
 def spread(values: list[float]) -> tuple[float, float]:
@@ -286,11 +297,16 @@ def spread(values: list[float]) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--time-budget-s", type=float, default=90.0)
+    parser.add_argument("--steps", type=int, default=150, help="the equal-steps budget (a multiple of --eval-every)")
+    parser.add_argument("--time-budget-s", type=float, default=200.0, help="the equal wall-clock budget")
+    parser.add_argument("--run-seconds", type=float, default=240.0, help="each run's training time")
+    parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--teacher-prompts", type=int, default=20000,
+                        help="training problems the teacher answers (all of them: the other sources have as many)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS))
+    parser.add_argument("--priority", type=int, default=2, help="run the settings of this priority and below")
     parser.add_argument("--only", nargs="+", default=None,
                         help="run only the runs whose name contains one of these texts")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "lambda_study")
@@ -306,85 +322,83 @@ def main() -> None:
         if not (scenario.task / "test.jsonl").is_file():
             subprocess.run([sys.executable, str(REPO / "examples" / "data" / "make_arithmetic_task.py"),
                             "--digits", str(scenario.digits), "--out-dir", str(scenario.task)], check=True)
-    wanted = [(scenario, setting, budget, seed) for scenario in scenarios for setting in settings(scenario)
-              for budget in setting.budgets for seed in args.seeds
-              if args.only is None or any(text in run_name(scenario, budget, setting, seed) for text in args.only)]
-    # Teacher samples only for the scenarios that will read them (generating them is the slow part).
-    sources = {scenario.name: prepare_sources(args.out, scenario, args.steps * BATCH)
+    wanted = [(scenario, setting, seed) for scenario in scenarios for setting in settings(scenario)
+              for seed in args.seeds if setting.priority <= args.priority
+              and (args.only is None or any(text in run_name(scenario, setting, seed) for text in args.only))]
+    # Priority 1 first, then seed by seed: a study cut short still has whole rows.
+    wanted.sort(key=lambda item: (item[1].priority, item[2]))
+    sources = {scenario.name: prepare_sources(args.out, scenario, args.teacher_prompts)
                for scenario in {item[0] for item in wanted}}
 
-    def job(scenario: Scenario, setting: Setting, budget: str, seed: int) -> dict:
-        name = run_name(scenario, budget, setting, seed)
+    def job(scenario: Scenario, setting: Setting, seed: int) -> dict:
+        name = run_name(scenario, setting, seed)
         path = args.out / "runs" / f"{name.replace('/', '_')}.json"
-        budget_value = args.steps if budget == "steps" else args.time_budget_s
-        if path.is_file():  # reused only if it ran at this invocation's budget
+        if path.is_file():  # reused only if it ran with this invocation's run length and eval spacing
             recorded = json.loads(path.read_text(encoding="utf-8"))
-            if recorded.get("budget_value") == budget_value:
+            if (recorded["run_seconds"], recorded["eval_every"]) == (args.run_seconds, args.eval_every):
                 return recorded
-        result = run_one(scenario, setting, budget, seed, args, sources[scenario.name])
-        result["budget_value"] = budget_value
-        path.write_text(json.dumps(result, indent=2), encoding="utf-8")
-        print(f"  done {name}: test accuracy {result['test_accuracy']:.3f} after {result['steps']} steps", flush=True)
+        result = run_one(scenario, setting, seed, args, sources[scenario.name])
+        path.write_text(json.dumps(result, indent=1), encoding="utf-8")
+        last = result["curve"][-1]
+        print(f"  done {name}: test accuracy {last['accuracy']:.3f} after {last['step']} steps", flush=True)
         return result
 
-    # SFT's equal-time runs read their equal-steps run's step time: run every equal-steps run first.
-    results: list[dict] = []
-    for phase in ("steps", "time"):
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            results += list(pool.map(lambda item: job(*item), [item for item in wanted if item[2] == phase]))
-    print_table(results, args, time.perf_counter() - start)
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(lambda item: job(*item), wanted))
+    print_tables(results, args, time.perf_counter() - start)
 
 
-def print_table(results: list[dict], args: argparse.Namespace, seconds: float) -> None:
+def print_tables(results: list[dict], args: argparse.Namespace, seconds: float) -> None:
     """One table per scenario (mean ± std over the seeds), then the headline line of the demo's pair."""
     print()
     print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, {args.jobs} runs at "
           f"a time (1 thread each); seeds {args.seeds}; this invocation {seconds / 60:.1f} min")
-    print(f"equal steps = {args.steps}; equal wall-clock = {args.time_budget_s:g} s of training, teacher-sample "
-          "generation charged per answer used")
-    summaries: dict[str, dict[tuple[str, str], tuple[float, float]]] = {}
+    print(f"equal steps = {args.steps}; equal wall-clock = {args.time_budget_s:g} s charged (training, generation and "
+          f"teacher time, plus the teacher-sample generation used); test split evaluated every {args.eval_every} steps")
+    summaries = {}
     for scenario in args.scenarios:
-        group_results = [r for r in results if r.get("scenario", "demo") == scenario]
-        if group_results:
-            summaries[scenario] = print_scenario(scenario, group_results)
-    summary = summaries.get("demo", {})
-    best = max(SOURCES, key=lambda s: max(summary.get((f"lambda0_{s}_{kl}", "time"), (-1.0, 0.0))[0]
-                                          for kl in KL_TYPES))
-    lambda1 = best_of(summary.get((f"lambda1_{kl}", "time")) for kl in KL_TYPES)
-    lambda0 = best_of(summary.get((f"lambda0_{best}_{kl}", "time")) for kl in KL_TYPES)
-    sft = summary.get((f"sft_{best}", "time"), summary.get(("sft_teacher_samples", "time"), (float("nan"), 0.0)))
+        group = [result for result in results if result["scenario"] == scenario]
+        if group:
+            summaries[scenario] = print_scenario(scenario, group, args)
+    demo = summaries.get("demo", {})
+
+    def best(names: list[str]) -> tuple[float, float]:
+        measured = [demo[name] for name in names if name in demo]
+        return max(measured, key=lambda value: value[0]) if measured else (float("nan"), 0.0)
+
+    lambda0 = best([f"lambda0_{source}_forward" for source in SOURCES])
+    sft = best([f"sft_{source}" for source in SOURCES])
+    lambda1 = best(["lambda1_forward"])
     print(f"lambda_study equal_time lambda1={lambda1[0]:.3f}+-{lambda1[1]:.3f} "
           f"lambda0={lambda0[0]:.3f}+-{lambda0[1]:.3f} sft={sft[0]:.3f}+-{sft[1]:.3f}")
 
 
-def best_of(candidates: Iterable[tuple[float, float] | None]) -> tuple[float, float]:
-    """The (mean, std) with the highest mean among those measured; (nan, 0) if none was."""
-    measured = [candidate for candidate in candidates if candidate is not None]
-    return max(measured, key=lambda value: value[0]) if measured else (float("nan"), 0.0)
-
-
-def print_scenario(scenario: str, results: list[dict]) -> dict[tuple[str, str], tuple[float, float]]:
-    """Prints one scenario's rows; returns each row's test accuracy (mean, std) by (setting, budget)."""
+def print_scenario(scenario: str, results: list[dict], args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """Prints one scenario's rows; returns each row's equal-time test accuracy (mean, std)."""
     print(f"\nscenario {scenario}")
-    header = (f"{'setting':<36} {'budget':<6} {'seeds':>5} {'steps':>6} {'test acc':>15} {'test KL fwd':>15} "
-              f"{'test KL rev':>15}")
+    header = (f"{'setting':<34} {'seeds':>5} {'acc @ steps':>13} {'acc @ time':>13} {'steps @ time':>12} "
+              f"{'KL fwd @ time':>15}")
     print(header)
     print("-" * len(header))
-    rows: dict[tuple[str, str], list[dict]] = {}
+    rows: dict[str, list[dict]] = {}
     for result in results:
-        rows.setdefault((result["setting"], result["budget"]), []).append(result)
-    summary: dict[tuple[str, str], tuple[float, float]] = {}
-    for (name, budget), group in sorted(rows.items(), key=lambda item: (item[0][1], item[0][0])):
-        accuracy = spread([r["test_accuracy"] for r in group])
-        summary[(name, budget)] = accuracy
-        kls = []
-        for key in ("test_kl_forward", "test_kl_reverse"):
-            values = [r[key] for r in group if r[key] == r[key]]
-            kls.append(f"{spread(values)[0]:.4f}±{spread(values)[1]:.4f}" if values else "-")
-        steps = statistics.mean(r["steps"] for r in group)
-        print(f"{name:<36} {budget:<6} {len(group):>5} {steps:>6.0f} {accuracy[0]:>7.3f}±{accuracy[1]:<6.3f} "
-              f"{kls[0]:>15} {kls[1]:>15}")
-    return summary
+        rows.setdefault(result["setting"], []).append(result)
+    equal_time: dict[str, tuple[float, float]] = {}
+    for name, group in rows.items():
+        by_steps = [point for point in (at_steps(result, args.steps) for result in group) if point]
+        by_time = [point for point in (at_time(result, args.time_budget_s) for result in group) if point]
+        cells = []
+        for points in (by_steps, by_time):
+            mean, std = spread([p["accuracy"] for p in points]) if points else (float("nan"), 0.0)
+            short = "" if len(points) == len(group) else "*"  # some seeds did not reach the budget
+            cells.append(f"{mean:.3f}±{std:.3f}{short}")
+        if by_time:
+            equal_time[name] = spread([p["accuracy"] for p in by_time])
+        kls = [p["kl_forward"] for p in by_time if p["kl_forward"] is not None]
+        kl = f"{spread(kls)[0]:.4f}±{spread(kls)[1]:.4f}" if kls else "-"
+        steps = f"{statistics.mean(p['step'] for p in by_time):.0f}" if by_time else "-"
+        print(f"{name:<34} {len(group):>5} {cells[0]:>13} {cells[1]:>13} {steps:>12} {kl:>15}")
+    return equal_time
 
 
 if __name__ == "__main__":
