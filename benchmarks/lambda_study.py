@@ -1,48 +1,54 @@
 """What on-policy data buys: λ × fixed-data source × KL direction, against SFT, across seeds (issue 23).
 
 Every run distils a student from a teacher with ``examples/configs/demo.yaml`` and a few
-changes. Four scenarios (``--scenarios``):
+changes (or fine-tunes it with ``opd sft``). Four scenarios (``--scenarios``):
 
 * ``demo``: the README demo's pair (``examples/demo/models/{teacher,student}``) on 3-digit
-  addition; it runs the full grid below;
+  addition;
 * ``student_small`` and ``student_tiny``: a capacity gap, one-layer students of hidden size
   64 and 32 against the demo teacher;
 * ``5digit``: a harder task, 5-digit addition, with a teacher fine-tuned on it and the demo
   student fine-tuned briefly to write its trace format.
 
-The extra models come from ``examples/demo/prepare_study_models.py`` (committed). The fixed
-data of a λ < 1 step come from one of three sources, written for each scenario's task:
+The extra models come from ``examples/demo/prepare_study_models.py``. The fixed data of a
+λ < 1 step (and the SFT data) come from one of three sources, written for each scenario's
+20,000 training problems:
 
-* ``teacher_samples``: the teacher's own answers, made with ``opd generate`` (greedy,
-  verified; the time it took is measured and charged per answer a run trains on);
+* ``teacher_samples``: the teacher's own greedy answers, made with ``opd generate``; the
+  time that took is measured and charged per answer a run trains on;
 * ``reference``: the same problems' reference solutions in another valid trace format
   (``examples/data/make_arithmetic_task.py --trace reference``);
 * ``answer_only``: no trace, only the answer tags (``--trace answer_only``).
 
-The demo's grid: λ = 1 (the fixed data are never used) and λ ∈ {0, 0.5} with each source,
-each with forward and reverse KL; SFT on the teacher samples and SFT on the reference
-solutions; and λ = 1 forward with the on-policy samples drawn greedily (the demo's
-default), at temperature 0.1 (the specification's) and at temperature 1. Each setting runs
-at **equal steps** (``--steps``) and at **equal wall-clock** (``--time-budget-s`` of
-training time, generation and teacher time included), except the reverse-KL rows (equal
-wall-clock only) and the temperature rows (equal steps only). The other scenarios run a
-sample of the grid: λ ∈ {1, 0.5, 0} with the teacher's samples, forward KL, at equal
-wall-clock, and SFT on the teacher's samples. With three seeds that is 126 runs, about two
-hours on 2 cores at the default budgets.
+**One run per setting and seed gives both budgets.** Each run trains for
+``--run-seconds`` of training time (validation excluded) with a constant learning rate
+after 10 warm-up steps, and evaluates the test split (greedy, 256 problems, accuracy and
+KL to the teacher) every ``--eval-every`` steps. Its learning curve is read at **equal
+steps** (``--steps``) and at **equal wall-clock** (``--time-budget-s`` of *charged* time:
+generation, teacher and update time, plus one batch of teacher-sample generation for
+every step that trained on teacher samples, from the run's own λ coin), interpolated
+linearly between the evaluations around it.
 
-The study is resumable: each run's result is written to ``<out>/runs/<name>.json`` when it
-finishes (``benchmarks/results/lambda_study/runs/`` by default, kept in the repository),
-and a rerun at the same ``--steps`` / ``--time-budget-s`` skips the runs that have one
-(``--only`` selects runs by substrings of their names). The tables give, per scenario,
-setting and budget, the mean ± standard deviation over the seeds of the test accuracy
-(greedy, the 256 held-out problems) and of the forward and reverse KL to the teacher on
-the student's greedy test answers (the same measurement for SFT). The last line is
-machine-readable, for the demo's pair and the best fixed-data source at equal wall-clock:
+**The grid is sampled** (``--priority``): priority 1 is what the headline compares on the
+demo's pair: λ = 1, λ = 0 with each source, SFT on the teacher samples and on the
+reference solutions, forward KL. Priority 2 adds λ = 0.5 with each source, reverse KL
+(λ = 1 and λ = 0 on the reference solutions) and on-policy sampling at temperature 0.1
+(the specification's) and 1 instead of greedy. The other scenarios run λ = 1, λ = 0 with
+the teacher samples and SFT on them. Runs go ``--jobs`` at a time, one thread each;
+priority 1 first, seed by seed, so a study cut short has whole rows.
+
+The study is resumable: each run's curve is written to ``<out>/runs/<name>.json``
+(``benchmarks/results/lambda_study/runs/`` by default, kept in the repository), and a
+rerun with the same ``--run-seconds`` and ``--eval-every`` reuses it (``--only`` selects
+runs by substrings of their names). The tables give, per scenario and setting, the mean ±
+standard deviation over the seeds; a ``*`` marks a cell some seeds did not reach. The
+last line is machine-readable, for the demo's pair, the best fixed-data source and the
+best SFT source at equal wall-clock:
 
     lambda_study equal_time lambda1=<mean>+-<std> lambda0=<mean>+-<std> sft=<mean>+-<std>
 
-Usage: ``python benchmarks/lambda_study.py [--steps 100] [--time-budget-s 90] [--seeds 0 1 2]
-[--jobs 2] [--scenarios demo ...] [--only TEXT ...] [--out DIR]``
+Usage: ``python benchmarks/lambda_study.py [--scenarios demo ...] [--priority 1|2] [--seeds 0 1 2]
+[--steps 150] [--time-budget-s 200] [--run-seconds 240] [--eval-every 50] [--jobs 2] [--only TEXT ...]``
 """
 
 from __future__ import annotations

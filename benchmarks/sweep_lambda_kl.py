@@ -76,11 +76,11 @@ def budget_overrides(steps: int | None, seconds: float | None) -> list[str]:
     return [f"training.max_num_steps={steps}"]
 
 
-def test_metrics(config: Path, model_dir: Path, output_dir: Path, extra: list[str], task: Path = TASK) -> dict[str, float]:
-    """Test-split accuracy and KL to the teacher of ``model_dir`` (``opd eval`` on ``task``'s test.jsonl)."""
+def test_metrics(config: Path, model_dir: Path, output_dir: Path, extra: list[str]) -> dict[str, float]:
+    """Test-split accuracy and KL to the teacher of ``model_dir`` (``opd eval``)."""
     log_dir = output_dir / "test_eval"
     run_opd(["eval", "--config", str(config), *extra, f"validation.model_path={model_dir}",
-             f"data.val_path={task / 'test.jsonl'}", "data.max_val_examples=null", f"logger.log_dir={log_dir}",
+             f"data.val_path={TASK / 'test.jsonl'}", "data.max_val_examples=null", f"logger.log_dir={log_dir}",
              "logger.console=false"], output_dir / "test_eval.log")
     return json.loads((log_dir / "eval_metrics.json").read_text(encoding="utf-8"))
 
