@@ -183,7 +183,7 @@ def prepare_sources(out: Path, scenario: Scenario, prompts: int) -> Sources:
     share one format and one prompt.
     """
     sources = Sources()
-    data = out / "data" / scenario.name
+    data = out / "data" / f"{scenario.teacher.name}-{scenario.task.name}"  # shared by the scenarios of one teacher
     for trace in ("reference", "answer_only"):
         directory = data / trace
         if not (directory / "train.jsonl").is_file():
@@ -202,7 +202,7 @@ def prepare_sources(out: Path, scenario: Scenario, prompts: int) -> Sources:
                  f"generate.generate_strategy.max_length={scenario.max_length}",
                  "generate.generate_strategy.decoding_method=greedy", "generate.max_attempts_per_prompt=null",
                  "generate.progress_bar=false", "generate.batch_size=64"],
-                out / "logs" / f"generate_{scenario.name}.log")
+                out / "logs" / f"generate_{data.name}.log")
         seconds = time.perf_counter() - start
         rows = len(answers.read_text(encoding="utf-8").splitlines())
         meta.write_text(json.dumps({"prompts": prompts, "rows": rows, "seconds": seconds}), encoding="utf-8")
