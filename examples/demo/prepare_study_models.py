@@ -15,11 +15,12 @@ tokenizer and the demo's recipe (``opd sft`` with ``examples/configs/sft_arithme
   rate, then ``--teacher-polish-steps`` more at a quarter of it (the constant high rate
   leaves its accuracy swinging between evaluations), and ``study_student_5digit``
   the demo student fine-tuned for ``--hard-student-steps`` on them: it writes five-column
-  traces but gets most sums wrong.
+  traces but gets the sums wrong. The teacher's accuracy levels off near 0.83 on the
+  validation problems; the study reports its test accuracy.
 
 Each model is written to ``examples/demo/models/<name>`` (committed). The result is
-deterministic for a given machine's kernels; rebuilding takes about 15 minutes on 2 CPU
-cores, most of it the 5-digit teacher.
+deterministic for a given machine's kernels; rebuilding takes about 45 minutes on 2 CPU
+cores, most of it the 5-digit teacher's 2,000 steps.
 
 Usage: ``python examples/demo/prepare_study_models.py [--only NAME ...]``
 """
@@ -61,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--student-steps", type=int, default=300)
     parser.add_argument("--teacher-steps", type=int, default=1200)
-    parser.add_argument("--teacher-polish-steps", type=int, default=400)
+    parser.add_argument("--teacher-polish-steps", type=int, default=800)
     parser.add_argument("--hard-student-steps", type=int, default=100)
     parser.add_argument("--only", nargs="+", choices=NAMES, default=list(NAMES))
     parser.add_argument("--work-dir", default=str(REPO / "results" / "study_prep"))
