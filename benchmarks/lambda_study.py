@@ -254,20 +254,37 @@ def run_one(scenario: Scenario, setting: Setting, seed: int, args: argparse.Name
                  f"training.batch_size={BATCH}", "training.learning_rate=2.0e-3", "training.num_epochs=1000",
                  f"training.max_num_steps={cap}"], log)
     records = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines() if line]
+    return {"scenario": scenario.name, "setting": setting.name, "seed": seed, "run_seconds": args.run_seconds,
+            "eval_every": args.eval_every, "machine": f"{platform.machine()} x{os.cpu_count()}",
+            "jobs": args.jobs, "curve": learning_curve(records, setting.kind == "sft", per_batch)}
+
+
+def learning_curve(records: list[dict], sft: bool, per_batch: float) -> list[dict]:
+    """A run's evaluations, each with the training and the *charged* seconds spent before it.
+
+    Args:
+        records: the run's ``metrics.jsonl`` rows in order.
+        sft: whether every step trained on the fixed data (an SFT run).
+        per_batch: the teacher-sample generation seconds one batch of fixed data cost
+            (0 for a source that costs nothing to make).
+
+    Returns:
+        One point per evaluation: ``step``, ``train_seconds``, ``charged_seconds`` (training
+        plus ``per_batch`` for every step before it that trained on fixed data, from the
+        run's own ``train/on_policy`` coin), ``accuracy`` and the KLs.
+    """
     train_seconds = charged = 0.0
     curve = []
     for record in records:
         if "timing/step" in record:
             train_seconds += record["timing/step"]
-            fixed_step = setting.kind == "sft" or not record.get("train/on_policy", 1)
+            fixed_step = sft or not record.get("train/on_policy", 1)
             charged += record["timing/step"] + (per_batch if fixed_step else 0.0)
         if "val/accuracy" in record:
             curve.append({"step": record["step"], "train_seconds": train_seconds, "charged_seconds": charged,
                           "accuracy": record["val/accuracy"], "kl_forward": record.get("val/kl_forward"),
                           "kl_reverse": record.get("val/kl_reverse")})
-    return {"scenario": scenario.name, "setting": setting.name, "seed": seed, "run_seconds": args.run_seconds,
-            "eval_every": args.eval_every, "machine": f"{platform.machine()} x{os.cpu_count()}",
-            "jobs": args.jobs, "curve": curve}
+    return curve
 
 
 def at_steps(result: dict, steps: int) -> dict | None:
@@ -298,6 +315,7 @@ def at_time(result: dict, seconds: float) -> dict | None:
 
 
 def spread(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
