@@ -97,7 +97,7 @@ def test_at_steps_reads_the_evaluation_at_that_step(study):
 
 
 def constant_run(scenario: str, setting: str, seed: int, accuracy: float) -> dict:
-    """A run whose curve sits at ``accuracy`` from 0 to 400 charged seconds and 0 to 400 steps."""
+    """A run whose curve sits at ``accuracy`` from 50 to 400 steps, one charged second per step."""
     return {"scenario": scenario, "setting": setting, "seed": seed,
             "curve": [{"step": step, "charged_seconds": float(step), "accuracy": accuracy,
                        "kl_forward": 0.5, "kl_reverse": None} for step in (50, 100, 150, 200, 400)]}
