@@ -8,9 +8,26 @@ rollout worker) gets ``--per-worker-batch`` prompts, so 2 workers train a global
 twice as large. Validation and checkpoints are off; the first ``--warmup`` steps are
 dropped and the medians of the rest are reported.
 
+Equal work per sample. Weak scaling compares runs that do the same work per worker. A
+student that learns drifts, and it drifts differently with a global batch of 16 than of
+32: its greedy responses get longer or shorter, and the two runs no longer generate and
+train the same number of tokens per sample. So by default every run trains with a
+learning rate of 1e-12: each step does all the work of a real step (generation, refit,
+teacher, forward, backward, AdamW), the weights do not move, and the responses keep the
+length distribution they start with (the ``response`` column shows it). ``--learn`` runs
+the demo's learning rate instead.
+
+Cluster settings. The cluster runs keep each student layer's gathered weights from
+forward to backward (``cluster.trainer.reshard_after_forward=false``) and a whole teacher
+in each trainer worker (``cluster.teacher.sharded=false``): at the demo's size (a teacher
+of a few MB) that is what a user would choose, since it saves collectives and memory is
+no concern. ``--fsdp-defaults`` measures FSDP2's defaults instead (every layer gathered
+again for the backward, the teacher sharded too).
+
 Columns, all medians per step, from the run's ``metrics.jsonl``:
 
-* ``samples/s``: sequences trained per second of step time;
+* ``samples/s``: sequences trained per second of step time; ``response``: the mean
+  response length in tokens;
 * ``generation``, ``refit``, ``teacher`` (in process: the teacher's forward; on the cluster
   the colocated teacher's time on the slowest rank, part of the trainer call), ``training``
   (``timing/training``: the call to the trainer workers without their teacher time),
@@ -27,9 +44,9 @@ Run-to-run noise on a shared 2-core machine is of the same size as the effect me
 within one repeat, from runs made back to back. The table shows the median over repeats
 of every column; the efficiency line gives the median and the range over repeats.
 
-Usage: ``python benchmarks/scaling.py [--steps 14] [--warmup 4] [--per-worker-batch 16]
-[--repeats 3]`` (about 6 minutes per repeat on 2 cores). Run it on an otherwise idle
-machine. The last line is machine-readable:
+Usage: ``python benchmarks/scaling.py [--steps 24] [--warmup 4] [--per-worker-batch 16]
+[--repeats 3] [--learn] [--fsdp-defaults]`` (about 3 minutes per repeat on 2 cores).
+Run it on an otherwise idle machine. The last line is machine-readable:
 ``scaling weak_efficiency=<median> controller_overhead=<median fraction>``.
 """
 
@@ -67,8 +84,29 @@ SETUPS = [
 ]
 
 
-def run(setup: Setup, steps: int, per_worker_batch: int, workdir: Path) -> list[dict]:
-    """Runs one configuration in a fresh ``workdir`` and returns its per-step metric records."""
+FROZEN_LEARNING_RATE = 1e-12
+"""Far below float32's resolution of the weights: a whole optimizer step that moves nothing."""
+SMALL_MODEL_CLUSTER_SETTINGS = ("cluster.trainer.reshard_after_forward=false", "cluster.teacher.sharded=false")
+
+
+def run(
+    setup: Setup,
+    steps: int,
+    per_worker_batch: int,
+    workdir: Path,
+    learn: bool = False,
+    cluster_settings: tuple[str, ...] = (),
+) -> list[dict]:
+    """Runs one configuration in a fresh ``workdir`` and returns its per-step metric records.
+
+    Args:
+        setup: the configuration.
+        steps: optimizer steps.
+        per_worker_batch: prompts per trainer (and rollout) worker.
+        workdir: where the run's output directory goes.
+        learn: train at the demo's learning rate (else at ``FROZEN_LEARNING_RATE``).
+        cluster_settings: overrides added to a cluster run.
+    """
     output = workdir / setup.name.replace(" ", "_").replace("+", "_")
     batch = per_worker_batch * max(setup.workers, 1)
     overrides = [
@@ -85,11 +123,14 @@ def run(setup: Setup, steps: int, per_worker_batch: int, workdir: Path) -> list[
         "logger.console=false",
         "logger.progress_bar=false",
     ]
+    if not learn:
+        overrides.append(f"training.learning_rate={FROZEN_LEARNING_RATE}")
     if setup.workers:
         overrides += [
             f"cluster.trainer.workers={setup.workers}",
             f"cluster.rollout.workers={setup.workers}",
             f"cluster.placement={setup.placement}",
+            *cluster_settings,
         ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     completed = subprocess.run(
@@ -115,6 +156,7 @@ def summarize(records: list[dict], warmup: int) -> dict[str, float]:
     step = median("timing/step")
     phases = ("generation", "refit", "teacher", "training", "dispatch", "step")
     summary = {key: median(f"timing/{key}") for key in phases}
+    summary["response"] = median("train/mean_response_length")
     compute = median("timing/trainer_compute")
     if compute:
         worker_time = compute + summary["generation"] + summary["refit"]
@@ -131,18 +173,32 @@ def median_summary(summaries: list[dict[str, float]]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--per-worker-batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--learn", action="store_true", help="train at the demo's learning rate (see the docstring)")
+    parser.add_argument("--fsdp-defaults", action="store_true", help="FSDP2's defaults on the cluster (see above)")
     args = parser.parse_args()
+    cluster_settings = () if args.fsdp_defaults else SMALL_MODEL_CLUSTER_SETTINGS
+    print(
+        f"learning rate: {'the demo config' if args.learn else FROZEN_LEARNING_RATE}; "
+        f"cluster settings: {' '.join(cluster_settings) or 'FSDP2 defaults'}"
+    )
 
     runs: dict[str, list[dict[str, float]]] = {setup.name: [] for setup in SETUPS}
     with tempfile.TemporaryDirectory(prefix="opd_scaling_") as workdir:
         for repeat in range(args.repeats):
             # In process needs no repeat for the ratios; one run gives the reference row.
             for setup in SETUPS if repeat == 0 else SETUPS[1:]:
-                records = run(setup, args.steps, args.per_worker_batch, Path(workdir) / f"repeat_{repeat}")
+                records = run(
+                    setup,
+                    args.steps,
+                    args.per_worker_batch,
+                    Path(workdir) / f"repeat_{repeat}",
+                    args.learn,
+                    cluster_settings,
+                )
                 summary = summarize(records, args.warmup)
                 summary["samples_per_s"] = args.per_worker_batch * max(setup.workers, 1) / summary["step"]
                 runs[setup.name].append(summary)
@@ -153,7 +209,8 @@ def main() -> None:
                 )
 
     header = (
-        f"{'setup':<16}{'batch':>6}{'samples/s':>11}{'generation':>12}{'refit':>8}{'teacher':>9}{'training':>10}"
+        f"{'setup':<16}{'batch':>6}{'samples/s':>11}{'response':>10}{'generation':>12}{'refit':>8}{'teacher':>9}"
+        f"{'training':>10}"
         f"{'dispatch':>10}{'step':>8}{'overhead':>10}"
     )
     print(f"medians over {args.repeats} repeats (in-process: 1 run)")
@@ -163,7 +220,8 @@ def main() -> None:
         summary = median_summary(runs[setup.name])
         batch = args.per_worker_batch * max(setup.workers, 1)
         print(
-            f"{setup.name:<16}{batch:>6}{summary['samples_per_s']:>11.2f}{summary['generation']:>11.2f}s"
+            f"{setup.name:<16}{batch:>6}{summary['samples_per_s']:>11.2f}{summary['response']:>10.1f}"
+            f"{summary['generation']:>11.2f}s"
             f"{summary['refit']:>7.3f}s{summary['teacher']:>8.2f}s{summary['training']:>9.2f}s"
             f"{summary['dispatch']:>9.4f}s"
             f"{summary['step']:>7.2f}s{summary['overhead']:>10.1%}"

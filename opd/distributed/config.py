@@ -30,6 +30,12 @@ class TrainerPoolConfig(StrictConfig):
     """The FSDP2 student trainer."""
 
     workers: int = Field(2, ge=1, description="data-parallel FSDP2 ranks (one GPU each on GPU nodes)")
+    reshard_after_forward: bool = Field(
+        True,
+        description="true: each decoder layer's weights are gathered for the forward and again for the backward "
+        "(least memory); false: gathered once and kept until the backward is done (one all-gather per layer "
+        "instead of two, holding the whole student during each forward-backward)",
+    )
 
 
 class RolloutPoolConfig(StrictConfig):
@@ -50,6 +56,12 @@ class TeacherPoolConfig(StrictConfig):
         "pool: replicas of their own that send top-k or token log-probs",
     )
     workers: int = Field(1, ge=1, description="teacher replicas when placement is pool")
+    sharded: bool = Field(
+        True,
+        description="colocated teacher: true shards it over the trainer workers with FSDP2 (each forward gathers "
+        "its layers); false keeps a whole copy in every trainer worker (no communication, the whole teacher's "
+        "memory on every device)",
+    )
 
 
 class ClusterConfig(StrictConfig):

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from transformers import PreTrainedModel
 
 from opd.models.lm_head import final_hidden_states
@@ -62,7 +62,12 @@ def _hidden_states(
     return final_hidden_states(self, input_ids, attention_mask, position_ids)
 
 
-def shard_model(model: PreTrainedModel, mesh: DeviceMesh, compute_dtype: torch.dtype | None = None) -> PreTrainedModel:
+def shard_model(
+    model: PreTrainedModel,
+    mesh: DeviceMesh,
+    compute_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+) -> PreTrainedModel:
     """Shards ``model`` in place with FSDP2 (see the module docstring) and returns it.
 
     Args:
@@ -72,6 +77,9 @@ def shard_model(model: PreTrainedModel, mesh: DeviceMesh, compute_dtype: torch.d
         compute_dtype: gather the weights in this dtype for forward and backward and
             reduce the gradients in fp32 (FSDP2 mixed precision); None computes in the
             weights' own dtype.
+        reshard_after_forward: free each layer's gathered weights after its forward
+            (gathered again for the backward); False keeps them until the backward,
+            saving one all-gather per layer at the cost of holding them.
     """
     policy = (
         MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -80,8 +88,8 @@ def shard_model(model: PreTrainedModel, mesh: DeviceMesh, compute_dtype: torch.d
     )
     decoder = model.get_decoder()
     for layer in decoder.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the root keeps its weights to the backward anyway
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Sum, as plain SUM collectives: gloo has no pre-multiplied sum.
@@ -98,18 +106,77 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor() if full_tensor is not None else tensor
 
 
-def whole_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full tensor)`` for every entry of the model's state dict, gathered one at a time.
+def whole_state_dict_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The model's state dict, whole, in buckets of about ``bucket_bytes``, one all-gather per bucket.
 
-    Every rank must iterate to the end (each tensor is an all-gather); only one tensor is
-    whole in memory at a time beyond what the caller keeps. A tensor held under two names
-    (a head tied to the embedding) is yielded once, under its first name, as a Hugging
-    Face model directory stores it.
+    Entries come in the state dict's order; a tensor held under two names (a head tied
+    to the embedding) comes once, under its first name, as a Hugging Face model
+    directory stores it. The shards of a bucket's tensors travel as one flat byte buffer
+    per rank, so a refit of a model of a few hundred tensors takes a few collectives
+    instead of one per tensor, and no more than one bucket is whole in memory beyond
+    what the caller keeps. A bucket holds at least one tensor (a tensor larger than
+    ``bucket_bytes`` is a bucket of its own). Every rank must iterate to the end.
     """
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in _unique_state_dict(model):
+        bucket.append((name, tensor.detach()))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield _gather_bucket(bucket)
+            bucket, size = [], 0
+    if bucket:
+        yield _gather_bucket(bucket)
+
+
+def _unique_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The state dict's entries, a tensor held under two names (tied weights) only under its first."""
     seen: set[int] = set()
     for name, tensor in model.state_dict().items():
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # tied names share its storage
         if local.numel() and local.data_ptr() in seen:
             continue
         seen.add(local.data_ptr())
-        yield name, whole(tensor.detach())
+        yield name, tensor
+
+
+def _is_row_sharded(tensor: DTensor) -> bool:
+    """Split along its first dimension over a 1-D mesh, as ``fully_shard`` places parameters."""
+    return tensor.device_mesh.ndim == 1 and tensor.dim() > 0 and tuple(tensor.placements) == (Shard(0),)
+
+
+def _gather_bucket(entries: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Whole tensors of ``entries``: the row-sharded ones gathered together in one flat all-gather.
+
+    ``fully_shard`` splits a tensor of ``n`` rows as ``torch.chunk`` does: ranks hold
+    ``ceil(n / world)`` rows each, the last ones fewer or none. Each rank pads its rows
+    to that count, so every rank sends a buffer of the same size, and the rows past
+    ``n`` are cut off after the gather. Any other tensor (replicated, or placed
+    otherwise) is made whole on its own.
+    """
+    sharded = [(name, tensor) for name, tensor in entries if isinstance(tensor, DTensor) and _is_row_sharded(tensor)]
+    gathered: dict[str, torch.Tensor] = {}
+    if sharded:
+        mesh = sharded[0][1].device_mesh
+        world, group = mesh.size(), mesh.get_group()
+        pieces, layout = [], []
+        for name, tensor in sharded:
+            rows = -(-tensor.shape[0] // world)
+            local = tensor.to_local()
+            padded = local.new_zeros((rows, *tensor.shape[1:]))
+            padded[: local.shape[0]] = local
+            pieces.append(padded.reshape(-1).view(torch.uint8))
+            layout.append((name, tensor, rows, pieces[-1].numel()))
+        flat = torch.cat(pieces)
+        out = flat.new_empty(world * flat.numel())  # the concatenated form: gloo takes no other
+        dist.all_gather_single(out, flat, group=group)
+        out = out.view(world, flat.numel())
+        offset = 0
+        for name, tensor, rows, width in layout:
+            # Copies, so that every tensor owns its storage: a view would carry the whole
+            # buffer with it when pickled (into Ray's object store, for one).
+            block = out[:, offset : offset + width].clone().view(tensor.dtype)
+            block = block.reshape(world * rows, *tensor.shape[1:])
+            gathered[name] = block if block.shape[0] == tensor.shape[0] else block[: tensor.shape[0]].clone()
+            offset += width
+    return [(name, gathered[name] if name in gathered else whole(tensor)) for name, tensor in entries]

@@ -163,6 +163,8 @@ def _start_trainer(
         backend=cluster.resolved_backend(),
         timeout_s=cluster.worker_timeout_s,
         threads=cluster.threads_per_worker,
+        reshard_after_forward=cluster.trainer.reshard_after_forward,
+        teacher_sharded=cluster.teacher.sharded,
     )
     world_size = cluster.trainer.workers
     trainer = WorkerGroup(

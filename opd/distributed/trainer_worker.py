@@ -5,14 +5,14 @@ micro-batches and sends them; every rank runs forward and backward on its own, F
 sums the gradients over the ranks, and the ranks agree on the global metrics with one
 all-reduce before the optimizer step, so they all skip a non-finite step together.
 
-A colocated teacher is a frozen copy sharded the same way (no gradients, no optimizer):
-it scores each micro-batch right where the student's hidden states are, so the exact
-full-vocabulary loss needs nothing to cross a process boundary.
+A colocated teacher is a frozen copy sharded the same way (no gradients, no optimizer),
+or with ``cluster.teacher.sharded: false`` a whole copy in every rank: it scores each
+micro-batch right where the student's hidden states are, so the exact full-vocabulary
+loss needs nothing to cross a process boundary.
 """
 
 from __future__ import annotations
 
-import collections
 import math
 import os
 import time
@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
-from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, shard_model, whole_state_dict
+from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, shard_model, whole_state_dict_buckets
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import LossFunction, TeacherRequest, TeacherSignal, signal_to_device
 from opd.models.lm_head import LMHeadInput, output_head_of
@@ -40,6 +40,8 @@ SHARDS_DIR = "policy_shards"
 SCHEDULER_FILE = "scheduler.pt"
 MODEL_CONFIG_DIR = "model_config"
 """The student's ``config.json`` in a sharded checkpoint."""
+WHOLE_WEIGHTS_BUCKET_BYTES = 256 * 1024 * 1024
+"""Bytes gathered per all-gather when the whole student goes to rank 0 (final model, export)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ class TrainerSpec:
         backend: ``gloo`` or ``nccl``.
         timeout_s: bound on every collective.
         threads: torch threads of a CPU rank.
+        reshard_after_forward: free the student's gathered layers after each forward
+            (``cluster.trainer.reshard_after_forward``).
+        teacher_sharded: shard a colocated teacher with FSDP2; False keeps a whole copy
+            in every rank (``cluster.teacher.sharded``).
     """
 
     student_path: str
@@ -65,6 +71,8 @@ class TrainerSpec:
     backend: str
     timeout_s: float
     threads: int
+    reshard_after_forward: bool = True
+    teacher_sharded: bool = True
 
 
 class ShardedTeacher(LocalTeacher):
@@ -113,15 +121,19 @@ class TrainerWorker:
         # fp32 master weights; a 16-bit model.dtype is the compute dtype (FSDP2 mixed precision).
         self.compute_dtype = dtype
         student = load_causal_lm(spec.student_path, torch.float32, self.device, spec.loading)
-        self.model = shard_model(student, mesh, dtype if dtype != torch.float32 else None)
+        compute_dtype = dtype if dtype != torch.float32 else None
+        self.model = shard_model(student, mesh, compute_dtype, spec.reshard_after_forward)
         self.model.train()
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_scheduler(self.optimizer, spec.optimizer, spec.total_steps)
-        self.teacher: ShardedTeacher | None = None
+        self.teacher: LocalTeacher | None = None
         if spec.teacher_path is not None:
             teacher_model = load_causal_lm(spec.teacher_path, dtype, self.device, spec.loading)
             teacher_model.requires_grad_(False)
-            self.teacher = ShardedTeacher(shard_model(teacher_model, mesh))
+            if spec.teacher_sharded:
+                self.teacher = ShardedTeacher(shard_model(teacher_model, mesh))
+            else:  # a whole copy scores as the in-process teacher does, with no collective at all
+                self.teacher = LocalTeacher(teacher_model)
 
     def pid(self) -> int:
         """This worker's process id (tests kill it to check fault handling)."""
@@ -211,7 +223,7 @@ class TrainerWorker:
                 reduced.update(zip(keys, values.tolist(), strict=True))
         return reduced
 
-    def _colocated_teacher(self) -> ShardedTeacher:
+    def _colocated_teacher(self) -> LocalTeacher:
         if self.teacher is None:
             raise RuntimeError("this trainer has no colocated teacher; the controller must send teacher signals")
         return self.teacher
@@ -236,9 +248,9 @@ class TrainerWorker:
     def whole_weights(self) -> dict[str, torch.Tensor]:
         """Rank 0: every weight, whole, on CPU (the others gather with it and return nothing)."""
         weights: dict[str, torch.Tensor] = {}
-        for name, tensor in whole_state_dict(self.model):
+        for bucket in whole_state_dict_buckets(self.model, WHOLE_WEIGHTS_BUCKET_BYTES):
             if self.rank == 0:
-                weights[name] = tensor.cpu()
+                weights.update((name, tensor.cpu()) for name, tensor in bucket)
         return weights
 
     def save_pretrained(self, directory: str) -> None:
@@ -257,13 +269,14 @@ class TrainerWorker:
         On one node the object store is shared memory: a rollout worker maps a bucket
         without a copy through a socket. Returns the buckets' object refs (empty on other ranks).
         """
-        from opd.distributed.refit_buckets import put_in_buckets  # Ray: only inside an actor
+        import ray  # only inside an actor
 
-        weights = whole_state_dict(self.model)  # every rank gathers; rank 0 keeps the buckets
-        if self.rank != 0:
-            collections.deque(weights, maxlen=0)  # join every all-gather, keep nothing
-            return []
-        return put_in_buckets(weights, bucket_bytes)
+        refs = []
+        # One all-gather per bucket; every rank joins each, rank 0 keeps the buckets.
+        for bucket in whole_state_dict_buckets(self.model, bucket_bytes):
+            if self.rank == 0:
+                refs.append(ray.put({name: tensor.cpu() for name, tensor in bucket}))
+        return refs
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -1,9 +1,11 @@
 """The cluster path equals the in-process path: a real local Ray cluster, 2 FSDP2 workers over gloo.
 
 * 10 steps of distillation (λ = 0.5: on-policy greedy rollouts from refit rollout
-  workers, and fixed-data steps; the exact fused full-vocabulary loss with a colocated,
-  sharded teacher; 2 micro-batches per rank) give the per-step losses and final weights
-  of one process with the same global batch and seed;
+  workers, and fixed-data steps; the exact fused full-vocabulary loss with a colocated
+  teacher; 2 micro-batches per rank) give the per-step losses and final weights of one
+  process with the same global batch and seed, with FSDP2's defaults (the teacher
+  sharded as well) and with the layers kept gathered to the backward and a whole
+  teacher in each worker;
 * the colocated teacher and a teacher pool send the in-process teacher's signals;
 * HF rollout workers, refit from the trainer, generate the in-process greedy rollouts.
 
@@ -64,16 +66,32 @@ def train(config: MasterConfig) -> None:
         components.close()
 
 
+CLUSTER_SETTINGS = {
+    # FSDP2's defaults: layers gathered again for the backward, the teacher sharded too.
+    "sharded": [],
+    # Layers kept gathered from forward to backward, a whole teacher copy in each worker.
+    "kept_whole": ["cluster.trainer.reshard_after_forward=false", "cluster.teacher.sharded=false"],
+}
+
+
 @pytest.fixture(scope="module")
-def equivalence_runs(ray_cluster, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("equivalence")
-    in_process = equivalence_config(tmp_path, "in_process")
+def in_process_run(tmp_path_factory):
+    config = equivalence_config(tmp_path_factory.mktemp("in_process"), "in_process")
+    train(config)
+    return Path(config.output_dir)
+
+
+@pytest.fixture(scope="module", params=list(CLUSTER_SETTINGS))
+def equivalence_runs(request, ray_cluster, tmp_path_factory, in_process_run):
     on_cluster = equivalence_config(
-        tmp_path, "cluster", "cluster.trainer.workers=2", "cluster.rollout.workers=2"
+        tmp_path_factory.mktemp(request.param),
+        "cluster",
+        "cluster.trainer.workers=2",
+        "cluster.rollout.workers=2",
+        *CLUSTER_SETTINGS[request.param],
     )
-    train(in_process)
     train(on_cluster)
-    return Path(in_process.output_dir), Path(on_cluster.output_dir)
+    return in_process_run, Path(on_cluster.output_dir)
 
 
 def test_two_fsdp_workers_match_one_process_step_by_step(equivalence_runs):
