@@ -45,7 +45,7 @@ within one repeat, from runs made back to back. The table shows the median over 
 of every column; the efficiency line gives the median and the range over repeats.
 
 Usage: ``python benchmarks/scaling.py [--steps 24] [--warmup 4] [--per-worker-batch 16]
-[--repeats 3] [--learn] [--fsdp-defaults]`` (about 3 minutes per repeat on 2 cores).
+[--repeats 3] [--learn] [--fsdp-defaults]`` (about 2.5 minutes per repeat on 2 cores).
 Run it on an otherwise idle machine. The last line is machine-readable:
 ``scaling weak_efficiency=<median> controller_overhead=<median fraction>``.
 """
