@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from transformers import PreTrainedModel
 
+from opd.distributed.refit_buckets import in_buckets
 from opd.models.lm_head import final_hidden_states
 
 HIDDEN_STATES_METHOD = "opd_hidden_states"
@@ -117,15 +118,7 @@ def whole_state_dict_buckets(model: torch.nn.Module, bucket_bytes: int) -> Itera
     what the caller keeps. A bucket holds at least one tensor (a tensor larger than
     ``bucket_bytes`` is a bucket of its own). Every rank must iterate to the end.
     """
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in _unique_state_dict(model):
-        bucket.append((name, tensor.detach()))
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            yield _gather_bucket(bucket)
-            bucket, size = [], 0
-    if bucket:
+    for bucket in in_buckets(_unique_state_dict(model), bucket_bytes):
         yield _gather_bucket(bucket)
 
 
@@ -137,7 +130,7 @@ def _unique_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
         if local.numel() and local.data_ptr() in seen:
             continue
         seen.add(local.data_ptr())
-        yield name, tensor
+        yield name, tensor.detach()
 
 
 def _is_row_sharded(tensor: DTensor) -> bool:

@@ -1,29 +1,40 @@
 """Weights packed into buckets in Ray's object store, for a refit of the rollout workers.
 
 One ``ray.put`` per bucket of about ``bucket_bytes`` instead of one per tensor: fewer
-objects and calls, and on one node each bucket is shared memory the workers map.
+objects and calls, and on one node each bucket is shared memory the workers map. The
+grouping (:func:`in_buckets`) is also how the FSDP2 trainer gathers its shards, one
+all-gather per bucket (:func:`opd.distributed.fsdp.whole_state_dict_buckets`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-import ray
 import torch
+
+
+def in_buckets(
+    entries: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``entries`` in order, grouped: a bucket closes at the first tensor that brings it to ``bucket_bytes``.
+
+    A tensor larger than ``bucket_bytes`` is a bucket of its own; no bucket is empty.
+    """
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in entries:
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
 
 
 def put_in_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Any]:
     """Object refs of ``{name: CPU tensor}`` buckets of about ``bucket_bytes`` each, in the order given."""
-    refs: list[Any] = []
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, tensor in weights:
-        bucket[name] = tensor.cpu()
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            refs.append(ray.put(bucket))
-            bucket, size = {}, 0
-    if bucket:
-        refs.append(ray.put(bucket))
-    return refs
+    import ray  # only where the weights go to rollout workers
+
+    return [ray.put({name: tensor.cpu() for name, tensor in bucket}) for bucket in in_buckets(weights, bucket_bytes)]
