@@ -176,8 +176,38 @@ class _PeakTracker:
 # Shared inputs: prompts, tokenizers, models (built once by the parent process).
 # --------------------------------------------------------------------------------------
 
-_SYLLABLES = ("ka", "lo", "mi", "ten", "ra", "su", "vo", "pe", "di", "ng", "ar", "bel", "cor", "dun", "el",
-              "fa", "gor", "hin", "is", "jo", "ku", "lam", "mon", "nor", "ost", "pra", "qui", "ros", "sel", "tur")
+_SYLLABLES = (
+    "ka",
+    "lo",
+    "mi",
+    "ten",
+    "ra",
+    "su",
+    "vo",
+    "pe",
+    "di",
+    "ng",
+    "ar",
+    "bel",
+    "cor",
+    "dun",
+    "el",
+    "fa",
+    "gor",
+    "hin",
+    "is",
+    "jo",
+    "ku",
+    "lam",
+    "mon",
+    "nor",
+    "ost",
+    "pra",
+    "qui",
+    "ros",
+    "sel",
+    "tur",
+)
 
 
 def _pseudo_words(rng: random.Random, count: int) -> list[str]:
@@ -244,8 +274,10 @@ def build_inputs(workdir: Path, prompt_tokens: int) -> dict[str, Any]:
     # Trained on whole ChatML conversations, as a real tokenizer has seen them: "user",
     # "assistant" and the newlines of the template become single tokens.
     small = train_bpe_tokenizer(
-        (f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n"
-         for q, a in zip(questions, answers)),
+        (
+            f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n"
+            for q, a in zip(questions, answers)
+        ),
         SMALL_VOCAB_TARGET,
     )
     # Keep only prompts whose rendered chat prompt is exactly prompt_tokens long: both
@@ -335,11 +367,13 @@ def run_trl(args: argparse.Namespace, gradient_checkpointing: bool = True) -> di
             # attention mask marks exactly the prompt and response tokens (to EOS).
             prompt_width = inputs["prompts"].shape[1]
             mask = inputs["attention_mask"]
-            step_tokens.append({
-                "tokens": float(mask.sum()),
-                "response_length": float(mask[:, prompt_width:].sum()) / mask.shape[0],
-                "prompt_length": float(inputs["prompt_attention_mask"].sum()) / mask.shape[0],
-            })
+            step_tokens.append(
+                {
+                    "tokens": float(mask.sum()),
+                    "response_length": float(mask[:, prompt_width:].sum()) / mask.shape[0],
+                    "prompt_length": float(inputs["prompt_attention_mask"].sum()) / mask.shape[0],
+                }
+            )
             return loss
 
     peak = _PeakTracker()
@@ -363,14 +397,16 @@ def run_trl(args: argparse.Namespace, gradient_checkpointing: bool = True) -> di
         def on_step_end(self, _args: Any, state: Any, *__: Any, **___: Any) -> None:
             end = time.perf_counter()
             step = end - self.begin
-            records.append({
-                "step": step,
-                "loop": end - self.last_end if self.last_end is not None else float("nan"),
-                "generation": phases["generation"],
-                "teacher": phases["teacher"],
-                "training": step - phases["generation"] - phases["teacher"],
-                **step_tokens[-1],
-            })
+            records.append(
+                {
+                    "step": step,
+                    "loop": end - self.last_end if self.last_end is not None else float("nan"),
+                    "generation": phases["generation"],
+                    "teacher": phases["teacher"],
+                    "training": step - phases["generation"] - phases["teacher"],
+                    **step_tokens[-1],
+                }
+            )
             self.last_end = end
             if state.global_step == total_steps:
                 self.result_memory = peak.finish()
@@ -407,8 +443,12 @@ def run_trl(args: argparse.Namespace, gradient_checkpointing: bool = True) -> di
     )
     timer = StepTimer()
     trainer = TimedGKDTrainer(
-        model=student, teacher_model=teacher, args=config, train_dataset=dataset,
-        processing_class=tokenizer, callbacks=[timer],
+        model=student,
+        teacher_model=teacher,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
     )
 
     def teacher_pre_hook(*_: Any) -> None:
@@ -421,7 +461,7 @@ def run_trl(args: argparse.Namespace, gradient_checkpointing: bool = True) -> di
     trainer.teacher_model.register_forward_hook(teacher_post_hook)
     trainer.train()
     return {
-        "records": records[args.warmup:],
+        "records": records[args.warmup :],
         "generation_use_cache": bool(trainer.generation_config.use_cache),
         "threads": torch.get_num_threads(),
         **timer.result_memory,
@@ -519,25 +559,32 @@ def run_opd(args: argparse.Namespace) -> dict[str, Any]:
     records = []
     for index, record in enumerate(steps):
         tokens = record["perf/tokens_per_s"] * record["timing/step"]  # = input_lengths.sum()
-        records.append({
-            "step": record["timing/step"],
-            "loop": step_ends[index] - step_ends[index - 1] if index else float("nan"),
-            "generation": record["timing/generation"],
-            "teacher": record["timing/teacher"],
-            "training": record["timing/training"],
-            "tokens": tokens,
-            "response_length": record["train/mean_response_length"],
-            "prompt_length": tokens / args.batch_size - record["train/mean_response_length"],
-        })
-    return {"records": records[args.warmup:], "generation_use_cache": True, "threads": torch.get_num_threads(),
-            **memory}
+        records.append(
+            {
+                "step": record["timing/step"],
+                "loop": step_ends[index] - step_ends[index - 1] if index else float("nan"),
+                "generation": record["timing/generation"],
+                "teacher": record["timing/teacher"],
+                "training": record["timing/training"],
+                "tokens": tokens,
+                "response_length": record["train/mean_response_length"],
+                "prompt_length": tokens / args.batch_size - record["train/mean_response_length"],
+            }
+        )
+    return {
+        "records": records[args.warmup :],
+        "generation_use_cache": True,
+        "threads": torch.get_num_threads(),
+        **memory,
+    }
 
 
 def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     """Times the essential parts of an opd step alone, at the benchmark's shapes.
 
-    Generation: opd's decode loop with the compiled step (what the opd runs use), and HF ``generate`` on the same prompts
-    for reference, both with the KV cache and the same sampling. Teacher: its
+    Generation: opd's decode loop with the compiled step (what the opd runs use), and HF
+    ``generate`` on the same prompts for reference, both with the KV cache and the same
+    sampling. Teacher: its
     decoder forward to the final hidden states under ``inference_mode`` (opd's fused loss
     applies the teacher's head inside the loss). Student: decoder forward, opd's fused
     JSD loss (both heads, the divergence; compiled kernels as opd's default), backward,
@@ -561,22 +608,30 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     student = AutoModelForCausalLM.from_pretrained(model_dir / "student", dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(model_dir / "teacher", dtype=torch.float32)
     teacher.eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(student.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8, fused=True,
-                                  weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        student.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8, fused=True, weight_decay=0.0
+    )
     # The loss exactly as opd's default config builds it (compiled kernels where a C++
     # compiler exists); the first calls (compilation) fall in the untimed warm-up steps.
-    loss_fn = DistillationLossFn(divergence="jsd", jsd_beta=JSD_BETA, temperature=1.0, vocab_size=len(tokenizer),
-                                 fused_lm_head=True, compile_kernels=resolve_compile_kernels("auto", "cpu"))
+    loss_fn = DistillationLossFn(
+        divergence="jsd",
+        jsd_beta=JSD_BETA,
+        temperature=1.0,
+        vocab_size=len(tokenizer),
+        fused_lm_head=True,
+        compile_kernels=resolve_compile_kernels("auto", "cpu"),
+    )
     step_forward = compile_decode_step(student)  # compiled in the warm-up steps, as in the opd runs
     prompts = [encode_prompt(tokenizer, row["messages"][:1]) for row in _read_rows(workdir)]
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    strategy = GenerateStrategyConfig(max_length=args.max_new_tokens, temperature=args.temperature,
-                                      decoding_method="top_p", top_p=1.0)
+    strategy = GenerateStrategyConfig(
+        max_length=args.max_new_tokens, temperature=args.temperature, decoding_method="top_p", top_p=1.0
+    )
     times: dict[str, list[float]] = {"generation": [], "teacher": [], "student": []}
     hf_generate_times: list[float] = []
     response_lengths = []
     for step in range(args.warmup + args.steps):
-        batch_prompts = prompts[(step * args.batch_size) % len(prompts):][: args.batch_size]
+        batch_prompts = prompts[(step * args.batch_size) % len(prompts) :][: args.batch_size]
         width = max(len(p) for p in batch_prompts)
         left = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts])
@@ -584,8 +639,9 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         student.eval()
         start = time.perf_counter()
         with torch.inference_mode():
-            new, _ = decode(student, left, attention, strategy, eos, pad, return_logprobs=False,
-                            step_forward=step_forward)
+            new, _ = decode(
+                student, left, attention, strategy, eos, pad, return_logprobs=False, step_forward=step_forward
+            )
         generation = time.perf_counter() - start
 
         # Right-padded [prompt | response to first EOS | pad], as opd trains on (untimed glue).
@@ -597,9 +653,13 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         ids = torch.full((len(batch_prompts), int(input_lengths.max())), pad, dtype=torch.long)
         for row, prompt in enumerate(batch_prompts):
             ids[row, : len(prompt)] = torch.tensor(prompt)
-            ids[row, len(prompt): int(input_lengths[row])] = new[row, : int(lengths[row])]
-        batch = BatchedDataDict(input_ids=ids, input_lengths=input_lengths, prompt_lengths=prompt_lengths,
-                                token_mask=build_token_mask(input_lengths, prompt_lengths, ids.shape[1], True))
+            ids[row, len(prompt) : int(input_lengths[row])] = new[row, : int(lengths[row])]
+        batch = BatchedDataDict(
+            input_ids=ids,
+            input_lengths=input_lengths,
+            prompt_lengths=prompt_lengths,
+            token_mask=build_token_mask(input_lengths, prompt_lengths, ids.shape[1], True),
+        )
         mask = attention_mask_from_lengths(input_lengths, ids.shape[1])
         response_lengths.append(float(lengths.float().mean()))
 
@@ -619,7 +679,10 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         weight, bias = output_head_of(student)
         valid_tokens = int(shift_token_mask(batch["token_mask"]).sum())
         loss, _ = loss_fn(
-            LMHeadInput(final_hidden_states(student, ids, mask), weight, bias), batch, valid_tokens, batch.size,
+            LMHeadInput(final_hidden_states(student, ids, mask), weight, bias),
+            batch,
+            valid_tokens,
+            batch.size,
             teacher_output=LMHeadInput(teacher_hidden, teacher_weight, teacher_bias),
         )
         loss.backward()
@@ -633,8 +696,15 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         with torch.inference_mode():
             student.generate(
-                input_ids=left, attention_mask=attention, max_new_tokens=args.max_new_tokens, do_sample=True,
-                temperature=args.temperature, top_k=0, top_p=1.0, use_cache=True, pad_token_id=pad,
+                input_ids=left,
+                attention_mask=attention,
+                max_new_tokens=args.max_new_tokens,
+                do_sample=True,
+                temperature=args.temperature,
+                top_k=0,
+                top_p=1.0,
+                use_cache=True,
+                pad_token_id=pad,
                 eos_token_id=eos,
             )
         hf_generate_seconds = time.perf_counter() - start
@@ -644,8 +714,12 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
             times["generation"].append(generation)
             times["teacher"].append(teacher_seconds)
             times["student"].append(student_seconds)
-    return {"times": times, "hf_generate": hf_generate_times, "response_lengths": response_lengths[args.warmup:],
-            **objective_check}
+    return {
+        "times": times,
+        "hf_generate": hf_generate_times,
+        "response_lengths": response_lengths[args.warmup :],
+        **objective_check,
+    }
 
 
 def _objective_check(student: Any, teacher: Any, batch: Any, mask: Any, loss_fn: Any) -> dict[str, float]:
@@ -666,15 +740,18 @@ def _objective_check(student: Any, teacher: Any, batch: Any, mask: Any, loss_fn:
         weight, bias = output_head_of(student)
         teacher_weight, teacher_bias = output_head_of(teacher)
         opd_loss, _ = loss_fn(
-            LMHeadInput(final_hidden_states(student, ids, mask), weight, bias), batch,
-            int(shift_token_mask(batch["token_mask"]).sum()), batch.size,
+            LMHeadInput(final_hidden_states(student, ids, mask), weight, bias),
+            batch,
+            int(shift_token_mask(batch["token_mask"]).sum()),
+            batch.size,
             teacher_output=LMHeadInput(final_hidden_states(teacher, ids, mask), teacher_weight, teacher_bias),
         )
         labels = ids.masked_fill(batch["token_mask"] == 0, -100)
         trl_loss = GKDTrainer.generalized_jsd_loss(
             student(input_ids=ids, attention_mask=mask).logits[:, :-1],
             teacher(input_ids=ids, attention_mask=mask).logits[:, :-1],
-            labels=labels[:, 1:], beta=JSD_BETA,
+            labels=labels[:, 1:],
+            beta=JSD_BETA,
         )
     return {"opd_loss": float(opd_loss), "trl_loss": float(trl_loss)}
 
@@ -697,10 +774,28 @@ def _spawn(kind: str, size: str, run_index: int, args: argparse.Namespace, workd
     out = workdir / f"result_{kind}_{size}_{run_index}.json"
     log_path = workdir / f"log_{kind}_{size}_{run_index}.txt"
     command = [
-        sys.executable, os.path.abspath(__file__), "--worker", kind, "--size", size, "--workdir", str(workdir),
-        "--out", str(out), "--run-index", str(run_index), "--steps", str(args.steps), "--warmup", str(args.warmup),
-        "--batch-size", str(args.batch_size), "--max-new-tokens", str(args.max_new_tokens),
-        "--temperature", str(args.temperature),
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        kind,
+        "--size",
+        size,
+        "--workdir",
+        str(workdir),
+        "--out",
+        str(out),
+        "--run-index",
+        str(run_index),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch-size",
+        str(args.batch_size),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--temperature",
+        str(args.temperature),
     ]
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log_file:
@@ -772,7 +867,7 @@ def _machine_header(args: argparse.Namespace) -> list[str]:
     return [
         f"# machine: {cpu}; {os.cpu_count()} logical cores; {ram_gib:.1f} GiB RAM; Python {platform.python_version()}",
         f"# versions: {versions}",
-        f"# command: {shlex.join(['python'] + sys.argv)}",
+        f"# command: {shlex.join(['python', *sys.argv])}",
     ]
 
 
@@ -803,15 +898,21 @@ def main(args: argparse.Namespace) -> None:
             f"{args.rounds} alternating runs per framework"
         )
         for size in sizes:
-            print(f"# {size}: vocab {facts[f'{size}_vocab']:,}; student {facts[f'{size}_student_params'] / 1e6:.2f}M "
-                  f"params (hidden 64 × 2 layers), teacher {facts[f'{size}_teacher_params'] / 1e6:.2f}M "
-                  "(hidden 128 × 4 layers), tied embeddings")
-        print("# qwen_vocab tokenizer = the small BPE tokenizer + unreachable filler entries up to 151,669 ids "
-              "(same tokenization, Qwen-sized output layer)")
-        print("# TRL = GKDTrainer with its defaults (gradient_checkpointing=True: activations recomputed in backward "
-              "and the KV cache off in generation); TRL gc-off = the same with gradient_checkpointing=False "
-              "(equal work to opd). Both: bf16=False (fp32 like opd), TRL's default fused AdamW. "
-              "opd: its defaults + generation.compile_decode=true")
+            print(
+                f"# {size}: vocab {facts[f'{size}_vocab']:,}; student {facts[f'{size}_student_params'] / 1e6:.2f}M "
+                f"params (hidden 64 × 2 layers), teacher {facts[f'{size}_teacher_params'] / 1e6:.2f}M "
+                "(hidden 128 × 4 layers), tied embeddings"
+            )
+        print(
+            "# qwen_vocab tokenizer = the small BPE tokenizer + unreachable filler entries up to 151,669 ids "
+            "(same tokenization, Qwen-sized output layer)"
+        )
+        print(
+            "# TRL = GKDTrainer with its defaults (gradient_checkpointing=True: activations recomputed in backward "
+            "and the KV cache off in generation); TRL gc-off = the same with gradient_checkpointing=False "
+            "(equal work to opd). Both: bf16=False (fp32 like opd), TRL's default fused AdamW. "
+            "opd: its defaults + generation.compile_decode=true"
+        )
         print("runs:", flush=True)
 
         summaries: dict[str, dict[str, dict[str, float]]] = {}
@@ -827,20 +928,52 @@ def main(args: argparse.Namespace) -> None:
 
     print()
     print("end-to-end (median over timed steps; times in seconds; RSS in MiB)")
-    columns = ("size", "framework", "step s", "loop s", "gen s", "teacher s", "train s", "tokens/s",
-               "tok/step", "resp len", "peak RSS", "Δ train")
+    columns = (
+        "size",
+        "framework",
+        "step s",
+        "loop s",
+        "gen s",
+        "teacher s",
+        "train s",
+        "tokens/s",
+        "tok/step",
+        "resp len",
+        "peak RSS",
+        "Δ train",
+    )
     print("  ".join(f"{column:>10}" for column in columns))
     for size in sizes:
         opd = summaries[size]["opd"]
         for framework in FRAMEWORKS:
             summary = summaries[size][framework]
-            cells = [size, LABELS[framework], _fmt(summary["step"]), _fmt(summary["loop"]), _fmt(summary["generation"]),
-                     _fmt(summary["teacher"]), _fmt(summary["training"]), _fmt(summary["tokens_per_s"], 0),
-                     _fmt(summary["tokens"], 1), _fmt(summary["response_length"], 1),
-                     _fmt(summary["peak_rss_mib"], 0), _fmt(summary["train_delta_mib"], 0)]
+            cells = [
+                size,
+                LABELS[framework],
+                _fmt(summary["step"]),
+                _fmt(summary["loop"]),
+                _fmt(summary["generation"]),
+                _fmt(summary["teacher"]),
+                _fmt(summary["training"]),
+                _fmt(summary["tokens_per_s"], 0),
+                _fmt(summary["tokens"], 1),
+                _fmt(summary["response_length"], 1),
+                _fmt(summary["peak_rss_mib"], 0),
+                _fmt(summary["train_delta_mib"], 0),
+            ]
             print("  ".join(f"{cell:>10}" for cell in cells))
-        ratio_keys = ("step", "loop", "generation", "teacher", "training", "tokens_per_s", "tokens",
-                      "response_length", "peak_rss_mib", "train_delta_mib")
+        ratio_keys = (
+            "step",
+            "loop",
+            "generation",
+            "teacher",
+            "training",
+            "tokens_per_s",
+            "tokens",
+            "response_length",
+            "peak_rss_mib",
+            "train_delta_mib",
+        )
         for framework in ("trl", "trl_nogc"):
             other = summaries[size][framework]
             cells = [size, f"opd/{LABELS[framework]}"] + [
@@ -861,24 +994,30 @@ def main(args: argparse.Namespace) -> None:
         for size in sizes:
             opd, part = summaries[size]["opd"], parts[size]["times"]
             opd_loss, trl_loss = parts[size]["opd_loss"], parts[size]["trl_loss"]
-            print(f"  {size}: objective check on one batch: opd loss {opd_loss:.6f}, TRL generalized_jsd_loss "
-                  f"{trl_loss:.6f} (relative difference {abs(opd_loss - trl_loss) / abs(trl_loss):.1e})")
+            print(
+                f"  {size}: objective check on one batch: opd loss {opd_loss:.6f}, TRL generalized_jsd_loss "
+                f"{trl_loss:.6f} (relative difference {abs(opd_loss - trl_loss) / abs(trl_loss):.1e})"
+            )
             alone = {key: _median(values) for key, values in part.items()}
             total = sum(alone.values())
-            print(f"  {size}: generation {alone['generation']:.3f} (opd {opd['generation']:.3f}; HF generate alone "
-                  f"{_median(parts[size]['hf_generate']):.3f})  "
-                  f"teacher fwd {alone['teacher']:.3f} (opd {opd['teacher']:.3f})  "
-                  f"student fwd+loss+bwd+AdamW {alone['student']:.3f} (opd {opd['training']:.3f})  "
-                  f"sum {total:.3f}  opd step {opd['step']:.3f}  overhead {100 * (opd['step'] / total - 1):+.1f}%  "
-                  f"(parts resp len {statistics.mean(parts[size]['response_lengths']):.1f})")
+            print(
+                f"  {size}: generation {alone['generation']:.3f} (opd {opd['generation']:.3f}; HF generate alone "
+                f"{_median(parts[size]['hf_generate']):.3f})  "
+                f"teacher fwd {alone['teacher']:.3f} (opd {opd['teacher']:.3f})  "
+                f"student fwd+loss+bwd+AdamW {alone['student']:.3f} (opd {opd['training']:.3f})  "
+                f"sum {total:.3f}  opd step {opd['step']:.3f}  overhead {100 * (opd['step'] / total - 1):+.1f}%  "
+                f"(parts resp len {statistics.mean(parts[size]['response_lengths']):.1f})"
+            )
 
     print()
     machine_busy_end, own_end = _cpu_seconds()
     foreign = (machine_busy_end - machine_busy_start) - (own_end - own_start)
     wall = time.perf_counter() - wall_start
-    print(f"# total wall time {wall:.0f} s; CPU used by other processes meanwhile {max(foreign, 0.0):.0f} CPU-s "
-          f"({100 * max(foreign, 0.0) / (wall * (os.cpu_count() or 1)):.0f}% of the machine)"
-          + ("; WARNING: the machine was not idle, timings are unreliable" if foreign > 0.05 * wall else ""))
+    print(
+        f"# total wall time {wall:.0f} s; CPU used by other processes meanwhile {max(foreign, 0.0):.0f} CPU-s "
+        f"({100 * max(foreign, 0.0) / (wall * (os.cpu_count() or 1)):.0f}% of the machine)"
+        + ("; WARNING: the machine was not idle, timings are unreliable" if foreign > 0.05 * wall else "")
+    )
 
     def ratio(size: str, key: str, trl: str) -> str:
         if size not in summaries:
@@ -888,14 +1027,17 @@ def main(args: argparse.Namespace) -> None:
     # Against TRL with gradient checkpointing off (equal work), then the headline against
     # TRL as shipped, which is what a user gets from GKDConfig's defaults.
     for trl, name in (("trl_nogc", "trl_gc_off"), ("trl", "trl")):
-        print(f"e2e opd/{name} step_time small={ratio('small', 'step', trl)} "
-              f"qwen_vocab={ratio('qwen_vocab', 'step', trl)} peak_rss small={ratio('small', 'peak_rss_mib', trl)} "
-              f"qwen_vocab={ratio('qwen_vocab', 'peak_rss_mib', trl)}")
+        print(
+            f"e2e opd/{name} step_time small={ratio('small', 'step', trl)} "
+            f"qwen_vocab={ratio('qwen_vocab', 'step', trl)} peak_rss small={ratio('small', 'peak_rss_mib', trl)} "
+            f"qwen_vocab={ratio('qwen_vocab', 'peak_rss_mib', trl)}"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each run")
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs per framework and size")

@@ -40,9 +40,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from timing import median_seconds  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from timing import median_seconds  # noqa: E402
 from opd.data.converters import load_prompt_template, math_cl_to_chat  # noqa: E402
 from opd.models.generation.config import GenerateStrategyConfig, VllmGenerationConfig  # noqa: E402
 from opd.models.generation.hf_generation import HFGeneration  # noqa: E402
@@ -82,8 +82,14 @@ def start_server(command: list[str], url: str, log_path: Path) -> tuple[subproce
     start = time.perf_counter()
     with open(log_path, "w") as log:
         # Its own process group: vLLM's server starts an engine-core process that must stop with it.
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        )
     while True:
         if process.poll() is not None:
             raise RuntimeError(f"{command[2]} exited early; see {log_path}")
@@ -127,12 +133,18 @@ def main() -> None:
             raise SystemExit(f"{name}: greedy rollouts differ from opd's loop; timings would not compare like for like")
     new_tokens = int(reference.ne(tokenizer.pad_token_id).sum()) - sum(map(len, prompts))
 
-    print(f"# rollouts: demo student, {len(prompts)} prompts, greedy, <= {MAX_NEW_TOKENS} new tokens "
-          f"({new_tokens} generated, identical in every engine); torch threads {torch.get_num_threads()}")
+    print(
+        f"# rollouts: demo student, {len(prompts)} prompts, greedy, <= {MAX_NEW_TOKENS} new tokens "
+        f"({new_tokens} generated, identical in every engine); torch threads {torch.get_num_threads()}"
+    )
     print("| engine | seconds | new tokens/s | time / opd loop |")
     print("|---|---|---|---|")
-    seconds = {name: median_seconds(lambda engine=engine: engine.generate(prompts, strategy, return_logprobs=False),
-                                    args.repeats) for name, engine in engines.items()}
+    seconds = {
+        name: median_seconds(
+            lambda engine=engine: engine.generate(prompts, strategy, return_logprobs=False), args.repeats
+        )
+        for name, engine in engines.items()
+    }
     for name, value in seconds.items():
         print(f"| {name} | {value:.3f} | {new_tokens / value:,.0f} | {value / seconds['HF, opd decode loop']:.2f} |")
     refit_seconds = median_seconds(lambda: vllm_engine.refit_from_model(student), args.repeats)
@@ -144,19 +156,50 @@ def main() -> None:
     batch = rollouts["HF, opd decode loop"]
     batch["token_mask"] = torch.zeros_like(batch["input_ids"], dtype=torch.float32)
     for row in range(batch.size):
-        batch["token_mask"][row, int(batch["prompt_lengths"][row]):int(batch["input_lengths"][row])] = 1.0
+        batch["token_mask"][row, int(batch["prompt_lengths"][row]) : int(batch["input_lengths"][row])] = 1.0
     scored_tokens = int(batch["input_lengths"].sum())
     vocab = len(tokenizer)
     teacher_model = AutoModelForCausalLM.from_pretrained(TEACHER, dtype=torch.float32).eval()
     opd_port, vllm_port = free_port(), free_port()
     servers = {
-        "opd serve-teacher (HTTP)": ([sys.executable, "-m", "opd", "serve-teacher", "--model", str(TEACHER),
-                                      "--port", str(opd_port), "--max-logprobs", str(args.topk)], opd_port),
-        "vLLM OpenAI server (HTTP)": ([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                      str(TEACHER), "--host", "127.0.0.1", "--port", str(vllm_port),
-                                      "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-                                      "--max-logprobs", str(args.topk),
-                                      "--kv-cache-memory-bytes", str(256 * 2**20)], vllm_port),
+        "opd serve-teacher (HTTP)": (
+            [
+                sys.executable,
+                "-m",
+                "opd",
+                "serve-teacher",
+                "--model",
+                str(TEACHER),
+                "--port",
+                str(opd_port),
+                "--max-logprobs",
+                str(args.topk),
+            ],
+            opd_port,
+        ),
+        "vLLM OpenAI server (HTTP)": (
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(TEACHER),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(vllm_port),
+                "--dtype",
+                "float32",
+                "--enforce-eager",
+                "--max-model-len",
+                "1024",
+                "--max-logprobs",
+                str(args.topk),
+                "--kv-cache-memory-bytes",
+                str(256 * 2**20),
+            ],
+            vllm_port,
+        ),
     }
     teachers: dict[str, object] = {"in process (LocalTeacher)": LocalTeacher(teacher_model)}
     processes, startup = [], {}
@@ -171,8 +214,10 @@ def main() -> None:
             remote.connect(tokenizer)
             teachers[name] = remote
         reference_values, _ = teachers["in process (LocalTeacher)"].get_topk_logprobs(batch, args.topk, 1.0, vocab)
-        print(f"\n# teacher scoring: demo teacher, top-{args.topk} log-probs at every position of those "
-              f"{batch.size} rollouts ({scored_tokens} tokens)")
+        print(
+            f"\n# teacher scoring: demo teacher, top-{args.topk} log-probs at every position of those "
+            f"{batch.size} rollouts ({scored_tokens} tokens)"
+        )
         print("| teacher | seconds | scored tokens/s | time / in process | max abs diff vs in process |")
         print("|---|---|---|---|---|")
         baseline = None
@@ -182,10 +227,13 @@ def main() -> None:
                 float((values[row, : n - 1] - reference_values[row, : n - 1]).abs().max())
                 for row, n in enumerate(batch["input_lengths"].tolist())
             )
-            value = median_seconds(lambda teacher=teacher: teacher.get_topk_logprobs(batch, args.topk, 1.0, vocab),
-                                   args.repeats)
+            value = median_seconds(
+                lambda teacher=teacher: teacher.get_topk_logprobs(batch, args.topk, 1.0, vocab), args.repeats
+            )
             baseline = baseline or value
-            print(f"| {name} | {value:.3f} | {scored_tokens / value:,.0f} | {value / baseline:.2f} | {difference:.1e} |")
+            print(
+                f"| {name} | {value:.3f} | {scored_tokens / value:,.0f} | {value / baseline:.2f} | {difference:.1e} |"
+            )
         for name, seconds_to_start in startup.items():
             print(f"{name} start-up: {seconds_to_start:.1f} s")
     finally:

@@ -79,10 +79,13 @@ from sweep_lambda_kl import (  # noqa: E402  (the sweep's run helpers, shared)
 )
 
 SOURCES = ("teacher_samples", "reference", "answer_only")
-TEMPERATURES = {"temp0.1": ("distillation.generate_strategy.decoding_method=top_p",
-                            "distillation.generate_strategy.temperature=0.1"),
-                "temp1": ("distillation.generate_strategy.decoding_method=top_p",
-                          "distillation.generate_strategy.temperature=1.0")}
+TEMPERATURES = {
+    "temp0.1": (
+        "distillation.generate_strategy.decoding_method=top_p",
+        "distillation.generate_strategy.temperature=0.1",
+    ),
+    "temp1": ("distillation.generate_strategy.decoding_method=top_p", "distillation.generate_strategy.temperature=1.0"),
+}
 MODELS = REPO / "examples" / "demo" / "models"
 BATCH = 32  # demo.yaml's training.batch_size, also the SFT baselines'
 
@@ -130,19 +133,30 @@ class Scenario:
 
     def overrides(self) -> list[str]:
         """The overrides that put this scenario's lengths and test split into a run (SFT or distillation)."""
-        return [f"data.val_path={self.task / 'test.jsonl'}", "data.max_val_examples=null",
-                f"validation.generate_strategy.max_length={self.max_length}"]
+        return [
+            f"data.val_path={self.task / 'test.jsonl'}",
+            "data.max_val_examples=null",
+            f"validation.generate_strategy.max_length={self.max_length}",
+        ]
 
 
 SCENARIOS = {
-    scenario.name: scenario for scenario in (
+    scenario.name: scenario
+    for scenario in (
         Scenario("demo", MODELS / "teacher", MODELS / "student", TASK, 3, 96, sampled=False),
         # Capacity gap: one-layer students, hidden 64 and 32, against the demo teacher.
         Scenario("student_small", MODELS / "teacher", MODELS / "study_student_small", TASK, 3, 96, sampled=True),
         Scenario("student_tiny", MODELS / "teacher", MODELS / "study_student_tiny", TASK, 3, 96, sampled=True),
         # Harder task: 5-digit addition.
-        Scenario("5digit", MODELS / "study_teacher_5digit", MODELS / "study_student_5digit",
-                 REPO / "examples" / "data" / "arithmetic_5digit", 5, 128, sampled=True),
+        Scenario(
+            "5digit",
+            MODELS / "study_teacher_5digit",
+            MODELS / "study_student_5digit",
+            REPO / "examples" / "data" / "arithmetic_5digit",
+            5,
+            128,
+            sampled=True,
+        ),
     )
 }
 
@@ -153,20 +167,26 @@ def _distill(name: str, lam: float, kl: str, source: str | None, priority: int, 
 
 def settings(scenario: Scenario) -> list[Setting]:
     """The grid of a scenario (see the module docstring for why it is sampled)."""
-    core = [_distill("lambda1_forward", 1.0, "forward", None, 1),
-            _distill("lambda0_teacher_samples_forward", 0.0, "forward", "teacher_samples", 1),
-            Setting("sft_teacher_samples", "sft", (), "teacher_samples", 1)]
+    core = [
+        _distill("lambda1_forward", 1.0, "forward", None, 1),
+        _distill("lambda0_teacher_samples_forward", 0.0, "forward", "teacher_samples", 1),
+        Setting("sft_teacher_samples", "sft", (), "teacher_samples", 1),
+    ]
     if scenario.sampled:
         return core
-    return [*core,
-            _distill("lambda0_reference_forward", 0.0, "forward", "reference", 1),
-            _distill("lambda0_answer_only_forward", 0.0, "forward", "answer_only", 1),
-            Setting("sft_reference", "sft", (), "reference", 1),
-            *(_distill(f"lambda0.5_{source}_forward", 0.5, "forward", source, 2) for source in SOURCES),
-            _distill("lambda1_reverse", 1.0, "reverse", None, 2),
-            _distill("lambda0_reference_reverse", 0.0, "reverse", "reference", 2),
-            *(_distill(f"lambda1_forward_{name}", 1.0, "forward", None, 2, *overrides)
-              for name, overrides in TEMPERATURES.items())]
+    return [
+        *core,
+        _distill("lambda0_reference_forward", 0.0, "forward", "reference", 1),
+        _distill("lambda0_answer_only_forward", 0.0, "forward", "answer_only", 1),
+        Setting("sft_reference", "sft", (), "reference", 1),
+        *(_distill(f"lambda0.5_{source}_forward", 0.5, "forward", source, 2) for source in SOURCES),
+        _distill("lambda1_reverse", 1.0, "reverse", None, 2),
+        _distill("lambda0_reference_reverse", 0.0, "reverse", "reference", 2),
+        *(
+            _distill(f"lambda1_forward_{name}", 1.0, "forward", None, 2, *overrides)
+            for name, overrides in TEMPERATURES.items()
+        ),
+    ]
 
 
 @dataclass
@@ -189,22 +209,43 @@ def prepare_sources(out: Path, scenario: Scenario, prompts: int) -> Sources:
     for trace in ("reference", "answer_only"):
         directory = data / trace
         if not (directory / "train.jsonl").is_file():
-            subprocess.run([sys.executable, str(REPO / "examples" / "data" / "make_arithmetic_task.py"),
-                            "--trace", trace, "--digits", str(scenario.digits), "--out-dir", str(directory)],
-                           check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(REPO / "examples" / "data" / "make_arithmetic_task.py"),
+                    "--trace",
+                    trace,
+                    "--digits",
+                    str(scenario.digits),
+                    "--out-dir",
+                    str(directory),
+                ],
+                check=True,
+                capture_output=True,
+            )
         sources.paths[trace] = directory / "train.jsonl"
         sources.seconds_per_answer[trace] = 0.0  # a dataset's own solutions cost nothing to make
     answers, meta = data / "teacher_samples.jsonl", data / "teacher_samples.json"
     if not meta.is_file() or json.loads(meta.read_text(encoding="utf-8"))["prompts"] != prompts:
         answers.unlink(missing_ok=True)
         start = time.perf_counter()
-        run_opd(["generate", "--config", str(REPO / "examples" / "configs" / "generate_demo.yaml"),
-                 f"generate.model_path={scenario.teacher}", f"data.train_path={scenario.task / 'train.jsonl'}",
-                 f"data.max_train_examples={prompts}", f"generate.output_path={answers}",
-                 f"generate.generate_strategy.max_length={scenario.max_length}",
-                 "generate.generate_strategy.decoding_method=greedy", "generate.max_attempts_per_prompt=null",
-                 "generate.progress_bar=false", "generate.batch_size=64"],
-                out / "logs" / f"generate_{data.name}.log")
+        run_opd(
+            [
+                "generate",
+                "--config",
+                str(REPO / "examples" / "configs" / "generate_demo.yaml"),
+                f"generate.model_path={scenario.teacher}",
+                f"data.train_path={scenario.task / 'train.jsonl'}",
+                f"data.max_train_examples={prompts}",
+                f"generate.output_path={answers}",
+                f"generate.generate_strategy.max_length={scenario.max_length}",
+                "generate.generate_strategy.decoding_method=greedy",
+                "generate.max_attempts_per_prompt=null",
+                "generate.progress_bar=false",
+                "generate.batch_size=64",
+            ],
+            out / "logs" / f"generate_{data.name}.log",
+        )
         seconds = time.perf_counter() - start
         rows = len(answers.read_text(encoding="utf-8").splitlines())
         meta.write_text(json.dumps({"prompts": prompts, "rows": rows, "seconds": seconds}), encoding="utf-8")
@@ -212,8 +253,16 @@ def prepare_sources(out: Path, scenario: Scenario, prompts: int) -> Sources:
     with open(answers, encoding="utf-8") as rows_in, open(math_cl, "w", encoding="utf-8") as rows_out:
         for line in rows_in:
             row = json.loads(line)
-            rows_out.write(json.dumps({"problem": row["problem"], "ground_truth_answer": row["ground_truth"],
-                                       "solution": row["messages"][-1]["content"]}) + "\n")
+            rows_out.write(
+                json.dumps(
+                    {
+                        "problem": row["problem"],
+                        "ground_truth_answer": row["ground_truth"],
+                        "solution": row["messages"][-1]["content"],
+                    }
+                )
+                + "\n"
+            )
     recorded = json.loads(meta.read_text(encoding="utf-8"))
     sources.paths["teacher_samples"] = math_cl
     sources.seconds_per_answer["teacher_samples"] = recorded["seconds"] / max(recorded["rows"], 1)
@@ -236,29 +285,72 @@ def run_one(scenario: Scenario, setting: Setting, seed: int, args: argparse.Name
     output_dir = args.out / name
     log = args.out / "logs" / f"{name.replace('/', '_')}.log"
     per_batch = BATCH * sources.seconds_per_answer.get(setting.source or "", 0.0)
-    common = [f"output_dir={output_dir}", "logger.console=false", "checkpointing.enabled=false",
-              # Constant after warm-up: a run read at two budgets must have one schedule.
-              "training.lr_scheduler=constant_with_warmup", "training.warmup_steps=10",
-              f"training.val_freq={args.eval_every}", "validation.val_at_start=false", "validation.val_at_end=true",
-              f"training.max_train_time_s={args.run_seconds}", f"training.seed={seed}", *scenario.overrides()]
-    data = [f"data.train_path={sources.paths[setting.source]}"] if setting.source else \
-        [f"data.train_path={scenario.task / 'train.jsonl'}"]
+    common = [
+        f"output_dir={output_dir}",
+        "logger.console=false",
+        "checkpointing.enabled=false",
+        # Constant after warm-up: a run read at two budgets must have one schedule.
+        "training.lr_scheduler=constant_with_warmup",
+        "training.warmup_steps=10",
+        f"training.val_freq={args.eval_every}",
+        "validation.val_at_start=false",
+        "validation.val_at_end=true",
+        f"training.max_train_time_s={args.run_seconds}",
+        f"training.seed={seed}",
+        *scenario.overrides(),
+    ]
+    data = (
+        [f"data.train_path={sources.paths[setting.source]}"]
+        if setting.source
+        else [f"data.train_path={scenario.task / 'train.jsonl'}"]
+    )
     if setting.kind == "distill":
-        run_opd(["train", "--config", str(CONFIG), *common, *data, *setting.overrides,
-                 f"model.student_model_path={scenario.student}", f"model.teacher_model_path={scenario.teacher}",
-                 f"distillation.generate_strategy.max_length={scenario.max_length}",
-                 # The tiny vocabulary gains nothing from compiling, and the compilation's
-                 # seconds would count against a short budget.
-                 "loss_fn.compile_kernels=false", f"training.max_num_steps={NO_STEP_CAP}"], log)
+        run_opd(
+            [
+                "train",
+                "--config",
+                str(CONFIG),
+                *common,
+                *data,
+                *setting.overrides,
+                f"model.student_model_path={scenario.student}",
+                f"model.teacher_model_path={scenario.teacher}",
+                f"distillation.generate_strategy.max_length={scenario.max_length}",
+                # The tiny vocabulary gains nothing from compiling, and the compilation's
+                # seconds would count against a short budget.
+                "loss_fn.compile_kernels=false",
+                f"training.max_num_steps={NO_STEP_CAP}",
+            ],
+            log,
+        )
     else:
         cap = int(args.run_seconds // per_batch) + 1 if per_batch else NO_STEP_CAP  # charged time ends it sooner
-        run_opd(["sft", "--config", str(SFT_CONFIG), *common, *data, f"model.model_path={scenario.student}",
-                 f"training.batch_size={BATCH}", "training.learning_rate=2.0e-3", "training.num_epochs=1000",
-                 f"training.max_num_steps={cap}"], log)
+        run_opd(
+            [
+                "sft",
+                "--config",
+                str(SFT_CONFIG),
+                *common,
+                *data,
+                f"model.model_path={scenario.student}",
+                f"training.batch_size={BATCH}",
+                "training.learning_rate=2.0e-3",
+                "training.num_epochs=1000",
+                f"training.max_num_steps={cap}",
+            ],
+            log,
+        )
     records = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines() if line]
-    return {"scenario": scenario.name, "setting": setting.name, "seed": seed, "run_seconds": args.run_seconds,
-            "eval_every": args.eval_every, "machine": f"{platform.machine()} x{os.cpu_count()}",
-            "jobs": args.jobs, "curve": learning_curve(records, setting.kind == "sft", per_batch)}
+    return {
+        "scenario": scenario.name,
+        "setting": setting.name,
+        "seed": seed,
+        "run_seconds": args.run_seconds,
+        "eval_every": args.eval_every,
+        "machine": f"{platform.machine()} x{os.cpu_count()}",
+        "jobs": args.jobs,
+        "curve": learning_curve(records, setting.kind == "sft", per_batch),
+    }
 
 
 def learning_curve(records: list[dict], sft: bool, per_batch: float) -> list[dict]:
@@ -283,9 +375,16 @@ def learning_curve(records: list[dict], sft: bool, per_batch: float) -> list[dic
             fixed_step = sft or not record.get("train/on_policy", 1)
             charged += record["timing/step"] + (per_batch if fixed_step else 0.0)
         if "val/accuracy" in record:
-            curve.append({"step": record["step"], "train_seconds": train_seconds, "charged_seconds": charged,
-                          "accuracy": record["val/accuracy"], "kl_forward": record.get("val/kl_forward"),
-                          "kl_reverse": record.get("val/kl_reverse")})
+            curve.append(
+                {
+                    "step": record["step"],
+                    "train_seconds": train_seconds,
+                    "charged_seconds": charged,
+                    "accuracy": record["val/accuracy"],
+                    "kl_forward": record.get("val/kl_forward"),
+                    "kl_reverse": record.get("val/kl_reverse"),
+                }
+            )
     return curve
 
 
@@ -328,13 +427,18 @@ def main() -> None:
     parser.add_argument("--run-seconds", type=float, default=240.0, help="each run's training time")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--teacher-prompts", type=int, default=20000,
-                        help="training problems the teacher answers (all of them: the other sources have as many)")
+    parser.add_argument(
+        "--teacher-prompts",
+        type=int,
+        default=20000,
+        help="training problems the teacher answers (all of them: the other sources have as many)",
+    )
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--priority", type=int, default=1, help="run the settings of this priority and below")
-    parser.add_argument("--only", nargs="+", default=None,
-                        help="run only the runs whose name contains one of these texts")
+    parser.add_argument(
+        "--only", nargs="+", default=None, help="run only the runs whose name contains one of these texts"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "lambda_study")
     args = parser.parse_args()
     (args.out / "runs").mkdir(parents=True, exist_ok=True)
@@ -343,18 +447,36 @@ def main() -> None:
     for scenario in scenarios:
         missing = [str(path) for path in (scenario.teacher, scenario.student) if not (path / "config.json").is_file()]
         if missing:
-            raise SystemExit(f"scenario {scenario.name}: no model at {', '.join(missing)}; "
-                             "run python examples/demo/prepare_study_models.py")
+            raise SystemExit(
+                f"scenario {scenario.name}: no model at {', '.join(missing)}; "
+                "run python examples/demo/prepare_study_models.py"
+            )
         if not (scenario.task / "test.jsonl").is_file():
-            subprocess.run([sys.executable, str(REPO / "examples" / "data" / "make_arithmetic_task.py"),
-                            "--digits", str(scenario.digits), "--out-dir", str(scenario.task)], check=True)
-    wanted = [(scenario, setting, seed) for scenario in scenarios for setting in settings(scenario)
-              for seed in args.seeds if setting.priority <= args.priority
-              and (args.only is None or any(text in run_name(scenario, setting, seed) for text in args.only))]
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(REPO / "examples" / "data" / "make_arithmetic_task.py"),
+                    "--digits",
+                    str(scenario.digits),
+                    "--out-dir",
+                    str(scenario.task),
+                ],
+                check=True,
+            )
+    wanted = [
+        (scenario, setting, seed)
+        for scenario in scenarios
+        for setting in settings(scenario)
+        for seed in args.seeds
+        if setting.priority <= args.priority
+        and (args.only is None or any(text in run_name(scenario, setting, seed) for text in args.only))
+    ]
     # Priority 1 first, then seed by seed: a study cut short still has whole rows.
     wanted.sort(key=lambda item: (item[1].priority, item[2]))
-    sources = {scenario.name: prepare_sources(args.out, scenario, args.teacher_prompts)
-               for scenario in {item[0] for item in wanted}}
+    sources = {
+        scenario.name: prepare_sources(args.out, scenario, args.teacher_prompts)
+        for scenario in {item[0] for item in wanted}
+    }
 
     def job(scenario: Scenario, setting: Setting, seed: int) -> dict:
         name = run_name(scenario, setting, seed)
@@ -377,10 +499,14 @@ def main() -> None:
 def print_tables(results: list[dict], args: argparse.Namespace, seconds: float) -> None:
     """One table per scenario (mean ± std over the seeds), then the headline line of the demo's pair."""
     print()
-    print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, {args.jobs} runs at "
-          f"a time (1 thread each); seeds {args.seeds}; this invocation {seconds / 60:.1f} min")
-    print(f"equal steps = {args.steps}; equal wall-clock = {args.time_budget_s:g} s charged (training, generation and "
-          f"teacher time, plus the teacher-sample generation used); test split evaluated every {args.eval_every} steps")
+    print(
+        f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, {args.jobs} runs at "
+        f"a time (1 thread each); seeds {args.seeds}; this invocation {seconds / 60:.1f} min"
+    )
+    print(
+        f"equal steps = {args.steps}; equal wall-clock = {args.time_budget_s:g} s charged (training, generation and "
+        f"teacher time, plus the teacher-sample generation used); test split evaluated every {args.eval_every} steps"
+    )
     summaries = {}
     for scenario in args.scenarios:
         group = [result for result in results if result["scenario"] == scenario]
@@ -398,15 +524,19 @@ def print_tables(results: list[dict], args: argparse.Namespace, seconds: float) 
     lambda0 = best([f"lambda0_{source}_forward" for source in SOURCES])
     sft = best([f"sft_{source}" for source in SOURCES])
     lambda1 = best(["lambda1_forward"])
-    print(f"lambda_study equal_time lambda1={lambda1[0]:.3f}+-{lambda1[1]:.3f} "
-          f"lambda0={lambda0[0]:.3f}+-{lambda0[1]:.3f} sft={sft[0]:.3f}+-{sft[1]:.3f}")
+    print(
+        f"lambda_study equal_time lambda1={lambda1[0]:.3f}+-{lambda1[1]:.3f} "
+        f"lambda0={lambda0[0]:.3f}+-{lambda0[1]:.3f} sft={sft[0]:.3f}+-{sft[1]:.3f}"
+    )
 
 
 def print_scenario(scenario: str, results: list[dict], args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     """Prints one scenario's rows; returns each row's equal-time test accuracy (mean, std)."""
     print(f"\nscenario {scenario}")
-    header = (f"{'setting':<34} {'seeds':>5} {'acc @ steps':>13} {'acc @ time':>13} {'steps @ time':>12} "
-              f"{'KL fwd @ time':>15}")
+    header = (
+        f"{'setting':<34} {'seeds':>5} {'acc @ steps':>13} {'acc @ time':>13} {'steps @ time':>12} "
+        f"{'KL fwd @ time':>15}"
+    )
     print(header)
     print("-" * len(header))
     rows: dict[str, list[dict]] = {}

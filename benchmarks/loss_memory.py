@@ -74,7 +74,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 VOCAB = 151_669
 """Qwen2/2.5/3 vocabulary (real tokens; the padded head of some checkpoints is larger)."""
@@ -102,8 +103,10 @@ def _process_memory() -> dict[str, int]:
     """This process's ``VmRSS``, ``VmHWM`` (peak RSS) and ``VmSize`` in bytes."""
     with open("/proc/self/status", encoding="ascii") as status:
         text = status.read()
-    return {key: int(re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE).group(1)) * 1024
-            for key in ("VmRSS", "VmHWM", "VmSize")}
+    return {
+        key: int(re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE).group(1)) * 1024
+        for key in ("VmRSS", "VmHWM", "VmSize")
+    }
 
 
 def _reset_peak_memory() -> None:
@@ -115,21 +118,21 @@ def _reset_peak_memory() -> None:
 def _release_free_heap() -> None:
     """Returns glibc's freed heap memory to the OS (``malloc_trim``), so the baseline RSS
     holds no free memory that the measured run could reuse without raising the peak."""
+    import contextlib
     import ctypes
     import gc
 
     gc.collect()
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: the baseline may include some free memory
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the baseline may include some free memory
-        pass
 
 
 def _is_allocation_failure(error: BaseException) -> bool:
     """True for the error torch raises when the address-space cap refuses an allocation."""
     message = str(error)
     return isinstance(error, MemoryError) or (
-        isinstance(error, RuntimeError) and ("can't allocate memory" in message or "Cannot allocate memory" in message))
+        isinstance(error, RuntimeError) and ("can't allocate memory" in message or "Cannot allocate memory" in message)
+    )
 
 
 def _trl_generalized_jsd_loss() -> tuple[Callable[..., Any], str]:
@@ -206,8 +209,9 @@ def _loss_functions(chunk_rows: int | None) -> dict[str, Callable[..., Any]]:
         with torch.no_grad():
             teacher_logits = F.linear(teacher_hidden, teacher_weight)
         # F.kl_div(input=log Q, target=log P) is KL(P‖Q): the forward KL.
-        per_position = F.kl_div(F.log_softmax(student_logits, -1), F.log_softmax(teacher_logits, -1),
-                                log_target=True, reduction="none").sum(-1)
+        per_position = F.kl_div(
+            F.log_softmax(student_logits, -1), F.log_softmax(teacher_logits, -1), log_target=True, reduction="none"
+        ).sum(-1)
         return per_position.mean()
 
     return {"opd": opd_loss, "trl": trl_loss, "naive": naive_loss}
@@ -266,12 +270,17 @@ def run_worker(method: str, tokens: int, cap_gib: float, chunk_rows: int | None,
             now = _process_memory()
             request = re.search(r"allocate (\d+) bytes", str(error))
             refused = int(request.group(1)) if request else 0
-            record.update(status="oom", cap_bytes=cap_bytes, baseline_rss=baseline["VmRSS"],
-                          baseline_vmsize=baseline["VmSize"], held_at_failure=now["VmRSS"] - baseline["VmRSS"],
-                          peak_before_failure=now["VmHWM"] - baseline["VmRSS"], refused_request=refused,
-                          needs_more_than=max(now["VmHWM"] - baseline["VmRSS"],
-                                              now["VmRSS"] - baseline["VmRSS"] + refused),
-                          error=str(error).splitlines()[0][:200])
+            record.update(
+                status="oom",
+                cap_bytes=cap_bytes,
+                baseline_rss=baseline["VmRSS"],
+                baseline_vmsize=baseline["VmSize"],
+                held_at_failure=now["VmRSS"] - baseline["VmRSS"],
+                peak_before_failure=now["VmHWM"] - baseline["VmRSS"],
+                refused_request=refused,
+                needs_more_than=max(now["VmHWM"] - baseline["VmRSS"], now["VmRSS"] - baseline["VmRSS"] + refused),
+                error=str(error).splitlines()[0][:200],
+            )
             return record
         elapsed = time.perf_counter() - start
         peaks.append(_process_memory()["VmHWM"] - baseline["VmRSS"])
@@ -280,8 +289,14 @@ def run_worker(method: str, tokens: int, cap_gib: float, chunk_rows: int | None,
         record["loss"] = loss.item()
         del loss
     # Gradient norms, after timing: a cheap check that opd and TRL agree on the gradients too.
-    record.update(status="ok", seconds=min(times), all_seconds=times, peak_bytes=max(peaks),
-                  grad_hidden_norm=hidden.grad.norm().item(), grad_weight_norm=weight.grad.norm().item())
+    record.update(
+        status="ok",
+        seconds=min(times),
+        all_seconds=times,
+        peak_bytes=max(peaks),
+        grad_hidden_norm=hidden.grad.norm().item(),
+        grad_weight_norm=weight.grad.norm().item(),
+    )
     return record
 
 
@@ -330,30 +345,52 @@ def _machine_header(arguments: argparse.Namespace) -> list[str]:
 
 def _run_one(method: str, tokens: int, arguments: argparse.Namespace) -> dict[str, Any]:
     """Runs one worker process and returns its record (status ``crashed`` if it died)."""
-    command = [sys.executable, os.path.abspath(__file__), "--worker", method, "--tokens", str(tokens),
-               "--cap-gib", str(arguments.cap_gib), "--repeats", str(arguments.repeats)]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        method,
+        "--tokens",
+        str(tokens),
+        "--cap-gib",
+        str(arguments.cap_gib),
+        "--repeats",
+        str(arguments.repeats),
+    ]
     if arguments.chunk_rows:
         command += ["--chunk-rows", str(arguments.chunk_rows)]
     available = _memory_available()
     if available < arguments.cap_gib * GIB:
         # Below the cap the kernel's OOM killer, not the cap, may stop a big worker.
-        print(f"  warning: only {available / GIB:.1f} GiB available, below the {arguments.cap_gib:g} GiB cap",
-              flush=True)
-    environment = {**os.environ, "OMP_NUM_THREADS": os.environ.get("LOSS_MEMORY_THREADS", "2"),
-                   "TRL_EXPERIMENTAL_SILENCE": "1"}
+        print(
+            f"  warning: only {available / GIB:.1f} GiB available, below the {arguments.cap_gib:g} GiB cap", flush=True
+        )
+    environment = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("LOSS_MEMORY_THREADS", "2"),
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+    }
     started = time.perf_counter()
     completed = subprocess.run(command, capture_output=True, text=True, env=environment)
     wall = time.perf_counter() - started
     for line in completed.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
-            record = json.loads(line[len(RESULT_PREFIX):])
+            record = json.loads(line[len(RESULT_PREFIX) :])
             record["worker_wall_s"] = wall
             return record
-    reason = (f"signal {signal.Signals(-completed.returncode).name}" if completed.returncode < 0
-              else f"exit {completed.returncode}")
+    reason = (
+        f"signal {signal.Signals(-completed.returncode).name}"
+        if completed.returncode < 0
+        else f"exit {completed.returncode}"
+    )
     tail = "\n".join(completed.stderr.strip().splitlines()[-5:])
-    return {"method": method, "tokens": tokens, "status": "crashed", "error": f"{reason}: {tail}",
-            "worker_wall_s": wall}
+    return {
+        "method": method,
+        "tokens": tokens,
+        "status": "crashed",
+        "error": f"{reason}: {tail}",
+        "worker_wall_s": wall,
+    }
 
 
 def _peak_cell(record: dict[str, Any]) -> str:
@@ -402,21 +439,28 @@ def run_driver(arguments: argparse.Namespace) -> None:
             record = _run_one(method, tokens, arguments)
             results[tokens, method] = record
             if record["status"] == "ok":
-                detail = (f"peak {record['peak_bytes'] / MIB:,.0f} MiB, {record['seconds']:.2f} s, "
-                          f"loss {record['loss']:.8g}")
+                detail = (
+                    f"peak {record['peak_bytes'] / MIB:,.0f} MiB, {record['seconds']:.2f} s, loss {record['loss']:.8g}"
+                )
             elif record["status"] == "oom":
-                detail = (f"OOM under the cap: held {record['held_at_failure'] / MIB:,.0f} MiB "
-                          f"(peak {record['peak_before_failure'] / MIB:,.0f}), "
-                          f"refused {record['refused_request'] / MIB:,.0f} MiB more")
+                detail = (
+                    f"OOM under the cap: held {record['held_at_failure'] / MIB:,.0f} MiB "
+                    f"(peak {record['peak_before_failure'] / MIB:,.0f}), "
+                    f"refused {record['refused_request'] / MIB:,.0f} MiB more"
+                )
             else:
                 detail = f"{record['status']}: {record.get('error', '')}"
-            print(f"  N={tokens:>5} {METHOD_TITLES[method]:<9} {detail}  [worker {record['worker_wall_s']:.0f} s]",
-                  flush=True)
+            print(
+                f"  N={tokens:>5} {METHOD_TITLES[method]:<9} {detail}  [worker {record['worker_wall_s']:.0f} s]",
+                flush=True,
+            )
 
     opd_info = next((r for r in results.values() if r["method"] == "opd" and "chunk_rows" in r), {})
     trl_info = next((r for r in results.values() if r["method"] == "trl" and "trl_function" in r), {})
-    print(f"opd: chunked_lm_head_loss, chunk_rows={opd_info.get('chunk_rows', '?')}; "
-          f"TRL: {trl_info.get('trl_function', '?')}")
+    print(
+        f"opd: chunked_lm_head_loss, chunk_rows={opd_info.get('chunk_rows', '?')}; "
+        f"TRL: {trl_info.get('trl_function', '?')}"
+    )
     print()
     header = ["N"]
     for method in METHODS:
@@ -427,14 +471,18 @@ def run_driver(arguments: argparse.Namespace) -> None:
         row = [f"{tokens:,}"]
         for method in METHODS:
             row += [_peak_cell(results[tokens, method]), _time_cell(results[tokens, method])]
-        row += [*_ratios(results[tokens, "opd"], results[tokens, "trl"]),
-                *_ratios(results[tokens, "opd"], results[tokens, "naive"])]
+        row += [
+            *_ratios(results[tokens, "opd"], results[tokens, "trl"]),
+            *_ratios(results[tokens, "opd"], results[tokens, "naive"]),
+        ]
         rows.append(row)
     for line in _table(rows):
         print(line)
-    print("MiB: peak extra resident memory of forward + backward (weight gradient included); "
-          "OOM (>x): the allocation failed under the cap, so the method needs more than x MiB; "
-          "a '<' ratio is an upper bound.")
+    print(
+        "MiB: peak extra resident memory of forward + backward (weight gradient included); "
+        "OOM (>x): the allocation failed under the cap, so the method needs more than x MiB; "
+        "a '<' ratio is an upper bound."
+    )
 
     # Same objective: the opd and TRL values must agree to fp32 rounding.
     both = [n for n in arguments.sizes if results[n, "opd"]["status"] == "ok" and results[n, "trl"]["status"] == "ok"]
@@ -442,10 +490,12 @@ def run_driver(arguments: argparse.Namespace) -> None:
         n = max(both)
         opd, trl = results[n, "opd"], results[n, "trl"]
         relative = _relative_difference
-        print(f"opd vs TRL at N={n:,}: loss {opd['loss']:.8g} vs {trl['loss']:.8g} "
-              f"(relative difference {relative(opd['loss'], trl['loss']):.1e}); "
-              f"|grad hidden| rel. diff {relative(opd['grad_hidden_norm'], trl['grad_hidden_norm']):.1e}, "
-              f"|grad W| rel. diff {relative(opd['grad_weight_norm'], trl['grad_weight_norm']):.1e}")
+        print(
+            f"opd vs TRL at N={n:,}: loss {opd['loss']:.8g} vs {trl['loss']:.8g} "
+            f"(relative difference {relative(opd['loss'], trl['loss']):.1e}); "
+            f"|grad hidden| rel. diff {relative(opd['grad_hidden_norm'], trl['grad_hidden_norm']):.1e}, "
+            f"|grad W| rel. diff {relative(opd['grad_weight_norm'], trl['grad_weight_norm']):.1e}"
+        )
     else:
         print("opd vs TRL: no size where both ran; loss values not compared")
     print(f"total run time {time.perf_counter() - started:.0f} s")
@@ -463,23 +513,40 @@ def run_driver(arguments: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="512,2048,8192",
-                        type=lambda text: [int(size) for size in text.split(",") if size.strip()],
-                        help="comma-separated token counts N (default 512,2048,8192)")
-    parser.add_argument("--cap-gib", type=float, default=20.0,
-                        help="address-space cap per worker in GiB; keep it below the free RAM (default 20)")
-    parser.add_argument("--chunk-rows", type=int, default=None,
-                        help="opd positions per chunk (default: opd's own, 128 MiB of logits per chunk)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="timed runs per worker after the warm-up; min time and max peak are kept (default 1)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--sizes",
+        default="512,2048,8192",
+        type=lambda text: [int(size) for size in text.split(",") if size.strip()],
+        help="comma-separated token counts N (default 512,2048,8192)",
+    )
+    parser.add_argument(
+        "--cap-gib",
+        type=float,
+        default=20.0,
+        help="address-space cap per worker in GiB; keep it below the free RAM (default 20)",
+    )
+    parser.add_argument(
+        "--chunk-rows",
+        type=int,
+        default=None,
+        help="opd positions per chunk (default: opd's own, 128 MiB of logits per chunk)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs per worker after the warm-up; min time and max peak are kept (default 1)",
+    )
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.worker:
-        record = run_worker(arguments.worker, arguments.tokens, arguments.cap_gib, arguments.chunk_rows,
-                            arguments.repeats)
+        record = run_worker(
+            arguments.worker, arguments.tokens, arguments.cap_gib, arguments.chunk_rows, arguments.repeats
+        )
         print(RESULT_PREFIX + json.dumps(record), flush=True)
     else:
         run_driver(arguments)

@@ -96,8 +96,14 @@ def qwen_size(root: Path) -> Size:
     tokenizer = AutoTokenizer.from_pretrained(Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files")
     for name, hidden, layers, seed in (("teacher", 64, 2, 1), ("student", 32, 1, 2)):
         config = Qwen2Config(
-            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=True,
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
             initializer_range=0.2 if name == "teacher" else 0.02,
         )
         torch.manual_seed(seed)
@@ -133,8 +139,9 @@ def start_server(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, str
     port = free_port()
     command = [sys.executable, "-m", "opd", "serve-teacher", "--model", str(model_dir), "--port", str(port)]
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+        process = subprocess.Popen(
+            command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -164,8 +171,9 @@ def training_step(student, optimizer, batch, loss_fn, teacher) -> float:
     """Teacher signal, student forward, loss, backward, AdamW step; returns the loss."""
     valid = int(batch["token_mask"][:, 1:].sum())
     signal = teacher.score(batch, loss_fn.teacher_request)
-    loss, _ = loss_fn(student_output(student, batch, loss_fn.fused_lm_head), batch, valid, batch.size,
-                      teacher_output=signal)
+    loss, _ = loss_fn(
+        student_output(student, batch, loss_fn.fused_lm_head), batch, valid, batch.size, teacher_output=signal
+    )
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -182,10 +190,16 @@ def measure_size(size: Size, repeats: int, log_dir: Path) -> list[dict]:
     server, url = start_server(size.teacher_dir, log_dir / f"server_{size.sequences}.log")
     layer = load_output_layer(str(size.teacher_dir), torch.float32, torch.device("cpu"))
     try:
+
         def remote(protocol: str, hidden_dtype: str = "auto") -> RemoteTeacher:
-            client = RemoteTeacher(url, max_concurrency=2, sequences_per_request=max(1, size.sequences // 2),
-                                   protocol=protocol, hidden_dtype=hidden_dtype,
-                                   output_layer=layer if protocol == "opd" else None)
+            client = RemoteTeacher(
+                url,
+                max_concurrency=2,
+                sequences_per_request=max(1, size.sequences // 2),
+                protocol=protocol,
+                hidden_dtype=hidden_dtype,
+                output_layer=layer if protocol == "opd" else None,
+            )
             client.connect(tokenizer)
             return client
 
@@ -193,8 +207,9 @@ def measure_size(size: Size, repeats: int, log_dir: Path) -> list[dict]:
             return DistillationLossFn(kl_type="reverse", vocab_size=vocab, fused_lm_head=True)
 
         def topk(k: int) -> Callable[[], DistillationLossFn]:
-            return lambda: DistillationLossFn(kl_type="reverse", teacher_signal="topk", teacher_topk=k,
-                                              vocab_size=vocab)
+            return lambda: DistillationLossFn(
+                kl_type="reverse", teacher_signal="topk", teacher_topk=k, vocab_size=vocab
+            )
 
         local = LocalTeacher(teacher_model)
         cases = [
@@ -215,11 +230,26 @@ def measure_size(size: Size, repeats: int, log_dir: Path) -> list[dict]:
             teacher, loss_fn = case.make_teacher(), case.make_loss()
             # The loss at the initial weights (for the error), then a warm-up step.
             with torch.no_grad():
-                first = loss_fn(student_output(student, batch, loss_fn.fused_lm_head), batch, loss_positions,
-                                batch.size, teacher_output=teacher.score(batch, loss_fn.teacher_request))[0]
+                first = loss_fn(
+                    student_output(student, batch, loss_fn.fused_lm_head),
+                    batch,
+                    loss_positions,
+                    batch.size,
+                    teacher_output=teacher.score(batch, loss_fn.teacher_request),
+                )[0]
             training_step(student, optimizer, batch, loss_fn, teacher)
-            states.append({"case": case, "student": student, "optimizer": optimizer, "teacher": teacher,
-                           "loss_fn": loss_fn, "initial_loss": float(first), "seconds": [], "bytes": []})
+            states.append(
+                {
+                    "case": case,
+                    "student": student,
+                    "optimizer": optimizer,
+                    "teacher": teacher,
+                    "loss_fn": loss_fn,
+                    "initial_loss": float(first),
+                    "seconds": [],
+                    "bytes": [],
+                }
+            )
         for _ in range(repeats):  # interleaved: drift hits every case alike
             for state in states:
                 received = getattr(state["teacher"], "bytes_received", 0)
@@ -234,15 +264,19 @@ def measure_size(size: Size, repeats: int, log_dir: Path) -> list[dict]:
     for state in states:
         case = state["case"]
         reference = next(s for s in states if s["case"].loss == case.loss and s["case"].in_process)
-        rows.append({
-            "size": size.name, "loss": case.loss, "teacher": case.teacher,
-            "step_s": statistics.median(state["seconds"]),
-            "ratio": statistics.median(state["seconds"]) / statistics.median(reference["seconds"]),
-            "ratios": [mine / theirs for mine, theirs in zip(state["seconds"], reference["seconds"])],
-            "bytes_per_token": statistics.median(state["bytes"]) / loss_positions,
-            "loss_rel_err": abs(state["initial_loss"] - reference["initial_loss"]) / abs(reference["initial_loss"]),
-            "loss_positions": loss_positions,
-        })
+        rows.append(
+            {
+                "size": size.name,
+                "loss": case.loss,
+                "teacher": case.teacher,
+                "step_s": statistics.median(state["seconds"]),
+                "ratio": statistics.median(state["seconds"]) / statistics.median(reference["seconds"]),
+                "ratios": [mine / theirs for mine, theirs in zip(state["seconds"], reference["seconds"])],
+                "bytes_per_token": statistics.median(state["bytes"]) / loss_positions,
+                "loss_rel_err": abs(state["initial_loss"] - reference["initial_loss"]) / abs(reference["initial_loss"]),
+                "loss_positions": loss_positions,
+            }
+        )
     return rows
 
 
@@ -260,8 +294,10 @@ def main() -> None:
         if "qwen" in args.sizes:
             sizes.append(qwen_size(root))
         rows = [row for size in sizes for row in measure_size(size, args.repeats, root)]
-    print("\n# served teacher vs in process: one training step (teacher signal, student forward, loss, backward, "
-          f"AdamW), median of {args.repeats} interleaved repeats, 1 thread each")
+    print(
+        "\n# served teacher vs in process: one training step (teacher signal, student forward, loss, backward, "
+        f"AdamW), median of {args.repeats} interleaved repeats, 1 thread each"
+    )
     positions = {row["size"]: row["loss_positions"] for row in rows}
     print("loss positions per step: " + ", ".join(f"{size} {count}" for size, count in positions.items()))
     print("| vocabulary | loss | teacher | step s | ÷ in process (range) | payload B / loss token | loss rel. error |")
@@ -269,8 +305,10 @@ def main() -> None:
     for row in rows:
         spread = f"{min(row['ratios']):.2f}–{max(row['ratios']):.2f}"
         payload = f"{row['bytes_per_token']:.0f}" if row["bytes_per_token"] else "—"
-        print(f"| {row['size']} | {row['loss']} | {row['teacher']} | {row['step_s']:.3f} | {row['ratio']:.2f} "
-              f"({spread}) | {payload} | {row['loss_rel_err']:.1e} |")
+        print(
+            f"| {row['size']} | {row['loss']} | {row['teacher']} | {row['step_s']:.3f} | {row['ratio']:.2f} "
+            f"({spread}) | {payload} | {row['loss_rel_err']:.1e} |"
+        )
     demo = [row for row in rows if row["size"].startswith("demo")] or rows
 
     def pick(loss: str, teacher: str) -> dict:
@@ -278,8 +316,10 @@ def main() -> None:
 
     hidden = pick("full_vocab", "served hidden states (fp32)")
     binary, json_topk = pick("topk k=16", "served binary"), pick("topk k=16", "served JSON (vLLM shape)")
-    print(f"served step_ratio hidden={hidden['ratio']:.2f} binary_topk={binary['ratio']:.2f} "
-          f"json_topk={json_topk['ratio']:.2f} hidden_loss_rel_err={hidden['loss_rel_err']:.1e}")
+    print(
+        f"served step_ratio hidden={hidden['ratio']:.2f} binary_topk={binary['ratio']:.2f} "
+        f"json_topk={json_topk['ratio']:.2f} hidden_loss_rel_err={hidden['loss_rel_err']:.1e}"
+    )
 
 
 if __name__ == "__main__":

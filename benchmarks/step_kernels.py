@@ -29,20 +29,21 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timing import median_seconds  # noqa: E402
-from opd.algorithms.loss_functions import DistillationLossFn  # noqa: E402
-from opd.models.generation.config import GenerateStrategyConfig  # noqa: E402
-from opd.models.generation.decode_loop import compile_decode_step, decode  # noqa: E402
-from opd.models.generation.sampling import sample_from_probs  # noqa: E402
-from opd.models.lm_head import LMHeadInput  # noqa: E402
-from opd.models.tiny import build_model_for_tokenizer, build_tiny_tokenizer  # noqa: E402
+from timing import median_seconds
+
+from opd.algorithms.loss_functions import DistillationLossFn
+from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.generation.decode_loop import compile_decode_step, decode
+from opd.models.generation.sampling import sample_from_probs
+from opd.models.lm_head import LMHeadInput
+from opd.models.tiny import build_model_for_tokenizer, build_tiny_tokenizer
 
 VOCABULARIES = (2048, 151_669)
 ROWS, PROMPT_TOKENS, NEW_TOKENS, LOSS_POSITIONS = 4, 32, 32, 128
@@ -70,9 +71,18 @@ def decode_rows(vocab: int, repeats: int) -> list[tuple[str, str, float, float]]
 
     def with_generate() -> None:
         with torch.inference_mode():
-            model.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=True,
-                           temperature=0.9, top_k=0, top_p=1.0, use_cache=True, pad_token_id=0,
-                           eos_token_id=model.config.vocab_size + 1)
+            model.generate(
+                input_ids=prompts,
+                attention_mask=mask,
+                max_new_tokens=NEW_TOKENS,
+                do_sample=True,
+                temperature=0.9,
+                top_k=0,
+                top_p=1.0,
+                use_cache=True,
+                pad_token_id=0,
+                eos_token_id=model.config.vocab_size + 1,
+            )
 
     def with_opd(step_forward: Callable[..., object] | None = None) -> None:
         with torch.inference_mode():
@@ -83,10 +93,16 @@ def decode_rows(vocab: int, repeats: int) -> list[tuple[str, str, float, float]]
     with_opd(step_forward)  # compiles (or loads inductor's cached kernels)
     first_call = time.perf_counter() - start
     eager_loop = median_seconds(with_opd, repeats)
-    return [("decode 32 tokens", "generate → opd loop", median_seconds(with_generate, repeats), eager_loop),
-            ("decode 32 tokens", "opd loop → compiled step", eager_loop,
-             median_seconds(lambda: with_opd(step_forward), repeats)),
-            ("  first compiled call", "(compilation)", float("nan"), first_call)]
+    return [
+        ("decode 32 tokens", "generate → opd loop", median_seconds(with_generate, repeats), eager_loop),
+        (
+            "decode 32 tokens",
+            "opd loop → compiled step",
+            eager_loop,
+            median_seconds(lambda: with_opd(step_forward), repeats),
+        ),
+        ("  first compiled call", "(compilation)", float("nan"), first_call),
+    ]
 
 
 def adam_rows(vocab: int, repeats: int) -> list[tuple[str, str, float, float]]:
@@ -97,8 +113,10 @@ def adam_rows(vocab: int, repeats: int) -> list[tuple[str, str, float, float]]:
     for name, kwargs in (("loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
         optimizer = torch.optim.AdamW(params, lr=1e-5, **kwargs)
         seconds[name] = median_seconds(optimizer.step, repeats * 5)
-    return [("AdamW step", "loop → fused", seconds["loop"], seconds["fused"]),
-            ("AdamW step", "foreach → fused", seconds["foreach"], seconds["fused"])]
+    return [
+        ("AdamW step", "loop → fused", seconds["loop"], seconds["fused"]),
+        ("AdamW step", "foreach → fused", seconds["foreach"], seconds["fused"]),
+    ]
 
 
 def loss_rows(vocab: int, repeats: int) -> list[tuple[str, str, float, float]]:
@@ -117,9 +135,15 @@ def loss_rows(vocab: int, repeats: int) -> list[tuple[str, str, float, float]]:
         def step() -> None:
             states = student_states.clone().requires_grad_()
             weight = student_weight.clone().requires_grad_()
-            loss, _ = loss_fn(LMHeadInput(states, weight, None), data, valid, ROWS,
-                              teacher_output=LMHeadInput(teacher_states, teacher_weight, None))
+            loss, _ = loss_fn(
+                LMHeadInput(states, weight, None),
+                data,
+                valid,
+                ROWS,
+                teacher_output=LMHeadInput(teacher_states, teacher_weight, None),
+            )
             loss.backward()
+
         return step
 
     eager = DistillationLossFn(divergence="jsd", jsd_beta=0.5, fused_lm_head=True, compile_kernels=False)
@@ -128,9 +152,15 @@ def loss_rows(vocab: int, repeats: int) -> list[tuple[str, str, float, float]]:
     start = time.perf_counter()
     compiled_step()  # compiles (or loads inductor's cached kernels)
     first_call = time.perf_counter() - start
-    return [("fused JSD loss fwd+bwd", "eager → compiled", median_seconds(step_with(eager), repeats),
-             median_seconds(compiled_step, repeats)),
-            ("  first compiled call", "(compilation)", float("nan"), first_call)]
+    return [
+        (
+            "fused JSD loss fwd+bwd",
+            "eager → compiled",
+            median_seconds(step_with(eager), repeats),
+            median_seconds(compiled_step, repeats),
+        ),
+        ("  first compiled call", "(compilation)", float("nan"), first_call),
+    ]
 
 
 def main() -> None:
@@ -146,8 +176,10 @@ def main() -> None:
             for kernel, change, before, after in rows(vocab, args.repeats):
                 ratio = after / before if before == before else float("nan")
                 before_text = f"{before * 1e3:10.3f}" if before == before else f"{'–':>10}"
-                print(f"{vocab:>8}  {kernel:<24}  {change:<26}  {before_text}  {after * 1e3:10.3f}  {ratio:6.2f}",
-                      flush=True)
+                print(
+                    f"{vocab:>8}  {kernel:<24}  {change:<26}  {before_text}  {after * 1e3:10.3f}  {ratio:6.2f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

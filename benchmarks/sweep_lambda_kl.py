@@ -27,6 +27,7 @@ Usage: ``python benchmarks/sweep_lambda_kl.py [--steps 150] [--time-budget-s 120
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -50,8 +51,9 @@ def run_opd(arguments: list[str], log_file: Path) -> None:
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "w", encoding="utf-8") as log:
-        status = subprocess.run([sys.executable, "-m", "opd", *arguments], stdout=log, stderr=subprocess.STDOUT,
-                                cwd=REPO, env=environment).returncode
+        status = subprocess.run(
+            [sys.executable, "-m", "opd", *arguments], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=environment
+        ).returncode
     if status != 0:
         tail = "\n".join(log_file.read_text(encoding="utf-8").splitlines()[-15:])
         raise RuntimeError(f"opd {' '.join(arguments[:3])} failed (exit {status}); log {log_file}:\n{tail}")
@@ -64,9 +66,13 @@ def common_overrides(output_dir: Path) -> list[str]:
     length in advance, so a decaying schedule would not be the same for both budgets.
     """
     return [
-        f"output_dir={output_dir}", "logger.console=false", "checkpointing.enabled=false",
+        f"output_dir={output_dir}",
+        "logger.console=false",
+        "checkpointing.enabled=false",
         "training.lr_scheduler=constant_with_warmup",
-        "training.val_freq=0", "validation.val_at_start=false", "validation.val_at_end=true",
+        "training.val_freq=0",
+        "validation.val_at_start=false",
+        "validation.val_at_end=true",
     ]
 
 
@@ -79,9 +85,20 @@ def budget_overrides(steps: int | None, seconds: float | None) -> list[str]:
 def test_metrics(config: Path, model_dir: Path, output_dir: Path, extra: list[str]) -> dict[str, float]:
     """Test-split accuracy and KL to the teacher of ``model_dir`` (``opd eval``)."""
     log_dir = output_dir / "test_eval"
-    run_opd(["eval", "--config", str(config), *extra, f"validation.model_path={model_dir}",
-             f"data.val_path={TASK / 'test.jsonl'}", "data.max_val_examples=null", f"logger.log_dir={log_dir}",
-             "logger.console=false"], output_dir / "test_eval.log")
+    run_opd(
+        [
+            "eval",
+            "--config",
+            str(config),
+            *extra,
+            f"validation.model_path={model_dir}",
+            f"data.val_path={TASK / 'test.jsonl'}",
+            "data.max_val_examples=null",
+            f"logger.log_dir={log_dir}",
+            "logger.console=false",
+        ],
+        output_dir / "test_eval.log",
+    )
     return json.loads((log_dir / "eval_metrics.json").read_text(encoding="utf-8"))
 
 
@@ -100,8 +117,9 @@ def summarise_run(output_dir: Path) -> dict[str, float]:
 
 def distillation_setting(name: str, overrides: list[str], budget: list[str], root: Path) -> dict:
     output_dir = root / name
-    run_opd(["train", "--config", str(CONFIG), *common_overrides(output_dir), *overrides, *budget],
-            root / f"{name}.log")
+    run_opd(
+        ["train", "--config", str(CONFIG), *common_overrides(output_dir), *overrides, *budget], root / f"{name}.log"
+    )
     result = summarise_run(output_dir)
     result["test_accuracy"] = test_metrics(CONFIG, output_dir / "final_model", output_dir, [])["val/accuracy"]
     return {"setting": name, **result}
@@ -119,6 +137,7 @@ def make_teacher_answers(prompts: int, root: Path) -> tuple[Path, float]:
         if meta["prompts"] == prompts and path.is_file():
             return path, meta["seconds"]
     import torch
+    from transformers import AutoModelForCausalLM
 
     from opd.algorithms.distillation_config import MasterConfig
     from opd.data.converters import load_prompt_template, math_cl_to_chat
@@ -126,13 +145,13 @@ def make_teacher_answers(prompts: int, root: Path) -> tuple[Path, float]:
     from opd.models.generation.hf_generation import HFGeneration
     from opd.models.loading import load_tokenizer
     from opd.utils.config import load_config
-    from transformers import AutoModelForCausalLM
 
     config = load_config(MasterConfig, str(CONFIG), [])
     tokenizer = load_tokenizer(config.model.teacher_model_path)
     teacher = AutoModelForCausalLM.from_pretrained(config.model.teacher_model_path, dtype=torch.float32).eval()
     template = load_prompt_template(REPO / config.data.prompt_file)
-    rows = [json.loads(line) for line, _ in zip(open(TASK / "train.jsonl", encoding="utf-8"), range(prompts))]
+    with open(TASK / "train.jsonl", encoding="utf-8") as handle:
+        rows = [json.loads(line) for line, _ in zip(handle, range(prompts))]
     examples = prepare_examples([math_cl_to_chat(row, template) for row in rows], tokenizer, None, "train.jsonl")
     generation = HFGeneration(teacher, tokenizer)
     start = time.perf_counter()
@@ -159,19 +178,34 @@ def sft_setting(name: str, answers: Path, budget: list[str], root: Path) -> dict
 
     demo = load_config(MasterConfig, str(CONFIG), [])
     output_dir = root / name
-    run_opd([
-        "sft", "--config", str(SFT_CONFIG), *common_overrides(output_dir), *budget,
-        f"model.model_path={demo.model.student_model_path}", f"data.train_path={answers}",
-        f"training.batch_size={demo.training.batch_size}", f"training.learning_rate={demo.training.learning_rate}",
-        f"training.warmup_steps={demo.training.warmup_steps}",
-        "training.num_epochs=1000",
-    ], root / f"{name}.log")
+    run_opd(
+        [
+            "sft",
+            "--config",
+            str(SFT_CONFIG),
+            *common_overrides(output_dir),
+            *budget,
+            f"model.model_path={demo.model.student_model_path}",
+            f"data.train_path={answers}",
+            f"training.batch_size={demo.training.batch_size}",
+            f"training.learning_rate={demo.training.learning_rate}",
+            f"training.warmup_steps={demo.training.warmup_steps}",
+            "training.num_epochs=1000",
+        ],
+        root / f"{name}.log",
+    )
     records = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines() if line]
     steps = [r for r in records if "train/loss" in r]
     # The distillation config's eval (same test split and decoding) also gives the KL to the teacher.
     metrics = test_metrics(CONFIG, output_dir / "final_model", output_dir, [])
-    return {"setting": name, "steps": len(steps), "train_seconds": sum(r.get("timing/step", 0.0) for r in steps),
-            "test_accuracy": metrics["val/accuracy"], "val_kl_forward": float("nan"), "val_kl_reverse": float("nan")}
+    return {
+        "setting": name,
+        "steps": len(steps),
+        "train_seconds": sum(r.get("timing/step", 0.0) for r in steps),
+        "test_accuracy": metrics["val/accuracy"],
+        "val_kl_forward": float("nan"),
+        "val_kl_reverse": float("nan"),
+    }
 
 
 def main() -> None:
@@ -197,18 +231,24 @@ def main() -> None:
 
     jobs = []
     for budget_name, steps, seconds in (("steps", args.steps, None), ("time", None, args.time_budget_s)):
+        budget = budget_overrides(steps, seconds)
         for lam in LAMBDAS:
             for kl in KL_TYPES:
                 name = f"{budget_name}/lambda{lam:g}_{kl}"
                 overrides = [f"distillation.lambda={lam}", f"loss_fn.kl_type={kl}"]
-                jobs.append((budget_name, lambda n=name, o=overrides, b=budget_overrides(steps, seconds):
-                             distillation_setting(n, o, b, args.out)))
+                jobs.append((budget_name, functools.partial(distillation_setting, name, overrides, budget, args.out)))
         if seconds is None:
             # The demo samples greedily; this row shows what temperature-1 sampling does instead.
-            jobs.append((budget_name, lambda b=budget_overrides(steps, None): distillation_setting(
-                "steps/lambda1_forward_temp1", ["distillation.lambda=1.0", "loss_fn.kl_type=forward",
-                                                "distillation.generate_strategy.decoding_method=top_p",
-                                                "distillation.generate_strategy.temperature=1.0"], b, args.out)))
+            temperature_1 = [
+                "distillation.lambda=1.0",
+                "loss_fn.kl_type=forward",
+                "distillation.generate_strategy.decoding_method=top_p",
+                "distillation.generate_strategy.temperature=1.0",
+            ]
+            setting = functools.partial(
+                distillation_setting, "steps/lambda1_forward_temp1", temperature_1, budget, args.out
+            )
+            jobs.append((budget_name, setting))
 
     def sft_both_budgets() -> list[dict]:
         """Equal steps first; its step time then sizes the equal-time run.
@@ -235,24 +275,38 @@ def main() -> None:
             for result in outcome if isinstance(outcome, list) else [outcome]:
                 result["budget"] = result["setting"].split("/", 1)[0]
                 results.append(result)
-                print(f"  done {result['setting']}: test accuracy {result['test_accuracy']:.3f} "
-                      f"after {result['steps']} steps", flush=True)
+                print(
+                    f"  done {result['setting']}: test accuracy {result['test_accuracy']:.3f} "
+                    f"after {result['steps']} steps",
+                    flush=True,
+                )
     (args.out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
 
     print()
-    print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-          f"{args.jobs} runs at a time (1 thread each); total {(time.perf_counter() - start) / 60:.1f} min")
-    print(f"equal steps = {args.steps} steps; equal wall-clock = {args.time_budget_s:g} s of training "
-          f"(the equal-time SFT row's train s include {per_prompt * 1000:.0f} ms of teacher generation per answer "
-          f"it trains on; the equal-steps row's exclude the {answer_seconds:.0f} s its answers took)")
-    header = f"{'setting':<28} {'budget':<6} {'steps':>6} {'train s':>8} {'test acc':>9} {'val KL fwd':>11} {'val KL rev':>11}"
+    print(
+        f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"{args.jobs} runs at a time (1 thread each); total {(time.perf_counter() - start) / 60:.1f} min"
+    )
+    print(
+        f"equal steps = {args.steps} steps; equal wall-clock = {args.time_budget_s:g} s of training "
+        f"(the equal-time SFT row's train s include {per_prompt * 1000:.0f} ms of teacher generation per answer "
+        f"it trains on; the equal-steps row's exclude the {answer_seconds:.0f} s its answers took)"
+    )
+    header = (
+        f"{'setting':<28} {'budget':<6} {'steps':>6} {'train s':>8} {'test acc':>9} {'val KL fwd':>11} "
+        f"{'val KL rev':>11}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
-        kl = "".join(f" {value:>11.4f}" if value == value else f" {'-':>11}"  # SFT has no teacher KL
-                     for value in (r["val_kl_forward"], r["val_kl_reverse"]))
-        print(f"{r['setting'].split('/', 1)[1]:<28} {r['budget']:<6} {r['steps']:>6} {r['train_seconds']:>8.0f} "
-              f"{r['test_accuracy']:>9.3f}{kl}")
+        kl = "".join(
+            f" {value:>11.4f}" if value == value else f" {'-':>11}"  # SFT has no teacher KL
+            for value in (r["val_kl_forward"], r["val_kl_reverse"])
+        )
+        print(
+            f"{r['setting'].split('/', 1)[1]:<28} {r['budget']:<6} {r['steps']:>6} {r['train_seconds']:>8.0f} "
+            f"{r['test_accuracy']:>9.3f}{kl}"
+        )
 
 
 if __name__ == "__main__":

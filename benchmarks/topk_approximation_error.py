@@ -105,13 +105,21 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=128, help="prompts from the test split (first N)")
     parser.add_argument("--seed", type=int, default=0, help="torch seed for sampling")
-    parser.add_argument("--decoding", choices=("sample", "greedy"), default="sample",
-                        help="sample: temperature 1, no top-k/top-p (the sampled-token estimator is "
-                             "unbiased only then); greedy: the student's arg-max responses")
+    parser.add_argument(
+        "--decoding",
+        choices=("sample", "greedy"),
+        default="sample",
+        help="sample: temperature 1, no top-k/top-p (the sampled-token estimator is "
+        "unbiased only then); greedy: the student's arg-max responses",
+    )
     parser.add_argument("--ks", default="1,8,64", help="comma-separated teacher top-k sizes")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts per generation / scoring batch")
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
-                        help="distillation config giving the models, data format and response length")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=DEFAULT_CONFIG,
+        help="distillation config giving the models, data format and response length",
+    )
     parser.add_argument("--output", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args()
     args.ks = sorted({int(k) for k in args.ks.split(",") if k.strip()})
@@ -130,8 +138,10 @@ def ensure_task_data() -> None:
 def load_test_prompts(config: MasterConfig, tokenizer, num_prompts: int) -> list[list[int]]:
     """Token ids of the first ``num_prompts`` test prompts, through opd's own chat-template path."""
     examples = load_chat_dataset(
-        str(TASK_DIR / "test.jsonl"), data_format=config.data.data_format,
-        prompt_file=config.data.prompt_file, max_examples=num_prompts,
+        str(TASK_DIR / "test.jsonl"),
+        data_format=config.data.data_format,
+        prompt_file=config.data.prompt_file,
+        max_examples=num_prompts,
     )
     prepared = prepare_examples(examples, tokenizer, config.data.max_prompt_length, "test split")
     return [example["prompt_ids"] for example in prepared]
@@ -162,13 +172,15 @@ def score_response_positions(model: torch.nn.Module, batch, vocab_size: int) -> 
 
 def response_position_mask(batch) -> torch.Tensor:
     """``[B, L - 1]`` bool: logit positions that predict a response token."""
-    token_mask = build_token_mask(batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1],
-                                  mask_prompt_tokens=True)
+    token_mask = build_token_mask(
+        batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1], mask_prompt_tokens=True
+    )
     return shift_token_mask(token_mask).bool()
 
 
-def collect_positions(teacher, student, tokenizer, prompts: list[list[int]], strategy: GenerateStrategyConfig,
-                      batch_size: int) -> tuple[ResponsePositions, float, float]:
+def collect_positions(
+    teacher, student, tokenizer, prompts: list[list[int]], strategy: GenerateStrategyConfig, batch_size: int
+) -> tuple[ResponsePositions, float, float]:
     """Student generates, both models score; returns the positions and (generation, scoring) seconds."""
     generator = HFGeneration(student, tokenizer)
     vocab_size = len(tokenizer)
@@ -177,7 +189,7 @@ def collect_positions(teacher, student, tokenizer, prompts: list[list[int]], str
     num_truncated = 0
     for start in range(0, len(prompts), batch_size):
         began = time.perf_counter()
-        batch = generator.generate(prompts[start:start + batch_size], strategy, num_samples=1)
+        batch = generator.generate(prompts[start : start + batch_size], strategy, num_samples=1)
         generation_seconds += time.perf_counter() - began
         num_truncated += int(batch["truncated"].sum())
 
@@ -187,8 +199,11 @@ def collect_positions(teacher, student, tokenizer, prompts: list[list[int]], str
         token_parts.append(batch["input_ids"][:, 1:][response_position_mask(batch)])
         scoring_seconds += time.perf_counter() - began
     positions = ResponsePositions(
-        student_logits=torch.cat(student_parts), teacher_logits=torch.cat(teacher_parts),
-        next_tokens=torch.cat(token_parts), num_sequences=len(prompts), num_truncated=num_truncated,
+        student_logits=torch.cat(student_parts),
+        teacher_logits=torch.cat(teacher_parts),
+        next_tokens=torch.cat(token_parts),
+        num_sequences=len(prompts),
+        num_truncated=num_truncated,
     )
     return positions, generation_seconds, scoring_seconds
 
@@ -214,7 +229,8 @@ def topk_estimates(positions: ResponsePositions, ks: list[int]) -> dict[tuple[st
         for tail, method in ((True, "tail"), (False, "renorm")):
             for kl_type in KL_TYPES:
                 estimates[(method, k, kl_type)] = topk_token_kl(
-                    positions.student_logits, top.values, top.indices, kl_type, MIXED_KL_WEIGHT, tail=tail)
+                    positions.student_logits, top.values, top.indices, kl_type, MIXED_KL_WEIGHT, tail=tail
+                )
     return estimates
 
 
@@ -255,13 +271,20 @@ def evaluate(positions: ResponsePositions, ks: list[int]) -> list[dict]:
     for kl_type in KL_TYPES:
         for method in ("tail", "renorm"):
             for k in ks:
-                rows.append({"kl_type": kl_type, "method": method, "k": k,
-                             **error_metrics(topk[(method, k, kl_type)], exact[kl_type])})
+                rows.append(
+                    {
+                        "kl_type": kl_type,
+                        "method": method,
+                        "k": k,
+                        **error_metrics(topk[(method, k, kl_type)], exact[kl_type]),
+                    }
+                )
         if kl_type == "reverse":
             rows.append({"kl_type": kl_type, "method": "sampled", "k": None, **error_metrics(sampled, exact[kl_type])})
         else:  # no one-log-prob-per-token estimator of the forward direction from student samples
-            rows.append({"kl_type": kl_type, "method": "sampled", "k": None,
-                         "mean_exact": exact[kl_type].mean().item()})
+            rows.append(
+                {"kl_type": kl_type, "method": "sampled", "k": None, "mean_exact": exact[kl_type].mean().item()}
+            )
     return rows
 
 
@@ -284,8 +307,10 @@ def describe_model(path: str) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """Aligned text table, one block per kl_type, with its exact mean in the block title."""
-    header = f"{'kl_type':<8} {'method':<8} {'k':>3} {'mean':>10} {'rel.err(mean)':>14} {'med|rel.err|':>13} " \
-             f"{'frac<0':>8} {'frac>exact':>10}"
+    header = (
+        f"{'kl_type':<8} {'method':<8} {'k':>3} {'mean':>10} {'rel.err(mean)':>14} {'med|rel.err|':>13} "
+        f"{'frac<0':>8} {'frac>exact':>10}"
+    )
     lines = [header, "-" * len(header)]
     for kl_type in KL_TYPES:
         block = [row for row in rows if row["kl_type"] == kl_type]
@@ -293,8 +318,9 @@ def format_table(rows: list[dict]) -> str:
         for row in block:
             k = "-" if row["k"] is None else str(row["k"])
             if "mean_approx" not in row:
-                lines.append(f"{kl_type:<8} {row['method']:<8} {k:>3} {'n/a':>10} {'n/a':>14} {'n/a':>13} "
-                             f"{'n/a':>8} {'n/a':>10}")
+                lines.append(
+                    f"{kl_type:<8} {row['method']:<8} {k:>3} {'n/a':>10} {'n/a':>14} {'n/a':>13} {'n/a':>8} {'n/a':>10}"
+                )
                 continue
             lines.append(
                 f"{kl_type:<8} {row['method']:<8} {k:>3} {row['mean_approx']:>10.5f} "
@@ -313,8 +339,10 @@ def summary_line(rows: list[dict], ks: list[int]) -> str:
         row = next(r for r in rows if r["kl_type"] == "reverse" and r["method"] == method and r["k"] == row_k)
         return row["signed_rel_err_of_mean"]
 
-    return (f"topk_error kl=reverse k={k} tail={signed('tail', k):+.4f} renorm={signed('renorm', k):+.4f} "
-            f"sampled={signed('sampled', None):+.4f}")
+    return (
+        f"topk_error kl=reverse k={k} tail={signed('tail', k):+.4f} renorm={signed('renorm', k):+.4f} "
+        f"sampled={signed('sampled', None):+.4f}"
+    )
 
 
 def main() -> None:
@@ -338,6 +366,7 @@ def main() -> None:
     # bf16 logits would add their own error to every row.
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
+
     transformers_logging.disable_progress_bar()  # keep the report free of loading bars
     teacher = AutoModelForCausalLM.from_pretrained(teacher_path, dtype=torch.float32).eval().requires_grad_(False)
     student = AutoModelForCausalLM.from_pretrained(student_path, dtype=torch.float32).eval().requires_grad_(False)
@@ -345,32 +374,51 @@ def main() -> None:
     prompts = load_test_prompts(config, tokenizer, args.num_prompts)
     strategy = decoding_strategy(args.decoding, config.distillation.generate_strategy.max_length)
     positions, generation_seconds, scoring_seconds = collect_positions(
-        teacher, student, tokenizer, prompts, strategy, args.batch_size)
+        teacher, student, tokenizer, prompts, strategy, args.batch_size
+    )
     began = time.perf_counter()
     rows = evaluate(positions, args.ks)
     estimator_seconds = time.perf_counter() - began
     total_seconds = time.perf_counter() - started
 
-    decoding = ("sample (temperature 1.0, no top-k/top-p)" if args.decoding == "sample" else "greedy") \
-        + f", max {strategy.max_length} new tokens, seed {args.seed}"
-    print(f"teacher: {describe_model(teacher_path)}; student: {describe_model(student_path)}; "
-          f"vocab {positions.student_logits.shape[-1]}")
-    print(f"{len(prompts)} test prompts, {positions.next_tokens.numel()} response tokens "
-          f"({positions.num_truncated} cut at the length limit); decoding {decoding}")
+    decoding = (
+        "sample (temperature 1.0, no top-k/top-p)" if args.decoding == "sample" else "greedy"
+    ) + f", max {strategy.max_length} new tokens, seed {args.seed}"
+    print(
+        f"teacher: {describe_model(teacher_path)}; student: {describe_model(student_path)}; "
+        f"vocab {positions.student_logits.shape[-1]}"
+    )
+    print(
+        f"{len(prompts)} test prompts, {positions.next_tokens.numel()} response tokens "
+        f"({positions.num_truncated} cut at the length limit); decoding {decoding}"
+    )
     print(f"torch {torch.__version__}, {cpu_name()}, {torch.get_num_threads()} threads; command: {command}")
-    print(f"time: generation {generation_seconds:.1f}s, scoring {scoring_seconds:.1f}s, "
-          f"estimators {estimator_seconds:.1f}s, total {total_seconds:.1f}s")
-    print("rel.err(mean) = (mean approx - mean exact) / mean exact; med|rel.err| over positions with exact > "
-          f"{RELATIVE_ERROR_FLOOR:g}; mixed = {MIXED_KL_WEIGHT} forward + {1 - MIXED_KL_WEIGHT} reverse")
+    print(
+        f"time: generation {generation_seconds:.1f}s, scoring {scoring_seconds:.1f}s, "
+        f"estimators {estimator_seconds:.1f}s, total {total_seconds:.1f}s"
+    )
+    print(
+        "rel.err(mean) = (mean approx - mean exact) / mean exact; med|rel.err| over positions with exact > "
+        f"{RELATIVE_ERROR_FLOOR:g}; mixed = {MIXED_KL_WEIGHT} forward + {1 - MIXED_KL_WEIGHT} reverse"
+    )
     print()
     print(format_table(rows))
     print()
     if output_path is not None:
         results = {
-            "teacher": teacher_path, "student": student_path, "num_prompts": len(prompts),
-            "num_response_tokens": positions.next_tokens.numel(), "num_truncated": positions.num_truncated,
-            "decoding": args.decoding, "seed": args.seed, "ks": args.ks, "torch": torch.__version__,
-            "cpu": cpu_name(), "command": command, "seconds": total_seconds, "rows": rows,
+            "teacher": teacher_path,
+            "student": student_path,
+            "num_prompts": len(prompts),
+            "num_response_tokens": positions.next_tokens.numel(),
+            "num_truncated": positions.num_truncated,
+            "decoding": args.decoding,
+            "seed": args.seed,
+            "ks": args.ks,
+            "torch": torch.__version__,
+            "cpu": cpu_name(),
+            "command": command,
+            "seconds": total_seconds,
+            "rows": rows,
         }
         output_path.parent.mkdir(parents=True, exist_ok=True)
         output_path.write_text(json.dumps(results, indent=2), encoding="utf-8")
