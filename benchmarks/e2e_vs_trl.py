@@ -41,16 +41,15 @@ How the comparison is made fair:
   ``gradient_checkpointing=True`` (``GKDConfig``'s default: activations are recomputed in
   the backward pass and ``GKDTrainer`` turns the KV cache off during generation), and
   **TRL gc-off** with ``gradient_checkpointing=False``, which does the same work as opd
-  (KV cache on, no recomputation). The machine-readable last line compares with TRL as
-  shipped, the line before it with TRL gc-off. opd keeps its own defaults (notably
-  ``loss_fn.fused_lm_head: true`` and ``generation.decode_loop: opd``) and turns on one
-  option that is off by default, ``generation.compile_decode: true`` (``torch.compile``
-  of the one-token decode step; it compiles during the warm-up steps, and pays off for
-  any run longer than a few dozen steps); validation and checkpoints are off.
+  (KV cache on, no recomputation);
+* opd also runs twice: **opd** with its own defaults (notably ``loss_fn.fused_lm_head:
+  true`` and ``generation.decode_loop: opd``), and **opd compiled** with the one option
+  that is off by default, ``generation.compile_decode: true`` (``torch.compile`` of the
+  one-token decode step). Validation and checkpoints are off in both.
 
-What is measured, per size, in fresh processes that alternate TRL, TRL gc-off, opd, …
-(``--rounds`` of each), each process running ``--warmup`` untimed and ``--steps`` timed
-steps:
+What is measured, per size, in fresh processes that alternate TRL, TRL gc-off, opd, opd
+compiled, … (``--rounds`` of each), each process running ``--warmup`` untimed and
+``--steps`` timed steps:
 
 * step time: the median over all timed steps of the framework's own step — TRL: a
   ``TrainerCallback`` from ``on_step_begin`` to ``on_step_end`` (generation, forward,
@@ -64,23 +63,35 @@ steps:
   including EOS) / step time, the median over steps, defined identically for both;
 * peak RSS: the process's ``VmHWM`` at the end of the last timed step (imports, models,
   optimizer state and the steps included); ``Δ train`` is the peak during the steps minus
-  the RSS just before the first one (the high-water mark is reset there).
+  the RSS just before the first one (the high-water mark is reset there);
+* compile seconds of ``compile_decode``, which the median step time leaves out: the
+  compilation happens in the first steps (mostly the warm-up, and once more whenever a
+  new shape appears, e.g. a single row left decoding). Per run, the one-time time is the
+  sum of all its step times (warm-up and timed) minus the number of steps times its
+  median step; the compile seconds are opd compiled's one-time time minus opd's, in the
+  same round (so first-call costs common to both cancel), the median over rounds. The
+  break-even point is the compile seconds over the per-step saving (opd's median step
+  minus opd compiled's): the number of steps after which a run with ``compile_decode``
+  has taken less time in all (none when compiling does not make a step faster).
 
 Overhead report: another kind of process times, at the same shapes, the essential parts
 of an opd step alone, without opd's driver — opd's decode loop (KV cache, same sampling,
-compiled step as in the opd runs; HF ``generate`` is timed next to it for reference),
+compiled step as in the opd compiled runs; HF ``generate`` is timed next to it for
+reference),
 the teacher's decoder forward to its final hidden states (``inference_mode``), and the
 student's forward + opd's fused JSD loss + backward + clipping + AdamW step — and prints
-opd's step time over their sum, next to opd's own per-phase timings. Once, untimed, it
+opd compiled's step time over their sum, next to its own per-phase timings. Once, untimed, it
 also checks on one batch that opd's loss equals TRL's ``generalized_jsd_loss`` (same
 weights, same tokens), i.e. that both runs optimise the same objective.
 
-The last two lines are machine-readable:
+The last lines are machine-readable:
 ``e2e opd/trl_gc_off step_time small=<ratio> qwen_vocab=<ratio> peak_rss small=<ratio> qwen_vocab=<ratio>``
-then the same with ``e2e opd/trl``.
+then the same with ``e2e opd/trl``, ``e2e opd_compiled/trl_gc_off`` and
+``e2e opd_compiled/trl``, then
+``e2e compile_decode compile_s small=<s> qwen_vocab=<s> break_even_steps small=<n> qwen_vocab=<n>``.
 
 Usage: ``python benchmarks/e2e_vs_trl.py [--steps 8] [--warmup 2] [--rounds 3]
-[--batch-size 4] [--max-new-tokens 32] [--sizes small,qwen_vocab]``. Nothing is
+[--batch-size 4] [--max-new-tokens 32] [--sizes small,qwen_vocab] [--smoke]``. Nothing is
 downloaded. Run it on an otherwise idle machine: times assume the cores are free.
 """
 
@@ -103,6 +114,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import parse_arguments
+
 QWEN_VOCAB = 151_669
 """Qwen2/2.5 vocabulary size used for the ``qwen_vocab`` model (its output layer width)."""
 SMALL_VOCAB_TARGET = 2048
@@ -117,9 +130,11 @@ LEARNING_RATE = 1e-5
 SEED = 42
 NUM_PROMPTS = 64
 SIZES = ("small", "qwen_vocab")
-FRAMEWORKS = ("trl", "trl_nogc", "opd")
-"""Alternated in this order: TRL as shipped, TRL with gradient checkpointing off, opd."""
-LABELS = {"trl": "TRL", "trl_nogc": "TRL gc-off", "opd": "opd"}
+FRAMEWORKS = ("trl", "trl_nogc", "opd", "opd_compiled")
+"""Alternated in this order: TRL as shipped, TRL with gradient checkpointing off, opd, opd with compile_decode."""
+OPD_RUNS = ("opd", "opd_compiled")
+TRL_RUNS = ("trl", "trl_nogc")
+LABELS = {"trl": "TRL", "trl_nogc": "TRL gc-off", "opd": "opd", "opd_compiled": "opd compiled"}
 MIB = 2**20
 
 
@@ -258,8 +273,8 @@ def _padded_qwen_tokenizer(small: Any) -> Any:
     return tokenizer
 
 
-def build_inputs(workdir: Path, prompt_tokens: int) -> dict[str, Any]:
-    """Builds data, tokenizers and models for both sizes under ``workdir``.
+def build_inputs(workdir: Path, prompt_tokens: int, sizes: list[str]) -> dict[str, Any]:
+    """Builds the data, and the tokenizers and models of ``sizes``, under ``workdir``.
 
     Returns:
         Facts for the header: vocabulary sizes, parameter counts, prompt count.
@@ -295,7 +310,8 @@ def build_inputs(workdir: Path, prompt_tokens: int) -> dict[str, Any]:
     data_path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
 
     facts: dict[str, Any] = {"num_prompts": len(rows)}
-    for size, tokenizer in (("small", small), ("qwen_vocab", _padded_qwen_tokenizer(small))):
+    for size in sizes:
+        tokenizer = small if size == "small" else _padded_qwen_tokenizer(small)
         for role, preset in (("student", STUDENT_PRESET), ("teacher", TEACHER_PRESET)):
             directory = workdir / size / role
             model = build_model_for_tokenizer(preset, tokenizer)
@@ -311,7 +327,7 @@ def build_inputs(workdir: Path, prompt_tokens: int) -> dict[str, Any]:
             reference = small(text, add_special_tokens=False)["input_ids"]
             if reloaded(text, add_special_tokens=False)["input_ids"] != reference:
                 raise SystemExit(f"{size}: the reloaded tokenizer tokenizes differently from the small one")
-    if facts["qwen_vocab_vocab"] != QWEN_VOCAB:
+    if "qwen_vocab" in sizes and facts["qwen_vocab_vocab"] != QWEN_VOCAB:
         raise SystemExit(f"qwen_vocab tokenizer has {facts['qwen_vocab_vocab']} tokens, expected {QWEN_VOCAB}")
     torch.manual_seed(SEED)
     return facts
@@ -468,8 +484,8 @@ def run_trl(args: argparse.Namespace, gradient_checkpointing: bool = True) -> di
     }
 
 
-def opd_config_tree(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
-    """The opd config equivalent to the TRL run (see the module docstring)."""
+def opd_config_tree(args: argparse.Namespace, run_dir: Path, compile_decode: bool) -> dict[str, Any]:
+    """The opd config equivalent to the TRL run (see the module docstring), with or without ``compile_decode``."""
     model_dir = Path(args.workdir) / args.size
     return {
         "output_dir": str(run_dir),
@@ -491,8 +507,8 @@ def opd_config_tree(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         },
         # temperature 1: TRL's compute_loss uses temperature 1 in the loss.
         "loss_fn": {"type": "jsd", "beta": JSD_BETA, "temperature": 1.0, "reduction": "mean"},
-        # Compiled during the warm-up steps; see the module docstring.
-        "generation": {"decode_loop": "opd", "compile_decode": True},
+        # Compiled in the first steps when on; see the module docstring.
+        "generation": {"decode_loop": "opd", "compile_decode": compile_decode},
         "training": {
             "batch_size": args.batch_size,
             "micro_batch_size": None,
@@ -523,8 +539,13 @@ def opd_config_tree(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def run_opd(args: argparse.Namespace) -> dict[str, Any]:
-    """One opd run; returns per-step timings (from metrics.jsonl), tokens and peak RSS."""
+def run_opd(args: argparse.Namespace, compile_decode: bool = False) -> dict[str, Any]:
+    """One opd run; returns per-step timings (from metrics.jsonl), tokens and peak RSS.
+
+    Args:
+        args: the worker's arguments.
+        compile_decode: ``generation.compile_decode`` (opd's default is off).
+    """
     import torch
 
     from opd.algorithms.distillation import distillation_train
@@ -532,8 +553,9 @@ def run_opd(args: argparse.Namespace) -> dict[str, Any]:
     from opd.algorithms.distillation_setup import setup
     from opd.utils.config import validate_config
 
-    run_dir = Path(args.workdir) / f"opd_out_{args.size}_{args.run_index}"
-    config = validate_config(MasterConfig, opd_config_tree(args, run_dir))
+    kind = "opd_compiled" if compile_decode else "opd"
+    run_dir = Path(args.workdir) / f"{kind}_out_{args.size}_{args.run_index}"
+    config = validate_config(MasterConfig, opd_config_tree(args, run_dir, compile_decode))
     parts = setup(config)
     logger = parts.logger
     total_steps = args.warmup + args.steps
@@ -573,6 +595,7 @@ def run_opd(args: argparse.Namespace) -> dict[str, Any]:
         )
     return {
         "records": records[args.warmup :],
+        "all_step_seconds": [record["step"] for record in records],  # warm-up included: the compile time
         "generation_use_cache": True,
         "threads": torch.get_num_threads(),
         **memory,
@@ -582,11 +605,11 @@ def run_opd(args: argparse.Namespace) -> dict[str, Any]:
 def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     """Times the essential parts of an opd step alone, at the benchmark's shapes.
 
-    Generation: opd's decode loop with the compiled step (what the opd runs use), and HF
-    ``generate`` on the same prompts for reference, both with the KV cache and the same
-    sampling. Teacher: its
-    decoder forward to the final hidden states under ``inference_mode`` (opd's fused loss
-    applies the teacher's head inside the loss). Student: decoder forward, opd's fused
+    Generation: opd's decode loop with the compiled step (what the opd compiled runs use),
+    stopping at the stop ids opd's generation uses, and HF ``generate`` on the same prompts
+    for reference, both with the KV cache and the same sampling. Teacher: its decoder
+    forward to the final hidden states under ``inference_mode`` (opd's fused loss applies
+    the teacher's head inside the loss). Student: decoder forward, opd's fused
     JSD loss (both heads, the divergence; compiled kernels as opd's default), backward,
     clipping and a fused AdamW step.
     """
@@ -599,6 +622,7 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     from opd.data.sequences import attention_mask_from_lengths, build_token_mask, encode_prompt, shift_token_mask
     from opd.models.generation.config import GenerateStrategyConfig
     from opd.models.generation.decode_loop import compile_decode_step, decode
+    from opd.models.generation.stop_tokens import is_stop, stop_token_ids
     from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of
 
     torch.manual_seed(SEED)
@@ -621,9 +645,12 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         fused_lm_head=True,
         compile_kernels=resolve_compile_kernels("auto", "cpu"),
     )
-    step_forward = compile_decode_step(student)  # compiled in the warm-up steps, as in the opd runs
+    step_forward = compile_decode_step(student)  # compiled in the warm-up steps, as in the opd compiled runs
     prompts = [encode_prompt(tokenizer, row["messages"][:1]) for row in _read_rows(workdir)]
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id
+    # What opd's generation stops at: the tokenizer's EOS and the generation config's.
+    stops = stop_token_ids(tokenizer, student)
+    stop_ids = torch.tensor(stops, dtype=torch.long)
     strategy = GenerateStrategyConfig(
         max_length=args.max_new_tokens, temperature=args.temperature, decoding_method="top_p", top_p=1.0
     )
@@ -640,14 +667,14 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         with torch.inference_mode():
             new, _ = decode(
-                student, left, attention, strategy, eos, pad, return_logprobs=False, step_forward=step_forward
+                student, left, attention, strategy, stops, pad, return_logprobs=False, step_forward=step_forward
             )
         generation = time.perf_counter() - start
 
-        # Right-padded [prompt | response to first EOS | pad], as opd trains on (untimed glue).
+        # Right-padded [prompt | response to its first stop token | pad], as opd trains on (untimed glue).
         new = new.clone()
-        is_eos = new == eos
-        lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full((new.shape[0],), new.shape[1]))
+        stopped = is_stop(new, stop_ids)
+        lengths = torch.where(stopped.any(1), stopped.int().argmax(1) + 1, torch.full((new.shape[0],), new.shape[1]))
         prompt_lengths = torch.tensor([len(p) for p in batch_prompts])
         input_lengths = prompt_lengths + lengths
         ids = torch.full((len(batch_prompts), int(input_lengths.max())), pad, dtype=torch.long)
@@ -705,7 +732,7 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
                 top_p=1.0,
                 use_cache=True,
                 pad_token_id=pad,
-                eos_token_id=eos,
+                eos_token_id=list(stops),
             )
         hf_generate_seconds = time.perf_counter() - start
 
@@ -761,7 +788,18 @@ def run_trl_without_checkpointing(args: argparse.Namespace) -> dict[str, Any]:
     return run_trl(args, gradient_checkpointing=False)
 
 
-WORKERS = {"trl": run_trl, "trl_nogc": run_trl_without_checkpointing, "opd": run_opd, "parts": run_parts}
+def run_opd_compiled(args: argparse.Namespace) -> dict[str, Any]:
+    """opd with ``generation.compile_decode: true``."""
+    return run_opd(args, compile_decode=True)
+
+
+WORKERS = {
+    "trl": run_trl,
+    "trl_nogc": run_trl_without_checkpointing,
+    "opd": run_opd,
+    "opd_compiled": run_opd_compiled,
+    "parts": run_parts,
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -806,7 +844,7 @@ def _spawn(kind: str, size: str, run_index: int, args: argparse.Namespace, workd
         raise SystemExit(f"worker {kind}/{size} failed (exit {completed.returncode}):\n{tail}")
     result = json.loads(out.read_text(encoding="utf-8"))
     result["process_s"] = seconds
-    print(f"  {kind:<8} {size:<10} run {run_index}: {seconds:5.1f} s", flush=True)
+    print(f"  {kind:<12} {size:<10} run {run_index}: {seconds:5.1f} s", flush=True)
     return result
 
 
@@ -834,6 +872,33 @@ def _summarise(results: list[dict[str, Any]]) -> dict[str, float]:
         "steps": len(records),
         "kv_cache": all(result["generation_use_cache"] for result in results),
         "threads": results[0]["threads"],
+    }
+
+
+def _one_time_seconds(result: dict[str, Any]) -> float:
+    """What an opd run spent beyond its steady pace: Σ of all its step times − their number × its median timed step."""
+    seconds = result["all_step_seconds"]
+    return sum(seconds) - len(seconds) * _median([record["step"] for record in result["records"]])
+
+
+def _compile_cost(runs: dict[str, list[dict[str, Any]]], summary: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """``compile_decode``'s compile seconds (median and per round) and the steps after which it pays off.
+
+    Args:
+        runs: one size's results per framework, rounds in order.
+        summary: that size's summaries per framework.
+    """
+    per_round = [
+        _one_time_seconds(compiled) - _one_time_seconds(eager)
+        for eager, compiled in zip(runs["opd"], runs["opd_compiled"], strict=True)
+    ]
+    compile_s = statistics.median(per_round)
+    saving = summary["opd"]["step"] - summary["opd_compiled"]["step"]
+    return {
+        "compile_s": compile_s,
+        "per_round": per_round,
+        "saving": saving,
+        "break_even": compile_s / saving if saving > 0 else float("inf"),
     }
 
 
@@ -889,7 +954,7 @@ def main(args: argparse.Namespace) -> None:
         print(line)
     with tempfile.TemporaryDirectory(prefix="opd_e2e_") as tmp:
         workdir = Path(tmp)
-        facts = build_inputs(workdir, args.prompt_tokens)
+        facts = build_inputs(workdir, args.prompt_tokens, sizes)
         print(
             f"# setup: λ=1, JSD β={JSD_BETA} (loss temperature 1), sampling temperature {args.temperature} "
             f"top_k off top_p 1.0, max_new_tokens {args.max_new_tokens}, batch {args.batch_size}, "
@@ -911,18 +976,20 @@ def main(args: argparse.Namespace) -> None:
             "# TRL = GKDTrainer with its defaults (gradient_checkpointing=True: activations recomputed in backward "
             "and the KV cache off in generation); TRL gc-off = the same with gradient_checkpointing=False "
             "(equal work to opd). Both: bf16=False (fp32 like opd), TRL's default fused AdamW. "
-            "opd: its defaults + generation.compile_decode=true"
+            "opd: its defaults; opd compiled: its defaults + generation.compile_decode=true"
         )
         print("runs:", flush=True)
 
         summaries: dict[str, dict[str, dict[str, float]]] = {}
+        compile_costs: dict[str, dict[str, Any]] = {}
         parts: dict[str, dict[str, Any]] = {}
         for size in sizes:
             runs: dict[str, list[dict[str, Any]]] = {framework: [] for framework in FRAMEWORKS}
             for round_index in range(args.rounds):
-                for framework in FRAMEWORKS:  # alternating: trl, trl_nogc, opd, trl, ...
+                for framework in FRAMEWORKS:  # alternating: trl, trl_nogc, opd, opd_compiled, trl, ...
                     runs[framework].append(_spawn(framework, size, round_index, args, workdir))
             summaries[size] = {framework: _summarise(runs[framework]) for framework in FRAMEWORKS}
+            compile_costs[size] = _compile_cost(runs, summaries[size])
             if not args.skip_parts:
                 parts[size] = _spawn("parts", size, 0, args, workdir)
 
@@ -942,9 +1009,13 @@ def main(args: argparse.Namespace) -> None:
         "peak RSS",
         "Δ train",
     )
-    print("  ".join(f"{column:>10}" for column in columns))
+    widths = [10, 23] + [10] * (len(columns) - 2)
+
+    def row(cells: list[str]) -> str:
+        return "  ".join(f"{cell:>{width}}" for cell, width in zip(cells, widths))
+
+    print(row(list(columns)))
     for size in sizes:
-        opd = summaries[size]["opd"]
         for framework in FRAMEWORKS:
             summary = summaries[size][framework]
             cells = [
@@ -961,7 +1032,7 @@ def main(args: argparse.Namespace) -> None:
                 _fmt(summary["peak_rss_mib"], 0),
                 _fmt(summary["train_delta_mib"], 0),
             ]
-            print("  ".join(f"{cell:>10}" for cell in cells))
+            print(row(cells))
         ratio_keys = (
             "step",
             "loop",
@@ -974,12 +1045,14 @@ def main(args: argparse.Namespace) -> None:
             "peak_rss_mib",
             "train_delta_mib",
         )
-        for framework in ("trl", "trl_nogc"):
-            other = summaries[size][framework]
-            cells = [size, f"opd/{LABELS[framework]}"] + [
-                _fmt(opd[key] / other[key] if other[key] else float("nan"), 2) for key in ratio_keys
-            ]
-            print("  ".join(f"{cell:>10}" for cell in cells))
+        for opd_run in OPD_RUNS:
+            opd = summaries[size][opd_run]
+            for framework in TRL_RUNS:
+                other = summaries[size][framework]
+                cells = [size, f"{LABELS[opd_run]}/{LABELS[framework]}"] + [
+                    _fmt(opd[key] / other[key] if other[key] else float("nan"), 2) for key in ratio_keys
+                ]
+                print(row(cells))
     for size in sizes:
         described = "; ".join(
             f"{LABELS[framework]}: {summary['steps']} timed steps, prompt tokens/row {summary['prompt_length']:.1f}, "
@@ -988,11 +1061,33 @@ def main(args: argparse.Namespace) -> None:
         )
         print(f"# {size}: {described}")
 
+    print()
+    print(
+        "compile_decode: compile seconds outside the timed steps (opd compiled's one-time time minus opd's, "
+        "median over rounds) and the steps after which compiling pays off"
+    )
+    for size in sizes:
+        cost = compile_costs[size]
+        rounds = ", ".join(f"{seconds:.1f}" for seconds in cost["per_round"])
+        pays_off = (
+            f"pays off after {cost['break_even']:.0f} steps"
+            if cost["saving"] > 0
+            else "never pays off (no step saving)"
+        )
+        print(
+            f"  {size}: compile {cost['compile_s']:.1f} s (per round: {rounds}); step "
+            f"{summaries[size]['opd_compiled']['step']:.3f} s compiled vs {summaries[size]['opd']['step']:.3f} s "
+            f"without (saves {cost['saving']:.4f} s a step): {pays_off}"
+        )
+
     if parts:
         print()
-        print("opd overhead: essential parts timed alone at the same shapes (median s) vs opd's own phase timings")
+        print(
+            "opd overhead: essential parts timed alone at the same shapes (median s) vs opd compiled's own phase "
+            "timings"
+        )
         for size in sizes:
-            opd, part = summaries[size]["opd"], parts[size]["times"]
+            opd, part = summaries[size]["opd_compiled"], parts[size]["times"]
             opd_loss, trl_loss = parts[size]["opd_loss"], parts[size]["trl_loss"]
             print(
                 f"  {size}: objective check on one batch: opd loss {opd_loss:.6f}, TRL generalized_jsd_loss "
@@ -1019,19 +1114,34 @@ def main(args: argparse.Namespace) -> None:
         + ("; WARNING: the machine was not idle, timings are unreliable" if foreign > 0.05 * wall else "")
     )
 
-    def ratio(size: str, key: str, trl: str) -> str:
+    def ratio(size: str, key: str, opd_run: str, trl: str) -> str:
         if size not in summaries:
             return "nan"
-        return f"{summaries[size]['opd'][key] / summaries[size][trl][key]:.3f}"
+        return f"{summaries[size][opd_run][key] / summaries[size][trl][key]:.3f}"
 
-    # Against TRL with gradient checkpointing off (equal work), then the headline against
+    # Each opd run against TRL with gradient checkpointing off (equal work), then against
     # TRL as shipped, which is what a user gets from GKDConfig's defaults.
-    for trl, name in (("trl_nogc", "trl_gc_off"), ("trl", "trl")):
-        print(
-            f"e2e opd/{name} step_time small={ratio('small', 'step', trl)} "
-            f"qwen_vocab={ratio('qwen_vocab', 'step', trl)} peak_rss small={ratio('small', 'peak_rss_mib', trl)} "
-            f"qwen_vocab={ratio('qwen_vocab', 'peak_rss_mib', trl)}"
-        )
+    for opd_run in OPD_RUNS:
+        for trl, name in (("trl_nogc", "trl_gc_off"), ("trl", "trl")):
+            print(
+                f"e2e {opd_run}/{name} step_time small={ratio('small', 'step', opd_run, trl)} "
+                f"qwen_vocab={ratio('qwen_vocab', 'step', opd_run, trl)} "
+                f"peak_rss small={ratio('small', 'peak_rss_mib', opd_run, trl)} "
+                f"qwen_vocab={ratio('qwen_vocab', 'peak_rss_mib', opd_run, trl)}"
+            )
+
+    def cost(size: str, key: str, digits: int) -> str:
+        return _fmt(compile_costs[size][key], digits) if size in compile_costs else "nan"
+
+    print(
+        f"e2e compile_decode compile_s small={cost('small', 'compile_s', 1)} "
+        f"qwen_vocab={cost('qwen_vocab', 'compile_s', 1)} break_even_steps small={cost('small', 'break_even', 0)} "
+        f"qwen_vocab={cost('qwen_vocab', 'break_even', 0)}"
+    )
+
+
+SMOKE = {"sizes": "small", "rounds": 1, "warmup": 1, "steps": 1, "batch_size": 2, "max_new_tokens": 4}
+"""``--smoke``: one round of one warm-up and one timed step per framework at the 2k vocabulary."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1053,7 +1163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--run-index", type=int, default=0, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    return parse_arguments(parser, SMOKE, argv)
 
 
 if __name__ == "__main__":
