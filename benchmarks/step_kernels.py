@@ -20,8 +20,9 @@ disturbed). Rows, at the two vocabularies of ``e2e_vs_trl.py`` (2,048 and Qwen's
 Each cell is the median of ``--repeats`` timed calls after one untimed call. The ratio
 column is opd's choice over the alternative (lower is better).
 
-Usage: ``python benchmarks/step_kernels.py [--repeats 7]`` (about 2 minutes, most of it
-compiling).
+Usage: ``python benchmarks/step_kernels.py [--repeats 7] [--vocabularies 2048,151669] [--smoke]``
+(about 2 minutes, most of it compiling; ``--smoke``: one timed call per cell at a
+512-entry vocabulary).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness import parse_arguments
 from timing import median_seconds
 
 from opd.algorithms.loss_functions import DistillationLossFn
@@ -67,7 +69,7 @@ def decode_rows(vocab: int, repeats: int) -> list[tuple[str, str, float, float]]
     prompts = torch.randint(10, 200, (ROWS, PROMPT_TOKENS))
     mask = torch.ones_like(prompts)
     strategy = GenerateStrategyConfig(max_length=NEW_TOKENS, temperature=0.9, decoding_method="top_p", top_p=1.0)
-    never = -1  # no EOS: every row runs the full budget in both loops
+    no_stop: tuple[int, ...] = ()  # every row runs the full budget in both loops
 
     def with_generate() -> None:
         with torch.inference_mode():
@@ -86,7 +88,7 @@ def decode_rows(vocab: int, repeats: int) -> list[tuple[str, str, float, float]]
 
     def with_opd(step_forward: Callable[..., object] | None = None) -> None:
         with torch.inference_mode():
-            decode(model, prompts, mask, strategy, never, 0, return_logprobs=False, step_forward=step_forward)
+            decode(model, prompts, mask, strategy, no_stop, 0, return_logprobs=False, step_forward=step_forward)
 
     step_forward = compile_decode_step(model)
     start = time.perf_counter()
@@ -166,12 +168,18 @@ def loss_rows(vocab: int, repeats: int) -> list[tuple[str, str, float, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per cell (draw/AdamW use more)")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--vocabularies",
+        default=",".join(str(vocab) for vocab in VOCABULARIES),
+        type=lambda text: [int(vocab) for vocab in text.split(",") if vocab.strip()],
+        help="comma-separated vocabulary sizes",
+    )
+    args = parse_arguments(parser, {"repeats": 1, "vocabularies": [512]})
     torch.manual_seed(0)
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; command: python {' '.join(sys.argv)}")
     header = f"{'vocab':>8}  {'kernel':<24}  {'alternative → opd':<26}  {'before ms':>10}  {'opd ms':>10}  {'ratio':>6}"
     print(header)
-    for vocab in VOCABULARIES:
+    for vocab in args.vocabularies:
         for rows in (draw_rows, decode_rows, adam_rows, loss_rows):
             for kernel, change, before, after in rows(vocab, args.repeats):
                 ratio = after / before if before == before else float("nan")
