@@ -246,15 +246,16 @@ def distillation_train(
             config.validation.teacher_topk,
         )
 
-    def baselines() -> None:
+    def baselines() -> dict[str, float]:
         """Once, on a fresh run: the teacher's answers (with its context, if any) and the eval baseline."""
         if val_dataloader is None or teacher_generation is None:
-            return
+            return {}
         if config.validation.eval_baseline:  # the student answers too: from its current weights
             refresh_generation()
         metrics = validation_baselines(student_generation, teacher_generation, val_dataloader, tokenizer, config)
         if metrics:
             logger.log_metrics(metrics, 0, console_keys=list(metrics))
+        return metrics
 
     run_training_loop(
         policy=student_policy,

@@ -211,6 +211,19 @@ class MasterConfig(RunConfig):
             for index, member in enumerate(self.teachers.members)
         ]
 
+    def validation_metrics(self) -> tuple[str, ...]:
+        """The metrics a distillation run's validation reports: the student's, and its KLs to the teacher."""
+        return (*super().validation_metrics(), "val/kl_forward", "val/kl_reverse")
+
+    def teacher_target_problem(self) -> str | None:
+        """``training.early_stop.target = teacher`` reaches the teacher baseline's value, so that must run."""
+        if self.validation.teacher_baseline:
+            return None
+        return (
+            "training.early_stop.target = teacher reaches the teacher's own validation value, which "
+            "validation.teacher_baseline measures; set validation.teacher_baseline = true"
+        )
+
     @model_validator(mode="after")
     def _check_across_sections(self) -> MasterConfig:
         """Combinations that span sections (each message names the keys that conflict)."""

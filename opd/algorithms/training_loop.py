@@ -9,11 +9,13 @@ around the step lives here, once:
 * per step: counters, the non-finite guard, logging;
 * every ``val_freq`` / ``save_freq`` steps: validation (with best-metric tracking) and
   atomic checkpoints;
+* ``training.early_stop``: the end of the run when a validation metric stops improving
+  or reaches its target (:mod:`opd.algorithms.early_stop`);
 * SIGINT / SIGTERM: finish the step, checkpoint, exit cleanly;
 * at the end: final validation, last checkpoint, ``final_model/`` written atomically.
 
 The config object only needs the sections both algorithms share: ``output_dir``,
-``training`` (``val_freq``, ``save_freq``, ``max_consecutive_nonfinite_steps``),
+``training`` (``val_freq``, ``save_freq``, ``max_consecutive_nonfinite_steps``, ``early_stop``),
 ``validation`` (``val_at_start``, ``val_at_end``) and ``checkpointing``.
 """
 
@@ -30,11 +32,19 @@ from pathlib import Path
 from typing import Any, Protocol, TypedDict
 
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from opd.algorithms.early_stop import (
+    TEACHER_PREFIX,
+    EarlyStopConfig,
+    EarlyStopState,
+    fresh_early_stop_state,
+    observe,
+)
 from opd.algorithms.validation import ValidationConfig
+from opd.data.config import DataConfig
 from opd.models.config import OptimizerConfig
 from opd.models.interfaces import PolicyInterface
 from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager, reading_checkpoint
@@ -65,6 +75,10 @@ class TrainingLoopConfig(OptimizerConfig):
     max_consecutive_nonfinite_steps: int = Field(
         5, ge=1, description="stop after this many steps in a row with a NaN/inf loss or gradient"
     )
+    early_stop: EarlyStopConfig | None = Field(
+        None,
+        description="end the run when a validation metric stops improving or reaches a target; null = off",
+    )
     seed: int = 42
 
 
@@ -79,6 +93,8 @@ class RunSaveState(TypedDict):
     consecutive_nonfinite_steps: int
     train_time_s: float
     """Seconds spent in optimizer steps so far (validation and checkpoints excluded)."""
+    early_stop: EarlyStopState
+    """The counters of ``training.early_stop`` (kept also while it is off)."""
 
 
 def fresh_save_state() -> RunSaveState:
@@ -91,6 +107,7 @@ def fresh_save_state() -> RunSaveState:
         "best_step": None,
         "consecutive_nonfinite_steps": 0,
         "train_time_s": 0.0,
+        "early_stop": fresh_early_stop_state(),
     }
 
 
@@ -99,8 +116,45 @@ class RunConfig(StrictConfig):
 
     output_dir: str
     training: TrainingLoopConfig
+    data: DataConfig
     validation: ValidationConfig
     checkpointing: CheckpointingConfig
+
+    def validation_metrics(self) -> tuple[str, ...]:
+        """The metrics this algorithm's validation reports (without a teacher: no KL)."""
+        return ("val/accuracy", "val/mean_response_length", "val/truncation_rate")
+
+    def teacher_target_problem(self) -> str | None:
+        """Why ``training.early_stop.target = teacher`` has no teacher value to reach, or None."""
+        return (
+            "training.early_stop.target = teacher compares with a teacher's validation, which this run has "
+            "none of; give a number"
+        )
+
+    @model_validator(mode="after")
+    def _check_early_stop(self) -> RunConfig:
+        """``training.early_stop`` needs periodic validation and a metric (and teacher value) the run has."""
+        rule = self.training.early_stop
+        if rule is None:
+            return self
+        problem = rule.problem()
+        if problem is None and rule.metric not in self.validation_metrics():
+            problem = (
+                f"training.early_stop.metric = {rule.metric} is not reported by this run's validation "
+                f"({', '.join(self.validation_metrics())})"
+            )
+        if problem is None and self.training.val_freq == 0:
+            problem = "training.early_stop acts at the periodic validations; set training.val_freq > 0"
+        if problem is None and not self.data.has_validation:
+            problem = (
+                "training.early_stop watches validation, but there is no validation data; "
+                "set data.val_path or data.val_holdout"
+            )
+        if problem is None and rule.target == "teacher":
+            problem = self.teacher_target_problem()
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
 
 NextBatch = Callable[[], list[Any]]
@@ -144,7 +198,7 @@ def run_training_loop(
     config: RunConfig,
     train_step: StepFn,
     validate: ValidateFn | None,
-    before_first_step: Callable[[], None] | None = None,
+    before_first_step: Callable[[], dict[str, float]] | None = None,
     algorithm_rng: random.Random | None = None,
     console_keys: list[str] | None = None,
     in_flight: InFlight | None = None,
@@ -163,7 +217,9 @@ def run_training_loop(
         train_step: one optimizer step on a batch.
         validate: validation, or None when there is no validation data.
         before_first_step: runs once on a fresh (not resumed) run, before the start
-            validation (e.g. a teacher baseline).
+            validation (e.g. a teacher baseline); returns the metrics it logged (the
+            teacher's ``val/teacher_*`` values are the targets of ``early_stop.target:
+            teacher``).
         algorithm_rng: an algorithm's own generator (the λ coin), checkpointed with the rest.
         console_keys: step metrics shown on the console.
         in_flight: work started ahead of its step (an asynchronous rollout schedule),
@@ -172,6 +228,8 @@ def run_training_loop(
 
     Raises:
         TrainingDivergedError: after ``max_consecutive_nonfinite_steps`` skipped steps.
+        ConfigError: ``training.early_stop`` watches a metric the run's validation (or,
+            for ``target: teacher``, the teacher baseline) did not report.
         WorkerError: a distributed run lost a worker; the message names the role, the
             rank and the newest complete checkpoint.
     """
@@ -196,10 +254,11 @@ def run_training_loop(
     # Records past the resumed step belong to steps that are about to be re-run.
     logger.truncate_after(state["step"])
     if state["step"] == 0:
-        if before_first_step is not None:
-            before_first_step()
+        run.note_baselines(before_first_step() if before_first_step is not None else {})
         if config.validation.val_at_start:
-            run.validate(0)
+            run.check_early_stop(run.validate(0), 0)
+    else:
+        run.check_teacher_target()
     try:
         with GracefulStop() as stop:
             while state["step"] < run.total_steps and not stop.requested:
@@ -249,12 +308,78 @@ class _TrainingRun:
         self.time_budget = config.training.max_train_time_s
         self.final_dir = Path(config.output_dir) / "final_model"
         self.last_validation: tuple[int, dict[str, float]] | None = None
+        self.early_stop = config.training.early_stop
 
     def is_complete(self) -> bool:
-        """Whether the run already took all its steps (or ran out of its time budget)."""
+        """Whether the run already took all its steps (or ran out of its time budget, or stopped early)."""
         if self.time_budget is not None and self.state["train_time_s"] >= self.time_budget:
             self.total_steps = self.state["step"]  # a run that ended on its time budget is complete
+        if self.early_stop is not None and self.state["early_stop"]["stopped"]:
+            self.total_steps = self.state["step"]  # so is one that training.early_stop ended
         return self.state["step"] >= self.total_steps
+
+    def note_baselines(self, metrics: dict[str, float]) -> None:
+        """Keeps the teacher's value of the watched metric, the target of ``early_stop.target: teacher``.
+
+        Raises:
+            ConfigError: the teacher baseline did not report that metric.
+        """
+        rule = self.early_stop
+        if rule is None or rule.target != "teacher":
+            return
+        key = TEACHER_PREFIX + rule.metric.removeprefix("val/")
+        value = metrics.get(key)
+        if value is None or not math.isfinite(value):
+            self.logger.close()
+            raise ConfigError(
+                f"training.early_stop.target = teacher: the teacher baseline reported no finite {key} "
+                f"(got {value}); give a number as the target"
+            )
+        self.state["early_stop"]["teacher_value"] = value
+        log.info("training.early_stop: the target is the teacher's %s = %.4g", key, value)
+
+    def check_teacher_target(self) -> None:
+        """On resume: warns when ``target: teacher`` has no teacher value in the checkpoint."""
+        rule = self.early_stop
+        if rule is not None and rule.target == "teacher" and self.state["early_stop"]["teacher_value"] is None:
+            log.warning(
+                "training.early_stop.target = teacher: checkpoint step_%d holds no teacher value (the run started "
+                "without it); only the patience applies",
+                self.state["step"],
+            )
+
+    def check_early_stop(self, metrics: dict[str, float] | None, step: int) -> bool:
+        """Counts a validation for ``training.early_stop``; returns whether the run stops at ``step``.
+
+        The validation before the first step only sets the first best. A stop is logged
+        as one line and as an ``early_stop/*`` record of ``metrics.jsonl``.
+
+        Raises:
+            ConfigError: the validation did not report the watched metric.
+        """
+        rule = self.early_stop
+        if rule is None or metrics is None:
+            return False
+        value = metrics.get(rule.metric)
+        if value is None:
+            self.logger.close()
+            reported = ", ".join(sorted(key for key in metrics if key.startswith("val/")))
+            hint = "; val/accuracy needs ground truth in the validation data" if rule.metric == "val/accuracy" else ""
+            raise ConfigError(
+                f"training.early_stop.metric = {rule.metric}: validation at step {step} did not report it "
+                f"(it reported {reported}){hint}"
+            )
+        reason = observe(rule, self.state["early_stop"], value, step, judge=step > 0)
+        if reason is None:
+            return False
+        log.info("training.early_stop: %s; stopping after step %d of %d", reason, step, self.total_steps)
+        best = self.state["early_stop"]["best"]
+        record: dict[str, Any] = {"early_stop/stopped": 1, "early_stop/value": value, "early_stop/reason": reason}
+        if best is not None:
+            record["early_stop/best"] = best
+        self.logger.log_metrics(record, step, console_keys=[])
+        self.total_steps = step
+        return True
 
     def finish_complete_run(self) -> None:
         """A rerun of a finished run: writes the final model if a kill came between it and the last checkpoint."""
@@ -309,7 +434,7 @@ class _TrainingRun:
             self.total_steps = step
         is_last = step >= self.total_steps
         if training.val_freq and step % training.val_freq == 0 and not is_last:
-            self.validate(step)
+            is_last = self.check_early_stop(self.validate(step), step)
         if self.config.checkpointing.enabled and training.save_freq and step % training.save_freq == 0 and not is_last:
             self.save(step)
         return is_last
@@ -326,16 +451,17 @@ class _TrainingRun:
                 "or check the data; raise training.max_consecutive_nonfinite_steps to tolerate more."
             )
 
-    def validate(self, step: int) -> None:
-        """Runs validation (if any), tracks the best metric and logs."""
+    def validate(self, step: int) -> dict[str, float] | None:
+        """Runs validation (if any), tracks the best metric and logs; returns the metrics (None: no validation)."""
         if self.validate_fn is None:
-            return
+            return None
         start = time.perf_counter()
         metrics = self.validate_fn()
         metrics["timing/validation"] = time.perf_counter() - start
         self._track_best(metrics, step)
         self.last_validation = (step, {key: value for key, value in metrics.items() if key.startswith("val/")})
         self.logger.log_metrics(metrics, step, console_keys=[key for key in metrics if key.startswith("val/")])
+        return metrics
 
     def _model_card(self) -> str:
         """``final_model/README.md`` for this run (see :mod:`opd.utils.model_card`)."""
@@ -391,8 +517,11 @@ class _TrainingRun:
 
     def finish(self) -> None:
         """The end of the run: final validation, last checkpoint, ``final_model/``."""
-        if self.config.validation.val_at_end:
-            self.validate(self.state["step"])
+        step = self.state["step"]
+        # A run that training.early_stop ended has just validated these very weights.
+        validated = self.last_validation is not None and self.last_validation[0] == step
+        if self.config.validation.val_at_end and not validated:
+            self.validate(step)
         if self.config.checkpointing.enabled:
             self.save(self.state["step"])
         write_final_model(self.policy, self.tokenizer, self.final_dir, self._model_card())

@@ -32,6 +32,7 @@ from opd.utils.errors import ConfigError, DataError
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 DEMO_TEACHER = REPO_ROOT / "examples" / "demo" / "models" / "teacher"
+TINY_VAL_DATA = REPO_ROOT / "examples" / "data" / "tiny_arithmetic" / "val.jsonl"
 GOOD_ROW = {"messages": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]}
 
 
@@ -103,6 +104,26 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "config: out of range": (lambda t: ["--config", str(TINY), "distillation.lambda=1.5"],
                              r"distillation\.lambda = 1\.5: .*less than or equal to 1"),
     "config: missing file": (lambda t: ["--config", str(t / "nowhere.yaml")], r"config file not found"),
+    "config: early stop on a metric validation does not report": (
+        lambda t: ["--config", str(TINY), "training.early_stop.metric=train/loss", "training.early_stop.patience=2"],
+        r"training\.early_stop\.metric = 'train/loss': expected a metric that every validation reports: val/accuracy"),
+    "config: early stop with an unknown mode": (
+        lambda t: ["--config", str(TINY), "training.early_stop.metric=val/accuracy", "training.early_stop.mode=up",
+                   "training.early_stop.patience=2"],
+        r"training\.early_stop\.mode = 'up': Input should be 'max' or 'min'"),
+    "config: early stop with patience 0": (
+        lambda t: ["--config", str(TINY), "training.early_stop.metric=val/accuracy", "training.early_stop.patience=0"],
+        r"training\.early_stop\.patience = 0: .*greater than or equal to 1"),
+    "config: early stop without a patience or a target": (
+        lambda t: ["--config", str(TINY), "training.early_stop.metric=val/accuracy"],
+        r"training\.early_stop needs a patience, a target or both"),
+    "config: early stop without validation data": (
+        lambda t: ["--config", str(TINY), "training.early_stop.metric=val/accuracy", "training.early_stop.patience=2"],
+        r"training\.early_stop watches validation, but there is no validation data; set data\.val_path"),
+    "config: early stop on the teacher without its baseline": (
+        lambda t: ["--config", str(TINY), f"data.val_path={TINY_VAL_DATA}", "training.early_stop.metric=val/accuracy",
+                   "training.early_stop.target=teacher"],
+        r"training\.early_stop\.target = teacher .*; set validation\.teacher_baseline = true"),
     "data: malformed JSON line": (lambda t: data_file(t, b'{"messages": [\n'), r"data\.jsonl, line 2: invalid JSON"),
     "data: not UTF-8": (lambda t: data_file(t, b'{"messages": "\xff"}\n'),
                         r"data\.jsonl, line 2 is not valid UTF-8 \(.* byte 15 of the line"),
