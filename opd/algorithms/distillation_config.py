@@ -211,6 +211,10 @@ class MasterConfig(RunConfig):
             for index, member in enumerate(self.teachers.members)
         ]
 
+    def has_validation_data(self) -> bool:
+        """Whether ``data`` names validation data (a file or a holdout)."""
+        return self.data.has_validation
+
     def validation_metrics(self) -> tuple[str, ...]:
         """The metrics a distillation run's validation reports: the student's, and its KLs to the teacher."""
         return (*super().validation_metrics(), "val/kl_forward", "val/kl_reverse")

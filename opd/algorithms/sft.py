@@ -81,6 +81,10 @@ class SFTMasterConfig(RunConfig):
         default_factory=lambda: CheckpointingConfig(metric_name="val/accuracy", higher_is_better=True)
     )
 
+    def has_validation_data(self) -> bool:
+        """Whether ``data`` names validation data (a file or a holdout)."""
+        return self.data.has_validation
+
 
 SFTSaveState = RunSaveState
 """Counters saved in every checkpoint (see :class:`~opd.algorithms.training_loop.RunSaveState`)."""

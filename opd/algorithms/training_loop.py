@@ -44,7 +44,6 @@ from opd.algorithms.early_stop import (
     observe,
 )
 from opd.algorithms.validation import ValidationConfig
-from opd.data.config import DataConfig
 from opd.models.config import OptimizerConfig
 from opd.models.interfaces import PolicyInterface
 from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager, reading_checkpoint
@@ -116,9 +115,12 @@ class RunConfig(StrictConfig):
 
     output_dir: str
     training: TrainingLoopConfig
-    data: DataConfig
     validation: ValidationConfig
     checkpointing: CheckpointingConfig
+
+    def has_validation_data(self) -> bool:
+        """Whether the run names validation data (in each algorithm's own ``data`` section)."""
+        raise NotImplementedError
 
     def validation_metrics(self) -> tuple[str, ...]:
         """The metrics this algorithm's validation reports (without a teacher: no KL)."""
@@ -145,7 +147,7 @@ class RunConfig(StrictConfig):
             )
         if problem is None and self.training.val_freq == 0:
             problem = "training.early_stop acts at the periodic validations; set training.val_freq > 0"
-        if problem is None and not self.data.has_validation:
+        if problem is None and not self.has_validation_data():
             problem = (
                 "training.early_stop watches validation, but there is no validation data; "
                 "set data.val_path or data.val_holdout"
