@@ -7,10 +7,12 @@ teacher worker), one thread each.
 
 **Speed** (``--part speed``): steps/s of each schedule, medians over the steps after
 ``--warmup`` and over ``--repeats`` interleaved repeats (each speedup is taken within a
-repeat, against that repeat's sync run; the table gives their median and range), with
-the waits broken down (``wait_prev_gen``: the step waited for its
-rollout; ``wait_prev_teacher``: for its teacher score; ``sync``: the weight sync to the
-rollout worker; ``training``: the trainer call). Two groups, each against its own sync:
+repeat, against that repeat's sync run; the table and the last line give their median
+and range over the repeats, never the best), with the waits broken down
+(``wait_prev_gen``: the step waited for its rollout; ``wait_prev_teacher``: for its
+teacher score; ``sync``: the weight sync to the rollout worker; ``training``: the
+trainer call) and the mean response length (``response``). Two groups, each against its
+own sync:
 
 * the exact full-vocabulary loss with the teacher colocated in the trainer worker: sync
   and one-step-off (two-step-off needs a teacher that scores apart from the trainer);
@@ -19,16 +21,28 @@ rollout worker; ``training``: the trainer call). Two groups, each against its ow
 ``--max-length`` sets the rollout length so that generation and training take about
 equal time (the case the schedules are for).
 
+Equal work per step, as in ``benchmarks/scaling.py``: a student that learns drifts, its
+greedy responses get longer or shorter, and the schedules would no longer generate and
+train the same number of tokens per step (an off-policy schedule also learns from older
+samples, so it drifts differently from sync). So the speed runs train by default with a
+learning rate of 1e-12: each step does all the work of a real step (generation, weight
+sync, teacher, forward, backward, AdamW), the weights do not move, and the responses
+keep the lengths they start with. ``--learn`` runs the speed part at the demo's learning
+rate instead. (The learning part always learns.)
+
 **Learning** (``--part learning``): test accuracy (``val/accuracy`` on the demo's held-out
 split, greedy) at equal wall-clock (``training.max_train_time_s`` of optimizer steps) for
 sync and one-step-off with and without the off-policy correction, over ``--seeds`` seeds,
 as mean ± standard deviation.
 
-Usage: ``python benchmarks/async_overlap.py [--part speed|learning|both]`` (speed: about
-6 minutes per repeat, learning: about 27 minutes on 2 cores). Run it on an otherwise idle machine.
-The last line is machine-readable:
-``async speedup one_step_off=<x> two_step_off=<y>`` (the full-vocabulary group's
-one-step-off speedup, and the top-k group's two-step-off speedup).
+The demo's task is written first if it is missing (``examples/data/make_arithmetic_task.py``).
+
+Usage: ``python benchmarks/async_overlap.py [--part speed|learning|both] [--repeats 3]
+[--learn] [--setups SETUP ...] [--smoke]`` (speed: about 6 minutes per repeat, learning: about 27 minutes on 2
+cores). Run it on an otherwise idle machine. The last line is machine-readable:
+``async speedup one_step_off=<median> (<min>-<max>) two_step_off=<median> (<min>-<max>) repeats=<n>``
+(the full-vocabulary group's one-step-off speedup, and the top-k group's two-step-off
+speedup, median and range over the repeats).
 """
 
 from __future__ import annotations
@@ -43,10 +57,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import arithmetic_task, parse_arguments
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO_ROOT / "examples" / "configs" / "demo.yaml"
 SPLIT_1_1 = ["cluster.placement=split", "cluster.trainer.workers=1", "cluster.rollout.workers=1"]
 TOPK = ["loss_fn.type=topk", "loss_fn.k=16", "cluster.teacher.placement=pool", "cluster.teacher.workers=1"]
+FROZEN_LEARNING_RATE = 1e-12
+"""Far below float32's resolution of the weights: a whole optimizer step that moves nothing (as in scaling.py)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,7 @@ def measure(setup: Setup, output: Path, overrides: list[str], warmup: int) -> di
         "sync": median("timing/sync_rollout_weights") + median("timing/refit"),
         "training": median("timing/training"),
         "staleness": max(record.get("train/staleness_max", 0) for record in kept),
+        "response": median("train/mean_response_length"),
     }
 
 
@@ -126,9 +145,11 @@ def baseline_of(name: str) -> str:
     return "full-vocab sync" if name.startswith("full") else "top-k sync"
 
 
-def speed(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
-    """The speed table (medians over ``--repeats`` interleaved repeats); returns the median speedups."""
+def speed(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
+    """The speed table (medians over ``--repeats`` interleaved repeats); returns each setup's speedup per repeat."""
+    learning_rate = [] if args.learn else [f"training.learning_rate={FROZEN_LEARNING_RATE}"]
     overrides = [
+        *learning_rate,
         f"training.max_num_steps={args.steps}",
         f"training.batch_size={args.batch}",
         f"training.micro_batch_size={args.batch}",
@@ -137,9 +158,12 @@ def speed(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
         "validation.val_at_end=false",
         f"distillation.generate_strategy.max_length={args.max_length}",
     ]
-    runs: dict[str, list[dict[str, float]]] = {setup.name: [] for setup in SPEED_SETUPS}
+    # The setups asked for, each with the sync run its speedup is taken against.
+    wanted = set(args.setups) | {baseline_of(name) for name in args.setups}
+    setups = [setup for setup in SPEED_SETUPS if setup.name in wanted]
+    runs: dict[str, list[dict[str, float]]] = {setup.name: [] for setup in setups}
     for repeat in range(args.repeats):
-        for setup in SPEED_SETUPS:
+        for setup in setups:
             output = workdir / f"speed_{repeat}" / setup.name.replace(" ", "_")
             runs[setup.name].append(measure(setup, output, overrides, args.warmup))
             rate = runs[setup.name][-1]["steps_per_s"]
@@ -157,25 +181,26 @@ def speed(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     }
     header = (
         f"{'setup':<26}{'steps/s':>9}{'speedup (range)':>20}{'step':>8}{'generation':>12}{'wait_gen':>10}"
-        f"{'teacher':>9}{'wait_teacher':>14}{'sync':>8}{'training':>10}{'staleness':>11}"
+        f"{'teacher':>9}{'wait_teacher':>14}{'sync':>8}{'training':>10}{'staleness':>11}{'response':>10}"
     )
     steps = f"{args.warmup + 1}-{args.steps}"
+    rate = "the demo config's (--learn)" if args.learn else f"{FROZEN_LEARNING_RATE:g} (weights frozen: equal work)"
     print(
-        f"speed: batch {args.batch}, rollouts of up to {args.max_length} tokens, medians of steps {steps}, "
-        f"medians over {args.repeats} repeats"
+        f"speed: batch {args.batch}, rollouts of up to {args.max_length} tokens, learning rate {rate}, "
+        f"medians of steps {steps}, medians over {args.repeats} repeats (speedup: median and range over repeats)"
     )
     print(header)
     print("-" * len(header))
-    for setup in SPEED_SETUPS:
+    for setup in setups:
         row, ratios = rows[setup.name], speedups[setup.name]
         spread = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
         print(
             f"{setup.name:<26}{row['steps_per_s']:>9.3f}{spread:>20}"
             f"{row['step']:>7.2f}s{row['generation']:>11.2f}s{row['wait_prev_gen']:>9.2f}s"
             f"{row['teacher']:>8.2f}s{row['wait_prev_teacher']:>13.2f}s{row['sync']:>7.3f}s"
-            f"{row['training']:>9.2f}s{row['staleness']:>11}"
+            f"{row['training']:>9.2f}s{row['staleness']:>11}{row['response']:>10.1f}"
         )
-    return {name: statistics.median(ratios) for name, ratios in speedups.items()}
+    return speedups
 
 
 def learning(args: argparse.Namespace, workdir: Path) -> None:
@@ -216,24 +241,52 @@ def learning(args: argparse.Namespace, workdir: Path) -> None:
         )
 
 
+SMOKE = {
+    "part": "speed",
+    "setups": ["top-k two_step_off"],
+    "steps": 2,
+    "warmup": 1,
+    "repeats": 1,
+    "batch": 2,
+    "max_length": 8,
+}
+"""``--smoke``: the top-k group's sync and two-step-off runs once, two steps of two prompts, 8-token rollouts."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["speed", "learning", "both"], default="both")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved repeats of the speed runs")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the speed runs")
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        choices=[setup.name for setup in SPEED_SETUPS],
+        default=[setup.name for setup in SPEED_SETUPS],
+        metavar="SETUP",
+        help="speed setups to run (each with its group's sync run); default: all",
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=96)
+    parser.add_argument("--learn", action="store_true", help="speed runs at the demo's learning rate (see above)")
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    args = parser.parse_args()
+    args = parse_arguments(parser, SMOKE)
+    arithmetic_task()  # demo.yaml's data, generated on a fresh clone
     with tempfile.TemporaryDirectory(prefix="opd_async_") as workdir:
         speeds = speed(args, Path(workdir)) if args.part in ("speed", "both") else None
         if args.part in ("learning", "both"):
             learning(args, Path(workdir))
     if speeds is not None:
-        one, two = speeds["full-vocab one_step_off"], speeds["top-k two_step_off"]
-        print(f"async speedup one_step_off={one:.3f} two_step_off={two:.3f}")
+
+        def spread(ratios: list[float] | None) -> str:
+            if not ratios:  # not among --setups
+                return "nan"
+            return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+
+        one, two = speeds.get("full-vocab one_step_off"), speeds.get("top-k two_step_off")
+        print(f"async speedup one_step_off={spread(one)} two_step_off={spread(two)} repeats={args.repeats}")
 
 
 if __name__ == "__main__":
