@@ -44,8 +44,12 @@ Run-to-run noise on a shared 2-core machine is of the same size as the effect me
 within one repeat, from runs made back to back. The table shows the median over repeats
 of every column; the efficiency line gives the median and the range over repeats.
 
+The demo's task is written first if it is missing (``examples/data/make_arithmetic_task.py``).
+
 Usage: ``python benchmarks/scaling.py [--steps 24] [--warmup 4] [--per-worker-batch 16]
-[--repeats 3] [--learn] [--fsdp-defaults]`` (about 2.5 minutes per repeat on 2 cores).
+[--repeats 3] [--learn] [--fsdp-defaults] [--setups SETUP ...] [--smoke]`` (about 2.5
+minutes per repeat on 2 cores). ``--setups`` runs some of the setups (a ratio whose two
+runs are not both there reads ``nan``).
 Run it on an otherwise idle machine. The last line is machine-readable:
 ``scaling weak_efficiency=<median> controller_overhead=<median fraction>``.
 """
@@ -61,6 +65,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from harness import arithmetic_task, parse_arguments
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO_ROOT / "examples" / "configs" / "demo.yaml"
@@ -171,6 +177,10 @@ def median_summary(summaries: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(summary[key] for summary in summaries) for key in summaries[0]}
 
 
+SMOKE = {"steps": 2, "warmup": 1, "per_worker_batch": 2, "repeats": 1, "setups": ["in-process", "colocated 1+1"]}
+"""``--smoke``: one run in process and one on a Ray cluster of one trainer and one rollout worker, two steps each."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=24)
@@ -179,18 +189,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--learn", action="store_true", help="train at the demo's learning rate (see the docstring)")
     parser.add_argument("--fsdp-defaults", action="store_true", help="FSDP2's defaults on the cluster (see above)")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        choices=[setup.name for setup in SETUPS],
+        default=[setup.name for setup in SETUPS],
+        metavar="SETUP",
+        help="setups to run; default: all",
+    )
+    args = parse_arguments(parser, SMOKE)
+    arithmetic_task()  # demo.yaml's data, generated on a fresh clone
+    setups = [setup for setup in SETUPS if setup.name in args.setups]
     cluster_settings = () if args.fsdp_defaults else SMALL_MODEL_CLUSTER_SETTINGS
     print(
         f"learning rate: {'the demo config' if args.learn else FROZEN_LEARNING_RATE}; "
         f"cluster settings: {' '.join(cluster_settings) or 'FSDP2 defaults'}"
     )
 
-    runs: dict[str, list[dict[str, float]]] = {setup.name: [] for setup in SETUPS}
+    runs: dict[str, list[dict[str, float]]] = {setup.name: [] for setup in setups}
     with tempfile.TemporaryDirectory(prefix="opd_scaling_") as workdir:
         for repeat in range(args.repeats):
             # In process needs no repeat for the ratios; one run gives the reference row.
-            for setup in SETUPS if repeat == 0 else SETUPS[1:]:
+            for setup in setups if repeat == 0 else [setup for setup in setups if setup.workers]:
                 records = run(
                     setup,
                     args.steps,
@@ -216,7 +236,7 @@ def main() -> None:
     print(f"medians over {args.repeats} repeats (in-process: 1 run)")
     print(header)
     print("-" * len(header))
-    for setup in SETUPS:
+    for setup in setups:
         summary = median_summary(runs[setup.name])
         batch = args.per_worker_batch * max(setup.workers, 1)
         print(
@@ -228,21 +248,30 @@ def main() -> None:
         )
 
     def efficiencies(one: str, two: str) -> list[float]:
-        """Weak-scaling efficiency of each repeat, from its two back-to-back runs."""
+        """Weak-scaling efficiency of each repeat, from its two back-to-back runs (none if one is not run)."""
+        if one not in runs or two not in runs:
+            return []
         return [b["samples_per_s"] / (2 * a["samples_per_s"]) for a, b in zip(runs[one], runs[two], strict=True)]
 
     def spread(values: list[float]) -> str:
+        if not values:
+            return "nan"
         return f"{statistics.median(values):.2f} (range {min(values):.2f}-{max(values):.2f})"
+
+    def median_or_nan(values: list[float]) -> float:
+        return statistics.median(values) if values else float("nan")
 
     colocated = efficiencies("colocated 1+1", "colocated 2+2")
     split = efficiencies("split 1+1", "split 2+2")
-    one_worker = median_summary(runs["colocated 1+1"])["samples_per_s"]
+    one_worker = float("nan")
+    if "colocated 1+1" in runs and "in-process" in runs:
+        one_worker = median_summary(runs["colocated 1+1"])["samples_per_s"] / runs["in-process"][0]["samples_per_s"]
     print(
         f"\nweak scaling 1 -> 2 workers, colocated: {spread(colocated)}; split: {spread(split)}; "
-        f"1 worker vs in-process: {one_worker / runs['in-process'][0]['samples_per_s']:.2f}x"
+        f"1 worker vs in-process: {one_worker:.2f}x"
     )
-    overhead = median_summary(runs["colocated 2+2"])["overhead"]
-    print(f"scaling weak_efficiency={statistics.median(colocated):.3f} controller_overhead={overhead:.4f}")
+    overhead = median_summary(runs["colocated 2+2"])["overhead"] if "colocated 2+2" in runs else float("nan")
+    print(f"scaling weak_efficiency={median_or_nan(colocated):.3f} controller_overhead={overhead:.4f}")
 
 
 if __name__ == "__main__":
