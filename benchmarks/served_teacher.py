@@ -9,8 +9,15 @@ loss computed with the teacher in the trainer's process:
 * ``full_vocab`` (reverse KL, exact): in process, the teacher's hidden states and head;
   served, ``opd serve-teacher`` sends its final hidden states (opd's binary protocol, in
   the server's precision, and in bf16) and the trainer applies the teacher's output layer;
-* ``topk`` at k = 16 and k = 64: served as vLLM-shaped JSON (``/v1/completions`` with
-  ``prompt_logprobs``, every position) and as opd's binary top-k (response positions).
+* ``topk`` at k = 16 and k = 64 (``--ks``): served as vLLM-shaped JSON
+  (``/v1/completions`` with ``prompt_logprobs``, every position) and as opd's binary
+  top-k (loss positions: from one before each row's first response token to its
+  second-to-last token). The in-process reference does the binary path's work: the same
+  decoder forward, then the top-k and rest mass at the loss positions only, with the
+  server's own scorer (:class:`opd.models.teacher.scoring.PromptScorer`), so that the
+  ratio measures the transport and not less work. ``LocalTeacher`` as opd's trainer runs
+  it, which computes the top-k at every position of the padded batch (prompt and padding
+  included), is a row of its own for comparison.
 
 Two sizes: the CPU demo's committed models (vocabulary 455) on 32 arithmetic prompts with
 their reference answers as responses, and a tiny Qwen2 with Qwen's real tokenizer
@@ -19,14 +26,17 @@ runs in its own process (``opd serve-teacher``, float32); trainer and server use
 thread each (the teacher computes while the trainer waits, so each phase has one core).
 
 Step times are medians over ``--repeats`` interleaved repeats (after one warm-up step per
-configuration); the ratio is served ÷ in process for the same loss. Payload is the
-answer bytes received per loss position. The loss error is |served − in process| ÷ in
-process at the same weights.
+configuration); the ratio is a row's step time ÷ its loss's reference row (in process;
+for top-k, in process at the loss positions), with its range over the repeats. Payload
+is the answer bytes received per loss position. The loss error is |row − reference| ÷
+reference at the same weights.
 
-Usage: ``python benchmarks/served_teacher.py [--repeats 5] [--sizes demo qwen]`` (about 4
-minutes on 2 cores). The last line is machine-readable, for the demo's size:
-``served step_ratio hidden=<x> binary_topk=<y> json_topk=<z> hidden_loss_rel_err=<e>``
-(k = 16 for top-k; hidden states in the server's precision).
+Usage: ``python benchmarks/served_teacher.py [--repeats 5] [--sizes demo qwen] [--ks 16 64]
+[--smoke]`` (about 4 minutes on 2 cores; ``--smoke``: the demo's size, k = 16, one
+repeat). The last line is machine-readable, for the demo's size:
+``served step_ratio hidden=<x> binary_topk=<y> json_topk=<z> every_position_topk=<w> hidden_loss_rel_err=<e>``
+(k = 16 for top-k, or the first of ``--ks`` without 16; hidden states in the server's
+precision; ``every_position_topk``: ``LocalTeacher``'s top-k at every position).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import argparse
 import copy
 import importlib.util
 import json
+import math
 import os
 import socket
 import statistics
@@ -55,16 +66,23 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from harness import parse_arguments  # noqa: E402
+
 from opd.algorithms.loss_functions import DistillationLossFn  # noqa: E402
 from opd.data.batched_data_dict import BatchedDataDict  # noqa: E402
-from opd.models.interfaces import TeacherInterface  # noqa: E402
+from opd.models.interfaces import TeacherInterface, TopKLogprobs  # noqa: E402
 from opd.models.lm_head import LMHeadInput  # noqa: E402
 from opd.models.loading import load_output_layer  # noqa: E402
 from opd.models.teacher.local_teacher import LocalTeacher  # noqa: E402
-from opd.models.teacher.remote_teacher import RemoteTeacher  # noqa: E402
+from opd.models.teacher.remote_teacher import RemoteTeacher, first_loss_positions  # noqa: E402
+from opd.models.teacher.scoring import PromptScorer  # noqa: E402
 
 DEMO_MODELS = REPO / "examples" / "demo" / "models"
 PROMPTS = REPO / "examples" / "data" / "tiny_arithmetic" / "train.jsonl"
+
+
+IN_PROCESS_TOPK = "in process, loss positions"
+"""The top-k loss's reference row (see :class:`TopKAtLossPositions`)."""
 
 
 @dataclass
@@ -85,7 +103,49 @@ class Case:
     teacher: str
     make_loss: Callable[[], DistillationLossFn]
     make_teacher: Callable[[], TeacherInterface]
-    in_process: bool
+    reference: bool = False
+    """The in-process run the loss's other rows are divided by."""
+
+
+class TopKAtLossPositions(LocalTeacher):
+    """The in-process teacher with its top-k computed only at the loss positions, as the binary served path does.
+
+    The decoder runs over whole sequences, as the server's does; the top-k and the rest
+    mass are then computed by the server's own scorer at each row's positions from
+    :func:`~opd.models.teacher.remote_teacher.first_loss_positions` to its second-to-last
+    token, and the other positions hold :class:`RemoteTeacher`'s placeholder (the loss
+    masks them).
+
+    Args:
+        model: the teacher.
+        vocab_size: the tokenizer's size.
+    """
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int) -> None:
+        super().__init__(model)
+        self.scorer = PromptScorer(model, vocab_size)
+
+    def get_topk_logprobs(
+        self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
+    ) -> TopKLogprobs:
+        """``([B, L, k] log-probs, [B, L, k] ids)`` and ``[B, L]`` rest log-masses, scored at the loss positions."""
+        input_ids, lengths = data["input_ids"], data["input_lengths"].tolist()
+        sequences = [input_ids[row, : lengths[row]].tolist() for row in range(len(lengths))]
+        firsts = first_loss_positions(data)
+        rows = self.scorer.hidden_rows(sequences, firsts)
+        ids, values, rests = self.scorer.topk(torch.cat(rows), k)
+        batch, width = input_ids.shape
+        all_values = torch.full((batch, width, k), math.log(0.5 / k))
+        all_ids = torch.arange(k).expand(batch, width, k).clone()
+        all_rests = torch.full((batch, width), math.log(0.5))
+        begin = 0
+        for row, (first, hidden) in enumerate(zip(firsts, rows)):
+            end = begin + hidden.shape[0]
+            all_values[row, first : first + hidden.shape[0]] = values[begin:end]
+            all_ids[row, first : first + hidden.shape[0]] = ids[begin:end].long()
+            all_rests[row, first : first + hidden.shape[0]] = rests[begin:end].float()
+            begin = end
+        return TopKLogprobs(all_values, all_ids, all_rests)
 
 
 def qwen_size(root: Path) -> Size:
@@ -180,7 +240,7 @@ def training_step(student, optimizer, batch, loss_fn, teacher) -> float:
     return float(loss.detach())
 
 
-def measure_size(size: Size, repeats: int, log_dir: Path) -> list[dict]:
+def measure_size(size: Size, repeats: int, ks: list[int], log_dir: Path) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(size.teacher_dir)
     vocab = len(tokenizer)
     batch = rollout_batch(tokenizer, size.sequences)
@@ -212,16 +272,18 @@ def measure_size(size: Size, repeats: int, log_dir: Path) -> list[dict]:
             )
 
         local = LocalTeacher(teacher_model)
+        at_loss_positions = TopKAtLossPositions(teacher_model, vocab)
         cases = [
-            Case("full_vocab", "in process", full_vocab, lambda: local, True),
-            Case("full_vocab", "served hidden states (fp32)", full_vocab, lambda: remote("opd"), False),
-            Case("full_vocab", "served hidden states (bf16)", full_vocab, lambda: remote("opd", "bfloat16"), False),
+            Case("full_vocab", "in process", full_vocab, lambda: local, reference=True),
+            Case("full_vocab", "served hidden states (fp32)", full_vocab, lambda: remote("opd")),
+            Case("full_vocab", "served hidden states (bf16)", full_vocab, lambda: remote("opd", "bfloat16")),
         ]
-        for k in (16, 64):
+        for k in ks:
             cases += [
-                Case(f"topk k={k}", "in process", topk(k), lambda: local, True),
-                Case(f"topk k={k}", "served JSON (vLLM shape)", topk(k), lambda: remote("openai"), False),
-                Case(f"topk k={k}", "served binary", topk(k), lambda: remote("opd"), False),
+                Case(f"topk k={k}", IN_PROCESS_TOPK, topk(k), lambda: at_loss_positions, reference=True),
+                Case(f"topk k={k}", "in process, every position (LocalTeacher)", topk(k), lambda: local),
+                Case(f"topk k={k}", "served JSON (vLLM shape)", topk(k), lambda: remote("openai")),
+                Case(f"topk k={k}", "served binary", topk(k), lambda: remote("opd")),
             ]
         states = []
         for case in cases:
@@ -263,7 +325,7 @@ def measure_size(size: Size, repeats: int, log_dir: Path) -> list[dict]:
     rows = []
     for state in states:
         case = state["case"]
-        reference = next(s for s in states if s["case"].loss == case.loss and s["case"].in_process)
+        reference = next(s for s in states if s["case"].loss == case.loss and s["case"].reference)
         rows.append(
             {
                 "size": size.name,
@@ -284,7 +346,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sizes", nargs="+", default=["demo", "qwen"], choices=["demo", "qwen"])
-    args = parser.parse_args()
+    parser.add_argument("--ks", type=int, nargs="+", default=[16, 64], help="top-k sizes")
+    args = parse_arguments(parser, {"repeats": 1, "sizes": ["demo"], "ks": [16]})
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="opd_served_teacher_") as scratch:
         root = Path(scratch)
@@ -293,14 +356,18 @@ def main() -> None:
             sizes.append(Size("demo (455)", DEMO_MODELS / "teacher", DEMO_MODELS / "student", 32))
         if "qwen" in args.sizes:
             sizes.append(qwen_size(root))
-        rows = [row for size in sizes for row in measure_size(size, args.repeats, root)]
+        rows = [row for size in sizes for row in measure_size(size, args.repeats, args.ks, root)]
     print(
         "\n# served teacher vs in process: one training step (teacher signal, student forward, loss, backward, "
         f"AdamW), median of {args.repeats} interleaved repeats, 1 thread each"
     )
     positions = {row["size"]: row["loss_positions"] for row in rows}
     print("loss positions per step: " + ", ".join(f"{size} {count}" for size, count in positions.items()))
-    print("| vocabulary | loss | teacher | step s | ÷ in process (range) | payload B / loss token | loss rel. error |")
+    print(
+        f"each row ÷ its loss's reference: in process (full_vocab), {IN_PROCESS_TOPK} (top-k: the work the "
+        "binary served path does)"
+    )
+    print("| vocabulary | loss | teacher | step s | ÷ reference (range) | payload B / loss token | loss rel. error |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         spread = f"{min(row['ratios']):.2f}–{max(row['ratios']):.2f}"
@@ -314,11 +381,14 @@ def main() -> None:
     def pick(loss: str, teacher: str) -> dict:
         return next(row for row in demo if row["loss"] == loss and row["teacher"] == teacher)
 
+    k = 16 if 16 in args.ks else args.ks[0]
     hidden = pick("full_vocab", "served hidden states (fp32)")
-    binary, json_topk = pick("topk k=16", "served binary"), pick("topk k=16", "served JSON (vLLM shape)")
+    binary, json_topk = pick(f"topk k={k}", "served binary"), pick(f"topk k={k}", "served JSON (vLLM shape)")
+    every_position = pick(f"topk k={k}", "in process, every position (LocalTeacher)")
     print(
         f"served step_ratio hidden={hidden['ratio']:.2f} binary_topk={binary['ratio']:.2f} "
-        f"json_topk={json_topk['ratio']:.2f} hidden_loss_rel_err={hidden['loss_rel_err']:.1e}"
+        f"json_topk={json_topk['ratio']:.2f} every_position_topk={every_position['ratio']:.2f} "
+        f"hidden_loss_rel_err={hidden['loss_rel_err']:.1e}"
     )
 
 
