@@ -18,13 +18,18 @@ are easily disturbed. One process, two tables:
 
 Each cell is the median of ``--repeats`` timed calls after one untimed call.
 
+Where vllm is not importable (the main environment) it prints one line saying so and
+exits with status 0. The demo's task is written first if it is missing.
+
 Usage: ``.venv-vllm/bin/python benchmarks/generation_engines.py [--prompts 64] [--topk 16]
-[--repeats 3]`` (about 3 minutes, most of it starting the vLLM server).
+[--repeats 3] [--smoke]`` (about 3 minutes, most of it starting the vLLM server;
+``--smoke``: 4 prompts, top-4, one repeat).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -40,6 +45,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from harness import arithmetic_task, parse_arguments  # noqa: E402
 from timing import median_seconds  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -52,18 +58,15 @@ from opd.models.teacher.remote_teacher import RemoteTeacher  # noqa: E402
 
 STUDENT = REPO / "examples" / "demo" / "models" / "student"
 TEACHER = REPO / "examples" / "demo" / "models" / "teacher"
-VAL = REPO / "examples" / "data" / "arithmetic" / "val.jsonl"
 TEMPLATE = REPO / "examples" / "prompts" / "math_think_answer.txt"
 MAX_NEW_TOKENS = 96
 
 
 def task_prompts(tokenizer, count: int) -> list[list[int]]:
     """The first ``count`` validation problems as chat prompts (the demo's template)."""
-    if not VAL.is_file():  # the task is generated, not committed
-        subprocess.run([sys.executable, str(REPO / "examples" / "data" / "make_arithmetic_task.py")], check=True)
     template = load_prompt_template(TEMPLATE)
     prompts = []
-    with open(VAL, encoding="utf-8") as handle:
+    with open(arithmetic_task() / "val.jsonl", encoding="utf-8") as handle:
         for line, _ in zip(handle, range(count)):
             messages = math_cl_to_chat(json.loads(line), template)["messages"][:1]
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -108,7 +111,13 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--log-dir", default=str(REPO / "results" / "generation_engines"))
-    args = parser.parse_args()
+    args = parse_arguments(parser, {"prompts": 4, "topk": 4, "repeats": 1})
+    if importlib.util.find_spec("vllm") is None:
+        print(
+            "generation_engines: skipped: vllm is not importable in this environment "
+            "(run it with .venv-vllm/bin/python after bash scripts/install_vllm_env.sh)"
+        )
+        return
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
