@@ -54,7 +54,8 @@ The last line is machine-readable, for the largest N:
 when the TRL path did not fit).
 
 Usage: ``python benchmarks/loss_memory.py [--sizes 512,2048,8192] [--cap-gib 20]
-[--chunk-rows ROWS] [--repeats 1]``. Run it on an otherwise idle machine with at least
+[--chunk-rows ROWS] [--repeats 1] [--vocab 151669] [--hidden 1536] [--smoke]``
+(``--smoke``: N = 64 at V = 2,048, D = 64). Run it on an otherwise idle machine with at least
 ``--cap-gib`` of free memory: the time columns assume the worker has the cores to itself.
 The default run takes about 11 minutes on 2 CPU cores (mostly opd at N = 8,192; the
 methods that do not fit fail after their first few allocations).
@@ -77,10 +78,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from harness import parse_arguments
+
 VOCAB = 151_669
-"""Qwen2/2.5/3 vocabulary (real tokens; the padded head of some checkpoints is larger)."""
+"""Qwen2/2.5/3 vocabulary (real tokens; the padded head of some checkpoints is larger): ``--vocab``'s default."""
 HIDDEN = 1536
-"""Qwen2.5-1.5B's hidden size."""
+"""Qwen2.5-1.5B's hidden size: ``--hidden``'s default."""
 BETA = 0.5
 """JSD interpolation weight: TRL's GKD default, used for opd too so both compute one objective."""
 HEAD_SCALE = 0.02
@@ -148,7 +151,7 @@ def _trl_generalized_jsd_loss() -> tuple[Callable[..., Any], str]:
     return GKDTrainer.generalized_jsd_loss, f"{GKDTrainer.__module__}.GKDTrainer.generalized_jsd_loss"
 
 
-def _make_inputs(tokens: int, generator: Any) -> dict[str, Any]:
+def _make_inputs(tokens: int, generator: Any, vocab: int, hidden_size: int) -> dict[str, Any]:
     """Final hidden states of both models and both LM heads, fp32."""
     import torch
 
@@ -157,10 +160,10 @@ def _make_inputs(tokens: int, generator: Any) -> dict[str, Any]:
         return values.mul_(scale) if scale != 1.0 else values
 
     return {
-        "student_hidden": randn(tokens, HIDDEN).requires_grad_(True),
-        "student_weight": randn(VOCAB, HIDDEN, scale=HEAD_SCALE).requires_grad_(True),
-        "teacher_hidden": randn(tokens, HIDDEN),
-        "teacher_weight": randn(VOCAB, HIDDEN, scale=HEAD_SCALE),
+        "student_hidden": randn(tokens, hidden_size).requires_grad_(True),
+        "student_weight": randn(vocab, hidden_size, scale=HEAD_SCALE).requires_grad_(True),
+        "teacher_hidden": randn(tokens, hidden_size),
+        "teacher_weight": randn(vocab, hidden_size, scale=HEAD_SCALE),
     }
 
 
@@ -198,9 +201,9 @@ def _loss_functions(chunk_rows: int | None) -> dict[str, Callable[..., Any]]:
         tokens = hidden.shape[0]
         # As GKDTrainer.compute_loss: the models' [B, T, V] logits (here B = 1), the
         # teacher's under no_grad, and labels whose -100 entries are masked out (none here).
-        student_logits = F.linear(hidden, weight).view(1, tokens, VOCAB)
+        student_logits = F.linear(hidden, weight).view(1, tokens, weight.shape[0])
         with torch.no_grad():
-            teacher_logits = F.linear(teacher_hidden, teacher_weight).view(1, tokens, VOCAB)
+            teacher_logits = F.linear(teacher_hidden, teacher_weight).view(1, tokens, teacher_weight.shape[0])
         labels = torch.zeros((1, tokens), dtype=torch.long)
         return generalized_jsd_loss(student_logits, teacher_logits, labels=labels, beta=BETA)
 
@@ -217,8 +220,16 @@ def _loss_functions(chunk_rows: int | None) -> dict[str, Callable[..., Any]]:
     return {"opd": opd_loss, "trl": trl_loss, "naive": naive_loss}
 
 
-def run_worker(method: str, tokens: int, cap_gib: float, chunk_rows: int | None, repeats: int) -> dict[str, Any]:
-    """Measures one method at one size; returns the result record.
+def run_worker(
+    method: str,
+    tokens: int,
+    cap_gib: float,
+    chunk_rows: int | None,
+    repeats: int,
+    vocab: int = VOCAB,
+    hidden_size: int = HIDDEN,
+) -> dict[str, Any]:
+    """Measures one method at one size (``tokens`` positions, a ``vocab × hidden_size`` head); returns the record.
 
     The address-space cap is set before torch is imported, so it covers everything the
     process maps.
@@ -235,10 +246,10 @@ def run_worker(method: str, tokens: int, cap_gib: float, chunk_rows: int | None,
     if method == "opd":
         from opd.models.lm_head import default_chunk_rows
 
-        record["chunk_rows"] = chunk_rows or default_chunk_rows(VOCAB)
+        record["chunk_rows"] = chunk_rows or default_chunk_rows(vocab)
 
     generator = torch.Generator().manual_seed(SEED)
-    inputs = _make_inputs(tokens, generator)
+    inputs = _make_inputs(tokens, generator, vocab, hidden_size)
     hidden, weight = inputs["student_hidden"], inputs["student_weight"]
     teacher_hidden, teacher_weight = inputs["teacher_hidden"], inputs["teacher_weight"]
 
@@ -335,8 +346,8 @@ def _machine_header(arguments: argparse.Namespace) -> list[str]:
         f"machine: {cpu}, {os.cpu_count()} cores, {total / GIB:.1f} GiB RAM, {platform.system()} {platform.release()}",
         f"python {platform.python_version()}, torch {version('torch')}, trl {version('trl')}, "
         f"transformers {version('transformers')}; {os.environ.get('LOSS_MEMORY_THREADS', '2')} torch threads",
-        f"V={VOCAB:,}, D={HIDDEN}, dtype=float32, device=cpu, JSD beta={BETA} (opd, TRL), forward KL (naive), "
-        f"mean over positions",
+        f"V={arguments.vocab:,}, D={arguments.hidden}, dtype=float32, device=cpu, JSD beta={BETA} (opd, TRL), "
+        "forward KL (naive), mean over positions",
         f"per worker: address-space cap {arguments.cap_gib:g} GiB (RLIMIT_AS), warm-up at {WARMUP_TOKENS} tokens, "
         f"{arguments.repeats} timed run(s) (min time, max peak); peak = VmHWM - VmRSS before the run",
         f"command: {command}",
@@ -357,6 +368,7 @@ def _run_one(method: str, tokens: int, arguments: argparse.Namespace) -> dict[st
         "--repeats",
         str(arguments.repeats),
     ]
+    command += ["--vocab", str(arguments.vocab), "--hidden", str(arguments.hidden)]
     if arguments.chunk_rows:
         command += ["--chunk-rows", str(arguments.chunk_rows)]
     available = _memory_available()
@@ -540,12 +552,20 @@ def main() -> None:
         default=1,
         help="timed runs per worker after the warm-up; min time and max peak are kept (default 1)",
     )
+    parser.add_argument("--vocab", type=int, default=VOCAB, help=f"output layer rows V (default {VOCAB})")
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"hidden size D (default {HIDDEN})")
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
-    arguments = parser.parse_args()
+    arguments = parse_arguments(parser, {"sizes": [64], "vocab": 2048, "hidden": 64, "cap_gib": 4.0})
     if arguments.worker:
         record = run_worker(
-            arguments.worker, arguments.tokens, arguments.cap_gib, arguments.chunk_rows, arguments.repeats
+            arguments.worker,
+            arguments.tokens,
+            arguments.cap_gib,
+            arguments.chunk_rows,
+            arguments.repeats,
+            arguments.vocab,
+            arguments.hidden,
         )
         print(RESULT_PREFIX + json.dumps(record), flush=True)
     else:
