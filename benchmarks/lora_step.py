@@ -22,7 +22,9 @@ How it measures:
 * ``Adam state`` is counted exactly from the optimizer's tensors after the steps.
 
 Usage: ``python benchmarks/lora_step.py [--hidden 512] [--layers 4] [--vocab 8192]
-[--batch 8] [--seq-len 256] [--rank 16] [--repeats 5] [--device cpu]``. Run it on an
+[--batch 8] [--seq-len 256] [--rank 16] [--repeats 5] [--device cpu] [--smoke]``
+(``--smoke``: one layer of hidden size 64, a 256-entry vocabulary, 2 × 32 tokens, one
+timed step). Run it on an
 otherwise idle machine; set ``OMP_NUM_THREADS`` to the cores it may use.
 """
 
@@ -38,6 +40,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from harness import parse_arguments
 
 
 def _read_status_kib(field: str) -> int:
@@ -124,6 +128,19 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+SMOKE = {
+    "hidden": 64,
+    "intermediate": 128,
+    "layers": 1,
+    "vocab": 256,
+    "batch": 2,
+    "seq_len": 32,
+    "rank": 4,
+    "repeats": 1,
+}
+"""``--smoke``: the smallest model the script builds (one attention head), one timed step."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=512)
@@ -137,7 +154,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--worker", choices=["full", "lora"], dest="mode", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_arguments(parser, SMOKE)
     if args.mode is not None:
         print(json.dumps(worker(args)))
         return

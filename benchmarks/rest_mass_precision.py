@@ -36,6 +36,8 @@ Reported, per rest mass and direction: the relative error of the summed divergen
 relative error. Run::
 
     OMP_NUM_THREADS=1 python benchmarks/rest_mass_precision.py [--positions 256] [--vocab 4096] [--k 64] [--seed 0]
+
+(``--smoke``: 16 positions of a 256-entry vocabulary, k = 8.)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import sys
 from pathlib import Path
 
 import torch
+from harness import parse_arguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -131,7 +134,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--k", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parse_arguments(parser, {"positions": 16, "vocab": 256, "k": 8})
     print(
         f"top-k divergence vs float64 reference: {args.positions} positions, vocab {args.vocab}, k {args.k}, "
         f"float32 inputs, seed {args.seed}"
