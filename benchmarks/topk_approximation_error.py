@@ -37,8 +37,11 @@ at k = 8 (or the largest k asked for, when 8 is not among them)::
 
     topk_error kl=reverse k=8 tail=<e> renorm=<e> sampled=<e>
 
+The demo's task is written first if it is missing (``examples/data/make_arithmetic_task.py``).
+
 Usage: ``python benchmarks/topk_approximation_error.py [--num-prompts 128] [--seed 0]
-[--decoding sample|greedy] [--ks 1,8,64] [--output FILE.json]``
+[--decoding sample|greedy] [--ks 1,8,64] [--output FILE.json] [--smoke]`` (``--smoke``: 4
+prompts, k = 1 and 8).
 """
 
 from __future__ import annotations
@@ -49,13 +52,13 @@ import math
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from harness import arithmetic_task, parse_arguments
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
@@ -121,18 +124,11 @@ def parse_args() -> argparse.Namespace:
         help="distillation config giving the models, data format and response length",
     )
     parser.add_argument("--output", type=Path, default=None, help="also write the results to this JSON file")
-    args = parser.parse_args()
+    args = parse_arguments(parser, {"num_prompts": 4, "ks": "1,8", "batch_size": 4})
     args.ks = sorted({int(k) for k in args.ks.split(",") if k.strip()})
     if not args.ks or min(args.ks) < 1:
         parser.error("--ks needs positive integers, e.g. 1,8,64")
     return args
-
-
-def ensure_task_data() -> None:
-    """Writes the arithmetic task (deterministic, about a second) if it is not there yet."""
-    if all((TASK_DIR / f"{split}.jsonl").is_file() for split in ("train", "val", "test")):
-        return
-    subprocess.run([sys.executable, str(REPO / "examples" / "data" / "make_arithmetic_task.py")], check=True)
 
 
 def load_test_prompts(config: MasterConfig, tokenizer, num_prompts: int) -> list[list[int]]:
@@ -353,7 +349,7 @@ def main() -> None:
     config_path = args.config.resolve()
     output_path = args.output.resolve() if args.output is not None else None
     os.chdir(REPO)  # the config's paths (models, prompt file) are relative to the repository root
-    ensure_task_data()
+    arithmetic_task(TASK_DIR)
     config = load_config(MasterConfig, str(config_path))
     torch.manual_seed(args.seed)
 
