@@ -21,21 +21,31 @@ One extra equal-steps row samples the on-policy answers at temperature 1 instead
 demo's greedy decoding.
 Runs go ``--jobs`` at a time, one CPU thread each, so every run sees the same load.
 
-Usage: ``python benchmarks/sweep_lambda_kl.py [--steps 150] [--time-budget-s 120] [--jobs 2]``
+The demo's task is written first if it is missing (``examples/data/make_arithmetic_task.py``).
+
+Usage: ``python benchmarks/sweep_lambda_kl.py [--steps 150] [--time-budget-s 120] [--jobs 2]
+[--lambdas 0 0.5 1] [--kl-types forward reverse mixed] [--eval-examples N] [--smoke]``
+(``--eval-examples`` caps the validation and test problems of every evaluation; ``--smoke``:
+λ = 1 with forward KL, 2 steps or 2 seconds, 8 problems per evaluation, in a temporary
+directory).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from harness import arithmetic_task, parse_arguments
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "configs" / "demo.yaml"
@@ -83,19 +93,19 @@ def budget_overrides(steps: int | None, seconds: float | None) -> list[str]:
 
 
 def test_metrics(config: Path, model_dir: Path, output_dir: Path, extra: list[str]) -> dict[str, float]:
-    """Test-split accuracy and KL to the teacher of ``model_dir`` (``opd eval``)."""
+    """Test-split accuracy and KL to the teacher of ``model_dir`` (``opd eval``); ``extra`` overrides come last."""
     log_dir = output_dir / "test_eval"
     run_opd(
         [
             "eval",
             "--config",
             str(config),
-            *extra,
             f"validation.model_path={model_dir}",
             f"data.val_path={TASK / 'test.jsonl'}",
             "data.max_val_examples=null",
             f"logger.log_dir={log_dir}",
             "logger.console=false",
+            *extra,
         ],
         output_dir / "test_eval.log",
     )
@@ -115,13 +125,18 @@ def summarise_run(output_dir: Path) -> dict[str, float]:
     }
 
 
-def distillation_setting(name: str, overrides: list[str], budget: list[str], root: Path) -> dict:
+def distillation_setting(
+    name: str, overrides: list[str], budget: list[str], root: Path, eval_overrides: list[str] | None = None
+) -> dict:
+    """One distillation run and its test evaluation; ``eval_overrides`` go into both (``--eval-examples``)."""
     output_dir = root / name
+    evaluation = eval_overrides or []
     run_opd(
-        ["train", "--config", str(CONFIG), *common_overrides(output_dir), *overrides, *budget], root / f"{name}.log"
+        ["train", "--config", str(CONFIG), *common_overrides(output_dir), *overrides, *budget, *evaluation],
+        root / f"{name}.log",
     )
     result = summarise_run(output_dir)
-    result["test_accuracy"] = test_metrics(CONFIG, output_dir / "final_model", output_dir, [])["val/accuracy"]
+    result["test_accuracy"] = test_metrics(CONFIG, output_dir / "final_model", output_dir, evaluation)["val/accuracy"]
     return {"setting": name, **result}
 
 
@@ -171,7 +186,9 @@ def make_teacher_answers(prompts: int, root: Path) -> tuple[Path, float]:
     return path, seconds
 
 
-def sft_setting(name: str, answers: Path, budget: list[str], root: Path) -> dict:
+def sft_setting(
+    name: str, answers: Path, budget: list[str], root: Path, eval_overrides: list[str] | None = None
+) -> dict:
     """SFT of the demo student on teacher answers, with the demo's optimizer settings."""
     from opd.algorithms.distillation_config import MasterConfig
     from opd.utils.config import load_config
@@ -191,13 +208,14 @@ def sft_setting(name: str, answers: Path, budget: list[str], root: Path) -> dict
             f"training.learning_rate={demo.training.learning_rate}",
             f"training.warmup_steps={demo.training.warmup_steps}",
             "training.num_epochs=1000",
+            *(eval_overrides or []),
         ],
         root / f"{name}.log",
     )
     records = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines() if line]
     steps = [r for r in records if "train/loss" in r]
     # The distillation config's eval (same test split and decoding) also gives the KL to the teacher.
-    metrics = test_metrics(CONFIG, output_dir / "final_model", output_dir, [])
+    metrics = test_metrics(CONFIG, output_dir / "final_model", output_dir, eval_overrides or [])
     return {
         "setting": name,
         "steps": len(steps),
@@ -208,17 +226,44 @@ def sft_setting(name: str, answers: Path, budget: list[str], root: Path) -> dict
     }
 
 
+SMOKE = {
+    "steps": 2,
+    "time_budget_s": 2.0,
+    "lambdas": [1.0],
+    "kl_types": ["forward"],
+    "eval_examples": 8,
+    "out": None,
+}
+"""``--smoke``: λ = 1 with forward KL and the SFT baseline, 2 steps or 2 s, 8 problems per evaluation, out in a
+temporary directory."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps of the equal-steps runs")
     parser.add_argument("--time-budget-s", type=float, default=120.0, help="training seconds of the equal-time runs")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one CPU thread each)")
+    parser.add_argument("--lambdas", type=float, nargs="+", default=list(LAMBDAS), help="distillation.lambda values")
+    parser.add_argument(
+        "--kl-types", nargs="+", choices=KL_TYPES, default=list(KL_TYPES), help="loss_fn.kl_type values"
+    )
+    parser.add_argument(
+        "--eval-examples", type=int, default=None, help="problems per validation and test evaluation (default: all)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "results" / "sweep_lambda_kl")
-    args = parser.parse_args()
+    args = parse_arguments(parser, SMOKE)
+    with contextlib.ExitStack() as stack:
+        if args.out is None:  # --smoke keeps nothing
+            args.out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="opd_sweep_smoke_")))
+        sweep(args)
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """The sweep's runs and its table, written under ``args.out``."""
     sys.path.insert(0, str(REPO))
     args.out.mkdir(parents=True, exist_ok=True)
-    if not (TASK / "test.jsonl").is_file():
-        subprocess.run([sys.executable, str(REPO / "examples" / "data" / "make_arithmetic_task.py")], check=True)
+    arithmetic_task(TASK)
+    evaluation = [] if args.eval_examples is None else [f"data.max_val_examples={args.eval_examples}"]
 
     from opd.algorithms.distillation_config import MasterConfig
     from opd.utils.config import load_config
@@ -232,11 +277,12 @@ def main() -> None:
     jobs = []
     for budget_name, steps, seconds in (("steps", args.steps, None), ("time", None, args.time_budget_s)):
         budget = budget_overrides(steps, seconds)
-        for lam in LAMBDAS:
-            for kl in KL_TYPES:
+        for lam in args.lambdas:
+            for kl in args.kl_types:
                 name = f"{budget_name}/lambda{lam:g}_{kl}"
                 overrides = [f"distillation.lambda={lam}", f"loss_fn.kl_type={kl}"]
-                jobs.append((budget_name, functools.partial(distillation_setting, name, overrides, budget, args.out)))
+                setting = functools.partial(distillation_setting, name, overrides, budget, args.out, evaluation)
+                jobs.append((budget_name, setting))
         if seconds is None:
             # The demo samples greedily; this row shows what temperature-1 sampling does instead.
             temperature_1 = [
@@ -246,7 +292,7 @@ def main() -> None:
                 "distillation.generate_strategy.temperature=1.0",
             ]
             setting = functools.partial(
-                distillation_setting, "steps/lambda1_forward_temp1", temperature_1, budget, args.out
+                distillation_setting, "steps/lambda1_forward_temp1", temperature_1, budget, args.out, evaluation
             )
             jobs.append((budget_name, setting))
 
@@ -257,10 +303,14 @@ def main() -> None:
         costs one SFT step plus ``batch_size`` teacher answers (measured above), so it gets
         as many steps as fit in the budget at that combined cost.
         """
-        equal_steps = sft_setting("steps/sft_teacher_answers", answers, budget_overrides(args.steps, None), args.out)
+        equal_steps = sft_setting(
+            "steps/sft_teacher_answers", answers, budget_overrides(args.steps, None), args.out, evaluation
+        )
         step_cost = equal_steps["train_seconds"] / equal_steps["steps"] + batch_size * per_prompt
         steps_in_budget = max(int(args.time_budget_s // step_cost), 1)
-        equal_time = sft_setting("time/sft_teacher_answers", answers, budget_overrides(steps_in_budget, None), args.out)
+        equal_time = sft_setting(
+            "time/sft_teacher_answers", answers, budget_overrides(steps_in_budget, None), args.out, evaluation
+        )
         equal_time["train_seconds"] += steps_in_budget * batch_size * per_prompt  # charged answer time
         return [equal_steps, equal_time]
 
