@@ -49,19 +49,25 @@ best SFT source at equal wall-clock:
 
     lambda_study equal_time lambda1=<mean>+-<std> lambda0=<mean>+-<std> sft=<mean>+-<std>
 
+The tasks are written first where they are missing (``examples/data/make_arithmetic_task.py``).
+
 Usage: ``python benchmarks/lambda_study.py [--scenarios demo ...] [--priority 1|2] [--seeds 0 1 2]
-[--steps 150] [--time-budget-s 200] [--run-seconds 240] [--eval-every 50] [--jobs 2] [--only TEXT ...]``
+[--steps 150] [--time-budget-s 200] [--run-seconds 240] [--eval-every 50] [--jobs 2] [--only TEXT ...]
+[--eval-examples N] [--smoke]`` (``--eval-examples`` caps the test problems of every
+evaluation; ``--smoke``: three of the demo pair's runs for 3 s each, in a temporary
+directory).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -70,6 +76,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from harness import arithmetic_task, parse_arguments  # noqa: E402
 from sweep_lambda_kl import (  # noqa: E402  (the sweep's run helpers, shared)
     CONFIG,
     NO_STEP_CAP,
@@ -207,22 +214,7 @@ def prepare_sources(out: Path, scenario: Scenario, prompts: int) -> Sources:
     sources = Sources()
     data = out / "data" / f"{scenario.teacher.name}-{scenario.task.name}"  # shared by the scenarios of one teacher
     for trace in ("reference", "answer_only"):
-        directory = data / trace
-        if not (directory / "train.jsonl").is_file():
-            subprocess.run(
-                [
-                    sys.executable,
-                    str(REPO / "examples" / "data" / "make_arithmetic_task.py"),
-                    "--trace",
-                    trace,
-                    "--digits",
-                    str(scenario.digits),
-                    "--out-dir",
-                    str(directory),
-                ],
-                check=True,
-                capture_output=True,
-            )
+        directory = arithmetic_task(data / trace, scenario.digits, trace)
         sources.paths[trace] = directory / "train.jsonl"
         sources.seconds_per_answer[trace] = 0.0  # a dataset's own solutions cost nothing to make
     answers, meta = data / "teacher_samples.jsonl", data / "teacher_samples.json"
@@ -298,6 +290,7 @@ def run_one(scenario: Scenario, setting: Setting, seed: int, args: argparse.Name
         f"training.max_train_time_s={args.run_seconds}",
         f"training.seed={seed}",
         *scenario.overrides(),
+        *([] if args.eval_examples is None else [f"data.max_val_examples={args.eval_examples}"]),
     ]
     data = (
         [f"data.train_path={sources.paths[setting.source]}"]
@@ -420,6 +413,22 @@ def spread(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+SMOKE = {
+    "scenarios": ["demo"],
+    "seeds": [0],
+    "only": ["lambda1_forward/", "teacher_samples"],
+    "steps": 2,
+    "time_budget_s": 2.0,
+    "run_seconds": 3.0,
+    "eval_every": 2,
+    "teacher_prompts": 32,
+    "eval_examples": 8,
+    "out": None,
+}
+"""``--smoke``: the demo pair's λ = 1, λ = 0 on teacher samples and SFT on them, one seed, 3 s each, 8 test problems
+per evaluation, in a temporary directory."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150, help="the equal-steps budget (a multiple of --eval-every)")
@@ -439,8 +448,19 @@ def main() -> None:
     parser.add_argument(
         "--only", nargs="+", default=None, help="run only the runs whose name contains one of these texts"
     )
+    parser.add_argument(
+        "--eval-examples", type=int, default=None, help="test problems per evaluation (default: the whole test split)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "lambda_study")
-    args = parser.parse_args()
+    args = parse_arguments(parser, SMOKE)
+    with contextlib.ExitStack() as stack:
+        if args.out is None:  # --smoke keeps nothing
+            args.out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="opd_lambda_study_smoke_")))
+        study(args)
+
+
+def study(args: argparse.Namespace) -> None:
+    """Runs what is missing under ``args.out`` and prints the tables."""
     (args.out / "runs").mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     scenarios = [SCENARIOS[name] for name in args.scenarios]
@@ -451,18 +471,7 @@ def main() -> None:
                 f"scenario {scenario.name}: no model at {', '.join(missing)}; "
                 "run python examples/demo/prepare_study_models.py"
             )
-        if not (scenario.task / "test.jsonl").is_file():
-            subprocess.run(
-                [
-                    sys.executable,
-                    str(REPO / "examples" / "data" / "make_arithmetic_task.py"),
-                    "--digits",
-                    str(scenario.digits),
-                    "--out-dir",
-                    str(scenario.task),
-                ],
-                check=True,
-            )
+        arithmetic_task(scenario.task, scenario.digits)
     wanted = [
         (scenario, setting, seed)
         for scenario in scenarios
