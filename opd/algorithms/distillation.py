@@ -244,6 +244,7 @@ def distillation_train(
             tokenizer,
             config.validation.generate_strategy,
             config.validation.teacher_topk,
+            loss_request=loss_fn.teacher_request,
         )
 
     def baselines() -> dict[str, float]:

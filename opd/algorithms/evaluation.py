@@ -85,6 +85,7 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
             tokenizer,
             config.validation.generate_strategy,
             config.validation.teacher_topk,
+            loss_request=config.loss_fn.teacher_request(len(tokenizer)),
         )
     finally:
         generation.close()

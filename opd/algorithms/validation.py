@@ -6,6 +6,7 @@ only). Answers are checked with :mod:`opd.environments.math_verifier`.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import torch
@@ -30,6 +31,8 @@ from opd.models.interfaces import (
 )
 from opd.utils.config import StrictConfig
 
+log = logging.getLogger(__name__)
+
 
 class ValidationConfig(StrictConfig):
     """When validation runs and how the model decodes for it."""
@@ -53,6 +56,7 @@ def validate(
     teacher_topk: int = 64,
     prefix: str = "val/",
     prompt_key: Literal["prompt_ids", "teacher_prompt_ids"] = "prompt_ids",
+    loss_request: TeacherRequest | None = None,
 ) -> dict[str, float]:
     """A model generates on the validation prompts; reports accuracy, KL and lengths.
 
@@ -67,19 +71,22 @@ def validate(
         val_dataloader: validation examples.
         tokenizer: decodes responses for answer checking.
         generate_strategy: the decoding used for validation.
-        teacher_topk: a teacher that cannot send its full vocabulary (a served one) is
-            asked for its top k; the KLs are then over the k + 1 classes of
-            :func:`~opd.algorithms.loss_functions.topk_token_kl`, a lower bound.
+        teacher_topk: the k asked of a teacher that cannot send its full vocabulary as
+            configured, when the loss is not itself top-k (see :func:`kl_request`).
         prefix: metric-name prefix (``val/`` or ``val/teacher_``).
         prompt_key: which prompt of each example the model answers: ``prompt_ids``, or
             ``teacher_prompt_ids`` for a teacher answering with its teacher-only context.
+        loss_request: the signal the training loss asks the teacher for; its top-k is what
+            validation falls back to (see :func:`kl_request`).
 
     Returns:
         ``{prefix}kl_forward`` / ``kl_reverse`` (token means over the generated
-        responses), ``mean_response_length``, ``truncation_rate``, and ``accuracy`` when
-        the data has ground truth.
+        responses; left out when the teacher answers none of :func:`kl_request`'s
+        signals), ``mean_response_length``, ``truncation_rate``, and ``accuracy`` when the
+        data has ground truth.
     """
     vocab_size = len(tokenizer)
+    request = None if teacher is None else kl_request(teacher, loss_request, vocab_size, teacher_topk)
     totals = {"kl_forward": 0.0, "kl_reverse": 0.0, "tokens": 0.0, "length": 0.0, "truncated": 0.0}
     correct, graded, rows = 0, 0, 0
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -92,11 +99,11 @@ def validate(
                 )
             finally:
                 generation.finish_generation()
-            if teacher is not None:
+            if teacher is not None and request is not None:
                 if policy is None:
                     raise ValueError("validate needs the student policy to compare with the teacher")
                 attach_teacher_fields(batch, examples, 1)
-                kl_forward, kl_reverse, tokens = _kl_to_teacher(batch, policy, teacher, vocab_size, teacher_topk)
+                kl_forward, kl_reverse, tokens = _kl_to_teacher(batch, policy, teacher, request, vocab_size)
                 totals["kl_forward"] += kl_forward
                 totals["kl_reverse"] += kl_reverse
                 totals["tokens"] += tokens
@@ -116,7 +123,7 @@ def validate(
         f"{prefix}mean_response_length": totals["length"] / max(rows, 1),
         f"{prefix}truncation_rate": totals["truncated"] / max(rows, 1),
     }
-    if teacher is not None:
+    if request is not None:
         tokens = max(totals["tokens"], 1.0)
         metrics[f"{prefix}kl_forward"] = totals["kl_forward"] / tokens
         metrics[f"{prefix}kl_reverse"] = totals["kl_reverse"] / tokens
@@ -125,15 +132,42 @@ def validate(
     return metrics
 
 
+def kl_request(
+    teacher: TeacherInterface, loss_request: TeacherRequest | None, vocab_size: int, teacher_topk: int
+) -> TeacherRequest | None:
+    """The signal validation's KL asks ``teacher`` for: the most exact one it answers as configured.
+
+    The teacher says itself what it answers (:meth:`TeacherInterface.refusal`), so a
+    served teacher without its output layer, a teacher pool or a teacher with another
+    tokenizer is never asked for its full vocabulary. In order:
+
+    1. the full vocabulary: exact KLs;
+    2. the loss's own top-k, at temperature 1: the k this teacher is known to serve (a
+       vLLM server answers at most its ``--max-logprobs``);
+    3. the top ``teacher_topk``.
+
+    Top-k KLs are over the k + 1 classes of
+    :func:`~opd.algorithms.loss_functions.topk_token_kl`. Returns None when the teacher
+    answers none of these; validation then reports no KL.
+    """
+    candidates: list[TeacherRequest] = [FullVocabRequest()]
+    if isinstance(loss_request, TopKRequest):
+        candidates.append(TopKRequest(loss_request.k, 1.0, vocab_size))
+    candidates.append(TopKRequest(teacher_topk, 1.0, vocab_size))
+    for request in candidates:
+        if teacher.refusal(request) is None:
+            return request
+    log.warning("validation reports no KL: the teacher answers neither its full vocabulary nor a top-k")
+    return None
+
+
 def _kl_to_teacher(
-    batch: BatchedDataDict, policy: PolicyInterface, teacher: TeacherInterface, vocab_size: int, topk: int
+    batch: BatchedDataDict, policy: PolicyInterface, teacher: TeacherInterface, request: TeacherRequest, vocab_size: int
 ) -> tuple[float, float, float]:
     """Forward and reverse KL summed over the batch's response tokens, and their count."""
     batch["token_mask"] = build_token_mask(
         batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1], True
     )
-    full_vocabulary = teacher.refusal(FullVocabRequest()) is None
-    request: TeacherRequest = FullVocabRequest() if full_vocabulary else TopKRequest(topk, 1.0, vocab_size)
     answer = teacher.score(batch, request)
     if isinstance(answer, SeveralTeachersSignal):  # each row's teacher (routing), or the mixture
         answer = answer.combined()

@@ -8,6 +8,8 @@ for the module (about 30-40 s on the 2-core machine).
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import socket
 import sys
@@ -20,6 +22,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from opd.cli import main as opd_main  # noqa: E402
 from opd.data.batched_data_dict import BatchedDataDict  # noqa: E402
 from opd.models.teacher.local_teacher import LocalTeacher  # noqa: E402
 from opd.models.teacher.remote_teacher import RemoteTeacher  # noqa: E402
@@ -127,3 +130,29 @@ def test_loss_from_the_vllm_teacher_equals_the_in_process_one(vllm_server, teach
     assert torch.isfinite(served_loss)
     torch.testing.assert_close(served_loss, local_loss, rtol=1e-4, atol=1e-5)
     remote.close()
+
+
+def test_the_shipped_served_config_validates_and_trains_against_vllm(vllm_server, task_dir, tmp_path, monkeypatch):
+    # Seed 002's case as examples/configs/distillation_math_served.yaml ships it: a top-k loss
+    # from a vLLM-served teacher, validated at the start and at the end. Validation asks this
+    # teacher for the loss's own top k (it cannot send its full vocabulary); only the models,
+    # the data, the sizes and the HF rollout engine (the engine's own tests are elsewhere) are
+    # this machine's.
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.delenv("OPD_TEACHER_KEY", raising=False)  # the test server asks for no key
+    output_dir = tmp_path / "run"
+    status = opd_main([
+        "train", "--config", str(REPO_ROOT / "examples" / "configs" / "distillation_math_served.yaml"),
+        f"output_dir={output_dir}", f"model.student_model_path={STUDENT_DIR}", f"model.tokenizer_path={STUDENT_DIR}",
+        f"teacher.remote.url={vllm_server}", "teacher.remote.model=demo-teacher", f"loss_fn.k={K}",
+        f"data.train_path={task_dir / 'train.jsonl'}", "data.val_holdout=4", "model.dtype=float32",
+        "generation.backend=hf", "training.max_num_steps=1", "training.save_freq=0", "training.batch_size=4",
+        "distillation.generate_strategy.max_length=12", "validation.generate_strategy.max_length=12",
+        "validation.val_at_start=true", "validation.batch_size=4",
+    ])
+    assert status == 0
+    records = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    validations = [r for r in records if "val/kl_forward" in r]
+    assert [r["step"] for r in validations] == [0, 1]
+    assert all(math.isfinite(r["val/kl_forward"]) and math.isfinite(r["val/kl_reverse"]) for r in validations)
+    assert [math.isfinite(r["train/loss"]) for r in records if "train/loss" in r] == [True]

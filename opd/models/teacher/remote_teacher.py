@@ -62,6 +62,10 @@ from opd.utils.errors import OpdError
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_FULL_VOCABULARY_NEEDS = (
+    "a full-vocabulary loss with a served teacher needs opd serve-teacher and the teacher's output "
+    "layer (model.teacher_model_path), checked when connecting"
+)
 Protocol = Literal["auto", "opd", "openai"]
 AnswerT = TypeVar("AnswerT")
 
@@ -261,6 +265,23 @@ class RemoteTeacher(TeacherInterface):
             return f"a served teacher answers top-k at temperature 1, not {request.temperature}"
         return None
 
+    def refusal(self, request: TeacherRequest) -> str | None:
+        """This client's reason as configured: full-vocabulary answers need the checked output layer.
+
+        The class accepts full-vocabulary requests (a config may load the output layer);
+        this client answers them only when it holds the layer and the server sends hidden
+        states (opd's protocol), which :meth:`connect` checked.
+        """
+        reason = super().refusal(request)
+        if reason is None and isinstance(request, FullVocabRequest) and not self.sends_hidden_states:
+            return _FULL_VOCABULARY_NEEDS
+        return reason
+
+    @property
+    def sends_hidden_states(self) -> bool:
+        """Whether full-vocabulary requests can be answered: an output layer checked against the server's."""
+        return self.output_layer is not None and self.head_info is not None
+
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
         """Answers ``request`` for ``data`` (see :meth:`TeacherInterface.score`).
 
@@ -295,14 +316,11 @@ class RemoteTeacher(TeacherInterface):
         Raises:
             TeacherServiceError: without opd's protocol or a checked output layer.
         """
-        if self.output_layer is None or self.head_info is None:
-            raise TeacherServiceError(
-                "a full-vocabulary loss with a served teacher needs opd serve-teacher and the teacher's output "
-                "layer (model.teacher_model_path), checked when connecting"
-            )
-        layer = self.output_layer
-        dtype = wire.HIDDEN_DTYPES.get(self.hidden_dtype, getattr(torch, self.head_info["dtype"]))
-        shape = (int(self.head_info["hidden_size"]), dtype)
+        layer, head = self.output_layer, self.head_info
+        if layer is None or head is None:
+            raise TeacherServiceError(_FULL_VOCABULARY_NEEDS)
+        dtype = wire.HIDDEN_DTYPES.get(self.hidden_dtype, getattr(torch, head["dtype"]))
+        shape = (int(head["hidden_size"]), dtype)
         input_ids = data["input_ids"]
         hidden = torch.zeros((*input_ids.shape, shape[0]), dtype=layer.weight.dtype)
         body = {"signal": "hidden_states", "hidden_dtype": self.hidden_dtype}
