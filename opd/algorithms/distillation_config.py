@@ -140,7 +140,7 @@ class DistillationValidationConfig(ValidationConfig):
         64,
         ge=1,
         description="k of the top-k KL that validation reports when the teacher cannot send its full "
-        "vocabulary (a served teacher)",
+        "vocabulary as configured and the loss is not top-k (a top-k loss's own k is used)",
     )
     model_path: str | None = Field(
         None, description="model evaluated by `opd eval` / val_only: a model dir or step_N checkpoint"
