@@ -4,7 +4,8 @@ Debian and Ubuntu mark their ``python3`` as externally managed: a file named
 ``EXTERNALLY-MANAGED`` in ``sysconfig.get_path("stdlib")`` makes ``pip install`` stop with
 ``externally-managed-environment``. These tests build such an interpreter (a copy of this
 Python's base installation under a temporary directory: the binary copied, the standard
-library linked, an empty site-packages holding only pip, and the marker), put it first on
+library linked, an empty site directory holding only pip (``site-packages``, or Debian's
+``dist-packages``: wherever that interpreter looks), and the marker), put it first on
 PATH as ``python3`` and check how ``scripts/python_env.sh`` (sourced by install.sh,
 demo.sh, test.sh and lint.sh) chooses the environment:
 
@@ -90,12 +91,15 @@ def make_python(prefix: Path, externally_managed: bool = True, ensurepip: bool =
     for library in (base / "lib").glob("libpython*"):
         (prefix / "lib" / library.name).symlink_to(library)
     for entry in (base / "lib" / STDLIB_NAME).iterdir():
-        if entry.name in ("site-packages", "EXTERNALLY-MANAGED") or (entry.name == "ensurepip" and not ensurepip):
+        # Debian's stdlib holds a dist-packages of its own: linking it would leak the system's packages.
+        left_out = ("site-packages", "dist-packages", "EXTERNALLY-MANAGED")
+        if entry.name in left_out or (entry.name == "ensurepip" and not ensurepip):
             continue
         (stdlib / entry.name).symlink_to(entry)
-    (stdlib / "site-packages").mkdir()
+    site_packages = scratch_site_packages(bin_dir)
+    site_packages.mkdir(parents=True)
     assert PIP_DIR is not None, "pip is not on sys.path"
-    (stdlib / "site-packages" / "pip").symlink_to(PIP_DIR)
+    (site_packages / "pip").symlink_to(PIP_DIR)
     if externally_managed:
         (stdlib / "EXTERNALLY-MANAGED").write_text(
             "[externally-managed]\nError=this test's scratch Python refuses system-wide installs (PEP 668)\n"
@@ -108,6 +112,29 @@ def make_python(prefix: Path, externally_managed: bool = True, ensurepip: bool =
     if probe.returncode != 0 or Path(probe.stdout.strip()) != prefix:
         cannot_build_scratch_python(f"a copy of {binary} does not run from {prefix}: {probe.stdout}{probe.stderr}")
     return bin_dir
+
+
+def scratch_site_packages(bin_dir: Path) -> Path:
+    """The directory the scratch Python at ``bin_dir`` imports its installed packages from.
+
+    ``lib/pythonX.Y/site-packages`` for a python.org or pyenv build; Debian and Ubuntu
+    patch ``site`` so that their own Python reads ``dist-packages`` directories instead
+    (``local/lib/pythonX.Y/dist-packages``, ``lib/python3/dist-packages``). Asked of the
+    interpreter itself (``-S``: before any of those directories exists), so either layout
+    gets pip where it looks.
+    """
+    prefix = bin_dir.parent
+    probe = subprocess.run(
+        [str(bin_dir / "python3"), "-S", "-c", "import site; print('\\n'.join(site.getsitepackages()))"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        cannot_build_scratch_python(f"the scratch Python does not list its site directories: {probe.stderr}")
+    inside = [Path(line) for line in probe.stdout.splitlines() if Path(line).is_relative_to(prefix)]
+    if not inside:
+        cannot_build_scratch_python(f"no site directory of the scratch Python lies under {prefix}: {probe.stdout}")
+    return inside[0]
 
 
 def script_env(first_on_path: Path, **extra: str) -> dict[str, str]:
@@ -265,8 +292,8 @@ def test_install_sh_on_an_externally_managed_python_installs_into_a_fresh_venv(m
     venv = checkout / ".venv"
     assert install.stdout.splitlines()[0].startswith(f"[env] no virtual environment is active: creating {venv}")
     assert install.stdout.splitlines()[-1] == f"[install] opd installed into {venv}"
-    # Nothing went into the system-style Python: its site-packages holds only pip.
-    assert [p.name for p in (managed_bin.parent / "lib" / STDLIB_NAME / "site-packages").iterdir()] == ["pip"]
+    # Nothing went into the system-style Python: its site directory holds only pip.
+    assert [p.name for p in scratch_site_packages(managed_bin).iterdir()] == ["pip"]
 
     where = subprocess.run(
         [
