@@ -139,7 +139,7 @@ def test_the_shipped_served_config_validates_and_trains_against_vllm(vllm_server
     # the data, the sizes and the HF rollout engine (the engine's own tests are elsewhere) are
     # this machine's.
     monkeypatch.chdir(REPO_ROOT)
-    monkeypatch.delenv("OPD_TEACHER_KEY", raising=False)  # the test server asks for no key
+    monkeypatch.setenv("OPD_TEACHER_KEY", "unused")  # the config's key variable; this server checks none
     output_dir = tmp_path / "run"
     status = opd_main([
         "train", "--config", str(REPO_ROOT / "examples" / "configs" / "distillation_math_served.yaml"),
