@@ -48,6 +48,7 @@ ONE_STEP = [
     "validation.batch_size=4",
     "validation.generate_strategy.max_length=12",
     "data.max_val_examples=4",
+    "data.max_train_examples=16",
 ]
 SHORT_ROLLOUTS = ["distillation.generate_strategy.max_length=12", "training.batch_size=4"]
 
@@ -82,9 +83,10 @@ CASES = {
     ),
     "context_demo.yaml": Case("train", [*ONE_STEP, *SHORT_ROLLOUTS]),
     "two_teachers_demo.yaml": Case("train", [*ONE_STEP, *SHORT_ROLLOUTS]),
-    "sft.yaml": Case("sft", [*ONE_STEP]),
+    "sft.yaml": Case("sft", [*ONE_STEP, "training.batch_size=4"]),
     # prepare_models.py makes teacher_init before it runs this config; the demo teacher stands in.
-    "sft_arithmetic.yaml": Case("sft", ["model.model_path=examples/demo/models/teacher", *ONE_STEP]),
+    "sft_arithmetic.yaml": Case("sft", ["model.model_path=examples/demo/models/teacher", *ONE_STEP,
+                                        "training.batch_size=4"]),
     "generate_demo.yaml": Case("generate", ["data.max_train_examples=4", "generate.generate_strategy.max_length=12"]),
     "generate_math.yaml": Case(
         "generate",
