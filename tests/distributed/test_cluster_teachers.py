@@ -112,6 +112,7 @@ def cross_tokenizer(tmp_path: Path, teacher: Path, name: str, *overrides: str) -
         "loss_fn.type=topk", "loss_fn.k=8", "training.max_num_steps=2", "training.batch_size=4",
         "training.micro_batch_size=2", "training.save_freq=0", "distillation.generate_strategy.max_length=24",
         "data.val_path=null", "validation.val_at_start=false", "validation.val_at_end=false", "logger.console=false",
+        "data.max_train_examples=32",  # two steps of 4; each run tokenised the file's 20,000 rows twice (two tokenizers)
         *overrides,
     ])
 
