@@ -75,15 +75,52 @@ _SLOWEST_FILES = [
 ]
 
 
+# The quick tier (`bash scripts/test.sh --quick`, marker `quick`): what a developer runs
+# before every commit, in at most 3 minutes on 2 cores. Every loss and divergence against
+# its float64 reference and the recorded loss values, config and data errors (the bad-input
+# table, the command line), one tiny end-to-end run (tests/functional/distillation.sh) and
+# one step of every shipped config.
+# A directory stands for every file under it.
+_QUICK_PATHS = [
+    "unit/algorithms/test_loss_functions.py",
+    "unit/algorithms/test_divergences.py",
+    "unit/algorithms/test_fused_lm_head.py",
+    "unit/algorithms/test_topk_rest_mass.py",
+    "unit/algorithms/test_topk_empty_slots.py",
+    "unit/algorithms/test_hybrid_loss.py",
+    "unit/algorithms/test_off_policy.py",
+    "unit/algorithms/test_several_teachers.py",
+    "unit/algorithms/test_loss_config.py",
+    "unit/algorithms/test_loss_fn_config.py",
+    "unit/algorithms/test_validation_kl_request.py",
+    "unit/algorithms/test_early_stop.py",
+    "reference/test_reference_losses.py",
+    "unit/utils/test_config.py",
+    "unit/test_cli.py",
+    "unit/data",
+    "robustness/test_bad_inputs.py",
+    "functional/test_distillation_sh.py",
+    "functional/test_shipped_configs.py",
+]
+
+
+def _relative_path(item) -> str | None:
+    try:
+        return Path(item.path).resolve().relative_to(_TESTS_DIR).as_posix()
+    except ValueError:
+        return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """Moves the slowest test files to the front; the order inside each file is kept."""
+    """Marks the quick tier and moves the slowest test files to the front (the order inside each file is kept)."""
     rank = {name: position for position, name in enumerate(_SLOWEST_FILES)}
+    for item in items:
+        name = _relative_path(item)
+        if name is not None and any(name == path or name.startswith(path + "/") for path in _QUICK_PATHS):
+            item.add_marker(pytest.mark.quick)
 
     def position(item) -> int:
-        try:
-            name = Path(item.path).resolve().relative_to(_TESTS_DIR).as_posix()
-        except ValueError:
-            return len(rank)
-        return rank.get(name, len(rank))
+        name = _relative_path(item)
+        return len(rank) if name is None else rank.get(name, len(rank))
 
     items.sort(key=position)

@@ -147,6 +147,7 @@ def run_cli(output_dir: Path, kill_after: Path | None = None) -> int:
         return process.wait(timeout=300)
 
 
+@pytest.mark.slow  # three `opd train` processes, each with a private Ray cluster
 def test_sigkill_and_rerun_equals_the_uninterrupted_asynchronous_run(tmp_path):
     assert run_cli(tmp_path / "reference") == 0
     killed = tmp_path / "killed"

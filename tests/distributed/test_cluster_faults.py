@@ -27,6 +27,9 @@ import pytest
 from opd_test_helpers import REPO_ROOT, TINY_TRAIN_DATA
 from safetensors.torch import load_file
 
+# Five `opd train` processes, each starting a private Ray cluster: minutes on 2 cores.
+pytestmark = pytest.mark.slow
+
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 STEPS = 4
 DEATH_DEADLINE_S = 60.0

@@ -57,6 +57,7 @@ print(json.dumps({"error": error, "cache": os.environ["TORCHINDUCTOR_CACHE_DIR"]
 """
 
 
+@pytest.mark.slow  # compiles the loss kernels from nothing twice, in two fresh caches
 def test_a_default_level_run_after_a_forced_level_run_uses_its_own_kernels(tmp_path):
     environment = {key: value for key, value in os.environ.items()
                    if key not in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
