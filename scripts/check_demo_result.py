@@ -31,8 +31,10 @@ def problems(output_dir: Path, min_gap_closed: float) -> list[str]:
         found.append(f"the committed student should start weak: test accuracy {before:.3f} > 0.2")
     closed = (after - before) / (teacher - before) if teacher > before else float("nan")
     if not closed >= min_gap_closed:
-        found.append(f"distillation closed {closed:.0%} of the teacher-student gap ({before:.3f} -> {after:.3f}, "
-                     f"teacher {teacher:.3f}); expected at least {min_gap_closed:.0%}")
+        found.append(
+            f"distillation closed {closed:.0%} of the teacher-student gap ({before:.3f} -> {after:.3f}, "
+            f"teacher {teacher:.3f}); expected at least {min_gap_closed:.0%}"
+        )
     for required in ("final_model/model.safetensors", "logs/curves.png", "logs/metrics.jsonl"):
         if not (output_dir / required).is_file():
             found.append(f"{output_dir / required} is missing")
