@@ -3,8 +3,10 @@
 A tiny teacher that solves 3-digit addition (``examples/demo/models/teacher``) and a
 smaller student that knows the answer format but rarely gets the sum right
 (``examples/demo/models/student``) are scored on the task's held-out test split; the
-student is distilled from the teacher with ``examples/configs/demo.yaml``; the distilled
-student is scored again. The script prints a table and, as its last line,
+student is distilled from the teacher with ``examples/configs/demo.yaml`` and
+:data:`STOP_AT_TEACHER`: validation every 25 steps, and the run stops as soon as the
+student's validation accuracy reaches the teacher's own (``training.max_num_steps`` stays
+the cap); the distilled student is scored again. The script prints a table and, as its last line,
 
     demo accuracy teacher=<a> student_before=<b> student_after=<c> minutes=<m>
 
@@ -12,8 +14,10 @@ It also writes ``<output_dir>/demo_results.json``, the run's logs and curves
 (``<output_dir>/logs/curves.png``) and the distilled model (``<output_dir>/final_model``).
 
 Usage: ``python examples/demo/run_demo.py [--config FILE] [key.sub=value ...]``
-(the overrides go to the distillation config, e.g. ``training.max_num_steps=60``; relative
-paths, as in ``demo.yaml``, are relative to the repository root).
+(the overrides go to the distillation config after :data:`STOP_AT_TEACHER`, e.g.
+``training.max_num_steps=60``, or ``training.early_stop=null`` to train every step, which
+``training.val_freq=0`` also needs; relative paths, as in ``demo.yaml``, are relative to the
+repository root).
 The models are rebuilt from scratch by ``python examples/demo/prepare_models.py``.
 """
 
@@ -35,6 +39,18 @@ from opd.cli import main as opd_main  # noqa: E402
 TASK_DIR = REPO / "examples" / "data" / "arithmetic"
 MODELS_DIR = REPO / "examples" / "demo" / "models"
 DEFAULT_CONFIG = REPO / "examples" / "configs" / "demo.yaml"
+STOP_AT_TEACHER = [
+    "validation.teacher_baseline=true",
+    "training.val_freq=25",
+    "training.early_stop.metric=val/accuracy",
+    "training.early_stop.target=teacher",
+    "training.early_stop.patience=4",
+]
+"""The demo's early stop (``training.early_stop``): the teacher answers the validation prompts
+once before training, and the run ends at the first validation where the student's accuracy
+reaches the teacher's, or after 4 validations (100 steps) in a row without a new best. Not in
+demo.yaml: the λ study, the benchmarks and the demos that inherit demo.yaml train for a
+fixed number of steps."""
 
 
 def ensure_task_data() -> None:
@@ -77,8 +93,9 @@ def main() -> None:
     from opd.utils.config import load_config
     from opd.utils.errors import OpdError
 
+    overrides = [*STOP_AT_TEACHER, *args.overrides]
     try:  # a bad key or value stops here, before any model is loaded, with one line
-        config = load_config(MasterConfig, str(args.config), args.overrides)
+        config = load_config(MasterConfig, str(args.config), overrides)
     except OpdError as error:
         raise SystemExit(f"run_demo: error: {error}") from None
     output_dir = Path(config.output_dir)
@@ -89,16 +106,16 @@ def main() -> None:
                              "`python examples/demo/prepare_models.py`")
 
     print("== test accuracy before distillation", flush=True)
-    teacher_accuracy = test_accuracy(args.config, args.overrides, teacher, output_dir / "eval" / "teacher")
-    before = test_accuracy(args.config, args.overrides, student, output_dir / "eval" / "student_before")
+    teacher_accuracy = test_accuracy(args.config, overrides, teacher, output_dir / "eval" / "teacher")
+    before = test_accuracy(args.config, overrides, student, output_dir / "eval" / "student_before")
 
     print("== on-policy distillation", flush=True)
-    status = opd_main(["train", "--config", str(args.config), *args.overrides])
+    status = opd_main(["train", "--config", str(args.config), *overrides])
     if status != 0:
         raise SystemExit(status)
 
     print("== test accuracy after distillation", flush=True)
-    after = test_accuracy(args.config, args.overrides, output_dir / "final_model", output_dir / "eval" / "student_after")
+    after = test_accuracy(args.config, overrides, output_dir / "final_model", output_dir / "eval" / "student_after")
     minutes = (time.perf_counter() - start) / 60
 
     gap = teacher_accuracy - before
