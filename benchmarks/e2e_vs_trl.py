@@ -76,13 +76,16 @@ compiled, … (``--rounds`` of each), each process running ``--warmup`` untimed 
 
 Overhead report: another kind of process times, at the same shapes, the essential parts
 of an opd step alone, without opd's driver — opd's decode loop (KV cache, same sampling,
-compiled step as in the opd compiled runs; HF ``generate`` is timed next to it for
-reference),
-the teacher's decoder forward to its final hidden states (``inference_mode``), and the
-student's forward + opd's fused JSD loss + backward + clipping + AdamW step — and prints
-opd compiled's step time over their sum, next to its own per-phase timings. Once, untimed, it
-also checks on one batch that opd's loss equals TRL's ``generalized_jsd_loss`` (same
-weights, same tokens), i.e. that both runs optimise the same objective.
+the same stop ids, the compiled step as in the opd compiled runs; HF ``generate`` is
+timed next to it for reference), the teacher's decoder forward to its final hidden
+states (``inference_mode``), and the student's forward + opd's fused JSD loss + backward
++ clipping + AdamW step — and prints opd compiled's step time over their sum, next to
+its own per-phase timings. Once, untimed, it also checks on one batch that opd's loss
+equals TRL's ``generalized_jsd_loss`` (same weights, same tokens), i.e. that both runs
+optimise the same objective.
+
+``--smoke`` runs one round of one warm-up and one timed step per framework at the 2k
+vocabulary, with 4-token responses to batches of 2.
 
 The last lines are machine-readable:
 ``e2e opd/trl_gc_off step_time small=<ratio> qwen_vocab=<ratio> peak_rss small=<ratio> qwen_vocab=<ratio>``
