@@ -58,17 +58,19 @@ def _arithmetic_task_exists():
         subprocess.run([sys.executable, str(generator)], check=True, capture_output=True)
 
 
-# Test files that take minutes, slowest first (measured with --durations=0 on 2 cores).
+# Test files that take minutes, slowest first (measured with --durations on 2 cores).
 # The parallel run (pytest-xdist, --dist loadfile) hands files to workers in collection
 # order, two to each worker at the start, so starting these first keeps one long file
-# from running alone at the end. The demo's one long test leads: it cannot be split.
+# from running alone at the end. The two `slow` ones (the pinned demo, the cluster faults)
+# lead in `--all` and CI; the default tier leaves them out.
 _SLOWEST_FILES = [
-    "functional/test_demo.py",
     "reference/test_reference_runs.py",
     "distributed/test_cluster_faults.py",
-    "distributed/test_async_cluster.py",
     "distributed/test_cluster_equivalence.py",
     "functional/test_run_lifecycle.py",
+    "distributed/test_async_cluster.py",
+    "distributed/test_cluster_teachers.py",
+    "unit/models/test_teacher_server.py",
     "unit/algorithms/test_sft.py",
     "distributed/test_worker_errors.py",
     "unit/models/test_remote_teacher.py",
@@ -101,6 +103,7 @@ _QUICK_PATHS = [
     "robustness/test_bad_inputs.py",
     "functional/test_distillation_sh.py",
     "functional/test_shipped_configs.py",
+    "unit/test_check_demo_result.py",
 ]
 
 
