@@ -38,8 +38,8 @@ as mean ± standard deviation.
 The demo's task is written first if it is missing (``examples/data/make_arithmetic_task.py``).
 
 Usage: ``python benchmarks/async_overlap.py [--part speed|learning|both] [--repeats 3]
-[--learn] [--setups SETUP ...] [--smoke]`` (speed: about 6 minutes per repeat, learning: about 27 minutes on 2
-cores). Run it on an otherwise idle machine. The last line is machine-readable:
+[--learn] [--setups SETUP ...] [--no-baselines] [--smoke]`` (speed: about 6 minutes per
+repeat, learning: about 27 minutes on 2 cores). Run it on an otherwise idle machine. The last line is machine-readable:
 ``async speedup one_step_off=<median> (<min>-<max>) two_step_off=<median> (<min>-<max>) repeats=<n>``
 (the full-vocabulary group's one-step-off speedup, and the top-k group's two-step-off
 speedup, median and range over the repeats).
@@ -158,8 +158,8 @@ def speed(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
         "validation.val_at_end=false",
         f"distillation.generate_strategy.max_length={args.max_length}",
     ]
-    # The setups asked for, each with the sync run its speedup is taken against.
-    wanted = set(args.setups) | {baseline_of(name) for name in args.setups}
+    # The setups asked for, each with the sync run its speedup is taken against (unless --no-baselines).
+    wanted = set(args.setups) | ({baseline_of(name) for name in args.setups} if args.baselines else set())
     setups = [setup for setup in SPEED_SETUPS if setup.name in wanted]
     runs: dict[str, list[dict[str, float]]] = {setup.name: [] for setup in setups}
     for repeat in range(args.repeats):
@@ -171,11 +171,11 @@ def speed(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
     rows = {
         name: {key: statistics.median(r[key] for r in results) for key in results[0]} for name, results in runs.items()
     }
-    # Each repeat's speedup against the sync run of the same repeat and group.
+    # Each repeat's speedup against the sync run of the same repeat and group (none without it).
     speedups = {
         name: [
             mine["steps_per_s"] / base["steps_per_s"]
-            for mine, base in zip(results, runs[baseline_of(name)], strict=True)
+            for mine, base in zip(results, runs.get(baseline_of(name), []), strict=False)
         ]
         for name, results in runs.items()
     }
@@ -193,7 +193,7 @@ def speed(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
     print("-" * len(header))
     for setup in setups:
         row, ratios = rows[setup.name], speedups[setup.name]
-        spread = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+        spread = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "nan"
         print(
             f"{setup.name:<26}{row['steps_per_s']:>9.3f}{spread:>20}"
             f"{row['step']:>7.2f}s{row['generation']:>11.2f}s{row['wait_prev_gen']:>9.2f}s"
@@ -244,13 +244,14 @@ def learning(args: argparse.Namespace, workdir: Path) -> None:
 SMOKE = {
     "part": "speed",
     "setups": ["top-k two_step_off"],
+    "baselines": False,
     "steps": 2,
     "warmup": 1,
     "repeats": 1,
     "batch": 2,
     "max_length": 8,
 }
-"""``--smoke``: the top-k group's sync and two-step-off runs once, two steps of two prompts, 8-token rollouts."""
+"""``--smoke``: the top-k two-step-off run alone (no speedup), two steps of two prompts, 8-token rollouts."""
 
 
 def main() -> None:
@@ -267,6 +268,12 @@ def main() -> None:
         metavar="SETUP",
         help="speed setups to run (each with its group's sync run); default: all",
     )
+    parser.add_argument(
+        "--baselines",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run each setup's sync baseline (--no-baselines: no speedups)",
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=96)
     parser.add_argument("--learn", action="store_true", help="speed runs at the demo's learning rate (see above)")
@@ -281,7 +288,7 @@ def main() -> None:
     if speeds is not None:
 
         def spread(ratios: list[float] | None) -> str:
-            if not ratios:  # not among --setups
+            if not ratios:  # not among --setups, or --no-baselines
                 return "nan"
             return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
 

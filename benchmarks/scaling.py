@@ -177,8 +177,8 @@ def median_summary(summaries: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(summary[key] for summary in summaries) for key in summaries[0]}
 
 
-SMOKE = {"steps": 2, "warmup": 1, "per_worker_batch": 2, "repeats": 1, "setups": ["in-process", "colocated 1+1"]}
-"""``--smoke``: one run in process and one on a Ray cluster of one trainer and one rollout worker, two steps each."""
+SMOKE = {"steps": 2, "warmup": 1, "per_worker_batch": 2, "repeats": 1, "setups": ["colocated 1+1"]}
+"""``--smoke``: one run on a Ray cluster of one trainer and one rollout worker, two steps (every ratio reads nan)."""
 
 
 def main() -> None:

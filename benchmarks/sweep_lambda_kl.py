@@ -24,10 +24,10 @@ Runs go ``--jobs`` at a time, one CPU thread each, so every run sees the same lo
 The demo's task is written first if it is missing (``examples/data/make_arithmetic_task.py``).
 
 Usage: ``python benchmarks/sweep_lambda_kl.py [--steps 150] [--time-budget-s 120] [--jobs 2]
-[--lambdas 0 0.5 1] [--kl-types forward reverse mixed] [--eval-examples N] [--smoke]``
-(``--eval-examples`` caps the validation and test problems of every evaluation; ``--smoke``:
-λ = 1 with forward KL, 2 steps or 2 seconds, 8 problems per evaluation, in a temporary
-directory).
+[--lambdas 0 0.5 1] [--kl-types forward reverse mixed] [--budgets steps time]
+[--no-temperature-row] [--eval-examples N] [--smoke]`` (``--eval-examples`` caps the
+validation and test problems of every evaluation; ``--smoke``: λ = 1 with forward KL and
+SFT, 2 steps, 8 problems per evaluation, in a temporary directory).
 """
 
 from __future__ import annotations
@@ -232,9 +232,11 @@ SMOKE = {
     "lambdas": [1.0],
     "kl_types": ["forward"],
     "eval_examples": 8,
+    "budgets": ["steps"],
+    "temperature_row": False,
     "out": None,
 }
-"""``--smoke``: λ = 1 with forward KL and the SFT baseline, 2 steps or 2 s, 8 problems per evaluation, out in a
+"""``--smoke``: λ = 1 with forward KL and the SFT baseline at equal steps (2), 8 problems per evaluation, out in a
 temporary directory."""
 
 
@@ -249,6 +251,15 @@ def main() -> None:
     )
     parser.add_argument(
         "--eval-examples", type=int, default=None, help="problems per validation and test evaluation (default: all)"
+    )
+    parser.add_argument(
+        "--budgets", nargs="+", choices=["steps", "time"], default=["steps", "time"], help="which budgets to run"
+    )
+    parser.add_argument(
+        "--temperature-row",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the equal-steps row sampled at temperature 1",
     )
     parser.add_argument("--out", type=Path, default=REPO / "results" / "sweep_lambda_kl")
     args = parse_arguments(parser, SMOKE)
@@ -275,7 +286,8 @@ def sweep(args: argparse.Namespace) -> None:
     print(f"  {answer_seconds:.1f} s ({per_prompt * 1000:.1f} ms per prompt)", flush=True)
 
     jobs = []
-    for budget_name, steps, seconds in (("steps", args.steps, None), ("time", None, args.time_budget_s)):
+    budgets = [("steps", args.steps, None), ("time", None, args.time_budget_s)]
+    for budget_name, steps, seconds in [budget for budget in budgets if budget[0] in args.budgets]:
         budget = budget_overrides(steps, seconds)
         for lam in args.lambdas:
             for kl in args.kl_types:
@@ -283,7 +295,7 @@ def sweep(args: argparse.Namespace) -> None:
                 overrides = [f"distillation.lambda={lam}", f"loss_fn.kl_type={kl}"]
                 setting = functools.partial(distillation_setting, name, overrides, budget, args.out, evaluation)
                 jobs.append((budget_name, setting))
-        if seconds is None:
+        if seconds is None and args.temperature_row:
             # The demo samples greedily; this row shows what temperature-1 sampling does instead.
             temperature_1 = [
                 "distillation.lambda=1.0",
@@ -306,6 +318,8 @@ def sweep(args: argparse.Namespace) -> None:
         equal_steps = sft_setting(
             "steps/sft_teacher_answers", answers, budget_overrides(args.steps, None), args.out, evaluation
         )
+        if "time" not in args.budgets:
+            return [equal_steps]
         step_cost = equal_steps["train_seconds"] / equal_steps["steps"] + batch_size * per_prompt
         steps_in_budget = max(int(args.time_budget_s // step_cost), 1)
         equal_time = sft_setting(
