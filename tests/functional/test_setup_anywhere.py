@@ -17,7 +17,9 @@ demo.sh, test.sh and lint.sh) chooses the environment:
 
 The full install (``scripts/install.sh`` into a fresh ``.venv`` from nothing: CPU torch
 and every dependency, then one tiny distillation step; about 2 minutes on 2 shared cores) runs only where
-``OPD_TEST_SETUP_ANYWHERE=1`` is set, as ``.ci/run`` does in a stage of its own.
+``OPD_TEST_SETUP_ANYWHERE=1`` is set. CI does the real thing instead: its first run
+(``.ci/run``) runs the README's two commands on the distribution's own ``python3``, which
+creates ``.venv`` and installs into it from nothing.
 """
 
 from __future__ import annotations
@@ -57,13 +59,15 @@ NOT_COPIED = shutil.ignore_patterns(
 
 
 def cannot_build_scratch_python(why: str) -> None:
-    """Skips where this interpreter cannot be copied into a scratch prefix; fails in CI.
+    """Skips where this interpreter cannot be copied into a scratch prefix; fails where the full install runs.
 
     The scratch Python is a copy of the running interpreter's binary next to a symlinked
     stdlib. Interpreters laid out otherwise (a macOS framework build, a distribution
     Python whose binary lives outside its prefix) cannot be copied that way, and a user
-    running the suite on one loses only this check of the scripts. CI
-    (``OPD_TEST_SETUP_ANYWHERE=1``) must never pass without it, so there it fails.
+    running the suite on one loses only this check of the scripts. A run asked for the
+    full install (``OPD_TEST_SETUP_ANYWHERE=1``) must never pass without it, so there it
+    fails. (Debian's own ``python3``, whose site directories are ``dist-packages``, is
+    copied: :func:`scratch_site_packages`.)
     """
     if os.environ.get("OPD_TEST_SETUP_ANYWHERE") == "1":
         pytest.fail(f"cannot build the scratch externally-managed Python: {why}")
@@ -277,7 +281,7 @@ def test_a_broken_checkout_venv_is_reported_not_replaced(managed_bin, tmp_path):
 @pytest.mark.skipif(
     os.environ.get("OPD_TEST_SETUP_ANYWHERE") != "1",
     reason="installs torch and every dependency into a fresh .venv (~2 min); "
-    "set OPD_TEST_SETUP_ANYWHERE=1 (.ci/run does)",
+    "set OPD_TEST_SETUP_ANYWHERE=1 (CI installs from nothing on Debian's python3 instead)",
 )
 def test_install_sh_on_an_externally_managed_python_installs_into_a_fresh_venv(managed_bin, tmp_path):
     checkout = tmp_path / "checkout"
