@@ -27,6 +27,7 @@ import os
 import random
 import shutil
 import time
+from abc import abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypedDict
@@ -118,9 +119,9 @@ class RunConfig(StrictConfig):
     validation: ValidationConfig
     checkpointing: CheckpointingConfig
 
+    @abstractmethod
     def has_validation_data(self) -> bool:
         """Whether the run names validation data (in each algorithm's own ``data`` section)."""
-        raise NotImplementedError
 
     def validation_metrics(self) -> tuple[str, ...]:
         """The metrics this algorithm's validation reports (without a teacher: no KL)."""
