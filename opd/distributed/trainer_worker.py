@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
@@ -113,10 +114,19 @@ class TrainerWorker:
 
     def start(self, master_addr: str, master_port: int) -> None:
         """Joins the process group at rank 0's address, then loads and shards the models."""
-        spec, rank, world_size = self.spec, self.rank, self.world_size
-        mesh = init_process_group(rank, world_size, master_addr, master_port, spec.backend, spec.timeout_s)
+        spec = self.spec
+        mesh = init_process_group(self.rank, self.world_size, master_addr, master_port, spec.backend, spec.timeout_s)
         on_gpu = spec.backend == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.build(mesh, torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
+
+    def build(self, mesh: DeviceMesh, device: torch.device) -> None:
+        """Loads and shards the student (and a colocated teacher) over ``mesh``; builds the optimizer.
+
+        Separate from :meth:`start` so that a process group made elsewhere (a fake one,
+        for ``opd plan``'s dry run) builds the very same trainer.
+        """
+        spec = self.spec
+        self.device = device
         dtype = resolve_dtype(spec.loading.dtype, self.device)
         # fp32 master weights; a 16-bit model.dtype is the compute dtype (FSDP2 mixed precision).
         self.compute_dtype = dtype
@@ -218,7 +228,8 @@ class TrainerWorker:
             (dist.ReduceOp.MAX, [key for key in every_key if key.endswith("_max")], -math.inf),
         ):
             if keys:
-                values = torch.tensor([totals.get(key, missing) for key in keys], dtype=torch.float64)
+                # On the compute device: an NCCL process group has no CPU backend.
+                values = torch.tensor([totals.get(key, missing) for key in keys], dtype=torch.float64, device=self.device)
                 dist.all_reduce(values, op=op)
                 reduced.update(zip(keys, values.tolist(), strict=True))
         return reduced
