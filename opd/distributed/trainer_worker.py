@@ -29,12 +29,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
 from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, shard_model, whole_state_dict_buckets
+from opd.distributed.sharded_loading import load_sharded
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import LossFunction, TeacherRequest, TeacherSignal, signal_to_device
 from opd.models.lm_head import LMHeadInput, output_head_of
 from opd.models.loading import load_causal_lm, resolve_dtype
 from opd.models.policy.optimization import accumulate_metrics, apply_gradients, build_optimizer, build_scheduler
 from opd.models.teacher.local_teacher import LocalTeacher
+from opd.utils.memory import release_cached_memory
 
 SHARDS_DIR = "policy_shards"
 """Where a checkpoint keeps the trainer's sharded model and optimizer (torch.distributed.checkpoint)."""
@@ -130,20 +132,31 @@ class TrainerWorker:
         dtype = resolve_dtype(spec.loading.dtype, self.device)
         # fp32 master weights; a 16-bit model.dtype is the compute dtype (FSDP2 mixed precision).
         self.compute_dtype = dtype
-        student = load_causal_lm(spec.student_path, torch.float32, self.device, spec.loading)
         compute_dtype = dtype if dtype != torch.float32 else None
-        self.model = shard_model(student, mesh, compute_dtype, spec.reshard_after_forward)
+        # Each rank reads only its shards of the weights: the whole model is never in one process.
+        self.model = load_sharded(
+            spec.student_path,
+            torch.float32,
+            self.device,
+            spec.loading,
+            lambda model: shard_model(model, mesh, compute_dtype, spec.reshard_after_forward),
+        )
         self.model.train()
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_scheduler(self.optimizer, spec.optimizer, spec.total_steps)
         self.teacher: LocalTeacher | None = None
         if spec.teacher_path is not None:
-            teacher_model = load_causal_lm(spec.teacher_path, dtype, self.device, spec.loading)
-            teacher_model.requires_grad_(False)
             if spec.teacher_sharded:
-                self.teacher = ShardedTeacher(shard_model(teacher_model, mesh))
+                teacher_model = load_sharded(
+                    spec.teacher_path, dtype, self.device, spec.loading, lambda model: shard_model(model, mesh)
+                )
+                teacher_model.requires_grad_(False)
+                self.teacher = ShardedTeacher(teacher_model)
             else:  # a whole copy scores as the in-process teacher does, with no collective at all
+                teacher_model = load_causal_lm(spec.teacher_path, dtype, self.device, spec.loading)
+                teacher_model.requires_grad_(False)
                 self.teacher = LocalTeacher(teacher_model)
+        release_cached_memory(self.device)
 
     def pid(self) -> int:
         """This worker's process id (tests kill it to check fault handling)."""
@@ -229,7 +242,9 @@ class TrainerWorker:
         ):
             if keys:
                 # On the compute device: an NCCL process group has no CPU backend.
-                values = torch.tensor([totals.get(key, missing) for key in keys], dtype=torch.float64, device=self.device)
+                values = torch.tensor(
+                    [totals.get(key, missing) for key in keys], dtype=torch.float64, device=self.device
+                )
                 dist.all_reduce(values, op=op)
                 reduced.update(zip(keys, values.tolist(), strict=True))
         return reduced
