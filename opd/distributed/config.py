@@ -38,6 +38,14 @@ class TrainerPoolConfig(StrictConfig):
     )
 
 
+    offload_during_generation: bool = Field(
+        False,
+        description="colocated rollouts: move each trainer rank's optimizer state and colocated teacher to host "
+        "memory while the rollout engines generate on its GPU, and back before the update (the sync scheduler "
+        "only; nothing moves on CPU workers)",
+    )
+
+
 class RolloutPoolConfig(StrictConfig):
     """The engines that sample from the student."""
 

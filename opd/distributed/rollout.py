@@ -136,14 +136,25 @@ class RayGeneration(GenerationInterface):
         workers: the rollout workers.
         pad_token_id: pads the concatenated batch.
         refit_bucket_bytes: size of one refit bucket.
+        offload_trainer: the trainer workers that share the engines' GPUs
+            (``cluster.trainer.offload_during_generation``): their optimizer state and
+            teacher go to host memory while the engines generate, and come back when the
+            rollout is collected. None leaves the trainer alone.
     """
 
     needs_refit = True
 
-    def __init__(self, workers: WorkerGroup, pad_token_id: int, refit_bucket_bytes: int) -> None:
+    def __init__(
+        self,
+        workers: WorkerGroup,
+        pad_token_id: int,
+        refit_bucket_bytes: int,
+        offload_trainer: WorkerGroup | None = None,
+    ) -> None:
         self.workers = workers
         self.pad_token_id = pad_token_id
         self.refit_bucket_bytes = refit_bucket_bytes
+        self.offload_trainer = offload_trainer
 
     def prepare_for_generation(self) -> None:
         """Nothing to switch on: the workers sample in eval mode on every call."""
@@ -174,6 +185,8 @@ class RayGeneration(GenerationInterface):
         rollout depends on when it was asked for, not on when it is collected.
         """
         seed = int(torch.randint(_SEED_RANGE, (1,)))
+        if self.offload_trainer is not None:
+            self.offload_trainer.run_all("offload_to_host")
         count = min(self.workers.size, len(prompts))
         bounds = [len(prompts) * rank // count for rank in range(count + 1)]
         refs = [
@@ -185,6 +198,8 @@ class RayGeneration(GenerationInterface):
         return self.workers.pending(refs, self._concat, ranks=list(range(count)))
 
     def _concat(self, parts: list[BatchedDataDict]) -> BatchedDataDict:
+        if self.offload_trainer is not None:  # the engines are done with the GPUs
+            self.offload_trainer.run_all("reload_to_device")
         return BatchedDataDict.concat(parts, pad_values={"input_ids": self.pad_token_id})
 
     def refit(self, policy: PolicyInterface) -> None:

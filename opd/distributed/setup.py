@@ -141,7 +141,12 @@ def build_cluster_backends(
         teacher_in_workers=colocated_teacher,
         on_close=release,
     )
-    generation = RayGeneration(rollout, request.tokenizer.pad_token_id, int(cluster.rollout.refit_bucket_mb * _MIB))
+    generation = RayGeneration(
+        rollout,
+        request.tokenizer.pad_token_id,
+        int(cluster.rollout.refit_bucket_mb * _MIB),
+        offload_trainer=trainer if cluster.trainer.offload_during_generation else None,
+    )
     return policy, teachers, generation
 
 

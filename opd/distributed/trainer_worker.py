@@ -158,6 +158,57 @@ class TrainerWorker:
                 self.teacher = LocalTeacher(teacher_model)
         release_cached_memory(self.device)
 
+    # ------------------------------------------------------------------ sharing the device
+
+    def offload_to_host(self) -> int:
+        """Moves the optimizer state and a colocated teacher to host memory; returns the bytes moved.
+
+        Called while colocated rollout engines generate on this rank's GPU (NeMo-RL's
+        offload): Adam's two moments are twice the student's fp32 weights, and a teacher
+        is often larger than the student, so this is most of what the engine needs.
+        The student's own weights stay: the refit reads them.
+        """
+        host = torch.device("cpu")
+        moved = self._move_optimizer_state(host) + self._move_teacher(host)
+        release_cached_memory(self.device)
+        return moved
+
+    def reload_to_device(self) -> int:
+        """Brings back what :meth:`offload_to_host` moved; returns the bytes moved."""
+        return self._move_optimizer_state(self.device) + self._move_teacher(self.device)
+
+    def state_devices(self) -> dict[str, list[str]]:
+        """The devices the optimizer state and the teacher's weights are on now (for tests)."""
+        optimizer = {
+            str(value.device)
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+        }
+        teacher = set() if self.teacher is None else {str(p.device) for p in self.teacher.model.parameters()}
+        return {"optimizer": sorted(optimizer), "teacher": sorted(teacher)}
+
+    def _move_optimizer_state(self, device: torch.device) -> int:
+        moved = 0
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                # The step counters are 0-dim host tensors by design; only the moments move.
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != device:
+                    state[key] = value.to(device, non_blocking=device.type == "cpu")
+                    moved += value.numel() * value.element_size()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return moved
+
+    def _move_teacher(self, device: torch.device) -> int:
+        if self.teacher is None:
+            return 0
+        moved = sum(
+            p.numel() * p.element_size() for p in self.teacher.model.parameters() if p.device != device
+        )
+        self.teacher.model.to(device)  # FSDP2 moves each shard; a whole copy moves whole
+        return moved
+
     def pid(self) -> int:
         """This worker's process id (tests kill it to check fault handling)."""
         return os.getpid()

@@ -67,8 +67,9 @@ def train(config: MasterConfig) -> None:
 
 
 CLUSTER_SETTINGS = {
-    # FSDP2's defaults: layers gathered again for the backward, the teacher sharded too.
-    "sharded": [],
+    # FSDP2's defaults: layers gathered again for the backward, the teacher sharded too; the optimizer
+    # state and the teacher offloaded around every rollout (nothing moves on CPU: the calls' order is checked).
+    "sharded": ["cluster.trainer.offload_during_generation=true"],
     # Layers kept gathered from forward to backward, a whole teacher copy in each worker.
     "kept_whole": ["cluster.trainer.reshard_after_forward=false", "cluster.teacher.sharded=false"],
 }
