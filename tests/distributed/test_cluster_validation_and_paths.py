@@ -124,13 +124,13 @@ def components(ray_cluster, tmp_path_factory):
 
 def test_ranks_write_shards_and_final_model_where_the_controller_reads(components):
     workdir, built = components
-    assert Path(built.checkpointer.root) == workdir / "run" / "checkpoints"  # absolute in the controller
-    assert not list(built.checkpointer.root.iterdir())  # the start-up markers were removed
     policy = built.student_policy
     policy.save_checkpoint(Path("run") / "manual_checkpoint")  # relative, as the driver may pass it
     assert (workdir / "run" / "manual_checkpoint" / "policy_shards" / ".metadata").is_file()
     policy.save_pretrained("run/manual_final")
     assert (workdir / "run" / "manual_final" / "config.json").is_file()
+    assert Path(built.checkpointer.root) == workdir / "run" / "checkpoints"  # absolute in the controller
+    assert not list(built.checkpointer.root.iterdir())  # the start-up markers were removed
 
 
 class ElsewhereForRankZero:
