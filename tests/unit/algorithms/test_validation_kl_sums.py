@@ -5,7 +5,8 @@
   without the teacher's rest mass), in chunks far smaller than the batch, equals the
   float64 :func:`token_kl` / :func:`topk_token_kl` of the whole logits;
 * the in-process student's :meth:`HFPolicy.compare_with_teacher`, with one teacher, two
-  routed teachers and a mixture, full vocabulary and top-k, equals the computation
+  routed teachers, a mixture and a teacher with a teacher-only context, full vocabulary
+  and top-k, equals the computation
   validation made before (the student's and the teacher's whole ``[B, L, V]`` logits);
 * the student's ``[B, L, V]`` logits are never made: its forward stops at the decoder.
 """
@@ -29,6 +30,7 @@ from opd.models.interfaces import (
 from opd.models.lm_head import LMHeadInput
 from opd.models.loading import load_causal_lm
 from opd.models.policy.hf_policy import HFPolicy
+from opd.models.teacher.context_teacher import ContextTeacher
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.several_teachers import RoutedTeachers, TeacherMixture
 
@@ -134,6 +136,8 @@ def validation_batch() -> BatchedDataDict:
             "token_mask": build_token_mask(lengths, prompts, 9, True),
             "teacher_index": torch.tensor([0, 1, 1, 0, 1]),
             "teacher_weights": torch.tensor([[0.3, 0.7], [0.5, 0.5], [1.0, 0.0], [0.2, 0.8], [0.6, 0.4]]),
+            # A teacher-only context: the teacher sees each response under its own longer prompt.
+            "teacher_prompt_ids": [torch.randint(3, 200, (n,), generator=generator).tolist() for n in (6, 3, 8, 5, 2)],
         }
     )
 
@@ -169,10 +173,12 @@ def build_teacher(kind: str, models):
         return teacher
     if kind == "routed":
         return RoutedTeachers(["a", "b"], [teacher, other])
+    if kind == "context":
+        return ContextTeacher(teacher, pad_token_id=0)
     return TeacherMixture(["a", "b"], [teacher, other])
 
 
-@pytest.mark.parametrize("kind", ["one", "routed", "mixture"])
+@pytest.mark.parametrize("kind", ["one", "routed", "mixture", "context"])
 @pytest.mark.parametrize("request_", [FullVocabRequest(), TopKRequest(6, 1.0, 200)], ids=["full_vocab", "topk"])
 def test_in_process_student_sums_equal_the_old_whole_logits_path(models, kind, request_, monkeypatch):
     from opd.algorithms import validation
