@@ -102,8 +102,10 @@ def main() -> None:
         components.close()
         ray.shutdown()
     batches = -(-args.prompts // args.batch_size)
-    print(f"vocabulary {len(components.tokenizer)}, {args.prompts} prompts in {batches} batches, "
-          f"val/kl_forward {metrics.get('val/kl_forward', float('nan')):.6f}")
+    print(
+        f"vocabulary {len(components.tokenizer)}, {args.prompts} prompts in {batches} batches, "
+        f"val/kl_forward {metrics.get('val/kl_forward', float('nan')):.6f}"
+    )
     print(f"{'role':<10} {'results':>8} {'bytes':>12} {'bytes/batch':>12} {'widest [.., .., W]':>19}")
     for role, sizes in sorted(received.items()):
         print(f"{role:<10} {len(sizes):>8} {sum(sizes):>12} {sum(sizes) // batches:>12} {widest.get(role, 0):>19}")
