@@ -7,9 +7,10 @@
 * The run is started from another working directory than the Ray workers', with a
   relative ``output_dir``: the ranks write checkpoint shards and ``final_model/`` where
   the controller reads them.
-* A rank whose view of the checkpoint directory is another disk (a node-local path)
-  stops ``setup`` with an error naming the directory and that rank's node; ``final_model/``
-  written where the controller cannot read it fails likewise.
+* Setup checks that every rank's marker reaches the checkpoint directory; a rank whose
+  view of that directory is another disk (a node-local path) stops the check with an
+  error naming the directory and that rank's node; ``final_model/`` written where the
+  controller cannot read it fails likewise.
 
 One Ray cluster serves the module; every worker runs one thread.
 """
@@ -22,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 import torch
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
@@ -31,9 +34,10 @@ from opd.algorithms.validation import ValidationKL, validate
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import build_token_mask, model_inputs, shift_token_mask
 from opd.distributed.fsdp_policy import FSDPPolicy
-from opd.distributed.trainer_worker import TrainerWorker
-from opd.distributed.worker_group import WorkerGroup
-from opd.models.config import ModelLoadingConfig
+from opd.distributed.shared_directory import check_shared_directory
+from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
+from opd.distributed.worker_group import Slot, WorkerGroup
+from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import FullVocabRequest, TopKRequest
 from opd.models.loading import load_causal_lm
 from opd.models.teacher.local_teacher import LocalTeacher
@@ -88,14 +92,21 @@ class NodeLocalTrainerWorker(TrainerWorker):
         super().remove_marker(self._own_view(directory), token)
 
 
-def test_a_checkpoint_directory_that_one_node_does_not_share_stops_setup(ray_cluster, tmp_path, monkeypatch):
-    import opd.distributed.setup as cluster_setup
-
-    monkeypatch.setattr(cluster_setup, "TrainerWorker", NodeLocalTrainerWorker)
-    config = cluster_config(str(tmp_path / "run"))
+def test_a_checkpoint_directory_that_one_node_does_not_share_stops_the_run(ray_cluster, tmp_path):
+    # Two real trainer actors (their constructors load nothing; the markers need no model).
+    spec = TrainerSpec("tiny:student", None, ModelLoadingConfig(), OptimizerConfig(), 1, "gloo", 60.0, 1)
+    pool = placement_group([{"CPU": 0.5}, {"CPU": 0.5}])
+    ray.get(pool.ready())
+    workers = WorkerGroup(
+        "trainer", NodeLocalTrainerWorker, [Slot(pool, index, 0.5, 0.0) for index in range(2)], lambda r: (r, 2, spec)
+    )
     checkpoints = tmp_path / "run" / "checkpoints"
-    with pytest.raises(ConfigError) as raised:
-        setup(config)
+    try:
+        with pytest.raises(ConfigError) as raised:
+            check_shared_directory(workers, checkpoints)
+    finally:
+        workers.kill()
+        remove_placement_group(pool)
     message = str(raised.value)
     assert f"'{checkpoints}'" in message and "filesystem every node shares" in message
     assert "rank 1 on node" in message and "rank 0" not in message
@@ -109,16 +120,29 @@ def test_a_checkpoint_directory_that_one_node_does_not_share_stops_setup(ray_clu
 @pytest.fixture(scope="module")
 def components(ray_cluster, tmp_path_factory):
     """The cluster's backends, set up from a working directory other than the workers', with relative paths."""
+    import opd.distributed.setup as cluster_setup
+
     workdir = tmp_path_factory.mktemp("elsewhere")
     started_in = Path.cwd()
+    checked: list[Path] = []
+    check = cluster_setup.check_shared_directory
+
+    def spy(workers: WorkerGroup, directory: Path) -> None:
+        checked.append(directory)
+        check(workers, directory)
+
+    cluster_setup.check_shared_directory = spy
     os.chdir(workdir)  # the Ray workers stay in the directory they started in
     try:
         built = setup(cluster_config("run"))  # output_dir and checkpoint_dir relative
-        try:
-            yield workdir, built
-        finally:
-            built.close()
     finally:
+        cluster_setup.check_shared_directory = check
+    try:
+        # Every rank's marker was seen in the (absolute) checkpoint directory, then removed.
+        assert checked == [workdir / "run" / "checkpoints"] and not list(checked[0].iterdir())
+        yield workdir, built
+    finally:
+        built.close()
         os.chdir(started_in)
 
 
@@ -130,7 +154,6 @@ def test_ranks_write_shards_and_final_model_where_the_controller_reads(component
     policy.save_pretrained("run/manual_final")
     assert (workdir / "run" / "manual_final" / "config.json").is_file()
     assert Path(built.checkpointer.root) == workdir / "run" / "checkpoints"  # absolute in the controller
-    assert not list(built.checkpointer.root.iterdir())  # the start-up markers were removed
 
 
 class ElsewhereForRankZero:
