@@ -14,6 +14,10 @@ in-process :class:`~opd.models.policy.hf_policy.HFPolicy`. The controller side h
    the workers instead;
 4. runs the step on every rank and returns the global metrics.
 
+Validation's KL (:meth:`FSDPPolicy.compare_with_teacher`) is dealt the same way: each
+rank sums the KL over its rows from its own hidden states, with the colocated teacher
+scoring in place, and only the sums come back; no ``[B, L, V]`` tensor is sent.
+
 Checkpoints are sharded (``torch.distributed.checkpoint``, one file per rank plus
 metadata) and can be loaded by any number of ranks; ``save_pretrained`` gathers the
 whole model once, for ``final_model/`` and for ``opd export``.
