@@ -32,7 +32,14 @@ from opd.data.sequences import model_inputs
 from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, shard_model, whole_state_dict_buckets
 from opd.distributed.shared_directory import marker_name
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
-from opd.models.interfaces import LossFunction, TeacherComparison, TeacherRequest, TeacherSignal, signal_to_device
+from opd.models.interfaces import (
+    FullVocabRequest,
+    LossFunction,
+    TeacherComparison,
+    TeacherRequest,
+    TeacherSignal,
+    signal_to_device,
+)
 from opd.models.lm_head import LMHeadInput, output_head_of, output_layer_of
 from opd.models.loading import load_causal_lm, resolve_dtype
 from opd.models.policy.optimization import accumulate_metrics, apply_gradients, build_optimizer, build_scheduler
@@ -272,11 +279,15 @@ class TrainerWorker:
         return totals
 
     def teacher_score(self, request: TeacherRequest, data: BatchedDataDict) -> TeacherSignal:
-        """The colocated teacher's answer for this rank's rows; hidden states come back as logits."""
+        """The colocated teacher's top-k or token log-probs for this rank's rows.
+
+        A full-vocabulary answer is refused: it stays in the worker (``train`` and
+        ``compare_with_teacher`` use it there), since ``[B, L, V]`` floats must not be sent.
+        """
+        if isinstance(request, FullVocabRequest):
+            raise ValueError("the colocated teacher's full vocabulary is used in the worker, never sent")
         with torch.no_grad():
             signal = self._colocated_teacher().score(data, request)
-        if isinstance(signal, LMHeadInput):  # the head cannot leave the worker: make the logits here
-            signal = signal.logits()
         return signal_to_device(signal, torch.device("cpu"))
 
     # ------------------------------------------------------------------ weights out
@@ -356,6 +367,8 @@ class TrainerWorker:
             ``(file name, node, error)``: the error is why the write failed (the
             directory cannot be made on this node), else None.
         """
+        if not Path(directory).is_absolute():  # it would name a place in this worker's own working directory
+            raise ValueError(f"the controller must send an absolute checkpoint directory, got {directory!r}")
         node = self.node_name()
         name = marker_name(token, self.rank, node)
         try:
