@@ -37,7 +37,6 @@ class TrainerPoolConfig(StrictConfig):
         "instead of two, holding the whole student during each forward-backward)",
     )
 
-
     offload_during_generation: bool = Field(
         False,
         description="colocated rollouts: move each trainer rank's optimizer state and colocated teacher to host "

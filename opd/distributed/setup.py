@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -19,12 +20,14 @@ from opd.distributed.config import ClusterConfig
 from opd.distributed.fsdp_policy import FSDPPolicy
 from opd.distributed.ray_cluster import build_pools, cpus_needed, start_ray
 from opd.distributed.rollout import RayGeneration, RolloutSpec, RolloutWorker
+from opd.distributed.shared_directory import check_shared_directory
 from opd.distributed.teacher_pool import ColocatedTeacher, TeacherPool, TeacherWorker
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
 from opd.distributed.worker_group import Slot, WorkerGroup
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.generation.config import VllmGenerationConfig
 from opd.models.interfaces import GenerationInterface, TeacherInterface
+from opd.utils.paths import absolute_dir, absolute_model_path
 
 log = logging.getLogger("opd")
 
@@ -51,6 +54,11 @@ class ClusterRequest:
         stop_ids: ids that end a response (None: each model's own).
         vllm: the rollout workers' vLLM settings, or None for HF rollout workers.
         seed: the run's seed (vLLM engines are seeded from it).
+        checkpoint_dir: where the trainer ranks write checkpoint shards; checked at start
+            to be one filesystem for every node (None: checkpointing is off).
+
+    Paths are made absolute here, in the controller (:mod:`opd.utils.paths`): a worker
+    never resolves one against its own working directory.
     """
 
     student_path: str
@@ -66,6 +74,15 @@ class ClusterRequest:
     stop_ids: tuple[int, ...] | None
     vllm: VllmGenerationConfig | None = None
     seed: int = 0
+    checkpoint_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        # Frozen: the absolute forms are set once, as the fields' own values.
+        object.__setattr__(self, "student_path", absolute_model_path(self.student_path))
+        teachers = {role: absolute_model_path(path) for role, path in self.teacher_paths.items()}
+        object.__setattr__(self, "teacher_paths", teachers)
+        if self.checkpoint_dir is not None:
+            object.__setattr__(self, "checkpoint_dir", str(absolute_dir(self.checkpoint_dir)))
 
 
 def build_cluster_backends(
@@ -107,6 +124,8 @@ def build_cluster_backends(
     try:
         trainer = _start_trainer(cluster, request, pools.trainer, colocated_teacher)
         groups.append(trainer)
+        if request.checkpoint_dir is not None:  # before any step: a run that could not resume stops now
+            check_shared_directory(trainer, Path(request.checkpoint_dir))
         teachers: list[TeacherInterface] = []
         if colocated_teacher:
             teachers.append(ColocatedTeacher(trainer))

@@ -57,6 +57,10 @@ def _concat(signals: list[Any], counts: list[int]) -> TeacherSignal:
 class ColocatedTeacher(TeacherInterface):
     """The teacher held by the trainer workers (see the module docstring).
 
+    Its full-vocabulary answer never leaves them: training and validation's KL score in
+    the workers (:class:`~opd.distributed.fsdp_policy.FSDPPolicy`); this facade sends
+    top-k and token log-probs only.
+
     Args:
         workers: the trainer workers, built with a teacher.
     """
@@ -70,9 +74,19 @@ class ColocatedTeacher(TeacherInterface):
         return None
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
-        """Every rank scores a block of the rows; hidden states come back as logits."""
+        """Every rank scores a block of the rows and sends its top-k or token log-probs.
+
+        Raises:
+            ValueError: for a full-vocabulary request: its answer stays in the workers,
+                where the student uses it (:meth:`FSDPPolicy.train` and
+                :meth:`FSDPPolicy.compare_with_teacher` score there); sending it would move
+                ``[B, L, V]`` floats.
+        """
         if isinstance(request, FullVocabRequest):
-            request = FullVocabRequest(prefer_hidden_states=False)
+            raise ValueError(
+                "the colocated teacher's full vocabulary stays in the trainer workers: the student's trainer "
+                "scores with it there (train, compare_with_teacher); ask for top-k or token log-probs to send"
+            )
         blocks, counts = contiguous_blocks(data, self.workers.size)
         return _concat(self.workers.run_all("teacher_score", request, per_rank=[(b,) for b in blocks]), counts)
 

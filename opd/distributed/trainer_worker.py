@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +31,17 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
 from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, shard_model, whole_state_dict_buckets
 from opd.distributed.sharded_loading import load_sharded
+from opd.distributed.shared_directory import marker_name
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
-from opd.models.interfaces import LossFunction, TeacherRequest, TeacherSignal, signal_to_device
-from opd.models.lm_head import LMHeadInput, output_head_of
+from opd.models.interfaces import (
+    FullVocabRequest,
+    LossFunction,
+    TeacherComparison,
+    TeacherRequest,
+    TeacherSignal,
+    signal_to_device,
+)
+from opd.models.lm_head import LMHeadInput, output_head_of, output_layer_of
 from opd.models.loading import load_causal_lm, resolve_dtype
 from opd.models.policy.optimization import accumulate_metrics, apply_gradients, build_optimizer, build_scheduler
 from opd.models.teacher.local_teacher import LocalTeacher
@@ -203,10 +212,8 @@ class TrainerWorker:
     def _move_teacher(self, device: torch.device) -> int:
         if self.teacher is None:
             return 0
-        moved = sum(
-            p.numel() * p.element_size() for p in self.teacher.model.parameters() if p.device != device
-        )
-        self.teacher.model.to(device)  # FSDP2 moves each shard; a whole copy moves whole
+        moved = sum(p.numel() * p.element_size() for p in self.teacher.model.parameters() if p.device != device)
+        torch.nn.Module.to(self.teacher.model, device)  # FSDP2 moves each shard; a whole copy moves whole
         return moved
 
     def pid(self) -> int:
@@ -307,17 +314,44 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ inference
 
-    def logits(self, data: BatchedDataDict) -> torch.Tensor:
-        """The student's ``[B, L, V]`` logits for this rank's rows (every rank must call it)."""
+    def compare_with_teacher(
+        self,
+        comparison: TeacherComparison,
+        micro_batches: list[BatchedDataDict],
+        teacher_signals: list[TeacherSignal] | None,
+    ) -> dict[str, float]:
+        """This rank's sums of ``comparison`` over its micro-batches (every rank must call it).
+
+        The student runs to its final hidden states without gradient; ``comparison`` makes
+        the logits from them chunk by chunk. The teacher's answers come from the controller,
+        or (None) from the colocated teacher, which answers a full-vocabulary request with
+        its own hidden states and head: no ``[B, L, V]`` tensor is made or sent.
+        """
+        totals: dict[str, float] = {}
         with torch.no_grad():
-            return self.model(**model_inputs(data, self.device), use_cache=False).logits.float().cpu()
+            for index, micro_batch in enumerate(micro_batches):
+                micro_batch = micro_batch.to(self.device)
+                if teacher_signals is not None:
+                    teacher_output = signal_to_device(teacher_signals[index], self.device)
+                else:
+                    teacher_output = self._colocated_teacher().score(micro_batch, comparison.teacher_request)
+                hidden = getattr(self.model, HIDDEN_STATES_METHOD)(**model_inputs(micro_batch, self.device))
+                # Read after the forward: the root's weights (the head) are gathered only then.
+                student = output_layer_of(self.model, "the student").over(hidden)
+                accumulate_metrics(totals, comparison(student, teacher_output, micro_batch))
+                del teacher_output, student, hidden
+        return totals
 
     def teacher_score(self, request: TeacherRequest, data: BatchedDataDict) -> TeacherSignal:
-        """The colocated teacher's answer for this rank's rows; hidden states come back as logits."""
+        """The colocated teacher's top-k or token log-probs for this rank's rows.
+
+        A full-vocabulary answer is refused: it stays in the worker (``train`` and
+        ``compare_with_teacher`` use it there), since ``[B, L, V]`` floats must not be sent.
+        """
+        if isinstance(request, FullVocabRequest):
+            raise ValueError("the colocated teacher's full vocabulary is used in the worker, never sent")
         with torch.no_grad():
             signal = self._colocated_teacher().score(data, request)
-        if isinstance(signal, LMHeadInput):  # the head cannot leave the worker: make the logits here
-            signal = signal.logits()
         return signal_to_device(signal, torch.device("cpu"))
 
     # ------------------------------------------------------------------ weights out
@@ -383,6 +417,35 @@ class TrainerWorker:
             options=StateDictOptions(strict=True),
         )
         self.scheduler.load_state_dict(torch.load(Path(directory) / SCHEDULER_FILE, weights_only=True))
+
+    def node_name(self) -> str:
+        """This worker's node, as errors name it: its host name and its address in the cluster."""
+        import ray  # only inside a Ray actor
+
+        return f"{socket.gethostname()}/{ray.util.get_node_ip_address()}"
+
+    def write_marker(self, directory: str, token: str) -> tuple[str, str, str | None]:
+        """Writes this rank's marker file into ``directory`` (see :mod:`opd.distributed.shared_directory`).
+
+        Returns:
+            ``(file name, node, error)``: the error is why the write failed (the
+            directory cannot be made on this node), else None.
+        """
+        if not Path(directory).is_absolute():  # it would name a place in this worker's own working directory
+            raise ValueError(f"the controller must send an absolute checkpoint directory, got {directory!r}")
+        node = self.node_name()
+        name = marker_name(token, self.rank, node)
+        try:
+            path = Path(directory)
+            path.mkdir(parents=True, exist_ok=True)
+            (path / name).write_text(f"rank {self.rank} of {self.world_size} on {node}\n", encoding="utf-8")
+        except OSError as error:
+            return name, node, f"{type(error).__name__}: {error}"
+        return name, node, None
+
+    def remove_marker(self, directory: str, token: str) -> None:
+        """Removes this rank's marker of ``token`` from ``directory``, if it is there."""
+        (Path(directory) / marker_name(token, self.rank, self.node_name())).unlink(missing_ok=True)
 
     def shutdown(self) -> None:
         """Leaves the process group."""

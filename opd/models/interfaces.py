@@ -267,6 +267,29 @@ class LossFunction(ABC):
         """
 
 
+class TeacherComparison(ABC):
+    """Per-token sums that compare the student with the teacher (validation's KL), without gradient.
+
+    A policy calls it once per micro-batch, where the student's final hidden states are
+    (:meth:`PolicyInterface.compare_with_teacher`); the sums of all micro-batches are
+    added up, so only a few numbers leave the process that holds the logits.
+
+    Attributes:
+        teacher_request: what the comparison needs from the teacher.
+    """
+
+    teacher_request: TeacherRequest
+
+    @abstractmethod
+    def __call__(self, student: LMHeadInput, teacher_output: TeacherSignal, data: BatchedDataDict) -> dict[str, float]:
+        """Sums over ``data``'s loss tokens.
+
+        ``student`` holds the ``[B, L, D]`` final hidden states and the output layer (its
+        logit transform included); ``teacher_output`` is the teacher's answer to
+        :attr:`teacher_request` for ``data``; both on the same device.
+        """
+
+
 # --------------------------------------------------------------------------- backends
 
 
@@ -293,8 +316,26 @@ class PolicyInterface(ABC):
         """
 
     @abstractmethod
-    def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
-        """The student's ``[B, L, V]`` logits for ``data["input_ids"]``, without gradient (validation)."""
+    def compare_with_teacher(
+        self, data: BatchedDataDict, comparison: TeacherComparison, teacher_signal: TeacherSignalFn
+    ) -> dict[str, float]:
+        """Sums of ``comparison`` over ``data``, computed where the student's hidden states are (validation).
+
+        The student runs forward without gradient, micro-batch by micro-batch, up to its
+        final hidden states; ``comparison`` gets them with the output layer and the
+        teacher's answer to ``comparison.teacher_request`` for the same micro-batch, and
+        returns sums. Only the sums come back: the student's ``[B, L, V]`` logits never
+        exist at once, and never cross a process boundary.
+
+        Args:
+            data: right-padded batch with ``input_ids``, ``input_lengths``, ``token_mask``.
+            comparison: the per-micro-batch sums (validation's KL to the teacher).
+            teacher_signal: scores a micro-batch with the teacher; a trainer whose workers
+                hold the teacher (colocated) scores there instead, as in :meth:`train`.
+
+        Returns:
+            Each of the comparison's sums, over every micro-batch (and rank).
+        """
 
     @abstractmethod
     def weights_for_refit(self) -> Iterator[tuple[str, torch.Tensor]]:
