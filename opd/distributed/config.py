@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from opd.utils.config import StrictConfig
 
@@ -36,6 +36,23 @@ class TrainerPoolConfig(StrictConfig):
         "(least memory); false: gathered once and kept until the backward is done (one all-gather per layer "
         "instead of two, holding the whole student during each forward-backward)",
     )
+    shard_group_size: int | None = Field(
+        None,
+        ge=1,
+        description="null: shard the student over all trainer workers (FSDP2); k: HSDP, shard within groups of k "
+        "workers (e.g. the GPUs of one node) and replicate across the groups, so that the all-gathers of each "
+        "forward stay inside a group and only the gradients cross groups (an all-reduce); workers must be a "
+        "multiple of k",
+    )
+
+    @model_validator(mode="after")
+    def _groups_divide_the_workers(self) -> TrainerPoolConfig:
+        if self.shard_group_size is not None and self.workers % self.shard_group_size:
+            raise ValueError(
+                f"cluster.trainer.workers = {self.workers} is not a multiple of cluster.trainer.shard_group_size = "
+                f"{self.shard_group_size}: HSDP replicates the student over equal groups of shard_group_size workers"
+            )
+        return self
 
 
 class RolloutPoolConfig(StrictConfig):
@@ -55,13 +72,37 @@ class TeacherPoolConfig(StrictConfig):
         description="colocated: a sharded frozen copy in each trainer worker (any loss, exact full vocabulary); "
         "pool: replicas of their own that send top-k or token log-probs",
     )
-    workers: int = Field(1, ge=1, description="teacher replicas when placement is pool")
+    workers: int = Field(
+        1, ge=1, description="teacher workers when placement is pool: workers / shards_per_replica replicas"
+    )
+    shards_per_replica: int = Field(
+        1,
+        ge=1,
+        description="placement pool: 1 = every worker holds the whole teacher; n = each replica is n workers "
+        "holding one teacher sharded with FSDP2 (forward only, each layer gathered for each forward), for a "
+        "teacher larger than one device; the n workers score a share of the rows each; workers must be a "
+        "multiple of n",
+    )
     sharded: bool = Field(
         True,
         description="colocated teacher: true shards it over the trainer workers with FSDP2 (each forward gathers "
         "its layers); false keeps a whole copy in every trainer worker (no communication, the whole teacher's "
         "memory on every device)",
     )
+
+    @model_validator(mode="after")
+    def _shards_divide_the_workers(self) -> TeacherPoolConfig:
+        if self.workers % self.shards_per_replica:
+            raise ValueError(
+                f"cluster.teacher.workers = {self.workers} is not a multiple of cluster.teacher.shards_per_replica "
+                f"= {self.shards_per_replica}: every replica is shards_per_replica workers"
+            )
+        return self
+
+    @property
+    def replicas(self) -> int:
+        """Teacher replicas of a pool (each ``shards_per_replica`` workers)."""
+        return self.workers // self.shards_per_replica
 
 
 class ClusterConfig(StrictConfig):
@@ -88,6 +129,19 @@ class ClusterConfig(StrictConfig):
     trainer: TrainerPoolConfig = Field(default_factory=TrainerPoolConfig)
     rollout: RolloutPoolConfig = Field(default_factory=RolloutPoolConfig)
     teacher: TeacherPoolConfig = Field(default_factory=TeacherPoolConfig)
+
+    @model_validator(mode="after")
+    def _sharded_replicas_on_devices_of_their_own(self) -> ClusterConfig:
+        # Colocated, teacher worker r shares trainer bundle r mod trainer.workers: a replica's
+        # shards sit on distinct devices only if there are as many bundles (NCCL needs that).
+        shards = self.teacher.shards_per_replica
+        if self.placement == "colocated" and self.gpus_per_worker and shards > self.trainer.workers:
+            raise ValueError(
+                f"cluster.teacher.shards_per_replica = {shards} with cluster.placement = colocated needs as many "
+                f"trainer GPUs to share (cluster.trainer.workers = {self.trainer.workers}): each shard of a replica "
+                "needs a GPU of its own; use cluster.placement = split or fewer shards"
+            )
+        return self
 
     def resolved_backend(self) -> str:
         """The torch.distributed backend the trainer uses."""
