@@ -4,12 +4,14 @@ Without a ``cluster:`` section a run stays in one process (the embedded default,
 With one, the same driver talks to Ray worker groups:
 
 * **trainer** — ``trainer.workers`` FSDP2 ranks that hold the student, sharded
-  data-parallel over the global batch (NCCL on GPUs, gloo on CPUs);
+  data-parallel over the global batch (NCCL on GPUs, gloo on CPUs), over all ranks or,
+  with ``trainer.shard_group_size``, within groups and replicated across them (HSDP);
 * **rollout** — ``rollout.workers`` engines that sample from the student and are refit
   from the trainer after each update;
 * **teacher** — ``colocated``: a frozen, sharded copy in every trainer worker (the exact
-  full-vocabulary loss stays available), or ``pool``: ``teacher.workers`` replicas of their
-  own that answer top-k or token log-prob requests. A served teacher
+  full-vocabulary loss stays available), or ``pool``: ``teacher.workers`` workers of their
+  own that answer top-k or token log-prob requests, each a whole replica or, with
+  ``teacher.shards_per_replica``, one FSDP2 shard of a replica. A served teacher
   (``teacher.backend: remote`` at the top level) needs no workers.
 
 ``placement`` maps the roles to resource pools: ``colocated`` puts the rollout engines and
@@ -92,17 +94,13 @@ class TeacherPoolConfig(StrictConfig):
 
     @model_validator(mode="after")
     def _shards_divide_the_workers(self) -> TeacherPoolConfig:
-        if self.workers % self.shards_per_replica:
+        if self.placement == "pool" and self.workers % self.shards_per_replica:
             raise ValueError(
                 f"cluster.teacher.workers = {self.workers} is not a multiple of cluster.teacher.shards_per_replica "
                 f"= {self.shards_per_replica}: every replica is shards_per_replica workers"
             )
         return self
 
-    @property
-    def replicas(self) -> int:
-        """Teacher replicas of a pool (each ``shards_per_replica`` workers)."""
-        return self.workers // self.shards_per_replica
 
 
 class ClusterConfig(StrictConfig):
@@ -135,7 +133,8 @@ class ClusterConfig(StrictConfig):
         # Colocated, teacher worker r shares trainer bundle r mod trainer.workers: a replica's
         # shards sit on distinct devices only if there are as many bundles (NCCL needs that).
         shards = self.teacher.shards_per_replica
-        if self.placement == "colocated" and self.gpus_per_worker and shards > self.trainer.workers:
+        in_pool = self.teacher.placement == "pool"
+        if in_pool and self.placement == "colocated" and self.gpus_per_worker and shards > self.trainer.workers:
             raise ValueError(
                 f"cluster.teacher.shards_per_replica = {shards} with cluster.placement = colocated needs as many "
                 f"trainer GPUs to share (cluster.trainer.workers = {self.trainer.workers}): each shard of a replica "

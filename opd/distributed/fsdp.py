@@ -6,7 +6,9 @@ and sets what distillation needs:
 
 * gradients are **summed** over the ranks, not averaged: every rank's loss is already
   its share of the global-batch loss (normalised by the tokens of the whole batch), so
-  the sum is the gradient of one process over the whole batch;
+  the sum is the gradient of one process over the whole batch. On the 2-D HSDP mesh of
+  :func:`init_process_group` (``shard_group_size``) that holds for both steps: the
+  reduce-scatter within a shard group and the all-reduce across the groups are sums;
 * with a 16-bit ``model.dtype`` the student keeps fp32 master weights, Adam moments and
   gradient reductions, and computes in 16 bits (FSDP2's mixed precision, as NeMo-RL and
   verl train): an update far below bf16's resolution (a learning rate of 1e-6) is not

@@ -127,7 +127,7 @@ def build_cluster_backends(
         cluster.resolved_backend(),
         "teacher colocated"
         if colocated_teacher
-        else f"{len(paths)} teacher pool(s) of {per_pool}"
+        else f"{len(paths)} teacher pool(s) of {per_pool} ({cluster.teacher.shards_per_replica} per replica)"
         if paths
         else "teacher served",
         cluster.rollout.workers,

@@ -284,8 +284,9 @@ class PolicyInterface(ABC):
         Args:
             data: right-padded batch with ``input_ids``, ``input_lengths``, ``token_mask``.
             loss_fn: called on each micro-batch.
-            teacher_signal: scores a micro-batch with the teacher; None when the loss
-                needs no teacher.
+            teacher_signal: scores a micro-batch with the teacher (the driver passes a
+                :class:`MicroBatchScorer`, which a trainer may also use to start many
+                micro-batches at once); None when the loss needs no teacher.
 
         Returns:
             Global-batch metrics: the loss function's, summed over micro-batches, plus
