@@ -40,9 +40,10 @@ def _score_all(plans: list[list[BatchedDataDict]], teacher_signal: TeacherSignal
     """The teacher's answer for every micro-batch of every rank.
 
     A :class:`~opd.models.interfaces.MicroBatchScorer` gets every micro-batch before any
-    answer is collected, so a teacher in other processes (the replicas of a teacher
-    pool, a served teacher) has them all in flight at once instead of one after another;
-    a plain function is called micro-batch by micro-batch.
+    answer is collected, so a teacher in other processes has them all at once: the
+    replicas of a teacher pool score them together and back to back, instead of waiting
+    for the controller between micro-batches. A plain function is called micro-batch by
+    micro-batch.
     """
     if not isinstance(teacher_signal, MicroBatchScorer):
         return [[teacher_signal(micro_batch) for micro_batch in plan] for plan in plans]

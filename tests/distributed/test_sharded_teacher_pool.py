@@ -1,10 +1,11 @@
 """A teacher pool whose replica is one teacher sharded over 2 workers equals one process, on a real Ray cluster.
 
-* ``cluster.teacher.shards_per_replica=2``: the two workers of a replica meet in a gloo
-  process group of their own and hold one FSDP2-sharded teacher between them (each holds
-  part of every weight). For batches of 5 rows and of 1 row (the second worker then scores
-  a filler row, because its forward gathers its peer's weights), the pool's top-k
-  log-probs (with the rest mass) and token log-probs equal an in-process
+* ``cluster.teacher.shards_per_replica=2`` with 4 workers: the two workers of each of
+  two replicas meet in a gloo process group of their own and hold one FSDP2-sharded
+  teacher between them (each holds part of every weight). For batches of 5 rows (over
+  both replicas) and of 1 row (one replica, whose second worker scores a filler row,
+  because its forward gathers its peer's weights), the pool's top-k log-probs (with the
+  rest mass) and token log-probs equal an in-process
   :class:`~opd.models.teacher.local_teacher.LocalTeacher`'s within fp32 rounding.
 * Three steps of top-k distillation (λ = 0.5) with 2 FSDP2 trainer workers and that pool
   give the per-step losses of one process, and the pool had every micro-batch of a step
@@ -72,12 +73,12 @@ def scored_batch(size: int) -> BatchedDataDict:
 
 @pytest.fixture(scope="module")
 def sharded_pool(ray_cluster, tmp_path_factory):
-    """One replica of the tiny teacher sharded over two workers, started as a run starts it."""
+    """Two replicas of the tiny teacher, each sharded over two workers, started as a run starts them."""
     from opd.distributed.ray_cluster import build_pools
     from opd.distributed.setup import ClusterRequest, _start_teacher_pool
     from opd.distributed.teacher_pool import TeacherPool
 
-    cluster = config(tmp_path_factory.mktemp("pool"), "pool", *SHARDED_POOL).cluster
+    cluster = config(tmp_path_factory.mktemp("pool"), "pool", *SHARDED_POOL, "cluster.teacher.workers=4").cluster
     assert cluster is not None
     pools = build_pools(cluster, 0, cluster.teacher.workers)
     request = ClusterRequest("tiny:student", {"teacher": "tiny:teacher"}, LOADING, OptimizerConfig(), 1, 1, None,
@@ -95,9 +96,10 @@ def test_each_worker_of_a_replica_holds_part_of_every_weight(sharded_pool):
         return {name: param.to_local().shape[0] for name, param in worker.teacher.model.named_parameters()}
 
     held = ray.get([actor.__ray_call__.remote(local_rows) for actor in sharded_pool.workers.actors])
-    for name, param in whole.named_parameters():
-        assert sum(rows[name] for rows in held) == param.shape[0], name
-        assert all(rows[name] < param.shape[0] for rows in held), f"{name} is whole on a worker"
+    for replica in (held[:2], held[2:]):
+        for name, param in whole.named_parameters():
+            assert sum(rows[name] for rows in replica) == param.shape[0], name
+            assert all(rows[name] < param.shape[0] for rows in replica), f"{name} is whole on a worker"
 
 
 @pytest.mark.parametrize("size", [5, 1], ids=["five_rows", "one_row"])

@@ -4,10 +4,10 @@
 when the teacher runs apart from the trainer (a teacher pool, a served teacher), gets
 their signals before it calls the ranks. Given a
 :class:`~opd.models.interfaces.MicroBatchScorer` (what the driver hands it), it starts
-every micro-batch's request before it collects any answer, so the pool's replicas (or
-the server) have them all in flight together; a plain function is still called micro-batch
-by micro-batch. Either way each rank gets, for each of its micro-batches, that
-micro-batch's own answer, in order:
+every micro-batch's request before it collects any answer, so a pool's replicas have
+them all queued at once; a plain function is still called micro-batch by micro-batch.
+Either way each rank gets, for each of its micro-batches, that micro-batch's own answer,
+in order:
 
 * a served teacher (``opd serve-teacher``'s app on 127.0.0.1, :class:`RemoteTeacher`,
   whose ``score_async`` runs on a thread of its own);
@@ -131,7 +131,7 @@ def served(teacher_model):
     running.stop()
 
 
-def test_a_served_teacher_has_every_micro_batch_in_flight_and_each_gets_its_own_answer(served):
+def test_a_served_teacher_is_asked_for_every_micro_batch_before_any_answer_is_collected(served):
     request = TopKRequest(k=4)
     log = OrderLog(lambda micro_batch: served.score_async(micro_batch, request))
     sent, expected = sent_and_expected(served, request, MicroBatchScorer(log))
