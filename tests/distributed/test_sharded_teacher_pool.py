@@ -7,9 +7,13 @@
   because its forward gathers its peer's weights), the pool's top-k log-probs (with the
   rest mass) and token log-probs equal an in-process
   :class:`~opd.models.teacher.local_teacher.LocalTeacher`'s within fp32 rounding.
-* Three steps of top-k distillation (λ = 0.5) with 2 FSDP2 trainer workers and that pool
-  give the per-step losses of one process, and the pool had every micro-batch of a step
-  in flight at once (the trainer submits them all before it collects any answer).
+* Three steps of top-k distillation (λ = 0.5) with 2 trainer workers and a pool of one
+  such replica give the per-step losses of one process, and the pool had every
+  micro-batch of a step in flight at once (the trainer submits them all before it
+  collects any answer). The trainer runs HSDP with groups of one
+  (``cluster.trainer.shard_group_size=1``: a 2 × 1 mesh, each worker a whole replica of
+  the student), so the run also carries that setting from the config to the workers and
+  refits the rollout worker from a 2-D mesh.
 * A pool whose workers do not make whole replicas is refused with the keys named.
 
 One Ray cluster serves the module; every worker runs one thread (two shared cores).
@@ -158,25 +162,30 @@ class InFlightCounter(TeacherInterface):
         self.teacher.close()
 
 
-def run(config_: MasterConfig, count_in_flight: bool = False) -> tuple[list[dict], int]:
+def run(config_: MasterConfig) -> tuple[list[dict], int, tuple[int, ...] | None]:
+    """The run's step records; on a cluster also the most teacher requests in flight and the trainer's mesh shape."""
     components = setup(config_)
-    counter = None
-    if count_in_flight:
+    counter, mesh_shape = None, None
+    if config_.cluster is not None:
         counter = components.teacher_policy = InFlightCounter(components.teacher_policy)
+        trainer = components.student_policy.workers  # type: ignore[attr-defined]
+        mesh_shape = ray.get(trainer.actors[0].__ray_call__.remote(
+            lambda worker: tuple(next(worker.model.parameters()).device_mesh.shape)))
     try:
         distillation_train(**components.as_arguments())
     finally:
         components.close()
     records = [record for record in read_metrics(Path(config_.output_dir) / "logs") if "train/loss" in record]
-    return records, counter.most_in_flight if counter is not None else 0
+    return records, counter.most_in_flight if counter is not None else 0, mesh_shape
 
 
 def test_training_with_a_sharded_teacher_pool_matches_one_process(ray_cluster, tmp_path):
-    in_process, _ = run(config(tmp_path, "in_process"))
-    on_cluster, most_in_flight = run(
-        config(tmp_path, "cluster", "cluster.trainer.workers=2", "cluster.rollout.workers=1", *SHARDED_POOL),
-        count_in_flight=True,
+    in_process, _, _ = run(config(tmp_path, "in_process"))
+    on_cluster, most_in_flight, mesh_shape = run(
+        config(tmp_path, "cluster", "cluster.trainer.workers=2", "cluster.trainer.shard_group_size=1",
+               "cluster.rollout.workers=1", *SHARDED_POOL)
     )
+    assert mesh_shape == (2, 1)  # HSDP: 2 replicas of 1 shard
     assert len(on_cluster) == len(in_process) == STEPS
     assert 0 < sum(record["train/on_policy"] for record in on_cluster) < STEPS  # both branches ran
     for mine, reference in zip(on_cluster, in_process, strict=True):
