@@ -102,7 +102,6 @@ class TeacherPoolConfig(StrictConfig):
         return self
 
 
-
 class ClusterConfig(StrictConfig):
     """Ray placement of the trainer, rollout and teacher roles (see the module docstring)."""
 
