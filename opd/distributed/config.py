@@ -4,12 +4,14 @@ Without a ``cluster:`` section a run stays in one process (the embedded default,
 With one, the same driver talks to Ray worker groups:
 
 * **trainer** — ``trainer.workers`` FSDP2 ranks that hold the student, sharded
-  data-parallel over the global batch (NCCL on GPUs, gloo on CPUs);
+  data-parallel over the global batch (NCCL on GPUs, gloo on CPUs), over all ranks or,
+  with ``trainer.shard_group_size``, within groups and replicated across them (HSDP);
 * **rollout** — ``rollout.workers`` engines that sample from the student and are refit
   from the trainer after each update;
 * **teacher** — ``colocated``: a frozen, sharded copy in every trainer worker (the exact
-  full-vocabulary loss stays available), or ``pool``: ``teacher.workers`` replicas of their
-  own that answer top-k or token log-prob requests. A served teacher
+  full-vocabulary loss stays available), or ``pool``: ``teacher.workers`` workers of their
+  own that answer top-k or token log-prob requests, each a whole replica or, with
+  ``teacher.shards_per_replica``, one FSDP2 shard of a replica. A served teacher
   (``teacher.backend: remote`` at the top level) needs no workers.
 
 ``placement`` maps the roles to resource pools: ``colocated`` puts the rollout engines and
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from opd.utils.config import StrictConfig
 
@@ -36,6 +38,23 @@ class TrainerPoolConfig(StrictConfig):
         "(least memory); false: gathered once and kept until the backward is done (one all-gather per layer "
         "instead of two, holding the whole student during each forward-backward)",
     )
+    shard_group_size: int | None = Field(
+        None,
+        ge=1,
+        description="null: shard the student over all trainer workers (FSDP2); k: HSDP, shard within groups of k "
+        "workers (e.g. the GPUs of one node) and replicate across the groups, so that the all-gathers of each "
+        "forward stay inside a group and only the gradients cross groups (an all-reduce); workers must be a "
+        "multiple of k",
+    )
+
+    @model_validator(mode="after")
+    def _groups_divide_the_workers(self) -> TrainerPoolConfig:
+        if self.shard_group_size is not None and self.workers % self.shard_group_size:
+            raise ValueError(
+                f"cluster.trainer.workers = {self.workers} is not a multiple of cluster.trainer.shard_group_size = "
+                f"{self.shard_group_size}: HSDP replicates the student over equal groups of shard_group_size workers"
+            )
+        return self
 
     offload_during_generation: bool = Field(
         False,
@@ -62,13 +81,32 @@ class TeacherPoolConfig(StrictConfig):
         description="colocated: a sharded frozen copy in each trainer worker (any loss, exact full vocabulary); "
         "pool: replicas of their own that send top-k or token log-probs",
     )
-    workers: int = Field(1, ge=1, description="teacher replicas when placement is pool")
+    workers: int = Field(
+        1, ge=1, description="teacher workers when placement is pool: workers / shards_per_replica replicas"
+    )
+    shards_per_replica: int = Field(
+        1,
+        ge=1,
+        description="placement pool: 1 = every worker holds the whole teacher; n = each replica is n workers "
+        "holding one teacher sharded with FSDP2 (forward only, each layer gathered for each forward), for a "
+        "teacher larger than one device; the n workers score a share of the rows each; workers must be a "
+        "multiple of n",
+    )
     sharded: bool = Field(
         True,
         description="colocated teacher: true shards it over the trainer workers with FSDP2 (each forward gathers "
         "its layers); false keeps a whole copy in every trainer worker (no communication, the whole teacher's "
         "memory on every device)",
     )
+
+    @model_validator(mode="after")
+    def _shards_divide_the_workers(self) -> TeacherPoolConfig:
+        if self.placement == "pool" and self.workers % self.shards_per_replica:
+            raise ValueError(
+                f"cluster.teacher.workers = {self.workers} is not a multiple of cluster.teacher.shards_per_replica "
+                f"= {self.shards_per_replica}: every replica is shards_per_replica workers"
+            )
+        return self
 
 
 class ClusterConfig(StrictConfig):
@@ -95,6 +133,20 @@ class ClusterConfig(StrictConfig):
     trainer: TrainerPoolConfig = Field(default_factory=TrainerPoolConfig)
     rollout: RolloutPoolConfig = Field(default_factory=RolloutPoolConfig)
     teacher: TeacherPoolConfig = Field(default_factory=TeacherPoolConfig)
+
+    @model_validator(mode="after")
+    def _sharded_replicas_on_devices_of_their_own(self) -> ClusterConfig:
+        # Colocated, teacher worker r shares trainer bundle r mod trainer.workers: a replica's
+        # shards sit on distinct devices only if there are as many bundles (NCCL needs that).
+        shards = self.teacher.shards_per_replica
+        in_pool = self.teacher.placement == "pool"
+        if in_pool and self.placement == "colocated" and self.gpus_per_worker and shards > self.trainer.workers:
+            raise ValueError(
+                f"cluster.teacher.shards_per_replica = {shards} with cluster.placement = colocated needs as many "
+                f"trainer GPUs to share (cluster.trainer.workers = {self.trainer.workers}): each shard of a replica "
+                "needs a GPU of its own; use cluster.placement = split or fewer shards"
+            )
+        return self
 
     def resolved_backend(self) -> str:
         """The torch.distributed backend the trainer uses."""

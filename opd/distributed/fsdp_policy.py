@@ -10,8 +10,8 @@ in-process :class:`~opd.models.policy.hf_policy.HFPolicy`. The controller side h
    micro-batches, padded with idle ones to the same count on every rank
    (:mod:`opd.distributed.batch_plan`);
 3. when the teacher runs elsewhere (a teacher pool or a served teacher), asks it for
-   each micro-batch's signal and sends the signals along; a colocated teacher scores in
-   the workers instead;
+   every micro-batch's signal at once, collects the answers and sends them along; a
+   colocated teacher scores in the workers instead;
 4. runs the step on every rank and returns the global metrics.
 
 Validation's KL (:meth:`FSDPPolicy.compare_with_teacher`) is dealt the same way: each
@@ -36,10 +36,32 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_padding_free, shift_token_mask
 from opd.distributed.batch_plan import balance_by_tokens, equalize_micro_batches
 from opd.distributed.worker_group import WorkerGroup
-from opd.models.interfaces import LossFunction, PolicyInterface, TeacherComparison, TeacherSignalFn
+from opd.models.interfaces import (
+    LossFunction,
+    MicroBatchScorer,
+    PolicyInterface,
+    TeacherComparison,
+    TeacherSignal,
+    TeacherSignalFn,
+)
 from opd.models.policy.optimization import accumulate_metrics, plan_micro_batches
 from opd.utils.checkpoint import check_model_directory
 from opd.utils.paths import absolute_dir
+
+
+def _score_all(plans: list[list[BatchedDataDict]], teacher_signal: TeacherSignalFn) -> list[list[TeacherSignal]]:
+    """The teacher's answer for every micro-batch of every rank.
+
+    A :class:`~opd.models.interfaces.MicroBatchScorer` gets every micro-batch before any
+    answer is collected, so a teacher in other processes has them all at once: the
+    replicas of a teacher pool score them together and back to back, instead of waiting
+    for the controller between micro-batches. A plain function is called micro-batch by
+    micro-batch.
+    """
+    if not isinstance(teacher_signal, MicroBatchScorer):
+        return [[teacher_signal(micro_batch) for micro_batch in plan] for plan in plans]
+    pending = [[teacher_signal.submit(micro_batch) for micro_batch in plan] for plan in plans]
+    return [[answer.result() for answer in answers] for answers in pending]
 
 
 class FSDPPolicy(PolicyInterface):
@@ -104,7 +126,7 @@ class FSDPPolicy(PolicyInterface):
         dispatch_seconds = time.perf_counter() - start
         signals: list[Any] = [None] * len(plans)
         if teacher_signal is not None and not self.teacher_in_workers:  # timed by the driver as teacher time
-            signals = [[teacher_signal(micro_batch) for micro_batch in plan] for plan in plans]
+            signals = _score_all(plans, teacher_signal)
         results = self.workers.run_all(
             "train",
             loss_fn,

@@ -134,7 +134,7 @@ def build_cluster_backends(
                 slots = pools.teacher[index * per_pool : (index + 1) * per_pool]
                 teacher_pool = _start_teacher_pool(cluster, request, role, path, slots)
                 groups.append(teacher_pool)
-                teachers.append(TeacherPool(teacher_pool))
+                teachers.append(TeacherPool(teacher_pool, cluster.teacher.shards_per_replica))
         rollout = _start_rollout(cluster, request, pools.rollout)
         groups.append(rollout)
     except BaseException:
@@ -146,7 +146,7 @@ def build_cluster_backends(
         cluster.resolved_backend(),
         "teacher colocated"
         if colocated_teacher
-        else f"{len(paths)} teacher pool(s) of {per_pool}"
+        else f"{len(paths)} teacher pool(s) of {per_pool} ({cluster.teacher.shards_per_replica} per replica)"
         if paths
         else "teacher served",
         cluster.rollout.workers,
@@ -189,6 +189,7 @@ def _start_trainer(
         threads=cluster.threads_per_worker,
         reshard_after_forward=cluster.trainer.reshard_after_forward,
         teacher_sharded=cluster.teacher.sharded,
+        shard_group_size=cluster.trainer.shard_group_size,
     )
     world_size = cluster.trainer.workers
     trainer = WorkerGroup(
@@ -203,14 +204,26 @@ def _start_trainer(
 def _start_teacher_pool(
     cluster: ClusterConfig, request: ClusterRequest, role: str, teacher_path: str, slots: list[Slot]
 ) -> WorkerGroup:
-    """The replicas of one teacher (``cluster.teacher.placement: pool``); ``role`` names them in errors."""
-    return WorkerGroup(
+    """The workers of one teacher (``cluster.teacher.placement: pool``); ``role`` names them in errors.
+
+    With ``cluster.teacher.shards_per_replica`` above 1, each replica's workers meet in a
+    process group of their own (on the node of the replica's first worker) and shard the
+    teacher over it.
+    """
+    shards = cluster.teacher.shards_per_replica
+    backend, timeout_s = cluster.resolved_backend(), cluster.worker_timeout_s
+    pool = WorkerGroup(
         role,
         TeacherWorker,
         slots,
-        lambda rank: (rank, teacher_path, request.loading, cluster.threads_per_worker),
+        lambda rank: (rank, teacher_path, request.loading, cluster.threads_per_worker, shards, backend, timeout_s),
         _worker_environment(cluster),
     )
+    if shards > 1:
+        first_ranks = range(0, pool.size, shards)
+        addresses = pool.gather([pool.actors[rank].rendezvous_address.remote() for rank in first_ranks], first_ranks)
+        pool.gather([actor.start.remote(*addresses[rank // shards]) for rank, actor in enumerate(pool.actors)])
+    return pool
 
 
 def _start_rollout(cluster: ClusterConfig, request: ClusterRequest, slots: list[Slot]) -> WorkerGroup:

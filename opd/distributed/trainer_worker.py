@@ -73,6 +73,8 @@ class TrainerSpec:
             (``cluster.trainer.reshard_after_forward``).
         teacher_sharded: shard a colocated teacher with FSDP2; False keeps a whole copy
             in every rank (``cluster.teacher.sharded``).
+        shard_group_size: None shards over every rank (FSDP2); ``k`` shards within groups
+            of ``k`` ranks and replicates across them (HSDP, ``cluster.trainer.shard_group_size``).
     """
 
     student_path: str
@@ -85,6 +87,7 @@ class TrainerSpec:
     threads: int
     reshard_after_forward: bool = True
     teacher_sharded: bool = True
+    shard_group_size: int | None = None
 
 
 class ShardedTeacher(LocalTeacher):
@@ -126,7 +129,9 @@ class TrainerWorker:
     def start(self, master_addr: str, master_port: int) -> None:
         """Joins the process group at rank 0's address, then loads and shards the models."""
         spec = self.spec
-        mesh = init_process_group(self.rank, self.world_size, master_addr, master_port, spec.backend, spec.timeout_s)
+        mesh = init_process_group(
+            self.rank, self.world_size, master_addr, master_port, spec.backend, spec.timeout_s, spec.shard_group_size
+        )
         on_gpu = spec.backend == "nccl"
         self.build(mesh, torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
 

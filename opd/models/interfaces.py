@@ -27,6 +27,7 @@ import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
@@ -205,7 +206,8 @@ def signal_to_device(signal: TeacherSignal, device: torch.device) -> TeacherSign
 
 
 TeacherSignalFn = Callable[[BatchedDataDict], TeacherSignal]
-"""Scores one micro-batch (the driver binds the teacher, the request and its timer)."""
+"""Scores one micro-batch (the driver binds the teacher, the request and its timer): a plain
+function, or a :class:`MicroBatchScorer` that can also start many at once."""
 
 
 # --------------------------------------------------------------------------- loss
@@ -305,8 +307,9 @@ class PolicyInterface(ABC):
         Args:
             data: right-padded batch with ``input_ids``, ``input_lengths``, ``token_mask``.
             loss_fn: called on each micro-batch.
-            teacher_signal: scores a micro-batch with the teacher; None when the loss
-                needs no teacher.
+            teacher_signal: scores a micro-batch with the teacher (the driver passes a
+                :class:`MicroBatchScorer`, which a trainer may also use to start many
+                micro-batches at once); None when the loss needs no teacher.
 
         Returns:
             Global-batch metrics: the loss function's, summed over micro-batches, plus
@@ -395,6 +398,50 @@ class Done(Pending[ResultT]):
     def result(self) -> ResultT:
         """The value given."""
         return self.value
+
+
+class TimedPending(Pending[ResultT]):
+    """Another pending result, collected inside ``waiting()`` (a phase timer: the wait counts as that phase).
+
+    Args:
+        pending: the result being computed.
+        waiting: makes the context that the wait runs in.
+    """
+
+    def __init__(self, pending: Pending[ResultT], waiting: Callable[[], AbstractContextManager[Any]]) -> None:
+        self.pending, self.waiting = pending, waiting
+
+    def result(self) -> ResultT:
+        """The result, waited for inside ``waiting()``."""
+        with self.waiting():
+            return self.pending.result()
+
+
+class MicroBatchScorer:
+    """The teacher's answers for a trainer's micro-batches: a :data:`TeacherSignalFn` that can also start them.
+
+    The driver builds one per step (binding the teacher, the loss's request and its
+    timer) and hands it to :meth:`PolicyInterface.train`. Called, it answers one
+    micro-batch. :meth:`submit` starts one and returns while the teacher scores: a
+    trainer that has every micro-batch at hand before it computes (the distributed one)
+    submits them all first and collects the answers afterwards, so a teacher in other
+    processes (the replicas of a pool) works on all of them together.
+
+    Args:
+        submit: starts scoring a micro-batch (``TeacherInterface.score_async``, or an
+            answer already at hand as a :class:`Done`).
+    """
+
+    def __init__(self, submit: Callable[[BatchedDataDict], Pending[TeacherSignal]]) -> None:
+        self._submit = submit
+
+    def submit(self, micro_batch: BatchedDataDict) -> Pending[TeacherSignal]:
+        """Starts scoring ``micro_batch`` and returns its pending answer."""
+        return self._submit(micro_batch)
+
+    def __call__(self, micro_batch: BatchedDataDict) -> TeacherSignal:
+        """The answer for ``micro_batch``, waited for."""
+        return self.submit(micro_batch).result()
 
 
 class GenerationInterface(ABC):
