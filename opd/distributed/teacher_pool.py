@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distributed.batch_plan import contiguous_blocks
 from opd.distributed.fsdp import init_process_group, shard_model
+from opd.distributed.sharded_loading import load_sharded
 from opd.distributed.trainer_worker import ShardedTeacher
 from opd.distributed.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
@@ -153,12 +154,12 @@ class TeacherWorker:
             self.shard, self.shards_per_replica, master_addr, master_port, self.backend, self.timeout_s
         )
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        # Read on the host: fully_shard moves each layer's shard to the device as it
-        # places it, so the device never holds the whole teacher.
+        # Each worker reads only its own rows of the weights: neither the host nor the
+        # device ever holds the whole teacher.
         dtype = resolve_dtype(self.loading.dtype, device)
-        model = load_causal_lm(self.model_path, dtype, torch.device("cpu"), self.loading)
+        model = load_sharded(self.model_path, dtype, device, self.loading, lambda whole: shard_model(whole, mesh))
         model.requires_grad_(False)
-        self.teacher = ShardedTeacher(shard_model(model, mesh))
+        self.teacher = ShardedTeacher(model)
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
         """The teacher's answer for ``data``, on CPU (a sharded replica's workers must be asked together)."""
