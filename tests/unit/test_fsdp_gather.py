@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from opd.distributed import fsdp
 from opd.distributed.fsdp import shard_model, whole_state_dict_buckets
 from opd.distributed.refit_sender import RefitSender
 from opd.distributed.refit_wire import layout_of
@@ -58,17 +59,28 @@ def _check_rank(rank: int, init_file: str, result_dir: str) -> None:
     tied.config.tie_word_embeddings = True
     tied.tie_weights()
     models["tiny_tied"] = shard_model(tied, mesh)
+    # What each bucket's gather is handed: a refit's cast must come before it, not after.
+    handed: list[torch.dtype] = []
+    gather_bucket = fsdp._gather_bucket
+
+    def recording_gather(entries):
+        handed.extend(tensor.dtype for _, tensor in entries)
+        return gather_bucket(entries)
+
+    fsdp._gather_bucket = recording_gather
     results = {}
     for label, model, dtype in [(label, model, None) for label, model in models.items()] + [
         (f"{label}{CAST_SUFFIX}", model, CAST_DTYPE) for label, model in models.items()
     ]:
         for bucket_bytes in BUCKET_SIZES:
+            handed.clear()
             buckets = list(whole_state_dict_buckets(model, bucket_bytes, dtype))
             sender = RefitSender()
             sender.model = model
             announced = sender.refit_layouts(bucket_bytes, dtype) if dtype is not None else None
             results[(label, bucket_bytes)] = {
                 "layouts_match": announced == [layout_of(bucket) for bucket in buckets],
+                "handed_dtypes": set(handed),
                 "buckets": [[name for name, _ in bucket] for bucket in buckets],
                 "flat": [(name, tensor.clone()) for bucket in buckets for name, tensor in bucket],
                 "owns_storage": [
@@ -142,3 +154,10 @@ def test_the_refit_layouts_announce_the_buckets_the_gather_sends(gathered, label
     """Broadcast receivers allocate each bucket from its layout before the gather has run."""
     for bucket_bytes in BUCKET_SIZES:
         assert gathered[0][(label, bucket_bytes)]["layouts_match"], bucket_bytes
+
+
+@pytest.mark.parametrize("label", [label for label in LABELS if label.endswith(CAST_SUFFIX)])
+def test_the_shards_are_cast_before_the_gather(gathered, label):
+    """The collective moves bf16 shards: half the bytes of fp32 (casting the whole tensors after would not)."""
+    for bucket_bytes in BUCKET_SIZES:
+        assert gathered[0][(label, bucket_bytes)]["handed_dtypes"] == {CAST_DTYPE}, bucket_bytes
