@@ -144,15 +144,18 @@ class RolloutWorker:
         return loaded
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The worker's model weights, on CPU (tests compare what the refits loaded)."""
+        """The HF engine's weights, on CPU (tests compare what the refits loaded; a vLLM engine keeps its own)."""
         return {name: tensor.detach().cpu().clone() for name, tensor in self.model.state_dict().items()}
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> int:
-        """Puts ``(name, tensor)`` pairs into the engine: in place in the HF model, or through vLLM's loader."""
-        own = self.model.state_dict()
+        """Puts ``(name, tensor)`` pairs, already in the engine's dtype, into the engine.
+
+        In place in the HF model, or through vLLM's own weight loader.
+        """
         if self.vllm_engine is not None:
-            self.vllm_engine.load_weights([(name, tensor.to(own[name].dtype)) for name, tensor in pairs])
+            self.vllm_engine.load_weights(pairs)
         else:
+            own = self.model.state_dict()
             with torch.no_grad():
                 for name, tensor in pairs:
                     own[name].copy_(tensor)
