@@ -97,7 +97,7 @@ def _consumer(handles: mp.Queue, acks: mp.Queue) -> None:
 
 def check_ipc(bucket_bytes: int) -> dict[str, object]:
     from opd.distributed.refit_buckets import in_buckets
-    from opd.distributed.refit_wire import ipc_handle, layout_of, pack
+    from opd.distributed.refit_wire import ipc_handle, layout_bytes, layout_of, pack
 
     torch.cuda.set_device(0)
     weights = [(name, seeded_weight(index, shape)) for index, (name, shape) in enumerate(qwen_1_5b_shapes())]
@@ -122,7 +122,9 @@ def check_ipc(bucket_bytes: int) -> dict[str, object]:
     consumer.join(timeout=60)
 
     # The host round trip the object store needs at the least (pinned, both ways).
-    staging = torch.empty(bucket_bytes + (1 << 20), dtype=torch.uint8, pin_memory=True)
+    # A bucket holds at least one tensor: the embedding alone (467 MB) outgrows a 256 MB bucket.
+    largest = max(layout_bytes(layout_of(bucket)) for bucket in in_buckets(weights, bucket_bytes))
+    staging = torch.empty(largest, dtype=torch.uint8, pin_memory=True)
     torch.cuda.synchronize()
     host_start = time.perf_counter()
     for bucket in in_buckets(weights, bucket_bytes):
