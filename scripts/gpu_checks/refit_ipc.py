@@ -27,6 +27,7 @@ Usage (from the repository root): ``python scripts/gpu_checks/refit_ipc.py [--pa
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -215,28 +216,37 @@ def main() -> None:
         "--cpu", action="store_true", help="check this script without a GPU: part 2 on CPU workers (gloo broadcast)"
     )
     args = parser.parse_args()
+    rows: list[dict[str, object]] = []
     if args.cpu:
         rows = check_opd("colocated", on_gpu=False)
-        for row in rows:
-            print(row)
-        sys.exit(0 if all(row["ok"] for row in rows) else 1)
-    if not torch.cuda.is_available():
-        raise SystemExit("refit_ipc.py needs a CUDA GPU")
-    rows: list[dict[str, object]] = []
-    if "ipc" in args.parts:
-        rows.append(check_ipc(int(args.bucket_mb * 1024 * 1024)))
-    if "opd" in args.parts:
-        rows += check_opd("colocated")
-        if torch.cuda.device_count() >= 2:
-            rows += check_opd("split")
-        else:
-            rows.append({"check": "opd refit, split 1+1, broadcast (NCCL)", "ok": None, "detail": "needs 2 GPUs"})
-    print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    elif not torch.cuda.is_available():
+        raise SystemExit("refit_ipc.py needs a CUDA GPU (--cpu checks the script itself)")
+    else:
+        if "ipc" in args.parts:
+            rows.append(check_ipc(int(args.bucket_mb * 1024 * 1024)))
+        if "opd" in args.parts:
+            rows += opd_rows()
+        print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     print(f"{'check':<44}{'result':<8}detail")
     for row in rows:
         result = "skipped" if row["ok"] is None else ("pass" if row["ok"] else "FAIL")
         print(f"{row['check']:<44}{result:<8}{row['detail']}")
-    sys.exit(0 if all(row["ok"] is not False for row in rows) else 1)
+    ok = all(row["ok"] is not False for row in rows)
+    # The last line, for scripts/gpu_check.py's table.
+    print(json.dumps({"ok": ok, "figure": "; ".join(f"{row['check']}: {row['detail']}" for row in rows)}))
+    sys.exit(0 if ok else 1)
+
+
+def opd_rows() -> list[dict[str, object]]:
+    """Part 2 on the GPU: colocated (CUDA IPC) always, split (NCCL broadcast) with two GPUs; Ray is needed."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return [{"check": "opd refit on Ray", "ok": None, "detail": "Ray is not installed here"}]
+    rows = check_opd("colocated")
+    if torch.cuda.device_count() >= 2:
+        return rows + check_opd("split")
+    return [*rows, {"check": "opd refit, split 1+1, broadcast (NCCL)", "ok": None, "detail": "needs 2 GPUs"}]
 
 
 if __name__ == "__main__":
