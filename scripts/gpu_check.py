@@ -19,7 +19,10 @@ Checks:
 * ``qwen05b_step``: one training step of that student at the real vocabulary: step time
   and peak memory, beside ``opd plan``'s prediction for the same shapes where it exists;
 * ``demo_20_steps``: 20 steps of the CPU demo's distillation on the GPU (bf16);
-* ``vllm``: the vLLM engine's sleep and wake and a refit, where vLLM is installed.
+* ``vllm``: the vLLM engine's sleep and wake and a refit, where vLLM is installed;
+* ``refit_ipc``: ``scripts/gpu_checks/refit_ipc.py``: CUDA IPC between two processes at the
+  1.5B student's size (bitwise, GB/s), and opd's ``cuda_ipc`` and ``object_store`` refits
+  on a Ray cluster colocated on the GPU (bitwise, ``refit/bytes``), where Ray is installed.
 """
 
 from __future__ import annotations
@@ -348,6 +351,16 @@ def check_vllm() -> dict[str, Any]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def check_refit_ipc() -> dict[str, Any]:
+    script = REPO_ROOT / "scripts" / "gpu_checks" / "refit_ipc.py"
+    command = [sys.executable, str(script), *(["--cpu"] if REHEARSAL else [])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    lines = result.stdout.strip().splitlines()
+    if not lines or not lines[-1].startswith("{"):
+        raise RuntimeError((result.stderr.strip().splitlines() or ["no output"])[-1])
+    return json.loads(lines[-1])
+
+
 CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
     "nccl_trainer": check_nccl_trainer,
     "bf16_fused_loss": check_bf16_fused_loss,
@@ -356,6 +369,7 @@ CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
     "qwen05b_step": check_qwen05b_step,
     "demo_20_steps": check_demo_20_steps,
     "vllm": check_vllm,
+    "refit_ipc": check_refit_ipc,
 }
 
 

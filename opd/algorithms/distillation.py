@@ -146,6 +146,10 @@ def step_metrics(
     ``timing/sync_rollout_weights`` (the weight sync to the rollout engine), and for
     on-policy steps ``train/staleness_mean`` / ``train/staleness_max`` (the policy-version
     lag of the step's samples).
+
+    A step whose weight sync went to engines in other processes (rollout workers) also logs
+    ``refit/bytes`` (one copy of the weights, in the engines' dtype) and
+    ``refit/bytes_delivered`` (what the engines received, one copy per worker).
     """
     batch = scheduled.batch
     metrics: dict[str, Any] = {f"train/{key}": value for key, value in train_metrics.items()}
@@ -173,6 +177,7 @@ def step_metrics(
     known = {"step", "training", "teacher", "generation", "refit", "wait_prev_gen", "wait_prev_teacher"}
     for phase in sorted(set(seconds) - known - {"sync_rollout_weights"}):
         metrics[f"timing/{phase}"] = seconds[phase]
+    metrics.update(scheduled.refit_metrics)  # the bytes the step's weight sync moved
     metrics["timing/training"] = seconds["training"] - seconds.get("teacher", 0.0) - seconds.get("dispatch", 0.0)
     metrics["timing/step"] = seconds["step"]
     metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / seconds["step"]

@@ -71,6 +71,15 @@ class RolloutPoolConfig(StrictConfig):
     refit_bucket_mb: float = Field(
         256.0, gt=0, description="the trainer sends new weights to the engines in buckets of this many MiB"
     )
+    refit_transport: Literal["auto", "object_store", "broadcast", "cuda_ipc"] = Field(
+        "auto",
+        description="how new weights reach the engines, cast to the engines' dtype before the gather: "
+        "object_store: trainer rank 0 puts each bucket in Ray's object store (the CPU path); broadcast: rank 0 "
+        "broadcasts each bucket over a process group of its own with the rollout workers (NCCL on GPUs, gloo on "
+        "CPUs); cuda_ipc: each engine maps the bucket gathered on its own GPU by the trainer rank beside it "
+        "(colocated placement on GPUs only); auto: cuda_ipc colocated on GPUs, broadcast split on GPUs, "
+        "object_store on CPUs",
+    )
 
 
 class TeacherPoolConfig(StrictConfig):
@@ -147,6 +156,29 @@ class ClusterConfig(StrictConfig):
                 "needs a GPU of its own; use cluster.placement = split or fewer shards"
             )
         return self
+
+    @model_validator(mode="after")
+    def _refit_transport_fits(self) -> ClusterConfig:
+        if self.rollout.refit_transport == "cuda_ipc":
+            if not self.gpus_per_worker:
+                raise ValueError(
+                    "cluster.rollout.refit_transport = cuda_ipc needs GPUs (cluster.gpus_per_worker = 1); "
+                    "CPU workers refit through object_store or broadcast"
+                )
+            if self.placement != "colocated":
+                raise ValueError(
+                    "cluster.rollout.refit_transport = cuda_ipc needs cluster.placement = colocated (each engine "
+                    "maps memory on its own GPU, so a trainer rank must share it); split pools use broadcast"
+                )
+        return self
+
+    def resolved_refit_transport(self) -> str:
+        """How the rollout workers are refit (``auto`` resolved: see ``rollout.refit_transport``)."""
+        if self.rollout.refit_transport != "auto":
+            return self.rollout.refit_transport
+        if not self.gpus_per_worker:
+            return "object_store"
+        return "cuda_ipc" if self.placement == "colocated" else "broadcast"
 
     def resolved_backend(self) -> str:
         """The torch.distributed backend the trainer uses."""

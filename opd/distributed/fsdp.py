@@ -136,8 +136,15 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor() if full_tensor is not None else tensor
 
 
-def whole_state_dict_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def whole_state_dict_buckets(
+    model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The model's state dict, whole, in buckets of about ``bucket_bytes``, one all-gather per bucket.
+
+    With ``dtype`` every floating-point tensor is cast to it *before* the gather, shard by
+    shard as its bucket fills (a refit sends the engine's dtype: bf16 moves half the
+    bytes of the fp32 master weights through the collective and everything after it);
+    ``bucket_bytes`` then counts bytes in ``dtype``. None keeps each tensor's own dtype.
 
     Entries come in the state dict's order; a tensor held under two names (a head tied
     to the embedding) comes once, under its first name, as a Hugging Face model
@@ -147,7 +154,11 @@ def whole_state_dict_buckets(model: torch.nn.Module, bucket_bytes: int) -> Itera
     what the caller keeps. A bucket holds at least one tensor (a tensor larger than
     ``bucket_bytes`` is a bucket of its own). Every rank must iterate to the end.
     """
-    for bucket in in_buckets(_unique_state_dict(model), bucket_bytes):
+    entries = _unique_state_dict(model)
+    if dtype is not None:
+        # Lazily: only the shards of the bucket being filled exist in both dtypes at once.
+        entries = ((name, tensor.to(dtype) if tensor.is_floating_point() else tensor) for name, tensor in entries)
+    for bucket in in_buckets(entries, bucket_bytes):
         yield _gather_bucket(bucket)
 
 

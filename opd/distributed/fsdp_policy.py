@@ -171,10 +171,6 @@ class FSDPPolicy(PolicyInterface):
         """Every weight, whole, gathered from the ranks (rank 0 sends them)."""
         yield from self.workers.run_all("whole_weights")[0].items()
 
-    def weight_buckets(self, bucket_bytes: int) -> list[Any]:
-        """The whole weights as Ray object refs of about ``bucket_bytes`` each (filled by trainer rank 0)."""
-        return list(self.workers.run_all("weight_buckets", bucket_bytes)[0])
-
     def state_dict(self) -> dict[str, Any]:
         """Not used: the optimizer state stays sharded in the workers (see :meth:`save_checkpoint`)."""
         raise NotImplementedError("an FSDP2 student saves its optimizer state sharded: use save_checkpoint")

@@ -164,6 +164,8 @@ def build_cluster_backends(
         rollout,
         request.tokenizer.pad_token_id,
         int(cluster.rollout.refit_bucket_mb * _MIB),
+        refit_transport=cluster.resolved_refit_transport(),
+        timeout_s=cluster.worker_timeout_s,
         offload_trainer=trainer if cluster.trainer.offload_during_generation else None,
     )
     return policy, teachers, generation

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
 from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, shard_model, whole_state_dict_buckets
+from opd.distributed.refit_sender import RefitSender
 from opd.distributed.sharded_loading import load_sharded
 from opd.distributed.shared_directory import marker_name
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
@@ -101,7 +102,7 @@ class ShardedTeacher(LocalTeacher):
         return getattr(self.model, HIDDEN_STATES_METHOD)(**inputs)
 
 
-class TrainerWorker:
+class TrainerWorker(RefitSender):
     """One FSDP2 rank (created by :class:`~opd.distributed.worker_group.WorkerGroup` as a Ray actor).
 
     Built in two calls, because rank 0 may be on another node than the controller: the
@@ -379,20 +380,7 @@ class TrainerWorker:
             self.model.config.dtype = torch.float32
         dist.barrier()
 
-    def weight_buckets(self, bucket_bytes: int) -> list[Any]:
-        """Rank 0: the weights in buckets of about ``bucket_bytes``, each put in Ray's object store.
-
-        On one node the object store is shared memory: a rollout worker maps a bucket
-        without a copy through a socket. Returns the buckets' object refs (empty on other ranks).
-        """
-        import ray  # only inside an actor
-
-        refs = []
-        # One all-gather per bucket; every rank joins each, rank 0 keeps the buckets.
-        for bucket in whole_state_dict_buckets(self.model, bucket_bytes):
-            if self.rank == 0:
-                refs.append(ray.put({name: tensor.cpu() for name, tensor in bucket}))
-        return refs
+    # The refit's methods (weight_buckets, broadcast_weights, ...) come from RefitSender.
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -502,8 +502,14 @@ class GenerationInterface(ABC):
         finally:
             self.finish_generation()
 
-    def refit(self, policy: PolicyInterface) -> None:  # noqa: B027 - a no-op unless the engine holds weights
-        """Loads the policy's current weights; engines that sample with the policy itself need nothing."""
+    def refit(self, policy: PolicyInterface) -> dict[str, float]:
+        """Loads the policy's current weights; engines that sample with the policy itself need nothing.
+
+        Returns:
+            Metrics of the refit for the step's log (an engine in other processes reports
+            ``refit/bytes`` and ``refit/bytes_delivered``); empty by default.
+        """
+        return {}
 
     def close(self) -> None:  # noqa: B027 - a no-op unless the engine holds resources
         """Frees the engine's own resources (processes, memory); the default holds none."""

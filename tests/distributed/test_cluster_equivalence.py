@@ -29,6 +29,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKLogprobs, TopKRequest
 from opd.models.loading import load_causal_lm
 from opd.models.teacher.local_teacher import LocalTeacher
+from opd.models.tiny import build_tiny_model
 from opd.utils.config import load_config
 from opd.utils.plotting import read_metrics
 
@@ -107,7 +108,12 @@ def test_two_fsdp_workers_match_one_process_step_by_step(equivalence_runs):
             assert math.isclose(mine[key], reference[key], rel_tol=RELATIVE_LOSS_TOLERANCE, abs_tol=1e-7), (
                 f"step {mine['step']} {key}: 2 workers {mine[key]!r}, one process {reference[key]!r}"
             )
-    assert "timing/refit" in actual[next(i for i, r in enumerate(actual) if r["train/on_policy"])]
+    first_on_policy = next(record for record in actual if record["train/on_policy"])
+    assert "timing/refit" in first_on_policy
+    # The refit sends the student once, in the engines' fp32 (a tied head once), received by each of 2 workers.
+    student_bytes = 4 * sum(parameter.numel() for parameter in build_tiny_model("student").parameters())
+    assert first_on_policy["refit/bytes"] == student_bytes
+    assert first_on_policy["refit/bytes_delivered"] == 2 * student_bytes
 
 
 def test_two_fsdp_workers_end_with_the_weights_of_one_process(equivalence_runs):
