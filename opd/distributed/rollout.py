@@ -182,7 +182,7 @@ class RayGeneration(GenerationInterface):
             )
             for rank in range(count)
         ]
-        return self.workers.pending(refs, self._concat, ranks=list(range(count)))
+        return self.workers.pending(refs, self._concat, ranks=list(range(count)), what="generate")
 
     def _concat(self, parts: list[BatchedDataDict]) -> BatchedDataDict:
         return BatchedDataDict.concat(parts, pad_values={"input_ids": self.pad_token_id})
