@@ -10,10 +10,12 @@ path never needs it.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import ray
+import torch
 
 from opd.distributed.config import ClusterConfig
 from opd.distributed.fsdp_policy import FSDPPolicy
@@ -25,10 +27,31 @@ from opd.distributed.worker_group import Bound, Slot, WorkerGroup
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.generation.config import VllmGenerationConfig
 from opd.models.interfaces import GenerationInterface, TeacherInterface
+from opd.utils.errors import ConfigError
 
 log = logging.getLogger("opd")
 
 _MIB = 1024 * 1024
+
+TORCH_FLOOR = (2, 13)
+"""The oldest torch (major, minor) the cluster runs on, as ``pyproject.toml`` says: the trainer's
+bucketed gathers (refit, final model) call ``torch.distributed.all_gather_single``, new in 2.13."""
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    """Refuses a torch older than :data:`TORCH_FLOOR`, before anything starts (an older one fails deep in a worker).
+
+    Raises:
+        ConfigError: ``version`` is older than the floor.
+    """
+    found = re.match(r"(\d+)\.(\d+)", str(version))
+    if found is not None and (int(found[1]), int(found[2])) >= TORCH_FLOOR:
+        return
+    floor = ".".join(map(str, TORCH_FLOOR))
+    raise ConfigError(
+        f"a cluster: run needs torch >= {floor} (torch.distributed.all_gather_single), and this environment has "
+        f"torch {version}; install torch>={floor} (pip install 'torch>={floor}', with your CUDA index on GPU nodes)"
+    )
 
 
 @dataclass(frozen=True)
@@ -84,7 +107,11 @@ def build_cluster_backends(
 
     Raises:
         ValueError: for several teachers colocated in the trainer workers.
+        ConfigError: a torch older than :data:`TORCH_FLOOR`, or colocated roles with more workers than
+            the trainer has bundles (both before Ray starts); a pool the cluster cannot place.
+        WorkerError: a worker failed or did not start within ``cluster.start_timeout_s``.
     """
+    check_torch_version()
     paths = list(request.teacher_paths.values())
     colocated_teacher = bool(paths) and cluster.teacher.placement == "colocated"
     if colocated_teacher and len(paths) > 1:

@@ -7,6 +7,8 @@
 * Colocated placement puts at most one worker of each role on a trainer bundle: more
   rollout workers (at config validation) or teacher-pool workers (at start, before Ray:
   the count depends on the teachers) than trainer workers are refused, naming the keys.
+* A torch older than the floor (2.13: ``torch.distributed.all_gather_single``) is refused
+  before a cluster starts, and the floor is the one ``pyproject.toml`` states.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from opd_test_helpers import REPO_ROOT
 
 from opd.algorithms.distillation_config import MasterConfig
 from opd.distributed.config import ClusterConfig
 from opd.distributed.ray_cluster import check_colocated_sharing
+from opd.distributed.setup import TORCH_FLOOR, check_torch_version
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 
@@ -91,3 +95,25 @@ def test_more_colocated_teacher_pool_workers_than_trainer_workers_are_refused_be
         "cluster.placement=split", "cluster.teacher.placement=pool", "cluster.teacher.workers=3", "loss_fn.type=topk"
     )
     check_colocated_sharing(split, rollout_workers=1, teacher_workers=3)  # pools of their own: no sharing
+
+
+@pytest.mark.parametrize("version", ["2.12.1+cu128", "2.4.0", "1.13.1"])
+def test_a_torch_older_than_the_floor_is_refused_before_the_cluster_starts(version):
+    with pytest.raises(
+        ConfigError,
+        match=rf"needs torch >= 2\.13 \(torch\.distributed\.all_gather_single\), and this "
+        rf"environment has torch {re.escape(version)}; install torch>=2\.13",
+    ):
+        check_torch_version(version)
+
+
+@pytest.mark.parametrize("version", ["2.13.0+cpu", "2.13.0a0+gitabc123", "2.15.0", "3.0.0"])
+def test_the_floor_and_newer_torch_are_accepted(version):
+    check_torch_version(version)
+
+
+def test_the_floor_is_the_one_pyproject_states_and_its_api_is_there():
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    stated = re.search(r'"torch>=(\d+)\.(\d+)"', pyproject)
+    assert stated is not None and (int(stated[1]), int(stated[2])) == TORCH_FLOOR
+    assert callable(torch.distributed.all_gather_single)  # the API that sets the floor
