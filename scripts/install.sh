@@ -6,8 +6,9 @@
 #   bash scripts/install.sh [EXTRAS]      e.g. bash scripts/install.sh test
 #
 # PyTorch is handled first, because a bare `torch` requirement pulls several GB of CUDA
-# packages: an already installed torch is kept as it is; on a machine with an NVIDIA GPU
-# the default (CUDA) build is installed; otherwise the CPU build.
+# packages: an already installed torch is kept as it is (one older than pyproject.toml's
+# bound is refused, with what to do); on a machine with an NVIDIA GPU the default (CUDA)
+# build is installed; otherwise the CPU build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/python_env.sh
@@ -15,8 +16,22 @@ EXTRAS="${1:-}"
 export PIP_ROOT_USER_ACTION=ignore  # installing as root in a container is deliberate
 PIP=("$PYTHON" -m pip install --quiet --disable-pip-version-check)
 
+# pyproject.toml's bound on torch (the newest torch API opd calls sets it).
+TORCH_FLOOR="$(sed -n 's/^ *"torch>=\([0-9.]*\)",$/\1/p' pyproject.toml)"
 if "$PYTHON" -c "import torch" 2>/dev/null; then
-  echo "[install] keeping the installed torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
+  TORCH_VERSION="$("$PYTHON" -c 'import torch; print(torch.__version__)')"
+  # Refused rather than kept: pip would otherwise swap it for PyPI's default (CUDA) build.
+  if ! "$PYTHON" - "$TORCH_VERSION" "$TORCH_FLOOR" <<'PY'
+import re, sys
+have, floor = (tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", text).groups()) for text in sys.argv[1:])
+sys.exit(have < floor)
+PY
+  then
+    echo "[install] the installed torch $TORCH_VERSION is older than opd needs (torch>=$TORCH_FLOOR);" \
+      "upgrade it first, e.g. pip install 'torch>=$TORCH_FLOOR' from your CUDA build's index" >&2
+    exit 1
+  fi
+  echo "[install] keeping the installed torch $TORCH_VERSION"
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "[install] NVIDIA GPU found: installing the CUDA build of torch"
   "${PIP[@]}" torch

@@ -17,6 +17,10 @@ With one, the same driver talks to Ray worker groups:
 ``placement`` maps the roles to resource pools: ``colocated`` puts the rollout engines and
 a teacher pool on the trainer's devices, where they take turns; ``split`` gives every role
 devices of its own (seed 002's separate actor and rollout pools).
+
+Every wait on a worker is bounded: ``start_timeout_s`` for placing the pools and starting
+the workers, and for each call the role's own ``timeout_s`` (``worker_timeout_s`` unless
+set), so a hung worker of any role stops the run instead of hanging it.
 """
 
 from __future__ import annotations
@@ -62,6 +66,13 @@ class TrainerPoolConfig(StrictConfig):
         "memory while the rollout engines generate on its GPU, and back before the update (the sync scheduler "
         "only; nothing moves on CPU workers)",
     )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="seconds a call to the trainer workers may run (a step with all its micro-batches and a colocated "
+        "teacher's scoring, a checkpoint, a refit's gather) before they are taken for hung and the run stops; also "
+        "bounds each collective; null = cluster.worker_timeout_s",
+    )
 
 
 class RolloutPoolConfig(StrictConfig):
@@ -79,6 +90,13 @@ class RolloutPoolConfig(StrictConfig):
         "CPUs); cuda_ipc: each engine maps the bucket gathered on its own GPU by the trainer rank beside it "
         "(colocated placement on GPUs only); auto: cuda_ipc colocated on GPUs, broadcast split on GPUs, "
         "object_store on CPUs",
+    )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="seconds a call to the rollout workers may run (one generation of the whole batch: raise it for "
+        "long responses on slow engines, a refit) before they are taken for hung and the run stops; "
+        "null = cluster.worker_timeout_s",
     )
 
 
@@ -106,6 +124,13 @@ class TeacherPoolConfig(StrictConfig):
         description="colocated teacher: true shards it over the trainer workers with FSDP2 (each forward gathers "
         "its layers); false keeps a whole copy in every trainer worker (no communication, the whole teacher's "
         "memory on every device)",
+    )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="placement pool: seconds a teacher replica may take to score its rows before it is taken for "
+        "hung and the run stops; null = cluster.worker_timeout_s (a colocated teacher is bounded by "
+        "cluster.trainer.timeout_s)",
     )
 
     @model_validator(mode="after")
@@ -137,7 +162,15 @@ class ClusterConfig(StrictConfig):
     worker_timeout_s: float = Field(
         600.0,
         gt=0,
-        description="a collective that waits this long fails (a dead or stuck worker stops the run, not hangs it)",
+        description="seconds any call to a worker may run, and a trainer collective may wait, before the worker is "
+        "taken for hung and the run stops (naming the role, rank and node) instead of hanging; "
+        "cluster.trainer / rollout / teacher .timeout_s override it per role",
+    )
+    start_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="seconds to place each role's pool and start its workers (each loads its model) before the run "
+        "stops naming what did not start: a cluster too small, an actor with no room, a load that hangs",
     )
     trainer: TrainerPoolConfig = Field(default_factory=TrainerPoolConfig)
     rollout: RolloutPoolConfig = Field(default_factory=RolloutPoolConfig)
@@ -180,8 +213,51 @@ class ClusterConfig(StrictConfig):
             return "object_store"
         return "cuda_ipc" if self.placement == "colocated" else "broadcast"
 
+    @model_validator(mode="after")
+    def _check_devices_and_sharing(self) -> ClusterConfig:
+        """The backend must use the workers' devices, and colocated roles at most one worker per trainer bundle."""
+        if self.backend == "gloo" and self.gpus_per_worker:
+            raise ValueError(
+                f"cluster.backend = gloo with cluster.gpus_per_worker = {self.gpus_per_worker} would train on the "
+                "CPUs and leave the GPUs idle; set cluster.backend = auto (nccl on GPUs), or gpus_per_worker = 0"
+            )
+        if self.backend == "nccl" and not self.gpus_per_worker:
+            raise ValueError(
+                "cluster.backend = nccl needs GPUs but cluster.gpus_per_worker = 0; set cluster.backend = auto "
+                "(gloo on CPUs), or gpus_per_worker = 1"
+            )
+        # A teacher pool is checked at start (ray_cluster.check_colocated_sharing): its size depends on how many
+        # teachers run in pools, which this section does not know.
+        problem = colocated_sharing_problem("cluster.rollout.workers", self.rollout.workers, self.trainer.workers)
+        if self.placement == "colocated" and problem is not None:
+            raise ValueError(problem)
+        return self
+
+    def call_timeout(self, role: Literal["trainer", "rollout", "teacher"]) -> tuple[float, str]:
+        """How long a call to ``role``'s workers may run, and the key that says so."""
+        own: float | None = getattr(self, role).timeout_s
+        if own is not None:
+            return own, f"cluster.{role}.timeout_s"
+        return self.worker_timeout_s, "cluster.worker_timeout_s"
+
     def resolved_backend(self) -> str:
         """The torch.distributed backend the trainer uses."""
         if self.backend != "auto":
             return self.backend
         return "nccl" if self.gpus_per_worker else "gloo"
+
+
+def colocated_sharing_problem(key: str, count: int, trainer_workers: int) -> str | None:
+    """Why ``count`` workers of a role cannot share the trainer's bundles (colocated placement), or None.
+
+    Each trainer bundle takes one worker of each other role beside its trainer rank: a
+    second one would ask for a share of the bundle's GPU that is already taken, and wait
+    for it forever.
+    """
+    if count <= trainer_workers:
+        return None
+    return (
+        f"{key} = {count} with cluster.placement = colocated: each of the cluster.trainer.workers = "
+        f"{trainer_workers} trainer bundles holds at most one such worker beside its trainer rank; "
+        f"set {key} <= {trainer_workers}, raise cluster.trainer.workers, or use cluster.placement = split"
+    )

@@ -7,7 +7,10 @@ usage statistics. With an address it joins the cluster that ``ray start`` built.
 Pools are Ray placement groups of one bundle per worker slot (one GPU, or
 ``threads_per_worker`` CPUs). ``colocated`` placement has one pool, the trainer's: the
 rollout engines and teacher replicas take a share of the trainer's bundles, as verl's
-colocated worker groups do. ``split`` placement gives each role a pool of its own.
+colocated worker groups do, one worker of each role per bundle at most (a second would
+wait forever for its share of the GPU, so it is refused before anything starts).
+``split`` placement gives each role a pool of its own. A pool that cannot be placed within
+``cluster.start_timeout_s`` stops the run with what it asked for and what the cluster has.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-from opd.distributed.config import ClusterConfig
+from opd.distributed.config import ClusterConfig, colocated_sharing_problem
 from opd.distributed.worker_group import Slot
 from opd.utils.errors import ConfigError
 
@@ -28,7 +32,8 @@ log = logging.getLogger("opd")
 
 # Ray's own settings for a private, quiet cluster (set before ray.init reads them).
 RAY_ENVIRONMENT = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-PLACEMENT_TIMEOUT_S = 120.0
+_PLACEMENT_POLL_S = 1.0
+"""How often a pool that is not placed yet is asked whether it ever can be."""
 
 
 def start_ray(config: ClusterConfig, cpus_needed: int) -> bool:
@@ -79,21 +84,57 @@ class ResourcePools:
             remove_placement_group(group)
 
 
-def _pool(count: int, cpus: int, gpus: int, name: str) -> object:
-    """A placement group of ``count`` bundles, ready (or a clear error when the cluster is too small)."""
+def _pool(count: int, cpus: int, gpus: int, name: str, config: ClusterConfig) -> object:
+    """A placement group of ``count`` bundles, ready within ``cluster.start_timeout_s`` (or a clear error).
+
+    On the private cluster of one machine (no ``cluster.address``) a pool that Ray reports
+    infeasible (it asks for more than the machine has) fails at once: nothing will join.
+    """
     bundle: dict[str, float] = {"CPU": float(cpus)}
     if gpus:
         bundle["GPU"] = float(gpus)
     group = placement_group([dict(bundle) for _ in range(count)], strategy="PACK")
-    try:
-        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(group)
-        raise ConfigError(
-            f"the Ray cluster cannot place the {name} pool ({count} × {bundle}) within {PLACEMENT_TIMEOUT_S:.0f} s; "
-            f"it has {ray.cluster_resources()}: lower cluster.*.workers or add nodes"
-        ) from None
-    return group
+    ready = group.ready()
+    start = time.monotonic()
+    while True:
+        left = config.start_timeout_s - (time.monotonic() - start)
+        done, _ = ray.wait([ready], timeout=max(0.0, min(left, _PLACEMENT_POLL_S)))
+        if done:
+            return group
+        infeasible = config.address is None and _scheduling_state(group) == "INFEASIBLE"
+        if infeasible or left <= 0:
+            remove_placement_group(group)
+            why = (
+                "never (it asks for more than this machine has)"
+                if infeasible
+                else (f"within {time.monotonic() - start:.0f} s (cluster.start_timeout_s = {config.start_timeout_s:g})")
+            )
+            raise ConfigError(
+                f"the Ray cluster cannot place the {name} pool ({count} × {bundle}) {why}; "
+                f"it has {ray.cluster_resources()}: lower cluster.*.workers or cluster.gpus_per_worker, or add nodes"
+            )
+
+
+def _scheduling_state(group: object) -> str:
+    """Ray's word for where a placement group's scheduling stands (``INFEASIBLE`` when no node can hold it)."""
+    stats = placement_group_table(group).get("stats") or {}
+    return str(stats.get("scheduling_state", ""))
+
+
+def check_colocated_sharing(config: ClusterConfig, rollout_workers: int, teacher_workers: int) -> None:
+    """Refuses colocated roles with more workers than the trainer has bundles (before anything starts).
+
+    Raises:
+        ConfigError: rollout or teacher-pool workers would share a bundle twice (and, on GPUs, wait forever).
+    """
+    if config.placement != "colocated":
+        return
+    pools = teacher_workers // max(config.teacher.workers, 1)
+    teacher_key = "cluster.teacher.workers" if pools <= 1 else f"cluster.teacher.workers × {pools} teacher pools"
+    for key, count in (("cluster.rollout.workers", rollout_workers), (teacher_key, teacher_workers)):
+        problem = colocated_sharing_problem(key, count, config.trainer.workers)
+        if problem is not None:
+            raise ConfigError(problem)
 
 
 def build_pools(config: ClusterConfig, rollout_workers: int, teacher_workers: int) -> ResourcePools:
@@ -104,28 +145,30 @@ def build_pools(config: ClusterConfig, rollout_workers: int, teacher_workers: in
         rollout_workers: rollout engines to place (0 when the trainer's model samples).
         teacher_workers: teacher replicas to place (0 for a colocated or served teacher).
     """
+    check_colocated_sharing(config, rollout_workers, teacher_workers)
     cpus, gpus = config.threads_per_worker, config.gpus_per_worker
     trainer_count = config.trainer.workers
     if config.placement == "colocated":
-        group = _pool(trainer_count, cpus, gpus, "trainer")
-        # Roles sharing a bundle split its GPU; on CPU they take turns on its cores.
+        group = _pool(trainer_count, cpus, gpus, "trainer", config)
+        # Roles sharing a bundle split its GPU (at most one worker of each role per bundle, checked
+        # above); on CPU they take turns on its cores.
         sharing = 1 + int(rollout_workers > 0) + int(teacher_workers > 0)
         share = gpus / sharing
         return ResourcePools(
             trainer=[Slot(group, rank, cpus, share) for rank in range(trainer_count)],
-            rollout=[Slot(group, rank % trainer_count, 0, share) for rank in range(rollout_workers)],
-            teacher=[Slot(group, rank % trainer_count, 0, share) for rank in range(teacher_workers)],
+            rollout=[Slot(group, rank, 0, share) for rank in range(rollout_workers)],
+            teacher=[Slot(group, rank, 0, share) for rank in range(teacher_workers)],
             groups=[group],
         )
-    groups = [_pool(trainer_count, cpus, gpus, "trainer")]
+    groups = [_pool(trainer_count, cpus, gpus, "trainer", config)]
     trainer = [Slot(groups[0], rank, cpus, gpus) for rank in range(trainer_count)]
     rollout: list[Slot] = []
     teacher: list[Slot] = []
     if rollout_workers:
-        groups.append(_pool(rollout_workers, cpus, gpus, "rollout"))
+        groups.append(_pool(rollout_workers, cpus, gpus, "rollout", config))
         rollout = [Slot(groups[-1], rank, cpus, gpus) for rank in range(rollout_workers)]
     if teacher_workers:
-        groups.append(_pool(teacher_workers, cpus, gpus, "teacher"))
+        groups.append(_pool(teacher_workers, cpus, gpus, "teacher", config))
         teacher = [Slot(groups[-1], rank, cpus, gpus) for rank in range(teacher_workers)]
     return ResourcePools(trainer=trainer, rollout=rollout, teacher=teacher, groups=groups)
 

@@ -256,7 +256,7 @@ class RayGeneration(GenerationInterface):
             )
             for rank in range(count)
         ]
-        return self.workers.pending(refs, self._concat, ranks=list(range(count)))
+        return self.workers.pending(refs, self._concat, ranks=list(range(count)), what="generate")
 
     def _concat(self, parts: list[BatchedDataDict]) -> BatchedDataDict:
         if self.offload_trainer is not None:  # the engines are done with the GPUs

@@ -10,28 +10,51 @@ path never needs it.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import ray
+import torch
 
 from opd.distributed.config import ClusterConfig
 from opd.distributed.fsdp_policy import FSDPPolicy
-from opd.distributed.ray_cluster import build_pools, cpus_needed, start_ray
+from opd.distributed.ray_cluster import build_pools, check_colocated_sharing, cpus_needed, start_ray
 from opd.distributed.rollout import RayGeneration, RolloutSpec, RolloutWorker
 from opd.distributed.shared_directory import check_shared_directory
 from opd.distributed.teacher_pool import ColocatedTeacher, TeacherPool, TeacherWorker
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
-from opd.distributed.worker_group import Slot, WorkerGroup
+from opd.distributed.worker_group import Bound, Slot, WorkerGroup
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.generation.config import VllmGenerationConfig
 from opd.models.interfaces import GenerationInterface, TeacherInterface
+from opd.utils.errors import ConfigError
 from opd.utils.paths import absolute_dir, absolute_model_path
 
 log = logging.getLogger("opd")
 
 _MIB = 1024 * 1024
+
+TORCH_FLOOR = (2, 13)
+"""The oldest torch (major, minor) the cluster runs on, as ``pyproject.toml`` says: the trainer's
+bucketed gathers (refit, final model) call ``torch.distributed.all_gather_single``, new in 2.13."""
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    """Refuses a torch older than :data:`TORCH_FLOOR`, before anything starts (an older one fails deep in a worker).
+
+    Raises:
+        ConfigError: ``version`` is older than the floor.
+    """
+    found = re.match(r"(\d+)\.(\d+)", str(version))
+    if found is not None and (int(found[1]), int(found[2])) >= TORCH_FLOOR:
+        return
+    floor = ".".join(map(str, TORCH_FLOOR))
+    raise ConfigError(
+        f"a cluster: run needs torch >= {floor} (torch.distributed.all_gather_single), and this environment has "
+        f"torch {version}; install torch>={floor} (pip install 'torch>={floor}', with your CUDA index on GPU nodes)"
+    )
 
 
 @dataclass(frozen=True)
@@ -101,7 +124,11 @@ def build_cluster_backends(
 
     Raises:
         ValueError: for several teachers colocated in the trainer workers.
+        ConfigError: a torch older than :data:`TORCH_FLOOR`, or colocated roles with more workers than
+            the trainer has bundles (both before Ray starts); a pool the cluster cannot place.
+        WorkerError: a worker failed or did not start within ``cluster.start_timeout_s``.
     """
+    check_torch_version()
     paths = list(request.teacher_paths.values())
     colocated_teacher = bool(paths) and cluster.teacher.placement == "colocated"
     if colocated_teacher and len(paths) > 1:
@@ -110,8 +137,14 @@ def build_cluster_backends(
         )
     per_pool = cluster.teacher.workers
     teacher_workers = 0 if colocated_teacher else per_pool * len(paths)
+    check_colocated_sharing(cluster, cluster.rollout.workers, teacher_workers)
     started_ray = start_ray(cluster, cpus_needed(cluster, cluster.rollout.workers, teacher_workers))
-    pools = build_pools(cluster, cluster.rollout.workers, teacher_workers)
+    try:
+        pools = build_pools(cluster, cluster.rollout.workers, teacher_workers)
+    except BaseException:  # a pool that cannot be placed: leave no private cluster behind
+        if started_ray:
+            ray.shutdown()
+        raise
     groups: list[WorkerGroup] = []
 
     def release() -> None:
@@ -171,6 +204,14 @@ def build_cluster_backends(
     return policy, teachers, generation
 
 
+def _bounds(cluster: ClusterConfig, role: Literal["trainer", "rollout", "teacher"]) -> dict[str, Bound]:
+    """A role's group's bounds: on each call (its own ``timeout_s`` or the cluster's), and on its start."""
+    return {
+        "call_bound": Bound(*cluster.call_timeout(role)),
+        "start_bound": Bound(cluster.start_timeout_s, "cluster.start_timeout_s"),
+    }
+
+
 def _worker_environment(cluster: ClusterConfig) -> dict[str, str]:
     """The environment of every worker: its thread count, and no tokenizer thread pool."""
     return {"OMP_NUM_THREADS": str(cluster.threads_per_worker), "TOKENIZERS_PARALLELISM": "false"}
@@ -187,19 +228,22 @@ def _start_trainer(
         optimizer=request.optimizer,
         total_steps=request.total_steps,
         backend=cluster.resolved_backend(),
-        timeout_s=cluster.worker_timeout_s,
+        # A collective may wait for a peer that is still loading its models at start; the
+        # controller's bounds on each call are what stop a hung step.
+        timeout_s=max(cluster.call_timeout("trainer")[0], cluster.start_timeout_s),
         threads=cluster.threads_per_worker,
         reshard_after_forward=cluster.trainer.reshard_after_forward,
         teacher_sharded=cluster.teacher.sharded,
         shard_group_size=cluster.trainer.shard_group_size,
     )
     world_size = cluster.trainer.workers
+    bounds = _bounds(cluster, "trainer")
     trainer = WorkerGroup(
-        "trainer", TrainerWorker, slots, lambda rank: (rank, world_size, spec), _worker_environment(cluster)
+        "trainer", TrainerWorker, slots, lambda rank: (rank, world_size, spec), _worker_environment(cluster), **bounds
     )
     # The process group meets on rank 0's node, which need not be the controller's.
-    master_addr, master_port = trainer.run_rank(0, "rendezvous_address")
-    trainer.run_all("start", master_addr, master_port)
+    master_addr, master_port = trainer.run_rank(0, "rendezvous_address", bound=bounds["start_bound"])
+    trainer.run_all("start", master_addr, master_port, bound=bounds["start_bound"])  # loads the models
     return trainer
 
 
@@ -220,6 +264,7 @@ def _start_teacher_pool(
         slots,
         lambda rank: (rank, teacher_path, request.loading, cluster.threads_per_worker, shards, backend, timeout_s),
         _worker_environment(cluster),
+        **_bounds(cluster, "teacher"),
     )
     if shards > 1:
         first_ranks = range(0, pool.size, shards)
@@ -240,4 +285,11 @@ def _start_rollout(cluster: ClusterConfig, request: ClusterRequest, slots: list[
         request.vllm,
         request.seed,
     )
-    return WorkerGroup("rollout", RolloutWorker, slots, lambda rank: (rank, spec), _worker_environment(cluster))
+    return WorkerGroup(
+        "rollout",
+        RolloutWorker,
+        slots,
+        lambda rank: (rank, spec),
+        _worker_environment(cluster),
+        **_bounds(cluster, "rollout"),
+    )

@@ -229,7 +229,9 @@ class TeacherPool(TeacherInterface):
         blocks, counts = contiguous_blocks(data, count)
         with self._submitting:
             refs = [self.workers.actors[rank].score.remote(block, request) for rank, block in enumerate(blocks)]
-        return self.workers.pending(refs, functools.partial(_concat, counts=counts), ranks=list(range(count)))
+        return self.workers.pending(
+            refs, functools.partial(_concat, counts=counts), ranks=list(range(count)), what="score"
+        )
 
     def close(self) -> None:
         """Stops the workers."""

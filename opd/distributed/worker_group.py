@@ -4,18 +4,26 @@
 resource pool, and calls a method on all of them (``run_all``) or on one (``run_rank``).
 Results are collected as they arrive, so the first actor that dies, runs out of memory
 or raises ends the wait at once, with a :class:`~opd.utils.errors.WorkerError` naming
-the role and the rank, even while its peers are still blocked in a collective that the
-dead rank will never join. The group is then killed, which frees those peers.
+the role, the rank and its node, even while its peers are still blocked in a collective
+that the dead rank will never join. The group is then killed, which frees those peers.
+
+No wait is unbounded. Each group has two bounds (:class:`Bound`): one for starting its actors
+(placed, constructed: models loaded) and one for every call. Ranks still running when
+their bound runs out are taken for hung (a deadlock, a stuck device, an actor that can
+never be placed): the group is killed and the ``WorkerError`` names the role, those
+ranks, their nodes, the call, the time waited and the config key that sets the bound.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import ray
+from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from opd.models.interfaces import Pending
@@ -24,6 +32,18 @@ from opd.utils.errors import WorkerError
 ResultT = TypeVar("ResultT")
 
 log = logging.getLogger("opd")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """How long a wait on a group's workers may take, and the config key that says so (named when it runs out)."""
+
+    seconds: float
+    key: str = "cluster.worker_timeout_s"
+
+
+DEFAULT_BOUND = Bound(600.0)
+"""The bound of a group built without one (``cluster.worker_timeout_s``'s default)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +65,13 @@ class WorkerGroup:
         slots: one :class:`Slot` per rank.
         init_args: the constructor arguments of each rank.
         env_vars: environment of every actor (thread counts, ...).
+        call_bound: how long any call on the workers may run (``run_all``, ``run_rank``,
+            a :meth:`pending` result), unless the call names its own.
+        start_bound: how long the actors may take to be placed and constructed
+            (``call_bound`` when None).
+
+    Raises:
+        WorkerError: an actor failed in its constructor, or did not start within ``start_bound``.
     """
 
     def __init__(
@@ -54,8 +81,13 @@ class WorkerGroup:
         slots: Sequence[Slot],
         init_args: Callable[[int], tuple[Any, ...]],
         env_vars: dict[str, str] | None = None,
+        call_bound: Bound = DEFAULT_BOUND,
+        start_bound: Bound | None = None,
     ) -> None:
         self.role = role
+        self.slots = list(slots)
+        self.call_bound = call_bound
+        self._nodes: dict[int, str] = {}
         remote_class: Any = ray.remote(worker_class)
         self.actors: list[Any] = [
             remote_class.options(
@@ -65,63 +97,132 @@ class WorkerGroup:
                 runtime_env={"env_vars": env_vars or {}},
                 max_restarts=0,
             ).remote(*init_args(rank))
-            for rank, slot in enumerate(slots)
+            for rank, slot in enumerate(self.slots)
         ]
         # Constructors run asynchronously: wait for them, so that a worker that cannot
-        # start (a bad model path, no memory) fails here, naming its rank.
-        self.gather([actor.__ray_ready__.remote() for actor in self.actors])
+        # start (a bad model path, no memory, no room in its bundle) fails here, naming its rank.
+        self.gather([actor.__ray_ready__.remote() for actor in self.actors], what=_START, bound=start_bound)
+        # Noted now: once a node is lost, its bundles no longer say where they were.
+        for rank in range(self.size):
+            self.node(rank)
 
     @property
     def size(self) -> int:
         return len(self.actors)
 
-    def run_all(self, method: str, *args: Any, per_rank: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
+    def run_all(
+        self,
+        method: str,
+        *args: Any,
+        per_rank: Sequence[tuple[Any, ...]] | None = None,
+        bound: Bound | None = None,
+    ) -> list[Any]:
         """Calls ``method`` on every actor and returns the results in rank order.
 
         Args:
             method: the worker method.
             *args: arguments shared by every rank (put once in the object store).
             per_rank: each rank's own arguments, appended after the shared ones.
+            bound: how long the call may run (the group's ``call_bound`` when None).
         """
         shared = [ray.put(arg) for arg in args]
         refs = [
             getattr(actor, method).remote(*shared, *(per_rank[rank] if per_rank is not None else ()))
             for rank, actor in enumerate(self.actors)
         ]
-        return self.gather(refs)
+        return self.gather(refs, what=method, bound=bound)
 
-    def run_rank(self, rank: int, method: str, *args: Any) -> Any:
-        """Calls ``method`` on one actor."""
-        return self.gather([getattr(self.actors[rank], method).remote(*args)], ranks=[rank])[0]
+    def run_rank(self, rank: int, method: str, *args: Any, bound: Bound | None = None) -> Any:
+        """Calls ``method`` on one actor (``bound`` as in :meth:`run_all`)."""
+        return self.gather([getattr(self.actors[rank], method).remote(*args)], [rank], method, bound)[0]
 
-    def gather(self, refs: list[Any], ranks: Sequence[int] | None = None) -> list[Any]:
-        """The results of ``refs`` (one per rank), failing on the first worker that fails.
+    def gather(
+        self, refs: list[Any], ranks: Sequence[int] | None = None, what: str | None = None, bound: Bound | None = None
+    ) -> list[Any]:
+        """The results of ``refs`` (one per rank), failing on the first worker that fails or on the bound.
+
+        Args:
+            refs: one call's result per rank.
+            ranks: the rank of each ref (0, 1, ... when None).
+            what: the method called, for the messages.
+            bound: how long to wait from now (the group's ``call_bound`` when None).
 
         Raises:
             WorkerError: a worker died (killed, crashed, its node lost), ran out of
-                memory, or raised; the group is killed first.
+                memory or raised, or ranks were still running when the bound ran out;
+                the group is killed first.
         """
+        bound = bound or self.call_bound
         rank_of = {ref: rank for ref, rank in zip(refs, ranks if ranks is not None else range(len(refs)), strict=True)}
         results: dict[Any, Any] = {}
         pending = list(refs)
+        start = time.monotonic()
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            left = bound.seconds - (time.monotonic() - start)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0.0))
+            if not ready:
+                waited = time.monotonic() - start
+                # The node names are read before the kill, while the actors still have their places.
+                error = self._timeout_error(sorted(rank_of[ref] for ref in pending), what, bound, waited)
+                self.kill()
+                raise error
             for ref in ready:
                 try:
                     results[ref] = ray.get(ref)
                 except Exception as error:
+                    failure = self._worker_error(error, rank_of[ref])
                     self.kill()
-                    raise self._worker_error(error, rank_of[ref]) from None
+                    raise failure from None
         return [results[ref] for ref in refs]
 
     def pending(
-        self, refs: list[Any], combine: Callable[[list[Any]], ResultT], ranks: Sequence[int] | None = None
+        self,
+        refs: list[Any],
+        combine: Callable[[list[Any]], ResultT],
+        ranks: Sequence[int] | None = None,
+        what: str | None = None,
+        bound: Bound | None = None,
     ) -> Pending[ResultT]:
-        """``combine(gather(refs))`` as a :class:`~opd.models.interfaces.Pending`: the workers run meanwhile."""
-        return _Gathered(self, refs, combine, ranks)
+        """``combine(gather(refs))`` as a :class:`~opd.models.interfaces.Pending`: the workers run meanwhile.
+
+        The bound counts from when the result is asked for, so work started ahead of its
+        step is never cut short by the time it waited to be collected.
+        """
+        return _Gathered(self, refs, combine, ranks, what, bound)
+
+    def node(self, rank: int) -> str:
+        """The IP address of the node that holds ``rank``'s bundle, or why there is none."""
+        if rank not in self._nodes:
+            slot = self.slots[rank]
+            try:
+                node_id = placement_group_table(slot.placement_group)["bundles_to_node_id"].get(slot.bundle_index)
+                addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+            except Exception as error:  # the error being reported matters more than its node
+                return f"unknown ({type(error).__name__})"
+            if not node_id:  # the placement group is still waiting for room
+                return "none: its placement group is not placed"
+            self._nodes[rank] = addresses.get(node_id, f"id {node_id[:12]}")
+        return self._nodes[rank]
+
+    def _timeout_error(self, ranks: list[int], what: str | None, bound: Bound, waited: float) -> WorkerError:
+        plural = len(ranks) > 1
+        workers = f"{self.role} worker{'s' if plural else ''} {', '.join(map(str, ranks))} of {self.size}"
+        where = list(dict.fromkeys(self.node(rank) for rank in ranks))  # each node once, in rank order
+        nodes = f"node{'s' if len(where) > 1 else ''} {', '.join(where)}"
+        limit = f"within {waited:.1f} s ({bound.key} = {bound.seconds:g})"
+        if what == _START:
+            slot = self.slots[ranks[0]]
+            wanted = f"{slot.num_cpus:g} CPU" + (f" and {slot.num_gpus:g} GPU" if slot.num_gpus else "")
+            problem = (
+                f"did not start {limit}: still loading, hung in the constructor, or no room for "
+                f"{wanted} in {'their bundles' if plural else 'its bundle'}"
+            )
+        else:
+            problem = f"did not finish {what or 'the call'} {limit}; if it can take longer, raise {bound.key}"
+        return WorkerError(f"{workers} ({nodes}) {problem}; the {self.role} workers were stopped", self.role, ranks[0])
 
     def _worker_error(self, error: Exception, rank: int) -> WorkerError:
-        where = f"{self.role} worker {rank} of {self.size}"
+        where = f"{self.role} worker {rank} of {self.size} (node {self.node(rank)})"
         if isinstance(error, ray.exceptions.OutOfMemoryError) or _is_oom(error):
             return WorkerError(f"{where} ran out of memory: {_first_line(error)}", self.role, rank)
         if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)):
@@ -140,18 +241,29 @@ class _Gathered(Pending[ResultT]):
     """Results of calls already submitted to a group's workers, gathered (once) when asked for."""
 
     def __init__(
-        self, group: WorkerGroup, refs: list[Any], combine: Callable[[list[Any]], ResultT], ranks: Sequence[int] | None
+        self,
+        group: WorkerGroup,
+        refs: list[Any],
+        combine: Callable[[list[Any]], ResultT],
+        ranks: Sequence[int] | None,
+        what: str | None,
+        bound: Bound | None,
     ) -> None:
         self.group, self.refs, self.combine, self.ranks = group, refs, combine, ranks
+        self.what, self.bound = what, bound
         self.value: ResultT | None = None
         self.gathered = False
 
     def result(self) -> ResultT:
         """Waits for every worker's part and combines them (fails as :meth:`WorkerGroup.gather` does)."""
         if not self.gathered:
-            self.value = self.combine(self.group.gather(self.refs, self.ranks))
+            self.value = self.combine(self.group.gather(self.refs, self.ranks, self.what, self.bound))
             self.gathered = True
         return self.value  # type: ignore[return-value]
+
+
+_START = "__start__"
+"""``what`` of the wait for the actors' constructors."""
 
 
 def _is_oom(error: Exception) -> bool:

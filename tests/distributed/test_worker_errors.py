@@ -1,7 +1,7 @@
 """How a worker group reports its workers' failures, on a real local Ray cluster.
 
 A rank that runs out of memory (device or host) or raises must end the wait at once with one
-:class:`~opd.utils.errors.WorkerError` naming the role and the rank (and, for memory,
+:class:`~opd.utils.errors.WorkerError` naming the role, the rank and its node (and, for memory,
 saying so), while its peer is still busy; the group is killed afterwards. The end-to-end
 path (a SIGKILLed trainer worker in a real run) is in ``test_cluster_faults.py``.
 """
@@ -46,9 +46,9 @@ def group(failure: str) -> WorkerGroup:
 @pytest.mark.parametrize(
     ("failure", "message"),
     [
-        ("cuda_oom", r"trainer worker 1 of 2 ran out of memory: .*CUDA out of memory"),
-        ("host_oom", r"trainer worker 1 of 2 ran out of memory: .*MemoryError"),
-        ("error", r"trainer worker 1 of 2 failed: ValueError: bad micro-batch shape"),
+        ("cuda_oom", r"trainer worker 1 of 2 \(node [\d.]+\) ran out of memory: .*CUDA out of memory"),
+        ("host_oom", r"trainer worker 1 of 2 \(node [\d.]+\) ran out of memory: .*MemoryError"),
+        ("error", r"trainer worker 1 of 2 \(node [\d.]+\) failed: ValueError: bad micro-batch shape"),
         # A rank that dies (SIGKILL) is tested end to end in test_cluster_faults.py.
     ],
 )

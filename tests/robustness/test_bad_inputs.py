@@ -127,6 +127,20 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda t: ["--config", str(TINY), f"data.val_path={TINY_VAL_DATA}", "training.early_stop.metric=val/accuracy",
                    "training.early_stop.target=teacher"],
         r"training\.early_stop\.target = teacher .*; set validation\.teacher_baseline = true"),
+    "config: gloo on GPU workers": (
+        lambda t: ["--config", str(TINY), "cluster.backend=gloo", "cluster.gpus_per_worker=1"],
+        r"cluster\.backend = gloo with cluster\.gpus_per_worker = 1 would train on the CPUs .*; set cluster\.backend "
+        r"= auto"),
+    "config: more colocated rollout workers than trainer workers": (
+        lambda t: ["--config", str(TINY), "cluster.trainer.workers=1", "cluster.rollout.workers=2"],
+        r"cluster\.rollout\.workers = 2 with cluster\.placement = colocated: .*cluster\.trainer\.workers = 1 .*; "
+        r"set cluster\.rollout\.workers <= 1"),
+    "config: more colocated teacher-pool workers than trainer workers": (
+        lambda t: ["--config", str(TINY), "cluster.trainer.workers=1", "cluster.rollout.workers=1",
+                   "cluster.teacher.placement=pool", "cluster.teacher.workers=2", "loss_fn.type=topk"],
+        r"cluster\.teacher\.workers = 2 with cluster\.placement = colocated: .*cluster\.trainer\.workers = 1"),
+    "config: a worker timeout of 0": (lambda t: ["--config", str(TINY), "cluster.rollout.timeout_s=0"],
+                                      r"cluster\.rollout\.timeout_s = 0: .*greater than 0"),
     "data: malformed JSON line": (lambda t: data_file(t, b'{"messages": [\n'), r"data\.jsonl, line 2: invalid JSON"),
     "data: not UTF-8": (lambda t: data_file(t, b'{"messages": "\xff"}\n'),
                         r"data\.jsonl, line 2 is not valid UTF-8 \(.* byte 15 of the line"),
