@@ -228,7 +228,7 @@ def _gather_rows(members: list[tuple[str, DTensor, int]]) -> dict[str, torch.Ten
         layout.append((name, tensor, rows, pieces[-1].numel()))
     flat = torch.cat(pieces)
     out = flat.new_empty(world * flat.numel())  # the concatenated form: gloo takes no other
-    dist.all_gather_single(out, flat, group=group)
+    _all_gather_flat(out, flat, group)
     out = out.view(world, flat.numel())
     gathered: dict[str, torch.Tensor] = {}
     offset = 0
@@ -240,3 +240,13 @@ def _gather_rows(members: list[tuple[str, DTensor, int]]) -> dict[str, torch.Ten
         gathered[name] = block if block.shape[0] == tensor.shape[0] else block[: tensor.shape[0]].clone()
         offset += width
     return gathered
+
+
+def _all_gather_flat(out: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Every rank's ``flat`` concatenated into ``out``.
+
+    torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name
+    warns); the old name is the one torch 2.11 and 2.12 have.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, flat, group=group)

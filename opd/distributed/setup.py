@@ -36,9 +36,9 @@ log = logging.getLogger("opd")
 
 _MIB = 1024 * 1024
 
-TORCH_FLOOR = (2, 13)
-"""The oldest torch (major, minor) the cluster runs on, as ``pyproject.toml`` says: the trainer's
-bucketed gathers (refit, final model) call ``torch.distributed.all_gather_single``, new in 2.13."""
+TORCH_FLOOR = (2, 11)
+"""The oldest torch (major, minor) the cluster runs on, as ``pyproject.toml`` says: the oldest
+its trainer path has run on (FSDP2's summed-gradient settings and DTensor APIs are recent)."""
 
 
 def check_torch_version(version: str = torch.__version__) -> None:
@@ -52,7 +52,7 @@ def check_torch_version(version: str = torch.__version__) -> None:
         return
     floor = ".".join(map(str, TORCH_FLOOR))
     raise ConfigError(
-        f"a cluster: run needs torch >= {floor} (torch.distributed.all_gather_single), and this environment has "
+        f"a cluster: run needs torch >= {floor} (FSDP2 and DTensor as opd uses them), and this environment has "
         f"torch {version}; install torch>={floor} (pip install 'torch>={floor}', with your CUDA index on GPU nodes)"
     )
 
