@@ -165,6 +165,7 @@ def _start_trainer(
         threads=cluster.threads_per_worker,
         reshard_after_forward=cluster.trainer.reshard_after_forward,
         teacher_sharded=cluster.teacher.sharded,
+        activation_checkpointing=cluster.trainer.activation_checkpointing,
     )
     world_size = cluster.trainer.workers
     trainer = WorkerGroup(

@@ -62,6 +62,8 @@ class TrainerSpec:
             (``cluster.trainer.reshard_after_forward``).
         teacher_sharded: shard a colocated teacher with FSDP2; False keeps a whole copy
             in every rank (``cluster.teacher.sharded``).
+        activation_checkpointing: recompute each student layer's activations in the
+            backward (``cluster.trainer.activation_checkpointing``).
     """
 
     student_path: str
@@ -74,6 +76,7 @@ class TrainerSpec:
     threads: int
     reshard_after_forward: bool = True
     teacher_sharded: bool = True
+    activation_checkpointing: bool = False
 
 
 class ShardedTeacher(LocalTeacher):
@@ -130,20 +133,30 @@ class TrainerWorker:
         dtype = resolve_dtype(spec.loading.dtype, self.device)
         # fp32 master weights; a 16-bit model.dtype is the compute dtype (FSDP2 mixed precision).
         self.compute_dtype = dtype
-        student = load_causal_lm(spec.student_path, torch.float32, self.device, spec.loading)
+        student = self._load_model(spec.student_path, torch.float32)
         compute_dtype = dtype if dtype != torch.float32 else None
-        self.model = shard_model(student, mesh, compute_dtype, spec.reshard_after_forward)
+        self.model = shard_model(
+            student, mesh, compute_dtype, spec.reshard_after_forward, spec.activation_checkpointing
+        )
         self.model.train()
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_scheduler(self.optimizer, spec.optimizer, spec.total_steps)
         self.teacher: LocalTeacher | None = None
         if spec.teacher_path is not None:
-            teacher_model = load_causal_lm(spec.teacher_path, dtype, self.device, spec.loading)
+            teacher_model = self._load_model(spec.teacher_path, dtype)
             teacher_model.requires_grad_(False)
             if spec.teacher_sharded:
                 self.teacher = ShardedTeacher(shard_model(teacher_model, mesh))
             else:  # a whole copy scores as the in-process teacher does, with no collective at all
                 self.teacher = LocalTeacher(teacher_model)
+
+    def _load_model(self, path: str, dtype: torch.dtype) -> Any:
+        """The model at ``path`` in ``dtype`` on this rank's device, before sharding.
+
+        The one step the dry run (:mod:`opd.distributed.dry_run`) replaces: it builds the
+        model from its config on a fake device instead of reading weights.
+        """
+        return load_causal_lm(path, dtype, self.device, self.spec.loading)
 
     def pid(self) -> int:
         """This worker's process id (tests kill it to check fault handling)."""
