@@ -242,7 +242,9 @@ class TrainerWorker:
         ):
             if keys:
                 # On the compute device: an NCCL process group has no CPU backend.
-                values = torch.tensor([totals.get(key, missing) for key in keys], dtype=torch.float64, device=self.device)
+                values = torch.tensor(
+                    [totals.get(key, missing) for key in keys], dtype=torch.float64, device=self.device
+                )
                 dist.all_reduce(values, op=op)
                 reduced.update(zip(keys, values.tolist(), strict=True))
         return reduced

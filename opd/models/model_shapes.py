@@ -38,7 +38,9 @@ def model_config(path: str) -> PretrainedConfig:
     """
     if is_tiny_path(path):
         tokenizer = build_tiny_tokenizer()
-        return tiny_model_config(path[len(TINY_PREFIX) :], len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+        return tiny_model_config(
+            path[len(TINY_PREFIX) :], len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id
+        )
     directory = Path(path).expanduser()
     if (directory / "config.json").is_file():
         return AutoConfig.from_pretrained(str(directory))
