@@ -156,6 +156,24 @@ class _AcceleratorModule:
     def current_stream(self, device: Any = None) -> _NoStream:
         return self._stream
 
+    # The random-number state, which activation checkpointing saves and restores around
+    # its recomputation: there is none to keep.
+    def get_rng_state(self, device: Any = None) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_rng_state(self, state: torch.Tensor, device: Any = None) -> None:
+        pass
+
+    def manual_seed(self, seed: int) -> None:
+        pass
+
+    def device(self, device: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        """What ``torch.autocast`` asks of a device (checkpointing's recomputation enters it)."""
+        return [torch.float16, torch.bfloat16]
+
     def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
@@ -447,7 +465,6 @@ class RankMemory:
     teacher_parameters: int
     collectives: int
     host_peak: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
     @property
     def standing(self) -> int:
@@ -492,6 +509,20 @@ def _micro_batch(shape: StepShape, vocab_size: int) -> BatchedDataDict:
     )
 
 
+def _adam_state_in_place(trainer: TrainerWorker) -> None:
+    """Gives every parameter Adam's moments, as any step after the first finds them.
+
+    One optimizer step over zero gradients (no model step): the tracked step then holds
+    the optimizer state throughout, as every step of a run but the first does. The
+    learning-rate schedule is not stepped.
+    """
+    for parameter in trainer.model.parameters():
+        if parameter.requires_grad:
+            parameter.grad = torch.zeros_like(parameter)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
 def dry_run_rank(
     spec: TrainerSpec,
     world_size: int,
@@ -499,12 +530,11 @@ def dry_run_rank(
     shape: StepShape,
     loss_fn: LossFunction,
     vocab_size: int,
-    steps: int = 2,
 ) -> RankMemory:
     """Builds and trains rank ``rank`` of ``world_size`` on fake tensors; returns its memory.
 
-    Two steps by default: Adam's moments exist from the first optimizer step on, so the
-    second step is the one every later step repeats (the peak is over both).
+    The tracked step is a steady-state one: Adam's moments exist before it starts
+    (:func:`_adam_state_in_place`), as they do from a run's second step on.
 
     Args:
         spec: the trainer as the run configures it (``backend`` is ignored: the group is fake).
@@ -513,7 +543,6 @@ def dry_run_rank(
         shape: its micro-batches.
         loss_fn: the run's loss.
         vocab_size: token ids are drawn below this.
-        steps: optimizer steps to run.
 
     Raises:
         DeviceMismatchError: a collective got a tensor off the compute device.
@@ -536,6 +565,7 @@ def dry_run_rank(
         micro_batch = _micro_batch(shape, vocab_size)  # fake host tensors, as the controller sends them
         trainer = _ShapeOnlyTrainer(rank, world_size, spec)
         trainer.build(mesh, device)
+        _adam_state_in_place(trainer)
         teacher_model = trainer.teacher.model if trainer.teacher is not None else None
         teacher_bytes = _local_bytes(teacher_model.parameters()) if teacher_model is not None else 0
         tracker = FSDPMemTracker(trainer.model, trainer.optimizer)
@@ -547,11 +577,10 @@ def dry_run_rank(
                 tracker._update_and_maybe_create_winfos(local, kinds.TEACHER)
         _hidden_states_as_module_call(trainer.model)
         with tracker:
-            # The tracker refuses a second forward of the root (a next micro-batch or step)
-            # unless its per-module statistics are cleared; the peak it keeps is unaffected.
+            # The tracker refuses a second forward of the root (a next micro-batch) unless
+            # its per-module statistics are cleared; the peak it keeps is unaffected.
             trainer.model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
-            for _ in range(steps):
-                trainer.train(loss_fn, global_tokens, global_rows, [micro_batch] * shape.micro_batches, None)
+            trainer.train(loss_fn, global_tokens, global_rows, [micro_batch] * shape.micro_batches, None)
         parameters = list(trainer.model.parameters())
         optimizer_state = _local_bytes(
             value for state in trainer.optimizer.state.values() for value in state.values() if torch.is_tensor(value)

@@ -22,6 +22,8 @@ from opd.utils.errors import ConfigError
 SHAPES_DIR = Path(__file__).parent / "shapes"
 """One directory per shipped model, named as on the Hugging Face hub without the owner."""
 SHIPPED_OWNER = "Qwen"
+SHIPPED_TOKENIZER_SIZE = 151_669
+"""Tokens of the Qwen2.5 tokenizer (the models' 151,936 output rows include unused padding)."""
 
 
 def shipped_shapes() -> list[str]:
@@ -52,3 +54,20 @@ def model_config(path: str) -> PretrainedConfig:
         f"no config.json for model '{path}': give a local model directory, a tiny: preset, or one of the shapes "
         f"that ship with opd ({', '.join(shipped_shapes())})"
     )
+
+
+def tokenizer_size(path: str) -> int:
+    """Tokens of the tokenizer at ``path``: a tiny preset's, a local directory's, or a shipped shape's.
+
+    Raises:
+        ConfigError: as :func:`model_config`.
+    """
+    if is_tiny_path(path):
+        return len(build_tiny_tokenizer())
+    directory = Path(path).expanduser()
+    if directory.is_dir():
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(str(directory)))
+    model_config(path)  # a shipped shape, or the error naming the path
+    return SHIPPED_TOKENIZER_SIZE
