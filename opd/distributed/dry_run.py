@@ -274,13 +274,22 @@ def _gpu_attention_kernels() -> Iterator[None]:
         torch.nn.functional.scaled_dot_product_attention = original
 
 
-def _opd_caller() -> str:
-    """The innermost line of opd's own code on the stack (where a collective was called from)."""
+def _caller() -> str:
+    """Where a collective was called from: the innermost frame outside torch, and the innermost of opd's own."""
+    torch_root = Path(torch.__file__).resolve().parent
+    outside_torch = opd_frame = None
     for frame in reversed(traceback.extract_stack()):
         path = Path(frame.filename).resolve()
-        if path.is_relative_to(_OPD_ROOT) and path.name != Path(__file__).name:
-            return f"{path.relative_to(_OPD_ROOT.parent)}:{frame.lineno} in {frame.name}"
-    return "outside opd"
+        if path == Path(__file__).resolve() or path.is_relative_to(torch_root):
+            continue
+        where = f"{path.relative_to(_OPD_ROOT.parent) if path.is_relative_to(_OPD_ROOT) else path}:{frame.lineno} in {frame.name}"
+        outside_torch = outside_torch or where
+        if path.is_relative_to(_OPD_ROOT):
+            opd_frame = where
+            break
+    if outside_torch == opd_frame:
+        return outside_torch or "an unknown place"
+    return f"{outside_torch} (within {opd_frame})" if opd_frame else str(outside_torch)
 
 
 class _DeviceAudit(TorchDispatchMode):
@@ -302,7 +311,7 @@ class _DeviceAudit(TorchDispatchMode):
                         f"device audit: the collective {func} received a {tensor.dtype} tensor of shape "
                         f"{tuple(tensor.shape)} on '{tensor.device}', but the trainer computes on the accelerator "
                         f"('{self.device}' in this dry run, a GPU on a cluster); an NCCL process group has no CPU "
-                        f"backend, so this fails the first step on GPUs. Called from {_opd_caller()}"
+                        f"backend, so this fails the first step on GPUs. Called from {_caller()}"
                     )
         return func(*args, **kwargs)
 
