@@ -43,7 +43,7 @@ import contextlib
 import functools
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -267,7 +267,7 @@ def _gpu_attention(
 def _gpu_attention_kernels() -> Iterator[None]:
     """``torch.nn.functional.scaled_dot_product_attention`` is :func:`_gpu_attention` for the dry run."""
     original = torch.nn.functional.scaled_dot_product_attention
-    torch.nn.functional.scaled_dot_product_attention = _gpu_attention  # type: ignore[assignment]
+    torch.nn.functional.scaled_dot_product_attention = _gpu_attention
     try:
         yield
     finally:
@@ -282,7 +282,8 @@ def _caller() -> str:
         path = Path(frame.filename).resolve()
         if path == Path(__file__).resolve() or path.is_relative_to(torch_root):
             continue
-        where = f"{path.relative_to(_OPD_ROOT.parent) if path.is_relative_to(_OPD_ROOT) else path}:{frame.lineno} in {frame.name}"
+        shown = path.relative_to(_OPD_ROOT.parent) if path.is_relative_to(_OPD_ROOT) else path
+        where = f"{shown}:{frame.lineno} in {frame.name}"
         outside_torch = outside_torch or where
         if path.is_relative_to(_OPD_ROOT):
             opd_frame = where
@@ -343,11 +344,11 @@ def _tensors_from_data_via_host() -> Iterator[None]:
 
         return make
 
-    torch.tensor, torch.as_tensor = via_host(torch.tensor), via_host(torch.as_tensor)  # type: ignore[assignment]
+    torch.tensor, torch.as_tensor = via_host(torch.tensor), via_host(torch.as_tensor)
     try:
         yield
     finally:
-        torch.tensor, torch.as_tensor = originals  # type: ignore[assignment]
+        torch.tensor, torch.as_tensor = originals
 
 
 @contextlib.contextmanager
@@ -381,7 +382,7 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[Any]:
     backends = "cpu:fake" if device.type == "cpu" else f"cpu:fake,{device.type}:fake"
     dist.init_process_group(backends, store=FakeStore(), rank=rank, world_size=world_size)
     original = dist.all_gather_object
-    dist.all_gather_object = _symmetric_all_gather_object  # type: ignore[assignment]
+    dist.all_gather_object = _symmetric_all_gather_object
     try:
         yield init_device_mesh(device.type, (world_size,))
     finally:

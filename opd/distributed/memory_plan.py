@@ -181,6 +181,8 @@ def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] =
     student_path, teacher_path = config.model.student_model_path, resolve_teacher_path(config)
     student_config, teacher_config = model_config(student_path), model_config(teacher_path)
     vocab = tokenizer_size(config.model.tokenizer_path or student_path)
+    if config.data.max_prompt_length is None:
+        raise ConfigError("opd plan sizes each row as data.max_prompt_length + the response's max_length: set it")
     micro_batch_size, accumulation = resolve_micro_batching(config)
     # Two micro-batches when a rank gets several: the second runs beside the gradients
     # the first left, as every later one does (more add no memory).
@@ -268,6 +270,11 @@ def _gib(value: int) -> str:
     return f"{value / GIB:8.2f}"
 
 
+def _g(value: int) -> str:
+    """``value`` in GiB, two decimals, no padding."""
+    return f"{value / GIB:.2f}"
+
+
 def render_plan(plan: MemoryPlan) -> str:
     """The plan as plain-text tables: GiB per device, one column per dry run."""
     keys = list(plan.ranks)
@@ -281,7 +288,8 @@ def render_plan(plan: MemoryPlan) -> str:
         f"vocabulary {plan.vocab_size:,}",
         "ranks: "
         + (
-            f"all {plan.world_size} hold equal shards (every parameter's rows divide by {plan.world_size}); rank 0 shown"
+            f"all {plan.world_size} hold equal shards (every parameter's rows divide by {plan.world_size}); "
+            "rank 0 shown"
             if plan.ranks_equal
             else f"uneven shards: rank 0 and rank {plan.world_size - 1} shown"
         ),
@@ -304,9 +312,9 @@ def render_plan(plan: MemoryPlan) -> str:
     lines += [
         "",
         "teacher placements, weights per device (16 bits):",
-        f"  colocated, sharded over {plan.world_size}: {_gib(plan.teacher_whole_bytes // plan.world_size).strip()} GiB   "
-        f"colocated, whole: {_gib(plan.teacher_whole_bytes).strip()} GiB   "
-        f"pool replica (whole, one device): {_gib(plan.teacher_whole_bytes).strip()} GiB",
+        f"  colocated, sharded over {plan.world_size}: {_g(plan.teacher_whole_bytes // plan.world_size)} GiB   "
+        f"colocated, whole: {_g(plan.teacher_whole_bytes)} GiB   "
+        f"pool replica (whole, one device): {_g(plan.teacher_whole_bytes)} GiB",
         f"loss: fused chunks of {plan.loss_chunk_rows} positions × {plan.vocab_size:,} = "
         f"{plan.loss_chunk_bytes / 2**20:.0f} MiB of fp32 logits per chunk (in the peak above)",
         "",
@@ -314,7 +322,8 @@ def render_plan(plan: MemoryPlan) -> str:
     ]
     for device, by_key in plan.verdicts().items():
         verdict = ", ".join(
-            f"activation checkpointing {key}: {'fits' if fits else 'DOES NOT FIT'} ({_gib(plan.peak(key == 'on') + RUNTIME_RESERVE).strip()} GiB)"
+            f"activation checkpointing {key}: {'fits' if fits else 'DOES NOT FIT'} "
+            f"({_g(plan.peak(key == 'on') + RUNTIME_RESERVE)} GiB)"
             for key, fits in by_key.items()
         )
         lines.append(f"  {device:>6}: {verdict}")
@@ -323,9 +332,9 @@ def render_plan(plan: MemoryPlan) -> str:
         for label, budget in budgets.items():
             what = "trainer state kept on the device" if label == "kept" else "trainer state offloaded"
             lines.append(
-                f"  {device:>6}, {what:<33}: share {_gib(budget.share).strip()} − trainer {_gib(budget.trainer_resident).strip()} "
-                f"− weights {_gib(budget.weights).strip()} − activations {_gib(budget.activations).strip()} = "
-                f"KV {_gib(budget.kv_cache).strip()} GiB = {budget.kv_tokens:,} tokens = {budget.kv_sequences:,} sequences "
-                f"of {plan.prompt_tokens + plan.response_tokens}"
+                f"  {device:>6}, {what:<33}: share {_g(budget.share)} − trainer {_g(budget.trainer_resident)} "
+                f"− weights {_g(budget.weights)} − activations {_g(budget.activations)} = KV {_g(budget.kv_cache)} GiB "
+                f"= {budget.kv_tokens:,} tokens = {budget.kv_sequences:,} sequences of "
+                f"{plan.prompt_tokens + plan.response_tokens}"
             )
     return "\n".join(lines)

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from opd_test_helpers import REPO_ROOT, RunningServer
 
 from opd.cli import main as opd_main
-from opd_test_helpers import REPO_ROOT, RunningServer
 
 CONFIGS = REPO_ROOT / "examples" / "configs"
 ARITHMETIC = REPO_ROOT / "examples" / "data" / "arithmetic"
@@ -73,24 +73,38 @@ class Case:
 
 
 CASES = {
-    "distillation.yaml": Case("train", [*TINY_PAIR, *LOCAL_MATH_DATA, "data.data_format=math_cl",
-                                        "data.prompt_file=examples/prompts/math_think_answer.txt",
-                                        *ONE_STEP, *SHORT_ROLLOUTS]),
+    "distillation.yaml": Case(
+        "train",
+        [
+            *TINY_PAIR,
+            *LOCAL_MATH_DATA,
+            "data.data_format=math_cl",
+            "data.prompt_file=examples/prompts/math_think_answer.txt",
+            *ONE_STEP,
+            *SHORT_ROLLOUTS,
+        ],
+    ),
     "distillation_tiny.yaml": Case("train", [*ONE_STEP, *SHORT_ROLLOUTS]),
     "demo.yaml": Case("train", [*ONE_STEP, *SHORT_ROLLOUTS]),
     "distillation_math.yaml": Case("train", [*TINY_PAIR, *LOCAL_MATH_DATA, *ONE_STEP, *SHORT_ROLLOUTS]),
     "distillation_math_served.yaml": Case(
         "train",
-        ["model.student_model_path=tiny:student", *LOCAL_MATH_DATA, *ONE_STEP, *SHORT_ROLLOUTS,
-         "generation.backend=hf"],
+        [
+            "model.student_model_path=tiny:student",
+            *LOCAL_MATH_DATA,
+            *ONE_STEP,
+            *SHORT_ROLLOUTS,
+            "generation.backend=hf",
+        ],
         served=True,
     ),
     "context_demo.yaml": Case("train", [*ONE_STEP, *SHORT_ROLLOUTS]),
     "two_teachers_demo.yaml": Case("train", [*ONE_STEP, *SHORT_ROLLOUTS]),
     "sft.yaml": Case("sft", [*ONE_STEP, "training.batch_size=4"]),
     # prepare_models.py makes teacher_init before it runs this config; the demo teacher stands in.
-    "sft_arithmetic.yaml": Case("sft", ["model.model_path=examples/demo/models/teacher", *ONE_STEP,
-                                        "training.batch_size=4"]),
+    "sft_arithmetic.yaml": Case(
+        "sft", ["model.model_path=examples/demo/models/teacher", *ONE_STEP, "training.batch_size=4"]
+    ),
     "distillation_math_cluster.yaml": Case("plan", ["--json", "--quick"]),
     "generate_demo.yaml": Case("generate", ["data.max_train_examples=4", "generate.generate_strategy.max_length=12"]),
     "generate_math.yaml": Case(
@@ -112,8 +126,9 @@ def served_teacher(tmp_path_factory):
     from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
-    service = TeacherService(PromptScorer(build_tiny_model("teacher").eval(), len(tokenizer)), tokenizer,
-                             SERVED_MODEL, 128, 2048)
+    service = TeacherService(
+        PromptScorer(build_tiny_model("teacher").eval(), len(tokenizer)), tokenizer, SERVED_MODEL, 128, 2048
+    )
     running = RunningServer(service, api_key="shipped-config-key")
     yield running
     running.stop()
@@ -171,7 +186,11 @@ def run_plan(name: str, overrides: list[str]) -> dict:
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
         [sys.executable, "-m", "opd", "plan", "--config", str(CONFIGS / name), *overrides],
-        capture_output=True, text=True, timeout=600, env=environment, cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=environment,
+        cwd=REPO_ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
