@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from opd_test_helpers import REPO_ROOT
 from transformers import AutoModelForCausalLM
 
 from opd.cli import main as opd_main
 from opd.models.model_shapes import SHIPPED_TOKENIZER_SIZE, model_config, shipped_shapes, tokenizer_size
 from opd.models.tiny import save_tiny_pair
 from opd.utils.errors import ConfigError
-from opd_test_helpers import REPO_ROOT
 
 PARAMETERS = {
     "Qwen/Qwen2.5-0.5B-Instruct": 494_032_768,
