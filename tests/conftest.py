@@ -70,6 +70,8 @@ _SLOWEST_FILES = [
     "functional/test_run_lifecycle.py",
     "distributed/test_async_cluster.py",
     "distributed/test_cluster_teachers.py",
+    "distributed/test_sharded_teacher_pool.py",
+    "unit/test_hsdp.py",
     "unit/models/test_teacher_server.py",
     "unit/algorithms/test_sft.py",
     "distributed/test_worker_errors.py",

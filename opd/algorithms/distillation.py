@@ -24,6 +24,7 @@ and :mod:`opd.algorithms.distillation_config` holds the config.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from dataclasses import dataclass
@@ -38,11 +39,15 @@ from opd.algorithms.validation import validate
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import unique_responses_per_prompt
 from opd.models.interfaces import (
+    Done,
     GenerationInterface,
     LossFunction,
+    MicroBatchScorer,
+    Pending,
     PolicyInterface,
     TeacherInterface,
     TeacherSignal,
+    TimedPending,
 )
 from opd.utils.checkpoint import CheckpointManager
 from opd.utils.logger import Logger
@@ -92,16 +97,18 @@ def distillation_step(
         scheduled = state.schedule.next_batch(next_examples, state.policy_version)
         request = loss_fn.teacher_request
 
-        def teacher_signal(micro_batch: BatchedDataDict) -> TeacherSignal:
+        def submit(micro_batch: BatchedDataDict) -> Pending[TeacherSignal]:
             if scheduled.teacher_signal is not None:  # scored ahead, while an earlier step trained
-                return signal_rows(scheduled.teacher_signal, micro_batch)
+                return Done(signal_rows(scheduled.teacher_signal, micro_batch))
             assert request is not None  # passed to the trainer only when the loss asks for one
+            # Starting and waiting both count as teacher time (a trainer may start all micro-batches first).
             with timer.time("teacher"):
-                return teacher_policy.score(micro_batch, request)
+                pending = teacher_policy.score_async(micro_batch, request)
+            return TimedPending(pending, functools.partial(timer.time, "teacher"))
 
         with timer.time("training"):
             train_metrics = student_policy.train(
-                scheduled.batch, loss_fn, teacher_signal if request is not None else None
+                scheduled.batch, loss_fn, MicroBatchScorer(submit) if request is not None else None
             )
         train_metrics = loss_fn.finish_metrics(train_metrics)
         state.policy_version += 1
@@ -139,6 +146,10 @@ def step_metrics(
     ``timing/sync_rollout_weights`` (the weight sync to the rollout engine), and for
     on-policy steps ``train/staleness_mean`` / ``train/staleness_max`` (the policy-version
     lag of the step's samples).
+
+    A step whose weight sync went to engines in other processes (rollout workers) also logs
+    ``refit/bytes`` (one copy of the weights, in the engines' dtype) and
+    ``refit/bytes_delivered`` (what the engines received, one copy per worker).
     """
     batch = scheduled.batch
     metrics: dict[str, Any] = {f"train/{key}": value for key, value in train_metrics.items()}
@@ -166,6 +177,7 @@ def step_metrics(
     known = {"step", "training", "teacher", "generation", "refit", "wait_prev_gen", "wait_prev_teacher"}
     for phase in sorted(set(seconds) - known - {"sync_rollout_weights"}):
         metrics[f"timing/{phase}"] = seconds[phase]
+    metrics.update(scheduled.refit_metrics)  # the bytes the step's weight sync moved
     metrics["timing/training"] = seconds["training"] - seconds.get("teacher", 0.0) - seconds.get("dispatch", 0.0)
     metrics["timing/step"] = seconds["step"]
     metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / seconds["step"]

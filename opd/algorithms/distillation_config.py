@@ -467,6 +467,11 @@ def _cluster_problem(config: MasterConfig) -> str | None:
         return None
     if config.model.active_lora() is not None:
         return "model.lora: LoRA students train in one process; remove the cluster section or model.lora"
+    if cluster.trainer.offload_during_generation and cluster.placement != "colocated":
+        return (
+            "cluster.trainer.offload_during_generation frees the trainer's devices for the rollout engines, which "
+            "share them only with cluster.placement = colocated; set it, or switch the offload off"
+        )
     one_local_teacher = config.teachers is None and config.teacher.backend == "local"  # teachers: are checked above
     in_workers = one_local_teacher and cluster.teacher.placement == "colocated"
     if in_workers and config.distillation.teacher_context_spec() is not None:

@@ -575,6 +575,7 @@ def build_on_cluster(
         stop_ids=tuple(config.generation.stop_token_ids) if config.generation.stop_token_ids else None,
         vllm=config.generation.vllm if config.generation.backend == "vllm" else None,
         seed=config.training.seed,
+        checkpoint_dir=config.checkpointing.checkpoint_dir if config.checkpointing.enabled else None,
     )
     policy, on_cluster, generation = build_cluster_backends(config.cluster, request)
     if config.teachers is None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -80,6 +80,8 @@ class ScheduledBatch:
         teacher_signal: the whole batch's teacher signal when it was scored ahead, else
             None (the trainer then scores each micro-batch itself).
         seconds: the time the controller spent on this step's inputs, by phase.
+        refit_metrics: what the step's weight syncs moved (``refit/bytes``,
+            ``refit/bytes_delivered``, summed over the step's syncs); empty without one.
     """
 
     batch: BatchedDataDict
@@ -89,6 +91,7 @@ class ScheduledBatch:
     staleness: int | None
     teacher_signal: TeacherSignal | None
     seconds: dict[str, float]
+    refit_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -144,6 +147,8 @@ class RolloutSchedule:
         self.queue: deque[_Slot] = deque()
         self.rollout_version: int | None = None
         """The policy version the engine's weights are (None: not known, refit before sampling)."""
+        self.refit_metrics: dict[str, float] = {}
+        """What the weight syncs timed for the step being prepared moved (handed to its :class:`ScheduledBatch`)."""
 
     @property
     def asynchronous(self) -> bool:
@@ -192,11 +197,13 @@ class RolloutSchedule:
         if not self.generation.needs_refit or self.rollout_version == version:
             return
         start = time.perf_counter()
-        self.generation.refit(self.policy)
+        moved = self.generation.refit(self.policy)
         self.rollout_version = version
         if seconds is not None:
             key = "sync_rollout_weights" if self.asynchronous else "refit"
             seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
+            for name, value in moved.items():
+                self.refit_metrics[name] = self.refit_metrics.get(name, 0.0) + value
 
     def refresh_for_validation(self, version: int) -> None:
         """Before validation samples: rollouts in flight finish (and are kept), then the engine gets ``version``."""
@@ -270,8 +277,16 @@ class RolloutSchedule:
             batch["staleness"] = torch.full((batch.size,), staleness, dtype=torch.long)
         if teacher_signal is not None:
             batch["sample_index"] = torch.arange(batch.size)  # micro-batches find their rows of the signal
+        refit_metrics, self.refit_metrics = self.refit_metrics, {}
         return ScheduledBatch(
-            batch, slot.examples, slot.on_policy, slot.sampled_version, staleness, teacher_signal, seconds
+            batch,
+            slot.examples,
+            slot.on_policy,
+            slot.sampled_version,
+            staleness,
+            teacher_signal,
+            seconds,
+            refit_metrics,
         )
 
     def _drain(self) -> None:

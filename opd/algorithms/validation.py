@@ -6,6 +6,8 @@ only). Answers are checked with :mod:`opd.environments.math_verifier`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from typing import Any, Literal
 
@@ -24,11 +26,15 @@ from opd.models.interfaces import (
     GenerationInterface,
     PolicyInterface,
     SeveralTeachersSignal,
+    SingleTeacherSignal,
+    TeacherComparison,
     TeacherInterface,
     TeacherRequest,
+    TeacherSignal,
     TopKLogprobs,
     TopKRequest,
 )
+from opd.models.lm_head import LMHeadInput, default_chunk_rows
 from opd.utils.config import StrictConfig
 
 log = logging.getLogger(__name__)
@@ -87,6 +93,14 @@ def validate(
     """
     vocab_size = len(tokenizer)
     request = None if teacher is None else kl_request(teacher, loss_request, vocab_size, teacher_topk)
+    comparison = None if request is None else ValidationKL(request, vocab_size)
+    if comparison is not None and policy is None:
+        raise ValueError("validate needs the student policy to compare with the teacher")
+    teacher_signal = (
+        None
+        if comparison is None or teacher is None
+        else functools.partial(_one_answer, teacher, comparison.teacher_request)
+    )
     totals = {"kl_forward": 0.0, "kl_reverse": 0.0, "tokens": 0.0, "length": 0.0, "truncated": 0.0}
     correct, graded, rows = 0, 0, 0
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -99,14 +113,14 @@ def validate(
                 )
             finally:
                 generation.finish_generation()
-            if teacher is not None and request is not None:
-                if policy is None:
-                    raise ValueError("validate needs the student policy to compare with the teacher")
+            if comparison is not None and teacher_signal is not None and policy is not None:
                 attach_teacher_fields(batch, examples, 1)
-                kl_forward, kl_reverse, tokens = _kl_to_teacher(batch, policy, teacher, request, vocab_size)
-                totals["kl_forward"] += kl_forward
-                totals["kl_reverse"] += kl_reverse
-                totals["tokens"] += tokens
+                batch["token_mask"] = build_token_mask(
+                    batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1], True
+                )
+                sums = policy.compare_with_teacher(batch, comparison, teacher_signal)
+                for key in ("kl_forward", "kl_reverse", "tokens"):
+                    totals[key] += sums[key]
             totals["length"] += float(batch["response_lengths"].sum())
             totals["truncated"] += float(batch["truncated"].sum())
             rows += batch.size
@@ -123,7 +137,7 @@ def validate(
         f"{prefix}mean_response_length": totals["length"] / max(rows, 1),
         f"{prefix}truncation_rate": totals["truncated"] / max(rows, 1),
     }
-    if request is not None:
+    if comparison is not None:
         tokens = max(totals["tokens"], 1.0)
         metrics[f"{prefix}kl_forward"] = totals["kl_forward"] / tokens
         metrics[f"{prefix}kl_reverse"] = totals["kl_reverse"] / tokens
@@ -161,36 +175,92 @@ def kl_request(
     return None
 
 
-def _kl_to_teacher(
-    batch: BatchedDataDict, policy: PolicyInterface, teacher: TeacherInterface, request: TeacherRequest, vocab_size: int
-) -> tuple[float, float, float]:
-    """Forward and reverse KL summed over the batch's response tokens, and their count."""
-    batch["token_mask"] = build_token_mask(
-        batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1], True
-    )
-    answer = teacher.score(batch, request)
-    if isinstance(answer, SeveralTeachersSignal):  # each row's teacher (routing), or the mixture
-        answer = answer.combined()
-    student_logits = policy.get_logits(batch)
-    device = student_logits.device
-    mask = shift_token_mask(batch["token_mask"]).bool().to(device)
-    with torch.inference_mode():
-        student_rows = student_logits[:, :-1][..., :vocab_size][mask]
-        sums = []
-        for direction in ("forward", "reverse"):
-            if isinstance(answer, tuple):
-                top_logprobs, top_ids = answer
-                # A teacher that knows its full distribution sends the rest mass (exact); else None.
-                rest = answer.rest_logprobs if isinstance(answer, TopKLogprobs) else None
-                kl = topk_token_kl(
-                    student_rows,
-                    top_logprobs[:, :-1].to(device)[mask],
-                    top_ids[:, :-1].to(device)[mask],
-                    direction,
-                    teacher_rest_logprobs=None if rest is None else rest[:, :-1].to(device)[mask],
-                )
-            else:
-                assert isinstance(answer, torch.Tensor)  # full-vocabulary logits were asked for
-                kl = token_kl(student_rows, answer[..., :vocab_size][:, :-1].to(device)[mask], direction)
-            sums.append(float(kl.sum()))
-    return sums[0], sums[1], float(mask.sum())
+class ValidationKL(TeacherComparison):
+    """Forward and reverse token KL to the teacher, summed over the response tokens, with their count.
+
+    Called by the policy on each micro-batch where the student's final hidden states are
+    (:meth:`~opd.models.interfaces.PolicyInterface.compare_with_teacher`): the student's
+    logits (and, from hidden states, the teacher's) are made chunk by chunk over the
+    response tokens, so no ``[tokens × vocab]`` tensor exists beyond one chunk, and only
+    the three sums leave. The divergences are :func:`token_kl` (full vocabulary) and
+    :func:`topk_token_kl` (the k + 1 classes of a top-k answer), at temperature 1.
+
+    Args:
+        teacher_request: the signal asked of the teacher (:func:`kl_request`); a
+            full-vocabulary request asks for hidden states and head where the teacher has them.
+        vocab_size: only the first ``vocab_size`` outputs of either head are tokens.
+        chunk_rows: positions per chunk; None picks :func:`default_chunk_rows`.
+    """
+
+    def __init__(self, teacher_request: TeacherRequest, vocab_size: int, chunk_rows: int | None = None) -> None:
+        if isinstance(teacher_request, FullVocabRequest):
+            teacher_request = FullVocabRequest(prefer_hidden_states=True)
+        self.teacher_request = teacher_request
+        self.vocab_size = vocab_size
+        self.chunk_rows = chunk_rows or default_chunk_rows(vocab_size)
+
+    def __call__(self, student: LMHeadInput, teacher_output: TeacherSignal, data: BatchedDataDict) -> dict[str, float]:
+        """``{"kl_forward", "kl_reverse", "tokens"}`` over ``data``'s response tokens."""
+        if isinstance(teacher_output, SeveralTeachersSignal):  # each row's teacher (routing), or the mixture
+            teacher_output = teacher_output.combined()
+        device = student.hidden_states.device
+        # Logits at position t predict token t + 1 (shifted once, here).
+        mask = shift_token_mask(data["token_mask"]).bool().to(device)
+        student_rows = _head_over(student, student.hidden_states[:, :-1][mask], self.vocab_size)
+        teacher_rows = _teacher_rows(teacher_output, mask, self.vocab_size)
+        sums = {"kl_forward": 0.0, "kl_reverse": 0.0, "tokens": float(mask.sum())}
+        with torch.no_grad():
+            for begin in range(0, student_rows.hidden_states.shape[0], self.chunk_rows):
+                rows = slice(begin, begin + self.chunk_rows)
+                student_logits = student_rows.logits(rows)
+                for direction in ("forward", "reverse"):
+                    if isinstance(teacher_rows, tuple):
+                        logprobs, ids, rest = teacher_rows
+                        kl = topk_token_kl(
+                            student_logits,
+                            logprobs[rows],
+                            ids[rows],
+                            direction,
+                            teacher_rest_logprobs=None if rest is None else rest[rows],
+                        )
+                    else:
+                        teacher_logits = (
+                            teacher_rows.logits(rows) if isinstance(teacher_rows, LMHeadInput) else teacher_rows[rows]
+                        )
+                        kl = token_kl(student_logits, teacher_logits, direction)
+                    sums[f"kl_{direction}"] += float(kl.sum(dtype=torch.float64))
+        return sums
+
+
+def _head_over(head: LMHeadInput, hidden_rows: torch.Tensor, vocab_size: int) -> LMHeadInput:
+    """``head`` over the selected positions' hidden states, cut to the first ``vocab_size`` outputs."""
+    vocab = vocab_size if head.vocab_size is None else min(head.vocab_size, vocab_size)
+    return dataclasses.replace(head, hidden_states=hidden_rows, vocab_size=vocab)
+
+
+def _teacher_rows(
+    answer: SingleTeacherSignal, mask: torch.Tensor, vocab_size: int
+) -> LMHeadInput | torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The teacher's answer at the selected logit positions: a head over them, ``[N, V]`` logits,
+    or the top-k ``(log-probs [N, k], ids [N, k], rest log-probs [N] or None)``."""
+    device = mask.device
+    if isinstance(answer, LMHeadInput):
+        return _head_over(answer, answer.hidden_states[:, :-1].to(device)[mask], vocab_size)
+    if isinstance(answer, tuple):
+        top_logprobs, top_ids = answer
+        # A teacher that knows its full distribution sends the rest mass (exact); else None.
+        rest = answer.rest_logprobs if isinstance(answer, TopKLogprobs) else None
+        return (
+            top_logprobs[:, :-1].to(device)[mask],
+            top_ids[:, :-1].to(device)[mask],
+            None if rest is None else rest[:, :-1].to(device)[mask],
+        )
+    if not isinstance(answer, torch.Tensor) or answer.dim() != 3:
+        raise TypeError(f"validation's KL needs the teacher's logits, hidden states or top-k, got {type(answer)}")
+    return answer[:, :-1].to(device)[mask][..., :vocab_size]
+
+
+def _one_answer(teacher: TeacherInterface, request: TeacherRequest, data: BatchedDataDict) -> SingleTeacherSignal:
+    """The teacher's answer for a micro-batch; several teachers' as one (each row's teacher, or the mixture)."""
+    answer = teacher.score(data, request)
+    return answer.combined() if isinstance(answer, SeveralTeachersSignal) else answer

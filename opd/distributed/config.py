@@ -4,12 +4,14 @@ Without a ``cluster:`` section a run stays in one process (the embedded default,
 With one, the same driver talks to Ray worker groups:
 
 * **trainer** — ``trainer.workers`` FSDP2 ranks that hold the student, sharded
-  data-parallel over the global batch (NCCL on GPUs, gloo on CPUs);
+  data-parallel over the global batch (NCCL on GPUs, gloo on CPUs), over all ranks or,
+  with ``trainer.shard_group_size``, within groups and replicated across them (HSDP);
 * **rollout** — ``rollout.workers`` engines that sample from the student and are refit
   from the trainer after each update;
 * **teacher** — ``colocated``: a frozen, sharded copy in every trainer worker (the exact
-  full-vocabulary loss stays available), or ``pool``: ``teacher.workers`` replicas of their
-  own that answer top-k or token log-prob requests. A served teacher
+  full-vocabulary loss stays available), or ``pool``: ``teacher.workers`` workers of their
+  own that answer top-k or token log-prob requests, each a whole replica or, with
+  ``teacher.shards_per_replica``, one FSDP2 shard of a replica. A served teacher
   (``teacher.backend: remote`` at the top level) needs no workers.
 
 ``placement`` maps the roles to resource pools: ``colocated`` puts the rollout engines and
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from opd.utils.config import StrictConfig
 
@@ -42,6 +44,30 @@ class TrainerPoolConfig(StrictConfig):
         "its activations there (about one more forward of compute, activations of one layer at a time instead of "
         "all of them; `opd plan` shows both); false: keep every layer's activations",
     )
+    shard_group_size: int | None = Field(
+        None,
+        ge=1,
+        description="null: shard the student over all trainer workers (FSDP2); k: HSDP, shard within groups of k "
+        "workers (e.g. the GPUs of one node) and replicate across the groups, so that the all-gathers of each "
+        "forward stay inside a group and only the gradients cross groups (an all-reduce); workers must be a "
+        "multiple of k",
+    )
+
+    @model_validator(mode="after")
+    def _groups_divide_the_workers(self) -> TrainerPoolConfig:
+        if self.shard_group_size is not None and self.workers % self.shard_group_size:
+            raise ValueError(
+                f"cluster.trainer.workers = {self.workers} is not a multiple of cluster.trainer.shard_group_size = "
+                f"{self.shard_group_size}: HSDP replicates the student over equal groups of shard_group_size workers"
+            )
+        return self
+
+    offload_during_generation: bool = Field(
+        False,
+        description="colocated rollouts: move each trainer rank's optimizer state and colocated teacher to host "
+        "memory while the rollout engines generate on its GPU, and back before the update (the sync scheduler "
+        "only; nothing moves on CPU workers)",
+    )
 
 
 class RolloutPoolConfig(StrictConfig):
@@ -50,6 +76,15 @@ class RolloutPoolConfig(StrictConfig):
     workers: int = Field(1, ge=1, description="rollout engines; each prompt's samples stay on one engine")
     refit_bucket_mb: float = Field(
         256.0, gt=0, description="the trainer sends new weights to the engines in buckets of this many MiB"
+    )
+    refit_transport: Literal["auto", "object_store", "broadcast", "cuda_ipc"] = Field(
+        "auto",
+        description="how new weights reach the engines, cast to the engines' dtype before the gather: "
+        "object_store: trainer rank 0 puts each bucket in Ray's object store (the CPU path); broadcast: rank 0 "
+        "broadcasts each bucket over a process group of its own with the rollout workers (NCCL on GPUs, gloo on "
+        "CPUs); cuda_ipc: each engine maps the bucket gathered on its own GPU by the trainer rank beside it "
+        "(colocated placement on GPUs only); auto: cuda_ipc colocated on GPUs, broadcast split on GPUs, "
+        "object_store on CPUs",
     )
 
 
@@ -61,13 +96,32 @@ class TeacherPoolConfig(StrictConfig):
         description="colocated: a sharded frozen copy in each trainer worker (any loss, exact full vocabulary); "
         "pool: replicas of their own that send top-k or token log-probs",
     )
-    workers: int = Field(1, ge=1, description="teacher replicas when placement is pool")
+    workers: int = Field(
+        1, ge=1, description="teacher workers when placement is pool: workers / shards_per_replica replicas"
+    )
+    shards_per_replica: int = Field(
+        1,
+        ge=1,
+        description="placement pool: 1 = every worker holds the whole teacher; n = each replica is n workers "
+        "holding one teacher sharded with FSDP2 (forward only, each layer gathered for each forward), for a "
+        "teacher larger than one device; the n workers score a share of the rows each; workers must be a "
+        "multiple of n",
+    )
     sharded: bool = Field(
         True,
         description="colocated teacher: true shards it over the trainer workers with FSDP2 (each forward gathers "
         "its layers); false keeps a whole copy in every trainer worker (no communication, the whole teacher's "
         "memory on every device)",
     )
+
+    @model_validator(mode="after")
+    def _shards_divide_the_workers(self) -> TeacherPoolConfig:
+        if self.placement == "pool" and self.workers % self.shards_per_replica:
+            raise ValueError(
+                f"cluster.teacher.workers = {self.workers} is not a multiple of cluster.teacher.shards_per_replica "
+                f"= {self.shards_per_replica}: every replica is shards_per_replica workers"
+            )
+        return self
 
 
 class ClusterConfig(StrictConfig):
@@ -94,6 +148,43 @@ class ClusterConfig(StrictConfig):
     trainer: TrainerPoolConfig = Field(default_factory=TrainerPoolConfig)
     rollout: RolloutPoolConfig = Field(default_factory=RolloutPoolConfig)
     teacher: TeacherPoolConfig = Field(default_factory=TeacherPoolConfig)
+
+    @model_validator(mode="after")
+    def _sharded_replicas_on_devices_of_their_own(self) -> ClusterConfig:
+        # Colocated, teacher worker r shares trainer bundle r mod trainer.workers: a replica's
+        # shards sit on distinct devices only if there are as many bundles (NCCL needs that).
+        shards = self.teacher.shards_per_replica
+        in_pool = self.teacher.placement == "pool"
+        if in_pool and self.placement == "colocated" and self.gpus_per_worker and shards > self.trainer.workers:
+            raise ValueError(
+                f"cluster.teacher.shards_per_replica = {shards} with cluster.placement = colocated needs as many "
+                f"trainer GPUs to share (cluster.trainer.workers = {self.trainer.workers}): each shard of a replica "
+                "needs a GPU of its own; use cluster.placement = split or fewer shards"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _refit_transport_fits(self) -> ClusterConfig:
+        if self.rollout.refit_transport == "cuda_ipc":
+            if not self.gpus_per_worker:
+                raise ValueError(
+                    "cluster.rollout.refit_transport = cuda_ipc needs GPUs (cluster.gpus_per_worker = 1); "
+                    "CPU workers refit through object_store or broadcast"
+                )
+            if self.placement != "colocated":
+                raise ValueError(
+                    "cluster.rollout.refit_transport = cuda_ipc needs cluster.placement = colocated (each engine "
+                    "maps memory on its own GPU, so a trainer rank must share it); split pools use broadcast"
+                )
+        return self
+
+    def resolved_refit_transport(self) -> str:
+        """How the rollout workers are refit (``auto`` resolved: see ``rollout.refit_transport``)."""
+        if self.rollout.refit_transport != "auto":
+            return self.rollout.refit_transport
+        if not self.gpus_per_worker:
+            return "object_store"
+        return "cuda_ipc" if self.placement == "colocated" else "broadcast"
 
     def resolved_backend(self) -> str:
         """The torch.distributed backend the trainer uses."""

@@ -8,8 +8,9 @@ the configured loss over a micro-batch of the configured shape, forward, backwar
 gradient reduction and optimizer step. Nothing is computed and nothing is allocated:
 
 * every tensor is a ``FakeTensor`` (shape, dtype and device, no data), so a 32B teacher
-  costs nothing; the models are built from their ``config.json`` on the meta device and
-  given fake storage on the compute device (:func:`opd.models.model_shapes.model_config`);
+  costs nothing; the models are built from their ``config.json`` on the meta device,
+  sharded, and given fake storage on the compute device, as the trainer's sharded loading
+  does before it reads the weights (:func:`opd.models.model_shapes.model_config`);
 * the process group is ``torch.distributed``'s fake one (every collective returns at
   once), so rank ``r`` of ``N`` runs alone in this process;
 * the compute device is a stand-in accelerator, ``fakegpu``: PyTorch's ``privateuseone``
@@ -393,17 +394,42 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[Any]:
 # ---------------------------------------------------------------------------- the trainer on fake tensors
 
 
-class _ShapeOnlyTrainer(TrainerWorker):
-    """The real trainer, except that a model is built from its config with fake storage instead of loaded."""
+def _skeleton(path: str, dtype: torch.dtype) -> Any:
+    """The model at ``path`` built from its config alone, every tensor on the meta device."""
+    config = model_config(path)
+    with unset_fake_temporarily(), torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
-    def _load_model(self, path: str, dtype: torch.dtype) -> Any:
-        config = model_config(path)
-        with unset_fake_temporarily(), torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        model.to_empty(device=self.device)  # fake storage: the surrounding FakeTensorMode allocates nothing
+
+@contextlib.contextmanager
+def _models_from_their_configs() -> Iterator[None]:
+    """The trainer's model loading with the weights left out: each model is built from its config.
+
+    :func:`~opd.distributed.sharded_loading.load_sharded` builds a model on the meta
+    device, shards it and gives each rank storage for its shards, then reads its rows from
+    the weight files; here the last step is skipped, and the storage is fake. A whole
+    model (a teacher with ``cluster.teacher.sharded: false``) gets fake storage whole.
+    """
+    from opd.distributed import trainer_worker
+
+    def sharded(path: str, dtype: torch.dtype, device: torch.device, loading: Any, shard: Any) -> Any:
+        model = shard(_skeleton(path, dtype))
+        model.to_empty(device=device)
+        return model
+
+    def whole(path: str, dtype: torch.dtype, device: torch.device, config: Any, device_map: str | None = None) -> Any:
+        model = _skeleton(path, dtype)
+        model.to_empty(device=device)
         if getattr(model.config, "tie_word_embeddings", False):
             model.tie_weights()  # to_empty gave the tied head a tensor of its own
         return model
+
+    originals = trainer_worker.load_sharded, trainer_worker.load_causal_lm
+    trainer_worker.load_sharded, trainer_worker.load_causal_lm = sharded, whole
+    try:
+        yield
+    finally:
+        trainer_worker.load_sharded, trainer_worker.load_causal_lm = originals
 
 
 def _hidden_states_as_module_call(model: Any) -> None:
@@ -569,11 +595,12 @@ def dry_run_rank(
         _tensors_from_data_via_host(),
         _gpu_attention_kernels(),
         _sharding_metadata_apart(),
+        _models_from_their_configs(),
         _DataDependentStandIns(shape.response_tokens),
         audit,
     ):
         micro_batch = _micro_batch(shape, vocab_size)  # fake host tensors, as the controller sends them
-        trainer = _ShapeOnlyTrainer(rank, world_size, spec)
+        trainer = TrainerWorker(rank, world_size, spec)
         trainer.build(mesh, device)
         _adam_state_in_place(trainer)
         teacher_model = trainer.teacher.model if trainer.teacher is not None else None

@@ -6,7 +6,9 @@ and sets what distillation needs:
 
 * gradients are **summed** over the ranks, not averaged: every rank's loss is already
   its share of the global-batch loss (normalised by the tokens of the whole batch), so
-  the sum is the gradient of one process over the whole batch;
+  the sum is the gradient of one process over the whole batch. On the 2-D HSDP mesh of
+  :func:`init_process_group` (``shard_group_size``) that holds for both steps: the
+  reduce-scatter within a shard group and the all-reduce across the groups are sums;
 * with a 16-bit ``model.dtype`` the student keeps fp32 master weights, Adam moments and
   gradient reductions, and computes in 16 bits (FSDP2's mixed precision, as NeMo-RL and
   verl train): an update far below bf16's resolution (a learning rate of 1e-6) is not
@@ -32,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import PreTrainedModel
 
 from opd.distributed.refit_buckets import in_buckets
@@ -43,19 +45,46 @@ HIDDEN_STATES_METHOD = "opd_hidden_states"
 
 
 def init_process_group(
-    rank: int, world_size: int, master_addr: str, master_port: int, backend: str, timeout_s: float
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    backend: str,
+    timeout_s: float,
+    shard_group_size: int | None = None,
 ) -> DeviceMesh:
-    """Joins the trainer's process group and returns its 1-D device mesh.
+    """Joins a process group of ``world_size`` ranks and returns the device mesh to shard over.
+
+    With ``shard_group_size`` None (or equal to the world size) the mesh is 1-D: plain
+    FSDP2, every tensor split over all ranks. With ``k`` smaller than the world it is
+    the 2-D HSDP mesh ``("replicate", "shard")`` of ``world_size // k`` groups of ``k``
+    consecutive ranks: ``fully_shard`` splits each tensor within a group and keeps one
+    copy per group, so the per-layer all-gathers stay inside a group (a node, when
+    ``k`` is its device count) and only the gradients cross groups.
 
     ``timeout_s`` bounds every collective: a rank whose peer died fails instead of waiting forever.
+
+    Raises:
+        ValueError: ``shard_group_size`` does not divide ``world_size``.
     """
+    if shard_group_size is not None and world_size % shard_group_size:
+        raise ValueError(f"shard_group_size {shard_group_size} does not divide the world size {world_size}")
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
     device_type = "cuda" if backend == "nccl" else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-    return init_device_mesh(device_type, (world_size,))
+    return device_mesh(device_type, world_size, shard_group_size)
+
+
+def device_mesh(device_type: str, world_size: int, shard_group_size: int | None = None) -> DeviceMesh:
+    """The 1-D FSDP mesh, or the 2-D ``("replicate", "shard")`` HSDP mesh (see :func:`init_process_group`)."""
+    if shard_group_size is None or shard_group_size == world_size:
+        return init_device_mesh(device_type, (world_size,))
+    return init_device_mesh(
+        device_type, (world_size // shard_group_size, shard_group_size), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def _hidden_states(
@@ -136,8 +165,15 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor() if full_tensor is not None else tensor
 
 
-def whole_state_dict_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def whole_state_dict_buckets(
+    model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The model's state dict, whole, in buckets of about ``bucket_bytes``, one all-gather per bucket.
+
+    With ``dtype`` every floating-point tensor is cast to it *before* the gather, shard by
+    shard as its bucket fills (a refit sends the engine's dtype: bf16 moves half the
+    bytes of the fp32 master weights through the collective and everything after it);
+    ``bucket_bytes`` then counts bytes in ``dtype``. None keeps each tensor's own dtype.
 
     Entries come in the state dict's order; a tensor held under two names (a head tied
     to the embedding) comes once, under its first name, as a Hugging Face model
@@ -147,7 +183,11 @@ def whole_state_dict_buckets(model: torch.nn.Module, bucket_bytes: int) -> Itera
     what the caller keeps. A bucket holds at least one tensor (a tensor larger than
     ``bucket_bytes`` is a bucket of its own). Every rank must iterate to the end.
     """
-    for bucket in in_buckets(_unique_state_dict(model), bucket_bytes):
+    entries = _unique_state_dict(model)
+    if dtype is not None:
+        # Lazily: only the shards of the bucket being filled exist in both dtypes at once.
+        entries = ((name, tensor.to(dtype) if tensor.is_floating_point() else tensor) for name, tensor in entries)
+    for bucket in in_buckets(entries, bucket_bytes):
         yield _gather_bucket(bucket)
 
 
@@ -162,9 +202,20 @@ def _unique_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
         yield name, tensor.detach()
 
 
-def _is_row_sharded(tensor: DTensor) -> bool:
-    """Split along its first dimension over a 1-D mesh, as ``fully_shard`` places parameters."""
-    return tensor.device_mesh.ndim == 1 and tensor.dim() > 0 and tuple(tensor.placements) == (Shard(0),)
+def _row_shard_dim(tensor: DTensor) -> int | None:
+    """The mesh dimension over which ``tensor``'s rows are split, as ``fully_shard`` places parameters.
+
+    ``(Shard(0),)`` on a 1-D mesh (FSDP), ``(Replicate(), Shard(0))`` on the 2-D HSDP
+    mesh: rows split over one mesh dimension and whole copies over any other. None for
+    any other placement (made whole by DTensor itself).
+    """
+    if tensor.dim() == 0:
+        return None
+    placements = tuple(tensor.placements)
+    sharded = [dim for dim, placement in enumerate(placements) if placement != Replicate()]
+    if len(sharded) != 1 or placements[sharded[0]] != Shard(0):
+        return None
+    return sharded[0]
 
 
 def _gather_bucket(entries: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -173,32 +224,48 @@ def _gather_bucket(entries: list[tuple[str, torch.Tensor]]) -> list[tuple[str, t
     ``fully_shard`` splits a tensor of ``n`` rows as ``torch.chunk`` does: ranks hold
     ``ceil(n / world)`` rows each, the last ones fewer or none. Each rank pads its rows
     to that count, so every rank sends a buffer of the same size, and the rows past
-    ``n`` are cut off after the gather. Any other tensor (replicated, or placed
+    ``n`` are cut off after the gather. On the HSDP mesh the gather runs within each
+    shard group only: a group holds every row once, so no byte crosses groups (nodes),
+    and the groups gather at the same time. Any other tensor (replicated, or placed
     otherwise) is made whole on its own.
     """
-    sharded = [(name, tensor) for name, tensor in entries if isinstance(tensor, DTensor) and _is_row_sharded(tensor)]
+    sharded = [
+        (name, tensor, dim)
+        for name, tensor in entries
+        if isinstance(tensor, DTensor) and (dim := _row_shard_dim(tensor)) is not None
+    ]
     gathered: dict[str, torch.Tensor] = {}
-    if sharded:
-        mesh = sharded[0][1].device_mesh
-        world, group = mesh.size(), mesh.get_group()
-        pieces, layout = [], []
-        for name, tensor in sharded:
-            rows = -(-tensor.shape[0] // world)
-            local = tensor.to_local()
-            padded = local.new_zeros((rows, *tensor.shape[1:]))
-            padded[: local.shape[0]] = local
-            pieces.append(padded.reshape(-1).view(torch.uint8))
-            layout.append((name, tensor, rows, pieces[-1].numel()))
-        flat = torch.cat(pieces)
-        out = flat.new_empty(world * flat.numel())  # the concatenated form: gloo takes no other
-        dist.all_gather_single(out, flat, group=group)
-        out = out.view(world, flat.numel())
-        offset = 0
-        for name, tensor, rows, width in layout:
-            # Copies, so that every tensor owns its storage: a view would carry the whole
-            # buffer with it when pickled (into Ray's object store, for one).
-            block = out[:, offset : offset + width].clone().view(tensor.dtype)
-            block = block.reshape(world * rows, *tensor.shape[1:])
-            gathered[name] = block if block.shape[0] == tensor.shape[0] else block[: tensor.shape[0]].clone()
-            offset += width
+    by_group: dict[tuple[int, int], list[tuple[str, DTensor, int]]] = {}
+    for name, tensor, dim in sharded:  # one mesh in practice (one model); keyed so that any mix stays right
+        by_group.setdefault((id(tensor.device_mesh), dim), []).append((name, tensor, dim))
+    for members in by_group.values():
+        gathered.update(_gather_rows(members))
     return [(name, gathered[name] if name in gathered else whole(tensor)) for name, tensor in entries]
+
+
+def _gather_rows(members: list[tuple[str, DTensor, int]]) -> dict[str, torch.Tensor]:
+    """Whole tensors of row-sharded ``members`` that share one mesh dimension: one all-gather over it."""
+    mesh, dim = members[0][1].device_mesh, members[0][2]
+    world, group = mesh.size(dim), mesh.get_group(dim)
+    pieces, layout = [], []
+    for name, tensor, _ in members:
+        rows = -(-tensor.shape[0] // world)
+        local = tensor.to_local()
+        padded = local.new_zeros((rows, *tensor.shape[1:]))
+        padded[: local.shape[0]] = local
+        pieces.append(padded.reshape(-1).view(torch.uint8))
+        layout.append((name, tensor, rows, pieces[-1].numel()))
+    flat = torch.cat(pieces)
+    out = flat.new_empty(world * flat.numel())  # the concatenated form: gloo takes no other
+    dist.all_gather_single(out, flat, group=group)
+    out = out.view(world, flat.numel())
+    gathered: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, tensor, rows, width in layout:
+        # Copies, so that every tensor owns its storage: a view would carry the whole
+        # buffer with it when pickled (into Ray's object store, for one).
+        block = out[:, offset : offset + width].clone().view(tensor.dtype)
+        block = block.reshape(world * rows, *tensor.shape[1:])
+        gathered[name] = block if block.shape[0] == tensor.shape[0] else block[: tensor.shape[0]].clone()
+        offset += width
+    return gathered

@@ -10,9 +10,13 @@ in-process :class:`~opd.models.policy.hf_policy.HFPolicy`. The controller side h
    micro-batches, padded with idle ones to the same count on every rank
    (:mod:`opd.distributed.batch_plan`);
 3. when the teacher runs elsewhere (a teacher pool or a served teacher), asks it for
-   each micro-batch's signal and sends the signals along; a colocated teacher scores in
-   the workers instead;
+   every micro-batch's signal at once, collects the answers and sends them along; a
+   colocated teacher scores in the workers instead;
 4. runs the step on every rank and returns the global metrics.
+
+Validation's KL (:meth:`FSDPPolicy.compare_with_teacher`) is dealt the same way: each
+rank sums the KL over its rows from its own hidden states, with the colocated teacher
+scoring in place, and only the sums come back; no ``[B, L, V]`` tensor is sent.
 
 Checkpoints are sharded (``torch.distributed.checkpoint``, one file per rank plus
 metadata) and can be loaded by any number of ranks; ``save_pretrained`` gathers the
@@ -30,10 +34,34 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_padding_free, shift_token_mask
-from opd.distributed.batch_plan import balance_by_tokens, contiguous_blocks, equalize_micro_batches
+from opd.distributed.batch_plan import balance_by_tokens, equalize_micro_batches
 from opd.distributed.worker_group import WorkerGroup
-from opd.models.interfaces import LossFunction, PolicyInterface, TeacherSignalFn
-from opd.models.policy.optimization import plan_micro_batches
+from opd.models.interfaces import (
+    LossFunction,
+    MicroBatchScorer,
+    PolicyInterface,
+    TeacherComparison,
+    TeacherSignal,
+    TeacherSignalFn,
+)
+from opd.models.policy.optimization import accumulate_metrics, plan_micro_batches
+from opd.utils.checkpoint import check_model_directory
+from opd.utils.paths import absolute_dir
+
+
+def _score_all(plans: list[list[BatchedDataDict]], teacher_signal: TeacherSignalFn) -> list[list[TeacherSignal]]:
+    """The teacher's answer for every micro-batch of every rank.
+
+    A :class:`~opd.models.interfaces.MicroBatchScorer` gets every micro-batch before any
+    answer is collected, so a teacher in other processes has them all at once: the
+    replicas of a teacher pool score them together and back to back, instead of waiting
+    for the controller between micro-batches. A plain function is called micro-batch by
+    micro-batch.
+    """
+    if not isinstance(teacher_signal, MicroBatchScorer):
+        return [[teacher_signal(micro_batch) for micro_batch in plan] for plan in plans]
+    pending = [[teacher_signal.submit(micro_batch) for micro_batch in plan] for plan in plans]
+    return [[answer.result() for answer in answers] for answers in pending]
 
 
 class FSDPPolicy(PolicyInterface):
@@ -64,8 +92,11 @@ class FSDPPolicy(PolicyInterface):
         self.teacher_in_workers = teacher_in_workers
         self.on_close = on_close
 
-    def plan(self, data: BatchedDataDict) -> list[list[BatchedDataDict]]:
-        """Each rank's micro-batches for ``data`` (the same number on every rank)."""
+    def plan(self, data: BatchedDataDict, packed: bool | None = None) -> list[list[BatchedDataDict]]:
+        """Each rank's micro-batches for ``data`` (the same number on every rank).
+
+        ``packed`` overrides the run's ``sequence_packing`` (validation's sums read right-padded rows).
+        """
         rows = balance_by_tokens(data["input_lengths"].tolist(), self.workers.size)
         plans = [
             plan_micro_batches(data.select_indices(indices), self.micro_batch_size, self.micro_batch_tokens)
@@ -74,7 +105,7 @@ class FSDPPolicy(PolicyInterface):
             for indices in rows
         ]
         plans = equalize_micro_batches(plans)
-        if self.sequence_packing:
+        if self.sequence_packing if packed is None else packed:
             plans = [[pack_padding_free(micro_batch) for micro_batch in plan] for plan in plans]
         return plans
 
@@ -95,7 +126,7 @@ class FSDPPolicy(PolicyInterface):
         dispatch_seconds = time.perf_counter() - start
         signals: list[Any] = [None] * len(plans)
         if teacher_signal is not None and not self.teacher_in_workers:  # timed by the driver as teacher time
-            signals = [[teacher_signal(micro_batch) for micro_batch in plan] for plan in plans]
+            signals = _score_all(plans, teacher_signal)
         results = self.workers.run_all(
             "train",
             loss_fn,
@@ -111,19 +142,34 @@ class FSDPPolicy(PolicyInterface):
         metrics["dispatch_seconds"] = dispatch_seconds
         return metrics
 
-    def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
-        """The student's ``[B, L, V]`` logits, each rank computing its share of the rows."""
-        parts, counts = contiguous_blocks(data, self.workers.size)
-        results = self.workers.run_all("logits", per_rank=[(part,) for part in parts])
-        return torch.cat([logits[:count] for logits, count in zip(results, counts, strict=True)])
+    def compare_with_teacher(
+        self, data: BatchedDataDict, comparison: TeacherComparison, teacher_signal: TeacherSignalFn
+    ) -> dict[str, float]:
+        """Sums of ``comparison`` over ``data``: each rank sums over its rows where its hidden states are.
+
+        Rows are dealt as for :meth:`train` (idle micro-batches add nothing). A colocated
+        teacher scores in the workers, so with a full-vocabulary request the ranks make
+        both models' logits chunk by chunk from hidden states in place; otherwise the
+        controller asks the teacher for each micro-batch and sends its (top-k, token or
+        hidden-state) answer along. Only each rank's sums come back.
+        """
+        plans = self.plan(data, packed=False)
+        signals: list[Any] = [None] * len(plans)
+        if not self.teacher_in_workers:
+            signals = [[teacher_signal(micro_batch) for micro_batch in plan] for plan in plans]
+        results = self.workers.run_all(
+            "compare_with_teacher",
+            comparison,
+            per_rank=[(plan, signal) for plan, signal in zip(plans, signals, strict=True)],
+        )
+        totals: dict[str, float] = {}
+        for result in results:
+            accumulate_metrics(totals, result)
+        return totals
 
     def weights_for_refit(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight, whole, gathered from the ranks (rank 0 sends them)."""
         yield from self.workers.run_all("whole_weights")[0].items()
-
-    def weight_buckets(self, bucket_bytes: int) -> list[Any]:
-        """The whole weights as Ray object refs of about ``bucket_bytes`` each (filled by trainer rank 0)."""
-        return list(self.workers.run_all("weight_buckets", bucket_bytes)[0])
 
     def state_dict(self) -> dict[str, Any]:
         """Not used: the optimizer state stays sharded in the workers (see :meth:`save_checkpoint`)."""
@@ -134,20 +180,33 @@ class FSDPPolicy(PolicyInterface):
         raise NotImplementedError("an FSDP2 student loads its optimizer state sharded: use load_checkpoint")
 
     def save_checkpoint(self, directory: Path, tokenizer: Any | None = None) -> None:
-        """Every rank writes its shard of weights and optimizer; the tokenizer and model config go beside them."""
+        """Every rank writes its shard of weights and optimizer; the tokenizer and model config go beside them.
+
+        The directory reaches the ranks absolute (each resolves nothing against its own
+        working directory); start-up checked that every node shares it
+        (:mod:`opd.distributed.shared_directory`).
+        """
+        directory = absolute_dir(directory)
         self.workers.run_all("save_shards", str(directory))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory / "tokenizer"))
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restores weights, optimizer and schedule from a checkpoint written with any number of ranks."""
-        self.workers.run_all("load_shards", str(directory))
+        self.workers.run_all("load_shards", str(absolute_dir(directory)))
 
     def save_pretrained(self, directory: str, tokenizer: Any | None = None) -> None:
-        """Gathers the whole student and writes it as a Hugging Face model directory (rank 0 writes)."""
-        self.workers.run_all("save_pretrained", directory)
+        """Gathers the whole student and writes it as a Hugging Face model directory (rank 0 writes).
+
+        Raises:
+            OpdError: the directory, as the controller sees it, lacks the config or the
+                weights after rank 0 wrote them (rank 0's node does not share it).
+        """
+        path = absolute_dir(directory)
+        self.workers.run_all("save_pretrained", str(path))
+        check_model_directory(path, "trainer rank 0")
         if tokenizer is not None:
-            tokenizer.save_pretrained(directory)
+            tokenizer.save_pretrained(str(path))
 
     def close(self) -> None:
         """Stops the workers and frees the cluster's resources."""

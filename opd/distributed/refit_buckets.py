@@ -33,8 +33,12 @@ def in_buckets(
         yield bucket
 
 
-def put_in_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Any]:
-    """Object refs of ``{name: CPU tensor}`` buckets of about ``bucket_bytes`` each, in the order given."""
+def put_in_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[Any], int]:
+    """Object refs of ``{name: CPU tensor}`` buckets of about ``bucket_bytes`` each, in order, and their bytes."""
     import ray  # only where the weights go to rollout workers
 
-    return [ray.put({name: tensor.cpu() for name, tensor in bucket}) for bucket in in_buckets(weights, bucket_bytes)]
+    refs, sent = [], 0
+    for bucket in in_buckets(weights, bucket_bytes):
+        refs.append(ray.put({name: tensor.cpu() for name, tensor in bucket}))
+        sent += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+    return refs, sent

@@ -11,9 +11,11 @@ engine (one per worker, in the worker's process).
   Each call draws one seed from the controller's torch generator (which checkpoints
   save and resume restores) and worker ``r`` samples with ``seed + r``, so the rollouts
   are the same for a given seed, across a resume too;
-* ``refit`` moves the trainer's new weights after each update: rank 0 of the trainer
-  gathers them into buckets of ``cluster.rollout.refit_bucket_mb`` in Ray's object
-  store (shared memory on one node) and every worker loads the buckets in place.
+* ``refit`` moves the trainer's new weights after each update, in buckets of
+  ``cluster.rollout.refit_bucket_mb`` cast to the engines' dtype, over the transport of
+  ``cluster.rollout.refit_transport`` (:mod:`opd.distributed.refit_transport`: Ray's
+  object store, a broadcast group, or CUDA IPC), and returns the bytes moved, which the
+  driver logs as ``refit/bytes`` and ``refit/bytes_delivered``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distributed.refit_buckets import put_in_buckets
+from opd.distributed.refit_transport import TRANSPORTS, RefitReport
+from opd.distributed.refit_wire import (
+    BucketLayout,
+    IpcHandle,
+    broadcast,
+    layout_bytes,
+    open_broadcast_group,
+    open_ipc_handle,
+    unpack,
+)
 from opd.distributed.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
 from opd.models.generation.config import GenerateStrategyConfig, VllmGenerationConfig
@@ -75,6 +87,7 @@ class RolloutWorker:
         torch.set_num_threads(spec.threads)
         self.rank = rank
         device = resolve_device(spec.loading.device)
+        self.device = device
         model = load_causal_lm(spec.model_path, resolve_dtype(spec.loading.dtype, device), device, spec.loading)
         model.requires_grad_(False)
         self.model = model
@@ -88,24 +101,64 @@ class RolloutWorker:
             self.engine = self.vllm_engine
         else:
             self.engine = HFGeneration(model, spec.tokenizer, spec.decode_loop, stop_ids=spec.stop_ids)
+        self.weights_dtype = model.dtype
+        if spec.vllm is not None and spec.vllm.dtype != "auto":
+            self.weights_dtype = getattr(torch, spec.vllm.dtype)
+        self._refit_group: Any = None
+
+    def engine_dtype(self) -> torch.dtype:
+        """The dtype the engine holds its weights in: the trainer casts to it before sending."""
+        return self.weights_dtype
+
+    # ------------------------------------------------------------------ refit
 
     def load_buckets(self, bucket_refs: list[Any]) -> int:
-        """Copies the trainer's weights into this worker's engine, bucket by bucket; returns the tensors loaded.
+        """Copies the trainer's weights from Ray's object store into this worker's engine; returns the tensors loaded.
 
         The HF engine samples with the worker's model, which takes the tensors in place; a
-        vLLM engine takes them through its own weight loader.
+        vLLM engine takes them through its own weight loader, all buckets in one call
+        (they are host memory here).
         """
-        own = self.model.state_dict()
-        pairs = []
-        for ref in bucket_refs:
-            for name, tensor in ray.get(ref).items():
-                if self.vllm_engine is not None:
-                    pairs.append((name, tensor.to(own[name].dtype)))
-                else:
-                    own[name].copy_(tensor)
-                    pairs.append((name, own[name]))
+        pairs = [pair for ref in bucket_refs for pair in ray.get(ref).items()]
+        return self._load(pairs)
+
+    def join_refit_group(self, address: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        """Joins the broadcast group of trainer rank 0 (its rank 0) and the rollout workers, as ``rank``."""
+        self._refit_group = open_broadcast_group(address, port, rank, world_size, self.device, timeout_s)
+
+    def receive_broadcast(self, layouts: list[BucketLayout]) -> int:
+        """Receives every bucket trainer rank 0 broadcasts and loads it; returns the tensors loaded."""
+        loaded = 0
+        for layout in layouts:
+            buffer = torch.empty(layout_bytes(layout), dtype=torch.uint8, device=self.device)
+            broadcast(self._refit_group, buffer)
+            loaded += self._load(unpack(buffer, layout))
+        return loaded
+
+    def load_ipc_bucket(self, handle: IpcHandle, layout: BucketLayout) -> int:
+        """Copies one bucket from the trainer rank on this GPU (a CUDA IPC handle) into the engine."""
+        buffer = open_ipc_handle(handle, self.device)
+        loaded = self._load(unpack(buffer, layout))
+        # The trainer frees the buffer once every engine returns: the copies must be done.
+        torch.cuda.current_stream(buffer.device).synchronize()
+        return loaded
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The HF engine's weights, on CPU (tests compare what the refits loaded; a vLLM engine keeps its own)."""
+        return {name: tensor.detach().cpu().clone() for name, tensor in self.model.state_dict().items()}
+
+    def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> int:
+        """Puts ``(name, tensor)`` pairs, already in the engine's dtype, into the engine.
+
+        In place in the HF model, or through vLLM's own weight loader.
+        """
         if self.vllm_engine is not None:
             self.vllm_engine.load_weights(pairs)
+        else:
+            own = self.model.state_dict()
+            with torch.no_grad():
+                for name, tensor in pairs:
+                    own[name].copy_(tensor)
         return len(pairs)
 
     def generate(
@@ -136,14 +189,33 @@ class RayGeneration(GenerationInterface):
         workers: the rollout workers.
         pad_token_id: pads the concatenated batch.
         refit_bucket_bytes: size of one refit bucket.
+        refit_transport: ``object_store``, ``broadcast`` or ``cuda_ipc`` (resolved, see
+            :mod:`opd.distributed.refit_transport`).
+        timeout_s: bounds the setting up of a refit's process group.
+        offload_trainer: the trainer workers that share the engines' GPUs
+            (``cluster.trainer.offload_during_generation``): their optimizer state and
+            teacher go to host memory while the engines generate, and come back when the
+            rollout is collected. None leaves the trainer alone.
     """
 
     needs_refit = True
 
-    def __init__(self, workers: WorkerGroup, pad_token_id: int, refit_bucket_bytes: int) -> None:
+    def __init__(
+        self,
+        workers: WorkerGroup,
+        pad_token_id: int,
+        refit_bucket_bytes: int,
+        refit_transport: str = "object_store",
+        timeout_s: float = 600.0,
+        offload_trainer: WorkerGroup | None = None,
+    ) -> None:
         self.workers = workers
         self.pad_token_id = pad_token_id
         self.refit_bucket_bytes = refit_bucket_bytes
+        self.offload_trainer = offload_trainer
+        # The engines' dtype: every worker builds the same engine.
+        self.engine_dtype: torch.dtype = workers.run_rank(0, "engine_dtype")
+        self.transport = TRANSPORTS[refit_transport](workers, refit_bucket_bytes, self.engine_dtype, timeout_s)
 
     def prepare_for_generation(self) -> None:
         """Nothing to switch on: the workers sample in eval mode on every call."""
@@ -174,6 +246,8 @@ class RayGeneration(GenerationInterface):
         rollout depends on when it was asked for, not on when it is collected.
         """
         seed = int(torch.randint(_SEED_RANGE, (1,)))
+        if self.offload_trainer is not None:
+            self.offload_trainer.run_all("offload_to_host")
         count = min(self.workers.size, len(prompts))
         bounds = [len(prompts) * rank // count for rank in range(count + 1)]
         refs = [
@@ -185,17 +259,26 @@ class RayGeneration(GenerationInterface):
         return self.workers.pending(refs, self._concat, ranks=list(range(count)))
 
     def _concat(self, parts: list[BatchedDataDict]) -> BatchedDataDict:
+        if self.offload_trainer is not None:  # the engines are done with the GPUs
+            self.offload_trainer.run_all("reload_to_device")
         return BatchedDataDict.concat(parts, pad_values={"input_ids": self.pad_token_id})
 
-    def refit(self, policy: PolicyInterface) -> None:
-        """Loads ``policy``'s current weights into every worker, in buckets."""
+    def refit(self, policy: PolicyInterface) -> dict[str, float]:
+        """Loads ``policy``'s current weights into every worker, in buckets of the engines' dtype.
+
+        Returns:
+            ``refit/bytes`` (one copy of the weights as gathered) and ``refit/bytes_delivered``
+            (what the workers received, one copy each).
+        """
         from opd.distributed.fsdp_policy import FSDPPolicy
 
-        if isinstance(policy, FSDPPolicy):  # rank 0 of the trainer fills the buckets itself
-            refs = policy.weight_buckets(self.refit_bucket_bytes)
-        else:
-            refs = put_in_buckets(policy.weights_for_refit(), self.refit_bucket_bytes)
+        if isinstance(policy, FSDPPolicy):  # the trainer's ranks gather and send the buckets themselves
+            return self.transport.send(policy.workers).metrics()
+        # A student in the controller's process (no trainer workers): through the object store.
+        weights = ((name, tensor.to(self.engine_dtype)) for name, tensor in policy.weights_for_refit())
+        refs, sent = put_in_buckets(weights, self.refit_bucket_bytes)
         self.workers.run_all("load_buckets", refs)
+        return RefitReport(sent, sent * self.workers.size).metrics()
 
     def close(self) -> None:
         """Closes the engines and stops the workers (a worker that died already is skipped)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -19,12 +20,14 @@ from opd.distributed.config import ClusterConfig
 from opd.distributed.fsdp_policy import FSDPPolicy
 from opd.distributed.ray_cluster import build_pools, cpus_needed, start_ray
 from opd.distributed.rollout import RayGeneration, RolloutSpec, RolloutWorker
+from opd.distributed.shared_directory import check_shared_directory
 from opd.distributed.teacher_pool import ColocatedTeacher, TeacherPool, TeacherWorker
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
 from opd.distributed.worker_group import Slot, WorkerGroup
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.generation.config import VllmGenerationConfig
 from opd.models.interfaces import GenerationInterface, TeacherInterface
+from opd.utils.paths import absolute_dir, absolute_model_path
 
 log = logging.getLogger("opd")
 
@@ -51,6 +54,11 @@ class ClusterRequest:
         stop_ids: ids that end a response (None: each model's own).
         vllm: the rollout workers' vLLM settings, or None for HF rollout workers.
         seed: the run's seed (vLLM engines are seeded from it).
+        checkpoint_dir: where the trainer ranks write checkpoint shards; checked at start
+            to be one filesystem for every node (None: checkpointing is off).
+
+    Paths are made absolute here, in the controller (:mod:`opd.utils.paths`): a worker
+    never resolves one against its own working directory.
     """
 
     student_path: str
@@ -66,6 +74,15 @@ class ClusterRequest:
     stop_ids: tuple[int, ...] | None
     vllm: VllmGenerationConfig | None = None
     seed: int = 0
+    checkpoint_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        # Frozen: the absolute forms are set once, as the fields' own values.
+        object.__setattr__(self, "student_path", absolute_model_path(self.student_path))
+        teachers = {role: absolute_model_path(path) for role, path in self.teacher_paths.items()}
+        object.__setattr__(self, "teacher_paths", teachers)
+        if self.checkpoint_dir is not None:
+            object.__setattr__(self, "checkpoint_dir", str(absolute_dir(self.checkpoint_dir)))
 
 
 def build_cluster_backends(
@@ -107,6 +124,8 @@ def build_cluster_backends(
     try:
         trainer = _start_trainer(cluster, request, pools.trainer, colocated_teacher)
         groups.append(trainer)
+        if request.checkpoint_dir is not None:  # before any step: a run that could not resume stops now
+            check_shared_directory(trainer, Path(request.checkpoint_dir))
         teachers: list[TeacherInterface] = []
         if colocated_teacher:
             teachers.append(ColocatedTeacher(trainer))
@@ -115,7 +134,7 @@ def build_cluster_backends(
                 slots = pools.teacher[index * per_pool : (index + 1) * per_pool]
                 teacher_pool = _start_teacher_pool(cluster, request, role, path, slots)
                 groups.append(teacher_pool)
-                teachers.append(TeacherPool(teacher_pool))
+                teachers.append(TeacherPool(teacher_pool, cluster.teacher.shards_per_replica))
         rollout = _start_rollout(cluster, request, pools.rollout)
         groups.append(rollout)
     except BaseException:
@@ -127,7 +146,7 @@ def build_cluster_backends(
         cluster.resolved_backend(),
         "teacher colocated"
         if colocated_teacher
-        else f"{len(paths)} teacher pool(s) of {per_pool}"
+        else f"{len(paths)} teacher pool(s) of {per_pool} ({cluster.teacher.shards_per_replica} per replica)"
         if paths
         else "teacher served",
         cluster.rollout.workers,
@@ -141,7 +160,14 @@ def build_cluster_backends(
         teacher_in_workers=colocated_teacher,
         on_close=release,
     )
-    generation = RayGeneration(rollout, request.tokenizer.pad_token_id, int(cluster.rollout.refit_bucket_mb * _MIB))
+    generation = RayGeneration(
+        rollout,
+        request.tokenizer.pad_token_id,
+        int(cluster.rollout.refit_bucket_mb * _MIB),
+        refit_transport=cluster.resolved_refit_transport(),
+        timeout_s=cluster.worker_timeout_s,
+        offload_trainer=trainer if cluster.trainer.offload_during_generation else None,
+    )
     return policy, teachers, generation
 
 
@@ -165,6 +191,7 @@ def _start_trainer(
         threads=cluster.threads_per_worker,
         reshard_after_forward=cluster.trainer.reshard_after_forward,
         teacher_sharded=cluster.teacher.sharded,
+        shard_group_size=cluster.trainer.shard_group_size,
         activation_checkpointing=cluster.trainer.activation_checkpointing,
     )
     world_size = cluster.trainer.workers
@@ -180,14 +207,26 @@ def _start_trainer(
 def _start_teacher_pool(
     cluster: ClusterConfig, request: ClusterRequest, role: str, teacher_path: str, slots: list[Slot]
 ) -> WorkerGroup:
-    """The replicas of one teacher (``cluster.teacher.placement: pool``); ``role`` names them in errors."""
-    return WorkerGroup(
+    """The workers of one teacher (``cluster.teacher.placement: pool``); ``role`` names them in errors.
+
+    With ``cluster.teacher.shards_per_replica`` above 1, each replica's workers meet in a
+    process group of their own (on the node of the replica's first worker) and shard the
+    teacher over it.
+    """
+    shards = cluster.teacher.shards_per_replica
+    backend, timeout_s = cluster.resolved_backend(), cluster.worker_timeout_s
+    pool = WorkerGroup(
         role,
         TeacherWorker,
         slots,
-        lambda rank: (rank, teacher_path, request.loading, cluster.threads_per_worker),
+        lambda rank: (rank, teacher_path, request.loading, cluster.threads_per_worker, shards, backend, timeout_s),
         _worker_environment(cluster),
     )
+    if shards > 1:
+        first_ranks = range(0, pool.size, shards)
+        addresses = pool.gather([pool.actors[rank].rendezvous_address.remote() for rank in first_ranks], first_ranks)
+        pool.gather([actor.start.remote(*addresses[rank // shards]) for rank, actor in enumerate(pool.actors)])
+    return pool
 
 
 def _start_rollout(cluster: ClusterConfig, request: ClusterRequest, slots: list[Slot]) -> WorkerGroup:

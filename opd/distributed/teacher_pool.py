@@ -5,22 +5,29 @@
   score each micro-batch themselves, so the exact full-vocabulary loss works as in one
   process; this facade answers the driver's other questions (validation metrics) by
   running the same workers.
-* :class:`TeacherPool`: ``cluster.teacher.workers`` replicas of their own
-  (:class:`TeacherWorker`), each with the whole model, sharing the rows of each request.
-  They send top-k or token log-probs; full-vocabulary logits would cost ``[B, L, V]``
-  floats per micro-batch on the wire, so the full-vocabulary losses ask for a colocated
-  teacher instead.
+* :class:`TeacherPool`: ``cluster.teacher.workers`` workers of their own
+  (:class:`TeacherWorker`), sharing the rows of each request. A replica is one worker
+  with the whole model, or (``cluster.teacher.shards_per_replica: n``) ``n`` workers that
+  hold one teacher sharded with FSDP2 over a process group of their own, for a teacher
+  larger than one device. They send top-k or token log-probs; full-vocabulary logits
+  would cost ``[B, L, V]`` floats per micro-batch on the wire, so the full-vocabulary
+  losses ask for a colocated teacher instead.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distributed.batch_plan import contiguous_blocks
+from opd.distributed.fsdp import init_process_group, shard_model
+from opd.distributed.sharded_loading import load_sharded
+from opd.distributed.trainer_worker import ShardedTeacher
 from opd.distributed.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
 from opd.models.interfaces import (
@@ -57,6 +64,10 @@ def _concat(signals: list[Any], counts: list[int]) -> TeacherSignal:
 class ColocatedTeacher(TeacherInterface):
     """The teacher held by the trainer workers (see the module docstring).
 
+    Its full-vocabulary answer never leaves them: training and validation's KL score in
+    the workers (:class:`~opd.distributed.fsdp_policy.FSDPPolicy`); this facade sends
+    top-k and token log-probs only.
+
     Args:
         workers: the trainer workers, built with a teacher.
     """
@@ -70,32 +81,95 @@ class ColocatedTeacher(TeacherInterface):
         return None
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
-        """Every rank scores a block of the rows; hidden states come back as logits."""
+        """Every rank scores a block of the rows and sends its top-k or token log-probs.
+
+        Raises:
+            ValueError: for a full-vocabulary request: its answer stays in the workers,
+                where the student uses it (:meth:`FSDPPolicy.train` and
+                :meth:`FSDPPolicy.compare_with_teacher` score there); sending it would move
+                ``[B, L, V]`` floats.
+        """
         if isinstance(request, FullVocabRequest):
-            request = FullVocabRequest(prefer_hidden_states=False)
+            raise ValueError(
+                "the colocated teacher's full vocabulary stays in the trainer workers: the student's trainer "
+                "scores with it there (train, compare_with_teacher); ask for top-k or token log-probs to send"
+            )
         blocks, counts = contiguous_blocks(data, self.workers.size)
         return _concat(self.workers.run_all("teacher_score", request, per_rank=[(b,) for b in blocks]), counts)
 
 
 class TeacherWorker:
-    """One teacher replica (a Ray actor) with the whole frozen model.
+    """One worker of a teacher pool (a Ray actor): a whole replica, or one FSDP2 shard of one.
+
+    With ``shards_per_replica`` 1 the constructor loads the whole frozen teacher and the
+    worker answers on its own. With ``n > 1``, workers ``r·n … r·n + n − 1`` form replica
+    ``r``: a process group of their own (built in two calls, like the trainer's:
+    :meth:`rendezvous_address` on the replica's first worker, then :meth:`start` on all),
+    over which the teacher is sharded with FSDP2, forward only. Each worker of a replica
+    scores rows of its own, and every forward gathers each layer's weights from the
+    replica's workers, so all of them must be asked together (:class:`TeacherPool` does).
 
     Args:
-        rank: this replica's rank.
+        rank: this worker's rank in the pool.
         model_path: the teacher's weights.
         loading: dtype and loading options.
         threads: torch threads of a CPU worker.
+        shards_per_replica: workers that hold one replica between them.
+        backend: torch.distributed backend of a replica's process group (``gloo`` or ``nccl``).
+        timeout_s: bound on every collective of a replica (``cluster.worker_timeout_s``).
     """
 
-    def __init__(self, rank: int, model_path: str, loading: ModelLoadingConfig, threads: int) -> None:
+    def __init__(
+        self,
+        rank: int,
+        model_path: str,
+        loading: ModelLoadingConfig,
+        threads: int,
+        shards_per_replica: int = 1,
+        backend: str = "gloo",
+        timeout_s: float = 600.0,
+    ) -> None:
         torch.set_num_threads(threads)
         self.rank = rank
-        device = resolve_device(loading.device)
-        self.teacher = LocalTeacher(load_causal_lm(model_path, resolve_dtype(loading.dtype, device), device, loading))
+        self.replica, self.shard = divmod(rank, shards_per_replica)
+        self.shards_per_replica = shards_per_replica
+        self.model_path, self.loading, self.backend, self.timeout_s = model_path, loading, backend, timeout_s
+        self.teacher: LocalTeacher | None = None
+        if shards_per_replica == 1:
+            device = resolve_device(loading.device)
+            model = load_causal_lm(model_path, resolve_dtype(loading.dtype, device), device, loading)
+            self.teacher = LocalTeacher(model)
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """A replica's first worker: this node's address and a free port, where the replica's group meets."""
+        import ray  # only inside a Ray actor
+
+        from opd.distributed.ray_cluster import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def start(self, master_addr: str, master_port: int) -> None:
+        """A sharded replica's worker: joins the replica's process group, then loads and shards the teacher."""
+        mesh = init_process_group(
+            self.shard, self.shards_per_replica, master_addr, master_port, self.backend, self.timeout_s
+        )
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        # Each worker reads only its own rows of the weights: neither the host nor the
+        # device ever holds the whole teacher.
+        dtype = resolve_dtype(self.loading.dtype, device)
+        model = load_sharded(self.model_path, dtype, device, self.loading, lambda whole: shard_model(whole, mesh))
+        model.requires_grad_(False)
+        self.teacher = ShardedTeacher(model)
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
-        """The teacher's answer for ``data``, on CPU."""
+        """The teacher's answer for ``data``, on CPU (a sharded replica's workers must be asked together)."""
+        if self.teacher is None:
+            raise RuntimeError(f"teacher worker {self.rank} was not started (a sharded replica's workers need start)")
         signal = self.teacher.score(data, request)
+        if isinstance(self.teacher.model, FSDPModule):
+            # FSDP2 keeps the root's weights (embedding, norm, head) gathered after a
+            # forward, for a backward that a frozen teacher never runs: free them.
+            self.teacher.model.reshard()
         if isinstance(signal, TopKLogprobs):
             rest = signal.rest_logprobs
             return TopKLogprobs(signal.logprobs.cpu(), signal.ids.cpu(), rest.cpu() if rest is not None else None)
@@ -104,14 +178,26 @@ class TeacherWorker:
 
 
 class TeacherPool(TeacherInterface):
-    """``TeacherInterface`` over replicas of their own (see the module docstring).
+    """``TeacherInterface`` over a pool of :class:`TeacherWorker` replicas (see the module docstring).
+
+    Every request is split into contiguous blocks of rows, one per worker of the
+    replicas it uses, so all replicas (and all shards of a sharded replica) score at
+    the same time; :meth:`score_async` returns while they do, so a caller can have many
+    requests in flight at once (each worker runs its requests in the order they came).
 
     Args:
-        workers: the :class:`TeacherWorker` replicas.
+        workers: the :class:`TeacherWorker` workers, replica by replica.
+        shards_per_replica: workers that hold one replica between them.
     """
 
-    def __init__(self, workers: WorkerGroup) -> None:
+    def __init__(self, workers: WorkerGroup, shards_per_replica: int = 1) -> None:
+        if workers.size % shards_per_replica:
+            raise ValueError(f"{workers.size} teacher workers do not make replicas of {shards_per_replica}")
         self.workers = workers
+        self.shards_per_replica = shards_per_replica
+        # A sharded replica's workers run their forwards together: requests from several
+        # threads must reach all of a replica's workers in the same order.
+        self._submitting = threading.Lock()
 
     @classmethod
     def unsupported_reason(cls, request: TeacherRequest) -> str | None:
@@ -124,19 +210,27 @@ class TeacherPool(TeacherInterface):
         return None
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
-        """The replicas score contiguous blocks of the rows; the answers are joined in row order."""
+        """The workers score contiguous blocks of the rows; the answers are joined in row order."""
         return self.score_async(data, request).result()
 
     def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
-        """Hands the replicas their blocks and returns while they score."""
+        """Hands the workers their blocks and returns while they score.
+
+        As many replicas as have rows to score take part, each with all of its workers
+        (a worker of a sharded replica without a row of its own scores a filler row,
+        dropped from the answer, because its forward gathers its peers' weights).
+        """
         reason = self.unsupported_reason(request)
         if reason is not None:
             raise ValueError(reason)
-        count = min(self.workers.size, data.size)
+        shards = self.shards_per_replica
+        replicas = min(self.workers.size // shards, -(-data.size // shards))
+        count = replicas * shards
         blocks, counts = contiguous_blocks(data, count)
-        refs = [self.workers.actors[rank].score.remote(block, request) for rank, block in enumerate(blocks)]
+        with self._submitting:
+            refs = [self.workers.actors[rank].score.remote(block, request) for rank, block in enumerate(blocks)]
         return self.workers.pending(refs, functools.partial(_concat, counts=counts), ranks=list(range(count)))
 
     def close(self) -> None:
-        """Stops the replicas."""
+        """Stops the workers."""
         self.workers.kill()

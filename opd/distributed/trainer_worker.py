@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +30,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
 from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, shard_model, whole_state_dict_buckets
+from opd.distributed.refit_sender import RefitSender
+from opd.distributed.sharded_loading import load_sharded
+from opd.distributed.shared_directory import marker_name
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
-from opd.models.interfaces import LossFunction, TeacherRequest, TeacherSignal, signal_to_device
-from opd.models.lm_head import LMHeadInput, output_head_of
+from opd.models.interfaces import (
+    FullVocabRequest,
+    LossFunction,
+    TeacherComparison,
+    TeacherRequest,
+    TeacherSignal,
+    signal_to_device,
+)
+from opd.models.lm_head import LMHeadInput, output_head_of, output_layer_of
 from opd.models.loading import load_causal_lm, resolve_dtype
 from opd.models.policy.optimization import accumulate_metrics, apply_gradients, build_optimizer, build_scheduler
 from opd.models.teacher.local_teacher import LocalTeacher
+from opd.utils.memory import release_cached_memory
 
 SHARDS_DIR = "policy_shards"
 """Where a checkpoint keeps the trainer's sharded model and optimizer (torch.distributed.checkpoint)."""
@@ -62,6 +74,8 @@ class TrainerSpec:
             (``cluster.trainer.reshard_after_forward``).
         teacher_sharded: shard a colocated teacher with FSDP2; False keeps a whole copy
             in every rank (``cluster.teacher.sharded``).
+        shard_group_size: None shards over every rank (FSDP2); ``k`` shards within groups
+            of ``k`` ranks and replicates across them (HSDP, ``cluster.trainer.shard_group_size``).
         activation_checkpointing: recompute each student layer's activations in the
             backward (``cluster.trainer.activation_checkpointing``).
     """
@@ -76,6 +90,7 @@ class TrainerSpec:
     threads: int
     reshard_after_forward: bool = True
     teacher_sharded: bool = True
+    shard_group_size: int | None = None
     activation_checkpointing: bool = False
 
 
@@ -90,7 +105,7 @@ class ShardedTeacher(LocalTeacher):
         return getattr(self.model, HIDDEN_STATES_METHOD)(**inputs)
 
 
-class TrainerWorker:
+class TrainerWorker(RefitSender):
     """One FSDP2 rank (created by :class:`~opd.distributed.worker_group.WorkerGroup` as a Ray actor).
 
     Built in two calls, because rank 0 may be on another node than the controller: the
@@ -118,7 +133,9 @@ class TrainerWorker:
     def start(self, master_addr: str, master_port: int) -> None:
         """Joins the process group at rank 0's address, then loads and shards the models."""
         spec = self.spec
-        mesh = init_process_group(self.rank, self.world_size, master_addr, master_port, spec.backend, spec.timeout_s)
+        mesh = init_process_group(
+            self.rank, self.world_size, master_addr, master_port, spec.backend, spec.timeout_s, spec.shard_group_size
+        )
         on_gpu = spec.backend == "nccl"
         self.build(mesh, torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
 
@@ -133,30 +150,82 @@ class TrainerWorker:
         dtype = resolve_dtype(spec.loading.dtype, self.device)
         # fp32 master weights; a 16-bit model.dtype is the compute dtype (FSDP2 mixed precision).
         self.compute_dtype = dtype
-        student = self._load_model(spec.student_path, torch.float32)
         compute_dtype = dtype if dtype != torch.float32 else None
-        self.model = shard_model(
-            student, mesh, compute_dtype, spec.reshard_after_forward, spec.activation_checkpointing
+        # Each rank reads only its shards of the weights: the whole model is never in one process.
+        self.model = load_sharded(
+            spec.student_path,
+            torch.float32,
+            self.device,
+            spec.loading,
+            lambda model: shard_model(
+                model, mesh, compute_dtype, spec.reshard_after_forward, spec.activation_checkpointing
+            ),
         )
         self.model.train()
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_scheduler(self.optimizer, spec.optimizer, spec.total_steps)
         self.teacher: LocalTeacher | None = None
         if spec.teacher_path is not None:
-            teacher_model = self._load_model(spec.teacher_path, dtype)
-            teacher_model.requires_grad_(False)
             if spec.teacher_sharded:
-                self.teacher = ShardedTeacher(shard_model(teacher_model, mesh))
+                teacher_model = load_sharded(
+                    spec.teacher_path, dtype, self.device, spec.loading, lambda model: shard_model(model, mesh)
+                )
+                teacher_model.requires_grad_(False)
+                self.teacher = ShardedTeacher(teacher_model)
             else:  # a whole copy scores as the in-process teacher does, with no collective at all
+                teacher_model = load_causal_lm(spec.teacher_path, dtype, self.device, spec.loading)
+                teacher_model.requires_grad_(False)
                 self.teacher = LocalTeacher(teacher_model)
+        release_cached_memory(self.device)
 
-    def _load_model(self, path: str, dtype: torch.dtype) -> Any:
-        """The model at ``path`` in ``dtype`` on this rank's device, before sharding.
+    # ------------------------------------------------------------------ sharing the device
 
-        The one step the dry run (:mod:`opd.distributed.dry_run`) replaces: it builds the
-        model from its config on a fake device instead of reading weights.
+    def offload_to_host(self) -> int:
+        """Moves the optimizer state and a colocated teacher to host memory; returns the bytes moved.
+
+        Called while colocated rollout engines generate on this rank's GPU (NeMo-RL's
+        offload): Adam's two moments are twice the student's fp32 weights, and a teacher
+        is often larger than the student, so this is most of what the engine needs.
+        The student's own weights stay: the refit reads them.
         """
-        return load_causal_lm(path, dtype, self.device, self.spec.loading)
+        host = torch.device("cpu")
+        moved = self._move_optimizer_state(host) + self._move_teacher(host)
+        release_cached_memory(self.device)
+        return moved
+
+    def reload_to_device(self) -> int:
+        """Brings back what :meth:`offload_to_host` moved; returns the bytes moved."""
+        return self._move_optimizer_state(self.device) + self._move_teacher(self.device)
+
+    def state_devices(self) -> dict[str, list[str]]:
+        """The devices the optimizer state and the teacher's weights are on now (for tests)."""
+        optimizer = {
+            str(value.device)
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+        }
+        teacher = set() if self.teacher is None else {str(p.device) for p in self.teacher.model.parameters()}
+        return {"optimizer": sorted(optimizer), "teacher": sorted(teacher)}
+
+    def _move_optimizer_state(self, device: torch.device) -> int:
+        moved = 0
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                # The step counters are 0-dim host tensors by design; only the moments move.
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != device:
+                    state[key] = value.to(device, non_blocking=device.type == "cpu")
+                    moved += value.numel() * value.element_size()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return moved
+
+    def _move_teacher(self, device: torch.device) -> int:
+        if self.teacher is None:
+            return 0
+        moved = sum(p.numel() * p.element_size() for p in self.teacher.model.parameters() if p.device != device)
+        torch.nn.Module.to(self.teacher.model, device)  # FSDP2 moves each shard; a whole copy moves whole
+        return moved
 
     def pid(self) -> int:
         """This worker's process id (tests kill it to check fault handling)."""
@@ -256,17 +325,44 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ inference
 
-    def logits(self, data: BatchedDataDict) -> torch.Tensor:
-        """The student's ``[B, L, V]`` logits for this rank's rows (every rank must call it)."""
+    def compare_with_teacher(
+        self,
+        comparison: TeacherComparison,
+        micro_batches: list[BatchedDataDict],
+        teacher_signals: list[TeacherSignal] | None,
+    ) -> dict[str, float]:
+        """This rank's sums of ``comparison`` over its micro-batches (every rank must call it).
+
+        The student runs to its final hidden states without gradient; ``comparison`` makes
+        the logits from them chunk by chunk. The teacher's answers come from the controller,
+        or (None) from the colocated teacher, which answers a full-vocabulary request with
+        its own hidden states and head: no ``[B, L, V]`` tensor is made or sent.
+        """
+        totals: dict[str, float] = {}
         with torch.no_grad():
-            return self.model(**model_inputs(data, self.device), use_cache=False).logits.float().cpu()
+            for index, micro_batch in enumerate(micro_batches):
+                micro_batch = micro_batch.to(self.device)
+                if teacher_signals is not None:
+                    teacher_output = signal_to_device(teacher_signals[index], self.device)
+                else:
+                    teacher_output = self._colocated_teacher().score(micro_batch, comparison.teacher_request)
+                hidden = getattr(self.model, HIDDEN_STATES_METHOD)(**model_inputs(micro_batch, self.device))
+                # Read after the forward: the root's weights (the head) are gathered only then.
+                student = output_layer_of(self.model, "the student").over(hidden)
+                accumulate_metrics(totals, comparison(student, teacher_output, micro_batch))
+                del teacher_output, student, hidden
+        return totals
 
     def teacher_score(self, request: TeacherRequest, data: BatchedDataDict) -> TeacherSignal:
-        """The colocated teacher's answer for this rank's rows; hidden states come back as logits."""
+        """The colocated teacher's top-k or token log-probs for this rank's rows.
+
+        A full-vocabulary answer is refused: it stays in the worker (``train`` and
+        ``compare_with_teacher`` use it there), since ``[B, L, V]`` floats must not be sent.
+        """
+        if isinstance(request, FullVocabRequest):
+            raise ValueError("the colocated teacher's full vocabulary is used in the worker, never sent")
         with torch.no_grad():
             signal = self._colocated_teacher().score(data, request)
-        if isinstance(signal, LMHeadInput):  # the head cannot leave the worker: make the logits here
-            signal = signal.logits()
         return signal_to_device(signal, torch.device("cpu"))
 
     # ------------------------------------------------------------------ weights out
@@ -289,20 +385,7 @@ class TrainerWorker:
             self.model.config.dtype = torch.float32
         dist.barrier()
 
-    def weight_buckets(self, bucket_bytes: int) -> list[Any]:
-        """Rank 0: the weights in buckets of about ``bucket_bytes``, each put in Ray's object store.
-
-        On one node the object store is shared memory: a rollout worker maps a bucket
-        without a copy through a socket. Returns the buckets' object refs (empty on other ranks).
-        """
-        import ray  # only inside an actor
-
-        refs = []
-        # One all-gather per bucket; every rank joins each, rank 0 keeps the buckets.
-        for bucket in whole_state_dict_buckets(self.model, bucket_bytes):
-            if self.rank == 0:
-                refs.append(ray.put({name: tensor.cpu() for name, tensor in bucket}))
-        return refs
+    # The refit's methods (weight_buckets, broadcast_weights, ...) come from RefitSender.
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -332,6 +415,35 @@ class TrainerWorker:
             options=StateDictOptions(strict=True),
         )
         self.scheduler.load_state_dict(torch.load(Path(directory) / SCHEDULER_FILE, weights_only=True))
+
+    def node_name(self) -> str:
+        """This worker's node, as errors name it: its host name and its address in the cluster."""
+        import ray  # only inside a Ray actor
+
+        return f"{socket.gethostname()}/{ray.util.get_node_ip_address()}"
+
+    def write_marker(self, directory: str, token: str) -> tuple[str, str, str | None]:
+        """Writes this rank's marker file into ``directory`` (see :mod:`opd.distributed.shared_directory`).
+
+        Returns:
+            ``(file name, node, error)``: the error is why the write failed (the
+            directory cannot be made on this node), else None.
+        """
+        if not Path(directory).is_absolute():  # it would name a place in this worker's own working directory
+            raise ValueError(f"the controller must send an absolute checkpoint directory, got {directory!r}")
+        node = self.node_name()
+        name = marker_name(token, self.rank, node)
+        try:
+            path = Path(directory)
+            path.mkdir(parents=True, exist_ok=True)
+            (path / name).write_text(f"rank {self.rank} of {self.world_size} on {node}\n", encoding="utf-8")
+        except OSError as error:
+            return name, node, f"{type(error).__name__}: {error}"
+        return name, node, None
+
+    def remove_marker(self, directory: str, token: str) -> None:
+        """Removes this rank's marker of ``token`` from ``directory``, if it is there."""
+        (Path(directory) / marker_name(token, self.rank, self.node_name())).unlink(missing_ok=True)
 
     def shutdown(self) -> None:
         """Leaves the process group."""

@@ -27,6 +27,7 @@ import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
@@ -205,7 +206,8 @@ def signal_to_device(signal: TeacherSignal, device: torch.device) -> TeacherSign
 
 
 TeacherSignalFn = Callable[[BatchedDataDict], TeacherSignal]
-"""Scores one micro-batch (the driver binds the teacher, the request and its timer)."""
+"""Scores one micro-batch (the driver binds the teacher, the request and its timer): a plain
+function, or a :class:`MicroBatchScorer` that can also start many at once."""
 
 
 # --------------------------------------------------------------------------- loss
@@ -267,6 +269,29 @@ class LossFunction(ABC):
         """
 
 
+class TeacherComparison(ABC):
+    """Per-token sums that compare the student with the teacher (validation's KL), without gradient.
+
+    A policy calls it once per micro-batch, where the student's final hidden states are
+    (:meth:`PolicyInterface.compare_with_teacher`); the sums of all micro-batches are
+    added up, so only a few numbers leave the process that holds the logits.
+
+    Attributes:
+        teacher_request: what the comparison needs from the teacher.
+    """
+
+    teacher_request: TeacherRequest
+
+    @abstractmethod
+    def __call__(self, student: LMHeadInput, teacher_output: TeacherSignal, data: BatchedDataDict) -> dict[str, float]:
+        """Sums over ``data``'s loss tokens.
+
+        ``student`` holds the ``[B, L, D]`` final hidden states and the output layer (its
+        logit transform included); ``teacher_output`` is the teacher's answer to
+        :attr:`teacher_request` for ``data``; both on the same device.
+        """
+
+
 # --------------------------------------------------------------------------- backends
 
 
@@ -282,8 +307,9 @@ class PolicyInterface(ABC):
         Args:
             data: right-padded batch with ``input_ids``, ``input_lengths``, ``token_mask``.
             loss_fn: called on each micro-batch.
-            teacher_signal: scores a micro-batch with the teacher; None when the loss
-                needs no teacher.
+            teacher_signal: scores a micro-batch with the teacher (the driver passes a
+                :class:`MicroBatchScorer`, which a trainer may also use to start many
+                micro-batches at once); None when the loss needs no teacher.
 
         Returns:
             Global-batch metrics: the loss function's, summed over micro-batches, plus
@@ -293,8 +319,26 @@ class PolicyInterface(ABC):
         """
 
     @abstractmethod
-    def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
-        """The student's ``[B, L, V]`` logits for ``data["input_ids"]``, without gradient (validation)."""
+    def compare_with_teacher(
+        self, data: BatchedDataDict, comparison: TeacherComparison, teacher_signal: TeacherSignalFn
+    ) -> dict[str, float]:
+        """Sums of ``comparison`` over ``data``, computed where the student's hidden states are (validation).
+
+        The student runs forward without gradient, micro-batch by micro-batch, up to its
+        final hidden states; ``comparison`` gets them with the output layer and the
+        teacher's answer to ``comparison.teacher_request`` for the same micro-batch, and
+        returns sums. Only the sums come back: the student's ``[B, L, V]`` logits never
+        exist at once, and never cross a process boundary.
+
+        Args:
+            data: right-padded batch with ``input_ids``, ``input_lengths``, ``token_mask``.
+            comparison: the per-micro-batch sums (validation's KL to the teacher).
+            teacher_signal: scores a micro-batch with the teacher; a trainer whose workers
+                hold the teacher (colocated) scores there instead, as in :meth:`train`.
+
+        Returns:
+            Each of the comparison's sums, over every micro-batch (and rank).
+        """
 
     @abstractmethod
     def weights_for_refit(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -356,6 +400,50 @@ class Done(Pending[ResultT]):
         return self.value
 
 
+class TimedPending(Pending[ResultT]):
+    """Another pending result, collected inside ``waiting()`` (a phase timer: the wait counts as that phase).
+
+    Args:
+        pending: the result being computed.
+        waiting: makes the context that the wait runs in.
+    """
+
+    def __init__(self, pending: Pending[ResultT], waiting: Callable[[], AbstractContextManager[Any]]) -> None:
+        self.pending, self.waiting = pending, waiting
+
+    def result(self) -> ResultT:
+        """The result, waited for inside ``waiting()``."""
+        with self.waiting():
+            return self.pending.result()
+
+
+class MicroBatchScorer:
+    """The teacher's answers for a trainer's micro-batches: a :data:`TeacherSignalFn` that can also start them.
+
+    The driver builds one per step (binding the teacher, the loss's request and its
+    timer) and hands it to :meth:`PolicyInterface.train`. Called, it answers one
+    micro-batch. :meth:`submit` starts one and returns while the teacher scores: a
+    trainer that has every micro-batch at hand before it computes (the distributed one)
+    submits them all first and collects the answers afterwards, so a teacher in other
+    processes (the replicas of a pool) works on all of them together.
+
+    Args:
+        submit: starts scoring a micro-batch (``TeacherInterface.score_async``, or an
+            answer already at hand as a :class:`Done`).
+    """
+
+    def __init__(self, submit: Callable[[BatchedDataDict], Pending[TeacherSignal]]) -> None:
+        self._submit = submit
+
+    def submit(self, micro_batch: BatchedDataDict) -> Pending[TeacherSignal]:
+        """Starts scoring ``micro_batch`` and returns its pending answer."""
+        return self._submit(micro_batch)
+
+    def __call__(self, micro_batch: BatchedDataDict) -> TeacherSignal:
+        """The answer for ``micro_batch``, waited for."""
+        return self.submit(micro_batch).result()
+
+
 class GenerationInterface(ABC):
     """Samples responses from the student.
 
@@ -414,8 +502,14 @@ class GenerationInterface(ABC):
         finally:
             self.finish_generation()
 
-    def refit(self, policy: PolicyInterface) -> None:  # noqa: B027 - a no-op unless the engine holds weights
-        """Loads the policy's current weights; engines that sample with the policy itself need nothing."""
+    def refit(self, policy: PolicyInterface) -> dict[str, float]:
+        """Loads the policy's current weights; engines that sample with the policy itself need nothing.
+
+        Returns:
+            Metrics of the refit for the step's log (an engine in other processes reports
+            ``refit/bytes`` and ``refit/bytes_delivered``); empty by default.
+        """
+        return {}
 
     def close(self) -> None:  # noqa: B027 - a no-op unless the engine holds resources
         """Frees the engine's own resources (processes, memory); the default holds none."""

@@ -51,6 +51,7 @@ from safetensors import SafetensorError
 
 from opd.utils.config import StrictConfig
 from opd.utils.errors import OpdError
+from opd.utils.paths import absolute_dir
 from opd.utils.text import first_line
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -61,6 +62,42 @@ _READ_BLOCK = 8 * 2**20
 
 class CheckpointDamagedError(OpdError):
     """A checkpoint's file is missing, truncated, changed or unreadable; nothing was loaded or removed."""
+
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+"""A Hugging Face model directory holds its weights in one of these (one file, or an index of shards)."""
+
+
+def check_model_directory(directory: Path, writer: str) -> None:
+    """``directory`` holds a whole Hugging Face model as this process sees it: ``config.json`` and its weights.
+
+    Another process (a distributed student's rank 0, possibly on another node) wrote it;
+    this checks that it landed where this process reads, whole.
+
+    Raises:
+        OpdError: naming the directory, what is missing and who wrote it.
+    """
+    missing = [] if (directory / "config.json").is_file() else ["config.json"]
+    index = next((directory / name for name in WEIGHT_FILES if (directory / name).is_file()), None)
+    if index is None:
+        missing.append(f"the weights ({' or '.join(WEIGHT_FILES)})")
+    elif index.name.endswith(".index.json"):
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as error:
+            raise OpdError(f"the model written to '{directory}' has an unreadable {index.name}: {error}") from None
+        missing += [shard for shard in shards if not (directory / shard).is_file()]
+    if missing:
+        raise OpdError(
+            f"the model written by {writer} to '{directory}' is incomplete where this process reads it: "
+            f"{', '.join(missing)} missing. output_dir must be on a filesystem that the controller and the "
+            "writing node share"
+        )
 
 
 class CheckpointingConfig(StrictConfig):
@@ -85,7 +122,9 @@ class CheckpointManager:
 
     def __init__(self, config: CheckpointingConfig) -> None:
         self.config = config
-        self.root = Path(config.checkpoint_dir)
+        # Absolute from the start: a distributed student's ranks write into it from their
+        # own working directories (see opd.utils.paths).
+        self.root = absolute_dir(config.checkpoint_dir)
         self.protected_step: int | None = None
         """A step whose checkpoint pruning never deletes (the best one so far)."""
 

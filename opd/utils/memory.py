@@ -12,3 +12,15 @@ def peak_memory_mb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Hands the caching allocator's free blocks back to the device (a no-op off CUDA).
+
+    Called after sharding and between phases, so that the next phase (a vLLM engine
+    waking up in the same GPU, the teacher's forward) finds the memory the previous one
+    freed instead of blocks that only this process's allocator could reuse.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()

@@ -29,6 +29,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKLogprobs, TopKRequest
 from opd.models.loading import load_causal_lm
 from opd.models.teacher.local_teacher import LocalTeacher
+from opd.models.tiny import build_tiny_model
 from opd.utils.config import load_config
 from opd.utils.plotting import read_metrics
 
@@ -67,8 +68,9 @@ def train(config: MasterConfig) -> None:
 
 
 CLUSTER_SETTINGS = {
-    # FSDP2's defaults: layers gathered again for the backward, the teacher sharded too.
-    "sharded": [],
+    # FSDP2's defaults: layers gathered again for the backward, the teacher sharded too; the optimizer
+    # state and the teacher offloaded around every rollout (nothing moves on CPU: the calls' order is checked).
+    "sharded": ["cluster.trainer.offload_during_generation=true"],
     # Layers kept gathered from forward to backward, a whole teacher copy in each worker.
     "kept_whole": ["cluster.trainer.reshard_after_forward=false", "cluster.teacher.sharded=false"],
 }
@@ -106,7 +108,12 @@ def test_two_fsdp_workers_match_one_process_step_by_step(equivalence_runs):
             assert math.isclose(mine[key], reference[key], rel_tol=RELATIVE_LOSS_TOLERANCE, abs_tol=1e-7), (
                 f"step {mine['step']} {key}: 2 workers {mine[key]!r}, one process {reference[key]!r}"
             )
-    assert "timing/refit" in actual[next(i for i, r in enumerate(actual) if r["train/on_policy"])]
+    first_on_policy = next(record for record in actual if record["train/on_policy"])
+    assert "timing/refit" in first_on_policy
+    # The refit sends the student once, in the engines' fp32 (a tied head once), received by each of 2 workers.
+    student_bytes = 4 * sum(parameter.numel() for parameter in build_tiny_model("student").parameters())
+    assert first_on_policy["refit/bytes"] == student_bytes
+    assert first_on_policy["refit/bytes_delivered"] == 2 * student_bytes
 
 
 def test_two_fsdp_workers_end_with_the_weights_of_one_process(equivalence_runs):
@@ -158,18 +165,22 @@ def assert_same_signal(actual, expected, lengths) -> None:
         torch.testing.assert_close(actual[row, :length], expected[row, :length], rtol=0, atol=1e-5)
 
 
-REQUESTS = [TopKRequest(k=5), TokenLogprobsRequest(), FullVocabRequest(prefer_hidden_states=True)]
+REQUESTS = [TopKRequest(k=5), TokenLogprobsRequest()]
 
 
-@pytest.mark.parametrize("request_", REQUESTS, ids=["topk", "token_logprobs", "full_vocab"])
+@pytest.mark.parametrize("request_", REQUESTS, ids=["topk", "token_logprobs"])
 def test_colocated_teacher_sends_the_in_process_signal(cluster_components, request_):
     batch = scored_batch()
     reference = LocalTeacher(load_causal_lm("tiny:teacher", torch.float32, torch.device("cpu"), _loading()))
     expected = reference.score(batch, request_)
-    if isinstance(request_, FullVocabRequest):  # the workers answer with logits: heads stay in the workers
-        expected = expected.logits().reshape(*batch["input_ids"].shape, -1)
     actual = cluster_components.teacher_policy.score(batch, request_)
     assert_same_signal(actual, expected, batch["input_lengths"])
+
+
+def test_colocated_teacher_keeps_its_full_vocabulary_in_the_workers(cluster_components):
+    # [B, L, V] would cross a process boundary: training and validation score in the workers instead.
+    with pytest.raises(ValueError, match="stays in the trainer workers"):
+        cluster_components.teacher_policy.score(scored_batch(), FullVocabRequest(prefer_hidden_states=True))
 
 
 def test_teacher_pool_sends_the_in_process_signal(ray_cluster, tmp_path):
@@ -184,7 +195,7 @@ def test_teacher_pool_sends_the_in_process_signal(ray_cluster, tmp_path):
     try:
         batch = scored_batch()
         reference = LocalTeacher(load_causal_lm("tiny:teacher", torch.float32, torch.device("cpu"), _loading()))
-        for request_ in REQUESTS[:2]:
+        for request_ in REQUESTS:
             expected = reference.score(batch, request_)
             assert_same_signal(TeacherPool(workers).score(batch, request_), expected, batch["input_lengths"])
         with pytest.raises(ValueError, match="teacher pool"):

@@ -93,6 +93,9 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "config: on for a number in a file": (
         lambda t: config_file(t, f"defaults: {TINY}\ndistillation:\n  lambda: on\n"),
         r"distillation\.lambda = 'on': expected a number"),
+    "config: trainer offload without shared devices": (
+        lambda t: ["--config", str(TINY), "cluster.placement=split", "cluster.trainer.offload_during_generation=true"],
+        r"cluster\.trainer\.offload_during_generation .* only with cluster\.placement = colocated"),
     "config: a section written twice": (
         lambda t: config_file(t, f"defaults: {TINY}\ntraining:\n  batch_size: 2\ntraining:\n  batch_size: 4\n"),
         r"key 'training' appears twice in one mapping \(lines 2 and 4\)"),

@@ -5,7 +5,10 @@ model's gather) sends each bucket's shards as one flat byte buffer per rank and 
 padding off afterwards. It must give bitwise what the unsharded model holds, under the
 same names and in the same order, on every rank, for tensors
 whose rows do not divide by the world size, ranks that hold no rows at all, mixed dtypes
-in one bucket, tied weights, and any bucket size.
+in one bucket, tied weights, and any bucket size. With a dtype (a refit casts to the
+engine's bf16 before the gather) it must give the unsharded model cast to it, bucketed
+by the bytes in that dtype, in the buckets the refit's layouts announce
+(:meth:`opd.distributed.refit_sender.RefitSender.refit_layouts`).
 
 The ranks are real processes in a real gloo process group (three of them, so that
 uneven splits and empty shards occur), spawned with ``torch.multiprocessing``; no Ray.
@@ -22,11 +25,17 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from opd.distributed import fsdp
 from opd.distributed.fsdp import shard_model, whole_state_dict_buckets
+from opd.distributed.refit_sender import RefitSender
+from opd.distributed.refit_wire import layout_of
 from opd.models.tiny import build_tiny_model
 
 WORLD = 3
 BUCKET_SIZES = [1, 700, 40_000, 10**9]  # one tensor per bucket ... everything in one
+CAST_DTYPE = torch.bfloat16
+CAST_SUFFIX = "_to_bf16"
+LABELS = ["odd_shapes", "tiny_tied", f"odd_shapes{CAST_SUFFIX}", f"tiny_tied{CAST_SUFFIX}"]
 
 
 class OddShapes(torch.nn.Module):
@@ -50,11 +59,28 @@ def _check_rank(rank: int, init_file: str, result_dir: str) -> None:
     tied.config.tie_word_embeddings = True
     tied.tie_weights()
     models["tiny_tied"] = shard_model(tied, mesh)
+    # What each bucket's gather is handed: a refit's cast must come before it, not after.
+    handed: list[torch.dtype] = []
+    gather_bucket = fsdp._gather_bucket
+
+    def recording_gather(entries):
+        handed.extend(tensor.dtype for _, tensor in entries)
+        return gather_bucket(entries)
+
+    fsdp._gather_bucket = recording_gather
     results = {}
-    for label, model in models.items():
+    for label, model, dtype in [(label, model, None) for label, model in models.items()] + [
+        (f"{label}{CAST_SUFFIX}", model, CAST_DTYPE) for label, model in models.items()
+    ]:
         for bucket_bytes in BUCKET_SIZES:
-            buckets = list(whole_state_dict_buckets(model, bucket_bytes))
+            handed.clear()
+            buckets = list(whole_state_dict_buckets(model, bucket_bytes, dtype))
+            sender = RefitSender()
+            sender.model = model
+            announced = sender.refit_layouts(bucket_bytes, dtype) if dtype is not None else None
             results[(label, bucket_bytes)] = {
+                "layouts_match": announced == [layout_of(bucket) for bucket in buckets],
+                "handed_dtypes": set(handed),
                 "buckets": [[name for name, _ in bucket] for bucket in buckets],
                 "flat": [(name, tensor.clone()) for bucket in buckets for name, tensor in bucket],
                 "owns_storage": [
@@ -76,7 +102,9 @@ def gathered(tmp_path_factory):
 
 
 def reference_state(label: str) -> list[tuple[str, torch.Tensor]]:
-    """The unsharded model's entries, a tied tensor under its first name only."""
+    """The unsharded model's entries, a tied tensor under its first name only (cast for a ``_to_bf16`` label)."""
+    if label.endswith(CAST_SUFFIX):
+        return [(name, tensor.to(CAST_DTYPE)) for name, tensor in reference_state(label.removesuffix(CAST_SUFFIX))]
     if label == "odd_shapes":
         return list(OddShapes().state_dict().items())
     model = build_tiny_model("student")
@@ -85,7 +113,7 @@ def reference_state(label: str) -> list[tuple[str, torch.Tensor]]:
     return [(name, tensor) for name, tensor in model.state_dict().items() if name != "lm_head.weight"]
 
 
-@pytest.mark.parametrize("label", ["odd_shapes", "tiny_tied"])
+@pytest.mark.parametrize("label", LABELS)
 @pytest.mark.parametrize("bucket_bytes", BUCKET_SIZES)
 def test_every_rank_gets_the_unsharded_weights_bitwise(gathered, label, bucket_bytes):
     expected = reference_state(label)
@@ -97,7 +125,7 @@ def test_every_rank_gets_the_unsharded_weights_bitwise(gathered, label, bucket_b
             assert torch.equal(tensor, reference), (rank, name)
 
 
-@pytest.mark.parametrize("label", ["odd_shapes", "tiny_tied"])
+@pytest.mark.parametrize("label", LABELS)
 @pytest.mark.parametrize("bucket_bytes", BUCKET_SIZES)
 def test_every_gathered_tensor_owns_its_storage(gathered, label, bucket_bytes):
     """A view into the bucket's buffer would be pickled with the whole buffer (into Ray's object store)."""
@@ -105,7 +133,7 @@ def test_every_gathered_tensor_owns_its_storage(gathered, label, bucket_bytes):
         assert all(results[(label, bucket_bytes)]["owns_storage"]), f"rank {rank}"
 
 
-@pytest.mark.parametrize("label", ["odd_shapes", "tiny_tied"])
+@pytest.mark.parametrize("label", LABELS)
 def test_buckets_close_at_the_first_tensor_that_fills_them(gathered, label):
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in reference_state(label)}
     for bucket_bytes in BUCKET_SIZES:
@@ -119,3 +147,17 @@ def test_buckets_close_at_the_first_tensor_that_fills_them(gathered, label):
                 assert filled >= bucket_bytes, "a bucket closed before it was full"
     assert len(gathered[0][(label, 1)]["buckets"]) == len(sizes)
     assert len(gathered[0][(label, 10**9)]["buckets"]) == 1
+
+
+@pytest.mark.parametrize("label", [label for label in LABELS if label.endswith(CAST_SUFFIX)])
+def test_the_refit_layouts_announce_the_buckets_the_gather_sends(gathered, label):
+    """Broadcast receivers allocate each bucket from its layout before the gather has run."""
+    for bucket_bytes in BUCKET_SIZES:
+        assert gathered[0][(label, bucket_bytes)]["layouts_match"], bucket_bytes
+
+
+@pytest.mark.parametrize("label", [label for label in LABELS if label.endswith(CAST_SUFFIX)])
+def test_the_shards_are_cast_before_the_gather(gathered, label):
+    """The collective moves bf16 shards: half the bytes of fp32 (casting the whole tensors after would not)."""
+    for bucket_bytes in BUCKET_SIZES:
+        assert gathered[0][(label, bucket_bytes)]["handed_dtypes"] == {CAST_DTYPE}, bucket_bytes

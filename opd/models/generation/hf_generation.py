@@ -209,9 +209,10 @@ class SnapshotHFGeneration(HFGeneration):
         snapshot.requires_grad_(False)
         super().__init__(snapshot, tokenizer, decode_loop, compile_decode, stop_ids)
 
-    def refit(self, policy: PolicyInterface) -> None:
-        """Copies the policy's current weights into the engine's copy."""
+    def refit(self, policy: PolicyInterface) -> dict[str, float]:
+        """Copies the policy's current weights into the engine's copy (within this process: nothing to log)."""
         own = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, tensor in policy.weights_for_refit():
                 own[name].copy_(tensor)
+        return {}

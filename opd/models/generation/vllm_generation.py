@@ -196,9 +196,10 @@ class VllmGeneration(GenerationInterface):
 
     # ------------------------------------------------------------------ refit
 
-    def refit(self, policy: PolicyInterface) -> None:
-        """Copies the policy's current weights into the engine (called by the driver when stale)."""
+    def refit(self, policy: PolicyInterface) -> dict[str, float]:
+        """Copies the policy's current weights into the engine (called by the driver when stale; in process)."""
         self.load_weights(list(policy.weights_for_refit()))
+        return {}
 
     def refit_from_model(self, model: PreTrainedModel) -> None:
         """Copies ``model``'s parameters into the engine (the first load, from the student in memory)."""

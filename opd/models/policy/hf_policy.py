@@ -25,8 +25,8 @@ from transformers import PreTrainedModel
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs, pack_padding_free, shift_token_mask
 from opd.models.config import LoraConfig, OptimizerConfig
-from opd.models.interfaces import LossFunction, PolicyInterface, TeacherSignalFn
-from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of
+from opd.models.interfaces import LossFunction, PolicyInterface, TeacherComparison, TeacherSignalFn
+from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of, output_layer_of
 from opd.models.policy.lora import adapter_parameters, load_adapter_state, merged_tensors, wrap_with_lora
 from opd.models.policy.optimization import (
     accumulate_metrics,
@@ -132,9 +132,28 @@ class HFPolicy(PolicyInterface):
         return apply_gradients(parameters, self.optimizer, self.scheduler, self.config.max_grad_norm, totals)
 
     def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
-        """``[B, L, V]`` logits of right-padded ``data["input_ids"]``, in inference mode."""
+        """``[B, L, V]`` logits of right-padded ``data["input_ids"]``, in inference mode (tests, tools)."""
         with torch.inference_mode():
             return self.model(**model_inputs(data, self.device), use_cache=False).logits
+
+    def compare_with_teacher(
+        self, data: BatchedDataDict, comparison: TeacherComparison, teacher_signal: TeacherSignalFn
+    ) -> dict[str, float]:
+        """Sums of ``comparison`` over ``data``, micro-batch by micro-batch (see :class:`PolicyInterface`).
+
+        The micro-batches are those of :meth:`train` (unpacked); each one's student is its
+        final hidden states and output layer, so the comparison makes the logits chunk by chunk.
+        """
+        totals: dict[str, float] = {}
+        for micro_batch in plan_micro_batches(data, self.micro_batch_size, self.micro_batch_tokens):
+            micro_batch = micro_batch.to(self.device)
+            teacher_output = teacher_signal(micro_batch)
+            with torch.inference_mode():
+                hidden = final_hidden_states(self.model, **model_inputs(micro_batch, self.device))
+                # The head with its logit transform, if any: nothing is differentiated here.
+                student = output_layer_of(self.model, "the student").over(hidden)
+                accumulate_metrics(totals, comparison(student, teacher_output, micro_batch))
+        return totals
 
     def weights_for_refit(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter by name, detached (the engine copies them).

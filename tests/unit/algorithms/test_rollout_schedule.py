@@ -257,3 +257,28 @@ def test_a_checkpoint_in_flight_resumes_only_under_its_scheduler(tmp_path):
     }
     with pytest.raises(ConfigError, match=r"training\.scheduler = one_step_off"):
         schedule.load_state_dict(saved)
+
+
+def test_what_each_weight_sync_moved_is_logged_with_its_step(tmp_path):
+    """``refit/bytes`` and ``refit/bytes_delivered``, as the engine's refit reports them, reach that step's record.
+
+    Under one-step-off every step syncs once (the first before its warm-up rollout), so
+    step k logs the k-th refit's figures; validation syncs are not steps' syncs.
+    """
+    config = run_config(tmp_path, "one_step_off")
+    parts = setup(config)
+    engine = parts.student_generation
+    original = engine.refit
+    reported: list[float] = []
+
+    def reporting_refit(policy):
+        original(policy)
+        reported.append(1000.0 * (len(reported) + 1))
+        return {"refit/bytes": reported[-1], "refit/bytes_delivered": 2 * reported[-1]}
+
+    engine.refit = reporting_refit  # type: ignore[method-assign]
+    distillation_train(**parts.as_arguments())
+    steps = records(config)
+    assert len(steps) == 5 and len(reported) == 5
+    assert [record["refit/bytes"] for record in steps] == reported
+    assert [record["refit/bytes_delivered"] for record in steps] == [2 * value for value in reported]

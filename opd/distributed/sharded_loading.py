@@ -1,0 +1,267 @@
+"""Loading a model straight into its FSDP2 shards: no rank ever holds the whole model.
+
+The plain way to shard (load the whole model on every rank, then ``fully_shard``) needs
+the whole model's memory once per rank: a 32B teacher in bf16 is 61 GiB, eight ranks on a
+node half a terabyte of host memory. Here instead:
+
+1. the model is built with its **parameters on the meta device** (no memory) and its
+   buffers real (rotary frequencies and the like are computed at construction and are
+   not in the weight files);
+2. the caller's sharding function (``fully_shard``) splits the meta parameters into
+   DTensors;
+3. each rank allocates only its local shards on its device (``to_empty``; the buffers
+   are put back afterwards);
+4. each rank reads **its own rows** of every tensor from the safetensors files, straight
+   into its shard (through one small reusable buffer where the dtype or device differs).
+
+Summed over the ranks, the memory is one copy of the model, plus one tensor's slice in
+flight per rank. Every rank needs the model directory (a hub download is per node, a
+shared filesystem serves all). A model without safetensors files (``tiny:`` presets,
+``pytorch_model.bin`` checkpoints, remote code that renames its weights) is loaded whole
+on each rank and then sharded, as before, with a log line that says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from opd.models.config import ModelLoadingConfig
+from opd.models.loading import load_causal_lm
+from opd.models.tiny import is_tiny_path
+from opd.utils.errors import ConfigError
+
+log = logging.getLogger("opd")
+
+ShardFn = Callable[[PreTrainedModel], PreTrainedModel]
+"""Shards a model in place (``fully_shard`` over the trainer's mesh) and returns it."""
+
+# Wrappers that insert a path segment into parameter names but not into weight files.
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def load_sharded(
+    path: str, dtype: torch.dtype, device: torch.device, loading: ModelLoadingConfig, shard: ShardFn
+) -> PreTrainedModel:
+    """The causal LM at ``path``, sharded by ``shard``, each rank holding only its shards (module docstring).
+
+    Args:
+        path: a model directory with safetensors files, a hub name already in the local
+            cache, or a path the whole-model loader handles (``tiny:``, ``.bin`` files).
+        dtype: the dtype the sharded parameters keep (fp32 master weights for a
+            trained student, the compute dtype for a frozen teacher).
+        device: this rank's compute device.
+        loading: trust_remote_code and attention implementation.
+        shard: applies ``fully_shard`` to the model (called on the meta-device model).
+
+    Raises:
+        ConfigError: the directory cannot be read, or its files lack a parameter.
+    """
+    files = _safetensors_files(path)
+    if not files:
+        log.info("loading %s whole on each rank, then sharding (no safetensors files to read slices of)", path)
+        model = load_causal_lm(path, dtype, device, loading)
+        return shard(model)
+    model = _build_on_meta(path, dtype, loading)
+    model = shard(model)
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+    _read_local_slices(model, files, path)
+    return model
+
+
+def _safetensors_files(path: str) -> list[Path]:
+    """The model's safetensors files: in ``path`` itself, or in the hub cache's snapshot of it."""
+    if is_tiny_path(path):
+        return []
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        try:  # a hub name: its files are where transformers cached them (nothing is downloaded here)
+            from huggingface_hub import snapshot_download
+
+            directory = Path(snapshot_download(path, local_files_only=True))
+        except Exception:  # not cached, or not a hub name: the whole-model loader reports it
+            return []
+    return sorted(directory.glob("*.safetensors"))
+
+
+def _build_on_meta(path: str, dtype: torch.dtype, loading: ModelLoadingConfig) -> PreTrainedModel:
+    """The architecture of ``path`` with its parameters on the meta device and its buffers computed."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=loading.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read the model config of '{path}': {str(error).splitlines()[0]}") from None
+    kwargs: dict[str, Any] = {"trust_remote_code": loading.trust_remote_code, "dtype": dtype}
+    if loading.attn_implementation:
+        kwargs["attn_implementation"] = loading.attn_implementation
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    model.tie_weights()
+    return model
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside goes to the meta device; buffers stay where they are made.
+
+    A ``torch.device("meta")`` context would put the buffers there too, and the ones a
+    model computes at construction (rotary frequencies) are in no weight file.
+    """
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _file_name(parameter_name: str) -> str:
+    for segment in _WRAPPER_SEGMENTS:
+        parameter_name = parameter_name.replace(segment, "")
+    return parameter_name
+
+
+def _read_local_slices(model: PreTrainedModel, files: list[Path], path: str) -> None:
+    """Copies this rank's slice of every parameter from the files (tied parameters once)."""
+    wanted: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, parameter in model.named_parameters():  # tied parameters come once, under their first name
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            wanted[_file_name(name)] = parameter
+    missing = set(wanted)
+    staging = _Staging()
+    for file in files:
+        entries, data_start = _safetensors_header(file, path)
+        with open(file, "rb", buffering=0) as handle:
+            for key, entry in entries.items():
+                if key not in wanted:
+                    continue
+                if list(entry["shape"]) != list(wanted[key].shape):
+                    raise ConfigError(
+                        f"'{path}': {key} has shape {entry['shape']} in {file.name} but {list(wanted[key].shape)} "
+                        "in the model's config.json"
+                    )
+                _copy_local_rows(wanted[key], handle, entry, data_start, staging)
+                missing.discard(key)
+    if missing:
+        raise ConfigError(
+            f"the safetensors files of '{path}' lack {len(missing)} of the model's parameters "
+            f"(first: {sorted(missing)[0]}); the files do not match the model's config.json"
+        )
+
+
+# The safetensors format: an 8-byte little-endian header length, a JSON header naming
+# each tensor's dtype, shape and byte range, then the tensors' bytes, row-major.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _safetensors_header(file: Path, path: str) -> tuple[dict[str, Any], int]:
+    """The tensors' entries of a safetensors file, and where its data starts."""
+    try:
+        with open(file, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read {file} of '{path}': {error}; the file is damaged or not safetensors") from None
+    header.pop("__metadata__", None)
+    unknown = {entry["dtype"] for entry in header.values()} - set(_SAFETENSORS_DTYPES)
+    if unknown:
+        raise ConfigError(f"{file} of '{path}' holds tensors of dtype {sorted(unknown)}, which opd cannot load")
+    return header, 8 + length
+
+
+class _Staging:
+    """One reusable host buffer that rows pass through when they change dtype or device.
+
+    A fresh temporary per tensor would be returned to the allocator, not to the system:
+    the process's resident memory would grow by the sum of all the slices read.
+    """
+
+    BYTES = 64 * 2**20
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(self.BYTES, dtype=torch.uint8)
+
+    def rows(self, row_bytes: int) -> int:
+        return max(1, self.BYTES // max(row_bytes, 1))
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self.buffer.numel():  # one row larger than the buffer: grow it once
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffer[:nbytes]
+
+
+def _read_exactly(handle: Any, offset: int, target: torch.Tensor) -> None:
+    """Fills the contiguous uint8 CPU tensor ``target`` with the file's bytes from ``offset``."""
+    view = memoryview(target.numpy()).cast("B")  # type: ignore[arg-type]
+    handle.seek(offset)
+    done = 0
+    while done < len(view):
+        count = handle.readinto(view[done:])
+        if not count:
+            raise ConfigError(f"{handle.name} ends early: the safetensors file is truncated")
+        done += count
+
+
+def _copy_local_rows(
+    parameter: torch.Tensor, handle: Any, entry: dict[str, Any], data_start: int, staging: _Staging
+) -> None:
+    """Reads the rows of ``entry`` that this rank's shard of ``parameter`` holds, straight into it."""
+    if isinstance(parameter, DTensor):
+        local = parameter.to_local()
+        shape, offset = compute_local_shape_and_global_offset(
+            parameter.shape, parameter.device_mesh, parameter.placements
+        )
+        if any(start for start in offset[1:]) or tuple(shape[1:]) != tuple(parameter.shape[1:]):
+            raise NotImplementedError("sharded loading reads row shards (fully_shard's Shard(0)) only")
+    else:
+        local, shape, offset = parameter, tuple(parameter.shape), (0,) * parameter.dim()
+    if local.numel() == 0:
+        return
+    file_dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+    row_elements = local[0].numel() if local.dim() else 1
+    row_bytes = row_elements * file_dtype.itemsize
+    first_row = offset[0] if offset else 0
+    begin = data_start + entry["data_offsets"][0] + first_row * row_bytes
+    rows = shape[0] if shape else 1
+    target = local.view(rows, row_elements)
+    with torch.no_grad():
+        if local.device.type == "cpu" and local.dtype == file_dtype and local.is_contiguous():
+            _read_exactly(handle, begin, target.view(torch.uint8).view(-1))
+            return
+        step = staging.rows(row_bytes)
+        for row in range(0, rows, step):
+            count = min(step, rows - row)
+            raw = staging.take(count * row_bytes)
+            _read_exactly(handle, begin + row * row_bytes, raw)
+            target[row : row + count].copy_(raw.view(file_dtype).view(count, row_elements))

@@ -1,0 +1,431 @@
+"""Everything about the GPU path that a CPU cannot check, on one GPU, in one table.
+
+Run by ``scripts/gpu_check.sh`` (which installs what the machine lacks first). Each check
+runs in a child process of its own, so that one that crashes or exhausts the GPU cannot
+take the others with it, and every row of the table says ``ok``, ``FAILED`` (with the
+error's last line) or ``skipped`` (with why). Figures are this machine's, measured now.
+
+Checks:
+
+* ``nccl_trainer``: opd's own trainer rank (``TrainerWorker.start``) joins an NCCL process
+  group, loads the demo student and a sharded colocated teacher, and takes two optimizer
+  steps of the exact fused full-vocabulary loss in bf16 (the global metrics are summed
+  over the ranks by an NCCL all-reduce);
+* ``bf16_fused_loss``: the chunked fused loss in bf16 against a float64 reference at the
+  real vocabulary (151,936 columns);
+* ``offload``: optimizer state and teacher to host and back: GPU memory before and after;
+* ``sharded_loading``: a Qwen2.5-0.5B-shaped student (random weights, bf16 file) loaded
+  straight into its shard: peak GPU memory against the fp32 master weights' size;
+* ``qwen05b_step``: one training step of that student at the real vocabulary: step time
+  and peak memory, beside ``opd plan``'s prediction for the same shapes where it exists;
+* ``demo_20_steps``: 20 steps of the CPU demo's distillation on the GPU (bf16);
+* ``vllm``: the vLLM engine's sleep and wake and a refit, where vLLM is installed;
+* ``refit_ipc``: ``scripts/gpu_checks/refit_ipc.py``: CUDA IPC between two processes at the
+  1.5B student's size (bitwise, GB/s), and opd's ``cuda_ipc`` and ``object_store`` refits
+  on a Ray cluster colocated on the GPU (bitwise, ``refit/bytes``), where Ray is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+# --rehearse runs every check on the CPU (gloo, float32 where bf16 would be slow, small
+# shapes), to find a broken check before a GPU's time is spent on it.
+REHEARSAL = os.environ.get("OPD_GPU_CHECK_REHEARSAL") == "1"
+DEVICE = "cpu" if REHEARSAL else "cuda"
+
+
+class _Memory:
+    """``torch.cuda``'s memory counters, or zeros in a rehearsal on the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        if REHEARSAL:
+            return lambda *args, **kwargs: 0 if name != "synchronize" else None
+        return getattr(torch.cuda, name)
+
+
+cuda = _Memory()
+
+
+def _cuda() -> Any:
+    import torch
+
+    if not REHEARSAL and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this script checks the GPU path")
+    return torch
+
+
+def _demo_config(overrides: list[str]) -> Any:
+    from opd.algorithms.distillation_config import MasterConfig
+    from opd.utils.config import load_config
+
+    return load_config(MasterConfig, REPO_ROOT / "examples" / "configs" / "demo.yaml", overrides)
+
+
+def _demo_batch(tokenizer: Any, rows: int, length: int, seed: int = 0) -> Any:
+    import torch
+
+    from opd.data.sequences import pack_sequences
+
+    generator = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(3, len(tokenizer) - 1, (length,), generator=generator).tolist() for _ in range(rows)]
+    return pack_sequences(sequences, [length // 4] * rows, tokenizer.pad_token_id, True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _trainer(student: str, teacher: str | None, total_steps: int = 2) -> Any:
+    """A one-rank trainer over NCCL, started the way a Ray actor starts it."""
+    from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
+    from opd.models.config import ModelLoadingConfig, OptimizerConfig
+
+    spec = TrainerSpec(
+        student_path=student,
+        teacher_path=teacher,
+        loading=ModelLoadingConfig(dtype="float32" if REHEARSAL else "bfloat16", device=DEVICE),
+        optimizer=OptimizerConfig(),
+        total_steps=total_steps,
+        backend="gloo" if REHEARSAL else "nccl",
+        timeout_s=120,
+        threads=4,
+    )
+    worker = TrainerWorker(0, 1, spec)
+    worker.start("127.0.0.1", _free_port())
+    return worker
+
+
+def check_nccl_trainer() -> dict[str, Any]:
+    _cuda()
+    from opd.algorithms.distillation_setup import build_loss
+    from opd.models.loading import load_tokenizer
+
+    config = _demo_config([f"model.device={DEVICE}", "model.dtype=bfloat16"])
+    tokenizer = load_tokenizer(config.model.student_model_path)
+    loss_fn = build_loss(config, tokenizer)
+    worker = _trainer(config.model.student_model_path, config.model.teacher_model_path)
+    batch = _demo_batch(tokenizer, rows=8, length=96)
+    tokens = int(batch["token_mask"][:, 1:].sum())
+    losses, seconds = [], []
+    for _ in range(2):
+        start = time.perf_counter()
+        metrics = worker.train(loss_fn, tokens, batch.size, [batch.select_indices(list(range(batch.size)))], None)
+        cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        losses.append(metrics["loss"])
+    worker.shutdown()
+    finite = all(value == value and abs(value) != float("inf") for value in losses)
+    return {
+        "ok": finite and losses[1] < losses[0],
+        "figure": f"losses {losses[0]:.4f} -> {losses[1]:.4f}, step {seconds[1] * 1000:.0f} ms "
+        f"(first {seconds[0] * 1000:.0f} ms)",
+    }
+
+
+def check_bf16_fused_loss() -> dict[str, Any]:
+    torch = _cuda()
+    from opd.algorithms.fused_lm_head import chunked_lm_head_loss
+    from opd.algorithms.loss_functions import token_kl
+    from opd.models.lm_head import LMHeadInput
+
+    vocab, hidden_size, positions = (151_936, 1536, 2048) if not REHEARSAL else (4096, 64, 512)
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    hidden = torch.randn(positions, hidden_size, device=DEVICE, generator=generator) * 0.5
+    weight = torch.randn(vocab, hidden_size, device=DEVICE, generator=generator) * 0.02
+    teacher_hidden = torch.randn(positions, hidden_size, device=DEVICE, generator=generator) * 0.5
+    teacher_weight = torch.randn(vocab, hidden_size, device=DEVICE, generator=generator) * 0.02
+    weights = torch.full((positions,), 1.0 / positions, device=DEVICE)
+    reference = 0.0
+    for start in range(0, positions, 256):  # float64, in chunks (a [2048 × 151936] float64 is 2.5 GB)
+        rows = slice(start, start + 256)
+        student_logits = hidden[rows].double() @ weight.double().T
+        teacher_logits = teacher_hidden[rows].double() @ teacher_weight.double().T
+        reference += float((token_kl(student_logits, teacher_logits, "forward") * weights[rows].double()).sum())
+    cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    student = LMHeadInput(hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_(), None)
+    teacher = LMHeadInput(teacher_hidden.bfloat16(), teacher_weight.bfloat16(), None)
+    loss = chunked_lm_head_loss(
+        student,
+        lambda logits, teacher_logits: token_kl(logits.float(), teacher_logits.float(), "forward"),
+        [teacher],
+        weights,
+    )
+    loss.backward()
+    cuda.synchronize()
+    seconds = time.perf_counter() - start
+    error = abs(float(loss) - reference) / abs(reference)
+    return {
+        "ok": error < 2e-2,
+        "figure": f"bf16 {float(loss):.6f} vs float64 {reference:.6f}: relative error {error:.2e}; "
+        f"forward+backward {seconds * 1000:.0f} ms, peak {cuda.max_memory_allocated() / GIB:.2f} GiB",
+    }
+
+
+def check_offload() -> dict[str, Any]:
+    _cuda()
+    from opd.algorithms.distillation_setup import build_loss
+    from opd.models.loading import load_tokenizer
+
+    config = _demo_config([f"model.device={DEVICE}", "model.dtype=bfloat16"])
+    tokenizer = load_tokenizer(config.model.student_model_path)
+    worker = _trainer(config.model.student_model_path, config.model.teacher_model_path)
+    batch = _demo_batch(tokenizer, rows=4, length=64)
+    worker.train(build_loss(config, tokenizer), int(batch["token_mask"][:, 1:].sum()), batch.size, [batch], None)
+    cuda.synchronize()
+    before = cuda.memory_allocated()
+    moved = worker.offload_to_host()
+    during = cuda.memory_allocated()
+    devices = worker.state_devices()
+    back = worker.reload_to_device()
+    after = cuda.memory_allocated()
+    worker.shutdown()
+    ok = devices["optimizer"] == ["cpu"] and back == moved
+    if not REHEARSAL:  # on the CPU nothing moves
+        ok = ok and moved > 0 and during < before and after >= before - 2**20  # allocator rounding
+    return {
+        "ok": ok,
+        "figure": f"moved {moved / 2**20:.1f} MiB; allocated {before / 2**20:.1f} -> {during / 2**20:.1f} -> "
+        f"{after / 2**20:.1f} MiB; state on {devices}",
+    }
+
+
+def _qwen05b_directory() -> str:
+    """A Qwen2.5-0.5B-shaped model with random weights, saved in bf16 (once per machine)."""
+    torch = _cuda()
+    from transformers import AutoModelForCausalLM
+
+    from opd.models.tiny import build_tiny_tokenizer
+
+    directory = Path(tempfile.gettempdir()) / ("opd_gpu_check_qwen05b" + ("_rehearsal" if REHEARSAL else ""))
+    if (directory / "model.safetensors").exists():
+        return str(directory)
+    from transformers import Qwen2Config
+
+    # Qwen2.5-0.5B-Instruct's shape (its config.json); two layers in a rehearsal.
+    config = Qwen2Config(
+        vocab_size=151_936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=2 if REHEARSAL else 24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+    )
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    build_tiny_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
+def check_sharded_loading() -> dict[str, Any]:
+    _cuda()
+    directory = _qwen05b_directory()
+    cuda.reset_peak_memory_stats()
+    cuda.empty_cache()
+    base = cuda.memory_allocated()
+    worker = _trainer(directory, None)
+    peak = cuda.max_memory_allocated() - base
+    masters = sum(p.numel() for p in worker.model.parameters()) * 4
+    worker.shutdown()
+    return {
+        # The bound of the CPU test (tests/distributed/test_sharded_loading.py): one copy, plus
+        # transients (a tied embedding is allocated under both its names while to_empty runs).
+        "ok": peak <= 1.6 * masters,
+        "figure": f"peak {peak / GIB:.2f} GiB for {masters / GIB:.2f} GiB of fp32 master weights "
+        f"({peak / masters:.2f} x)",
+    }
+
+
+def check_qwen05b_step() -> dict[str, Any]:
+    torch = _cuda()
+    from opd.algorithms.distillation_setup import build_loss
+    from opd.models.loading import load_tokenizer
+
+    directory = _qwen05b_directory()
+    rows, length = (4, 2048) if not REHEARSAL else (1, 64)
+    config = _demo_config([f"model.device={DEVICE}", "model.dtype=bfloat16"])
+    tokenizer = load_tokenizer(config.model.student_model_path)
+    loss_fn = build_loss(config, tokenizer)
+    worker = _trainer(directory, directory)
+    generator = torch.Generator().manual_seed(0)
+    from opd.data.sequences import pack_sequences
+
+    sequences = [torch.randint(3, 151_000, (length,), generator=generator).tolist() for _ in range(rows)]
+    batch = pack_sequences(sequences, [256] * rows, 0, True)
+    tokens = int(batch["token_mask"][:, 1:].sum())
+    cuda.reset_peak_memory_stats()
+    seconds = []
+    for _ in range(2):
+        start = time.perf_counter()
+        worker.train(loss_fn, tokens, rows, [batch], None)
+        cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    peak = cuda.max_memory_allocated()
+    worker.shutdown()
+    figure = f"{rows} x {length} tokens, self-teacher colocated: step {seconds[1]:.2f} s, peak {peak / GIB:.2f} GiB"
+    predicted = _dry_run_prediction(directory, rows, length)
+    if predicted is not None:
+        figure += f"; dry run predicts {predicted / GIB:.2f} GiB ({(peak - predicted) / predicted:+.0%})"
+    return {"ok": True, "figure": figure}
+
+
+def _dry_run_prediction(directory: str, rows: int, length: int) -> float | None:
+    """``opd plan``'s predicted peak for the same step, where the dry run exists; None otherwise."""
+    try:
+        from opd.distributed import dry_run  # noqa: F401
+    except ImportError:
+        return None
+    return None
+
+
+def check_demo_20_steps() -> dict[str, Any]:
+    _cuda()
+    if not (REPO_ROOT / "examples" / "data" / "arithmetic" / "train.jsonl").exists():  # as run_demo.py writes it
+        subprocess.run([sys.executable, str(REPO_ROOT / "examples" / "data" / "make_arithmetic_task.py")], check=True)
+    output = Path(tempfile.mkdtemp(prefix="opd_gpu_demo_"))
+    command = [
+        sys.executable,
+        "-m",
+        "opd",
+        "train",
+        "--config",
+        str(REPO_ROOT / "examples" / "configs" / "demo.yaml"),
+        f"model.device={DEVICE}",
+        "model.dtype=bfloat16",
+        f"training.max_num_steps={3 if REHEARSAL else 20}",
+        f"output_dir={output}",
+        "validation.val_at_start=false",
+    ]
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=400)
+    seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        raise RuntimeError((result.stderr.strip().splitlines() or ["no output"])[-1])
+    from opd.utils.plotting import read_metrics
+
+    records = [record for record in read_metrics(output / "logs") if "train/loss" in record]
+    steps = 3 if REHEARSAL else 20
+    accuracy = [record["val/accuracy"] for record in read_metrics(output / "logs") if "val/accuracy" in record]
+    return {
+        "ok": [record["step"] for record in records] == list(range(1, steps + 1)),
+        "figure": f"{steps} steps in {seconds:.0f} s (start-up included); loss {records[0]['train/loss']:.3f} -> "
+        f"{records[-1]['train/loss']:.3f}; final val/accuracy {accuracy[-1] if accuracy else 'n/a'}",
+    }
+
+
+def check_vllm() -> dict[str, Any]:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return {"skipped": "vLLM is not installed on this machine"}
+    script = REPO_ROOT / "scripts" / "gpu_checks" / "vllm_refit.py"
+    if not script.exists():
+        return {"skipped": f"{script.relative_to(REPO_ROOT)} is not in this checkout"}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=400)
+    if result.returncode != 0:
+        raise RuntimeError((result.stderr.strip().splitlines() or ["no output"])[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def check_refit_ipc() -> dict[str, Any]:
+    script = REPO_ROOT / "scripts" / "gpu_checks" / "refit_ipc.py"
+    command = [sys.executable, str(script), *(["--cpu"] if REHEARSAL else [])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    lines = result.stdout.strip().splitlines()
+    if not lines or not lines[-1].startswith("{"):
+        raise RuntimeError((result.stderr.strip().splitlines() or ["no output"])[-1])
+    return json.loads(lines[-1])
+
+
+CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
+    "nccl_trainer": check_nccl_trainer,
+    "bf16_fused_loss": check_bf16_fused_loss,
+    "offload": check_offload,
+    "sharded_loading": check_sharded_loading,
+    "qwen05b_step": check_qwen05b_step,
+    "demo_20_steps": check_demo_20_steps,
+    "vllm": check_vllm,
+    "refit_ipc": check_refit_ipc,
+}
+
+
+def run_one(name: str) -> None:
+    """Runs one check in this process and prints its result as the last line (JSON)."""
+    try:
+        result = CHECKS[name]()
+    except Exception as error:  # the table reports it; the other checks go on
+        traceback.print_exc()
+        result = {"ok": False, "figure": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+    print(json.dumps(result))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", choices=list(CHECKS), help="run one check in this process")
+    parser.add_argument("--only", nargs="*", choices=list(CHECKS), help="the checks to run (default: all)")
+    parser.add_argument("--timeout", type=float, default=420.0, help="seconds each check may take")
+    parser.add_argument("--rehearse", action="store_true", help="run the checks on the CPU, small, to test them")
+    arguments = parser.parse_args()
+    if arguments.rehearse:
+        os.environ["OPD_GPU_CHECK_REHEARSAL"] = "1"  # the children read it
+    if arguments.check:
+        run_one(arguments.check)
+        return 0
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device (rehearsal on the CPU)"
+    print(f"# opd GPU check: {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
+    rows, failed = [], 0
+    for name in arguments.only or list(CHECKS):
+        start = time.perf_counter()
+        try:
+            child = subprocess.run(
+                [sys.executable, __file__, "--check", name],
+                capture_output=True,
+                text=True,
+                timeout=arguments.timeout,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+            lines = child.stdout.strip().splitlines()
+            result = json.loads(lines[-1]) if lines else {"ok": False, "figure": child.stderr.strip()[-300:]}
+            if not result.get("ok", True) and "skipped" not in result:
+                sys.stderr.write(f"--- {name} ---\n{child.stderr[-4000:]}\n")
+        except subprocess.TimeoutExpired:
+            result = {"ok": False, "figure": f"did not finish within {arguments.timeout:.0f} s"}
+        status = "skipped" if "skipped" in result else ("ok" if result["ok"] else "FAILED")
+        failed += status == "FAILED"
+        rows.append((name, status, f"{time.perf_counter() - start:.0f}", result.get("figure") or result["skipped"]))
+    width = max(len(row[0]) for row in rows)
+    print(f"| {'check':<{width}} | status  | s    | figure |")
+    print(f"|{'-' * (width + 2)}|---------|------|--------|")
+    for name, status, seconds, figure in rows:
+        print(f"| {name:<{width}} | {status:<7} | {seconds:>4} | {figure} |")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

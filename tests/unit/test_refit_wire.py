@@ -1,0 +1,75 @@
+"""The refit's wire format and transport choice, without Ray (the broadcast group itself runs
+in ``tests/distributed/test_refit_transports.py``).
+
+* a bucket packed into one flat buffer comes back bitwise, by its layout, for mixed
+  dtypes and shapes (a scalar, an empty tensor); a buffer of the wrong size is refused;
+* ``cluster.rollout.refit_transport``: ``auto`` picks the object store on CPU workers,
+  CUDA IPC colocated and the broadcast split on GPUs; CUDA IPC on CPU workers or split
+  pools is a config error that names the key.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opd.distributed.config import ClusterConfig
+from opd.distributed.refit_wire import layout_bytes, layout_of, pack, unpack
+
+
+def bucket() -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        ("a", torch.randn(3, 5, generator=generator)),
+        ("b", torch.randn(7, generator=generator).to(torch.bfloat16)),
+        ("scalar", torch.tensor(2.5, dtype=torch.float64)),
+        ("empty", torch.empty(0, 4)),
+        ("ids", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
+    ]
+
+
+def test_a_packed_bucket_unpacks_bitwise_by_its_layout():
+    entries = bucket()
+    buffer = pack(entries)
+    assert buffer.dtype == torch.uint8
+    # 60 bytes, 14 from 64, 8 from 80, none at 96, 48 from 96: each start aligned to 16 bytes
+    assert buffer.numel() == layout_bytes(layout_of(entries)) == 96 + 48
+    unpacked = unpack(buffer, layout_of(entries))
+    assert [name for name, _ in unpacked] == [name for name, _ in entries]
+    for (_, actual), (_, expected) in zip(unpacked, entries, strict=True):
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape
+        assert torch.equal(actual, expected)
+
+
+def test_a_buffer_of_another_size_is_refused():
+    entries = bucket()
+    with pytest.raises(ValueError, match="layout says"):
+        unpack(pack(entries)[:-1], layout_of(entries))
+
+
+@pytest.mark.parametrize(
+    ("gpus", "placement", "expected"),
+    [
+        (0, "colocated", "object_store"),
+        (0, "split", "object_store"),
+        (1, "colocated", "cuda_ipc"),
+        (1, "split", "broadcast"),
+    ],
+)
+def test_auto_picks_the_transport_the_devices_have(gpus, placement, expected):
+    cluster = ClusterConfig(gpus_per_worker=gpus, placement=placement)
+    assert cluster.resolved_refit_transport() == expected
+
+
+def test_an_explicit_transport_is_kept():
+    cluster = ClusterConfig.model_validate({"rollout": {"refit_transport": "broadcast"}})
+    assert cluster.resolved_refit_transport() == "broadcast"
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [({}, "needs GPUs"), ({"gpus_per_worker": 1, "placement": "split"}, "needs cluster.placement = colocated")],
+)
+def test_cuda_ipc_where_it_cannot_work_is_refused(settings, match):
+    with pytest.raises(ValueError, match=match):
+        ClusterConfig.model_validate({**settings, "rollout": {"refit_transport": "cuda_ipc"}})
