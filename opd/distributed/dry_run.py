@@ -51,13 +51,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM
 
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.distributed.fsdp import HIDDEN_STATES_METHOD
+from opd.distributed.fsdp import HIDDEN_STATES_METHOD, device_mesh
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
 from opd.models.interfaces import LossFunction
 from opd.models.lm_head import final_hidden_states
@@ -373,8 +372,12 @@ def _sharding_metadata_apart() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_process_group(rank: int, world_size: int) -> Iterator[Any]:
-    """``torch.distributed``'s fake process group as rank ``rank`` of ``world_size``; yields the 1-D mesh."""
+def fake_process_group(rank: int, world_size: int, shard_group_size: int | None = None) -> Iterator[Any]:
+    """``torch.distributed``'s fake process group as rank ``rank`` of ``world_size``; yields the trainer's mesh.
+
+    The mesh is the one a real trainer makes (:func:`opd.distributed.fsdp.device_mesh`):
+    1-D, or the 2-D HSDP mesh with ``shard_group_size``.
+    """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     device = compute_device()
@@ -385,7 +388,7 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[Any]:
     original = dist.all_gather_object
     dist.all_gather_object = _symmetric_all_gather_object
     try:
-        yield init_device_mesh(device.type, (world_size,))
+        yield device_mesh(device.type, world_size, shard_group_size)
     finally:
         dist.all_gather_object = original
         dist.destroy_process_group()
@@ -590,7 +593,7 @@ def dry_run_rank(
     global_rows = shape.micro_batch_size * shape.micro_batches * world_size
     audit = _DeviceAudit(device)
     with (
-        fake_process_group(rank, world_size) as mesh,
+        fake_process_group(rank, world_size, spec.shard_group_size) as mesh,
         FakeTensorMode(allow_non_fake_inputs=True),
         _tensors_from_data_via_host(),
         _gpu_attention_kernels(),

@@ -88,7 +88,7 @@ class MemoryPlan:
     loss_chunk_bytes: int
     kv_bytes_per_token: int
     engine: dict[str, dict[str, EngineBudget]] = field(default_factory=dict)
-    """Device → ``"kept"`` / ``"offloaded"`` (the trainer's state during generation) → budget."""
+    """Device → ``"kept"`` / ``"offloaded"`` (``cluster.trainer.offload_during_generation``) → budget."""
     dry_run_steps: int = 1
 
     def peak(self, checkpointing: bool) -> int:
@@ -175,6 +175,11 @@ def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] =
             "opd plan dry-runs a teacher colocated in the trainer workers (cluster.teacher.placement = colocated, "
             "teacher.backend = local, one teacher); a teacher pool or a served teacher is not planned yet"
         )
+    if cluster.trainer.shard_group_size not in (None, cluster.trainer.workers):
+        raise ConfigError(
+            "opd plan dry-runs plain FSDP2 over all trainer workers; an HSDP mesh "
+            "(cluster.trainer.shard_group_size) is not planned yet: leave it null to plan the sharding within one group"
+        )
     from opd.algorithms.distillation_setup import resolve_teacher_path
 
     world = cluster.trainer.workers
@@ -258,7 +263,12 @@ def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] =
             label: _engine_budget(
                 size, utilization, resident, student_config, student_parameters, vocab, shape.row_tokens
             )
-            for label, resident in (("kept", resident_kept), ("offloaded", 0))
+            # cluster.trainer.offload_during_generation moves the Adam moments and the
+            # teacher to the host; the student's shard stays (the refit reads it).
+            for label, resident in (
+                ("kept", resident_kept),
+                ("offloaded", 0 if cluster.placement == "split" else first.student_parameters),
+            )
         }
     return plan
 
@@ -330,7 +340,7 @@ def render_plan(plan: MemoryPlan) -> str:
     lines += ["", f"rollout engine (vLLM's arithmetic, KV cache at {plan.kv_bytes_per_token:,} bytes per token):"]
     for device, budgets in plan.engine.items():
         for label, budget in budgets.items():
-            what = "trainer state kept on the device" if label == "kept" else "trainer state offloaded"
+            what = "trainer state kept on the device" if label == "kept" else "Adam moments, teacher offloaded"
             lines.append(
                 f"  {device:>6}, {what:<33}: share {_g(budget.share)} − trainer {_g(budget.trainer_resident)} "
                 f"− weights {_g(budget.weights)} − activations {_g(budget.activations)} = KV {_g(budget.kv_cache)} GiB "

@@ -173,7 +173,8 @@ def check_cluster_plan(plan: dict) -> None:
     for device, size in plan["devices"].items():
         assert plan["verdicts"][device]["off"] == (rank["peak"] + plan["runtime_reserve"] <= size)
         kept, offloaded = plan["engine"][device]["kept"], plan["engine"][device]["offloaded"]
-        assert offloaded["kv_cache"] - kept["kv_cache"] == kept["trainer_resident"]
+        assert offloaded["kv_cache"] - kept["kv_cache"] == kept["trainer_resident"] - offloaded["trainer_resident"]
+        assert offloaded["trainer_resident"] == rank["student_parameters"]  # the refit reads the shard
         assert kept["kv_tokens"] == kept["kv_cache"] // plan["kv_bytes_per_token"]
 
 
