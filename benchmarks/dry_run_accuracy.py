@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--paths", help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, default=SIZES["student"][-1], help=argparse.SUPPRESS)
-    arguments = parse_arguments(parser, {"rows": 1, "prompt": 32, "response": 64}, argv)
+    arguments = parse_arguments(parser, {"rows": 1, "prompt": 32, "response": 64, "worlds": [1]}, argv)
     if arguments.child:
         _child(arguments)
         return []
