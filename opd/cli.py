@@ -1,6 +1,10 @@
 """The ``opd`` command line.
 
 * ``opd train --config FILE [key.sub=value ...]`` — distil (resumes if checkpoints exist);
+  ``--dry-run``: plan instead, as ``opd plan`` does;
+* ``opd plan --config FILE [key.sub=value ...] [--json] [--quick]`` — a cluster run's memory per
+  device from its config alone: the trainer's real step on fake tensors over a fake process
+  group, at the real shapes, with a device audit (:mod:`opd.distributed.memory_plan`);
 * ``opd eval --config FILE [key.sub=value ...]`` — validate one model and exit;
 * ``opd sft --config FILE [key.sub=value ...]`` — supervised fine-tuning (resumes too);
 * ``opd generate --config FILE [key.sub=value ...]`` — one model's (the teacher's) answers to
@@ -43,6 +47,13 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--quick", action="store_true", help="dry-run only the configured activation checkpointing, not both"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``opd`` command."""
     parser = argparse.ArgumentParser(prog="opd", description="On-policy knowledge distillation for LLMs.")
@@ -52,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser("train", help="run on-policy distillation (student learns from teacher)")
     _add_config_arguments(train)
+    train.add_argument("--dry-run", action="store_true", help="print the memory plan instead of training (opd plan)")
+    plan = commands.add_parser(
+        "plan", help="memory per device of a cluster run: its real step on fake tensors, no weights, no GPU"
+    )
+    _add_config_arguments(plan)
+    _add_plan_arguments(plan)
     evaluate = commands.add_parser("eval", help="validate a model (validation.model_path) against the teacher")
     _add_config_arguments(evaluate)
     sft = commands.add_parser("sft", help="supervised fine-tuning on the dataset's assistant answers")
@@ -104,6 +121,21 @@ def run_train(config_path: str, overrides: list[str], val_only: bool = False) ->
     finally:
         components.close()  # a vLLM engine: a later run in this process opens its own
     _draw_curves(config.logger)
+
+
+def run_plan(config_path: str, overrides: list[str], as_json: bool = False, quick: bool = False) -> None:
+    """Loads the config and prints its memory plan (``opd plan``, ``opd train --dry-run``)."""
+    import json
+
+    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distributed.memory_plan import plan_memory, render_plan
+    from opd.utils.config import load_config
+
+    quiet_third_party_output()
+    config = load_config(MasterConfig, config_path, overrides)
+    configured = config.cluster.trainer.activation_checkpointing if config.cluster is not None else False
+    plan = plan_memory(config, (configured,) if quick else (False, True))
+    print(json.dumps(plan.as_dict(), indent=1) if as_json else render_plan(plan))
 
 
 def run_sft(config_path: str, overrides: list[str]) -> None:
@@ -172,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             run_sft(args.config, args.overrides)
         elif args.command == "generate":
             run_generate(args.config, args.overrides)
+        elif args.command == "plan" or getattr(args, "dry_run", False):
+            run_plan(args.config, args.overrides, getattr(args, "json", False), getattr(args, "quick", False))
         else:
             run_train(args.config, args.overrides, val_only=args.command == "eval")
     except OpdError as error:

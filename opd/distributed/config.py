@@ -42,6 +42,12 @@ class TrainerPoolConfig(StrictConfig):
         "(least memory); false: gathered once and kept until the backward is done (one all-gather per layer "
         "instead of two, holding the whole student during each forward-backward)",
     )
+    activation_checkpointing: bool = Field(
+        False,
+        description="true: each decoder layer of the student keeps only its input for the backward and recomputes "
+        "its activations there (about one more forward of compute, activations of one layer at a time instead of "
+        "all of them; `opd plan` shows both); false: keep every layer's activations",
+    )
     shard_group_size: int | None = Field(
         None,
         ge=1,

@@ -16,15 +16,19 @@ and sets what distillation needs:
 * the model gets an ``opd_hidden_states(input_ids, attention_mask, position_ids)`` method
   that runs under FSDP's hooks like ``forward``: the fused loss needs the final hidden
   states without the ``[tokens × vocab]`` logits, and the head's weight afterwards (the
-  root's parameters stay gathered after its forward until the backward is done).
+  root's parameters stay gathered after its forward until the backward is done);
+* with ``activation_checkpointing``, each decoder layer keeps only its input for the
+  backward and runs its forward again there (:func:`checkpoint_activations`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,11 +96,32 @@ def _hidden_states(
     return final_hidden_states(self, input_ids, attention_mask, position_ids)
 
 
+def checkpoint_activations(layer: torch.nn.Module) -> None:
+    """Makes ``layer`` keep only its inputs for the backward and run its forward again there.
+
+    The layer's own ``forward`` is wrapped in place (``torch.utils.checkpoint``, the
+    non-reentrant form), so its parameters keep their names: checkpoints, the refit and
+    the final model see the same state dict as without it. Applied before ``fully_shard``,
+    the recomputation runs inside FSDP2's backward, where the layer's weights are
+    gathered already. Without gradients (a teacher, evaluation) the forward runs once, as usual.
+    """
+    forward = layer.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = checkpointed
+
+
 def shard_model(
     model: PreTrainedModel,
     mesh: DeviceMesh,
     compute_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
 ) -> PreTrainedModel:
     """Shards ``model`` in place with FSDP2 (see the module docstring) and returns it.
 
@@ -110,6 +135,8 @@ def shard_model(
         reshard_after_forward: free each layer's gathered weights after its forward
             (gathered again for the backward); False keeps them until the backward,
             saving one all-gather per layer at the cost of holding them.
+        activation_checkpointing: each decoder layer keeps only its input for the
+            backward and recomputes the rest there (:func:`checkpoint_activations`).
     """
     policy = (
         MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -118,6 +145,8 @@ def shard_model(
     )
     decoder = model.get_decoder()
     for layer in decoder.layers:
+        if activation_checkpointing:
+            checkpoint_activations(layer)
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # the root keeps its weights to the backward anyway
     for module in model.modules():

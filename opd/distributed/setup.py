@@ -235,6 +235,7 @@ def _start_trainer(
         reshard_after_forward=cluster.trainer.reshard_after_forward,
         teacher_sharded=cluster.teacher.sharded,
         shard_group_size=cluster.trainer.shard_group_size,
+        activation_checkpointing=cluster.trainer.activation_checkpointing,
     )
     world_size = cluster.trainer.workers
     bounds = _bounds(cluster, "trainer")

@@ -76,6 +76,8 @@ class TrainerSpec:
             in every rank (``cluster.teacher.sharded``).
         shard_group_size: None shards over every rank (FSDP2); ``k`` shards within groups
             of ``k`` ranks and replicates across them (HSDP, ``cluster.trainer.shard_group_size``).
+        activation_checkpointing: recompute each student layer's activations in the
+            backward (``cluster.trainer.activation_checkpointing``).
     """
 
     student_path: str
@@ -89,6 +91,7 @@ class TrainerSpec:
     reshard_after_forward: bool = True
     teacher_sharded: bool = True
     shard_group_size: int | None = None
+    activation_checkpointing: bool = False
 
 
 class ShardedTeacher(LocalTeacher):
@@ -154,7 +157,9 @@ class TrainerWorker(RefitSender):
             torch.float32,
             self.device,
             spec.loading,
-            lambda model: shard_model(model, mesh, compute_dtype, spec.reshard_after_forward),
+            lambda model: shard_model(
+                model, mesh, compute_dtype, spec.reshard_after_forward, spec.activation_checkpointing
+            ),
         )
         self.model.train()
         self.optimizer = build_optimizer(self.model, spec.optimizer)

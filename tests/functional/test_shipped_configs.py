@@ -14,6 +14,10 @@ The teacher kinds covered: in process (``demo``, ``distillation_tiny``, the spec
 (``distillation_math_served``: opd's teacher server on 127.0.0.1 with the API key the
 config names). The vLLM engine of the served config runs in ``tests/with_vllm``.
 
+``distillation_math_cluster.yaml`` (8 GPUs) cannot train here: its case is ``opd plan``, the
+dry run of its trainer at the real shapes on fake tensors, checked against the shapes'
+arithmetic.
+
 A new file in ``examples/configs/`` fails :func:`test_every_shipped_config_has_a_case`
 until it gets a case here.
 """
@@ -26,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from opd_test_helpers import REPO_ROOT, RunningServer
 
 from opd.cli import main as opd_main
-from opd_test_helpers import REPO_ROOT, RunningServer
 
 CONFIGS = REPO_ROOT / "examples" / "configs"
 ARITHMETIC = REPO_ROOT / "examples" / "data" / "arithmetic"
@@ -58,7 +62,7 @@ class Case:
     """How one shipped config is run here.
 
     Attributes:
-        command: the ``opd`` command the config is written for.
+        command: the ``opd`` command the config is written for (``plan``: its dry run instead).
         overrides: what this machine cannot have, and the sizes of one short step.
         served: the teacher is served (opd's server on 127.0.0.1 with a tiny teacher).
     """
@@ -69,24 +73,39 @@ class Case:
 
 
 CASES = {
-    "distillation.yaml": Case("train", [*TINY_PAIR, *LOCAL_MATH_DATA, "data.data_format=math_cl",
-                                        "data.prompt_file=examples/prompts/math_think_answer.txt",
-                                        *ONE_STEP, *SHORT_ROLLOUTS]),
+    "distillation.yaml": Case(
+        "train",
+        [
+            *TINY_PAIR,
+            *LOCAL_MATH_DATA,
+            "data.data_format=math_cl",
+            "data.prompt_file=examples/prompts/math_think_answer.txt",
+            *ONE_STEP,
+            *SHORT_ROLLOUTS,
+        ],
+    ),
     "distillation_tiny.yaml": Case("train", [*ONE_STEP, *SHORT_ROLLOUTS]),
     "demo.yaml": Case("train", [*ONE_STEP, *SHORT_ROLLOUTS]),
     "distillation_math.yaml": Case("train", [*TINY_PAIR, *LOCAL_MATH_DATA, *ONE_STEP, *SHORT_ROLLOUTS]),
     "distillation_math_served.yaml": Case(
         "train",
-        ["model.student_model_path=tiny:student", *LOCAL_MATH_DATA, *ONE_STEP, *SHORT_ROLLOUTS,
-         "generation.backend=hf"],
+        [
+            "model.student_model_path=tiny:student",
+            *LOCAL_MATH_DATA,
+            *ONE_STEP,
+            *SHORT_ROLLOUTS,
+            "generation.backend=hf",
+        ],
         served=True,
     ),
     "context_demo.yaml": Case("train", [*ONE_STEP, *SHORT_ROLLOUTS]),
     "two_teachers_demo.yaml": Case("train", [*ONE_STEP, *SHORT_ROLLOUTS]),
     "sft.yaml": Case("sft", [*ONE_STEP, "training.batch_size=4"]),
     # prepare_models.py makes teacher_init before it runs this config; the demo teacher stands in.
-    "sft_arithmetic.yaml": Case("sft", ["model.model_path=examples/demo/models/teacher", *ONE_STEP,
-                                        "training.batch_size=4"]),
+    "sft_arithmetic.yaml": Case(
+        "sft", ["model.model_path=examples/demo/models/teacher", *ONE_STEP, "training.batch_size=4"]
+    ),
+    "distillation_math_cluster.yaml": Case("plan", ["--json", "--quick"]),
     "generate_demo.yaml": Case("generate", ["data.max_train_examples=4", "generate.generate_strategy.max_length=12"]),
     "generate_math.yaml": Case(
         "generate",
@@ -107,8 +126,9 @@ def served_teacher(tmp_path_factory):
     from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
-    service = TeacherService(PromptScorer(build_tiny_model("teacher").eval(), len(tokenizer)), tokenizer,
-                             SERVED_MODEL, 128, 2048)
+    service = TeacherService(
+        PromptScorer(build_tiny_model("teacher").eval(), len(tokenizer)), tokenizer, SERVED_MODEL, 128, 2048
+    )
     running = RunningServer(service, api_key="shipped-config-key")
     yield running
     running.stop()
@@ -135,9 +155,54 @@ def metric_records(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
+def check_cluster_plan(plan: dict) -> None:
+    """The 8-GPU spec config's plan against the arithmetic of its shapes."""
+    world = plan["world_size"]
+    assert world == 8 and plan["ranks_equal"]
+    (rank,) = plan["ranks"]["off"]  # the configured variant alone (--quick): no activation checkpointing
+    # fp32 master weights, gradients and two Adam moments, each 1/8 of the student; the
+    # teacher's 16-bit weights 1/8 each (a step counter per tensor is the only extra).
+    assert rank["student_parameters"] == plan["student_parameters_total"] * 4 // world
+    assert rank["student_gradients"] == rank["student_parameters"]
+    assert rank["optimizer_state"] == pytest.approx(2 * rank["student_parameters"], rel=1e-5)
+    assert rank["teacher_parameters"] == plan["teacher_parameters_total"] * 2 // world
+    assert plan["student_parameters_total"] == 1_543_714_304  # Qwen2.5-1.5B, tied head
+    assert plan["teacher_parameters_total"] == 32_763_876_352  # Qwen2.5-32B (152,064 vocabulary rows, untied)
+    # A step of 2 × 3,072 tokens holds more than its standing memory: activations of 28 layers.
+    assert rank["transient"] > 5 * 1024**3 and rank["peak"] == rank["standing"] + rank["transient"]
+    for device, size in plan["devices"].items():
+        assert plan["verdicts"][device]["off"] == (rank["peak"] + plan["runtime_reserve"] <= size)
+        kept, offloaded = plan["engine"][device]["kept"], plan["engine"][device]["offloaded"]
+        assert offloaded["kv_cache"] - kept["kv_cache"] == kept["trainer_resident"] - offloaded["trainer_resident"]
+        assert offloaded["trainer_resident"] == rank["student_parameters"]  # the refit reads the shard
+        assert kept["kv_tokens"] == kept["kv_cache"] // plan["kv_bytes_per_token"]
+
+
+def run_plan(name: str, overrides: list[str]) -> dict:
+    """``opd plan`` in a process of its own (the dry run registers a stand-in accelerator for its process)."""
+    import os
+    import subprocess
+    import sys
+
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "opd", "plan", "--config", str(CONFIGS / name), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=environment,
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_shipped_config_starts_validates_and_trains_one_step(name, tmp_path, request, monkeypatch):
     case = CASES[name]
+    if case.command == "plan":
+        check_cluster_plan(run_plan(name, case.overrides))
+        return
     overrides = list(case.overrides)
     if case.served:
         server = request.getfixturevalue("served_teacher")

@@ -1,0 +1,73 @@
+"""A model's shape (its ``config.json``) without its weights, for planning memory at real sizes.
+
+``opd plan`` (the dry run) builds the configured models from their configs alone. This
+module finds a model path's config:
+
+* ``tiny:<preset>``: the preset's ``Qwen2Config`` (:mod:`opd.models.tiny`);
+* a local model directory: its own ``config.json``;
+* a hub name of a model whose config ships with opd (``opd/models/shapes/``: the
+  specification's Qwen2.5-0.5B/1.5B/7B/32B-Instruct), so that a machine without network
+  access or downloaded weights can still plan a run at those sizes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoConfig, PretrainedConfig
+
+from opd.models.tiny import TINY_PREFIX, build_tiny_tokenizer, is_tiny_path, tiny_model_config
+from opd.utils.errors import ConfigError
+
+SHAPES_DIR = Path(__file__).parent / "shapes"
+"""One directory per shipped model, named as on the Hugging Face hub without the owner."""
+SHIPPED_OWNER = "Qwen"
+SHIPPED_TOKENIZER_SIZE = 151_669
+"""Tokens of the Qwen2.5 tokenizer (the models' 151,936 output rows include unused padding)."""
+
+
+def shipped_shapes() -> list[str]:
+    """The hub names whose configs ship with opd (``Qwen/Qwen2.5-32B-Instruct``, ...)."""
+    return sorted(f"{SHIPPED_OWNER}/{path.parent.name}" for path in SHAPES_DIR.glob("*/config.json"))
+
+
+def model_config(path: str) -> PretrainedConfig:
+    """The config of the model at ``path`` (see the module docstring for where it is looked up).
+
+    Raises:
+        ConfigError: naming the path, when it is neither a tiny preset, a directory with a
+            ``config.json``, nor a shipped shape.
+    """
+    if is_tiny_path(path):
+        tokenizer = build_tiny_tokenizer()
+        return tiny_model_config(
+            path[len(TINY_PREFIX) :], len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id
+        )
+    directory = Path(path).expanduser()
+    if (directory / "config.json").is_file():
+        return AutoConfig.from_pretrained(str(directory))
+    owner, _, name = path.partition("/")
+    shipped = SHAPES_DIR / name / "config.json"
+    if owner == SHIPPED_OWNER and name and shipped.is_file():
+        return AutoConfig.from_pretrained(str(shipped.parent))
+    raise ConfigError(
+        f"no config.json for model '{path}': give a local model directory, a tiny: preset, or one of the shapes "
+        f"that ship with opd ({', '.join(shipped_shapes())})"
+    )
+
+
+def tokenizer_size(path: str) -> int:
+    """Tokens of the tokenizer at ``path``: a tiny preset's, a local directory's, or a shipped shape's.
+
+    Raises:
+        ConfigError: as :func:`model_config`.
+    """
+    if is_tiny_path(path):
+        return len(build_tiny_tokenizer())
+    directory = Path(path).expanduser()
+    if directory.is_dir():
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(str(directory)))
+    model_config(path)  # a shipped shape, or the error naming the path
+    return SHIPPED_TOKENIZER_SIZE

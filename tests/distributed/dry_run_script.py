@@ -1,0 +1,51 @@
+"""Runs one dry-run rank of the tiny pair in a process of its own and prints its memory as JSON.
+
+``python dry_run_script.py clean`` runs opd's trainer as it is; ``planted`` first puts
+back the defect of commit c206a4c's parent: the metrics all-reduced as a host tensor
+(NCCL has no CPU backend). The dry run registers a stand-in accelerator for its whole
+process, hence a process of its own (see :mod:`opd.distributed.dry_run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+
+from opd.algorithms.distillation_config import MasterConfig
+from opd.distributed.dry_run import DeviceMismatchError, StepShape, dry_run_rank
+from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
+from opd.models.tiny import build_tiny_tokenizer
+from opd.utils.config import load_config
+
+
+def _sum_over_ranks_on_the_host(self, totals):
+    """``TrainerWorker._sum_over_ranks`` before c206a4c: the values all-reduced as a CPU tensor."""
+    reduced = {}
+    for op, keys in ((dist.ReduceOp.SUM, [k for k in sorted(totals) if not k.endswith("_max")]),):
+        values = torch.tensor([totals.get(key, -math.inf) for key in keys], dtype=torch.float64)
+        dist.all_reduce(values, op=op)
+        reduced.update(zip(keys, values.tolist(), strict=True))
+    return reduced
+
+
+def main(mode: str, config_path: str) -> None:
+    if mode == "planted":
+        TrainerWorker._sum_over_ranks = _sum_over_ranks_on_the_host
+    config = load_config(MasterConfig, config_path, ["loss_fn.compile_kernels=false"])
+    vocab = len(build_tiny_tokenizer())
+    spec = TrainerSpec("tiny:student", "tiny:teacher", config.model, config.training, 1, "nccl", 60, 1)
+    try:
+        memory = dry_run_rank(spec, 2, 0, StepShape(2, 6, 10), config.loss_fn.build(vocab, "cpu"), vocab)
+    except DeviceMismatchError as error:
+        print(json.dumps({"error": str(error)}))
+        return
+    print(json.dumps(dataclasses.asdict(memory)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
