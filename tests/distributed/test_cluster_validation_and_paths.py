@@ -266,8 +266,8 @@ def test_a_validation_pass_returns_no_vocabulary_wide_tensor_to_the_controller(c
     received: list[tuple[str, int, list[torch.Size]]] = []
     gather = WorkerGroup.gather
 
-    def recording_gather(self, refs, ranks=None):
-        results = gather(self, refs, ranks)
+    def recording_gather(self, refs, *args, **kwargs):
+        results = gather(self, refs, *args, **kwargs)
         for result in results:
             received.append((self.role, len(pickle.dumps(result)), [t.shape for t in tensors_in(result)]))
         return results

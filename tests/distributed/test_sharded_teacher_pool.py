@@ -75,55 +75,8 @@ def scored_batch(size: int) -> BatchedDataDict:
     return BatchedDataDict({"input_ids": ids * mask, "input_lengths": lengths, "token_mask": mask.long()})
 
 
-@pytest.fixture(scope="module")
-def sharded_pool(ray_cluster, tmp_path_factory):
-    """Two replicas of the tiny teacher, each sharded over two workers, started as a run starts them."""
-    from opd.distributed.ray_cluster import build_pools
-    from opd.distributed.setup import ClusterRequest, _start_teacher_pool
-    from opd.distributed.teacher_pool import TeacherPool
-
-    cluster = config(tmp_path_factory.mktemp("pool"), "pool", *SHARDED_POOL, "cluster.teacher.workers=4").cluster
-    assert cluster is not None
-    pools = build_pools(cluster, 0, cluster.teacher.workers)
-    request = ClusterRequest("tiny:student", {"teacher": "tiny:teacher"}, LOADING, OptimizerConfig(), 1, 1, None,
-                             False, None, "hf", None)
-    workers = _start_teacher_pool(cluster, request, "teacher", "tiny:teacher", pools.teacher)
-    yield TeacherPool(workers, cluster.teacher.shards_per_replica)
-    workers.kill()
-    pools.remove()
-
-
-def test_each_worker_of_a_replica_holds_part_of_every_weight(sharded_pool):
-    whole = load_causal_lm("tiny:teacher", torch.float32, torch.device("cpu"), LOADING)
-
-    def local_rows(worker):
-        return {name: param.to_local().shape[0] for name, param in worker.teacher.model.named_parameters()}
-
-    held = ray.get([actor.__ray_call__.remote(local_rows) for actor in sharded_pool.workers.actors])
-    for replica in (held[:2], held[2:]):
-        for name, param in whole.named_parameters():
-            assert sum(rows[name] for rows in replica) == param.shape[0], name
-            assert all(rows[name] < param.shape[0] for rows in replica), f"{name} is whole on a worker"
-
-
-@pytest.mark.parametrize("size", [5, 1], ids=["five_rows", "one_row"])
-@pytest.mark.parametrize("request_", [TopKRequest(k=5), TokenLogprobsRequest()], ids=["topk", "token_logprobs"])
-def test_a_sharded_replica_sends_the_in_process_signal(sharded_pool, request_, size):
-    batch = scored_batch(size)
-    expected = LocalTeacher(load_causal_lm("tiny:teacher", torch.float32, torch.device("cpu"), LOADING)).score(
-        batch, request_
-    )
-    actual = sharded_pool.score(batch, request_)
-    for row, length in enumerate(batch["input_lengths"].tolist()):
-        if isinstance(expected, TopKLogprobs):
-            assert isinstance(actual, TopKLogprobs) and actual.rest_logprobs is not None
-            assert torch.equal(actual.ids[row, :length], expected.ids[row, :length])
-            pairs = ((actual.logprobs, expected.logprobs), (actual.rest_logprobs, expected.rest_logprobs))
-            for mine, reference in pairs:
-                torch.testing.assert_close(mine[row, :length], reference[row, :length], rtol=0, atol=ABSOLUTE_TOLERANCE)
-        else:
-            torch.testing.assert_close(actual[row, :length], expected[row, :length], rtol=0, atol=ABSOLUTE_TOLERANCE)
-    assert len(actual[0] if isinstance(actual, tuple) else actual) == size  # the filler row was dropped
+# The training test runs before the replica fixture exists: the fixture's placement group holds
+# every CPU the module's Ray cluster has until the module ends.
 
 
 class InFlightCounter(TeacherInterface):
@@ -196,6 +149,61 @@ def test_training_with_a_sharded_teacher_pool_matches_one_process(ray_cluster, t
         assert mine["timing/teacher"] > 0
     # Every micro-batch of a step was with the pool before the first answer was collected.
     assert most_in_flight == MICRO_BATCHES_PER_STEP
+
+
+@pytest.fixture(scope="module")
+def sharded_pool(ray_cluster, tmp_path_factory):
+    """Two replicas of the tiny teacher, each sharded over two workers, started as a run starts them."""
+    from opd.distributed.ray_cluster import build_pools
+    from opd.distributed.setup import ClusterRequest, _start_teacher_pool
+    from opd.distributed.teacher_pool import TeacherPool
+
+    # Colocated teacher workers share the trainer's bundles, one each: four bundles for four workers.
+    cluster = config(
+        tmp_path_factory.mktemp("pool"), "pool", *SHARDED_POOL, "cluster.teacher.workers=4", "cluster.trainer.workers=4",
+        "cluster.start_timeout_s=60",
+    ).cluster
+    assert cluster is not None
+    pools = build_pools(cluster, 0, cluster.teacher.workers)
+    request = ClusterRequest("tiny:student", {"teacher": "tiny:teacher"}, LOADING, OptimizerConfig(), 1, 1, None,
+                             False, None, "hf", None)
+    workers = _start_teacher_pool(cluster, request, "teacher", "tiny:teacher", pools.teacher)
+    yield TeacherPool(workers, cluster.teacher.shards_per_replica)
+    workers.kill()
+    pools.remove()
+
+
+def test_each_worker_of_a_replica_holds_part_of_every_weight(sharded_pool):
+    whole = load_causal_lm("tiny:teacher", torch.float32, torch.device("cpu"), LOADING)
+
+    def local_rows(worker):
+        return {name: param.to_local().shape[0] for name, param in worker.teacher.model.named_parameters()}
+
+    held = ray.get([actor.__ray_call__.remote(local_rows) for actor in sharded_pool.workers.actors])
+    for replica in (held[:2], held[2:]):
+        for name, param in whole.named_parameters():
+            assert sum(rows[name] for rows in replica) == param.shape[0], name
+            assert all(rows[name] < param.shape[0] for rows in replica), f"{name} is whole on a worker"
+
+
+@pytest.mark.parametrize("size", [5, 1], ids=["five_rows", "one_row"])
+@pytest.mark.parametrize("request_", [TopKRequest(k=5), TokenLogprobsRequest()], ids=["topk", "token_logprobs"])
+def test_a_sharded_replica_sends_the_in_process_signal(sharded_pool, request_, size):
+    batch = scored_batch(size)
+    expected = LocalTeacher(load_causal_lm("tiny:teacher", torch.float32, torch.device("cpu"), LOADING)).score(
+        batch, request_
+    )
+    actual = sharded_pool.score(batch, request_)
+    for row, length in enumerate(batch["input_lengths"].tolist()):
+        if isinstance(expected, TopKLogprobs):
+            assert isinstance(actual, TopKLogprobs) and actual.rest_logprobs is not None
+            assert torch.equal(actual.ids[row, :length], expected.ids[row, :length])
+            pairs = ((actual.logprobs, expected.logprobs), (actual.rest_logprobs, expected.rest_logprobs))
+            for mine, reference in pairs:
+                torch.testing.assert_close(mine[row, :length], reference[row, :length], rtol=0, atol=ABSOLUTE_TOLERANCE)
+        else:
+            torch.testing.assert_close(actual[row, :length], expected[row, :length], rtol=0, atol=ABSOLUTE_TOLERANCE)
+    assert len(actual[0] if isinstance(actual, tuple) else actual) == size  # the filler row was dropped
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
