@@ -4,7 +4,7 @@
   ``--dry-run``: plan instead, as ``opd plan`` does;
 * ``opd plan --config FILE [key.sub=value ...] [--json] [--quick]`` — a cluster run's memory per
   device from its config alone: the trainer's real step on fake tensors over a fake process
-  group, at the real shapes, with a device audit (:mod:`opd.distributed.memory_plan`);
+  group, at the real shapes, with a device audit (:mod:`opd.algorithms.memory_plan`);
 * ``opd eval --config FILE [key.sub=value ...]`` — validate one model and exit;
 * ``opd sft --config FILE [key.sub=value ...]`` — supervised fine-tuning (resumes too);
 * ``opd generate --config FILE [key.sub=value ...]`` — one model's (the teacher's) answers to
@@ -128,7 +128,7 @@ def run_plan(config_path: str, overrides: list[str], as_json: bool = False, quic
     import json
 
     from opd.algorithms.distillation_config import MasterConfig
-    from opd.distributed.memory_plan import plan_memory, render_plan
+    from opd.algorithms.memory_plan import plan_memory, render_plan
     from opd.utils.config import load_config
 
     quiet_third_party_output()

@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
+from opd.distributed.config import ClusterConfig
 from opd.distributed.dry_run import RankMemory, StepShape, dry_run_rank
 from opd.distributed.trainer_worker import TrainerSpec
 from opd.models.lm_head import default_chunk_rows
@@ -154,17 +155,8 @@ def _needs_last_rank(shapes: list[torch.Size], world_size: int) -> bool:
     return any(len(shape) and shape[0] % world_size for shape in shapes)
 
 
-def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] = (False, True)) -> MemoryPlan:
-    """Dry-runs the configured cluster's trainer and works out the rest of the plan.
-
-    Args:
-        config: a run config with a ``cluster:`` section.
-        checkpointing_variants: activation checkpointing off and/or on (each is one dry run per rank shown).
-
-    Raises:
-        ConfigError: no ``cluster:`` section, a teacher the dry run does not place in the
-            trainer (a pool or a served teacher), or a model without a config.
-    """
+def _plannable_cluster(config: MasterConfig) -> ClusterConfig:
+    """The config's ``cluster:`` section, if the dry run can plan it (see :func:`plan_memory`'s errors)."""
     cluster = config.cluster
     if cluster is None:
         raise ConfigError(
@@ -180,6 +172,47 @@ def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] =
             "opd plan dry-runs plain FSDP2 over all trainer workers; an HSDP mesh "
             "(cluster.trainer.shard_group_size) is not planned yet: leave it null to plan the sharding within one group"
         )
+    return cluster
+
+
+def _add_engine_budgets(
+    plan: MemoryPlan, config: MasterConfig, cluster: ClusterConfig, student_config: PretrainedConfig, shape: StepShape
+) -> None:
+    """The rollout engine's KV-cache budget per device size, with the trainer's state kept or offloaded."""
+    student_parameters, vocab = plan.student_parameters_total, plan.vocab_size
+    first = next(iter(plan.ranks.values()))[0]
+    utilization = config.generation.vllm.gpu_memory_utilization
+    resident_kept = (
+        0
+        if cluster.placement == "split"
+        else first.student_parameters + first.optimizer_state + first.teacher_parameters
+    )
+    for device, size in DEVICES.items():
+        plan.engine[device] = {
+            label: _engine_budget(
+                size, utilization, resident, student_config, student_parameters, vocab, shape.row_tokens
+            )
+            # cluster.trainer.offload_during_generation moves the Adam moments and the
+            # teacher to the host; the student's shard stays (the refit reads it).
+            for label, resident in (
+                ("kept", resident_kept),
+                ("offloaded", 0 if cluster.placement == "split" else first.student_parameters),
+            )
+        }
+
+
+def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] = (False, True)) -> MemoryPlan:
+    """Dry-runs the configured cluster's trainer and works out the rest of the plan.
+
+    Args:
+        config: a run config with a ``cluster:`` section.
+        checkpointing_variants: activation checkpointing off and/or on (each is one dry run per rank shown).
+
+    Raises:
+        ConfigError: no ``cluster:`` section, a teacher the dry run does not place in the
+            trainer (a pool or a served teacher), or a model without a config.
+    """
+    cluster = _plannable_cluster(config)
     from opd.algorithms.distillation_setup import resolve_teacher_path
 
     world = cluster.trainer.workers
@@ -251,25 +284,7 @@ def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] =
         loss_chunk_bytes=chunk_rows * vocab * 4,
         kv_bytes_per_token=_kv_bytes_per_token(student_config),
     )
-    first = next(iter(runs.values()))[0]
-    utilization = config.generation.vllm.gpu_memory_utilization
-    resident_kept = (
-        0
-        if cluster.placement == "split"
-        else first.student_parameters + first.optimizer_state + first.teacher_parameters
-    )
-    for device, size in DEVICES.items():
-        plan.engine[device] = {
-            label: _engine_budget(
-                size, utilization, resident, student_config, student_parameters, vocab, shape.row_tokens
-            )
-            # cluster.trainer.offload_during_generation moves the Adam moments and the
-            # teacher to the host; the student's shard stays (the refit reads it).
-            for label, resident in (
-                ("kept", resident_kept),
-                ("offloaded", 0 if cluster.placement == "split" else first.student_parameters),
-            )
-        }
+    _add_engine_budgets(plan, config, cluster, student_config, shape)
     return plan
 
 
