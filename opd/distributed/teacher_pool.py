@@ -21,13 +21,12 @@ import threading
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distributed.batch_plan import contiguous_blocks
 from opd.distributed.fsdp import init_process_group, shard_model
 from opd.distributed.sharded_loading import load_sharded
-from opd.distributed.trainer_worker import ShardedTeacher
+from opd.distributed.trainer_worker import ShardedTeacher, release_gathered_root
 from opd.distributed.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
 from opd.models.interfaces import (
@@ -166,10 +165,7 @@ class TeacherWorker:
         if self.teacher is None:
             raise RuntimeError(f"teacher worker {self.rank} was not started (a sharded replica's workers need start)")
         signal = self.teacher.score(data, request)
-        if isinstance(self.teacher.model, FSDPModule):
-            # FSDP2 keeps the root's weights (embedding, norm, head) gathered after a
-            # forward, for a backward that a frozen teacher never runs: free them.
-            self.teacher.model.reshard()
+        release_gathered_root(self.teacher.model)
         if isinstance(signal, TopKLogprobs):
             rest = signal.rest_logprobs
             return TopKLogprobs(signal.logprobs.cpu(), signal.ids.cpu(), rest.cpu() if rest is not None else None)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
@@ -103,6 +104,17 @@ class ShardedTeacher(LocalTeacher):
 
     def final_hidden_states(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return getattr(self.model, HIDDEN_STATES_METHOD)(**inputs)
+
+
+def release_gathered_root(model: Any) -> None:
+    """Frees the root group's gathered weights (embedding, final norm, head) of an FSDP2 model.
+
+    FSDP2 keeps them after a forward for the backward that follows; a frozen teacher, or
+    a student scored under ``no_grad``, has none, so they would stay gathered (for a 32B
+    teacher, its 3.1 GB of bf16 embedding and head on every rank) until the next forward.
+    """
+    if isinstance(model, FSDPModule):
+        model.reshard()
 
 
 class TrainerWorker(RefitSender):
@@ -286,6 +298,8 @@ class TrainerWorker(RefitSender):
             )
             loss.backward()
             del teacher_output, student_output
+            if isinstance(self.teacher, ShardedTeacher) and teacher_signals is None:
+                release_gathered_root(self.teacher.model)  # the loss has read its head
             accumulate_metrics(totals, metrics)
         totals = self._sum_over_ranks(totals)
         parameters = [param for param in self.model.parameters() if param.requires_grad]
@@ -351,6 +365,9 @@ class TrainerWorker(RefitSender):
                 student = output_layer_of(self.model, "the student").over(hidden)
                 accumulate_metrics(totals, comparison(student, teacher_output, micro_batch))
                 del teacher_output, student, hidden
+                release_gathered_root(self.model)
+                if self.teacher is not None:
+                    release_gathered_root(self.teacher.model)
         return totals
 
     def teacher_score(self, request: TeacherRequest, data: BatchedDataDict) -> TeacherSignal:
@@ -363,6 +380,7 @@ class TrainerWorker(RefitSender):
             raise ValueError("the colocated teacher's full vocabulary is used in the worker, never sent")
         with torch.no_grad():
             signal = self._colocated_teacher().score(data, request)
+        release_gathered_root(self._colocated_teacher().model)
         return signal_to_device(signal, torch.device("cpu"))
 
     # ------------------------------------------------------------------ weights out
