@@ -298,9 +298,10 @@ class TrainerWorker(RefitSender):
             )
             loss.backward()
             del teacher_output, student_output
-            if isinstance(self.teacher, ShardedTeacher) and teacher_signals is None:
-                release_gathered_root(self.teacher.model)  # the loss has read its head
             accumulate_metrics(totals, metrics)
+        if isinstance(self.teacher, ShardedTeacher) and teacher_signals is None:
+            # Kept gathered over the micro-batches (one all-gather per step), freed for what comes next.
+            release_gathered_root(self.teacher.model)
         totals = self._sum_over_ranks(totals)
         parameters = [param for param in self.model.parameters() if param.requires_grad]
         totals = apply_gradients(parameters, self.optimizer, self.scheduler, self.spec.optimizer.max_grad_norm, totals)
