@@ -52,7 +52,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-length", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (2 prompts in 1 batch of 8 tokens)")
     args = parser.parse_args()
+    if args.smoke:
+        args.prompts, args.batch_size, args.max_length = 2, 2, 8
     for key, value in RAY_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     workdir = Path(tempfile.mkdtemp(prefix="opd_validation_bytes_"))
@@ -77,8 +80,8 @@ def main() -> None:
     widest: dict[str, int] = {}
     gather = WorkerGroup.gather
 
-    def measured(self: WorkerGroup, refs: list[Any], ranks: Any = None) -> list[Any]:
-        results = gather(self, refs, ranks)
+    def measured(self: WorkerGroup, refs: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        results = gather(self, refs, *args, **kwargs)
         for result in results:
             received.setdefault(self.role, []).append(len(pickle.dumps(result)))
             widths = [tensor.shape[-1] for tensor in tensors_in(result) if tensor.dim() >= 3]
