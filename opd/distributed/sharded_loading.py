@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -236,32 +237,40 @@ def _read_exactly(handle: Any, offset: int, target: torch.Tensor) -> None:
 def _copy_local_rows(
     parameter: torch.Tensor, handle: Any, entry: dict[str, Any], data_start: int, staging: _Staging
 ) -> None:
-    """Reads the rows of ``entry`` that this rank's shard of ``parameter`` holds, straight into it."""
+    """Reads the part of ``entry`` that this rank's shard of ``parameter`` holds, straight into it.
+
+    ``fully_shard`` splits rows, so a shard is a run of whole rows: one contiguous byte
+    range. A shard split along another dimension too reads its rows whole, chunk by
+    chunk through the staging buffer, and keeps its own part of each.
+    """
     if isinstance(parameter, DTensor):
         local = parameter.to_local()
         shape, offset = compute_local_shape_and_global_offset(
             parameter.shape, parameter.device_mesh, parameter.placements
         )
-        if any(start for start in offset[1:]) or tuple(shape[1:]) != tuple(parameter.shape[1:]):
-            raise NotImplementedError("sharded loading reads row shards (fully_shard's Shard(0)) only")
     else:
         local, shape, offset = parameter, tuple(parameter.shape), (0,) * parameter.dim()
     if local.numel() == 0:
         return
+    full = tuple(parameter.shape)
+    whole_rows = tuple(shape[1:]) == full[1:]
     file_dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-    row_elements = local[0].numel() if local.dim() else 1
+    row_elements = math.prod(full[1:])
     row_bytes = row_elements * file_dtype.itemsize
     first_row = offset[0] if offset else 0
     begin = data_start + entry["data_offsets"][0] + first_row * row_bytes
     rows = shape[0] if shape else 1
-    target = local.view(rows, row_elements)
+    # The part of a whole row this shard keeps (all of it for fully_shard's row shards).
+    within = (slice(None), *(slice(start, start + size) for start, size in zip(offset[1:], shape[1:], strict=True)))
     with torch.no_grad():
-        if local.device.type == "cpu" and local.dtype == file_dtype and local.is_contiguous():
-            _read_exactly(handle, begin, target.view(torch.uint8).view(-1))
+        if whole_rows and local.device.type == "cpu" and local.dtype == file_dtype and local.is_contiguous():
+            _read_exactly(handle, begin, local.view(torch.uint8).view(-1))
             return
+        target = local.view(rows, *shape[1:])
         step = staging.rows(row_bytes)
         for row in range(0, rows, step):
             count = min(step, rows - row)
             raw = staging.take(count * row_bytes)
             _read_exactly(handle, begin + row * row_bytes, raw)
-            target[row : row + count].copy_(raw.view(file_dtype).view(count, row_elements))
+            block = raw.view(file_dtype).view(count, *full[1:])
+            target[row : row + count].copy_(block[within])
