@@ -447,9 +447,16 @@ def _served_full_vocab_problem(
 
 
 def _generation_problem(config: MasterConfig) -> str | None:
-    """vLLM's context length must leave room for the responses."""
+    """vLLM's context length must leave room for the responses; a tensor-parallel engine needs devices of its own."""
     if config.generation.backend != "vllm":
         return None
+    tensor_parallel = config.generation.vllm.tensor_parallel_size
+    if tensor_parallel > 1 and config.cluster is not None and config.cluster.placement == "colocated":
+        return (
+            f"generation.vllm.tensor_parallel_size = {tensor_parallel} spans several devices, but a colocated "
+            "rollout worker shares one trainer device; set cluster.placement = split (each rollout worker then "
+            "holds that many GPUs)"
+        )
     max_model_len = config.generation.vllm.max_model_len
     max_length = config.distillation.generate_strategy.max_length
     if max_model_len is not None and max_model_len <= max_length:

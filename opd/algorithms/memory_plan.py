@@ -50,10 +50,10 @@ class EngineBudget:
         share: ``gpu_memory_utilization`` × the device.
         trainer_resident: what the trainer keeps on the device while the engine generates
             (colocated: weights, Adam moments and teacher, unless offloaded; split: 0).
-        weights: the student in 16 bits.
+        weights: the student in 16 bits (this device's slice of it with tensor parallel).
         activations: the profiling forward's activations and logits (an estimate).
         kv_cache: what is left for the KV cache.
-        kv_tokens: tokens of KV cache at the student's shape.
+        kv_tokens: tokens of KV cache at the student's shape (the whole engine's, over its devices).
         kv_sequences: sequences of the planned length (prompt + response) that fit.
     """
 
@@ -136,16 +136,24 @@ def _engine_budget(
     student_parameters: int,
     vocab_size: int,
     row_tokens: int,
+    tensor_parallel: int = 1,
 ) -> EngineBudget:
+    """One device's share of a rollout engine: its weights, profiling activations and KV cache.
+
+    With tensor parallel over ``tensor_parallel`` devices each holds a slice of the weights
+    and of the KV heads (heads are replicated where there are fewer than devices); the
+    tokens that fit are the engine's, over all its devices.
+    """
     share = int(device_bytes * utilization)
-    weights = 2 * student_parameters
+    weights = 2 * student_parameters // tensor_parallel
     # The profiling forward: per token, the residual stream and attention projections
     # (~4 × hidden) and the MLP's gate, up and product (~3 × intermediate) in 16 bits;
     # plus one row of fp32 logits per sequence.
     per_token = 2 * (4 * student.hidden_size + 3 * student.intermediate_size)
     activations = VLLM_PROFILE_TOKENS * per_token + VLLM_PROFILE_SEQUENCES * vocab_size * 4
     kv_cache = max(share - trainer_resident - weights - activations, 0)
-    per_kv_token = _kv_bytes_per_token(student)
+    kv_slices = min(tensor_parallel, student.num_key_value_heads)
+    per_kv_token = -(-_kv_bytes_per_token(student) // kv_slices)
     tokens = kv_cache // per_kv_token
     return EngineBudget(share, trainer_resident, weights, activations, kv_cache, tokens, tokens // row_tokens)
 
@@ -190,7 +198,14 @@ def _add_engine_budgets(
     for device, size in DEVICES.items():
         plan.engine[device] = {
             label: _engine_budget(
-                size, utilization, resident, student_config, student_parameters, vocab, shape.row_tokens
+                size,
+                utilization,
+                resident,
+                student_config,
+                student_parameters,
+                vocab,
+                shape.row_tokens,
+                config.generation.vllm.tensor_parallel_size,
             )
             # cluster.trainer.offload_during_generation moves the Adam moments and the
             # teacher to the host; the student's shard stays (the refit reads it).

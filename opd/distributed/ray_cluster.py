@@ -137,13 +137,17 @@ def check_colocated_sharing(config: ClusterConfig, rollout_workers: int, teacher
             raise ConfigError(problem)
 
 
-def build_pools(config: ClusterConfig, rollout_workers: int, teacher_workers: int) -> ResourcePools:
+def build_pools(
+    config: ClusterConfig, rollout_workers: int, teacher_workers: int, rollout_devices: int = 1
+) -> ResourcePools:
     """The slots of ``config.trainer.workers`` trainer ranks, and of the rollout and teacher workers.
 
     Args:
         config: the cluster section.
         rollout_workers: rollout engines to place (0 when the trainer's model samples).
         teacher_workers: teacher replicas to place (0 for a colocated or served teacher).
+        rollout_devices: GPUs one rollout engine spans (vLLM tensor parallel; split placement
+            only, the validator refuses it colocated).
     """
     check_colocated_sharing(config, rollout_workers, teacher_workers)
     cpus, gpus = config.threads_per_worker, config.gpus_per_worker
@@ -165,8 +169,9 @@ def build_pools(config: ClusterConfig, rollout_workers: int, teacher_workers: in
     rollout: list[Slot] = []
     teacher: list[Slot] = []
     if rollout_workers:
-        groups.append(_pool(rollout_workers, cpus, gpus, "rollout", config))
-        rollout = [Slot(groups[-1], rank, cpus, gpus) for rank in range(rollout_workers)]
+        engine_gpus = gpus * rollout_devices
+        groups.append(_pool(rollout_workers, cpus, engine_gpus, "rollout", config))
+        rollout = [Slot(groups[-1], rank, cpus, engine_gpus) for rank in range(rollout_workers)]
     if teacher_workers:
         groups.append(_pool(teacher_workers, cpus, gpus, "teacher", config))
         teacher = [Slot(groups[-1], rank, cpus, gpus) for rank in range(teacher_workers)]

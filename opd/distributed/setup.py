@@ -140,7 +140,8 @@ def build_cluster_backends(
     check_colocated_sharing(cluster, cluster.rollout.workers, teacher_workers)
     started_ray = start_ray(cluster, cpus_needed(cluster, cluster.rollout.workers, teacher_workers))
     try:
-        pools = build_pools(cluster, cluster.rollout.workers, teacher_workers)
+        engine_devices = request.vllm.tensor_parallel_size if request.vllm is not None else 1
+        pools = build_pools(cluster, cluster.rollout.workers, teacher_workers, engine_devices)
     except BaseException:  # a pool that cannot be placed: leave no private cluster behind
         if started_ray:
             ray.shutdown()

@@ -96,6 +96,10 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "config: trainer offload without shared devices": (
         lambda t: ["--config", str(TINY), "cluster.placement=split", "cluster.trainer.offload_during_generation=true"],
         r"cluster\.trainer\.offload_during_generation .* only with cluster\.placement = colocated"),
+    "config: a tensor-parallel engine in a colocated rollout worker": (
+        lambda t: ["--config", str(TINY), "cluster.placement=colocated", "generation.backend=vllm",
+                   "generation.vllm.tensor_parallel_size=2"],
+        r"generation\.vllm\.tensor_parallel_size = 2 spans several devices.*set cluster\.placement = split"),
     "config: a section written twice": (
         lambda t: config_file(t, f"defaults: {TINY}\ntraining:\n  batch_size: 2\ntraining:\n  batch_size: 4\n"),
         r"key 'training' appears twice in one mapping \(lines 2 and 4\)"),

@@ -28,8 +28,10 @@ class GenerateStrategyConfig(StrictConfig):
 class VllmGenerationConfig(StrictConfig):
     """The colocated vLLM engine (``generation.vllm``, used when ``generation.backend = vllm``).
 
-    The engine runs in the trainer's process and starts from the student's weights in
-    memory; after every optimizer step the driver refits it (copies the new weights in).
+    The engine runs in the trainer's process (or a rollout worker's) and starts from the
+    student's weights in memory; with ``tensor_parallel_size > 1`` its model runs in one
+    process per device, spawned by vLLM, which the engine in this process drives. After
+    every optimizer step the driver refits it (copies the new weights in).
     On a GPU it shares the device with training: ``gpu_memory_utilization`` bounds its
     share, and with sleep mode it frees its weights and KV cache while the student trains.
     """
@@ -53,6 +55,12 @@ class VllmGenerationConfig(StrictConfig):
         "auto", description="GPU only: offload the engine while the student trains; auto = on where CUDA is"
     )
     enable_prefix_caching: bool = Field(True, description="reuse the KV cache of shared prompt prefixes")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="devices one engine spans (vLLM tensor parallel, one process per device); on a cluster each "
+        "rollout worker then holds that many GPUs",
+    )
 
 
 class GenerationConfig(StrictConfig):

@@ -1,7 +1,9 @@
 """Student rollouts with a colocated vLLM engine, refit from the trainer after every update.
 
-The engine lives in the trainer's process (vLLM's in-process engine core, one worker, no
-Ray), as NeMo-RL's and verl's colocated modes do. It is built with dummy weights from the
+The engine lives in the trainer's process (vLLM's in-process engine core, no Ray), as
+NeMo-RL's and verl's colocated modes do. Its model runs in the same process on one device,
+or with ``generation.vllm.tensor_parallel_size: n`` in ``n`` processes that vLLM spawns,
+one per device, each holding a slice of every weight (tensor parallel). It is built with dummy weights from the
 student's own config and then refit from the student in memory, so it starts from exactly
 the weights being trained (also after a resume, and for ``tiny:`` models that have no
 directory). After each optimizer step its copy is stale: the driver calls :meth:`refit`
@@ -153,6 +155,7 @@ class VllmGeneration(GenerationInterface):
         self.pad_token_id = tokenizer.pad_token_id
         self.stop_ids = tuple(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
         self.tied_embeddings = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.tensor_parallel_size = config.tensor_parallel_size
         on_gpu = device_type == "cuda"
         self.sleep_enabled = on_gpu if config.enable_sleep_mode == "auto" else bool(config.enable_sleep_mode)
         if self.sleep_enabled and not on_gpu:
@@ -175,8 +178,10 @@ class VllmGeneration(GenerationInterface):
             "enable_prefix_caching": config.enable_prefix_caching,
             "enable_sleep_mode": self.sleep_enabled,
             "logprobs_mode": "processed_logprobs",
-            "distributed_executor_backend": "uni",
-            "tensor_parallel_size": 1,
+            # One device: the model runs in this process. Several: vLLM spawns one process
+            # per device (its multiprocessing executor), and refit reaches them by pickle.
+            "distributed_executor_backend": "uni" if config.tensor_parallel_size == 1 else "mp",
+            "tensor_parallel_size": config.tensor_parallel_size,
         }
         if config.max_model_len is not None:
             engine_args["max_model_len"] = config.max_model_len
@@ -214,8 +219,14 @@ class VllmGeneration(GenerationInterface):
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
+        if self.tensor_parallel_size > 1:
+            # The model's processes receive the pairs pickled: host tensors, a list (not an
+            # iterator). Each keeps its own slice of every tensor as it loads.
+            payload: Any = [(name, tensor.detach().cpu()) for name, tensor in weights]
+        else:
+            payload = iter(weights)
         with torch.no_grad():
-            loaded = self.llm.collective_rpc(_reload_worker_weights, args=(iter(weights), self.tied_embeddings))
+            loaded = self.llm.collective_rpc(_reload_worker_weights, args=(payload, self.tied_embeddings))
         if any(count != len(weights) for count in loaded):
             raise RuntimeError(f"vLLM refit: the engine took {loaded} tensors, the student has {len(weights)}")
         # Cached prefixes hold keys and values computed with the old weights.
