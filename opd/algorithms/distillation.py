@@ -34,7 +34,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.rollout_schedule import RolloutSchedule, ScheduledBatch, signal_rows
-from opd.algorithms.training_loop import NextBatch, RunSaveState, run_training_loop
+from opd.algorithms.training_loop import NextBatch, RunParts, RunSaveState, TrainingCallbacks, run_training_loop
 from opd.algorithms.validation import validate
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import unique_responses_per_prompt
@@ -59,7 +59,7 @@ log = logging.getLogger("opd")
 DistillationSaveState = RunSaveState
 """Counters saved in every checkpoint (see :class:`~opd.algorithms.training_loop.RunSaveState`)."""
 
-_CONSOLE_KEYS = [
+_CONSOLE_KEYS = (
     "train/loss",
     "train/kl_forward",
     "train/kl_reverse",
@@ -67,7 +67,7 @@ _CONSOLE_KEYS = [
     "train/on_policy",
     "train/mean_response_length",
     "perf/tokens_per_s",
-]
+)
 
 
 @dataclass
@@ -237,54 +237,100 @@ def distillation_train(
         lambda_coin,
         sampler_logprobs=config.training.correction_is_on(),
     )
-    state = DistillationStepState(schedule, policy_version=distillation_save_state["step"])
+    step_state = DistillationStepState(schedule, policy_version=distillation_save_state["step"])
+    callbacks = DistillationCallbacks(
+        step_state,
+        student_policy,
+        teacher_policy,
+        student_generation,
+        teacher_generation,
+        val_dataloader,
+        tokenizer,
+        loss_fn,
+        logger,
+        config,
+        lambda_coin,
+    )
+    parts = RunParts(student_policy, tokenizer, dataloader, logger, checkpointer, distillation_save_state, config)
+    run_training_loop(parts, callbacks)
 
-    def train_step(next_examples: NextBatch) -> tuple[int, dict[str, Any]]:
-        return distillation_step(next_examples, state, student_policy, teacher_policy, loss_fn, config)
 
-    def refresh_generation() -> None:
-        # Validation samples too, from the weights just trained (rollouts in flight finish first).
-        schedule.refresh_for_validation(state.policy_version)
+class DistillationCallbacks(TrainingCallbacks):
+    """Distillation's part of the shared training loop: its step, validation and baselines."""
 
-    def run_validation(data: StatefulDataLoader) -> dict[str, float]:
-        refresh_generation()
-        return validate(
-            student_generation,
-            student_policy,
-            teacher_policy,
-            data,
-            tokenizer,
-            config.validation.generate_strategy,
-            config.validation.teacher_topk,
-            loss_request=loss_fn.teacher_request,
+    console_keys = _CONSOLE_KEYS
+
+    def __init__(
+        self,
+        step_state: DistillationStepState,
+        student_policy: PolicyInterface,
+        teacher_policy: TeacherInterface,
+        student_generation: GenerationInterface,
+        teacher_generation: GenerationInterface | None,
+        val_dataloader: StatefulDataLoader | None,
+        tokenizer: Any,
+        loss_fn: LossFunction,
+        logger: Logger,
+        config: MasterConfig,
+        lambda_coin: random.Random,
+    ) -> None:
+        self.step_state, self.student_policy, self.teacher_policy = step_state, student_policy, teacher_policy
+        self.student_generation, self.teacher_generation = student_generation, teacher_generation
+        self.val_dataloader, self.tokenizer, self.loss_fn = val_dataloader, tokenizer, loss_fn
+        self.logger, self.config, self.lambda_coin = logger, config, lambda_coin
+
+    def train_step(self, next_batch: NextBatch) -> tuple[int, dict[str, Any]]:
+        """One distillation step (:func:`distillation_step`)."""
+        return distillation_step(
+            next_batch, self.step_state, self.student_policy, self.teacher_policy, self.loss_fn, self.config
         )
 
-    def baselines() -> dict[str, float]:
+    @property
+    def has_validation(self) -> bool:
+        """Whether the run has validation data."""
+        return self.val_dataloader is not None
+
+    def _refresh_generation(self) -> None:
+        # Validation samples too, from the weights just trained (rollouts in flight finish first).
+        self.step_state.schedule.refresh_for_validation(self.step_state.policy_version)
+
+    def validate(self) -> dict[str, float]:
+        """Accuracy and lengths of the student's answers, and its KL to the teacher (:func:`validate`)."""
+        assert self.val_dataloader is not None  # called only when has_validation
+        self._refresh_generation()
+        return validate(
+            self.student_generation,
+            self.student_policy,
+            self.teacher_policy,
+            self.val_dataloader,
+            self.tokenizer,
+            self.config.validation.generate_strategy,
+            self.config.validation.teacher_topk,
+            loss_request=self.loss_fn.teacher_request,
+        )
+
+    def before_first_step(self) -> dict[str, float]:
         """Once, on a fresh run: the teacher's answers (with its context, if any) and the eval baseline."""
-        if val_dataloader is None or teacher_generation is None:
+        if self.val_dataloader is None or self.teacher_generation is None:
             return {}
-        if config.validation.eval_baseline:  # the student answers too: from its current weights
-            refresh_generation()
-        metrics = validation_baselines(student_generation, teacher_generation, val_dataloader, tokenizer, config)
+        if self.config.validation.eval_baseline:  # the student answers too: from its current weights
+            self._refresh_generation()
+        metrics = validation_baselines(
+            self.student_generation, self.teacher_generation, self.val_dataloader, self.tokenizer, self.config
+        )
         if metrics:
-            logger.log_metrics(metrics, 0, console_keys=list(metrics))
+            self.logger.log_metrics(metrics, 0, console_keys=list(metrics))
         return metrics
 
-    run_training_loop(
-        policy=student_policy,
-        tokenizer=tokenizer,
-        dataloader=dataloader,
-        logger=logger,
-        checkpointer=checkpointer,
-        state=distillation_save_state,
-        config=config,
-        train_step=train_step,
-        validate=(lambda: run_validation(val_dataloader)) if val_dataloader is not None else None,
-        before_first_step=baselines,
-        algorithm_rng=lambda_coin,
-        console_keys=_CONSOLE_KEYS,
-        in_flight=schedule,
-    )
+    @property
+    def algorithm_rng(self) -> random.Random:
+        """The λ coin."""
+        return self.lambda_coin
+
+    @property
+    def in_flight(self) -> RolloutSchedule:
+        """The rollout schedule: batches sampled (and scored) ahead of their step."""
+        return self.step_state.schedule
 
 
 def validation_baselines(

@@ -32,7 +32,9 @@ from opd.algorithms.run_setup import (
 from opd.algorithms.training_loop import (
     NextBatch,
     RunConfig,
+    RunParts,
     RunSaveState,
+    TrainingCallbacks,
     TrainingLoopConfig,
     check_output_is_fresh,
     find_resume_checkpoint,
@@ -185,30 +187,53 @@ def sft_train(
     master_config: SFTMasterConfig,
 ) -> None:
     """Fine-tunes ``policy`` on the dataset's assistant turns until the step budget is spent."""
+    callbacks = SFTCallbacks(policy, generation, val_dataloader, tokenizer, loss_fn, master_config)
+    parts = RunParts(policy, tokenizer, dataloader, logger, checkpointer, sft_save_state, master_config)
+    run_training_loop(parts, callbacks)
 
-    def train_step(next_examples: NextBatch) -> tuple[int, dict[str, Any]]:
-        examples: list[PreparedExample] = next_examples()
+
+class SFTCallbacks(TrainingCallbacks):
+    """SFT's part of the shared training loop: a step on the dataset's answers, and validation."""
+
+    console_keys = ("train/loss", "train/grad_norm", "train/lr", "perf/tokens_per_s")
+
+    def __init__(
+        self,
+        policy: PolicyInterface,
+        generation: GenerationInterface,
+        val_dataloader: StatefulDataLoader | None,
+        tokenizer: Any,
+        loss_fn: LossFunction,
+        config: SFTMasterConfig,
+    ) -> None:
+        self.policy, self.generation, self.val_dataloader = policy, generation, val_dataloader
+        self.tokenizer, self.loss_fn, self.config = tokenizer, loss_fn, config
+
+    def train_step(self, next_batch: NextBatch) -> tuple[int, dict[str, Any]]:
+        """One optimizer step on the next batch's assistant turns (prompt tokens masked)."""
+        examples: list[PreparedExample] = next_batch()
         start = time.perf_counter()
-        batch = build_fixed_data_batch(examples, tokenizer.pad_token_id, mask_prompt_tokens=True)
-        metrics = {f"train/{key}": value for key, value in policy.train(batch, loss_fn).items()}
+        batch = build_fixed_data_batch(examples, self.tokenizer.pad_token_id, mask_prompt_tokens=True)
+        metrics = {f"train/{key}": value for key, value in self.policy.train(batch, self.loss_fn).items()}
         seconds = time.perf_counter() - start
         metrics["train/mean_response_length"] = float(batch["response_lengths"].float().mean())
         metrics["timing/step"] = seconds
         metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / seconds
         return len(examples), metrics
 
-    def run_validation(data: StatefulDataLoader) -> dict[str, float]:
-        return validate(generation, policy, None, data, tokenizer, master_config.validation.generate_strategy)
+    @property
+    def has_validation(self) -> bool:
+        """Whether the run has validation data."""
+        return self.val_dataloader is not None
 
-    run_training_loop(
-        policy=policy,
-        tokenizer=tokenizer,
-        dataloader=dataloader,
-        logger=logger,
-        checkpointer=checkpointer,
-        state=sft_save_state,
-        config=master_config,
-        train_step=train_step,
-        validate=(lambda: run_validation(val_dataloader)) if val_dataloader is not None else None,
-        console_keys=["train/loss", "train/grad_norm", "train/lr", "perf/tokens_per_s"],
-    )
+    def validate(self) -> dict[str, float]:
+        """Accuracy and lengths of the model's own answers (no teacher)."""
+        assert self.val_dataloader is not None  # called only when has_validation
+        return validate(
+            self.generation,
+            self.policy,
+            None,
+            self.val_dataloader,
+            self.tokenizer,
+            self.config.validation.generate_strategy,
+        )

@@ -27,8 +27,9 @@ import os
 import random
 import shutil
 import time
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypedDict
 
@@ -186,29 +187,11 @@ class InFlight(Protocol):
         ...
 
 
-ValidateFn = Callable[[], dict[str, float]]
-"""Runs validation; returns ``val/*`` metrics."""
+@dataclass
+class RunParts:
+    """What a run trains and where it writes: the same for every algorithm.
 
-
-def run_training_loop(
-    *,
-    policy: PolicyInterface,
-    tokenizer: Any,
-    dataloader: StatefulDataLoader,
-    logger: Logger,
-    checkpointer: CheckpointManager,
-    state: RunSaveState,
-    config: RunConfig,
-    train_step: StepFn,
-    validate: ValidateFn | None,
-    before_first_step: Callable[[], dict[str, float]] | None = None,
-    algorithm_rng: random.Random | None = None,
-    console_keys: list[str] | None = None,
-    in_flight: InFlight | None = None,
-) -> None:
-    """Drives a run from ``state["step"]`` to ``logger.total_steps``.
-
-    Args:
+    Attributes:
         policy: the trained model (saved with ``save_pretrained`` and ``state_dict``).
         tokenizer: saved with every checkpoint and the final model.
         dataloader: the resumable training loader (one batch per step).
@@ -217,17 +200,64 @@ def run_training_loop(
         state: the save state (``step``, ``epoch``, ``consumed_samples``, ``best_metric``,
             ``best_step``, ``consecutive_nonfinite_steps``); updated in place.
         config: the run's validated config (saved as ``config.yaml`` in checkpoints).
-        train_step: one optimizer step on a batch.
-        validate: validation, or None when there is no validation data.
-        before_first_step: runs once on a fresh (not resumed) run, before the start
-            validation (e.g. a teacher baseline); returns the metrics it logged (the
-            teacher's ``val/teacher_*`` values are the targets of ``early_stop.target:
-            teacher``).
-        algorithm_rng: an algorithm's own generator (the λ coin), checkpointed with the rest.
-        console_keys: step metrics shown on the console.
-        in_flight: work started ahead of its step (an asynchronous rollout schedule),
-            checkpointed with the rest; the data position saved is then that many
-            batches past the step.
+    """
+
+    policy: PolicyInterface
+    tokenizer: Any
+    dataloader: StatefulDataLoader
+    logger: Logger
+    checkpointer: CheckpointManager
+    state: RunSaveState
+    config: RunConfig
+
+
+class TrainingCallbacks(ABC):
+    """What an algorithm plugs into the shared loop: its step, and optionally the rest.
+
+    Only :meth:`train_step` is required; every other member has a default that does
+    nothing, so a new algorithm overrides what it has and the loop asks no more.
+    """
+
+    console_keys: tuple[str, ...] = ()
+    """Step metrics shown on the console."""
+
+    @abstractmethod
+    def train_step(self, next_batch: NextBatch) -> tuple[int, dict[str, Any]]:
+        """One optimizer step, drawing the batches it needs (see :data:`StepFn`)."""
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether :meth:`validate` has data to validate on."""
+        return False
+
+    def validate(self) -> dict[str, float]:
+        """Runs validation; returns ``val/*`` metrics (called only when :attr:`has_validation`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no validation")
+
+    def before_first_step(self) -> dict[str, float]:
+        """Runs once on a fresh (not resumed) run, before the start validation (e.g. a teacher baseline).
+
+        Returns the metrics it logged: the teacher's ``val/teacher_*`` values are the
+        targets of ``early_stop.target: teacher``.
+        """
+        return {}
+
+    @property
+    def algorithm_rng(self) -> random.Random | None:
+        """The algorithm's own generator (the λ coin), checkpointed with the rest."""
+        return None
+
+    @property
+    def in_flight(self) -> InFlight | None:
+        """Work started ahead of its step (an asynchronous rollout schedule), checkpointed with the rest.
+
+        The data position saved is then that many batches past the step.
+        """
+        return None
+
+
+def run_training_loop(parts: RunParts, callbacks: TrainingCallbacks) -> None:
+    """Drives a run from ``parts.state["step"]`` to ``parts.logger.total_steps``.
 
     Raises:
         TrainingDivergedError: after ``max_consecutive_nonfinite_steps`` skipped steps.
@@ -236,18 +266,8 @@ def run_training_loop(
         WorkerError: a distributed run lost a worker; the message names the role, the
             rank and the newest complete checkpoint.
     """
-    run = _TrainingRun(
-        policy,
-        tokenizer,
-        dataloader,
-        logger,
-        checkpointer,
-        state,
-        config,
-        validate,
-        algorithm_rng or random.Random(0),
-        in_flight,
-    )
+    state, config, logger, checkpointer = parts.state, parts.config, parts.logger, parts.checkpointer
+    run = _TrainingRun(parts, callbacks)
     if run.is_complete():
         run.finish_complete_run()
         return
@@ -257,17 +277,18 @@ def run_training_loop(
     # Records past the resumed step belong to steps that are about to be re-run.
     logger.truncate_after(state["step"])
     if state["step"] == 0:
-        run.note_baselines(before_first_step() if before_first_step is not None else {})
+        run.note_baselines(callbacks.before_first_step())
         if config.validation.val_at_start:
             run.check_early_stop(run.validate(0), 0)
     else:
         run.check_teacher_target()
+    console_keys = list(callbacks.console_keys)
     try:
         with GracefulStop() as stop:
             while state["step"] < run.total_steps and not stop.requested:
-                state["epoch"] = state["step"] // len(dataloader)
+                state["epoch"] = state["step"] // len(parts.dataloader)
                 step_start = time.perf_counter()
-                trained, metrics = train_step(run.data.next)
+                trained, metrics = callbacks.train_step(run.data.next)
                 state["train_time_s"] += time.perf_counter() - step_start
                 if run.after_step(trained, metrics, console_keys):
                     break
@@ -290,22 +311,14 @@ def run_training_loop(
 class _TrainingRun:
     """The pieces of :func:`run_training_loop` around the step: counters, validation, checkpoints."""
 
-    def __init__(
-        self,
-        policy: PolicyInterface,
-        tokenizer: Any,
-        dataloader: StatefulDataLoader,
-        logger: Logger,
-        checkpointer: CheckpointManager,
-        state: RunSaveState,
-        config: RunConfig,
-        validate: ValidateFn | None,
-        algorithm_rng: random.Random,
-        in_flight: InFlight | None = None,
-    ) -> None:
-        self.policy, self.tokenizer, self.dataloader = policy, tokenizer, dataloader
-        self.logger, self.checkpointer, self.state, self.config = logger, checkpointer, state, config
-        self.validate_fn, self.algorithm_rng, self.in_flight = validate, algorithm_rng, in_flight
+    def __init__(self, parts: RunParts, callbacks: TrainingCallbacks) -> None:
+        self.policy, self.tokenizer, self.dataloader = parts.policy, parts.tokenizer, parts.dataloader
+        self.logger, self.checkpointer = parts.logger, parts.checkpointer
+        self.state, self.config = parts.state, parts.config
+        self.callbacks = callbacks
+        self.algorithm_rng = callbacks.algorithm_rng or random.Random(0)
+        self.in_flight = callbacks.in_flight
+        state, logger, config, dataloader = parts.state, parts.logger, parts.config, parts.dataloader
         self.data = _ContinuousData(dataloader, state["step"])
         self.total_steps = logger.total_steps
         self.time_budget = config.training.max_train_time_s
@@ -456,10 +469,10 @@ class _TrainingRun:
 
     def validate(self, step: int) -> dict[str, float] | None:
         """Runs validation (if any), tracks the best metric and logs; returns the metrics (None: no validation)."""
-        if self.validate_fn is None:
+        if not self.callbacks.has_validation:
             return None
         start = time.perf_counter()
-        metrics = self.validate_fn()
+        metrics = self.callbacks.validate()
         metrics["timing/validation"] = time.perf_counter() - start
         self._track_best(metrics, step)
         self.last_validation = (step, {key: value for key, value in metrics.items() if key.startswith("val/")})
