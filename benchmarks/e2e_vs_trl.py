@@ -619,7 +619,6 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opd.algorithms.compiled_kernels import resolve_compile_kernels
     from opd.algorithms.loss_functions import DistillationLossFn
     from opd.data.batched_data_dict import BatchedDataDict
     from opd.data.sequences import attention_mask_from_lengths, build_token_mask, encode_prompt, shift_token_mask
@@ -627,6 +626,7 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     from opd.models.generation.decode_loop import compile_decode_step, decode
     from opd.models.generation.stop_tokens import is_stop, stop_token_ids
     from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of
+    from opd.utils.compile_cache import resolve_compile_kernels
 
     torch.manual_seed(SEED)
     workdir = Path(args.workdir)

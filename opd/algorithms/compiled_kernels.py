@@ -16,17 +16,12 @@ always does.
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import sysconfig
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 import torch
 
 from opd.utils.compile_cache import compile_function
-from opd.utils.errors import ConfigError
 
 KernelT = TypeVar("KernelT", bound=Callable[..., object])
 
@@ -67,48 +62,3 @@ def kl_metrics_from_logits(
     forward = torch.where(p > 0, p * (log_p - log_q), zero).sum()
     reverse = torch.where(q > 0, q * (log_q - log_p), zero).sum()
     return forward, reverse, log_norm_q.squeeze(-1), log_norm_p.squeeze(-1)
-
-
-def compiler_toolchain_problem(device_type: str) -> str | None:
-    """Why ``torch.compile`` cannot build kernels for ``device_type`` here, or None if it can.
-
-    Inductor writes C++ for CPU kernels (it needs a C++ compiler: ``$CXX``, ``g++`` or
-    ``clang++``, and the Python headers its wrappers include, ``Python.h``) and Triton
-    for GPU kernels.
-    """
-    if device_type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return "Triton is not installed (it ships with the CUDA builds of torch)"
-        return None
-    if device_type == "cpu":
-        candidates = [os.environ.get("CXX", ""), "g++", "clang++", "c++"]
-        if not any(candidate and shutil.which(candidate) for candidate in candidates):
-            return "no C++ compiler found (set $CXX or install g++ / clang++)"
-        headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
-        if not headers.is_file():
-            return f"the Python headers are missing ({headers}; on Debian/Ubuntu: apt install python3-dev)"
-        return None
-    return f"opd does not compile kernels for device type {device_type!r}"
-
-
-def resolve_compile_kernels(setting: bool | str, device_type: str, key: str = "loss_fn.compile_kernels") -> bool:
-    """A compile setting (``auto`` / true / false) → whether to compile: ``auto`` compiles where the toolchain exists.
-
-    Args:
-        setting: the config value.
-        device_type: where the compiled code would run (``cpu``, ``cuda``).
-        key: the config key, for the error message.
-
-    Raises:
-        ConfigError: ``true`` was asked for but the toolchain is missing.
-    """
-    problem = compiler_toolchain_problem(device_type)
-    if setting == "auto":
-        return problem is None
-    if setting and problem is not None:
-        raise ConfigError(
-            f"{key}: true cannot work on {device_type}: {problem}; install it or set {key} to auto or false"
-        )
-    return bool(setting)

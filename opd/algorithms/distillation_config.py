@@ -35,7 +35,8 @@ from opd.data.config import DataConfig
 from opd.data.teacher_context import TeacherContext
 from opd.distributed.config import ClusterConfig
 from opd.models.config import ModelConfig, RemoteTeacherConfig, TeacherConfig, TeacherMemberConfig, TeachersConfig
-from opd.models.generation.config import GenerateStrategyConfig, GenerationConfig
+from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.generation.engines import GenerationConfig
 from opd.models.interfaces import FullVocabRequest
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.remote_teacher import RemoteTeacher
@@ -448,23 +449,16 @@ def _served_full_vocab_problem(
 
 def _generation_problem(config: MasterConfig) -> str | None:
     """vLLM's context length must leave room for the responses; a tensor-parallel engine needs devices of its own."""
-    if config.generation.backend != "vllm":
-        return None
-    tensor_parallel = config.generation.vllm.tensor_parallel_size
-    if tensor_parallel > 1 and config.cluster is not None and config.cluster.placement == "colocated":
+    generation = config.generation
+    devices = generation.engine.devices(generation)
+    if devices > 1 and config.cluster is not None and config.cluster.placement == "colocated":
         return (
-            f"generation.vllm.tensor_parallel_size = {tensor_parallel} spans several devices, but a colocated "
+            f"generation.vllm.tensor_parallel_size = {devices} spans several devices, but a colocated "
             "rollout worker shares one trainer device; set cluster.placement = split (each rollout worker then "
             "holds that many GPUs)"
         )
-    max_model_len = config.generation.vllm.max_model_len
-    max_length = config.distillation.generate_strategy.max_length
-    if max_model_len is not None and max_model_len <= max_length:
-        return (
-            f"generation.vllm.max_model_len = {max_model_len} leaves no room for a prompt before "
-            f"distillation.generate_strategy.max_length = {max_length} new tokens"
-        )
-    return None
+    key = "distillation.generate_strategy.max_length"
+    return generation.engine.problem(generation, config.distillation.generate_strategy.max_length, key)
 
 
 def _cluster_problem(config: MasterConfig) -> str | None:
@@ -512,10 +506,11 @@ def _schedule_problem(config: MasterConfig) -> str | None:
         return f"{key} with model.lora: the rollout engine's copy of a LoRA student is not supported; use sync"
     if training.sequence_packing:
         return f"{key} with training.sequence_packing is not supported; set training.sequence_packing = false"
-    if config.generation.backend == "vllm" and cluster is None:
+    if not config.generation.engine.overlaps_in_process and cluster is None:
         return (
-            f"{key} with an in-process vLLM engine: the engine shares this process with training; "
-            "use the hf backend in process (it keeps its own copy of the weights) or a cluster"
+            f"{key} with an in-process {config.generation.backend} engine: the engine runs in the trainer's own "
+            "thread, so nothing would overlap; use the hf backend in process (it keeps its own copy of the "
+            "weights) or a cluster"
         )
     loss = config.loss_fn
     if isinstance(loss, HybridFullVocabLossConfig):

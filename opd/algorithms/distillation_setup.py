@@ -25,7 +25,6 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import PreTrainedModel
 
-from opd.algorithms.compiled_kernels import resolve_compile_kernels
 from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
 from opd.algorithms.loss_config import (
     FullVocabKernelSettings,
@@ -47,7 +46,7 @@ from opd.algorithms.several_teachers_loss import MixtureLoss, RoutedLoss
 from opd.algorithms.training_loop import RunSaveState, check_output_is_fresh, find_resume_checkpoint
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
 from opd.models.config import RemoteTeacherConfig, TeacherMemberConfig
-from opd.models.generation.hf_generation import HFGeneration, SnapshotHFGeneration
+from opd.models.generation.hf_generation import HFGeneration
 from opd.models.generation.stop_tokens import check_stop_tokens, describe_tokens, stop_token_ids
 from opd.models.interfaces import (
     FullVocabRequest,
@@ -74,6 +73,7 @@ from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.remote_teacher import RemoteTeacher
 from opd.models.teacher.several_teachers import RoutedTeachers, TeacherMixture
 from opd.utils.checkpoint import CheckpointManager
+from opd.utils.compile_cache import resolve_compile_kernels
 from opd.utils.errors import ConfigError
 from opd.utils.logger import Logger
 
@@ -146,10 +146,7 @@ def check_environment(config: MasterConfig) -> None:
     if isinstance(config.loss_fn, FullVocabKernelSettings):
         resolve_compile_kernels(config.loss_fn.compile_kernels, device_type)
     resolve_compile_kernels(config.generation.compile_decode, device_type, "generation.compile_decode")
-    if config.generation.backend == "vllm":
-        from opd.models.generation.vllm_generation import import_vllm  # optional and slow to import
-
-        import_vllm()
+    config.generation.engine.check_environment(config.generation)
     remote = config.teacher.remote
     if config.teacher.backend == "remote" and remote.api_key_env and not os.environ.get(remote.api_key_env):
         raise ConfigError(
@@ -404,23 +401,8 @@ def member_teacher_path(config: MasterConfig, member: TeacherMemberConfig) -> st
 
 def build_generation(config: MasterConfig, model: PreTrainedModel, tokenizer: Any) -> GenerationInterface:
     """The engine ``generation.backend`` names, sampling from (or starting from) ``model``."""
-    if config.generation.backend == "vllm":
-        # Imported here: vLLM is optional and slow to import.
-        from opd.models.generation.vllm_generation import VllmGeneration
-
-        return VllmGeneration(
-            model, tokenizer, config.generation.vllm, config.training.seed, config.generation.stop_token_ids
-        )
-    device_type = next(model.parameters()).device.type
     # An asynchronous schedule samples with the weights of its last sync, not the live ones.
-    engine = SnapshotHFGeneration if config.training.asynchronous else HFGeneration
-    return engine(
-        model,
-        tokenizer,
-        config.generation.decode_loop,
-        resolve_compile_kernels(config.generation.compile_decode, device_type, "generation.compile_decode"),
-        config.generation.stop_token_ids,
-    )
+    return config.generation.build(model, tokenizer, config.training.seed, own_copy=config.training.asynchronous)
 
 
 def build_loss(config: MasterConfig, tokenizer: Any) -> LossFunction:
@@ -571,9 +553,7 @@ def build_on_cluster(
         micro_batch_tokens=config.training.micro_batch_tokens,
         sequence_packing=config.training.sequence_packing,
         tokenizer=tokenizer,
-        decode_loop=config.generation.decode_loop,
-        stop_ids=tuple(config.generation.stop_token_ids) if config.generation.stop_token_ids else None,
-        vllm=config.generation.vllm if config.generation.backend == "vllm" else None,
+        generation=config.generation,
         seed=config.training.seed,
         checkpoint_dir=config.checkpointing.checkpoint_dir if config.checkpointing.enabled else None,
     )

@@ -52,7 +52,6 @@ from pydantic import Field, model_validator
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from opd.algorithms.compiled_kernels import resolve_compile_kernels
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import build_generation, resolve_teacher_path
 from opd.algorithms.run_setup import load_run_tokenizer
@@ -62,6 +61,7 @@ from opd.environments.math_verifier import is_correct
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.interfaces import GenerationInterface
 from opd.models.loading import check_output_sizes, load_causal_lm, resolve_device, resolve_dtype
+from opd.utils.compile_cache import resolve_compile_kernels
 from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError, DataError
 from opd.utils.logger import flatten_dict
@@ -130,14 +130,11 @@ class GenerateMasterConfig(MasterConfig):
 
     @model_validator(mode="after")
     def _check_engine_room(self) -> GenerateMasterConfig:
-        """vLLM's context length must leave room for the answers."""
-        max_model_len = self.generation.vllm.max_model_len
-        max_length = self.generate.generate_strategy.max_length
-        if self.generation.backend == "vllm" and max_model_len is not None and max_model_len <= max_length:
-            raise ValueError(
-                f"generation.vllm.max_model_len = {max_model_len} leaves no room for a prompt before "
-                f"generate.generate_strategy.max_length = {max_length} new tokens"
-            )
+        """The engine must be able to give answers of the configured length (vLLM's context length)."""
+        key = "generate.generate_strategy.max_length"
+        problem = self.generation.engine.problem(self.generation, self.generate.generate_strategy.max_length, key)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
 
@@ -337,10 +334,7 @@ def _check_environment(config: GenerateMasterConfig) -> None:
     """Fails before any data or model is read if the engine cannot run here (vLLM missing, no compiler)."""
     device_type = resolve_device(config.model.device).type
     resolve_compile_kernels(config.generation.compile_decode, device_type, "generation.compile_decode")
-    if config.generation.backend == "vllm":
-        from opd.models.generation.vllm_generation import import_vllm  # optional and slow to import
-
-        import_vllm()
+    config.generation.engine.check_environment(config.generation)
 
 
 def load_source_prompts(config: GenerateMasterConfig, tokenizer: Any) -> tuple[list[SourcePrompt], int]:

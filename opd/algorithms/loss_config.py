@@ -26,7 +26,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from opd.algorithms.compiled_kernels import resolve_compile_kernels
 from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
 from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn
 from opd.models.interfaces import (
@@ -36,6 +35,7 @@ from opd.models.interfaces import (
     TokenLogprobsRequest,
     TopKRequest,
 )
+from opd.utils.compile_cache import resolve_compile_kernels
 from opd.utils.config import StrictConfig
 
 KLType = Literal["forward", "reverse", "mixed"]

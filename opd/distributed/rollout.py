@@ -41,8 +41,8 @@ from opd.distributed.refit_wire import (
 )
 from opd.distributed.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
-from opd.models.generation.config import GenerateStrategyConfig, VllmGenerationConfig
-from opd.models.generation.hf_generation import HFGeneration
+from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.generation.engines import GenerationConfig
 from opd.models.interfaces import GenerationInterface, Pending, PolicyInterface
 from opd.models.loading import load_causal_lm, resolve_device, resolve_dtype
 from opd.utils.errors import WorkerError
@@ -58,20 +58,16 @@ class RolloutSpec:
         model_path: the student's starting weights (refit replaces them before sampling).
         loading: dtype and loading options.
         tokenizer: the run's tokenizer.
-        decode_loop: ``opd`` or ``generate`` (see ``generation.decode_loop``).
-        stop_ids: token ids that end a response (None: the model's own).
+        generation: the engine (``generation:``; its ``backend`` picks the kind).
         threads: torch threads of a CPU worker.
-        vllm: the vLLM engine's settings, or None for the HF engine.
-        seed: the vLLM engine's seed (each worker adds its rank).
+        seed: the engine's seed (each worker adds its rank).
     """
 
     model_path: str
     loading: ModelLoadingConfig
     tokenizer: Any
-    decode_loop: str
-    stop_ids: tuple[int, ...] | None
+    generation: GenerationConfig
     threads: int
-    vllm: VllmGenerationConfig | None = None
     seed: int = 0
 
 
@@ -91,24 +87,14 @@ class RolloutWorker:
         model = load_causal_lm(spec.model_path, resolve_dtype(spec.loading.dtype, device), device, spec.loading)
         model.requires_grad_(False)
         self.model = model
-        self.vllm_engine: Any = None
-        self.engine: GenerationInterface
-        if spec.vllm is not None:
-            # Imported here: vLLM is optional, and only its rollout workers need it.
-            from opd.models.generation.vllm_generation import VllmGeneration
-
-            self.vllm_engine = VllmGeneration(model, spec.tokenizer, spec.vllm, spec.seed + rank, spec.stop_ids)
-            self.engine = self.vllm_engine
-        else:
-            self.engine = HFGeneration(model, spec.tokenizer, spec.decode_loop, stop_ids=spec.stop_ids)
-        self.weights_dtype = model.dtype
-        if spec.vllm is not None and spec.vllm.dtype != "auto":
-            self.weights_dtype = getattr(torch, spec.vllm.dtype)
+        # The worker's model is the engine's (an HF engine samples with it in place; vLLM
+        # starts from it and keeps its own copy).
+        self.engine: GenerationInterface = spec.generation.build(model, spec.tokenizer, spec.seed + rank, False)
         self._refit_group: Any = None
 
     def engine_dtype(self) -> torch.dtype:
         """The dtype the engine holds its weights in: the trainer casts to it before sending."""
-        return self.weights_dtype
+        return self.engine.weights_dtype
 
     # ------------------------------------------------------------------ refit
 
@@ -152,13 +138,7 @@ class RolloutWorker:
 
         In place in the HF model, or through vLLM's own weight loader.
         """
-        if self.vllm_engine is not None:
-            self.vllm_engine.load_weights(pairs)
-        else:
-            own = self.model.state_dict()
-            with torch.no_grad():
-                for name, tensor in pairs:
-                    own[name].copy_(tensor)
+        self.engine.load_weights(pairs)
         return len(pairs)
 
     def generate(

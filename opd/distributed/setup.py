@@ -27,7 +27,7 @@ from opd.distributed.teacher_pool import ColocatedTeacher, TeacherPool, TeacherW
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
 from opd.distributed.worker_group import Bound, Slot, WorkerGroup
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
-from opd.models.generation.config import VllmGenerationConfig
+from opd.models.generation.engines import GenerationConfig
 from opd.models.interfaces import GenerationInterface, TeacherInterface
 from opd.utils.errors import ConfigError
 from opd.utils.paths import absolute_dir, absolute_model_path
@@ -73,9 +73,7 @@ class ClusterRequest:
         micro_batch_tokens: a padded-token budget per micro-batch instead.
         sequence_packing: pack each micro-batch without padding.
         tokenizer: the run's tokenizer (the rollout workers decode with it).
-        decode_loop: the rollout workers' decoding loop.
-        stop_ids: ids that end a response (None: each model's own).
-        vllm: the rollout workers' vLLM settings, or None for HF rollout workers.
+        generation: the rollout workers' engine (``generation:``).
         seed: the run's seed (vLLM engines are seeded from it).
         checkpoint_dir: where the trainer ranks write checkpoint shards; checked at start
             to be one filesystem for every node (None: checkpointing is off).
@@ -93,9 +91,7 @@ class ClusterRequest:
     micro_batch_tokens: int | None
     sequence_packing: bool
     tokenizer: Any
-    decode_loop: str
-    stop_ids: tuple[int, ...] | None
-    vllm: VllmGenerationConfig | None = None
+    generation: GenerationConfig
     seed: int = 0
     checkpoint_dir: str | None = None
 
@@ -140,7 +136,7 @@ def build_cluster_backends(
     check_colocated_sharing(cluster, cluster.rollout.workers, teacher_workers)
     started_ray = start_ray(cluster, cpus_needed(cluster, cluster.rollout.workers, teacher_workers))
     try:
-        engine_devices = request.vllm.tensor_parallel_size if request.vllm is not None else 1
+        engine_devices = request.generation.engine.devices(request.generation)
         pools = build_pools(cluster, cluster.rollout.workers, teacher_workers, engine_devices)
     except BaseException:  # a pool that cannot be placed: leave no private cluster behind
         if started_ray:
@@ -281,10 +277,8 @@ def _start_rollout(cluster: ClusterConfig, request: ClusterRequest, slots: list[
         request.student_path,
         request.loading,
         request.tokenizer,
-        request.decode_loop,
-        request.stop_ids,
+        request.generation,
         cluster.threads_per_worker,
-        request.vllm,
         request.seed,
     )
     return WorkerGroup(

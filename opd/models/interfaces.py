@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -501,6 +501,24 @@ class GenerationInterface(ABC):
             return Done(self.generate(prompts, strategy, num_samples, return_logprobs))
         finally:
             self.finish_generation()
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype the engine holds its weights in (a trainer elsewhere casts to it before sending).
+
+        Raises:
+            NotImplementedError: an engine that holds no weights in this process (a pool of
+                rollout workers, which refits its workers itself).
+        """
+        raise NotImplementedError(f"{type(self).__name__} holds no weights in this process")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies ``(name, tensor)`` pairs, under the student's parameter names, into the engine's weights.
+
+        Raises:
+            NotImplementedError: an engine that holds no weights in this process.
+        """
+        raise NotImplementedError(f"{type(self).__name__} holds no weights in this process")
 
     def refit(self, policy: PolicyInterface) -> dict[str, float]:
         """Loads the policy's current weights; engines that sample with the policy itself need nothing.

@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import getpass
 import os
+import shutil
+import sysconfig
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar, cast
+
+from opd.utils.errors import ConfigError
 
 FunctionT = TypeVar("FunctionT", bound=Callable[..., object])
 
@@ -51,3 +56,48 @@ def compile_function(function: FunctionT, *, dynamic: bool = True) -> FunctionT:
 
     separate_kernel_cache_for_forced_cpu_capability()
     return cast(FunctionT, torch.compile(function, dynamic=dynamic))
+
+
+def compiler_toolchain_problem(device_type: str) -> str | None:
+    """Why ``torch.compile`` cannot build kernels for ``device_type`` here, or None if it can.
+
+    Inductor writes C++ for CPU kernels (it needs a C++ compiler: ``$CXX``, ``g++`` or
+    ``clang++``, and the Python headers its wrappers include, ``Python.h``) and Triton
+    for GPU kernels.
+    """
+    if device_type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "Triton is not installed (it ships with the CUDA builds of torch)"
+        return None
+    if device_type == "cpu":
+        candidates = [os.environ.get("CXX", ""), "g++", "clang++", "c++"]
+        if not any(candidate and shutil.which(candidate) for candidate in candidates):
+            return "no C++ compiler found (set $CXX or install g++ / clang++)"
+        headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+        if not headers.is_file():
+            return f"the Python headers are missing ({headers}; on Debian/Ubuntu: apt install python3-dev)"
+        return None
+    return f"opd does not compile kernels for device type {device_type!r}"
+
+
+def resolve_compile_kernels(setting: bool | str, device_type: str, key: str = "loss_fn.compile_kernels") -> bool:
+    """A compile setting (``auto`` / true / false) → whether to compile: ``auto`` compiles where the toolchain exists.
+
+    Args:
+        setting: the config value.
+        device_type: where the compiled code would run (``cpu``, ``cuda``).
+        key: the config key, for the error message.
+
+    Raises:
+        ConfigError: ``true`` was asked for but the toolchain is missing.
+    """
+    problem = compiler_toolchain_problem(device_type)
+    if setting == "auto":
+        return problem is None
+    if setting and problem is not None:
+        raise ConfigError(
+            f"{key}: true cannot work on {device_type}: {problem}; install it or set {key} to auto or false"
+        )
+    return bool(setting)

@@ -34,6 +34,7 @@ from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
+from opd.models.generation.engines import GenerationConfig
 from opd.models.interfaces import (
     Pending,
     TeacherInterface,
@@ -166,7 +167,7 @@ def sharded_pool(ray_cluster, tmp_path_factory):
     assert cluster is not None
     pools = build_pools(cluster, 0, cluster.teacher.workers)
     request = ClusterRequest("tiny:student", {"teacher": "tiny:teacher"}, LOADING, OptimizerConfig(), 1, 1, None,
-                             False, None, "hf", None)
+                             False, None, GenerationConfig())
     workers = _start_teacher_pool(cluster, request, "teacher", "tiny:teacher", pools.teacher)
     yield TeacherPool(workers, cluster.teacher.shards_per_replica)
     workers.kill()

@@ -55,7 +55,7 @@ def provenance(command: str) -> dict[str, Any]:
     import transformers
 
     import opd
-    from opd.algorithms.compiled_kernels import compiler_toolchain_problem
+    from opd.utils.compile_cache import compiler_toolchain_problem
 
     def git(*args: str) -> str:
         result = subprocess.run(["git", *args], check=False, cwd=REPO, capture_output=True, text=True)

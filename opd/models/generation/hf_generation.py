@@ -13,7 +13,7 @@ top-k / top-p), i.e. the distribution the token was actually drawn from.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -81,6 +81,18 @@ class HFGeneration(GenerationInterface):
     def finish_generation(self) -> None:
         """Restores the model's train/eval mode."""
         self.model.train(self._was_training)
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The model's dtype."""
+        return self.model.dtype
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies the pairs into the model in place, by state-dict name (a rollout worker's refit)."""
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in weights:
+                own[name].copy_(tensor)
 
     def generate(
         self,
@@ -211,8 +223,5 @@ class SnapshotHFGeneration(HFGeneration):
 
     def refit(self, policy: PolicyInterface) -> dict[str, float]:
         """Copies the policy's current weights into the engine's copy (within this process: nothing to log)."""
-        own = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in policy.weights_for_refit():
-                own[name].copy_(tensor)
+        self.load_weights(policy.weights_for_refit())
         return {}

@@ -30,7 +30,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -163,6 +163,7 @@ class VllmGeneration(GenerationInterface):
                 "generation.vllm.enable_sleep_mode = true needs a CUDA device (vLLM's sleep mode is GPU-only)"
             )
         dtype = str(model.dtype).removeprefix("torch.") if config.dtype == "auto" else config.dtype
+        self._weights_dtype: torch.dtype = getattr(torch, dtype)
         # The engine reads the architecture from a config.json; the student's own config,
         # written to a scratch directory, is the one that matches the weights in memory.
         self._config_dir = tempfile.mkdtemp(prefix="opd-vllm-")
@@ -210,12 +211,18 @@ class VllmGeneration(GenerationInterface):
         """Copies ``model``'s parameters into the engine (the first load, from the student in memory)."""
         self.load_weights([(name, parameter.detach()) for name, parameter in model.named_parameters()])
 
-    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The engine's dtype (``generation.vllm.dtype``, or the student's with ``auto``)."""
+        return self._weights_dtype
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Streams ``(name, tensor)`` pairs into the engine and drops the prefix cache.
 
         Raises:
             RuntimeError: if the engine did not receive every tensor.
         """
+        weights = list(weights)
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")

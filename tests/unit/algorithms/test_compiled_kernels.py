@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd.algorithms import compiled_kernels
-from opd.algorithms.compiled_kernels import kl_metrics_from_logits, resolve_compile_kernels
+from opd.algorithms.compiled_kernels import kl_metrics_from_logits
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
 from opd.algorithms.fused_lm_head import LMHeadInput
 from opd.algorithms.loss_functions import DistillationLossFn
+from opd.utils import compile_cache
+from opd.utils.compile_cache import resolve_compile_kernels
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 
@@ -89,7 +90,7 @@ def test_compiled_fused_loss_equals_eager(settings, temperature):
 @pytest.fixture
 def no_compiler(monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setattr(compiled_kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(compile_cache.shutil, "which", lambda name: None)
 
 
 def test_auto_follows_the_toolchain(no_compiler):
@@ -102,12 +103,12 @@ def test_auto_follows_the_toolchain(no_compiler):
 def test_missing_python_headers_are_a_missing_toolchain(monkeypatch, tmp_path):
     """A C++ compiler without Python.h cannot build inductor's CPU wrappers: auto must not compile."""
     monkeypatch.setenv("CXX", "g++")
-    monkeypatch.setattr(compiled_kernels.shutil, "which", lambda name: f"/usr/bin/{name}")
-    monkeypatch.setattr(compiled_kernels.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
-    assert "Python headers are missing" in compiled_kernels.compiler_toolchain_problem("cpu")
+    monkeypatch.setattr(compile_cache.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(compile_cache.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    assert "Python headers are missing" in compile_cache.compiler_toolchain_problem("cpu")
     assert resolve_compile_kernels("auto", "cpu") is False
     (tmp_path / "Python.h").write_text("")
-    assert compiled_kernels.compiler_toolchain_problem("cpu") is None
+    assert compile_cache.compiler_toolchain_problem("cpu") is None
 
 
 def test_auto_compiles_where_a_compiler_exists():

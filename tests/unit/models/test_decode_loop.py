@@ -17,12 +17,12 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from opd.algorithms.compiled_kernels import compiler_toolchain_problem, resolve_compile_kernels
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.decode_loop import decode
 from opd.models.generation.hf_generation import HFGeneration
 from opd.models.generation.sampling import next_tokens, sample_from_probs, warp_logits
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.utils.compile_cache import compiler_toolchain_problem, resolve_compile_kernels
 from opd.utils.errors import ConfigError
 
 
@@ -254,7 +254,7 @@ def test_compiled_step_equals_eager_and_follows_in_place_weight_updates(tokenize
 
 
 def test_compile_decode_true_without_a_compiler_names_the_key(monkeypatch):
-    monkeypatch.setattr("opd.algorithms.compiled_kernels.shutil.which", lambda name: None)
+    monkeypatch.setattr("opd.utils.compile_cache.shutil.which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(ConfigError, match="generation.compile_decode"):
         resolve_compile_kernels(True, "cpu", "generation.compile_decode")

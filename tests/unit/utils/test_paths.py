@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
+from opd.models.generation.engines import GenerationConfig
 from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager, check_model_directory
 from opd.utils.errors import OpdError
 from opd.utils.paths import absolute_dir, absolute_model_path
@@ -47,8 +48,7 @@ def test_the_cluster_request_carries_absolute_paths(tmp_path, monkeypatch):
         micro_batch_tokens=None,
         sequence_packing=False,
         tokenizer=None,
-        decode_loop="opd",
-        stop_ids=None,
+        generation=GenerationConfig(),
         checkpoint_dir="run/checkpoints",
     )
     assert request.student_path == str(tmp_path / "models" / "student")
