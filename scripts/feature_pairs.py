@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import feature_matrix as fm  # noqa: E402
+import feature_matrix as fm
 
 
 def main(argv: list[str] | None = None) -> int:

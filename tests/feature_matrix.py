@@ -18,10 +18,11 @@ default resources are enough for validation, which reads no file and opens no so
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -83,11 +84,19 @@ AXES: dict[str, tuple[Value, ...]] = {
         # opd serve-teacher's protocol: hidden states for the exact loss; the output layer is
         # read from model.teacher_model_path (the tiny teacher the server serves).
         Value("served", ("teacher.backend=remote", "teacher.remote.url={served_url}", "teacher.remote.protocol=opd")),
-        Value("route", (
-            "model.teacher_model_path=null", "teachers.mode=route", "teachers.route_key=task",
-            f"teachers.members={_TWO_TEACHERS}",
-        )),
-        Value("mixture", ("model.teacher_model_path=null", "teachers.mode=mixture", f"teachers.members={_TWO_TEACHERS}")),
+        Value(
+            "route",
+            (
+                "model.teacher_model_path=null",
+                "teachers.mode=route",
+                "teachers.route_key=task",
+                "teachers.route_map={add: a, sub: b}",
+                f"teachers.members={_TWO_TEACHERS}",
+            ),
+        ),
+        Value(
+            "mixture", ("model.teacher_model_path=null", "teachers.mode=mixture", f"teachers.members={_TWO_TEACHERS}")
+        ),
         Value(
             "cross_tokenizer",
             ("teacher.cross_tokenizer=true", "model.teacher_model_path={other_tokenizer_teacher}"),
@@ -112,9 +121,11 @@ AXES: dict[str, tuple[Value, ...]] = {
     # The teacher's baseline alone; with a teacher-only context also the student-versus-teacher one.
     "baselines": (
         Value("off"),
-        Value("on", ("validation.teacher_baseline=true",), with_values={("context", "on"): (
-            "validation.eval_baseline=true",
-        )}),
+        Value(
+            "on",
+            ("validation.teacher_baseline=true",),
+            with_values={("context", "on"): ("validation.eval_baseline=true",)},
+        ),
     ),
     "lambda": (Value("1.0"), Value("0.5", ("distillation.lambda=0.5",))),
 }
@@ -179,14 +190,77 @@ def label(choice: Choice) -> str:
     return ",".join(parts) or "default"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _refusal(key: tuple[tuple[str, str], ...]) -> str | None:
+    from opd.algorithms.distillation_config import MasterConfig
+    from opd.utils.config import validate_config
+    from opd.utils.errors import ConfigError
+
+    try:
+        validate_config(MasterConfig, _tree_with(overrides_for(dict(key))))
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def _tree_with(overrides: list[str]) -> dict:
+    """The config tree ``opd.utils.config.load_config`` builds from :data:`TINY_CONFIG` and ``overrides``.
+
+    The same steps as the loader (overrides that set a ``type`` first, a section's keys that
+    the new variant does not take dropped, then merged), with a plain deep merge in place of
+    OmegaConf's: the loader merges the whole tree once per override, a tenth of a second
+    for a choice, and the combination test validates hundreds of choices. The overrides
+    hold no interpolation, and the base tree is resolved once.
+    ``test_the_quick_tree_is_the_loaders`` checks the two agree.
+    """
+    from opd.utils.config import _drop_keys_of_other_variants, _override_layer
+
+    tree = copy.deepcopy(_base_tree())
+    ordered = sorted(overrides, key=lambda override: not override.split("=", 1)[0].endswith(".type"))
+    for override in ordered:
+        layer = _override_layer(override)
+        tree = _deep_merge(_drop_keys_of_other_variants(tree, layer, _variant_keys), layer)
+    return tree
+
+
+def _deep_merge(base: dict, layer: dict) -> dict:
+    merged = dict(base)
+    for key, item in layer.items():
+        if isinstance(item, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], item)
+        else:
+            merged[key] = copy.deepcopy(item)
+    return merged
+
+
+def _variant_keys(section: str, tag: str) -> set[str] | None:
+    """The keys variant ``tag`` of ``section`` accepts (as ``load_config`` computes them)."""
+    from opd.algorithms.distillation_config import MasterConfig
+    from opd.utils.config import _keys_of, _variants
+
+    info = MasterConfig.model_fields.get(section)
+    variants = _variants(info.annotation) if info is not None else {}
+    if len(variants) < 2:
+        return None
+    chosen = variants.get(tag)
+    return set(_keys_of(chosen)) if chosen is not None else None
+
+
+@lru_cache(maxsize=1)
+def _base_tree() -> dict:
+    from opd.utils.config import load_config_tree
+
+    return load_config_tree(TINY_CONFIG, [], _variant_keys)
+
+
+def loader_refusal(choice: Choice) -> str | None:
+    """:func:`refusal` through ``load_config`` itself (slow: for checking the quick path)."""
     from opd.algorithms.distillation_config import MasterConfig
     from opd.utils.config import load_config
     from opd.utils.errors import ConfigError
 
     try:
-        load_config(MasterConfig, TINY_CONFIG, overrides_for(dict(key)))
+        load_config(MasterConfig, TINY_CONFIG, overrides_for(choice))
     except ConfigError as error:
         return str(error)
     return None
@@ -273,9 +347,7 @@ def _grow(seed: Pair, allowed: Mapping[str, list[str]], uncovered: set[Pair]) ->
 
         def gain(name: str, axis: str = axis) -> int:
             setting = (axis, name)
-            return sum(
-                1 for other in chosen.items() if tuple(sorted((setting, other), key=_order)) in uncovered
-            )
+            return sum(1 for other in chosen.items() if tuple(sorted((setting, other), key=_order)) in uncovered)
 
         for name in sorted(allowed[axis], key=lambda name: (-gain(name), name != default(axis))):
             if refusal({**chosen, axis: name}) is None:
@@ -290,3 +362,50 @@ def _order(setting: tuple[str, str]) -> tuple[int, int]:
     """Axis order, then value order: pairs are written in this order."""
     axis, name = setting
     return list(AXES).index(axis), [item.name for item in AXES[axis]].index(name)
+
+
+def accepted_pairs() -> list[Pair]:
+    """The pairs of :func:`all_pairs` that opd's config validation accepts."""
+    return [pair for pair in all_pairs() if refusal(dict(pair)) is None]
+
+
+def test_runs() -> dict[str, list[dict[str, str]]]:
+    """The combination test's runs, in three groups that together set every accepted pair.
+
+    * ``in_process``: no cluster, HF rollouts; every accepted pair of the other axes.
+    * ``cluster``: a cluster placement on every run, HF rollout workers; every accepted
+      pair with a cluster value (a run costs a Ray cluster's start, so each covers many).
+    * ``vllm``: ``generation.backend = vllm`` on every run; every accepted pair with it
+      (these need vLLM installed).
+
+    Each group also holds a run for each accepted value of its own that no pair sets
+    (a value accepted alone but with nothing else).
+    """
+    accepted = accepted_pairs()
+    cluster_values = [item.name for item in AXES["cluster"][1:]]
+
+    def involves(pair: Pair, axis: str, names: Iterable[str] | None = None) -> bool:
+        return any(setting[0] == axis and (names is None or setting[1] in names) for setting in pair)
+
+    groups: dict[str, tuple[list[Pair], dict[str, list[str]]]] = {
+        "in_process": (
+            [pair for pair in accepted if not involves(pair, "cluster") and not involves(pair, "engine")],
+            {"cluster": ["none"], "engine": ["hf"]},
+        ),
+        "cluster": (
+            [pair for pair in accepted if involves(pair, "cluster") and not involves(pair, "engine")],
+            {"cluster": cluster_values, "engine": ["hf"]},
+        ),
+        "vllm": ([pair for pair in accepted if involves(pair, "engine")], {"engine": ["vllm"]}),
+    }
+    runs: dict[str, list[dict[str, str]]] = {}
+    for name, (to_cover, allowed) in groups.items():
+        group_runs = covering_array(to_cover, allowed)
+        covered = {setting for run in group_runs for setting in run.items()}
+        for setting in non_default_settings():
+            axis, value_name = setting
+            lone = complete({**{key: names[0] for key, names in allowed.items()}, axis: value_name})
+            if setting not in covered and value_name in allowed.get(axis, [value_name]) and refusal(lone) is None:
+                group_runs.append(lone)
+        runs[name] = group_runs
+    return runs
