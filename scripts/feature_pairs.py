@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if arguments.covering_array:
         print()
-        for title, runs in fm.test_runs().items():
+        for title, runs in fm.combination_runs().items():
             print(f"{title}: {len(runs)} runs")
             for run in runs:
                 print(f"  {fm.label(run)}")

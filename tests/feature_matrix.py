@@ -369,7 +369,7 @@ def accepted_pairs() -> list[Pair]:
     return [pair for pair in all_pairs() if refusal(dict(pair)) is None]
 
 
-def test_runs() -> dict[str, list[dict[str, str]]]:
+def combination_runs() -> dict[str, list[dict[str, str]]]:
     """The combination test's runs, in three groups that together set every accepted pair.
 
     * ``in_process``: no cluster, HF rollouts; every accepted pair of the other axes.

@@ -4,7 +4,7 @@ The axes and their values are those of ``tests/feature_matrix.py`` (issue 35): t
 the teacher, the cluster placement, the scheduler, the rollout engine, LoRA, packing,
 context distillation, the validation baselines, λ. Which pairs are accepted is read from
 the validator when the tests run, so a refusal removed from it adds its pairs here
-without an edit. A covering array (:func:`feature_matrix.test_runs`) sets every accepted
+without an edit. A covering array (:func:`feature_matrix.combination_runs`) sets every accepted
 pair in a few runs, each of which sets one value on every axis:
 
 * the in-process runs (the default suite): no cluster, HF rollouts;
@@ -121,7 +121,7 @@ def resources(served_url, other_tokenizer_teacher) -> fm.Resources:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict[str, str]]]:
-    return fm.test_runs()
+    return fm.combination_runs()
 
 
 @pytest.fixture(scope="module")
