@@ -76,6 +76,7 @@ _SLOWEST_FILES = [
     "unit/algorithms/test_sft.py",
     "distributed/test_worker_errors.py",
     "unit/models/test_remote_teacher.py",
+    "functional/test_feature_pairs.py",
 ]
 
 

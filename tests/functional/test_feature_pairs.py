@@ -1,0 +1,346 @@
+"""Every pair of features that opd's config validation accepts runs 2 steps on tiny models.
+
+The axes and their values are those of ``tests/feature_matrix.py`` (issue 35): the loss,
+the teacher, the cluster placement, the scheduler, the rollout engine, LoRA, packing,
+context distillation, the validation baselines, λ. Which pairs are accepted is read from
+the validator when the tests run, so a refusal removed from it adds its pairs here
+without an edit. A covering array (:func:`feature_matrix.combination_runs`) sets every accepted
+pair in a few runs, each of which sets one value on every axis:
+
+* the in-process runs (the default suite): no cluster, HF rollouts;
+* the cluster runs (``slow``: one Ray cluster each time the slow tier runs): every
+  accepted pair with a cluster placement, each run against the same run in one process;
+* the vLLM runs: where vLLM is installed, else skipped.
+
+Every run ends its 2 steps with finite losses and a student whose weights moved, and a
+run with the validation baselines logs the teacher's baseline. Where a reference exists
+the run equals it (float32, 1e-5 relative): a cluster run equals the same run in one
+process; two routed teachers with every row routed to one equal that teacher alone; a
+teacher served over opd's protocol equals the same teacher in process.
+
+The specification's case at scale (split pools, HF rollout workers standing in for vLLM,
+one_step_off, packing, a pooled teacher with the exact loss, λ = 0.5) is one more run,
+expected to be refused until issue 35's validator changes land.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import traceback
+from pathlib import Path
+
+import feature_matrix as fm  # tests/ is on sys.path (tests/conftest.py)
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from opd.algorithms.distillation import distillation_train
+from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.distillation_setup import setup
+from opd.utils.config import load_config
+from opd.utils.errors import ConfigError
+
+STEPS = 2
+RELATIVE_TOLERANCE = 1e-5
+COMPARED = ("train/loss", "train/grad_norm")
+
+
+# ------------------------------------------------------------------------------ shared fixtures
+
+
+def _rows(count: int, start: int) -> list[dict]:
+    """Arithmetic chats with a ground truth and a ``task`` field (``add`` / ``sub``: the routed teachers a / b)."""
+    rows = []
+    for i in range(start, start + count):
+        x, y = 10 + (7 * i) % 80, 3 + (5 * i) % 9
+        sign, answer, task = ("-", x - y, "sub") if i % 2 else ("+", x + y, "add")
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"What is {x} {sign} {y}?"},
+                    {"role": "assistant", "content": f"{x} {sign} {y} = {answer}."},
+                ],
+                "ground_truth": str(answer),
+                "task": task,
+            }
+        )
+    return rows
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    directory = tmp_path_factory.mktemp("pairs_data")
+    paths = {"train": directory / "train.jsonl", "val": directory / "val.jsonl"}
+    for path, (count, start) in zip(paths.values(), [(16, 0), (4, 100)]):
+        path.write_text("".join(json.dumps(row) + "\n" for row in _rows(count, start)))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_teacher(tmp_path_factory) -> str:
+    """The tiny teacher's shape with a BPE tokenizer of its own (other merges, other vocabulary)."""
+    from opd.models.tiny import build_model_for_tokenizer, train_bpe_tokenizer
+
+    texts = [
+        f"<|im_start|>user\nWhat is {a} - {b}?<|im_end|>\n<|im_start|>assistant\n{a} - {b} = {a - b}.<|im_end|>\n"
+        for a in range(10, 90, 3)
+        for b in (3, 8)
+    ]
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=300)
+    directory = tmp_path_factory.mktemp("other_tokenizer") / "teacher"
+    build_model_for_tokenizer("teacher", tokenizer).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def served_url():
+    """``opd serve-teacher``'s app serving the tiny teacher (``tiny:teacher``) on a free local port."""
+    from opd_test_helpers import RunningServer
+
+    from opd.models.teacher.scoring import PromptScorer
+    from opd.models.teacher.server import TeacherService
+    from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    service = TeacherService(
+        PromptScorer(build_tiny_model("teacher").eval(), len(tokenizer)), tokenizer, "tiny-teacher", 128, 512
+    )
+    running = RunningServer(service)
+    yield f"http://127.0.0.1:{running.port}"
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def resources(served_url, other_tokenizer_teacher) -> fm.Resources:
+    return fm.Resources(served_url=served_url, other_tokenizer_teacher=other_tokenizer_teacher)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[dict[str, str]]]:
+    return fm.combination_runs()
+
+
+@pytest.fixture(scope="module")
+def initial_student() -> dict[str, torch.Tensor]:
+    from opd.models.tiny import build_tiny_model
+
+    return {name: tensor.detach().clone() for name, tensor in build_tiny_model("student").state_dict().items()}
+
+
+# ------------------------------------------------------------------------------ one run
+
+
+def run_overrides(output_dir: Path, data: dict[str, Path]) -> list[str]:
+    """What every run of this file shares: 2 steps of 4 greedy prompts, small validation data, no checkpoints."""
+    return [
+        f"output_dir={output_dir}",
+        f"data.train_path={data['train']}",
+        f"data.val_path={data['val']}",
+        "validation.val_at_start=false",
+        "validation.val_at_end=false",
+        "validation.batch_size=4",
+        "validation.generate_strategy.max_length=6",
+        "logger.console=false",
+        f"training.max_num_steps={STEPS}",
+        "training.batch_size=4",
+        "training.micro_batch_size=2",
+        "training.save_freq=0",
+        "training.val_freq=0",
+        "distillation.num_samples_per_prompt=1",
+        "distillation.generate_strategy.decoding_method=greedy",
+        "distillation.generate_strategy.max_length=8",
+    ]
+
+
+def train(
+    choice: fm.Choice, resources: fm.Resources, data: dict[str, Path], output_dir: Path, *extra: str
+) -> list[dict]:
+    """Runs the choice (2 steps) and returns its logged records."""
+    overrides = [*fm.overrides_for(choice, resources), *run_overrides(output_dir, data), *extra]
+    config = load_config(MasterConfig, fm.TINY_CONFIG, overrides)
+    components = setup(config)
+    try:
+        distillation_train(**components.as_arguments())
+    finally:
+        components.close()
+    return [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def steps_of(records: list[dict]) -> list[dict]:
+    return [record for record in records if "train/loss" in record]
+
+
+def check_run(choice: fm.Choice, records: list[dict], output_dir: Path, initial: dict[str, torch.Tensor]) -> None:
+    """What every run must show: 2 steps, finite losses, moved weights, and the baselines it asked for."""
+    steps = steps_of(records)
+    assert [record["step"] for record in steps] == list(range(1, STEPS + 1)), "the steps logged"
+    for record in steps:
+        assert math.isfinite(record["train/loss"]), f"step {record['step']}: loss {record['train/loss']}"
+    final = load_file(str(output_dir / "final_model" / "model.safetensors"))
+    moved = [name for name, tensor in final.items() if name in initial and not torch.equal(tensor, initial[name])]
+    assert moved, "the student's weights did not change"
+    full = fm.complete(choice)
+    if full["baselines"] == "on" and full["cluster"] == "none":
+        assert any(key.startswith("val/teacher_") for record in records for key in record), "no teacher baseline"
+
+
+def assert_same_steps(actual: list[dict], expected: list[dict], what: str) -> None:
+    assert len(actual) == len(expected) == STEPS, what
+    for mine, reference in zip(actual, expected, strict=True):
+        for key in COMPARED:
+            assert math.isclose(mine[key], reference[key], rel_tol=RELATIVE_TOLERANCE, abs_tol=1e-7), (
+                f"{what}, step {mine['step']} {key}: {mine[key]!r} against the reference's {reference[key]!r}"
+            )
+
+
+def run_all(group: list[dict[str, str]], body) -> None:
+    """Runs ``body(index, run)`` for every run of a group and fails once, naming every run that failed."""
+    failures = []
+    for index, choice in enumerate(group):
+        try:
+            body(index, choice)
+        except Exception as error:  # every run is reported, not only the first to fail
+            last = traceback.format_exception_only(type(error), error)[-1].strip()
+            failures.append(f"{fm.label(choice)}: {last[:600]}")
+    assert not failures, f"{len(failures)} of {len(group)} runs failed:\n" + "\n".join(failures)
+
+
+# ------------------------------------------------------------------------------ the covering array
+
+
+def test_the_quick_tree_is_the_loaders():
+    """The covering array validates through a quick copy of the loader: it refuses what ``load_config`` refuses."""
+    choices = [
+        {"loss": "sampled_token"},  # another loss variant: the tiny config's kl_type is dropped
+        {"teacher": "route", "lora": "on", "baselines": "on", "lambda": "0.5"},  # lists and new sections; refused
+        {"teacher": "cross_tokenizer"},  # its own loss
+        {"loss": "hybrid_full_vocab", "teacher": "cross_tokenizer"},  # the loss axis wins; refused
+        {"cluster": "split_pool", "scheduler": "one_step_off", "packing": "on"},
+    ]
+    for choice in choices:
+        assert fm.refusal(choice) == fm.loader_refusal(choice), fm.label(choice)
+
+
+def test_the_runs_set_every_accepted_pair_and_are_each_accepted(runs):
+    accepted = set(fm.accepted_pairs())
+    assert accepted, "the validator accepts no pair"
+    covered = {pair for group in runs.values() for run in group for pair in fm.pairs_of(run)}
+    assert accepted <= covered, sorted(accepted - covered)
+    for group in runs.values():
+        for run in group:
+            assert fm.refusal(run) is None, fm.label(run)
+    assert all(run["cluster"] == "none" and run["engine"] == "hf" for run in runs["in_process"])
+    assert all(run["cluster"] != "none" and run["engine"] == "hf" for run in runs["cluster"])
+
+
+def test_every_accepted_pair_runs_in_process(runs, resources, data, initial_student, tmp_path):
+    def body(index: int, choice: dict[str, str]) -> None:
+        output_dir = tmp_path / f"run{index}"
+        check_run(choice, train(choice, resources, data, output_dir), output_dir, initial_student)
+
+    run_all(runs["in_process"], body)
+
+
+def _first_with(group: list[dict[str, str]], axis: str, name: str, fallback: dict[str, str]) -> dict[str, str]:
+    return next((run for run in group if run[axis] == name), fm.complete(fallback))
+
+
+def test_two_routed_teachers_with_every_row_on_one_equal_that_teacher_alone(runs, resources, data, tmp_path):
+    routed = _first_with(runs["in_process"], "teacher", "route", {"teacher": "route"})
+    alone = {**routed, "teacher": "local"}  # member a is tiny:teacher, the local teacher
+    if fm.refusal(alone) is not None:
+        pytest.skip(f"{fm.label(alone)} is refused: {fm.first_line(fm.refusal(alone) or '')}")
+    every_row_on_a = "teachers.route_map={add: a, sub: a}"
+    actual = steps_of(train(routed, resources, data, tmp_path / "routed", every_row_on_a))
+    expected = steps_of(train(alone, resources, data, tmp_path / "alone"))
+    assert_same_steps(actual, expected, f"{fm.label(routed)} with every row on teacher a")
+
+
+def test_a_teacher_served_over_opds_protocol_equals_it_in_process(runs, resources, data, tmp_path):
+    served = _first_with(runs["in_process"], "teacher", "served", {"teacher": "served"})
+    local = {**served, "teacher": "local"}
+    actual = steps_of(train(served, resources, data, tmp_path / "served"))
+    expected = steps_of(train(local, resources, data, tmp_path / "local"))
+    assert_same_steps(actual, expected, fm.label(served))
+
+
+# ------------------------------------------------------------------------------ on a Ray cluster
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A private local Ray cluster for the module's cluster runs (4 CPU slots: trainer, rollout, two teacher pools)."""
+    import ray
+
+    from opd.distributed.ray_cluster import RAY_ENVIRONMENT
+
+    for key, setting in RAY_ENVIRONMENT.items():
+        os.environ.setdefault(key, setting)
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        _temp_dir=tempfile.mkdtemp(prefix="opd_ray_pairs_", dir="/tmp"),
+        configure_logging=False,
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+
+
+def on_cluster_and_in_process(choice, resources, data, initial, output_dir: Path) -> None:
+    """The run on the cluster passes :func:`check_run` and equals the same run in one process."""
+    records = train(choice, resources, data, output_dir / "cluster")
+    check_run(choice, records, output_dir / "cluster", initial)
+    in_process = {**choice, "cluster": "none"}
+    problem = fm.refusal(in_process)
+    assert problem is None, f"no in-process reference: {fm.first_line(problem or '')}"
+    expected = steps_of(train(in_process, resources, data, output_dir / "process"))
+    assert_same_steps(steps_of(records), expected, f"{fm.label(choice)} against one process")
+
+
+@pytest.mark.slow
+def test_every_accepted_pair_with_a_cluster_runs_and_equals_one_process(
+    runs, resources, data, initial_student, ray_cluster, tmp_path
+):
+    run_all(
+        runs["cluster"],
+        lambda index, choice: on_cluster_and_in_process(
+            choice, resources, data, initial_student, tmp_path / f"run{index}"
+        ),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    raises=ConfigError,
+    reason="refused today: a teacher pool (cluster.teacher.placement = pool) does not send the full vocabulary "
+    "the exact loss needs; one_step_off refuses training.sequence_packing",
+)
+def test_the_specification_case_at_scale_runs_and_equals_one_process(
+    resources, data, initial_student, request, tmp_path
+):
+    choice = fm.complete(fm.SPEC_AT_SCALE)
+    overrides = [*fm.overrides_for(choice, resources), *run_overrides(tmp_path / "cluster", data)]
+    load_config(MasterConfig, fm.TINY_CONFIG, overrides)  # refused here today: no Ray cluster is started for it
+    request.getfixturevalue("ray_cluster")
+    on_cluster_and_in_process(choice, resources, data, initial_student, tmp_path)
+
+
+# ------------------------------------------------------------------------------ with vLLM
+
+
+def test_every_accepted_pair_with_vllm_runs(runs, resources, data, initial_student, request, tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/install_vllm_env.sh)")
+    if any(run["cluster"] != "none" for run in runs["vllm"]):
+        request.getfixturevalue("ray_cluster")
+
+    def body(index: int, choice: dict[str, str]) -> None:
+        output_dir = tmp_path / f"run{index}"
+        check_run(choice, train(choice, resources, data, output_dir), output_dir, initial_student)
+
+    run_all(runs["vllm"], body)
