@@ -108,12 +108,12 @@ def distillation_step(
 
         with timer.time("training"):
             train_metrics = student_policy.train(
-                scheduled.batch, loss_fn, MicroBatchScorer(submit) if request is not None else None
+                scheduled.batch, loss_fn, MicroBatchScorer(submit) if request is not None else None, timer
             )
         train_metrics = loss_fn.finish_metrics(train_metrics)
         state.policy_version += 1
     seconds = {**timer.pop(), **scheduled.seconds}
-    # Phases a distributed trainer timed itself (its colocated teacher, the dispatch).
+    # Each of several teachers' scoring time, which the loss reports.
     for key in [key for key in train_metrics if key.endswith("_seconds")]:
         phase = key.removesuffix("_seconds")
         seconds[phase] = seconds.get(phase, 0.0) + train_metrics.pop(key)

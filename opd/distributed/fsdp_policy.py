@@ -47,6 +47,7 @@ from opd.models.interfaces import (
 from opd.models.policy.optimization import accumulate_metrics, plan_micro_batches
 from opd.utils.checkpoint import check_model_directory
 from opd.utils.paths import absolute_dir
+from opd.utils.timer import Timer
 
 
 def _score_all(plans: list[list[BatchedDataDict]], teacher_signal: TeacherSignalFn) -> list[list[TeacherSignal]]:
@@ -110,15 +111,20 @@ class FSDPPolicy(PolicyInterface):
         return plans
 
     def train(
-        self, data: BatchedDataDict, loss_fn: LossFunction, teacher_signal: TeacherSignalFn | None = None
+        self,
+        data: BatchedDataDict,
+        loss_fn: LossFunction,
+        teacher_signal: TeacherSignalFn | None = None,
+        timer: Timer | None = None,
     ) -> dict[str, float]:
         """One optimizer step over the global batch on every rank (see the module docstring).
 
+        Adds to ``timer`` the phases timed here: ``teacher`` (the slowest rank's time in
+        its colocated teacher), ``trainer_compute`` (the slowest rank's time in the step)
+        and ``dispatch`` (the controller's time planning the micro-batches).
+
         Returns:
-            The global metrics, as :meth:`HFPolicy.train` returns them, plus
-            ``teacher_seconds`` (the slowest rank's time in its colocated teacher),
-            ``trainer_compute_seconds`` (the slowest rank's time in the step) and
-            ``dispatch_seconds`` (the controller's time planning the micro-batches).
+            The global metrics, as :meth:`HFPolicy.train` returns them.
         """
         start = time.perf_counter()
         global_valid_tokens = int(shift_token_mask(data["token_mask"]).sum())
@@ -135,11 +141,15 @@ class FSDPPolicy(PolicyInterface):
             per_rank=[(plan, signal) for plan, signal in zip(plans, signals, strict=True)],
         )
         metrics = dict(results[0])
-        # The slowest rank's colocated teacher time (zero when it scored elsewhere).
-        metrics["teacher_seconds"] = max(result["teacher_seconds"] for result in results)
+        teacher_seconds = max(result["teacher_seconds"] for result in results)
+        compute_seconds = max(result["compute_seconds"] for result in results)
+        if timer is not None:
+            # The slowest rank's colocated teacher time (zero when it scored elsewhere).
+            timer.add("teacher", teacher_seconds)
+            timer.add("trainer_compute", compute_seconds)
+            timer.add("dispatch", dispatch_seconds)
+        metrics.pop("teacher_seconds")
         metrics.pop("compute_seconds")
-        metrics["trainer_compute_seconds"] = max(result["compute_seconds"] for result in results)
-        metrics["dispatch_seconds"] = dispatch_seconds
         return metrics
 
     def compare_with_teacher(

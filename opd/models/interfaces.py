@@ -37,6 +37,7 @@ import torch
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput
+from opd.utils.timer import Timer
 
 ResultT = TypeVar("ResultT")
 
@@ -300,7 +301,11 @@ class PolicyInterface(ABC):
 
     @abstractmethod
     def train(
-        self, data: BatchedDataDict, loss_fn: LossFunction, teacher_signal: TeacherSignalFn | None = None
+        self,
+        data: BatchedDataDict,
+        loss_fn: LossFunction,
+        teacher_signal: TeacherSignalFn | None = None,
+        timer: Timer | None = None,
     ) -> dict[str, float]:
         """One optimizer step over ``data`` (the global batch), micro-batch by micro-batch.
 
@@ -310,12 +315,13 @@ class PolicyInterface(ABC):
             teacher_signal: scores a micro-batch with the teacher (the driver passes a
                 :class:`MicroBatchScorer`, which a trainer may also use to start many
                 micro-batches at once); None when the loss needs no teacher.
+            timer: the step's phase clock. A trainer that times phases of its own (a
+                distributed trainer's colocated teacher, its dispatch, its ranks' compute)
+                adds them here; the driver logs every phase as ``timing/<phase>``.
 
         Returns:
             Global-batch metrics: the loss function's, summed over micro-batches, plus
-            ``grad_norm``, ``lr`` and ``skipped_nonfinite``. A trainer that times phases
-            of its own (a distributed trainer's colocated teacher, its dispatch) adds
-            them as ``<phase>_seconds``; the driver logs them as ``timing/<phase>``.
+            ``grad_norm``, ``lr`` and ``skipped_nonfinite``.
         """
 
     @abstractmethod

@@ -27,6 +27,10 @@ class Timer:
         finally:
             self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
 
+    def add(self, name: str, seconds: float) -> None:
+        """Adds ``seconds`` timed elsewhere (a worker's own clock) to phase ``name``."""
+        self._seconds[name] = self._seconds.get(name, 0.0) + seconds
+
     def seconds(self, name: str) -> float:
         """The time accumulated in phase ``name`` (0 if it never ran)."""
         return self._seconds.get(name, 0.0)

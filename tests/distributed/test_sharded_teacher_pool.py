@@ -148,6 +148,9 @@ def test_training_with_a_sharded_teacher_pool_matches_one_process(ray_cluster, t
                 f"step {mine['step']} {key}: sharded pool {mine[key]!r}, one process {reference[key]!r}"
             )
         assert mine["timing/teacher"] > 0
+        # The trainer's own phases reach the log through the step's timer.
+        assert mine["timing/trainer_compute"] > 0 and mine["timing/dispatch"] > 0
+        assert not any(key.endswith("_seconds") for key in mine)
     # Every micro-batch of a step was with the pool before the first answer was collected.
     assert most_in_flight == MICRO_BATCHES_PER_STEP
 

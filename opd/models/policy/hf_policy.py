@@ -36,6 +36,7 @@ from opd.models.policy.optimization import (
     plan_micro_batches,
 )
 from opd.utils.errors import OpdError
+from opd.utils.timer import Timer
 
 ADAPTER_DIR = "adapter"
 """Where :meth:`HFPolicy.save_pretrained` puts a LoRA student's adapter (peft's format)."""
@@ -94,7 +95,11 @@ class HFPolicy(PolicyInterface):
         return self.model(**inputs, use_cache=False).logits
 
     def train(
-        self, data: BatchedDataDict, loss_fn: LossFunction, teacher_signal: TeacherSignalFn | None = None
+        self,
+        data: BatchedDataDict,
+        loss_fn: LossFunction,
+        teacher_signal: TeacherSignalFn | None = None,
+        timer: Timer | None = None,
     ) -> dict[str, float]:
         """One optimizer step over ``data`` (the whole global batch).
 
@@ -104,6 +109,7 @@ class HFPolicy(PolicyInterface):
                 hidden states and the head, not logits.
             teacher_signal: the teacher's answer for a micro-batch (what the loss's
                 ``teacher_request`` asks for); None for losses that need no teacher (SFT).
+            timer: unused: every phase of an in-process step is timed by the driver.
 
         Returns:
             Global-batch metrics: the loss function's metrics summed over micro-batches,
