@@ -12,13 +12,16 @@ Two layers:
   token ``t + 1``. They check their scalar arguments (``temperature`` finite and > 0,
   ``mixed_kl_weight`` and ``beta`` in [0, 1]) and raise ``ValueError`` naming the
   argument, as the loss objects and the YAML config do.
-* Loss-function objects (:class:`DistillationLossFn`, :class:`SampledTokenLossFn`,
-  :class:`NLLLossFn`) that the trainer calls per micro-batch. They say what they need
-  from the teacher (``teacher_request``), select the positions that carry loss, call the
-  kernels (directly on logits, or chunk by chunk fused with the LM head, see
-  :mod:`opd.algorithms.fused_lm_head`), and normalise by the number of valid tokens (or
-  sequences) of the *global* batch, so gradient accumulation gives the same gradient as
-  one large batch.
+* Loss-function objects that the trainer calls per micro-batch. Their base class
+  :class:`TokenLossFn` selects the positions that carry loss, runs the per-position
+  term (directly on logits, or chunk by chunk fused with the LM head, see
+  :mod:`opd.algorithms.fused_lm_head`), weighs positions (off-policy importance
+  weights), and normalises by the number of valid tokens (or sequences) of the *global*
+  batch, so gradient accumulation gives the same gradient as one large batch. Each
+  variant says what it needs from the teacher (``teacher_request``) and defines only
+  its per-position term: :class:`KLLossFn`, :class:`JSDLossFn` and
+  :class:`TopKKLLossFn` (the teacher-distribution losses, :class:`DistillationLossFn`)
+  and :class:`SampledTokenLossFn`. :class:`NLLLossFn` is the supervised loss.
 
 Notation: P is the teacher distribution, Q the student's.
 forward KL = KL(P‖Q) = Σ_v P(v)·(log P(v) − log Q(v)) (mass-covering);
