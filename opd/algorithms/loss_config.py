@@ -22,12 +22,13 @@ The loss objects themselves (:mod:`opd.algorithms.loss_functions`,
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
 from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
-from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn
+from opd.algorithms.loss_functions import JSDLossFn, KLLossFn, SampledTokenLossFn, TopKKLLossFn
 from opd.models.interfaces import (
     FullVocabRequest,
     LossFunction,
@@ -48,9 +49,19 @@ class _LossSettings(StrictConfig):
         "mean", description="mean = over the global batch's response tokens; sum = per sequence, then mean"
     )
 
-    @abstractmethod
+    type: str
+
     def build(self, vocab_size: int, device_type: str) -> LossFunction:
-        """The loss object these keys describe (``vocab_size``: the tokenizer's; ``device_type``: the student's)."""
+        """The loss object these keys describe (``vocab_size``: the tokenizer's; ``device_type``: the student's).
+
+        The class is the one :data:`LOSS_CLASSES` registers for ``type``; its arguments
+        are :meth:`loss_arguments`.
+        """
+        return LOSS_CLASSES[self.type](**self.loss_arguments(vocab_size, device_type))
+
+    @abstractmethod
+    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+        """The keyword arguments of the loss class, from these keys."""
 
     @abstractmethod
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
@@ -87,18 +98,18 @@ class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKe
 
     type: Literal["full_vocab"] = "full_vocab"
 
-    def build(self, vocab_size: int, device_type: str) -> LossFunction:
-        return DistillationLossFn(
-            kl_type=self.kl_type,
-            mixed_kl_weight=self.mixed_kl_weight,
-            temperature=self.temperature,
-            kl_reduction=self.reduction,
-            vocab_size=vocab_size,
-            teacher_topk=self.metrics_topk,
-            fused_lm_head=self.fused_lm_head,
-            chunk_size=self.chunk_size,
-            compile_kernels=resolve_compile_kernels(self.compile_kernels, device_type),
-        )
+    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+        return {
+            "kl_type": self.kl_type,
+            "mixed_kl_weight": self.mixed_kl_weight,
+            "temperature": self.temperature,
+            "kl_reduction": self.reduction,
+            "vocab_size": vocab_size,
+            "metrics_topk": self.metrics_topk,
+            "fused_lm_head": self.fused_lm_head,
+            "chunk_size": self.chunk_size,
+            "compile_kernels": resolve_compile_kernels(self.compile_kernels, device_type),
+        }
 
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
         return FullVocabRequest(prefer_hidden_states=self.fused_lm_head)
@@ -110,18 +121,17 @@ class JSDLossConfig(_LossSettings, _Temperature, FullVocabKernelSettings):
     type: Literal["jsd"] = "jsd"
     beta: float = Field(0.5, ge=0.0, le=1.0, description="interpolation: 0 = forward KL, 1 = reverse KL")
 
-    def build(self, vocab_size: int, device_type: str) -> LossFunction:
-        return DistillationLossFn(
-            temperature=self.temperature,
-            kl_reduction=self.reduction,
-            vocab_size=vocab_size,
-            divergence="jsd",
-            jsd_beta=self.beta,
-            teacher_topk=self.metrics_topk,
-            fused_lm_head=self.fused_lm_head,
-            chunk_size=self.chunk_size,
-            compile_kernels=resolve_compile_kernels(self.compile_kernels, device_type),
-        )
+    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+        return {
+            "beta": self.beta,
+            "temperature": self.temperature,
+            "kl_reduction": self.reduction,
+            "vocab_size": vocab_size,
+            "metrics_topk": self.metrics_topk,
+            "fused_lm_head": self.fused_lm_head,
+            "chunk_size": self.chunk_size,
+            "compile_kernels": resolve_compile_kernels(self.compile_kernels, device_type),
+        }
 
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
         return FullVocabRequest(prefer_hidden_states=self.fused_lm_head)
@@ -134,19 +144,18 @@ class TopKLossConfig(_LossSettings, _KLDirection, _Temperature, FusedHeadSetting
     k: int = Field(64, ge=1, description="teacher tokens per position")
     tail: bool = Field(True, description="keep a 'rest' class (a true divergence); false renormalises over the k")
 
-    def build(self, vocab_size: int, device_type: str) -> LossFunction:
-        return DistillationLossFn(
-            kl_type=self.kl_type,
-            mixed_kl_weight=self.mixed_kl_weight,
-            temperature=self.temperature,
-            kl_reduction=self.reduction,
-            vocab_size=vocab_size,
-            teacher_signal="topk",
-            teacher_topk=self.k,
-            topk_tail=self.tail,
-            fused_lm_head=self.fused_lm_head,
-            chunk_size=self.chunk_size,
-        )
+    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+        return {
+            "kl_type": self.kl_type,
+            "mixed_kl_weight": self.mixed_kl_weight,
+            "k": self.k,
+            "tail": self.tail,
+            "temperature": self.temperature,
+            "kl_reduction": self.reduction,
+            "vocab_size": vocab_size,
+            "fused_lm_head": self.fused_lm_head,
+            "chunk_size": self.chunk_size,
+        }
 
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
         return TopKRequest(self.k, self.temperature, vocab_size)
@@ -165,18 +174,18 @@ class SampledTokenLossConfig(_LossSettings, _Taus, FusedHeadSettings):
     discount: float = Field(0.0, ge=0.0, le=1.0, description="discount over future tokens' advantages")
     clip_ratio: float | None = Field(0.2, gt=0.0, description="importance-ratio clip; null: none")
 
-    def build(self, vocab_size: int, device_type: str) -> LossFunction:
-        return SampledTokenLossFn(
-            teacher_tau=self.teacher_tau,
-            student_tau=self.student_tau,
-            discount=self.discount,
-            adv_tau=self.adv_tau,
-            clip_ratio=self.clip_ratio,
-            kl_reduction=self.reduction,
-            fused_lm_head=self.fused_lm_head,
-            chunk_size=self.chunk_size,
-            vocab_size=vocab_size,
-        )
+    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+        return {
+            "teacher_tau": self.teacher_tau,
+            "student_tau": self.student_tau,
+            "discount": self.discount,
+            "adv_tau": self.adv_tau,
+            "clip_ratio": self.clip_ratio,
+            "kl_reduction": self.reduction,
+            "fused_lm_head": self.fused_lm_head,
+            "chunk_size": self.chunk_size,
+            "vocab_size": vocab_size,
+        }
 
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
         return TokenLogprobsRequest(vocab_size)
@@ -187,14 +196,14 @@ class HybridFullVocabLossConfig(_LossSettings, _Taus):
 
     type: Literal["hybrid_full_vocab"] = "hybrid_full_vocab"
 
-    def build(self, vocab_size: int, device_type: str) -> LossFunction:
-        return FullVocabHybridLossFn(
-            teacher_tau=self.teacher_tau,
-            student_tau=self.student_tau,
-            adv_tau=self.adv_tau,
-            kl_reduction=self.reduction,
-            vocab_size=vocab_size,
-        )
+    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+        return {
+            "teacher_tau": self.teacher_tau,
+            "student_tau": self.student_tau,
+            "adv_tau": self.adv_tau,
+            "kl_reduction": self.reduction,
+            "vocab_size": vocab_size,
+        }
 
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
         return FullVocabRequest()
@@ -225,3 +234,12 @@ LOSS_VARIANTS: dict[str, type[_LossSettings]] = {
     "hybrid_full_vocab": HybridFullVocabLossConfig,
 }
 """Each ``loss_fn.type`` and its keys (used to say where a misplaced key belongs)."""
+
+LOSS_CLASSES: dict[str, Callable[..., LossFunction]] = {
+    "full_vocab": KLLossFn,
+    "jsd": JSDLossFn,
+    "topk": TopKKLLossFn,
+    "sampled_token": SampledTokenLossFn,
+    "hybrid_full_vocab": FullVocabHybridLossFn,
+}
+"""The loss class each ``loss_fn.type`` builds (:meth:`_LossSettings.build`)."""

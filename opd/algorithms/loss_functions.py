@@ -12,13 +12,16 @@ Two layers:
   token ``t + 1``. They check their scalar arguments (``temperature`` finite and > 0,
   ``mixed_kl_weight`` and ``beta`` in [0, 1]) and raise ``ValueError`` naming the
   argument, as the loss objects and the YAML config do.
-* Loss-function objects (:class:`DistillationLossFn`, :class:`SampledTokenLossFn`,
-  :class:`NLLLossFn`) that the trainer calls per micro-batch. They say what they need
-  from the teacher (``teacher_request``), select the positions that carry loss, call the
-  kernels (directly on logits, or chunk by chunk fused with the LM head, see
-  :mod:`opd.algorithms.fused_lm_head`), and normalise by the number of valid tokens (or
-  sequences) of the *global* batch, so gradient accumulation gives the same gradient as
-  one large batch.
+* Loss-function objects that the trainer calls per micro-batch. Their base class
+  :class:`TokenLossFn` selects the positions that carry loss, runs the per-position
+  term (directly on logits, or chunk by chunk fused with the LM head, see
+  :mod:`opd.algorithms.fused_lm_head`), weighs positions (off-policy importance
+  weights), and normalises by the number of valid tokens (or sequences) of the *global*
+  batch, so gradient accumulation gives the same gradient as one large batch. Each
+  variant says what it needs from the teacher (``teacher_request``) and defines only
+  its per-position term: :class:`KLLossFn`, :class:`JSDLossFn` and
+  :class:`TopKKLLossFn` (the teacher-distribution losses, :class:`DistillationLossFn`)
+  and :class:`SampledTokenLossFn`. :class:`NLLLossFn` is the supervised loss.
 
 Notation: P is the teacher distribution, Q the student's.
 forward KL = KL(P‖Q) = Σ_v P(v)·(log P(v) − log Q(v)) (mass-covering);
@@ -31,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -148,20 +152,27 @@ def _log_probs(
     return log_q, log_p
 
 
+_FORWARD_WEIGHTS: dict[str, float] = {"forward": 1.0, "reverse": 0.0}
+"""The weight of the forward KL in each ``kl_type``; ``mixed`` takes ``mixed_kl_weight``."""
+
+
+def forward_weight(kl_type: str, mixed_kl_weight: float) -> float:
+    """The weight w of KL(P‖Q) in w·forward + (1 − w)·reverse that ``kl_type`` names."""
+    _check_kl_type(kl_type)
+    return _FORWARD_WEIGHTS.get(kl_type, mixed_kl_weight)
+
+
 def _combine(log_q: torch.Tensor, log_p: torch.Tensor, kl_type: str, mixed_kl_weight: float) -> torch.Tensor:
     """The divergence named by ``kl_type`` from precomputed log-probabilities."""
-    if kl_type == "forward":
-        return _plogp_difference(log_p, log_q)
-    if kl_type == "reverse":
-        return _plogp_difference(log_q, log_p)
+    weight = forward_weight(kl_type, mixed_kl_weight)
     # A zero-weight direction is skipped, not multiplied by 0: it may be +inf (0·inf = NaN).
-    if mixed_kl_weight == 1.0:
+    if weight == 1.0:
         return _plogp_difference(log_p, log_q)
-    if mixed_kl_weight == 0.0:
+    if weight == 0.0:
         return _plogp_difference(log_q, log_p)
     forward = _plogp_difference(log_p, log_q)
     reverse = _plogp_difference(log_q, log_p)
-    return mixed_kl_weight * forward + (1.0 - mixed_kl_weight) * reverse
+    return weight * forward + (1.0 - weight) * reverse
 
 
 def generalized_jsd(
@@ -258,15 +269,15 @@ def full_vocab_divergence_with_grad(
         log_m = torch.logaddexp(log_q + math.log(1.0 - jsd_beta), log_p + math.log(jsd_beta))
         values = jsd_beta * _plogp_difference(log_p, log_m) + (1.0 - jsd_beta) * _plogp_difference(log_q, log_m)
         return values, _softmax_chain(q, (1.0 - jsd_beta) * (log_q - log_m), temperature)
-    forward_weight = {"forward": 1.0, "reverse": 0.0}.get(kl_type, mixed_kl_weight)
+    weight = forward_weight(kl_type, mixed_kl_weight)
     values = torch.zeros(q.shape[:-1], dtype=q.dtype, device=q.device)
     grad = torch.zeros_like(q)
-    if forward_weight != 0.0:  # a zero-weight direction is skipped: it may be +inf
-        values += forward_weight * _plogp_difference(log_p, log_q)
-        grad += (forward_weight / temperature) * (q - log_p.exp())
-    if forward_weight != 1.0:
-        values += (1.0 - forward_weight) * _plogp_difference(log_q, log_p)
-        grad += (1.0 - forward_weight) * _softmax_chain(q, log_q - log_p, temperature)
+    if weight != 0.0:  # a zero-weight direction is skipped: it may be +inf
+        values += weight * _plogp_difference(log_p, log_q)
+        grad += (weight / temperature) * (q - log_p.exp())
+    if weight != 1.0:
+        values += (1.0 - weight) * _plogp_difference(log_q, log_p)
+        grad += (1.0 - weight) * _softmax_chain(q, log_q - log_p, temperature)
     return values, grad
 
 
@@ -494,10 +505,6 @@ def _global_normalizer(reduction: str, global_valid_tokens: int, global_valid_se
     """The denominator of the global-batch loss (at least 1, so an all-masked batch gives 0)."""
     count = global_valid_tokens if reduction == "mean" else global_valid_seqs
     return float(max(count, 1))
-
-
-DIVERGENCES: tuple[str, ...] = ("kl", "jsd")
-TEACHER_SIGNALS: tuple[str, ...] = ("full_vocab", "topk")
 
 
 class _TeacherMetrics:
@@ -739,51 +746,57 @@ def off_policy_row_weights(
     return weights, metrics
 
 
-class DistillationLossFn(LossFunction):
-    """Token-level divergence between the teacher and the student on response tokens.
+@dataclasses.dataclass
+class LossInputs:
+    """What a :class:`TokenLossFn` variant hands the base class for one micro-batch.
 
-    The loss is ``Σ_{valid positions} D_t / N`` where, for ``kl_reduction="mean"``, N is
-    the number of valid (response, non-padding) tokens in the whole global batch, and for
-    ``"sum"`` N is the number of sequences in the global batch (each response's
-    divergence is summed over its tokens, then averaged over sequences).
+    Attributes:
+        row_inputs: the per-position inputs of the variant's ``_divergence`` after the
+            student's logits, one row per loss position (tensors with the positions on
+            dim 0, or an :class:`LMHeadInput` whose logits are made chunk by chunk).
+        observer: called on each chunk's detached student logits and inputs (metrics).
+        value_and_grad: a closed form of ``_divergence`` and its gradient for the fused
+            path, or None for autograd through ``_divergence``.
+        metrics: called after the loss with the global token count; returns this
+            micro-batch's share of the variant's own metrics.
+    """
 
-    D_t is chosen by ``divergence`` and ``teacher_signal``:
+    row_inputs: tuple[Any, ...]
+    observer: Callable[..., None] | None = None
+    value_and_grad: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    metrics: Callable[[float], dict[str, float]] = dataclasses.field(default=lambda tokens: {})
 
-    * ``kl`` over the full vocabulary (:func:`token_kl`: forward, reverse or mixed), or
-      the generalized ``jsd`` with ``jsd_beta`` (:func:`generalized_jsd`);
-    * with ``teacher_signal="topk"`` the teacher sends only its top ``teacher_topk``
-      log-probs per position and D_t is :func:`topk_token_kl` (``topk_tail`` keeps the
-      rest class; False is NeMo-RL's renormalised variant). JSD needs the full vocabulary.
 
-    With ``fused_lm_head`` the student's logits are never materialised: the policy hands
-    over final hidden states and the head (:class:`~opd.algorithms.fused_lm_head.LMHeadInput`)
-    and the loss runs chunk by chunk (:func:`~opd.algorithms.fused_lm_head.chunked_lm_head_loss`),
-    with the same value and gradients. An in-process teacher then sends hidden states
-    too, and its logits are made per chunk as well.
+class TokenLossFn(LossFunction):
+    """Base of the losses that sum a per-position term over the loss positions.
 
-    The metrics (:meth:`__call__`) are taken at the loss temperature for every teacher
-    signal (see :class:`_TeacherMetrics` for why).
+    It owns everything the objectives share, so that a variant only says what the
+    teacher sends and what the per-position term is:
+
+    * row selection: the positions whose next token carries loss (the shifted
+      ``token_mask``) are selected once, for the student's output and the teacher's
+      answer, so prompt and padding rows never see a softmax;
+    * the vocabulary cut to ``vocab_size`` (padded output layers);
+    * normalisation by the *global* batch's valid tokens (``kl_reduction="mean"``) or
+      sequences (``"sum"``), so gradient accumulation gives the gradient of one batch;
+    * the computation: on ``[B, L, V]`` logits, or with ``fused_lm_head`` chunk by chunk
+      from hidden states (:func:`~opd.algorithms.fused_lm_head.chunked_lm_head_loss`);
+    * per-position weights: the off-policy importance weights of stale samples when
+      ``off_policy`` is set (:func:`off_policy_row_weights`), 1 otherwise;
+    * the metrics dict: ``loss``, the variant's metrics, the weights' metrics and
+      ``num_valid_tokens``.
+
+    A variant implements :meth:`_loss_inputs` (the teacher's rows and how chunks are
+    observed) and :meth:`_divergence` (the per-position term), and says what it asks the
+    teacher for (``teacher_request``). A correction term that depends on the position
+    joins the per-position term (extra row inputs, added in ``_divergence``); one that
+    reweighs positions overrides :meth:`_row_weights`.
 
     Args:
-        kl_type: ``"forward"``, ``"reverse"`` or ``"mixed"`` (for ``divergence="kl"``).
-        mixed_kl_weight: weight of the forward KL in ``"mixed"``, in [0, 1].
-        temperature: distillation temperature applied to both models' logits (separate
-            from the sampling temperature); a finite number > 0.
         kl_reduction: ``"mean"`` (per token) or ``"sum"`` (per sequence).
-        vocab_size: if set, both logits are cut to their first ``vocab_size`` entries.
-            Models often pad their output layer beyond the tokenizer (Qwen2.5-32B has
-            152,064 outputs, 1.5B has 151,936, the tokenizer 151,665): the extra entries
-            are not real tokens and must not enter the divergence.
-        divergence: ``"kl"`` or ``"jsd"``.
-        jsd_beta: β of the generalized JSD (0 = forward KL, 1 = reverse KL), in [0, 1].
-        teacher_signal: ``"full_vocab"`` or ``"topk"``.
-        teacher_topk: k of the top-k teacher signal and of the top-k metrics (>= 1).
-        topk_tail: keep the top-k rest class (True) or renormalise (False).
+        vocab_size: if set, logits are cut to their first ``vocab_size`` entries.
         fused_lm_head: take hidden states and compute the loss chunk by chunk.
         chunk_size: positions per fused chunk, >= 1 (None: ~128 MiB of fp32 logits per chunk).
-        compile_kernels: ``torch.compile`` the per-chunk kernels of the full-vocabulary
-            loss (the closed-form divergence with ``fused_lm_head``, and the metrics);
-            see :mod:`opd.algorithms.compiled_kernels`.
         off_policy: weigh the positions of stale samples (a micro-batch with
             ``staleness`` and ``generation_logprobs``) by truncated importance weights
             (:mod:`opd.algorithms.off_policy`); None leaves every weight at 1.
@@ -792,98 +805,51 @@ class DistillationLossFn(LossFunction):
         ValueError: naming the argument, for a value outside its range.
     """
 
+    teacher_answer = "the teacher's output"
+    """What the error for a missing ``teacher_output`` says the loss needs."""
+
     def __init__(
         self,
-        kl_type: str = "reverse",
-        mixed_kl_weight: float = 0.5,
-        temperature: float = 1.0,
         kl_reduction: str = "mean",
         vocab_size: int | None = None,
-        divergence: str = "kl",
-        jsd_beta: float = 0.5,
-        teacher_signal: str = "full_vocab",
-        teacher_topk: int = 64,
-        topk_tail: bool = True,
         fused_lm_head: bool = False,
         chunk_size: int | None = None,
-        compile_kernels: bool = False,
         off_policy: OffPolicyCorrection | None = None,
     ) -> None:
-        _check_kl_type(kl_type)
-        _check_weight("mixed_kl_weight", mixed_kl_weight)
-        _check_weight("jsd_beta", jsd_beta)
-        _check_temperature(temperature)
         if kl_reduction not in ("mean", "sum"):
             raise ValueError(f"kl_reduction must be 'mean' or 'sum', got {kl_reduction!r}")
-        if divergence not in DIVERGENCES:
-            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
-        if teacher_signal not in TEACHER_SIGNALS:
-            raise ValueError(f"teacher_signal must be one of {TEACHER_SIGNALS}, got {teacher_signal!r}")
-        if divergence == "jsd" and teacher_signal == "topk":
-            raise ValueError("the generalized JSD needs the teacher's full vocabulary; use divergence='kl' with top-k")
-        if teacher_topk < 1:
-            raise ValueError(f"teacher_topk must be >= 1, got {teacher_topk}")
         if vocab_size is not None and vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1 (or None: the whole output layer), got {vocab_size}")
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1 (or None: chosen from the vocabulary size), got {chunk_size}")
-        self.kl_type = kl_type
-        self.mixed_kl_weight = mixed_kl_weight
-        self.temperature = temperature
         self.kl_reduction = kl_reduction
         self.vocab_size = vocab_size
-        self.divergence = divergence
-        self.jsd_beta = jsd_beta
-        self.teacher_signal = teacher_signal
-        self.teacher_topk = teacher_topk
-        self.topk_tail = topk_tail
         self.fused_lm_head = fused_lm_head
         self.chunk_size = chunk_size
-        self.compile_kernels = compile_kernels
         self.off_policy = off_policy
 
-    @property
-    def teacher_request(self) -> TeacherRequest:
-        """Full-vocabulary logits (hidden states and head for the fused loss), or the top-k
-        log-probs and ids at the loss temperature."""
-        if self.teacher_signal == "topk":
-            return TopKRequest(self.teacher_topk, self.temperature, self.vocab_size)
-        return FullVocabRequest(prefer_hidden_states=self.fused_lm_head)
+    @abstractmethod
+    def _loss_inputs(
+        self, teacher_output: Any, data: dict[str, Any], loss_mask: torch.Tensor, fused: bool
+    ) -> LossInputs:
+        """The per-position inputs of :meth:`_divergence` for this micro-batch, and its metric hooks.
 
-    def _divergence(self, student_logits: torch.Tensor, *teacher: torch.Tensor) -> torch.Tensor:
-        if self.teacher_signal == "topk":
-            return topk_token_kl(
-                student_logits,
-                teacher[0],
-                teacher[1],
-                self.kl_type,
-                self.mixed_kl_weight,
-                tail=self.topk_tail,
-                temperature=self.temperature,
-                teacher_rest_logprobs=teacher[2],
-            )
-        if self.divergence == "jsd":
-            return generalized_jsd(student_logits, teacher[0], self.jsd_beta, self.temperature)
-        return token_kl(student_logits, teacher[0], self.kl_type, self.mixed_kl_weight, self.temperature)
+        ``loss_mask`` is ``[B, L − 1]``, True where logit position ``t`` carries loss;
+        ``fused``: the student's output is hidden states (the chunked path runs).
+        """
 
-    def _divergence_with_grad(
-        self,
-        student_logits: torch.Tensor,
-        teacher_logits: torch.Tensor,
-        observe_log_probs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Closed-form value and gradient of the full-vocabulary divergence (fused path)."""
-        kernel = full_vocab_divergence_with_grad
-        if self.compile_kernels and observe_log_probs is None:
-            kernel = compiled(full_vocab_divergence_with_grad)
-        return kernel(
-            student_logits,
-            teacher_logits,
-            self.kl_type,
-            self.mixed_kl_weight,
-            self.temperature,
-            self.jsd_beta if self.divergence == "jsd" else None,
-            observe_log_probs,
+    @abstractmethod
+    def _divergence(self, student_logits: torch.Tensor, *row_inputs: Any) -> torch.Tensor:
+        """The per-position term: ``(student logits [C, V], *row inputs [C, ...]) -> [C]``."""
+
+    def _row_weights(
+        self, student_output: Any, data: dict[str, Any], loss_mask: torch.Tensor, global_valid_tokens: int
+    ) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """``([N] weights or None for all 1, metrics)``: the off-policy weights when asked for and the data has them."""
+        if self.off_policy is None or "staleness" not in data or "generation_logprobs" not in data:
+            return None, {}
+        return off_policy_row_weights(
+            _rows(student_output, loss_mask), data, loss_mask, self.off_policy, global_valid_tokens
         )
 
     def _cut_vocabulary(self, value: Any) -> Any:
@@ -901,71 +867,455 @@ class DistillationLossFn(LossFunction):
         global_valid_seqs: int,
         teacher_output: Any = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Computes this micro-batch's share of the global distillation loss.
+        """Computes this micro-batch's share of the global loss.
 
         Args:
             student_output: ``[B, L, V_s]`` logits for ``data["input_ids"]``, or (fused)
                 an :class:`LMHeadInput` with ``[B, L, D]`` hidden states.
-            data: micro-batch with ``token_mask [B, L]``.
+            data: micro-batch with ``token_mask [B, L]`` (and what the variant reads).
             global_valid_tokens: valid loss tokens in the whole global batch.
             global_valid_seqs: sequences in the whole global batch.
-            teacher_output: the teacher's answer to :attr:`teacher_request`: ``[B, L, V_t]`` logits,
-                an :class:`LMHeadInput`, or ``([B, L, k] log-probs, [B, L, k] ids)``: a
-                :class:`~opd.models.interfaces.TopKLogprobs` carrying the teacher's rest
-                mass, a plain pair (the rest is then computed from the top-k), or a triple
-                with ``[B, L]`` rest log-probs third.
+            teacher_output: the teacher's answer to :attr:`teacher_request`.
 
         Returns:
             ``(loss, metrics)``; metrics hold this micro-batch's contributions to the
-            global ``loss``, ``kl_forward``, ``kl_reverse``, ``teacher_topk_mass``,
-            ``student_mass_on_teacher_topk``, ``topk_overlap`` (token means, all at the
-            loss temperature, for either teacher signal) and ``num_valid_tokens``.
+            global ``loss``, the variant's metrics (token means), the weights' metrics,
+            and ``num_valid_tokens``.
+
+        Raises:
+            ValueError: without ``teacher_output``.
         """
         if teacher_output is None:
-            raise ValueError("DistillationLossFn needs the teacher's output")
+            raise ValueError(f"{type(self).__name__} needs {self.teacher_answer}")
         loss_mask = shift_token_mask(data["token_mask"]).bool()
         # Only the selected positions ever see a softmax: prompt and padding rows are
         # skipped instead of computed and then masked to zero.
         student_rows = _rows(self._cut_vocabulary(student_output), loss_mask)
-        if self.teacher_signal == "topk":
-            teacher_rows: tuple[Any, ...] = _topk_rows(teacher_output, loss_mask)
-        else:
-            teacher_rows = (_rows(self._cut_vocabulary(teacher_output), loss_mask),)
-        collector = _TeacherMetrics(self.teacher_topk, self.temperature, self.vocab_size, self.compile_kernels)
-        observer: Callable[..., None] | None = collector.topk if self.teacher_signal == "topk" else collector.full_vocab
-        normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
-        closed_form = self._divergence_with_grad if self.teacher_signal == "full_vocab" else None
-        if closed_form is not None and isinstance(student_rows, LMHeadInput) and not self.compile_kernels:
-            # The metrics are at the loss temperature: reuse the fused loss's log-probabilities.
-            # (Compiled kernels recompute them instead: fused passes beat writing them out.)
-            closed_form = functools.partial(self._divergence_with_grad, observe_log_probs=collector.from_log_probs)
-            observer = None
-        row_weights: torch.Tensor | None = None
-        correction_metrics: dict[str, float] = {}
-        if self.off_policy is not None and "staleness" in data and "generation_logprobs" in data:
-            row_weights, correction_metrics = off_policy_row_weights(
-                _rows(student_output, loss_mask), data, loss_mask, self.off_policy, global_valid_tokens
-            )
+        fused = isinstance(student_rows, LMHeadInput)
+        inputs = self._loss_inputs(teacher_output, data, loss_mask, fused)
+        row_weights, weight_metrics = self._row_weights(student_output, data, loss_mask, global_valid_tokens)
         loss = _apply_loss(
             student_rows,
             self._divergence,
-            teacher_rows,
-            normalizer,
+            inputs.row_inputs,
+            _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs),
             self.chunk_size,
-            observer,
-            closed_form,
+            inputs.observer,
+            inputs.value_and_grad,
             row_weights,
         )
         metrics = {
             "loss": float(loss.detach()),
-            **collector.metrics(float(max(global_valid_tokens, 1))),
-            **correction_metrics,
+            **inputs.metrics(float(max(global_valid_tokens, 1))),
+            **weight_metrics,
             "num_valid_tokens": float(loss_mask.sum()),
         }
         return loss, metrics
 
 
-class SampledTokenLossFn(LossFunction):
+class _OneClassConstructor(ABCMeta):
+    """Lets ``DistillationLossFn(...)`` keep taking the arguments of the former single class.
+
+    Calling :class:`DistillationLossFn` itself (not one of its variants) with those
+    keyword arguments builds the variant they name (:func:`distillation_loss_fn`).
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is DistillationLossFn:
+            return distillation_loss_fn(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+class DistillationLossFn(TokenLossFn, metaclass=_OneClassConstructor):
+    """Divergence between the teacher's and the student's next-token distributions.
+
+    The loss is ``Σ_{valid positions} w_t · D_t / N`` (see :class:`TokenLossFn` for N and
+    w). The variants choose D_t and the teacher signal:
+
+    ==========================  ==========================================  ===========================
+    variant                     D_t                                         teacher signal
+    ==========================  ==========================================  ===========================
+    :class:`KLLossFn`           forward / reverse / mixed KL (:func:`token_kl`)  logits or hidden states
+    :class:`JSDLossFn`          generalized JSD(β) (:func:`generalized_jsd`)  logits or hidden states
+    :class:`TopKKLLossFn`       KL over the top k + rest (:func:`topk_token_kl`)  top-k log-probs and ids
+    ==========================  ==========================================  ===========================
+
+    The metrics (``kl_forward``, ``kl_reverse``, ``teacher_topk_mass``,
+    ``student_mass_on_teacher_topk``, ``topk_overlap``) are token means taken at the loss
+    temperature for every teacher signal (see :class:`_TeacherMetrics` for why).
+
+    ``DistillationLossFn(kl_type=..., teacher_signal=..., divergence=..., ...)`` with the
+    arguments of :func:`distillation_loss_fn` builds the variant they name.
+
+    Args:
+        temperature: distillation temperature applied to both models' logits (separate
+            from the sampling temperature); a finite number > 0.
+        kl_reduction, vocab_size, fused_lm_head, chunk_size, off_policy: as in
+            :class:`TokenLossFn`. Models often pad their output layer beyond the tokenizer
+            (Qwen2.5-32B has 152,064 outputs, 1.5B has 151,936, the tokenizer 151,665):
+            ``vocab_size`` keeps those entries out of the divergence.
+        metrics_topk: k of the top-k metrics (>= 1).
+    """
+
+    compile_kernels = False
+    """Whether the per-chunk kernels (closed-form divergence, metrics) run compiled."""
+
+    def __init__(
+        self,
+        temperature: float = 1.0,
+        kl_reduction: str = "mean",
+        vocab_size: int | None = None,
+        metrics_topk: int = 64,
+        fused_lm_head: bool = False,
+        chunk_size: int | None = None,
+        off_policy: OffPolicyCorrection | None = None,
+    ) -> None:
+        _check_temperature(temperature)
+        if metrics_topk < 1:
+            raise ValueError(f"metrics_topk must be >= 1, got {metrics_topk}")
+        super().__init__(kl_reduction, vocab_size, fused_lm_head, chunk_size, off_policy)
+        self.temperature = temperature
+        self.metrics_topk = metrics_topk
+
+    @abstractmethod
+    def _teacher_rows(self, teacher_output: Any, loss_mask: torch.Tensor) -> tuple[Any, ...]:
+        """The loss positions of the teacher's answer: the row inputs of :meth:`_divergence`."""
+
+    @abstractmethod
+    def _chunk_hooks(
+        self, metrics: _TeacherMetrics, fused: bool
+    ) -> tuple[Callable[..., None] | None, Callable[..., tuple[torch.Tensor, torch.Tensor]] | None]:
+        """``(observer, value_and_grad)`` of :class:`LossInputs`, the observer feeding ``metrics``."""
+
+    def _loss_inputs(
+        self, teacher_output: Any, data: dict[str, Any], loss_mask: torch.Tensor, fused: bool
+    ) -> LossInputs:
+        collector = _TeacherMetrics(self.metrics_topk, self.temperature, self.vocab_size, self.compile_kernels)
+        observer, value_and_grad = self._chunk_hooks(collector, fused)
+        return LossInputs(self._teacher_rows(teacher_output, loss_mask), observer, value_and_grad, collector.metrics)
+
+
+class FullVocabLossFn(DistillationLossFn):
+    """A divergence over the whole vocabulary: the teacher sends logits (or hidden states and head).
+
+    With ``fused_lm_head`` an in-process teacher sends hidden states too, and its logits
+    are made chunk by chunk as well. A variant overrides :meth:`_divergence` (the
+    per-position value; the fused path differentiates it by autograd chunk by chunk)
+    and, where :func:`full_vocab_divergence_with_grad` computes the same divergence,
+    :meth:`_closed_form_arguments`, so the fused path takes the closed-form gradient
+    (fewer ``[chunk × vocab]`` temporaries) and the metrics reuse its log-probabilities.
+
+    Args:
+        compile_kernels: ``torch.compile`` the per-chunk kernels (the closed-form
+            divergence with ``fused_lm_head``, and the metrics); see
+            :mod:`opd.algorithms.compiled_kernels`.
+        the rest: as in :class:`DistillationLossFn`.
+    """
+
+    teacher_answer = "the teacher's logits"
+
+    def __init__(
+        self,
+        temperature: float = 1.0,
+        kl_reduction: str = "mean",
+        vocab_size: int | None = None,
+        metrics_topk: int = 64,
+        fused_lm_head: bool = False,
+        chunk_size: int | None = None,
+        compile_kernels: bool = False,
+        off_policy: OffPolicyCorrection | None = None,
+    ) -> None:
+        super().__init__(temperature, kl_reduction, vocab_size, metrics_topk, fused_lm_head, chunk_size, off_policy)
+        self.compile_kernels = compile_kernels
+
+    @property
+    def teacher_request(self) -> TeacherRequest:
+        """Full-vocabulary logits (hidden states and head for the fused loss)."""
+        return FullVocabRequest(prefer_hidden_states=self.fused_lm_head)
+
+    def _closed_form_arguments(self) -> tuple[str, float, float | None] | None:
+        """``(kl_type, mixed_kl_weight, jsd_beta)`` of :func:`full_vocab_divergence_with_grad` when it
+        computes this variant's divergence in closed form; None (the default): autograd
+        through :meth:`_divergence` on the fused path."""
+        return None
+
+    def _divergence_with_grad(
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        observe_log_probs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Closed-form value and gradient of :meth:`_divergence` (the fused path's).
+
+        Raises:
+            NotImplementedError: for a variant without :meth:`_closed_form_arguments`.
+        """
+        arguments = self._closed_form_arguments()
+        if arguments is None:
+            raise NotImplementedError(f"{type(self).__name__} has no closed-form gradient")
+        kernel = full_vocab_divergence_with_grad
+        if self.compile_kernels and observe_log_probs is None:
+            kernel = compiled(full_vocab_divergence_with_grad)
+        kl_type, mixed_kl_weight, jsd_beta = arguments
+        return kernel(
+            student_logits, teacher_logits, kl_type, mixed_kl_weight, self.temperature, jsd_beta, observe_log_probs
+        )
+
+    def _teacher_rows(self, teacher_output: Any, loss_mask: torch.Tensor) -> tuple[Any, ...]:
+        return (_rows(self._cut_vocabulary(teacher_output), loss_mask),)
+
+    def _chunk_hooks(
+        self, metrics: _TeacherMetrics, fused: bool
+    ) -> tuple[Callable[..., None] | None, Callable[..., tuple[torch.Tensor, torch.Tensor]] | None]:
+        if self._closed_form_arguments() is None:
+            return metrics.full_vocab, None
+        if fused and not self.compile_kernels:
+            # The metrics are at the loss temperature: reuse the fused loss's log-probabilities.
+            # (Compiled kernels recompute them instead: fused passes beat writing them out.)
+            return None, functools.partial(self._divergence_with_grad, observe_log_probs=metrics.from_log_probs)
+        return metrics.full_vocab, self._divergence_with_grad
+
+
+class KLLossFn(FullVocabLossFn):
+    """``loss_fn.type: full_vocab``: forward, reverse or mixed KL over the whole vocabulary (:func:`token_kl`).
+
+    Args:
+        kl_type: ``"forward"`` (KL(P‖Q)), ``"reverse"`` (KL(Q‖P)) or ``"mixed"``.
+        mixed_kl_weight: weight of the forward KL in ``"mixed"``, in [0, 1].
+        the rest: as in :class:`FullVocabLossFn`.
+    """
+
+    def __init__(
+        self,
+        kl_type: str = "reverse",
+        mixed_kl_weight: float = 0.5,
+        temperature: float = 1.0,
+        kl_reduction: str = "mean",
+        vocab_size: int | None = None,
+        metrics_topk: int = 64,
+        fused_lm_head: bool = False,
+        chunk_size: int | None = None,
+        compile_kernels: bool = False,
+        off_policy: OffPolicyCorrection | None = None,
+    ) -> None:
+        _check_kl_type(kl_type)
+        _check_weight("mixed_kl_weight", mixed_kl_weight)
+        super().__init__(
+            temperature, kl_reduction, vocab_size, metrics_topk, fused_lm_head, chunk_size, compile_kernels, off_policy
+        )
+        self.kl_type = kl_type
+        self.mixed_kl_weight = mixed_kl_weight
+
+    def _divergence(self, student_logits: torch.Tensor, *row_inputs: Any) -> torch.Tensor:
+        return token_kl(student_logits, row_inputs[0], self.kl_type, self.mixed_kl_weight, self.temperature)
+
+    def _closed_form_arguments(self) -> tuple[str, float, float | None] | None:
+        return self.kl_type, self.mixed_kl_weight, None
+
+    @classmethod
+    def from_arguments(cls, arguments: DistillationArguments) -> DistillationLossFn:
+        return cls(
+            arguments.kl_type,
+            arguments.mixed_kl_weight,
+            metrics_topk=arguments.teacher_topk,
+            compile_kernels=arguments.compile_kernels,
+            **arguments.shared(),
+        )
+
+
+class JSDLossFn(FullVocabLossFn):
+    """``loss_fn.type: jsd``: the generalized Jensen-Shannon divergence of GKD / TRL (:func:`generalized_jsd`).
+
+    Args:
+        beta: β in [0, 1] (0 = forward KL, 1 = reverse KL).
+        the rest: as in :class:`FullVocabLossFn`.
+    """
+
+    def __init__(
+        self,
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        kl_reduction: str = "mean",
+        vocab_size: int | None = None,
+        metrics_topk: int = 64,
+        fused_lm_head: bool = False,
+        chunk_size: int | None = None,
+        compile_kernels: bool = False,
+        off_policy: OffPolicyCorrection | None = None,
+    ) -> None:
+        _check_weight("jsd_beta", beta)
+        super().__init__(
+            temperature, kl_reduction, vocab_size, metrics_topk, fused_lm_head, chunk_size, compile_kernels, off_policy
+        )
+        self.beta = beta
+
+    def _divergence(self, student_logits: torch.Tensor, *row_inputs: Any) -> torch.Tensor:
+        return generalized_jsd(student_logits, row_inputs[0], self.beta, self.temperature)
+
+    def _closed_form_arguments(self) -> tuple[str, float, float | None] | None:
+        # The kernel's KL arguments are unused with a β (it maps β = 0 / 1 to the KLs itself).
+        return "forward", 0.5, self.beta
+
+    @classmethod
+    def from_arguments(cls, arguments: DistillationArguments) -> DistillationLossFn:
+        return cls(
+            arguments.jsd_beta,
+            metrics_topk=arguments.teacher_topk,
+            compile_kernels=arguments.compile_kernels,
+            **arguments.shared(),
+        )
+
+
+class TopKKLLossFn(DistillationLossFn):
+    """``loss_fn.type: topk``: KL against a teacher that sends its top-k log-probs (:func:`topk_token_kl`).
+
+    Args:
+        kl_type, mixed_kl_weight: as in :class:`KLLossFn`.
+        k: the teacher's tokens per position (also the k of the top-k metrics), >= 1.
+        tail: keep the rest class (True) or renormalise over the top k (False, NeMo-RL's variant).
+        the rest: as in :class:`DistillationLossFn`.
+    """
+
+    teacher_answer = "the teacher's top-k log-probs"
+
+    def __init__(
+        self,
+        kl_type: str = "reverse",
+        mixed_kl_weight: float = 0.5,
+        k: int = 64,
+        tail: bool = True,
+        temperature: float = 1.0,
+        kl_reduction: str = "mean",
+        vocab_size: int | None = None,
+        fused_lm_head: bool = False,
+        chunk_size: int | None = None,
+        off_policy: OffPolicyCorrection | None = None,
+    ) -> None:
+        _check_kl_type(kl_type)
+        _check_weight("mixed_kl_weight", mixed_kl_weight)
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        super().__init__(temperature, kl_reduction, vocab_size, k, fused_lm_head, chunk_size, off_policy)
+        self.kl_type = kl_type
+        self.mixed_kl_weight = mixed_kl_weight
+        self.k = k
+        self.tail = tail
+
+    @property
+    def teacher_request(self) -> TeacherRequest:
+        """The top-k log-probs and ids at the loss temperature."""
+        return TopKRequest(self.k, self.temperature, self.vocab_size)
+
+    def _divergence(self, student_logits: torch.Tensor, *row_inputs: Any) -> torch.Tensor:
+        logprobs, ids, rest = row_inputs
+        return topk_token_kl(
+            student_logits,
+            logprobs,
+            ids,
+            self.kl_type,
+            self.mixed_kl_weight,
+            tail=self.tail,
+            temperature=self.temperature,
+            teacher_rest_logprobs=rest,
+        )
+
+    def _teacher_rows(self, teacher_output: Any, loss_mask: torch.Tensor) -> tuple[Any, ...]:
+        """``([B, L, k] log-probs, [B, L, k] ids)``: a :class:`TopKLogprobs` carrying the
+        teacher's rest mass, a plain pair (the rest is then computed from the top-k), or a
+        triple with ``[B, L]`` rest log-probs third."""
+        return _topk_rows(teacher_output, loss_mask)
+
+    def _chunk_hooks(
+        self, metrics: _TeacherMetrics, fused: bool
+    ) -> tuple[Callable[..., None] | None, Callable[..., tuple[torch.Tensor, torch.Tensor]] | None]:
+        return metrics.topk, None
+
+    @classmethod
+    def from_arguments(cls, arguments: DistillationArguments) -> DistillationLossFn:
+        return cls(
+            arguments.kl_type,
+            arguments.mixed_kl_weight,
+            k=arguments.teacher_topk,
+            tail=arguments.topk_tail,
+            **arguments.shared(),
+        )
+
+
+DIVERGENCES: tuple[str, ...] = ("kl", "jsd")
+TEACHER_SIGNALS: tuple[str, ...] = ("full_vocab", "topk")
+DISTILLATION_VARIANTS: dict[tuple[str, str], Callable[[DistillationArguments], DistillationLossFn]] = {
+    ("full_vocab", "kl"): KLLossFn.from_arguments,
+    ("full_vocab", "jsd"): JSDLossFn.from_arguments,
+    ("topk", "kl"): TopKKLLossFn.from_arguments,
+}
+"""The variant for each ``(teacher_signal, divergence)`` of the single-class arguments."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillationArguments:
+    """The arguments of the former single ``DistillationLossFn`` class (see :func:`distillation_loss_fn`)."""
+
+    kl_type: str = "reverse"
+    mixed_kl_weight: float = 0.5
+    temperature: float = 1.0
+    kl_reduction: str = "mean"
+    vocab_size: int | None = None
+    divergence: str = "kl"
+    jsd_beta: float = 0.5
+    teacher_signal: str = "full_vocab"
+    teacher_topk: int = 64
+    topk_tail: bool = True
+    fused_lm_head: bool = False
+    chunk_size: int | None = None
+    compile_kernels: bool = False
+    off_policy: OffPolicyCorrection | None = None
+
+    def shared(self) -> dict[str, Any]:
+        """The keyword arguments every variant takes."""
+        return {
+            "temperature": self.temperature,
+            "kl_reduction": self.kl_reduction,
+            "vocab_size": self.vocab_size,
+            "fused_lm_head": self.fused_lm_head,
+            "chunk_size": self.chunk_size,
+            "off_policy": self.off_policy,
+        }
+
+
+def distillation_loss_fn(*args: Any, **kwargs: Any) -> DistillationLossFn:
+    """The distillation variant that the single-class arguments name (what ``DistillationLossFn(...)`` returns).
+
+    Takes the fields of :class:`DistillationArguments`, positionally in that order or by
+    keyword: ``teacher_signal`` (``"full_vocab"`` or ``"topk"``) and ``divergence``
+    (``"kl"`` or ``"jsd"``) pick the class in :data:`DISTILLATION_VARIANTS`; the rest are
+    its settings (``teacher_topk`` is the top-k signal's k, or the metrics' k with the
+    full vocabulary; ``jsd_beta`` the JSD's β). Every argument is checked, whether the
+    variant reads it or not.
+
+    Raises:
+        ValueError: naming the argument, for a value outside its range, or for the JSD
+            with a top-k signal.
+    """
+    arguments = DistillationArguments(*args, **kwargs)
+    _check_kl_type(arguments.kl_type)
+    _check_weight("mixed_kl_weight", arguments.mixed_kl_weight)
+    _check_weight("jsd_beta", arguments.jsd_beta)
+    _check_temperature(arguments.temperature)
+    if arguments.kl_reduction not in ("mean", "sum"):
+        raise ValueError(f"kl_reduction must be 'mean' or 'sum', got {arguments.kl_reduction!r}")
+    if arguments.divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {arguments.divergence!r}")
+    if arguments.teacher_signal not in TEACHER_SIGNALS:
+        raise ValueError(f"teacher_signal must be one of {TEACHER_SIGNALS}, got {arguments.teacher_signal!r}")
+    build = DISTILLATION_VARIANTS.get((arguments.teacher_signal, arguments.divergence))
+    if build is None:
+        raise ValueError("the generalized JSD needs the teacher's full vocabulary; use divergence='kl' with top-k")
+    if arguments.teacher_topk < 1:
+        raise ValueError(f"teacher_topk must be >= 1, got {arguments.teacher_topk}")
+    return build(arguments)
+
+
+class SampledTokenLossFn(TokenLossFn):
     """Reverse KL on the sampled tokens only, as a clipped policy gradient.
 
     The form used by the Thinking Machines cookbook, prime-rl and slime: the teacher
@@ -974,10 +1324,17 @@ class SampledTokenLossFn(LossFunction):
     (:func:`sampled_token_advantages`, optionally discounted over later tokens and plus
     ``adv_tau ·`` the sequence's task reward from ``data["task_reward"]``), and the loss is
     :func:`sampled_token_pg_loss` with the importance ratio against the sampler's
-    log-probs (``data["generation_logprobs"]``). Normalised like :class:`DistillationLossFn`.
+    log-probs (``data["generation_logprobs"]``). Normalised like every :class:`TokenLossFn`.
 
-    It needs on-policy samples: fixed data has no sampler log-probs.
+    It needs on-policy samples: fixed data has no sampler log-probs. It takes no
+    off-policy weights: its ratio is already taken against the sampler's log-probs.
+
+    Metrics: ``loss``, ``kl_reverse_estimate`` (mean of log Q_sampler − log P over the
+    sampled tokens, the single-sample reverse-KL estimate), ``advantage`` (mean),
+    ``num_valid_tokens``.
     """
+
+    teacher_answer = "the teacher's token log-probs"
 
     def __init__(
         self,
@@ -991,17 +1348,12 @@ class SampledTokenLossFn(LossFunction):
         chunk_size: int | None = None,
         vocab_size: int | None = None,
     ) -> None:
-        if kl_reduction not in ("mean", "sum"):
-            raise ValueError(f"kl_reduction must be 'mean' or 'sum', got {kl_reduction!r}")
+        super().__init__(kl_reduction, vocab_size, fused_lm_head, chunk_size)
         self.teacher_tau = teacher_tau
         self.student_tau = student_tau
         self.discount = discount
         self.adv_tau = adv_tau
         self.clip_ratio = clip_ratio
-        self.kl_reduction = kl_reduction
-        self.fused_lm_head = fused_lm_head
-        self.chunk_size = chunk_size
-        self.vocab_size = vocab_size
 
     @property
     def teacher_request(self) -> TeacherRequest:
@@ -1018,37 +1370,22 @@ class SampledTokenLossFn(LossFunction):
         """Always: the importance ratio is against the sampler's log-probs."""
         return True
 
-    def _divergence(
-        self,
-        student_logits: torch.Tensor,
-        targets: torch.Tensor,
-        sampler_logprobs: torch.Tensor,
-        advantages: torch.Tensor,
-    ) -> torch.Tensor:
+    def _divergence(self, student_logits: torch.Tensor, *row_inputs: Any) -> torch.Tensor:
+        targets, sampler_logprobs, advantages = row_inputs
         compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
         log_q = token_log_probs(torch.log_softmax(student_logits.to(compute_dtype), dim=-1), targets)
         return sampled_token_pg_loss(log_q, sampler_logprobs, advantages, self.clip_ratio)
 
-    def __call__(
-        self,
-        student_output: torch.Tensor | LMHeadInput,
-        data: dict[str, Any],
-        global_valid_tokens: int,
-        global_valid_seqs: int,
-        teacher_output: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """This micro-batch's share of the global policy-gradient loss, and metrics.
+    def _loss_inputs(
+        self, teacher_output: Any, data: dict[str, Any], loss_mask: torch.Tensor, fused: bool
+    ) -> LossInputs:
+        """The sampled tokens, the sampler's log-probs and the advantages at the loss positions.
 
-        Metrics: ``loss``, ``kl_reverse_estimate`` (mean of log Q_sampler − log P over the
-        sampled tokens, the single-sample reverse-KL estimate), ``advantage`` (mean),
-        ``num_valid_tokens``.
+        Raises:
+            ValueError: if ``data`` has no ``generation_logprobs``.
         """
-        if teacher_output is None:
-            raise ValueError("SampledTokenLossFn needs the teacher's token log-probs")
         if "generation_logprobs" not in data:
             raise ValueError("the sampled-token loss needs on-policy samples with the sampler's log-probs")
-        token_mask = shift_token_mask(data["token_mask"])
-        loss_mask = token_mask.bool()
         sampler_logprobs = data["generation_logprobs"][:, 1:]
         teacher_logprobs = teacher_output[:, 1:].to(sampler_logprobs.device)
         # Packed rows (sequence packing) carry each token's sequence index: the advantages
@@ -1060,7 +1397,7 @@ class SampledTokenLossFn(LossFunction):
         advantages = sampled_token_advantages(
             sampler_logprobs,
             teacher_logprobs,
-            token_mask,
+            loss_mask,
             self.teacher_tau,
             self.student_tau,
             self.discount,
@@ -1068,24 +1405,15 @@ class SampledTokenLossFn(LossFunction):
             self.adv_tau,
             segment_ids,
         )
-        student = student_output
-        if self.vocab_size is not None:
-            student = (
-                LMHeadInput(student.hidden_states, student.weight, student.bias, self.vocab_size)
-                if isinstance(student, LMHeadInput)
-                else student[..., : self.vocab_size]
-            )
+
+        def metrics(tokens: float) -> dict[str, float]:
+            return {
+                "kl_reverse_estimate": float((sampler_logprobs - teacher_logprobs)[loss_mask].sum()) / tokens,
+                "advantage": float(advantages[loss_mask].sum()) / tokens,
+            }
+
         row_inputs = (data["input_ids"][:, 1:][loss_mask], sampler_logprobs[loss_mask], advantages[loss_mask])
-        normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
-        loss = _apply_loss(_rows(student, loss_mask), self._divergence, row_inputs, normalizer, self.chunk_size, None)
-        token_normalizer = float(max(global_valid_tokens, 1))
-        metrics = {
-            "loss": float(loss.detach()),
-            "kl_reverse_estimate": float((sampler_logprobs - teacher_logprobs)[loss_mask].sum()) / token_normalizer,
-            "advantage": float(advantages[loss_mask].sum()) / token_normalizer,
-            "num_valid_tokens": float(loss_mask.sum()),
-        }
-        return loss, metrics
+        return LossInputs(row_inputs, metrics=metrics)
 
 
 class NLLLossFn(LossFunction):

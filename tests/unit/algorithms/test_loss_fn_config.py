@@ -18,7 +18,7 @@ from opd.algorithms.distillation import distillation_train
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
 from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
-from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn
+from opd.algorithms.loss_functions import DistillationLossFn, JSDLossFn, KLLossFn, SampledTokenLossFn, TopKKLLossFn
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 
@@ -101,8 +101,8 @@ def test_the_loss_config_builds_a_loss_with_every_key(tmp_path):
                         "loss_fn.mixed_kl_weight=0.25", "loss_fn.temperature=1.5",
                         "loss_fn.reduction=sum")
     loss_fn = config.loss_fn.build(100, "cpu")
-    assert isinstance(loss_fn, DistillationLossFn)
-    assert (loss_fn.teacher_signal, loss_fn.teacher_topk, loss_fn.topk_tail, loss_fn.fused_lm_head) == ("topk", 7, False, False)
+    assert type(loss_fn) is TopKKLLossFn and isinstance(loss_fn, DistillationLossFn)
+    assert (loss_fn.k, loss_fn.metrics_topk, loss_fn.tail, loss_fn.fused_lm_head) == (7, 7, False, False)
     assert (loss_fn.kl_type, loss_fn.mixed_kl_weight, loss_fn.temperature, loss_fn.kl_reduction) == ("mixed", 0.25, 1.5, "sum")
     assert (loss_fn.chunk_size, loss_fn.vocab_size) == (33, 100)
 
@@ -117,16 +117,15 @@ def test_the_loss_config_builds_a_loss_with_every_key(tmp_path):
                         "loss_fn.metrics_topk=5", "loss_fn.reduction=sum", "loss_fn.compile_kernels=false",
                         "loss_fn.chunk_size=9")
     loss_fn = config.loss_fn.build(100, "cpu")
-    assert isinstance(loss_fn, DistillationLossFn)
-    assert (loss_fn.divergence, loss_fn.jsd_beta, loss_fn.temperature, loss_fn.teacher_topk) == ("jsd", 0.3, 2.0, 5)
+    assert type(loss_fn) is JSDLossFn
+    assert (loss_fn.beta, loss_fn.temperature, loss_fn.metrics_topk) == (0.3, 2.0, 5)
     assert (loss_fn.kl_reduction, loss_fn.compile_kernels, loss_fn.chunk_size, loss_fn.vocab_size) == (
         "sum", False, 9, 100)
 
     config = run_config(tmp_path, "loss_fn.type=full_vocab", "loss_fn.kl_type=forward", "loss_fn.metrics_topk=3")
     loss_fn = config.loss_fn.build(100, "cpu")
-    assert isinstance(loss_fn, DistillationLossFn)
-    assert (loss_fn.teacher_signal, loss_fn.divergence, loss_fn.kl_type, loss_fn.teacher_topk) == (
-        "full_vocab", "kl", "forward", 3)
+    assert type(loss_fn) is KLLossFn
+    assert (loss_fn.kl_type, loss_fn.metrics_topk) == ("forward", 3)
 
     config = run_config(tmp_path, "loss_fn.type=hybrid_full_vocab", "loss_fn.teacher_tau=0.5",
                         "loss_fn.student_tau=2.0", "loss_fn.adv_tau=3.0", "loss_fn.reduction=sum")
