@@ -7,7 +7,8 @@ teacher's logits chunk by chunk, as in one process. Two steps of the default los
 (``full_vocab``, fused), against the same run in one process:
 
 * two trainer workers over gloo and a teacher pool whose replica is one teacher sharded
-  over two workers (``cluster.teacher.shards_per_replica: 2``);
+  over two workers (``cluster.teacher.shards_per_replica: 2``), with validation's exact
+  KL at the end (computed on the ranks from the pool's hidden states);
 * a teacher served by ``opd serve-teacher`` on 127.0.0.1 (fp32 hidden states on the
   wire) under ``two_step_off``: the batch scored ahead carries the hidden states to the
   trainer worker, against ``two_step_off`` in one process.
@@ -34,6 +35,7 @@ from opd.utils.config import load_config
 from opd.utils.plotting import read_metrics
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
+VAL_DATA = REPO_ROOT / "examples" / "data" / "tiny_arithmetic" / "val.jsonl"
 STEPS = 2
 TOLERANCE = 1e-5
 TWO_TRAINERS = ["cluster.trainer.workers=2", "cluster.rollout.workers=1"]
@@ -74,10 +76,23 @@ def assert_same_run(actual: tuple[list[dict], dict], expected: tuple[list[dict],
         assert (weights[name] - tensor).abs().max() <= TOLERANCE, name
 
 
+def validation_records(config_: MasterConfig) -> list[dict]:
+    return [record for record in read_metrics(Path(config_.output_dir) / "logs") if "val/kl_forward" in record]
+
+
 def test_a_sharded_teacher_pool_gives_the_exact_loss_of_one_process(ray_cluster, tmp_path):
-    expected = run(config(tmp_path, "process"))
+    # Validation at the end too: its exact KL compares the student with the pool's hidden states on the ranks.
+    validation = [f"data.val_path={VAL_DATA}", "validation.val_at_end=true", "validation.batch_size=8",
+                  "validation.generate_strategy.max_length=6", "data.max_val_examples=8"]
+    in_process = config(tmp_path, "process", *validation)
+    expected = run(in_process)
     pool = ["cluster.teacher.placement=pool", "cluster.teacher.workers=2", "cluster.teacher.shards_per_replica=2"]
-    assert_same_run(run(config(tmp_path, "pool", *TWO_TRAINERS, *pool)), expected)
+    on_cluster = config(tmp_path, "pool", *validation, *TWO_TRAINERS, *pool)
+    assert_same_run(run(on_cluster), expected)
+    (validated,), (reference,) = validation_records(on_cluster), validation_records(in_process)
+    for key in ("val/kl_forward", "val/kl_reverse"):
+        assert reference[key] > 0
+        assert math.isclose(validated[key], reference[key], rel_tol=TOLERANCE), (key, validated[key], reference[key])
 
 
 def free_port() -> int:

@@ -10,6 +10,9 @@ trainer cuts each micro-batch's rows out of them.
   weights, float32, 1e-5 relative), for the fused loss and for the loss over logits.
 * A checkpoint with such a batch in flight keeps no hidden states (``[B, L, D]`` per
   batch); the resumed schedule scores the batch again and hands over the same signal.
+* Hidden states sent alone (:class:`~opd.models.interfaces.TeacherHiddenStates`, what a
+  teacher pool sends) go through a teacher-only context like those sent with the head,
+  and bind to the head where it is held; where none is, binding says so.
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ from opd_test_helpers import short_run_overrides
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
 from opd.algorithms.rollout_schedule import RolloutSchedule, signal_rows
-from opd.models.lm_head import LMHeadInput
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.interfaces import FullVocabRequest, TeacherHiddenStates, bind_teacher_head
+from opd.models.lm_head import LMHeadInput, output_layer_of
+from opd.models.teacher.context_teacher import ContextTeacher
+from opd.models.teacher.local_teacher import LocalTeacher
+from opd.models.tiny import build_tiny_model
 from opd.utils.config import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -110,3 +118,32 @@ def test_a_checkpoint_keeps_no_hidden_states_and_the_resumed_schedule_scores_aga
     assert isinstance(again.teacher_signal, LMHeadInput) and isinstance(expected.teacher_signal, LMHeadInput)
     torch.testing.assert_close(again.teacher_signal.hidden_states, expected.teacher_signal.hidden_states)
     parts.close()
+
+
+class HiddenStatesAlone(LocalTeacher):
+    """Answers a full-vocabulary request as a teacher in other processes does: hidden states without the head."""
+
+    def score(self, data, request):
+        if isinstance(request, FullVocabRequest):
+            return TeacherHiddenStates(self.get_hidden_states(data).hidden_states)
+        return super().score(data, request)
+
+
+def test_a_teacher_only_context_maps_hidden_states_sent_alone_like_those_with_the_head():
+    # Context distillation with a teacher pool: the pool's hidden states move to the student's positions.
+    model = build_tiny_model("teacher").eval()
+    batch = BatchedDataDict(
+        input_ids=torch.tensor([[5, 6, 7, 8, 9, 0], [11, 12, 13, 14, 15, 16]]),
+        input_lengths=torch.tensor([5, 6]), prompt_lengths=torch.tensor([2, 3]),
+        token_mask=torch.tensor([[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1]]).float(),
+        teacher_prompt_ids=[[21, 22, 23, 5, 6], [31, 11, 12, 13]],
+    )
+    request = FullVocabRequest(prefer_hidden_states=True)
+    alone = ContextTeacher(HiddenStatesAlone(model), pad_token_id=0).score(batch, request)
+    with_head = ContextTeacher(LocalTeacher(model), pad_token_id=0).score(batch, request)
+    assert isinstance(alone, TeacherHiddenStates) and isinstance(with_head, LMHeadInput)
+    bound = bind_teacher_head(alone, output_layer_of(model))
+    assert torch.equal(bound.hidden_states, with_head.hidden_states)
+    assert bound.hidden_states[0, 1:4].abs().sum() > 0  # the completion's predicting positions were filled
+    with pytest.raises(ValueError, match="holds no copy of the teacher's output layer"):
+        bind_teacher_head(alone, None)
