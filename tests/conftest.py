@@ -71,6 +71,7 @@ _SLOWEST_FILES = [
     "distributed/test_async_cluster.py",
     "distributed/test_cluster_teachers.py",
     "distributed/test_sharded_teacher_pool.py",
+    "distributed/test_exact_signal_transport.py",
     "unit/test_hsdp.py",
     "unit/models/test_teacher_server.py",
     "unit/algorithms/test_sft.py",

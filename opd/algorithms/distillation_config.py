@@ -370,8 +370,9 @@ def _one_teacher_problem(
     in_pool = config.cluster is not None and config.cluster.teacher.placement == "pool"
     if backend == "local" and in_pool and config.teachers is not None and isinstance(request, FullVocabRequest):
         return (
-            f"{keys.loss}.type = {loss.type} needs the teacher's full vocabulary, which a teacher pool "
-            f"(cluster.teacher.placement = pool) does not send; use {keys.loss}.type = topk or sampled_token"
+            f"{keys.loss}.type = {loss.type} needs the teacher's full vocabulary, which a teacher pool sends as "
+            "hidden states that the trainer workers bind to the output layer of one teacher only, not of each of "
+            f"several; use {keys.loss}.type = topk or sampled_token"
         )
     if backend == "local":
         reason = LocalTeacher.unsupported_reason(request)
@@ -439,10 +440,10 @@ def _served_full_vocab_problem(
             f"{loss} with a served teacher applies the teacher's output layer here: set {keys.model_path} "
             "to the served model's directory (only its output layer is read)"
         )
-    if config.cluster is not None:
+    if config.cluster is not None and config.teachers is not None:
         return (
-            f"{loss} with a served teacher on a cluster is not supported yet; use loss_fn.type = topk, "
-            "or cluster.teacher.placement = colocated with teacher.backend = local"
+            f"{loss} with a served member of several teachers on a cluster: its hidden states would reach trainer "
+            "workers that bind the output layer of one teacher only, not of each of several; use topk for it"
         )
     return None
 
@@ -480,13 +481,6 @@ def _cluster_problem(config: MasterConfig) -> str | None:
             "distillation.teacher_context with cluster.teacher.placement = colocated: the trainer workers score "
             "the student's own prompt; use cluster.teacher.placement = pool for context distillation"
         )
-    in_pool = one_local_teacher and cluster.teacher.placement == "pool"
-    if in_pool and isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
-        return (
-            f"loss_fn.type = {config.loss_fn.type} needs the teacher's full vocabulary, which a teacher pool "
-            "(cluster.teacher.placement = pool) does not send; use cluster.teacher.placement = colocated or "
-            "loss_fn.type = topk"
-        )
     return None
 
 
@@ -515,19 +509,13 @@ def _schedule_problem(config: MasterConfig) -> str | None:
     loss = config.loss_fn
     if isinstance(loss, HybridFullVocabLossConfig):
         return f"{key}: loss_fn.type = hybrid_full_vocab has no off-policy correction yet; use sync"
-    full_vocab = isinstance(loss.teacher_request(None), FullVocabRequest)
-    if training.scheduler == "two_step_off" and full_vocab:
-        return (
-            f"{key} scores the next batch while the student trains, which the full-vocabulary teacher "
-            f"(loss_fn.type = {loss.type}) cannot: it scores inside the trainer. Use one_step_off, or "
-            "loss_fn.type = topk with a teacher that runs apart (cluster.teacher.placement = pool, or a served teacher)"
-        )
     if training.scheduler == "two_step_off" and cluster is not None:
         in_workers = config.teacher.backend == "local" and cluster.teacher.placement == "colocated"
         if in_workers:
             return (
-                f"{key} scores the next batch while the student trains; a teacher colocated in the trainer "
-                "workers cannot. Set cluster.teacher.placement = pool (or serve the teacher)"
+                f"{key} scores the next batch while the student trains, but a teacher colocated in the trainer "
+                "workers runs on those same workers, which are busy training; set cluster.teacher.placement = pool "
+                "(or serve the teacher), or use one_step_off"
             )
     return None
 

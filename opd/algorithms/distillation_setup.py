@@ -291,7 +291,9 @@ def connect_remote_teacher(
     """The client of the served teacher, after checking that it answers and tokenizes like ``tokenizer``.
 
     For a full-vocabulary loss it also loads the teacher's output layer (only that layer)
-    from ``model_path`` and checks it against the server's.
+    from ``model_path`` and checks it against the server's. On a cluster the layer is not
+    kept here: the client sends the hidden states on alone, and each trainer worker binds
+    them to its own copy of the layer (:func:`build_on_cluster` names the model to load).
 
     Args:
         config: the run's config.
@@ -324,6 +326,7 @@ def connect_remote_teacher(
         remote.protocol,
         remote.hidden_dtype,
         output_layer,
+        binds_output_layer=config.cluster is None,
     )
     # A teacher with its own tokenizer must tokenize as that tokenizer does.
     client.connect(teacher_tokenizer_of(config) or tokenizer)
@@ -556,6 +559,7 @@ def build_on_cluster(
         generation=config.generation,
         seed=config.training.seed,
         checkpoint_dir=config.checkpointing.checkpoint_dir if config.checkpointing.enabled else None,
+        teacher_head_path=_teacher_head_path(config, remote_teacher),
     )
     policy, on_cluster, generation = build_cluster_backends(config.cluster, request)
     if config.teachers is None:
@@ -568,6 +572,22 @@ def build_on_cluster(
         policy.close()
         raise
     return policy, teacher, generation, None
+
+
+def _teacher_head_path(config: MasterConfig, remote_teacher: TeacherInterface | None) -> str | None:
+    """The model whose output layer the trainer workers load, or None.
+
+    One teacher that runs apart from the trainer (a pool, or served) answers a
+    full-vocabulary loss with its final hidden states alone; each trainer worker binds
+    them to its own copy of the teacher's output layer (read once from this model).
+    A colocated teacher needs none: its head is in the workers already.
+    """
+    assert config.cluster is not None
+    if config.teachers is not None or not isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
+        return None
+    if remote_teacher is None and config.cluster.teacher.placement == "colocated":
+        return None
+    return resolve_teacher_path(config)
 
 
 def _cluster_teacher_paths(config: MasterConfig, remote_teacher: TeacherInterface | None) -> dict[str, str]:

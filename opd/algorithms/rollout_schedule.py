@@ -15,7 +15,9 @@ optimizer steps taken so far, step ``t`` (1-based) updates ``v = t − 1`` to ``
 * ``two_step_off`` (depth 2): during update t the rollout workers sample batch t + 2 (with
   version t − 1) and the teacher scores batch t + 1, so the teacher's time also hides
   behind the update; samples are two steps stale. Warm-up: the first two batches are
-  sampled in step 1 with the initial weights.
+  sampled in step 1 with the initial weights. For a full-vocabulary loss the batch scored
+  ahead carries the teacher's final hidden states (with its head in one process, alone
+  from a teacher in other processes: the trainer workers bind them to the head they hold).
 
 Every batch records ``sampled_version``, the version its rollout was sampled with; the
 step's ``staleness`` is ``v − sampled_version``. Rollouts and teacher scores run in the
@@ -28,7 +30,9 @@ an asynchronous schedule); a fixed-data step needs no rollout.
 
 Checkpoints keep what is in flight (:meth:`RolloutSchedule.state_dict`): the batches
 started but not yet trained, with their rollouts and teacher signals, so a resumed run
-trains exactly the samples the uninterrupted run would have, none lost or repeated.
+trains exactly the samples the uninterrupted run would have, none lost or repeated. A
+batch's hidden states are not saved (``[B, L, D]`` per batch would outweigh the
+checkpoint): the frozen teacher scores that batch again after the resume.
 """
 
 from __future__ import annotations
@@ -53,10 +57,12 @@ from opd.models.interfaces import (
     LossFunction,
     Pending,
     PolicyInterface,
+    TeacherHiddenStates,
     TeacherInterface,
     TeacherSignal,
     TopKLogprobs,
 )
+from opd.models.lm_head import LMHeadInput
 from opd.utils.errors import ConfigError
 
 DEPTHS = {"sync": 0, "one_step_off": 1, "two_step_off": 2}
@@ -142,8 +148,12 @@ class RolloutSchedule:
         self.return_logprobs = loss_fn.needs_sampler_logprobs or sampler_logprobs
         request = loss_fn.teacher_request
         # Top-k and token signals are small enough to score a whole batch ahead; the full
-        # vocabulary is scored by the trainer, micro-batch by micro-batch, as in sync.
-        self.scores_ahead = self.depth > 0 and request is not None and not isinstance(request, FullVocabRequest)
+        # vocabulary is scored by the trainer, micro-batch by micro-batch, as in sync,
+        # unless the schedule must score the next batch during the update (two_step_off).
+        full_vocab = isinstance(request, FullVocabRequest)
+        self.scores_ahead = self.depth > 0 and request is not None and (self.depth == 2 or not full_vocab)
+        # A whole batch's full vocabulary is scored ahead as final hidden states, never as logits.
+        self.ahead_request = FullVocabRequest(prefer_hidden_states=True) if full_vocab else request
         self.queue: deque[_Slot] = deque()
         self.rollout_version: int | None = None
         """The policy version the engine's weights are (None: not known, refit before sampling)."""
@@ -248,7 +258,7 @@ class RolloutSchedule:
 
     def _start_teacher(self, slot: _Slot) -> None:
         if self.scores_ahead and not slot.teacher_started and slot.batch is not None:
-            request = self.loss_fn.teacher_request
+            request = self.ahead_request
             assert request is not None  # scores_ahead implies a request
             slot.teacher = self.teacher.score_async(slot.batch, request)
             slot.teacher_started = True
@@ -310,8 +320,7 @@ class RolloutSchedule:
                     "on_policy": slot.on_policy,
                     "sampled_version": slot.sampled_version,
                     "batch": dict(slot.batch) if slot.batch is not None else None,
-                    "teacher_signal": _signal_to_state(slot.teacher_signal),
-                    "teacher_started": slot.teacher_started,
+                    **_teacher_state(slot),
                 }
                 for slot in self.queue
             ],
@@ -342,6 +351,13 @@ class RolloutSchedule:
             self.queue.append(slot)
 
 
+def _teacher_state(slot: _Slot) -> dict[str, Any]:
+    """A slot's teacher signal for a checkpoint; hidden states are left out, and the batch scored again on resume."""
+    if isinstance(slot.teacher_signal, (LMHeadInput, TeacherHiddenStates)):
+        return {"teacher_signal": None, "teacher_started": False}
+    return {"teacher_signal": _signal_to_state(slot.teacher_signal), "teacher_started": slot.teacher_started}
+
+
 def _signal_to_state(signal: TeacherSignal | None) -> dict[str, Any] | None:
     """A top-k or token signal as plain tensors (checkpoints are loaded with ``weights_only``)."""
     if signal is None:
@@ -350,7 +366,7 @@ def _signal_to_state(signal: TeacherSignal | None) -> dict[str, Any] | None:
         return {"kind": "topk", "logprobs": signal.logprobs, "ids": signal.ids, "rest": signal.rest_logprobs}
     if isinstance(signal, tuple):
         return {"kind": "tuple", "parts": list(signal)}
-    assert isinstance(signal, torch.Tensor)  # token log-probs (full-vocabulary signals are never scored ahead)
+    assert isinstance(signal, torch.Tensor)  # token log-probs (hidden states are not saved: _teacher_state)
     return {"kind": "tensor", "value": signal}
 
 
@@ -372,6 +388,10 @@ def signal_rows(signal: TeacherSignal, micro_batch: BatchedDataDict) -> TeacherS
     """
     rows = micro_batch["sample_index"]
     width = micro_batch["input_ids"].shape[1]
+    if isinstance(signal, TeacherHiddenStates):
+        return signal.rows(rows, width)
+    if isinstance(signal, LMHeadInput):
+        return signal.with_rows(signal.hidden_states[rows.to(signal.hidden_states.device), :width])
     if isinstance(signal, TopKLogprobs):
         rest = signal.rest_logprobs[rows, :width] if signal.rest_logprobs is not None else None
         return TopKLogprobs(signal.logprobs[rows, :width], signal.ids[rows, :width], rest)

@@ -112,7 +112,8 @@ class TeacherPoolConfig(StrictConfig):
     placement: Literal["colocated", "pool"] = Field(
         "colocated",
         description="colocated: a sharded frozen copy in each trainer worker (any loss, exact full vocabulary); "
-        "pool: replicas of their own that send top-k or token log-probs",
+        "pool: replicas of their own that send top-k or token log-probs, or for a full-vocabulary loss their final "
+        "hidden states (each trainer worker then loads the teacher's output layer once)",
     )
     workers: int = Field(
         1, ge=1, description="teacher workers when placement is pool: workers / shards_per_replica replicas"

@@ -77,6 +77,9 @@ class ClusterRequest:
         seed: the run's seed (vLLM engines are seeded from it).
         checkpoint_dir: where the trainer ranks write checkpoint shards; checked at start
             to be one filesystem for every node (None: checkpointing is off).
+        teacher_head_path: the model whose output layer every trainer rank loads, to bind
+            the final hidden states that one teacher running apart (a pool, a served
+            teacher) sends for a full-vocabulary loss; None when no such signal comes.
 
     Paths are made absolute here, in the controller (:mod:`opd.utils.paths`): a worker
     never resolves one against its own working directory.
@@ -94,6 +97,7 @@ class ClusterRequest:
     generation: GenerationConfig
     seed: int = 0
     checkpoint_dir: str | None = None
+    teacher_head_path: str | None = None
 
     def __post_init__(self) -> None:
         # Frozen: the absolute forms are set once, as the fields' own values.
@@ -102,6 +106,8 @@ class ClusterRequest:
         object.__setattr__(self, "teacher_paths", teachers)
         if self.checkpoint_dir is not None:
             object.__setattr__(self, "checkpoint_dir", str(absolute_dir(self.checkpoint_dir)))
+        if self.teacher_head_path is not None:
+            object.__setattr__(self, "teacher_head_path", absolute_model_path(self.teacher_head_path))
 
 
 def build_cluster_backends(
@@ -164,7 +170,9 @@ def build_cluster_backends(
                 slots = pools.teacher[index * per_pool : (index + 1) * per_pool]
                 teacher_pool = _start_teacher_pool(cluster, request, role, path, slots)
                 groups.append(teacher_pool)
-                teachers.append(TeacherPool(teacher_pool, cluster.teacher.shards_per_replica))
+                # Its hidden states can be bound in the trainer workers when they hold its output layer.
+                binds = request.teacher_head_path is not None and len(paths) == 1
+                teachers.append(TeacherPool(teacher_pool, cluster.teacher.shards_per_replica, binds))
         rollout = _start_rollout(cluster, request, pools.rollout)
         groups.append(rollout)
     except BaseException:
@@ -233,6 +241,7 @@ def _start_trainer(
         teacher_sharded=cluster.teacher.sharded,
         shard_group_size=cluster.trainer.shard_group_size,
         activation_checkpointing=cluster.trainer.activation_checkpointing,
+        teacher_head_path=None if colocated_teacher else request.teacher_head_path,
     )
     world_size = cluster.trainer.workers
     bounds = _bounds(cluster, "trainer")

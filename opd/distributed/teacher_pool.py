@@ -9,9 +9,10 @@
   (:class:`TeacherWorker`), sharing the rows of each request. A replica is one worker
   with the whole model, or (``cluster.teacher.shards_per_replica: n``) ``n`` workers that
   hold one teacher sharded with FSDP2 over a process group of their own, for a teacher
-  larger than one device. They send top-k or token log-probs; full-vocabulary logits
-  would cost ``[B, L, V]`` floats per micro-batch on the wire, so the full-vocabulary
-  losses ask for a colocated teacher instead.
+  larger than one device. They send top-k or token log-probs, or for the full-vocabulary
+  losses their final hidden states (:class:`~opd.models.interfaces.TeacherHiddenStates`,
+  ``[B, L, D]`` in the teacher's dtype): never ``[B, L, V]`` logits, and never the output
+  layer, which each trainer worker loaded once and binds them to.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from opd.models.config import ModelLoadingConfig
 from opd.models.interfaces import (
     FullVocabRequest,
     Pending,
+    TeacherHiddenStates,
     TeacherInterface,
     TeacherRequest,
     TeacherSignal,
@@ -51,6 +53,10 @@ def _concat(signals: list[Any], counts: list[int]) -> TeacherSignal:
             None
             if any(rest is None for rest in rests)
             else torch.cat([rest[:count] for rest, count in zip(rests, counts, strict=True)]),
+        )
+    if isinstance(signals[0], TeacherHiddenStates):
+        return TeacherHiddenStates(
+            torch.cat([signal.hidden_states[:count] for signal, count in zip(signals, counts, strict=True)])
         )
     if isinstance(signals[0], tuple):
         return tuple(
@@ -164,12 +170,17 @@ class TeacherWorker:
         """The teacher's answer for ``data``, on CPU (a sharded replica's workers must be asked together)."""
         if self.teacher is None:
             raise RuntimeError(f"teacher worker {self.rank} was not started (a sharded replica's workers need start)")
+        if isinstance(request, FullVocabRequest):
+            # The hidden states alone: the trainer workers hold the output layer (never sent per micro-batch).
+            hidden = self.teacher.get_hidden_states(data).hidden_states
+            release_gathered_root(self.teacher.model)
+            return TeacherHiddenStates(hidden.cpu())
         signal = self.teacher.score(data, request)
         release_gathered_root(self.teacher.model)
         if isinstance(signal, TopKLogprobs):
             rest = signal.rest_logprobs
             return TopKLogprobs(signal.logprobs.cpu(), signal.ids.cpu(), rest.cpu() if rest is not None else None)
-        assert isinstance(signal, torch.Tensor)  # token log-probs: full-vocabulary requests are refused
+        assert isinstance(signal, torch.Tensor)  # token log-probs
         return signal.cpu()
 
 
@@ -181,29 +192,40 @@ class TeacherPool(TeacherInterface):
     the same time; :meth:`score_async` returns while they do, so a caller can have many
     requests in flight at once (each worker runs its requests in the order they came).
 
+    A full-vocabulary request is answered with the teacher's final hidden states
+    (:class:`~opd.models.interfaces.TeacherHiddenStates`), when the trainer that receives
+    them holds the teacher's output layer (``binds_hidden_states``).
+
     Args:
         workers: the :class:`TeacherWorker` workers, replica by replica.
         shards_per_replica: workers that hold one replica between them.
+        binds_hidden_states: the trainer workers loaded this teacher's output layer, so
+            full-vocabulary requests can be answered with hidden states.
     """
 
-    def __init__(self, workers: WorkerGroup, shards_per_replica: int = 1) -> None:
+    def __init__(self, workers: WorkerGroup, shards_per_replica: int = 1, binds_hidden_states: bool = False) -> None:
         if workers.size % shards_per_replica:
             raise ValueError(f"{workers.size} teacher workers do not make replicas of {shards_per_replica}")
         self.workers = workers
         self.shards_per_replica = shards_per_replica
+        self.binds_hidden_states = binds_hidden_states
         # A sharded replica's workers run their forwards together: requests from several
         # threads must reach all of a replica's workers in the same order.
         self._submitting = threading.Lock()
 
     @classmethod
     def unsupported_reason(cls, request: TeacherRequest) -> str | None:
-        """Full-vocabulary requests are refused: they would ship ``[B, L, V]`` floats per micro-batch."""
-        if isinstance(request, FullVocabRequest):
-            return (
-                "a teacher pool (cluster.teacher.placement: pool) sends top-k or token log-probs, not the full "
-                "vocabulary; use loss_fn.type topk or sampled_token, or cluster.teacher.placement: colocated"
-            )
+        """None: the workers hold the model, so every signal can be computed (the full vocabulary as hidden states)."""
         return None
+
+    def refusal(self, request: TeacherRequest) -> str | None:
+        """Full-vocabulary requests need the teacher's output layer in the trainer workers (``binds_hidden_states``)."""
+        if isinstance(request, FullVocabRequest) and not self.binds_hidden_states:
+            return (
+                "this teacher pool's hidden states would reach trainer workers that hold no copy of its output "
+                "layer (they load it only for a full-vocabulary loss)"
+            )
+        return super().refusal(request)
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
         """The workers score contiguous blocks of the rows; the answers are joined in row order."""
@@ -216,7 +238,7 @@ class TeacherPool(TeacherInterface):
         (a worker of a sharded replica without a row of its own scores a filler row,
         dropped from the answer, because its forward gathers its peers' weights).
         """
-        reason = self.unsupported_reason(request)
+        reason = self.refusal(request)
         if reason is not None:
             raise ValueError(reason)
         shards = self.shards_per_replica

@@ -9,6 +9,12 @@ A colocated teacher is a frozen copy sharded the same way (no gradients, no opti
 or with ``cluster.teacher.sharded: false`` a whole copy in every rank: it scores each
 micro-batch right where the student's hidden states are, so the exact full-vocabulary
 loss needs nothing to cross a process boundary.
+
+A teacher that runs apart (a pool, a served teacher) sends its full-vocabulary answer as
+final hidden states alone (:class:`~opd.models.interfaces.TeacherHiddenStates`): every
+rank loads that teacher's output layer once (``TrainerSpec.teacher_head_path``) and binds
+the hidden states it receives to it, so the fused loss makes the teacher's logits chunk by
+chunk, as with a colocated teacher.
 """
 
 from __future__ import annotations
@@ -41,10 +47,11 @@ from opd.models.interfaces import (
     TeacherComparison,
     TeacherRequest,
     TeacherSignal,
+    bind_teacher_head,
     signal_to_device,
 )
-from opd.models.lm_head import LMHeadInput, output_head_of, output_layer_of
-from opd.models.loading import load_causal_lm, resolve_dtype
+from opd.models.lm_head import LMHeadInput, OutputLayer, output_head_of, output_layer_of
+from opd.models.loading import load_causal_lm, load_output_layer, resolve_dtype
 from opd.models.policy.optimization import accumulate_metrics, apply_gradients, build_optimizer, build_scheduler
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.utils.memory import release_cached_memory
@@ -79,6 +86,9 @@ class TrainerSpec:
             of ``k`` ranks and replicates across them (HSDP, ``cluster.trainer.shard_group_size``).
         activation_checkpointing: recompute each student layer's activations in the
             backward (``cluster.trainer.activation_checkpointing``).
+        teacher_head_path: the model whose output layer (only that layer) every rank loads,
+            in ``loading.dtype``, to bind the hidden states that a teacher running apart (a
+            pool, a served teacher) sends for a full-vocabulary loss; None without one.
     """
 
     student_path: str
@@ -93,6 +103,7 @@ class TrainerSpec:
     teacher_sharded: bool = True
     shard_group_size: int | None = None
     activation_checkpointing: bool = False
+    teacher_head_path: str | None = None
 
 
 class ShardedTeacher(LocalTeacher):
@@ -188,6 +199,12 @@ class TrainerWorker(RefitSender):
                 teacher_model = load_causal_lm(spec.teacher_path, dtype, self.device, spec.loading)
                 teacher_model.requires_grad_(False)
                 self.teacher = LocalTeacher(teacher_model)
+        # The output layer of a teacher that runs apart, loaded once: its hidden states are bound to it here.
+        self.teacher_head: OutputLayer | None = None
+        if spec.teacher_head_path is not None:
+            self.teacher_head = load_output_layer(
+                spec.teacher_head_path, dtype, self.device, spec.loading.trust_remote_code
+            )
         release_cached_memory(self.device)
 
     # ------------------------------------------------------------------ sharing the device
@@ -287,7 +304,7 @@ class TrainerWorker(RefitSender):
             micro_batch = micro_batch.to(self.device)
             teacher_output: Any = None
             if teacher_signals is not None:
-                teacher_output = signal_to_device(teacher_signals[index], self.device)
+                teacher_output = self._received(teacher_signals[index])
             elif request is not None:
                 teacher_start = time.perf_counter()
                 teacher_output = self._colocated_teacher().score(micro_batch, request)
@@ -333,6 +350,10 @@ class TrainerWorker(RefitSender):
                 reduced.update(zip(keys, values.tolist(), strict=True))
         return reduced
 
+    def _received(self, signal: TeacherSignal) -> TeacherSignal:
+        """A teacher's answer sent by the controller, on this rank's device (hidden states bound to the head)."""
+        return bind_teacher_head(signal_to_device(signal, self.device), self.teacher_head, f"trainer rank {self.rank}")
+
     def _colocated_teacher(self) -> LocalTeacher:
         if self.teacher is None:
             raise RuntimeError("this trainer has no colocated teacher; the controller must send teacher signals")
@@ -358,7 +379,7 @@ class TrainerWorker(RefitSender):
             for index, micro_batch in enumerate(micro_batches):
                 micro_batch = micro_batch.to(self.device)
                 if teacher_signals is not None:
-                    teacher_output = signal_to_device(teacher_signals[index], self.device)
+                    teacher_output = self._received(teacher_signals[index])
                 else:
                     teacher_output = self._colocated_teacher().score(micro_batch, comparison.teacher_request)
                 hidden = getattr(self.model, HIDDEN_STATES_METHOD)(**model_inputs(micro_batch, self.device))

@@ -12,7 +12,11 @@ The teacher is asked for one typed *signal*, the one the loss needs:
 
 * :class:`FullVocabRequest`: the whole distribution at every position, as ``[B, L, V]``
   logits or, for the fused loss, final hidden states and the output head
-  (:class:`~opd.models.lm_head.LMHeadInput`);
+  (:class:`~opd.models.lm_head.LMHeadInput`). A teacher in other processes (a pool, a
+  server) sends its final hidden states alone (:class:`TeacherHiddenStates`): the
+  receiver holds the teacher's output layer once and binds them to it
+  (:func:`bind_teacher_head`), so neither ``[B, L, V]`` logits nor the ``[V, D]`` head
+  ever travel with a micro-batch;
 * :class:`TopKRequest`: the top-k log-probs and their ids, ``([B, L, k], [B, L, k])``, as a
   :class:`TopKLogprobs` that may also carry the teacher's own rest mass ``[B, L]``;
 * :class:`TokenLogprobsRequest`: the log-prob of each token given those before it, ``[B, L]``.
@@ -36,7 +40,7 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.lm_head import LMHeadInput
+from opd.models.lm_head import LMHeadInput, OutputLayer
 from opd.utils.timer import Timer
 
 ResultT = TypeVar("ResultT")
@@ -56,7 +60,9 @@ class FullVocabRequest:
     Attributes:
         prefer_hidden_states: the loss can take final hidden states and the head instead of
             logits (the fused loss makes the logits chunk by chunk); a teacher that holds
-            its model answers so, any other teacher answers with logits.
+            its model answers so, any other teacher answers with logits. A teacher in
+            other processes answers with :class:`TeacherHiddenStates` either way (every
+            full-vocabulary loss takes the head it is bound to).
     """
 
     prefer_hidden_states: bool = False
@@ -180,11 +186,61 @@ class SeveralTeachersSignal(ABC):
         """The same answer with every tensor on ``device`` (a cluster's trainer worker receives it)."""
 
 
-SingleTeacherSignal = torch.Tensor | LMHeadInput | tuple[torch.Tensor, torch.Tensor]
+@dataclass(frozen=True)
+class TeacherHiddenStates:
+    """A teacher's full-vocabulary answer as it travels between processes: its final hidden states alone.
+
+    The exact signal of every teacher that runs apart from the loss (a teacher pool, a
+    served teacher on a cluster, a batch scored ahead on a cluster). Its output layer
+    does not travel with it: the side that computes the loss loaded that layer once and
+    binds the hidden states to it (:meth:`bind`), and the fused loss then makes the
+    teacher's logits chunk by chunk, as for an in-process teacher.
+
+    Attributes:
+        hidden_states: ``[B, L, D]`` hidden states after the teacher's final norm (the
+            positions follow the next-token convention, like logits), in the teacher's
+            dtype or the wire's.
+    """
+
+    hidden_states: torch.Tensor
+
+    def bind(self, layer: OutputLayer) -> LMHeadInput:
+        """The hidden states over the teacher's output ``layer``, on its device and in its dtype."""
+        weight = layer.weight
+        return layer.over(self.hidden_states.to(device=weight.device, dtype=weight.dtype))
+
+    def rows(self, rows: torch.Tensor, width: int) -> TeacherHiddenStates:
+        """The hidden states of ``rows``, cut to the first ``width`` positions."""
+        return TeacherHiddenStates(self.hidden_states[rows, :width])
+
+
+def bind_teacher_head(signal: TeacherSignal, layer: OutputLayer | None, holder: str = "this process") -> TeacherSignal:
+    """``signal`` with its hidden states bound to the teacher's output layer; other signals as they are.
+
+    Args:
+        signal: a teacher's answer, as received.
+        layer: the teacher's output layer where the loss runs, or None when none was loaded.
+        holder: who should hold the layer, for the error.
+
+    Raises:
+        ValueError: hidden states arrived where no output layer was loaded.
+    """
+    if not isinstance(signal, TeacherHiddenStates):
+        return signal
+    if layer is None:
+        raise ValueError(
+            f"the teacher sent its final hidden states, but {holder} holds no copy of the teacher's output layer "
+            "to make its logits with"
+        )
+    return signal.bind(layer)
+
+
+SingleTeacherSignal = torch.Tensor | LMHeadInput | TeacherHiddenStates | tuple[torch.Tensor, torch.Tensor]
 """One teacher's answer (see :data:`TeacherSignal`)."""
 
 TeacherSignal = SingleTeacherSignal | SeveralTeachersSignal
-"""A teacher's answer: logits or token log-probs, hidden states and head, or top-k (log-probs, ids)
+"""A teacher's answer: logits or token log-probs, hidden states and head (or hidden states
+alone, :class:`TeacherHiddenStates`, from a teacher in other processes), or top-k (log-probs, ids)
 (a :class:`TopKLogprobs` when the teacher sends its rest mass too); several teachers answer
 with a :class:`SeveralTeachersSignal`."""
 
@@ -198,6 +254,8 @@ def signal_to_device(signal: TeacherSignal, device: torch.device) -> TeacherSign
         return TopKLogprobs(signal[0].to(device), signal[1].to(device), rest.to(device) if rest is not None else None)
     if isinstance(signal, tuple):
         return (signal[0].to(device), signal[1].to(device))
+    if isinstance(signal, TeacherHiddenStates):
+        return TeacherHiddenStates(signal.hidden_states.to(device))
     if isinstance(signal, LMHeadInput):
         bias = signal.bias.to(device) if signal.bias is not None else None
         return dataclasses.replace(
@@ -566,10 +624,11 @@ class TeacherInterface(ABC):
 
         Returns:
             ``[B, L, V]`` logits or an :class:`~opd.models.lm_head.LMHeadInput` for a
-            :class:`FullVocabRequest`; ``([B, L, k] float32 log-probs, [B, L, k] int64
-            ids)`` sorted by probability for a :class:`TopKRequest` (a :class:`TopKLogprobs`,
-            with the rest mass where the teacher knows it); ``[B, L]`` log-probs
-            (0 at position 0) for a :class:`TokenLogprobsRequest`.
+            :class:`FullVocabRequest` (a teacher in other processes: :class:`TeacherHiddenStates`);
+            ``([B, L, k] float32 log-probs, [B, L, k] int64 ids)`` sorted by probability
+            for a :class:`TopKRequest` (a :class:`TopKLogprobs`, with the rest mass where
+            the teacher knows it); ``[B, L]`` log-probs (0 at position 0) for a
+            :class:`TokenLogprobsRequest`.
         """
 
     def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:

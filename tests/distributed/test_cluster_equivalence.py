@@ -6,7 +6,8 @@
   process with the same global batch and seed, with FSDP2's defaults (the teacher
   sharded as well) and with the layers kept gathered to the backward and a whole
   teacher in each worker;
-* the colocated teacher and a teacher pool send the in-process teacher's signals;
+* the colocated teacher and a teacher pool send the in-process teacher's signals (a pool's
+  full vocabulary as hidden states alone);
 * HF rollout workers, refit from the trainer, generate the in-process greedy rollouts.
 
 One Ray cluster serves the module; every worker runs one thread (two shared cores).
@@ -26,7 +27,13 @@ from opd.algorithms.distillation import distillation_train
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKLogprobs, TopKRequest
+from opd.models.interfaces import (
+    FullVocabRequest,
+    TeacherHiddenStates,
+    TokenLogprobsRequest,
+    TopKLogprobs,
+    TopKRequest,
+)
 from opd.models.loading import load_causal_lm
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model
@@ -198,8 +205,13 @@ def test_teacher_pool_sends_the_in_process_signal(ray_cluster, tmp_path):
         for request_ in REQUESTS:
             expected = reference.score(batch, request_)
             assert_same_signal(TeacherPool(workers).score(batch, request_), expected, batch["input_lengths"])
+        # The full vocabulary: hidden states alone, where the trainer holds the output layer to bind them to.
         with pytest.raises(ValueError, match="teacher pool"):
             TeacherPool(workers).score(batch, FullVocabRequest())
+        hidden = TeacherPool(workers, binds_hidden_states=True).score(batch, FullVocabRequest())
+        assert isinstance(hidden, TeacherHiddenStates)
+        expected_hidden = reference.get_hidden_states(batch).hidden_states
+        assert_same_signal(hidden.hidden_states, expected_hidden, batch["input_lengths"])
     finally:
         workers.kill()
         pools.remove()

@@ -27,6 +27,7 @@ import torch
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.interfaces import (
     Pending,
+    TeacherHiddenStates,
     TeacherInterface,
     TeacherRequest,
     TeacherSignal,
@@ -176,6 +177,8 @@ class ContextTeacher(TeacherInterface):
         if isinstance(answer, LMHeadInput):
             hidden = self._to_student_positions(data, segments, answer.hidden_states, predicts_next)
             return answer.with_rows(hidden)
+        if isinstance(answer, TeacherHiddenStates):  # a teacher in other processes: the trainer binds its head
+            return TeacherHiddenStates(self._to_student_positions(data, segments, answer.hidden_states, predicts_next))
         if isinstance(answer, tuple):
             values, ids = answer
             # The wrapped teacher's rest mass (when it sent one) moves with its top k.

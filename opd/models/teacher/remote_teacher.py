@@ -10,7 +10,10 @@ requested (:meth:`RemoteTeacher.score`). It speaks two protocols, chosen per ser
   * a :class:`~opd.models.interfaces.FullVocabRequest`: the teacher's final hidden
     states, which the trainer turns into exact full-vocabulary logits with the teacher's
     output layer, loaded locally (:func:`~opd.models.loading.load_output_layer`) and
-    checked against the server's (shape, logit transform, checksum) when connecting;
+    checked against the server's (shape, logit transform, checksum) when connecting. On a
+    cluster (``binds_output_layer=False``) the client passes the hidden states on alone
+    (:class:`~opd.models.interfaces.TeacherHiddenStates`) to the trainer workers, which
+    hold the layer themselves;
   * a :class:`~opd.models.interfaces.TopKRequest`: top-k ids and log-probs with the rest
     log-mass the server summed in float64;
   * a :class:`~opd.models.interfaces.TokenLogprobsRequest`: each actual token's log-prob.
@@ -45,6 +48,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.interfaces import (
     FullVocabRequest,
     Pending,
+    TeacherHiddenStates,
     TeacherInterface,
     TeacherRequest,
     TeacherSignal,
@@ -124,6 +128,11 @@ class RemoteTeacher(TeacherInterface):
             model's own).
         output_layer: the teacher's output layer, loaded locally; needed for full-vocabulary
             requests and checked against the server's in :meth:`connect`.
+        binds_output_layer: full-vocabulary answers are the hidden states over the output
+            layer (an :class:`~opd.models.lm_head.LMHeadInput`, for a loss in this
+            process); False answers with the hidden states alone
+            (:class:`~opd.models.interfaces.TeacherHiddenStates`), for trainer workers that
+            hold the layer themselves, and drops the layer here once :meth:`connect` checked it.
     """
 
     def __init__(
@@ -139,6 +148,7 @@ class RemoteTeacher(TeacherInterface):
         protocol: Protocol = "auto",
         hidden_dtype: str = "auto",
         output_layer: OutputLayer | None = None,
+        binds_output_layer: bool = True,
     ) -> None:
         self.url = url.rstrip("/")
         self.max_concurrency = max_concurrency
@@ -148,6 +158,9 @@ class RemoteTeacher(TeacherInterface):
         self.protocol: Protocol = protocol
         self.hidden_dtype = hidden_dtype
         self.output_layer = output_layer
+        self.binds_output_layer = binds_output_layer
+        self.head_checked = False
+        """Whether an output layer was checked against the served model's (full-vocabulary answers need it)."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(
             base_url=self.url, headers=headers, timeout=timeout_s, limits=httpx.Limits(max_connections=max_concurrency)
@@ -250,7 +263,9 @@ class RemoteTeacher(TeacherInterface):
                 f"the teacher's output layer loaded here has checksum {local}, the served model's "
                 f"{served['checksum']}: model.teacher_model_path must hold the weights the server serves"
             )
-        self.output_layer = layer
+        self.head_checked = True
+        # Where the loss runs elsewhere, its processes hold their own copy: this one is not kept.
+        self.output_layer = layer if self.binds_output_layer else None
 
     # ------------------------------------------------------------------ TeacherInterface
 
@@ -280,7 +295,7 @@ class RemoteTeacher(TeacherInterface):
     @property
     def sends_hidden_states(self) -> bool:
         """Whether full-vocabulary requests can be answered: an output layer checked against the server's."""
-        return self.output_layer is not None and self.head_info is not None
+        return self.head_checked and self.head_info is not None
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
         """Answers ``request`` for ``data`` (see :meth:`TeacherInterface.score`).
@@ -293,7 +308,9 @@ class RemoteTeacher(TeacherInterface):
             raise TeacherServiceError(reason)
         if isinstance(request, FullVocabRequest):
             head = self.get_hidden_states(data)
-            return head if request.prefer_hidden_states else head.logits()
+            if isinstance(head, LMHeadInput) and not request.prefer_hidden_states:
+                return head.logits()
+            return head
         if isinstance(request, TopKRequest):
             return self.get_topk_logprobs(data, request.k, request.temperature, request.vocab_size)
         assert isinstance(request, TokenLogprobsRequest)  # the only kind left
@@ -308,24 +325,28 @@ class RemoteTeacher(TeacherInterface):
             self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-teacher-async")
         return _InThread(self._background.submit(self.score, data, request))
 
-    def get_hidden_states(self, data: BatchedDataDict) -> LMHeadInput:
+    def get_hidden_states(self, data: BatchedDataDict) -> LMHeadInput | TeacherHiddenStates:
         """The teacher's final hidden states ``[B, L, D]`` with its output layer, as an ``LMHeadInput``.
 
-        Only the positions the loss reads are sent; the others hold zeros (masked).
+        Only the positions the loss reads are sent; the others hold zeros (masked). With
+        ``binds_output_layer=False`` the hidden states come alone, in the wire's dtype, as
+        :class:`~opd.models.interfaces.TeacherHiddenStates` (the receiver binds them).
 
         Raises:
             TeacherServiceError: without opd's protocol or a checked output layer.
         """
         layer, head = self.output_layer, self.head_info
-        if layer is None or head is None:
+        if not self.sends_hidden_states or head is None:
             raise TeacherServiceError(_FULL_VOCABULARY_NEEDS)
         dtype = wire.HIDDEN_DTYPES.get(self.hidden_dtype, getattr(torch, head["dtype"]))
         shape = (int(head["hidden_size"]), dtype)
         input_ids = data["input_ids"]
-        hidden = torch.zeros((*input_ids.shape, shape[0]), dtype=layer.weight.dtype)
+        hidden = torch.zeros((*input_ids.shape, shape[0]), dtype=dtype if layer is None else layer.weight.dtype)
         body = {"signal": "hidden_states", "hidden_dtype": self.hidden_dtype}
         for row, first, values in self._score_binary(data, body, shape):
             hidden[row, first : first + values["hidden_states"].shape[0]] = values["hidden_states"].to(hidden.dtype)
+        if layer is None:
+            return TeacherHiddenStates(hidden)
         return layer.over(hidden.to(layer.weight.device))
 
     def get_topk_logprobs(
