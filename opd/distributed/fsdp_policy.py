@@ -44,7 +44,7 @@ from opd.models.interfaces import (
     TeacherSignal,
     TeacherSignalFn,
 )
-from opd.models.policy.optimization import accumulate_metrics, plan_micro_batches
+from opd.models.policy.optimization import plan_micro_batches
 from opd.utils.checkpoint import check_model_directory
 from opd.utils.paths import absolute_dir
 from opd.utils.timer import Timer
@@ -133,12 +133,12 @@ class FSDPPolicy(PolicyInterface):
         signals: list[Any] = [None] * len(plans)
         if teacher_signal is not None and not self.teacher_in_workers:  # timed by the driver as teacher time
             signals = _score_all(plans, teacher_signal)
-        results = self.workers.run_all(
+        results = self.workers.call(
             "train",
             loss_fn,
             global_valid_tokens,
             data.size,
-            per_rank=[(plan, signal) for plan, signal in zip(plans, signals, strict=True)],
+            shares=[(plan, signal) for plan, signal in zip(plans, signals, strict=True)],
         )
         metrics = dict(results[0])
         teacher_seconds = max(result["teacher_seconds"] for result in results)
@@ -167,19 +167,15 @@ class FSDPPolicy(PolicyInterface):
         signals: list[Any] = [None] * len(plans)
         if not self.teacher_in_workers:
             signals = [[teacher_signal(micro_batch) for micro_batch in plan] for plan in plans]
-        results = self.workers.run_all(
+        return self.workers.call(
             "compare_with_teacher",
             comparison,
-            per_rank=[(plan, signal) for plan, signal in zip(plans, signals, strict=True)],
+            shares=[(plan, signal) for plan, signal in zip(plans, signals, strict=True)],
         )
-        totals: dict[str, float] = {}
-        for result in results:
-            accumulate_metrics(totals, result)
-        return totals
 
     def weights_for_refit(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight, whole, gathered from the ranks (rank 0 sends them)."""
-        yield from self.workers.run_all("whole_weights")[0].items()
+        yield from self.workers.call("whole_weights").items()
 
     def state_dict(self) -> dict[str, Any]:
         """Not used: the optimizer state stays sharded in the workers (see :meth:`save_checkpoint`)."""
@@ -197,13 +193,13 @@ class FSDPPolicy(PolicyInterface):
         (:mod:`opd.distributed.shared_directory`).
         """
         directory = absolute_dir(directory)
-        self.workers.run_all("save_shards", str(directory))
+        self.workers.call("save_shards", str(directory))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory / "tokenizer"))
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restores weights, optimizer and schedule from a checkpoint written with any number of ranks."""
-        self.workers.run_all("load_shards", str(absolute_dir(directory)))
+        self.workers.call("load_shards", str(absolute_dir(directory)))
 
     def save_pretrained(self, directory: str, tokenizer: Any | None = None) -> None:
         """Gathers the whole student and writes it as a Hugging Face model directory (rank 0 writes).
@@ -213,7 +209,7 @@ class FSDPPolicy(PolicyInterface):
                 weights after rank 0 wrote them (rank 0's node does not share it).
         """
         path = absolute_dir(directory)
-        self.workers.run_all("save_pretrained", str(path))
+        self.workers.call("save_pretrained", str(path))
         check_model_directory(path, "trainer rank 0")
         if tokenizer is not None:
             tokenizer.save_pretrained(str(path))

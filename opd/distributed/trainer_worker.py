@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
+from opd.distributed.dispatch import Split, dispatch, every, first, nothing, summed
 from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, shard_model, whole_state_dict_buckets
 from opd.distributed.refit_sender import RefitSender
 from opd.distributed.sharded_loading import load_sharded
@@ -270,6 +271,7 @@ class TrainerWorker(RefitSender):
             return LMHeadInput(hidden, weight, bias)
         return self.model(**inputs, use_cache=False).logits
 
+    @dispatch(Split.PER_RANK, gather=every)
     def train(
         self,
         loss_fn: LossFunction,
@@ -361,6 +363,7 @@ class TrainerWorker(RefitSender):
 
     # ------------------------------------------------------------------ inference
 
+    @dispatch(Split.PER_RANK, gather=summed)
     def compare_with_teacher(
         self,
         comparison: TeacherComparison,
@@ -407,6 +410,7 @@ class TrainerWorker(RefitSender):
 
     # ------------------------------------------------------------------ weights out
 
+    @dispatch(gather=first)
     def whole_weights(self) -> dict[str, torch.Tensor]:
         """Rank 0: every weight, whole, on CPU (the others gather with it and return nothing)."""
         weights: dict[str, torch.Tensor] = {}
@@ -415,6 +419,7 @@ class TrainerWorker(RefitSender):
                 weights.update((name, tensor.cpu()) for name, tensor in bucket)
         return weights
 
+    @dispatch(gather=nothing)
     def save_pretrained(self, directory: str) -> None:
         """Gathers the whole student; rank 0 writes it in ``model.dtype`` as a Hugging Face model directory."""
         weights = self.whole_weights()
@@ -429,6 +434,7 @@ class TrainerWorker(RefitSender):
 
     # ------------------------------------------------------------------ checkpoints
 
+    @dispatch(gather=nothing)
     def save_shards(self, directory: str) -> None:
         """Writes this rank's shard of the model and optimizer (and, rank 0, the schedule) to ``directory``."""
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
@@ -442,6 +448,7 @@ class TrainerWorker(RefitSender):
             self.model.config.dtype = torch.float32
         dist.barrier()
 
+    @dispatch(gather=nothing)
     def load_shards(self, directory: str) -> None:
         """Restores model, optimizer and schedule from a checkpoint written with any number of ranks."""
         model_state, optim_state = get_state_dict(self.model, self.optimizer)

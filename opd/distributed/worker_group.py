@@ -26,6 +26,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from opd.distributed.dispatch import declaration
 from opd.models.interfaces import Pending
 from opd.utils.errors import WorkerError
 
@@ -85,6 +86,7 @@ class WorkerGroup:
         start_bound: Bound | None = None,
     ) -> None:
         self.role = role
+        self.worker_class = worker_class
         self.slots = list(slots)
         self.call_bound = call_bound
         self._nodes: dict[int, str] = {}
@@ -131,6 +133,24 @@ class WorkerGroup:
             for rank, actor in enumerate(self.actors)
         ]
         return self.gather(refs, what=method, bound=bound)
+
+    def call(
+        self, method: str, *args: Any, shares: Sequence[tuple[Any, ...]] | None = None, bound: Bound | None = None
+    ) -> Any:
+        """Calls ``method`` on every rank as its :func:`~opd.distributed.dispatch.dispatch` declares.
+
+        Args:
+            method: the worker method (declared with ``@dispatch``).
+            *args: arguments shared by every rank.
+            shares: a per-rank method's own arguments, one tuple per rank.
+            bound: as in :meth:`run_all`.
+
+        Returns:
+            The ranks' results gathered as declared.
+        """
+        declared = declaration(self.worker_class, method)
+        per_rank = declared.arguments(method, self.size, shares)
+        return declared.gather(self.run_all(method, *args, per_rank=per_rank, bound=bound))
 
     def run_rank(self, rank: int, method: str, *args: Any, bound: Bound | None = None) -> Any:
         """Calls ``method`` on one actor (``bound`` as in :meth:`run_all`)."""

@@ -56,9 +56,9 @@ class RecordingRanks:
     def __init__(self) -> None:
         self.sent: list[tuple[list[BatchedDataDict], list[TeacherSignal]]] = []
 
-    def run_all(self, method: str, *args, per_rank):
+    def call(self, method: str, *args, shares):
         assert method == "train"
-        self.sent = list(per_rank)
+        self.sent = list(shares)
         return [{"loss": 0.0, "teacher_seconds": 0.0, "compute_seconds": 0.0}] * RANKS
 
 
