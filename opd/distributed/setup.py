@@ -26,7 +26,7 @@ from opd.distributed.shared_directory import check_shared_directory
 from opd.distributed.teacher_pool import ColocatedTeacher, TeacherPool, TeacherWorker
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
 from opd.distributed.worker_group import Bound, Slot, WorkerGroup
-from opd.models.config import ModelLoadingConfig, OptimizerConfig
+from opd.models.config import LoraConfig, ModelLoadingConfig, OptimizerConfig
 from opd.models.generation.config import VllmGenerationConfig
 from opd.models.interfaces import GenerationInterface, TeacherInterface
 from opd.utils.errors import ConfigError
@@ -79,6 +79,8 @@ class ClusterRequest:
         seed: the run's seed (vLLM engines are seeded from it).
         checkpoint_dir: where the trainer ranks write checkpoint shards; checked at start
             to be one filesystem for every node (None: checkpointing is off).
+        lora: the student's LoRA settings (``model.lora``), or None to train every weight;
+            the rollout workers get the merged weights.
 
     Paths are made absolute here, in the controller (:mod:`opd.utils.paths`): a worker
     never resolves one against its own working directory.
@@ -98,6 +100,7 @@ class ClusterRequest:
     vllm: VllmGenerationConfig | None = None
     seed: int = 0
     checkpoint_dir: str | None = None
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         # Frozen: the absolute forms are set once, as the fields' own values.
@@ -236,6 +239,8 @@ def _start_trainer(
         teacher_sharded=cluster.teacher.sharded,
         shard_group_size=cluster.trainer.shard_group_size,
         activation_checkpointing=cluster.trainer.activation_checkpointing,
+        lora=request.lora,
+        seed=request.seed,
     )
     world_size = cluster.trainer.workers
     bounds = _bounds(cluster, "trainer")
