@@ -191,7 +191,6 @@ class TrainerWorker(RefitSender):
                 self.peft_model = wrap_with_lora(model, spec.lora)
             return shard_model(model, mesh, compute_dtype, spec.reshard_after_forward, spec.activation_checkpointing)
 
-        lora_seed = spec.seed
         # Each rank reads only its shards of the weights: the whole model is never in one process.
         self.model = load_sharded(
             spec.student_path,
@@ -199,7 +198,7 @@ class TrainerWorker(RefitSender):
             self.device,
             spec.loading,
             shard_student,
-            (lambda model: initialise_adapters(model, lora_seed)) if spec.lora is not None else None,
+            (lambda model: initialise_adapters(model, spec.seed)) if spec.lora is not None else None,
         )
         self.model.train()
         self.optimizer = build_optimizer(self.model, spec.optimizer)

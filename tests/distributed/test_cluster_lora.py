@@ -31,7 +31,9 @@ from opd.algorithms.distillation import distillation_train
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
 from opd.models.tiny import build_tiny_model
+from opd.utils.checkpoint_export import export_checkpoint
 from opd.utils.config import load_config
+from opd.utils.errors import OpdError
 from opd.utils.plotting import read_metrics
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
@@ -172,7 +174,7 @@ def stored_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_a_cluster_lora_checkpoint_holds_the_adapters_and_their_optimizer_state_and_loads_back(runs):
+def test_a_cluster_lora_checkpoint_holds_the_adapters_and_their_optimizer_state_and_loads_back(runs, tmp_path):
     _, on_cluster, _ = runs
     checkpoints = Path(on_cluster.checkpointing.checkpoint_dir)
     step_1 = stored_tensors(checkpoints / "step_1")
@@ -186,6 +188,9 @@ def test_a_cluster_lora_checkpoint_holds_the_adapters_and_their_optimizer_state_
     round_trip = stored_tensors(Path(on_cluster.output_dir) / ROUND_TRIP)
     assert round_trip.keys() == step_1.keys()
     assert [name for name in step_1 if not torch.equal(round_trip[name], step_1[name])] == []
+    # Without base weights the checkpoint cannot be exported to a model directory: refused, saying why.
+    with pytest.raises(OpdError, match=r"holds a LoRA student's adapters only.*final_model/"):
+        export_checkpoint(checkpoints / "step_1", tmp_path / "exported")
 
 
 @pytest.mark.slow  # a third cluster start

@@ -14,6 +14,8 @@ answers most questions; the rest build an :class:`HFPolicy` directly. What is ch
 * ``final_model/`` loads with ``AutoModelForCausalLM`` (no peft keys), ``adapter/`` with
   peft, and both decode greedily to the same tokens as the trained in-process student;
 * a run resumed from a checkpoint continues bit for bit like the uninterrupted run;
+* the starting adapter depends on ``training.seed`` alone, not on torch's global state;
+* ``one_step_off`` refits its own plain engine with the merged student;
 * ``opd sft`` trains adapters too.
 """
 
@@ -46,6 +48,7 @@ from opd.models.config import DEFAULT_LORA_TARGETS, LoraConfig
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.hf_generation import HFGeneration, SnapshotHFGeneration
 from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.models.policy.lora import adapter_parameters
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.utils.config import load_config
@@ -365,6 +368,19 @@ def test_resume_continues_bit_for_bit(lora_run, tmp_path):
         assert resumed.keys() == tensors.keys()
         differing = [key for key in tensors if not torch.equal(resumed[key], tensors[key])]
         assert not differing, f"{name}: {differing[:3]}"
+
+
+def test_the_starting_adapter_depends_on_the_seed_alone():
+    def start(seed: int, global_seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(global_seed)  # what loading models before the wrap would have drawn
+        policy = HFPolicy(build_tiny_model("student"), OptimizerConfig(), 2, 1, lora=LoraConfig(r=4), seed=seed)
+        return {name: param.detach().clone() for name, param in adapter_parameters(policy.model).items()}
+
+    first, other_global, other_seed = start(3, 0), start(3, 1), start(4, 0)
+    assert all(torch.equal(first[name], other_global[name]) for name in first)
+    assert all(not tensor.any() for name, tensor in first.items() if ".lora_B." in name)
+    drawn = [name for name in first if ".lora_A." in name]
+    assert drawn and all(not torch.equal(first[name], other_seed[name]) for name in drawn)
 
 
 def test_a_lora_checkpoint_needs_the_lora_setting_to_resume():
