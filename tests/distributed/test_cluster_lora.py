@@ -1,7 +1,8 @@
 """A LoRA student on a cluster: 2 FSDP2 trainer workers with peft adapters, against one process.
 
 * 2 steps of on-policy distillation (greedy rollouts from a refit HF rollout worker, the
-  exact fused loss with a colocated teacher) give the in-process LoRA run's losses, its
+  exact fused loss with a colocated teacher; the student read from safetensors files,
+  each rank its own slices) give the in-process LoRA run's losses, its
   adapter and its merged final model, in float32 within 1e-5: the adapters start from the
   same seeded draw, only they train, and the rollout worker is refit with the merged
   weights under the base model's names (step 2 samples from them);
@@ -91,9 +92,13 @@ def runs(ray_cluster, tmp_path_factory):
     student's merged weights are returned), then the cluster's student loads step 1's
     checkpoint and saves it to ``ROUND_TRIP`` in its run directory.
     """
-    in_process = lora_config(tmp_path_factory.mktemp("in_process"))
+    # A directory of safetensors files: each rank reads only its slices of the base weights.
+    student = tmp_path_factory.mktemp("student") / "model"
+    build_tiny_model("student").save_pretrained(student)
+    from_directory = [f"model.student_model_path={student}", "model.tokenizer_path=tiny:student"]
+    in_process = lora_config(tmp_path_factory.mktemp("in_process"), *from_directory)
     train(in_process)
-    on_cluster = lora_config(tmp_path_factory.mktemp("cluster"), *CLUSTER)
+    on_cluster = lora_config(tmp_path_factory.mktemp("cluster"), *from_directory, *CLUSTER)
     components = setup(on_cluster)
     try:
         distillation_train(**components.as_arguments())
