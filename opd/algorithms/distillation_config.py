@@ -467,8 +467,6 @@ def _cluster_problem(config: MasterConfig) -> str | None:
     cluster = config.cluster
     if cluster is None:
         return None
-    if config.model.active_lora() is not None:
-        return "model.lora: LoRA students train in one process; remove the cluster section or model.lora"
     if cluster.trainer.offload_during_generation and cluster.placement != "colocated":
         return (
             "cluster.trainer.offload_during_generation frees the trainer's devices for the rollout engines, which "
@@ -496,8 +494,6 @@ def _schedule_problem(config: MasterConfig) -> str | None:
             f"{key} overlaps sampling with training, so the rollout workers need devices of their own; "
             "set cluster.placement = split"
         )
-    if config.model.active_lora() is not None:
-        return f"{key} with model.lora: the rollout engine's copy of a LoRA student is not supported; use sync"
     if training.sequence_packing:
         return f"{key} with training.sequence_packing is not supported; set training.sequence_packing = false"
     if not config.generation.engine.overlaps_in_process and cluster is None:

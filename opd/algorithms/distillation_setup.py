@@ -509,6 +509,7 @@ def build_in_process(
         config.training.micro_batch_tokens,
         config.training.sequence_packing,
         lora,
+        config.training.seed,
     )
     return student_policy, teacher, student_generation, teacher_generation
 
@@ -560,6 +561,7 @@ def build_on_cluster(
         seed=config.training.seed,
         checkpoint_dir=config.checkpointing.checkpoint_dir if config.checkpointing.enabled else None,
         teacher_head_path=_teacher_head_path(config, remote_teacher),
+        lora=config.model.active_lora(),
     )
     policy, on_cluster, generation = build_cluster_backends(config.cluster, request)
     if config.teachers is None:

@@ -147,7 +147,7 @@ def setup(master_config: SFTMasterConfig) -> SFTComponents:
     check_output_sizes(model, len(tokenizer), model_path)
 
     micro_batch_size = config.training.micro_batch_size or config.training.batch_size
-    policy = HFPolicy(model, config.training, micro_batch_size, total_steps, lora=lora)
+    policy = HFPolicy(model, config.training, micro_batch_size, total_steps, lora=lora, seed=config.training.seed)
     save_state = restore_run(resume_from, policy, checkpointer, config, total_steps)
     logger = Logger(config.logger, total_steps)
     logger.log_hyperparams(config.model_dump(mode="json", by_alias=True))

@@ -415,9 +415,13 @@ def _models_from_their_configs() -> Iterator[None]:
     """
     from opd.distributed import trainer_worker
 
-    def sharded(path: str, dtype: torch.dtype, device: torch.device, loading: Any, shard: Any) -> Any:
+    def sharded(
+        path: str, dtype: torch.dtype, device: torch.device, loading: Any, shard: Any, added: Any = None
+    ) -> Any:
         model = shard(_skeleton(path, dtype))
         model.to_empty(device=device)
+        if added is not None:  # a LoRA student's adapters
+            added(model)
         return model
 
     def whole(path: str, dtype: torch.dtype, device: torch.device, config: Any, device_map: str | None = None) -> Any:

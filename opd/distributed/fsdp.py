@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import os
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -183,7 +183,17 @@ def whole_state_dict_buckets(
     what the caller keeps. A bucket holds at least one tensor (a tensor larger than
     ``bucket_bytes`` is a bucket of its own). Every rank must iterate to the end.
     """
-    entries = _unique_state_dict(model)
+    yield from whole_buckets(_unique_state_dict(model), bucket_bytes, dtype)
+
+
+def whole_buckets(
+    entries: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``(name, tensor)`` entries of a sharded model, whole, as :func:`whole_state_dict_buckets` gathers them.
+
+    For entries other than the state dict's own (a LoRA student's merged weights); every
+    rank must pass the same names in the same order and iterate to the end.
+    """
     if dtype is not None:
         # Lazily: only the shards of the bucket being filled exist in both dtypes at once.
         entries = ((name, tensor.to(dtype) if tensor.is_floating_point() else tensor) for name, tensor in entries)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from opd.distributed.fsdp import _unique_state_dict, whole_state_dict_buckets
+from opd.distributed.fsdp import _unique_state_dict, whole_buckets
 from opd.distributed.refit_buckets import in_buckets
 from opd.distributed.refit_wire import (
     BucketLayout,
@@ -61,6 +61,18 @@ class RefitSender:
     rank: int
     device: torch.device
 
+    def refit_entries(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a refit sends, still sharded, in order: the student's state dict, a tied tensor once.
+
+        Gathering it is a collective of every rank (a LoRA student, whose entries are its
+        merged weights, overrides this).
+        """
+        return _unique_state_dict(self.model)
+
+    def refit_shapes(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The names, shapes and dtypes of :meth:`refit_entries`, made on one rank alone (no collective)."""
+        return _unique_state_dict(self.model)
+
     def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> tuple[list[Any], int]:
         """Rank 0: the weights in ``dtype``, in buckets of about ``bucket_bytes``, each put in Ray's object store.
 
@@ -74,7 +86,7 @@ class RefitSender:
 
         refs, sent = [], 0
         # One all-gather per bucket; every rank joins each, rank 0 keeps the buckets.
-        for bucket in whole_state_dict_buckets(self.model, bucket_bytes, dtype):
+        for bucket in whole_buckets(self.refit_entries(), bucket_bytes, dtype):
             if self.rank == 0:
                 refs.append(ray.put({name: tensor.cpu() for name, tensor in bucket}))
                 sent += bucket_bytes_of(bucket)
@@ -90,7 +102,7 @@ class RefitSender:
                 name,
                 torch.empty(tensor.shape, dtype=dtype if tensor.is_floating_point() else tensor.dtype, device="meta"),
             )
-            for name, tensor in _unique_state_dict(self.model)
+            for name, tensor in self.refit_shapes()
         )
         return [layout_of(bucket) for bucket in in_buckets(entries, bucket_bytes)]
 
@@ -103,7 +115,7 @@ class RefitSender:
     def broadcast_weights(self, bucket_bytes: int, dtype: torch.dtype) -> int:
         """Gathers each bucket (every rank) and broadcasts it from rank 0; returns the bytes sent (rank 0)."""
         sent = 0
-        for bucket in whole_state_dict_buckets(self.model, bucket_bytes, dtype):
+        for bucket in whole_buckets(self.refit_entries(), bucket_bytes, dtype):
             if self.rank == 0:
                 buffer = pack(bucket)
                 broadcast(self._refit_group, buffer)
@@ -114,8 +126,8 @@ class RefitSender:
 
     def start_ipc_refit(self, bucket_bytes: int, dtype: torch.dtype) -> None:
         """Begins a refit over CUDA IPC: :meth:`next_ipc_bucket` then gathers one bucket per call."""
-        self._ipc_buckets: Iterator[list[tuple[str, torch.Tensor]]] | None = whole_state_dict_buckets(
-            self.model, bucket_bytes, dtype
+        self._ipc_buckets: Iterator[list[tuple[str, torch.Tensor]]] | None = whole_buckets(
+            self.refit_entries(), bucket_bytes, dtype
         )
         self._ipc_buffer: torch.Tensor | None = None
 

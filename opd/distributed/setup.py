@@ -26,7 +26,7 @@ from opd.distributed.shared_directory import check_shared_directory
 from opd.distributed.teacher_pool import ColocatedTeacher, TeacherPool, TeacherWorker
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
 from opd.distributed.worker_group import Bound, Slot, WorkerGroup
-from opd.models.config import ModelLoadingConfig, OptimizerConfig
+from opd.models.config import LoraConfig, ModelLoadingConfig, OptimizerConfig
 from opd.models.generation.engines import GenerationConfig
 from opd.models.interfaces import GenerationInterface, TeacherInterface
 from opd.utils.errors import ConfigError
@@ -80,6 +80,8 @@ class ClusterRequest:
         teacher_head_path: the model whose output layer every trainer rank loads, to bind
             the final hidden states that one teacher running apart (a pool, a served
             teacher) sends for a full-vocabulary loss; None when no such signal comes.
+        lora: the student's LoRA settings (``model.lora``), or None to train every weight;
+            the rollout workers get the merged weights.
 
     Paths are made absolute here, in the controller (:mod:`opd.utils.paths`): a worker
     never resolves one against its own working directory.
@@ -98,6 +100,7 @@ class ClusterRequest:
     seed: int = 0
     checkpoint_dir: str | None = None
     teacher_head_path: str | None = None
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         # Frozen: the absolute forms are set once, as the fields' own values.
@@ -242,6 +245,8 @@ def _start_trainer(
         shard_group_size=cluster.trainer.shard_group_size,
         activation_checkpointing=cluster.trainer.activation_checkpointing,
         teacher_head_path=None if colocated_teacher else request.teacher_head_path,
+        lora=request.lora,
+        seed=request.seed,
     )
     world_size = cluster.trainer.workers
     bounds = _bounds(cluster, "trainer")

@@ -27,7 +27,7 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +45,22 @@ log = logging.getLogger("opd")
 
 ShardFn = Callable[[PreTrainedModel], PreTrainedModel]
 """Shards a model in place (``fully_shard`` over the trainer's mesh) and returns it."""
+AddedFn = Callable[[PreTrainedModel], set[str]]
+"""Fills the parameters a sharding function added to the model (a LoRA student's adapters,
+in no weight file) on this rank's shards, and returns their names."""
 
 # Wrappers that insert a path segment into parameter names but not into weight files.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+_PEFT_BASE_LAYER = ".base_layer."
 
 
 def load_sharded(
-    path: str, dtype: torch.dtype, device: torch.device, loading: ModelLoadingConfig, shard: ShardFn
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    loading: ModelLoadingConfig,
+    shard: ShardFn,
+    added: AddedFn | None = None,
 ) -> PreTrainedModel:
     """The causal LM at ``path``, sharded by ``shard``, each rank holding only its shards (module docstring).
 
@@ -63,6 +72,10 @@ def load_sharded(
         device: this rank's compute device.
         loading: trust_remote_code and attention implementation.
         shard: applies ``fully_shard`` to the model (called on the meta-device model).
+        added: given when ``shard`` also wraps the model in new modules (peft's LoRA
+            layers): it fills the parameters they add, after the model is sharded; the
+            others are read from the files under their names without peft's
+            ``base_layer.`` segment.
 
     Raises:
         ConfigError: the directory cannot be read, or its files lack a parameter.
@@ -70,8 +83,10 @@ def load_sharded(
     files = _safetensors_files(path)
     if not files:
         log.info("loading %s whole on each rank, then sharding (no safetensors files to read slices of)", path)
-        model = load_causal_lm(path, dtype, device, loading)
-        return shard(model)
+        model = shard(load_causal_lm(path, dtype, device, loading))
+        if added is not None:  # the wrapper's own start is replaced by the caller's
+            added(model)
+        return model
     model = _build_on_meta(path, dtype, loading)
     model = shard(model)
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
@@ -79,7 +94,8 @@ def load_sharded(
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
-    _read_local_slices(model, files, path)
+    own = added(model) if added is not None else set()
+    _read_local_slices(model, files, path, own, strip_base_layer=added is not None)
     return model
 
 
@@ -134,20 +150,26 @@ def _parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def _file_name(parameter_name: str) -> str:
+def _file_name(parameter_name: str, strip_base_layer: bool = False) -> str:
     for segment in _WRAPPER_SEGMENTS:
         parameter_name = parameter_name.replace(segment, "")
+    if strip_base_layer:  # peft's LoRA layer holds the original one as its base_layer
+        parameter_name = parameter_name.replace(_PEFT_BASE_LAYER, ".")
     return parameter_name
 
 
-def _read_local_slices(model: PreTrainedModel, files: list[Path], path: str) -> None:
-    """Copies this rank's slice of every parameter from the files (tied parameters once)."""
+def _read_local_slices(
+    model: PreTrainedModel, files: list[Path], path: str, skip: Container[str] = (), strip_base_layer: bool = False
+) -> None:
+    """Copies this rank's slice of every parameter but ``skip`` from the files (tied parameters once)."""
     wanted: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, parameter in model.named_parameters():  # tied parameters come once, under their first name
+        if name in skip:
+            continue
         if id(parameter) not in seen:
             seen.add(id(parameter))
-            wanted[_file_name(name)] = parameter
+            wanted[_file_name(name, strip_base_layer)] = parameter
     missing = set(wanted)
     staging = _Staging()
     for file in files:

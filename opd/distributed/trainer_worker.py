@@ -15,6 +15,12 @@ final hidden states alone (:class:`~opd.models.interfaces.TeacherHiddenStates`):
 rank loads that teacher's output layer once (``TrainerSpec.teacher_head_path``) and binds
 the hidden states it receives to it, so the fused loss makes the teacher's logits chunk by
 chunk, as with a colocated teacher.
+
+A LoRA student (``model.lora``) is wrapped with peft before it is sharded: the frozen
+base weights are sharded like any others, only the adapters are in the optimizer, and
+checkpoints hold the adapters and their optimizer state. Whatever leaves the trainer as
+a model (the refit, ``final_model/``) is the merged plain model under the base model's
+names, as the in-process LoRA student gives it (:mod:`opd.models.policy.lora`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import math
 import os
 import socket
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,11 +44,11 @@ from torch.distributed.fsdp import FSDPModule
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
 from opd.distributed.dispatch import Split, dispatch, every, first, nothing, summed
-from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, shard_model, whole_state_dict_buckets
+from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, shard_model, whole_buckets
 from opd.distributed.refit_sender import RefitSender
 from opd.distributed.sharded_loading import load_sharded
 from opd.distributed.shared_directory import marker_name
-from opd.models.config import ModelLoadingConfig, OptimizerConfig
+from opd.models.config import LoraConfig, ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import (
     FullVocabRequest,
     LossFunction,
@@ -53,6 +60,14 @@ from opd.models.interfaces import (
 )
 from opd.models.lm_head import LMHeadInput, OutputLayer, output_head_of, output_layer_of
 from opd.models.loading import load_causal_lm, load_output_layer, resolve_dtype
+from opd.models.policy.hf_policy import ADAPTER_DIR
+from opd.models.policy.lora import (
+    adapter_parameters,
+    initialise_adapters,
+    merged_tensors,
+    plain_entries,
+    wrap_with_lora,
+)
 from opd.models.policy.optimization import accumulate_metrics, apply_gradients, build_optimizer, build_scheduler
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.utils.memory import release_cached_memory
@@ -90,6 +105,10 @@ class TrainerSpec:
         teacher_head_path: the model whose output layer (only that layer) every rank loads,
             in ``loading.dtype``, to bind the hidden states that a teacher running apart (a
             pool, a served teacher) sends for a full-vocabulary loss; None without one.
+        lora: train low-rank adapters on the frozen student (``model.lora``); None
+            trains every weight.
+        seed: the run's seed, which draws a LoRA student's starting adapter (as the
+            in-process student draws it).
     """
 
     student_path: str
@@ -105,6 +124,8 @@ class TrainerSpec:
     shard_group_size: int | None = None
     activation_checkpointing: bool = False
     teacher_head_path: str | None = None
+    lora: LoraConfig | None = None
+    seed: int = 0
 
 
 class ShardedTeacher(LocalTeacher):
@@ -175,15 +196,21 @@ class TrainerWorker(RefitSender):
         # fp32 master weights; a 16-bit model.dtype is the compute dtype (FSDP2 mixed precision).
         self.compute_dtype = dtype
         compute_dtype = dtype if dtype != torch.float32 else None
+        self.peft_model: Any = None  # a LoRA student's PeftModel (it writes the adapter's files)
+
+        def shard_student(model: Any) -> Any:
+            if spec.lora is not None:  # the adapters are sharded with the layers they sit in
+                self.peft_model = wrap_with_lora(model, spec.lora)
+            return shard_model(model, mesh, compute_dtype, spec.reshard_after_forward, spec.activation_checkpointing)
+
         # Each rank reads only its shards of the weights: the whole model is never in one process.
         self.model = load_sharded(
             spec.student_path,
             torch.float32,
             self.device,
             spec.loading,
-            lambda model: shard_model(
-                model, mesh, compute_dtype, spec.reshard_after_forward, spec.activation_checkpointing
-            ),
+            shard_student,
+            (lambda model: initialise_adapters(model, spec.seed)) if spec.lora is not None else None,
         )
         self.model.train()
         self.optimizer = build_optimizer(self.model, spec.optimizer)
@@ -410,24 +437,52 @@ class TrainerWorker(RefitSender):
 
     # ------------------------------------------------------------------ weights out
 
+    def refit_entries(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What leaves the trainer as the student: a LoRA student's merged weights under the base model's names."""
+        entries = super().refit_entries()
+        return merged_tensors(self.model, entries) if self.peft_model is not None else entries
+
+    def refit_shapes(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`refit_entries` by name, shape and dtype, without the merge's collectives."""
+        shapes = super().refit_shapes()
+        return plain_entries(self.model, shapes) if self.peft_model is not None else shapes
+
     @dispatch(gather=first)
     def whole_weights(self) -> dict[str, torch.Tensor]:
-        """Rank 0: every weight, whole, on CPU (the others gather with it and return nothing)."""
+        """Rank 0: every weight, whole, on CPU (the others gather with it and return nothing).
+
+        A LoRA student's are merged, under the base model's names (what the refit sends).
+        """
+        return self._whole(self.refit_entries())
+
+    def _whole(self, entries: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Rank 0: ``entries`` whole, on CPU (a collective; the other ranks return nothing)."""
         weights: dict[str, torch.Tensor] = {}
-        for bucket in whole_state_dict_buckets(self.model, WHOLE_WEIGHTS_BUCKET_BYTES):
+        for bucket in whole_buckets(entries, WHOLE_WEIGHTS_BUCKET_BYTES):
             if self.rank == 0:
                 weights.update((name, tensor.cpu()) for name, tensor in bucket)
         return weights
 
     @dispatch(gather=nothing)
     def save_pretrained(self, directory: str) -> None:
-        """Gathers the whole student; rank 0 writes it in ``model.dtype`` as a Hugging Face model directory."""
+        """Gathers the whole student; rank 0 writes it in ``model.dtype`` as a Hugging Face model directory.
+
+        A LoRA student is written as the in-process one writes it: merged into a plain
+        model in ``directory``, and its adapter alone in peft's format in ``directory/adapter/``.
+        """
         weights = self.whole_weights()
         if self.rank == 0:  # in model.dtype, as an in-process run writes it
             weights = {name: tensor.to(self.compute_dtype) for name, tensor in weights.items()}
             self.model.config.dtype = self.compute_dtype
             self.model.save_pretrained(directory, state_dict=weights, safe_serialization=True)
             self.model.config.dtype = torch.float32
+        if self.peft_model is not None:
+            adapter = self._whole(adapter_parameters(self.model).items())
+            if self.rank == 0:  # under the PeftModel's names, which peft's writer expects
+                state = {f"base_model.model.{name}": tensor.to(self.compute_dtype) for name, tensor in adapter.items()}
+                self.peft_model.save_pretrained(
+                    str(Path(directory) / ADAPTER_DIR), state_dict=state, safe_serialization=True
+                )
         dist.barrier()
 
     # The refit's methods (weight_buckets, broadcast_weights, ...) come from RefitSender.
@@ -436,8 +491,12 @@ class TrainerWorker(RefitSender):
 
     @dispatch(gather=nothing)
     def save_shards(self, directory: str) -> None:
-        """Writes this rank's shard of the model and optimizer (and, rank 0, the schedule) to ``directory``."""
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        """Writes this rank's shard of the model and optimizer (and, rank 0, the schedule) to ``directory``.
+
+        A LoRA student writes its adapters only (and their optimizer state): the frozen
+        base weights are the run's starting model, loaded again on resume.
+        """
+        model_state, optim_state = self._checkpoint_state()
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(directory) / SHARDS_DIR))
         if self.rank == 0:
             torch.save(self.scheduler.state_dict(), Path(directory) / SCHEDULER_FILE)
@@ -451,7 +510,7 @@ class TrainerWorker(RefitSender):
     @dispatch(gather=nothing)
     def load_shards(self, directory: str) -> None:
         """Restores model, optimizer and schedule from a checkpoint written with any number of ranks."""
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = self._checkpoint_state()
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(Path(directory) / SHARDS_DIR))
         set_state_dict(
@@ -459,9 +518,26 @@ class TrainerWorker(RefitSender):
             self.optimizer,
             model_state_dict=model_state,  # filled in place by dcp.load
             optim_state_dict=optim_state,
-            options=StateDictOptions(strict=True),
+            options=self._state_options(),
         )
         self.scheduler.load_state_dict(torch.load(Path(directory) / SCHEDULER_FILE, weights_only=True))
+
+    def _checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's model and optimizer state as a checkpoint holds them (a LoRA student: its adapters only)."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
+        if self.peft_model is not None:  # a head tied to the frozen embedding would come along
+            adapters = adapter_parameters(self.model)
+            model_state = {name: value for name, value in model_state.items() if name in adapters}
+        return model_state, optim_state
+
+    def _state_options(self) -> StateDictOptions:
+        """A checkpoint's model state: every weight, or (LoRA) the adapters alone.
+
+        A LoRA student's state dict lacks the frozen weights, which a strict load would
+        call missing; ``dcp.load`` still fails on any adapter the checkpoint lacks.
+        """
+        lora = self.peft_model is not None
+        return StateDictOptions(strict=not lora, ignore_frozen_params=lora)
 
     def node_name(self) -> str:
         """This worker's node, as errors name it: its host name and its address in the cluster."""

@@ -63,6 +63,13 @@ def _consolidate(checkpoint: Path, staging: Path) -> None:
     state = model.state_dict()
     targets = {f"model.{name}": tensor for name, tensor in state.items()}
     stored = set(dcp.FileSystemReader(str(checkpoint / SHARDS_DIR)).read_metadata().state_dict_metadata)
+    weights = [name for name in stored if name.startswith("model.")]
+    if weights and all(".lora_A." in name or ".lora_B." in name for name in weights):
+        raise OpdError(
+            f"opd export: {checkpoint / SHARDS_DIR} holds a LoRA student's adapters only, not the base weights "
+            "(the run's model.student_model_path); use the run's final_model/ (merged), or load the base model "
+            "with peft and the adapter in final_model/adapter/"
+        )
     tied = getattr(config, "tie_word_embeddings", False)
     missing = [name for name in targets if name not in stored and not (tied and name == "model.lm_head.weight")]
     if missing:

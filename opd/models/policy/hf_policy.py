@@ -27,7 +27,13 @@ from opd.data.sequences import model_inputs, pack_padding_free, shift_token_mask
 from opd.models.config import LoraConfig, OptimizerConfig
 from opd.models.interfaces import LossFunction, PolicyInterface, TeacherComparison, TeacherSignalFn
 from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of, output_layer_of
-from opd.models.policy.lora import adapter_parameters, load_adapter_state, merged_tensors, wrap_with_lora
+from opd.models.policy.lora import (
+    adapter_parameters,
+    initialise_adapters,
+    load_adapter_state,
+    merged_tensors,
+    wrap_with_lora,
+)
 from opd.models.policy.optimization import (
     accumulate_metrics,
     apply_gradients,
@@ -58,6 +64,8 @@ class HFPolicy(PolicyInterface):
         lora: LoRA settings, or None to train every weight. With LoRA, ``model`` gets its
             adapters in place (anything else holding it, e.g. the HF generation engine,
             samples with the current adapter) and its base weights are frozen.
+        seed: seeds a LoRA student's starting adapter (:func:`~opd.models.policy.lora.initialise_adapters`:
+            the FSDP2 trainer starts from the same one).
     """
 
     def __init__(
@@ -69,11 +77,14 @@ class HFPolicy(PolicyInterface):
         micro_batch_tokens: int | None = None,
         sequence_packing: bool = False,
         lora: LoraConfig | None = None,
+        seed: int = 0,
     ) -> None:
         self.model = model
         self.lora = lora
         # The PeftModel around self.model: it saves the adapter; the forward runs on self.model.
         self.peft_model = wrap_with_lora(model, lora) if lora is not None else None
+        if lora is not None:
+            initialise_adapters(model, seed)
         self.model.train()
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens

@@ -12,14 +12,25 @@ A separate engine (vLLM) and ``final_model/`` need a plain model instead:
 with ``W + (alpha / r)·B·A`` for every adapted weight, computed as peft's own
 ``merge_and_unload`` does but without touching the module (an in-place merge and unmerge
 would not restore the base weights bit for bit, and exact resume needs them).
+
+The adapters start from :func:`initialise_adapters`: ``lora_B`` zero, ``lora_A`` drawn
+as peft draws it but from a generator seeded by the run's seed and the tensor's name, so
+an in-process student and the FSDP2 ranks of a cluster (each holding a shard, built
+after its own model loading) start from the same adapter. The same functions work on
+a model sharded with FSDP2: its parameters are DTensors, and :func:`merged_tensors`
+then yields merged DTensors sharded as the base weights are.
 """
 
 from __future__ import annotations
 
+import math
+import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PreTrainedModel
 
 from opd.models.config import LoraConfig
@@ -83,6 +94,72 @@ def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {name: param for name, param in model.named_parameters() if param.requires_grad}
 
 
+def initialise_adapters(model: torch.nn.Module, seed: int) -> set[str]:
+    """Sets every adapter of a wrapped ``model`` to its start and returns the adapters' parameter names.
+
+    ``lora_B`` is zero (the student starts as its base model); ``lora_A`` is drawn from
+    peft's own distribution (Kaiming-uniform with ``a = √5``) by a generator seeded from
+    ``seed`` and the parameter's name. Every process therefore draws the same values for
+    the same name, whatever it loaded or drew before: a sharded parameter (an FSDP2
+    DTensor) takes its own rows of the whole draw.
+
+    Raises:
+        OpdError: a trainable parameter that is neither ``lora_A`` nor ``lora_B``.
+    """
+    names = set()
+    with torch.no_grad():
+        for name, param in adapter_parameters(model).items():
+            if ".lora_A." not in name and ".lora_B." not in name:
+                raise OpdError(f"the LoRA student has a trainable parameter {name} that is not an adapter's")
+            whole = torch.zeros(param.shape, dtype=torch.float32)
+            if ".lora_A." in name:
+                generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+                torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=generator)
+            _copy_own_part(param, whole)
+            names.add(name)
+    return names
+
+
+def _copy_own_part(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copies ``whole`` into ``param``, or into its local shard when ``param`` is a DTensor (no collective)."""
+    if not isinstance(param, DTensor):
+        param.copy_(whole)
+        return
+    local = param.to_local()
+    if local.numel() == 0:  # a rank past the last row of an uneven split
+        return
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local.copy_(whole[tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))])
+
+
+def base_weight_name(name: str) -> str:
+    """The base model's name of a wrapped model's base-layer tensor (peft's ``<layer>.base_layer.<leaf>``).
+
+    What a model's weight files call it; other names come back unchanged.
+    """
+    return name.replace(_BASE_LAYER + ".", ".")
+
+
+def plain_entries(
+    model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """What :func:`merged_tensors` yields, by name, shape and dtype, without computing any merge.
+
+    The base layer's tensors stand for the merged ones (the same shape and dtype): for
+    describing what a refit will send, where the merge's collectives (on a sharded model)
+    must not run.
+    """
+    lora_layer = import_peft().tuners.lora.LoraLayer
+    adapted = {name: module for name, module in model.named_modules() if isinstance(module, lora_layer)}
+    for name, tensor in tensors:
+        owner, _, leaf = name.rpartition(".")
+        layer_name = _adapted_ancestor(owner, adapted)
+        if layer_name is None:
+            yield name, tensor
+        elif owner == layer_name + _BASE_LAYER:
+            yield f"{layer_name}.{leaf}", tensor
+
+
 def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copies saved adapter tensors into ``model``'s adapter parameters (exact copies).
 
@@ -114,6 +191,10 @@ def merged_tensors(
     Adapter tensors are dropped; ``<layer>.base_layer.<name>`` becomes ``<layer>.<name>``,
     and an adapted layer's weight becomes ``W + ΔW`` in ``W``'s dtype (what peft's
     merge writes). Everything else passes through detached.
+
+    On a model sharded with FSDP2 the tensors are DTensors: ``ΔW = B·A`` is then a
+    DTensor product, sharded as ``W`` (every rank must iterate to the end, in the same
+    order: the product gathers the small ``A``).
 
     Args:
         model: the wrapped model (to find each adapted layer).

@@ -14,6 +14,8 @@ answers most questions; the rest build an :class:`HFPolicy` directly. What is ch
 * ``final_model/`` loads with ``AutoModelForCausalLM`` (no peft keys), ``adapter/`` with
   peft, and both decode greedily to the same tokens as the trained in-process student;
 * a run resumed from a checkpoint continues bit for bit like the uninterrupted run;
+* the starting adapter depends on ``training.seed`` alone, not on torch's global state;
+* ``one_step_off`` refits its own plain engine with the merged student;
 * ``opd sft`` trains adapters too.
 """
 
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from opd_test_helpers import short_run_overrides
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -43,13 +46,13 @@ from opd.data.datasets import load_chat_dataset
 from opd.data.sequences import encode_prompt, pack_sequences, shift_token_mask
 from opd.models.config import DEFAULT_LORA_TARGETS, LoraConfig
 from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.hf_generation import HFGeneration
+from opd.models.generation.hf_generation import HFGeneration, SnapshotHFGeneration
 from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.models.policy.lora import adapter_parameters
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError, OpdError
-from opd_test_helpers import short_run_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
@@ -367,6 +370,19 @@ def test_resume_continues_bit_for_bit(lora_run, tmp_path):
         assert not differing, f"{name}: {differing[:3]}"
 
 
+def test_the_starting_adapter_depends_on_the_seed_alone():
+    def start(seed: int, global_seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(global_seed)  # what loading models before the wrap would have drawn
+        policy = HFPolicy(build_tiny_model("student"), OptimizerConfig(), 2, 1, lora=LoraConfig(r=4), seed=seed)
+        return {name: param.detach().clone() for name, param in adapter_parameters(policy.model).items()}
+
+    first, other_global, other_seed = start(3, 0), start(3, 1), start(4, 0)
+    assert all(torch.equal(first[name], other_global[name]) for name in first)
+    assert all(not tensor.any() for name, tensor in first.items() if ".lora_B." in name)
+    drawn = [name for name in first if ".lora_A." in name]
+    assert drawn and all(not torch.equal(first[name], other_seed[name]) for name in drawn)
+
+
 def test_a_lora_checkpoint_needs_the_lora_setting_to_resume():
     lora_policy = HFPolicy(build_tiny_model("student"), OptimizerConfig(), 2, 1, lora=LoraConfig(r=4))
     plain_policy = HFPolicy(build_tiny_model("student"), OptimizerConfig(), 2, 1)
@@ -411,3 +427,36 @@ def test_sft_trains_adapters_only(tmp_path):
         )
         for name in names
     }
+
+
+# --------------------------------------------------------------------------- asynchronous schedule
+
+
+def test_one_step_off_refits_its_own_engine_with_the_merged_student(tmp_path):
+    config = run_config(
+        tmp_path,
+        "model.lora.r=4",
+        "training.scheduler=one_step_off",
+        "training.max_num_steps=2",
+        "training.save_freq=0",
+        "training.learning_rate=1e-2",
+        "checkpointing.enabled=false",
+        "distillation.lambda=1.0",
+    )
+    parts = setup(config)
+    policy, engine = parts.student_policy, parts.student_generation
+    assert isinstance(policy, HFPolicy) and isinstance(engine, SnapshotHFGeneration)
+    # The engine samples from a plain copy of its own, not from the wrapped student.
+    assert engine.model is not policy.model
+    assert not any("lora" in name or "base_layer" in name for name, _ in engine.model.named_parameters())
+    distillation_train(**parts.as_arguments())
+    losses = train_losses(config)
+    assert [step for step, _ in losses] == [1, 2] and all(torch.isfinite(torch.tensor(loss)) for _, loss in losses)
+    engine.refit(policy)
+    merged = dict(policy.weights_for_refit())
+    own = {name: tensor.detach() for name, tensor in engine.model.named_parameters()}
+    assert own.keys() == merged.keys()
+    assert [name for name in merged if not torch.equal(own[name], merged[name])] == []
+    # The merged student has trained: its adapted projections moved away from the base model.
+    base = dict(build_tiny_model("student").named_parameters())
+    assert max(float((own[name] - base[name].detach()).abs().max()) for name in own) > 1e-3

@@ -1,0 +1,211 @@
+"""A LoRA student on a cluster: 2 FSDP2 trainer workers with peft adapters, against one process.
+
+* 2 steps of on-policy distillation (greedy rollouts from a refit HF rollout worker, the
+  exact fused loss with a colocated teacher; the student read from safetensors files,
+  each rank its own slices) give the in-process LoRA run's losses, its
+  adapter and its merged final model, in float32 within 1e-5: the adapters start from the
+  same seeded draw, only they train, and the rollout worker is refit with the merged
+  weights under the base model's names (step 2 samples from them);
+* the checkpoints hold the adapters and their optimizer state only (the frozen base is
+  the starting model); loaded back into the workers and saved again they are the same
+  bit for bit, and (slow) a run resumed from step 1's checkpoint ends as the
+  uninterrupted one.
+
+One Ray cluster serves the module; every worker runs one thread.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from opd_test_helpers import REPO_ROOT, short_run_overrides
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from opd.algorithms.distillation import distillation_train
+from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.distillation_setup import setup
+from opd.models.tiny import build_tiny_model
+from opd.utils.checkpoint_export import export_checkpoint
+from opd.utils.config import load_config
+from opd.utils.errors import OpdError
+from opd.utils.plotting import read_metrics
+
+TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
+STEPS = 2
+TOLERANCE = 1e-5
+ADAPTER = "adapter/adapter_model.safetensors"
+
+
+def lora_config(tmp_path: Path, *overrides: str) -> MasterConfig:
+    """2 on-policy steps of 4 greedy rollouts in micro-batches of 2, a rank-4 adapter without dropout."""
+    return load_config(
+        MasterConfig,
+        TINY,
+        [
+            *short_run_overrides(tmp_path),
+            f"training.max_num_steps={STEPS}",
+            "training.batch_size=4",
+            "training.micro_batch_size=1",
+            "training.warmup_steps=0",
+            "training.learning_rate=1e-3",
+            "training.save_freq=1",
+            "checkpointing.keep_top_k=null",
+            "distillation.lambda=1.0",
+            "distillation.num_samples_per_prompt=1",
+            "distillation.generate_strategy.decoding_method=greedy",
+            "distillation.generate_strategy.max_length=8",
+            "model.lora.r=4",
+            "model.lora.alpha=8",
+            *overrides,
+        ],
+    )
+
+
+def train(config: MasterConfig) -> None:
+    components = setup(config)
+    try:
+        distillation_train(**components.as_arguments())
+    finally:
+        components.close()
+
+
+# The broadcast refit (gloo here) sends the buckets of a layout made on trainer rank 0 alone.
+CLUSTER = ["cluster.trainer.workers=2", "cluster.rollout.workers=1", "cluster.rollout.refit_transport=broadcast"]
+
+
+ROUND_TRIP = "round_trip"
+"""Where the cluster run's workers, having loaded step 1's checkpoint after the run, save it again."""
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, tmp_path_factory):
+    """The in-process LoRA run and the same run on 2 FSDP2 workers (with a checkpoint each step).
+
+    After its last step the rollout worker is refit once more (its weights and the
+    student's merged weights are returned), then the cluster's student loads step 1's
+    checkpoint and saves it to ``ROUND_TRIP`` in its run directory.
+    """
+    # A directory of safetensors files: each rank reads only its slices of the base weights.
+    student = tmp_path_factory.mktemp("student") / "model"
+    build_tiny_model("student").save_pretrained(student)
+    from_directory = [f"model.student_model_path={student}", "model.tokenizer_path=tiny:student"]
+    in_process = lora_config(tmp_path_factory.mktemp("in_process"), *from_directory)
+    train(in_process)
+    on_cluster = lora_config(tmp_path_factory.mktemp("cluster"), *from_directory, *CLUSTER)
+    components = setup(on_cluster)
+    try:
+        distillation_train(**components.as_arguments())
+        output_dir = Path(on_cluster.output_dir)
+        policy, engines = components.student_policy, components.student_generation
+        engines.refit(policy)
+        refit = {"engine": engines.workers.run_rank(0, "weights"), "merged": dict(policy.weights_for_refit())}
+        components.student_policy.load_checkpoint(output_dir / "checkpoints" / "step_1")
+        components.student_policy.save_checkpoint(output_dir / ROUND_TRIP)
+    finally:
+        components.close()
+    return in_process, on_cluster, refit
+
+
+def losses(config: MasterConfig) -> list[float]:
+    records = [record for record in read_metrics(Path(config.output_dir) / "logs") if "train/loss" in record]
+    assert [record["step"] for record in records] == list(range(1, STEPS + 1))
+    return [record["train/loss"] for record in records]
+
+
+def final(config: MasterConfig, name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(config.output_dir) / "final_model" / name))
+
+
+def assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Each tensor within ``TOLERANCE`` of the expected one's largest entry.
+
+    Relative to the tensor, not to each entry: Adam's first steps divide a gradient by
+    its own size, so an entry whose gradient is near zero moves by up to ``lr`` on
+    rounding noise alone, whatever computed it.
+    """
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        worst = float((actual[name] - tensor).abs().max())
+        assert worst <= TOLERANCE * float(tensor.abs().max()), f"{name} differs by up to {worst:.2e}"
+
+
+def test_two_fsdp_workers_train_the_adapter_of_one_process(runs):
+    in_process, on_cluster, _ = runs
+    for mine, reference in zip(losses(on_cluster), losses(in_process), strict=True):
+        assert math.isclose(mine, reference, rel_tol=TOLERANCE), (mine, reference)
+    adapter = final(on_cluster, ADAPTER)
+    assert_close(adapter, final(in_process, ADAPTER))
+    # Every lora_B starts at zero: the comparison is between trained adapters.
+    assert min(float(tensor.abs().max()) for name, tensor in adapter.items() if "lora_B" in name) > 1e-4
+
+
+def test_the_cluster_final_model_is_the_merged_plain_model_of_one_process(runs):
+    in_process, on_cluster, _ = runs
+    merged = final(on_cluster, "model.safetensors")
+    assert not any("lora" in name or "base_layer" in name for name in merged)
+    assert_close(merged, final(in_process, "model.safetensors"))
+    base = build_tiny_model("student").state_dict()
+    assert max(float((merged[name] - base[name]).abs().max()) for name in merged) > 1e-5
+
+
+def test_the_rollout_worker_is_refit_with_the_merged_weights_under_the_base_names(runs):
+    _, _, refit = runs
+    engine, merged = refit["engine"], refit["merged"]
+    base = build_tiny_model("student").state_dict()
+    assert merged.keys() <= base.keys() and not any("lora" in name or "base_layer" in name for name in merged)
+    assert [name for name in merged if not torch.equal(engine[name], merged[name])] == []
+    assert max(float((merged[name] - base[name]).abs().max()) for name in merged) > 1e-5
+
+
+def stored_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's ``policy_shards/``, read whole in this process."""
+    reader = dcp.FileSystemReader(str(checkpoint / "policy_shards"))
+    metadata = reader.read_metadata().state_dict_metadata
+    state = {
+        name: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for name, entry in metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+def test_a_cluster_lora_checkpoint_holds_the_adapters_and_their_optimizer_state_and_loads_back(runs, tmp_path):
+    _, on_cluster, _ = runs
+    checkpoints = Path(on_cluster.checkpointing.checkpoint_dir)
+    step_1 = stored_tensors(checkpoints / "step_1")
+    weights = {name for name in step_1 if name.startswith("model.")}
+    # The adapters alone: no frozen base weight, nor the head tied to the embedding.
+    assert weights and all(".lora_A." in name or ".lora_B." in name for name in weights)
+    assert any(name.startswith("optimizer.state.") and name.endswith(".exp_avg_sq") for name in step_1)
+    step_2 = stored_tensors(checkpoints / "step_2")
+    assert any(not torch.equal(step_1[name], step_2[name]) for name in weights)
+    # Loaded into the trained workers (which hold step 2's state) and saved again: step 1's, bit for bit.
+    round_trip = stored_tensors(Path(on_cluster.output_dir) / ROUND_TRIP)
+    assert round_trip.keys() == step_1.keys()
+    assert [name for name in step_1 if not torch.equal(round_trip[name], step_1[name])] == []
+    # Without base weights the checkpoint cannot be exported to a model directory: refused, saying why.
+    with pytest.raises(OpdError, match=r"holds a LoRA student's adapters only.*final_model/"):
+        export_checkpoint(checkpoints / "step_1", tmp_path / "exported")
+
+
+@pytest.mark.slow  # a third cluster start
+def test_a_cluster_lora_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(runs, tmp_path):
+    _, on_cluster, _ = runs
+    checkpoints = Path(on_cluster.checkpointing.checkpoint_dir)
+    expected_losses, expected_adapter = losses(on_cluster), final(on_cluster, ADAPTER)
+    # The run as if killed after step 1's checkpoint.
+    shutil.rmtree(checkpoints / "step_2")
+    shutil.move(Path(on_cluster.output_dir) / "final_model", tmp_path / "uninterrupted_final_model")
+    train(on_cluster)
+    assert losses(on_cluster) == pytest.approx(expected_losses, rel=TOLERANCE)
+    assert_close(final(on_cluster, ADAPTER), expected_adapter)
