@@ -191,9 +191,7 @@ def _add_engine_budgets(
     first = next(iter(plan.ranks.values()))[0]
     utilization = config.generation.vllm.gpu_memory_utilization
     resident_kept = (
-        0
-        if cluster.placement == "split"
-        else first.student_parameters + first.optimizer_state + first.teacher_parameters
+        0 if not cluster.colocated else first.student_parameters + first.optimizer_state + first.teacher_parameters
     )
     for device, size in DEVICES.items():
         plan.engine[device] = {
@@ -211,7 +209,7 @@ def _add_engine_budgets(
             # teacher to the host; the student's shard stays (the refit reads it).
             for label, resident in (
                 ("kept", resident_kept),
-                ("offloaded", 0 if cluster.placement == "split" else first.student_parameters),
+                ("offloaded", 0 if not cluster.colocated else first.student_parameters),
             )
         }
 

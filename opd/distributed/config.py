@@ -140,14 +140,31 @@ class TeacherPoolConfig(StrictConfig):
         "cluster.trainer.timeout_s)",
     )
 
+    @property
+    def in_pool(self) -> bool:
+        """The teacher has workers of its own (``placement: pool``), not the trainer's."""
+        return self.placement == "pool"
+
     @model_validator(mode="after")
     def _shards_divide_the_workers(self) -> TeacherPoolConfig:
-        if self.placement == "pool" and self.workers % self.shards_per_replica:
+        if self.in_pool and self.workers % self.shards_per_replica:
             raise ValueError(
                 f"cluster.teacher.workers = {self.workers} is not a multiple of cluster.teacher.shards_per_replica "
                 f"= {self.shards_per_replica}: every replica is shards_per_replica workers"
             )
         return self
+
+
+_BACKEND_FOR_DEVICES = {True: "nccl", False: "gloo"}
+"""The trainer's torch.distributed backend, by whether its workers have GPUs."""
+
+_BACKEND_WITHOUT_ITS_DEVICES = {
+    "gloo": "cluster.backend = gloo with cluster.gpus_per_worker = {gpus} would train on the CPUs and leave the "
+    "GPUs idle; set cluster.backend = auto (nccl on GPUs), or gpus_per_worker = 0",
+    "nccl": "cluster.backend = nccl needs GPUs but cluster.gpus_per_worker = {gpus}; set cluster.backend = auto "
+    "(gloo on CPUs), or gpus_per_worker = 1",
+}
+"""Why an explicit backend does not fit the workers' devices."""
 
 
 class ClusterConfig(StrictConfig):
@@ -183,13 +200,17 @@ class ClusterConfig(StrictConfig):
     rollout: RolloutPoolConfig = Field(default_factory=RolloutPoolConfig)
     teacher: TeacherPoolConfig = Field(default_factory=TeacherPoolConfig)
 
+    @property
+    def colocated(self) -> bool:
+        """The rollout and teacher workers share the trainer's devices (``placement: colocated``)."""
+        return self.placement == "colocated"
+
     @model_validator(mode="after")
     def _sharded_replicas_on_devices_of_their_own(self) -> ClusterConfig:
         # Colocated, teacher worker r shares trainer bundle r mod trainer.workers: a replica's
         # shards sit on distinct devices only if there are as many bundles (NCCL needs that).
         shards = self.teacher.shards_per_replica
-        in_pool = self.teacher.placement == "pool"
-        if in_pool and self.placement == "colocated" and self.gpus_per_worker and shards > self.trainer.workers:
+        if self.teacher.in_pool and self.colocated and self.gpus_per_worker and shards > self.trainer.workers:
             raise ValueError(
                 f"cluster.teacher.shards_per_replica = {shards} with cluster.placement = colocated needs as many "
                 f"trainer GPUs to share (cluster.trainer.workers = {self.trainer.workers}): each shard of a replica "
@@ -205,7 +226,7 @@ class ClusterConfig(StrictConfig):
                     "cluster.rollout.refit_transport = cuda_ipc needs GPUs (cluster.gpus_per_worker = 1); "
                     "CPU workers refit through object_store or broadcast"
                 )
-            if self.placement != "colocated":
+            if not self.colocated:
                 raise ValueError(
                     "cluster.rollout.refit_transport = cuda_ipc needs cluster.placement = colocated (each engine "
                     "maps memory on its own GPU, so a trainer rank must share it); split pools use broadcast"
@@ -218,25 +239,17 @@ class ClusterConfig(StrictConfig):
             return self.rollout.refit_transport
         if not self.gpus_per_worker:
             return "object_store"
-        return "cuda_ipc" if self.placement == "colocated" else "broadcast"
+        return "cuda_ipc" if self.colocated else "broadcast"
 
     @model_validator(mode="after")
     def _check_devices_and_sharing(self) -> ClusterConfig:
         """The backend must use the workers' devices, and colocated roles at most one worker per trainer bundle."""
-        if self.backend == "gloo" and self.gpus_per_worker:
-            raise ValueError(
-                f"cluster.backend = gloo with cluster.gpus_per_worker = {self.gpus_per_worker} would train on the "
-                "CPUs and leave the GPUs idle; set cluster.backend = auto (nccl on GPUs), or gpus_per_worker = 0"
-            )
-        if self.backend == "nccl" and not self.gpus_per_worker:
-            raise ValueError(
-                "cluster.backend = nccl needs GPUs but cluster.gpus_per_worker = 0; set cluster.backend = auto "
-                "(gloo on CPUs), or gpus_per_worker = 1"
-            )
+        if self.backend not in ("auto", _BACKEND_FOR_DEVICES[bool(self.gpus_per_worker)]):
+            raise ValueError(_BACKEND_WITHOUT_ITS_DEVICES[self.backend].format(gpus=self.gpus_per_worker))
         # A teacher pool is checked at start (ray_cluster.check_colocated_sharing): its size depends on how many
         # teachers run in pools, which this section does not know.
         problem = colocated_sharing_problem("cluster.rollout.workers", self.rollout.workers, self.trainer.workers)
-        if self.placement == "colocated" and problem is not None:
+        if self.colocated and problem is not None:
             raise ValueError(problem)
         return self
 
@@ -249,9 +262,7 @@ class ClusterConfig(StrictConfig):
 
     def resolved_backend(self) -> str:
         """The torch.distributed backend the trainer uses."""
-        if self.backend != "auto":
-            return self.backend
-        return "nccl" if self.gpus_per_worker else "gloo"
+        return _BACKEND_FOR_DEVICES[bool(self.gpus_per_worker)] if self.backend == "auto" else self.backend
 
 
 def colocated_sharing_problem(key: str, count: int, trainer_workers: int) -> str | None:

@@ -44,6 +44,16 @@ HIDDEN_STATES_METHOD = "opd_hidden_states"
 """The method :func:`shard_model` adds: the decoder's final hidden states, run under FSDP's hooks."""
 
 
+DEVICE_TYPE_OF_BACKEND = {"nccl": "cuda", "gloo": "cpu"}
+"""The devices a process group's ranks compute on, by its torch.distributed backend."""
+
+
+def rank_device(backend: str) -> torch.device:
+    """Where this rank of a ``backend`` process group computes: its current GPU with NCCL, the CPU with gloo."""
+    device_type = DEVICE_TYPE_OF_BACKEND[backend]
+    return torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+
+
 def init_process_group(
     rank: int,
     world_size: int,
@@ -71,7 +81,7 @@ def init_process_group(
         raise ValueError(f"shard_group_size {shard_group_size} does not divide the world size {world_size}")
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
-    device_type = "cuda" if backend == "nccl" else "cpu"
+    device_type = DEVICE_TYPE_OF_BACKEND[backend]
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))

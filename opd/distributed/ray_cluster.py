@@ -127,7 +127,7 @@ def check_colocated_sharing(config: ClusterConfig, rollout_workers: int, teacher
     Raises:
         ConfigError: rollout or teacher-pool workers would share a bundle twice (and, on GPUs, wait forever).
     """
-    if config.placement != "colocated":
+    if not config.colocated:
         return
     pools = teacher_workers // max(config.teacher.workers, 1)
     teacher_key = "cluster.teacher.workers" if pools <= 1 else f"cluster.teacher.workers × {pools} teacher pools"
@@ -152,7 +152,7 @@ def build_pools(
     check_colocated_sharing(config, rollout_workers, teacher_workers)
     cpus, gpus = config.threads_per_worker, config.gpus_per_worker
     trainer_count = config.trainer.workers
-    if config.placement == "colocated":
+    if config.colocated:
         group = _pool(trainer_count, cpus, gpus, "trainer", config)
         # Roles sharing a bundle split its GPU (at most one worker of each role per bundle, checked
         # above); on CPU they take turns on its cores.
@@ -181,7 +181,7 @@ def build_pools(
 def cpus_needed(config: ClusterConfig, rollout_workers: int, teacher_workers: int) -> int:
     """CPUs the pools reserve (a private cluster declares at least this many)."""
     workers = config.trainer.workers
-    if config.placement == "split":
+    if not config.colocated:
         workers += rollout_workers + teacher_workers
     return workers * config.threads_per_worker
 

@@ -135,7 +135,7 @@ def build_cluster_backends(
     """
     check_torch_version()
     paths = list(request.teacher_paths.values())
-    colocated_teacher = bool(paths) and cluster.teacher.placement == "colocated"
+    colocated_teacher = bool(paths) and not cluster.teacher.in_pool
     if colocated_teacher and len(paths) > 1:
         raise ValueError(
             "several teachers on a cluster run in pools of their own; set cluster.teacher.placement = pool"

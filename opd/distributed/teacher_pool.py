@@ -25,7 +25,7 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distributed.batch_plan import contiguous_blocks
-from opd.distributed.fsdp import init_process_group, shard_model
+from opd.distributed.fsdp import init_process_group, rank_device, shard_model
 from opd.distributed.sharded_loading import load_sharded
 from opd.distributed.trainer_worker import ShardedTeacher, release_gathered_root
 from opd.distributed.worker_group import WorkerGroup
@@ -158,7 +158,7 @@ class TeacherWorker:
         mesh = init_process_group(
             self.shard, self.shards_per_replica, master_addr, master_port, self.backend, self.timeout_s
         )
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        device = rank_device(self.backend)
         # Each worker reads only its own rows of the weights: neither the host nor the
         # device ever holds the whole teacher.
         dtype = resolve_dtype(self.loading.dtype, device)

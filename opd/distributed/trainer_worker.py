@@ -44,7 +44,7 @@ from torch.distributed.fsdp import FSDPModule
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
 from opd.distributed.dispatch import Split, dispatch, every, first, nothing, summed
-from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, shard_model, whole_buckets
+from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, rank_device, shard_model, whole_buckets
 from opd.distributed.refit_sender import RefitSender
 from opd.distributed.sharded_loading import load_sharded
 from opd.distributed.shared_directory import marker_name
@@ -181,8 +181,7 @@ class TrainerWorker(RefitSender):
         mesh = init_process_group(
             self.rank, self.world_size, master_addr, master_port, spec.backend, spec.timeout_s, spec.shard_group_size
         )
-        on_gpu = spec.backend == "nccl"
-        self.build(mesh, torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
+        self.build(mesh, rank_device(spec.backend))
 
     def build(self, mesh: DeviceMesh, device: torch.device) -> None:
         """Loads and shards the student (and a colocated teacher) over ``mesh``; builds the optimizer.
