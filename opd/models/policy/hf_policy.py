@@ -25,8 +25,8 @@ from transformers import PreTrainedModel
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs, pack_padding_free, shift_token_mask
 from opd.models.config import LoraConfig, OptimizerConfig
-from opd.models.interfaces import LossFunction, PolicyInterface, TeacherComparison, TeacherSignalFn
-from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of, output_layer_of
+from opd.models.interfaces import LossFunction, PolicyInterface, TeacherComparison, TeacherSignal, TeacherSignalFn
+from opd.models.lm_head import LMHeadInput, final_hidden_states, output_layer_of
 from opd.models.policy.lora import (
     adapter_parameters,
     initialise_adapters,
@@ -35,11 +35,13 @@ from opd.models.policy.lora import (
     wrap_with_lora,
 )
 from opd.models.policy.optimization import (
+    accumulate_gradients,
     accumulate_metrics,
     apply_gradients,
     build_optimizer,
     build_scheduler,
     plan_micro_batches,
+    student_output,
 )
 from opd.utils.errors import OpdError
 from opd.utils.timer import Timer
@@ -99,11 +101,7 @@ class HFPolicy(PolicyInterface):
 
     def _forward(self, micro_batch: BatchedDataDict, fused_lm_head: bool) -> torch.Tensor | LMHeadInput:
         """The student's logits, or (fused loss) its final hidden states and head."""
-        inputs = model_inputs(micro_batch, self.device)
-        if fused_lm_head:
-            weight, bias = output_head_of(self.model, "the student")
-            return LMHeadInput(final_hidden_states(self.model, **inputs), weight, bias)
-        return self.model(**inputs, use_cache=False).logits
+        return student_output(self.model, micro_batch, self.device, fused_lm_head)
 
     def train(
         self,
@@ -130,21 +128,18 @@ class HFPolicy(PolicyInterface):
         """
         global_valid_tokens = int(shift_token_mask(data["token_mask"]).sum())
         global_valid_seqs = data.size
-        totals: dict[str, float] = {}
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        for micro_batch in plan_micro_batches(data, self.micro_batch_size, self.micro_batch_tokens):
-            micro_batch = micro_batch.to(self.device)
-            if self.sequence_packing:
-                micro_batch = pack_padding_free(micro_batch)
-            teacher_output = teacher_signal(micro_batch) if teacher_signal is not None else None
-            student_output = self._forward(micro_batch, loss_fn.fused_lm_head)
-            loss, metrics = loss_fn(
-                student_output, micro_batch, global_valid_tokens, global_valid_seqs, teacher_output=teacher_output
-            )
-            loss.backward()
-            del teacher_output, student_output
-            accumulate_metrics(totals, metrics)
+        micro_batches = plan_micro_batches(data, self.micro_batch_size, self.micro_batch_tokens)
+        if self.sequence_packing:
+            micro_batches = [pack_padding_free(micro_batch) for micro_batch in micro_batches]
+
+        def teacher_answer(index: int, micro_batch: BatchedDataDict) -> TeacherSignal | None:
+            return teacher_signal(micro_batch) if teacher_signal is not None else None
+
+        totals = accumulate_gradients(
+            micro_batches, self.device, self._forward, loss_fn, teacher_answer, global_valid_tokens, global_valid_seqs
+        )
         parameters = [param for param in self.model.parameters() if param.requires_grad]
         return apply_gradients(parameters, self.optimizer, self.scheduler, self.config.max_grad_norm, totals)
 

@@ -4,6 +4,10 @@
   and norms, and the learning-rate schedule;
 * :func:`plan_micro_batches`: a global batch (or one rank's share) cut into the
   micro-batches of one forward/backward pass each, each trimmed to its longest row;
+* :func:`student_output`: the student's logits, or its final hidden states and head for
+  the fused loss;
+* :func:`accumulate_gradients`: the micro-batch loop (teacher answer, forward, loss,
+  backward, metrics summed);
 * :func:`apply_gradients`: the global gradient norm, the non-finite guard, clipping and
   the optimizer and schedule steps.
 
@@ -14,13 +18,17 @@ differ only in where the gradients are summed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from transformers import get_scheduler
+from transformers import PreTrainedModel, get_scheduler
 
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.sequences import model_inputs
 from opd.models.config import OptimizerConfig
+from opd.models.interfaces import LossFunction, TeacherSignal
+from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of
 
 # Devices with a fused AdamW kernel in torch ≥ 2.4 (CPU included).
 _FUSED_ADAM_DEVICES = ("cpu", "cuda", "xpu", "mps")
@@ -88,6 +96,72 @@ def plan_micro_batches(
             BatchedDataDict({k: v[:, :width] if _per_position(k, v, padded) else v for k, v in chunk.items()})
         )
     return planned
+
+
+HiddenStatesFn = Callable[..., torch.Tensor]
+"""Runs a model's decoder to its final hidden states (``input_ids``, ``attention_mask``, ``position_ids``)."""
+
+
+def student_output(
+    model: PreTrainedModel,
+    micro_batch: BatchedDataDict,
+    device: torch.device,
+    fused_lm_head: bool,
+    hidden_states: HiddenStatesFn | None = None,
+) -> torch.Tensor | LMHeadInput:
+    """The student's logits, or (fused loss) its final hidden states and output head.
+
+    Args:
+        hidden_states: how to run the decoder alone; default :func:`final_hidden_states`
+            (an FSDP2 student passes the method its hooks are registered on).
+    """
+    inputs = model_inputs(micro_batch, device)
+    if fused_lm_head:
+        run_decoder = hidden_states if hidden_states is not None else lambda **kw: final_hidden_states(model, **kw)
+        hidden = run_decoder(**inputs)
+        weight, bias = output_head_of(model, "the student")  # an FSDP2 head is whole after the forward
+        return LMHeadInput(hidden, weight, bias)
+    return model(**inputs, use_cache=False).logits
+
+
+def accumulate_gradients(
+    micro_batches: Iterable[BatchedDataDict],
+    device: torch.device,
+    forward: Callable[[BatchedDataDict, bool], torch.Tensor | LMHeadInput],
+    loss_fn: LossFunction,
+    teacher_answer: Callable[[int, BatchedDataDict], TeacherSignal | None],
+    global_valid_tokens: int,
+    global_valid_seqs: int,
+) -> dict[str, float]:
+    """Forward and backward over micro-batches, gradients accumulating; returns the loss's metrics summed.
+
+    The one micro-batch loop of every trainer: the in-process student runs it over the
+    whole batch, each FSDP2 rank over its share (with the teacher's answers sent to it, or
+    its colocated teacher scoring). Each micro-batch's loss is its share of the global
+    mean (``global_valid_tokens`` / ``global_valid_seqs``), so the summed gradients are
+    those of the whole batch.
+
+    Args:
+        micro_batches: the micro-batches, in order (moved to ``device`` here).
+        device: where the student computes.
+        forward: the student's output for a micro-batch (:func:`student_output`).
+        loss_fn: called per micro-batch.
+        teacher_answer: the teacher's signal for micro-batch ``index`` (None: the loss needs none).
+        global_valid_tokens: loss-carrying tokens of the whole global batch.
+        global_valid_seqs: sequences of the whole global batch.
+    """
+    totals: dict[str, float] = {}
+    for index, micro_batch in enumerate(micro_batches):
+        micro_batch = micro_batch.to(device)
+        teacher_output = teacher_answer(index, micro_batch)
+        output = forward(micro_batch, loss_fn.fused_lm_head)
+        loss, metrics = loss_fn(
+            output, micro_batch, global_valid_tokens, global_valid_seqs, teacher_output=teacher_output
+        )
+        loss.backward()
+        del teacher_output, output  # freed before the next micro-batch's forward
+        accumulate_metrics(totals, metrics)
+    return totals
 
 
 _PER_ROW_MATRICES = ("teacher_weights",)
