@@ -335,9 +335,8 @@ def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
 
 
 def _sync_only_problem(config: MasterConfig, feature: str) -> str | None:
-    """``feature`` runs with the sync schedule, on right-padded rows, without the validation baselines."""
+    """``feature`` runs on right-padded rows, without the validation baselines."""
     unsupported = {
-        f"training.scheduler = {config.training.scheduler}": config.training.asynchronous,
         "training.sequence_packing": config.training.sequence_packing,
         "validation.teacher_baseline": config.validation.teacher_baseline,
         "validation.eval_baseline": config.validation.eval_baseline,
@@ -503,8 +502,6 @@ def _schedule_problem(config: MasterConfig) -> str | None:
         )
     if config.model.active_lora() is not None:
         return f"{key} with model.lora: the rollout engine's copy of a LoRA student is not supported; use sync"
-    if training.sequence_packing:
-        return f"{key} with training.sequence_packing is not supported; set training.sequence_packing = false"
     if config.generation.backend == "vllm" and cluster is None:
         return (
             f"{key} with an in-process vLLM engine: the engine shares this process with training; "

@@ -52,11 +52,16 @@ from opd.models.interfaces import (
     GenerationInterface,
     LossFunction,
     Pending,
+    PerTeacherRequest,
     PolicyInterface,
+    SeveralTeachersSignal,
+    SingleTeacherSignal,
     TeacherInterface,
+    TeacherRequest,
     TeacherSignal,
     TopKLogprobs,
 )
+from opd.models.teacher.several_teachers import MixedSignal, RoutedPart, RoutedSignal
 from opd.utils.errors import ConfigError
 
 DEPTHS = {"sync": 0, "one_step_off": 1, "two_step_off": 2}
@@ -143,7 +148,7 @@ class RolloutSchedule:
         request = loss_fn.teacher_request
         # Top-k and token signals are small enough to score a whole batch ahead; the full
         # vocabulary is scored by the trainer, micro-batch by micro-batch, as in sync.
-        self.scores_ahead = self.depth > 0 and request is not None and not isinstance(request, FullVocabRequest)
+        self.scores_ahead = self.depth > 0 and request is not None and not _asks_full_vocab(request)
         self.queue: deque[_Slot] = deque()
         self.rollout_version: int | None = None
         """The policy version the engine's weights are (None: not known, refit before sampling)."""
@@ -342,10 +347,34 @@ class RolloutSchedule:
             self.queue.append(slot)
 
 
+def _asks_full_vocab(request: TeacherRequest) -> bool:
+    """Whether ``request`` (or one routed teacher's part of it) asks for the full vocabulary."""
+    if isinstance(request, PerTeacherRequest):
+        return any(isinstance(part, FullVocabRequest) for part in request.requests)
+    return isinstance(request, FullVocabRequest)
+
+
 def _signal_to_state(signal: TeacherSignal | None) -> dict[str, Any] | None:
-    """A top-k or token signal as plain tensors (checkpoints are loaded with ``weights_only``)."""
+    """A top-k or token signal as plain tensors (checkpoints are loaded with ``weights_only``).
+
+    Several teachers' answers keep their parts (routing: each member's rows and answer;
+    mixture: the mixture, each member's answer and the weights).
+    """
     if signal is None:
         return None
+    if isinstance(signal, RoutedSignal):
+        parts = [
+            {"teacher": part.teacher, "rows": part.rows, "signal": _signal_to_state(part.signal)}
+            for part in signal.parts
+        ]
+        return {"kind": "routed", "parts": parts, "batch_size": signal.batch_size}
+    if isinstance(signal, MixedSignal):
+        return {
+            "kind": "mixed",
+            "mixed": _signal_to_state(signal.mixed),
+            "members": [_signal_to_state(member) for member in signal.members],
+            "weights": signal.weights,
+        }
     if isinstance(signal, TopKLogprobs):
         return {"kind": "topk", "logprobs": signal.logprobs, "ids": signal.ids, "rest": signal.rest_logprobs}
     if isinstance(signal, tuple):
@@ -357,6 +386,12 @@ def _signal_to_state(signal: TeacherSignal | None) -> dict[str, Any] | None:
 def _signal_from_state(state: dict[str, Any] | None) -> TeacherSignal | None:
     if state is None:
         return None
+    if state["kind"] == "routed":
+        parts = [RoutedPart(part["teacher"], part["rows"], _single(part["signal"])) for part in state["parts"]]
+        return RoutedSignal(parts, state["batch_size"])
+    if state["kind"] == "mixed":
+        members = [_single(member) for member in state["members"]]
+        return MixedSignal(_single(state["mixed"]), members, state["weights"])
     if state["kind"] == "topk":
         return TopKLogprobs(state["logprobs"], state["ids"], state["rest"])
     if state["kind"] == "tuple":
@@ -364,21 +399,51 @@ def _signal_from_state(state: dict[str, Any] | None) -> TeacherSignal | None:
     return state["value"]
 
 
+def _single(state: dict[str, Any]) -> SingleTeacherSignal:
+    """One member's answer from its state."""
+    signal = _signal_from_state(state)
+    assert signal is not None and not isinstance(signal, SeveralTeachersSignal)
+    return signal
+
+
 def signal_rows(signal: TeacherSignal, micro_batch: BatchedDataDict) -> TeacherSignal:
     """The rows of a whole batch's teacher signal that a micro-batch holds, cut to its width.
 
     The micro-batch carries ``sample_index`` (its rows' places in the batch) and may be
     trimmed to its own longest row, so the signal is cut to the same number of positions.
+    Several teachers' answers select their own rows (:meth:`SeveralTeachersSignal.select_rows`).
+    A packed micro-batch (``training.sequence_packing``: one row with ``sequence_lengths``)
+    gets its sequences' rows packed as its tokens are: each row cut to its sequence's
+    length and the rows concatenated, so every position keeps the teacher's answer for
+    it (what the teacher answers when it scores the packed row itself).
     """
-    rows = micro_batch["sample_index"]
+    if "sequence_lengths" in micro_batch:
+        if isinstance(signal, SeveralTeachersSignal):
+            raise TypeError("several teachers' answers are scored on right-padded rows, not packed ones")
+        rows = micro_batch["sample_index"][0].cpu()
+        lengths = [int(length) for length in micro_batch["sequence_lengths"][0]]
+        return _map_tensors(signal, lambda part: _pack_rows(part, rows, lengths))
+    rows = micro_batch["sample_index"].cpu()
     width = micro_batch["input_ids"].shape[1]
+    if isinstance(signal, SeveralTeachersSignal):
+        return signal.select_rows(rows, width)
+    return _map_tensors(signal, lambda part: part[rows.to(part.device), :width])
+
+
+def _pack_rows(part: torch.Tensor, rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """``[1, Σ lengths, ...]``: row ``rows[i]`` of ``part`` cut to ``lengths[i]``, one after another."""
+    return torch.cat([part[int(row), :length] for row, length in zip(rows, lengths, strict=True)]).unsqueeze(0)
+
+
+def _map_tensors(signal: TeacherSignal, per_row: Callable[[torch.Tensor], torch.Tensor]) -> TeacherSignal:
+    """One teacher's top-k or token signal with ``per_row`` applied to each of its ``[B, L, ...]`` tensors."""
     if isinstance(signal, TopKLogprobs):
-        rest = signal.rest_logprobs[rows, :width] if signal.rest_logprobs is not None else None
-        return TopKLogprobs(signal.logprobs[rows, :width], signal.ids[rows, :width], rest)
+        rest = per_row(signal.rest_logprobs) if signal.rest_logprobs is not None else None
+        return TopKLogprobs(per_row(signal.logprobs), per_row(signal.ids), rest)
     if isinstance(signal, tuple):
-        return tuple(part[rows, :width] for part in signal)  # type: ignore[return-value]
-    assert isinstance(signal, torch.Tensor)
-    return signal[rows, :width]
+        return tuple(per_row(part) for part in signal)  # type: ignore[return-value]
+    assert isinstance(signal, torch.Tensor)  # full-vocabulary signals are scored by the trainer
+    return per_row(signal)
 
 
 def task_rewards(

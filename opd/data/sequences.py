@@ -138,6 +138,10 @@ PACKED_TOKEN_FIELDS = ("input_ids", "token_mask", "generation_logprobs")
 """Per-token ``[B, L]`` fields that :func:`pack_padding_free` carries into the packed row."""
 
 
+PER_SEQUENCE_TOKEN_FIELDS = ("task_reward", "staleness")
+"""Per-sequence ``[B]`` fields that :func:`pack_padding_free` spreads over each sequence's tokens (``[1, T]``)."""
+
+
 def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
     """Concatenates the rows of a right-padded batch into one row without padding.
 
@@ -159,7 +163,10 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
         of shape ``[1, T]``, ``position_ids [1, T]``, ``segment_ids [1, T]`` (the index of
         each token's sequence), ``input_lengths [1]`` (= T) and ``sequence_lengths``
         (``[1, B]``, the packed sequences' lengths in order). A per-sequence
-        ``task_reward [B]`` becomes ``[1, T]``: each token holds its sequence's reward.
+        ``task_reward [B]`` or ``staleness [B]`` (an asynchronous schedule's samples)
+        becomes ``[1, T]``: each token holds its sequence's value. ``sample_index [B]``
+        (the rows' places in a batch scored ahead) is kept as ``[1, B]``, so the packed
+        row finds its rows of that signal (:func:`~opd.algorithms.rollout_schedule.signal_rows`).
         With ``teacher_prompt_ids`` (context distillation), the row keeps them as a
         one-element list of the B prompts, and ``prompt_lengths`` as ``[1, B]``.
     """
@@ -178,10 +185,11 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
     packed["segment_ids"] = torch.repeat_interleave(
         torch.arange(len(lengths), device=device), lengths_tensor
     ).unsqueeze(0)
-    if "task_reward" in batch:
-        packed["task_reward"] = torch.repeat_interleave(
-            batch["task_reward"], lengths_tensor.to(batch["task_reward"].device)
-        ).unsqueeze(0)
+    for field in PER_SEQUENCE_TOKEN_FIELDS:
+        if field in batch:
+            packed[field] = torch.repeat_interleave(batch[field], lengths_tensor.to(batch[field].device)).unsqueeze(0)
+    if "sample_index" in batch:
+        packed["sample_index"] = batch["sample_index"].reshape(1, -1)
     packed["input_lengths"] = torch.tensor([sum(lengths)], device=device)
     packed["sequence_lengths"] = torch.tensor([lengths], device=device)
     if "teacher_prompt_ids" in batch:

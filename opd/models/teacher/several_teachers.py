@@ -32,9 +32,10 @@ The mixture for each signal (``w_i`` sum to 1 for every row; ``T`` the loss temp
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,7 @@ import torch
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.interfaces import (
     FullVocabRequest,
+    Pending,
     PerTeacherRequest,
     SeveralTeachersSignal,
     SingleTeacherRequest,
@@ -87,6 +89,50 @@ def _pairs(signals: Sequence[SingleTeacherSignal]) -> list[tuple[torch.Tensor, t
     if len(pairs) != len(signals):
         raise TypeError("the teachers answered one request with different kinds of signal")
     return pairs
+
+
+def _signal_rows(signal: TeacherSignal, rows: torch.Tensor, width: int) -> SingleTeacherSignal:
+    """Rows ``rows`` of one member's ``[B, L, ...]`` answer, cut to ``width`` positions."""
+    if isinstance(signal, SeveralTeachersSignal):
+        raise TypeError("a member of several teachers is one teacher, not a group")
+
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[rows.to(tensor.device), :width]
+
+    if isinstance(signal, LMHeadInput):
+        return dataclasses.replace(signal, hidden_states=cut(signal.hidden_states))
+    if isinstance(signal, TopKLogprobs):
+        rest = cut(signal.rest_logprobs) if signal.rest_logprobs is not None else None
+        return TopKLogprobs(cut(signal.logprobs), cut(signal.ids), rest)
+    if isinstance(signal, tuple):
+        return (cut(signal[0]), cut(signal[1]))
+    return cut(signal)
+
+
+class _Combined(Pending[TeacherSignal]):
+    """Several members' pending answers, combined into one answer when collected.
+
+    Each member's time is the time from the start of scoring to the collection of its
+    answer (members score at once where they can, so the times overlap).
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        pending: Sequence[Pending[TeacherSignal]],
+        combine: Callable[[list[TeacherSignal], dict[str, float]], SeveralTeachersSignal],
+    ) -> None:
+        self.names, self.pending, self.combine = list(names), list(pending), combine
+        self.started = time.perf_counter()
+
+    def result(self) -> TeacherSignal:
+        """Waits for every member, then combines their answers."""
+        answers: list[TeacherSignal] = []
+        seconds: dict[str, float] = {}
+        for name, pending in zip(self.names, self.pending, strict=True):
+            answers.append(pending.result())
+            seconds[name] = time.perf_counter() - self.started
+        return self.combine(answers, seconds)
 
 
 # --------------------------------------------------------------------------- routing
@@ -148,6 +194,23 @@ class RoutedSignal(SeveralTeachersSignal):
         parts = [RoutedPart(part.teacher, part.rows, _single_to(part.signal, device)) for part in self.parts]
         return RoutedSignal(parts, self.batch_size, dict(self.seconds))
 
+    def select_rows(self, rows: torch.Tensor, width: int) -> RoutedSignal:
+        """Each member's answer for those of its rows that are among ``rows``, renumbered in ``rows``' order.
+
+        The members' scoring times stay with the whole batch's answer (they were spent
+        when it was scored): the selection carries none.
+        """
+        rows = rows.cpu()
+        place = torch.full((self.batch_size,), -1, dtype=torch.long)
+        place[rows] = torch.arange(rows.numel())
+        parts: list[RoutedPart] = []
+        for part in self.parts:
+            local = place[part.rows.cpu()]
+            kept = (local >= 0).nonzero().squeeze(-1)
+            if kept.numel():
+                parts.append(RoutedPart(part.teacher, local[kept], _signal_rows(part.signal, kept, width)))
+        return RoutedSignal(parts, rows.numel())
+
 
 def _single_to(signal: TeacherSignal, device: torch.device) -> SingleTeacherSignal:
     moved = signal_to_device(signal, device)
@@ -204,23 +267,43 @@ class RoutedTeachers(TeacherInterface):
             ValueError: if ``data`` has no ``teacher_index`` or one outside the members, or a
                 :class:`PerTeacherRequest` has not one request per member.
         """
+        parts: list[RoutedPart] = []
+        seconds: dict[str, float] = {}
+        requests = self._requests(request)
+        for position, rows in self._routes(data):
+            started = time.perf_counter()
+            signal = self.members[position].score(data.select_indices(rows), requests[position])
+            seconds[self.names[position]] = time.perf_counter() - started
+            parts.append(RoutedPart(position, rows, signal))
+        return RoutedSignal(parts, data.size, seconds)
+
+    def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
+        """Starts every member with rows on its rows (each member scores in the background where it
+        can: a pool, a server) and puts their answers together when collected (as :meth:`score`)."""
+        requests = self._requests(request)
+        routes = self._routes(data)
+        pending = [
+            self.members[position].score_async(data.select_indices(rows), requests[position])
+            for position, rows in routes
+        ]
+
+        def combine(answers: list[TeacherSignal], seconds: dict[str, float]) -> RoutedSignal:
+            parts = [
+                RoutedPart(position, rows, answer) for (position, rows), answer in zip(routes, answers, strict=True)
+            ]
+            return RoutedSignal(parts, data.size, seconds)
+
+        return _Combined([self.names[position] for position, _ in routes], pending, combine)
+
+    def _routes(self, data: BatchedDataDict) -> list[tuple[int, torch.Tensor]]:
+        """``(member, its rows)`` for every member with rows in ``data``, in member order."""
         if "teacher_index" not in data:
             raise ValueError("several teachers with routing need each row's teacher_index (set from the data)")
         index = data["teacher_index"]
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= len(self.members)):
             raise ValueError(f"teacher_index outside 0..{len(self.members) - 1}")
-        parts: list[RoutedPart] = []
-        seconds: dict[str, float] = {}
-        requests = self._requests(request)
-        for position, (name, member) in enumerate(zip(self.names, self.members, strict=True)):
-            rows = (index == position).nonzero().squeeze(-1).cpu()
-            if rows.numel() == 0:
-                continue
-            started = time.perf_counter()
-            signal = member.score(data.select_indices(rows), requests[position])
-            seconds[name] = time.perf_counter() - started
-            parts.append(RoutedPart(position, rows, signal))
-        return RoutedSignal(parts, data.size, seconds)
+        routes = [(position, (index == position).nonzero().squeeze(-1).cpu()) for position in range(len(self.members))]
+        return [(position, rows) for position, rows in routes if rows.numel()]
 
     def close(self) -> None:
         """Closes every member."""
@@ -255,6 +338,14 @@ class MixedSignal(SeveralTeachersSignal):
         """The mixture, every member's answer and the weights on ``device``."""
         members = [_single_to(member, device) for member in self.members]
         return MixedSignal(_single_to(self.mixed, device), members, self.weights.to(device), dict(self.seconds))
+
+    def select_rows(self, rows: torch.Tensor, width: int) -> MixedSignal:
+        """The mixture, each member's answer and the weights of rows ``rows``, cut to ``width`` positions.
+
+        The members' scoring times stay with the whole batch's answer: the selection carries none.
+        """
+        members = [_signal_rows(member, rows, width) for member in self.members]
+        return MixedSignal(_signal_rows(self.mixed, rows, width), members, self.weights[rows.to(self.weights.device)])
 
 
 class TeacherMixture(TeacherInterface):
@@ -294,6 +385,24 @@ class TeacherMixture(TeacherInterface):
             ValueError: if ``data`` has no ``teacher_weights`` of one column per member, or
                 for a :class:`PerTeacherRequest`.
         """
+        weights, request = self._checked(data, request)
+        answers: list[TeacherSignal] = []
+        seconds: dict[str, float] = {}
+        for name, member in zip(self.names, self.members, strict=True):
+            started = time.perf_counter()
+            answers.append(member.score(data, request))
+            seconds[name] = time.perf_counter() - started
+        return self._mix(answers, weights, request, seconds)
+
+    def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
+        """Starts every member on every row (in the background where it can) and mixes their answers
+        when collected (as :meth:`score`)."""
+        weights, request = self._checked(data, request)
+        pending = [member.score_async(data, request) for member in self.members]
+        return _Combined(self.names, pending, lambda answers, seconds: self._mix(answers, weights, request, seconds))
+
+    def _checked(self, data: BatchedDataDict, request: TeacherRequest) -> tuple[torch.Tensor, TeacherRequest]:
+        """The rows' weights, and the request every member answers."""
         if isinstance(request, PerTeacherRequest):
             raise ValueError(self.refusal(request))
         weights = data.get("teacher_weights")
@@ -303,12 +412,13 @@ class TeacherMixture(TeacherInterface):
             )
         if isinstance(request, FullVocabRequest):
             request = FullVocabRequest(prefer_hidden_states=False)  # mixed position by position
-        answers: list[SingleTeacherSignal] = []
-        seconds: dict[str, float] = {}
-        for name, member in zip(self.names, self.members, strict=True):
-            started = time.perf_counter()
-            answers.append(_as_dense(member.score(data, request)))
-            seconds[name] = time.perf_counter() - started
+        return weights, request
+
+    def _mix(
+        self, signals: list[TeacherSignal], weights: torch.Tensor, request: TeacherRequest, seconds: dict[str, float]
+    ) -> MixedSignal:
+        """The members' answers mixed with the rows' weights."""
+        answers = [_as_dense(signal) for signal in signals]
         mixed: SingleTeacherSignal
         if isinstance(request, FullVocabRequest):
             mixed = mix_logits(_tensors(answers), weights, self.temperature)

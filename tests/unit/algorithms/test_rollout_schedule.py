@@ -213,7 +213,6 @@ def test_crash_and_rerun_trains_exactly_what_the_uninterrupted_run_trains(tmp_pa
     ("overrides", "match"),
     [
         (["training.scheduler=two_step_off"], r"two_step_off.*full-vocabulary"),
-        (["training.scheduler=one_step_off", "training.sequence_packing=true"], r"sequence_packing"),
         (["training.scheduler=one_step_off", "cluster.placement=colocated"], r"cluster\.placement = split"),
         (
             ["training.scheduler=two_step_off", "loss_fn.type=topk", "cluster.placement=split"],
