@@ -508,8 +508,6 @@ def _schedule_problem(config: MasterConfig) -> str | None:
             "use the hf backend in process (it keeps its own copy of the weights) or a cluster"
         )
     loss = config.loss_fn
-    if isinstance(loss, HybridFullVocabLossConfig):
-        return f"{key}: loss_fn.type = hybrid_full_vocab has no off-policy correction yet; use sync"
     full_vocab = isinstance(loss.teacher_request(None), FullVocabRequest)
     if training.scheduler == "two_step_off" and full_vocab:
         return (

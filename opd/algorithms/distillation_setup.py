@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from opd.algorithms.compiled_kernels import resolve_compile_kernels
 from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
+from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
 from opd.algorithms.loss_config import (
     FullVocabKernelSettings,
     FusedHeadSettings,
@@ -437,7 +438,8 @@ def build_loss(config: MasterConfig, tokenizer: Any) -> LossFunction:
     for key, loss in config.teacher_losses():
         if key not in built:
             objective = loss.build(len(tokenizer), device_type)
-            if config.training.correction_is_on() and isinstance(objective, DistillationLossFn):
+            corrected = (DistillationLossFn, FullVocabHybridLossFn)
+            if config.training.correction_is_on() and isinstance(objective, corrected):
                 objective.off_policy = OffPolicyCorrection.from_config(
                     config.training.off_policy_correction, config.distillation.generate_strategy
                 )
