@@ -335,11 +335,9 @@ def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
 
 
 def _sync_only_problem(config: MasterConfig, feature: str) -> str | None:
-    """``feature`` runs on right-padded rows, without the validation baselines."""
+    """``feature`` scores right-padded rows."""
     unsupported = {
         "training.sequence_packing": config.training.sequence_packing,
-        "validation.teacher_baseline": config.validation.teacher_baseline,
-        "validation.eval_baseline": config.validation.eval_baseline,
     }
     for key, used in unsupported.items():
         if used:
@@ -402,6 +400,23 @@ def _several_teachers_problem(config: MasterConfig) -> str | None:
     problem = _sync_only_problem(config, "several teachers (teachers:)")
     if problem is not None:
         return problem
+    validation = config.validation
+    served = [member.name for member in config.teachers.members if member.backend == "remote"]
+    for key, enabled in {
+        "teacher_baseline": validation.teacher_baseline,
+        "eval_baseline": validation.eval_baseline,
+    }.items():
+        if enabled and served:
+            return (
+                f"validation.{key} generates with each teacher in process, but {', '.join(served)} "
+                "is served; set it to false"
+            )
+    early_stop = config.training.early_stop
+    if early_stop is not None and early_stop.target == "teacher":
+        return (
+            "training.early_stop.target = teacher: several teachers have no one teacher value (the baseline reports "
+            "val/teacher_<name>_* for each); give a number as the target"
+        )
     in_process = [member.name for member in config.teachers.members if member.backend == "local"]
     if config.cluster is not None and in_process and config.cluster.teacher.placement == "colocated":
         return (

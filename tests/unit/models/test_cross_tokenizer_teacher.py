@@ -211,7 +211,6 @@ CROSS = ["teacher.cross_tokenizer=true", "loss_fn.type=topk", "loss_fn.k=8"]
 @pytest.mark.parametrize(("overrides", "message"), [
     (["teacher.cross_tokenizer=true"], "loss_fn.type = full_vocab is not supported with it, use loss_fn.type = topk"),
     ([*CROSS, "training.sequence_packing=true"], "training.sequence_packing is not supported with teacher.cross_tokenizer"),
-    ([*CROSS, "validation.teacher_baseline=true"], "validation.teacher_baseline is not supported"),
 ])
 def test_cross_tokenizer_config_mistakes_name_their_keys(overrides, message):
     with pytest.raises(ConfigError, match=message):
