@@ -331,7 +331,7 @@ def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
             "teacher.cross_tokenizer with cluster.teacher.placement = colocated: the trainer workers score the "
             "student's own tokens; set cluster.teacher.placement = pool (or serve the teacher)"
         )
-    return _sync_only_problem(config, "teacher.cross_tokenizer")
+    return None
 
 
 def _sync_only_problem(config: MasterConfig, feature: str) -> str | None:

@@ -45,7 +45,7 @@ from opd.algorithms.distillation_config import MasterConfig
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import attach_teacher_fields, build_fixed_data_batch
 from opd.data.dataloaders import PreparedExample
-from opd.data.sequences import build_token_mask
+from opd.data.sequences import build_token_mask, pack_rows
 from opd.environments.math_verifier import grade_responses
 from opd.models.interfaces import (
     FullVocabRequest,
@@ -422,17 +422,12 @@ def signal_rows(signal: TeacherSignal, micro_batch: BatchedDataDict) -> TeacherS
             raise TypeError("several teachers' answers are scored on right-padded rows, not packed ones")
         rows = micro_batch["sample_index"][0].cpu()
         lengths = [int(length) for length in micro_batch["sequence_lengths"][0]]
-        return _map_tensors(signal, lambda part: _pack_rows(part, rows, lengths))
+        return _map_tensors(signal, lambda part: pack_rows(part, lengths, rows.tolist()))
     rows = micro_batch["sample_index"].cpu()
     width = micro_batch["input_ids"].shape[1]
     if isinstance(signal, SeveralTeachersSignal):
         return signal.select_rows(rows, width)
     return _map_tensors(signal, lambda part: part[rows.to(part.device), :width])
-
-
-def _pack_rows(part: torch.Tensor, rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """``[1, Σ lengths, ...]``: row ``rows[i]`` of ``part`` cut to ``lengths[i]``, one after another."""
-    return torch.cat([part[int(row), :length] for row, length in zip(rows, lengths, strict=True)]).unsqueeze(0)
 
 
 def _map_tensors(signal: TeacherSignal, per_row: Callable[[torch.Tensor], torch.Tensor]) -> TeacherSignal:

@@ -6,7 +6,8 @@ same schedule without the feature:
 * ``one_step_off`` with ``training.sequence_packing`` trains the unpacked run's samples
   to the same losses and importance-ratio metrics (step 2 trains a stale batch, so the
   off-policy correction is exercised), with a full-vocabulary teacher (scored by the
-  trainer on the packed rows) and a top-k teacher (scored ahead, its rows packed).
+  trainer on the packed rows), a top-k teacher (scored ahead, its rows packed) and a
+  cross-tokenizer teacher (scored ahead on rows; it re-tokenises each sequence).
 * two routed teachers whose rows all go to one teacher, and a mixture that gives one
   teacher all the weight, equal that teacher alone under ``one_step_off`` and
   ``two_step_off`` (the group is scored ahead with ``score_async`` and cut per micro-batch).
@@ -84,7 +85,11 @@ def same_training(records: list[dict], reference: list[dict], keys: tuple[str, .
 CORRECTION = ("train/loss", "train/kl_forward", "train/is_ratio_mean", "train/is_abs_log_ratio_mean")
 
 
-@pytest.mark.parametrize("loss", [[], TOPK], ids=["full_vocab", "topk_scored_ahead"])
+@pytest.mark.parametrize(
+    "loss",
+    [[], TOPK, [*TOPK, "teacher.cross_tokenizer=true"]],
+    ids=["full_vocab", "topk_scored_ahead", "cross_tokenizer_scored_ahead"],
+)
 def test_one_step_off_packed_equals_one_step_off_unpacked(tmp_path, loss):
     padded = run(tmp_path, "padded", "training.scheduler=one_step_off", *loss)
     packed = run(tmp_path, "packed", "training.scheduler=one_step_off", "training.sequence_packing=true", *loss)
