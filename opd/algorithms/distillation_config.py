@@ -334,17 +334,6 @@ def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
     return None
 
 
-def _sync_only_problem(config: MasterConfig, feature: str) -> str | None:
-    """``feature`` scores right-padded rows."""
-    unsupported = {
-        "training.sequence_packing": config.training.sequence_packing,
-    }
-    for key, used in unsupported.items():
-        if used:
-            return f"{key} is not supported with {feature} yet; remove one of the two"
-    return None
-
-
 @dataclass(frozen=True)
 class _TeacherKeys:
     """Where a teacher's settings are, for the messages (``teacher:`` or ``teachers.members[i]``),
@@ -388,7 +377,7 @@ def _one_teacher_problem(
 
 
 def _several_teachers_problem(config: MasterConfig) -> str | None:
-    """``teachers:`` replaces the single teacher's keys, and runs in process with the synchronous schedule."""
+    """``teachers:`` replaces the single teacher's keys; what the baselines and each member need."""
     assert config.teachers is not None
     if config.model.teacher_model_path is not None:
         return (
@@ -397,9 +386,6 @@ def _several_teachers_problem(config: MasterConfig) -> str | None:
         )
     if config.teacher.backend != "local" or config.teacher.remote.url is not None:
         return "teacher: is for one teacher; with teachers:, set teachers.members[*].backend and remote instead"
-    problem = _sync_only_problem(config, "several teachers (teachers:)")
-    if problem is not None:
-        return problem
     validation = config.validation
     served = [member.name for member in config.teachers.members if member.backend == "remote"]
     for key, enabled in {

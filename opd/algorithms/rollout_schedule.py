@@ -418,10 +418,10 @@ def signal_rows(signal: TeacherSignal, micro_batch: BatchedDataDict) -> TeacherS
     it (what the teacher answers when it scores the packed row itself).
     """
     if "sequence_lengths" in micro_batch:
-        if isinstance(signal, SeveralTeachersSignal):
-            raise TypeError("several teachers' answers are scored on right-padded rows, not packed ones")
         rows = micro_batch["sample_index"][0].cpu()
         lengths = [int(length) for length in micro_batch["sequence_lengths"][0]]
+        if isinstance(signal, SeveralTeachersSignal):
+            return signal.select_rows(rows, max(lengths)).pack(lengths)
         return _map_tensors(signal, lambda part: pack_rows(part, lengths, rows.tolist()))
     rows = micro_batch["sample_index"].cpu()
     width = micro_batch["input_ids"].shape[1]

@@ -230,6 +230,48 @@ def unpack_padding_free(packed: BatchedDataDict, pad_token_id: int) -> BatchedDa
     return rows
 
 
+def select_segments(packed: BatchedDataDict, segments: torch.Tensor) -> tuple[torch.Tensor, BatchedDataDict]:
+    """Some of a packed row's sequences, as a packed row of their own.
+
+    The sequences stay whole, so the selection is itself a packed row: each position
+    predicts the next token of its own sequence, and the first token of every sequence
+    carries no loss (what :func:`pack_padding_free` gives, so a loss computes the same
+    on it).
+
+    Args:
+        packed: a batch of :func:`pack_padding_free`.
+        segments: ``[k]`` the sequences to keep (their order in the packed row), in the
+            order they are to appear.
+
+    Returns:
+        ``(positions [n], batch)``: the kept tokens' positions in ``packed``'s row, in the
+        new row's order, and the new one-row batch.
+    """
+    lengths = packed["sequence_lengths"][0].cpu()
+    starts = torch.cat([torch.zeros(1, dtype=lengths.dtype), lengths.cumsum(0)[:-1]])
+    chosen = segments.cpu().long()
+    kept_lengths = lengths[chosen]
+    positions = torch.cat(
+        [torch.arange(int(start), int(start) + int(length)) for start, length in zip(starts[chosen], kept_lengths)]
+        or [torch.zeros(0, dtype=torch.long)]
+    )
+    total = int(packed["input_ids"].shape[1])
+    selected = BatchedDataDict()
+    for key, value in packed.items():
+        if key == "teacher_prompt_ids":
+            selected[key] = [[value[0][int(segment)] for segment in chosen]]
+        elif key in ("sequence_lengths", "prompt_lengths", *PER_SEQUENCE_FIELDS):
+            selected[key] = value[:, chosen.to(value.device)]
+        elif isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == total:
+            selected[key] = value[:, positions.to(value.device)]
+        else:
+            selected[key] = value
+    device = packed["input_ids"].device
+    selected["segment_ids"] = torch.repeat_interleave(torch.arange(len(chosen)), kept_lengths).unsqueeze(0).to(device)
+    selected["input_lengths"] = torch.tensor([len(positions)], device=device)
+    return positions, selected
+
+
 def pack_rows(values: torch.Tensor, lengths: Sequence[int], rows: Sequence[int] | None = None) -> torch.Tensor:
     """``[1, Σ lengths, ...]``: row ``rows[i]`` (default ``i``) of a ``[B, L, ...]`` tensor cut to
     ``lengths[i]``, one after another: a per-position answer for right-padded rows laid out like the

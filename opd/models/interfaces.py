@@ -186,6 +186,13 @@ class SeveralTeachersSignal(ABC):
         micro-batch takes its rows (:func:`~opd.algorithms.rollout_schedule.signal_rows`).
         """
 
+    @abstractmethod
+    def pack(self, lengths: list[int]) -> SeveralTeachersSignal:
+        """The answer for right-padded rows laid out like their packed row (``training.sequence_packing``).
+
+        ``lengths`` are the rows' sequence lengths, in row order (the packed row's segments).
+        """
+
 
 SingleTeacherSignal = torch.Tensor | LMHeadInput | tuple[torch.Tensor, torch.Tensor]
 """One teacher's answer (see :data:`TeacherSignal`)."""

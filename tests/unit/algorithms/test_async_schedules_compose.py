@@ -11,6 +11,8 @@ same schedule without the feature:
 * two routed teachers whose rows all go to one teacher, and a mixture that gives one
   teacher all the weight, equal that teacher alone under ``one_step_off`` and
   ``two_step_off`` (the group is scored ahead with ``score_async`` and cut per micro-batch).
+* two routed teachers that each get rows, and a mixture, train packed as they train on
+  right-padded rows, scored by the trainer (sync) or ahead (``one_step_off``).
 * a cross-tokenizer teacher scored ahead under ``one_step_off`` (the whole batch at once)
   equals the same run with the trainer asking it for each micro-batch.
 
@@ -118,6 +120,66 @@ def test_a_cross_tokenizer_teacher_scored_ahead_equals_it_scored_by_the_trainer(
     monkeypatch.setattr(RolloutSchedule, "_start_teacher", lambda self, slot: None)
     in_trainer = run(tmp_path, "in_trainer", *cross)
     same_training(ahead, in_trainer, ("train/loss", "train/kl_forward", "train/kl_reverse"), rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def task_data(tmp_path_factory) -> Path:
+    """Training rows of two tasks, ``add`` and ``sub`` (the routing key)."""
+    rows = []
+    for i in range(6):
+        x, y = 10 + 7 * i, 3 + i
+        sign, answer, task = ("+", x + y, "add") if i % 2 else ("-", x - y, "sub")
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"What is {x} {sign} {y}?"},
+                    {"role": "assistant", "content": f"The answer is \\boxed{{{answer}}}."},
+                ],
+                "ground_truth": str(answer),
+                "task": task,
+            }
+        )
+    path = tmp_path_factory.mktemp("tasks") / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+ROUTE_SPLIT = [
+    "model.teacher_model_path=null",
+    "teachers.mode=route",
+    "teachers.route_key=task",
+    "teachers.members=[{name: add, model_path: 'tiny:teacher'}, {name: sub, model_path: 'tiny:student-b'}]",
+]
+MIX_HALVES = [
+    "model.teacher_model_path=null",
+    "teachers.mode=mixture",
+    "teachers.members=[{name: add, model_path: 'tiny:teacher'}, {name: sub, model_path: 'tiny:student-b'}]",
+]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "group"),
+    [
+        (["training.scheduler=sync"], ROUTE_SPLIT),
+        (["training.scheduler=one_step_off", *TOPK], ROUTE_SPLIT),
+        (["training.scheduler=sync"], MIX_HALVES),
+        (["training.scheduler=one_step_off", *TOPK], MIX_HALVES),
+    ],
+    ids=["route_sync_full_vocab", "route_one_step_off_topk", "mixture_sync_full_vocab", "mixture_one_step_off_topk"],
+)
+def test_several_teachers_packed_equal_several_teachers_unpacked(tmp_path, task_data, schedule, group):
+    common = [f"data.train_path={task_data}", *schedule, *group]
+    padded = run(tmp_path, "padded", *common)
+    packed = run(tmp_path, "packed", *common, "training.sequence_packing=true")
+    keys = (
+        "train/loss",
+        "train/kl_forward",
+        "train/teacher/add/kl_forward",
+        "train/teacher/sub/kl_reverse",
+        "train/teacher/add/token_share",
+    )
+    same_training(packed, padded, keys, rel=1e-4)
+    assert 0 < padded[0]["train/teacher/add/token_share"] < 1  # both teachers score
 
 
 def _topk(rows: int, width: int, seed: int) -> TopKLogprobs:
