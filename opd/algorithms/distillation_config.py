@@ -473,12 +473,6 @@ def _cluster_problem(config: MasterConfig) -> str | None:
             "share them only with cluster.placement = colocated; set it, or switch the offload off"
         )
     one_local_teacher = config.teachers is None and config.teacher.backend == "local"  # teachers: are checked above
-    in_workers = one_local_teacher and cluster.teacher.placement == "colocated"
-    if in_workers and config.distillation.teacher_context_spec() is not None:
-        return (
-            "distillation.teacher_context with cluster.teacher.placement = colocated: the trainer workers score "
-            "the student's own prompt; use cluster.teacher.placement = pool for context distillation"
-        )
     in_pool = one_local_teacher and cluster.teacher.placement == "pool"
     if in_pool and isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
         return (

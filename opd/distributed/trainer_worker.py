@@ -39,6 +39,7 @@ from opd.models.interfaces import (
     FullVocabRequest,
     LossFunction,
     TeacherComparison,
+    TeacherInterface,
     TeacherRequest,
     TeacherSignal,
     signal_to_device,
@@ -46,6 +47,7 @@ from opd.models.interfaces import (
 from opd.models.lm_head import LMHeadInput, output_head_of, output_layer_of
 from opd.models.loading import load_causal_lm, resolve_dtype
 from opd.models.policy.optimization import accumulate_metrics, apply_gradients, build_optimizer, build_scheduler
+from opd.models.teacher.context_teacher import ContextTeacher
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.utils.memory import release_cached_memory
 
@@ -290,7 +292,7 @@ class TrainerWorker(RefitSender):
                 teacher_output = signal_to_device(teacher_signals[index], self.device)
             elif request is not None:
                 teacher_start = time.perf_counter()
-                teacher_output = self._colocated_teacher().score(micro_batch, request)
+                teacher_output = self._score_colocated(micro_batch, request)
                 teacher_seconds += time.perf_counter() - teacher_start
             student_output = self._forward(micro_batch, loss_fn.fused_lm_head)
             loss, metrics = loss_fn(
@@ -333,6 +335,19 @@ class TrainerWorker(RefitSender):
                 reduced.update(zip(keys, values.tolist(), strict=True))
         return reduced
 
+    def _score_colocated(self, micro_batch: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
+        """The colocated teacher's answer for a micro-batch, under each row's teacher-only context if it has one.
+
+        Context distillation (``distillation.teacher_context``): the rows carry
+        ``teacher_prompt_ids``, and the teacher scores each completion after its own prompt
+        (:class:`~opd.models.teacher.context_teacher.ContextTeacher`), as in one process.
+        """
+        teacher: TeacherInterface = self._colocated_teacher()
+        if "teacher_prompt_ids" in micro_batch:
+            # Its padding is never attended (rows carry their lengths) and carries no loss: any id serves.
+            teacher = ContextTeacher(teacher, pad_token_id=0)
+        return teacher.score(micro_batch, request)
+
     def _colocated_teacher(self) -> LocalTeacher:
         if self.teacher is None:
             raise RuntimeError("this trainer has no colocated teacher; the controller must send teacher signals")
@@ -360,7 +375,7 @@ class TrainerWorker(RefitSender):
                 if teacher_signals is not None:
                     teacher_output = signal_to_device(teacher_signals[index], self.device)
                 else:
-                    teacher_output = self._colocated_teacher().score(micro_batch, comparison.teacher_request)
+                    teacher_output = self._score_colocated(micro_batch, comparison.teacher_request)
                 hidden = getattr(self.model, HIDDEN_STATES_METHOD)(**model_inputs(micro_batch, self.device))
                 # Read after the forward: the root's weights (the head) are gathered only then.
                 student = output_layer_of(self.model, "the student").over(hidden)
