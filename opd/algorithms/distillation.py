@@ -211,8 +211,7 @@ def distillation_train(
         teacher_policy: the frozen teacher (scores the very tokens the student trains on).
         student_generation: the engine that samples from the student.
         teacher_generation: the teachers that answer the validation prompts for the
-            baselines (one per teacher in process); empty when none can (a served teacher,
-            a cluster).
+            baselines (one per teacher in process; none served or on a cluster).
         dataloader: resumable loader of prepared training examples (lists of dicts).
         val_dataloader: validation examples, or None to skip validation.
         tokenizer: shared tokenizer of teacher and student.

@@ -554,7 +554,7 @@ def teacher_engines(
         )
         return [TeacherEngine(HFGeneration(teacher_model, own, decode_loop), None, own, prompt_key)]
     assert isinstance(teacher, (RoutedTeachers, TeacherMixture))
-    routed = config.teachers.mode == "route"
+    routed = isinstance(teacher, RoutedTeachers)
     engines = []
     for position, (name, member) in enumerate(zip(teacher.names, teacher.members, strict=True)):
         inner = member.teacher if isinstance(member, ContextTeacher) else member
