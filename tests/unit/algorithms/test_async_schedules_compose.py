@@ -76,6 +76,19 @@ def run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
     return [record for record in map(json.loads, lines) if "train/loss" in record]
 
 
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory):
+    """Runs the references share (the same overrides run once per module)."""
+    done: dict[tuple[str, ...], list[dict]] = {}
+
+    def shared(*overrides: str) -> list[dict]:
+        if overrides not in done:
+            done[overrides] = run(tmp_path_factory.mktemp("shared"), "run", *overrides)
+        return done[overrides]
+
+    return shared
+
+
 def same_training(records: list[dict], reference: list[dict], keys: tuple[str, ...], rel: float) -> None:
     assert len(records) == len(reference) == 2
     for step, (record, expected) in enumerate(zip(records, reference, strict=True), start=1):
@@ -92,8 +105,8 @@ CORRECTION = ("train/loss", "train/kl_forward", "train/is_ratio_mean", "train/is
     [[], TOPK, [*TOPK, "teacher.cross_tokenizer=true"]],
     ids=["full_vocab", "topk_scored_ahead", "cross_tokenizer_scored_ahead"],
 )
-def test_one_step_off_packed_equals_one_step_off_unpacked(tmp_path, loss):
-    padded = run(tmp_path, "padded", "training.scheduler=one_step_off", *loss)
+def test_one_step_off_packed_equals_one_step_off_unpacked(tmp_path, shared_runs, loss):
+    padded = shared_runs("training.scheduler=one_step_off", *loss)
     packed = run(tmp_path, "packed", "training.scheduler=one_step_off", "training.sequence_packing=true", *loss)
     assert padded[1]["train/staleness_max"] == 1  # the correction weighs step 2's batch
     # Packed rows attend block-diagonally: the same loss up to float32 reordering.
@@ -105,8 +118,8 @@ def test_one_step_off_packed_equals_one_step_off_unpacked(tmp_path, loss):
     [("one_step_off", ROUTE_ALL_TO_A), ("two_step_off", ROUTE_ALL_TO_A), ("one_step_off", MIX_ALL_A)],
     ids=["route_one_step_off", "route_two_step_off", "mixture_one_step_off"],
 )
-def test_several_teachers_scored_ahead_equal_the_one_teacher_they_reduce_to(tmp_path, scheduler, group):
-    alone = run(tmp_path, "alone", f"training.scheduler={scheduler}", *TOPK)
+def test_several_teachers_scored_ahead_equal_the_one_teacher_they_reduce_to(tmp_path, shared_runs, scheduler, group):
+    alone = shared_runs(f"training.scheduler={scheduler}", *TOPK)
     several = run(tmp_path, "several", f"training.scheduler={scheduler}", *TOPK, *group)
     same_training(several, alone, ("train/loss", "train/kl_forward", "train/kl_reverse"), rel=1e-5)
     assert all(record["train/teacher/a/token_share"] == pytest.approx(1.0) for record in several)
