@@ -35,7 +35,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.rollout_schedule import RolloutSchedule, ScheduledBatch, signal_rows
 from opd.algorithms.training_loop import NextBatch, RunParts, RunSaveState, TrainingCallbacks, run_training_loop
-from opd.algorithms.validation import validate
+from opd.algorithms.validation import TeacherEngine, validate
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import unique_responses_per_prompt
 from opd.models.interfaces import (
@@ -189,7 +189,7 @@ def distillation_train(
     student_policy: PolicyInterface,
     teacher_policy: TeacherInterface,
     student_generation: GenerationInterface,
-    teacher_generation: GenerationInterface | None,
+    teacher_generation: list[TeacherEngine],
     dataloader: StatefulDataLoader,
     val_dataloader: StatefulDataLoader | None,
     tokenizer: Any,
@@ -210,8 +210,8 @@ def distillation_train(
         student_policy: the trainable student.
         teacher_policy: the frozen teacher (scores the very tokens the student trains on).
         student_generation: the engine that samples from the student.
-        teacher_generation: the engine that samples from the teacher (validation
-            baselines); None when the teacher is served.
+        teacher_generation: the teachers that answer the validation prompts for the
+            baselines (one per teacher in process; none served or on a cluster).
         dataloader: resumable loader of prepared training examples (lists of dicts).
         val_dataloader: validation examples, or None to skip validation.
         tokenizer: shared tokenizer of teacher and student.
@@ -266,7 +266,7 @@ class DistillationCallbacks(TrainingCallbacks):
         student_policy: PolicyInterface,
         teacher_policy: TeacherInterface,
         student_generation: GenerationInterface,
-        teacher_generation: GenerationInterface | None,
+        teacher_generation: list[TeacherEngine],
         val_dataloader: StatefulDataLoader | None,
         tokenizer: Any,
         loss_fn: LossFunction,
@@ -311,7 +311,7 @@ class DistillationCallbacks(TrainingCallbacks):
 
     def before_first_step(self) -> dict[str, float]:
         """Once, on a fresh run: the teacher's answers (with its context, if any) and the eval baseline."""
-        if self.val_dataloader is None or self.teacher_generation is None:
+        if self.val_dataloader is None or not self.teacher_generation:
             return {}
         if self.config.validation.eval_baseline:  # the student answers too: from its current weights
             self._refresh_generation()
@@ -335,41 +335,60 @@ class DistillationCallbacks(TrainingCallbacks):
 
 def validation_baselines(
     student_generation: GenerationInterface,
-    teacher_generation: GenerationInterface,
+    teacher_generation: list[TeacherEngine],
     val_dataloader: StatefulDataLoader,
     tokenizer: Any,
     config: MasterConfig,
 ) -> dict[str, float]:
     """``validation.teacher_baseline`` / ``eval_baseline``: how teacher and student answer before training.
 
-    The teacher answers with its teacher-only context, if any; the eval baseline compares
-    the student as it starts, without the context, with that teacher.
+    Each teacher answers with its teacher-only context, if any, and in its own tokens (a
+    cross-tokenizer teacher decodes and is graded with its own tokenizer). With several
+    teachers each is measured on its own (:class:`TeacherEngine`): with routing on the
+    prompts routed to it, in a mixture on every prompt; its metrics are
+    ``val/teacher_<name>_*``. The eval baseline compares the student as it starts, without
+    the context, with each teacher on that teacher's prompts
+    (``val/baseline_student_accuracy``, ``val/baseline_teacher_accuracy`` and
+    ``val/baseline_accuracy_gap``; with several teachers ``..._<name>`` at the end of each).
     """
     if not (config.validation.teacher_baseline or config.validation.eval_baseline):
         return {}
     strategy = config.validation.generate_strategy
-    with_context = config.distillation.teacher_context_spec() is not None
-    teacher_metrics = validate(
-        teacher_generation,
-        None,
-        None,
-        val_dataloader,
-        tokenizer,
-        strategy,
-        prefix="val/teacher_",
-        prompt_key="teacher_prompt_ids" if with_context else "prompt_ids",
-    )
-    metrics = dict(teacher_metrics) if config.validation.teacher_baseline else {}
-    if config.validation.eval_baseline:
+    metrics: dict[str, float] = {}
+    for engine in teacher_generation:
+        prefix = "val/teacher_" if engine.name is None else f"val/teacher_{engine.name}_"
+        teacher_metrics = validate(
+            engine.generation,
+            None,
+            None,
+            val_dataloader,
+            engine.tokenizer,
+            strategy,
+            prefix=prefix,
+            prompt_key=engine.prompt_key,
+            keep=engine.answers,
+        )
+        if config.validation.teacher_baseline:
+            metrics.update(teacher_metrics)
+        if not config.validation.eval_baseline:
+            continue
         student_metrics = validate(
-            student_generation, None, None, val_dataloader, tokenizer, strategy, prefix="val/student_"
+            student_generation,
+            None,
+            None,
+            val_dataloader,
+            tokenizer,
+            strategy,
+            prefix="val/student_",
+            keep=engine.answers,
         )
         student_accuracy = student_metrics.get("val/student_accuracy")
-        teacher_accuracy = teacher_metrics.get("val/teacher_accuracy")
+        teacher_accuracy = teacher_metrics.get(f"{prefix}accuracy")
         if student_accuracy is None or teacher_accuracy is None:
             log.warning("validation.eval_baseline: the validation data has no ground truth; no accuracies")
-        else:
-            metrics["val/baseline_student_accuracy"] = student_accuracy
-            metrics["val/baseline_teacher_accuracy"] = teacher_accuracy
-            metrics["val/baseline_accuracy_gap"] = teacher_accuracy - student_accuracy
+            continue
+        suffix = "" if engine.name is None else f"_{engine.name}"
+        metrics[f"val/baseline_student_accuracy{suffix}"] = student_accuracy
+        metrics[f"val/baseline_teacher_accuracy{suffix}"] = teacher_accuracy
+        metrics[f"val/baseline_accuracy_gap{suffix}"] = teacher_accuracy - student_accuracy
     return metrics

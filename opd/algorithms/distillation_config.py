@@ -332,20 +332,6 @@ def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
             "teacher.cross_tokenizer with cluster.teacher.placement = colocated: the trainer workers score the "
             "student's own tokens; set cluster.teacher.placement = pool (or serve the teacher)"
         )
-    return _sync_only_problem(config, "teacher.cross_tokenizer")
-
-
-def _sync_only_problem(config: MasterConfig, feature: str) -> str | None:
-    """``feature`` runs with the sync schedule, on right-padded rows, without the validation baselines."""
-    unsupported = {
-        f"training.scheduler = {config.training.scheduler}": config.training.asynchronous,
-        "training.sequence_packing": config.training.sequence_packing,
-        "validation.teacher_baseline": config.validation.teacher_baseline,
-        "validation.eval_baseline": config.validation.eval_baseline,
-    }
-    for key, used in unsupported.items():
-        if used:
-            return f"{key} is not supported with {feature} yet; remove one of the two"
     return None
 
 
@@ -393,7 +379,7 @@ def _one_teacher_problem(
 
 
 def _several_teachers_problem(config: MasterConfig) -> str | None:
-    """``teachers:`` replaces the single teacher's keys, and runs in process with the synchronous schedule."""
+    """``teachers:`` replaces the single teacher's keys; what the baselines and each member need."""
     assert config.teachers is not None
     if config.model.teacher_model_path is not None:
         return (
@@ -402,9 +388,23 @@ def _several_teachers_problem(config: MasterConfig) -> str | None:
         )
     if config.teacher.backend != "local" or config.teacher.remote.url is not None:
         return "teacher: is for one teacher; with teachers:, set teachers.members[*].backend and remote instead"
-    problem = _sync_only_problem(config, "several teachers (teachers:)")
-    if problem is not None:
-        return problem
+    validation = config.validation
+    served = [member.name for member in config.teachers.members if member.backend == "remote"]
+    for key, enabled in {
+        "teacher_baseline": validation.teacher_baseline,
+        "eval_baseline": validation.eval_baseline,
+    }.items():
+        if enabled and served:
+            return (
+                f"validation.{key} generates with each teacher in process, but {', '.join(served)} "
+                "is served; set it to false"
+            )
+    early_stop = config.training.early_stop
+    if early_stop is not None and early_stop.target == "teacher":
+        return (
+            "training.early_stop.target = teacher: several teachers have no one teacher value (the baseline reports "
+            "val/teacher_<name>_* for each); give a number as the target"
+        )
     in_process = [member.name for member in config.teachers.members if member.backend == "local"]
     if config.cluster is not None and in_process and config.cluster.teacher.placement == "colocated":
         return (
@@ -472,13 +472,6 @@ def _cluster_problem(config: MasterConfig) -> str | None:
             "cluster.trainer.offload_during_generation frees the trainer's devices for the rollout engines, which "
             "share them only with cluster.placement = colocated; set it, or switch the offload off"
         )
-    one_local_teacher = config.teachers is None and config.teacher.backend == "local"  # teachers: are checked above
-    in_workers = one_local_teacher and cluster.teacher.placement == "colocated"
-    if in_workers and config.distillation.teacher_context_spec() is not None:
-        return (
-            "distillation.teacher_context with cluster.teacher.placement = colocated: the trainer workers score "
-            "the student's own prompt; use cluster.teacher.placement = pool for context distillation"
-        )
     return None
 
 
@@ -494,17 +487,12 @@ def _schedule_problem(config: MasterConfig) -> str | None:
             f"{key} overlaps sampling with training, so the rollout workers need devices of their own; "
             "set cluster.placement = split"
         )
-    if training.sequence_packing:
-        return f"{key} with training.sequence_packing is not supported; set training.sequence_packing = false"
     if not config.generation.engine.overlaps_in_process and cluster is None:
         return (
             f"{key} with an in-process {config.generation.backend} engine: the engine runs in the trainer's own "
             "thread, so nothing would overlap; use the hf backend in process (it keeps its own copy of the "
             "weights) or a cluster"
         )
-    loss = config.loss_fn
-    if isinstance(loss, HybridFullVocabLossConfig):
-        return f"{key}: loss_fn.type = hybrid_full_vocab has no off-policy correction yet; use sync"
     if training.scheduler == "two_step_off" and cluster is not None:
         in_workers = config.teacher.backend == "local" and cluster.teacher.placement == "colocated"
         if in_workers:

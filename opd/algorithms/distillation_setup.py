@@ -18,7 +18,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import PreTrainedModel
 
 from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
+from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
 from opd.algorithms.loss_config import (
     FullVocabKernelSettings,
     FusedHeadSettings,
@@ -44,6 +45,7 @@ from opd.algorithms.run_setup import (
 )
 from opd.algorithms.several_teachers_loss import MixtureLoss, RoutedLoss
 from opd.algorithms.training_loop import RunSaveState, check_output_is_fresh, find_resume_checkpoint
+from opd.algorithms.validation import TeacherEngine
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
 from opd.models.config import RemoteTeacherConfig, TeacherMemberConfig
 from opd.models.generation.hf_generation import HFGeneration
@@ -93,8 +95,8 @@ class DistillationComponents(DriverArguments):
         student_policy: the trainable student.
         teacher_policy: the frozen teacher (in process, served, with a context, ...).
         student_generation: samples from the student.
-        teacher_generation: samples from the teacher (the validation baselines); None for
-            a served teacher.
+        teacher_generation: the teachers that answer the validation prompts for the
+            baselines; empty for a served teacher and on a cluster.
         dataloader: resumable loader of prepared training examples.
         val_dataloader: validation examples, or None without validation data.
         tokenizer: shared by teacher and student.
@@ -108,7 +110,7 @@ class DistillationComponents(DriverArguments):
     student_policy: PolicyInterface
     teacher_policy: TeacherInterface
     student_generation: GenerationInterface
-    teacher_generation: GenerationInterface | None
+    teacher_generation: list[TeacherEngine]
     dataloader: StatefulDataLoader
     val_dataloader: StatefulDataLoader | None
     tokenizer: Any
@@ -422,7 +424,8 @@ def build_loss(config: MasterConfig, tokenizer: Any) -> LossFunction:
     for key, loss in config.teacher_losses():
         if key not in built:
             objective = loss.build(len(tokenizer), device_type)
-            if config.training.correction_is_on() and isinstance(objective, DistillationLossFn):
+            corrected = (DistillationLossFn, FullVocabHybridLossFn)
+            if config.training.correction_is_on() and isinstance(objective, corrected):
                 objective.off_policy = OffPolicyCorrection.from_config(
                     config.training.off_policy_correction, config.distillation.generate_strategy
                 )
@@ -473,10 +476,12 @@ def build_in_process(
     remote_teacher: TeacherInterface | None,
     resume_from: Path | None,
     train_examples: list[PreparedExample],
-) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, GenerationInterface | None]:
-    """Student, teacher and engines in this process: ``(student, teacher, student engine, teacher engine)``.
+    teacher_tokenizer: Any | None = None,
+) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, list[TeacherEngine]]:
+    """Student, teacher and engines in this process: ``(student, teacher, student engine, teacher engines)``.
 
     A resumed run loads the student's weights from the checkpoint's ``policy/``.
+    ``teacher_tokenizer`` is a cross-tokenizer teacher's own (None: the run's).
     """
     lora = config.model.active_lora()
     # A LoRA run resumes from the base model plus the checkpoint's adapter (restored with
@@ -491,11 +496,7 @@ def build_in_process(
     teacher: TeacherInterface | None = LocalTeacher(teacher_model) if teacher_model is not None else remote_teacher
     if teacher is None:
         raise ConfigError("no teacher: set model.teacher_model_path or teacher.backend = remote")
-    teacher_generation = (
-        HFGeneration(teacher_model, tokenizer, config.generation.decode_loop)
-        if teacher_model is not None and same_ids
-        else None
-    )
+    teacher_generation = teacher_engines(config, tokenizer, teacher_model, teacher_tokenizer, teacher)
 
     # Built before HFPolicy injects LoRA adapters into student_model: vLLM's first load
     # wants the plain model's names (every rollout is preceded by a refit with the merged
@@ -514,13 +515,55 @@ def build_in_process(
     return student_policy, teacher, student_generation, teacher_generation
 
 
+def teacher_engines(
+    config: MasterConfig,
+    tokenizer: Any,
+    teacher_model: PreTrainedModel | None,
+    teacher_tokenizer: Any | None,
+    teacher: TeacherInterface,
+) -> list[TeacherEngine]:
+    """The teachers in this process that can answer the validation prompts (the baselines).
+
+    The one teacher samples in its own tokens (a cross-tokenizer teacher with its own
+    tokenizer, from its own rendering of the prompts). With several teachers, every member
+    in this process answers on its own: with routing, the prompts routed to it. Served
+    teachers answer none (the validator refuses the baselines with them).
+    """
+    with_context = config.distillation.teacher_context_spec() is not None
+    decode_loop = config.generation.decode_loop
+    if config.teachers is None:
+        if teacher_model is None:
+            return []
+        own = teacher_tokenizer if teacher_tokenizer is not None else tokenizer
+        prompt_key: Literal["prompt_ids", "teacher_prompt_ids"] = (
+            "teacher_prompt_ids" if with_context or teacher_tokenizer is not None else "prompt_ids"
+        )
+        return [TeacherEngine(HFGeneration(teacher_model, own, decode_loop), None, own, prompt_key)]
+    assert isinstance(teacher, (RoutedTeachers, TeacherMixture))
+    routed = isinstance(teacher, RoutedTeachers)
+    engines = []
+    for position, (name, member) in enumerate(zip(teacher.names, teacher.members, strict=True)):
+        inner = member.teacher if isinstance(member, ContextTeacher) else member
+        if isinstance(inner, LocalTeacher):
+            engines.append(
+                TeacherEngine(
+                    HFGeneration(inner.model, tokenizer, decode_loop),
+                    name,
+                    tokenizer,
+                    "teacher_prompt_ids" if with_context else "prompt_ids",
+                    position if routed else None,
+                )
+            )
+    return engines
+
+
 def build_on_cluster(
     config: MasterConfig,
     tokenizer: Any,
     total_steps: int,
     micro_batch_size: int,
     remote_teacher: TeacherInterface | None,
-) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, GenerationInterface | None]:
+) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, list[TeacherEngine]]:
     """Student, teacher and rollout engines as Ray worker groups (``cluster:``); no teacher engine.
 
     The workers load the student's starting weights; a resumed run then loads its shards
@@ -565,7 +608,7 @@ def build_on_cluster(
     )
     policy, on_cluster, generation = build_cluster_backends(config.cluster, request)
     if config.teachers is None:
-        return policy, remote_teacher if remote_teacher is not None else on_cluster[0], generation, None
+        return policy, remote_teacher if remote_teacher is not None else on_cluster[0], generation, []
     try:
         local = [member.name for member in config.teachers.members if member.backend == "local"]
         pools = dict(zip(local, on_cluster, strict=True))  # in the order of teacher_paths
@@ -573,7 +616,7 @@ def build_on_cluster(
     except BaseException:
         policy.close()
         raise
-    return policy, teacher, generation, None
+    return policy, teacher, generation, []
 
 
 def _teacher_head_path(config: MasterConfig, remote_teacher: TeacherInterface | None) -> str | None:
@@ -657,7 +700,14 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
         )
     else:
         student_policy, teacher, student_generation, teacher_generation = build_in_process(
-            config, tokenizer, total_steps, micro_batch_size, remote_teacher, resume_from, train_examples
+            config,
+            tokenizer,
+            total_steps,
+            micro_batch_size,
+            remote_teacher,
+            resume_from,
+            train_examples,
+            teacher_tokenizer,
         )
     save_state = restore_run(resume_from, student_policy, checkpointer, config, total_steps)
     logger = Logger(config.logger, total_steps)

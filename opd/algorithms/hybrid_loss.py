@@ -14,6 +14,16 @@ full logits (so it needs the teacher's logits: an in-process teacher) and keeps 
 task-reward term as a policy gradient on the sampled tokens, since the reward exists only
 for the sequence that was sampled. Normalised like the other losses
 (``distillation.kl_reduction``).
+
+Under an asynchronous schedule (``training.off_policy_correction``) each position of a
+stale sample is weighted by the truncated importance weight
+``w_t = min(q_learner(x_t) / q_sampler(x_t), cap)`` of :mod:`opd.algorithms.off_policy`
+(the learner's probability of the sampled token now, against the sampler's when it drew
+it; zero where a bound masks it). For the task-reward term, a policy gradient on the sampled
+token, ``w_t`` is the token-level correction of the sampled action; the exact term is an
+expectation over the next token and gets the same per-position weight as the
+full-vocabulary losses do (a bounded stand-in for the stale prefix's likelihood ratio).
+Fresh samples have ``w_t = 1`` exactly, so a synchronous run is unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +32,8 @@ from typing import Any
 
 import torch
 
-from opd.algorithms.loss_functions import _global_normalizer, _rows, shift_token_mask
+from opd.algorithms.loss_functions import _global_normalizer, _rows, off_policy_row_weights, shift_token_mask
+from opd.algorithms.off_policy import OffPolicyCorrection
 from opd.models.interfaces import FullVocabRequest, LossFunction, TeacherRequest
 
 
@@ -35,6 +46,9 @@ class FullVocabHybridLossFn(LossFunction):
         adv_tau: weight of the task reward (``data["task_reward"]``, on-policy steps).
         kl_reduction: ``mean`` (per response token) or ``sum`` (per sequence).
         vocab_size: the tokenizer's vocabulary (logits past it, padding, are cut).
+        off_policy: weigh the positions of stale samples (a micro-batch with
+            ``staleness`` and ``generation_logprobs``) by truncated importance weights;
+            None leaves every weight at 1.
     """
 
     fused_lm_head = False  # needs the student's logits for the log-prob of the sampled tokens
@@ -46,6 +60,7 @@ class FullVocabHybridLossFn(LossFunction):
         adv_tau: float = 0.0,
         kl_reduction: str = "mean",
         vocab_size: int | None = None,
+        off_policy: OffPolicyCorrection | None = None,
     ) -> None:
         if kl_reduction not in ("mean", "sum"):
             raise ValueError(f"kl_reduction must be 'mean' or 'sum', got {kl_reduction!r}")
@@ -54,6 +69,7 @@ class FullVocabHybridLossFn(LossFunction):
         self.adv_tau = adv_tau
         self.kl_reduction = kl_reduction
         self.vocab_size = vocab_size
+        self.off_policy = off_policy
 
     @property
     def teacher_request(self) -> TeacherRequest:
@@ -77,7 +93,8 @@ class FullVocabHybridLossFn(LossFunction):
 
         Metrics (contributions to global token means): ``loss``, ``kl_forward``,
         ``kl_reverse`` (at τ = 1), ``task_reward_term`` (the reward part of the loss),
-        ``num_valid_tokens``.
+        ``num_valid_tokens``, and with the off-policy correction the ``is_*`` metrics of
+        :func:`~opd.algorithms.loss_functions.off_policy_row_weights`.
         """
         if teacher_output is None:
             raise ValueError("FullVocabHybridLossFn needs the teacher's logits")
@@ -87,7 +104,16 @@ class FullVocabHybridLossFn(LossFunction):
         log_q = torch.log_softmax(_rows(student_output[..., :vocab], loss_mask).to(compute_dtype), dim=-1)
         log_p = torch.log_softmax(_rows(teacher_output[..., :vocab], loss_mask).to(compute_dtype), dim=-1)
         q = log_q.exp()
-        loss_sum = (q * (self.student_tau * log_q - self.teacher_tau * log_p)).sum()
+        exact = (q * (self.student_tau * log_q - self.teacher_tau * log_p)).sum(-1)  # [N] per position
+        correction_metrics: dict[str, float] = {}
+        if self.off_policy is not None and "staleness" in data and "generation_logprobs" in data:
+            row_weights, correction_metrics = off_policy_row_weights(
+                _rows(student_output, loss_mask), data, loss_mask, self.off_policy, global_valid_tokens
+            )
+            weights = row_weights.to(device=log_q.device, dtype=compute_dtype)
+        else:
+            weights = torch.ones_like(exact)
+        loss_sum = (weights * exact).sum()
         reward_term = torch.zeros((), dtype=compute_dtype, device=log_q.device)
         if self.adv_tau != 0.0 and "task_reward" in data:
             targets = _rows(data["input_ids"], loss_mask, shift=1)
@@ -95,7 +121,8 @@ class FullVocabHybridLossFn(LossFunction):
             # [B] per sequence, or [B, T] per token in packed rows: one value per loss position.
             per_position = reward.unsqueeze(-1).expand_as(data["input_ids"]) if reward.dim() == 1 else reward
             rewards = _rows(per_position, loss_mask, shift=1).to(compute_dtype)
-            reward_term = -self.adv_tau * (rewards * log_q.gather(-1, targets.unsqueeze(-1)).squeeze(-1)).sum()
+            sampled = log_q.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            reward_term = -self.adv_tau * (weights * rewards * sampled).sum()
         normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
         loss = (loss_sum + reward_term) / normalizer
         with torch.no_grad():
@@ -106,6 +133,7 @@ class FullVocabHybridLossFn(LossFunction):
                 "kl_forward": float((p * (log_p - log_q)).sum()) / tokens,
                 "kl_reverse": float((q * (log_q - log_p)).sum()) / tokens,
                 "task_reward_term": float(reward_term) / normalizer,
+                **correction_metrics,
                 "num_valid_tokens": float(loss_mask.sum()),
             }
         return loss, metrics

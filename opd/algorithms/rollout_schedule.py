@@ -49,20 +49,25 @@ from opd.algorithms.distillation_config import MasterConfig
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import attach_teacher_fields, build_fixed_data_batch
 from opd.data.dataloaders import PreparedExample
-from opd.data.sequences import build_token_mask
+from opd.data.sequences import build_token_mask, pack_rows
 from opd.environments.math_verifier import grade_responses
 from opd.models.interfaces import (
     FullVocabRequest,
     GenerationInterface,
     LossFunction,
     Pending,
+    PerTeacherRequest,
     PolicyInterface,
+    SeveralTeachersSignal,
+    SingleTeacherSignal,
     TeacherHiddenStates,
     TeacherInterface,
+    TeacherRequest,
     TeacherSignal,
     TopKLogprobs,
 )
 from opd.models.lm_head import LMHeadInput
+from opd.models.teacher.several_teachers import MixedSignal, RoutedPart, RoutedSignal
 from opd.utils.errors import ConfigError
 
 DEPTHS = {"sync": 0, "one_step_off": 1, "two_step_off": 2}
@@ -150,8 +155,14 @@ class RolloutSchedule:
         # Top-k and token signals are small enough to score a whole batch ahead; the full
         # vocabulary is scored by the trainer, micro-batch by micro-batch, as in sync,
         # unless the schedule must score the next batch during the update (two_step_off).
+        # Several routed teachers of which one asks for the full vocabulary score at the step.
         full_vocab = isinstance(request, FullVocabRequest)
-        self.scores_ahead = self.depth > 0 and request is not None and (self.depth == 2 or not full_vocab)
+        self.scores_ahead = (
+            self.depth > 0
+            and request is not None
+            and not _routes_full_vocab(request)
+            and (self.depth == 2 or not full_vocab)
+        )
         # A whole batch's full vocabulary is scored ahead as final hidden states, never as logits.
         self.ahead_request = FullVocabRequest(prefer_hidden_states=True) if full_vocab else request
         self.queue: deque[_Slot] = deque()
@@ -358,10 +369,34 @@ def _teacher_state(slot: _Slot) -> dict[str, Any]:
     return {"teacher_signal": _signal_to_state(slot.teacher_signal), "teacher_started": slot.teacher_started}
 
 
+def _routes_full_vocab(request: TeacherRequest) -> bool:
+    """Whether ``request`` routes rows to several teachers of which one asks for the full vocabulary."""
+    return isinstance(request, PerTeacherRequest) and any(
+        isinstance(part, FullVocabRequest) for part in request.requests
+    )
+
+
 def _signal_to_state(signal: TeacherSignal | None) -> dict[str, Any] | None:
-    """A top-k or token signal as plain tensors (checkpoints are loaded with ``weights_only``)."""
+    """A top-k or token signal as plain tensors (checkpoints are loaded with ``weights_only``).
+
+    Several teachers' answers keep their parts (routing: each member's rows and answer;
+    mixture: the mixture, each member's answer and the weights).
+    """
     if signal is None:
         return None
+    if isinstance(signal, RoutedSignal):
+        parts = [
+            {"teacher": part.teacher, "rows": part.rows, "signal": _signal_to_state(part.signal)}
+            for part in signal.parts
+        ]
+        return {"kind": "routed", "parts": parts, "batch_size": signal.batch_size}
+    if isinstance(signal, MixedSignal):
+        return {
+            "kind": "mixed",
+            "mixed": _signal_to_state(signal.mixed),
+            "members": [_signal_to_state(member) for member in signal.members],
+            "weights": signal.weights,
+        }
     if isinstance(signal, TopKLogprobs):
         return {"kind": "topk", "logprobs": signal.logprobs, "ids": signal.ids, "rest": signal.rest_logprobs}
     if isinstance(signal, tuple):
@@ -373,6 +408,12 @@ def _signal_to_state(signal: TeacherSignal | None) -> dict[str, Any] | None:
 def _signal_from_state(state: dict[str, Any] | None) -> TeacherSignal | None:
     if state is None:
         return None
+    if state["kind"] == "routed":
+        parts = [RoutedPart(part["teacher"], part["rows"], _single(part["signal"])) for part in state["parts"]]
+        return RoutedSignal(parts, state["batch_size"])
+    if state["kind"] == "mixed":
+        members = [_single(member) for member in state["members"]]
+        return MixedSignal(_single(state["mixed"]), members, state["weights"])
     if state["kind"] == "topk":
         return TopKLogprobs(state["logprobs"], state["ids"], state["rest"])
     if state["kind"] == "tuple":
@@ -380,25 +421,54 @@ def _signal_from_state(state: dict[str, Any] | None) -> TeacherSignal | None:
     return state["value"]
 
 
+def _single(state: dict[str, Any]) -> SingleTeacherSignal:
+    """One member's answer from its state."""
+    signal = _signal_from_state(state)
+    assert signal is not None and not isinstance(signal, SeveralTeachersSignal)
+    return signal
+
+
 def signal_rows(signal: TeacherSignal, micro_batch: BatchedDataDict) -> TeacherSignal:
     """The rows of a whole batch's teacher signal that a micro-batch holds, cut to its width.
 
     The micro-batch carries ``sample_index`` (its rows' places in the batch) and may be
     trimmed to its own longest row, so the signal is cut to the same number of positions.
+    Several teachers' answers select their own rows (:meth:`SeveralTeachersSignal.select_rows`).
+    A packed micro-batch (``training.sequence_packing``: one row with ``sequence_lengths``)
+    gets its sequences' rows packed as its tokens are: each row cut to its sequence's
+    length and the rows concatenated, so every position keeps the teacher's answer for
+    it (what the teacher answers when it scores the packed row itself).
     """
-    rows = micro_batch["sample_index"]
+    if "sequence_lengths" in micro_batch:
+        rows = micro_batch["sample_index"][0].cpu()
+        lengths = [int(length) for length in micro_batch["sequence_lengths"][0]]
+        if isinstance(signal, SeveralTeachersSignal):
+            return signal.select_rows(rows, max(lengths)).pack(lengths)
+        if isinstance(signal, TeacherHiddenStates):
+            return TeacherHiddenStates(pack_rows(signal.hidden_states, lengths, rows.tolist()))
+        if isinstance(signal, LMHeadInput):
+            return signal.with_rows(pack_rows(signal.hidden_states, lengths, rows.tolist()))
+        return _map_tensors(signal, lambda part: pack_rows(part, lengths, rows.tolist()))
+    rows = micro_batch["sample_index"].cpu()
     width = micro_batch["input_ids"].shape[1]
     if isinstance(signal, TeacherHiddenStates):
         return signal.rows(rows, width)
     if isinstance(signal, LMHeadInput):
         return signal.with_rows(signal.hidden_states[rows.to(signal.hidden_states.device), :width])
+    if isinstance(signal, SeveralTeachersSignal):
+        return signal.select_rows(rows, width)
+    return _map_tensors(signal, lambda part: part[rows.to(part.device), :width])
+
+
+def _map_tensors(signal: TeacherSignal, per_row: Callable[[torch.Tensor], torch.Tensor]) -> TeacherSignal:
+    """One teacher's top-k or token signal with ``per_row`` applied to each of its ``[B, L, ...]`` tensors."""
     if isinstance(signal, TopKLogprobs):
-        rest = signal.rest_logprobs[rows, :width] if signal.rest_logprobs is not None else None
-        return TopKLogprobs(signal.logprobs[rows, :width], signal.ids[rows, :width], rest)
+        rest = per_row(signal.rest_logprobs) if signal.rest_logprobs is not None else None
+        return TopKLogprobs(per_row(signal.logprobs), per_row(signal.ids), rest)
     if isinstance(signal, tuple):
-        return tuple(part[rows, :width] for part in signal)  # type: ignore[return-value]
-    assert isinstance(signal, torch.Tensor)
-    return signal[rows, :width]
+        return tuple(per_row(part) for part in signal)  # type: ignore[return-value]
+    assert isinstance(signal, torch.Tensor)  # full-vocabulary signals are scored by the trainer
+    return per_row(signal)
 
 
 def task_rewards(

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from opd.data.sequences import shift_token_mask
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.sequences import select_segments, shift_token_mask
 from opd.models.interfaces import LossFunction, PerTeacherRequest, TeacherRequest
 from opd.models.lm_head import LMHeadInput
 from opd.models.policy.optimization import accumulate_metrics
@@ -65,6 +66,16 @@ def _student_rows(student_output: torch.Tensor | LMHeadInput, rows: torch.Tensor
     if isinstance(student_output, LMHeadInput):
         return student_output.with_rows(student_output.hidden_states[rows.to(student_output.hidden_states.device)])
     return student_output[rows.to(student_output.device)]
+
+
+def _student_positions(
+    student_output: torch.Tensor | LMHeadInput, positions: torch.Tensor
+) -> torch.Tensor | LMHeadInput:
+    """The student's output at some positions of a packed row (``[1, n, ...]``)."""
+    if isinstance(student_output, LMHeadInput):
+        hidden = student_output.hidden_states
+        return student_output.with_rows(hidden[:, positions.to(hidden.device)])
+    return student_output[:, positions.to(student_output.device)]
 
 
 def _detached(student_output: torch.Tensor | LMHeadInput) -> torch.Tensor | LMHeadInput:
@@ -166,12 +177,13 @@ class RoutedLoss(_SeveralTeachersLoss):
         total: torch.Tensor | None = None
         metrics: dict[str, float] = {}
         for part in teacher_output.parts:
+            if part.segments is None:
+                student, part_data = _student_rows(student_output, part.rows), _rows_of(data, part.rows)
+            else:  # packed: the teacher's sequences, a packed row of their own
+                student = _student_positions(student_output, part.rows)
+                part_data = select_segments(BatchedDataDict(data), part.segments)[1]
             loss, part_metrics = self.objectives[part.teacher](
-                _student_rows(student_output, part.rows),
-                _rows_of(data, part.rows),
-                global_valid_tokens,
-                global_valid_seqs,
-                part.signal,
+                student, part_data, global_valid_tokens, global_valid_seqs, part.signal
             )
             total = loss if total is None else total + loss
             accumulate_metrics(metrics, part_metrics)
@@ -231,12 +243,14 @@ class MixtureLoss(_SeveralTeachersLoss):
         loss, metrics = self.objective(
             student_output, data, global_valid_tokens, global_valid_seqs, teacher_output.mixed
         )
-        tokens_per_row = shift_token_mask(data["token_mask"]).sum(-1).to(torch.float64)
-        weights = teacher_output.weights.to(device=tokens_per_row.device, dtype=torch.float64)
+        loss_tokens = shift_token_mask(data["token_mask"]).to(torch.float64)  # [B, L - 1]
+        weights = teacher_output.weights.to(device=loss_tokens.device, dtype=torch.float64)
         normaliser = float(max(global_valid_tokens, 1))
         student = _detached(student_output) if self.member_metrics else None
         for member, name in enumerate(self.names):
-            metrics[_teacher_key(name, "token_share")] = float((weights[:, member] * tokens_per_row).sum()) / normaliser
+            # Per row [B, members], or per token [1, T, members] in a packed row (each loss token's own).
+            share = weights[:, 1:, member] if weights.dim() == 3 else weights[:, member].unsqueeze(-1)
+            metrics[_teacher_key(name, "token_share")] = float((share * loss_tokens).sum()) / normaliser
             if student is None:
                 continue
             with torch.no_grad():

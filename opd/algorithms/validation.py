@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -18,6 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from opd.algorithms.loss_functions import token_kl, topk_token_kl
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import attach_teacher_fields
+from opd.data.dataloaders import PreparedExample
 from opd.data.sequences import build_token_mask, shift_token_mask
 from opd.environments.math_verifier import grade_responses
 from opd.models.generation.config import GenerateStrategyConfig
@@ -52,6 +55,32 @@ class ValidationConfig(StrictConfig):
     )
 
 
+@dataclass(frozen=True)
+class TeacherEngine:
+    """A teacher that answers the validation prompts for the baselines (``validation.teacher_baseline``).
+
+    Attributes:
+        generation: samples from the teacher.
+        name: the teacher's name among several teachers (its metrics are ``val/teacher_<name>_*``);
+            None for the one teacher (``val/teacher_*``).
+        tokenizer: decodes and grades its answers: the run's, or a cross-tokenizer teacher's own.
+        prompt_key: ``teacher_prompt_ids`` where the teacher's prompt differs from the student's
+            (a teacher-only context, or the teacher's own tokenizer), else ``prompt_ids``.
+        route: with routing, the teacher answers only the prompts routed to it (the examples
+            whose ``teacher_index`` is ``route``); None: every prompt.
+    """
+
+    generation: GenerationInterface
+    name: str | None
+    tokenizer: Any
+    prompt_key: Literal["prompt_ids", "teacher_prompt_ids"] = "prompt_ids"
+    route: int | None = None
+
+    def answers(self, example: PreparedExample) -> bool:
+        """Whether this teacher answers ``example`` (routing: the examples routed to it)."""
+        return self.route is None or example.get("teacher_index") == self.route
+
+
 def validate(
     generation: GenerationInterface,
     policy: PolicyInterface | None,
@@ -63,6 +92,7 @@ def validate(
     prefix: str = "val/",
     prompt_key: Literal["prompt_ids", "teacher_prompt_ids"] = "prompt_ids",
     loss_request: TeacherRequest | None = None,
+    keep: Callable[[PreparedExample], bool] | None = None,
 ) -> dict[str, float]:
     """A model generates on the validation prompts; reports accuracy, KL and lengths.
 
@@ -84,6 +114,8 @@ def validate(
             ``teacher_prompt_ids`` for a teacher answering with its teacher-only context.
         loss_request: the signal the training loss asks the teacher for; its top-k is what
             validation falls back to (see :func:`kl_request`).
+        keep: answers only the examples for which it is true (a routed teacher's own
+            prompts); None answers every example.
 
     Returns:
         ``{prefix}kl_forward`` / ``kl_reverse`` (token means over the generated
@@ -105,7 +137,10 @@ def validate(
     correct, graded, rows = 0, 0, 0
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
-        for examples in val_dataloader:
+        for all_examples in val_dataloader:
+            examples = all_examples if keep is None else [example for example in all_examples if keep(example)]
+            if not examples:
+                continue
             generation.prepare_for_generation()
             try:
                 batch = generation.generate(

@@ -138,6 +138,14 @@ PACKED_TOKEN_FIELDS = ("input_ids", "token_mask", "generation_logprobs")
 """Per-token ``[B, L]`` fields that :func:`pack_padding_free` carries into the packed row."""
 
 
+PER_SEQUENCE_TOKEN_FIELDS = ("task_reward", "staleness")
+"""Per-sequence ``[B]`` fields that :func:`pack_padding_free` spreads over each sequence's tokens (``[1, T]``)."""
+
+PER_SEQUENCE_FIELDS = ("sample_index", "teacher_index", "teacher_weights")
+"""Per-sequence ``[B, ...]`` fields that :func:`pack_padding_free` keeps as ``[1, B, ...]``: the rows'
+places in a batch scored ahead, and which teacher scores each sequence (routing) or their weights (mixture)."""
+
+
 def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
     """Concatenates the rows of a right-padded batch into one row without padding.
 
@@ -159,7 +167,11 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
         of shape ``[1, T]``, ``position_ids [1, T]``, ``segment_ids [1, T]`` (the index of
         each token's sequence), ``input_lengths [1]`` (= T) and ``sequence_lengths``
         (``[1, B]``, the packed sequences' lengths in order). A per-sequence
-        ``task_reward [B]`` becomes ``[1, T]``: each token holds its sequence's reward.
+        ``task_reward [B]`` or ``staleness [B]`` (an asynchronous schedule's samples)
+        becomes ``[1, T]``: each token holds its sequence's value. The fields of
+        :data:`PER_SEQUENCE_FIELDS` are kept as ``[1, B, ...]`` (``sample_index``: the rows'
+        places in a batch scored ahead, see :func:`~opd.algorithms.rollout_schedule.signal_rows`;
+        ``teacher_index`` / ``teacher_weights``: several teachers).
         With ``teacher_prompt_ids`` (context distillation), the row keeps them as a
         one-element list of the B prompts, and ``prompt_lengths`` as ``[1, B]``.
     """
@@ -178,10 +190,12 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
     packed["segment_ids"] = torch.repeat_interleave(
         torch.arange(len(lengths), device=device), lengths_tensor
     ).unsqueeze(0)
-    if "task_reward" in batch:
-        packed["task_reward"] = torch.repeat_interleave(
-            batch["task_reward"], lengths_tensor.to(batch["task_reward"].device)
-        ).unsqueeze(0)
+    for field in PER_SEQUENCE_TOKEN_FIELDS:
+        if field in batch:
+            packed[field] = torch.repeat_interleave(batch[field], lengths_tensor.to(batch[field].device)).unsqueeze(0)
+    for field in PER_SEQUENCE_FIELDS:
+        if field in batch:
+            packed[field] = batch[field].unsqueeze(0)
     packed["input_lengths"] = torch.tensor([sum(lengths)], device=device)
     packed["sequence_lengths"] = torch.tensor([lengths], device=device)
     if "teacher_prompt_ids" in batch:
@@ -189,6 +203,81 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
         packed["teacher_prompt_ids"] = [list(batch["teacher_prompt_ids"])]
         packed["prompt_lengths"] = batch["prompt_lengths"].reshape(1, -1)
     return packed
+
+
+def unpack_padding_free(packed: BatchedDataDict, pad_token_id: int) -> BatchedDataDict:
+    """The right-padded rows of a batch packed by :func:`pack_padding_free` (for a scorer that needs rows).
+
+    Returns:
+        ``input_ids [B, L]`` (padded with ``pad_token_id``), ``input_lengths [B]``, and what
+        the packed row kept of each sequence: ``prompt_lengths [B]``, ``teacher_prompt_ids``
+        (a list of B prompts), and the per-sequence fields of :data:`PER_SEQUENCE_FIELDS`.
+    """
+    lengths = [int(length) for length in packed["sequence_lengths"][0]]
+    segments = packed["input_ids"][0].split(lengths)
+    input_ids = torch.full((len(lengths), max(lengths, default=0)), pad_token_id, dtype=torch.long)
+    for row, segment in enumerate(segments):
+        input_ids[row, : len(segment)] = segment.cpu()
+    rows = BatchedDataDict(input_ids=input_ids.to(packed["input_ids"].device))
+    rows["input_lengths"] = torch.tensor(lengths, device=packed["input_ids"].device)
+    if "prompt_lengths" in packed:
+        rows["prompt_lengths"] = packed["prompt_lengths"].reshape(-1)
+    if "teacher_prompt_ids" in packed:
+        rows["teacher_prompt_ids"] = list(packed["teacher_prompt_ids"][0])
+    for field in PER_SEQUENCE_FIELDS:
+        if field in packed:
+            rows[field] = packed[field][0]
+    return rows
+
+
+def select_segments(packed: BatchedDataDict, segments: torch.Tensor) -> tuple[torch.Tensor, BatchedDataDict]:
+    """Some of a packed row's sequences, as a packed row of their own.
+
+    The sequences stay whole, so the selection is itself a packed row: each position
+    predicts the next token of its own sequence, and the first token of every sequence
+    carries no loss (what :func:`pack_padding_free` gives, so a loss computes the same
+    on it).
+
+    Args:
+        packed: a batch of :func:`pack_padding_free`.
+        segments: ``[k]`` the sequences to keep (their order in the packed row), in the
+            order they are to appear.
+
+    Returns:
+        ``(positions [n], batch)``: the kept tokens' positions in ``packed``'s row, in the
+        new row's order, and the new one-row batch.
+    """
+    lengths = packed["sequence_lengths"][0].cpu()
+    starts = torch.cat([torch.zeros(1, dtype=lengths.dtype), lengths.cumsum(0)[:-1]])
+    chosen = segments.cpu().long()
+    kept_lengths = lengths[chosen]
+    positions = torch.cat(
+        [torch.arange(int(start), int(start) + int(length)) for start, length in zip(starts[chosen], kept_lengths)]
+        or [torch.zeros(0, dtype=torch.long)]
+    )
+    total = int(packed["input_ids"].shape[1])
+    selected = BatchedDataDict()
+    for key, value in packed.items():
+        if key == "teacher_prompt_ids":
+            selected[key] = [[value[0][int(segment)] for segment in chosen]]
+        elif key in ("sequence_lengths", "prompt_lengths", *PER_SEQUENCE_FIELDS):
+            selected[key] = value[:, chosen.to(value.device)]
+        elif isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == total:
+            selected[key] = value[:, positions.to(value.device)]
+        else:
+            selected[key] = value
+    device = packed["input_ids"].device
+    selected["segment_ids"] = torch.repeat_interleave(torch.arange(len(chosen)), kept_lengths).unsqueeze(0).to(device)
+    selected["input_lengths"] = torch.tensor([len(positions)], device=device)
+    return positions, selected
+
+
+def pack_rows(values: torch.Tensor, lengths: Sequence[int], rows: Sequence[int] | None = None) -> torch.Tensor:
+    """``[1, Σ lengths, ...]``: row ``rows[i]`` (default ``i``) of a ``[B, L, ...]`` tensor cut to
+    ``lengths[i]``, one after another: a per-position answer for right-padded rows laid out like the
+    packed row of :func:`pack_padding_free` (position ``t`` of each sequence keeps its value)."""
+    order = range(len(lengths)) if rows is None else rows
+    return torch.cat([values[int(row), :length] for row, length in zip(order, lengths, strict=True)]).unsqueeze(0)
 
 
 def model_inputs(batch: BatchedDataDict, device: torch.device | str) -> dict[str, torch.Tensor]:

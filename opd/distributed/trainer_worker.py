@@ -53,6 +53,7 @@ from opd.models.interfaces import (
     FullVocabRequest,
     LossFunction,
     TeacherComparison,
+    TeacherInterface,
     TeacherRequest,
     TeacherSignal,
     bind_teacher_head,
@@ -69,6 +70,7 @@ from opd.models.policy.lora import (
     wrap_with_lora,
 )
 from opd.models.policy.optimization import accumulate_metrics, apply_gradients, build_optimizer, build_scheduler
+from opd.models.teacher.context_teacher import ContextTeacher
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.utils.memory import release_cached_memory
 
@@ -335,7 +337,7 @@ class TrainerWorker(RefitSender):
                 teacher_output = self._received(teacher_signals[index])
             elif request is not None:
                 teacher_start = time.perf_counter()
-                teacher_output = self._colocated_teacher().score(micro_batch, request)
+                teacher_output = self._score_colocated(micro_batch, request)
                 teacher_seconds += time.perf_counter() - teacher_start
             student_output = self._forward(micro_batch, loss_fn.fused_lm_head)
             loss, metrics = loss_fn(
@@ -382,6 +384,19 @@ class TrainerWorker(RefitSender):
         """A teacher's answer sent by the controller, on this rank's device (hidden states bound to the head)."""
         return bind_teacher_head(signal_to_device(signal, self.device), self.teacher_head, f"trainer rank {self.rank}")
 
+    def _score_colocated(self, micro_batch: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
+        """The colocated teacher's answer for a micro-batch, under each row's teacher-only context if it has one.
+
+        Context distillation (``distillation.teacher_context``): the rows carry
+        ``teacher_prompt_ids``, and the teacher scores each completion after its own prompt
+        (:class:`~opd.models.teacher.context_teacher.ContextTeacher`), as in one process.
+        """
+        teacher: TeacherInterface = self._colocated_teacher()
+        if "teacher_prompt_ids" in micro_batch:
+            # Its padding is never attended (rows carry their lengths) and carries no loss: any id serves.
+            teacher = ContextTeacher(teacher, pad_token_id=0)
+        return teacher.score(micro_batch, request)
+
     def _colocated_teacher(self) -> LocalTeacher:
         if self.teacher is None:
             raise RuntimeError("this trainer has no colocated teacher; the controller must send teacher signals")
@@ -410,7 +425,7 @@ class TrainerWorker(RefitSender):
                 if teacher_signals is not None:
                     teacher_output = self._received(teacher_signals[index])
                 else:
-                    teacher_output = self._colocated_teacher().score(micro_batch, comparison.teacher_request)
+                    teacher_output = self._score_colocated(micro_batch, comparison.teacher_request)
                 hidden = getattr(self.model, HIDDEN_STATES_METHOD)(**model_inputs(micro_batch, self.device))
                 # Read after the forward: the root's weights (the head) are gathered only then.
                 student = output_layer_of(self.model, "the student").over(hidden)

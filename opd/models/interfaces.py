@@ -185,6 +185,21 @@ class SeveralTeachersSignal(ABC):
     def to(self, device: torch.device) -> SeveralTeachersSignal:
         """The same answer with every tensor on ``device`` (a cluster's trainer worker receives it)."""
 
+    @abstractmethod
+    def select_rows(self, rows: torch.Tensor, width: int) -> SeveralTeachersSignal:
+        """The answer for rows ``rows`` (in that order) of the batch it answers, cut to ``width`` positions.
+
+        A batch scored ahead by an asynchronous schedule is answered whole; each
+        micro-batch takes its rows (:func:`~opd.algorithms.rollout_schedule.signal_rows`).
+        """
+
+    @abstractmethod
+    def pack(self, lengths: list[int]) -> SeveralTeachersSignal:
+        """The answer for right-padded rows laid out like their packed row (``training.sequence_packing``).
+
+        ``lengths`` are the rows' sequence lengths, in row order (the packed row's segments).
+        """
+
 
 @dataclass(frozen=True)
 class TeacherHiddenStates:

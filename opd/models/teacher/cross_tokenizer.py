@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.sequences import pack_rows, unpack_padding_free
 from opd.data.token_alignment import comparable_vocabulary, teacher_tokens_for_response
 from opd.models.interfaces import (
     TeacherInterface,
@@ -97,13 +98,24 @@ class CrossTokenizerTeacher(TeacherInterface):
         """The teacher's top k at the student's group starts, in student ids (empty slots −1).
 
         Raises:
-            ValueError: for a request other than top-k, a packed micro-batch, or rows
-                without ``teacher_prompt_ids`` (the teacher's rendering of each prompt).
+            ValueError: for a request other than top-k, or rows without
+                ``teacher_prompt_ids`` (the teacher's rendering of each prompt).
+
+        A packed micro-batch (``training.sequence_packing``) is scored as its right-padded
+        rows and the answer packed as the rows are.
         """
         if not isinstance(request, TopKRequest):
             raise ValueError(self.unsupported_reason(request))
         if "sequence_lengths" in data:
-            raise ValueError("a teacher with another tokenizer scores right-padded rows, not packed ones")
+            # Re-tokenising needs each sequence on its own: score the rows, then pack the answer like them.
+            lengths = [int(length) for length in data["sequence_lengths"][0]]
+            answer = self.score(unpack_padding_free(data, self.student_tokenizer.pad_token_id), request)
+            assert isinstance(answer, TopKLogprobs) and answer.rest_logprobs is not None
+            return TopKLogprobs(
+                pack_rows(answer.logprobs, lengths),
+                pack_rows(answer.ids, lengths),
+                pack_rows(answer.rest_logprobs, lengths),
+            )
         if "teacher_prompt_ids" not in data:
             raise ValueError("a teacher with another tokenizer needs data['teacher_prompt_ids'] (its own prompts)")
         rows, groups_per_row = self._teacher_rows(data)

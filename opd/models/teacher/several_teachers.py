@@ -32,20 +32,25 @@ The mixture for each signal (``w_i`` sum to 1 for every row; ``T`` the loss temp
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.sequences import pack_rows, select_segments
 from opd.models.interfaces import (
     FullVocabRequest,
+    Pending,
     PerTeacherRequest,
     SeveralTeachersSignal,
     SingleTeacherRequest,
     SingleTeacherSignal,
+    TeacherHiddenStates,
     TeacherInterface,
     TeacherRequest,
     TeacherSignal,
@@ -89,6 +94,53 @@ def _pairs(signals: Sequence[SingleTeacherSignal]) -> list[tuple[torch.Tensor, t
     return pairs
 
 
+def _signal_rows(signal: TeacherSignal, rows: torch.Tensor, width: int) -> SingleTeacherSignal:
+    """Rows ``rows`` of one member's ``[B, L, ...]`` answer, cut to ``width`` positions."""
+    return _map_single(signal, lambda tensor: tensor[rows.to(tensor.device), :width])
+
+
+def _map_single(signal: TeacherSignal, per_row: Callable[[torch.Tensor], torch.Tensor]) -> SingleTeacherSignal:
+    """One member's answer with ``per_row`` applied to each of its ``[B, L, ...]`` tensors."""
+    if isinstance(signal, SeveralTeachersSignal):
+        raise TypeError("a member of several teachers is one teacher, not a group")
+    if isinstance(signal, LMHeadInput):
+        return dataclasses.replace(signal, hidden_states=per_row(signal.hidden_states))
+    if isinstance(signal, TeacherHiddenStates):
+        return TeacherHiddenStates(per_row(signal.hidden_states))
+    if isinstance(signal, TopKLogprobs):
+        rest = per_row(signal.rest_logprobs) if signal.rest_logprobs is not None else None
+        return TopKLogprobs(per_row(signal.logprobs), per_row(signal.ids), rest)
+    if isinstance(signal, tuple):
+        return (per_row(signal[0]), per_row(signal[1]))
+    return per_row(signal)
+
+
+class _Combined(Pending[TeacherSignal]):
+    """Several members' pending answers, combined into one answer when collected.
+
+    Each member's time is the time from the start of scoring to the collection of its
+    answer (members score at once where they can, so the times overlap).
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        pending: Sequence[Pending[TeacherSignal]],
+        combine: Callable[[list[TeacherSignal], dict[str, float]], SeveralTeachersSignal],
+    ) -> None:
+        self.names, self.pending, self.combine = list(names), list(pending), combine
+        self.started = time.perf_counter()
+
+    def result(self) -> TeacherSignal:
+        """Waits for every member, then combines their answers."""
+        answers: list[TeacherSignal] = []
+        seconds: dict[str, float] = {}
+        for name, pending in zip(self.names, self.pending, strict=True):
+            answers.append(pending.result())
+            seconds[name] = time.perf_counter() - self.started
+        return self.combine(answers, seconds)
+
+
 # --------------------------------------------------------------------------- routing
 
 
@@ -98,13 +150,17 @@ class RoutedPart:
 
     Attributes:
         teacher: the member's position in ``teachers.members``.
-        rows: ``[b]`` int64 positions of its rows in the micro-batch.
-        signal: the member's answer for those rows (in that order).
+        rows: ``[b]`` int64 positions of its rows in the micro-batch; in a packed
+            micro-batch, the positions of its sequences' tokens in the packed row.
+        signal: the member's answer for those rows (in that order); packed: one row of
+            its sequences, one after another.
+        segments: packed: which sequences of the packed row are its (in ``rows``' order); else None.
     """
 
     teacher: int
     rows: torch.Tensor
     signal: TeacherSignal
+    segments: torch.Tensor | None = None
 
 
 @dataclass
@@ -113,13 +169,15 @@ class RoutedSignal(SeveralTeachersSignal):
 
     Attributes:
         parts: one per member that had rows, in member order.
-        batch_size: rows of the micro-batch.
+        batch_size: rows of the micro-batch (1 when packed).
         seconds: each member's scoring time, by name.
+        packed_length: a packed micro-batch's tokens (its parts hold token positions); None for rows.
     """
 
     parts: list[RoutedPart]
     batch_size: int
     seconds: dict[str, float] = field(default_factory=dict)
+    packed_length: int | None = None
 
     def combined(self) -> SingleTeacherSignal:
         """The parts put back in row order, as one answer of the same kind.
@@ -129,24 +187,58 @@ class RoutedSignal(SeveralTeachersSignal):
         """
         signals = [_as_dense(part.signal) for part in self.parts]
         rows = [part.rows for part in self.parts]
+        size = self.batch_size if self.packed_length is None else self.packed_length
+        # Packed parts are one row each: their positions are along the second dimension.
+        scatter = _scatter_rows if self.packed_length is None else _scatter_positions
         if isinstance(signals[0], tuple):
             pairs = _pairs(signals)
-            logprobs = _scatter_rows([pair[0] for pair in pairs], rows, self.batch_size)
-            ids = _scatter_rows([pair[1] for pair in pairs], rows, self.batch_size)
+            logprobs = scatter([pair[0] for pair in pairs], rows, size)
+            ids = scatter([pair[1] for pair in pairs], rows, size)
             rests = [pair.rest_logprobs for pair in pairs if isinstance(pair, TopKLogprobs)]
             known = [rest for rest in rests if rest is not None]
-            rest = _scatter_rows(known, rows, self.batch_size) if len(known) == len(pairs) else None
+            rest = scatter(known, rows, size) if len(known) == len(pairs) else None
             return TopKLogprobs(logprobs, ids, rest)
         tensors = _tensors(signals)
         if tensors[0].dim() == 3:
             width = min(tensor.shape[-1] for tensor in tensors)
             tensors = [tensor[..., :width] for tensor in tensors]
-        return _scatter_rows(tensors, rows, self.batch_size)
+        return scatter(tensors, rows, size)
 
     def to(self, device: torch.device) -> RoutedSignal:
         """Every part's answer on ``device`` (the row positions stay on the CPU)."""
-        parts = [RoutedPart(part.teacher, part.rows, _single_to(part.signal, device)) for part in self.parts]
-        return RoutedSignal(parts, self.batch_size, dict(self.seconds))
+        parts = [
+            RoutedPart(part.teacher, part.rows, _single_to(part.signal, device), part.segments) for part in self.parts
+        ]
+        return RoutedSignal(parts, self.batch_size, dict(self.seconds), self.packed_length)
+
+    def select_rows(self, rows: torch.Tensor, width: int) -> RoutedSignal:
+        """Each member's answer for those of its rows that are among ``rows``, renumbered in ``rows``' order.
+
+        The members' scoring times stay with the whole batch's answer (they were spent
+        when it was scored): the selection carries none.
+        """
+        rows = rows.cpu()
+        place = torch.full((self.batch_size,), -1, dtype=torch.long)
+        place[rows] = torch.arange(rows.numel())
+        parts: list[RoutedPart] = []
+        for part in self.parts:
+            local = place[part.rows.cpu()]
+            kept = (local >= 0).nonzero().squeeze(-1)
+            if kept.numel():
+                parts.append(RoutedPart(part.teacher, local[kept], _signal_rows(part.signal, kept, width)))
+        return RoutedSignal(parts, rows.numel())
+
+    def pack(self, lengths: list[int]) -> RoutedSignal:
+        """Each member's rows become its sequences of the packed row (their tokens' positions)."""
+        starts = [sum(lengths[:index]) for index in range(len(lengths))]
+        parts = []
+        for part in self.parts:
+            segments = [int(row) for row in part.rows]
+            positions = torch.cat([torch.arange(starts[row], starts[row] + lengths[row]) for row in segments])
+            own_lengths = [lengths[row] for row in segments]
+            signal = _map_single(part.signal, functools.partial(_packed, lengths=own_lengths))
+            parts.append(RoutedPart(part.teacher, positions, signal, torch.tensor(segments)))
+        return RoutedSignal(parts, 1, dict(self.seconds), sum(lengths))
 
 
 def _single_to(signal: TeacherSignal, device: torch.device) -> SingleTeacherSignal:
@@ -154,6 +246,19 @@ def _single_to(signal: TeacherSignal, device: torch.device) -> SingleTeacherSign
     if isinstance(moved, SeveralTeachersSignal):
         raise TypeError("a member of several teachers is one teacher, not a group")
     return moved
+
+
+def _packed(tensor: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    return pack_rows(tensor, lengths)
+
+
+def _scatter_positions(pieces: Sequence[torch.Tensor], positions: Sequence[torch.Tensor], length: int) -> torch.Tensor:
+    """One packed row ``[1, length, ...]`` from each part's ``[1, n_i, ...]`` answer at its positions."""
+    first = pieces[0]
+    out = first.new_zeros((1, length, *first.shape[2:]))
+    for piece, index in zip(pieces, positions, strict=True):
+        out[:, index.to(out.device)] = piece.to(out.device)
+    return out
 
 
 def _scatter_rows(pieces: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], batch_size: int) -> torch.Tensor:
@@ -204,28 +309,72 @@ class RoutedTeachers(TeacherInterface):
             ValueError: if ``data`` has no ``teacher_index`` or one outside the members, or a
                 :class:`PerTeacherRequest` has not one request per member.
         """
-        if "teacher_index" not in data:
-            raise ValueError("several teachers with routing need each row's teacher_index (set from the data)")
-        index = data["teacher_index"]
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= len(self.members)):
-            raise ValueError(f"teacher_index outside 0..{len(self.members) - 1}")
         parts: list[RoutedPart] = []
         seconds: dict[str, float] = {}
         requests = self._requests(request)
-        for position, (name, member) in enumerate(zip(self.names, self.members, strict=True)):
-            rows = (index == position).nonzero().squeeze(-1).cpu()
-            if rows.numel() == 0:
-                continue
+        for position, rows in self._routes(data):
             started = time.perf_counter()
-            signal = member.score(data.select_indices(rows), requests[position])
-            seconds[name] = time.perf_counter() - started
-            parts.append(RoutedPart(position, rows, signal))
-        return RoutedSignal(parts, data.size, seconds)
+            selected, part_rows, segments = _routed_rows(data, rows)
+            signal = self.members[position].score(selected, requests[position])
+            seconds[self.names[position]] = time.perf_counter() - started
+            parts.append(RoutedPart(position, part_rows, signal, segments))
+        return RoutedSignal(parts, data.size, seconds, _packed_length(data))
+
+    def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
+        """Starts every member with rows on its rows (each member scores in the background where it
+        can: a pool, a server) and puts their answers together when collected (as :meth:`score`)."""
+        requests = self._requests(request)
+        routes = self._routes(data)
+        selections = [_routed_rows(data, rows) for _, rows in routes]
+        pending = [
+            self.members[position].score_async(selected, requests[position])
+            for (position, _), (selected, _, _) in zip(routes, selections, strict=True)
+        ]
+
+        def combine(answers: list[TeacherSignal], seconds: dict[str, float]) -> RoutedSignal:
+            parts = [
+                RoutedPart(position, part_rows, answer, segments)
+                for (position, _), (_, part_rows, segments), answer in zip(routes, selections, answers, strict=True)
+            ]
+            return RoutedSignal(parts, data.size, seconds, _packed_length(data))
+
+        return _Combined([self.names[position] for position, _ in routes], pending, combine)
+
+    def _routes(self, data: BatchedDataDict) -> list[tuple[int, torch.Tensor]]:
+        """``(member, its rows)`` for every member with rows in ``data``, in member order."""
+        if "teacher_index" not in data:
+            raise ValueError("several teachers with routing need each row's teacher_index (set from the data)")
+        index = data["teacher_index"]
+        if "sequence_lengths" in data:  # packed: one teacher per sequence of the row
+            index = index[0]
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= len(self.members)):
+            raise ValueError(f"teacher_index outside 0..{len(self.members) - 1}")
+        routes = [(position, (index == position).nonzero().squeeze(-1).cpu()) for position in range(len(self.members))]
+        return [(position, rows) for position, rows in routes if rows.numel()]
 
     def close(self) -> None:
         """Closes every member."""
         for member in self.members:
             member.close()
+
+
+def _packed_length(data: BatchedDataDict) -> int | None:
+    """A packed micro-batch's tokens, None for right-padded rows."""
+    return int(data["input_ids"].shape[1]) if "sequence_lengths" in data else None
+
+
+def _routed_rows(
+    data: BatchedDataDict, rows: torch.Tensor
+) -> tuple[BatchedDataDict, torch.Tensor, torch.Tensor | None]:
+    """What one member scores: ``(its micro-batch, the part's rows, its segments)``.
+
+    Right-padded: its rows. Packed: its sequences, as a packed row of their own
+    (:func:`~opd.data.sequences.select_segments`); the part's rows are their tokens' positions.
+    """
+    if "sequence_lengths" not in data:
+        return data.select_indices(rows), rows, None
+    positions, selected = select_segments(data, rows)
+    return selected, positions, rows
 
 
 # --------------------------------------------------------------------------- mixture
@@ -238,7 +387,8 @@ class MixedSignal(SeveralTeachersSignal):
     Attributes:
         mixed: the mixture, in the form of the signal asked for.
         members: each member's answer (dense: logits, top-k or token log-probs).
-        weights: ``[B, members]`` each row's weight of each member (rows sum to 1).
+        weights: ``[B, members]`` each row's weight of each member (rows sum to 1); in a packed
+            row ``[1, T, members]``, each token's.
         seconds: each member's scoring time, by name.
     """
 
@@ -255,6 +405,25 @@ class MixedSignal(SeveralTeachersSignal):
         """The mixture, every member's answer and the weights on ``device``."""
         members = [_single_to(member, device) for member in self.members]
         return MixedSignal(_single_to(self.mixed, device), members, self.weights.to(device), dict(self.seconds))
+
+    def select_rows(self, rows: torch.Tensor, width: int) -> MixedSignal:
+        """The mixture, each member's answer and the weights of rows ``rows``, cut to ``width`` positions.
+
+        The members' scoring times stay with the whole batch's answer: the selection carries none.
+        """
+        members = [_signal_rows(member, rows, width) for member in self.members]
+        return MixedSignal(_signal_rows(self.mixed, rows, width), members, self.weights[rows.to(self.weights.device)])
+
+    def pack(self, lengths: list[int]) -> MixedSignal:
+        """The mixture and each member's answer packed like the rows; the weights become per token."""
+
+        def packed(tensor: torch.Tensor) -> torch.Tensor:
+            return pack_rows(tensor, lengths)
+
+        members = [_map_single(member, packed) for member in self.members]
+        return MixedSignal(
+            _map_single(self.mixed, packed), members, _weights_per_token(self.weights, lengths), dict(self.seconds)
+        )
 
 
 class TeacherMixture(TeacherInterface):
@@ -294,21 +463,45 @@ class TeacherMixture(TeacherInterface):
             ValueError: if ``data`` has no ``teacher_weights`` of one column per member, or
                 for a :class:`PerTeacherRequest`.
         """
+        weights, request = self._checked(data, request)
+        answers: list[TeacherSignal] = []
+        seconds: dict[str, float] = {}
+        for name, member in zip(self.names, self.members, strict=True):
+            started = time.perf_counter()
+            answers.append(member.score(data, request))
+            seconds[name] = time.perf_counter() - started
+        return self._mix(answers, weights, request, seconds)
+
+    def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
+        """Starts every member on every row (in the background where it can) and mixes their answers
+        when collected (as :meth:`score`)."""
+        weights, request = self._checked(data, request)
+        pending = [member.score_async(data, request) for member in self.members]
+        return _Combined(self.names, pending, lambda answers, seconds: self._mix(answers, weights, request, seconds))
+
+    def _checked(self, data: BatchedDataDict, request: TeacherRequest) -> tuple[torch.Tensor, TeacherRequest]:
+        """The rows' weights, and the request every member answers."""
         if isinstance(request, PerTeacherRequest):
             raise ValueError(self.refusal(request))
         weights = data.get("teacher_weights")
+        packed = "sequence_lengths" in data
+        if packed and weights is not None:
+            weights = weights[0]  # one row of weights per sequence of the packed row
         if weights is None or weights.dim() != 2 or weights.shape[1] != len(self.members):
             raise ValueError(
                 f"a mixture of {len(self.members)} teachers needs each row's teacher_weights [B, {len(self.members)}]"
             )
+        if packed:
+            weights = _weights_per_token(weights, [int(length) for length in data["sequence_lengths"][0]])
         if isinstance(request, FullVocabRequest):
             request = FullVocabRequest(prefer_hidden_states=False)  # mixed position by position
-        answers: list[SingleTeacherSignal] = []
-        seconds: dict[str, float] = {}
-        for name, member in zip(self.names, self.members, strict=True):
-            started = time.perf_counter()
-            answers.append(_as_dense(member.score(data, request)))
-            seconds[name] = time.perf_counter() - started
+        return weights, request
+
+    def _mix(
+        self, signals: list[TeacherSignal], weights: torch.Tensor, request: TeacherRequest, seconds: dict[str, float]
+    ) -> MixedSignal:
+        """The members' answers mixed with the rows' weights."""
+        answers = [_as_dense(signal) for signal in signals]
         mixed: SingleTeacherSignal
         if isinstance(request, FullVocabRequest):
             mixed = mix_logits(_tensors(answers), weights, self.temperature)
@@ -324,9 +517,28 @@ class TeacherMixture(TeacherInterface):
             member.close()
 
 
+def _weights_per_token(weights: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """``[1, Σ lengths, members]``: each sequence's ``[members]`` weights on each of its tokens (a packed row)."""
+    counts = torch.tensor(lengths, device=weights.device)
+    return torch.repeat_interleave(weights, counts, dim=0).unsqueeze(0)
+
+
+def _member_weights(weights: torch.Tensor, member: int) -> torch.Tensor:
+    """One member's weight at each position: ``[B, 1]`` from per-row ``[B, members]``, ``[B, L]`` from per-token."""
+    return weights[..., member] if weights.dim() == 3 else weights[:, member].reshape(-1, 1)
+
+
 def _log_weights(weights: torch.Tensor, like: torch.Tensor, extra_dims: int) -> torch.Tensor:
-    """``[members, B, 1, ...]`` log-weights broadcastable against stacked ``[members, B, L, ...]`` values."""
-    logs = weights.to(device=like.device, dtype=torch.float32).clamp_min(0).log().transpose(0, 1)
+    """Log-weights broadcastable against stacked ``[members, B, L, ...]`` values.
+
+    ``weights`` are per row ``[B, members]`` (``extra_dims`` dimensions follow ``B``) or,
+    in a packed row, per token ``[B, L, members]``.
+    """
+    logs = weights.to(device=like.device, dtype=torch.float32).clamp_min(0).log()
+    if weights.dim() == 3:
+        logs = logs.permute(2, 0, 1)
+        return logs.reshape(*logs.shape, *([1] * (extra_dims - 1)))
+    logs = logs.transpose(0, 1)
     return logs.reshape(*logs.shape, *([1] * extra_dims))
 
 
@@ -335,7 +547,7 @@ def mix_logits(logits: Sequence[torch.Tensor], weights: torch.Tensor, temperatur
 
     Args:
         logits: each member's ``[B, L, V_i]`` logits (cut to the narrowest ``V``).
-        weights: ``[B, members]``, rows summing to 1.
+        weights: ``[B, members]``, rows summing to 1 (or ``[B, L, members]`` per token).
         temperature: ``T``.
 
     Returns:
@@ -359,7 +571,7 @@ def mix_topk(answers: Sequence[tuple[torch.Tensor, torch.Tensor]], weights: torc
     Args:
         answers: each member's ``([B, L, k_i] log-probs, [B, L, k_i] ids)``, with its rest
             mass where it is a :class:`TopKLogprobs` that carries one.
-        weights: ``[B, members]``, rows summing to 1.
+        weights: ``[B, members]``, rows summing to 1 (or ``[B, L, members]`` per token).
         k: tokens to send per position.
 
     Returns:
@@ -371,7 +583,7 @@ def mix_topk(answers: Sequence[tuple[torch.Tensor, torch.Tensor]], weights: torc
     rest = torch.zeros(ids.shape[:-1], dtype=torch.float64, device=ids.device)
     member_weights = weights.to(device=ids.device, dtype=torch.float64)
     for member, answer in enumerate(answers):
-        w = member_weights[:, member].reshape(-1, 1)
+        w = _member_weights(member_weights, member)
         probs += w.unsqueeze(-1) * _probability_where_listed(ids, answer[1], answer[0])
         member_rest = answer.rest_logprobs if isinstance(answer, TopKLogprobs) else None
         if member_rest is None:

@@ -7,6 +7,9 @@
 * its gradient equals the exact expectation, over the vocabulary, of the sampled-token
   policy gradient ``−A(x) ∇ log q(x)`` with ``A = teacher_tau log p − student_tau log q``;
 * the reward term's gradient is ``−adv_tau · r · (e_x − q)`` at each sampled token;
+* stale samples (an asynchronous schedule) weigh each position, both terms, by the truncated
+  importance weight; fresh samples are exactly the uncorrected loss; a ``one_step_off`` run
+  weighs its stale batch;
 * a short run with the math verifier's reward trains and logs it; config mistakes name keys.
 """
 
@@ -17,15 +20,17 @@ import re
 
 import pytest
 import torch
+from opd_test_helpers import REPO_ROOT
 
 from opd.algorithms.distillation import distillation_train
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
 from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
 from opd.algorithms.loss_functions import DistillationLossFn
+from opd.algorithms.off_policy import OffPolicyCorrection
+from opd.models.generation.config import GenerateStrategyConfig
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
-from opd_test_helpers import REPO_ROOT
 
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 B, L, V = 3, 7, 11
@@ -123,6 +128,65 @@ def test_an_all_masked_batch_gives_zero():
     data["token_mask"].zero_()
     loss, metrics = FullVocabHybridLossFn(adv_tau=1.0)(student, data, 0, B, teacher_output=teacher)
     assert float(loss.detach()) == 0.0 and metrics["num_valid_tokens"] == 0
+
+
+def test_stale_positions_are_weighted_by_the_truncated_importance_weight():
+    """Rows 0 and 2 are stale: each position weighs its exact and reward terms by min(q(x) / q_sampler(x), cap)."""
+    student, teacher, data = inputs(scale=1.0)
+    generator = torch.Generator().manual_seed(1)
+    learner = torch.log_softmax(student.detach(), -1)  # greedy strategy: the plain softmax
+    token_logprobs = torch.zeros(B, L, dtype=torch.float64)
+    token_logprobs[:, 1:] = learner[:, :-1].gather(-1, data["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    # The sampler's log-probs: off by up to ±1.5 nats, so some ratios pass the cap and some fall below 1.
+    offsets = torch.rand(B, L, generator=generator, dtype=torch.float64) * 3 - 1.5
+    data["generation_logprobs"] = token_logprobs + offsets
+    data["staleness"] = torch.tensor([1, 0, 2])
+    cap = 1.5
+    correction = OffPolicyCorrection(cap, None, None, GenerateStrategyConfig(decoding_method="greedy"))
+    tokens = int(data["token_mask"][:, 1:].sum())
+    loss_fn = FullVocabHybridLossFn(student_tau=0.5, adv_tau=0.7, off_policy=correction)
+    loss, metrics = loss_fn(student, data, tokens, B, teacher_output=teacher)
+
+    expected = torch.zeros((), dtype=torch.float64)
+    ratios = []
+    for b in range(B):
+        for t in range(1, L):
+            if data["token_mask"][b, t] == 0:
+                continue
+            log_q = torch.log_softmax(student[b, t - 1], -1)
+            log_p = torch.log_softmax(teacher[b, t - 1], -1)
+            token = data["input_ids"][b, t]
+            ratio = float(torch.exp(log_q[token].detach() - data["generation_logprobs"][b, t]))
+            weight = min(ratio, cap) if data["staleness"][b] > 0 else 1.0
+            ratios.append(ratio if data["staleness"][b] > 0 else 1.0)
+            term = (log_q.exp() * (0.5 * log_q - log_p)).sum() - 0.7 * data["task_reward"][b] * log_q[token]
+            expected = expected + weight * term
+    expected = expected / tokens
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)  # the weights are computed in float32
+    assert any(ratio > cap for ratio in ratios) and any(ratio < 1 for ratio in ratios)  # the weights matter
+    assert metrics["is_ratio_mean"] == pytest.approx(sum(ratios) / tokens, rel=1e-6)
+    assert metrics["is_truncated_fraction"] == pytest.approx(sum(ratio > cap for ratio in ratios) / tokens)
+    # Fresh samples are exactly the uncorrected loss.
+    data["staleness"] = torch.zeros(B, dtype=torch.long)
+    fresh, _ = loss_fn(student, data, tokens, B, teacher_output=teacher)
+    plain, _ = FullVocabHybridLossFn(student_tau=0.5, adv_tau=0.7)(student, data, tokens, B, teacher_output=teacher)
+    assert torch.equal(fresh, plain)
+
+
+def test_a_one_step_off_run_weighs_its_stale_batch(tmp_path):
+    config = load_config(MasterConfig, TINY_CONFIG, [
+        f"output_dir={tmp_path}", "checkpointing.enabled=false", "logger.console=false", "training.max_num_steps=2",
+        "training.batch_size=2", "training.micro_batch_size=2", "data.val_path=null",
+        "validation.val_at_start=false", "validation.val_at_end=false", "training.scheduler=one_step_off",
+        "distillation.generate_strategy.max_length=8",
+        "loss_fn.type=hybrid_full_vocab", "loss_fn.adv_tau=0.5", "loss_fn.student_tau=0.5",
+    ])
+    distillation_train(**setup(config).as_arguments())
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "train/loss" in row]
+    assert [row["train/staleness_max"] for row in steps] == [0, 1]
+    assert steps[0]["train/is_ratio_mean"] == 1.0  # fresh: every weight exactly 1
+    assert steps[1]["train/is_abs_log_ratio_mean"] > 0  # the learner moved: the stale batch is weighed
 
 
 def test_a_short_run_with_the_verifier_reward_trains_and_logs_it(tmp_path):

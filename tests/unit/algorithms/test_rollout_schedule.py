@@ -161,9 +161,20 @@ class Crash(RuntimeError):
     """Stands for the process dying in the middle of a step."""
 
 
-@pytest.mark.parametrize("scheduler", ["one_step_off", "two_step_off"])
-def test_crash_and_rerun_trains_exactly_what_the_uninterrupted_run_trains(tmp_path, scheduler):
+MIXTURE_PAIR = [
+    "model.teacher_model_path=null", "teachers.mode=mixture",
+    "teachers.members=[{name: a, model_path: 'tiny:teacher'}, {name: b, model_path: 'tiny:student-b'}]",
+]
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "teachers"),
+    [("one_step_off", []), ("two_step_off", []), ("two_step_off", MIXTURE_PAIR)],
+    ids=["one_step_off", "two_step_off", "two_step_off_mixture"],  # a mixture's answers are in flight
+)
+def test_crash_and_rerun_trains_exactly_what_the_uninterrupted_run_trains(tmp_path, scheduler, teachers):
     common = [
+        *teachers,
         "checkpointing.enabled=true",
         "checkpointing.keep_top_k=null",
         "training.save_freq=3",
@@ -212,7 +223,6 @@ def test_crash_and_rerun_trains_exactly_what_the_uninterrupted_run_trains(tmp_pa
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (["training.scheduler=one_step_off", "training.sequence_packing=true"], r"sequence_packing"),
         (["training.scheduler=one_step_off", "cluster.placement=colocated"], r"cluster\.placement = split"),
         (
             ["training.scheduler=two_step_off", "loss_fn.type=topk", "cluster.placement=split"],

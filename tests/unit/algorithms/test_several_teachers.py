@@ -478,7 +478,6 @@ TWO_TEACHERS = ["teachers.mode=route", "teachers.route_key=task", "model.teacher
      r"the names \['a'\] are used more than once"),
     (["teachers.default=mul"], "teachers.default = 'mul' names no teacher"),
     (["teachers.mode=mixture"], "teachers.route_key is for teachers.mode = route"),
-    (["training.scheduler=one_step_off"], "training.scheduler = one_step_off is not supported with several teachers"),
     (["teachers.members=[{name: a, backend: remote}]"], r"teachers.members\[0\].backend = remote needs "
                                                         r"teachers.members\[0\].remote.url"),
     (["teachers.members=[{name: a}]"], r"teachers.members\[0\].model_path is required"),

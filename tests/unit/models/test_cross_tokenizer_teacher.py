@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.loss_functions import DistillationLossFn
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.data.sequences import encode_prompt
+from opd.data.sequences import encode_prompt, pack_padding_free
 from opd.data.token_alignment import token_bytes
 from opd.models.interfaces import TopKRequest
 from opd.models.teacher.cross_tokenizer import CrossTokenizerTeacher
@@ -192,6 +192,18 @@ def test_different_tokenizers_map_the_teachers_topk_at_group_starts(tokenizers):
     assert grad[inside].abs().max() < 1e-6  # one class on each side: zero up to rounding
 
 
+def test_a_packed_micro_batch_gets_the_answer_for_its_rows_packed_like_them(tokenizers):
+    student_tokenizer, teacher_tokenizer = tokenizers
+    model = build_model_for_tokenizer("teacher", teacher_tokenizer)
+    cross = CrossTokenizerTeacher(LocalTeacher(model), student_tokenizer, teacher_tokenizer)
+    data = batch_for(student_tokenizer, teacher_tokenizer, RESPONSES)
+    request = TopKRequest(K, 1.0, len(student_tokenizer))
+    rows, packed = cross.score(data, request), cross.score(pack_padding_free(data), request)
+    lengths = data["input_lengths"].tolist()
+    for got, expected in zip((*packed, packed.rest_logprobs), (*rows, rows.rest_logprobs), strict=True):
+        assert torch.equal(got, torch.cat([expected[row, :length] for row, length in enumerate(lengths)])[None])
+
+
 def test_a_response_cut_inside_a_multibyte_character_scores_what_is_aligned(tokenizers):
     student_tokenizer, teacher_tokenizer = tokenizers
     text = RESPONSES[1]
@@ -210,8 +222,6 @@ CROSS = ["teacher.cross_tokenizer=true", "loss_fn.type=topk", "loss_fn.k=8"]
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["teacher.cross_tokenizer=true"], "loss_fn.type = full_vocab is not supported with it, use loss_fn.type = topk"),
-    ([*CROSS, "training.sequence_packing=true"], "training.sequence_packing is not supported with teacher.cross_tokenizer"),
-    ([*CROSS, "validation.teacher_baseline=true"], "validation.teacher_baseline is not supported"),
 ])
 def test_cross_tokenizer_config_mistakes_name_their_keys(overrides, message):
     with pytest.raises(ConfigError, match=message):
