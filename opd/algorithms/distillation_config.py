@@ -34,7 +34,14 @@ from opd.algorithms.validation import ValidationConfig
 from opd.data.config import DataConfig
 from opd.data.teacher_context import TeacherContext
 from opd.distributed.config import ClusterConfig
-from opd.models.config import ModelConfig, RemoteTeacherConfig, TeacherConfig, TeacherMemberConfig, TeachersConfig
+from opd.models.config import (
+    ModelConfig,
+    RemoteTeacherConfig,
+    TeacherConfig,
+    TeacherMemberConfig,
+    TeachersConfig,
+    TeacherSourceConfig,
+)
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.engines import GenerationConfig
 from opd.models.interfaces import FullVocabRequest
@@ -167,7 +174,7 @@ class DistillationTeachersConfig(TeachersConfig):
 
     @model_validator(mode="after")
     def _own_objectives_route(self) -> DistillationTeachersConfig:
-        if self.mode == "mixture":
+        if not self.routes:
             for index, member in enumerate(self.members):
                 if member.loss_fn is not None:
                     raise ValueError(
@@ -297,7 +304,7 @@ def _teacher_problem(config: MasterConfig) -> str | None:
         problem = _cross_tokenizer_problem(config)
         if problem is not None:
             return problem
-    if teacher.backend == "remote":
+    if teacher.served:
         baselines = {
             "eval_baseline": config.validation.eval_baseline,
             "teacher_baseline": config.validation.teacher_baseline,
@@ -314,7 +321,7 @@ def _teacher_problem(config: MasterConfig) -> str | None:
             "('student' = a frozen copy of the student's initial weights)"
         )
     keys = _TeacherKeys("teacher.backend", "teacher.remote", "model.teacher_model_path", "loss_fn", config.loss_fn)
-    return _one_teacher_problem(config, teacher.backend, teacher.remote, config.model.teacher_model_path, keys)
+    return _one_teacher_problem(config, teacher, config.model.teacher_model_path, keys)
 
 
 def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
@@ -327,7 +334,7 @@ def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
     if config.model.teacher_model_path is None:
         return "teacher.cross_tokenizer reads the teacher's tokenizer from model.teacher_model_path; set it"
     cluster = config.cluster
-    if cluster is not None and config.teacher.backend == "local" and cluster.teacher.placement == "colocated":
+    if cluster is not None and not config.teacher.served and not cluster.teacher.in_pool:
         return (
             "teacher.cross_tokenizer with cluster.teacher.placement = colocated: the trainer workers score the "
             "student's own tokens; set cluster.teacher.placement = pool (or serve the teacher)"
@@ -348,30 +355,30 @@ class _TeacherKeys:
 
 
 def _one_teacher_problem(
-    config: MasterConfig, backend: str, remote: RemoteTeacherConfig, model_path: str | None, keys: _TeacherKeys
+    config: MasterConfig, source: TeacherSourceConfig, model_path: str | None, keys: _TeacherKeys
 ) -> str | None:
     """Whether one teacher, where it runs, can answer the signal its objective (``keys.loss``) asks for."""
     loss = keys.objective
     request = loss.teacher_request(None)
-    in_pool = config.cluster is not None and config.cluster.teacher.placement == "pool"
-    if backend == "local" and in_pool and config.teachers is not None and isinstance(request, FullVocabRequest):
+    in_pool = config.cluster is not None and config.cluster.teacher.in_pool
+    if not source.served and in_pool and config.teachers is not None and isinstance(request, FullVocabRequest):
         return (
             f"{keys.loss}.type = {loss.type} needs the teacher's full vocabulary, which a teacher pool sends as "
             "hidden states that the trainer workers bind to the output layer of one teacher only, not of each of "
             f"several; use {keys.loss}.type = topk or sampled_token"
         )
-    if backend == "local":
+    if not source.served:
         reason = LocalTeacher.unsupported_reason(request)
     else:
-        if remote.url is None:
+        if source.remote.url is None:
             return f"{keys.backend} = remote needs {keys.remote}.url (e.g. http://127.0.0.1:8000)"
-        problem = _served_full_vocab_problem(config, remote, model_path, keys)
+        problem = _served_full_vocab_problem(config, source.remote, model_path, keys)
         if problem is not None:
             return problem
         reason = RemoteTeacher.unsupported_reason(request)
     if reason is not None:
         return (
-            f"{keys.backend} = {backend} cannot serve {keys.loss}.type = {loss.type}: {reason}; "
+            f"{keys.backend} = {source.backend} cannot serve {keys.loss}.type = {loss.type}: {reason}; "
             "choose settings that teacher can answer (a served teacher answers loss_fn.type = topk at "
             "temperature 1, and sampled_token)"
         )
@@ -386,10 +393,10 @@ def _several_teachers_problem(config: MasterConfig) -> str | None:
             "model.teacher_model_path and teachers: are two ways to name the teacher; with several teachers set "
             "teachers.members[*].model_path and leave model.teacher_model_path unset"
         )
-    if config.teacher.backend != "local" or config.teacher.remote.url is not None:
+    if config.teacher.served or config.teacher.remote.url is not None:
         return "teacher: is for one teacher; with teachers:, set teachers.members[*].backend and remote instead"
     validation = config.validation
-    served = [member.name for member in config.teachers.members if member.backend == "remote"]
+    served = [member.name for member in config.teachers.members if member.served]
     for key, enabled in {
         "teacher_baseline": validation.teacher_baseline,
         "eval_baseline": validation.eval_baseline,
@@ -405,8 +412,8 @@ def _several_teachers_problem(config: MasterConfig) -> str | None:
             "training.early_stop.target = teacher: several teachers have no one teacher value (the baseline reports "
             "val/teacher_<name>_* for each); give a number as the target"
         )
-    in_process = [member.name for member in config.teachers.members if member.backend == "local"]
-    if config.cluster is not None and in_process and config.cluster.teacher.placement == "colocated":
+    in_process = [member.name for member in config.teachers.members if not member.served]
+    if config.cluster is not None and in_process and not config.cluster.teacher.in_pool:
         return (
             f"several teachers on a cluster run each in a teacher pool of its own ({', '.join(in_process)}); "
             "set cluster.teacher.placement = pool (or serve them)"
@@ -414,10 +421,10 @@ def _several_teachers_problem(config: MasterConfig) -> str | None:
     losses = config.teacher_losses()
     for index, member in enumerate(config.teachers.members):
         where = f"teachers.members[{index}]"
-        if member.backend == "local" and member.model_path is None:
+        if not member.served and member.model_path is None:
             return f"{where}.model_path is required with {where}.backend = local (teacher {member.name!r})"
         keys = _TeacherKeys(f"{where}.backend", f"{where}.remote", f"{where}.model_path", *losses[index])
-        problem = _one_teacher_problem(config, member.backend, member.remote, member.model_path, keys)
+        problem = _one_teacher_problem(config, member, member.model_path, keys)
         if problem is not None:
             return problem
     return None
@@ -452,7 +459,7 @@ def _generation_problem(config: MasterConfig) -> str | None:
     """vLLM's context length must leave room for the responses; a tensor-parallel engine needs devices of its own."""
     generation = config.generation
     devices = generation.engine.devices(generation)
-    if devices > 1 and config.cluster is not None and config.cluster.placement == "colocated":
+    if devices > 1 and config.cluster is not None and config.cluster.colocated:
         return (
             f"generation.vllm.tensor_parallel_size = {devices} spans several devices, but a colocated "
             "rollout worker shares one trainer device; set cluster.placement = split (each rollout worker then "
@@ -467,7 +474,7 @@ def _cluster_problem(config: MasterConfig) -> str | None:
     cluster = config.cluster
     if cluster is None:
         return None
-    if cluster.trainer.offload_during_generation and cluster.placement != "colocated":
+    if cluster.trainer.offload_during_generation and not cluster.colocated:
         return (
             "cluster.trainer.offload_during_generation frees the trainer's devices for the rollout engines, which "
             "share them only with cluster.placement = colocated; set it, or switch the offload off"
@@ -482,7 +489,7 @@ def _schedule_problem(config: MasterConfig) -> str | None:
         return None
     key = f"training.scheduler = {training.scheduler}"
     cluster = config.cluster
-    if cluster is not None and cluster.placement != "split":
+    if cluster is not None and cluster.colocated:
         return (
             f"{key} overlaps sampling with training, so the rollout workers need devices of their own; "
             "set cluster.placement = split"
@@ -494,7 +501,7 @@ def _schedule_problem(config: MasterConfig) -> str | None:
             "weights) or a cluster"
         )
     if training.scheduler == "two_step_off" and cluster is not None:
-        in_workers = config.teacher.backend == "local" and cluster.teacher.placement == "colocated"
+        in_workers = not config.teacher.served and not cluster.teacher.in_pool
         if in_workers:
             return (
                 f"{key} scores the next batch while the student trains, but a teacher colocated in the trainer "

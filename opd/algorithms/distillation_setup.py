@@ -150,7 +150,7 @@ def check_environment(config: MasterConfig) -> None:
     resolve_compile_kernels(config.generation.compile_decode, device_type, "generation.compile_decode")
     config.generation.engine.check_environment(config.generation)
     remote = config.teacher.remote
-    if config.teacher.backend == "remote" and remote.api_key_env and not os.environ.get(remote.api_key_env):
+    if config.teacher.served and remote.api_key_env and not os.environ.get(remote.api_key_env):
         raise ConfigError(
             f"teacher.remote.api_key_env names the environment variable {remote.api_key_env}, which is unset or empty"
         )
@@ -231,7 +231,7 @@ def load_models(
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     teacher_model = None
-    if config.teacher.backend == "local" and config.teachers is None:
+    if not config.teacher.served and config.teachers is None:
         teacher_model = load_teacher_model(
             config, tokenizer, resolve_teacher_path(config), student_path, teacher_tokenizer_of(config)
         )
@@ -380,22 +380,32 @@ def build_several_teachers(
         teacher: TeacherInterface
         if member.name in ready:
             teacher = ready[member.name]
-        elif member.backend == "remote":
-            teacher = connect_remote_teacher(config, tokenizer, member.remote, member.model_path)
         else:
-            model = load_teacher_model(
-                config, tokenizer, member_teacher_path(config, member), config.model.student_model_path
-            )
-            _check_fusable(config, None, model)
-            teacher = LocalTeacher(model)
+            teacher = _MEMBER_BUILDERS[member.backend](config, tokenizer, member)
         if config.distillation.teacher_context_spec() is not None:
             teacher = ContextTeacher(teacher, tokenizer.pad_token_id)
         members.append(teacher)
     names = [member.name for member in config.teachers.members]
     log.info("%d teachers (%s): %s", len(names), config.teachers.mode, ", ".join(names))
-    if config.teachers.mode == "route":
+    if config.teachers.routes:
         return RoutedTeachers(names, members)
     return TeacherMixture(names, members, getattr(config.loss_fn, "temperature", 1.0))
+
+
+def _served_member(config: MasterConfig, tokenizer: Any, member: TeacherMemberConfig) -> TeacherInterface:
+    """A member behind HTTP: its client, checked against the server."""
+    return connect_remote_teacher(config, tokenizer, member.remote, member.model_path)
+
+
+def _loaded_member(config: MasterConfig, tokenizer: Any, member: TeacherMemberConfig) -> TeacherInterface:
+    """A member in this process: its model, after the tokenizer and head checks."""
+    model = load_teacher_model(config, tokenizer, member_teacher_path(config, member), config.model.student_model_path)
+    _check_fusable(config, None, model)
+    return LocalTeacher(model)
+
+
+_MEMBER_BUILDERS = {"local": _loaded_member, "remote": _served_member}
+"""How a member of ``teachers:`` is built, by its ``backend``."""
 
 
 def member_teacher_path(config: MasterConfig, member: TeacherMemberConfig) -> str:
@@ -433,7 +443,7 @@ def build_loss(config: MasterConfig, tokenizer: Any) -> LossFunction:
     if config.teachers is None:
         return built["loss_fn"]
     names = [member.name for member in config.teachers.members]
-    if config.teachers.mode == "route":
+    if config.teachers.routes:
         return RoutedLoss([built[key] for key, _ in config.teacher_losses()], names)
     return MixtureLoss(built["loss_fn"], names)
 
@@ -585,7 +595,7 @@ def build_on_cluster(
         {
             member.name: connect_remote_teacher(config, tokenizer, member.remote, member.model_path)
             for member in config.teachers.members
-            if member.backend == "remote"
+            if member.served
         }
         if config.teachers is not None
         else {}
@@ -610,7 +620,7 @@ def build_on_cluster(
     if config.teachers is None:
         return policy, remote_teacher if remote_teacher is not None else on_cluster[0], generation, []
     try:
-        local = [member.name for member in config.teachers.members if member.backend == "local"]
+        local = [member.name for member in config.teachers.members if not member.served]
         pools = dict(zip(local, on_cluster, strict=True))  # in the order of teacher_paths
         teacher = build_several_teachers(config, tokenizer, {**served, **pools})
     except BaseException:
@@ -630,7 +640,7 @@ def _teacher_head_path(config: MasterConfig, remote_teacher: TeacherInterface | 
     assert config.cluster is not None
     if config.teachers is not None or not isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
         return None
-    if remote_teacher is None and config.cluster.teacher.placement == "colocated":
+    if remote_teacher is None and not config.cluster.teacher.in_pool:
         return None
     return resolve_teacher_path(config)
 
@@ -641,7 +651,7 @@ def _cluster_teacher_paths(config: MasterConfig, remote_teacher: TeacherInterfac
         return {
             f"teacher {member.name}": member_teacher_path(config, member)
             for member in config.teachers.members
-            if member.backend == "local"
+            if not member.served
         }
     return {} if remote_teacher is not None else {"teacher": resolve_teacher_path(config)}
 
@@ -692,7 +702,7 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     if config.teachers is not None:
         if config.cluster is None:  # on a cluster, the members are built with the workers
             remote_teacher = build_several_teachers(config, tokenizer)
-    elif config.teacher.backend == "remote":
+    elif config.teacher.served:
         remote_teacher = connect_remote_teacher(config, tokenizer)
     if config.cluster is not None:
         student_policy, teacher, student_generation, teacher_generation = build_on_cluster(

@@ -303,7 +303,7 @@ def resolve_generation_model(config: GenerateMasterConfig) -> str:
     """
     if config.generate.model_path is not None:
         return config.generate.model_path
-    if config.teacher.backend == "remote":
+    if config.teacher.served:
         raise ConfigError(
             "teacher.backend = remote: the served teacher scores tokens but cannot write answers here; "
             "set generate.model_path to the teacher's model directory or hub name"

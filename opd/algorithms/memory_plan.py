@@ -170,7 +170,7 @@ def _plannable_cluster(config: MasterConfig) -> ClusterConfig:
         raise ConfigError(
             "opd plan plans a cluster run: the config has no cluster: section (e.g. cluster.trainer.workers=8)"
         )
-    if config.teachers is not None or config.teacher.backend != "local" or cluster.teacher.placement != "colocated":
+    if config.teachers is not None or config.teacher.served or cluster.teacher.in_pool:
         raise ConfigError(
             "opd plan dry-runs a teacher colocated in the trainer workers (cluster.teacher.placement = colocated, "
             "teacher.backend = local, one teacher); a teacher pool or a served teacher is not planned yet"

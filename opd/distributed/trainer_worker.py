@@ -59,7 +59,7 @@ from opd.models.interfaces import (
     bind_teacher_head,
     signal_to_device,
 )
-from opd.models.lm_head import LMHeadInput, OutputLayer, output_head_of, output_layer_of
+from opd.models.lm_head import LMHeadInput, OutputLayer, output_layer_of
 from opd.models.loading import load_causal_lm, load_output_layer, resolve_dtype
 from opd.models.policy.hf_policy import ADAPTER_DIR
 from opd.models.policy.lora import (
@@ -69,7 +69,14 @@ from opd.models.policy.lora import (
     plain_entries,
     wrap_with_lora,
 )
-from opd.models.policy.optimization import accumulate_metrics, apply_gradients, build_optimizer, build_scheduler
+from opd.models.policy.optimization import (
+    accumulate_gradients,
+    accumulate_metrics,
+    apply_gradients,
+    build_optimizer,
+    build_scheduler,
+    student_output,
+)
 from opd.models.teacher.context_teacher import ContextTeacher
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.utils.memory import release_cached_memory
@@ -292,12 +299,10 @@ class TrainerWorker(RefitSender):
     # ------------------------------------------------------------------ training
 
     def _forward(self, micro_batch: BatchedDataDict, fused_lm_head: bool) -> torch.Tensor | LMHeadInput:
-        inputs = model_inputs(micro_batch, self.device)
-        if fused_lm_head:
-            hidden = getattr(self.model, HIDDEN_STATES_METHOD)(**inputs)
-            weight, bias = output_head_of(self.model, "the student")  # whole after the forward
-            return LMHeadInput(hidden, weight, bias)
-        return self.model(**inputs, use_cache=False).logits
+        """The student's logits, or its final hidden states and head (through the method FSDP2 hooks)."""
+        return student_output(
+            self.model, micro_batch, self.device, fused_lm_head, getattr(self.model, HIDDEN_STATES_METHOD)
+        )
 
     @dispatch(Split.PER_RANK, gather=every)
     def train(
@@ -326,26 +331,24 @@ class TrainerWorker(RefitSender):
         """
         start = time.perf_counter()
         request = loss_fn.teacher_request
-        totals: dict[str, float] = {}
         teacher_seconds = 0.0
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        for index, micro_batch in enumerate(micro_batches):
-            micro_batch = micro_batch.to(self.device)
-            teacher_output: Any = None
+
+        def teacher_answer(index: int, micro_batch: BatchedDataDict) -> TeacherSignal | None:
+            nonlocal teacher_seconds
             if teacher_signals is not None:
-                teacher_output = self._received(teacher_signals[index])
-            elif request is not None:
-                teacher_start = time.perf_counter()
-                teacher_output = self._score_colocated(micro_batch, request)
-                teacher_seconds += time.perf_counter() - teacher_start
-            student_output = self._forward(micro_batch, loss_fn.fused_lm_head)
-            loss, metrics = loss_fn(
-                student_output, micro_batch, global_valid_tokens, global_valid_seqs, teacher_output=teacher_output
-            )
-            loss.backward()
-            del teacher_output, student_output
-            accumulate_metrics(totals, metrics)
+                return self._received(teacher_signals[index])
+            if request is None:
+                return None
+            teacher_start = time.perf_counter()
+            answer = self._score_colocated(micro_batch, request)
+            teacher_seconds += time.perf_counter() - teacher_start
+            return answer
+
+        totals = accumulate_gradients(
+            micro_batches, self.device, self._forward, loss_fn, teacher_answer, global_valid_tokens, global_valid_seqs
+        )
         if isinstance(self.teacher, ShardedTeacher) and teacher_signals is None:
             # Kept gathered over the micro-batches (one all-gather per step), freed for what comes next.
             release_gathered_root(self.teacher.model)

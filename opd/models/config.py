@@ -105,11 +105,23 @@ class RemoteTeacherConfig(StrictConfig):
     )
 
 
-class TeacherConfig(StrictConfig):
+class TeacherSourceConfig(StrictConfig):
+    """Where one teacher runs: in the run (``local``: its model is loaded by the trainer or its cluster's
+    workers) or behind HTTP (``remote``: ``opd serve-teacher`` or ``vllm serve``)."""
+
+    backend: Literal["local", "remote"] = Field("local", description="local = the model in process")
+    remote: RemoteTeacherConfig = Field(default_factory=RemoteTeacherConfig, description="used when backend = remote")
+
+    @property
+    def served(self) -> bool:
+        """The teacher answers over HTTP; the run loads no copy of it."""
+        return self.backend == "remote"
+
+
+class TeacherConfig(TeacherSourceConfig):
     """Where the teacher runs: in the trainer's process (``local``) or behind HTTP (``remote``)."""
 
     backend: Literal["local", "remote"] = Field("local", description="local = model.teacher_model_path in process")
-    remote: RemoteTeacherConfig = Field(default_factory=RemoteTeacherConfig, description="used when backend = remote")
     cross_tokenizer: bool = Field(
         False,
         description="the teacher's tokenizer differs from the student's: it scores the response text under its own "
@@ -133,7 +145,7 @@ class OptimizerConfig(StrictConfig):
     )
 
 
-class TeacherMemberConfig(StrictConfig):
+class TeacherMemberConfig(TeacherSourceConfig):
     """One of several teachers (``teachers.members[i]``): its name and where it runs."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$", description="used in routing, weights and metric names")
@@ -143,7 +155,6 @@ class TeacherMemberConfig(StrictConfig):
         "teacher's full-vocabulary loss (its output layer)",
     )
     backend: Literal["local", "remote"] = Field("local", description="local = model_path in process")
-    remote: RemoteTeacherConfig = Field(default_factory=RemoteTeacherConfig, description="used when backend = remote")
     weight: float = Field(1.0, ge=0.0, description="mixture: fixed weight (normalised over the members)")
 
 
@@ -169,13 +180,18 @@ class TeachersConfig(StrictConfig):
         None, description="mixture: dataset field with per-example {teacher name: weight}; null = members' weight"
     )
 
+    @property
+    def routes(self) -> bool:
+        """Each example goes to one teacher (``mode: route``); otherwise every token meets the mixture."""
+        return self.mode == "route"
+
     @model_validator(mode="after")
     def _consistent(self) -> TeachersConfig:
         names = [member.name for member in self.members]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise ValueError(f"teachers.members: the names {repeated} are used more than once")
-        if self.mode == "route":
+        if self.routes:
             if self.route_key is None:
                 raise ValueError(
                     "teachers.mode = route needs teachers.route_key (the dataset field naming the teacher)"
