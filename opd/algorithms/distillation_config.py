@@ -494,12 +494,6 @@ def _schedule_problem(config: MasterConfig) -> str | None:
             f"{key} overlaps sampling with training, so the rollout workers need devices of their own; "
             "set cluster.placement = split"
         )
-    if not config.generation.engine.overlaps_in_process and cluster is None:
-        return (
-            f"{key} with an in-process {config.generation.backend} engine: the engine runs in the trainer's own "
-            "thread, so nothing would overlap; use the hf backend in process (it keeps its own copy of the "
-            "weights) or a cluster"
-        )
     if training.scheduler == "two_step_off" and cluster is not None:
         in_workers = not config.teacher.served and not cluster.teacher.in_pool
         if in_workers:

@@ -28,12 +28,9 @@ class EngineKind(ABC):
 
     Attributes:
         name: the value of ``generation.backend``.
-        overlaps_in_process: it can sample in the trainer's process from a copy of the
-            weights of its own, so an asynchronous schedule runs without a cluster.
     """
 
     name: ClassVar[str]
-    overlaps_in_process: ClassVar[bool]
 
     def check_environment(self, settings: GenerationConfig) -> None:  # noqa: B027 - most engines need nothing
         """Fails at once, with the way to fix it, when this machine cannot run the engine (default: it can)."""
@@ -57,7 +54,6 @@ class HFEngine(EngineKind):
     """The student's own Hugging Face model (:mod:`opd.models.generation.hf_generation`)."""
 
     name = "hf"
-    overlaps_in_process = True
 
     def build(
         self, settings: GenerationConfig, model: PreTrainedModel, tokenizer: Any, seed: int, own_copy: bool
@@ -78,7 +74,6 @@ class VllmEngine(EngineKind):
     """A vLLM engine in this process (:mod:`opd.models.generation.vllm_generation`), always on weights of its own."""
 
     name = "vllm"
-    overlaps_in_process = False  # the in-process engine core runs in the trainer's thread
 
     def check_environment(self, settings: GenerationConfig) -> None:
         """vLLM must be importable."""
