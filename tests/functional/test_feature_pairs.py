@@ -19,8 +19,8 @@ process; two routed teachers with every row routed to one equal that teacher alo
 teacher served over opd's protocol equals the same teacher in process.
 
 The specification's case at scale (split pools, HF rollout workers standing in for vLLM,
-one_step_off, packing, a pooled teacher with the exact loss, λ = 0.5) is one more run,
-expected to be refused until issue 35's validator changes land.
+one_step_off, packing, a pooled teacher with the exact loss, λ = 0.5) is one more cluster
+run, equal to the same run in one process.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from opd.algorithms.distillation import distillation_train
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
 from opd.utils.config import load_config
-from opd.utils.errors import ConfigError
 
 STEPS = 2
 RELATIVE_TOLERANCE = 1e-5
@@ -320,20 +319,11 @@ def test_every_accepted_pair_with_a_cluster_runs_and_equals_one_process(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=ConfigError,
-    reason="refused today: a teacher pool (cluster.teacher.placement = pool) does not send the full vocabulary "
-    "the exact loss needs; one_step_off refuses training.sequence_packing",
-)
 def test_the_specification_case_at_scale_runs_and_equals_one_process(
-    resources, data, initial_student, request, tmp_path
+    resources, data, initial_student, ray_cluster, tmp_path
 ):
-    choice = fm.complete(fm.SPEC_AT_SCALE)
-    overrides = [*fm.overrides_for(choice, resources), *run_overrides(tmp_path / "cluster", data)]
-    load_config(MasterConfig, fm.TINY_CONFIG, overrides)  # refused here today: no Ray cluster is started for it
-    request.getfixturevalue("ray_cluster")
-    on_cluster_and_in_process(choice, resources, data, initial_student, tmp_path)
+    """Split pools, HF rollout workers for vLLM, one_step_off, packing, a pooled exact-loss teacher, λ = 0.5."""
+    on_cluster_and_in_process(fm.complete(fm.SPEC_AT_SCALE), resources, data, initial_student, tmp_path)
 
 
 # ------------------------------------------------------------------------------ with vLLM
