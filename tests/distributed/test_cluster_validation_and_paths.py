@@ -162,10 +162,10 @@ class ElsewhereForRankZero:
     def __init__(self, group: WorkerGroup, elsewhere: Path) -> None:
         self.group, self.elsewhere, self.size = group, elsewhere, group.size
 
-    def run_all(self, method: str, *args: Any, per_rank=None) -> list[Any]:
+    def call(self, method: str, *args: Any, shares=None) -> Any:
         if method == "save_pretrained":
             args = (str(self.elsewhere),)
-        return self.group.run_all(method, *args, per_rank=per_rank)
+        return self.group.call(method, *args, shares=shares)
 
 
 def test_a_final_model_the_controller_cannot_read_fails_clearly(components, tmp_path):

@@ -74,10 +74,10 @@ def record_training(parts) -> list[tuple[dict[str, torch.Tensor], dict]]:
     policy = parts.student_policy
     original = policy.train
 
-    def recording_train(batch, loss_fn, teacher_signal=None):
+    def recording_train(batch, loss_fn, teacher_signal=None, timer=None):
         weights = {name: tensor.detach().clone() for name, tensor in policy.model.state_dict().items()}
         calls.append((weights, {key: value for key, value in batch.items()}))
-        return original(batch, loss_fn, teacher_signal)
+        return original(batch, loss_fn, teacher_signal, timer)
 
     policy.train = recording_train  # type: ignore[method-assign]
     return calls
@@ -194,10 +194,10 @@ def test_crash_and_rerun_trains_exactly_what_the_uninterrupted_run_trains(tmp_pa
     first_calls = record_training(first)
     original = first.student_policy.train
 
-    def crash_at_step_5(batch, loss_fn, teacher_signal=None):
+    def crash_at_step_5(batch, loss_fn, teacher_signal=None, timer=None):
         if len(first_calls) == 5:
             raise Crash("killed during step 5")
-        return original(batch, loss_fn, teacher_signal)
+        return original(batch, loss_fn, teacher_signal, timer)
 
     first.student_policy.train = crash_at_step_5  # type: ignore[method-assign]
     with pytest.raises(Crash):

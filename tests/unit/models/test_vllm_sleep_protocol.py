@@ -44,6 +44,7 @@ def engine_with(llm: RecordingLLM, sleep_enabled: bool) -> VllmGeneration:
     engine.llm = llm
     engine.sleep_enabled = sleep_enabled
     engine.tied_embeddings = True
+    engine.tensor_parallel_size = 1
     engine._asleep = set()
     return engine
 
