@@ -35,6 +35,7 @@ import torch
 from opd.algorithms.loss_functions import _global_normalizer, _rows, off_policy_row_weights, shift_token_mask
 from opd.algorithms.off_policy import OffPolicyCorrection
 from opd.models.interfaces import FullVocabRequest, LossFunction, TeacherRequest
+from opd.models.lm_head import LMHeadInput
 
 
 class FullVocabHybridLossFn(LossFunction):
@@ -87,9 +88,13 @@ class FullVocabHybridLossFn(LossFunction):
         data: dict[str, Any],
         global_valid_tokens: int,
         global_valid_seqs: int,
-        teacher_output: torch.Tensor | None = None,
+        teacher_output: torch.Tensor | LMHeadInput | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """This micro-batch's share of the global loss, and metrics.
+
+        The teacher's answer is its logits, or its final hidden states over its output
+        layer (a teacher that runs apart sends those: a pool, a served teacher, a batch
+        scored ahead), whose logits are made here.
 
         Metrics (contributions to global token means): ``loss``, ``kl_forward``,
         ``kl_reverse`` (at τ = 1), ``task_reward_term`` (the reward part of the loss),
@@ -98,6 +103,8 @@ class FullVocabHybridLossFn(LossFunction):
         """
         if teacher_output is None:
             raise ValueError("FullVocabHybridLossFn needs the teacher's logits")
+        if isinstance(teacher_output, LMHeadInput):
+            teacher_output = teacher_output.logits()
         loss_mask = shift_token_mask(data["token_mask"]).bool()
         vocab = self.vocab_size or student_output.shape[-1]
         compute_dtype = torch.promote_types(student_output.dtype, torch.float32)

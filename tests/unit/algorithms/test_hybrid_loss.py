@@ -29,6 +29,7 @@ from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
 from opd.algorithms.loss_functions import DistillationLossFn
 from opd.algorithms.off_policy import OffPolicyCorrection
 from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.lm_head import LMHeadInput
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 
@@ -84,6 +85,19 @@ def test_packed_per_token_rewards_equal_per_sequence_rewards():
     per_token = dict(data, task_reward=data["task_reward"].unsqueeze(-1).expand(B, L).clone())
     packed_form, _ = loss_fn(student, per_token, tokens, B, teacher_output=teacher)
     torch.testing.assert_close(packed_form, per_sequence, rtol=0, atol=0)
+
+
+def test_a_teachers_hidden_states_over_its_head_give_the_loss_of_its_logits():
+    """A teacher that runs apart sends hidden states the trainer binds to the teacher's head (issue 35)."""
+    student, _, data = inputs(seed=2)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(B, L, 8, generator=generator, dtype=torch.float64)
+    head = torch.randn(V, 8, generator=generator, dtype=torch.float64)
+    tokens = int(data["token_mask"][:, 1:].sum())
+    loss_fn = FullVocabHybridLossFn(teacher_tau=0.7, adv_tau=0.5)
+    from_logits, _ = loss_fn(student, data, tokens, B, teacher_output=hidden @ head.T)
+    from_hidden, _ = loss_fn(student, data, tokens, B, teacher_output=LMHeadInput(hidden, head, None))
+    torch.testing.assert_close(from_hidden, from_logits, rtol=1e-12, atol=1e-12)
 
 
 def test_with_unit_taus_and_no_reward_it_is_the_reverse_kl():
