@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; run: bash scripts/test_vllm.sh")
 
-from test_vllm_generation import (  # noqa: E402 - the helpers and fixtures of the one-device tests
+from with_vllm.test_vllm_generation import (  # noqa: E402 - the helpers and fixtures of the one-device tests
     assert_same_rollouts,
     greedy,
     one_training_step,
