@@ -285,18 +285,14 @@ class DistillationCallbacks(TrainingCallbacks):
             next_batch, self.step_state, self.student_policy, self.teacher_policy, self.loss_fn, self.config
         )
 
-    @property
-    def has_validation(self) -> bool:
-        """Whether the run has validation data."""
-        return self.val_dataloader is not None
-
     def _refresh_generation(self) -> None:
         # Validation samples too, from the weights just trained (rollouts in flight finish first).
         self.step_state.schedule.refresh_for_validation(self.step_state.policy_version)
 
-    def validate(self) -> dict[str, float]:
-        """Accuracy and lengths of the student's answers, and its KL to the teacher (:func:`validate`)."""
-        assert self.val_dataloader is not None  # called only when has_validation
+    def validate(self) -> dict[str, float] | None:
+        """The student's accuracy, lengths and KL to the teacher (:func:`validate`); None without data."""
+        if self.val_dataloader is None:
+            return None
         self._refresh_generation()
         return validate(
             self.student_generation,

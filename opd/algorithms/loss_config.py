@@ -93,6 +93,22 @@ class FullVocabKernelSettings(FusedHeadSettings):
     metrics_topk: int = Field(64, ge=1, description="k of the teacher_topk_mass / topk_overlap metrics")
 
 
+def _full_vocab_arguments(
+    settings: _LossSettings | FullVocabKernelSettings, temperature: float, vocab_size: int, device_type: str
+) -> dict[str, Any]:
+    """The arguments every full-vocabulary loss class takes from its config (temperature, reduction, kernels)."""
+    assert isinstance(settings, _LossSettings) and isinstance(settings, FullVocabKernelSettings)
+    return {
+        "temperature": temperature,
+        "kl_reduction": settings.reduction,
+        "vocab_size": vocab_size,
+        "metrics_topk": settings.metrics_topk,
+        "fused_lm_head": settings.fused_lm_head,
+        "chunk_size": settings.chunk_size,
+        "compile_kernels": resolve_compile_kernels(settings.compile_kernels, device_type),
+    }
+
+
 class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKernelSettings):
     """``type: full_vocab``: the exact KL over the whole vocabulary (the default)."""
 
@@ -102,13 +118,7 @@ class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKe
         return {
             "kl_type": self.kl_type,
             "mixed_kl_weight": self.mixed_kl_weight,
-            "temperature": self.temperature,
-            "kl_reduction": self.reduction,
-            "vocab_size": vocab_size,
-            "metrics_topk": self.metrics_topk,
-            "fused_lm_head": self.fused_lm_head,
-            "chunk_size": self.chunk_size,
-            "compile_kernels": resolve_compile_kernels(self.compile_kernels, device_type),
+            **_full_vocab_arguments(self, self.temperature, vocab_size, device_type),
         }
 
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
@@ -122,16 +132,7 @@ class JSDLossConfig(_LossSettings, _Temperature, FullVocabKernelSettings):
     beta: float = Field(0.5, ge=0.0, le=1.0, description="interpolation: 0 = forward KL, 1 = reverse KL")
 
     def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
-        return {
-            "beta": self.beta,
-            "temperature": self.temperature,
-            "kl_reduction": self.reduction,
-            "vocab_size": vocab_size,
-            "metrics_topk": self.metrics_topk,
-            "fused_lm_head": self.fused_lm_head,
-            "chunk_size": self.chunk_size,
-            "compile_kernels": resolve_compile_kernels(self.compile_kernels, device_type),
-        }
+        return {"beta": self.beta, **_full_vocab_arguments(self, self.temperature, vocab_size, device_type)}
 
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
         return FullVocabRequest(prefer_hidden_states=self.fused_lm_head)

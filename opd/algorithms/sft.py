@@ -221,14 +221,10 @@ class SFTCallbacks(TrainingCallbacks):
         metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / seconds
         return len(examples), metrics
 
-    @property
-    def has_validation(self) -> bool:
-        """Whether the run has validation data."""
-        return self.val_dataloader is not None
-
-    def validate(self) -> dict[str, float]:
+    def validate(self) -> dict[str, float] | None:
         """Accuracy and lengths of the model's own answers (no teacher)."""
-        assert self.val_dataloader is not None  # called only when has_validation
+        if self.val_dataloader is None:
+            return None
         return validate(
             self.generation,
             self.policy,

@@ -225,14 +225,9 @@ class TrainingCallbacks(ABC):
     def train_step(self, next_batch: NextBatch) -> tuple[int, dict[str, Any]]:
         """One optimizer step, drawing the batches it needs (see :data:`StepFn`)."""
 
-    @property
-    def has_validation(self) -> bool:
-        """Whether :meth:`validate` has data to validate on."""
-        return False
-
-    def validate(self) -> dict[str, float]:
-        """Runs validation; returns ``val/*`` metrics (called only when :attr:`has_validation`)."""
-        raise NotImplementedError(f"{type(self).__name__} has no validation")
+    def validate(self) -> dict[str, float] | None:
+        """Runs validation and returns its ``val/*`` metrics; None when the run has no validation data."""
+        return None
 
     def before_first_step(self) -> dict[str, float]:
         """Runs once on a fresh (not resumed) run, before the start validation (e.g. a teacher baseline).
@@ -469,10 +464,10 @@ class _TrainingRun:
 
     def validate(self, step: int) -> dict[str, float] | None:
         """Runs validation (if any), tracks the best metric and logs; returns the metrics (None: no validation)."""
-        if not self.callbacks.has_validation:
-            return None
         start = time.perf_counter()
         metrics = self.callbacks.validate()
+        if metrics is None:
+            return None
         metrics["timing/validation"] = time.perf_counter() - start
         self._track_best(metrics, step)
         self.last_validation = (step, {key: value for key, value in metrics.items() if key.startswith("val/")})

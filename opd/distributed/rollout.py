@@ -43,7 +43,7 @@ from opd.distributed.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.engines import GenerationConfig
-from opd.models.interfaces import GenerationInterface, Pending, PolicyInterface
+from opd.models.interfaces import GenerationInterface, InProcessGenerationInterface, Pending, PolicyInterface
 from opd.models.loading import load_causal_lm, resolve_device, resolve_dtype
 from opd.utils.errors import WorkerError
 
@@ -89,7 +89,9 @@ class RolloutWorker:
         self.model = model
         # The worker's model is the engine's (an HF engine samples with it in place; vLLM
         # starts from it and keeps its own copy).
-        self.engine: GenerationInterface = spec.generation.build(model, spec.tokenizer, spec.seed + rank, False)
+        self.engine: InProcessGenerationInterface = spec.generation.build(
+            model, spec.tokenizer, spec.seed + rank, False
+        )
         self._refit_group: Any = None
 
     def engine_dtype(self) -> torch.dtype:

@@ -581,24 +581,6 @@ class GenerationInterface(ABC):
         finally:
             self.finish_generation()
 
-    @property
-    def weights_dtype(self) -> torch.dtype:
-        """The dtype the engine holds its weights in (a trainer elsewhere casts to it before sending).
-
-        Raises:
-            NotImplementedError: an engine that holds no weights in this process (a pool of
-                rollout workers, which refits its workers itself).
-        """
-        raise NotImplementedError(f"{type(self).__name__} holds no weights in this process")
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies ``(name, tensor)`` pairs, under the student's parameter names, into the engine's weights.
-
-        Raises:
-            NotImplementedError: an engine that holds no weights in this process.
-        """
-        raise NotImplementedError(f"{type(self).__name__} holds no weights in this process")
-
     def refit(self, policy: PolicyInterface) -> dict[str, float]:
         """Loads the policy's current weights; engines that sample with the policy itself need nothing.
 
@@ -610,6 +592,24 @@ class GenerationInterface(ABC):
 
     def close(self) -> None:  # noqa: B027 - a no-op unless the engine holds resources
         """Frees the engine's own resources (processes, memory); the default holds none."""
+
+
+class InProcessGenerationInterface(GenerationInterface):
+    """An engine whose weights live in this process, so a refit can hand it tensors.
+
+    The rollout workers hold one each and load what the trainer sends through
+    :meth:`load_weights`; a pool of rollout workers (which refits its workers itself) is a
+    plain :class:`GenerationInterface`.
+    """
+
+    @property
+    @abstractmethod
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype the engine holds its weights in (a trainer elsewhere casts to it before sending)."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies ``(name, tensor)`` pairs, under the student's parameter names, into the engine's weights."""
 
 
 class TeacherInterface(ABC):

@@ -33,6 +33,7 @@ from opd.models.generation.hf_generation import HFGeneration
 from opd.models.interfaces import (
     FullVocabRequest,
     GenerationInterface,
+    InProcessGenerationInterface,
     LossFunction,
     PolicyInterface,
     TeacherInterface,
@@ -78,10 +79,10 @@ def test_vllm_backend_declares_the_generation_interface():
     tree = ast.parse((OPD / "models" / "generation" / "vllm_generation.py").read_text(encoding="utf-8"))
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     bases = [ast.unparse(base) for base in classes["VllmGeneration"].bases]
-    assert bases == ["GenerationInterface"]
+    assert bases == ["InProcessGenerationInterface"]
     methods = {node.name for node in classes["VllmGeneration"].body if isinstance(node, ast.FunctionDef)}
-    abstract = {name for name, member in vars(GenerationInterface).items()
-                if getattr(member, "__isabstractmethod__", False)}
+    abstract = {name for interface in (GenerationInterface, InProcessGenerationInterface)
+                for name, member in vars(interface).items() if getattr(member, "__isabstractmethod__", False)}
     assert abstract <= methods, abstract - methods
     assert {"refit", "close"} <= methods  # it holds weights and an engine of its own
 

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from opd.models.generation.config import VllmGenerationConfig
 from opd.models.generation.hf_generation import HFGeneration, SnapshotHFGeneration
-from opd.models.interfaces import GenerationInterface
+from opd.models.interfaces import InProcessGenerationInterface
 from opd.utils.compile_cache import resolve_compile_kernels
 from opd.utils.config import StrictConfig
 
@@ -46,7 +46,7 @@ class EngineKind(ABC):
     @abstractmethod
     def build(
         self, settings: GenerationConfig, model: PreTrainedModel, tokenizer: Any, seed: int, own_copy: bool
-    ) -> GenerationInterface:
+    ) -> InProcessGenerationInterface:
         """The engine, sampling from ``model`` (``own_copy``: from a copy refreshed by refits only)."""
 
 
@@ -57,7 +57,7 @@ class HFEngine(EngineKind):
 
     def build(
         self, settings: GenerationConfig, model: PreTrainedModel, tokenizer: Any, seed: int, own_copy: bool
-    ) -> GenerationInterface:
+    ) -> InProcessGenerationInterface:
         """An HF engine over ``model`` (or over a snapshot of it: an asynchronous schedule samples stale weights)."""
         device_type = next(model.parameters()).device.type
         engine = SnapshotHFGeneration if own_copy else HFGeneration
@@ -97,7 +97,7 @@ class VllmEngine(EngineKind):
 
     def build(
         self, settings: GenerationConfig, model: PreTrainedModel, tokenizer: Any, seed: int, own_copy: bool
-    ) -> GenerationInterface:
+    ) -> InProcessGenerationInterface:
         """A vLLM engine started from ``model``'s config and weights (it always keeps its own copy)."""
         from opd.models.generation.vllm_generation import VllmGeneration  # optional and slow to import
 
@@ -150,7 +150,7 @@ class GenerationConfig(StrictConfig):
         """The engine kind ``backend`` names (:data:`ENGINES`)."""
         return ENGINES[self.backend]
 
-    def build(self, model: PreTrainedModel, tokenizer: Any, seed: int, own_copy: bool) -> GenerationInterface:
+    def build(self, model: PreTrainedModel, tokenizer: Any, seed: int, own_copy: bool) -> InProcessGenerationInterface:
         """The engine, sampling from ``model`` (``own_copy``: from weights of its own, refreshed by refits only).
 
         Args:

@@ -24,7 +24,7 @@ from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.decode_loop import compile_decode_step, decode
 from opd.models.generation.rollout_batch import build_rollout_batch
 from opd.models.generation.stop_tokens import is_stop, stop_token_ids
-from opd.models.interfaces import GenerationInterface, PolicyInterface
+from opd.models.interfaces import InProcessGenerationInterface, PolicyInterface
 from opd.models.lm_head import token_log_probs
 
 
@@ -43,7 +43,7 @@ def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
     return {**common, "do_sample": True, "temperature": strategy.temperature, "top_k": 0, "top_p": strategy.top_p}
 
 
-class HFGeneration(GenerationInterface):
+class HFGeneration(InProcessGenerationInterface):
     """``GenerationInterface`` over an in-process ``PreTrainedModel``.
 
     Args:

@@ -40,7 +40,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig, VllmGenerationConfig
 from opd.models.generation.rollout_batch import build_rollout_batch
 from opd.models.generation.stop_tokens import ends_with_stop, stop_token_ids
-from opd.models.interfaces import GenerationInterface, PolicyInterface
+from opd.models.interfaces import InProcessGenerationInterface, PolicyInterface
 from opd.utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def _reload_worker_weights(worker: Any, weights: Any, tied_embeddings: bool) -> 
     return counted[0]
 
 
-class VllmGeneration(GenerationInterface):
+class VllmGeneration(InProcessGenerationInterface):
     """``GenerationInterface`` over a colocated, in-process vLLM engine.
 
     Args:
