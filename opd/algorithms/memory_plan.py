@@ -25,8 +25,9 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
 from opd.distributed.config import ClusterConfig
-from opd.distributed.dry_run import RankMemory, StepShape, dry_run_rank
+from opd.distributed.dry_run import RankMemory, ReplicaMemory, StepShape, dry_run_rank, dry_run_teacher_replica
 from opd.distributed.trainer_worker import TrainerSpec
+from opd.models.interfaces import FullVocabRequest
 from opd.models.lm_head import default_chunk_rows
 from opd.models.model_shapes import model_config, tokenizer_size
 from opd.utils.errors import ConfigError
@@ -91,6 +92,15 @@ class MemoryPlan:
     engine: dict[str, dict[str, EngineBudget]] = field(default_factory=dict)
     """Device → ``"kept"`` / ``"offloaded"`` (``cluster.trainer.offload_during_generation``) → budget."""
     dry_run_steps: int = 1
+    teacher_in_trainer: str = ""
+    """What of the teacher a trainer rank holds: a colocated copy, a pooled or served teacher's output layer, none."""
+    shard_ranks: int = 0
+    """Ranks each parameter is sharded over: the trainer workers, or an HSDP group."""
+    lora: bool = False
+    """The student trains LoRA adapters (its base weights are frozen: no gradients or Adam moments for them)."""
+    teacher_replica: ReplicaMemory | None = None
+    """A teacher pool: what the first device of one replica holds while it scores a micro-batch."""
+    teacher_shards_per_replica: int = 1
 
     def peak(self, checkpointing: bool) -> int:
         """The largest peak over the ranks dry-run with or without activation checkpointing."""
@@ -170,10 +180,10 @@ def _plannable_cluster(config: MasterConfig) -> ClusterConfig:
         raise ConfigError(
             "opd plan plans a cluster run: the config has no cluster: section (e.g. cluster.trainer.workers=8)"
         )
-    if config.teachers is not None or config.teacher.served or cluster.teacher.in_pool:
+    if config.teachers is not None:
         raise ConfigError(
-            "opd plan dry-runs a teacher colocated in the trainer workers (cluster.teacher.placement = colocated, "
-            "teacher.backend = local, one teacher); a teacher pool or a served teacher is not planned yet"
+            "opd plan plans one teacher (model.teacher_model_path or teacher:); several teachers (teachers:) are not "
+            "planned yet: plan each member's run alone"
         )
     if cluster.trainer.shard_group_size not in (None, cluster.trainer.workers):
         raise ConfigError(
@@ -214,6 +224,70 @@ def _add_engine_budgets(
         }
 
 
+@dataclass(frozen=True)
+class _TeacherPlacement:
+    """Where the plan puts the teacher, and what of it each trainer rank holds."""
+
+    label: str
+    in_trainer: str
+    """What of the teacher each trainer rank holds (the table's row)."""
+    colocated_path: str | None
+    """The teacher the trainer ranks hold (sharded or whole); None when it runs apart."""
+    head_path: str | None
+    """A teacher apart that answers a full-vocabulary loss: the trainer ranks hold its output layer."""
+    sharded_in_trainer: bool
+    pool_shards: int | None
+    """A teacher pool: the devices of one replica; None otherwise."""
+
+    @classmethod
+    def of(
+        cls, config: MasterConfig, cluster: ClusterConfig, teacher_path: str | None, loss_fn: Any
+    ) -> _TeacherPlacement:
+        full_vocab = isinstance(loss_fn.teacher_request, FullVocabRequest)
+        if not config.teacher.served and not cluster.teacher.in_pool:
+            label = "colocated, sharded" if cluster.teacher.sharded else "colocated, whole"
+            return cls(label, label, teacher_path, None, cluster.teacher.sharded, None)
+        head = teacher_path if full_vocab else None
+        if full_vocab and teacher_path is None:
+            raise ConfigError(
+                "opd plan: a full-vocabulary loss binds the served teacher's hidden states to its output layer, read "
+                "from model.teacher_model_path; set it"
+            )
+        in_trainer = "its output layer" if head else "none"
+        if config.teacher.served:
+            return cls("served", in_trainer, None, head, False, None)
+        shards = cluster.teacher.shards_per_replica
+        label = f"pool, {'whole replicas' if shards == 1 else f'replicas sharded over {shards} devices'}"
+        return cls(label, in_trainer, None, head, False, shards)
+
+
+def _trainer_spec(
+    config: MasterConfig, cluster: ClusterConfig, placement: _TeacherPlacement, checkpointing: bool
+) -> TrainerSpec:
+    """The trainer ranks as the run builds them, for the dry run (adaptive Adam as CUDA gets it)."""
+    # What CUDA gets from `adam_implementation: auto` (the stand-in accelerator would get foreach).
+    optimizer = config.training
+    if optimizer.adam_implementation == "auto":
+        optimizer = optimizer.model_copy(update={"adam_implementation": "fused"})
+    return TrainerSpec(
+        student_path=config.model.student_model_path,
+        teacher_path=placement.colocated_path,
+        loading=config.model,
+        optimizer=optimizer,
+        total_steps=config.training.max_num_steps or 1,
+        backend="nccl",
+        timeout_s=cluster.worker_timeout_s,
+        threads=1,
+        reshard_after_forward=cluster.trainer.reshard_after_forward,
+        teacher_sharded=cluster.teacher.sharded,
+        shard_group_size=cluster.trainer.shard_group_size,
+        activation_checkpointing=checkpointing,
+        teacher_head_path=placement.head_path,
+        lora=config.model.active_lora(),
+        seed=config.training.seed,
+    )
+
+
 def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] = (False, True)) -> MemoryPlan:
     """Dry-runs the configured cluster's trainer and works out the rest of the plan.
 
@@ -229,8 +303,13 @@ def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] =
     from opd.algorithms.distillation_setup import resolve_teacher_path
 
     world = cluster.trainer.workers
-    student_path, teacher_path = config.model.student_model_path, resolve_teacher_path(config)
-    student_config, teacher_config = model_config(student_path), model_config(teacher_path)
+    # HSDP shards within groups of shard_group_size ranks (and replicates across them).
+    shard_ranks = cluster.trainer.shard_group_size or world
+    student_path = config.model.student_model_path
+    # A served top-k or token-log-prob teacher needs no path: nothing of it is on the cluster.
+    teacher_path = resolve_teacher_path(config) if config.model.teacher_model_path is not None else None
+    student_config = model_config(student_path)
+    teacher_config = model_config(teacher_path) if teacher_path is not None else None
     vocab = tokenizer_size(config.model.tokenizer_path or student_path)
     if config.data.max_prompt_length is None:
         raise ConfigError("opd plan sizes each row as data.max_prompt_length + the response's max_length: set it")
@@ -248,31 +327,27 @@ def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] =
     if hasattr(loss_settings, "compile_kernels"):  # the dry run measures the eager kernels (an upper bound)
         loss_settings = loss_settings.model_copy(update={"compile_kernels": False})
     loss_fn = loss_settings.build(vocab, "cpu")
-    # What CUDA gets from `adam_implementation: auto` (the stand-in accelerator would get foreach).
-    optimizer = config.training
-    if optimizer.adam_implementation == "auto":
-        optimizer = optimizer.model_copy(update={"adam_implementation": "fused"})
-    student_shapes, teacher_shapes = _parameter_shapes(student_config), _parameter_shapes(teacher_config)
-    uneven = _needs_last_rank(student_shapes + teacher_shapes, world)
+    placement = _TeacherPlacement.of(config, cluster, teacher_path, loss_fn)
+    student_shapes = _parameter_shapes(student_config)
+    teacher_shapes = _parameter_shapes(teacher_config) if teacher_config is not None else []
+    uneven = _needs_last_rank(student_shapes + (teacher_shapes if placement.sharded_in_trainer else []), shard_ranks)
     ranks_to_run = [0, world - 1] if uneven and world > 1 else [0]
-    runs: dict[str, list[RankMemory]] = {}
-    for checkpointing in checkpointing_variants:
-        spec = TrainerSpec(
-            student_path=student_path,
-            teacher_path=teacher_path,
-            loading=config.model,
-            optimizer=optimizer,
-            total_steps=config.training.max_num_steps or 1,
-            backend="nccl",
-            timeout_s=cluster.worker_timeout_s,
-            threads=1,
-            reshard_after_forward=cluster.trainer.reshard_after_forward,
-            teacher_sharded=cluster.teacher.sharded,
-            activation_checkpointing=checkpointing,
-        )
-        runs["on" if checkpointing else "off"] = [
-            dry_run_rank(spec, world, rank, shape, loss_fn, vocab) for rank in ranks_to_run
+    hidden_size = teacher_config.hidden_size if teacher_config is not None else None
+    runs = {
+        "on" if checkpointing else "off": [
+            dry_run_rank(
+                _trainer_spec(config, cluster, placement, checkpointing),
+                world,
+                rank,
+                shape,
+                loss_fn,
+                vocab,
+                hidden_size,
+            )
+            for rank in ranks_to_run
         ]
+        for checkpointing in checkpointing_variants
+    }
     # model.parameters() yields a tied head once, so these count distinct weights.
     student_parameters = sum(math.prod(shape) for shape in student_shapes)
     teacher_parameters = sum(math.prod(shape) for shape in teacher_shapes)
@@ -282,7 +357,8 @@ def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] =
         world_size=world,
         student=student_path,
         teacher=teacher_path,
-        teacher_placement="colocated, sharded" if cluster.teacher.sharded else "colocated, whole",
+        teacher_placement=placement.label,
+        teacher_in_trainer=placement.in_trainer,
         micro_batch_size=micro_batch_size,
         prompt_tokens=shape.prompt_tokens,
         response_tokens=shape.response_tokens,
@@ -296,7 +372,16 @@ def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] =
         loss_chunk_rows=chunk_rows,
         loss_chunk_bytes=chunk_rows * vocab * 4,
         kv_bytes_per_token=_kv_bytes_per_token(student_config),
+        shard_ranks=shard_ranks,
+        lora=config.model.active_lora() is not None,
     )
+    if placement.pool_shards is not None:
+        assert teacher_path is not None and loss_fn.teacher_request is not None
+        dtype = torch.bfloat16 if teacher_dtype_bytes == 2 else torch.float32
+        plan.teacher_replica = dry_run_teacher_replica(
+            teacher_path, dtype, placement.pool_shards, shape, loss_fn.teacher_request
+        )
+        plan.teacher_shards_per_replica = placement.pool_shards
     _add_engine_budgets(plan, config, cluster, student_config, shape)
     return plan
 
@@ -338,19 +423,35 @@ def render_plan(plan: MemoryPlan) -> str:
     def row(label: str, values: list[int]) -> None:
         lines.append(f"{label:<38}" + "".join(f"  {_gib(value):>13}" for value in values))
 
+    if plan.lora:
+        lines.append(
+            "student: LoRA adapters on frozen base weights (gradients and Adam moments for the adapters alone)"
+        )
     row("student parameters (fp32 shard)", [rank.student_parameters for _, rank in columns])
     row("student gradients (fp32 shard)", [rank.student_gradients for _, rank in columns])
     row("optimizer state (Adam, fp32 shard)", [rank.optimizer_state for _, rank in columns])
-    row(f"teacher ({plan.teacher_placement})", [rank.teacher_parameters for _, rank in columns])
+    row(f"teacher ({plan.teacher_in_trainer})", [rank.teacher_parameters for _, rank in columns])
     row("activations, gathered layers, loss", [rank.transient for _, rank in columns])
     row("peak (measured by the dry run)", [rank.peak for _, rank in columns])
     for kind in ("Activation", "Temp", "All Gather", "Unsharded Param", "Reduce Scatter"):
         if any(rank.peak_breakdown.get(kind) for _, rank in columns):
             row(f"  at the peak: {kind.lower()}", [rank.peak_breakdown.get(kind, 0) for _, rank in columns])
+    if plan.teacher_replica is not None:
+        replica = plan.teacher_replica
+        lines += [
+            "",
+            f"teacher pool ({plan.teacher_placement}), GiB on a replica's device scoring one micro-batch:",
+            f"  weights {_g(replica.weights)}   answer sent {_g(replica.answer)}   "
+            f"peak (measured by the dry run) {_g(replica.peak)}   "
+            + "   ".join(
+                f"{device}: {'fits' if replica.peak + RUNTIME_RESERVE <= size else 'DOES NOT FIT'}"
+                for device, size in DEVICES.items()
+            ),
+        ]
     lines += [
         "",
         "teacher placements, weights per device (16 bits):",
-        f"  colocated, sharded over {plan.world_size}: {_g(plan.teacher_whole_bytes // plan.world_size)} GiB   "
+        f"  colocated, sharded over {plan.shard_ranks}: {_g(plan.teacher_whole_bytes // plan.shard_ranks)} GiB   "
         f"colocated, whole: {_g(plan.teacher_whole_bytes)} GiB   "
         f"pool replica (whole, one device): {_g(plan.teacher_whole_bytes)} GiB",
         f"loss: fused chunks of {plan.loss_chunk_rows} positions × {plan.vocab_size:,} = "

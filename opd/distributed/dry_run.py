@@ -56,11 +56,21 @@ from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM
 
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.distributed.fsdp import HIDDEN_STATES_METHOD, device_mesh
-from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
-from opd.models.interfaces import LossFunction
-from opd.models.lm_head import final_hidden_states
+from opd.distributed.fsdp import HIDDEN_STATES_METHOD, device_mesh, shard_model
+from opd.distributed.trainer_worker import ShardedTeacher, TrainerSpec, TrainerWorker
+from opd.models.interfaces import (
+    FullVocabRequest,
+    LossFunction,
+    TeacherHiddenStates,
+    TeacherRequest,
+    TeacherSignal,
+    TokenLogprobsRequest,
+    TopKLogprobs,
+    TopKRequest,
+)
+from opd.models.lm_head import OutputLayer, final_hidden_states, output_layer_of
 from opd.models.model_shapes import model_config
+from opd.models.teacher.local_teacher import LocalTeacher
 
 ACCELERATOR = "fakegpu"
 """The stand-in compute device type: PyTorch's ``privateuseone`` under this name (see the module docstring)."""
@@ -431,12 +441,31 @@ def _models_from_their_configs() -> Iterator[None]:
             model.tie_weights()  # to_empty gave the tied head a tensor of its own
         return model
 
-    originals = trainer_worker.load_sharded, trainer_worker.load_causal_lm
-    trainer_worker.load_sharded, trainer_worker.load_causal_lm = sharded, whole
+    def head(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False) -> OutputLayer:
+        layer = output_layer_of(_skeleton(path, dtype), path)  # on the meta device
+        bias = None if layer.bias is None else torch.empty_like(layer.bias, device=device)
+        return OutputLayer(
+            torch.empty_like(layer.weight, device=device), bias, layer.logit_multiplier, layer.logit_softcap
+        )
+
+    wrap_with_lora = trainer_worker.wrap_with_lora
+
+    def lora_on_meta(model: Any, config: Any) -> Any:
+        # peft makes a LoRA student's adapters where the context says, then moves them to
+        # the base layer's device, which a fake tensor refuses; made on the meta device,
+        # like the skeleton they join, they need no move.
+        with unset_fake_temporarily(), torch.device("meta"):
+            return wrap_with_lora(model, config)
+
+    names = ("load_sharded", "load_causal_lm", "load_output_layer", "wrap_with_lora")
+    originals = [getattr(trainer_worker, name) for name in names]
+    for name, stand_in in zip(names, (sharded, whole, head, lora_on_meta), strict=True):
+        setattr(trainer_worker, name, stand_in)
     try:
         yield
     finally:
-        trainer_worker.load_sharded, trainer_worker.load_causal_lm = originals
+        for name, original in zip(names, originals, strict=True):
+            setattr(trainer_worker, name, original)
 
 
 def _hidden_states_as_module_call(model: Any) -> None:
@@ -494,7 +523,8 @@ class RankMemory:
         student_parameters: this rank's shard of the student's fp32 master weights.
         student_gradients: this rank's shard of the student's gradients.
         optimizer_state: this rank's Adam moments (and step counters).
-        teacher_parameters: this rank's copy of a colocated teacher (a shard, or whole).
+        teacher_parameters: this rank's copy of a colocated teacher (a shard, or whole), or
+            of the output layer of a teacher apart that answers a full-vocabulary loss.
         collectives: collectives the audit checked.
         host_peak: bytes of tensors the step made on the host (0 when every tensor is on the device).
     """
@@ -552,6 +582,25 @@ def _micro_batch(shape: StepShape, vocab_size: int) -> BatchedDataDict:
     )
 
 
+def _teacher_answer(
+    request: TeacherRequest, shape: StepShape, vocab_size: int, hidden_size: int | None
+) -> TeacherSignal:
+    """A teacher's answer to ``request`` for one micro-batch, as it arrives from another process (host tensors)."""
+    rows, length = shape.micro_batch_size, shape.row_tokens
+    if isinstance(request, FullVocabRequest):
+        if hidden_size is None:
+            raise ValueError("a full-vocabulary answer from a teacher apart needs the teacher's hidden size")
+        return TeacherHiddenStates(torch.zeros(rows, length, hidden_size, dtype=torch.bfloat16))
+    if isinstance(request, TopKRequest):
+        k = min(request.k, vocab_size)
+        return TopKLogprobs(
+            torch.zeros(rows, length, k), torch.zeros(rows, length, k, dtype=torch.long), torch.zeros(rows, length)
+        )
+    if isinstance(request, TokenLogprobsRequest):
+        return torch.zeros(rows, length)
+    raise ValueError(f"the dry run does not plan a teacher apart answering {type(request).__name__}")
+
+
 def _adam_state_in_place(trainer: TrainerWorker) -> None:
     """Gives every parameter Adam's moments, as any step after the first finds them.
 
@@ -566,6 +615,84 @@ def _adam_state_in_place(trainer: TrainerWorker) -> None:
     trainer.optimizer.zero_grad(set_to_none=True)
 
 
+@contextlib.contextmanager
+def _fake_step(
+    rank: int, world_size: int, shard_group_size: int | None, shape: StepShape, audit: _DeviceAudit
+) -> Iterator[Any]:
+    """Everything a dry-run step runs under (see the module docstring); yields the process group's mesh."""
+    with (
+        fake_process_group(rank, world_size, shard_group_size) as mesh,
+        FakeTensorMode(allow_non_fake_inputs=True),
+        _tensors_from_data_via_host(),
+        _gpu_attention_kernels(),
+        _sharding_metadata_apart(),
+        _models_from_their_configs(),
+        _DataDependentStandIns(shape.response_tokens),
+        audit,
+    ):
+        yield mesh
+
+
+@dataclass
+class ReplicaMemory:
+    """What one device of a teacher-pool replica holds while it scores a micro-batch, in bytes.
+
+    Attributes:
+        peak: the tracker's peak over the forward on the compute device.
+        weights: this device's share of the teacher (its FSDP2 shard, or the whole model).
+        answer: the answer it sends (hidden states, top-k or token log-probs), on the device before it is sent.
+    """
+
+    peak: int
+    weights: int
+    answer: int
+
+
+def dry_run_teacher_replica(
+    path: str,
+    dtype: torch.dtype,
+    shards_per_replica: int,
+    shape: StepShape,
+    request: TeacherRequest,
+) -> ReplicaMemory:
+    """Scores one micro-batch on the first device of a teacher-pool replica, on fake tensors; returns its memory.
+
+    The replica is built as a pool worker builds it (:class:`opd.distributed.teacher_pool.TeacherWorker`):
+    the whole teacher on one device, or with ``shards_per_replica`` > 1 sharded with FSDP2
+    over the replica's devices, forward only. A full-vocabulary request is answered with
+    the final hidden states (the trainer binds them to its copy of the head); the others
+    with the answer itself.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    device = compute_device()
+    with _fake_step(0, shards_per_replica, None, shape, _DeviceAudit(device)) as mesh:
+        model = _skeleton(path, dtype)
+        if shards_per_replica > 1:
+            model = shard_model(model, mesh)
+        model.to_empty(device=device)
+        if shards_per_replica == 1 and getattr(model.config, "tie_word_embeddings", False):
+            model.tie_weights()  # to_empty gave the tied head a tensor of its own
+        teacher = ShardedTeacher(model) if shards_per_replica > 1 else LocalTeacher(model)
+        # The tracker hooks every parameter's gradient, which a frozen weight refuses; the
+        # teacher still scores without gradients (its own no-grad mode), so nothing changes.
+        model.requires_grad_(True)
+        weights = _local_bytes(model.parameters())
+        batch = _micro_batch(shape, model.config.vocab_size)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker, torch.no_grad():
+            if isinstance(request, FullVocabRequest):
+                answer: Any = teacher.get_hidden_states(batch).hidden_states
+            else:
+                answer = teacher.score(batch, request)
+        # Top-k: the pair of tensors and the rest mass; the other answers are one tensor.
+        answer_bytes = _local_bytes([answer] if torch.is_tensor(answer) else [*answer, answer.rest_logprobs])
+    snapshot = tracker.get_tracker_snapshot("peak")
+    device_snapshot = next((values for dev, values in snapshot.items() if dev.type == device.type), {})
+    return ReplicaMemory(peak=int(device_snapshot.get("Total", 0)), weights=weights, answer=answer_bytes)
+
+
 def dry_run_rank(
     spec: TrainerSpec,
     world_size: int,
@@ -573,11 +700,16 @@ def dry_run_rank(
     shape: StepShape,
     loss_fn: LossFunction,
     vocab_size: int,
+    teacher_hidden_size: int | None = None,
 ) -> RankMemory:
     """Builds and trains rank ``rank`` of ``world_size`` on fake tensors; returns its memory.
 
     The tracked step is a steady-state one: Adam's moments exist before it starts
-    (:func:`_adam_state_in_place`), as they do from a run's second step on.
+    (:func:`_adam_state_in_place`), as they do from a run's second step on. A teacher
+    that runs apart (``spec.teacher_path`` None: a pool, a served teacher) sends its
+    answer to every micro-batch as it would arrive from another process, on the host:
+    the final hidden states for a full-vocabulary loss (bound to the output layer the
+    rank loads, ``spec.teacher_head_path``), else the top-k or token log-probs.
 
     Args:
         spec: the trainer as the run configures it (``backend`` is ignored: the group is fake).
@@ -586,6 +718,8 @@ def dry_run_rank(
         shape: its micro-batches.
         loss_fn: the run's loss.
         vocab_size: token ids are drawn below this.
+        teacher_hidden_size: the width of a teacher's hidden states that runs apart and
+            answers a full-vocabulary loss; unused otherwise.
 
     Raises:
         DeviceMismatchError: a collective got a tensor off the compute device.
@@ -596,35 +730,38 @@ def dry_run_rank(
     global_tokens = shape.micro_batch_size * shape.response_tokens * shape.micro_batches * world_size
     global_rows = shape.micro_batch_size * shape.micro_batches * world_size
     audit = _DeviceAudit(device)
-    with (
-        fake_process_group(rank, world_size, spec.shard_group_size) as mesh,
-        FakeTensorMode(allow_non_fake_inputs=True),
-        _tensors_from_data_via_host(),
-        _gpu_attention_kernels(),
-        _sharding_metadata_apart(),
-        _models_from_their_configs(),
-        _DataDependentStandIns(shape.response_tokens),
-        audit,
-    ):
+    with _fake_step(rank, world_size, spec.shard_group_size, shape, audit) as mesh:
         micro_batch = _micro_batch(shape, vocab_size)  # fake host tensors, as the controller sends them
+        request = loss_fn.teacher_request
+        signals = (
+            [_teacher_answer(request, shape, vocab_size, teacher_hidden_size)] * shape.micro_batches
+            if spec.teacher_path is None and request is not None
+            else None
+        )
         trainer = TrainerWorker(rank, world_size, spec)
         trainer.build(mesh, device)
         _adam_state_in_place(trainer)
-        teacher_model = trainer.teacher.model if trainer.teacher is not None else None
-        teacher_bytes = _local_bytes(teacher_model.parameters()) if teacher_model is not None else 0
+        # The teacher's weights on this rank: a colocated copy, or the output layer that binds
+        # the hidden states of a teacher apart.
+        teacher_tensors: list[torch.Tensor] = []
+        if trainer.teacher is not None:
+            teacher_tensors = list(trainer.teacher.model.parameters())
+        elif trainer.teacher_head is not None:
+            head = trainer.teacher_head
+            teacher_tensors = [head.weight] + ([head.bias] if head.bias is not None else [])
+        teacher_bytes = _local_bytes(teacher_tensors)
         tracker = FSDPMemTracker(trainer.model, trainer.optimizer)
         kinds = _tracked_kinds()
         tracker._ref_class = kinds
-        if teacher_model is not None:  # the tracker counts only the student's own weights unless told
-            for parameter in teacher_model.parameters():
-                local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-                tracker._update_and_maybe_create_winfos(local, kinds.TEACHER)
+        for tensor in teacher_tensors:  # the tracker counts only the student's own weights unless told
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            tracker._update_and_maybe_create_winfos(local, kinds.TEACHER)
         _hidden_states_as_module_call(trainer.model)
         with tracker:
             # The tracker refuses a second forward of the root (a next micro-batch) unless
             # its per-module statistics are cleared; the peak it keeps is unaffected.
             trainer.model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
-            trainer.train(loss_fn, global_tokens, global_rows, [micro_batch] * shape.micro_batches, None)
+            trainer.train(loss_fn, global_tokens, global_rows, [micro_batch] * shape.micro_batches, signals)
         parameters = list(trainer.model.parameters())
         optimizer_state = _local_bytes(
             value for state in trainer.optimizer.state.values() for value in state.values() if torch.is_tensor(value)
@@ -642,8 +779,9 @@ def dry_run_rank(
         },
         student_parameters=_local_bytes(parameters),
         # Gradients live from the backward to the optimizer step (zero_grad sets them to
-        # None): one sharded copy in the master weights' dtype.
-        student_gradients=_local_bytes(parameters),
+        # None): one sharded copy of the trained weights (a LoRA student's adapters alone)
+        # in the master weights' dtype.
+        student_gradients=_local_bytes(parameter for parameter in parameters if parameter.requires_grad),
         optimizer_state=optimizer_state,
         teacher_parameters=teacher_bytes,
         collectives=audit.collectives,
