@@ -185,11 +185,6 @@ def _plannable_cluster(config: MasterConfig) -> ClusterConfig:
             "opd plan plans one teacher (model.teacher_model_path or teacher:); several teachers (teachers:) are not "
             "planned yet: plan each member's run alone"
         )
-    if cluster.trainer.shard_group_size not in (None, cluster.trainer.workers):
-        raise ConfigError(
-            "opd plan dry-runs plain FSDP2 over all trainer workers; an HSDP mesh "
-            "(cluster.trainer.shard_group_size) is not planned yet: leave it null to plan the sharding within one group"
-        )
     return cluster
 
 

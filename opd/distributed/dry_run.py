@@ -51,7 +51,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM
 
@@ -397,9 +398,19 @@ def fake_process_group(rank: int, world_size: int, shard_group_size: int | None 
     dist.init_process_group(backends, store=FakeStore(), rank=rank, world_size=world_size)
     original = dist.all_gather_object
     dist.all_gather_object = _symmetric_all_gather_object
+    slicing = DeviceMesh.__getitem__
+
+    def sliced_with_real_tensors(mesh: DeviceMesh, names: Any) -> DeviceMesh:
+        # A sub-mesh (HSDP's "shard" dimension) finds this rank's coordinates in the mesh's
+        # rank tensor, a data-dependent step that the fake modes would answer with stand-ins.
+        with _disable_current_modes():
+            return slicing(mesh, names)
+
+    setattr(DeviceMesh, "__getitem__", sliced_with_real_tensors)  # noqa: B010 (a method, assigned for the run)
     try:
         yield device_mesh(device.type, world_size, shard_group_size)
     finally:
+        setattr(DeviceMesh, "__getitem__", slicing)  # noqa: B010
         dist.all_gather_object = original
         dist.destroy_process_group()
 

@@ -26,6 +26,7 @@ CASES = {
     "served_full_vocab": ["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:9"],
     "served_topk": ["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:9", "loss_fn.type=topk"],
     "lora": ["model.lora.r=4"],
+    "hsdp": ["cluster.trainer.workers=4", "cluster.trainer.shard_group_size=2"],
 }
 
 

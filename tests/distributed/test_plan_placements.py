@@ -7,7 +7,8 @@ from the real models (float32, as ``distillation_tiny.yaml`` loads them):
   output layer, and only that, on every trainer rank; with top-k it leaves nothing there;
 * a pool replica's device holds the whole teacher, or its share when the replica is sharded,
   and sends the answer the loss asked for (hidden states, or top-k with the rest mass);
-* a LoRA student's gradients and Adam moments are those of its adapters alone.
+* a LoRA student's gradients and Adam moments are those of its adapters alone;
+* an HSDP mesh (4 ranks, groups of 2) shards within a group: each rank holds what one of 2 ranks holds.
 
 The plans run in one process of their own (a dry run registers a stand-in accelerator for
 its process, :mod:`opd.distributed.dry_run`).
@@ -107,3 +108,10 @@ def test_a_lora_students_gradients_and_moments_are_its_adapters_alone(plans):
     # Adam: two moments per trained weight (and a step counter per tensor).
     assert 2 * lora["student_gradients"] <= lora["optimizer_state"] < 2 * lora["student_gradients"] + 4096
     assert lora["peak"] < full["peak"]
+
+
+def test_an_hsdp_rank_holds_the_shard_of_its_group_not_of_the_world(plans):
+    hsdp, two = plans["hsdp"], plans["colocated"]
+    assert hsdp["world_size"] == 4 and hsdp["shard_ranks"] == 2
+    for key in ("student_parameters", "optimizer_state", "teacher_parameters"):
+        assert _rank(hsdp)[key] == _rank(two)[key], key
