@@ -479,7 +479,7 @@ def _cluster_problem(config: MasterConfig) -> str | None:
             "cluster.trainer.offload_during_generation frees the trainer's devices for the rollout engines, which "
             "share them only with cluster.placement = colocated; set it, or switch the offload off"
         )
-    return None
+    return cluster.teacher.engine_problem(config.loss_fn.teacher_request(None), cluster.colocated)
 
 
 def _schedule_problem(config: MasterConfig) -> str | None:

@@ -251,6 +251,10 @@ class _TeacherPlacement:
         in_trainer = "its output layer" if head else "none"
         if config.teacher.served:
             return cls("served", in_trainer, None, head, False, None)
+        if cluster.teacher.scores_with_vllm:  # vLLM's own memory management: not a forward the dry run can run
+            devices = cluster.teacher.vllm.tensor_parallel_size
+            label = f"pool of vLLM engines over {devices} device(s), not dry-run"
+            return cls(label, in_trainer, None, head, False, None)
         shards = cluster.teacher.shards_per_replica
         label = f"pool, {'whole replicas' if shards == 1 else f'replicas sharded over {shards} devices'}"
         return cls(label, in_trainer, None, head, False, shards)
@@ -435,7 +439,7 @@ def render_plan(plan: MemoryPlan) -> str:
         replica = plan.teacher_replica
         lines += [
             "",
-            f"teacher pool ({plan.teacher_placement}), GiB on a replica's device scoring one micro-batch:",
+            f"teacher {plan.teacher_placement}, GiB per device of a replica scoring one micro-batch:",
             f"  weights {_g(replica.weights)}   answer sent {_g(replica.answer)}   "
             f"peak (measured by the dry run) {_g(replica.peak)}   "
             + "   ".join(

@@ -138,7 +138,11 @@ def check_colocated_sharing(config: ClusterConfig, rollout_workers: int, teacher
 
 
 def build_pools(
-    config: ClusterConfig, rollout_workers: int, teacher_workers: int, rollout_devices: int = 1
+    config: ClusterConfig,
+    rollout_workers: int,
+    teacher_workers: int,
+    rollout_devices: int = 1,
+    teacher_devices: int = 1,
 ) -> ResourcePools:
     """The slots of ``config.trainer.workers`` trainer ranks, and of the rollout and teacher workers.
 
@@ -148,6 +152,8 @@ def build_pools(
         teacher_workers: teacher replicas to place (0 for a colocated or served teacher).
         rollout_devices: GPUs one rollout engine spans (vLLM tensor parallel; split placement
             only, the validator refuses it colocated).
+        teacher_devices: GPUs one teacher worker spans (a tensor-parallel vLLM teacher
+            engine; split placement only, likewise).
     """
     check_colocated_sharing(config, rollout_workers, teacher_workers)
     cpus, gpus = config.threads_per_worker, config.gpus_per_worker
@@ -173,8 +179,9 @@ def build_pools(
         groups.append(_pool(rollout_workers, cpus, engine_gpus, "rollout", config))
         rollout = [Slot(groups[-1], rank, cpus, engine_gpus) for rank in range(rollout_workers)]
     if teacher_workers:
-        groups.append(_pool(teacher_workers, cpus, gpus, "teacher", config))
-        teacher = [Slot(groups[-1], rank, cpus, gpus) for rank in range(teacher_workers)]
+        teacher_gpus = gpus * teacher_devices
+        groups.append(_pool(teacher_workers, cpus, teacher_gpus, "teacher", config))
+        teacher = [Slot(groups[-1], rank, cpus, teacher_gpus) for rank in range(teacher_workers)]
     return ResourcePools(trainer=trainer, rollout=rollout, teacher=teacher, groups=groups)
 
 

@@ -146,7 +146,9 @@ def build_cluster_backends(
     started_ray = start_ray(cluster, cpus_needed(cluster, cluster.rollout.workers, teacher_workers))
     try:
         engine_devices = request.generation.engine.devices(request.generation)
-        pools = build_pools(cluster, cluster.rollout.workers, teacher_workers, engine_devices)
+        pools = build_pools(
+            cluster, cluster.rollout.workers, teacher_workers, engine_devices, cluster.teacher.devices_per_worker
+        )
     except BaseException:  # a pool that cannot be placed: leave no private cluster behind
         if started_ray:
             ray.shutdown()
@@ -175,7 +177,8 @@ def build_cluster_backends(
                 groups.append(teacher_pool)
                 # Its hidden states can be bound in the trainer workers when they hold its output layer.
                 binds = request.teacher_head_path is not None and len(paths) == 1
-                teachers.append(TeacherPool(teacher_pool, cluster.teacher.shards_per_replica, binds))
+                shards, with_vllm = cluster.teacher.shards_per_replica, cluster.teacher.scores_with_vllm
+                teachers.append(TeacherPool(teacher_pool, shards, binds, with_vllm))
         rollout = _start_rollout(cluster, request, pools.rollout)
         groups.append(rollout)
     except BaseException:
@@ -274,7 +277,17 @@ def _start_teacher_pool(
         role,
         TeacherWorker,
         slots,
-        lambda rank: (rank, teacher_path, request.loading, cluster.threads_per_worker, shards, backend, timeout_s),
+        lambda rank: (
+            rank,
+            teacher_path,
+            request.loading,
+            cluster.threads_per_worker,
+            shards,
+            backend,
+            timeout_s,
+            cluster.teacher.vllm if cluster.teacher.scores_with_vllm else None,
+            request.seed,
+        ),
         _worker_environment(cluster),
         **_bounds(cluster, "teacher"),
     )

@@ -41,6 +41,7 @@ from opd.models.interfaces import (
 )
 from opd.models.loading import load_causal_lm, resolve_device, resolve_dtype
 from opd.models.teacher.local_teacher import LocalTeacher
+from opd.models.teacher.vllm_teacher import VllmScoringConfig, VllmTeacher
 
 
 def _concat(signals: list[Any], counts: list[int]) -> TeacherSignal:
@@ -122,6 +123,10 @@ class TeacherWorker:
         shards_per_replica: workers that hold one replica between them.
         backend: torch.distributed backend of a replica's process group (``gloo`` or ``nccl``).
         timeout_s: bound on every collective of a replica (``cluster.worker_timeout_s``).
+        vllm: score with a vLLM engine of these settings (``cluster.teacher.engine: vllm``:
+            top-k and token log-probs, tensor parallel over the worker's devices); None
+            scores with the HF model.
+        seed: the vLLM engine's seed.
     """
 
     def __init__(
@@ -133,14 +138,18 @@ class TeacherWorker:
         shards_per_replica: int = 1,
         backend: str = "gloo",
         timeout_s: float = 600.0,
+        vllm: VllmScoringConfig | None = None,
+        seed: int = 0,
     ) -> None:
         torch.set_num_threads(threads)
         self.rank = rank
         self.replica, self.shard = divmod(rank, shards_per_replica)
         self.shards_per_replica = shards_per_replica
         self.model_path, self.loading, self.backend, self.timeout_s = model_path, loading, backend, timeout_s
-        self.teacher: LocalTeacher | None = None
-        if shards_per_replica == 1:
+        self.teacher: LocalTeacher | VllmTeacher | None = None
+        if vllm is not None:  # the engine loads the teacher itself, over the devices Ray gave this worker
+            self.teacher = VllmTeacher(model_path, vllm, on_gpu=torch.cuda.is_available(), seed=seed)
+        elif shards_per_replica == 1:
             device = resolve_device(loading.device)
             model = load_causal_lm(model_path, resolve_dtype(loading.dtype, device), device, loading)
             self.teacher = LocalTeacher(model)
@@ -170,6 +179,8 @@ class TeacherWorker:
         """The teacher's answer for ``data``, on CPU (a sharded replica's workers must be asked together)."""
         if self.teacher is None:
             raise RuntimeError(f"teacher worker {self.rank} was not started (a sharded replica's workers need start)")
+        if isinstance(self.teacher, VllmTeacher):
+            return self.teacher.score(data, request)  # host tensors already
         if isinstance(request, FullVocabRequest):
             # The hidden states alone: the trainer workers hold the output layer (never sent per micro-batch).
             hidden = self.teacher.get_hidden_states(data).hidden_states
@@ -201,14 +212,22 @@ class TeacherPool(TeacherInterface):
         shards_per_replica: workers that hold one replica between them.
         binds_hidden_states: the trainer workers loaded this teacher's output layer, so
             full-vocabulary requests can be answered with hidden states.
+        scores_with_vllm: the workers hold vLLM engines (top-k and token log-probs only).
     """
 
-    def __init__(self, workers: WorkerGroup, shards_per_replica: int = 1, binds_hidden_states: bool = False) -> None:
+    def __init__(
+        self,
+        workers: WorkerGroup,
+        shards_per_replica: int = 1,
+        binds_hidden_states: bool = False,
+        scores_with_vllm: bool = False,
+    ) -> None:
         if workers.size % shards_per_replica:
             raise ValueError(f"{workers.size} teacher workers do not make replicas of {shards_per_replica}")
         self.workers = workers
         self.shards_per_replica = shards_per_replica
         self.binds_hidden_states = binds_hidden_states
+        self.scores_with_vllm = scores_with_vllm
         # A sharded replica's workers run their forwards together: requests from several
         # threads must reach all of a replica's workers in the same order.
         self._submitting = threading.Lock()
@@ -219,7 +238,12 @@ class TeacherPool(TeacherInterface):
         return None
 
     def refusal(self, request: TeacherRequest) -> str | None:
-        """Full-vocabulary requests need the teacher's output layer in the trainer workers (``binds_hidden_states``)."""
+        """Full-vocabulary requests need the teacher's output layer in the trainer workers (``binds_hidden_states``)
+        and HF workers (a vLLM engine returns log-probs only)."""
+        if self.scores_with_vllm:
+            reason = VllmTeacher.unsupported_reason(request)
+            if reason is not None:
+                return reason
         if isinstance(request, FullVocabRequest) and not self.binds_hidden_states:
             return (
                 "this teacher pool's hidden states would reach trainer workers that hold no copy of its output "

@@ -52,7 +52,7 @@ of the demo student; vLLM's own CPU default is 4 GiB)."""
 _MAX_SEED = 2**31 - 1
 
 
-def _configure_vllm_environment(device_type: str) -> None:
+def configure_vllm_environment(device_type: str) -> None:
     """Sets the environment vLLM reads: an in-process engine core, quieter logs, and on CPU no thread pinning.
 
     The engine core must run in this process: refit hands it tensors, not files. On CPU,
@@ -149,7 +149,7 @@ class VllmGeneration(InProcessGenerationInterface):
         if VllmGeneration._open_engine is not None:
             raise RuntimeError("a colocated vLLM engine is already open in this process; close() it first")
         device_type = next(model.parameters()).device.type
-        _configure_vllm_environment(device_type)
+        configure_vllm_environment(device_type)
         vllm = import_vllm()
         self._sampling_params_class = vllm.SamplingParams
         self.pad_token_id = tokenizer.pad_token_id

@@ -16,7 +16,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from opd.models.interfaces import TopKLogprobs
 from opd.models.teacher.wire import REST_MASS_TOLERANCE, WireError
+from opd.models.topk_rest import rest_logprobs_from_topk
 
 REST_MASS_FIELD = "prompt_topk_rest_mass"
 """The choice field with each position's probability mass outside its top k (not in vLLM's API)."""
@@ -118,3 +122,39 @@ def parse_prompt_logprobs(payload: dict[str, Any], sequences: list[list[int]], k
             answer.append(candidates)
         answers.append(ScoredSequence(answer, _parse_rest_mass(choice, number, answer, k)))
     return answers
+
+
+def topk_from_scored(answers: list[ScoredSequence], rows: int, width: int, k: int) -> TopKLogprobs:
+    """``[rows, width, k]`` top-k log-probs and ids (position t describes token t + 1) from per-sequence answers.
+
+    ``rest_logprobs`` holds log(1 − Σ_k P): the answer's own rest mass where it has one,
+    else computed from the top k in float64 (exact for the log-probs received, which a
+    float32 subtraction would not be). Positions with no answer (a sequence's last token,
+    padding) hold a placeholder distribution (ids ``0 … k-1``, each with probability
+    ``1 / (2k)``, rest 1/2): the loss masks them, and they keep every value finite.
+    """
+    values = torch.full((rows, width, k), math.log(0.5 / k), dtype=torch.float64)
+    ids = torch.arange(k, dtype=torch.long).expand(rows, width, k).clone()
+    rest = torch.full((rows, width), math.log(0.5), dtype=torch.float64)
+    for row, answer in enumerate(answers):
+        if len(answer.candidates) < 2:
+            continue
+        # One tensor per row, not per position: this loop runs over every scored token.
+        tops = [top_k(candidates, k) for candidates in answer.candidates[1:]]
+        scored = len(tops)
+        ids[row, :scored] = torch.tensor([[token for token, _ in top] for top in tops])
+        values[row, :scored] = torch.tensor([[logprob for _, logprob in top] for top in tops])
+        if answer.rest_mass is not None:
+            rest[row, :scored] = torch.tensor(answer.rest_mass[1:], dtype=torch.float64).log()
+        else:
+            rest[row, :scored] = rest_logprobs_from_topk(values[row, :scored])
+    return TopKLogprobs(values.float(), ids, rest.float())
+
+
+def token_logprobs_from_scored(answers: list[ScoredSequence], input_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` log P(token t | tokens before t) from per-sequence answers; 0 where none was scored."""
+    result = torch.zeros(input_ids.shape, dtype=torch.float32)
+    for row, answer in enumerate(answers):
+        for position in range(1, len(answer.candidates)):
+            result[row, position] = answer.candidates[position][int(input_ids[row, position])]
+    return result
