@@ -94,6 +94,30 @@ def sampling_params_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
     return {**common, "temperature": strategy.temperature, "top_k": -1, "top_p": strategy.top_p}
 
 
+def engine_resources(config: Any, on_gpu: bool) -> dict[str, Any]:
+    """vLLM engine arguments for devices and memory, from a config with the shared engine fields.
+
+    ``config`` has ``tensor_parallel_size``, ``enforce_eager``, ``max_model_len``,
+    ``gpu_memory_utilization`` and ``kv_cache_memory_bytes`` (the rollout engine's
+    ``generation.vllm``, a teacher pool's ``cluster.teacher.vllm``). One device: the model
+    runs in this process; several: vLLM spawns one process per device (its multiprocessing
+    executor). On a GPU the engine takes its share of the device; on CPU a KV cache of
+    ``kv_cache_memory_bytes`` or :data:`CPU_KV_CACHE_BYTES`.
+    """
+    resources: dict[str, Any] = {
+        "enforce_eager": (not on_gpu) if config.enforce_eager == "auto" else bool(config.enforce_eager),
+        "distributed_executor_backend": "uni" if config.tensor_parallel_size == 1 else "mp",
+        "tensor_parallel_size": config.tensor_parallel_size,
+    }
+    if config.max_model_len is not None:
+        resources["max_model_len"] = config.max_model_len
+    if on_gpu:
+        resources["gpu_memory_utilization"] = config.gpu_memory_utilization
+    if config.kv_cache_memory_bytes is not None or not on_gpu:
+        resources["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+    return resources
+
+
 def _reload_worker_weights(worker: Any, weights: Any, tied_embeddings: bool) -> int:
     """Runs inside vLLM's worker: loads checkpoint-format ``(name, tensor)`` pairs in place.
 
@@ -175,21 +199,12 @@ class VllmGeneration(InProcessGenerationInterface):
             "generation_config": "vllm",
             "dtype": dtype,
             "seed": seed,
-            "enforce_eager": (not on_gpu) if config.enforce_eager == "auto" else bool(config.enforce_eager),
             "enable_prefix_caching": config.enable_prefix_caching,
             "enable_sleep_mode": self.sleep_enabled,
             "logprobs_mode": "processed_logprobs",
-            # One device: the model runs in this process. Several: vLLM spawns one process
-            # per device (its multiprocessing executor), and refit reaches them by pickle.
-            "distributed_executor_backend": "uni" if config.tensor_parallel_size == 1 else "mp",
-            "tensor_parallel_size": config.tensor_parallel_size,
+            # Several devices: refit reaches the model's processes by pickle.
+            **engine_resources(config, on_gpu),
         }
-        if config.max_model_len is not None:
-            engine_args["max_model_len"] = config.max_model_len
-        if on_gpu:
-            engine_args["gpu_memory_utilization"] = config.gpu_memory_utilization
-        if config.kv_cache_memory_bytes is not None or not on_gpu:
-            engine_args["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
         try:
             self.llm = vllm.LLM(**engine_args)
         except Exception:

@@ -41,8 +41,6 @@ from opd.models.tiny import TINY_PREFIX, build_tiny_model, is_tiny_path
 from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError
 
-CPU_KV_CACHE_BYTES = 256 * 2**20
-"""KV cache of a CPU engine when ``kv_cache_memory_bytes`` is not set (vLLM's own CPU default is 4 GiB)."""
 FULL_VOCABULARY_REFUSAL = (
     "a vLLM teacher engine returns log-probs (top-k or each token's), not the final hidden states a "
     "full-vocabulary loss binds to the teacher's output layer; use loss_fn.type = topk or sampled_token with "
@@ -113,7 +111,7 @@ class VllmTeacher(TeacherInterface):
     """
 
     def __init__(self, model_path: str, config: VllmScoringConfig, on_gpu: bool, seed: int = 0) -> None:
-        from opd.models.generation.vllm_generation import configure_vllm_environment, import_vllm
+        from opd.models.generation.vllm_generation import configure_vllm_environment, engine_resources, import_vllm
 
         configure_vllm_environment("cuda" if on_gpu else "cpu")
         vllm = import_vllm()
@@ -126,19 +124,11 @@ class VllmTeacher(TeacherInterface):
             "generation_config": "vllm",
             "dtype": config.dtype,
             "seed": seed,
-            "enforce_eager": (not on_gpu) if config.enforce_eager == "auto" else bool(config.enforce_eager),
             "max_logprobs": config.max_logprobs,
             # Every request scores a whole new sequence: nothing to reuse across them.
             "enable_prefix_caching": False,
-            "distributed_executor_backend": "uni" if config.tensor_parallel_size == 1 else "mp",
-            "tensor_parallel_size": config.tensor_parallel_size,
+            **engine_resources(config, on_gpu),
         }
-        if config.max_model_len is not None:
-            engine_args["max_model_len"] = config.max_model_len
-        if on_gpu:
-            engine_args["gpu_memory_utilization"] = config.gpu_memory_utilization
-        if config.kv_cache_memory_bytes is not None or not on_gpu:
-            engine_args["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
         try:
             self.llm = vllm.LLM(**engine_args)
         except Exception:
