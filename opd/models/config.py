@@ -7,7 +7,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from opd.data.teacher_choice import TeacherChoice
+from opd.data.teacher_choice import ROUTES_BY_MODE, TeacherChoice
+from opd.models.interfaces import TeacherInterface
+from opd.models.teacher.backends import TEACHER_BACKENDS, TeacherBackend, TeacherLoader
 from opd.utils.config import StrictConfig
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -105,23 +107,42 @@ class RemoteTeacherConfig(StrictConfig):
     )
 
 
+TeacherBackendName = Literal["local", "remote"]
+"""The values of a teacher's ``backend``: one per entry of :data:`~opd.models.teacher.backends.TEACHER_BACKENDS`."""
+
+
 class TeacherSourceConfig(StrictConfig):
     """Where one teacher runs: in the run (``local``: its model is loaded by the trainer or its cluster's
     workers) or behind HTTP (``remote``: ``opd serve-teacher`` or ``vllm serve``)."""
 
-    backend: Literal["local", "remote"] = Field("local", description="local = the model in process")
+    backend: TeacherBackendName = Field("local", description="local = the model in process")
     remote: RemoteTeacherConfig = Field(default_factory=RemoteTeacherConfig, description="used when backend = remote")
+
+    @property
+    def teacher_backend(self) -> TeacherBackend:
+        """The backend ``backend`` names (:data:`~opd.models.teacher.backends.TEACHER_BACKENDS`)."""
+        return TEACHER_BACKENDS[self.backend]
 
     @property
     def served(self) -> bool:
         """The teacher answers over HTTP; the run loads no copy of it."""
-        return self.backend == "remote"
+        return self.teacher_backend.served
+
+    def build(self, loader: TeacherLoader, model_path: str | None) -> TeacherInterface:
+        """The teacher these settings describe, built by its backend with the run's ``loader``.
+
+        Args:
+            loader: how the run loads and connects teachers.
+            model_path: the teacher's model (``student``: the student's starting point); for
+                a served teacher, the model whose output layer is read (None: the run's default).
+        """
+        return self.teacher_backend.build(loader, self, model_path)
 
 
 class TeacherConfig(TeacherSourceConfig):
     """Where the teacher runs: in the trainer's process (``local``) or behind HTTP (``remote``)."""
 
-    backend: Literal["local", "remote"] = Field("local", description="local = model.teacher_model_path in process")
+    backend: TeacherBackendName = Field("local", description="local = model.teacher_model_path in process")
     cross_tokenizer: bool = Field(
         False,
         description="the teacher's tokenizer differs from the student's: it scores the response text under its own "
@@ -154,7 +175,7 @@ class TeacherMemberConfig(TeacherSourceConfig):
         description="hub name, local directory or tiny:<preset>; required in process, and for a served "
         "teacher's full-vocabulary loss (its output layer)",
     )
-    backend: Literal["local", "remote"] = Field("local", description="local = model_path in process")
+    backend: TeacherBackendName = Field("local", description="local = model_path in process")
     weight: float = Field(1.0, ge=0.0, description="mixture: fixed weight (normalised over the members)")
 
 
@@ -183,7 +204,7 @@ class TeachersConfig(StrictConfig):
     @property
     def routes(self) -> bool:
         """Each example goes to one teacher (``mode: route``); otherwise every token meets the mixture."""
-        return self.mode == "route"
+        return ROUTES_BY_MODE[self.mode]
 
     @model_validator(mode="after")
     def _consistent(self) -> TeachersConfig:
