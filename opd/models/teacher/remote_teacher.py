@@ -1,8 +1,9 @@
 """A teacher served over HTTP: ``opd serve-teacher`` or vLLM's OpenAI-compatible server.
 
 The client sends the student's token ids and turns the answers into the signal the loss
-requested (:meth:`RemoteTeacher.score`). It speaks two protocols, chosen per server
-(``protocol``: ``auto`` asks the server which it speaks):
+requested (:meth:`RemoteTeacher.score`). It speaks two protocols, each a
+:class:`WireProtocol` in :data:`PROTOCOLS`, chosen once per server when it connects
+(``protocol``: ``auto`` takes the first of :data:`AUTO_ORDER` the server speaks):
 
 * **opd's binary protocol** (:mod:`opd.models.teacher.wire`, ``opd serve-teacher``):
   flat tensors, only at the positions the loss reads. It answers every request:

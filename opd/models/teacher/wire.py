@@ -38,6 +38,11 @@ The header's metadata carries ``format`` (:data:`FORMAT`), ``signal`` and ``chec
 CRC-32 over every tensor's bytes in name order. The client checks all of it (names,
 dtypes, shapes, the echo of what it sent, the checksum, the values' ranges) before
 anything reaches the loss; :class:`WireError` names the first thing that does not match.
+
+Each signal is a :class:`SignalCodec` in :data:`CODECS`: its tensors, the checks of its
+values, and the server's side (reading its options, making its tensors from the scored
+hidden rows). The client's :func:`decode` and the server both go through it, so a new
+signal is one subclass and one entry.
 """
 
 from __future__ import annotations
