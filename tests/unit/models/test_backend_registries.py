@@ -14,6 +14,7 @@ import torch
 from opd_test_helpers import REPO_ROOT
 
 from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.distillation_setup import setup
 from opd.models.config import RemoteTeacherConfig, TeacherConfig, TeacherMemberConfig, TeacherSourceConfig
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.decoding import DECODING_METHODS, DecodingMethod
@@ -95,6 +96,23 @@ def test_the_validator_asks_the_backend_what_its_settings_lack(tmp_path, monkeyp
     monkeypatch.setitem(TEACHER_BACKENDS, "local", NeedsSomething())
     with pytest.raises(ConfigError, match=r"teacher.backend = local needs something \(model tiny:teacher\)"):
         _tiny([], tmp_path)
+
+
+def test_setup_builds_the_teacher_through_its_backend(tmp_path, monkeypatch):
+    built = []
+
+    class Recording(LocalBackend):
+        def build(self, loader, source, model_path):
+            built.append(model_path)
+            return super().build(loader, source, model_path)
+
+    monkeypatch.setitem(TEACHER_BACKENDS, "local", Recording())
+    parts = setup(_tiny(["data.val_path=null"], tmp_path))
+    try:
+        assert built == ["tiny:teacher"]
+        assert isinstance(parts.teacher_policy, LocalTeacher)
+    finally:
+        parts.close()
 
 
 def test_each_wire_protocol_states_its_own_limit():
