@@ -8,8 +8,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from opd.data.teacher_choice import ROUTES_BY_MODE, TeacherChoice
-from opd.models.interfaces import TeacherInterface
-from opd.models.teacher.backends import TEACHER_BACKENDS, TeacherBackend, TeacherLoader
+from opd.models.teacher.backends import RemoteTeacherConfig as RemoteTeacherConfig
+from opd.models.teacher.backends import TeacherBackendName, TeacherSourceConfig
 from opd.utils.config import StrictConfig
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -84,59 +84,6 @@ class ModelConfig(ModelLoadingConfig, StudentLoraSettings):
     )
     student_model_path: str = Field(description="student: hub name, local directory or tiny:<preset>")
     tokenizer_path: str | None = Field(None, description="defaults to student_model_path")
-
-
-class RemoteTeacherConfig(StrictConfig):
-    """Where the served teacher is and how to talk to it (``teacher.remote``)."""
-
-    url: str | None = Field(None, description="base URL of vLLM's OpenAI-compatible server or opd serve-teacher")
-    model: str | None = Field(None, description="served model name; null = the first model the server lists")
-    api_key_env: str | None = Field(None, description="environment variable holding the bearer token, if any")
-    max_concurrency: int = Field(4, ge=1, description="requests in flight at once")
-    sequences_per_request: int = Field(8, ge=1, description="sequences scored per request")
-    timeout_s: float = Field(120.0, gt=0, description="per-request timeout in seconds")
-    max_retries: int = Field(4, ge=0, description="further attempts after a failed request (exponential backoff)")
-    backoff_s: float = Field(0.5, ge=0, description="wait before the first retry, doubled for each next one")
-    protocol: Literal["auto", "opd", "openai"] = Field(
-        "auto",
-        description="opd = opd serve-teacher's binary protocol (hidden states, top-k, token log-probs); "
-        "openai = vLLM's JSON prompt_logprobs (top-k, token log-probs); auto = opd where the server offers it",
-    )
-    hidden_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="precision of the hidden states on the wire (full-vocabulary losses); auto = the server's"
-    )
-
-
-TeacherBackendName = Literal["local", "remote"]
-"""The values of a teacher's ``backend``: one per entry of :data:`~opd.models.teacher.backends.TEACHER_BACKENDS`."""
-
-
-class TeacherSourceConfig(StrictConfig):
-    """Where one teacher runs: in the run (``local``: its model is loaded by the trainer or its cluster's
-    workers) or behind HTTP (``remote``: ``opd serve-teacher`` or ``vllm serve``)."""
-
-    backend: TeacherBackendName = Field("local", description="local = the model in process")
-    remote: RemoteTeacherConfig = Field(default_factory=RemoteTeacherConfig, description="used when backend = remote")
-
-    @property
-    def teacher_backend(self) -> TeacherBackend:
-        """The backend ``backend`` names (:data:`~opd.models.teacher.backends.TEACHER_BACKENDS`)."""
-        return TEACHER_BACKENDS[self.backend]
-
-    @property
-    def served(self) -> bool:
-        """The teacher answers over HTTP; the run loads no copy of it."""
-        return self.teacher_backend.served
-
-    def build(self, loader: TeacherLoader, model_path: str | None) -> TeacherInterface:
-        """The teacher these settings describe, built by its backend with the run's ``loader``.
-
-        Args:
-            loader: how the run loads and connects teachers.
-            model_path: the teacher's model (``student``: the student's starting point); for
-                a served teacher, the model whose output layer is read (None: the run's default).
-        """
-        return self.teacher_backend.build(loader, self, model_path)
 
 
 class TeacherConfig(TeacherSourceConfig):

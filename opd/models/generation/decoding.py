@@ -12,12 +12,22 @@ in the config's ``decoding_method`` choices.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from opd.models.generation.config import GenerateStrategyConfig
+
+class SamplingSettings(Protocol):
+    """What a method reads of ``generate_strategy`` (:class:`~opd.models.generation.config.GenerateStrategyConfig`)."""
+
+    @property
+    def temperature(self) -> float: ...
+
+    @property
+    def top_k(self) -> int: ...
+
+    @property
+    def top_p(self) -> float: ...
 
 
 class DecodingMethod(ABC):
@@ -32,17 +42,17 @@ class DecodingMethod(ABC):
     name: ClassVar[str]
     greedy: ClassVar[bool] = False
 
-    def keep(self, logits: torch.Tensor, strategy: GenerateStrategyConfig) -> torch.Tensor:
+    def keep(self, logits: torch.Tensor, strategy: SamplingSettings) -> torch.Tensor:
         """The tempered ``[B, V]`` float32 ``logits`` with the entries this method never samples set to ``-inf``
         (default: all kept)."""
         return logits
 
     @abstractmethod
-    def hf_kwargs(self, strategy: GenerateStrategyConfig) -> dict[str, Any]:
+    def hf_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
         """``model.generate`` keyword arguments for this method (every sampling knob explicit)."""
 
     @abstractmethod
-    def vllm_kwargs(self, strategy: GenerateStrategyConfig) -> dict[str, Any]:
+    def vllm_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
         """vLLM ``SamplingParams`` keyword arguments for this method (every sampling knob explicit)."""
 
 
@@ -52,11 +62,11 @@ class Greedy(DecodingMethod):
     name = "greedy"
     greedy = True
 
-    def hf_kwargs(self, strategy: GenerateStrategyConfig) -> dict[str, Any]:
+    def hf_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
         """No sampling; the model's own temperature / top-k / top-p are cleared."""
         return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
 
-    def vllm_kwargs(self, strategy: GenerateStrategyConfig) -> dict[str, Any]:
+    def vllm_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
         """vLLM's greedy is ``temperature=0``."""
         return {"temperature": 0.0, "top_k": -1, "top_p": 1.0}
 
@@ -66,7 +76,7 @@ class TopK(DecodingMethod):
 
     name = "top_k"
 
-    def keep(self, logits: torch.Tensor, strategy: GenerateStrategyConfig) -> torch.Tensor:
+    def keep(self, logits: torch.Tensor, strategy: SamplingSettings) -> torch.Tensor:
         """Keeps every entry at least as large as the k-th largest (ties at the threshold stay)."""
         k = strategy.top_k
         if k >= logits.shape[-1]:
@@ -74,11 +84,11 @@ class TopK(DecodingMethod):
         threshold = torch.topk(logits, k, dim=-1).values[..., -1:]
         return logits.masked_fill(logits < threshold, float("-inf"))
 
-    def hf_kwargs(self, strategy: GenerateStrategyConfig) -> dict[str, Any]:
+    def hf_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
         """``top_k`` with the nucleus off."""
         return {"do_sample": True, "temperature": strategy.temperature, "top_k": strategy.top_k, "top_p": 1.0}
 
-    def vllm_kwargs(self, strategy: GenerateStrategyConfig) -> dict[str, Any]:
+    def vllm_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
         """``top_k`` with the nucleus off."""
         return {"temperature": strategy.temperature, "top_k": strategy.top_k, "top_p": 1.0}
 
@@ -88,7 +98,7 @@ class TopP(DecodingMethod):
 
     name = "top_p"
 
-    def keep(self, logits: torch.Tensor, strategy: GenerateStrategyConfig) -> torch.Tensor:
+    def keep(self, logits: torch.Tensor, strategy: SamplingSettings) -> torch.Tensor:
         """Keeps the smallest most-likely set whose probability reaches ``top_p`` (at least one entry).
 
         Sorted ascending, an entry is dropped when the mass of it and everything below it is
@@ -104,11 +114,11 @@ class TopP(DecodingMethod):
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         return logits.masked_fill(drop, float("-inf"))
 
-    def hf_kwargs(self, strategy: GenerateStrategyConfig) -> dict[str, Any]:
+    def hf_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
         """``top_p`` with top-k off."""
         return {"do_sample": True, "temperature": strategy.temperature, "top_k": 0, "top_p": strategy.top_p}
 
-    def vllm_kwargs(self, strategy: GenerateStrategyConfig) -> dict[str, Any]:
+    def vllm_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
         """``top_p`` with top-k off."""
         return {"temperature": strategy.temperature, "top_k": -1, "top_p": strategy.top_p}
 

@@ -6,10 +6,10 @@ student loads), what it needs from the machine (:meth:`TeacherBackend.check_envi
 which settings it cannot do without (:meth:`TeacherBackend.problem`), which signals it
 cannot send (:meth:`TeacherBackend.unsupported_reason`, its teacher class's own limits),
 and how it builds the teacher, alone or as a member of several
-(:meth:`TeacherBackend.build`). The config (:class:`~opd.models.config.TeacherSourceConfig`),
-the validator and the set-up all go through :data:`TEACHER_BACKENDS`: a new backend is one
-subclass here, one entry in :data:`TEACHER_BACKENDS` and one value of the config's
-``backend`` choices.
+(:meth:`TeacherBackend.build`). The settings of one teacher (:class:`TeacherSourceConfig`,
+which ``teacher:`` and each of ``teachers.members`` extend), the validator and the set-up
+all go through :data:`TEACHER_BACKENDS`: a new backend is one subclass here, its entry in
+:data:`TEACHER_BACKENDS` and its value of :data:`TeacherBackendName`, all in this file.
 
 Building goes through a :class:`TeacherLoader`, which the run provides: it loads and
 checks models and connects to servers the way the run's config says (dtype, device,
@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+
+from pydantic import Field
 
 from opd.models.interfaces import TeacherInterface, TeacherRequest
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.remote_teacher import RemoteTeacher
+from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-    from opd.models.config import RemoteTeacherConfig, TeacherSourceConfig
 
 
 class TeacherLoader(Protocol):
@@ -128,3 +129,56 @@ TEACHER_BACKENDS: dict[str, TeacherBackend] = {backend.name: backend for backend
 def model_in_process(teacher: TeacherInterface | None) -> PreTrainedModel | None:
     """The teacher's model when it runs in this process (stop tokens, baselines, head checks), else None."""
     return teacher.model if isinstance(teacher, LocalTeacher) else None
+
+
+class RemoteTeacherConfig(StrictConfig):
+    """Where the served teacher is and how to talk to it (``teacher.remote``)."""
+
+    url: str | None = Field(None, description="base URL of vLLM's OpenAI-compatible server or opd serve-teacher")
+    model: str | None = Field(None, description="served model name; null = the first model the server lists")
+    api_key_env: str | None = Field(None, description="environment variable holding the bearer token, if any")
+    max_concurrency: int = Field(4, ge=1, description="requests in flight at once")
+    sequences_per_request: int = Field(8, ge=1, description="sequences scored per request")
+    timeout_s: float = Field(120.0, gt=0, description="per-request timeout in seconds")
+    max_retries: int = Field(4, ge=0, description="further attempts after a failed request (exponential backoff)")
+    backoff_s: float = Field(0.5, ge=0, description="wait before the first retry, doubled for each next one")
+    protocol: Literal["auto", "opd", "openai"] = Field(
+        "auto",
+        description="opd = opd serve-teacher's binary protocol (hidden states, top-k, token log-probs); "
+        "openai = vLLM's JSON prompt_logprobs (top-k, token log-probs); auto = opd where the server offers it",
+    )
+    hidden_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="precision of the hidden states on the wire (full-vocabulary losses); auto = the server's"
+    )
+
+
+TeacherBackendName = Literal["local", "remote"]
+"""The values of a teacher's ``backend``: one per entry of :data:`TEACHER_BACKENDS`."""
+
+
+class TeacherSourceConfig(StrictConfig):
+    """Where one teacher runs: in the run (``local``: its model is loaded by the trainer or its cluster's
+    workers) or behind HTTP (``remote``: ``opd serve-teacher`` or ``vllm serve``)."""
+
+    backend: TeacherBackendName = Field("local", description="local = the model in process")
+    remote: RemoteTeacherConfig = Field(default_factory=RemoteTeacherConfig, description="used when backend = remote")
+
+    @property
+    def teacher_backend(self) -> TeacherBackend:
+        """The backend ``backend`` names (:data:`TEACHER_BACKENDS`)."""
+        return TEACHER_BACKENDS[self.backend]
+
+    @property
+    def served(self) -> bool:
+        """The teacher answers over HTTP; the run loads no copy of it."""
+        return self.teacher_backend.served
+
+    def build(self, loader: TeacherLoader, model_path: str | None) -> TeacherInterface:
+        """The teacher these settings describe, built by its backend with the run's ``loader``.
+
+        Args:
+            loader: how the run loads and connects teachers.
+            model_path: the teacher's model (``student``: the student's starting point); for
+                a served teacher, the model whose output layer is read (None: the run's default).
+        """
+        return self.teacher_backend.build(loader, self, model_path)
