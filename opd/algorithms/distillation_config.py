@@ -45,8 +45,7 @@ from opd.models.config import (
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.engines import GenerationConfig
 from opd.models.interfaces import FullVocabRequest
-from opd.models.teacher.local_teacher import LocalTeacher
-from opd.models.teacher.remote_teacher import RemoteTeacher
+from opd.models.teacher.remote_teacher import protocol_refusal
 from opd.utils.checkpoint import CheckpointingConfig
 from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError
@@ -88,7 +87,7 @@ class DistillationConfig(StrictConfig):
     @model_validator(mode="after")
     def _check_samples_can_differ(self) -> DistillationConfig:
         """Greedy decoding makes every sample of a prompt the same: n copies cost n times and teach nothing new."""
-        if self.num_samples_per_prompt > 1 and self.generate_strategy.decoding_method == "greedy":
+        if self.num_samples_per_prompt > 1 and self.generate_strategy.is_greedy:
             raise ValueError(
                 f"distillation.num_samples_per_prompt = {self.num_samples_per_prompt} with "
                 "distillation.generate_strategy.decoding_method = greedy gives identical copies of each response; "
@@ -367,15 +366,13 @@ def _one_teacher_problem(
             "hidden states that the trainer workers bind to the output layer of one teacher only, not of each of "
             f"several; use {keys.loss}.type = topk or sampled_token"
         )
-    if not source.served:
-        reason = LocalTeacher.unsupported_reason(request)
-    else:
-        if source.remote.url is None:
-            return f"{keys.backend} = remote needs {keys.remote}.url (e.g. http://127.0.0.1:8000)"
+    backend = source.teacher_backend
+    problem = backend.problem(source, model_path, keys.backend.removesuffix(".backend"))
+    if problem is None and backend.served:
         problem = _served_full_vocab_problem(config, source.remote, model_path, keys)
-        if problem is not None:
-            return problem
-        reason = RemoteTeacher.unsupported_reason(request)
+    if problem is not None:
+        return problem
+    reason = backend.unsupported_reason(request)
     if reason is not None:
         return (
             f"{keys.backend} = {source.backend} cannot serve {keys.loss}.type = {loss.type}: {reason}; "
@@ -437,9 +434,10 @@ def _served_full_vocab_problem(
     if not isinstance(keys.objective.teacher_request(None), FullVocabRequest):
         return None
     loss = f"{keys.loss}.type = {keys.objective.type}"
-    if remote.protocol == "openai":
+    missing = protocol_refusal(remote.protocol, keys.objective.teacher_request(None))
+    if missing is not None:
         return (
-            f"{loss} with a served teacher needs its hidden states, which vLLM's JSON does not carry; "
+            f"{loss} with a served teacher needs {missing}; "
             f"set {keys.remote}.protocol = opd (opd serve-teacher) or auto, or use loss_fn.type = topk"
         )
     if model_path is None:

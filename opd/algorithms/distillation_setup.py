@@ -69,6 +69,7 @@ from opd.models.loading import (
 )
 from opd.models.policy.hf_policy import HFPolicy
 from opd.models.policy.lora import import_peft
+from opd.models.teacher.backends import model_in_process
 from opd.models.teacher.context_teacher import ContextTeacher
 from opd.models.teacher.cross_tokenizer import CrossTokenizerTeacher
 from opd.models.teacher.local_teacher import LocalTeacher
@@ -149,11 +150,7 @@ def check_environment(config: MasterConfig) -> None:
         resolve_compile_kernels(config.loss_fn.compile_kernels, device_type)
     resolve_compile_kernels(config.generation.compile_decode, device_type, "generation.compile_decode")
     config.generation.engine.check_environment(config.generation)
-    remote = config.teacher.remote
-    if config.teacher.served and remote.api_key_env and not os.environ.get(remote.api_key_env):
-        raise ConfigError(
-            f"teacher.remote.api_key_env names the environment variable {remote.api_key_env}, which is unset or empty"
-        )
+    config.teacher.teacher_backend.check_environment(config.teacher, "teacher")
 
 
 def check_config_against_data(config: MasterConfig, train_examples: list[PreparedExample]) -> None:
@@ -215,13 +212,47 @@ def resolve_teacher_path(config: MasterConfig) -> str:
     return config.model.student_model_path if path == SELF_DISTILLATION_TEACHER else path
 
 
+class RunTeacherLoader:
+    """How this run loads and connects teachers (:class:`~opd.models.teacher.backends.TeacherLoader`).
+
+    Args:
+        config: the run's config (dtype, device, loss).
+        tokenizer: the run's tokenizer, which a teacher must share.
+        student_path: the student's model, named in tokenizer mismatches.
+        own_tokenizer: a cross-tokenizer teacher's own tokenizer (its head is checked against it).
+    """
+
+    def __init__(self, config: MasterConfig, tokenizer: Any, student_path: str, own_tokenizer: Any | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.student_path = student_path
+        self.own_tokenizer = own_tokenizer
+
+    def load(self, path: str) -> PreTrainedModel:
+        """The frozen teacher at ``path`` (``student``: the student's starting point), its head checked for fusing."""
+        model = load_teacher_model(
+            self.config, self.tokenizer, self._resolve(path), self.student_path, self.own_tokenizer
+        )
+        _check_fusable(self.config, None, model)
+        return model
+
+    def connect(self, remote: RemoteTeacherConfig, model_path: str | None) -> RemoteTeacher:
+        """The served teacher's client (:func:`connect_remote_teacher`)."""
+        return connect_remote_teacher(
+            self.config, self.tokenizer, remote, None if model_path is None else self._resolve(model_path)
+        )
+
+    def _resolve(self, path: str) -> str:
+        return self.config.model.student_model_path if path == SELF_DISTILLATION_TEACHER else path
+
+
 def load_models(
     config: MasterConfig, tokenizer: Any, student_path: str
-) -> tuple[PreTrainedModel, PreTrainedModel | None]:
-    """Loads student (from ``student_path``) and frozen teacher, after the tokenizer check.
+) -> tuple[PreTrainedModel, TeacherInterface | None]:
+    """Loads student (from ``student_path``) and builds the one teacher in process, after the tokenizer check.
 
-    A served teacher (``teacher.backend: remote``) is not loaded, nor are several teachers
-    (``teachers:``, see :func:`build_several_teachers`): the teacher is then None.
+    A served teacher (connected in :func:`setup`, before this) is not built here, nor are
+    several teachers (``teachers:``, see :func:`build_several_teachers`): the teacher is then None.
 
     Raises:
         ModelCompatibilityError: the teacher's tokenizer or an output layer does not
@@ -230,16 +261,15 @@ def load_models(
     """
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
-    teacher_model = None
+    teacher = None
     if not config.teacher.served and config.teachers is None:
-        teacher_model = load_teacher_model(
-            config, tokenizer, resolve_teacher_path(config), student_path, teacher_tokenizer_of(config)
-        )
+        loader = RunTeacherLoader(config, tokenizer, student_path, teacher_tokenizer_of(config))
+        teacher = config.teacher.build(loader, resolve_teacher_path(config))
     log.info("loading student %s (%s on %s)", student_path, str(dtype).replace("torch.", ""), device)
     student_model = load_causal_lm(student_path, dtype, device, config.model)
     check_output_sizes(student_model, len(tokenizer), student_path)
-    _check_fusable(config, student_model, teacher_model)
-    return student_model, teacher_model
+    _check_fusable(config, student_model, None)
+    return student_model, teacher
 
 
 def load_teacher_model(
@@ -375,13 +405,10 @@ def build_several_teachers(
     """
     assert config.teachers is not None
     ready = ready or {}
+    loader = RunTeacherLoader(config, tokenizer, config.model.student_model_path)
     members: list[TeacherInterface] = []
     for member in config.teachers.members:
-        teacher: TeacherInterface
-        if member.name in ready:
-            teacher = ready[member.name]
-        else:
-            teacher = _MEMBER_BUILDERS[member.backend](config, tokenizer, member)
+        teacher = ready[member.name] if member.name in ready else member.build(loader, member.model_path)
         if config.distillation.teacher_context_spec() is not None:
             teacher = ContextTeacher(teacher, tokenizer.pad_token_id)
         members.append(teacher)
@@ -390,22 +417,6 @@ def build_several_teachers(
     if config.teachers.routes:
         return RoutedTeachers(names, members)
     return TeacherMixture(names, members, getattr(config.loss_fn, "temperature", 1.0))
-
-
-def _served_member(config: MasterConfig, tokenizer: Any, member: TeacherMemberConfig) -> TeacherInterface:
-    """A member behind HTTP: its client, checked against the server."""
-    return connect_remote_teacher(config, tokenizer, member.remote, member.model_path)
-
-
-def _loaded_member(config: MasterConfig, tokenizer: Any, member: TeacherMemberConfig) -> TeacherInterface:
-    """A member in this process: its model, after the tokenizer and head checks."""
-    model = load_teacher_model(config, tokenizer, member_teacher_path(config, member), config.model.student_model_path)
-    _check_fusable(config, None, model)
-    return LocalTeacher(model)
-
-
-_MEMBER_BUILDERS = {"local": _loaded_member, "remote": _served_member}
-"""How a member of ``teachers:`` is built, by its ``backend``."""
 
 
 def member_teacher_path(config: MasterConfig, member: TeacherMemberConfig) -> str:
@@ -499,11 +510,12 @@ def build_in_process(
     student_path = (
         str(resume_from / "policy") if resume_from is not None and lora is None else config.model.student_model_path
     )
-    student_model, teacher_model = load_models(config, tokenizer, student_path)
+    student_model, in_process = load_models(config, tokenizer, student_path)
+    teacher_model = model_in_process(in_process)
     # A teacher with its own tokenizer has other stop ids and cannot sample in the student's ids.
     same_ids = not config.teacher.cross_tokenizer
     report_stop_tokens(config, tokenizer, student_model, teacher_model if same_ids else None, train_examples)
-    teacher: TeacherInterface | None = LocalTeacher(teacher_model) if teacher_model is not None else remote_teacher
+    teacher = in_process if in_process is not None else remote_teacher
     if teacher is None:
         raise ConfigError("no teacher: set model.teacher_model_path or teacher.backend = remote")
     teacher_generation = teacher_engines(config, tokenizer, teacher_model, teacher_tokenizer, teacher)
@@ -703,7 +715,8 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
         if config.cluster is None:  # on a cluster, the members are built with the workers
             remote_teacher = build_several_teachers(config, tokenizer)
     elif config.teacher.served:
-        remote_teacher = connect_remote_teacher(config, tokenizer)
+        loader = RunTeacherLoader(config, tokenizer, config.model.student_model_path, teacher_tokenizer)
+        remote_teacher = config.teacher.build(loader, None)
     if config.cluster is not None:
         student_policy, teacher, student_generation, teacher_generation = build_on_cluster(
             config, tokenizer, total_steps, micro_batch_size, remote_teacher

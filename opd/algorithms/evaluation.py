@@ -13,11 +13,11 @@ from pathlib import Path
 
 from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
 from opd.algorithms.distillation_setup import (
+    RunTeacherLoader,
     build_generation,
     build_several_teachers,
     build_teacher,
     check_environment,
-    connect_remote_teacher,
     load_models,
     run_tokenizer,
     set_seed,
@@ -28,7 +28,6 @@ from opd.algorithms.validation import validate
 from opd.data.dataloaders import make_eval_dataloader
 from opd.models.interfaces import TeacherInterface
 from opd.models.policy.hf_policy import HFPolicy
-from opd.models.teacher.local_teacher import LocalTeacher
 from opd.utils.checkpoint import CheckpointManager
 from opd.utils.errors import ConfigError
 
@@ -63,15 +62,15 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
         config.data, tokenizer, "val", context, teacher_choice=choice, teacher_tokenizer=teacher_tokenizer
     )
     model_path = resolve_eval_model(config)
-    student_model, teacher_model = load_models(config, tokenizer, model_path)
+    student_model, in_process = load_models(config, tokenizer, model_path)
     student_model.eval()
     teacher: TeacherInterface
     if config.teachers is not None:
         teacher = build_several_teachers(config, tokenizer)
-    elif teacher_model is None:
-        teacher = connect_remote_teacher(config, tokenizer)
+    elif in_process is None:  # served: built by its backend
+        teacher = config.teacher.build(RunTeacherLoader(config, tokenizer, model_path), None)
     else:
-        teacher = LocalTeacher(teacher_model)
+        teacher = in_process
     teacher = build_teacher(config, tokenizer, teacher, teacher_tokenizer)
     # A policy only for the student's logits: its optimizer never steps.
     policy = HFPolicy(student_model, config.training, resolve_micro_batching(config)[0], total_steps=1)

@@ -114,7 +114,7 @@ class GenerateDataConfig(StrictConfig):
                 f"generate.max_attempts_per_prompt = {self.max_attempts_per_prompt} is below "
                 f"generate.num_samples_per_prompt = {self.num_samples_per_prompt}"
             )
-        if self.generate_strategy.decoding_method == "greedy" and self.attempts > 1:
+        if self.generate_strategy.is_greedy and self.attempts > 1:
             raise ValueError(
                 "generate.generate_strategy.decoding_method = greedy gives the same answer on every attempt; "
                 "with generate.num_samples_per_prompt or generate.max_attempts_per_prompt above 1 choose "

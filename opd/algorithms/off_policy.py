@@ -104,7 +104,7 @@ def sampling_log_probs(logits: torch.Tensor, targets: torch.Tensor, strategy: Ge
     temperature and top-k / top-p filter for sampling, the plain softmax for greedy. A
     target outside the filtered support gets ``-inf``.
     """
-    warped = logits.float() if strategy.decoding_method == "greedy" else warp_logits(logits, strategy)
+    warped = logits.float() if strategy.is_greedy else warp_logits(logits, strategy)
     return warped.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(warped, dim=-1)
 
 

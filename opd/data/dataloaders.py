@@ -110,7 +110,7 @@ def _add_teacher_fields(
             messages = teacher_context.apply(prompt_messages, teacher_context.context_for(example))
         item["teacher_prompt_ids"] = encode_prompt(teacher_tokenizer or tokenizer, messages)
     if teacher_choice is not None:
-        if teacher_choice.mode == "route":
+        if teacher_choice.routes:
             item["teacher_index"] = teacher_choice.index_for(example)
         else:
             item["teacher_weights"] = teacher_choice.weights_for(example)

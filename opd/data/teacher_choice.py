@@ -23,6 +23,9 @@ from typing import Any
 
 from opd.utils.errors import DataError
 
+ROUTES_BY_MODE = {"route": True, "mixture": False}
+"""Whether each ``teachers.mode`` sends every example to one teacher (else every token meets the mixture)."""
+
 
 @dataclass(frozen=True)
 class TeacherChoice:
@@ -45,6 +48,11 @@ class TeacherChoice:
     default: str | None = None
     weights: tuple[float, ...] = ()
     weights_key: str | None = None
+
+    @property
+    def routes(self) -> bool:
+        """Each example goes to one teacher (``teacher_index``); otherwise it carries mixture weights."""
+        return ROUTES_BY_MODE[self.mode]
 
     def index_for(self, example: dict[str, Any]) -> int:
         """Routing: the position in ``names`` of the example's teacher.

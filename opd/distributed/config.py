@@ -108,6 +108,12 @@ class RolloutPoolConfig(StrictConfig):
     )
 
 
+_TEACHER_IN_POOL = {"colocated": False, "pool": True}
+"""Whether each ``cluster.teacher.placement`` gives the teacher workers of its own."""
+_ROLES_SHARE_DEVICES = {"colocated": True, "split": False}
+"""Whether each ``cluster.placement`` puts the rollout and teacher workers on the trainer's devices."""
+
+
 class TeacherPoolConfig(StrictConfig):
     """Where the in-process teacher model runs."""
 
@@ -156,7 +162,7 @@ class TeacherPoolConfig(StrictConfig):
     @property
     def in_pool(self) -> bool:
         """The teacher has workers of its own (``placement: pool``), not the trainer's."""
-        return self.placement == "pool"
+        return _TEACHER_IN_POOL[self.placement]
 
     @property
     def scores_with_vllm(self) -> bool:
@@ -252,7 +258,7 @@ class ClusterConfig(StrictConfig):
     @property
     def colocated(self) -> bool:
         """The rollout and teacher workers share the trainer's devices (``placement: colocated``)."""
-        return self.placement == "colocated"
+        return _ROLES_SHARE_DEVICES[self.placement]
 
     @model_validator(mode="after")
     def _sharded_replicas_on_devices_of_their_own(self) -> ClusterConfig:

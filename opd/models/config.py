@@ -7,7 +7,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from opd.data.teacher_choice import TeacherChoice
+from opd.data.teacher_choice import ROUTES_BY_MODE, TeacherChoice
+from opd.models.teacher.backends import RemoteTeacherConfig as RemoteTeacherConfig
+from opd.models.teacher.backends import TeacherBackendName, TeacherSourceConfig
 from opd.utils.config import StrictConfig
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -84,44 +86,10 @@ class ModelConfig(ModelLoadingConfig, StudentLoraSettings):
     tokenizer_path: str | None = Field(None, description="defaults to student_model_path")
 
 
-class RemoteTeacherConfig(StrictConfig):
-    """Where the served teacher is and how to talk to it (``teacher.remote``)."""
-
-    url: str | None = Field(None, description="base URL of vLLM's OpenAI-compatible server or opd serve-teacher")
-    model: str | None = Field(None, description="served model name; null = the first model the server lists")
-    api_key_env: str | None = Field(None, description="environment variable holding the bearer token, if any")
-    max_concurrency: int = Field(4, ge=1, description="requests in flight at once")
-    sequences_per_request: int = Field(8, ge=1, description="sequences scored per request")
-    timeout_s: float = Field(120.0, gt=0, description="per-request timeout in seconds")
-    max_retries: int = Field(4, ge=0, description="further attempts after a failed request (exponential backoff)")
-    backoff_s: float = Field(0.5, ge=0, description="wait before the first retry, doubled for each next one")
-    protocol: Literal["auto", "opd", "openai"] = Field(
-        "auto",
-        description="opd = opd serve-teacher's binary protocol (hidden states, top-k, token log-probs); "
-        "openai = vLLM's JSON prompt_logprobs (top-k, token log-probs); auto = opd where the server offers it",
-    )
-    hidden_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="precision of the hidden states on the wire (full-vocabulary losses); auto = the server's"
-    )
-
-
-class TeacherSourceConfig(StrictConfig):
-    """Where one teacher runs: in the run (``local``: its model is loaded by the trainer or its cluster's
-    workers) or behind HTTP (``remote``: ``opd serve-teacher`` or ``vllm serve``)."""
-
-    backend: Literal["local", "remote"] = Field("local", description="local = the model in process")
-    remote: RemoteTeacherConfig = Field(default_factory=RemoteTeacherConfig, description="used when backend = remote")
-
-    @property
-    def served(self) -> bool:
-        """The teacher answers over HTTP; the run loads no copy of it."""
-        return self.backend == "remote"
-
-
 class TeacherConfig(TeacherSourceConfig):
     """Where the teacher runs: in the trainer's process (``local``) or behind HTTP (``remote``)."""
 
-    backend: Literal["local", "remote"] = Field("local", description="local = model.teacher_model_path in process")
+    backend: TeacherBackendName = Field("local", description="local = model.teacher_model_path in process")
     cross_tokenizer: bool = Field(
         False,
         description="the teacher's tokenizer differs from the student's: it scores the response text under its own "
@@ -154,7 +122,7 @@ class TeacherMemberConfig(TeacherSourceConfig):
         description="hub name, local directory or tiny:<preset>; required in process, and for a served "
         "teacher's full-vocabulary loss (its output layer)",
     )
-    backend: Literal["local", "remote"] = Field("local", description="local = model_path in process")
+    backend: TeacherBackendName = Field("local", description="local = model_path in process")
     weight: float = Field(1.0, ge=0.0, description="mixture: fixed weight (normalised over the members)")
 
 
@@ -183,7 +151,7 @@ class TeachersConfig(StrictConfig):
     @property
     def routes(self) -> bool:
         """Each example goes to one teacher (``mode: route``); otherwise every token meets the mixture."""
-        return self.mode == "route"
+        return ROUTES_BY_MODE[self.mode]
 
     @model_validator(mode="after")
     def _consistent(self) -> TeachersConfig:

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from opd.models.generation.decoding import DECODING_METHODS, DecodingMethod
 from opd.utils.config import StrictConfig
 
 
@@ -23,6 +24,16 @@ class GenerateStrategyConfig(StrictConfig):
     decoding_method: Literal["greedy", "top_k", "top_p"] = "greedy"
     top_k: int = Field(50, ge=1, description="candidates kept by decoding_method=top_k")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="probability mass kept by decoding_method=top_p")
+
+    @property
+    def method(self) -> DecodingMethod:
+        """The decoding method ``decoding_method`` names (:data:`~opd.models.generation.decoding.DECODING_METHODS`)."""
+        return DECODING_METHODS[self.decoding_method]
+
+    @property
+    def is_greedy(self) -> bool:
+        """The arg-max is taken: every sample of a prompt is the same response."""
+        return self.method.greedy
 
 
 class VllmGenerationConfig(StrictConfig):

@@ -35,12 +35,7 @@ def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
     for Qwen sets top_k=20, top_p=0.8, repetition_penalty=1.05) cannot change what the
     config asked for.
     """
-    common = {"repetition_penalty": 1.0, "num_beams": 1}
-    if strategy.decoding_method == "greedy":
-        return {**common, "do_sample": False, "temperature": None, "top_k": None, "top_p": None}
-    if strategy.decoding_method == "top_k":
-        return {**common, "do_sample": True, "temperature": strategy.temperature, "top_k": strategy.top_k, "top_p": 1.0}
-    return {**common, "do_sample": True, "temperature": strategy.temperature, "top_k": 0, "top_p": strategy.top_p}
+    return {"repetition_penalty": 1.0, "num_beams": 1, **strategy.method.hf_kwargs(strategy)}
 
 
 class HFGeneration(InProcessGenerationInterface):

@@ -30,7 +30,7 @@ SINGLE_LEVEL_MAX_BLOCKS = 4
 
 
 def warp_logits(logits: torch.Tensor, strategy: GenerateStrategyConfig) -> torch.Tensor:
-    """Applies the strategy's temperature and its top-k or top-p filter.
+    """Applies the strategy's temperature and its decoding method's filter (top-k, top-p).
 
     Args:
         logits: ``[B, V]`` next-token logits (any float dtype; the result is float32).
@@ -39,34 +39,7 @@ def warp_logits(logits: torch.Tensor, strategy: GenerateStrategyConfig) -> torch
     Returns:
         ``[B, V]`` float32 logits of the sampling distribution; filtered entries are ``-inf``.
     """
-    warped = logits.float() / strategy.temperature
-    if strategy.decoding_method == "top_k":
-        return _keep_top_k(warped, strategy.top_k)
-    if strategy.decoding_method == "top_p" and strategy.top_p < 1.0:
-        return _keep_top_p(warped, strategy.top_p)
-    return warped
-
-
-def _keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keeps every entry at least as large as the k-th largest (ties at the threshold stay)."""
-    if k >= logits.shape[-1]:
-        return logits
-    threshold = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < threshold, float("-inf"))
-
-
-def _keep_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keeps the smallest most-likely set whose probability reaches ``top_p`` (at least one entry).
-
-    Sorted ascending, an entry is dropped when the mass of it and everything below it is
-    at most ``1 - top_p``: whatever remains holds at least ``top_p``.
-    """
-    ascending, order = torch.sort(logits, dim=-1)
-    mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)
-    drop_sorted = mass_up_to <= 1.0 - top_p
-    drop_sorted[..., -1] = False  # the most likely entry always stays
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    return strategy.method.keep(logits.float() / strategy.temperature, strategy)
 
 
 def sample_from_probs(
@@ -135,7 +108,7 @@ def next_tokens(
     Returns:
         ``([B] token ids, [B] float32 log-probs or None)``.
     """
-    if strategy.decoding_method == "greedy":
+    if strategy.is_greedy:
         warped = logits.float()
         chosen = warped.argmax(dim=-1)
     else:

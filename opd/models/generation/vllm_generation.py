@@ -87,11 +87,7 @@ def sampling_params_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
     ``temperature=0``.
     """
     common = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
-    if strategy.decoding_method == "greedy":
-        return {**common, "temperature": 0.0, "top_k": -1, "top_p": 1.0}
-    if strategy.decoding_method == "top_k":
-        return {**common, "temperature": strategy.temperature, "top_k": strategy.top_k, "top_p": 1.0}
-    return {**common, "temperature": strategy.temperature, "top_k": -1, "top_p": strategy.top_p}
+    return {**common, **strategy.method.vllm_kwargs(strategy)}
 
 
 def engine_resources(config: Any, on_gpu: bool) -> dict[str, Any]:

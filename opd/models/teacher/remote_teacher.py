@@ -1,8 +1,9 @@
 """A teacher served over HTTP: ``opd serve-teacher`` or vLLM's OpenAI-compatible server.
 
 The client sends the student's token ids and turns the answers into the signal the loss
-requested (:meth:`RemoteTeacher.score`). It speaks two protocols, chosen per server
-(``protocol``: ``auto`` asks the server which it speaks):
+requested (:meth:`RemoteTeacher.score`). It speaks two protocols, each a
+:class:`WireProtocol` in :data:`PROTOCOLS`, chosen once per server when it connects
+(``protocol``: ``auto`` takes the first of :data:`AUTO_ORDER` the server speaks):
 
 * **opd's binary protocol** (:mod:`opd.models.teacher.wire`, ``opd serve-teacher``):
   flat tensors, only at the positions the loss reads. It answers every request:
@@ -37,9 +38,10 @@ import json
 import logging
 import math
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import httpx
 import torch
@@ -155,7 +157,8 @@ class RemoteTeacher(TeacherInterface):
         self.sequences_per_request = sequences_per_request
         self.max_retries = max_retries
         self.backoff_s = backoff_s
-        self.protocol: Protocol = protocol
+        self.protocol_setting: Protocol = protocol
+        self._chosen: WireProtocol | None = None  # set by connect
         self.hidden_dtype = hidden_dtype
         self.output_layer = output_layer
         self.binds_output_layer = binds_output_layer
@@ -210,26 +213,29 @@ class RemoteTeacher(TeacherInterface):
             self.check_output_layer(self.output_layer)
 
     def _resolve_protocol(self) -> None:
-        if self.protocol == "openai":
+        """Chooses the wire protocol once: the configured one, or (``auto``) the first of :data:`AUTO_ORDER` offered."""
+        explicit = PROTOCOLS.get(self.protocol_setting)
+        for candidate in (explicit,) if explicit is not None else AUTO_ORDER:
+            try:
+                self.head_info = candidate.connect(self)
+            except ProtocolNotOffered as missing:
+                if explicit is not None:
+                    raise TeacherServiceError(str(missing)) from None
+                continue
+            self._chosen = candidate
             return
-        try:
-            info = self._request("GET", wire.INFO_PATH, None)
-        except TeacherServiceError as error:
-            if "HTTP 404" not in str(error):
-                raise
-            if self.protocol == "opd":
-                raise TeacherServiceError(
-                    f"teacher server {self.url} does not speak opd's binary protocol ({wire.INFO_PATH} is missing; "
-                    "vllm serve?); set teacher.remote.protocol = openai, which sends top-k and token log-probs only"
-                ) from None
-            self.protocol = "openai"
-            return
-        if info.get("format") != wire.FORMAT or not isinstance(info.get("head"), dict):
-            raise TeacherServiceError(
-                f"teacher server {self.url} speaks {info.get('format')!r}, not {wire.FORMAT!r}; update opd on one side"
-            )
-        self.protocol = "opd"
-        self.head_info = info["head"]
+        raise TeacherServiceError(f"teacher server {self.url} speaks none of {', '.join(PROTOCOLS)}")
+
+    @property
+    def wire_protocol(self) -> WireProtocol:
+        """The protocol requests go out in: the one :meth:`connect` chose; before it, the configured one
+        (``auto``: the OpenAI-compatible one, which every server speaks)."""
+        return self._chosen or PROTOCOLS.get(self.protocol_setting) or PROTOCOLS["openai"]
+
+    @property
+    def protocol(self) -> str:
+        """The name of :attr:`wire_protocol` (``opd`` or ``openai``)."""
+        return self.wire_protocol.name
 
     def check_output_layer(self, layer: OutputLayer) -> None:
         """Fails unless ``layer`` is the served model's output layer.
@@ -238,7 +244,7 @@ class RemoteTeacher(TeacherInterface):
             TeacherServiceError: no hidden states from this server, or a different shape,
                 logit transform or checksum (the weights of another model).
         """
-        if self.protocol != "opd" or self.head_info is None:
+        if not self.wire_protocol.sends_hidden_states or self.head_info is None:
             raise TeacherServiceError(
                 f"teacher server {self.url} does not send hidden states (it speaks vLLM's JSON); a full-vocabulary "
                 "loss needs opd serve-teacher"
@@ -375,49 +381,15 @@ class RemoteTeacher(TeacherInterface):
         values = torch.full((rows, width, k), math.log(0.5 / k), dtype=torch.float64)
         ids = torch.arange(k, dtype=torch.long).expand(rows, width, k).clone()
         rest = torch.full((rows, width), math.log(0.5), dtype=torch.float64)
-        if self.protocol == "opd":
-            for row, first, answer in self._score_binary(data, {"signal": "topk", "k": k}, None, k):
-                end = first + answer["topk_ids"].shape[0]
-                ids[row, first:end] = answer["topk_ids"].long()
-                values[row, first:end] = answer["topk_logprobs"].double()
-                rest[row, first:end] = answer["rest_logprobs"]
-        else:
-            self._fill_topk_from_json(data, k, values, ids, rest)
+        self.wire_protocol.fill_topk(self, data, k, values, ids, rest)
         device = input_ids.device
         return TopKLogprobs(values.float().to(device), ids.to(device), rest.float().to(device))
 
-    def _fill_topk_from_json(
-        self, data: BatchedDataDict, k: int, values: torch.Tensor, ids: torch.Tensor, rest: torch.Tensor
-    ) -> None:
-        has_rest = torch.zeros(rest.shape, dtype=torch.bool)
-        served_rest = torch.ones(rest.shape, dtype=torch.float64)
-        for row, answer in enumerate(self._score_json(data["input_ids"], data["input_lengths"], k)):
-            if len(answer.candidates) < 2:
-                continue
-            # One tensor per row, not per position: this loop runs over every scored token.
-            tops = [top_k(candidates, k) for candidates in answer.candidates[1:]]
-            ids[row, : len(tops)] = torch.tensor([[token for token, _ in top] for top in tops])
-            values[row, : len(tops)] = torch.tensor([[logprob for _, logprob in top] for top in tops])
-            if answer.rest_mass is not None:
-                served_rest[row, : len(tops)] = torch.tensor(answer.rest_mass[1:], dtype=torch.float64)
-                has_rest[row, : len(tops)] = True
-            else:
-                rest[row, : len(tops)] = rest_logprobs_from_topk(values[row, : len(tops)])
-        rest.copy_(torch.where(has_rest, served_rest.log(), rest))
-
     def get_token_logprobs(self, data: BatchedDataDict, vocab_size: int | None = None) -> torch.Tensor:
         """``[B, L]`` log P(token t | tokens before t); 0 where the server did not score (prompt, padding)."""
-        input_ids, lengths = data["input_ids"], data["input_lengths"]
+        input_ids = data["input_ids"]
         result = torch.zeros(input_ids.shape, dtype=torch.float32)
-        if self.protocol == "opd":
-            for row, first, answer in self._score_binary(data, {"signal": "token_logprobs"}, None):
-                values = answer["token_logprobs"]
-                # Row p describes the token at p + 1, which is where its log-prob sits.
-                result[row, first + 1 : first + 1 + values.shape[0]] = values
-        else:
-            for row, scored in enumerate(self._score_json(input_ids, lengths, 0)):
-                for position in range(1, len(scored.candidates)):
-                    result[row, position] = scored.candidates[position][int(input_ids[row, position])]
+        self.wire_protocol.fill_token_logprobs(self, data, result)
         return result.to(input_ids.device)
 
     def close(self) -> None:
@@ -540,3 +512,177 @@ class RemoteTeacher(TeacherInterface):
                 time.sleep(wait)
                 wait *= 2
         raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------- wire protocols
+
+
+class ProtocolNotOffered(Exception):
+    """The server does not speak this protocol (its message says which setting to use instead)."""
+
+
+class WireProtocol(ABC):
+    """One value of ``teacher.remote.protocol``: how a client asks a server for each signal.
+
+    The client chooses one when it connects (:data:`PROTOCOLS`, :data:`AUTO_ORDER`) and
+    sends every request through it; a new protocol is one subclass and one entry.
+
+    Attributes:
+        name: the value of ``teacher.remote.protocol``.
+        sends_hidden_states: whether the server can send final hidden states (the
+            full-vocabulary losses need them).
+    """
+
+    name: ClassVar[str]
+    sends_hidden_states: ClassVar[bool]
+
+    @abstractmethod
+    def connect(self, client: RemoteTeacher) -> dict[str, Any] | None:
+        """Checks that the server speaks this protocol; returns the output layer it describes, if it does.
+
+        Raises:
+            ProtocolNotOffered: the server does not speak it.
+            TeacherServiceError: it answers, but not as this protocol expects.
+        """
+
+    def refusal(self, request: TeacherRequest) -> str | None:
+        """What ``request`` needs that this protocol cannot carry (completes "a served teacher needs ..."), or None."""
+        if isinstance(request, FullVocabRequest) and not self.sends_hidden_states:
+            return f"its hidden states, which {self.description} does not carry"
+        return None
+
+    @property
+    @abstractmethod
+    def description(self) -> str:
+        """The protocol in words, for messages."""
+
+    @abstractmethod
+    def fill_topk(
+        self,
+        client: RemoteTeacher,
+        data: BatchedDataDict,
+        k: int,
+        values: torch.Tensor,
+        ids: torch.Tensor,
+        rest: torch.Tensor,
+    ) -> None:
+        """Writes the top-k answer for ``data`` into ``values`` / ``ids`` / ``rest`` (float64, at scored positions)."""
+
+    @abstractmethod
+    def fill_token_logprobs(self, client: RemoteTeacher, data: BatchedDataDict, result: torch.Tensor) -> None:
+        """Writes log P(token t | tokens before t) into ``result[row, t]`` at the scored positions."""
+
+
+class OpdProtocol(WireProtocol):
+    """opd's binary protocol (:mod:`opd.models.teacher.wire`): flat tensors at the positions the loss reads."""
+
+    name = "opd"
+    sends_hidden_states = True
+
+    @property
+    def description(self) -> str:
+        """opd's binary protocol."""
+        return "opd's binary protocol"
+
+    def connect(self, client: RemoteTeacher) -> dict[str, Any] | None:
+        """Reads ``/opd/v1/info``: the format and the output layer the server applies."""
+        try:
+            info = client._request("GET", wire.INFO_PATH, None)
+        except TeacherServiceError as error:
+            if "HTTP 404" not in str(error):
+                raise
+            raise ProtocolNotOffered(
+                f"teacher server {client.url} does not speak opd's binary protocol ({wire.INFO_PATH} is missing; "
+                "vllm serve?); set teacher.remote.protocol = openai, which sends top-k and token log-probs only"
+            ) from None
+        if info.get("format") != wire.FORMAT or not isinstance(info.get("head"), dict):
+            raise TeacherServiceError(
+                f"teacher server {client.url} speaks {info.get('format')!r}, not {wire.FORMAT!r}; "
+                "update opd on one side"
+            )
+        head: dict[str, Any] = info["head"]
+        return head
+
+    def fill_topk(
+        self,
+        client: RemoteTeacher,
+        data: BatchedDataDict,
+        k: int,
+        values: torch.Tensor,
+        ids: torch.Tensor,
+        rest: torch.Tensor,
+    ) -> None:
+        """The server's top-k and float64 rest mass, row by row."""
+        for row, first, answer in client._score_binary(data, {"signal": "topk", "k": k}, None, k):
+            end = first + answer["topk_ids"].shape[0]
+            ids[row, first:end] = answer["topk_ids"].long()
+            values[row, first:end] = answer["topk_logprobs"].double()
+            rest[row, first:end] = answer["rest_logprobs"]
+
+    def fill_token_logprobs(self, client: RemoteTeacher, data: BatchedDataDict, result: torch.Tensor) -> None:
+        """The server's log-probs of the tokens after each row's first scored position."""
+        for row, first, answer in client._score_binary(data, {"signal": "token_logprobs"}, None):
+            values = answer["token_logprobs"]
+            # Row p describes the token at p + 1, which is where its log-prob sits.
+            result[row, first + 1 : first + 1 + values.shape[0]] = values
+
+
+class OpenAIProtocol(WireProtocol):
+    """vLLM's JSON (``/v1/completions`` with ``prompt_logprobs``): top-k and token log-probs only."""
+
+    name = "openai"
+    sends_hidden_states = False
+
+    @property
+    def description(self) -> str:
+        """vLLM's JSON."""
+        return "vLLM's JSON"
+
+    def connect(self, client: RemoteTeacher) -> dict[str, Any] | None:
+        """Every server speaks it (the model list and tokenizer were checked already); it describes no head."""
+        return None
+
+    def fill_topk(
+        self,
+        client: RemoteTeacher,
+        data: BatchedDataDict,
+        k: int,
+        values: torch.Tensor,
+        ids: torch.Tensor,
+        rest: torch.Tensor,
+    ) -> None:
+        """The top-k of each position; the rest mass the server's where it sends one, else log(1 − Σ_k P) here."""
+        has_rest = torch.zeros(rest.shape, dtype=torch.bool)
+        served_rest = torch.ones(rest.shape, dtype=torch.float64)
+        for row, answer in enumerate(client._score_json(data["input_ids"], data["input_lengths"], k)):
+            if len(answer.candidates) < 2:
+                continue
+            # One tensor per row, not per position: this loop runs over every scored token.
+            tops = [top_k(candidates, k) for candidates in answer.candidates[1:]]
+            ids[row, : len(tops)] = torch.tensor([[token for token, _ in top] for top in tops])
+            values[row, : len(tops)] = torch.tensor([[logprob for _, logprob in top] for top in tops])
+            if answer.rest_mass is not None:
+                served_rest[row, : len(tops)] = torch.tensor(answer.rest_mass[1:], dtype=torch.float64)
+                has_rest[row, : len(tops)] = True
+            else:
+                rest[row, : len(tops)] = rest_logprobs_from_topk(values[row, : len(tops)])
+        rest.copy_(torch.where(has_rest, served_rest.log(), rest))
+
+    def fill_token_logprobs(self, client: RemoteTeacher, data: BatchedDataDict, result: torch.Tensor) -> None:
+        """Each actual token's log-prob from the JSON's per-position candidates."""
+        input_ids = data["input_ids"]
+        for row, scored in enumerate(client._score_json(input_ids, data["input_lengths"], 0)):
+            for position in range(1, len(scored.candidates)):
+                result[row, position] = scored.candidates[position][int(input_ids[row, position])]
+
+
+PROTOCOLS: dict[str, WireProtocol] = {protocol.name: protocol for protocol in (OpdProtocol(), OpenAIProtocol())}
+"""Every wire protocol, by its ``teacher.remote.protocol`` value."""
+AUTO_ORDER: tuple[WireProtocol, ...] = (PROTOCOLS["opd"], PROTOCOLS["openai"])
+"""``protocol: auto`` takes the first of these the server speaks (opd's where offered: it carries every signal)."""
+
+
+def protocol_refusal(setting: str, request: TeacherRequest) -> str | None:
+    """What ``request`` needs that the protocol ``setting`` names cannot carry (None for ``auto``: it picks opd's)."""
+    chosen = PROTOCOLS.get(setting)
+    return None if chosen is None else chosen.refusal(request)

@@ -294,39 +294,21 @@ class TeacherService:
     def _finisher(
         self, signal: str, body: dict[str, Any], sequences: list[list[int]], firsts: list[int]
     ) -> Callable[[list[torch.Tensor]], bytes]:
-        """What turns the request's hidden rows into its answer body (run on the model thread)."""
-        if signal == "topk":
-            k = self._check_k(body.get("k"), "k", 1)
+        """What turns the request's hidden rows into its answer body (run on the model thread).
 
-            def topk(rows: list[torch.Tensor]) -> bytes:
-                ids, logprobs, rest = self.scorer.topk(torch.cat(rows), k)
-                values = {"topk_ids": ids, "topk_logprobs": logprobs, "rest_logprobs": rest}
-                return wire.build_answer(sequences, firsts, "topk", values)
-
-            return topk
-        if signal == "token_logprobs":
-            next_ids = torch.tensor(
-                [token for ids, first in zip(sequences, firsts) for token in ids[first + 1 :]], dtype=torch.long
+        The signal's codec (:data:`~opd.models.teacher.wire.CODECS`) reads its options and makes its tensors.
+        """
+        try:
+            answer = wire.CODECS[signal].answerer(
+                self.scorer, body, sequences, firsts, lambda k: self._check_k(k, "k", 1)
             )
+        except wire.BadRequest as error:
+            raise RequestError(HTTPStatus.BAD_REQUEST, str(error)) from None
 
-            def token_logprobs(rows: list[torch.Tensor]) -> bytes:
-                values = {"token_logprobs": self.scorer.token_logprobs(torch.cat(rows), next_ids)}
-                return wire.build_answer(sequences, firsts, "token_logprobs", values)
+        def finish(rows: list[torch.Tensor]) -> bytes:
+            return wire.build_answer(sequences, firsts, signal, answer(torch.cat(rows)))
 
-            return token_logprobs
-        name = body.get("hidden_dtype", "auto")
-        if name != "auto" and name not in wire.HIDDEN_DTYPES:
-            raise RequestError(
-                HTTPStatus.BAD_REQUEST,
-                f"'hidden_dtype' must be auto or one of {list(wire.HIDDEN_DTYPES)}, got {name!r}",
-            )
-        dtype = self.scorer.dtype if name == "auto" else wire.HIDDEN_DTYPES[name]
-
-        def hidden_states(rows: list[torch.Tensor]) -> bytes:
-            values = {"hidden_states": torch.cat(rows).to(dtype)}
-            return wire.build_answer(sequences, firsts, "hidden_states", values)
-
-        return hidden_states
+        return finish
 
 
 # ---------------------------------------------------------------------------- HTTP
