@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from opd.models.interfaces import TopKLogprobs
 from opd.models.teacher.wire import REST_MASS_TOLERANCE, WireError
 from opd.models.topk_rest import rest_logprobs_from_topk
 
@@ -124,37 +123,50 @@ def parse_prompt_logprobs(payload: dict[str, Any], sequences: list[list[int]], k
     return answers
 
 
-def topk_from_scored(answers: list[ScoredSequence], rows: int, width: int, k: int) -> TopKLogprobs:
-    """``[rows, width, k]`` top-k log-probs and ids (position t describes token t + 1) from per-sequence answers.
+def placeholder_topk(rows: int, width: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 top-k log-probs, ids and rest log-mass ``[rows, width(, k)]`` for positions no answer covers.
 
-    ``rest_logprobs`` holds log(1 − Σ_k P): the answer's own rest mass where it has one,
-    else computed from the top k in float64 (exact for the log-probs received, which a
-    float32 subtraction would not be). Positions with no answer (a sequence's last token,
-    padding) hold a placeholder distribution (ids ``0 … k-1``, each with probability
-    ``1 / (2k)``, rest 1/2): the loss masks them, and they keep every value finite.
+    Each position holds a placeholder distribution (ids ``0 … k-1``, each with probability
+    ``1 / (2k)``, rest 1/2): the loss masks those positions (before the response, a
+    sequence's last token, padding), and they keep every value finite. float64 until the
+    rest is known: JSON carries doubles, and the rest computed from the top k needs them.
     """
     values = torch.full((rows, width, k), math.log(0.5 / k), dtype=torch.float64)
     ids = torch.arange(k, dtype=torch.long).expand(rows, width, k).clone()
     rest = torch.full((rows, width), math.log(0.5), dtype=torch.float64)
+    return values, ids, rest
+
+
+def fill_topk_from_scored(
+    answers: list[ScoredSequence], k: int, values: torch.Tensor, ids: torch.Tensor, rest: torch.Tensor
+) -> None:
+    """Writes each sequence's top k (position t describes token t + 1) into ``values``, ``ids`` and ``rest``.
+
+    ``rest`` gets log(1 − Σ_k P): the answer's own rest mass where it has one, else computed
+    from the top k in float64 (exact for the log-probs received, which a float32
+    subtraction would not be).
+    """
+    has_rest = torch.zeros(rest.shape, dtype=torch.bool)
+    served_rest = torch.ones(rest.shape, dtype=torch.float64)
     for row, answer in enumerate(answers):
         if len(answer.candidates) < 2:
             continue
         # One tensor per row, not per position: this loop runs over every scored token.
         tops = [top_k(candidates, k) for candidates in answer.candidates[1:]]
-        scored = len(tops)
-        ids[row, :scored] = torch.tensor([[token for token, _ in top] for top in tops])
-        values[row, :scored] = torch.tensor([[logprob for _, logprob in top] for top in tops])
+        ids[row, : len(tops)] = torch.tensor([[token for token, _ in top] for top in tops])
+        values[row, : len(tops)] = torch.tensor([[logprob for _, logprob in top] for top in tops])
         if answer.rest_mass is not None:
-            rest[row, :scored] = torch.tensor(answer.rest_mass[1:], dtype=torch.float64).log()
+            served_rest[row, : len(tops)] = torch.tensor(answer.rest_mass[1:], dtype=torch.float64)
+            has_rest[row, : len(tops)] = True
         else:
-            rest[row, :scored] = rest_logprobs_from_topk(values[row, :scored])
-    return TopKLogprobs(values.float(), ids, rest.float())
+            rest[row, : len(tops)] = rest_logprobs_from_topk(values[row, : len(tops)])
+    rest.copy_(torch.where(has_rest, served_rest.log(), rest))
 
 
-def token_logprobs_from_scored(answers: list[ScoredSequence], input_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, L]`` log P(token t | tokens before t) from per-sequence answers; 0 where none was scored."""
-    result = torch.zeros(input_ids.shape, dtype=torch.float32)
+def fill_token_logprobs_from_scored(
+    answers: list[ScoredSequence], input_ids: torch.Tensor, result: torch.Tensor
+) -> None:
+    """Writes log P(token t | tokens before t) of each scored position into ``result`` ``[B, L]``."""
     for row, answer in enumerate(answers):
         for position in range(1, len(answer.candidates)):
             result[row, position] = answer.candidates[position][int(input_ids[row, position])]
-    return result

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -60,9 +59,14 @@ from opd.models.interfaces import (
 )
 from opd.models.lm_head import LMHeadInput, OutputLayer
 from opd.models.teacher import wire
-from opd.models.teacher.openai_protocol import ScoredSequence, parse_prompt_logprobs, top_k
+from opd.models.teacher.openai_protocol import (
+    ScoredSequence,
+    fill_token_logprobs_from_scored,
+    fill_topk_from_scored,
+    parse_prompt_logprobs,
+    placeholder_topk,
+)
 from opd.models.teacher.scoring import head_checksum
-from opd.models.topk_rest import rest_logprobs_from_topk
 from opd.utils.errors import OpdError
 
 log = logging.getLogger(__name__)
@@ -376,11 +380,7 @@ class RemoteTeacher(TeacherInterface):
                 f"a served teacher answers at temperature 1, not {temperature}; set loss_fn.temperature = 1"
             )
         input_ids = data["input_ids"]
-        rows, width = input_ids.shape
-        # float64 until the rest is known: JSON carries doubles, and the fallback needs them.
-        values = torch.full((rows, width, k), math.log(0.5 / k), dtype=torch.float64)
-        ids = torch.arange(k, dtype=torch.long).expand(rows, width, k).clone()
-        rest = torch.full((rows, width), math.log(0.5), dtype=torch.float64)
+        values, ids, rest = placeholder_topk(input_ids.shape[0], input_ids.shape[1], k)
         self.wire_protocol.fill_topk(self, data, k, values, ids, rest)
         device = input_ids.device
         return TopKLogprobs(values.float().to(device), ids.to(device), rest.float().to(device))
@@ -652,28 +652,12 @@ class OpenAIProtocol(WireProtocol):
         rest: torch.Tensor,
     ) -> None:
         """The top-k of each position; the rest mass the server's where it sends one, else log(1 − Σ_k P) here."""
-        has_rest = torch.zeros(rest.shape, dtype=torch.bool)
-        served_rest = torch.ones(rest.shape, dtype=torch.float64)
-        for row, answer in enumerate(client._score_json(data["input_ids"], data["input_lengths"], k)):
-            if len(answer.candidates) < 2:
-                continue
-            # One tensor per row, not per position: this loop runs over every scored token.
-            tops = [top_k(candidates, k) for candidates in answer.candidates[1:]]
-            ids[row, : len(tops)] = torch.tensor([[token for token, _ in top] for top in tops])
-            values[row, : len(tops)] = torch.tensor([[logprob for _, logprob in top] for top in tops])
-            if answer.rest_mass is not None:
-                served_rest[row, : len(tops)] = torch.tensor(answer.rest_mass[1:], dtype=torch.float64)
-                has_rest[row, : len(tops)] = True
-            else:
-                rest[row, : len(tops)] = rest_logprobs_from_topk(values[row, : len(tops)])
-        rest.copy_(torch.where(has_rest, served_rest.log(), rest))
+        fill_topk_from_scored(client._score_json(data["input_ids"], data["input_lengths"], k), k, values, ids, rest)
 
     def fill_token_logprobs(self, client: RemoteTeacher, data: BatchedDataDict, result: torch.Tensor) -> None:
         """Each actual token's log-prob from the JSON's per-position candidates."""
         input_ids = data["input_ids"]
-        for row, scored in enumerate(client._score_json(input_ids, data["input_lengths"], 0)):
-            for position in range(1, len(scored.candidates)):
-                result[row, position] = scored.candidates[position][int(input_ids[row, position])]
+        fill_token_logprobs_from_scored(client._score_json(input_ids, data["input_lengths"], 0), input_ids, result)
 
 
 PROTOCOLS: dict[str, WireProtocol] = {protocol.name: protocol for protocol in (OpdProtocol(), OpenAIProtocol())}

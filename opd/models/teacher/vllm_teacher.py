@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from typing import Any, Literal
 
+import torch
 from pydantic import Field
 
 from opd.data.batched_data_dict import BatchedDataDict
@@ -34,9 +35,15 @@ from opd.models.interfaces import (
     TeacherRequest,
     TeacherSignal,
     TokenLogprobsRequest,
+    TopKLogprobs,
     TopKRequest,
 )
-from opd.models.teacher.openai_protocol import ScoredSequence, token_logprobs_from_scored, topk_from_scored
+from opd.models.teacher.openai_protocol import (
+    ScoredSequence,
+    fill_token_logprobs_from_scored,
+    fill_topk_from_scored,
+    placeholder_topk,
+)
 from opd.models.tiny import TINY_PREFIX, build_tiny_model, is_tiny_path
 from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError
@@ -171,10 +178,13 @@ class VllmTeacher(TeacherInterface):
         k = request.k if isinstance(request, TopKRequest) else 0
         answers = self._prompt_logprobs(sequences, k)
         if isinstance(request, TopKRequest):
-            rows, width = input_ids.shape
-            return topk_from_scored(answers, rows, width, k)
+            values, ids, rest = placeholder_topk(input_ids.shape[0], input_ids.shape[1], k)
+            fill_topk_from_scored(answers, k, values, ids, rest)
+            return TopKLogprobs(values.float(), ids, rest.float())
         assert isinstance(request, TokenLogprobsRequest)
-        return token_logprobs_from_scored(answers, input_ids)
+        result = torch.zeros(input_ids.shape, dtype=torch.float32)
+        fill_token_logprobs_from_scored(answers, input_ids, result)
+        return result
 
     def _prompt_logprobs(self, sequences: list[list[int]], k: int) -> list[ScoredSequence]:
         # One new token per request (vLLM must generate at least one); only the prompt's log-probs are read.
