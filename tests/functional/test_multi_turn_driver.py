@@ -38,6 +38,8 @@ def test_sync_run_trains_on_multi_turn_rollouts(tmp_path):
         "distillation.num_samples_per_prompt=1",
         "distillation.generate_strategy.max_length=6",
         "environment.max_turns=2",
+        "data.max_train_examples=4",
+        "loss_fn.compile_kernels=false",  # compiling the loss kernels would take most of the test
         "data.max_prompt_length=1024",  # the tools section is about 700 bytes of the byte-level tokenizer
     ]
     config = load_config(MasterConfig, TINY_CONFIG, overrides)
