@@ -1,4 +1,4 @@
-"""The driver's in-process sync path with ``environment:``: multi-turn rollouts are trained on.
+"""The driver's in-process path with ``environment:``: multi-turn rollouts are trained on.
 
 A short run of the tiny config with the calculator environment. The tiny random student
 never writes a tool call on its own, so its engine's first turn of every episode is
@@ -6,7 +6,9 @@ replaced by a calculator call (the engine is wrapped, nothing else): the environ
 the call, the observation is appended, and the real engine writes the second turn. The
 test checks what reaches the teacher and the trainer (prompts that list the tool, a
 ``token_mask`` with the observation as a hole, the sampler's log-probs only on the
-student's tokens) and that the episode metrics are logged.
+student's tokens) and that the episode metrics are logged. Under ``one_step_off`` (in one
+process: the engine is a snapshot refit a step behind) the rollout runs to its end when
+its batch is started, and is trained a step later.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from opd_test_helpers import REPO_ROOT, short_run_overrides
 
@@ -27,8 +30,10 @@ TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
 
 
-def test_sync_run_trains_on_multi_turn_rollouts(tmp_path):
+@pytest.mark.parametrize("scheduler", ["sync", "one_step_off"])
+def test_run_trains_on_multi_turn_rollouts(tmp_path, scheduler):
     overrides = [
+        f"training.scheduler={scheduler}",
         *short_run_overrides(tmp_path),
         "checkpointing.enabled=false",
         "training.batch_size=2",
