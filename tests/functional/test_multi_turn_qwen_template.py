@@ -114,7 +114,7 @@ class ScriptedGeneration(GenerationInterface):
         return build_rollout_batch(prompts, responses, logprobs, [False] * len(prompts), self.tokenizer.pad_token_id)
 
 
-def _rollout(tokenizer, environment: Environment, scripts, rows, max_turns=4):
+def _rollout(tokenizer, environment: Environment, scripts, rows, max_turns=4, num_samples=1):
     template = TurnTemplate(tokenizer, environment.tool_schemas())
     return multi_turn_rollout(
         ScriptedGeneration(tokenizer, scripts),
@@ -125,6 +125,7 @@ def _rollout(tokenizer, environment: Environment, scripts, rows, max_turns=4):
         GenerateStrategyConfig(max_length=64),
         max_turns=max_turns,
         pad_token_id=tokenizer.pad_token_id,
+        num_samples=num_samples,
     )
 
 
@@ -252,3 +253,13 @@ def test_observation_is_appended_as_tokenised_once(tokenizer):
     # Another stop token than the template's turn end: the template's own end stays in the observation.
     assert template.observation_text(ROWS[0]["messages"], "<|endoftext|>", [])[: len(IM_END)] == IM_END
     assert torch.tensor(template.observation_ids(ROWS[0]["messages"], IM_END, [])).dim() == 1
+
+
+def test_samples_of_one_row_are_adjacent_episodes(tokenizer):
+    environment = ToolEnvironment(ToolRegistry([calculator_tool()]))
+    rollout = _rollout(tokenizer, environment, SCRIPTS, ROWS, num_samples=2)
+    single = _rollout(tokenizer, environment, SCRIPTS, ROWS).batch
+    assert [record.turns for record in rollout.episodes] == [2, 2, 3, 3, 1, 1]
+    for row in range(6):
+        assert _row(rollout.batch, row, "input_ids") == _row(single, row // 2, "input_ids")
+        assert _row(rollout.batch, row, "token_mask") == _row(single, row // 2, "token_mask")
