@@ -178,6 +178,7 @@ def step_metrics(
     for phase in sorted(set(seconds) - known - {"sync_rollout_weights"}):
         metrics[f"timing/{phase}"] = seconds[phase]
     metrics.update(scheduled.refit_metrics)  # the bytes the step's weight sync moved
+    metrics.update(scheduled.rollout_metrics)  # a multi-turn rollout's episodes (env/...)
     metrics["timing/training"] = seconds["training"] - seconds.get("teacher", 0.0) - seconds.get("dispatch", 0.0)
     metrics["timing/step"] = seconds["step"]
     metrics["perf/tokens_per_s"] = float(batch["input_lengths"].sum()) / seconds["step"]

@@ -34,6 +34,7 @@ from opd.algorithms.validation import ValidationConfig
 from opd.data.config import DataConfig
 from opd.data.teacher_context import TeacherContext
 from opd.distributed.config import ClusterConfig
+from opd.environments.config import EnvironmentConfig
 from opd.models.config import (
     ModelConfig,
     RemoteTeacherConfig,
@@ -205,6 +206,9 @@ class MasterConfig(RunConfig):
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     cluster: ClusterConfig | None = Field(
         None, description="run on Ray worker groups (FSDP2 student, rollout, teacher); null = in this process"
+    )
+    environment: EnvironmentConfig | None = Field(
+        None, description="multi-turn rollouts: the student acts in an environment (tools); null = one turn per rollout"
     )
 
     def teacher_losses(self) -> list[tuple[str, LossFnConfig]]:

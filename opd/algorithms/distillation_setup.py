@@ -47,6 +47,7 @@ from opd.algorithms.several_teachers_loss import MixtureLoss, RoutedLoss
 from opd.algorithms.training_loop import RunSaveState, check_output_is_fresh, find_resume_checkpoint
 from opd.algorithms.validation import TeacherEngine
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
+from opd.environments.config import build_environment
 from opd.models.config import RemoteTeacherConfig, TeacherMemberConfig
 from opd.models.generation.hf_generation import HFGeneration
 from opd.models.generation.stop_tokens import check_stop_tokens, describe_tokens, stop_token_ids
@@ -687,8 +688,16 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     context = config.distillation.teacher_context_spec()
     choice = config.teachers.choice() if config.teachers is not None else None
     teacher_tokenizer = teacher_tokenizer_of(config)
+    # Multi-turn rollouts: every training prompt lists the environment's tools and keeps its messages.
+    tools = (build_environment(config.environment).tool_schemas() or []) if config.environment is not None else None
     train_examples = load_examples(
-        config.data, tokenizer, "train", context, teacher_choice=choice, teacher_tokenizer=teacher_tokenizer
+        config.data,
+        tokenizer,
+        "train",
+        context,
+        teacher_choice=choice,
+        teacher_tokenizer=teacher_tokenizer,
+        tools=tools,
     )
     check_config_against_data(config, train_examples)
     steps_per_epoch, total_steps = plan_run_length(

@@ -46,11 +46,14 @@ from typing import Any
 import torch
 
 from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.multi_turn import multi_turn_rollout
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import attach_teacher_fields, build_fixed_data_batch
 from opd.data.dataloaders import PreparedExample
 from opd.data.sequences import build_token_mask, pack_rows
+from opd.environments.config import build_environment
 from opd.environments.math_verifier import grade_responses
+from opd.environments.turn_template import TurnTemplate
 from opd.models.interfaces import (
     FullVocabRequest,
     GenerationInterface,
@@ -93,6 +96,7 @@ class ScheduledBatch:
         seconds: the time the controller spent on this step's inputs, by phase.
         refit_metrics: what the step's weight syncs moved (``refit/bytes``,
             ``refit/bytes_delivered``, summed over the step's syncs); empty without one.
+        rollout_metrics: a multi-turn rollout's episode metrics (``env/...``); empty otherwise.
     """
 
     batch: BatchedDataDict
@@ -103,6 +107,7 @@ class ScheduledBatch:
     teacher_signal: TeacherSignal | None
     seconds: dict[str, float]
     refit_metrics: dict[str, float] = field(default_factory=dict)
+    rollout_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,6 +122,7 @@ class _Slot:
     teacher: Pending[TeacherSignal] | None = None
     teacher_signal: TeacherSignal | None = None
     teacher_started: bool = False
+    rollout_metrics: dict[str, float] = field(default_factory=dict)  # a multi-turn rollout's episode metrics
 
 
 class RolloutSchedule:
@@ -170,6 +176,8 @@ class RolloutSchedule:
         """The policy version the engine's weights are (None: not known, refit before sampling)."""
         self.refit_metrics: dict[str, float] = {}
         """What the weight syncs timed for the step being prepared moved (handed to its :class:`ScheduledBatch`)."""
+        self.environment = build_environment(config.environment) if config.environment is not None else None
+        """Multi-turn rollouts' environment (``environment:``), or None for one turn per rollout."""
 
     @property
     def asynchronous(self) -> bool:
@@ -243,6 +251,8 @@ class RolloutSchedule:
             return slot
         self.sync_weights(version, seconds)
         distillation = self.config.distillation
+        if self.environment is not None:
+            return self._start_multi_turn(examples, version, seconds)
         start = time.perf_counter()
         rollout = self.generation.generate_async(
             [example["prompt_ids"] for example in examples],
@@ -256,6 +266,48 @@ class RolloutSchedule:
             seconds["generation"] = seconds.get("generation", 0.0) + time.perf_counter() - start
             return slot
         return _Slot(examples, True, version, rollout=rollout)
+
+    def _start_multi_turn(self, examples: list[PreparedExample], version: int, seconds: dict[str, float]) -> _Slot:
+        """Runs a multi-turn rollout now (:mod:`opd.algorithms.multi_turn`) and builds its training batch.
+
+        Every turn is a ``generate`` call, so any engine serves it; the rollout runs to the
+        end before the step goes on (under an asynchronous schedule too: its samples are
+        then as stale as the schedule says, but nothing overlaps).
+        """
+        environment, config = self.environment, self.config
+        assert environment is not None and config.environment is not None
+        distillation = config.distillation
+        missing = [index for index, example in enumerate(examples) if "prompt_messages" not in example]
+        if missing:
+            raise ValueError("multi-turn rollouts need each example's prompt_messages (prepare_examples with tools)")
+        start = time.perf_counter()
+        self.generation.prepare_for_generation()
+        try:
+            rollout = multi_turn_rollout(
+                self.generation,
+                environment,
+                TurnTemplate(self.tokenizer, environment.tool_schemas()),
+                [{"ground_truth": example["ground_truth"]} for example in examples],
+                [example["prompt_messages"] for example in examples],
+                distillation.generate_strategy,
+                config.environment.max_turns,
+                self.tokenizer.pad_token_id,
+                distillation.num_samples_per_prompt,
+                self.return_logprobs,
+            )
+        finally:
+            self.generation.finish_generation()
+        metrics = rollout.metrics()
+        environment_seconds = metrics.pop("timing/environment")
+        seconds["environment"] = seconds.get("environment", 0.0) + environment_seconds
+        seconds["generation"] = seconds.get("generation", 0.0) + time.perf_counter() - start - environment_seconds
+        batch = rollout.batch
+        attach_teacher_fields(batch, examples, distillation.num_samples_per_prompt)
+        if self.loss_fn.needs_task_reward:
+            batch["task_reward"] = torch.nan_to_num(rollout.rewards(), nan=0.0)
+        slot = _Slot(examples, True, version, batch=batch, rollout_metrics=metrics)
+        self._start_teacher(slot)
+        return slot
 
     def _collect(self, slot: _Slot, seconds: dict[str, float]) -> None:
         """Waits for a slot's rollout (timed as ``wait_prev_gen``) and starts its teacher."""
@@ -308,6 +360,7 @@ class RolloutSchedule:
             teacher_signal,
             seconds,
             refit_metrics,
+            slot.rollout_metrics,
         )
 
     def _drain(self) -> None:
@@ -331,6 +384,7 @@ class RolloutSchedule:
                     "on_policy": slot.on_policy,
                     "sampled_version": slot.sampled_version,
                     "batch": dict(slot.batch) if slot.batch is not None else None,
+                    "rollout_metrics": slot.rollout_metrics,
                     **_teacher_state(slot),
                 }
                 for slot in self.queue
@@ -359,6 +413,7 @@ class RolloutSchedule:
             slot.batch = BatchedDataDict(saved["batch"]) if saved["batch"] is not None else None
             slot.teacher_signal = _signal_from_state(saved["teacher_signal"])
             slot.teacher_started = saved["teacher_started"]
+            slot.rollout_metrics = saved.get("rollout_metrics", {})
             self.queue.append(slot)
 
 

@@ -51,6 +51,7 @@ def load_examples(
     path: str | None = None,
     teacher_choice: TeacherChoice | None = None,
     teacher_tokenizer: Any | None = None,
+    tools: list[dict] | None = None,
 ) -> list[PreparedExample]:
     """Reads, checks and tokenizes the training or validation data of ``data``.
 
@@ -65,6 +66,7 @@ def load_examples(
         path: a file to read instead of the section's (``opd eval`` on a test split).
         teacher_choice: with several teachers, how each example is assigned its teacher(s).
         teacher_tokenizer: a teacher's own tokenizer, which renders its prompts (cross-tokenizer mode).
+        tools: an environment's tools, listed in every prompt (multi-turn rollouts).
     """
     source: str | None
     if split == "train":
@@ -88,6 +90,7 @@ def load_examples(
             teacher_context,
             teacher_choice,
             teacher_tokenizer,
+            tools,
         )
     if source is None:
         raise ConfigError(
@@ -97,7 +100,7 @@ def load_examples(
         source, split=hf_split, max_examples=limit, data_format=data.data_format, prompt_file=data.prompt_file
     )
     return prepare_examples(
-        raw, tokenizer, data.max_prompt_length, source, teacher_context, teacher_choice, teacher_tokenizer
+        raw, tokenizer, data.max_prompt_length, source, teacher_context, teacher_choice, teacher_tokenizer, tools
     )
 
 

@@ -32,7 +32,10 @@ class PreparedExample(TypedDict):
     ``teacher_prompt_ids`` (context distillation only) is the prompt the teacher sees:
     the same conversation with the teacher-only context inserted. With several teachers,
     ``teacher_index`` (routing) or ``teacher_weights`` (mixture) assigns the example its
-    teacher(s) (:mod:`opd.data.teacher_choice`).
+    teacher(s) (:mod:`opd.data.teacher_choice`). With an environment (multi-turn
+    rollouts), ``prompt_messages`` keeps the prompt's conversation, which the rollout
+    renders with the environment's tools, and ``row`` what the environment reads (its
+    ``ground_truth``).
     """
 
     prompt_ids: list[int]
@@ -41,6 +44,7 @@ class PreparedExample(TypedDict):
     teacher_prompt_ids: NotRequired[list[int]]
     teacher_index: NotRequired[int]
     teacher_weights: NotRequired[list[float]]
+    prompt_messages: NotRequired[list[dict]]
 
 
 def prepare_examples(
@@ -51,6 +55,7 @@ def prepare_examples(
     teacher_context: TeacherContext | None = None,
     teacher_choice: TeacherChoice | None = None,
     teacher_tokenizer: Any | None = None,
+    tools: list[dict] | None = None,
 ) -> list[PreparedExample]:
     """Applies the chat template and tokenizes; drops prompts longer than the limit.
 
@@ -59,7 +64,9 @@ def prepare_examples(
     rendered prompt tokenized (``max_prompt_length`` applies to the student's prompt).
     With a ``teacher_choice`` (several teachers), each example also gets its teacher
     assignment. With a ``teacher_tokenizer`` (a teacher with its own tokenizer), the
-    teacher's prompt is rendered and tokenized by it (with the context, if any).
+    teacher's prompt is rendered and tokenized by it (with the context, if any). With
+    ``tools`` (an environment's), the prompt lists them and the example keeps its
+    ``prompt_messages`` for multi-turn rollouts.
 
     Raises:
         DataError: if every prompt is over ``max_prompt_length``, or (naming the source
@@ -69,7 +76,7 @@ def prepare_examples(
     prepared: list[PreparedExample] = []
     for index, example in enumerate(examples):
         prompt_messages, response = split_prompt_and_response(example["messages"])
-        prompt_ids = encode_prompt(tokenizer, prompt_messages)
+        prompt_ids = encode_prompt(tokenizer, prompt_messages, tools)
         if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
             continue
         response_ids = encode_response(tokenizer, prompt_messages, response) if response else None
@@ -79,6 +86,8 @@ def prepare_examples(
             response_ids=response_ids,
             ground_truth=None if ground_truth is None else str(ground_truth),
         )
+        if tools is not None:
+            item["prompt_messages"] = prompt_messages
         try:
             _add_teacher_fields(
                 item, example, prompt_messages, tokenizer, teacher_context, teacher_choice, teacher_tokenizer

@@ -19,8 +19,14 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.utils.errors import DataError
 
 
-def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
-    """Applies the tokenizer's chat template and returns the text."""
+def render_chat(
+    tokenizer: Any, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> str:
+    """Applies the tokenizer's chat template and returns the text (with the tools' schemas, if any)."""
+    if tools:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
@@ -29,9 +35,9 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def encode_prompt(tokenizer: Any, prompt_messages: list[dict]) -> list[int]:
-    """Token ids of a prompt, ending with the template's assistant header."""
-    return encode_text(tokenizer, render_chat(tokenizer, prompt_messages, add_generation_prompt=True))
+def encode_prompt(tokenizer: Any, prompt_messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a prompt (listing ``tools`` where given), ending with the template's assistant header."""
+    return encode_text(tokenizer, render_chat(tokenizer, prompt_messages, add_generation_prompt=True, tools=tools))
 
 
 def encode_response(tokenizer: Any, prompt_messages: list[dict], response: dict) -> list[int]:

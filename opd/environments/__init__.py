@@ -1,1 +1,1 @@
-"""Task environments: answer extraction and verification."""
+"""Task environments: answer verification, tools and the environments of multi-turn rollouts."""

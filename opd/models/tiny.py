@@ -23,10 +23,30 @@ from opd.utils.errors import ConfigError
 
 TINY_PREFIX = "tiny:"
 
-# ChatML, the format Qwen2.5-Instruct uses, without Qwen's default system prompt.
+# ChatML, the format Qwen2.5-Instruct uses, without Qwen's default system prompt. With
+# ``tools`` (multi-turn rollouts), tools are listed in the system turn and called the way
+# Qwen2.5 calls them: the model writes <tool_call>{"name": ..., "arguments": ...}</tool_call>,
+# and tool results come back in one user turn, each inside <tool_response> tags. Without
+# tools and tool messages, the text is plain ChatML as before, byte for byte.
 CHATML_TEMPLATE = (
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nThese functions can be called. Their signatures, one JSON object each, are inside <tools></tools>:\n"
+    # HF renders templates with trim_blocks: a newline right after a block tag is written as {{ '\\n' }}.
+    "<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "To call one, write a JSON object with its name and arguments inside <tool_call></tool_call> tags:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -1,0 +1,82 @@
+"""Parsing tool calls written in the chat template's own format.
+
+Qwen2.5's template (and the Hermes format it follows) asks the model for one JSON object
+per call, inside tags::
+
+    <tool_call>
+    {"name": "calculator", "arguments": {"expression": "1234 * 567"}}
+    </tool_call>
+
+:func:`parse_tool_calls` finds every ``<tool_call>`` a turn opens, in order. A call whose
+body is not a JSON object with a string ``name`` and an object ``arguments`` (or a JSON
+string holding one, as some models write), or that is never closed, is returned as a
+:class:`MalformedCall` with the reason, so the environment can answer it with an error
+the student sees instead of dropping it silently.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A well-formed call: the tool's name and its arguments."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class MalformedCall:
+    """A call that could not be read, with what was written and why it failed."""
+
+    text: str
+    reason: str
+
+
+def _read_call(body: str) -> ToolCall | MalformedCall:
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as error:
+        return MalformedCall(body, f"the call is not valid JSON ({error.msg} at character {error.pos})")
+    if not isinstance(value, dict):
+        return MalformedCall(body, f"the call must be a JSON object, got {type(value).__name__}")
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        return MalformedCall(body, 'the call has no "name" string')
+    if "arguments" not in value:
+        return MalformedCall(body, 'the call has no "arguments" object')
+    arguments = value["arguments"]
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return MalformedCall(body, '"arguments" is a string that is not a JSON object')
+    if not isinstance(arguments, dict):
+        return MalformedCall(body, f'"arguments" must be a JSON object, got {type(arguments).__name__}')
+    return ToolCall(name, arguments)
+
+
+def parse_tool_calls(text: str) -> list[ToolCall | MalformedCall]:
+    """Every call opened in ``text``, in order (empty when the turn calls no tool).
+
+    A ``</tool_call>`` without an opening tag is ignored; an opening tag without a closing
+    one is a :class:`MalformedCall` (the turn was cut, or the model forgot to close it).
+    """
+    calls: list[ToolCall | MalformedCall] = []
+    position = 0
+    while (start := text.find(CALL_OPEN, position)) >= 0:
+        body_start = start + len(CALL_OPEN)
+        end = text.find(CALL_CLOSE, body_start)
+        if end < 0:
+            calls.append(MalformedCall(text[body_start:], f"the call is not closed with {CALL_CLOSE}"))
+            break
+        calls.append(_read_call(text[body_start:end].strip()))
+        position = end + len(CALL_CLOSE)
+    return calls

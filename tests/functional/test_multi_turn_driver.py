@@ -1,0 +1,100 @@
+"""The driver's in-process path with ``environment:``: multi-turn rollouts are trained on.
+
+A short run of the tiny config with the calculator environment. The tiny random student
+never writes a tool call on its own, so its engine's first turn of every episode is
+replaced by a calculator call (the engine is wrapped, nothing else): the environment runs
+the call, the observation is appended, and the real engine writes the second turn. The
+test checks what reaches the teacher and the trainer (prompts that list the tool, a
+``token_mask`` with the observation as a hole, the sampler's log-probs only on the
+student's tokens) and that the episode metrics are logged. Under ``one_step_off`` (in one
+process: the engine is a snapshot refit a step behind) the rollout runs to its end when
+its batch is started, and is trained a step later.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from opd_test_helpers import REPO_ROOT, short_run_overrides
+
+from opd.algorithms.distillation import distillation_train
+from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.distillation_setup import setup
+from opd.models.generation.rollout_batch import build_rollout_batch
+from opd.utils.config import load_config
+
+TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "one_step_off"])
+def test_run_trains_on_multi_turn_rollouts(tmp_path, scheduler):
+    overrides = [
+        f"training.scheduler={scheduler}",
+        *short_run_overrides(tmp_path),
+        "checkpointing.enabled=false",
+        "training.batch_size=2",
+        "training.micro_batch_size=null",
+        "training.warmup_steps=0",
+        "training.max_num_steps=2",
+        "distillation.num_samples_per_prompt=1",
+        "distillation.generate_strategy.max_length=6",
+        "environment.max_turns=2",
+        "data.max_train_examples=4",
+        "loss_fn.compile_kernels=false",  # compiling the loss kernels would take most of the test
+        "data.max_prompt_length=1024",  # the tools section is about 700 bytes of the byte-level tokenizer
+    ]
+    config = load_config(MasterConfig, TINY_CONFIG, overrides)
+    parts = setup(config)
+    tokenizer, generation = parts.tokenizer, parts.student_generation
+    real_generate = generation.generate
+    end = tokenizer.eos_token_id
+
+    def first_turn_calls_the_tool(prompts, strategy, num_samples=1, return_logprobs=True):
+        later = real_generate(prompts, strategy, num_samples, return_logprobs)
+        responses, logprobs = [], []
+        for row, prompt in enumerate(prompts):
+            start, stop = int(later["prompt_lengths"][row]), int(later["input_lengths"][row])
+            if "<tool_response>" in tokenizer.decode(prompt):  # a later turn: the real engine writes it
+                responses.append(later["input_ids"][row, start:stop].tolist())
+                if return_logprobs:
+                    logprobs.append(later["generation_logprobs"][row, start:stop].tolist())
+            else:
+                responses.append(tokenizer(CALL, add_special_tokens=False)["input_ids"] + [end])
+                logprobs.append([-0.25] * len(responses[-1]))
+        truncated = [response[-1] != end for response in responses]
+        sampled = logprobs if return_logprobs else None
+        return build_rollout_batch(prompts, responses, sampled, truncated, tokenizer.pad_token_id)
+
+    generation.generate = first_turn_calls_the_tool  # type: ignore[method-assign]
+    scored = []
+    real_score = parts.teacher_policy.score
+
+    def recording_score(batch, request):
+        scored.append({key: batch[key].clone() for key in ("input_ids", "input_lengths", "token_mask")})
+        return real_score(batch, request)
+
+    parts.teacher_policy.score = recording_score  # type: ignore[method-assign]
+    distillation_train(**parts.as_arguments())
+
+    assert scored, "the teacher scored the trajectories"
+    for batch in scored:
+        for row in range(batch["input_ids"].shape[0]):
+            length = int(batch["input_lengths"][row])
+            text = tokenizer.decode(batch["input_ids"][row, :length])
+            assert '"name": "calculator"' in text.split("<|im_start|>user")[0], "the prompt lists the tool"
+            assert "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>" in text, "the tool's answer"
+            mask = batch["token_mask"][row, :length]
+            changes = int((mask[1:] != mask[:-1]).sum())
+            assert changes >= 2, "the observation between the turns is a hole in the mask"
+    records = [json.loads(line) for line in (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()]
+    train = [record for record in records if "train/on_policy" in record]
+    assert len(train) == 2
+    for record in train:
+        assert record["env/turns"] == 2.0 and record["env/tool_calls"] == 1.0
+        assert record["env/well_formed_share"] == 1.0 and record["env/success_share"] == 1.0
+        assert record["timing/environment"] >= 0.0 and "env/reward" in record
+        assert torch.isfinite(torch.tensor(record["train/loss"]))
