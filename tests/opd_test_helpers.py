@@ -155,3 +155,35 @@ class RunningServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def first_turn_calls_the_tool(generation, tokenizer, call: str) -> None:
+    """Makes ``generation``'s first turn of every episode the text ``call`` (a tool call), in place.
+
+    A tiny random student never writes a tool call on its own. Wrapped this way, the
+    engine still generates every later turn (those whose prompt holds a tool response)
+    itself, so a multi-turn rollout has a call, the environment's answer, and a real
+    second turn. The forced turn's sampler log-probs are a fixed -0.25 per token.
+    """
+    from opd.models.generation.rollout_batch import build_rollout_batch
+
+    real_generate = generation.generate
+    end = tokenizer.eos_token_id
+
+    def generate(prompts, strategy, num_samples=1, return_logprobs=True):
+        later = real_generate(prompts, strategy, num_samples, return_logprobs)
+        responses, logprobs = [], []
+        for row, prompt in enumerate(prompts):
+            start, stop = int(later["prompt_lengths"][row]), int(later["input_lengths"][row])
+            if "<tool_response>" in tokenizer.decode(prompt):  # a later turn: the real engine writes it
+                responses.append(later["input_ids"][row, start:stop].tolist())
+                if return_logprobs:
+                    logprobs.append(later["generation_logprobs"][row, start:stop].tolist())
+            else:
+                responses.append(tokenizer(call, add_special_tokens=False)["input_ids"] + [end])
+                logprobs.append([-0.25] * len(responses[-1]))
+        truncated = [response[-1] != end for response in responses]
+        sampled = logprobs if return_logprobs else None
+        return build_rollout_batch(prompts, responses, sampled, truncated, tokenizer.pad_token_id)
+
+    generation.generate = generate

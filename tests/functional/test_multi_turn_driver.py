@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from opd_test_helpers import REPO_ROOT, short_run_overrides
+from opd_test_helpers import REPO_ROOT, first_turn_calls_the_tool, short_run_overrides
 
 from opd.algorithms.distillation import distillation_train
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
-from opd.models.generation.rollout_batch import build_rollout_batch
 from opd.utils.config import load_config
 
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
@@ -50,26 +49,7 @@ def test_run_trains_on_multi_turn_rollouts(tmp_path, scheduler):
     config = load_config(MasterConfig, TINY_CONFIG, overrides)
     parts = setup(config)
     tokenizer, generation = parts.tokenizer, parts.student_generation
-    real_generate = generation.generate
-    end = tokenizer.eos_token_id
-
-    def first_turn_calls_the_tool(prompts, strategy, num_samples=1, return_logprobs=True):
-        later = real_generate(prompts, strategy, num_samples, return_logprobs)
-        responses, logprobs = [], []
-        for row, prompt in enumerate(prompts):
-            start, stop = int(later["prompt_lengths"][row]), int(later["input_lengths"][row])
-            if "<tool_response>" in tokenizer.decode(prompt):  # a later turn: the real engine writes it
-                responses.append(later["input_ids"][row, start:stop].tolist())
-                if return_logprobs:
-                    logprobs.append(later["generation_logprobs"][row, start:stop].tolist())
-            else:
-                responses.append(tokenizer(CALL, add_special_tokens=False)["input_ids"] + [end])
-                logprobs.append([-0.25] * len(responses[-1]))
-        truncated = [response[-1] != end for response in responses]
-        sampled = logprobs if return_logprobs else None
-        return build_rollout_batch(prompts, responses, sampled, truncated, tokenizer.pad_token_id)
-
-    generation.generate = first_turn_calls_the_tool  # type: ignore[method-assign]
+    first_turn_calls_the_tool(generation, tokenizer, CALL)
     scored = []
     real_score = parts.teacher_policy.score
 

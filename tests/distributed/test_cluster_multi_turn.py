@@ -1,0 +1,79 @@
+"""Multi-turn rollouts on a cluster: 2 FSDP2 trainer workers and a rollout worker equal one process.
+
+The calculator environment drives the episodes from the controller; each turn is one
+``generate`` call, which on a cluster is answered by the rollout worker (an HF engine,
+refit from the trainer after each step). The tiny student never calls a tool on its own,
+so its first turn of every episode is a calculator call (the controller's engine object
+is wrapped, in both runs alike); the environment's answer is appended and the engine
+writes the second turn. 2 steps of the exact loss, greedy: the per-step loss, KL and
+gradient norm, the episode metrics and the final weights equal the in-process run's
+(float32, relative 1e-5).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from opd_test_helpers import REPO_ROOT, first_turn_calls_the_tool, short_run_overrides
+from safetensors.torch import load_file
+
+from opd.algorithms.distillation import distillation_train
+from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.distillation_setup import setup
+from opd.utils.config import load_config
+from opd.utils.plotting import read_metrics
+
+TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+TOLERANCE = 1e-5
+COMPARED = ("train/loss", "train/kl_forward", "train/grad_norm", "env/turns", "env/tool_calls", "env/success_share")
+
+
+def run(tmp_path: Path, *cluster: str) -> list[dict]:
+    config = load_config(MasterConfig, TINY, [
+        *short_run_overrides(tmp_path),
+        "checkpointing.enabled=false",
+        "training.batch_size=2",
+        "training.micro_batch_size=1",
+        "training.warmup_steps=0",
+        "training.max_num_steps=2",
+        "distillation.num_samples_per_prompt=1",
+        "distillation.generate_strategy.decoding_method=greedy",
+        "distillation.generate_strategy.max_length=6",
+        "environment.max_turns=2",
+        "data.max_train_examples=4",
+        "data.max_prompt_length=1024",  # the tools section is about 700 bytes of the byte-level tokenizer
+        "loss_fn.compile_kernels=false",
+        *cluster,
+    ])
+    parts = setup(config)
+    try:
+        first_turn_calls_the_tool(parts.student_generation, parts.tokenizer, CALL)
+        distillation_train(**parts.as_arguments())
+    finally:
+        parts.close()
+    records = [record for record in read_metrics(Path(config.output_dir) / "logs") if "train/loss" in record]
+    final = load_file(str(Path(config.output_dir) / "final_model" / "model.safetensors"))
+    return records, final
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, tmp_path_factory):
+    in_process = run(tmp_path_factory.mktemp("in_process"))
+    on_cluster = run(tmp_path_factory.mktemp("cluster"), "cluster.trainer.workers=2", "cluster.rollout.workers=1")
+    return in_process, on_cluster
+
+
+def test_a_cluster_trains_on_multi_turn_rollouts_as_one_process_does(runs):
+    (expected, expected_weights), (actual, actual_weights) = runs
+    assert [record["step"] for record in actual] == [record["step"] for record in expected] == [1, 2]
+    for mine, reference in zip(actual, expected, strict=True):
+        assert reference["env/turns"] == 2.0 and reference["env/tool_calls"] == 1.0  # a call, an answer, a turn
+        for key in COMPARED:
+            assert math.isclose(mine[key], reference[key], rel_tol=TOLERANCE, abs_tol=1e-9), (key, mine, reference)
+    assert actual_weights.keys() == expected_weights.keys()
+    for name, tensor in expected_weights.items():
+        worst = float((actual_weights[name] - tensor).abs().max())
+        assert worst <= TOLERANCE * float(tensor.abs().max()), f"{name} differs by up to {worst:.2e}"
