@@ -8,7 +8,10 @@ test checks what reaches the teacher and the trainer (prompts that list the tool
 ``token_mask`` with the observation as a hole, the sampler's log-probs only on the
 student's tokens) and that the episode metrics are logged. Under ``one_step_off`` (in one
 process: the engine is a snapshot refit a step behind) the rollout runs to its end when
-its batch is started, and is trained a step later.
+its batch is started, and is trained a step later. A one_step_off run killed during step 3
+resumes from step 2's checkpoint, which holds step 3's episodes sampled ahead, and trains
+what the uninterrupted run trains (sampled turns: the RNG streams and the in-flight
+episodes must both be restored), bit for bit.
 """
 
 from __future__ import annotations
@@ -78,3 +81,76 @@ def test_run_trains_on_multi_turn_rollouts(tmp_path, scheduler):
         assert record["env/well_formed_share"] == 1.0 and record["env/success_share"] == 1.0
         assert record["timing/environment"] >= 0.0 and "env/reward" in record
         assert torch.isfinite(torch.tensor(record["train/loss"]))
+
+
+class Crash(RuntimeError):
+    """Stands for the process dying in the middle of a step."""
+
+
+def killed_run_config(tmp_path: Path, run_name: str) -> MasterConfig:
+    """5 steps of one_step_off with 2-turn episodes, sampled (the RNG streams matter), a checkpoint every 2 steps."""
+    return load_config(MasterConfig, TINY_CONFIG, [
+        "training.scheduler=one_step_off",
+        *short_run_overrides(tmp_path, run_name),
+        "checkpointing.enabled=true",
+        "checkpointing.keep_top_k=null",
+        "training.save_freq=2",
+        "training.batch_size=2",
+        "training.micro_batch_size=null",
+        "training.warmup_steps=0",
+        "training.max_num_steps=5",
+        "training.learning_rate=0.05",
+        "distillation.num_samples_per_prompt=1",
+        "distillation.generate_strategy.decoding_method=top_p",
+        "distillation.generate_strategy.temperature=1.0",
+        "distillation.generate_strategy.max_length=6",
+        "environment.max_turns=2",
+        "data.max_train_examples=12",
+        "loss_fn.compile_kernels=false",
+        "data.max_prompt_length=1024",
+    ])
+
+
+def test_a_run_killed_with_episodes_in_flight_resumes_to_the_uninterrupted_run(tmp_path):
+    # The reference: 5 uninterrupted steps.
+    reference_config = killed_run_config(tmp_path, "reference")
+    reference = setup(reference_config)
+    first_turn_calls_the_tool(reference.student_generation, reference.tokenizer, CALL)
+    distillation_train(**reference.as_arguments())
+
+    # The same run killed during step 3: step_2's checkpoint holds step 3's episodes, sampled ahead.
+    config = killed_run_config(tmp_path, "killed")
+    first = setup(config)
+    first_turn_calls_the_tool(first.student_generation, first.tokenizer, CALL)
+    original, steps = first.student_policy.train, []
+
+    def crash_at_step_3(batch, loss_fn, teacher_signal=None, timer=None):
+        steps.append(batch)
+        if len(steps) == 3:
+            raise Crash("killed during step 3")
+        return original(batch, loss_fn, teacher_signal, timer)
+
+    first.student_policy.train = crash_at_step_3  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        distillation_train(**first.as_arguments())
+    first.close()
+
+    resumed = setup(config)
+    assert resumed.distillation_save_state["step"] == 2
+    first_turn_calls_the_tool(resumed.student_generation, resumed.tokenizer, CALL)
+    distillation_train(**resumed.as_arguments())
+
+    def logged(run_config: MasterConfig) -> list[dict]:
+        lines = (Path(run_config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()
+        return [record for record in map(json.loads, lines) if "train/loss" in record]
+
+    expected, actual = logged(reference_config), logged(config)
+    assert [record["step"] for record in expected] == [1, 2, 3, 4, 5]
+    by_step = {record["step"]: record for record in actual}  # steps 1-2 from the killed run, 3-5 resumed
+    for record in expected:
+        mine = by_step[record["step"]]
+        assert mine["train/loss"] == record["train/loss"], record["step"]
+        assert mine["env/turns"] == record["env/turns"] == 2.0
+    final = resumed.student_policy.model.state_dict()
+    for name, tensor in reference.student_policy.model.state_dict().items():
+        assert torch.equal(final[name], tensor), name
