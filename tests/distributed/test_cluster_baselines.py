@@ -5,7 +5,8 @@
   student answers from the rollout workers as it does for validation; ``val/teacher_*``
   and ``val/baseline_*`` equal one process's, and the workers hold no teacher afterwards.
 * Two routed teachers, one in a teacher pool and one served (``opd serve-teacher`` on
-  127.0.0.1): each answers its own prompts as in one process (``val/teacher_<name>_*``).
+  127.0.0.1): each answers its own prompts as in one process (``val/teacher_<name>_*``;
+  ``slow``).
 
 The baselines are computed straight from the built components (no training step). One Ray
 cluster serves the module; every worker runs one thread.
@@ -93,6 +94,7 @@ def served_sub():
     running.stop()
 
 
+@pytest.mark.slow  # a second cluster start, with a teacher pool; the served path is tested in process too
 def test_a_pooled_and_a_served_routed_teacher_answer_as_in_one_process(ray_cluster, tmp_path, data, served_sub):
     members = ("teachers.members=[{name: add, model_path: 'tiny:teacher'}, {name: sub, backend: remote, "
                f"remote: {{url: '{served_sub.url}', backoff_s: 0.01}}}}]")
