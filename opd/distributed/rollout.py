@@ -194,7 +194,7 @@ class RolloutWorker:
         if self.teacher_engines.pop(key, None) is None:
             return
         gc.collect()
-        if self.device.type == "cuda":
+        if torch.cuda.is_available():  # the teacher's blocks go back to the device, not to torch's cache
             torch.cuda.empty_cache()
 
     def close(self) -> None:

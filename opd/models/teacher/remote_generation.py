@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -42,13 +42,17 @@ TOKEN_ID_PREFIX = "token_id:"
 _SEED_RANGE = 2**31 - 1
 
 
+_SAMPLING_FIELDS: dict[str, Callable[[GenerateStrategyConfig], dict[str, Any]]] = {
+    "greedy": lambda strategy: {"temperature": 0.0},
+    "top_k": lambda strategy: {"temperature": strategy.temperature, "top_k": strategy.top_k, "top_p": 1.0},
+    "top_p": lambda strategy: {"temperature": strategy.temperature, "top_k": -1, "top_p": strategy.top_p},
+}
+"""vLLM's completion fields of each decoding method (``top_k: -1`` and ``top_p: 1`` keep every token)."""
+
+
 def sampling_fields(strategy: GenerateStrategyConfig) -> dict[str, Any]:
-    """``strategy`` as vLLM's completion fields (``top_k: -1`` and ``top_p: 1`` keep every token)."""
-    if strategy.decoding_method == "greedy":
-        return {"temperature": 0.0}
-    if strategy.decoding_method == "top_k":
-        return {"temperature": strategy.temperature, "top_k": strategy.top_k, "top_p": 1.0}
-    return {"temperature": strategy.temperature, "top_k": -1, "top_p": strategy.top_p}
+    """``strategy`` as vLLM's completion fields."""
+    return _SAMPLING_FIELDS[strategy.decoding_method](strategy)
 
 
 def response_ids(choice: dict[str, Any]) -> list[int]:

@@ -27,7 +27,7 @@ from opd.algorithms.distillation import validation_baselines
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
 from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.teacher.remote_generation import RemoteGeneration, response_ids
+from opd.models.teacher.remote_generation import RemoteGeneration, response_ids, sampling_fields
 from opd.models.teacher.remote_teacher import TeacherServiceError
 from opd.models.teacher.scoring import PromptScorer
 from opd.models.teacher.server import TeacherService
@@ -162,6 +162,11 @@ def test_the_served_engine_reads_the_ids_of_an_older_vllm_and_names_what_it_lack
     assert response_ids({"logprobs": {"tokens": ["token_id:5", "token_id:7"]}}) == [5, 7]
     with pytest.raises(TeacherServiceError, match="no token ids"):
         response_ids({"text": "hi", "logprobs": None})
+    assert sampling_fields(GenerateStrategyConfig(decoding_method="greedy")) == {"temperature": 0.0}
+    assert sampling_fields(GenerateStrategyConfig(decoding_method="top_k", temperature=0.7, top_k=5)) == {
+        "temperature": 0.7, "top_k": 5, "top_p": 1.0}
+    assert sampling_fields(GenerateStrategyConfig(decoding_method="top_p", temperature=0.7, top_p=0.9)) == {
+        "temperature": 0.7, "top_k": -1, "top_p": 0.9}
     engine = RemoteGeneration("http://127.0.0.1:1", "m", None, [2], 0)
     with pytest.raises(ValueError, match="no sampler log-probs"):
         engine.generate([[1, 2]], GenerateStrategyConfig())
