@@ -212,7 +212,7 @@ def distillation_train(
         teacher_policy: the frozen teacher (scores the very tokens the student trains on).
         student_generation: the engine that samples from the student.
         teacher_generation: the teachers that answer the validation prompts for the
-            baselines (one per teacher in process; none served or on a cluster).
+            baselines (one per teacher, wherever it runs; none without a baseline).
         dataloader: resumable loader of prepared training examples (lists of dicts).
         val_dataloader: validation examples, or None to skip validation.
         tokenizer: shared tokenizer of teacher and student.
@@ -347,6 +347,8 @@ def validation_baselines(
     the context, with each teacher on that teacher's prompts
     (``val/baseline_student_accuracy``, ``val/baseline_teacher_accuracy`` and
     ``val/baseline_accuracy_gap``; with several teachers ``..._<name>`` at the end of each).
+    Each teacher's engine is closed once it has answered: rollout workers that loaded a
+    teacher's weights for it free them before the next teacher loads.
     """
     if not (config.validation.teacher_baseline or config.validation.eval_baseline):
         return {}
@@ -354,17 +356,20 @@ def validation_baselines(
     metrics: dict[str, float] = {}
     for engine in teacher_generation:
         prefix = "val/teacher_" if engine.name is None else f"val/teacher_{engine.name}_"
-        teacher_metrics = validate(
-            engine.generation,
-            None,
-            None,
-            val_dataloader,
-            engine.tokenizer,
-            strategy,
-            prefix=prefix,
-            prompt_key=engine.prompt_key,
-            keep=engine.answers,
-        )
+        try:
+            teacher_metrics = validate(
+                engine.generation,
+                None,
+                None,
+                val_dataloader,
+                engine.tokenizer,
+                strategy,
+                prefix=prefix,
+                prompt_key=engine.prompt_key,
+                keep=engine.answers,
+            )
+        finally:
+            engine.generation.close()
         if config.validation.teacher_baseline:
             metrics.update(teacher_metrics)
         if not config.validation.eval_baseline:

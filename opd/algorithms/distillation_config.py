@@ -307,18 +307,7 @@ def _teacher_problem(config: MasterConfig) -> str | None:
         problem = _cross_tokenizer_problem(config)
         if problem is not None:
             return problem
-    if teacher.served:
-        baselines = {
-            "eval_baseline": config.validation.eval_baseline,
-            "teacher_baseline": config.validation.teacher_baseline,
-        }
-        for key, enabled in baselines.items():
-            if enabled:
-                return (
-                    f"validation.{key} generates with the teacher model in process; "
-                    "set it to false with teacher.backend = remote"
-                )
-    elif config.model.teacher_model_path is None:
+    if not teacher.served and config.model.teacher_model_path is None:
         return (
             "model.teacher_model_path is required with teacher.backend = local "
             "('student' = a frozen copy of the student's initial weights)"
@@ -387,7 +376,7 @@ def _one_teacher_problem(
 
 
 def _several_teachers_problem(config: MasterConfig) -> str | None:
-    """``teachers:`` replaces the single teacher's keys; what the baselines and each member need."""
+    """``teachers:`` replaces the single teacher's keys; what the early-stop target and each member need."""
     assert config.teachers is not None
     if config.model.teacher_model_path is not None:
         return (
@@ -396,17 +385,6 @@ def _several_teachers_problem(config: MasterConfig) -> str | None:
         )
     if config.teacher.served or config.teacher.remote.url is not None:
         return "teacher: is for one teacher; with teachers:, set teachers.members[*].backend and remote instead"
-    validation = config.validation
-    served = [member.name for member in config.teachers.members if member.served]
-    for key, enabled in {
-        "teacher_baseline": validation.teacher_baseline,
-        "eval_baseline": validation.eval_baseline,
-    }.items():
-        if enabled and served:
-            return (
-                f"validation.{key} generates with each teacher in process, but {', '.join(served)} "
-                "is served; set it to false"
-            )
     early_stop = config.training.early_stop
     if early_stop is not None and early_stop.target == "teacher":
         return (

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -74,12 +75,14 @@ from opd.models.teacher.backends import model_in_process
 from opd.models.teacher.context_teacher import ContextTeacher
 from opd.models.teacher.cross_tokenizer import CrossTokenizerTeacher
 from opd.models.teacher.local_teacher import LocalTeacher
+from opd.models.teacher.remote_generation import RemoteGeneration
 from opd.models.teacher.remote_teacher import RemoteTeacher
 from opd.models.teacher.several_teachers import RoutedTeachers, TeacherMixture
 from opd.utils.checkpoint import CheckpointManager
 from opd.utils.compile_cache import resolve_compile_kernels
 from opd.utils.errors import ConfigError
 from opd.utils.logger import Logger
+from opd.utils.paths import absolute_model_path
 
 log = logging.getLogger("opd")
 
@@ -98,7 +101,7 @@ class DistillationComponents(DriverArguments):
         teacher_policy: the frozen teacher (in process, served, with a context, ...).
         student_generation: samples from the student.
         teacher_generation: the teachers that answer the validation prompts for the
-            baselines; empty for a served teacher and on a cluster.
+            baselines (:func:`teacher_engines`); empty when no baseline is asked for.
         dataloader: resumable loader of prepared training examples.
         val_dataloader: validation examples, or None without validation data.
         tokenizer: shared by teacher and student.
@@ -124,6 +127,8 @@ class DistillationComponents(DriverArguments):
 
     def close(self) -> None:
         """Frees what the engines, the teacher and the student hold (a vLLM engine, connections, workers)."""
+        for engine in self.teacher_generation:  # before the rollout workers some of them answer on stop
+            engine.generation.close()
         self.student_generation.close()
         self.teacher_policy.close()
         self.student_policy.close()
@@ -519,7 +524,11 @@ def build_in_process(
     teacher = in_process if in_process is not None else remote_teacher
     if teacher is None:
         raise ConfigError("no teacher: set model.teacher_model_path or teacher.backend = remote")
-    teacher_generation = teacher_engines(config, tokenizer, teacher_model, teacher_tokenizer, teacher)
+    models = _teacher_models_in_process(teacher, teacher_model)
+    decode_loop = config.generation.decode_loop
+    teacher_generation = teacher_engines(
+        config, tokenizer, teacher_tokenizer, lambda name, own: HFGeneration(models[name], own, decode_loop)
+    )
 
     # Built before HFPolicy injects LoRA adapters into student_model: vLLM's first load
     # wants the plain model's names (every rollout is preceded by a refit with the merged
@@ -541,43 +550,60 @@ def build_in_process(
 def teacher_engines(
     config: MasterConfig,
     tokenizer: Any,
-    teacher_model: PreTrainedModel | None,
     teacher_tokenizer: Any | None,
-    teacher: TeacherInterface,
+    engine_in_run: Callable[[str | None, Any], GenerationInterface],
 ) -> list[TeacherEngine]:
-    """The teachers in this process that can answer the validation prompts (the baselines).
+    """The teachers that answer the validation prompts for the baselines, each where it runs.
 
-    The one teacher samples in its own tokens (a cross-tokenizer teacher with its own
-    tokenizer, from its own rendering of the prompts). With several teachers, every member
-    in this process answers on its own: with routing, the prompts routed to it. Served
-    teachers answer none (the validator refuses the baselines with them).
+    A served teacher answers from its server (:class:`RemoteGeneration`, over
+    ``/v1/completions``); a teacher of the run answers from ``engine_in_run(name,
+    tokenizer)`` (``name`` None for the one teacher): in process, an HF engine over its
+    model; on a cluster, the rollout workers with its weights
+    (:class:`~opd.distributed.rollout.TeacherOnRolloutWorkers`). The one teacher samples
+    in its own tokens (a cross-tokenizer teacher with its own tokenizer, from its own
+    rendering of the prompts). With several teachers every member answers on its own:
+    with routing, the prompts routed to it. No engine is built unless a baseline is asked for.
     """
+    validation = config.validation
+    if not (validation.teacher_baseline or validation.eval_baseline):
+        return []
     with_context = config.distillation.teacher_context_spec() is not None
-    decode_loop = config.generation.decode_loop
     if config.teachers is None:
-        if teacher_model is None:
-            return []
         own = teacher_tokenizer if teacher_tokenizer is not None else tokenizer
         prompt_key: Literal["prompt_ids", "teacher_prompt_ids"] = (
             "teacher_prompt_ids" if with_context or teacher_tokenizer is not None else "prompt_ids"
         )
-        return [TeacherEngine(HFGeneration(teacher_model, own, decode_loop), None, own, prompt_key)]
-    assert isinstance(teacher, (RoutedTeachers, TeacherMixture))
-    routed = isinstance(teacher, RoutedTeachers)
-    engines = []
-    for position, (name, member) in enumerate(zip(teacher.names, teacher.members, strict=True)):
-        inner = member.teacher if isinstance(member, ContextTeacher) else member
-        if isinstance(inner, LocalTeacher):
-            engines.append(
-                TeacherEngine(
-                    HFGeneration(inner.model, tokenizer, decode_loop),
-                    name,
-                    tokenizer,
-                    "teacher_prompt_ids" if with_context else "prompt_ids",
-                    position if routed else None,
-                )
-            )
-    return engines
+        served = config.teacher.served
+        generation = RemoteGeneration.from_config(config.teacher.remote, own) if served else engine_in_run(None, own)
+        return [TeacherEngine(generation, None, own, prompt_key)]
+    routes = config.teachers.routes
+    return [
+        TeacherEngine(
+            RemoteGeneration.from_config(member.remote, tokenizer)
+            if member.served
+            else engine_in_run(member.name, tokenizer),
+            member.name,
+            tokenizer,
+            "teacher_prompt_ids" if with_context else "prompt_ids",
+            position if routes else None,
+        )
+        for position, member in enumerate(config.teachers.members)
+    ]
+
+
+def _teacher_models_in_process(
+    teacher: TeacherInterface, teacher_model: PreTrainedModel | None
+) -> dict[str | None, PreTrainedModel]:
+    """The in-process teachers' models, by name (None for the one teacher); served teachers have none."""
+    if teacher_model is not None:
+        return {None: teacher_model}
+    models: dict[str | None, PreTrainedModel] = {}
+    if isinstance(teacher, (RoutedTeachers, TeacherMixture)):
+        for name, member in zip(teacher.names, teacher.members, strict=True):
+            inner = member.teacher if isinstance(member, ContextTeacher) else member
+            if isinstance(inner, LocalTeacher):
+                models[name] = inner.model
+    return models
 
 
 def build_on_cluster(
@@ -587,17 +613,16 @@ def build_on_cluster(
     micro_batch_size: int,
     remote_teacher: TeacherInterface | None,
 ) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, list[TeacherEngine]]:
-    """Student, teacher and rollout engines as Ray worker groups (``cluster:``); no teacher engine.
+    """Student, teacher and rollout engines as Ray worker groups (``cluster:``), and the baselines' teacher engines.
 
     The workers load the student's starting weights; a resumed run then loads its shards
-    (``restore_run``). The validation baselines, which sample from the teacher, are skipped.
+    (``restore_run``). For the validation baselines, a teacher of the run answers from the
+    rollout workers, which load its weights for that once (:func:`teacher_engines`).
     """
     # Imported here: Ray is an optional extra that the in-process path never needs.
     from opd.distributed.setup import ClusterRequest, build_cluster_backends
 
     assert config.cluster is not None
-    if config.validation.teacher_baseline or config.validation.eval_baseline:
-        log.warning("cluster: the validation baselines sample from the teacher in-process; skipped")
     teacher_paths = _cluster_teacher_paths(config, remote_teacher)
     same_tokenizer = not config.teacher.cross_tokenizer  # a cross-tokenizer teacher was checked as such
     for path in teacher_paths.values() if same_tokenizer else ():  # before any worker loads a model
@@ -630,8 +655,13 @@ def build_on_cluster(
         lora=config.model.active_lora(),
     )
     policy, on_cluster, generation = build_cluster_backends(config.cluster, request)
+    try:
+        baselines = _baseline_engines_on_cluster(config, tokenizer, generation)
+    except BaseException:
+        policy.close()  # stops the workers
+        raise
     if config.teachers is None:
-        return policy, remote_teacher if remote_teacher is not None else on_cluster[0], generation, []
+        return policy, remote_teacher if remote_teacher is not None else on_cluster[0], generation, baselines
     try:
         local = [member.name for member in config.teachers.members if not member.served]
         pools = dict(zip(local, on_cluster, strict=True))  # in the order of teacher_paths
@@ -639,7 +669,29 @@ def build_on_cluster(
     except BaseException:
         policy.close()
         raise
-    return policy, teacher, generation, []
+    return policy, teacher, generation, baselines
+
+
+def _baseline_engines_on_cluster(
+    config: MasterConfig, tokenizer: Any, generation: GenerationInterface
+) -> list[TeacherEngine]:
+    """The baselines' teacher engines on a cluster: the rollout workers answer for each teacher of the run."""
+    from opd.distributed.rollout import RayGeneration, TeacherOnRolloutWorkers
+
+    assert isinstance(generation, RayGeneration)
+    paths: dict[str | None, str] = (
+        {member.name: member_teacher_path(config, member) for member in config.teachers.members if not member.served}
+        if config.teachers is not None
+        else {None: resolve_teacher_path(config)}
+        if not config.teacher.served
+        else {}
+    )
+
+    def on_rollout_workers(name: str | None, own_tokenizer: Any) -> GenerationInterface:
+        key = "teacher" if name is None else f"teacher {name}"
+        return TeacherOnRolloutWorkers(generation, key, absolute_model_path(paths[name]), own_tokenizer)
+
+    return teacher_engines(config, tokenizer, teacher_tokenizer_of(config), on_rollout_workers)
 
 
 def _teacher_head_path(config: MasterConfig, remote_teacher: TeacherInterface | None) -> str | None:

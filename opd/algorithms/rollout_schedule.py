@@ -419,9 +419,18 @@ class RolloutSchedule:
 
 def _teacher_state(slot: _Slot) -> dict[str, Any]:
     """A slot's teacher signal for a checkpoint; hidden states are left out, and the batch scored again on resume."""
-    if isinstance(slot.teacher_signal, (LMHeadInput, TeacherHiddenStates)):
+    if _holds_hidden_states(slot.teacher_signal):
         return {"teacher_signal": None, "teacher_started": False}
     return {"teacher_signal": _signal_to_state(slot.teacher_signal), "teacher_started": slot.teacher_started}
+
+
+def _holds_hidden_states(signal: TeacherSignal | None) -> bool:
+    """Whether ``signal``, or any teacher's part of it (routing, a mixture), is hidden states."""
+    if isinstance(signal, RoutedSignal):
+        return any(_holds_hidden_states(part.signal) for part in signal.parts)
+    if isinstance(signal, MixedSignal):
+        return any(_holds_hidden_states(member) for member in (signal.mixed, *signal.members))
+    return isinstance(signal, (LMHeadInput, TeacherHiddenStates))
 
 
 def _routes_full_vocab(request: TeacherRequest) -> bool:

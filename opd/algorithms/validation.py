@@ -60,7 +60,11 @@ class TeacherEngine:
     """A teacher that answers the validation prompts for the baselines (``validation.teacher_baseline``).
 
     Attributes:
-        generation: samples from the teacher.
+        generation: samples from the teacher where it runs: an HF engine over its model in
+            process, its server (:class:`~opd.models.teacher.remote_generation.RemoteGeneration`),
+            or a cluster's rollout workers holding its weights
+            (:class:`~opd.distributed.rollout.TeacherOnRolloutWorkers`); the baselines close
+            it once the teacher has answered.
         name: the teacher's name among several teachers (its metrics are ``val/teacher_<name>_*``);
             None for the one teacher (``val/teacher_*``).
         tokenizer: decodes and grades its answers: the run's, or a cross-tokenizer teacher's own.

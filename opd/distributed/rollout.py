@@ -16,11 +16,17 @@ engine (one per worker, in the worker's process).
   ``cluster.rollout.refit_transport`` (:mod:`opd.distributed.refit_transport`: Ray's
   object store, a broadcast group, or CUDA IPC), and returns the bytes moved, which the
   driver logs as ``refit/bytes`` and ``refit/bytes_delivered``.
+
+:class:`TeacherOnRolloutWorkers` lets the same workers answer with a teacher's weights
+instead (the validation baselines on a cluster, wherever the teacher itself runs): each
+worker loads the teacher into an HF engine of its own on first use, the prompts are dealt
+as for a rollout, and ``close`` frees the teacher's copy again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +49,7 @@ from opd.distributed.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.engines import GenerationConfig
+from opd.models.generation.hf_generation import HFGeneration
 from opd.models.interfaces import GenerationInterface, InProcessGenerationInterface, Pending, PolicyInterface
 from opd.models.loading import load_causal_lm, resolve_device, resolve_dtype
 from opd.utils.errors import WorkerError
@@ -82,6 +89,7 @@ class RolloutWorker:
     def __init__(self, rank: int, spec: RolloutSpec) -> None:
         torch.set_num_threads(spec.threads)
         self.rank = rank
+        self.spec = spec
         device = resolve_device(spec.loading.device)
         self.device = device
         model = load_causal_lm(spec.model_path, resolve_dtype(spec.loading.dtype, device), device, spec.loading)
@@ -93,6 +101,8 @@ class RolloutWorker:
             model, spec.tokenizer, spec.seed + rank, False
         )
         self._refit_group: Any = None
+        self.teacher_engines: dict[str, HFGeneration] = {}
+        """Teachers loaded for the validation baselines, by key (:meth:`load_teacher`)."""
 
     def engine_dtype(self) -> torch.dtype:
         """The dtype the engine holds its weights in: the trainer casts to it before sending."""
@@ -150,14 +160,42 @@ class RolloutWorker:
         num_samples: int,
         return_logprobs: bool,
         seed: int,
+        teacher: str | None = None,
     ) -> BatchedDataDict:
-        """Samples ``num_samples`` responses to each of ``prompts`` with the torch seed ``seed + rank``."""
+        """Samples ``num_samples`` responses to each of ``prompts`` with the torch seed ``seed + rank``.
+
+        ``teacher`` names a model loaded with :meth:`load_teacher` to sample from instead
+        of the student's engine.
+        """
         torch.manual_seed(seed + self.rank)
-        self.engine.prepare_for_generation()
+        engine = self.engine if teacher is None else self.teacher_engines[teacher]
+        engine.prepare_for_generation()
         try:
-            return self.engine.generate(prompts, strategy, num_samples, return_logprobs)
+            return engine.generate(prompts, strategy, num_samples, return_logprobs)
         finally:
-            self.engine.finish_generation()
+            engine.finish_generation()
+
+    def load_teacher(self, key: str, model_path: str, tokenizer: Any) -> None:
+        """Loads another model (a teacher) as ``key``, beside the student's engine, in an HF engine of its own.
+
+        It is loaded like the student (``spec.loading``) and decodes with the run's HF
+        loop, whatever the student's engine is: a vLLM engine keeps its memory for the
+        student. ``tokenizer`` is the teacher's (its pad and EOS ids).
+        """
+        if key in self.teacher_engines:
+            return
+        dtype = resolve_dtype(self.spec.loading.dtype, self.device)
+        model = load_causal_lm(model_path, dtype, self.device, self.spec.loading)
+        model.requires_grad_(False)
+        self.teacher_engines[key] = HFGeneration(model, tokenizer, self.spec.generation.decode_loop)
+
+    def free_teacher(self, key: str) -> None:
+        """Drops the teacher ``key`` and gives its memory back (nothing if it is not loaded)."""
+        if self.teacher_engines.pop(key, None) is None:
+            return
+        gc.collect()
+        if torch.cuda.is_available():  # the teacher's blocks go back to the device, not to torch's cache
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         """Frees the engine (a vLLM engine's scratch files and memory)."""
@@ -227,6 +265,19 @@ class RayGeneration(GenerationInterface):
         The sampling seed is drawn here, from the controller's torch generator, so a
         rollout depends on when it was asked for, not on when it is collected.
         """
+        return self.deal(prompts, strategy, num_samples, return_logprobs)
+
+    def deal(
+        self,
+        prompts: list[list[int]],
+        strategy: GenerateStrategyConfig,
+        num_samples: int,
+        return_logprobs: bool,
+        teacher: str | None = None,
+        pad_token_id: int | None = None,
+    ) -> Pending[BatchedDataDict]:
+        """:meth:`generate_async` from the student's engines, or from the teacher ``teacher`` the
+        workers loaded (:class:`TeacherOnRolloutWorkers`), whose rows are padded with ``pad_token_id``."""
         seed = int(torch.randint(_SEED_RANGE, (1,)))
         if self.offload_trainer is not None:
             self.offload_trainer.run_all("offload_to_host")
@@ -234,16 +285,19 @@ class RayGeneration(GenerationInterface):
         bounds = [len(prompts) * rank // count for rank in range(count + 1)]
         refs = [
             self.workers.actors[rank].generate.remote(
-                prompts[bounds[rank] : bounds[rank + 1]], strategy, num_samples, return_logprobs, seed
+                prompts[bounds[rank] : bounds[rank + 1]], strategy, num_samples, return_logprobs, seed, teacher
             )
             for rank in range(count)
         ]
-        return self.workers.pending(refs, self._concat, ranks=list(range(count)), what="generate")
+        pad = self.pad_token_id if pad_token_id is None else pad_token_id
+        return self.workers.pending(
+            refs, lambda parts: self._concat(parts, pad), ranks=list(range(count)), what="generate"
+        )
 
-    def _concat(self, parts: list[BatchedDataDict]) -> BatchedDataDict:
+    def _concat(self, parts: list[BatchedDataDict], pad_token_id: int) -> BatchedDataDict:
         if self.offload_trainer is not None:  # the engines are done with the GPUs
             self.offload_trainer.run_all("reload_to_device")
-        return BatchedDataDict.concat(parts, pad_values={"input_ids": self.pad_token_id})
+        return BatchedDataDict.concat(parts, pad_values={"input_ids": pad_token_id})
 
     def refit(self, policy: PolicyInterface) -> dict[str, float]:
         """Loads ``policy``'s current weights into every worker, in buckets of the engines' dtype.
@@ -268,3 +322,56 @@ class RayGeneration(GenerationInterface):
         with contextlib.suppress(WorkerError):
             self.workers.run_all("close")
         self.workers.kill()
+
+
+class TeacherOnRolloutWorkers(GenerationInterface):
+    """A teacher's answers, sampled by the rollout workers with the teacher's weights.
+
+    The validation baselines' engine on a cluster, for a teacher that runs in the run
+    (colocated with the trainer or in a pool of its own): the rollout workers each load the
+    teacher from ``model_path`` once, on the first :meth:`generate`
+    (:meth:`RolloutWorker.load_teacher`), answer as they answer for the student (prompts
+    dealt in blocks, one seed per call), and free it on :meth:`close`.
+
+    Args:
+        rollout: the run's rollout engine (its workers answer).
+        key: names the teacher in the workers (one per teacher of the run).
+        model_path: the teacher's weights, as the workers load them.
+        tokenizer: the teacher's tokenizer (pad and EOS ids).
+    """
+
+    def __init__(self, rollout: RayGeneration, key: str, model_path: str, tokenizer: Any) -> None:
+        self.rollout = rollout
+        self.key = key
+        self.model_path = model_path
+        self.tokenizer = tokenizer
+        self.loaded = False
+
+    def prepare_for_generation(self) -> None:
+        """Nothing to switch on: the workers load the teacher on the first call."""
+
+    def finish_generation(self) -> None:
+        """Nothing to release between calls: :meth:`close` frees the teacher."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        strategy: GenerateStrategyConfig,
+        num_samples: int = 1,
+        return_logprobs: bool = True,
+    ) -> BatchedDataDict:
+        """The teacher's samples, in prompt order (see ``GenerationInterface.generate``)."""
+        if not self.loaded:
+            self.rollout.workers.run_all("load_teacher", self.key, self.model_path, self.tokenizer)
+            self.loaded = True
+        pending = self.rollout.deal(
+            prompts, strategy, num_samples, return_logprobs, self.key, self.tokenizer.pad_token_id
+        )
+        return pending.result()
+
+    def close(self) -> None:
+        """Frees the teacher in every worker (a worker that died already is skipped)."""
+        if self.loaded:
+            self.loaded = False
+            with contextlib.suppress(WorkerError):
+                self.rollout.workers.run_all("free_teacher", self.key)

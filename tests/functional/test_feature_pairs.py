@@ -14,9 +14,9 @@ pair in a few runs, each of which sets one value on every axis:
 
 Every run ends its 2 steps with finite losses and a student whose weights moved, and a
 run with the validation baselines logs the teacher's baseline. Where a reference exists
-the run equals it (float32, 1e-5 relative): a cluster run equals the same run in one
-process; two routed teachers with every row routed to one equal that teacher alone; a
-teacher served over opd's protocol equals the same teacher in process.
+the run equals it (float32, 1e-5 relative; its baselines exactly): a cluster run equals
+the same run in one process; two routed teachers with every row routed to one equal that
+teacher alone; a teacher served over opd's protocol equals the same teacher in process.
 
 The specification's case at scale (split pools, HF rollout workers standing in for vLLM,
 one_step_off, packing, a pooled teacher with the exact loss, λ = 0.5) is one more cluster
@@ -187,9 +187,14 @@ def check_run(choice: fm.Choice, records: list[dict], output_dir: Path, initial:
     assert set(final) <= set(initial), "the final model's weights are not the student's"
     moved = [name for name, tensor in final.items() if not torch.equal(tensor, initial[name])]
     assert moved, "the student's weights did not change"
-    full = fm.complete(choice)
-    if full["baselines"] == "on" and full["cluster"] == "none":
-        assert any(key.startswith("val/teacher_") for record in records for key in record), "no teacher baseline"
+    if fm.complete(choice)["baselines"] == "on":
+        assert baselines_of(records), "no teacher baseline"
+
+
+def baselines_of(records: list[dict]) -> dict[str, float]:
+    """The validation baselines a run logged (``val/teacher_*``, ``val/baseline_*``)."""
+    prefixes = ("val/teacher_", "val/baseline_")
+    return {key: value for record in records for key, value in record.items() if key.startswith(prefixes)}
 
 
 def assert_same_steps(actual: list[dict], expected: list[dict], what: str) -> None:
@@ -268,9 +273,10 @@ def test_two_routed_teachers_with_every_row_on_one_equal_that_teacher_alone(runs
 def test_a_teacher_served_over_opds_protocol_equals_it_in_process(runs, resources, data, tmp_path):
     served = _first_with(runs["in_process"], "teacher", "served", {"teacher": "served"})
     local = {**served, "teacher": "local"}
-    actual = steps_of(train(served, resources, data, tmp_path / "served"))
-    expected = steps_of(train(local, resources, data, tmp_path / "local"))
-    assert_same_steps(actual, expected, fm.label(served))
+    actual = train(served, resources, data, tmp_path / "served")
+    expected = train(local, resources, data, tmp_path / "local")
+    assert_same_steps(steps_of(actual), steps_of(expected), fm.label(served))
+    assert baselines_of(actual) == baselines_of(expected), f"{fm.label(served)}: the baselines"
 
 
 # ------------------------------------------------------------------------------ on a Ray cluster
@@ -303,8 +309,9 @@ def on_cluster_and_in_process(choice, resources, data, initial, output_dir: Path
     in_process = {**choice, "cluster": "none"}
     problem = fm.refusal(in_process)
     assert problem is None, f"no in-process reference: {fm.first_line(problem or '')}"
-    expected = steps_of(train(in_process, resources, data, output_dir / "process"))
-    assert_same_steps(steps_of(records), expected, f"{fm.label(choice)} against one process")
+    expected = train(in_process, resources, data, output_dir / "process")
+    assert_same_steps(steps_of(records), steps_of(expected), f"{fm.label(choice)} against one process")
+    assert baselines_of(records) == baselines_of(expected), f"{fm.label(choice)}: the baselines against one process"
 
 
 @pytest.mark.slow

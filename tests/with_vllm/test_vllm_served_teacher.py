@@ -2,8 +2,10 @@
 
 vLLM's ``python -m vllm.entrypoints.openai.api_server`` serves the CPU demo's teacher
 (fp32); the client's top-k and token log-probs must equal the in-process teacher's within
-1e-4, and the loss built from them must equal the in-process loss. The server starts once
-for the module (about 30-40 s on the 2-core machine).
+1e-4, and the loss built from them must equal the in-process loss. Asked for answers over
+``/v1/completions`` (what the validation baselines do), it answers greedy with the
+in-process teacher's tokens. The server starts once for the module (about 30-40 s on the
+2-core machine).
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from opd.cli import main as opd_main  # noqa: E402
 from opd.data.batched_data_dict import BatchedDataDict  # noqa: E402
+from opd.models.generation.config import GenerateStrategyConfig  # noqa: E402
+from opd.models.generation.hf_generation import HFGeneration  # noqa: E402
+from opd.models.generation.stop_tokens import stop_token_ids  # noqa: E402
 from opd.models.teacher.local_teacher import LocalTeacher  # noqa: E402
+from opd.models.teacher.remote_generation import RemoteGeneration  # noqa: E402
 from opd.models.teacher.remote_teacher import RemoteTeacher  # noqa: E402
 from opd_test_helpers import REPO_ROOT, BackgroundProcess, served_and_in_process_losses  # noqa: E402
 
@@ -93,6 +99,26 @@ def batch_of(tokenizer, texts: list[str]) -> BatchedDataDict:
     for row, n in enumerate(lengths.tolist()):
         mask[row, 5:n] = 1.0
     return BatchedDataDict(input_ids=input_ids, input_lengths=lengths, token_mask=mask)
+
+
+def test_the_vllm_teacher_answers_the_validation_prompts_as_in_process(vllm_server, teacher_model, tokenizer):
+    # The demo's prompt, on which the teacher ends its answers with EOS.
+    template = (REPO_ROOT / "examples" / "prompts" / "math_think_answer.txt").read_text().replace("{{}}", "{}")
+    prompts = []
+    for problem in ("What is 585 + 445?", "What is 961 + 917?", "What is 12 + 30?"):
+        message = {"role": "user", "content": template.replace("{prompt}", problem)}
+        prompt = tokenizer.apply_chat_template([message], add_generation_prompt=True)
+        prompts.append(list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt))
+    strategy = GenerateStrategyConfig(max_length=96, decoding_method="greedy")
+    engine = RemoteGeneration(vllm_server, None, None, stop_token_ids(tokenizer), tokenizer.pad_token_id)
+    try:
+        served = engine.generate(prompts, strategy, return_logprobs=False)
+    finally:
+        engine.close()
+    local = HFGeneration(teacher_model, tokenizer).generate(prompts, strategy, return_logprobs=False)
+    for key in ("input_ids", "input_lengths", "prompt_lengths", "truncated"):
+        assert torch.equal(served[key], local[key]), key
+    assert not bool(served["truncated"].all())  # a response that ends at EOS keeps it, as in process
 
 
 def test_vllm_prompt_logprobs_equal_the_in_process_teacher(vllm_server, teacher_model, tokenizer):

@@ -130,6 +130,16 @@ class ScoringBatcher:
         self._wakeup.set()
         return await job.future
 
+    async def run_alone(self, work: Callable[[], Any]) -> Any:
+        """Runs ``work`` on the model thread, between two forward passes, and returns its result.
+
+        For what cannot share a padded pass (a generation request decodes many steps); the
+        one model thread keeps it from running alongside a scoring pass.
+        """
+        if self._stopping:
+            raise RuntimeError("the scoring batcher is not running")
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, work)
+
     def _take_batch(self) -> list[ScoringJob]:
         """The waiting jobs that fit in one pass's token budget, oldest first (at least one)."""
         batch = [self._waiting.popleft()]

@@ -9,6 +9,13 @@ Two protocols, one model:
   actual token and the top k; ``prompt_token_ids`` when ``"return_token_ids": true``),
   plus one field vLLM does not send, ``prompt_topk_rest_mass`` (the mass outside the top
   k, summed over the full distribution); ``POST /tokenize``; ``GET /v1/models``.
+  Without ``prompt_logprobs`` the same route generates, as vLLM's does: ``max_tokens``
+  new tokens per prompt (``n`` samples each), greedy at ``"temperature": 0``, else
+  sampled with ``top_k`` or ``top_p``, from the torch seed ``seed`` if given, stopping at
+  the model's EOS ids and ``stop_token_ids``; each choice's ``token_ids`` (with
+  ``"return_token_ids": true``) hold the response up to and including its stop token,
+  ``finish_reason`` is ``stop`` or ``length``. The validation baselines ask a served
+  teacher for its answers this way (:mod:`opd.models.teacher.remote_generation`).
 * **opd's binary protocol** (:mod:`opd.models.teacher.wire`): ``POST /opd/v1/score``
   answers top-k, token log-probs or final hidden states as flat tensors, only at the
   positions asked for; ``GET /opd/v1/info`` describes the output layer (shape, logit
@@ -52,6 +59,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.generation.hf_generation import HFGeneration
+from opd.models.generation.stop_tokens import stop_token_ids
 from opd.models.teacher import wire
 from opd.models.teacher.batching import ScoringBatcher, ScoringJob
 from opd.models.teacher.openai_protocol import REST_MASS_FIELD
@@ -80,6 +91,34 @@ class RequestError(Exception):
 def _is_token_list(value: Any) -> bool:
     # bool is an int subclass: True/False are not token ids.
     return isinstance(value, list) and all(isinstance(token, int) and not isinstance(token, bool) for token in value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _strategy(body: dict[str, Any], max_tokens: int) -> GenerateStrategyConfig:
+    """A generation request's decoding, read as vLLM reads it: temperature 0 is greedy,
+    ``top_k`` of 0 or -1 and ``top_p`` of 1 keep every token; one of the two may cut."""
+    temperature = body.get("temperature")
+    temperature = 1.0 if temperature is None else temperature
+    top_k = body.get("top_k")
+    top_k = 0 if top_k is None or top_k == -1 else top_k
+    top_p = body.get("top_p")
+    top_p = 1.0 if top_p is None else top_p
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise RequestError(HTTPStatus.BAD_REQUEST, "'temperature' must be a number >= 0")
+    if not _is_int(top_k) or top_k < 0 or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise RequestError(HTTPStatus.BAD_REQUEST, "'top_k' must be -1, 0 or positive and 'top_p' in (0, 1]")
+    if temperature == 0:
+        return GenerateStrategyConfig(max_length=max_tokens, decoding_method="greedy")
+    if top_k > 0 and top_p < 1:
+        raise RequestError(HTTPStatus.BAD_REQUEST, "this server samples with one of 'top_k' and 'top_p', not both")
+    if top_k > 0:
+        return GenerateStrategyConfig(
+            max_length=max_tokens, decoding_method="top_k", temperature=temperature, top_k=top_k
+        )
+    return GenerateStrategyConfig(max_length=max_tokens, decoding_method="top_p", temperature=temperature, top_p=top_p)
 
 
 class TeacherService:
@@ -217,8 +256,10 @@ class TeacherService:
         return prompts
 
     async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
-        """vLLM's ``/v1/completions`` with ``max_tokens: 1`` and ``prompt_logprobs``."""
+        """vLLM's ``/v1/completions``: scores with ``prompt_logprobs`` (and ``max_tokens: 1``), else generates."""
         self._check_model(body)
+        if body.get("prompt_logprobs") is None:
+            return await self._generate(body)
         if body.get("max_tokens", 16) != 1:
             raise RequestError(HTTPStatus.BAD_REQUEST, "this server only scores prompts: set 'max_tokens' to 1")
         k = self._check_k(body.get("prompt_logprobs"), "prompt_logprobs", 0)
@@ -252,6 +293,73 @@ class TeacherService:
             "model": self.model_name,
             "choices": choices,
             "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
+        }
+
+    async def _generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Answers the prompts with new tokens (the module docstring lists the fields), on the model thread."""
+        prompts = self._prompts(body)
+        max_tokens = body.get("max_tokens", 16)
+        if not _is_int(max_tokens) or not 1 <= max_tokens <= self.max_model_len:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"'max_tokens' must be an integer in [1, {self.max_model_len}]")
+        longest = max(len(prompt) for prompt in prompts)
+        if longest + max_tokens > self.max_model_len:
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                f"a prompt of {longest} tokens and 'max_tokens' {max_tokens} exceed max_model_len {self.max_model_len}",
+            )
+        samples = body.get("n", 1)
+        if not _is_int(samples) or samples < 1:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "'n' must be a positive integer")
+        if body.get("stop"):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "stop strings are not supported; send 'stop_token_ids'")
+        extra_stops = body.get("stop_token_ids") or []
+        if not _is_token_list(extra_stops):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "'stop_token_ids' must be a list of token ids")
+        seed = body.get("seed")
+        if seed is not None and not _is_int(seed):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "'seed' must be an integer")
+        strategy = _strategy(body, max_tokens)
+        model = self.scorer.model
+        stops = sorted({*stop_token_ids(self.tokenizer, model), *extra_stops})
+
+        def generate() -> BatchedDataDict:
+            if seed is not None:
+                torch.manual_seed(seed)
+            engine = HFGeneration(model, self.tokenizer, stop_ids=stops)
+            engine.prepare_for_generation()
+            try:
+                return engine.generate(prompts, strategy, samples, return_logprobs=False)
+            finally:
+                engine.finish_generation()
+
+        batch = await self.batcher.run_alone(generate)
+        choices = []
+        for row in range(batch.size):
+            start, length = int(batch["prompt_lengths"][row]), int(batch["response_lengths"][row])
+            response = batch["input_ids"][row, start : start + length].tolist()
+            choice: dict[str, Any] = {
+                "index": row,
+                "text": self.tokenizer.decode(response, skip_special_tokens=True),
+                "finish_reason": "length" if bool(batch["truncated"][row]) else "stop",
+                "logprobs": None,  # the generated tokens' log-probs are not sent
+            }
+            if body.get("return_token_ids"):
+                choice["prompt_token_ids"] = prompts[row // samples]
+                choice["token_ids"] = response
+            choices.append(choice)
+        prompt_tokens = sum(len(prompt) for prompt in prompts) * samples
+        completion_tokens = int(batch["response_lengths"].sum())
+        return {
+            "id": f"cmpl-opd-{time.time_ns()}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
         }
 
     def _position_json(self, entry: PositionLogprobs | None) -> dict[str, dict[str, Any]] | None:

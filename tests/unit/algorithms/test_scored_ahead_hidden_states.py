@@ -10,6 +10,7 @@ trainer cuts each micro-batch's rows out of them.
   weights, float32, 1e-5 relative), for the fused loss and for the loss over logits.
 * A checkpoint with such a batch in flight keeps no hidden states (``[B, L, D]`` per
   batch); the resumed schedule scores the batch again and hands over the same signal.
+  Routed teachers' hidden states, one part per teacher, are left out likewise.
 * Hidden states sent alone (:class:`~opd.models.interfaces.TeacherHiddenStates`, what a
   teacher pool sends) go through a teacher-only context like those sent with the head,
   and bind to the head where it is held; where none is, binding says so.
@@ -41,7 +42,7 @@ TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 TOLERANCE = 1e-5
 
 
-def two_step_off(tmp_path: Path, fused: bool) -> MasterConfig:
+def two_step_off(tmp_path: Path, fused: bool, *extra: str) -> MasterConfig:
     # Refused on main: "two_step_off scores the next batch ..., which the full-vocabulary teacher cannot".
     return load_config(MasterConfig, TINY_CONFIG, [
         *short_run_overrides(tmp_path), "checkpointing.enabled=false", "training.scheduler=two_step_off",
@@ -49,6 +50,7 @@ def two_step_off(tmp_path: Path, fused: bool) -> MasterConfig:
         "training.batch_size=4",
         "training.micro_batch_size=2", "training.warmup_steps=0", "distillation.num_samples_per_prompt=1",
         "distillation.generate_strategy.max_length=8", "distillation.generate_strategy.decoding_method=greedy",
+        *extra,
     ])
 
 
@@ -117,6 +119,20 @@ def test_a_checkpoint_keeps_no_hidden_states_and_the_resumed_schedule_scores_aga
     assert torch.equal(again.batch["input_ids"], expected.batch["input_ids"])
     assert isinstance(again.teacher_signal, LMHeadInput) and isinstance(expected.teacher_signal, LMHeadInput)
     torch.testing.assert_close(again.teacher_signal.hidden_states, expected.teacher_signal.hidden_states)
+    parts.close()
+
+
+def test_routed_teachers_hidden_states_are_left_out_of_a_checkpoint_too(tmp_path):
+    # Saving failed on an assertion: only a signal that was hidden states itself was left out.
+    config = two_step_off(tmp_path, True, "model.teacher_model_path=null", "teachers.mode=route",
+                          "teachers.route_key=task", "teachers.default=a",
+                          "teachers.members=[{name: a, model_path: 'tiny:teacher'}, {name: b, model_path: 'tiny:student-b'}]")
+    parts = setup(config)
+    schedule = schedule_of(parts, config)
+    schedule.next_batch(prompts_of(parts), 0)
+    state = schedule.state_dict()
+    assert [slot["teacher_signal"] for slot in state["slots"]] == [None, None]
+    assert not any(slot["teacher_started"] for slot in state["slots"])
     parts.close()
 
 

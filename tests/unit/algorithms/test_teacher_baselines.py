@@ -7,7 +7,10 @@
   prompts (``val/baseline_*_<name>``), equal to the one-teacher eval baseline on them.
 * A cross-tokenizer teacher samples in its own tokens from its own rendering of the
   prompts; with the student's tokenizer its baseline equals the plain teacher's.
-* What stays refused: a served member, and an early-stop target of "the teacher".
+* A served teacher answers from its server (``/v1/completions``, greedy): its baselines
+  equal the in-process teacher's, alone (with the eval baseline and a teacher-only
+  context too) and as a routed member beside an in-process one.
+* What stays refused: an early-stop target of "the teacher" with several teachers.
 
 The baselines are computed straight from the built components (no training step).
 """
@@ -18,11 +21,17 @@ import json
 from pathlib import Path
 
 import pytest
-from opd_test_helpers import short_run_overrides
+from opd_test_helpers import RunningServer, short_run_overrides
 
 from opd.algorithms.distillation import validation_baselines
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
+from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.teacher.remote_generation import RemoteGeneration, response_ids, sampling_fields
+from opd.models.teacher.remote_teacher import TeacherServiceError
+from opd.models.teacher.scoring import PromptScorer
+from opd.models.teacher.server import TeacherService
+from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 
@@ -110,10 +119,61 @@ def test_a_cross_tokenizer_teacher_answers_in_its_own_tokens(tmp_path, data):
     assert "val/teacher_accuracy" in plain and cross == plain
 
 
+@pytest.fixture(scope="module")
+def served_sub():
+    """``opd serve-teacher``'s app over the tiny ``student-b`` model, on 127.0.0.1."""
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model("student-b").eval()
+    running = RunningServer(TeacherService(PromptScorer(model, len(tokenizer)), tokenizer, "sub", 16, 512))
+    yield running
+    running.stop()
+
+
+def served(url: str, protocol: str) -> list[str]:
+    return ["teacher.backend=remote", f"teacher.remote.url={url}", f"teacher.remote.protocol={protocol}",
+            "teacher.remote.backoff_s=0.01", "loss_fn.type=topk", "loss_fn.k=4"]
+
+
+@pytest.mark.parametrize("protocol", ["openai", "opd"])
+def test_a_served_teacher_answers_as_the_same_teacher_in_process(tmp_path, data, served_sub, protocol):
+    asked = served_sub.service.requests["/v1/completions"]
+    on_server = baselines(tmp_path / "served", data, None, "model.teacher_model_path=tiny:student-b", *CONTEXT,
+                          *served(served_sub.url, protocol))
+    in_process = baselines(tmp_path / "local", data, None, "model.teacher_model_path=tiny:student-b", *CONTEXT,
+                           "loss_fn.type=topk", "loss_fn.k=4")
+    assert served_sub.service.requests["/v1/completions"] > asked  # the server answered
+    assert "val/teacher_accuracy" in on_server and "val/baseline_accuracy_gap" in on_server
+    assert on_server["val/teacher_mean_response_length"] > 0
+    assert on_server == in_process
+
+
+def test_a_served_member_answers_its_routed_prompts_as_in_process(tmp_path, data, served_sub):
+    members = ("teachers.members=[{name: add, model_path: 'tiny:teacher'}, {name: sub, backend: remote, "
+               f"remote: {{url: '{served_sub.url}', backoff_s: 0.01}}}}]")
+    with_server = baselines(tmp_path / "served", data, None, *ROUTE, members, "loss_fn.type=topk", "loss_fn.k=4")
+    in_process = baselines(tmp_path / "local", data, None, *ROUTE, "loss_fn.type=topk", "loss_fn.k=4")
+    assert "val/teacher_sub_accuracy" in with_server
+    assert with_server == in_process
+
+
+def test_the_served_engine_reads_the_ids_of_an_older_vllm_and_names_what_it_lacks():
+    # vLLM before return_token_ids names the sampled tokens as token_id:<id> in logprobs.tokens.
+    assert response_ids({"token_ids": [5, 7]}) == [5, 7]
+    assert response_ids({"logprobs": {"tokens": ["token_id:5", "token_id:7"]}}) == [5, 7]
+    with pytest.raises(TeacherServiceError, match="no token ids"):
+        response_ids({"text": "hi", "logprobs": None})
+    assert sampling_fields(GenerateStrategyConfig(decoding_method="greedy")) == {"temperature": 0.0}
+    assert sampling_fields(GenerateStrategyConfig(decoding_method="top_k", temperature=0.7, top_k=5)) == {
+        "temperature": 0.7, "top_k": 5, "top_p": 1.0}
+    assert sampling_fields(GenerateStrategyConfig(decoding_method="top_p", temperature=0.7, top_p=0.9)) == {
+        "temperature": 0.7, "top_k": -1, "top_p": 0.9}
+    engine = RemoteGeneration("http://127.0.0.1:1", "m", None, [2], 0)
+    with pytest.raises(ValueError, match="no sampler log-probs"):
+        engine.generate([[1, 2]], GenerateStrategyConfig())
+    engine.close()
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["teachers.members=[{name: add, model_path: 'tiny:teacher'}, {name: sub, backend: remote, "
-      "remote: {url: 'http://127.0.0.1:1', protocol: opd}, loss_fn: {type: topk}}]"],
-     "validation.teacher_baseline generates with each teacher in process, but sub is served"),
     (["training.early_stop={metric: val/accuracy, target: teacher}"], "several teachers have no one teacher value"),
 ])
 def test_what_stays_refused_names_why(tmp_path, data, overrides, message):

@@ -613,8 +613,6 @@ def test_distillation_with_the_served_teacher_equals_the_in_process_run(served, 
     (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=topk",
       "loss_fn.temperature=2.0"], "answers top-k at temperature 1"),
     (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=topk",
-      "validation.teacher_baseline=true"], "teacher_baseline"),
-    (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=topk",
       "teacher.remote.api_key_env=OPD_TEST_UNSET_KEY"], "OPD_TEST_UNSET_KEY"),
     (["model.teacher_model_path=null"], "model.teacher_model_path is required"),
 ])

@@ -5,6 +5,8 @@
 * ``/health`` and ``/metrics`` (requests, tokens, forward passes, queue depth);
 * bodies that are not UTF-8, nested too deeply, announce a negative length or none, and
   boolean token ids get a 4xx with a reason, and never hang the connection;
+* ``/v1/completions`` without ``prompt_logprobs`` generates: greedy answers are the
+  in-process engine's, a seed repeats a sampled answer, bad sampling fields get a 400;
 * a server process: ``--device-map auto`` loads a model directory, SIGTERM lets the
   request in flight finish before the process exits, a port in use is a one-line error.
 """
@@ -164,6 +166,39 @@ def test_malformed_bodies_get_a_4xx_with_a_reason(teacher_model, tokenizer, body
     assert 400 <= response.status_code < 500
     assert message in response.json()["error"]["message"]
     assert after.status_code == 200  # the next good request is answered
+
+
+def test_completions_without_prompt_logprobs_generate_as_the_engine_in_process(teacher_model, tokenizer):
+    from opd.models.generation.config import GenerateStrategyConfig
+    from opd.models.generation.hf_generation import HFGeneration
+
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 3?", "hi")]
+    running = RunningServer(TeacherService(PromptScorer(teacher_model, len(tokenizer)), tokenizer, "tiny", 16, 64))
+
+    def complete(**fields):
+        return httpx.post(f"{running.url}/v1/completions", json={"prompt": prompts, "return_token_ids": True, **fields})
+
+    try:
+        greedy = complete(max_tokens=6, temperature=0, n=2).json()["choices"]
+        sampled = [complete(max_tokens=6, temperature=1.0, top_k=5, seed=3).json()["choices"] for _ in range(2)]
+        refused = {message: complete(**fields) for fields, message in [
+            ({"max_tokens": 0}, "'max_tokens' must be an integer"),
+            ({"max_tokens": 60}, "exceed max_model_len 64"),
+            ({"temperature": 1.0, "top_k": 5, "top_p": 0.5}, "not both"),
+            ({"stop": ["\n"]}, "send 'stop_token_ids'"),
+        ]}
+    finally:
+        running.stop()
+    batch = HFGeneration(teacher_model, tokenizer).generate(
+        prompts, GenerateStrategyConfig(max_length=6, decoding_method="greedy"), 2, return_logprobs=False)
+    for row, choice in enumerate(greedy):
+        start, length = int(batch["prompt_lengths"][row]), int(batch["response_lengths"][row])
+        assert choice["index"] == row and choice["prompt_token_ids"] == prompts[row // 2]
+        assert choice["token_ids"] == batch["input_ids"][row, start : start + length].tolist()
+        assert choice["finish_reason"] == ("length" if batch["truncated"][row] else "stop")
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 2
+    for message, response in refused.items():
+        assert response.status_code == 400 and message in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("length_header, status", [(b"Content-Length: -5\r\n", b"400"), (b"", b"411")])
