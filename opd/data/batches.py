@@ -21,7 +21,7 @@ from opd.data.sequences import pack_sequences
 def build_fixed_data_batch(
     examples: list[PreparedExample], pad_token_id: int, mask_prompt_tokens: bool
 ) -> BatchedDataDict:
-    """Prompt + the dataset's assistant turn, one right-padded row per example.
+    """Prompt + the dataset's assistant turn (or recorded episode), one right-padded row per example.
 
     Raises:
         ValueError: if an example has no response (checked against the data at start-up).
@@ -36,6 +36,13 @@ def build_fixed_data_batch(
     )
     batch["response_lengths"] = batch["input_lengths"] - batch["prompt_lengths"]
     batch["truncated"] = torch.zeros(batch.size, dtype=torch.bool)
+    for row, example in enumerate(examples):
+        # A recorded episode: only the assistant's own turns carry loss (the tool results
+        # and the markup between turns are holes in the mask, as in a multi-turn rollout).
+        if "response_mask" in example:
+            start = len(example["prompt_ids"])
+            holes = torch.tensor(example["response_mask"], dtype=batch["token_mask"].dtype)
+            batch["token_mask"][row, start : start + len(holes)] *= holes
     attach_teacher_fields(batch, examples, 1)
     return batch
 

@@ -18,6 +18,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import NotRequired  # in typing from Python 3.11
 
 from opd.data.datasets import split_prompt_and_response
+from opd.data.episodes import encode_episode, split_at_first_assistant
 from opd.data.sequences import encode_prompt, encode_response
 from opd.data.teacher_choice import TeacherChoice
 from opd.data.teacher_context import TeacherContext
@@ -35,7 +36,9 @@ class PreparedExample(TypedDict):
     teacher(s) (:mod:`opd.data.teacher_choice`). With an environment (multi-turn
     rollouts), ``prompt_messages`` keeps the prompt's conversation, which the rollout
     renders with the environment's tools, and ``row`` what the environment reads (its
-    ``ground_truth``).
+    ``ground_truth``). A recorded episode (with an environment, a row that goes on after
+    its first assistant turn) has ``response_mask``: 1 on the response ids that are the
+    assistant's own (:mod:`opd.data.episodes`).
     """
 
     prompt_ids: list[int]
@@ -45,6 +48,7 @@ class PreparedExample(TypedDict):
     teacher_index: NotRequired[int]
     teacher_weights: NotRequired[list[float]]
     prompt_messages: NotRequired[list[dict]]
+    response_mask: NotRequired[list[int]]
 
 
 def prepare_examples(
@@ -65,8 +69,9 @@ def prepare_examples(
     With a ``teacher_choice`` (several teachers), each example also gets its teacher
     assignment. With a ``teacher_tokenizer`` (a teacher with its own tokenizer), the
     teacher's prompt is rendered and tokenized by it (with the context, if any). With
-    ``tools`` (an environment's), the prompt lists them and the example keeps its
-    ``prompt_messages`` for multi-turn rollouts.
+    ``tools`` (an environment's), the prompt lists them, ends before the first assistant
+    turn, and the example keeps its ``prompt_messages`` for multi-turn rollouts; what
+    follows is a recorded episode (its assistant turns learned, :mod:`opd.data.episodes`).
 
     Raises:
         DataError: if every prompt is over ``max_prompt_length``, or (naming the source
@@ -75,11 +80,22 @@ def prepare_examples(
     """
     prepared: list[PreparedExample] = []
     for index, example in enumerate(examples):
-        prompt_messages, response = split_prompt_and_response(example["messages"])
+        if tools is None:
+            prompt_messages, response = split_prompt_and_response(example["messages"])
+            episode = [response] if response else []
+        else:  # an episode starts at the first assistant turn: every later message is part of it
+            prompt_messages, episode = split_at_first_assistant(example["messages"])
         prompt_ids = encode_prompt(tokenizer, prompt_messages, tools)
         if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
             continue
-        response_ids = encode_response(tokenizer, prompt_messages, response) if response else None
+        response_mask: list[int] | None = None
+        if tools is None or not episode:
+            response_ids = encode_response(tokenizer, prompt_messages, episode[0]) if episode else None
+        else:
+            try:
+                response_ids, response_mask = encode_episode(tokenizer, prompt_messages, episode, tools)
+            except DataError as error:
+                raise DataError(f"{source}: example {index + 1}: {error}") from None
         ground_truth = example.get("ground_truth")
         item = PreparedExample(
             prompt_ids=prompt_ids,
@@ -88,6 +104,8 @@ def prepare_examples(
         )
         if tools is not None:
             item["prompt_messages"] = prompt_messages
+        if response_mask is not None:
+            item["response_mask"] = response_mask
         try:
             _add_teacher_fields(
                 item, example, prompt_messages, tokenizer, teacher_context, teacher_choice, teacher_tokenizer

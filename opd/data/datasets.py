@@ -185,6 +185,8 @@ def _validate_message(message: Any, where: str) -> dict[str, Any]:
         raise DataError(f'{where}: "role" must be one of {_quoted(VALID_ROLES)}, got {got}')
 
     content = message.get("content")
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        content = ""  # an assistant turn that only calls tools (the OpenAI format writes its content as null)
     if not isinstance(content, str):
         raise DataError(f'{where}: "content" must be a string, got {_type_name(content)}')
 

@@ -45,7 +45,14 @@ CHATML_TEMPLATE = (
     "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
     "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
     "{% else %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    # An assistant turn recorded with structured calls (fixed multi-turn data): written as Qwen2.5 writes them.
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": "{{ call[\'name\'] }}", "arguments": {{ call[\'arguments\'] | tojson }}}\n</tool_call>'
+    "{% endfor %}"
+    "<|im_end|>\n"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

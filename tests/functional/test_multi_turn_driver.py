@@ -154,3 +154,48 @@ def test_a_run_killed_with_episodes_in_flight_resumes_to_the_uninterrupted_run(t
     final = resumed.student_policy.model.state_dict()
     for name, tensor in reference.student_policy.model.state_dict().items():
         assert torch.equal(final[name], tensor), name
+
+
+def test_fixed_data_steps_train_on_recorded_episodes_with_the_assistant_turns_alone(tmp_path):
+    episode = [
+        {"role": "user", "content": "What is 6 * 7?"},
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "\\boxed{42}"},
+    ]
+    data = tmp_path / "episodes.jsonl"
+    data.write_text("".join(json.dumps({"messages": episode, "ground_truth": "42"}) + "\n" for _ in range(4)))
+    config = load_config(MasterConfig, TINY_CONFIG, [
+        *short_run_overrides(tmp_path),
+        f"data.train_path={data}",
+        "checkpointing.enabled=false",
+        "training.batch_size=2",
+        "training.micro_batch_size=null",
+        "training.warmup_steps=0",
+        "training.max_num_steps=2",
+        "distillation.lambda=0.0",  # every step draws the recorded episodes
+        "environment.max_turns=2",
+        "loss_fn.compile_kernels=false",
+        "data.max_prompt_length=1024",
+    ])
+    parts = setup(config)
+    scored = []
+    real_score = parts.teacher_policy.score
+
+    def recording_score(batch, request):
+        scored.append({key: batch[key].clone() for key in ("input_ids", "input_lengths", "prompt_lengths", "token_mask")})
+        return real_score(batch, request)
+
+    parts.teacher_policy.score = recording_score  # type: ignore[method-assign]
+    distillation_train(**parts.as_arguments())
+    tokenizer = parts.tokenizer
+    assert scored
+    for batch in scored:
+        for row in range(batch["input_ids"].shape[0]):
+            start, end = int(batch["prompt_lengths"][row]), int(batch["input_lengths"][row])
+            ids, mask = batch["input_ids"][row, start:end], batch["token_mask"][row, start:end]
+            learned = tokenizer.decode(ids[mask.bool()])
+            assert learned == CALL + "<|im_end|>" + "\\boxed{42}<|im_end|>"  # the two assistant turns, nothing else
+            assert "<tool_response>\n42\n</tool_response>" in tokenizer.decode(ids[~mask.bool()])
+    records = [json.loads(line) for line in (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [record["train/on_policy"] for record in records if "train/on_policy" in record] == [0.0, 0.0]
