@@ -40,13 +40,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.multi_turn import multi_turn_rollout
+from opd.algorithms.multi_turn import MultiTurnRollout, multi_turn_rollout
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import attach_teacher_fields, build_fixed_data_batch
 from opd.data.dataloaders import PreparedExample
@@ -117,7 +118,8 @@ class _Slot:
     examples: list[PreparedExample]
     on_policy: bool
     sampled_version: int | None
-    rollout: Pending[BatchedDataDict] | None = None  # running or done; None once collected
+    rollout: Pending[Any] | None = None  # running or done; None once collected
+    finish: Callable[[Any], BatchedDataDict] | None = None  # makes the collected rollout a training batch
     batch: BatchedDataDict | None = None  # the collected training batch
     teacher: Pending[TeacherSignal] | None = None
     teacher_signal: TeacherSignal | None = None
@@ -178,6 +180,9 @@ class RolloutSchedule:
         """What the weight syncs timed for the step being prepared moved (handed to its :class:`ScheduledBatch`)."""
         self.environment = build_environment(config.environment) if config.environment is not None else None
         """Multi-turn rollouts' environment (``environment:``), or None for one turn per rollout."""
+        self._episodes: ThreadPoolExecutor | None = None
+        """Runs multi-turn rollouts in the background (asynchronous schedules, engines in other processes)."""
+        self._episodes_in_flight: list[Future[Any]] = []
 
     @property
     def asynchronous(self) -> bool:
@@ -226,6 +231,11 @@ class RolloutSchedule:
         if not self.generation.needs_refit or self.rollout_version == version:
             return
         start = time.perf_counter()
+        # A multi-turn rollout still running samples each turn with the weights it started
+        # with: the engine is refit only once its episodes are done.
+        for episodes in self._episodes_in_flight:
+            episodes.result()
+        self._episodes_in_flight.clear()
         moved = self.generation.refit(self.policy)
         self.rollout_version = version
         if seconds is not None:
@@ -265,25 +275,49 @@ class RolloutSchedule:
             slot = _Slot(examples, True, version, batch=self._finish_rollout(rollout.result(), examples))
             seconds["generation"] = seconds.get("generation", 0.0) + time.perf_counter() - start
             return slot
-        return _Slot(examples, True, version, rollout=rollout)
+        return _Slot(examples, True, version, rollout=rollout, finish=lambda raw: self._finish_rollout(raw, examples))
 
     def _start_multi_turn(self, examples: list[PreparedExample], version: int, seconds: dict[str, float]) -> _Slot:
-        """Runs a multi-turn rollout now (:mod:`opd.algorithms.multi_turn`) and builds its training batch.
+        """Starts a multi-turn rollout (:mod:`opd.algorithms.multi_turn`); its batch is built when it is collected.
 
-        Every turn is a ``generate`` call, so any engine serves it; the rollout runs to the
-        end before the step goes on (under an asynchronous schedule too: its samples are
-        then as stale as the schedule says, but nothing overlaps).
+        Every turn is a ``generate`` call, so any engine serves it. Under an asynchronous
+        schedule with an engine in other processes (rollout workers), the whole episode
+        loop runs on a background thread while the student trains, as a single-turn
+        rollout does on the workers; the engine is not refit until it ends
+        (:meth:`sync_weights`). Otherwise it runs to its end now.
         """
-        environment, config = self.environment, self.config
-        assert environment is not None and config.environment is not None
-        distillation = config.distillation
+        assert self.environment is not None and self.config.environment is not None
         missing = [index for index, example in enumerate(examples) if "prompt_messages" not in example]
         if missing:
             raise ValueError("multi-turn rollouts need each example's prompt_messages (prepare_examples with tools)")
+        slot = _Slot(examples, True, version, finish=lambda raw: self._finish_multi_turn(raw, slot))
+        if self.asynchronous and self.generation.samples_elsewhere:
+            if self._episodes is None:
+                self._episodes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-episodes")
+            future = self._episodes.submit(self._run_episodes, examples)
+            self._episodes_in_flight.append(future)
+            slot.rollout = _FromThread(future)
+            return slot
         start = time.perf_counter()
+        rollout = self._run_episodes(examples)
+        slot.rollout = None
+        slot.batch = self._finish_multi_turn(rollout, slot)
+        rollout_seconds = time.perf_counter() - start
+        environment_seconds = slot.rollout_metrics.get("timing/environment", 0.0)
+        seconds["environment"] = seconds.get("environment", 0.0) + environment_seconds
+        seconds["generation"] = seconds.get("generation", 0.0) + rollout_seconds - environment_seconds
+        slot.rollout_metrics.pop("timing/environment", None)
+        self._start_teacher(slot)
+        return slot
+
+    def _run_episodes(self, examples: list[PreparedExample]) -> MultiTurnRollout:
+        """The episodes of ``examples``, turn by turn, with the engine switched on around them."""
+        environment, config = self.environment, self.config
+        assert environment is not None and config.environment is not None
+        distillation = config.distillation
         self.generation.prepare_for_generation()
         try:
-            rollout = multi_turn_rollout(
+            return multi_turn_rollout(
                 self.generation,
                 environment,
                 TurnTemplate(self.tokenizer, environment.tool_schemas()),
@@ -297,17 +331,15 @@ class RolloutSchedule:
             )
         finally:
             self.generation.finish_generation()
-        metrics = rollout.metrics()
-        environment_seconds = metrics.pop("timing/environment")
-        seconds["environment"] = seconds.get("environment", 0.0) + environment_seconds
-        seconds["generation"] = seconds.get("generation", 0.0) + time.perf_counter() - start - environment_seconds
+
+    def _finish_multi_turn(self, rollout: MultiTurnRollout, slot: _Slot) -> BatchedDataDict:
+        """A multi-turn rollout made a training batch (its own mask kept); its episode metrics go on the slot."""
+        slot.rollout_metrics = rollout.metrics()
         batch = rollout.batch
-        attach_teacher_fields(batch, examples, distillation.num_samples_per_prompt)
+        attach_teacher_fields(batch, slot.examples, self.config.distillation.num_samples_per_prompt)
         if self.loss_fn.needs_task_reward:
             batch["task_reward"] = torch.nan_to_num(rollout.rewards(), nan=0.0)
-        slot = _Slot(examples, True, version, batch=batch, rollout_metrics=metrics)
-        self._start_teacher(slot)
-        return slot
+        return batch
 
     def _collect(self, slot: _Slot, seconds: dict[str, float]) -> None:
         """Waits for a slot's rollout (timed as ``wait_prev_gen``) and starts its teacher."""
@@ -315,8 +347,12 @@ class RolloutSchedule:
             start = time.perf_counter()
             raw = slot.rollout.result()
             seconds["wait_prev_gen"] = seconds.get("wait_prev_gen", 0.0) + time.perf_counter() - start
-            slot.batch = self._finish_rollout(raw, slot.examples)
+            assert slot.finish is not None  # every started rollout has one
+            slot.batch = slot.finish(raw)
             slot.rollout = None
+            environment_seconds = slot.rollout_metrics.pop("timing/environment", None)
+            if environment_seconds is not None:  # spent in the background thread, beside the update
+                seconds["environment"] = seconds.get("environment", 0.0) + environment_seconds
         self._start_teacher(slot)
 
     def _start_teacher(self, slot: _Slot) -> None:
@@ -415,6 +451,17 @@ class RolloutSchedule:
             slot.teacher_started = saved["teacher_started"]
             slot.rollout_metrics = saved.get("rollout_metrics", {})
             self.queue.append(slot)
+
+
+class _FromThread(Pending[Any]):
+    """A result computed on a background thread (a multi-turn rollout running beside the update)."""
+
+    def __init__(self, future: Future[Any]) -> None:
+        self.future = future
+
+    def result(self) -> Any:
+        """Waits for the thread's result; raises what it raised."""
+        return self.future.result()
 
 
 def _teacher_state(slot: _Slot) -> dict[str, Any]:

@@ -219,6 +219,7 @@ class RayGeneration(GenerationInterface):
     """
 
     needs_refit = True
+    samples_elsewhere = True
 
     def __init__(
         self,

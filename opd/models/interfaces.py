@@ -529,9 +529,12 @@ class GenerationInterface(ABC):
     Attributes:
         needs_refit: the engine holds its own copy of the weights (vLLM), which goes
             stale after each optimizer step; False when it samples with the trained model.
+        samples_elsewhere: the engine samples in other processes (rollout workers), so a
+            caller's thread that waits on it leaves this process's cores to the trainer.
     """
 
     needs_refit: ClassVar[bool] = False
+    samples_elsewhere: ClassVar[bool] = False
 
     @abstractmethod
     def prepare_for_generation(self) -> None:

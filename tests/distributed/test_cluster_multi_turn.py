@@ -7,12 +7,15 @@ so its first turn of every episode is a calculator call (the controller's engine
 is wrapped, in both runs alike); the environment's answer is appended and the engine
 writes the second turn. 2 steps of the exact loss, greedy: the per-step loss, KL and
 gradient norm, the episode metrics and the final weights equal the in-process run's
-(float32, relative 1e-5).
+(float32, relative 1e-5), in sync and under one_step_off, where the cluster runs each
+step's episodes on a background thread while the student trains (the engine is refit
+only once they end) and one process runs them in turn.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import pytest
@@ -31,7 +34,7 @@ TOLERANCE = 1e-5
 COMPARED = ("train/loss", "train/kl_forward", "train/grad_norm", "env/turns", "env/tool_calls", "env/success_share")
 
 
-def run(tmp_path: Path, *cluster: str) -> list[dict]:
+def run(tmp_path: Path, *cluster: str) -> tuple[list[dict], dict, set[str]]:
     config = load_config(MasterConfig, TINY, [
         *short_run_overrides(tmp_path),
         "checkpointing.enabled=false",
@@ -49,25 +52,43 @@ def run(tmp_path: Path, *cluster: str) -> list[dict]:
         *cluster,
     ])
     parts = setup(config)
+    threads: set[str] = set()
     try:
-        first_turn_calls_the_tool(parts.student_generation, parts.tokenizer, CALL)
+        generation = parts.student_generation
+        first_turn_calls_the_tool(generation, parts.tokenizer, CALL)
+        forced = generation.generate
+
+        def recording(*args, **kwargs):
+            threads.add(threading.current_thread().name)
+            return forced(*args, **kwargs)
+
+        generation.generate = recording
         distillation_train(**parts.as_arguments())
     finally:
         parts.close()
     records = [record for record in read_metrics(Path(config.output_dir) / "logs") if "train/loss" in record]
     final = load_file(str(Path(config.output_dir) / "final_model" / "model.safetensors"))
-    return records, final
+    return records, final, threads
 
 
-@pytest.fixture(scope="module")
-def runs(ray_cluster, tmp_path_factory):
-    in_process = run(tmp_path_factory.mktemp("in_process"))
-    on_cluster = run(tmp_path_factory.mktemp("cluster"), "cluster.trainer.workers=2", "cluster.rollout.workers=1")
-    return in_process, on_cluster
+@pytest.fixture(scope="module", params=["sync", "one_step_off"])
+def runs(request, ray_cluster, tmp_path_factory):
+    scheduler = f"training.scheduler={request.param}"
+    in_process = run(tmp_path_factory.mktemp("in_process"), scheduler)
+    on_cluster = run(
+        tmp_path_factory.mktemp("cluster"),
+        scheduler,
+        "cluster.trainer.workers=2",
+        "cluster.rollout.workers=1",
+        *(["cluster.placement=split"] if request.param != "sync" else []),
+    )
+    return request.param, in_process, on_cluster
 
 
 def test_a_cluster_trains_on_multi_turn_rollouts_as_one_process_does(runs):
-    (expected, expected_weights), (actual, actual_weights) = runs
+    scheduler, (expected, expected_weights, _), (actual, actual_weights, threads) = runs
+    # one_step_off on the rollout workers: the episodes run beside the update, on a thread of their own.
+    assert threads == ({"opd-episodes_0"} if scheduler == "one_step_off" else {"MainThread"})
     assert [record["step"] for record in actual] == [record["step"] for record in expected] == [1, 2]
     for mine, reference in zip(actual, expected, strict=True):
         assert reference["env/turns"] == 2.0 and reference["env/tool_calls"] == 1.0  # a call, an answer, a turn
