@@ -610,7 +610,7 @@ def dry_run_rank(
         trainer = TrainerWorker(rank, world_size, spec)
         trainer.build(mesh, device)
         _adam_state_in_place(trainer)
-        teacher_model = trainer.teacher.model if trainer.teacher is not None else None
+        teacher_model = trainer.teacher_members[0].model if trainer.teacher_members else None
         teacher_bytes = _local_bytes(teacher_model.parameters()) if teacher_model is not None else 0
         tracker = FSDPMemTracker(trainer.model, trainer.optimizer)
         kinds = _tracked_kinds()
