@@ -137,12 +137,29 @@ ROUTED_KEYS = ["train/teacher/add/kl_forward", "train/teacher/sub/kl_forward"]
 
 
 def test_routed_teachers_in_the_trainer_workers_and_in_pools_give_the_loss_of_one_process(ray_cluster, tmp_path):
-    expected = run(teachers(tmp_path, "process", "route"))
+    # Validation at the end too: its exact KL compares each row with its own teacher, on the ranks.
+    write_task_data(tmp_path / "val.jsonl", 4)
+    validation = [f"data.val_path={tmp_path / 'val.jsonl'}", "validation.val_at_end=true",
+                  "validation.batch_size=4", "validation.generate_strategy.max_length=6"]
+    in_process = teachers(tmp_path, "process", "route", *validation)
+    expected = run(in_process)
     assert {record["train/teacher/add/token_share"] > 0 for record in expected[0]} == {True}  # both have rows
     # Both sharded over the two trainer ranks (each rank runs every member's forward, in order).
-    assert_same_run(run(teachers(tmp_path, "colocated", "route", *COLOCATED)), expected, ROUTED_KEYS)
+    colocated = teachers(tmp_path, "colocated", "route", *validation, *COLOCATED)
+    assert_same_run(run(colocated), expected, ROUTED_KEYS)
     # Each in a pool of its own: every trainer rank binds each member's hidden states to that member's head.
-    assert_same_run(run(teachers(tmp_path, "pools", "route", *POOLS)), expected, ROUTED_KEYS)
+    pools = teachers(tmp_path, "pools", "route", *validation, *POOLS)
+    assert_same_run(run(pools), expected, ROUTED_KEYS)
+    (reference,) = validation_records(in_process)
+    assert reference["val/kl_forward"] > 0
+    for config in (colocated, pools):
+        (validated,) = validation_records(config)
+        for key in ("val/kl_forward", "val/kl_reverse"):
+            assert math.isclose(validated[key], reference[key], rel_tol=TOLERANCE), (key, validated, reference)
+
+
+def validation_records(config: MasterConfig) -> list[dict]:
+    return [record for record in read_metrics(Path(config.output_dir) / "logs") if "val/kl_forward" in record]
 
 
 def test_a_mixture_with_a_served_member_in_the_trainer_workers_and_beside_a_pool_gives_the_loss_of_one_process(
@@ -206,7 +223,11 @@ def cross_tokenizer(tmp_path: Path, teacher: Path, name: str, *overrides: str) -
         MasterConfig,
         DEMO,
         [
-            *short_run_overrides(tmp_path, name),
+            f"output_dir={tmp_path / name}",
+            "data.val_path=null",
+            "validation.val_at_start=false",
+            "validation.val_at_end=false",
+            "logger.console=false",
             f"model.teacher_model_path={teacher}",
             "teacher.cross_tokenizer=true",
             "loss_fn.type=topk",

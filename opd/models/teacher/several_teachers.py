@@ -141,6 +141,17 @@ class _Combined(Pending[TeacherSignal]):
         return self.combine(answers, seconds)
 
 
+def waits_for_heads(signal: TeacherSignal) -> bool:
+    """Whether several teachers' answer holds a member's hidden states alone (:class:`TeacherHiddenStates`).
+
+    Such an answer can be combined only where those members' output layers are (a trainer
+    worker binds them): a routed part's hidden states, or a mixture not mixed yet.
+    """
+    if isinstance(signal, RoutedSignal):
+        return any(isinstance(part.signal, TeacherHiddenStates) for part in signal.parts)
+    return isinstance(signal, MixedSignal) and signal.mixed is None
+
+
 # --------------------------------------------------------------------------- routing
 
 
