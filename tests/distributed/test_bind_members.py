@@ -32,8 +32,10 @@ def hidden(rows: int, seed: int) -> torch.Tensor:
 
 def test_each_routed_part_is_bound_to_its_own_members_head():
     layers = heads()
-    parts = [RoutedPart(0, torch.tensor([1]), TeacherHiddenStates(hidden(1, 1))),
-             RoutedPart(1, torch.tensor([0, 2]), TeacherHiddenStates(hidden(2, 2)))]
+    parts = [
+        RoutedPart(0, torch.tensor([1]), TeacherHiddenStates(hidden(1, 1))),
+        RoutedPart(1, torch.tensor([0, 2]), TeacherHiddenStates(hidden(2, 2))),
+    ]
     bound = bind_members(RoutedSignal(parts, 3, {"a": 1.0}), layers, "rank 0")
     assert isinstance(bound, RoutedSignal) and bound.seconds == {"a": 1.0}
     for part, layer in zip(bound.parts, layers, strict=True):
@@ -79,11 +81,14 @@ class Recorder:
         return torch.zeros(1)
 
 
-@pytest.mark.parametrize(("asked", "expected"), [
-    ([1], [(0, "stand-in"), (1, "scored"), (2, "stand-in")]),
-    ([0, 2], [(0, "scored"), (1, "stand-in"), (2, "scored")]),
-    ([], [(0, "stand-in"), (1, "stand-in"), (2, "stand-in")]),
-])
+@pytest.mark.parametrize(
+    ("asked", "expected"),
+    [
+        ([1], [(0, "stand-in"), (1, "scored"), (2, "stand-in")]),
+        ([0, 2], [(0, "scored"), (1, "stand-in"), (2, "scored")]),
+        ([], [(0, "stand-in"), (1, "stand-in"), (2, "stand-in")]),
+    ],
+)
 def test_every_sharded_member_runs_one_forward_per_micro_batch_in_member_order(asked, expected):
     log: list[tuple[int, str]] = []
     members = [Recorder(position, log) for position in range(3)]

@@ -139,8 +139,12 @@ ROUTED_KEYS = ["train/teacher/add/kl_forward", "train/teacher/sub/kl_forward"]
 def test_routed_teachers_in_the_trainer_workers_and_in_pools_give_the_loss_of_one_process(ray_cluster, tmp_path):
     # Validation at the end too: its exact KL compares each row with its own teacher, on the ranks.
     write_task_data(tmp_path / "val.jsonl", 4)
-    validation = [f"data.val_path={tmp_path / 'val.jsonl'}", "validation.val_at_end=true",
-                  "validation.batch_size=4", "validation.generate_strategy.max_length=6"]
+    validation = [
+        f"data.val_path={tmp_path / 'val.jsonl'}",
+        "validation.val_at_end=true",
+        "validation.batch_size=4",
+        "validation.generate_strategy.max_length=6",
+    ]
     in_process = teachers(tmp_path, "process", "route", *validation)
     expected = run(in_process)
     assert {record["train/teacher/add/token_share"] > 0 for record in expected[0]} == {True}  # both have rows
