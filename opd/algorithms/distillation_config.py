@@ -325,12 +325,6 @@ def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
         )
     if config.model.teacher_model_path is None:
         return "teacher.cross_tokenizer reads the teacher's tokenizer from model.teacher_model_path; set it"
-    cluster = config.cluster
-    if cluster is not None and not config.teacher.served and not cluster.teacher.in_pool:
-        return (
-            "teacher.cross_tokenizer with cluster.teacher.placement = colocated: the trainer workers score the "
-            "student's own tokens; set cluster.teacher.placement = pool (or serve the teacher)"
-        )
     return None
 
 
@@ -352,13 +346,6 @@ def _one_teacher_problem(
     """Whether one teacher, where it runs, can answer the signal its objective (``keys.loss``) asks for."""
     loss = keys.objective
     request = loss.teacher_request(None)
-    in_pool = config.cluster is not None and config.cluster.teacher.in_pool
-    if not source.served and in_pool and config.teachers is not None and isinstance(request, FullVocabRequest):
-        return (
-            f"{keys.loss}.type = {loss.type} needs the teacher's full vocabulary, which a teacher pool sends as "
-            "hidden states that the trainer workers bind to the output layer of one teacher only, not of each of "
-            f"several; use {keys.loss}.type = topk or sampled_token"
-        )
     backend = source.teacher_backend
     problem = backend.problem(source, model_path, keys.backend.removesuffix(".backend"))
     if problem is None and backend.served:
@@ -391,12 +378,6 @@ def _several_teachers_problem(config: MasterConfig) -> str | None:
             "training.early_stop.target = teacher: several teachers have no one teacher value (the baseline reports "
             "val/teacher_<name>_* for each); give a number as the target"
         )
-    in_process = [member.name for member in config.teachers.members if not member.served]
-    if config.cluster is not None and in_process and not config.cluster.teacher.in_pool:
-        return (
-            f"several teachers on a cluster run each in a teacher pool of its own ({', '.join(in_process)}); "
-            "set cluster.teacher.placement = pool (or serve them)"
-        )
     losses = config.teacher_losses()
     for index, member in enumerate(config.teachers.members):
         where = f"teachers.members[{index}]"
@@ -426,11 +407,6 @@ def _served_full_vocab_problem(
         return (
             f"{loss} with a served teacher applies the teacher's output layer here: set {keys.model_path} "
             "to the served model's directory (only its output layer is read)"
-        )
-    if config.cluster is not None and config.teachers is not None:
-        return (
-            f"{loss} with a served member of several teachers on a cluster: its hidden states would reach trainer "
-            "workers that bind the output layer of one teacher only, not of each of several; use topk for it"
         )
     return None
 

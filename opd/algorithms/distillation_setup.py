@@ -13,6 +13,7 @@ The result is a :class:`DistillationComponents`, whose fields are exactly the ar
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -425,6 +426,28 @@ def build_several_teachers(
     return TeacherMixture(names, members, getattr(config.loss_fn, "temperature", 1.0))
 
 
+def assemble_teacher(
+    config: MasterConfig, tokenizer: Any, teacher_tokenizer: Any | None, loaded: list[TeacherInterface]
+) -> TeacherInterface:
+    """The run's teacher around teachers loaded elsewhere: what each trainer worker scores with.
+
+    ``loaded`` are the teachers a cluster colocates in its trainer workers, as loaded there
+    (sharded or whole), in the order of :func:`_cluster_teacher_paths`: the one teacher,
+    or each local member of ``teachers:``. They are put behind the same routing or mixture,
+    teacher-only context and cross-tokenizer mapping as the in-process teacher
+    (:func:`build_several_teachers`, :func:`build_teacher`). A served member is connected
+    from where this runs, and binds its own output layer there.
+    """
+    if config.teachers is None:
+        (teacher,) = loaded
+    else:
+        local = [member.name for member in config.teachers.members if not member.served]
+        # As in one process: a served member's client binds its hidden states to its head where it runs.
+        here = config.model_copy(update={"cluster": None})
+        teacher = build_several_teachers(here, tokenizer, dict(zip(local, loaded, strict=True)))
+    return build_teacher(config, tokenizer, teacher, teacher_tokenizer)
+
+
 def member_teacher_path(config: MasterConfig, member: TeacherMemberConfig) -> str:
     """A local member's model path (``student``: the student's starting point)."""
     assert member.model_path is not None  # checked with the config
@@ -618,6 +641,10 @@ def build_on_cluster(
     The workers load the student's starting weights; a resumed run then loads its shards
     (``restore_run``). For the validation baselines, a teacher of the run answers from the
     rollout workers, which load its weights for that once (:func:`teacher_engines`).
+
+    Teachers colocated in the trainer workers (one, several, or one with another
+    tokenizer) are loaded there, and each worker builds the run's teacher around them with
+    :func:`assemble_teacher`, the builder of the in-process path.
     """
     # Imported here: Ray is an optional extra that the in-process path never needs.
     from opd.distributed.setup import ClusterRequest, build_cluster_backends
@@ -651,8 +678,9 @@ def build_on_cluster(
         generation=config.generation,
         seed=config.training.seed,
         checkpoint_dir=config.checkpointing.checkpoint_dir if config.checkpointing.enabled else None,
-        teacher_head_path=_teacher_head_path(config, remote_teacher),
         lora=config.model.active_lora(),
+        teacher_assembly=functools.partial(assemble_teacher, config, tokenizer, teacher_tokenizer_of(config)),
+        teacher_head_paths=_teacher_head_paths(config, remote_teacher),
     )
     policy, on_cluster, generation = build_cluster_backends(config.cluster, request)
     try:
@@ -694,20 +722,29 @@ def _baseline_engines_on_cluster(
     return teacher_engines(config, tokenizer, teacher_tokenizer_of(config), on_rollout_workers)
 
 
-def _teacher_head_path(config: MasterConfig, remote_teacher: TeacherInterface | None) -> str | None:
-    """The model whose output layer the trainer workers load, or None.
+def _teacher_head_paths(config: MasterConfig, remote_teacher: TeacherInterface | None) -> tuple[str | None, ...]:
+    """The models whose output layers the trainer workers load, by teacher position (empty: none).
 
-    One teacher that runs apart from the trainer (a pool, or served) answers a
-    full-vocabulary loss with its final hidden states alone; each trainer worker binds
-    them to its own copy of the teacher's output layer (read once from this model).
-    A colocated teacher needs none: its head is in the workers already.
+    A teacher that runs apart from the trainer (a pool, or served) answers a
+    full-vocabulary objective with its final hidden states alone; each trainer worker
+    binds them to its own copy of that teacher's output layer (read once from this
+    model). With several teachers, each such member has its own (routing binds each
+    member's rows to it; a mixture binds each member, then mixes). A teacher colocated in
+    the workers needs none: its head is there already.
     """
     assert config.cluster is not None
-    if config.teachers is not None or not isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
-        return None
-    if remote_teacher is None and not config.cluster.teacher.in_pool:
-        return None
-    return resolve_teacher_path(config)
+    in_pool = config.cluster.teacher.in_pool
+    if config.teachers is None:
+        apart = remote_teacher is not None or in_pool
+        if apart and isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
+            return (resolve_teacher_path(config),)
+        return ()
+    heads: list[str | None] = []
+    for member, (_, loss) in zip(config.teachers.members, config.teacher_losses(), strict=True):
+        full_vocab = isinstance(loss.teacher_request(None), FullVocabRequest)
+        apart = member.served or in_pool
+        heads.append(member_teacher_path(config, member) if full_vocab and apart else None)
+    return tuple(heads) if any(head is not None for head in heads) else ()
 
 
 def _cluster_teacher_paths(config: MasterConfig, remote_teacher: TeacherInterface | None) -> dict[str, str]:

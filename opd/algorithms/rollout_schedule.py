@@ -465,8 +465,13 @@ class _FromThread(Pending[Any]):
 
 
 def _teacher_state(slot: _Slot) -> dict[str, Any]:
-    """A slot's teacher signal for a checkpoint; hidden states are left out, and the batch scored again on resume."""
-    if _holds_hidden_states(slot.teacher_signal):
+    """A slot's teacher signal for a checkpoint; hidden states are left out, and the batch scored again on resume.
+
+    A mixture of members that sent hidden states alone (mixed where their heads are) is left out too.
+    """
+    signal = slot.teacher_signal
+    unmixed = isinstance(signal, MixedSignal) and signal.mixed is None
+    if _holds_hidden_states(signal) or unmixed:
         return {"teacher_signal": None, "teacher_started": False}
     return {"teacher_signal": _signal_to_state(slot.teacher_signal), "teacher_started": slot.teacher_started}
 

@@ -38,6 +38,7 @@ from opd.models.interfaces import (
     TopKRequest,
 )
 from opd.models.lm_head import LMHeadInput, default_chunk_rows
+from opd.models.teacher.several_teachers import waits_for_heads
 from opd.utils.config import StrictConfig
 
 log = logging.getLogger(__name__)
@@ -299,7 +300,13 @@ def _teacher_rows(
     return answer[:, :-1].to(device)[mask][..., :vocab_size]
 
 
-def _one_answer(teacher: TeacherInterface, request: TeacherRequest, data: BatchedDataDict) -> SingleTeacherSignal:
-    """The teacher's answer for a micro-batch; several teachers' as one (each row's teacher, or the mixture)."""
+def _one_answer(teacher: TeacherInterface, request: TeacherRequest, data: BatchedDataDict) -> TeacherSignal:
+    """The teacher's answer for a micro-batch; several teachers' as one (each row's teacher, or the mixture).
+
+    Several teachers' hidden states alone stay apart: they are combined where each member's
+    output layer is (a trainer worker binds them; :class:`ValidationKL` combines them there).
+    """
     answer = teacher.score(data, request)
-    return answer.combined() if isinstance(answer, SeveralTeachersSignal) else answer
+    if isinstance(answer, SeveralTeachersSignal) and not waits_for_heads(answer):
+        return answer.combined()
+    return answer

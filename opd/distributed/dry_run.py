@@ -755,10 +755,10 @@ def dry_run_rank(
         # The teacher's weights on this rank: a colocated copy, or the output layer that binds
         # the hidden states of a teacher apart.
         teacher_tensors: list[torch.Tensor] = []
-        if trainer.teacher is not None:
-            teacher_tensors = list(trainer.teacher.model.parameters())
-        elif trainer.teacher_head is not None:
-            head = trainer.teacher_head
+        if trainer.teacher_members:
+            teacher_tensors = list(trainer.teacher_members[0].model.parameters())
+        elif trainer.teacher_heads and trainer.teacher_heads[0] is not None:
+            head = trainer.teacher_heads[0]
             teacher_tensors = [head.weight] + ([head.bias] if head.bias is not None else [])
         teacher_bytes = _local_bytes(teacher_tensors)
         tracker = FSDPMemTracker(trainer.model, trainer.optimizer)

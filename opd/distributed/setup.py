@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -64,8 +65,8 @@ class ClusterRequest:
     Attributes:
         student_path: the student's starting weights.
         teacher_paths: the teachers the cluster runs, by role name (``teacher``, or
-            ``teacher <name>`` for one of several): one colocated in the trainer workers,
-            or one or more, each in a pool of its own; empty when every teacher is served.
+            ``teacher <name>`` for one of several): all colocated in the trainer workers,
+            or each in a pool of its own; empty when every teacher is served.
         loading: dtype and loading options.
         optimizer: AdamW and schedule settings.
         total_steps: optimizer steps planned.
@@ -82,6 +83,13 @@ class ClusterRequest:
             teacher) sends for a full-vocabulary loss; None when no such signal comes.
         lora: the student's LoRA settings (``model.lora``), or None to train every weight;
             the rollout workers get the merged weights.
+        teacher_assembly: builds the teacher the trainer workers score with from their
+            colocated teachers, as loaded in ``teacher_paths`` order (the run's own teacher
+            builder: see ``TrainerSpec.teacher_assembly``); None: the one teacher as it is.
+        teacher_head_paths: with several teachers running apart (pools, served), each one's
+            model whose output layer every trainer rank loads, by position in
+            ``teachers.members`` (None: that member sends no hidden states); replaces
+            ``teacher_head_path``.
 
     Paths are made absolute here, in the controller (:mod:`opd.utils.paths`): a worker
     never resolves one against its own working directory.
@@ -101,6 +109,8 @@ class ClusterRequest:
     checkpoint_dir: str | None = None
     teacher_head_path: str | None = None
     lora: LoraConfig | None = None
+    teacher_assembly: Callable[[list[TeacherInterface]], TeacherInterface] | None = None
+    teacher_head_paths: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
         # Frozen: the absolute forms are set once, as the fields' own values.
@@ -111,6 +121,12 @@ class ClusterRequest:
             object.__setattr__(self, "checkpoint_dir", str(absolute_dir(self.checkpoint_dir)))
         if self.teacher_head_path is not None:
             object.__setattr__(self, "teacher_head_path", absolute_model_path(self.teacher_head_path))
+        heads = tuple(None if path is None else absolute_model_path(path) for path in self.teacher_head_paths)
+        object.__setattr__(self, "teacher_head_paths", heads)
+
+    def heads(self) -> tuple[str | None, ...]:
+        """Each teacher's output layer for the trainer ranks to load, by member position (one teacher: 0)."""
+        return self.teacher_head_paths or ((self.teacher_head_path,) if self.teacher_head_path is not None else ())
 
 
 def build_cluster_backends(
@@ -123,12 +139,11 @@ def build_cluster_backends(
         request: what the run needs.
 
     Returns:
-        The student, one teacher per entry of ``request.teacher_paths``, in order (colocated in the trainer
-        workers, or each in its own pool of ``cluster.teacher.workers``; served teachers
-        are the caller's) and the rollout engine.
+        The student, one teacher per entry of ``request.teacher_paths``, in order (a facade of
+        each teacher colocated in the trainer workers, or each in its own pool of
+        ``cluster.teacher.workers``; served teachers are the caller's) and the rollout engine.
 
     Raises:
-        ValueError: for several teachers colocated in the trainer workers.
         ConfigError: a torch older than :data:`TORCH_FLOOR`, or colocated roles with more workers than
             the trainer has bundles (both before Ray starts); a pool the cluster cannot place.
         WorkerError: a worker failed or did not start within ``cluster.start_timeout_s``.
@@ -136,10 +151,6 @@ def build_cluster_backends(
     check_torch_version()
     paths = list(request.teacher_paths.values())
     colocated_teacher = bool(paths) and not cluster.teacher.in_pool
-    if colocated_teacher and len(paths) > 1:
-        raise ValueError(
-            "several teachers on a cluster run in pools of their own; set cluster.teacher.placement = pool"
-        )
     per_pool = cluster.teacher.workers
     teacher_workers = 0 if colocated_teacher else per_pool * len(paths)
     check_colocated_sharing(cluster, cluster.rollout.workers, teacher_workers)
@@ -168,15 +179,16 @@ def build_cluster_backends(
         if request.checkpoint_dir is not None:  # before any step: a run that could not resume stops now
             check_shared_directory(trainer, Path(request.checkpoint_dir))
         teachers: list[TeacherInterface] = []
-        if colocated_teacher:
-            teachers.append(ColocatedTeacher(trainer))
+        if colocated_teacher:  # the workers hold them all; the controller gets a facade of each
+            teachers.extend(ColocatedTeacher(trainer, member) for member in range(len(paths)))
         else:
             for index, (role, path) in enumerate(request.teacher_paths.items()):
                 slots = pools.teacher[index * per_pool : (index + 1) * per_pool]
                 teacher_pool = _start_teacher_pool(cluster, request, role, path, slots)
                 groups.append(teacher_pool)
-                # Its hidden states can be bound in the trainer workers when they hold its output layer.
-                binds = request.teacher_head_path is not None and len(paths) == 1
+                # Its hidden states can be bound in the trainer workers: they hold the output layer of
+                # every teacher that runs apart when the loss takes the full vocabulary.
+                binds = any(path is not None for path in request.heads())
                 shards, with_vllm = cluster.teacher.shards_per_replica, cluster.teacher.scores_with_vllm
                 teachers.append(TeacherPool(teacher_pool, shards, binds, with_vllm))
         rollout = _start_rollout(cluster, request, pools.rollout)
@@ -188,7 +200,7 @@ def build_cluster_backends(
         "cluster: %d trainer workers (%s), %s, %d rollout workers, %s placement",
         cluster.trainer.workers,
         cluster.resolved_backend(),
-        "teacher colocated"
+        f"{len(paths)} teacher(s) colocated"
         if colocated_teacher
         else f"{len(paths)} teacher pool(s) of {per_pool} ({cluster.teacher.shards_per_replica} per replica)"
         if paths
@@ -231,10 +243,11 @@ def _worker_environment(cluster: ClusterConfig) -> dict[str, str]:
 def _start_trainer(
     cluster: ClusterConfig, request: ClusterRequest, slots: list[Slot], colocated_teacher: bool
 ) -> WorkerGroup:
-    """The FSDP2 trainer ranks (with the teacher, when it is colocated), in their process group."""
+    """The FSDP2 trainer ranks (with the teachers, when they are colocated), in their process group."""
+    paths = tuple(request.teacher_paths.values()) if colocated_teacher else ()
     spec = TrainerSpec(
         student_path=request.student_path,
-        teacher_path=next(iter(request.teacher_paths.values())) if colocated_teacher else None,
+        teacher_path=paths[0] if len(paths) == 1 else None,
         loading=request.loading,
         optimizer=request.optimizer,
         total_steps=request.total_steps,
@@ -247,9 +260,11 @@ def _start_trainer(
         teacher_sharded=cluster.teacher.sharded,
         shard_group_size=cluster.trainer.shard_group_size,
         activation_checkpointing=cluster.trainer.activation_checkpointing,
-        teacher_head_path=None if colocated_teacher else request.teacher_head_path,
         lora=request.lora,
         seed=request.seed,
+        teacher_paths=paths if len(paths) > 1 else (),
+        teacher_assembly=request.teacher_assembly if colocated_teacher else None,
+        teacher_head_paths=() if colocated_teacher else request.heads(),
     )
     world_size = cluster.trainer.workers
     bounds = _bounds(cluster, "trainer")

@@ -1,10 +1,10 @@
 """The teacher on a Ray cluster: in the trainer workers (colocated) or as a pool of its own.
 
-* :class:`ColocatedTeacher`: the frozen teacher lives, sharded, in every trainer worker
-  (:class:`~opd.distributed.trainer_worker.TrainerWorker`). During training the workers
-  score each micro-batch themselves, so the exact full-vocabulary loss works as in one
-  process; this facade answers the driver's other questions (validation metrics) by
-  running the same workers.
+* :class:`ColocatedTeacher`: the frozen teacher (or each of several) lives, sharded, in
+  every trainer worker (:class:`~opd.distributed.trainer_worker.TrainerWorker`). During
+  training the workers score each micro-batch themselves, so the exact full-vocabulary
+  loss works as in one process; this facade of one of them answers the driver's other
+  questions by running the same workers.
 * :class:`TeacherPool`: ``cluster.teacher.workers`` workers of their own
   (:class:`TeacherWorker`), sharing the rows of each request. A replica is one worker
   with the whole model, or (``cluster.teacher.shards_per_replica: n``) ``n`` workers that
@@ -75,11 +75,14 @@ class ColocatedTeacher(TeacherInterface):
     top-k and token log-probs only.
 
     Args:
-        workers: the trainer workers, built with a teacher.
+        workers: the trainer workers, built with their teachers.
+        member: which of the workers' colocated teachers this is (its position in
+            ``teachers.members``; 0 for the one teacher).
     """
 
-    def __init__(self, workers: WorkerGroup) -> None:
+    def __init__(self, workers: WorkerGroup, member: int = 0) -> None:
         self.workers = workers
+        self.member = member
 
     @classmethod
     def unsupported_reason(cls, request: TeacherRequest) -> str | None:
@@ -101,7 +104,8 @@ class ColocatedTeacher(TeacherInterface):
                 "scores with it there (train, compare_with_teacher); ask for top-k or token log-probs to send"
             )
         blocks, counts = contiguous_blocks(data, self.workers.size)
-        return _concat(self.workers.run_all("teacher_score", request, per_rank=[(b,) for b in blocks]), counts)
+        per_rank = [(block, self.member) for block in blocks]
+        return _concat(self.workers.run_all("teacher_score", request, per_rank=per_rank), counts)
 
 
 class TeacherWorker:

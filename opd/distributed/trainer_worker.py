@@ -8,13 +8,18 @@ all-reduce before the optimizer step, so they all skip a non-finite step togethe
 A colocated teacher is a frozen copy sharded the same way (no gradients, no optimizer),
 or with ``cluster.teacher.sharded: false`` a whole copy in every rank: it scores each
 micro-batch right where the student's hidden states are, so the exact full-vocabulary
-loss needs nothing to cross a process boundary.
+loss needs nothing to cross a process boundary. Several colocated teachers (``teachers:``)
+are each loaded so; the run's builder (``TrainerSpec.teacher_assembly``) puts them behind
+the teacher the run scores with (routing or mixture, a teacher-only context, another
+tokenizer's mapping), as it does in one process.
 
 A teacher that runs apart (a pool, a served teacher) sends its full-vocabulary answer as
 final hidden states alone (:class:`~opd.models.interfaces.TeacherHiddenStates`): every
-rank loads that teacher's output layer once (``TrainerSpec.teacher_head_path``) and binds
+rank loads that teacher's output layer once (``TrainerSpec.teacher_head_paths``) and binds
 the hidden states it receives to it, so the fused loss makes the teacher's logits chunk by
-chunk, as with a colocated teacher.
+chunk, as with a colocated teacher. With several such teachers every rank holds each one's
+layer and binds each member's hidden states to its own (a routed part to its member's; a
+mixture's members each to theirs, then mixed here).
 
 A LoRA student (``model.lora``) is wrapped with peft before it is sharded: the frozen
 base weights are sharded like any others, only the adapters are in the optimizer, and
@@ -25,11 +30,12 @@ names, as the in-process LoRA student gives it (:mod:`opd.models.policy.lora`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +85,7 @@ from opd.models.policy.optimization import (
 )
 from opd.models.teacher.context_teacher import ContextTeacher
 from opd.models.teacher.local_teacher import LocalTeacher
+from opd.models.teacher.several_teachers import MixedSignal, RoutedSignal
 from opd.utils.memory import release_cached_memory
 
 SHARDS_DIR = "policy_shards"
@@ -92,11 +99,12 @@ WHOLE_WEIGHTS_BUCKET_BYTES = 256 * 1024 * 1024
 
 @dataclass(frozen=True)
 class TrainerSpec:
-    """What every trainer rank builds: the student, its optimizer, and (colocated) the teacher.
+    """What every trainer rank builds: the student, its optimizer, and (colocated) the teachers.
 
     Attributes:
         student_path: the student's starting weights (hub name, directory or ``tiny:``).
-        teacher_path: a colocated teacher's weights; None when the teacher runs elsewhere.
+        teacher_path: a colocated teacher's weights; None when the teacher runs elsewhere
+            (or when ``teacher_paths`` names several).
         loading: dtype and loading options of both models.
         optimizer: AdamW and schedule settings.
         total_steps: optimizer steps planned (for decaying schedules).
@@ -118,6 +126,16 @@ class TrainerSpec:
             trains every weight.
         seed: the run's seed, which draws a LoRA student's starting adapter (as the
             in-process student draws it).
+        teacher_paths: several colocated teachers' weights, in ``teachers.members`` order
+            (instead of ``teacher_path``).
+        teacher_assembly: builds the teacher the ranks score with from the colocated
+            teachers as loaded (in order): the run's own teacher builder, so that routing,
+            a mixture, a teacher-only context or another tokenizer wrap them as in one
+            process. None: the one colocated teacher as it is, under each row's
+            teacher-only context when the rows carry one.
+        teacher_head_paths: with several teachers running apart, each one's model whose
+            output layer every rank loads (by position in ``teachers.members``; None for a
+            member that sends no hidden states), instead of ``teacher_head_path``.
     """
 
     student_path: str
@@ -135,6 +153,19 @@ class TrainerSpec:
     teacher_head_path: str | None = None
     lora: LoraConfig | None = None
     seed: int = 0
+    teacher_paths: tuple[str, ...] = ()
+    teacher_assembly: Callable[[list[TeacherInterface]], TeacherInterface] | None = None
+    teacher_head_paths: tuple[str | None, ...] = ()
+
+    def colocated_teachers(self) -> tuple[str, ...]:
+        """The weights of every colocated teacher, in order (none when the teachers run elsewhere)."""
+        if self.teacher_paths:
+            return self.teacher_paths
+        return () if self.teacher_path is None else (self.teacher_path,)
+
+    def heads(self) -> tuple[str | None, ...]:
+        """Each teacher's output layer to load, by member position (one teacher: position 0)."""
+        return self.teacher_head_paths or ((self.teacher_head_path,) if self.teacher_head_path is not None else ())
 
 
 class ShardedTeacher(LocalTeacher):
@@ -146,6 +177,92 @@ class ShardedTeacher(LocalTeacher):
 
     def final_hidden_states(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return getattr(self.model, HIDDEN_STATES_METHOD)(**inputs)
+
+
+def bind_members(signal: TeacherSignal, heads: Sequence[OutputLayer | None], holder: str) -> TeacherSignal:
+    """A teacher's answer with every member's hidden states bound to that member's output layer.
+
+    One teacher's answer is bound to ``heads[0]``. A routed answer's parts are each bound
+    to the head of the member they came from. A mixture whose members sent hidden states
+    is mixed here, once each member's are bound (:meth:`MixedSignal.mix_bound`).
+
+    Args:
+        signal: the answer as received, on this process's device.
+        heads: each member's output layer by position (None where none was loaded).
+        holder: who should hold a missing layer, for the error.
+    """
+
+    def head(member: int) -> OutputLayer | None:
+        return heads[member] if member < len(heads) else None
+
+    if isinstance(signal, RoutedSignal):
+        parts = [
+            dataclasses.replace(part, signal=bind_teacher_head(part.signal, head(part.teacher), holder))
+            for part in signal.parts
+        ]
+        return dataclasses.replace(signal, parts=parts)
+    if isinstance(signal, MixedSignal):
+        members = [bind_teacher_head(answer, head(index), holder) for index, answer in enumerate(signal.members)]
+        return signal.mix_bound(members)
+    return bind_teacher_head(signal, head(0), holder)
+
+
+class Lockstep:
+    """Keeps the ranks' sharded colocated teachers in step: one forward each per micro-batch, in member order.
+
+    A sharded teacher's forward gathers its weights from every rank, so every rank must
+    run the same teachers' forwards in the same order. Routing scores only the members
+    that have rows in a rank's micro-batch: a member this rank has no rows for runs a
+    one-token forward in its turn instead, whose answer is dropped.
+
+    Args:
+        members: the colocated teachers, in member order.
+        device: where their inputs go.
+    """
+
+    def __init__(self, members: Sequence[LocalTeacher], device: torch.device) -> None:
+        self.members, self.device = list(members), device
+        self.done = 0  # members that ran in this micro-batch's turn
+
+    def turn(self, member: int) -> None:
+        """Member ``member`` is about to score: the members before it that did not run theirs stand-in forwards."""
+        self._run_until(member)
+        self.done = max(self.done, member + 1)
+
+    def finish(self) -> None:
+        """The micro-batch is scored: the members after the last that scored run their stand-in forwards."""
+        self._run_until(len(self.members))
+        self.done = 0
+
+    def _run_until(self, end: int) -> None:
+        stand_in = {"input_ids": torch.zeros((1, 1), dtype=torch.long, device=self.device)}
+        with torch.no_grad():
+            for member in self.members[self.done : end]:
+                member.final_hidden_states(stand_in)
+        self.done = max(self.done, end)
+
+
+class InTurn(TeacherInterface):
+    """A sharded colocated teacher that takes its turn (:class:`Lockstep`) before it scores.
+
+    Args:
+        teacher: the teacher.
+        position: its place in member order.
+        lockstep: the turns of the worker's colocated teachers.
+    """
+
+    def __init__(self, teacher: LocalTeacher, position: int, lockstep: Lockstep) -> None:
+        self.teacher, self.position, self.lockstep = teacher, position, lockstep
+
+    @classmethod
+    def unsupported_reason(cls, request: TeacherRequest) -> str | None:
+        """As the wrapped in-process teacher's."""
+        return LocalTeacher.unsupported_reason(request)
+
+    def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
+        """The teacher's answer, after the stand-in forwards of the members before it."""
+        self.lockstep.turn(self.position)
+        return self.teacher.score(data, request)
 
 
 def release_gathered_root(model: Any) -> None:
@@ -223,25 +340,42 @@ class TrainerWorker(RefitSender):
         self.model.train()
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_scheduler(self.optimizer, spec.optimizer, spec.total_steps)
-        self.teacher: LocalTeacher | None = None
-        if spec.teacher_path is not None:
-            if spec.teacher_sharded:
-                teacher_model = load_sharded(
-                    spec.teacher_path, dtype, self.device, spec.loading, lambda model: shard_model(model, mesh)
-                )
-                teacher_model.requires_grad_(False)
-                self.teacher = ShardedTeacher(teacher_model)
-            else:  # a whole copy scores as the in-process teacher does, with no collective at all
-                teacher_model = load_causal_lm(spec.teacher_path, dtype, self.device, spec.loading)
-                teacher_model.requires_grad_(False)
-                self.teacher = LocalTeacher(teacher_model)
-        # The output layer of a teacher that runs apart, loaded once: its hidden states are bound to it here.
-        self.teacher_head: OutputLayer | None = None
-        if spec.teacher_head_path is not None:
-            self.teacher_head = load_output_layer(
-                spec.teacher_head_path, dtype, self.device, spec.loading.trust_remote_code
-            )
+        # Each colocated teacher's model (frozen), and the teacher the ranks score with around them.
+        self.teacher_members = [self._load_teacher(path, mesh, dtype) for path in spec.colocated_teachers()]
+        self.teacher: TeacherInterface | None = None
+        # Several sharded teachers run their forwards in step over the ranks (routing skips some).
+        self.lockstep: Lockstep | None = None
+        if spec.teacher_sharded and len(self.teacher_members) > 1:
+            self.lockstep = Lockstep(self.teacher_members, self.device)
+        if self.teacher_members:
+            loaded: list[TeacherInterface] = list(self.teacher_members)
+            if self.lockstep is not None:
+                loaded = [InTurn(member, index, self.lockstep) for index, member in enumerate(self.teacher_members)]
+            assembly = spec.teacher_assembly
+            self.teacher = assembly(loaded) if assembly is not None else loaded[0]
+        # The output layers of teachers that run apart, loaded once: their hidden states are bound to them here.
+        self.teacher_heads: list[OutputLayer | None] = [
+            None if path is None else load_output_layer(path, dtype, self.device, spec.loading.trust_remote_code)
+            for path in spec.heads()
+        ]
         release_cached_memory(self.device)
+
+    def _load_teacher(self, path: str, mesh: DeviceMesh, dtype: torch.dtype) -> LocalTeacher:
+        """One frozen colocated teacher: sharded over ``mesh``, or (``teacher_sharded`` off) whole."""
+        spec = self.spec
+        if spec.teacher_sharded:
+            model = load_sharded(path, dtype, self.device, spec.loading, lambda whole: shard_model(whole, mesh))
+            model.requires_grad_(False)
+            return ShardedTeacher(model)
+        # A whole copy scores as the in-process teacher does, with no collective at all.
+        model = load_causal_lm(path, dtype, self.device, spec.loading)
+        model.requires_grad_(False)
+        return LocalTeacher(model)
+
+    def _release_teachers(self) -> None:
+        """Frees what the colocated teachers' forwards left gathered (see :func:`release_gathered_root`)."""
+        for member in self.teacher_members:
+            release_gathered_root(member.model)
 
     # ------------------------------------------------------------------ sharing the device
 
@@ -270,7 +404,7 @@ class TrainerWorker(RefitSender):
             for value in state.values()
             if isinstance(value, torch.Tensor) and value.dim() > 0
         }
-        teacher = set() if self.teacher is None else {str(p.device) for p in self.teacher.model.parameters()}
+        teacher = {str(p.device) for member in self.teacher_members for p in member.model.parameters()}
         return {"optimizer": sorted(optimizer), "teacher": sorted(teacher)}
 
     def _move_optimizer_state(self, device: torch.device) -> int:
@@ -286,10 +420,10 @@ class TrainerWorker(RefitSender):
         return moved
 
     def _move_teacher(self, device: torch.device) -> int:
-        if self.teacher is None:
-            return 0
-        moved = sum(p.numel() * p.element_size() for p in self.teacher.model.parameters() if p.device != device)
-        torch.nn.Module.to(self.teacher.model, device)  # FSDP2 moves each shard; a whole copy moves whole
+        moved = 0
+        for member in self.teacher_members:
+            moved += sum(p.numel() * p.element_size() for p in member.model.parameters() if p.device != device)
+            torch.nn.Module.to(member.model, device)  # FSDP2 moves each shard; a whole copy moves whole
         return moved
 
     def pid(self) -> int:
@@ -349,9 +483,9 @@ class TrainerWorker(RefitSender):
         totals = accumulate_gradients(
             micro_batches, self.device, self._forward, loss_fn, teacher_answer, global_valid_tokens, global_valid_seqs
         )
-        if isinstance(self.teacher, ShardedTeacher) and teacher_signals is None:
+        if teacher_signals is None:
             # Kept gathered over the micro-batches (one all-gather per step), freed for what comes next.
-            release_gathered_root(self.teacher.model)
+            self._release_teachers()
         totals = self._sum_over_ranks(totals)
         parameters = [param for param in self.model.parameters() if param.requires_grad]
         totals = apply_gradients(parameters, self.optimizer, self.scheduler, self.spec.optimizer.max_grad_norm, totals)
@@ -384,26 +518,40 @@ class TrainerWorker(RefitSender):
         return reduced
 
     def _received(self, signal: TeacherSignal) -> TeacherSignal:
-        """A teacher's answer sent by the controller, on this rank's device (hidden states bound to the head)."""
-        return bind_teacher_head(signal_to_device(signal, self.device), self.teacher_head, f"trainer rank {self.rank}")
+        """A teacher's answer sent by the controller, on this rank's device (hidden states bound to their heads).
+
+        One teacher's hidden states are bound to the head of position 0; several teachers'
+        each to their own member's (:func:`bind_members`).
+        """
+        return bind_members(signal_to_device(signal, self.device), self.teacher_heads, f"trainer rank {self.rank}")
 
     def _score_colocated(self, micro_batch: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
-        """The colocated teacher's answer for a micro-batch, under each row's teacher-only context if it has one.
+        """The colocated teachers' answer for a micro-batch, as the run's teacher gives it in one process.
 
-        Context distillation (``distillation.teacher_context``): the rows carry
-        ``teacher_prompt_ids``, and the teacher scores each completion after its own prompt
-        (:class:`~opd.models.teacher.context_teacher.ContextTeacher`), as in one process.
+        With ``TrainerSpec.teacher_assembly`` the assembled teacher answers (several
+        teachers, a teacher-only context, another tokenizer: as built in one process).
+        Without one, the one teacher answers, under each row's teacher-only context when
+        the rows carry ``teacher_prompt_ids``
+        (:class:`~opd.models.teacher.context_teacher.ContextTeacher`).
         """
-        teacher: TeacherInterface = self._colocated_teacher()
-        if "teacher_prompt_ids" in micro_batch:
-            # Its padding is never attended (rows carry their lengths) and carries no loss: any id serves.
-            teacher = ContextTeacher(teacher, pad_token_id=0)
-        return teacher.score(micro_batch, request)
-
-    def _colocated_teacher(self) -> LocalTeacher:
         if self.teacher is None:
             raise RuntimeError("this trainer has no colocated teacher; the controller must send teacher signals")
-        return self.teacher
+        teacher = self.teacher
+        if self.spec.teacher_assembly is None and "teacher_prompt_ids" in micro_batch:
+            # Its padding is never attended (rows carry their lengths) and carries no loss: any id serves.
+            teacher = ContextTeacher(teacher, pad_token_id=0)
+        answer = teacher.score(micro_batch, request)
+        if self.lockstep is not None:
+            self.lockstep.finish()
+        return answer
+
+    def _colocated_member(self, member: int) -> LocalTeacher:
+        if not 0 <= member < len(self.teacher_members):
+            raise RuntimeError(
+                f"this trainer holds {len(self.teacher_members)} colocated teacher(s), not one at position {member}; "
+                "the controller must send teacher signals"
+            )
+        return self.teacher_members[member]
 
     # ------------------------------------------------------------------ inference
 
@@ -435,21 +583,23 @@ class TrainerWorker(RefitSender):
                 accumulate_metrics(totals, comparison(student, teacher_output, micro_batch))
                 del teacher_output, student, hidden
                 release_gathered_root(self.model)
-                if self.teacher is not None:
-                    release_gathered_root(self.teacher.model)
+                self._release_teachers()
         return totals
 
-    def teacher_score(self, request: TeacherRequest, data: BatchedDataDict) -> TeacherSignal:
-        """The colocated teacher's top-k or token log-probs for this rank's rows.
+    def teacher_score(self, request: TeacherRequest, data: BatchedDataDict, member: int = 0) -> TeacherSignal:
+        """One colocated teacher's (``member``: its position) top-k or token log-probs for this rank's rows.
 
-        A full-vocabulary answer is refused: it stays in the worker (``train`` and
-        ``compare_with_teacher`` use it there), since ``[B, L, V]`` floats must not be sent.
+        The teacher as loaded, without the run's wrappers: the controller's facade of it is
+        wrapped as in one process. A full-vocabulary answer is refused: it stays in the
+        worker (``train`` and ``compare_with_teacher`` use it there), since ``[B, L, V]``
+        floats must not be sent.
         """
         if isinstance(request, FullVocabRequest):
             raise ValueError("the colocated teacher's full vocabulary is used in the worker, never sent")
+        teacher = self._colocated_member(member)
         with torch.no_grad():
-            signal = self._colocated_teacher().score(data, request)
-        release_gathered_root(self._colocated_teacher().model)
+            signal = teacher.score(data, request)
+        release_gathered_root(teacher.model)
         return signal_to_device(signal, torch.device("cpu"))
 
     # ------------------------------------------------------------------ weights out

@@ -5,8 +5,9 @@
   workers give the per-step losses and per-teacher KLs of one process.
 * A teacher with another tokenizer in a pool: the driver re-tokenizes and maps its
   answers as in process, and the per-step losses are those of one process.
-* The config names what the cluster does not run: several teachers colocated in the
-  trainer workers, a cross-tokenizer teacher colocated, a full-vocabulary member in a pool.
+* Several teachers and a cross-tokenizer teacher colocated in the trainer workers, and the
+  full-vocabulary loss with several teachers running apart, are in
+  ``test_trainer_worker_teachers.py``.
 
 One Ray cluster serves the module; every worker runs one thread (two shared cores).
 """
@@ -26,7 +27,6 @@ from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
 from opd.models.tiny import build_model_for_tokenizer, train_bpe_tokenizer
 from opd.utils.config import load_config
-from opd.utils.errors import ConfigError
 from opd.utils.plotting import read_metrics
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
@@ -122,19 +122,3 @@ def test_a_teacher_with_another_tokenizer_in_a_pool_matches_one_process(ray_clus
     on_cluster = run(cross_tokenizer(tmp_path, other_tokenizer_teacher, "cluster", *ON_CLUSTER))
     assert_same_steps(on_cluster, in_process, ["train/loss", "train/kl_forward", "train/grad_norm"])
     assert all(record["train/loss"] > 0 for record in on_cluster)
-
-
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["cluster.teacher.placement=colocated"],
-     r"several teachers on a cluster run each in a teacher pool of its own \(add, sub\)"),
-    (["teachers.members=[{name: add, model_path: 'tiny:teacher', loss_fn: {type: full_vocab}}]"],
-     r"teachers.members\[0\].loss_fn.type = full_vocab needs the teacher's full vocabulary, which a teacher pool"),
-])
-def test_what_the_cluster_does_not_run_with_several_teachers_is_named(tmp_path, overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        two_teachers(tmp_path, "refused", *ON_CLUSTER, *overrides)
-
-
-def test_a_cross_tokenizer_teacher_colocated_in_the_trainers_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="teacher.cross_tokenizer with cluster.teacher.placement = colocated"):
-        cross_tokenizer(tmp_path, DEMO_TEACHER, "refused", *ON_CLUSTER, "cluster.teacher.placement=colocated")

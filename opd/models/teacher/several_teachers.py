@@ -141,6 +141,17 @@ class _Combined(Pending[TeacherSignal]):
         return self.combine(answers, seconds)
 
 
+def waits_for_heads(signal: TeacherSignal) -> bool:
+    """Whether several teachers' answer holds a member's hidden states alone (:class:`TeacherHiddenStates`).
+
+    Such an answer can be combined only where those members' output layers are (a trainer
+    worker binds them): a routed part's hidden states, or a mixture not mixed yet.
+    """
+    if isinstance(signal, RoutedSignal):
+        return any(isinstance(part.signal, TeacherHiddenStates) for part in signal.parts)
+    return isinstance(signal, MixedSignal) and signal.mixed is None
+
+
 # --------------------------------------------------------------------------- routing
 
 
@@ -385,26 +396,50 @@ class MixedSignal(SeveralTeachersSignal):
     """A mixture of teachers' answers, and each member's own answer.
 
     Attributes:
-        mixed: the mixture, in the form of the signal asked for.
-        members: each member's answer (dense: logits, top-k or token log-probs).
+        mixed: the mixture, in the form of the signal asked for; None while members in
+            other processes sent hidden states alone (:class:`TeacherHiddenStates`): the
+            mixture is made where their output layers are (:meth:`mix_bound`).
+        members: each member's answer (dense: logits, top-k or token log-probs; or hidden
+            states alone, until bound).
         weights: ``[B, members]`` each row's weight of each member (rows sum to 1); in a packed
             row ``[1, T, members]``, each token's.
         seconds: each member's scoring time, by name.
+        temperature: the loss temperature a full-vocabulary mixture is taken at.
     """
 
-    mixed: SingleTeacherSignal
+    mixed: SingleTeacherSignal | None
     members: list[SingleTeacherSignal]
     weights: torch.Tensor
     seconds: dict[str, float] = field(default_factory=dict)
+    temperature: float = 1.0
 
     def combined(self) -> SingleTeacherSignal:
-        """The mixture."""
+        """The mixture.
+
+        Raises:
+            ValueError: the members sent hidden states that were not bound to their heads yet.
+        """
+        if self.mixed is None:
+            raise ValueError("the mixture's members sent hidden states: bind them to their output layers first")
         return self.mixed
+
+    def mix_bound(self, members: Sequence[TeacherSignal]) -> MixedSignal:
+        """This mixture with ``members`` (its members' answers, hidden states bound to their heads), mixed.
+
+        A mixture made already keeps its mixture; one that waited for the heads is made
+        now, as :class:`TeacherMixture` makes it in one process (:func:`mix_logits`).
+        """
+        if self.mixed is not None:
+            return self
+        dense = [_as_dense(member) for member in members]
+        mixed = mix_logits(_tensors(dense), self.weights, self.temperature)
+        return MixedSignal(mixed, dense, self.weights, dict(self.seconds), self.temperature)
 
     def to(self, device: torch.device) -> MixedSignal:
         """The mixture, every member's answer and the weights on ``device``."""
         members = [_single_to(member, device) for member in self.members]
-        return MixedSignal(_single_to(self.mixed, device), members, self.weights.to(device), dict(self.seconds))
+        mixed = None if self.mixed is None else _single_to(self.mixed, device)
+        return MixedSignal(mixed, members, self.weights.to(device), dict(self.seconds), self.temperature)
 
     def select_rows(self, rows: torch.Tensor, width: int) -> MixedSignal:
         """The mixture, each member's answer and the weights of rows ``rows``, cut to ``width`` positions.
@@ -412,7 +447,8 @@ class MixedSignal(SeveralTeachersSignal):
         The members' scoring times stay with the whole batch's answer: the selection carries none.
         """
         members = [_signal_rows(member, rows, width) for member in self.members]
-        return MixedSignal(_signal_rows(self.mixed, rows, width), members, self.weights[rows.to(self.weights.device)])
+        mixed = None if self.mixed is None else _signal_rows(self.mixed, rows, width)
+        return MixedSignal(mixed, members, self.weights[rows.to(self.weights.device)], temperature=self.temperature)
 
     def pack(self, lengths: list[int]) -> MixedSignal:
         """The mixture and each member's answer packed like the rows; the weights become per token."""
@@ -421,9 +457,9 @@ class MixedSignal(SeveralTeachersSignal):
             return pack_rows(tensor, lengths)
 
         members = [_map_single(member, packed) for member in self.members]
-        return MixedSignal(
-            _map_single(self.mixed, packed), members, _weights_per_token(self.weights, lengths), dict(self.seconds)
-        )
+        mixed = None if self.mixed is None else _map_single(self.mixed, packed)
+        weights = _weights_per_token(self.weights, lengths)
+        return MixedSignal(mixed, members, weights, dict(self.seconds), self.temperature)
 
 
 class TeacherMixture(TeacherInterface):
@@ -503,13 +539,16 @@ class TeacherMixture(TeacherInterface):
         """The members' answers mixed with the rows' weights."""
         answers = [_as_dense(signal) for signal in signals]
         mixed: SingleTeacherSignal
+        if isinstance(request, FullVocabRequest) and any(isinstance(answer, TeacherHiddenStates) for answer in answers):
+            # Members in other processes sent hidden states alone: mixed where their heads are (mix_bound).
+            return MixedSignal(None, answers, weights, seconds, self.temperature)
         if isinstance(request, FullVocabRequest):
             mixed = mix_logits(_tensors(answers), weights, self.temperature)
         elif isinstance(request, TopKRequest):
             mixed = mix_topk(_pairs(answers), weights, request.k)
         else:
             mixed = mix_token_logprobs(_tensors(answers), weights)
-        return MixedSignal(mixed, answers, weights, seconds)
+        return MixedSignal(mixed, answers, weights, seconds, self.temperature)
 
     def close(self) -> None:
         """Closes every member."""
