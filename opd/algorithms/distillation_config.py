@@ -23,10 +23,7 @@ from pydantic import Field, model_validator
 from opd.algorithms.loss_config import (
     FullVocabLossConfig,
     FusedHeadSettings,
-    HybridFullVocabLossConfig,
     LossFnConfig,
-    SampledTokenLossConfig,
-    TopKLossConfig,
 )
 from opd.algorithms.off_policy import OffPolicyCorrectionConfig
 from opd.algorithms.training_loop import RunConfig, TrainingLoopConfig
@@ -108,6 +105,10 @@ class DistillationConfig(StrictConfig):
         )
 
 
+DEPTHS_SCORED_AHEAD = {"sync": False, "one_step_off": False, "two_step_off": True}
+"""Whether each ``training.scheduler`` scores the next batch while the student trains."""
+
+
 class TrainingConfig(TrainingLoopConfig):
     """Loop, batch and optimizer settings (the specification's §4.3 keys)."""
 
@@ -133,6 +134,29 @@ class TrainingConfig(TrainingLoopConfig):
     def correction_is_on(self) -> bool:
         """Whether stale samples are weighted (``off_policy_correction.enabled``; auto = asynchronous)."""
         return self.off_policy_correction.is_on(self.asynchronous)
+
+    def placement_problem(self, colocated: bool, teacher_in_workers: bool) -> str | None:
+        """The schedule's limits on a cluster: what it overlaps needs devices or workers of its own.
+
+        Args:
+            colocated: the rollout workers share the trainer's devices (``cluster.placement``).
+            teacher_in_workers: the teacher runs inside the trainer workers (colocated).
+        """
+        if not self.asynchronous:
+            return None
+        key = f"training.scheduler = {self.scheduler}"
+        if colocated:
+            return (
+                f"{key} overlaps sampling with training, so the rollout workers need devices of their own; "
+                "set cluster.placement = split"
+            )
+        if DEPTHS_SCORED_AHEAD[self.scheduler] and teacher_in_workers:
+            return (
+                f"{key} scores the next batch while the student trains, but a teacher colocated in the trainer "
+                "workers runs on those same workers, which are busy training; set cluster.teacher.placement = pool "
+                "(or serve the teacher), or use one_step_off"
+            )
+        return None
 
 
 class DistillationValidationConfig(ValidationConfig):
@@ -259,16 +283,9 @@ def _loss_problem(config: MasterConfig) -> str | None:
     """What each chosen objective needs from the λ coin, and what the teachers' objectives must share."""
     lambda_ = config.distillation.lambda_
     for key, loss in config.teacher_losses():
-        if isinstance(loss, SampledTokenLossConfig) and lambda_ < 1.0:
-            return (
-                f"{key}.type = sampled_token needs the student's own samples on every step, but "
-                f"distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
-            )
-        if isinstance(loss, HybridFullVocabLossConfig) and loss.adv_tau != 0.0 and lambda_ < 1.0:
-            return (
-                f"{key}.adv_tau = {loss.adv_tau} rewards the student's own answers, which only on-policy steps "
-                f"have, but distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
-            )
+        problem = loss.lambda_problem(key, lambda_)  # each objective states its own limit
+        if problem is not None:
+            return problem
         if _fused(loss) != _fused(config.loss_fn):
             settable = key if isinstance(loss, FusedHeadSettings) else "loss_fn"
             return (
@@ -318,7 +335,7 @@ def _teacher_problem(config: MasterConfig) -> str | None:
 
 def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
     """A teacher with another tokenizer answers top-k over shared strings, in process with the sync schedule."""
-    if not isinstance(config.loss_fn, TopKLossConfig):
+    if not config.loss_fn.compares_across_tokenizers:
         return (
             f"teacher.cross_tokenizer maps the teacher's top-k onto the student's vocabulary; "
             f"loss_fn.type = {config.loss_fn.type} is not supported with it, use loss_fn.type = topk"
@@ -439,26 +456,13 @@ def _cluster_problem(config: MasterConfig) -> str | None:
 
 
 def _schedule_problem(config: MasterConfig) -> str | None:
-    """What an asynchronous ``training.scheduler`` needs from the rest of the config."""
-    training = config.training
-    if not training.asynchronous:
-        return None
-    key = f"training.scheduler = {training.scheduler}"
+    """What an asynchronous ``training.scheduler`` needs from the cluster (:meth:`TrainingConfig.placement_problem`)."""
     cluster = config.cluster
-    if cluster is not None and cluster.colocated:
-        return (
-            f"{key} overlaps sampling with training, so the rollout workers need devices of their own; "
-            "set cluster.placement = split"
-        )
-    if training.scheduler == "two_step_off" and cluster is not None:
-        in_workers = not config.teacher.served and not cluster.teacher.in_pool
-        if in_workers:
-            return (
-                f"{key} scores the next batch while the student trains, but a teacher colocated in the trainer "
-                "workers runs on those same workers, which are busy training; set cluster.teacher.placement = pool "
-                "(or serve the teacher), or use one_step_off"
-            )
-    return None
+    if cluster is None:
+        return None
+    members = config.teachers.members if config.teachers is not None else [config.teacher]
+    teacher_in_workers = any(not member.served for member in members) and not cluster.teacher.in_pool
+    return config.training.placement_problem(cluster.colocated, teacher_in_workers)
 
 
 def resolve_micro_batching(config: MasterConfig) -> tuple[int, int]:

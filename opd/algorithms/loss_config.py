@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag
 
@@ -50,6 +50,14 @@ class _LossSettings(StrictConfig):
     )
 
     type: str
+    compares_across_tokenizers: ClassVar[bool] = False
+    """The objective can be computed against a teacher with another tokenizer (its top k
+    mapped onto the strings both vocabularies share): only what needs no whole
+    distribution and no token of the student's own in the teacher's vocabulary."""
+
+    def lambda_problem(self, key: str, lambda_: float) -> str | None:
+        """Why this objective cannot train on fixed-data steps (``distillation.lambda`` < 1); None when it can."""
+        return None
 
     def build(self, vocab_size: int, device_type: str) -> LossFunction:
         """The loss object these keys describe (``vocab_size``: the tokenizer's; ``device_type``: the student's).
@@ -142,6 +150,7 @@ class TopKLossConfig(_LossSettings, _KLDirection, _Temperature, FusedHeadSetting
     """``type: topk``: the teacher sends its top ``k`` log-probs per position (what a served teacher sends)."""
 
     type: Literal["topk"] = "topk"
+    compares_across_tokenizers: ClassVar[bool] = True
     k: int = Field(64, ge=1, description="teacher tokens per position")
     tail: bool = Field(True, description="keep a 'rest' class (a true divergence); false renormalises over the k")
 
@@ -191,6 +200,15 @@ class SampledTokenLossConfig(_LossSettings, _Taus, FusedHeadSettings):
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
         return TokenLogprobsRequest(vocab_size)
 
+    def lambda_problem(self, key: str, lambda_: float) -> str | None:
+        """The sampled-token gradient needs the student's own samples, which a fixed-data step does not have."""
+        if lambda_ < 1.0:
+            return (
+                f"{key}.type = sampled_token needs the student's own samples on every step, but "
+                f"distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
+            )
+        return None
+
 
 class HybridFullVocabLossConfig(_LossSettings, _Taus):
     """``type: hybrid_full_vocab``: Σ_v q(student_tau·log q − teacher_tau·log p) exactly, plus the task reward."""
@@ -208,6 +226,15 @@ class HybridFullVocabLossConfig(_LossSettings, _Taus):
 
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
         return FullVocabRequest()
+
+    def lambda_problem(self, key: str, lambda_: float) -> str | None:
+        """A task reward (``adv_tau``) rewards the student's own answers, which only on-policy steps have."""
+        if self.adv_tau != 0.0 and lambda_ < 1.0:
+            return (
+                f"{key}.adv_tau = {self.adv_tau} rewards the student's own answers, which only on-policy steps "
+                f"have, but distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
+            )
+        return None
 
 
 def _loss_type(value: Any) -> str:
