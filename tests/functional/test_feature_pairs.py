@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import traceback
 from pathlib import Path
 
@@ -276,24 +274,7 @@ def test_a_teacher_served_over_opds_protocol_equals_it_in_process(runs, resource
 # ------------------------------------------------------------------------------ on a Ray cluster
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A private local Ray cluster for the module's cluster runs (4 CPU slots: trainer, rollout, two teacher pools)."""
-    import ray
-
-    from opd.distributed.ray_cluster import RAY_ENVIRONMENT
-
-    for key, setting in RAY_ENVIRONMENT.items():
-        os.environ.setdefault(key, setting)
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        _temp_dir=tempfile.mkdtemp(prefix="opd_ray_pairs_", dir="/tmp"),
-        configure_logging=False,
-        log_to_driver=False,
-    )
-    yield
-    ray.shutdown()
+# ``ray_cluster`` (tests/conftest.py): a private local Ray cluster of 4 CPU slots (trainer, rollout, two teacher pools).
 
 
 def on_cluster_and_in_process(choice, resources, data, initial, output_dir: Path) -> None:
