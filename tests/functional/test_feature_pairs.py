@@ -153,18 +153,39 @@ def run_overrides(output_dir: Path, data: dict[str, Path]) -> list[str]:
     ]
 
 
+_RECORDS: dict[tuple[str, ...], list[dict]] = {}
+"""The logged records of this module's runs so far, by their overrides less ``output_dir``."""
+
+
 def train(
-    choice: fm.Choice, resources: fm.Resources, data: dict[str, Path], output_dir: Path, *extra: str
+    choice: fm.Choice,
+    resources: fm.Resources,
+    data: dict[str, Path],
+    output_dir: Path,
+    *extra: str,
+    reuse: bool = False,
 ) -> list[dict]:
-    """Runs the choice (2 steps) and returns its logged records."""
+    """Runs the choice (2 steps) and returns its logged records.
+
+    With ``reuse``, a run this module already made with the same overrides (another test's:
+    the in-process covering array holds the first served-teacher run, for one) is read
+    instead of repeated; its records are those a new run would log (same config, same
+    seeds, one process), but ``output_dir`` stays empty, so a caller that reads its files
+    must not reuse.
+    """
     overrides = [*fm.overrides_for(choice, resources), *run_overrides(output_dir, data), *extra]
+    key = tuple(override for override in overrides if not override.startswith("output_dir="))
+    if reuse and key in _RECORDS:
+        return _RECORDS[key]
     config = load_config(MasterConfig, fm.TINY_CONFIG, overrides)
     components = setup(config)
     try:
         distillation_train(**components.as_arguments())
     finally:
         components.close()
-    return [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    _RECORDS[key] = records
+    return records
 
 
 def steps_of(records: list[dict]) -> list[dict]:
@@ -258,16 +279,16 @@ def test_two_routed_teachers_with_every_row_on_one_equal_that_teacher_alone(runs
         routed = fm.complete({"teacher": "route"})
         alone = fm.complete({"teacher": "local"})
     every_row_on_a = "teachers.route_map={add: a, sub: a}"
-    actual = steps_of(train(routed, resources, data, tmp_path / "routed", every_row_on_a))
-    expected = steps_of(train(alone, resources, data, tmp_path / "alone"))
+    actual = steps_of(train(routed, resources, data, tmp_path / "routed", every_row_on_a, reuse=True))
+    expected = steps_of(train(alone, resources, data, tmp_path / "alone", reuse=True))
     assert_same_steps(actual, expected, f"{fm.label(routed)} with every row on teacher a")
 
 
 def test_a_teacher_served_over_opds_protocol_equals_it_in_process(runs, resources, data, tmp_path):
     served = _first_with(runs["in_process"], "teacher", "served", {"teacher": "served"})
     local = {**served, "teacher": "local"}
-    actual = steps_of(train(served, resources, data, tmp_path / "served"))
-    expected = steps_of(train(local, resources, data, tmp_path / "local"))
+    actual = steps_of(train(served, resources, data, tmp_path / "served", reuse=True))
+    expected = steps_of(train(local, resources, data, tmp_path / "local", reuse=True))
     assert_same_steps(actual, expected, fm.label(served))
 
 
@@ -284,7 +305,7 @@ def on_cluster_and_in_process(choice, resources, data, initial, output_dir: Path
     in_process = {**choice, "cluster": "none"}
     problem = fm.refusal(in_process)
     assert problem is None, f"no in-process reference: {fm.first_line(problem or '')}"
-    expected = steps_of(train(in_process, resources, data, output_dir / "process"))
+    expected = steps_of(train(in_process, resources, data, output_dir / "process", reuse=True))
     assert_same_steps(steps_of(records), expected, f"{fm.label(choice)} against one process")
 
 
