@@ -149,12 +149,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 # Test files that take minutes, slowest first (measured with --durations on 2 cores).
 # The parallel run (pytest-xdist, --dist loadfile) hands files to workers in collection
-# order, two to each worker at the start, so starting these first keeps one long file
-# from running alone at the end. The two `slow` ones (the pinned demo, the cluster faults)
-# lead in `--all` and CI; the default tier leaves them out.
+# order: a worker takes the next file when at most 2 of its tests are left, so starting
+# the long files first keeps one of them from running alone at the end. Each tier has its
+# own order: a file's place is that of its tests the run selected (`slow` or not), and
+# in `--all` the slow tier's files lead.
 _SLOWEST_FILES = [
     "reference/test_reference_runs.py",
-    "distributed/test_cluster_faults.py",
     "distributed/test_cluster_equivalence.py",
     "functional/test_run_lifecycle.py",
     "distributed/test_async_cluster.py",
@@ -168,6 +168,13 @@ _SLOWEST_FILES = [
     "unit/models/test_remote_teacher.py",
     "functional/test_feature_pairs.py",
 ]
+_SLOWEST_SLOW_FILES = [
+    "reference/test_reference_runs.py",  # the demo's first 100 steps: one test, so it takes a second file
+    "distributed/test_cluster_faults.py",  # five `opd train` processes
+    "distributed/test_async_cluster.py",  # three `opd train` processes: queued behind the demo
+    "functional/test_feature_pairs.py",  # every accepted cluster pair and the spec case, each also in one process
+]
+"""The files of the tests marked `slow` (CI's second run, `--all`), slowest first by their slow tests alone."""
 
 
 # The quick tier (`bash scripts/test.sh --quick`, marker `quick`): what a developer runs
@@ -208,17 +215,28 @@ def _relative_path(item) -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks the quick tier and moves the slowest test files to the front (the order inside each file is kept)."""
-    rank = {name: position for position, name in enumerate(_SLOWEST_FILES)}
+    """Marks the quick tier and notes the files whose tests use the shared Ray cluster."""
     for item in items:
         name = _relative_path(item)
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
-            _modules_using_ray.add(name)
         if name is not None and any(name == path or name.startswith(path + "/") for path in _QUICK_PATHS):
             item.add_marker(pytest.mark.quick)
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            _modules_using_ray.add(name)
 
-    def position(item) -> int:
+
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_slowest_first(config, items):
+    """Moves the slowest test files to the front (the order inside each file is kept).
+
+    Runs after ``-m`` has deselected (``trylast``), so that a file is placed by the tests
+    that run: by `_SLOWEST_SLOW_FILES` when its `slow` tests run, else by `_SLOWEST_FILES`.
+    """
+    slow_rank = {name: position for position, name in enumerate(_SLOWEST_SLOW_FILES)}
+    rank = {name: len(slow_rank) + position for position, name in enumerate(_SLOWEST_FILES)}
+    last = len(slow_rank) + len(rank)
+    position: dict[str | None, int] = {}
+    for item in items:
         name = _relative_path(item)
-        return len(rank) if name is None else rank.get(name, len(rank))
-
-    items.sort(key=position)
+        here = slow_rank.get(name, last) if item.get_closest_marker("slow") else rank.get(name, last)
+        position[name] = min(position.get(name, last), here)
+    items.sort(key=lambda item: position[_relative_path(item)])
