@@ -69,7 +69,7 @@ _RAY_FREE_WAIT_S = 10.0
 _shared_ray: dict[str, object] = {}
 """The cluster ``ray_cluster`` started: its GCS address, while it runs."""
 _modules_using_ray: set[str] = set()
-"""The test files with a test that asks for ``ray_cluster`` (filled at collection)."""
+"""The test files with a selected test that asks for ``ray_cluster`` (filled at collection)."""
 
 
 def _shared_ray_running() -> bool:
@@ -215,22 +215,24 @@ def _relative_path(item) -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks the quick tier and notes the files whose tests use the shared Ray cluster."""
+    """Marks the quick tier."""
     for item in items:
         name = _relative_path(item)
         if name is not None and any(name == path or name.startswith(path + "/") for path in _QUICK_PATHS):
             item.add_marker(pytest.mark.quick)
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
-            _modules_using_ray.add(name)
 
 
 @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
 def pytest_collection_modifyitems_slowest_first(config, items):
-    """Moves the slowest test files to the front (the order inside each file is kept).
+    """Moves the slowest test files to the front (the order inside each file is kept); notes the files using Ray.
 
     Runs after ``-m`` has deselected (``trylast``), so that a file is placed by the tests
-    that run: by `_SLOWEST_SLOW_FILES` when its `slow` tests run, else by `_SLOWEST_FILES`.
+    that run: by `_SLOWEST_SLOW_FILES` when its `slow` tests run, else by `_SLOWEST_FILES`;
+    and a file is noted as using the shared Ray cluster when a test that runs asks for it.
     """
+    _modules_using_ray.update(
+        _relative_path(item) for item in items if "ray_cluster" in getattr(item, "fixturenames", ())
+    )
     slow_rank = {name: position for position, name in enumerate(_SLOWEST_SLOW_FILES)}
     rank = {name: len(slow_rank) + position for position, name in enumerate(_SLOWEST_FILES)}
     last = len(slow_rank) + len(rank)
