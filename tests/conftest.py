@@ -1,4 +1,4 @@
-"""Shared pytest setup: the test-helper import path and a clean ``opd`` logger per test.
+"""Shared pytest setup: the test-helper import path, a clean ``opd`` logger per test, the cluster tests' Ray.
 
 The suite runs with ``--import-mode=importlib``, which does not put test directories on
 ``sys.path``; shared test helpers therefore live in one uniquely named module here.
@@ -8,6 +8,8 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -58,14 +60,101 @@ def _arithmetic_task_exists():
         subprocess.run([sys.executable, str(generator)], check=True, capture_output=True)
 
 
+# ------------------------------------------------------------------------------ the cluster tests' Ray cluster
+
+RAY_TEST_CPUS = 4
+"""CPU slots of the tests' Ray cluster: a trainer, a rollout worker and two teacher pools (or 4 trainer ranks)."""
+_RAY_FREE_WAIT_S = 10.0
+"""How long a module's end waits for Ray to free the CPU slots of the workers it killed."""
+_shared_ray: dict[str, object] = {}
+"""The cluster ``ray_cluster`` started: its GCS address, while it runs."""
+_modules_using_ray: set[str] = set()
+"""The test files with a selected test that asks for ``ray_cluster`` (filled at collection)."""
+
+
+def _shared_ray_running() -> bool:
+    """Whether the cluster ``ray_cluster`` started is the Ray this process is connected to."""
+    ray = sys.modules.get("ray")  # never imported here: most test processes never need Ray
+    if ray is None or not ray.is_initialized() or "address" not in _shared_ray:
+        return False
+    return ray.get_runtime_context().gcs_address == _shared_ray["address"]
+
+
+def _stop_shared_ray() -> None:
+    if _shared_ray_running():
+        sys.modules["ray"].shutdown()
+    _shared_ray.clear()
+
+
+def _slots_freed(ray) -> bool:
+    """Whether every CPU slot is free again, once the placement groups a module left behind are removed.
+
+    A worker left alive outside a placement group keeps its slot: then the cluster is not
+    shared further.
+    """
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    for group_id, entry in placement_group_table().items():
+        if entry.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))
+    deadline = time.monotonic() + _RAY_FREE_WAIT_S
+    while ray.available_resources().get("CPU", 0.0) < RAY_TEST_CPUS:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A private local Ray cluster of ``RAY_TEST_CPUS`` CPU slots for the module (runs join it, not start their own).
+
+    Started once and kept for the next test file that asks for one (in the same pytest
+    process): a cluster's start and stop cost seconds of both cores, and the cluster
+    tests are a dozen files. A file ends with every slot free, or the cluster is stopped
+    (the next file gets a fresh one); a file none of whose tests asks for the cluster
+    starts without it (``pytest_runtest_setup``), as it would alone.
+    """
+    import ray
+
+    from opd.distributed.ray_cluster import RAY_ENVIRONMENT
+
+    if not _shared_ray_running():
+        if ray.is_initialized():  # another test's Ray, left running: not a cluster of RAY_TEST_CPUS slots
+            ray.shutdown()
+        for key, value in RAY_ENVIRONMENT.items():
+            os.environ.setdefault(key, value)
+        ray.init(
+            num_cpus=RAY_TEST_CPUS,
+            include_dashboard=False,
+            _temp_dir=tempfile.mkdtemp(prefix="opd_ray_test_", dir="/tmp"),
+            configure_logging=False,
+            log_to_driver=False,
+        )
+        _shared_ray["address"] = ray.get_runtime_context().gcs_address
+    yield
+    if not _shared_ray_running() or not _slots_freed(ray):
+        _stop_shared_ray()
+
+
+def pytest_runtest_setup(item):
+    """Stops the shared Ray cluster before the first test of a file that does not use it."""
+    if _shared_ray and _relative_path(item) not in _modules_using_ray:
+        _stop_shared_ray()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _stop_shared_ray()
+
+
 # Test files that take minutes, slowest first (measured with --durations on 2 cores).
 # The parallel run (pytest-xdist, --dist loadfile) hands files to workers in collection
-# order, two to each worker at the start, so starting these first keeps one long file
-# from running alone at the end. The two `slow` ones (the pinned demo, the cluster faults)
-# lead in `--all` and CI; the default tier leaves them out.
+# order: a worker takes the next file when at most 2 of its tests are left, so starting
+# the long files first keeps one of them from running alone at the end. Each tier has its
+# own order: a file's place is that of its tests the run selected (`slow` or not), and
+# in `--all` the slow tier's files lead.
 _SLOWEST_FILES = [
     "reference/test_reference_runs.py",
-    "distributed/test_cluster_faults.py",
     "distributed/test_cluster_equivalence.py",
     "functional/test_run_lifecycle.py",
     "distributed/test_async_cluster.py",
@@ -79,6 +168,13 @@ _SLOWEST_FILES = [
     "unit/models/test_remote_teacher.py",
     "functional/test_feature_pairs.py",
 ]
+_SLOWEST_SLOW_FILES = [
+    "reference/test_reference_runs.py",  # the demo's first 100 steps: one test, so it takes a second file
+    "distributed/test_cluster_faults.py",  # five `opd train` processes
+    "distributed/test_async_cluster.py",  # three `opd train` processes: queued behind the demo
+    "functional/test_feature_pairs.py",  # every accepted cluster pair and the spec case, each also in one process
+]
+"""The files of the tests marked `slow` (CI's second run, `--all`), slowest first by their slow tests alone."""
 
 
 # The quick tier (`bash scripts/test.sh --quick`, marker `quick`): what a developer runs
@@ -119,15 +215,30 @@ def _relative_path(item) -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks the quick tier and moves the slowest test files to the front (the order inside each file is kept)."""
-    rank = {name: position for position, name in enumerate(_SLOWEST_FILES)}
+    """Marks the quick tier."""
     for item in items:
         name = _relative_path(item)
         if name is not None and any(name == path or name.startswith(path + "/") for path in _QUICK_PATHS):
             item.add_marker(pytest.mark.quick)
 
-    def position(item) -> int:
-        name = _relative_path(item)
-        return len(rank) if name is None else rank.get(name, len(rank))
 
-    items.sort(key=position)
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_slowest_first(config, items):
+    """Moves the slowest test files to the front (the order inside each file is kept); notes the files using Ray.
+
+    Runs after ``-m`` has deselected (``trylast``), so that a file is placed by the tests
+    that run: by `_SLOWEST_SLOW_FILES` when its `slow` tests run, else by `_SLOWEST_FILES`;
+    and a file is noted as using the shared Ray cluster when a test that runs asks for it.
+    """
+    _modules_using_ray.update(
+        _relative_path(item) for item in items if "ray_cluster" in getattr(item, "fixturenames", ())
+    )
+    slow_rank = {name: position for position, name in enumerate(_SLOWEST_SLOW_FILES)}
+    rank = {name: len(slow_rank) + position for position, name in enumerate(_SLOWEST_FILES)}
+    last = len(slow_rank) + len(rank)
+    position: dict[str | None, int] = {}
+    for item in items:
+        name = _relative_path(item)
+        here = slow_rank.get(name, last) if item.get_closest_marker("slow") else rank.get(name, last)
+        position[name] = min(position.get(name, last), here)
+    items.sort(key=lambda item: position[_relative_path(item)])

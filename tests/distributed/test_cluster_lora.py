@@ -8,7 +8,7 @@
   weights under the base model's names (step 2 samples from them);
 * the checkpoints hold the adapters and their optimizer state only (the frozen base is
   the starting model); loaded back into the workers and saved again they are the same
-  bit for bit, and (slow) a run resumed from step 1's checkpoint ends as the
+  bit for bit, and a run resumed from step 1's checkpoint ends as the
   uninterrupted one.
 
 One Ray cluster serves the module; every worker runs one thread.
@@ -198,7 +198,8 @@ def test_a_cluster_lora_checkpoint_holds_the_adapters_and_their_optimizer_state_
         export_checkpoint(checkpoints / "step_1", tmp_path / "exported")
 
 
-@pytest.mark.slow  # a third cluster start
+# Not `slow`: the slow tier would build the module's runs again for this one resume (two runs and a
+# cluster's workers); here it reuses them. Last in the file: it rewrites the cluster run's directory.
 def test_a_cluster_lora_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(runs, tmp_path):
     _, on_cluster, _ = runs
     checkpoints = Path(on_cluster.checkpointing.checkpoint_dir)

@@ -33,26 +33,34 @@ from opd.models.tiny import build_tiny_model
 BIG_MODEL_LIMIT = 1.6
 
 
-def _gather_rank(rank: int, world: int, init_file: str, model_dir: str, result_dir: str) -> None:
+def _gather_rank(rank: int, world: int, init_file: str, model_dirs: list[str], result_dir: str) -> None:
+    """Loads each saved model sharded over the group and saves what this rank gathers back, one file per model."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    model = load_sharded(
-        model_dir, torch.float32, torch.device("cpu"), ModelLoadingConfig(), lambda m: shard_model(m, mesh)
-    )
-    weights = {name: tensor.clone() for bucket in whole_state_dict_buckets(model, 10**9) for name, tensor in bucket}
-    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    torch.save({"weights": weights, "buffers": buffers, "tied": tied}, Path(result_dir) / f"rank{rank}.pt")
+    for model_dir in model_dirs:
+        model = load_sharded(
+            model_dir, torch.float32, torch.device("cpu"), ModelLoadingConfig(), lambda m: shard_model(m, mesh)
+        )
+        weights = {name: tensor.clone() for bucket in whole_state_dict_buckets(model, 10**9) for name, tensor in bucket}
+        buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        result = {"weights": weights, "buffers": buffers, "tied": tied}
+        torch.save(result, Path(result_dir) / f"{Path(model_dir).name}_rank{rank}.pt")
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    ("tied", "file_dtype"),
-    [(True, torch.float32), (False, torch.float32), (False, torch.bfloat16)],
-    ids=["tied_head", "own_head", "bf16_file_to_fp32_masters"],
-)
-def test_sharded_loading_gives_the_saved_weights(tmp_path, tied, file_dtype):
+# (tied head, the file's dtype) of each saved model: a tied head, an untied head of its own values,
+# and a bf16 file loaded into fp32 master weights.
+SAVED_MODELS = {
+    "tied_head": (True, torch.float32),
+    "own_head": (False, torch.float32),
+    "bf16_file_to_fp32_masters": (False, torch.bfloat16),
+}
+
+
+def _save_model(directory: Path, tied: bool, file_dtype: torch.dtype) -> torch.nn.Module:
+    """Saves the tiny student (``tied`` head, ``file_dtype``) to ``directory``; returns the model expected back."""
     reference = build_tiny_model("student")
     if not tied:  # an untied head of its own values
         reference.config.tie_word_embeddings = False
@@ -62,26 +70,35 @@ def test_sharded_loading_gives_the_saved_weights(tmp_path, tied, file_dtype):
     if not tied:
         saved.lm_head.weight = torch.nn.Parameter(saved.lm_head.weight.detach().clone())
     saved.load_state_dict(reference.state_dict())
-    saved.to(file_dtype).save_pretrained(tmp_path / "model")
+    saved.to(file_dtype).save_pretrained(directory)
     reference.load_state_dict({name: tensor.to(file_dtype).float() for name, tensor in reference.state_dict().items()})
+    return reference
+
+
+def test_sharded_loading_gives_the_saved_weights(tmp_path):
+    # One process group of 3 ranks loads every saved model in turn: the ranks' start (a spawned
+    # interpreter importing torch each) is paid once instead of once per model.
+    references = {name: _save_model(tmp_path / name, *case) for name, case in SAVED_MODELS.items()}
     world = 3
     mp.spawn(
         _gather_rank,
-        args=(world, str(tmp_path / "init"), str(tmp_path / "model"), str(tmp_path)),
+        args=(world, str(tmp_path / "init"), [str(tmp_path / name) for name in SAVED_MODELS], str(tmp_path)),
         nprocs=world,
         join=True,
     )
-    expected = reference.state_dict()
-    expected_buffers = dict(reference.named_buffers())
-    for rank in range(world):
-        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        assert result["tied"] is tied
-        assert set(result["weights"]) <= set(expected)
-        for name, tensor in result["weights"].items():
-            assert torch.equal(tensor, expected[name]), f"rank {rank}: {name} differs from the saved model"
-        assert len(result["weights"]) == len(expected) - int(tied)  # a tied head comes once
-        for name, buffer in result["buffers"].items():
-            assert torch.equal(buffer, expected_buffers[name]), f"rank {rank}: buffer {name} was not computed"
+    for name, reference in references.items():
+        tied = SAVED_MODELS[name][0]
+        expected = reference.state_dict()
+        expected_buffers = dict(reference.named_buffers())
+        for rank in range(world):
+            result = torch.load(tmp_path / f"{name}_rank{rank}.pt", weights_only=False)
+            assert result["tied"] is tied, name
+            assert set(result["weights"]) <= set(expected), name
+            for key, tensor in result["weights"].items():
+                assert torch.equal(tensor, expected[key]), f"{name}, rank {rank}: {key} differs from the saved model"
+            assert len(result["weights"]) == len(expected) - int(tied), name  # a tied head comes once
+            for key, buffer in result["buffers"].items():
+                assert torch.equal(buffer, expected_buffers[key]), f"{name}, rank {rank}: buffer {key} was not computed"
 
 
 def test_a_file_that_lacks_a_parameter_is_named(tmp_path):

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import traceback
 from pathlib import Path
 
@@ -155,18 +153,39 @@ def run_overrides(output_dir: Path, data: dict[str, Path]) -> list[str]:
     ]
 
 
+_RECORDS: dict[tuple[str, ...], list[dict]] = {}
+"""The logged records of this module's runs so far, by their overrides less ``output_dir``."""
+
+
 def train(
-    choice: fm.Choice, resources: fm.Resources, data: dict[str, Path], output_dir: Path, *extra: str
+    choice: fm.Choice,
+    resources: fm.Resources,
+    data: dict[str, Path],
+    output_dir: Path,
+    *extra: str,
+    reuse: bool = False,
 ) -> list[dict]:
-    """Runs the choice (2 steps) and returns its logged records."""
+    """Runs the choice (2 steps) and returns its logged records.
+
+    With ``reuse``, a run this module already made with the same overrides (another test's:
+    the in-process covering array holds the first served-teacher run, for one) is read
+    instead of repeated; its records are those a new run would log (same config, same
+    seeds, one process), but ``output_dir`` stays empty, so a caller that reads its files
+    must not reuse.
+    """
     overrides = [*fm.overrides_for(choice, resources), *run_overrides(output_dir, data), *extra]
+    key = tuple(override for override in overrides if not override.startswith("output_dir="))
+    if reuse and key in _RECORDS:
+        return _RECORDS[key]
     config = load_config(MasterConfig, fm.TINY_CONFIG, overrides)
     components = setup(config)
     try:
         distillation_train(**components.as_arguments())
     finally:
         components.close()
-    return [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    _RECORDS[key] = records
+    return records
 
 
 def steps_of(records: list[dict]) -> list[dict]:
@@ -265,16 +284,16 @@ def test_two_routed_teachers_with_every_row_on_one_equal_that_teacher_alone(runs
         routed = fm.complete({"teacher": "route"})
         alone = fm.complete({"teacher": "local"})
     every_row_on_a = "teachers.route_map={add: a, sub: a}"
-    actual = steps_of(train(routed, resources, data, tmp_path / "routed", every_row_on_a))
-    expected = steps_of(train(alone, resources, data, tmp_path / "alone"))
+    actual = steps_of(train(routed, resources, data, tmp_path / "routed", every_row_on_a, reuse=True))
+    expected = steps_of(train(alone, resources, data, tmp_path / "alone", reuse=True))
     assert_same_steps(actual, expected, f"{fm.label(routed)} with every row on teacher a")
 
 
 def test_a_teacher_served_over_opds_protocol_equals_it_in_process(runs, resources, data, tmp_path):
     served = _first_with(runs["in_process"], "teacher", "served", {"teacher": "served"})
     local = {**served, "teacher": "local"}
-    actual = train(served, resources, data, tmp_path / "served")
-    expected = train(local, resources, data, tmp_path / "local")
+    actual = train(served, resources, data, tmp_path / "served", reuse=True)
+    expected = train(local, resources, data, tmp_path / "local", reuse=True)
     assert_same_steps(steps_of(actual), steps_of(expected), fm.label(served))
     assert baselines_of(actual) == baselines_of(expected), f"{fm.label(served)}: the baselines"
 
@@ -282,24 +301,7 @@ def test_a_teacher_served_over_opds_protocol_equals_it_in_process(runs, resource
 # ------------------------------------------------------------------------------ on a Ray cluster
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A private local Ray cluster for the module's cluster runs (4 CPU slots: trainer, rollout, two teacher pools)."""
-    import ray
-
-    from opd.distributed.ray_cluster import RAY_ENVIRONMENT
-
-    for key, setting in RAY_ENVIRONMENT.items():
-        os.environ.setdefault(key, setting)
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        _temp_dir=tempfile.mkdtemp(prefix="opd_ray_pairs_", dir="/tmp"),
-        configure_logging=False,
-        log_to_driver=False,
-    )
-    yield
-    ray.shutdown()
+# ``ray_cluster`` (tests/conftest.py): a private local Ray cluster of 4 CPU slots (trainer, rollout, two teacher pools).
 
 
 def on_cluster_and_in_process(choice, resources, data, initial, output_dir: Path) -> None:
@@ -309,7 +311,7 @@ def on_cluster_and_in_process(choice, resources, data, initial, output_dir: Path
     in_process = {**choice, "cluster": "none"}
     problem = fm.refusal(in_process)
     assert problem is None, f"no in-process reference: {fm.first_line(problem or '')}"
-    expected = train(in_process, resources, data, output_dir / "process")
+    expected = train(in_process, resources, data, output_dir / "process", reuse=True)
     assert_same_steps(steps_of(records), steps_of(expected), f"{fm.label(choice)} against one process")
     assert baselines_of(records) == baselines_of(expected), f"{fm.label(choice)}: the baselines against one process"
 
