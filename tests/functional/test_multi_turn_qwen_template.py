@@ -98,10 +98,10 @@ class ScriptedGeneration(GenerationInterface):
         self.end = tokenizer.convert_tokens_to_ids(IM_END)
 
     def prepare_for_generation(self) -> None:
-        pass
+        """Nothing to switch on: the scripts are the engine."""
 
     def finish_generation(self) -> None:
-        pass
+        """Nothing to release."""
 
     def generate(self, prompts, strategy, num_samples=1, return_logprobs=True):
         responses = []
