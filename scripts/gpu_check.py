@@ -17,7 +17,15 @@ Checks:
 * ``sharded_loading``: a Qwen2.5-0.5B-shaped student (random weights, bf16 file) loaded
   straight into its shard: peak GPU memory against the fp32 master weights' size;
 * ``qwen05b_step``: one training step of that student at the real vocabulary: step time
-  and peak memory, beside ``opd plan``'s prediction for the same shapes where it exists;
+  and peak memory, beside ``opd plan``'s prediction for the same shapes;
+* ``qwen15b_step``: the same at the specification's student shape (Qwen2.5-1.5B);
+* ``qwen15b_checkpointed``: the same with the student's activation checkpointing;
+* ``pooled_hidden_states``: the exact loss with the teacher apart (a teacher-pool worker
+  sends its final hidden states to the host, the trainer rank binds them to the output
+  layer it loaded alone) against the same rank with the teacher colocated, in bf16;
+* ``lora_nccl``: a LoRA student on the NCCL trainer rank: two steps, only adapters train;
+* ``multi_turn``: two steps of the driver with the calculator environment on the GPU
+  (the first turn of each episode is a scripted tool call, as in the CPU test);
 * ``demo_20_steps``: 20 steps of the CPU demo's distillation on the GPU (bf16);
 * ``vllm``: the vLLM engine's sleep and wake and a refit, where vLLM is installed;
 * ``refit_ipc``: ``scripts/gpu_checks/refit_ipc.py``: CUDA IPC between two processes at the
@@ -94,8 +102,8 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _trainer(student: str, teacher: str | None, total_steps: int = 2) -> Any:
-    """A one-rank trainer over NCCL, started the way a Ray actor starts it."""
+def _trainer(student: str, teacher: str | None, total_steps: int = 2, **spec_fields: Any) -> Any:
+    """A one-rank trainer over NCCL, started the way a Ray actor starts it (``spec_fields``: more of its spec)."""
     from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
     from opd.models.config import ModelLoadingConfig, OptimizerConfig
 
@@ -108,6 +116,7 @@ def _trainer(student: str, teacher: str | None, total_steps: int = 2) -> Any:
         backend="gloo" if REHEARSAL else "nccl",
         timeout_s=120,
         threads=4,
+        **spec_fields,
     )
     worker = TrainerWorker(0, 1, spec)
     worker.start("127.0.0.1", _free_port())
@@ -209,31 +218,23 @@ def check_offload() -> dict[str, Any]:
     }
 
 
-def _qwen05b_directory() -> str:
-    """A Qwen2.5-0.5B-shaped model with random weights, saved in bf16 (once per machine)."""
+def _qwen_directory(shape: str = "Qwen2.5-0.5B-Instruct") -> str:
+    """A model of one of Qwen2.5's shapes (opd's shipped ``config.json``) with random weights, saved in bf16.
+
+    Built once per machine; two layers in a rehearsal.
+    """
     torch = _cuda()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from opd.models.tiny import build_tiny_tokenizer
 
-    directory = Path(tempfile.gettempdir()) / ("opd_gpu_check_qwen05b" + ("_rehearsal" if REHEARSAL else ""))
-    if (directory / "model.safetensors").exists():
+    directory = Path(tempfile.gettempdir()) / (f"opd_gpu_check_{shape}" + ("_rehearsal" if REHEARSAL else ""))
+    if (directory / "model.safetensors").exists() or (directory / "model.safetensors.index.json").exists():
         return str(directory)
-    from transformers import Qwen2Config
-
-    # Qwen2.5-0.5B-Instruct's shape (its config.json); two layers in a rehearsal.
-    config = Qwen2Config(
-        vocab_size=151_936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=2 if REHEARSAL else 24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-    )
+    fields = json.loads((REPO_ROOT / "opd" / "models" / "shapes" / shape / "config.json").read_text())
+    if REHEARSAL:
+        fields["num_hidden_layers"] = 2  # before the config is built: its per-layer settings follow it
+    config = AutoConfig.for_model(**fields)
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(directory)
@@ -243,7 +244,7 @@ def _qwen05b_directory() -> str:
 
 def check_sharded_loading() -> dict[str, Any]:
     _cuda()
-    directory = _qwen05b_directory()
+    directory = _qwen_directory()
     cuda.reset_peak_memory_stats()
     cuda.empty_cache()
     base = cuda.memory_allocated()
@@ -260,21 +261,24 @@ def check_sharded_loading() -> dict[str, Any]:
     }
 
 
-# The Qwen2.5-0.5B step: the spec's cluster config at one rank, the 0.5B shape as student
-# and colocated teacher, one micro-batch of 4 rows of 256 prompt + 1,792 response tokens.
+# A Qwen2.5 step: the spec's cluster config at one rank, one shape as student and as
+# colocated teacher, one micro-batch of 4 rows of 256 prompt + 1,792 response tokens.
 STEP_ROWS, STEP_PROMPT, STEP_RESPONSE = 4, 256, 1792
-STEP_OVERRIDES = [
-    "model.student_model_path=Qwen/Qwen2.5-0.5B-Instruct",
-    "model.teacher_model_path=Qwen/Qwen2.5-0.5B-Instruct",
-    "cluster.trainer.workers=1",
-    "cluster.rollout.workers=1",
-    f"training.batch_size={STEP_ROWS}",
-    f"training.micro_batch_size={STEP_ROWS}",
-    "distillation.num_samples_per_prompt=1",
-    f"data.max_prompt_length={STEP_PROMPT}",
-    f"distillation.generate_strategy.max_length={STEP_RESPONSE}",
-]
 SPEC_CLUSTER_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_math_cluster.yaml"
+
+
+def _step_overrides(shape: str) -> list[str]:
+    return [
+        f"model.student_model_path=Qwen/{shape}",
+        f"model.teacher_model_path=Qwen/{shape}",
+        "cluster.trainer.workers=1",
+        "cluster.rollout.workers=1",
+        f"training.batch_size={STEP_ROWS}",
+        f"training.micro_batch_size={STEP_ROWS}",
+        "distillation.num_samples_per_prompt=1",
+        f"data.max_prompt_length={STEP_PROMPT}",
+        f"distillation.generate_strategy.max_length={STEP_RESPONSE}",
+    ]
 
 
 class _VocabularyOnly:
@@ -286,18 +290,22 @@ class _VocabularyOnly:
         return SHIPPED_TOKENIZER_SIZE
 
 
-def check_qwen05b_step() -> dict[str, Any]:
+def _qwen_step(shape: str, checkpointing: bool = False) -> dict[str, Any]:
+    """Three steps of ``shape`` as student and colocated teacher: the steady step's time and peak, and the plan's.
+
+    ``checkpointing``: the student recomputes each layer's activations in the backward pass.
+    """
     torch = _cuda()
     from opd.algorithms.distillation_config import MasterConfig
     from opd.algorithms.distillation_setup import build_loss
     from opd.data.sequences import pack_sequences
     from opd.utils.config import load_config
 
-    directory = _qwen05b_directory()
+    directory = _qwen_directory(shape)
     rows, prompt, length = (STEP_ROWS, STEP_PROMPT, STEP_PROMPT + STEP_RESPONSE) if not REHEARSAL else (1, 16, 64)
-    config = load_config(MasterConfig, SPEC_CLUSTER_CONFIG, STEP_OVERRIDES)
+    config = load_config(MasterConfig, SPEC_CLUSTER_CONFIG, _step_overrides(shape))
     loss_fn = build_loss(config, _VocabularyOnly())
-    worker = _trainer(directory, directory)
+    worker = _trainer(directory, directory, activation_checkpointing=checkpointing)
     generator = torch.Generator().manual_seed(0)
     sequences = [torch.randint(3, 151_000, (length,), generator=generator).tolist() for _ in range(rows)]
     batch = pack_sequences(sequences, [prompt] * rows, 0, True)
@@ -313,26 +321,165 @@ def check_qwen05b_step() -> dict[str, Any]:
     peak = cuda.max_memory_allocated()
     worker.shutdown()
     figure = (
-        f"{rows} x {length} tokens, fused {config.loss_fn.type} loss, 0.5B-shaped teacher colocated: "
+        f"{rows} x {length} tokens, fused {config.loss_fn.type} loss, the same shape as colocated teacher"
+        f"{', activation checkpointing' if checkpointing else ''}: "
         f"step {min(seconds[1:]) * 1000:.0f} ms, peak {peak / GIB:.2f} GiB"
     )
-    predicted = _dry_run_prediction()
     ok = True
-    if predicted is not None and not REHEARSAL:
+    if not REHEARSAL:
+        predicted = _dry_run_prediction(shape, checkpointing)
         error = (predicted - peak) / peak
         figure += f"; opd plan predicts {predicted / GIB:.2f} GiB ({error:+.1%})"
         ok = abs(error) <= 0.15
     return {"ok": ok, "figure": figure}
 
 
-def _dry_run_prediction() -> float | None:
-    """``opd plan``'s peak for the step of :func:`check_qwen05b_step` (activation checkpointing off)."""
-    command = [sys.executable, "-m", "opd", "plan", "--config", str(SPEC_CLUSTER_CONFIG), *STEP_OVERRIDES, "--json"]
+def check_qwen05b_step() -> dict[str, Any]:
+    return _qwen_step("Qwen2.5-0.5B-Instruct")
+
+
+def check_qwen15b_step() -> dict[str, Any]:
+    return _qwen_step("Qwen2.5-1.5B-Instruct")
+
+
+def check_qwen15b_checkpointed() -> dict[str, Any]:
+    return _qwen_step("Qwen2.5-1.5B-Instruct", checkpointing=True)
+
+
+def _dry_run_prediction(shape: str, checkpointing: bool) -> float:
+    """``opd plan``'s peak for the step of :func:`_qwen_step` (one plan per shape and machine, kept in a file)."""
+    saved = Path(tempfile.gettempdir()) / f"opd_gpu_check_plan_{shape}.json"
+    if saved.exists():
+        plan = json.loads(saved.read_text())
+        return float(max(rank["peak"] for rank in plan["ranks"]["on" if checkpointing else "off"]))
+    command = [
+        sys.executable,
+        "-m",
+        "opd",
+        "plan",
+        "--config",
+        str(SPEC_CLUSTER_CONFIG),
+        *_step_overrides(shape),
+        "--json",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
     if result.returncode != 0:
         raise RuntimeError(f"opd plan failed: {(result.stderr.strip().splitlines() or ['no output'])[-1]}")
-    plan = json.loads(result.stdout)
-    return float(max(rank["peak"] for rank in plan["ranks"]["off"]))
+    saved.write_text(result.stdout)
+    return _dry_run_prediction(shape, checkpointing)
+
+
+def check_pooled_hidden_states() -> dict[str, Any]:
+    _cuda()
+    from opd.algorithms.distillation_setup import build_loss
+    from opd.models.config import ModelLoadingConfig
+    from opd.models.interfaces import TeacherHiddenStates
+    from opd.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
+    from opd.models.teacher.local_teacher import LocalTeacher
+
+    config = _demo_config([f"model.device={DEVICE}", "model.dtype=bfloat16"])
+    student, teacher = config.model.student_model_path, config.model.teacher_model_path
+    tokenizer = load_tokenizer(student)
+    loss_fn = build_loss(config, tokenizer)
+    batch = _demo_batch(tokenizer, rows=8, length=96)
+    tokens = int(batch["token_mask"][:, 1:].sum())
+    dtype = "float32" if REHEARSAL else "bfloat16"
+
+    def two_steps(worker: Any, signals: Any) -> list[float]:
+        losses = [worker.train(loss_fn, tokens, batch.size, [batch], signals)["loss"] for _ in range(2)]
+        worker.shutdown()
+        return losses
+
+    colocated = two_steps(_trainer(student, teacher), None)
+    # The teacher apart, answering as a pool's worker does (``TeacherWorker.score``, whose
+    # module needs Ray): its final hidden states alone, on the host.
+    import torch
+
+    loading = ModelLoadingConfig(dtype=dtype, device=DEVICE)
+    device = torch.device(DEVICE)
+    pool_teacher = LocalTeacher(load_causal_lm(teacher, resolve_dtype(dtype, device), device, loading))
+    signal = TeacherHiddenStates(pool_teacher.get_hidden_states(batch).hidden_states.cpu())
+    del pool_teacher
+    apart = two_steps(_trainer(student, None, teacher_head_path=teacher), [signal])
+    error = max(abs(a - b) / abs(b) for a, b in zip(apart, colocated))
+    return {
+        "ok": error < 1e-2 and apart[1] < apart[0],
+        "figure": f"teacher apart {apart[0]:.5f} -> {apart[1]:.5f}, colocated {colocated[0]:.5f} -> "
+        f"{colocated[1]:.5f}: largest relative difference {error:.1e} ({signal.hidden_states.dtype} hidden states, "
+        f"{signal.hidden_states.numel() * signal.hidden_states.element_size() / 2**10:.0f} KiB on the host)",
+    }
+
+
+def check_lora_nccl() -> dict[str, Any]:
+    _cuda()
+    from opd.algorithms.distillation_setup import build_loss
+    from opd.models.config import LoraConfig
+    from opd.models.loading import load_tokenizer
+
+    config = _demo_config([f"model.device={DEVICE}", "model.dtype=bfloat16"])
+    tokenizer = load_tokenizer(config.model.student_model_path)
+    loss_fn = build_loss(config, tokenizer)
+    worker = _trainer(config.model.student_model_path, config.model.teacher_model_path, lora=LoraConfig(r=8))
+    trainable = {name: p.detach().float().clone() for name, p in worker.model.named_parameters() if p.requires_grad}
+    frozen = {name: p.detach().float().clone() for name, p in worker.model.named_parameters() if not p.requires_grad}
+    batch = _demo_batch(tokenizer, rows=8, length=96)
+    tokens = int(batch["token_mask"][:, 1:].sum())
+    losses = [worker.train(loss_fn, tokens, batch.size, [batch], None)["loss"] for _ in range(2)]
+    after = dict(worker.model.named_parameters())
+    adapters_moved = sum(not after[name].detach().float().equal(value) for name, value in trainable.items())
+    base_moved = sum(not after[name].detach().float().equal(value) for name, value in frozen.items())
+    worker.shutdown()
+    only_adapters = all("lora_" in name for name in trainable)
+    return {
+        "ok": losses[1] < losses[0] and only_adapters and adapters_moved > 0 and base_moved == 0,
+        "figure": f"loss {losses[0]:.4f} -> {losses[1]:.4f}; {len(trainable)} adapter tensors trainable "
+        f"({adapters_moved} changed), {len(frozen)} frozen ({base_moved} changed)",
+    }
+
+
+def check_multi_turn() -> dict[str, Any]:
+    _cuda()
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    from opd_test_helpers import first_turn_calls_the_tool, short_run_overrides
+
+    from opd.algorithms.distillation import distillation_train
+    from opd.algorithms.distillation_config import MasterConfig
+    from opd.algorithms.distillation_setup import setup
+    from opd.utils.config import load_config
+    from opd.utils.plotting import read_metrics
+
+    output = Path(tempfile.mkdtemp(prefix="opd_gpu_multi_turn_"))
+    overrides = [
+        *short_run_overrides(output),
+        f"model.device={DEVICE}",
+        f"model.dtype={'float32' if REHEARSAL else 'bfloat16'}",
+        "checkpointing.enabled=false",
+        "training.batch_size=4",
+        "training.micro_batch_size=null",
+        "training.max_num_steps=2",
+        "distillation.num_samples_per_prompt=2",
+        "distillation.generate_strategy.max_length=8",
+        "environment.max_turns=2",
+        "data.max_train_examples=8",
+        "data.max_prompt_length=1024",
+    ]
+    config = load_config(MasterConfig, REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml", overrides)
+    parts = setup(config)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+    first_turn_calls_the_tool(parts.student_generation, parts.tokenizer, call)
+    start = time.perf_counter()
+    distillation_train(**parts.as_arguments())
+    seconds = time.perf_counter() - start
+    train = [record for record in read_metrics(Path(config.logger.log_dir)) if "train/on_policy" in record]
+    losses = [record["train/loss"] for record in train]
+    turns = [record["env/turns"] for record in train]
+    calls = [record["env/tool_calls"] for record in train]
+    environment = sum(record.get("timing/environment", 0.0) for record in train)
+    return {
+        "ok": len(train) == 2 and turns == [2.0, 2.0] and calls == [1.0, 1.0] and all(x == x for x in losses),
+        "figure": f"2 steps in {seconds:.1f} s, turns {turns}, tool calls {calls}, loss {losses[0]:.4f} -> "
+        f"{losses[-1]:.4f}, environment {environment * 1000:.0f} ms in all",
+    }
 
 
 def check_demo_20_steps() -> dict[str, Any]:
@@ -400,6 +547,11 @@ CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
     "offload": check_offload,
     "sharded_loading": check_sharded_loading,
     "qwen05b_step": check_qwen05b_step,
+    "qwen15b_step": check_qwen15b_step,
+    "qwen15b_checkpointed": check_qwen15b_checkpointed,
+    "pooled_hidden_states": check_pooled_hidden_states,
+    "lora_nccl": check_lora_nccl,
+    "multi_turn": check_multi_turn,
     "demo_20_steps": check_demo_20_steps,
     "vllm": check_vllm,
     "refit_ipc": check_refit_ipc,
@@ -452,6 +604,7 @@ def main() -> int:
         status = "skipped" if "skipped" in result else ("ok" if result["ok"] else "FAILED")
         failed += status == "FAILED"
         rows.append((name, status, f"{time.perf_counter() - start:.0f}", result.get("figure") or result["skipped"]))
+        print(f"# {name}: {status} in {rows[-1][2]} s: {rows[-1][3]}", flush=True)  # kept if a later check hangs
     width = max(len(row[0]) for row in rows)
     print(f"| {'check':<{width}} | status  | s    | figure |")
     print(f"|{'-' * (width + 2)}|---------|------|--------|")
