@@ -5,7 +5,9 @@
 * ``opd plan --config FILE [key.sub=value ...] [--json] [--quick]`` — a cluster run's memory per
   device from its config alone: the trainer's real step on fake tensors over a fake process
   group, at the real shapes, with a device audit (:mod:`opd.algorithms.memory_plan`);
-* ``opd eval --config FILE [key.sub=value ...]`` — validate one model and exit;
+* ``opd eval --config FILE [key.sub=value ...]`` — validate one model and exit; with
+  ``--harness lm-eval --tasks a,b [--include-path DIR] [--limit N] [--compare teacher,student_before]``,
+  score it with lm-evaluation-harness instead (:mod:`opd.algorithms.harness`);
 * ``opd sft --config FILE [key.sub=value ...]`` — supervised fine-tuning (resumes too);
 * ``opd generate --config FILE [key.sub=value ...]`` — one model's (the teacher's) answers to
   the training prompts, as chat-format fixed data (resumes too; :mod:`opd.algorithms.generate_data`);
@@ -71,6 +73,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_arguments(plan)
     evaluate = commands.add_parser("eval", help="validate a model (validation.model_path) against the teacher")
     _add_config_arguments(evaluate)
+    evaluate.add_argument(
+        "--harness",
+        choices=["lm-eval"],
+        help="score the model with an external harness instead (pip install 'opd[eval]')",
+    )
+    evaluate.add_argument("--tasks", help="the harness's tasks, comma-separated (validation.harness_tasks)")
+    evaluate.add_argument(
+        "--include-path", help="a directory of local task definitions (validation.harness.include_path)"
+    )
+    evaluate.add_argument(
+        "--limit", type=int, help="only the first N documents of each task (validation.harness.limit)"
+    )
+    evaluate.add_argument(
+        "--compare",
+        help="also score these models beside it, comma-separated: teacher, student_before (validation.harness.compare)",
+    )
     sft = commands.add_parser("sft", help="supervised fine-tuning on the dataset's assistant answers")
     _add_config_arguments(sft)
     generate = commands.add_parser("generate", help="write a model's answers to the prompts as fixed data (JSONL)")
@@ -99,6 +117,34 @@ def quiet_third_party_output() -> None:
 
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+
+def harness_overrides(args: argparse.Namespace) -> list[str]:
+    """``opd eval --harness``'s options as the config overrides they stand for."""
+
+    def listed(text: str) -> str:
+        return "[" + ",".join(item.strip() for item in text.split(",") if item.strip()) + "]"
+
+    overrides = [f"validation.harness.name={args.harness}"]
+    if args.tasks is not None:
+        overrides.append(f"validation.harness_tasks={listed(args.tasks)}")
+    if args.include_path is not None:
+        overrides.append(f"validation.harness.include_path={args.include_path}")
+    if args.limit is not None:
+        overrides.append(f"validation.harness.limit={args.limit}")
+    if args.compare is not None:
+        overrides.append(f"validation.harness.compare={listed(args.compare)}")
+    return overrides
+
+
+def run_harness(config_path: str, overrides: list[str]) -> None:
+    """``opd eval --harness``: score one model (and its comparisons) with an external harness."""
+    from opd.algorithms.distillation_config import MasterConfig
+    from opd.algorithms.evaluation import evaluate_with_harness_tasks
+    from opd.utils.config import load_config
+
+    _prepare_console()
+    evaluate_with_harness_tasks(load_config(MasterConfig, config_path, overrides))
 
 
 def run_train(config_path: str, overrides: list[str], val_only: bool = False) -> None:
@@ -206,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             run_generate(args.config, args.overrides)
         elif args.command == "plan" or getattr(args, "dry_run", False):
             run_plan(args.config, args.overrides, getattr(args, "json", False), getattr(args, "quick", False))
+        elif args.command == "eval" and args.harness is not None:
+            run_harness(args.config, [*args.overrides, *harness_overrides(args)])
         else:
             run_train(args.config, args.overrides, val_only=args.command == "eval")
     except OpdError as error:

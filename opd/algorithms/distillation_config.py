@@ -250,6 +250,16 @@ class MasterConfig(RunConfig):
         """Whether ``data`` names validation data (a file or a holdout)."""
         return self.data.has_validation
 
+    def model_loading(self) -> ModelConfig:
+        return self.model
+
+    def harness_comparisons(self) -> dict[str, str]:
+        """The starting student, and the teacher where it is one model directory (not served, not several)."""
+        models = {"student_before": self.model.student_model_path}
+        if self.teachers is None and self.model.teacher_model_path is not None:
+            models["teacher"] = self.model.teacher_model_path
+        return models
+
     def validation_metrics(self) -> tuple[str, ...]:
         """The metrics a distillation run's validation reports: the student's, and its KLs to the teacher."""
         return (*super().validation_metrics(), "val/kl_forward", "val/kl_reverse")

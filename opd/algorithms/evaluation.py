@@ -4,6 +4,10 @@ The model is ``validation.model_path`` (an HF model directory or a ``step_N``
 checkpoint), else the newest checkpoint of the run, else ``model.student_model_path``.
 It answers the validation prompts as in training's validation; the metrics are printed
 and written to ``<log_dir>/eval_metrics.json``.
+
+``opd eval --harness lm-eval --tasks ...`` (:func:`evaluate_with_harness_tasks`) scores the
+same model with an external harness instead, beside the teacher and the starting student
+when ``validation.harness.compare`` asks, and writes the table to ``<log_dir>``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from opd.algorithms.distillation_setup import (
     set_seed,
     teacher_tokenizer_of,
 )
+from opd.algorithms.harness import HarnessResults, evaluate_with_harness, load_for_harness
 from opd.algorithms.run_setup import load_examples
 from opd.algorithms.validation import validate
 from opd.data.dataloaders import make_eval_dataloader
@@ -98,3 +103,23 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
         print(f"{key:<28} {value:.4f}")
     print(f"evaluated {model_path} on {len(examples)} prompts; written to {log_dir / 'eval_metrics.json'}")
     return metrics
+
+
+def evaluate_with_harness_tasks(config: MasterConfig) -> HarnessResults:
+    """``opd eval --harness``: the model (and ``validation.harness.compare``'s) on ``validation.harness_tasks``.
+
+    Raises:
+        ConfigError: no tasks, the harness is not installed, or a task is unknown.
+    """
+    tasks = config.validation.harness_tasks
+    if not tasks:
+        raise ConfigError("opd eval --harness needs tasks: --tasks a,b (or validation.harness_tasks)")
+    settings = config.validation.harness
+    comparisons = config.harness_comparisons()
+    paths: dict[str, str] = {"model": resolve_eval_model(config)}
+    paths.update((name, comparisons[name]) for name in settings.compare)
+    results = evaluate_with_harness(paths, tasks, settings, lambda path: load_for_harness(path, config.model))
+    table_path = results.write(Path(config.logger.log_dir), settings)
+    print(results.table())
+    print(f"evaluated {', '.join(paths.values())} with {settings.name}; written to {table_path}")
+    return results

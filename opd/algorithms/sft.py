@@ -87,6 +87,13 @@ class SFTMasterConfig(RunConfig):
         """Whether ``data`` names validation data (a file or a holdout)."""
         return self.data.has_validation
 
+    def model_loading(self) -> SFTModelConfig:
+        return self.model
+
+    def harness_comparisons(self) -> dict[str, str]:
+        """The model before fine-tuning."""
+        return {"student_before": self.model.model_path}
+
 
 SFTSaveState = RunSaveState
 """Counters saved in every checkpoint (see :class:`~opd.algorithms.training_loop.RunSaveState`)."""

@@ -45,8 +45,9 @@ from opd.algorithms.early_stop import (
     fresh_early_stop_state,
     observe,
 )
+from opd.algorithms.harness import evaluate_with_harness, load_for_harness
 from opd.algorithms.validation import ValidationConfig
-from opd.models.config import OptimizerConfig
+from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import PolicyInterface
 from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager, reading_checkpoint
 from opd.utils.config import StrictConfig, config_to_yaml
@@ -134,6 +135,26 @@ class RunConfig(StrictConfig):
             "training.early_stop.target = teacher compares with a teacher's validation, which this run has "
             "none of; give a number"
         )
+
+    @abstractmethod
+    def model_loading(self) -> ModelLoadingConfig:
+        """How this run loads its models (dtype, device): the external harness loads the final model so too."""
+
+    def harness_comparisons(self) -> dict[str, str]:
+        """The models ``validation.harness.compare`` may name beside the final model, by label (none by default)."""
+        return {}
+
+    @model_validator(mode="after")
+    def _check_harness_comparisons(self) -> RunConfig:
+        """Each model ``validation.harness.compare`` names must be one this run has."""
+        available = self.harness_comparisons()
+        missing = [name for name in self.validation.harness.compare if name not in available]
+        if missing:
+            raise ValueError(
+                f"validation.harness.compare names {missing}, which this run has no model directory for "
+                f"(it has {sorted(available) or 'none'})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_early_stop(self) -> RunConfig:
@@ -474,10 +495,10 @@ class _TrainingRun:
         self.logger.log_metrics(metrics, step, console_keys=[key for key in metrics if key.startswith("val/")])
         return metrics
 
-    def _model_card(self) -> str:
+    def _model_card(self, harness_table: str | None = None) -> str:
         """``final_model/README.md`` for this run (see :mod:`opd.utils.model_card`)."""
         config = self.config.model_dump(mode="json", by_alias=True)
-        return render_model_card(config, self.state["step"], self.last_validation)
+        return render_model_card(config, self.state["step"], self.last_validation, harness_table)
 
     def _track_best(self, metrics: dict[str, float], step: int) -> None:
         checkpointing = self.config.checkpointing
@@ -537,7 +558,28 @@ class _TrainingRun:
             self.save(self.state["step"])
         write_final_model(self.policy, self.tokenizer, self.final_dir, self._model_card())
         log.info("final model written to %s", self.final_dir)
+        if self.config.validation.harness_tasks:
+            self._evaluate_with_harness(step)
         self.logger.close()
+
+    def _evaluate_with_harness(self, step: int) -> None:
+        """``validation.harness_tasks``: the final model (and the comparisons) through the external harness.
+
+        The scores go into the metrics log at the last step, beside the log as a table and a
+        JSON file, and into the final model's card.
+        """
+        settings = self.config.validation.harness
+        comparisons = self.config.harness_comparisons()
+        paths: dict[str, str] = {"model": str(self.final_dir)}
+        paths.update((name, comparisons[name]) for name in settings.compare)
+        loading = self.config.model_loading()
+        results = evaluate_with_harness(
+            paths, self.config.validation.harness_tasks, settings, lambda path: load_for_harness(path, loading)
+        )
+        self.logger.log_metrics(results.metrics(), step, console_keys=list(results.metrics()))
+        table = results.write(Path(self.logger.log_dir), settings)
+        (self.final_dir / CARD_FILENAME).write_text(self._model_card(results.table()), encoding="utf-8")
+        log.info("harness results written to %s and the model card", table)
 
 
 class _ContinuousData:

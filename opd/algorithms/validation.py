@@ -17,6 +17,7 @@ import torch
 from pydantic import Field
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from opd.algorithms.harness import HarnessConfig
 from opd.algorithms.loss_functions import token_kl, topk_token_kl
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import attach_teacher_fields
@@ -53,6 +54,14 @@ class ValidationConfig(StrictConfig):
     generate_strategy: GenerateStrategyConfig = Field(
         default_factory=lambda: GenerateStrategyConfig(decoding_method="greedy"),
         description="the model's decoding for validation (greedy by default)",
+    )
+    harness_tasks: list[str] = Field(
+        default_factory=list,
+        description="at the end of the run, evaluate the final model on these tasks of an external harness "
+        "(validation.harness; pip install 'opd[eval]'); empty = none",
+    )
+    harness: HarnessConfig = Field(
+        default_factory=HarnessConfig, description="the external harness of harness_tasks and opd eval --harness"
     )
 
 

@@ -107,13 +107,19 @@ def _run_rows(config: Mapping[str, Any], steps: int, distillation: bool) -> list
     return rows
 
 
-def render_model_card(config: Mapping[str, Any], steps: int, validation: tuple[int, Mapping[str, float]] | None) -> str:
+def render_model_card(
+    config: Mapping[str, Any],
+    steps: int,
+    validation: tuple[int, Mapping[str, float]] | None,
+    harness_table: str | None = None,
+) -> str:
     """The card's text.
 
     Args:
         config: the run's config as a plain dict (``model_dump(mode="json", by_alias=True)``).
         steps: optimizer steps taken.
         validation: ``(step, metrics)`` of the last validation, or None when none ran.
+        harness_table: the external harness's results as a Markdown table, or None.
     """
     distillation = _get(config, "distillation") is not None
     student = _get(config, "model.student_model_path") or _get(config, "model.model_path")
@@ -139,6 +145,10 @@ def render_model_card(config: Mapping[str, Any], steps: int, validation: tuple[i
         step, metrics = validation
         lines += [f"Last validation, after step {step}:", "", "| metric | value |", "|---|---|"]
         lines += [f"| {name} | {_format_value(value)} |" for name, value in sorted(metrics.items())]
+    if harness_table is not None:
+        harness = _get(config, "validation.harness.name") or "an external harness"
+        lines += ["", "## Evaluation", "", f"The final model through {harness} (`validation.harness_tasks`):", ""]
+        lines += [harness_table]
     lines += [
         "",
         "## Framework",
