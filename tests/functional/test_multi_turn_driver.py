@@ -235,11 +235,15 @@ def test_validation_plays_episodes_for_the_student_and_the_baselines(tmp_path):
 
     def recording_score(batch, request):
         scored.append({key: batch[key].clone() for key in ("input_ids", "input_lengths", "token_mask")})
+        scored[-1]["teacher_prompt_ids"] = batch["teacher_prompt_ids"]
         return real_score(batch, request)
 
     parts.teacher_policy.score = recording_score  # type: ignore[method-assign]
     distillation_train(**parts.as_arguments())
 
+    for batch in scored:  # the teacher's own prompt (with its context) lists the tools too
+        for prompt in batch["teacher_prompt_ids"]:
+            assert '"name": "calculator"' in parts.tokenizer.decode(prompt)
     # The first batch the teacher scores is the start validation's: episodes, with the tool's answer.
     validation_batch, tokenizer = scored[0], parts.tokenizer
     for row in range(validation_batch["input_ids"].shape[0]):
