@@ -261,3 +261,30 @@ def test_validation_plays_episodes_for_the_student_and_the_baselines(tmp_path):
         assert 0.0 <= logged[f"{prefix}accuracy"] <= 1.0 and logged[f"{prefix}reward"] == logged[f"{prefix}accuracy"]
     assert torch.isfinite(torch.tensor(logged["val/kl_forward"]))
     assert logged["val/baseline_student_accuracy"] == logged["val/accuracy"]  # the same episodes, before training
+
+
+def test_opd_eval_plays_episodes(tmp_path, monkeypatch):
+    """``opd eval`` with ``environment:`` validates on episodes; the teacher evaluated against
+    itself has zero KL over its own turns (the episode's ids and mask reach it as sampled)."""
+    import opd.algorithms.evaluation as evaluation
+
+    def build_and_force_the_call(config, model, tokenizer):
+        generation = real_build(config, model, tokenizer)
+        first_turn_calls_the_tool(generation, tokenizer, CALL)
+        return generation
+
+    real_build = evaluation.build_generation
+    monkeypatch.setattr(evaluation, "build_generation", build_and_force_the_call)
+    config = load_config(MasterConfig, TINY_CONFIG, [
+        *short_run_overrides(tmp_path),
+        f"data.val_path={REPO_ROOT / 'examples' / 'data' / 'tiny_arithmetic' / 'val.jsonl'}",
+        "data.max_val_examples=2",
+        "data.max_prompt_length=1024",
+        "validation.model_path=tiny:teacher",
+        "validation.generate_strategy.max_length=6",
+        "environment.max_turns=2",
+        "loss_fn.compile_kernels=false",
+    ])
+    metrics = evaluation.evaluate(config)
+    assert metrics["val/turns"] == 2.0 and metrics["val/tool_calls"] == 1.0 and metrics["val/success_share"] == 1.0
+    assert abs(metrics["val/kl_forward"]) <= 1e-5 and abs(metrics["val/kl_reverse"]) <= 1e-5
