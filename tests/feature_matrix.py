@@ -1,4 +1,4 @@
-"""The feature axes of issue 35 as config overrides on ``examples/configs/distillation_tiny.yaml``.
+"""The feature axes of issues 35 and 36 as config overrides on ``examples/configs/distillation_tiny.yaml``.
 
 Each axis is one kind of feature (the loss, the teacher, where the roles run, the
 scheduler, ...); each value of an axis is a list of ``key=value`` overrides, and the first
@@ -129,6 +129,15 @@ AXES: dict[str, tuple[Value, ...]] = {
         ),
     ),
     "lambda": (Value("1.0"), Value("0.5", ("distillation.lambda=0.5",))),
+    # Multi-turn episodes with the calculator; the tools section is about 700 tokens of the
+    # byte-level tokenizer. The combination test makes each episode's first turn a call.
+    "environment": (
+        Value("none"),
+        Value(
+            "tool",
+            ("environment.max_turns=2", "environment.max_episode_tokens=1024", "data.max_prompt_length=1000"),
+        ),
+    ),
 }
 """Every axis with its values, the default first."""
 

@@ -33,6 +33,7 @@ from typing import Any
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.distillation_config import MasterConfig
+from opd.algorithms.multi_turn import Episodes
 from opd.algorithms.rollout_schedule import RolloutSchedule, ScheduledBatch, signal_rows
 from opd.algorithms.training_loop import NextBatch, RunParts, RunSaveState, TrainingCallbacks, run_training_loop
 from opd.algorithms.validation import TeacherEngine, validate
@@ -304,6 +305,7 @@ class DistillationCallbacks(TrainingCallbacks):
             self.config.validation.generate_strategy,
             self.config.validation.teacher_topk,
             loss_request=self.loss_fn.teacher_request,
+            episodes=Episodes.from_config(self.config.environment),
         )
 
     def before_first_step(self) -> dict[str, float]:
@@ -353,6 +355,7 @@ def validation_baselines(
     if not (config.validation.teacher_baseline or config.validation.eval_baseline):
         return {}
     strategy = config.validation.generate_strategy
+    episodes = Episodes.from_config(config.environment)  # with an environment, each answers in episodes
     metrics: dict[str, float] = {}
     for engine in teacher_generation:
         prefix = "val/teacher_" if engine.name is None else f"val/teacher_{engine.name}_"
@@ -367,6 +370,7 @@ def validation_baselines(
                 prefix=prefix,
                 prompt_key=engine.prompt_key,
                 keep=engine.answers,
+                episodes=episodes,
             )
         finally:
             engine.generation.close()
@@ -383,6 +387,7 @@ def validation_baselines(
             strategy,
             prefix="val/student_",
             keep=engine.answers,
+            episodes=episodes,
         )
         student_accuracy = student_metrics.get("val/student_accuracy")
         teacher_accuracy = teacher_metrics.get(f"{prefix}accuracy")

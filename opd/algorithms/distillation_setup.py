@@ -777,7 +777,7 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     context = config.distillation.teacher_context_spec()
     choice = config.teachers.choice() if config.teachers is not None else None
     teacher_tokenizer = teacher_tokenizer_of(config)
-    # Multi-turn rollouts: every training prompt lists the environment's tools and keeps its messages.
+    # Multi-turn rollouts: every training and validation prompt lists the environment's tools and keeps its messages.
     tools = (build_environment(config.environment).tool_schemas() or []) if config.environment is not None else None
     train_examples = load_examples(
         config.data,
@@ -798,7 +798,13 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     )
     val_examples = (
         load_examples(
-            config.data, tokenizer, "val", context, teacher_choice=choice, teacher_tokenizer=teacher_tokenizer
+            config.data,
+            tokenizer,
+            "val",
+            context,
+            teacher_choice=choice,
+            teacher_tokenizer=teacher_tokenizer,
+            tools=tools,  # validation plays episodes too
         )
         if config.data.has_validation
         else None

@@ -2,7 +2,8 @@
 
 The model is ``validation.model_path`` (an HF model directory or a ``step_N``
 checkpoint), else the newest checkpoint of the run, else ``model.student_model_path``.
-It answers the validation prompts as in training's validation; the metrics are printed
+It answers the validation prompts as in training's validation (in episodes, with an
+``environment:``); the metrics are printed
 and written to ``<log_dir>/eval_metrics.json``.
 
 ``opd eval --harness lm-eval --tasks ...`` (:func:`evaluate_with_harness_tasks`) scores the
@@ -28,6 +29,7 @@ from opd.algorithms.distillation_setup import (
     teacher_tokenizer_of,
 )
 from opd.algorithms.harness import HarnessResults, evaluate_with_harness, load_for_harness
+from opd.algorithms.multi_turn import Episodes
 from opd.algorithms.run_setup import load_examples
 from opd.algorithms.validation import validate
 from opd.data.dataloaders import make_eval_dataloader
@@ -63,8 +65,15 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
     choice = config.teachers.choice() if config.teachers is not None else None
     context = config.distillation.teacher_context_spec()
     teacher_tokenizer = teacher_tokenizer_of(config)
+    episodes = Episodes.from_config(config.environment)  # with an environment, the model answers in episodes
     examples = load_examples(
-        config.data, tokenizer, "val", context, teacher_choice=choice, teacher_tokenizer=teacher_tokenizer
+        config.data,
+        tokenizer,
+        "val",
+        context,
+        teacher_choice=choice,
+        teacher_tokenizer=teacher_tokenizer,
+        tools=None if episodes is None else episodes.environment.tool_schemas() or [],
     )
     model_path = resolve_eval_model(config)
     student_model, in_process = load_models(config, tokenizer, model_path)
@@ -90,6 +99,7 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
             config.validation.generate_strategy,
             config.validation.teacher_topk,
             loss_request=config.loss_fn.teacher_request(len(tokenizer)),
+            episodes=episodes,
         )
     finally:
         generation.close()

@@ -5,7 +5,16 @@ single-turn rollout (the in-process HF loop, vLLM, a pool of rollout workers) sa
 multi-turn ones too. Each turn is one ``generate`` call over the episodes still running,
 with the whole trajectory so far as the prompt; the engine stops each turn at its stop
 tokens (for a chat model, the end-of-turn token), and a turn that reaches
-``strategy.max_length`` tokens without one is cut there and ends its episode.
+``strategy.max_length`` tokens without one is cut there and ends its episode. A turn
+also ends at the chat template's own end-of-turn token (:meth:`TurnTemplate.turn_end_ids`)
+even where the engine does not stop at it (a base model's tokenizer, whose EOS is another
+token): what follows it is dropped, as an engine stopping there would never have sampled it.
+
+With ``max_episode_tokens``, the whole sequence (prompt, turns and observations) never
+exceeds that many tokens, so it fits the student's and the teacher's context: each turn
+may take at most the tokens left, a turn cut there ends its episode, and an observation
+that leaves no room for another token ends the episode without it
+(:meth:`~opd.environments.base.Episode.stop` gives the reward).
 
 The trajectory's ids are the prompt, then each turn's ids as generated, then each
 observation tokenised once (:class:`~opd.environments.turn_template.TurnTemplate`), and
@@ -30,6 +39,7 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.environments.base import Environment, Episode, StudentTurn
+from opd.environments.config import EnvironmentConfig, build_environment
 from opd.environments.turn_template import TurnTemplate
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.rollout_batch import build_rollout_batch
@@ -49,6 +59,8 @@ class EpisodeRecord:
             in rendering observations.
         reward: the final reward (None: the environment gave none).
         truncated: the last turn was cut at the turn's length limit.
+        capped: ``max_episode_tokens`` ended the episode (its last turn was cut at the
+            tokens left, or the next observation did not fit).
     """
 
     turns: int = 0
@@ -58,6 +70,7 @@ class EpisodeRecord:
     environment_seconds: float = 0.0
     reward: float | None = None
     truncated: bool = False
+    capped: bool = False
 
 
 @dataclass
@@ -92,26 +105,101 @@ class MultiTurnRollout:
         )
 
     def metrics(self) -> dict[str, float]:
-        """Means over the episodes, and the environment's total time.
+        """The episodes' metrics (:func:`episode_metrics`)."""
+        return episode_metrics(self.episodes)
 
-        ``env/turns`` and ``env/tool_calls`` per episode; ``env/well_formed_share`` and
-        ``env/success_share`` of all calls (absent without calls); ``env/reward`` over the
-        episodes with a reward (absent without); ``timing/environment`` in seconds.
+
+def episode_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
+    """Means over the episodes, and the environment's total time.
+
+    ``env/turns`` and ``env/tool_calls`` per episode; ``env/truncated_share``: the share of
+    episodes that ``max_episode_tokens`` ended; ``env/well_formed_share`` and
+    ``env/success_share`` of all calls (absent without calls); ``env/reward`` over the
+    episodes with a reward (absent without); ``timing/environment`` in seconds.
+    """
+    count = max(len(records), 1)
+    calls = sum(record.tool_calls for record in records)
+    metrics = {
+        "env/turns": sum(record.turns for record in records) / count,
+        "env/tool_calls": calls / count,
+        "env/truncated_share": sum(record.capped for record in records) / count,
+        "timing/environment": sum(record.environment_seconds for record in records),
+    }
+    if calls:
+        metrics["env/well_formed_share"] = sum(record.well_formed_calls for record in records) / calls
+        metrics["env/success_share"] = sum(record.successful_calls for record in records) / calls
+    rewards = [record.reward for record in records if record.reward is not None]
+    if rewards:
+        metrics["env/reward"] = sum(rewards) / len(rewards)
+    return metrics
+
+
+@dataclass(frozen=True)
+class Episodes:
+    """What runs a run's episodes besides the engine: the environment and the episode's limits.
+
+    Training (:class:`~opd.algorithms.rollout_schedule.RolloutSchedule`) and validation
+    (:func:`~opd.algorithms.validation.validate`) run the same episodes from it.
+
+    Attributes:
+        environment: starts and answers the episodes.
+        max_turns: most student turns per episode.
+        max_episode_tokens: most tokens of a whole episode, prompt included (None: no limit
+            but ``max_turns`` turns of ``max_length`` tokens).
+    """
+
+    environment: Environment
+    max_turns: int
+    max_episode_tokens: int | None = None
+
+    @classmethod
+    def from_config(cls, config: EnvironmentConfig | None) -> Episodes | None:
+        """The episodes of an ``environment:`` section (None without one: one turn per rollout)."""
+        if config is None:
+            return None
+        return cls(build_environment(config), config.max_turns, config.max_episode_tokens)
+
+    def rollout(
+        self,
+        generation: GenerationInterface,
+        tokenizer: Any,
+        examples: Sequence[Mapping[str, Any]],
+        strategy: GenerateStrategyConfig,
+        num_samples: int = 1,
+        return_logprobs: bool = True,
+        prompt_key: str | None = None,
+    ) -> MultiTurnRollout:
+        """The episodes of prepared examples (their ``prompt_messages`` and ``ground_truth``).
+
+        Args:
+            generation: samples each turn (switched on by the caller).
+            tokenizer: the engine's tokenizer (its chat template joins the turns).
+            examples: prepared examples with ``prompt_messages`` (loaded with the tools).
+            strategy: sampling of each turn.
+            num_samples: episodes per example.
+            return_logprobs: ask the engine for the sampler's log-probs.
+            prompt_key: each episode's prompt ids are ``example[prompt_key]`` (a teacher's own
+                prompt: ``teacher_prompt_ids``); None renders ``prompt_messages`` with the tools.
+
+        Raises:
+            ValueError: an example has no ``prompt_messages`` (it was loaded without the tools).
         """
-        count = max(len(self.episodes), 1)
-        calls = sum(record.tool_calls for record in self.episodes)
-        metrics = {
-            "env/turns": sum(record.turns for record in self.episodes) / count,
-            "env/tool_calls": calls / count,
-            "timing/environment": sum(record.environment_seconds for record in self.episodes),
-        }
-        if calls:
-            metrics["env/well_formed_share"] = sum(record.well_formed_calls for record in self.episodes) / calls
-            metrics["env/success_share"] = sum(record.successful_calls for record in self.episodes) / calls
-        rewards = [record.reward for record in self.episodes if record.reward is not None]
-        if rewards:
-            metrics["env/reward"] = sum(rewards) / len(rewards)
-        return metrics
+        if any("prompt_messages" not in example for example in examples):
+            raise ValueError("multi-turn episodes need each example's prompt_messages (prepare_examples with tools)")
+        return multi_turn_rollout(
+            generation,
+            self.environment,
+            TurnTemplate(tokenizer, self.environment.tool_schemas()),
+            [{"ground_truth": example.get("ground_truth")} for example in examples],
+            [example["prompt_messages"] for example in examples],
+            strategy,
+            self.max_turns,
+            tokenizer.pad_token_id,
+            num_samples,
+            return_logprobs,
+            prompt_ids=None if prompt_key is None else [list(example[prompt_key]) for example in examples],
+            max_episode_tokens=self.max_episode_tokens,
+        )
 
 
 def multi_turn_rollout(
@@ -125,6 +213,8 @@ def multi_turn_rollout(
     pad_token_id: int,
     num_samples: int = 1,
     return_logprobs: bool = True,
+    prompt_ids: Sequence[list[int]] | None = None,
+    max_episode_tokens: int | None = None,
 ) -> MultiTurnRollout:
     """Runs ``num_samples`` episodes per row, turn by turn, and lays them out as a training batch.
 
@@ -142,27 +232,46 @@ def multi_turn_rollout(
         pad_token_id: fills rows past their length.
         num_samples: episodes per row (adjacent in the batch).
         return_logprobs: ask the engine for the sampler's log-probs.
+        prompt_ids: each row's prompt ids, where they are not ``prompt_messages`` rendered
+            by ``template`` (a teacher's prompt with its teacher-only context); the messages
+            still are the conversation the observations are rendered after.
+        max_episode_tokens: most tokens of an episode, prompt included (None: no limit).
 
     Returns:
         The batch and the episodes' records; see the module docstring.
+
+    Raises:
+        ValueError: a prompt leaves no room for a turn under ``max_episode_tokens``.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if len(rows) != len(prompt_messages):
         raise ValueError(f"{len(rows)} rows but {len(prompt_messages)} prompt conversations")
+    if prompt_ids is not None and len(prompt_ids) != len(rows):
+        raise ValueError(f"{len(rows)} rows but {len(prompt_ids)} prompts")
     tokenizer = template.tokenizer
+    turn_ends = set(template.turn_end_ids())
     trajectories = []
-    for row, messages in zip(rows, prompt_messages):
-        prompt_ids = template.prompt_ids(messages)
+    for position, (row, messages) in enumerate(zip(rows, prompt_messages)):
+        prompt = template.prompt_ids(messages) if prompt_ids is None else list(prompt_ids[position])
+        if max_episode_tokens is not None and len(prompt) >= max_episode_tokens:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens leaves no room for a turn under environment.max_episode_tokens "
+                f"= {max_episode_tokens}; raise it above data.max_prompt_length"
+            )
         for _ in range(num_samples):
-            trajectories.append(_Trajectory(prompt_ids, list(messages), environment.start(row)))
+            trajectories.append(_Trajectory(prompt, list(messages), environment.start(row)))
     running = list(range(len(trajectories)))
     for turn_index in range(max_turns):
         if not running:
             break
+        rooms = [_room(trajectories[index], max_episode_tokens) for index in running]
+        turn_strategy = strategy
+        if min(rooms) < strategy.max_length:  # the cap shortens some turn: no turn needs more than the most room
+            turn_strategy = strategy.model_copy(update={"max_length": max(1, min(strategy.max_length, max(rooms)))})
         turns = generation.generate(
             [trajectories[index].prompt_ids + trajectories[index].ids for index in running],
-            strategy,
+            turn_strategy,
             num_samples=1,
             return_logprobs=return_logprobs,
         )
@@ -171,13 +280,22 @@ def multi_turn_rollout(
             trajectory = trajectories[index]
             start, end = int(turns["prompt_lengths"][position]), int(turns["input_lengths"][position])
             turn_ids = turns["input_ids"][position, start:end].tolist()
-            trajectory.ids += turn_ids
-            trajectory.mask += [1.0] * len(turn_ids)
-            trajectory.logprobs += (
+            turn_logprobs = (
                 turns["generation_logprobs"][position, start:end].tolist() if return_logprobs else [0.0] * len(turn_ids)
             )
             ended = not bool(turns["truncated"][position])
+            # The template's end of turn ends the turn, whether or not the engine stops there.
+            cut = next((at + 1 for at, token in enumerate(turn_ids) if token in turn_ends), None)
+            if cut is not None:
+                turn_ids, turn_logprobs, ended = turn_ids[:cut], turn_logprobs[:cut], True
+            room = rooms[position]
+            if len(turn_ids) > room:  # another row's room was larger: this turn stops at its own
+                turn_ids, turn_logprobs, ended = turn_ids[:room], turn_logprobs[:room], False
             record = trajectory.record
+            record.capped = not ended and room < strategy.max_length and len(turn_ids) >= room
+            trajectory.ids += turn_ids
+            trajectory.mask += [1.0] * len(turn_ids)
+            trajectory.logprobs += turn_logprobs
             record.turns += 1
             began = time.perf_counter()
             turn = StudentTurn(tokenizer.decode(turn_ids, skip_special_tokens=True), tuple(turn_ids), ended)
@@ -190,15 +308,25 @@ def multi_turn_rollout(
             else:
                 turn_end = tokenizer.decode(turn_ids[-1:]) if ended else ""
                 observation = template.observation_ids(trajectory.history, turn_end, result.observation)
-                content = tokenizer.decode(turn_ids[:-1] if ended else turn_ids)
-                trajectory.history += [{"role": "assistant", "content": content}, *result.observation]
-                trajectory.ids += observation
-                trajectory.mask += [0.0] * len(observation)
-                trajectory.logprobs += [0.0] * len(observation)
-                still_running.append(index)
+                if len(observation) >= _room(trajectory, max_episode_tokens):  # no room for a token after it
+                    record.reward, record.capped = trajectory.episode.stop(), True
+                else:
+                    content = tokenizer.decode(turn_ids[:-1] if ended else turn_ids)
+                    trajectory.history += [{"role": "assistant", "content": content}, *result.observation]
+                    trajectory.ids += observation
+                    trajectory.mask += [0.0] * len(observation)
+                    trajectory.logprobs += [0.0] * len(observation)
+                    still_running.append(index)
             record.environment_seconds += time.perf_counter() - began
         running = still_running
     return MultiTurnRollout(_batch(trajectories, pad_token_id, return_logprobs), [t.record for t in trajectories])
+
+
+def _room(trajectory: _Trajectory, max_episode_tokens: int | None) -> int:
+    """Tokens the trajectory may still grow by (without a cap: more than any turn takes)."""
+    if max_episode_tokens is None:
+        return 2**62
+    return max_episode_tokens - len(trajectory.prompt_ids) - len(trajectory.ids)
 
 
 def _batch(trajectories: list[_Trajectory], pad_token_id: int, with_logprobs: bool) -> BatchedDataDict:

@@ -328,6 +328,7 @@ class RolloutSchedule:
                 self.tokenizer.pad_token_id,
                 distillation.num_samples_per_prompt,
                 self.return_logprobs,
+                max_episode_tokens=config.environment.max_episode_tokens,
             )
         finally:
             self.generation.finish_generation()

@@ -1,7 +1,10 @@
 """Validation: a model answers the validation prompts; accuracy, KL to the teacher, lengths.
 
 Shared by distillation (student vs teacher) and SFT (no teacher: accuracy and lengths
-only). Answers are checked with :mod:`opd.environments.math_verifier`.
+only). Answers are checked with :mod:`opd.environments.math_verifier`. With an
+environment (``environment:``), the model plays whole episodes instead of answering in one
+turn (:class:`~opd.algorithms.multi_turn.Episodes`, the same rollout training samples),
+and the environment's final reward grades them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.algorithms.harness import HarnessConfig
 from opd.algorithms.loss_functions import token_kl, topk_token_kl
+from opd.algorithms.multi_turn import EpisodeRecord, Episodes, episode_metrics
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import attach_teacher_fields
 from opd.data.dataloaders import PreparedExample
@@ -107,6 +111,7 @@ def validate(
     prompt_key: Literal["prompt_ids", "teacher_prompt_ids"] = "prompt_ids",
     loss_request: TeacherRequest | None = None,
     keep: Callable[[PreparedExample], bool] | None = None,
+    episodes: Episodes | None = None,
 ) -> dict[str, float]:
     """A model generates on the validation prompts; reports accuracy, KL and lengths.
 
@@ -130,12 +135,20 @@ def validate(
             validation falls back to (see :func:`kl_request`).
         keep: answers only the examples for which it is true (a routed teacher's own
             prompts); None answers every example.
+        episodes: with an environment, the model plays an episode per prompt (up to its
+            ``max_turns``, each turn decoded with ``generate_strategy``) and is graded by the
+            environment's final reward; None answers in one turn.
 
     Returns:
         ``{prefix}kl_forward`` / ``kl_reverse`` (token means over the generated
         responses; left out when the teacher answers none of :func:`kl_request`'s
         signals), ``mean_response_length``, ``truncation_rate``, and ``accuracy`` when the
-        data has ground truth.
+        data has ground truth. With ``episodes``: the KL is over the model's own tokens of
+        each episode (its turns, not the observations), the response is everything after
+        the prompt, ``accuracy`` is the mean final reward (the share graded correct, for
+        the math verifier), and the episode metrics (:func:`~opd.algorithms.multi_turn.episode_metrics`)
+        come with the prefix: ``turns``, ``tool_calls``, ``truncated_share``,
+        ``well_formed_share``, ``success_share`` and ``reward``.
     """
     vocab_size = len(tokenizer)
     request = None if teacher is None else kl_request(teacher, loss_request, vocab_size, teacher_topk)
@@ -148,31 +161,51 @@ def validate(
         else functools.partial(_one_answer, teacher, comparison.teacher_request)
     )
     totals = {"kl_forward": 0.0, "kl_reverse": 0.0, "tokens": 0.0, "length": 0.0, "truncated": 0.0}
-    correct, graded, rows = 0, 0, 0
+    correct, graded, rows = 0.0, 0, 0
+    records: list[EpisodeRecord] = []
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         for all_examples in val_dataloader:
             examples = all_examples if keep is None else [example for example in all_examples if keep(example)]
             if not examples:
                 continue
+            rewards: list[float | None] | None = None
             generation.prepare_for_generation()
             try:
-                batch = generation.generate(
-                    [example[prompt_key] for example in examples], generate_strategy, 1, return_logprobs=False
-                )
+                if episodes is None:
+                    batch = generation.generate(
+                        [example[prompt_key] for example in examples], generate_strategy, 1, return_logprobs=False
+                    )
+                else:  # the student's own prompt is rendered from its messages, as in training
+                    rollout = episodes.rollout(
+                        generation,
+                        tokenizer,
+                        examples,
+                        generate_strategy,
+                        return_logprobs=False,
+                        prompt_key=None if prompt_key == "prompt_ids" else prompt_key,
+                    )
+                    batch, rewards = rollout.batch, [record.reward for record in rollout.episodes]
+                    records += rollout.episodes
             finally:
                 generation.finish_generation()
             if comparison is not None and teacher_signal is not None and policy is not None:
                 attach_teacher_fields(batch, examples, 1)
-                batch["token_mask"] = build_token_mask(
-                    batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1], True
-                )
+                if "token_mask" not in batch:  # an episode's mask already leaves out its observations
+                    batch["token_mask"] = build_token_mask(
+                        batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1], True
+                    )
                 sums = policy.compare_with_teacher(batch, comparison, teacher_signal)
                 for key in ("kl_forward", "kl_reverse", "tokens"):
                     totals[key] += sums[key]
             totals["length"] += float(batch["response_lengths"].sum())
             totals["truncated"] += float(batch["truncated"].sum())
             rows += batch.size
+            if rewards is not None:
+                graded_rewards = [reward for reward in rewards if reward is not None]
+                correct += sum(graded_rewards)
+                graded += len(graded_rewards)
+                continue
             grades = grade_responses(
                 batch["input_ids"],
                 batch["prompt_lengths"],
@@ -192,6 +225,10 @@ def validate(
         metrics[f"{prefix}kl_reverse"] = totals["kl_reverse"] / tokens
     if graded:
         metrics[f"{prefix}accuracy"] = correct / graded
+    if episodes is not None:
+        for key, value in episode_metrics(records).items():
+            if key.startswith("env/"):
+                metrics[prefix + key.removeprefix("env/")] = value
     return metrics
 
 

@@ -108,7 +108,7 @@ def prepare_examples(
             item["response_mask"] = response_mask
         try:
             _add_teacher_fields(
-                item, example, prompt_messages, tokenizer, teacher_context, teacher_choice, teacher_tokenizer
+                item, example, prompt_messages, tokenizer, teacher_context, teacher_choice, teacher_tokenizer, tools
             )
         except DataError as error:
             raise DataError(f"{source}: example {index + 1}: {error}") from None
@@ -129,13 +129,18 @@ def _add_teacher_fields(
     teacher_context: TeacherContext | None,
     teacher_choice: TeacherChoice | None,
     teacher_tokenizer: Any | None,
+    tools: list[dict] | None = None,
 ) -> None:
-    """The example's teacher prompt (a teacher-only context, or the teacher's own tokenizer) and assignment."""
+    """The example's teacher prompt (a teacher-only context, or the teacher's own tokenizer) and assignment.
+
+    The teacher's prompt lists the environment's ``tools`` as the student's does: the
+    teacher grades turns that call them.
+    """
     if teacher_context is not None or teacher_tokenizer is not None:
         messages = prompt_messages
         if teacher_context is not None:
             messages = teacher_context.apply(prompt_messages, teacher_context.context_for(example))
-        item["teacher_prompt_ids"] = encode_prompt(teacher_tokenizer or tokenizer, messages)
+        item["teacher_prompt_ids"] = encode_prompt(teacher_tokenizer or tokenizer, messages, tools)
     if teacher_choice is not None:
         if teacher_choice.routes:
             item["teacher_index"] = teacher_choice.index_for(example)

@@ -76,6 +76,16 @@ class Episode(ABC):
             exceptions.
         """
 
+    def stop(self) -> float | None:
+        """The rollout ends the episode after the turn just answered (the whole episode reached
+        ``max_episode_tokens``: the observation it answered with does not fit).
+
+        Returns:
+            The episode's final reward, graded as if that turn had been the last one allowed
+            (the default: None, no reward).
+        """
+        return None
+
 
 class Environment(ABC):
     """Makes episodes from dataset rows, and says which tools the chat template lists."""

@@ -40,6 +40,13 @@ class EnvironmentConfig(StrictConfig):
     max_turns: int = Field(
         4, ge=1, description="most student turns per episode; each turn has generate_strategy's max_length new tokens"
     )
+    max_episode_tokens: int | None = Field(
+        None,
+        ge=2,
+        description="most tokens of a whole episode, prompt, turns and observations included (keep it within the "
+        "student's and the teacher's context); each turn gets at most the tokens left, and an observation that does "
+        "not fit ends the episode (env/truncated_share); null = no limit but max_turns turns of max_length tokens",
+    )
     tool_timeout_s: float = Field(
         5.0, gt=0.0, description="longest wait for one tool call; past it the student sees an error"
     )

@@ -11,6 +11,8 @@ Each turn of the student is read for tool calls (:mod:`opd.environments.tool_cal
   (:func:`opd.environments.math_verifier.is_correct`: 1.0 or 0.0; None without a ground truth).
 * A turn cut at its length limit, or the rollout's last turn, also ends the episode with
   the verifier's grade of the turn (no tool runs then: its result would never be read).
+* An episode the rollout stops after a turn with calls (its results would not fit under
+  ``max_episode_tokens``) is graded on that turn too (:meth:`ToolEpisode.stop`).
 """
 
 from __future__ import annotations
@@ -67,9 +69,11 @@ class ToolEpisode(Episode):
     def __init__(self, environment: ToolEnvironment, row: Mapping[str, Any]) -> None:
         self.environment = environment
         self.row = row
+        self.last_text = ""
 
     def step(self, turn: StudentTurn, last_turn: bool = False) -> StepResult:
         """Runs the turn's calls and answers with their results, or ends with the grade (see the module)."""
+        self.last_text = turn.text
         calls = parse_tool_calls(turn.text)
         well_formed = sum(not isinstance(call, MalformedCall) for call in calls)
         if not calls or not turn.ended or last_turn:
@@ -84,3 +88,7 @@ class ToolEpisode(Episode):
                 outcomes.append(run_tool(tool, call.name, call.arguments, self.environment.limits))
         messages = [{"role": TOOL_ROLE, "content": outcome.content} for outcome in outcomes]
         return StepResult(messages, False, None, len(calls), well_formed, sum(outcome.ok for outcome in outcomes))
+
+    def stop(self) -> float | None:
+        """The grade of the last turn: the episode ends without the student's next turn."""
+        return self.environment.grader(self.last_text, self.row)

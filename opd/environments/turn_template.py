@@ -55,6 +55,23 @@ class TurnTemplate:
         """The episode's prompt: ``messages`` rendered with the tools and the assistant header."""
         return encode_text(self.tokenizer, self.render(messages, add_generation_prompt=True))
 
+    def turn_end_ids(self) -> list[int]:
+        """The special token(s) with which the template ends an assistant turn (``<|im_end|>`` for ChatML).
+
+        Found by rendering a finished assistant turn and reading the first token the
+        template writes after its content; empty where that is not a special token (a
+        template that ends turns with plain text: only the engine's stop tokens end a turn).
+        """
+        messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": PLACEHOLDER}]
+        text = self.render(messages, add_generation_prompt=False)
+        at = text.rfind(PLACEHOLDER)
+        after = text[at + len(PLACEHOLDER) :] if at >= 0 else ""
+        ids = encode_text(self.tokenizer, after) if after else []
+        special = set(self.tokenizer.all_special_ids) | {
+            token_id for token_id, token in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if token.special
+        }
+        return ids[:1] if ids and ids[0] in special else []
+
     def observation_text(self, history: list[dict[str, Any]], turn_end: str, observation: list[dict[str, Any]]) -> str:
         """The template's text between the student's last turn and its next turn.
 

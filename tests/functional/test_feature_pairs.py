@@ -2,7 +2,8 @@
 
 The axes and their values are those of ``tests/feature_matrix.py`` (issue 35): the loss,
 the teacher, the cluster placement, the scheduler, the rollout engine, LoRA, packing,
-context distillation, the validation baselines, λ. Which pairs are accepted is read from
+context distillation, the validation baselines, λ, and the environment (multi-turn
+episodes with the calculator, each episode's first turn a call). Which pairs are accepted is read from
 the validator when the tests run, so a refusal removed from it adds its pairs here
 without an edit. A covering array (:func:`feature_matrix.combination_runs`) sets every accepted
 pair in a few runs, each of which sets one value on every axis:
@@ -33,6 +34,7 @@ from pathlib import Path
 import feature_matrix as fm  # tests/ is on sys.path (tests/conftest.py)
 import pytest
 import torch
+from opd_test_helpers import first_turn_calls_the_tool
 from safetensors.torch import load_file
 
 from opd.algorithms.distillation import distillation_train
@@ -43,6 +45,8 @@ from opd.utils.config import load_config
 STEPS = 2
 RELATIVE_TOLERANCE = 1e-5
 COMPARED = ("train/loss", "train/grad_norm")
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+"""Every episode's first turn with ``environment = tool`` (the student's later turns are its own)."""
 
 
 # ------------------------------------------------------------------------------ shared fixtures
@@ -95,7 +99,8 @@ def other_tokenizer_teacher(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def served_url():
-    """``opd serve-teacher``'s app serving the tiny teacher (``tiny:teacher``) on a free local port."""
+    """``opd serve-teacher``'s app serving the tiny teacher (``tiny:teacher``) on a free local port
+    (sequences up to 2048 tokens: an episode's prompt lists the tools)."""
     from opd_test_helpers import RunningServer
 
     from opd.models.teacher.scoring import PromptScorer
@@ -104,7 +109,7 @@ def served_url():
 
     tokenizer = build_tiny_tokenizer()
     service = TeacherService(
-        PromptScorer(build_tiny_model("teacher").eval(), len(tokenizer)), tokenizer, "tiny-teacher", 128, 512
+        PromptScorer(build_tiny_model("teacher").eval(), len(tokenizer)), tokenizer, "tiny-teacher", 128, 2048
     )
     running = RunningServer(service)
     yield f"http://127.0.0.1:{running.port}"
@@ -179,6 +184,10 @@ def train(
         return _RECORDS[key]
     config = load_config(MasterConfig, fm.TINY_CONFIG, overrides)
     components = setup(config)
+    if fm.complete(choice)["environment"] == "tool":  # the tiny models never call a tool on their own
+        first_turn_calls_the_tool(components.student_generation, components.tokenizer, CALL)
+        for engine in components.teacher_generation:
+            first_turn_calls_the_tool(engine.generation, engine.tokenizer, CALL)
     try:
         distillation_train(**components.as_arguments())
     finally:
@@ -208,6 +217,13 @@ def check_run(choice: fm.Choice, records: list[dict], output_dir: Path, initial:
     assert moved, "the student's weights did not change"
     if fm.complete(choice)["baselines"] == "on":
         assert baselines_of(records), "no teacher baseline"
+    if fm.complete(choice)["environment"] == "tool":  # each on-policy step: a call, its answer, a second turn
+        for record in steps:
+            if record["train/on_policy"]:
+                assert (record["env/turns"], record["env/success_share"]) == (2.0, 1.0), f"step {record['step']}"
+        for key, value in baselines_of(records).items():
+            if key.endswith("_turns"):
+                assert value == 2.0, f"the baseline's episodes: {key}"
 
 
 def baselines_of(records: list[dict]) -> dict[str, float]:
@@ -278,7 +294,10 @@ def _first_with(group: list[dict[str, str]], axis: str, name: str, fallback: dic
 
 
 def test_two_routed_teachers_with_every_row_on_one_equal_that_teacher_alone(runs, resources, data, tmp_path):
-    routed = _first_with(runs["in_process"], "teacher", "route", {"teacher": "route"})
+    # Routing does not meet the environment (each row's teacher scores its whole episode): a
+    # run without it keeps this comparison cheap (an episode's prompt lists the tools).
+    single_turn = [run for run in runs["in_process"] if run["environment"] == "none"]
+    routed = _first_with(single_turn, "teacher", "route", {"teacher": "route"})
     alone = {**routed, "teacher": "local"}  # member a is tiny:teacher, the local teacher
     if fm.refusal(alone) is not None:  # the run's other features need several teachers: compare routing alone
         routed = fm.complete({"teacher": "route"})

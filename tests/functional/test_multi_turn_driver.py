@@ -199,3 +199,92 @@ def test_fixed_data_steps_train_on_recorded_episodes_with_the_assistant_turns_al
             assert "<tool_response>\n42\n</tool_response>" in tokenizer.decode(ids[~mask.bool()])
     records = [json.loads(line) for line in (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [record["train/on_policy"] for record in records if "train/on_policy" in record] == [0.0, 0.0]
+
+
+def test_validation_plays_episodes_for_the_student_and_the_baselines(tmp_path):
+    """With ``environment:``, validation (and the teacher / student-before baselines) runs whole
+    episodes through the training rollout: the tool's result reaches the episode, the teacher
+    scores the student's turns only, and the episode metrics are logged under each prefix."""
+    config = load_config(MasterConfig, TINY_CONFIG, [
+        *short_run_overrides(tmp_path),
+        f"data.val_path={REPO_ROOT / 'examples' / 'data' / 'tiny_arithmetic' / 'val.jsonl'}",
+        "data.max_val_examples=2",
+        "data.max_train_examples=2",
+        "data.max_prompt_length=1024",
+        "validation.val_at_start=true",
+        "validation.generate_strategy.max_length=6",
+        "validation.teacher_baseline=true",
+        "validation.eval_baseline=true",
+        "distillation.teacher_context=Answer with the number only.",  # the teacher's baseline uses its own prompt
+        "checkpointing.enabled=false",
+        "training.batch_size=2",
+        "training.micro_batch_size=null",
+        "training.warmup_steps=0",
+        "training.max_num_steps=1",
+        "distillation.num_samples_per_prompt=1",
+        "distillation.generate_strategy.max_length=6",
+        "environment.max_turns=2",
+        "loss_fn.compile_kernels=false",
+    ])
+    parts = setup(config)
+    first_turn_calls_the_tool(parts.student_generation, parts.tokenizer, CALL)
+    for engine in parts.teacher_generation:
+        first_turn_calls_the_tool(engine.generation, engine.tokenizer, CALL)
+    scored = []
+    real_score = parts.teacher_policy.score
+
+    def recording_score(batch, request):
+        scored.append({key: batch[key].clone() for key in ("input_ids", "input_lengths", "token_mask")})
+        scored[-1]["teacher_prompt_ids"] = batch["teacher_prompt_ids"]
+        return real_score(batch, request)
+
+    parts.teacher_policy.score = recording_score  # type: ignore[method-assign]
+    distillation_train(**parts.as_arguments())
+
+    for batch in scored:  # the teacher's own prompt (with its context) lists the tools too
+        for prompt in batch["teacher_prompt_ids"]:
+            assert '"name": "calculator"' in parts.tokenizer.decode(prompt)
+    # The first batch the teacher scores is the start validation's: episodes, with the tool's answer.
+    validation_batch, tokenizer = scored[0], parts.tokenizer
+    for row in range(validation_batch["input_ids"].shape[0]):
+        length = int(validation_batch["input_lengths"][row])
+        text = tokenizer.decode(validation_batch["input_ids"][row, :length])
+        assert "<tool_response>\n42\n</tool_response>" in text
+        mask = validation_batch["token_mask"][row, :length]
+        assert int((mask[1:] != mask[:-1]).sum()) >= 2, "the observation is a hole in validation's KL mask"
+    records = [json.loads(line) for line in (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()]
+    logged = {key: value for record in records for key, value in record.items() if key.startswith("val/")}
+    for prefix in ("val/", "val/teacher_"):
+        assert logged[f"{prefix}turns"] == 2.0 and logged[f"{prefix}tool_calls"] == 1.0, prefix
+        assert logged[f"{prefix}well_formed_share"] == 1.0 and logged[f"{prefix}success_share"] == 1.0, prefix
+        assert logged[f"{prefix}truncated_share"] == 0.0, prefix
+        assert 0.0 <= logged[f"{prefix}accuracy"] <= 1.0 and logged[f"{prefix}reward"] == logged[f"{prefix}accuracy"]
+    assert torch.isfinite(torch.tensor(logged["val/kl_forward"]))
+    assert logged["val/baseline_student_accuracy"] == logged["val/accuracy"]  # the same episodes, before training
+
+
+def test_opd_eval_plays_episodes(tmp_path, monkeypatch):
+    """``opd eval`` with ``environment:`` validates on episodes; the teacher evaluated against
+    itself has zero KL over its own turns (the episode's ids and mask reach it as sampled)."""
+    import opd.algorithms.evaluation as evaluation
+
+    def build_and_force_the_call(config, model, tokenizer):
+        generation = real_build(config, model, tokenizer)
+        first_turn_calls_the_tool(generation, tokenizer, CALL)
+        return generation
+
+    real_build = evaluation.build_generation
+    monkeypatch.setattr(evaluation, "build_generation", build_and_force_the_call)
+    config = load_config(MasterConfig, TINY_CONFIG, [
+        *short_run_overrides(tmp_path),
+        f"data.val_path={REPO_ROOT / 'examples' / 'data' / 'tiny_arithmetic' / 'val.jsonl'}",
+        "data.max_val_examples=2",
+        "data.max_prompt_length=1024",
+        "validation.model_path=tiny:teacher",
+        "validation.generate_strategy.max_length=6",
+        "environment.max_turns=2",
+        "loss_fn.compile_kernels=false",
+    ])
+    metrics = evaluation.evaluate(config)
+    assert metrics["val/turns"] == 2.0 and metrics["val/tool_calls"] == 1.0 and metrics["val/success_share"] == 1.0
+    assert abs(metrics["val/kl_forward"]) <= 1e-5 and abs(metrics["val/kl_reverse"]) <= 1e-5
