@@ -172,7 +172,9 @@ class ShardedTeacher(LocalTeacher):
     """A frozen teacher sharded with FSDP2: its forward gathers the weights, under ``no_grad``."""
 
     def __init__(self, model: Any) -> None:
-        super().__init__(model)
+        # One forward per micro-batch: every rank gathers the weights in the same passes,
+        # whatever prompts its rows share (a shared prompt's pass would add one on some ranks).
+        super().__init__(model, share_prompt_forward=False)
         self.no_grad_mode = torch.no_grad
 
     def final_hidden_states(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
