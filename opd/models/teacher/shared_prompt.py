@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -57,7 +58,10 @@ class PromptGroups:
 
 def sharing_problem(model: PreTrainedModel) -> str | None:
     """Why ``model``'s prompts cannot be shared (its layers are not all full attention), or None."""
-    config = model.config.get_text_config(decoder=True)
+    model_config: Any = getattr(model, "config", None)
+    if not hasattr(model_config, "get_text_config"):
+        return "it is not a transformers model with a config"
+    config = model_config.get_text_config(decoder=True)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         other = sorted({kind for kind in layer_types if kind != "full_attention"})
