@@ -169,7 +169,7 @@ def _serve_tools(connection: Connection, max_memory_mb: int | None) -> None:
         try:
             function, arguments, max_output_chars = pickle.loads(payload)  # may import the tool's module
         except BaseException as error:
-            connection.send(("error", f"its function could not be loaded in the worker: {_failure_detail(error)}"))
+            connection.send(("unloadable", _failure_detail(error)))
             continue
         connection.send(("loaded", ""))  # the time limit starts here, as the call does
         try:
@@ -222,10 +222,14 @@ class _WorkerPool:
 
     def take(self, max_memory_mb: int | None) -> _ToolWorker:
         with self._lock:
-            for index, worker in enumerate(self._idle):
-                if worker.max_memory_mb == max_memory_mb and worker.process.is_alive():
-                    return self._idle.pop(index)
-        return _ToolWorker(max_memory_mb)
+            dead = [worker for worker in self._idle if not worker.process.is_alive()]
+            self._idle = [worker for worker in self._idle if worker not in dead]
+            chosen = next((worker for worker in self._idle if worker.max_memory_mb == max_memory_mb), None)
+            if chosen is not None:
+                self._idle.remove(chosen)
+        for worker in dead:  # ended while idle (killed from outside): reaped, not reused
+            worker.stop()
+        return chosen if chosen is not None else _ToolWorker(max_memory_mb)
 
     def give_back(self, worker: _ToolWorker) -> None:
         with self._lock:
@@ -274,6 +278,11 @@ def _run_in_process(tool: Tool, name: str, arguments: dict[str, Any], limits: Sa
         code = worker.process.exitcode
         return ToolOutcome(error_message(f"{name} ended its process (exit code {code})"), False)
     WORKERS.give_back(worker)
+    if kind == "unloadable":
+        raise ValueError(
+            f"tool {name!r} cannot run with environment.tool_isolation = process: the worker process could not "
+            f"import its function ({text}); define it at the top level of a module on the worker's sys.path"
+        )
     if kind == "error":
         return ToolOutcome(_cut(error_message(f"{name} failed: {text}"), limits.max_output_chars), False)
     return ToolOutcome(text, True)

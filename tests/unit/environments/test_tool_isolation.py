@@ -9,6 +9,7 @@ setup error naming the tool.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from opd_isolation_tools import (
@@ -112,3 +113,34 @@ def test_the_config_runs_the_built_in_tools_in_a_process():
     assert (outcome.content, outcome.ok) == ("699678", True)
     with pytest.raises(ValueError, match="isolation"):
         SandboxLimits(isolation="container")
+
+
+def test_a_function_the_worker_cannot_import_is_a_setup_error():
+    import opd_isolation_tools
+
+    def nested() -> str:  # pickled by name as opd_isolation_tools.ghost, which the worker does not have
+        return "never"
+
+    nested.__qualname__ = nested.__name__ = "ghost"
+    nested.__module__ = opd_isolation_tools.__name__
+    opd_isolation_tools.ghost = nested  # picklable here, by that name
+    try:
+        with pytest.raises(ValueError, match="the worker process could not import its function"):
+            run_tool(_tool(nested), "ghost", {}, SandboxLimits(isolation="process"))
+    finally:
+        del opd_isolation_tools.ghost
+    assert _run(structured, "process").ok  # the worker answers on
+
+
+def test_an_idle_worker_killed_from_outside_is_replaced():
+    import signal
+
+    WORKERS.stop_all()
+    first = int(_run(process_id, "process").content)
+    os.kill(first, signal.SIGKILL)
+    for _ in range(500):  # until the kill has landed (the pool sees it as not alive)
+        if not WORKERS._idle[0].process.is_alive():
+            break
+        time.sleep(0.01)
+    second = int(_run(process_id, "process").content)
+    assert second != first and WORKERS.worker_pids() == [second]
