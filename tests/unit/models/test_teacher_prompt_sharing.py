@@ -14,7 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from opd.algorithms.multi_turn import multi_turn_rollout
 from opd.data.sequences import pack_padding_free, pack_sequences
+from opd.environments.base import Environment, Episode, StepResult, StudentTurn
+from opd.environments.turn_template import TurnTemplate
+from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.generation.hf_generation import HFGeneration
 from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKRequest
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.shared_prompt import prompt_groups, sharing_problem
@@ -139,3 +144,51 @@ def test_models_that_do_not_attend_to_the_whole_context_score_in_one_pass(model)
     assert not LocalTeacher(
         SimpleNamespace(config=windowed, eval=lambda: None, requires_grad_=lambda _: None)
     ).share_prompt_forward
+
+
+class _AlwaysAnswer(Environment):
+    """A simulated user who answers every turn (its length decides the reply) until the last one."""
+
+    class _Episode(Episode):
+        def step(self, turn: StudentTurn, last_turn: bool = False) -> StepResult:
+            if last_turn:
+                return StepResult(done=True, reward=0.0)
+            return StepResult([{"role": "user", "content": "go on" + "!" * (len(turn.text) % 5)}])
+
+    def start(self, row):
+        return self._Episode()
+
+
+def test_sampled_multi_turn_episodes_of_one_prompt_score_as_one_pass(model, tokenizer):
+    """Real multi-turn rollouts (3 sampled episodes for each of 2 prompts), scored shared and in one pass."""
+    torch.manual_seed(0)
+    student = build_tiny_model("student")
+    engine = HFGeneration(student, tokenizer)
+    engine.prepare_for_generation()
+    rows = [
+        {"messages": [{"role": "user", "content": "Add 2 and 3."}]},
+        {"messages": [{"role": "user", "content": "Count to four, slowly, please."}]},
+    ]
+    strategy = GenerateStrategyConfig(max_length=5, decoding_method="top_p", temperature=1.0, top_p=1.0)
+    rollout = multi_turn_rollout(
+        engine,
+        _AlwaysAnswer(),
+        TurnTemplate(tokenizer),
+        rows,
+        [row["messages"] for row in rows],
+        strategy,
+        max_turns=3,
+        pad_token_id=tokenizer.pad_token_id,
+        num_samples=3,
+    )
+    engine.finish_generation()
+    batch = rollout.batch
+    assert all(record.turns >= 2 for record in rollout.episodes)  # observations between turns
+    groups = prompt_groups(batch)
+    assert groups is not None and groups.group_of_row == [0, 0, 0, 1, 1, 1]
+    assert len({tuple(row.tolist()) for row in batch["input_ids"]}) == 6  # the episodes differ
+    real = torch.arange(batch["input_ids"].shape[1])[None, :] < batch["input_lengths"][:, None]
+    request = TokenLogprobsRequest(None)
+    expected = LocalTeacher(model, share_prompt_forward=False).score(batch, request)[real]
+    got = LocalTeacher(model).score(batch, request)[real]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
