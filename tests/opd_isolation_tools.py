@@ -46,3 +46,14 @@ def not_text() -> object:
 
 def allocate() -> str:
     return str(len(bytearray(1024 * 2**20)))
+
+
+def start_child_and_loop(pid_file: str) -> str:
+    """Starts a long ``sleep`` process, writes its pid to ``pid_file``, then never returns."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "60"])
+    with open(pid_file, "w") as handle:
+        handle.write(str(child.pid))
+    while True:
+        time.sleep(0.01)

@@ -18,8 +18,9 @@ keep the process alive), and a tool that ends the process ends the run.
 ``process``: the tool runs in a warm worker process (started once with the
 ``forkserver`` method where the platform has it, else ``spawn``, and reused for later
 calls; concurrent calls each take an idle worker or start one). A worker whose tool
-passes the limit is killed and the next call starts a fresh one, so a runaway tool stops
-at the limit; one whose tool ends it (``os._exit``, a crash) is replaced the same way.
+passes the limit is killed, with its process group (what the tool started), and the next
+call starts a fresh one, so a runaway tool stops at the limit; one whose tool ends it
+(``os._exit``, a crash) is replaced the same way.
 On Linux the worker's address space is capped at ``max_memory_mb`` (a tool that
 allocates past it sees ``MemoryError``). The tool's function and arguments are pickled
 to the worker: a function defined at the top level of an importable module (as the
@@ -33,9 +34,12 @@ before computing (:mod:`opd.environments.calculator`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import multiprocessing
+import os
 import pickle
+import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -155,6 +159,8 @@ WORKER_START_TIMEOUT_S = 60.0
 
 def _serve_tools(connection: Connection, max_memory_mb: int | None) -> None:
     """A worker process's loop: receive ``(function, arguments, max_output_chars)``, answer ``(kind, text)``."""
+    if hasattr(os, "setsid"):
+        os.setsid()  # its own process group: a kill at the limit also reaches what the tool started
     if max_memory_mb is not None and sys.platform == "linux":
         import resource
 
@@ -206,7 +212,11 @@ class _ToolWorker:
             raise
 
     def stop(self) -> None:
-        """Kills the process (whatever it is doing) and waits for it."""
+        """Kills the process and its process group (whatever the tool started), and waits for it."""
+        pid = self.process.pid
+        if pid is not None and hasattr(os, "killpg"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
         if self.process.is_alive():
             self.process.kill()
         self.process.join()
@@ -266,7 +276,10 @@ def _run_in_process(tool: Tool, name: str, arguments: dict[str, Any], limits: Sa
         worker.connection.send_bytes(payload)
         # Loading the function (importing its module in a fresh worker) is not the tool's time.
         if not worker.connection.poll(WORKER_START_TIMEOUT_S):
-            raise EOFError
+            worker.stop()
+            return ToolOutcome(
+                error_message(f"{name}: its function did not load within {WORKER_START_TIMEOUT_S:g} s"), False
+            )
         kind, text = worker.connection.recv()
         if kind == "loaded":
             if not worker.connection.poll(limits.timeout_s):

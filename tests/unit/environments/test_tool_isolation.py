@@ -21,6 +21,7 @@ from opd_isolation_tools import (
     loop_forever,
     not_text,
     process_id,
+    start_child_and_loop,
     structured,
 )
 
@@ -144,3 +145,29 @@ def test_an_idle_worker_killed_from_outside_is_replaced():
         time.sleep(0.01)
     second = int(_run(process_id, "process").content)
     assert second != first and WORKERS.worker_pids() == [second]
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (killed, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_what_a_runaway_tool_started_is_killed_with_it(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    parameters = {"type": "object", "properties": {"pid_file": {"type": "string"}}}
+    limits = SandboxLimits(timeout_s=1.0, isolation="process")
+    outcome = run_tool(
+        Tool("spawner", start_child_and_loop, "", parameters), "spawner", {"pid_file": str(pid_file)}, limits
+    )
+    assert outcome.content == "Error: spawner did not finish within 1 s"
+    child = int(pid_file.read_text())
+    for _ in range(500):  # SIGKILL lands asynchronously
+        if not _running(child):
+            break
+        time.sleep(0.01)
+    assert not _running(child)
