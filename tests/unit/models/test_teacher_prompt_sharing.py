@@ -192,3 +192,29 @@ def test_sampled_multi_turn_episodes_of_one_prompt_score_as_one_pass(model, toke
     expected = LocalTeacher(model, share_prompt_forward=False).score(batch, request)[real]
     got = LocalTeacher(model).score(batch, request)[real]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_the_switch_reaches_the_cluster_teachers(tmp_path):
+    """``share_prompt_forward`` goes to each cluster teacher by role: a pool's worker builds its teacher with it."""
+    from opd_test_helpers import REPO_ROOT, short_run_overrides
+
+    from opd.algorithms.distillation_config import MasterConfig
+    from opd.algorithms.distillation_setup import _cluster_prompt_sharing, _cluster_teacher_paths
+    from opd.distributed.teacher_pool import TeacherWorker
+    from opd.utils.config import load_config
+
+    tiny = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
+    one = load_config(MasterConfig, tiny, [*short_run_overrides(tmp_path), "teacher.share_prompt_forward=false"])
+    assert _cluster_prompt_sharing(one, _cluster_teacher_paths(one, None)) == (False,)
+    members = (
+        "teachers.members=[{name: add, model_path: 'tiny:teacher', share_prompt_forward: false}, "
+        "{name: sub, model_path: 'tiny:student-b'}]"
+    )
+    two_overrides = ["teachers.mode=route", "teachers.route_key=task", "model.teacher_model_path=null", members]
+    two = load_config(MasterConfig, tiny, [*short_run_overrides(tmp_path), *two_overrides])
+    paths = _cluster_teacher_paths(two, None)
+    assert list(paths) == ["teacher add", "teacher sub"]
+    assert _cluster_prompt_sharing(two, paths) == (False, True)
+    for share in (False, True):
+        worker = TeacherWorker(0, "tiny:teacher", one.model, threads=1, share_prompt_forward=share)
+        assert worker.teacher.share_prompt_forward is share
