@@ -681,6 +681,7 @@ def build_on_cluster(
         lora=config.model.active_lora(),
         teacher_assembly=functools.partial(assemble_teacher, config, tokenizer, teacher_tokenizer_of(config)),
         teacher_head_paths=_teacher_head_paths(config, remote_teacher),
+        share_prompt_forward=_cluster_prompt_sharing(config, teacher_paths),
     )
     policy, on_cluster, generation = build_cluster_backends(config.cluster, request)
     try:
@@ -756,6 +757,14 @@ def _cluster_teacher_paths(config: MasterConfig, remote_teacher: TeacherInterfac
             if not member.served
         }
     return {} if remote_teacher is not None else {"teacher": resolve_teacher_path(config)}
+
+
+def _cluster_prompt_sharing(config: MasterConfig, teacher_paths: dict[str, str]) -> tuple[bool, ...]:
+    """Each cluster teacher's ``share_prompt_forward``, in the order of ``teacher_paths``."""
+    if config.teachers is None:
+        return tuple(config.teacher.share_prompt_forward for _ in teacher_paths)
+    by_role = {f"teacher {member.name}": member.share_prompt_forward for member in config.teachers.members}
+    return tuple(by_role[role] for role in teacher_paths)
 
 
 def setup(master_config: MasterConfig) -> DistillationComponents:

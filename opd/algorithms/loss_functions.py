@@ -429,13 +429,18 @@ def sampled_token_advantages(
     a_t = teacher_tau · log P(x_t) − student_tau · log Q(x_t) for each sampled token x_t,
     plus ``adv_tau · task_reward`` of its sequence on every token (the hybrid of seed 003).
     With ``discount`` γ > 0 each token also collects the discounted a of the tokens after
-    it in the same sequence: A_t = Σ_{t' ≥ t} γ^{t'−t} a_{t'}. With τ = 1 and γ = 0,
+    it in the same sequence: A_t = Σ_{t' ≥ t} γ^{k(t, t')} a_{t'}, where k(t, t') counts the
+    masked-in tokens after t up to t' (the student's own tokens; on a multi-turn trajectory
+    the observation tokens between two turns are holes in ``mask`` and are not steps, so a
+    turn's tokens are discounted by how many student tokens lie between, not by how long
+    the tool's answer was). On one contiguous response k(t, t') = t' − t. With τ = 1 and γ = 0,
     E[−A_t · ∇log Q(x_t)] is the gradient of the reverse KL(Q‖P) at that position.
 
     Args:
         student_logprobs: ``[B, T]`` log Q of the sampled tokens (detached here).
         teacher_logprobs: ``[B, T]`` log P of the same tokens.
-        mask: ``[B, T]`` 1 on response tokens; advantages are 0 elsewhere.
+        mask: ``[B, T]`` 1 on response tokens (the student's); advantages are 0 elsewhere,
+            and positions outside it are not steps of the discount.
         teacher_tau, student_tau: weights of the two log-probabilities.
         discount: γ in [0, 1].
         task_reward: optional ``[B]`` per-sequence reward (e.g. 1.0 if the verifier
@@ -466,7 +471,9 @@ def sampled_token_advantages(
         if segment_ids is not None and t + 1 < per_token.shape[1]:
             # Position t + 1 starts another packed sequence: nothing of it flows back.
             running = running * (segment_ids[:, t] == segment_ids[:, t + 1]).to(dtype)
-        running = per_token[:, t] + discount * running
+        # A position outside the mask (an observation between turns, padding) is no step:
+        # the sum from the tokens after it passes through undiscounted.
+        running = torch.where(weights[:, t] != 0, per_token[:, t] + discount * running, running)
         advantages[:, t] = running
     return advantages * weights
 

@@ -90,6 +90,8 @@ class ClusterRequest:
             model whose output layer every trainer rank loads, by position in
             ``teachers.members`` (None: that member sends no hidden states); replaces
             ``teacher_head_path``.
+        share_prompt_forward: each teacher's ``share_prompt_forward``, in ``teacher_paths``
+            order (empty: on for every one).
 
     Paths are made absolute here, in the controller (:mod:`opd.utils.paths`): a worker
     never resolves one against its own working directory.
@@ -111,6 +113,12 @@ class ClusterRequest:
     lora: LoraConfig | None = None
     teacher_assembly: Callable[[list[TeacherInterface]], TeacherInterface] | None = None
     teacher_head_paths: tuple[str | None, ...] = ()
+    share_prompt_forward: tuple[bool, ...] = ()
+
+    def sharing(self, role: str) -> bool:
+        """Whether the teacher of ``role`` shares its prompts' forward passes (default on)."""
+        roles = list(self.teacher_paths)
+        return self.share_prompt_forward[roles.index(role)] if self.share_prompt_forward else True
 
     def __post_init__(self) -> None:
         # Frozen: the absolute forms are set once, as the fields' own values.
@@ -265,6 +273,9 @@ def _start_trainer(
         teacher_paths=paths if len(paths) > 1 else (),
         teacher_assembly=request.teacher_assembly if colocated_teacher else None,
         teacher_head_paths=() if colocated_teacher else request.heads(),
+        teacher_share_prompt_forward=tuple(request.sharing(role) for role in request.teacher_paths)
+        if colocated_teacher
+        else (),
     )
     world_size = cluster.trainer.workers
     bounds = _bounds(cluster, "trainer")
@@ -302,6 +313,7 @@ def _start_teacher_pool(
             timeout_s,
             cluster.teacher.vllm if cluster.teacher.scores_with_vllm else None,
             request.seed,
+            request.sharing(role),
         ),
         _worker_environment(cluster),
         **_bounds(cluster, "teacher"),

@@ -131,6 +131,8 @@ class TeacherWorker:
             top-k and token log-probs, tensor parallel over the worker's devices); None
             scores with the HF model.
         seed: the vLLM engine's seed.
+        share_prompt_forward: an unsharded HF teacher runs each distinct prompt of a
+            micro-batch once (``teacher.share_prompt_forward``).
     """
 
     def __init__(
@@ -144,6 +146,7 @@ class TeacherWorker:
         timeout_s: float = 600.0,
         vllm: VllmScoringConfig | None = None,
         seed: int = 0,
+        share_prompt_forward: bool = True,
     ) -> None:
         torch.set_num_threads(threads)
         self.rank = rank
@@ -156,7 +159,7 @@ class TeacherWorker:
         elif shards_per_replica == 1:
             device = resolve_device(loading.device)
             model = load_causal_lm(model_path, resolve_dtype(loading.dtype, device), device, loading)
-            self.teacher = LocalTeacher(model)
+            self.teacher = LocalTeacher(model, share_prompt_forward=share_prompt_forward)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """A replica's first worker: this node's address and a free port, where the replica's group meets."""

@@ -136,6 +136,8 @@ class TrainerSpec:
         teacher_head_paths: with several teachers running apart, each one's model whose
             output layer every rank loads (by position in ``teachers.members``; None for a
             member that sends no hidden states), instead of ``teacher_head_path``.
+        teacher_share_prompt_forward: each colocated teacher's ``share_prompt_forward``, in
+            :meth:`colocated_teachers` order (empty: on); a sharded teacher never shares.
     """
 
     student_path: str
@@ -156,6 +158,7 @@ class TrainerSpec:
     teacher_paths: tuple[str, ...] = ()
     teacher_assembly: Callable[[list[TeacherInterface]], TeacherInterface] | None = None
     teacher_head_paths: tuple[str | None, ...] = ()
+    teacher_share_prompt_forward: tuple[bool, ...] = ()
 
     def colocated_teachers(self) -> tuple[str, ...]:
         """The weights of every colocated teacher, in order (none when the teachers run elsewhere)."""
@@ -172,7 +175,9 @@ class ShardedTeacher(LocalTeacher):
     """A frozen teacher sharded with FSDP2: its forward gathers the weights, under ``no_grad``."""
 
     def __init__(self, model: Any) -> None:
-        super().__init__(model)
+        # One forward per micro-batch: every rank gathers the weights in the same passes,
+        # whatever prompts its rows share (a shared prompt's pass would add one on some ranks).
+        super().__init__(model, share_prompt_forward=False)
         self.no_grad_mode = torch.no_grad
 
     def final_hidden_states(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -341,7 +346,11 @@ class TrainerWorker(RefitSender):
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_scheduler(self.optimizer, spec.optimizer, spec.total_steps)
         # Each colocated teacher's model (frozen), and the teacher the ranks score with around them.
-        self.teacher_members = [self._load_teacher(path, mesh, dtype) for path in spec.colocated_teachers()]
+        sharing = spec.teacher_share_prompt_forward or (True,) * len(spec.colocated_teachers())
+        self.teacher_members = [
+            self._load_teacher(path, mesh, dtype, share)
+            for path, share in zip(spec.colocated_teachers(), sharing, strict=True)
+        ]
         self.teacher: TeacherInterface | None = None
         # Several sharded teachers run their forwards in step over the ranks (routing skips some).
         self.lockstep: Lockstep | None = None
@@ -360,8 +369,11 @@ class TrainerWorker(RefitSender):
         ]
         release_cached_memory(self.device)
 
-    def _load_teacher(self, path: str, mesh: DeviceMesh, dtype: torch.dtype) -> LocalTeacher:
-        """One frozen colocated teacher: sharded over ``mesh``, or (``teacher_sharded`` off) whole."""
+    def _load_teacher(self, path: str, mesh: DeviceMesh, dtype: torch.dtype, share_prompt: bool) -> LocalTeacher:
+        """One frozen colocated teacher: sharded over ``mesh``, or (``teacher_sharded`` off) whole.
+
+        ``share_prompt``: a whole copy shares its prompts' forward passes (a sharded one never does).
+        """
         spec = self.spec
         if spec.teacher_sharded:
             model = load_sharded(path, dtype, self.device, spec.loading, lambda whole: shard_model(whole, mesh))
@@ -370,7 +382,7 @@ class TrainerWorker(RefitSender):
         # A whole copy scores as the in-process teacher does, with no collective at all.
         model = load_causal_lm(path, dtype, self.device, spec.loading)
         model.requires_grad_(False)
-        return LocalTeacher(model)
+        return LocalTeacher(model, share_prompt_forward=share_prompt)
 
     def _release_teachers(self) -> None:
         """Frees what the colocated teachers' forwards left gathered (see :func:`release_gathered_root`)."""

@@ -53,6 +53,11 @@ class EnvironmentConfig(StrictConfig):
     tool_max_output_chars: int = Field(
         2000, ge=1, description="longest tool output the student sees; longer output is cut and the cut said"
     )
+    tool_isolation: Literal["thread", "process"] = Field(
+        "thread",
+        description="thread = each call on a thread of the rollout's process (a runaway tool cannot be stopped); "
+        "process = in a warm worker process, killed at tool_timeout_s and restarted, its memory capped",
+    )
 
     @field_validator("tools")
     @classmethod
@@ -67,7 +72,8 @@ class EnvironmentConfig(StrictConfig):
 
 def _tool_environment(config: EnvironmentConfig) -> Environment:
     tools = ToolRegistry([BUILT_IN_TOOLS[name]() for name in config.tools])
-    return ToolEnvironment(tools, SandboxLimits(config.tool_timeout_s, config.tool_max_output_chars))
+    limits = SandboxLimits(config.tool_timeout_s, config.tool_max_output_chars, isolation=config.tool_isolation)
+    return ToolEnvironment(tools, limits)
 
 
 ENVIRONMENTS: dict[str, Callable[[EnvironmentConfig], Environment]] = {"tool": _tool_environment}

@@ -93,7 +93,7 @@ class LocalBackend(TeacherBackend):
     def build(self, loader: TeacherLoader, source: TeacherSourceConfig, model_path: str | None) -> TeacherInterface:
         """Loads ``model_path`` (required: the validator names the missing key)."""
         assert model_path is not None, "a local teacher needs its model path (checked with the config)"
-        return LocalTeacher(loader.load(model_path))
+        return LocalTeacher(loader.load(model_path), share_prompt_forward=source.share_prompt_forward)
 
 
 class RemoteBackend(TeacherBackend):
@@ -162,6 +162,12 @@ class TeacherSourceConfig(StrictConfig):
 
     backend: TeacherBackendName = Field("local", description="local = the model in process")
     remote: RemoteTeacherConfig = Field(default_factory=RemoteTeacherConfig, description="used when backend = remote")
+    share_prompt_forward: bool = Field(
+        True,
+        description="backend = local: rows of a micro-batch that begin with the same prompt (the samples of one "
+        "prompt) share one teacher forward over it; the scores equal one pass's (models whose layers are not all "
+        "full attention always score in one pass)",
+    )
 
     @property
     def teacher_backend(self) -> TeacherBackend:

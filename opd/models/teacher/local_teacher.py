@@ -15,6 +15,10 @@ It scores exactly the token ids it is given, in ``torch.inference_mode``, and an
 The last two are computed from the hidden states in chunks of positions, so they too
 never hold the full ``[B, L, V]`` logits. Everything is produced one micro-batch at a
 time, when the student's trainer asks for it.
+
+With ``share_prompt_forward`` (the default), rows that begin with the same prompt (the
+samples of one prompt, the episodes of one multi-turn task) share one forward pass over
+it (:mod:`opd.models.teacher.shared_prompt`); the answer is the one-pass answer.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from opd.models.interfaces import (
     TopKRequest,
 )
 from opd.models.lm_head import LMHeadInput, final_hidden_states, log_softmax_chunks, output_layer_of, token_log_probs
+from opd.models.teacher.shared_prompt import prompt_groups, shared_prompt_hidden_states, sharing_problem
 from opd.models.topk_rest import rest_logprobs_outside
 
 
@@ -47,14 +52,18 @@ class LocalTeacher(TeacherInterface):
 
     Args:
         model: the teacher; it is switched to eval mode with gradients off.
+        share_prompt_forward: rows with the same prompt share one forward pass over it
+            (same answer; less work when several samples of a prompt are scored together).
     """
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, share_prompt_forward: bool = True) -> None:
         # inference_mode is the cheapest no-gradient mode; a teacher whose weights are
         # gathered during its forward (FSDP2) uses no_grad, because tensors made under
         # inference_mode cannot take part in the student's backward pass.
         self.no_grad_mode: Callable[[], AbstractContextManager[Any]] = torch.inference_mode
         self.model = model
+        # A model whose layers do not all attend to the whole context scores in one pass.
+        self.share_prompt_forward = share_prompt_forward and sharing_problem(model) is None
         self.model.eval()
         self.model.requires_grad_(False)
 
@@ -83,7 +92,11 @@ class LocalTeacher(TeacherInterface):
     def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
         """Teacher logits ``[B, L, V]`` for right-padded ``data["input_ids"]``."""
         with self.no_grad_mode():
-            logits = self.model(**self._inputs(data), use_cache=False).logits
+            hidden = self._shared_prompt_hidden_states(data)
+            if hidden is None:
+                logits = self.model(**self._inputs(data), use_cache=False).logits
+            else:
+                logits = output_layer_of(self.model, "the teacher").over(hidden).logits()
         # Inference-mode tensors cannot be saved for the student's backward pass; a clone
         # made outside inference mode is an ordinary constant tensor.
         return logits.clone()
@@ -91,7 +104,9 @@ class LocalTeacher(TeacherInterface):
     def get_hidden_states(self, data: BatchedDataDict) -> LMHeadInput:
         """Final hidden states ``[B, L, D]`` and the output head, for the fused loss."""
         with self.no_grad_mode():
-            hidden = self.final_hidden_states(self._inputs(data))
+            hidden = self._shared_prompt_hidden_states(data)
+            if hidden is None:
+                hidden = self.final_hidden_states(self._inputs(data))
         # Read after the forward: a sharded model's head is whole only once it has run.
         layer = output_layer_of(self.model, "the teacher")
         return layer.over(hidden.clone())  # an ordinary tensor, as in get_logits
@@ -99,6 +114,18 @@ class LocalTeacher(TeacherInterface):
     def final_hidden_states(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The decoder's final hidden states for model inputs (a sharded teacher runs them through FSDP)."""
         return final_hidden_states(self.model, **inputs)
+
+    def _shared_prompt_hidden_states(self, data: BatchedDataDict) -> torch.Tensor | None:
+        """``[B, L, D]`` with each distinct prompt run once, or None where ``data`` is scored in one pass.
+
+        None when sharing is off or saves nothing (:func:`~opd.models.teacher.shared_prompt.prompt_groups`).
+        """
+        if not self.share_prompt_forward:
+            return None
+        groups = prompt_groups(data)
+        if groups is None:
+            return None
+        return shared_prompt_hidden_states(self.model, data["input_ids"], groups, next(self.model.parameters()).device)
 
     def _log_prob_chunks(
         self, data: BatchedDataDict, vocab_size: int | None, temperature: float

@@ -296,3 +296,48 @@ def test_advantages_reject_bad_discount():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="discount"):
         sampled_token_advantages(x, x, x, discount=1.5)
+
+
+def reference_advantages_over_student_tokens(student, teacher, mask, discount, segments=None):
+    """Plain-Python float64: each student token collects γ^k · a of the student tokens after it,
+    k counting student tokens only (observation positions between turns are no steps)."""
+    rows = []
+    for b in range(student.shape[0]):
+        length = student.shape[1]
+        a = [float(teacher[b, t]) - float(student[b, t]) for t in range(length)]
+        out = []
+        for t in range(length):
+            if not mask[b, t]:
+                out.append(0.0)
+                continue
+            total, steps = 0.0, 0
+            for u in range(t, length):
+                if segments is not None and segments[b][u] != segments[b][t]:
+                    break
+                if mask[b, u]:
+                    total += discount**steps * a[u]
+                    steps += 1
+            out.append(total)
+        rows.append(out)
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("discount", [0.5, 0.9, 1.0])
+def test_discount_counts_student_tokens_only_on_multi_turn_masks(discount):
+    """Holes in the mask (tool observations between turns) are not discount steps."""
+    generator = torch.Generator().manual_seed(5)
+    student = -torch.rand(3, 12, generator=generator, dtype=torch.float64) * 4
+    teacher = -torch.rand(3, 12, generator=generator, dtype=torch.float64) * 4
+    mask = torch.tensor([
+        [0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 1, 0],  # prompt, turn, observation, turn, observation, turn, padding
+        [0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1],
+        [0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0],  # one turn: the single-turn case
+    ], dtype=torch.bool)
+    got = sampled_token_advantages(student, teacher, mask, discount=discount)
+    expected = reference_advantages_over_student_tokens(student, teacher, mask, discount)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    # Packed rows: the sum still stops where the next sequence begins.
+    segments = torch.tensor([[0] * 5 + [1] * 7, [0] * 6 + [1] * 6, [0] * 12])
+    got = sampled_token_advantages(student, teacher, mask, discount=discount, segment_ids=segments)
+    expected = reference_advantages_over_student_tokens(student, teacher, mask, discount, segments.tolist())
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

@@ -1,0 +1,165 @@
+"""One teacher forward per distinct prompt: the samples of a prompt share its pass.
+
+With ``num_samples_per_prompt`` > 1, a micro-batch holds several sequences that begin
+with the same prompt tokens. A causal LM's states over a prefix do not depend on what
+follows it, so the prompt needs one pass, not one per sample:
+
+1. the distinct prompts run once each, right-padded, keeping their keys and values;
+2. the cache is expanded to the batch's rows (each row takes its prompt's entries);
+3. each row's response (everything after its prompt: one turn, or on a multi-turn
+   trajectory all turns and observations) runs on top, at the positions that follow
+   its prompt, attending to its prompt's keys (the padding between a shorter prompt and
+   the widest one is masked out) and causally to its own earlier response tokens.
+
+The final hidden states are put back at the positions a one-pass forward over the
+right-padded batch gives them, so everything computed from them (logits, top-k, token
+log-probs, the fused loss's head) is the one-pass result up to float rounding. Rows are
+grouped by their prompt tokens, not by their place in the batch: a row whose prompt
+differs is its own group, and groups of unequal prompt length share one pass. Padding
+positions (after a row's length) hold zeros, where a one-pass forward leaves states that
+nothing reads.
+
+A batch is scored in one pass instead (:func:`prompt_groups` returns None) when sharing
+cannot save anything (every prompt distinct), when it has no ``prompt_lengths``, or when
+it packs several sequences into a row (``position_ids``); and a model is, whatever the
+batch, when some of its layers do not attend to the whole context
+(:func:`sharing_problem`: sliding-window or recurrent layers keep a cache that is not
+every earlier key and value).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from opd.data.batched_data_dict import BatchedDataDict
+
+
+@dataclass(frozen=True)
+class PromptGroups:
+    """Which rows of a batch share which prompt.
+
+    Attributes:
+        group_of_row: ``[B]`` index of each row's prompt in ``prompts``.
+        prompts: the distinct prompts' token ids, in order of first appearance.
+        prompt_lengths: ``[B]`` each row's prompt length.
+        input_lengths: ``[B]`` each row's length (prompt and response).
+    """
+
+    group_of_row: list[int]
+    prompts: list[list[int]]
+    prompt_lengths: list[int]
+    input_lengths: list[int]
+
+
+def sharing_problem(model: PreTrainedModel) -> str | None:
+    """Why ``model``'s prompts cannot be shared (its layers are not all full attention), or None."""
+    model_config: Any = getattr(model, "config", None)
+    if not hasattr(model_config, "get_text_config"):
+        return "it is not a transformers model with a config"
+    config = model_config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({kind for kind in layer_types if kind != "full_attention"})
+        return f"its layers include {other}" if other else None
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return "it attends over a sliding window"
+    return None
+
+
+def prompt_groups(data: BatchedDataDict) -> PromptGroups | None:
+    """The rows of right-padded ``data`` grouped by identical prompt tokens, or None where sharing saves nothing.
+
+    None when ``data`` packs sequences (``position_ids``), has no ``prompt_lengths``, has
+    an empty prompt, or when no two rows share a prompt.
+    """
+    if "position_ids" in data or "prompt_lengths" not in data:
+        return None
+    input_ids = data["input_ids"].cpu()
+    prompt_lengths = [int(length) for length in data["prompt_lengths"].tolist()]
+    input_lengths = [int(length) for length in data["input_lengths"].tolist()]
+    if any(length < 1 for length in prompt_lengths):
+        return None
+    index_of: dict[tuple[int, ...], int] = {}
+    prompts: list[list[int]] = []
+    group_of_row: list[int] = []
+    for row, length in enumerate(prompt_lengths):
+        tokens = input_ids[row, :length].tolist()
+        key = tuple(tokens)
+        if key not in index_of:
+            index_of[key] = len(prompts)
+            prompts.append(tokens)
+        group_of_row.append(index_of[key])
+    if len(prompts) == len(group_of_row):
+        return None
+    return PromptGroups(group_of_row, prompts, prompt_lengths, input_lengths)
+
+
+def shared_prompt_hidden_states(
+    model: PreTrainedModel, input_ids: torch.Tensor, groups: PromptGroups, device: torch.device
+) -> torch.Tensor:
+    """The decoder's final hidden states ``[B, L, D]`` of right-padded ``input_ids``, each prompt run once.
+
+    Args:
+        model: a Hugging Face causal LM (its decoder runs, with a key-value cache).
+        input_ids: ``[B, L]`` right-padded token ids.
+        groups: the rows' prompts (:func:`prompt_groups`).
+        device: where the model's inputs go.
+
+    Returns:
+        The hidden states at every real position (zeros at padding), in the model's dtype.
+    """
+    decoder = model.get_decoder()
+    # The cache argument's name changed within transformers 5 (past_key_values, then cache).
+    cache_argument = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=model.config)
+    rows, width = input_ids.shape
+    widest_prompt = max(len(prompt) for prompt in groups.prompts)
+    prompt_ids = torch.zeros((len(groups.prompts), widest_prompt), dtype=torch.long)
+    prompt_mask = torch.zeros((len(groups.prompts), widest_prompt), dtype=torch.long)
+    for group, prompt in enumerate(groups.prompts):
+        prompt_ids[group, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        prompt_mask[group, : len(prompt)] = 1
+    prompt_mask = prompt_mask.to(device)
+    # Right padding: every query position sees at least the first token, so no attention
+    # row is fully masked and the padded slots' keys and values stay finite.
+    prefix = decoder(
+        input_ids=prompt_ids.to(device),
+        attention_mask=prompt_mask,
+        position_ids=torch.arange(widest_prompt, device=device).expand(len(groups.prompts), -1),
+        use_cache=True,
+        **{cache_argument: cache},
+    )
+    prompt_hidden = prefix.last_hidden_state
+    group_of_row = torch.tensor(groups.group_of_row, dtype=torch.long, device=device)
+    cache.batch_select_indices(group_of_row)  # each row takes its prompt's keys and values
+
+    response_lengths = [length - prompt for length, prompt in zip(groups.input_lengths, groups.prompt_lengths)]
+    longest_response = max(response_lengths)
+    hidden = prompt_hidden.new_zeros((rows, width, prompt_hidden.shape[-1]))
+    response_hidden = None
+    if longest_response > 0:
+        response_ids = torch.zeros((rows, longest_response), dtype=torch.long)
+        response_mask = torch.zeros((rows, longest_response), dtype=torch.long)
+        for row, (begin, length) in enumerate(zip(groups.prompt_lengths, response_lengths)):
+            response_ids[row, :length] = input_ids[row, begin : begin + length].cpu()
+            response_mask[row, :length] = 1
+        starts = torch.tensor(groups.prompt_lengths, dtype=torch.long, device=device)
+        response_hidden = decoder(
+            input_ids=response_ids.to(device),
+            # Over the cache's slots then the new tokens: a shorter prompt's padding slots are masked.
+            attention_mask=torch.cat([prompt_mask[group_of_row], response_mask.to(device)], dim=1),
+            # Each response continues at its own prompt's length, as in the one-pass forward.
+            position_ids=starts[:, None] + torch.arange(longest_response, device=device),
+            use_cache=True,
+            **{cache_argument: cache},
+        ).last_hidden_state
+    for row, (group, begin, length) in enumerate(zip(groups.group_of_row, groups.prompt_lengths, response_lengths)):
+        hidden[row, :begin] = prompt_hidden[group, :begin]
+        if response_hidden is not None and length > 0:
+            hidden[row, begin : begin + length] = response_hidden[row, :length]
+    return hidden

@@ -1,0 +1,59 @@
+"""Misbehaving tools for the tool-isolation tests, in a module of their own.
+
+A worker process imports a tool's function by name, so these live at the top level of
+a light module on the tests' ``sys.path`` (importing a test module there would import
+pytest and the test's own imports into every fresh worker).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def process_id() -> int:
+    return os.getpid()
+
+
+def loop_forever() -> str:
+    while True:
+        time.sleep(0.01)
+
+
+def exit_process() -> str:
+    os._exit(3)
+
+
+def fail(reason: str) -> str:
+    raise RuntimeError(reason)
+
+
+def leave() -> str:
+    raise SystemExit(1)
+
+
+def big() -> str:
+    return "x" * 500
+
+
+def structured() -> dict:
+    return {"total": 3}
+
+
+def not_text() -> object:
+    return object()
+
+
+def allocate() -> str:
+    return str(len(bytearray(1024 * 2**20)))
+
+
+def start_child_and_loop(pid_file: str) -> str:
+    """Starts a long ``sleep`` process, writes its pid to ``pid_file``, then never returns."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "60"])
+    with open(pid_file, "w") as handle:
+        handle.write(str(child.pid))
+    while True:
+        time.sleep(0.01)
