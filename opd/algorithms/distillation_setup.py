@@ -788,15 +788,11 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     teacher_tokenizer = teacher_tokenizer_of(config)
     # Multi-turn rollouts: every training and validation prompt lists the environment's tools and keeps its messages.
     tools = (build_environment(config.environment).tool_schemas() or []) if config.environment is not None else None
-    train_examples = load_examples(
-        config.data,
-        tokenizer,
-        "train",
-        context,
-        teacher_choice=choice,
-        teacher_tokenizer=teacher_tokenizer,
-        tools=tools,
-    )
+    examples_of = functools.partial(
+        load_examples, config.data, tokenizer, teacher_context=context, teacher_choice=choice,
+        teacher_tokenizer=teacher_tokenizer, tools=tools,
+    )  # fmt: skip
+    train_examples = examples_of(split="train")
     check_config_against_data(config, train_examples)
     steps_per_epoch, total_steps = plan_run_length(
         len(train_examples),
@@ -805,19 +801,7 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
         config.training.max_num_steps,
         config.data.train_path,
     )
-    val_examples = (
-        load_examples(
-            config.data,
-            tokenizer,
-            "val",
-            context,
-            teacher_choice=choice,
-            teacher_tokenizer=teacher_tokenizer,
-            tools=tools,  # validation plays episodes too
-        )
-        if config.data.has_validation
-        else None
-    )
+    val_examples = examples_of(split="val") if config.data.has_validation else None  # episodes too
     report_overlap(train_examples, val_examples, config.data)
 
     resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)

@@ -249,18 +249,8 @@ def multi_turn_rollout(
         raise ValueError(f"{len(rows)} rows but {len(prompt_messages)} prompt conversations")
     if prompt_ids is not None and len(prompt_ids) != len(rows):
         raise ValueError(f"{len(rows)} rows but {len(prompt_ids)} prompts")
-    tokenizer = template.tokenizer
     turn_ends = set(template.turn_end_ids())
-    trajectories = []
-    for position, (row, messages) in enumerate(zip(rows, prompt_messages)):
-        prompt = template.prompt_ids(messages) if prompt_ids is None else list(prompt_ids[position])
-        if max_episode_tokens is not None and len(prompt) >= max_episode_tokens:
-            raise ValueError(
-                f"a prompt of {len(prompt)} tokens leaves no room for a turn under environment.max_episode_tokens "
-                f"= {max_episode_tokens}; raise it above data.max_prompt_length"
-            )
-        for _ in range(num_samples):
-            trajectories.append(_Trajectory(prompt, list(messages), environment.start(row)))
+    trajectories = _start(environment, template, rows, prompt_messages, num_samples, prompt_ids, max_episode_tokens)
     running = list(range(len(trajectories)))
     for turn_index in range(max_turns):
         if not running:
@@ -278,48 +268,107 @@ def multi_turn_rollout(
         still_running = []
         for position, index in enumerate(running):
             trajectory = trajectories[index]
-            start, end = int(turns["prompt_lengths"][position]), int(turns["input_lengths"][position])
-            turn_ids = turns["input_ids"][position, start:end].tolist()
-            turn_logprobs = (
-                turns["generation_logprobs"][position, start:end].tolist() if return_logprobs else [0.0] * len(turn_ids)
+            turn_ids, ended = _append_turn(
+                trajectory, turns, position, rooms[position], strategy.max_length, turn_ends, return_logprobs
             )
-            ended = not bool(turns["truncated"][position])
-            # The template's end of turn ends the turn, whether or not the engine stops there.
-            cut = next((at + 1 for at, token in enumerate(turn_ids) if token in turn_ends), None)
-            if cut is not None:
-                turn_ids, turn_logprobs, ended = turn_ids[:cut], turn_logprobs[:cut], True
-            room = rooms[position]
-            if len(turn_ids) > room:  # another row's room was larger: this turn stops at its own
-                turn_ids, turn_logprobs, ended = turn_ids[:room], turn_logprobs[:room], False
-            record = trajectory.record
-            record.capped = not ended and room < strategy.max_length and len(turn_ids) >= room
-            trajectory.ids += turn_ids
-            trajectory.mask += [1.0] * len(turn_ids)
-            trajectory.logprobs += turn_logprobs
-            record.turns += 1
             began = time.perf_counter()
-            turn = StudentTurn(tokenizer.decode(turn_ids, skip_special_tokens=True), tuple(turn_ids), ended)
-            result = trajectory.episode.step(turn, last_turn=turn_index == max_turns - 1)
-            record.tool_calls += result.tool_calls
-            record.well_formed_calls += result.well_formed_calls
-            record.successful_calls += result.successful_calls
-            if result.done or not result.observation:
-                record.reward, record.truncated = result.reward, not ended
-            else:
-                turn_end = tokenizer.decode(turn_ids[-1:]) if ended else ""
-                observation = template.observation_ids(trajectory.history, turn_end, result.observation)
-                if len(observation) >= _room(trajectory, max_episode_tokens):  # no room for a token after it
-                    record.reward, record.capped = trajectory.episode.stop(), True
-                else:
-                    content = tokenizer.decode(turn_ids[:-1] if ended else turn_ids)
-                    trajectory.history += [{"role": "assistant", "content": content}, *result.observation]
-                    trajectory.ids += observation
-                    trajectory.mask += [0.0] * len(observation)
-                    trajectory.logprobs += [0.0] * len(observation)
-                    still_running.append(index)
-            record.environment_seconds += time.perf_counter() - began
+            last_turn = turn_index == max_turns - 1
+            if _answer_turn(trajectory, template, turn_ids, ended, last_turn, max_episode_tokens):
+                still_running.append(index)
+            trajectory.record.environment_seconds += time.perf_counter() - began
         running = still_running
     return MultiTurnRollout(_batch(trajectories, pad_token_id, return_logprobs), [t.record for t in trajectories])
+
+
+def _start(
+    environment: Environment,
+    template: TurnTemplate,
+    rows: Sequence[Mapping[str, Any]],
+    prompt_messages: Sequence[list[dict[str, Any]]],
+    num_samples: int,
+    prompt_ids: Sequence[list[int]] | None,
+    max_episode_tokens: int | None,
+) -> list[_Trajectory]:
+    """``num_samples`` fresh trajectories per row, each with its prompt and its environment's episode."""
+    trajectories = []
+    for position, (row, messages) in enumerate(zip(rows, prompt_messages)):
+        prompt = template.prompt_ids(messages) if prompt_ids is None else list(prompt_ids[position])
+        if max_episode_tokens is not None and len(prompt) >= max_episode_tokens:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens leaves no room for a turn under environment.max_episode_tokens "
+                f"= {max_episode_tokens}; raise it above data.max_prompt_length"
+            )
+        for _ in range(num_samples):
+            trajectories.append(_Trajectory(prompt, list(messages), environment.start(row)))
+    return trajectories
+
+
+def _append_turn(
+    trajectory: _Trajectory,
+    turns: BatchedDataDict,
+    position: int,
+    room: int,
+    max_length: int,
+    turn_ends: set[int],
+    return_logprobs: bool,
+) -> tuple[list[int], bool]:
+    """Appends the student's turn at ``position`` of the engine's answer; returns its ids and whether it ended.
+
+    The turn ends at the template's end of turn, whether or not the engine stopped there,
+    and stops at the trajectory's own ``room`` under the episode cap.
+    """
+    start, end = int(turns["prompt_lengths"][position]), int(turns["input_lengths"][position])
+    turn_ids = turns["input_ids"][position, start:end].tolist()
+    turn_logprobs = (
+        turns["generation_logprobs"][position, start:end].tolist() if return_logprobs else [0.0] * len(turn_ids)
+    )
+    ended = not bool(turns["truncated"][position])
+    cut = next((at + 1 for at, token in enumerate(turn_ids) if token in turn_ends), None)
+    if cut is not None:
+        turn_ids, turn_logprobs, ended = turn_ids[:cut], turn_logprobs[:cut], True
+    if len(turn_ids) > room:  # another row's room was larger: this turn stops at its own
+        turn_ids, turn_logprobs, ended = turn_ids[:room], turn_logprobs[:room], False
+    record = trajectory.record
+    record.capped = not ended and room < max_length and len(turn_ids) >= room
+    trajectory.ids += turn_ids
+    trajectory.mask += [1.0] * len(turn_ids)
+    trajectory.logprobs += turn_logprobs
+    record.turns += 1
+    return turn_ids, ended
+
+
+def _answer_turn(
+    trajectory: _Trajectory,
+    template: TurnTemplate,
+    turn_ids: list[int],
+    ended: bool,
+    last_turn: bool,
+    max_episode_tokens: int | None,
+) -> bool:
+    """The environment's answer to the turn just appended: its observation appended, or the episode's end.
+
+    Returns whether the episode goes on to another turn.
+    """
+    tokenizer, record = template.tokenizer, trajectory.record
+    turn = StudentTurn(tokenizer.decode(turn_ids, skip_special_tokens=True), tuple(turn_ids), ended)
+    result = trajectory.episode.step(turn, last_turn=last_turn)
+    record.tool_calls += result.tool_calls
+    record.well_formed_calls += result.well_formed_calls
+    record.successful_calls += result.successful_calls
+    if result.done or not result.observation:
+        record.reward, record.truncated = result.reward, not ended
+        return False
+    turn_end = tokenizer.decode(turn_ids[-1:]) if ended else ""
+    observation = template.observation_ids(trajectory.history, turn_end, result.observation)
+    if len(observation) >= _room(trajectory, max_episode_tokens):  # no room for a token after it
+        record.reward, record.capped = trajectory.episode.stop(), True
+        return False
+    content = tokenizer.decode(turn_ids[:-1] if ended else turn_ids)
+    trajectory.history += [{"role": "assistant", "content": content}, *result.observation]
+    trajectory.ids += observation
+    trajectory.mask += [0.0] * len(observation)
+    trajectory.logprobs += [0.0] * len(observation)
+    return True
 
 
 def _room(trajectory: _Trajectory, max_episode_tokens: int | None) -> int:

@@ -169,52 +169,18 @@ def validate(
             examples = all_examples if keep is None else [example for example in all_examples if keep(example)]
             if not examples:
                 continue
-            rewards: list[float | None] | None = None
-            generation.prepare_for_generation()
-            try:
-                if episodes is None:
-                    batch = generation.generate(
-                        [example[prompt_key] for example in examples], generate_strategy, 1, return_logprobs=False
-                    )
-                else:  # the student's own prompt is rendered from its messages, as in training
-                    rollout = episodes.rollout(
-                        generation,
-                        tokenizer,
-                        examples,
-                        generate_strategy,
-                        return_logprobs=False,
-                        prompt_key=None if prompt_key == "prompt_ids" else prompt_key,
-                    )
-                    batch, rewards = rollout.batch, [record.reward for record in rollout.episodes]
-                    records += rollout.episodes
-            finally:
-                generation.finish_generation()
+            batch, episode_records = _answer(generation, tokenizer, examples, generate_strategy, prompt_key, episodes)
+            records += episode_records
             if comparison is not None and teacher_signal is not None and policy is not None:
-                attach_teacher_fields(batch, examples, 1)
-                if "token_mask" not in batch:  # an episode's mask already leaves out its observations
-                    batch["token_mask"] = build_token_mask(
-                        batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1], True
-                    )
-                sums = policy.compare_with_teacher(batch, comparison, teacher_signal)
+                sums = _kl_sums(batch, examples, policy, comparison, teacher_signal)
                 for key in ("kl_forward", "kl_reverse", "tokens"):
                     totals[key] += sums[key]
             totals["length"] += float(batch["response_lengths"].sum())
             totals["truncated"] += float(batch["truncated"].sum())
             rows += batch.size
-            if rewards is not None:
-                graded_rewards = [reward for reward in rewards if reward is not None]
-                correct += sum(graded_rewards)
-                graded += len(graded_rewards)
-                continue
-            grades = grade_responses(
-                batch["input_ids"],
-                batch["prompt_lengths"],
-                batch["input_lengths"],
-                [example["ground_truth"] for example in examples],
-                tokenizer,
-            )
-            correct += sum(grade is True for grade in grades)
-            graded += sum(grade is not None for grade in grades)
+            batch_correct, batch_graded = _grade(batch, examples, episode_records if episodes else None, tokenizer)
+            correct += batch_correct
+            graded += batch_graded
     metrics = {
         f"{prefix}mean_response_length": totals["length"] / max(rows, 1),
         f"{prefix}truncation_rate": totals["truncated"] / max(rows, 1),
@@ -230,6 +196,67 @@ def validate(
             if key.startswith("env/"):
                 metrics[prefix + key.removeprefix("env/")] = value
     return metrics
+
+
+def _answer(
+    generation: GenerationInterface,
+    tokenizer: Any,
+    examples: list[PreparedExample],
+    generate_strategy: GenerateStrategyConfig,
+    prompt_key: Literal["prompt_ids", "teacher_prompt_ids"],
+    episodes: Episodes | None,
+) -> tuple[BatchedDataDict, list[EpisodeRecord]]:
+    """The model's answers to one validation batch: one turn each, or (``episodes``) an episode each."""
+    generation.prepare_for_generation()
+    try:
+        if episodes is None:
+            prompts = [example[prompt_key] for example in examples]
+            return generation.generate(prompts, generate_strategy, 1, return_logprobs=False), []
+        # The student's own prompt is rendered from its messages, as in training.
+        rollout = episodes.rollout(
+            generation,
+            tokenizer,
+            examples,
+            generate_strategy,
+            return_logprobs=False,
+            prompt_key=None if prompt_key == "prompt_ids" else prompt_key,
+        )
+        return rollout.batch, rollout.episodes
+    finally:
+        generation.finish_generation()
+
+
+def _kl_sums(
+    batch: BatchedDataDict,
+    examples: list[PreparedExample],
+    policy: PolicyInterface,
+    comparison: ValidationKL,
+    teacher_signal: Callable[[BatchedDataDict], TeacherSignal],
+) -> dict[str, float]:
+    """The student's and the teacher's KL sums over one batch's response tokens (the student's own, in episodes)."""
+    attach_teacher_fields(batch, examples, 1)
+    if "token_mask" not in batch:  # an episode's mask already leaves out its observations
+        batch["token_mask"] = build_token_mask(
+            batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1], True
+        )
+    return policy.compare_with_teacher(batch, comparison, teacher_signal)
+
+
+def _grade(
+    batch: BatchedDataDict, examples: list[PreparedExample], records: list[EpisodeRecord] | None, tokenizer: Any
+) -> tuple[float, int]:
+    """``(correct, graded)`` over one batch: the episodes' final rewards, else each answer against its ground truth."""
+    if records is not None:
+        rewards = [record.reward for record in records if record.reward is not None]
+        return float(sum(rewards)), len(rewards)
+    grades = grade_responses(
+        batch["input_ids"],
+        batch["prompt_lengths"],
+        batch["input_lengths"],
+        [example["ground_truth"] for example in examples],
+        tokenizer,
+    )
+    return float(sum(grade is True for grade in grades)), sum(grade is not None for grade in grades)
 
 
 def kl_request(

@@ -158,7 +158,7 @@ WORKER_START_TIMEOUT_S = 60.0
 
 
 def _serve_tools(connection: Connection, max_memory_mb: int | None) -> None:
-    """A worker process's loop: receive ``(function, arguments, max_output_chars)``, answer ``(kind, text)``."""
+    """A worker process's loop: receive ``(function, arguments, max_output_chars)``, answer ``(reply, text)``."""
     if hasattr(os, "setsid"):
         os.setsid()  # its own process group: a kill at the limit also reaches what the tool started
     if max_memory_mb is not None and sys.platform == "linux":
@@ -280,22 +280,22 @@ def _run_in_process(tool: Tool, name: str, arguments: dict[str, Any], limits: Sa
             return ToolOutcome(
                 error_message(f"{name}: its function did not load within {WORKER_START_TIMEOUT_S:g} s"), False
             )
-        kind, text = worker.connection.recv()
-        if kind == "loaded":
+        reply, text = worker.connection.recv()
+        if reply == "loaded":
             if not worker.connection.poll(limits.timeout_s):
                 worker.stop()  # the runaway tool ends here, with its process
                 return ToolOutcome(error_message(f"{name} did not finish within {limits.timeout_s:g} s"), False)
-            kind, text = worker.connection.recv()
+            reply, text = worker.connection.recv()
     except (EOFError, OSError):  # the tool ended its process (os._exit, a crash, the memory limit's kill)
         worker.stop()
         code = worker.process.exitcode
         return ToolOutcome(error_message(f"{name} ended its process (exit code {code})"), False)
     WORKERS.give_back(worker)
-    if kind == "unloadable":
+    if reply == "unloadable":
         raise ValueError(
             f"tool {name!r} cannot run with environment.tool_isolation = process: the worker process could not "
             f"import its function ({text}); define it at the top level of a module on the worker's sys.path"
         )
-    if kind == "error":
+    if reply == "error":
         return ToolOutcome(_cut(error_message(f"{name} failed: {text}"), limits.max_output_chars), False)
     return ToolOutcome(text, True)

@@ -64,7 +64,7 @@ def sharing_problem(model: PreTrainedModel) -> str | None:
     config = model_config.get_text_config(decoder=True)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        other = sorted({kind for kind in layer_types if kind != "full_attention"})
+        other = sorted({layer for layer in layer_types if layer != "full_attention"})
         return f"its layers include {other}" if other else None
     if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
         return "it attends over a sliding window"
