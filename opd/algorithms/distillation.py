@@ -121,6 +121,8 @@ def distillation_step(
     metrics = step_metrics(
         train_metrics, scheduled, seconds, config.distillation.num_samples_per_prompt, state.schedule.asynchronous
     )
+    if config.distillation.lambda_is_scheduled():  # the λ this step's coin was flipped against
+        metrics["train/lambda"] = config.distillation.lambda_at(state.policy_version)
     return len(scheduled.examples), metrics
 
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from opd.algorithms.lambda_schedule import LambdaSchedule
 from opd.algorithms.loss_config import (
     FullVocabLossConfig,
     FusedHeadSettings,
@@ -65,8 +66,11 @@ MOVED_KEYS: dict[str, str] = {
 class DistillationConfig(StrictConfig):
     """The distillation strategy: the λ coin, on-policy sampling and the teacher-only context."""
 
-    lambda_: float = Field(
-        1.0, alias="lambda", ge=0.0, le=1.0, description="probability that a step uses the student's own samples"
+    lambda_: Annotated[float, Field(ge=0.0, le=1.0)] | LambdaSchedule = Field(
+        1.0,
+        alias="lambda",
+        description="probability that a step uses the student's own samples: a number, or a schedule "
+        "({schedule: linear | step, start, end, steps})",
     )
     mask_prompt_tokens: bool = True
     num_samples_per_prompt: int = Field(1, ge=1)
@@ -103,6 +107,18 @@ class DistillationConfig(StrictConfig):
             self.teacher_context_placement,
             self.teacher_context_separator,
         )
+
+    def lambda_at(self, step: int) -> float:
+        """λ of optimizer step ``step`` (1-based): the number, or the schedule's value there."""
+        return self.lambda_ if isinstance(self.lambda_, float) else self.lambda_.at(step)
+
+    def lambda_is_scheduled(self) -> bool:
+        """Whether λ changes with the step (a schedule rather than a number)."""
+        return not isinstance(self.lambda_, float)
+
+    def lowest_lambda(self) -> float:
+        """The smallest λ of any step: below 1, some steps train on fixed data."""
+        return self.lambda_ if isinstance(self.lambda_, float) else self.lambda_.lowest()
 
 
 DEPTHS_SCORED_AHEAD = {"sync": False, "one_step_off": False, "two_step_off": True}
@@ -291,7 +307,7 @@ class MasterConfig(RunConfig):
 
 def _loss_problem(config: MasterConfig) -> str | None:
     """What each chosen objective needs from the λ coin, and what the teachers' objectives must share."""
-    lambda_ = config.distillation.lambda_
+    lambda_ = config.distillation.lowest_lambda()
     for key, loss in config.teacher_losses():
         problem = loss.lambda_problem(key, lambda_)  # each objective states its own limit
         if problem is not None:

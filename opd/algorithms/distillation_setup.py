@@ -176,7 +176,7 @@ def check_config_against_data(config: MasterConfig, train_examples: list[Prepare
                     f"{len(train_examples)} examples in '{config.data.train_path}' have no ground-truth answer; "
                     f"use data_format math_cl (or set {key}.adv_tau = 0)"
                 )
-    if config.distillation.lambda_ < 1.0:
+    if config.distillation.lowest_lambda() < 1.0:
         missing = sum(example["response_ids"] is None for example in train_examples)
         if missing:
             raise ConfigError(

@@ -205,15 +205,15 @@ class RolloutSchedule:
         """
         seconds: dict[str, float] = {}
         if not self.queue:  # sync, or the first step of an asynchronous run
-            self.queue.append(self._start(next_examples(), version, seconds))
+            self.queue.append(self._start(next_examples(), version, seconds, version + 1 + len(self.queue)))
         current = self.queue[0]
         self._collect(current, seconds)
         if self.depth == 2:
             if len(self.queue) < 2:  # warm-up: the second batch, with the initial weights too
-                self.queue.append(self._start(next_examples(), version, seconds))
+                self.queue.append(self._start(next_examples(), version, seconds, version + 1 + len(self.queue)))
             self._collect(self.queue[1], seconds)  # its teacher now scores while the student trains
         while len(self.queue) < self.depth + 1:  # sampled with the weights of now, trained later
-            self.queue.append(self._start(next_examples(), version, seconds))
+            self.queue.append(self._start(next_examples(), version, seconds, version + 1 + len(self.queue)))
         teacher_signal = None
         if current.teacher is not None:
             start = time.perf_counter()
@@ -249,9 +249,10 @@ class RolloutSchedule:
         self._drain()
         self.sync_weights(version)
 
-    def _start(self, examples: list[PreparedExample], version: int, seconds: dict[str, float]) -> _Slot:
-        """Flips the step's λ coin and starts its rollout (synced to ``version`` first) or builds its fixed data."""
-        on_policy = self.lambda_coin.random() < self.config.distillation.lambda_
+    def _start(self, examples: list[PreparedExample], version: int, seconds: dict[str, float], step: int) -> _Slot:
+        """Flips the λ coin of optimizer step ``step`` (the batch's place in the queue says which) and starts
+        its rollout (synced to ``version`` first) or builds its fixed data."""
+        on_policy = self.lambda_coin.random() < self.config.distillation.lambda_at(step)
         if not on_policy:
             slot = _Slot(examples, False, None)
             slot.batch = build_fixed_data_batch(

@@ -1,0 +1,44 @@
+"""λ as a schedule: the probability of an on-policy step, as a function of the step.
+
+``distillation.lambda`` is a number (the same λ on every step) or a schedule:
+
+* ``linear``: from ``start`` at step 1 to ``end`` at step ``steps``, then ``end``;
+* ``step``: ``start`` before step ``steps``, ``end`` from it on.
+
+A student that starts far from the teacher learns faster per step from the teacher's
+sequences (fixed data, λ = 0) and, once close, from its own samples (λ = 1): a ramp from 0
+to 1 does both. The schedule is a pure function of the step, so a resumed run draws the
+same λ for the same step; the λ coin itself is checkpointed by the training loop.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from opd.utils.config import StrictConfig
+
+
+class LambdaSchedule(StrictConfig):
+    """``distillation.lambda`` as a schedule over the optimizer steps (1-based)."""
+
+    schedule: Literal["linear", "step"] = Field(
+        description="linear = from start to end over `steps` steps; step = start, then end from step `steps` on"
+    )
+    start: float = Field(ge=0.0, le=1.0, description="λ at step 1")
+    end: float = Field(ge=0.0, le=1.0, description="λ at the schedule's end (linear) or from its switch on (step)")
+    steps: int = Field(ge=1, description="linear: the step where λ reaches end; step: the first step with end")
+
+    def at(self, step: int) -> float:
+        """λ of optimizer step ``step`` (1-based)."""
+        if self.schedule == "step":
+            return self.end if step >= self.steps else self.start
+        if self.steps == 1 or step >= self.steps:
+            return self.end
+        fraction = (max(step, 1) - 1) / (self.steps - 1)
+        return self.start + (self.end - self.start) * fraction
+
+    def lowest(self) -> float:
+        """The smallest λ of any step (what decides whether fixed data is ever needed)."""
+        return min(self.start, self.end)
