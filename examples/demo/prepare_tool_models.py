@@ -9,7 +9,8 @@
    CPU core;
 4. fine-tunes it with ``opd sft`` (``examples/configs/sft_tool.yaml``) on the recorded tool
    trajectories (one row per assistant turn) in ``--teacher-steps`` stages, each starting
-   from the previous stage's model with a fresh optimizer and warm-up. It learns the call's
+   from the previous stage's model with a fresh optimizer and warm-up, the last at a
+   quarter of the rate. It learns the call's
    format first; copying the operands, then the calculator's 7-digit result, comes in long
    plateaus (the first stage alone calls the calculator with wrong operands);
 5. makes the student: the teacher fine-tuned ``--student-steps`` more on direct answers
@@ -36,6 +37,8 @@ REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "examples" / "data" / "tool_multiplication"
 MODELS = REPO / "examples" / "demo" / "models"
 SFT_CONFIG = REPO / "examples" / "configs" / "sft_tool.yaml"
+POLISH_RATE = 5.0e-4
+"""The learning rate of the teacher's last stage (the others: sft_tool.yaml's 2e-3)."""
 TEACHER_PRESET = "student"
 """The teacher's tiny preset (:data:`opd.models.tiny.TINY_PRESETS`); the student starts from the teacher."""
 
@@ -79,7 +82,9 @@ def run_sft(init_dir: Path, output_dir: Path, train_path: Path, steps: int, *ext
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--teacher-steps", type=int, nargs="+", default=[600, 1500, 1200], help="steps of each stage")
+    parser.add_argument(
+        "--teacher-steps", type=int, nargs="+", default=[600, 1500, 1200, 1000], help="steps of each stage"
+    )
     parser.add_argument("--student-steps", type=int, default=20)
     parser.add_argument("--work-dir", default=str(REPO / "results" / "tool_demo_prep"))
     args = parser.parse_args()
@@ -95,7 +100,9 @@ def main() -> None:
     build_model_for_tokenizer(TEACHER_PRESET, tokenizer).save_pretrained(model)
     tokenizer.save_pretrained(model)
     for stage, steps in enumerate(args.teacher_steps, start=1):
-        model = run_sft(model, work / f"sft_teacher_{stage}", DATA / "teacher_sft.jsonl", steps)
+        # The last stage polishes at a quarter of the rate: at the full rate the loss stalls near 0.09.
+        rate = [f"training.learning_rate={POLISH_RATE}"] if stage == len(args.teacher_steps) > 1 else []
+        model = run_sft(model, work / f"sft_teacher_{stage}", DATA / "teacher_sft.jsonl", steps, *rate)
     finals = {"teacher": model}
     finals["student"] = run_sft(model, work / "sft_student", DATA / "student_sft.jsonl", args.student_steps)
     for role, final in finals.items():
