@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -155,6 +156,9 @@ def run_sft(seed: int, budget_s: float, out_dir: Path) -> tuple[Path, dict[str, 
 
 
 def _run(command: list[str]) -> None:
+    """Runs an ``opd`` command in a fresh ``output_dir`` (a leftover one would be resumed or refused)."""
+    output_dir = next(Path(part.split("=", 1)[1]) for part in command if part.startswith("output_dir="))
+    shutil.rmtree(output_dir, ignore_errors=True)
     print("+", " ".join(command), flush=True)
     subprocess.run(command, check=True, cwd=REPO)
 
