@@ -252,6 +252,10 @@ def main() -> None:
 
     print()
     print(f"test split: {len(test_rows)} problems; {len(args.seeds)} seeds; {args.budget_s:g} s of training per arm")
+    print(
+        f"settings: OPD {OPD_CONFIG.relative_to(REPO)} {' '.join(args.overrides)}; SFT {SFT_CONFIG.relative_to(REPO)} "
+        f"{' '.join(SFT_LIKE_OPD)}; evaluation greedy, {MAX_TURNS} turns of {TURN_TOKENS} tokens at most"
+    )
     print("| model | test accuracy | tool-call rate | well-formed calls |")
     print("|---|---|---|---|")
     for name, metrics in (("teacher", teacher), ("student before", before)):
