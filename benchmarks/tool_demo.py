@@ -30,7 +30,7 @@ value), the OPD runs' share of step time spent in the environment
 
     tool_demo accuracy teacher=<a> before=<b> opd=<mean>+-<std> sft=<mean>+-<std>
 
-Usage: ``python benchmarks/tool_demo.py [--seeds 0 1 2] [--budget-s 120] [--test-examples 128]
+Usage: ``python benchmarks/tool_demo.py [--seeds 0 1 2] [--budget-s 90] [--test-examples 128]
 [--out DIR] [key.sub=value ...]`` (the overrides go to the OPD runs' config).
 """
 
@@ -196,7 +196,7 @@ def cell(value: float | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--budget-s", type=float, default=120.0, help="training seconds per arm and seed")
+    parser.add_argument("--budget-s", type=float, default=90.0, help="training seconds per arm and seed")
     parser.add_argument("--test-examples", type=int, default=128)
     parser.add_argument("--out", type=Path, default=REPO / "results" / "tool_demo")
     parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results" / "tool_demo" / "results.json")
