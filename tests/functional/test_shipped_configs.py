@@ -105,6 +105,12 @@ CASES = {
     "sft_arithmetic.yaml": Case(
         "sft", ["model.model_path=examples/demo/models/teacher", *ONE_STEP, "training.batch_size=4"]
     ),
+    # The tool demo's configs read examples/data/tool_multiplication (written by its prepare
+    # script); the test writes a small copy of that task (the tool_task fixture).
+    "tool_demo.yaml": Case("train", [*ONE_STEP, *SHORT_ROLLOUTS, "training.micro_batch_size=4"]),
+    "sft_tool.yaml": Case(
+        "sft", ["model.model_path=examples/demo/models/tool_teacher", *ONE_STEP, "training.batch_size=4"]
+    ),
     "distillation_math_cluster.yaml": Case("plan", ["--json", "--quick"]),
     "generate_demo.yaml": Case("generate", ["data.max_train_examples=4", "generate.generate_strategy.max_length=12"]),
     "generate_math.yaml": Case(
@@ -148,6 +154,34 @@ def hint_data():
         sys.modules.setdefault("prepare_context_demo", module)
         spec.loader.exec_module(module)
         module.write_hint_data()
+
+
+@pytest.fixture(scope="module")
+def tool_task(tmp_path_factory) -> Path:
+    """A small copy of the tool demo's task, written by ``examples/data/make_tool_task.py``."""
+    import importlib.util
+    import sys
+
+    out_dir = tmp_path_factory.mktemp("tool_task")
+    path = REPO_ROOT / "examples" / "data" / "make_tool_task.py"
+    spec = importlib.util.spec_from_file_location("make_tool_task", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = sys.argv
+    sys.argv = [str(path), "--out-dir", str(out_dir), "--train-size", "16", "--val-size", "4", "--test-size", "4"]
+    try:
+        module.main()
+    finally:
+        sys.argv = argv
+    return out_dir
+
+
+TOOL_TASK_FILES = {
+    "tool_demo.yaml": ("train.jsonl", "val.jsonl"),
+    "sft_tool.yaml": ("teacher_sft.jsonl", "teacher_sft.jsonl"),
+}
+"""Each tool demo config's training and validation files in the small task (the demo itself validates neither)."""
 
 
 def metric_records(output_dir: Path) -> list[dict]:
@@ -210,6 +244,10 @@ def test_a_shipped_config_starts_validates_and_trains_one_step(name, tmp_path, r
         overrides.append(f"teacher.remote.url={server.url}")
     if name == "context_demo.yaml":
         request.getfixturevalue("hint_data")
+    if name in TOOL_TASK_FILES:
+        task = request.getfixturevalue("tool_task")
+        train, val = TOOL_TASK_FILES[name]
+        overrides += [f"data.train_path={task / train}", f"data.val_path={task / val}"]
     output_dir = tmp_path / "run"
     if case.command == "generate":
         answers = tmp_path / "answers.jsonl"
