@@ -684,7 +684,9 @@ def dry_run_teacher_replica(
         model.to_empty(device=device)
         if shards_per_replica == 1 and getattr(model.config, "tie_word_embeddings", False):
             model.tie_weights()  # to_empty gave the tied head a tensor of its own
-        teacher = ShardedTeacher(model) if shards_per_replica > 1 else LocalTeacher(model)
+        # One pass over each row: the shared-prompt forward groups rows by their token values,
+        # which fake tensors do not hold (its prompt cache, the prompts' keys and values, is not counted).
+        teacher = ShardedTeacher(model) if shards_per_replica > 1 else LocalTeacher(model, share_prompt_forward=False)
         # The tracker hooks every parameter's gradient, which a frozen weight refuses; the
         # teacher still scores without gradients (its own no-grad mode), so nothing changes.
         model.requires_grad_(True)

@@ -75,8 +75,18 @@ def test_on_policy_step_runs_each_model_once_per_micro_batch(tmp_path, fused, lo
     assert student.calls["with_grad"] == micro_batches
     assert student.calls["without_grad"] == 0
     assert student.calls["generation"] > 0
-    # The teacher: exactly one forward per micro-batch, never with gradients.
-    assert teacher.calls == {"generation": 0, "with_grad": 0, "without_grad": micro_batches}
+    # The teacher, never with gradients: each micro-batch holds the two samples of one prompt,
+    # so its shared-prompt forward (teacher.share_prompt_forward, the default) runs twice: once
+    # over the prompt, once over both responses on the prompt's cache.
+    assert teacher.calls == {"generation": 0, "with_grad": 0, "without_grad": 2 * micro_batches}
+
+
+def test_without_prompt_sharing_the_teacher_runs_once_per_micro_batch(tmp_path):
+    parts = setup(run_config(tmp_path, "distillation.lambda=1.0", "distillation.num_samples_per_prompt=2",
+                             "teacher.share_prompt_forward=false"))
+    _, teacher = count_passes(parts)
+    distillation_train(**parts.as_arguments())
+    assert teacher.calls == {"generation": 0, "with_grad": 0, "without_grad": STEPS * BATCH * 2 // 2}
 
 
 def test_fixed_data_steps_generate_nothing(tmp_path):

@@ -317,9 +317,12 @@ def _field_paths(model_cls, prefix=""):
     paths = []
     for name, info in model_cls.model_fields.items():
         key = prefix + (info.alias or name)
-        nested = [arg for arg in (getattr(info.annotation, "__args__", None) or (info.annotation,))
-                  if isinstance(arg, type) and hasattr(arg, "model_fields")]
-        paths += _field_paths(nested[0], key + ".") if nested else [key]
+        args = getattr(info.annotation, "__args__", None) or (info.annotation,)
+        nested = [arg for arg in args if isinstance(arg, type) and hasattr(arg, "model_fields")]
+        # A key that is a number or a section (distillation.lambda: 0.5, or a schedule) is
+        # documented by its number; its section's keys are in the comment beside it.
+        scalar_form = any(arg not in nested and arg is not type(None) for arg in args) and len(args) > 1
+        paths += _field_paths(nested[0], key + ".") if nested and not scalar_form else [key]
     return paths
 
 
