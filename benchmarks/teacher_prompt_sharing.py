@@ -22,11 +22,10 @@ between the two (float rounding only). Run::
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 from harness import parse_arguments
+from timing import median_and_range
 
 from opd.data.sequences import pack_sequences
 from opd.models.interfaces import FullVocabRequest
@@ -51,17 +50,6 @@ def batch_of(prompt_length: int, samples: int, response: int, prompts: int, voca
             sequences.append(prompt + tail)
             prompt_lengths.append(len(prompt))
     return pack_sequences(sequences, prompt_lengths, pad_token_id=0)
-
-
-def timed(call, repeats: int) -> tuple[float, float, float]:
-    """(median, min, max) seconds of ``repeats`` calls after one untimed call."""
-    call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times), max(times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,8 +80,8 @@ def main(argv: list[str] | None = None) -> None:
             real = torch.arange(batch["input_ids"].shape[1])[None, :] < batch["input_lengths"][:, None]
             expected = one_pass.score(batch, request).hidden_states[real]
             difference = float((shared.score(batch, request).hidden_states[real] - expected).abs().max())
-            base = timed(lambda: one_pass.score(batch, request), arguments.repeats)
-            fast = timed(lambda: shared.score(batch, request), arguments.repeats)
+            base = median_and_range(lambda: one_pass.score(batch, request), arguments.repeats)
+            fast = median_and_range(lambda: shared.score(batch, request), arguments.repeats)
             print(
                 f"| {prompt_length} | {samples} | {batch['input_ids'].shape[0]} "
                 f"| {base[0]:.4f} ({base[1]:.4f}–{base[2]:.4f}) | {fast[0]:.4f} ({fast[1]:.4f}–{fast[2]:.4f}) "
