@@ -44,12 +44,15 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from harness import parse_arguments  # noqa: E402  (benchmarks/harness.py, beside this script)
 
 TASK = REPO / "examples" / "data" / "tool_multiplication"
 MODELS = REPO / "examples" / "demo" / "models"
@@ -201,7 +204,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "results" / "tool_demo")
     parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results" / "tool_demo" / "results.json")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="OPD config overrides")
-    args = parser.parse_args()
+    # --smoke: one seed, a few seconds per arm, a few test problems, and nothing written over
+    # the committed results.
+    smoke_dir = Path(tempfile.gettempdir()) / "opd_tool_demo_smoke"
+    args = parse_arguments(
+        parser,
+        {
+            "seeds": [0],
+            "budget_s": 3.0,
+            "test_examples": 4,
+            "out": smoke_dir / "runs",
+            "results": smoke_dir / "results.json",
+        },
+    )
     began = time.perf_counter()
     os.chdir(REPO)
     for name in ("tool_teacher", "tool_student"):

@@ -19,10 +19,10 @@ JOBS="${OPD_SMOKE_JOBS:-2}"
 VLLM_BENCHMARKS=(generation_engines)  # the scripts that need vllm
 
 # Every script with a main block (benchmarks/harness.py and timing.py are modules); the
-# slowest first (their smoke seconds in CI, 2026-11-26: 71 56 44 40 23 20 20 18 17 14), so that
-# the last ones to start are short and the two jobs end together.
-SLOWEST=(e2e_vs_trl scaling sweep_lambda_kl async_overlap validation_bytes lambda_study dry_run_accuracy
-  step_kernels served_teacher loss_memory)
+# slowest first (their smoke seconds in CI, 2026-11-26: 84 56 50 43 43 29 25 19 17 16 15; tool_demo's
+# measured here), so that the last ones to start are short and the two jobs end together.
+SLOWEST=(e2e_vs_trl sweep_lambda_kl async_overlap scaling tool_demo validation_bytes dry_run_accuracy
+  lambda_study step_kernels served_teacher loss_memory)
 if [ "$#" -gt 0 ]; then
   NAMES=("$@")
 else
