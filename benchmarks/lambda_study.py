@@ -168,7 +168,12 @@ SCENARIOS = {
 }
 
 
-def _distill(name: str, lam: float, kl: str, source: str | None, priority: int, *extra: str) -> Setting:
+RAMP_STEPS = 300
+"""The λ ramp's length: λ goes from 0 at step 1 to 1 at this step (about two thirds of a 600 s run's steps on
+the 5-digit task), then stays at 1."""
+
+
+def _distill(name: str, lam: float | str, kl: str, source: str | None, priority: int, *extra: str) -> Setting:
     return Setting(name, "distill", (f"distillation.lambda={lam}", f"loss_fn.kl_type={kl}", *extra), source, priority)
 
 
@@ -180,7 +185,12 @@ def settings(scenario: Scenario) -> list[Setting]:
         Setting("sft_teacher_samples", "sft", (), "teacher_samples", 1),
     ]
     if scenario.sampled:
-        return core
+        # λ as a schedule (issue 37): teacher samples first, the student's own later.
+        ramp = f"{{schedule: linear, start: 0.0, end: 1.0, steps: {RAMP_STEPS}}}"
+        return [
+            *core,
+            _distill(f"lambda_ramp{RAMP_STEPS}_teacher_samples_forward", ramp, "forward", "teacher_samples", 2),
+        ]
     return [
         *core,
         _distill("lambda0_reference_forward", 0.0, "forward", "reference", 1),

@@ -10,7 +10,10 @@ response position ``t`` by
 
 where both probabilities are those of the *sampling* distribution (the strategy's
 temperature and top-k / top-p filter applied to each model's logits; greedy decoding: the
-plain softmax), so that ρ_t = 1 whenever the two models agree. Optionally a token whose ρ_t
+plain softmax), so that ρ_t = 1 whenever the two models agree. With ``level: sequence``
+every position of a sequence gets the same weight instead, w = min(ρ̄, cap), where
+ρ̄ = exp(mean_t log ρ_t) is the sequence's geometric-mean ratio (a length-normalised
+stand-in for the whole response's likelihood ratio). Optionally a token whose ρ_t
 leaves ``token_bounds``, or every token of a sequence whose geometric-mean ratio
 exp(mean_t log ρ_t) leaves ``sequence_bounds``, gets weight 0. Masked tokens stay in the
 loss's normaliser (the global count of response tokens), as in truncated importance
@@ -49,7 +52,12 @@ class OffPolicyCorrectionConfig(StrictConfig):
     enabled: Literal["auto"] | bool = Field(
         "auto", description="auto = on for one_step_off and two_step_off, off (nothing is stale) for sync"
     )
-    cap: float = Field(2.0, ge=1.0, description="truncation: each token's weight is min(ratio, cap)")
+    level: Literal["token", "sequence"] = Field(
+        "token",
+        description="token = each position weighs min(its ratio, cap); sequence = every position of a sequence "
+        "weighs min(the sequence's geometric-mean ratio, cap)",
+    )
+    cap: float = Field(2.0, ge=1.0, description="truncation: each weight is min(ratio, cap)")
     token_bounds: tuple[float, float] | None = Field(
         None, description="[low, high]: a token whose ratio lies outside gets weight 0; null keeps every token"
     )
@@ -80,21 +88,24 @@ class OffPolicyCorrection:
     """What the loss needs to weigh stale samples (built from the config; sent to trainer workers).
 
     Attributes:
-        cap: truncation of each token's ratio (>= 1).
+        cap: truncation of each ratio (>= 1).
         token_bounds: ``(low, high)`` token mask, or None.
         sequence_bounds: ``(low, high)`` sequence mask on the geometric-mean ratio, or None.
         strategy: the rollout's sampling strategy (the distribution both log-probs are of).
+        level: ``token`` (each position its own ratio) or ``sequence`` (the sequence's
+            geometric-mean ratio at every position).
     """
 
     cap: float
     token_bounds: tuple[float, float] | None
     sequence_bounds: tuple[float, float] | None
     strategy: GenerateStrategyConfig
+    level: str = "token"
 
     @classmethod
     def from_config(cls, config: OffPolicyCorrectionConfig, strategy: GenerateStrategyConfig) -> OffPolicyCorrection:
         """The runtime form of ``training.off_policy_correction`` for rollouts drawn with ``strategy``."""
-        return cls(config.cap, config.token_bounds, config.sequence_bounds, strategy)
+        return cls(config.cap, config.token_bounds, config.sequence_bounds, strategy, config.level)
 
 
 def sampling_log_probs(logits: torch.Tensor, targets: torch.Tensor, strategy: GenerateStrategyConfig) -> torch.Tensor:
@@ -147,39 +158,52 @@ def importance_weights(
         learner_logprobs: ``[N]`` log π_learner of each row's sampled token.
         sampler_logprobs: ``[N]`` log π_sampler of the same tokens.
         stale: ``[N]`` bool, the row belongs to a sample with staleness > 0.
-        sequence_ids: ``[N]`` which sequence each row belongs to (for ``sequence_bounds``).
-        correction: cap and bounds.
+        sequence_ids: ``[N]`` which sequence each row belongs to (for ``sequence_bounds`` and
+            ``level: sequence``); a micro-batch holds whole sequences.
+        correction: level, cap and bounds.
 
     Returns:
         ``([N] float64 weights, sums)``: weights are exactly 1 on fresh rows. ``sums`` are
         over all rows, a fresh row counting as ρ = 1: ``is_ratio`` (Σ ρ),
-        ``is_abs_log_ratio`` (Σ |log ρ|), ``is_truncated`` (rows with ρ > cap),
+        ``is_abs_log_ratio`` (Σ |log ρ|), ``is_truncated`` (rows whose weight was cut: ρ > cap,
+        or at sequence level the sequence's ρ̄ > cap),
         ``is_masked`` (rows given weight 0 by a bound) and ``is_ratio_max`` (the largest ρ;
         0 without rows).
     """
     log_ratio = (learner_logprobs.double() - sampler_logprobs.double()).masked_fill(~stale, 0.0)
     ratio = log_ratio.exp()
-    weights = ratio.clamp(max=correction.cap)  # exactly 1 on fresh rows: exp(0) = 1 <= cap
+    geometric_mean = (
+        _sequence_geometric_mean(log_ratio, sequence_ids)
+        if bool(stale.any()) and (correction.level == "sequence" or correction.sequence_bounds is not None)
+        else torch.ones_like(ratio)
+    )
+    # Exactly 1 on fresh rows: exp(0) = 1 <= cap (a sequence is stale or fresh as a whole).
+    weighed = geometric_mean if correction.level == "sequence" else ratio
+    weights = weighed.clamp(max=correction.cap)
     keep = torch.ones_like(stale)
     if correction.token_bounds is not None:
         low, high = correction.token_bounds
         keep &= (ratio >= low) & (ratio <= high)
-    if correction.sequence_bounds is not None and bool(stale.any()):
+    if correction.sequence_bounds is not None:
         low, high = correction.sequence_bounds
-        _, sequence = torch.unique(sequence_ids, return_inverse=True)
-        count = torch.zeros(int(sequence.max()) + 1, dtype=torch.float64, device=ratio.device)
-        total = torch.zeros_like(count)
-        count.index_add_(0, sequence, torch.ones_like(log_ratio))
-        total.index_add_(0, sequence, log_ratio)
-        geometric_mean = (total / count).exp()[sequence]
         keep &= (geometric_mean >= low) & (geometric_mean <= high)
     keep |= ~stale  # fresh rows are never masked: they are on-policy
     weights = torch.where(keep, weights, torch.zeros_like(weights))
     sums = {
         "is_ratio": float(ratio.sum()),
         "is_abs_log_ratio": float(log_ratio.abs().sum()),
-        "is_truncated": float((ratio > correction.cap).sum()),
+        "is_truncated": float((weighed > correction.cap).sum()),
         "is_masked": float((~keep).sum()),
         "is_ratio_max": float(ratio.max()) if ratio.numel() else 0.0,
     }
     return weights, sums
+
+
+def _sequence_geometric_mean(log_ratio: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
+    """``[N]`` each row's sequence's geometric-mean ratio exp(mean log ρ) over the sequence's rows."""
+    _, sequence = torch.unique(sequence_ids, return_inverse=True)
+    count = torch.zeros(int(sequence.max()) + 1, dtype=torch.float64, device=log_ratio.device)
+    total = torch.zeros_like(count)
+    count.index_add_(0, sequence, torch.ones_like(log_ratio))
+    total.index_add_(0, sequence, log_ratio)
+    return (total / count).exp()[sequence]

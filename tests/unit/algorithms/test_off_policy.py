@@ -1,7 +1,8 @@
 """The off-policy correction (truncated importance weights) against a plain float64 reference.
 
 * :func:`importance_weights` on random ratios: truncation at the cap, the token and the
-  sequence masks, fresh rows left at exactly 1, against a loop written out in Python.
+  sequence masks, the token and the sequence level, fresh rows left at exactly 1, against a
+  loop written out in Python.
 * :func:`sampling_log_probs`: the learner's log-prob under the sampler's distribution
   (temperature, top-k, top-p, greedy) equals what the sampler itself reports.
 * :class:`DistillationLossFn` with the correction: on fresh samples the loss and every
@@ -35,50 +36,69 @@ GREEDY = GenerateStrategyConfig(decoding_method="greedy")
 SAMPLE = GenerateStrategyConfig(decoding_method="top_p", temperature=1.0, top_p=1.0)
 
 
-def correction(cap=2.0, token_bounds=None, sequence_bounds=None, strategy=SAMPLE) -> OffPolicyCorrection:
-    return OffPolicyCorrection(cap, token_bounds, sequence_bounds, strategy)
+def correction(cap=2.0, token_bounds=None, sequence_bounds=None, strategy=SAMPLE, level="token") -> OffPolicyCorrection:
+    return OffPolicyCorrection(cap, token_bounds, sequence_bounds, strategy, level)
 
 
-def reference_weights(learner, sampler, stale, sequence_ids, cap, token_bounds, sequence_bounds):
-    """The weights written out position by position in Python floats."""
+def reference_weights(learner, sampler, stale, sequence_ids, cap, token_bounds, sequence_bounds, level="token"):
+    """The weights written out position by position in Python floats, and the ratio each was cut from."""
     n = len(learner)
     ratios = [math.exp(learner[i] - sampler[i]) if stale[i] else 1.0 for i in range(n)]
-    weights = [min(r, cap) for r in ratios]
+
+    def geometric_mean(i):
+        members = [j for j in range(n) if sequence_ids[j] == sequence_ids[i]]
+        return math.exp(sum(math.log(ratios[j]) for j in members) / len(members))
+
+    weighed = [geometric_mean(i) if level == "sequence" and stale[i] else ratios[i] for i in range(n)]
+    weights = [min(r, cap) for r in weighed]
     for i in range(n):
         if not stale[i]:
             continue
         if token_bounds is not None and not token_bounds[0] <= ratios[i] <= token_bounds[1]:
             weights[i] = 0.0
-        if sequence_bounds is not None:
-            members = [j for j in range(n) if sequence_ids[j] == sequence_ids[i]]
-            mean_log = sum(math.log(ratios[j]) for j in members) / len(members)
-            if not sequence_bounds[0] <= math.exp(mean_log) <= sequence_bounds[1]:
-                weights[i] = 0.0
-    return weights, ratios
+        if sequence_bounds is not None and not sequence_bounds[0] <= geometric_mean(i) <= sequence_bounds[1]:
+            weights[i] = 0.0
+    return weights, ratios, weighed
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("token_bounds", [None, (0.5, 1.5)])
 @pytest.mark.parametrize("sequence_bounds", [None, (0.8, 1.25)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_importance_weights_match_a_python_reference(seed, token_bounds, sequence_bounds):
+def test_importance_weights_match_a_python_reference(seed, token_bounds, sequence_bounds, level):
     generator = torch.Generator().manual_seed(seed)
     n = 40
     sampler = -torch.rand(n, generator=generator, dtype=torch.float64) * 3
-    learner = sampler + torch.randn(n, generator=generator, dtype=torch.float64) * 0.6
+    # Sequence-level ratios are means of seven log-ratios: a wider spread keeps some past the cap.
+    spread = 0.6 if level == "token" else 1.5
+    learner = sampler + torch.randn(n, generator=generator, dtype=torch.float64) * spread
     sequence_ids = torch.arange(n) // 7  # six sequences of 7 positions and one of 5
     stale = sequence_ids != 2  # one fresh sequence among stale ones (a mixed micro-batch)
-    cap = 1.7
+    cap = 1.7 if level == "token" else 1.2
     weights, sums = importance_weights(
-        learner, sampler, stale, sequence_ids, correction(cap, token_bounds, sequence_bounds)
+        learner, sampler, stale, sequence_ids, correction(cap, token_bounds, sequence_bounds, level=level)
     )
-    expected, ratios = reference_weights(
-        learner.tolist(), sampler.tolist(), stale.tolist(), sequence_ids.tolist(), cap, token_bounds, sequence_bounds
+    expected, ratios, weighed = reference_weights(
+        learner.tolist(),
+        sampler.tolist(),
+        stale.tolist(),
+        sequence_ids.tolist(),
+        cap,
+        token_bounds,
+        sequence_bounds,
+        level,
     )
     assert weights.dtype == torch.float64
     torch.testing.assert_close(weights, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
     assert torch.equal(weights[~stale], torch.ones(int((~stale).sum()), dtype=torch.float64))
+    if level == "sequence" and sequence_bounds is None and token_bounds is None:
+        # One weight per sequence: every position of a stale sequence shares it.
+        for sequence in sequence_ids.unique():
+            members = weights[sequence_ids == sequence]
+            assert torch.all(members == members[0])
+        assert len({round(w, 12) for w in expected}) > 2  # the sequences' weights differ
     assert sums["is_ratio"] == pytest.approx(sum(ratios), rel=1e-12)
-    assert sums["is_truncated"] == sum(r > cap for r in ratios)
+    assert sums["is_truncated"] == sum(r > cap for r in weighed)
     assert sums["is_masked"] == sum(w == 0.0 for w in expected)
     assert sums["is_ratio_max"] == pytest.approx(max(ratios), rel=1e-12)
     if token_bounds is None and sequence_bounds is None:
@@ -179,10 +199,24 @@ def micro_batch(seed: int, staleness: list[int]):
     }, generator
 
 
-def reference_loss(student_logits, teacher, data, cap, strategy, signal):
+def reference_log_ratios(student_logits, data, strategy):
+    """{(row, t): log ρ} of every response position of a stale row, one position at a time."""
+    log_ratios = {}
+    for row in range(B):
+        for t in range(L - 1):
+            if data["token_mask"][row, t + 1] and data["staleness"][row] > 0:
+                token = data["input_ids"][row, t + 1]
+                learner = float(sampling_log_probs(student_logits[row, t].double()[None], token[None], strategy))
+                log_ratios[row, t] = learner - float(data["generation_logprobs"][row, t + 1])
+    return log_ratios
+
+
+def reference_loss(student_logits, teacher, data, cap, strategy, signal, level="token"):
     """Σ_t w_t · D_t / N in float64, one position at a time."""
     total, count = 0.0, int(data["token_mask"][:, 1:].sum())
+    log_ratios = reference_log_ratios(student_logits, data, strategy)
     for row in range(B):
+        row_logs = [value for (r, _), value in log_ratios.items() if r == row]
         for t in range(L - 1):
             if data["token_mask"][row, t + 1] == 0:
                 continue
@@ -195,9 +229,8 @@ def reference_loss(student_logits, teacher, data, cap, strategy, signal):
                 divergence = token_kl(logits[None], teacher[row, t].double()[None], "forward")
             weight = 1.0
             if data["staleness"][row] > 0:
-                token = data["input_ids"][row, t + 1]
-                learner = float(sampling_log_probs(logits[None], token[None], strategy))
-                weight = min(math.exp(learner - float(data["generation_logprobs"][row, t + 1])), cap)
+                log_ratio = sum(row_logs) / len(row_logs) if level == "sequence" else log_ratios[row, t]
+                weight = min(math.exp(log_ratio), cap)
             total += weight * float(divergence)
     return total / count
 
@@ -227,10 +260,11 @@ def test_fresh_samples_give_the_uncorrected_loss_bitwise(signal, fused):
     assert metrics["is_ratio_mean"] == 1.0 and metrics["is_masked_fraction"] == 0.0
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("signal", ["full_vocab", "topk"])
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
 @pytest.mark.parametrize("strategy", [SAMPLE, TOP_P], ids=["plain", "top_p"])
-def test_stale_samples_are_weighted_as_the_reference(signal, fused, strategy):
+def test_stale_samples_are_weighted_as_the_reference(signal, fused, strategy, level):
     data, generator = micro_batch(1, staleness=[1, 0, 2])
     hidden = torch.randn(B, L, D, generator=generator, dtype=torch.float64)
     head = torch.randn(V, D, generator=generator, dtype=torch.float64)
@@ -254,14 +288,18 @@ def test_stale_samples_are_weighted_as_the_reference(signal, fused, strategy):
         teacher_topk=4,
         fused_lm_head=fused,
         chunk_size=2,
-        off_policy=correction(cap, strategy=strategy),
+        off_policy=correction(cap, strategy=strategy, level=level),
     )
     student = LMHeadInput(hidden, head) if fused else student_logits
     loss, metrics = loss_fn(student, data, int(data["token_mask"][:, 1:].sum()), B, teacher_output=teacher)
-    expected = reference_loss(student_logits, teacher, data, cap, strategy, signal)
+    expected = reference_loss(student_logits, teacher, data, cap, strategy, signal, level)
     assert float(loss) == pytest.approx(expected, rel=1e-10)
-    assert metrics["is_truncated_fraction"] > 0  # some weights hit the cap
+    if level == "token":
+        assert metrics["is_truncated_fraction"] > 0  # some weights hit the cap
     assert metrics["is_ratio_max"] > cap
+    # The two levels weigh differently: the case tells them apart.
+    other = "sequence" if level == "token" else "token"
+    assert expected != pytest.approx(reference_loss(student_logits, teacher, data, cap, strategy, signal, other))
 
 
 def test_all_masked_micro_batch_with_stale_rows_is_zero():
