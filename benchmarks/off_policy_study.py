@@ -21,7 +21,9 @@ missing, and it does not differ between the corrections of one cell. Each run tr
 equal wall-clock, then evaluates the test split once (greedy accuracy, and the KL to the
 teacher on the student's own answers). The importance-ratio metrics the correction logs
 (``train/is_ratio_mean``, ``train/is_abs_log_ratio_mean``, ``train/is_truncated_fraction``)
-are averaged over the run's steps; a run without the correction logs none.
+and ``train/is_outside_support_fraction`` (ρ = 0: the sampled token lies outside the
+learner's top-p set) are averaged over the run's steps; a run without the correction logs
+none.
 
 Scenarios (``--scenarios``), from the λ study (``benchmarks/lambda_study.py``): ``demo``
 (the README demo's pair, 3-digit addition) and ``5digit`` (5-digit addition, its own
@@ -50,6 +52,7 @@ import itertools
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -83,7 +86,13 @@ ROLLOUTS = {
         "distillation.generate_strategy.top_p=0.95",
     ),
 }
-RATIO_METRICS = ("is_ratio_mean", "is_abs_log_ratio_mean", "is_truncated_fraction", "is_ratio_max")
+RATIO_METRICS = (
+    "is_ratio_mean",
+    "is_abs_log_ratio_mean",
+    "is_truncated_fraction",
+    "is_outside_support_fraction",
+    "is_ratio_max",
+)
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,7 @@ def run_one(scenario: Scenario, cell: Cell, seed: int, args: argparse.Namespace)
     """One run: ``--run-seconds`` of training, then one evaluation of the test split."""
     name = f"{scenario.name}_{cell.name}_seed{seed}"
     output_dir = args.out / "outputs" / name
+    shutil.rmtree(output_dir, ignore_errors=True)  # a run without its result file is redone from the start
     run_opd(
         [
             "train",
@@ -147,7 +157,8 @@ def run_one(scenario: Scenario, cell: Cell, seed: int, args: argparse.Namespace)
     steps = [record for record in records if "timing/step" in record]
     final = [record for record in records if "val/accuracy" in record][-1]
     ratios = {
-        key: statistics.mean(record[f"train/{key}"] for record in steps) if f"train/{key}" in steps[-1] else None
+        # float(): the metrics log writes a non-finite value as a string ("inf", "nan").
+        key: statistics.mean(float(record[f"train/{key}"]) for record in steps) if f"train/{key}" in steps[-1] else None
         for key in RATIO_METRICS
     }
     return {
@@ -237,7 +248,7 @@ def print_scenario(scenario: str, results: list[dict]) -> None:
     print(f"\nscenario {scenario}")
     header = (
         f"{'loss':<11}{'schedule':<14}{'rollouts':<9}{'correction':<11}{'seeds':>5} {'accuracy':>13} "
-        f"{'KL rev':>13} {'steps':>6} {'s/step':>7} {'ρ mean':>7} {'|log ρ|':>8} {'cut':>6} {'ρ max':>7}"
+        f"{'KL rev':>13} {'steps':>6} {'s/step':>7} {'ρ mean':>7} {'|log ρ|':>8} {'cut':>6} {'ρ=0':>6} {'ρ max':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -254,6 +265,7 @@ def print_scenario(scenario: str, results: list[dict]) -> None:
             f"{_mean([run['is_ratio_mean'] for run in runs]):>7} "
             f"{_mean([run['is_abs_log_ratio_mean'] for run in runs], 4):>8} "
             f"{_mean([run['is_truncated_fraction'] for run in runs], 4):>6} "
+            f"{_mean([run.get('is_outside_support_fraction') for run in runs], 4):>6} "
             f"{_mean([run['is_ratio_max'] for run in runs], 2):>7}"
         )
     print("\nthe correction's effect, per loss (each seed's accuracy averaged over schedules and rollouts first)")

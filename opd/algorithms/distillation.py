@@ -239,7 +239,7 @@ def distillation_train(
         tokenizer,
         config,
         lambda_coin,
-        sampler_logprobs=config.training.correction_is_on(),
+        sampler_logprobs=any(config.training.correction_is_on(loss) for _, loss in config.teacher_losses()),
     )
     step_state = DistillationStepState(schedule, policy_version=distillation_save_state["step"])
     callbacks = DistillationCallbacks(

@@ -147,9 +147,13 @@ class TrainingConfig(TrainingLoopConfig):
         """Whether rollouts are sampled ahead of the update (one_step_off, two_step_off)."""
         return self.scheduler != "sync"
 
-    def correction_is_on(self) -> bool:
-        """Whether stale samples are weighted (``off_policy_correction.enabled``; auto = asynchronous)."""
-        return self.off_policy_correction.is_on(self.asynchronous)
+    def correction_is_on(self, loss: LossFnConfig) -> bool:
+        """Whether ``loss``'s stale samples are weighted (``off_policy_correction.enabled``).
+
+        ``auto``: under an asynchronous schedule, as the objective's
+        ``weighs_stale_samples_by_default`` says; never under sync.
+        """
+        return self.off_policy_correction.is_on(self.asynchronous, loss.weighs_stale_samples_by_default)
 
     def placement_problem(self, colocated: bool, teacher_in_workers: bool) -> str | None:
         """The schedule's limits on a cluster: what it overlaps needs devices or workers of its own.

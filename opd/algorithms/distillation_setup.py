@@ -475,7 +475,7 @@ def build_loss(config: MasterConfig, tokenizer: Any) -> LossFunction:
         if key not in built:
             objective = loss.build(len(tokenizer), device_type)
             corrected = (DistillationLossFn, FullVocabHybridLossFn)
-            if config.training.correction_is_on() and isinstance(objective, corrected):
+            if config.training.correction_is_on(loss) and isinstance(objective, corrected):
                 objective.off_policy = OffPolicyCorrection.from_config(
                     config.training.off_policy_correction, config.distillation.generate_strategy
                 )

@@ -55,6 +55,14 @@ class _LossSettings(StrictConfig):
     mapped onto the strings both vocabularies share): only what needs no whole
     distribution and no token of the student's own in the teacher's vocabulary."""
 
+    weighs_stale_samples_by_default: ClassVar[bool] = False
+    """Whether ``training.off_policy_correction.enabled: auto`` weighs this objective's stale
+    samples under an asynchronous schedule. Off for the objectives whose loss at a position
+    is an exact expectation over the next token (full vocabulary, JSD, top-k): there the
+    truncated ratio only stands in for the prefix's likelihood ratio, and the correction
+    study (guide §11, "Which correction, measured") found it slowed learning. The
+    sampled-token loss needs none: its clipped ratio is taken against the sampler."""
+
     def lambda_problem(self, key: str, lambda_: float) -> str | None:
         """Why this objective cannot train on fixed-data steps (``distillation.lambda`` < 1); None when it can."""
         return None
@@ -214,6 +222,9 @@ class HybridFullVocabLossConfig(_LossSettings, _Taus):
     """``type: hybrid_full_vocab``: Σ_v q(student_tau·log q − teacher_tau·log p) exactly, plus the task reward."""
 
     type: Literal["hybrid_full_vocab"] = "hybrid_full_vocab"
+    weighs_stale_samples_by_default: ClassVar[bool] = True
+    """Its task-reward term is a policy gradient on the sampled token, which a stale sample
+    makes off-policy: the ratio is that term's own importance weight."""
 
     def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
         return {

@@ -718,7 +718,8 @@ def off_policy_row_weights(
     Returns:
         ``([N] weights, metrics)``; the metrics are this micro-batch's share of the global
         means over response tokens (``is_ratio_mean``, ``is_abs_log_ratio_mean``,
-        ``is_truncated_fraction``, ``is_masked_fraction``) and its ``is_ratio_max``.
+        ``is_truncated_fraction``, ``is_masked_fraction``, ``is_outside_support_fraction``) and
+        its ``is_ratio_max``.
     """
     staleness = data["staleness"]
     per_token = staleness if staleness.dim() == 2 else staleness.unsqueeze(-1).expand_as(data["input_ids"])
@@ -748,6 +749,7 @@ def off_policy_row_weights(
         "is_abs_log_ratio_mean": sums["is_abs_log_ratio"] / tokens,
         "is_truncated_fraction": sums["is_truncated"] / tokens,
         "is_masked_fraction": sums["is_masked"] / tokens,
+        "is_outside_support_fraction": sums["is_outside_support"] / tokens,
         "is_ratio_max": sums["is_ratio_max"],
     }
     return weights, metrics

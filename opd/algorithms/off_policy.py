@@ -50,7 +50,10 @@ class OffPolicyCorrectionConfig(StrictConfig):
     """``training.off_policy_correction``: truncated importance weights for stale samples."""
 
     enabled: Literal["auto"] | bool = Field(
-        "auto", description="auto = on for one_step_off and two_step_off, off (nothing is stale) for sync"
+        "auto",
+        description="auto = on under one_step_off and two_step_off for hybrid_full_vocab (its reward term is a "
+        "policy gradient on the sampled token), off for full_vocab, jsd and topk (measured: it slowed learning) "
+        "and under sync (nothing is stale)",
     )
     level: Literal["token", "sequence"] = Field(
         "token",
@@ -78,9 +81,15 @@ class OffPolicyCorrectionConfig(StrictConfig):
                 )
         return self
 
-    def is_on(self, asynchronous: bool) -> bool:
-        """Whether the correction applies under a schedule that is (or is not) asynchronous."""
-        return asynchronous if self.enabled == "auto" else bool(self.enabled)
+    def is_on(self, asynchronous: bool, by_default: bool = True) -> bool:
+        """Whether the correction applies under a schedule that is (or is not) asynchronous.
+
+        Args:
+            asynchronous: the schedule trains on stale samples.
+            by_default: what ``auto`` does under an asynchronous schedule for the objective
+                in question (its ``weighs_stale_samples_by_default``).
+        """
+        return asynchronous and by_default if self.enabled == "auto" else bool(self.enabled)
 
 
 @dataclass(frozen=True)
@@ -166,7 +175,8 @@ def importance_weights(
         ``([N] float64 weights, sums)``: weights are exactly 1 on fresh rows. ``sums`` are
         over all rows, a fresh row counting as ρ = 1: ``is_ratio`` (Σ ρ),
         ``is_abs_log_ratio`` (Σ |log ρ|), ``is_truncated`` (rows whose weight was cut: ρ > cap,
-        or at sequence level the sequence's ρ̄ > cap),
+        or at sequence level the sequence's ρ̄ > cap), ``is_outside_support`` (rows whose token the
+        learner's sampling distribution no longer allows: ρ = 0, e.g. outside its top-p set),
         ``is_masked`` (rows given weight 0 by a bound) and ``is_ratio_max`` (the largest ρ;
         0 without rows).
     """
@@ -194,6 +204,7 @@ def importance_weights(
         "is_abs_log_ratio": float(log_ratio.abs().sum()),
         "is_truncated": float((weighed > correction.cap).sum()),
         "is_masked": float((~keep).sum()),
+        "is_outside_support": float((ratio == 0).sum()),
         "is_ratio_max": float(ratio.max()) if ratio.numel() else 0.0,
     }
     return weights, sums

@@ -69,6 +69,9 @@ def run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
         "distillation.num_samples_per_prompt=1",
         "distillation.generate_strategy.max_length=8",
         "model.teacher_model_path=tiny:teacher",
+        # On, so that the stale batch's weights are part of what must compose (auto leaves
+        # it off for these losses).
+        "training.off_policy_correction.enabled=true",
     ]
     config = load_config(MasterConfig, TINY_CONFIG, [*base, *overrides])
     distillation_train(**setup(config).as_arguments())

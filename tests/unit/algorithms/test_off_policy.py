@@ -18,6 +18,14 @@ import math
 import pytest
 import torch
 
+from opd.algorithms.distillation_config import TrainingConfig
+from opd.algorithms.loss_config import (
+    FullVocabLossConfig,
+    HybridFullVocabLossConfig,
+    JSDLossConfig,
+    SampledTokenLossConfig,
+    TopKLossConfig,
+)
 from opd.algorithms.loss_functions import DistillationLossFn, token_kl, topk_token_kl
 from opd.algorithms.off_policy import (
     OffPolicyCorrection,
@@ -122,13 +130,14 @@ def test_fresh_rows_have_weight_exactly_one_even_with_disagreeing_log_probs():
         "is_abs_log_ratio": 0.0,
         "is_truncated": 0.0,
         "is_masked": 0.0,
+        "is_outside_support": 0.0,
         "is_ratio_max": 1.0,
     }
 
 
 def test_a_token_the_learner_would_never_sample_gets_weight_zero():
     # Learner log-prob -inf: the token lies outside the learner's top-k / top-p support.
-    weights, _ = importance_weights(
+    weights, sums = importance_weights(
         torch.tensor([float("-inf"), -1.0]),
         torch.tensor([-2.0, -1.0]),
         torch.ones(2, dtype=torch.bool),
@@ -136,6 +145,7 @@ def test_a_token_the_learner_would_never_sample_gets_weight_zero():
         correction(),
     )
     assert weights.tolist() == [0.0, 1.0]
+    assert sums["is_outside_support"] == 1.0
 
 
 def test_no_rows():
@@ -176,6 +186,29 @@ def test_config_checks_bounds():
     assert OffPolicyCorrectionConfig().is_on(asynchronous=True)
     assert not OffPolicyCorrectionConfig().is_on(asynchronous=False)
     assert OffPolicyCorrectionConfig(enabled=True).is_on(asynchronous=False)
+    assert not OffPolicyCorrectionConfig().is_on(asynchronous=True, by_default=False)
+    assert OffPolicyCorrectionConfig(enabled=True).is_on(asynchronous=True, by_default=False)
+
+
+@pytest.mark.parametrize(
+    ("loss", "by_default"),
+    [
+        (FullVocabLossConfig(), False),
+        (JSDLossConfig(), False),
+        (TopKLossConfig(k=4), False),
+        (SampledTokenLossConfig(), False),
+        (HybridFullVocabLossConfig(), True),
+    ],
+    ids=lambda value: getattr(value, "type", str(value)),
+)
+def test_auto_weighs_stale_samples_only_for_a_sampled_token_term(loss, by_default):
+    # The correction study (guide §11) found the truncated ratio slowed learning for the
+    # exact-expectation losses; the hybrid loss's reward term is a policy gradient.
+    for scheduler in ("one_step_off", "two_step_off"):
+        assert TrainingConfig(scheduler=scheduler).correction_is_on(loss) is by_default
+        forced = TrainingConfig(scheduler=scheduler, off_policy_correction=OffPolicyCorrectionConfig(enabled=True))
+        assert forced.correction_is_on(loss)
+    assert not TrainingConfig(scheduler="sync").correction_is_on(loss)
 
 
 # --------------------------------------------------------------------------- the loss

@@ -136,9 +136,9 @@ def test_each_batch_is_sampled_with_the_weights_the_schedule_states(tmp_path, sc
 
 
 def test_importance_ratio_metrics(tmp_path):
-    config = run_config(tmp_path, "one_step_off")
+    config = run_config(tmp_path, "one_step_off", "training.off_policy_correction.enabled=true")
     parts = setup(config)
-    assert parts.loss_fn.off_policy is not None  # on by default for an asynchronous schedule
+    assert parts.loss_fn.off_policy is not None
     distillation_train(**parts.as_arguments())
     steps = records(config)
     assert steps[0]["train/staleness_mean"] == 0 and steps[0]["train/is_ratio_mean"] == 1.0
@@ -149,8 +149,16 @@ def test_importance_ratio_metrics(tmp_path):
     assert all(step["train/is_ratio_max"] >= step["train/is_ratio_mean"] > 0 for step in stale)
 
 
-def test_correction_off_leaves_stale_samples_unweighted(tmp_path):
-    config = run_config(tmp_path, "one_step_off", "training.off_policy_correction.enabled=false")
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["training.off_policy_correction.enabled=false"],
+        [],  # auto: off for the full-vocabulary loss (the correction study, guide §11)
+    ],
+    ids=["off", "auto"],
+)
+def test_correction_off_leaves_stale_samples_unweighted(tmp_path, overrides):
+    config = run_config(tmp_path, "one_step_off", *overrides)
     parts = setup(config)
     assert parts.loss_fn.off_policy is None
     distillation_train(**parts.as_arguments())
