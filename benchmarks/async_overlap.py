@@ -86,7 +86,7 @@ SPEED_SETUPS = [
 
 LEARNING_SETUPS = [
     Setup("sync", "sync"),
-    Setup("one_step_off, corrected", "one_step_off"),
+    Setup("one_step_off, corrected", "one_step_off", ["training.off_policy_correction.enabled=true"]),
     Setup("one_step_off, uncorrected", "one_step_off", ["training.off_policy_correction.enabled=false"]),
 ]
 
