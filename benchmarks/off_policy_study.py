@@ -65,7 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import arithmetic_task, parse_arguments  # noqa: E402
-from lambda_study import SCENARIOS, Scenario  # noqa: E402
+from lambda_study import SCENARIOS, Scenario, spread  # noqa: E402
 from sweep_lambda_kl import CONFIG, NO_STEP_CAP, run_opd  # noqa: E402
 
 LOSSES = {
@@ -229,10 +229,11 @@ def study(args: argparse.Namespace) -> None:
 
 
 def _mean_std(values: list[float]) -> str:
+    """``mean±std`` over the seeds (the λ study's :func:`spread`), or ``-`` without values."""
     if not values:
         return "-"
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f}±{spread:.3f}"
+    mean, std = spread(values)
+    return f"{mean:.3f}±{std:.3f}"
 
 
 def _mean(values: list[float | None], digits: int = 3) -> str:
