@@ -6,6 +6,8 @@ Results are collected as they arrive, so the first actor that dies, runs out of 
 or raises ends the wait at once, with a :class:`~opd.utils.errors.WorkerError` naming
 the role, the rank and its node, even while its peers are still blocked in a collective
 that the dead rank will never join. The group is then killed, which frees those peers.
+A rank's error that may only echo a peer's death (its collective lost the peer before
+Ray noticed the death) waits a few seconds for the peers, and a death found is named instead.
 
 No wait is unbounded. Each group has two bounds (:class:`Bound`): one for starting its actors
 (placed, constructed: models loaded) and one for every call. Ranks still running when
@@ -45,6 +47,9 @@ class Bound:
 
 DEFAULT_BOUND = Bound(600.0)
 """The bound of a group built without one (``cluster.worker_timeout_s``'s default)."""
+
+PEER_DEATH_GRACE_S = 5.0
+"""How long a rank's error waits for its peers' results, in case one of them died and caused it."""
 
 
 @dataclass(frozen=True)
@@ -191,9 +196,32 @@ class WorkerGroup:
                     results[ref] = ray.get(ref)
                 except Exception as error:
                     failure = self._worker_error(error, rank_of[ref])
+                    if not _is_death(error) and pending:
+                        failure = self._dead_peer_error(pending, rank_of, error, rank_of[ref]) or failure
                     self.kill()
                     raise failure from None
         return [results[ref] for ref in refs]
+
+    def _dead_peer_error(
+        self, pending: list[Any], rank_of: dict[Any, int], raised: Exception, raised_rank: int
+    ) -> WorkerError | None:
+        """The death of a peer that ``raised`` (rank ``raised_rank``'s error) may only echo, or None.
+
+        When a rank is killed, its peers' collectives fail at once ("connection reset"),
+        often before Ray has noticed the death. The death is the cause worth naming, so the
+        other ranks get a short grace to report it.
+        """
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_DEATH_GRACE_S)
+        for ref in sorted(ready, key=rank_of.__getitem__):
+            try:
+                ray.get(ref)
+            except Exception as error:
+                if _is_death(error):
+                    death = self._worker_error(error, rank_of[ref]).args[0]
+                    cause = raised.cause if isinstance(raised, ray.exceptions.RayTaskError) else raised
+                    echo = f"{self.role} worker {raised_rank} then failed: {_first_line(cause)}"
+                    return WorkerError(f"{death}; {echo}", self.role, rank_of[ref])
+        return None
 
     def pending(
         self,
@@ -245,7 +273,7 @@ class WorkerGroup:
         where = f"{self.role} worker {rank} of {self.size} (node {self.node(rank)})"
         if isinstance(error, ray.exceptions.OutOfMemoryError) or _is_oom(error):
             return WorkerError(f"{where} ran out of memory: {_first_line(error)}", self.role, rank)
-        if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)):
+        if _is_death(error):
             return WorkerError(f"{where} died ({type(error).__name__})", self.role, rank)
         if isinstance(error, ray.exceptions.RayTaskError):
             return WorkerError(f"{where} failed: {_first_line(error.cause)}", self.role, rank)
@@ -284,6 +312,11 @@ class _Gathered(Pending[ResultT]):
 
 _START = "__start__"
 """``what`` of the wait for the actors' constructors."""
+
+
+def _is_death(error: Exception) -> bool:
+    """Whether ``error`` says the actor itself is gone (killed, crashed, its node lost)."""
+    return isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError))
 
 
 def _is_oom(error: Exception) -> bool:

@@ -2,12 +2,15 @@
 
 A rank that runs out of memory (device or host) or raises must end the wait at once with one
 :class:`~opd.utils.errors.WorkerError` naming the role, the rank and its node (and, for memory,
-saying so), while its peer is still busy; the group is killed afterwards. The end-to-end
+saying so), while its peer is still busy; the group is killed afterwards. A rank whose error
+only echoes a peer's death (its collective lost the peer) yields to that death, which is named. The end-to-end
 path (a SIGKILLed trainer worker in a real run) is in ``test_cluster_faults.py``.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import time
 
 import pytest
@@ -27,8 +30,13 @@ class Worker:
 
     def work(self) -> int:
         if self.rank == 0:
+            if self.failure == "peer_dies":  # dies just after rank 1's collective failed because of it
+                time.sleep(0.5)
+                os._exit(1)
             time.sleep(30)
             return 0
+        if self.failure == "peer_dies":
+            raise RuntimeError("gloo: Connection reset by peer")
         if self.failure == "cuda_oom":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.3 GiB total)")
         if self.failure == "host_oom":
@@ -59,3 +67,12 @@ def test_a_failing_rank_ends_the_wait_at_once_with_its_role_and_rank(ray_cluster
         workers.run_all("work")
     assert time.monotonic() - start < 20, "the busy peer (30 s) must not be waited for"
     assert (caught.value.role, caught.value.rank) == ("trainer", 1)
+
+
+def test_a_peers_death_is_named_rather_than_the_collective_error_it_caused(ray_cluster):
+    with pytest.raises(WorkerError) as caught:
+        group("peer_dies").run_all("work")
+    message = str(caught.value)
+    assert re.match(r"trainer worker 0 of 2 \(node [\d.]+\) died \(\w+\); ", message), message
+    assert message.endswith("trainer worker 1 then failed: RuntimeError: gloo: Connection reset by peer"), message
+    assert (caught.value.role, caught.value.rank) == ("trainer", 0)
