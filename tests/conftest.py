@@ -113,7 +113,9 @@ def ray_cluster():
     process): a cluster's start and stop cost seconds of both cores, and the cluster
     tests are a dozen files. A file ends with every slot free, or the cluster is stopped
     (the next file gets a fresh one); a file none of whose tests asks for the cluster
-    starts without it (``pytest_runtest_setup``), as it would alone.
+    starts without it (``pytest_runtest_setup``), as it would alone. The runs' worker
+    processes are kept warm between runs (``OPD_TEST_FRESH_WORKERS=1``: a fresh actor per
+    worker, as a run outside the tests has).
     """
     import ray
 
@@ -132,6 +134,12 @@ def ray_cluster():
             log_to_driver=False,
         )
         _shared_ray["address"] = ray.get_runtime_context().gcs_address
+    if os.environ.get("OPD_TEST_FRESH_WORKERS") != "1":
+        # The runs' worker processes are kept between runs (opd.distributed.worker_hosts):
+        # each costs seconds of imports to start.
+        from opd.distributed.worker_hosts import keep_workers_warm
+
+        keep_workers_warm()
     yield
     if not _shared_ray_running() or not _slots_freed(ray):
         _stop_shared_ray()

@@ -216,6 +216,6 @@ class FSDPPolicy(PolicyInterface):
 
     def close(self) -> None:
         """Stops the workers and frees the cluster's resources."""
-        self.workers.kill()
+        self.workers.stop()
         if self.on_close is not None:
             self.on_close()

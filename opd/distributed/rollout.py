@@ -322,7 +322,7 @@ class RayGeneration(GenerationInterface):
         # A dead worker's engine went with its process; the others still close theirs.
         with contextlib.suppress(WorkerError):
             self.workers.run_all("close")
-        self.workers.kill()
+        self.workers.stop()
 
 
 class TeacherOnRolloutWorkers(GenerationInterface):

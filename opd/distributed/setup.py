@@ -27,6 +27,7 @@ from opd.distributed.shared_directory import check_shared_directory
 from opd.distributed.teacher_pool import ColocatedTeacher, TeacherPool, TeacherWorker
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
 from opd.distributed.worker_group import Bound, Slot, WorkerGroup
+from opd.distributed.worker_hosts import warm_hosts
 from opd.models.config import LoraConfig, ModelLoadingConfig, OptimizerConfig
 from opd.models.generation.engines import GenerationConfig
 from opd.models.interfaces import GenerationInterface, TeacherInterface
@@ -176,7 +177,7 @@ def build_cluster_backends(
 
     def release() -> None:
         for group in groups:
-            group.kill()
+            group.stop()
         pools.remove()
         if started_ray:
             ray.shutdown()
@@ -280,7 +281,13 @@ def _start_trainer(
     world_size = cluster.trainer.workers
     bounds = _bounds(cluster, "trainer")
     trainer = WorkerGroup(
-        "trainer", TrainerWorker, slots, lambda rank: (rank, world_size, spec), _worker_environment(cluster), **bounds
+        "trainer",
+        TrainerWorker,
+        slots,
+        lambda rank: (rank, world_size, spec),
+        _worker_environment(cluster),
+        hosts=warm_hosts(),
+        **bounds,
     )
     # The process group meets on rank 0's node, which need not be the controller's.
     master_addr, master_port = trainer.run_rank(0, "rendezvous_address", bound=bounds["start_bound"])
@@ -316,6 +323,7 @@ def _start_teacher_pool(
             request.sharing(role),
         ),
         _worker_environment(cluster),
+        hosts=warm_hosts(),
         **_bounds(cluster, "teacher"),
     )
     if shards > 1:
@@ -341,5 +349,6 @@ def _start_rollout(cluster: ClusterConfig, request: ClusterRequest, slots: list[
         slots,
         lambda rank: (rank, spec),
         _worker_environment(cluster),
+        hosts=warm_hosts(),
         **_bounds(cluster, "rollout"),
     )

@@ -284,4 +284,4 @@ class TeacherPool(TeacherInterface):
 
     def close(self) -> None:
         """Stops the workers."""
-        self.workers.kill()
+        self.workers.stop()

@@ -29,6 +29,7 @@ from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from opd.distributed.dispatch import declaration
+from opd.distributed.worker_hosts import HostedActor, WarmHosts
 from opd.models.interfaces import Pending
 from opd.utils.errors import WorkerError
 
@@ -75,6 +76,8 @@ class WorkerGroup:
             a :meth:`pending` result), unless the call names its own.
         start_bound: how long the actors may take to be placed and constructed
             (``call_bound`` when None).
+        hosts: warm worker processes to build the workers in
+            (:mod:`~opd.distributed.worker_hosts`); ignored where a slot takes a GPU.
 
     Raises:
         WorkerError: an actor failed in its constructor, or did not start within ``start_bound``.
@@ -89,33 +92,55 @@ class WorkerGroup:
         env_vars: dict[str, str] | None = None,
         call_bound: Bound = DEFAULT_BOUND,
         start_bound: Bound | None = None,
+        hosts: WarmHosts | None = None,
     ) -> None:
         self.role = role
         self.worker_class = worker_class
         self.slots = list(slots)
         self.call_bound = call_bound
         self._nodes: dict[int, str] = {}
-        remote_class: Any = ray.remote(worker_class)
-        self.actors: list[Any] = [
-            remote_class.options(
-                num_cpus=slot.num_cpus,
-                num_gpus=slot.num_gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement_group, slot.bundle_index),
-                runtime_env={"env_vars": env_vars or {}},
-                max_restarts=0,
-            ).remote(*init_args(rank))
-            for rank, slot in enumerate(self.slots)
-        ]
+        self._env_vars = env_vars or {}
+        self._hosts = hosts if hosts is not None and not any(slot.num_gpus for slot in self.slots) else None
+        self._stopped = False
+        self._released = False  # its warm hosts were given back: they may serve another group now
+        if self._hosts is not None:
+            self._host_actors = self._hosts.take(role, len(self.slots), self._env_vars)
+            self._actors: list[Any] = [HostedActor(host) for host in self._host_actors]
+            started = [host.build.remote(worker_class, init_args(rank)) for rank, host in enumerate(self._host_actors)]
+        else:
+            remote_class: Any = ray.remote(worker_class)
+            self._actors = [
+                remote_class.options(
+                    num_cpus=slot.num_cpus,
+                    num_gpus=slot.num_gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement_group, slot.bundle_index),
+                    runtime_env={"env_vars": self._env_vars},
+                    max_restarts=0,
+                ).remote(*init_args(rank))
+                for rank, slot in enumerate(self.slots)
+            ]
+            started = [actor.__ray_ready__.remote() for actor in self._actors]
         # Constructors run asynchronously: wait for them, so that a worker that cannot
         # start (a bad model path, no memory, no room in its bundle) fails here, naming its rank.
-        self.gather([actor.__ray_ready__.remote() for actor in self.actors], what=_START, bound=start_bound)
+        self.gather(started, what=_START, bound=start_bound)
         # Noted now: once a node is lost, its bundles no longer say where they were.
         for rank in range(self.size):
             self.node(rank)
 
     @property
     def size(self) -> int:
-        return len(self.actors)
+        return len(self._actors)
+
+    @property
+    def actors(self) -> list[Any]:
+        """The workers' actor handles, one per rank (``actor.method.remote(...)``).
+
+        Raises:
+            WorkerError: the group was stopped and its warm hosts given back.
+        """
+        if self._released:
+            raise WorkerError(f"the {self.role} workers were stopped", self.role, 0)
+        return self._actors
 
     def run_all(
         self,
@@ -196,7 +221,7 @@ class WorkerGroup:
                     results[ref] = ray.get(ref)
                 except Exception as error:
                     failure = self._worker_error(error, rank_of[ref])
-                    if not _is_death(error) and pending:
+                    if pending and not _is_death(error) and not _is_oom(error):
                         failure = self._dead_peer_error(pending, rank_of, error, rank_of[ref]) or failure
                     self.kill()
                     raise failure from None
@@ -280,9 +305,34 @@ class WorkerGroup:
         return WorkerError(f"{where} failed: {_first_line(error)}", self.role, rank)
 
     def kill(self) -> None:
-        """Ends every actor of the group at once (frees peers stuck in a collective)."""
-        for actor in self.actors:
+        """Ends every actor of the group at once (frees peers stuck in a collective).
+
+        Warm hosts already given back are left alone: they may serve another group.
+        """
+        if self._released:
+            return
+        self._stopped = True
+        for actor in self._host_actors if self._hosts is not None else self._actors:
             ray.kill(actor, no_restart=True)
+
+    def stop(self) -> None:
+        """Ends the group after a run: kills its actors, or releases its warm hosts for the next run.
+
+        A group already killed (a worker failed) is left as it is.
+        """
+        if self._stopped:
+            return
+        if self._hosts is None:
+            self.kill()
+            return
+        self._stopped = True
+        try:
+            ray.get([host.release.remote() for host in self._host_actors], timeout=self.call_bound.seconds)
+        except Exception:  # a host that cannot be cleaned is not reused
+            self.kill()
+            return
+        self._released = True
+        self._hosts.give_back(self.role, self._host_actors, self._env_vars)
 
 
 class _Gathered(Pending[ResultT]):
