@@ -179,16 +179,19 @@ _SLOWEST_FILES = [
 _SLOWEST_SLOW_FILES = [
     # Two workers (CI's 2 cores). A worker is handed its next file as soon as at most 2 of its
     # tests are left, so a file of one or two tests takes the next file along at once: the
-    # order pairs the files so that both workers' shares come out even (by CI's 2-core times:
-    # the demo 160 s, the fault runs 183 s, the cluster pairs and spec case 200 s, the dry run
-    # 25 s, compiling 46 s, kill-and-rerun 81 s, the trainer-worker teachers 98 s, baselines 27 s).
+    # order pairs the files so that both workers' shares come out even. By CI's 2-core times
+    # with warm cluster workers (2026-11-26, 23:34 UTC run): the demo 172 s, the fault runs
+    # 214 s, the cluster pairs and spec case 80 s, compiling 51 s, the dry run 32 s, the
+    # trainer-worker teachers 43 s, kill-and-rerun 87 s, baselines 34 s. The fault runs'
+    # worker takes the next three files when their first test ends (214 s), the demo's worker
+    # the last two when the cluster pairs end (about 240 s): about 340 s against 370 s.
     "reference/test_reference_runs.py",  # the demo's first 100 steps; its worker takes the pairs along
     "distributed/test_cluster_faults.py",  # five `opd train` processes
     "functional/test_feature_pairs.py",  # every accepted cluster pair and the spec case, each also in one process
-    "distributed/test_dry_run_accuracy.py",  # taken by the demo's worker when its one test ends
-    "unit/utils/test_compile_cache.py",  # taken by the fault runs' worker near their end
-    "distributed/test_async_cluster.py",  # three `opd train` processes
+    "unit/utils/test_compile_cache.py",  # these three: taken by the fault runs' worker
+    "distributed/test_dry_run_accuracy.py",
     "distributed/test_trainer_worker_teachers.py",
+    "distributed/test_async_cluster.py",  # three `opd train` processes; this and the next: the demo's worker
     "distributed/test_cluster_baselines.py",
 ]
 """The files of the tests marked `slow` (CI's second run, `--all`), in the order that balances two workers."""

@@ -23,10 +23,14 @@ in an ordinary run (``opd train`` never does).
 from __future__ import annotations
 
 import gc
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import ray
+
+DEFAULT_MAX_IDLE = 8
+"""Idle worker processes kept by default: a run of 2 trainer, 2 rollout and 2 teacher workers, and two more."""
 
 
 class WorkerHost:
@@ -96,11 +100,14 @@ class WarmHosts:
 
     Args:
         address: the GCS address of the cluster the hosts belong to.
+        max_idle: how many idle hosts are kept (each holds torch and transformers in
+            memory); beyond it, those idle the longest are ended.
     """
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, max_idle: int = DEFAULT_MAX_IDLE) -> None:
         self.address = address
-        self._idle: dict[tuple[Any, ...], Any] = {}
+        self.max_idle = max_idle
+        self._idle: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._remote_class: Any = ray.remote(WorkerHost)
 
     def take(self, role: str, count: int, env_vars: dict[str, str]) -> list[Any]:
@@ -115,6 +122,9 @@ class WarmHosts:
         """Keeps released hosts (``hosts[r]`` served rank ``r`` of ``role``) for the next run."""
         for rank, host in enumerate(hosts):
             self._idle[_key(role, rank, env_vars)] = host
+        while len(self._idle) > self.max_idle:
+            _, oldest = self._idle.popitem(last=False)
+            ray.kill(oldest, no_restart=True)
 
     def idle_count(self) -> int:
         """How many hosts wait for a run."""
@@ -134,8 +144,11 @@ def _key(role: str, rank: int, env_vars: dict[str, str]) -> tuple[Any, ...]:
 _warm: WarmHosts | None = None
 
 
-def keep_workers_warm() -> WarmHosts:
+def keep_workers_warm(max_idle: int = DEFAULT_MAX_IDLE) -> WarmHosts:
     """Keeps the cluster runs' worker processes between runs, on the Ray cluster this process is connected to.
+
+    Args:
+        max_idle: how many idle worker processes are kept at most (:class:`WarmHosts`).
 
     Raises:
         RuntimeError: Ray is not initialised in this process.
@@ -145,7 +158,8 @@ def keep_workers_warm() -> WarmHosts:
         raise RuntimeError("keep_workers_warm needs a running Ray cluster (ray.init first)")
     address = ray.get_runtime_context().gcs_address
     if _warm is None or _warm.address != address:
-        _warm = WarmHosts(address)
+        _warm = WarmHosts(address, max_idle)
+    _warm.max_idle = max_idle
     return _warm
 
 

@@ -17,7 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from opd.distributed.ray_cluster import free_port
 from opd.distributed.worker_group import Slot, WorkerGroup
-from opd.distributed.worker_hosts import keep_workers_warm
+from opd.distributed.worker_hosts import WarmHosts, keep_workers_warm
 from opd.utils.errors import WorkerError
 
 
@@ -97,3 +97,17 @@ def test_the_hosts_of_a_failed_group_are_never_handed_out_again(slots):
     fresh = build(slots, hosts)
     assert not pids & {pid for pid, _ in fresh.run_all("count")}
     fresh.stop()
+
+
+def test_idle_hosts_beyond_the_limit_are_ended_the_longest_idle_first(ray_cluster):
+    hosts = WarmHosts(ray.get_runtime_context().gcs_address, max_idle=1)
+    first, second = hosts.take("rollout", 2, {})
+    ray.get([first.__ray_ready__.remote(), second.__ray_ready__.remote()])
+    hosts.give_back("rollout", [first, second], {})  # rank 0 given back first: idle the longest
+    assert hosts.idle_count() == 1
+    taken = hosts.take("rollout", 2, {})
+    assert taken[1] is second and taken[0] is not first
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(first.__ray_ready__.remote(), timeout=60)
+    for host in taken:
+        ray.kill(host)
