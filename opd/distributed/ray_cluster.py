@@ -30,8 +30,16 @@ from opd.utils.errors import ConfigError
 
 log = logging.getLogger("opd")
 
-# Ray's own settings for a private, quiet cluster (set before ray.init reads them).
-RAY_ENVIRONMENT = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+# Ray's own settings for a private, quiet cluster (set before ray.init reads them; a value
+# already in the environment wins). RAY_prestart_worker_first_driver=0: Ray otherwise starts
+# one idle task worker per CPU slot when the driver connects, each a Python process that
+# imports Ray; opd's workers are actors, which start processes of their own, so those idle
+# workers only take CPU from the run's start-up.
+RAY_ENVIRONMENT = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_prestart_worker_first_driver": "0",
+}
 _PLACEMENT_POLL_S = 1.0
 """How often a pool that is not placed yet is asked whether it ever can be."""
 

@@ -4,14 +4,16 @@ Run against any checkout; the values come from that checkout's ``opd`` (put it f
 ``PYTHONPATH``) and are written next to this script::
 
     cd <checkout> && PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tests/reference/record_reference_values.py \
-        [--part losses|runs|demo|all] [--repeat N] [--output-dir DIR]
+        [--part losses|runs|demo|all] [--repeat N] [--output-dir DIR] [--demo-output DIR]
 
 * ``losses`` -> ``reference_losses.json``: every case of ``test_reference_losses.LOSS_CASES``
   (loss, gradients, metrics), a second or so;
 * ``runs`` -> ``reference_runs.json``: every tiny run of ``test_reference_runs.RUN_OVERRIDES``
   (about a minute on 2 CPU cores);
-* ``demo`` -> ``reference_demo.json``: the shortened demo of ``test_reference_runs.DEMO_OVERRIDES``
-  (several minutes).
+* ``demo`` -> ``reference_demo.json``: the whole demo as ``bash scripts/demo.sh`` runs it, with
+  torch's threads of ``test_reference_runs.DEMO_THREADS`` (about 5 minutes on 2 CPU cores), or
+  read from the output directory of a finished ``demo.sh`` (``--demo-output``, e.g. CI's
+  ``results/ci_demo``; the commit and interpreter that ran it are the caller's to note).
 
 The inputs, configurations and the extraction of the values are the test modules' own
 (imported from their files), so the tests and this script cannot drift apart. With
@@ -106,20 +108,22 @@ def record_runs() -> dict[str, Any]:
     return {"config": runs_module.TINY_CONFIG, "runs": runs}
 
 
-def record_demo() -> dict[str, Any]:
-    """The recorded values of the shortened demo."""
+def record_demo(demo_output: Path | None = None) -> dict[str, Any]:
+    """The recorded values of the whole demo: run here, or read from ``demo_output``."""
     runs_module = load_module("test_reference_runs")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="opd-reference-demo-") as tmp:
-        values = runs_module.run_demo(Path(tmp) / "demo")
+        output_dir = demo_output or Path(tmp) / "demo"
+        if demo_output is None:
+            runs_module.run_demo(output_dir)
+        values = runs_module.demo_values(output_dir)
     minutes = (time.perf_counter() - start) / 60
     print(f"demo: {minutes:.1f} min", flush=True)
-    val_examples = len((REPO / "examples" / "data" / "arithmetic" / "val.jsonl").read_text().splitlines())
     return {
-        "command": f"python {runs_module.DEMO_SCRIPT} output_dir=<tmp> {' '.join(runs_module.DEMO_OVERRIDES)}",
-        "overrides": [*runs_module.DEMO_OVERRIDES, "output_dir=<tmp>"],
-        "val_examples": val_examples,
-        "minutes_on_recording_machine": round(minutes, 2),
+        "command": "bash scripts/demo.sh output_dir=<dir>",
+        "threads": runs_module.DEMO_THREADS,
+        "read_from": str(demo_output) if demo_output else None,
+        "minutes_on_recording_machine": None if demo_output else round(minutes, 2),
         **values,
     }
 
@@ -144,11 +148,15 @@ def main() -> None:
     parser.add_argument("--part", choices=[*PARTS, "all"], default="all")
     parser.add_argument("--repeat", type=int, default=1, help="compute each part N times; all must be identical")
     parser.add_argument("--output-dir", type=Path, default=HERE)
+    parser.add_argument("--demo-output", type=Path, help="read the demo part from this finished demo.sh output")
     args = parser.parse_args()
     command = "python tests/reference/record_reference_values.py " + " ".join(sys.argv[1:])
     for part in (PARTS if args.part == "all" else [args.part]):
         file_name, record = PARTS[part]
-        results = [record() for _ in range(args.repeat)]
+        if part == "demo" and args.demo_output is not None:
+            results = [record_demo(args.demo_output.resolve())]
+        else:
+            results = [record() for _ in range(args.repeat)]
         dumped = [json.dumps(_without_timings(result), sort_keys=True) for result in results]
         if any(text != dumped[0] for text in dumped[1:]):
             for index, result in enumerate(results):

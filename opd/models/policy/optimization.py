@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, get_scheduler
+from transformers import PreTrainedModel
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
@@ -66,6 +66,10 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerConfig, total_steps: int) -> Any:
     """The learning-rate schedule ``config.lr_scheduler`` names, over ``total_steps`` optimizer steps."""
+    # Imported here: transformers' scheduler module imports peft (about 0.4 s), which only
+    # the processes that train need (not the rollout, teacher or evaluation ones).
+    from transformers import get_scheduler
+
     return get_scheduler(
         config.lr_scheduler,
         optimizer=optimizer,
