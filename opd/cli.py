@@ -149,15 +149,17 @@ def run_harness(config_path: str, overrides: list[str]) -> None:
 
 def run_train(config_path: str, overrides: list[str], val_only: bool = False) -> None:
     """Loads and validates the config, then trains (or only validates, for ``opd eval``)."""
-    # Imported here so that `opd --help` and config errors do not pay for importing torch.
-    from opd.algorithms.distillation import distillation_train
+    # Imported here, the training stack after the config has loaded: `opd --help` and a
+    # config error do not wait for the imports of models, engines and workers (seconds).
     from opd.algorithms.distillation_config import MasterConfig
-    from opd.algorithms.distillation_setup import setup
-    from opd.algorithms.evaluation import evaluate
     from opd.utils.config import load_config
 
     _prepare_console()
     config = load_config(MasterConfig, config_path, overrides)
+    from opd.algorithms.distillation import distillation_train
+    from opd.algorithms.distillation_setup import setup
+    from opd.algorithms.evaluation import evaluate
+
     if val_only or config.val_only:
         evaluate(config)
         return

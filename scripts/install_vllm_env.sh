@@ -33,7 +33,17 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 if [ "$WITH_OPD" = 1 ]; then
-  "${PIP[@]}" -e ".[vllm-test]"
+  # As scripts/install.sh: a rerun with nothing changed skips pip's resolver (20-30 s on 2
+  # cores); the stamp records this checkout and pyproject.toml's hash. OPD_FORCE_INSTALL=1
+  # installs again regardless.
+  STAMP="$VENV/.opd-installed-vllm-test"
+  KEY="$PWD $("$VENV/bin/python" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')"
+  if [ "${OPD_FORCE_INSTALL:-0}" = "1" ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$KEY" ] \
+    || ! "$VENV/bin/python" -c "import opd" 2>/dev/null; then
+    rm -f "$STAMP"
+    "${PIP[@]}" -e ".[vllm-test]"
+    echo "$KEY" > "$STAMP"
+  fi
   "$VENV/bin/python" -c "import vllm, torch, opd; print('[vllm-env] vllm', vllm.__version__, 'torch', torch.__version__)"
 else
   # The vllm-test extra's own requirements (pyproject.toml, read with Python >= 3.11's tomllib):

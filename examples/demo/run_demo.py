@@ -121,9 +121,14 @@ def main() -> None:
     gap = teacher_accuracy - before
     closed = (after - before) / gap if gap > 0 else float("nan")
     test_examples = len((TASK_DIR / "test.jsonl").read_text(encoding="utf-8").splitlines())
+    import torch  # loaded by the runs above
+
     results = {
         "teacher": teacher_accuracy, "student_before": before, "student_after": after,
         "gap_closed": closed, "minutes": minutes, "test_examples": test_examples, "output_dir": str(output_dir),
+        # The CPU kernels torch ran (AVX512, AVX2, ...): their float32 sums round differently,
+        # so a run is reproducible, to the last bit, on kernels of the same kind.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
     (output_dir / "demo_results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
     print()

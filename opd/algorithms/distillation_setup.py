@@ -20,12 +20,11 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
-from transformers import PreTrainedModel
 
 from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
 from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
@@ -84,6 +83,9 @@ from opd.utils.compile_cache import resolve_compile_kernels
 from opd.utils.errors import ConfigError
 from opd.utils.logger import Logger
 from opd.utils.paths import absolute_model_path
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
 
 log = logging.getLogger("opd")
 

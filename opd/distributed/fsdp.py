@@ -28,17 +28,19 @@ import os
 import types
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from transformers import PreTrainedModel
 
 from opd.distributed.refit_buckets import in_buckets
 from opd.models.lm_head import final_hidden_states
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
 
 HIDDEN_STATES_METHOD = "opd_hidden_states"
 """The method :func:`shard_model` adds: the decoder's final hidden states, run under FSDP's hooks."""

@@ -29,23 +29,26 @@ import logging
 import math
 from collections.abc import Callable, Container, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from opd.models.config import ModelLoadingConfig
 from opd.models.loading import load_causal_lm
 from opd.models.tiny import is_tiny_path
 from opd.utils.errors import ConfigError
 
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
+
 log = logging.getLogger("opd")
 
-ShardFn = Callable[[PreTrainedModel], PreTrainedModel]
+ShardFn = Callable[["PreTrainedModel"], "PreTrainedModel"]
 """Shards a model in place (``fully_shard`` over the trainer's mesh) and returns it."""
-AddedFn = Callable[[PreTrainedModel], set[str]]
+AddedFn = Callable[["PreTrainedModel"], set[str]]
 """Fills the parameters a sharding function added to the model (a LoRA student's adapters,
 in no weight file) on this rank's shards, and returns their names."""
 

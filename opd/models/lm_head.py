@@ -23,9 +23,12 @@ import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
 
 ROWS_BUDGET_ELEMENTS = 2**25
 """Default chunk size in logits elements (``chunk_rows × vocab``): 128 MiB per fp32

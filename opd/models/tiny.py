@@ -14,12 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2Config
 
 from opd.utils.errors import ConfigError
+
+if TYPE_CHECKING:  # imported where a model is built: it loads transformers' modeling stack (seconds)
+    from transformers import Qwen2ForCausalLM
 
 TINY_PREFIX = "tiny:"
 
@@ -164,6 +168,8 @@ def build_model_for_tokenizer(preset_name: str, tokenizer: PreTrainedTokenizerFa
     config = tiny_model_config(preset_name, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_PRESETS[preset_name].seed)
+        from transformers import Qwen2ForCausalLM
+
         model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -10,7 +10,8 @@ Run against any checkout; the values come from that checkout's ``opd`` (put it f
   (loss, gradients, metrics), a second or so;
 * ``runs`` -> ``reference_runs.json``: every tiny run of ``test_reference_runs.RUN_OVERRIDES``
   (about a minute on 2 CPU cores);
-* ``demo`` -> ``reference_demo.json``: the whole demo as ``bash scripts/demo.sh`` runs it, with
+* ``demo`` -> ``reference_demo.json``, under the kind of CPU kernels it ran on (the other
+  kinds' recordings are kept): the whole demo as ``bash scripts/demo.sh`` runs it, with
   torch's threads of ``test_reference_runs.DEMO_THREADS`` (about 5 minutes on 2 CPU cores), or
   read from the output directory of a finished ``demo.sh`` (``--demo-output``, e.g. CI's
   ``results/ci_demo``; the commit and interpreter that ran it are the caller's to note).
@@ -117,12 +118,14 @@ def record_demo(demo_output: Path | None = None) -> dict[str, Any]:
         if demo_output is None:
             runs_module.run_demo(output_dir)
         values = runs_module.demo_values(output_dir)
+        capability = runs_module.demo_cpu_capability(output_dir)
     minutes = (time.perf_counter() - start) / 60
     print(f"demo: {minutes:.1f} min", flush=True)
     return {
         "command": "bash scripts/demo.sh output_dir=<dir>",
         "threads": runs_module.DEMO_THREADS,
         "read_from": str(demo_output) if demo_output else None,
+        "cpu_capability": capability,
         "minutes_on_recording_machine": None if demo_output else round(minutes, 2),
         **values,
     }
@@ -167,7 +170,12 @@ def main() -> None:
         for key in TIMING_KEYS & set(document):
             document[key] = [result[key] for result in results]
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        (args.output_dir / file_name).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+        path = args.output_dir / file_name
+        if part == "demo":  # one recording per kind of CPU kernels, the others kept
+            recordings = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+            recordings.setdefault("by_cpu_capability", {})[document["cpu_capability"]] = document
+            document = recordings
+        path.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
         print(f"{part}: wrote {args.output_dir / file_name}", flush=True)
 
 

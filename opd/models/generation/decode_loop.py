@@ -30,16 +30,19 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.sampling import next_tokens
 from opd.models.generation.stop_tokens import is_stop
 from opd.models.lm_head import output_head_of
 from opd.utils.compile_cache import compile_function
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
 
 
 def decode(

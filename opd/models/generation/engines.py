@@ -11,16 +11,18 @@ engine is one subclass here and one entry in the config's ``backend`` choices.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
-from transformers import PreTrainedModel
 
 from opd.models.generation.config import VllmGenerationConfig
 from opd.models.generation.hf_generation import HFGeneration, SnapshotHFGeneration
 from opd.models.interfaces import InProcessGenerationInterface
 from opd.utils.compile_cache import resolve_compile_kernels
 from opd.utils.config import StrictConfig
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
 
 
 class EngineKind(ABC):

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from transformers import PreTrainedModel
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig
@@ -26,6 +25,9 @@ from opd.models.generation.rollout_batch import build_rollout_batch
 from opd.models.generation.stop_tokens import is_stop, stop_token_ids
 from opd.models.interfaces import InProcessGenerationInterface, PolicyInterface
 from opd.models.lm_head import token_log_probs
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
 
 
 def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:

@@ -31,10 +31,9 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig, VllmGenerationConfig
@@ -42,6 +41,9 @@ from opd.models.generation.rollout_batch import build_rollout_batch
 from opd.models.generation.stop_tokens import ends_with_stop, stop_token_ids
 from opd.models.interfaces import InProcessGenerationInterface, PolicyInterface
 from opd.utils.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs, pack_padding_free, shift_token_mask
@@ -45,6 +44,9 @@ from opd.models.policy.optimization import (
 )
 from opd.utils.errors import OpdError
 from opd.utils.timer import Timer
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
 
 ADAPTER_DIR = "adapter"
 """Where :meth:`HFPolicy.save_pretrained` puts a LoRA student's adapter (peft's format)."""

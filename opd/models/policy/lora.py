@@ -26,15 +26,17 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from transformers import PreTrainedModel
 
 from opd.models.config import LoraConfig
 from opd.utils.errors import ConfigError, OpdError
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
 
 ADAPTER_NAME = "default"
 """The one adapter a student holds (peft's default name)."""

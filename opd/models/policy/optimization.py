@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
 from opd.models.config import OptimizerConfig
 from opd.models.interfaces import LossFunction, TeacherSignal
 from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
 
 # Devices with a fused AdamW kernel in torch ≥ 2.4 (CPU included).
 _FUSED_ADAM_DEVICES = ("cpu", "cuda", "xpu", "mps")

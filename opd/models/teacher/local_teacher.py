@@ -26,10 +26,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
@@ -45,6 +44,9 @@ from opd.models.interfaces import (
 from opd.models.lm_head import LMHeadInput, final_hidden_states, log_softmax_chunks, output_layer_of, token_log_probs
 from opd.models.teacher.shared_prompt import prompt_groups, shared_prompt_hidden_states, sharing_problem
 from opd.models.topk_rest import rest_logprobs_outside
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
 
 
 class LocalTeacher(TeacherInterface):

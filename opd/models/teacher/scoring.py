@@ -26,12 +26,15 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from opd.models.lm_head import LMHeadInput, final_hidden_states, log_softmax_chunks, output_layer_of, token_log_probs
 from opd.models.topk_rest import rest_logprobs_outside_summed_in_float64
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
 
 HEAD_CHECKSUM_ROWS = 4096
 """Rows of the output layer hashed at a time (bounds the float32 copy's memory)."""
