@@ -68,8 +68,6 @@ _RAY_FREE_WAIT_S = 10.0
 """How long a module's end waits for Ray to free the CPU slots of the workers it killed."""
 _shared_ray: dict[str, object] = {}
 """The cluster ``ray_cluster`` started: its GCS address, while it runs."""
-_modules_using_ray: set[str] = set()
-"""The test files with a selected test that asks for ``ray_cluster`` (filled at collection)."""
 
 
 def _shared_ray_running() -> bool:
@@ -110,23 +108,28 @@ def ray_cluster():
     """A private local Ray cluster of ``RAY_TEST_CPUS`` CPU slots for the module (runs join it, not start their own).
 
     Started once and kept for the next test file that asks for one (in the same pytest
-    process): a cluster's start and stop cost seconds of both cores, and the cluster
-    tests are a dozen files. A file ends with every slot free, or the cluster is stopped
-    (the next file gets a fresh one); a file none of whose tests asks for the cluster
-    starts without it (``pytest_runtest_setup``), as it would alone. The runs' worker
-    processes are kept warm between runs (``OPD_TEST_FRESH_WORKERS=1``: a fresh actor per
-    worker, as a run outside the tests has).
+    process), through the files between that do not: a cluster's start and stop, and its
+    warm workers' imports, cost seconds of both cores, and the cluster tests are two dozen
+    files. A file ends with every slot free, or the cluster is stopped (the next file gets
+    a fresh one). A run that a test starts in this process while the cluster is up joins
+    it (``opd.distributed.ray_cluster.start_ray``); the runs' worker processes are kept
+    warm between runs (``OPD_TEST_FRESH_WORKERS=1``: a fresh actor per worker, as a run
+    outside the tests has), and they inherit their environment from the cluster
+    (``opd.distributed.worker_environment``).
     """
     import ray
 
     from opd.distributed.ray_cluster import RAY_ENVIRONMENT
+    from opd.distributed.worker_environment import init_local_ray, worker_environment
 
     if not _shared_ray_running():
         if ray.is_initialized():  # another test's Ray, left running: not a cluster of RAY_TEST_CPUS slots
             ray.shutdown()
         for key, value in RAY_ENVIRONMENT.items():
             os.environ.setdefault(key, value)
-        ray.init(
+        # The workers of the tests' runs (one thread each) inherit their environment.
+        init_local_ray(
+            worker_environment(threads=1),
             num_cpus=RAY_TEST_CPUS,
             include_dashboard=False,
             _temp_dir=tempfile.mkdtemp(prefix="opd_ray_test_", dir="/tmp"),
@@ -142,12 +145,6 @@ def ray_cluster():
         keep_workers_warm()
     yield
     if not _shared_ray_running() or not _slots_freed(ray):
-        _stop_shared_ray()
-
-
-def pytest_runtest_setup(item):
-    """Stops the shared Ray cluster before the first test of a file that does not use it."""
-    if _shared_ray and _relative_path(item) not in _modules_using_ray:
         _stop_shared_ray()
 
 
@@ -234,6 +231,21 @@ def _relative_path(item) -> str | None:
         return None
 
 
+def pytest_ignore_collect(collection_path, config):
+    """With ``-m slow`` alone (CI's second run), leaves out the test files that mark no test `slow`.
+
+    Collecting a file imports it and what it imports (torch, transformers, Ray, TRL...):
+    the whole suite's collection costs each pytest worker most of 20 CPU-seconds, to
+    select a dozen tests from three files in a hundred. A file that marks a test slow
+    names ``mark.slow`` (a decorator, ``pytestmark`` or a parameter's ``marks=``).
+    """
+    if config.getoption("markexpr", default="") != "slow" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return "mark.slow" not in collection_path.read_text(encoding="utf-8")
+
+
 def pytest_collection_modifyitems(config, items):
     """Marks the quick tier."""
     for item in items:
@@ -244,15 +256,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
 def pytest_collection_modifyitems_slowest_first(config, items):
-    """Moves the slowest test files to the front (the order inside each file is kept); notes the files using Ray.
+    """Moves the slowest test files to the front (the order inside each file is kept).
 
     Runs after ``-m`` has deselected (``trylast``), so that a file is placed by the tests
-    that run: by `_SLOWEST_SLOW_FILES` when its `slow` tests run, else by `_SLOWEST_FILES`;
-    and a file is noted as using the shared Ray cluster when a test that runs asks for it.
+    that run: by `_SLOWEST_SLOW_FILES` when its `slow` tests run, else by `_SLOWEST_FILES`.
     """
-    _modules_using_ray.update(
-        _relative_path(item) for item in items if "ray_cluster" in getattr(item, "fixturenames", ())
-    )
     slow_rank = {name: position for position, name in enumerate(_SLOWEST_SLOW_FILES)}
     rank = {name: len(slow_rank) + position for position, name in enumerate(_SLOWEST_FILES)}
     last = len(slow_rank) + len(rank)

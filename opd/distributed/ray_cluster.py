@@ -25,6 +25,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from opd.distributed.config import ClusterConfig, colocated_sharing_problem
+from opd.distributed.worker_environment import init_local_ray, worker_environment
 from opd.distributed.worker_group import Slot
 from opd.utils.errors import ConfigError
 
@@ -66,7 +67,8 @@ def start_ray(config: ClusterConfig, cpus_needed: int) -> bool:
         return True
     # A short path: Ray's sockets live under it and Unix socket paths are limited to ~107 bytes.
     temp_dir = tempfile.mkdtemp(prefix="opd_ray_", dir="/tmp")
-    ray.init(
+    init_local_ray(
+        worker_environment(config.threads_per_worker),
         num_cpus=max(cpus_needed, os.cpu_count() or 1),
         include_dashboard=False,
         _temp_dir=temp_dir,

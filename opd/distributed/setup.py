@@ -26,6 +26,7 @@ from opd.distributed.rollout import RayGeneration, RolloutSpec, RolloutWorker
 from opd.distributed.shared_directory import check_shared_directory
 from opd.distributed.teacher_pool import ColocatedTeacher, TeacherPool, TeacherWorker
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
+from opd.distributed.worker_environment import worker_environment
 from opd.distributed.worker_group import Bound, Slot, WorkerGroup
 from opd.distributed.worker_hosts import warm_hosts
 from opd.models.config import LoraConfig, ModelLoadingConfig, OptimizerConfig
@@ -244,11 +245,6 @@ def _bounds(cluster: ClusterConfig, role: Literal["trainer", "rollout", "teacher
     }
 
 
-def _worker_environment(cluster: ClusterConfig) -> dict[str, str]:
-    """The environment of every worker: its thread count, and no tokenizer thread pool."""
-    return {"OMP_NUM_THREADS": str(cluster.threads_per_worker), "TOKENIZERS_PARALLELISM": "false"}
-
-
 def _start_trainer(
     cluster: ClusterConfig, request: ClusterRequest, slots: list[Slot], colocated_teacher: bool
 ) -> WorkerGroup:
@@ -285,7 +281,7 @@ def _start_trainer(
         TrainerWorker,
         slots,
         lambda rank: (rank, world_size, spec),
-        _worker_environment(cluster),
+        worker_environment(cluster.threads_per_worker),
         hosts=warm_hosts(),
         **bounds,
     )
@@ -322,7 +318,7 @@ def _start_teacher_pool(
             request.seed,
             request.sharing(role),
         ),
-        _worker_environment(cluster),
+        worker_environment(cluster.threads_per_worker),
         hosts=warm_hosts(),
         **_bounds(cluster, "teacher"),
     )
@@ -348,7 +344,7 @@ def _start_rollout(cluster: ClusterConfig, request: ClusterRequest, slots: list[
         RolloutWorker,
         slots,
         lambda rank: (rank, spec),
-        _worker_environment(cluster),
+        worker_environment(cluster.threads_per_worker),
         hosts=warm_hosts(),
         **_bounds(cluster, "rollout"),
     )

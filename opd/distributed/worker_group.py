@@ -29,6 +29,7 @@ from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from opd.distributed.dispatch import declaration
+from opd.distributed.worker_environment import runtime_env_for
 from opd.distributed.worker_hosts import HostedActor, WarmHosts
 from opd.models.interfaces import Pending
 from opd.utils.errors import WorkerError
@@ -114,7 +115,7 @@ class WorkerGroup:
                     num_cpus=slot.num_cpus,
                     num_gpus=slot.num_gpus,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement_group, slot.bundle_index),
-                    runtime_env={"env_vars": self._env_vars},
+                    runtime_env=runtime_env_for(self._env_vars),
                     max_restarts=0,
                 ).remote(*init_args(rank))
                 for rank, slot in enumerate(self.slots)

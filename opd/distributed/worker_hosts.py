@@ -29,6 +29,8 @@ from typing import Any
 
 import ray
 
+from opd.distributed.worker_environment import runtime_env_for
+
 DEFAULT_MAX_IDLE = 8
 """Idle worker processes kept by default: a run of 2 trainer, 2 rollout and 2 teacher workers, and two more."""
 
@@ -114,7 +116,7 @@ class WarmHosts:
         """The hosts of ranks ``0 .. count - 1`` of ``role``: each rank's idle host, else a new one."""
         return [
             self._idle.pop(_key(role, rank, env_vars), None)
-            or self._remote_class.options(num_cpus=0, runtime_env={"env_vars": env_vars}, max_restarts=0).remote()
+            or self._remote_class.options(num_cpus=0, runtime_env=runtime_env_for(env_vars), max_restarts=0).remote()
             for rank in range(count)
         ]
 

@@ -16,6 +16,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from opd.distributed.ray_cluster import free_port
+from opd.distributed.worker_environment import runtime_env_for, worker_environment
 from opd.distributed.worker_group import Slot, WorkerGroup
 from opd.distributed.worker_hosts import WarmHosts, keep_workers_warm
 from opd.utils.errors import WorkerError
@@ -111,3 +112,29 @@ def test_idle_hosts_beyond_the_limit_are_ended_the_longest_idle_first(ray_cluste
         ray.get(first.__ray_ready__.remote(), timeout=60)
     for host in taken:
         ray.kill(host)
+
+
+class EnvironmentReader:
+    """Reports the variables a worker process runs with."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        pass
+
+    def read(self) -> dict[str, str | None]:
+        return {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "OPD_TEST_ONLY_RAY")}
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh actors", "warm hosts"])
+def test_workers_inherit_the_private_clusters_environment_and_get_only_the_rest_from_ray(slots, warm):
+    """The tests' cluster is private (tests/conftest.py): its workers inherit one thread, no tokenizer pool."""
+    inherited = worker_environment(threads=1)
+    assert runtime_env_for(inherited) == {}  # an actor starts without Ray's environment set-up process
+    assert runtime_env_for({**inherited, "OMP_NUM_THREADS": "3"}) == {"env_vars": {"OMP_NUM_THREADS": "3"}}
+    wanted = {**inherited, "OPD_TEST_ONLY_RAY": "set through Ray"}
+    assert "OPD_TEST_ONLY_RAY" not in os.environ
+    hosts = keep_workers_warm() if warm else None
+    group = WorkerGroup("reader", EnvironmentReader, slots, lambda rank: (rank, 2), wanted, hosts=hosts)
+    try:
+        assert group.run_all("read") == [wanted, wanted]
+    finally:
+        group.kill()

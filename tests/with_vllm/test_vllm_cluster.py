@@ -25,6 +25,7 @@ from opd.algorithms.distillation_setup import setup  # noqa: E402
 from opd.algorithms.loss_functions import NLLLossFn  # noqa: E402
 from opd.data.batches import build_fixed_data_batch  # noqa: E402
 from opd.distributed.ray_cluster import RAY_ENVIRONMENT  # noqa: E402
+from opd.distributed.worker_environment import init_local_ray, worker_environment  # noqa: E402
 from opd.models.generation.hf_generation import HFGeneration  # noqa: E402
 from opd.utils.config import load_config  # noqa: E402
 from opd_test_helpers import REPO_ROOT  # noqa: E402
@@ -37,8 +38,8 @@ STUDENT_DIR = REPO_ROOT / "examples" / "demo" / "models" / "student"
 def components(tmp_path_factory, task_dir):
     for key, value in RAY_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="opd_ray_vllm_", dir="/tmp"))
+    init_local_ray(worker_environment(threads=1), num_cpus=4, include_dashboard=False, configure_logging=False,
+                   log_to_driver=False, _temp_dir=tempfile.mkdtemp(prefix="opd_ray_vllm_", dir="/tmp"))
     output = tmp_path_factory.mktemp("vllm_cluster")
     config = load_config(MasterConfig, DEMO_CONFIG, [
         f"output_dir={output}", f"data.train_path={task_dir / 'train.jsonl'}", "data.val_path=null",

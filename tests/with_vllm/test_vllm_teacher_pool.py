@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from opd.algorithms.distillation_config import MasterConfig  # noqa: E402
 from opd.algorithms.distillation_setup import setup  # noqa: E402
 from opd.distributed.ray_cluster import RAY_ENVIRONMENT  # noqa: E402
+from opd.distributed.worker_environment import init_local_ray, worker_environment  # noqa: E402
 from opd.models.interfaces import TokenLogprobsRequest, TopKRequest  # noqa: E402
 from opd.models.teacher.local_teacher import LocalTeacher  # noqa: E402
 from opd.utils.config import load_config  # noqa: E402
@@ -80,8 +81,8 @@ def test_what_a_vllm_teacher_pool_cannot_do_is_refused_at_load(tmp_path, overrid
 def test_a_tensor_parallel_vllm_teacher_pool_equals_the_hf_teacher(tmp_path, task_dir, tokenizer, local_teacher):
     for key, value in RAY_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="opd_ray_vllm_teacher_", dir="/tmp"))
+    init_local_ray(worker_environment(threads=1), num_cpus=4, include_dashboard=False, configure_logging=False,
+                   log_to_driver=False, _temp_dir=tempfile.mkdtemp(prefix="opd_ray_vllm_teacher_", dir="/tmp"))
     engine = [f"cluster.teacher.vllm.{key}={value}" for key, value in ENGINE.items()]
     config = load_config(MasterConfig, DEMO_CONFIG, [
         f"output_dir={tmp_path}", f"data.train_path={task_dir / 'train.jsonl'}", "data.val_path=null",
