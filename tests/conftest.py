@@ -148,6 +148,12 @@ def ray_cluster():
         _stop_shared_ray()
 
 
+@pytest.fixture(scope="module")
+def without_shared_ray():
+    """Stops the shared cluster (``ray_cluster``, kept up between files) for a module that starts a Ray of its own."""
+    _stop_shared_ray()
+
+
 def pytest_sessionfinish(session, exitstatus):
     _stop_shared_ray()
 

@@ -35,7 +35,7 @@ STUDENT_DIR = REPO_ROOT / "examples" / "demo" / "models" / "student"
 
 
 @pytest.fixture(scope="module")
-def components(tmp_path_factory, task_dir):
+def components(without_shared_ray, tmp_path_factory, task_dir):
     for key, value in RAY_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     init_local_ray(worker_environment(threads=1), num_cpus=4, include_dashboard=False, configure_logging=False,

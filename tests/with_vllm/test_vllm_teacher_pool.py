@@ -78,7 +78,9 @@ def test_what_a_vllm_teacher_pool_cannot_do_is_refused_at_load(tmp_path, overrid
         ])
 
 
-def test_a_tensor_parallel_vllm_teacher_pool_equals_the_hf_teacher(tmp_path, task_dir, tokenizer, local_teacher):
+def test_a_tensor_parallel_vllm_teacher_pool_equals_the_hf_teacher(
+    without_shared_ray, tmp_path, task_dir, tokenizer, local_teacher
+):
     for key, value in RAY_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     init_local_ray(worker_environment(threads=1), num_cpus=4, include_dashboard=False, configure_logging=False,
