@@ -118,7 +118,7 @@ class EnvironmentReader:
     """Reports the variables a worker process runs with."""
 
     def __init__(self, rank: int, world_size: int) -> None:
-        pass
+        self.rank = rank
 
     def read(self) -> dict[str, str | None]:
         return {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "OPD_TEST_ONLY_RAY")}
