@@ -57,7 +57,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import arithmetic_task, parse_arguments
+from harness import (
+    SMOKE_TRAIN_EXAMPLES,
+    add_train_examples_argument,
+    arithmetic_task,
+    parse_arguments,
+    train_examples_overrides,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO_ROOT / "examples" / "configs" / "demo.yaml"
@@ -157,6 +163,7 @@ def speed(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
         "training.val_freq=0",
         "validation.val_at_end=false",
         f"distillation.generate_strategy.max_length={args.max_length}",
+        *train_examples_overrides(args.train_examples),
     ]
     # The setups asked for, each with the sync run its speedup is taken against (unless --no-baselines).
     wanted = set(args.setups) | ({baseline_of(name) for name in args.setups} if args.baselines else set())
@@ -212,6 +219,7 @@ def learning(args: argparse.Namespace, workdir: Path) -> None:
         "validation.val_at_end=true",
         f"training.batch_size={args.batch}",
         f"training.micro_batch_size={args.batch}",
+        *train_examples_overrides(args.train_examples),
     ]
     print(f"\nlearning: test accuracy after {args.budget_s:.0f} s of optimizer steps, seeds {args.seeds}")
     header = f"{'setup':<28}{'accuracy (mean ± std)':>24}{'steps (mean)':>14}{'val KL (mean)':>15}"
@@ -250,6 +258,7 @@ SMOKE = {
     "repeats": 1,
     "batch": 2,
     "max_length": 8,
+    "train_examples": SMOKE_TRAIN_EXAMPLES,
 }
 """``--smoke``: the top-k two-step-off run alone (no speedup), two steps of two prompts, 8-token rollouts."""
 
@@ -279,6 +288,7 @@ def main() -> None:
     parser.add_argument("--learn", action="store_true", help="speed runs at the demo's learning rate (see above)")
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    add_train_examples_argument(parser)
     args = parse_arguments(parser, SMOKE)
     arithmetic_task()  # demo.yaml's data, generated on a fresh clone
     with tempfile.TemporaryDirectory(prefix="opd_async_") as workdir:

@@ -57,6 +57,26 @@ def arithmetic_task(out_dir: Path = DEMO_TASK, digits: int = 3, trace: str = "te
     return out_dir
 
 
+SMOKE_TRAIN_EXAMPLES = 64
+"""Training rows a ``--smoke`` run reads (``data.max_train_examples``): a few steps draw fewer, and
+tokenizing the demo's 20,000 costs each ``opd`` process seconds of CPU."""
+
+
+def add_train_examples_argument(parser: argparse.ArgumentParser) -> None:
+    """``--train-examples N``: the rows of the training data each run reads (default: all of them)."""
+    parser.add_argument(
+        "--train-examples",
+        type=int,
+        default=None,
+        help="rows of the training data each run reads (data.max_train_examples; default: all)",
+    )
+
+
+def train_examples_overrides(count: int | None) -> list[str]:
+    """The config override of ``--train-examples`` (none for all rows)."""
+    return [] if count is None else [f"data.max_train_examples={count}"]
+
+
 def parse_arguments(
     parser: argparse.ArgumentParser, smoke: dict[str, Any], argv: Sequence[str] | None = None
 ) -> argparse.Namespace:

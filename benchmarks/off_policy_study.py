@@ -64,7 +64,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import arithmetic_task, parse_arguments  # noqa: E402
+from harness import (  # noqa: E402
+    SMOKE_TRAIN_EXAMPLES,
+    add_train_examples_argument,
+    arithmetic_task,
+    parse_arguments,
+    train_examples_overrides,
+)
 from lambda_study import SCENARIOS, Scenario, spread  # noqa: E402
 from sweep_lambda_kl import CONFIG, NO_STEP_CAP, run_opd  # noqa: E402
 
@@ -144,6 +150,7 @@ def run_one(scenario: Scenario, cell: Cell, seed: int, args: argparse.Namespace)
             f"training.seed={seed}",
             "distillation.lambda=1.0",
             f"data.train_path={scenario.task / 'train.jsonl'}",
+            *train_examples_overrides(args.train_examples),
             *scenario.overrides(),
             *([] if args.eval_examples is None else [f"data.max_val_examples={args.eval_examples}"]),
             f"model.student_model_path={scenario.student}",
@@ -290,6 +297,7 @@ SMOKE = {
     "run_seconds": 3.0,
     "eval_examples": 8,
     "out": None,
+    "train_examples": SMOKE_TRAIN_EXAMPLES,
 }
 """``--smoke``: one cell of the demo's pair (the sequence-level correction), one seed, 3 s, 8 test problems."""
 
@@ -309,6 +317,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", default=None, help="run only the runs whose name contains one of these")
     parser.add_argument("--eval-examples", type=int, default=None, help="test problems (default: the whole split)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "off_policy_study")
+    add_train_examples_argument(parser)
     args = parse_arguments(parser, SMOKE)
     with contextlib.ExitStack() as stack:
         if args.out is None:  # --smoke keeps nothing

@@ -79,7 +79,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import arithmetic_task, parse_arguments
+from harness import (
+    SMOKE_TRAIN_EXAMPLES,
+    add_train_examples_argument,
+    arithmetic_task,
+    parse_arguments,
+    train_examples_overrides,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO_ROOT / "examples" / "configs" / "demo.yaml"
@@ -136,6 +142,7 @@ def run(
     workdir: Path,
     learn: bool = False,
     cluster_settings: tuple[str, ...] = (),
+    train_examples: int | None = None,
 ) -> list[dict]:
     """Runs one configuration in a fresh ``workdir`` and returns its per-step metric records.
 
@@ -146,6 +153,7 @@ def run(
         workdir: where the run's output directory goes.
         learn: train at the demo's learning rate (else at ``FROZEN_LEARNING_RATE``).
         cluster_settings: overrides added to a cluster run.
+        train_examples: rows of the training data the run reads (None: all).
     """
     output = workdir / setup.name.replace(" ", "_").replace("+", "_")
     batch = per_worker_batch * max(setup.workers, 1)
@@ -162,6 +170,7 @@ def run(
         "validation.val_at_end=false",
         "logger.console=false",
         "logger.progress_bar=false",
+        *train_examples_overrides(train_examples),
     ]
     if not learn:
         overrides.append(f"training.learning_rate={FROZEN_LEARNING_RATE}")
@@ -220,6 +229,7 @@ SMOKE = {
     "repeats": 1,
     "setups": ["colocated 1+1"],
     "variants": ["headline"],
+    "train_examples": SMOKE_TRAIN_EXAMPLES,
 }
 """``--smoke``: one run on a Ray cluster of one trainer and one rollout worker, two steps (every ratio reads nan)."""
 
@@ -246,6 +256,7 @@ def main() -> None:
         metavar="SETUP",
         help="setups to run; default: all",
     )
+    add_train_examples_argument(parser)
     args = parse_arguments(parser, SMOKE)
     arithmetic_task()  # demo.yaml's data, generated on a fresh clone
     setups = [setup for setup in SETUPS if setup.name in args.setups]
@@ -266,6 +277,7 @@ def main() -> None:
                         Path(workdir) / f"repeat_{repeat}" / variant.name,
                         variant.learn,
                         variant.cluster_settings,
+                        args.train_examples,
                     )
                     summary = summarize(records, args.warmup)
                     summary["samples_per_s"] = args.per_worker_batch * max(setup.workers, 1) / summary["step"]

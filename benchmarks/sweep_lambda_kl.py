@@ -45,7 +45,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness import arithmetic_task, parse_arguments
+from harness import (
+    SMOKE_TRAIN_EXAMPLES,
+    add_train_examples_argument,
+    arithmetic_task,
+    parse_arguments,
+    train_examples_overrides,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "configs" / "demo.yaml"
@@ -235,6 +241,7 @@ SMOKE = {
     "budgets": ["steps"],
     "temperature_row": False,
     "out": None,
+    "train_examples": SMOKE_TRAIN_EXAMPLES,
 }
 """``--smoke``: λ = 1 with forward KL and the SFT baseline at equal steps (2), 8 problems per evaluation, out in a
 temporary directory."""
@@ -262,6 +269,7 @@ def main() -> None:
         help="the equal-steps row sampled at temperature 1",
     )
     parser.add_argument("--out", type=Path, default=REPO / "results" / "sweep_lambda_kl")
+    add_train_examples_argument(parser)
     args = parse_arguments(parser, SMOKE)
     with contextlib.ExitStack() as stack:
         if args.out is None:  # --smoke keeps nothing
@@ -275,6 +283,7 @@ def sweep(args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     arithmetic_task(TASK)
     evaluation = [] if args.eval_examples is None else [f"data.max_val_examples={args.eval_examples}"]
+    training = train_examples_overrides(args.train_examples)
 
     from opd.algorithms.distillation_config import MasterConfig
     from opd.utils.config import load_config
@@ -292,7 +301,7 @@ def sweep(args: argparse.Namespace) -> None:
         for lam in args.lambdas:
             for kl in args.kl_types:
                 name = f"{budget_name}/lambda{lam:g}_{kl}"
-                overrides = [f"distillation.lambda={lam}", f"loss_fn.kl_type={kl}"]
+                overrides = [f"distillation.lambda={lam}", f"loss_fn.kl_type={kl}", *training]
                 setting = functools.partial(distillation_setting, name, overrides, budget, args.out, evaluation)
                 jobs.append((budget_name, setting))
         if seconds is None and args.temperature_row:
@@ -302,6 +311,7 @@ def sweep(args: argparse.Namespace) -> None:
                 "loss_fn.kl_type=forward",
                 "distillation.generate_strategy.decoding_method=top_p",
                 "distillation.generate_strategy.temperature=1.0",
+                *training,
             ]
             setting = functools.partial(
                 distillation_setting, "steps/lambda1_forward_temp1", temperature_1, budget, args.out, evaluation

@@ -52,7 +52,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from harness import parse_arguments  # noqa: E402  (benchmarks/harness.py, beside this script)
+from harness import (  # noqa: E402  (benchmarks/harness.py, beside this script)
+    SMOKE_TRAIN_EXAMPLES,
+    add_train_examples_argument,
+    parse_arguments,
+    train_examples_overrides,
+)
 
 TASK = REPO / "examples" / "data" / "tool_multiplication"
 MODELS = REPO / "examples" / "demo" / "models"
@@ -138,7 +143,7 @@ def run_opd(seed: int, budget_s: float, out_dir: Path, overrides: list[str]) -> 
     return out_dir / "final_model", step_timings(out_dir / "logs")
 
 
-def run_sft(seed: int, budget_s: float, out_dir: Path) -> tuple[Path, dict[str, float]]:
+def run_sft(seed: int, budget_s: float, out_dir: Path, overrides: list[str]) -> tuple[Path, dict[str, float]]:
     """``opd sft`` of the student on the teacher's trajectories for ``budget_s`` of training time."""
     command = [
         sys.executable,
@@ -153,6 +158,7 @@ def run_sft(seed: int, budget_s: float, out_dir: Path) -> tuple[Path, dict[str, 
         f"training.seed={seed}",
         f"training.max_train_time_s={budget_s}",
         "training.max_num_steps=100000",
+        *overrides,
     ]
     _run(command)
     return out_dir / "final_model", step_timings(out_dir / "logs")
@@ -204,6 +210,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "results" / "tool_demo")
     parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results" / "tool_demo" / "results.json")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="OPD config overrides")
+    add_train_examples_argument(parser)
     # --smoke: one seed, a few seconds per arm, a few test problems, and nothing written over
     # the committed results.
     smoke_dir = Path(tempfile.gettempdir()) / "opd_tool_demo_smoke"
@@ -215,6 +222,7 @@ def main() -> None:
             "test_examples": 4,
             "out": smoke_dir / "runs",
             "results": smoke_dir / "results.json",
+            "train_examples": SMOKE_TRAIN_EXAMPLES,
         },
     )
     began = time.perf_counter()
@@ -236,9 +244,10 @@ def main() -> None:
     per_seed: dict[str, dict[str, Any]] = {}
     for seed in args.seeds:
         print(f"== seed {seed}: on-policy distillation, {args.budget_s:g} s", flush=True)
-        opd_model, opd_timing = run_opd(seed, args.budget_s, args.out / f"opd_seed{seed}", args.overrides)
+        training = train_examples_overrides(args.train_examples)
+        opd_model, opd_timing = run_opd(seed, args.budget_s, args.out / f"opd_seed{seed}", [*training, *args.overrides])
         print(f"== seed {seed}: SFT on the teacher's trajectories, {args.budget_s:g} s", flush=True)
-        sft_model, sft_timing = run_sft(seed, args.budget_s, args.out / f"sft_seed{seed}")
+        sft_model, sft_timing = run_sft(seed, args.budget_s, args.out / f"sft_seed{seed}", training)
         per_seed[str(seed)] = {
             "opd": {**evaluate(opd_model, test_rows), **opd_timing},
             "sft": {**evaluate(sft_model, test_rows), **sft_timing},

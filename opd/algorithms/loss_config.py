@@ -102,9 +102,27 @@ class FusedHeadSettings(StrictConfig):
     chunk_size: int | None = Field(None, ge=1, description="positions per fused chunk; null: ~128 MiB of logits")
 
 
+CPU_COMPILE_MIN_VOCAB = 1024
+"""On CPU, ``compile_kernels: auto`` compiles the loss kernels from this vocabulary size up.
+
+Below it, what the compiled kernels save per call is too small to win back, within a
+run, the seconds that compiling takes at its first step (the guide's "Compiled kernels"
+gives the figures). Real tokenizers' vocabularies (tens of thousands of entries) are far
+above it; the tiny test and demo models are below. On a GPU ``auto`` compiles at any size.
+"""
+
+
+def compile_loss_kernels(setting: bool | str, device_type: str, vocab_size: int) -> bool:
+    """Whether the full-vocabulary loss kernels are compiled (``auto`` per :data:`CPU_COMPILE_MIN_VOCAB`)."""
+    pays_off = device_type != "cpu" or vocab_size >= CPU_COMPILE_MIN_VOCAB
+    return resolve_compile_kernels(setting, device_type, pays_off=pays_off)
+
+
 class FullVocabKernelSettings(FusedHeadSettings):
     compile_kernels: bool | Literal["auto"] = Field(
-        "auto", description="torch.compile the full-vocabulary loss kernels; auto: where a compiler toolchain exists"
+        "auto",
+        description="torch.compile the full-vocabulary loss kernels; auto: where a compiler toolchain exists, "
+        f"and on CPU from a vocabulary of {CPU_COMPILE_MIN_VOCAB} entries up",
     )
     metrics_topk: int = Field(64, ge=1, description="k of the teacher_topk_mass / topk_overlap metrics")
 
@@ -121,7 +139,7 @@ def _full_vocab_arguments(
         "metrics_topk": settings.metrics_topk,
         "fused_lm_head": settings.fused_lm_head,
         "chunk_size": settings.chunk_size,
-        "compile_kernels": resolve_compile_kernels(settings.compile_kernels, device_type),
+        "compile_kernels": compile_loss_kernels(settings.compile_kernels, device_type, vocab_size),
     }
 
 

@@ -82,20 +82,27 @@ def compiler_toolchain_problem(device_type: str) -> str | None:
     return f"opd does not compile kernels for device type {device_type!r}"
 
 
-def resolve_compile_kernels(setting: bool | str, device_type: str, key: str = "loss_fn.compile_kernels") -> bool:
-    """A compile setting (``auto`` / true / false) → whether to compile: ``auto`` compiles where the toolchain exists.
+def resolve_compile_kernels(
+    setting: bool | str, device_type: str, key: str = "loss_fn.compile_kernels", *, pays_off: bool = True
+) -> bool:
+    """A compile setting (``auto`` / true / false) → whether to compile.
+
+    ``auto`` compiles where the toolchain exists and the caller judges that compiling
+    pays off (``pays_off``: e.g. not for a loss over a vocabulary so small that the
+    seconds of compilation outlast what the compiled kernels save).
 
     Args:
         setting: the config value.
         device_type: where the compiled code would run (``cpu``, ``cuda``).
         key: the config key, for the error message.
+        pays_off: whether compiling is worth its cost here (``auto`` only).
 
     Raises:
         ConfigError: ``true`` was asked for but the toolchain is missing.
     """
     problem = compiler_toolchain_problem(device_type)
     if setting == "auto":
-        return problem is None
+        return problem is None and pays_off
     if setting and problem is not None:
         raise ConfigError(
             f"{key}: true cannot work on {device_type}: {problem}; install it or set {key} to auto or false"

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from opd.algorithms.compiled_kernels import kl_metrics_from_logits
+from opd.algorithms import loss_config as loss_config_module
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.distillation_setup import setup
 from opd.algorithms.fused_lm_head import LMHeadInput
+from opd.algorithms.loss_config import CPU_COMPILE_MIN_VOCAB, compile_loss_kernels
 from opd.algorithms.loss_functions import DistillationLossFn
 from opd.utils import compile_cache
 from opd.utils.compile_cache import resolve_compile_kernels
@@ -115,6 +117,30 @@ def test_auto_compiles_where_a_compiler_exists():
     if not any(shutil.which(name) for name in ("g++", "clang++", "c++")):
         pytest.skip("no C++ compiler on this machine")
     assert resolve_compile_kernels("auto", "cpu") is True
+
+
+def test_auto_leaves_a_small_vocabulary_eager_on_cpu_only():
+    """``auto`` compiles the loss from CPU_COMPILE_MIN_VOCAB entries up on CPU; ``true`` at any size."""
+    if not any(shutil.which(name) for name in ("g++", "clang++", "c++")):
+        pytest.skip("no C++ compiler on this machine")
+    assert compile_loss_kernels("auto", "cpu", CPU_COMPILE_MIN_VOCAB - 1) is False
+    assert compile_loss_kernels("auto", "cpu", CPU_COMPILE_MIN_VOCAB) is True
+    assert compile_loss_kernels(True, "cpu", 8) is True
+    assert compile_loss_kernels(False, "cpu", 151_669) is False
+
+
+def test_a_built_loss_follows_the_vocabulary_rule(tmp_path):
+    if not any(shutil.which(name) for name in ("g++", "clang++", "c++")):
+        pytest.skip("no C++ compiler on this machine")
+    loss_config = run_config(tmp_path, "loss_fn.compile_kernels=auto").loss_fn
+    assert loss_config.build(CPU_COMPILE_MIN_VOCAB - 1, "cpu").compile_kernels is False
+    assert loss_config.build(151_669, "cpu").compile_kernels is True
+
+
+def test_the_vocabulary_rule_is_for_cpu_only(monkeypatch):
+    monkeypatch.setattr(loss_config_module, "resolve_compile_kernels", lambda setting, device, *, pays_off: pays_off)
+    assert compile_loss_kernels("auto", "cuda", 8) is True
+    assert compile_loss_kernels("auto", "cpu", 8) is False
 
 
 def run_config(tmp_path: Path, *overrides: str) -> MasterConfig:
