@@ -106,9 +106,10 @@ CPU_COMPILE_MIN_VOCAB = 1024
 """On CPU, ``compile_kernels: auto`` compiles the loss kernels from this vocabulary size up.
 
 Below it, what the compiled kernels save per call is too small to win back, within a
-run, the seconds that compiling takes at its first step (the guide's "Compiled kernels"
-gives the figures). Real tokenizers' vocabularies (tens of thousands of entries) are far
-above it; the tiny test and demo models are below. On a GPU ``auto`` compiles at any size.
+run, the seconds that compiling takes at its first step (the guide's section 5, "Where a
+step's time goes", gives the figures). Real tokenizers' vocabularies (tens of thousands of
+entries) are far above it; the tiny test and demo models are below. On a GPU ``auto``
+compiles at any size.
 """
 
 
