@@ -131,20 +131,43 @@ def require_harness(settings: HarnessConfig) -> None:
         ) from error
 
 
+_TASK_MANAGERS: dict[tuple[str | None, bool], Any] = {}
+"""lm-eval's task indexes built so far in this process, by (include_path, built-in tasks included)."""
+
+
+def _task_manager(include_path: str | None, tasks: tuple[str, ...]) -> Any:
+    """An lm-eval ``TaskManager`` that knows ``tasks``, built once per process and reused.
+
+    Indexing lm-eval's thousands of built-in task files takes seconds, so where every task
+    asked for is defined under ``include_path`` the built-in ones are left out; otherwise
+    (or if one is missing there) the index holds both, ``include_path`` taking precedence.
+
+    Raises:
+        ConfigError: a task that neither index knows.
+    """
+    from lm_eval.tasks import TaskManager
+
+    for include_defaults in [False, True] if include_path else [True]:
+        key = (include_path, include_defaults)
+        if key not in _TASK_MANAGERS:
+            _TASK_MANAGERS[key] = TaskManager(include_path=include_path, include_defaults=include_defaults)
+        manager = _TASK_MANAGERS[key]
+        unknown = [task for task in tasks if task not in manager.all_tasks]
+        if not unknown:
+            return manager
+    where = f" or under validation.harness.include_path ({include_path})" if include_path else ""
+    raise ConfigError(f"lm-eval has no task {unknown} among its own tasks{where}")
+
+
 def _lm_eval_scores(
     model: Any, tokenizer: Any, tasks: list[str], settings: HarnessConfig, device: str
 ) -> dict[str, dict[str, float]]:
     """lm-eval's scores for one loaded model: ``{task: {metric: value}}`` (standard errors left out)."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
+    manager = _task_manager(settings.include_path, tuple(tasks))
     wrapped = HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=settings.batch_size)
-    manager = TaskManager(include_path=settings.include_path) if settings.include_path else TaskManager()
-    unknown = [task for task in tasks if task not in manager.all_tasks]
-    if unknown:
-        where = f" or under validation.harness.include_path ({settings.include_path})" if settings.include_path else ""
-        raise ConfigError(f"lm-eval has no task {unknown} among its own tasks{where}")
     output = simple_evaluate(
         model=wrapped,
         tasks=tasks,

@@ -149,3 +149,14 @@ def test_harness_errors_name_what_is_wrong(tmp_path, monkeypatch):
         evaluate_with_harness(
             {"model": "tiny:student"}, ["no_such_task"], HarnessConfig(), lambda path: load_for_harness(path, loading)
         )
+
+
+def test_local_tasks_are_indexed_without_lm_evals_own_and_once_per_process(tmp_path):
+    """Every task asked for is under include_path: lm-eval's built-in tasks (seconds to index) stay out."""
+    from opd.algorithms.harness import _task_manager
+
+    tasks = str(_tasks(tmp_path / "tasks", _rows(tmp_path / "rows.jsonl", count=4)))
+    manager = _task_manager(tasks, ("opd_arithmetic",))
+    assert "opd_arithmetic" in manager.all_tasks
+    assert "gsm8k" not in manager.all_tasks and len(manager.all_tasks) < 10  # no built-in task indexed
+    assert _task_manager(tasks, ("opd_arithmetic",)) is manager  # built once, reused for the next model
