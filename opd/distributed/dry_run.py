@@ -44,7 +44,7 @@ import contextlib
 import functools
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -739,6 +739,10 @@ def dry_run_rank(
     """
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+    # A whole colocated teacher runs one pass over each row, as a pool replica's dry run
+    # does: the shared-prompt forward groups rows by their token values, which fake tensors
+    # do not hold (its prompt cache, the prompts' keys and values, is not counted).
+    spec = replace(spec, teacher_share_prompt_forward=(False,) * len(spec.colocated_teachers()))
     device = compute_device()
     global_tokens = shape.micro_batch_size * shape.response_tokens * shape.micro_batches * world_size
     global_rows = shape.micro_batch_size * shape.micro_batches * world_size
