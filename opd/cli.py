@@ -2,7 +2,7 @@
 
 * ``opd train --config FILE [key.sub=value ...]`` — distil (resumes if checkpoints exist);
   ``--dry-run``: plan instead, as ``opd plan`` does;
-* ``opd plan --config FILE [key.sub=value ...] [--json] [--quick]`` — a cluster run's memory per
+* ``opd plan --config FILE [key.sub=value ...] [--json] [--quick] [--every-layer]`` — a cluster run's memory per
   device from its config alone: the trainer's real step on fake tensors over a fake process
   group, at the real shapes, with a device audit (:mod:`opd.algorithms.memory_plan`);
 * ``opd eval --config FILE [key.sub=value ...]`` — validate one model and exit; with
@@ -53,6 +53,11 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument(
         "--quick", action="store_true", help="dry-run only the configured activation checkpointing, not both"
+    )
+    parser.add_argument(
+        "--every-layer",
+        action="store_true",
+        help="trace every decoder layer instead of 3 and 4 and extrapolating (slower; the same bytes for alike layers)",
     )
 
 
@@ -171,7 +176,9 @@ def run_train(config_path: str, overrides: list[str], val_only: bool = False) ->
     _draw_curves(config.logger)
 
 
-def run_plan(config_path: str, overrides: list[str], as_json: bool = False, quick: bool = False) -> None:
+def run_plan(
+    config_path: str, overrides: list[str], as_json: bool = False, quick: bool = False, every_layer: bool = False
+) -> None:
     """Loads the config and prints its memory plan (``opd plan``, ``opd train --dry-run``)."""
     import json
 
@@ -182,7 +189,7 @@ def run_plan(config_path: str, overrides: list[str], as_json: bool = False, quic
     quiet_third_party_output()
     config = load_config(MasterConfig, config_path, overrides)
     configured = config.cluster.trainer.activation_checkpointing if config.cluster is not None else False
-    plan = plan_memory(config, (configured,) if quick else (False, True))
+    plan = plan_memory(config, (configured,) if quick else (False, True), every_layer=every_layer)
     print(json.dumps(plan.as_dict(), indent=1) if as_json else render_plan(plan))
 
 
@@ -253,7 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "generate":
             run_generate(args.config, args.overrides)
         elif args.command == "plan" or getattr(args, "dry_run", False):
-            run_plan(args.config, args.overrides, getattr(args, "json", False), getattr(args, "quick", False))
+            run_plan(
+                args.config,
+                args.overrides,
+                getattr(args, "json", False),
+                getattr(args, "quick", False),
+                getattr(args, "every_layer", False),
+            )
         elif args.command == "eval" and args.harness is not None:
             run_harness(args.config, [*args.overrides, *harness_overrides(args)])
         else:

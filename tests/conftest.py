@@ -172,6 +172,7 @@ _SLOWEST_FILES = [
     "distributed/test_cluster_teachers.py",
     "distributed/test_sharded_teacher_pool.py",
     "distributed/test_exact_signal_transport.py",
+    "distributed/test_layer_extrapolation.py",
     "unit/test_hsdp.py",
     "unit/models/test_teacher_server.py",
     "unit/algorithms/test_sft.py",

@@ -287,12 +287,16 @@ def _trainer_spec(
     )
 
 
-def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] = (False, True)) -> MemoryPlan:
+def plan_memory(
+    config: MasterConfig, checkpointing_variants: tuple[bool, ...] = (False, True), *, every_layer: bool = False
+) -> MemoryPlan:
     """Dry-runs the configured cluster's trainer and works out the rest of the plan.
 
     Args:
         config: a run config with a ``cluster:`` section.
         checkpointing_variants: activation checkpointing off and/or on (each is one dry run per rank shown).
+        every_layer: trace every decoder layer; by default a deep model with alike layers
+            is traced at 3 and 4 layers and extrapolated (:mod:`opd.distributed.layer_extrapolation`).
 
     Raises:
         ConfigError: no ``cluster:`` section, a teacher the dry run does not place in the
@@ -342,6 +346,7 @@ def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] =
                 loss_fn,
                 vocab,
                 hidden_size,
+                every_layer=every_layer,
             )
             for rank in ranks_to_run
         ]
@@ -378,7 +383,7 @@ def plan_memory(config: MasterConfig, checkpointing_variants: tuple[bool, ...] =
         assert teacher_path is not None and loss_fn.teacher_request is not None
         dtype = torch.bfloat16 if teacher_dtype_bytes == 2 else torch.float32
         plan.teacher_replica = dry_run_teacher_replica(
-            teacher_path, dtype, placement.pool_shards, shape, loss_fn.teacher_request
+            teacher_path, dtype, placement.pool_shards, shape, loss_fn.teacher_request, every_layer=every_layer
         )
         plan.teacher_shards_per_replica = placement.pool_shards
     _add_engine_budgets(plan, config, cluster, student_config, shape)

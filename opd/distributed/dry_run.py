@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,18 @@ from transformers import AutoModelForCausalLM
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distributed.fsdp import HIDDEN_STATES_METHOD, device_mesh, shard_model
+from opd.distributed.layer_extrapolation import (
+    BASE_DEPTH,
+    PhasePeaks,
+    Snapshot,
+    Trace,
+    decoder_layers,
+    extrapolate,
+    extrapolated_depths,
+    largest_phase_peak,
+    uniform_depth,
+    with_depth,
+)
 from opd.distributed.trainer_worker import ShardedTeacher, TrainerSpec, TrainerWorker
 from opd.models.interfaces import (
     FullVocabRequest,
@@ -418,9 +430,30 @@ def fake_process_group(rank: int, world_size: int, shard_group_size: int | None 
 # ---------------------------------------------------------------------------- the trainer on fake tensors
 
 
-def _skeleton(path: str, dtype: torch.dtype) -> Any:
-    """The model at ``path`` built from its config alone, every tensor on the meta device."""
+_LAYER_DEPTHS: dict[str, int] = {}
+"""Model paths built with fewer layers than their config has, for a trace to extrapolate (see :func:`_layer_depths`)."""
+
+
+@contextlib.contextmanager
+def _layer_depths(depths: dict[str, int]) -> Iterator[None]:
+    """Builds the models at these paths with these many decoder layers (:mod:`opd.distributed.layer_extrapolation`)."""
+    _LAYER_DEPTHS.update(depths)
+    try:
+        yield
+    finally:
+        _LAYER_DEPTHS.clear()
+
+
+def _skeleton(path: str, dtype: torch.dtype, depth: int | None = None) -> Any:
+    """The model at ``path`` built from its config alone, every tensor on the meta device.
+
+    ``depth`` (else the depth a trace asked for, see :func:`_layer_depths`) builds it with
+    that many decoder layers, when its layers are all alike.
+    """
     config = model_config(path)
+    depth = depth or _LAYER_DEPTHS.get(path)
+    if depth is not None and uniform_depth(config) is not None:
+        config = with_depth(config, depth)
     with unset_fake_temporarily(), torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
@@ -453,7 +486,8 @@ def _models_from_their_configs() -> Iterator[None]:
         return model
 
     def head(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False) -> OutputLayer:
-        layer = output_layer_of(_skeleton(path, dtype), path)  # on the meta device
+        # The output layer is the same at any depth: one decoder layer is built, on the meta device.
+        layer = output_layer_of(_skeleton(path, dtype, depth=1), path)
         bias = None if layer.bias is None else torch.empty_like(layer.bias, device=device)
         return OutputLayer(
             torch.empty_like(layer.weight, device=device), bias, layer.logit_multiplier, layer.logit_softcap
@@ -659,12 +693,66 @@ class ReplicaMemory:
     answer: int
 
 
+def _traced_or_extrapolated(
+    trace_at: Callable[[dict[str, int]], Trace], paths: Sequence[str], every_layer: bool
+) -> Trace:
+    """The step's figures at the models' real depths: traced whole, or from two shallow traces.
+
+    ``trace_at(depths)`` runs the dry run with the models at ``depths``'s paths cut to that
+    many layers. Models whose layers are all alike and that are deeper than
+    ``BASE_DEPTH + 1`` are traced at ``BASE_DEPTH`` layers and at one more, one model at a
+    time, and extrapolated (:mod:`opd.distributed.layer_extrapolation`); with
+    ``every_layer``, or when no model qualifies, the step is traced at full depth.
+    """
+    full_depths: dict[str, int] = {}
+    for path in dict.fromkeys(paths):
+        depth = uniform_depth(model_config(path))
+        if depth is not None:
+            full_depths[path] = depth
+    varied = {} if every_layer else extrapolated_depths(full_depths)
+    if varied:
+        base_depths = dict.fromkeys(varied, BASE_DEPTH)
+        base = trace_at(base_depths)
+        deeper = {path: trace_at({**base_depths, path: BASE_DEPTH + 1}) for path in varied}
+        extrapolated = extrapolate(base, deeper, {path: depth - BASE_DEPTH for path, depth in varied.items()})
+        if extrapolated is not None:
+            return extrapolated
+    return trace_at({})
+
+
+def _phase_peaks(tracker: Any, models: dict[str, Any], micro_batch_root: Any) -> PhasePeaks:
+    """A :class:`PhasePeaks` over these models' decoder layers; a model cut to fewer layers must have them."""
+    layers = {}
+    for name, (path, model) in models.items():
+        found = decoder_layers(model, model.config.num_hidden_layers)
+        if not found and path in _LAYER_DEPTHS:
+            raise ValueError(f"the dry run cut {path} to {_LAYER_DEPTHS[path]} layers but finds no list of them")
+        layers[name] = (model, found)
+    return PhasePeaks(tracker, layers, micro_batch_root)
+
+
+def _check_phase_peaks(phases: PhasePeaks, tracker: Any, device: torch.device) -> None:
+    """The largest phase peak is the tracker's own peak on every device: no op went unrecorded."""
+    own = {dev.type: int(values.get("Total", 0)) for dev, values in tracker.get_tracker_snapshot("peak").items()}
+    kept = {kind: snapshot["Total"] for kind, snapshot in phases.peak().items()}
+    if own != kept:
+        raise RuntimeError(f"the dry run's phase peaks {kept} are not the memory tracker's peaks {own}")
+
+
+def _peak_on(peak: dict[str, Snapshot], device: torch.device) -> tuple[int, Snapshot]:
+    """The compute device's peak snapshot, and the host's peak bytes (the other devices' peaks, summed)."""
+    host = sum(snapshot.get("Total", 0) for kind, snapshot in peak.items() if kind != device.type)
+    return host, peak.get(device.type, {})
+
+
 def dry_run_teacher_replica(
     path: str,
     dtype: torch.dtype,
     shards_per_replica: int,
     shape: StepShape,
     request: TeacherRequest,
+    *,
+    every_layer: bool = False,
 ) -> ReplicaMemory:
     """Scores one micro-batch on the first device of a teacher-pool replica, on fake tensors; returns its memory.
 
@@ -672,11 +760,33 @@ def dry_run_teacher_replica(
     the whole teacher on one device, or with ``shards_per_replica`` > 1 sharded with FSDP2
     over the replica's devices, forward only. A full-vocabulary request is answered with
     the final hidden states (the trainer binds them to its copy of the head); the others
-    with the answer itself.
+    with the answer itself. A deep teacher with alike layers is traced at a few layers and
+    extrapolated, unless ``every_layer`` (:func:`_traced_or_extrapolated`).
     """
+    device = compute_device()
+
+    def trace_at(depths: dict[str, int]) -> Trace:
+        with _layer_depths(depths):
+            return _trace_teacher_replica(path, dtype, shards_per_replica, shape, request, device)
+
+    trace = _traced_or_extrapolated(trace_at, [path], every_layer)
+    _, snapshot = _peak_on(largest_phase_peak(trace.peaks), device)
+    return ReplicaMemory(
+        peak=snapshot.get("Total", 0), weights=trace.scalars["weights"], answer=trace.scalars["answer"]
+    )
+
+
+def _trace_teacher_replica(
+    path: str,
+    dtype: torch.dtype,
+    shards_per_replica: int,
+    shape: StepShape,
+    request: TeacherRequest,
+    device: torch.device,
+) -> Trace:
+    """One dry run of :func:`dry_run_teacher_replica`, at the depths the context sets."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    device = compute_device()
     with _fake_step(0, shards_per_replica, None, shape, _DeviceAudit(device)) as mesh:
         model = _skeleton(path, dtype)
         if shards_per_replica > 1:
@@ -694,16 +804,17 @@ def dry_run_teacher_replica(
         batch = _micro_batch(shape, model.config.vocab_size)
         tracker = MemTracker()
         tracker.track_external(model)
+        phases = _phase_peaks(tracker, {"teacher": (path, model)}, None)
         with tracker, torch.no_grad():
+            phases.record()
             if isinstance(request, FullVocabRequest):
                 answer: Any = teacher.get_hidden_states(batch).hidden_states
             else:
                 answer = teacher.score(batch, request)
         # Top-k: the pair of tensors and the rest mass; the other answers are one tensor.
         answer_bytes = _local_bytes([answer] if torch.is_tensor(answer) else [*answer, answer.rest_logprobs])
-    snapshot = tracker.get_tracker_snapshot("peak")
-    device_snapshot = next((values for dev, values in snapshot.items() if dev.type == device.type), {})
-    return ReplicaMemory(peak=int(device_snapshot.get("Total", 0)), weights=weights, answer=answer_bytes)
+    _check_phase_peaks(phases, tracker, device)
+    return Trace({"weights": weights, "answer": answer_bytes}, phases.peaks)
 
 
 def dry_run_rank(
@@ -714,6 +825,8 @@ def dry_run_rank(
     loss_fn: LossFunction,
     vocab_size: int,
     teacher_hidden_size: int | None = None,
+    *,
+    every_layer: bool = False,
 ) -> RankMemory:
     """Builds and trains rank ``rank`` of ``world_size`` on fake tensors; returns its memory.
 
@@ -724,6 +837,10 @@ def dry_run_rank(
     the final hidden states for a full-vocabulary loss (bound to the output layer the
     rank loads, ``spec.teacher_head_path``), else the top-k or token log-probs.
 
+    A deep student or colocated teacher with alike layers is traced at a few layers and
+    extrapolated to its depth, unless ``every_layer`` (:func:`_traced_or_extrapolated`);
+    the device audit sees every kind of collective either way.
+
     Args:
         spec: the trainer as the run configures it (``backend`` is ignored: the group is fake).
         world_size: trainer ranks.
@@ -733,17 +850,49 @@ def dry_run_rank(
         vocab_size: token ids are drawn below this.
         teacher_hidden_size: the width of a teacher's hidden states that runs apart and
             answers a full-vocabulary loss; unused otherwise.
+        every_layer: trace every layer of every model, extrapolating nothing.
 
     Raises:
         DeviceMismatchError: a collective got a tensor off the compute device.
     """
+    device = compute_device()
+
+    def trace_at(depths: dict[str, int]) -> Trace:
+        with _layer_depths(depths):
+            return _trace_rank(spec, world_size, rank, shape, loss_fn, vocab_size, teacher_hidden_size, device)
+
+    trace = _traced_or_extrapolated(trace_at, [spec.student_path, *spec.colocated_teachers()], every_layer)
+    host_peak, snapshot = _peak_on(largest_phase_peak(trace.peaks), device)
+    return RankMemory(
+        rank=rank,
+        peak=snapshot.get("Total", 0),
+        peak_breakdown={kind: value for kind, value in snapshot.items() if value and kind != "Total"},
+        student_parameters=trace.scalars["student_parameters"],
+        student_gradients=trace.scalars["student_gradients"],
+        optimizer_state=trace.scalars["optimizer_state"],
+        teacher_parameters=trace.scalars["teacher_parameters"],
+        collectives=trace.scalars["collectives"],
+        host_peak=host_peak,
+    )
+
+
+def _trace_rank(
+    spec: TrainerSpec,
+    world_size: int,
+    rank: int,
+    shape: StepShape,
+    loss_fn: LossFunction,
+    vocab_size: int,
+    teacher_hidden_size: int | None,
+    device: torch.device,
+) -> Trace:
+    """One dry run of :func:`dry_run_rank`, at the depths the context sets."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     # A whole colocated teacher runs one pass over each row, as a pool replica's dry run
     # does: the shared-prompt forward groups rows by their token values, which fake tensors
     # do not hold (its prompt cache, the prompts' keys and values, is not counted).
     spec = replace(spec, teacher_share_prompt_forward=(False,) * len(spec.colocated_teachers()))
-    device = compute_device()
     global_tokens = shape.micro_batch_size * shape.response_tokens * shape.micro_batches * world_size
     global_rows = shape.micro_batch_size * shape.micro_batches * world_size
     audit = _DeviceAudit(device)
@@ -774,7 +923,12 @@ def dry_run_rank(
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
             tracker._update_and_maybe_create_winfos(local, kinds.TEACHER)
         _hidden_states_as_module_call(trainer.model)
+        models = {"student": (spec.student_path, trainer.model)}
+        for index, (path, member) in enumerate(zip(spec.colocated_teachers(), trainer.teacher_members, strict=True)):
+            models[f"teacher{index}"] = (path, member.model)
+        phases = _phase_peaks(tracker, models, trainer.model)
         with tracker:
+            phases.record()
             # The tracker refuses a second forward of the root (a next micro-batch) unless
             # its per-module statistics are cleared; the peak it keeps is unaffected.
             trainer.model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
@@ -783,24 +937,15 @@ def dry_run_rank(
         optimizer_state = _local_bytes(
             value for state in trainer.optimizer.state.values() for value in state.values() if torch.is_tensor(value)
         )
-    snapshot = tracker.get_tracker_snapshot("peak")
-    device_snapshot = next((values for dev, values in snapshot.items() if dev.type == device.type), {})
-    host_peak = sum(values.get("Total", 0) for dev, values in snapshot.items() if dev.type != device.type)
-    return RankMemory(
-        rank=rank,
-        peak=int(device_snapshot.get("Total", 0)),
-        peak_breakdown={
-            getattr(kind, "value", str(kind)): int(value)
-            for kind, value in device_snapshot.items()
-            if value and kind != "Total"
-        },
-        student_parameters=_local_bytes(parameters),
+    figures = {
+        "student_parameters": _local_bytes(parameters),
         # Gradients live from the backward to the optimizer step (zero_grad sets them to
         # None): one sharded copy of the trained weights (a LoRA student's adapters alone)
         # in the master weights' dtype.
-        student_gradients=_local_bytes(parameter for parameter in parameters if parameter.requires_grad),
-        optimizer_state=optimizer_state,
-        teacher_parameters=teacher_bytes,
-        collectives=audit.collectives,
-        host_peak=int(host_peak),
-    )
+        "student_gradients": _local_bytes(parameter for parameter in parameters if parameter.requires_grad),
+        "optimizer_state": optimizer_state,
+        "teacher_parameters": teacher_bytes,
+        "collectives": audit.collectives,
+    }
+    _check_phase_peaks(phases, tracker, device)
+    return Trace(figures, phases.peaks)
