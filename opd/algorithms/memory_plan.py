@@ -287,6 +287,22 @@ def _trainer_spec(
     )
 
 
+def _step_shape(config: MasterConfig, world: int) -> StepShape:
+    """The micro-batches one rank trains on in a step, as the config sizes them."""
+    if config.data.max_prompt_length is None:
+        raise ConfigError("opd plan sizes each row as data.max_prompt_length + the response's max_length: set it")
+    micro_batch_size, accumulation = resolve_micro_batching(config)
+    # Two micro-batches when a rank gets several: the second runs beside the gradients
+    # the first left, as every later one does (more add no memory).
+    per_rank = math.ceil(accumulation / world)
+    return StepShape(
+        micro_batch_size,
+        config.data.max_prompt_length,
+        config.distillation.generate_strategy.max_length,
+        micro_batches=min(per_rank, 2),
+    )
+
+
 def plan_memory(
     config: MasterConfig, checkpointing_variants: tuple[bool, ...] = (False, True), *, every_layer: bool = False
 ) -> MemoryPlan:
@@ -314,18 +330,8 @@ def plan_memory(
     student_config = model_config(student_path)
     teacher_config = model_config(teacher_path) if teacher_path is not None else None
     vocab = tokenizer_size(config.model.tokenizer_path or student_path)
-    if config.data.max_prompt_length is None:
-        raise ConfigError("opd plan sizes each row as data.max_prompt_length + the response's max_length: set it")
-    micro_batch_size, accumulation = resolve_micro_batching(config)
-    # Two micro-batches when a rank gets several: the second runs beside the gradients
-    # the first left, as every later one does (more add no memory).
-    per_rank = math.ceil(accumulation / world)
-    shape = StepShape(
-        micro_batch_size,
-        config.data.max_prompt_length,
-        config.distillation.generate_strategy.max_length,
-        micro_batches=min(per_rank, 2),
-    )
+    shape = _step_shape(config, world)
+    micro_batch_size = shape.micro_batch_size
     loss_settings = config.loss_fn
     if hasattr(loss_settings, "compile_kernels"):  # the dry run measures the eager kernels (an upper bound)
         loss_settings = loss_settings.model_copy(update={"compile_kernels": False})
