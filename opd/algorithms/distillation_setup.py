@@ -35,7 +35,7 @@ from opd.algorithms.loss_config import (
     SampledTokenLossConfig,
 )
 from opd.algorithms.loss_functions import DistillationLossFn
-from opd.algorithms.off_policy import OffPolicyCorrection
+from opd.algorithms.off_policy import OffPolicyCorrection, filtered_sampling_warning
 from opd.algorithms.run_setup import (
     DriverArguments,
     load_examples,
@@ -473,6 +473,7 @@ def build_loss(config: MasterConfig, tokenizer: Any) -> LossFunction:
     """
     device_type = resolve_device(config.model.device).type
     built: dict[str, LossFunction] = {}  # one objective per key: members without their own share loss_fn's
+    warnings: set[str] = set()  # the same strategy for every objective: each said once
     for key, loss in config.teacher_losses():
         if key not in built:
             objective = loss.build(len(tokenizer), device_type)
@@ -481,7 +482,12 @@ def build_loss(config: MasterConfig, tokenizer: Any) -> LossFunction:
                 objective.off_policy = OffPolicyCorrection.from_config(
                     config.training.off_policy_correction, config.distillation.generate_strategy
                 )
+                warning = filtered_sampling_warning(objective.off_policy)
+                if warning is not None:
+                    warnings.add(warning)
             built[key] = objective
+    for warning in sorted(warnings):
+        log.warning(warning)
     if config.teachers is None:
         return built["loss_fn"]
     names = [member.name for member in config.teachers.members]

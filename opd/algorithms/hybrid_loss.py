@@ -117,9 +117,12 @@ class FullVocabHybridLossFn(LossFunction):
             row_weights, correction_metrics = off_policy_row_weights(
                 _rows(student_output, loss_mask), data, loss_mask, self.off_policy, global_valid_tokens
             )
-            weights = row_weights.to(device=log_q.device, dtype=compute_dtype)
         else:
-            weights = torch.ones_like(exact)
+            row_weights = None
+        # None: no correction, or one that only monitors (every weight 1).
+        weights = (
+            torch.ones_like(exact) if row_weights is None else row_weights.to(device=log_q.device, dtype=compute_dtype)
+        )
         loss_sum = (weights * exact).sum()
         reward_term = torch.zeros((), dtype=compute_dtype, device=log_q.device)
         if self.adv_tau != 0.0 and "task_reward" in data:

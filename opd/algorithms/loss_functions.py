@@ -708,7 +708,7 @@ def off_policy_row_weights(
     loss_mask: torch.Tensor,
     correction: OffPolicyCorrection,
     global_valid_tokens: int,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor | None, dict[str, float]]:
     """The importance weight of each loss position of a micro-batch, and its metrics.
 
     ``data["staleness"]`` is per sequence (``[B]``) or, in a packed row, per token
@@ -719,7 +719,9 @@ def off_policy_row_weights(
         ``([N] weights, metrics)``; the metrics are this micro-batch's share of the global
         means over response tokens (``is_ratio_mean``, ``is_abs_log_ratio_mean``,
         ``is_truncated_fraction``, ``is_masked_fraction``, ``is_outside_support_fraction``) and
-        its ``is_ratio_max``.
+        its ``is_ratio_max``. The weights are None (all 1) when the correction only
+        monitors (``enabled: monitor``); the truncated and masked fractions then count the
+        positions the correction would have cut or masked.
     """
     staleness = data["staleness"]
     per_token = staleness if staleness.dim() == 2 else staleness.unsqueeze(-1).expand_as(data["input_ids"])
@@ -752,7 +754,7 @@ def off_policy_row_weights(
         "is_outside_support_fraction": sums["is_outside_support"] / tokens,
         "is_ratio_max": sums["is_ratio_max"],
     }
-    return weights, metrics
+    return (None if correction.monitor_only else weights), metrics
 
 
 @dataclasses.dataclass

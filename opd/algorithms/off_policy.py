@@ -49,11 +49,12 @@ _LEARNER_CHUNK_ROWS = 1024
 class OffPolicyCorrectionConfig(StrictConfig):
     """``training.off_policy_correction``: truncated importance weights for stale samples."""
 
-    enabled: Literal["auto"] | bool = Field(
+    enabled: Literal["auto", "monitor"] | bool = Field(
         "auto",
         description="auto = on under one_step_off and two_step_off for hybrid_full_vocab (its reward term is a "
         "policy gradient on the sampled token), off for full_vocab, jsd and topk (measured: it slowed learning) "
-        "and under sync (nothing is stale)",
+        "and under sync (nothing is stale); monitor = under an asynchronous schedule, compute and log the ratios "
+        "(train/is_*) but weigh nothing: the loss is that of the correction off",
     )
     level: Literal["token", "sequence"] = Field(
         "token",
@@ -89,7 +90,14 @@ class OffPolicyCorrectionConfig(StrictConfig):
             by_default: what ``auto`` does under an asynchronous schedule for the objective
                 in question (its ``weighs_stale_samples_by_default``).
         """
+        if self.enabled == "monitor":
+            return asynchronous
         return asynchronous and by_default if self.enabled == "auto" else bool(self.enabled)
+
+    @property
+    def weighs(self) -> bool:
+        """Whether the ratios weigh the loss (``monitor`` only logs them)."""
+        return self.enabled != "monitor"
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,8 @@ class OffPolicyCorrection:
         strategy: the rollout's sampling strategy (the distribution both log-probs are of).
         level: ``token`` (each position its own ratio) or ``sequence`` (the sequence's
             geometric-mean ratio at every position).
+        monitor_only: compute the ratios and their metrics, but leave every weight at 1
+            (``enabled: monitor``): the loss and its gradient are those without a correction.
     """
 
     cap: float
@@ -110,11 +120,34 @@ class OffPolicyCorrection:
     sequence_bounds: tuple[float, float] | None
     strategy: GenerateStrategyConfig
     level: str = "token"
+    monitor_only: bool = False
 
     @classmethod
     def from_config(cls, config: OffPolicyCorrectionConfig, strategy: GenerateStrategyConfig) -> OffPolicyCorrection:
         """The runtime form of ``training.off_policy_correction`` for rollouts drawn with ``strategy``."""
-        return cls(config.cap, config.token_bounds, config.sequence_bounds, strategy, config.level)
+        return cls(config.cap, config.token_bounds, config.sequence_bounds, strategy, config.level, not config.weighs)
+
+
+def filtered_sampling_warning(correction: OffPolicyCorrection) -> str | None:
+    """A warning when the correction weighs samples drawn through a top-k or top-p filter; else None.
+
+    Such a filter leaves out tokens, so a token the sampler drew may lie outside the
+    learner's filtered set one update later: its ratio is 0 and its weight too (at
+    ``level: sequence``, its whole sequence's).
+    """
+    strategy = correction.strategy
+    if correction.monitor_only or strategy.is_greedy:
+        return None
+    method = strategy.decoding_method
+    if method == "top_p" and strategy.top_p >= 1.0:
+        return None  # no token is left out
+    kept = f"top_k = {strategy.top_k}" if method == "top_k" else f"top_p = {strategy.top_p}"
+    return (
+        f"training.off_policy_correction weighs stale samples drawn with decoding_method = {method} ({kept}, "
+        f"temperature = {strategy.temperature}): a sampled token outside the learner's filtered set one update "
+        "later gets ratio 0 and weight 0 (in the guide's study, 6-7% of stale tokens at temperature 0.1; "
+        "train/is_outside_support_fraction counts them). enabled: monitor logs the ratios without weighing."
+    )
 
 
 def sampling_log_probs(logits: torch.Tensor, targets: torch.Tensor, strategy: GenerateStrategyConfig) -> torch.Tensor:

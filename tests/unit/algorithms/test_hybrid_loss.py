@@ -187,6 +187,30 @@ def test_stale_positions_are_weighted_by_the_truncated_importance_weight():
     assert torch.equal(fresh, plain)
 
 
+def test_a_monitoring_correction_leaves_the_hybrid_loss_uncorrected_and_logs_the_ratios():
+    student, teacher, data = inputs(scale=1.0)
+    generator = torch.Generator().manual_seed(2)
+    data["generation_logprobs"] = -torch.rand(B, L, generator=generator, dtype=torch.float64) * 3
+    data["staleness"] = torch.tensor([1, 0, 2])
+    tokens = int(data["token_mask"][:, 1:].sum())
+    greedy = GenerateStrategyConfig(decoding_method="greedy")
+    results = {}
+    for name, correction in (
+        ("off", None),
+        ("on", OffPolicyCorrection(1.5, None, None, greedy)),
+        ("monitor", OffPolicyCorrection(1.5, None, None, greedy, monitor_only=True)),
+    ):
+        leaf = student.detach().clone().requires_grad_(True)
+        loss_fn = FullVocabHybridLossFn(student_tau=0.5, adv_tau=0.7, off_policy=correction)
+        loss, metrics = loss_fn(leaf, data, tokens, B, teacher_output=teacher)
+        loss.backward()
+        results[name] = (loss.detach(), leaf.grad, metrics)
+    assert torch.equal(results["monitor"][0], results["off"][0])
+    assert torch.equal(results["monitor"][1], results["off"][1])
+    assert not torch.equal(results["on"][0], results["off"][0])
+    assert results["monitor"][2]["is_ratio_mean"] == results["on"][2]["is_ratio_mean"] != 1.0
+
+
 def test_a_one_step_off_run_weighs_its_stale_batch(tmp_path):
     config = load_config(MasterConfig, TINY_CONFIG, [
         f"output_dir={tmp_path}", "checkpointing.enabled=false", "logger.console=false", "training.max_num_steps=2",

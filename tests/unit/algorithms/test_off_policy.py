@@ -9,16 +9,23 @@
   gradient are bitwise those of the uncorrected loss; on stale samples the loss equals
   Σ_t w_t · D_t / N computed in float64 from the logits, on the plain and the fused path,
   for the full-vocabulary and the top-k losses; all-masked and empty rows give zero.
+* ``enabled: monitor``: the loss and gradient are bitwise those without a correction, and
+  the ratio metrics are those of the weighing correction, in the loss and in a
+  ``one_step_off`` run; weighing samples drawn through a top-k or top-p filter is warned of.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 
 import pytest
 import torch
 
-from opd.algorithms.distillation_config import TrainingConfig
+from opd.algorithms.distillation import distillation_train
+from opd.algorithms.distillation_config import MasterConfig, TrainingConfig
+from opd.algorithms.distillation_setup import setup
 from opd.algorithms.loss_config import (
     FullVocabLossConfig,
     HybridFullVocabLossConfig,
@@ -30,6 +37,7 @@ from opd.algorithms.loss_functions import DistillationLossFn, token_kl, topk_tok
 from opd.algorithms.off_policy import (
     OffPolicyCorrection,
     OffPolicyCorrectionConfig,
+    filtered_sampling_warning,
     importance_weights,
     learner_log_probs,
     sampling_log_probs,
@@ -37,6 +45,8 @@ from opd.algorithms.off_policy import (
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.sampling import next_tokens
 from opd.models.lm_head import LMHeadInput
+from opd.utils.config import load_config
+from opd_test_helpers import REPO_ROOT
 
 TOP_P = GenerateStrategyConfig(decoding_method="top_p", temperature=0.7, top_p=0.9)
 TOP_K = GenerateStrategyConfig(decoding_method="top_k", temperature=1.3, top_k=5)
@@ -335,6 +345,65 @@ def test_stale_samples_are_weighted_as_the_reference(signal, fused, strategy, le
     assert expected != pytest.approx(reference_loss(student_logits, teacher, data, cap, strategy, signal, other))
 
 
+@pytest.mark.parametrize("signal", ["full_vocab", "topk"])
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+def test_monitor_logs_the_ratios_and_leaves_the_loss_and_gradient_uncorrected(signal, fused):
+    data, generator = micro_batch(3, staleness=[1, 0, 2])
+    hidden = torch.randn(B, L, D, generator=generator)
+    head = torch.randn(V, D, generator=generator)
+    teacher_logits = torch.randn(B, L, V, generator=generator) * 2
+    top = torch.log_softmax(teacher_logits, -1).topk(4, dim=-1)
+    teacher = teacher_logits if signal == "full_vocab" else (top.values, top.indices)
+    weighing = correction(1.2, (0.9, 1.1))
+    monitoring = OffPolicyCorrection(1.2, (0.9, 1.1), None, SAMPLE, "token", monitor_only=True)
+    results = {}
+    for name, off_policy in (("off", None), ("on", weighing), ("monitor", monitoring)):
+        loss_fn = DistillationLossFn(
+            "forward", teacher_signal=signal, teacher_topk=4, fused_lm_head=fused, chunk_size=3, off_policy=off_policy
+        )
+        leaf = hidden.clone().requires_grad_(True)
+        student = LMHeadInput(leaf, head) if fused else leaf @ head.T
+        loss, metrics = loss_fn(student, data, int(data["token_mask"][:, 1:].sum()), B, teacher_output=teacher)
+        loss.backward()
+        results[name] = (loss.detach(), leaf.grad, metrics)
+    (loss_off, grad_off, _), (loss_on, _, metrics_on), (loss_monitor, grad_monitor, metrics_monitor) = (
+        results["off"],
+        results["on"],
+        results["monitor"],
+    )
+    assert torch.equal(loss_monitor, loss_off) and torch.equal(grad_monitor, grad_off)
+    assert not torch.equal(loss_on, loss_off)  # the weights matter here: monitoring really leaves them out
+    ratio_metrics = [key for key in metrics_on if key.startswith("is_")]
+    assert len(ratio_metrics) == 6
+    assert {key: metrics_monitor[key] for key in ratio_metrics} == {key: metrics_on[key] for key in ratio_metrics}
+    assert metrics_monitor["is_masked_fraction"] > 0  # what the bounds would have masked
+
+
+def test_monitor_is_on_under_an_asynchronous_schedule_for_every_corrected_loss():
+    monitor = OffPolicyCorrectionConfig(enabled="monitor")
+    assert monitor.is_on(asynchronous=True, by_default=False) and not monitor.is_on(asynchronous=False)
+    assert not monitor.weighs and OffPolicyCorrectionConfig(enabled=True).weighs
+    assert OffPolicyCorrection.from_config(monitor, SAMPLE).monitor_only
+    assert not OffPolicyCorrection.from_config(OffPolicyCorrectionConfig(enabled=True), SAMPLE).monitor_only
+    for loss in (FullVocabLossConfig(), TopKLossConfig(k=4), HybridFullVocabLossConfig()):
+        assert TrainingConfig(scheduler="one_step_off", off_policy_correction=monitor).correction_is_on(loss)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "warned"),
+    [(TOP_P, "top_p = 0.9"), (TOP_K, "top_k = 5"), (GREEDY, None), (SAMPLE, None)],
+    ids=["top_p", "top_k", "greedy", "plain"],
+)
+def test_weighing_samples_drawn_through_a_filter_is_warned_of(strategy, warned):
+    warning = filtered_sampling_warning(correction(strategy=strategy))
+    if warned is None:
+        assert warning is None
+    else:
+        assert warned in warning and "weight 0" in warning and "enabled: monitor" in warning
+    monitoring = OffPolicyCorrection(2.0, None, None, strategy, "token", monitor_only=True)
+    assert filtered_sampling_warning(monitoring) is None  # nothing is weighed
+
+
 def test_all_masked_micro_batch_with_stale_rows_is_zero():
     data, generator = micro_batch(2, staleness=[1, 1, 1])
     data["token_mask"].zero_()
@@ -344,3 +413,48 @@ def test_all_masked_micro_batch_with_stale_rows_is_zero():
     loss.backward()
     assert float(loss.detach()) == 0.0 and torch.count_nonzero(leaf.grad) == 0
     assert metrics["is_ratio_max"] == 0.0
+
+
+# --------------------------------------------------------------------------- a run
+
+
+def _one_step_off_run(tmp_path, enabled: str, *extra: str) -> list[dict]:
+    config = load_config(
+        MasterConfig,
+        REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml",
+        [
+            f"output_dir={tmp_path / enabled}",
+            "checkpointing.enabled=false",
+            "logger.console=false",
+            "training.max_num_steps=2",
+            "training.batch_size=2",
+            "training.micro_batch_size=2",
+            "data.val_path=null",
+            "validation.val_at_start=false",
+            "validation.val_at_end=false",
+            "training.scheduler=one_step_off",
+            "distillation.generate_strategy.max_length=8",
+            f"training.off_policy_correction.enabled={enabled}",
+            *extra,
+        ],
+    )
+    distillation_train(**setup(config).as_arguments())
+    rows = [json.loads(line) for line in (tmp_path / enabled / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "train/loss" in row]
+
+
+def test_a_monitored_run_trains_as_an_uncorrected_one_and_logs_the_ratios(tmp_path, caplog):
+    # Plain sampling at temperature 1 (the tiny config's strategy is greedy): the stale
+    # batch's ratios move away from 1, and top_p = 0.9 makes the weighing run warn.
+    sampling = ["distillation.generate_strategy.decoding_method=top_p", "distillation.generate_strategy.temperature=1.0"]
+    with caplog.at_level(logging.WARNING, logger="opd"):
+        off = _one_step_off_run(tmp_path, "false", *sampling)
+        monitor = _one_step_off_run(tmp_path, "monitor", *sampling)
+        assert "decoding_method = top_p" not in caplog.text  # neither weighs anything
+        weighing = _one_step_off_run(tmp_path, "true", *sampling, "distillation.generate_strategy.top_p=0.9")
+    assert [row["train/staleness_max"] for row in monitor] == [0, 1]
+    assert [row["train/loss"] for row in monitor] == [row["train/loss"] for row in off]
+    assert [row["train/grad_norm"] for row in monitor] == [row["train/grad_norm"] for row in off]
+    assert "train/is_ratio_mean" not in off[1]  # off computes no ratios
+    assert monitor[0]["train/is_ratio_mean"] == 1.0 and monitor[1]["train/is_abs_log_ratio_mean"] > 0
+    assert "decoding_method = top_p (top_p = 0.9" in caplog.text and weighing[1]["train/is_ratio_mean"] > 0
