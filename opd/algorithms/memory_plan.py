@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
 from opd.distributed.config import ClusterConfig
 from opd.distributed.dry_run import RankMemory, ReplicaMemory, StepShape, dry_run_rank, dry_run_teacher_replica
+from opd.distributed.layer_extrapolation import BASE_DEPTH
 from opd.distributed.trainer_worker import TrainerSpec
 from opd.models.interfaces import FullVocabRequest
 from opd.models.lm_head import default_chunk_rows
@@ -408,6 +409,22 @@ def _g(value: int) -> str:
     return f"{value / GIB:.2f}"
 
 
+def _layers_line(plan: MemoryPlan) -> str:
+    """Which models the dry runs traced whole, and which at a few layers and extrapolated."""
+    depths: dict[str, int] = {}
+    for rank in (rank for ranks in plan.ranks.values() for rank in ranks):
+        depths.update(rank.extrapolated_layers)
+    if plan.teacher_replica is not None:
+        depths.update(plan.teacher_replica.extrapolated_layers)
+    if not depths:
+        return "layers: every layer traced"
+    models = ", ".join(f"{path} to {depth}" for path, depth in depths.items())
+    return (
+        f"layers: traced at {BASE_DEPTH} and {BASE_DEPTH + 1} and extrapolated ({models}); "
+        "--every-layer traces every layer"
+    )
+
+
 def render_plan(plan: MemoryPlan) -> str:
     """The plan as plain-text tables: GiB per device, one column per dry run."""
     keys = list(plan.ranks)
@@ -426,6 +443,7 @@ def render_plan(plan: MemoryPlan) -> str:
             if plan.ranks_equal
             else f"uneven shards: rank 0 and rank {plan.world_size - 1} shown"
         ),
+        _layers_line(plan),
         "",
         f"trainer, GiB per device{'':14}" + header,
     ]

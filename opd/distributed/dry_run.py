@@ -44,7 +44,7 @@ import contextlib
 import functools
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -572,6 +572,8 @@ class RankMemory:
             of the output layer of a teacher apart that answers a full-vocabulary loss.
         collectives: collectives the audit checked.
         host_peak: bytes of tensors the step made on the host (0 when every tensor is on the device).
+        extrapolated_layers: the models traced at a few layers and extrapolated, by path, to
+            their depth (:mod:`opd.distributed.layer_extrapolation`); empty when every layer was traced.
     """
 
     rank: int
@@ -583,6 +585,7 @@ class RankMemory:
     teacher_parameters: int
     collectives: int
     host_peak: int = 0
+    extrapolated_layers: dict[str, int] = field(default_factory=dict)
 
     @property
     def standing(self) -> int:
@@ -686,11 +689,13 @@ class ReplicaMemory:
         peak: the tracker's peak over the forward on the compute device.
         weights: this device's share of the teacher (its FSDP2 shard, or the whole model).
         answer: the answer it sends (hidden states, top-k or token log-probs), on the device before it is sent.
+        extrapolated_layers: as :attr:`RankMemory.extrapolated_layers`.
     """
 
     peak: int
     weights: int
     answer: int
+    extrapolated_layers: dict[str, int] = field(default_factory=dict)
 
 
 def _traced_or_extrapolated(
@@ -772,7 +777,10 @@ def dry_run_teacher_replica(
     trace = _traced_or_extrapolated(trace_at, [path], every_layer)
     _, snapshot = _peak_on(largest_phase_peak(trace.peaks), device)
     return ReplicaMemory(
-        peak=snapshot.get("Total", 0), weights=trace.scalars["weights"], answer=trace.scalars["answer"]
+        peak=snapshot.get("Total", 0),
+        weights=trace.scalars["weights"],
+        answer=trace.scalars["answer"],
+        extrapolated_layers=trace.extrapolated,
     )
 
 
@@ -873,6 +881,7 @@ def dry_run_rank(
         teacher_parameters=trace.scalars["teacher_parameters"],
         collectives=trace.scalars["collectives"],
         host_peak=host_peak,
+        extrapolated_layers=trace.extrapolated,
     )
 
 

@@ -182,10 +182,15 @@ def largest_phase_peak(peaks: Mapping[Phase, Mapping[str, Snapshot]]) -> dict[st
 
 @dataclass
 class Trace:
-    """One dry run's figures: its scalars (bytes, counts) and its phase peaks."""
+    """One dry run's figures: its scalars (bytes, counts) and its phase peaks.
+
+    ``extrapolated`` names the models whose figures were extrapolated (path → the depth
+    reached); empty for a trace of every layer.
+    """
 
     scalars: dict[str, int]
     peaks: dict[Phase, dict[str, Snapshot]] = field(default_factory=dict)
+    extrapolated: dict[str, int] = field(default_factory=dict)
 
 
 def extrapolate(base: Trace, deeper: Mapping[str, Trace], steps: Mapping[str, int]) -> Trace | None:
@@ -231,4 +236,4 @@ def extrapolate(base: Trace, deeper: Mapping[str, Trace], steps: Mapping[str, in
                 )
                 for kind in kinds
             }
-    return Trace(scalars, peaks)
+    return Trace(scalars, peaks, {path: BASE_DEPTH + step for path, step in steps.items()})

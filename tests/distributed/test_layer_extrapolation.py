@@ -57,6 +57,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.parametrize("case", CASES)
 def test_the_extrapolated_dry_run_equals_the_dry_run_of_every_layer(runs, case):
     every_layer, extrapolated = (runs["results"][case][way] for way in ("every_layer", "extrapolated"))
+    # The figures say how they were made: which models were extrapolated, to what depth.
+    assert every_layer["memory"].pop("extrapolated_layers") == {}
+    depths = extrapolated["memory"].pop("extrapolated_layers")
+    assert depths and set(depths.values()) == {7} and set(depths) <= {runs["student"], runs["teacher"]}
     assert extrapolated["memory"] == every_layer["memory"]
     assert every_layer["memory"]["peak"] > 0
 
