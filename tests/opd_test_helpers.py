@@ -8,11 +8,37 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_TRAIN_DATA = REPO_ROOT / "examples" / "data" / "tiny_arithmetic" / "train.jsonl"
+
+
+def json_from_a_process_of_its_own(arguments: list[str], timeout_s: float = 600) -> dict:
+    """Runs ``python ARGUMENTS`` from the checkout and returns the JSON object its output ends with.
+
+    For a dry run (``opd plan`` and the dry-run scripts): it registers a stand-in
+    accelerator for its whole process, so it runs in one of its own.
+    """
+    import json
+    import sys
+
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, *arguments],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=environment,
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = done.stdout.strip()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:  # output before the answer: the answer is its last line
+        return json.loads(text.splitlines()[-1])
 
 
 def short_run_overrides(tmp_path: Path, run_name: str = "run") -> list[str]:

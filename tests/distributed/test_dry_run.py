@@ -11,30 +11,16 @@ Each dry run is a process of its own (it registers a stand-in accelerator for it
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from opd_test_helpers import REPO_ROOT
+from opd_test_helpers import REPO_ROOT, json_from_a_process_of_its_own
 
 SCRIPT = Path(__file__).with_name("dry_run_script.py")
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 
 
 def dry_run(mode: str) -> dict:
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), mode, str(TINY)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=environment,
-        cwd=REPO_ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_from_a_process_of_its_own([str(SCRIPT), mode, str(TINY)], timeout_s=300)
 
 
 def test_the_device_audit_catches_a_host_tensor_in_a_collective():

@@ -20,15 +20,10 @@ its process, :mod:`opd.distributed.dry_run`).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from opd_test_helpers import REPO_ROOT
+from opd_test_helpers import json_from_a_process_of_its_own
 
 SCRIPT = Path(__file__).with_name("layer_extrapolation_script.py")
 CASES = (
@@ -41,17 +36,7 @@ CASES = (
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path_factory.mktemp("models"))],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=environment,
-        cwd=REPO_ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_from_a_process_of_its_own([str(SCRIPT), str(tmp_path_factory.mktemp("models"))])
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -16,17 +16,13 @@ its process, :mod:`opd.distributed.dry_run`).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from opd_test_helpers import REPO_ROOT, json_from_a_process_of_its_own
 
 from opd.models.tiny import build_tiny_model
-from opd_test_helpers import REPO_ROOT
 
 SCRIPT = Path(__file__).with_name("plan_placements_script.py")
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
@@ -37,17 +33,7 @@ ROWS, PROMPT, RESPONSE = 8, 8, 8  # the micro-batch the script plans (tiny confi
 
 @pytest.fixture(scope="module")
 def plans() -> dict:
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(TINY)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=environment,
-        cwd=REPO_ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_from_a_process_of_its_own([str(SCRIPT), str(TINY)])
 
 
 def _rank(plan: dict) -> dict:

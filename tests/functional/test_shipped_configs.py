@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from opd_test_helpers import REPO_ROOT, RunningServer
+from opd_test_helpers import REPO_ROOT, RunningServer, json_from_a_process_of_its_own
 
 from opd.cli import main as opd_main
 
@@ -214,21 +214,7 @@ def check_cluster_plan(plan: dict) -> None:
 
 def run_plan(name: str, overrides: list[str]) -> dict:
     """``opd plan`` in a process of its own (the dry run registers a stand-in accelerator for its process)."""
-    import os
-    import subprocess
-    import sys
-
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "opd", "plan", "--config", str(CONFIGS / name), *overrides],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=environment,
-        cwd=REPO_ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return json_from_a_process_of_its_own(["-m", "opd", "plan", "--config", str(CONFIGS / name), *overrides])
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

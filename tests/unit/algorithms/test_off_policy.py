@@ -22,6 +22,7 @@ import math
 
 import pytest
 import torch
+from opd_test_helpers import REPO_ROOT
 
 from opd.algorithms.distillation import distillation_train
 from opd.algorithms.distillation_config import MasterConfig, TrainingConfig
@@ -46,7 +47,6 @@ from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.sampling import next_tokens
 from opd.models.lm_head import LMHeadInput
 from opd.utils.config import load_config
-from opd_test_helpers import REPO_ROOT
 
 TOP_P = GenerateStrategyConfig(decoding_method="top_p", temperature=0.7, top_p=0.9)
 TOP_K = GenerateStrategyConfig(decoding_method="top_k", temperature=1.3, top_k=5)
@@ -278,17 +278,16 @@ def reference_loss(student_logits, teacher, data, cap, strategy, signal, level="
     return total / count
 
 
-@pytest.mark.parametrize("signal", ["full_vocab", "topk"])
-@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
-def test_fresh_samples_give_the_uncorrected_loss_bitwise(signal, fused):
-    data, generator = micro_batch(0, staleness=[0, 0, 0])
+def losses_with_corrections(seed, staleness, signal, fused, corrections):
+    """Each correction's loss, gradient and metrics on one random micro-batch (float32, chunks of 3 rows)."""
+    data, generator = micro_batch(seed, staleness=staleness)
     hidden = torch.randn(B, L, D, generator=generator)
     head = torch.randn(V, D, generator=generator)
     teacher_logits = torch.randn(B, L, V, generator=generator) * 2
-    teacher = teacher_logits if signal == "full_vocab" else torch.log_softmax(teacher_logits, -1).topk(4, dim=-1)
-    teacher = teacher if signal == "full_vocab" else (teacher.values, teacher.indices)
+    top = torch.log_softmax(teacher_logits, -1).topk(4, dim=-1)
+    teacher = teacher_logits if signal == "full_vocab" else (top.values, top.indices)
     results = []
-    for off_policy in (None, correction(1.2, (0.9, 1.1), (0.95, 1.05))):
+    for off_policy in corrections:
         loss_fn = DistillationLossFn(
             "forward", teacher_signal=signal, teacher_topk=4, fused_lm_head=fused, chunk_size=3, off_policy=off_policy
         )
@@ -297,7 +296,16 @@ def test_fresh_samples_give_the_uncorrected_loss_bitwise(signal, fused):
         loss, metrics = loss_fn(student, data, int(data["token_mask"][:, 1:].sum()), B, teacher_output=teacher)
         loss.backward()
         results.append((loss.detach(), leaf.grad, metrics))
-    (loss_plain, grad_plain, _), (loss_corrected, grad_corrected, metrics) = results
+    return results
+
+
+@pytest.mark.parametrize("signal", ["full_vocab", "topk"])
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+def test_fresh_samples_give_the_uncorrected_loss_bitwise(signal, fused):
+    corrections = (None, correction(1.2, (0.9, 1.1), (0.95, 1.05)))
+    (loss_plain, grad_plain, _), (loss_corrected, grad_corrected, metrics) = losses_with_corrections(
+        0, [0, 0, 0], signal, fused, corrections
+    )
     assert torch.equal(loss_plain, loss_corrected)
     assert torch.equal(grad_plain, grad_corrected)
     assert metrics["is_ratio_mean"] == 1.0 and metrics["is_masked_fraction"] == 0.0
@@ -348,28 +356,10 @@ def test_stale_samples_are_weighted_as_the_reference(signal, fused, strategy, le
 @pytest.mark.parametrize("signal", ["full_vocab", "topk"])
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
 def test_monitor_logs_the_ratios_and_leaves_the_loss_and_gradient_uncorrected(signal, fused):
-    data, generator = micro_batch(3, staleness=[1, 0, 2])
-    hidden = torch.randn(B, L, D, generator=generator)
-    head = torch.randn(V, D, generator=generator)
-    teacher_logits = torch.randn(B, L, V, generator=generator) * 2
-    top = torch.log_softmax(teacher_logits, -1).topk(4, dim=-1)
-    teacher = teacher_logits if signal == "full_vocab" else (top.values, top.indices)
     weighing = correction(1.2, (0.9, 1.1))
     monitoring = OffPolicyCorrection(1.2, (0.9, 1.1), None, SAMPLE, "token", monitor_only=True)
-    results = {}
-    for name, off_policy in (("off", None), ("on", weighing), ("monitor", monitoring)):
-        loss_fn = DistillationLossFn(
-            "forward", teacher_signal=signal, teacher_topk=4, fused_lm_head=fused, chunk_size=3, off_policy=off_policy
-        )
-        leaf = hidden.clone().requires_grad_(True)
-        student = LMHeadInput(leaf, head) if fused else leaf @ head.T
-        loss, metrics = loss_fn(student, data, int(data["token_mask"][:, 1:].sum()), B, teacher_output=teacher)
-        loss.backward()
-        results[name] = (loss.detach(), leaf.grad, metrics)
     (loss_off, grad_off, _), (loss_on, _, metrics_on), (loss_monitor, grad_monitor, metrics_monitor) = (
-        results["off"],
-        results["on"],
-        results["monitor"],
+        losses_with_corrections(3, [1, 0, 2], signal, fused, (None, weighing, monitoring))
     )
     assert torch.equal(loss_monitor, loss_off) and torch.equal(grad_monitor, grad_off)
     assert not torch.equal(loss_on, loss_off)  # the weights matter here: monitoring really leaves them out
@@ -446,7 +436,10 @@ def _one_step_off_run(tmp_path, enabled: str, *extra: str) -> list[dict]:
 def test_a_monitored_run_trains_as_an_uncorrected_one_and_logs_the_ratios(tmp_path, caplog):
     # Plain sampling at temperature 1 (the tiny config's strategy is greedy): the stale
     # batch's ratios move away from 1, and top_p = 0.9 makes the weighing run warn.
-    sampling = ["distillation.generate_strategy.decoding_method=top_p", "distillation.generate_strategy.temperature=1.0"]
+    sampling = [
+        "distillation.generate_strategy.decoding_method=top_p",
+        "distillation.generate_strategy.temperature=1.0",
+    ]
     with caplog.at_level(logging.WARNING, logger="opd"):
         off = _one_step_off_run(tmp_path, "false", *sampling)
         monitor = _one_step_off_run(tmp_path, "monitor", *sampling)
