@@ -11,8 +11,11 @@
 * ``opd sft --config FILE [key.sub=value ...]`` — supervised fine-tuning (resumes too);
 * ``opd generate --config FILE [key.sub=value ...]`` — one model's (the teacher's) answers to
   the training prompts, as chat-format fixed data (resumes too; :mod:`opd.algorithms.generate_data`);
-* ``opd export CHECKPOINT DIR`` — write a checkpoint's student (sharded or not) as a Hugging
-  Face model directory (:mod:`opd.utils.checkpoint_export`);
+* ``opd export SOURCE DIR [--dtype D]`` — write a checkpoint's student (sharded or not), or a
+  GGUF model dequantised, as a Hugging Face model directory (:mod:`opd.utils.checkpoint_export`);
+* ``opd prune SOURCE DIR --layers N [--method even|importance --calibration DATA] | --keep 0,4,...``
+  — a depth-pruned student made from a model: chosen layers kept, embeddings, head,
+  tokenizer and chat template carried over (:mod:`opd.models.depth_pruning`);
 * ``opd plot LOG_DIR`` — redraw the curves and summary from a run's ``metrics.jsonl``;
 * ``opd serve-teacher --model DIR [--port N ...]`` — serve a teacher's prompt log-probs
   over HTTP for ``teacher.backend: remote`` (:mod:`opd.models.teacher.server`).
@@ -98,9 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(sft)
     generate = commands.add_parser("generate", help="write a model's answers to the prompts as fixed data (JSONL)")
     _add_config_arguments(generate)
-    export = commands.add_parser("export", help="write a checkpoint's student as a Hugging Face model directory")
-    export.add_argument("checkpoint", help="a step_N checkpoint directory")
+    export = commands.add_parser(
+        "export", help="write a checkpoint's student, or a GGUF model, as a Hugging Face model directory"
+    )
+    export.add_argument("checkpoint", help="a step_N checkpoint directory, or a GGUF file (or a directory holding one)")
     export.add_argument("output", help="the model directory to create")
+    export.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="the dtype a GGUF model is dequantised to (a checkpoint keeps its run's dtype)",
+    )
+    _add_prune_parser(commands)
     plot = commands.add_parser("plot", help="draw curves.png and summary.txt from a run's metrics.jsonl")
     plot.add_argument("arguments", nargs=argparse.REMAINDER, help="LOG_DIR_OR_JSONL [--output PNG]")
     serve = commands.add_parser(
@@ -108,6 +120,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("arguments", nargs=argparse.REMAINDER, help="--model DIR [--port 8000] ... (see --help)")
     return parser
+
+
+def _add_prune_parser(commands: argparse._SubParsersAction) -> None:
+    prune = commands.add_parser(
+        "prune", help="make a student from a model by keeping some of its layers (depth pruning, as Minitron)"
+    )
+    prune.add_argument("source", help="a Hugging Face model directory, a GGUF file (or a directory holding one)")
+    prune.add_argument("output", help="the model directory to create")
+    prune.add_argument("--layers", type=int, help="how many decoder layers to keep")
+    prune.add_argument(
+        "--method",
+        choices=["even", "importance"],
+        default="even",
+        help="evenly spaced, or the layers of highest block importance on --calibration (default: even)",
+    )
+    prune.add_argument("--keep", help="the layer indices to keep, comma-separated (instead of --layers)")
+    prune.add_argument("--calibration", help="chat examples (JSONL, ...) on which --method importance measures")
+    prune.add_argument("--calibration-examples", type=int, default=64, help="how many examples to use (default 64)")
+    prune.add_argument("--max-tokens", type=int, default=512, help="each example cut to this many tokens")
+    prune.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="the dtype written"
+    )
+
+
+def run_prune(args: argparse.Namespace) -> None:
+    """``opd prune``: writes the pruned model and says which layers it kept."""
+    import torch
+
+    from opd.models.depth_pruning import prune_source
+    from opd.utils.errors import ConfigError
+
+    quiet_third_party_output()
+    try:
+        keep = None if args.keep is None else [int(item) for item in args.keep.split(",") if item.strip()]
+    except ValueError:
+        raise ConfigError(f"opd prune: --keep takes comma-separated layer indices, got {args.keep!r}") from None
+    output, plan = prune_source(
+        args.source,
+        args.output,
+        layers=args.layers,
+        method=args.method,
+        keep=keep,
+        calibration=args.calibration,
+        calibration_examples=args.calibration_examples,
+        max_tokens=args.max_tokens,
+        dtype=getattr(torch, args.dtype),
+    )
+    print(
+        f"opd: wrote {output}: {len(plan.kept_layers)} of {plan.source_layers} layers ({plan.method}): "
+        f"{','.join(map(str, plan.kept_layers))}"
+    )
 
 
 def quiet_third_party_output() -> None:
@@ -251,10 +314,15 @@ def main(argv: list[str] | None = None) -> int:
         return plot_main(args.arguments)
     try:
         if args.command == "export":
+            import torch
+
             from opd.utils.checkpoint_export import export_checkpoint
 
             quiet_third_party_output()
-            print(f"opd: wrote {export_checkpoint(args.checkpoint, args.output)}")
+            written = export_checkpoint(args.checkpoint, args.output, getattr(torch, args.dtype))
+            print(f"opd: wrote {written}")
+        elif args.command == "prune":
+            run_prune(args)
         elif args.command == "sft":
             run_sft(args.config, args.overrides)
         elif args.command == "generate":

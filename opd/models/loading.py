@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from opd.models.config import ModelLoadingConfig
+from opd.models.gguf_source import gguf_source, load_gguf_causal_lm, load_gguf_tokenizer
 from opd.models.lm_head import OutputLayer, output_layer_of
 from opd.models.tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer, is_tiny_path
 from opd.utils.errors import ConfigError, ModelCompatibilityError
@@ -56,6 +57,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     tokenizer: Any
     if is_tiny_path(path):
         tokenizer = build_tiny_tokenizer()
+    elif (source := gguf_source(path)) is not None:
+        tokenizer = load_gguf_tokenizer(source)
     else:
         _check_local_path(path, "tokenizer")
         try:
@@ -118,7 +121,7 @@ def load_causal_lm(
     config: ModelLoadingConfig,
     device_map: str | None = None,
 ) -> PreTrainedModel:
-    """Loads ``AutoModelForCausalLM`` (or builds ``tiny:<preset>``) on ``device``.
+    """Loads ``AutoModelForCausalLM`` (or builds ``tiny:<preset>``, or dequantises a GGUF file) on ``device``.
 
     Args:
         device_map: spread the layers over the visible devices instead (``auto``,
@@ -130,6 +133,8 @@ def load_causal_lm(
     model: PreTrainedModel
     if is_tiny_path(path):
         model = build_tiny_model(path[len(TINY_PREFIX) :], dtype=dtype)
+    elif (source := gguf_source(path)) is not None:
+        model = load_gguf_causal_lm(source, dtype, config.attn_implementation)
     else:
         kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": config.trust_remote_code}
         if config.attn_implementation:
@@ -199,15 +204,18 @@ def load_output_layer(
     from the model directory's safetensors files alone.
 
     Args:
-        path: local model directory, or ``tiny:<preset>``.
+        path: local model directory, ``tiny:<preset>``, or a GGUF source (whose whole
+            model is dequantised: GGUF files cannot be read by tensor name).
         dtype, device: where the layer is placed.
 
     Raises:
         ConfigError: no such directory, no safetensors weights, no linear output layer, or
             the layer's tensor is not in the files.
     """
-    if is_tiny_path(path):
-        model = build_tiny_model(path[len(TINY_PREFIX) :], dtype=dtype)
+    if is_tiny_path(path) or gguf_source(path) is not None:
+        model = load_causal_lm(
+            path, dtype, torch.device("cpu"), ModelLoadingConfig(trust_remote_code=trust_remote_code)
+        )
         layer = output_layer_of(model, path)
         return OutputLayer(
             layer.weight.detach().to(device), _detached(layer.bias, device), layer.logit_multiplier, layer.logit_softcap

@@ -5,6 +5,7 @@ module finds a model path's config:
 
 * ``tiny:<preset>``: the preset's ``Qwen2Config`` (:mod:`opd.models.tiny`);
 * a local model directory: its own ``config.json``;
+* a GGUF file (or a directory holding one): the config in its metadata;
 * a hub name of a model whose config ships with opd (``opd/models/shapes/``: the
   specification's Qwen2.5-0.5B/1.5B/7B/32B-Instruct), so that a machine without network
   access or downloaded weights can still plan a run at those sizes.
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
+from opd.models.gguf_source import gguf_source, load_gguf_config, load_gguf_tokenizer
 from opd.models.tiny import TINY_PREFIX, build_tiny_tokenizer, is_tiny_path, tiny_model_config
 from opd.utils.errors import ConfigError
 
@@ -43,6 +45,8 @@ def model_config(path: str) -> PretrainedConfig:
         return tiny_model_config(
             path[len(TINY_PREFIX) :], len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id
         )
+    if (source := gguf_source(path)) is not None:
+        return load_gguf_config(source)
     directory = Path(path).expanduser()
     if (directory / "config.json").is_file():
         return AutoConfig.from_pretrained(str(directory))
@@ -64,6 +68,8 @@ def tokenizer_size(path: str) -> int:
     """
     if is_tiny_path(path):
         return len(build_tiny_tokenizer())
+    if (source := gguf_source(path)) is not None:
+        return len(load_gguf_tokenizer(source))
     directory = Path(path).expanduser()
     if directory.is_dir():
         from transformers import AutoTokenizer

@@ -29,6 +29,7 @@ import torch
 from pydantic import Field
 
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.gguf_source import gguf_source, load_gguf_causal_lm, load_gguf_tokenizer
 from opd.models.interfaces import (
     FullVocabRequest,
     TeacherInterface,
@@ -83,9 +84,18 @@ class VllmScoringConfig(StrictConfig):
 
 
 def _model_directory(path: str, scratch: str) -> str:
-    """A directory vLLM can load: ``path`` itself, or a ``tiny:`` preset written to ``scratch``."""
+    """A directory vLLM can load: ``path`` itself, or a ``tiny:`` preset or GGUF model written to ``scratch``.
+
+    A GGUF teacher is written dequantised (with its tokenizer): vLLM's own GGUF reader
+    would keep it quantised, and the teacher must score with the weights opd's other
+    backends use.
+    """
     if is_tiny_path(path):
         build_tiny_model(path[len(TINY_PREFIX) :]).save_pretrained(scratch)
+        return scratch
+    if (source := gguf_source(path)) is not None:
+        load_gguf_causal_lm(source, torch.float32).save_pretrained(scratch)
+        load_gguf_tokenizer(source).save_pretrained(scratch)
         return scratch
     return path
 

