@@ -213,3 +213,101 @@ def first_turn_calls_the_tool(generation, tokenizer, call: str) -> None:
         return build_rollout_batch(prompts, responses, sampled, truncated, tokenizer.pad_token_id)
 
     generation.generate = generate
+
+
+def permute_for_llama_cpp(weights, heads: int):
+    """A q or k projection of ``heads`` heads in the row order llama.cpp stores it (``convert_hf_to_gguf.py``).
+
+    llama.cpp's rotary embedding pairs neighbouring rows of a head, Hugging Face's the two
+    halves of a head; its converter reorders each head's rows, and transformers' GGUF loader
+    reverses that (``LlamaTensorProcessor``).
+    """
+    rows = weights.shape[0]
+    return weights.reshape(heads, 2, rows // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def write_llama_gguf(path: Path, model, tokenizer, tensor_type=None, tensor_types=None, architecture: str = "llama"):
+    """Writes a Hugging Face Llama and its byte-level BPE tokenizer as llama.cpp writes them: a GGUF file.
+
+    The metadata is what transformers reads back (``transformers/integrations/ggml.py``'s
+    ``llama`` keys, the ``tokenizer.ggml.*`` keys and the chat template); tensors take
+    llama.cpp's names (gguf's own name map: ``token_embd.weight``, ``blk.N.attn_q.weight``,
+    ..., ``output_norm.weight``; no ``output.weight`` when the embeddings are tied), with q
+    and k permuted as llama.cpp stores them.
+
+    Args:
+        model: a ``LlamaForCausalLM`` (float32 weights).
+        tokenizer: a fast byte-level BPE tokenizer whose text is split as Qwen2's is (the
+            ``qwen2`` pre-tokenizer; :func:`opd.models.tiny.train_bpe_tokenizer` makes one).
+        tensor_type: the ``gguf.GGMLQuantizationType`` of every 2-D weight (None: F32); norms stay F32.
+        tensor_types: a type for single tensors by GGUF name, over ``tensor_type``. A type gguf
+            cannot quantise to is written as zero bytes of the type's size (for files it must refuse).
+        architecture: ``general.architecture`` and the prefix of the model's keys.
+
+    Returns:
+        ``path``.
+    """
+    import json
+
+    import gguf
+    import numpy as np
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), architecture)
+    for key, value in {
+        "block_count": config.num_hidden_layers,
+        "context_length": config.max_position_embeddings,
+        "embedding_length": config.hidden_size,
+        "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_attention_heads,
+        "attention.head_count_kv": config.num_key_value_heads,
+        "rope.dimension_count": config.hidden_size // config.num_attention_heads,
+        "vocab_size": config.vocab_size,
+    }.items():
+        writer.add_uint32(f"{architecture}.{key}", value)
+    writer.add_float32(f"{architecture}.rope.freq_base", config.rope_parameters["rope_theta"])
+    writer.add_float32(f"{architecture}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    assert [vocab[token] for token in tokens] == list(range(len(tokens))), "token ids must be 0..n-1"
+    # Every special added token (<|im_start|> too, not only EOS and padding) is a control token
+    # (type 3), as llama.cpp marks them; the others are normal (type 1).
+    control = {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_string("tokenizer.ggml.pre", "qwen2")
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.token_type", [3 if index in control else 1 for index in range(len(tokens))])
+    writer.add_array(
+        "tokenizer.ggml.merges", [merge if isinstance(merge, str) else " ".join(merge) for merge in merges]
+    )
+    writer.add_uint32("tokenizer.ggml.eos_token_id", tokenizer.eos_token_id)
+    writer.add_uint32("tokenizer.ggml.padding_token_id", tokenizer.pad_token_id)
+    writer.add_bool("tokenizer.ggml.add_bos_token", False)
+    writer.add_string("tokenizer.chat_template", tokenizer.chat_template)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # llama.cpp writes no output.weight for tied embeddings; transformers ties them again
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        weights = tensor.detach().float().numpy()
+        if name.endswith(".attn_q.weight"):
+            weights = permute_for_llama_cpp(weights, config.num_attention_heads)
+        elif name.endswith(".attn_k.weight"):
+            weights = permute_for_llama_cpp(weights, config.num_key_value_heads)
+        qtype = (tensor_types or {}).get(name, tensor_type if weights.ndim == 2 else None)
+        if qtype is None or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, np.ascontiguousarray(weights))
+        elif qtype in gguf.quants._type_traits or qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, gguf.quants.quantize(weights, qtype), raw_dtype=qtype)
+        else:
+            block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            raw = np.zeros((weights.shape[0], weights.shape[1] // block_size * type_size), dtype=np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

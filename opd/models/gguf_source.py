@@ -102,15 +102,14 @@ def check_gguf_source(source: GgufSource) -> str:
     """
     gguf = _require_extra(source.path)
     from gguf.quants import _type_traits  # the types gguf can dequantise (it has no public list)
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     try:
         reader = gguf.GGUFReader(str(source.path))
         architecture = str(reader.fields["general.architecture"].contents())
     except (ValueError, KeyError, OSError) as error:
         raise ConfigError(f"cannot read the GGUF file '{source.path}': {error}") from None
-    readable = [name for name in GGUF_SUPPORTED_ARCHITECTURES if name not in _NOT_CAUSAL_LMS]
-    if architecture not in readable:
+    readable = _readable_architectures()
+    if _LLAMA_CPP_SPELLINGS.get(architecture, architecture) not in readable:
         raise ConfigError(
             f"the GGUF file '{source.path}' holds a '{architecture}' model; transformers reads these "
             f"architectures from GGUF as causal LMs: {', '.join(readable)}"
@@ -127,6 +126,28 @@ def check_gguf_source(source: GgufSource) -> str:
 
 # Architectures transformers reads from GGUF that are not decoder-only causal LMs.
 _NOT_CAUSAL_LMS = frozenset({"general", "tokenizer", "t5", "umt5", "mamba"})
+
+# llama.cpp's names (general.architecture) that transformers lists under its own and renames
+# on reading (modeling_gguf_pytorch_utils.load_gguf_checkpoint): without them a Qwen3-MoE file
+# ("qwen3moe") was refused although transformers reads it.
+_LLAMA_CPP_SPELLINGS = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+    "minimax-m2": "minimax_m2",
+}
+
+
+def _readable_architectures() -> list[str]:
+    """The architectures (transformers' names) that transformers reads from GGUF as causal LMs."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    readable = [name for name in GGUF_SUPPORTED_ARCHITECTURES if name not in _NOT_CAUSAL_LMS]
+    try:  # transformers' newer GGUF loader (Qwen3.5, ...) lists its architectures apart from the older one's
+        from transformers.integrations.gguf import GGUF_ARCHS
+    except ImportError:  # a transformers without that loader
+        return readable
+    return readable + [name for name in GGUF_ARCHS if name not in readable]
 
 
 def load_gguf_config(source: GgufSource) -> PretrainedConfig:
