@@ -21,22 +21,20 @@ import json
 import sys
 from pathlib import Path
 
+import gguf  # the test extra installs it (as opd[gguf] does): this file never skips
 import numpy as np
 import pytest
 import torch
 from opd_test_helpers import permute_for_llama_cpp, write_llama_gguf
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-gguf = pytest.importorskip("gguf", reason="the opd[gguf] extra (gguf, accelerate) is not installed")
-
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from opd.cli import main as opd_main  # noqa: E402
-from opd.models.config import ModelLoadingConfig  # noqa: E402
-from opd.models.gguf_source import check_gguf_source, gguf_source  # noqa: E402
-from opd.models.loading import load_causal_lm, load_output_layer, load_tokenizer  # noqa: E402
-from opd.models.model_shapes import model_config, tokenizer_size  # noqa: E402
-from opd.models.tiny import train_bpe_tokenizer  # noqa: E402
-from opd.utils.errors import ConfigError  # noqa: E402
+from opd.cli import main as opd_main
+from opd.models.config import ModelLoadingConfig
+from opd.models.gguf_source import check_gguf_source, gguf_source
+from opd.models.loading import load_causal_lm, load_output_layer, load_tokenizer
+from opd.models.model_shapes import model_config, tokenizer_size
+from opd.models.tiny import train_bpe_tokenizer
+from opd.utils.errors import ConfigError
 
 CPU = torch.device("cpu")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
