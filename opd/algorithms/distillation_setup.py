@@ -59,7 +59,7 @@ from opd.models.interfaces import (
     PolicyInterface,
     TeacherInterface,
 )
-from opd.models.lm_head import output_head_of, output_layer_of
+from opd.models.lm_head import output_layer_of
 from opd.models.loading import (
     check_output_sizes,
     check_tokenizer_compatibility,
@@ -309,21 +309,18 @@ def load_teacher_model(
 def _check_fusable(config: MasterConfig, student: PreTrainedModel | None, teacher: PreTrainedModel | None) -> None:
     """Fails before training if a model's head cannot be fused.
 
-    The student's must be a plain linear layer (the loss differentiates through it); the
-    teacher's may also scale or soft-cap its logits, which the fused loss applies.
+    Each must be a linear layer whose logit transform, if any, opd knows (a multiplier,
+    a soft cap: the fused loss applies them, and differentiates them for the student).
     """
     if not (isinstance(config.loss_fn, FusedHeadSettings) and config.loss_fn.fused_lm_head):
         return
-    try:
-        if student is not None:
-            output_head_of(student, "the student")
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    try:
-        if teacher is not None:  # a served teacher's head is checked when it connects
-            output_layer_of(teacher, "the teacher")
-    except ValueError as error:
-        raise ConfigError(f"{error}; set loss_fn.fused_lm_head = false") from None
+    # A served teacher's head is checked when it connects.
+    for model, name in ((student, "the student"), (teacher, "the teacher")):
+        try:
+            if model is not None:
+                output_layer_of(model, name)
+        except ValueError as error:
+            raise ConfigError(f"{error}; set loss_fn.fused_lm_head = false") from None
 
 
 def connect_remote_teacher(

@@ -5,11 +5,13 @@ fp32 tensors at once (student logits, both log-softmaxes, their gradients): 8,19
 tokens make 5 GB *each*. The fused path never builds them. It takes the student's final
 hidden states and its ``lm_head`` weight, and for each chunk of positions it
 
-1. makes that chunk's student logits (and, for an in-process teacher, the teacher's
-   logits from the teacher's hidden states and head),
+1. makes that chunk's student logits: the matmul, then the logit transform of the
+   student's architecture if it has one (a multiplier, Gemma 2's soft cap), and, for an
+   in-process teacher, the teacher's logits from the teacher's hidden states and head,
 2. computes the divergence and its gradient with respect to the chunk's logits, by
-   autograd through the same kernel the unfused path calls, or by a closed form of that
-   gradient when the loss supplies one (``value_and_grad``; fewer temporaries),
+   autograd through the same kernel the unfused path calls (and through the transform),
+   or by a closed form of that gradient when the loss supplies one (``value_and_grad``;
+   fewer temporaries), chained through the transform's derivative,
 3. turns that gradient into the gradients of the hidden states and of the head weight
    (two matmuls) and drops the chunk's logits.
 
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from opd.models.lm_head import LMHeadInput, default_chunk_rows, linear_logits
+from opd.models.lm_head import LMHeadInput, default_chunk_rows, linear_logits, transform_logits
 
 RowInputs = tuple[Any, ...]
 """Per-position inputs of the divergence (teacher logits, top-k log-probs and ids, target
@@ -55,6 +57,25 @@ def _chunk_of(row_input: Any, rows: slice) -> Any:
     return row_input  # a per-call constant (e.g. None)
 
 
+def _transformed_with_slope(
+    raw: torch.Tensor, multiplier: float, softcap: float | None, accumulate: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | float | None]:
+    """``(logits, d logits / d raw)`` for the head's transform of the raw matmul ``raw``.
+
+    The logits are :func:`~opd.models.lm_head.transform_logits`'s, computed by the same
+    operations. The slope is elementwise, in ``accumulate``: ``m · (1 − tanh²(m · raw / cap))``
+    with a soft cap (the tanh the logits were made from: autograd's own formula for tanh's
+    derivative), ``m`` alone without one, None for no transform (slope 1).
+    """
+    if softcap is None:
+        return transform_logits(raw, multiplier), (multiplier if multiplier != 1.0 else None)
+    scaled = raw * multiplier if multiplier != 1.0 else raw
+    squashed = torch.tanh(scaled / softcap)
+    logits = squashed * softcap
+    squashed = squashed.to(accumulate)
+    return logits, (1.0 - squashed * squashed).mul_(multiplier)
+
+
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     """Σ_i w_i · divergence_i with the gradients made in forward, chunk by chunk."""
 
@@ -70,6 +91,8 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         chunk_rows: int,
         observer: ChunkObserver | None,
         value_and_grad: ValueAndGradFn | None,
+        logit_multiplier: float,
+        logit_softcap: float | None,
     ) -> torch.Tensor:
         accumulate = torch.promote_types(hidden.dtype, torch.float32)
         grad_hidden = torch.zeros_like(hidden)
@@ -80,18 +103,25 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             rows = slice(start, start + chunk_rows)
             chunk_hidden = hidden[rows]
             chunk_inputs = tuple(_chunk_of(row_input, rows) for row_input in row_inputs)
+            # grad_logits below is the gradient of the raw matmul's output (before the transform).
             if value_and_grad is not None:
-                logits = linear_logits(chunk_hidden, weight, bias)
+                raw = linear_logits(chunk_hidden, weight, bias)
+                logits, slope = _transformed_with_slope(raw, logit_multiplier, logit_softcap, accumulate)
                 losses, grad_logits = value_and_grad(logits, *chunk_inputs)
                 chunk_weights = position_weights[rows].to(losses.dtype)
                 chunk_total = (losses * chunk_weights).sum()
                 grad_logits.mul_(chunk_weights.unsqueeze(-1))
+                if slope is not None:  # the chain rule through the transform, elementwise
+                    grad_logits = grad_logits.to(accumulate).mul_(slope)
+                del raw, slope
             else:
                 with torch.enable_grad():
-                    logits = linear_logits(chunk_hidden, weight, bias).detach().requires_grad_(True)
+                    raw = linear_logits(chunk_hidden, weight, bias).detach().requires_grad_(True)
+                    logits = transform_logits(raw, logit_multiplier, logit_softcap)
                     losses = divergence(logits, *chunk_inputs)
                     chunk_total = (losses * position_weights[rows].to(losses.dtype)).sum()
-                    (grad_logits,) = torch.autograd.grad(chunk_total, logits)
+                    (grad_logits,) = torch.autograd.grad(chunk_total, raw)
+                del raw
             total += chunk_total.detach()
             if observer is not None:
                 observer(logits.detach(), *chunk_inputs)
@@ -142,6 +172,8 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             None,
             None,
             None,
+            None,
+            None,
         )
 
 
@@ -159,7 +191,8 @@ def chunked_lm_head_loss(
     The value equals ``(divergence(student.logits(), *row_inputs) * position_weights).sum()``
     and so do its gradients with respect to the hidden states, the head weight and bias,
     to floating-point rounding; only one chunk of ``[chunk_rows × V]`` logits exists at a
-    time.
+    time. A head that transforms its logits (``student.logit_multiplier``,
+    ``student.logit_softcap``) has the transform applied to each chunk and differentiated.
 
     Args:
         student: ``[N, D]`` student hidden states (one row per loss position) and head.
@@ -177,13 +210,21 @@ def chunked_lm_head_loss(
     """
     weight, bias = student.head()
     hidden = student.hidden_states
-    if student.transforms_logits:
-        raise ValueError("the student's fused head must be a plain linear layer (no logit multiplier or soft cap)")
     if hidden.dim() != 2:
         raise ValueError(f"chunked_lm_head_loss takes [N, D] hidden states, got {tuple(hidden.shape)}")
     if position_weights.shape != hidden.shape[:1]:
         raise ValueError(f"position_weights {tuple(position_weights.shape)} do not match {hidden.shape[0]} positions")
     rows = chunk_rows or default_chunk_rows(weight.shape[0])
     return _ChunkedLMHeadLoss.apply(
-        hidden, weight, bias, position_weights, divergence, tuple(row_inputs), rows, observer, value_and_grad
+        hidden,
+        weight,
+        bias,
+        position_weights,
+        divergence,
+        tuple(row_inputs),
+        rows,
+        observer,
+        value_and_grad,
+        student.logit_multiplier,
+        student.logit_softcap,
     )

@@ -7,12 +7,14 @@ decode loop.
 
 * :class:`LMHeadInput` pairs hidden states with the head (weight, bias, the real
   vocabulary size) and makes logits for any slice of positions;
-* :func:`output_head_of` and :func:`final_hidden_states` take them from a Hugging Face
-  causal LM, refusing models whose logits the head alone would not reproduce (the
-  student's fused loss differentiates through a plain linear head);
-* :func:`output_layer_of` takes a teacher's head with the transform its architecture
-  applies after the matmul (Gemma's soft-capping, Cohere's and Granite's scaling), as an
-  :class:`OutputLayer`: a teacher is only evaluated, so any such transform is fine;
+* :func:`output_layer_of` takes a causal LM's head with the transform its architecture
+  applies after the matmul (Gemma 2's soft-capping, Cohere's and Granite's scaling), as
+  an :class:`OutputLayer`, for a teacher and for the student's fused loss (which
+  differentiates through the transform); it refuses only what opd cannot reproduce (a
+  head that is not a linear layer, a transform it does not know);
+* :func:`output_head_of` takes the bare ``(weight, bias)`` for callers that apply no
+  transform, refusing models whose logits the matmul alone would not reproduce;
+  :func:`final_hidden_states` runs the decoder alone;
 * :func:`log_softmax_chunks` walks the positions chunk by chunk, and
   :func:`token_log_probs` picks the log-probability of given tokens.
 """
@@ -34,7 +36,7 @@ ROWS_BUDGET_ELEMENTS = 2**25
 """Default chunk size in logits elements (``chunk_rows × vocab``): 128 MiB per fp32
 ``[chunk × vocab]`` tensor, a few of which are alive while a chunk is processed."""
 
-# Configs that change logits after the head's matmul; the fused path would skip them.
+# Configs that change logits after the head's matmul; a bare (weight, bias) head would skip them.
 _LOGIT_TRANSFORM_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
@@ -50,7 +52,7 @@ class LMHeadInput:
             output layers); the rest are never computed.
         logit_multiplier: the logits are multiplied by it after the matmul (1: none).
         logit_softcap: if set, the logits become ``cap · tanh(logits / cap)`` (after the
-            multiplier), as Gemma 2 does. Only a teacher's head may transform its logits.
+            multiplier), as Gemma 2 does.
     """
 
     hidden_states: torch.Tensor
@@ -76,12 +78,7 @@ class LMHeadInput:
         """The logits of ``hidden_states[rows]`` (all rows if None)."""
         weight, bias = self.head()
         hidden = self.hidden_states if rows is None else self.hidden_states[rows]
-        logits = linear_logits(hidden, weight, bias)
-        if self.logit_multiplier != 1.0:
-            logits = logits * self.logit_multiplier
-        if self.logit_softcap is not None:
-            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
-        return logits
+        return transform_logits(linear_logits(hidden, weight, bias), self.logit_multiplier, self.logit_softcap)
 
     def with_rows(self, hidden_states: torch.Tensor) -> LMHeadInput:
         """The same head over other hidden states (a selection of positions)."""
@@ -105,12 +102,21 @@ class OutputLayer:
     logit_multiplier: float = 1.0
     logit_softcap: float | None = None
 
+    @property
+    def transforms_logits(self) -> bool:
+        """The logits are not the plain matmul (a multiplier or a soft cap applies)."""
+        return self.logit_multiplier != 1.0 or self.logit_softcap is not None
+
     def over(self, hidden_states: torch.Tensor, vocab_size: int | None = None) -> LMHeadInput:
-        """This layer applied to ``hidden_states`` (lazily: an :class:`LMHeadInput`)."""
+        """This layer, detached, applied to ``hidden_states`` (lazily: an :class:`LMHeadInput`)."""
         bias = self.bias.detach() if self.bias is not None else None
         return LMHeadInput(
             hidden_states, self.weight.detach(), bias, vocab_size, self.logit_multiplier, self.logit_softcap
         )
+
+    def trained_over(self, hidden_states: torch.Tensor) -> LMHeadInput:
+        """This layer applied to ``hidden_states`` with its parameters as they are (a student's: gradients flow)."""
+        return LMHeadInput(hidden_states, self.weight, self.bias, None, self.logit_multiplier, self.logit_softcap)
 
 
 def logit_transform_of(config: object, model_name: str = "model") -> tuple[float, float | None]:
@@ -136,7 +142,11 @@ def logit_transform_of(config: object, model_name: str = "model") -> tuple[float
 
 
 def output_layer_of(model: PreTrainedModel, model_name: str = "model") -> OutputLayer:
-    """A causal LM's linear output layer and its logit transform (for a teacher).
+    """A causal LM's linear output layer and its logit transform.
+
+    The layer holds the model's own parameters: a teacher's answer detaches them
+    (:meth:`OutputLayer.over`), the student's fused loss differentiates through them
+    and through the transform (:meth:`OutputLayer.trained_over`).
 
     Raises:
         ValueError: the model has no plain linear output layer, or transforms its logits
@@ -149,33 +159,47 @@ def output_layer_of(model: PreTrainedModel, model_name: str = "model") -> Output
     return OutputLayer(head.weight, head.bias, multiplier, softcap)
 
 
+def transform_logits(logits: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """``logits · multiplier``, then soft-capped to ``cap · tanh(logits / cap)``: what the model's forward does.
+
+    The soft cap takes transformers' own steps in their order (divide by the cap, tanh,
+    multiply back), so the result is the model's logits bit for bit; Granite's division
+    by ``logits_scaling`` is a multiplication by its inverse here (equal to rounding).
+    """
+    if multiplier != 1.0:
+        logits = logits * multiplier
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
 def linear_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``hidden · weightᵀ + bias`` in the hidden states' dtype."""
     return torch.nn.functional.linear(hidden, weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype))
 
 
 def output_head_of(model: PreTrainedModel, model_name: str = "model") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ``lm_head`` weight and bias of a Hugging Face causal LM, for the fused path.
+    """The bare ``lm_head`` weight and bias of a Hugging Face causal LM, for callers that apply no logit transform.
+
+    The student's fused loss and the teachers take :func:`output_layer_of` instead, which
+    carries the transform along.
 
     Raises:
         ValueError: if the model transforms its logits after the head (soft-capping,
-            scaling) or has no plain linear output layer: the fused path would compute a
-            different distribution than the model's own ``forward``.
+            scaling), which the bare matmul does not reproduce, or has no plain linear
+            output layer.
     """
     config = getattr(model, "config", None)
     for attribute in _LOGIT_TRANSFORM_ATTRIBUTES:
         value = getattr(config, attribute, None)
         if value not in (None, 1, 1.0):
             raise ValueError(
-                f"{model_name} sets config.{attribute} = {value}, which the fused LM-head loss does not apply; "
-                "set loss_fn.fused_lm_head = false"
+                f"{model_name} sets config.{attribute} = {value}, which a bare (weight, bias) head does not apply; "
+                "take the head with its logit transform (opd.models.lm_head.output_layer_of)"
             )
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
-        raise ValueError(
-            f"{model_name}'s output layer is {type(head).__name__}, not a linear layer; "
-            "set loss_fn.fused_lm_head = false"
-        )
+        raise ValueError(f"{model_name}'s output layer is {type(head).__name__}, not a linear layer")
     return head.weight, head.bias
 
 

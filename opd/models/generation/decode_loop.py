@@ -38,7 +38,7 @@ from transformers import DynamicCache
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.sampling import next_tokens
 from opd.models.generation.stop_tokens import is_stop
-from opd.models.lm_head import output_head_of
+from opd.models.lm_head import output_layer_of
 from opd.utils.compile_cache import compile_function
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
@@ -149,8 +149,10 @@ def compile_decode_step(model: PreTrainedModel) -> Callable[..., Any]:
         (``[B, 1, V]``: the last position only).
     """
     try:
-        output_head_of(model)
-    except ValueError:
+        plain_head = not output_layer_of(model).transforms_logits
+    except ValueError:  # not a linear layer, or a transform opd does not know: the model's forward applies it
+        plain_head = False
+    if not plain_head:
         return compile_function(model.forward)
     decoder = compile_function(model.get_decoder().forward)
 

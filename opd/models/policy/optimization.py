@@ -27,7 +27,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
 from opd.models.config import OptimizerConfig
 from opd.models.interfaces import LossFunction, TeacherSignal
-from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of
+from opd.models.lm_head import LMHeadInput, final_hidden_states, output_layer_of
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
     from transformers import PreTrainedModel
@@ -117,6 +117,9 @@ def student_output(
 ) -> torch.Tensor | LMHeadInput:
     """The student's logits, or (fused loss) its final hidden states and output head.
 
+    The fused head carries the logit transform of the student's architecture (Gemma 2's
+    soft cap, a logit scale), which the fused loss applies and differentiates.
+
     Args:
         hidden_states: how to run the decoder alone; default :func:`final_hidden_states`
             (an FSDP2 student passes the method its hooks are registered on).
@@ -125,8 +128,8 @@ def student_output(
     if fused_lm_head:
         run_decoder = hidden_states if hidden_states is not None else lambda **kw: final_hidden_states(model, **kw)
         hidden = run_decoder(**inputs)
-        weight, bias = output_head_of(model, "the student")  # an FSDP2 head is whole after the forward
-        return LMHeadInput(hidden, weight, bias)
+        # Read after the forward: an FSDP2 head is whole only once it has run.
+        return output_layer_of(model, "the student").trained_over(hidden)
     return model(**inputs, use_cache=False).logits
 
 

@@ -3,8 +3,10 @@
 Every divergence opd offers is computed both ways on random hidden states and heads, for
 chunk sizes from one position to more than all of them: loss values and the gradients of
 the hidden states, the head weight and its bias must agree to rounding (float64: 1e-12).
-Then the same through real tiny Hugging Face models: the policy's fused forward, the
-in-process teacher's hidden states / top-k / token log-probs, and one optimizer step.
+The same with heads that transform their logits (a multiplier, Gemma 2's soft cap, up to
+a cap so small that tanh saturates). Then the same through real tiny Hugging Face models:
+the policy's fused forward, the in-process teacher's hidden states / top-k / token
+log-probs, and one optimizer step. (Every decoder family: ``tests/unit/models/test_model_families.py``.)
 """
 
 from __future__ import annotations
@@ -27,8 +29,16 @@ from opd.algorithms.loss_functions import (
 )
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import attention_mask_from_lengths, pack_sequences
-from opd.models.lm_head import LMHeadInput, default_chunk_rows, final_hidden_states, output_head_of
+from opd.models.lm_head import (
+    LMHeadInput,
+    default_chunk_rows,
+    final_hidden_states,
+    output_head_of,
+    output_layer_of,
+    transform_logits,
+)
 from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.models.policy.optimization import student_output
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model
 
@@ -92,8 +102,12 @@ def divergence_cases(teacher_logits: torch.Tensor):
     return cases
 
 
-def plain_loss(hidden, weight, bias, divergence, row_inputs, weights):
+def plain_loss(hidden, weight, bias, divergence, row_inputs, weights, multiplier=1.0, softcap=None):
     logits = torch.nn.functional.linear(hidden, weight, bias)
+    if multiplier != 1.0:
+        logits = logits * multiplier
+    if softcap is not None:  # as transformers' Gemma 2 writes it
+        logits = torch.tanh(logits / softcap) * softcap
     return (divergence(logits, *row_inputs) * weights.to(logits.dtype)).sum()
 
 
@@ -117,6 +131,58 @@ def test_fused_equals_plain_for_every_divergence(dtype, chunk_rows):
         torch.testing.assert_close(fused, expected.to(fused.dtype), **tolerance, msg=name)
         for got, want, what in zip(fused_grads, expected_grads, ("hidden", "weight", "bias")):
             torch.testing.assert_close(got, want, **tolerance, msg=f"{name}: d/d{what}")
+
+
+# (multiplier, soft cap): the raw logits of random_case are about ±2.5 (up to ±8).
+TRANSFORMS = [(2.5, None), (1.0, 3.0), (0.4, 1.5), (3.0, 0.05)]
+TRANSFORM_IDS = ["scale", "cap", "scale-cap", "saturated"]
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 64])
+@pytest.mark.parametrize(("multiplier", "softcap"), TRANSFORMS, ids=TRANSFORM_IDS)
+def test_fused_transformed_head_equals_plain_for_every_divergence(multiplier, softcap, chunk_rows):
+    """A student head with a logit multiplier and a soft cap: the fused loss differentiates through both."""
+    hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(torch.float64, seed=21)
+    teacher_logits = teacher_hidden @ teacher_weight.T
+    for name, (divergence, row_inputs) in divergence_cases(teacher_logits).items():
+        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        expected = plain_loss(*leaves, divergence, row_inputs, weights, multiplier, softcap)
+        expected_grads = gradients(expected, leaves)
+        fused_leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        head = LMHeadInput(*fused_leaves, logit_multiplier=multiplier, logit_softcap=softcap)
+        fused = chunked_lm_head_loss(head, divergence, row_inputs, weights, chunk_rows)
+        torch.testing.assert_close(fused, expected, rtol=1e-12, atol=1e-12, msg=name)
+        for got, want, what in zip(gradients(fused, fused_leaves), expected_grads, ("hidden", "weight", "bias")):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"{name}: d/d{what}")
+
+
+def test_saturated_soft_cap_is_saturated():
+    """The "saturated" case above is one: most logits sit at ±cap, where tanh's slope rounds to 0."""
+    hidden, weight, bias, *_ = random_case(torch.float64, seed=21)
+    raw = torch.nn.functional.linear(hidden, weight, bias)
+    logits = transform_logits(raw, 3.0, 0.05)
+    assert float(logits.abs().max()) <= 0.05
+    slope = 1 - torch.tanh(3.0 * raw / 0.05) ** 2
+    assert float((slope == 0).double().mean()) > 0.5 and float((slope > 1e-3).double().mean()) > 0.0
+
+
+@pytest.mark.parametrize(("multiplier", "softcap"), TRANSFORMS, ids=TRANSFORM_IDS)
+@pytest.mark.parametrize("divergence", ["kl", "jsd"])
+def test_closed_form_through_a_transformed_head_equals_plain(divergence, multiplier, softcap):
+    """``value_and_grad``'s gradient of the transformed logits, chained through the transform's derivative."""
+    hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(torch.float64, seed=22)
+    teacher_logits = teacher_hidden @ teacher_weight.T
+    loss_fn = DistillationLossFn("mixed", 0.3, temperature=1.4, divergence=divergence, jsd_beta=0.6)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    expected = plain_loss(*leaves, loss_fn._divergence, (teacher_logits,), weights, multiplier, softcap)
+    expected_grads = gradients(expected, leaves)
+    fused_leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    head = LMHeadInput(*fused_leaves, logit_multiplier=multiplier, logit_softcap=softcap)
+    fused = chunked_lm_head_loss(head, loss_fn._divergence, (teacher_logits,), weights, 3,
+                                 value_and_grad=loss_fn._divergence_with_grad)
+    torch.testing.assert_close(fused, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(gradients(fused, fused_leaves), expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 CLOSED_FORMS = [("forward", None), ("reverse", None), ("mixed", None), ("mixed0", None), ("mixed1", None),
@@ -177,7 +243,8 @@ def test_teacher_logits_made_per_chunk_equal_given_logits():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def test_gradients_match_central_differences():
+@pytest.mark.parametrize(("multiplier", "softcap"), [(1.0, None), (0.4, 1.5)], ids=["plain", "scale-cap"])
+def test_gradients_match_central_differences(multiplier, softcap):
     """gradcheck's test, done by hand: ``torch.autograd.gradcheck`` runs backward twice on
     one graph, which the fused function refuses (it hands its gradients over to save a
     copy of the weight gradient). Central differences along random directions instead."""
@@ -186,7 +253,8 @@ def test_gradients_match_central_differences():
     divergence = functools.partial(_call_token_kl, "mixed")
 
     def fused(h, w, b):
-        return chunked_lm_head_loss(LMHeadInput(h, w, b), divergence, (teacher_logits,), weights, 2)
+        head = LMHeadInput(h, w, b, logit_multiplier=multiplier, logit_softcap=softcap)
+        return chunked_lm_head_loss(head, divergence, (teacher_logits,), weights, 2)
 
     inputs = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
     analytic = torch.autograd.grad(fused(*inputs), inputs)
@@ -353,13 +421,34 @@ def test_local_teacher_answers_agree_with_its_logits():
     assert not head.hidden_states.is_inference() and not head.hidden_states.requires_grad
 
 
-@pytest.mark.parametrize("attribute", ["final_logit_softcapping", "logit_scale"])
-def test_models_that_transform_logits_are_refused_by_the_fused_path(attribute):
+def tiny_qwen2(**config_attributes) -> Qwen2ForCausalLM:
     config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)
-    setattr(config, attribute, 30.0)
-    with pytest.raises(ValueError, match=f"config.{attribute} = 30.0.*loss_fn.fused_lm_head = false"):
-        output_head_of(Qwen2ForCausalLM(config), "the student")
+    for attribute, value in config_attributes.items():
+        setattr(config, attribute, value)
+    return Qwen2ForCausalLM(config)
+
+
+@pytest.mark.parametrize("attribute", ["final_logit_softcapping", "logit_scale"])
+def test_the_student_head_carries_its_logit_transform_and_the_bare_head_refuses_it(attribute):
+    model = tiny_qwen2(**{attribute: 30.0})
+    batch = BatchedDataDict(input_ids=torch.tensor([[3, 5, 7]]), input_lengths=torch.tensor([3]))
+    head = student_output(model, batch, torch.device("cpu"), fused_lm_head=True)
+    assert isinstance(head, LMHeadInput) and head.weight is model.lm_head.weight  # the parameter: gradients flow
+    assert (head.logit_multiplier, head.logit_softcap) == ((30.0, None) if attribute == "logit_scale" else (1.0, 30.0))
+    # The bare (weight, bias) pair would lose the transform: refused, with the reason.
+    with pytest.raises(ValueError, match=f"config.{attribute} = 30.0, which a bare \\(weight, bias\\) head"):
+        output_head_of(model, "the student")
+
+
+def test_a_head_opd_cannot_reproduce_is_refused_with_its_reason():
+    with pytest.raises(ValueError, match=r"output_multiplier_scale = 2\.0, which opd does not apply"):
+        output_layer_of(tiny_qwen2(output_multiplier_scale=2.0), "the student")
+    model = tiny_qwen2()
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    batch = BatchedDataDict(input_ids=torch.tensor([[3, 5, 7]]), input_lengths=torch.tensor([3]))
+    with pytest.raises(ValueError, match="the student's output layer is Sequential, not a linear layer"):
+        student_output(model, batch, torch.device("cpu"), fused_lm_head=True)
 
 
 def tiny_transforming_teacher(family: str):
@@ -405,10 +494,6 @@ def test_teacher_heads_that_transform_logits_reproduce_the_models_own_logits(fam
     torch.testing.assert_close(served[:, :-1], expected[:, :-1], rtol=1e-5, atol=1e-5)
     # Without the transform the logits would differ: the check can fail.
     assert not torch.allclose(LMHeadInput(head.hidden_states, head.weight).logits(), expected, atol=1e-2)
-    # The student's fused loss still refuses such a head (it differentiates a plain linear layer).
-    with pytest.raises(ValueError, match="plain linear layer"):
-        chunked_lm_head_loss(head.with_rows(head.hidden_states[0]), lambda logits: logits.sum(-1), (),
-                             torch.ones(7))
 
 
 def test_bfloat16_models_run_through_the_fused_path():
