@@ -731,7 +731,7 @@ def off_policy_row_weights(
     if bool(stale.any()):
         rows = stale.nonzero().squeeze(-1)
         stale_rows = (
-            LMHeadInput(student_rows.hidden_states[rows], student_rows.weight, student_rows.bias)
+            student_rows.with_rows(student_rows.hidden_states[rows])  # the same head, its transform too
             if isinstance(student_rows, LMHeadInput)
             else student_rows[rows]
         )

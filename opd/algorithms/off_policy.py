@@ -31,6 +31,7 @@ prefix's likelihood ratio ∏_{s<t} ρ_s, which is what makes a stale prefix off
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,7 +40,7 @@ from pydantic import Field, model_validator
 
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.sampling import warp_logits
-from opd.models.lm_head import LMHeadInput, linear_logits
+from opd.models.lm_head import LMHeadInput
 from opd.utils.config import StrictConfig
 
 _LEARNER_CHUNK_ROWS = 1024
@@ -175,13 +176,13 @@ def learner_log_probs(
     """
     if not isinstance(student_rows, LMHeadInput):
         return sampling_log_probs(student_rows.detach(), targets, strategy)
-    # The sampler drew from the whole output layer, so the ratio uses it too (no vocabulary cut).
-    weight, bias = student_rows.weight, student_rows.bias
-    hidden = student_rows.hidden_states.detach()
+    # The sampler drew from the whole output layer, so the ratio uses it too (no vocabulary
+    # cut), with the head's logit transform, as the model's forward applies it.
+    head = dataclasses.replace(student_rows, vocab_size=None)
     parts = [
-        sampling_log_probs(linear_logits(hidden[start : start + _LEARNER_CHUNK_ROWS], weight, bias), chunk, strategy)
+        sampling_log_probs(head.logits(slice(start, start + _LEARNER_CHUNK_ROWS)), chunk, strategy)
         for start, chunk in zip(
-            range(0, hidden.shape[0], _LEARNER_CHUNK_ROWS), targets.split(_LEARNER_CHUNK_ROWS), strict=True
+            range(0, head.hidden_states.shape[0], _LEARNER_CHUNK_ROWS), targets.split(_LEARNER_CHUNK_ROWS), strict=True
         )
     ]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32, device=targets.device)

@@ -186,6 +186,15 @@ def test_learner_log_probs_are_the_samplers_own(strategy):
         rtol=0,
         atol=1e-6,
     )
+    # A head that scales and soft-caps its logits (Gemma 2): the sampler drew from the transformed logits.
+    capped = torch.tanh(head_logits * 0.5 / 2.0) * 2.0
+    tokens, _ = next_tokens(capped, strategy, return_logprobs=True)
+    torch.testing.assert_close(
+        learner_log_probs(LMHeadInput(hidden, weight, logit_multiplier=0.5, logit_softcap=2.0), tokens, strategy),
+        sampling_log_probs(capped, tokens, strategy),
+        rtol=0,
+        atol=1e-6,
+    )
 
 
 def test_config_checks_bounds():
