@@ -3,8 +3,10 @@
 The task is 4-digit × 3-digit multiplication (``examples/data/make_tool_task.py``): a tiny
 model cannot multiply in its head, but the built-in calculator can. The teacher
 (``examples/demo/models/tool_teacher``) was fine-tuned to call the calculator with the
-problem's operands and box its result; the student (``tool_student``, smaller) was
-fine-tuned to answer at once, without a call. Both come from
+problem's operands and box its result; the student (``tool_student``) is not a smaller
+model: it is the teacher itself (the same configuration) fine-tuned 20 more steps to answer
+at once, without a call, so its weights are a few percent from the teacher's. OPD here
+restores a habit the student lost, not a skill it never had. Both come from
 ``examples/demo/prepare_tool_models.py``.
 
 For each seed, two arms start from the same student and train for the same
