@@ -126,7 +126,10 @@ def pruned_config(config: PretrainedConfig, keep: Sequence[int]) -> PretrainedCo
     total = config.num_hidden_layers
     pruned = copy.deepcopy(config)
     for name, value in vars(config).items():
-        if isinstance(value, (list, tuple)) and len(value) == total and name != "architectures":
+        # Token ids are never per layer: a list of end tokens (Llama 3's three) as long as a
+        # small model is deep would otherwise lose the end tokens of the dropped layers' places.
+        not_per_layer = name == "architectures" or name.endswith(("token_id", "token_ids"))
+        if isinstance(value, (list, tuple)) and len(value) == total and not not_per_layer:
             setattr(pruned, name, type(value)(value[index] for index in keep))
     pruned.num_hidden_layers = len(keep)
     return pruned
@@ -206,19 +209,25 @@ def write_pruned_model(
         ConfigError: ``output`` exists already.
     """
     output = Path(output)
-    if output.exists():
-        raise ConfigError(f"opd prune: {output} exists already; choose a new directory")
+    _refuse_existing(output)
     staging = output.with_name(f".tmp_{output.name}")
     if staging.exists():
         shutil.rmtree(staging)
     pruned = prune_depth(model, plan.kept_layers)
     if dtype is not None:
-        pruned.to(dtype)
+        # In place, through torch's own method: transformers types its .to() so that mypy
+        # rejects a dtype argument (as opd.models.tiny does too).
+        torch.nn.Module.to(pruned, dtype)
     pruned.save_pretrained(str(staging), safe_serialization=True)
     tokenizer.save_pretrained(str(staging))
     (staging / PRUNING_RECORD).write_text(json.dumps(plan.as_dict(), indent=1) + "\n")
     staging.rename(output)
     return output
+
+
+def _refuse_existing(output: Path) -> None:
+    if output.exists():
+        raise ConfigError(f"opd prune: {output} exists already; choose a new directory")
 
 
 def prune_source(
@@ -258,7 +267,9 @@ def prune_source(
         raise ConfigError(f"opd prune: --method must be one of {', '.join(LAYER_CHOICES)}, got {method!r}")
     if keep is None and method == "importance" and calibration is None:
         raise ConfigError("opd prune: --method importance measures layers on text: give --calibration DATA.jsonl")
-    # The data are read first: a bad file is reported before the model's slow load.
+    # The output and the data are checked first: an existing directory or a bad file is
+    # reported before the model's slow load (and an importance pass), not after them.
+    _refuse_existing(Path(output))
     conversations = None
     if keep is None and method == "importance":
         conversations = load_chat_dataset(str(calibration), max_examples=calibration_examples)
