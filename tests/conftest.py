@@ -187,9 +187,11 @@ _SLOWEST_SLOW_FILES = [
     # case 90 s, kill-and-rerun 103 s, compiling 55 s, the trainer-worker teachers 52 s, the dry
     # run 29 s, baselines 26 s.
     "distributed/test_cluster_faults.py",  # five `opd train` processes
+    "functional/test_real_model_smollm2.py",  # SmolLM2 exported and pruned, five 3-step runs with a real 135M teacher
     "functional/test_feature_pairs.py",  # every accepted cluster pair and the spec case, each also in one process
     "distributed/test_async_cluster.py",  # three `opd train` processes
     "unit/utils/test_compile_cache.py",
+    "unit/models/test_model_families.py",  # its slow test compiles a Gemma 3 decode step
     "distributed/test_trainer_worker_teachers.py",
     "distributed/test_dry_run_accuracy.py",
     "distributed/test_cluster_baselines.py",
