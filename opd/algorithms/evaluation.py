@@ -8,7 +8,9 @@ and written to ``<log_dir>/eval_metrics.json``.
 
 ``opd eval --harness lm-eval --tasks ...`` (:func:`evaluate_with_harness_tasks`) scores the
 same model with an external harness instead, beside the teacher and the starting student
-when ``validation.harness.compare`` asks, and writes the table to ``<log_dir>``.
+when ``validation.harness.compare`` asks, and writes the table and the results (with what
+the harness recorded of each run) to ``<log_dir>``; lm-eval's own results and per-sample
+files go to ``validation.harness.output_path`` when it is set.
 """
 
 from __future__ import annotations
@@ -132,4 +134,6 @@ def evaluate_with_harness_tasks(config: MasterConfig) -> HarnessResults:
     table_path = results.write(Path(config.logger.log_dir), settings)
     print(results.table())
     print(f"evaluated {', '.join(paths.values())} with {settings.name}; written to {table_path}")
+    if settings.output_path is not None:
+        print(f"{settings.name}'s own results{' and samples' if settings.log_samples else ''}: {settings.output_path}")
     return results

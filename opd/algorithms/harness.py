@@ -5,17 +5,28 @@ everything else, with the task definitions the field shares (gsm8k, math500, MML
 This module runs one on one or more model directories, one model at a time, and writes
 their results side by side:
 
-* ``harness_results.json``: ``{label: {task: {metric: value}}}`` plus the settings;
+* ``harness_results.json``: ``{label: {task: {metric: value}}}`` plus the settings, and
+  what the harness recorded of each model's run (``records``: its version, the task
+  configs and hashes, the seeds, the generation settings) for a reader to reproduce it;
 * ``harness_table.md``: one row per task and metric, one column per model.
 
 The labels are ``model`` (the model evaluated), ``teacher`` and ``student_before`` (the
-run's starting student), as ``compare`` asks. Each model is loaded on the run's device,
-evaluated, and freed before the next one loads.
+run's starting student), as ``compare`` asks. Each model is loaded on the run's device
+(or by vLLM, with ``backend: vllm``), evaluated, and freed before the next one loads.
+
+The evaluation is set as practitioners set it, each setting a ``validation.harness`` key
+that reaches lm-eval itself: the generation settings (``max_gen_toks``, ``temperature``,
+``top_p``) over each task's own, ``repeats`` samples per document for avg@n / pass@k (as
+the task's filters and metrics make them), the chat template with its keyword arguments
+(``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking: false``), a system instruction,
+few-shot examples as chat turns, and lm-eval's own results and per-sample JSONL files
+(``output_path``, ``log_samples``).
 
 The harness is an optional dependency (``pip install 'opd[eval]'``); a run that asks for it
-without it installed stops before any model loads. Tasks are the harness's own names, or
-local task definitions under ``include_path`` (YAML files, as lm-eval reads them): a local
-task over a local JSONL file runs with no network, as the tests do.
+without it installed, or for the vLLM backend without vLLM, stops before any model loads.
+Tasks are the harness's own names, or local task definitions under ``include_path`` (YAML
+files, as lm-eval reads them): a local task over a local JSONL file runs with no network, as
+the tests do.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from opd.models.config import ModelLoadingConfig
 from opd.utils.config import StrictConfig
@@ -46,14 +57,47 @@ class HarnessConfig(StrictConfig):
     """``validation.harness``: how an external harness evaluates the run's models."""
 
     name: Literal["lm-eval"] = Field("lm-eval", description="the harness: lm-eval (lm-evaluation-harness)")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="how lm-eval runs each model: hf (loaded as the run loads its models) or vllm (lm-eval's vLLM "
+        "backend, which loads each directory itself; needs vLLM installed)",
+    )
     include_path: str | None = Field(
         None, description="a directory of local task definitions (YAML) added to the harness's own tasks"
     )
     limit: int | None = Field(None, ge=1, description="evaluate only the first N documents of each task")
     num_fewshot: int | None = Field(None, ge=0, description="few-shot examples per prompt; null = each task's own")
     batch_size: int = Field(16, ge=1, description="prompts per generation batch")
+    max_gen_toks: int | None = Field(
+        None, ge=1, description="the most tokens generated per response; null = each task's own"
+    )
+    temperature: float | None = Field(
+        None, ge=0.0, description="sampling temperature (0 = greedy); null = each task's own decoding"
+    )
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling's top-p; null = each task's own")
+    repeats: int | None = Field(
+        None,
+        ge=1,
+        description="samples per document (lm-eval's repeats), for avg@n / pass@k as the task's filters and metrics "
+        "make them; null = each task's own",
+    )
     apply_chat_template: bool = Field(
         True, description="render each prompt with the model's chat template (as opd's training prompts are)"
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments of the chat template (e.g. enable_thinking: false for Qwen3)",
+    )
+    system_instruction: str | None = Field(None, description="a system message before each prompt; null = none")
+    fewshot_as_multiturn: bool = Field(
+        True, description="with the chat template, few-shot examples as user/assistant turns (false: one user turn)"
+    )
+    output_path: str | None = Field(
+        None,
+        description="a directory for lm-eval's own results file (and samples) of each model, in <output_path>/<label>/",
+    )
+    log_samples: bool = Field(
+        False, description="also write lm-eval's per-sample JSONL (prompt, responses, grades) under output_path"
     )
     compare: list[Literal["teacher", "student_before"]] = Field(
         default_factory=list,
@@ -67,14 +111,47 @@ class HarnessConfig(StrictConfig):
             raise ValueError(f"a model is named twice in {compare}")
         return compare
 
+    @model_validator(mode="after")
+    def _settings_agree(self) -> HarnessConfig:
+        if self.log_samples and self.output_path is None:
+            raise ValueError(
+                "validation.harness.log_samples needs validation.harness.output_path (opd eval --output-path DIR): "
+                "the directory lm-eval writes its samples to"
+            )
+        if self.repeats is not None and self.repeats > 1 and self.temperature == 0:
+            raise ValueError(
+                f"validation.harness.repeats = {self.repeats} with validation.harness.temperature = 0: greedy "
+                "decoding gives the same sample every time; set a temperature > 0"
+            )
+        return self
+
+    def generation_overrides(self) -> dict[str, Any]:
+        """The generation settings set here, as lm-eval's ``gen_kwargs`` (over each task's own)."""
+        overrides: dict[str, Any] = {}
+        if self.max_gen_toks is not None:
+            overrides["max_gen_toks"] = self.max_gen_toks
+        if self.temperature is not None:
+            # A task's own do_sample would otherwise keep deciding: the gsm8k-style tasks say false.
+            overrides["temperature"] = self.temperature
+            overrides["do_sample"] = self.temperature > 0
+        if self.top_p is not None:
+            overrides["top_p"] = self.top_p
+        return overrides
+
 
 @dataclass
 class HarnessResults:
-    """What a harness measured: ``scores[label][task][metric]``, and for which model directories."""
+    """What a harness measured: ``scores[label][task][metric]``, for which model directories, and how.
+
+    ``records[label]`` is what the harness recorded of that model's run (for lm-eval: its
+    version, the task configs, versions and hashes, the seeds, the generation settings, the
+    chat template's hash, the files it wrote), kept so that a reader can reproduce it.
+    """
 
     tasks: list[str]
     scores: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     model_paths: dict[str, str] = field(default_factory=dict)
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def metrics(self, label: str = "model") -> dict[str, float]:
         """One model's scores as flat metric names (``harness/<task>/<metric>``), for the metrics log."""
@@ -105,6 +182,7 @@ class HarnessResults:
             "settings": settings.model_dump(mode="json"),
             "models": self.model_paths,
             "scores": self.scores,
+            "records": self.records,
         }
         (directory / RESULTS_FILENAME).write_text(json.dumps(payload, indent=2), encoding="utf-8")
         table_path = directory / TABLE_FILENAME
@@ -117,10 +195,10 @@ def _format(value: float | None) -> str:
 
 
 def require_harness(settings: HarnessConfig) -> None:
-    """Stops the run, before any model loads, when the harness is not installed.
+    """Stops the run, before any model loads, when the harness (or the backend it is asked for) is not installed.
 
     Raises:
-        ConfigError: naming the package and the extra that installs it.
+        ConfigError: naming the package and the extra that installs it, or the key that asks for it.
     """
     try:
         import lm_eval  # noqa: F401
@@ -129,6 +207,14 @@ def require_harness(settings: HarnessConfig) -> None:
             f"validation.harness.name = {settings.name} needs lm-evaluation-harness, which is not installed: "
             "pip install 'opd[eval]' (or pip install lm_eval)"
         ) from error
+    if settings.backend == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as error:
+            raise ConfigError(
+                "validation.harness.backend = vllm (opd eval --backend vllm) needs vLLM, which cannot be imported "
+                f"here ({error}): pip install 'opd[vllm]' on a machine it supports, or set backend: hf"
+            ) from error
 
 
 _TASK_MANAGERS: dict[tuple[str | None, bool], Any] = {}
@@ -159,26 +245,150 @@ def _task_manager(include_path: str | None, tasks: tuple[str, ...]) -> Any:
     raise ConfigError(f"lm-eval has no task {unknown} among its own tasks{where}")
 
 
-def _lm_eval_scores(
-    model: Any, tokenizer: Any, tasks: list[str], settings: HarnessConfig, device: str
-) -> dict[str, dict[str, float]]:
-    """lm-eval's scores for one loaded model: ``{task: {metric: value}}`` (standard errors left out)."""
-    from lm_eval import simple_evaluate
+@dataclass
+class ModelRun:
+    """One model's pass through a harness: its scores and what the harness recorded of the run."""
+
+    scores: dict[str, dict[str, float]]
+    record: dict[str, Any]
+
+
+def _lm_eval_tasks(manager: Any, tasks: list[str], settings: HarnessConfig) -> list[Any]:
+    """The tasks as lm-eval objects, with ``repeats`` set on every task (a group's and a tag's included).
+
+    ``simple_evaluate`` has no argument for repeats (lm-eval reads it from each task's
+    config), so the tasks are built here and handed over built: a group stays a group, so
+    its aggregate scores are still reported.
+    """
+    built: list[Any] = []
+    for name in tasks:
+        loaded = manager.load(name)
+        if settings.repeats is not None:
+            for task in loaded["tasks"].values():
+                task.set_config(key="repeats", value=settings.repeats)
+        built += [loaded["groups"][name]] if name in loaded["groups"] else list(loaded["tasks"].values())
+    return built
+
+
+def _lm_eval_model(path: str, load: Callable[[str], tuple[Any, Any]], settings: HarnessConfig) -> Any:
+    """lm-eval's model for one directory: opd's loaded model in lm-eval's HF wrapper, or lm-eval's vLLM backend."""
+    chat_template_args = dict(settings.chat_template_kwargs)
+    if settings.backend == "vllm":
+        from lm_eval.models.vllm_causallms import VLLM
+
+        # vLLM loads the directory itself, in the dtype it was saved in.
+        return VLLM(pretrained=path, batch_size=settings.batch_size, chat_template_args=chat_template_args)
     from lm_eval.models.huggingface import HFLM
 
+    model, tokenizer = load(path)
+    device = str(next(model.parameters()).device)
+    # chat_template_args reach tokenizer.apply_chat_template as keyword arguments (HFLM.apply_chat_template).
+    return HFLM(
+        pretrained=model,
+        tokenizer=tokenizer,
+        device=device,
+        batch_size=settings.batch_size,
+        chat_template_args=chat_template_args,
+    )
+
+
+def _task_hashes(samples: Mapping[str, list[dict[str, Any]]]) -> dict[str, str]:
+    """Each task's hash of its documents, prompts and targets, as lm-eval's ``EvaluationTracker`` makes it."""
+    from lm_eval.utils import hash_string
+
+    return {
+        task: hash_string("".join(s["doc_hash"] + s["prompt_hash"] + s["target_hash"] for s in task_samples))
+        for task, task_samples in samples.items()
+    }
+
+
+_RECORDED_KEYS = (
+    "lm_eval_version",
+    "transformers_version",
+    "git_hash",
+    "config",
+    "versions",
+    "n-shot",
+    "n-samples",
+    "configs",
+    "tokenizer_pad_token",
+    "tokenizer_eos_token",
+    "tokenizer_bos_token",
+    "eot_token_id",
+    "max_length",
+)
+"""What lm-eval's results hold that a reader needs to reproduce them: the harness's version (and the
+code's git hash), the model and run settings with the four seeds (``config``), each task's version,
+shots, document count and full config (generation settings and repeats included), and the tokens
+that end a response."""
+
+_TRACKED_KEYS = (
+    "model_source",
+    "system_instruction",
+    "system_instruction_sha",
+    "fewshot_as_multiturn",
+    "chat_template_sha",
+)
+"""What lm-eval's ``EvaluationTracker`` logs of the prompt's form (the template itself is the model's)."""
+
+
+def _lm_eval_run(
+    label: str, path: str, load: Callable[[str], tuple[Any, Any]], tasks: list[str], settings: HarnessConfig
+) -> ModelRun:
+    """lm-eval's scores for one model (``{task: {metric: value}}``, standard errors left out) and its record.
+
+    With ``output_path``, lm-eval's own results file (and with ``log_samples`` its per-sample
+    JSONL, one file per task) is written to ``<output_path>/<label>/``, as ``lm_eval
+    --output_path`` writes them.
+    """
+    from dataclasses import asdict
+
+    from lm_eval import simple_evaluate
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.utils import handle_non_serializable
+
     manager = _task_manager(settings.include_path, tuple(tasks))
-    wrapped = HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=settings.batch_size)
+    built = _lm_eval_tasks(manager, tasks, settings)
+    lm = _lm_eval_model(path, load, settings)
+    # A results path ending in .json makes lm-eval write results_<date>.json and samples_<task>_<date>.jsonl
+    # beside it, in the label's directory, not under a directory named after the model's path.
+    directory = Path(settings.output_path) / label if settings.output_path is not None else None
+    tracker = EvaluationTracker(output_path=str(directory / "results.json") if directory is not None else None)
     output = simple_evaluate(
-        model=wrapped,
-        tasks=tasks,
+        model=lm,
+        model_args={"pretrained": path},  # recorded as the model's name; the model itself is already built
+        tasks=built,
         num_fewshot=settings.num_fewshot,
+        batch_size=settings.batch_size,
         limit=settings.limit,
         task_manager=manager,
         apply_chat_template=settings.apply_chat_template,
-        log_samples=False,
+        system_instruction=settings.system_instruction,
+        fewshot_as_multiturn=settings.fewshot_as_multiturn,
+        gen_kwargs=settings.generation_overrides() or None,
+        # The samples are what lm-eval hashes each task's prompts from, logged to a file or not.
+        log_samples=True,
+        evaluation_tracker=tracker,
         verbosity="WARNING",
     )
+    del lm
     assert output is not None  # None only on the non-zero ranks of a distributed harness run
+    samples = output.pop("samples")
+    general = asdict(tracker.general_config_tracker)
+    record: dict[str, Any] = {key: output[key] for key in _RECORDED_KEYS if key in output}
+    record.update((key, general.get(key)) for key in _TRACKED_KEYS)
+    record["task_hashes"] = _task_hashes(samples)
+    if directory is not None:
+        tracker.save_results_aggregated(results=dict(output), samples=samples)
+        files = {"results": str(directory / f"results_{tracker.date_id}.json")}
+        if settings.log_samples:
+            for task in output["configs"]:
+                tracker.save_results_samples(task_name=task, samples=samples[task])
+                files[f"samples/{task}"] = str(directory / f"samples_{task}_{tracker.date_id}.jsonl")
+        # lm-eval logs a failed write as a warning and goes on: only the files it wrote are named.
+        record["files"] = {name: file for name, file in files.items() if Path(file).is_file()}
+        if len(record["files"]) < len(files):
+            log.warning("lm-eval did not write %s", sorted(set(files) - set(record["files"])))
     scores: dict[str, dict[str, float]] = {}
     for task, values in output["results"].items():
         scores[task] = {
@@ -188,13 +398,14 @@ def _lm_eval_scores(
             for key, value in values.items()
             if "," in key and "_stderr" not in key and isinstance(value, (int, float)) and math.isfinite(value)
         }
-    return scores
+    # Plain JSON (lm-eval's config holds a torch dtype, the task configs their hook functions).
+    return ModelRun(scores, json.loads(json.dumps(record, default=handle_non_serializable)))
 
 
-HARNESSES: dict[str, Callable[[Any, Any, list[str], HarnessConfig, str], dict[str, dict[str, float]]]] = {
-    "lm-eval": _lm_eval_scores,
+HARNESSES: dict[str, Callable[[str, str, Callable[[str], tuple[Any, Any]], list[str], HarnessConfig], ModelRun]] = {
+    "lm-eval": _lm_eval_run,
 }
-"""Each harness by its config name: the function that scores one loaded model."""
+"""Each harness by its config name: the function that scores one model (label, path, loader, tasks, settings)."""
 
 
 def load_for_harness(path: str, loading: ModelLoadingConfig) -> tuple[Any, Any]:
@@ -220,15 +431,21 @@ def evaluate_with_harness(
         tasks: the harness's task names.
         settings: the harness's settings.
         load: loads a directory as ``(model, tokenizer)`` (:func:`load_for_harness`); the
-            harness puts its inputs on the model's device.
+            harness puts its inputs on the model's device. The vLLM backend loads each
+            directory itself instead.
+
+    Raises:
+        ConfigError: the harness or the backend is not installed, the vLLM backend is given a
+            ``tiny:`` preset, or a task is unknown.
     """
     require_harness(settings)
+    presets = [path for path in model_paths.values() if path.startswith("tiny:")]
+    if settings.backend == "vllm" and presets:
+        raise ConfigError(f"validation.harness.backend = vllm loads model directories, not presets such as {presets}")
     results = HarnessResults(tasks=list(tasks), model_paths=dict(model_paths))
     for label, path in model_paths.items():
-        model, tokenizer = load(path)
-        device = str(next(model.parameters()).device)
         log.info("harness %s: %s (%s) on %s", settings.name, label, path, ", ".join(tasks))
-        results.scores[label] = HARNESSES[settings.name](model, tokenizer, tasks, settings, device)
-        del model
-        gc.collect()
+        run = HARNESSES[settings.name](label, path, load, tasks, settings)
+        results.scores[label], results.records[label] = run.scores, run.record
+        gc.collect()  # the model is freed before the next one loads
     return results
