@@ -7,7 +7,10 @@
   group, at the real shapes, with a device audit (:mod:`opd.algorithms.memory_plan`);
 * ``opd eval --config FILE [key.sub=value ...]`` — validate one model and exit; with
   ``--harness lm-eval --tasks a,b [--include-path DIR] [--limit N] [--compare teacher,student_before]``,
-  score it with lm-evaluation-harness instead (:mod:`opd.algorithms.harness`);
+  score it with lm-evaluation-harness instead (:mod:`opd.algorithms.harness`), as set by
+  ``[--backend hf|vllm] [--num-fewshot N] [--max-gen-toks N] [--temperature T] [--top-p P]
+  [--repeats N] [--chat-template-kwargs JSON] [--system-instruction TEXT]
+  [--[no-]fewshot-as-multiturn] [--output-path DIR [--log-samples]]`` (each a ``validation.harness`` key);
 * ``opd sft --config FILE [key.sub=value ...]`` — supervised fine-tuning (resumes too);
 * ``opd generate --config FILE [key.sub=value ...]`` — one model's (the teacher's) answers to
   the training prompts, as chat-format fixed data (resumes too; :mod:`opd.algorithms.generate_data`);
@@ -30,13 +33,14 @@ exception) still show their traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from opd.utils.errors import OpdError, TrainingDivergedError
+from opd.utils.errors import ConfigError, OpdError, TrainingDivergedError
 
 if TYPE_CHECKING:  # importing the logger pulls in torch; `opd --help` should not wait for it
     from opd.utils.logger import LoggerConfig
@@ -64,6 +68,62 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_harness_arguments(parser: argparse.ArgumentParser) -> None:
+    """``opd eval --harness``'s options: each stands for a ``validation.harness`` key (:func:`harness_overrides`)."""
+    parser.add_argument(
+        "--harness",
+        choices=["lm-eval"],
+        help="score the model with an external harness instead (pip install 'opd[eval]')",
+    )
+    parser.add_argument("--tasks", help="the harness's tasks, comma-separated (validation.harness_tasks)")
+    parser.add_argument(
+        "--include-path", help="a directory of local task definitions (validation.harness.include_path)"
+    )
+    parser.add_argument("--limit", type=int, help="only the first N documents of each task (validation.harness.limit)")
+    parser.add_argument(
+        "--compare",
+        help="also score these models beside it, comma-separated: teacher, student_before (validation.harness.compare)",
+    )
+    parser.add_argument(
+        "--backend", choices=["hf", "vllm"], help="how lm-eval runs each model (validation.harness.backend)"
+    )
+    parser.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (validation.harness.num_fewshot)")
+    parser.add_argument(
+        "--max-gen-toks", type=int, help="the most tokens per response (validation.harness.max_gen_toks)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, help="sampling temperature, 0 = greedy (validation.harness.temperature)"
+    )
+    parser.add_argument("--top-p", type=float, help="nucleus sampling's top-p (validation.harness.top_p)")
+    parser.add_argument(
+        "--repeats", type=int, help="samples per document, for avg@n / pass@k (validation.harness.repeats)"
+    )
+    parser.add_argument(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        help="the chat template's keyword arguments, e.g. '{\"enable_thinking\": false}' "
+        "(validation.harness.chat_template_kwargs)",
+    )
+    parser.add_argument(
+        "--system-instruction", help="a system message before each prompt (validation.harness.system_instruction)"
+    )
+    parser.add_argument(
+        "--fewshot-as-multiturn",
+        action=argparse.BooleanOptionalAction,
+        help="few-shot examples as chat turns, or one user turn (validation.harness.fewshot_as_multiturn)",
+    )
+    parser.add_argument(
+        "--output-path",
+        metavar="DIR",
+        help="where lm-eval writes its own results of each model (validation.harness.output_path)",
+    )
+    parser.add_argument(
+        "--log-samples",
+        action="store_true",
+        help="also write lm-eval's per-sample JSONL under --output-path (validation.harness.log_samples)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``opd`` command."""
     parser = argparse.ArgumentParser(prog="opd", description="On-policy knowledge distillation for LLMs.")
@@ -81,22 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_arguments(plan)
     evaluate = commands.add_parser("eval", help="validate a model (validation.model_path) against the teacher")
     _add_config_arguments(evaluate)
-    evaluate.add_argument(
-        "--harness",
-        choices=["lm-eval"],
-        help="score the model with an external harness instead (pip install 'opd[eval]')",
-    )
-    evaluate.add_argument("--tasks", help="the harness's tasks, comma-separated (validation.harness_tasks)")
-    evaluate.add_argument(
-        "--include-path", help="a directory of local task definitions (validation.harness.include_path)"
-    )
-    evaluate.add_argument(
-        "--limit", type=int, help="only the first N documents of each task (validation.harness.limit)"
-    )
-    evaluate.add_argument(
-        "--compare",
-        help="also score these models beside it, comma-separated: teacher, student_before (validation.harness.compare)",
-    )
+    _add_harness_arguments(evaluate)
     sft = commands.add_parser("sft", help="supervised fine-tuning on the dataset's assistant answers")
     _add_config_arguments(sft)
     generate = commands.add_parser("generate", help="write a model's answers to the prompts as fixed data (JSONL)")
@@ -196,12 +241,27 @@ def harness_overrides(args: argparse.Namespace) -> list[str]:
     overrides = [f"validation.harness.name={args.harness}"]
     if args.tasks is not None:
         overrides.append(f"validation.harness_tasks={listed(args.tasks)}")
-    if args.include_path is not None:
-        overrides.append(f"validation.harness.include_path={args.include_path}")
-    if args.limit is not None:
-        overrides.append(f"validation.harness.limit={args.limit}")
     if args.compare is not None:
         overrides.append(f"validation.harness.compare={listed(args.compare)}")
+    for key in ("include_path", "limit", "backend", "num_fewshot", "max_gen_toks", "temperature", "top_p", "repeats"):
+        if getattr(args, key) is not None:
+            overrides.append(f"validation.harness.{key}={getattr(args, key)}")
+    for key in ("output_path", "system_instruction"):
+        if getattr(args, key) is not None:
+            # A JSON string is a quoted YAML scalar: the text stays text (a colon or a leading dash included).
+            overrides.append(f"validation.harness.{key}={json.dumps(getattr(args, key))}")
+    if args.fewshot_as_multiturn is not None:
+        overrides.append(f"validation.harness.fewshot_as_multiturn={str(args.fewshot_as_multiturn).lower()}")
+    if args.log_samples:
+        overrides.append("validation.harness.log_samples=true")
+    if args.chat_template_kwargs is not None:
+        try:
+            kwargs = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--chat-template-kwargs is not JSON: {error}") from None
+        if not isinstance(kwargs, dict):
+            raise ConfigError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+        overrides.append(f"validation.harness.chat_template_kwargs={json.dumps(kwargs)}")
     return overrides
 
 
