@@ -32,6 +32,7 @@ the tests do.
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import logging
 import math
@@ -207,14 +208,7 @@ def require_harness(settings: HarnessConfig) -> None:
             f"validation.harness.name = {settings.name} needs lm-evaluation-harness, which is not installed: "
             "pip install 'opd[eval]' (or pip install lm_eval)"
         ) from error
-    if settings.backend == "vllm":
-        try:
-            import vllm  # noqa: F401
-        except ImportError as error:
-            raise ConfigError(
-                "validation.harness.backend = vllm (opd eval --backend vllm) needs vLLM, which cannot be imported "
-                f"here ({error}): pip install 'opd[vllm]' on a machine it supports, or set backend: hf"
-            ) from error
+    LM_EVAL_BACKENDS[settings.backend].require(settings.backend)
 
 
 _TASK_MANAGERS: dict[tuple[str | None, bool], Any] = {}
@@ -270,14 +264,8 @@ def _lm_eval_tasks(manager: Any, tasks: list[str], settings: HarnessConfig) -> l
     return built
 
 
-def _lm_eval_model(path: str, load: Callable[[str], tuple[Any, Any]], settings: HarnessConfig) -> Any:
-    """lm-eval's model for one directory: opd's loaded model in lm-eval's HF wrapper, or lm-eval's vLLM backend."""
-    chat_template_args = dict(settings.chat_template_kwargs)
-    if settings.backend == "vllm":
-        from lm_eval.models.vllm_causallms import VLLM
-
-        # vLLM loads the directory itself, in the dtype it was saved in.
-        return VLLM(pretrained=path, batch_size=settings.batch_size, chat_template_args=chat_template_args)
+def _hf_model(path: str, load: Callable[[str], tuple[Any, Any]], settings: HarnessConfig) -> Any:
+    """opd's loaded model in lm-eval's HF wrapper."""
     from lm_eval.models.huggingface import HFLM
 
     model, tokenizer = load(path)
@@ -288,8 +276,50 @@ def _lm_eval_model(path: str, load: Callable[[str], tuple[Any, Any]], settings: 
         tokenizer=tokenizer,
         device=device,
         batch_size=settings.batch_size,
-        chat_template_args=chat_template_args,
+        chat_template_args=dict(settings.chat_template_kwargs),
     )
+
+
+def _vllm_model(path: str, load: Callable[[str], tuple[Any, Any]], settings: HarnessConfig) -> Any:
+    """lm-eval's vLLM backend, which loads the directory itself (in the dtype it was saved in)."""
+    from lm_eval.models.vllm_causallms import VLLM
+
+    return VLLM(pretrained=path, batch_size=settings.batch_size, chat_template_args=dict(settings.chat_template_kwargs))
+
+
+@dataclass(frozen=True)
+class LmEvalBackend:
+    """How lm-eval runs one model (``validation.harness.backend``)."""
+
+    build: Callable[[str, Callable[[str], tuple[Any, Any]], HarnessConfig], Any]
+    """Makes lm-eval's model for a directory (path, opd's loader, settings)."""
+    package: str | None = None
+    """A package it needs beyond lm-eval, imported before any model loads; None = none."""
+    install: str = ""
+    """How to install that package."""
+    loads_directories: bool = False
+    """Whether it loads each directory itself (then a ``tiny:`` preset, which only opd builds, is refused)."""
+
+    def require(self, name: str) -> None:
+        """Raises ConfigError, naming the key, when the package it needs cannot be imported."""
+        if self.package is None:
+            return
+        try:
+            importlib.import_module(self.package)
+        except ImportError as error:
+            raise ConfigError(
+                f"validation.harness.backend = {name} (opd eval --backend {name}) needs {self.package}, which cannot "
+                f"be imported here ({error}): {self.install}, or set backend: hf"
+            ) from error
+
+
+LM_EVAL_BACKENDS: dict[str, LmEvalBackend] = {
+    "hf": LmEvalBackend(_hf_model),
+    "vllm": LmEvalBackend(
+        _vllm_model, package="vllm", install="pip install 'opd[vllm]' on a machine it supports", loads_directories=True
+    ),
+}
+"""Each ``validation.harness.backend`` value: how lm-eval runs a model with it."""
 
 
 def _task_hashes(samples: Mapping[str, list[dict[str, Any]]]) -> dict[str, str]:
@@ -349,7 +379,7 @@ def _lm_eval_run(
 
     manager = _task_manager(settings.include_path, tuple(tasks))
     built = _lm_eval_tasks(manager, tasks, settings)
-    lm = _lm_eval_model(path, load, settings)
+    lm = LM_EVAL_BACKENDS[settings.backend].build(path, load, settings)
     # A results path ending in .json makes lm-eval write results_<date>.json and samples_<task>_<date>.jsonl
     # beside it, in the label's directory, not under a directory named after the model's path.
     directory = Path(settings.output_path) / label if settings.output_path is not None else None
@@ -440,8 +470,10 @@ def evaluate_with_harness(
     """
     require_harness(settings)
     presets = [path for path in model_paths.values() if path.startswith("tiny:")]
-    if settings.backend == "vllm" and presets:
-        raise ConfigError(f"validation.harness.backend = vllm loads model directories, not presets such as {presets}")
+    if LM_EVAL_BACKENDS[settings.backend].loads_directories and presets:
+        raise ConfigError(
+            f"validation.harness.backend = {settings.backend} loads model directories, not presets such as {presets}"
+        )
     results = HarnessResults(tasks=list(tasks), model_paths=dict(model_paths))
     for label, path in model_paths.items():
         log.info("harness %s: %s (%s) on %s", settings.name, label, path, ", ".join(tasks))
