@@ -376,5 +376,19 @@ def test_vllm_backend_without_vllm_names_the_key(tmp_path, monkeypatch, capsys):
     )  # fmt: skip
     assert status == 2
     error = capsys.readouterr().err
-    assert "validation.harness.backend = vllm" in error and "needs vLLM" in error and "backend: hf" in error
+    assert (
+        "validation.harness.backend = vllm" in error
+        and "needs vllm, which cannot be imported" in error
+        and "backend: hf" in error
+    )
     assert not (tmp_path / "harness_results.json").exists()
+    # Where vLLM is importable, it loads directories itself: a preset only opd can build is refused.
+    from types import ModuleType
+
+    from opd.algorithms.harness import evaluate_with_harness
+
+    monkeypatch.setitem(sys.modules, "vllm", ModuleType("vllm"))
+    with pytest.raises(
+        ConfigError, match=r"backend = vllm loads model directories, not presets such as \['tiny:student'\]"
+    ):
+        evaluate_with_harness({"model": "tiny:student"}, ["opd_math"], HarnessConfig(backend="vllm"), load=None)
