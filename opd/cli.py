@@ -218,6 +218,22 @@ def run_prune(args: argparse.Namespace) -> None:
     )
 
 
+def run_export(args: argparse.Namespace) -> None:
+    """``opd export``: a checkpoint's student, or a GGUF model dequantised, as a Hugging Face directory."""
+    import torch
+
+    from opd.models.gguf_source import export_gguf, gguf_source
+    from opd.utils.checkpoint_export import export_checkpoint
+
+    quiet_third_party_output()
+    source = gguf_source(args.checkpoint)
+    if source is not None:
+        written = export_gguf(source, Path(args.output), getattr(torch, args.dtype))
+    else:
+        written = export_checkpoint(args.checkpoint, args.output)
+    print(f"opd: wrote {written}")
+
+
 def quiet_third_party_output() -> None:
     """Keeps the console to opd's own progress lines.
 
@@ -374,13 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         return plot_main(args.arguments)
     try:
         if args.command == "export":
-            import torch
-
-            from opd.utils.checkpoint_export import export_checkpoint
-
-            quiet_third_party_output()
-            written = export_checkpoint(args.checkpoint, args.output, getattr(torch, args.dtype))
-            print(f"opd: wrote {written}")
+            run_export(args)
         elif args.command == "prune":
             run_prune(args)
         elif args.command == "sft":

@@ -14,12 +14,15 @@ for; this module
   transformers returns is marked as GGUF-quantised and refuses ``save_pretrained``, so its
   dequantised weights are moved into a model built from its config, which saves as
   safetensors and loads anywhere without GGUF; and its tokenizer, with the chat template
-  the file carries (:func:`load_gguf_tokenizer`).
+  the file carries (:func:`load_gguf_tokenizer`);
+* writes it as a plain Hugging Face directory (:func:`export_gguf`, ``opd export``): it
+  loads without the gguf package, and much faster than dequantising again.
 """
 
 from __future__ import annotations
 
 import copy
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -212,3 +215,22 @@ def load_gguf_tokenizer(source: GgufSource) -> Any:
         return AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.file_name)
     except (OSError, ValueError, KeyError) as error:
         raise ConfigError(f"cannot read the tokenizer of the GGUF file '{source.path}': {error}") from None
+
+
+def export_gguf(source: GgufSource, output: Path, dtype: torch.dtype) -> Path:
+    """Writes ``source`` dequantised to ``dtype`` as a Hugging Face directory, with its tokenizer.
+
+    The directory appears under its final name only when complete.
+
+    Raises:
+        ConfigError: ``output`` exists already, or the file cannot be read.
+    """
+    if output.exists():
+        raise ConfigError(f"opd export: {output} exists already; choose a new directory")
+    staging = output.with_name(f".tmp_{output.name}")
+    if staging.exists():
+        shutil.rmtree(staging)
+    load_gguf_causal_lm(source, dtype).save_pretrained(str(staging), safe_serialization=True)
+    load_gguf_tokenizer(source).save_pretrained(str(staging))
+    staging.rename(output)
+    return output

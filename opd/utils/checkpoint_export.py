@@ -1,4 +1,4 @@
-"""``opd export SOURCE DIR``: a Hugging Face model directory from any checkpoint, or from a GGUF model.
+"""``opd export CHECKPOINT DIR``: a Hugging Face model directory from any checkpoint.
 
 An in-process run's checkpoint already holds one (``policy/``), which is copied. A
 cluster run's checkpoint holds the student sharded by ``torch.distributed.checkpoint``
@@ -7,9 +7,7 @@ and whatever number of ranks wrote them, into a model built from the checkpoint'
 ``model_config/``, and written with its tokenizer. The output appears under its final
 name only when complete.
 
-A GGUF file (or a directory holding one) is written dequantised, with the tokenizer and
-chat template it carries (:mod:`opd.models.gguf_source`): the plain directory loads
-without the gguf package, and reading it is much faster than dequantising again.
+(``opd export`` of a GGUF model is :func:`opd.models.gguf_source.export_gguf`.)
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from opd.models.gguf_source import gguf_source, load_gguf_causal_lm, load_gguf_tokenizer
 from opd.utils.errors import OpdError
 
 POLICY_DIR = "policy"
@@ -31,15 +28,11 @@ MODEL_CONFIG_DIR = "model_config"
 TOKENIZER_DIR = "tokenizer"
 
 
-def export_checkpoint(checkpoint: str | Path, output: str | Path, gguf_dtype: torch.dtype = torch.float32) -> Path:
-    """Writes the student of ``checkpoint`` (or a GGUF model) to ``output`` as a Hugging Face model directory.
-
-    Args:
-        gguf_dtype: the dtype a GGUF model is dequantised to and written in.
+def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
+    """Writes the student of ``checkpoint`` to ``output`` as a Hugging Face model directory.
 
     Raises:
-        OpdError: ``checkpoint`` is neither an opd checkpoint nor a GGUF model, or
-            ``output`` exists already.
+        OpdError: ``checkpoint`` is not an opd checkpoint, or ``output`` exists already.
     """
     checkpoint, output = Path(checkpoint), Path(output)
     if output.exists():
@@ -47,11 +40,6 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, gguf_dtype: to
     staging = output.with_name(f".tmp_{output.name}")
     if staging.exists():
         shutil.rmtree(staging)
-    if (source := gguf_source(str(checkpoint))) is not None:
-        load_gguf_causal_lm(source, gguf_dtype).save_pretrained(str(staging), safe_serialization=True)
-        load_gguf_tokenizer(source).save_pretrained(str(staging))
-        staging.rename(output)
-        return output
     if not (checkpoint / "save_state.json").is_file():
         raise OpdError(
             f"opd export: {checkpoint} is not a complete opd checkpoint (no save_state.json); "
