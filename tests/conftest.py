@@ -215,6 +215,7 @@ _QUICK_PATHS = [
     "unit/algorithms/test_fused_lm_head.py",
     "unit/algorithms/test_topk_rest_mass.py",
     "unit/algorithms/test_topk_empty_slots.py",
+    "unit/algorithms/test_token_clip.py",
     "unit/algorithms/test_hybrid_loss.py",
     "unit/algorithms/test_off_policy.py",
     "unit/algorithms/test_several_teachers.py",

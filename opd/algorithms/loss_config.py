@@ -95,6 +95,18 @@ class _Temperature(StrictConfig):
     temperature: float = Field(1.0, gt=0.0, description="softmax temperature of both models inside the divergence")
 
 
+class _TokenClip(StrictConfig):
+    """The per-position cap of a divergence over the teacher's distribution (full vocabulary, JSD, top-k)."""
+
+    token_clip: float | None = Field(
+        None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="cap on each response position's divergence: a position above it contributes the cap and no "
+        "gradient (metric clipped_token_fraction); null = no cap",
+    )
+
+
 class FusedHeadSettings(StrictConfig):
     """Memory-lean computation: logits made chunk by chunk from hidden states."""
 
@@ -144,7 +156,7 @@ def _full_vocab_arguments(
     }
 
 
-class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKernelSettings):
+class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKernelSettings, _TokenClip):
     """``type: full_vocab``: the exact KL over the whole vocabulary (the default)."""
 
     type: Literal["full_vocab"] = "full_vocab"
@@ -153,6 +165,7 @@ class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKe
         return {
             "kl_type": self.kl_type,
             "mixed_kl_weight": self.mixed_kl_weight,
+            "token_clip": self.token_clip,
             **_full_vocab_arguments(self, self.temperature, vocab_size, device_type),
         }
 
@@ -160,20 +173,24 @@ class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKe
         return FullVocabRequest(prefer_hidden_states=self.fused_lm_head)
 
 
-class JSDLossConfig(_LossSettings, _Temperature, FullVocabKernelSettings):
+class JSDLossConfig(_LossSettings, _Temperature, FullVocabKernelSettings, _TokenClip):
     """``type: jsd``: the generalized Jensen-Shannon divergence of GKD / TRL."""
 
     type: Literal["jsd"] = "jsd"
     beta: float = Field(0.5, ge=0.0, le=1.0, description="interpolation: 0 = forward KL, 1 = reverse KL")
 
     def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
-        return {"beta": self.beta, **_full_vocab_arguments(self, self.temperature, vocab_size, device_type)}
+        return {
+            "beta": self.beta,
+            "token_clip": self.token_clip,
+            **_full_vocab_arguments(self, self.temperature, vocab_size, device_type),
+        }
 
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
         return FullVocabRequest(prefer_hidden_states=self.fused_lm_head)
 
 
-class TopKLossConfig(_LossSettings, _KLDirection, _Temperature, FusedHeadSettings):
+class TopKLossConfig(_LossSettings, _KLDirection, _Temperature, FusedHeadSettings, _TokenClip):
     """``type: topk``: the teacher sends its top ``k`` log-probs per position (what a served teacher sends)."""
 
     type: Literal["topk"] = "topk"
@@ -192,6 +209,7 @@ class TopKLossConfig(_LossSettings, _KLDirection, _Temperature, FusedHeadSetting
             "vocab_size": vocab_size,
             "fused_lm_head": self.fused_lm_head,
             "chunk_size": self.chunk_size,
+            "token_clip": self.token_clip,
         }
 
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:

@@ -794,8 +794,10 @@ class TokenLossFn(LossFunction):
       from hidden states (:func:`~opd.algorithms.fused_lm_head.chunked_lm_head_loss`);
     * per-position weights: the off-policy importance weights of stale samples when
       ``off_policy`` is set (:func:`off_policy_row_weights`), 1 otherwise;
-    * the metrics dict: ``loss``, the variant's metrics, the weights' metrics and
-      ``num_valid_tokens``.
+    * the per-position cap ``token_clip`` (:class:`_TokenClip`): a position whose term
+      exceeds it contributes the cap and no gradient, on both the plain and the fused path;
+    * the metrics dict: ``loss``, the variant's metrics, the weights' metrics,
+      ``num_valid_tokens`` and, with a cap, ``clipped_token_fraction``.
 
     A variant implements :meth:`_loss_inputs` (the teacher's rows and how chunks are
     observed) and :meth:`_divergence` (the per-position term), and says what it asks the
@@ -811,6 +813,8 @@ class TokenLossFn(LossFunction):
         off_policy: weigh the positions of stale samples (a micro-batch with
             ``staleness`` and ``generation_logprobs``) by truncated importance weights
             (:mod:`opd.algorithms.off_policy`); None leaves every weight at 1.
+        token_clip: cap on each position's term, a finite number > 0: a position above it
+            contributes the cap and zero gradient (``clamp(max=token_clip)``); None: no cap.
 
     Raises:
         ValueError: naming the argument, for a value outside its range.
@@ -826,9 +830,12 @@ class TokenLossFn(LossFunction):
         fused_lm_head: bool = False,
         chunk_size: int | None = None,
         off_policy: OffPolicyCorrection | None = None,
+        token_clip: float | None = None,
     ) -> None:
         if kl_reduction not in ("mean", "sum"):
             raise ValueError(f"kl_reduction must be 'mean' or 'sum', got {kl_reduction!r}")
+        if token_clip is not None and not (math.isfinite(token_clip) and token_clip > 0):
+            raise ValueError(f"token_clip must be a finite number > 0 (or None: no cap), got {token_clip}")
         if vocab_size is not None and vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1 (or None: the whole output layer), got {vocab_size}")
         if chunk_size is not None and chunk_size < 1:
@@ -838,6 +845,7 @@ class TokenLossFn(LossFunction):
         self.fused_lm_head = fused_lm_head
         self.chunk_size = chunk_size
         self.off_policy = off_policy
+        self.token_clip = token_clip
 
     @abstractmethod
     def _loss_inputs(
@@ -890,8 +898,10 @@ class TokenLossFn(LossFunction):
 
         Returns:
             ``(loss, metrics)``; metrics hold this micro-batch's contributions to the
-            global ``loss``, the variant's metrics (token means), the weights' metrics,
-            and ``num_valid_tokens``.
+            global ``loss``, the variant's metrics (token means, of the uncapped terms),
+            the weights' metrics, ``num_valid_tokens`` and, with ``token_clip``, its
+            share of ``clipped_token_fraction`` (capped positions / the global batch's
+            loss tokens).
 
         Raises:
             ValueError: without ``teacher_output``.
@@ -905,14 +915,19 @@ class TokenLossFn(LossFunction):
         fused = isinstance(student_rows, LMHeadInput)
         inputs = self._loss_inputs(teacher_output, data, loss_mask, fused)
         row_weights, weight_metrics = self._row_weights(student_output, data, loss_mask, global_valid_tokens)
+        divergence, value_and_grad = self._divergence, inputs.value_and_grad
+        clip = _TokenClip(self.token_clip) if self.token_clip is not None else None
+        if clip is not None:
+            divergence = clip.divergence(divergence)
+            value_and_grad = clip.value_and_grad(value_and_grad) if value_and_grad is not None else None
         loss = _apply_loss(
             student_rows,
-            self._divergence,
+            divergence,
             inputs.row_inputs,
             _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs),
             self.chunk_size,
             inputs.observer,
-            inputs.value_and_grad,
+            value_and_grad,
             row_weights,
         )
         metrics = {
@@ -921,7 +936,61 @@ class TokenLossFn(LossFunction):
             **weight_metrics,
             "num_valid_tokens": float(loss_mask.sum()),
         }
+        if clip is not None:
+            metrics["clipped_token_fraction"] = clip.fraction(global_valid_tokens)
         return loss, metrics
+
+
+class _TokenClip:
+    """``token_clip``: caps each position's term at ``cap`` and counts the positions it capped.
+
+    A capped position contributes ``cap`` and no gradient, as ``clamp(max=cap)`` does: the
+    plain path (and the fused path's autograd) clamps the per-position term; the fused
+    path's closed form clamps its values and zeroes the gradient rows of the capped
+    positions. The count stays a tensor on the device, added up over the chunks of a
+    micro-batch, and is read once when the micro-batch's metrics are made.
+
+    Args:
+        cap: the largest term a position contributes (> 0).
+    """
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+        self.clipped: torch.Tensor | None = None
+
+    def _count(self, over: torch.Tensor) -> None:
+        count = over.sum()
+        self.clipped = count if self.clipped is None else self.clipped + count
+
+    def divergence(self, divergence: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``divergence`` capped (autograd gives zero gradient above the cap)."""
+
+        def capped(student_logits: torch.Tensor, *row_inputs: Any) -> torch.Tensor:
+            per_position = divergence(student_logits, *row_inputs)
+            self._count(per_position.detach() > self.cap)
+            return per_position.clamp(max=self.cap)
+
+        return capped
+
+    def value_and_grad(
+        self, value_and_grad: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """A closed form ``(values [C], gradient [C, V])`` capped: values clamped, capped rows' gradients zero."""
+
+        def capped(student_logits: torch.Tensor, *row_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            losses, grad = value_and_grad(student_logits, *row_inputs)
+            over = losses.detach() > self.cap
+            self._count(over)
+            # In place: the gradient is this chunk's own temporary, and a copy would be [C, V] more.
+            return losses.clamp(max=self.cap), grad.masked_fill_(over.unsqueeze(-1), 0.0)
+
+        return capped
+
+    def fraction(self, global_valid_tokens: int) -> float:
+        """The capped positions as a share of the global batch's loss tokens (the one host sync)."""
+        if self.clipped is None:
+            return 0.0
+        return float(self.clipped) / max(global_valid_tokens, 1)
 
 
 class _OneClassConstructor(ABCMeta):
@@ -961,7 +1030,7 @@ class DistillationLossFn(TokenLossFn, metaclass=_OneClassConstructor):
     Args:
         temperature: distillation temperature applied to both models' logits (separate
             from the sampling temperature); a finite number > 0.
-        kl_reduction, vocab_size, fused_lm_head, chunk_size, off_policy: as in
+        kl_reduction, vocab_size, fused_lm_head, chunk_size, off_policy, token_clip: as in
             :class:`TokenLossFn`. Models often pad their output layer beyond the tokenizer
             (Qwen2.5-32B has 152,064 outputs, 1.5B has 151,936, the tokenizer 151,665):
             ``vocab_size`` keeps those entries out of the divergence.
@@ -980,11 +1049,12 @@ class DistillationLossFn(TokenLossFn, metaclass=_OneClassConstructor):
         fused_lm_head: bool = False,
         chunk_size: int | None = None,
         off_policy: OffPolicyCorrection | None = None,
+        token_clip: float | None = None,
     ) -> None:
         _check_temperature(temperature)
         if metrics_topk < 1:
             raise ValueError(f"metrics_topk must be >= 1, got {metrics_topk}")
-        super().__init__(kl_reduction, vocab_size, fused_lm_head, chunk_size, off_policy)
+        super().__init__(kl_reduction, vocab_size, fused_lm_head, chunk_size, off_policy, token_clip)
         self.temperature = temperature
         self.metrics_topk = metrics_topk
 
@@ -1035,8 +1105,11 @@ class FullVocabLossFn(DistillationLossFn):
         chunk_size: int | None = None,
         compile_kernels: bool = False,
         off_policy: OffPolicyCorrection | None = None,
+        token_clip: float | None = None,
     ) -> None:
-        super().__init__(temperature, kl_reduction, vocab_size, metrics_topk, fused_lm_head, chunk_size, off_policy)
+        super().__init__(
+            temperature, kl_reduction, vocab_size, metrics_topk, fused_lm_head, chunk_size, off_policy, token_clip
+        )
         self.compile_kernels = compile_kernels
 
     @property
@@ -1108,11 +1181,20 @@ class KLLossFn(FullVocabLossFn):
         chunk_size: int | None = None,
         compile_kernels: bool = False,
         off_policy: OffPolicyCorrection | None = None,
+        token_clip: float | None = None,
     ) -> None:
         _check_kl_type(kl_type)
         _check_weight("mixed_kl_weight", mixed_kl_weight)
         super().__init__(
-            temperature, kl_reduction, vocab_size, metrics_topk, fused_lm_head, chunk_size, compile_kernels, off_policy
+            temperature,
+            kl_reduction,
+            vocab_size,
+            metrics_topk,
+            fused_lm_head,
+            chunk_size,
+            compile_kernels,
+            off_policy,
+            token_clip,
         )
         self.kl_type = kl_type
         self.mixed_kl_weight = mixed_kl_weight
@@ -1153,10 +1235,19 @@ class JSDLossFn(FullVocabLossFn):
         chunk_size: int | None = None,
         compile_kernels: bool = False,
         off_policy: OffPolicyCorrection | None = None,
+        token_clip: float | None = None,
     ) -> None:
         _check_weight("jsd_beta", beta)
         super().__init__(
-            temperature, kl_reduction, vocab_size, metrics_topk, fused_lm_head, chunk_size, compile_kernels, off_policy
+            temperature,
+            kl_reduction,
+            vocab_size,
+            metrics_topk,
+            fused_lm_head,
+            chunk_size,
+            compile_kernels,
+            off_policy,
+            token_clip,
         )
         self.beta = beta
 
@@ -1201,12 +1292,13 @@ class TopKKLLossFn(DistillationLossFn):
         fused_lm_head: bool = False,
         chunk_size: int | None = None,
         off_policy: OffPolicyCorrection | None = None,
+        token_clip: float | None = None,
     ) -> None:
         _check_kl_type(kl_type)
         _check_weight("mixed_kl_weight", mixed_kl_weight)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        super().__init__(temperature, kl_reduction, vocab_size, k, fused_lm_head, chunk_size, off_policy)
+        super().__init__(temperature, kl_reduction, vocab_size, k, fused_lm_head, chunk_size, off_policy, token_clip)
         self.kl_type = kl_type
         self.mixed_kl_weight = mixed_kl_weight
         self.k = k
@@ -1280,6 +1372,7 @@ class DistillationArguments:
     chunk_size: int | None = None
     compile_kernels: bool = False
     off_policy: OffPolicyCorrection | None = None
+    token_clip: float | None = None
 
     def shared(self) -> dict[str, Any]:
         """The keyword arguments every variant takes."""
@@ -1290,6 +1383,7 @@ class DistillationArguments:
             "fused_lm_head": self.fused_lm_head,
             "chunk_size": self.chunk_size,
             "off_policy": self.off_policy,
+            "token_clip": self.token_clip,
         }
 
 
