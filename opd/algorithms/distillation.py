@@ -9,10 +9,12 @@ One optimizer step (:func:`distillation_step`, see ``docs/guides/on-policy-disti
    when the engine holds its own weights); otherwise the step uses fixed data (the
    dataset's assistant turn). ``sync`` samples now; ``one_step_off`` and
    ``two_step_off`` sampled one or two steps ago, while earlier steps trained;
-2. the frozen teacher scores the very same token ids, micro-batch by micro-batch, with
-   the signal the loss asked for (or the schedule had it scored ahead);
+2. the teacher scores the very same token ids, micro-batch by micro-batch, with the
+   signal the loss asked for (or the schedule had it scored ahead);
 3. the student minimises the loss on response tokens, normalised over the whole global
-   batch, with gradient accumulation over micro-batches and one optimizer step;
+   batch, with gradient accumulation over micro-batches and one optimizer step; a
+   teacher that follows the student (an EMA of its weights) then takes the update
+   (:meth:`~opd.models.interfaces.TeacherInterface.follow_student`, a no-op for the others);
 4. the step's metrics and the time of each phase are returned to the training loop,
    which logs them, validates every ``val_freq`` steps and checkpoints every
    ``save_freq`` steps (:mod:`opd.algorithms.training_loop`, shared with SFT).
@@ -111,6 +113,8 @@ def distillation_step(
             train_metrics = student_policy.train(
                 scheduled.batch, loss_fn, MicroBatchScorer(submit) if request is not None else None, timer
             )
+        # Before anything scores the next batch (or a checkpoint keeps the teacher's state).
+        teacher_policy.follow_student(student_policy, state.policy_version + 1, timer)
         train_metrics = loss_fn.finish_metrics(train_metrics)
         state.policy_version += 1
     seconds = {**timer.pop(), **scheduled.seconds}
@@ -332,6 +336,11 @@ class DistillationCallbacks(TrainingCallbacks):
     def in_flight(self) -> RolloutSchedule:
         """The rollout schedule: batches sampled (and scored) ahead of their step."""
         return self.step_state.schedule
+
+    @property
+    def teacher_state(self) -> TeacherInterface:
+        """The teacher, whose state (an EMA teacher's average) is checkpointed with the run."""
+        return self.teacher_policy
 
 
 def validation_baselines(

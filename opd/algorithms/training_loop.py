@@ -208,6 +208,18 @@ class InFlight(Protocol):
         ...
 
 
+class TeacherState(Protocol):
+    """A teacher whose weights change during the run (an EMA of the student's), kept in checkpoints."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep (empty: nothing, and no file is written)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restores a checkpoint's state (None: the checkpoint kept none)."""
+        ...
+
+
 @dataclass
 class RunParts:
     """What a run trains and where it writes: the same for every algorithm.
@@ -269,6 +281,11 @@ class TrainingCallbacks(ABC):
 
         The data position saved is then that many batches past the step.
         """
+        return None
+
+    @property
+    def teacher_state(self) -> TeacherState | None:
+        """The algorithm's teacher, whose state (if any) is checkpointed with the rest; None without a teacher."""
         return None
 
 
@@ -430,6 +447,10 @@ class _TrainingRun:
         checkpoint = self.checkpointer.root / f"step_{step}"
         with reading_checkpoint(checkpoint):
             training_state = self.checkpointer.load_training_state(checkpoint)
+            teacher_state = self.checkpointer.load_teacher_state(checkpoint)
+        teacher = self.callbacks.teacher_state
+        if teacher is not None:  # before anything in flight is scored again
+            teacher.load_state_dict(teacher_state)
         restore_rng_state(training_state["rng"], self.algorithm_rng)
         # Batches drawn ahead of the step (in flight) moved the data past it.
         position = training_state.get("data_position", step)
@@ -512,8 +533,9 @@ class _TrainingRun:
             self.checkpointer.protected_step = step
 
     def save(self, step: int) -> None:
-        """Writes the ``step_N`` checkpoint (weights, optimizer, counters, data position, RNGs)."""
+        """Writes the ``step_N`` checkpoint (weights, optimizer, counters, data position, RNGs, a teacher's state)."""
         start = time.perf_counter()
+        teacher = self.callbacks.teacher_state
         path = self.checkpointer.save(
             step,
             self.policy,
@@ -527,6 +549,7 @@ class _TrainingRun:
                 "rng": capture_rng_state(self.algorithm_rng),
             },
             config_to_yaml(self.config),
+            teacher.state_dict() if teacher is not None else None,
         )
         seconds = time.perf_counter() - start
         self.logger.log_metrics({"timing/checkpoint": seconds}, step, console_keys=[])

@@ -2,7 +2,7 @@
 
 ``distillation_train`` calls only what these classes declare, as NeMo-RL's ``grpo_train``
 does: the trainable student (:class:`PolicyInterface`), the engine that samples from it
-(:class:`GenerationInterface`), the frozen teacher (:class:`TeacherInterface`) and the
+(:class:`GenerationInterface`), the teacher (:class:`TeacherInterface`) and the
 loss (:class:`LossFunction`). Every backend subclasses its interface, so a missing method
 fails when the backend is built, not halfway through a run, and a new backend (a Ray
 worker group, a served teacher that sends hidden states, several teachers) plugs in
@@ -41,6 +41,7 @@ import torch
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput, OutputLayer
+from opd.utils.errors import OpdError
 from opd.utils.timer import Timer
 
 ResultT = TypeVar("ResultT")
@@ -616,7 +617,13 @@ class InProcessGenerationInterface(GenerationInterface):
 
 
 class TeacherInterface(ABC):
-    """A frozen model that scores the student's tokens."""
+    """A model that scores the student's tokens: frozen, or following the student (self-distillation).
+
+    A teacher whose weights change during the run (an EMA of the student's,
+    :mod:`opd.models.teacher.self_teacher`) takes each update in :meth:`follow_student`,
+    which the driver calls after every optimizer step, and keeps what a resumed run needs
+    in :meth:`state_dict`; for every other teacher both are no-ops.
+    """
 
     @classmethod
     @abstractmethod
@@ -655,6 +662,36 @@ class TeacherInterface(ABC):
         The default scores before returning.
         """
         return Done(self.score(data, request))
+
+    def follow_student(  # noqa: B027 - a no-op unless the teacher follows the student
+        self, student: PolicyInterface, version: int, timer: Timer | None = None
+    ) -> None:
+        """After the student's optimizer step ``version`` (1-based): a teacher that follows the student updates.
+
+        Called once per step, right after the student's update and before anything scores
+        the next batch. An EMA teacher averages the student's weights in (timed as the
+        phase ``teacher_update`` on ``timer``); a frozen teacher, and one that scores with
+        the student's module itself, do nothing.
+        """
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep of this teacher (an EMA teacher's average); empty by default.
+
+        A teacher whose weights are loaded at start (frozen, served, the live student) has none.
+        """
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restores :meth:`state_dict` from a checkpoint (None: the checkpoint kept none).
+
+        Raises:
+            OpdError: the checkpoint holds a teacher's state that this teacher does not keep.
+        """
+        if state:
+            raise OpdError(
+                "the checkpoint holds the state of a teacher that follows the student (teacher.self_teacher = ema), "
+                "which this run's teacher does not keep; resume with the teacher settings it was written with"
+            )
 
     def close(self) -> None:  # noqa: B027 - a no-op unless the teacher holds resources
         """Frees connections or processes; the default holds none."""

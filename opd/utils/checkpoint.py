@@ -9,6 +9,8 @@ Layout of one checkpoint::
                               # a LoRA student's adapter tensors too (``lora_adapter``): its
                               # run resumes from the base model and these exact tensors
       training_state.pt       # RNG states and dataloader state (weights_only=True)
+      teacher_state.pt        # only for a teacher whose weights change during the run
+                              # (teacher.self_teacher: ema): its average (weights_only=True)
       save_state.json         # step, epoch, consumed samples, best metric
       config.yaml             # the resolved config of the run
       manifest.json           # every other file's size and CRC-32, written last
@@ -56,6 +58,7 @@ from opd.utils.text import first_line
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST_FILE = "manifest.json"
+TEACHER_STATE_FILE = "teacher_state.pt"
 MANIFEST_FORMAT = "opd-checkpoint-manifest/1"
 _READ_BLOCK = 8 * 2**20
 
@@ -161,6 +164,7 @@ class CheckpointManager:
         save_state: dict[str, Any],
         training_state: dict[str, Any],
         config_yaml: str,
+        teacher_state: dict[str, Any] | None = None,
     ) -> Path:
         """Writes ``step_<step>`` atomically and prunes old checkpoints.
 
@@ -172,6 +176,7 @@ class CheckpointManager:
             save_state: JSON-serialisable run counters.
             training_state: tensors/containers (RNG, dataloader) saved with torch.save.
             config_yaml: the resolved config.
+            teacher_state: a teacher's state (tensors, saved with torch.save); None or empty: no file.
 
         Returns:
             The final checkpoint directory.
@@ -184,6 +189,8 @@ class CheckpointManager:
         staging.mkdir()
         policy.save_checkpoint(staging, tokenizer=tokenizer)
         torch.save(training_state, staging / "training_state.pt")
+        if teacher_state:
+            torch.save(teacher_state, staging / TEACHER_STATE_FILE)
         (staging / "config.yaml").write_text(config_yaml, encoding="utf-8")
         (staging / "save_state.json").write_text(json.dumps(save_state, indent=2), encoding="utf-8")
         # The manifest describes every file written above, so it is written last.
@@ -237,6 +244,12 @@ class CheckpointManager:
     def load_training_state(checkpoint: Path) -> dict[str, Any]:
         """Reads RNG and dataloader state (``weights_only=True``: no arbitrary unpickling)."""
         return torch.load(checkpoint / "training_state.pt", weights_only=True)
+
+    @staticmethod
+    def load_teacher_state(checkpoint: Path) -> dict[str, Any] | None:
+        """Reads a teacher's state (``weights_only=True``), or None when the checkpoint kept none."""
+        path = checkpoint / TEACHER_STATE_FILE
+        return torch.load(path, weights_only=True) if path.is_file() else None
 
 
 @contextlib.contextmanager

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.interfaces import (
     Pending,
+    PolicyInterface,
     TeacherHiddenStates,
     TeacherInterface,
     TeacherRequest,
@@ -35,6 +37,7 @@ from opd.models.interfaces import (
     TopKLogprobs,
 )
 from opd.models.lm_head import LMHeadInput
+from opd.utils.timer import Timer
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,18 @@ class ContextTeacher(TeacherInterface):
         if not isinstance(answer, torch.Tensor):
             raise TypeError("a teacher-only context wraps each of several teachers, not the group")
         return self._to_student_positions(data, segments, answer, predicts_next)
+
+    def follow_student(self, student: PolicyInterface, version: int, timer: Timer | None = None) -> None:
+        """The wrapped teacher follows the student (a context changes the rows, not the weights)."""
+        self.teacher.follow_student(student, version, timer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped teacher's state."""
+        return self.teacher.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restores the wrapped teacher's state."""
+        self.teacher.load_state_dict(state)
 
     def close(self) -> None:
         """Closes the wrapped teacher."""
