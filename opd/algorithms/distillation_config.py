@@ -45,6 +45,7 @@ from opd.models.generation.config import GenerateStrategyConfig
 from opd.models.generation.engines import GenerationConfig
 from opd.models.interfaces import FullVocabRequest
 from opd.models.teacher.remote_teacher import protocol_refusal
+from opd.models.teacher.self_teacher import self_teacher_problem
 from opd.utils.checkpoint import CheckpointingConfig
 from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError
@@ -334,6 +335,18 @@ def _fused(loss: LossFnConfig) -> bool:
 def _teacher_problem(config: MasterConfig) -> str | None:
     """What the teacher backend(s) and the teacher-only context need from the rest of the config."""
     distillation = config.distillation
+    teacher = config.teacher
+    self_teacher = self_teacher_problem(
+        teacher.self_teacher,
+        config.model.teacher_model_path,
+        teacher.served,
+        several=config.teachers is not None,
+        cross_tokenizer=teacher.cross_tokenizer,
+        on_cluster=config.cluster is not None,
+        scores_ahead=DEPTHS_SCORED_AHEAD[config.training.scheduler],
+    )
+    if self_teacher is not None:
+        return self_teacher
     has_context = distillation.teacher_context_spec() is not None
     if has_context and not distillation.mask_prompt_tokens:
         return (
@@ -349,7 +362,6 @@ def _teacher_problem(config: MasterConfig) -> str | None:
         if config.teacher.cross_tokenizer:
             return "teacher.cross_tokenizer is for one teacher; several teachers must share the student's tokenizer"
         return _several_teachers_problem(config)
-    teacher = config.teacher
     if teacher.cross_tokenizer:
         problem = _cross_tokenizer_problem(config)
         if problem is not None:
@@ -357,7 +369,7 @@ def _teacher_problem(config: MasterConfig) -> str | None:
     if not teacher.served and config.model.teacher_model_path is None:
         return (
             "model.teacher_model_path is required with teacher.backend = local "
-            "('student' = a frozen copy of the student's initial weights)"
+            "('student' = the student's own model, teacher.self_teacher says which weights)"
         )
     keys = _TeacherKeys("teacher.backend", "teacher.remote", "model.teacher_model_path", "loss_fn", config.loss_fn)
     return _one_teacher_problem(config, teacher, config.model.teacher_model_path, keys)

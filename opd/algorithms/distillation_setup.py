@@ -77,6 +77,7 @@ from opd.models.teacher.cross_tokenizer import CrossTokenizerTeacher
 from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.teacher.remote_generation import RemoteGeneration
 from opd.models.teacher.remote_teacher import RemoteTeacher
+from opd.models.teacher.self_teacher import SELF_DISTILLATION_TEACHER
 from opd.models.teacher.several_teachers import RoutedTeachers, TeacherMixture
 from opd.utils.checkpoint import CheckpointManager
 from opd.utils.compile_cache import resolve_compile_kernels
@@ -89,8 +90,6 @@ if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling
 
 log = logging.getLogger("opd")
 
-SELF_DISTILLATION_TEACHER = "student"
-"""``model.teacher_model_path: student``: the teacher is a frozen copy of the student's initial weights."""
 # Training prompts on which the teacher's probability of the student's stop tokens is probed.
 STOP_TOKEN_PROBE_PROMPTS = 8
 
@@ -101,7 +100,7 @@ class DistillationComponents(DriverArguments):
 
     Attributes:
         student_policy: the trainable student.
-        teacher_policy: the frozen teacher (in process, served, with a context, ...).
+        teacher_policy: the teacher (in process, served, with a context, following the student, ...).
         student_generation: samples from the student.
         teacher_generation: the teachers that answer the validation prompts for the
             baselines (:func:`teacher_engines`); empty when no baseline is asked for.
@@ -209,8 +208,10 @@ def resolve_teacher_path(config: MasterConfig) -> str:
     """The in-process teacher's model path; ``student`` means the student's starting point.
 
     For self-distillation the teacher is ``model.student_model_path`` as given, never the
-    checkpoint a run resumes from: the teacher stays the initial student for the whole run
-    (a second copy of the weights in memory, without gradients or optimizer state).
+    checkpoint a run resumes from: a frozen self-teacher stays the initial student for the
+    whole run (a second copy of the weights in memory, without gradients or optimizer
+    state); an EMA one starts there and a resumed run restores its average from the
+    checkpoint (``teacher.self_teacher``).
 
     Raises:
         ConfigError: without ``model.teacher_model_path``.
@@ -262,6 +263,8 @@ def load_models(
 
     A served teacher (connected in :func:`setup`, before this) is not built here, nor are
     several teachers (``teachers:``, see :func:`build_several_teachers`): the teacher is then None.
+    A teacher that follows the student (``teacher.self_teacher`` live or ema) is built after
+    the student: a live one scores with the student's own module.
 
     Raises:
         ModelCompatibilityError: the teacher's tokenizer or an output layer does not
@@ -271,13 +274,16 @@ def load_models(
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     teacher = None
-    if not config.teacher.served and config.teachers is None:
-        loader = RunTeacherLoader(config, tokenizer, student_path, teacher_tokenizer_of(config))
+    in_process = not config.teacher.served and config.teachers is None
+    loader = RunTeacherLoader(config, tokenizer, student_path, teacher_tokenizer_of(config)) if in_process else None
+    if loader is not None and not config.teacher.follows_student:
         teacher = config.teacher.build(loader, resolve_teacher_path(config))
     log.info("loading student %s (%s on %s)", student_path, str(dtype).replace("torch.", ""), device)
     student_model = load_causal_lm(student_path, dtype, device, config.model)
     check_output_sizes(student_model, len(tokenizer), student_path)
     _check_fusable(config, student_model, None)
+    if loader is not None and config.teacher.follows_student:
+        teacher = config.teacher.build_following(loader, student_model)
     return student_model, teacher
 
 

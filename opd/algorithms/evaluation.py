@@ -16,6 +16,7 @@ files go to ``validation.harness.output_path`` when it is set.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
@@ -35,10 +36,12 @@ from opd.algorithms.multi_turn import Episodes
 from opd.algorithms.run_setup import load_examples
 from opd.algorithms.validation import validate
 from opd.data.dataloaders import make_eval_dataloader
-from opd.models.interfaces import TeacherInterface
+from opd.models.interfaces import CHECKPOINT_POLICY_DIR, TeacherInterface
 from opd.models.policy.hf_policy import HFPolicy
-from opd.utils.checkpoint import CheckpointManager
+from opd.utils.checkpoint import CheckpointManager, reading_checkpoint
 from opd.utils.errors import ConfigError
+
+log = logging.getLogger("opd")
 
 
 def resolve_eval_model(config: MasterConfig) -> str:
@@ -50,6 +53,26 @@ def resolve_eval_model(config: MasterConfig) -> str:
     if (Path(model_path) / "policy" / "config.json").is_file():  # a step_N checkpoint
         model_path = str(Path(model_path) / "policy")
     return model_path
+
+
+def restore_teacher(teacher: TeacherInterface, model_path: str) -> None:
+    """A teacher that follows the student (``teacher.self_teacher: ema``) as the evaluated checkpoint kept it.
+
+    ``model_path`` is a checkpoint's ``policy/`` when ``opd eval`` validates a checkpoint; a
+    model directory outside a run has no teacher state, and the teacher is then the
+    student's starting point (said in the log).
+    """
+    directory = Path(model_path)
+    checkpoint = directory.parent
+    if directory.name == CHECKPOINT_POLICY_DIR and (checkpoint / "save_state.json").is_file():
+        with reading_checkpoint(checkpoint):
+            teacher.load_state_dict(CheckpointManager.load_teacher_state(checkpoint))
+    elif teacher.state_dict():
+        log.warning(
+            "%s is not a checkpoint of the run: the teacher that follows the student (teacher.self_teacher) is the "
+            "student's starting point",
+            model_path,
+        )
 
 
 def evaluate(master_config: MasterConfig) -> dict[str, float]:
@@ -88,6 +111,7 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
     else:
         teacher = in_process
     teacher = build_teacher(config, tokenizer, teacher, teacher_tokenizer)
+    restore_teacher(teacher, model_path)
     # A policy only for the student's logits: its optimizer never steps.
     policy = HFPolicy(student_model, config.training, resolve_micro_batching(config)[0], total_steps=1)
     generation = build_generation(config, student_model, tokenizer)

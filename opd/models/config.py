@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from opd.data.teacher_choice import ROUTES_BY_MODE, TeacherChoice
 from opd.models.teacher.backends import RemoteTeacherConfig as RemoteTeacherConfig
-from opd.models.teacher.backends import TeacherBackendName, TeacherSourceConfig
+from opd.models.teacher.backends import TeacherBackendName, TeacherLoader, TeacherSourceConfig
+from opd.models.teacher.self_teacher import FOLLOWING_TEACHERS, SelfTeacherName
 from opd.utils.config import StrictConfig
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
+
+    from opd.models.interfaces import TeacherInterface
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The attention and MLP projections of Qwen2 / Llama-style decoders."""
@@ -87,7 +93,12 @@ class ModelConfig(ModelLoadingConfig, StudentLoraSettings):
 
 
 class TeacherConfig(TeacherSourceConfig):
-    """Where the teacher runs: in the trainer's process (``local``) or behind HTTP (``remote``)."""
+    """Where the teacher runs: in the trainer's process (``local``) or behind HTTP (``remote``).
+
+    With ``model.teacher_model_path: student``, ``self_teacher`` says which of the student's
+    weights the teacher scores with (:mod:`opd.models.teacher.self_teacher`, whose
+    :func:`~opd.models.teacher.self_teacher.self_teacher_problem` says what it cannot run with).
+    """
 
     backend: TeacherBackendName = Field("local", description="local = model.teacher_model_path in process")
     cross_tokenizer: bool = Field(
@@ -95,6 +106,24 @@ class TeacherConfig(TeacherSourceConfig):
         description="the teacher's tokenizer differs from the student's: it scores the response text under its own "
         "tokenization, aligned by bytes (loss_fn.type topk; its tokenizer is read from model.teacher_model_path)",
     )
+    self_teacher: SelfTeacherName = Field(
+        "frozen",
+        description="model.teacher_model_path = student: frozen = a copy of the student's initial weights; live = "
+        "the student's current weights (its own module, no copy); ema = a copy following the student's weights by "
+        "an exponential moving average (ema_decay)",
+    )
+    ema_decay: float = Field(
+        0.99, gt=0.0, lt=1.0, description="self_teacher = ema: θ_T ← d·θ_T + (1 − d)·θ_S after every optimizer step"
+    )
+
+    @property
+    def follows_student(self) -> bool:
+        """The teacher is built on the student and follows its weights (``self_teacher`` live or ema)."""
+        return self.self_teacher in FOLLOWING_TEACHERS
+
+    def build_following(self, loader: TeacherLoader, student: PreTrainedModel) -> TeacherInterface:
+        """The teacher that follows ``student`` (the student's module, loaded already), as ``self_teacher`` says."""
+        return FOLLOWING_TEACHERS[self.self_teacher](loader, student, self.ema_decay, self.share_prompt_forward)
 
 
 class OptimizerConfig(StrictConfig):
