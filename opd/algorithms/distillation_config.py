@@ -344,6 +344,7 @@ def _teacher_problem(config: MasterConfig) -> str | None:
         cross_tokenizer=teacher.cross_tokenizer,
         on_cluster=config.cluster is not None,
         scores_ahead=DEPTHS_SCORED_AHEAD[config.training.scheduler],
+        has_context=distillation.teacher_context_spec() is not None,
     )
     if self_teacher is not None:
         return self_teacher

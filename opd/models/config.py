@@ -123,7 +123,8 @@ class TeacherConfig(TeacherSourceConfig):
 
     def build_following(self, loader: TeacherLoader, student: PreTrainedModel) -> TeacherInterface:
         """The teacher that follows ``student`` (the student's module, loaded already), as ``self_teacher`` says."""
-        return FOLLOWING_TEACHERS[self.self_teacher](loader, student, self.ema_decay, self.share_prompt_forward)
+        build = FOLLOWING_TEACHERS[self.self_teacher].build
+        return build(loader, student, self.ema_decay, self.share_prompt_forward)
 
 
 class OptimizerConfig(StrictConfig):

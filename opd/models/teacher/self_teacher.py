@@ -11,7 +11,8 @@ builds its rows). Which weights it scores with is ``teacher.self_teacher``:
   scores with the very module the student trains, without gradient and in eval mode for
   the scoring only (each submodule's train/eval mode is put back afterwards), and it never
   freezes the student's parameters. A LoRA student's adapters are injected into that module
-  in place, so the live teacher scores with base + current adapter, as the student does;
+  in place, so the live teacher scores with base + current adapter, as the student does. It
+  needs a teacher-only context: without one it answers exactly what the student does;
 * ``ema`` (:class:`EmaTeacher`): a frozen copy of the student's initial weights that follows
   the student after every optimizer step, θ_T ← d·θ_T + (1 − d)·θ_S with d = ``teacher.ema_decay``.
   θ_S are the student's weights as a refit sends them (:meth:`PolicyInterface.weights_for_refit`:
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -189,8 +191,25 @@ def _ema(loader: TeacherLoader, student: PreTrainedModel, decay: float, share_pr
     return EmaTeacher(loader.load(SELF_DISTILLATION_TEACHER), decay, share_prompt_forward)
 
 
-FOLLOWING_TEACHERS: dict[str, FollowingTeacherBuilder] = {"live": _live, "ema": _ema}
-"""The values of ``teacher.self_teacher`` whose teacher follows the student, and how each is built
+@dataclass(frozen=True)
+class FollowingTeacher:
+    """One value of ``teacher.self_teacher`` whose teacher follows the student.
+
+    Attributes:
+        build: makes the teacher.
+        is_the_student: it scores with the student's own weights, so without a teacher-only
+            context it answers what the student does (every divergence 0).
+    """
+
+    build: FollowingTeacherBuilder
+    is_the_student: bool
+
+
+FOLLOWING_TEACHERS: dict[str, FollowingTeacher] = {
+    "live": FollowingTeacher(_live, is_the_student=True),
+    "ema": FollowingTeacher(_ema, is_the_student=False),
+}
+"""The values of ``teacher.self_teacher`` whose teacher follows the student
 (``frozen`` is an ordinary in-process teacher, built by its backend)."""
 
 
@@ -202,6 +221,7 @@ def self_teacher_problem(
     cross_tokenizer: bool,
     on_cluster: bool,
     scores_ahead: bool,
+    has_context: bool,
 ) -> str | None:
     """Why ``teacher.self_teacher`` cannot run with these settings, or None.
 
@@ -213,8 +233,11 @@ def self_teacher_problem(
         cross_tokenizer: ``teacher.cross_tokenizer``.
         on_cluster: ``cluster:`` is set.
         scores_ahead: ``training.scheduler`` scores a batch while the student trains on another.
+        has_context: the teacher reads a teacher-only context (``distillation.teacher_context``
+            or ``teacher_context_key``).
     """
-    if self_teacher not in FOLLOWING_TEACHERS:
+    following = FOLLOWING_TEACHERS.get(self_teacher)
+    if following is None:
         return None
     key = f"teacher.self_teacher = {self_teacher}"
     if several:
@@ -239,6 +262,12 @@ def self_teacher_problem(
             f"{key} is not supported on a cluster yet: there the student is sharded across the trainer workers and "
             "the teacher loads a copy of its own, which does not follow the student; use teacher.self_teacher = "
             "frozen, or train in one process (no cluster: section)"
+        )
+    if following.is_the_student and not has_context:
+        return (
+            f"{key} without a teacher-only context is the student scoring its own tokens under its own prompt: "
+            "every divergence is 0 and there is nothing to learn; set distillation.teacher_context or "
+            "teacher_context_key (or use teacher.self_teacher = ema)"
         )
     if scores_ahead:
         return (

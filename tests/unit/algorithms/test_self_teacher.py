@@ -20,7 +20,8 @@
   losses, the final model and the teacher's saved average, bit for bit), and a checkpoint
   of a run with another ``self_teacher`` is refused, naming the key, instead of the
   average being restarted;
-* config mistakes name the keys;
+* config mistakes name the keys (a live teacher without a teacher-only context is refused:
+  it would be the student scoring its own tokens, every divergence 0);
 * ``opd train`` of ``examples/configs/context_demo.yaml`` with live and with ema runs to
   the end with finite losses.
 """
@@ -354,6 +355,7 @@ def test_a_checkpoint_of_another_self_teacher_is_refused(ema_run, tmp_path):
 
 
 STUDENT = "model.teacher_model_path=student"
+CONTEXT = "distillation.teacher_context=Check each column."
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -365,8 +367,10 @@ STUDENT = "model.teacher_model_path=student"
      "teacher.self_teacher = live: the student shares its own tokenizer; set teacher.cross_tokenizer = false"),
     ([STUDENT, "teacher.self_teacher=ema", "cluster.placement=colocated"],
      "teacher.self_teacher = ema is not supported on a cluster yet"),
-    ([STUDENT, "teacher.self_teacher=live", "training.scheduler=two_step_off"],
+    ([STUDENT, CONTEXT, "teacher.self_teacher=live", "training.scheduler=two_step_off"],
      "use training.scheduler = sync or one_step_off"),
+    ([STUDENT, "teacher.self_teacher=live"],
+     "teacher.self_teacher = live without a teacher-only context is the student scoring its own tokens"),
     ([STUDENT, "teacher.self_teacher=ema", "teacher.ema_decay=1.0"], "teacher.ema_decay = 1.0"),
     ([STUDENT, "teacher.ema_decay=0"], "teacher.ema_decay = 0"),
     ([STUDENT, "teacher.self_teacher=copy"], "teacher.self_teacher = 'copy'"),
@@ -391,8 +395,10 @@ def test_several_teachers_with_a_following_teacher_are_refused(tmp_path):
 def test_live_and_ema_combine_with_lora_and_one_step_off(tmp_path):
     for overrides in (["model.lora.r=4"], ["training.scheduler=one_step_off"]):
         for kind in ("live", "ema"):
-            load_config(MasterConfig, TINY_CONFIG, [f"output_dir={tmp_path}", STUDENT, f"teacher.self_teacher={kind}",
-                                                    *overrides])
+            load_config(MasterConfig, TINY_CONFIG, [f"output_dir={tmp_path}", STUDENT, CONTEXT,
+                                                    f"teacher.self_teacher={kind}", *overrides])
+    # Without a context an EMA teacher still differs from the student (a slower copy of it).
+    load_config(MasterConfig, TINY_CONFIG, [f"output_dir={tmp_path}", STUDENT, "teacher.self_teacher=ema"])
 
 
 # ------------------------------------------------------------------ opd train: the context demo
