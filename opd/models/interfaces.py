@@ -690,7 +690,7 @@ class TeacherInterface(ABC):
         if state:
             raise OpdError(
                 "the checkpoint holds the state of a teacher that follows the student (teacher.self_teacher = ema), "
-                "which this run's teacher does not keep; resume with the teacher settings it was written with"
+                "which this run's teacher does not keep; use the teacher settings it was written with"
             )
 
     def close(self) -> None:  # noqa: B027 - a no-op unless the teacher holds resources

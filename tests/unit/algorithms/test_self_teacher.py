@@ -342,7 +342,7 @@ def test_a_resumed_ema_run_equals_the_uninterrupted_one(ema_run):
 def test_a_checkpoint_of_another_self_teacher_is_refused(ema_run, tmp_path):
     _, config = ema_run
     as_if_killed_after_step_2(config, "as_frozen", tmp_path)
-    with pytest.raises(OpdError, match=re.escape("resume with the teacher settings it was written with")):
+    with pytest.raises(OpdError, match=re.escape("use the teacher settings it was written with")):
         distillation_train(**setup(run_config(tmp_path, "as_frozen")).as_arguments())
     frozen = run_config(tmp_path, "frozen", "training.max_num_steps=2")
     distillation_train(**setup(frozen).as_arguments())
