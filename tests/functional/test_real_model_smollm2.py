@@ -7,9 +7,10 @@ dependencies are a llama.cpp runtime opd does not use), then, as a user would:
 
 * ``opd export`` dequantises it into a plain Hugging Face directory (the teacher);
 * ``opd prune`` keeps 4 of its 30 layers (the student), which loads with plain transformers;
-* ``opd train`` runs 3 on-policy steps with each loss type, the first with the GGUF file
-  itself as the teacher's path; every loss is finite, and the distilled student loads
-  with plain transformers, without GGUF.
+* ``opd train`` runs 3 on-policy steps with each loss type; every loss is finite, and the
+  distilled student loads with plain transformers, without GGUF. (Training from a GGUF
+  path is the same loader as ``opd export``'s, tested on tiny GGUF files in
+  ``tests/unit/models/test_gguf_source.py``; here it would cost a second dequantisation.)
 """
 
 from __future__ import annotations
@@ -80,8 +81,7 @@ def test_pruned_student_is_a_plain_model_of_the_kept_layers(pair):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_three_steps_of_each_loss_on_the_real_pair(pair, loss_type, tmp_path):
-    # The first loss reads the teacher from the GGUF file itself; the others from the exported directory.
-    teacher = pair["gguf"] if loss_type == LOSS_TYPES[0] else pair["teacher"]
+    teacher = pair["teacher"]
     overrides = [
         f"output_dir={tmp_path}",
         f"model.teacher_model_path={teacher}",
