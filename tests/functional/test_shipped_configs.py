@@ -112,6 +112,9 @@ CASES = {
         "sft", ["model.model_path=examples/demo/models/tool_teacher", *ONE_STEP, "training.batch_size=4"]
     ),
     "distillation_math_cluster.yaml": Case("plan", ["--json", "--quick"]),
+    # The real-model example's models are SmolLM2 and a student pruned from it (its runner
+    # makes them); tiny ones stand in, on its own task written by its script (capitals_task).
+    "real_model.yaml": Case("train", [*TINY_PAIR, *ONE_STEP, *SHORT_ROLLOUTS]),
     "generate_demo.yaml": Case("generate", ["data.max_train_examples=4", "generate.generate_strategy.max_length=12"]),
     "generate_math.yaml": Case(
         "generate",
@@ -177,6 +180,21 @@ def tool_task(tmp_path_factory) -> Path:
     return out_dir
 
 
+@pytest.fixture(scope="module")
+def capitals_task(tmp_path_factory) -> Path:
+    """The real-model example's task, written by ``examples/real_model/make_capitals_task.py``."""
+    import importlib.util
+
+    path = REPO_ROOT / "examples" / "real_model" / "make_capitals_task.py"
+    spec = importlib.util.spec_from_file_location("make_capitals_task", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out_dir = tmp_path_factory.mktemp("capitals")
+    module.write_task(out_dir)
+    return out_dir
+
+
 TOOL_TASK_FILES = {
     "tool_demo.yaml": ("train.jsonl", "val.jsonl"),
     "sft_tool.yaml": ("teacher_sft.jsonl", "teacher_sft.jsonl"),
@@ -230,6 +248,9 @@ def test_a_shipped_config_starts_validates_and_trains_one_step(name, tmp_path, r
         overrides.append(f"teacher.remote.url={server.url}")
     if name == "context_demo.yaml":
         request.getfixturevalue("hint_data")
+    if name == "real_model.yaml":
+        task = request.getfixturevalue("capitals_task")
+        overrides += [f"data.train_path={task / 'train.jsonl'}", f"data.val_path={task / 'val.jsonl'}"]
     if name in TOOL_TASK_FILES:
         task = request.getfixturevalue("tool_task")
         train, val = TOOL_TASK_FILES[name]
