@@ -9,9 +9,11 @@ knowledge the student recovers, not questions it was trained on:
 * ``train.jsonl``: every training country under each of the question phrasings;
 * ``val.jsonl`` and ``test.jsonl``: countries of their own, first phrasing only.
 
-Each row is a chat example ``{"messages": [user, assistant], "answers": [...]}``; the
-assistant turn is a reference answer ("The capital of France is Paris."), what SFT
-trains on; ``answers`` are the accepted spellings, for :func:`is_correct`.
+Each row is a chat example ``{"messages": [user, assistant], "answers": [...],
+"reference": ...}``; the assistant turn is a reference answer ("The capital of France is
+Paris."), what SFT trains on; ``answers`` are the accepted spellings, for
+:func:`is_correct`; ``reference`` is the same answer as a teacher-only context for
+self-distillation (``distillation.teacher_context_key: reference``).
 
 Usage: ``python examples/real_model/make_capitals_task.py [--output DIR] [--seed 0]``
 """
@@ -60,6 +62,7 @@ def example(country: str, answers: list[str], phrasing: str) -> dict:
     return {
         "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": reference}],
         "answers": answers,
+        "reference": f"Reference answer: {reference}",
     }
 
 
