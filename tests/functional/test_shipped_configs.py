@@ -115,6 +115,8 @@ CASES = {
     # The real-model example's models are SmolLM2 and a student pruned from it (its runner
     # makes them); tiny ones stand in, on its own task written by its script (capitals_task).
     "real_model.yaml": Case("train", [*TINY_PAIR, *ONE_STEP, *SHORT_ROLLOUTS]),
+    # Its self-distillation: the tiny student is its own live teacher, reading the reference answer.
+    "real_model_self.yaml": Case("train", ["model.student_model_path=tiny:student", *ONE_STEP, *SHORT_ROLLOUTS]),
     "generate_demo.yaml": Case("generate", ["data.max_train_examples=4", "generate.generate_strategy.max_length=12"]),
     "generate_math.yaml": Case(
         "generate",
@@ -248,7 +250,7 @@ def test_a_shipped_config_starts_validates_and_trains_one_step(name, tmp_path, r
         overrides.append(f"teacher.remote.url={server.url}")
     if name == "context_demo.yaml":
         request.getfixturevalue("hint_data")
-    if name == "real_model.yaml":
+    if name in ("real_model.yaml", "real_model_self.yaml"):
         task = request.getfixturevalue("capitals_task")
         overrides += [f"data.train_path={task / 'train.jsonl'}", f"data.val_path={task / 'val.jsonl'}"]
     if name in TOOL_TASK_FILES:
