@@ -37,10 +37,7 @@ class DriverArguments:
 
 def load_run_tokenizer(path: str, trust_remote_code: bool, data: DataConfig) -> Any:
     """The run's tokenizer, with ``data.chat_template`` replacing its own template when set."""
-    tokenizer = load_tokenizer(path, trust_remote_code)
-    if data.chat_template:
-        tokenizer.chat_template = data.chat_template
-    return tokenizer
+    return load_tokenizer(path, trust_remote_code, data.chat_template)
 
 
 def load_examples(

@@ -48,8 +48,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+def load_tokenizer(path: str, trust_remote_code: bool = False, chat_template: str | None = None) -> Any:
     """Loads a tokenizer (or builds the tiny one) and makes sure it can pad.
+
+    Args:
+        chat_template: replaces the tokenizer's own template (``data.chat_template``): a
+            tokenizer that has none, such as a base model's, is usable with one.
 
     Raises:
         ConfigError: if the tokenizer cannot be loaded or has no EOS token.
@@ -70,6 +74,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     if tokenizer.pad_token_id is None:
         # Padding never carries loss or attention, so EOS is a safe stand-in.
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template:
+        tokenizer.chat_template = chat_template
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError(f"tokenizer '{path}' has no chat template; set data.chat_template in the config")
     return tokenizer

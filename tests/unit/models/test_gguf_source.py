@@ -342,3 +342,20 @@ def test_the_missing_extra_says_how_to_install_it(f32_file, monkeypatch, package
     assert f"needs the {package} package" in message and "pip install 'opd[gguf]'" in message
     with pytest.raises(ConfigError, match=r"pip install 'opd\[gguf\]'"):
         model_config(str(f32_file))
+
+
+def test_a_tokenizer_without_a_chat_template_needs_the_runs_template(tmp_path):
+    """A base model's tokenizer (Gemma 3 270M's GGUF has none) is refused alone, and usable with data.chat_template."""
+    from opd.algorithms.run_setup import load_run_tokenizer
+    from opd.data.config import DataConfig
+
+    tokenizer = train_bpe_tokenizer(["hello there", "general kenobi"] * 8, vocab_size=300)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="has no chat template; set data.chat_template"):
+        load_tokenizer(str(tmp_path))
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    data = DataConfig(train_path="unused.jsonl", chat_template=template)
+    loaded = load_run_tokenizer(str(tmp_path), False, data)
+    messages = [{"role": "user", "content": "hello"}]
+    assert loaded.apply_chat_template(messages, tokenize=False) == "<user>hello"
