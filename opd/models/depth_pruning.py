@@ -273,7 +273,8 @@ def prune_source(
     conversations = None
     if keep is None and method == "importance":
         conversations = load_chat_dataset(str(calibration), max_examples=calibration_examples)
-    tokenizer = load_tokenizer(source)
+    # A base model's tokenizer may have no chat template: only calibration chats need one.
+    tokenizer = load_tokenizer(source, require_chat_template=conversations is not None)
     model = load_causal_lm(source, dtype, torch.device("cpu"), ModelLoadingConfig())
     total = len(decoder_layers(model)[1])
     importance: list[float] | None = None

@@ -48,12 +48,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False, chat_template: str | None = None) -> Any:
+def load_tokenizer(
+    path: str, trust_remote_code: bool = False, chat_template: str | None = None, require_chat_template: bool = True
+) -> Any:
     """Loads a tokenizer (or builds the tiny one) and makes sure it can pad.
 
     Args:
         chat_template: replaces the tokenizer's own template (``data.chat_template``): a
             tokenizer that has none, such as a base model's, is usable with one.
+        require_chat_template: refuse a tokenizer without a template (every use that
+            renders chats); ``opd prune`` without calibration chats renders none.
 
     Raises:
         ConfigError: if the tokenizer cannot be loaded or has no EOS token.
@@ -76,7 +80,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, chat_template: st
         tokenizer.pad_token = tokenizer.eos_token
     if chat_template:
         tokenizer.chat_template = chat_template
-    if getattr(tokenizer, "chat_template", None) is None:
+    if require_chat_template and getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError(f"tokenizer '{path}' has no chat template; set data.chat_template in the config")
     return tokenizer
 

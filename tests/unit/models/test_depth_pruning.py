@@ -456,6 +456,26 @@ def test_opd_prune_a_gguf_file(tmp_path):
     assert AutoTokenizer.from_pretrained(output).chat_template == tokenizer.chat_template
 
 
+def test_opd_prune_a_base_model_without_a_chat_template(source_dir, tmp_path, capsys):
+    """A base model's tokenizer may have no template: an even cut needs none, calibration chats do."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(source_dir, base)
+    for name in ("chat_template.jinja",):
+        (base / name).unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    assert AutoTokenizer.from_pretrained(base).chat_template is None
+    assert prune(base, tmp_path / "even", "--layers", 2) == 0
+    assert_is_pruned_source(tmp_path / "even", load_source(source_dir), [0, 3])
+    calibration = tmp_path / "chats.jsonl"
+    calibration.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHATS))
+    assert prune(base, tmp_path / "importance", "--layers", 2, "--method", "importance", "--calibration", calibration) == 2
+    assert "has no chat template" in capsys.readouterr().err
+
+
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fails the test if ``opd prune`` loads the model or its tokenizer."""
