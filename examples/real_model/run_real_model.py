@@ -86,12 +86,12 @@ def prepare_models(models: Path) -> tuple[Path, Path]:
     return teacher, student
 
 
-def test_accuracy(model_path: Path) -> tuple[float, list[str]]:
-    """Greedy answers to the test questions, and the share that name the right capital."""
+def test_accuracy(model_path: Path, questions: Path = TASK_DIR / "test.jsonl") -> tuple[float, list[str]]:
+    """Greedy answers to the ``questions`` (test) rows, and the share that name the right capital."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    rows = [json.loads(line) for line in (TASK_DIR / "test.jsonl").read_text(encoding="utf-8").splitlines()]
+    rows = [json.loads(line) for line in questions.read_text(encoding="utf-8").splitlines()]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tokenizer.padding_side = "left"  # generate() continues every row from its last position
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
