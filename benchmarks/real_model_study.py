@@ -14,7 +14,8 @@ the training questions (120 questions, greedy, graded by ``is_correct``). Arms:
 
 The teacher's answers are drawn by ``opd generate`` once per seed (temperature 1, top-p 1,
 at most 24 tokens; a truncated answer is redrawn, up to 4 draws per prompt); the greedy
-answers once for all seeds.
+answers once for all seeds, but each run is charged their whole generation, as a single
+run would pay it.
 
 **Equal compute, in FLOPs.** A token's forward costs ``2·N + 4·L·d·c`` FLOPs (``N`` the
 weights a token multiplies, embeddings excluded and the tied head included; ``L`` layers,
@@ -226,8 +227,6 @@ def arm_plan(arm: str, seed: int, costs: Costs, tokenizer, out: Path, teacher: P
         kept = [p + a for p, a in chat_lengths(tokenizer, read_rows(data))]
         # Kept answers at their length; redrawn (truncated) ones at the full answer length.
         generation = costs.generation(kept) + costs.generation([prompt_mean + ANSWER_TOKENS] * drawn["truncated"])
-        if arm == "seq_kd_greedy":
-            generation /= len(args.seeds)  # drawn once, shared by every seed
     lengths = [p + a for p, a in chat_lengths(tokenizer, read_rows(data))]
     step = (costs.supervised_kd_step if arm == "supervised_kd" else costs.sft_step)([statistics.mean(lengths)] * BATCH)
     steps = args.steps or int((budget - generation) // step)
