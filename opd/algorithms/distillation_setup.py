@@ -34,7 +34,7 @@ from opd.algorithms.loss_config import (
     HybridFullVocabLossConfig,
     SampledTokenLossConfig,
 )
-from opd.algorithms.loss_functions import DistillationLossFn
+from opd.algorithms.loss_functions import DistillationLossFn, TopKKLLossFn
 from opd.algorithms.off_policy import OffPolicyCorrection, filtered_sampling_warning
 from opd.algorithms.run_setup import (
     DriverArguments,
@@ -392,8 +392,10 @@ def build_teacher(
     if teacher_tokenizer is not None:
         wrapped = CrossTokenizerTeacher(teacher, tokenizer, teacher_tokenizer)
         log.info(
-            "teacher with its own tokenizer: %.0f%% of the student's tokens have a comparable teacher token",
-            100 * wrapped.comparable_fraction,
+            "teacher with its own tokenizer: compared on %d classes of tokens (the strings both vocabularies "
+            "share, each with the tokens it prefixes); %.0f%% of the student's tokens fall in one",
+            wrapped.classes.roots,
+            100 * wrapped.classes.classified_fraction,
         )
         return wrapped
     if config.distillation.teacher_context_spec() is None or config.teachers is not None:
@@ -465,8 +467,11 @@ def build_generation(config: MasterConfig, model: PreTrainedModel, tokenizer: An
     return config.generation.build(model, tokenizer, config.training.seed, own_copy=config.training.asynchronous)
 
 
-def build_loss(config: MasterConfig, tokenizer: Any) -> LossFunction:
+def build_loss(config: MasterConfig, tokenizer: Any, student_classes: torch.Tensor | None = None) -> LossFunction:
     """The ``loss_fn`` objective, weighing stale samples when ``training.off_policy_correction`` is on.
+
+    ``student_classes``: what the teacher's top-k ids name, when not student tokens (a
+    teacher with another tokenizer: :attr:`~opd.models.interfaces.TeacherInterface.student_classes`).
 
     With several teachers, the objective is applied to each teacher's rows (routing) or to
     their mixture (:mod:`opd.algorithms.several_teachers_loss`).
@@ -480,6 +485,8 @@ def build_loss(config: MasterConfig, tokenizer: Any) -> LossFunction:
     for key, loss in config.teacher_losses():
         if key not in built:
             objective = loss.build(len(tokenizer), device_type)
+            if student_classes is not None and isinstance(objective, TopKKLLossFn):
+                objective.student_classes = student_classes
             corrected = (DistillationLossFn, FullVocabHybridLossFn)
             if config.training.correction_is_on(loss) and isinstance(objective, corrected):
                 objective.off_policy = OffPolicyCorrection.from_config(
@@ -852,9 +859,10 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
         config.training.batch_size * config.distillation.num_samples_per_prompt,
         micro_batch_size,
     )
+    teacher_policy = build_teacher(config, tokenizer, teacher, teacher_tokenizer)
     return DistillationComponents(
         student_policy=student_policy,
-        teacher_policy=build_teacher(config, tokenizer, teacher, teacher_tokenizer),
+        teacher_policy=teacher_policy,
         student_generation=student_generation,
         teacher_generation=teacher_generation,
         dataloader=make_train_dataloader(
@@ -862,7 +870,7 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
         ),
         val_dataloader=make_eval_dataloader(val_examples, config.validation.batch_size) if val_examples else None,
         tokenizer=tokenizer,
-        loss_fn=build_loss(config, tokenizer),
+        loss_fn=build_loss(config, tokenizer, teacher_policy.student_classes),
         logger=logger,
         checkpointer=checkpointer,
         distillation_save_state=save_state,

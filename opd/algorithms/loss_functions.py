@@ -44,6 +44,7 @@ from opd.algorithms.compiled_kernels import compiled, kl_metrics_from_logits
 from opd.algorithms.fused_lm_head import chunked_lm_head_loss
 from opd.algorithms.off_policy import OffPolicyCorrection, importance_weights, learner_log_probs
 from opd.data.sequences import shift_token_mask  # re-exported: part of the kernel API
+from opd.data.token_alignment import pool_logits_by_class
 from opd.models.interfaces import (
     FullVocabRequest,
     LossFunction,
@@ -297,6 +298,7 @@ def topk_token_kl(
     tail: bool = True,
     temperature: float = 1.0,
     teacher_rest_logprobs: torch.Tensor | None = None,
+    student_classes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-position KL against a teacher that sent only its top-k log-probs and token ids.
 
@@ -337,6 +339,10 @@ def topk_token_kl(
         teacher_rest_logprobs: optional ``[...]`` log of the teacher's mass outside its
             top k (−inf where it is exactly 0), as computed by the teacher; None computes
             it from ``teacher_topk_logprobs``. Unused with ``tail=False``.
+        student_classes: ``[V]`` the class (root id) of each student id, when the teacher's
+            ids name classes of student tokens (a teacher with another tokenizer,
+            :class:`~opd.data.token_alignment.PrefixClasses`): the student's probabilities
+            (at the temperature) are summed by class first. None: ids are tokens.
 
     Returns:
         ``student_logits.shape[:-1]`` divergences in float32 (float64 for float64 inputs).
@@ -351,8 +357,7 @@ def topk_token_kl(
     _check_temperature(temperature)
     _check_topk_shapes(student_logits, teacher_topk_logprobs, teacher_topk_ids, teacher_rest_logprobs)
     compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
-    scaled = student_logits.to(compute_dtype)
-    log_q_full = torch.log_softmax(scaled if temperature == 1.0 else scaled / temperature, dim=-1)
+    log_q_full = _student_log_probs(student_logits.to(compute_dtype), temperature, student_classes)
     empty = teacher_topk_ids < 0
     listed_ids = teacher_topk_ids.clamp_min(0)
     log_q = log_q_full.gather(-1, listed_ids).masked_fill(empty, float("-inf"))
@@ -383,6 +388,16 @@ def topk_token_kl(
     return _combine(
         torch.cat([log_q, log_q_rest], dim=-1), torch.cat([log_p, log_p_rest], dim=-1), kl_type, mixed_kl_weight
     )
+
+
+def _student_log_probs(
+    student_logits: torch.Tensor, temperature: float, student_classes: torch.Tensor | None
+) -> torch.Tensor:
+    """log softmax(logits / T), with each class's mass on its root id when ``student_classes`` is given."""
+    scaled = student_logits if temperature == 1.0 else student_logits / temperature
+    if student_classes is not None:
+        scaled = pool_logits_by_class(scaled, student_classes)
+    return torch.log_softmax(scaled, dim=-1)
 
 
 def _check_topk_shapes(
@@ -588,8 +603,10 @@ class _TeacherMetrics:
         teacher_topk_logprobs: torch.Tensor,
         teacher_topk_ids: torch.Tensor,
         teacher_rest_logprobs: torch.Tensor | None = None,
+        student_classes: torch.Tensor | None = None,
     ) -> None:
-        """Metrics from the student's logits and the teacher's top-k (both at the loss temperature)."""
+        """Metrics from the student's logits and the teacher's top-k (both at the loss temperature;
+        ``student_classes`` as in :func:`topk_token_kl`)."""
         for kl_type in ("forward", "reverse"):
             self.sums[f"kl_{kl_type}"] += float(
                 topk_token_kl(
@@ -599,10 +616,11 @@ class _TeacherMetrics:
                     kl_type,
                     temperature=self.temperature,
                     teacher_rest_logprobs=teacher_rest_logprobs,
+                    student_classes=student_classes,
                 ).sum()
             )
         compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
-        log_q = torch.log_softmax(student_logits.to(compute_dtype) / self.temperature, dim=-1)
+        log_q = _student_log_probs(student_logits.to(compute_dtype), self.temperature, student_classes)
         self._topk(log_q, teacher_topk_logprobs.to(compute_dtype), teacher_topk_ids)
 
     def _topk(self, log_q: torch.Tensor, teacher_topk_logprobs: torch.Tensor, teacher_topk_ids: torch.Tensor) -> None:
@@ -1276,9 +1294,15 @@ class TopKKLLossFn(DistillationLossFn):
         k: the teacher's tokens per position (also the k of the top-k metrics), >= 1.
         tail: keep the rest class (True) or renormalise over the top k (False, NeMo-RL's variant).
         the rest: as in :class:`DistillationLossFn`.
+
+    Attributes:
+        student_classes: None (the teacher's ids are student tokens), or what a teacher with
+            another tokenizer names (:attr:`~opd.models.interfaces.TeacherInterface.student_classes`):
+            the loss and its metrics then compare classes of student tokens.
     """
 
     teacher_answer = "the teacher's top-k log-probs"
+    student_classes: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -1320,6 +1344,7 @@ class TopKKLLossFn(DistillationLossFn):
             tail=self.tail,
             temperature=self.temperature,
             teacher_rest_logprobs=rest,
+            student_classes=self.student_classes,
         )
 
     def _teacher_rows(self, teacher_output: Any, loss_mask: torch.Tensor) -> tuple[Any, ...]:
@@ -1331,7 +1356,9 @@ class TopKKLLossFn(DistillationLossFn):
     def _chunk_hooks(
         self, metrics: _TeacherMetrics, fused: bool
     ) -> tuple[Callable[..., None] | None, Callable[..., tuple[torch.Tensor, torch.Tensor]] | None]:
-        return metrics.topk, None
+        if self.student_classes is None:
+            return metrics.topk, None
+        return functools.partial(metrics.topk, student_classes=self.student_classes), None
 
     @classmethod
     def from_arguments(cls, arguments: DistillationArguments) -> DistillationLossFn:

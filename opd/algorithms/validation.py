@@ -152,7 +152,7 @@ def validate(
     """
     vocab_size = len(tokenizer)
     request = None if teacher is None else kl_request(teacher, loss_request, vocab_size, teacher_topk)
-    comparison = None if request is None else ValidationKL(request, vocab_size)
+    comparison = None if request is None else ValidationKL(request, vocab_size, student_classes=teacher.student_classes)
     if comparison is not None and policy is None:
         raise ValueError("validate needs the student policy to compare with the teacher")
     teacher_signal = (
@@ -303,14 +303,23 @@ class ValidationKL(TeacherComparison):
             full-vocabulary request asks for hidden states and head where the teacher has them.
         vocab_size: only the first ``vocab_size`` outputs of either head are tokens.
         chunk_rows: positions per chunk; None picks :func:`default_chunk_rows`.
+        student_classes: what the teacher's top-k ids name when not student tokens
+            (:attr:`~opd.models.interfaces.TeacherInterface.student_classes`).
     """
 
-    def __init__(self, teacher_request: TeacherRequest, vocab_size: int, chunk_rows: int | None = None) -> None:
+    def __init__(
+        self,
+        teacher_request: TeacherRequest,
+        vocab_size: int,
+        chunk_rows: int | None = None,
+        student_classes: torch.Tensor | None = None,
+    ) -> None:
         if isinstance(teacher_request, FullVocabRequest):
             teacher_request = FullVocabRequest(prefer_hidden_states=True)
         self.teacher_request = teacher_request
         self.vocab_size = vocab_size
         self.chunk_rows = chunk_rows or default_chunk_rows(vocab_size)
+        self.student_classes = student_classes
 
     def __call__(self, student: LMHeadInput, teacher_output: TeacherSignal, data: BatchedDataDict) -> dict[str, float]:
         """``{"kl_forward", "kl_reverse", "tokens"}`` over ``data``'s response tokens."""
@@ -335,6 +344,7 @@ class ValidationKL(TeacherComparison):
                             ids[rows],
                             direction,
                             teacher_rest_logprobs=None if rest is None else rest[rows],
+                            student_classes=self.student_classes,
                         )
                     else:
                         teacher_logits = (

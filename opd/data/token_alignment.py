@@ -16,6 +16,7 @@ spaces, or that cannot decode half a character).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
@@ -109,36 +110,123 @@ def shared_vocabulary(student_tokenizer: Any, teacher_tokenizer: Any) -> torch.T
     return torch.tensor(mapping, dtype=torch.long)
 
 
-def comparable_vocabulary(student_tokenizer: Any, teacher_tokenizer: Any) -> torch.Tensor:
-    """:func:`shared_vocabulary`, keeping only the tokens whose next-token probability means the same in both.
+@dataclass(frozen=True)
+class PrefixClasses:
+    """The events both models' next-token distributions can be compared on: classes of token strings.
 
-    A model's probability for the next token ``x`` is the probability that the text goes
-    on with ``x``'s bytes *and not with a longer token that starts with them*. So a
-    shared string means the same event to both models only if both vocabularies have the
-    same longer tokens starting with it. Where they differ, the shared token is a
-    different event: the teacher's ``" "`` before ``carry`` (which it spells
-    ``" ", "c", "ar", "r", "y"``) is the start of a word the student writes as one token
-    ``" carry"``, and mapping it onto the student's ``" "`` would teach the student to
-    spell the word another way. Such tokens are left out (−1), so their mass on either
-    side stays in the rest class, where the two agree. Special tokens are atomic and are
-    kept as :func:`shared_vocabulary` pairs them. With two equal vocabularies every
-    shared token is kept.
+    A model's probability for its next token ``x`` is (with a tokenizer that takes the
+    longest token it can) the probability that the text goes on with ``x``'s bytes and not
+    with a longer token of *its own* vocabulary. So one string means different events to
+    two vocabularies that extend it differently: the teacher's ``" "`` before ``carry``
+    (which it spells ``" ", "c", "ar", "r", "y"``) includes the word the student writes as
+    one token ``" carry"``. What both can say exactly is the probability that the text goes
+    on with a string ``r`` that is a token in both vocabularies (a *root*), less the deeper
+    roots under it: on each side the sum of the tokens whose longest root prefix is ``r``.
+    Those sums are the classes compared. If the text goes on with bytes ``b``, each model's
+    next token is its longest token prefixing ``b``, and the longest root prefixing that
+    token is the longest root prefixing ``b`` (a root is a token of both), so the two
+    models put the same continuations in the same class.
 
-    Returns:
-        ``[V_student]`` int64: the comparable teacher id of each student id, or −1.
+    A class is named by its root's student id. With two equal vocabularies every token is
+    a root and every class one token: the ordinary top-k comparison. Special tokens are
+    roots only where both have one of the same content, and stand alone.
+
+    Attributes:
+        student_roots: ``[V_student]`` int64, the class of each student id: its root's
+            student id, or the id itself for a token with no root prefix (a class of one
+            that the teacher never lists, so its mass stays in the rest).
+        teacher_to_student: ``[V_teacher]`` int64, the class of each teacher id, or −1
+            for a token with no root prefix.
+        roots: how many roots (classes both sides can name).
     """
-    mapping = shared_vocabulary(student_tokenizer, teacher_tokenizer)
+
+    student_roots: torch.Tensor
+    teacher_to_student: torch.Tensor
+    roots: int
+
+    @property
+    def classified_fraction(self) -> float:
+        """The share of student ids that fall in a class the teacher can name."""
+        own = torch.arange(self.student_roots.numel())
+        named = torch.zeros_like(own, dtype=torch.bool)
+        named[self.teacher_to_student[self.teacher_to_student >= 0]] = True
+        return float(named[self.student_roots].float().mean()) if own.numel() else 0.0
+
+
+def prefix_classes(student_tokenizer: Any, teacher_tokenizer: Any) -> PrefixClasses:
+    """The :class:`PrefixClasses` of two tokenizers (computed once per pair of tokenizer objects)."""
+    cache = getattr(student_tokenizer, "_opd_prefix_classes", None)
+    if cache is not None and cache[0] is teacher_tokenizer and cache[1].student_roots.numel() == len(student_tokenizer):
+        return cache[1]
     student_pieces, teacher_pieces = _cached_pieces(student_tokenizer), _cached_pieces(teacher_tokenizer)
     student_special = set(getattr(student_tokenizer, "added_tokens_decoder", {}))
     teacher_special = set(getattr(teacher_tokenizer, "added_tokens_decoder", {}))
-    student_strings = {piece for index, piece in enumerate(student_pieces) if index not in student_special}
-    teacher_strings = {piece for index, piece in enumerate(teacher_pieces) if index not in teacher_special}
-    # A string is ambiguous if some token in only one vocabulary strictly extends it.
-    ambiguous = {piece[:end] for piece in student_strings ^ teacher_strings for end in range(len(piece))}
+    teacher_strings = {piece for index, piece in enumerate(teacher_pieces) if index not in teacher_special and piece}
+    root_ids: dict[bytes, int] = {}  # each root string's student id (the lowest, if several spell it)
     for index, piece in enumerate(student_pieces):
-        if index not in student_special and piece in ambiguous:
-            mapping[index] = -1
-    return mapping
+        if index not in student_special and piece in teacher_strings:
+            root_ids.setdefault(piece, index)
+    shared_special = shared_vocabulary(student_tokenizer, teacher_tokenizer)
+
+    def root_of(piece: bytes) -> int:
+        for end in range(len(piece), 0, -1):
+            root = root_ids.get(piece[:end])
+            if root is not None:
+                return root
+        return -1
+
+    student_roots = []
+    for index, piece in enumerate(student_pieces):
+        if index in student_special:
+            student_roots.append(index)
+            continue
+        root = root_of(piece)
+        student_roots.append(index if root < 0 else root)
+    student_special_by_teacher = {int(shared_special[s]): s for s in student_special if int(shared_special[s]) >= 0}
+    teacher_to_student = [
+        student_special_by_teacher.get(index, -1) if index in teacher_special else root_of(piece)
+        for index, piece in enumerate(teacher_pieces)
+    ]
+    classes = PrefixClasses(
+        torch.tensor(student_roots, dtype=torch.long),
+        torch.tensor(teacher_to_student, dtype=torch.long),
+        len(root_ids) + len(student_special_by_teacher),
+    )
+    student_tokenizer._opd_prefix_classes = (teacher_tokenizer, classes)
+    return classes
+
+
+def pool_logits_by_class(logits: torch.Tensor, student_roots: torch.Tensor) -> torch.Tensor:
+    """``logits`` with each class's mass gathered on its root id (:class:`PrefixClasses`).
+
+    At a root id: the logsumexp of its class's logits; at every other member of a class:
+    −inf; a token of its own class keeps its logit. The normaliser is unchanged, so
+    ``log_softmax`` of the result is each class's log-probability at its root, and a
+    top-k loss over it compares the classes exactly; the gradient reaches each member in
+    proportion to its share of its class.
+
+    Args:
+        logits: ``[..., V]`` student logits; ids beyond ``student_roots`` (a head padded
+            past the tokenizer) stand alone.
+        student_roots: ``[V_tokenizer]`` the class of each id.
+
+    Returns:
+        ``[..., V]`` float32 (float64 for float64 input).
+    """
+    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+    values = logits.to(compute_dtype)
+    vocab = values.shape[-1]
+    roots = student_roots.to(values.device)
+    if roots.numel() < vocab:
+        roots = torch.cat([roots, torch.arange(roots.numel(), vocab, device=roots.device)])
+    index = roots[:vocab].expand_as(values)
+    # The logsumexp of each class, shifted by the class's largest logit (a constant: its gradient is not needed).
+    top = torch.full_like(values, -math.inf).scatter_reduce(-1, index, values.detach(), "amax")
+    shift = top.gather(-1, index)
+    shift = shift.masked_fill(~torch.isfinite(shift), 0.0)
+    sums = torch.zeros_like(values).scatter_add(-1, index, (values - shift).exp())
+    pooled = sums.clamp_min(torch.finfo(compute_dtype).tiny).log() + top.masked_fill(~torch.isfinite(top), 0.0)
+    return pooled.masked_fill(sums == 0, -math.inf)
 
 
 @dataclass(frozen=True)

@@ -643,6 +643,17 @@ class TeacherInterface(ABC):
             return "one teacher answers one signal; a signal per teacher needs several teachers with routing"
         return self.unsupported_reason(request)
 
+    @property
+    def student_classes(self) -> torch.Tensor | None:
+        """What the ids of this teacher's top-k answers name: None, student tokens; else classes of them.
+
+        A teacher with another tokenizer names classes of student tokens
+        (:class:`~opd.data.token_alignment.PrefixClasses`): ``[V_student]``, the class
+        (root id) of each student id. Whoever compares the student with such an answer
+        pools the student's logits by it first (:func:`~opd.data.token_alignment.pool_logits_by_class`).
+        """
+        return None
+
     @abstractmethod
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
         """Answers ``request`` for the right-padded (or packed) micro-batch ``data``.

@@ -12,25 +12,31 @@ such a teacher (in process or served) and turns its answers into the student's t
 2. **Alignment by bytes.** The two tokenizations of the response are cut into groups at
    the byte offsets where both have a token boundary. At the start of each group, both
    models have read the same text and predict what comes next.
-3. **Comparable token strings.** There the teacher's top k (in its vocabulary, at the
-   loss temperature) are mapped onto student ids through the token strings both
-   vocabularies share *and* that stand for the same event in both: the same longer tokens
-   start with them on both sides (:func:`opd.data.token_alignment.comparable_vocabulary`).
-   A shared string without that property is a different event for the two models (the
-   teacher's ``" "`` may be the start of a word the student writes as one token), and
-   mapping it would teach the student the teacher's spelling. A teacher token without a
-   comparable student counterpart leaves an empty slot (id −1) and its mass joins the
-   teacher's rest. The loss (``loss_fn.type: topk``) is then the exact KL over the
-   comparable tokens the teacher listed plus one rest class.
+3. **Classes both vocabularies can name.** There the teacher's top k (in its vocabulary,
+   at the loss temperature) are gathered into the classes of
+   :class:`~opd.data.token_alignment.PrefixClasses`: each token goes to the longest string
+   that prefixes it and is a token in both vocabularies (its root). A class is one event
+   for both models (the text goes on with its root and not with a deeper root), so its
+   teacher mass, the sum of its listed members, is compared with the student's mass on
+   the same class, the sum over all the student's tokens in it (the loss pools the
+   student's logits by class, :func:`~opd.data.token_alignment.pool_logits_by_class`).
+   Comparing single shared strings instead would be wrong wherever the two vocabularies
+   extend a string differently: the teacher's ``" "`` may be the start of a word the
+   student writes as one token, and mapping it onto the student's ``" "`` would teach the
+   student the teacher's spelling. The classes are sent heaviest first, named by their
+   root's student id; the mass of listed tokens with no root joins the teacher's rest.
+   The loss (``loss_fn.type: topk``) is then the exact KL over the classes listed plus
+   one rest class, up to the members of a listed class outside the teacher's top k,
+   whose mass the teacher counts in its rest.
 4. **The rest of the positions** (inside a group of several tokens, where the two models
    have read different amounts of text) get no teacher token at all: every slot empty,
    all mass in the rest on both sides, so they add nothing to the loss.
 
-With two identical tokenizers every group is one token long and every string is shared,
+With two identical tokenizers every group is one token long and every class one token,
 so the answer is exactly the teacher's own top k, and the loss the ordinary top-k loss.
 What the cross-tokenizer loss gives up against a shared vocabulary is described in the
-guide (section 15): positions inside multi-token groups, teacher mass on strings the
-student has no single token for (kept only as rest mass), and the full-vocabulary loss.
+guide (section 15): positions inside multi-token groups, the distinctions inside a class,
+and the full-vocabulary loss.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_rows, unpack_padding_free
-from opd.data.token_alignment import comparable_vocabulary, teacher_tokens_for_response
+from opd.data.token_alignment import PrefixClasses, prefix_classes, teacher_tokens_for_response
 from opd.models.interfaces import (
     TeacherInterface,
     TeacherRequest,
@@ -66,11 +72,7 @@ class CrossTokenizerTeacher(TeacherInterface):
         self.teacher = teacher
         self.student_tokenizer = student_tokenizer
         self.teacher_tokenizer = teacher_tokenizer
-        student_to_teacher = comparable_vocabulary(student_tokenizer, teacher_tokenizer)
-        self.teacher_to_student = torch.full((len(teacher_tokenizer),), -1, dtype=torch.long)
-        mapped = (student_to_teacher >= 0).nonzero().squeeze(-1)
-        self.teacher_to_student[student_to_teacher[mapped]] = mapped
-        self.comparable_fraction = float(mapped.numel()) / max(len(student_tokenizer), 1)
+        self.classes: PrefixClasses = prefix_classes(student_tokenizer, teacher_tokenizer)
         pad = teacher_tokenizer.pad_token_id
         self.teacher_pad_id = pad if pad is not None else teacher_tokenizer.eos_token_id
 
@@ -154,7 +156,7 @@ class CrossTokenizerTeacher(TeacherInterface):
         logprobs = torch.zeros((len(groups_per_row), width, slots), dtype=torch.float32, device=device)
         ids = torch.full((len(groups_per_row), width, slots), -1, dtype=torch.long, device=device)
         rest = torch.zeros((len(groups_per_row), width), dtype=torch.float32, device=device)  # log 1: all mass
-        mapping = self.teacher_to_student.to(device)
+        mapping = self.classes.teacher_to_student.to(device)
         for row, starts in enumerate(groups_per_row):
             prompt_length = int(data["prompt_lengths"][row])
             teacher_prompt_length = len(data["teacher_prompt_ids"][row])
@@ -163,19 +165,47 @@ class CrossTokenizerTeacher(TeacherInterface):
             student_positions = torch.tensor([prompt_length + j - 1 for j, _ in starts], device=device)
             teacher_positions = torch.tensor([teacher_prompt_length + j - 1 for _, j in starts], device=device)
             values = teacher_logprobs[row, teacher_positions].float()
-            student_ids = mapping[teacher_ids[row, teacher_positions]]
-            unmapped = student_ids < 0
             own_rest = _rest_from(values) if teacher_rest is None else teacher_rest[row, teacher_positions].float()
-            # The mass of unmapped tokens joins the rest (summed in log space, never 1 - Σ).
-            moved = torch.logsumexp(values.masked_fill(~unmapped, -math.inf), dim=-1)
-            rest[row, student_positions] = torch.logaddexp(own_rest, moved)
-            logprobs[row, student_positions] = values.masked_fill(unmapped, 0.0)
-            ids[row, student_positions] = student_ids
+            class_logprobs, class_ids, unsent = _by_class(values, mapping[teacher_ids[row, teacher_positions]])
+            # The mass of listed tokens in no class sent joins the rest (summed in log space, never 1 - Σ).
+            rest[row, student_positions] = torch.logaddexp(own_rest, unsent)
+            logprobs[row, student_positions] = class_logprobs
+            ids[row, student_positions] = class_ids
         return TopKLogprobs(logprobs, ids, rest)
+
+    @property
+    def student_classes(self) -> torch.Tensor:
+        """The class (root student id) of each student id: the loss pools the student's logits by it."""
+        return self.classes.student_roots
 
     def close(self) -> None:
         """Closes the wrapped teacher."""
         self.teacher.close()
+
+
+def _by_class(values: torch.Tensor, classes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The teacher's listed tokens gathered by class: ``(log-probs, class ids, log of the mass not sent)``.
+
+    Args:
+        values: ``[P, k]`` log-probs of the teacher's listed tokens.
+        classes: ``[P, k]`` their classes (root student ids), −1 for a token in none.
+
+    Returns:
+        Per position, the classes by mass, each at the slot of its first listed member
+        (``[P, k]``, empty slots −1 with log-prob 0), and the ``[P]`` log-mass of the listed
+        tokens in no class (−inf if none).
+    """
+    slots = values.shape[-1]
+    same = (classes.unsqueeze(-1) == classes.unsqueeze(-2)) & (classes >= 0).unsqueeze(-1)
+    class_mass = torch.logsumexp(values.unsqueeze(-2).masked_fill(~same, -math.inf), dim=-1)
+    earlier = torch.ones(slots, slots, dtype=torch.bool, device=values.device).tril(-1)
+    first = (classes >= 0) & ~(same & earlier).any(dim=-1)
+    order = class_mass.masked_fill(~first, -math.inf).argsort(dim=-1, descending=True, stable=True)
+    sent = first.gather(-1, order)
+    class_ids = classes.gather(-1, order).masked_fill(~sent, -1)
+    class_logprobs = class_mass.gather(-1, order).masked_fill(~sent, 0.0)
+    unsent = torch.logsumexp(values.masked_fill(classes >= 0, -math.inf), dim=-1)
+    return class_logprobs, class_ids, unsent
 
 
 def _rest_from(topk_logprobs: torch.Tensor) -> torch.Tensor:

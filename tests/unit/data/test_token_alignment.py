@@ -33,7 +33,8 @@ from transformers import PreTrainedTokenizerFast
 from opd.data.token_alignment import (
     AlignedGroup,
     align_tokens,
-    comparable_vocabulary,
+    pool_logits_by_class,
+    prefix_classes,
     shared_vocabulary,
     teacher_tokens_for_response,
     token_bytes,
@@ -289,43 +290,56 @@ def test_special_tokens_map_to_special_tokens_only():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# comparable_vocabulary
+# prefix_classes and pool_logits_by_class
+
+
+def reference_roots(pieces: list[bytes], special: set[int], roots: dict[bytes, int]) -> list[int]:
+    """Brute force: each normal token's longest prefix among the root strings (every prefix length tried)."""
+    found = []
+    for index, piece in enumerate(pieces):
+        prefixes = [piece[:end] for end in range(1, len(piece) + 1) if piece[:end] in roots]
+        found.append(-1 if index in special or not prefixes else roots[max(prefixes, key=len)])
+    return found
 
 
 @pytest.mark.parametrize(("student_name", "teacher_name"), [("student", "teacher"), ("teacher", "student")])
-def test_comparable_vocabulary_keeps_a_shared_string_only_where_both_have_the_same_longer_tokens(
-    student_name, teacher_name
-):
+def test_prefix_classes_put_each_token_under_its_longest_prefix_that_both_vocabularies_have(student_name, teacher_name):
     student_tokenizer, teacher_tokenizer = TOKENIZERS[student_name](), TOKENIZERS[teacher_name]()
     student_pieces, teacher_pieces = pieces_of(student_name), pieces_of(teacher_name)
-    shared = shared_vocabulary(student_tokenizer, teacher_tokenizer)
-    comparable = comparable_vocabulary(student_tokenizer, teacher_tokenizer)
     student_special = set(student_tokenizer.added_tokens_decoder)
     teacher_special = set(teacher_tokenizer.added_tokens_decoder)
-    student_strings = [p for i, p in enumerate(student_pieces) if i not in student_special]
-    teacher_strings = [p for i, p in enumerate(teacher_pieces) if i not in teacher_special]
-
-    def longer(strings: list[bytes], piece: bytes) -> set[bytes]:
-        return {other for other in strings if other != piece and other.startswith(piece)}
-
-    kept = dropped = 0
+    teacher_strings = {p for i, p in enumerate(teacher_pieces) if i not in teacher_special}
+    roots = {}
     for index, piece in enumerate(student_pieces):
-        if int(shared[index]) < 0:
-            assert int(comparable[index]) == -1
-            continue
-        same_events = index in student_special or longer(student_strings, piece) == longer(teacher_strings, piece)
-        assert int(comparable[index]) == (int(shared[index]) if same_events else -1), (index, piece)
-        kept, dropped = kept + same_events, dropped + (not same_events)
-    assert kept > 0 and dropped > 0  # the case is not vacuous either way
+        if index not in student_special and piece in teacher_strings and piece not in roots:
+            roots[piece] = index
+    classes = prefix_classes(student_tokenizer, teacher_tokenizer)
+    expected_student = reference_roots(student_pieces, student_special, roots)
+    for index, root in enumerate(expected_student):
+        assert int(classes.student_roots[index]) == (index if root < 0 else root), (index, student_pieces[index])
+    expected_teacher = reference_roots(teacher_pieces, teacher_special, roots)
+    for index in teacher_special:  # a special token stands for the student's of the same content, if any
+        content = teacher_tokenizer.added_tokens_decoder[index].content
+        student_id = student_tokenizer.convert_tokens_to_ids(content)
+        expected_teacher[index] = student_id if student_id in student_special else -1
+    assert classes.teacher_to_student.tolist() == expected_teacher
+    # Not vacuous: classes of several tokens exist on both sides, and roots that stand alone.
+    sizes = torch.bincount(classes.student_roots, minlength=len(student_pieces))
+    assert (sizes > 1).any() and (sizes == 1).any()
+    assert len(set(expected_teacher)) < len([t for t in expected_teacher if t >= 0])
+    assert prefix_classes(student_tokenizer, teacher_tokenizer) is classes  # computed once per pair
 
 
-def test_comparable_vocabulary_of_equal_tokenizers_keeps_everything():
+def test_prefix_classes_of_equal_tokenizers_are_the_tokens_themselves():
     for name in ["student", "teacher", "byte_student"]:
         tokenizer = TOKENIZERS[name]()
-        assert torch.equal(comparable_vocabulary(tokenizer, tokenizer), torch.arange(len(tokenizer)))
+        classes = prefix_classes(tokenizer, tokenizer)
+        assert torch.equal(classes.student_roots, torch.arange(len(tokenizer)))
+        assert torch.equal(classes.teacher_to_student, torch.arange(len(tokenizer)))
+        assert classes.roots == len(tokenizer) and classes.classified_fraction == 1.0
 
 
-def test_a_word_the_teacher_spells_in_pieces_drops_its_first_piece_not_the_digits():
+def test_a_word_the_teacher_spells_in_pieces_is_compared_as_the_class_of_its_first_piece():
     # The student writes " carry" as one token; the teacher has no such token and starts it with " ".
     student_backend = Tokenizer(models.BPE(vocab=byte_level_vocab("Ġc", "Ġca", "Ġcar", "Ġcarr", "Ġcarry"), merges=[
         ("Ġ", "c"), ("Ġc", "a"), ("Ġca", "r"), ("Ġcar", "r"), ("Ġcarr", "y")]))
@@ -335,15 +349,59 @@ def test_a_word_the_teacher_spells_in_pieces_drops_its_first_piece_not_the_digit
         backend.decoder = decoders.ByteLevel()
     student_tokenizer = PreTrainedTokenizerFast(tokenizer_object=student_backend, name_or_path="carry-student")
     teacher_tokenizer = PreTrainedTokenizerFast(tokenizer_object=teacher_backend, name_or_path="pieces-teacher")
-    comparable = comparable_vocabulary(student_tokenizer, teacher_tokenizer)
+    classes = prefix_classes(student_tokenizer, teacher_tokenizer)
 
-    def kept(token: str) -> bool:
-        return int(comparable[student_tokenizer.convert_tokens_to_ids(token)]) >= 0
+    def student_class(token: str) -> int:
+        return int(classes.student_roots[student_tokenizer.convert_tokens_to_ids(token)])
 
-    assert not kept("Ġ")  # the teacher's " " also stands for the start of " carry"
-    assert not kept("a")  # the teacher's "a" also stands for the start of "ar"
-    assert kept("c") and kept("7") and kept(".")  # no longer token on either side: the same event
-    assert not kept("Ġcarry")  # the teacher has no such token at all
+    def teacher_class(token: str) -> int:
+        return int(classes.teacher_to_student[teacher_tokenizer.convert_tokens_to_ids(token)])
+
+    space, a = student_tokenizer.convert_tokens_to_ids("Ġ"), student_tokenizer.convert_tokens_to_ids("a")
+    # " " on the teacher's side also stands for the start of " carry": the student's whole word joins that class.
+    assert {student_class(t) for t in ("Ġ", "Ġc", "Ġca", "Ġcar", "Ġcarr", "Ġcarry")} == {space}
+    assert teacher_class("Ġ") == space
+    # "a" on the student's side also stands for the start of "ar": the teacher's "ar" joins the class of "a".
+    assert teacher_class("a") == teacher_class("ar") == student_class("a") == a
+    c, seven = student_tokenizer.convert_tokens_to_ids("c"), student_tokenizer.convert_tokens_to_ids("7")
+    assert student_class("c") == teacher_class("c") == c and student_class("7") == teacher_class("7") == seven
+
+
+def reference_pool(logits: torch.Tensor, roots: list[int]) -> torch.Tensor:
+    """Float64, by hand: each class's log-sum-exp at its root, −inf at the other members."""
+    pooled = torch.full_like(logits, float("-inf"))
+    for root in set(roots):
+        members = [index for index, r in enumerate(roots) if r == root]
+        pooled[..., root] = torch.logsumexp(logits[..., members], dim=-1)
+    return pooled
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pooled_logits_give_each_class_its_members_mass_and_gradient(dtype):
+    generator = torch.Generator().manual_seed(0)
+    vocab = 40
+    roots = [index if index % 7 == 0 or index > 34 else (index // 7) * 7 for index in range(35)]  # 35..39: unlisted
+    logits = (torch.randn(3, 5, vocab, generator=generator, dtype=torch.float64) * 4).requires_grad_()
+    logits_in = logits.detach().to(dtype).requires_grad_()
+    logits_in.data[0, 0, 8] = float("-inf")  # a member that can never be chosen
+    logits_in.data[1, 2, 14:21] = float("-inf")  # a whole class that can never be chosen
+    pooled = pool_logits_by_class(logits_in, torch.tensor(roots))
+    padded = roots + list(range(35, vocab))  # ids past the tokenizer (a padded head) stand alone
+    expected = reference_pool(logits_in.detach().double(), padded)
+    # Rounding: a float32 logsumexp of at most 7 terms is within a few units of the last place of its value.
+    tolerance = 8 * torch.finfo(dtype).eps * expected.abs().clamp_min(1)
+    finite = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(pooled), finite)
+    assert ((pooled.double() - expected)[finite].abs() <= tolerance[finite]).all()
+    # log_softmax of the pooled logits is each class's log-probability; the gradient follows the members' shares.
+    weights = torch.randn(3, 5, vocab, generator=generator, dtype=torch.float64)
+    got = torch.autograd.grad((torch.log_softmax(pooled, -1).exp().double() * weights).sum(), logits_in)[0]
+    reference_logits = logits_in.detach().double().requires_grad_()
+    reference = (torch.log_softmax(reference_pool(reference_logits, padded), -1).exp() * weights).sum()
+    # A class whose members are all -inf has no gradient (torch's logsumexp gives NaN there, not 0).
+    want = torch.autograd.grad(reference, reference_logits)[0].nan_to_num(nan=0.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, atol=64 * torch.finfo(dtype).eps * weights.abs().max(), rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

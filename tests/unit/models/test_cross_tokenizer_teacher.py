@@ -5,8 +5,9 @@
 * with two tokenizers of different merges and vocabularies (the demo's, and one trained
   here on other text with a smaller vocabulary), at each group start the answer equals a
   float64 reference computed by hand: the teacher run on its own rendering of the prompt
-  and its own tokens of the response, its top k at the matching position, each id mapped
-  by its string; positions inside a group carry nothing (every slot empty, all mass in
+  and its own tokens of the response, its top k at the matching position, each token put
+  in the class of its longest prefix that both vocabularies have and the classes' masses
+  summed, heaviest first; positions inside a group carry nothing (every slot empty, all mass in
   the rest) and add nothing to the loss;
 * a response cut by the length limit inside a multi-byte character still scores the
   aligned part;
@@ -112,18 +113,23 @@ def test_identical_tokenizers_give_the_teachers_own_topk_and_the_ordinary_loss(t
 
 
 def _reference(student_tokenizer, teacher_tokenizer, model, data, row):
-    """Float64, by hand: the teacher on its own tokens; top k at group starts, ids mapped by string
-    where both vocabularies have the same longer tokens starting with it."""
+    """Float64, by hand: the teacher on its own tokens; top k at group starts, each token put in the class
+    of its longest prefix that is a token of both vocabularies, the classes' masses summed."""
     student_pieces, teacher_pieces = token_bytes(student_tokenizer), token_bytes(teacher_tokenizer)
     specials = set(student_tokenizer.all_special_ids)
-    student_strings = [p for i, p in enumerate(student_pieces) if i not in specials]
-    teacher_strings = [p for i, p in enumerate(teacher_pieces) if i not in teacher_tokenizer.all_special_ids]
+    teacher_strings = {p for i, p in enumerate(teacher_pieces) if i not in teacher_tokenizer.all_special_ids}
+    roots = {}
+    for index, piece in enumerate(student_pieces):
+        if index not in specials and piece in teacher_strings:
+            roots.setdefault(piece, index)
 
-    def longer(strings, piece):
-        return {other for other in strings if other != piece and other.startswith(piece)}
+    def class_of(teacher_id):
+        if teacher_id in teacher_tokenizer.all_special_ids:
+            return student_tokenizer.convert_tokens_to_ids(teacher_tokenizer.convert_ids_to_tokens(teacher_id))
+        piece = teacher_pieces[teacher_id]
+        prefixes = [piece[:end] for end in range(1, len(piece) + 1) if piece[:end] in roots]
+        return roots[max(prefixes, key=len)] if prefixes else -1
 
-    by_bytes = {piece: index for index, piece in enumerate(student_pieces)
-                if index not in specials and longer(student_strings, piece) == longer(teacher_strings, piece)}
     prompt_length, length = int(data["prompt_lengths"][row]), int(data["input_lengths"][row])
     response = data["input_ids"][row, prompt_length:length].tolist()
     text = b"".join(student_pieces[t] for t in response if t not in specials).decode("utf-8", errors="ignore")
@@ -151,21 +157,22 @@ def _reference(student_tokenizer, teacher_tokenizer, model, data, row):
             continue
         position = len(data["teacher_prompt_ids"][row]) + teacher_starts[offset] - 1
         values, ids = log_probs[position].topk(K)
-        mapped = [by_bytes.get(teacher_pieces[i], -1) if i not in teacher_tokenizer.all_special_ids
-                  else student_tokenizer.convert_tokens_to_ids(teacher_tokenizer.convert_ids_to_tokens(i))
-                  for i in ids.tolist()]
-        rest = math.log(1 - sum(math.exp(v) for v, m in zip(values.tolist(), mapped, strict=True) if m >= 0))
-        expected[prompt_length + j - 1] = (mapped, values.tolist(), rest)
+        masses = {}
+        for value, teacher_id in zip(values.tolist(), ids.tolist(), strict=True):
+            if class_of(teacher_id) >= 0:
+                masses[class_of(teacher_id)] = masses.get(class_of(teacher_id), 0.0) + math.exp(value)
+        rest = math.log(1 - sum(masses.values()))
+        expected[prompt_length + j - 1] = (masses, rest)
     return expected
 
 
-def test_different_tokenizers_map_the_teachers_topk_at_group_starts(tokenizers):
+def test_different_tokenizers_send_the_teachers_topk_by_class_at_group_starts(tokenizers):
     student_tokenizer, teacher_tokenizer = tokenizers
     model = build_model_for_tokenizer("teacher", teacher_tokenizer)
     cross = CrossTokenizerTeacher(LocalTeacher(model), student_tokenizer, teacher_tokenizer)
     data = batch_for(student_tokenizer, teacher_tokenizer, RESPONSES)
     answer = cross.score(data, TopKRequest(K, 1.0, len(student_tokenizer)))
-    some_inside_groups = False
+    some_inside_groups = several_in_a_class = False
     for row in range(len(RESPONSES)):
         expected = _reference(student_tokenizer, teacher_tokenizer, model, data, row)
         prompt_length, length = int(data["prompt_lengths"][row]), int(data["input_lengths"][row])
@@ -175,15 +182,20 @@ def test_different_tokenizers_map_the_teachers_topk_at_group_starts(tokenizers):
                 some_inside_groups = True
                 assert ids == [-1] * K and float(answer.rest_logprobs[row, position]) == 0.0
                 continue
-            mapped, values, rest = expected[position]
-            assert ids == mapped
-            valid = [v for v, m in zip(values, mapped, strict=True) if m >= 0]
-            got = [v for v, m in zip(answer[0][row, position].tolist(), ids, strict=True) if m >= 0]
-            assert got == pytest.approx(valid, abs=5e-5)  # a float32 teacher against float64
+            masses, rest = expected[position]
+            sent = [(i, v) for i, v in zip(ids, answer[0][row, position].tolist(), strict=True) if i >= 0]
+            assert [i for i, _ in sent] == sorted(masses, key=lambda root: -masses[root])  # heaviest first
+            for root, value in sent:  # a float32 teacher against float64
+                assert math.exp(value) == pytest.approx(masses[root], abs=5e-5)
             assert float(answer.rest_logprobs[row, position]) == pytest.approx(rest, abs=1e-4)
+            several_in_a_class = several_in_a_class or len(masses) < sum(1 for i in ids if i >= 0) or any(
+                int(cross.student_classes[i]) != i for i in range(len(student_tokenizer))
+                if int(cross.student_classes[i]) in masses)
     assert some_inside_groups  # the two tokenizations really differ
+    assert several_in_a_class  # and classes of several tokens were sent
     # The top-k loss on it is finite, and the inside-group positions add nothing.
     loss_fn = DistillationLossFn(kl_type="forward", teacher_signal="topk", teacher_topk=K)
+    loss_fn.student_classes = cross.student_classes
     logits = torch.randn(*data["input_ids"].shape, len(student_tokenizer), requires_grad=True)
     loss, _ = loss_fn(logits, data, int(data["token_mask"][:, 1:].sum()), 3, teacher_output=answer)
     (grad,) = torch.autograd.grad(loss, logits)
