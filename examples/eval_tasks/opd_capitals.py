@@ -11,9 +11,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "real_model"))
+# The example's folder beside this one; or under the working directory, the repository's root
+# (where the task's data path points), for a copy of this file elsewhere.
+for folder in (Path(__file__).resolve().parents[1] / "real_model", Path.cwd() / "examples" / "real_model"):
+    if (folder / "make_capitals_task.py").is_file():
+        sys.path.insert(0, str(folder))
+        break
 
-from make_capitals_task import is_correct
+from make_capitals_task import is_correct  # noqa: E402
 
 
 def doc_to_text(doc: dict) -> str:

@@ -367,6 +367,26 @@ def test_math_task_grades_the_last_box_with_math_verify(monkeypatch):
     assert task.sample_ks(16) == [2, 4, 8, 16] and task.sample_ks(3) == [2, 3] and task.sample_ks(1) == []
 
 
+def test_capitals_task_grades_as_the_real_model_example(monkeypatch):
+    """The real-model example's harness task: a response is right when it names an accepted capital, as a word."""
+    monkeypatch.chdir(REPO_ROOT)
+    task = _task_module("opd_capitals")
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "examples" / "real_model"))
+    from make_capitals_task import PHRASINGS, example
+
+    doc = example("Côte d'Ivoire", ["Yamoussoukro", "Abidjan"], PHRASINGS[1])
+    assert task.doc_to_text(doc) == doc["messages"][0]["content"]
+    assert "Côte d'Ivoire" in task.doc_to_text(doc) and task.doc_to_target(doc).endswith("Yamoussoukro.")
+    for response, right in [
+        ("The capital of Côte d'Ivoire is Yamoussoukro.", True),
+        ("abidjan", True),  # any accepted spelling, any case
+        ("The capital is Paris.", False),
+        ("Abidjanese food is famous.", False),  # a longer word is not the name
+        ("", False),
+    ]:
+        assert task.process_results(doc, [response]) == {"names_capital": float(right)}, response
+
+
 def test_vllm_backend_without_vllm_names_the_key(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed (it is not, here)
