@@ -151,8 +151,11 @@ def validate(
         ``well_formed_share``, ``success_share`` and ``reward``.
     """
     vocab_size = len(tokenizer)
-    request = None if teacher is None else kl_request(teacher, loss_request, vocab_size, teacher_topk)
-    comparison = None if request is None else ValidationKL(request, vocab_size, student_classes=teacher.student_classes)
+    comparison = None
+    if teacher is not None:
+        request = kl_request(teacher, loss_request, vocab_size, teacher_topk)
+        if request is not None:
+            comparison = ValidationKL(request, vocab_size, student_classes=teacher.student_classes)
     if comparison is not None and policy is None:
         raise ValueError("validate needs the student policy to compare with the teacher")
     teacher_signal = (
