@@ -92,6 +92,39 @@ def token_bytes(tokenizer: Any) -> list[bytes]:
     return pieces
 
 
+def special_counterparts(student_tokenizer: Any, teacher_tokenizer: Any) -> dict[int, int]:
+    """Each student special token's teacher counterpart: ``{student id: teacher id}``.
+
+    A special token of the same content; and the two end-of-sequence tokens, where their
+    contents differ and neither has a counterpart of its own (``<end_of_turn>`` and
+    ``<|im_end|>``): both end the response, one event for the two models, so the student
+    learns where to stop from the teacher's probability of stopping there.
+    """
+    cache = getattr(student_tokenizer, "_opd_special_counterparts", None)
+    if cache is not None and cache[0] is teacher_tokenizer:
+        return cache[1]
+    teacher_by_content = {
+        token.content: index for index, token in getattr(teacher_tokenizer, "added_tokens_decoder", {}).items()
+    }
+    pairs = {
+        index: teacher_by_content[token.content]
+        for index, token in getattr(student_tokenizer, "added_tokens_decoder", {}).items()
+        if token.content in teacher_by_content
+    }
+    student_eos, teacher_eos = student_tokenizer.eos_token_id, teacher_tokenizer.eos_token_id
+    if (
+        isinstance(student_eos, int)
+        and isinstance(teacher_eos, int)
+        and student_eos in getattr(student_tokenizer, "added_tokens_decoder", {})
+        and teacher_eos in getattr(teacher_tokenizer, "added_tokens_decoder", {})
+        and student_eos not in pairs
+        and teacher_eos not in pairs.values()
+    ):
+        pairs[student_eos] = teacher_eos
+    student_tokenizer._opd_special_counterparts = (teacher_tokenizer, pairs)  # computed once per pair
+    return pairs
+
+
 def shared_vocabulary(student_tokenizer: Any, teacher_tokenizer: Any) -> torch.Tensor:
     """``[V_student]`` int64: the teacher id with the same bytes as each student id, or −1.
 
@@ -128,8 +161,8 @@ class PrefixClasses:
     models put the same continuations in the same class.
 
     A class is named by its root's student id. With two equal vocabularies every token is
-    a root and every class one token: the ordinary top-k comparison. Special tokens are
-    roots only where both have one of the same content, and stand alone.
+    a root and every class one token: the ordinary top-k comparison. Special tokens stand
+    alone, paired with their :func:`special_counterparts`.
 
     Attributes:
         student_roots: ``[V_student]`` int64, the class of each student id: its root's
@@ -166,7 +199,6 @@ def prefix_classes(student_tokenizer: Any, teacher_tokenizer: Any) -> PrefixClas
     for index, piece in enumerate(student_pieces):
         if index not in student_special and piece in teacher_strings:
             root_ids.setdefault(piece, index)
-    shared_special = shared_vocabulary(student_tokenizer, teacher_tokenizer)
 
     def root_of(piece: bytes) -> int:
         for end in range(len(piece), 0, -1):
@@ -182,7 +214,9 @@ def prefix_classes(student_tokenizer: Any, teacher_tokenizer: Any) -> PrefixClas
             continue
         root = root_of(piece)
         student_roots.append(index if root < 0 else root)
-    student_special_by_teacher = {int(shared_special[s]): s for s in student_special if int(shared_special[s]) >= 0}
+    student_special_by_teacher = {
+        teacher: student for student, teacher in special_counterparts(student_tokenizer, teacher_tokenizer).items()
+    }
     teacher_to_student = [
         student_special_by_teacher.get(index, -1) if index in teacher_special else root_of(piece)
         for index, piece in enumerate(teacher_pieces)
@@ -297,8 +331,9 @@ def teacher_tokens_for_response(
 
     The response is cut at its special tokens (e.g. the final ``<|im_end|>``); each text
     run is decoded to text from its exact bytes and tokenized by the teacher on its own
-    (no special tokens added), and each special token becomes the teacher's special token
-    of the same content, a group of its own. What cannot be aligned is left out of every
+    (no special tokens added), and each special token becomes its teacher counterpart
+    (:func:`special_counterparts`: the same content, or the other end-of-sequence token),
+    a group of its own. What cannot be aligned is left out of every
     group, so its student tokens get no teacher signal:
 
     * bytes that are not valid UTF-8 (a response cut inside a character by the length
@@ -306,7 +341,7 @@ def teacher_tokens_for_response(
       student token that ends before them;
     * a run that the teacher's tokenizer does not give back byte for byte (a tokenizer
       that normalises text);
-    * a special token the teacher does not have.
+    * a special token without a teacher counterpart.
 
     Tokenizing each run on its own can differ from how the teacher would tokenize it
     after its prompt (a merge across the prompt boundary); the chat template ends the
@@ -325,9 +360,7 @@ def teacher_tokens_for_response(
     student_pieces = student_pieces if student_pieces is not None else _cached_pieces(student_tokenizer)
     teacher_pieces = teacher_pieces if teacher_pieces is not None else _cached_pieces(teacher_tokenizer)
     student_special = set(getattr(student_tokenizer, "added_tokens_decoder", {}))
-    teacher_special = {
-        token.content: index for index, token in getattr(teacher_tokenizer, "added_tokens_decoder", {}).items()
-    }
+    counterparts = special_counterparts(student_tokenizer, teacher_tokenizer)
     teacher_ids: list[int] = []
     groups: list[AlignedGroup] = []
     run_start = 0
@@ -347,11 +380,9 @@ def teacher_tokens_for_response(
         )
         if not whole:  # what follows was read after other text by the two models: not comparable
             break
-        if not at_end:
-            content = student_pieces[student_response_ids[position]].decode("utf-8", errors="replace")
-            if content in teacher_special:
-                groups.append(AlignedGroup(position, position + 1, len(teacher_ids), len(teacher_ids) + 1))
-                teacher_ids.append(teacher_special[content])
+        if not at_end and student_response_ids[position] in counterparts:
+            groups.append(AlignedGroup(position, position + 1, len(teacher_ids), len(teacher_ids) + 1))
+            teacher_ids.append(counterparts[student_response_ids[position]])
         run_start = position + 1
     return teacher_ids, groups
 

@@ -36,6 +36,7 @@ from opd.data.token_alignment import (
     pool_logits_by_class,
     prefix_classes,
     shared_vocabulary,
+    special_counterparts,
     teacher_tokens_for_response,
     token_bytes,
 )
@@ -545,12 +546,24 @@ def test_a_response_ending_in_im_end_maps_it_to_the_teachers_own():
     )
 
 
-def test_a_stop_token_the_teacher_lacks_is_left_unaligned():
+def test_a_stop_token_the_teacher_lacks_stands_for_the_teachers_own_end_of_sequence():
+    # Both end the response: one event for the two models, so the student learns where to stop.
     student_tokenizer, teacher_tokenizer = student(), llama_teacher()
     text = "ka tori 中文"
-    ids = [*encode(student_tokenizer, text), student_tokenizer.convert_tokens_to_ids(IM_END)]
+    im_end, eot = student_tokenizer.convert_tokens_to_ids(IM_END), teacher_tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    assert student_tokenizer.eos_token_id == im_end and teacher_tokenizer.eos_token_id == eot
+    ids = [*encode(student_tokenizer, text), im_end]
     teacher_ids, groups = teacher_tokens_for_response(ids, student_tokenizer, teacher_tokenizer)
-    assert teacher_ids == encode(teacher_tokenizer, text)  # no stand-in for <|im_end|>
+    assert teacher_ids == [*encode(teacher_tokenizer, text), eot]
+    assert groups[-1] == AlignedGroup(len(ids) - 1, len(ids), len(teacher_ids) - 1, len(teacher_ids))
+    assert special_counterparts(student_tokenizer, teacher_tokenizer) == {im_end: eot}  # no other special pairs
+    classes = prefix_classes(student_tokenizer, teacher_tokenizer)
+    assert int(classes.teacher_to_student[eot]) == im_end and int(classes.student_roots[im_end]) == im_end
+    # A teacher with no end-of-sequence token: the stop token is left unaligned.
+    no_eos = PreTrainedTokenizerFast(tokenizer_object=teacher_tokenizer.backend_tokenizer, name_or_path="no-eos")
+    assert no_eos.eos_token_id is None
+    teacher_ids, groups = teacher_tokens_for_response(ids, student_tokenizer, no_eos)
+    assert teacher_ids == encode(no_eos, text)
     assert groups[-1].student_end == len(ids) - 1 and groups[-1].teacher_end == len(teacher_ids)
     check_groups([pieces_of("student")[i] for i in ids], [pieces_of("llama_teacher")[i] for i in teacher_ids], groups)
 
