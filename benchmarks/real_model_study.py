@@ -415,8 +415,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="2 steps per arm, one seed, 8 questions, a temp dir")
     args = parser.parse_args()
     args.steps, args.train_rows, limit = (2, 64, 8) if args.smoke else (None, 213, None)
-    if args.smoke:
-        args.seeds, args.out = args.seeds[:1], Path(tempfile.mkdtemp(prefix="real_model_study_"))
+    if args.smoke:  # one job: the smoke runner runs two scripts at a time, one thread each
+        args.seeds, args.out, args.jobs = args.seeds[:1], Path(tempfile.mkdtemp(prefix="real_model_study_")), 1
     args.out = args.out.resolve()
     args.work = Path(tempfile.mkdtemp(prefix="real_model_study_runs_"))  # models and logs of runs: not kept
     os.chdir(REPO)

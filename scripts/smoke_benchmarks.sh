@@ -20,9 +20,10 @@ JOBS="${OPD_SMOKE_JOBS:-2}"
 VLLM_BENCHMARKS=(generation_engines)  # the scripts that need vllm
 
 # Every script with a main block (benchmarks/harness.py and timing.py are modules); the
-# slowest first (their smoke seconds in CI, 2026-11-27, in this order: 84 30 25 24 28 26 – 19 26 18 11;
-# dry_run_accuracy's left out there), so that the last ones to start are short and the two jobs end together.
-SLOWEST=(e2e_vs_trl sweep_lambda_kl async_overlap scaling tool_demo validation_bytes dry_run_accuracy
+# slowest first (their smoke seconds in CI's run of 2026-11-29, in this order: 102, new, 40 37 26 36 36 –
+# 30 32 19 12; dry_run_accuracy's left out there), so that the last ones to start are short and the two
+# jobs end together.
+SLOWEST=(e2e_vs_trl real_model_study sweep_lambda_kl async_overlap scaling tool_demo validation_bytes dry_run_accuracy
   lambda_study step_kernels served_teacher loss_memory)
 if [ "$#" -gt 0 ]; then
   NAMES=("$@")
