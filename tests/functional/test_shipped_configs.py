@@ -40,6 +40,7 @@ SERVED_MODEL = "Qwen/Qwen2.5-32B-Instruct"  # distillation_math_served.yaml's te
 API_KEY_ENV = "OPD_TEACHER_KEY"  # ... and its teacher.remote.api_key_env
 
 # The specification's hub models and data, replaced by tiny local ones.
+DEMO_MODELS = REPO_ROOT / "examples" / "demo" / "models"
 TINY_PAIR = ["model.teacher_model_path=tiny:teacher", "model.student_model_path=tiny:student"]
 LOCAL_MATH_DATA = [f"data.train_path={ARITHMETIC / 'train.jsonl'}", "data.val_holdout=4"]
 # One step, validation at the start and at the end on a few prompts, short answers.
@@ -117,6 +118,17 @@ CASES = {
     "real_model.yaml": Case("train", [*TINY_PAIR, *ONE_STEP, *SHORT_ROLLOUTS]),
     # Its self-distillation: the tiny student is its own live teacher, reading the reference answer.
     "real_model_self.yaml": Case("train", ["model.student_model_path=tiny:student", *ONE_STEP, *SHORT_ROLLOUTS]),
+    # Its cross-tokenizer pair (SmolLM2 teaching Gemma 3): the demo's student and its teacher of
+    # another tokenizer stand in, with the config's own Gemma turn markup.
+    "real_model_cross_tokenizer.yaml": Case(
+        "train",
+        [
+            f"model.teacher_model_path={DEMO_MODELS / 'teacher_other_tokenizer'}",
+            f"model.student_model_path={DEMO_MODELS / 'student'}",
+            *ONE_STEP,
+            *SHORT_ROLLOUTS,
+        ],
+    ),
     "generate_demo.yaml": Case("generate", ["data.max_train_examples=4", "generate.generate_strategy.max_length=12"]),
     "generate_math.yaml": Case(
         "generate",
@@ -250,7 +262,7 @@ def test_a_shipped_config_starts_validates_and_trains_one_step(name, tmp_path, r
         overrides.append(f"teacher.remote.url={server.url}")
     if name == "context_demo.yaml":
         request.getfixturevalue("hint_data")
-    if name in ("real_model.yaml", "real_model_self.yaml"):
+    if name in ("real_model.yaml", "real_model_self.yaml", "real_model_cross_tokenizer.yaml"):
         task = request.getfixturevalue("capitals_task")
         overrides += [f"data.train_path={task / 'train.jsonl'}", f"data.val_path={task / 'val.jsonl'}"]
     if name in TOOL_TASK_FILES:
