@@ -381,6 +381,8 @@ def verdict(low: float, high: float) -> str:
 def report(results: list[dict], teacher_accuracy: float, student_accuracy: float) -> None:
     by_arm = {arm: {r["seed"]: r for r in results if r["arm"] == arm} for arm in ARMS}
     print(f"\nteacher {teacher_accuracy:.3f}, student before {student_accuracy:.3f} (greedy, test questions)")
+    budget = statistics.median(r["budget_flops"] for r in results)
+    print(f"budget {budget:.3e} FLOPs per run: {ON_POLICY_STEPS} on-policy steps of {BATCH} prompts")
     print(f"{'arm':<15} {'seeds':>5} {'steps':>6} {'FLOPs/budget':>12} {'accuracy median [range]':>26} {'mean':>6}")
     for arm, runs in by_arm.items():
         if not runs:
