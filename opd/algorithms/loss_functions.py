@@ -607,6 +607,11 @@ class _TeacherMetrics:
     ) -> None:
         """Metrics from the student's logits and the teacher's top-k (both at the loss temperature;
         ``student_classes`` as in :func:`topk_token_kl`)."""
+        temperature = self.temperature
+        if student_classes is not None:  # pooled once, at the temperature, for every metric below
+            compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
+            scaled = student_logits.to(compute_dtype) / temperature
+            student_logits, temperature = pool_logits_by_class(scaled, student_classes), 1.0
         for kl_type in ("forward", "reverse"):
             self.sums[f"kl_{kl_type}"] += float(
                 topk_token_kl(
@@ -614,13 +619,12 @@ class _TeacherMetrics:
                     teacher_topk_logprobs,
                     teacher_topk_ids,
                     kl_type,
-                    temperature=self.temperature,
+                    temperature=temperature,
                     teacher_rest_logprobs=teacher_rest_logprobs,
-                    student_classes=student_classes,
                 ).sum()
             )
         compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
-        log_q = _student_log_probs(student_logits.to(compute_dtype), self.temperature, student_classes)
+        log_q = _student_log_probs(student_logits.to(compute_dtype), temperature, None)
         self._topk(log_q, teacher_topk_logprobs.to(compute_dtype), teacher_topk_ids)
 
     def _topk(self, log_q: torch.Tensor, teacher_topk_logprobs: torch.Tensor, teacher_topk_ids: torch.Tensor) -> None:
