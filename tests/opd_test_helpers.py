@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_TRAIN_DATA = REPO_ROOT / "examples" / "data" / "tiny_arithmetic" / "train.jsonl"
@@ -336,3 +339,18 @@ def write_wrong_half_arithmetic_rows(path: Path, count: int = 16) -> Path:
             truth = a + b + (index % 2)
             handle.write(json.dumps({"problem": f"What is {a} + {b}?", "ground_truth_answer": str(truth)}) + "\n")
     return path
+
+
+def load_script(path: Path, register: bool = False) -> Any:
+    """The module of a script that is not in a package (an example's or a benchmark's), imported from its file.
+
+    ``register`` also puts it in ``sys.modules`` under its file name (for a script whose
+    dataclasses or pickling look their module up there).
+    """
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules.setdefault(path.stem, module)
+    spec.loader.exec_module(module)
+    return module

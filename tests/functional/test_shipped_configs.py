@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from opd_test_helpers import REPO_ROOT, RunningServer, json_from_a_process_of_its_own
+from opd_test_helpers import REPO_ROOT, RunningServer, json_from_a_process_of_its_own, load_script
 
 from opd.cli import main as opd_main
 
@@ -160,31 +160,18 @@ def served_teacher(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hint_data():
     """context_demo.yaml's data (``examples/data/arithmetic_hints/``), written as its prepare script does."""
-    import importlib.util
-    import sys
-
     if not (REPO_ROOT / "examples" / "data" / "arithmetic_hints" / "val.jsonl").is_file():
-        path = REPO_ROOT / "examples" / "demo" / "prepare_context_demo.py"
-        spec = importlib.util.spec_from_file_location("prepare_context_demo", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules.setdefault("prepare_context_demo", module)
-        spec.loader.exec_module(module)
-        module.write_hint_data()
+        load_script(REPO_ROOT / "examples" / "demo" / "prepare_context_demo.py", register=True).write_hint_data()
 
 
 @pytest.fixture(scope="module")
 def tool_task(tmp_path_factory) -> Path:
     """A small copy of the tool demo's task, written by ``examples/data/make_tool_task.py``."""
-    import importlib.util
     import sys
 
     out_dir = tmp_path_factory.mktemp("tool_task")
     path = REPO_ROOT / "examples" / "data" / "make_tool_task.py"
-    spec = importlib.util.spec_from_file_location("make_tool_task", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(path)
     argv = sys.argv
     sys.argv = [str(path), "--out-dir", str(out_dir), "--train-size", "16", "--val-size", "4", "--test-size", "4"]
     try:
@@ -197,15 +184,8 @@ def tool_task(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def capitals_task(tmp_path_factory) -> Path:
     """The real-model example's task, written by ``examples/real_model/make_capitals_task.py``."""
-    import importlib.util
-
-    path = REPO_ROOT / "examples" / "real_model" / "make_capitals_task.py"
-    spec = importlib.util.spec_from_file_location("make_capitals_task", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     out_dir = tmp_path_factory.mktemp("capitals")
-    module.write_task(out_dir)
+    load_script(REPO_ROOT / "examples" / "real_model" / "make_capitals_task.py").write_task(out_dir)
     return out_dir
 
 

@@ -29,17 +29,15 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from opd_test_helpers import REPO_ROOT
+from opd_test_helpers import REPO_ROOT, load_script
 from safetensors.torch import load_file
 
 from opd.algorithms.distillation import distillation_train
@@ -407,12 +405,7 @@ def test_live_and_ema_combine_with_lora_and_one_step_off(tmp_path):
 @pytest.fixture(scope="module")
 def small_hint_data(tmp_path_factory) -> Path:
     """16 training and 4 validation rows of the context demo's task, written as its prepare script writes them."""
-    path = REPO_ROOT / "examples" / "demo" / "prepare_context_demo.py"
-    spec = importlib.util.spec_from_file_location("prepare_context_demo", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("prepare_context_demo", module)
-    spec.loader.exec_module(module)
+    module = load_script(REPO_ROOT / "examples" / "demo" / "prepare_context_demo.py", register=True)
     from opd.data.converters import load_prompt_template, math_cl_to_chat
 
     template = load_prompt_template(REPO_ROOT / "examples" / "prompts" / "math_think_answer.txt")
