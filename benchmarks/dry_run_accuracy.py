@@ -1,7 +1,7 @@
 """The dry run's predicted peak memory against the peak of the same step run for real on CPU.
 
 ``opd plan`` predicts a trainer rank's peak from fake tensors
-(:func:`opd.distributed.dry_run.dry_run_rank`, through FSDPMemTracker). This script runs the
+(:func:`opd.plan.dry_run.dry_run_rank`, through FSDPMemTracker). This script runs the
 same step for real, on CPU, and measures its peak independently of the tracker: the
 process's resident memory high-water mark (``VmHWM``, reset just before the step through
 ``/proc/self/clear_refs``) above its resident memory before the models were built. The
@@ -69,7 +69,7 @@ def _write_models(directory: Path, sizes: dict[str, tuple[int, ...]]) -> dict[st
 
 def _spec(paths: dict[str, str], vocab: int) -> tuple[Any, Any]:
     """The trainer's spec and loss for the saved models (imported here: the parent process stays light)."""
-    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distillation.config import MasterConfig
     from opd.distributed.trainer_worker import TrainerSpec
     from opd.utils.config import load_config
 
@@ -83,7 +83,7 @@ def _spec(paths: dict[str, str], vocab: int) -> tuple[Any, Any]:
 
 
 def _shape(rows: int, prompt: int, response: int):
-    from opd.distributed.dry_run import StepShape
+    from opd.plan.dry_run import StepShape
 
     return StepShape(rows, prompt, response, micro_batches=2)
 
@@ -102,9 +102,9 @@ def measure_rank(rank: int, world: int, port: int, paths: dict[str, str], vocab:
 
     import torch
 
-    from opd.distributed.dry_run import _adam_state_in_place, _micro_batch
     from opd.distributed.fsdp import init_process_group
     from opd.distributed.trainer_worker import TrainerWorker
+    from opd.plan.dry_run import _adam_state_in_place, _micro_batch
 
     torch.set_num_threads(1)
     spec, loss_fn = _spec(paths, vocab)
@@ -127,7 +127,7 @@ def measure_rank(rank: int, world: int, port: int, paths: dict[str, str], vocab:
 
 def predict_rank(rank: int, world: int, paths: dict[str, str], vocab: int, shape: Any) -> dict:
     """The dry run of the same rank: its peak and its standing part."""
-    from opd.distributed.dry_run import dry_run_rank
+    from opd.plan.dry_run import dry_run_rank
 
     spec, loss_fn = _spec(paths, vocab)
     memory = dry_run_rank(spec, world, rank, shape, loss_fn, vocab)
@@ -169,7 +169,7 @@ def _result(process: subprocess.Popen) -> dict:
 
 def compare(arguments: argparse.Namespace, paths: dict[str, str]) -> list[dict]:
     """Every case: prediction, measurement and error."""
-    from opd.distributed.ray_cluster import free_port
+    from opd.distributed.workers.ray_cluster import free_port
 
     rows = []
     for world in arguments.worlds:

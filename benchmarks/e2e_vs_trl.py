@@ -551,9 +551,9 @@ def run_opd(args: argparse.Namespace, compile_decode: bool = False) -> dict[str,
     """
     import torch
 
-    from opd.algorithms.distillation import distillation_train
-    from opd.algorithms.distillation_config import MasterConfig
-    from opd.algorithms.distillation_setup import setup
+    from opd.distillation.config import MasterConfig
+    from opd.distillation.setup import setup
+    from opd.distillation.step import distillation_train
     from opd.utils.config import validate_config
 
     kind = "opd_compiled" if compile_decode else "opd"
@@ -619,13 +619,13 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opd.algorithms.loss_functions import DistillationLossFn
     from opd.data.batched_data_dict import BatchedDataDict
     from opd.data.sequences import attention_mask_from_lengths, build_token_mask, encode_prompt, shift_token_mask
-    from opd.models.generation.config import GenerateStrategyConfig
-    from opd.models.generation.decode_loop import compile_decode_step, decode
-    from opd.models.generation.stop_tokens import is_stop, stop_token_ids
+    from opd.losses.objectives import DistillationLossFn
+    from opd.models.decoding import GenerateStrategyConfig
     from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of
+    from opd.rollout.decode_loop import compile_decode_step, decode
+    from opd.rollout.stop_tokens import is_stop, stop_token_ids
     from opd.utils.compile_cache import resolve_compile_kernels
 
     torch.manual_seed(SEED)

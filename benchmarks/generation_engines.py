@@ -5,15 +5,15 @@ are easily disturbed. One process, two tables:
 
 * **rollouts**: the demo student answers ``--prompts`` task prompts (greedy, up to 96 new
   tokens, as in ``demo.yaml``): opd's HF decode loop, transformers' ``generate``, and the
-  colocated vLLM engine (:class:`opd.models.generation.vllm_generation.VllmGeneration`).
+  colocated vLLM engine (:class:`opd.rollout.vllm_generation.VllmGeneration`).
   New tokens per second and the ratio to opd's loop. The greedy tokens of the three are
   checked equal before anything is timed. vLLM's refit (copying the student's weights in)
   is timed on its own row.
 * **teacher scoring**: the demo teacher's top-k (k = ``--topk``) log-probs for every
   position of those rollouts (prompt + response): in process
-  (:class:`opd.models.teacher.local_teacher.LocalTeacher`), through ``opd serve-teacher``
+  (:class:`opd.teachers.local_teacher.LocalTeacher`), through ``opd serve-teacher``
   and through vLLM's OpenAI-compatible server, both on 127.0.0.1 and read by
-  :class:`opd.models.teacher.remote_teacher.RemoteTeacher`. Scored tokens per second and
+  :class:`opd.teachers.served.remote_teacher.RemoteTeacher`. Scored tokens per second and
   the ratio to in-process; the servers' start-up time is reported separately.
 
 Each cell is the median of ``--repeats`` timed calls after one untimed call.
@@ -50,11 +50,12 @@ from timing import median_seconds  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from opd.data.converters import load_prompt_template, math_cl_to_chat  # noqa: E402
-from opd.models.generation.config import GenerateStrategyConfig, VllmGenerationConfig  # noqa: E402
-from opd.models.generation.hf_generation import HFGeneration  # noqa: E402
-from opd.models.generation.vllm_generation import VllmGeneration  # noqa: E402
-from opd.models.teacher.local_teacher import LocalTeacher  # noqa: E402
-from opd.models.teacher.remote_teacher import RemoteTeacher  # noqa: E402
+from opd.models.decoding import GenerateStrategyConfig
+from opd.rollout.config import VllmGenerationConfig
+from opd.rollout.hf_generation import HFGeneration  # noqa: E402
+from opd.rollout.vllm_generation import VllmGeneration  # noqa: E402
+from opd.teachers.local_teacher import LocalTeacher  # noqa: E402
+from opd.teachers.served.remote_teacher import RemoteTeacher  # noqa: E402
 
 STUDENT = REPO / "examples" / "demo" / "models" / "student"
 TEACHER = REPO / "examples" / "demo" / "models" / "teacher"

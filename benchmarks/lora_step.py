@@ -1,6 +1,6 @@
 """Peak memory and time of one training step: LoRA student vs full fine-tuning.
 
-Both modes run :meth:`opd.models.policy.hf_policy.HFPolicy.train` (AdamW, the policy's
+Both modes run :meth:`opd.policy.hf_policy.HFPolicy.train` (AdamW, the policy's
 micro-batching and clipping) with the token-level NLL loss on the same seeded batch of
 random token ids, on the same randomly initialised Qwen2 model, so the difference is
 only what LoRA changes: which parameters get gradients and Adam moments, and the extra
@@ -65,10 +65,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from opd.algorithms.loss_functions import NLLLossFn
     from opd.data.sequences import pack_sequences
+    from opd.losses.objectives import NLLLossFn
     from opd.models.config import LoraConfig, OptimizerConfig
-    from opd.models.policy.hf_policy import HFPolicy
+    from opd.policy.hf_policy import HFPolicy
 
     torch.manual_seed(0)
     device = torch.device(args.device)

@@ -2,13 +2,13 @@
 
 With Qwen's 151,669-token vocabulary, a distillation loss that materialises logits holds
 several ``[tokens × vocab]`` fp32 tensors at once, 5 GB *each* at 8,192 tokens. opd's
-fused loss (:func:`opd.algorithms.fused_lm_head.chunked_lm_head_loss`) makes the logits
+fused loss (:func:`opd.kernels.fused_lm_head.chunked_lm_head_loss`) makes the logits
 chunk by chunk from the final hidden states and the LM-head weights instead. This script
 measures what that buys, for the loss alone (no model around it): forward + backward at
 vocabulary V = 151,669 and hidden size D = 1,536 (Qwen2.5-1.5B's head), fp32 on CPU, for
 N tokens, of
 
-* **opd fused** — ``chunked_lm_head_loss`` with :func:`opd.algorithms.loss_functions.generalized_jsd`
+* **opd fused** — ``chunked_lm_head_loss`` with :func:`opd.losses.objectives.generalized_jsd`
   (β = 0.5) and its closed-form gradient (``full_vocab_divergence_with_grad``), as
   ``DistillationLossFn`` runs it, and the teacher given as its hidden states and head (an in-process teacher:
   its logits are made per chunk, without gradient);
@@ -178,8 +178,8 @@ def _loss_functions(chunk_rows: int | None) -> dict[str, Callable[..., Any]]:
     def opd_loss(hidden, weight, teacher_hidden, teacher_weight):
         import functools
 
-        from opd.algorithms.fused_lm_head import chunked_lm_head_loss
-        from opd.algorithms.loss_functions import full_vocab_divergence_with_grad, generalized_jsd
+        from opd.kernels.fused_lm_head import chunked_lm_head_loss
+        from opd.losses.objectives import full_vocab_divergence_with_grad, generalized_jsd
         from opd.models.lm_head import LMHeadInput
 
         tokens = hidden.shape[0]

@@ -14,7 +14,7 @@ loss computed with the teacher in the trainer's process:
   top-k (loss positions: from one before each row's first response token to its
   second-to-last token). The in-process reference does the binary path's work: the same
   decoder forward, then the top-k and rest mass at the loss positions only, with the
-  server's own scorer (:class:`opd.models.teacher.scoring.PromptScorer`), so that the
+  server's own scorer (:class:`opd.teachers.scoring.PromptScorer`), so that the
   ratio measures the transport and not less work. ``LocalTeacher`` as opd's trainer runs
   it, which computes the top-k at every position of the padded batch (prompt and padding
   included), is a row of its own for comparison.
@@ -68,14 +68,14 @@ sys.path.insert(0, str(REPO))
 
 from harness import parse_arguments  # noqa: E402
 
-from opd.algorithms.loss_functions import DistillationLossFn  # noqa: E402
 from opd.data.batched_data_dict import BatchedDataDict  # noqa: E402
+from opd.losses.objectives import DistillationLossFn  # noqa: E402
 from opd.models.interfaces import TeacherInterface, TopKLogprobs  # noqa: E402
 from opd.models.lm_head import LMHeadInput  # noqa: E402
 from opd.models.loading import load_output_layer  # noqa: E402
-from opd.models.teacher.local_teacher import LocalTeacher  # noqa: E402
-from opd.models.teacher.remote_teacher import RemoteTeacher, first_loss_positions  # noqa: E402
-from opd.models.teacher.scoring import PromptScorer  # noqa: E402
+from opd.teachers.local_teacher import LocalTeacher  # noqa: E402
+from opd.teachers.scoring import PromptScorer  # noqa: E402
+from opd.teachers.served.remote_teacher import RemoteTeacher, first_loss_positions  # noqa: E402
 
 DEMO_MODELS = REPO / "examples" / "demo" / "models"
 PROMPTS = REPO / "examples" / "data" / "tiny_arithmetic" / "train.jsonl"
@@ -112,7 +112,7 @@ class TopKAtLossPositions(LocalTeacher):
 
     The decoder runs over whole sequences, as the server's does; the top-k and the rest
     mass are then computed by the server's own scorer at each row's positions from
-    :func:`~opd.models.teacher.remote_teacher.first_loss_positions` to its second-to-last
+    :func:`~opd.teachers.served.remote_teacher.first_loss_positions` to its second-to-last
     token, and the other positions hold :class:`RemoteTeacher`'s placeholder (the loss
     masks them).
 

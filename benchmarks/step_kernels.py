@@ -6,9 +6,9 @@ disturbed). Rows, at the two vocabularies of ``e2e_vs_trl.py`` (2,048 and Qwen's
 
 * **draw**: one next token for 4 rows from a softmax: ``torch.multinomial`` (what
   ``generate`` uses) vs opd's inverse-CDF draw
-  (:func:`opd.models.generation.sampling.sample_from_probs`);
+  (:func:`opd.rollout.sampling.sample_from_probs`);
 * **decode**: 32 sampled tokens with the KV cache: ``model.generate`` vs opd's decode
-  loop (:func:`opd.models.generation.decode_loop.decode`), the opd student preset; then
+  loop (:func:`opd.rollout.decode_loop.decode`), the opd student preset; then
   opd's loop eager vs with its one-token step compiled (``generation.compile_decode``),
   the first compiled call (compilation) reported separately;
 * **AdamW**: one step over the student's parameters: per-tensor loop, ``foreach``, fused
@@ -40,12 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import parse_arguments
 from timing import median_seconds
 
-from opd.algorithms.loss_functions import DistillationLossFn
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.decode_loop import compile_decode_step, decode
-from opd.models.generation.sampling import sample_from_probs
+from opd.losses.objectives import DistillationLossFn
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput
 from opd.models.tiny import build_model_for_tokenizer, build_tiny_tokenizer
+from opd.rollout.decode_loop import compile_decode_step, decode
+from opd.rollout.sampling import sample_from_probs
 
 VOCABULARIES = (2048, 151_669)
 ROWS, PROMPT_TOKENS, NEW_TOKENS, LOSS_POSITIONS = 4, 32, 32, 128

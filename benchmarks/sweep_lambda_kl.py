@@ -160,11 +160,11 @@ def make_teacher_answers(prompts: int, root: Path) -> tuple[Path, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from opd.algorithms.distillation_config import MasterConfig
     from opd.data.converters import load_prompt_template, math_cl_to_chat
     from opd.data.dataloaders import prepare_examples
-    from opd.models.generation.hf_generation import HFGeneration
+    from opd.distillation.config import MasterConfig
     from opd.models.loading import load_tokenizer
+    from opd.rollout.hf_generation import HFGeneration
     from opd.utils.config import load_config
 
     config = load_config(MasterConfig, str(CONFIG), [])
@@ -196,7 +196,7 @@ def sft_setting(
     name: str, answers: Path, budget: list[str], root: Path, eval_overrides: list[str] | None = None
 ) -> dict:
     """SFT of the demo student on teacher answers, with the demo's optimizer settings."""
-    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distillation.config import MasterConfig
     from opd.utils.config import load_config
 
     demo = load_config(MasterConfig, str(CONFIG), [])
@@ -285,7 +285,7 @@ def sweep(args: argparse.Namespace) -> None:
     evaluation = [] if args.eval_examples is None else [f"data.max_val_examples={args.eval_examples}"]
     training = train_examples_overrides(args.train_examples)
 
-    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distillation.config import MasterConfig
     from opd.utils.config import load_config
 
     batch_size = load_config(MasterConfig, str(CONFIG), []).training.batch_size

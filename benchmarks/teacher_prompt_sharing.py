@@ -1,7 +1,7 @@
 """The in-process teacher's forward with and without the shared-prompt pass (``teacher.share_prompt_forward``).
 
 A micro-batch of ``--prompts`` prompts, each with ``samples`` responses (the rows of
-``num_samples_per_prompt``), is scored by :class:`~opd.models.teacher.local_teacher.LocalTeacher`
+``num_samples_per_prompt``), is scored by :class:`~opd.teachers.local_teacher.LocalTeacher`
 twice: in one pass over the right-padded rows (``share_prompt_forward: false``), and with
 each distinct prompt run once and the responses on top of its cache (the default). The
 request is the fused loss's (final hidden states): the teacher's forward alone, which is
@@ -29,8 +29,8 @@ from timing import median_and_range
 
 from opd.data.sequences import pack_sequences
 from opd.models.interfaces import FullVocabRequest
-from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model
+from opd.teachers.local_teacher import LocalTeacher
 
 SMOKE = {"model": "tiny:teacher", "prompt_lengths": [16], "samples": [2], "response": 8, "repeats": 1}
 

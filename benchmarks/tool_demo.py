@@ -21,7 +21,7 @@ and data preparation excluded):
   trajectories (one row per assistant turn, ``teacher_sft.jsonl``).
 
 Every model is evaluated on the test split through opd's own multi-turn rollout
-(:func:`opd.algorithms.multi_turn.multi_turn_rollout`, greedy, the calculator running in
+(:func:`opd.rollout.multi_turn.multi_turn_rollout`, greedy, the calculator running in
 the environment): accuracy (the math verifier's grade of the final turn), tool-call rate
 (the share of episodes with at least one call) and the share of calls that were well
 formed. The teacher and the starting student are evaluated once (greedy: the same for
@@ -83,12 +83,12 @@ def evaluate(model_dir: Path, rows: list[dict[str, Any]], batch_size: int = 64) 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opd.algorithms.multi_turn import multi_turn_rollout
     from opd.data.converters import load_prompt_template, math_cl_to_chat
-    from opd.environments.config import EnvironmentConfig, build_environment
-    from opd.environments.turn_template import TurnTemplate
-    from opd.models.generation.config import GenerateStrategyConfig
-    from opd.models.generation.hf_generation import HFGeneration
+    from opd.models.decoding import GenerateStrategyConfig
+    from opd.rollout.environments.config import EnvironmentConfig, build_environment
+    from opd.rollout.environments.turn_template import TurnTemplate
+    from opd.rollout.hf_generation import HFGeneration
+    from opd.rollout.multi_turn import multi_turn_rollout
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

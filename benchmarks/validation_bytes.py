@@ -24,11 +24,11 @@ from typing import Any
 import ray
 import torch
 
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.validation import validate
-from opd.distributed.ray_cluster import RAY_ENVIRONMENT
-from opd.distributed.worker_group import WorkerGroup
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distributed.workers.ray_cluster import RAY_ENVIRONMENT
+from opd.distributed.workers.worker_group import WorkerGroup
+from opd.run.validation import validate
 from opd.utils.config import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

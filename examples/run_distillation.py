@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from opd.cli import main  # noqa: E402
+from opd.cli import main
 
 if __name__ == "__main__":
     arguments = sys.argv[1:]

@@ -4,24 +4,24 @@
   ``--dry-run``: plan instead, as ``opd plan`` does;
 * ``opd plan --config FILE [key.sub=value ...] [--json] [--quick] [--every-layer]`` — a cluster run's memory per
   device from its config alone: the trainer's real step on fake tensors over a fake process
-  group, at the real shapes, with a device audit (:mod:`opd.algorithms.memory_plan`);
+  group, at the real shapes, with a device audit (:mod:`opd.plan.memory_plan`);
 * ``opd eval --config FILE [key.sub=value ...]`` — validate one model and exit; with
   ``--harness lm-eval --tasks a,b [--include-path DIR] [--limit N] [--compare teacher,student_before]``,
-  score it with lm-evaluation-harness instead (:mod:`opd.algorithms.harness`), as set by
+  score it with lm-evaluation-harness instead (:mod:`opd.run.harness`), as set by
   ``[--backend hf|vllm] [--num-fewshot N] [--max-gen-toks N] [--temperature T] [--top-p P]
   [--repeats N] [--chat-template-kwargs JSON] [--system-instruction TEXT]
   [--[no-]fewshot-as-multiturn] [--output-path DIR [--log-samples]]`` (each a ``validation.harness`` key);
 * ``opd sft --config FILE [key.sub=value ...]`` — supervised fine-tuning (resumes too);
 * ``opd generate --config FILE [key.sub=value ...]`` — one model's (the teacher's) answers to
-  the training prompts, as chat-format fixed data (resumes too; :mod:`opd.algorithms.generate_data`);
+  the training prompts, as chat-format fixed data (resumes too; :mod:`opd.generate`);
 * ``opd export SOURCE DIR [--dtype D]`` — write a checkpoint's student (sharded or not), or a
-  GGUF model dequantised, as a Hugging Face model directory (:mod:`opd.utils.checkpoint_export`);
+  GGUF model dequantised, as a Hugging Face model directory (:mod:`opd.run.checkpoint_export`);
 * ``opd prune SOURCE DIR --layers N [--method even|importance --calibration DATA] | --keep 0,4,...``
   — a depth-pruned student made from a model: chosen layers kept, embeddings, head,
   tokenizer and chat template carried over (:mod:`opd.models.depth_pruning`);
 * ``opd plot LOG_DIR`` — redraw the curves and summary from a run's ``metrics.jsonl``;
 * ``opd serve-teacher --model DIR [--port N ...]`` — serve a teacher's prompt log-probs
-  over HTTP for ``teacher.backend: remote`` (:mod:`opd.models.teacher.server`).
+  over HTTP for ``teacher.backend: remote`` (:mod:`opd.teachers.served.server`).
 
 User mistakes (config, data, incompatible models) end the run with one ``error:`` line
 and exit status 2, before any model is loaded where possible; no traceback is shown
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 from opd.utils.errors import ConfigError, OpdError, TrainingDivergedError
 
 if TYPE_CHECKING:  # importing the logger pulls in torch; `opd --help` should not wait for it
-    from opd.utils.logger import LoggerConfig
+    from opd.run.logger import LoggerConfig
 
 EXIT_USER_ERROR = 2
 EXIT_TRAINING_FAILED = 1
@@ -223,7 +223,7 @@ def run_export(args: argparse.Namespace) -> None:
     import torch
 
     from opd.models.gguf_source import export_gguf, gguf_source
-    from opd.utils.checkpoint_export import export_checkpoint
+    from opd.run.checkpoint_export import export_checkpoint
 
     quiet_third_party_output()
     source = gguf_source(args.checkpoint)
@@ -283,8 +283,8 @@ def harness_overrides(args: argparse.Namespace) -> list[str]:
 
 def run_harness(config_path: str, overrides: list[str]) -> None:
     """``opd eval --harness``: score one model (and its comparisons) with an external harness."""
-    from opd.algorithms.distillation_config import MasterConfig
-    from opd.algorithms.evaluation import evaluate_with_harness_tasks
+    from opd.distillation.config import MasterConfig
+    from opd.evaluate import evaluate_with_harness_tasks
     from opd.utils.config import load_config
 
     _prepare_console()
@@ -295,14 +295,14 @@ def run_train(config_path: str, overrides: list[str], val_only: bool = False) ->
     """Loads and validates the config, then trains (or only validates, for ``opd eval``)."""
     # Imported here, the training stack after the config has loaded: `opd --help` and a
     # config error do not wait for the imports of models, engines and workers (seconds).
-    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distillation.config import MasterConfig
     from opd.utils.config import load_config
 
     _prepare_console()
     config = load_config(MasterConfig, config_path, overrides)
-    from opd.algorithms.distillation import distillation_train
-    from opd.algorithms.distillation_setup import setup
-    from opd.algorithms.evaluation import evaluate
+    from opd.distillation.setup import setup
+    from opd.distillation.step import distillation_train
+    from opd.evaluate import evaluate
 
     if val_only or config.val_only:
         evaluate(config)
@@ -321,8 +321,8 @@ def run_plan(
     """Loads the config and prints its memory plan (``opd plan``, ``opd train --dry-run``)."""
     import json
 
-    from opd.algorithms.distillation_config import MasterConfig
-    from opd.algorithms.memory_plan import plan_memory, render_plan
+    from opd.distillation.config import MasterConfig
+    from opd.plan.memory_plan import plan_memory, render_plan
     from opd.utils.config import load_config
 
     quiet_third_party_output()
@@ -334,7 +334,7 @@ def run_plan(
 
 def run_sft(config_path: str, overrides: list[str]) -> None:
     """Loads and validates an SFT config, then fine-tunes."""
-    from opd.algorithms.sft import SFTMasterConfig, setup, sft_train
+    from opd.sft import SFTMasterConfig, setup, sft_train
     from opd.utils.config import load_config
 
     _prepare_console()
@@ -345,7 +345,7 @@ def run_sft(config_path: str, overrides: list[str]) -> None:
 
 def run_generate(config_path: str, overrides: list[str]) -> None:
     """Loads a config with a ``generate`` section, writes the answers and prints the summary line."""
-    from opd.algorithms.generate_data import GenerateMasterConfig, generate_data
+    from opd.generate import GenerateMasterConfig, generate_data
     from opd.utils.config import load_config
 
     _prepare_console()
@@ -354,7 +354,7 @@ def run_generate(config_path: str, overrides: list[str]) -> None:
 
 
 def _prepare_console() -> None:
-    from opd.utils.logger import setup_console_logging
+    from opd.run.logger import setup_console_logging
 
     setup_console_logging()
     quiet_third_party_output()
@@ -362,7 +362,7 @@ def _prepare_console() -> None:
 
 def _draw_curves(logger_config: LoggerConfig) -> None:
     """Writes summary.txt and curves.png next to metrics.jsonl; a failure here is only a warning."""
-    from opd.utils.plotting import plot_curves, write_summary
+    from opd.run.plotting import plot_curves, write_summary
 
     metrics_file = Path(logger_config.log_dir) / "metrics.jsonl"
     if not (logger_config.jsonl and metrics_file.is_file()):
@@ -380,12 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve-teacher"]:
         # Its options are the server's own (argparse's REMAINDER would not pass a leading --model on).
-        from opd.models.teacher.server import main as serve_main
+        from opd.teachers.served.server import main as serve_main
 
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "plot":
-        from opd.utils.plotting import main as plot_main
+        from opd.run.plotting import main as plot_main
 
         return plot_main(args.arguments)
     try:

@@ -78,7 +78,7 @@ def _cuda() -> Any:
 
 
 def _demo_config(overrides: list[str]) -> Any:
-    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distillation.config import MasterConfig
     from opd.utils.config import load_config
 
     return load_config(MasterConfig, REPO_ROOT / "examples" / "configs" / "demo.yaml", overrides)
@@ -125,7 +125,7 @@ def _trainer(student: str, teacher: str | None, total_steps: int = 2, **spec_fie
 
 def check_nccl_trainer() -> dict[str, Any]:
     _cuda()
-    from opd.algorithms.distillation_setup import build_loss
+    from opd.distillation.setup import build_loss
     from opd.models.loading import load_tokenizer
 
     config = _demo_config([f"model.device={DEVICE}", "model.dtype=bfloat16"])
@@ -152,8 +152,8 @@ def check_nccl_trainer() -> dict[str, Any]:
 
 def check_bf16_fused_loss() -> dict[str, Any]:
     torch = _cuda()
-    from opd.algorithms.fused_lm_head import chunked_lm_head_loss
-    from opd.algorithms.loss_functions import token_kl
+    from opd.kernels.fused_lm_head import chunked_lm_head_loss
+    from opd.losses.objectives import token_kl
     from opd.models.lm_head import LMHeadInput
 
     vocab, hidden_size, positions = (151_936, 1536, 2048) if not REHEARSAL else (4096, 64, 512)
@@ -192,7 +192,7 @@ def check_bf16_fused_loss() -> dict[str, Any]:
 
 def check_offload() -> dict[str, Any]:
     _cuda()
-    from opd.algorithms.distillation_setup import build_loss
+    from opd.distillation.setup import build_loss
     from opd.models.loading import load_tokenizer
 
     config = _demo_config([f"model.device={DEVICE}", "model.dtype=bfloat16"])
@@ -296,9 +296,9 @@ def _qwen_step(shape: str, checkpointing: bool = False) -> dict[str, Any]:
     ``checkpointing``: the student recomputes each layer's activations in the backward pass.
     """
     torch = _cuda()
-    from opd.algorithms.distillation_config import MasterConfig
-    from opd.algorithms.distillation_setup import build_loss
     from opd.data.sequences import pack_sequences
+    from opd.distillation.config import MasterConfig
+    from opd.distillation.setup import build_loss
     from opd.utils.config import load_config
 
     directory = _qwen_directory(shape)
@@ -371,11 +371,11 @@ def _dry_run_prediction(shape: str, checkpointing: bool) -> float:
 
 def check_pooled_hidden_states() -> dict[str, Any]:
     _cuda()
-    from opd.algorithms.distillation_setup import build_loss
+    from opd.distillation.setup import build_loss
     from opd.models.config import ModelLoadingConfig
     from opd.models.interfaces import TeacherHiddenStates
     from opd.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
-    from opd.models.teacher.local_teacher import LocalTeacher
+    from opd.teachers.local_teacher import LocalTeacher
 
     config = _demo_config([f"model.device={DEVICE}", "model.dtype=bfloat16"])
     student, teacher = config.model.student_model_path, config.model.teacher_model_path
@@ -412,7 +412,7 @@ def check_pooled_hidden_states() -> dict[str, Any]:
 
 def check_lora_nccl() -> dict[str, Any]:
     _cuda()
-    from opd.algorithms.distillation_setup import build_loss
+    from opd.distillation.setup import build_loss
     from opd.models.config import LoraConfig
     from opd.models.loading import load_tokenizer
 
@@ -442,11 +442,11 @@ def check_multi_turn() -> dict[str, Any]:
     sys.path.insert(0, str(REPO_ROOT / "tests"))
     from opd_test_helpers import first_turn_calls_the_tool, short_run_overrides
 
-    from opd.algorithms.distillation import distillation_train
-    from opd.algorithms.distillation_config import MasterConfig
-    from opd.algorithms.distillation_setup import setup
+    from opd.distillation.config import MasterConfig
+    from opd.distillation.setup import setup
+    from opd.distillation.step import distillation_train
+    from opd.run.plotting import read_metrics
     from opd.utils.config import load_config
-    from opd.utils.plotting import read_metrics
 
     output = Path(tempfile.mkdtemp(prefix="opd_gpu_multi_turn_"))
     overrides = [
@@ -505,7 +505,7 @@ def check_demo_20_steps() -> dict[str, Any]:
     seconds = time.perf_counter() - start
     if result.returncode != 0:
         raise RuntimeError((result.stderr.strip().splitlines() or ["no output"])[-1])
-    from opd.utils.plotting import read_metrics
+    from opd.run.plotting import read_metrics
 
     records = [record for record in read_metrics(output / "logs") if "train/loss" in record]
     steps = 3 if REHEARSAL else 20

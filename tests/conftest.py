@@ -112,15 +112,15 @@ def ray_cluster():
     warm workers' imports, cost seconds of both cores, and the cluster tests are two dozen
     files. A file ends with every slot free, or the cluster is stopped (the next file gets
     a fresh one). A run that a test starts in this process while the cluster is up joins
-    it (``opd.distributed.ray_cluster.start_ray``); the runs' worker processes are kept
+    it (``opd.distributed.workers.ray_cluster.start_ray``); the runs' worker processes are kept
     warm between runs (``OPD_TEST_FRESH_WORKERS=1``: a fresh actor per worker, as a run
     outside the tests has), and they inherit their environment from the cluster
-    (``opd.distributed.worker_environment``).
+    (``opd.distributed.workers.worker_environment``).
     """
     import ray
 
-    from opd.distributed.ray_cluster import RAY_ENVIRONMENT
-    from opd.distributed.worker_environment import init_local_ray, worker_environment
+    from opd.distributed.workers.ray_cluster import RAY_ENVIRONMENT
+    from opd.distributed.workers.worker_environment import init_local_ray, worker_environment
 
     if not _shared_ray_running():
         if ray.is_initialized():  # another test's Ray, left running: not a cluster of RAY_TEST_CPUS slots

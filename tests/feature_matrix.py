@@ -202,7 +202,7 @@ def label(choice: Choice) -> str:
 
 @cache
 def _refusal(key: tuple[tuple[str, str], ...]) -> str | None:
-    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distillation.config import MasterConfig
     from opd.utils.config import validate_config
     from opd.utils.errors import ConfigError
 
@@ -245,7 +245,7 @@ def _deep_merge(base: dict, layer: dict) -> dict:
 
 def _variant_keys(section: str, tag: str) -> set[str] | None:
     """The keys variant ``tag`` of ``section`` accepts (as ``load_config`` computes them)."""
-    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distillation.config import MasterConfig
     from opd.utils.config import _keys_of, _variants
 
     info = MasterConfig.model_fields.get(section)
@@ -265,7 +265,7 @@ def _base_tree() -> dict:
 
 def loader_refusal(choice: Choice) -> str | None:
     """:func:`refusal` through ``load_config`` itself (slow: for checking the quick path)."""
-    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distillation.config import MasterConfig
     from opd.utils.config import load_config
     from opd.utils.errors import ConfigError
 

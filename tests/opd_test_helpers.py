@@ -155,7 +155,7 @@ def served_and_in_process_losses(loss: str, kl_type: str, batch, student, remote
     """
     import torch
 
-    from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn
+    from opd.losses.objectives import DistillationLossFn, SampledTokenLossFn
 
     if loss == "topk":
         loss_fn = DistillationLossFn(kl_type=kl_type, teacher_signal="topk", teacher_topk=k, vocab_size=vocab)
@@ -174,7 +174,7 @@ class RunningServer:
     """The teacher server's app on uvicorn, on a free port of 127.0.0.1, in a background thread."""
 
     def __init__(self, service, **options) -> None:
-        from opd.models.teacher.server import build_app, listening_socket, uvicorn_server
+        from opd.teachers.served.server import build_app, listening_socket, uvicorn_server
 
         self.service = service
         sock = listening_socket("127.0.0.1", 0)
@@ -204,7 +204,7 @@ def first_turn_calls_the_tool(generation, tokenizer, call: str) -> None:
     itself, so a multi-turn rollout has a call, the environment's answer, and a real
     second turn. The forced turn's sampler log-probs are a fixed -0.25 per token.
     """
-    from opd.models.generation.rollout_batch import build_rollout_batch
+    from opd.rollout.rollout_batch import build_rollout_batch
 
     real_generate = generation.generate
     end = tokenizer.eos_token_id

@@ -28,8 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from opd.cli import main as opd_main  # noqa: E402
 from prepare_context_demo import HINTS, TASK, write_hint_data  # noqa: E402
+
+from opd.cli import main as opd_main  # noqa: E402
 
 CONFIG = REPO / "examples" / "configs" / "context_demo.yaml"
 
@@ -44,7 +45,7 @@ def main() -> None:
         subprocess.run([sys.executable, str(REPO / "examples" / "data" / "make_arithmetic_task.py")], check=True)
     if not (HINTS / "test.jsonl").is_file():
         write_hint_data()
-    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distillation.config import MasterConfig
     from opd.utils.config import load_config
     from opd.utils.errors import OpdError
 

@@ -89,7 +89,7 @@ def main() -> None:
     os.chdir(REPO)
 
     ensure_task_data()
-    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distillation.config import MasterConfig
     from opd.utils.config import load_config
     from opd.utils.errors import OpdError
 

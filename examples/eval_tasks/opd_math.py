@@ -2,7 +2,7 @@
 
 lm-eval loads this module by the task file's ``!function``. The prompt is read with opd's
 own template loader and the answer is graded with opd's own
-:func:`opd.environments.math_verifier.is_correct` (the last ``\\boxed{}`` of the response,
+:func:`opd.rollout.environments.math_verifier.is_correct` (the last ``\\boxed{}`` of the response,
 else the last ``<answer>`` block, compared with the row's ``ground_truth_answer`` by
 math-verify), so the harness scores a response exactly as opd's validation does. The
 template's path is relative to the repository's root, as the task's data paths are.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from opd.data.converters import load_prompt_template
-from opd.environments.math_verifier import is_correct
+from opd.rollout.environments.math_verifier import is_correct
 
 _TEMPLATE = load_prompt_template("examples/prompts/math_think_answer.txt")
 

@@ -130,7 +130,7 @@ def main() -> None:
         write_task(TASK_DIR)
     teacher, student = prepare_models(args.models.resolve())
     overrides = [f"model.teacher_model_path={teacher}", f"model.student_model_path={student}", *args.overrides]
-    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distillation.config import MasterConfig
     from opd.utils.config import load_config
 
     output_dir = Path(load_config(MasterConfig, str(CONFIG), overrides).output_dir)

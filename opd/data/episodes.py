@@ -7,7 +7,7 @@ format, or as ``tool_calls`` that the template renders). The student learns ever
 assistant turn, and nothing else: tool results, later user messages and the template's
 markup between turns carry no loss, as in an on-policy multi-turn rollout.
 
-The ids are laid out as a rollout's are (:mod:`opd.algorithms.multi_turn`): the prompt
+The ids are laid out as a rollout's are (:mod:`opd.rollout.multi_turn`): the prompt
 (the messages before the first assistant turn, rendered with the tools), then each
 assistant turn up to and including the end-of-turn token, then the template's text up
 to the next assistant header, and so on; each piece is tokenised on its own, so a

@@ -176,7 +176,7 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
         ``task_reward [B]`` or ``staleness [B]`` (an asynchronous schedule's samples)
         becomes ``[1, T]``: each token holds its sequence's value. The fields of
         :data:`PER_SEQUENCE_FIELDS` are kept as ``[1, B, ...]`` (``sample_index``: the rows'
-        places in a batch scored ahead, see :func:`~opd.algorithms.rollout_schedule.signal_rows`;
+        places in a batch scored ahead, see :func:`~opd.distillation.schedule.signal_rows`;
         ``teacher_index`` / ``teacher_weights``: several teachers).
         With ``teacher_prompt_ids`` (context distillation), the row keeps them as a
         one-element list of the B prompts, and ``prompt_lengths`` as ``[1, B]``.

@@ -1,1 +1,1 @@
-"""Scale-out: Ray worker groups for the FSDP2 student, rollout engines and teacher (``cluster:``)."""
+"""Scale-out: Ray worker groups for the FSDP2 student, rollout engines and teacher pools (``cluster:``)."""

@@ -30,7 +30,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from opd.models.interfaces import TeacherRequest, TopKRequest
-from opd.models.teacher.vllm_teacher import VllmScoringConfig, VllmTeacher
+from opd.teachers.vllm_teacher import VllmScoringConfig, VllmTeacher
 from opd.utils.config import StrictConfig
 
 

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from opd.distributed.refit_buckets import in_buckets
+from opd.distributed.refit.buckets import in_buckets
 from opd.models.lm_head import final_hidden_states
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)

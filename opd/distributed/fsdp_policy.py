@@ -1,7 +1,7 @@
 """The student as N FSDP2 trainer workers, behind the same ``PolicyInterface`` as the in-process student.
 
 The driver calls :meth:`FSDPPolicy.train` with the global batch, as it would the
-in-process :class:`~opd.models.policy.hf_policy.HFPolicy`. The controller side here:
+in-process :class:`~opd.policy.hf_policy.HFPolicy`. The controller side here:
 
 1. counts the loss-carrying tokens and sequences of the *whole* batch (each rank's loss
    is normalised by them, and FSDP2 sums the gradients, so N ranks compute the gradient
@@ -35,7 +35,7 @@ import torch
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_padding_free, shift_token_mask
 from opd.distributed.batch_plan import balance_by_tokens, equalize_micro_batches
-from opd.distributed.worker_group import WorkerGroup
+from opd.distributed.workers.worker_group import WorkerGroup
 from opd.models.interfaces import (
     LossFunction,
     MicroBatchScorer,
@@ -44,8 +44,8 @@ from opd.models.interfaces import (
     TeacherSignal,
     TeacherSignalFn,
 )
-from opd.models.policy.optimization import plan_micro_batches
-from opd.utils.checkpoint import check_model_directory
+from opd.policy.optimization import plan_micro_batches
+from opd.run.checkpoint import check_model_directory
 from opd.utils.paths import absolute_dir
 from opd.utils.timer import Timer
 
@@ -190,7 +190,7 @@ class FSDPPolicy(PolicyInterface):
 
         The directory reaches the ranks absolute (each resolves nothing against its own
         working directory); start-up checked that every node shares it
-        (:mod:`opd.distributed.shared_directory`).
+        (:mod:`opd.distributed.workers.shared_directory`).
         """
         directory = absolute_dir(directory)
         self.workers.call("save_shards", str(directory))

@@ -1,8 +1,8 @@
 """Rollout workers: engines that sample from the student, refit from the trainer in buckets.
 
 :class:`RolloutWorker` is one Ray actor holding its own engine over a copy of the
-student: :class:`~opd.models.generation.hf_generation.HFGeneration`, or with
-``generation.backend: vllm`` a :class:`~opd.models.generation.vllm_generation.VllmGeneration`
+student: :class:`~opd.rollout.hf_generation.HFGeneration`, or with
+``generation.backend: vllm`` a :class:`~opd.rollout.vllm_generation.VllmGeneration`
 engine (one per worker, in the worker's process).
 :class:`RayGeneration` is the ``GenerationInterface`` the driver sees:
 
@@ -13,7 +13,7 @@ engine (one per worker, in the worker's process).
   are the same for a given seed, across a resume too;
 * ``refit`` moves the trainer's new weights after each update, in buckets of
   ``cluster.rollout.refit_bucket_mb`` cast to the engines' dtype, over the transport of
-  ``cluster.rollout.refit_transport`` (:mod:`opd.distributed.refit_transport`: Ray's
+  ``cluster.rollout.refit_transport`` (:mod:`opd.distributed.refit.transport`: Ray's
   object store, a broadcast group, or CUDA IPC), and returns the bytes moved, which the
   driver logs as ``refit/bytes`` and ``refit/bytes_delivered``.
 
@@ -34,9 +34,9 @@ import ray
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.distributed.refit_buckets import put_in_buckets
-from opd.distributed.refit_transport import TRANSPORTS, RefitReport
-from opd.distributed.refit_wire import (
+from opd.distributed.refit.buckets import put_in_buckets
+from opd.distributed.refit.transport import TRANSPORTS, RefitReport
+from opd.distributed.refit.wire import (
     BucketLayout,
     IpcHandle,
     broadcast,
@@ -45,13 +45,13 @@ from opd.distributed.refit_wire import (
     open_ipc_handle,
     unpack,
 )
-from opd.distributed.worker_group import WorkerGroup
+from opd.distributed.workers.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.engines import GenerationConfig
-from opd.models.generation.hf_generation import HFGeneration
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import GenerationInterface, InProcessGenerationInterface, Pending, PolicyInterface
 from opd.models.loading import load_causal_lm, resolve_device, resolve_dtype
+from opd.rollout.engines import GenerationConfig
+from opd.rollout.hf_generation import HFGeneration
 from opd.utils.errors import WorkerError
 
 _SEED_RANGE = 2**31 - 1
@@ -210,7 +210,7 @@ class RayGeneration(GenerationInterface):
         pad_token_id: pads the concatenated batch.
         refit_bucket_bytes: size of one refit bucket.
         refit_transport: ``object_store``, ``broadcast`` or ``cuda_ipc`` (resolved, see
-            :mod:`opd.distributed.refit_transport`).
+            :mod:`opd.distributed.refit.transport`).
         timeout_s: bounds the setting up of a refit's process group.
         offload_trainer: the trainer workers that share the engines' GPUs
             (``cluster.trainer.offload_during_generation``): their optimizer state and

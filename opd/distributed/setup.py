@@ -1,6 +1,6 @@
 """Building the cluster's backends: the student, teacher and rollout worker groups behind their interfaces.
 
-:func:`build_cluster_backends` is what :func:`opd.algorithms.distillation_setup.setup`
+:func:`build_cluster_backends` is what :func:`opd.distillation.setup.setup`
 calls instead of loading models in its own process when the config has a ``cluster:``
 section. It starts (or joins) Ray, places the pools, starts the workers and returns the
 facades the driver talks to. Ray is imported only here and below, so the in-process
@@ -21,17 +21,17 @@ import torch
 
 from opd.distributed.config import ClusterConfig
 from opd.distributed.fsdp_policy import FSDPPolicy
-from opd.distributed.ray_cluster import build_pools, check_colocated_sharing, cpus_needed, start_ray
 from opd.distributed.rollout import RayGeneration, RolloutSpec, RolloutWorker
-from opd.distributed.shared_directory import check_shared_directory
 from opd.distributed.teacher_pool import ColocatedTeacher, TeacherPool, TeacherWorker
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
-from opd.distributed.worker_environment import worker_environment
-from opd.distributed.worker_group import Bound, Slot, WorkerGroup
 from opd.distributed.worker_hosts import warm_hosts
+from opd.distributed.workers.ray_cluster import build_pools, check_colocated_sharing, cpus_needed, start_ray
+from opd.distributed.workers.shared_directory import check_shared_directory
+from opd.distributed.workers.worker_environment import worker_environment
+from opd.distributed.workers.worker_group import Bound, Slot, WorkerGroup
 from opd.models.config import LoraConfig, ModelLoadingConfig, OptimizerConfig
-from opd.models.generation.engines import GenerationConfig
 from opd.models.interfaces import GenerationInterface, TeacherInterface
+from opd.rollout.engines import GenerationConfig
 from opd.utils.errors import ConfigError
 from opd.utils.paths import absolute_dir, absolute_model_path
 

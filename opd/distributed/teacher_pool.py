@@ -28,7 +28,7 @@ from opd.distributed.batch_plan import contiguous_blocks
 from opd.distributed.fsdp import init_process_group, rank_device, shard_model
 from opd.distributed.sharded_loading import load_sharded
 from opd.distributed.trainer_worker import ShardedTeacher, release_gathered_root
-from opd.distributed.worker_group import WorkerGroup
+from opd.distributed.workers.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
 from opd.models.interfaces import (
     FullVocabRequest,
@@ -40,8 +40,8 @@ from opd.models.interfaces import (
     TopKLogprobs,
 )
 from opd.models.loading import load_causal_lm, resolve_device, resolve_dtype
-from opd.models.teacher.local_teacher import LocalTeacher
-from opd.models.teacher.vllm_teacher import VllmScoringConfig, VllmTeacher
+from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.vllm_teacher import VllmScoringConfig, VllmTeacher
 
 
 def _concat(signals: list[Any], counts: list[int]) -> TeacherSignal:
@@ -165,7 +165,7 @@ class TeacherWorker:
         """A replica's first worker: this node's address and a free port, where the replica's group meets."""
         import ray  # only inside a Ray actor
 
-        from opd.distributed.ray_cluster import free_port
+        from opd.distributed.workers.ray_cluster import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 

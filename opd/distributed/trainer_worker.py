@@ -25,7 +25,7 @@ A LoRA student (``model.lora``) is wrapped with peft before it is sharded: the f
 base weights are sharded like any others, only the adapters are in the optimizer, and
 checkpoints hold the adapters and their optimizer state. Whatever leaves the trainer as
 a model (the refit, ``final_model/``) is the merged plain model under the base model's
-names, as the in-process LoRA student gives it (:mod:`opd.models.policy.lora`).
+names, as the in-process LoRA student gives it (:mod:`opd.policy.lora`).
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ from torch.distributed.fsdp import FSDPModule
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import model_inputs
-from opd.distributed.dispatch import Split, dispatch, every, first, nothing, summed
 from opd.distributed.fsdp import HIDDEN_STATES_METHOD, init_process_group, rank_device, shard_model, whole_buckets
-from opd.distributed.refit_sender import RefitSender
+from opd.distributed.refit.sender import RefitSender
 from opd.distributed.sharded_loading import load_sharded
-from opd.distributed.shared_directory import marker_name
+from opd.distributed.workers.dispatch import Split, dispatch, every, first, nothing, summed
+from opd.distributed.workers.shared_directory import marker_name
 from opd.models.config import LoraConfig, ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import (
     FullVocabRequest,
@@ -67,15 +67,15 @@ from opd.models.interfaces import (
 )
 from opd.models.lm_head import LMHeadInput, OutputLayer, output_layer_of
 from opd.models.loading import load_causal_lm, load_output_layer, resolve_dtype
-from opd.models.policy.hf_policy import ADAPTER_DIR
-from opd.models.policy.lora import (
+from opd.policy.hf_policy import ADAPTER_DIR
+from opd.policy.lora import (
     adapter_parameters,
     initialise_adapters,
     merged_tensors,
     plain_entries,
     wrap_with_lora,
 )
-from opd.models.policy.optimization import (
+from opd.policy.optimization import (
     accumulate_gradients,
     accumulate_metrics,
     apply_gradients,
@@ -83,9 +83,9 @@ from opd.models.policy.optimization import (
     build_scheduler,
     student_output,
 )
-from opd.models.teacher.context_teacher import ContextTeacher
-from opd.models.teacher.local_teacher import LocalTeacher
-from opd.models.teacher.several_teachers import MixedSignal, RoutedSignal
+from opd.teachers.context_teacher import ContextTeacher
+from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.several_teachers import MixedSignal, RoutedSignal
 from opd.utils.memory import release_cached_memory
 
 SHARDS_DIR = "policy_shards"
@@ -282,7 +282,7 @@ def release_gathered_root(model: Any) -> None:
 
 
 class TrainerWorker(RefitSender):
-    """One FSDP2 rank (created by :class:`~opd.distributed.worker_group.WorkerGroup` as a Ray actor).
+    """One FSDP2 rank (created by :class:`~opd.distributed.workers.worker_group.WorkerGroup` as a Ray actor).
 
     Built in two calls, because rank 0 may be on another node than the controller: the
     constructor only records its place, rank 0's :meth:`rendezvous_address` names where the
@@ -302,7 +302,7 @@ class TrainerWorker(RefitSender):
         """Rank 0: this node's address and a free port, where the process group will meet."""
         import ray  # only inside a Ray actor
 
-        from opd.distributed.ray_cluster import free_port
+        from opd.distributed.workers.ray_cluster import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 
@@ -544,7 +544,7 @@ class TrainerWorker(RefitSender):
         teachers, a teacher-only context, another tokenizer: as built in one process).
         Without one, the one teacher answers, under each row's teacher-only context when
         the rows carry ``teacher_prompt_ids``
-        (:class:`~opd.models.teacher.context_teacher.ContextTeacher`).
+        (:class:`~opd.teachers.context_teacher.ContextTeacher`).
         """
         if self.teacher is None:
             raise RuntimeError("this trainer has no colocated teacher; the controller must send teacher signals")
@@ -725,7 +725,7 @@ class TrainerWorker(RefitSender):
         return f"{socket.gethostname()}/{ray.util.get_node_ip_address()}"
 
     def write_marker(self, directory: str, token: str) -> tuple[str, str, str | None]:
-        """Writes this rank's marker file into ``directory`` (see :mod:`opd.distributed.shared_directory`).
+        """Writes this rank's marker file into ``directory`` (see :mod:`opd.distributed.workers.shared_directory`).
 
         Returns:
             ``(file name, node, error)``: the error is why the write failed (the

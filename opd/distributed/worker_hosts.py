@@ -4,7 +4,7 @@ A cluster run's workers are Ray actors. Starting one costs a process and the imp
 torch and transformers, several CPU-seconds each: on a small machine, most of a short
 run's start. A process that runs many short runs in a row (the test suite, a sweep in a
 notebook) can keep those processes instead: :func:`keep_workers_warm` turns it on, and
-every :class:`~opd.distributed.worker_group.WorkerGroup` built by the cluster setup then
+every :class:`~opd.distributed.workers.worker_group.WorkerGroup` built by the cluster setup then
 takes its actors from :class:`WarmHosts`.
 
 A :class:`WorkerHost` is a Ray actor that holds one worker object at a time: it builds it
@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from opd.distributed.worker_environment import runtime_env_for
+from opd.distributed.workers.worker_environment import runtime_env_for
 
 DEFAULT_MAX_IDLE = 8
 """Idle worker processes kept by default: a run of 2 trainer, 2 rollout and 2 teacher workers, and two more."""

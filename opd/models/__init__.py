@@ -1,1 +1,3 @@
-"""Models: interfaces, loading, tiny local models, the student policy, generation and teachers."""
+"""The shared ground: the interfaces every backend implements, model loading (HF, GGUF, tiny), model config and
+decoding settings.
+"""

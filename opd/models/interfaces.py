@@ -39,7 +39,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput, OutputLayer
 from opd.utils.errors import OpdError
 from opd.utils.timer import Timer
@@ -96,7 +96,7 @@ class TopKLogprobs(tuple[torch.Tensor, torch.Tensor]):
     A 2-tuple, so ``values, ids = answer`` works as for a plain pair; the attribute
     :attr:`rest_logprobs` adds what only the teacher can compute well: log(1 − Σ_k P) at
     each position, taken from its full distribution without subtracting (see
-    :mod:`opd.models.topk_rest`). A consumer that finds no rest (a plain pair, or None
+    :mod:`opd.kernels.topk_rest`). A consumer that finds no rest (a plain pair, or None
     here) computes it from the top-k log-probs instead, which is as exact as their own
     rounding allows.
 
@@ -152,7 +152,7 @@ SingleTeacherRequest = FullVocabRequest | TopKRequest | TokenLogprobsRequest
 class PerTeacherRequest:
     """Several routed teachers, each asked for its own signal (``teachers.members[i].loss_fn``).
 
-    Only :class:`~opd.models.teacher.several_teachers.RoutedTeachers` answers it; every
+    Only :class:`~opd.teachers.several_teachers.RoutedTeachers` answers it; every
     other teacher refuses it (:meth:`TeacherInterface.refusal`).
 
     Attributes:
@@ -167,7 +167,7 @@ TeacherRequest = SingleTeacherRequest | PerTeacherRequest
 
 
 class SeveralTeachersSignal(ABC):
-    """The answer of several teachers (:mod:`opd.models.teacher.several_teachers`).
+    """The answer of several teachers (:mod:`opd.teachers.several_teachers`).
 
     Losses built for several teachers read its parts; any other consumer (validation)
     takes :meth:`combined`.
@@ -191,7 +191,7 @@ class SeveralTeachersSignal(ABC):
         """The answer for rows ``rows`` (in that order) of the batch it answers, cut to ``width`` positions.
 
         A batch scored ahead by an asynchronous schedule is answered whole; each
-        micro-batch takes its rows (:func:`~opd.algorithms.rollout_schedule.signal_rows`).
+        micro-batch takes its rows (:func:`~opd.distillation.schedule.signal_rows`).
         """
 
     @abstractmethod
@@ -460,7 +460,7 @@ class PolicyInterface(ABC):
 class Pending(ABC, Generic[ResultT]):
     """A result that may still be computing elsewhere (a worker, a thread); :meth:`result` waits for it.
 
-    Asynchronous schedules (:mod:`opd.algorithms.rollout_schedule`) start a rollout or a
+    Asynchronous schedules (:mod:`opd.distillation.schedule`) start a rollout or a
     teacher's scoring with ``generate_async`` / ``score_async`` and collect it later.
     """
 
@@ -620,7 +620,7 @@ class TeacherInterface(ABC):
     """A model that scores the student's tokens: frozen, or following the student (self-distillation).
 
     A teacher whose weights change during the run (an EMA of the student's,
-    :mod:`opd.models.teacher.self_teacher`) takes each update in :meth:`follow_student`,
+    :mod:`opd.teachers.self_teacher`) takes each update in :meth:`follow_student`,
     which the driver calls after every optimizer step, and keeps what a resumed run needs
     in :meth:`state_dict`; for every other teacher both are no-ops.
     """

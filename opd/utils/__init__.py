@@ -1,1 +1,1 @@
-"""Utilities: config, logging, checkpoints, RNG, signals, plotting, errors."""
+"""Utilities: config parsing, errors, paths, RNG, signals, timers, the compile cache."""

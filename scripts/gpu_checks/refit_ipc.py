@@ -5,7 +5,7 @@ Needs one CUDA GPU (nothing here runs without one); about a minute on an H100.
 Part 1, ``ipc``: two processes on one GPU, as a colocated trainer rank and rollout engine
 are. The producer makes Qwen2.5-1.5B-shaped weights in bf16 (random, from a seed: 1.54 B
 parameters, 3.1 GB, the head tied to the embedding), packs them into buckets of
-``--bucket-mb`` (:func:`opd.distributed.refit_wire.pack`) and hands out one CUDA IPC
+``--bucket-mb`` (:func:`opd.distributed.refit.wire.pack`) and hands out one CUDA IPC
 handle per bucket; the consumer maps each one, copies it into its own weights and
 acknowledges, and the producer then frees the bucket. At the end the consumer regenerates
 the weights from the seed and checks its copies bitwise. Printed: GB moved, seconds,
@@ -76,7 +76,7 @@ def seeded_weight(index: int, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _consumer(handles: mp.Queue, acks: mp.Queue) -> None:
-    from opd.distributed.refit_wire import open_ipc_handle, unpack
+    from opd.distributed.refit.wire import open_ipc_handle, unpack
 
     torch.cuda.set_device(0)
     own = {name: torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for name, shape in qwen_1_5b_shapes()}
@@ -97,8 +97,8 @@ def _consumer(handles: mp.Queue, acks: mp.Queue) -> None:
 
 
 def check_ipc(bucket_bytes: int) -> dict[str, object]:
-    from opd.distributed.refit_buckets import in_buckets
-    from opd.distributed.refit_wire import ipc_handle, layout_bytes, layout_of, pack
+    from opd.distributed.refit.buckets import in_buckets
+    from opd.distributed.refit.wire import ipc_handle, layout_bytes, layout_of, pack
 
     torch.cuda.set_device(0)
     weights = [(name, seeded_weight(index, shape)) for index, (name, shape) in enumerate(qwen_1_5b_shapes())]
@@ -150,11 +150,11 @@ def check_ipc(bucket_bytes: int) -> dict[str, object]:
 def check_opd(placement: str, on_gpu: bool = True) -> list[dict[str, object]]:
     from opd_test_helpers import short_run_overrides
 
-    from opd.algorithms.distillation_config import MasterConfig
-    from opd.algorithms.distillation_setup import setup
-    from opd.algorithms.loss_functions import NLLLossFn
     from opd.data.batches import build_fixed_data_batch
-    from opd.distributed.refit_transport import ObjectStoreTransport
+    from opd.distillation.config import MasterConfig
+    from opd.distillation.setup import setup
+    from opd.distributed.refit.transport import ObjectStoreTransport
+    from opd.losses.objectives import NLLLossFn
     from opd.utils.config import load_config
 
     config = load_config(

@@ -3,7 +3,7 @@
 ``python dry_run_script.py clean`` runs opd's trainer as it is; ``planted`` first puts
 back the defect of commit c206a4c's parent: the metrics all-reduced as a host tensor
 (NCCL has no CPU backend). The dry run registers a stand-in accelerator for its whole
-process, hence a process of its own (see :mod:`opd.distributed.dry_run`).
+process, hence a process of its own (see :mod:`opd.plan.dry_run`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from opd.algorithms.distillation_config import MasterConfig
-from opd.distributed.dry_run import DeviceMismatchError, StepShape, dry_run_rank
+from opd.distillation.config import MasterConfig
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
 from opd.models.tiny import build_tiny_tokenizer
+from opd.plan.dry_run import DeviceMismatchError, StepShape, dry_run_rank
 from opd.utils.config import load_config
 
 

@@ -4,7 +4,7 @@
 (Qwen2, a few dozen wide) under ``DIR`` and prints one JSON object: case name → the
 figures of each way (``every_layer`` and ``extrapolated``) and the depths each way traced.
 A dry run registers a stand-in accelerator for its whole process, hence a process of its
-own (see :mod:`opd.distributed.dry_run`).
+own (see :mod:`opd.plan.dry_run`).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from transformers import Qwen2Config
 
-from opd.algorithms.distillation_config import MasterConfig
-from opd.distributed import dry_run
-from opd.distributed.dry_run import StepShape
+from opd.distillation.config import MasterConfig
 from opd.distributed.trainer_worker import TrainerSpec
 from opd.models.config import LoraConfig
 from opd.models.interfaces import FullVocabRequest
 from opd.models.tiny import build_tiny_tokenizer
+from opd.plan import dry_run
+from opd.plan.dry_run import StepShape
 from opd.utils.config import load_config
 
 STUDENT_LAYERS, TEACHER_LAYERS = 7, 7

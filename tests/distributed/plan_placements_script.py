@@ -2,7 +2,7 @@
 
 ``python plan_placements_script.py CONFIG`` prints one JSON object: case name → ``MemoryPlan.as_dict()``.
 A dry run registers a stand-in accelerator for its whole process, hence a process of its own
-(see :mod:`opd.distributed.dry_run`).
+(see :mod:`opd.plan.dry_run`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.memory_plan import plan_memory
+from opd.distillation.config import MasterConfig
+from opd.plan.memory_plan import plan_memory
 from opd.utils.config import load_config
 
 COMMON = ["cluster.trainer.workers=2", "data.max_prompt_length=8", "distillation.generate_strategy.max_length=8"]

@@ -19,8 +19,8 @@ import torch
 import torch.multiprocessing as mp
 from opd_test_helpers import REPO_ROOT
 
-from opd.algorithms.distillation_config import MasterConfig
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.distillation.config import MasterConfig
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
 from opd.models.tiny import build_tiny_tokenizer
 from opd.utils.config import load_config
@@ -102,7 +102,7 @@ def _train_once(rank: int, port: int, result_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from opd.distributed.ray_cluster import free_port
+    from opd.distributed.workers.ray_cluster import free_port
 
     directory = tmp_path_factory.mktemp("activation_checkpointing")
     mp.spawn(_train_once, args=(free_port(), str(directory)), nprocs=WORLD, join=True)

@@ -16,7 +16,7 @@ import torch
 from opd.distributed.trainer_worker import InTurn, Lockstep, bind_members
 from opd.models.interfaces import TeacherHiddenStates, TokenLogprobsRequest
 from opd.models.lm_head import LMHeadInput, OutputLayer
-from opd.models.teacher.several_teachers import MixedSignal, RoutedPart, RoutedSignal, mix_logits
+from opd.teachers.several_teachers import MixedSignal, RoutedPart, RoutedSignal, mix_logits
 
 VOCAB, WIDTH = 11, 4
 

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 from opd_test_helpers import RunningServer
 
-from opd.algorithms.distillation import validation_baselines
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import validation_baselines
 from opd.distributed.rollout import RayGeneration, TeacherOnRolloutWorkers
-from opd.models.teacher.scoring import PromptScorer
-from opd.models.teacher.server import TeacherService
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.teachers.scoring import PromptScorer
+from opd.teachers.served.server import TeacherService
 from opd.utils.config import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

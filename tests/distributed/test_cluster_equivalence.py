@@ -23,10 +23,10 @@ import torch
 from opd_test_helpers import REPO_ROOT, short_run_overrides
 from safetensors.torch import load_file
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
 from opd.models.interfaces import (
     FullVocabRequest,
     TeacherHiddenStates,
@@ -35,10 +35,10 @@ from opd.models.interfaces import (
     TopKRequest,
 )
 from opd.models.loading import load_causal_lm
-from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model
+from opd.run.plotting import read_metrics
+from opd.teachers.local_teacher import LocalTeacher
 from opd.utils.config import load_config
-from opd.utils.plotting import read_metrics
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 STEPS = 10
@@ -191,9 +191,9 @@ def test_colocated_teacher_keeps_its_full_vocabulary_in_the_workers(cluster_comp
 
 
 def test_teacher_pool_sends_the_in_process_signal(ray_cluster, tmp_path):
-    from opd.distributed.ray_cluster import build_pools
     from opd.distributed.teacher_pool import TeacherPool, TeacherWorker
-    from opd.distributed.worker_group import WorkerGroup
+    from opd.distributed.workers.ray_cluster import build_pools
+    from opd.distributed.workers.worker_group import WorkerGroup
 
     cluster = equivalence_config(tmp_path, "pool", "cluster.teacher.placement=pool", "cluster.teacher.workers=2",
                                  "loss_fn.type=topk").cluster
@@ -218,9 +218,9 @@ def test_teacher_pool_sends_the_in_process_signal(ray_cluster, tmp_path):
 
 
 def test_rollout_workers_refit_from_the_trainer_generate_the_in_process_greedy_rollouts(cluster_components):
-    from opd.algorithms.loss_functions import NLLLossFn
     from opd.data.batches import build_fixed_data_batch
-    from opd.models.generation.hf_generation import HFGeneration
+    from opd.losses.objectives import NLLLossFn
+    from opd.rollout.hf_generation import HFGeneration
 
     config = cluster_components.master_config
     examples = next(iter(cluster_components.dataloader))

@@ -193,7 +193,7 @@ def test_a_checkpoint_of_two_workers_resumes_on_one_worker_to_the_same_weights(r
 def test_export_consolidates_a_sharded_checkpoint_into_the_final_model(runs, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opd.utils.checkpoint_export import export_checkpoint
+    from opd.run.checkpoint_export import export_checkpoint
 
     root, _ = runs
     exported = export_checkpoint(root / "reference" / "checkpoints" / f"step_{STEPS}", tmp_path / "exported")

@@ -28,14 +28,14 @@ from opd_test_helpers import REPO_ROOT, short_run_overrides
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
 from opd.models.tiny import build_tiny_model
-from opd.utils.checkpoint_export import export_checkpoint
+from opd.run.checkpoint_export import export_checkpoint
+from opd.run.plotting import read_metrics
 from opd.utils.config import load_config
 from opd.utils.errors import OpdError
-from opd.utils.plotting import read_metrics
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 STEPS = 2

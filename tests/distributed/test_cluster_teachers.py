@@ -22,12 +22,12 @@ import pytest
 from opd_test_helpers import REPO_ROOT
 from transformers import AutoTokenizer
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
 from opd.models.tiny import build_model_for_tokenizer, train_bpe_tokenizer
+from opd.run.plotting import read_metrics
 from opd.utils.config import load_config
-from opd.utils.plotting import read_metrics
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 DEMO = REPO_ROOT / "examples" / "configs" / "demo.yaml"

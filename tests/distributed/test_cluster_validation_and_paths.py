@@ -27,20 +27,20 @@ import ray
 import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.loss_functions import token_kl, topk_token_kl
-from opd.algorithms.validation import ValidationKL, validate
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import build_token_mask, model_inputs, shift_token_mask
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
 from opd.distributed.fsdp_policy import FSDPPolicy
-from opd.distributed.shared_directory import check_shared_directory
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
-from opd.distributed.worker_group import Slot, WorkerGroup
+from opd.distributed.workers.shared_directory import check_shared_directory
+from opd.distributed.workers.worker_group import Slot, WorkerGroup
+from opd.losses.objectives import token_kl, topk_token_kl
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import FullVocabRequest, TopKRequest
 from opd.models.loading import load_causal_lm
-from opd.models.teacher.local_teacher import LocalTeacher
+from opd.run.validation import ValidationKL, validate
+from opd.teachers.local_teacher import LocalTeacher
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError, OpdError
 

@@ -28,11 +28,11 @@ from pathlib import Path
 from opd_test_helpers import REPO_ROOT, BackgroundProcess, short_run_overrides
 from safetensors.torch import load_file
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
+from opd.run.plotting import read_metrics
 from opd.utils.config import load_config
-from opd.utils.plotting import read_metrics
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 VAL_DATA = REPO_ROOT / "examples" / "data" / "tiny_arithmetic" / "val.jsonl"

@@ -1,7 +1,7 @@
 """A dry run extrapolated from 3 and 4 layers gives the bytes of a dry run of every layer.
 
 ``opd plan`` traces a deep model with alike layers at 3 and at 4 layers and extrapolates
-each phase of the step to the real depth (:mod:`opd.distributed.layer_extrapolation`).
+each phase of the step to the real depth (:mod:`opd.plan.layer_extrapolation`).
 Here a 6-layer student and a 7-layer teacher are dry-run both ways, in the placements
 whose memory has the most structure: a colocated sharded teacher with two micro-batches;
 activation checkpointing with HSDP, a LoRA student and the teacher's output layer alone; a
@@ -15,7 +15,7 @@ the student's backward. Extrapolating the step's peak as one figure, instead of 
 phase, gets that case wrong (4% under), and this test fails.
 
 The script runs in a process of its own (a dry run registers a stand-in accelerator for
-its process, :mod:`opd.distributed.dry_run`).
+its process, :mod:`opd.plan.dry_run`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from the real models (float32, as ``distillation_tiny.yaml`` loads them):
 * an HSDP mesh (4 ranks, groups of 2) shards within a group: each rank holds what one of 2 ranks holds.
 
 The plans run in one process of their own (a dry run registers a stand-in accelerator for
-its process, :mod:`opd.distributed.dry_run`).
+its process, :mod:`opd.plan.dry_run`).
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ import pytest
 import torch
 from opd_test_helpers import REPO_ROOT, short_run_overrides
 
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.loss_functions import NLLLossFn
 from opd.data.batches import build_fixed_data_batch
-from opd.distributed.refit_transport import BroadcastTransport, ObjectStoreTransport
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distributed.refit.transport import BroadcastTransport, ObjectStoreTransport
+from opd.losses.objectives import NLLLossFn
 from opd.models.tiny import build_tiny_model
 from opd.utils.config import load_config
 

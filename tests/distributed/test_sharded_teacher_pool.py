@@ -6,7 +6,7 @@
   both replicas) and of 1 row (one replica, whose second worker scores a filler row,
   because its forward gathers its peer's weights), the pool's top-k log-probs (with the
   rest mass) and token log-probs equal an in-process
-  :class:`~opd.models.teacher.local_teacher.LocalTeacher`'s within fp32 rounding.
+  :class:`~opd.teachers.local_teacher.LocalTeacher`'s within fp32 rounding.
 * Three steps of top-k distillation (λ = 0.5) with 2 trainer workers and a pool of one
   such replica give the per-step losses of one process, and the pool had every
   micro-batch of a step in flight at once (the trainer submits them all before it
@@ -29,12 +29,11 @@ import ray
 import torch
 from opd_test_helpers import REPO_ROOT, short_run_overrides
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
-from opd.models.generation.engines import GenerationConfig
 from opd.models.interfaces import (
     Pending,
     TeacherInterface,
@@ -45,10 +44,11 @@ from opd.models.interfaces import (
     TopKRequest,
 )
 from opd.models.loading import load_causal_lm
-from opd.models.teacher.local_teacher import LocalTeacher
+from opd.rollout.engines import GenerationConfig
+from opd.run.plotting import read_metrics
+from opd.teachers.local_teacher import LocalTeacher
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
-from opd.utils.plotting import read_metrics
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 LOADING = ModelLoadingConfig(dtype="float32", device="cpu")
@@ -158,9 +158,9 @@ def test_training_with_a_sharded_teacher_pool_matches_one_process(ray_cluster, t
 @pytest.fixture(scope="module")
 def sharded_pool(ray_cluster, tmp_path_factory):
     """Two replicas of the tiny teacher, each sharded over two workers, started as a run starts them."""
-    from opd.distributed.ray_cluster import build_pools
     from opd.distributed.setup import ClusterRequest, _start_teacher_pool
     from opd.distributed.teacher_pool import TeacherPool
+    from opd.distributed.workers.ray_cluster import build_pools
 
     # Colocated teacher workers share the trainer's bundles, one each: four bundles for four workers.
     cluster = config(

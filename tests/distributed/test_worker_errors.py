@@ -18,7 +18,7 @@ import ray
 import torch
 from ray.util.placement_group import placement_group
 
-from opd.distributed.worker_group import Slot, WorkerGroup
+from opd.distributed.workers.worker_group import Slot, WorkerGroup
 from opd.utils.errors import WorkerError
 
 

@@ -15,10 +15,10 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from opd.distributed.ray_cluster import free_port
-from opd.distributed.worker_environment import runtime_env_for, worker_environment
-from opd.distributed.worker_group import Slot, WorkerGroup
 from opd.distributed.worker_hosts import WarmHosts, keep_workers_warm
+from opd.distributed.workers.ray_cluster import free_port
+from opd.distributed.workers.worker_environment import runtime_env_for, worker_environment
+from opd.distributed.workers.worker_group import Slot, WorkerGroup
 from opd.utils.errors import WorkerError
 
 

@@ -35,15 +35,15 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import opd.distributed.setup as cluster_setup
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
 from opd.distributed.config import ClusterConfig
-from opd.distributed.ray_cluster import build_pools
 from opd.distributed.rollout import RolloutWorker
 from opd.distributed.teacher_pool import TeacherPool, TeacherWorker
-from opd.distributed.worker_group import Bound, Slot, WorkerGroup
+from opd.distributed.workers.ray_cluster import build_pools
+from opd.distributed.workers.worker_group import Bound, Slot, WorkerGroup
 from opd.models.config import ModelLoadingConfig
 from opd.models.interfaces import TopKRequest
 from opd.utils.config import load_config

@@ -12,7 +12,7 @@ Usage::
   interruption lands at a known step instead of racing a 0.05 s step.
 * ``slow_checkpoint`` (int, 1-based) and ``slow_seconds``: the n-th checkpoint write sleeps
   that long between writing its files (``save_state.json`` included) and the rename, i.e.
-  inside ``opd.utils.checkpoint._fsync_tree``.
+  inside ``opd.run.checkpoint._fsync_tree``.
 * ``slow_final_model_seconds``: sleep that long before ``final_model/`` is written (after the
   last checkpoint).
 
@@ -28,9 +28,9 @@ from pathlib import Path
 
 
 def install_hooks(hooks: dict) -> None:
-    import opd.utils.checkpoint as checkpoint_module
-    from opd.models.policy.hf_policy import HFPolicy
-    from opd.utils.logger import Logger
+    import opd.run.checkpoint as checkpoint_module
+    from opd.policy.hf_policy import HFPolicy
+    from opd.run.logger import Logger
 
     if "pause_after_step" in hooks:
         pause_step = int(hooks["pause_after_step"])

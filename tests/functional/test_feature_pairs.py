@@ -37,9 +37,9 @@ import torch
 from opd_test_helpers import first_turn_calls_the_tool
 from safetensors.torch import load_file
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
 from opd.utils.config import load_config
 
 STEPS = 2
@@ -103,9 +103,9 @@ def served_url():
     (sequences up to 2048 tokens: an episode's prompt lists the tools)."""
     from opd_test_helpers import RunningServer
 
-    from opd.models.teacher.scoring import PromptScorer
-    from opd.models.teacher.server import TeacherService
     from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+    from opd.teachers.scoring import PromptScorer
+    from opd.teachers.served.server import TeacherService
 
     tokenizer = build_tiny_tokenizer()
     service = TeacherService(

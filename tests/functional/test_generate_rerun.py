@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from opd_test_helpers import BackgroundProcess
 
-from opd.algorithms.generate_data import PROGRESS_SUFFIX
 from opd.cli import main
+from opd.generate import PROGRESS_SUFFIX
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GENERATE_CONFIG = REPO_ROOT / "examples" / "configs" / "generate_demo.yaml"

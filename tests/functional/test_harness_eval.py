@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 from opd_test_helpers import REPO_ROOT, short_run_overrides, write_wrong_half_arithmetic_rows
 
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.harness import METRIC_PREFIX, HarnessConfig, HarnessResults
 from opd.cli import main
+from opd.distillation.config import MasterConfig
+from opd.run.harness import METRIC_PREFIX, HarnessConfig, HarnessResults
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 
@@ -113,8 +113,8 @@ def test_a_run_ends_with_the_harness(tmp_path, monkeypatch):
         "validation.harness.batch_size=4",
     ]
     config = load_config(MasterConfig, TINY_CONFIG, overrides)
-    from opd.algorithms.distillation import distillation_train
-    from opd.algorithms.distillation_setup import setup
+    from opd.distillation.setup import setup
+    from opd.distillation.step import distillation_train
 
     distillation_train(**setup(config).as_arguments())
     log_dir = Path(config.logger.log_dir)
@@ -145,10 +145,10 @@ def test_results_table_and_metric_names():
 
 
 def test_harness_errors_name_what_is_wrong(tmp_path, monkeypatch):
-    from opd.algorithms.harness import evaluate_with_harness, load_for_harness, require_harness
-    from opd.algorithms.sft import SFTMasterConfig
     from opd.cli import build_parser, harness_overrides
     from opd.models.config import ModelLoadingConfig
+    from opd.run.harness import evaluate_with_harness, load_for_harness, require_harness
+    from opd.sft import SFTMasterConfig
 
     with pytest.raises(ConfigError, match=r"validation.harness.compare names \['teacher'\].*student_before"):
         load_config(
@@ -181,7 +181,7 @@ def test_harness_errors_name_what_is_wrong(tmp_path, monkeypatch):
 
 def test_local_tasks_are_indexed_without_lm_evals_own_and_once_per_process(tmp_path):
     """Every task asked for is under include_path: lm-eval's built-in tasks (seconds to index) stay out."""
-    from opd.algorithms.harness import _task_manager
+    from opd.run.harness import _task_manager
 
     tasks = str(_tasks(tmp_path / "tasks", write_wrong_half_arithmetic_rows(tmp_path / "rows.jsonl", count=4)))
     manager = _task_manager(tasks, ("opd_arithmetic",))
@@ -301,7 +301,7 @@ def test_repeated_samples_give_avg_and_pass_at_k_and_the_run_is_recorded(tmp_pat
         tmp_path, "sampled", Path(TEACHER), tasks, "--temperature", "1.8", "--repeats", "4"
     )
     grading = _task_module("opd_math")
-    from opd.environments.math_verifier import is_correct
+    from opd.rollout.environments.math_verifier import is_correct
 
     assert len(samples) == 4
     for sample in samples:
@@ -393,7 +393,7 @@ def test_vllm_backend_without_vllm_names_the_key(tmp_path, monkeypatch, capsys):
     # Where vLLM is importable, it loads directories itself: a preset only opd can build is refused.
     from types import ModuleType
 
-    from opd.algorithms.harness import evaluate_with_harness
+    from opd.run.harness import evaluate_with_harness
 
     monkeypatch.setitem(sys.modules, "vllm", ModuleType("vllm"))
     with pytest.raises(

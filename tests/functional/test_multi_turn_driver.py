@@ -23,9 +23,9 @@ import pytest
 import torch
 from opd_test_helpers import REPO_ROOT, first_turn_calls_the_tool, short_run_overrides
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
 from opd.utils.config import load_config
 
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
@@ -266,7 +266,7 @@ def test_validation_plays_episodes_for_the_student_and_the_baselines(tmp_path):
 def test_opd_eval_plays_episodes(tmp_path, monkeypatch):
     """``opd eval`` with ``environment:`` validates on episodes; the teacher evaluated against
     itself has zero KL over its own turns (the episode's ids and mask reach it as sampled)."""
-    import opd.algorithms.evaluation as evaluation
+    import opd.evaluate as evaluation
 
     def build_and_force_the_call(config, model, tokenizer):
         generation = real_build(config, model, tokenizer)

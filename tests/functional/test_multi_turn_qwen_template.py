@@ -24,16 +24,16 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from opd.algorithms.multi_turn import multi_turn_rollout
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.environments.base import Environment, Episode, StepResult, StudentTurn
-from opd.environments.calculator import calculator_tool
-from opd.environments.tool_environment import ToolEnvironment
-from opd.environments.tools import ToolRegistry
-from opd.environments.turn_template import TurnTemplate
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.rollout_batch import build_rollout_batch
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import GenerationInterface
+from opd.rollout.environments.base import Environment, Episode, StepResult, StudentTurn
+from opd.rollout.environments.calculator import calculator_tool
+from opd.rollout.environments.tool_environment import ToolEnvironment
+from opd.rollout.environments.tools import ToolRegistry
+from opd.rollout.environments.turn_template import TurnTemplate
+from opd.rollout.multi_turn import multi_turn_rollout
+from opd.rollout.rollout_batch import build_rollout_batch
 
 IM_END = "<|im_end|>"
 ASSISTANT = "<|im_start|>assistant\n"

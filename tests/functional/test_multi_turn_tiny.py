@@ -20,18 +20,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opd.algorithms.loss_functions import SampledTokenLossFn, distillation_loss_fn
-from opd.algorithms.multi_turn import multi_turn_rollout
-from opd.algorithms.off_policy import OffPolicyCorrection, OffPolicyCorrectionConfig
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import encode_text, model_inputs, pack_padding_free
-from opd.environments.base import Environment, Episode, StepResult, StudentTurn
-from opd.environments.turn_template import TurnTemplate
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.hf_generation import HFGeneration
+from opd.losses.objectives import SampledTokenLossFn, distillation_loss_fn
+from opd.losses.off_policy import OffPolicyCorrection, OffPolicyCorrectionConfig
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKRequest
-from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.rollout.environments.base import Environment, Episode, StepResult, StudentTurn
+from opd.rollout.environments.turn_template import TurnTemplate
+from opd.rollout.hf_generation import HFGeneration
+from opd.rollout.multi_turn import multi_turn_rollout
+from opd.teachers.local_teacher import LocalTeacher
 
 MAX_TURNS = 3
 STRATEGY = GenerateStrategyConfig(max_length=6, decoding_method="greedy")

@@ -30,16 +30,16 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from opd_test_helpers import BackgroundProcess
 from safetensors.torch import load_file
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
 from opd.models.interfaces import LossFunction
-from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager
+from opd.run.checkpoint import CheckpointingConfig, CheckpointManager
 from opd.utils.config import load_config, validate_config
 from opd.utils.errors import TrainingDivergedError
-from opd_test_helpers import BackgroundProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).resolve().with_name("lifecycle_runner.py")
@@ -156,7 +156,7 @@ def assert_matches_reference(run_dir: Path, reference_dir: Path) -> None:
     )
 
 
-def assert_resumed_from(rerun: "Process", checkpoint: Path, step: int) -> None:
+def assert_resumed_from(rerun: Process, checkpoint: Path, step: int) -> None:
     """The rerun said where it resumed, and found the same config there (the same command)."""
     stderr = rerun.stderr
     assert f"resuming from {checkpoint} (step {step} of {TOTAL_STEPS})" in stderr, rerun.output()
@@ -600,7 +600,7 @@ def cli(capsys):
 
 
 def test_cli_diverging_run_exits_1_with_one_error_line(tmp_path, cli, monkeypatch):
-    from opd.algorithms.loss_functions import DistillationLossFn
+    from opd.losses.objectives import DistillationLossFn
 
     original_call = DistillationLossFn.__call__
 

@@ -144,9 +144,9 @@ def test_every_shipped_config_has_a_case():
 @pytest.fixture(scope="module")
 def served_teacher(tmp_path_factory):
     """opd's teacher server with the tiny teacher on 127.0.0.1, asking for an API key."""
-    from opd.models.teacher.scoring import PromptScorer
-    from opd.models.teacher.server import TeacherService
     from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+    from opd.teachers.scoring import PromptScorer
+    from opd.teachers.served.server import TeacherService
 
     tokenizer = build_tiny_tokenizer()
     service = TeacherService(

@@ -21,19 +21,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from opd_test_helpers import REPO_ROOT
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
 from opd.data.dataloaders import prepare_examples
 from opd.data.datasets import load_chat_dataset
-from opd.environments.math_verifier import grade_responses
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.hf_generation import HFGeneration
-from opd.models.generation.rollout_batch import build_rollout_batch
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
+from opd.models.decoding import GenerateStrategyConfig
+from opd.rollout.environments.math_verifier import grade_responses
+from opd.rollout.hf_generation import HFGeneration
+from opd.rollout.rollout_batch import build_rollout_batch
 from opd.utils.config import load_config
-from opd_test_helpers import REPO_ROOT
 
 MATH_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_math.yaml"
 PROMPT_FILE = REPO_ROOT / "examples" / "prompts" / "math_think_answer.txt"

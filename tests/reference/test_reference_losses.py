@@ -14,7 +14,7 @@ says ``vocab_size``, in float32 on CPU. The normalisers are those of a larger gl
 batch (``GLOBAL_EXTRA_TOKENS`` / ``GLOBAL_EXTRA_SEQS`` more than this micro-batch), so
 the global normalisation is pinned too. Unfused cases take ``[B, L, V]`` logits and
 record their gradient; fused cases (``fused_lm_head=True``) take
-:class:`~opd.algorithms.fused_lm_head.LMHeadInput` hidden states and head, and record
+:class:`~opd.kernels.fused_lm_head.LMHeadInput` hidden states and head, and record
 the gradients of the hidden states, head weight and head bias. The unfused logits are
 exactly the fused head's logits, so both variants of a case compute the same loss.
 
@@ -37,9 +37,9 @@ from typing import Any
 import pytest
 import torch
 
-from opd.algorithms.fused_lm_head import LMHeadInput
-from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
-from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn
+from opd.kernels.fused_lm_head import LMHeadInput
+from opd.losses.hybrid_loss import FullVocabHybridLossFn
+from opd.losses.objectives import DistillationLossFn, SampledTokenLossFn
 
 REFERENCE_FILE = Path(__file__).resolve().parent / "reference_losses.json"
 

@@ -21,12 +21,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opd_test_helpers import REPO_ROOT, TINY_TRAIN_DATA, RunningServer
 
-from opd.algorithms.distillation_config import MasterConfig
 from opd.data.datasets import MAX_JSONL_LINE_BYTES, load_chat_dataset
-from opd.models.teacher import wire
-from opd.models.teacher.scoring import PromptScorer
-from opd.models.teacher.server import TeacherService
+from opd.distillation.config import MasterConfig
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.teachers.scoring import PromptScorer
+from opd.teachers.served import wire
+from opd.teachers.served.server import TeacherService
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError, DataError
 

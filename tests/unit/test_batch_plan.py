@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from opd.algorithms.loss_config import FullVocabLossConfig, SampledTokenLossConfig
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distributed.batch_plan import balance_by_tokens, equalize_micro_batches, idle_micro_batch
+from opd.losses.config import FullVocabLossConfig, SampledTokenLossConfig
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -18,10 +18,10 @@ import re
 import pytest
 from opd_test_helpers import REPO_ROOT
 
-from opd.algorithms.distillation_config import MasterConfig
+from opd.distillation.config import MasterConfig
 from opd.distributed.config import ClusterConfig
-from opd.distributed.ray_cluster import check_colocated_sharing
 from opd.distributed.setup import TORCH_FLOOR, check_torch_version
+from opd.distributed.workers.ray_cluster import check_colocated_sharing
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from opd.distributed.dispatch import Split, declaration, dispatch, every, first, nothing, summed
 from opd.distributed.trainer_worker import TrainerWorker
+from opd.distributed.workers.dispatch import Split, declaration, dispatch, every, first, nothing, summed
 
 
 def test_the_trainer_workers_declare_how_each_call_is_split_and_gathered():

@@ -8,7 +8,7 @@ whose rows do not divide by the world size, ranks that hold no rows at all, mixe
 in one bucket, tied weights, and any bucket size. With a dtype (a refit casts to the
 engine's bf16 before the gather) it must give the unsharded model cast to it, bucketed
 by the bytes in that dtype, in the buckets the refit's layouts announce
-(:meth:`opd.distributed.refit_sender.RefitSender.refit_layouts`).
+(:meth:`opd.distributed.refit.sender.RefitSender.refit_layouts`).
 
 The ranks are real processes in a real gloo process group (three of them, so that
 uneven splits and empty shards occur), spawned with ``torch.multiprocessing``; no Ray.
@@ -27,8 +27,8 @@ from torch.distributed.fsdp import fully_shard
 
 from opd.distributed import fsdp
 from opd.distributed.fsdp import shard_model, whole_state_dict_buckets
-from opd.distributed.refit_sender import RefitSender
-from opd.distributed.refit_wire import layout_of
+from opd.distributed.refit.sender import RefitSender
+from opd.distributed.refit.wire import layout_of
 from opd.models.tiny import build_tiny_model
 
 WORLD = 3

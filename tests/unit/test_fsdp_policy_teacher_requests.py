@@ -24,9 +24,9 @@ import pytest
 import torch
 from opd_test_helpers import RunningServer
 
-from opd.algorithms.loss_functions import NLLLossFn
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distributed.fsdp_policy import FSDPPolicy
+from opd.losses.objectives import NLLLossFn
 from opd.models.interfaces import (
     MicroBatchScorer,
     Pending,
@@ -37,12 +37,12 @@ from opd.models.interfaces import (
     TokenLogprobsRequest,
     TopKRequest,
 )
-from opd.models.teacher.local_teacher import LocalTeacher
-from opd.models.teacher.remote_teacher import RemoteTeacher
-from opd.models.teacher.scoring import PromptScorer
-from opd.models.teacher.server import TeacherService
-from opd.models.teacher.several_teachers import RoutedTeachers
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.scoring import PromptScorer
+from opd.teachers.served.remote_teacher import RemoteTeacher
+from opd.teachers.served.server import TeacherService
+from opd.teachers.several_teachers import RoutedTeachers
 
 RANKS = 2
 MICRO_BATCH_SIZE = 2

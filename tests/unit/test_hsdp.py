@@ -7,7 +7,7 @@ Four real gloo ranks (``torch.multiprocessing``, no Ray) run the trainer's own c
 * with ``shard_group_size=2`` (the 2-D mesh ``("replicate", "shard")``: two groups of
   two ranks) and with the plain 1-D mesh over all four, three optimizer steps (SFT
   loss, clipped gradients, AdamW) give the losses, gradient norms and final weights of
-  one in-process :class:`~opd.models.policy.hf_policy.HFPolicy`: the gradients are still
+  one in-process :class:`~opd.policy.hf_policy.HFPolicy`: the gradients are still
   *summed* over every rank, replicas included;
 * the whole weights are gathered within a shard group only (every all-gather the gather
   runs is over 2 ranks), and bitwise equal what the ranks hold;
@@ -27,20 +27,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from opd.algorithms.loss_functions import NLLLossFn
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import shift_token_mask
 from opd.distributed import fsdp
 from opd.distributed.config import ClusterConfig
 from opd.distributed.fsdp import device_mesh, init_process_group
 from opd.distributed.fsdp_policy import FSDPPolicy
-from opd.distributed.ray_cluster import free_port
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
+from opd.distributed.workers.ray_cluster import free_port
+from opd.losses.objectives import NLLLossFn
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import TopKRequest
 from opd.models.loading import load_causal_lm
-from opd.models.policy.hf_policy import HFPolicy
-from opd.models.teacher.local_teacher import LocalTeacher
+from opd.policy.hf_policy import HFPolicy
+from opd.teachers.local_teacher import LocalTeacher
 from opd.utils.errors import ConfigError
 
 WORLD = 4
@@ -223,7 +223,7 @@ def test_a_shard_group_size_that_does_not_divide_the_workers_is_refused(workers,
 def test_the_config_error_names_the_key(tmp_path):
     from opd_test_helpers import REPO_ROOT
 
-    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distillation.config import MasterConfig
     from opd.utils.config import load_config
 
     with pytest.raises(ConfigError, match=r"cluster\.trainer\.shard_group_size"):

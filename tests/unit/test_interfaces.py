@@ -5,9 +5,9 @@ nothing else, and opd's packages import each other without cycles.
   abstract method unimplemented, so a missing method fails here, not in a run.
 * Every loss object is a :class:`~opd.models.interfaces.LossFunction`, and each
   ``loss_fn`` config variant asks the teacher for what its loss object asks for.
-* The driver (``opd/algorithms/distillation.py``) has no ``getattr`` / ``hasattr`` probes
-  and no ``# type: ignore``; ``opd/models`` never imports ``opd/algorithms``; the
-  first-level packages form no import cycle.
+* The driver (``opd/distillation/step.py``) has no ``getattr`` / ``hasattr`` probes
+  and no ``# type: ignore``; each first-level
+  package imports only the layers below it (:data:`LAYERS`), so they form no cycle.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
-from opd.algorithms.loss_config import LOSS_VARIANTS
-from opd.algorithms.loss_functions import (
+from opd.losses.config import LOSS_VARIANTS
+from opd.losses.hybrid_loss import FullVocabHybridLossFn
+from opd.losses.objectives import (
     DistillationLossFn,
     JSDLossFn,
     KLLossFn,
@@ -29,7 +29,6 @@ from opd.algorithms.loss_functions import (
     TokenLossFn,
     TopKKLLossFn,
 )
-from opd.models.generation.hf_generation import HFGeneration
 from opd.models.interfaces import (
     FullVocabRequest,
     GenerationInterface,
@@ -40,10 +39,11 @@ from opd.models.interfaces import (
     TokenLogprobsRequest,
     TopKRequest,
 )
-from opd.models.policy.hf_policy import HFPolicy
-from opd.models.teacher.context_teacher import ContextTeacher
-from opd.models.teacher.local_teacher import LocalTeacher
-from opd.models.teacher.remote_teacher import RemoteTeacher
+from opd.policy.hf_policy import HFPolicy
+from opd.rollout.hf_generation import HFGeneration
+from opd.teachers.context_teacher import ContextTeacher
+from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.served.remote_teacher import RemoteTeacher
 
 OPD = Path(__file__).resolve().parents[2] / "opd"
 
@@ -76,7 +76,7 @@ def test_backend_implements_its_interface(backend, interface):
 
 def test_vllm_backend_declares_the_generation_interface():
     # vLLM is not installed in the main test environment: read the class statement instead.
-    tree = ast.parse((OPD / "models" / "generation" / "vllm_generation.py").read_text(encoding="utf-8"))
+    tree = ast.parse((OPD / "rollout" / "vllm_generation.py").read_text(encoding="utf-8"))
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     bases = [ast.unparse(base) for base in classes["VllmGeneration"].bases]
     assert bases == ["InProcessGenerationInterface"]
@@ -120,10 +120,24 @@ def _package(path: Path) -> str | None:
     return parts[0] if len(parts) > 1 else None
 
 
-def test_models_never_imports_algorithms():
-    offenders = [f"{path.relative_to(OPD)} imports {module}"
-                 for path in (OPD / "models").rglob("*.py") for module in _imports(path)
-                 if module.startswith("opd.algorithms")]
+# opd's first-level packages from the ground up (docs/guide/architecture.md): each may import
+# only those before it, so a newcomer reads the house floor by floor.
+LAYERS = ("utils", "data", "models", "kernels", "rollout", "teachers", "policy", "losses", "run",
+          "distributed", "distillation", "plan")
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    assert sorted(LAYERS) == sorted(path.name for path in OPD.iterdir()
+                                    if path.is_dir() and (path / "__init__.py").exists())
+    offenders = []
+    for path in OPD.rglob("*.py"):
+        package = _package(path)
+        if package is None:
+            continue
+        for module in _imports(path):
+            other = module.split(".")[1]
+            if other in LAYERS and LAYERS.index(other) > LAYERS.index(package):
+                offenders.append(f"{path.relative_to(OPD)} ({package}) imports {module} ({other}, above it)")
     assert offenders == []
 
 
@@ -164,7 +178,7 @@ def test_modules_of_one_package_import_each_other_without_cycles():
 
 
 def test_driver_calls_interfaces_only():
-    source = (OPD / "algorithms" / "distillation.py").read_text(encoding="utf-8")
+    source = (OPD / "distillation" / "step.py").read_text(encoding="utf-8")
     probes = [node.lineno for node in ast.walk(ast.parse(source))
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
               and node.func.id in ("getattr", "hasattr")]

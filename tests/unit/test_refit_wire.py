@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from opd.distributed.config import ClusterConfig
-from opd.distributed.refit_wire import layout_bytes, layout_of, pack, unpack
+from opd.distributed.refit.wire import layout_bytes, layout_of, pack, unpack
 
 
 def bucket() -> list[tuple[str, torch.Tensor]]:

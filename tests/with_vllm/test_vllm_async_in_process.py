@@ -15,12 +15,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; run: bash scripts/test_vllm.sh")
 
-from opd_test_helpers import TINY_TRAIN_DATA  # noqa: E402
+from opd_test_helpers import TINY_TRAIN_DATA
 
-from opd.algorithms.distillation import distillation_train  # noqa: E402
-from opd.algorithms.distillation_config import MasterConfig  # noqa: E402
-from opd.algorithms.distillation_setup import setup  # noqa: E402
-from opd.utils.config import load_config  # noqa: E402
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
+from opd.utils.config import load_config
 
 TINY = "examples/configs/distillation_tiny.yaml"
 

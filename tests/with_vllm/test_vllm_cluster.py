@@ -18,17 +18,17 @@ pytest.importorskip("vllm", reason="vLLM is not installed here; run: bash script
 ray = pytest.importorskip("ray", reason="Ray is not installed in the vLLM environment; rerun scripts/install_vllm_env.sh")
 
 import torch  # noqa: E402
+from opd_test_helpers import REPO_ROOT  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from opd.algorithms.distillation_config import MasterConfig  # noqa: E402
-from opd.algorithms.distillation_setup import setup  # noqa: E402
-from opd.algorithms.loss_functions import NLLLossFn  # noqa: E402
 from opd.data.batches import build_fixed_data_batch  # noqa: E402
-from opd.distributed.ray_cluster import RAY_ENVIRONMENT  # noqa: E402
-from opd.distributed.worker_environment import init_local_ray, worker_environment  # noqa: E402
-from opd.models.generation.hf_generation import HFGeneration  # noqa: E402
+from opd.distillation.config import MasterConfig  # noqa: E402
+from opd.distillation.setup import setup  # noqa: E402
+from opd.distributed.workers.ray_cluster import RAY_ENVIRONMENT  # noqa: E402
+from opd.distributed.workers.worker_environment import init_local_ray, worker_environment  # noqa: E402
+from opd.losses.objectives import NLLLossFn  # noqa: E402
+from opd.rollout.hf_generation import HFGeneration  # noqa: E402
 from opd.utils.config import load_config  # noqa: E402
-from opd_test_helpers import REPO_ROOT  # noqa: E402
 
 DEMO_CONFIG = REPO_ROOT / "examples" / "configs" / "demo.yaml"
 STUDENT_DIR = REPO_ROOT / "examples" / "demo" / "models" / "student"

@@ -14,13 +14,14 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here; run: bash scripts/test_vllm.sh")
 
 
-from opd.algorithms.distillation import distillation_train  # noqa: E402
-from opd.algorithms.distillation_config import MasterConfig  # noqa: E402
-from opd.algorithms.distillation_setup import setup  # noqa: E402
-from opd.models.generation.hf_generation import HFGeneration  # noqa: E402
-from opd.models.generation.vllm_generation import VllmGeneration  # noqa: E402
-from opd.utils.config import load_config  # noqa: E402
-from opd_test_helpers import REPO_ROOT  # noqa: E402
+from opd_test_helpers import REPO_ROOT
+
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
+from opd.rollout.hf_generation import HFGeneration
+from opd.rollout.vllm_generation import VllmGeneration
+from opd.utils.config import load_config
 
 DEMO_CONFIG = REPO_ROOT / "examples" / "configs" / "demo.yaml"
 

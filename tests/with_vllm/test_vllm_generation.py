@@ -25,22 +25,23 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; run: bash scripts/test_vllm.sh")
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import torch
+from opd_test_helpers import REPO_ROOT
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from opd.algorithms.distillation_config import MasterConfig  # noqa: E402
-from opd.algorithms.loss_functions import DistillationLossFn  # noqa: E402
-from opd.data.batched_data_dict import BatchedDataDict  # noqa: E402
-from opd.data.converters import load_prompt_template, math_cl_to_chat  # noqa: E402
-from opd.models.config import LoraConfig  # noqa: E402
-from opd.models.generation.config import GenerateStrategyConfig, VllmGenerationConfig  # noqa: E402
-from opd.models.generation.hf_generation import HFGeneration  # noqa: E402
-from opd.models.generation.vllm_generation import VllmGeneration  # noqa: E402
-from opd.models.policy.hf_policy import HFPolicy  # noqa: E402
-from opd.models.teacher.local_teacher import LocalTeacher  # noqa: E402
-from opd.utils.config import load_config  # noqa: E402
-from opd.utils.errors import ConfigError  # noqa: E402
-from opd_test_helpers import REPO_ROOT  # noqa: E402
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.converters import load_prompt_template, math_cl_to_chat
+from opd.distillation.config import MasterConfig
+from opd.losses.objectives import DistillationLossFn
+from opd.models.config import LoraConfig
+from opd.models.decoding import GenerateStrategyConfig
+from opd.policy.hf_policy import HFPolicy
+from opd.rollout.config import VllmGenerationConfig
+from opd.rollout.hf_generation import HFGeneration
+from opd.rollout.vllm_generation import VllmGeneration
+from opd.teachers.local_teacher import LocalTeacher
+from opd.utils.config import load_config
+from opd.utils.errors import ConfigError
 
 STUDENT_DIR = REPO_ROOT / "examples" / "demo" / "models" / "student"
 TEACHER_DIR = REPO_ROOT / "examples" / "demo" / "models" / "teacher"

@@ -1,6 +1,6 @@
 """Multi-turn rollouts with the vLLM engine equal the HF engine's, token for token (greedy).
 
-A multi-turn rollout (:func:`opd.algorithms.multi_turn.multi_turn_rollout`) is built on
+A multi-turn rollout (:func:`opd.rollout.multi_turn.multi_turn_rollout`) is built on
 ``GenerationInterface.generate`` alone, so vLLM samples it as it samples a single turn:
 each turn is one call with the whole trajectory so far as the prompt. The tiny demo-shaped
 student and the tiny tokenizer, an environment that answers every turn with a user message
@@ -16,15 +16,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; run: bash scripts/test_vllm.sh")
 
-import torch  # noqa: E402
+import torch
+from functional.test_multi_turn_tiny import MAX_TURNS, ROWS, STRATEGY, _GoOn
 
-from functional.test_multi_turn_tiny import MAX_TURNS, ROWS, STRATEGY, _GoOn  # noqa: E402
-from opd.algorithms.multi_turn import multi_turn_rollout  # noqa: E402
-from opd.environments.turn_template import TurnTemplate  # noqa: E402
-from opd.models.generation.config import VllmGenerationConfig  # noqa: E402
-from opd.models.generation.hf_generation import HFGeneration  # noqa: E402
-from opd.models.generation.vllm_generation import VllmGeneration  # noqa: E402
-from opd.models.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.rollout.config import VllmGenerationConfig
+from opd.rollout.environments.turn_template import TurnTemplate
+from opd.rollout.hf_generation import HFGeneration
+from opd.rollout.multi_turn import multi_turn_rollout
+from opd.rollout.vllm_generation import VllmGeneration
 
 
 def rollout_with(engine, template, tokenizer):

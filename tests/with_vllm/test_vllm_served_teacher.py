@@ -20,19 +20,19 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; run: bash scripts/test_vllm.sh")
 
-import httpx  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import httpx
+import torch
+from opd_test_helpers import REPO_ROOT, BackgroundProcess, served_and_in_process_losses
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from opd.cli import main as opd_main  # noqa: E402
-from opd.data.batched_data_dict import BatchedDataDict  # noqa: E402
-from opd.models.generation.config import GenerateStrategyConfig  # noqa: E402
-from opd.models.generation.hf_generation import HFGeneration  # noqa: E402
-from opd.models.generation.stop_tokens import stop_token_ids  # noqa: E402
-from opd.models.teacher.local_teacher import LocalTeacher  # noqa: E402
-from opd.models.teacher.remote_generation import RemoteGeneration  # noqa: E402
-from opd.models.teacher.remote_teacher import RemoteTeacher  # noqa: E402
-from opd_test_helpers import REPO_ROOT, BackgroundProcess, served_and_in_process_losses  # noqa: E402
+from opd.cli import main as opd_main
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.decoding import GenerateStrategyConfig
+from opd.rollout.hf_generation import HFGeneration
+from opd.rollout.stop_tokens import stop_token_ids
+from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.served.remote_generation import RemoteGeneration
+from opd.teachers.served.remote_teacher import RemoteTeacher
 
 TEACHER_DIR = REPO_ROOT / "examples" / "demo" / "models" / "teacher"
 STUDENT_DIR = REPO_ROOT / "examples" / "demo" / "models" / "student"

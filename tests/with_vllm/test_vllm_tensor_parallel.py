@@ -15,7 +15,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; run: bash scripts/test_vllm.sh")
 
-from with_vllm.test_vllm_generation import (  # noqa: E402 - the helpers and fixtures of the one-device tests
+import torch
+from with_vllm.test_vllm_generation import (
     assert_same_rollouts,
     greedy,
     one_training_step,
@@ -24,11 +25,9 @@ from with_vllm.test_vllm_generation import (  # noqa: E402 - the helpers and fix
     tokenizer,  # noqa: F401 - a fixture
 )
 
-import torch  # noqa: E402
-
-from opd.models.generation.config import VllmGenerationConfig  # noqa: E402
-from opd.models.generation.hf_generation import HFGeneration  # noqa: E402
-from opd.models.generation.vllm_generation import VllmGeneration  # noqa: E402
+from opd.rollout.config import VllmGenerationConfig
+from opd.rollout.hf_generation import HFGeneration
+from opd.rollout.vllm_generation import VllmGeneration
 
 
 @pytest.fixture(scope="module")

@@ -29,13 +29,13 @@ import pytest
 import torch
 from opd_test_helpers import short_run_overrides
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.rollout_schedule import RolloutSchedule, _signal_from_state, _signal_to_state, signal_rows
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.distillation.config import MasterConfig
+from opd.distillation.schedule import RolloutSchedule, _signal_from_state, _signal_to_state, signal_rows
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
 from opd.models.interfaces import TopKLogprobs
-from opd.models.teacher.several_teachers import MixedSignal, RoutedPart, RoutedSignal
+from opd.teachers.several_teachers import MixedSignal, RoutedPart, RoutedSignal
 from opd.utils.config import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd.algorithms import loss_config as loss_config_module
-from opd.algorithms.compiled_kernels import kl_metrics_from_logits
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.fused_lm_head import LMHeadInput
-from opd.algorithms.loss_config import CPU_COMPILE_MIN_VOCAB, compile_loss_kernels
-from opd.algorithms.loss_functions import DistillationLossFn
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.kernels.compiled_kernels import kl_metrics_from_logits
+from opd.kernels.fused_lm_head import LMHeadInput
+from opd.losses import config as loss_config_module
+from opd.losses.config import CPU_COMPILE_MIN_VOCAB, compile_loss_kernels
+from opd.losses.objectives import DistillationLossFn
 from opd.utils import compile_cache
 from opd.utils.compile_cache import resolve_compile_kernels
 from opd.utils.config import load_config

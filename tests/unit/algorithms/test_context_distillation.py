@@ -22,23 +22,23 @@ import re
 
 import pytest
 import torch
+from opd_test_helpers import REPO_ROOT
 from transformers import AutoTokenizer
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.loss_functions import DistillationLossFn
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.dataloaders import prepare_examples
 from opd.data.sequences import encode_prompt, encode_text, pack_padding_free, render_chat
 from opd.data.teacher_context import TeacherContext
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
+from opd.losses.objectives import DistillationLossFn
 from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKRequest
-from opd.models.teacher.context_teacher import ContextTeacher
-from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.teachers.context_teacher import ContextTeacher
+from opd.teachers.local_teacher import LocalTeacher
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError, DataError
-from opd_test_helpers import REPO_ROOT
 
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 DEMO_TOKENIZER = REPO_ROOT / "examples" / "demo" / "models" / "teacher"

@@ -1,4 +1,4 @@
-"""Tests for ``opd.algorithms.distillation`` and the components one step is built from.
+"""Tests for ``opd.distillation.step`` and the components one step is built from.
 
 Everything runs on the locally built tiny Qwen2 models (``tiny:teacher``, ``tiny:student``)
 on CPU, with a few steps and short responses, so the whole file takes seconds.
@@ -28,20 +28,20 @@ import pytest
 import torch
 from opd_test_helpers import short_run_overrides
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig, resolve_micro_batching
-from opd.algorithms.distillation_setup import check_config_against_data, setup
-from opd.algorithms.loss_functions import DistillationLossFn
-from opd.algorithms.rollout_schedule import RolloutSchedule
 from opd.data.batches import build_fixed_data_batch
 from opd.data.dataloaders import prepare_examples
 from opd.data.sequences import attention_mask_from_lengths, encode_prompt
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.hf_generation import HFGeneration
+from opd.distillation.config import MasterConfig, resolve_micro_batching
+from opd.distillation.schedule import RolloutSchedule
+from opd.distillation.setup import check_config_against_data, setup
+from opd.distillation.step import distillation_train
+from opd.losses.objectives import DistillationLossFn
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.loading import check_tokenizer_compatibility
-from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
-from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.rollout.hf_generation import HFGeneration
+from opd.teachers.local_teacher import LocalTeacher
 from opd.utils.config import load_config, validate_config
 from opd.utils.errors import ConfigError, ModelCompatibilityError
 

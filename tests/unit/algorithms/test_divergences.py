@@ -2,7 +2,7 @@
 against plain float64 references, with their invariants.
 
 The references loop over positions and vocabulary entries in Python floats, sharing no
-code with opd.algorithms.loss_functions.
+code with opd.losses.objectives.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from opd.algorithms.loss_functions import (
+from opd.losses.objectives import (
     generalized_jsd,
     sampled_token_advantages,
     sampled_token_pg_loss,

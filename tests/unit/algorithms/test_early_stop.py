@@ -1,6 +1,6 @@
 """``training.early_stop``: the rule against a plain reference, and short runs that stop by it.
 
-The rule (:func:`opd.algorithms.early_stop.observe`) is fed sequences of validation
+The rule (:func:`opd.run.early_stop.observe`) is fed sequences of validation
 values, hand-made and random (NaN included), and must stop exactly where
 :func:`reference_stop` does: a plain re-statement of Hugging Face's
 ``EarlyStoppingCallback`` (an improvement beats the best by more than ``min_delta``;
@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 from opd_test_helpers import REPO_ROOT
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.early_stop import EarlyStopConfig, fresh_early_stop_state, observe
-from opd.algorithms.sft import SFTMasterConfig, sft_train
-from opd.algorithms.sft import setup as sft_setup
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
+from opd.run.early_stop import EarlyStopConfig, fresh_early_stop_state, observe
+from opd.sft import SFTMasterConfig, sft_train
+from opd.sft import setup as sft_setup
 from opd.utils.config import load_config
 
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"

@@ -7,8 +7,8 @@ engine fits more tokens; checked against the arithmetic written out here.
 
 from __future__ import annotations
 
-from opd.algorithms.memory_plan import DEVICES, _engine_budget
 from opd.models.model_shapes import model_config
+from opd.plan.memory_plan import DEVICES, _engine_budget
 
 
 def test_tensor_parallel_splits_the_weights_and_the_kv_heads():

@@ -17,8 +17,10 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from opd.algorithms.fused_lm_head import chunked_lm_head_loss
-from opd.algorithms.loss_functions import (
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.sequences import attention_mask_from_lengths, pack_sequences
+from opd.kernels.fused_lm_head import chunked_lm_head_loss
+from opd.losses.objectives import (
     DistillationLossFn,
     SampledTokenLossFn,
     full_vocab_divergence_with_grad,
@@ -27,8 +29,6 @@ from opd.algorithms.loss_functions import (
     token_kl,
     topk_token_kl,
 )
-from opd.data.batched_data_dict import BatchedDataDict
-from opd.data.sequences import attention_mask_from_lengths, pack_sequences
 from opd.models.lm_head import (
     LMHeadInput,
     default_chunk_rows,
@@ -37,10 +37,10 @@ from opd.models.lm_head import (
     output_layer_of,
     transform_logits,
 )
-from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
-from opd.models.policy.optimization import student_output
-from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model
+from opd.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.policy.optimization import student_output
+from opd.teachers.local_teacher import LocalTeacher
 
 N, D, V = 11, 6, 17
 
@@ -476,7 +476,7 @@ def tiny_transforming_teacher(family: str):
 def test_teacher_heads_that_transform_logits_reproduce_the_models_own_logits(family, tmp_path):
     """Soft-capping and scaling are applied to a teacher's fused logits, in process and when served."""
     from opd.models.loading import load_output_layer
-    from opd.models.teacher.scoring import PromptScorer
+    from opd.teachers.scoring import PromptScorer
 
     model = tiny_transforming_teacher(family)
     input_ids = torch.randint(0, 48, (2, 7), generator=torch.Generator().manual_seed(1))

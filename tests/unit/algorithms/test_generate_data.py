@@ -1,4 +1,4 @@
-"""Tests for ``opd generate`` (:mod:`opd.algorithms.generate_data`): teacher-made fixed data.
+"""Tests for ``opd generate`` (:mod:`opd.generate`): teacher-made fixed data.
 
 Every run uses the committed demo teacher (``examples/demo/models/teacher``, which solves
 3-digit addition) on a math-cl-shaped file (``problem`` / ``ground_truth_answer`` rows, the
@@ -30,25 +30,25 @@ from pathlib import Path
 import pytest
 import yaml
 
-import opd.algorithms.rollout_schedule as schedule_module
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.generate_data import (
+import opd.distillation.schedule as schedule_module
+from opd.cli import main
+from opd.data.converters import load_prompt_template, math_cl_to_chat
+from opd.data.dataloaders import prepare_examples
+from opd.data.datasets import load_chat_dataset
+from opd.data.sequences import encode_prompt, encode_response
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
+from opd.generate import (
     PROGRESS_SUFFIX,
     GenerateDataConfig,
     GenerateMasterConfig,
     GenerateSummary,
     generate_data,
 )
-from opd.cli import main
-from opd.data.converters import load_prompt_template, math_cl_to_chat
-from opd.data.dataloaders import prepare_examples
-from opd.data.datasets import load_chat_dataset
-from opd.data.sequences import encode_prompt, encode_response
-from opd.environments.math_verifier import is_correct
-from opd.models.generation.config import GenerateStrategyConfig
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.loading import load_tokenizer
+from opd.rollout.environments.math_verifier import is_correct
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError, DataError
 

@@ -6,12 +6,12 @@ import re
 import sys
 
 import pytest
+from opd_test_helpers import REPO_ROOT
 
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import check_environment
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import check_environment
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
-from opd_test_helpers import REPO_ROOT
 
 CONFIGS = REPO_ROOT / "examples" / "configs"
 

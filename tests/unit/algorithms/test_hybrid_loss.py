@@ -22,13 +22,13 @@ import pytest
 import torch
 from opd_test_helpers import REPO_ROOT
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
-from opd.algorithms.loss_functions import DistillationLossFn
-from opd.algorithms.off_policy import OffPolicyCorrection
-from opd.models.generation.config import GenerateStrategyConfig
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
+from opd.losses.hybrid_loss import FullVocabHybridLossFn
+from opd.losses.objectives import DistillationLossFn
+from opd.losses.off_policy import OffPolicyCorrection
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError

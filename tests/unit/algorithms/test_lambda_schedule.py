@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from opd_test_helpers import REPO_ROOT, short_run_overrides
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.lambda_schedule import LambdaSchedule
+from opd.distillation.config import MasterConfig
+from opd.distillation.lambda_schedule import LambdaSchedule
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 

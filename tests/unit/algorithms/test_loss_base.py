@@ -16,9 +16,9 @@ import pickle
 import pytest
 import torch
 
-from opd.algorithms.fused_lm_head import LMHeadInput
-from opd.algorithms.loss_config import LOSS_CLASSES, LOSS_VARIANTS
-from opd.algorithms.loss_functions import (
+from opd.kernels.fused_lm_head import LMHeadInput
+from opd.losses.config import LOSS_CLASSES, LOSS_VARIANTS
+from opd.losses.objectives import (
     DISTILLATION_VARIANTS,
     DistillationLossFn,
     FullVocabLossFn,
@@ -28,8 +28,8 @@ from opd.algorithms.loss_functions import (
     TokenLossFn,
     TopKKLLossFn,
 )
-from opd.algorithms.off_policy import OffPolicyCorrection
-from opd.models.generation.config import GenerateStrategyConfig
+from opd.losses.off_policy import OffPolicyCorrection
+from opd.models.decoding import GenerateStrategyConfig
 
 B, L, V, D = 2, 6, 7, 5
 SAMPLED = OffPolicyCorrection(

@@ -1,4 +1,4 @@
-"""The ``loss_fn:`` schema (:mod:`opd.algorithms.loss_config`): one typed choice of objective.
+"""The ``loss_fn:`` schema (:mod:`opd.losses.config`): one typed choice of objective.
 
 * each variant's built loss asks the teacher for exactly what the variant says it needs
   (the config is checked against a teacher before any loss is built);
@@ -19,8 +19,8 @@ import yaml
 from opd_test_helpers import REPO_ROOT
 from pydantic import ValidationError
 
-from opd.algorithms.distillation_config import MOVED_KEYS, MasterConfig
-from opd.algorithms.loss_config import (
+from opd.distillation.config import MOVED_KEYS, MasterConfig
+from opd.losses.config import (
     LOSS_VARIANTS,
     FullVocabLossConfig,
     HybridFullVocabLossConfig,

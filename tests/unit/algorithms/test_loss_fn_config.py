@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.hybrid_loss import FullVocabHybridLossFn
-from opd.algorithms.loss_functions import DistillationLossFn, JSDLossFn, KLLossFn, SampledTokenLossFn, TopKKLLossFn
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
+from opd.losses.hybrid_loss import FullVocabHybridLossFn
+from opd.losses.objectives import DistillationLossFn, JSDLossFn, KLLossFn, SampledTokenLossFn, TopKKLLossFn
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 

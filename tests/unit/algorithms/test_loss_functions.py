@@ -1,4 +1,4 @@
-"""Tests for ``opd.algorithms.loss_functions``.
+"""Tests for ``opd.losses.objectives``.
 
 Everything is checked against small, deliberately naive float64 references written in this
 file (explicit max-subtracted softmax, explicit Σ p·(log p − log q), Python loops over the
@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from opd.algorithms.loss_functions import (
+from opd.losses.objectives import (
     DistillationLossFn,
     NLLLossFn,
     shift_token_mask,

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import DistillationComponents, setup
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import DistillationComponents, setup
+from opd.distillation.step import distillation_train
 from opd.utils.config import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

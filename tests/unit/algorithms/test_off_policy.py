@@ -24,18 +24,18 @@ import pytest
 import torch
 from opd_test_helpers import REPO_ROOT
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig, TrainingConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.loss_config import (
+from opd.distillation.config import MasterConfig, TrainingConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
+from opd.losses.config import (
     FullVocabLossConfig,
     HybridFullVocabLossConfig,
     JSDLossConfig,
     SampledTokenLossConfig,
     TopKLossConfig,
 )
-from opd.algorithms.loss_functions import DistillationLossFn, token_kl, topk_token_kl
-from opd.algorithms.off_policy import (
+from opd.losses.objectives import DistillationLossFn, token_kl, topk_token_kl
+from opd.losses.off_policy import (
     OffPolicyCorrection,
     OffPolicyCorrectionConfig,
     filtered_sampling_warning,
@@ -43,9 +43,9 @@ from opd.algorithms.off_policy import (
     learner_log_probs,
     sampling_log_probs,
 )
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.sampling import next_tokens
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput
+from opd.rollout.sampling import next_tokens
 from opd.utils.config import load_config
 
 TOP_P = GenerateStrategyConfig(decoding_method="top_p", temperature=0.7, top_p=0.9)

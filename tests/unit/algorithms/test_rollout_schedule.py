@@ -23,12 +23,12 @@ import pytest
 import torch
 from opd_test_helpers import short_run_overrides
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.rollout_schedule import DEPTHS, RolloutSchedule
-from opd.models.generation.hf_generation import HFGeneration, SnapshotHFGeneration
+from opd.distillation.config import MasterConfig
+from opd.distillation.schedule import DEPTHS, RolloutSchedule
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
 from opd.models.tiny import build_tiny_model
+from opd.rollout.hf_generation import HFGeneration, SnapshotHFGeneration
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from opd_test_helpers import REPO_ROOT, short_run_overrides
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import unique_responses_per_prompt
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
-from opd_test_helpers import REPO_ROOT, short_run_overrides
 
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 MATH_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_math.yaml"

@@ -26,15 +26,15 @@ import pytest
 import torch
 from opd_test_helpers import short_run_overrides
 
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.rollout_schedule import RolloutSchedule, signal_rows
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.distillation.config import MasterConfig
+from opd.distillation.schedule import RolloutSchedule, signal_rows
+from opd.distillation.setup import setup
 from opd.models.interfaces import FullVocabRequest, TeacherHiddenStates, bind_teacher_head
 from opd.models.lm_head import LMHeadInput, output_layer_of
-from opd.models.teacher.context_teacher import ContextTeacher
-from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model
+from opd.teachers.context_teacher import ContextTeacher
+from opd.teachers.local_teacher import LocalTeacher
 from opd.utils.config import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -40,18 +40,18 @@ import torch
 from opd_test_helpers import REPO_ROOT, load_script
 from safetensors.torch import load_file
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.loss_functions import KLLossFn
 from opd.cli import main as opd_main
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
+from opd.losses.objectives import KLLossFn
 from opd.models.config import LoraConfig, OptimizerConfig
-from opd.models.policy.hf_policy import HFPolicy
-from opd.models.teacher.context_teacher import ContextTeacher
-from opd.models.teacher.local_teacher import LocalTeacher
-from opd.models.teacher.self_teacher import EmaTeacher, LiveTeacher
 from opd.models.tiny import build_tiny_model
+from opd.policy.hf_policy import HFPolicy
+from opd.teachers.context_teacher import ContextTeacher
+from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.self_teacher import EmaTeacher, LiveTeacher
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError, OpdError
 

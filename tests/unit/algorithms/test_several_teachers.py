@@ -22,14 +22,14 @@ import pytest
 import torch
 from opd_test_helpers import REPO_ROOT
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn
-from opd.algorithms.several_teachers_loss import MixtureLoss, RoutedLoss
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.dataloaders import prepare_examples
 from opd.data.teacher_choice import TeacherChoice
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
+from opd.losses.objectives import DistillationLossFn, SampledTokenLossFn
+from opd.losses.several_teachers_loss import MixtureLoss, RoutedLoss
 from opd.models.interfaces import (
     FullVocabRequest,
     PerTeacherRequest,
@@ -41,8 +41,9 @@ from opd.models.interfaces import (
     TopKRequest,
 )
 from opd.models.lm_head import LMHeadInput
-from opd.models.policy.optimization import accumulate_metrics
-from opd.models.teacher.several_teachers import (
+from opd.models.tiny import build_tiny_tokenizer
+from opd.policy.optimization import accumulate_metrics
+from opd.teachers.several_teachers import (
     MixedSignal,
     RoutedTeachers,
     TeacherMixture,
@@ -50,7 +51,6 @@ from opd.models.teacher.several_teachers import (
     mix_token_logprobs,
     mix_topk,
 )
-from opd.models.tiny import build_tiny_tokenizer
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError, DataError
 

@@ -1,4 +1,4 @@
-"""Tests for supervised fine-tuning: ``opd.algorithms.sft`` and the ``opd sft`` command.
+"""Tests for supervised fine-tuning: ``opd.sft`` and the ``opd sft`` command.
 
 Everything runs on the locally built ``tiny:student`` on CPU with the shipped arithmetic
 chat data, a few fast steps and short validation answers.
@@ -42,17 +42,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from opd_test_helpers import BackgroundProcess, short_run_overrides
 from safetensors.torch import load_file
 
-from opd.algorithms.loss_functions import NLLLossFn
-from opd.algorithms.sft import SFTMasterConfig, setup, sft_train
 from opd.data.batches import build_fixed_data_batch
 from opd.data.dataloaders import prepare_examples
-from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.losses.objectives import NLLLossFn
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.sft import SFTMasterConfig, setup, sft_train
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
-from opd_test_helpers import BackgroundProcess, short_run_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SFT_CONFIG = REPO_ROOT / "examples" / "configs" / "sft.yaml"
@@ -284,7 +284,7 @@ def test_validation_reports_accuracy_and_no_teacher_kl(learned):
 
 def test_validation_accuracy_grades_every_val_example(tmp_path, monkeypatch):
     """val/accuracy is the share of the val answers the verifier accepts."""
-    import opd.environments.math_verifier as math_verifier
+    import opd.rollout.environments.math_verifier as math_verifier
 
     graded: list[str] = []
 
@@ -497,7 +497,7 @@ RESUME_OVERRIDES = [
 CLI_RUN_STEPS = 3
 
 
-def Process(name: str, command: list[str], workdir: Path) -> BackgroundProcess:  # noqa: N802 (reads like a class)
+def Process(name: str, command: list[str], workdir: Path) -> BackgroundProcess:
     """Starts ``command`` in the background with this module's environment and timeout."""
     return BackgroundProcess(name, command, workdir, SUBPROCESS_ENV, PROCESS_TIMEOUT)
 
@@ -695,7 +695,7 @@ def test_time_budget_ends_the_run_like_its_last_step(tmp_path, monkeypatch):
     run writes its final model and a checkpoint of the step it ended on; rerunning the
     same command finds the run complete instead of training on.
     """
-    import opd.algorithms.sft as sft_module
+    import opd.sft as sft_module
 
     real_train = sft_module.HFPolicy.train
 

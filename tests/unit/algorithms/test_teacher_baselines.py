@@ -23,15 +23,15 @@ from pathlib import Path
 import pytest
 from opd_test_helpers import RunningServer, short_run_overrides
 
-from opd.algorithms.distillation import validation_baselines
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.teacher.remote_generation import RemoteGeneration, response_ids, sampling_fields
-from opd.models.teacher.remote_teacher import TeacherServiceError
-from opd.models.teacher.scoring import PromptScorer
-from opd.models.teacher.server import TeacherService
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import validation_baselines
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.teachers.scoring import PromptScorer
+from opd.teachers.served.remote_generation import RemoteGeneration, response_ids, sampling_fields
+from opd.teachers.served.remote_teacher import TeacherServiceError
+from opd.teachers.served.server import TeacherService
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 

@@ -19,9 +19,11 @@ import re
 
 import pytest
 import torch
+from opd_test_helpers import REPO_ROOT
 
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.loss_functions import (
+from opd.distillation.config import MasterConfig
+from opd.kernels.topk_rest import rest_logprobs_outside
+from opd.losses.objectives import (
     JSDLossFn,
     KLLossFn,
     TopKKLLossFn,
@@ -32,10 +34,8 @@ from opd.algorithms.loss_functions import (
 )
 from opd.models.interfaces import TopKLogprobs
 from opd.models.lm_head import LMHeadInput
-from opd.models.topk_rest import rest_logprobs_outside
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
-from opd_test_helpers import REPO_ROOT
 
 B, L, V, D, K = 3, 7, 11, 6, 4
 GLOBAL_TOKENS = 20  # more than this micro-batch's loss positions: another micro-batch has the rest

@@ -15,10 +15,10 @@ import math
 import pytest
 import torch
 
-from opd.algorithms.loss_functions import DistillationLossFn, topk_token_kl
-from opd.algorithms.validation import ValidationKL
+from opd.losses.objectives import DistillationLossFn, topk_token_kl
 from opd.models.interfaces import TopKLogprobs, TopKRequest
 from opd.models.lm_head import LMHeadInput
+from opd.run.validation import ValidationKL
 
 V, K = 23, 4
 # Classes: roots 0, 5, 10, 15 hold ids up to the next root; 20..22 stand alone (no root: never listed).

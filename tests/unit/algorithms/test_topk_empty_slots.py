@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from opd.algorithms.loss_functions import DistillationLossFn, topk_token_kl
+from opd.losses.objectives import DistillationLossFn, topk_token_kl
 from opd.models.interfaces import TopKLogprobs
 
 V, K = 17, 6

@@ -23,8 +23,10 @@ import math
 import pytest
 import torch
 
-from opd.algorithms.fused_lm_head import LMHeadInput
-from opd.algorithms.loss_functions import (
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.kernels.fused_lm_head import LMHeadInput
+from opd.kernels.topk_rest import rest_logprobs_outside, rest_logprobs_outside_summed_in_float64
+from opd.losses.objectives import (
     DistillationLossFn,
     full_vocab_divergence_with_grad,
     generalized_jsd,
@@ -33,12 +35,10 @@ from opd.algorithms.loss_functions import (
     token_kl,
     topk_token_kl,
 )
-from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.interfaces import TopKLogprobs, TopKRequest
-from opd.models.teacher.context_teacher import ContextTeacher
-from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_tiny_model
-from opd.models.topk_rest import rest_logprobs_outside, rest_logprobs_outside_summed_in_float64
+from opd.teachers.context_teacher import ContextTeacher
+from opd.teachers.local_teacher import LocalTeacher
 
 KL_TYPES = ("forward", "reverse", "mixed")
 REST_MASSES = (1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7)

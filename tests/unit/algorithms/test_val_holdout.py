@@ -14,15 +14,15 @@ import json
 import logging
 
 import pytest
+from opd_test_helpers import REPO_ROOT
 
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.run_setup import holdout_rows, load_examples, report_overlap
 from opd.data.config import DataConfig
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
 from opd.models.tiny import build_tiny_tokenizer
+from opd.run.run_setup import holdout_rows, load_examples, report_overlap
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
-from opd_test_helpers import REPO_ROOT
 
 TRAIN = REPO_ROOT / "examples" / "data" / "tiny_arithmetic" / "train.jsonl"
 VAL = REPO_ROOT / "examples" / "data" / "tiny_arithmetic" / "val.jsonl"

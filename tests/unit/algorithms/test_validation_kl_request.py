@@ -1,4 +1,4 @@
-"""Which signal validation's KL asks a teacher for (:func:`opd.algorithms.validation.kl_request`).
+"""Which signal validation's KL asks a teacher for (:func:`opd.run.validation.kl_request`).
 
 Validation asks only for what the teacher answers as configured, the teacher saying so
 itself (``refusal``): the full vocabulary where it can, else the loss's own top-k, else
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from opd.algorithms.validation import kl_request
 from opd.models.interfaces import FullVocabRequest, TeacherInterface, TokenLogprobsRequest, TopKRequest
-from opd.models.teacher.remote_teacher import RemoteTeacher
+from opd.run.validation import kl_request
+from opd.teachers.served.remote_teacher import RemoteTeacher
 
 VOCAB = 50
 

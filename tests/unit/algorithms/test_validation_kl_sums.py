@@ -1,6 +1,6 @@
 """Validation's KL is computed where the student's hidden states are, chunk by chunk, and equals the whole-logits KL.
 
-* :class:`~opd.algorithms.validation.ValidationKL` on random hidden states and heads,
+* :class:`~opd.run.validation.ValidationKL` on random hidden states and heads,
   against every kind of teacher answer (hidden states and head, logits, top-k with and
   without the teacher's rest mass), in chunks far smaller than the batch, equals the
   float64 :func:`token_kl` / :func:`topk_token_kl` of the whole logits;
@@ -16,10 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opd.algorithms.loss_functions import token_kl, topk_token_kl
-from opd.algorithms.validation import ValidationKL
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import build_token_mask, shift_token_mask
+from opd.losses.objectives import token_kl, topk_token_kl
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import (
     FullVocabRequest,
@@ -29,10 +28,11 @@ from opd.models.interfaces import (
 )
 from opd.models.lm_head import LMHeadInput
 from opd.models.loading import load_causal_lm
-from opd.models.policy.hf_policy import HFPolicy
-from opd.models.teacher.context_teacher import ContextTeacher
-from opd.models.teacher.local_teacher import LocalTeacher
-from opd.models.teacher.several_teachers import RoutedTeachers, TeacherMixture
+from opd.policy.hf_policy import HFPolicy
+from opd.run.validation import ValidationKL
+from opd.teachers.context_teacher import ContextTeacher
+from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.several_teachers import RoutedTeachers, TeacherMixture
 
 B, L, D, HEAD_WIDTH, VOCAB, K = 3, 7, 8, 40, 37, 5  # the heads are wider than the vocabulary (padding)
 
@@ -181,7 +181,7 @@ def build_teacher(kind: str, models):
 @pytest.mark.parametrize("kind", ["one", "routed", "mixture", "context"])
 @pytest.mark.parametrize("request_", [FullVocabRequest(), TopKRequest(6, 1.0, 200)], ids=["full_vocab", "topk"])
 def test_in_process_student_sums_equal_the_old_whole_logits_path(models, kind, request_, monkeypatch):
-    from opd.algorithms import validation
+    from opd.run import validation
 
     policy = HFPolicy(models["student"], OptimizerConfig(), micro_batch_size=2, total_steps=1)
     teacher = build_teacher(kind, models)

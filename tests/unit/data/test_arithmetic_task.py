@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from opd.data.converters import load_prompt_template, math_cl_to_chat
-from opd.environments.math_verifier import is_correct
+from opd.rollout.environments.math_verifier import is_correct
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "examples" / "data" / "make_arithmetic_task.py"

@@ -27,8 +27,8 @@ from opd.data.dataloaders import prepare_examples
 from opd.data.datasets import load_chat_dataset
 from opd.data.episodes import encode_episode, split_at_first_assistant
 from opd.data.sequences import encode_prompt, render_chat
-from opd.environments.calculator import CALCULATOR_SCHEMA
 from opd.models.tiny import build_tiny_tokenizer
+from opd.rollout.environments.calculator import CALCULATOR_SCHEMA
 from opd.utils.errors import DataError
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "arithmetic", "parameters": CALCULATOR_SCHEMA}}]

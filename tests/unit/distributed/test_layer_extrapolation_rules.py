@@ -1,11 +1,12 @@
-"""The rules of :mod:`opd.distributed.layer_extrapolation`: which models qualify, and the per-phase arithmetic."""
+"""The rules of :mod:`opd.plan.layer_extrapolation`: which models qualify, and the per-phase arithmetic."""
 
 from __future__ import annotations
 
 from torch import nn
 from transformers import GPT2Config, Qwen2Config
 
-from opd.distributed.layer_extrapolation import (
+from opd.models.tiny import build_tiny_model
+from opd.plan.layer_extrapolation import (
     Trace,
     decoder_layers,
     extrapolate,
@@ -14,7 +15,6 @@ from opd.distributed.layer_extrapolation import (
     uniform_depth,
     with_depth,
 )
-from opd.models.tiny import build_tiny_model
 
 
 def test_a_qwen2_model_with_one_attention_kind_is_uniform():

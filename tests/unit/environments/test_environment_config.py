@@ -5,8 +5,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from opd.environments.base import StudentTurn
-from opd.environments.config import EnvironmentConfig, build_environment
+from opd.rollout.environments.base import StudentTurn
+from opd.rollout.environments.config import EnvironmentConfig, build_environment
 
 
 def test_builds_the_tool_environment_with_its_limits():

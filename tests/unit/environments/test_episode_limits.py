@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import pytest
 
-from opd.algorithms.multi_turn import multi_turn_rollout
-from opd.environments.calculator import calculator_tool
-from opd.environments.config import EnvironmentConfig
-from opd.environments.tool_environment import ToolEnvironment
-from opd.environments.tools import ToolRegistry
-from opd.environments.turn_template import TurnTemplate
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.rollout_batch import build_rollout_batch
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import GenerationInterface
 from opd.models.tiny import build_tiny_tokenizer
+from opd.rollout.environments.calculator import calculator_tool
+from opd.rollout.environments.config import EnvironmentConfig
+from opd.rollout.environments.tool_environment import ToolEnvironment
+from opd.rollout.environments.tools import ToolRegistry
+from opd.rollout.environments.turn_template import TurnTemplate
+from opd.rollout.multi_turn import multi_turn_rollout
+from opd.rollout.rollout_batch import build_rollout_batch
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
 ANSWER = "\\boxed{42}"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from opd.environments.math_verifier import extract_answer, is_correct
+from opd.rollout.environments.math_verifier import extract_answer, is_correct
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from opd.environments.calculator import calculator_tool
 from opd.models.tiny import build_tiny_tokenizer
+from opd.rollout.environments.calculator import calculator_tool
 
 PLAIN_CHATML = (
     "{% for message in messages %}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from opd.environments.tool_calls import MalformedCall, ToolCall, parse_tool_calls
+from opd.rollout.environments.tool_calls import MalformedCall, ToolCall, parse_tool_calls
 
 
 def test_parses_calls_in_order():

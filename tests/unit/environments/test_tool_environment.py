@@ -6,11 +6,11 @@ import threading
 
 import pytest
 
-from opd.environments.base import StudentTurn
-from opd.environments.calculator import calculator_tool
-from opd.environments.sandbox import SandboxLimits
-from opd.environments.tool_environment import ToolEnvironment
-from opd.environments.tools import Tool, ToolRegistry
+from opd.rollout.environments.base import StudentTurn
+from opd.rollout.environments.calculator import calculator_tool
+from opd.rollout.environments.sandbox import SandboxLimits
+from opd.rollout.environments.tool_environment import ToolEnvironment
+from opd.rollout.environments.tools import Tool, ToolRegistry
 
 ROW = {"messages": [{"role": "user", "content": "What is 1234 * 567?"}], "ground_truth": "699678"}
 RELEASE = threading.Event()

@@ -25,10 +25,10 @@ from opd_isolation_tools import (
     structured,
 )
 
-from opd.environments.calculator import calculator_tool
-from opd.environments.config import EnvironmentConfig, build_environment
-from opd.environments.sandbox import WORKERS, SandboxLimits, run_tool
-from opd.environments.tools import Tool
+from opd.rollout.environments.calculator import calculator_tool
+from opd.rollout.environments.config import EnvironmentConfig, build_environment
+from opd.rollout.environments.sandbox import WORKERS, SandboxLimits, run_tool
+from opd.rollout.environments.tools import Tool
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}
 

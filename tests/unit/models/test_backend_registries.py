@@ -13,19 +13,19 @@ import pytest
 import torch
 from opd_test_helpers import REPO_ROOT
 
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.models.config import RemoteTeacherConfig, TeacherConfig, TeacherMemberConfig, TeacherSourceConfig
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.decoding import DECODING_METHODS, DecodingMethod
-from opd.models.generation.hf_generation import sampling_kwargs
-from opd.models.generation.sampling import next_tokens, warp_logits
-from opd.models.generation.vllm_generation import sampling_params_kwargs
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.models.decoding import DECODING_METHODS, DecodingMethod, GenerateStrategyConfig
 from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKRequest
-from opd.models.teacher import backends, wire
-from opd.models.teacher.backends import TEACHER_BACKENDS, LocalBackend
-from opd.models.teacher.local_teacher import LocalTeacher
-from opd.models.teacher.remote_teacher import PROTOCOLS, RemoteTeacher, protocol_refusal
+from opd.rollout.hf_generation import sampling_kwargs
+from opd.rollout.sampling import next_tokens, warp_logits
+from opd.rollout.vllm_generation import sampling_params_kwargs
+from opd.teachers import backends
+from opd.teachers.backends import TEACHER_BACKENDS, LocalBackend, RemoteTeacherConfig, TeacherSourceConfig
+from opd.teachers.config import TeacherConfig, TeacherMemberConfig
+from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.served import wire
+from opd.teachers.served.remote_teacher import PROTOCOLS, RemoteTeacher, protocol_refusal
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 

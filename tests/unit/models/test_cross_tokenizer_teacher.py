@@ -25,15 +25,15 @@ import torch
 from opd_test_helpers import REPO_ROOT
 from transformers import AutoTokenizer
 
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.loss_functions import DistillationLossFn
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import encode_prompt, pack_padding_free
 from opd.data.token_alignment import token_bytes
+from opd.distillation.config import MasterConfig
+from opd.losses.objectives import DistillationLossFn
 from opd.models.interfaces import TopKRequest
-from opd.models.teacher.cross_tokenizer import CrossTokenizerTeacher
-from opd.models.teacher.local_teacher import LocalTeacher
 from opd.models.tiny import build_model_for_tokenizer, train_bpe_tokenizer
+from opd.teachers.cross_tokenizer import CrossTokenizerTeacher
+from opd.teachers.local_teacher import LocalTeacher
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.decode_loop import decode
-from opd.models.generation.hf_generation import HFGeneration
-from opd.models.generation.sampling import next_tokens, sample_from_probs, warp_logits
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.rollout.decode_loop import decode
+from opd.rollout.hf_generation import HFGeneration
+from opd.rollout.sampling import next_tokens, sample_from_probs, warp_logits
 from opd.utils.compile_cache import compiler_toolchain_problem, resolve_compile_kernels
 from opd.utils.errors import ConfigError
 

@@ -8,12 +8,12 @@ import functools
 import pytest
 import torch
 
-from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_sequences
-from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
-from opd.models.teacher.local_teacher import LocalTeacher
+from opd.losses.objectives import DistillationLossFn, SampledTokenLossFn
 from opd.models.tiny import build_tiny_model
+from opd.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.teachers.local_teacher import LocalTeacher
 
 LENGTHS = [5, 23, 9, 9, 31, 2, 17, 12]
 

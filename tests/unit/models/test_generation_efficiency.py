@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.hf_generation import HFGeneration
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.rollout.hf_generation import HFGeneration
 
 GREEDY = GenerateStrategyConfig(decoding_method="greedy", max_length=40)
 THREE_TOKENS = GenerateStrategyConfig(decoding_method="greedy", max_length=3)

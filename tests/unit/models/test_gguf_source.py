@@ -346,8 +346,8 @@ def test_the_missing_extra_says_how_to_install_it(f32_file, monkeypatch, package
 
 def test_a_tokenizer_without_a_chat_template_needs_the_runs_template(tmp_path):
     """A base model's tokenizer (Gemma 3 270M's GGUF has none) is refused alone, and usable with data.chat_template."""
-    from opd.algorithms.run_setup import load_run_tokenizer
     from opd.data.config import DataConfig
+    from opd.run.run_setup import load_run_tokenizer
 
     tokenizer = train_bpe_tokenizer(["hello there", "general kenobi"] * 8, vocab_size=300)
     tokenizer.chat_template = None

@@ -1,4 +1,4 @@
-"""Tests for LoRA students (``model.lora``, :mod:`opd.models.policy.lora`).
+"""Tests for LoRA students (``model.lora``, :mod:`opd.policy.lora`).
 
 One short on-policy distillation run of ``tiny:student`` with adapters (module fixture)
 answers most questions; the rest build an :class:`HFPolicy` directly. What is checked:
@@ -33,24 +33,24 @@ from opd_test_helpers import short_run_overrides
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import check_environment, setup
-from opd.algorithms.loss_functions import DistillationLossFn, token_kl
-from opd.algorithms.sft import SFTMasterConfig, sft_train
-from opd.algorithms.sft import setup as sft_setup
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import build_fixed_data_batch
 from opd.data.dataloaders import prepare_examples
 from opd.data.datasets import load_chat_dataset
 from opd.data.sequences import encode_prompt, pack_sequences, shift_token_mask
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import check_environment, setup
+from opd.distillation.step import distillation_train
+from opd.losses.objectives import DistillationLossFn, token_kl
 from opd.models.config import DEFAULT_LORA_TARGETS, LoraConfig
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.hf_generation import HFGeneration, SnapshotHFGeneration
-from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
-from opd.models.policy.lora import adapter_parameters
-from opd.models.teacher.local_teacher import LocalTeacher
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.policy.lora import adapter_parameters
+from opd.rollout.hf_generation import HFGeneration, SnapshotHFGeneration
+from opd.sft import SFTMasterConfig, sft_train
+from opd.sft import setup as sft_setup
+from opd.teachers.local_teacher import LocalTeacher
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError, OpdError
 

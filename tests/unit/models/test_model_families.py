@@ -8,7 +8,7 @@ final-logit soft-capping, Gemma 3's mix of sliding and global layers, Phi-3's fu
 projections):
 
 1. the student's fused loss (its final hidden states and output layer through
-   :func:`~opd.models.policy.optimization.student_output`, the in-process teacher's hidden
+   :func:`~opd.policy.optimization.student_output`, the in-process teacher's hidden
    states and output layer) gives the loss value and the gradient of every parameter that
    the plain path gives (``model(input_ids, attention_mask).logits``, the teacher's
    logits, the same loss unfused), on right-padded rows of unequal length;
@@ -35,7 +35,7 @@ accuracy), :data:`FLOAT64_TOLERANCE` = 1e-10 stays two orders above that bound w
 the SIMD width (AVX2, AVX-512) and the reduction order it picks, while every defect these
 tests exist for (a missed soft cap, an unscaled embedding, a sliding window applied to
 the wrong positions) moves the values by 1e-3 or more. The decode loop's and the teacher's log-probs are float32 by contract
-(:func:`~opd.models.generation.sampling.next_tokens` and
+(:func:`~opd.rollout.sampling.next_tokens` and
 :func:`~opd.models.lm_head.log_softmax_chunks` cast the logits), so they are compared to
 float32 rounding of values of magnitude ≤ 20 (:data:`FLOAT32_LOGPROB_TOLERANCE`).
 """
@@ -50,15 +50,15 @@ import pytest
 import torch
 import transformers
 
-from opd.algorithms.loss_functions import DistillationLossFn
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import attention_mask_from_lengths, pack_sequences, shift_token_mask
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.hf_generation import HFGeneration
+from opd.losses.objectives import DistillationLossFn
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput, output_layer_of
-from opd.models.policy.optimization import student_output
-from opd.models.teacher.local_teacher import LocalTeacher
-from opd.models.teacher.scoring import PromptScorer
+from opd.policy.optimization import student_output
+from opd.rollout.hf_generation import HFGeneration
+from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.scoring import PromptScorer
 from opd.utils.compile_cache import compiler_toolchain_problem
 
 VOCAB = 320

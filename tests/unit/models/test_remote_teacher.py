@@ -40,20 +40,20 @@ from opd_test_helpers import REPO_ROOT, BackgroundProcess, RunningServer, served
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import check_environment, setup
-from opd.algorithms.loss_functions import DistillationLossFn
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import check_environment, setup
+from opd.distillation.step import distillation_train
+from opd.kernels.topk_rest import rest_logprobs_from_topk
+from opd.losses.objectives import DistillationLossFn
 from opd.models.interfaces import FullVocabRequest
 from opd.models.lm_head import LMHeadInput, output_layer_of
-from opd.models.teacher import wire
-from opd.models.teacher.local_teacher import LocalTeacher
-from opd.models.teacher.remote_teacher import RemoteTeacher, TeacherServiceError
-from opd.models.teacher.scoring import PromptScorer
-from opd.models.teacher.server import REST_MASS_FIELD, TeacherService
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
-from opd.models.topk_rest import rest_logprobs_from_topk
+from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.scoring import PromptScorer
+from opd.teachers.served import wire
+from opd.teachers.served.remote_teacher import RemoteTeacher, TeacherServiceError
+from opd.teachers.served.server import REST_MASS_FIELD, TeacherService
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
 
@@ -367,14 +367,14 @@ class FaultProxy:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 if no_opd and self.path.startswith("/opd/"):
                     self._send(404, b'{"error": {"message": "Not Found"}}')
                     return
                 response = self._forward("GET")
                 self._send(response.status_code, response.content)
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 if self.path not in ("/v1/completions", wire.SCORE_PATH):
                     response = self._forward("POST")
                     self._send(response.status_code, response.content)

@@ -10,17 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
-from opd.algorithms.loss_functions import DistillationLossFn, SampledTokenLossFn, shift_token_mask
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_padding_free, pack_sequences
-from opd.models.policy.hf_policy import HFPolicy, OptimizerConfig
-from opd.models.teacher.local_teacher import LocalTeacher
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
+from opd.losses.objectives import DistillationLossFn, SampledTokenLossFn, shift_token_mask
 from opd.models.tiny import build_tiny_model
+from opd.policy.hf_policy import HFPolicy, OptimizerConfig
+from opd.teachers.local_teacher import LocalTeacher
 from opd.utils.config import load_config
-from opd.utils.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 LENGTHS, PROMPTS = [6, 13, 2, 9, 11], [2, 5, 1, 9, 4]  # one sequence that is all prompt

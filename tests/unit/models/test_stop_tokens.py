@@ -16,21 +16,21 @@ import json
 
 import pytest
 import torch
+from opd_test_helpers import REPO_ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opd.data.converters import load_prompt_template, math_cl_to_chat
 from opd.data.sequences import build_token_mask
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.hf_generation import HFGeneration
-from opd.models.generation.stop_tokens import (
+from opd.models.decoding import GenerateStrategyConfig
+from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.rollout.hf_generation import HFGeneration
+from opd.rollout.stop_tokens import (
     check_stop_tokens,
     highest_teacher_probability,
     never_emitted_threshold,
     stop_token_ids,
 )
-from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.utils.errors import ModelCompatibilityError
-from opd_test_helpers import REPO_ROOT
 
 TEACHER_DIR = REPO_ROOT / "examples" / "demo" / "models" / "teacher"
 GREEDY = GenerateStrategyConfig(decoding_method="greedy", max_length=16)
@@ -185,7 +185,7 @@ def test_highest_teacher_probability_matches_a_float64_reference(demo_teacher, d
 
 
 def demo_run_config(tmp_path, student_dir, *overrides):
-    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distillation.config import MasterConfig
     from opd.utils.config import load_config
 
     return load_config(
@@ -218,7 +218,7 @@ def student_stopping_at(tmp_path, extra_stop: int):
 
 
 def test_setup_refuses_a_student_stop_token_the_teacher_never_emits(tmp_path, demo_tokenizer):
-    from opd.algorithms.distillation_setup import setup
+    from opd.distillation.setup import setup
 
     never = demo_tokenizer.convert_tokens_to_ids("Q")
     student_dir = student_stopping_at(tmp_path, never)
@@ -236,7 +236,7 @@ def test_setup_refuses_a_student_stop_token_the_teacher_never_emits(tmp_path, de
 def test_setup_warns_when_stop_tokens_differ(tmp_path, demo_tokenizer, caplog):
     import logging
 
-    from opd.algorithms.distillation_setup import setup
+    from opd.distillation.setup import setup
 
     emitted = demo_tokenizer.convert_tokens_to_ids("<|im_start|>")
     components = setup(demo_run_config(tmp_path, student_stopping_at(tmp_path, emitted)))
@@ -250,7 +250,7 @@ def test_setup_warns_when_stop_tokens_differ(tmp_path, demo_tokenizer, caplog):
 
 def test_an_empty_stop_list_is_refused():
     """An empty list would mean responses never end: only null (the model's list) or ids are allowed."""
-    from opd.algorithms.distillation_config import MasterConfig
+    from opd.distillation.config import MasterConfig
     from opd.utils.config import load_config
     from opd.utils.errors import ConfigError
 

@@ -14,16 +14,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from opd.algorithms.multi_turn import multi_turn_rollout
 from opd.data.sequences import pack_padding_free, pack_sequences
-from opd.environments.base import Environment, Episode, StepResult, StudentTurn
-from opd.environments.turn_template import TurnTemplate
-from opd.models.generation.config import GenerateStrategyConfig
-from opd.models.generation.hf_generation import HFGeneration
+from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKRequest
-from opd.models.teacher.local_teacher import LocalTeacher
-from opd.models.teacher.shared_prompt import prompt_groups, sharing_problem
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.rollout.environments.base import Environment, Episode, StepResult, StudentTurn
+from opd.rollout.environments.turn_template import TurnTemplate
+from opd.rollout.hf_generation import HFGeneration
+from opd.rollout.multi_turn import multi_turn_rollout
+from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.shared_prompt import prompt_groups, sharing_problem
 
 
 @pytest.fixture(scope="module")
@@ -198,8 +198,8 @@ def test_the_switch_reaches_the_cluster_teachers(tmp_path):
     """``share_prompt_forward`` goes to each cluster teacher by role: a pool's worker builds its teacher with it."""
     from opd_test_helpers import REPO_ROOT, short_run_overrides
 
-    from opd.algorithms.distillation_config import MasterConfig
-    from opd.algorithms.distillation_setup import _cluster_prompt_sharing, _cluster_teacher_paths
+    from opd.distillation.config import MasterConfig
+    from opd.distillation.setup import _cluster_prompt_sharing, _cluster_teacher_paths
     from opd.distributed.teacher_pool import TeacherWorker
     from opd.utils.config import load_config
 

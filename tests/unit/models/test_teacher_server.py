@@ -23,12 +23,12 @@ import time
 import httpx
 import pytest
 import torch
-
-from opd.models.teacher import wire
-from opd.models.teacher.scoring import PromptScorer
-from opd.models.teacher.server import TeacherService
-from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd_test_helpers import REPO_ROOT, BackgroundProcess, RunningServer
+
+from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
+from opd.teachers.scoring import PromptScorer
+from opd.teachers.served import wire
+from opd.teachers.served.server import TeacherService
 
 DEMO_TEACHER = REPO_ROOT / "examples" / "demo" / "models" / "teacher"
 
@@ -169,8 +169,8 @@ def test_malformed_bodies_get_a_4xx_with_a_reason(teacher_model, tokenizer, body
 
 
 def test_completions_without_prompt_logprobs_generate_as_the_engine_in_process(teacher_model, tokenizer):
-    from opd.models.generation.config import GenerateStrategyConfig
-    from opd.models.generation.hf_generation import HFGeneration
+    from opd.models.decoding import GenerateStrategyConfig
+    from opd.rollout.hf_generation import HFGeneration
 
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 3?", "hi")]
     running = RunningServer(TeacherService(PromptScorer(teacher_model, len(tokenizer)), tokenizer, "tiny", 16, 64))
@@ -232,7 +232,7 @@ def test_a_body_that_does_not_arrive_gets_408_and_the_server_keeps_answering(tea
 
 
 def test_serving_other_machines_needs_a_token_or_an_explicit_flag(capsys):
-    from opd.models.teacher.server import main as serve_main
+    from opd.teachers.served.server import main as serve_main
 
     assert serve_main(["--model", "tiny:teacher", "--host", "0.0.0.0", "--port", "0"]) == 2
     assert "set --api-key-env VAR" in capsys.readouterr().err

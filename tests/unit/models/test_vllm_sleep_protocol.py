@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from opd.models.generation.vllm_generation import VllmGeneration
 from opd.models.tiny import build_tiny_model
+from opd.rollout.vllm_generation import VllmGeneration
 
 
 class RecordingLLM:

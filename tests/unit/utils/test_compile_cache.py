@@ -45,8 +45,8 @@ def test_the_default_level_and_an_explicit_cache_are_left_alone(clean_environmen
 # against the eager kernel, and the cache directory inductor used.
 _KERNEL_RUN = """
 import json, os, torch
-from opd.algorithms.compiled_kernels import compiled
-from opd.algorithms.loss_functions import full_vocab_divergence_with_grad
+from opd.kernels.compiled_kernels import compiled
+from opd.losses.objectives import full_vocab_divergence_with_grad
 generator = torch.Generator().manual_seed(0)
 student = torch.randn(37, 301, generator=generator) * 3
 teacher = torch.randn(37, 301, generator=generator) * 3

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.loss_config import LOSS_VARIANTS
+from opd.distillation.config import MasterConfig
+from opd.losses.config import LOSS_VARIANTS
 from opd.utils.config import config_to_yaml, load_config, load_config_tree
 from opd.utils.errors import ConfigError
 

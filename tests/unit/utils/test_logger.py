@@ -1,4 +1,4 @@
-"""Tests for ``opd.utils.logger``: JSONL, TensorBoard, console, resume truncation, W&B, MLflow."""
+"""Tests for ``opd.run.logger``: JSONL, TensorBoard, console, resume truncation, W&B, MLflow."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from opd.run.logger import Logger, LoggerConfig, flatten_dict
 from opd.utils.errors import ConfigError
-from opd.utils.logger import Logger, LoggerConfig, flatten_dict
 
 
 def make_logger(tmp_path: Path, total_steps: int = 10, **overrides) -> Logger:
@@ -229,7 +229,7 @@ def fake_terminal(monkeypatch) -> FakeTerminal:
 def clock(monkeypatch) -> dict[str, float]:
     """The logger's time.perf_counter, advanced by hand."""
     now = {"now": 1000.0}
-    monkeypatch.setattr("opd.utils.logger.time.perf_counter", lambda: now["now"])
+    monkeypatch.setattr("opd.run.logger.time.perf_counter", lambda: now["now"])
     return now
 
 

@@ -14,14 +14,14 @@ import json
 from pathlib import Path
 
 from huggingface_hub import ModelCard
+from opd_test_helpers import REPO_ROOT
 
 import opd
-from opd.algorithms.distillation import distillation_train
-from opd.algorithms.distillation_config import MasterConfig
-from opd.algorithms.distillation_setup import setup
+from opd.distillation.config import MasterConfig
+from opd.distillation.setup import setup
+from opd.distillation.step import distillation_train
+from opd.run.model_card import last_validation, render_model_card
 from opd.utils.config import load_config
-from opd.utils.model_card import last_validation, render_model_card
-from opd_test_helpers import REPO_ROOT
 
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 MATH_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_math.yaml"
@@ -105,7 +105,7 @@ def test_a_run_writes_the_card_with_its_last_validation(tmp_path):
 
 
 def test_sft_card():
-    from opd.algorithms.sft import SFTMasterConfig
+    from opd.sft import SFTMasterConfig
 
     config = load_config(SFTMasterConfig, SFT_CONFIG, []).model_dump(mode="json", by_alias=True)
     text = render_model_card(config, 10, None)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
-from opd.models.generation.engines import GenerationConfig
-from opd.utils.checkpoint import CheckpointingConfig, CheckpointManager, check_model_directory
+from opd.rollout.engines import GenerationConfig
+from opd.run.checkpoint import CheckpointingConfig, CheckpointManager, check_model_directory
 from opd.utils.errors import OpdError
 from opd.utils.paths import absolute_dir, absolute_model_path
 

@@ -1,4 +1,4 @@
-"""Tests for ``opd.utils.plotting``: reading metrics.jsonl, curves PNG, summary, ``opd plot``."""
+"""Tests for ``opd.run.plotting``: reading metrics.jsonl, curves PNG, summary, ``opd plot``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from opd.run.logger import Logger, LoggerConfig
+from opd.run.plotting import main, plot_curves, read_metrics, write_summary
 from opd.utils.errors import DataError
-from opd.utils.logger import Logger, LoggerConfig
-from opd.utils.plotting import main, plot_curves, read_metrics, write_summary
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NUM_STEPS = 30

@@ -1,1 +1,0 @@
-"""Algorithms: on-policy distillation, SFT, their losses and the shared run lifecycle."""

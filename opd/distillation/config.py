@@ -1,0 +1,540 @@
+"""The configuration of a distillation run: one YAML file, validated into :class:`MasterConfig`.
+
+Sections: ``model``, ``teacher`` (or ``teachers``: several), ``distillation`` (the λ coin, sampling, context
+distillation), ``loss_fn`` (one typed objective, :mod:`opd.losses.config`),
+``generation``, ``training``, ``data``, ``validation``, ``logger``, ``checkpointing``.
+Every key is documented in ``examples/configs/distillation.yaml``.
+
+What one section cannot check alone, :class:`MasterConfig` checks across sections when it
+is validated, so a conflicting config stops before any file is read or model loaded.
+Keys that moved in a schema change are listed in :data:`MOVED_KEYS`; a config that still
+uses one gets an error naming the new place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from opd.data.config import DataConfig
+from opd.data.teacher_context import TeacherContext
+from opd.distillation.lambda_schedule import LambdaSchedule
+from opd.distributed.config import ClusterConfig
+from opd.losses.config import (
+    FullVocabLossConfig,
+    FusedHeadSettings,
+    LossFnConfig,
+)
+from opd.losses.off_policy import OffPolicyCorrectionConfig
+from opd.models.config import ModelConfig
+from opd.models.decoding import GenerateStrategyConfig
+from opd.models.interfaces import FullVocabRequest
+from opd.rollout.engines import GenerationConfig
+from opd.rollout.environments.config import EnvironmentConfig
+from opd.run.checkpoint import CheckpointingConfig
+from opd.run.logger import LoggerConfig
+from opd.run.training_loop import RunConfig, TrainingLoopConfig
+from opd.run.validation import ValidationConfig
+from opd.teachers.backends import RemoteTeacherConfig, TeacherSourceConfig
+from opd.teachers.config import TeacherConfig, TeacherMemberConfig, TeachersConfig
+from opd.teachers.self_teacher import self_teacher_problem
+from opd.teachers.served.remote_teacher import protocol_refusal
+from opd.utils.config import StrictConfig
+from opd.utils.errors import ConfigError
+
+MOVED_KEYS: dict[str, str] = {
+    "distillation.kl_type": "loss_fn.kl_type",
+    "distillation.mixed_kl_weight": "loss_fn.mixed_kl_weight",
+    "distillation.kl_temperature": "loss_fn.temperature",
+    "distillation.kl_reduction": "loss_fn.reduction",
+    "loss_fn.teacher_topk": "loss_fn.k (with loss_fn.type: topk) or loss_fn.metrics_topk (full_vocab, jsd)",
+    "loss_fn.topk_tail": "loss_fn.tail (with loss_fn.type: topk)",
+    "loss_fn.divergence": "loss_fn.type (jsd for the generalized JSD, full_vocab for the KL)",
+    "loss_fn.jsd_beta": "loss_fn.beta (with loss_fn.type: jsd)",
+}
+"""Old key → where it lives now (the loss became one typed ``loss_fn`` choice)."""
+
+
+class DistillationConfig(StrictConfig):
+    """The distillation strategy: the λ coin, on-policy sampling and the teacher-only context."""
+
+    lambda_: Annotated[float, Field(ge=0.0, le=1.0)] | LambdaSchedule = Field(
+        1.0,
+        alias="lambda",
+        description="probability that a step uses the student's own samples: a number, or a schedule "
+        "({schedule: linear | step, start, end, steps})",
+    )
+    mask_prompt_tokens: bool = True
+    num_samples_per_prompt: int = Field(1, ge=1)
+    generate_strategy: GenerateStrategyConfig = Field(default_factory=GenerateStrategyConfig)
+    teacher_context: str | None = Field(
+        None, description="context distillation: text only the teacher sees, inserted into every prompt"
+    )
+    teacher_context_key: str | None = Field(
+        None, description="context distillation: dataset field holding a per-example teacher-only context"
+    )
+    teacher_context_placement: Literal["user_prefix", "system"] = Field(
+        "user_prefix", description="user_prefix = before the first user message; system = as / in the system message"
+    )
+    teacher_context_separator: str = Field("\n\n", description="between the context and the text after it")
+
+    @model_validator(mode="after")
+    def _check_samples_can_differ(self) -> DistillationConfig:
+        """Greedy decoding makes every sample of a prompt the same: n copies cost n times and teach nothing new."""
+        if self.num_samples_per_prompt > 1 and self.generate_strategy.is_greedy:
+            raise ValueError(
+                f"distillation.num_samples_per_prompt = {self.num_samples_per_prompt} with "
+                "distillation.generate_strategy.decoding_method = greedy gives identical copies of each response; "
+                "sample instead (decoding_method: top_k or top_p) or set num_samples_per_prompt = 1"
+            )
+        return self
+
+    def teacher_context_spec(self) -> TeacherContext | None:
+        """The teacher-only context these keys describe, or None without one."""
+        if self.teacher_context is None and self.teacher_context_key is None:
+            return None
+        return TeacherContext(
+            self.teacher_context,
+            self.teacher_context_key,
+            self.teacher_context_placement,
+            self.teacher_context_separator,
+        )
+
+    def lambda_at(self, step: int) -> float:
+        """λ of optimizer step ``step`` (1-based): the number, or the schedule's value there."""
+        return self.lambda_ if isinstance(self.lambda_, float) else self.lambda_.at(step)
+
+    def lambda_is_scheduled(self) -> bool:
+        """Whether λ changes with the step (a schedule rather than a number)."""
+        return not isinstance(self.lambda_, float)
+
+    def lowest_lambda(self) -> float:
+        """The smallest λ of any step: below 1, some steps train on fixed data."""
+        return self.lambda_ if isinstance(self.lambda_, float) else self.lambda_.lowest()
+
+
+DEPTHS_SCORED_AHEAD = {"sync": False, "one_step_off": False, "two_step_off": True}
+"""Whether each ``training.scheduler`` scores the next batch while the student trains."""
+
+
+class TrainingConfig(TrainingLoopConfig):
+    """Loop, batch and optimizer settings (the specification's §4.3 keys)."""
+
+    batch_size: int = Field(8, ge=1, description="prompts per optimizer step")
+    micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward/backward pass")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="padded-token budget per forward/backward pass (length-sorted dynamic batching)"
+    )
+    sequence_packing: bool = Field(False, description="pack each micro-batch into one padding-free row")
+    gradient_accumulation_steps: int | None = Field(None, ge=1, description="micro-batches per optimizer step")
+    scheduler: Literal["sync", "one_step_off", "two_step_off"] = Field(
+        "sync",
+        description="sync = sample, score and train in turn; one_step_off = sample the next batch while the "
+        "student trains; two_step_off = also score the next batch while the student trains",
+    )
+    off_policy_correction: OffPolicyCorrectionConfig = Field(default_factory=OffPolicyCorrectionConfig)
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether rollouts are sampled ahead of the update (one_step_off, two_step_off)."""
+        return self.scheduler != "sync"
+
+    def correction_is_on(self, loss: LossFnConfig) -> bool:
+        """Whether ``loss``'s stale samples are weighted (``off_policy_correction.enabled``).
+
+        ``auto``: under an asynchronous schedule, as the objective's
+        ``weighs_stale_samples_by_default`` says; never under sync.
+        """
+        return self.off_policy_correction.is_on(self.asynchronous, loss.weighs_stale_samples_by_default)
+
+    def placement_problem(self, colocated: bool, teacher_in_workers: bool) -> str | None:
+        """The schedule's limits on a cluster: what it overlaps needs devices or workers of its own.
+
+        Args:
+            colocated: the rollout workers share the trainer's devices (``cluster.placement``).
+            teacher_in_workers: the teacher runs inside the trainer workers (colocated).
+        """
+        if not self.asynchronous:
+            return None
+        key = f"training.scheduler = {self.scheduler}"
+        if colocated:
+            return (
+                f"{key} overlaps sampling with training, so the rollout workers need devices of their own; "
+                "set cluster.placement = split"
+            )
+        if DEPTHS_SCORED_AHEAD[self.scheduler] and teacher_in_workers:
+            return (
+                f"{key} scores the next batch while the student trains, but a teacher colocated in the trainer "
+                "workers runs on those same workers, which are busy training; set cluster.teacher.placement = pool "
+                "(or serve the teacher), or use one_step_off"
+            )
+        return None
+
+
+class DistillationValidationConfig(ValidationConfig):
+    """Validation settings of a distillation run (adds the baselines and ``opd eval``'s model)."""
+
+    teacher_baseline: bool = Field(False, description="once, before training: the teacher answers the val prompts")
+    eval_baseline: bool = Field(
+        False,
+        description="once, before training: student without and teacher with the teacher-only context "
+        "answer the val prompts (val/baseline_*)",
+    )
+    teacher_topk: int = Field(
+        64,
+        ge=1,
+        description="k of the top-k KL that validation reports when the teacher cannot send its full "
+        "vocabulary as configured and the loss is not top-k (a top-k loss's own k is used)",
+    )
+    model_path: str | None = Field(
+        None, description="model evaluated by `opd eval` / val_only: a model dir or step_N checkpoint"
+    )
+
+
+class DistillationTeacherMemberConfig(TeacherMemberConfig):
+    """One of several teachers, with the objective (and so the signal) it is distilled with."""
+
+    loss_fn: LossFnConfig | None = Field(
+        None,
+        description="route: this teacher's own objective and signal (e.g. topk for a served teacher next to a "
+        "full_vocab one); null = the run's loss_fn",
+    )
+
+
+class DistillationTeachersConfig(TeachersConfig):
+    """``teachers:`` in a distillation run: the members may have objectives of their own (routing)."""
+
+    members: Sequence[DistillationTeacherMemberConfig] = Field(
+        min_length=1, description="the teachers, each with a unique name"
+    )
+
+    @model_validator(mode="after")
+    def _own_objectives_route(self) -> DistillationTeachersConfig:
+        if not self.routes:
+            for index, member in enumerate(self.members):
+                if member.loss_fn is not None:
+                    raise ValueError(
+                        f"teachers.members[{index}].loss_fn: a mixture compares the student with one mixed "
+                        "distribution, so every teacher answers the run's loss_fn; remove it (or use mode route)"
+                    )
+        return self
+
+
+class MasterConfig(RunConfig):
+    """The whole run's configuration (one YAML file)."""
+
+    moved_keys: ClassVar[dict[str, str]] = MOVED_KEYS
+
+    output_dir: str = Field("results/distillation", description="final model, logs and checkpoints go here")
+    val_only: bool = Field(False, description="run validation on validation.model_path (or the student) and exit")
+    model: ModelConfig
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    teachers: DistillationTeachersConfig | None = Field(
+        None, description="several teachers (routing or mixture) instead of model.teacher_model_path / teacher"
+    )
+    distillation: DistillationConfig = Field(default_factory=DistillationConfig)
+    loss_fn: LossFnConfig = Field(default_factory=FullVocabLossConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    data: DataConfig
+    validation: DistillationValidationConfig = Field(default_factory=DistillationValidationConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    cluster: ClusterConfig | None = Field(
+        None, description="run on Ray worker groups (FSDP2 student, rollout, teacher); null = in this process"
+    )
+    environment: EnvironmentConfig | None = Field(
+        None, description="multi-turn rollouts: the student acts in an environment (tools); null = one turn per rollout"
+    )
+
+    def teacher_losses(self) -> list[tuple[str, LossFnConfig]]:
+        """Each teacher's objective with its key: ``loss_fn`` for one teacher, and for members without their own."""
+        if self.teachers is None:
+            return [("loss_fn", self.loss_fn)]
+        return [
+            (f"teachers.members[{index}].loss_fn", member.loss_fn)
+            if member.loss_fn is not None
+            else ("loss_fn", self.loss_fn)
+            for index, member in enumerate(self.teachers.members)
+        ]
+
+    def has_validation_data(self) -> bool:
+        """Whether ``data`` names validation data (a file or a holdout)."""
+        return self.data.has_validation
+
+    def model_loading(self) -> ModelConfig:
+        return self.model
+
+    def harness_comparisons(self) -> dict[str, str]:
+        """The starting student, and the teacher where it is one model directory (not served, not several)."""
+        models = {"student_before": self.model.student_model_path}
+        if self.teachers is None and self.model.teacher_model_path is not None:
+            models["teacher"] = self.model.teacher_model_path
+        return models
+
+    def validation_metrics(self) -> tuple[str, ...]:
+        """The metrics a distillation run's validation reports: the student's, and its KLs to the teacher."""
+        return (*super().validation_metrics(), "val/kl_forward", "val/kl_reverse")
+
+    def teacher_target_problem(self) -> str | None:
+        """``training.early_stop.target = teacher`` reaches the teacher baseline's value, so that must run."""
+        if self.validation.teacher_baseline:
+            return None
+        return (
+            "training.early_stop.target = teacher reaches the teacher's own validation value, which "
+            "validation.teacher_baseline measures; set validation.teacher_baseline = true"
+        )
+
+    @model_validator(mode="after")
+    def _check_across_sections(self) -> MasterConfig:
+        """Combinations that span sections (each message names the keys that conflict)."""
+        problems = (
+            _loss_problem(self),
+            _teacher_problem(self),
+            _generation_problem(self),
+            _cluster_problem(self),
+            _schedule_problem(self),
+        )
+        for problem in problems:
+            if problem is not None:
+                raise ValueError(problem)
+        return self
+
+
+def _loss_problem(config: MasterConfig) -> str | None:
+    """What each chosen objective needs from the λ coin, and what the teachers' objectives must share."""
+    lambda_ = config.distillation.lowest_lambda()
+    for key, loss in config.teacher_losses():
+        problem = loss.lambda_problem(key, lambda_)  # each objective states its own limit
+        if problem is not None:
+            return problem
+        if _fused(loss) != _fused(config.loss_fn):
+            settable = key if isinstance(loss, FusedHeadSettings) else "loss_fn"
+            return (
+                f"{key} takes the student's {'hidden states' if _fused(loss) else 'logits'} but loss_fn takes its "
+                f"{'hidden states' if _fused(config.loss_fn) else 'logits'}: the student's output is computed once "
+                f"for every teacher; set {settable}.fused_lm_head so that both agree"
+            )
+    return None
+
+
+def _fused(loss: LossFnConfig) -> bool:
+    """Whether the objective takes the student's final hidden states and head (the fused loss)."""
+    return isinstance(loss, FusedHeadSettings) and loss.fused_lm_head
+
+
+def _teacher_problem(config: MasterConfig) -> str | None:
+    """What the teacher backend(s) and the teacher-only context need from the rest of the config."""
+    distillation = config.distillation
+    teacher = config.teacher
+    self_teacher = self_teacher_problem(
+        teacher.self_teacher,
+        config.model.teacher_model_path,
+        teacher.served,
+        several=config.teachers is not None,
+        cross_tokenizer=teacher.cross_tokenizer,
+        on_cluster=config.cluster is not None,
+        scores_ahead=DEPTHS_SCORED_AHEAD[config.training.scheduler],
+        has_context=distillation.teacher_context_spec() is not None,
+    )
+    if self_teacher is not None:
+        return self_teacher
+    has_context = distillation.teacher_context_spec() is not None
+    if has_context and not distillation.mask_prompt_tokens:
+        return (
+            "distillation.teacher_context: the teacher's prompt differs from the student's, so only "
+            "completion tokens can be scored; set distillation.mask_prompt_tokens = true"
+        )
+    if config.validation.eval_baseline and not has_context:
+        return (
+            "validation.eval_baseline compares the student without and the teacher with the "
+            "teacher-only context; set distillation.teacher_context or teacher_context_key"
+        )
+    if config.teachers is not None:
+        if config.teacher.cross_tokenizer:
+            return "teacher.cross_tokenizer is for one teacher; several teachers must share the student's tokenizer"
+        return _several_teachers_problem(config)
+    if teacher.cross_tokenizer:
+        problem = _cross_tokenizer_problem(config)
+        if problem is not None:
+            return problem
+    if not teacher.served and config.model.teacher_model_path is None:
+        return (
+            "model.teacher_model_path is required with teacher.backend = local "
+            "('student' = the student's own model, teacher.self_teacher says which weights)"
+        )
+    keys = _TeacherKeys("teacher.backend", "teacher.remote", "model.teacher_model_path", "loss_fn", config.loss_fn)
+    return _one_teacher_problem(config, teacher, config.model.teacher_model_path, keys)
+
+
+def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
+    """A teacher with another tokenizer answers top-k over shared strings, in process with the sync schedule."""
+    if not config.loss_fn.compares_across_tokenizers:
+        return (
+            f"teacher.cross_tokenizer maps the teacher's top-k onto the student's vocabulary; "
+            f"loss_fn.type = {config.loss_fn.type} is not supported with it, use loss_fn.type = topk"
+        )
+    if config.model.teacher_model_path is None:
+        return "teacher.cross_tokenizer reads the teacher's tokenizer from model.teacher_model_path; set it"
+    return None
+
+
+@dataclass(frozen=True)
+class _TeacherKeys:
+    """Where a teacher's settings are, for the messages (``teacher:`` or ``teachers.members[i]``),
+    and the objective it is distilled with (``loss`` names its key)."""
+
+    backend: str
+    remote: str
+    model_path: str
+    loss: str
+    objective: LossFnConfig
+
+
+def _one_teacher_problem(
+    config: MasterConfig, source: TeacherSourceConfig, model_path: str | None, keys: _TeacherKeys
+) -> str | None:
+    """Whether one teacher, where it runs, can answer the signal its objective (``keys.loss``) asks for."""
+    loss = keys.objective
+    request = loss.teacher_request(None)
+    backend = source.teacher_backend
+    problem = backend.problem(source, model_path, keys.backend.removesuffix(".backend"))
+    if problem is None and backend.served:
+        problem = _served_full_vocab_problem(config, source.remote, model_path, keys)
+    if problem is not None:
+        return problem
+    reason = backend.unsupported_reason(request)
+    if reason is not None:
+        return (
+            f"{keys.backend} = {source.backend} cannot serve {keys.loss}.type = {loss.type}: {reason}; "
+            "choose settings that teacher can answer (a served teacher answers loss_fn.type = topk at "
+            "temperature 1, and sampled_token)"
+        )
+    return None
+
+
+def _several_teachers_problem(config: MasterConfig) -> str | None:
+    """``teachers:`` replaces the single teacher's keys; what the early-stop target and each member need."""
+    assert config.teachers is not None
+    if config.model.teacher_model_path is not None:
+        return (
+            "model.teacher_model_path and teachers: are two ways to name the teacher; with several teachers set "
+            "teachers.members[*].model_path and leave model.teacher_model_path unset"
+        )
+    if config.teacher.served or config.teacher.remote.url is not None:
+        return "teacher: is for one teacher; with teachers:, set teachers.members[*].backend and remote instead"
+    early_stop = config.training.early_stop
+    if early_stop is not None and early_stop.target == "teacher":
+        return (
+            "training.early_stop.target = teacher: several teachers have no one teacher value (the baseline reports "
+            "val/teacher_<name>_* for each); give a number as the target"
+        )
+    losses = config.teacher_losses()
+    for index, member in enumerate(config.teachers.members):
+        where = f"teachers.members[{index}]"
+        if not member.served and member.model_path is None:
+            return f"{where}.model_path is required with {where}.backend = local (teacher {member.name!r})"
+        keys = _TeacherKeys(f"{where}.backend", f"{where}.remote", f"{where}.model_path", *losses[index])
+        problem = _one_teacher_problem(config, member, member.model_path, keys)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _served_full_vocab_problem(
+    config: MasterConfig, remote: RemoteTeacherConfig, model_path: str | None, keys: _TeacherKeys
+) -> str | None:
+    """A full-vocabulary loss with a served teacher: hidden states over opd's protocol, and the head at hand."""
+    if not isinstance(keys.objective.teacher_request(None), FullVocabRequest):
+        return None
+    loss = f"{keys.loss}.type = {keys.objective.type}"
+    missing = protocol_refusal(remote.protocol, keys.objective.teacher_request(None))
+    if missing is not None:
+        return (
+            f"{loss} with a served teacher needs {missing}; "
+            f"set {keys.remote}.protocol = opd (opd serve-teacher) or auto, or use loss_fn.type = topk"
+        )
+    if model_path is None:
+        return (
+            f"{loss} with a served teacher applies the teacher's output layer here: set {keys.model_path} "
+            "to the served model's directory (only its output layer is read)"
+        )
+    return None
+
+
+def _generation_problem(config: MasterConfig) -> str | None:
+    """vLLM's context length must leave room for the responses; a tensor-parallel engine needs devices of its own."""
+    generation = config.generation
+    devices = generation.engine.devices(generation)
+    if devices > 1 and config.cluster is not None and config.cluster.colocated:
+        return (
+            f"generation.vllm.tensor_parallel_size = {devices} spans several devices, but a colocated "
+            "rollout worker shares one trainer device; set cluster.placement = split (each rollout worker then "
+            "holds that many GPUs)"
+        )
+    key = "distillation.generate_strategy.max_length"
+    return generation.engine.problem(generation, config.distillation.generate_strategy.max_length, key)
+
+
+def _cluster_problem(config: MasterConfig) -> str | None:
+    """What the cluster's worker groups do not run (yet)."""
+    cluster = config.cluster
+    if cluster is None:
+        return None
+    if cluster.trainer.offload_during_generation and not cluster.colocated:
+        return (
+            "cluster.trainer.offload_during_generation frees the trainer's devices for the rollout engines, which "
+            "share them only with cluster.placement = colocated; set it, or switch the offload off"
+        )
+    return cluster.teacher.engine_problem(config.loss_fn.teacher_request(None), cluster.colocated)
+
+
+def _schedule_problem(config: MasterConfig) -> str | None:
+    """What an asynchronous ``training.scheduler`` needs from the cluster (:meth:`TrainingConfig.placement_problem`)."""
+    cluster = config.cluster
+    if cluster is None:
+        return None
+    members = config.teachers.members if config.teachers is not None else [config.teacher]
+    teacher_in_workers = any(not member.served for member in members) and not cluster.teacher.in_pool
+    return config.training.placement_problem(cluster.colocated, teacher_in_workers)
+
+
+def resolve_micro_batching(config: MasterConfig) -> tuple[int, int]:
+    """Returns ``(micro_batch_size, gradient_accumulation_steps)`` from the config.
+
+    On-policy steps train ``batch_size × num_samples_per_prompt`` sequences. As in
+    DeepSpeed, either knob may be given and the other is derived; if both are given they
+    must multiply to that number.
+
+    Raises:
+        ConfigError: if the two knobs disagree or do not divide the batch.
+    """
+    training = config.training
+    sequences = training.batch_size * config.distillation.num_samples_per_prompt
+    micro, accumulation = training.micro_batch_size, training.gradient_accumulation_steps
+    if training.micro_batch_tokens is not None and (micro is not None or accumulation is not None):
+        raise ConfigError(
+            "training.micro_batch_tokens forms micro-batches by a token budget; set training.micro_batch_size "
+            "and training.gradient_accumulation_steps to null when you use it"
+        )
+    if micro is None:
+        if accumulation is None:
+            return sequences, 1
+        if sequences % accumulation:
+            raise ConfigError(
+                f"training.gradient_accumulation_steps = {accumulation} must divide batch_size × "
+                f"num_samples_per_prompt = {sequences}"
+            )
+        return sequences // accumulation, accumulation
+    if accumulation is None:
+        return micro, math.ceil(sequences / micro)
+    if micro * accumulation != sequences:
+        raise ConfigError(
+            f"training.micro_batch_size ({micro}) × training.gradient_accumulation_steps ({accumulation}) "
+            f"must equal batch_size × num_samples_per_prompt = {sequences}; set only one of them"
+        )
+    return micro, accumulation

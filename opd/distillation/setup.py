@@ -1,0 +1,878 @@
+"""Building a distillation run's components from its config: :func:`setup`.
+
+Order matters: the config's environment needs (vLLM, a compiler, an API key) and the data
+files are checked before any model is loaded, so a malformed line fails in seconds, not
+after loading a 32B teacher; a served teacher is reached before the student loads. If the
+checkpoint directory holds a complete checkpoint, the run resumes from the newest one:
+the student's weights, optimizer, schedule and counters are restored here, the RNG
+streams and data position by the training loop.
+
+The result is a :class:`DistillationComponents`, whose fields are exactly the arguments of
+:func:`opd.distillation.step.distillation_train`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
+from opd.distillation.config import MasterConfig, resolve_micro_batching
+from opd.losses.config import (
+    FullVocabKernelSettings,
+    FusedHeadSettings,
+    HybridFullVocabLossConfig,
+    SampledTokenLossConfig,
+)
+from opd.losses.hybrid_loss import FullVocabHybridLossFn
+from opd.losses.objectives import DistillationLossFn, TopKKLLossFn
+from opd.losses.off_policy import OffPolicyCorrection, filtered_sampling_warning
+from opd.losses.several_teachers_loss import MixtureLoss, RoutedLoss
+from opd.models.interfaces import (
+    FullVocabRequest,
+    GenerationInterface,
+    LossFunction,
+    PolicyInterface,
+    TeacherInterface,
+)
+from opd.models.lm_head import output_layer_of
+from opd.models.loading import (
+    check_output_sizes,
+    check_tokenizer_compatibility,
+    load_causal_lm,
+    load_output_layer,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
+from opd.policy.hf_policy import HFPolicy
+from opd.policy.lora import import_peft
+from opd.rollout.environments.config import build_environment
+from opd.rollout.hf_generation import HFGeneration
+from opd.rollout.stop_tokens import check_stop_tokens, describe_tokens, stop_token_ids
+from opd.run.checkpoint import CheckpointManager
+from opd.run.logger import Logger
+from opd.run.run_setup import (
+    DriverArguments,
+    load_examples,
+    load_run_tokenizer,
+    plan_run_length,
+    report_overlap,
+    restore_run,
+)
+from opd.run.training_loop import RunSaveState, check_output_is_fresh, find_resume_checkpoint
+from opd.run.validation import TeacherEngine
+from opd.teachers.backends import RemoteTeacherConfig, model_in_process
+from opd.teachers.config import TeacherMemberConfig
+from opd.teachers.context_teacher import ContextTeacher
+from opd.teachers.cross_tokenizer import CrossTokenizerTeacher
+from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.self_teacher import SELF_DISTILLATION_TEACHER
+from opd.teachers.served.remote_generation import RemoteGeneration
+from opd.teachers.served.remote_teacher import RemoteTeacher
+from opd.teachers.several_teachers import RoutedTeachers, TeacherMixture
+from opd.utils.compile_cache import resolve_compile_kernels
+from opd.utils.errors import ConfigError
+from opd.utils.paths import absolute_model_path
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
+
+log = logging.getLogger("opd")
+
+# Training prompts on which the teacher's probability of the student's stop tokens is probed.
+STOP_TOKEN_PROBE_PROMPTS = 8
+
+
+@dataclass
+class DistillationComponents(DriverArguments):
+    """Everything :func:`~opd.distillation.step.distillation_train` runs with.
+
+    Attributes:
+        student_policy: the trainable student.
+        teacher_policy: the teacher (in process, served, with a context, following the student, ...).
+        student_generation: samples from the student.
+        teacher_generation: the teachers that answer the validation prompts for the
+            baselines (:func:`teacher_engines`); empty when no baseline is asked for.
+        dataloader: resumable loader of prepared training examples.
+        val_dataloader: validation examples, or None without validation data.
+        tokenizer: shared by teacher and student.
+        loss_fn: the objective ``loss_fn`` chose.
+        logger: metric sink.
+        checkpointer: writes and finds ``step_N`` checkpoints.
+        distillation_save_state: the run's counters (fresh or restored).
+        master_config: the validated config.
+    """
+
+    student_policy: PolicyInterface
+    teacher_policy: TeacherInterface
+    student_generation: GenerationInterface
+    teacher_generation: list[TeacherEngine]
+    dataloader: StatefulDataLoader
+    val_dataloader: StatefulDataLoader | None
+    tokenizer: Any
+    loss_fn: LossFunction
+    logger: Logger
+    checkpointer: CheckpointManager
+    distillation_save_state: RunSaveState
+    master_config: MasterConfig
+
+    def close(self) -> None:
+        """Frees what the engines, the teacher and the student hold (a vLLM engine, connections, workers)."""
+        for engine in self.teacher_generation:  # before the rollout workers some of them answer on stop
+            engine.generation.close()
+        self.student_generation.close()
+        self.teacher_policy.close()
+        self.student_policy.close()
+
+
+def set_seed(seed: int) -> None:
+    """Seeds Python, NumPy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def check_environment(config: MasterConfig) -> None:
+    """What the config needs from this machine, checked before anything is read or loaded.
+
+    Raises:
+        ConfigError: vLLM asked for but not importable, ``compile_kernels`` /
+            ``compile_decode`` set to true without a compiler toolchain, an API key
+            variable that is unset, or ``model.lora`` without peft.
+    """
+    if config.model.active_lora() is not None:
+        import_peft()
+    device_type = resolve_device(config.model.device).type
+    if isinstance(config.loss_fn, FullVocabKernelSettings):
+        resolve_compile_kernels(config.loss_fn.compile_kernels, device_type)
+    resolve_compile_kernels(config.generation.compile_decode, device_type, "generation.compile_decode")
+    config.generation.engine.check_environment(config.generation)
+    config.teacher.teacher_backend.check_environment(config.teacher, "teacher")
+
+
+def check_config_against_data(config: MasterConfig, train_examples: list[PreparedExample]) -> None:
+    """Cross-checks that need the data: λ < 1 needs fixed responses to train on, a task
+    reward needs ground-truth answers.
+
+    Raises:
+        ConfigError: naming the key, the file and how many examples lack what it needs.
+    """
+    for key, loss in config.teacher_losses():
+        if isinstance(loss, (SampledTokenLossConfig, HybridFullVocabLossConfig)) and loss.adv_tau != 0.0:
+            missing = sum(example["ground_truth"] is None for example in train_examples)
+            if missing:
+                raise ConfigError(
+                    f"{key}.adv_tau = {loss.adv_tau} rewards correct answers, but {missing} of "
+                    f"{len(train_examples)} examples in '{config.data.train_path}' have no ground-truth answer; "
+                    f"use data_format math_cl (or set {key}.adv_tau = 0)"
+                )
+    if config.distillation.lowest_lambda() < 1.0:
+        missing = sum(example["response_ids"] is None for example in train_examples)
+        if missing:
+            raise ConfigError(
+                f"distillation.lambda = {config.distillation.lambda_} uses fixed data on some steps, but "
+                f"{missing} of {len(train_examples)} examples in '{config.data.train_path}' have no final "
+                "assistant message; add responses or set distillation.lambda = 1.0"
+            )
+
+
+def teacher_tokenizer_of(config: MasterConfig) -> Any | None:
+    """The teacher's own tokenizer when it differs from the student's (``teacher.cross_tokenizer``), else None."""
+    if not config.teacher.cross_tokenizer:
+        return None
+    tokenizer = load_tokenizer(resolve_teacher_path(config), config.model.trust_remote_code)
+    if config.data.chat_template:  # the run's template override is for the student's tokenizer only
+        log.info("data.chat_template applies to the student; the teacher renders prompts with its own template")
+    return tokenizer
+
+
+def run_tokenizer(config: MasterConfig) -> Any:
+    """The tokenizer of the run: ``model.tokenizer_path``, else the student's."""
+    return load_run_tokenizer(
+        config.model.tokenizer_path or config.model.student_model_path, config.model.trust_remote_code, config.data
+    )
+
+
+def resolve_teacher_path(config: MasterConfig) -> str:
+    """The in-process teacher's model path; ``student`` means the student's starting point.
+
+    For self-distillation the teacher is ``model.student_model_path`` as given, never the
+    checkpoint a run resumes from: a frozen self-teacher stays the initial student for the
+    whole run (a second copy of the weights in memory, without gradients or optimizer
+    state); an EMA one starts there and a resumed run restores its average from the
+    checkpoint (``teacher.self_teacher``).
+
+    Raises:
+        ConfigError: without ``model.teacher_model_path``.
+    """
+    path = config.model.teacher_model_path
+    if path is None:
+        raise ConfigError("model.teacher_model_path is required for an in-process teacher")
+    return config.model.student_model_path if path == SELF_DISTILLATION_TEACHER else path
+
+
+class RunTeacherLoader:
+    """How this run loads and connects teachers (:class:`~opd.teachers.backends.TeacherLoader`).
+
+    Args:
+        config: the run's config (dtype, device, loss).
+        tokenizer: the run's tokenizer, which a teacher must share.
+        student_path: the student's model, named in tokenizer mismatches.
+        own_tokenizer: a cross-tokenizer teacher's own tokenizer (its head is checked against it).
+    """
+
+    def __init__(self, config: MasterConfig, tokenizer: Any, student_path: str, own_tokenizer: Any | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.student_path = student_path
+        self.own_tokenizer = own_tokenizer
+
+    def load(self, path: str) -> PreTrainedModel:
+        """The frozen teacher at ``path`` (``student``: the student's starting point), its head checked for fusing."""
+        model = load_teacher_model(
+            self.config, self.tokenizer, self._resolve(path), self.student_path, self.own_tokenizer
+        )
+        _check_fusable(self.config, None, model)
+        return model
+
+    def connect(self, remote: RemoteTeacherConfig, model_path: str | None) -> RemoteTeacher:
+        """The served teacher's client (:func:`connect_remote_teacher`)."""
+        return connect_remote_teacher(
+            self.config, self.tokenizer, remote, None if model_path is None else self._resolve(model_path)
+        )
+
+    def _resolve(self, path: str) -> str:
+        return self.config.model.student_model_path if path == SELF_DISTILLATION_TEACHER else path
+
+
+def load_models(
+    config: MasterConfig, tokenizer: Any, student_path: str
+) -> tuple[PreTrainedModel, TeacherInterface | None]:
+    """Loads student (from ``student_path``) and builds the one teacher in process, after the tokenizer check.
+
+    A served teacher (connected in :func:`setup`, before this) is not built here, nor are
+    several teachers (``teachers:``, see :func:`build_several_teachers`): the teacher is then None.
+    A teacher that follows the student (``teacher.self_teacher`` live or ema) is built after
+    the student: a live one scores with the student's own module.
+
+    Raises:
+        ModelCompatibilityError: the teacher's tokenizer or an output layer does not
+            match the run's tokenizer.
+        ConfigError: a model whose head the fused loss cannot take.
+    """
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    teacher = None
+    in_process = not config.teacher.served and config.teachers is None
+    loader = RunTeacherLoader(config, tokenizer, student_path, teacher_tokenizer_of(config)) if in_process else None
+    if loader is not None and not config.teacher.follows_student:
+        teacher = config.teacher.build(loader, resolve_teacher_path(config))
+    log.info("loading student %s (%s on %s)", student_path, str(dtype).replace("torch.", ""), device)
+    student_model = load_causal_lm(student_path, dtype, device, config.model)
+    check_output_sizes(student_model, len(tokenizer), student_path)
+    _check_fusable(config, student_model, None)
+    if loader is not None and config.teacher.follows_student:
+        teacher = config.teacher.build_following(loader, student_model)
+    return student_model, teacher
+
+
+def load_teacher_model(
+    config: MasterConfig, tokenizer: Any, teacher_path: str, student_path: str, own_tokenizer: Any | None = None
+) -> PreTrainedModel:
+    """Loads a frozen teacher in process, after checking that its tokenizer is the run's.
+
+    With ``own_tokenizer`` (``teacher.cross_tokenizer``) the teacher keeps its own
+    tokenizer, and its output layer is checked against that one instead.
+
+    Raises:
+        ModelCompatibilityError: the teacher's tokenizer or output layer does not match
+            the run's tokenizer.
+    """
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    # The teacher's own tokenizer is checked even when model.tokenizer_path overrides the
+    # student's: the teacher's logits are indexed by the ids its tokenizer defines.
+    if own_tokenizer is None:
+        teacher_tokenizer = load_tokenizer(teacher_path, config.model.trust_remote_code)
+        check_tokenizer_compatibility(tokenizer, teacher_tokenizer, student_path, teacher_path)
+    log.info("loading teacher %s (%s on %s)", teacher_path, str(dtype).replace("torch.", ""), device)
+    teacher_model = load_causal_lm(teacher_path, dtype, device, config.model)
+    check_output_sizes(teacher_model, len(own_tokenizer if own_tokenizer is not None else tokenizer), teacher_path)
+    return teacher_model
+
+
+def _check_fusable(config: MasterConfig, student: PreTrainedModel | None, teacher: PreTrainedModel | None) -> None:
+    """Fails before training if a model's head cannot be fused.
+
+    Each must be a linear layer whose logit transform, if any, opd knows (a multiplier,
+    a soft cap: the fused loss applies them, and differentiates them for the student).
+    """
+    if not (isinstance(config.loss_fn, FusedHeadSettings) and config.loss_fn.fused_lm_head):
+        return
+    # A served teacher's head is checked when it connects.
+    for model, name in ((student, "the student"), (teacher, "the teacher")):
+        try:
+            if model is not None:
+                output_layer_of(model, name)
+        except ValueError as error:
+            raise ConfigError(f"{error}; set loss_fn.fused_lm_head = false") from None
+
+
+def connect_remote_teacher(
+    config: MasterConfig, tokenizer: Any, remote: RemoteTeacherConfig | None = None, model_path: str | None = None
+) -> RemoteTeacher:
+    """The client of the served teacher, after checking that it answers and tokenizes like ``tokenizer``.
+
+    For a full-vocabulary loss it also loads the teacher's output layer (only that layer)
+    from ``model_path`` and checks it against the server's. On a cluster the layer is not
+    kept here: the client sends the hidden states on alone, and each trainer worker binds
+    them to its own copy of the layer (:func:`build_on_cluster` names the model to load).
+
+    Args:
+        config: the run's config.
+        tokenizer: the run's tokenizer.
+        remote: the server's settings (default: ``teacher.remote``).
+        model_path: the served model's directory (default: ``model.teacher_model_path``).
+    """
+    remote = remote or config.teacher.remote
+    if remote.url is None:
+        raise ConfigError("teacher.backend = remote needs teacher.remote.url")
+    output_layer = None
+    if isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
+        # The server sends hidden states; the exact logits are made here with its output layer.
+        device = resolve_device(config.model.device)
+        output_layer = load_output_layer(
+            model_path or resolve_teacher_path(config),
+            resolve_dtype(config.model.dtype, device),
+            device,
+            config.model.trust_remote_code,
+        )
+    client = RemoteTeacher(
+        remote.url,
+        remote.model,
+        os.environ.get(remote.api_key_env) if remote.api_key_env else None,
+        remote.max_concurrency,
+        remote.sequences_per_request,
+        remote.timeout_s,
+        remote.max_retries,
+        remote.backoff_s,
+        remote.protocol,
+        remote.hidden_dtype,
+        output_layer,
+        binds_output_layer=config.cluster is None,
+    )
+    # A teacher with its own tokenizer must tokenize as that tokenizer does.
+    client.connect(teacher_tokenizer_of(config) or tokenizer)
+    log.info("teacher: %s served at %s", client.model, remote.url)
+    return client
+
+
+def build_teacher(
+    config: MasterConfig, tokenizer: Any, teacher: TeacherInterface, teacher_tokenizer: Any | None = None
+) -> TeacherInterface:
+    """``teacher``, seeing each completion under its own prompt when there is a teacher-only context.
+
+    A teacher with its own tokenizer (``teacher_tokenizer``) scores the re-tokenized
+    response under its own prompt, which already holds the context
+    (:class:`~opd.teachers.cross_tokenizer.CrossTokenizerTeacher`). Several teachers
+    are returned as they are: each member was given the context when it was built
+    (:func:`build_several_teachers`).
+    """
+    if teacher_tokenizer is not None:
+        wrapped = CrossTokenizerTeacher(teacher, tokenizer, teacher_tokenizer)
+        log.info(
+            "teacher with its own tokenizer: compared on %d classes of tokens (the strings both vocabularies "
+            "share, each with the tokens it prefixes); %.0f%% of the student's tokens fall in one",
+            wrapped.classes.roots,
+            100 * wrapped.classes.classified_fraction,
+        )
+        return wrapped
+    if config.distillation.teacher_context_spec() is None or config.teachers is not None:
+        return teacher
+    return ContextTeacher(teacher, tokenizer.pad_token_id)
+
+
+def build_several_teachers(
+    config: MasterConfig, tokenizer: Any, ready: dict[str, TeacherInterface] | None = None
+) -> TeacherInterface:
+    """The ``teachers:`` members, in process, served or in pools, behind one routing or mixing teacher.
+
+    Each member is checked like a single teacher (tokenizer, output layer, server) and
+    given the teacher-only context, if any.
+
+    Args:
+        config: the run's config.
+        tokenizer: the run's tokenizer.
+        ready: members built already, by name (a cluster's teacher pools, servers
+            connected before the workers started); the others are connected or loaded here.
+    """
+    assert config.teachers is not None
+    ready = ready or {}
+    loader = RunTeacherLoader(config, tokenizer, config.model.student_model_path)
+    members: list[TeacherInterface] = []
+    for member in config.teachers.members:
+        teacher = ready[member.name] if member.name in ready else member.build(loader, member.model_path)
+        if config.distillation.teacher_context_spec() is not None:
+            teacher = ContextTeacher(teacher, tokenizer.pad_token_id)
+        members.append(teacher)
+    names = [member.name for member in config.teachers.members]
+    log.info("%d teachers (%s): %s", len(names), config.teachers.mode, ", ".join(names))
+    if config.teachers.routes:
+        return RoutedTeachers(names, members)
+    return TeacherMixture(names, members, getattr(config.loss_fn, "temperature", 1.0))
+
+
+def assemble_teacher(
+    config: MasterConfig, tokenizer: Any, teacher_tokenizer: Any | None, loaded: list[TeacherInterface]
+) -> TeacherInterface:
+    """The run's teacher around teachers loaded elsewhere: what each trainer worker scores with.
+
+    ``loaded`` are the teachers a cluster colocates in its trainer workers, as loaded there
+    (sharded or whole), in the order of :func:`_cluster_teacher_paths`: the one teacher,
+    or each local member of ``teachers:``. They are put behind the same routing or mixture,
+    teacher-only context and cross-tokenizer mapping as the in-process teacher
+    (:func:`build_several_teachers`, :func:`build_teacher`). A served member is connected
+    from where this runs, and binds its own output layer there.
+    """
+    if config.teachers is None:
+        (teacher,) = loaded
+    else:
+        local = [member.name for member in config.teachers.members if not member.served]
+        # As in one process: a served member's client binds its hidden states to its head where it runs.
+        here = config.model_copy(update={"cluster": None})
+        teacher = build_several_teachers(here, tokenizer, dict(zip(local, loaded, strict=True)))
+    return build_teacher(config, tokenizer, teacher, teacher_tokenizer)
+
+
+def member_teacher_path(config: MasterConfig, member: TeacherMemberConfig) -> str:
+    """A local member's model path (``student``: the student's starting point)."""
+    assert member.model_path is not None  # checked with the config
+    return config.model.student_model_path if member.model_path == SELF_DISTILLATION_TEACHER else member.model_path
+
+
+def build_generation(config: MasterConfig, model: PreTrainedModel, tokenizer: Any) -> GenerationInterface:
+    """The engine ``generation.backend`` names, sampling from (or starting from) ``model``."""
+    # An asynchronous schedule samples with the weights of its last sync, not the live ones.
+    return config.generation.build(model, tokenizer, config.training.seed, own_copy=config.training.asynchronous)
+
+
+def build_loss(config: MasterConfig, tokenizer: Any, student_classes: torch.Tensor | None = None) -> LossFunction:
+    """The ``loss_fn`` objective, weighing stale samples when ``training.off_policy_correction`` is on.
+
+    ``student_classes``: what the teacher's top-k ids name, when not student tokens (a
+    teacher with another tokenizer: :attr:`~opd.models.interfaces.TeacherInterface.student_classes`).
+
+    With several teachers, the objective is applied to each teacher's rows (routing) or to
+    their mixture (:mod:`opd.losses.several_teachers_loss`).
+
+    The sampled-token loss needs no weights of its own: its clipped ratio is already taken
+    against the sampler's log-probs, whatever weights drew them.
+    """
+    device_type = resolve_device(config.model.device).type
+    built: dict[str, LossFunction] = {}  # one objective per key: members without their own share loss_fn's
+    warnings: set[str] = set()  # the same strategy for every objective: each said once
+    for key, loss in config.teacher_losses():
+        if key not in built:
+            objective = loss.build(len(tokenizer), device_type)
+            if student_classes is not None and isinstance(objective, TopKKLLossFn):
+                objective.student_classes = student_classes
+            corrected = (DistillationLossFn, FullVocabHybridLossFn)
+            if config.training.correction_is_on(loss) and isinstance(objective, corrected):
+                objective.off_policy = OffPolicyCorrection.from_config(
+                    config.training.off_policy_correction, config.distillation.generate_strategy
+                )
+                warning = filtered_sampling_warning(objective.off_policy)
+                if warning is not None:
+                    warnings.add(warning)
+            built[key] = objective
+    for warning in sorted(warnings):
+        log.warning(warning)
+    if config.teachers is None:
+        return built["loss_fn"]
+    names = [member.name for member in config.teachers.members]
+    if config.teachers.routes:
+        return RoutedLoss([built[key] for key, _ in config.teacher_losses()], names)
+    return MixtureLoss(built["loss_fn"], names)
+
+
+def report_stop_tokens(
+    config: MasterConfig,
+    tokenizer: Any,
+    student_model: PreTrainedModel,
+    teacher_model: PreTrainedModel | None,
+    train_examples: list[PreparedExample],
+) -> tuple[int, ...]:
+    """Logs the student's stop tokens and checks them against the teacher's (see :func:`check_stop_tokens`).
+
+    Returns:
+        The ids that end the student's responses.
+
+    Raises:
+        ModelCompatibilityError: the student stops at a token the teacher never emits.
+    """
+    configured = config.generation.stop_token_ids
+    student_stops = tuple(sorted(configured)) if configured is not None else stop_token_ids(tokenizer, student_model)
+    log.info("responses end at %s", describe_tokens(tokenizer, student_stops))
+    warning = check_stop_tokens(
+        tokenizer,
+        student_stops,
+        None if teacher_model is None else stop_token_ids(tokenizer, teacher_model),
+        teacher_model,
+        [example["prompt_ids"] for example in train_examples[:STOP_TOKEN_PROBE_PROMPTS]],
+    )
+    if warning:
+        log.warning(warning)
+    return student_stops
+
+
+def build_in_process(
+    config: MasterConfig,
+    tokenizer: Any,
+    total_steps: int,
+    micro_batch_size: int,
+    remote_teacher: TeacherInterface | None,
+    resume_from: Path | None,
+    train_examples: list[PreparedExample],
+    teacher_tokenizer: Any | None = None,
+) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, list[TeacherEngine]]:
+    """Student, teacher and engines in this process: ``(student, teacher, student engine, teacher engines)``.
+
+    A resumed run loads the student's weights from the checkpoint's ``policy/``.
+    ``teacher_tokenizer`` is a cross-tokenizer teacher's own (None: the run's).
+    """
+    lora = config.model.active_lora()
+    # A LoRA run resumes from the base model plus the checkpoint's adapter (restored with
+    # the optimizer): the checkpoint's policy/ holds merged weights.
+    student_path = (
+        str(resume_from / "policy") if resume_from is not None and lora is None else config.model.student_model_path
+    )
+    student_model, in_process = load_models(config, tokenizer, student_path)
+    teacher_model = model_in_process(in_process)
+    # A teacher with its own tokenizer has other stop ids and cannot sample in the student's ids.
+    same_ids = not config.teacher.cross_tokenizer
+    report_stop_tokens(config, tokenizer, student_model, teacher_model if same_ids else None, train_examples)
+    teacher = in_process if in_process is not None else remote_teacher
+    if teacher is None:
+        raise ConfigError("no teacher: set model.teacher_model_path or teacher.backend = remote")
+    models = _teacher_models_in_process(teacher, teacher_model)
+    decode_loop = config.generation.decode_loop
+    teacher_generation = teacher_engines(
+        config, tokenizer, teacher_tokenizer, lambda name, own: HFGeneration(models[name], own, decode_loop)
+    )
+
+    # Built before HFPolicy injects LoRA adapters into student_model: vLLM's first load
+    # wants the plain model's names (every rollout is preceded by a refit with the merged
+    # weights); the HF engine shares the module and so samples with the current adapter.
+    student_generation = build_generation(config, student_model, tokenizer)
+    student_policy = HFPolicy(
+        student_model,
+        config.training,
+        micro_batch_size,
+        total_steps,
+        config.training.micro_batch_tokens,
+        config.training.sequence_packing,
+        lora,
+        config.training.seed,
+    )
+    return student_policy, teacher, student_generation, teacher_generation
+
+
+def teacher_engines(
+    config: MasterConfig,
+    tokenizer: Any,
+    teacher_tokenizer: Any | None,
+    engine_in_run: Callable[[str | None, Any], GenerationInterface],
+) -> list[TeacherEngine]:
+    """The teachers that answer the validation prompts for the baselines, each where it runs.
+
+    A served teacher answers from its server (:class:`RemoteGeneration`, over
+    ``/v1/completions``); a teacher of the run answers from ``engine_in_run(name,
+    tokenizer)`` (``name`` None for the one teacher): in process, an HF engine over its
+    model; on a cluster, the rollout workers with its weights
+    (:class:`~opd.distributed.rollout.TeacherOnRolloutWorkers`). The one teacher samples
+    in its own tokens (a cross-tokenizer teacher with its own tokenizer, from its own
+    rendering of the prompts). With several teachers every member answers on its own:
+    with routing, the prompts routed to it. No engine is built unless a baseline is asked for.
+    """
+    validation = config.validation
+    if not (validation.teacher_baseline or validation.eval_baseline):
+        return []
+    with_context = config.distillation.teacher_context_spec() is not None
+    if config.teachers is None:
+        own = teacher_tokenizer if teacher_tokenizer is not None else tokenizer
+        prompt_key: Literal["prompt_ids", "teacher_prompt_ids"] = (
+            "teacher_prompt_ids" if with_context or teacher_tokenizer is not None else "prompt_ids"
+        )
+        served = config.teacher.served
+        generation = RemoteGeneration.from_config(config.teacher.remote, own) if served else engine_in_run(None, own)
+        return [TeacherEngine(generation, None, own, prompt_key)]
+    routes = config.teachers.routes
+    return [
+        TeacherEngine(
+            RemoteGeneration.from_config(member.remote, tokenizer)
+            if member.served
+            else engine_in_run(member.name, tokenizer),
+            member.name,
+            tokenizer,
+            "teacher_prompt_ids" if with_context else "prompt_ids",
+            position if routes else None,
+        )
+        for position, member in enumerate(config.teachers.members)
+    ]
+
+
+def _teacher_models_in_process(
+    teacher: TeacherInterface, teacher_model: PreTrainedModel | None
+) -> dict[str | None, PreTrainedModel]:
+    """The in-process teachers' models, by name (None for the one teacher); served teachers have none."""
+    if teacher_model is not None:
+        return {None: teacher_model}
+    models: dict[str | None, PreTrainedModel] = {}
+    if isinstance(teacher, (RoutedTeachers, TeacherMixture)):
+        for name, member in zip(teacher.names, teacher.members, strict=True):
+            inner = member.teacher if isinstance(member, ContextTeacher) else member
+            if isinstance(inner, LocalTeacher):
+                models[name] = inner.model
+    return models
+
+
+def build_on_cluster(
+    config: MasterConfig,
+    tokenizer: Any,
+    total_steps: int,
+    micro_batch_size: int,
+    remote_teacher: TeacherInterface | None,
+) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, list[TeacherEngine]]:
+    """Student, teacher and rollout engines as Ray worker groups (``cluster:``), and the baselines' teacher engines.
+
+    The workers load the student's starting weights; a resumed run then loads its shards
+    (``restore_run``). For the validation baselines, a teacher of the run answers from the
+    rollout workers, which load its weights for that once (:func:`teacher_engines`).
+
+    Teachers colocated in the trainer workers (one, several, or one with another
+    tokenizer) are loaded there, and each worker builds the run's teacher around them with
+    :func:`assemble_teacher`, the builder of the in-process path.
+    """
+    # Imported here: Ray is an optional extra that the in-process path never needs.
+    from opd.distributed.setup import ClusterRequest, build_cluster_backends
+
+    assert config.cluster is not None
+    teacher_paths = _cluster_teacher_paths(config, remote_teacher)
+    same_tokenizer = not config.teacher.cross_tokenizer  # a cross-tokenizer teacher was checked as such
+    for path in teacher_paths.values() if same_tokenizer else ():  # before any worker loads a model
+        teacher_tokenizer = load_tokenizer(path, config.model.trust_remote_code)
+        check_tokenizer_compatibility(tokenizer, teacher_tokenizer, config.model.student_model_path, path)
+    # Served members connect before the workers start: a bad server fails in seconds.
+    served = (
+        {
+            member.name: connect_remote_teacher(config, tokenizer, member.remote, member.model_path)
+            for member in config.teachers.members
+            if member.served
+        }
+        if config.teachers is not None
+        else {}
+    )
+    request = ClusterRequest(
+        student_path=config.model.student_model_path,
+        teacher_paths=teacher_paths,
+        loading=config.model,
+        optimizer=config.training,
+        total_steps=total_steps,
+        micro_batch_size=micro_batch_size,
+        micro_batch_tokens=config.training.micro_batch_tokens,
+        sequence_packing=config.training.sequence_packing,
+        tokenizer=tokenizer,
+        generation=config.generation,
+        seed=config.training.seed,
+        checkpoint_dir=config.checkpointing.checkpoint_dir if config.checkpointing.enabled else None,
+        lora=config.model.active_lora(),
+        teacher_assembly=functools.partial(assemble_teacher, config, tokenizer, teacher_tokenizer_of(config)),
+        teacher_head_paths=_teacher_head_paths(config, remote_teacher),
+        share_prompt_forward=_cluster_prompt_sharing(config, teacher_paths),
+    )
+    policy, on_cluster, generation = build_cluster_backends(config.cluster, request)
+    try:
+        baselines = _baseline_engines_on_cluster(config, tokenizer, generation)
+    except BaseException:
+        policy.close()  # stops the workers
+        raise
+    if config.teachers is None:
+        return policy, remote_teacher if remote_teacher is not None else on_cluster[0], generation, baselines
+    try:
+        local = [member.name for member in config.teachers.members if not member.served]
+        pools = dict(zip(local, on_cluster, strict=True))  # in the order of teacher_paths
+        teacher = build_several_teachers(config, tokenizer, {**served, **pools})
+    except BaseException:
+        policy.close()
+        raise
+    return policy, teacher, generation, baselines
+
+
+def _baseline_engines_on_cluster(
+    config: MasterConfig, tokenizer: Any, generation: GenerationInterface
+) -> list[TeacherEngine]:
+    """The baselines' teacher engines on a cluster: the rollout workers answer for each teacher of the run."""
+    from opd.distributed.rollout import RayGeneration, TeacherOnRolloutWorkers
+
+    assert isinstance(generation, RayGeneration)
+    paths: dict[str | None, str] = (
+        {member.name: member_teacher_path(config, member) for member in config.teachers.members if not member.served}
+        if config.teachers is not None
+        else {None: resolve_teacher_path(config)}
+        if not config.teacher.served
+        else {}
+    )
+
+    def on_rollout_workers(name: str | None, own_tokenizer: Any) -> GenerationInterface:
+        key = "teacher" if name is None else f"teacher {name}"
+        return TeacherOnRolloutWorkers(generation, key, absolute_model_path(paths[name]), own_tokenizer)
+
+    return teacher_engines(config, tokenizer, teacher_tokenizer_of(config), on_rollout_workers)
+
+
+def _teacher_head_paths(config: MasterConfig, remote_teacher: TeacherInterface | None) -> tuple[str | None, ...]:
+    """The models whose output layers the trainer workers load, by teacher position (empty: none).
+
+    A teacher that runs apart from the trainer (a pool, or served) answers a
+    full-vocabulary objective with its final hidden states alone; each trainer worker
+    binds them to its own copy of that teacher's output layer (read once from this
+    model). With several teachers, each such member has its own (routing binds each
+    member's rows to it; a mixture binds each member, then mixes). A teacher colocated in
+    the workers needs none: its head is there already.
+    """
+    assert config.cluster is not None
+    in_pool = config.cluster.teacher.in_pool
+    if config.teachers is None:
+        apart = remote_teacher is not None or in_pool
+        if apart and isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
+            return (resolve_teacher_path(config),)
+        return ()
+    heads: list[str | None] = []
+    for member, (_, loss) in zip(config.teachers.members, config.teacher_losses(), strict=True):
+        full_vocab = isinstance(loss.teacher_request(None), FullVocabRequest)
+        apart = member.served or in_pool
+        heads.append(member_teacher_path(config, member) if full_vocab and apart else None)
+    return tuple(heads) if any(head is not None for head in heads) else ()
+
+
+def _cluster_teacher_paths(config: MasterConfig, remote_teacher: TeacherInterface | None) -> dict[str, str]:
+    """The teachers the cluster runs, by worker role: the one teacher, or each local member of ``teachers:``."""
+    if config.teachers is not None:
+        return {
+            f"teacher {member.name}": member_teacher_path(config, member)
+            for member in config.teachers.members
+            if not member.served
+        }
+    return {} if remote_teacher is not None else {"teacher": resolve_teacher_path(config)}
+
+
+def _cluster_prompt_sharing(config: MasterConfig, teacher_paths: dict[str, str]) -> tuple[bool, ...]:
+    """Each cluster teacher's ``share_prompt_forward``, in the order of ``teacher_paths``."""
+    if config.teachers is None:
+        return tuple(config.teacher.share_prompt_forward for _ in teacher_paths)
+    by_role = {f"teacher {member.name}": member.share_prompt_forward for member in config.teachers.members}
+    return tuple(by_role[role] for role in teacher_paths)
+
+
+def setup(master_config: MasterConfig) -> DistillationComponents:
+    """Builds everything ``distillation_train`` needs, checking user input first (see the module docstring).
+
+    Raises:
+        ConfigError: a config the machine or the data cannot serve.
+        DataError: a malformed data file (naming the file and line).
+        ModelCompatibilityError: teacher and student that do not share a tokenizer.
+    """
+    config = master_config
+    micro_batch_size, _ = resolve_micro_batching(config)
+    check_environment(config)
+    checkpointer = CheckpointManager(config.checkpointing)
+    check_output_is_fresh(config.output_dir, checkpointer)
+    set_seed(config.training.seed)
+
+    tokenizer = run_tokenizer(config)
+    context = config.distillation.teacher_context_spec()
+    choice = config.teachers.choice() if config.teachers is not None else None
+    teacher_tokenizer = teacher_tokenizer_of(config)
+    # Multi-turn rollouts: every training and validation prompt lists the environment's tools and keeps its messages.
+    tools = (build_environment(config.environment).tool_schemas() or []) if config.environment is not None else None
+    examples_of = functools.partial(
+        load_examples, config.data, tokenizer, teacher_context=context, teacher_choice=choice,
+        teacher_tokenizer=teacher_tokenizer, tools=tools,
+    )  # fmt: skip
+    train_examples = examples_of(split="train")
+    check_config_against_data(config, train_examples)
+    steps_per_epoch, total_steps = plan_run_length(
+        len(train_examples),
+        config.training.batch_size,
+        config.training.num_epochs,
+        config.training.max_num_steps,
+        config.data.train_path,
+    )
+    val_examples = examples_of(split="val") if config.data.has_validation else None  # episodes too
+    report_overlap(train_examples, val_examples, config.data)
+
+    resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)
+    # A served teacher is checked before the student loads: an unreachable or mismatched
+    # server fails in seconds.
+    remote_teacher: TeacherInterface | None = None
+    if config.teachers is not None:
+        if config.cluster is None:  # on a cluster, the members are built with the workers
+            remote_teacher = build_several_teachers(config, tokenizer)
+    elif config.teacher.served:
+        loader = RunTeacherLoader(config, tokenizer, config.model.student_model_path, teacher_tokenizer)
+        remote_teacher = config.teacher.build(loader, None)
+    if config.cluster is not None:
+        student_policy, teacher, student_generation, teacher_generation = build_on_cluster(
+            config, tokenizer, total_steps, micro_batch_size, remote_teacher
+        )
+    else:
+        student_policy, teacher, student_generation, teacher_generation = build_in_process(
+            config,
+            tokenizer,
+            total_steps,
+            micro_batch_size,
+            remote_teacher,
+            resume_from,
+            train_examples,
+            teacher_tokenizer,
+        )
+    save_state = restore_run(resume_from, student_policy, checkpointer, config, total_steps)
+    logger = Logger(config.logger, total_steps)
+    logger.log_hyperparams(config.model_dump(mode="json", by_alias=True))
+    log.info(
+        "%d train prompts, %s val prompts, %d steps (%d per epoch), %d sequences per step in micro-batches of %d",
+        len(train_examples),
+        len(val_examples) if val_examples else 0,
+        total_steps,
+        steps_per_epoch,
+        config.training.batch_size * config.distillation.num_samples_per_prompt,
+        micro_batch_size,
+    )
+    teacher_policy = build_teacher(config, tokenizer, teacher, teacher_tokenizer)
+    return DistillationComponents(
+        student_policy=student_policy,
+        teacher_policy=teacher_policy,
+        student_generation=student_generation,
+        teacher_generation=teacher_generation,
+        dataloader=make_train_dataloader(
+            train_examples, config.training.batch_size, config.data.shuffle, config.training.seed
+        ),
+        val_dataloader=make_eval_dataloader(val_examples, config.validation.batch_size) if val_examples else None,
+        tokenizer=tokenizer,
+        loss_fn=build_loss(config, tokenizer, teacher_policy.student_classes),
+        logger=logger,
+        checkpointer=checkpointer,
+        distillation_save_state=save_state,
+        master_config=config,
+    )

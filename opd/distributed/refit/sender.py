@@ -1,0 +1,151 @@
+"""The trainer's end of a refit: its ranks gather the student's weights, in the engine's dtype, and send them.
+
+:class:`RefitSender` is a mixin of :class:`~opd.distributed.trainer_worker.TrainerWorker`.
+Every method that gathers is a collective of the trainer's ranks (the controller calls it
+on all of them); what goes out depends on the transport
+(:mod:`opd.distributed.refit.transport`):
+
+* **object store** (:meth:`RefitSender.weight_buckets`): rank 0 puts each bucket in Ray's
+  object store and returns the refs;
+* **broadcast** (:meth:`RefitSender.broadcast_weights`): rank 0 broadcasts each bucket as
+  one flat buffer over a process group of its own with the rollout workers (gloo on CPU,
+  NCCL on GPU);
+* **CUDA IPC** (:meth:`RefitSender.start_ipc_refit`, :meth:`RefitSender.next_ipc_bucket`):
+  every rank packs each gathered bucket into one buffer on its GPU and hands out an IPC
+  handle; the rollout worker on the same GPU copies from it. One bucket at a time: the
+  controller asks for the next only after the engines have copied this one, so at most
+  one packed bucket is held.
+
+Every path casts the shards to the engine's dtype before the all-gather
+(:func:`~opd.distributed.fsdp.whole_state_dict_buckets`), and reports the bytes of one
+whole copy of the weights it gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from opd.distributed.fsdp import _unique_state_dict, whole_buckets
+from opd.distributed.refit.buckets import in_buckets
+from opd.distributed.refit.wire import (
+    BucketLayout,
+    IpcHandle,
+    broadcast,
+    ipc_handle,
+    layout_of,
+    open_broadcast_group,
+    pack,
+)
+
+
+def bucket_bytes_of(bucket: list[tuple[str, torch.Tensor]]) -> int:
+    """The bytes of a bucket's whole tensors."""
+    return sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+
+
+def _sent_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``tensor`` travels in: ``dtype`` for floating point, its own otherwise (as the gather casts)."""
+    return dtype if tensor.is_floating_point() else tensor.dtype
+
+
+class RefitSender:
+    """The refit methods of a trainer rank (see the module docstring).
+
+    The class it is mixed into sets ``model`` (the FSDP2 student), ``rank`` and ``device``.
+    """
+
+    model: Any
+    rank: int
+    device: torch.device
+
+    def refit_entries(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a refit sends, still sharded, in order: the student's state dict, a tied tensor once.
+
+        Gathering it is a collective of every rank (a LoRA student, whose entries are its
+        merged weights, overrides this).
+        """
+        return _unique_state_dict(self.model)
+
+    def refit_shapes(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The names, shapes and dtypes of :meth:`refit_entries`, made on one rank alone (no collective)."""
+        return _unique_state_dict(self.model)
+
+    def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> tuple[list[Any], int]:
+        """Rank 0: the weights in ``dtype``, in buckets of about ``bucket_bytes``, each put in Ray's object store.
+
+        On one node the object store is shared memory: a rollout worker maps a bucket
+        without a copy through a socket.
+
+        Returns:
+            The buckets' object refs and the bytes they hold (rank 0; other ranks: ``([], 0)``).
+        """
+        import ray  # only inside an actor
+
+        refs, sent = [], 0
+        # One all-gather per bucket; every rank joins each, rank 0 keeps the buckets.
+        for bucket in whole_buckets(self.refit_entries(), bucket_bytes, dtype):
+            if self.rank == 0:
+                refs.append(ray.put({name: tensor.cpu() for name, tensor in bucket}))
+                sent += bucket_bytes_of(bucket)
+        return refs, sent
+
+    def refit_layouts(self, bucket_bytes: int, dtype: torch.dtype) -> list[BucketLayout]:
+        """The layout of every bucket :meth:`broadcast_weights` and :meth:`next_ipc_bucket` send (no collective).
+
+        The same grouping as the gather's: the state dict's unique tensors, sized in ``dtype``.
+        """
+        entries = (
+            (
+                name,
+                torch.empty(tensor.shape, dtype=dtype if tensor.is_floating_point() else tensor.dtype, device="meta"),
+            )
+            for name, tensor in self.refit_shapes()
+        )
+        return [layout_of(bucket) for bucket in in_buckets(entries, bucket_bytes)]
+
+    # ------------------------------------------------------------------ broadcast
+
+    def join_refit_group(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
+        """Rank 0: joins the broadcast group as its rank 0 and hosts its store at ``address:port``."""
+        self._refit_group = open_broadcast_group(address, port, 0, world_size, self.device, timeout_s)
+
+    def broadcast_weights(self, bucket_bytes: int, dtype: torch.dtype) -> int:
+        """Gathers each bucket (every rank) and broadcasts it from rank 0; returns the bytes sent (rank 0)."""
+        sent = 0
+        for bucket in whole_buckets(self.refit_entries(), bucket_bytes, dtype):
+            if self.rank == 0:
+                buffer = pack(bucket)
+                broadcast(self._refit_group, buffer)
+                sent += buffer.numel()
+        return sent
+
+    # ------------------------------------------------------------------ CUDA IPC
+
+    def start_ipc_refit(self, bucket_bytes: int, dtype: torch.dtype) -> None:
+        """Begins a refit over CUDA IPC: :meth:`next_ipc_bucket` then gathers one bucket per call."""
+        self._ipc_buckets: Iterator[list[tuple[str, torch.Tensor]]] | None = whole_buckets(
+            self.refit_entries(), bucket_bytes, dtype
+        )
+        self._ipc_buffer: torch.Tensor | None = None
+
+    def next_ipc_bucket(self) -> tuple[IpcHandle, BucketLayout] | None:
+        """Gathers the next bucket and returns an IPC handle of it packed on this rank's GPU, and its layout.
+
+        The buffer of the previous bucket is released first: the controller calls this
+        only after the engines copied it. None (on every rank) when the weights are all sent.
+        """
+        self._ipc_buffer = None
+        assert self._ipc_buckets is not None, "start_ipc_refit first"
+        bucket = next(self._ipc_buckets, None)
+        if bucket is None:
+            self._ipc_buckets = None
+            return None
+        layout = layout_of(bucket)
+        self._ipc_buffer = pack(bucket)
+        del bucket
+        # The engine reads this memory from another process: the packing must be done.
+        torch.cuda.current_stream(self._ipc_buffer.device).synchronize()
+        return ipc_handle(self._ipc_buffer), layout

@@ -1,0 +1,147 @@
+"""How the student's new weights travel from the trainer to the rollout workers (``cluster.rollout.refit_transport``).
+
+A :class:`RefitTransport` runs one refit from the controller: it calls the trainer's
+ranks (:class:`~opd.distributed.refit.sender.RefitSender`) and the rollout workers
+(:class:`~opd.distributed.rollout.RolloutWorker`) and returns what moved. Every transport
+gathers the weights in buckets of ``cluster.rollout.refit_bucket_mb``, cast to the
+engines' dtype before the gather, so a bf16 engine gets half the bytes of the fp32
+master weights:
+
+* :class:`ObjectStoreTransport` (``object_store``, the CPU default): trainer rank 0 puts
+  each bucket in Ray's object store; every worker fetches every bucket (shared memory on
+  one node, Ray's transfer between nodes).
+* :class:`BroadcastTransport` (``broadcast``, split pools on GPUs): trainer rank 0 and the
+  rollout workers form a process group of their own at the first refit (NCCL on GPUs,
+  gloo on CPUs, which makes it testable without a GPU); rank 0 broadcasts each bucket as
+  one flat buffer.
+* :class:`CudaIpcTransport` (``cuda_ipc``, colocated on GPUs): every trainer rank holds
+  each gathered bucket on its GPU; the rollout worker on the same GPU maps it through a
+  CUDA IPC handle and copies it into its engine, with no host copy and no network.
+
+The bytes of one whole copy of the weights gathered (``refit/bytes``) and those the
+engines received (``refit/bytes_delivered``: one copy per rollout worker) are logged each
+step with ``timing/refit``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from opd.distributed.refit.wire import BucketLayout, layout_bytes
+from opd.distributed.workers.worker_group import WorkerGroup
+
+
+@dataclass(frozen=True)
+class RefitReport:
+    """What one refit moved.
+
+    Attributes:
+        gathered_bytes: one whole copy of the weights, in the engines' dtype.
+        delivered_bytes: what the engines received, summed over the rollout workers.
+    """
+
+    gathered_bytes: int
+    delivered_bytes: int
+
+    def metrics(self) -> dict[str, float]:
+        """The step metrics of this refit."""
+        return {"refit/bytes": float(self.gathered_bytes), "refit/bytes_delivered": float(self.delivered_bytes)}
+
+
+class RefitTransport(ABC):
+    """Moves the trainer's weights into the rollout workers' engines (see the module docstring).
+
+    Args:
+        rollout: the rollout workers.
+        bucket_bytes: bytes per bucket, counted in ``dtype``.
+        dtype: the engines' dtype (the weights are cast to it before the gather).
+        timeout_s: bounds the setting up of a process group (``cluster.worker_timeout_s``).
+    """
+
+    name = ""
+
+    def __init__(self, rollout: WorkerGroup, bucket_bytes: int, dtype: torch.dtype, timeout_s: float) -> None:
+        self.rollout, self.bucket_bytes, self.dtype, self.timeout_s = rollout, bucket_bytes, dtype, timeout_s
+
+    @abstractmethod
+    def send(self, trainer: WorkerGroup) -> RefitReport:
+        """Loads the trainer's current weights into every rollout worker."""
+
+
+class ObjectStoreTransport(RefitTransport):
+    """Trainer rank 0 puts each bucket in Ray's object store; every worker loads them all."""
+
+    name = "object_store"
+
+    def send(self, trainer: WorkerGroup) -> RefitReport:
+        refs, gathered = trainer.run_all("weight_buckets", self.bucket_bytes, self.dtype)[0]
+        self.rollout.run_all("load_buckets", refs)
+        return RefitReport(gathered, gathered * self.rollout.size)
+
+
+class BroadcastTransport(RefitTransport):
+    """Trainer rank 0 broadcasts each bucket to the rollout workers over a group of their own."""
+
+    name = "broadcast"
+
+    def __init__(self, rollout: WorkerGroup, bucket_bytes: int, dtype: torch.dtype, timeout_s: float) -> None:
+        super().__init__(rollout, bucket_bytes, dtype, timeout_s)
+        self.layouts: list[BucketLayout] | None = None
+
+    def _open(self, trainer: WorkerGroup) -> list[BucketLayout]:
+        """The first refit: the buckets' layouts, and the group of trainer rank 0 (its rank 0) and the workers."""
+        layouts: list[BucketLayout] = trainer.run_rank(0, "refit_layouts", self.bucket_bytes, self.dtype)
+        address, port = trainer.run_rank(0, "rendezvous_address")
+        world_size = 1 + self.rollout.size
+        # Every member must be inside the meeting at once: start all, then wait (each bounded by timeout_s).
+        host = trainer.actors[0].join_refit_group.remote(address, port, world_size, self.timeout_s)
+        members = [
+            actor.join_refit_group.remote(address, port, 1 + rank, world_size, self.timeout_s)
+            for rank, actor in enumerate(self.rollout.actors)
+        ]
+        trainer.gather([host], ranks=[0])
+        self.rollout.gather(members)
+        return layouts
+
+    def send(self, trainer: WorkerGroup) -> RefitReport:
+        if self.layouts is None:
+            self.layouts = self._open(trainer)
+        senders = [actor.broadcast_weights.remote(self.bucket_bytes, self.dtype) for actor in trainer.actors]
+        receivers = [actor.receive_broadcast.remote(self.layouts) for actor in self.rollout.actors]
+        gathered = trainer.gather(senders)[0]
+        self.rollout.gather(receivers)
+        return RefitReport(gathered, gathered * self.rollout.size)
+
+
+class CudaIpcTransport(RefitTransport):
+    """Each engine copies every bucket from the trainer rank on its own GPU, through a CUDA IPC handle.
+
+    Colocated placement puts rollout worker ``r`` on trainer rank ``r mod N``'s bundle, so
+    on that rank's GPU; all ranks hold each bucket whole after its all-gather.
+    """
+
+    name = "cuda_ipc"
+
+    def send(self, trainer: WorkerGroup) -> RefitReport:
+        trainer.run_all("start_ipc_refit", self.bucket_bytes, self.dtype)
+        gathered = 0
+        while True:
+            handles: list[Any] = trainer.run_all("next_ipc_bucket")
+            if handles[0] is None:
+                return RefitReport(gathered, gathered * self.rollout.size)
+            layout = handles[0][1]
+            gathered += layout_bytes(layout)
+            self.rollout.run_all(
+                "load_ipc_bucket",
+                per_rank=[(handles[rank % trainer.size][0], layout) for rank in range(self.rollout.size)],
+            )
+
+
+TRANSPORTS: dict[str, type[RefitTransport]] = {
+    transport.name: transport for transport in (ObjectStoreTransport, BroadcastTransport, CudaIpcTransport)
+}
+"""Each ``cluster.rollout.refit_transport`` (resolved) and its class."""

@@ -1,0 +1,158 @@
+"""What both ends of a refit share: a bucket's layout, its flat buffer, a broadcast group, CUDA IPC handles.
+
+The trainer (:mod:`opd.distributed.refit.sender`) and the rollout workers
+(:class:`~opd.distributed.rollout.RolloutWorker`) agree on each bucket's
+:data:`BucketLayout` once, before the first refit: the names, shapes and dtypes of its
+tensors, in order. A bucket then travels as one flat byte buffer (:func:`pack`), so a
+broadcast or an IPC handle covers a whole bucket, and the receiver cuts it back into
+tensors by the layout (:func:`unpack`) without any metadata on the wire.
+
+:func:`open_broadcast_group` builds a process group of trainer rank 0 and the rollout
+workers beside the trainer's own (a TCP store of its own and a bare gloo or NCCL
+backend, as vLLM's and NeMo-RL's stateless groups do): the trainer's ranks and the
+rollout workers are not one ``torch.distributed`` world, and the trainer's process group
+must not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BucketLayout = list[tuple[str, tuple[int, ...], torch.dtype]]
+"""A bucket's tensors, in order: name, shape and dtype."""
+
+IpcHandle = tuple[Any, ...]
+"""What :func:`ipc_handle` returns: enough for another process on the same GPU to map a tensor."""
+
+
+def layout_of(bucket: Sequence[tuple[str, torch.Tensor]]) -> BucketLayout:
+    """The layout of a bucket of ``(name, tensor)`` pairs."""
+    return [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in bucket]
+
+
+ALIGNMENT = 16
+"""Each tensor starts at a multiple of this many bytes in a packed buffer, so it can be viewed in its dtype."""
+
+
+def _offsets(layout: BucketLayout) -> tuple[list[tuple[int, int]], int]:
+    """Each tensor's ``(start, bytes)`` in the packed buffer, and the buffer's size."""
+    spans, offset = [], 0
+    for _, shape, dtype in layout:
+        offset = -(-offset // ALIGNMENT) * ALIGNMENT
+        width = _numel(shape) * _element_size(dtype)
+        spans.append((offset, width))
+        offset += width
+    return spans, offset
+
+
+def layout_bytes(layout: BucketLayout) -> int:
+    """The bytes of a bucket's packed buffer (its tensors' bytes, and at most ``ALIGNMENT - 1`` between two)."""
+    return _offsets(layout)[1]
+
+
+def pack(bucket: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The bucket's tensors as one flat ``uint8`` buffer on their device, in order, each aligned."""
+    spans, size = _offsets(layout_of(bucket))
+    device = bucket[0][1].device if bucket else torch.device("cpu")
+    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+    for (_, tensor), (start, width) in zip(bucket, spans, strict=True):
+        buffer[start : start + width] = tensor.contiguous().reshape(-1).view(torch.uint8)
+    return buffer
+
+
+def unpack(buffer: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a flat buffer made by :func:`pack`: views into ``buffer``, by the layout.
+
+    Raises:
+        ValueError: the buffer does not have the layout's size.
+    """
+    spans, size = _offsets(layout)
+    if buffer.numel() != size:
+        raise ValueError(f"refit: a bucket of {buffer.numel()} bytes, its layout says {size}")
+    return [
+        (name, buffer[start : start + width].view(dtype).reshape(shape))
+        for (name, shape, dtype), (start, width) in zip(layout, spans, strict=True)
+    ]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# --------------------------------------------------------------------------- broadcast group
+
+
+def open_broadcast_group(
+    address: str, port: int, rank: int, world_size: int, device: torch.device, timeout_s: float
+) -> Any:
+    """Joins the refit's broadcast group (rank 0: trainer rank 0, which hosts its store at ``address:port``).
+
+    NCCL when ``device`` is a GPU, gloo on CPU. Every member must call this at about the
+    same time; ``timeout_s`` bounds the meeting and every broadcast afterwards.
+
+    Returns:
+        The group's backend, for :func:`broadcast`.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.PrefixStore("opd_refit", dist.TCPStore(address, port, world_size, rank == 0, timeout=timeout))
+    group: Any
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, world_size, timeout=timeout)
+    # The first collective builds the connections: done here, where the meeting is bounded.
+    probe = torch.zeros(1, device=device)
+    broadcast(group, probe)
+    return group
+
+
+def broadcast(group: Any, tensor: torch.Tensor, root: int = 0) -> None:
+    """Broadcasts ``tensor`` in place from ``root`` to every member of ``group`` (waits for it)."""
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    options.rootTensor = 0
+    group.broadcast([tensor], options).wait()
+    if tensor.is_cuda:  # NCCL's wait orders the streams; the caller reads the tensor next
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+# --------------------------------------------------------------------------- CUDA IPC
+
+
+def ipc_handle(tensor: torch.Tensor) -> IpcHandle:
+    """A handle through which another process on the same GPU maps ``tensor``'s memory without a copy.
+
+    The producer must keep ``tensor`` alive until every consumer has copied from it.
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _rebuild, arguments = reduce_tensor(tensor.detach())
+    return tuple(arguments)
+
+
+_DEVICE_ARGUMENT = 6
+"""Where ``reduce_tensor``'s arguments name the CUDA device (the producer's index)."""
+
+
+def open_ipc_handle(handle: IpcHandle, device: torch.device) -> torch.Tensor:
+    """The tensor behind ``handle``, mapped on ``device`` (this process's index of the same GPU)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    arguments = list(handle)
+    # Each process numbers the GPUs it sees from 0: the producer's index need not be ours.
+    arguments[_DEVICE_ARGUMENT] = device.index if device.index is not None else torch.cuda.current_device()
+    return rebuild_cuda_tensor(*arguments)

@@ -1,0 +1,63 @@
+"""The checkpoint directory is one filesystem for the controller and every trainer rank: checked at start.
+
+Each rank writes its shards of a checkpoint itself (``torch.distributed.checkpoint``),
+and the controller then publishes the checkpoint as complete and, on resume, reads it.
+With a directory on each node's own disk, the shards of a multi-node run end up spread
+over the nodes' disks, and the checkpoint cannot be resumed. :func:`check_shared_directory`
+finds this before the first step: every rank writes a marker file named with its rank
+and node into the directory, and the controller must see them all.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from opd.utils.errors import ConfigError
+
+if TYPE_CHECKING:  # the trainer worker imports this module, and needs no Ray at import
+    from opd.distributed.workers.worker_group import WorkerGroup
+
+MARKER_PREFIX = ".opd_shared_check"
+"""Marker file names start with it; each run's markers carry a fresh token, so none left
+by an earlier, killed run can pass for this run's."""
+
+
+def marker_name(token: str, rank: int, node: str) -> str:
+    """The marker file of one rank (its node's name made safe for a file name)."""
+    safe_node = "".join(character if character.isalnum() or character in "-_." else "_" for character in node)
+    return f"{MARKER_PREFIX}_{token}_rank{rank}_{safe_node}"
+
+
+def check_shared_directory(workers: WorkerGroup, directory: Path, key: str = "checkpointing.checkpoint_dir") -> None:
+    """Every trainer rank writes a marker into ``directory``; the controller must see each one.
+
+    The markers are removed afterwards (each rank removes its own, wherever it wrote it).
+
+    Args:
+        workers: the trainer ranks (:class:`~opd.distributed.trainer_worker.TrainerWorker`).
+        directory: the absolute checkpoint directory (created if missing).
+        key: the config key that names it, for the error.
+
+    Raises:
+        ConfigError: a rank's marker is not visible to the controller, naming the
+            directory and the nodes whose markers are missing.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex[:12]
+    written = workers.run_all("write_marker", str(directory), token)
+    try:
+        missing = [
+            f"rank {rank} on node {node}" + (f" ({error})" if error else "")
+            for rank, (name, node, error) in enumerate(written)
+            if not (directory / name).is_file()
+        ]
+    finally:
+        workers.run_all("remove_marker", str(directory), token)
+    if missing:
+        raise ConfigError(
+            f"{key} '{directory}' is not one filesystem for every node: the controller does not see the marker "
+            f"file written there by trainer {', '.join(missing)}. The checkpoint directory must be on a filesystem "
+            "every node shares (NFS, Lustre, a mounted bucket); set it to such a path"
+        )

@@ -1,0 +1,3 @@
+"""The objectives: distillation losses (forward, reverse, mixed KL; top-k; hybrid; several teachers), their config and
+the off-policy correction.
+"""

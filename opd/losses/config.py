@@ -1,0 +1,321 @@
+"""The ``loss_fn:`` section: one typed choice of objective, each with only its own keys.
+
+``loss_fn.type`` picks a variant; each variant carries just the keys that objective
+reads, builds its loss object and says which teacher signal it needs, so a combination
+that means nothing (a top-k ``k`` on the full-vocabulary loss, a temperature on the
+sampled-token loss, the JSD over a top-k signal) cannot be written:
+
+========================  ==================================================  ==============================
+``type``                  objective                                            teacher signal
+========================  ==================================================  ==============================
+``full_vocab``            forward / reverse / mixed KL over the vocabulary      logits, or hidden states + head
+``jsd``                   generalized Jensen-Shannon divergence (GKD's β)       logits, or hidden states + head
+``topk``                  KL over the teacher's top k plus a "rest" class       top-k log-probs and ids
+``sampled_token``         reverse KL on the sampled token, a policy gradient    the sampled tokens' log-probs
+``hybrid_full_vocab``     τ-weighted reverse KL + task-reward policy gradient   logits
+========================  ==================================================  ==============================
+
+The loss objects themselves (:mod:`opd.losses.objectives`,
+:mod:`opd.losses.hybrid_loss`) take no config and can be built directly.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Discriminator, Field, Tag
+
+from opd.losses.hybrid_loss import FullVocabHybridLossFn
+from opd.losses.objectives import JSDLossFn, KLLossFn, SampledTokenLossFn, TopKKLLossFn
+from opd.models.interfaces import (
+    FullVocabRequest,
+    LossFunction,
+    TeacherRequest,
+    TokenLogprobsRequest,
+    TopKRequest,
+)
+from opd.utils.compile_cache import resolve_compile_kernels
+from opd.utils.config import StrictConfig
+
+KLType = Literal["forward", "reverse", "mixed"]
+
+
+class _LossSettings(StrictConfig):
+    """Keys every objective has."""
+
+    reduction: Literal["mean", "sum"] = Field(
+        "mean", description="mean = over the global batch's response tokens; sum = per sequence, then mean"
+    )
+
+    type: str
+    compares_across_tokenizers: ClassVar[bool] = False
+    """The objective can be computed against a teacher with another tokenizer (its top k
+    mapped onto the strings both vocabularies share): only what needs no whole
+    distribution and no token of the student's own in the teacher's vocabulary."""
+
+    weighs_stale_samples_by_default: ClassVar[bool] = False
+    """Whether ``training.off_policy_correction.enabled: auto`` weighs this objective's stale
+    samples under an asynchronous schedule. Off for the objectives whose loss at a position
+    is an exact expectation over the next token (full vocabulary, JSD, top-k): there the
+    truncated ratio only stands in for the prefix's likelihood ratio, and the correction
+    study (guide §11, "Which correction, measured") found it slowed learning. The
+    sampled-token loss needs none: its clipped ratio is taken against the sampler."""
+
+    def lambda_problem(self, key: str, lambda_: float) -> str | None:
+        """Why this objective cannot train on fixed-data steps (``distillation.lambda`` < 1); None when it can."""
+        return None
+
+    def build(self, vocab_size: int, device_type: str) -> LossFunction:
+        """The loss object these keys describe (``vocab_size``: the tokenizer's; ``device_type``: the student's).
+
+        The class is the one :data:`LOSS_CLASSES` registers for ``type``; its arguments
+        are :meth:`loss_arguments`.
+        """
+        return LOSS_CLASSES[self.type](**self.loss_arguments(vocab_size, device_type))
+
+    @abstractmethod
+    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+        """The keyword arguments of the loss class, from these keys."""
+
+    @abstractmethod
+    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
+        """The signal the loss asks the teacher for (equal to the built loss's ``teacher_request``)."""
+
+
+class _KLDirection(StrictConfig):
+    """Which KL: the specification's ``kl_type`` and ``mixed_kl_weight``."""
+
+    kl_type: KLType = Field("reverse", description="forward = KL(teacher‖student), reverse = KL(student‖teacher)")
+    mixed_kl_weight: float = Field(0.5, ge=0.0, le=1.0, description="weight of forward KL when kl_type = mixed")
+
+
+class _Temperature(StrictConfig):
+    temperature: float = Field(1.0, gt=0.0, description="softmax temperature of both models inside the divergence")
+
+
+class _TokenClip(StrictConfig):
+    """The per-position cap of a divergence over the teacher's distribution (full vocabulary, JSD, top-k)."""
+
+    token_clip: float | None = Field(
+        None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="cap on each response position's divergence: a position above it contributes the cap and no "
+        "gradient (metric clipped_token_fraction); null = no cap",
+    )
+
+
+class FusedHeadSettings(StrictConfig):
+    """Memory-lean computation: logits made chunk by chunk from hidden states."""
+
+    fused_lm_head: bool = Field(True, description="compute logits and loss chunk by chunk from hidden states")
+    chunk_size: int | None = Field(None, ge=1, description="positions per fused chunk; null: ~128 MiB of logits")
+
+
+CPU_COMPILE_MIN_VOCAB = 1024
+"""On CPU, ``compile_kernels: auto`` compiles the loss kernels from this vocabulary size up.
+
+Below it, what the compiled kernels save per call is too small to win back, within a
+run, the seconds that compiling takes at its first step (the guide's section 5, "Where a
+step's time goes", gives the figures). Real tokenizers' vocabularies (tens of thousands of
+entries) are far above it; the tiny test and demo models are below. On a GPU ``auto``
+compiles at any size.
+"""
+
+
+def compile_loss_kernels(setting: bool | str, device_type: str, vocab_size: int) -> bool:
+    """Whether the full-vocabulary loss kernels are compiled (``auto`` per :data:`CPU_COMPILE_MIN_VOCAB`)."""
+    pays_off = device_type != "cpu" or vocab_size >= CPU_COMPILE_MIN_VOCAB
+    return resolve_compile_kernels(setting, device_type, pays_off=pays_off)
+
+
+class FullVocabKernelSettings(FusedHeadSettings):
+    compile_kernels: bool | Literal["auto"] = Field(
+        "auto",
+        description="torch.compile the full-vocabulary loss kernels; auto: where a compiler toolchain exists, "
+        f"and on CPU from a vocabulary of {CPU_COMPILE_MIN_VOCAB} entries up",
+    )
+    metrics_topk: int = Field(64, ge=1, description="k of the teacher_topk_mass / topk_overlap metrics")
+
+
+def _full_vocab_arguments(
+    settings: _LossSettings | FullVocabKernelSettings, temperature: float, vocab_size: int, device_type: str
+) -> dict[str, Any]:
+    """The arguments every full-vocabulary loss class takes from its config (temperature, reduction, kernels)."""
+    assert isinstance(settings, _LossSettings) and isinstance(settings, FullVocabKernelSettings)
+    return {
+        "temperature": temperature,
+        "kl_reduction": settings.reduction,
+        "vocab_size": vocab_size,
+        "metrics_topk": settings.metrics_topk,
+        "fused_lm_head": settings.fused_lm_head,
+        "chunk_size": settings.chunk_size,
+        "compile_kernels": compile_loss_kernels(settings.compile_kernels, device_type, vocab_size),
+    }
+
+
+class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKernelSettings, _TokenClip):
+    """``type: full_vocab``: the exact KL over the whole vocabulary (the default)."""
+
+    type: Literal["full_vocab"] = "full_vocab"
+
+    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+        return {
+            "kl_type": self.kl_type,
+            "mixed_kl_weight": self.mixed_kl_weight,
+            "token_clip": self.token_clip,
+            **_full_vocab_arguments(self, self.temperature, vocab_size, device_type),
+        }
+
+    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
+        return FullVocabRequest(prefer_hidden_states=self.fused_lm_head)
+
+
+class JSDLossConfig(_LossSettings, _Temperature, FullVocabKernelSettings, _TokenClip):
+    """``type: jsd``: the generalized Jensen-Shannon divergence of GKD / TRL."""
+
+    type: Literal["jsd"] = "jsd"
+    beta: float = Field(0.5, ge=0.0, le=1.0, description="interpolation: 0 = forward KL, 1 = reverse KL")
+
+    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+        return {
+            "beta": self.beta,
+            "token_clip": self.token_clip,
+            **_full_vocab_arguments(self, self.temperature, vocab_size, device_type),
+        }
+
+    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
+        return FullVocabRequest(prefer_hidden_states=self.fused_lm_head)
+
+
+class TopKLossConfig(_LossSettings, _KLDirection, _Temperature, FusedHeadSettings, _TokenClip):
+    """``type: topk``: the teacher sends its top ``k`` log-probs per position (what a served teacher sends)."""
+
+    type: Literal["topk"] = "topk"
+    compares_across_tokenizers: ClassVar[bool] = True
+    k: int = Field(64, ge=1, description="teacher tokens per position")
+    tail: bool = Field(True, description="keep a 'rest' class (a true divergence); false renormalises over the k")
+
+    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+        return {
+            "kl_type": self.kl_type,
+            "mixed_kl_weight": self.mixed_kl_weight,
+            "k": self.k,
+            "tail": self.tail,
+            "temperature": self.temperature,
+            "kl_reduction": self.reduction,
+            "vocab_size": vocab_size,
+            "fused_lm_head": self.fused_lm_head,
+            "chunk_size": self.chunk_size,
+            "token_clip": self.token_clip,
+        }
+
+    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
+        return TopKRequest(self.k, self.temperature, vocab_size)
+
+
+class _Taus(StrictConfig):
+    teacher_tau: float = Field(1.0, description="weight of the teacher's log-prob")
+    student_tau: float = Field(1.0, description="weight of the student's log-prob")
+    adv_tau: float = Field(0.0, description="weight of the task reward (the math verifier); needs lambda = 1")
+
+
+class SampledTokenLossConfig(_LossSettings, _Taus, FusedHeadSettings):
+    """``type: sampled_token``: reverse KL on the sampled tokens as a policy gradient (needs lambda = 1)."""
+
+    type: Literal["sampled_token"] = "sampled_token"
+    discount: float = Field(0.0, ge=0.0, le=1.0, description="discount over future tokens' advantages")
+    clip_ratio: float | None = Field(0.2, gt=0.0, description="importance-ratio clip; null: none")
+
+    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+        return {
+            "teacher_tau": self.teacher_tau,
+            "student_tau": self.student_tau,
+            "discount": self.discount,
+            "adv_tau": self.adv_tau,
+            "clip_ratio": self.clip_ratio,
+            "kl_reduction": self.reduction,
+            "fused_lm_head": self.fused_lm_head,
+            "chunk_size": self.chunk_size,
+            "vocab_size": vocab_size,
+        }
+
+    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
+        return TokenLogprobsRequest(vocab_size)
+
+    def lambda_problem(self, key: str, lambda_: float) -> str | None:
+        """The sampled-token gradient needs the student's own samples, which a fixed-data step does not have."""
+        if lambda_ < 1.0:
+            return (
+                f"{key}.type = sampled_token needs the student's own samples on every step, but "
+                f"distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
+            )
+        return None
+
+
+class HybridFullVocabLossConfig(_LossSettings, _Taus):
+    """``type: hybrid_full_vocab``: Σ_v q(student_tau·log q − teacher_tau·log p) exactly, plus the task reward."""
+
+    type: Literal["hybrid_full_vocab"] = "hybrid_full_vocab"
+    weighs_stale_samples_by_default: ClassVar[bool] = True
+    """Its task-reward term is a policy gradient on the sampled token, which a stale sample
+    makes off-policy: the ratio is that term's own importance weight."""
+
+    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+        return {
+            "teacher_tau": self.teacher_tau,
+            "student_tau": self.student_tau,
+            "adv_tau": self.adv_tau,
+            "kl_reduction": self.reduction,
+            "vocab_size": vocab_size,
+        }
+
+    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
+        return FullVocabRequest()
+
+    def lambda_problem(self, key: str, lambda_: float) -> str | None:
+        """A task reward (``adv_tau``) rewards the student's own answers, which only on-policy steps have."""
+        if self.adv_tau != 0.0 and lambda_ < 1.0:
+            return (
+                f"{key}.adv_tau = {self.adv_tau} rewards the student's own answers, which only on-policy steps "
+                f"have, but distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
+            )
+        return None
+
+
+def _loss_type(value: Any) -> str:
+    """The variant's tag; a section without ``type`` is the default objective."""
+    if isinstance(value, dict):
+        return str(value.get("type", "full_vocab"))
+    return str(getattr(value, "type", "full_vocab"))
+
+
+LossFnConfig = Annotated[
+    Annotated[FullVocabLossConfig, Tag("full_vocab")]
+    | Annotated[JSDLossConfig, Tag("jsd")]
+    | Annotated[TopKLossConfig, Tag("topk")]
+    | Annotated[SampledTokenLossConfig, Tag("sampled_token")]
+    | Annotated[HybridFullVocabLossConfig, Tag("hybrid_full_vocab")],
+    Discriminator(_loss_type),
+]
+"""``loss_fn:``, one of the variants above, chosen by ``type``."""
+
+LOSS_VARIANTS: dict[str, type[_LossSettings]] = {
+    "full_vocab": FullVocabLossConfig,
+    "jsd": JSDLossConfig,
+    "topk": TopKLossConfig,
+    "sampled_token": SampledTokenLossConfig,
+    "hybrid_full_vocab": HybridFullVocabLossConfig,
+}
+"""Each ``loss_fn.type`` and its keys (used to say where a misplaced key belongs)."""
+
+LOSS_CLASSES: dict[str, Callable[..., LossFunction]] = {
+    "full_vocab": KLLossFn,
+    "jsd": JSDLossFn,
+    "topk": TopKKLLossFn,
+    "sampled_token": SampledTokenLossFn,
+    "hybrid_full_vocab": FullVocabHybridLossFn,
+}
+"""The loss class each ``loss_fn.type`` builds (:meth:`_LossSettings.build`)."""

@@ -1,0 +1,254 @@
+"""Off-policy correction: truncated importance weights for samples drawn by an older policy.
+
+An asynchronous schedule (:mod:`opd.distillation.schedule`) trains on samples that
+the rollout engine drew with weights one or two updates old. Each sample carries the
+sampler's log-prob of every token (``generation_logprobs``) and its ``staleness`` (how
+many updates the learner is ahead of the sampler). For a stale sample the loss weighs each
+response position ``t`` by
+
+    ρ_t = π_learner(y_t | y_<t) / π_sampler(y_t | y_<t),     w_t = min(ρ_t, cap)
+
+where both probabilities are those of the *sampling* distribution (the strategy's
+temperature and top-k / top-p filter applied to each model's logits; greedy decoding: the
+plain softmax), so that ρ_t = 1 whenever the two models agree. With ``level: sequence``
+every position of a sequence gets the same weight instead, w = min(ρ̄, cap), where
+ρ̄ = exp(mean_t log ρ_t) is the sequence's geometric-mean ratio (a length-normalised
+stand-in for the whole response's likelihood ratio). Optionally a token whose ρ_t
+leaves ``token_bounds``, or every token of a sequence whose geometric-mean ratio
+exp(mean_t log ρ_t) leaves ``sequence_bounds``, gets weight 0. Masked tokens stay in the
+loss's normaliser (the global count of response tokens), as in truncated importance
+sampling elsewhere, so a masked token lowers the loss instead of re-weighting the rest.
+
+The weights are detached: they scale each position's loss and gradient, never receive one.
+A sample with staleness 0 was drawn by the learner's own weights, so its weights are
+exactly 1 and nothing is computed for it: a synchronous run is unchanged, bit for bit.
+What ρ_t corrects, per loss type, is set out in the guide ("Overlapping rollout, teacher
+and training"): for the sampled-token loss it is the token-level correction of the
+sampled action; for the full-vocabulary and top-k losses, whose per-position loss is an
+exact expectation over the next token, it is a bounded per-token stand-in for the
+prefix's likelihood ratio ∏_{s<t} ρ_s, which is what makes a stale prefix off-policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from opd.models.decoding import GenerateStrategyConfig
+from opd.models.lm_head import LMHeadInput
+from opd.rollout.sampling import warp_logits
+from opd.utils.config import StrictConfig
+
+_LEARNER_CHUNK_ROWS = 1024
+"""Rows of ``[rows × V]`` logits made at a time when the learner's log-probs come from hidden states."""
+
+
+class OffPolicyCorrectionConfig(StrictConfig):
+    """``training.off_policy_correction``: truncated importance weights for stale samples."""
+
+    enabled: Literal["auto", "monitor"] | bool = Field(
+        "auto",
+        description="auto = on under one_step_off and two_step_off for hybrid_full_vocab (its reward term is a "
+        "policy gradient on the sampled token), off for full_vocab, jsd and topk (measured: it slowed learning) "
+        "and under sync (nothing is stale); monitor = under an asynchronous schedule, compute and log the ratios "
+        "(train/is_*) but weigh nothing: the loss is that of the correction off",
+    )
+    level: Literal["token", "sequence"] = Field(
+        "token",
+        description="token = each position weighs min(its ratio, cap); sequence = every position of a sequence "
+        "weighs min(the sequence's geometric-mean ratio, cap)",
+    )
+    cap: float = Field(2.0, ge=1.0, description="truncation: each weight is min(ratio, cap)")
+    token_bounds: tuple[float, float] | None = Field(
+        None, description="[low, high]: a token whose ratio lies outside gets weight 0; null keeps every token"
+    )
+    sequence_bounds: tuple[float, float] | None = Field(
+        None,
+        description="[low, high]: every token of a sequence whose geometric-mean ratio lies outside gets "
+        "weight 0; null keeps every sequence",
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> OffPolicyCorrectionConfig:
+        for name in ("token_bounds", "sequence_bounds"):
+            bounds = getattr(self, name)
+            if bounds is not None and not 0.0 <= bounds[0] < 1.0 < bounds[1]:
+                raise ValueError(
+                    f"training.off_policy_correction.{name} = {list(bounds)} must be [low, high] with "
+                    "0 <= low < 1 < high (a ratio of 1 means the learner and the sampler agree)"
+                )
+        return self
+
+    def is_on(self, asynchronous: bool, by_default: bool = True) -> bool:
+        """Whether the correction applies under a schedule that is (or is not) asynchronous.
+
+        Args:
+            asynchronous: the schedule trains on stale samples.
+            by_default: what ``auto`` does under an asynchronous schedule for the objective
+                in question (its ``weighs_stale_samples_by_default``).
+        """
+        if self.enabled == "monitor":
+            return asynchronous
+        return asynchronous and by_default if self.enabled == "auto" else bool(self.enabled)
+
+    @property
+    def weighs(self) -> bool:
+        """Whether the ratios weigh the loss (``monitor`` only logs them)."""
+        return self.enabled != "monitor"
+
+
+@dataclass(frozen=True)
+class OffPolicyCorrection:
+    """What the loss needs to weigh stale samples (built from the config; sent to trainer workers).
+
+    Attributes:
+        cap: truncation of each ratio (>= 1).
+        token_bounds: ``(low, high)`` token mask, or None.
+        sequence_bounds: ``(low, high)`` sequence mask on the geometric-mean ratio, or None.
+        strategy: the rollout's sampling strategy (the distribution both log-probs are of).
+        level: ``token`` (each position its own ratio) or ``sequence`` (the sequence's
+            geometric-mean ratio at every position).
+        monitor_only: compute the ratios and their metrics, but leave every weight at 1
+            (``enabled: monitor``): the loss and its gradient are those without a correction.
+    """
+
+    cap: float
+    token_bounds: tuple[float, float] | None
+    sequence_bounds: tuple[float, float] | None
+    strategy: GenerateStrategyConfig
+    level: str = "token"
+    monitor_only: bool = False
+
+    @classmethod
+    def from_config(cls, config: OffPolicyCorrectionConfig, strategy: GenerateStrategyConfig) -> OffPolicyCorrection:
+        """The runtime form of ``training.off_policy_correction`` for rollouts drawn with ``strategy``."""
+        return cls(config.cap, config.token_bounds, config.sequence_bounds, strategy, config.level, not config.weighs)
+
+
+def filtered_sampling_warning(correction: OffPolicyCorrection) -> str | None:
+    """A warning when the correction weighs samples drawn through a top-k or top-p filter; else None.
+
+    Such a filter leaves out tokens, so a token the sampler drew may lie outside the
+    learner's filtered set one update later: its ratio is 0 and its weight too (at
+    ``level: sequence``, its whole sequence's).
+    """
+    strategy = correction.strategy
+    if correction.monitor_only or strategy.is_greedy:
+        return None
+    method = strategy.decoding_method
+    if method == "top_p" and strategy.top_p >= 1.0:
+        return None  # no token is left out
+    kept = f"top_k = {strategy.top_k}" if method == "top_k" else f"top_p = {strategy.top_p}"
+    return (
+        f"training.off_policy_correction weighs stale samples drawn with decoding_method = {method} ({kept}, "
+        f"temperature = {strategy.temperature}): a sampled token outside the learner's filtered set one update "
+        "later gets ratio 0 and weight 0 (in the guide's study, 6-7% of stale tokens at temperature 0.1; "
+        "train/is_outside_support_fraction counts them). enabled: monitor logs the ratios without weighing."
+    )
+
+
+def sampling_log_probs(logits: torch.Tensor, targets: torch.Tensor, strategy: GenerateStrategyConfig) -> torch.Tensor:
+    """``[N]`` float32 log-probs of ``targets`` under the distribution ``strategy`` samples from.
+
+    The same distribution the samplers report (:func:`opd.rollout.sampling.next_tokens`):
+    temperature and top-k / top-p filter for sampling, the plain softmax for greedy. A
+    target outside the filtered support gets ``-inf``.
+    """
+    warped = logits.float() if strategy.is_greedy else warp_logits(logits, strategy)
+    return warped.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(warped, dim=-1)
+
+
+@torch.no_grad()
+def learner_log_probs(
+    student_rows: torch.Tensor | LMHeadInput, targets: torch.Tensor, strategy: GenerateStrategyConfig
+) -> torch.Tensor:
+    """``[N]`` log-probs of ``targets`` under the learner's sampling distribution, without gradient.
+
+    Args:
+        student_rows: ``[N, V]`` logits, or an :class:`LMHeadInput` with ``[N, D]`` hidden
+            states (the logits are then made a chunk of rows at a time).
+        targets: ``[N]`` the sampled token of each row.
+        strategy: the rollout's sampling strategy.
+    """
+    if not isinstance(student_rows, LMHeadInput):
+        return sampling_log_probs(student_rows.detach(), targets, strategy)
+    # The sampler drew from the whole output layer, so the ratio uses it too (no vocabulary
+    # cut), with the head's logit transform, as the model's forward applies it.
+    head = dataclasses.replace(student_rows, vocab_size=None)
+    parts = [
+        sampling_log_probs(head.logits(slice(start, start + _LEARNER_CHUNK_ROWS)), chunk, strategy)
+        for start, chunk in zip(
+            range(0, head.hidden_states.shape[0], _LEARNER_CHUNK_ROWS), targets.split(_LEARNER_CHUNK_ROWS), strict=True
+        )
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32, device=targets.device)
+
+
+def importance_weights(
+    learner_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    stale: torch.Tensor,
+    sequence_ids: torch.Tensor,
+    correction: OffPolicyCorrection,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Each loss row's weight, and sums for the metrics.
+
+    Args:
+        learner_logprobs: ``[N]`` log π_learner of each row's sampled token.
+        sampler_logprobs: ``[N]`` log π_sampler of the same tokens.
+        stale: ``[N]`` bool, the row belongs to a sample with staleness > 0.
+        sequence_ids: ``[N]`` which sequence each row belongs to (for ``sequence_bounds`` and
+            ``level: sequence``); a micro-batch holds whole sequences.
+        correction: level, cap and bounds.
+
+    Returns:
+        ``([N] float64 weights, sums)``: weights are exactly 1 on fresh rows. ``sums`` are
+        over all rows, a fresh row counting as ρ = 1: ``is_ratio`` (Σ ρ),
+        ``is_abs_log_ratio`` (Σ |log ρ|), ``is_truncated`` (rows whose weight was cut: ρ > cap,
+        or at sequence level the sequence's ρ̄ > cap), ``is_outside_support`` (rows whose token the
+        learner's sampling distribution no longer allows: ρ = 0, e.g. outside its top-p set),
+        ``is_masked`` (rows given weight 0 by a bound) and ``is_ratio_max`` (the largest ρ;
+        0 without rows).
+    """
+    log_ratio = (learner_logprobs.double() - sampler_logprobs.double()).masked_fill(~stale, 0.0)
+    ratio = log_ratio.exp()
+    geometric_mean = (
+        _sequence_geometric_mean(log_ratio, sequence_ids)
+        if bool(stale.any()) and (correction.level == "sequence" or correction.sequence_bounds is not None)
+        else torch.ones_like(ratio)
+    )
+    # Exactly 1 on fresh rows: exp(0) = 1 <= cap (a sequence is stale or fresh as a whole).
+    weighed = geometric_mean if correction.level == "sequence" else ratio
+    weights = weighed.clamp(max=correction.cap)
+    keep = torch.ones_like(stale)
+    if correction.token_bounds is not None:
+        low, high = correction.token_bounds
+        keep &= (ratio >= low) & (ratio <= high)
+    if correction.sequence_bounds is not None:
+        low, high = correction.sequence_bounds
+        keep &= (geometric_mean >= low) & (geometric_mean <= high)
+    keep |= ~stale  # fresh rows are never masked: they are on-policy
+    weights = torch.where(keep, weights, torch.zeros_like(weights))
+    sums = {
+        "is_ratio": float(ratio.sum()),
+        "is_abs_log_ratio": float(log_ratio.abs().sum()),
+        "is_truncated": float((weighed > correction.cap).sum()),
+        "is_masked": float((~keep).sum()),
+        "is_outside_support": float((ratio == 0).sum()),
+        "is_ratio_max": float(ratio.max()) if ratio.numel() else 0.0,
+    }
+    return weights, sums
+
+
+def _sequence_geometric_mean(log_ratio: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
+    """``[N]`` each row's sequence's geometric-mean ratio exp(mean log ρ) over the sequence's rows."""
+    _, sequence = torch.unique(sequence_ids, return_inverse=True)
+    count = torch.zeros(int(sequence.max()) + 1, dtype=torch.float64, device=log_ratio.device)
+    total = torch.zeros_like(count)
+    count.index_add_(0, sequence, torch.ones_like(log_ratio))
+    total.index_add_(0, sequence, log_ratio)
+    return (total / count).exp()[sequence]

@@ -1,0 +1,264 @@
+"""The loss with several teachers: one objective, applied to each teacher's rows or to their mixture.
+
+The objective stays the one ``loss_fn`` describes; these wrappers only decide which
+teacher answer it sees (:mod:`opd.teachers.several_teachers`):
+
+* :class:`RoutedLoss` (routing): the micro-batch's rows are split by teacher and each
+  group gets its teacher's objective (``loss_fn``, or the member's own
+  ``teachers.members[i].loss_fn``) with that teacher's answer. Every loss is a sum over
+  positions divided by a global normaliser, so the sum of the group losses is the loss
+  of the whole micro-batch, and its gradient, exactly as with one teacher per row.
+* :class:`MixtureLoss` (mixture): the objective is applied once, to the mixture; each
+  member's answer is also compared with the student, without gradient, for its metrics.
+
+Per-teacher metrics (logged as ``train/teacher/<name>/...``):
+
+* ``kl_forward`` / ``kl_reverse`` (or ``kl_reverse_estimate`` for the sampled-token
+  loss): the student's KL to that teacher, a mean over the response tokens it scored
+  (routing: its own rows; mixture: every token);
+* ``token_share``: its share of the step's response tokens (mixture: its mean weight);
+* its scoring time is logged as ``timing/teacher/<name>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.sequences import select_segments, shift_token_mask
+from opd.models.interfaces import LossFunction, PerTeacherRequest, TeacherRequest
+from opd.models.lm_head import LMHeadInput
+from opd.policy.optimization import accumulate_metrics
+from opd.teachers.several_teachers import MixedSignal, RoutedSignal
+
+PER_TEACHER_MEANS = ("kl_forward", "kl_reverse", "kl_reverse_estimate")
+"""Metrics of the objective that are token means, reported for each teacher."""
+
+
+def _teacher_key(name: str, metric: str) -> str:
+    return f"teacher/{name}/{metric}"
+
+
+def _timing_metrics(seconds: dict[str, float]) -> dict[str, float]:
+    """Each teacher's scoring time, named as a phase the driver logs as ``timing/teacher/<name>``."""
+    return {f"teacher/{name}_seconds": value for name, value in seconds.items()}
+
+
+def _rows_of(data: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
+    """The rows ``rows`` of every per-row field of a micro-batch (tensors and lists)."""
+    size = len(data["input_ids"])
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:
+            out[key] = value[rows.to(value.device)]
+        elif isinstance(value, list) and len(value) == size:
+            out[key] = [value[row] for row in rows.tolist()]
+        else:
+            out[key] = value
+    return out
+
+
+def _student_rows(student_output: torch.Tensor | LMHeadInput, rows: torch.Tensor) -> torch.Tensor | LMHeadInput:
+    if isinstance(student_output, LMHeadInput):
+        return student_output.with_rows(student_output.hidden_states[rows.to(student_output.hidden_states.device)])
+    return student_output[rows.to(student_output.device)]
+
+
+def _student_positions(
+    student_output: torch.Tensor | LMHeadInput, positions: torch.Tensor
+) -> torch.Tensor | LMHeadInput:
+    """The student's output at some positions of a packed row (``[1, n, ...]``)."""
+    if isinstance(student_output, LMHeadInput):
+        hidden = student_output.hidden_states
+        return student_output.with_rows(hidden[:, positions.to(hidden.device)])
+    return student_output[:, positions.to(student_output.device)]
+
+
+def _detached(student_output: torch.Tensor | LMHeadInput) -> torch.Tensor | LMHeadInput:
+    if isinstance(student_output, LMHeadInput):
+        bias = student_output.bias.detach() if student_output.bias is not None else None
+        return dataclasses.replace(
+            student_output,
+            hidden_states=student_output.hidden_states.detach(),
+            weight=student_output.weight.detach(),
+            bias=bias,
+        )
+    return student_output.detach()
+
+
+class _SeveralTeachersLoss(LossFunction):
+    """Delegates everything but the call to the objective it wraps."""
+
+    def __init__(self, objective: LossFunction, names: Sequence[str]) -> None:
+        self.objective = objective
+        self.names = list(names)
+        self.fused_lm_head = objective.fused_lm_head
+
+    @property
+    def teacher_request(self) -> TeacherRequest | None:
+        """Every teacher is asked for the objective's signal."""
+        return self.objective.teacher_request
+
+    @property
+    def needs_task_reward(self) -> bool:
+        """As the objective."""
+        return self.objective.needs_task_reward
+
+    @property
+    def needs_sampler_logprobs(self) -> bool:
+        """As the objective."""
+        return self.objective.needs_sampler_logprobs
+
+
+class RoutedLoss(_SeveralTeachersLoss):
+    """Each teacher's objective applied to its rows with its answer (a :class:`RoutedSignal`).
+
+    Args:
+        objectives: one objective per teacher, in member order (the same object for
+            members without an objective of their own). They must agree on
+            ``fused_lm_head``: the student's output is computed once for all rows.
+        names: the teachers' names, in member order.
+
+    Raises:
+        ValueError: without one objective per name, or if the objectives disagree on
+            ``fused_lm_head``.
+    """
+
+    def __init__(self, objectives: Sequence[LossFunction], names: Sequence[str]) -> None:
+        if len(objectives) != len(names) or not objectives:
+            raise ValueError("RoutedLoss needs one objective per teacher")
+        if len({objective.fused_lm_head for objective in objectives}) > 1:
+            raise ValueError("the teachers' objectives must all take the fused LM head, or all take logits")
+        super().__init__(objectives[0], names)
+        self.objectives = list(objectives)
+
+    @property
+    def teacher_request(self) -> TeacherRequest | None:
+        """The one signal every teacher is asked for, or a :class:`PerTeacherRequest` when they differ."""
+        requests = [objective.teacher_request for objective in self.objectives]
+        singles = [
+            request for request in requests if request is not None and not isinstance(request, PerTeacherRequest)
+        ]
+        if len(singles) != len(requests):
+            raise ValueError("every routed teacher's objective must ask its teacher for one signal")
+        if all(request == singles[0] for request in singles):
+            return singles[0]
+        return PerTeacherRequest(tuple(singles))
+
+    @property
+    def needs_task_reward(self) -> bool:
+        """Whether any teacher's objective rewards the task."""
+        return any(objective.needs_task_reward for objective in self.objectives)
+
+    @property
+    def needs_sampler_logprobs(self) -> bool:
+        """Whether any teacher's objective needs the sampler's log-probs."""
+        return any(objective.needs_sampler_logprobs for objective in self.objectives)
+
+    def __call__(
+        self,
+        student_output: Any,
+        data: dict[str, Any],
+        global_valid_tokens: int,
+        global_valid_seqs: int,
+        teacher_output: Any = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Σ over teachers of the objective on their rows; metrics summed, plus each teacher's share.
+
+        Raises:
+            TypeError: if ``teacher_output`` is not a :class:`RoutedSignal`.
+        """
+        if not isinstance(teacher_output, RoutedSignal):
+            raise TypeError(f"RoutedLoss needs the answer of RoutedTeachers, got {type(teacher_output).__name__}")
+        total: torch.Tensor | None = None
+        metrics: dict[str, float] = {}
+        for part in teacher_output.parts:
+            if part.segments is None:
+                student, part_data = _student_rows(student_output, part.rows), _rows_of(data, part.rows)
+            else:  # packed: the teacher's sequences, a packed row of their own
+                student = _student_positions(student_output, part.rows)
+                part_data = select_segments(BatchedDataDict(data), part.segments)[1]
+            loss, part_metrics = self.objectives[part.teacher](
+                student, part_data, global_valid_tokens, global_valid_seqs, part.signal
+            )
+            total = loss if total is None else total + loss
+            accumulate_metrics(metrics, part_metrics)
+            name = self.names[part.teacher]
+            for key in (*PER_TEACHER_MEANS, "num_valid_tokens"):
+                if key in part_metrics:
+                    metrics[_teacher_key(name, key)] = part_metrics[key]
+        if total is None:  # a micro-batch always has rows; kept for an empty one
+            raise ValueError("RoutedLoss got a micro-batch without rows")
+        metrics.update(_timing_metrics(teacher_output.seconds))
+        return total, metrics
+
+    def finish_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Turns each teacher's summed shares into means over its own tokens, and adds its ``token_share``."""
+        finished = dict(metrics)
+        all_tokens = metrics.get("num_valid_tokens", 0.0)
+        for name in self.names:
+            tokens = finished.pop(_teacher_key(name, "num_valid_tokens"), 0.0)
+            finished[_teacher_key(name, "token_share")] = tokens / all_tokens if all_tokens > 0 else 0.0
+            for key in PER_TEACHER_MEANS:
+                share = finished.get(_teacher_key(name, key))
+                if share is not None and tokens > 0:
+                    # The objective's shares are divided by the step's tokens; this teacher had `tokens`.
+                    finished[_teacher_key(name, key)] = share * all_tokens / tokens
+        return finished
+
+
+class MixtureLoss(_SeveralTeachersLoss):
+    """The objective applied to the teachers' mixture (a :class:`MixedSignal`); each teacher's KL as metrics.
+
+    Args:
+        objective: the ``loss_fn`` objective.
+        names: the teachers' names, in member order.
+        member_metrics: also compare the student with each member (no gradient; one
+            more evaluation of the objective per member).
+    """
+
+    def __init__(self, objective: LossFunction, names: Sequence[str], member_metrics: bool = True) -> None:
+        super().__init__(objective, names)
+        self.member_metrics = member_metrics
+
+    def __call__(
+        self,
+        student_output: Any,
+        data: dict[str, Any],
+        global_valid_tokens: int,
+        global_valid_seqs: int,
+        teacher_output: Any = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The objective on the mixture, and each member's KL and weight share as metrics.
+
+        Raises:
+            TypeError: if ``teacher_output`` is not a :class:`MixedSignal`.
+        """
+        if not isinstance(teacher_output, MixedSignal):
+            raise TypeError(f"MixtureLoss needs the answer of TeacherMixture, got {type(teacher_output).__name__}")
+        loss, metrics = self.objective(
+            student_output, data, global_valid_tokens, global_valid_seqs, teacher_output.mixed
+        )
+        loss_tokens = shift_token_mask(data["token_mask"]).to(torch.float64)  # [B, L - 1]
+        weights = teacher_output.weights.to(device=loss_tokens.device, dtype=torch.float64)
+        normaliser = float(max(global_valid_tokens, 1))
+        student = _detached(student_output) if self.member_metrics else None
+        for member, name in enumerate(self.names):
+            # Per row [B, members], or per token [1, T, members] in a packed row (each loss token's own).
+            share = weights[:, 1:, member] if weights.dim() == 3 else weights[:, member].unsqueeze(-1)
+            metrics[_teacher_key(name, "token_share")] = float((share * loss_tokens).sum()) / normaliser
+            if student is None:
+                continue
+            with torch.no_grad():
+                _, member_metrics = self.objective(
+                    student, data, global_valid_tokens, global_valid_seqs, teacher_output.members[member]
+                )
+            for key in PER_TEACHER_MEANS:
+                if key in member_metrics:
+                    metrics[_teacher_key(name, key)] = member_metrics[key]
+        metrics.update(_timing_metrics(teacher_output.seconds))
+        return loss, metrics

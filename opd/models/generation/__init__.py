@@ -1,1 +1,0 @@
-"""Student generation backends (Hugging Face ``generate`` today)."""

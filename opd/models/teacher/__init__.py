@@ -1,1 +1,0 @@
-"""Teacher backends (an in-process frozen model today)."""

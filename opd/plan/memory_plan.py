@@ -1,0 +1,507 @@
+"""``opd plan``: what a cluster run will hold on each device, from its config alone.
+
+:func:`plan_memory` runs the trainer's real step on fake tensors
+(:func:`opd.plan.dry_run.dry_run_rank`) at the configured world size, micro-batch
+and sequence length, with and without activation checkpointing, and adds what needs no
+step to measure: the teacher's other placements, the loss's chunk, the rollout engine's
+KV-cache budget. :func:`render_plan` prints it as a table, :meth:`MemoryPlan.as_dict` as JSON.
+
+Every figure is bytes on one device. Measured (by the fake step): the peak, its
+standing part (the student's shard of fp32 master weights, gradients and Adam moments,
+the colocated teacher) and the rest (activations, gathered layers, collective buffers, the
+loss's chunks). Computed from the shapes: the other teacher placements, the chunk, the
+rollout engine (its weights in 16 bits, its activations estimated from vLLM's profiling
+batch, the KV cache in what is left of ``generation.vllm.gpu_memory_utilization``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from opd.distillation.config import MasterConfig, resolve_micro_batching
+from opd.distributed.config import ClusterConfig
+from opd.distributed.trainer_worker import TrainerSpec
+from opd.models.interfaces import FullVocabRequest
+from opd.models.lm_head import default_chunk_rows
+from opd.models.model_shapes import model_config, tokenizer_size
+from opd.plan.dry_run import RankMemory, ReplicaMemory, StepShape, dry_run_rank, dry_run_teacher_replica
+from opd.plan.layer_extrapolation import BASE_DEPTH
+from opd.utils.errors import ConfigError
+
+GIB = 1024**3
+DEVICES = {"80 GB": 81_559 * 1024**2, "141 GB": 143_771 * 1024**2}
+"""Device memory as ``nvidia-smi`` reports it: H100 80 GB (81,559 MiB) and H200 141 GB (143,771 MiB)."""
+RUNTIME_RESERVE = int(1.5 * GIB)
+"""Held outside PyTorch's tensors on every device: the CUDA context, NCCL's buffers, allocator slack."""
+VLLM_PROFILE_TOKENS = 8192
+"""Tokens of vLLM's profiling forward (its default ``max_num_batched_tokens``), which sizes its activations."""
+VLLM_PROFILE_SEQUENCES = 256
+"""Sequences of that forward (vLLM's default ``max_num_seqs``): one row of fp32 logits each."""
+
+
+@dataclass
+class EngineBudget:
+    """The rollout engine's share of one device, in bytes (vLLM's arithmetic).
+
+    Attributes:
+        share: ``gpu_memory_utilization`` × the device.
+        trainer_resident: what the trainer keeps on the device while the engine generates
+            (colocated: weights, Adam moments and teacher, unless offloaded; split: 0).
+        weights: the student in 16 bits (this device's slice of it with tensor parallel).
+        activations: the profiling forward's activations and logits (an estimate).
+        kv_cache: what is left for the KV cache.
+        kv_tokens: tokens of KV cache at the student's shape (the whole engine's, over its devices).
+        kv_sequences: sequences of the planned length (prompt + response) that fit.
+    """
+
+    share: int
+    trainer_resident: int
+    weights: int
+    activations: int
+    kv_cache: int
+    kv_tokens: int
+    kv_sequences: int
+
+
+@dataclass
+class MemoryPlan:
+    """What ``opd plan`` found (see the module docstring); bytes per device."""
+
+    world_size: int
+    student: str
+    teacher: str | None
+    teacher_placement: str
+    micro_batch_size: int
+    prompt_tokens: int
+    response_tokens: int
+    vocab_size: int
+    activation_checkpointing: bool
+    student_parameters_total: int
+    teacher_parameters_total: int
+    ranks: dict[str, list[RankMemory]]
+    """``"off"`` / ``"on"`` (activation checkpointing) → the ranks dry-run."""
+    ranks_equal: bool
+    teacher_whole_bytes: int
+    loss_chunk_rows: int
+    loss_chunk_bytes: int
+    kv_bytes_per_token: int
+    engine: dict[str, dict[str, EngineBudget]] = field(default_factory=dict)
+    """Device → ``"kept"`` / ``"offloaded"`` (``cluster.trainer.offload_during_generation``) → budget."""
+    dry_run_steps: int = 1
+    teacher_in_trainer: str = ""
+    """What of the teacher a trainer rank holds: a colocated copy, a pooled or served teacher's output layer, none."""
+    shard_ranks: int = 0
+    """Ranks each parameter is sharded over: the trainer workers, or an HSDP group."""
+    lora: bool = False
+    """The student trains LoRA adapters (its base weights are frozen: no gradients or Adam moments for them)."""
+    teacher_replica: ReplicaMemory | None = None
+    """A teacher pool: what the first device of one replica holds while it scores a micro-batch."""
+    teacher_shards_per_replica: int = 1
+
+    def peak(self, checkpointing: bool) -> int:
+        """The largest peak over the ranks dry-run with or without activation checkpointing."""
+        runs = self.ranks.get("on" if checkpointing else "off", [])
+        return max((rank.peak for rank in runs), default=0)
+
+    def verdicts(self) -> dict[str, dict[str, bool]]:
+        """Device → ``"off"`` / ``"on"`` → whether the trainer's peak plus the runtime reserve fits."""
+        return {
+            device: {key: self.peak(key == "on") + RUNTIME_RESERVE <= size for key in self.ranks}
+            for device, size in DEVICES.items()
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything as plain JSON values (``opd plan --json``)."""
+        data = asdict(self)
+        data["ranks"] = {
+            key: [{**asdict(rank), "standing": rank.standing, "transient": rank.transient} for rank in runs]
+            for key, runs in self.ranks.items()
+        }
+        data["verdicts"] = self.verdicts()
+        data["devices"] = DEVICES
+        data["runtime_reserve"] = RUNTIME_RESERVE
+        return data
+
+
+def _parameter_shapes(config: PretrainedConfig) -> list[torch.Size]:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [parameter.shape for parameter in model.parameters()]
+
+
+def _kv_bytes_per_token(config: PretrainedConfig, element_bytes: int = 2) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element_bytes
+
+
+def _engine_budget(
+    device_bytes: int,
+    utilization: float,
+    trainer_resident: int,
+    student: PretrainedConfig,
+    student_parameters: int,
+    vocab_size: int,
+    row_tokens: int,
+    tensor_parallel: int = 1,
+) -> EngineBudget:
+    """One device's share of a rollout engine: its weights, profiling activations and KV cache.
+
+    With tensor parallel over ``tensor_parallel`` devices each holds a slice of the weights
+    and of the KV heads (heads are replicated where there are fewer than devices); the
+    tokens that fit are the engine's, over all its devices.
+    """
+    share = int(device_bytes * utilization)
+    weights = 2 * student_parameters // tensor_parallel
+    # The profiling forward: per token, the residual stream and attention projections
+    # (~4 × hidden) and the MLP's gate, up and product (~3 × intermediate) in 16 bits;
+    # plus one row of fp32 logits per sequence.
+    per_token = 2 * (4 * student.hidden_size + 3 * student.intermediate_size)
+    activations = VLLM_PROFILE_TOKENS * per_token + VLLM_PROFILE_SEQUENCES * vocab_size * 4
+    kv_cache = max(share - trainer_resident - weights - activations, 0)
+    kv_slices = min(tensor_parallel, student.num_key_value_heads)
+    per_kv_token = -(-_kv_bytes_per_token(student) // kv_slices)
+    tokens = kv_cache // per_kv_token
+    return EngineBudget(share, trainer_resident, weights, activations, kv_cache, tokens, tokens // row_tokens)
+
+
+def _needs_last_rank(shapes: list[torch.Size], world_size: int) -> bool:
+    """Whether some parameter's rows do not divide by the ranks (then the last rank holds fewer)."""
+    return any(len(shape) and shape[0] % world_size for shape in shapes)
+
+
+def _plannable_cluster(config: MasterConfig) -> ClusterConfig:
+    """The config's ``cluster:`` section, if the dry run can plan it (see :func:`plan_memory`'s errors)."""
+    cluster = config.cluster
+    if cluster is None:
+        raise ConfigError(
+            "opd plan plans a cluster run: the config has no cluster: section (e.g. cluster.trainer.workers=8)"
+        )
+    if config.teachers is not None:
+        raise ConfigError(
+            "opd plan plans one teacher (model.teacher_model_path or teacher:); several teachers (teachers:) are not "
+            "planned yet: plan each member's run alone"
+        )
+    return cluster
+
+
+def _add_engine_budgets(
+    plan: MemoryPlan, config: MasterConfig, cluster: ClusterConfig, student_config: PretrainedConfig, shape: StepShape
+) -> None:
+    """The rollout engine's KV-cache budget per device size, with the trainer's state kept or offloaded."""
+    student_parameters, vocab = plan.student_parameters_total, plan.vocab_size
+    first = next(iter(plan.ranks.values()))[0]
+    utilization = config.generation.vllm.gpu_memory_utilization
+    resident_kept = (
+        0 if not cluster.colocated else first.student_parameters + first.optimizer_state + first.teacher_parameters
+    )
+    for device, size in DEVICES.items():
+        plan.engine[device] = {
+            label: _engine_budget(
+                size,
+                utilization,
+                resident,
+                student_config,
+                student_parameters,
+                vocab,
+                shape.row_tokens,
+                config.generation.vllm.tensor_parallel_size,
+            )
+            # cluster.trainer.offload_during_generation moves the Adam moments and the
+            # teacher to the host; the student's shard stays (the refit reads it).
+            for label, resident in (
+                ("kept", resident_kept),
+                ("offloaded", 0 if not cluster.colocated else first.student_parameters),
+            )
+        }
+
+
+@dataclass(frozen=True)
+class _TeacherPlacement:
+    """Where the plan puts the teacher, and what of it each trainer rank holds."""
+
+    label: str
+    in_trainer: str
+    """What of the teacher each trainer rank holds (the table's row)."""
+    colocated_path: str | None
+    """The teacher the trainer ranks hold (sharded or whole); None when it runs apart."""
+    head_path: str | None
+    """A teacher apart that answers a full-vocabulary loss: the trainer ranks hold its output layer."""
+    sharded_in_trainer: bool
+    pool_shards: int | None
+    """A teacher pool: the devices of one replica; None otherwise."""
+
+    @classmethod
+    def of(
+        cls, config: MasterConfig, cluster: ClusterConfig, teacher_path: str | None, loss_fn: Any
+    ) -> _TeacherPlacement:
+        full_vocab = isinstance(loss_fn.teacher_request, FullVocabRequest)
+        if not config.teacher.served and not cluster.teacher.in_pool:
+            label = "colocated, sharded" if cluster.teacher.sharded else "colocated, whole"
+            return cls(label, label, teacher_path, None, cluster.teacher.sharded, None)
+        head = teacher_path if full_vocab else None
+        if full_vocab and teacher_path is None:
+            raise ConfigError(
+                "opd plan: a full-vocabulary loss binds the served teacher's hidden states to its output layer, read "
+                "from model.teacher_model_path; set it"
+            )
+        in_trainer = "its output layer" if head else "none"
+        if config.teacher.served:
+            return cls("served", in_trainer, None, head, False, None)
+        if cluster.teacher.scores_with_vllm:  # vLLM's own memory management: not a forward the dry run can run
+            devices = cluster.teacher.vllm.tensor_parallel_size
+            label = f"pool of vLLM engines over {devices} device(s), not dry-run"
+            return cls(label, in_trainer, None, head, False, None)
+        shards = cluster.teacher.shards_per_replica
+        label = f"pool, {'whole replicas' if shards == 1 else f'replicas sharded over {shards} devices'}"
+        return cls(label, in_trainer, None, head, False, shards)
+
+
+def _trainer_spec(
+    config: MasterConfig, cluster: ClusterConfig, placement: _TeacherPlacement, checkpointing: bool
+) -> TrainerSpec:
+    """The trainer ranks as the run builds them, for the dry run (adaptive Adam as CUDA gets it)."""
+    # What CUDA gets from `adam_implementation: auto` (the stand-in accelerator would get foreach).
+    optimizer = config.training
+    if optimizer.adam_implementation == "auto":
+        optimizer = optimizer.model_copy(update={"adam_implementation": "fused"})
+    return TrainerSpec(
+        student_path=config.model.student_model_path,
+        teacher_path=placement.colocated_path,
+        loading=config.model,
+        optimizer=optimizer,
+        total_steps=config.training.max_num_steps or 1,
+        backend="nccl",
+        timeout_s=cluster.worker_timeout_s,
+        threads=1,
+        reshard_after_forward=cluster.trainer.reshard_after_forward,
+        teacher_sharded=cluster.teacher.sharded,
+        shard_group_size=cluster.trainer.shard_group_size,
+        activation_checkpointing=checkpointing,
+        teacher_head_path=placement.head_path,
+        lora=config.model.active_lora(),
+        seed=config.training.seed,
+    )
+
+
+def _step_shape(config: MasterConfig, world: int) -> StepShape:
+    """The micro-batches one rank trains on in a step, as the config sizes them."""
+    if config.data.max_prompt_length is None:
+        raise ConfigError("opd plan sizes each row as data.max_prompt_length + the response's max_length: set it")
+    micro_batch_size, accumulation = resolve_micro_batching(config)
+    # Two micro-batches when a rank gets several: the second runs beside the gradients
+    # the first left, as every later one does (more add no memory).
+    per_rank = math.ceil(accumulation / world)
+    return StepShape(
+        micro_batch_size,
+        config.data.max_prompt_length,
+        config.distillation.generate_strategy.max_length,
+        micro_batches=min(per_rank, 2),
+    )
+
+
+def plan_memory(
+    config: MasterConfig, checkpointing_variants: tuple[bool, ...] = (False, True), *, every_layer: bool = False
+) -> MemoryPlan:
+    """Dry-runs the configured cluster's trainer and works out the rest of the plan.
+
+    Args:
+        config: a run config with a ``cluster:`` section.
+        checkpointing_variants: activation checkpointing off and/or on (each is one dry run per rank shown).
+        every_layer: trace every decoder layer; by default a deep model with alike layers
+            is traced at 3 and 4 layers and extrapolated (:mod:`opd.plan.layer_extrapolation`).
+
+    Raises:
+        ConfigError: no ``cluster:`` section, a teacher the dry run does not place in the
+            trainer (a pool or a served teacher), or a model without a config.
+    """
+    cluster = _plannable_cluster(config)
+    from opd.distillation.setup import resolve_teacher_path
+
+    world = cluster.trainer.workers
+    # HSDP shards within groups of shard_group_size ranks (and replicates across them).
+    shard_ranks = cluster.trainer.shard_group_size or world
+    student_path = config.model.student_model_path
+    # A served top-k or token-log-prob teacher needs no path: nothing of it is on the cluster.
+    teacher_path = resolve_teacher_path(config) if config.model.teacher_model_path is not None else None
+    student_config = model_config(student_path)
+    teacher_config = model_config(teacher_path) if teacher_path is not None else None
+    vocab = tokenizer_size(config.model.tokenizer_path or student_path)
+    shape = _step_shape(config, world)
+    micro_batch_size = shape.micro_batch_size
+    loss_settings = config.loss_fn
+    if hasattr(loss_settings, "compile_kernels"):  # the dry run measures the eager kernels (an upper bound)
+        loss_settings = loss_settings.model_copy(update={"compile_kernels": False})
+    loss_fn = loss_settings.build(vocab, "cpu")
+    placement = _TeacherPlacement.of(config, cluster, teacher_path, loss_fn)
+    student_shapes = _parameter_shapes(student_config)
+    teacher_shapes = _parameter_shapes(teacher_config) if teacher_config is not None else []
+    uneven = _needs_last_rank(student_shapes + (teacher_shapes if placement.sharded_in_trainer else []), shard_ranks)
+    ranks_to_run = [0, world - 1] if uneven and world > 1 else [0]
+    hidden_size = teacher_config.hidden_size if teacher_config is not None else None
+    runs = {
+        "on" if checkpointing else "off": [
+            dry_run_rank(
+                _trainer_spec(config, cluster, placement, checkpointing),
+                world,
+                rank,
+                shape,
+                loss_fn,
+                vocab,
+                hidden_size,
+                every_layer=every_layer,
+            )
+            for rank in ranks_to_run
+        ]
+        for checkpointing in checkpointing_variants
+    }
+    # model.parameters() yields a tied head once, so these count distinct weights.
+    student_parameters = sum(math.prod(shape) for shape in student_shapes)
+    teacher_parameters = sum(math.prod(shape) for shape in teacher_shapes)
+    teacher_dtype_bytes = 2 if config.model.dtype in ("bfloat16", "float16", "auto") else 4
+    chunk_rows = getattr(loss_fn, "chunk_size", None) or default_chunk_rows(vocab)
+    plan = MemoryPlan(
+        world_size=world,
+        student=student_path,
+        teacher=teacher_path,
+        teacher_placement=placement.label,
+        teacher_in_trainer=placement.in_trainer,
+        micro_batch_size=micro_batch_size,
+        prompt_tokens=shape.prompt_tokens,
+        response_tokens=shape.response_tokens,
+        vocab_size=vocab,
+        activation_checkpointing=cluster.trainer.activation_checkpointing,
+        student_parameters_total=student_parameters,
+        teacher_parameters_total=teacher_parameters,
+        ranks=runs,
+        ranks_equal=not uneven,
+        teacher_whole_bytes=teacher_parameters * teacher_dtype_bytes,
+        loss_chunk_rows=chunk_rows,
+        loss_chunk_bytes=chunk_rows * vocab * 4,
+        kv_bytes_per_token=_kv_bytes_per_token(student_config),
+        shard_ranks=shard_ranks,
+        lora=config.model.active_lora() is not None,
+    )
+    if placement.pool_shards is not None:
+        assert teacher_path is not None and loss_fn.teacher_request is not None
+        dtype = torch.bfloat16 if teacher_dtype_bytes == 2 else torch.float32
+        plan.teacher_replica = dry_run_teacher_replica(
+            teacher_path, dtype, placement.pool_shards, shape, loss_fn.teacher_request, every_layer=every_layer
+        )
+        plan.teacher_shards_per_replica = placement.pool_shards
+    _add_engine_budgets(plan, config, cluster, student_config, shape)
+    return plan
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:8.2f}"
+
+
+def _g(value: int) -> str:
+    """``value`` in GiB, two decimals, no padding."""
+    return f"{value / GIB:.2f}"
+
+
+def _layers_line(plan: MemoryPlan) -> str:
+    """Which models the dry runs traced whole, and which at a few layers and extrapolated."""
+    depths: dict[str, int] = {}
+    for rank in (rank for ranks in plan.ranks.values() for rank in ranks):
+        depths.update(rank.extrapolated_layers)
+    if plan.teacher_replica is not None:
+        depths.update(plan.teacher_replica.extrapolated_layers)
+    if not depths:
+        return "layers: every layer traced"
+    models = ", ".join(f"{path} to {depth}" for path, depth in depths.items())
+    return (
+        f"layers: traced at {BASE_DEPTH} and {BASE_DEPTH + 1} and extrapolated ({models}); "
+        "--every-layer traces every layer"
+    )
+
+
+def render_plan(plan: MemoryPlan) -> str:
+    """The plan as plain-text tables: GiB per device, one column per dry run."""
+    keys = list(plan.ranks)
+    columns = [(key, rank) for key in keys for rank in plan.ranks[key]]
+    header = "".join(f"  AC {key:>3} r{rank.rank:<2}" for key, rank in columns)
+    lines = [
+        f"opd plan: {plan.world_size} trainer ranks; student {plan.student} "
+        f"({plan.student_parameters_total / 1e9:.2f} B parameters), teacher {plan.teacher} "
+        f"({plan.teacher_parameters_total / 1e9:.2f} B, {plan.teacher_placement}); micro-batch "
+        f"{plan.micro_batch_size} × ({plan.prompt_tokens} prompt + {plan.response_tokens} response) tokens; "
+        f"vocabulary {plan.vocab_size:,}",
+        "ranks: "
+        + (
+            f"all {plan.world_size} hold equal shards (every parameter's rows divide by {plan.world_size}); "
+            "rank 0 shown"
+            if plan.ranks_equal
+            else f"uneven shards: rank 0 and rank {plan.world_size - 1} shown"
+        ),
+        _layers_line(plan),
+        "",
+        f"trainer, GiB per device{'':14}" + header,
+    ]
+
+    def row(label: str, values: list[int]) -> None:
+        lines.append(f"{label:<38}" + "".join(f"  {_gib(value):>13}" for value in values))
+
+    if plan.lora:
+        lines.append(
+            "student: LoRA adapters on frozen base weights (gradients and Adam moments for the adapters alone)"
+        )
+    row("student parameters (fp32 shard)", [rank.student_parameters for _, rank in columns])
+    row("student gradients (fp32 shard)", [rank.student_gradients for _, rank in columns])
+    row("optimizer state (Adam, fp32 shard)", [rank.optimizer_state for _, rank in columns])
+    row(f"teacher ({plan.teacher_in_trainer})", [rank.teacher_parameters for _, rank in columns])
+    row("activations, gathered layers, loss", [rank.transient for _, rank in columns])
+    row("peak (measured by the dry run)", [rank.peak for _, rank in columns])
+    for kind in ("Activation", "Temp", "All Gather", "Unsharded Param", "Reduce Scatter"):
+        if any(rank.peak_breakdown.get(kind) for _, rank in columns):
+            row(f"  at the peak: {kind.lower()}", [rank.peak_breakdown.get(kind, 0) for _, rank in columns])
+    if plan.teacher_replica is not None:
+        replica = plan.teacher_replica
+        lines += [
+            "",
+            f"teacher {plan.teacher_placement}, GiB per device of a replica scoring one micro-batch:",
+            f"  weights {_g(replica.weights)}   answer sent {_g(replica.answer)}   "
+            f"peak (measured by the dry run) {_g(replica.peak)}   "
+            + "   ".join(
+                f"{device}: {'fits' if replica.peak + RUNTIME_RESERVE <= size else 'DOES NOT FIT'}"
+                for device, size in DEVICES.items()
+            ),
+        ]
+    lines += [
+        "",
+        "teacher placements, weights per device (16 bits):",
+        f"  colocated, sharded over {plan.shard_ranks}: {_g(plan.teacher_whole_bytes // plan.shard_ranks)} GiB   "
+        f"colocated, whole: {_g(plan.teacher_whole_bytes)} GiB   "
+        f"pool replica (whole, one device): {_g(plan.teacher_whole_bytes)} GiB",
+        f"loss: fused chunks of {plan.loss_chunk_rows} positions × {plan.vocab_size:,} = "
+        f"{plan.loss_chunk_bytes / 2**20:.0f} MiB of fp32 logits per chunk (in the peak above)",
+        "",
+        "verdict (peak + 1.5 GiB runtime reserve):",
+    ]
+    for device, by_key in plan.verdicts().items():
+        verdict = ", ".join(
+            f"activation checkpointing {key}: {'fits' if fits else 'DOES NOT FIT'} "
+            f"({_g(plan.peak(key == 'on') + RUNTIME_RESERVE)} GiB)"
+            for key, fits in by_key.items()
+        )
+        lines.append(f"  {device:>6}: {verdict}")
+    lines += ["", f"rollout engine (vLLM's arithmetic, KV cache at {plan.kv_bytes_per_token:,} bytes per token):"]
+    for device, budgets in plan.engine.items():
+        for label, budget in budgets.items():
+            what = "trainer state kept on the device" if label == "kept" else "Adam moments, teacher offloaded"
+            lines.append(
+                f"  {device:>6}, {what:<33}: share {_g(budget.share)} − trainer {_g(budget.trainer_resident)} "
+                f"− weights {_g(budget.weights)} − activations {_g(budget.activations)} = KV {_g(budget.kv_cache)} GiB "
+                f"= {budget.kv_tokens:,} tokens = {budget.kv_sequences:,} sequences of "
+                f"{plan.prompt_tokens + plan.response_tokens}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,3 @@
+"""Rollout: the student's generation engines (HF, vLLM), decoding, stop tokens, multi-turn episodes and their
+environments.
+"""

@@ -1,0 +1,301 @@
+"""Running one tool call within limits: every failure becomes a message, never an exception.
+
+:func:`run_tool` checks the call's arguments against the tool's schema, runs the tool
+(on a thread or in a worker process, :attr:`SandboxLimits.isolation`) and waits at most
+``timeout_s`` for it, then turns what it returned into text no longer than
+``max_output_chars`` (longer output is cut, and the cut is said in the message). An
+unknown tool, arguments that do not fit the schema, an exception inside the tool, a
+timeout, a value that cannot be written as text, or (in a process) the tool ending its
+process each come back as a failed :class:`ToolOutcome` whose ``content`` tells the
+student what went wrong, so a misbehaving tool or a confused model never takes the run
+down.
+
+``thread``: the tool runs on a daemon thread of this process. The time limit bounds how
+long the rollout waits, not what the tool computes: Python cannot stop a thread, so a
+tool that ignores the limit keeps running in the background (as a daemon, it does not
+keep the process alive), and a tool that ends the process ends the run.
+
+``process``: the tool runs in a warm worker process (started once with the
+``forkserver`` method where the platform has it, else ``spawn``, and reused for later
+calls; concurrent calls each take an idle worker or start one). A worker whose tool
+passes the limit is killed, with its process group (what the tool started), and the next
+call starts a fresh one, so a runaway tool stops at the limit; one whose tool ends it
+(``os._exit``, a crash) is replaced the same way.
+On Linux the worker's address space is capped at ``max_memory_mb`` (a tool that
+allocates past it sees ``MemoryError``). The tool's function and arguments are pickled
+to the worker: a function defined at the top level of an importable module (as the
+built-in tools are) is sent by its name and imported there; a lambda or a nested
+function cannot be, and the call raises :class:`ValueError` naming the tool.
+
+Tools should still bound their own work; the built-in calculator bounds its numbers
+before computing (:mod:`opd.rollout.environments.calculator`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Literal
+
+from opd.rollout.environments.tools import Tool, argument_problem
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Limits of every tool call.
+
+    Attributes:
+        timeout_s: longest wait for a tool's result, in seconds.
+        max_output_chars: longest tool output passed to the student; longer output is cut.
+        isolation: where the tool runs: ``thread`` (this process) or ``process`` (a worker
+            process, killed at the time limit).
+        max_memory_mb: in ``process`` isolation on Linux, the worker's address-space limit
+            in MiB (None: no limit).
+    """
+
+    timeout_s: float = 5.0
+    max_output_chars: int = 2000
+    isolation: Literal["thread", "process"] = "thread"
+    max_memory_mb: int | None = 2048
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_output_chars < 1:
+            raise ValueError(f"max_output_chars must be >= 1, got {self.max_output_chars}")
+        if self.isolation not in ("thread", "process"):
+            raise ValueError(f"isolation must be 'thread' or 'process', got {self.isolation!r}")
+        if self.max_memory_mb is not None and self.max_memory_mb < 1:
+            raise ValueError(f"max_memory_mb must be >= 1 or None, got {self.max_memory_mb}")
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    """What one call gave the student.
+
+    Attributes:
+        content: the tool's output, or the error, as the ``tool`` message's text.
+        ok: the tool ran and returned within its limits (a cut output is still ok).
+    """
+
+    content: str
+    ok: bool
+
+
+def error_message(reason: str) -> str:
+    """How a failed call reads to the student."""
+    return f"Error: {reason}"
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}\n[output cut: {len(text)} characters, the limit is {limit}]"
+
+
+def _failure_detail(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def run_tool(tool: Tool | None, name: str, arguments: dict[str, Any], limits: SandboxLimits) -> ToolOutcome:
+    """Runs ``tool`` with ``arguments`` within ``limits``; a failure is a failed outcome.
+
+    Args:
+        tool: the registered tool, or None when no tool is called ``name``.
+        name: the name the call asked for.
+        arguments: the call's arguments.
+        limits: time and output-size limits, and where the tool runs.
+
+    Raises:
+        ValueError: in ``process`` isolation, when the tool's function cannot be sent to
+            a worker process (it is not importable by name): a setup error, not the student's.
+    """
+    if tool is None:
+        return ToolOutcome(error_message(f"there is no tool named {name!r}"), False)
+    problem = argument_problem(tool.parameters, arguments)
+    if problem is not None:
+        return ToolOutcome(error_message(f"{name}: {problem}"), False)
+    if limits.isolation == "process":
+        return _run_in_process(tool, name, arguments, limits)
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            result["value"] = _as_text(tool.function(**arguments))
+        except BaseException as error:  # whatever the tool raises (even SystemExit) is an observation
+            result["error"] = error
+
+    worker = threading.Thread(target=call, name=f"tool-{name}", daemon=True)
+    worker.start()
+    worker.join(limits.timeout_s)
+    if worker.is_alive():
+        return ToolOutcome(error_message(f"{name} did not finish within {limits.timeout_s:g} s"), False)
+    if "error" in result:
+        detail = _failure_detail(result["error"])
+        return ToolOutcome(_cut(error_message(f"{name} failed: {detail}"), limits.max_output_chars), False)
+    return ToolOutcome(_cut(result["value"], limits.max_output_chars), True)
+
+
+# --------------------------------------------------------------------------- process isolation
+
+WORKER_START_TIMEOUT_S = 60.0
+"""Longest wait for a new worker process to be ready (not counted in a call's time limit)."""
+
+
+def _serve_tools(connection: Connection, max_memory_mb: int | None) -> None:
+    """A worker process's loop: receive ``(function, arguments, max_output_chars)``, answer ``(reply, text)``."""
+    if hasattr(os, "setsid"):
+        os.setsid()  # its own process group: a kill at the limit also reaches what the tool started
+    if max_memory_mb is not None and sys.platform == "linux":
+        import resource
+
+        limit = max_memory_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    connection.send(("ready", ""))
+    while True:
+        try:
+            payload = connection.recv_bytes()
+        except EOFError:  # the parent went away
+            return
+        try:
+            function, arguments, max_output_chars = pickle.loads(payload)  # may import the tool's module
+        except BaseException as error:
+            connection.send(("unloadable", _failure_detail(error)))
+            continue
+        connection.send(("loaded", ""))  # the time limit starts here, as the call does
+        try:
+            reply = ("value", _cut(_as_text(function(**arguments)), max_output_chars))
+        except BaseException as error:  # whatever the tool raises (even SystemExit) is an observation
+            reply = ("error", _failure_detail(error))
+        connection.send(reply)
+
+
+class _ToolWorker:
+    """One worker process and this process's end of its pipe."""
+
+    def __init__(self, max_memory_mb: int | None) -> None:
+        context: Any = multiprocessing.get_context(
+            "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        )
+        self.max_memory_mb = max_memory_mb
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=_serve_tools, args=(child, max_memory_mb), daemon=True)
+        self.process.start()
+        child.close()
+        try:
+            if not self.connection.poll(WORKER_START_TIMEOUT_S):
+                raise RuntimeError(f"a tool worker process did not start within {WORKER_START_TIMEOUT_S:g} s")
+            self.connection.recv()
+        except (EOFError, OSError) as error:
+            self.stop()
+            raise RuntimeError(
+                f"a tool worker process ended while starting (exit code {self.process.exitcode}); a script that "
+                "runs tools in processes needs the `if __name__ == '__main__':` guard, as any multiprocessing use"
+            ) from error
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Kills the process and its process group (whatever the tool started), and waits for it."""
+        pid = self.process.pid
+        if pid is not None and hasattr(os, "killpg"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.connection.close()
+
+
+class _WorkerPool:
+    """Idle warm workers, by memory limit; a call takes one (or starts one) and gives it back if it survived."""
+
+    def __init__(self) -> None:
+        self._idle: list[_ToolWorker] = []
+        self._lock = threading.Lock()
+
+    def take(self, max_memory_mb: int | None) -> _ToolWorker:
+        with self._lock:
+            dead = [worker for worker in self._idle if not worker.process.is_alive()]
+            self._idle = [worker for worker in self._idle if worker not in dead]
+            chosen = next((worker for worker in self._idle if worker.max_memory_mb == max_memory_mb), None)
+            if chosen is not None:
+                self._idle.remove(chosen)
+        for worker in dead:  # ended while idle (killed from outside): reaped, not reused
+            worker.stop()
+        return chosen if chosen is not None else _ToolWorker(max_memory_mb)
+
+    def give_back(self, worker: _ToolWorker) -> None:
+        with self._lock:
+            self._idle.append(worker)
+
+    def stop_all(self) -> None:
+        with self._lock:
+            workers, self._idle = self._idle, []
+        for worker in workers:
+            worker.stop()
+
+    def worker_pids(self) -> list[int]:
+        """The idle workers' process ids (for tests)."""
+        with self._lock:
+            return [worker.process.pid for worker in self._idle if worker.process.pid is not None]
+
+
+WORKERS = _WorkerPool()
+"""This process's tool workers (``process`` isolation)."""
+atexit.register(WORKERS.stop_all)
+
+
+def _run_in_process(tool: Tool, name: str, arguments: dict[str, Any], limits: SandboxLimits) -> ToolOutcome:
+    """:func:`run_tool` in a worker process: killed at the time limit, replaced if it ends."""
+    try:
+        payload = pickle.dumps((tool.function, arguments, limits.max_output_chars))
+    except Exception as error:
+        raise ValueError(
+            f"tool {name!r} cannot run with environment.tool_isolation = process: its function is not importable "
+            f"by name ({_failure_detail(error)}); define it at the top level of a module, or use thread isolation"
+        ) from error
+    worker = WORKERS.take(limits.max_memory_mb)
+    try:
+        worker.connection.send_bytes(payload)
+        # Loading the function (importing its module in a fresh worker) is not the tool's time.
+        if not worker.connection.poll(WORKER_START_TIMEOUT_S):
+            worker.stop()
+            return ToolOutcome(
+                error_message(f"{name}: its function did not load within {WORKER_START_TIMEOUT_S:g} s"), False
+            )
+        reply, text = worker.connection.recv()
+        if reply == "loaded":
+            if not worker.connection.poll(limits.timeout_s):
+                worker.stop()  # the runaway tool ends here, with its process
+                return ToolOutcome(error_message(f"{name} did not finish within {limits.timeout_s:g} s"), False)
+            reply, text = worker.connection.recv()
+    except (EOFError, OSError):  # the tool ended its process (os._exit, a crash, the memory limit's kill)
+        worker.stop()
+        code = worker.process.exitcode
+        return ToolOutcome(error_message(f"{name} ended its process (exit code {code})"), False)
+    WORKERS.give_back(worker)
+    if reply == "unloadable":
+        raise ValueError(
+            f"tool {name!r} cannot run with environment.tool_isolation = process: the worker process could not "
+            f"import its function ({text}); define it at the top level of a module on the worker's sys.path"
+        )
+    if reply == "error":
+        return ToolOutcome(_cut(error_message(f"{name} failed: {text}"), limits.max_output_chars), False)
+    return ToolOutcome(text, True)

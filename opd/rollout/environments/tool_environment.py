@@ -1,0 +1,94 @@
+"""The tool environment: the student calls tools in the template's format; the verifier gives the reward.
+
+Each turn of the student is read for tool calls (:mod:`opd.rollout.environments.tool_calls`).
+
+* A turn with calls: each call runs in the sandbox (:mod:`opd.rollout.environments.sandbox`) and
+  its result, or its error, comes back as one ``tool`` message, in the order of the
+  calls. A malformed call is answered with an error message too, so the student sees
+  every call it made answered and can correct itself.
+* A turn without calls is the student's answer: the episode ends, and the reward is the
+  math verifier's grade of that turn against the row's ``ground_truth``
+  (:func:`opd.rollout.environments.math_verifier.is_correct`: 1.0 or 0.0; None without a ground truth).
+* A turn cut at its length limit, or the rollout's last turn, also ends the episode with
+  the verifier's grade of the turn (no tool runs then: its result would never be read).
+* An episode the rollout stops after a turn with calls (its results would not fit under
+  ``max_episode_tokens``) is graded on that turn too (:meth:`ToolEpisode.stop`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from opd.rollout.environments.base import Environment, Episode, StepResult, StudentTurn
+from opd.rollout.environments.math_verifier import is_correct
+from opd.rollout.environments.sandbox import SandboxLimits, ToolOutcome, error_message, run_tool
+from opd.rollout.environments.tool_calls import MalformedCall, parse_tool_calls
+from opd.rollout.environments.tools import ToolRegistry
+
+Grader = Callable[[str, Mapping[str, Any]], float | None]
+"""Grades the final turn's text against its row: the episode's reward (None: no reward)."""
+
+TOOL_ROLE = "tool"
+
+
+def math_reward(answer: str, row: Mapping[str, Any]) -> float | None:
+    """1.0 when the math verifier accepts ``answer`` for the row's ``ground_truth``, else 0.0 (None without one)."""
+    ground_truth = row.get("ground_truth")
+    if ground_truth is None:
+        return None
+    return 1.0 if is_correct(answer, str(ground_truth)) else 0.0
+
+
+class ToolEnvironment(Environment):
+    """Runs the student's tool calls; grades its final answer.
+
+    Args:
+        tools: the tools the student may call.
+        limits: time and output-size limits of every call.
+        grader: the final reward (default: the math verifier against ``ground_truth``).
+    """
+
+    def __init__(self, tools: ToolRegistry, limits: SandboxLimits | None = None, grader: Grader = math_reward) -> None:
+        self.tools = tools
+        self.limits = limits or SandboxLimits()
+        self.grader = grader
+
+    def start(self, row: Mapping[str, Any]) -> ToolEpisode:
+        """An episode on ``row``."""
+        return ToolEpisode(self, row)
+
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """The registered tools' schemas (None without tools)."""
+        return self.tools.schemas() or None
+
+
+class ToolEpisode(Episode):
+    """One trajectory in a :class:`ToolEnvironment`."""
+
+    def __init__(self, environment: ToolEnvironment, row: Mapping[str, Any]) -> None:
+        self.environment = environment
+        self.row = row
+        self.last_text = ""
+
+    def step(self, turn: StudentTurn, last_turn: bool = False) -> StepResult:
+        """Runs the turn's calls and answers with their results, or ends with the grade (see the module)."""
+        self.last_text = turn.text
+        calls = parse_tool_calls(turn.text)
+        well_formed = sum(not isinstance(call, MalformedCall) for call in calls)
+        if not calls or not turn.ended or last_turn:
+            reward = self.environment.grader(turn.text, self.row)
+            return StepResult([], True, reward, len(calls), well_formed, 0)
+        outcomes: list[ToolOutcome] = []
+        for call in calls:
+            if isinstance(call, MalformedCall):
+                outcomes.append(ToolOutcome(error_message(f"malformed tool call: {call.reason}"), False))
+            else:
+                tool = self.environment.tools.get(call.name)
+                outcomes.append(run_tool(tool, call.name, call.arguments, self.environment.limits))
+        messages = [{"role": TOOL_ROLE, "content": outcome.content} for outcome in outcomes]
+        return StepResult(messages, False, None, len(calls), well_formed, sum(outcome.ok for outcome in outcomes))
+
+    def stop(self) -> float | None:
+        """The grade of the last turn: the episode ends without the student's next turn."""
+        return self.environment.grader(self.last_text, self.row)

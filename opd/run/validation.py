@@ -1,0 +1,398 @@
+"""Validation: a model answers the validation prompts; accuracy, KL to the teacher, lengths.
+
+Shared by distillation (student vs teacher) and SFT (no teacher: accuracy and lengths
+only). Answers are checked with :mod:`opd.rollout.environments.math_verifier`. With an
+environment (``environment:``), the model plays whole episodes instead of answering in one
+turn (:class:`~opd.rollout.multi_turn.Episodes`, the same rollout training samples),
+and the environment's final reward grades them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.batches import attach_teacher_fields
+from opd.data.dataloaders import PreparedExample
+from opd.data.sequences import build_token_mask, shift_token_mask
+from opd.losses.objectives import token_kl, topk_token_kl
+from opd.models.decoding import GenerateStrategyConfig
+from opd.models.interfaces import (
+    FullVocabRequest,
+    GenerationInterface,
+    PolicyInterface,
+    SeveralTeachersSignal,
+    SingleTeacherSignal,
+    TeacherComparison,
+    TeacherInterface,
+    TeacherRequest,
+    TeacherSignal,
+    TopKLogprobs,
+    TopKRequest,
+)
+from opd.models.lm_head import LMHeadInput, default_chunk_rows
+from opd.rollout.environments.math_verifier import grade_responses
+from opd.rollout.multi_turn import EpisodeRecord, Episodes, episode_metrics
+from opd.run.harness import HarnessConfig
+from opd.teachers.several_teachers import waits_for_heads
+from opd.utils.config import StrictConfig
+
+log = logging.getLogger(__name__)
+
+
+class ValidationConfig(StrictConfig):
+    """When validation runs and how the model decodes for it."""
+
+    val_at_start: bool = True
+    val_at_end: bool = True
+    batch_size: int = Field(16, ge=1, description="prompts per validation generation batch")
+    generate_strategy: GenerateStrategyConfig = Field(
+        default_factory=lambda: GenerateStrategyConfig(decoding_method="greedy"),
+        description="the model's decoding for validation (greedy by default)",
+    )
+    harness_tasks: list[str] = Field(
+        default_factory=list,
+        description="at the end of the run, evaluate the final model on these tasks of an external harness "
+        "(validation.harness; pip install 'opd[eval]'); empty = none",
+    )
+    harness: HarnessConfig = Field(
+        default_factory=HarnessConfig, description="the external harness of harness_tasks and opd eval --harness"
+    )
+
+
+@dataclass(frozen=True)
+class TeacherEngine:
+    """A teacher that answers the validation prompts for the baselines (``validation.teacher_baseline``).
+
+    Attributes:
+        generation: samples from the teacher where it runs: an HF engine over its model in
+            process, its server (:class:`~opd.teachers.served.remote_generation.RemoteGeneration`),
+            or a cluster's rollout workers holding its weights
+            (:class:`~opd.distributed.rollout.TeacherOnRolloutWorkers`); the baselines close
+            it once the teacher has answered.
+        name: the teacher's name among several teachers (its metrics are ``val/teacher_<name>_*``);
+            None for the one teacher (``val/teacher_*``).
+        tokenizer: decodes and grades its answers: the run's, or a cross-tokenizer teacher's own.
+        prompt_key: ``teacher_prompt_ids`` where the teacher's prompt differs from the student's
+            (a teacher-only context, or the teacher's own tokenizer), else ``prompt_ids``.
+        route: with routing, the teacher answers only the prompts routed to it (the examples
+            whose ``teacher_index`` is ``route``); None: every prompt.
+    """
+
+    generation: GenerationInterface
+    name: str | None
+    tokenizer: Any
+    prompt_key: Literal["prompt_ids", "teacher_prompt_ids"] = "prompt_ids"
+    route: int | None = None
+
+    def answers(self, example: PreparedExample) -> bool:
+        """Whether this teacher answers ``example`` (routing: the examples routed to it)."""
+        return self.route is None or example.get("teacher_index") == self.route
+
+
+def validate(
+    generation: GenerationInterface,
+    policy: PolicyInterface | None,
+    teacher: TeacherInterface | None,
+    val_dataloader: StatefulDataLoader,
+    tokenizer: Any,
+    generate_strategy: GenerateStrategyConfig,
+    teacher_topk: int = 64,
+    prefix: str = "val/",
+    prompt_key: Literal["prompt_ids", "teacher_prompt_ids"] = "prompt_ids",
+    loss_request: TeacherRequest | None = None,
+    keep: Callable[[PreparedExample], bool] | None = None,
+    episodes: Episodes | None = None,
+) -> dict[str, float]:
+    """A model generates on the validation prompts; reports accuracy, KL and lengths.
+
+    Validation draws its own random numbers (``fork_rng``), so how often and with which
+    decoding it runs never changes the training run's sampling.
+
+    Args:
+        generation: engine that answers the prompts.
+        policy: the student whose distribution is compared with the teacher's (needed
+            with a teacher).
+        teacher: the teacher for ``kl_*``; None skips the KL (SFT, teacher baseline).
+        val_dataloader: validation examples.
+        tokenizer: decodes responses for answer checking.
+        generate_strategy: the decoding used for validation.
+        teacher_topk: the k asked of a teacher that cannot send its full vocabulary as
+            configured, when the loss is not itself top-k (see :func:`kl_request`).
+        prefix: metric-name prefix (``val/`` or ``val/teacher_``).
+        prompt_key: which prompt of each example the model answers: ``prompt_ids``, or
+            ``teacher_prompt_ids`` for a teacher answering with its teacher-only context.
+        loss_request: the signal the training loss asks the teacher for; its top-k is what
+            validation falls back to (see :func:`kl_request`).
+        keep: answers only the examples for which it is true (a routed teacher's own
+            prompts); None answers every example.
+        episodes: with an environment, the model plays an episode per prompt (up to its
+            ``max_turns``, each turn decoded with ``generate_strategy``) and is graded by the
+            environment's final reward; None answers in one turn.
+
+    Returns:
+        ``{prefix}kl_forward`` / ``kl_reverse`` (token means over the generated
+        responses; left out when the teacher answers none of :func:`kl_request`'s
+        signals), ``mean_response_length``, ``truncation_rate``, and ``accuracy`` when the
+        data has ground truth. With ``episodes``: the KL is over the model's own tokens of
+        each episode (its turns, not the observations), the response is everything after
+        the prompt, ``accuracy`` is the mean final reward (the share graded correct, for
+        the math verifier), and the episode metrics (:func:`~opd.rollout.multi_turn.episode_metrics`)
+        come with the prefix: ``turns``, ``tool_calls``, ``truncated_share``,
+        ``well_formed_share``, ``success_share`` and ``reward``.
+    """
+    vocab_size = len(tokenizer)
+    comparison = None
+    if teacher is not None:
+        request = kl_request(teacher, loss_request, vocab_size, teacher_topk)
+        if request is not None:
+            comparison = ValidationKL(request, vocab_size, student_classes=teacher.student_classes)
+    if comparison is not None and policy is None:
+        raise ValueError("validate needs the student policy to compare with the teacher")
+    teacher_signal = (
+        None
+        if comparison is None or teacher is None
+        else functools.partial(_one_answer, teacher, comparison.teacher_request)
+    )
+    totals = {"kl_forward": 0.0, "kl_reverse": 0.0, "tokens": 0.0, "length": 0.0, "truncated": 0.0}
+    correct, graded, rows = 0.0, 0, 0
+    records: list[EpisodeRecord] = []
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        for all_examples in val_dataloader:
+            examples = all_examples if keep is None else [example for example in all_examples if keep(example)]
+            if not examples:
+                continue
+            batch, episode_records = _answer(generation, tokenizer, examples, generate_strategy, prompt_key, episodes)
+            records += episode_records
+            if comparison is not None and teacher_signal is not None and policy is not None:
+                sums = _kl_sums(batch, examples, policy, comparison, teacher_signal)
+                for key in ("kl_forward", "kl_reverse", "tokens"):
+                    totals[key] += sums[key]
+            totals["length"] += float(batch["response_lengths"].sum())
+            totals["truncated"] += float(batch["truncated"].sum())
+            rows += batch.size
+            batch_correct, batch_graded = _grade(batch, examples, episode_records if episodes else None, tokenizer)
+            correct += batch_correct
+            graded += batch_graded
+    metrics = {
+        f"{prefix}mean_response_length": totals["length"] / max(rows, 1),
+        f"{prefix}truncation_rate": totals["truncated"] / max(rows, 1),
+    }
+    if comparison is not None:
+        tokens = max(totals["tokens"], 1.0)
+        metrics[f"{prefix}kl_forward"] = totals["kl_forward"] / tokens
+        metrics[f"{prefix}kl_reverse"] = totals["kl_reverse"] / tokens
+    if graded:
+        metrics[f"{prefix}accuracy"] = correct / graded
+    if episodes is not None:
+        for key, value in episode_metrics(records).items():
+            if key.startswith("env/"):
+                metrics[prefix + key.removeprefix("env/")] = value
+    return metrics
+
+
+def _answer(
+    generation: GenerationInterface,
+    tokenizer: Any,
+    examples: list[PreparedExample],
+    generate_strategy: GenerateStrategyConfig,
+    prompt_key: Literal["prompt_ids", "teacher_prompt_ids"],
+    episodes: Episodes | None,
+) -> tuple[BatchedDataDict, list[EpisodeRecord]]:
+    """The model's answers to one validation batch: one turn each, or (``episodes``) an episode each."""
+    generation.prepare_for_generation()
+    try:
+        if episodes is None:
+            prompts = [example[prompt_key] for example in examples]
+            return generation.generate(prompts, generate_strategy, 1, return_logprobs=False), []
+        # The student's own prompt is rendered from its messages, as in training.
+        rollout = episodes.rollout(
+            generation,
+            tokenizer,
+            examples,
+            generate_strategy,
+            return_logprobs=False,
+            prompt_key=None if prompt_key == "prompt_ids" else prompt_key,
+        )
+        return rollout.batch, rollout.episodes
+    finally:
+        generation.finish_generation()
+
+
+def _kl_sums(
+    batch: BatchedDataDict,
+    examples: list[PreparedExample],
+    policy: PolicyInterface,
+    comparison: ValidationKL,
+    teacher_signal: Callable[[BatchedDataDict], TeacherSignal],
+) -> dict[str, float]:
+    """The student's and the teacher's KL sums over one batch's response tokens (the student's own, in episodes)."""
+    attach_teacher_fields(batch, examples, 1)
+    if "token_mask" not in batch:  # an episode's mask already leaves out its observations
+        batch["token_mask"] = build_token_mask(
+            batch["input_lengths"], batch["prompt_lengths"], batch["input_ids"].shape[1], True
+        )
+    return policy.compare_with_teacher(batch, comparison, teacher_signal)
+
+
+def _grade(
+    batch: BatchedDataDict, examples: list[PreparedExample], records: list[EpisodeRecord] | None, tokenizer: Any
+) -> tuple[float, int]:
+    """``(correct, graded)`` over one batch: the episodes' final rewards, else each answer against its ground truth."""
+    if records is not None:
+        rewards = [record.reward for record in records if record.reward is not None]
+        return float(sum(rewards)), len(rewards)
+    grades = grade_responses(
+        batch["input_ids"],
+        batch["prompt_lengths"],
+        batch["input_lengths"],
+        [example["ground_truth"] for example in examples],
+        tokenizer,
+    )
+    return float(sum(grade is True for grade in grades)), sum(grade is not None for grade in grades)
+
+
+def kl_request(
+    teacher: TeacherInterface, loss_request: TeacherRequest | None, vocab_size: int, teacher_topk: int
+) -> TeacherRequest | None:
+    """The signal validation's KL asks ``teacher`` for: the most exact one it answers as configured.
+
+    The teacher says itself what it answers (:meth:`TeacherInterface.refusal`), so a
+    served teacher without its output layer, a teacher pool or a teacher with another
+    tokenizer is never asked for its full vocabulary. In order:
+
+    1. the full vocabulary: exact KLs;
+    2. the loss's own top-k, at temperature 1: the k this teacher is known to serve (a
+       vLLM server answers at most its ``--max-logprobs``);
+    3. the top ``teacher_topk``.
+
+    Top-k KLs are over the k + 1 classes of
+    :func:`~opd.losses.objectives.topk_token_kl`. Returns None when the teacher
+    answers none of these; validation then reports no KL.
+    """
+    candidates: list[TeacherRequest] = [FullVocabRequest()]
+    if isinstance(loss_request, TopKRequest):
+        candidates.append(TopKRequest(loss_request.k, 1.0, vocab_size))
+    candidates.append(TopKRequest(teacher_topk, 1.0, vocab_size))
+    for request in candidates:
+        if teacher.refusal(request) is None:
+            return request
+    log.warning("validation reports no KL: the teacher answers neither its full vocabulary nor a top-k")
+    return None
+
+
+class ValidationKL(TeacherComparison):
+    """Forward and reverse token KL to the teacher, summed over the response tokens, with their count.
+
+    Called by the policy on each micro-batch where the student's final hidden states are
+    (:meth:`~opd.models.interfaces.PolicyInterface.compare_with_teacher`): the student's
+    logits (and, from hidden states, the teacher's) are made chunk by chunk over the
+    response tokens, so no ``[tokens × vocab]`` tensor exists beyond one chunk, and only
+    the three sums leave. The divergences are :func:`token_kl` (full vocabulary) and
+    :func:`topk_token_kl` (the k + 1 classes of a top-k answer), at temperature 1.
+
+    Args:
+        teacher_request: the signal asked of the teacher (:func:`kl_request`); a
+            full-vocabulary request asks for hidden states and head where the teacher has them.
+        vocab_size: only the first ``vocab_size`` outputs of either head are tokens.
+        chunk_rows: positions per chunk; None picks :func:`default_chunk_rows`.
+        student_classes: what the teacher's top-k ids name when not student tokens
+            (:attr:`~opd.models.interfaces.TeacherInterface.student_classes`).
+    """
+
+    def __init__(
+        self,
+        teacher_request: TeacherRequest,
+        vocab_size: int,
+        chunk_rows: int | None = None,
+        student_classes: torch.Tensor | None = None,
+    ) -> None:
+        if isinstance(teacher_request, FullVocabRequest):
+            teacher_request = FullVocabRequest(prefer_hidden_states=True)
+        self.teacher_request = teacher_request
+        self.vocab_size = vocab_size
+        self.chunk_rows = chunk_rows or default_chunk_rows(vocab_size)
+        self.student_classes = student_classes
+
+    def __call__(self, student: LMHeadInput, teacher_output: TeacherSignal, data: BatchedDataDict) -> dict[str, float]:
+        """``{"kl_forward", "kl_reverse", "tokens"}`` over ``data``'s response tokens."""
+        if isinstance(teacher_output, SeveralTeachersSignal):  # each row's teacher (routing), or the mixture
+            teacher_output = teacher_output.combined()
+        device = student.hidden_states.device
+        # Logits at position t predict token t + 1 (shifted once, here).
+        mask = shift_token_mask(data["token_mask"]).bool().to(device)
+        student_rows = _head_over(student, student.hidden_states[:, :-1][mask], self.vocab_size)
+        teacher_rows = _teacher_rows(teacher_output, mask, self.vocab_size)
+        sums = {"kl_forward": 0.0, "kl_reverse": 0.0, "tokens": float(mask.sum())}
+        with torch.no_grad():
+            for begin in range(0, student_rows.hidden_states.shape[0], self.chunk_rows):
+                rows = slice(begin, begin + self.chunk_rows)
+                student_logits = student_rows.logits(rows)
+                for direction in ("forward", "reverse"):
+                    if isinstance(teacher_rows, tuple):
+                        logprobs, ids, rest = teacher_rows
+                        kl = topk_token_kl(
+                            student_logits,
+                            logprobs[rows],
+                            ids[rows],
+                            direction,
+                            teacher_rest_logprobs=None if rest is None else rest[rows],
+                            student_classes=self.student_classes,
+                        )
+                    else:
+                        teacher_logits = (
+                            teacher_rows.logits(rows) if isinstance(teacher_rows, LMHeadInput) else teacher_rows[rows]
+                        )
+                        kl = token_kl(student_logits, teacher_logits, direction)
+                    sums[f"kl_{direction}"] += float(kl.sum(dtype=torch.float64))
+        return sums
+
+
+def _head_over(head: LMHeadInput, hidden_rows: torch.Tensor, vocab_size: int) -> LMHeadInput:
+    """``head`` over the selected positions' hidden states, cut to the first ``vocab_size`` outputs."""
+    vocab = vocab_size if head.vocab_size is None else min(head.vocab_size, vocab_size)
+    return dataclasses.replace(head, hidden_states=hidden_rows, vocab_size=vocab)
+
+
+def _teacher_rows(
+    answer: SingleTeacherSignal, mask: torch.Tensor, vocab_size: int
+) -> LMHeadInput | torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The teacher's answer at the selected logit positions: a head over them, ``[N, V]`` logits,
+    or the top-k ``(log-probs [N, k], ids [N, k], rest log-probs [N] or None)``."""
+    device = mask.device
+    if isinstance(answer, LMHeadInput):
+        return _head_over(answer, answer.hidden_states[:, :-1].to(device)[mask], vocab_size)
+    if isinstance(answer, tuple):
+        top_logprobs, top_ids = answer
+        # A teacher that knows its full distribution sends the rest mass (exact); else None.
+        rest = answer.rest_logprobs if isinstance(answer, TopKLogprobs) else None
+        return (
+            top_logprobs[:, :-1].to(device)[mask],
+            top_ids[:, :-1].to(device)[mask],
+            None if rest is None else rest[:, :-1].to(device)[mask],
+        )
+    if not isinstance(answer, torch.Tensor) or answer.dim() != 3:
+        raise TypeError(f"validation's KL needs the teacher's logits, hidden states or top-k, got {type(answer)}")
+    return answer[:, :-1].to(device)[mask][..., :vocab_size]
+
+
+def _one_answer(teacher: TeacherInterface, request: TeacherRequest, data: BatchedDataDict) -> TeacherSignal:
+    """The teacher's answer for a micro-batch; several teachers' as one (each row's teacher, or the mixture).
+
+    Several teachers' hidden states alone stay apart: they are combined where each member's
+    output layer is (a trainer worker binds them; :class:`ValidationKL` combines them there).
+    """
+    answer = teacher.score(data, request)
+    if isinstance(answer, SeveralTeachersSignal) and not waits_for_heads(answer):
+        return answer.combined()
+    return answer

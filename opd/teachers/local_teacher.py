@@ -1,0 +1,178 @@
+"""A frozen teacher that runs in the trainer's process.
+
+It scores exactly the token ids it is given, in ``torch.inference_mode``, and answers
+:meth:`LocalTeacher.score` in whichever form the loss's request names
+(:mod:`opd.models.interfaces`):
+
+* full-vocabulary logits ``[B, L, V]`` (the plain exact loss);
+* final hidden states and its output head (the fused loss makes the logits chunk by
+  chunk, so no ``[B, L, V]`` teacher tensor ever exists);
+* its top-k log-probs and token ids per position (what a served teacher would send),
+  with the log of the mass outside them, summed from the full log-softmax so that a
+  tiny rest mass is not lost to cancellation (:mod:`opd.kernels.topk_rest`);
+* the log-prob of each actual token (the sampled-token loss).
+
+The last two are computed from the hidden states in chunks of positions, so they too
+never hold the full ``[B, L, V]`` logits. Everything is produced one micro-batch at a
+time, when the student's trainer asks for it.
+
+With ``share_prompt_forward`` (the default), rows that begin with the same prompt (the
+samples of one prompt, the episodes of one multi-turn task) share one forward pass over
+it (:mod:`opd.teachers.shared_prompt`); the answer is the one-pass answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.sequences import model_inputs
+from opd.kernels.topk_rest import rest_logprobs_outside
+from opd.models.interfaces import (
+    FullVocabRequest,
+    TeacherInterface,
+    TeacherRequest,
+    TeacherSignal,
+    TokenLogprobsRequest,
+    TopKLogprobs,
+    TopKRequest,
+)
+from opd.models.lm_head import LMHeadInput, final_hidden_states, log_softmax_chunks, output_layer_of, token_log_probs
+from opd.teachers.shared_prompt import prompt_groups, shared_prompt_hidden_states, sharing_problem
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
+
+
+class LocalTeacher(TeacherInterface):
+    """``TeacherInterface`` over an in-process, frozen ``PreTrainedModel``.
+
+    Args:
+        model: the teacher; it is switched to eval mode with gradients off.
+        share_prompt_forward: rows with the same prompt share one forward pass over it
+            (same answer; less work when several samples of a prompt are scored together).
+    """
+
+    def __init__(self, model: PreTrainedModel, share_prompt_forward: bool = True) -> None:
+        # inference_mode is the cheapest no-gradient mode; a teacher whose weights are
+        # gathered during its forward (FSDP2) uses no_grad, because tensors made under
+        # inference_mode cannot take part in the student's backward pass.
+        self.no_grad_mode: Callable[[], AbstractContextManager[Any]] = torch.inference_mode
+        self.model = model
+        # A model whose layers do not all attend to the whole context scores in one pass.
+        self.share_prompt_forward = share_prompt_forward and sharing_problem(model) is None
+        self.model.eval()
+        self.model.requires_grad_(False)
+
+    @classmethod
+    def unsupported_reason(cls, request: TeacherRequest) -> str | None:
+        """None: the model is at hand, so every signal can be computed."""
+        return None
+
+    def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
+        """Answers ``request`` for ``data`` (see :meth:`TeacherInterface.score`).
+
+        Raises:
+            ValueError: for a :class:`~opd.models.interfaces.PerTeacherRequest` (one teacher, one signal).
+        """
+        if isinstance(request, FullVocabRequest):
+            return self.get_hidden_states(data) if request.prefer_hidden_states else self.get_logits(data)
+        if isinstance(request, TopKRequest):
+            return self.get_topk_logprobs(data, request.k, request.temperature, request.vocab_size)
+        if isinstance(request, TokenLogprobsRequest):
+            return self.get_token_logprobs(data, request.vocab_size)
+        raise ValueError(self.refusal(request))
+
+    def _inputs(self, data: BatchedDataDict) -> dict[str, torch.Tensor]:
+        return model_inputs(data, next(self.model.parameters()).device)
+
+    def get_logits(self, data: BatchedDataDict) -> torch.Tensor:
+        """Teacher logits ``[B, L, V]`` for right-padded ``data["input_ids"]``."""
+        with self.no_grad_mode():
+            hidden = self._shared_prompt_hidden_states(data)
+            if hidden is None:
+                logits = self.model(**self._inputs(data), use_cache=False).logits
+            else:
+                logits = output_layer_of(self.model, "the teacher").over(hidden).logits()
+        # Inference-mode tensors cannot be saved for the student's backward pass; a clone
+        # made outside inference mode is an ordinary constant tensor.
+        return logits.clone()
+
+    def get_hidden_states(self, data: BatchedDataDict) -> LMHeadInput:
+        """Final hidden states ``[B, L, D]`` and the output head, for the fused loss."""
+        with self.no_grad_mode():
+            hidden = self._shared_prompt_hidden_states(data)
+            if hidden is None:
+                hidden = self.final_hidden_states(self._inputs(data))
+        # Read after the forward: a sharded model's head is whole only once it has run.
+        layer = output_layer_of(self.model, "the teacher")
+        return layer.over(hidden.clone())  # an ordinary tensor, as in get_logits
+
+    def final_hidden_states(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The decoder's final hidden states for model inputs (a sharded teacher runs them through FSDP)."""
+        return final_hidden_states(self.model, **inputs)
+
+    def _shared_prompt_hidden_states(self, data: BatchedDataDict) -> torch.Tensor | None:
+        """``[B, L, D]`` with each distinct prompt run once, or None where ``data`` is scored in one pass.
+
+        None when sharing is off or saves nothing (:func:`~opd.teachers.shared_prompt.prompt_groups`).
+        """
+        if not self.share_prompt_forward:
+            return None
+        groups = prompt_groups(data)
+        if groups is None:
+            return None
+        return shared_prompt_hidden_states(self.model, data["input_ids"], groups, next(self.model.parameters()).device)
+
+    def _log_prob_chunks(
+        self, data: BatchedDataDict, vocab_size: int | None, temperature: float
+    ) -> Iterator[tuple[torch.Tensor, slice]]:
+        """Yields ``(log_softmax(logits / T) [C, V], rows)`` over the flattened ``B × L`` positions."""
+        head = self.get_hidden_states(data)
+        flat = dataclasses.replace(head, hidden_states=head.hidden_states.flatten(0, 1), vocab_size=vocab_size)
+        return log_softmax_chunks(flat, temperature)
+
+    def get_topk_logprobs(
+        self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
+    ) -> TopKLogprobs:
+        """The teacher's top-k log-probs and token ids at every position, and its rest mass.
+
+        Args:
+            data: right-padded ``input_ids`` / ``input_lengths``.
+            k: tokens per position (capped at the vocabulary size).
+            temperature: log-probs are of softmax(logits / temperature).
+            vocab_size: only the first ``vocab_size`` outputs are real tokens.
+
+        Returns:
+            ``([B, L, k] float32 log-probs, [B, L, k] int64 ids)``, sorted by probability,
+            with ``rest_logprobs`` ``[B, L]``: log Σ of the other tokens' probabilities
+            (−inf when k covers the vocabulary); position ``t`` describes the token that
+            follows it (like logits).
+        """
+        values, ids, rests = [], [], []
+        for log_p, _ in self._log_prob_chunks(data, vocab_size, temperature):
+            top = log_p.topk(min(k, log_p.shape[-1]), dim=-1)
+            values.append(top.values)
+            ids.append(top.indices)
+            # Summed over the other entries (all positive): 1 − Σ_k P would cancel.
+            rests.append(rest_logprobs_outside(log_p, top.indices))
+        shape = data["input_ids"].shape
+        return TopKLogprobs(
+            torch.cat(values).reshape(*shape, -1), torch.cat(ids).reshape(*shape, -1), torch.cat(rests).reshape(shape)
+        )
+
+    def get_token_logprobs(self, data: BatchedDataDict, vocab_size: int | None = None) -> torch.Tensor:
+        """``[B, L]`` log P(token t | tokens before t) at temperature 1; 0 at position 0."""
+        input_ids = data["input_ids"]
+        # Position t's logits predict token t + 1: gather the next token's log-prob there.
+        next_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1).flatten()
+        next_ids = next_ids.to(next(self.model.parameters()).device)
+        predicted = torch.cat(
+            [token_log_probs(log_p, next_ids[rows]) for log_p, rows in self._log_prob_chunks(data, vocab_size, 1.0)]
+        ).reshape(input_ids.shape)
+        return torch.cat([torch.zeros_like(predicted[:, :1]), predicted[:, :-1]], dim=1)

@@ -1,0 +1,183 @@
+"""What ``opd serve-teacher`` computes: a frozen causal LM's view of token-id sequences.
+
+Scoring is two stages, so that a server can coalesce many requests into one forward pass
+(:mod:`opd.teachers.batching`) and still answer each in the form it asked for:
+
+1. :meth:`PromptScorer.hidden_rows`: one padded pass through the decoder for all the
+   sequences of a batch; per sequence, the final hidden states (after the final norm) at
+   the positions asked for. Position ``p`` describes the token at ``p + 1``.
+2. Per request, from those rows and the output layer, chunk by chunk over the positions
+   so that no ``[positions × vocab]`` logits tensor exists at once:
+
+   * :meth:`PromptScorer.topk`: the ``k`` most likely tokens and their log-probs, with the
+     log of the mass outside them summed in float64 over the rest of the distribution
+     (exact where 1 − Σ_k P computed by a client would cancel);
+   * :meth:`PromptScorer.token_logprobs`: the log-prob of each actual next token;
+   * :meth:`PromptScorer.prompt_logprobs`: vLLM's ``prompt_logprobs`` shape (the actual
+     token with its rank, and the top k) for the OpenAI-compatible route;
+   * the hidden rows themselves, for a trainer that applies the teacher's output layer.
+
+Log-probs are at temperature 1 over the tokenizer's real vocabulary, with the logit
+transform the architecture applies (soft-capping, scaling; :class:`~opd.models.lm_head.OutputLayer`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from opd.kernels.topk_rest import rest_logprobs_outside_summed_in_float64
+from opd.models.lm_head import LMHeadInput, final_hidden_states, log_softmax_chunks, output_layer_of, token_log_probs
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PreTrainedModel
+
+HEAD_CHECKSUM_ROWS = 4096
+"""Rows of the output layer hashed at a time (bounds the float32 copy's memory)."""
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """One position's answer: the actual token's log-prob and rank, the top k and the mass left outside them."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    """1 + the number of vocabulary entries strictly more likely than the actual token."""
+    top_ids: list[int]
+    top_logprobs: list[float]
+    rest_mass: float | None = None
+    """Σ of the probabilities outside ``top_ids`` (0.0 when they cover the vocabulary); None for k = 0."""
+
+
+def head_checksum(weight: torch.Tensor, dtype: torch.dtype) -> str:
+    """``sha256:<hex>`` of an output layer's weight as the server holds it.
+
+    The weight is rounded to ``dtype`` (the served model's) and hashed as float32, row block
+    by row block; a trainer that loaded the same layer from disk in another precision gets
+    the same digest after the same rounding, and a different layer gets another.
+    """
+    digest = hashlib.sha256()
+    digest.update(str(tuple(weight.shape)).encode())
+    for begin in range(0, weight.shape[0], HEAD_CHECKSUM_ROWS):
+        block = weight[begin : begin + HEAD_CHECKSUM_ROWS].detach().to(dtype).float().contiguous().cpu()
+        digest.update(block.numpy().tobytes())
+    return f"sha256:{digest.hexdigest()}"
+
+
+class PromptScorer:
+    """Scores token-id sequences with a frozen causal LM.
+
+    Args:
+        model: the teacher (switched to eval mode, gradients off); it may be spread over
+            several devices (``device_map``): the hidden states come from its last one.
+        vocab_size: the tokenizer's size; outputs beyond it (padding rows of the
+            embedding matrix) are not tokens and are excluded from the softmax.
+
+    Raises:
+        ValueError: the model has no linear output layer, or transforms its logits in a
+            way opd does not reproduce.
+    """
+
+    def __init__(self, model: PreTrainedModel, vocab_size: int) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.vocab_size = vocab_size
+        self.input_device: torch.device = next(model.get_input_embeddings().parameters()).device
+        self.layer = output_layer_of(model, "the teacher")
+        self.hidden_size = int(self.layer.weight.shape[1])
+        self.dtype = self.layer.weight.dtype
+
+    def head_info(self) -> dict[str, object]:
+        """What a trainer needs to apply this output layer itself, and to check it holds the same one."""
+        weight = self.layer.weight
+        return {
+            "rows": int(weight.shape[0]),
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "bias": self.layer.bias is not None,
+            "logit_multiplier": self.layer.logit_multiplier,
+            "logit_softcap": self.layer.logit_softcap,
+            "checksum": head_checksum(weight, self.dtype),
+        }
+
+    @torch.inference_mode()
+    def hidden_rows(self, sequences: list[list[int]], first_positions: list[int]) -> list[torch.Tensor]:
+        """One padded decoder pass; per sequence, ``[n_i, D]`` hidden states at positions ``first_i … len_i − 2``."""
+        width = max(len(sequence) for sequence in sequences)
+        input_ids = torch.zeros((len(sequences), width), dtype=torch.long)
+        attention = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            input_ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+            attention[row, : len(sequence)] = 1
+        hidden = final_hidden_states(self.model, input_ids.to(self.input_device), attention.to(self.input_device))
+        return [
+            hidden[row, first : max(len(sequence) - 1, first)]
+            for row, (sequence, first) in enumerate(zip(sequences, first_positions))
+        ]
+
+    def _head(self, rows: torch.Tensor) -> LMHeadInput:
+        return self.layer.over(rows.to(self.layer.weight.device), self.vocab_size)
+
+    @torch.inference_mode()
+    def topk(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ids int32 [N, k], log-probs float32 [N, k], rest log-mass float64 [N])`` for ``[N, D]`` rows."""
+        k = min(k, self.vocab_size)
+        ids, values, rests = [], [], []
+        for log_p, _ in log_softmax_chunks(self._head(rows)):
+            top = log_p.topk(k, dim=-1)
+            ids.append(top.indices.int())
+            values.append(top.values)
+            # Σ over the other tokens' probabilities (all positive) in float64: no cancellation.
+            rests.append(rest_logprobs_outside_summed_in_float64(log_p, top.indices))
+        if not ids:
+            empty = torch.zeros((0, k))
+            return empty.int(), empty.float(), torch.zeros(0, dtype=torch.float64)
+        return torch.cat(ids).cpu(), torch.cat(values).cpu(), torch.cat(rests).cpu()
+
+    @torch.inference_mode()
+    def token_logprobs(self, rows: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """float32 ``[N]``: log P(``next_ids[i]``) under row ``i``'s distribution."""
+        next_ids = next_ids.to(self.layer.weight.device)
+        parts = [token_log_probs(log_p, next_ids[span]) for log_p, span in log_softmax_chunks(self._head(rows))]
+        return torch.cat(parts).cpu() if parts else torch.zeros(0)
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, rows: torch.Tensor, sequence: list[int], k: int) -> list[PositionLogprobs | None]:
+        """vLLM's ``prompt_logprobs`` for a whole sequence, from its rows at positions ``0 … len − 2``.
+
+        Returns:
+            One entry per position: ``None`` at position 0, then the :class:`PositionLogprobs`
+            of the token at that position.
+        """
+        entries: list[PositionLogprobs | None] = [None]
+        actual = torch.tensor(sequence[1:], dtype=torch.long, device=self.layer.weight.device)
+        for log_p, span in log_softmax_chunks(self._head(rows)):
+            tokens = actual[span]
+            actual_logprobs = token_log_probs(log_p, tokens)
+            ranks = (log_p > actual_logprobs[:, None]).sum(dim=-1) + 1
+            top = log_p.topk(min(k, self.vocab_size), dim=-1) if k > 0 else None
+            rests = None
+            if top is not None:
+                rests = rest_logprobs_outside_summed_in_float64(log_p, top.indices).tolist()
+            for offset in range(log_p.shape[0]):
+                entries.append(
+                    PositionLogprobs(
+                        token_id=int(tokens[offset]),
+                        logprob=float(actual_logprobs[offset]),
+                        rank=int(ranks[offset]),
+                        top_ids=top.indices[offset].tolist() if top is not None else [],
+                        top_logprobs=top.values[offset].tolist() if top is not None else [],
+                        rest_mass=math.exp(rests[offset]) if rests is not None else None,
+                    )
+                )
+        return entries
+
+    def score(self, sequences: list[list[int]], k: int) -> list[list[PositionLogprobs | None]]:
+        """vLLM-shaped prompt log-probs of each sequence (one decoder pass for all)."""
+        rows = self.hidden_rows(sequences, [0] * len(sequences))
+        return [self.prompt_logprobs(hidden, sequence, k) for hidden, sequence in zip(rows, sequences)]

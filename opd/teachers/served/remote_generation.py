@@ -1,0 +1,221 @@
+"""A served teacher's own answers to prompts: the validation baselines' engine for ``teacher.backend: remote``.
+
+:class:`RemoteGeneration` is a :class:`~opd.models.interfaces.GenerationInterface` over
+the ``/v1/completions`` route that both ``opd serve-teacher`` and vLLM's OpenAI-compatible
+server answer, whichever ``teacher.remote.protocol`` the run scores with: the prompts go
+out as token ids, the decoding as vLLM's fields (``temperature`` 0 for greedy, else
+``temperature`` with ``top_k`` or ``top_p``; ``max_tokens``; ``n``; ``seed``), and the
+run's stop tokens as ``stop_token_ids``, on top of the server's own EOS ids. The response
+ids come back as each choice's ``token_ids`` (``return_token_ids``, vLLM 0.10.2 and
+later, and ``opd serve-teacher``); from an older vLLM, as the ``token_id:<id>`` strings of
+``logprobs.tokens`` (``return_tokens_as_token_ids`` with ``logprobs: 0``). A choice whose
+``finish_reason`` is ``length`` is truncated.
+
+The engine answers without the sampler's log-probs: it serves validation, which does not
+read them. Transport failures and HTTP 408 / 429 / 5xx are retried as the scoring
+client retries them (:mod:`opd.teachers.served.remote_teacher`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+import torch
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.decoding import GenerateStrategyConfig
+from opd.models.interfaces import GenerationInterface
+from opd.rollout.rollout_batch import build_rollout_batch
+from opd.rollout.stop_tokens import stop_token_ids
+from opd.teachers.backends import RemoteTeacherConfig
+from opd.teachers.served.remote_teacher import RETRYABLE_STATUS, TeacherServiceError
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS_PATH = "/v1/completions"
+TOKEN_ID_PREFIX = "token_id:"
+_SEED_RANGE = 2**31 - 1
+
+
+_SAMPLING_FIELDS: dict[str, Callable[[GenerateStrategyConfig], dict[str, Any]]] = {
+    "greedy": lambda strategy: {"temperature": 0.0},
+    "top_k": lambda strategy: {"temperature": strategy.temperature, "top_k": strategy.top_k, "top_p": 1.0},
+    "top_p": lambda strategy: {"temperature": strategy.temperature, "top_k": -1, "top_p": strategy.top_p},
+}
+"""vLLM's completion fields of each decoding method (``top_k: -1`` and ``top_p: 1`` keep every token)."""
+
+
+def sampling_fields(strategy: GenerateStrategyConfig) -> dict[str, Any]:
+    """``strategy`` as vLLM's completion fields."""
+    return _SAMPLING_FIELDS[strategy.decoding_method](strategy)
+
+
+def response_ids(choice: dict[str, Any]) -> list[int]:
+    """A completion choice's response token ids: ``token_ids``, else ``logprobs.tokens`` as ``token_id:<id>``.
+
+    Raises:
+        TeacherServiceError: the choice carries neither.
+    """
+    ids = choice.get("token_ids")
+    if isinstance(ids, list) and all(isinstance(token, int) for token in ids):
+        return ids
+    tokens = (choice.get("logprobs") or {}).get("tokens")
+    if isinstance(tokens, list) and all(
+        isinstance(token, str) and token.startswith(TOKEN_ID_PREFIX) for token in tokens
+    ):
+        return [int(token[len(TOKEN_ID_PREFIX) :]) for token in tokens]
+    raise TeacherServiceError(
+        "the teacher server sent no token ids for a completion (neither 'token_ids' nor 'token_id:' logprobs "
+        "tokens); serve with opd serve-teacher or vLLM 0.10.2 or later"
+    )
+
+
+class RemoteGeneration(GenerationInterface):
+    """``GenerationInterface`` over a served teacher's ``/v1/completions`` (see the module docstring).
+
+    Args:
+        url: the server's base URL.
+        model: the served model name; None asks ``/v1/models`` for the first one.
+        api_key: bearer token, if the server requires one.
+        stop_ids: the tokens that end a response besides the server's own EOS ids.
+        pad_token_id: pads the rows of the returned batch.
+        timeout_s: per-request timeout (a whole batch of answers comes in one request).
+        max_retries: further attempts after a retryable failure.
+        backoff_s: wait before the first retry; doubled for each next one.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        model: str | None,
+        api_key: str | None,
+        stop_ids: Sequence[int],
+        pad_token_id: int,
+        timeout_s: float = 120.0,
+        max_retries: int = 4,
+        backoff_s: float = 0.5,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.stop_ids = list(stop_ids)
+        self.pad_token_id = pad_token_id
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    @classmethod
+    def from_config(cls, remote: RemoteTeacherConfig, tokenizer: Any) -> RemoteGeneration:
+        """The engine of the server ``remote`` names, stopping at ``tokenizer``'s EOS (and the server's own)."""
+        if remote.url is None:
+            raise ValueError("a served teacher needs its remote.url")
+        api_key = os.environ.get(remote.api_key_env) if remote.api_key_env else None
+        return cls(
+            remote.url,
+            remote.model,
+            api_key,
+            stop_token_ids(tokenizer),
+            tokenizer.pad_token_id,
+            remote.timeout_s,
+            remote.max_retries,
+            remote.backoff_s,
+        )
+
+    def prepare_for_generation(self) -> None:
+        """Nothing to switch on: the server holds the model."""
+
+    def finish_generation(self) -> None:
+        """Nothing to release."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        strategy: GenerateStrategyConfig,
+        num_samples: int = 1,
+        return_logprobs: bool = True,
+    ) -> BatchedDataDict:
+        """The server's answers to ``prompts``, in one request (see ``GenerationInterface.generate``).
+
+        The seed sent is drawn from torch's generator, so sampled answers follow the
+        caller's seed (validation's own random stream).
+
+        Raises:
+            ValueError: ``return_logprobs`` (this engine sends no sampler log-probs).
+            TeacherServiceError: no usable answer after the retries, or an answer with
+                another number of choices or without token ids.
+        """
+        if return_logprobs:
+            raise ValueError("a served teacher's answers carry no sampler log-probs; ask with return_logprobs=False")
+        body = {
+            "model": self._model_name(),
+            "prompt": prompts,
+            "max_tokens": strategy.max_length,
+            "n": num_samples,
+            "seed": int(torch.randint(_SEED_RANGE, (1,))),
+            "stop_token_ids": self.stop_ids,
+            "return_token_ids": True,
+            # An older vLLM without return_token_ids names each generated token by its id here.
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            **sampling_fields(strategy),
+        }
+        answer = self._send("POST", COMPLETIONS_PATH, body)
+        choices = sorted(answer.get("choices") or [], key=lambda choice: choice.get("index", 0))
+        expanded = [prompt for prompt in prompts for _ in range(num_samples)]
+        if len(choices) != len(expanded):
+            raise TeacherServiceError(
+                f"teacher server {self.url}{COMPLETIONS_PATH} answered {len(choices)} completions for "
+                f"{len(expanded)} asked"
+            )
+        responses = [response_ids(choice) for choice in choices]
+        truncated = [choice.get("finish_reason") == "length" for choice in choices]
+        return build_rollout_batch(expanded, responses, None, truncated, self.pad_token_id)
+
+    def close(self) -> None:
+        """Closes the connections."""
+        self._client.close()
+
+    def _model_name(self) -> str:
+        """The configured model, else the first one the server lists (asked once)."""
+        if self.model is None:
+            listed = self._send("GET", "/v1/models", None).get("data") or []
+            names = [entry.get("id") for entry in listed if isinstance(entry, dict)]
+            if not names:
+                raise TeacherServiceError(f"teacher server {self.url} lists no models at /v1/models")
+            self.model = str(names[0])
+        return self.model
+
+    def _send(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        """One JSON exchange, retried after a transport failure or HTTP 408 / 429 / 5xx."""
+        wait = self.backoff_s
+        for attempt in range(self.max_retries + 1):
+            try:
+                response = self._client.request(method, path, json=body)
+                problem = f"HTTP {response.status_code}: {response.text[:200]}"
+                retry = response.status_code in RETRYABLE_STATUS
+            except httpx.TransportError as error:  # refused, reset, timed out, cut short
+                problem, retry, response = f"{type(error).__name__}: {error}", True, None
+            if response is not None and response.status_code == 200:
+                try:
+                    payload = response.json()
+                except ValueError as error:  # cut short, or not JSON at all
+                    payload = f"the answer is not valid JSON ({error})"
+                if isinstance(payload, dict):
+                    return payload
+                problem, retry = str(payload) if isinstance(payload, str) else "the answer is not a JSON object", True
+            if not retry:
+                raise TeacherServiceError(f"teacher server {self.url}{path} answered {problem[:500]}")
+            if attempt == self.max_retries:
+                break
+            log.warning("teacher server %s%s: %s; retrying in %.1f s", self.url, path, problem, wait)
+            time.sleep(wait)
+            wait *= 2
+        raise TeacherServiceError(
+            f"teacher server {self.url}{path} gave no usable answer after {self.max_retries + 1} attempts; "
+            f"last problem: {problem}"
+        )
