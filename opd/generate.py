@@ -132,9 +132,11 @@ class GenerateMasterConfig(MasterConfig):
     def _check_engine_room(self) -> GenerateMasterConfig:
         """The engine must be able to give answers of the configured length (vLLM's context length)."""
         key = "generate.generate_strategy.max_length"
-        problem = self.generation.engine.problem(self.generation, self.generate.generate_strategy.max_length, key)
-        if problem is not None:
-            raise ValueError(problem)
+        problems = self.generation.engine.config_problems(
+            self.generation, self.generate.generate_strategy.max_length, key
+        )
+        if problems:
+            raise ValueError(problems[0])
         return self
 
 

@@ -467,17 +467,13 @@ def _served_full_vocab_problem(
 
 
 def _generation_problem(config: MasterConfig) -> str | None:
-    """vLLM's context length must leave room for the responses; a tensor-parallel engine needs devices of its own."""
+    """What the rollout engine says it cannot do as configured (its own messages)."""
     generation = config.generation
-    devices = generation.engine.devices(generation)
-    if devices > 1 and config.cluster is not None and config.cluster.colocated:
-        return (
-            f"generation.vllm.tensor_parallel_size = {devices} spans several devices, but a colocated "
-            "rollout worker shares one trainer device; set cluster.placement = split (each rollout worker then "
-            "holds that many GPUs)"
-        )
+    colocated = config.cluster is not None and config.cluster.colocated
     key = "distillation.generate_strategy.max_length"
-    return generation.engine.problem(generation, config.distillation.generate_strategy.max_length, key)
+    max_length = config.distillation.generate_strategy.max_length
+    problems = generation.engine.config_problems(generation, max_length, key, colocated)
+    return problems[0] if problems else None
 
 
 def _cluster_problem(config: MasterConfig) -> str | None:

@@ -1,18 +1,21 @@
 """The values of ``generate_strategy.decoding_method``, each registered once.
 
-A decoding method says everything the samplers ask of it: whether it takes the arg-max
-(:attr:`DecodingMethod.greedy`), which entries of the tempered logits it keeps
-(:meth:`DecodingMethod.keep`, the same filter as transformers' ``TopKLogitsWarper`` /
-``TopPLogitsWarper``), and how it is spelled for ``model.generate`` and for vLLM's
-``SamplingParams``. opd's decode loop, the off-policy correction, the HF and vLLM engines
-all go through :data:`DECODING_METHODS`; a new method is one subclass here and one entry
-in the config's ``decoding_method`` choices.
+A decoding method says only what it is: whether it takes the arg-max
+(:attr:`DecodingMethod.greedy`) and which entries of the tempered logits it samples from
+(:meth:`DecodingMethod.filter`, a :class:`SamplingFilter`: the same filter as transformers'
+``TopKLogitsWarper`` / ``TopPLogitsWarper``). opd's decode loop and the off-policy
+correction apply that filter here (:meth:`SamplingFilter.keep`); each rollout engine
+spells it in its own sampling arguments (``model.generate``'s in
+:mod:`opd.rollout.hf_generation`, vLLM's ``SamplingParams`` in
+:mod:`opd.rollout.vllm_generation`). A new method is one subclass here and one entry in
+the config's ``decoding_method`` choices.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Literal, Protocol
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Protocol
 
 import torch
 from pydantic import Field
@@ -33,6 +36,47 @@ class SamplingSettings(Protocol):
     def top_p(self) -> float: ...
 
 
+@dataclass(frozen=True)
+class SamplingFilter:
+    """Which entries of the tempered logits a sampling method draws from.
+
+    Attributes:
+        top_k: only the ``top_k`` most likely entries (ties at the threshold stay); None: no such cut.
+        top_p: only the smallest most-likely set whose probability reaches ``top_p``; 1: no such cut.
+    """
+
+    top_k: int | None = None
+    top_p: float = 1.0
+
+    @property
+    def leaves_out_tokens(self) -> bool:
+        """Some entry may be cut (a ``top_k`` at least the vocabulary's size cuts none, which only the logits tell)."""
+        return self.top_k is not None or self.top_p < 1.0
+
+    def describe(self) -> str:
+        """The cuts as config settings (``top_k = 50``), for messages."""
+        cuts = ([f"top_k = {self.top_k}"] if self.top_k is not None else []) + (
+            [f"top_p = {self.top_p}"] if self.top_p < 1.0 else []
+        )
+        return ", ".join(cuts) or "every token kept"
+
+    def keep(self, logits: torch.Tensor) -> torch.Tensor:
+        """The ``[B, V]`` float32 ``logits`` with the entries this filter cuts set to ``-inf``."""
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            threshold = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < threshold, float("-inf"))
+        if self.top_p < 1.0:
+            # Sorted ascending, an entry is dropped when the mass of it and everything below it
+            # is at most 1 - top_p: whatever remains holds at least top_p.
+            ascending, order = torch.sort(logits, dim=-1)
+            mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)
+            drop_sorted = mass_up_to <= 1.0 - self.top_p
+            drop_sorted[..., -1] = False  # the most likely entry always stays
+            drop = drop_sorted.scatter(-1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        return logits
+
+
 class DecodingMethod(ABC):
     """One value of ``generate_strategy.decoding_method``.
 
@@ -45,18 +89,13 @@ class DecodingMethod(ABC):
     name: ClassVar[str]
     greedy: ClassVar[bool] = False
 
+    @abstractmethod
+    def filter(self, strategy: SamplingSettings) -> SamplingFilter:
+        """Which entries of the tempered logits this method samples from (a greedy method: all)."""
+
     def keep(self, logits: torch.Tensor, strategy: SamplingSettings) -> torch.Tensor:
-        """The tempered ``[B, V]`` float32 ``logits`` with the entries this method never samples set to ``-inf``
-        (default: all kept)."""
-        return logits
-
-    @abstractmethod
-    def hf_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
-        """``model.generate`` keyword arguments for this method (every sampling knob explicit)."""
-
-    @abstractmethod
-    def vllm_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
-        """vLLM ``SamplingParams`` keyword arguments for this method (every sampling knob explicit)."""
+        """The tempered ``[B, V]`` float32 ``logits`` with the entries this method never samples set to ``-inf``."""
+        return self.filter(strategy).keep(logits)
 
 
 class Greedy(DecodingMethod):
@@ -65,13 +104,9 @@ class Greedy(DecodingMethod):
     name = "greedy"
     greedy = True
 
-    def hf_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
-        """No sampling; the model's own temperature / top-k / top-p are cleared."""
-        return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
-
-    def vllm_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
-        """vLLM's greedy is ``temperature=0``."""
-        return {"temperature": 0.0, "top_k": -1, "top_p": 1.0}
+    def filter(self, strategy: SamplingSettings) -> SamplingFilter:
+        """No cut: the arg-max ignores the filters."""
+        return SamplingFilter()
 
 
 class TopK(DecodingMethod):
@@ -79,21 +114,9 @@ class TopK(DecodingMethod):
 
     name = "top_k"
 
-    def keep(self, logits: torch.Tensor, strategy: SamplingSettings) -> torch.Tensor:
-        """Keeps every entry at least as large as the k-th largest (ties at the threshold stay)."""
-        k = strategy.top_k
-        if k >= logits.shape[-1]:
-            return logits
-        threshold = torch.topk(logits, k, dim=-1).values[..., -1:]
-        return logits.masked_fill(logits < threshold, float("-inf"))
-
-    def hf_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
+    def filter(self, strategy: SamplingSettings) -> SamplingFilter:
         """``top_k`` with the nucleus off."""
-        return {"do_sample": True, "temperature": strategy.temperature, "top_k": strategy.top_k, "top_p": 1.0}
-
-    def vllm_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
-        """``top_k`` with the nucleus off."""
-        return {"temperature": strategy.temperature, "top_k": strategy.top_k, "top_p": 1.0}
+        return SamplingFilter(top_k=strategy.top_k)
 
 
 class TopP(DecodingMethod):
@@ -101,29 +124,9 @@ class TopP(DecodingMethod):
 
     name = "top_p"
 
-    def keep(self, logits: torch.Tensor, strategy: SamplingSettings) -> torch.Tensor:
-        """Keeps the smallest most-likely set whose probability reaches ``top_p`` (at least one entry).
-
-        Sorted ascending, an entry is dropped when the mass of it and everything below it is
-        at most ``1 - top_p``: whatever remains holds at least ``top_p``. ``top_p = 1`` keeps all.
-        """
-        top_p = strategy.top_p
-        if top_p >= 1.0:
-            return logits
-        ascending, order = torch.sort(logits, dim=-1)
-        mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = mass_up_to <= 1.0 - top_p
-        drop_sorted[..., -1] = False  # the most likely entry always stays
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        return logits.masked_fill(drop, float("-inf"))
-
-    def hf_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
-        """``top_p`` with top-k off."""
-        return {"do_sample": True, "temperature": strategy.temperature, "top_k": 0, "top_p": strategy.top_p}
-
-    def vllm_kwargs(self, strategy: SamplingSettings) -> dict[str, Any]:
-        """``top_p`` with top-k off."""
-        return {"temperature": strategy.temperature, "top_k": -1, "top_p": strategy.top_p}
+    def filter(self, strategy: SamplingSettings) -> SamplingFilter:
+        """``top_p`` with top-k off (``top_p = 1`` keeps every token)."""
+        return SamplingFilter(top_p=strategy.top_p)
 
 
 DECODING_METHODS: dict[str, DecodingMethod] = {method.name: method for method in (Greedy(), TopK(), TopP())}
@@ -149,6 +152,11 @@ class GenerateStrategyConfig(StrictConfig):
     def method(self) -> DecodingMethod:
         """The decoding method ``decoding_method`` names (:data:`~opd.models.decoding.DECODING_METHODS`)."""
         return DECODING_METHODS[self.decoding_method]
+
+    @property
+    def sampling_filter(self) -> SamplingFilter:
+        """Which entries of the tempered logits the method samples from (what each engine spells its own way)."""
+        return self.method.filter(self)
 
     @property
     def is_greedy(self) -> bool:

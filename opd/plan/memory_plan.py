@@ -4,14 +4,15 @@
 (:func:`opd.plan.dry_run.dry_run_rank`) at the configured world size, micro-batch
 and sequence length, with and without activation checkpointing, and adds what needs no
 step to measure: the teacher's other placements, the loss's chunk, the rollout engine's
-KV-cache budget. :func:`render_plan` prints it as a table, :meth:`MemoryPlan.as_dict` as JSON.
+memory. :func:`render_plan` prints it as a table, :meth:`MemoryPlan.as_dict` as JSON.
 
 Every figure is bytes on one device. Measured (by the fake step): the peak, its
 standing part (the student's shard of fp32 master weights, gradients and Adam moments,
 the colocated teacher) and the rest (activations, gathered layers, collective buffers, the
-loss's chunks). Computed from the shapes: the other teacher placements, the chunk, the
-rollout engine (its weights in 16 bits, its activations estimated from vLLM's profiling
-batch, the KV cache in what is left of ``generation.vllm.gpu_memory_utilization``).
+loss's chunks). Computed from the shapes: the other teacher placements, the chunk, and
+the rollout engine, which ``generation.backend``'s engine works out itself
+(:meth:`~opd.rollout.engine_kind.EngineKind.planned_memory`: vLLM's share of the device
+and the KV cache left in it, or HF's copy of the student and its rows' KV cache).
 """
 
 from __future__ import annotations
@@ -31,41 +32,20 @@ from opd.models.lm_head import default_chunk_rows
 from opd.models.model_shapes import model_config, tokenizer_size
 from opd.plan.dry_run import RankMemory, ReplicaMemory, StepShape, dry_run_rank, dry_run_teacher_replica
 from opd.plan.layer_extrapolation import BASE_DEPTH
+from opd.rollout.engine_kind import GIB, EngineMemory, PlannedRollout, gib, kv_bytes_per_token
 from opd.utils.errors import ConfigError
 
-GIB = 1024**3
 DEVICES = {"80 GB": 81_559 * 1024**2, "141 GB": 143_771 * 1024**2}
 """Device memory as ``nvidia-smi`` reports it: H100 80 GB (81,559 MiB) and H200 141 GB (143,771 MiB)."""
 RUNTIME_RESERVE = int(1.5 * GIB)
 """Held outside PyTorch's tensors on every device: the CUDA context, NCCL's buffers, allocator slack."""
-VLLM_PROFILE_TOKENS = 8192
-"""Tokens of vLLM's profiling forward (its default ``max_num_batched_tokens``), which sizes its activations."""
-VLLM_PROFILE_SEQUENCES = 256
-"""Sequences of that forward (vLLM's default ``max_num_seqs``): one row of fp32 logits each."""
-
-
-@dataclass
-class EngineBudget:
-    """The rollout engine's share of one device, in bytes (vLLM's arithmetic).
-
-    Attributes:
-        share: ``gpu_memory_utilization`` × the device.
-        trainer_resident: what the trainer keeps on the device while the engine generates
-            (colocated: weights, Adam moments and teacher, unless offloaded; split: 0).
-        weights: the student in 16 bits (this device's slice of it with tensor parallel).
-        activations: the profiling forward's activations and logits (an estimate).
-        kv_cache: what is left for the KV cache.
-        kv_tokens: tokens of KV cache at the student's shape (the whole engine's, over its devices).
-        kv_sequences: sequences of the planned length (prompt + response) that fit.
-    """
-
-    share: int
-    trainer_resident: int
-    weights: int
-    activations: int
-    kv_cache: int
-    kv_tokens: int
-    kv_sequences: int
+CHECKPOINTING_KEYS = {False: "off", True: "on"}
+"""The key of the ranks dry-run without and with activation checkpointing."""
+RESIDENT_STATES = {
+    "kept": "trainer state kept on the device",
+    "offloaded": "Adam moments, teacher offloaded",
+}
+"""What the trainer keeps on the device while the engine samples, by ``cluster.trainer.offload_during_generation``."""
 
 
 @dataclass
@@ -90,8 +70,10 @@ class MemoryPlan:
     loss_chunk_rows: int
     loss_chunk_bytes: int
     kv_bytes_per_token: int
-    engine: dict[str, dict[str, EngineBudget]] = field(default_factory=dict)
-    """Device → ``"kept"`` / ``"offloaded"`` (``cluster.trainer.offload_during_generation``) → budget."""
+    engine: dict[str, dict[str, EngineMemory]] = field(default_factory=dict)
+    """Device → ``"kept"`` / ``"offloaded"`` (``cluster.trainer.offload_during_generation``) → the engine's memory."""
+    engine_arithmetic: str = ""
+    """How ``generation.backend``'s engine counts its memory (the table's heading)."""
     dry_run_steps: int = 1
     teacher_in_trainer: str = ""
     """What of the teacher a trainer rank holds: a colocated copy, a pooled or served teacher's output layer, none."""
@@ -105,13 +87,16 @@ class MemoryPlan:
 
     def peak(self, checkpointing: bool) -> int:
         """The largest peak over the ranks dry-run with or without activation checkpointing."""
-        runs = self.ranks.get("on" if checkpointing else "off", [])
-        return max((rank.peak for rank in runs), default=0)
+        return self.peak_of(CHECKPOINTING_KEYS[checkpointing])
+
+    def peak_of(self, key: str) -> int:
+        """The largest peak over the ranks dry-run under ``key`` (``"off"`` / ``"on"``)."""
+        return max((rank.peak for rank in self.ranks.get(key, [])), default=0)
 
     def verdicts(self) -> dict[str, dict[str, bool]]:
         """Device → ``"off"`` / ``"on"`` → whether the trainer's peak plus the runtime reserve fits."""
         return {
-            device: {key: self.peak(key == "on") + RUNTIME_RESERVE <= size for key in self.ranks}
+            device: {key: self.peak_of(key) + RUNTIME_RESERVE <= size for key in self.ranks}
             for device, size in DEVICES.items()
         }
 
@@ -132,41 +117,6 @@ def _parameter_shapes(config: PretrainedConfig) -> list[torch.Size]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return [parameter.shape for parameter in model.parameters()]
-
-
-def _kv_bytes_per_token(config: PretrainedConfig, element_bytes: int = 2) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element_bytes
-
-
-def _engine_budget(
-    device_bytes: int,
-    utilization: float,
-    trainer_resident: int,
-    student: PretrainedConfig,
-    student_parameters: int,
-    vocab_size: int,
-    row_tokens: int,
-    tensor_parallel: int = 1,
-) -> EngineBudget:
-    """One device's share of a rollout engine: its weights, profiling activations and KV cache.
-
-    With tensor parallel over ``tensor_parallel`` devices each holds a slice of the weights
-    and of the KV heads (heads are replicated where there are fewer than devices); the
-    tokens that fit are the engine's, over all its devices.
-    """
-    share = int(device_bytes * utilization)
-    weights = 2 * student_parameters // tensor_parallel
-    # The profiling forward: per token, the residual stream and attention projections
-    # (~4 × hidden) and the MLP's gate, up and product (~3 × intermediate) in 16 bits;
-    # plus one row of fp32 logits per sequence.
-    per_token = 2 * (4 * student.hidden_size + 3 * student.intermediate_size)
-    activations = VLLM_PROFILE_TOKENS * per_token + VLLM_PROFILE_SEQUENCES * vocab_size * 4
-    kv_cache = max(share - trainer_resident - weights - activations, 0)
-    kv_slices = min(tensor_parallel, student.num_key_value_heads)
-    per_kv_token = -(-_kv_bytes_per_token(student) // kv_slices)
-    tokens = kv_cache // per_kv_token
-    return EngineBudget(share, trainer_resident, weights, activations, kv_cache, tokens, tokens // row_tokens)
 
 
 def _needs_last_rank(shapes: list[torch.Size], world_size: int) -> bool:
@@ -192,31 +142,36 @@ def _plannable_cluster(config: MasterConfig) -> ClusterConfig:
 def _add_engine_budgets(
     plan: MemoryPlan, config: MasterConfig, cluster: ClusterConfig, student_config: PretrainedConfig, shape: StepShape
 ) -> None:
-    """The rollout engine's KV-cache budget per device size, with the trainer's state kept or offloaded."""
-    student_parameters, vocab = plan.student_parameters_total, plan.vocab_size
+    """What the rollout engine holds per device size, with the trainer's state kept or offloaded (the engine's own
+    arithmetic)."""
+    generation = config.generation
     first = next(iter(plan.ranks.values()))[0]
-    utilization = config.generation.vllm.gpu_memory_utilization
-    resident_kept = (
-        0 if not cluster.colocated else first.student_parameters + first.optimizer_state + first.teacher_parameters
-    )
+    # cluster.trainer.offload_during_generation moves the Adam moments and the teacher to
+    # the host; the student's shard stays (the refit reads it).
+    resident = {
+        "kept": first.student_parameters + first.optimizer_state + first.teacher_parameters,
+        "offloaded": first.student_parameters,
+    }
+    # Each rollout worker samples its block of the prompts, every sample of each.
+    prompts_per_engine = math.ceil(config.training.batch_size / cluster.rollout.workers)
+    rows = prompts_per_engine * config.distillation.num_samples_per_prompt
+    plan.engine_arithmetic = generation.engine.memory_arithmetic
     for device, size in DEVICES.items():
         plan.engine[device] = {
-            label: _engine_budget(
-                size,
-                utilization,
-                resident,
-                student_config,
-                student_parameters,
-                vocab,
-                shape.row_tokens,
-                config.generation.vllm.tensor_parallel_size,
+            label: generation.engine.planned_memory(
+                generation,
+                PlannedRollout(
+                    size,
+                    trainer_bytes if cluster.colocated else 0,
+                    student_config,
+                    plan.student_parameters_total,
+                    plan.vocab_size,
+                    shape.prompt_tokens,
+                    shape.response_tokens,
+                    rows,
+                ),
             )
-            # cluster.trainer.offload_during_generation moves the Adam moments and the
-            # teacher to the host; the student's shard stays (the refit reads it).
-            for label, resident in (
-                ("kept", resident_kept),
-                ("offloaded", 0 if not cluster.colocated else first.student_parameters),
-            )
+            for label, trainer_bytes in resident.items()
         }
 
 
@@ -382,7 +337,7 @@ def plan_memory(
         teacher_whole_bytes=teacher_parameters * teacher_dtype_bytes,
         loss_chunk_rows=chunk_rows,
         loss_chunk_bytes=chunk_rows * vocab * 4,
-        kv_bytes_per_token=_kv_bytes_per_token(student_config),
+        kv_bytes_per_token=kv_bytes_per_token(student_config),
         shard_ranks=shard_ranks,
         lora=config.model.active_lora() is not None,
     )
@@ -402,11 +357,6 @@ def plan_memory(
 
 def _gib(value: int) -> str:
     return f"{value / GIB:8.2f}"
-
-
-def _g(value: int) -> str:
-    """``value`` in GiB, two decimals, no padding."""
-    return f"{value / GIB:.2f}"
 
 
 def _layers_line(plan: MemoryPlan) -> str:
@@ -469,8 +419,8 @@ def render_plan(plan: MemoryPlan) -> str:
         lines += [
             "",
             f"teacher {plan.teacher_placement}, GiB per device of a replica scoring one micro-batch:",
-            f"  weights {_g(replica.weights)}   answer sent {_g(replica.answer)}   "
-            f"peak (measured by the dry run) {_g(replica.peak)}   "
+            f"  weights {gib(replica.weights)}   answer sent {gib(replica.answer)}   "
+            f"peak (measured by the dry run) {gib(replica.peak)}   "
             + "   ".join(
                 f"{device}: {'fits' if replica.peak + RUNTIME_RESERVE <= size else 'DOES NOT FIT'}"
                 for device, size in DEVICES.items()
@@ -479,9 +429,9 @@ def render_plan(plan: MemoryPlan) -> str:
     lines += [
         "",
         "teacher placements, weights per device (16 bits):",
-        f"  colocated, sharded over {plan.shard_ranks}: {_g(plan.teacher_whole_bytes // plan.shard_ranks)} GiB   "
-        f"colocated, whole: {_g(plan.teacher_whole_bytes)} GiB   "
-        f"pool replica (whole, one device): {_g(plan.teacher_whole_bytes)} GiB",
+        f"  colocated, sharded over {plan.shard_ranks}: {gib(plan.teacher_whole_bytes // plan.shard_ranks)} GiB   "
+        f"colocated, whole: {gib(plan.teacher_whole_bytes)} GiB   "
+        f"pool replica (whole, one device): {gib(plan.teacher_whole_bytes)} GiB",
         f"loss: fused chunks of {plan.loss_chunk_rows} positions × {plan.vocab_size:,} = "
         f"{plan.loss_chunk_bytes / 2**20:.0f} MiB of fp32 logits per chunk (in the peak above)",
         "",
@@ -490,18 +440,15 @@ def render_plan(plan: MemoryPlan) -> str:
     for device, by_key in plan.verdicts().items():
         verdict = ", ".join(
             f"activation checkpointing {key}: {'fits' if fits else 'DOES NOT FIT'} "
-            f"({_g(plan.peak(key == 'on') + RUNTIME_RESERVE)} GiB)"
+            f"({gib(plan.peak_of(key) + RUNTIME_RESERVE)} GiB)"
             for key, fits in by_key.items()
         )
         lines.append(f"  {device:>6}: {verdict}")
-    lines += ["", f"rollout engine (vLLM's arithmetic, KV cache at {plan.kv_bytes_per_token:,} bytes per token):"]
+    lines += [
+        "",
+        f"rollout engine ({plan.engine_arithmetic}, KV cache at {plan.kv_bytes_per_token:,} bytes per token):",
+    ]
     for device, budgets in plan.engine.items():
         for label, budget in budgets.items():
-            what = "trainer state kept on the device" if label == "kept" else "Adam moments, teacher offloaded"
-            lines.append(
-                f"  {device:>6}, {what:<33}: share {_g(budget.share)} − trainer {_g(budget.trainer_resident)} "
-                f"− weights {_g(budget.weights)} − activations {_g(budget.activations)} = KV {_g(budget.kv_cache)} GiB "
-                f"= {budget.kv_tokens:,} tokens = {budget.kv_sequences:,} sequences of "
-                f"{plan.prompt_tokens + plan.response_tokens}"
-            )
+            lines.append(f"  {device:>6}, {RESIDENT_STATES[label]:<33}: {budget.describe()}")
     return "\n".join(lines)

@@ -13,8 +13,9 @@ top-k / top-p), i.e. the distribution the token was actually drawn from.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import torch
 
@@ -23,11 +24,27 @@ from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import InProcessGenerationInterface, PolicyInterface
 from opd.models.lm_head import token_log_probs
 from opd.rollout.decode_loop import compile_decode_step, decode
+from opd.rollout.engine_kind import (
+    EngineKind,
+    PlannedRollout,
+    gib,
+    kv_bytes_per_token,
+    layer_activation_bytes_per_token,
+)
 from opd.rollout.rollout_batch import build_rollout_batch
 from opd.rollout.stop_tokens import is_stop, stop_token_ids
+from opd.utils.compile_cache import resolve_compile_kernels
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
     from transformers import PreTrainedModel
+
+_Sampler = Callable[
+    [torch.Tensor, torch.Tensor, GenerateStrategyConfig, bool], tuple[torch.Tensor, torch.Tensor | None]
+]
+"""One decode loop: left-padded prompts, their mask, the strategy, whether to return log-probs."""
+
+LOGITS_COPIES = 3
+"""fp32 ``[rows, V]`` tensors a decode step holds at once: the logits, the warped logits, their softmax."""
 
 
 def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
@@ -35,9 +52,15 @@ def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
 
     Every knob is passed explicitly so that a model's own ``generation_config`` (which
     for Qwen sets top_k=20, top_p=0.8, repetition_penalty=1.05) cannot change what the
-    config asked for.
+    config asked for. Greedy clears the model's own temperature and filters; ``top_k = 0``
+    and ``top_p = 1`` are ``generate``'s "no cut".
     """
-    return {"repetition_penalty": 1.0, "num_beams": 1, **strategy.method.hf_kwargs(strategy)}
+    fixed = {"repetition_penalty": 1.0, "num_beams": 1}
+    if strategy.is_greedy:
+        return {**fixed, "do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+    kept = strategy.sampling_filter
+    top_k = kept.top_k if kept.top_k is not None else 0
+    return {**fixed, "do_sample": True, "temperature": strategy.temperature, "top_k": top_k, "top_p": kept.top_p}
 
 
 class HFGeneration(InProcessGenerationInterface):
@@ -61,11 +84,16 @@ class HFGeneration(InProcessGenerationInterface):
         compile_decode: bool = False,
         stop_ids: Sequence[int] | None = None,
     ) -> None:
-        if decode_loop not in ("opd", "generate"):
-            raise ValueError(f"decode_loop must be 'opd' or 'generate', got {decode_loop!r}")
+        # Each loop, and whether it takes a compiled one-token step (generate runs its own steps).
+        loops: dict[str, tuple[_Sampler, bool]] = {
+            "opd": (self._sample_with_opd_loop, True),
+            "generate": (self._sample_with_generate, False),
+        }
+        if decode_loop not in loops:
+            raise ValueError(f"decode_loop must be one of {sorted(loops)}, got {decode_loop!r}")
         self.model = model
-        self.decode_loop = decode_loop
-        self.step_forward = compile_decode_step(model) if compile_decode and decode_loop == "opd" else None
+        self._sample, takes_compiled_step = loops[decode_loop]
+        self.step_forward = compile_decode_step(model) if compile_decode and takes_compiled_step else None
         self.pad_token_id = tokenizer.pad_token_id
         self.stop_ids = tuple(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
         self._was_training = False
@@ -120,27 +148,36 @@ class HFGeneration(InProcessGenerationInterface):
         )
         return batch
 
-    def _sample(
+    def _sample_with_opd_loop(
         self,
         left_padded: torch.Tensor,
         attention: torch.Tensor,
         strategy: GenerateStrategyConfig,
-        return_logprobs: bool = True,
+        return_logprobs: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Runs the decode loop; returns the new tokens and (if asked) their sampling log-probs (on CPU)."""
+        """opd's decode loop; returns the new tokens and (if asked) their sampling log-probs (on CPU)."""
         device = next(self.model.parameters()).device
-        if self.decode_loop == "opd":
-            new_tokens, token_logprobs = decode(
-                self.model,
-                left_padded.to(device),
-                attention.to(device),
-                strategy,
-                self.stop_ids,
-                self.pad_token_id,
-                return_logprobs,
-                self.step_forward,
-            )
-            return new_tokens.cpu(), token_logprobs.cpu() if token_logprobs is not None else None
+        new_tokens, token_logprobs = decode(
+            self.model,
+            left_padded.to(device),
+            attention.to(device),
+            strategy,
+            self.stop_ids,
+            self.pad_token_id,
+            return_logprobs,
+            self.step_forward,
+        )
+        return new_tokens.cpu(), token_logprobs.cpu() if token_logprobs is not None else None
+
+    def _sample_with_generate(
+        self,
+        left_padded: torch.Tensor,
+        attention: torch.Tensor,
+        strategy: GenerateStrategyConfig,
+        return_logprobs: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """transformers' ``model.generate``; returns the new tokens and (if asked) their sampling log-probs (on CPU)."""
+        device = next(self.model.parameters()).device
         prompt_width = left_padded.shape[1]
         # transformers types generate()'s output as a union this call never returns.
         output: Any = cast(Any, self.model).generate(
@@ -222,3 +259,92 @@ class SnapshotHFGeneration(HFGeneration):
         """Copies the policy's current weights into the engine's copy (within this process: nothing to log)."""
         self.load_weights(policy.weights_for_refit())
         return {}
+
+
+class HFSettings(Protocol):
+    """What the HF engine reads of the ``generation`` section."""
+
+    @property
+    def decode_loop(self) -> str: ...
+
+    @property
+    def compile_decode(self) -> Literal["auto"] | bool: ...
+
+    @property
+    def stop_token_ids(self) -> list[int] | None: ...
+
+
+@dataclass
+class HFEngineMemory:
+    """A rollout worker's HF engine on one device, in bytes: its copy of the student and what its rollout needs.
+
+    Unlike vLLM it reserves nothing up front: the decode loop's KV cache grows with the
+    rows it samples, up to every row at its full length.
+
+    Attributes:
+        device_bytes: the device's memory.
+        trainer_resident: what the trainer keeps on the device while the engine samples.
+        weights: the engine's copy of the student in 16 bits.
+        kv_cache: keys and values of every row at its full length.
+        activations: the prefill's one layer over every prompt and a decode step's fp32
+            logits (an estimate).
+        rows: sequences one engine samples in a rollout.
+        row_tokens: prompt plus response of each.
+    """
+
+    device_bytes: int
+    trainer_resident: int
+    weights: int
+    kv_cache: int
+    activations: int
+    rows: int
+    row_tokens: int
+
+    @property
+    def total(self) -> int:
+        """The trainer's resident state plus everything the engine holds."""
+        return self.trainer_resident + self.weights + self.kv_cache + self.activations
+
+    def describe(self) -> str:
+        """The sum, against the device."""
+        return (
+            f"trainer {gib(self.trainer_resident)} + weights {gib(self.weights)} + KV {gib(self.kv_cache)} "
+            f"({self.rows:,} sequences of {self.row_tokens}) + activations {gib(self.activations)} "
+            f"= {gib(self.total)} of {gib(self.device_bytes)} GiB"
+        )
+
+
+class HFEngine(EngineKind[HFSettings]):
+    """``hf``: the student's own Hugging Face model (:class:`HFGeneration`)."""
+
+    name = "hf"
+    memory_arithmetic = "HF's decode loop: a copy of the student and its rows' KV cache"
+
+    def planned_memory(self, settings: HFSettings, rollout: PlannedRollout) -> HFEngineMemory:
+        """A rollout worker's copy of the student, the KV cache of its rows at full length, the prefill and logits."""
+        student = rollout.student
+        prefill = rollout.rows * rollout.prompt_tokens * layer_activation_bytes_per_token(student)
+        logits = LOGITS_COPIES * rollout.rows * rollout.vocab_size * 4
+        return HFEngineMemory(
+            device_bytes=rollout.device_bytes,
+            trainer_resident=rollout.trainer_resident,
+            weights=2 * rollout.student_parameters,
+            kv_cache=rollout.rows * rollout.row_tokens * kv_bytes_per_token(student),
+            activations=max(prefill, logits),
+            rows=rollout.rows,
+            row_tokens=rollout.row_tokens,
+        )
+
+    def build(
+        self, settings: HFSettings, model: PreTrainedModel, tokenizer: Any, seed: int, own_copy: bool
+    ) -> InProcessGenerationInterface:
+        """An HF engine over ``model`` (or over a snapshot of it: an asynchronous schedule samples stale weights)."""
+        device_type = next(model.parameters()).device.type
+        engine = SnapshotHFGeneration if own_copy else HFGeneration
+        return engine(
+            model,
+            tokenizer,
+            settings.decode_loop,
+            resolve_compile_kernels(settings.compile_decode, device_type, "generation.compile_decode"),
+            settings.stop_token_ids,
+        )

@@ -31,7 +31,8 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -39,6 +40,13 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import InProcessGenerationInterface, PolicyInterface
 from opd.rollout.config import VllmGenerationConfig
+from opd.rollout.engine_kind import (
+    EngineKind,
+    PlannedRollout,
+    gib,
+    kv_bytes_per_token,
+    layer_activation_bytes_per_token,
+)
 from opd.rollout.rollout_batch import build_rollout_batch
 from opd.rollout.stop_tokens import ends_with_stop, stop_token_ids
 from opd.utils.errors import ConfigError
@@ -52,10 +60,15 @@ CPU_KV_CACHE_BYTES = 256 * 2**20
 """KV cache of the CPU engine when ``kv_cache_memory_bytes`` is not set (about 30k tokens
 of the demo student; vLLM's own CPU default is 4 GiB)."""
 
+VLLM_PROFILE_TOKENS = 8192
+"""Tokens of vLLM's profiling forward (its default ``max_num_batched_tokens``), which sizes its activations."""
+VLLM_PROFILE_SEQUENCES = 256
+"""Sequences of that forward (vLLM's default ``max_num_seqs``): one row of fp32 logits each."""
+
 _MAX_SEED = 2**31 - 1
 
 
-def configure_vllm_environment(device_type: str) -> None:
+def configure_vllm_environment(on_gpu: bool) -> None:
     """Sets the environment vLLM reads: an in-process engine core, quieter logs, and on CPU no thread pinning.
 
     The engine core must run in this process: refit hands it tensors, not files. On CPU,
@@ -65,8 +78,13 @@ def configure_vllm_environment(device_type: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # refit hands tensors to the worker in process
     # vLLM logs every refit's cache reset at INFO; a training log wants its warnings only.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if device_type == "cpu":
+    if not on_gpu:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def resolve_auto(setting: Literal["auto"] | bool, auto: bool) -> bool:
+    """A ``true`` / ``false`` / ``auto`` setting resolved: ``auto`` takes the value ``auto`` gives for this machine."""
+    return auto if setting == "auto" else bool(setting)
 
 
 def import_vllm() -> Any:
@@ -87,10 +105,14 @@ def sampling_params_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
 
     Every knob is explicit (as for the HF backend) so that no default of vLLM's or of the
     model's generation config changes what the config asked for. vLLM's greedy is
-    ``temperature=0``.
+    ``temperature=0``; ``top_k = -1`` and ``top_p = 1`` are its "no cut".
     """
     common = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
-    return {**common, **strategy.method.vllm_kwargs(strategy)}
+    if strategy.is_greedy:
+        return {**common, "temperature": 0.0, "top_k": -1, "top_p": 1.0}
+    kept = strategy.sampling_filter
+    top_k = kept.top_k if kept.top_k is not None else -1
+    return {**common, "temperature": strategy.temperature, "top_k": top_k, "top_p": kept.top_p}
 
 
 def engine_resources(config: Any, on_gpu: bool) -> dict[str, Any]:
@@ -104,7 +126,7 @@ def engine_resources(config: Any, on_gpu: bool) -> dict[str, Any]:
     ``kv_cache_memory_bytes`` or :data:`CPU_KV_CACHE_BYTES`.
     """
     resources: dict[str, Any] = {
-        "enforce_eager": (not on_gpu) if config.enforce_eager == "auto" else bool(config.enforce_eager),
+        "enforce_eager": resolve_auto(config.enforce_eager, auto=not on_gpu),
         "distributed_executor_backend": "uni" if config.tensor_parallel_size == 1 else "mp",
         "tensor_parallel_size": config.tensor_parallel_size,
     }
@@ -171,16 +193,15 @@ class VllmGeneration(InProcessGenerationInterface):
     ) -> None:
         if VllmGeneration._open_engine is not None:
             raise RuntimeError("a colocated vLLM engine is already open in this process; close() it first")
-        device_type = next(model.parameters()).device.type
-        configure_vllm_environment(device_type)
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        configure_vllm_environment(on_gpu)
         vllm = import_vllm()
         self._sampling_params_class = vllm.SamplingParams
         self.pad_token_id = tokenizer.pad_token_id
         self.stop_ids = tuple(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
         self.tied_embeddings = bool(getattr(model.config, "tie_word_embeddings", False))
         self.tensor_parallel_size = config.tensor_parallel_size
-        on_gpu = device_type == "cuda"
-        self.sleep_enabled = on_gpu if config.enable_sleep_mode == "auto" else bool(config.enable_sleep_mode)
+        self.sleep_enabled = resolve_auto(config.enable_sleep_mode, auto=on_gpu)
         if self.sleep_enabled and not on_gpu:
             raise ConfigError(
                 "generation.vllm.enable_sleep_mode = true needs a CUDA device (vLLM's sleep mode is GPU-only)"
@@ -334,3 +355,116 @@ class VllmGeneration(InProcessGenerationInterface):
         if VllmGeneration._open_engine is self:
             VllmGeneration._open_engine = None
         shutil.rmtree(self._config_dir, ignore_errors=True)
+
+
+class VllmSettings(Protocol):
+    """What the vLLM engine reads of the ``generation`` section."""
+
+    @property
+    def vllm(self) -> VllmGenerationConfig: ...
+
+    @property
+    def stop_token_ids(self) -> list[int] | None: ...
+
+
+@dataclass
+class VllmEngineBudget:
+    """The vLLM engine's share of one device, in bytes (vLLM's arithmetic).
+
+    Attributes:
+        share: ``gpu_memory_utilization`` × the device.
+        trainer_resident: what the trainer keeps on the device while the engine generates
+            (colocated: weights, Adam moments and teacher, unless offloaded; split: 0).
+        weights: the student in 16 bits (this device's slice of it with tensor parallel).
+        activations: the profiling forward's activations and logits (an estimate).
+        kv_cache: what is left for the KV cache.
+        kv_tokens: tokens of KV cache at the student's shape (the whole engine's, over its devices).
+        kv_sequences: sequences of the planned length (prompt + response) that fit.
+        row_tokens: that length.
+    """
+
+    share: int
+    trainer_resident: int
+    weights: int
+    activations: int
+    kv_cache: int
+    kv_tokens: int
+    kv_sequences: int
+    row_tokens: int
+
+    def describe(self) -> str:
+        """The share, less what else it holds, as KV cache."""
+        return (
+            f"share {gib(self.share)} − trainer {gib(self.trainer_resident)} − weights {gib(self.weights)} "
+            f"− activations {gib(self.activations)} = KV {gib(self.kv_cache)} GiB = {self.kv_tokens:,} tokens "
+            f"= {self.kv_sequences:,} sequences of {self.row_tokens}"
+        )
+
+
+class VllmEngine(EngineKind[VllmSettings]):
+    """``vllm``: a vLLM engine in this process (:class:`VllmGeneration`), always on weights of its own."""
+
+    name = "vllm"
+    memory_arithmetic = "vLLM's arithmetic"
+
+    def check_environment(self, settings: VllmSettings) -> None:
+        """vLLM must be importable."""
+        import_vllm()
+
+    def devices(self, settings: VllmSettings) -> int:
+        """``generation.vllm.tensor_parallel_size``."""
+        return settings.vllm.tensor_parallel_size
+
+    def config_problems(
+        self, settings: VllmSettings, max_new_tokens: int, key: str, colocated: bool = False
+    ) -> list[str]:
+        """The context length must leave room for a prompt; a tensor-parallel engine needs devices of its own."""
+        problems = []
+        max_model_len = settings.vllm.max_model_len
+        if max_model_len is not None and max_model_len <= max_new_tokens:
+            problems.append(
+                f"generation.vllm.max_model_len = {max_model_len} leaves no room for a prompt before "
+                f"{key} = {max_new_tokens} new tokens"
+            )
+        devices = self.devices(settings)
+        if devices > 1 and colocated:
+            problems.append(
+                f"generation.vllm.tensor_parallel_size = {devices} spans several devices, but a colocated "
+                "rollout worker shares one trainer device; set cluster.placement = split (each rollout worker then "
+                "holds that many GPUs)"
+            )
+        return problems
+
+    def planned_memory(self, settings: VllmSettings, rollout: PlannedRollout) -> VllmEngineBudget:
+        """One device's share of the engine: its weights, profiling activations, and the KV cache in what is left.
+
+        With tensor parallel over ``n`` devices each holds a slice of the weights and of the
+        KV heads (heads are replicated where there are fewer than devices); the tokens that
+        fit are the engine's, over all its devices.
+        """
+        student, tensor_parallel = rollout.student, settings.vllm.tensor_parallel_size
+        share = int(rollout.device_bytes * settings.vllm.gpu_memory_utilization)
+        weights = 2 * rollout.student_parameters // tensor_parallel
+        activations = (
+            VLLM_PROFILE_TOKENS * layer_activation_bytes_per_token(student)
+            + VLLM_PROFILE_SEQUENCES * rollout.vocab_size * 4
+        )
+        kv_cache = max(share - rollout.trainer_resident - weights - activations, 0)
+        kv_slices = min(tensor_parallel, student.num_key_value_heads)
+        tokens = kv_cache // -(-kv_bytes_per_token(student) // kv_slices)
+        return VllmEngineBudget(
+            share,
+            rollout.trainer_resident,
+            weights,
+            activations,
+            kv_cache,
+            tokens,
+            tokens // rollout.row_tokens,
+            rollout.row_tokens,
+        )
+
+    def build(
+        self, settings: VllmSettings, model: PreTrainedModel, tokenizer: Any, seed: int, own_copy: bool
+    ) -> InProcessGenerationInterface:
+        """A vLLM engine started from ``model``'s config and weights (it always keeps its own copy)."""
+        return VllmGeneration(model, tokenizer, settings.vllm, seed, settings.stop_token_ids)

@@ -130,7 +130,7 @@ class VllmTeacher(TeacherInterface):
     def __init__(self, model_path: str, config: VllmScoringConfig, on_gpu: bool, seed: int = 0) -> None:
         from opd.rollout.vllm_generation import configure_vllm_environment, engine_resources, import_vllm
 
-        configure_vllm_environment("cuda" if on_gpu else "cpu")
+        configure_vllm_environment(on_gpu)
         vllm = import_vllm()
         self._sampling_params_class = vllm.SamplingParams
         self.max_logprobs = config.max_logprobs

@@ -1,26 +1,65 @@
-"""The rollout engine's budget in ``opd plan`` with vLLM tensor parallel.
+"""The rollout engines' budgets in ``opd plan``: vLLM's with tensor parallel, HF's from its rows.
 
-Over ``n`` devices each holds ``1/n`` of the weights and of the KV heads (heads are
-replicated where there are fewer heads than devices), so for the same device share the
-engine fits more tokens; checked against the arithmetic written out here.
+Over ``n`` devices a vLLM engine holds ``1/n`` of the weights and of the KV heads on each
+(heads are replicated where there are fewer heads than devices), so for the same device
+share it fits more tokens. The HF engine reserves nothing: it holds a copy of the
+student and the KV cache of the rows it samples. Both checked against the arithmetic
+written out here.
 """
 
 from __future__ import annotations
 
 from opd.models.model_shapes import model_config
-from opd.plan.memory_plan import DEVICES, _engine_budget
+from opd.plan.memory_plan import DEVICES
+from opd.rollout.config import VllmGenerationConfig
+from opd.rollout.engine_kind import PlannedRollout
+from opd.rollout.engines import ENGINES, GenerationConfig
+
+STUDENT = "Qwen/Qwen2.5-1.5B-Instruct"  # 2 KV heads
+PARAMETERS, VOCAB = 1_543_714_304, 151_936
+
+
+def _rollout(student, rows=1) -> PlannedRollout:
+    return PlannedRollout(DEVICES["80 GB"], 0, student, PARAMETERS, VOCAB, 1024, 3072, rows)
+
+
+def _whole_token(student) -> int:
+    head_dim = student.hidden_size // student.num_attention_heads
+    return 2 * student.num_hidden_layers * student.num_key_value_heads * head_dim * 2
 
 
 def test_tensor_parallel_splits_the_weights_and_the_kv_heads():
-    student = model_config("Qwen/Qwen2.5-1.5B-Instruct")  # 2 KV heads
-    parameters, vocab, row_tokens = 1_543_714_304, 151_936, 4096
-    args = (DEVICES["80 GB"], 0.3, 0, student, parameters, vocab, row_tokens)
-    one, two, four = (_engine_budget(*args, tensor_parallel=n) for n in (1, 2, 4))
+    student = model_config(STUDENT)
+
+    def budget(tensor_parallel: int):
+        settings = GenerationConfig(backend="vllm", vllm=VllmGenerationConfig(tensor_parallel_size=tensor_parallel))
+        return settings.engine.planned_memory(settings, _rollout(student))
+
+    one, two, four = budget(1), budget(2), budget(4)
+    assert one.share == int(DEVICES["80 GB"] * 0.3)
     assert two.weights == one.weights // 2 and four.weights == one.weights // 4
-    head_dim = student.hidden_size // student.num_attention_heads
-    whole_token = 2 * student.num_hidden_layers * student.num_key_value_heads * head_dim * 2
+    whole_token = _whole_token(student)
     assert one.kv_tokens == one.kv_cache // whole_token
     assert two.kv_tokens == two.kv_cache // (whole_token // 2)
     # Four devices, two KV heads: each device keeps one whole head, as with two devices.
     assert four.kv_tokens == four.kv_cache // (whole_token // 2)
     assert two.kv_cache - one.kv_cache == one.weights - two.weights
+    assert one.kv_sequences == one.kv_tokens // 4096
+
+
+def test_the_hf_engine_holds_a_copy_of_the_student_and_its_rows_kv_cache():
+    student = model_config(STUDENT)
+    settings = GenerationConfig()
+    eight, sixteen = (settings.engine.planned_memory(settings, _rollout(student, rows)) for rows in (8, 16))
+    assert eight.weights == sixteen.weights == 2 * PARAMETERS
+    assert eight.kv_cache == 8 * 4096 * _whole_token(student) and sixteen.kv_cache == 2 * eight.kv_cache
+    assert sixteen.activations == 2 * eight.activations
+    assert eight.total == eight.weights + eight.kv_cache + eight.activations
+    assert "8 sequences of 4096" in eight.describe()
+
+
+def test_every_engine_plans_its_memory():
+    student = model_config(STUDENT)
+    for name, engine in ENGINES.items():
+        settings = GenerationConfig(backend=name)
+        assert engine.planned_memory(settings, _rollout(student)).describe()

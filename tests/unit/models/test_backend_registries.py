@@ -15,8 +15,9 @@ from opd_test_helpers import REPO_ROOT
 
 from opd.distillation.config import MasterConfig
 from opd.distillation.setup import setup
-from opd.models.decoding import DECODING_METHODS, DecodingMethod, GenerateStrategyConfig
+from opd.models.decoding import DECODING_METHODS, DecodingMethod, GenerateStrategyConfig, SamplingFilter
 from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKRequest
+from opd.rollout.engines import ENGINES, GenerationConfig
 from opd.rollout.hf_generation import sampling_kwargs
 from opd.rollout.sampling import next_tokens, warp_logits
 from opd.rollout.vllm_generation import sampling_params_kwargs
@@ -42,6 +43,7 @@ def test_every_registry_covers_exactly_the_values_its_key_accepts():
         assert _choices(model, "backend") == set(TEACHER_BACKENDS)
     assert _choices(RemoteTeacherConfig, "protocol") == set(PROTOCOLS) | {"auto"}
     assert _choices(GenerateStrategyConfig, "decoding_method") == set(DECODING_METHODS)
+    assert _choices(GenerationConfig, "backend") == set(ENGINES)
     assert set(typing.get_args(wire.Signal)) == set(wire.CODECS) == set(wire.SIGNALS)
 
 
@@ -182,6 +184,14 @@ def test_the_engines_get_the_same_sampling_settings_as_before():
     assert [name for name, strategy in STRATEGIES.items() if strategy.is_greedy] == ["greedy"]
 
 
+def test_a_method_says_what_it_cuts_and_each_engine_spells_it():
+    filters = {name: strategy.sampling_filter for name, strategy in STRATEGIES.items()}
+    assert filters == {"greedy": SamplingFilter(), "top_k": SamplingFilter(top_k=3), "top_p": SamplingFilter(top_p=0.6)}
+    assert [name for name, kept in filters.items() if kept.leaves_out_tokens] == ["top_k", "top_p"]
+    assert [kept.describe() for kept in filters.values()] == ["every token kept", "top_k = 3", "top_p = 0.6"]
+    assert not GenerateStrategyConfig(decoding_method="top_p", top_p=1.0).sampling_filter.leaves_out_tokens
+
+
 def test_the_sampler_filters_with_the_method_the_registry_holds(monkeypatch):
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]])
 
@@ -191,11 +201,8 @@ def test_the_sampler_filters_with_the_method_the_registry_holds(monkeypatch):
         def keep(self, logits, strategy):
             return torch.full_like(logits, float("-inf")).index_fill(-1, torch.tensor([0]), 0.0)
 
-        def hf_kwargs(self, strategy):
-            return {}
-
-        def vllm_kwargs(self, strategy):
-            return {}
+        def filter(self, strategy):
+            return SamplingFilter()
 
     assert set(torch.isfinite(warp_logits(logits, STRATEGIES["top_k"]))[0].nonzero().flatten().tolist()) == {2, 3, 4}
     monkeypatch.setitem(DECODING_METHODS, "top_k", OnlyTheFirst())

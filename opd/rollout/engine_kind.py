@@ -1,0 +1,124 @@
+"""What every rollout engine answers for the rest of opd (:class:`EngineKind`), and what ``opd plan`` asks it.
+
+Each engine's module holds its own kind (:class:`~opd.rollout.hf_generation.HFEngine`,
+:class:`~opd.rollout.vllm_generation.VllmEngine`): what it needs from the machine, which
+settings it cannot serve and why (its own messages), how many devices one engine spans,
+what it holds on a device while it samples, and how to build it. The registry of
+``generation.backend`` values (:data:`opd.rollout.engines.ENGINES`) only lists them.
+
+A kind reads the ``generation`` section through a protocol of its own (the fields it
+uses), so this module and the engines' modules need not import the section's class,
+which imports them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+
+from opd.models.interfaces import InProcessGenerationInterface
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
+    from transformers import PretrainedConfig, PreTrainedModel
+
+GIB = 1024**3
+
+SettingsT = TypeVar("SettingsT", contravariant=True)
+"""What a kind reads of the ``generation`` section: a protocol its module declares."""
+
+
+def gib(value: int) -> str:
+    """``value`` bytes in GiB, two decimals, no padding (the plan's tables)."""
+    return f"{value / GIB:.2f}"
+
+
+def kv_bytes_per_token(config: PretrainedConfig, element_bytes: int = 2) -> int:
+    """Bytes of keys and values one token holds over all of the model's layers (16 bits by default)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element_bytes
+
+
+def layer_activation_bytes_per_token(config: PretrainedConfig) -> int:
+    """One decoder layer's activations per token in 16 bits: the residual stream and attention projections
+    (about 4 × hidden) and the MLP's gate, up and product (about 3 × intermediate)."""
+    return 2 * (4 * config.hidden_size + 3 * config.intermediate_size)
+
+
+@dataclass(frozen=True)
+class PlannedRollout:
+    """One rollout engine's work on one device, as ``opd plan`` sizes it.
+
+    Attributes:
+        device_bytes: the device's memory.
+        trainer_resident: what the trainer keeps on the device while the engine samples
+            (colocated placement: its weights, Adam moments and teacher unless offloaded; split: 0).
+        student: the student's model config.
+        student_parameters: the student's distinct weights.
+        vocab_size: the tokenizer's vocabulary.
+        prompt_tokens: the longest prompt.
+        response_tokens: the longest response.
+        rows: sequences one engine samples in a rollout (its share of the prompts, times the samples of each).
+    """
+
+    device_bytes: int
+    trainer_resident: int
+    student: PretrainedConfig
+    student_parameters: int
+    vocab_size: int
+    prompt_tokens: int
+    response_tokens: int
+    rows: int
+
+    @property
+    def row_tokens(self) -> int:
+        """Prompt plus response: the longest sequence."""
+        return self.prompt_tokens + self.response_tokens
+
+
+class EngineMemory(Protocol):
+    """An engine's planned share of one device: a dataclass (``opd plan --json`` writes its fields)."""
+
+    def describe(self) -> str:
+        """The share as one line of the plan's table (GiB)."""
+        ...
+
+
+class EngineKind(ABC, Generic[SettingsT]):
+    """One value of ``generation.backend``.
+
+    Attributes:
+        name: the value of ``generation.backend``.
+        memory_arithmetic: how :meth:`planned_memory` counts, for the plan's heading.
+    """
+
+    name: ClassVar[str]
+    memory_arithmetic: ClassVar[str]
+
+    def check_environment(self, settings: SettingsT) -> None:
+        """Fails at once, with the way to fix it, when this machine cannot run the engine (default: it can)."""
+
+    def devices(self, settings: SettingsT) -> int:
+        """Devices one engine spans (a rollout worker is given that many)."""
+        return 1
+
+    def config_problems(self, settings: SettingsT, max_new_tokens: int, key: str, colocated: bool = False) -> list[str]:
+        """Why the engine cannot run as configured (default: nothing).
+
+        Args:
+            settings: the ``generation`` section.
+            max_new_tokens: the longest answer asked of it; ``key`` names that setting.
+            key: the setting of ``max_new_tokens``, for the message.
+            colocated: each engine shares one trainer device (``cluster.placement: colocated``).
+        """
+        return []
+
+    @abstractmethod
+    def planned_memory(self, settings: SettingsT, rollout: PlannedRollout) -> EngineMemory:
+        """What one engine holds on one device while it samples ``rollout`` (``opd plan``)."""
+
+    @abstractmethod
+    def build(
+        self, settings: SettingsT, model: PreTrainedModel, tokenizer: Any, seed: int, own_copy: bool
+    ) -> InProcessGenerationInterface:
+        """The engine, sampling from ``model`` (``own_copy``: from a copy refreshed by refits only)."""
