@@ -621,7 +621,7 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
 
     from opd.data.batched_data_dict import BatchedDataDict
     from opd.data.sequences import attention_mask_from_lengths, build_token_mask, encode_prompt, shift_token_mask
-    from opd.losses.objectives import DistillationLossFn
+    from opd.losses.distillation_losses import JSDLossFn
     from opd.models.decoding import GenerateStrategyConfig
     from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of
     from opd.rollout.decode_loop import compile_decode_step, decode
@@ -640,9 +640,8 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     )
     # The loss exactly as opd's default config builds it (compiled kernels where a C++
     # compiler exists); the first calls (compilation) fall in the untimed warm-up steps.
-    loss_fn = DistillationLossFn(
-        divergence="jsd",
-        jsd_beta=JSD_BETA,
+    loss_fn = JSDLossFn(
+        beta=JSD_BETA,
         temperature=1.0,
         vocab_size=len(tokenizer),
         fused_lm_head=True,

@@ -66,7 +66,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from opd.data.sequences import pack_sequences
-    from opd.losses.objectives import NLLLossFn
+    from opd.losses.nll import NLLLossFn
     from opd.models.config import LoraConfig, OptimizerConfig
     from opd.policy.hf_policy import HFPolicy
 

@@ -8,7 +8,7 @@ measures what that buys, for the loss alone (no model around it): forward + back
 vocabulary V = 151,669 and hidden size D = 1,536 (Qwen2.5-1.5B's head), fp32 on CPU, for
 N tokens, of
 
-* **opd fused** — ``chunked_lm_head_loss`` with :func:`opd.losses.objectives.generalized_jsd`
+* **opd fused** — ``chunked_lm_head_loss`` with :func:`opd.losses.divergences.generalized_jsd`
   (β = 0.5) and its closed-form gradient (``full_vocab_divergence_with_grad``), as
   ``DistillationLossFn`` runs it, and the teacher given as its hidden states and head (an in-process teacher:
   its logits are made per chunk, without gradient);
@@ -179,7 +179,7 @@ def _loss_functions(chunk_rows: int | None) -> dict[str, Callable[..., Any]]:
         import functools
 
         from opd.kernels.fused_lm_head import chunked_lm_head_loss
-        from opd.losses.objectives import full_vocab_divergence_with_grad, generalized_jsd
+        from opd.losses.divergences import full_vocab_divergence_with_grad, generalized_jsd
         from opd.models.lm_head import LMHeadInput
 
         tokens = hidden.shape[0]

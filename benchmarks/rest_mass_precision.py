@@ -1,6 +1,6 @@
 """How precisely the top-k divergence keeps a small teacher rest mass, before and after the fix.
 
-:func:`opd.losses.objectives.topk_token_kl` (``tail=True``) needs the teacher's
+:func:`opd.losses.divergences.topk_token_kl` (``tail=True``) needs the teacher's
 "rest" mass 1 − Σ_k P outside its top k. Until the fix it was computed by subtraction in
 the dtype of the log-probs, ``-expm1(logsumexp(top-k))`` in float32, which loses a rest
 mass of 1e-6 or less to cancellation. This script builds teachers whose top k hold
@@ -53,7 +53,7 @@ from harness import parse_arguments
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from opd.kernels.topk_rest import rest_logprobs_outside
-from opd.losses.objectives import topk_token_kl
+from opd.losses.divergences import topk_token_kl
 
 REST_MASSES = (1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7)
 DIRECTIONS = ("forward", "reverse", "mixed")

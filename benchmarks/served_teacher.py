@@ -69,7 +69,7 @@ sys.path.insert(0, str(REPO))
 from harness import parse_arguments  # noqa: E402
 
 from opd.data.batched_data_dict import BatchedDataDict  # noqa: E402
-from opd.losses.objectives import DistillationLossFn  # noqa: E402
+from opd.losses.distillation_losses import DistillationLossFn, KLLossFn, TopKKLLossFn  # noqa: E402
 from opd.models.interfaces import TeacherInterface, TopKLogprobs  # noqa: E402
 from opd.models.lm_head import LMHeadInput  # noqa: E402
 from opd.models.loading import load_output_layer  # noqa: E402
@@ -264,12 +264,10 @@ def measure_size(size: Size, repeats: int, ks: list[int], log_dir: Path) -> list
             return client
 
         def full_vocab() -> DistillationLossFn:
-            return DistillationLossFn(kl_type="reverse", vocab_size=vocab, fused_lm_head=True)
+            return KLLossFn(kl_type="reverse", vocab_size=vocab, fused_lm_head=True)
 
         def topk(k: int) -> Callable[[], DistillationLossFn]:
-            return lambda: DistillationLossFn(
-                kl_type="reverse", teacher_signal="topk", teacher_topk=k, vocab_size=vocab
-            )
+            return lambda: TopKKLLossFn(kl_type="reverse", k=k, vocab_size=vocab)
 
         local = LocalTeacher(teacher_model)
         at_loss_positions = TopKAtLossPositions(teacher_model, vocab)

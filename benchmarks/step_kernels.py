@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import parse_arguments
 from timing import median_seconds
 
-from opd.losses.objectives import DistillationLossFn
+from opd.losses.distillation_losses import DistillationLossFn, JSDLossFn
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput
 from opd.models.tiny import build_model_for_tokenizer, build_tiny_tokenizer
@@ -148,8 +148,8 @@ def loss_rows(vocab: int, repeats: int) -> list[tuple[str, str, float, float]]:
 
         return step
 
-    eager = DistillationLossFn(divergence="jsd", jsd_beta=0.5, fused_lm_head=True, compile_kernels=False)
-    compiled = DistillationLossFn(divergence="jsd", jsd_beta=0.5, fused_lm_head=True, compile_kernels=True)
+    eager = JSDLossFn(beta=0.5, fused_lm_head=True, compile_kernels=False)
+    compiled = JSDLossFn(beta=0.5, fused_lm_head=True, compile_kernels=True)
     compiled_step = step_with(compiled)
     start = time.perf_counter()
     compiled_step()  # compiles (or loads inductor's cached kernels)

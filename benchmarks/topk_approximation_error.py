@@ -5,9 +5,9 @@ only the log-prob of the sampled token) instead of the full distribution. This s
 measures what that costs on the demo models: the student (``examples/demo/models/student``)
 answers held-out prompts of the arithmetic task, teacher and student score every response
 position, and three approximations are compared with the exact per-position divergence
-over the full vocabulary (:func:`opd.losses.objectives.token_kl`, in float64):
+over the full vocabulary (:func:`opd.losses.divergences.token_kl`, in float64):
 
-* **tail** — :func:`~opd.losses.objectives.topk_token_kl` with ``tail=True``: the
+* **tail** — :func:`~opd.losses.divergences.topk_token_kl` with ``tail=True``: the
   teacher's k tokens plus one "rest" class. It is the exact KL of the two distributions
   coarsened to k + 1 classes, so per position 0 <= tail <= exact (a lower bound).
 * **renorm** — ``tail=False``: both distributions renormalised over the teacher's top k
@@ -67,7 +67,7 @@ from opd.data.dataloaders import prepare_examples  # noqa: E402
 from opd.data.datasets import load_chat_dataset  # noqa: E402
 from opd.data.sequences import attention_mask_from_lengths, build_token_mask, shift_token_mask  # noqa: E402
 from opd.distillation.config import MasterConfig  # noqa: E402
-from opd.losses.objectives import KL_TYPES, token_kl, topk_token_kl  # noqa: E402
+from opd.losses.divergences import KL_TYPES, token_kl, topk_token_kl  # noqa: E402
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.loading import check_tokenizer_compatibility, load_tokenizer  # noqa: E402
 from opd.rollout.hf_generation import HFGeneration  # noqa: E402

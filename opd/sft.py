@@ -23,7 +23,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from opd.data.batches import build_fixed_data_batch
 from opd.data.config import DataConfig
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
-from opd.losses.objectives import NLLLossFn
+from opd.losses.nll import NLLLossFn
 from opd.models.config import ModelLoadingConfig, StudentLoraSettings
 from opd.models.interfaces import GenerationInterface, LossFunction, PolicyInterface
 from opd.models.loading import check_output_sizes, load_causal_lm, resolve_device, resolve_dtype

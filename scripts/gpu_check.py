@@ -153,7 +153,7 @@ def check_nccl_trainer() -> dict[str, Any]:
 def check_bf16_fused_loss() -> dict[str, Any]:
     torch = _cuda()
     from opd.kernels.fused_lm_head import chunked_lm_head_loss
-    from opd.losses.objectives import token_kl
+    from opd.losses.divergences import token_kl
     from opd.models.lm_head import LMHeadInput
 
     vocab, hidden_size, positions = (151_936, 1536, 2048) if not REHEARSAL else (4096, 64, 512)

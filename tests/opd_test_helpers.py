@@ -155,10 +155,11 @@ def served_and_in_process_losses(loss: str, kl_type: str, batch, student, remote
     """
     import torch
 
-    from opd.losses.objectives import DistillationLossFn, SampledTokenLossFn
+    from opd.losses.distillation_losses import TopKKLLossFn
+    from opd.losses.sampled_token import SampledTokenLossFn
 
     if loss == "topk":
-        loss_fn = DistillationLossFn(kl_type=kl_type, teacher_signal="topk", teacher_topk=k, vocab_size=vocab)
+        loss_fn = TopKKLLossFn(kl_type=kl_type, k=k, vocab_size=vocab)
     else:
         batch["generation_logprobs"] = -torch.rand(batch["input_ids"].shape)
         loss_fn = SampledTokenLossFn(vocab_size=vocab)

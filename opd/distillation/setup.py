@@ -34,8 +34,8 @@ from opd.losses.config import (
     HybridFullVocabLossConfig,
     SampledTokenLossConfig,
 )
+from opd.losses.distillation_losses import DistillationLossFn, TopKKLLossFn
 from opd.losses.hybrid_loss import FullVocabHybridLossFn
-from opd.losses.objectives import DistillationLossFn, TopKKLLossFn
 from opd.losses.off_policy import OffPolicyCorrection, filtered_sampling_warning
 from opd.losses.several_teachers_loss import MixtureLoss, RoutedLoss
 from opd.models.interfaces import (

@@ -37,7 +37,7 @@ def kl_metrics_from_logits(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both KLs at temperature 1, summed over positions, and each row's log-normaliser.
 
-    The metric part of :class:`opd.losses.objectives._TeacherMetrics` in a form
+    The metric part of :class:`opd.losses.teacher_metrics.TeacherMetrics` in a form
     that compiles into a few passes and never writes the ``[C, V]`` log-probabilities:
     the top-k metrics work from the logits and the returned log-normalisers instead.
 

@@ -2,7 +2,7 @@
 
 A teacher that sends only its top k log-probs per position leaves a rest mass
 1 − Σ_k P(v) on every other token, which the top-k loss keeps as one class
-(:func:`~opd.losses.objectives.topk_token_kl`). Computed by subtraction in the
+(:func:`~opd.losses.divergences.topk_token_kl`). Computed by subtraction in the
 dtype of the log-probs, that mass is lost to cancellation when it is small: in float32,
 Σ_k P carries an absolute rounding error of about 1e-7, so a rest mass of 1e-6 comes out
 tens of percent wrong and one of 1e-7 can come out 0 or negative. Both ways of getting

@@ -15,31 +15,32 @@ sampled-token loss, the JSD over a top-k signal) cannot be written:
 ``hybrid_full_vocab``     τ-weighted reverse KL + task-reward policy gradient   logits
 ========================  ==================================================  ==============================
 
-The loss objects themselves (:mod:`opd.losses.objectives`,
+Each variant is registered with the loss class it builds (:func:`loss_variant`); the union
+``loss_fn`` is parsed with (:data:`LossFnConfig`) and the tables :data:`LOSS_VARIANTS` and
+:data:`LOSS_CLASSES` are made from those registrations, and what a variant asks the
+teacher for is what its loss asks for. A new objective is its loss class and one
+decorated config class here. The loss objects themselves
+(:mod:`opd.losses.distillation_losses`, :mod:`opd.losses.sampled_token`,
 :mod:`opd.losses.hybrid_loss`) take no config and can be built directly.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 from abc import abstractmethod
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeAlias, TypeVar
 
 from pydantic import Discriminator, Field, Tag
 
+from opd.losses.distillation_losses import JSDLossFn, KLLossFn, TopKKLLossFn
+from opd.losses.divergences import KLType
 from opd.losses.hybrid_loss import FullVocabHybridLossFn
-from opd.losses.objectives import JSDLossFn, KLLossFn, SampledTokenLossFn, TopKKLLossFn
-from opd.models.interfaces import (
-    FullVocabRequest,
-    LossFunction,
-    TeacherRequest,
-    TokenLogprobsRequest,
-    TopKRequest,
-)
+from opd.losses.sampled_token import SampledTokenLossFn
+from opd.models.interfaces import LossFunction, TeacherRequest
 from opd.utils.compile_cache import resolve_compile_kernels
 from opd.utils.config import StrictConfig
-
-KLType = Literal["forward", "reverse", "mixed"]
 
 
 class _LossSettings(StrictConfig):
@@ -50,6 +51,9 @@ class _LossSettings(StrictConfig):
     )
 
     type: str
+    loss_class: ClassVar[Callable[..., LossFunction]]
+    """The loss these keys build (set by :func:`loss_variant`)."""
+
     compares_across_tokenizers: ClassVar[bool] = False
     """The objective can be computed against a teacher with another tokenizer (its top k
     mapped onto the strings both vocabularies share): only what needs no whole
@@ -70,18 +74,43 @@ class _LossSettings(StrictConfig):
     def build(self, vocab_size: int, device_type: str) -> LossFunction:
         """The loss object these keys describe (``vocab_size``: the tokenizer's; ``device_type``: the student's).
 
-        The class is the one :data:`LOSS_CLASSES` registers for ``type``; its arguments
-        are :meth:`loss_arguments`.
+        The class is the variant's :attr:`loss_class`; its arguments are :meth:`loss_arguments`.
         """
-        return LOSS_CLASSES[self.type](**self.loss_arguments(vocab_size, device_type))
+        return self.loss_class(**self.loss_arguments(vocab_size, device_type))
 
     @abstractmethod
-    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
-        """The keyword arguments of the loss class, from these keys."""
+    def loss_arguments(self, vocab_size: int | None, device_type: str | None) -> dict[str, Any]:
+        """The keyword arguments of the loss class, from these keys.
 
-    @abstractmethod
+        ``device_type`` None: the loss is built only to be asked what it needs, never run,
+        so nothing is compiled for it.
+        """
+
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
-        """The signal the loss asks the teacher for (equal to the built loss's ``teacher_request``)."""
+        """The signal the loss asks the teacher for: that of the loss these keys build.
+
+        Asked before the tokenizer is loaded too (``vocab_size`` None).
+        """
+        request = self.loss_class(**self.loss_arguments(vocab_size, None)).teacher_request
+        assert request is not None, f"{self.type}: every distillation objective asks its teacher for a signal"
+        return request
+
+
+_Variant = TypeVar("_Variant", bound=_LossSettings)
+
+LOSS_VARIANTS: dict[str, type[_LossSettings]] = {}
+"""Each ``loss_fn.type`` and its keys, in the order registered (used to say where a misplaced key belongs)."""
+
+
+def loss_variant(loss_class: Callable[..., LossFunction]) -> Callable[[type[_Variant]], type[_Variant]]:
+    """Registers a config class as the ``loss_fn.type`` its ``type`` field names, building ``loss_class``."""
+
+    def register(variant: type[_Variant]) -> type[_Variant]:
+        variant.loss_class = loss_class
+        LOSS_VARIANTS[variant.model_fields["type"].default] = variant
+        return variant
+
+    return register
 
 
 class _KLDirection(StrictConfig):
@@ -141,10 +170,14 @@ class FullVocabKernelSettings(FusedHeadSettings):
 
 
 def _full_vocab_arguments(
-    settings: _LossSettings | FullVocabKernelSettings, temperature: float, vocab_size: int, device_type: str
+    settings: _LossSettings | FullVocabKernelSettings,
+    temperature: float,
+    vocab_size: int | None,
+    device_type: str | None,
 ) -> dict[str, Any]:
     """The arguments every full-vocabulary loss class takes from its config (temperature, reduction, kernels)."""
     assert isinstance(settings, _LossSettings) and isinstance(settings, FullVocabKernelSettings)
+    runs = device_type is not None and vocab_size is not None
     return {
         "temperature": temperature,
         "kl_reduction": settings.reduction,
@@ -152,16 +185,17 @@ def _full_vocab_arguments(
         "metrics_topk": settings.metrics_topk,
         "fused_lm_head": settings.fused_lm_head,
         "chunk_size": settings.chunk_size,
-        "compile_kernels": compile_loss_kernels(settings.compile_kernels, device_type, vocab_size),
+        "compile_kernels": runs and compile_loss_kernels(settings.compile_kernels, device_type, vocab_size),
     }
 
 
+@loss_variant(KLLossFn)
 class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKernelSettings, _TokenClip):
     """``type: full_vocab``: the exact KL over the whole vocabulary (the default)."""
 
     type: Literal["full_vocab"] = "full_vocab"
 
-    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+    def loss_arguments(self, vocab_size: int | None, device_type: str | None) -> dict[str, Any]:
         return {
             "kl_type": self.kl_type,
             "mixed_kl_weight": self.mixed_kl_weight,
@@ -169,27 +203,23 @@ class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKe
             **_full_vocab_arguments(self, self.temperature, vocab_size, device_type),
         }
 
-    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
-        return FullVocabRequest(prefer_hidden_states=self.fused_lm_head)
 
-
+@loss_variant(JSDLossFn)
 class JSDLossConfig(_LossSettings, _Temperature, FullVocabKernelSettings, _TokenClip):
     """``type: jsd``: the generalized Jensen-Shannon divergence of GKD / TRL."""
 
     type: Literal["jsd"] = "jsd"
     beta: float = Field(0.5, ge=0.0, le=1.0, description="interpolation: 0 = forward KL, 1 = reverse KL")
 
-    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+    def loss_arguments(self, vocab_size: int | None, device_type: str | None) -> dict[str, Any]:
         return {
             "beta": self.beta,
             "token_clip": self.token_clip,
             **_full_vocab_arguments(self, self.temperature, vocab_size, device_type),
         }
 
-    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
-        return FullVocabRequest(prefer_hidden_states=self.fused_lm_head)
 
-
+@loss_variant(TopKKLLossFn)
 class TopKLossConfig(_LossSettings, _KLDirection, _Temperature, FusedHeadSettings, _TokenClip):
     """``type: topk``: the teacher sends its top ``k`` log-probs per position (what a served teacher sends)."""
 
@@ -198,7 +228,7 @@ class TopKLossConfig(_LossSettings, _KLDirection, _Temperature, FusedHeadSetting
     k: int = Field(64, ge=1, description="teacher tokens per position")
     tail: bool = Field(True, description="keep a 'rest' class (a true divergence); false renormalises over the k")
 
-    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+    def loss_arguments(self, vocab_size: int | None, device_type: str | None) -> dict[str, Any]:
         return {
             "kl_type": self.kl_type,
             "mixed_kl_weight": self.mixed_kl_weight,
@@ -212,9 +242,6 @@ class TopKLossConfig(_LossSettings, _KLDirection, _Temperature, FusedHeadSetting
             "token_clip": self.token_clip,
         }
 
-    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
-        return TopKRequest(self.k, self.temperature, vocab_size)
-
 
 class _Taus(StrictConfig):
     teacher_tau: float = Field(1.0, description="weight of the teacher's log-prob")
@@ -222,6 +249,7 @@ class _Taus(StrictConfig):
     adv_tau: float = Field(0.0, description="weight of the task reward (the math verifier); needs lambda = 1")
 
 
+@loss_variant(SampledTokenLossFn)
 class SampledTokenLossConfig(_LossSettings, _Taus, FusedHeadSettings):
     """``type: sampled_token``: reverse KL on the sampled tokens as a policy gradient (needs lambda = 1)."""
 
@@ -229,7 +257,7 @@ class SampledTokenLossConfig(_LossSettings, _Taus, FusedHeadSettings):
     discount: float = Field(0.0, ge=0.0, le=1.0, description="discount over future tokens' advantages")
     clip_ratio: float | None = Field(0.2, gt=0.0, description="importance-ratio clip; null: none")
 
-    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+    def loss_arguments(self, vocab_size: int | None, device_type: str | None) -> dict[str, Any]:
         return {
             "teacher_tau": self.teacher_tau,
             "student_tau": self.student_tau,
@@ -242,9 +270,6 @@ class SampledTokenLossConfig(_LossSettings, _Taus, FusedHeadSettings):
             "vocab_size": vocab_size,
         }
 
-    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
-        return TokenLogprobsRequest(vocab_size)
-
     def lambda_problem(self, key: str, lambda_: float) -> str | None:
         """The sampled-token gradient needs the student's own samples, which a fixed-data step does not have."""
         if lambda_ < 1.0:
@@ -255,6 +280,7 @@ class SampledTokenLossConfig(_LossSettings, _Taus, FusedHeadSettings):
         return None
 
 
+@loss_variant(FullVocabHybridLossFn)
 class HybridFullVocabLossConfig(_LossSettings, _Taus):
     """``type: hybrid_full_vocab``: Σ_v q(student_tau·log q − teacher_tau·log p) exactly, plus the task reward."""
 
@@ -263,7 +289,7 @@ class HybridFullVocabLossConfig(_LossSettings, _Taus):
     """Its task-reward term is a policy gradient on the sampled token, which a stale sample
     makes off-policy: the ratio is that term's own importance weight."""
 
-    def loss_arguments(self, vocab_size: int, device_type: str) -> dict[str, Any]:
+    def loss_arguments(self, vocab_size: int | None, device_type: str | None) -> dict[str, Any]:
         return {
             "teacher_tau": self.teacher_tau,
             "student_tau": self.student_tau,
@@ -271,9 +297,6 @@ class HybridFullVocabLossConfig(_LossSettings, _Taus):
             "kl_reduction": self.reduction,
             "vocab_size": vocab_size,
         }
-
-    def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
-        return FullVocabRequest()
 
     def lambda_problem(self, key: str, lambda_: float) -> str | None:
         """A task reward (``adv_tau``) rewards the student's own answers, which only on-policy steps have."""
@@ -292,30 +315,17 @@ def _loss_type(value: Any) -> str:
     return str(getattr(value, "type", "full_vocab"))
 
 
-LossFnConfig = Annotated[
-    Annotated[FullVocabLossConfig, Tag("full_vocab")]
-    | Annotated[JSDLossConfig, Tag("jsd")]
-    | Annotated[TopKLossConfig, Tag("topk")]
-    | Annotated[SampledTokenLossConfig, Tag("sampled_token")]
-    | Annotated[HybridFullVocabLossConfig, Tag("hybrid_full_vocab")],
-    Discriminator(_loss_type),
-]
-"""``loss_fn:``, one of the variants above, chosen by ``type``."""
-
-LOSS_VARIANTS: dict[str, type[_LossSettings]] = {
-    "full_vocab": FullVocabLossConfig,
-    "jsd": JSDLossConfig,
-    "topk": TopKLossConfig,
-    "sampled_token": SampledTokenLossConfig,
-    "hybrid_full_vocab": HybridFullVocabLossConfig,
-}
-"""Each ``loss_fn.type`` and its keys (used to say where a misplaced key belongs)."""
+if TYPE_CHECKING:
+    # A type checker cannot read a union made at run time; it sees what every variant has.
+    LossFnConfig: TypeAlias = _LossSettings
+else:
+    LossFnConfig = Annotated[
+        functools.reduce(operator.or_, [Annotated[variant, Tag(tag)] for tag, variant in LOSS_VARIANTS.items()]),
+        Discriminator(_loss_type),
+    ]
+"""``loss_fn:``, one of the registered variants, chosen by ``type``."""
 
 LOSS_CLASSES: dict[str, Callable[..., LossFunction]] = {
-    "full_vocab": KLLossFn,
-    "jsd": JSDLossFn,
-    "topk": TopKKLLossFn,
-    "sampled_token": SampledTokenLossFn,
-    "hybrid_full_vocab": FullVocabHybridLossFn,
+    tag: variant.loss_class for tag, variant in LOSS_VARIANTS.items()
 }
-"""The loss class each ``loss_fn.type`` builds (:meth:`_LossSettings.build`)."""
+"""The loss class each ``loss_fn.type`` builds."""

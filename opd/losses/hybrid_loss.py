@@ -1,6 +1,6 @@
-"""The hybrid objective of seed 003 with the distillation terms taken over the whole vocabulary.
+"""The task-reward hybrid with the distillation terms taken over the whole vocabulary.
 
-The sampled-token form (:class:`~opd.losses.objectives.SampledTokenLossFn`) gives
+The sampled-token form (:class:`~opd.losses.sampled_token.SampledTokenLossFn`) gives
 each sampled token x the advantage ``adv_tau · r + teacher_tau · log p(x) − student_tau ·
 log q(x)`` (``r`` the sequence's task reward, ``p`` the teacher, ``q`` the student) and
 follows the policy gradient ``−A · ∇ log q(x)``. Its expectation over x ~ q is the
@@ -13,7 +13,7 @@ KL(q‖p) at each position. :class:`FullVocabHybridLossFn` computes L from the t
 full logits (so it needs the teacher's logits: an in-process teacher) and keeps the
 task-reward term as a policy gradient on the sampled tokens, since the reward exists only
 for the sequence that was sampled. Normalised like the other losses
-(``distillation.kl_reduction``).
+(:class:`~opd.losses.token_loss.TokenLossFn`, whose per-position term L_t is).
 
 Under an asynchronous schedule (``training.off_policy_correction``) each position of a
 stale sample is weighted by the truncated importance weight
@@ -32,14 +32,23 @@ from typing import Any
 
 import torch
 
-from opd.losses.objectives import _global_normalizer, _rows, off_policy_row_weights, shift_token_mask
+from opd.losses.divergences import log_probs_at_temperature, plogp_difference
 from opd.losses.off_policy import OffPolicyCorrection
-from opd.models.interfaces import FullVocabRequest, LossFunction, TeacherRequest
-from opd.models.lm_head import LMHeadInput
+from opd.losses.token_loss import LossInputs, TokenLossFn, loss_rows
+from opd.models.interfaces import FullVocabRequest, TeacherRequest
 
 
-class FullVocabHybridLossFn(LossFunction):
+class FullVocabHybridLossFn(TokenLossFn):
     """``loss_fn.type: hybrid_full_vocab`` (see the module docstring).
+
+    The teacher's answer is its logits, or its final hidden states over its output layer
+    (a teacher that runs apart sends those: a pool, a served teacher, a batch scored
+    ahead), whose logits are made here.
+
+    Metrics (contributions to global token means): ``loss``, ``kl_forward``,
+    ``kl_reverse`` (at τ = 1), ``task_reward_term`` (the reward part of the loss, before
+    the off-policy weights), ``num_valid_tokens``, and with the off-policy correction the
+    ``is_*`` metrics of :func:`~opd.losses.token_loss.off_policy_row_weights`.
 
     Args:
         teacher_tau: weight of the teacher's log-probs.
@@ -52,7 +61,7 @@ class FullVocabHybridLossFn(LossFunction):
             None leaves every weight at 1.
     """
 
-    fused_lm_head = False  # needs the student's logits for the log-prob of the sampled tokens
+    teacher_answer = "the teacher's logits"
 
     def __init__(
         self,
@@ -63,14 +72,11 @@ class FullVocabHybridLossFn(LossFunction):
         vocab_size: int | None = None,
         off_policy: OffPolicyCorrection | None = None,
     ) -> None:
-        if kl_reduction not in ("mean", "sum"):
-            raise ValueError(f"kl_reduction must be 'mean' or 'sum', got {kl_reduction!r}")
+        # Never the fused head: the sampled tokens' log-probs are read off the student's logits.
+        super().__init__(kl_reduction, vocab_size, fused_lm_head=False, off_policy=off_policy)
         self.teacher_tau = teacher_tau
         self.student_tau = student_tau
         self.adv_tau = adv_tau
-        self.kl_reduction = kl_reduction
-        self.vocab_size = vocab_size
-        self.off_policy = off_policy
 
     @property
     def teacher_request(self) -> TeacherRequest:
@@ -82,68 +88,48 @@ class FullVocabHybridLossFn(LossFunction):
         """Whether ``adv_tau`` weighs a task reward in."""
         return self.adv_tau != 0.0
 
-    def __call__(
-        self,
-        student_output: torch.Tensor,
-        data: dict[str, Any],
-        global_valid_tokens: int,
-        global_valid_seqs: int,
-        teacher_output: torch.Tensor | LMHeadInput | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """This micro-batch's share of the global loss, and metrics.
-
-        The teacher's answer is its logits, or its final hidden states over its output
-        layer (a teacher that runs apart sends those: a pool, a served teacher, a batch
-        scored ahead), whose logits are made here.
-
-        Metrics (contributions to global token means): ``loss``, ``kl_forward``,
-        ``kl_reverse`` (at τ = 1), ``task_reward_term`` (the reward part of the loss),
-        ``num_valid_tokens``, and with the off-policy correction the ``is_*`` metrics of
-        :func:`~opd.losses.objectives.off_policy_row_weights`.
-        """
-        if teacher_output is None:
-            raise ValueError("FullVocabHybridLossFn needs the teacher's logits")
-        if isinstance(teacher_output, LMHeadInput):
-            teacher_output = teacher_output.logits()
-        loss_mask = shift_token_mask(data["token_mask"]).bool()
-        vocab = self.vocab_size or student_output.shape[-1]
-        compute_dtype = torch.promote_types(student_output.dtype, torch.float32)
-        log_q = torch.log_softmax(_rows(student_output[..., :vocab], loss_mask).to(compute_dtype), dim=-1)
-        log_p = torch.log_softmax(_rows(teacher_output[..., :vocab], loss_mask).to(compute_dtype), dim=-1)
-        q = log_q.exp()
-        exact = (q * (self.student_tau * log_q - self.teacher_tau * log_p)).sum(-1)  # [N] per position
-        correction_metrics: dict[str, float] = {}
-        if self.off_policy is not None and "staleness" in data and "generation_logprobs" in data:
-            row_weights, correction_metrics = off_policy_row_weights(
-                _rows(student_output, loss_mask), data, loss_mask, self.off_policy, global_valid_tokens
-            )
-        else:
-            row_weights = None
-        # None: no correction, or one that only monitors (every weight 1).
-        weights = (
-            torch.ones_like(exact) if row_weights is None else row_weights.to(device=log_q.device, dtype=compute_dtype)
-        )
-        loss_sum = (weights * exact).sum()
-        reward_term = torch.zeros((), dtype=compute_dtype, device=log_q.device)
+    def _loss_inputs(
+        self, teacher_output: Any, data: dict[str, Any], loss_mask: torch.Tensor, fused: bool
+    ) -> LossInputs:
+        """The teacher's rows, and with a task reward each position's sampled token and reward."""
+        reward_rows: tuple[torch.Tensor, ...] = ()
         if self.adv_tau != 0.0 and "task_reward" in data:
-            targets = _rows(data["input_ids"], loss_mask, shift=1)
             reward = data["task_reward"]
             # [B] per sequence, or [B, T] per token in packed rows: one value per loss position.
             per_position = reward.unsqueeze(-1).expand_as(data["input_ids"]) if reward.dim() == 1 else reward
-            rewards = _rows(per_position, loss_mask, shift=1).to(compute_dtype)
-            sampled = log_q.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-            reward_term = -self.adv_tau * (weights * rewards * sampled).sum()
-        normalizer = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
-        loss = (loss_sum + reward_term) / normalizer
-        with torch.no_grad():
-            tokens = float(max(global_valid_tokens, 1))
-            p = log_p.exp()
-            metrics = {
-                "loss": float(loss.detach()),
-                "kl_forward": float((p * (log_p - log_q)).sum()) / tokens,
-                "kl_reverse": float((q * (log_q - log_p)).sum()) / tokens,
-                "task_reward_term": float(reward_term) / normalizer,
-                **correction_metrics,
-                "num_valid_tokens": float(loss_mask.sum()),
+            reward_rows = (
+                loss_rows(data["input_ids"], loss_mask, shift=1),
+                loss_rows(per_position, loss_mask, shift=1),
+            )
+        sums = {"kl_forward": 0.0, "kl_reverse": 0.0, "task_reward_term": 0.0}
+
+        def observe(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *rewards: torch.Tensor) -> None:
+            log_q, log_p = log_probs_at_temperature(student_logits, teacher_logits, 1.0)
+            sums["kl_forward"] += float(plogp_difference(log_p, log_q).sum())
+            sums["kl_reverse"] += float(plogp_difference(log_q, log_p).sum())
+            if rewards:
+                sums["task_reward_term"] += float(self._reward_term(log_q, *rewards).sum())
+
+        def metrics(tokens: float, normaliser: float) -> dict[str, float]:
+            return {
+                "kl_forward": sums["kl_forward"] / tokens,
+                "kl_reverse": sums["kl_reverse"] / tokens,
+                "task_reward_term": sums["task_reward_term"] / normaliser,
             }
-        return loss, metrics
+
+        teacher_rows = loss_rows(self._cut_vocabulary(teacher_output), loss_mask)
+        return LossInputs((teacher_rows, *reward_rows), observer=observe, metrics=metrics)
+
+    def _divergence(self, student_logits: torch.Tensor, *row_inputs: Any) -> torch.Tensor:
+        """Σ_v q (student_tau · log q − teacher_tau · log p), minus the reward term where there is one."""
+        teacher_logits, *rewards = row_inputs
+        log_q, log_p = log_probs_at_temperature(student_logits, teacher_logits, 1.0)
+        exact = (log_q.exp() * (self.student_tau * log_q - self.teacher_tau * log_p)).sum(-1)
+        if not rewards:
+            return exact
+        return exact + self._reward_term(log_q, *rewards)
+
+    def _reward_term(self, log_q: torch.Tensor, targets: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+        """−adv_tau · r · log q(x) at each position (x the sampled token, r its sequence's reward)."""
+        sampled = log_q.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return -self.adv_tau * rewards.to(log_q.dtype) * sampled

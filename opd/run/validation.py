@@ -24,7 +24,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import attach_teacher_fields
 from opd.data.dataloaders import PreparedExample
 from opd.data.sequences import build_token_mask, shift_token_mask
-from opd.losses.objectives import token_kl, topk_token_kl
+from opd.losses.divergences import token_kl, topk_token_kl
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import (
     FullVocabRequest,
@@ -277,7 +277,7 @@ def kl_request(
     3. the top ``teacher_topk``.
 
     Top-k KLs are over the k + 1 classes of
-    :func:`~opd.losses.objectives.topk_token_kl`. Returns None when the teacher
+    :func:`~opd.losses.divergences.topk_token_kl`. Returns None when the teacher
     answers none of these; validation then reports no KL.
     """
     candidates: list[TeacherRequest] = [FullVocabRequest()]

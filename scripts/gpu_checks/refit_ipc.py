@@ -154,7 +154,7 @@ def check_opd(placement: str, on_gpu: bool = True) -> list[dict[str, object]]:
     from opd.distillation.config import MasterConfig
     from opd.distillation.setup import setup
     from opd.distributed.refit.transport import ObjectStoreTransport
-    from opd.losses.objectives import NLLLossFn
+    from opd.losses.nll import NLLLossFn
     from opd.utils.config import load_config
 
     config = load_config(

@@ -219,7 +219,7 @@ def test_teacher_pool_sends_the_in_process_signal(ray_cluster, tmp_path):
 
 def test_rollout_workers_refit_from_the_trainer_generate_the_in_process_greedy_rollouts(cluster_components):
     from opd.data.batches import build_fixed_data_batch
-    from opd.losses.objectives import NLLLossFn
+    from opd.losses.nll import NLLLossFn
     from opd.rollout.hf_generation import HFGeneration
 
     config = cluster_components.master_config

@@ -35,7 +35,7 @@ from opd.distributed.fsdp_policy import FSDPPolicy
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
 from opd.distributed.workers.shared_directory import check_shared_directory
 from opd.distributed.workers.worker_group import Slot, WorkerGroup
-from opd.losses.objectives import token_kl, topk_token_kl
+from opd.losses.divergences import token_kl, topk_token_kl
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import FullVocabRequest, TopKRequest
 from opd.models.loading import load_causal_lm

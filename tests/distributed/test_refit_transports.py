@@ -25,7 +25,7 @@ from opd.data.batches import build_fixed_data_batch
 from opd.distillation.config import MasterConfig
 from opd.distillation.setup import setup
 from opd.distributed.refit.transport import BroadcastTransport, ObjectStoreTransport
-from opd.losses.objectives import NLLLossFn
+from opd.losses.nll import NLLLossFn
 from opd.models.tiny import build_tiny_model
 from opd.utils.config import load_config
 

@@ -22,8 +22,9 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import encode_text, model_inputs, pack_padding_free
-from opd.losses.objectives import SampledTokenLossFn, distillation_loss_fn
+from opd.losses.distillation_losses import KLLossFn
 from opd.losses.off_policy import OffPolicyCorrection, OffPolicyCorrectionConfig
+from opd.losses.sampled_token import SampledTokenLossFn
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKRequest
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
@@ -149,7 +150,7 @@ def test_full_vocab_loss_reads_only_the_students_tokens(rollout_and_models):
     batch = rollout.batch
     teacher = LocalTeacher(teacher_model)
     logits = teacher.score(batch, FullVocabRequest()).float()
-    loss_fn = distillation_loss_fn(kl_type="forward")
+    loss_fn = KLLossFn(kl_type="forward")
     loss, grad = _loss_and_grad(loss_fn, batch, student, logits)
     scrambled = torch.where(_outside(batch).unsqueeze(-1), torch.randn_like(logits) * 5, logits)
     other_loss, other_grad = _loss_and_grad(loss_fn, batch, student, scrambled)
@@ -178,7 +179,7 @@ def test_sampled_token_and_off_policy_weights_read_only_the_students_tokens(roll
     for loss_fn, signal in (
         (SampledTokenLossFn(), teacher_logprobs),
         (
-            distillation_loss_fn(kl_type="reverse", off_policy=correction),
+            KLLossFn(kl_type="reverse", off_policy=correction),
             LocalTeacher(teacher_model).score(batch, FullVocabRequest()),
         ),
     ):

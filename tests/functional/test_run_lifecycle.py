@@ -600,7 +600,7 @@ def cli(capsys):
 
 
 def test_cli_diverging_run_exits_1_with_one_error_line(tmp_path, cli, monkeypatch):
-    from opd.losses.objectives import DistillationLossFn
+    from opd.losses.distillation_losses import DistillationLossFn
 
     original_call = DistillationLossFn.__call__
 

@@ -2,8 +2,8 @@
 
 Pins the numbers that the loss objects produced before the architecture refactor, so
 the refactor can show that it changed no behaviour. The loss objects are built directly
-through their constructors (``DistillationLossFn``, ``SampledTokenLossFn``,
-``FullVocabHybridLossFn``), which the refactor keeps; their inputs are rebuilt here from
+through their constructors (``KLLossFn``, ``JSDLossFn``, ``TopKKLLossFn``,
+``SampledTokenLossFn``, ``FullVocabHybridLossFn``); their inputs are rebuilt here from
 fixed ``torch.Generator`` seeds (:func:`build_inputs`), so ``reference_losses.json``
 holds only outputs (plus the seed and shapes, for the record).
 
@@ -38,8 +38,9 @@ import pytest
 import torch
 
 from opd.kernels.fused_lm_head import LMHeadInput
+from opd.losses.distillation_losses import JSDLossFn, KLLossFn, TopKKLLossFn
 from opd.losses.hybrid_loss import FullVocabHybridLossFn
-from opd.losses.objectives import DistillationLossFn, SampledTokenLossFn
+from opd.losses.sampled_token import SampledTokenLossFn
 
 REFERENCE_FILE = Path(__file__).resolve().parent / "reference_losses.json"
 
@@ -184,10 +185,22 @@ def build_inputs() -> dict[str, torch.Tensor]:
 
 
 def make_loss_fn(case: LossCase) -> Any:
-    """The loss object of ``case``, built through its constructor."""
-    classes = {"distillation": DistillationLossFn, "sampled_token": SampledTokenLossFn,
-               "hybrid_full_vocab": FullVocabHybridLossFn}
-    return classes[case.loss_class](**case.kwargs)
+    """The loss object of ``case``, built through its class's constructor.
+
+    A recorded ``distillation`` case names its class as the recording's single class did:
+    ``teacher_signal: topk`` (with ``teacher_topk`` and ``topk_tail``) is :class:`TopKKLLossFn`,
+    ``divergence: jsd`` (with ``jsd_beta``) is :class:`JSDLossFn`, the rest :class:`KLLossFn`.
+    """
+    kwargs = dict(case.kwargs)
+    if case.loss_class == "sampled_token":
+        return SampledTokenLossFn(**kwargs)
+    if case.loss_class == "hybrid_full_vocab":
+        return FullVocabHybridLossFn(**kwargs)
+    if kwargs.pop("teacher_signal", "full_vocab") == "topk":
+        return TopKKLLossFn(k=kwargs.pop("teacher_topk"), tail=kwargs.pop("topk_tail", True), **kwargs)
+    if kwargs.pop("divergence", "kl") == "jsd":
+        return JSDLossFn(beta=kwargs.pop("jsd_beta"), **kwargs)
+    return KLLossFn(**kwargs)
 
 
 def _teacher_topk(logits: torch.Tensor, k: int, temperature: float, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from opd_test_helpers import RunningServer
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distributed.fsdp_policy import FSDPPolicy
-from opd.losses.objectives import NLLLossFn
+from opd.losses.nll import NLLLossFn
 from opd.models.interfaces import (
     MicroBatchScorer,
     Pending,

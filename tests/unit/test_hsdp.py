@@ -35,7 +35,7 @@ from opd.distributed.fsdp import device_mesh, init_process_group
 from opd.distributed.fsdp_policy import FSDPPolicy
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
 from opd.distributed.workers.ray_cluster import free_port
-from opd.losses.objectives import NLLLossFn
+from opd.losses.nll import NLLLossFn
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import TopKRequest
 from opd.models.loading import load_causal_lm

@@ -19,16 +19,11 @@ from pathlib import Path
 import pytest
 
 from opd.losses.config import LOSS_VARIANTS
+from opd.losses.distillation_losses import DistillationLossFn, FullVocabLossFn, JSDLossFn, KLLossFn, TopKKLLossFn
 from opd.losses.hybrid_loss import FullVocabHybridLossFn
-from opd.losses.objectives import (
-    DistillationLossFn,
-    JSDLossFn,
-    KLLossFn,
-    NLLLossFn,
-    SampledTokenLossFn,
-    TokenLossFn,
-    TopKKLLossFn,
-)
+from opd.losses.nll import NLLLossFn
+from opd.losses.sampled_token import SampledTokenLossFn
+from opd.losses.token_loss import TokenLossFn
 from opd.models.interfaces import (
     FullVocabRequest,
     GenerationInterface,
@@ -53,17 +48,18 @@ BACKENDS = [
     (LocalTeacher, TeacherInterface),
     (RemoteTeacher, TeacherInterface),
     (ContextTeacher, TeacherInterface),
-    (KLLossFn, DistillationLossFn),
-    (JSDLossFn, DistillationLossFn),
+    (KLLossFn, FullVocabLossFn),
+    (JSDLossFn, FullVocabLossFn),
+    (FullVocabLossFn, DistillationLossFn),
     (TopKKLLossFn, DistillationLossFn),
     (DistillationLossFn, TokenLossFn),
     (TokenLossFn, LossFunction),
     (SampledTokenLossFn, TokenLossFn),
-    (FullVocabHybridLossFn, LossFunction),
-    (NLLLossFn, LossFunction),
+    (FullVocabHybridLossFn, TokenLossFn),
+    (NLLLossFn, TokenLossFn),
 ]
 
-ABSTRACT_BASES = (DistillationLossFn, TokenLossFn)
+ABSTRACT_BASES = (FullVocabLossFn, DistillationLossFn, TokenLossFn)
 """The loss base classes: their variants are the backends."""
 
 

@@ -26,7 +26,7 @@ from opd.distillation.config import MasterConfig  # noqa: E402
 from opd.distillation.setup import setup  # noqa: E402
 from opd.distributed.workers.ray_cluster import RAY_ENVIRONMENT  # noqa: E402
 from opd.distributed.workers.worker_environment import init_local_ray, worker_environment  # noqa: E402
-from opd.losses.objectives import NLLLossFn  # noqa: E402
+from opd.losses.nll import NLLLossFn  # noqa: E402
 from opd.rollout.hf_generation import HFGeneration  # noqa: E402
 from opd.utils.config import load_config  # noqa: E402
 

@@ -15,7 +15,7 @@ from opd.kernels.compiled_kernels import kl_metrics_from_logits
 from opd.kernels.fused_lm_head import LMHeadInput
 from opd.losses import config as loss_config_module
 from opd.losses.config import CPU_COMPILE_MIN_VOCAB, compile_loss_kernels
-from opd.losses.objectives import DistillationLossFn
+from opd.losses.distillation_losses import JSDLossFn, KLLossFn
 from opd.utils import compile_cache
 from opd.utils.compile_cache import resolve_compile_kernels
 from opd.utils.config import load_config
@@ -61,12 +61,12 @@ def test_kl_metric_kernel_equals_the_float64_reference_with_masked_and_extreme_l
 
 
 @pytest.mark.parametrize(
-    ("settings", "temperature"),
-    [({"kl_type": "reverse"}, 1.0), ({"kl_type": "mixed", "mixed_kl_weight": 0.3}, 1.5),
-     ({"divergence": "jsd", "jsd_beta": 0.5}, 1.0)],
+    ("loss_class", "settings", "temperature"),
+    [(KLLossFn, {"kl_type": "reverse"}, 1.0), (KLLossFn, {"kl_type": "mixed", "mixed_kl_weight": 0.3}, 1.5),
+     (JSDLossFn, {"beta": 0.5}, 1.0)],
     ids=["reverse-T1", "mixed-T1.5", "jsd-T1"],
 )
-def test_compiled_fused_loss_equals_eager(settings, temperature):
+def test_compiled_fused_loss_equals_eager(loss_class, settings, temperature):
     generator = torch.Generator().manual_seed(1)
     vocab, hidden, teacher_hidden = 700, 16, 24
     student_states = torch.randn(3, 9, hidden, generator=generator)
@@ -81,8 +81,8 @@ def test_compiled_fused_loss_equals_eager(settings, temperature):
     for compile_kernels in (False, True):
         states = student_states.clone().requires_grad_()
         weight = student_weight.clone().requires_grad_()
-        loss_fn = DistillationLossFn(temperature=temperature, fused_lm_head=True, chunk_size=7,
-                                     compile_kernels=compile_kernels, teacher_topk=5, **settings)
+        loss_fn = loss_class(temperature=temperature, fused_lm_head=True, chunk_size=7,
+                             compile_kernels=compile_kernels, metrics_topk=5, **settings)
         loss, metrics = loss_fn(LMHeadInput(states, weight, None), data, int(token_mask[:, 1:].sum()), 3,
                                 teacher_output=LMHeadInput(teacher_states, teacher_weight, None))
         loss.backward()

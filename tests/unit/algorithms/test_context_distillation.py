@@ -32,7 +32,7 @@ from opd.data.teacher_context import TeacherContext
 from opd.distillation.config import MasterConfig
 from opd.distillation.setup import setup
 from opd.distillation.step import distillation_train
-from opd.losses.objectives import DistillationLossFn
+from opd.losses.distillation_losses import KLLossFn, TopKKLLossFn
 from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKRequest
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.teachers.context_teacher import ContextTeacher
@@ -190,8 +190,8 @@ def test_the_loss_through_the_context_teacher_equals_the_reference_loss(teacher_
     student = build_tiny_model("student").double()
     logits = student(input_ids=batch["input_ids"]).logits.detach()
     vocab = logits.shape[-1]
-    loss_fn = DistillationLossFn(kl_type="forward", teacher_signal=teacher_signal, teacher_topk=K, vocab_size=vocab,
-                                 fused_lm_head=False)
+    loss_fn = (KLLossFn("forward", metrics_topk=K, vocab_size=vocab, fused_lm_head=False)
+               if teacher_signal == "full_vocab" else TopKKLLossFn("forward", k=K, vocab_size=vocab, fused_lm_head=False))
     valid = int(batch["token_mask"][:, 1:].sum())
     teacher = ContextTeacher(LocalTeacher(teacher_model), pad_token_id=0)
     loss, _ = loss_fn(logits, batch, valid, batch.size, teacher_output=teacher.score(batch, loss_fn.teacher_request))

@@ -35,7 +35,7 @@ from opd.distillation.config import MasterConfig, resolve_micro_batching
 from opd.distillation.schedule import RolloutSchedule
 from opd.distillation.setup import check_config_against_data, setup
 from opd.distillation.step import distillation_train
-from opd.losses.objectives import DistillationLossFn
+from opd.losses.distillation_losses import KLLossFn
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.loading import check_tokenizer_compatibility
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
@@ -645,7 +645,7 @@ def test_gradient_accumulation_matches_one_large_batch(tokenizer, kl_reduction, 
     examples = prepare_examples(VARIED_EXAMPLES, tokenizer, None, "varied")
     batch = build_fixed_data_batch(examples, tokenizer.pad_token_id, True)
     teacher = LocalTeacher(build_tiny_model("teacher", dtype=torch.float64))
-    loss_fn = DistillationLossFn(
+    loss_fn = KLLossFn(
         kl_type="mixed", mixed_kl_weight=0.3, kl_reduction=kl_reduction, vocab_size=len(tokenizer)
     )
     initial = snapshot(build_tiny_model("student", dtype=torch.float64))
@@ -672,7 +672,7 @@ def test_teacher_equal_to_student_gives_zero_loss_and_gradient(tokenizer, kl_typ
     examples = prepare_examples(VARIED_EXAMPLES, tokenizer, None, "varied")
     batch = build_fixed_data_batch(examples, tokenizer.pad_token_id, True)
     teacher = LocalTeacher(build_tiny_model("student"))
-    loss_fn = DistillationLossFn(kl_type=kl_type, vocab_size=len(tokenizer))
+    loss_fn = KLLossFn(kl_type=kl_type, vocab_size=len(tokenizer))
 
     # Gradients computed by hand through the loss function, before any optimizer step.
     model = build_tiny_model("student")

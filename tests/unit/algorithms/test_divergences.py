@@ -2,7 +2,7 @@
 against plain float64 references, with their invariants.
 
 The references loop over positions and vocabulary entries in Python floats, sharing no
-code with opd.losses.objectives.
+code with opd.losses (divergences, sampled_token).
 """
 
 from __future__ import annotations
@@ -12,13 +12,8 @@ import math
 import pytest
 import torch
 
-from opd.losses.objectives import (
-    generalized_jsd,
-    sampled_token_advantages,
-    sampled_token_pg_loss,
-    token_kl,
-    topk_token_kl,
-)
+from opd.losses.divergences import generalized_jsd, token_kl, topk_token_kl
+from opd.losses.sampled_token import sampled_token_advantages, sampled_token_pg_loss
 
 KL_TYPES = ("forward", "reverse", "mixed")
 

@@ -20,15 +20,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import attention_mask_from_lengths, pack_sequences
 from opd.kernels.fused_lm_head import chunked_lm_head_loss
-from opd.losses.objectives import (
-    DistillationLossFn,
-    SampledTokenLossFn,
-    full_vocab_divergence_with_grad,
-    generalized_jsd,
-    sampled_token_pg_loss,
-    token_kl,
-    topk_token_kl,
-)
+from opd.losses.distillation_losses import JSDLossFn, KLLossFn, TopKKLLossFn
+from opd.losses.divergences import full_vocab_divergence_with_grad, generalized_jsd, token_kl, topk_token_kl
+from opd.losses.sampled_token import SampledTokenLossFn, sampled_token_pg_loss
 from opd.models.lm_head import (
     LMHeadInput,
     default_chunk_rows,
@@ -60,6 +54,10 @@ def topk_of(logits: torch.Tensor, k: int, temperature: float = 1.0):
     log_p = torch.log_softmax(logits.double() / temperature, dim=-1)
     values, ids = log_p.topk(k, dim=-1)
     return values.to(logits.dtype), ids
+
+
+CLOSED_FORM_LOSSES = {"kl": lambda: KLLossFn("mixed", 0.3, temperature=1.4), "jsd": lambda: JSDLossFn(0.6, temperature=1.4)}
+"""The full-vocabulary losses with a closed-form gradient, by name."""
 
 
 # Each divergence as (name, fn(student_logits, teacher_logits, targets) -> (divergence, row inputs)).
@@ -172,7 +170,7 @@ def test_closed_form_through_a_transformed_head_equals_plain(divergence, multipl
     """``value_and_grad``'s gradient of the transformed logits, chained through the transform's derivative."""
     hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(torch.float64, seed=22)
     teacher_logits = teacher_hidden @ teacher_weight.T
-    loss_fn = DistillationLossFn("mixed", 0.3, temperature=1.4, divergence=divergence, jsd_beta=0.6)
+    loss_fn = CLOSED_FORM_LOSSES[divergence]()
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
     expected = plain_loss(*leaves, loss_fn._divergence, (teacher_logits,), weights, multiplier, softcap)
     expected_grads = gradients(expected, leaves)
@@ -217,7 +215,7 @@ def test_closed_form_gradient_equals_autograd(kl_type, beta, temperature, scale)
 def test_fused_with_closed_form_equals_plain(divergence):
     hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(torch.float64, seed=12)
     teacher_logits = teacher_hidden @ teacher_weight.T
-    loss_fn = DistillationLossFn("mixed", 0.3, temperature=1.4, divergence=divergence, jsd_beta=0.6)
+    loss_fn = CLOSED_FORM_LOSSES[divergence]()
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
     expected = plain_loss(*leaves, loss_fn._divergence, (teacher_logits,), weights)
     expected_grads = gradients(expected, leaves)
@@ -361,11 +359,10 @@ def test_fused_policy_step_equals_plain_step(loss_kind, temperature):
         batch["generation_logprobs"] = torch.cat([torch.zeros_like(own[:, :1]), own + noise], dim=1)
         make = functools.partial(SampledTokenLossFn, discount=0.5, vocab_size=vocab, chunk_size=5)
     else:
-        options = {"kl-mixed": {"kl_type": "mixed"}, "jsd": {"divergence": "jsd", "jsd_beta": 0.7},
-                   "topk-tail": {"teacher_signal": "topk", "teacher_topk": 4},
-                   "topk-renorm": {"teacher_signal": "topk", "teacher_topk": 4, "topk_tail": False}}[loss_kind]
-        make = functools.partial(DistillationLossFn, temperature=temperature, vocab_size=vocab, chunk_size=5,
-                                 **options)
+        loss_class, options = {"kl-mixed": (KLLossFn, {"kl_type": "mixed"}), "jsd": (JSDLossFn, {"beta": 0.7}),
+                               "topk-tail": (TopKKLLossFn, {"k": 4}),
+                               "topk-renorm": (TopKKLLossFn, {"k": 4, "tail": False})}[loss_kind]
+        make = functools.partial(loss_class, temperature=temperature, vocab_size=vocab, chunk_size=5, **options)
     results = []
     for fused in (False, True):
         model = build_tiny_model("student", dtype=torch.float64)
@@ -501,7 +498,7 @@ def test_bfloat16_models_run_through_the_fused_path():
     accumulated in fp32 and returned in bf16; close to the plain bf16 path."""
     hidden, weight, bias, teacher_hidden, teacher_weight, weights = random_case(torch.float32, seed=14)
     teacher_logits = (teacher_hidden @ teacher_weight.T).bfloat16()
-    loss_fn = DistillationLossFn("mixed", 0.5)
+    loss_fn = KLLossFn("mixed", 0.5)
     leaves = [t.bfloat16().requires_grad_(True) for t in (hidden, weight, bias)]
     expected = plain_loss(*leaves, loss_fn._divergence, (teacher_logits,), weights)
     expected_grads = gradients(expected, leaves)

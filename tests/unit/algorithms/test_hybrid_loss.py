@@ -2,7 +2,7 @@
 
 * the value equals a float64 reference (masks with an all-masked row, extreme logits,
   both reductions, per-sequence and packed per-token rewards);
-* with both τ = 1 and no reward it is the reverse KL of ``DistillationLossFn``, value and
+* with both τ = 1 and no reward it is the reverse KL of ``KLLossFn``, value and
   gradient;
 * its gradient equals the exact expectation, over the vocabulary, of the sampled-token
   policy gradient ``−A(x) ∇ log q(x)`` with ``A = teacher_tau log p − student_tau log q``;
@@ -25,8 +25,8 @@ from opd_test_helpers import REPO_ROOT
 from opd.distillation.config import MasterConfig
 from opd.distillation.setup import setup
 from opd.distillation.step import distillation_train
+from opd.losses.distillation_losses import KLLossFn
 from opd.losses.hybrid_loss import FullVocabHybridLossFn
-from opd.losses.objectives import DistillationLossFn
 from opd.losses.off_policy import OffPolicyCorrection
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput
@@ -105,7 +105,7 @@ def test_with_unit_taus_and_no_reward_it_is_the_reverse_kl():
     tokens = int(data["token_mask"][:, 1:].sum())
     hybrid, _ = FullVocabHybridLossFn()(student, data, tokens, B, teacher_output=teacher)
     (hybrid_grad,) = torch.autograd.grad(hybrid, student)
-    kl, _ = DistillationLossFn(kl_type="reverse", fused_lm_head=False, compile_kernels=False)(
+    kl, _ = KLLossFn(kl_type="reverse", fused_lm_head=False, compile_kernels=False)(
         student, data, tokens, B, teacher_output=teacher)
     (kl_grad,) = torch.autograd.grad(kl, student)
     torch.testing.assert_close(hybrid, kl, rtol=1e-10, atol=1e-12)

@@ -1,4 +1,4 @@
-"""Tests for ``opd.losses.objectives``.
+"""Tests for ``opd.losses.divergences.token_kl`` and the loss objects (KL and NLL).
 
 Everything is checked against small, deliberately naive float64 references written in this
 file (explicit max-subtracted softmax, explicit Σ p·(log p − log q), Python loops over the
@@ -18,12 +18,10 @@ import math
 import pytest
 import torch
 
-from opd.losses.objectives import (
-    DistillationLossFn,
-    NLLLossFn,
-    shift_token_mask,
-    token_kl,
-)
+from opd.data.sequences import shift_token_mask
+from opd.losses.distillation_losses import KLLossFn
+from opd.losses.divergences import token_kl
+from opd.losses.nll import NLLLossFn
 
 KL_TYPES = ("forward", "reverse", "mixed")
 TEMPERATURES = (1.0, 0.7, 2.0)
@@ -361,7 +359,7 @@ def _shift_case(kl_type):
     teacher = torch.randn(2, seq_len, vocab)
     data = {"input_ids": torch.randint(0, vocab, (2, seq_len)), "token_mask": token_mask}
     n_tok, n_seq = global_counts(token_mask)
-    loss_fn = DistillationLossFn(kl_type=kl_type)
+    loss_fn = KLLossFn(kl_type=kl_type)
     return teacher, data, loss_fn, n_tok, n_seq, {0: range(2, 6), 1: range(4, 8)}
 
 
@@ -394,7 +392,7 @@ def test_loss_only_sees_response_predicting_positions(kl_type):
             assert metrics["kl_forward"] == 0.0 and metrics["kl_reverse"] == 0.0
 
 
-# --------------------------------------------------------------------------- DistillationLossFn
+# --------------------------------------------------------------------------- KLLossFn
 
 LENGTHS = (3, 0, 5, 1, 4, 2)  # includes an empty response
 PROMPTS = (2, 4, 1, 6, 3, 5)
@@ -407,7 +405,7 @@ SEQ_LEN, VOCAB = 11, 13
 def test_distillation_loss_matches_reference(kl_type, weight, temperature, reduction):
     student, teacher, data = make_batch(LENGTHS, PROMPTS, SEQ_LEN, VOCAB, seed=13)
     n_tok, n_seq = global_counts(data["token_mask"])
-    loss_fn = DistillationLossFn(kl_type, weight, temperature, reduction)
+    loss_fn = KLLossFn(kl_type, weight, temperature, reduction)
     loss, metrics = loss_fn(student, data, n_tok, n_seq, teacher_output=teacher)
 
     total, count = ref_masked_kl_sum(student, teacher, data["token_mask"], kl_type, weight, temperature)
@@ -423,7 +421,7 @@ def test_distillation_loss_matches_reference(kl_type, weight, temperature, reduc
 def test_distillation_metrics_match_reference(kl_type, temperature):
     student, teacher, data = make_batch(LENGTHS, PROMPTS, SEQ_LEN, VOCAB, seed=14)
     n_tok, n_seq = global_counts(data["token_mask"])
-    loss_fn = DistillationLossFn(kl_type, 0.3, temperature, "sum")
+    loss_fn = KLLossFn(kl_type, 0.3, temperature, "sum")
     _, metrics = loss_fn(student, data, n_tok, n_seq, teacher_output=teacher)
     # kl_forward / kl_reverse are token means of the divergences at the loss temperature
     # (the only one a top-k teacher's answer describes), whatever the reduction.
@@ -438,7 +436,7 @@ def test_num_valid_tokens_counts_micro_batch_only_and_ignores_position_zero():
     student, teacher, data = make_batch((2, 3), (0, 2), 6, 5, seed=15)
     # Row 0's response starts at token 0, which no logit predicts: it cannot carry loss.
     assert data["token_mask"][0, 0] == 1
-    loss_fn = DistillationLossFn("forward")
+    loss_fn = KLLossFn("forward")
     _, metrics = loss_fn(student, data, 100, 10, teacher_output=teacher)
     assert metrics["num_valid_tokens"] == 1.0 + 3.0
 
@@ -452,7 +450,7 @@ SPLITS = [(2, 4), (1, 5), (3, 3), (1, 1, 1, 1, 1, 1), (6,)]
 def test_gradient_accumulation_matches_full_batch(kl_type, weight, reduction, split):
     student, teacher, data = make_batch(LENGTHS, PROMPTS, SEQ_LEN, VOCAB, seed=16)
     n_tok, n_seq = global_counts(data["token_mask"])
-    loss_fn = DistillationLossFn(kl_type, weight, 0.7, reduction)
+    loss_fn = KLLossFn(kl_type, weight, 0.7, reduction)
 
     full_student = student.clone().requires_grad_()
     full_loss, full_metrics = loss_fn(full_student, data, n_tok, n_seq, teacher_output=teacher)
@@ -486,7 +484,7 @@ def test_distillation_gradient_matches_reference(kl_type, reduction):
     student, teacher, data = make_batch(LENGTHS, PROMPTS, SEQ_LEN, VOCAB, seed=17, dtype=torch.float64)
     n_tok, n_seq = global_counts(data["token_mask"])
     student.requires_grad_()
-    loss, _ = DistillationLossFn(kl_type, 0.4, 0.7, reduction)(student, data, n_tok, n_seq, teacher_output=teacher)
+    loss, _ = KLLossFn(kl_type, 0.4, 0.7, reduction)(student, data, n_tok, n_seq, teacher_output=teacher)
     loss.backward()
 
     ref_student = student.detach().clone().requires_grad_()
@@ -504,7 +502,7 @@ def test_distillation_gradient_matches_reference(kl_type, reduction):
 def test_all_masked_batch_gives_exact_zero(kl_type, reduction):
     student, teacher, data = make_batch((0, 0, 0), (3, 1, 5), 7, 9, seed=18)
     student.requires_grad_()
-    loss_fn = DistillationLossFn(kl_type, kl_reduction=reduction)
+    loss_fn = KLLossFn(kl_type, kl_reduction=reduction)
     # Whole global batch empty (normaliser 0) and an empty micro-batch of a non-empty batch.
     for n_tok, n_seq in ((0, 0), (0, 3), (17, 6)):
         student.grad = None
@@ -524,7 +522,7 @@ def test_empty_response_row_contributes_nothing(kl_type, reduction):
     # the other rows' gradients.
     student, teacher, data = make_batch(LENGTHS, PROMPTS, SEQ_LEN, VOCAB, seed=19)
     n_tok, n_seq = global_counts(data["token_mask"])
-    loss_fn = DistillationLossFn(kl_type, kl_reduction=reduction)
+    loss_fn = KLLossFn(kl_type, kl_reduction=reduction)
     empty = LENGTHS.index(0)
 
     a = student.clone().requires_grad_()
@@ -548,7 +546,7 @@ def test_empty_response_row_contributes_nothing(kl_type, reduction):
 def test_vocab_size_slicing_ignores_padded_logits(kl_type):
     student, teacher, data = make_batch(LENGTHS, PROMPTS, SEQ_LEN, VOCAB, seed=20)
     n_tok, n_seq = global_counts(data["token_mask"])
-    plain, plain_metrics = DistillationLossFn(kl_type)(student, data, n_tok, n_seq, teacher_output=teacher)
+    plain, plain_metrics = KLLossFn(kl_type)(student, data, n_tok, n_seq, teacher_output=teacher)
 
     # Student and teacher padded to *different* widths with huge random junk.
     g = torch.Generator().manual_seed(21)
@@ -556,7 +554,7 @@ def test_vocab_size_slicing_ignores_padded_logits(kl_type):
     junk_t = torch.randn(len(LENGTHS), SEQ_LEN, 7, generator=g) * 1e4
     padded_s = torch.cat([student, junk_s], dim=-1).requires_grad_()
     padded_t = torch.cat([teacher, junk_t], dim=-1)
-    sliced_fn = DistillationLossFn(kl_type, vocab_size=VOCAB)
+    sliced_fn = KLLossFn(kl_type, vocab_size=VOCAB)
     sliced, sliced_metrics = sliced_fn(padded_s, data, n_tok, n_seq, teacher_output=padded_t)
 
     assert sliced.item() == pytest.approx(plain.item(), rel=1e-6)
@@ -567,19 +565,19 @@ def test_vocab_size_slicing_ignores_padded_logits(kl_type):
 
     # Without slicing, the mismatched widths are an error rather than a silent mix-up.
     with pytest.raises(ValueError):
-        DistillationLossFn(kl_type)(padded_s, data, n_tok, n_seq, teacher_output=padded_t)
+        KLLossFn(kl_type)(padded_s, data, n_tok, n_seq, teacher_output=padded_t)
 
 
 def test_distillation_loss_rejects_bad_config():
     with pytest.raises(ValueError):
-        DistillationLossFn(kl_type="jsd")
+        KLLossFn(kl_type="jsd")
     with pytest.raises(ValueError):
-        DistillationLossFn(kl_type="Forward")
+        KLLossFn(kl_type="Forward")
     with pytest.raises(ValueError):
-        DistillationLossFn(kl_reduction="token")
+        KLLossFn(kl_reduction="token")
     student, _, data = make_batch((2,), (1,), 4, 5)
     with pytest.raises(ValueError):
-        DistillationLossFn()(student, data, 2, 1, teacher_output=None)
+        KLLossFn()(student, data, 2, 1, teacher_output=None)
 
 
 # --------------------------------------------------------------------------- NLLLossFn

@@ -34,7 +34,8 @@ from opd.losses.config import (
     SampledTokenLossConfig,
     TopKLossConfig,
 )
-from opd.losses.objectives import DistillationLossFn, token_kl, topk_token_kl
+from opd.losses.distillation_losses import DistillationLossFn, KLLossFn, TopKKLLossFn
+from opd.losses.divergences import token_kl, topk_token_kl
 from opd.losses.off_policy import (
     OffPolicyCorrection,
     OffPolicyCorrectionConfig,
@@ -287,6 +288,13 @@ def reference_loss(student_logits, teacher, data, cap, strategy, signal, level="
     return total / count
 
 
+def forward_kl(signal, **settings) -> DistillationLossFn:
+    """The forward KL over the teacher's ``signal``: its top 4 (``topk``), or its full vocabulary (top-4 metrics)."""
+    if signal == "topk":
+        return TopKKLLossFn("forward", k=4, **settings)
+    return KLLossFn("forward", metrics_topk=4, **settings)
+
+
 def losses_with_corrections(seed, staleness, signal, fused, corrections):
     """Each correction's loss, gradient and metrics on one random micro-batch (float32, chunks of 3 rows)."""
     data, generator = micro_batch(seed, staleness=staleness)
@@ -297,9 +305,7 @@ def losses_with_corrections(seed, staleness, signal, fused, corrections):
     teacher = teacher_logits if signal == "full_vocab" else (top.values, top.indices)
     results = []
     for off_policy in corrections:
-        loss_fn = DistillationLossFn(
-            "forward", teacher_signal=signal, teacher_topk=4, fused_lm_head=fused, chunk_size=3, off_policy=off_policy
-        )
+        loss_fn = forward_kl(signal, fused_lm_head=fused, chunk_size=3, off_policy=off_policy)
         leaf = hidden.clone().requires_grad_(True)
         student = LMHeadInput(leaf, head) if fused else leaf @ head.T
         loss, metrics = loss_fn(student, data, int(data["token_mask"][:, 1:].sum()), B, teacher_output=teacher)
@@ -342,14 +348,7 @@ def test_stale_samples_are_weighted_as_the_reference(signal, fused, strategy, le
     # sampler's: ratio 0, weight 0.
     data["generation_logprobs"][:, 1:] = own.nan_to_num(neginf=-6.0).view(B, L - 1) + shift
     cap = 1.3
-    loss_fn = DistillationLossFn(
-        "forward",
-        teacher_signal=signal,
-        teacher_topk=4,
-        fused_lm_head=fused,
-        chunk_size=2,
-        off_policy=correction(cap, strategy=strategy, level=level),
-    )
+    loss_fn = forward_kl(signal, fused_lm_head=fused, chunk_size=2, off_policy=correction(cap, strategy=strategy, level=level))
     student = LMHeadInput(hidden, head) if fused else student_logits
     loss, metrics = loss_fn(student, data, int(data["token_mask"][:, 1:].sum()), B, teacher_output=teacher)
     expected = reference_loss(student_logits, teacher, data, cap, strategy, signal, level)
@@ -407,7 +406,7 @@ def test_all_masked_micro_batch_with_stale_rows_is_zero():
     data, generator = micro_batch(2, staleness=[1, 1, 1])
     data["token_mask"].zero_()
     leaf = torch.randn(B, L, D, generator=generator).requires_grad_(True)
-    loss_fn = DistillationLossFn("reverse", fused_lm_head=True, off_policy=correction())
+    loss_fn = KLLossFn("reverse", fused_lm_head=True, off_policy=correction())
     loss, metrics = loss_fn(LMHeadInput(leaf, torch.randn(V, D)), data, 0, B, teacher_output=torch.randn(B, L, V))
     loss.backward()
     assert float(loss.detach()) == 0.0 and torch.count_nonzero(leaf.grad) == 0

@@ -45,7 +45,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.distillation.config import MasterConfig
 from opd.distillation.setup import setup
 from opd.distillation.step import distillation_train
-from opd.losses.objectives import KLLossFn
+from opd.losses.distillation_losses import KLLossFn
 from opd.models.config import LoraConfig, OptimizerConfig
 from opd.models.tiny import build_tiny_model
 from opd.policy.hf_policy import HFPolicy

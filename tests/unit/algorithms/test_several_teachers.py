@@ -28,7 +28,8 @@ from opd.data.teacher_choice import TeacherChoice
 from opd.distillation.config import MasterConfig
 from opd.distillation.setup import setup
 from opd.distillation.step import distillation_train
-from opd.losses.objectives import DistillationLossFn, SampledTokenLossFn
+from opd.losses.distillation_losses import JSDLossFn, KLLossFn, TopKKLLossFn
+from opd.losses.sampled_token import SampledTokenLossFn
 from opd.losses.several_teachers_loss import MixtureLoss, RoutedLoss
 from opd.models.interfaces import (
     FullVocabRequest,
@@ -159,10 +160,10 @@ def test_routing_refuses_rows_without_a_teacher_index():
 
 
 OBJECTIVES = {
-    "forward": lambda fused: DistillationLossFn(kl_type="forward", fused_lm_head=fused),
-    "reverse": lambda fused: DistillationLossFn(kl_type="reverse", fused_lm_head=fused),
-    "jsd": lambda fused: DistillationLossFn(divergence="jsd", jsd_beta=0.3, fused_lm_head=fused),
-    "topk": lambda fused: DistillationLossFn(kl_type="forward", teacher_signal="topk", teacher_topk=4),
+    "forward": lambda fused: KLLossFn(kl_type="forward", fused_lm_head=fused),
+    "reverse": lambda fused: KLLossFn(kl_type="reverse", fused_lm_head=fused),
+    "jsd": lambda fused: JSDLossFn(beta=0.3, fused_lm_head=fused),
+    "topk": lambda fused: TopKKLLossFn(kl_type="forward", k=4),
     "sampled_token": lambda fused: SampledTokenLossFn(clip_ratio=None),
 }
 
@@ -214,7 +215,7 @@ def test_the_routed_forward_kl_equals_a_float64_sum_over_each_rows_teacher():
     data = make_batch()
     index = torch.tensor([0, 1, 1, 0, 1, 0])
     data["teacher_index"] = index
-    objective = DistillationLossFn(kl_type="forward", fused_lm_head=True)
+    objective = KLLossFn(kl_type="forward", fused_lm_head=True)
     routed = RoutedLoss([objective, objective], ["a", "b"])
     student, (hidden, head) = student_output(fused=True)
     answer = RoutedTeachers(["a", "b"], teachers).score(data, routed.teacher_request)
@@ -229,7 +230,7 @@ def test_each_teachers_kl_is_the_mean_over_its_own_tokens_across_micro_batches()
     data = make_batch()
     index = torch.tensor([0, 1, 1, 0, 1, 0])
     data["teacher_index"] = index
-    objective = DistillationLossFn(kl_type="forward")
+    objective = KLLossFn(kl_type="forward")
     routed = RoutedLoss([objective, objective], ["a", "b"])
     group = RoutedTeachers(["a", "b"], teachers)
     student, _ = student_output()
@@ -266,8 +267,8 @@ def test_each_routed_teacher_answers_its_own_signal_and_is_distilled_with_its_ow
     data = make_batch()
     index = torch.tensor([0, 1, 1, 0, 1, 0])
     data["teacher_index"] = index
-    full = DistillationLossFn(kl_type="forward")
-    topk = DistillationLossFn(kl_type="forward", teacher_signal="topk", teacher_topk=3)
+    full = KLLossFn(kl_type="forward")
+    topk = TopKKLLossFn(kl_type="forward", k=3)
     routed = RoutedLoss([full, topk], ["a", "b"])
     request = routed.teacher_request
     assert request == PerTeacherRequest((full.teacher_request, topk.teacher_request))
@@ -292,9 +293,9 @@ def test_each_routed_teacher_answers_its_own_signal_and_is_distilled_with_its_ow
 
 def test_objectives_of_routed_teachers_must_agree_on_the_fused_head():
     with pytest.raises(ValueError, match="fused LM head"):
-        RoutedLoss([DistillationLossFn(fused_lm_head=True), DistillationLossFn(fused_lm_head=False)], ["a", "b"])
+        RoutedLoss([KLLossFn(fused_lm_head=True), KLLossFn(fused_lm_head=False)], ["a", "b"])
     with pytest.raises(ValueError, match="one objective per teacher"):
-        RoutedLoss([DistillationLossFn()], ["a", "b"])
+        RoutedLoss([KLLossFn()], ["a", "b"])
 
 
 def test_a_request_per_teacher_is_answered_only_by_routed_teachers():
@@ -409,7 +410,7 @@ def test_the_mixture_loss_is_the_float64_kl_to_the_weighted_mixture(temperature)
     data = make_batch()
     weights = random_weights(B, 3)
     data["teacher_weights"] = weights
-    mixture = MixtureLoss(DistillationLossFn(kl_type="forward", temperature=temperature, fused_lm_head=True), list("abc"))
+    mixture = MixtureLoss(KLLossFn(kl_type="forward", temperature=temperature, fused_lm_head=True), list("abc"))
     answer = TeacherMixture(list("abc"), teachers, temperature).score(data, mixture.teacher_request)
     assert isinstance(answer, MixedSignal)
     student, (hidden, head) = student_output(fused=True)
@@ -422,7 +423,7 @@ def test_the_mixture_loss_is_the_float64_kl_to_the_weighted_mixture(temperature)
     assert abs(float(loss) - expected) < 1e-6
     # Each member's own KL (forward, at the loss temperature), as the loss on that member alone reports it.
     for name, teacher in zip("abc", teachers, strict=True):
-        alone, _ = DistillationLossFn(kl_type="forward", temperature=temperature)(
+        alone, _ = KLLossFn(kl_type="forward", temperature=temperature)(
             (hidden @ head.T).detach(), data, *counts(data), teacher_output=teacher.logits)
         assert metrics[f"teacher/{name}/kl_forward"] == pytest.approx(float(alone), rel=1e-5)
 

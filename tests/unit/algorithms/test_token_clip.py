@@ -21,17 +21,11 @@ import pytest
 import torch
 from opd_test_helpers import REPO_ROOT
 
+from opd.data.sequences import shift_token_mask
 from opd.distillation.config import MasterConfig
 from opd.kernels.topk_rest import rest_logprobs_outside
-from opd.losses.objectives import (
-    JSDLossFn,
-    KLLossFn,
-    TopKKLLossFn,
-    generalized_jsd,
-    shift_token_mask,
-    token_kl,
-    topk_token_kl,
-)
+from opd.losses.distillation_losses import JSDLossFn, KLLossFn, TopKKLLossFn
+from opd.losses.divergences import generalized_jsd, token_kl, topk_token_kl
 from opd.models.interfaces import TopKLogprobs
 from opd.models.lm_head import LMHeadInput
 from opd.utils.config import load_config

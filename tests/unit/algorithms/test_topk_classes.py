@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 
-from opd.losses.objectives import DistillationLossFn, topk_token_kl
+from opd.losses.distillation_losses import TopKKLLossFn
+from opd.losses.divergences import topk_token_kl
 from opd.models.interfaces import TopKLogprobs, TopKRequest
 from opd.models.lm_head import LMHeadInput
 from opd.run.validation import ValidationKL
@@ -87,8 +88,7 @@ def test_the_loss_plain_and_fused_and_its_metrics_compare_classes():
     tokens = int(mask.sum())
     results = {}
     for fused in (False, True):
-        loss_fn = DistillationLossFn(kl_type="forward", teacher_signal="topk", teacher_topk=K,
-                                     fused_lm_head=fused, chunk_size=3)
+        loss_fn = TopKKLLossFn(kl_type="forward", k=K, fused_lm_head=fused, chunk_size=3)
         loss_fn.student_classes = torch.tensor(ROOTS)
         h = hidden.clone().requires_grad_()
         student = LMHeadInput(h, weight) if fused else h @ weight.T

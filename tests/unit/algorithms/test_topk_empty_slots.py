@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from opd.losses.objectives import DistillationLossFn, topk_token_kl
+from opd.losses.distillation_losses import TopKKLLossFn
+from opd.losses.divergences import topk_token_kl
 from opd.models.interfaces import TopKLogprobs
 
 V, K = 17, 6
@@ -77,7 +78,7 @@ def test_empty_slots_equal_the_compacted_answer_in_the_loss():
     data = {"input_ids": torch.randint(0, V, (2, 5), generator=g),
             "token_mask": torch.tensor([[0, 1, 1, 1, 1], [0, 0, 1, 1, 0]])}
     student = torch.randn(2, 5, V, generator=g)
-    loss_fn = DistillationLossFn(kl_type="reverse", teacher_signal="topk", teacher_topk=4)
+    loss_fn = TopKKLLossFn(kl_type="reverse", k=4)
     loss, metrics = loss_fn(student, data, 5, 2, teacher_output=TopKLogprobs(with_empty_values, with_empty_ids, moved))
     compact, compact_metrics = loss_fn(student, data, 5, 2,
                                        teacher_output=TopKLogprobs(values[..., :2], ids[..., :2], moved))

@@ -25,16 +25,14 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.kernels.fused_lm_head import LMHeadInput
-from opd.kernels.topk_rest import rest_logprobs_outside, rest_logprobs_outside_summed_in_float64
-from opd.losses.objectives import (
-    DistillationLossFn,
-    full_vocab_divergence_with_grad,
-    generalized_jsd,
+from opd.kernels.topk_rest import (
     log1mexp,
     rest_logprobs_from_topk,
-    token_kl,
-    topk_token_kl,
+    rest_logprobs_outside,
+    rest_logprobs_outside_summed_in_float64,
 )
+from opd.losses.distillation_losses import DistillationLossFn, JSDLossFn, KLLossFn, TopKKLLossFn
+from opd.losses.divergences import full_vocab_divergence_with_grad, generalized_jsd, token_kl, topk_token_kl
 from opd.models.interfaces import TopKLogprobs, TopKRequest
 from opd.models.tiny import build_tiny_model
 from opd.teachers.context_teacher import ContextTeacher
@@ -254,7 +252,7 @@ def test_the_loss_uses_the_rest_the_teacher_sent(kl_type):
     log_p = torch.log_softmax(teacher64, -1)
     values, ids = log_p.topk(K, -1)
     exact_rest = log_p.scatter(-1, ids, float("-inf")).logsumexp(-1)
-    loss_fn = DistillationLossFn(kl_type, 0.3, teacher_signal="topk", teacher_topk=K)
+    loss_fn = TopKKLLossFn(kl_type, 0.3, k=K)
     sent = TopKLogprobs(values.float(), ids, exact_rest.float())
     loss, metrics = loss_fn(student, data, 3, 2, teacher_output=sent)
     triple, _ = loss_fn(student, data, 3, 2, teacher_output=(values.float(), ids, exact_rest.float()))
@@ -286,9 +284,7 @@ def test_an_all_masked_topk_batch_is_exactly_zero(fused):
     log_p = torch.log_softmax(teacher64, -1)
     values, ids = log_p.topk(V, -1)  # k = vocabulary: every rest is -inf
     answer = TopKLogprobs(values.float(), ids, torch.full((2, 5), -math.inf))
-    loss_fn = DistillationLossFn(
-        "mixed", 0.3, teacher_signal="topk", teacher_topk=V, fused_lm_head=fused, temperature=2.0
-    )
+    loss_fn = TopKKLLossFn("mixed", 0.3, k=V, fused_lm_head=fused, temperature=2.0)
     if fused:
         hidden = torch.randn(2, 5, 4, requires_grad=True)
         weight = torch.randn(V, 4, requires_grad=True)
@@ -383,21 +379,22 @@ def test_pure_functions_reject_arguments_out_of_range():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("loss_class", "kwargs", "message"),
     [
-        ({"mixed_kl_weight": 1.5}, r"mixed_kl_weight must be in \[0, 1\], got 1.5"),
-        ({"mixed_kl_weight": -0.2}, r"mixed_kl_weight must be in \[0, 1\]"),
-        ({"jsd_beta": 2.0, "divergence": "jsd"}, r"jsd_beta must be in \[0, 1\], got 2.0"),
-        ({"temperature": 0.0}, r"temperature must be a finite number > 0, got 0.0"),
-        ({"temperature": math.inf}, r"temperature must be a finite number > 0"),
-        ({"teacher_topk": 0, "teacher_signal": "topk"}, r"teacher_topk must be >= 1, got 0"),
-        ({"vocab_size": 0}, r"vocab_size must be >= 1"),
-        ({"chunk_size": 0, "fused_lm_head": True}, r"chunk_size must be >= 1"),
+        (KLLossFn, {"mixed_kl_weight": 1.5}, r"mixed_kl_weight must be in \[0, 1\], got 1.5"),
+        (TopKKLLossFn, {"mixed_kl_weight": -0.2}, r"mixed_kl_weight must be in \[0, 1\]"),
+        (JSDLossFn, {"beta": 2.0}, r"jsd_beta must be in \[0, 1\], got 2.0"),
+        (KLLossFn, {"temperature": 0.0}, r"temperature must be a finite number > 0, got 0.0"),
+        (TopKKLLossFn, {"temperature": math.inf}, r"temperature must be a finite number > 0"),
+        (TopKKLLossFn, {"k": 0}, r"k must be >= 1, got 0"),
+        (KLLossFn, {"metrics_topk": 0}, r"metrics_topk must be >= 1, got 0"),
+        (JSDLossFn, {"vocab_size": 0}, r"vocab_size must be >= 1"),
+        (KLLossFn, {"chunk_size": 0, "fused_lm_head": True}, r"chunk_size must be >= 1"),
     ],
 )
-def test_the_loss_object_rejects_arguments_out_of_range(kwargs, message):
+def test_the_loss_object_rejects_arguments_out_of_range(loss_class, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        DistillationLossFn(**kwargs)
+        loss_class(**kwargs)
 
 
 def test_topk_request_rejects_bad_k_and_temperature():
@@ -421,10 +418,10 @@ def test_full_vocab_and_topk_covering_the_vocabulary_log_the_same_metrics(temper
     student = torch.randn(2, 6, 20, generator=generator) * 2
     teacher = torch.randn(2, 6, 20, generator=generator) * 2
     data = {"token_mask": torch.tensor([[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0]], dtype=torch.float32)}
-    full = _metrics(DistillationLossFn("mixed", 0.3, temperature, teacher_topk=20), student, data, teacher)
+    full = _metrics(KLLossFn("mixed", 0.3, temperature, metrics_topk=20), student, data, teacher)
     log_p = torch.log_softmax(teacher / temperature, -1)
     values, ids = log_p.topk(20, -1)
-    topk_loss = DistillationLossFn("mixed", 0.3, temperature, teacher_signal="topk", teacher_topk=20)
+    topk_loss = TopKKLLossFn("mixed", 0.3, k=20, temperature=temperature)
     for answer in ((values, ids), TopKLogprobs(values, ids, rest_logprobs_outside(log_p, ids))):
         topk = _metrics(topk_loss, student, data, answer)
         assert set(topk) == set(full)
@@ -450,13 +447,13 @@ def test_fused_metrics_at_a_temperature_equal_the_unfused_ones():
     student_head, teacher_head = LMHeadInput(hidden, weight, None), LMHeadInput(teacher_hidden, teacher_weight, None)
     for kl_type in ("forward", "reverse"):
         unfused = _metrics(
-            DistillationLossFn(kl_type, temperature=1.7, teacher_topk=4),
+            KLLossFn(kl_type, temperature=1.7, metrics_topk=4),
             hidden @ weight.T,
             data,
             teacher_hidden @ teacher_weight.T,
         )
         fused = _metrics(
-            DistillationLossFn(kl_type, temperature=1.7, teacher_topk=4, fused_lm_head=True, chunk_size=3),
+            KLLossFn(kl_type, temperature=1.7, metrics_topk=4, fused_lm_head=True, chunk_size=3),
             student_head,
             data,
             teacher_head,

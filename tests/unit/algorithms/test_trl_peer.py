@@ -1,6 +1,6 @@
 """Peer check: opd's ``generalized_jsd`` against TRL's ``GKDTrainer.generalized_jsd_loss``.
 
-``opd.losses.objectives.generalized_jsd`` claims TRL's convention for the
+``opd.losses.divergences.generalized_jsd`` claims TRL's convention for the
 generalized Jensen-Shannon divergence of GKD (Agarwal et al., 2023): β = 0 is the forward
 KL(teacher‖student), β = 1 the reverse KL(student‖teacher), and in between, with
 M = (1 − β)·student + β·teacher, JSD(β) = β·KL(teacher‖M) + (1 − β)·KL(student‖M).
@@ -34,7 +34,7 @@ import warnings
 import pytest
 import torch
 
-from opd.losses.objectives import generalized_jsd
+from opd.losses.divergences import generalized_jsd
 
 with warnings.catch_warnings():
     # trl.experimental warns on import that its APIs are unstable; that is why we pin it.

@@ -18,7 +18,7 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import build_token_mask, shift_token_mask
-from opd.losses.objectives import token_kl, topk_token_kl
+from opd.losses.divergences import token_kl, topk_token_kl
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import (
     FullVocabRequest,

@@ -29,7 +29,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import encode_prompt, pack_padding_free
 from opd.data.token_alignment import token_bytes
 from opd.distillation.config import MasterConfig
-from opd.losses.objectives import DistillationLossFn
+from opd.losses.distillation_losses import TopKKLLossFn
 from opd.models.interfaces import TopKRequest
 from opd.models.tiny import build_model_for_tokenizer, train_bpe_tokenizer
 from opd.teachers.cross_tokenizer import CrossTokenizerTeacher
@@ -102,7 +102,7 @@ def test_identical_tokenizers_give_the_teachers_own_topk_and_the_ordinary_loss(t
     torch.testing.assert_close(mapped[0][:, :-1][mask], own[0][:, :-1][mask])
     assert torch.equal(mapped[1][:, :-1][mask], own[1][:, :-1][mask])
     torch.testing.assert_close(mapped.rest_logprobs[:, :-1][mask], own.rest_logprobs[:, :-1][mask])
-    loss_fn = DistillationLossFn(kl_type="reverse", teacher_signal="topk", teacher_topk=K)
+    loss_fn = TopKKLLossFn(kl_type="reverse", k=K)
     student_logits = torch.randn(*data["input_ids"].shape, len(student_tokenizer), requires_grad=True)
     tokens = int(mask.sum())
     loss, _ = loss_fn(student_logits, data, tokens, 2, teacher_output=mapped)
@@ -194,7 +194,7 @@ def test_different_tokenizers_send_the_teachers_topk_by_class_at_group_starts(to
     assert some_inside_groups  # the two tokenizations really differ
     assert several_in_a_class  # and classes of several tokens were sent
     # The top-k loss on it is finite, and the inside-group positions add nothing.
-    loss_fn = DistillationLossFn(kl_type="forward", teacher_signal="topk", teacher_topk=K)
+    loss_fn = TopKKLLossFn(kl_type="forward", k=K)
     loss_fn.student_classes = cross.student_classes
     logits = torch.randn(*data["input_ids"].shape, len(student_tokenizer), requires_grad=True)
     loss, _ = loss_fn(logits, data, int(data["token_mask"][:, 1:].sum()), 3, teacher_output=answer)

@@ -10,7 +10,8 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_sequences
-from opd.losses.objectives import DistillationLossFn, SampledTokenLossFn
+from opd.losses.distillation_losses import KLLossFn
+from opd.losses.sampled_token import SampledTokenLossFn
 from opd.models.tiny import build_tiny_model
 from opd.policy.hf_policy import HFPolicy, OptimizerConfig
 from opd.teachers.local_teacher import LocalTeacher
@@ -67,7 +68,7 @@ def test_token_budget_step_equals_one_large_batch(loss_kind, budget):
     del batch["row_id"]
     teacher = LocalTeacher(build_tiny_model("teacher", dtype=torch.float64))
     if loss_kind == "kl":
-        loss_fn = DistillationLossFn("mixed", 0.3, temperature=1.2, kl_reduction="sum")
+        loss_fn = KLLossFn("mixed", 0.3, temperature=1.2, kl_reduction="sum")
     else:
         generator = torch.Generator().manual_seed(5)
         batch["generation_logprobs"] = -3 - torch.rand(batch["input_ids"].shape, generator=generator, dtype=torch.float64)

@@ -41,7 +41,8 @@ from opd.data.sequences import encode_prompt, pack_sequences, shift_token_mask
 from opd.distillation.config import MasterConfig
 from opd.distillation.setup import check_environment, setup
 from opd.distillation.step import distillation_train
-from opd.losses.objectives import DistillationLossFn, token_kl
+from opd.losses.distillation_losses import KLLossFn
+from opd.losses.divergences import token_kl
 from opd.models.config import DEFAULT_LORA_TARGETS, LoraConfig
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
@@ -259,7 +260,7 @@ def test_fused_lm_head_step_equals_plain_step_through_the_adapters():
                 {names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]}
             )
         )
-        loss_fn = DistillationLossFn(kl_type="reverse", fused_lm_head=fused, chunk_size=5)
+        loss_fn = KLLossFn(kl_type="reverse", fused_lm_head=fused, chunk_size=5)
         signal = functools.partial(teacher.score, request=loss_fn.teacher_request)
         results.append((policy.train(batch, loss_fn, teacher_signal=signal), grads))
     (plain_metrics, plain_grads), (fused_metrics, fused_grads) = results

@@ -52,7 +52,7 @@ import transformers
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import attention_mask_from_lengths, pack_sequences, shift_token_mask
-from opd.losses.objectives import DistillationLossFn
+from opd.losses.distillation_losses import KLLossFn, TopKKLLossFn
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput, output_layer_of
 from opd.policy.optimization import student_output
@@ -268,9 +268,9 @@ def test_each_family_has_what_the_tests_are_about(family_models):
 
 LOSSES = {
     # The closed-form gradient (value_and_grad) with the teacher's hidden states and head.
-    "kl-mixed": dict(kl_type="mixed", mixed_kl_weight=0.3, temperature=1.3),
+    "kl-mixed": (KLLossFn, dict(kl_type="mixed", mixed_kl_weight=0.3, temperature=1.3)),
     # Autograd through the divergence (no closed form), with the teacher's top-k.
-    "topk": dict(teacher_signal="topk", teacher_topk=5, kl_type="mixed", temperature=1.3),
+    "topk": (TopKKLLossFn, dict(k=5, kl_type="mixed", temperature=1.3)),
 }
 
 
@@ -291,12 +291,12 @@ def test_fused_loss_and_gradients_equal_the_plain_forward(family_models, loss_na
     _, student, teacher_model = family_models
     batch = training_batch()
     tokens = int(shift_token_mask(batch["token_mask"]).sum())
-    options = LOSSES[loss_name]
+    loss_class, options = LOSSES[loss_name]
     results = []
     for fused in (False, True):
-        loss_fn = DistillationLossFn(**options, fused_lm_head=fused, chunk_size=7)
+        loss_fn = loss_class(**options, fused_lm_head=fused, chunk_size=7)
         if loss_name == "topk":
-            teacher_output = reference_topk(teacher_model, batch, options["teacher_topk"], options["temperature"])
+            teacher_output = reference_topk(teacher_model, batch, options["k"], options["temperature"])
         elif fused:  # the normal fused path: the in-process teacher's hidden states and output layer
             teacher_output = LocalTeacher(teacher_model).score(batch, loss_fn.teacher_request)
             assert isinstance(teacher_output, LMHeadInput)

@@ -45,7 +45,7 @@ from opd.distillation.config import MasterConfig
 from opd.distillation.setup import check_environment, setup
 from opd.distillation.step import distillation_train
 from opd.kernels.topk_rest import rest_logprobs_from_topk
-from opd.losses.objectives import DistillationLossFn
+from opd.losses.distillation_losses import JSDLossFn, KLLossFn, TopKKLLossFn
 from opd.models.interfaces import FullVocabRequest
 from opd.models.lm_head import LMHeadInput, output_layer_of
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
@@ -206,8 +206,8 @@ def test_full_vocabulary_loss_from_served_hidden_states_equals_the_in_process_lo
     local = LocalTeacher(teacher_model)
     batch = batch_of(tokenizer, TEXTS)
     student = build_tiny_model("student")
-    loss_fn = DistillationLossFn(kl_type=kl_type, mixed_kl_weight=0.3, divergence=divergence,
-                                 vocab_size=len(tokenizer), fused_lm_head=fused)
+    loss_fn = (JSDLossFn(vocab_size=len(tokenizer), fused_lm_head=fused) if divergence == "jsd"
+               else KLLossFn(kl_type=kl_type, mixed_kl_weight=0.3, vocab_size=len(tokenizer), fused_lm_head=fused))
     request = loss_fn.teacher_request
     assert isinstance(request, FullVocabRequest) and request.prefer_hidden_states == fused
     served_signal, local_signal = remote.score(batch, request), local.score(batch, request)
@@ -471,7 +471,7 @@ def test_persistent_faults_stop_with_a_clear_error_and_nothing_reaches_the_loss(
     served, tokenizer, protocol, fault, message
 ):
     proxy = FaultProxy(served.url, [fault] * 10)
-    loss_fn = DistillationLossFn(kl_type="reverse", teacher_signal="topk", teacher_topk=K, vocab_size=len(tokenizer))
+    loss_fn = TopKKLLossFn(kl_type="reverse", k=K, vocab_size=len(tokenizer))
     batch = batch_of(tokenizer, TEXTS)
     reached_loss = []
     try:

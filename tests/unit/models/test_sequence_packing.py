@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.data.sequences import pack_padding_free, pack_sequences
+from opd.data.sequences import pack_padding_free, pack_sequences, shift_token_mask
 from opd.distillation.config import MasterConfig
 from opd.distillation.setup import setup
 from opd.distillation.step import distillation_train
-from opd.losses.objectives import DistillationLossFn, SampledTokenLossFn, shift_token_mask
+from opd.losses.distillation_losses import JSDLossFn, KLLossFn, TopKKLLossFn
+from opd.losses.sampled_token import SampledTokenLossFn
 from opd.models.tiny import build_tiny_model
 from opd.policy.hf_policy import HFPolicy, OptimizerConfig
 from opd.teachers.local_teacher import LocalTeacher
@@ -87,17 +88,17 @@ def assert_packed_step_equals_padded_step(batch, loss_fn, batching) -> None:
         torch.testing.assert_close(grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("options", [
-    {"kl_type": "mixed"},
-    {"kl_type": "reverse", "fused_lm_head": True},
-    {"divergence": "jsd", "jsd_beta": 0.4, "fused_lm_head": True, "kl_reduction": "sum"},
-    {"teacher_signal": "topk", "teacher_topk": 5, "kl_type": "forward", "fused_lm_head": True},
+@pytest.mark.parametrize(("loss_class", "options"), [
+    (KLLossFn, {"kl_type": "mixed"}),
+    (KLLossFn, {"kl_type": "reverse", "fused_lm_head": True}),
+    (JSDLossFn, {"beta": 0.4, "fused_lm_head": True, "kl_reduction": "sum"}),
+    (TopKKLLossFn, {"k": 5, "kl_type": "forward", "fused_lm_head": True}),
 ], ids=["kl", "kl-fused", "jsd-fused-sum", "topk-fused"])
 @pytest.mark.parametrize("batching", [{"micro_batch_size": 2}, {"micro_batch_size": 5},
                                       {"micro_batch_tokens": 30}], ids=["mbs2", "mbs5", "tokens30"])
-def test_packed_step_equals_padded_step(options, batching):
+def test_packed_step_equals_padded_step(loss_class, options, batching):
     batch = padded_batch()
-    loss_fn = DistillationLossFn(temperature=1.3, **options)
+    loss_fn = loss_class(temperature=1.3, **options)
     assert_packed_step_equals_padded_step(batch, loss_fn, batching)
 
 

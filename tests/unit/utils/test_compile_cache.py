@@ -46,7 +46,7 @@ def test_the_default_level_and_an_explicit_cache_are_left_alone(clean_environmen
 _KERNEL_RUN = """
 import json, os, torch
 from opd.kernels.compiled_kernels import compiled
-from opd.losses.objectives import full_vocab_divergence_with_grad
+from opd.losses.divergences import full_vocab_divergence_with_grad
 generator = torch.Generator().manual_seed(0)
 student = torch.randn(37, 301, generator=generator) * 3
 teacher = torch.randn(37, 301, generator=generator) * 3

@@ -1,0 +1,405 @@
+"""The per-token divergences between teacher and student: pure tensor functions.
+
+:func:`token_kl` (forward, reverse or mixed KL over the whole vocabulary),
+:func:`generalized_jsd` (GKD's JSD(β)), :func:`topk_token_kl` (the KL over a teacher's top k
+plus a "rest" class) and :func:`full_vocab_divergence_with_grad` (the full-vocabulary ones
+with their gradient in closed form, for the fused loss) take no config and do no I/O, so
+other frameworks can call them. They follow the next-token convention used everywhere in
+opd (the logits at position ``t`` predict token ``t + 1``), return one value per position
+(no masking, no reduction), compute in float32 at least, and check their scalar arguments
+(``temperature`` finite and > 0, ``mixed_kl_weight`` and ``beta`` in [0, 1]), raising
+``ValueError`` naming the argument, as the loss objects and the YAML config do.
+
+The same divergences from log-probabilities (:func:`kl_from_log_probs`,
+:func:`jsd_from_log_probs`) are what the loss classes override their per-token
+divergence with (:class:`~opd.losses.distillation_losses.FullVocabLossFn`).
+
+Notation: P is the teacher distribution, Q the student's.
+forward KL = KL(P‖Q) = Σ_v P(v)·(log P(v) − log Q(v)) (mass-covering);
+reverse KL = KL(Q‖P) = Σ_v Q(v)·(log Q(v) − log P(v)) (mode-seeking);
+mixed = w·forward + (1 − w)·reverse, with w = ``mixed_kl_weight``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+from opd.data.token_alignment import pool_logits_by_class
+from opd.kernels.topk_rest import rest_logprobs_from_topk
+
+KLType = Literal["forward", "reverse", "mixed"]
+KL_TYPES: tuple[str, ...] = ("forward", "reverse", "mixed")
+
+_FORWARD_WEIGHTS: dict[str, float] = {"forward": 1.0, "reverse": 0.0}
+"""The weight of the forward KL in each ``kl_type``; ``mixed`` takes ``mixed_kl_weight``."""
+
+
+def check_kl_type(kl_type: str) -> None:
+    """Raises ``ValueError`` for a ``kl_type`` other than those of :data:`KL_TYPES`."""
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+
+
+def check_temperature(temperature: float) -> None:
+    """Raises ``ValueError`` unless ``temperature`` is a finite number > 0."""
+    # NaN fails every comparison, so it is caught here too.
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+
+
+def check_weight(name: str, value: float) -> None:
+    """A convex weight: outside [0, 1] the mixture has a negative coefficient, and the
+    "divergence" can go negative."""
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+
+
+def plogp_difference(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Per-position Σ_v P(v)·(log P(v) − log Q(v)) with the convention 0·log 0 = 0.
+
+    Terms where P(v) = 0 exactly (log P = −inf, e.g. a masked-out vocabulary entry or an
+    extreme logit) contribute 0 instead of NaN. Both logs are replaced by 0 there *before*
+    the product, so no −inf ever enters the graph and the gradient stays finite (a
+    ``where`` applied after the product would still back-propagate 0·inf = NaN).
+    """
+    p = log_p.exp()
+    support = p > 0
+    zero = torch.zeros((), dtype=p.dtype, device=p.device)
+    safe_log_p = torch.where(support, log_p, zero)
+    safe_log_q = torch.where(support, log_q, zero)
+    return (p * (safe_log_p - safe_log_q)).sum(dim=-1)
+
+
+def token_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    kl_type: str,
+    mixed_kl_weight: float = 0.5,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Per-position KL divergence between teacher and student on the full vocabulary.
+
+    Args:
+        student_logits: ``[..., V]`` student logits (gradients flow through these).
+        teacher_logits: ``[..., V]`` teacher logits (treated as given; no gradient is
+            needed, but none is blocked either).
+        kl_type: ``"forward"`` (KL(P‖Q)), ``"reverse"`` (KL(Q‖P)) or ``"mixed"``.
+        mixed_kl_weight: weight w of the forward term for ``"mixed"``, in [0, 1].
+        temperature: both logits are divided by it before the softmax (finite, > 0).
+
+    Returns:
+        ``student_logits.shape[:-1]`` divergences, in float32 (or float64 when the
+        inputs are float64). No masking, no reduction.
+
+    Raises:
+        ValueError: for an unknown ``kl_type``, ``mixed_kl_weight`` outside [0, 1], a
+            temperature that is not a finite positive number, or logits of different shapes.
+    """
+    check_kl_type(kl_type)
+    check_weight("mixed_kl_weight", mixed_kl_weight)
+    check_temperature(temperature)
+    log_q, log_p = log_probs_at_temperature(student_logits, teacher_logits, temperature)
+    return kl_from_log_probs(log_q, log_p, forward_weight(kl_type, mixed_kl_weight))
+
+
+def log_probs_at_temperature(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Student and teacher log-probabilities at ``temperature``, in at least float32.
+
+    bf16 log-probs lose ~3 significant digits, so the softmax never runs in it.
+
+    Raises:
+        ValueError: if the two logits differ in shape (e.g. vocabularies of different size).
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student and teacher logits differ in shape: {tuple(student_logits.shape)} "
+            f"vs {tuple(teacher_logits.shape)}"
+        )
+    compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    # Dividing by 1 would still copy a [positions × vocab] tensor.
+    scale = (lambda logits: logits) if temperature == 1.0 else (lambda logits: logits / temperature)
+    log_q = torch.log_softmax(scale(student_logits.to(compute_dtype)), dim=-1)
+    log_p = torch.log_softmax(scale(teacher_logits.to(compute_dtype)), dim=-1)
+    return log_q, log_p
+
+
+def forward_weight(kl_type: str, mixed_kl_weight: float) -> float:
+    """The weight w of KL(P‖Q) in w·forward + (1 − w)·reverse that ``kl_type`` names."""
+    check_kl_type(kl_type)
+    return _FORWARD_WEIGHTS.get(kl_type, mixed_kl_weight)
+
+
+def kl_from_log_probs(log_q: torch.Tensor, log_p: torch.Tensor, weight: float) -> torch.Tensor:
+    """w·KL(P‖Q) + (1 − w)·KL(Q‖P) per position, from both models' log-probabilities (``[..., V]``).
+
+    ``weight`` is the w of :func:`forward_weight`: 1 for the forward KL, 0 for the reverse.
+    """
+    # A zero-weight direction is skipped, not multiplied by 0: it may be +inf (0·inf = NaN).
+    if weight == 1.0:
+        return plogp_difference(log_p, log_q)
+    if weight == 0.0:
+        return plogp_difference(log_q, log_p)
+    forward = plogp_difference(log_p, log_q)
+    reverse = plogp_difference(log_q, log_p)
+    return weight * forward + (1.0 - weight) * reverse
+
+
+def jsd_from_log_probs(log_q: torch.Tensor, log_p: torch.Tensor, beta: float) -> torch.Tensor:
+    """JSD(β) per position (see :func:`generalized_jsd`), from both models' log-probabilities (``[..., V]``)."""
+    if beta == 0.0:
+        return plogp_difference(log_p, log_q)
+    if beta == 1.0:
+        return plogp_difference(log_q, log_p)
+    # log M by logsumexp of the weighted logs: exact where either distribution underflows.
+    log_m = torch.logsumexp(torch.stack([log_q + math.log(1.0 - beta), log_p + math.log(beta)]), dim=0)
+    return beta * plogp_difference(log_p, log_m) + (1.0 - beta) * plogp_difference(log_q, log_m)
+
+
+def generalized_jsd(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    beta: float,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Per-position generalized Jensen-Shannon divergence JSD(β) (GKD, TRL's convention).
+
+    With M = (1 − β)·Q + β·P, JSD(β) = β·KL(P‖M) + (1 − β)·KL(Q‖M). The end points are
+    the two KLs themselves: β = 0 gives forward KL(P‖Q) and β = 1 reverse KL(Q‖P) (the
+    mixture formula would give 0 there). Values lie in [0, ∞); for 0 < β < 1 they are
+    bounded by the binary entropy of β, so JSD stays finite even where one distribution
+    has zeros.
+
+    Args:
+        student_logits: ``[..., V]`` student logits Q (gradients flow through these).
+        teacher_logits: ``[..., V]`` teacher logits P.
+        beta: interpolation weight in [0, 1].
+        temperature: both logits are divided by it before the softmax (finite, > 0).
+
+    Returns:
+        ``student_logits.shape[:-1]`` divergences in float32 (float64 for float64 inputs).
+
+    Raises:
+        ValueError: for ``beta`` outside [0, 1] or a temperature that is not a finite
+            positive number.
+    """
+    check_weight("beta", beta)
+    check_temperature(temperature)
+    return jsd_from_log_probs(*log_probs_at_temperature(student_logits, teacher_logits, temperature), beta)
+
+
+def full_vocab_divergence_with_grad(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    kl_type: str = "forward",
+    mixed_kl_weight: float = 0.5,
+    temperature: float = 1.0,
+    jsd_beta: float | None = None,
+    observe_log_probs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position divergence and its gradient with respect to the student's logits.
+
+    The same values as :func:`token_kl` (or :func:`generalized_jsd` when ``jsd_beta`` is
+    given), with the gradient in closed form instead of autograd, for the fused loss:
+    autograd would keep about a dozen ``[positions × vocab]`` intermediates of the
+    softmaxes and the mixture alive for its backward pass; this keeps about five.
+    With Q = softmax(s / T) and g = ∂D/∂Q, the chain rule through the softmax gives
+    ∂D/∂s = Q ⊙ (g − Σ_v Q_v g_v) / T, where
+
+    * forward KL(P‖Q): ∂D/∂s = (Q − P) / T;
+    * reverse KL(Q‖P): g = log Q − log P (+1, which the centring cancels);
+    * JSD(β), M = βP + (1 − β)Q: g = (1 − β)(log Q − log M) (the P/M and Q/M terms cancel).
+
+    Terms where Q = 0 exactly contribute nothing (0·log 0 = 0), as in the kernels.
+
+    Args:
+        student_logits: ``[C, V]`` student logits.
+        teacher_logits: ``[C, V]`` teacher logits.
+        kl_type: ``"forward"``, ``"reverse"`` or ``"mixed"`` (ignored for JSD).
+        mixed_kl_weight: weight of the forward KL for ``"mixed"``.
+        temperature: applied to both models' logits.
+        jsd_beta: if not None, the generalized JSD with this β instead of a KL.
+        observe_log_probs: called with ``(log Q, log P)`` once they exist, so that
+            per-step metrics can reuse them instead of a second pair of softmaxes.
+
+    Returns:
+        ``(values [C], gradient [C, V])`` in float32 (float64 for float64 input).
+
+    Raises:
+        ValueError: for the arguments :func:`token_kl` and :func:`generalized_jsd` refuse.
+    """
+    check_kl_type(kl_type)
+    check_weight("mixed_kl_weight", mixed_kl_weight)
+    check_temperature(temperature)
+    if jsd_beta is not None:
+        check_weight("jsd_beta", jsd_beta)
+    log_q, log_p = log_probs_at_temperature(student_logits, teacher_logits, temperature)
+    if observe_log_probs is not None:
+        observe_log_probs(log_q, log_p)
+    q = log_q.exp()
+    if jsd_beta is not None and jsd_beta in (0.0, 1.0):
+        kl_type, mixed_kl_weight, jsd_beta = ("forward" if jsd_beta == 0.0 else "reverse"), 0.5, None
+    if jsd_beta is not None:
+        log_m = torch.logaddexp(log_q + math.log(1.0 - jsd_beta), log_p + math.log(jsd_beta))
+        values = jsd_beta * plogp_difference(log_p, log_m) + (1.0 - jsd_beta) * plogp_difference(log_q, log_m)
+        return values, _softmax_chain(q, (1.0 - jsd_beta) * (log_q - log_m), temperature)
+    weight = forward_weight(kl_type, mixed_kl_weight)
+    values = torch.zeros(q.shape[:-1], dtype=q.dtype, device=q.device)
+    grad = torch.zeros_like(q)
+    if weight != 0.0:  # a zero-weight direction is skipped: it may be +inf
+        values += weight * plogp_difference(log_p, log_q)
+        grad += (weight / temperature) * (q - log_p.exp())
+    if weight != 1.0:
+        values += (1.0 - weight) * plogp_difference(log_q, log_p)
+        grad += (1.0 - weight) * _softmax_chain(q, log_q - log_p, temperature)
+    return values, grad
+
+
+def _softmax_chain(q: torch.Tensor, grad_q: torch.Tensor, temperature: float) -> torch.Tensor:
+    """∂D/∂s = Q ⊙ (g − Σ_v Q_v g_v) / T for Q = softmax(s / T), with 0 where Q = 0."""
+    grad_q = torch.where(q > 0, grad_q, torch.zeros((), dtype=q.dtype, device=q.device))
+    centred = grad_q - (q * grad_q).sum(dim=-1, keepdim=True)
+    return q * centred / temperature
+
+
+def topk_token_kl(
+    student_logits: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    kl_type: str,
+    mixed_kl_weight: float = 0.5,
+    tail: bool = True,
+    temperature: float = 1.0,
+    teacher_rest_logprobs: torch.Tensor | None = None,
+    student_classes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-position KL against a teacher that sent only its top-k log-probs and token ids.
+
+    With ``tail=True`` (the default) the divergence is taken over k + 1 classes: the k
+    teacher tokens and one "rest" class holding the teacher's remaining mass
+    1 − Σ_k P(v) and the student's mass on every other token. That is the exact KL of
+    the two distributions coarsened to those classes, so it is a true divergence:
+    never negative, zero when the distributions agree, a lower bound of the full KL, and
+    equal to it when the k ids cover the vocabulary. With ``tail=False`` both
+    distributions are renormalised over the k tokens (NeMo-RL's top-k approximation,
+    kept for comparison): it ignores mass outside the top k, so it can be zero while the
+    full distributions differ.
+
+    Both rest masses are handled in log space, never as ``1 − Σ``: the student's is a
+    logsumexp over its other tokens; the teacher's is the one it sent
+    (``teacher_rest_logprobs``, summed from its full distribution), or else
+    ``log1mexp(logsumexp(top k))`` in float64 (:func:`~opd.kernels.topk_rest.rest_logprobs_from_topk`),
+    exact for the log-probs as given. (Subtracting in float32 loses a rest mass of 1e-7
+    to rounding and moves the divergence by several percent. The fallback cannot undo
+    the rounding of the log-probs themselves, e.g. the shared error of a float32
+    normaliser, so a teacher-sent rest is the exact one; see
+    ``benchmarks/rest_mass_precision.py``.)
+
+    Args:
+        student_logits: ``[..., V]`` student logits (full vocabulary).
+        teacher_topk_logprobs: ``[..., k]`` teacher log-probabilities of its top-k tokens,
+            normalised over the teacher's full vocabulary.
+        teacher_topk_ids: ``[..., k]`` the ids of those tokens (distinct per position). An
+            id of −1 marks an empty slot, which takes part in neither class (a
+            cross-tokenizer teacher's token with no counterpart in the student's
+            vocabulary: its mass is in the rest, see :mod:`opd.teachers.cross_tokenizer`).
+        kl_type: ``"forward"``, ``"reverse"`` or ``"mixed"``, as in :func:`token_kl`.
+        mixed_kl_weight: weight of the forward term for ``"mixed"``, in [0, 1].
+        tail: keep the rest class (True) or renormalise over the top k (False).
+        temperature: the student's logits are divided by it; the teacher's log-probs
+            must already be at the same temperature (the teacher applies it before its
+            top-k, since the top-k set itself depends on it only through ties).
+        teacher_rest_logprobs: optional ``[...]`` log of the teacher's mass outside its
+            top k (−inf where it is exactly 0), as computed by the teacher; None computes
+            it from ``teacher_topk_logprobs``. Unused with ``tail=False``.
+        student_classes: ``[V]`` the class (root id) of each student id, when the teacher's
+            ids name classes of student tokens (a teacher with another tokenizer,
+            :class:`~opd.data.token_alignment.PrefixClasses`): the student's probabilities
+            (at the temperature) are summed by class first. None: ids are tokens.
+
+    Returns:
+        ``student_logits.shape[:-1]`` divergences in float32 (float64 for float64 inputs).
+
+    Raises:
+        ValueError: for an unknown ``kl_type``, ``mixed_kl_weight`` outside [0, 1], a
+            temperature that is not a finite positive number, no top-k entries (k = 0),
+            or inputs whose shapes do not match.
+    """
+    check_kl_type(kl_type)
+    check_weight("mixed_kl_weight", mixed_kl_weight)
+    check_temperature(temperature)
+    _check_topk_shapes(student_logits, teacher_topk_logprobs, teacher_topk_ids, teacher_rest_logprobs)
+    compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    log_q_full = scaled_log_probs(student_logits.to(compute_dtype), temperature, student_classes)
+    empty = teacher_topk_ids < 0
+    listed_ids = teacher_topk_ids.clamp_min(0)
+    log_q = log_q_full.gather(-1, listed_ids).masked_fill(empty, float("-inf"))
+    log_p = teacher_topk_logprobs.to(compute_dtype).masked_fill(empty, float("-inf"))
+    if not tail:
+        return kl_from_log_probs(
+            log_q - torch.logsumexp(log_q, dim=-1, keepdim=True),
+            log_p - torch.logsumexp(log_p, dim=-1, keepdim=True),
+            forward_weight(kl_type, mixed_kl_weight),
+        )
+    # Counted, not written: an empty slot's placeholder id must not unmark a listed one.
+    in_topk = torch.zeros_like(log_q_full, dtype=torch.int32).scatter_add_(-1, listed_ids, (~empty).int()) > 0
+    # Student rest mass as a logsumexp over the other tokens: exact even when Σ_k Q ≈ 1.
+    log_q_rest = torch.logsumexp(log_q_full.masked_fill(in_topk, float("-inf")), dim=-1, keepdim=True)
+    if teacher_rest_logprobs is None:
+        teacher_rest_logprobs = rest_logprobs_from_topk(teacher_topk_logprobs.masked_fill(empty, float("-inf")))
+    log_p_rest = teacher_rest_logprobs.to(compute_dtype).unsqueeze(-1)
+    # A teacher with finite logits always has some rest mass, but below the dtype's
+    # smallest normal number it is lost to rounding (and Σ_k P can round to 1): it is
+    # floored there, so a student with mass outside the teacher's top k gets a large
+    # finite penalty instead of an infinite loss with NaN gradients.
+    log_p_rest = log_p_rest.clamp(min=math.log(torch.finfo(compute_dtype).tiny))
+    # When the k ids cover the vocabulary the rest class is empty for both models; any
+    # teacher "rest" left by rounding is not mass the student could match.
+    covers_vocabulary = in_topk.all(dim=-1, keepdim=True)
+    log_p_rest = log_p_rest.masked_fill(covers_vocabulary, float("-inf"))
+    return kl_from_log_probs(
+        torch.cat([log_q, log_q_rest], dim=-1),
+        torch.cat([log_p, log_p_rest], dim=-1),
+        forward_weight(kl_type, mixed_kl_weight),
+    )
+
+
+def scaled_log_probs(logits: torch.Tensor, temperature: float, student_classes: torch.Tensor | None) -> torch.Tensor:
+    """log softmax(logits / T), with each class's mass on its root id when ``student_classes`` is given."""
+    scaled = logits if temperature == 1.0 else logits / temperature
+    if student_classes is not None:
+        scaled = pool_logits_by_class(scaled, student_classes)
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def _check_topk_shapes(
+    student_logits: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    teacher_rest_logprobs: torch.Tensor | None,
+) -> None:
+    """The top-k inputs of :func:`topk_token_kl` agree with each other and with the student's positions."""
+    if teacher_topk_logprobs.shape != teacher_topk_ids.shape:
+        raise ValueError(
+            f"teacher top-k log-probs and ids differ in shape: {tuple(teacher_topk_logprobs.shape)} "
+            f"vs {tuple(teacher_topk_ids.shape)}"
+        )
+    if teacher_topk_ids.dim() == 0 or teacher_topk_ids.shape[-1] < 1:
+        raise ValueError(
+            f"the teacher's top-k needs k >= 1 entries per position, got shape {tuple(teacher_topk_ids.shape)}"
+        )
+    if teacher_topk_ids.shape[:-1] != student_logits.shape[:-1]:
+        raise ValueError(
+            f"teacher top-k positions {tuple(teacher_topk_ids.shape[:-1])} do not match the student's "
+            f"{tuple(student_logits.shape[:-1])}"
+        )
+    if teacher_rest_logprobs is not None and teacher_rest_logprobs.shape != teacher_topk_ids.shape[:-1]:
+        raise ValueError(
+            f"teacher_rest_logprobs has shape {tuple(teacher_rest_logprobs.shape)}, expected one value per "
+            f"position {tuple(teacher_topk_ids.shape[:-1])}"
+        )

@@ -1,0 +1,41 @@
+"""The supervised loss: negative log-likelihood of the response tokens (supervised fine-tuning)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from opd.losses.token_loss import LossInputs, TokenLossFn, loss_rows
+from opd.models.lm_head import token_log_probs
+
+
+class NLLLossFn(TokenLossFn):
+    """Negative log-likelihood of the masked tokens; it asks the teacher for nothing.
+
+    Its per-position term is −log Q(next token); rows, normalisation (by the global
+    batch's valid tokens by default) and the fused path are :class:`TokenLossFn`'s.
+
+    Args:
+        kl_reduction, vocab_size, fused_lm_head, chunk_size: as in :class:`TokenLossFn`.
+    """
+
+    def __init__(
+        self,
+        kl_reduction: str = "mean",
+        vocab_size: int | None = None,
+        fused_lm_head: bool = False,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__(kl_reduction, vocab_size, fused_lm_head, chunk_size)
+
+    def _loss_inputs(
+        self, teacher_output: Any, data: dict[str, Any], loss_mask: torch.Tensor, fused: bool
+    ) -> LossInputs:
+        """The next token of each loss position (``teacher_output`` is ignored)."""
+        return LossInputs((loss_rows(data["input_ids"], loss_mask, shift=1),))
+
+    def _divergence(self, student_logits: torch.Tensor, *row_inputs: Any) -> torch.Tensor:
+        (targets,) = row_inputs
+        compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
+        return -token_log_probs(torch.log_softmax(student_logits.to(compute_dtype), dim=-1), targets)

@@ -1,0 +1,134 @@
+"""The per-step diagnostics of teacher vs student that the teacher-distribution losses report."""
+
+from __future__ import annotations
+
+import torch
+
+from opd.data.token_alignment import pool_logits_by_class
+from opd.kernels.compiled_kernels import compiled, kl_metrics_from_logits
+from opd.losses.divergences import log_probs_at_temperature, plogp_difference, scaled_log_probs, topk_token_kl
+
+
+class TeacherMetrics:
+    """Sums, over the loss positions, the per-step diagnostics of teacher vs student.
+
+    ``kl_forward`` / ``kl_reverse`` (over the k + 1 top-k classes when the teacher sent
+    only its top k, which is a lower bound of the full KL), the teacher's probability
+    mass on its top-k tokens, the student's mass on those same tokens, and the overlap of
+    the two models' top-k sets (|top-k_P ∩ top-k_Q| / k).
+
+    All of them are taken at the loss temperature T, i.e. between softmax(logits / T) of
+    both models, whichever signal the teacher sent. Why T and not 1: a top-k teacher
+    answers at T only (its top-k log-probs are normalised at T), and its distribution at
+    1 cannot be recovered from them (the normaliser at 1 needs the tokens it did not
+    send), so T is the one temperature at which both signals can report the same
+    quantity; it is also the one the loss optimises (for a forward or reverse KL loss the
+    matching metric equals the loss per token). At T = 1, the usual case and the only one
+    a served teacher supports, this is the models' own distributions.
+    Called on detached chunks, so it never adds to the autograd graph.
+    """
+
+    def __init__(self, k: int, temperature: float, vocab_size: int | None, compile_kernels: bool = False) -> None:
+        self.k = k
+        self.temperature = temperature
+        self.vocab_size = vocab_size
+        self.compile_kernels = compile_kernels
+        self.sums = {
+            "kl_forward": 0.0,
+            "kl_reverse": 0.0,
+            "teacher_topk_mass": 0.0,
+            "student_mass_on_teacher_topk": 0.0,
+            "topk_overlap": 0.0,
+        }
+
+    @torch.no_grad()
+    def full_vocab(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
+        """Metrics from both models' full logits (``[C, V]``), at the loss temperature."""
+        if not self.compile_kernels:
+            self.from_log_probs(*log_probs_at_temperature(student_logits, teacher_logits, self.temperature))
+            return
+        if self.temperature != 1.0:
+            # Scaled in float32 at least: bf16 logits / T would round once more.
+            compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
+            student_logits = student_logits.to(compute_dtype) / self.temperature
+            teacher_logits = teacher_logits.to(compute_dtype) / self.temperature
+        # Compiled: the KLs in a few fused passes, the top-k metrics from the logits and
+        # log-normalisers (top-k of the logits = top-k of the log-probs, row by row).
+        kl_forward, kl_reverse, log_norm_q, log_norm_p = compiled(kl_metrics_from_logits)(
+            student_logits, teacher_logits
+        )
+        self.sums["kl_forward"] += float(kl_forward)
+        self.sums["kl_reverse"] += float(kl_reverse)
+        k = min(self.k, teacher_logits.shape[-1])
+        compute_dtype = log_norm_q.dtype
+        teacher_top_logits, teacher_topk_ids = teacher_logits.topk(k, dim=-1)
+        teacher_topk_logprobs = teacher_top_logits.to(compute_dtype) - log_norm_p.unsqueeze(-1)
+        student_logprobs_at = student_logits.gather(-1, teacher_topk_ids).to(compute_dtype) - log_norm_q.unsqueeze(-1)
+        student_topk_ids = student_logits.topk(k, dim=-1).indices
+        self._add_topk(teacher_topk_logprobs, teacher_topk_ids, student_logprobs_at, student_topk_ids)
+
+    @torch.no_grad()
+    def from_log_probs(self, log_q: torch.Tensor, log_p: torch.Tensor) -> None:
+        """Metrics from both models' log-probabilities at the loss temperature (``[C, V]``)."""
+        self.sums["kl_forward"] += float(plogp_difference(log_p, log_q).sum())
+        self.sums["kl_reverse"] += float(plogp_difference(log_q, log_p).sum())
+        k = min(self.k, log_p.shape[-1])
+        teacher_topk_logprobs, teacher_topk_ids = log_p.topk(k, dim=-1)
+        self._topk(log_q, teacher_topk_logprobs, teacher_topk_ids)
+
+    @torch.no_grad()
+    def topk(
+        self,
+        student_logits: torch.Tensor,
+        teacher_topk_logprobs: torch.Tensor,
+        teacher_topk_ids: torch.Tensor,
+        teacher_rest_logprobs: torch.Tensor | None = None,
+        student_classes: torch.Tensor | None = None,
+    ) -> None:
+        """Metrics from the student's logits and the teacher's top-k (both at the loss temperature;
+        ``student_classes`` as in :func:`topk_token_kl`)."""
+        temperature = self.temperature
+        if student_classes is not None:  # pooled once, at the temperature, for every metric below
+            compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
+            scaled = student_logits.to(compute_dtype) / temperature
+            student_logits, temperature = pool_logits_by_class(scaled, student_classes), 1.0
+        for kl_type in ("forward", "reverse"):
+            self.sums[f"kl_{kl_type}"] += float(
+                topk_token_kl(
+                    student_logits,
+                    teacher_topk_logprobs,
+                    teacher_topk_ids,
+                    kl_type,
+                    temperature=temperature,
+                    teacher_rest_logprobs=teacher_rest_logprobs,
+                ).sum()
+            )
+        compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
+        log_q = scaled_log_probs(student_logits.to(compute_dtype), temperature, None)
+        self._topk(log_q, teacher_topk_logprobs.to(compute_dtype), teacher_topk_ids)
+
+    def _topk(self, log_q: torch.Tensor, teacher_topk_logprobs: torch.Tensor, teacher_topk_ids: torch.Tensor) -> None:
+        k = teacher_topk_ids.shape[-1]
+        student_topk_ids = log_q.topk(min(k, log_q.shape[-1]), dim=-1).indices
+        empty = teacher_topk_ids < 0  # empty slots (see topk_token_kl) hold no mass on either side
+        at_teacher_topk = log_q.gather(-1, teacher_topk_ids.clamp_min(0)).masked_fill(empty, float("-inf"))
+        self._add_topk(
+            teacher_topk_logprobs.masked_fill(empty, float("-inf")), teacher_topk_ids, at_teacher_topk, student_topk_ids
+        )
+
+    def _add_topk(
+        self,
+        teacher_topk_logprobs: torch.Tensor,
+        teacher_topk_ids: torch.Tensor,
+        student_logprobs_at_teacher_topk: torch.Tensor,
+        student_topk_ids: torch.Tensor,
+    ) -> None:
+        k = teacher_topk_ids.shape[-1]
+        self.sums["teacher_topk_mass"] += float(teacher_topk_logprobs.exp().sum())
+        self.sums["student_mass_on_teacher_topk"] += float(student_logprobs_at_teacher_topk.exp().sum())
+        shared = (teacher_topk_ids.unsqueeze(-1) == student_topk_ids.unsqueeze(-2)).any(dim=-1).sum()
+        self.sums["topk_overlap"] += float(shared) / k
+
+    def metrics(self, token_normalizer: float) -> dict[str, float]:
+        """The sums as this micro-batch's share of the global token means."""
+        return {key: value / token_normalizer for key, value in self.sums.items()}
