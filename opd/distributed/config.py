@@ -29,8 +29,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from opd.models.interfaces import TeacherRequest, TopKRequest
-from opd.teachers.vllm_teacher import VllmScoringConfig, VllmTeacher
+from opd.distributed.pool_engines import POOL_ENGINES, PoolEngine, PoolEngineName
+from opd.models.interfaces import TeacherRequest
+from opd.teachers.vllm_teacher import VllmScoringConfig
 from opd.utils.config import StrictConfig
 
 
@@ -148,7 +149,7 @@ class TeacherPoolConfig(StrictConfig):
         "cluster.trainer.timeout_s)",
     )
 
-    engine: Literal["hf", "vllm"] = Field(
+    engine: PoolEngineName = Field(
         "hf",
         description="placement pool: what each teacher worker scores with: hf (every signal, the full vocabulary "
         "as hidden states; a teacher larger than one device is sharded over shards_per_replica workers with FSDP2) "
@@ -165,40 +166,19 @@ class TeacherPoolConfig(StrictConfig):
         return _TEACHER_IN_POOL[self.placement]
 
     @property
-    def scores_with_vllm(self) -> bool:
-        """The pool's workers hold vLLM engines (``engine: vllm``), not HF models."""
-        return self.in_pool and self.engine == "vllm"
+    def pool_engine(self) -> PoolEngine[TeacherPoolConfig]:
+        """The engine ``engine`` names (:data:`~opd.distributed.pool_engines.POOL_ENGINES`)."""
+        return POOL_ENGINES[self.engine]
 
     @property
     def devices_per_worker(self) -> int:
-        """Devices one teacher worker spans: a tensor-parallel vLLM engine's, else one."""
-        return self.vllm.tensor_parallel_size if self.scores_with_vllm else 1
+        """Devices one teacher worker spans: as its engine says in a pool, else none of its own (one)."""
+        return self.pool_engine.devices_per_worker(self) if self.in_pool else 1
 
     def engine_problem(self, request: TeacherRequest | None, colocated: bool) -> str | None:
-        """What a vLLM teacher pool cannot do with this request and placement; None when it can (or for HF)."""
-        if self.engine == "hf":
-            return None
-        if not self.in_pool:
-            return (
-                "cluster.teacher.engine = vllm runs teacher workers of their own; set cluster.teacher.placement = pool"
-            )
-        if self.shards_per_replica > 1:
-            return (
-                "cluster.teacher.engine = vllm spreads a teacher over several devices with tensor parallelism "
-                "(cluster.teacher.vllm.tensor_parallel_size), not FSDP2 shards: "
-                "set cluster.teacher.shards_per_replica = 1"
-            )
-        if self.vllm.tensor_parallel_size > 1 and colocated:
-            return (
-                f"cluster.teacher.vllm.tensor_parallel_size = {self.vllm.tensor_parallel_size} spans several devices, "
-                "but a colocated teacher worker shares one trainer device; set cluster.placement = split"
-            )
-        if isinstance(request, TopKRequest) and request.k > self.vllm.max_logprobs:
-            return (
-                f"loss_fn.k = {request.k} is more than the vLLM teacher engine returns per position "
-                f"(cluster.teacher.vllm.max_logprobs = {self.vllm.max_logprobs}); raise max_logprobs"
-            )
-        return VllmTeacher.unsupported_reason(request) if request is not None else None
+        """What the pool's engine says it cannot do with this request and placement (its own messages), or None."""
+        problems = self.pool_engine.config_problems(self, request, colocated)
+        return problems[0] if problems else None
 
     @model_validator(mode="after")
     def _shards_divide_the_workers(self) -> TeacherPoolConfig:

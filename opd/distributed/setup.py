@@ -199,8 +199,8 @@ def build_cluster_backends(
                 # Its hidden states can be bound in the trainer workers: they hold the output layer of
                 # every teacher that runs apart when the loss takes the full vocabulary.
                 binds = any(path is not None for path in request.heads())
-                shards, with_vllm = cluster.teacher.shards_per_replica, cluster.teacher.scores_with_vllm
-                teachers.append(TeacherPool(teacher_pool, shards, binds, with_vllm))
+                shards, engine = cluster.teacher.shards_per_replica, cluster.teacher.pool_engine
+                teachers.append(TeacherPool(teacher_pool, shards, binds, engine))
         rollout = _start_rollout(cluster, request, pools.rollout)
         groups.append(rollout)
     except BaseException:
@@ -314,7 +314,7 @@ def _start_teacher_pool(
             shards,
             backend,
             timeout_s,
-            cluster.teacher.vllm if cluster.teacher.scores_with_vllm else None,
+            cluster.teacher,
             request.seed,
             request.sharing(role),
         ),

@@ -12,7 +12,10 @@
   larger than one device. They send top-k or token log-probs, or for the full-vocabulary
   losses their final hidden states (:class:`~opd.models.interfaces.TeacherHiddenStates`,
   ``[B, L, D]`` in the teacher's dtype): never ``[B, L, V]`` logits, and never the output
-  layer, which each trainer worker loaded once and binds them to.
+  layer, which each trainer worker loaded once and binds them to. What a worker scores
+  with (``cluster.teacher.engine``) is a pool engine
+  (:data:`~opd.distributed.pool_engines.POOL_ENGINES`): it builds the replica, says what
+  it can send and answers.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distributed.batch_plan import contiguous_blocks
+from opd.distributed.config import TeacherPoolConfig
 from opd.distributed.fsdp import init_process_group, rank_device, shard_model
+from opd.distributed.pool_engines import HF_POOL_ENGINE, PoolEngine
 from opd.distributed.sharded_loading import load_sharded
-from opd.distributed.trainer_worker import ShardedTeacher, release_gathered_root
+from opd.distributed.trainer_worker import ShardedTeacher
 from opd.distributed.workers.worker_group import WorkerGroup
 from opd.models.config import ModelLoadingConfig
 from opd.models.interfaces import (
@@ -39,9 +44,7 @@ from opd.models.interfaces import (
     TeacherSignal,
     TopKLogprobs,
 )
-from opd.models.loading import load_causal_lm, resolve_device, resolve_dtype
-from opd.teachers.local_teacher import LocalTeacher
-from opd.teachers.vllm_teacher import VllmScoringConfig, VllmTeacher
+from opd.models.loading import resolve_dtype
 
 
 def _concat(signals: list[Any], counts: list[int]) -> TeacherSignal:
@@ -65,6 +68,17 @@ def _concat(signals: list[Any], counts: list[int]) -> TeacherSignal:
             for part in range(len(signals[0]))
         )  # type: ignore[return-value]
     return torch.cat([signal[:count] for signal, count in zip(signals, counts, strict=True)])
+
+
+def _on_host(signal: TeacherSignal) -> TeacherSignal:
+    """A worker's answer with its tensors in host memory (what Ray sends back)."""
+    if isinstance(signal, TopKLogprobs):
+        rest = signal.rest_logprobs
+        return TopKLogprobs(signal.logprobs.cpu(), signal.ids.cpu(), rest.cpu() if rest is not None else None)
+    if isinstance(signal, TeacherHiddenStates):
+        return TeacherHiddenStates(signal.hidden_states.cpu())
+    assert isinstance(signal, torch.Tensor)  # token log-probs
+    return signal.cpu()
 
 
 class ColocatedTeacher(TeacherInterface):
@@ -127,10 +141,9 @@ class TeacherWorker:
         shards_per_replica: workers that hold one replica between them.
         backend: torch.distributed backend of a replica's process group (``gloo`` or ``nccl``).
         timeout_s: bound on every collective of a replica (``cluster.worker_timeout_s``).
-        vllm: score with a vLLM engine of these settings (``cluster.teacher.engine: vllm``:
-            top-k and token log-probs, tensor parallel over the worker's devices); None
-            scores with the HF model.
-        seed: the vLLM engine's seed.
+        pool: ``cluster.teacher``, whose ``engine`` builds the replica and answers
+            (:data:`~opd.distributed.pool_engines.POOL_ENGINES`); None: the HF engine.
+        seed: the engine's seed.
         share_prompt_forward: an unsharded HF teacher runs each distinct prompt of a
             micro-batch once (``teacher.share_prompt_forward``).
     """
@@ -144,7 +157,7 @@ class TeacherWorker:
         shards_per_replica: int = 1,
         backend: str = "gloo",
         timeout_s: float = 600.0,
-        vllm: VllmScoringConfig | None = None,
+        pool: TeacherPoolConfig | None = None,
         seed: int = 0,
         share_prompt_forward: bool = True,
     ) -> None:
@@ -153,13 +166,12 @@ class TeacherWorker:
         self.replica, self.shard = divmod(rank, shards_per_replica)
         self.shards_per_replica = shards_per_replica
         self.model_path, self.loading, self.backend, self.timeout_s = model_path, loading, backend, timeout_s
-        self.teacher: LocalTeacher | VllmTeacher | None = None
-        if vllm is not None:  # the engine loads the teacher itself, over the devices Ray gave this worker
-            self.teacher = VllmTeacher(model_path, vllm, on_gpu=torch.cuda.is_available(), seed=seed)
-        elif shards_per_replica == 1:
-            device = resolve_device(loading.device)
-            model = load_causal_lm(model_path, resolve_dtype(loading.dtype, device), device, loading)
-            self.teacher = LocalTeacher(model, share_prompt_forward=share_prompt_forward)
+        self.engine: PoolEngine[TeacherPoolConfig] = pool.pool_engine if pool is not None else HF_POOL_ENGINE
+        self.teacher: TeacherInterface | None = None
+        if shards_per_replica == 1:  # a sharded replica is built by its workers together (start)
+            self.teacher = self.engine.build_replica(
+                pool or TeacherPoolConfig(), model_path, loading, seed, share_prompt_forward
+            )
 
     def rendezvous_address(self) -> tuple[str, int]:
         """A replica's first worker: this node's address and a free port, where the replica's group meets."""
@@ -186,20 +198,7 @@ class TeacherWorker:
         """The teacher's answer for ``data``, on CPU (a sharded replica's workers must be asked together)."""
         if self.teacher is None:
             raise RuntimeError(f"teacher worker {self.rank} was not started (a sharded replica's workers need start)")
-        if isinstance(self.teacher, VllmTeacher):
-            return self.teacher.score(data, request)  # host tensors already
-        if isinstance(request, FullVocabRequest):
-            # The hidden states alone: the trainer workers hold the output layer (never sent per micro-batch).
-            hidden = self.teacher.get_hidden_states(data).hidden_states
-            release_gathered_root(self.teacher.model)
-            return TeacherHiddenStates(hidden.cpu())
-        signal = self.teacher.score(data, request)
-        release_gathered_root(self.teacher.model)
-        if isinstance(signal, TopKLogprobs):
-            rest = signal.rest_logprobs
-            return TopKLogprobs(signal.logprobs.cpu(), signal.ids.cpu(), rest.cpu() if rest is not None else None)
-        assert isinstance(signal, torch.Tensor)  # token log-probs
-        return signal.cpu()
+        return _on_host(self.engine.answer(self.teacher, data, request))
 
 
 class TeacherPool(TeacherInterface):
@@ -219,7 +218,7 @@ class TeacherPool(TeacherInterface):
         shards_per_replica: workers that hold one replica between them.
         binds_hidden_states: the trainer workers loaded this teacher's output layer, so
             full-vocabulary requests can be answered with hidden states.
-        scores_with_vllm: the workers hold vLLM engines (top-k and token log-probs only).
+        engine: what the workers score with (``cluster.teacher.pool_engine``): it says what they can send.
     """
 
     def __init__(
@@ -227,14 +226,14 @@ class TeacherPool(TeacherInterface):
         workers: WorkerGroup,
         shards_per_replica: int = 1,
         binds_hidden_states: bool = False,
-        scores_with_vllm: bool = False,
+        engine: PoolEngine[TeacherPoolConfig] = HF_POOL_ENGINE,
     ) -> None:
         if workers.size % shards_per_replica:
             raise ValueError(f"{workers.size} teacher workers do not make replicas of {shards_per_replica}")
         self.workers = workers
         self.shards_per_replica = shards_per_replica
         self.binds_hidden_states = binds_hidden_states
-        self.scores_with_vllm = scores_with_vllm
+        self.engine = engine
         # A sharded replica's workers run their forwards together: requests from several
         # threads must reach all of a replica's workers in the same order.
         self._submitting = threading.Lock()
@@ -245,12 +244,11 @@ class TeacherPool(TeacherInterface):
         return None
 
     def refusal(self, request: TeacherRequest) -> str | None:
-        """Full-vocabulary requests need the teacher's output layer in the trainer workers (``binds_hidden_states``)
-        and HF workers (a vLLM engine returns log-probs only)."""
-        if self.scores_with_vllm:
-            reason = VllmTeacher.unsupported_reason(request)
-            if reason is not None:
-                return reason
+        """What the workers' engine cannot send; full-vocabulary requests also need the teacher's output layer in
+        the trainer workers (``binds_hidden_states``)."""
+        reason = self.engine.unsupported_reason(request)
+        if reason is not None:
+            return reason
         if isinstance(request, FullVocabRequest) and not self.binds_hidden_states:
             return (
                 "this teacher pool's hidden states would reach trainer workers that hold no copy of its output "

@@ -188,7 +188,7 @@ class _TeacherPlacement:
     """A teacher apart that answers a full-vocabulary loss: the trainer ranks hold its output layer."""
     sharded_in_trainer: bool
     pool_shards: int | None
-    """A teacher pool: the devices of one replica; None otherwise."""
+    """A teacher pool the dry run measures: the devices of one replica; None otherwise."""
 
     @classmethod
     def of(
@@ -207,13 +207,8 @@ class _TeacherPlacement:
         in_trainer = "its output layer" if head else "none"
         if config.teacher.served:
             return cls("served", in_trainer, None, head, False, None)
-        if cluster.teacher.scores_with_vllm:  # vLLM's own memory management: not a forward the dry run can run
-            devices = cluster.teacher.vllm.tensor_parallel_size
-            label = f"pool of vLLM engines over {devices} device(s), not dry-run"
-            return cls(label, in_trainer, None, head, False, None)
-        shards = cluster.teacher.shards_per_replica
-        label = f"pool, {'whole replicas' if shards == 1 else f'replicas sharded over {shards} devices'}"
-        return cls(label, in_trainer, None, head, False, shards)
+        pool = cluster.teacher.pool_engine.planned_placement(cluster.teacher)
+        return cls(pool.label, in_trainer, None, head, False, pool.dry_run_shards)
 
 
 def _trainer_spec(

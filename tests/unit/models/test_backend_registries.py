@@ -15,6 +15,8 @@ from opd_test_helpers import REPO_ROOT
 
 from opd.distillation.config import MasterConfig
 from opd.distillation.setup import setup
+from opd.distributed.config import TeacherPoolConfig
+from opd.distributed.pool_engines import POOL_ENGINES
 from opd.models.decoding import DECODING_METHODS, DecodingMethod, GenerateStrategyConfig, SamplingFilter
 from opd.models.interfaces import FullVocabRequest, TokenLogprobsRequest, TopKRequest
 from opd.rollout.engines import ENGINES, GenerationConfig
@@ -44,6 +46,7 @@ def test_every_registry_covers_exactly_the_values_its_key_accepts():
     assert _choices(RemoteTeacherConfig, "protocol") == set(PROTOCOLS) | {"auto"}
     assert _choices(GenerateStrategyConfig, "decoding_method") == set(DECODING_METHODS)
     assert _choices(GenerationConfig, "backend") == set(ENGINES)
+    assert _choices(TeacherPoolConfig, "engine") == set(POOL_ENGINES)
     assert set(typing.get_args(wire.Signal)) == set(wire.CODECS) == set(wire.SIGNALS)
 
 
@@ -207,3 +210,22 @@ def test_the_sampler_filters_with_the_method_the_registry_holds(monkeypatch):
     assert set(torch.isfinite(warp_logits(logits, STRATEGIES["top_k"]))[0].nonzero().flatten().tolist()) == {2, 3, 4}
     monkeypatch.setitem(DECODING_METHODS, "top_k", OnlyTheFirst())
     assert next_tokens(logits, STRATEGIES["top_k"], return_logprobs=False)[0].tolist() == [0]
+
+
+def test_a_pool_engine_states_its_own_limits_and_placement():
+    hf = TeacherPoolConfig(placement="pool", workers=4, shards_per_replica=2)
+    assert hf.pool_engine.name == "hf" and hf.devices_per_worker == 1
+    assert hf.engine_problem(FullVocabRequest(), colocated=True) is None
+    assert hf.pool_engine.planned_placement(hf).dry_run_shards == 2
+    vllm = TeacherPoolConfig(placement="pool", engine="vllm", vllm={"tensor_parallel_size": 2, "max_logprobs": 8})
+    assert vllm.devices_per_worker == 2
+    assert vllm.pool_engine.planned_placement(vllm).dry_run_shards is None  # vLLM sizes its own memory
+    assert "set cluster.placement = split" in vllm.engine_problem(TokenLogprobsRequest(), colocated=True)
+    assert "raise max_logprobs" in vllm.engine_problem(TopKRequest(16), colocated=False)
+    assert "not the final hidden states" in vllm.engine_problem(FullVocabRequest(), colocated=False)
+    assert vllm.engine_problem(TopKRequest(8), colocated=False) is None
+    sharded = TeacherPoolConfig(placement="pool", engine="vllm", workers=2, shards_per_replica=2)
+    assert "not FSDP2 shards" in sharded.engine_problem(None, colocated=False)
+    assert "placement = pool" in TeacherPoolConfig(engine="vllm").engine_problem(None, colocated=False)
+    # Colocated in the trainer workers, the teacher is HF's whatever the pool engine: no pool, no devices of its own.
+    assert TeacherPoolConfig(engine="vllm", vllm={"tensor_parallel_size": 2}).devices_per_worker == 1

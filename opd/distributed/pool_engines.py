@@ -1,0 +1,240 @@
+"""What a teacher pool's workers score with: the values of ``cluster.teacher.engine``, each registered once.
+
+A pool engine says everything the rest of opd asks of it: which signals it can send
+(:meth:`PoolEngine.unsupported_reason`, its teacher class's own limits), which settings
+it cannot run with and why (:meth:`PoolEngine.config_problems`, its own messages), how many
+devices one worker spans and whether a replica may be sharded over several workers
+(its memory and placement facts, which ``opd plan`` reads through
+:meth:`PoolEngine.planned_placement`), how a worker builds its replica and how the replica
+answers. The pool's config, its workers (:class:`~opd.distributed.teacher_pool.TeacherWorker`),
+the pool itself and the plan all go through :data:`POOL_ENGINES`; a new engine is its
+teacher class plus, in this file, a subclass, its entry in :data:`POOL_ENGINES` and its
+value of :data:`PoolEngineName` (and a settings field in ``cluster.teacher``, if it has
+settings of its own).
+
+An engine reads ``cluster.teacher`` through a protocol of the fields it uses, so this
+module need not import the config, which imports it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.models.config import ModelLoadingConfig
+from opd.models.interfaces import (
+    FullVocabRequest,
+    TeacherHiddenStates,
+    TeacherInterface,
+    TeacherRequest,
+    TeacherSignal,
+    TopKRequest,
+)
+from opd.models.loading import load_causal_lm, resolve_device, resolve_dtype
+from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.vllm_teacher import VllmScoringConfig, VllmTeacher
+
+SettingsT = TypeVar("SettingsT", contravariant=True)
+"""What an engine reads of ``cluster.teacher``: a protocol declared beside it."""
+
+
+class PoolSettings(Protocol):
+    """What every pool engine may read of ``cluster.teacher``."""
+
+    @property
+    def in_pool(self) -> bool: ...
+
+    @property
+    def shards_per_replica(self) -> int: ...
+
+
+class VllmPoolSettings(PoolSettings, Protocol):
+    """What the vLLM pool engine reads of ``cluster.teacher``."""
+
+    @property
+    def vllm(self) -> VllmScoringConfig: ...
+
+
+@dataclass(frozen=True)
+class PlannedPool:
+    """How ``opd plan`` shows a pool of this engine.
+
+    Attributes:
+        label: the teacher's placement, for the table.
+        dry_run_shards: the devices of one replica, whose scoring the dry run measures;
+            None when the engine manages its memory itself (nothing to dry-run).
+    """
+
+    label: str
+    dry_run_shards: int | None
+
+
+class PoolEngine(ABC, Generic[SettingsT]):
+    """One value of ``cluster.teacher.engine``.
+
+    Attributes:
+        name: the value of ``cluster.teacher.engine``.
+        teacher_class: the class of the replica it builds; its ``unsupported_reason``
+            lists the signals the engine cannot send.
+    """
+
+    name: ClassVar[str]
+    teacher_class: ClassVar[type[TeacherInterface]]
+
+    def unsupported_reason(self, request: TeacherRequest) -> str | None:
+        """Why a replica of this engine cannot answer ``request``, or None."""
+        return self.teacher_class.unsupported_reason(request)
+
+    def devices_per_worker(self, pool: SettingsT) -> int:
+        """Devices one teacher worker spans (default: one)."""
+        return 1
+
+    def config_problems(self, pool: SettingsT, request: TeacherRequest | None, colocated: bool) -> list[str]:
+        """Why this engine cannot run as ``cluster.teacher`` says (default: nothing).
+
+        Args:
+            pool: ``cluster.teacher``.
+            request: what the loss asks of the teacher (None: no loss-specific request).
+            colocated: the teacher workers share the trainer's devices (``cluster.placement: colocated``).
+        """
+        return []
+
+    @abstractmethod
+    def build_replica(
+        self,
+        pool: SettingsT,
+        model_path: str,
+        loading: ModelLoadingConfig,
+        seed: int,
+        share_prompt_forward: bool,
+    ) -> TeacherInterface:
+        """A whole replica in this worker (a replica sharded over workers is built by them together)."""
+
+    def answer(self, replica: TeacherInterface, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
+        """The replica's answer to ``request`` for ``data`` (default: the replica scores it)."""
+        return replica.score(data, request)
+
+    @abstractmethod
+    def planned_placement(self, pool: SettingsT) -> PlannedPool:
+        """How ``opd plan`` shows a pool of this engine."""
+
+
+class HFPoolEngine(PoolEngine[PoolSettings]):
+    """``hf``: the teacher's Hugging Face model, whole in each worker or sharded with FSDP2 over a replica's workers.
+
+    It sends every signal: the full vocabulary as the final hidden states, which the
+    trainer workers bind to the output layer they hold.
+    """
+
+    name = "hf"
+    teacher_class = LocalTeacher
+
+    def build_replica(
+        self,
+        pool: PoolSettings,
+        model_path: str,
+        loading: ModelLoadingConfig,
+        seed: int,
+        share_prompt_forward: bool,
+    ) -> TeacherInterface:
+        """Loads the whole teacher onto this worker's device."""
+        device = resolve_device(loading.device)
+        model = load_causal_lm(model_path, resolve_dtype(loading.dtype, device), device, loading)
+        return LocalTeacher(model, share_prompt_forward=share_prompt_forward)
+
+    def answer(self, replica: TeacherInterface, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
+        """The full vocabulary as hidden states (never the ``[B, L, V]`` logits); a replica sharded with FSDP2 then
+        frees its root group's gathered weights, which no backward will use (as
+        :func:`~opd.distributed.trainer_worker.release_gathered_root` does for the trainer's teacher; that module
+        reaches the config, which imports this one)."""
+        assert isinstance(replica, LocalTeacher)  # what build_replica and a sharded replica's start build
+        if isinstance(request, FullVocabRequest):
+            signal: TeacherSignal = TeacherHiddenStates(replica.get_hidden_states(data).hidden_states)
+        else:
+            signal = replica.score(data, request)
+        if isinstance(replica.model, FSDPModule):
+            replica.model.reshard()
+        return signal
+
+    def planned_placement(self, pool: PoolSettings) -> PlannedPool:
+        """Dry-run: one replica's first device scoring a micro-batch."""
+        shards = pool.shards_per_replica
+        return PlannedPool(
+            f"pool, {'whole replicas' if shards == 1 else f'replicas sharded over {shards} devices'}", shards
+        )
+
+
+class VllmPoolEngine(PoolEngine[VllmPoolSettings]):
+    """``vllm``: a vLLM engine in each worker (:class:`~opd.teachers.vllm_teacher.VllmTeacher`).
+
+    It sends top-k and token log-probs (vLLM's prompt log-probs), tensor parallel over
+    ``cluster.teacher.vllm.tensor_parallel_size`` devices of one worker.
+    """
+
+    name = "vllm"
+    teacher_class = VllmTeacher
+
+    def devices_per_worker(self, pool: VllmPoolSettings) -> int:
+        """``cluster.teacher.vllm.tensor_parallel_size``."""
+        return pool.vllm.tensor_parallel_size
+
+    def config_problems(self, pool: VllmPoolSettings, request: TeacherRequest | None, colocated: bool) -> list[str]:
+        """Workers of its own, one worker per replica, a device per tensor-parallel rank, and the loss's k."""
+        if not pool.in_pool:
+            return [
+                "cluster.teacher.engine = vllm runs teacher workers of their own; set cluster.teacher.placement = pool"
+            ]
+        problems = []
+        if pool.shards_per_replica > 1:
+            problems.append(
+                "cluster.teacher.engine = vllm spreads a teacher over several devices with tensor parallelism "
+                "(cluster.teacher.vllm.tensor_parallel_size), not FSDP2 shards: "
+                "set cluster.teacher.shards_per_replica = 1"
+            )
+        tensor_parallel = pool.vllm.tensor_parallel_size
+        if tensor_parallel > 1 and colocated:
+            problems.append(
+                f"cluster.teacher.vllm.tensor_parallel_size = {tensor_parallel} spans several devices, "
+                "but a colocated teacher worker shares one trainer device; set cluster.placement = split"
+            )
+        if isinstance(request, TopKRequest) and request.k > pool.vllm.max_logprobs:
+            problems.append(
+                f"loss_fn.k = {request.k} is more than the vLLM teacher engine returns per position "
+                f"(cluster.teacher.vllm.max_logprobs = {pool.vllm.max_logprobs}); raise max_logprobs"
+            )
+        reason = self.unsupported_reason(request) if request is not None else None
+        return problems + ([reason] if reason is not None else [])
+
+    def build_replica(
+        self,
+        pool: VllmPoolSettings,
+        model_path: str,
+        loading: ModelLoadingConfig,
+        seed: int,
+        share_prompt_forward: bool,
+    ) -> TeacherInterface:
+        """A vLLM engine that loads the teacher itself, over the devices Ray gave this worker."""
+        return VllmTeacher(model_path, pool.vllm, on_gpu=torch.cuda.is_available(), seed=seed)
+
+    def planned_placement(self, pool: VllmPoolSettings) -> PlannedPool:
+        """Not dry-run: vLLM manages its memory itself (a share of each device)."""
+        devices = pool.vllm.tensor_parallel_size
+        return PlannedPool(f"pool of vLLM engines over {devices} device(s), not dry-run", None)
+
+
+HF_POOL_ENGINE = HFPoolEngine()
+"""The default engine (``cluster.teacher.engine: hf``)."""
+
+# Each engine reads cluster.teacher through its own protocol; the config, which imports this
+# module, hands every engine the whole section.
+_ENGINES: tuple[PoolEngine[Any], ...] = (HF_POOL_ENGINE, VllmPoolEngine())
+POOL_ENGINES: dict[str, PoolEngine[Any]] = {engine.name: engine for engine in _ENGINES}
+"""Every pool engine, by its ``cluster.teacher.engine`` value."""
+
+PoolEngineName = Literal["hf", "vllm"]
+"""The values of ``cluster.teacher.engine``: one per entry of :data:`POOL_ENGINES`."""
