@@ -91,7 +91,7 @@ class OffPolicyCorrectionConfig(StrictConfig):
             by_default: what ``auto`` does under an asynchronous schedule for the objective
                 in question (its ``weighs_stale_samples_by_default``).
         """
-        if self.enabled == "monitor":
+        if not self.weighs:  # monitor: the ratios are computed whenever samples are stale
             return asynchronous
         return asynchronous and by_default if self.enabled == "auto" else bool(self.enabled)
 
@@ -137,14 +137,12 @@ def filtered_sampling_warning(correction: OffPolicyCorrection) -> str | None:
     ``level: sequence``, its whole sequence's).
     """
     strategy = correction.strategy
-    if correction.monitor_only or strategy.is_greedy:
+    kept = strategy.sampling_filter
+    if correction.monitor_only or not kept.leaves_out_tokens:
         return None
-    method = strategy.decoding_method
-    if method == "top_p" and strategy.top_p >= 1.0:
-        return None  # no token is left out
-    kept = f"top_k = {strategy.top_k}" if method == "top_k" else f"top_p = {strategy.top_p}"
     return (
-        f"training.off_policy_correction weighs stale samples drawn with decoding_method = {method} ({kept}, "
+        f"training.off_policy_correction weighs stale samples drawn with decoding_method = "
+        f"{strategy.decoding_method} ({kept.describe()}, "
         f"temperature = {strategy.temperature}): a sampled token outside the learner's filtered set one update "
         "later gets ratio 0 and weight 0 (in the guide's study, 6-7% of stale tokens at temperature 0.1; "
         "train/is_outside_support_fraction counts them). enabled: monitor logs the ratios without weighing."
@@ -216,13 +214,14 @@ def importance_weights(
     """
     log_ratio = (learner_logprobs.double() - sampler_logprobs.double()).masked_fill(~stale, 0.0)
     ratio = log_ratio.exp()
+    per_sequence = correction.level == "sequence"
     geometric_mean = (
         _sequence_geometric_mean(log_ratio, sequence_ids)
-        if bool(stale.any()) and (correction.level == "sequence" or correction.sequence_bounds is not None)
+        if bool(stale.any()) and (per_sequence or correction.sequence_bounds is not None)
         else torch.ones_like(ratio)
     )
     # Exactly 1 on fresh rows: exp(0) = 1 <= cap (a sequence is stale or fresh as a whole).
-    weighed = geometric_mean if correction.level == "sequence" else ratio
+    weighed = geometric_mean if per_sequence else ratio
     weights = weighed.clamp(max=correction.cap)
     keep = torch.ones_like(stale)
     if correction.token_bounds is not None:
