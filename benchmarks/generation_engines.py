@@ -50,10 +50,9 @@ from timing import median_seconds  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from opd.data.converters import load_prompt_template, math_cl_to_chat  # noqa: E402
-from opd.models.decoding import GenerateStrategyConfig
-from opd.rollout.config import VllmGenerationConfig
+from opd.models.decoding import GenerateStrategyConfig  # noqa: E402
 from opd.rollout.hf_generation import HFGeneration  # noqa: E402
-from opd.rollout.vllm_generation import VllmGeneration  # noqa: E402
+from opd.rollout.vllm_generation import VllmGeneration, VllmGenerationConfig  # noqa: E402
 from opd.teachers.local_teacher import LocalTeacher  # noqa: E402
 from opd.teachers.served.remote_teacher import RemoteTeacher  # noqa: E402
 

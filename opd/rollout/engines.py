@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from opd.models.interfaces import InProcessGenerationInterface
-from opd.rollout.config import VllmGenerationConfig
 from opd.rollout.engine_kind import EngineKind
 from opd.rollout.hf_generation import HFEngine
-from opd.rollout.vllm_generation import VllmEngine
+from opd.rollout.vllm_generation import VllmEngine, VllmGenerationConfig
 from opd.utils.config import StrictConfig
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)

@@ -8,6 +8,10 @@ are left-padded for decoding and the output is re-laid right-padded
 (``[prompt | response | pad]``), the layout every other stage uses. The sampler's
 per-token log-probs are taken under the processed distribution (after temperature /
 top-k / top-p), i.e. the distribution the token was actually drawn from.
+
+The engine's kind is here too (:class:`HFEngine`: how it is built, its memory in
+``opd plan``), as is its spelling of ``generate_strategy`` for ``generate``
+(:func:`sampling_kwargs`).
 """
 
 from __future__ import annotations

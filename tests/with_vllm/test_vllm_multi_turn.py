@@ -20,11 +20,10 @@ import torch
 from functional.test_multi_turn_tiny import MAX_TURNS, ROWS, STRATEGY, _GoOn
 
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
-from opd.rollout.config import VllmGenerationConfig
 from opd.rollout.environments.turn_template import TurnTemplate
 from opd.rollout.hf_generation import HFGeneration
 from opd.rollout.multi_turn import multi_turn_rollout
-from opd.rollout.vllm_generation import VllmGeneration
+from opd.rollout.vllm_generation import VllmGeneration, VllmGenerationConfig
 
 
 def rollout_with(engine, template, tokenizer):

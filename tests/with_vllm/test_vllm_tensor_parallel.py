@@ -25,9 +25,8 @@ from with_vllm.test_vllm_generation import (
     tokenizer,  # noqa: F401 - a fixture
 )
 
-from opd.rollout.config import VllmGenerationConfig
 from opd.rollout.hf_generation import HFGeneration
-from opd.rollout.vllm_generation import VllmGeneration
+from opd.rollout.vllm_generation import VllmGeneration, VllmGenerationConfig
 
 
 @pytest.fixture(scope="module")

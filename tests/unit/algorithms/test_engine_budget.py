@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from opd.models.model_shapes import model_config
 from opd.plan.memory_plan import DEVICES
-from opd.rollout.config import VllmGenerationConfig
 from opd.rollout.engine_kind import PlannedRollout
 from opd.rollout.engines import ENGINES, GenerationConfig
+from opd.rollout.vllm_generation import VllmGenerationConfig
 
 STUDENT = "Qwen/Qwen2.5-1.5B-Instruct"  # 2 KV heads
 PARAMETERS, VOCAB = 1_543_714_304, 151_936
