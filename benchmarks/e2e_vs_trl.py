@@ -577,7 +577,7 @@ def run_opd(args: argparse.Namespace, compile_decode: bool = False) -> dict[str,
 
     logger.log_metrics = timed_log_metrics  # type: ignore[method-assign]
     peak.start_training()
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
 
     steps = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = [record for record in steps if "timing/step" in record]

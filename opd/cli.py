@@ -309,7 +309,7 @@ def run_train(config_path: str, overrides: list[str], val_only: bool = False) ->
         return
     components = setup(config)
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()  # a vLLM engine: a later run in this process opens its own
     _draw_curves(config.logger)
@@ -318,10 +318,11 @@ def run_train(config_path: str, overrides: list[str], val_only: bool = False) ->
 def run_plan(
     config_path: str, overrides: list[str], as_json: bool = False, quick: bool = False, every_layer: bool = False
 ) -> None:
-    """Loads the config and prints its memory plan (``opd plan``, ``opd train --dry-run``)."""
+    """Loads the config and prints its teacher plan and memory plan (``opd plan``, ``opd train --dry-run``)."""
     import json
 
     from opd.distillation.config import MasterConfig
+    from opd.distillation.teacher_plan import plan_teacher
     from opd.plan.memory_plan import plan_memory, render_plan
     from opd.utils.config import load_config
 
@@ -329,7 +330,11 @@ def run_plan(
     config = load_config(MasterConfig, config_path, overrides)
     configured = config.cluster.trainer.activation_checkpointing if config.cluster is not None else False
     plan = plan_memory(config, (configured,) if quick else (False, True), every_layer=every_layer)
-    print(json.dumps(plan.as_dict(), indent=1) if as_json else render_plan(plan))
+    teacher_plan = plan_teacher(config).lines()
+    if as_json:
+        print(json.dumps({**plan.as_dict(), "teacher_plan": teacher_plan}, indent=1))
+    else:
+        print("\n".join(teacher_plan), render_plan(plan), sep="\n\n")
 
 
 def run_sft(config_path: str, overrides: list[str]) -> None:
@@ -339,7 +344,7 @@ def run_sft(config_path: str, overrides: list[str]) -> None:
 
     _prepare_console()
     config = load_config(SFTMasterConfig, config_path, overrides)
-    sft_train(**setup(config).as_arguments())
+    sft_train(setup(config))
     _draw_curves(config.logger)
 
 

@@ -21,17 +21,9 @@ from pathlib import Path
 
 from opd.data.dataloaders import make_eval_dataloader
 from opd.distillation.config import MasterConfig, resolve_micro_batching
-from opd.distillation.setup import (
-    RunTeacherLoader,
-    build_generation,
-    build_several_teachers,
-    build_teacher,
-    check_environment,
-    load_models,
-    run_tokenizer,
-    set_seed,
-    teacher_tokenizer_of,
-)
+from opd.distillation.setup import build_generation, check_environment, load_models, run_tokenizer, set_seed
+from opd.distillation.teacher_loading import load_teacher_members, teacher_tokenizer_of
+from opd.distillation.teacher_plan import assemble_teacher
 from opd.models.interfaces import CHECKPOINT_POLICY_DIR, TeacherInterface
 from opd.policy.hf_policy import HFPolicy
 from opd.rollout.multi_turn import Episodes
@@ -103,14 +95,8 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
     model_path = resolve_eval_model(config)
     student_model, in_process = load_models(config, tokenizer, model_path)
     student_model.eval()
-    teacher: TeacherInterface
-    if config.teachers is not None:
-        teacher = build_several_teachers(config, tokenizer)
-    elif in_process is None:  # served: built by its backend
-        teacher = config.teacher.build(RunTeacherLoader(config, tokenizer, model_path), None)
-    else:
-        teacher = in_process
-    teacher = build_teacher(config, tokenizer, teacher, teacher_tokenizer)
+    members = load_teacher_members(config, tokenizer, in_process, student_path=model_path)
+    teacher = assemble_teacher(config, tokenizer, teacher_tokenizer, members)
     restore_teacher(teacher, model_path)
     # A policy only for the student's logits: its optimizer never steps.
     policy = HFPolicy(student_model, config.training, resolve_micro_batching(config)[0], total_steps=1)

@@ -55,7 +55,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from opd.data.datasets import load_chat_dataset, split_prompt_and_response
 from opd.data.sequences import encode_prompt
 from opd.distillation.config import MasterConfig
-from opd.distillation.setup import build_generation, resolve_teacher_path
+from opd.distillation.setup import build_generation
+from opd.distillation.teacher_loading import resolve_teacher_path
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import GenerationInterface
 from opd.models.loading import check_output_sizes, load_causal_lm, resolve_device, resolve_dtype

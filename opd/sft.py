@@ -32,7 +32,6 @@ from opd.rollout.hf_generation import HFGeneration
 from opd.run.checkpoint import CheckpointingConfig, CheckpointManager
 from opd.run.logger import Logger, LoggerConfig
 from opd.run.run_setup import (
-    DriverArguments,
     load_examples,
     load_run_tokenizer,
     plan_run_length,
@@ -100,8 +99,8 @@ SFTSaveState = RunSaveState
 
 
 @dataclass
-class SFTComponents(DriverArguments):
-    """Everything :func:`sft_train` runs with (its fields are its arguments)."""
+class SFTComponents:
+    """Everything :func:`sft_train` runs with."""
 
     policy: PolicyInterface
     generation: GenerationInterface
@@ -113,6 +112,18 @@ class SFTComponents(DriverArguments):
     checkpointer: CheckpointManager
     sft_save_state: SFTSaveState
     master_config: SFTMasterConfig
+
+    def run_parts(self) -> RunParts:
+        """What the shared training loop trains and where it writes."""
+        return RunParts(
+            self.policy,
+            self.tokenizer,
+            self.dataloader,
+            self.logger,
+            self.checkpointer,
+            self.sft_save_state,
+            self.master_config,
+        )
 
 
 def setup(master_config: SFTMasterConfig) -> SFTComponents:
@@ -181,40 +192,23 @@ def setup(master_config: SFTMasterConfig) -> SFTComponents:
     )
 
 
-def sft_train(
-    policy: PolicyInterface,
-    generation: GenerationInterface,
-    dataloader: StatefulDataLoader,
-    val_dataloader: StatefulDataLoader | None,
-    tokenizer: Any,
-    loss_fn: LossFunction,
-    logger: Logger,
-    checkpointer: CheckpointManager,
-    sft_save_state: SFTSaveState,
-    master_config: SFTMasterConfig,
-) -> None:
-    """Fine-tunes ``policy`` on the dataset's assistant turns until the step budget is spent."""
-    callbacks = SFTCallbacks(policy, generation, val_dataloader, tokenizer, loss_fn, master_config)
-    parts = RunParts(policy, tokenizer, dataloader, logger, checkpointer, sft_save_state, master_config)
-    run_training_loop(parts, callbacks)
+def sft_train(components: SFTComponents) -> None:
+    """Fine-tunes the policy on the dataset's assistant turns until the step budget is spent."""
+    run_training_loop(components.run_parts(), SFTRun(components))
 
 
-class SFTCallbacks(TrainingCallbacks):
-    """SFT's part of the shared training loop: a step on the dataset's answers, and validation."""
+class SFTRun(TrainingCallbacks):
+    """One SFT run: its components, and a step on the dataset's answers, and validation."""
 
     console_keys = ("train/loss", "train/grad_norm", "train/lr", "perf/tokens_per_s")
 
-    def __init__(
-        self,
-        policy: PolicyInterface,
-        generation: GenerationInterface,
-        val_dataloader: StatefulDataLoader | None,
-        tokenizer: Any,
-        loss_fn: LossFunction,
-        config: SFTMasterConfig,
-    ) -> None:
-        self.policy, self.generation, self.val_dataloader = policy, generation, val_dataloader
-        self.tokenizer, self.loss_fn, self.config = tokenizer, loss_fn, config
+    def __init__(self, components: SFTComponents) -> None:
+        self.policy, self.generation, self.val_dataloader = (
+            components.policy,
+            components.generation,
+            components.val_dataloader,
+        )
+        self.tokenizer, self.loss_fn, self.config = components.tokenizer, components.loss_fn, components.master_config
 
     def train_step(self, next_batch: NextBatch) -> tuple[int, dict[str, Any]]:
         """One optimizer step on the next batch's assistant turns (prompt tokens masked)."""

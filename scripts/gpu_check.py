@@ -468,7 +468,7 @@ def check_multi_turn() -> dict[str, Any]:
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
     first_turn_calls_the_tool(parts.student_generation, parts.tokenizer, call)
     start = time.perf_counter()
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
     seconds = time.perf_counter() - start
     train = [record for record in read_metrics(Path(config.logger.log_dir)) if "train/on_policy" in record]
     losses = [record["train/loss"] for record in train]

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,9 +26,21 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
 from opd.distillation.config import MasterConfig, resolve_micro_batching
+from opd.distillation.teacher_loading import (
+    RunTeacherLoader,
+    _teacher_models_in_process,
+    assemble_in_worker,
+    check_fusable,
+    connect_remote_teacher,
+    load_teacher_members,
+    member_teacher_path,
+    resolve_teacher_path,
+    teacher_engines,
+    teacher_tokenizer_of,
+)
+from opd.distillation.teacher_plan import assemble_teacher, plan_teacher
 from opd.losses.config import (
     FullVocabKernelSettings,
-    FusedHeadSettings,
     HybridFullVocabLossConfig,
     SampledTokenLossConfig,
 )
@@ -45,12 +55,10 @@ from opd.models.interfaces import (
     PolicyInterface,
     TeacherInterface,
 )
-from opd.models.lm_head import output_layer_of
 from opd.models.loading import (
     check_output_sizes,
     check_tokenizer_compatibility,
     load_causal_lm,
-    load_output_layer,
     load_tokenizer,
     resolve_device,
     resolve_dtype,
@@ -63,24 +71,15 @@ from opd.rollout.stop_tokens import check_stop_tokens, describe_tokens, stop_tok
 from opd.run.checkpoint import CheckpointManager
 from opd.run.logger import Logger
 from opd.run.run_setup import (
-    DriverArguments,
     load_examples,
     load_run_tokenizer,
     plan_run_length,
     report_overlap,
     restore_run,
 )
-from opd.run.training_loop import RunSaveState, check_output_is_fresh, find_resume_checkpoint
+from opd.run.training_loop import RunParts, RunSaveState, check_output_is_fresh, find_resume_checkpoint
 from opd.run.validation import TeacherEngine
-from opd.teachers.backends import RemoteTeacherConfig, model_in_process
-from opd.teachers.config import TeacherMemberConfig
-from opd.teachers.context_teacher import ContextTeacher
-from opd.teachers.cross_tokenizer import CrossTokenizerTeacher
-from opd.teachers.local_teacher import LocalTeacher
-from opd.teachers.self_teacher import SELF_DISTILLATION_TEACHER
-from opd.teachers.served.remote_generation import RemoteGeneration
-from opd.teachers.served.remote_teacher import RemoteTeacher
-from opd.teachers.several_teachers import RoutedTeachers, TeacherMixture
+from opd.teachers.backends import model_in_process
 from opd.utils.compile_cache import resolve_compile_kernels
 from opd.utils.errors import ConfigError
 from opd.utils.paths import absolute_model_path
@@ -95,7 +94,7 @@ STOP_TOKEN_PROBE_PROMPTS = 8
 
 
 @dataclass
-class DistillationComponents(DriverArguments):
+class DistillationComponents:
     """Everything :func:`~opd.distillation.step.distillation_train` runs with.
 
     Attributes:
@@ -126,6 +125,18 @@ class DistillationComponents(DriverArguments):
     checkpointer: CheckpointManager
     distillation_save_state: RunSaveState
     master_config: MasterConfig
+
+    def run_parts(self) -> RunParts:
+        """What the shared training loop trains and where it writes."""
+        return RunParts(
+            self.student_policy,
+            self.tokenizer,
+            self.dataloader,
+            self.logger,
+            self.checkpointer,
+            self.distillation_save_state,
+            self.master_config,
+        )
 
     def close(self) -> None:
         """Frees what the engines, the teacher and the student hold (a vLLM engine, connections, workers)."""
@@ -187,73 +198,11 @@ def check_config_against_data(config: MasterConfig, train_examples: list[Prepare
             )
 
 
-def teacher_tokenizer_of(config: MasterConfig) -> Any | None:
-    """The teacher's own tokenizer when it differs from the student's (``teacher.cross_tokenizer``), else None."""
-    if not config.teacher.cross_tokenizer:
-        return None
-    tokenizer = load_tokenizer(resolve_teacher_path(config), config.model.trust_remote_code)
-    if config.data.chat_template:  # the run's template override is for the student's tokenizer only
-        log.info("data.chat_template applies to the student; the teacher renders prompts with its own template")
-    return tokenizer
-
-
 def run_tokenizer(config: MasterConfig) -> Any:
     """The tokenizer of the run: ``model.tokenizer_path``, else the student's."""
     return load_run_tokenizer(
         config.model.tokenizer_path or config.model.student_model_path, config.model.trust_remote_code, config.data
     )
-
-
-def resolve_teacher_path(config: MasterConfig) -> str:
-    """The in-process teacher's model path; ``student`` means the student's starting point.
-
-    For self-distillation the teacher is ``model.student_model_path`` as given, never the
-    checkpoint a run resumes from: a frozen self-teacher stays the initial student for the
-    whole run (a second copy of the weights in memory, without gradients or optimizer
-    state); an EMA one starts there and a resumed run restores its average from the
-    checkpoint (``teacher.self_teacher``).
-
-    Raises:
-        ConfigError: without ``model.teacher_model_path``.
-    """
-    path = config.model.teacher_model_path
-    if path is None:
-        raise ConfigError("model.teacher_model_path is required for an in-process teacher")
-    return config.model.student_model_path if path == SELF_DISTILLATION_TEACHER else path
-
-
-class RunTeacherLoader:
-    """How this run loads and connects teachers (:class:`~opd.teachers.backends.TeacherLoader`).
-
-    Args:
-        config: the run's config (dtype, device, loss).
-        tokenizer: the run's tokenizer, which a teacher must share.
-        student_path: the student's model, named in tokenizer mismatches.
-        own_tokenizer: a cross-tokenizer teacher's own tokenizer (its head is checked against it).
-    """
-
-    def __init__(self, config: MasterConfig, tokenizer: Any, student_path: str, own_tokenizer: Any | None = None):
-        self.config = config
-        self.tokenizer = tokenizer
-        self.student_path = student_path
-        self.own_tokenizer = own_tokenizer
-
-    def load(self, path: str) -> PreTrainedModel:
-        """The frozen teacher at ``path`` (``student``: the student's starting point), its head checked for fusing."""
-        model = load_teacher_model(
-            self.config, self.tokenizer, self._resolve(path), self.student_path, self.own_tokenizer
-        )
-        _check_fusable(self.config, None, model)
-        return model
-
-    def connect(self, remote: RemoteTeacherConfig, model_path: str | None) -> RemoteTeacher:
-        """The served teacher's client (:func:`connect_remote_teacher`)."""
-        return connect_remote_teacher(
-            self.config, self.tokenizer, remote, None if model_path is None else self._resolve(model_path)
-        )
-
-    def _resolve(self, path: str) -> str:
-        return self.config.model.student_model_path if path == SELF_DISTILLATION_TEACHER else path
 
 
 def load_models(
@@ -262,7 +211,7 @@ def load_models(
     """Loads student (from ``student_path``) and builds the one teacher in process, after the tokenizer check.
 
     A served teacher (connected in :func:`setup`, before this) is not built here, nor are
-    several teachers (``teachers:``, see :func:`build_several_teachers`): the teacher is then None.
+    several teachers (``teachers:``, see :func:`load_teacher_members`): the teacher is then None.
     A teacher that follows the student (``teacher.self_teacher`` live or ema) is built after
     the student: a live one scores with the student's own module.
 
@@ -281,184 +230,10 @@ def load_models(
     log.info("loading student %s (%s on %s)", student_path, str(dtype).replace("torch.", ""), device)
     student_model = load_causal_lm(student_path, dtype, device, config.model)
     check_output_sizes(student_model, len(tokenizer), student_path)
-    _check_fusable(config, student_model, None)
+    check_fusable(config, student_model, None)
     if loader is not None and config.teacher.follows_student:
         teacher = config.teacher.build_following(loader, student_model)
     return student_model, teacher
-
-
-def load_teacher_model(
-    config: MasterConfig, tokenizer: Any, teacher_path: str, student_path: str, own_tokenizer: Any | None = None
-) -> PreTrainedModel:
-    """Loads a frozen teacher in process, after checking that its tokenizer is the run's.
-
-    With ``own_tokenizer`` (``teacher.cross_tokenizer``) the teacher keeps its own
-    tokenizer, and its output layer is checked against that one instead.
-
-    Raises:
-        ModelCompatibilityError: the teacher's tokenizer or output layer does not match
-            the run's tokenizer.
-    """
-    device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device)
-    # The teacher's own tokenizer is checked even when model.tokenizer_path overrides the
-    # student's: the teacher's logits are indexed by the ids its tokenizer defines.
-    if own_tokenizer is None:
-        teacher_tokenizer = load_tokenizer(teacher_path, config.model.trust_remote_code)
-        check_tokenizer_compatibility(tokenizer, teacher_tokenizer, student_path, teacher_path)
-    log.info("loading teacher %s (%s on %s)", teacher_path, str(dtype).replace("torch.", ""), device)
-    teacher_model = load_causal_lm(teacher_path, dtype, device, config.model)
-    check_output_sizes(teacher_model, len(own_tokenizer if own_tokenizer is not None else tokenizer), teacher_path)
-    return teacher_model
-
-
-def _check_fusable(config: MasterConfig, student: PreTrainedModel | None, teacher: PreTrainedModel | None) -> None:
-    """Fails before training if a model's head cannot be fused.
-
-    Each must be a linear layer whose logit transform, if any, opd knows (a multiplier,
-    a soft cap: the fused loss applies them, and differentiates them for the student).
-    """
-    if not (isinstance(config.loss_fn, FusedHeadSettings) and config.loss_fn.fused_lm_head):
-        return
-    # A served teacher's head is checked when it connects.
-    for model, name in ((student, "the student"), (teacher, "the teacher")):
-        try:
-            if model is not None:
-                output_layer_of(model, name)
-        except ValueError as error:
-            raise ConfigError(f"{error}; set loss_fn.fused_lm_head = false") from None
-
-
-def connect_remote_teacher(
-    config: MasterConfig, tokenizer: Any, remote: RemoteTeacherConfig | None = None, model_path: str | None = None
-) -> RemoteTeacher:
-    """The client of the served teacher, after checking that it answers and tokenizes like ``tokenizer``.
-
-    For a full-vocabulary loss it also loads the teacher's output layer (only that layer)
-    from ``model_path`` and checks it against the server's. On a cluster the layer is not
-    kept here: the client sends the hidden states on alone, and each trainer worker binds
-    them to its own copy of the layer (:func:`build_on_cluster` names the model to load).
-
-    Args:
-        config: the run's config.
-        tokenizer: the run's tokenizer.
-        remote: the server's settings (default: ``teacher.remote``).
-        model_path: the served model's directory (default: ``model.teacher_model_path``).
-    """
-    remote = remote or config.teacher.remote
-    if remote.url is None:
-        raise ConfigError("teacher.backend = remote needs teacher.remote.url")
-    output_layer = None
-    if isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
-        # The server sends hidden states; the exact logits are made here with its output layer.
-        device = resolve_device(config.model.device)
-        output_layer = load_output_layer(
-            model_path or resolve_teacher_path(config),
-            resolve_dtype(config.model.dtype, device),
-            device,
-            config.model.trust_remote_code,
-        )
-    client = RemoteTeacher(
-        remote.url,
-        remote.model,
-        os.environ.get(remote.api_key_env) if remote.api_key_env else None,
-        remote.max_concurrency,
-        remote.sequences_per_request,
-        remote.timeout_s,
-        remote.max_retries,
-        remote.backoff_s,
-        remote.protocol,
-        remote.hidden_dtype,
-        output_layer,
-        binds_output_layer=config.cluster is None,
-    )
-    # A teacher with its own tokenizer must tokenize as that tokenizer does.
-    client.connect(teacher_tokenizer_of(config) or tokenizer)
-    log.info("teacher: %s served at %s", client.model, remote.url)
-    return client
-
-
-def build_teacher(
-    config: MasterConfig, tokenizer: Any, teacher: TeacherInterface, teacher_tokenizer: Any | None = None
-) -> TeacherInterface:
-    """``teacher``, seeing each completion under its own prompt when there is a teacher-only context.
-
-    A teacher with its own tokenizer (``teacher_tokenizer``) scores the re-tokenized
-    response under its own prompt, which already holds the context
-    (:class:`~opd.teachers.cross_tokenizer.CrossTokenizerTeacher`). Several teachers
-    are returned as they are: each member was given the context when it was built
-    (:func:`build_several_teachers`).
-    """
-    if teacher_tokenizer is not None:
-        wrapped = CrossTokenizerTeacher(teacher, tokenizer, teacher_tokenizer)
-        log.info(
-            "teacher with its own tokenizer: compared on %d classes of tokens (the strings both vocabularies "
-            "share, each with the tokens it prefixes); %.0f%% of the student's tokens fall in one",
-            wrapped.classes.roots,
-            100 * wrapped.classes.classified_fraction,
-        )
-        return wrapped
-    if config.distillation.teacher_context_spec() is None or config.teachers is not None:
-        return teacher
-    return ContextTeacher(teacher, tokenizer.pad_token_id)
-
-
-def build_several_teachers(
-    config: MasterConfig, tokenizer: Any, ready: dict[str, TeacherInterface] | None = None
-) -> TeacherInterface:
-    """The ``teachers:`` members, in process, served or in pools, behind one routing or mixing teacher.
-
-    Each member is checked like a single teacher (tokenizer, output layer, server) and
-    given the teacher-only context, if any.
-
-    Args:
-        config: the run's config.
-        tokenizer: the run's tokenizer.
-        ready: members built already, by name (a cluster's teacher pools, servers
-            connected before the workers started); the others are connected or loaded here.
-    """
-    assert config.teachers is not None
-    ready = ready or {}
-    loader = RunTeacherLoader(config, tokenizer, config.model.student_model_path)
-    members: list[TeacherInterface] = []
-    for member in config.teachers.members:
-        teacher = ready[member.name] if member.name in ready else member.build(loader, member.model_path)
-        if config.distillation.teacher_context_spec() is not None:
-            teacher = ContextTeacher(teacher, tokenizer.pad_token_id)
-        members.append(teacher)
-    names = [member.name for member in config.teachers.members]
-    log.info("%d teachers (%s): %s", len(names), config.teachers.mode, ", ".join(names))
-    if config.teachers.routes:
-        return RoutedTeachers(names, members)
-    return TeacherMixture(names, members, getattr(config.loss_fn, "temperature", 1.0))
-
-
-def assemble_teacher(
-    config: MasterConfig, tokenizer: Any, teacher_tokenizer: Any | None, loaded: list[TeacherInterface]
-) -> TeacherInterface:
-    """The run's teacher around teachers loaded elsewhere: what each trainer worker scores with.
-
-    ``loaded`` are the teachers a cluster colocates in its trainer workers, as loaded there
-    (sharded or whole), in the order of :func:`_cluster_teacher_paths`: the one teacher,
-    or each local member of ``teachers:``. They are put behind the same routing or mixture,
-    teacher-only context and cross-tokenizer mapping as the in-process teacher
-    (:func:`build_several_teachers`, :func:`build_teacher`). A served member is connected
-    from where this runs, and binds its own output layer there.
-    """
-    if config.teachers is None:
-        (teacher,) = loaded
-    else:
-        local = [member.name for member in config.teachers.members if not member.served]
-        # As in one process: a served member's client binds its hidden states to its head where it runs.
-        here = config.model_copy(update={"cluster": None})
-        teacher = build_several_teachers(here, tokenizer, dict(zip(local, loaded, strict=True)))
-    return build_teacher(config, tokenizer, teacher, teacher_tokenizer)
-
-
-def member_teacher_path(config: MasterConfig, member: TeacherMemberConfig) -> str:
-    """A local member's model path (``student``: the student's starting point)."""
-    assert member.model_path is not None  # checked with the config
-    return config.model.student_model_path if member.model_path == SELF_DISTILLATION_TEACHER else member.model_path
 
 
 def build_generation(config: MasterConfig, model: PreTrainedModel, tokenizer: Any) -> GenerationInterface:
@@ -541,7 +316,7 @@ def build_in_process(
     tokenizer: Any,
     total_steps: int,
     micro_batch_size: int,
-    remote_teacher: TeacherInterface | None,
+    members: list[TeacherInterface] | None,
     resume_from: Path | None,
     train_examples: list[PreparedExample],
     teacher_tokenizer: Any | None = None,
@@ -549,7 +324,8 @@ def build_in_process(
     """Student, teacher and engines in this process: ``(student, teacher, student engine, teacher engines)``.
 
     A resumed run loads the student's weights from the checkpoint's ``policy/``.
-    ``teacher_tokenizer`` is a cross-tokenizer teacher's own (None: the run's).
+    ``members``: the teachers built before the student (served, or several); None: the one
+    teacher is loaded here. ``teacher_tokenizer`` is a cross-tokenizer teacher's own (None: the run's).
     """
     lora = config.model.active_lora()
     # A LoRA run resumes from the base model plus the checkpoint's adapter (restored with
@@ -562,10 +338,12 @@ def build_in_process(
     # A teacher with its own tokenizer has other stop ids and cannot sample in the student's ids.
     same_ids = not config.teacher.cross_tokenizer
     report_stop_tokens(config, tokenizer, student_model, teacher_model if same_ids else None, train_examples)
-    teacher = in_process if in_process is not None else remote_teacher
-    if teacher is None:
+    if in_process is not None:
+        members = [in_process]
+    if members is None:
         raise ConfigError("no teacher: set model.teacher_model_path or teacher.backend = remote")
-    models = _teacher_models_in_process(teacher, teacher_model)
+    teacher = assemble_teacher(config, tokenizer, teacher_tokenizer, members)
+    models = _teacher_models_in_process(config, members)
     decode_loop = config.generation.decode_loop
     teacher_generation = teacher_engines(
         config, tokenizer, teacher_tokenizer, lambda name, own: HFGeneration(models[name], own, decode_loop)
@@ -588,65 +366,6 @@ def build_in_process(
     return student_policy, teacher, student_generation, teacher_generation
 
 
-def teacher_engines(
-    config: MasterConfig,
-    tokenizer: Any,
-    teacher_tokenizer: Any | None,
-    engine_in_run: Callable[[str | None, Any], GenerationInterface],
-) -> list[TeacherEngine]:
-    """The teachers that answer the validation prompts for the baselines, each where it runs.
-
-    A served teacher answers from its server (:class:`RemoteGeneration`, over
-    ``/v1/completions``); a teacher of the run answers from ``engine_in_run(name,
-    tokenizer)`` (``name`` None for the one teacher): in process, an HF engine over its
-    model; on a cluster, the rollout workers with its weights
-    (:class:`~opd.distributed.rollout.TeacherOnRolloutWorkers`). The one teacher samples
-    in its own tokens (a cross-tokenizer teacher with its own tokenizer, from its own
-    rendering of the prompts). With several teachers every member answers on its own:
-    with routing, the prompts routed to it. No engine is built unless a baseline is asked for.
-    """
-    validation = config.validation
-    if not (validation.teacher_baseline or validation.eval_baseline):
-        return []
-    with_context = config.distillation.teacher_context_spec() is not None
-    if config.teachers is None:
-        own = teacher_tokenizer if teacher_tokenizer is not None else tokenizer
-        prompt_key: Literal["prompt_ids", "teacher_prompt_ids"] = (
-            "teacher_prompt_ids" if with_context or teacher_tokenizer is not None else "prompt_ids"
-        )
-        served = config.teacher.served
-        generation = RemoteGeneration.from_config(config.teacher.remote, own) if served else engine_in_run(None, own)
-        return [TeacherEngine(generation, None, own, prompt_key)]
-    routes = config.teachers.routes
-    return [
-        TeacherEngine(
-            RemoteGeneration.from_config(member.remote, tokenizer)
-            if member.served
-            else engine_in_run(member.name, tokenizer),
-            member.name,
-            tokenizer,
-            "teacher_prompt_ids" if with_context else "prompt_ids",
-            position if routes else None,
-        )
-        for position, member in enumerate(config.teachers.members)
-    ]
-
-
-def _teacher_models_in_process(
-    teacher: TeacherInterface, teacher_model: PreTrainedModel | None
-) -> dict[str | None, PreTrainedModel]:
-    """The in-process teachers' models, by name (None for the one teacher); served teachers have none."""
-    if teacher_model is not None:
-        return {None: teacher_model}
-    models: dict[str | None, PreTrainedModel] = {}
-    if isinstance(teacher, (RoutedTeachers, TeacherMixture)):
-        for name, member in zip(teacher.names, teacher.members, strict=True):
-            inner = member.teacher if isinstance(member, ContextTeacher) else member
-            if isinstance(inner, LocalTeacher):
-                models[name] = inner.model
-    return models
-
-
 def build_on_cluster(
     config: MasterConfig,
     tokenizer: Any,
@@ -662,7 +381,9 @@ def build_on_cluster(
 
     Teachers colocated in the trainer workers (one, several, or one with another
     tokenizer) are loaded there, and each worker builds the run's teacher around them with
-    :func:`assemble_teacher`, the builder of the in-process path.
+    :func:`~opd.distillation.teacher_plan.assemble_teacher`, the builder of every placement;
+    the driver then holds the facade of that teacher
+    (:class:`~opd.distributed.colocated_teacher.TeacherInTrainerWorkers`).
     """
     # Imported here: Ray is an optional extra that the in-process path never needs.
     from opd.distributed.setup import ClusterRequest, build_cluster_backends
@@ -697,7 +418,7 @@ def build_on_cluster(
         seed=config.training.seed,
         checkpoint_dir=config.checkpointing.checkpoint_dir if config.checkpointing.enabled else None,
         lora=config.model.active_lora(),
-        teacher_assembly=functools.partial(assemble_teacher, config, tokenizer, teacher_tokenizer_of(config)),
+        teacher_assembly=functools.partial(assemble_in_worker, config, tokenizer, teacher_tokenizer_of(config)),
         teacher_head_paths=_teacher_head_paths(config, remote_teacher),
         share_prompt_forward=_cluster_prompt_sharing(config, teacher_paths),
     )
@@ -707,12 +428,16 @@ def build_on_cluster(
     except BaseException:
         policy.close()  # stops the workers
         raise
-    if config.teachers is None:
-        return policy, remote_teacher if remote_teacher is not None else on_cluster[0], generation, baselines
+    if teacher_paths and not config.cluster.teacher.in_pool:  # assembled in the workers, asked through this facade
+        return policy, on_cluster[0], generation, baselines
     try:
-        local = [member.name for member in config.teachers.members if not member.served]
-        pools = dict(zip(local, on_cluster, strict=True))  # in the order of teacher_paths
-        teacher = build_several_teachers(config, tokenizer, {**served, **pools})
+        if config.teachers is None:
+            members = [remote_teacher if remote_teacher is not None else on_cluster[0]]
+        else:
+            local = [member.name for member in config.teachers.members if not member.served]
+            pools = dict(zip(local, on_cluster, strict=True))  # in the order of teacher_paths
+            members = load_teacher_members(config, tokenizer, ready={**served, **pools})
+        teacher = assemble_teacher(config, tokenizer, teacher_tokenizer_of(config), members)
     except BaseException:
         policy.close()
         raise
@@ -796,6 +521,8 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     config = master_config
     micro_batch_size, _ = resolve_micro_batching(config)
     check_environment(config)
+    for line in plan_teacher(config).lines():
+        log.info(line)
     checkpointer = CheckpointManager(config.checkpointing)
     check_output_is_fresh(config.output_dir, checkpointer)
     set_seed(config.training.seed)
@@ -825,14 +552,12 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)
     # A served teacher is checked before the student loads: an unreachable or mismatched
     # server fails in seconds.
-    remote_teacher: TeacherInterface | None = None
-    if config.teachers is not None:
-        if config.cluster is None:  # on a cluster, the members are built with the workers
-            remote_teacher = build_several_teachers(config, tokenizer)
-    elif config.teacher.served:
-        loader = RunTeacherLoader(config, tokenizer, config.model.student_model_path, teacher_tokenizer)
-        remote_teacher = config.teacher.build(loader, None)
+    served_or_several: list[TeacherInterface] | None = None
+    if (config.teachers is not None and config.cluster is None) or (config.teachers is None and config.teacher.served):
+        # On a cluster, several teachers' members are built with the workers.
+        served_or_several = load_teacher_members(config, tokenizer)
     if config.cluster is not None:
+        remote_teacher = served_or_several[0] if served_or_several is not None else None
         student_policy, teacher, student_generation, teacher_generation = build_on_cluster(
             config, tokenizer, total_steps, micro_batch_size, remote_teacher
         )
@@ -842,7 +567,7 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
             tokenizer,
             total_steps,
             micro_batch_size,
-            remote_teacher,
+            served_or_several,
             resume_from,
             train_examples,
             teacher_tokenizer,
@@ -859,7 +584,7 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
         config.training.batch_size * config.distillation.num_samples_per_prompt,
         micro_batch_size,
     )
-    teacher_policy = build_teacher(config, tokenizer, teacher, teacher_tokenizer)
+    teacher_policy = teacher
     return DistillationComponents(
         student_policy=student_policy,
         teacher_policy=teacher_policy,

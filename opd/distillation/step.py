@@ -1,6 +1,6 @@
 """On-policy knowledge distillation: the driver, ``distillation_train``.
 
-One optimizer step (:func:`distillation_step`, see ``docs/guides/on-policy-distillation.md``):
+One optimizer step (:meth:`DistillationRun.train_step`, walked through in ``docs/guide/``):
 
 1. the rollout schedule (:mod:`opd.distillation.schedule`, ``training.scheduler``)
    hands over the step's batch. It flipped the λ coin (a dedicated, checkpointed RNG)
@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import logging
 import random
-from dataclasses import dataclass
 from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -38,21 +37,18 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import unique_responses_per_prompt
 from opd.distillation.config import MasterConfig
 from opd.distillation.schedule import RolloutSchedule, ScheduledBatch, signal_rows
+from opd.distillation.setup import DistillationComponents
 from opd.models.interfaces import (
     Done,
     GenerationInterface,
-    LossFunction,
     MicroBatchScorer,
     Pending,
-    PolicyInterface,
     TeacherInterface,
     TeacherSignal,
     TimedPending,
 )
 from opd.rollout.multi_turn import Episodes
-from opd.run.checkpoint import CheckpointManager
-from opd.run.logger import Logger
-from opd.run.training_loop import NextBatch, RunParts, RunSaveState, TrainingCallbacks, run_training_loop
+from opd.run.training_loop import NextBatch, RunSaveState, TrainingCallbacks, run_training_loop
 from opd.run.validation import TeacherEngine, validate
 from opd.utils.memory import peak_memory_mb
 from opd.utils.timer import Timer
@@ -71,63 +67,6 @@ _CONSOLE_KEYS = (
     "train/mean_response_length",
     "perf/tokens_per_s",
 )
-
-
-@dataclass
-class DistillationStepState:
-    """What one step hands the next: the rollout schedule (with the λ coin) and the policy version."""
-
-    schedule: RolloutSchedule
-    policy_version: int = 0
-    """Optimizer steps taken so far: the version of the weights being trained."""
-
-
-def distillation_step(
-    next_examples: NextBatch,
-    state: DistillationStepState,
-    student_policy: PolicyInterface,
-    teacher_policy: TeacherInterface,
-    loss_fn: LossFunction,
-    config: MasterConfig,
-) -> tuple[int, dict[str, Any]]:
-    """One optimizer step: the schedule's batch (rollout or fixed data) → teacher → train.
-
-    Returns:
-        The number of prompts trained and the step's metrics.
-    """
-    timer = Timer()
-    with timer.time("step"):
-        scheduled = state.schedule.next_batch(next_examples, state.policy_version)
-        request = loss_fn.teacher_request
-
-        def submit(micro_batch: BatchedDataDict) -> Pending[TeacherSignal]:
-            if scheduled.teacher_signal is not None:  # scored ahead, while an earlier step trained
-                return Done(signal_rows(scheduled.teacher_signal, micro_batch))
-            assert request is not None  # passed to the trainer only when the loss asks for one
-            # Starting and waiting both count as teacher time (a trainer may start all micro-batches first).
-            with timer.time("teacher"):
-                pending = teacher_policy.score_async(micro_batch, request)
-            return TimedPending(pending, functools.partial(timer.time, "teacher"))
-
-        with timer.time("training"):
-            train_metrics = student_policy.train(
-                scheduled.batch, loss_fn, MicroBatchScorer(submit) if request is not None else None, timer
-            )
-        # Before anything scores the next batch (or a checkpoint keeps the teacher's state).
-        teacher_policy.follow_student(student_policy, state.policy_version + 1, timer)
-        train_metrics = loss_fn.finish_metrics(train_metrics)
-        state.policy_version += 1
-    seconds = {**timer.pop(), **scheduled.seconds}
-    # Each of several teachers' scoring time, which the loss reports.
-    for key in [key for key in train_metrics if key.endswith("_seconds")]:
-        phase = key.removesuffix("_seconds")
-        seconds[phase] = seconds.get(phase, 0.0) + train_metrics.pop(key)
-    metrics = step_metrics(
-        train_metrics, scheduled, seconds, config.distillation.num_samples_per_prompt, state.schedule.asynchronous
-    )
-    if config.distillation.lambda_is_scheduled():  # the λ this step's coin was flipped against
-        metrics["train/lambda"] = config.distillation.lambda_at(state.policy_version)
-    return len(scheduled.examples), metrics
 
 
 def step_metrics(
@@ -193,138 +132,121 @@ def step_metrics(
     return metrics
 
 
-def distillation_train(
-    student_policy: PolicyInterface,
-    teacher_policy: TeacherInterface,
-    student_generation: GenerationInterface,
-    teacher_generation: list[TeacherEngine],
-    dataloader: StatefulDataLoader,
-    val_dataloader: StatefulDataLoader | None,
-    tokenizer: Any,
-    loss_fn: LossFunction,
-    logger: Logger,
-    checkpointer: CheckpointManager,
-    distillation_save_state: DistillationSaveState,
-    master_config: MasterConfig,
-) -> None:
+def distillation_train(components: DistillationComponents) -> None:
     """Runs on-policy distillation until ``max_num_steps`` or ``num_epochs`` is reached.
 
-    If ``distillation_save_state`` comes from a checkpoint (step > 0), the RNG streams,
+    If the components' save state comes from a checkpoint (step > 0), the RNG streams,
     the λ coin and the data position are restored from that checkpoint first, so the
     remaining steps are exactly those of an uninterrupted run. SIGINT / SIGTERM finish
     the current step, write a checkpoint and return.
 
-    Args:
-        student_policy: the trainable student.
-        teacher_policy: the frozen teacher (scores the very tokens the student trains on).
-        student_generation: the engine that samples from the student.
-        teacher_generation: the teachers that answer the validation prompts for the
-            baselines (one per teacher, wherever it runs; none without a baseline).
-        dataloader: resumable loader of prepared training examples (lists of dicts).
-        val_dataloader: validation examples, or None to skip validation.
-        tokenizer: shared tokenizer of teacher and student.
-        loss_fn: the distillation loss (called per micro-batch).
-        logger: metric sink.
-        checkpointer: writes ``step_N`` checkpoints.
-        distillation_save_state: run counters (step, epoch, consumed samples, best metric).
-        master_config: the validated run config.
-
     Raises:
         TrainingDivergedError: after ``max_consecutive_nonfinite_steps`` skipped steps.
     """
-    config = master_config
-    lambda_coin = random.Random(config.training.seed + 1)
-    schedule = RolloutSchedule(
-        config.training.scheduler,
-        student_generation,
-        teacher_policy,
-        student_policy,
-        loss_fn,
-        tokenizer,
-        config,
-        lambda_coin,
-        sampler_logprobs=any(config.training.correction_is_on(loss) for _, loss in config.teacher_losses()),
-    )
-    step_state = DistillationStepState(schedule, policy_version=distillation_save_state["step"])
-    callbacks = DistillationCallbacks(
-        step_state,
-        student_policy,
-        teacher_policy,
-        student_generation,
-        teacher_generation,
-        val_dataloader,
-        tokenizer,
-        loss_fn,
-        logger,
-        config,
-        lambda_coin,
-    )
-    parts = RunParts(student_policy, tokenizer, dataloader, logger, checkpointer, distillation_save_state, config)
-    run_training_loop(parts, callbacks)
+    run_training_loop(components.run_parts(), DistillationRun(components))
 
 
-class DistillationCallbacks(TrainingCallbacks):
-    """Distillation's part of the shared training loop: its step, validation and baselines."""
+class DistillationRun(TrainingCallbacks):
+    """One distillation run: its components, its rollout schedule, and the step the training loop calls.
+
+    Args:
+        components: what :func:`~opd.distillation.setup.setup` built.
+    """
 
     console_keys = _CONSOLE_KEYS
 
-    def __init__(
-        self,
-        step_state: DistillationStepState,
-        student_policy: PolicyInterface,
-        teacher_policy: TeacherInterface,
-        student_generation: GenerationInterface,
-        teacher_generation: list[TeacherEngine],
-        val_dataloader: StatefulDataLoader | None,
-        tokenizer: Any,
-        loss_fn: LossFunction,
-        logger: Logger,
-        config: MasterConfig,
-        lambda_coin: random.Random,
-    ) -> None:
-        self.step_state, self.student_policy, self.teacher_policy = step_state, student_policy, teacher_policy
-        self.student_generation, self.teacher_generation = student_generation, teacher_generation
-        self.val_dataloader, self.tokenizer, self.loss_fn = val_dataloader, tokenizer, loss_fn
-        self.logger, self.config, self.lambda_coin = logger, config, lambda_coin
+    def __init__(self, components: DistillationComponents) -> None:
+        self.parts = components
+        config = components.master_config
+        self.config = config
+        self.lambda_coin = random.Random(config.training.seed + 1)
+        """The λ coin: a dedicated, checkpointed RNG."""
+        self.schedule = RolloutSchedule(
+            config.training.scheduler,
+            components.student_generation,
+            components.teacher_policy,
+            components.student_policy,
+            components.loss_fn,
+            components.tokenizer,
+            config,
+            self.lambda_coin,
+            sampler_logprobs=any(config.training.correction_is_on(loss) for _, loss in config.teacher_losses()),
+        )
+        self.policy_version = components.distillation_save_state["step"]
+        """Optimizer steps taken so far: the version of the weights being trained."""
 
     def train_step(self, next_batch: NextBatch) -> tuple[int, dict[str, Any]]:
-        """One distillation step (:func:`distillation_step`)."""
-        return distillation_step(
-            next_batch, self.step_state, self.student_policy, self.teacher_policy, self.loss_fn, self.config
-        )
+        """One optimizer step: the schedule's batch (rollout or fixed data) → teacher → train.
+
+        Returns:
+            The number of prompts trained and the step's metrics.
+        """
+        student, teacher, loss_fn = self.parts.student_policy, self.parts.teacher_policy, self.parts.loss_fn
+        timer = Timer()
+        with timer.time("step"):
+            scheduled = self.schedule.next_batch(next_batch, self.policy_version)
+            request = loss_fn.teacher_request
+
+            def submit(micro_batch: BatchedDataDict) -> Pending[TeacherSignal]:
+                if scheduled.teacher_signal is not None:  # scored ahead, while an earlier step trained
+                    return Done(signal_rows(scheduled.teacher_signal, micro_batch))
+                assert request is not None  # passed to the trainer only when the loss asks for one
+                # Starting and waiting both count as teacher time (a trainer may start all micro-batches first).
+                with timer.time("teacher"):
+                    pending = teacher.score_async(micro_batch, request)
+                return TimedPending(pending, functools.partial(timer.time, "teacher"))
+
+            with timer.time("training"):
+                scorer = MicroBatchScorer(submit) if request is not None else None
+                train_metrics = student.train(scheduled.batch, loss_fn, scorer, timer)
+            # Before anything scores the next batch (or a checkpoint keeps the teacher's state).
+            teacher.follow_student(student, self.policy_version + 1, timer)
+            train_metrics = loss_fn.finish_metrics(train_metrics)
+            self.policy_version += 1
+        seconds = {**timer.pop(), **scheduled.seconds}
+        # Each of several teachers' scoring time, which the loss reports.
+        for key in [key for key in train_metrics if key.endswith("_seconds")]:
+            phase = key.removesuffix("_seconds")
+            seconds[phase] = seconds.get(phase, 0.0) + train_metrics.pop(key)
+        samples_per_prompt = self.config.distillation.num_samples_per_prompt
+        metrics = step_metrics(train_metrics, scheduled, seconds, samples_per_prompt, self.schedule.asynchronous)
+        if self.config.distillation.lambda_is_scheduled():  # the λ this step's coin was flipped against
+            metrics["train/lambda"] = self.config.distillation.lambda_at(self.policy_version)
+        return len(scheduled.examples), metrics
 
     def _refresh_generation(self) -> None:
         # Validation samples too, from the weights just trained (rollouts in flight finish first).
-        self.step_state.schedule.refresh_for_validation(self.step_state.policy_version)
+        self.schedule.refresh_for_validation(self.policy_version)
 
     def validate(self) -> dict[str, float] | None:
         """The student's accuracy, lengths and KL to the teacher (:func:`validate`); None without data."""
-        if self.val_dataloader is None:
+        if self.parts.val_dataloader is None:
             return None
         self._refresh_generation()
         return validate(
-            self.student_generation,
-            self.student_policy,
-            self.teacher_policy,
-            self.val_dataloader,
-            self.tokenizer,
+            self.parts.student_generation,
+            self.parts.student_policy,
+            self.parts.teacher_policy,
+            self.parts.val_dataloader,
+            self.parts.tokenizer,
             self.config.validation.generate_strategy,
             self.config.validation.teacher_topk,
-            loss_request=self.loss_fn.teacher_request,
+            loss_request=self.parts.loss_fn.teacher_request,
             episodes=Episodes.from_config(self.config.environment),
         )
 
     def before_first_step(self) -> dict[str, float]:
         """Once, on a fresh run: the teacher's answers (with its context, if any) and the eval baseline."""
-        if self.val_dataloader is None or not self.teacher_generation:
+        parts = self.parts
+        if parts.val_dataloader is None or not parts.teacher_generation:
             return {}
         if self.config.validation.eval_baseline:  # the student answers too: from its current weights
             self._refresh_generation()
         metrics = validation_baselines(
-            self.student_generation, self.teacher_generation, self.val_dataloader, self.tokenizer, self.config
+            parts.student_generation, parts.teacher_generation, parts.val_dataloader, parts.tokenizer, self.config
         )
         if metrics:
-            self.logger.log_metrics(metrics, 0, console_keys=list(metrics))
+            parts.logger.log_metrics(metrics, 0, console_keys=list(metrics))
         return metrics
 
     @property
@@ -335,12 +257,12 @@ class DistillationCallbacks(TrainingCallbacks):
     @property
     def in_flight(self) -> RolloutSchedule:
         """The rollout schedule: batches sampled (and scored) ahead of their step."""
-        return self.step_state.schedule
+        return self.schedule
 
     @property
     def teacher_state(self) -> TeacherInterface:
         """The teacher, whose state (an EMA teacher's average) is checkpointed with the run."""
-        return self.teacher_policy
+        return self.parts.teacher_policy
 
 
 def validation_baselines(

@@ -73,7 +73,6 @@ class FSDPPolicy(PolicyInterface):
         micro_batch_size: rows per forward/backward pass on each rank.
         micro_batch_tokens: a padded-token budget per micro-batch instead (length-sorted).
         sequence_packing: each micro-batch is packed into one row without padding.
-        teacher_in_workers: the workers hold a colocated teacher and score with it.
         on_close: called after the workers are gone (frees the cluster's resources).
     """
 
@@ -83,14 +82,12 @@ class FSDPPolicy(PolicyInterface):
         micro_batch_size: int,
         micro_batch_tokens: int | None,
         sequence_packing: bool,
-        teacher_in_workers: bool,
         on_close: Callable[[], None] | None = None,
     ) -> None:
         self.workers = workers
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         self.sequence_packing = sequence_packing
-        self.teacher_in_workers = teacher_in_workers
         self.on_close = on_close
 
     def plan(self, data: BatchedDataDict, packed: bool | None = None) -> list[list[BatchedDataDict]]:
@@ -131,7 +128,7 @@ class FSDPPolicy(PolicyInterface):
         plans = self.plan(data)
         dispatch_seconds = time.perf_counter() - start
         signals: list[Any] = [None] * len(plans)
-        if teacher_signal is not None and not self.teacher_in_workers:  # timed by the driver as teacher time
+        if teacher_signal is not None:  # timed by the driver as teacher time (a colocated teacher's: below)
             signals = _score_all(plans, teacher_signal)
         results = self.workers.call(
             "train",
@@ -157,16 +154,15 @@ class FSDPPolicy(PolicyInterface):
     ) -> dict[str, float]:
         """Sums of ``comparison`` over ``data``: each rank sums over its rows where its hidden states are.
 
-        Rows are dealt as for :meth:`train` (idle micro-batches add nothing). A colocated
-        teacher scores in the workers, so with a full-vocabulary request the ranks make
-        both models' logits chunk by chunk from hidden states in place; otherwise the
-        controller asks the teacher for each micro-batch and sends its (top-k, token or
-        hidden-state) answer along. Only each rank's sums come back.
+        Rows are dealt as for :meth:`train` (idle micro-batches add nothing). The teacher
+        is asked for each micro-batch and its (top-k, token or hidden-state) answer sent
+        along; a colocated teacher answers that the workers score it themselves
+        (:class:`~opd.models.interfaces.AnsweredWhereTrained`), so with a full-vocabulary
+        request the ranks make both models' logits chunk by chunk from hidden states in
+        place. Only each rank's sums come back.
         """
         plans = self.plan(data, packed=False)
-        signals: list[Any] = [None] * len(plans)
-        if not self.teacher_in_workers:
-            signals = [[teacher_signal(micro_batch) for micro_batch in plan] for plan in plans]
+        signals = [[teacher_signal(micro_batch) for micro_batch in plan] for plan in plans]
         return self.workers.call(
             "compare_with_teacher",
             comparison,

@@ -19,10 +19,11 @@ from typing import Any, Literal
 import ray
 import torch
 
+from opd.distributed.colocated_teacher import TeacherInTrainerWorkers
 from opd.distributed.config import ClusterConfig
 from opd.distributed.fsdp_policy import FSDPPolicy
 from opd.distributed.rollout import RayGeneration, RolloutSpec, RolloutWorker
-from opd.distributed.teacher_pool import ColocatedTeacher, TeacherPool, TeacherWorker
+from opd.distributed.teacher_pool import TeacherPool, TeacherWorker
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
 from opd.distributed.worker_hosts import warm_hosts
 from opd.distributed.workers.ray_cluster import build_pools, check_colocated_sharing, cpus_needed, start_ray
@@ -149,9 +150,11 @@ def build_cluster_backends(
         request: what the run needs.
 
     Returns:
-        The student, one teacher per entry of ``request.teacher_paths``, in order (a facade of
-        each teacher colocated in the trainer workers, or each in its own pool of
-        ``cluster.teacher.workers``; served teachers are the caller's) and the rollout engine.
+        The student, the teachers the cluster runs and the rollout engine. Teachers colocated
+        in the trainer workers are one: the run's teacher as every worker assembled it
+        around them (:class:`~opd.distributed.colocated_teacher.TeacherInTrainerWorkers`).
+        Teachers in pools are one per entry of ``request.teacher_paths``, in order, each in
+        its own pool of ``cluster.teacher.workers`` (served teachers are the caller's).
 
     Raises:
         ConfigError: a torch older than :data:`TORCH_FLOOR`, or colocated roles with more workers than
@@ -189,8 +192,8 @@ def build_cluster_backends(
         if request.checkpoint_dir is not None:  # before any step: a run that could not resume stops now
             check_shared_directory(trainer, Path(request.checkpoint_dir))
         teachers: list[TeacherInterface] = []
-        if colocated_teacher:  # the workers hold them all; the controller gets a facade of each
-            teachers.extend(ColocatedTeacher(trainer, member) for member in range(len(paths)))
+        if colocated_teacher:  # the workers hold them all and assemble the run's teacher; the driver asks this
+            teachers.append(TeacherInTrainerWorkers(trainer, trainer.call("teacher_student_classes")))
         else:
             for index, (role, path) in enumerate(request.teacher_paths.items()):
                 slots = pools.teacher[index * per_pool : (index + 1) * per_pool]
@@ -223,7 +226,6 @@ def build_cluster_backends(
         request.micro_batch_size,
         request.micro_batch_tokens,
         request.sequence_packing,
-        teacher_in_workers=colocated_teacher,
         on_close=release,
     )
     generation = RayGeneration(

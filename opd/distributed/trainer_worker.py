@@ -56,6 +56,7 @@ from opd.distributed.workers.dispatch import Split, dispatch, every, first, noth
 from opd.distributed.workers.shared_directory import marker_name
 from opd.models.config import LoraConfig, ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import (
+    AnsweredWhereTrained,
     FullVocabRequest,
     LossFunction,
     TeacherComparison,
@@ -467,8 +468,9 @@ class TrainerWorker(RefitSender):
             global_valid_seqs: sequences of the whole global batch.
             micro_batches: this rank's share, as many micro-batches as every other rank
                 (already packed when the run packs sequences).
-            teacher_signals: the teacher's answer for each micro-batch when the teacher
-                runs elsewhere; None to score with the colocated teacher (or no teacher).
+            teacher_signals: the teacher's answer for each micro-batch (from a colocated
+                teacher, :class:`~opd.models.interfaces.AnsweredWhereTrained`: score it
+                here); None when the loss asks for no teacher.
 
         Returns:
             The global metrics (the same on every rank), plus this rank's own timings:
@@ -476,26 +478,23 @@ class TrainerWorker(RefitSender):
             whole call).
         """
         start = time.perf_counter()
-        request = loss_fn.teacher_request
         teacher_seconds = 0.0
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
 
         def teacher_answer(index: int, micro_batch: BatchedDataDict) -> TeacherSignal | None:
             nonlocal teacher_seconds
-            if teacher_signals is not None:
-                return self._received(teacher_signals[index])
-            if request is None:
+            if teacher_signals is None:
                 return None
             teacher_start = time.perf_counter()
-            answer = self._score_colocated(micro_batch, request)
+            answer = self._answer(teacher_signals[index], micro_batch)
             teacher_seconds += time.perf_counter() - teacher_start
             return answer
 
         totals = accumulate_gradients(
             micro_batches, self.device, self._forward, loss_fn, teacher_answer, global_valid_tokens, global_valid_seqs
         )
-        if teacher_signals is None:
+        if self.teacher_members:
             # Kept gathered over the micro-batches (one all-gather per step), freed for what comes next.
             self._release_teachers()
         totals = self._sum_over_ranks(totals)
@@ -537,6 +536,12 @@ class TrainerWorker(RefitSender):
         """
         return bind_members(signal_to_device(signal, self.device), self.teacher_heads, f"trainer rank {self.rank}")
 
+    def _answer(self, signal: TeacherSignal, micro_batch: BatchedDataDict) -> TeacherSignal:
+        """The teacher's answer for ``micro_batch``: as sent, or made here when the driver's teacher says so."""
+        if isinstance(signal, AnsweredWhereTrained):
+            return self._score_colocated(micro_batch, signal.request)
+        return self._received(signal)
+
     def _score_colocated(self, micro_batch: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
         """The colocated teachers' answer for a micro-batch, as the run's teacher gives it in one process.
 
@@ -567,28 +572,31 @@ class TrainerWorker(RefitSender):
 
     # ------------------------------------------------------------------ inference
 
+    @dispatch(gather=first)
+    def teacher_student_classes(self) -> torch.Tensor | None:
+        """What the assembled teacher's top-k ids name, when it has another tokenizer (None: student tokens)."""
+        return None if self.teacher is None else self.teacher.student_classes
+
     @dispatch(Split.PER_RANK, gather=summed)
     def compare_with_teacher(
         self,
         comparison: TeacherComparison,
         micro_batches: list[BatchedDataDict],
-        teacher_signals: list[TeacherSignal] | None,
+        teacher_signals: list[TeacherSignal],
     ) -> dict[str, float]:
         """This rank's sums of ``comparison`` over its micro-batches (every rank must call it).
 
         The student runs to its final hidden states without gradient; ``comparison`` makes
         the logits from them chunk by chunk. The teacher's answers come from the controller,
-        or (None) from the colocated teacher, which answers a full-vocabulary request with
-        its own hidden states and head: no ``[B, L, V]`` tensor is made or sent.
+        or (:class:`~opd.models.interfaces.AnsweredWhereTrained`) from the colocated teacher,
+        which answers a full-vocabulary request with its own hidden states and head: no
+        ``[B, L, V]`` tensor is made or sent.
         """
         totals: dict[str, float] = {}
         with torch.no_grad():
             for index, micro_batch in enumerate(micro_batches):
                 micro_batch = micro_batch.to(self.device)
-                if teacher_signals is not None:
-                    teacher_output = self._received(teacher_signals[index])
-                else:
-                    teacher_output = self._score_colocated(micro_batch, comparison.teacher_request)
+                teacher_output = self._answer(teacher_signals[index], micro_batch)
                 hidden = getattr(self.model, HIDDEN_STATES_METHOD)(**model_inputs(micro_batch, self.device))
                 # Read after the forward: the root's weights (the head) are gathered only then.
                 student = output_layer_of(self.model, "the student").over(hidden)

@@ -165,14 +165,6 @@ def keep_workers_warm(max_idle: int = DEFAULT_MAX_IDLE) -> WarmHosts:
     return _warm
 
 
-def stop_keeping_workers_warm() -> None:
-    """Ends the idle hosts; later runs start their own actors again."""
-    global _warm
-    if _warm is not None and ray.is_initialized() and ray.get_runtime_context().gcs_address == _warm.address:
-        _warm.close()
-    _warm = None
-
-
 def warm_hosts() -> WarmHosts | None:
     """The warm hosts of the cluster this process is connected to, or None (the default: fresh actors)."""
     if _warm is None or not ray.is_initialized() or ray.get_runtime_context().gcs_address != _warm.address:

@@ -251,14 +251,34 @@ def bind_teacher_head(signal: TeacherSignal, layer: OutputLayer | None, holder: 
     return signal.bind(layer)
 
 
-SingleTeacherSignal = torch.Tensor | LMHeadInput | TeacherHiddenStates | tuple[torch.Tensor, torch.Tensor]
+@dataclass(frozen=True)
+class AnsweredWhereTrained:
+    """The answer of a teacher that lives in the trainer's own workers: computed there, per micro-batch.
+
+    A colocated cluster teacher (:class:`~opd.distributed.colocated_teacher.TeacherInTrainerWorkers`)
+    answers the driver with this: each trainer worker then scores the micro-batch with the
+    teacher it holds, where the student's hidden states are, so that a full-vocabulary
+    answer never leaves the device.
+    """
+
+    request: TeacherRequest
+
+    def to(self, device: torch.device) -> AnsweredWhereTrained:
+        """Itself: nothing to move (the answer is made where the micro-batch is)."""
+        return self
+
+
+SingleTeacherSignal = (
+    torch.Tensor | LMHeadInput | TeacherHiddenStates | tuple[torch.Tensor, torch.Tensor] | AnsweredWhereTrained
+)
 """One teacher's answer (see :data:`TeacherSignal`)."""
 
 TeacherSignal = SingleTeacherSignal | SeveralTeachersSignal
 """A teacher's answer: logits or token log-probs, hidden states and head (or hidden states
 alone, :class:`TeacherHiddenStates`, from a teacher in other processes), or top-k (log-probs, ids)
 (a :class:`TopKLogprobs` when the teacher sends its rest mass too); several teachers answer
-with a :class:`SeveralTeachersSignal`."""
+with a :class:`SeveralTeachersSignal`; a teacher in the trainer's workers with
+:class:`AnsweredWhereTrained`."""
 
 
 def signal_to_device(signal: TeacherSignal, device: torch.device) -> TeacherSignal:

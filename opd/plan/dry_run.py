@@ -60,6 +60,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.distributed.fsdp import HIDDEN_STATES_METHOD, device_mesh, shard_model
 from opd.distributed.trainer_worker import ShardedTeacher, TrainerSpec, TrainerWorker
 from opd.models.interfaces import (
+    AnsweredWhereTrained,
     FullVocabRequest,
     LossFunction,
     TeacherHiddenStates,
@@ -908,10 +909,13 @@ def _trace_rank(
     with _fake_step(rank, world_size, spec.shard_group_size, shape, audit) as mesh:
         micro_batch = _micro_batch(shape, vocab_size)  # fake host tensors, as the controller sends them
         request = loss_fn.teacher_request
-        signals = (
-            [_teacher_answer(request, shape, vocab_size, teacher_hidden_size)] * shape.micro_batches
-            if spec.teacher_path is None and request is not None
-            else None
+        # A teacher apart sends its answer; a colocated one answers in the worker (as the driver's facade says).
+        signals: list[TeacherSignal] | None = (
+            None
+            if request is None
+            else [_teacher_answer(request, shape, vocab_size, teacher_hidden_size)] * shape.micro_batches
+            if spec.teacher_path is None
+            else [AnsweredWhereTrained(request)] * shape.micro_batches
         )
         trainer = TrainerWorker(rank, world_size, spec)
         trainer.build(mesh, device)

@@ -270,7 +270,7 @@ def plan_memory(
             trainer (a pool or a served teacher), or a model without a config.
     """
     cluster = _plannable_cluster(config)
-    from opd.distillation.setup import resolve_teacher_path
+    from opd.distillation.teacher_loading import resolve_teacher_path
 
     world = cluster.trainer.workers
     # HSDP shards within groups of shard_group_size ranks (and replicates across them).

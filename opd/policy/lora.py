@@ -134,14 +134,6 @@ def _copy_own_part(param: torch.Tensor, whole: torch.Tensor) -> None:
     local.copy_(whole[tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))])
 
 
-def base_weight_name(name: str) -> str:
-    """The base model's name of a wrapped model's base-layer tensor (peft's ``<layer>.base_layer.<leaf>``).
-
-    What a model's weight files call it; other names come back unchanged.
-    """
-    return name.replace(_BASE_LAYER + ".", ".")
-
-
 def plain_entries(
     model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:

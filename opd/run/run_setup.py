@@ -27,14 +27,6 @@ from opd.utils.errors import ConfigError
 log = logging.getLogger("opd")
 
 
-class DriverArguments:
-    """Base of a ``setup()`` result: a dataclass whose fields are its driver's keyword arguments."""
-
-    def as_arguments(self) -> dict[str, Any]:
-        """The fields by name, for ``driver(**components.as_arguments())``."""
-        return dict(vars(self))
-
-
 def load_run_tokenizer(path: str, trust_remote_code: bool, data: DataConfig) -> Any:
     """The run's tokenizer, with ``data.chat_template`` replacing its own template when set."""
     return load_tokenizer(path, trust_remote_code, data.chat_template)

@@ -45,6 +45,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_rows, select_segments
 from opd.kernels.topk_rest import rest_logprobs_from_topk
 from opd.models.interfaces import (
+    AnsweredWhereTrained,
     FullVocabRequest,
     Pending,
     PerTeacherRequest,
@@ -112,6 +113,8 @@ def _map_single(signal: TeacherSignal, per_row: Callable[[torch.Tensor], torch.T
         return TopKLogprobs(per_row(signal.logprobs), per_row(signal.ids), rest)
     if isinstance(signal, tuple):
         return (per_row(signal[0]), per_row(signal[1]))
+    if isinstance(signal, AnsweredWhereTrained):  # made where the rows are: nothing to select
+        return signal
     return per_row(signal)
 
 

@@ -60,7 +60,7 @@ def train(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
     config = load_config(MasterConfig, TINY, [*short_run_overrides(tmp_path, name), "training.save_freq=0", *overrides])
     components = setup(config)
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()
     return steps_of(Path(config.output_dir))

@@ -83,7 +83,7 @@ def run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
     )
     components = setup(config)
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()
     return [record for record in read_metrics(Path(config.output_dir) / "logs") if "train/loss" in record]

@@ -44,7 +44,7 @@ def run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
     config = load_config(MasterConfig, TINY, [*short_run_overrides(tmp_path, name), *CONTEXT, *overrides])
     components = setup(config)
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()
     return read_metrics(Path(config.output_dir) / "logs")

@@ -69,7 +69,7 @@ def equivalence_config(tmp_path: Path, name: str, *overrides: str) -> MasterConf
 def train(config: MasterConfig) -> None:
     components = setup(config)
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()
 

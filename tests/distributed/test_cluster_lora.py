@@ -71,7 +71,7 @@ def lora_config(tmp_path: Path, *overrides: str) -> MasterConfig:
 def train(config: MasterConfig) -> None:
     components = setup(config)
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()
 
@@ -101,7 +101,7 @@ def runs(ray_cluster, tmp_path_factory):
     on_cluster = lora_config(tmp_path_factory.mktemp("cluster"), *from_directory, *CLUSTER)
     components = setup(on_cluster)
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
         output_dir = Path(on_cluster.output_dir)
         policy, engines = components.student_policy, components.student_generation
         engines.refit(policy)

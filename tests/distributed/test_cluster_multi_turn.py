@@ -63,7 +63,7 @@ def run(tmp_path: Path, *cluster: str) -> tuple[list[dict], dict, set[str]]:
             return forced(*args, **kwargs)
 
         generation.generate = recording
-        distillation_train(**parts.as_arguments())
+        distillation_train(parts)
     finally:
         parts.close()
     records = [record for record in read_metrics(Path(config.output_dir) / "logs") if "train/loss" in record]

@@ -39,7 +39,7 @@ RELATIVE_TOLERANCE = 1e-5
 def run(config: MasterConfig) -> list[dict]:
     components = setup(config)
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()
     return [record for record in read_metrics(Path(config.output_dir) / "logs") if "train/loss" in record]

@@ -37,7 +37,7 @@ from opd.distributed.workers.shared_directory import check_shared_directory
 from opd.distributed.workers.worker_group import Slot, WorkerGroup
 from opd.losses.divergences import token_kl, topk_token_kl
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
-from opd.models.interfaces import FullVocabRequest, TopKRequest
+from opd.models.interfaces import AnsweredWhereTrained, FullVocabRequest, TopKRequest
 from opd.models.loading import load_causal_lm
 from opd.run.validation import ValidationKL, validate
 from opd.teachers.local_teacher import LocalTeacher
@@ -171,7 +171,7 @@ class ElsewhereForRankZero:
 def test_a_final_model_the_controller_cannot_read_fails_clearly(components, tmp_path):
     _, built = components
     policy = FSDPPolicy(
-        ElsewhereForRankZero(built.student_policy.workers, tmp_path / "node_local"), 2, None, False, True
+        ElsewhereForRankZero(built.student_policy.workers, tmp_path / "node_local"), 2, None, False
     )
     expected = tmp_path / "final_model"
     with pytest.raises(OpdError, match=r"config.json, the weights .* missing. output_dir must be on a filesystem"):
@@ -222,8 +222,6 @@ def one_process_sums(batch: BatchedDataDict, request, vocab: int) -> dict[str, f
     return sums
 
 
-def no_controller_teacher(_rows):
-    raise AssertionError("a colocated teacher scores in the workers")
 
 
 @pytest.mark.parametrize(
@@ -234,9 +232,9 @@ def no_controller_teacher(_rows):
 def test_two_ranks_sum_the_kl_of_one_process(components, request_, teacher_in_workers):
     _, built = components
     batch, vocab = fixed_batch(), 200
-    policy = FSDPPolicy(built.student_policy.workers, 2, None, False, teacher_in_workers)
-    if teacher_in_workers:
-        teacher_signal = no_controller_teacher
+    policy = FSDPPolicy(built.student_policy.workers, 2, None, False)
+    if teacher_in_workers:  # the driver's facade of the colocated teacher: each worker scores its own rows
+        teacher_signal = lambda rows: AnsweredWhereTrained(request_)  # noqa: E731
     else:
         loading = ModelLoadingConfig(dtype="float32", device="cpu")
         local = LocalTeacher(load_causal_lm("tiny:teacher", torch.float32, torch.device("cpu"), loading))

@@ -55,7 +55,7 @@ def run(config_: MasterConfig) -> tuple[list[dict], dict]:
     """The run's step records and its final weights."""
     components = setup(config_)
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()
     output = Path(config_.output_dir)

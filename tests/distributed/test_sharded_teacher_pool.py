@@ -126,7 +126,7 @@ def run(config_: MasterConfig) -> tuple[list[dict], int, tuple[int, ...] | None]
         mesh_shape = ray.get(trainer.actors[0].__ray_call__.remote(
             lambda worker: tuple(next(worker.model.parameters()).device_mesh.shape)))
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()
     records = [record for record in read_metrics(Path(config_.output_dir) / "logs") if "train/loss" in record]

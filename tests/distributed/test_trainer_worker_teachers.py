@@ -60,7 +60,7 @@ def run(config: MasterConfig) -> tuple[list[dict], dict]:
     """The run's step records and its final weights."""
     components = setup(config)
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()
     output = Path(config.output_dir)

@@ -228,7 +228,7 @@ def test_a_hung_rollout_worker_stops_the_run_naming_role_rank_node_and_checkpoin
     components = setup(config)
     try:
         with pytest.raises(WorkerError) as caught:
-            distillation_train(**components.as_arguments())
+            distillation_train(components)
     finally:
         components.close()
     stopped = time.time()

@@ -189,7 +189,7 @@ def train(
         for engine in components.teacher_generation:
             first_turn_calls_the_tool(engine.generation, engine.tokenizer, CALL)
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()
     records = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines()]

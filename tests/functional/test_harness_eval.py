@@ -116,7 +116,7 @@ def test_a_run_ends_with_the_harness(tmp_path, monkeypatch):
     from opd.distillation.setup import setup
     from opd.distillation.step import distillation_train
 
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     log_dir = Path(config.logger.log_dir)
     records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     harness = [record for record in records if f"{METRIC_PREFIX}opd_arithmetic/{METRIC}" in record]

@@ -61,7 +61,7 @@ def test_run_trains_on_multi_turn_rollouts(tmp_path, scheduler):
         return real_score(batch, request)
 
     parts.teacher_policy.score = recording_score  # type: ignore[method-assign]
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
 
     assert scored, "the teacher scored the trajectories"
     for batch in scored:
@@ -116,7 +116,7 @@ def test_a_run_killed_with_episodes_in_flight_resumes_to_the_uninterrupted_run(t
     reference_config = killed_run_config(tmp_path, "reference")
     reference = setup(reference_config)
     first_turn_calls_the_tool(reference.student_generation, reference.tokenizer, CALL)
-    distillation_train(**reference.as_arguments())
+    distillation_train(reference)
 
     # The same run killed during step 3: step_2's checkpoint holds step 3's episodes, sampled ahead.
     config = killed_run_config(tmp_path, "killed")
@@ -132,13 +132,13 @@ def test_a_run_killed_with_episodes_in_flight_resumes_to_the_uninterrupted_run(t
 
     first.student_policy.train = crash_at_step_3  # type: ignore[method-assign]
     with pytest.raises(Crash):
-        distillation_train(**first.as_arguments())
+        distillation_train(first)
     first.close()
 
     resumed = setup(config)
     assert resumed.distillation_save_state["step"] == 2
     first_turn_calls_the_tool(resumed.student_generation, resumed.tokenizer, CALL)
-    distillation_train(**resumed.as_arguments())
+    distillation_train(resumed)
 
     def logged(run_config: MasterConfig) -> list[dict]:
         lines = (Path(run_config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()
@@ -187,7 +187,7 @@ def test_fixed_data_steps_train_on_recorded_episodes_with_the_assistant_turns_al
         return real_score(batch, request)
 
     parts.teacher_policy.score = recording_score  # type: ignore[method-assign]
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
     tokenizer = parts.tokenizer
     assert scored
     for batch in scored:
@@ -239,7 +239,7 @@ def test_validation_plays_episodes_for_the_student_and_the_baselines(tmp_path):
         return real_score(batch, request)
 
     parts.teacher_policy.score = recording_score  # type: ignore[method-assign]
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
 
     for batch in scored:  # the teacher's own prompt (with its context) lists the tools too
         for prompt in batch["teacher_prompt_ids"]:

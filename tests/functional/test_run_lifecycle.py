@@ -476,7 +476,7 @@ def run_with_nan_steps(config: MasterConfig, nan_steps) -> dict:
     policy.train = spy_train
     parts.loss_fn = NaNOnSomeSteps(parts.loss_fn, lambda: nan_steps == "all" or step["n"] in nan_steps)
     try:
-        distillation_train(**parts.as_arguments())
+        distillation_train(parts)
     except TrainingDivergedError as error:
         trace["error"] = error
     trace["records"] = train_records(Path(config.output_dir))
@@ -543,7 +543,7 @@ def test_keep_top_k_keeps_newest_and_best_checkpoint(tmp_path, higher_is_better)
         "checkpointing.metric_name=val/kl_reverse",
         f"checkpointing.higher_is_better={str(higher_is_better).lower()}",
     )
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     validations = {r["step"]: r["val/kl_reverse"] for r in read_records(output_dir) if "val/kl_reverse" in r}
     assert sorted(validations) == [2, 4, 6, 8]
     pick = max if higher_is_better else min
@@ -563,7 +563,7 @@ def test_keep_top_k_keeps_newest_and_best_checkpoint(tmp_path, higher_is_better)
 def test_teacher_baseline_logs_step_zero_record_without_kl(tmp_path):
     output_dir = tmp_path / "run"
     config = inprocess_config(output_dir, "training.max_num_steps=1", "validation.teacher_baseline=true")
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     step_zero = [r for r in read_records(output_dir) if r["step"] == 0]
     assert len(step_zero) == 1, step_zero
     record = step_zero[0]

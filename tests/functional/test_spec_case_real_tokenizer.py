@@ -184,7 +184,7 @@ def test_distillation_math_yaml_trains_a_few_steps(tmp_path, models):
     assert config.distillation.num_samples_per_prompt == 4 and config.loss_fn.type == "full_vocab"
     components = setup(config)
     assert components.student_generation.stop_ids == (151643, 151645)
-    distillation_train(**components.as_arguments())
+    distillation_train(components)
     records = [json.loads(line) for line in (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = [record for record in records if "train/on_policy" in record]
     assert len(steps) == 2

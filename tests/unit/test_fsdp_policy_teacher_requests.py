@@ -96,7 +96,7 @@ class OrderLog:
 
 def sent_and_expected(teacher: TeacherInterface, request: TeacherRequest, scorer) -> tuple[list, list]:
     ranks = RecordingRanks()
-    FSDPPolicy(ranks, MICRO_BATCH_SIZE, None, False, False).train(batch(), NLLLossFn(), scorer)  # type: ignore[arg-type]
+    FSDPPolicy(ranks, MICRO_BATCH_SIZE, None, False).train(batch(), NLLLossFn(), scorer)  # type: ignore[arg-type]
     sent = [signal for _, signals in ranks.sent for signal in signals]
     expected = [teacher.score(micro_batch, request) for micro_batches, _ in ranks.sent for micro_batch in micro_batches]
     return sent, expected

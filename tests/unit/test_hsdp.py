@@ -93,7 +93,7 @@ def spec(teacher: bool = False) -> TrainerSpec:
 
 def train_step(worker: TrainerWorker, data: BatchedDataDict, rank: int) -> dict[str, float]:
     """One step of this rank's share, planned as the controller plans it (:meth:`FSDPPolicy.plan`)."""
-    planner = FSDPPolicy(types.SimpleNamespace(size=WORLD), MICRO_BATCH_SIZE, None, False, False)  # type: ignore[arg-type]
+    planner = FSDPPolicy(types.SimpleNamespace(size=WORLD), MICRO_BATCH_SIZE, None, False)  # type: ignore[arg-type]
     plan = planner.plan(data)[rank]
     tokens = int(shift_token_mask(data["token_mask"]).sum())
     return worker.train(NLLLossFn(), tokens, data.size, plan, None)

@@ -46,7 +46,7 @@ def steps(tmp_path, scheduler: str, backend: str) -> list[dict]:
     ]
     components = setup(load_config(MasterConfig, TINY, overrides))
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()
     records = [json.loads(line) for line in (output / "logs" / "metrics.jsonl").read_text().splitlines()]

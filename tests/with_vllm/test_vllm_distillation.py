@@ -41,7 +41,7 @@ def test_distillation_with_vllm_rollouts_equals_the_hf_backend_run(tmp_path, tas
         parts = setup(config)
         assert isinstance(parts.student_generation, VllmGeneration if backend == "vllm" else HFGeneration)
         try:
-            distillation_train(**parts.as_arguments())
+            distillation_train(parts)
         finally:
             parts.close()  # closes the vLLM engine (a no-op for the HF backend)
         lines = (tmp_path / backend / "logs" / "metrics.jsonl").read_text().splitlines()

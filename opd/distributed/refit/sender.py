@@ -46,11 +46,6 @@ def bucket_bytes_of(bucket: list[tuple[str, torch.Tensor]]) -> int:
     return sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
 
 
-def _sent_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    """The dtype ``tensor`` travels in: ``dtype`` for floating point, its own otherwise (as the gather casts)."""
-    return dtype if tensor.is_floating_point() else tensor.dtype
-
-
 class RefitSender:
     """The refit methods of a trainer rank (see the module docstring).
 

@@ -74,7 +74,7 @@ def run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
         "training.off_policy_correction.enabled=true",
     ]
     config = load_config(MasterConfig, TINY_CONFIG, [*base, *overrides])
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     lines = (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()
     return [record for record in map(json.loads, lines) if "train/loss" in record]
 

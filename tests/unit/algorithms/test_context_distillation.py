@@ -223,7 +223,7 @@ def run_metrics(tmp_path, name: str, overrides: list[str]) -> list[dict]:
         "validation.val_at_start=false", "validation.val_at_end=false",
         "loss_fn.kl_type=forward", "loss_fn.fused_lm_head=false",
     ] + overrides)
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     lines = (tmp_path / name / "logs" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 

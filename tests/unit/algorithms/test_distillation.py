@@ -207,7 +207,7 @@ def test_lambda_zero_never_generates(tmp_path):
     config = run_config(tmp_path, "distillation.lambda=0")
     parts = setup(config)
     calls = count_generate_calls(parts.student_generation)
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
 
     records = train_records(config)
     assert [record["step"] for record in records] == [1, 2, 3]
@@ -222,7 +222,7 @@ def test_generation_decode_loop_is_chosen_by_the_config(tmp_path, decode_loop):
     config = run_config(tmp_path, f"generation.decode_loop={decode_loop}")
     parts = setup(config)
     assert parts.student_generation.decode_loop == decode_loop
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
     assert all(record["train/on_policy"] == 1 for record in train_records(config))
 
 
@@ -236,7 +236,7 @@ def test_lambda_half_follows_seeded_coin(tmp_path):
     config = run_config(tmp_path, "distillation.lambda=0.5", f"training.max_num_steps={steps}")
     parts = setup(config)
     calls = count_generate_calls(parts.student_generation)
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
 
     coin = random.Random(config.training.seed + 1)
     expected = [coin.random() < 0.5 for _ in range(steps)]
@@ -307,7 +307,7 @@ def e2e_run(tmp_path_factory):
 
     generation.generate = recording_generate  # type: ignore[method-assign]
     teacher_policy.score = recording_score  # type: ignore[method-assign]
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
     return {
         "config": config,
         "parts": parts,
@@ -427,7 +427,7 @@ def test_teacher_is_frozen(e2e_run):
 
 def test_rerunning_a_finished_run_changes_nothing(tmp_path):
     config = run_config(tmp_path, "checkpointing.enabled=true", "training.save_freq=0", "training.max_num_steps=2")
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     checkpoint = Path(config.checkpointing.checkpoint_dir) / "step_2"
     save_state = json.loads((checkpoint / "save_state.json").read_text())
     assert save_state["step"] == 2
@@ -436,7 +436,7 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path):
     log_lines = (Path(config.logger.log_dir) / "metrics.jsonl").read_text()
 
     # The same command again resumes at step 2 of 2: nothing to do, nothing rewritten.
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     assert json.loads((checkpoint / "save_state.json").read_text()) == save_state
     assert (checkpoint / "policy" / "model.safetensors").read_bytes() == weights
     assert (Path(config.logger.log_dir) / "metrics.jsonl").read_text() == log_lines
@@ -444,7 +444,7 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path):
 
 def test_setup_refuses_to_overwrite_a_final_model_without_checkpoints(tmp_path):
     config = run_config(tmp_path, "training.max_num_steps=1")  # checkpointing disabled
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     final_model = Path(config.output_dir) / "final_model"
     before = (final_model / "model.safetensors").read_bytes()
     with pytest.raises(ConfigError, match="final_model"):

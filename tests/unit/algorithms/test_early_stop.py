@@ -217,7 +217,7 @@ def test_a_run_stops_when_validation_reaches_the_teacher(tmp_path, caplog):
         "training.early_stop.target=teacher",
     )
     with caplog.at_level(logging.INFO, logger="opd"):
-        distillation_train(**setup(config).as_arguments())
+        distillation_train(setup(config))
     lines = [record.getMessage() for record in caplog.records if "training.early_stop" in record.getMessage()]
     assert lines == [
         "training.early_stop: the target is the teacher's val/teacher_accuracy = 0",
@@ -244,7 +244,7 @@ def test_a_run_stops_when_validation_reaches_the_teacher(tmp_path, caplog):
 
     # Rerunning the same command finds the run complete.
     before = (Path(config.logger.log_dir) / "metrics.jsonl").read_text()
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     assert (Path(config.logger.log_dir) / "metrics.jsonl").read_text() == before
     assert checkpoint_steps(config) == [1, 2]
 
@@ -258,7 +258,7 @@ def test_a_resumed_run_stops_at_the_step_of_the_uninterrupted_run(tmp_path):
         "training.early_stop.min_delta=100.0",
     ]
     config = run_config(tmp_path, "uninterrupted", *rule)
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     uninterrupted = records(config)
     assert max(record["step"] for record in uninterrupted) == 6
     assert checkpoint_steps(config) == [1, 2, 3, 4, 5, 6]
@@ -271,7 +271,7 @@ def test_a_resumed_run_stops_at_the_step_of_the_uninterrupted_run(tmp_path):
     assert saved["early_stop"]["bad_validations"] == 2 and not saved["early_stop"]["stopped"]
     shutil.rmtree(checkpoints / "step_6")
     shutil.rmtree(Path(resumed.output_dir) / "final_model")
-    distillation_train(**setup(resumed).as_arguments())
+    distillation_train(setup(resumed))
     assert checkpoint_steps(resumed) == [1, 2, 3, 4, 5, 6]
     again = records(resumed)
 
@@ -303,7 +303,7 @@ def test_sft_stops_by_the_same_rule(tmp_path):
             "training.early_stop.target=0.0",
         ],
     )
-    sft_train(**sft_setup(config).as_arguments())
+    sft_train(sft_setup(config))
     log = records(config)
     assert [record["step"] for record in log if "train/loss" in record] == [1, 2]
     assert [record["step"] for record in log if "early_stop/stopped" in record] == [2]

@@ -304,7 +304,7 @@ def test_lambda_half_training_uses_the_generated_answers(reference, tmp_path, mo
     monkeypatch.setattr(schedule_module, "build_fixed_data_batch", recording_build)
     components = setup(config)
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()
 

@@ -219,7 +219,7 @@ def test_a_one_step_off_run_weighs_its_stale_batch(tmp_path):
         "distillation.generate_strategy.max_length=8",
         "loss_fn.type=hybrid_full_vocab", "loss_fn.adv_tau=0.5", "loss_fn.student_tau=0.5",
     ])
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "train/loss" in row]
     assert [row["train/staleness_max"] for row in steps] == [0, 1]
@@ -234,7 +234,7 @@ def test_a_short_run_with_the_verifier_reward_trains_and_logs_it(tmp_path):
         "validation.val_at_start=false", "validation.val_at_end=false",
         "loss_fn.type=hybrid_full_vocab", "loss_fn.adv_tau=0.5", "loss_fn.student_tau=0.5",
     ])
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "train/loss" in row]
     assert len(steps) == 2

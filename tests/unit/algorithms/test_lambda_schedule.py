@@ -80,7 +80,7 @@ def test_each_step_flips_its_coin_against_its_own_lambda(tmp_path, scheduler):
         f"training.scheduler={scheduler}",
         "distillation.lambda={schedule: step, start: 0.0, end: 1.0, steps: 3}",
     )
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     records = [json.loads(line) for line in (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()]
     train = [record for record in records if "train/on_policy" in record]
     assert [record["train/on_policy"] for record in train] == [0, 0, 1, 1]

@@ -207,7 +207,7 @@ def test_fused_and_plain_runs_log_the_same_losses(tmp_path):
     runs = {}
     for fused in ("true", "false"):
         config = run_config(tmp_path / fused, f"loss_fn.fused_lm_head={fused}", "loss_fn.kl_type=mixed")
-        distillation_train(**setup(config).as_arguments())
+        distillation_train(setup(config))
         runs[fused] = train_records(config)
     assert len(runs["true"]) == len(runs["false"]) == 3
     for fused, plain in zip(runs["true"], runs["false"]):
@@ -232,7 +232,7 @@ def test_each_teacher_signal_trains(tmp_path, overrides, expected_keys):
     config = run_config(tmp_path, "training.learning_rate=1e-3", *overrides)
     parts = setup(config)
     before = {name: p.detach().clone() for name, p in parts.student_policy.model.named_parameters()}
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
     records = train_records(config)
     assert len(records) == 3
     for record in records:

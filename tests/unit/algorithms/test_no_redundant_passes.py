@@ -68,7 +68,7 @@ def test_on_policy_step_runs_each_model_once_per_micro_batch(tmp_path, fused, lo
     parts = setup(run_config(tmp_path, "distillation.lambda=1.0", "distillation.num_samples_per_prompt=2",
                              f"loss_fn.fused_lm_head={fused}", f"loss_fn.type={loss_type}"))
     student, teacher = count_passes(parts)
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
     micro_batches = STEPS * BATCH * 2 // 2  # two samples per prompt, two sequences per micro-batch
     # The student: one training forward per micro-batch (its backward follows), no
     # gradient-free re-scoring of its own samples; the rest is generation.
@@ -85,14 +85,14 @@ def test_without_prompt_sharing_the_teacher_runs_once_per_micro_batch(tmp_path):
     parts = setup(run_config(tmp_path, "distillation.lambda=1.0", "distillation.num_samples_per_prompt=2",
                              "teacher.share_prompt_forward=false"))
     _, teacher = count_passes(parts)
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
     assert teacher.calls == {"generation": 0, "with_grad": 0, "without_grad": STEPS * BATCH * 2 // 2}
 
 
 def test_fixed_data_steps_generate_nothing(tmp_path):
     parts = setup(run_config(tmp_path, "distillation.lambda=0.0", "distillation.num_samples_per_prompt=2"))
     student, teacher = count_passes(parts)
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
     micro_batches = STEPS * BATCH // 2  # fixed data: one sequence per prompt, whatever the sample count
     assert student.calls == {"generation": 0, "with_grad": micro_batches, "without_grad": 0}
     assert teacher.calls == {"generation": 0, "with_grad": 0, "without_grad": micro_batches}

@@ -436,7 +436,7 @@ def _one_step_off_run(tmp_path, enabled: str, *extra: str) -> list[dict]:
             *extra,
         ],
     )
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     rows = [json.loads(line) for line in (tmp_path / enabled / "logs" / "metrics.jsonl").read_text().splitlines()]
     return [row for row in rows if "train/loss" in row]
 

@@ -111,7 +111,7 @@ def test_each_batch_is_sampled_with_the_weights_the_schedule_states(tmp_path, sc
     depth = DEPTHS[scheduler]
     assert isinstance(parts.student_generation, SnapshotHFGeneration if depth else HFGeneration)
     calls = record_training(parts)
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
 
     steps = records(config)
     assert len(calls) == len(steps) == 5
@@ -139,7 +139,7 @@ def test_importance_ratio_metrics(tmp_path):
     config = run_config(tmp_path, "one_step_off", "training.off_policy_correction.enabled=true")
     parts = setup(config)
     assert parts.loss_fn.off_policy is not None
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
     steps = records(config)
     assert steps[0]["train/staleness_mean"] == 0 and steps[0]["train/is_ratio_mean"] == 1.0
     assert steps[0]["train/is_ratio_max"] == 1.0
@@ -161,7 +161,7 @@ def test_correction_off_leaves_stale_samples_unweighted(tmp_path, overrides):
     config = run_config(tmp_path, "one_step_off", *overrides)
     parts = setup(config)
     assert parts.loss_fn.off_policy is None
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
     assert not any("train/is_ratio_mean" in step for step in records(config))
 
 
@@ -195,7 +195,7 @@ def test_crash_and_rerun_trains_exactly_what_the_uninterrupted_run_trains(tmp_pa
     reference_config = run_config(tmp_path, scheduler, *common, run_name="reference")
     reference = setup(reference_config)
     reference_calls = record_training(reference)
-    distillation_train(**reference.as_arguments())
+    distillation_train(reference)
 
     config = run_config(tmp_path, scheduler, *common, run_name="crashed")
     first = setup(config)
@@ -209,13 +209,13 @@ def test_crash_and_rerun_trains_exactly_what_the_uninterrupted_run_trains(tmp_pa
 
     first.student_policy.train = crash_at_step_5  # type: ignore[method-assign]
     with pytest.raises(Crash):
-        distillation_train(**first.as_arguments())
+        distillation_train(first)
     first.close()
 
     resumed = setup(config)  # finds step_3, with the batches it had in flight
     assert resumed.distillation_save_state["step"] == 3
     resumed_calls = record_training(resumed)
-    distillation_train(**resumed.as_arguments())
+    distillation_train(resumed)
 
     trained = [batch for _, batch in first_calls[:3]] + [batch for _, batch in resumed_calls]
     assert len(trained) == len(reference_calls) == 7
@@ -294,7 +294,7 @@ def test_what_each_weight_sync_moved_is_logged_with_its_step(tmp_path):
         return {"refit/bytes": reported[-1], "refit/bytes_delivered": 2 * reported[-1]}
 
     engine.refit = reporting_refit  # type: ignore[method-assign]
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
     steps = records(config)
     assert len(steps) == 5 and len(reported) == 5
     assert [record["refit/bytes"] for record in steps] == reported

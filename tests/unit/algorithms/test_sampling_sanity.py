@@ -110,7 +110,7 @@ def test_an_on_policy_run_logs_unique_responses(tmp_path):
         ],
     )
     # λ = 0.5 needs fixed answers: the tiny data has them.
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     records = [json.loads(line) for line in (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = [record for record in records if "train/on_policy" in record]
     assert {record["train/on_policy"] for record in steps} == {0, 1}, "want both kinds of step (seeded coin)"

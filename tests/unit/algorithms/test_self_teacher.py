@@ -311,7 +311,7 @@ EMA = ("teacher.self_teacher=ema", "teacher.ema_decay=0.5")
 def ema_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("ema_run")
     config = run_config(tmp_path, "uninterrupted", *EMA)
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     return tmp_path, config
 
 
@@ -322,7 +322,7 @@ def test_a_resumed_ema_run_equals_the_uninterrupted_one(ema_run):
     assert saved["ema_version"] == 2
     as_if_killed_after_step_2(config, "resumed", tmp_path)
     resumed = run_config(tmp_path, "resumed", *EMA)
-    distillation_train(**setup(resumed).as_arguments())
+    distillation_train(setup(resumed))
     assert train_losses(resumed) == train_losses(config)
     assert [step for step, _ in train_losses(config)] == [1, 2, 3, 4]
     for file in ("final_model/model.safetensors",):
@@ -341,12 +341,12 @@ def test_a_checkpoint_of_another_self_teacher_is_refused(ema_run, tmp_path):
     _, config = ema_run
     as_if_killed_after_step_2(config, "as_frozen", tmp_path)
     with pytest.raises(OpdError, match=re.escape("use the teacher settings it was written with")):
-        distillation_train(**setup(run_config(tmp_path, "as_frozen")).as_arguments())
+        distillation_train(setup(run_config(tmp_path, "as_frozen")))
     frozen = run_config(tmp_path, "frozen", "training.max_num_steps=2")
-    distillation_train(**setup(frozen).as_arguments())
+    distillation_train(setup(frozen))
     assert not (Path(frozen.checkpointing.checkpoint_dir) / "step_2" / "teacher_state.pt").exists()
     with pytest.raises(OpdError, match=re.escape("teacher.self_teacher = ema: the checkpoint holds no EMA teacher")):
-        distillation_train(**setup(run_config(tmp_path, "frozen", *EMA)).as_arguments())
+        distillation_train(setup(run_config(tmp_path, "frozen", *EMA)))
 
 
 # ------------------------------------------------------------------ config

@@ -535,7 +535,7 @@ def test_a_routed_run_sends_every_example_to_its_teacher_and_logs_each_teachers_
 
         member.score = spy
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()
     assert seen["add"] and seen["sub"]
@@ -575,7 +575,7 @@ def test_a_routed_run_asks_each_teacher_for_its_own_signal(tmp_path):
 
         member.score = spy
     try:
-        distillation_train(**components.as_arguments())
+        distillation_train(components)
     finally:
         components.close()
     # Training asks each its own signal; validation asks both for the full vocabulary (its KL metrics).

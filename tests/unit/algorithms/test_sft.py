@@ -225,7 +225,7 @@ def learned(tmp_path_factory):
     policy = parts.policy
     initial = snapshot(policy.model)
     nll_before = teacher_forced_nll(policy.model, held_out)
-    sft_train(**parts.as_arguments())
+    sft_train(parts)
     return {"config": config, "policy": policy, "initial": initial, "held_out": held_out, "nll_before": nll_before}
 
 
@@ -295,7 +295,7 @@ def test_validation_accuracy_grades_every_val_example(tmp_path, monkeypatch):
     monkeypatch.setattr(math_verifier, "is_correct", accept_even)
     config = sft_config(tmp_path, "training.max_num_steps=1", f"data.val_path={VAL_DATA}",
                         "data.max_val_examples=6", "validation.val_at_end=true", "validation.batch_size=4")
-    sft_train(**setup(config).as_arguments())
+    sft_train(setup(config))
     truths = [row["ground_truth"] for row in read_jsonl(VAL_DATA)[:6]]
     assert graded == truths
     [record] = val_records(Path(config.logger.log_dir))
@@ -318,7 +318,7 @@ def test_loss_covers_exactly_the_assistant_answer(tmp_path, monkeypatch, tokeniz
     data = write_jsonl(tmp_path / "one.jsonl", [row])
     calls = spy_on_nll_loss(monkeypatch)
     config = sft_config(tmp_path, f"data.train_path={data}", "training.batch_size=1", "training.max_num_steps=2")
-    sft_train(**setup(config).as_arguments())
+    sft_train(setup(config))
 
     prompt_ids, response_ids = encode_chat(tokenizer, row["messages"])
     response_length = len(answer.encode("utf-8")) + 1  # the answer's bytes and EOS
@@ -433,7 +433,7 @@ def test_gradient_accumulation_matches_one_large_batch(tokenizer):
 def test_micro_batch_size_setting_splits_each_step(tmp_path, monkeypatch):
     calls = spy_on_nll_loss(monkeypatch)
     config = sft_config(tmp_path, "training.micro_batch_size=2", "training.max_num_steps=2")
-    sft_train(**setup(config).as_arguments())
+    sft_train(setup(config))
     assert len(calls) == 2 * 4
     records = train_records(Path(config.logger.log_dir))
     for step, record in enumerate(records):
@@ -663,7 +663,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(runs):
 
 def test_rerun_without_checkpoints_refuses_to_overwrite_final_model(tmp_path):
     config = sft_config(tmp_path, "training.max_num_steps=1")  # checkpointing disabled
-    sft_train(**setup(config).as_arguments())
+    sft_train(setup(config))
     final_model = Path(config.output_dir) / "final_model" / "model.safetensors"
     before = final_model.read_bytes()
     try:
@@ -675,7 +675,7 @@ def test_rerun_without_checkpoints_refuses_to_overwrite_final_model(tmp_path):
 
 def test_resume_with_a_changed_config_warns(tmp_path, caplog):
     config = sft_config(tmp_path, "checkpointing.enabled=true", "training.save_freq=1", "training.max_num_steps=2")
-    sft_train(**setup(config).as_arguments())
+    sft_train(setup(config))
     changed = sft_config(tmp_path, "checkpointing.enabled=true", "training.save_freq=1", "training.max_num_steps=4",
                          "training.learning_rate=1e-2")
     with caplog.at_level(logging.WARNING, logger="opd"):
@@ -706,13 +706,13 @@ def test_time_budget_ends_the_run_like_its_last_step(tmp_path, monkeypatch):
     monkeypatch.setattr(sft_module.HFPolicy, "train", slow_train)
     run = tmp_path / "run"
     overrides = ["training.max_num_steps=20", "training.max_train_time_s=0.12", "checkpointing.enabled=true"]
-    sft_train(**setup(sft_config(tmp_path, *overrides)).as_arguments())
+    sft_train(setup(sft_config(tmp_path, *overrides)))
     steps = [record["step"] for record in read_jsonl(run / "logs" / "metrics.jsonl") if "train/loss" in record]
     assert 1 <= len(steps) <= 3 and steps == list(range(1, len(steps) + 1))
     saved = json.loads((run / "checkpoints" / f"step_{steps[-1]}" / "save_state.json").read_text())
     assert saved["step"] == steps[-1] and saved["train_time_s"] >= 0.12
     assert (run / "final_model" / "config.json").is_file()
 
-    sft_train(**setup(sft_config(tmp_path, *overrides)).as_arguments())  # the rerun resumes into a complete run
+    sft_train(setup(sft_config(tmp_path, *overrides)))  # the rerun resumes into a complete run
     steps_after = [record["step"] for record in read_jsonl(run / "logs" / "metrics.jsonl") if "train/loss" in record]
     assert steps_after == steps

@@ -123,7 +123,7 @@ def lora_run(tmp_path_factory):
     batch = train_batch(parts.tokenizer)
     kl_before = fixed_batch_kl(policy, parts.teacher_policy, batch)
     frozen_before = {name: p.detach().clone() for name, p in policy.model.named_parameters() if not p.requires_grad}
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
     return {
         "config": config,
         "parts": parts,
@@ -361,7 +361,7 @@ def test_resume_continues_bit_for_bit(lora_run, tmp_path):
     shutil.rmtree(checkpoints / f"step_{RUN_STEPS}")
     shutil.move(output_dir / "final_model", tmp_path / "reference_final_model")
 
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     # The log is cut back to the checkpoint's step on resume: steps 5-8 are the rerun's.
     assert train_losses(config) == reference_losses
     for name, tensors in reference.items():
@@ -411,7 +411,7 @@ def test_sft_trains_adapters_only(tmp_path):
     ]
     config = load_config(SFTMasterConfig, SFT_CONFIG, overrides)
     parts = sft_setup(config)
-    sft_train(**parts.as_arguments())
+    sft_train(parts)
     final_dir = Path(config.output_dir) / "final_model"
     assert (final_dir / "adapter" / "adapter_model.safetensors").is_file()
     merged = dict(AutoModelForCausalLM.from_pretrained(final_dir).named_parameters())
@@ -450,7 +450,7 @@ def test_one_step_off_refits_its_own_engine_with_the_merged_student(tmp_path):
     # The engine samples from a plain copy of its own, not from the wrapped student.
     assert engine.model is not policy.model
     assert not any("lora" in name or "base_layer" in name for name, _ in engine.model.named_parameters())
-    distillation_train(**parts.as_arguments())
+    distillation_train(parts)
     losses = train_losses(config)
     assert [step for step, _ in losses] == [1, 2] and all(torch.isfinite(torch.tensor(loss)) for _, loss in losses)
     engine.refit(policy)

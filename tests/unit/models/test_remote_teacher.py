@@ -594,7 +594,7 @@ def test_distillation_with_the_served_teacher_equals_the_in_process_run(served, 
         config = load_config(MasterConfig, TINY_CONFIG, common + [f"output_dir={tmp_path / name}"] + extra)
         parts = setup(config)
         assert isinstance(parts.teacher_policy, RemoteTeacher if name == "remote" else LocalTeacher)
-        distillation_train(**parts.as_arguments())
+        distillation_train(parts)
         records = [json.loads(line) for line in (tmp_path / name / "logs" / "metrics.jsonl").read_text().splitlines()]
         losses[name] = [record["train/loss"] for record in records if "train/loss" in record]
     assert len(losses["remote"]) == 3

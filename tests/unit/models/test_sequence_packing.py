@@ -149,7 +149,7 @@ def test_packed_run_logs_the_padded_run_losses(tmp_path):
     losses = {}
     for packing in ("false", "true"):
         config = run_config(tmp_path / packing, f"training.sequence_packing={packing}")
-        distillation_train(**setup(config).as_arguments())
+        distillation_train(setup(config))
         lines = (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()
         losses[packing] = [r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r]
     assert len(losses["true"]) == 2
@@ -162,7 +162,7 @@ def test_packed_sampled_token_run_logs_the_padded_run_losses(tmp_path):
         config = run_config(tmp_path / packing, f"training.sequence_packing={packing}", "loss_fn.type=sampled_token",
                             "loss_fn.discount=0.9", "distillation.generate_strategy.decoding_method=greedy",
                             "distillation.num_samples_per_prompt=1")
-        distillation_train(**setup(config).as_arguments())
+        distillation_train(setup(config))
         lines = (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()
         losses[packing] = [r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r]
     assert len(losses["true"]) == 2

@@ -93,7 +93,7 @@ def test_a_run_writes_the_card_with_its_last_validation(tmp_path):
          "data.max_val_examples=4", "training.max_num_steps=2", "training.val_freq=1", "logger.console=false",
          "distillation.generate_strategy.max_length=8", "validation.generate_strategy.max_length=8"],
     )
-    distillation_train(**setup(config).as_arguments())
+    distillation_train(setup(config))
     card = ModelCard.load(Path(config.output_dir) / "final_model" / "README.md")
     records = [json.loads(line) for line in (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()]
     step, metrics = last_validation(records)

@@ -1,0 +1,310 @@
+"""Loading and connecting the run's teachers: paths, tokenizers, checks, served clients, members and baseline engines.
+
+:mod:`opd.distillation.teacher_plan` says which teacher answers and assembles it; this module
+loads (or connects) its members, checking each against the run's tokenizer first."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from opd.distillation.config import MasterConfig
+from opd.distillation.teacher_plan import assemble_teacher
+from opd.losses.config import (
+    FusedHeadSettings,
+)
+from opd.models.interfaces import (
+    FullVocabRequest,
+    GenerationInterface,
+    TeacherInterface,
+)
+from opd.models.lm_head import output_layer_of
+from opd.models.loading import (
+    check_output_sizes,
+    check_tokenizer_compatibility,
+    load_causal_lm,
+    load_output_layer,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
+from opd.run.validation import TeacherEngine
+from opd.teachers.backends import RemoteTeacherConfig, model_in_process
+from opd.teachers.config import TeacherMemberConfig
+from opd.teachers.self_teacher import SELF_DISTILLATION_TEACHER
+from opd.teachers.served.remote_generation import RemoteGeneration
+from opd.teachers.served.remote_teacher import RemoteTeacher
+from opd.utils.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack
+    from transformers import PreTrainedModel
+
+log = logging.getLogger("opd")
+
+
+def teacher_tokenizer_of(config: MasterConfig) -> Any | None:
+    """The teacher's own tokenizer when it differs from the student's (``teacher.cross_tokenizer``), else None."""
+    if not config.teacher.cross_tokenizer:
+        return None
+    tokenizer = load_tokenizer(resolve_teacher_path(config), config.model.trust_remote_code)
+    if config.data.chat_template:  # the run's template override is for the student's tokenizer only
+        log.info("data.chat_template applies to the student; the teacher renders prompts with its own template")
+    return tokenizer
+
+
+def resolve_teacher_path(config: MasterConfig) -> str:
+    """The in-process teacher's model path; ``student`` means the student's starting point.
+
+    For self-distillation the teacher is ``model.student_model_path`` as given, never the
+    checkpoint a run resumes from: a frozen self-teacher stays the initial student for the
+    whole run (a second copy of the weights in memory, without gradients or optimizer
+    state); an EMA one starts there and a resumed run restores its average from the
+    checkpoint (``teacher.self_teacher``).
+
+    Raises:
+        ConfigError: without ``model.teacher_model_path``.
+    """
+    path = config.model.teacher_model_path
+    if path is None:
+        raise ConfigError("model.teacher_model_path is required for an in-process teacher")
+    return config.model.student_model_path if path == SELF_DISTILLATION_TEACHER else path
+
+
+class RunTeacherLoader:
+    """How this run loads and connects teachers (:class:`~opd.teachers.backends.TeacherLoader`).
+
+    Args:
+        config: the run's config (dtype, device, loss).
+        tokenizer: the run's tokenizer, which a teacher must share.
+        student_path: the student's model, named in tokenizer mismatches.
+        own_tokenizer: a cross-tokenizer teacher's own tokenizer (its head is checked against it).
+    """
+
+    def __init__(self, config: MasterConfig, tokenizer: Any, student_path: str, own_tokenizer: Any | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.student_path = student_path
+        self.own_tokenizer = own_tokenizer
+
+    def load(self, path: str) -> PreTrainedModel:
+        """The frozen teacher at ``path`` (``student``: the student's starting point), its head checked for fusing."""
+        model = load_teacher_model(
+            self.config, self.tokenizer, self._resolve(path), self.student_path, self.own_tokenizer
+        )
+        check_fusable(self.config, None, model)
+        return model
+
+    def connect(self, remote: RemoteTeacherConfig, model_path: str | None) -> RemoteTeacher:
+        """The served teacher's client (:func:`connect_remote_teacher`)."""
+        return connect_remote_teacher(
+            self.config, self.tokenizer, remote, None if model_path is None else self._resolve(model_path)
+        )
+
+    def _resolve(self, path: str) -> str:
+        return self.config.model.student_model_path if path == SELF_DISTILLATION_TEACHER else path
+
+
+def load_teacher_model(
+    config: MasterConfig, tokenizer: Any, teacher_path: str, student_path: str, own_tokenizer: Any | None = None
+) -> PreTrainedModel:
+    """Loads a frozen teacher in process, after checking that its tokenizer is the run's.
+
+    With ``own_tokenizer`` (``teacher.cross_tokenizer``) the teacher keeps its own
+    tokenizer, and its output layer is checked against that one instead.
+
+    Raises:
+        ModelCompatibilityError: the teacher's tokenizer or output layer does not match
+            the run's tokenizer.
+    """
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    # The teacher's own tokenizer is checked even when model.tokenizer_path overrides the
+    # student's: the teacher's logits are indexed by the ids its tokenizer defines.
+    if own_tokenizer is None:
+        teacher_tokenizer = load_tokenizer(teacher_path, config.model.trust_remote_code)
+        check_tokenizer_compatibility(tokenizer, teacher_tokenizer, student_path, teacher_path)
+    log.info("loading teacher %s (%s on %s)", teacher_path, str(dtype).replace("torch.", ""), device)
+    teacher_model = load_causal_lm(teacher_path, dtype, device, config.model)
+    check_output_sizes(teacher_model, len(own_tokenizer if own_tokenizer is not None else tokenizer), teacher_path)
+    return teacher_model
+
+
+def check_fusable(config: MasterConfig, student: PreTrainedModel | None, teacher: PreTrainedModel | None) -> None:
+    """Fails before training if a model's head cannot be fused.
+
+    Each must be a linear layer whose logit transform, if any, opd knows (a multiplier,
+    a soft cap: the fused loss applies them, and differentiates them for the student).
+    """
+    if not (isinstance(config.loss_fn, FusedHeadSettings) and config.loss_fn.fused_lm_head):
+        return
+    # A served teacher's head is checked when it connects.
+    for model, name in ((student, "the student"), (teacher, "the teacher")):
+        try:
+            if model is not None:
+                output_layer_of(model, name)
+        except ValueError as error:
+            raise ConfigError(f"{error}; set loss_fn.fused_lm_head = false") from None
+
+
+def connect_remote_teacher(
+    config: MasterConfig, tokenizer: Any, remote: RemoteTeacherConfig | None = None, model_path: str | None = None
+) -> RemoteTeacher:
+    """The client of the served teacher, after checking that it answers and tokenizes like ``tokenizer``.
+
+    For a full-vocabulary loss it also loads the teacher's output layer (only that layer)
+    from ``model_path`` and checks it against the server's. On a cluster the layer is not
+    kept here: the client sends the hidden states on alone, and each trainer worker binds
+    them to its own copy of the layer (:func:`build_on_cluster` names the model to load).
+
+    Args:
+        config: the run's config.
+        tokenizer: the run's tokenizer.
+        remote: the server's settings (default: ``teacher.remote``).
+        model_path: the served model's directory (default: ``model.teacher_model_path``).
+    """
+    remote = remote or config.teacher.remote
+    if remote.url is None:
+        raise ConfigError("teacher.backend = remote needs teacher.remote.url")
+    output_layer = None
+    if isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
+        # The server sends hidden states; the exact logits are made here with its output layer.
+        device = resolve_device(config.model.device)
+        output_layer = load_output_layer(
+            model_path or resolve_teacher_path(config),
+            resolve_dtype(config.model.dtype, device),
+            device,
+            config.model.trust_remote_code,
+        )
+    client = RemoteTeacher(
+        remote.url,
+        remote.model,
+        os.environ.get(remote.api_key_env) if remote.api_key_env else None,
+        remote.max_concurrency,
+        remote.sequences_per_request,
+        remote.timeout_s,
+        remote.max_retries,
+        remote.backoff_s,
+        remote.protocol,
+        remote.hidden_dtype,
+        output_layer,
+        binds_output_layer=config.cluster is None,
+    )
+    # A teacher with its own tokenizer must tokenize as that tokenizer does.
+    client.connect(teacher_tokenizer_of(config) or tokenizer)
+    log.info("teacher: %s served at %s", client.model, remote.url)
+    return client
+
+
+def load_teacher_members(
+    config: MasterConfig,
+    tokenizer: Any,
+    loaded: TeacherInterface | None = None,
+    ready: dict[str, TeacherInterface] | None = None,
+    student_path: str | None = None,
+) -> list[TeacherInterface]:
+    """The run's teachers before :func:`~opd.distillation.teacher_plan.assemble_teacher` puts them together.
+
+    The one teacher: ``loaded`` (built in process), else its served client. Several
+    teachers: each of ``teachers.members`` in order, those in ``ready`` as they are (a
+    cluster's pools, servers connected already), the others loaded or connected here,
+    each checked like a single teacher (tokenizer, output layer, server).
+
+    Args:
+        student_path: the model the tokenizer checks name (default: the student's).
+    """
+    student_path = student_path or config.model.student_model_path
+    if config.teachers is None:
+        if loaded is not None:
+            return [loaded]
+        return [
+            config.teacher.build(RunTeacherLoader(config, tokenizer, student_path, teacher_tokenizer_of(config)), None)
+        ]
+    ready = ready or {}
+    loader = RunTeacherLoader(config, tokenizer, student_path)
+    members = [
+        ready[member.name] if member.name in ready else member.build(loader, member.model_path)
+        for member in config.teachers.members
+    ]
+    names = [member.name for member in config.teachers.members]
+    log.info("%d teachers (%s): %s", len(names), config.teachers.mode, ", ".join(names))
+    return members
+
+
+def assemble_in_worker(
+    config: MasterConfig, tokenizer: Any, teacher_tokenizer: Any | None, loaded: list[TeacherInterface]
+) -> TeacherInterface:
+    """The run's teacher in a trainer worker, around the teachers colocated there (``loaded``).
+
+    ``loaded`` are in the order of :func:`_cluster_teacher_paths`: the one teacher, or each
+    local member of ``teachers:``. A served member is connected from the worker, and binds
+    its own output layer there.
+    """
+    members = loaded
+    if config.teachers is not None:
+        local = [member.name for member in config.teachers.members if not member.served]
+        # As in one process: a served member's client binds its hidden states to its head where it runs.
+        here = config.model_copy(update={"cluster": None})
+        members = load_teacher_members(here, tokenizer, ready=dict(zip(local, loaded, strict=True)))
+    return assemble_teacher(config, tokenizer, teacher_tokenizer, members)
+
+
+def member_teacher_path(config: MasterConfig, member: TeacherMemberConfig) -> str:
+    """A local member's model path (``student``: the student's starting point)."""
+    assert member.model_path is not None  # checked with the config
+    return config.model.student_model_path if member.model_path == SELF_DISTILLATION_TEACHER else member.model_path
+
+
+def teacher_engines(
+    config: MasterConfig,
+    tokenizer: Any,
+    teacher_tokenizer: Any | None,
+    engine_in_run: Callable[[str | None, Any], GenerationInterface],
+) -> list[TeacherEngine]:
+    """The teachers that answer the validation prompts for the baselines, each where it runs.
+
+    A served teacher answers from its server (:class:`RemoteGeneration`, over
+    ``/v1/completions``); a teacher of the run answers from ``engine_in_run(name,
+    tokenizer)`` (``name`` None for the one teacher): in process, an HF engine over its
+    model; on a cluster, the rollout workers with its weights
+    (:class:`~opd.distributed.rollout.TeacherOnRolloutWorkers`). The one teacher samples
+    in its own tokens (a cross-tokenizer teacher with its own tokenizer, from its own
+    rendering of the prompts). With several teachers every member answers on its own:
+    with routing, the prompts routed to it. No engine is built unless a baseline is asked for.
+    """
+    validation = config.validation
+    if not (validation.teacher_baseline or validation.eval_baseline):
+        return []
+    with_context = config.distillation.teacher_context_spec() is not None
+    if config.teachers is None:
+        own = teacher_tokenizer if teacher_tokenizer is not None else tokenizer
+        prompt_key: Literal["prompt_ids", "teacher_prompt_ids"] = (
+            "teacher_prompt_ids" if with_context or teacher_tokenizer is not None else "prompt_ids"
+        )
+        served = config.teacher.served
+        generation = RemoteGeneration.from_config(config.teacher.remote, own) if served else engine_in_run(None, own)
+        return [TeacherEngine(generation, None, own, prompt_key)]
+    routes = config.teachers.routes
+    return [
+        TeacherEngine(
+            RemoteGeneration.from_config(member.remote, tokenizer)
+            if member.served
+            else engine_in_run(member.name, tokenizer),
+            member.name,
+            tokenizer,
+            "teacher_prompt_ids" if with_context else "prompt_ids",
+            position if routes else None,
+        )
+        for position, member in enumerate(config.teachers.members)
+    ]
+
+
+def _teacher_models_in_process(config: MasterConfig, members: list[TeacherInterface]) -> dict[str | None, Any]:
+    """The in-process teachers' models, by name (None for the one teacher); served teachers have none."""
+    names = [None] if config.teachers is None else [member.name for member in config.teachers.members]
+    return {
+        name: model
+        for name, member in zip(names, members, strict=True)
+        if (model := model_in_process(member)) is not None
+    }
