@@ -1,6 +1,6 @@
 """``opd generate``: one model's answers to a dataset's prompts, written as fixed data.
 
-The specification's fixed data for λ < 1 is "teacher pre-generated sequences". A dataset
+The fixed data of a λ < 1 run is teacher pre-generated sequences. A dataset
 such as pe-nlp/math-cl has prompts and ground-truth answers but no worked answers, so a
 λ < 1 run on it has nothing to train on in its fixed-data steps. This command lets a model
 (the teacher by default) answer every prompt once, ahead of training::

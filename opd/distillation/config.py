@@ -122,7 +122,7 @@ DEPTHS_SCORED_AHEAD = {"sync": False, "one_step_off": False, "two_step_off": Tru
 
 
 class TrainingConfig(TrainingLoopConfig):
-    """Loop, batch and optimizer settings (the specification's §4.3 keys)."""
+    """Loop, batch and optimizer settings (``training.*``)."""
 
     batch_size: int = Field(8, ge=1, description="prompts per optimizer step")
     micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward/backward pass")

@@ -2,8 +2,8 @@
 
 The driver asks :meth:`RolloutSchedule.next_batch` for the batch of the step it is about
 to train, and gets it with its rollout, its teacher signal (when scored ahead) and the
-time it waited. The schedule decides what runs while the student trains (seed 002, verl's
-asynchronous on-policy distillation recipe). With policy version ``v`` = the number of
+time it waited. The schedule decides what runs while the student trains (as verl's
+asynchronous on-policy distillation recipe does). With policy version ``v`` = the number of
 optimizer steps taken so far, step ``t`` (1-based) updates ``v = t − 1`` to ``t``:
 
 * ``sync`` (depth 0): step t's rollout is sampled at the start of step t, with the

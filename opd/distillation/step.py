@@ -87,7 +87,7 @@ def step_metrics(
     ``train/sampled_version``.
 
     An asynchronous schedule logs, instead of ``timing/generation``, what the step waited
-    for (seed 002's names): ``timing/wait_prev_gen`` (the rollout started earlier),
+    for: ``timing/wait_prev_gen`` (the rollout started earlier),
     ``timing/wait_prev_teacher`` (the teacher's score started earlier) and
     ``timing/sync_rollout_weights`` (the weight sync to the rollout engine), and for
     on-policy steps ``train/staleness_mean`` / ``train/staleness_max`` (the policy-version
@@ -104,7 +104,8 @@ def step_metrics(
         metrics["train/unique_responses_per_prompt"] = unique_responses_per_prompt(batch, samples_per_prompt)
         metrics["train/sampled_version"] = scheduled.sampled_version
         if asynchronous:
-            # One lag per batch today; mean and max keep their meaning if samples ever mix versions.
+            # A batch is sampled from one version, so its lag is one number; mean and max keep their
+            # meaning if samples ever mix versions.
             metrics["train/staleness_mean"] = float(scheduled.staleness or 0)
             metrics["train/staleness_max"] = scheduled.staleness or 0
     if "task_reward" in batch:

@@ -16,7 +16,7 @@ With one, the same driver talks to Ray worker groups:
 
 ``placement`` maps the roles to resource pools: ``colocated`` puts the rollout engines and
 a teacher pool on the trainer's devices, where they take turns; ``split`` gives every role
-devices of its own (seed 002's separate actor and rollout pools).
+devices of its own (separate actor and rollout pools).
 
 Every wait on a worker is bounded: ``start_timeout_s`` for placing the pools and starting
 the workers, and for each call the role's own ``timeout_s`` (``worker_timeout_s`` unless

@@ -1,9 +1,9 @@
 """Worker processes kept warm between the runs of one Python process, on one machine's CPUs.
 
 A cluster run's workers are Ray actors. Starting one costs a process and the imports of
-torch and transformers, several CPU-seconds each: on a small machine, most of a short
-run's start. A process that runs many short runs in a row (the test suite, a sweep in a
-notebook) can keep those processes instead: :func:`keep_workers_warm` turns it on, and
+torch and transformers: on a machine with few CPUs, most of a short run's start. A
+process that runs many short runs in a row (the test suite, a sweep in a notebook) can
+keep those processes instead: :func:`keep_workers_warm` turns it on, and
 every :class:`~opd.distributed.workers.worker_group.WorkerGroup` built by the cluster setup then
 takes its actors from :class:`WarmHosts`.
 

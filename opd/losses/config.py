@@ -64,7 +64,7 @@ class _LossSettings(StrictConfig):
     samples under an asynchronous schedule. Off for the objectives whose loss at a position
     is an exact expectation over the next token (full vocabulary, JSD, top-k): there the
     truncated ratio only stands in for the prefix's likelihood ratio, and the correction
-    study (guide §11, "Which correction, measured") found it slowed learning. The
+    study (guide section 20, "Which correction, measured") found it slowed learning. The
     sampled-token loss needs none: its clipped ratio is taken against the sampler."""
 
     def lambda_problem(self, key: str, lambda_: float) -> str | None:
@@ -114,7 +114,7 @@ def loss_variant(loss_class: Callable[..., LossFunction]) -> Callable[[type[_Var
 
 
 class _KLDirection(StrictConfig):
-    """Which KL: the specification's ``kl_type`` and ``mixed_kl_weight``."""
+    """Which KL: ``kl_type`` and ``mixed_kl_weight``."""
 
     kl_type: KLType = Field("reverse", description="forward = KL(teacher‖student), reverse = KL(student‖teacher)")
     mixed_kl_weight: float = Field(0.5, ge=0.0, le=1.0, description="weight of forward KL when kl_type = mixed")

@@ -6,8 +6,8 @@ module finds a model path's config:
 * ``tiny:<preset>``: the preset's ``Qwen2Config`` (:mod:`opd.models.tiny`);
 * a local model directory: its own ``config.json``;
 * a GGUF file (or a directory holding one): the config in its metadata;
-* a hub name of a model whose config ships with opd (``opd/models/shapes/``: the
-  specification's Qwen2.5-0.5B/1.5B/7B/32B-Instruct), so that a machine without network
+* a hub name of a model whose config ships with opd (``opd/models/shapes/``:
+  Qwen2.5-0.5B/1.5B/7B/32B-Instruct), so that a machine without network
   access or downloaded weights can still plan a run at those sizes.
 """
 

@@ -68,7 +68,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerConfig, total_steps: int) -> Any:
     """The learning-rate schedule ``config.lr_scheduler`` names, over ``total_steps`` optimizer steps."""
-    # Imported here: transformers' scheduler module imports peft (about 0.4 s), which only
+    # Imported here: transformers' scheduler module imports peft, a slow import that only
     # the processes that train need (not the rollout, teacher or evaluation ones).
     from transformers import get_scheduler
 

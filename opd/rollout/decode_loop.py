@@ -18,10 +18,9 @@ tokens (tested).
 
 Optionally the one-token steps run through a ``torch.compile``-d forward
 (:func:`compile_decode_step`, config ``generation.compile_decode``). With a tiny model the
-step is bound by per-operator overhead (a 2-layer, 64-wide Qwen2 spends 0.8 ms per step in
-Python and dispatch on CPU); compiled it takes 0.53 ms. (Inductor's C++ wrapper,
-``cpp_wrapper``, makes the step alone faster still but slowed the rest of a training step
-by a third on the 2-core machine, so it is not used.) The prefill stays eager: prompt widths
+step is bound by per-operator overhead (Python and dispatch), which compiling removes.
+(Inductor's C++ wrapper, ``cpp_wrapper``, makes the step alone faster still but slows the
+rest of a training step, so it is not used.) The prefill stays eager: prompt widths
 vary from batch to batch, one-token steps do not.
 """
 
@@ -139,9 +138,9 @@ def compile_decode_step(model: PreTrainedModel) -> Callable[..., Any]:
     step. Inductor fuses the decoder's small element-wise operators (norms, rotary
     embedding, SiLU), whose dispatch overhead is where a small model's step time goes.
     The output layer stays eager: at Qwen's vocabulary it is one large matrix product,
-    which compiled took 14% longer per decode (0.40 s against 0.35 s for 32 tokens on the
-    2-core CPU machine). A model whose logits are transformed after the head
-    (soft-capping, scaling) has its whole ``forward`` compiled instead. The parameters
+    which compiling makes slower, not faster (guide section 5). A model whose logits are
+    transformed after the head (soft-capping, scaling) has its whole ``forward`` compiled
+    instead. The parameters
     are graph inputs, so training updates them in place without recompiling.
 
     Returns:

@@ -6,9 +6,9 @@ thing in opd's decode loop and in ``generate``.
 
 The draw is an inverse-CDF lookup instead of ``torch.multinomial``. On CPU,
 ``multinomial`` draws one exponential variate per vocabulary entry (an exponential race),
-and the random number generator is the bottleneck: 12 ms per step for 4 rows of Qwen's
-151,669 entries, more than the LM head itself (7 ms). The inverse CDF needs one uniform
-variate per row: ~0.25 ms. The cumulative sums are float64, so each entry's probability
+and at a large vocabulary the random number generator costs more than the LM head
+itself. The inverse CDF needs one uniform variate per row (timings: guide section 5,
+"Where a step's time goes"). The cumulative sums are float64, so each entry's probability
 is exact up to float64 rounding (a float32 running total over 151k entries would not
 be). Over a long vocabulary the lookup works in two levels, which is cheaper than one
 float64 cumsum of every entry: pick a block of entries from the cumulative block masses,

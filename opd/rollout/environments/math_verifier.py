@@ -1,6 +1,6 @@
 """Math answer extraction and checking (validation accuracy, task rewards).
 
-The specification's math prompt asks for ``<answer> ... </answer>`` tags and a final
+The math prompt asks for ``<answer> ... </answer>`` tags and a final
 ``\\boxed{...}``. :func:`extract_answer` takes the last ``\\boxed{}`` in the response (the
 innermost-balanced braces), else the last ``<answer>`` block; :func:`is_correct` compares
 it with the ground truth using Hugging Face's ``math-verify`` (symbolic equivalence, so
