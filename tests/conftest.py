@@ -231,6 +231,7 @@ _QUICK_PATHS = [
     "functional/test_distillation_sh.py",
     "functional/test_shipped_configs.py",
     "unit/test_check_demo_result.py",
+    "unit/test_code_hygiene.py",
 ]
 
 
