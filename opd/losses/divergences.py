@@ -288,17 +288,8 @@ def topk_token_kl(
     equal to it when the k ids cover the vocabulary. With ``tail=False`` both
     distributions are renormalised over the k tokens (NeMo-RL's top-k approximation,
     kept for comparison): it ignores mass outside the top k, so it can be zero while the
-    full distributions differ.
-
-    Both rest masses are handled in log space, never as ``1 − Σ``: the student's is a
-    logsumexp over its other tokens; the teacher's is the one it sent
-    (``teacher_rest_logprobs``, summed from its full distribution), or else
-    ``log1mexp(logsumexp(top k))`` in float64 (:func:`~opd.kernels.topk_rest.rest_logprobs_from_topk`),
-    exact for the log-probs as given. (Subtracting in float32 loses a rest mass of 1e-7
-    to rounding and moves the divergence by several percent. The fallback cannot undo
-    the rounding of the log-probs themselves, e.g. the shared error of a float32
-    normaliser, so a teacher-sent rest is the exact one; see
-    ``benchmarks/rest_mass_precision.py``.)
+    full distributions differ. Both rest masses are taken in log space
+    (:func:`_rest_class_log_probs`).
 
     Args:
         student_logits: ``[..., V]`` student logits (full vocabulary).
@@ -346,27 +337,57 @@ def topk_token_kl(
             log_p - torch.logsumexp(log_p, dim=-1, keepdim=True),
             forward_weight(kl_type, mixed_kl_weight),
         )
+    log_q_rest, log_p_rest = _rest_class_log_probs(
+        log_q_full, listed_ids, empty, teacher_topk_logprobs, teacher_rest_logprobs
+    )
+    return kl_from_log_probs(
+        torch.cat([log_q, log_q_rest], dim=-1),
+        torch.cat([log_p, log_p_rest], dim=-1),
+        forward_weight(kl_type, mixed_kl_weight),
+    )
+
+
+def _rest_class_log_probs(
+    log_q_full: torch.Tensor,
+    listed_ids: torch.Tensor,
+    empty: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    teacher_rest_logprobs: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The student's and the teacher's log-mass outside the teacher's top k, each ``[..., 1]``.
+
+    Both are taken in log space, never as ``1 − Σ``: the student's is a logsumexp over its
+    other tokens; the teacher's is the one it sent (``teacher_rest_logprobs``, summed from
+    its full distribution), or else ``log1mexp(logsumexp(top k))`` in float64
+    (:func:`~opd.kernels.topk_rest.rest_logprobs_from_topk`), exact for the log-probs as
+    given. (Subtracting in float32 loses a rest mass of 1e-7 to rounding and moves the
+    divergence by several percent. The fallback cannot undo the rounding of the log-probs
+    themselves, e.g. the shared error of a float32 normaliser, so a teacher-sent rest is
+    the exact one; see ``benchmarks/rest_mass_precision.py``.)
+
+    Args:
+        log_q_full: ``[..., V]`` the student's log-probs (at the temperature).
+        listed_ids: ``[..., k]`` the teacher's ids, empty slots clamped to 0.
+        empty: ``[..., k]`` True at the empty slots (id −1).
+        teacher_topk_logprobs: ``[..., k]`` the teacher's top-k log-probs.
+        teacher_rest_logprobs: ``[...]`` the rest the teacher sent, or None.
+    """
     # Counted, not written: an empty slot's placeholder id must not unmark a listed one.
     in_topk = torch.zeros_like(log_q_full, dtype=torch.int32).scatter_add_(-1, listed_ids, (~empty).int()) > 0
     # Student rest mass as a logsumexp over the other tokens: exact even when Σ_k Q ≈ 1.
     log_q_rest = torch.logsumexp(log_q_full.masked_fill(in_topk, float("-inf")), dim=-1, keepdim=True)
     if teacher_rest_logprobs is None:
         teacher_rest_logprobs = rest_logprobs_from_topk(teacher_topk_logprobs.masked_fill(empty, float("-inf")))
-    log_p_rest = teacher_rest_logprobs.to(compute_dtype).unsqueeze(-1)
+    log_p_rest = teacher_rest_logprobs.to(log_q_full.dtype).unsqueeze(-1)
     # A teacher with finite logits always has some rest mass, but below the dtype's
     # smallest normal number it is lost to rounding (and Σ_k P can round to 1): it is
     # floored there, so a student with mass outside the teacher's top k gets a large
     # finite penalty instead of an infinite loss with NaN gradients.
-    log_p_rest = log_p_rest.clamp(min=math.log(torch.finfo(compute_dtype).tiny))
+    log_p_rest = log_p_rest.clamp(min=math.log(torch.finfo(log_q_full.dtype).tiny))
     # When the k ids cover the vocabulary the rest class is empty for both models; any
     # teacher "rest" left by rounding is not mass the student could match.
     covers_vocabulary = in_topk.all(dim=-1, keepdim=True)
-    log_p_rest = log_p_rest.masked_fill(covers_vocabulary, float("-inf"))
-    return kl_from_log_probs(
-        torch.cat([log_q, log_q_rest], dim=-1),
-        torch.cat([log_p, log_p_rest], dim=-1),
-        forward_weight(kl_type, mixed_kl_weight),
-    )
+    return log_q_rest, log_p_rest.masked_fill(covers_vocabulary, float("-inf"))
 
 
 def scaled_log_probs(logits: torch.Tensor, temperature: float, student_classes: torch.Tensor | None) -> torch.Tensor:
