@@ -150,19 +150,7 @@ def validate(
         come with the prefix: ``turns``, ``tool_calls``, ``truncated_share``,
         ``well_formed_share``, ``success_share`` and ``reward``.
     """
-    vocab_size = len(tokenizer)
-    comparison = None
-    if teacher is not None:
-        request = kl_request(teacher, loss_request, vocab_size, teacher_topk)
-        if request is not None:
-            comparison = ValidationKL(request, vocab_size, student_classes=teacher.student_classes)
-    if comparison is not None and policy is None:
-        raise ValueError("validate needs the student policy to compare with the teacher")
-    teacher_signal = (
-        None
-        if comparison is None or teacher is None
-        else functools.partial(_one_answer, teacher, comparison.teacher_request)
-    )
+    comparison, teacher_signal = _teacher_comparison(teacher, policy, loss_request, len(tokenizer), teacher_topk)
     totals = {"kl_forward": 0.0, "kl_reverse": 0.0, "tokens": 0.0, "length": 0.0, "truncated": 0.0}
     correct, graded, rows = 0.0, 0, 0
     records: list[EpisodeRecord] = []
@@ -184,21 +172,55 @@ def validate(
             batch_correct, batch_graded = _grade(batch, examples, episode_records if episodes else None, tokenizer)
             correct += batch_correct
             graded += batch_graded
+    metrics = _means(totals, rows, comparison is not None, correct, graded, prefix)
+    if episodes is not None:
+        metrics.update(_prefixed_episode_metrics(records, prefix))
+    return metrics
+
+
+def _means(
+    totals: dict[str, float], rows: int, has_kl: bool, correct: float, graded: int, prefix: str
+) -> dict[str, float]:
+    """The metrics of :func:`validate` from its sums: per-row lengths, per-token KL, the share graded correct."""
     metrics = {
         f"{prefix}mean_response_length": totals["length"] / max(rows, 1),
         f"{prefix}truncation_rate": totals["truncated"] / max(rows, 1),
     }
-    if comparison is not None:
+    if has_kl:
         tokens = max(totals["tokens"], 1.0)
         metrics[f"{prefix}kl_forward"] = totals["kl_forward"] / tokens
         metrics[f"{prefix}kl_reverse"] = totals["kl_reverse"] / tokens
     if graded:
         metrics[f"{prefix}accuracy"] = correct / graded
-    if episodes is not None:
-        for key, value in episode_metrics(records).items():
-            if key.startswith("env/"):
-                metrics[prefix + key.removeprefix("env/")] = value
     return metrics
+
+
+def _teacher_comparison(
+    teacher: TeacherInterface | None,
+    policy: PolicyInterface | None,
+    loss_request: TeacherRequest | None,
+    vocab_size: int,
+    teacher_topk: int,
+) -> tuple[ValidationKL | None, Callable[[BatchedDataDict], TeacherSignal] | None]:
+    """How validation compares the student with the teacher, and how it asks the teacher (None, None: no KL)."""
+    if teacher is None:
+        return None, None
+    request = kl_request(teacher, loss_request, vocab_size, teacher_topk)
+    if request is None:
+        return None, None
+    if policy is None:
+        raise ValueError("validate needs the student policy to compare with the teacher")
+    comparison = ValidationKL(request, vocab_size, student_classes=teacher.student_classes)
+    return comparison, functools.partial(_one_answer, teacher, comparison.teacher_request)
+
+
+def _prefixed_episode_metrics(records: list[EpisodeRecord], prefix: str) -> dict[str, float]:
+    """The episode metrics (:func:`~opd.rollout.multi_turn.episode_metrics`) under ``prefix`` instead of ``env/``."""
+    return {
+        prefix + key.removeprefix("env/"): value
+        for key, value in episode_metrics(records).items()
+        if key.startswith("env/")
+    }
 
 
 def _answer(
