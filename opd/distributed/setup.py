@@ -191,36 +191,13 @@ def build_cluster_backends(
         groups.append(trainer)
         if request.checkpoint_dir is not None:  # before any step: a run that could not resume stops now
             check_shared_directory(trainer, Path(request.checkpoint_dir))
-        teachers: list[TeacherInterface] = []
-        if colocated_teacher:  # the workers hold them all and assemble the run's teacher; the driver asks this
-            teachers.append(TeacherInTrainerWorkers(trainer, trainer.call("teacher_student_classes")))
-        else:
-            for index, (role, path) in enumerate(request.teacher_paths.items()):
-                slots = pools.teacher[index * per_pool : (index + 1) * per_pool]
-                teacher_pool = _start_teacher_pool(cluster, request, role, path, slots)
-                groups.append(teacher_pool)
-                # Its hidden states can be bound in the trainer workers: they hold the output layer of
-                # every teacher that runs apart when the loss takes the full vocabulary.
-                binds = any(path is not None for path in request.heads())
-                shards, engine = cluster.teacher.shards_per_replica, cluster.teacher.pool_engine
-                teachers.append(TeacherPool(teacher_pool, shards, binds, engine))
+        teachers = _start_teachers(cluster, request, trainer, colocated_teacher, pools.teacher, groups)
         rollout = _start_rollout(cluster, request, pools.rollout)
         groups.append(rollout)
     except BaseException:
         release()
         raise
-    log.info(
-        "cluster: %d trainer workers (%s), %s, %d rollout workers, %s placement",
-        cluster.trainer.workers,
-        cluster.resolved_backend(),
-        f"{len(paths)} teacher(s) colocated"
-        if colocated_teacher
-        else f"{len(paths)} teacher pool(s) of {per_pool} ({cluster.teacher.shards_per_replica} per replica)"
-        if paths
-        else "teacher served",
-        cluster.rollout.workers,
-        cluster.placement,
-    )
+    _log_cluster(cluster, len(paths), colocated_teacher)
     policy = FSDPPolicy(
         trainer,
         request.micro_batch_size,
@@ -237,6 +214,53 @@ def build_cluster_backends(
         offload_trainer=trainer if cluster.trainer.offload_during_generation else None,
     )
     return policy, teachers, generation
+
+
+def _start_teachers(
+    cluster: ClusterConfig,
+    request: ClusterRequest,
+    trainer: WorkerGroup,
+    colocated: bool,
+    slots: list[Slot],
+    groups: list[WorkerGroup],
+) -> list[TeacherInterface]:
+    """The teachers the cluster runs, each pool it starts added to ``groups``.
+
+    Colocated: the one teacher the trainer workers assembled. Else one pool of
+    ``cluster.teacher.workers`` per teacher of ``request``, in order.
+    """
+    if colocated:  # the workers hold them all and assemble the run's teacher; the driver asks this
+        return [TeacherInTrainerWorkers(trainer, trainer.call("teacher_student_classes"))]
+    per_pool = cluster.teacher.workers
+    # Their hidden states can be bound in the trainer workers: they hold the output layer of
+    # every teacher that runs apart when the loss takes the full vocabulary.
+    binds = any(path is not None for path in request.heads())
+    shards, engine = cluster.teacher.shards_per_replica, cluster.teacher.pool_engine
+    teachers: list[TeacherInterface] = []
+    for index, (role, path) in enumerate(request.teacher_paths.items()):
+        teacher_pool = _start_teacher_pool(
+            cluster, request, role, path, slots[index * per_pool : (index + 1) * per_pool]
+        )
+        groups.append(teacher_pool)
+        teachers.append(TeacherPool(teacher_pool, shards, binds, engine))
+    return teachers
+
+
+def _log_cluster(cluster: ClusterConfig, teachers: int, colocated_teacher: bool) -> None:
+    """One line on what the cluster started: its workers by role, and where the teachers run."""
+    per_pool, shards = cluster.teacher.workers, cluster.teacher.shards_per_replica
+    log.info(
+        "cluster: %d trainer workers (%s), %s, %d rollout workers, %s placement",
+        cluster.trainer.workers,
+        cluster.resolved_backend(),
+        f"{teachers} teacher(s) colocated"
+        if colocated_teacher
+        else f"{teachers} teacher pool(s) of {per_pool} ({shards} per replica)"
+        if teachers
+        else "teacher served",
+        cluster.rollout.workers,
+        cluster.placement,
+    )
 
 
 def _bounds(cluster: ClusterConfig, role: Literal["trainer", "rollout", "teacher"]) -> dict[str, Bound]:
