@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from opd.distributed.refit.buckets import in_buckets
 from opd.models.lm_head import final_hidden_states
+from opd.utils.devices import is_cuda
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
     from transformers import PreTrainedModel
@@ -53,7 +54,7 @@ DEVICE_TYPE_OF_BACKEND = {"nccl": "cuda", "gloo": "cpu"}
 def rank_device(backend: str) -> torch.device:
     """Where this rank of a ``backend`` process group computes: its current GPU with NCCL, the CPU with gloo."""
     device_type = DEVICE_TYPE_OF_BACKEND[backend]
-    return torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    return torch.device(device_type, torch.cuda.current_device()) if is_cuda(device_type) else torch.device("cpu")
 
 
 def init_process_group(
@@ -84,7 +85,7 @@ def init_process_group(
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
     device_type = DEVICE_TYPE_OF_BACKEND[backend]
-    if device_type == "cuda":
+    if is_cuda(device_type):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     return device_mesh(device_type, world_size, shard_group_size)

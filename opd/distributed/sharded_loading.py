@@ -142,7 +142,7 @@ def _parameters_on_meta() -> Iterator[None]:
     register = torch.nn.Module.register_parameter
 
     def register_on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
+        if param is not None and not param.is_meta:
             param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
@@ -288,7 +288,7 @@ def _copy_local_rows(
     # The part of a whole row this shard keeps (all of it for fully_shard's row shards).
     within = (slice(None), *(slice(start, start + size) for start, size in zip(offset[1:], shape[1:], strict=True)))
     with torch.no_grad():
-        if whole_rows and local.device.type == "cpu" and local.dtype == file_dtype and local.is_contiguous():
+        if whole_rows and local.is_cpu and local.dtype == file_dtype and local.is_contiguous():
             _read_exactly(handle, begin, local.view(torch.uint8).view(-1))
             return
         target = local.view(rows, *shape[1:])

@@ -87,6 +87,7 @@ from opd.policy.optimization import (
 from opd.teachers.context_teacher import ContextTeacher
 from opd.teachers.local_teacher import LocalTeacher
 from opd.teachers.several_teachers import MixedSignal, RoutedSignal
+from opd.utils.devices import is_cpu, is_cuda
 from opd.utils.memory import release_cached_memory
 
 SHARDS_DIR = "policy_shards"
@@ -426,9 +427,9 @@ class TrainerWorker(RefitSender):
             for key, value in state.items():
                 # The step counters are 0-dim host tensors by design; only the moments move.
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != device:
-                    state[key] = value.to(device, non_blocking=device.type == "cpu")
+                    state[key] = value.to(device, non_blocking=is_cpu(device))
                     moved += value.numel() * value.element_size()
-        if device.type == "cuda":
+        if is_cuda(device):
             torch.cuda.synchronize(device)
         return moved
 

@@ -41,6 +41,7 @@ from opd.losses.sampled_token import SampledTokenLossFn
 from opd.models.interfaces import LossFunction, TeacherRequest
 from opd.utils.compile_cache import resolve_compile_kernels
 from opd.utils.config import StrictConfig
+from opd.utils.devices import is_cpu
 
 
 class _LossSettings(StrictConfig):
@@ -156,7 +157,7 @@ compiles at any size.
 
 def compile_loss_kernels(setting: bool | str, device_type: str, vocab_size: int) -> bool:
     """Whether the full-vocabulary loss kernels are compiled (``auto`` per :data:`CPU_COMPILE_MIN_VOCAB`)."""
-    pays_off = device_type != "cpu" or vocab_size >= CPU_COMPILE_MIN_VOCAB
+    pays_off = not is_cpu(device_type) or vocab_size >= CPU_COMPILE_MIN_VOCAB
     return resolve_compile_kernels(setting, device_type, pays_off=pays_off)
 
 

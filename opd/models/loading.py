@@ -20,6 +20,7 @@ from opd.models.config import ModelLoadingConfig
 from opd.models.gguf_source import gguf_source, load_gguf_causal_lm, load_gguf_tokenizer
 from opd.models.lm_head import OutputLayer, output_layer_of
 from opd.models.tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer, is_tiny_path
+from opd.utils.devices import is_cuda
 from opd.utils.errors import ConfigError, ModelCompatibilityError
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
@@ -34,7 +35,7 @@ def resolve_device(name: str) -> torch.device:
     """``auto`` → CUDA when available, else CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+    if is_cuda(name) and not torch.cuda.is_available():
         raise ConfigError("model.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
     return torch.device(name)
 
@@ -42,7 +43,7 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` → bfloat16 on GPUs that support it, float32 otherwise (CPU)."""
     if name == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        if is_cuda(device) and torch.cuda.is_bf16_supported():
             return torch.bfloat16
         return torch.float32
     return _DTYPES[name]

@@ -85,6 +85,7 @@ from opd.plan.layer_extrapolation import (
     with_depth,
 )
 from opd.teachers.local_teacher import LocalTeacher
+from opd.utils.devices import is_cpu
 
 ACCELERATOR = "fakegpu"
 """The stand-in compute device type: PyTorch's ``privateuseone`` under this name (see the module docstring)."""
@@ -407,7 +408,7 @@ def fake_process_group(rank: int, world_size: int, shard_group_size: int | None 
     device = compute_device()
     if dist.is_initialized():
         raise RuntimeError("the dry run needs a process of its own: a process group is already initialised")
-    backends = "cpu:fake" if device.type == "cpu" else f"cpu:fake,{device.type}:fake"
+    backends = "cpu:fake" if is_cpu(device) else f"cpu:fake,{device.type}:fake"
     dist.init_process_group(backends, store=FakeStore(), rank=rank, world_size=world_size)
     original = dist.all_gather_object
     dist.all_gather_object = _symmetric_all_gather_object

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar, cast
 
+from opd.utils.devices import is_cpu, is_cuda
 from opd.utils.errors import ConfigError
 
 FunctionT = TypeVar("FunctionT", bound=Callable[..., object])
@@ -65,13 +66,13 @@ def compiler_toolchain_problem(device_type: str) -> str | None:
     ``clang++``, and the Python headers its wrappers include, ``Python.h``) and Triton
     for GPU kernels.
     """
-    if device_type == "cuda":
+    if is_cuda(device_type):
         try:
             import triton  # noqa: F401
         except ImportError:
             return "Triton is not installed (it ships with the CUDA builds of torch)"
         return None
-    if device_type == "cpu":
+    if is_cpu(device_type):
         candidates = [os.environ.get("CXX", ""), "g++", "clang++", "c++"]
         if not any(candidate and shutil.which(candidate) for candidate in candidates):
             return "no C++ compiler found (set $CXX or install g++ / clang++)"

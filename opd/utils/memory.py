@@ -6,6 +6,8 @@ import resource
 
 import torch
 
+from opd.utils.devices import is_cuda
+
 
 def peak_memory_mb() -> float:
     """Peak allocated GPU memory where CUDA is in use, else the process's peak resident memory, in MiB."""
@@ -21,6 +23,6 @@ def release_cached_memory(device: torch.device) -> None:
     waking up in the same GPU, the teacher's forward) finds the memory the previous one
     freed instead of blocks that only this process's allocator could reuse.
     """
-    if device.type == "cuda":
+    if is_cuda(device):
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from opd.utils.devices import is_cuda
+
 BucketLayout = list[tuple[str, tuple[int, ...], torch.dtype]]
 """A bucket's tensors, in order: name, shape and dtype."""
 
@@ -108,7 +110,7 @@ def open_broadcast_group(
     timeout = timedelta(seconds=timeout_s)
     store = dist.PrefixStore("opd_refit", dist.TCPStore(address, port, world_size, rank == 0, timeout=timeout))
     group: Any
-    if device.type == "cuda":
+    if is_cuda(device):
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         group = dist.ProcessGroupNCCL(store, rank, world_size, options)

@@ -1,0 +1,28 @@
+"""What kind of device opd computes on: the one place a device's type is read.
+
+A device is given as a ``torch.device`` or by its name (``cuda``, ``cuda:1``, ``cpu``),
+as configs and process-group backends name it; torch is not imported here, so that
+modules which must not load it early (:mod:`opd.utils.compile_cache`) can ask too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def is_cuda(device: torch.device | str) -> bool:
+    """Whether ``device`` is a CUDA GPU."""
+    return _device_type(device) == "cuda"
+
+
+def is_cpu(device: torch.device | str) -> bool:
+    """Whether ``device`` is the host's CPU."""
+    return _device_type(device) == "cpu"
+
+
+def _device_type(device: torch.device | str) -> str:
+    """``cuda`` of ``cuda:1`` or of ``torch.device("cuda", 1)``: the device's type without its index."""
+    return str(device).partition(":")[0]
