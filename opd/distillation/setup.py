@@ -510,6 +510,37 @@ def _cluster_prompt_sharing(config: MasterConfig, teacher_paths: dict[str, str])
     return tuple(by_role[role] for role in teacher_paths)
 
 
+def _build_models(
+    config: MasterConfig,
+    tokenizer: Any,
+    total_steps: int,
+    micro_batch_size: int,
+    resume_from: Path | None,
+    train_examples: list[PreparedExample],
+    teacher_tokenizer: Any | None,
+) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, list[TeacherEngine]]:
+    """The student, the teacher and the engines, on the cluster or in this process (:func:`build_in_process`)."""
+    # A served teacher is checked before the student loads: an unreachable or mismatched
+    # server fails in seconds.
+    served_or_several: list[TeacherInterface] | None = None
+    if (config.teachers is not None and config.cluster is None) or (config.teachers is None and config.teacher.served):
+        # On a cluster, several teachers' members are built with the workers.
+        served_or_several = load_teacher_members(config, tokenizer)
+    if config.cluster is not None:
+        remote_teacher = served_or_several[0] if served_or_several is not None else None
+        return build_on_cluster(config, tokenizer, total_steps, micro_batch_size, remote_teacher)
+    return build_in_process(
+        config,
+        tokenizer,
+        total_steps,
+        micro_batch_size,
+        served_or_several,
+        resume_from,
+        train_examples,
+        teacher_tokenizer,
+    )
+
+
 def setup(master_config: MasterConfig) -> DistillationComponents:
     """Builds everything ``distillation_train`` needs, checking user input first (see the module docstring).
 
@@ -550,28 +581,9 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     report_overlap(train_examples, val_examples, config.data)
 
     resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)
-    # A served teacher is checked before the student loads: an unreachable or mismatched
-    # server fails in seconds.
-    served_or_several: list[TeacherInterface] | None = None
-    if (config.teachers is not None and config.cluster is None) or (config.teachers is None and config.teacher.served):
-        # On a cluster, several teachers' members are built with the workers.
-        served_or_several = load_teacher_members(config, tokenizer)
-    if config.cluster is not None:
-        remote_teacher = served_or_several[0] if served_or_several is not None else None
-        student_policy, teacher, student_generation, teacher_generation = build_on_cluster(
-            config, tokenizer, total_steps, micro_batch_size, remote_teacher
-        )
-    else:
-        student_policy, teacher, student_generation, teacher_generation = build_in_process(
-            config,
-            tokenizer,
-            total_steps,
-            micro_batch_size,
-            served_or_several,
-            resume_from,
-            train_examples,
-            teacher_tokenizer,
-        )
+    student_policy, teacher, student_generation, teacher_generation = _build_models(
+        config, tokenizer, total_steps, micro_batch_size, resume_from, train_examples, teacher_tokenizer
+    )
     save_state = restore_run(resume_from, student_policy, checkpointer, config, total_steps)
     logger = Logger(config.logger, total_steps)
     logger.log_hyperparams(config.model_dump(mode="json", by_alias=True))
