@@ -236,7 +236,8 @@ class VllmGeneration(InProcessGenerationInterface):
     ) -> None:
         if VllmGeneration._open_engine is not None:
             raise RuntimeError("a colocated vLLM engine is already open in this process; close() it first")
-        on_gpu = next(model.parameters()).device.type == "cuda"
+        device_type = next(model.parameters()).device.type
+        on_gpu = device_type == "cuda"
         configure_vllm_environment(on_gpu)
         vllm = import_vllm()
         self._sampling_params_class = vllm.SamplingParams
