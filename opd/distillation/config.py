@@ -428,7 +428,7 @@ def _several_teachers_problem(config: MasterConfig) -> str | None:
     if config.teacher.served or config.teacher.remote.url is not None:
         return "teacher: is for one teacher; with teachers:, set teachers.members[*].backend and remote instead"
     early_stop = config.training.early_stop
-    if early_stop is not None and early_stop.target == "teacher":
+    if early_stop is not None and early_stop.targets_teacher:
         return (
             "training.early_stop.target = teacher: several teachers have no one teacher value (the baseline reports "
             "val/teacher_<name>_* for each); give a number as the target"

@@ -44,6 +44,9 @@ TEACHER_PREFIX = "val/teacher_"
 TEACHER_BASELINE_METRICS = ("val/accuracy", "val/mean_response_length", "val/truncation_rate")
 """The metrics the teacher baseline measures for itself (it has no KL to itself)."""
 
+SIGN_OF_BETTER: dict[Literal["max", "min"], float] = {"max": 1.0, "min": -1.0}
+"""Which way each ``mode`` counts a change as a gain: +1 where higher is better, -1 where lower is."""
+
 
 class EarlyStopConfig(StrictConfig):
     """``training.early_stop``: which validation metric ends the run, and when."""
@@ -85,6 +88,15 @@ class EarlyStopConfig(StrictConfig):
         """``mode``, or the metric's better direction when ``mode`` is null (None: the metric has none)."""
         return self.mode if self.mode is not None else BETTER[self.metric]
 
+    @property
+    def targets_teacher(self) -> bool:
+        """Whether the target is the teacher's own value (``target: teacher``), measured by the teacher baseline."""
+        return self.target == "teacher"
+
+    def target_value(self, teacher_value: float | None) -> float | None:
+        """The value that stops the run (None: no target): ``target``, or ``teacher_value`` for ``target: teacher``."""
+        return teacher_value if isinstance(self.target, str) else self.target
+
     def problem(self) -> str | None:
         """What makes the section unusable on its own (each message names the key), or None."""
         if self.resolved_mode() is None:
@@ -94,7 +106,7 @@ class EarlyStopConfig(StrictConfig):
             )
         if self.patience is None and self.target is None:
             return "training.early_stop needs a patience, a target or both; set training.early_stop.patience or target"
-        if self.target == "teacher" and self.metric not in TEACHER_BASELINE_METRICS:
+        if self.targets_teacher and self.metric not in TEACHER_BASELINE_METRICS:
             return (
                 f"training.early_stop.target = teacher: the teacher baseline has no {self.metric} of its own "
                 f"(it measures {', '.join(TEACHER_BASELINE_METRICS)}); give a number"
@@ -137,16 +149,17 @@ def observe(config: EarlyStopConfig, state: EarlyStopState, value: float, step: 
     assert mode is not None, "an EarlyStopConfig without a direction is refused when the config is validated"
     finite = math.isfinite(value)
     best = state["best"]
-    gain = 0.0 if best is None or not finite else (value - best if mode == "max" else best - value)
+    sign = SIGN_OF_BETTER[mode]
+    gain = 0.0 if best is None or not finite else sign * (value - best)
     if finite and (best is None or gain > config.min_delta):
         state["best"], state["best_step"], state["bad_validations"] = value, step, 0
     elif judge:
         state["bad_validations"] += 1
     if not judge:
         return None
-    target = state["teacher_value"] if config.target == "teacher" else config.target
-    if target is not None and finite and (value >= target if mode == "max" else value <= target):
-        whose = " (the teacher's)" if config.target == "teacher" else ""
+    target = config.target_value(state["teacher_value"])
+    if target is not None and finite and sign * (value - target) >= 0:
+        whose = " (the teacher's)" if config.targets_teacher else ""
         reason = f"{config.metric} = {value:.4g} reached the target {target:.4g}{whose} at step {step}"
     elif config.patience is not None and state["bad_validations"] >= config.patience:
         reason = (

@@ -18,8 +18,9 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from opd.run.early_stop import SIGN_OF_BETTER
 from opd.utils.errors import DataError, OpdError
 
 METRICS_FILENAME = "metrics.jsonl"
@@ -34,7 +35,11 @@ _PANELS: list[tuple[str, str, tuple[str, ...]]] = [
     ("validation accuracy", "accuracy", ("val/accuracy",)),
 ]
 # Validation metrics in the summary, with which direction is better.
-_VAL_BEST: list[tuple[str, str]] = [("val/accuracy", "max"), ("val/kl_forward", "min"), ("val/kl_reverse", "min")]
+_VAL_BEST: list[tuple[str, Literal["max", "min"]]] = [
+    ("val/accuracy", "max"),
+    ("val/kl_forward", "min"),
+    ("val/kl_reverse", "min"),
+]
 
 
 # --------------------------------------------------------------------------- reading
@@ -225,8 +230,8 @@ def summarize(records: list[dict[str, Any]], label: str = "run") -> str:
         steps, values = _series(validation, key)
         if not values:
             continue
-        pick = max if direction == "max" else min
-        best = pick(range(len(values)), key=values.__getitem__)
+        sign = SIGN_OF_BETTER[direction]
+        best = max(range(len(values)), key=lambda index: sign * values[index])
         lines.append(
             f"{key}: first {_fmt(values[0])} at step {steps[0]}, last {_fmt(values[-1])} at step {steps[-1]}, "
             f"best ({direction}) {_fmt(values[best])} at step {steps[best]}"

@@ -175,7 +175,7 @@ class RunConfig(StrictConfig):
                 "training.early_stop watches validation, but there is no validation data; "
                 "set data.val_path or data.val_holdout"
             )
-        if problem is None and rule.target == "teacher":
+        if problem is None and rule.targets_teacher:
             problem = self.teacher_target_problem()
         if problem is not None:
             raise ValueError(problem)
@@ -374,7 +374,7 @@ class _TrainingRun:
             ConfigError: the teacher baseline did not report that metric.
         """
         rule = self.early_stop
-        if rule is None or rule.target != "teacher":
+        if rule is None or not rule.targets_teacher:
             return
         key = TEACHER_PREFIX + rule.metric.removeprefix("val/")
         value = metrics.get(key)
@@ -390,7 +390,7 @@ class _TrainingRun:
     def check_teacher_target(self) -> None:
         """On resume: warns when ``target: teacher`` has no teacher value in the checkpoint."""
         rule = self.early_stop
-        if rule is not None and rule.target == "teacher" and self.state["early_stop"]["teacher_value"] is None:
+        if rule is not None and rule.targets_teacher and self.state["early_stop"]["teacher_value"] is None:
             log.warning(
                 "training.early_stop.target = teacher: checkpoint step_%d holds no teacher value (the run started "
                 "without it); only the patience applies",
