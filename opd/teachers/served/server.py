@@ -454,24 +454,10 @@ async def _read_json(request: Request, max_request_bytes: int, body_timeout_s: f
     return body
 
 
-def build_app(
-    service: TeacherService,
-    api_key: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-) -> FastAPI:
-    """The ASGI application serving ``service`` (its batcher runs while the app does)."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error answers ``{"error": {"message", "type", "code"}}`` with its HTTP status."""
+    from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service.batcher.start()
-        yield
-        await service.batcher.stop()  # after uvicorn has let the requests in flight finish
-
-    app = FastAPI(title="opd serve-teacher", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     def error(status: HTTPStatus, message: str, close: bool = False) -> JSONResponse:
         headers = {"Connection": "close"} if close else None
@@ -493,6 +479,26 @@ def build_app(
     async def failed(request: Request, problem: Exception) -> JSONResponse:
         log.error("request %s failed: %s: %s", request.url.path, type(problem).__name__, problem)
         return error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(problem).__name__}: {problem}")
+
+
+def build_app(
+    service: TeacherService,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+) -> FastAPI:
+    """The ASGI application serving ``service`` (its batcher runs while the app does)."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.batcher.start()
+        yield
+        await service.batcher.stop()  # after uvicorn has let the requests in flight finish
+
+    app = FastAPI(title="opd serve-teacher", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    _add_error_handlers(app)
 
     def authorise(request: Request) -> None:
         if api_key is None:
