@@ -117,8 +117,9 @@ class DistillationConfig(StrictConfig):
         return self.lambda_ if isinstance(self.lambda_, float) else self.lambda_.lowest()
 
 
-DEPTHS_SCORED_AHEAD = {"sync": False, "one_step_off": False, "two_step_off": True}
-"""Whether each ``training.scheduler`` scores the next batch while the student trains."""
+DEPTHS = {"sync": 0, "one_step_off": 1, "two_step_off": 2}
+"""How many steps ahead of the update each ``training.scheduler`` samples: from 1 sampling overlaps the
+update, from 2 the teacher also scores the next batch while the student trains."""
 
 
 class TrainingConfig(TrainingLoopConfig):
@@ -139,9 +140,19 @@ class TrainingConfig(TrainingLoopConfig):
     off_policy_correction: OffPolicyCorrectionConfig = Field(default_factory=OffPolicyCorrectionConfig)
 
     @property
+    def depth(self) -> int:
+        """How many steps ahead of the update ``scheduler`` samples (:data:`DEPTHS`)."""
+        return DEPTHS[self.scheduler]
+
+    @property
     def asynchronous(self) -> bool:
         """Whether rollouts are sampled ahead of the update (one_step_off, two_step_off)."""
-        return self.scheduler != "sync"
+        return self.depth > 0
+
+    @property
+    def scores_ahead(self) -> bool:
+        """Whether the teacher scores the next batch while the student trains (two_step_off)."""
+        return self.depth > 1
 
     def correction_is_on(self, loss: LossFnConfig) -> bool:
         """Whether ``loss``'s stale samples are weighted (``off_policy_correction.enabled``).
@@ -166,7 +177,7 @@ class TrainingConfig(TrainingLoopConfig):
                 f"{key} overlaps sampling with training, so the rollout workers need devices of their own; "
                 "set cluster.placement = split"
             )
-        if DEPTHS_SCORED_AHEAD[self.scheduler] and teacher_in_workers:
+        if self.scores_ahead and teacher_in_workers:
             return (
                 f"{key} scores the next batch while the student trains, but a teacher colocated in the trainer "
                 "workers runs on those same workers, which are busy training; set cluster.teacher.placement = pool "
@@ -338,7 +349,7 @@ def _teacher_problem(config: MasterConfig) -> str | None:
         several=config.teachers is not None,
         cross_tokenizer=teacher.cross_tokenizer,
         on_cluster=config.cluster is not None,
-        scores_ahead=DEPTHS_SCORED_AHEAD[config.training.scheduler],
+        scores_ahead=config.training.scores_ahead,
         has_context=distillation.teacher_context_spec() is not None,
     )
     if self_teacher is not None:

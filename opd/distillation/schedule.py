@@ -50,7 +50,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.batches import attach_teacher_fields, build_fixed_data_batch
 from opd.data.dataloaders import PreparedExample
 from opd.data.sequences import build_token_mask, pack_rows
-from opd.distillation.config import MasterConfig
+from opd.distillation.config import DEPTHS, MasterConfig
 from opd.models.interfaces import (
     FullVocabRequest,
     GenerationInterface,
@@ -73,9 +73,6 @@ from opd.rollout.environments.turn_template import TurnTemplate
 from opd.rollout.multi_turn import MultiTurnRollout, multi_turn_rollout
 from opd.teachers.several_teachers import MixedSignal, RoutedPart, RoutedSignal
 from opd.utils.errors import ConfigError
-
-DEPTHS = {"sync": 0, "one_step_off": 1, "two_step_off": 2}
-"""How many steps ahead of the update each schedule samples."""
 
 NextExamples = Callable[[], list[PreparedExample]]
 """Draws the next batch of prompts from the training data (across epochs)."""
