@@ -83,21 +83,8 @@ def decode(
     stops = torch.tensor(list(stop_token_ids), dtype=torch.long, device=device)
 
     cache = DynamicCache(config=model.config)
-    # As generate: position = number of real tokens before it; padding gets position 0.
-    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-    # Without padding the causal structure alone is the mask: passing none lets the
-    # attention kernel take its causal fast path instead of building a mask every step.
-    # (Rows that finish leave the batch, so no padding ever appears later.)
-    mask = attention_mask if not bool(attention_mask.all()) else None
     cache_keyword = _cache_keyword(model)
-    output = model(
-        input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=position_ids,
-        use_cache=True,
-        logits_to_keep=1,
-        **{cache_keyword: cache},
-    )
+    output, position_ids, mask = _prefill(model, input_ids, attention_mask, cache, cache_keyword)
     active = torch.arange(rows, device=device)  # original row of each row still decoding
     next_position = position_ids[:, -1:] + 1
     steps_run = 0
@@ -127,6 +114,33 @@ def decode(
         next_position = next_position + 1
     tokens = tokens[:, :steps_run]
     return tokens, logprobs[:, :steps_run] if logprobs is not None else None
+
+
+def _prefill(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cache: DynamicCache,
+    cache_keyword: str,
+) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
+    """The prompts' forward into ``cache``: ``(its output, the prompts' position ids, the mask to extend)``.
+
+    The mask is None without padding: the causal structure alone is the mask then, and
+    passing none lets the attention kernel take its causal fast path instead of building a
+    mask every step. (Rows that finish leave the batch, so no padding ever appears later.)
+    """
+    # As generate: position = number of real tokens before it; padding gets position 0.
+    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    mask = attention_mask if not bool(attention_mask.all()) else None
+    output = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=position_ids,
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_keyword: cache},
+    )
+    return output, position_ids, mask
 
 
 def compile_decode_step(model: PreTrainedModel) -> Callable[..., Any]:
