@@ -54,6 +54,7 @@ from opd.rollout.engine_kind import (
 from opd.rollout.rollout_batch import build_rollout_batch
 from opd.rollout.stop_tokens import ends_with_stop, stop_token_ids
 from opd.utils.config import StrictConfig
+from opd.utils.devices import is_cuda
 from opd.utils.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
@@ -236,8 +237,7 @@ class VllmGeneration(InProcessGenerationInterface):
     ) -> None:
         if VllmGeneration._open_engine is not None:
             raise RuntimeError("a colocated vLLM engine is already open in this process; close() it first")
-        device_type = next(model.parameters()).device.type
-        on_gpu = device_type == "cuda"
+        on_gpu = is_cuda(next(model.parameters()).device)
         configure_vllm_environment(on_gpu)
         vllm = import_vllm()
         self._sampling_params_class = vllm.SamplingParams
