@@ -1,21 +1,17 @@
-"""The teacher on a Ray cluster: in the trainer workers (colocated) or as a pool of its own.
+"""The teacher on a Ray cluster as a pool of workers of its own (``cluster.teacher.placement: pool``).
 
-* :class:`ColocatedTeacher`: the frozen teacher (or each of several) lives, sharded, in
-  every trainer worker (:class:`~opd.distributed.trainer_worker.TrainerWorker`). During
-  training the workers score each micro-batch themselves, so the exact full-vocabulary
-  loss works as in one process; this facade of one of them answers the driver's other
-  questions by running the same workers.
-* :class:`TeacherPool`: ``cluster.teacher.workers`` workers of their own
-  (:class:`TeacherWorker`), sharing the rows of each request. A replica is one worker
-  with the whole model, or (``cluster.teacher.shards_per_replica: n``) ``n`` workers that
-  hold one teacher sharded with FSDP2 over a process group of their own, for a teacher
-  larger than one device. They send top-k or token log-probs, or for the full-vocabulary
-  losses their final hidden states (:class:`~opd.models.interfaces.TeacherHiddenStates`,
-  ``[B, L, D]`` in the teacher's dtype): never ``[B, L, V]`` logits, and never the output
-  layer, which each trainer worker loaded once and binds them to. What a worker scores
-  with (``cluster.teacher.engine``) is a pool engine
-  (:data:`~opd.distributed.pool_engines.POOL_ENGINES`): it builds the replica, says what
-  it can send and answers.
+:class:`TeacherPool`: ``cluster.teacher.workers`` workers (:class:`TeacherWorker`),
+sharing the rows of each request. A replica is one worker with the whole model, or
+(``cluster.teacher.shards_per_replica: n``) ``n`` workers that hold one teacher sharded
+with FSDP2 over a process group of their own, for a teacher larger than one device. They
+send top-k or token log-probs, or for the full-vocabulary losses their final hidden
+states (:class:`~opd.models.interfaces.TeacherHiddenStates`, ``[B, L, D]`` in the
+teacher's dtype): never ``[B, L, V]`` logits, and never the output layer, which each
+trainer worker loaded once and binds them to. What a worker scores with
+(``cluster.teacher.engine``) is a pool engine
+(:data:`~opd.distributed.pool_engines.POOL_ENGINES`): it builds the replica, says what it
+can send and answers. A teacher colocated in the trainer workers is
+:class:`~opd.distributed.colocated_teacher.TeacherInTrainerWorkers`.
 """
 
 from __future__ import annotations
@@ -79,47 +75,6 @@ def _on_host(signal: TeacherSignal) -> TeacherSignal:
         return TeacherHiddenStates(signal.hidden_states.cpu())
     assert isinstance(signal, torch.Tensor)  # token log-probs
     return signal.cpu()
-
-
-class ColocatedTeacher(TeacherInterface):
-    """The teacher held by the trainer workers (see the module docstring).
-
-    Its full-vocabulary answer never leaves them: training and validation's KL score in
-    the workers (:class:`~opd.distributed.fsdp_policy.FSDPPolicy`); this facade sends
-    top-k and token log-probs only.
-
-    Args:
-        workers: the trainer workers, built with their teachers.
-        member: which of the workers' colocated teachers this is (its position in
-            ``teachers.members``; 0 for the one teacher).
-    """
-
-    def __init__(self, workers: WorkerGroup, member: int = 0) -> None:
-        self.workers = workers
-        self.member = member
-
-    @classmethod
-    def unsupported_reason(cls, request: TeacherRequest) -> str | None:
-        """None: the workers hold the model, so every signal can be computed."""
-        return None
-
-    def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
-        """Every rank scores a block of the rows and sends its top-k or token log-probs.
-
-        Raises:
-            ValueError: for a full-vocabulary request: its answer stays in the workers,
-                where the student uses it (:meth:`FSDPPolicy.train` and
-                :meth:`FSDPPolicy.compare_with_teacher` score there); sending it would move
-                ``[B, L, V]`` floats.
-        """
-        if isinstance(request, FullVocabRequest):
-            raise ValueError(
-                "the colocated teacher's full vocabulary stays in the trainer workers: the student's trainer "
-                "scores with it there (train, compare_with_teacher); ask for top-k or token log-probs to send"
-            )
-        blocks, counts = contiguous_blocks(data, self.workers.size)
-        per_rank = [(block, self.member) for block in blocks]
-        return _concat(self.workers.run_all("teacher_score", request, per_rank=per_rank), counts)
 
 
 class TeacherWorker:
