@@ -32,6 +32,7 @@ from pydantic import Field, model_validator
 from opd.distributed.pool_engines import POOL_ENGINES, PoolEngine, PoolEngineName
 from opd.models.interfaces import TeacherRequest
 from opd.teachers.vllm_teacher import VllmScoringConfig
+from opd.utils.auto import resolve_auto
 from opd.utils.config import StrictConfig
 
 
@@ -270,11 +271,8 @@ class ClusterConfig(StrictConfig):
 
     def resolved_refit_transport(self) -> str:
         """How the rollout workers are refit (``auto`` resolved: see ``rollout.refit_transport``)."""
-        if self.rollout.refit_transport != "auto":
-            return self.rollout.refit_transport
-        if not self.gpus_per_worker:
-            return "object_store"
-        return "cuda_ipc" if self.colocated else "broadcast"
+        for_devices = ("cuda_ipc" if self.colocated else "broadcast") if self.gpus_per_worker else "object_store"
+        return resolve_auto(self.rollout.refit_transport, lambda: for_devices)
 
     @model_validator(mode="after")
     def _check_devices_and_sharing(self) -> ClusterConfig:
@@ -297,7 +295,7 @@ class ClusterConfig(StrictConfig):
 
     def resolved_backend(self) -> str:
         """The torch.distributed backend the trainer uses."""
-        return _BACKEND_FOR_DEVICES[bool(self.gpus_per_worker)] if self.backend == "auto" else self.backend
+        return resolve_auto(self.backend, lambda: _BACKEND_FOR_DEVICES[bool(self.gpus_per_worker)])
 
 
 def colocated_sharing_problem(key: str, count: int, trainer_workers: int) -> str | None:

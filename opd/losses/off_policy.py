@@ -41,6 +41,7 @@ from pydantic import Field, model_validator
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput
 from opd.rollout.sampling import warp_logits
+from opd.utils.auto import resolve_auto
 from opd.utils.config import StrictConfig
 
 _LEARNER_CHUNK_ROWS = 1024
@@ -93,7 +94,7 @@ class OffPolicyCorrectionConfig(StrictConfig):
         """
         if not self.weighs:  # monitor: the ratios are computed whenever samples are stale
             return asynchronous
-        return asynchronous and by_default if self.enabled == "auto" else bool(self.enabled)
+        return bool(resolve_auto(self.enabled, lambda: asynchronous and by_default))
 
     @property
     def weighs(self) -> bool:

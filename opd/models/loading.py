@@ -20,6 +20,7 @@ from opd.models.config import ModelLoadingConfig
 from opd.models.gguf_source import gguf_source, load_gguf_causal_lm, load_gguf_tokenizer
 from opd.models.lm_head import OutputLayer, output_layer_of
 from opd.models.tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer, is_tiny_path
+from opd.utils.auto import resolve_auto
 from opd.utils.devices import is_cuda
 from opd.utils.errors import ConfigError, ModelCompatibilityError
 
@@ -33,8 +34,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def resolve_device(name: str) -> torch.device:
     """``auto`` → CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = resolve_auto(name, lambda: "cuda" if torch.cuda.is_available() else "cpu")
     if is_cuda(name) and not torch.cuda.is_available():
         raise ConfigError("model.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
     return torch.device(name)
@@ -42,10 +42,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` → bfloat16 on GPUs that support it, float32 otherwise (CPU)."""
-    if name == "auto":
-        if is_cuda(device) and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
+    name = resolve_auto(name, lambda: "bfloat16" if is_cuda(device) and torch.cuda.is_bf16_supported() else "float32")
     return _DTYPES[name]
 
 

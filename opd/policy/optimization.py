@@ -28,6 +28,7 @@ from opd.data.sequences import model_inputs
 from opd.models.config import OptimizerConfig
 from opd.models.interfaces import LossFunction, TeacherSignal
 from opd.models.lm_head import LMHeadInput, final_hidden_states, output_layer_of
+from opd.utils.auto import resolve_auto
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
     from transformers import PreTrainedModel
@@ -43,9 +44,8 @@ def adam_kernel_kwargs(implementation: str, params: list[torch.nn.Parameter]) ->
     loop on CPU for a student with a large embedding, which is why ``auto`` picks it
     wherever it exists (TRL's default ``adamw_torch_fused`` does too).
     """
-    if implementation == "auto":
-        fusable = all(p.device.type in _FUSED_ADAM_DEVICES and p.is_floating_point() for p in params)
-        implementation = "fused" if fusable else "foreach"
+    fusable = all(p.device.type in _FUSED_ADAM_DEVICES and p.is_floating_point() for p in params)
+    implementation = resolve_auto(implementation, lambda: "fused" if fusable else "foreach")
     return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[implementation]
 
 

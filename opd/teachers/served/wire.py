@@ -356,9 +356,10 @@ class HiddenStatesCodec(SignalCodec):
     ) -> Answerer:
         """Reads ``hidden_dtype`` (``auto``: the model's own dtype)."""
         name = body.get("hidden_dtype", "auto")
-        if name != "auto" and name not in HIDDEN_DTYPES:
+        dtypes = {"auto": scorer.dtype, **HIDDEN_DTYPES}
+        if name not in dtypes:
             raise BadRequest(f"'hidden_dtype' must be auto or one of {list(HIDDEN_DTYPES)}, got {name!r}")
-        dtype = scorer.dtype if name == "auto" else HIDDEN_DTYPES[name]
+        dtype = dtypes[name]
 
         def hidden_states(rows: torch.Tensor) -> dict[str, torch.Tensor]:
             return {"hidden_states": rows.to(dtype)}
