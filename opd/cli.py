@@ -283,6 +283,7 @@ def harness_overrides(args: argparse.Namespace) -> list[str]:
 
 def run_harness(config_path: str, overrides: list[str]) -> None:
     """``opd eval --harness``: score one model (and its comparisons) with an external harness."""
+    _check_config_keys("train", config_path, overrides)
     from opd.distillation.config import MasterConfig
     from opd.evaluate import evaluate_with_harness_tasks
     from opd.utils.config import load_config
@@ -293,6 +294,7 @@ def run_harness(config_path: str, overrides: list[str]) -> None:
 
 def run_train(config_path: str, overrides: list[str], val_only: bool = False) -> None:
     """Loads and validates the config, then trains (or only validates, for ``opd eval``)."""
+    _check_config_keys("train", config_path, overrides)
     # Imported here, the training stack after the config has loaded: `opd --help` and a
     # config error do not wait for the imports of models, engines and workers (seconds).
     from opd.distillation.config import MasterConfig
@@ -321,6 +323,7 @@ def run_plan(
     """Loads the config and prints its teacher plan and memory plan (``opd plan``, ``opd train --dry-run``)."""
     import json
 
+    _check_config_keys("train", config_path, overrides)
     from opd.distillation.config import MasterConfig
     from opd.distillation.teacher_plan import plan_teacher
     from opd.plan.memory_plan import plan_memory, render_plan
@@ -339,6 +342,7 @@ def run_plan(
 
 def run_sft(config_path: str, overrides: list[str]) -> None:
     """Loads and validates an SFT config, then fine-tunes."""
+    _check_config_keys("sft", config_path, overrides)
     from opd.sft import SFTMasterConfig, setup, sft_train
     from opd.utils.config import load_config
 
@@ -350,12 +354,20 @@ def run_sft(config_path: str, overrides: list[str]) -> None:
 
 def run_generate(config_path: str, overrides: list[str]) -> None:
     """Loads a config with a ``generate`` section, writes the answers and prints the summary line."""
+    _check_config_keys("generate", config_path, overrides)
     from opd.generate import GenerateMasterConfig, generate_data
     from opd.utils.config import load_config
 
     _prepare_console()
     config = load_config(GenerateMasterConfig, config_path, overrides)
     print(generate_data(config).line())
+
+
+def _check_config_keys(root: str, config_path: str, overrides: list[str]) -> None:
+    """Refuses a misspelt key before the config models, which import torch and transformers, are imported."""
+    from opd.utils.config_keys import check_config_keys
+
+    check_config_keys(root, config_path, overrides)
 
 
 def _prepare_console() -> None:

@@ -1,4 +1,5 @@
-"""Writes the configuration reference (``docs/guide/config-reference*.md``) from opd's pydantic models.
+"""Writes the configuration reference (``docs/guide/config-reference*.md``) and the key table
+(``opd/config_keys.json``) from opd's pydantic models.
 
 Every section and key of the configs of ``opd train``, ``opd sft`` and ``opd generate``,
 nested, with its type (and range), its default and its description. A key's description is
@@ -6,11 +7,14 @@ its ``Field(description=...)``; where a field has none, its attribute docstring 
 comment above it in the class, else the comment above the key in the command's config
 template (``examples/configs/*.yaml``). A section already documented is linked, not repeated.
 
-    python scripts/config_reference.py           # regenerate the pages
-    python scripts/config_reference.py --check   # exit 1 when the committed pages differ
+The key table is what :mod:`opd.utils.config_keys` checks a config's keys against before
+the command imports the models (which import torch): each section's keys, and which of them
+open a section, a list of sections or a choice of sections by ``type``.
 
-``tests/unit/test_config_reference.py`` runs the check, so the reference cannot drift from
-the models.
+    python scripts/config_reference.py           # regenerate the pages and the key table
+    python scripts/config_reference.py --check   # exit 1 when the committed ones differ
+
+``tests/unit/test_config_reference.py`` runs the check, so neither can drift from the models.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import annotated_types
-from pydantic import BaseModel
+from pydantic import BaseModel, Discriminator, Tag
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -39,12 +43,14 @@ from pydantic_core import PydanticUndefined
 from opd.distillation.config import MasterConfig as DistillationRoot
 from opd.generate import GenerateMasterConfig as GenerateRoot
 from opd.sft import SFTMasterConfig as SFTRoot
+from opd.utils.config import StrictConfig
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "docs" / "guide"
 INDEX = "config-reference.md"
 PAGE_LINES = 600  # a page of the guide stays below this (tests/unit/test_docs_pages.py)
 COMMAND = "python scripts/config_reference.py"
+KEY_TABLE = REPO / "opd" / "config_keys.json"
 
 
 @dataclass(frozen=True)
@@ -518,6 +524,169 @@ def render() -> dict[str, str]:
     return texts
 
 
+# ---------------------------------------------------------------------------------------------
+# The key table (opd/config_keys.json)
+#
+# Its shape of a key: null (not checked: a value, a free-form mapping, or a shape the fast
+# check does not follow), "Section", ["Section"] (a list of them) or {"variants": {tag:
+# "Section"}, "default": tag or null} (a choice by `type`). Whatever this walk does not
+# recognise is null: the fast check must never refuse a key that the models accept.
+
+
+def _rewrites_its_input(model: type[BaseModel]) -> bool:
+    """Whether a validator sees the section's raw mapping first (and may rename or drop keys)."""
+    return any(
+        decorator.info.mode in ("before", "wrap")
+        for decorator in model.__pydantic_decorators__.model_validators.values()
+    )
+
+
+_EVERY_FIELD_NUMBER_CHECK = StrictConfig.__pydantic_decorators__.field_validators["_numbers_are_not_coerced"].func
+
+
+def _field_rewritten(model: type[BaseModel], name: str) -> bool:
+    """Whether a field validator sees this field's raw value first (StrictConfig's number check only reads scalars)."""
+    for decorator in model.__pydantic_decorators__.field_validators.values():
+        if decorator.info.mode not in ("before", "wrap"):
+            continue
+        if getattr(decorator.func, "__func__", None) is getattr(_EVERY_FIELD_NUMBER_CHECK, "__func__", object()):
+            continue
+        if "*" in decorator.info.fields or name in decorator.info.fields:
+            return True
+    return False
+
+
+def _tagged_variants(
+    members: Sequence[Any], discriminator: Any
+) -> tuple[dict[str, type[BaseModel]], str | None] | None:
+    """A discriminated union's variants by tag and the tag of a section without ``type``, if the table can follow it."""
+    variants: dict[str, type[BaseModel]] = {}
+    for member in members:
+        tag = None
+        if typing.get_origin(member) is typing.Annotated:
+            member, *metadata = typing.get_args(member)
+            tag = next((item.tag for item in metadata if isinstance(item, Tag)), None)
+        if not (isinstance(member, type) and issubclass(member, BaseModel)):
+            return None
+        tag = tag if tag is not None else _variant_tag(member)
+        if tag is None:
+            return None
+        variants[tag] = member
+    if isinstance(discriminator, str):  # Field(discriminator="type"): a section without it is refused
+        return (variants, None) if discriminator == "type" else None
+    choose = discriminator.discriminator if isinstance(discriminator, Discriminator) else None
+    if isinstance(choose, str):
+        return (variants, None) if choose == "type" else None
+    if not callable(choose) or any(choose({"type": tag}) != tag for tag in variants):
+        return None  # the fast check reads `type`; a discriminator that reads anything else is not followed
+    default = choose({})
+    return variants, (default if default in variants else None)
+
+
+def _key_shape(annotation: Any, info: FieldInfo | None, sections: list[type[BaseModel]]) -> Any:
+    """How the table writes a key of this annotation; the sections it names are added to ``sections``."""
+
+    def section(model: type[BaseModel]) -> str | None:
+        if _rewrites_its_input(model):
+            return None
+        sections.append(model)
+        return model.__name__
+
+    origin = typing.get_origin(annotation)
+    arguments = typing.get_args(annotation)
+    discriminator = info.discriminator if info is not None else None
+    if info is not None:  # pydantic moves a field's outer Annotated[...] metadata onto the field
+        discriminator = next((item for item in info.metadata if isinstance(item, Discriminator)), discriminator)
+    if origin is typing.Annotated:
+        inner, *metadata = arguments
+        discriminator = next((item for item in metadata if isinstance(item, Discriminator)), discriminator)
+        if discriminator is None:
+            return _key_shape(inner, None, sections)
+        annotation, origin, arguments = inner, typing.get_origin(inner), typing.get_args(inner)
+    if origin in (Union, types.UnionType):
+        present = [argument for argument in arguments if argument is not type(None)]
+        if discriminator is not None:
+            choice = _tagged_variants(present, discriminator)
+            if choice is None or any(_rewrites_its_input(model) for model in choice[0].values()):
+                return None
+            sections.extend(choice[0].values())
+            return {"variants": {tag: model.__name__ for tag, model in choice[0].items()}, "default": choice[1]}
+        if len(present) == 1:
+            return _key_shape(present[0], None, sections)
+        # A value or a section (distillation.lambda), or sections without a tag: pydantic reports
+        # every branch's problems, which only the full validation can word.
+        return None
+    if origin in (list, tuple, Sequence) and len(arguments) in (1, 2) and arguments[-1] in (arguments[0], Ellipsis):
+        item = arguments[0]
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            named = section(item)
+            return [named] if named is not None else None
+        return None
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return section(annotation)
+    return None
+
+
+def _key_table() -> dict[str, Any]:
+    """``{"roots": {slug: {"section", "moved_keys"}}, "sections": {class name: {"keys", "names"?, "open"?}}}``."""
+    tables: dict[type[BaseModel], dict[str, Any]] = {}
+    pending: list[type[BaseModel]] = [root.model for root in ROOTS]
+    while pending:
+        model = pending.pop(0)
+        if model in tables:
+            continue
+        keys: dict[str, Any] = {}
+        by_name: dict[str, str] = {}
+        for name, info in model.model_fields.items():
+            key = info.alias or name
+            keys[key] = None if _field_rewritten(model, name) else _key_shape(info.annotation, info, pending)
+            if key != name and model.model_config.get("populate_by_name"):
+                by_name[name] = key
+        table: dict[str, Any] = {"keys": keys}
+        if by_name:
+            table["names"] = by_name
+        if model.model_config.get("extra") != "forbid":
+            table["open"] = True  # it takes keys it does not name
+        tables[model] = table
+    by_name_of_class: dict[str, type[BaseModel]] = {}
+    for model in tables:
+        other = by_name_of_class.setdefault(model.__name__, model)
+        if other is not model:
+            raise SystemExit(
+                f"{other.__module__}.{other.__qualname__} and {model.__module__}.{model.__qualname__} share a "
+                "class name, by which opd/config_keys.json names sections: rename one"
+            )
+    roots = {
+        root.slug: {"section": root.model.__name__, "moved_keys": dict(getattr(root.model, "moved_keys", {}))}
+        for root in ROOTS
+    }
+    return {"roots": roots, "sections": {model.__name__: table for model, table in tables.items()}}
+
+
+def key_table_text() -> str:
+    """The key table as committed: one line per section, in the order they are reached from the roots."""
+    table = _key_table()
+    lines = [
+        "{",
+        '"about": '
+        + json.dumps(f"Generated by `{COMMAND}` from the config models; read by opd/utils/config_keys.py.")
+        + ",",
+        f'"roots": {json.dumps(table["roots"], ensure_ascii=False)},',
+        '"sections": {',
+    ]
+    sections = list(table["sections"].items())
+    for index, (name, section) in enumerate(sections):
+        comma = "," if index < len(sections) - 1 else ""
+        lines.append(f"{json.dumps(name)}: {json.dumps(section, ensure_ascii=False)}{comma}")
+    lines += ["}", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def stale_key_table(text: str) -> bool:
+    """Whether the committed key table differs from ``text``."""
+    return not KEY_TABLE.is_file() or KEY_TABLE.read_text(encoding="utf-8") != text
+
+
 def _existing() -> dict[str, str]:
     return {path.name: path.read_text(encoding="utf-8") for path in sorted(GUIDE.glob("config-reference*.md"))}
 
@@ -530,11 +699,12 @@ def stale_pages(pages: dict[str, str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the committed pages differ")
+    parser.add_argument("--check", action="store_true", help="exit 1 when the committed pages or key table differ")
     arguments = parser.parse_args(argv)
     pages = render()
+    keys = key_table_text()
     if arguments.check:
-        stale = stale_pages(pages)
+        stale = stale_pages(pages) + (["opd/config_keys.json"] if stale_key_table(keys) else [])
         if stale:
             print(f"config reference out of date ({', '.join(stale)}): run `{COMMAND}`", file=sys.stderr)
             return 1
@@ -543,7 +713,9 @@ def main(argv: list[str] | None = None) -> int:
         (GUIDE / old).unlink()
     for name, text in pages.items():
         (GUIDE / name).write_text(text, encoding="utf-8")
-    print("wrote " + ", ".join(f"docs/guide/{name} ({len(text.splitlines())} lines)" for name, text in pages.items()))
+    KEY_TABLE.write_text(keys, encoding="utf-8")
+    written = [f"docs/guide/{name} ({len(text.splitlines())} lines)" for name, text in pages.items()]
+    print("wrote " + ", ".join([*written, f"opd/config_keys.json ({len(keys.splitlines())} lines)"]))
     return 0
 
 

@@ -243,23 +243,56 @@ def _keys_of(section: type[BaseModel] | None) -> list[str]:
 
 
 def _misplaced_key_hint(model_cls: type[BaseModel], location: tuple[Any, ...], key: str) -> str:
-    """For a key refused by one variant of a union: the variants that do have it."""
+    """For a key refused by one variant of a union (``location`` ends section, tag, key): the variants that have it."""
     parent: type[BaseModel] | None = model_cls
-    for index, part in enumerate(location):
-        if parent is None:
-            return ""
+    index = 0
+    while parent is not None and index < len(location) - 1:
+        part = location[index]
+        index += 1
+        if isinstance(part, int):  # an item of a list of sections (teachers.members[i])
+            continue
         info = parent.model_fields.get(str(part))
         if info is None:
             return ""
         variants = _variants(info.annotation)
-        if len(variants) > 1:
+        if len(variants) < 2:
+            parent = next(iter(variants.values()), None)
+            continue
+        chosen = str(location[index])  # pydantic puts the chosen variant's tag after the section
+        if index + 2 == len(location):
             owners = sorted(tag for tag, section in variants.items() if key in _keys_of(section))
-            chosen = location[index + 1] if index + 1 < len(location) else "?"
-            if owners:
-                return f" ({key} belongs to {part}.type = {' / '.join(owners)}, not {chosen})"
-            return ""
-        parent = next(iter(variants.values()), None)
+            return misplaced_key_hint(key, str(part), owners, chosen)
+        parent = variants.get(chosen)
+        index += 1
     return ""
+
+
+def misplaced_key_hint(key: str, section: str, owners: list[str], chosen: str) -> str:
+    """The note on a key that the chosen variant of ``section`` lacks but ``owners`` (other variants) have."""
+    return f" ({key} belongs to {section}.type = {' / '.join(owners)}, not {chosen})" if owners else ""
+
+
+def unknown_key_problem(parent: str, name: str, allowed: list[str], misplaced_hint: str = "") -> str:
+    """The line naming an unknown key, what it may have meant, and the keys its section allows.
+
+    Made here for pydantic's report and by :mod:`opd.utils.config_keys`'s fast check alike.
+
+    Args:
+        parent: the dotted key of its section (list indices and variant tags left out); "" at the top.
+        name: the unknown key as written.
+        allowed: the keys the section allows.
+        misplaced_hint: :func:`misplaced_key_hint`'s note, when another variant has the key.
+    """
+    key = f"{parent}.{name}" if parent else name
+    hint = difflib.get_close_matches(name, allowed, n=1)
+    # A key of another variant is more likely than a typo (kl_type is not a misspelt type).
+    suggestion = misplaced_hint or (f" (did you mean '{hint[0]}'?)" if hint else "")
+    return f"unknown key '{key}'{suggestion}; allowed keys here: {', '.join(sorted(allowed))}"
+
+
+def invalid_config_message(problems: list[str]) -> str:
+    """One message for every problem of a config, in the order found."""
+    return "invalid config: " + "; ".join(problems)
 
 
 def _format_validation_error(model_cls: type[BaseModel], error: ValidationError) -> str:
@@ -270,15 +303,9 @@ def _format_validation_error(model_cls: type[BaseModel], error: ValidationError)
         _, dotted = _section_at(model_cls, location)
         if item["type"] == "extra_forbidden":
             section, parent = _section_at(model_cls, location[:-1])
-            allowed = _keys_of(section)
             name = str(location[-1])
-            key = f"{parent}.{name}" if parent else name
-            hint = difflib.get_close_matches(name, allowed, n=1)
-            # A key of another variant is more likely than a typo (kl_type is not a misspelt type).
-            suggestion = _misplaced_key_hint(model_cls, location, name) or (
-                f" (did you mean '{hint[0]}'?)" if hint else ""
-            )
-            lines.append(f"unknown key '{key}'{suggestion}; allowed keys here: {', '.join(sorted(allowed))}")
+            hint = _misplaced_key_hint(model_cls, location, name)
+            lines.append(unknown_key_problem(parent, name, _keys_of(section), hint))
         elif item["type"] == "missing":
             lines.append(f"missing required key '{dotted}'")
         elif not location:  # a check across sections: its message names the keys
@@ -287,12 +314,11 @@ def _format_validation_error(model_cls: type[BaseModel], error: ValidationError)
             lines.append(f"{dotted}.type = {item['ctx']['tag']!r}: expected one of {item['ctx']['expected_tags']}")
         else:
             lines.append(f"{dotted} = {item.get('input')!r}: {str(item['msg']).removeprefix('Value error, ')}")
-    return "invalid config: " + "; ".join(lines)
+    return invalid_config_message(lines)
 
 
-def _moved_key_problems(model_cls: type[BaseModel], tree: dict[str, Any]) -> list[str]:
-    """Keys of an older schema still present in ``tree``, each with its new place."""
-    moved: dict[str, str] = getattr(model_cls, "moved_keys", {})
+def moved_key_problems(moved: dict[str, str], tree: dict[str, Any]) -> list[str]:
+    """Keys of an older schema (``moved``: old dotted key → where it lives now) still present in ``tree``."""
     problems = []
     for old, new in moved.items():
         node: Any = tree
@@ -313,9 +339,9 @@ def validate_config(model_cls: type[ModelT], tree: dict[str, Any]) -> ModelT:
         ConfigError: naming every offending key and what it allows, or, for a key an
             older schema had (the class's ``moved_keys``), where it lives now.
     """
-    moved = _moved_key_problems(model_cls, tree)
+    moved = moved_key_problems(getattr(model_cls, "moved_keys", {}), tree)
     if moved:
-        raise ConfigError("invalid config: " + "; ".join(moved))
+        raise ConfigError(invalid_config_message(moved))
     try:
         return model_cls.model_validate(tree)
     except ValidationError as error:

@@ -1,0 +1,133 @@
+"""A config's unknown keys, found before the config models are imported.
+
+The config models import the classes they register (losses, engines, teacher backends),
+and those import torch and transformers: a misspelt key would wait for those imports to be
+reported. :func:`check_config_keys` reads the config as :func:`opd.utils.config.load_config`
+does (``defaults``, overrides, a variant's inherited keys dropped) and walks it against
+``opd/config_keys.json``, the keys of every section that ``scripts/config_reference.py``
+writes from the models (``tests/unit/test_config_reference.py`` fails when it is stale).
+An unknown key is reported with the full validation's own words
+(:func:`opd.utils.config.unknown_key_problem`), in pydantic's order.
+
+It reports only unknown keys and moved keys; every other problem (a missing key, a wrong
+type, a value out of range) is left to the full validation, which runs next. Where the
+table does not follow a value (a free-form mapping, a value that may be a number or a
+section), nothing is refused: this check never refuses a config that the models accept.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from opd.utils.config import (
+    invalid_config_message,
+    load_config_tree,
+    misplaced_key_hint,
+    moved_key_problems,
+    unknown_key_problem,
+)
+from opd.utils.errors import ConfigError
+
+KEY_TABLE = "config_keys.json"
+
+
+@cache
+def _key_table() -> dict[str, Any]:
+    table: dict[str, Any] = json.loads(resources.files("opd").joinpath(KEY_TABLE).read_text(encoding="utf-8"))
+    return table
+
+
+def check_config_keys(root: str, config_path: str | Path, overrides: list[str] | None = None) -> None:
+    """Refuses a config with an unknown or moved key, as the full validation would word it.
+
+    Args:
+        root: the command's config, as the key table's ``roots`` name it: ``train`` (also
+            ``opd eval`` and ``opd plan``), ``sft`` or ``generate``.
+        config_path: the YAML file.
+        overrides: the command line's ``key.sub=value`` overrides.
+
+    Raises:
+        ConfigError: naming every unknown key with what its section allows, or a moved key
+            with where it lives now; or whatever reading the file and the overrides raises.
+    """
+    table = _key_table()
+    sections: dict[str, Any] = table["sections"]
+    top = table["roots"][root]
+
+    def variant_keys(section: str, tag: str) -> set[str] | None:
+        shape = sections[top["section"]]["keys"].get(section)
+        if not isinstance(shape, dict) or len(shape["variants"]) < 2 or tag not in shape["variants"]:
+            return None
+        return set(sections[shape["variants"][tag]]["keys"])
+
+    tree = load_config_tree(config_path, overrides, variant_keys)
+    moved = moved_key_problems(top["moved_keys"], tree)
+    if moved:
+        raise ConfigError(invalid_config_message(moved))
+    problems = _section_problems(sections, top["section"], tree, "")
+    if problems:
+        raise ConfigError(invalid_config_message(problems))
+
+
+def _section_problems(
+    sections: dict[str, Any],
+    name: str,
+    value: dict[str, Any],
+    dotted: str,
+    choice: tuple[str, dict[str, str], str] | None = None,
+) -> list[str]:
+    """The unknown keys in one section's mapping and, first, in the sections it holds.
+
+    pydantic validates a section's fields in their declared order and then reports the keys
+    it does not know, in the order written; the problems come out in that order too.
+
+    Args:
+        choice: for a variant of a choice, the choice's key, its variants and the chosen tag
+            (an unknown key that another variant has is named as misplaced).
+    """
+    section = sections[name]
+    keys: dict[str, Any] = section["keys"]
+    accepted = {**{key: key for key in keys}, **section.get("names", {})}
+    problems: list[str] = []
+    written_as = {accepted[given]: given for given in value if given in accepted}
+    for key, shape in keys.items():
+        given = written_as.get(key)
+        if given is not None and shape is not None:
+            problems += _value_problems(sections, shape, value[given], f"{dotted}.{given}" if dotted else given)
+    if section.get("open"):
+        return problems
+    for given in value:
+        if given in accepted:
+            continue
+        hint = ""
+        if choice is not None:
+            owners = sorted(tag for tag, variant in choice[1].items() if given in sections[variant]["keys"])
+            hint = misplaced_key_hint(str(given), choice[0], owners, choice[2])
+        problems.append(unknown_key_problem(dotted, str(given), list(keys), hint))
+    return problems
+
+
+def _value_problems(sections: dict[str, Any], shape: Any, value: Any, dotted: str) -> list[str]:
+    """The unknown keys under one key whose table entry names a section, a list of them or a choice."""
+    if isinstance(shape, str):
+        return _section_problems(sections, shape, value, dotted) if isinstance(value, dict) else []
+    if isinstance(shape, list):
+        if not isinstance(value, list):
+            return []
+        return [
+            problem
+            for item in value
+            if isinstance(item, dict)
+            for problem in _section_problems(sections, shape[0], item, dotted)
+        ]
+    if not isinstance(value, dict):
+        return []
+    tag = str(value["type"]) if "type" in value else shape["default"]
+    variant = shape["variants"].get(tag)
+    if variant is None:  # no type, or one that is not a variant: the full validation says so
+        return []
+    return _section_problems(sections, variant, value, dotted, (dotted.rsplit(".", 1)[-1], shape["variants"], tag))
