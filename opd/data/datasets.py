@@ -20,7 +20,7 @@ import codecs
 import itertools
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +32,9 @@ logger = logging.getLogger(__name__)
 VALID_ROLES = ("system", "user", "assistant", "tool")
 DATA_FORMATS = ("chat", "math_cl")
 
-# Suffixes (and prefixes) that make a source unambiguously a local path. A missing
-# file that looks like this is reported as "not found" instead of being sent to
+# Prefixes (and the suffixes of _FILE_READERS) that make a source unambiguously a local path.
+# A missing file that looks like this is reported as "not found" instead of being sent to
 # the hub, where it would fail with a confusing repository-name error.
-_LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 _LOCAL_PREFIXES = ("./", "../", "/", "~")
 
 MAX_JSONL_LINE_BYTES = 16 * 2**20
@@ -209,13 +208,9 @@ def _iter_raw_rows(source: str, split: str) -> _RawRows:
     if path.is_dir():
         return _iter_saved_dataset(path, source, split)
     if path.is_file():
-        suffix = path.suffix.lower()
-        if suffix == ".jsonl":
-            return _iter_jsonl(path, source)
-        if suffix == ".json":
-            return _iter_json(path, source)
-        if suffix == ".parquet":
-            return _iter_parquet(path, source)
+        reader = _FILE_READERS.get(path.suffix.lower())
+        if reader is not None:
+            return reader(path, source)
         raise DataError(
             f"data file {source} has unsupported extension {path.suffix!r}; expected {_quoted(_LOCAL_SUFFIXES)}"
         )
@@ -316,6 +311,15 @@ def _iter_parquet(path: Path, source: str) -> _RawRows:
         raise DataError(f"data file {source} could not be read as parquet: {err}") from None
     for row_number, row in enumerate(rows, start=1):
         yield f"data file {source}, row {row_number}", row
+
+
+_FILE_READERS: dict[str, Callable[[Path, str], _RawRows]] = {
+    ".jsonl": _iter_jsonl,
+    ".json": _iter_json,
+    ".parquet": _iter_parquet,
+}
+"""The reader of each data file suffix."""
+_LOCAL_SUFFIXES = tuple(_FILE_READERS)
 
 
 def _iter_saved_dataset(path: Path, source: str, split: str) -> _RawRows:

@@ -21,6 +21,7 @@ demonstration), or both (the fixed text first).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,15 +75,27 @@ class TeacherContext:
         Raises:
             DataError: for ``user_prefix`` when the conversation has no user message.
         """
-        messages = copy.deepcopy(messages)
-        if self.placement == "system":
-            if messages and messages[0].get("role") == "system":
-                messages[0]["content"] = context + self.separator + messages[0]["content"]
-            else:
-                messages.insert(0, {"role": "system", "content": context})
+        return PLACEMENTS[self.placement](copy.deepcopy(messages), context, self.separator)
+
+
+def _before_first_user(messages: list[dict[str, Any]], context: str, separator: str) -> list[dict[str, Any]]:
+    for message in messages:
+        if message.get("role") == "user":
+            message["content"] = context + separator + message["content"]
             return messages
-        for message in messages:
-            if message.get("role") == "user":
-                message["content"] = context + self.separator + message["content"]
-                return messages
-        raise DataError("teacher_context_placement = user_prefix needs a user message in the prompt")
+    raise DataError("teacher_context_placement = user_prefix needs a user message in the prompt")
+
+
+def _in_system_message(messages: list[dict[str, Any]], context: str, separator: str) -> list[dict[str, Any]]:
+    if messages and messages[0].get("role") == "system":
+        messages[0]["content"] = context + separator + messages[0]["content"]
+    else:
+        messages.insert(0, {"role": "system", "content": context})
+    return messages
+
+
+PLACEMENTS: dict[str, Callable[[list[dict[str, Any]], str, str], list[dict[str, Any]]]] = {
+    "user_prefix": _before_first_user,
+    "system": _in_system_message,
+}
+"""How each ``distillation.teacher_context_placement`` inserts the context into (a copy of) the messages."""

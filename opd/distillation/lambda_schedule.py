@@ -13,6 +13,7 @@ same λ for the same step; the λ coin itself is checkpointed by the training lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import Field
@@ -32,13 +33,23 @@ class LambdaSchedule(StrictConfig):
 
     def at(self, step: int) -> float:
         """λ of optimizer step ``step`` (1-based)."""
-        if self.schedule == "step":
-            return self.end if step >= self.steps else self.start
-        if self.steps == 1 or step >= self.steps:
-            return self.end
-        fraction = (max(step, 1) - 1) / (self.steps - 1)
-        return self.start + (self.end - self.start) * fraction
+        return _SHAPES[self.schedule](self, step)
 
     def lowest(self) -> float:
         """The smallest λ of any step (what decides whether fixed data is ever needed)."""
         return min(self.start, self.end)
+
+
+def _linear(schedule: LambdaSchedule, step: int) -> float:
+    if schedule.steps == 1 or step >= schedule.steps:
+        return schedule.end
+    fraction = (max(step, 1) - 1) / (schedule.steps - 1)
+    return schedule.start + (schedule.end - schedule.start) * fraction
+
+
+def _step(schedule: LambdaSchedule, step: int) -> float:
+    return schedule.end if step >= schedule.steps else schedule.start
+
+
+_SHAPES: dict[str, Callable[[LambdaSchedule, int], float]] = {"linear": _linear, "step": _step}
+"""λ of a step under each ``schedule`` (see the module docstring)."""

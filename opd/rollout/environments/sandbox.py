@@ -42,6 +42,7 @@ import pickle
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Literal
@@ -130,8 +131,11 @@ def run_tool(tool: Tool | None, name: str, arguments: dict[str, Any], limits: Sa
     problem = argument_problem(tool.parameters, arguments)
     if problem is not None:
         return ToolOutcome(error_message(f"{name}: {problem}"), False)
-    if limits.isolation == "process":
-        return _run_in_process(tool, name, arguments, limits)
+    return _ISOLATIONS[limits.isolation](tool, name, arguments, limits)
+
+
+def _run_on_thread(tool: Tool, name: str, arguments: dict[str, Any], limits: SandboxLimits) -> ToolOutcome:
+    """:func:`run_tool` on a thread of this process: abandoned (not stopped) at the time limit."""
     result: dict[str, Any] = {}
 
     def call() -> None:
@@ -299,3 +303,10 @@ def _run_in_process(tool: Tool, name: str, arguments: dict[str, Any], limits: Sa
     if reply == "error":
         return ToolOutcome(_cut(error_message(f"{name} failed: {text}"), limits.max_output_chars), False)
     return ToolOutcome(text, True)
+
+
+_ISOLATIONS: dict[str, Callable[[Tool, str, dict[str, Any], SandboxLimits], ToolOutcome]] = {
+    "thread": _run_on_thread,
+    "process": _run_in_process,
+}
+"""How a tool is run under each :attr:`SandboxLimits.isolation`."""
