@@ -75,6 +75,10 @@ class _RemoteMethod:
         return self.host.call.remote(self.method, *args, **kwargs)
 
 
+_ANSWERED_BY_THE_HOST = {"__ray_call__": "apply", "__ray_ready__": "__ray_ready__"}
+"""Ray's own actor methods that a hosted worker answers through its host (the host's method of each)."""
+
+
 class HostedActor:
     """A worker inside a :class:`WorkerHost`, called as its own Ray actor is (``actor.method.remote(...)``)."""
 
@@ -82,10 +86,8 @@ class HostedActor:
         self.host = host
 
     def __getattr__(self, method: str) -> Any:
-        if method == "__ray_call__":
-            return self.host.apply
-        if method == "__ray_ready__":
-            return self.host.__ray_ready__
+        if method in _ANSWERED_BY_THE_HOST:
+            return getattr(self.host, _ANSWERED_BY_THE_HOST[method])
         if method.startswith("__"):  # copy, pickle and the like must not reach the worker
             raise AttributeError(method)
         return _RemoteMethod(self.host, method)

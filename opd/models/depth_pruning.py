@@ -265,13 +265,14 @@ def prune_source(
         raise ConfigError("opd prune: give either --layers (with --method) or --keep")
     if method not in LAYER_CHOICES:
         raise ConfigError(f"opd prune: --method must be one of {', '.join(LAYER_CHOICES)}, got {method!r}")
-    if keep is None and method == "importance" and calibration is None:
+    measured = keep is None and method == "importance"
+    if measured and calibration is None:
         raise ConfigError("opd prune: --method importance measures layers on text: give --calibration DATA.jsonl")
     # The output and the data are checked first: an existing directory or a bad file is
     # reported before the model's slow load (and an importance pass), not after them.
     _refuse_existing(Path(output))
     conversations = None
-    if keep is None and method == "importance":
+    if measured:
         conversations = load_chat_dataset(str(calibration), max_examples=calibration_examples)
     # A base model's tokenizer may have no chat template: only calibration chats need one.
     tokenizer = load_tokenizer(source, require_chat_template=conversations is not None)
@@ -281,7 +282,7 @@ def prune_source(
     examples = 0
     if keep is not None:
         chosen, how = sorted(keep), "given"
-    elif method == "even":
+    elif not measured:  # even
         assert layers is not None
         chosen, how = evenly_spaced_layers(total, layers), method
     else:

@@ -91,10 +91,8 @@ def _run_rows(config: Mapping[str, Any], steps: int, distillation: bool) -> list
         rows.append(("λ (share of on-policy steps)", _format_value(_get(config, "distillation.lambda"))))
         strategy = _get(config, "distillation.generate_strategy") or {}
         method = strategy.get("decoding_method")
-        if method == "top_k":
-            method = f"top_k {strategy.get('top_k')}, temperature {strategy.get('temperature')}"
-        elif method == "top_p":
-            method = f"top_p {strategy.get('top_p')}, temperature {strategy.get('temperature')}"
+        if strategy.get(method) is not None:  # top_k, top_p: the method's own setting has its name
+            method = f"{method} {strategy.get(method)}, temperature {strategy.get('temperature')}"
         samples = _get(config, "distillation.num_samples_per_prompt")
         rows.append(
             ("student sampling", f"{samples} per prompt, {method}, up to {strategy.get('max_length')} new tokens")

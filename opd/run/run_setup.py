@@ -58,10 +58,11 @@ def load_examples(
         tools: an environment's tools, listed in every prompt (multi-turn rollouts).
     """
     source: str | None
-    if split == "train":
-        source, hf_split, limit = data.train_path, data.train_split, data.max_train_examples
-    else:
+    validation = split == "val"
+    if validation:
         source, hf_split, limit = data.val_path, data.val_split, data.max_val_examples
+    else:
+        source, hf_split, limit = data.train_path, data.train_split, data.max_train_examples
     if path is not None:
         source = path
     elif data.val_holdout is not None:
@@ -69,8 +70,8 @@ def load_examples(
             data.train_path, split=data.train_split, data_format=data.data_format, prompt_file=data.prompt_file
         )
         held_out = holdout_rows(len(raw), data.val_holdout, data.val_holdout_seed, data.train_path)
-        rows = [row for index, row in enumerate(raw) if (index in held_out) == (split == "val")]
-        where = f"{data.train_path} ({'held-out validation' if split == 'val' else 'training'} rows)"
+        rows = [row for index, row in enumerate(raw) if (index in held_out) == validation]
+        where = f"{data.train_path} ({'held-out validation' if validation else 'training'} rows)"
         return prepare_examples(
             rows[:limit] if limit else rows,
             tokenizer,
@@ -82,9 +83,7 @@ def load_examples(
             tools,
         )
     if source is None:
-        raise ConfigError(
-            f"no {split} data: set data.{split}_path" + (" or data.val_holdout" if split == "val" else "")
-        )
+        raise ConfigError(f"no {split} data: set data.{split}_path" + (" or data.val_holdout" if validation else ""))
     raw = load_chat_dataset(
         source, split=hf_split, max_examples=limit, data_format=data.data_format, prompt_file=data.prompt_file
     )

@@ -182,6 +182,9 @@ class RunConfig(StrictConfig):
         return self
 
 
+_WHY_UNREPORTED = {"val/accuracy": "; val/accuracy needs ground truth in the validation data"}
+"""Why validation may not report a metric that early stopping watches, where there is a reason to give."""
+
 NextBatch = Callable[[], list[Any]]
 """Draws the next batch of examples from the training data, across epochs."""
 
@@ -413,7 +416,7 @@ class _TrainingRun:
         if value is None:
             self.logger.close()
             reported = ", ".join(sorted(key for key in metrics if key.startswith("val/")))
-            hint = "; val/accuracy needs ground truth in the validation data" if rule.metric == "val/accuracy" else ""
+            hint = _WHY_UNREPORTED.get(rule.metric, "")
             raise ConfigError(
                 f"training.early_stop.metric = {rule.metric}: validation at step {step} did not report it "
                 f"(it reported {reported}){hint}"

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar, cast
 
+from opd.utils.auto import resolve_auto
 from opd.utils.devices import is_cpu, is_cuda
 from opd.utils.errors import ConfigError
 
@@ -102,10 +103,9 @@ def resolve_compile_kernels(
         ConfigError: ``true`` was asked for but the toolchain is missing.
     """
     problem = compiler_toolchain_problem(device_type)
-    if setting == "auto":
-        return problem is None and pays_off
-    if setting and problem is not None:
+    compiles = bool(resolve_auto(setting, lambda: problem is None and pays_off))
+    if compiles and problem is not None:  # asked for explicitly
         raise ConfigError(
             f"{key}: true cannot work on {device_type}: {problem}; install it or set {key} to auto or false"
         )
-    return bool(setting)
+    return compiles

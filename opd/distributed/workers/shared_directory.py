@@ -10,6 +10,7 @@ and node into the directory, and the controller must see them all.
 
 from __future__ import annotations
 
+import re
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ by an earlier, killed run can pass for this run's."""
 
 def marker_name(token: str, rank: int, node: str) -> str:
     """The marker file of one rank (its node's name made safe for a file name)."""
-    safe_node = "".join(character if character.isalnum() or character in "-_." else "_" for character in node)
+    safe_node = re.sub(r"[^\w.-]", "_", node)  # \w: what str.isalnum() accepts, and _
     return f"{MARKER_PREFIX}_{token}_rank{rank}_{safe_node}"
 
 

@@ -49,7 +49,7 @@ def extract_answer(response: str) -> str | None:
 def is_correct(response: str, ground_truth: str) -> bool:
     """Whether the response's extracted answer is mathematically equal to the ground truth."""
     answer = extract_answer(response)
-    if answer is None or answer == "":
+    if not answer:  # none, or empty
         return False
     if answer == str(ground_truth).strip():
         return True
