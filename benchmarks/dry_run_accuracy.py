@@ -104,17 +104,18 @@ def measure_rank(rank: int, world: int, port: int, paths: dict[str, str], vocab:
 
     from opd.distributed.fsdp import init_process_group
     from opd.distributed.trainer_worker import TrainerWorker
-    from opd.plan.dry_run import _adam_state_in_place, _micro_batch
+    from opd.plan.fake_step import planned_micro_batch
+    from opd.plan.rank_trace import adam_state_in_place
 
     torch.set_num_threads(1)
     spec, loss_fn = _spec(paths, vocab)
     mesh = init_process_group(rank, world, "127.0.0.1", port, "gloo", 300)
-    micro_batch = _micro_batch(shape, vocab)
+    micro_batch = planned_micro_batch(shape, vocab)
     gc.collect()
     baseline = _rss_kib("VmRSS") * 1024
     worker = TrainerWorker(rank, world, spec)
     worker.build(mesh, torch.device("cpu"))
-    _adam_state_in_place(worker)
+    adam_state_in_place(worker)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again from here

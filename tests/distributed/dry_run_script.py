@@ -19,7 +19,8 @@ import torch.distributed as dist
 from opd.distillation.config import MasterConfig
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
 from opd.models.tiny import build_tiny_tokenizer
-from opd.plan.dry_run import DeviceMismatchError, StepShape, dry_run_rank
+from opd.plan.dry_run import StepShape, dry_run_rank
+from opd.plan.fake_device import DeviceMismatchError
 from opd.utils.config import load_config
 
 

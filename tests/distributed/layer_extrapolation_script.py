@@ -23,7 +23,7 @@ from opd.distributed.trainer_worker import TrainerSpec
 from opd.models.config import LoraConfig
 from opd.models.interfaces import FullVocabRequest
 from opd.models.tiny import build_tiny_tokenizer
-from opd.plan import dry_run
+from opd.plan import dry_run, fake_step
 from opd.plan.dry_run import StepShape
 from opd.utils.config import load_config
 
@@ -52,11 +52,11 @@ def _write_model(directory: Path, layers: int, hidden: int, heads: int, intermed
 def _depths_traced() -> list[dict[str, int]]:
     """Wraps the dry run's one-trace functions to log the depths each trace cut its models to."""
     traced: list[dict[str, int]] = []
-    for name in ("_trace_rank", "_trace_teacher_replica"):
+    for name in ("trace_rank", "trace_teacher_replica"):
         original = getattr(dry_run, name)
 
         def logged(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            traced.append(dict(dry_run._LAYER_DEPTHS))
+            traced.append(dict(fake_step.LAYER_DEPTHS))
             return _original(*args, **kwargs)
 
         setattr(dry_run, name, logged)

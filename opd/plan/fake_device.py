@@ -1,0 +1,366 @@
+"""The fakes a dry run (:mod:`opd.plan.dry_run`) runs the trainer on, beside fake tensors.
+
+* the stand-in accelerator ``fakegpu`` (:func:`compute_device`): PyTorch's
+  ``privateuseone`` device type with a Python device guard and streams that do nothing;
+* :class:`DataDependentStandIns`: values read back and data-dependent selections, which
+  fake tensors do not hold, and :func:`gpu_attention_kernels`: the attention kernel a GPU
+  picks;
+* :class:`DeviceAudit`: every tensor handed to a collective must be on the compute device
+  (:class:`DeviceMismatchError` names the collective and the line of opd that called it);
+* :func:`fake_process_group`: ``torch.distributed``'s fake process group as one rank, and
+  what it needs around it (objects gathered symmetrically, tensors made from data on the
+  host, DTensor's sharding metadata worked out apart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+from opd.distributed.fsdp import device_mesh
+from opd.utils.devices import is_cpu
+
+ACCELERATOR = "fakegpu"
+"""The stand-in compute device type: PyTorch's ``privateuseone`` under this name (see :mod:`opd.plan.dry_run`)."""
+_OPD_ROOT = Path(__file__).resolve().parents[1]
+_DRY_RUN_FILES = frozenset(
+    _OPD_ROOT / "plan" / f"{name}.py" for name in ("dry_run", "fake_device", "fake_step", "rank_trace", "replica_trace")
+)
+"""The dry run's own modules: the caller the audit names is looked for outside them."""
+_aten = torch.ops.aten
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+
+
+class DeviceMismatchError(RuntimeError):
+    """A collective received a tensor that is not on the compute device (a bug in opd, found by the dry run)."""
+
+
+# ---------------------------------------------------------------------------- the stand-in accelerator
+
+
+class _NoStream:
+    """A stream and event of the stand-in accelerator: there is nothing to order, every call is a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _NoStream:
+        return _NoStream()
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> _NoStream:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+
+class _AcceleratorModule:
+    """``torch.privateuseone``: the device-module API FSDP2 calls (one device, streams that do nothing)."""
+
+    Stream = _NoStream
+    Event = _NoStream
+
+    def __init__(self) -> None:
+        self._stream = _NoStream()
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def is_available(self) -> bool:
+        return True
+
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device: Any) -> None:
+        pass
+
+    def manual_seed_all(self, seed: int) -> None:
+        pass
+
+    def synchronize(self, device: Any = None) -> None:
+        pass
+
+    def current_stream(self, device: Any = None) -> _NoStream:
+        return self._stream
+
+    # The random-number state, which activation checkpointing saves and restores around
+    # its recomputation: there is none to keep.
+    def get_rng_state(self, device: Any = None) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_rng_state(self, state: torch.Tensor, device: Any = None) -> None:
+        pass
+
+    def manual_seed(self, seed: int) -> None:
+        pass
+
+    def device(self, device: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        """What ``torch.autocast`` asks of a device (checkpointing's recomputation enters it)."""
+        return [torch.float16, torch.bfloat16]
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+
+@functools.cache
+def _register_accelerator() -> None:
+    """Registers the stand-in accelerator once per process (PyTorch allows one registration)."""
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    _setup_privateuseone_for_python_backend(rename=ACCELERATOR, backend_module=_AcceleratorModule())
+
+
+def compute_device() -> torch.device:
+    """The dry run's compute device (the stand-in accelerator's device 0)."""
+    _register_accelerator()
+    return torch.device(ACCELERATOR, 0)
+
+
+# ---------------------------------------------------------------------------- fake values and the audit
+
+
+class DataDependentStandIns(TorchDispatchMode):
+    """Answers what a fake tensor cannot: values read back, data-dependent selections, the attention kernel.
+
+    Args:
+        response_tokens: loss positions per row: a boolean selection over ``[..., L]``
+            picks this many positions of each row (all of them when ``L`` is shorter).
+    """
+
+    def __init__(self, response_tokens: int) -> None:
+        super().__init__()
+        self.response_tokens = response_tokens
+
+    def _selected(self, mask: torch.Tensor) -> int:
+        if mask.dim() == 0:
+            return 1
+        rows = mask.numel() // max(mask.shape[-1], 1)
+        return rows * min(mask.shape[-1], self.response_tokens)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _aten._local_scalar_dense.default:
+            tensor = args[0]
+            return True if tensor.dtype == torch.bool else 1.0 if tensor.is_floating_point() else 1
+        if func is _aten.nonzero.default:
+            mask = args[0]
+            return torch.zeros(self._selected(mask), mask.dim(), dtype=torch.long, device=mask.device)
+        if func is _aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            source, indices = args
+            positions: list[torch.Tensor | None] = []
+            for index in indices:
+                if index is not None and index.dtype == torch.bool:
+                    count = self._selected(index)
+                    positions.extend(torch.zeros(count, dtype=torch.long, device=index.device) for _ in index.shape)
+                else:
+                    positions.append(index)
+            return func(source, positions)
+        return func(*args, **kwargs)
+
+
+def _gpu_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with the kernel a GPU picks: flash, or memory-efficient with a mask or in fp32.
+
+    On a device it does not know, PyTorch falls back to the math kernel, which holds the
+    ``[B, H, L, L]`` attention weights; both GPU kernels keep only the output and one
+    log-sum-exp per position. Grouped key/value heads are repeated first, as the kernels'
+    inputs must match.
+    """
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
+    if attn_mask is None and query.dtype in (torch.bfloat16, torch.float16):
+        return _aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+    return _aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
+    )[0]
+
+
+@contextlib.contextmanager
+def gpu_attention_kernels() -> Iterator[None]:
+    """``torch.nn.functional.scaled_dot_product_attention`` is :func:`_gpu_attention` for the dry run."""
+    original = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _gpu_attention
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+def _caller() -> str:
+    """Where a collective was called from: the innermost frame outside torch, and the innermost of opd's own."""
+    torch_root = Path(torch.__file__).resolve().parent
+    outside_torch = opd_frame = None
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename).resolve()
+        if path in _DRY_RUN_FILES or path.is_relative_to(torch_root):
+            continue
+        shown = path.relative_to(_OPD_ROOT.parent) if path.is_relative_to(_OPD_ROOT) else path
+        where = f"{shown}:{frame.lineno} in {frame.name}"
+        outside_torch = outside_torch or where
+        if path.is_relative_to(_OPD_ROOT):
+            opd_frame = where
+            break
+    if outside_torch == opd_frame:
+        return outside_torch or "an unknown place"
+    return f"{outside_torch} (within {opd_frame})" if opd_frame else str(outside_torch)
+
+
+class DeviceAudit(TorchDispatchMode):
+    """Fails any collective that is handed a tensor off the compute device (see :mod:`opd.plan.dry_run`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.collectives = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func.namespace in _COLLECTIVE_NAMESPACES:
+            self.collectives += 1
+            tensors, _ = tree_flatten((args, kwargs))
+            for tensor in tensors:
+                if isinstance(tensor, torch.Tensor) and tensor.device.type != self.device.type:
+                    raise DeviceMismatchError(
+                        f"device audit: the collective {func} received a {tensor.dtype} tensor of shape "
+                        f"{tuple(tensor.shape)} on '{tensor.device}', but the trainer computes on the accelerator "
+                        f"('{self.device}' in this dry run, a GPU on a cluster); an NCCL process group has no CPU "
+                        f"backend, so this fails the first step on GPUs. Called from {_caller()}"
+                    )
+        return func(*args, **kwargs)
+
+
+def _symmetric_all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+    """``all_gather_object`` over a fake group: every rank of a dry run holds what this rank holds.
+
+    A fake process group moves no bytes, so pickled objects cannot travel through it.
+    """
+    object_list[:] = [obj] * len(object_list)
+
+
+@contextlib.contextmanager
+def tensors_from_data_via_host() -> Iterator[None]:
+    """``torch.tensor(data, device=...)`` made on the host, then moved to the device under the fake mode.
+
+    PyTorch builds a tensor from Python data below the dispatcher's modes, with a real
+    allocation on the target device, which the stand-in accelerator does not have. Made
+    on the host first, the move to the device is an ordinary (fake) operation; the
+    tensor's device, dtype and shape are what the code asked for.
+    """
+    originals = torch.tensor, torch.as_tensor
+
+    def via_host(original: Any) -> Any:
+        @functools.wraps(original)
+        def make(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+            tensor = original(data, *args, **kwargs)
+            return tensor if device is None else tensor.to(device)
+
+        return make
+
+    torch.tensor, torch.as_tensor = via_host(torch.tensor), via_host(torch.as_tensor)
+    try:
+        yield
+    finally:
+        torch.tensor, torch.as_tensor = originals
+
+
+@contextlib.contextmanager
+def sharding_metadata_apart() -> Iterator[None]:
+    """DTensor works out an operator's output metadata in a fake mode of its own, as it does on a GPU.
+
+    To find an output's global shape, DTensor runs the operator on fake tensors of the
+    global shapes, in the active fake mode when there is one. In the dry run that is the
+    tracked mode, which would count a whole, unsharded tensor for every sharded operation
+    (the optimizer's, the gradient norm's). On a real device there is no active fake mode
+    and those tensors cost nothing; a fresh mode restores that.
+    """
+    from torch.distributed.tensor import _sharding_prop
+
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int, shard_group_size: int | None = None) -> Iterator[Any]:
+    """``torch.distributed``'s fake process group as rank ``rank`` of ``world_size``; yields the trainer's mesh.
+
+    The mesh is the one a real trainer makes (:func:`opd.distributed.fsdp.device_mesh`):
+    1-D, or the 2-D HSDP mesh with ``shard_group_size``.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    device = compute_device()
+    if dist.is_initialized():
+        raise RuntimeError("the dry run needs a process of its own: a process group is already initialised")
+    backends = "cpu:fake" if is_cpu(device) else f"cpu:fake,{device.type}:fake"
+    dist.init_process_group(backends, store=FakeStore(), rank=rank, world_size=world_size)
+    original = dist.all_gather_object
+    dist.all_gather_object = _symmetric_all_gather_object
+    slicing = DeviceMesh.__getitem__
+
+    def sliced_with_real_tensors(mesh: DeviceMesh, names: Any) -> DeviceMesh:
+        # A sub-mesh (HSDP's "shard" dimension) finds this rank's coordinates in the mesh's
+        # rank tensor, a data-dependent step that the fake modes would answer with stand-ins.
+        with _disable_current_modes():
+            return slicing(mesh, names)
+
+    setattr(DeviceMesh, "__getitem__", sliced_with_real_tensors)  # noqa: B010 (a method, assigned for the run)
+    try:
+        yield device_mesh(device.type, world_size, shard_group_size)
+    finally:
+        setattr(DeviceMesh, "__getitem__", slicing)  # noqa: B010
+        dist.all_gather_object = original
+        dist.destroy_process_group()

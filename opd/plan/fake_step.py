@@ -1,0 +1,271 @@
+"""What one dry-run step (:mod:`opd.plan.dry_run`) runs under, and how its trace is read.
+
+* the models, built from their configs with no weights (:func:`skeleton`), at the depths
+  a trace cuts them to (:func:`layer_depths`), in place of the trainer's loading;
+* the step's shape (:class:`StepShape`) and a micro-batch of it;
+* :func:`fake_step`: every fake mode and stand-in of the step at once;
+* the trace at the models' real depths (:func:`traced_or_extrapolated`) and its peaks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from transformers import AutoModelForCausalLM
+
+from opd.data.batched_data_dict import BatchedDataDict
+from opd.distributed.fsdp import HIDDEN_STATES_METHOD
+from opd.models.lm_head import OutputLayer, final_hidden_states, output_layer_of
+from opd.models.model_shapes import model_config
+from opd.plan.fake_device import (
+    DataDependentStandIns,
+    DeviceAudit,
+    fake_process_group,
+    gpu_attention_kernels,
+    sharding_metadata_apart,
+    tensors_from_data_via_host,
+)
+from opd.plan.layer_extrapolation import (
+    BASE_DEPTH,
+    PhasePeaks,
+    Snapshot,
+    Trace,
+    decoder_layers,
+    extrapolate,
+    extrapolated_depths,
+    uniform_depth,
+    with_depth,
+)
+
+LAYER_DEPTHS: dict[str, int] = {}
+"""Model paths built with fewer layers than their config has, for a trace to extrapolate (see :func:`layer_depths`)."""
+
+
+@contextlib.contextmanager
+def layer_depths(depths: dict[str, int]) -> Iterator[None]:
+    """Builds the models at these paths with these many decoder layers (:mod:`opd.plan.layer_extrapolation`)."""
+    LAYER_DEPTHS.update(depths)
+    try:
+        yield
+    finally:
+        LAYER_DEPTHS.clear()
+
+
+def skeleton(path: str, dtype: torch.dtype, depth: int | None = None) -> Any:
+    """The model at ``path`` built from its config alone, every tensor on the meta device.
+
+    ``depth`` (else the depth a trace asked for, see :func:`layer_depths`) builds it with
+    that many decoder layers, when its layers are all alike.
+    """
+    config = model_config(path)
+    depth = depth or LAYER_DEPTHS.get(path)
+    if depth is not None and uniform_depth(config) is not None:
+        config = with_depth(config, depth)
+    with unset_fake_temporarily(), torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+@contextlib.contextmanager
+def _models_from_their_configs() -> Iterator[None]:
+    """The trainer's model loading with the weights left out: each model is built from its config.
+
+    :func:`~opd.distributed.sharded_loading.load_sharded` builds a model on the meta
+    device, shards it and gives each rank storage for its shards, then reads its rows from
+    the weight files; here the last step is skipped, and the storage is fake. A whole
+    model (a teacher with ``cluster.teacher.sharded: false``) gets fake storage whole.
+    """
+    from opd.distributed import trainer_worker
+
+    def sharded(
+        path: str, dtype: torch.dtype, device: torch.device, loading: Any, shard: Any, added: Any = None
+    ) -> Any:
+        model = shard(skeleton(path, dtype))
+        model.to_empty(device=device)
+        if added is not None:  # a LoRA student's adapters
+            added(model)
+        return model
+
+    def whole(path: str, dtype: torch.dtype, device: torch.device, config: Any, device_map: str | None = None) -> Any:
+        model = skeleton(path, dtype)
+        model.to_empty(device=device)
+        if getattr(model.config, "tie_word_embeddings", False):
+            model.tie_weights()  # to_empty gave the tied head a tensor of its own
+        return model
+
+    def head(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False) -> OutputLayer:
+        # The output layer is the same at any depth: one decoder layer is built, on the meta device.
+        layer = output_layer_of(skeleton(path, dtype, depth=1), path)
+        bias = None if layer.bias is None else torch.empty_like(layer.bias, device=device)
+        return OutputLayer(
+            torch.empty_like(layer.weight, device=device), bias, layer.logit_multiplier, layer.logit_softcap
+        )
+
+    wrap_with_lora = trainer_worker.wrap_with_lora
+
+    def lora_on_meta(model: Any, config: Any) -> Any:
+        # peft makes a LoRA student's adapters where the context says, then moves them to
+        # the base layer's device, which a fake tensor refuses; made on the meta device,
+        # like the skeleton they join, they need no move.
+        with unset_fake_temporarily(), torch.device("meta"):
+            return wrap_with_lora(model, config)
+
+    names = ("load_sharded", "load_causal_lm", "load_output_layer", "wrap_with_lora")
+    originals = [getattr(trainer_worker, name) for name in names]
+    for name, stand_in in zip(names, (sharded, whole, head, lora_on_meta), strict=True):
+        setattr(trainer_worker, name, stand_in)
+    try:
+        yield
+    finally:
+        for name, original in zip(names, originals, strict=True):
+            setattr(trainer_worker, name, original)
+
+
+def hidden_states_as_module_call(model: Any) -> None:
+    """Routes ``model.opd_hidden_states`` through ``model.__call__``, where the memory tracker's hooks are.
+
+    :func:`~opd.distributed.fsdp.shard_model` registers the method with FSDP2, which
+    calls its pre- and post-forward steps directly; FSDPMemTracker wraps the module hooks
+    that run the same steps. Run as the module's forward, the method does the same work
+    under the hooks the tracker sees.
+    """
+
+    def as_call(
+        input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        model.forward = functools.partial(final_hidden_states, model)
+        try:
+            return model(input_ids, attention_mask, position_ids)
+        finally:
+            del model.forward
+
+    setattr(model, HIDDEN_STATES_METHOD, as_call)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The micro-batches of one dry-run step on one rank.
+
+    Attributes:
+        micro_batch_size: rows per micro-batch.
+        prompt_tokens: prompt positions of each row.
+        response_tokens: response positions of each row (the positions that carry loss).
+        micro_batches: micro-batches per step on this rank (gradient accumulation).
+    """
+
+    micro_batch_size: int
+    prompt_tokens: int
+    response_tokens: int
+    micro_batches: int = 1
+
+    @property
+    def row_tokens(self) -> int:
+        """Positions of one row: prompt and response."""
+        return self.prompt_tokens + self.response_tokens
+
+
+def local_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages of ``tensors`` (a DTensor counts its local shard)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storage = local.untyped_storage()
+        if id(storage) in seen:
+            continue
+        seen.add(id(storage))
+        total += storage.nbytes()
+    return total
+
+
+def planned_micro_batch(shape: StepShape, vocab_size: int) -> BatchedDataDict:
+    """A right-padded micro-batch of full rows: the prompt, then the response that carries loss."""
+    rows, length = shape.micro_batch_size, shape.row_tokens
+    token_mask = torch.zeros(rows, length, dtype=torch.long)
+    token_mask[:, shape.prompt_tokens :] = 1
+    return BatchedDataDict(
+        {
+            "input_ids": torch.randint(0, vocab_size, (rows, length)),
+            "input_lengths": torch.full((rows,), length),
+            "prompt_lengths": torch.full((rows,), shape.prompt_tokens),
+            "token_mask": token_mask,
+            "generation_logprobs": torch.zeros(rows, length),
+        }
+    )
+
+
+@contextlib.contextmanager
+def fake_step(
+    rank: int, world_size: int, shard_group_size: int | None, shape: StepShape, audit: DeviceAudit
+) -> Iterator[Any]:
+    """Everything a dry-run step runs under (see :mod:`opd.plan.dry_run`); yields the process group's mesh."""
+    with (
+        fake_process_group(rank, world_size, shard_group_size) as mesh,
+        FakeTensorMode(allow_non_fake_inputs=True),
+        tensors_from_data_via_host(),
+        gpu_attention_kernels(),
+        sharding_metadata_apart(),
+        _models_from_their_configs(),
+        DataDependentStandIns(shape.response_tokens),
+        audit,
+    ):
+        yield mesh
+
+
+def traced_or_extrapolated(
+    trace_at: Callable[[dict[str, int]], Trace], paths: Sequence[str], every_layer: bool
+) -> Trace:
+    """The step's figures at the models' real depths: traced whole, or from two shallow traces.
+
+    ``trace_at(depths)`` runs the dry run with the models at ``depths``'s paths cut to that
+    many layers. Models whose layers are all alike and that are deeper than
+    ``BASE_DEPTH + 1`` are traced at ``BASE_DEPTH`` layers and at one more, one model at a
+    time, and extrapolated (:mod:`opd.plan.layer_extrapolation`); with
+    ``every_layer``, or when no model qualifies, the step is traced at full depth.
+    """
+    full_depths: dict[str, int] = {}
+    for path in dict.fromkeys(paths):
+        depth = uniform_depth(model_config(path))
+        if depth is not None:
+            full_depths[path] = depth
+    varied = {} if every_layer else extrapolated_depths(full_depths)
+    if varied:
+        base_depths = dict.fromkeys(varied, BASE_DEPTH)
+        base = trace_at(base_depths)
+        deeper = {path: trace_at({**base_depths, path: BASE_DEPTH + 1}) for path in varied}
+        extrapolated = extrapolate(base, deeper, {path: depth - BASE_DEPTH for path, depth in varied.items()})
+        if extrapolated is not None:
+            return extrapolated
+    return trace_at({})
+
+
+def phase_peaks(tracker: Any, models: dict[str, Any], micro_batch_root: Any) -> PhasePeaks:
+    """A :class:`PhasePeaks` over these models' decoder layers; a model cut to fewer layers must have them."""
+    layers = {}
+    for name, (path, model) in models.items():
+        found = decoder_layers(model, model.config.num_hidden_layers)
+        if not found and path in LAYER_DEPTHS:
+            raise ValueError(f"the dry run cut {path} to {LAYER_DEPTHS[path]} layers but finds no list of them")
+        layers[name] = (model, found)
+    return PhasePeaks(tracker, layers, micro_batch_root)
+
+
+def check_phase_peaks(phases: PhasePeaks, tracker: Any, device: torch.device) -> None:
+    """The largest phase peak is the tracker's own peak on every device: no op went unrecorded."""
+    own = {dev.type: int(values.get("Total", 0)) for dev, values in tracker.get_tracker_snapshot("peak").items()}
+    kept = {kind: snapshot["Total"] for kind, snapshot in phases.peak().items()}
+    if own != kept:
+        raise RuntimeError(f"the dry run's phase peaks {kept} are not the memory tracker's peaks {own}")
+
+
+def peak_on(peak: dict[str, Snapshot], device: torch.device) -> tuple[int, Snapshot]:
+    """The compute device's peak snapshot, and the host's peak bytes (the other devices' peaks, summed)."""
+    host = sum(snapshot.get("Total", 0) for kind, snapshot in peak.items() if kind != device.type)
+    return host, peak.get(device.type, {})
