@@ -41,7 +41,7 @@ from opd.run.training_loop import RunConfig, TrainingLoopConfig
 from opd.run.validation import ValidationConfig
 from opd.teachers.backends import RemoteTeacherConfig, TeacherSourceConfig
 from opd.teachers.config import TeacherConfig, TeacherMemberConfig, TeachersConfig
-from opd.teachers.self_teacher import self_teacher_problem
+from opd.teachers.self_teacher import SelfTeacherSetting, self_teacher_problem
 from opd.teachers.served.remote_teacher import protocol_refusal
 from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError
@@ -343,14 +343,16 @@ def _teacher_problem(config: MasterConfig) -> str | None:
     distillation = config.distillation
     teacher = config.teacher
     self_teacher = self_teacher_problem(
-        teacher.self_teacher,
-        config.model.teacher_model_path,
-        teacher.served,
-        several=config.teachers is not None,
-        cross_tokenizer=teacher.cross_tokenizer,
-        on_cluster=config.cluster is not None,
-        scores_ahead=config.training.scores_ahead,
-        has_context=distillation.teacher_context_spec() is not None,
+        SelfTeacherSetting(
+            teacher.self_teacher,
+            config.model.teacher_model_path,
+            teacher.served,
+            several=config.teachers is not None,
+            cross_tokenizer=teacher.cross_tokenizer,
+            on_cluster=config.cluster is not None,
+            scores_ahead=config.training.scores_ahead,
+            has_context=distillation.teacher_context_spec() is not None,
+        )
     )
     if self_teacher is not None:
         return self_teacher

@@ -42,6 +42,7 @@ from opd.models.interfaces import PolicyInterface, TeacherRequest, TeacherSignal
 from opd.teachers.local_teacher import LocalTeacher
 from opd.teachers.shared_prompt import sharing_problem
 from opd.utils.errors import OpdError
+from opd.utils.refusals import Refusal, first_problem
 from opd.utils.timer import Timer
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
@@ -213,20 +214,12 @@ FOLLOWING_TEACHERS: dict[str, FollowingTeacher] = {
 (``frozen`` is an ordinary in-process teacher, built by its backend)."""
 
 
-def self_teacher_problem(
-    self_teacher: str,
-    model_path: str | None,
-    served: bool,
-    several: bool,
-    cross_tokenizer: bool,
-    on_cluster: bool,
-    scores_ahead: bool,
-    has_context: bool,
-) -> str | None:
-    """Why ``teacher.self_teacher`` cannot run with these settings, or None.
+@dataclass(frozen=True)
+class SelfTeacherSetting:
+    """``teacher.self_teacher`` and the settings it must agree with.
 
-    Args:
-        self_teacher: its value.
+    Attributes:
+        value: its value.
         model_path: ``model.teacher_model_path``.
         served: the teacher is served (``teacher.backend`` = remote).
         several: ``teachers:`` is set.
@@ -236,43 +229,63 @@ def self_teacher_problem(
         has_context: the teacher reads a teacher-only context (``distillation.teacher_context``
             or ``teacher_context_key``).
     """
-    following = FOLLOWING_TEACHERS.get(self_teacher)
-    if following is None:
+
+    value: str
+    model_path: str | None
+    served: bool
+    several: bool
+    cross_tokenizer: bool
+    on_cluster: bool
+    scores_ahead: bool
+    has_context: bool
+
+
+_FOLLOWING_TEACHER_REFUSALS: tuple[Refusal[SelfTeacherSetting], ...] = (
+    Refusal(
+        lambda setting: setting.several,
+        " is for the one teacher of model.teacher_model_path; several teachers (teachers:) are frozen "
+        "(a member's model_path: student is the student's initial weights); remove one or the other",
+    ),
+    Refusal(
+        lambda setting: setting.served,
+        " follows the student's weights in this process, which a served teacher (teacher.backend = remote) cannot",
+    ),
+    Refusal(
+        lambda setting: setting.model_path != SELF_DISTILLATION_TEACHER,
+        lambda setting: (
+            f" makes the student its own teacher: set model.teacher_model_path = "
+            f"{SELF_DISTILLATION_TEACHER} (it is {setting.model_path!r}; another model's teacher is frozen)"
+        ),
+    ),
+    Refusal(
+        lambda setting: setting.cross_tokenizer,
+        ": the student shares its own tokenizer; set teacher.cross_tokenizer = false",
+    ),
+    Refusal(
+        lambda setting: setting.on_cluster,
+        " is not supported on a cluster yet: there the student is sharded across the trainer workers and the "
+        "teacher loads a copy of its own, which does not follow the student; use teacher.self_teacher = frozen, "
+        "or train in one process (no cluster: section)",
+    ),
+    Refusal(
+        lambda setting: FOLLOWING_TEACHERS[setting.value].is_the_student and not setting.has_context,
+        " without a teacher-only context is the student scoring its own tokens under its own prompt: every "
+        "divergence is 0 and there is nothing to learn; set distillation.teacher_context or teacher_context_key "
+        "(or use teacher.self_teacher = ema)",
+    ),
+    Refusal(
+        lambda setting: setting.scores_ahead,
+        " with training.scheduler = two_step_off: the teacher would score each batch during the update before "
+        "the one that trains on it (one update behind the student it teaches), and a resumed run would score it "
+        "again with later weights; use training.scheduler = sync or one_step_off",
+    ),
+)
+"""What a teacher that follows the student cannot run with, each said after ``teacher.self_teacher = <value>``."""
+
+
+def self_teacher_problem(setting: SelfTeacherSetting) -> str | None:
+    """Why ``teacher.self_teacher`` cannot run with these settings, or None."""
+    if setting.value not in FOLLOWING_TEACHERS:
         return None
-    key = f"teacher.self_teacher = {self_teacher}"
-    if several:
-        return (
-            f"{key} is for the one teacher of model.teacher_model_path; several teachers (teachers:) are frozen "
-            "(a member's model_path: student is the student's initial weights); remove one or the other"
-        )
-    if served:
-        return (
-            f"{key} follows the student's weights in this process, which a served teacher "
-            "(teacher.backend = remote) cannot"
-        )
-    if model_path != SELF_DISTILLATION_TEACHER:
-        return (
-            f"{key} makes the student its own teacher: set model.teacher_model_path = {SELF_DISTILLATION_TEACHER} "
-            f"(it is {model_path!r}; another model's teacher is frozen)"
-        )
-    if cross_tokenizer:
-        return f"{key}: the student shares its own tokenizer; set teacher.cross_tokenizer = false"
-    if on_cluster:
-        return (
-            f"{key} is not supported on a cluster yet: there the student is sharded across the trainer workers and "
-            "the teacher loads a copy of its own, which does not follow the student; use teacher.self_teacher = "
-            "frozen, or train in one process (no cluster: section)"
-        )
-    if following.is_the_student and not has_context:
-        return (
-            f"{key} without a teacher-only context is the student scoring its own tokens under its own prompt: "
-            "every divergence is 0 and there is nothing to learn; set distillation.teacher_context or "
-            "teacher_context_key (or use teacher.self_teacher = ema)"
-        )
-    if scores_ahead:
-        return (
-            f"{key} with training.scheduler = two_step_off: the teacher would score each batch during the update "
-            "before the one that trains on it (one update behind the student it teaches), and a resumed run would "
-            "score it again with later weights; use training.scheduler = sync or one_step_off"
-        )
-    return None
+    problem = first_problem(_FOLLOWING_TEACHER_REFUSALS, setting)
+    return None if problem is None else f"teacher.self_teacher = {setting.value}{problem}"
