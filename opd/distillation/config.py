@@ -32,19 +32,20 @@ from opd.losses.config import (
 from opd.losses.off_policy import OffPolicyCorrectionConfig
 from opd.models.config import ModelConfig
 from opd.models.decoding import GenerateStrategyConfig
-from opd.models.interfaces import FullVocabRequest
+from opd.models.interfaces import FullVocabRequest, TeacherRequest
 from opd.rollout.engines import GenerationConfig
 from opd.rollout.environments.config import EnvironmentConfig
 from opd.run.checkpoint import CheckpointingConfig
 from opd.run.logger import LoggerConfig
 from opd.run.training_loop import RunConfig, TrainingLoopConfig
 from opd.run.validation import ValidationConfig
-from opd.teachers.backends import RemoteTeacherConfig, TeacherSourceConfig
+from opd.teachers.backends import TeacherSourceConfig
 from opd.teachers.config import TeacherConfig, TeacherMemberConfig, TeachersConfig
 from opd.teachers.self_teacher import SelfTeacherSetting, self_teacher_problem
 from opd.teachers.served.remote_teacher import protocol_refusal
 from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError
+from opd.utils.refusals import Check, Finding, Refusal, first_problem
 
 MOVED_KEYS: dict[str, str] = {
     "distillation.kl_type": "loss_fn.kl_type",
@@ -92,6 +93,11 @@ class DistillationConfig(StrictConfig):
                 "sample instead (decoding_method: top_k or top_p) or set num_samples_per_prompt = 1"
             )
         return self
+
+    @property
+    def has_teacher_context(self) -> bool:
+        """Whether the teacher reads a teacher-only context (``teacher_context`` or ``teacher_context_key``)."""
+        return self.teacher_context_spec() is not None
 
     def teacher_context_spec(self) -> TeacherContext | None:
         """The teacher-only context these keys describe, or None without one."""
@@ -161,29 +167,6 @@ class TrainingConfig(TrainingLoopConfig):
         ``weighs_stale_samples_by_default`` says; never under sync.
         """
         return self.off_policy_correction.is_on(self.asynchronous, loss.weighs_stale_samples_by_default)
-
-    def placement_problem(self, colocated: bool, teacher_in_workers: bool) -> str | None:
-        """The schedule's limits on a cluster: what it overlaps needs devices or workers of its own.
-
-        Args:
-            colocated: the rollout workers share the trainer's devices (``cluster.placement``).
-            teacher_in_workers: the teacher runs inside the trainer workers (colocated).
-        """
-        if not self.asynchronous:
-            return None
-        key = f"training.scheduler = {self.scheduler}"
-        if colocated:
-            return (
-                f"{key} overlaps sampling with training, so the rollout workers need devices of their own; "
-                "set cluster.placement = split"
-            )
-        if self.scores_ahead and teacher_in_workers:
-            return (
-                f"{key} scores the next batch while the student trains, but a teacher colocated in the trainer "
-                "workers runs on those same workers, which are busy training; set cluster.teacher.placement = pool "
-                "(or serve the teacher), or use one_step_off"
-            )
-        return None
 
 
 class DistillationValidationConfig(ValidationConfig):
@@ -303,16 +286,9 @@ class MasterConfig(RunConfig):
     @model_validator(mode="after")
     def _check_across_sections(self) -> MasterConfig:
         """Combinations that span sections (each message names the keys that conflict)."""
-        problems = (
-            _loss_problem(self),
-            _teacher_problem(self),
-            _generation_problem(self),
-            _cluster_problem(self),
-            _schedule_problem(self),
-        )
-        for problem in problems:
-            if problem is not None:
-                raise ValueError(problem)
+        problem = first_problem(_ACROSS_SECTIONS, self)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
 
@@ -338,145 +314,105 @@ def _fused(loss: LossFnConfig) -> bool:
     return isinstance(loss, FusedHeadSettings) and loss.fused_lm_head
 
 
-def _teacher_problem(config: MasterConfig) -> str | None:
-    """What the teacher backend(s) and the teacher-only context need from the rest of the config."""
-    distillation = config.distillation
+def _self_teacher_setting(config: MasterConfig) -> SelfTeacherSetting:
+    """``teacher.self_teacher`` with the settings it must agree with."""
     teacher = config.teacher
-    self_teacher = self_teacher_problem(
-        SelfTeacherSetting(
-            teacher.self_teacher,
-            config.model.teacher_model_path,
-            teacher.served,
-            several=config.teachers is not None,
-            cross_tokenizer=teacher.cross_tokenizer,
-            on_cluster=config.cluster is not None,
-            scores_ahead=config.training.scores_ahead,
-            has_context=distillation.teacher_context_spec() is not None,
-        )
+    return SelfTeacherSetting(
+        teacher.self_teacher,
+        config.model.teacher_model_path,
+        teacher.served,
+        several=config.teachers is not None,
+        cross_tokenizer=teacher.cross_tokenizer,
+        on_cluster=config.cluster is not None,
+        scores_ahead=config.training.scores_ahead,
+        has_context=config.distillation.has_teacher_context,
     )
-    if self_teacher is not None:
-        return self_teacher
-    has_context = distillation.teacher_context_spec() is not None
-    if has_context and not distillation.mask_prompt_tokens:
-        return (
-            "distillation.teacher_context: the teacher's prompt differs from the student's, so only "
-            "completion tokens can be scored; set distillation.mask_prompt_tokens = true"
-        )
-    if config.validation.eval_baseline and not has_context:
-        return (
-            "validation.eval_baseline compares the student without and the teacher with the "
-            "teacher-only context; set distillation.teacher_context or teacher_context_key"
-        )
-    if config.teachers is not None:
-        if config.teacher.cross_tokenizer:
-            return "teacher.cross_tokenizer is for one teacher; several teachers must share the student's tokenizer"
-        return _several_teachers_problem(config)
-    if teacher.cross_tokenizer:
-        problem = _cross_tokenizer_problem(config)
-        if problem is not None:
-            return problem
-    if not teacher.served and config.model.teacher_model_path is None:
-        return (
-            "model.teacher_model_path is required with teacher.backend = local "
-            "('student' = the student's own model, teacher.self_teacher says which weights)"
-        )
-    keys = _TeacherKeys("teacher.backend", "teacher.remote", "model.teacher_model_path", "loss_fn", config.loss_fn)
-    return _one_teacher_problem(config, teacher, config.model.teacher_model_path, keys)
-
-
-def _cross_tokenizer_problem(config: MasterConfig) -> str | None:
-    """A teacher with another tokenizer answers top-k over shared strings, in process with the sync schedule."""
-    if not config.loss_fn.compares_across_tokenizers:
-        return (
-            f"teacher.cross_tokenizer maps the teacher's top-k onto the student's vocabulary; "
-            f"loss_fn.type = {config.loss_fn.type} is not supported with it, use loss_fn.type = topk"
-        )
-    if config.model.teacher_model_path is None:
-        return "teacher.cross_tokenizer reads the teacher's tokenizer from model.teacher_model_path; set it"
-    return None
 
 
 @dataclass(frozen=True)
-class _TeacherKeys:
-    """Where a teacher's settings are, for the messages (``teacher:`` or ``teachers.members[i]``),
-    and the objective it is distilled with (``loss`` names its key)."""
+class _Teacher:
+    """One teacher as the messages name it (``where``: ``teacher`` or ``teachers.members[i]``), and the
+    objective it is distilled with (``loss_key`` names it)."""
 
-    backend: str
-    remote: str
-    model_path: str
-    loss: str
+    source: TeacherSourceConfig
+    model_path: str | None
+    where: str
+    model_path_key: str
+    which: str
+    loss_key: str
     objective: LossFnConfig
 
+    @property
+    def loss(self) -> str:
+        return f"{self.loss_key}.type = {self.objective.type}"
 
-def _one_teacher_problem(
-    config: MasterConfig, source: TeacherSourceConfig, model_path: str | None, keys: _TeacherKeys
-) -> str | None:
-    """Whether one teacher, where it runs, can answer the signal its objective (``keys.loss``) asks for."""
-    loss = keys.objective
-    request = loss.teacher_request(None)
-    backend = source.teacher_backend
-    problem = backend.problem(source, model_path, keys.backend.removesuffix(".backend"))
-    if problem is None and backend.served:
-        problem = _served_full_vocab_problem(config, source.remote, model_path, keys)
-    if problem is not None:
-        return problem
-    reason = backend.unsupported_reason(request)
-    if reason is not None:
-        return (
-            f"{keys.backend} = {source.backend} cannot serve {keys.loss}.type = {loss.type}: {reason}; "
-            "choose settings that teacher can answer (a served teacher answers loss_fn.type = topk at "
+    @property
+    def request(self) -> TeacherRequest:
+        return self.objective.teacher_request(None)
+
+    @property
+    def served_full_vocab(self) -> bool:
+        """A served teacher asked for the full vocabulary: its hidden states over the wire, its output layer here."""
+        return self.source.served and isinstance(self.request, FullVocabRequest)
+
+
+def _teachers(config: MasterConfig) -> list[_Teacher]:
+    """The run's teacher, or each of its several teachers, with the objective each is distilled with."""
+    if config.teachers is None:
+        which = "'student' = the student's own model, teacher.self_teacher says which weights"
+        path = config.model.teacher_model_path
+        return [_Teacher(config.teacher, path, "teacher", "model.teacher_model_path", which, "loss_fn", config.loss_fn)]
+    return [
+        _Teacher(
+            member,
+            member.model_path,
+            f"teachers.members[{i}]",
+            f"teachers.members[{i}].model_path",
+            f"teacher {member.name!r}",
+            *loss,
+        )
+        for i, (member, loss) in enumerate(zip(config.teachers.members, config.teacher_losses(), strict=True))
+    ]
+
+
+_EACH_TEACHER: tuple[Check[_Teacher], ...] = (
+    Refusal(
+        lambda teacher: not teacher.source.served and teacher.model_path is None,
+        lambda teacher: f"{teacher.model_path_key} is required with {teacher.where}.backend = local ({teacher.which})",
+    ),
+    lambda teacher: teacher.source.teacher_backend.problem(teacher.source, teacher.model_path, teacher.where),
+    Finding(
+        lambda teacher: (
+            protocol_refusal(teacher.source.remote.protocol, teacher.request) if teacher.served_full_vocab else None
+        ),
+        lambda teacher, missing: (
+            f"{teacher.loss} with a served teacher needs {missing}; set "
+            f"{teacher.where}.remote.protocol = opd (opd serve-teacher) or auto, or use loss_fn.type = topk"
+        ),
+    ),
+    Refusal(
+        lambda teacher: teacher.served_full_vocab and teacher.model_path is None,
+        lambda teacher: (
+            f"{teacher.loss} with a served teacher applies the teacher's output layer here: set "
+            f"{teacher.model_path_key} to the served model's directory (only its output layer is read)"
+        ),
+    ),
+    Finding(
+        lambda teacher: teacher.source.teacher_backend.unsupported_reason(teacher.request),
+        lambda teacher, reason: (
+            f"{teacher.where}.backend = {teacher.source.backend} cannot serve {teacher.loss}: "
+            f"{reason}; choose settings that teacher can answer (a served teacher answers loss_fn.type = topk at "
             "temperature 1, and sampled_token)"
-        )
-    return None
+        ),
+    ),
+)
+"""What one teacher, where it runs, must have to answer the signal its objective asks for."""
 
 
-def _several_teachers_problem(config: MasterConfig) -> str | None:
-    """``teachers:`` replaces the single teacher's keys; what the early-stop target and each member need."""
-    assert config.teachers is not None
-    if config.model.teacher_model_path is not None:
-        return (
-            "model.teacher_model_path and teachers: are two ways to name the teacher; with several teachers set "
-            "teachers.members[*].model_path and leave model.teacher_model_path unset"
-        )
-    if config.teacher.served or config.teacher.remote.url is not None:
-        return "teacher: is for one teacher; with teachers:, set teachers.members[*].backend and remote instead"
-    early_stop = config.training.early_stop
-    if early_stop is not None and early_stop.targets_teacher:
-        return (
-            "training.early_stop.target = teacher: several teachers have no one teacher value (the baseline reports "
-            "val/teacher_<name>_* for each); give a number as the target"
-        )
-    losses = config.teacher_losses()
-    for index, member in enumerate(config.teachers.members):
-        where = f"teachers.members[{index}]"
-        if not member.served and member.model_path is None:
-            return f"{where}.model_path is required with {where}.backend = local (teacher {member.name!r})"
-        keys = _TeacherKeys(f"{where}.backend", f"{where}.remote", f"{where}.model_path", *losses[index])
-        problem = _one_teacher_problem(config, member, member.model_path, keys)
-        if problem is not None:
-            return problem
-    return None
-
-
-def _served_full_vocab_problem(
-    config: MasterConfig, remote: RemoteTeacherConfig, model_path: str | None, keys: _TeacherKeys
-) -> str | None:
-    """A full-vocabulary loss with a served teacher: hidden states over opd's protocol, and the head at hand."""
-    if not isinstance(keys.objective.teacher_request(None), FullVocabRequest):
-        return None
-    loss = f"{keys.loss}.type = {keys.objective.type}"
-    missing = protocol_refusal(remote.protocol, keys.objective.teacher_request(None))
-    if missing is not None:
-        return (
-            f"{loss} with a served teacher needs {missing}; "
-            f"set {keys.remote}.protocol = opd (opd serve-teacher) or auto, or use loss_fn.type = topk"
-        )
-    if model_path is None:
-        return (
-            f"{loss} with a served teacher applies the teacher's output layer here: set {keys.model_path} "
-            "to the served model's directory (only its output layer is read)"
-        )
-    return None
+def _teachers_problem(config: MasterConfig) -> str | None:
+    """The first of :data:`_EACH_TEACHER`'s problems of any teacher, the teachers in order."""
+    problems = (first_problem(_EACH_TEACHER, teacher) for teacher in _teachers(config))
+    return next((problem for problem in problems if problem is not None), None)
 
 
 def _generation_problem(config: MasterConfig) -> str | None:
@@ -489,27 +425,98 @@ def _generation_problem(config: MasterConfig) -> str | None:
     return problems[0] if problems else None
 
 
-def _cluster_problem(config: MasterConfig) -> str | None:
-    """What the cluster's worker groups do not run (yet)."""
-    cluster = config.cluster
-    if cluster is None:
-        return None
-    if cluster.trainer.offload_during_generation and not cluster.colocated:
-        return (
-            "cluster.trainer.offload_during_generation frees the trainer's devices for the rollout engines, which "
-            "share them only with cluster.placement = colocated; set it, or switch the offload off"
-        )
-    return cluster.teacher.engine_problem(config.loss_fn.teacher_request(None), cluster.colocated)
-
-
-def _schedule_problem(config: MasterConfig) -> str | None:
-    """What an asynchronous ``training.scheduler`` needs from the cluster (:meth:`TrainingConfig.placement_problem`)."""
-    cluster = config.cluster
-    if cluster is None:
-        return None
+def _teacher_in_workers(config: MasterConfig) -> bool:
+    """Whether a teacher runs inside the trainer workers (in process, not in a pool of its own)."""
     members = config.teachers.members if config.teachers is not None else [config.teacher]
-    teacher_in_workers = any(not member.served for member in members) and not cluster.teacher.in_pool
-    return config.training.placement_problem(cluster.colocated, teacher_in_workers)
+    return config.cluster is not None and not config.cluster.teacher.in_pool and not all(m.served for m in members)
+
+
+_ACROSS_SECTIONS: tuple[Check[MasterConfig], ...] = (
+    _loss_problem,
+    lambda config: self_teacher_problem(_self_teacher_setting(config)),
+    Refusal(
+        lambda config: config.distillation.has_teacher_context and not config.distillation.mask_prompt_tokens,
+        "distillation.teacher_context: the teacher's prompt differs from the student's, so only "
+        "completion tokens can be scored; set distillation.mask_prompt_tokens = true",
+    ),
+    Refusal(
+        lambda config: config.validation.eval_baseline and not config.distillation.has_teacher_context,
+        "validation.eval_baseline compares the student without and the teacher with the "
+        "teacher-only context; set distillation.teacher_context or teacher_context_key",
+    ),
+    # Several teachers (teachers:) replace the one teacher's keys.
+    Refusal(
+        lambda config: config.teachers is not None and config.teacher.cross_tokenizer,
+        "teacher.cross_tokenizer is for one teacher; several teachers must share the student's tokenizer",
+    ),
+    Refusal(
+        lambda config: config.teachers is not None and config.model.teacher_model_path is not None,
+        "model.teacher_model_path and teachers: are two ways to name the teacher; with several teachers set "
+        "teachers.members[*].model_path and leave model.teacher_model_path unset",
+    ),
+    Refusal(
+        lambda config: config.teachers is not None and (config.teacher.served or config.teacher.remote.url is not None),
+        "teacher: is for one teacher; with teachers:, set teachers.members[*].backend and remote instead",
+    ),
+    Refusal(
+        lambda config: (
+            config.teachers is not None
+            and config.training.early_stop is not None
+            and config.training.early_stop.targets_teacher
+        ),
+        "training.early_stop.target = teacher: several teachers have no one teacher value (the baseline reports "
+        "val/teacher_<name>_* for each); give a number as the target",
+    ),
+    # A teacher with another tokenizer answers top-k over shared strings.
+    Refusal(
+        lambda config: (
+            config.teachers is None and config.teacher.cross_tokenizer and not config.loss_fn.compares_across_tokenizers
+        ),
+        lambda config: (
+            "teacher.cross_tokenizer maps the teacher's top-k onto the student's vocabulary; "
+            f"loss_fn.type = {config.loss_fn.type} is not supported with it, use loss_fn.type = topk"
+        ),
+    ),
+    Refusal(
+        lambda config: (
+            config.teachers is None and config.teacher.cross_tokenizer and config.model.teacher_model_path is None
+        ),
+        "teacher.cross_tokenizer reads the teacher's tokenizer from model.teacher_model_path; set it",
+    ),
+    _teachers_problem,
+    _generation_problem,
+    Refusal(
+        lambda config: (
+            config.cluster is not None
+            and config.cluster.trainer.offload_during_generation
+            and not config.cluster.colocated
+        ),
+        "cluster.trainer.offload_during_generation frees the trainer's devices for the rollout engines, which "
+        "share them only with cluster.placement = colocated; set it, or switch the offload off",
+    ),
+    lambda config: (
+        config.cluster.teacher.engine_problem(config.loss_fn.teacher_request(None), config.cluster.colocated)
+        if config.cluster is not None
+        else None
+    ),
+    # What an asynchronous schedule overlaps needs devices or workers of its own.
+    Refusal(
+        lambda config: config.cluster is not None and config.cluster.colocated and config.training.asynchronous,
+        lambda config: (
+            f"training.scheduler = {config.training.scheduler} overlaps sampling with training, so the "
+            "rollout workers need devices of their own; set cluster.placement = split"
+        ),
+    ),
+    Refusal(
+        lambda config: config.training.scores_ahead and _teacher_in_workers(config),
+        lambda config: (
+            f"training.scheduler = {config.training.scheduler} scores the next batch while the student "
+            "trains, but a teacher colocated in the trainer workers runs on those same workers, which are busy "
+            "training; set cluster.teacher.placement = pool (or serve the teacher), or use one_step_off"
+        ),
+    ),
+)
+"""The checks across sections, in the order they are tried (the first problem found is reported)."""
 
 
 def resolve_micro_batching(config: MasterConfig) -> tuple[int, int]:

@@ -2,18 +2,19 @@
 
 A check that spans a config's settings is a sequence of checks tried in order, the first
 problem found being the one reported (its message names the keys that conflict and how to
-fix them). A combination that is refused outright is a :class:`Refusal`; a check that
-needs a loop or asks another component is a function returning its problem or None,
-listed beside them.
+fix them). A combination that is refused outright is a :class:`Refusal`; one whose
+message tells what was found (another component's reason) is a :class:`Finding`; a check
+that needs a loop is a function returning its problem or None, listed beside them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 SubjectT = TypeVar("SubjectT")
+SubjectT_contra = TypeVar("SubjectT_contra", contravariant=True)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,24 @@ class Refusal(Generic[SubjectT]):
         return self.message if isinstance(self.message, str) else self.message(subject)
 
 
-def first_problem(checks: Iterable[Callable[[SubjectT], str | None]], subject: SubjectT) -> str | None:
+@dataclass(frozen=True)
+class Finding(Generic[SubjectT]):
+    """A refusal that tells what ``find`` found (None: nothing to refuse), in a message made from both."""
+
+    find: Callable[[SubjectT], str | None]
+    message: Callable[[SubjectT, str], str]
+
+    def __call__(self, subject: SubjectT) -> str | None:
+        found = self.find(subject)
+        return None if found is None else self.message(subject, found)
+
+
+class Check(Protocol[SubjectT_contra]):
+    """One check of a subject: its problem, or None (a :class:`Refusal`, a :class:`Finding` or a function)."""
+
+    def __call__(self, subject: SubjectT_contra, /) -> str | None: ...
+
+
+def first_problem(checks: Iterable[Check[SubjectT]], subject: SubjectT) -> str | None:
     """The first problem that ``checks``, in order, find in ``subject``, or None."""
     return next((problem for check in checks if (problem := check(subject)) is not None), None)
