@@ -68,9 +68,16 @@ class _LossSettings(StrictConfig):
     study (guide section 20, "Which correction, measured") found it slowed learning. The
     sampled-token loss needs none: its clipped ratio is taken against the sampler."""
 
+    def needs_own_samples(self, key: str) -> str | None:
+        """Why this objective needs the student's own samples on every step (``key``: its section), or None."""
+        return None
+
     def lambda_problem(self, key: str, lambda_: float) -> str | None:
         """Why this objective cannot train on fixed-data steps (``distillation.lambda`` < 1); None when it can."""
-        return None
+        reason = self.needs_own_samples(key)
+        if reason is None or lambda_ >= 1.0:
+            return None
+        return f"{reason}, but distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
 
     def build(self, vocab_size: int, device_type: str) -> LossFunction:
         """The loss object these keys describe (``vocab_size``: the tokenizer's; ``device_type``: the student's).
@@ -271,14 +278,9 @@ class SampledTokenLossConfig(_LossSettings, _Taus, FusedHeadSettings):
             "vocab_size": vocab_size,
         }
 
-    def lambda_problem(self, key: str, lambda_: float) -> str | None:
+    def needs_own_samples(self, key: str) -> str | None:
         """The sampled-token gradient needs the student's own samples, which a fixed-data step does not have."""
-        if lambda_ < 1.0:
-            return (
-                f"{key}.type = sampled_token needs the student's own samples on every step, but "
-                f"distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
-            )
-        return None
+        return f"{key}.type = sampled_token needs the student's own samples on every step"
 
 
 @loss_variant(FullVocabHybridLossFn)
@@ -299,14 +301,11 @@ class HybridFullVocabLossConfig(_LossSettings, _Taus):
             "vocab_size": vocab_size,
         }
 
-    def lambda_problem(self, key: str, lambda_: float) -> str | None:
+    def needs_own_samples(self, key: str) -> str | None:
         """A task reward (``adv_tau``) rewards the student's own answers, which only on-policy steps have."""
-        if self.adv_tau != 0.0 and lambda_ < 1.0:
-            return (
-                f"{key}.adv_tau = {self.adv_tau} rewards the student's own answers, which only on-policy steps "
-                f"have, but distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
-            )
-        return None
+        if self.adv_tau == 0.0:
+            return None
+        return f"{key}.adv_tau = {self.adv_tau} rewards the student's own answers, which only on-policy steps have"
 
 
 def _loss_type(value: Any) -> str:
