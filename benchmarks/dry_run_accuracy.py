@@ -104,6 +104,7 @@ def measure_rank(rank: int, world: int, port: int, paths: dict[str, str], vocab:
 
     from opd.distributed.fsdp import init_process_group
     from opd.distributed.trainer_worker import TrainerWorker
+    from opd.models.interfaces import AnsweredWhereTrained
     from opd.plan.fake_step import planned_micro_batch
     from opd.plan.rank_trace import adam_state_in_place
 
@@ -120,7 +121,9 @@ def measure_rank(rank: int, world: int, port: int, paths: dict[str, str], vocab:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again from here
     rows = world * shape.micro_batches * shape.micro_batch_size
-    worker.train(loss_fn, rows * shape.response_tokens, rows, [micro_batch] * shape.micro_batches, None)
+    # The colocated teacher answers in the worker, as the driver's facade asks it to.
+    signals = [AnsweredWhereTrained(loss_fn.teacher_request)] * shape.micro_batches
+    worker.train(loss_fn, rows * shape.response_tokens, rows, [micro_batch] * shape.micro_batches, signals)
     peak = _rss_kib("VmHWM") * 1024 - baseline
     worker.shutdown()
     return peak
