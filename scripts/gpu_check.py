@@ -102,6 +102,13 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def in_place(loss_fn: Any, micro_batches: int) -> list[Any]:
+    """What the driver's colocated teacher answers for each micro-batch: score it in the worker."""
+    from opd.models.interfaces import AnsweredWhereTrained
+
+    return [AnsweredWhereTrained(loss_fn.teacher_request)] * micro_batches
+
+
 def _trainer(student: str, teacher: str | None, total_steps: int = 2, **spec_fields: Any) -> Any:
     """A one-rank trainer over NCCL, started the way a Ray actor starts it (``spec_fields``: more of its spec)."""
     from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
@@ -137,7 +144,9 @@ def check_nccl_trainer() -> dict[str, Any]:
     losses, seconds = [], []
     for _ in range(2):
         start = time.perf_counter()
-        metrics = worker.train(loss_fn, tokens, batch.size, [batch.select_indices(list(range(batch.size)))], None)
+        metrics = worker.train(
+            loss_fn, tokens, batch.size, [batch.select_indices(list(range(batch.size)))], in_place(loss_fn, 1)
+        )
         cuda.synchronize()
         seconds.append(time.perf_counter() - start)
         losses.append(metrics["loss"])
@@ -199,7 +208,8 @@ def check_offload() -> dict[str, Any]:
     tokenizer = load_tokenizer(config.model.student_model_path)
     worker = _trainer(config.model.student_model_path, config.model.teacher_model_path)
     batch = _demo_batch(tokenizer, rows=4, length=64)
-    worker.train(build_loss(config, tokenizer), int(batch["token_mask"][:, 1:].sum()), batch.size, [batch], None)
+    loss_fn = build_loss(config, tokenizer)
+    worker.train(loss_fn, int(batch["token_mask"][:, 1:].sum()), batch.size, [batch], in_place(loss_fn, 1))
     cuda.synchronize()
     before = cuda.memory_allocated()
     moved = worker.offload_to_host()
@@ -315,7 +325,7 @@ def _qwen_step(shape: str, checkpointing: bool = False) -> dict[str, Any]:
         if step == 1:  # steady state: Adam's moments exist from the first step on
             cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        worker.train(loss_fn, tokens, rows, [batch], None)
+        worker.train(loss_fn, tokens, rows, [batch], in_place(loss_fn, 1))
         cuda.synchronize()
         seconds.append(time.perf_counter() - start)
     peak = cuda.max_memory_allocated()
@@ -390,7 +400,7 @@ def check_pooled_hidden_states() -> dict[str, Any]:
         worker.shutdown()
         return losses
 
-    colocated = two_steps(_trainer(student, teacher), None)
+    colocated = two_steps(_trainer(student, teacher), in_place(loss_fn, 1))
     # The teacher apart, answering as a pool's worker does (``TeacherWorker.score``, whose
     # module needs Ray): its final hidden states alone, on the host.
     import torch
@@ -424,7 +434,7 @@ def check_lora_nccl() -> dict[str, Any]:
     frozen = {name: p.detach().float().clone() for name, p in worker.model.named_parameters() if not p.requires_grad}
     batch = _demo_batch(tokenizer, rows=8, length=96)
     tokens = int(batch["token_mask"][:, 1:].sum())
-    losses = [worker.train(loss_fn, tokens, batch.size, [batch], None)["loss"] for _ in range(2)]
+    losses = [worker.train(loss_fn, tokens, batch.size, [batch], in_place(loss_fn, 1))["loss"] for _ in range(2)]
     after = dict(worker.model.named_parameters())
     adapters_moved = sum(not after[name].detach().float().equal(value) for name, value in trainable.items())
     base_moved = sum(not after[name].detach().float().equal(value) for name, value in frozen.items())

@@ -22,6 +22,7 @@ from opd_test_helpers import REPO_ROOT
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distillation.config import MasterConfig
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
+from opd.models.interfaces import AnsweredWhereTrained
 from opd.models.tiny import build_tiny_tokenizer
 from opd.utils.config import load_config
 
@@ -87,7 +88,9 @@ def _train_once(rank: int, port: int, result_dir: str) -> None:
             layer.mlp.forward = _counted(layer.mlp.forward, calls)
         micro_batches = [_micro_batch(rank, index, vocab) for index in range(MICRO_BATCHES)]
         tokens = WORLD * MICRO_BATCHES * ROWS * (LENGTH - PROMPT)
-        metrics = worker.train(loss_fn, tokens, WORLD * MICRO_BATCHES * ROWS, micro_batches, None)
+        # The driver's colocated teacher answers that each rank scores its micro-batches in place.
+        answers = [AnsweredWhereTrained(loss_fn.teacher_request)] * MICRO_BATCHES
+        metrics = worker.train(loss_fn, tokens, WORLD * MICRO_BATCHES * ROWS, micro_batches, answers)
         weights = worker.whole_weights()
         results[checkpointing] = {
             "loss": metrics["loss"],
