@@ -32,8 +32,7 @@ from pydantic import Field, model_validator
 from opd.distributed.pool_engines import POOL_ENGINES, PoolEngine, PoolEngineName
 from opd.models.interfaces import TeacherRequest
 from opd.teachers.vllm_teacher import VllmScoringConfig
-from opd.utils.auto import resolve_auto
-from opd.utils.config import StrictConfig
+from opd.utils.config import StrictConfig, resolve_auto
 
 
 class TrainerPoolConfig(StrictConfig):

@@ -41,8 +41,7 @@ from pydantic import Field, model_validator
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput
 from opd.rollout.sampling import warp_logits
-from opd.utils.auto import resolve_auto
-from opd.utils.config import StrictConfig
+from opd.utils.config import StrictConfig, resolve_auto
 
 _LEARNER_CHUNK_ROWS = 1024
 """Rows of ``[rows × V]`` logits made at a time when the learner's log-probs come from hidden states."""

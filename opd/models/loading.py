@@ -20,7 +20,7 @@ from opd.models.config import ModelLoadingConfig
 from opd.models.gguf_source import gguf_source, load_gguf_causal_lm, load_gguf_tokenizer
 from opd.models.lm_head import OutputLayer, output_layer_of
 from opd.models.tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer, is_tiny_path
-from opd.utils.auto import resolve_auto
+from opd.utils.config import resolve_auto
 from opd.utils.devices import is_cuda
 from opd.utils.errors import ConfigError, ModelCompatibilityError
 

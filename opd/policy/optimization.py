@@ -28,7 +28,7 @@ from opd.data.sequences import model_inputs
 from opd.models.config import OptimizerConfig
 from opd.models.interfaces import LossFunction, TeacherSignal
 from opd.models.lm_head import LMHeadInput, final_hidden_states, output_layer_of
-from opd.utils.auto import resolve_auto
+from opd.utils.config import resolve_auto
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
     from transformers import PreTrainedModel

@@ -52,9 +52,8 @@ from pydantic import Field
 from safetensors import SafetensorError
 
 from opd.utils.config import StrictConfig
-from opd.utils.errors import OpdError
+from opd.utils.errors import OpdError, first_line
 from opd.utils.paths import absolute_dir
-from opd.utils.text import first_line
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST_FILE = "manifest.json"

@@ -37,8 +37,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from opd.utils.config import StrictConfig
-from opd.utils.errors import ConfigError
-from opd.utils.text import first_line
+from opd.utils.errors import ConfigError, first_line
 
 log = logging.getLogger("opd")
 

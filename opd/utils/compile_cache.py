@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar, cast
 
-from opd.utils.auto import resolve_auto
+from opd.utils.config import resolve_auto
 from opd.utils.devices import is_cpu, is_cuda
 from opd.utils.errors import ConfigError
 

@@ -30,9 +30,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
-from opd.utils.errors import ConfigError
+from opd.utils.errors import ConfigError, first_line
 from opd.utils.strict_yaml import parse_yaml_value, read_yaml_file, yaml_problem
-from opd.utils.text import first_line
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -365,3 +364,11 @@ def load_config(model_cls: type[ModelT], config_path: str | Path, overrides: lis
 def config_to_yaml(config: BaseModel) -> str:
     """Dumps a validated config back to YAML, with the YAML key spellings (e.g. ``lambda``)."""
     return yaml.safe_dump(config.model_dump(mode="json", by_alias=True), sort_keys=False)
+
+
+SettingT = TypeVar("SettingT")
+
+
+def resolve_auto(setting: SettingT | Literal["auto"], choose: Callable[[], SettingT]) -> SettingT:
+    """``setting``, or what ``choose`` picks where it is ``auto``."""
+    return choose() if setting == "auto" else setting

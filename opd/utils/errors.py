@@ -1,4 +1,4 @@
-"""User-facing error types.
+"""User-facing error types, and the one-line quoting of a library's error inside their messages.
 
 Everything a user can get wrong (a config key, a data line, a model pair) raises a
 subclass of :class:`OpdError`. The command-line entry point catches these, prints the
@@ -39,3 +39,20 @@ class WorkerError(OpdError):
         super().__init__(message)
         self.role = role
         self.rank = rank
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message, for a one-line error or warning.
+
+    Libraries such as OmegaConf, W&B and MLflow append multi-line context to their
+    messages; opd quotes only the first line inside its own message.
+
+    Args:
+        error: the exception to describe.
+
+    Returns:
+        The first line of ``str(error)`` without surrounding whitespace, or the name of
+        the exception's type when the message is empty.
+    """
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,6 +1,6 @@
-"""opd.utils.auto: ``auto`` resolved by the caller's choice, an explicit setting kept."""
+"""opd.utils.config.resolve_auto: ``auto`` resolved by the caller's choice, an explicit setting kept."""
 
-from opd.utils.auto import resolve_auto
+from opd.utils.config import resolve_auto
 
 
 def test_auto_is_chosen_and_an_explicit_setting_kept() -> None:
