@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from opd.distillation.config import MasterConfig, resolve_micro_batching
 from opd.distributed.config import ClusterConfig
 from opd.distributed.trainer_worker import TrainerSpec
-from opd.models.interfaces import FullVocabRequest
+from opd.models.interfaces import FullVocabRequest, LossFunction
 from opd.models.lm_head import default_chunk_rows
 from opd.models.model_shapes import model_config, tokenizer_size
 from opd.plan.dry_run import RankMemory, ReplicaMemory, StepShape, dry_run_rank, dry_run_teacher_replica
@@ -254,6 +254,14 @@ def _step_shape(config: MasterConfig, world: int) -> StepShape:
     )
 
 
+def _eager_loss(config: MasterConfig, vocab: int) -> LossFunction:
+    """The run's loss, with eager kernels: the dry run measures those (an upper bound of the compiled ones)."""
+    loss_settings = config.loss_fn
+    if hasattr(loss_settings, "compile_kernels"):
+        loss_settings = loss_settings.model_copy(update={"compile_kernels": False})
+    return loss_settings.build(vocab, "cpu")
+
+
 def plan_memory(
     config: MasterConfig, checkpointing_variants: tuple[bool, ...] = (False, True), *, every_layer: bool = False
 ) -> MemoryPlan:
@@ -283,10 +291,7 @@ def plan_memory(
     vocab = tokenizer_size(config.model.tokenizer_path or student_path)
     shape = _step_shape(config, world)
     micro_batch_size = shape.micro_batch_size
-    loss_settings = config.loss_fn
-    if hasattr(loss_settings, "compile_kernels"):  # the dry run measures the eager kernels (an upper bound)
-        loss_settings = loss_settings.model_copy(update={"compile_kernels": False})
-    loss_fn = loss_settings.build(vocab, "cpu")
+    loss_fn = _eager_loss(config, vocab)
     placement = _TeacherPlacement.of(config, cluster, teacher_path, loss_fn)
     student_shapes = _parameter_shapes(student_config)
     teacher_shapes = _parameter_shapes(teacher_config) if teacher_config is not None else []
@@ -295,19 +300,11 @@ def plan_memory(
     hidden_size = teacher_config.hidden_size if teacher_config is not None else None
     runs = {
         "on" if checkpointing else "off": [
-            dry_run_rank(
-                _trainer_spec(config, cluster, placement, checkpointing),
-                world,
-                rank,
-                shape,
-                loss_fn,
-                vocab,
-                hidden_size,
-                every_layer=every_layer,
-            )
+            dry_run_rank(spec, world, rank, shape, loss_fn, vocab, hidden_size, every_layer=every_layer)
             for rank in ranks_to_run
         ]
         for checkpointing in checkpointing_variants
+        for spec in [_trainer_spec(config, cluster, placement, checkpointing)]
     }
     # model.parameters() yields a tied head once, so these count distinct weights.
     student_parameters = sum(math.prod(shape) for shape in student_shapes)
