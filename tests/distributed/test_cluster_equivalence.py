@@ -5,7 +5,8 @@
   teacher; 2 micro-batches per rank) give the per-step losses and final weights of one
   process with the same global batch and seed, with FSDP2's defaults (the teacher
   sharded as well) and with the layers kept gathered to the backward and a whole
-  teacher in each worker;
+  teacher in each worker, within the float32 rounding that summing the micro-batches'
+  gradients in another order allows (``opd_float_tolerance``);
 * the colocated teacher and a teacher pool send the in-process teacher's signals (a pool's
   full vocabulary as hidden states alone);
 * HF rollout workers, refit from the trainer, generate the in-process greedy rollouts.
@@ -20,6 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from opd_float_tolerance import (
+    METRIC_ZERO,
+    adam_weight_tolerance,
+    assert_weights_within,
+    entries,
+    metric_tolerance,
+    tiny_student_entries,
+)
 from opd_test_helpers import REPO_ROOT, short_run_overrides
 from safetensors.torch import load_file
 
@@ -42,8 +51,9 @@ from opd.utils.config import load_config
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 STEPS = 10
-RELATIVE_LOSS_TOLERANCE = 1e-5
-WEIGHT_TOLERANCE = 1e-5
+LEARNING_RATE = 3e-3
+MICRO_BATCHES = 4
+"""Per step: 8 sequences in micro-batches of 2 (2 per rank on the cluster)."""
 
 
 def equivalence_config(tmp_path: Path, name: str, *overrides: str) -> MasterConfig:
@@ -56,6 +66,7 @@ def equivalence_config(tmp_path: Path, name: str, *overrides: str) -> MasterConf
             f"training.max_num_steps={STEPS}",
             "training.batch_size=8",
             "training.micro_batch_size=2",
+            f"training.learning_rate={LEARNING_RATE}",
             "training.save_freq=0",
             "distillation.lambda=0.5",
             "distillation.num_samples_per_prompt=1",
@@ -111,8 +122,9 @@ def test_two_fsdp_workers_match_one_process_step_by_step(equivalence_runs):
     assert [record["train/on_policy"] for record in actual] == [record["train/on_policy"] for record in expected]
     assert 0 < sum(record["train/on_policy"] for record in actual) < STEPS  # both branches ran
     for mine, reference in zip(actual, expected, strict=True):
+        tolerance = metric_tolerance(mine["step"], tiny_student_entries())
         for key in ("train/loss", "train/kl_forward", "train/grad_norm", "train/mean_response_length"):
-            assert math.isclose(mine[key], reference[key], rel_tol=RELATIVE_LOSS_TOLERANCE, abs_tol=1e-7), (
+            assert math.isclose(mine[key], reference[key], rel_tol=tolerance, abs_tol=METRIC_ZERO), (
                 f"step {mine['step']} {key}: 2 workers {mine[key]!r}, one process {reference[key]!r}"
             )
     first_on_policy = next(record for record in actual if record["train/on_policy"])
@@ -125,12 +137,11 @@ def test_two_fsdp_workers_match_one_process_step_by_step(equivalence_runs):
 
 def test_two_fsdp_workers_end_with_the_weights_of_one_process(equivalence_runs):
     in_process, on_cluster = (load_file(str(run / "final_model" / "model.safetensors")) for run in equivalence_runs)
-    assert in_process.keys() == on_cluster.keys()
-    worst = max(float((in_process[name] - on_cluster[name]).abs().max()) for name in in_process)
-    assert worst <= WEIGHT_TOLERANCE, f"final weights differ by up to {worst:.2e}"
+    tolerance = adam_weight_tolerance(LEARNING_RATE, STEPS, MICRO_BATCHES, entries(in_process))
+    assert_weights_within(on_cluster, in_process, tolerance)
     initial = load_causal_lm("tiny:student", torch.float32, torch.device("cpu"), _loading())
     moved = max(float((initial.state_dict()[name] - in_process[name]).abs().max()) for name in in_process)
-    assert moved > 100 * WEIGHT_TOLERANCE  # the comparison is not between two untrained students
+    assert moved > 5 * tolerance  # the comparison is not between two untrained students
 
 
 # --------------------------------------------------------------------------- teacher signals and rollouts
