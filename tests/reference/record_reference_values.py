@@ -126,6 +126,7 @@ def record_demo(demo_output: Path | None = None) -> dict[str, Any]:
         "threads": runs_module.DEMO_THREADS,
         "read_from": str(demo_output) if demo_output else None,
         "cpu_capability": capability,
+        "task_sha256": runs_module.demo_task_digests(),
         "minutes_on_recording_machine": None if demo_output else round(minutes, 2),
         **values,
     }
@@ -173,6 +174,7 @@ def main() -> None:
         path = args.output_dir / file_name
         if part == "demo":  # one recording per kind of CPU kernels, the others kept
             recordings = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+            # One recording per kind of CPU kernels: the bands test_reference_runs allows come from their spread.
             recordings.setdefault("by_cpu_capability", {})[document["cpu_capability"]] = document
             document = recordings
         path.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")

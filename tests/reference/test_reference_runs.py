@@ -15,17 +15,25 @@ Two kinds of runs are pinned against the numbers the baseline code logged to
 2. **The demo** (``reference_demo.json``): the README's main job as ``bash scripts/demo.sh``
    runs it (``examples/demo/run_demo.py``: test-set accuracies before and after, validation
    every 25 steps, the early stop at the teacher's accuracy), with torch's 2 threads of the
-   2-core recording machine. Asserted: the step it stopped at, ``train/loss`` and the train
-   KLs at every step within rel 1e-3 (the run compounds hundreds of steps),
-   ``train/on_policy`` and ``train/num_valid_tokens`` exactly (the greedy rollouts' lengths),
-   every validation's ``val/accuracy`` within 1.5/128 and KLs within rel 1e-3, and the three
-   test-set accuracies within 1.5/256. CI checks the demo it has just run (run 1's
-   ``demo.sh``; ``OPD_DEMO_OUTPUT`` names its output directory) instead of training it a second
-   time; without that variable the test runs the demo itself (about 5 minutes on 2 cores).
-   float32 sums round differently on different CPU kernels, so the file holds one recording
-   per kind: ``AVX512`` (what ``demo.sh`` picks on the recording machine, as in CI) and
-   ``AVX2`` (what the suite forces, ``tests/conftest.py``, so that the test's own run holds on
-   every x86-64 machine); ``demo_results.json`` names the kind a run used.
+   2-core recording machine. A greedy on-policy run of hundreds of steps compounds float32
+   rounding: on other CPU kernels (AVX2, AVX-512, none; another CPU's BLAS) its trajectory
+   leaves the recorded one (the AVX2 and AVX-512 recordings agree within 5e-6 to step 25,
+   differ by 1e-3 at step 65 and in their greedy rollouts from step 69 on), so only what
+   every machine reproduces is pinned: the task's data (its files' SHA-256), the first
+   :data:`DEMO_PINNED_STEPS` steps (``train/loss`` and the train KLs within
+   :data:`DEMO_PINNED_RTOL`, ``train/on_policy`` and ``train/num_valid_tokens`` exactly, the
+   validations at steps 0 and 25: accuracy exactly, KLs within :data:`DEMO_PINNED_RTOL`), and
+   the outcome within bands measured across kernel kinds: the early stop at a validation
+   within :data:`DEMO_STOP_BAND` steps of the recordings', there at least the teacher's
+   validation accuracy, the teacher's and the student's test accuracies before training as
+   recorded (within 1.5/256) and the student's after within :data:`DEMO_AFTER_BAND` of the
+   recordings'. CI checks the demo it has just run (run 1's ``demo.sh``;
+   ``OPD_DEMO_OUTPUT`` names its output directory) instead of training it a second time;
+   without that variable the test runs the demo itself (about 5 minutes on 2 cores). The
+   file holds a whole recording per kind of kernels (``AVX512``: ``demo.sh`` on the
+   recording machine, as in CI; ``AVX2``: the suite's own run, ``tests/conftest.py``), each
+   reproduced bit for bit by another run on the same kind of machine; they are the data the
+   bands come from.
 
 Config keys are the baseline's. The refactor renames them: every override lives in
 :data:`RUN_OVERRIDES` and :data:`COMMON_RUN_OVERRIDES` below, the only places to update.
@@ -116,6 +124,28 @@ DEMO_LAST_LINE = re.compile(
 )
 DEMO_TIMEOUT_S = 3600
 """Only guards against a hang: the demo run takes minutes on 2 idle cores, far longer on busy ones."""
+DEMO_TASK_DIR = REPO / "examples" / "data" / "arithmetic"
+DEMO_PINNED_STEPS = 25
+"""The demo's steps pinned one by one on any machine: those before its first validation after step 0.
+
+Measured across kernel kinds (2026-11-29, AMD EPYC with AVX-512, 2 threads): ``train/loss``
+of the AVX2 and AVX-512 recordings is 6.7e-7 apart at step 1 (a float32 mean over 2,246
+tokens of a 455-entry divergence: about 6 EPS32) and at most 4.9e-6 apart over steps 1-25;
+runs with ``ATEN_CPU_CAPABILITY=default`` and with MKL's SSE2 code path
+(``MKL_CBWR=COMPATIBLE``, as a stand-in for another CPU's BLAS) stay as close (see
+``reference_demo.json``, ``spread_over_pinned_steps``). The rollouts' lengths agree exactly
+to step 68."""
+DEMO_PINNED_RTOL = 1e-4
+"""Twenty times the largest spread measured over the pinned steps (5e-6): rounding that grows by about 8% a step
+(6.7e-7 at step 1, 4.9e-6 at 25) on any kernels, with room for a CPU whose first step rounds several times
+further; a change of the loss, the data or the config moves these numbers by far more."""
+DEMO_STOP_BAND = 50
+"""The early stop may come this many steps (two validations) before or after the recordings' (both 225): past
+step 50 the runs on different kernels follow different greedy rollouts, and their validation accuracies differ by up
+to 0.13 at the same step (AVX2 and AVX-512 at step 175), about one validation interval of the learning curve."""
+DEMO_AFTER_BAND = 4 / 256
+"""The student's test accuracy after training may fall this far below the lowest recording's (0.996 and 1.0: the
+early stop holds it at the teacher's validation accuracy, so the test accuracy varies by a few of 256 answers)."""
 
 
 def read_metrics(log_dir: Path) -> list[dict[str, Any]]:
@@ -188,6 +218,14 @@ def demo_cpu_capability(output_dir: Path) -> str:
     """The CPU kernels a demo ran on: from its ``demo_results.json``, else this machine's default."""
     results = json.loads((output_dir / "demo_results.json").read_text(encoding="utf-8"))
     return results.get("cpu_capability") or default_cpu_capability()
+
+
+def demo_task_digests() -> dict[str, str]:
+    """The SHA-256 of the demo task's files (``examples/data/arithmetic/{train,val,test}.jsonl``)."""
+    import hashlib
+
+    return {split: hashlib.sha256((DEMO_TASK_DIR / f"{split}.jsonl").read_bytes()).hexdigest()
+            for split in ("train", "val", "test")}
 
 
 def demo_values(output_dir: Path) -> dict[str, Any]:
@@ -268,7 +306,7 @@ def test_tiny_run_matches_reference(name, run_reference, tmp_path):
 
 @pytest.mark.slow  # the whole demo when no finished one is given: about 5 minutes on 2 cores
 def test_the_readme_demo_matches_its_recording(tmp_path):
-    """The README's main job, step by step as recorded, and the files it promises.
+    """The README's main job: what every machine reproduces of its recordings, and the files it promises.
 
     That its student closes its gap to the teacher is checked on the demo itself too: CI
     runs ``bash scripts/demo.sh`` and ``scripts/check_demo_result.py``, then this test on
@@ -277,22 +315,38 @@ def test_the_readme_demo_matches_its_recording(tmp_path):
     given = os.environ.get(DEMO_OUTPUT_VARIABLE)
     if given:
         output_dir, last_line = Path(given).resolve(), None
-    else:  # on the suite's AVX2 kernels (tests/conftest.py), as every x86-64 machine runs them
+    else:
         output_dir = tmp_path / "demo"
         last_line = run_demo(output_dir)
     recordings = json.loads(DEMO_FILE.read_text(encoding="utf-8"))["by_cpu_capability"]
-    capability = demo_cpu_capability(output_dir)
-    assert capability in recordings, (
-        f"the demo ran on {capability} kernels; reference_demo.json has recordings for {sorted(recordings)} "
-        "(record one with tests/reference/record_reference_values.py --part demo)"
-    )
-    expected = recordings[capability]
     assert_demo_outputs(output_dir, last_line)
     actual = demo_values(output_dir)
-    assert actual["early_stop_step"] == expected["early_stop_step"], "the demo stopped at another step"
-    steps = sorted(int(step) for step in expected["train"])
-    assert steps == list(range(1, expected["early_stop_step"] + 1))  # the recording itself
-    _assert_train(actual["train"], expected["train"], 1e-3, "demo")
-    _assert_val(actual["val"], expected["val"], _demo_validation_steps(expected["early_stop_step"]), {"rel": 1e-3},
-                1.5 / 128, "demo")
-    assert actual["test_accuracy"] == pytest.approx(expected["test_accuracy"], abs=1.5 / 256)
+    # The data every recording was made on.
+    digests = demo_task_digests()
+    assert {kind: recording["task_sha256"] for kind, recording in recordings.items()} == dict.fromkeys(
+        recordings, digests), "the demo's task data is not the recordings'"
+    # The first steps, as every recording has them (they agree there within a tenth of the tolerance).
+    pinned = [str(step) for step in range(1, DEMO_PINNED_STEPS + 1)]
+    every = _demo_validation_steps(DEMO_PINNED_STEPS)[1]
+    for kind, expected in recordings.items():
+        label = f"demo against the {kind} recording"
+        _assert_train({step: actual["train"].get(step, {}) for step in pinned},
+                      {step: expected["train"][step] for step in pinned}, DEMO_PINNED_RTOL, label)
+        _assert_val({step: actual["val"].get(step, {}) for step in ("0", str(every))},
+                    {step: expected["val"][step] for step in ("0", str(every))}, [0, every],
+                    {"rel": DEMO_PINNED_RTOL}, 0.0, label)
+    # The outcome, within the bands the recordings span.
+    stops = [expected["early_stop_step"] for expected in recordings.values()]
+    stop = actual["early_stop_step"]
+    assert stop is not None and min(stops) - DEMO_STOP_BAND <= stop <= max(stops) + DEMO_STOP_BAND, (
+        f"the demo stopped at step {stop}; its recordings stopped at {sorted(stops)}")
+    assert sorted(int(step) for step in actual["val"]) == _demo_validation_steps(stop)
+    teacher_validation = [record["val/teacher_accuracy"] for record in read_metrics(output_dir / "logs")
+                          if "val/teacher_accuracy" in record]
+    assert actual["val"][str(stop)]["val/accuracy"] >= teacher_validation[0], "stopped short of the teacher"
+    tested = actual["test_accuracy"]
+    for expected in recordings.values():  # the committed models, before any training
+        for key in ("teacher", "student_before"):
+            assert tested[key] == pytest.approx(expected["test_accuracy"][key], abs=1.5 / 256), key
+    lowest = min(expected["test_accuracy"]["student_after"] for expected in recordings.values())
+    assert tested["student_after"] >= lowest - DEMO_AFTER_BAND, (tested, lowest)
