@@ -85,7 +85,8 @@ equals TRL's ``generalized_jsd_loss`` (same weights, same tokens), i.e. that bot
 optimise the same objective.
 
 ``--smoke`` runs one round of one warm-up and one timed step per framework at the 2k
-vocabulary, with 4-token responses to batches of 2.
+vocabulary, with 4-token responses to batches of 2, and times the parts alone on eager
+kernels (the opd runs compile the same loss kernels and decode step).
 
 The last lines are machine-readable:
 ``e2e opd/trl_gc_off step_time small=<ratio> qwen_vocab=<ratio> peak_rss small=<ratio> qwen_vocab=<ratio>``
@@ -640,14 +641,17 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     )
     # The loss exactly as opd's default config builds it (compiled kernels where a C++
     # compiler exists); the first calls (compilation) fall in the untimed warm-up steps.
+    # --smoke runs both eagerly: compiling them cost this process a minute of CPU (2 cores,
+    # inductor's cache empty), and the smoke's opd and opd compiled runs compile the same two.
     loss_fn = JSDLossFn(
         beta=JSD_BETA,
         temperature=1.0,
         vocab_size=len(tokenizer),
         fused_lm_head=True,
-        compile_kernels=resolve_compile_kernels("auto", "cpu"),
+        compile_kernels=resolve_compile_kernels("auto", "cpu") and not args.smoke,
     )
-    step_forward = compile_decode_step(student)  # compiled in the warm-up steps, as in the opd compiled runs
+    # Compiled in the warm-up steps, as in the opd compiled runs.
+    step_forward = None if args.smoke else compile_decode_step(student)
     prompts = [encode_prompt(tokenizer, row["messages"][:1]) for row in _read_rows(workdir)]
     pad = tokenizer.pad_token_id
     # What opd's generation stops at: the tokenizer's EOS and the generation config's.
@@ -836,6 +840,7 @@ def _spawn(kind: str, size: str, run_index: int, args: argparse.Namespace, workd
         str(args.max_new_tokens),
         "--temperature",
         str(args.temperature),
+        *(["--smoke"] if args.smoke else []),
     ]
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log_file:

@@ -10,7 +10,8 @@ sampled rollouts on some steps and fixed data on others, a checkpoint every step
   resumes, and is killed whole with SIGKILL after its third checkpoint; rerun again, it
   must end with bitwise the reference's weights;
 * the reference's step-2 checkpoint, resumed on one trainer worker instead of two, must
-  end within float rounding (1e-5) of the reference's weights.
+  end within float32 rounding of the reference's weights (two steps of gradients summed
+  in another order: ``opd_float_tolerance.adam_weight_tolerance``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
+from opd_float_tolerance import adam_weight_tolerance, assert_weights_within, entries
 from opd_test_helpers import REPO_ROOT, TINY_TRAIN_DATA
 from safetensors.torch import load_file
 
@@ -32,6 +35,8 @@ pytestmark = pytest.mark.slow
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 STEPS = 4
+TINY_LEARNING_RATE = float(yaml.safe_load(TINY.read_text(encoding="utf-8"))["training"]["learning_rate"])
+"""distillation_tiny.yaml's learning rate, which these runs keep."""
 DEATH_DEADLINE_S = 60.0
 
 
@@ -117,28 +122,35 @@ def assert_bitwise(actual, expected, what: str) -> None:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster_faults")
     results = {}
+    # The reference runs beside the dying run and its reruns (each its own private Ray cluster):
+    # a run leaves much of its cores idle (starting Ray and its workers, the workers' waits on
+    # each other), and only the resharded run below needs the reference's checkpoints.
     reference = start(root / "reference")
-    results["reference_status"] = finish(reference)
+    try:
+        interrupted = root / "interrupted"
+        dying = start(interrupted)
+        wait_for(interrupted / "checkpoints" / "step_1", dying)
+        workers = trainer_worker_pids(dying.pid)
+        os.kill(workers[-1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        results["dying_status"] = finish(dying, timeout=DEATH_DEADLINE_S + 60)
+        results["dying_seconds"] = time.monotonic() - killed_at
+        results["dying_workers"] = workers
+        results["dying_log"] = log_of(interrupted)
+        results["dying_checkpoints"] = {
+            path.name: (path / "save_state.json").is_file() for path in (interrupted / "checkpoints").iterdir()
+        }
 
-    interrupted = root / "interrupted"
-    dying = start(interrupted)
-    wait_for(interrupted / "checkpoints" / "step_1", dying)
-    workers = trainer_worker_pids(dying.pid)
-    os.kill(workers[-1], signal.SIGKILL)
-    killed_at = time.monotonic()
-    results["dying_status"] = finish(dying, timeout=DEATH_DEADLINE_S + 60)
-    results["dying_seconds"] = time.monotonic() - killed_at
-    results["dying_workers"] = workers
-    results["dying_log"] = log_of(interrupted)
-    results["dying_checkpoints"] = {
-        path.name: (path / "save_state.json").is_file() for path in (interrupted / "checkpoints").iterdir()
-    }
-
-    killed = start(interrupted)
-    wait_for(interrupted / "checkpoints" / "step_3", killed)
-    os.killpg(killed.pid, signal.SIGKILL)  # the command and everything it started
-    results["killed_status"] = finish(killed)
-    results["rerun_status"] = finish(start(interrupted))
+        killed = start(interrupted)
+        wait_for(interrupted / "checkpoints" / "step_3", killed)
+        os.killpg(killed.pid, signal.SIGKILL)  # the command and everything it started
+        results["killed_status"] = finish(killed)
+        results["rerun_status"] = finish(start(interrupted))
+        results["reference_status"] = finish(reference)
+    finally:
+        if reference.poll() is None:  # the runs above failed: the reference is not left running
+            os.killpg(reference.pid, signal.SIGKILL)
+            reference.wait()
 
     # The reference's step-2 checkpoint, resumed by one trainer worker instead of two.
     resharded = root / "resharded"
@@ -186,8 +198,9 @@ def test_a_checkpoint_of_two_workers_resumes_on_one_worker_to_the_same_weights(r
         root / "resharded"
     )
     resumed, reference = final_weights(root / "resharded"), final_weights(root / "reference")
-    worst = max(float((resumed[name] - reference[name]).abs().max()) for name in reference)
-    assert worst <= 1e-5, f"resumed on 1 worker, the final weights differ by up to {worst:.2e}"
+    # Steps 3 and 4 of 2 micro-batches each, at most the tiny config's learning rate.
+    tolerance = adam_weight_tolerance(TINY_LEARNING_RATE, STEPS - 2, 2, entries(reference))
+    assert_weights_within(resumed, reference, tolerance, "resumed on 1 worker, the final weights")
 
 
 def test_export_consolidates_a_sharded_checkpoint_into_the_final_model(runs, tmp_path):
