@@ -347,6 +347,9 @@ def fake_process_group(rank: int, world_size: int, shard_group_size: int | None 
         raise RuntimeError("the dry run needs a process of its own: a process group is already initialised")
     backends = "cpu:fake" if is_cpu(device) else f"cpu:fake,{device.type}:fake"
     dist.init_process_group(backends, store=FakeStore(), rank=rank, world_size=world_size)
+    # The fake backend registers as a custom one, so the group has no default backend and
+    # torch warns once per group when it is destroyed; naming it the default silences that.
+    dist.distributed_c10d._get_default_group()._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     original = dist.all_gather_object
     dist.all_gather_object = _symmetric_all_gather_object
     slicing = DeviceMesh.__getitem__
