@@ -43,7 +43,7 @@ from opd.models.interfaces import (
 from opd.models.loading import resolve_dtype
 
 
-def _concat(signals: list[Any], counts: list[int]) -> TeacherSignal:
+def concat_blocks(signals: list[Any], counts: list[int]) -> TeacherSignal:
     """The blocks' answers joined back into one, dropping the filler rows."""
     if isinstance(signals[0], TopKLogprobs):
         rests = [signal.rest_logprobs for signal in signals]
@@ -232,7 +232,7 @@ class TeacherPool(TeacherInterface):
         with self._submitting:
             refs = [self.workers.actors[rank].score.remote(block, request) for rank, block in enumerate(blocks)]
         return self.workers.pending(
-            refs, functools.partial(_concat, counts=counts), ranks=list(range(count)), what="score"
+            refs, functools.partial(concat_blocks, counts=counts), ranks=list(range(count)), what="score"
         )
 
     def close(self) -> None:

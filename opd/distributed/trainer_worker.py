@@ -563,14 +563,6 @@ class TrainerWorker(RefitSender):
             self.lockstep.finish()
         return answer
 
-    def _colocated_member(self, member: int) -> LocalTeacher:
-        if not 0 <= member < len(self.teacher_members):
-            raise RuntimeError(
-                f"this trainer holds {len(self.teacher_members)} colocated teacher(s), not one at position {member}; "
-                "the controller must send teacher signals"
-            )
-        return self.teacher_members[member]
-
     # ------------------------------------------------------------------ inference
 
     @dispatch(gather=first)
@@ -607,20 +599,19 @@ class TrainerWorker(RefitSender):
                 self._release_teachers()
         return totals
 
-    def teacher_score(self, request: TeacherRequest, data: BatchedDataDict, member: int = 0) -> TeacherSignal:
-        """One colocated teacher's (``member``: its position) top-k or token log-probs for this rank's rows.
+    def teacher_score(self, request: TeacherRequest, data: BatchedDataDict) -> TeacherSignal:
+        """The run's teacher, as assembled here, on this rank's rows: top-k or token log-probs, sent back.
 
-        The teacher as loaded, without the run's wrappers: the controller's facade of it is
-        wrapped as in one process. A full-vocabulary answer is refused: it stays in the
-        worker (``train`` and ``compare_with_teacher`` use it there), since ``[B, L, V]``
-        floats must not be sent.
+        A full-vocabulary answer is refused: it stays in the worker (``train`` and
+        ``compare_with_teacher`` use it there), since ``[B, L, V]`` floats must not be sent.
         """
         if isinstance(request, FullVocabRequest):
             raise ValueError("the colocated teacher's full vocabulary is used in the worker, never sent")
-        teacher = self._colocated_member(member)
+        if self.teacher is None:
+            raise RuntimeError("this trainer has no colocated teacher")
         with torch.no_grad():
-            signal = teacher.score(data, request)
-        release_gathered_root(teacher.model)
+            signal = self.teacher.score(data, request)
+        self._release_teachers()
         return signal_to_device(signal, torch.device("cpu"))
 
     # ------------------------------------------------------------------ weights out

@@ -414,7 +414,8 @@ def _one_answer(teacher: TeacherInterface, request: TeacherRequest, data: Batche
     Several teachers' hidden states alone stay apart: they are combined where each member's
     output layer is (a trainer worker binds them; :class:`ValidationKL` combines them there).
     """
-    answer = teacher.score(data, request)
+    # As a training step asks it: a teacher in the trainer's workers answers where the rows go.
+    answer = teacher.score_async(data, request).result()
     if isinstance(answer, SeveralTeachersSignal) and not waits_for_heads(answer):
         return answer.combined()
     return answer

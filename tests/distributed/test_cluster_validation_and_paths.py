@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 import ray
 import torch
-from opd_float_tolerance import metric_tolerance, tiny_student_entries
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from opd.data.batched_data_dict import BatchedDataDict
@@ -245,6 +244,9 @@ def test_two_ranks_sum_the_kl_of_one_process(components, request_, teacher_in_wo
     assert actual["tokens"] == expected["tokens"]
     for key in ("kl_forward", "kl_reverse"):
         # Two ranks' sums against one process's: one step's rounding (opd_float_tolerance.metric_tolerance).
+        # Imported here: the Ray workers import this module (its actor class) without the tests' sys.path.
+        from opd_float_tolerance import metric_tolerance, tiny_student_entries
+
         assert actual[key] == pytest.approx(expected[key], rel=metric_tolerance(1, tiny_student_entries())), key
 
 
