@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.converters import load_prompt_template, math_cl_to_chat
 from opd.distillation.config import MasterConfig
-from opd.losses.objectives import DistillationLossFn
+from opd.losses.distillation_losses import KLLossFn
 from opd.models.config import LoraConfig
 from opd.models.decoding import GenerateStrategyConfig
 from opd.policy.hf_policy import HFPolicy
@@ -138,7 +138,7 @@ def one_training_step(model: torch.nn.Module, tokenizer, prompts, lora: LoraConf
     batch["token_mask"] = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
     for row in range(batch.size):
         batch["token_mask"][row, int(batch["prompt_lengths"][row]):int(batch["input_lengths"][row])] = True
-    loss_fn = DistillationLossFn(kl_type="forward", vocab_size=len(tokenizer))
+    loss_fn = KLLossFn(kl_type="forward", vocab_size=len(tokenizer))
     policy.train(batch, loss_fn, teacher_signal=teacher.get_logits)
     return policy
 
