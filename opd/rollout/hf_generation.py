@@ -96,6 +96,8 @@ class HFGeneration(InProcessGenerationInterface):
         if decode_loop not in loops:
             raise ValueError(f"decode_loop must be one of {sorted(loops)}, got {decode_loop!r}")
         self.model = model
+        self.decode_loop = decode_loop
+        """``opd`` or ``generate``: which loop samples (``generation.decode_loop``)."""
         self._sample, takes_compiled_step = loops[decode_loop]
         self.step_forward = compile_decode_step(model) if compile_decode and takes_compiled_step else None
         self.pad_token_id = tokenizer.pad_token_id

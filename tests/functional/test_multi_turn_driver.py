@@ -231,14 +231,14 @@ def test_validation_plays_episodes_for_the_student_and_the_baselines(tmp_path):
     for engine in parts.teacher_generation:
         first_turn_calls_the_tool(engine.generation, engine.tokenizer, CALL)
     scored = []
-    real_score = parts.teacher_policy.score
+    real_score_async = parts.teacher_policy.score_async
 
-    def recording_score(batch, request):
+    def recording_score_async(batch, request):  # how validation and each step ask the teacher
         scored.append({key: batch[key].clone() for key in ("input_ids", "input_lengths", "token_mask")})
         scored[-1]["teacher_prompt_ids"] = batch["teacher_prompt_ids"]
-        return real_score(batch, request)
+        return real_score_async(batch, request)
 
-    parts.teacher_policy.score = recording_score  # type: ignore[method-assign]
+    parts.teacher_policy.score_async = recording_score_async  # type: ignore[method-assign]
     distillation_train(parts)
 
     for batch in scored:  # the teacher's own prompt (with its context) lists the tools too
