@@ -4,14 +4,11 @@ The ``teacher`` and ``teachers`` sections are in :mod:`opd.teachers.config`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator
 
 from opd.utils.config import StrictConfig
-
-if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
-    pass
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The attention and MLP projections of Qwen2 / Llama-style decoders."""
