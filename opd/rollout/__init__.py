@@ -1,3 +1,1 @@
-"""Rollout: the student's generation engines (HF, vLLM), decoding, stop tokens, multi-turn episodes and their
-environments.
-"""
+"""Rollout: the student's generation engines (HF, vLLM), decoding, stop tokens, multi-turn episodes."""

@@ -1,27 +1,14 @@
 """opd's KV-cache decode loop for an in-process Hugging Face causal LM.
 
-It does what ``model.generate`` does for the one case the student needs (sampling or
-greedy, one sequence per row, stop at any stop token or after ``max_new_tokens``) and two things it does
-not:
+It covers the student's case of ``model.generate`` (sampling or greedy, one sequence per row, stop at any stop
+token or after ``max_new_tokens``), but finished rows leave the batch (``Cache.batch_select_indices``) and tokens
+are drawn by an exact inverse-CDF lookup (:func:`opd.rollout.sampling.sample_from_probs`), cheaper than
+``torch.multinomial`` at a large vocabulary. Position ids come from the left-padded prompts' mask as in
+``generate``, so greedy decoding reproduces its tokens.
 
-* **finished rows leave the batch.** When a row emits a stop token its cache entries are dropped
-  (``Cache.batch_select_indices``) and later forward passes run on the remaining rows
-  only; ``generate`` keeps computing every row until all have finished.
-* **a cheap draw.** Tokens are drawn by an exact inverse-CDF lookup
-  (:func:`opd.rollout.sampling.sample_from_probs`) instead of
-  ``torch.multinomial``, whose per-entry random variates cost more than the LM head at a
-  150k vocabulary on CPU.
-
-Prompts arrive left-padded with their attention mask; position ids are derived from the
-mask exactly as ``generate`` derives them, so greedy decoding reproduces ``generate``'s
-tokens (tested).
-
-Optionally the one-token steps run through a ``torch.compile``-d forward
-(:func:`compile_decode_step`, config ``generation.compile_decode``). With a tiny model the
-step is bound by per-operator overhead (Python and dispatch), which compiling removes.
-(Inductor's C++ wrapper, ``cpp_wrapper``, makes the step alone faster still but slows the
-rest of a training step, so it is not used.) The prefill stays eager: prompt widths
-vary from batch to batch, one-token steps do not.
+``generation.compile_decode`` runs the one-token steps through ``torch.compile`` (:func:`compile_decode_step`),
+which removes a small model's per-operator overhead; the prefill stays eager, as prompt widths vary per batch.
+Inductor's ``cpp_wrapper`` is not used: it slows the rest of a training step.
 """
 
 from __future__ import annotations
@@ -54,26 +41,17 @@ def decode(
     return_logprobs: bool,
     step_forward: Callable[..., Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Generates up to ``strategy.max_length`` new tokens per row.
-
-    Call it under ``torch.inference_mode()`` with the model in eval mode.
+    """Generates up to ``strategy.max_length`` new tokens per row (under ``torch.inference_mode()``, model in eval).
 
     Args:
-        model: a causal LM accepting a KV cache (``cache`` or ``past_key_values``),
-            ``position_ids`` and ``logits_to_keep``.
-        input_ids: ``[B, P]`` left-padded prompts (on the model's device).
-        attention_mask: ``[B, P]`` 1 for prompt tokens, 0 for the left padding.
-        strategy: decoding method, temperature, top-k / top-p and the new-token budget.
-        stop_token_ids: the tokens that end a response (the one emitted is kept in the output).
-        pad_token_id: fills a row's positions after its stop token.
-        return_logprobs: also return each token's log-prob under the sampling distribution.
-        step_forward: runs the one-token steps instead of ``model`` (the compiled forward
-            from :func:`compile_decode_step`); ``None`` calls ``model``.
+        model: a causal LM taking a KV cache (``cache`` or ``past_key_values``), ``position_ids``, ``logits_to_keep``.
+        input_ids: ``[B, P]`` left-padded prompts on the model's device; ``attention_mask`` is 0 on the padding.
+        stop_token_ids: the tokens that end a response (the one emitted is kept).
+        step_forward: runs the one-token steps instead of ``model`` (:func:`compile_decode_step`).
 
     Returns:
-        ``([B, T] new tokens, [B, T] float32 log-probs or None)`` where ``T`` is the number
-        of decoding steps run (the longest response). Positions after a row's stop token hold
-        ``pad_token_id`` and log-prob 0.
+        ``([B, T] new tokens, [B, T] float32 sampling log-probs or None)``, ``T`` the longest response; after a
+        row's stop token its positions hold ``pad_token_id`` and log-prob 0.
     """
     rows = input_ids.shape[0]
     device = input_ids.device
@@ -125,9 +103,8 @@ def _prefill(
 ) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
     """The prompts' forward into ``cache``: ``(its output, the prompts' position ids, the mask to extend)``.
 
-    The mask is None without padding: the causal structure alone is the mask then, and
-    passing none lets the attention kernel take its causal fast path instead of building a
-    mask every step. (Rows that finish leave the batch, so no padding ever appears later.)
+    The mask is None without padding, so the attention kernel takes its causal fast path (finished rows leave the
+    batch, so no padding appears later).
     """
     # As generate: position = number of real tokens before it; padding gets position 0.
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
@@ -146,20 +123,13 @@ def _prefill(
 def compile_decode_step(model: PreTrainedModel) -> Callable[..., Any]:
     """A one-token decode step with the model's decoder compiled and its output layer eager.
 
-    ``dynamic=True`` keeps the batch size (rows leave as they finish) and the cache length
-    symbolic, so a run compiles a handful of graphs (with and without an attention mask,
-    and once more for a single remaining row, which torch specialises) rather than one per
-    step. Inductor fuses the decoder's small element-wise operators (norms, rotary
-    embedding, SiLU), whose dispatch overhead is where a small model's step time goes.
-    The output layer stays eager: at Qwen's vocabulary it is one large matrix product,
-    which compiling makes slower, not faster (guide section 5). A model whose logits are
-    transformed after the head (soft-capping, scaling) has its whole ``forward`` compiled
-    instead. The parameters
-    are graph inputs, so training updates them in place without recompiling.
+    Batch size and cache length stay symbolic, so a run compiles a handful of graphs, not one per step. The
+    output layer stays eager (one large matrix product, which compiling slows down), unless the model transforms
+    its logits after the head (soft-capping, scaling): then its whole ``forward`` is compiled. Parameters are graph
+    inputs, so training updates them without recompiling.
 
     Returns:
-        A callable with ``model``'s keyword arguments whose result has ``.logits``
-        (``[B, 1, V]``: the last position only).
+        A callable with ``model``'s keyword arguments whose result has ``.logits`` ``[B, 1, V]`` (last position).
     """
     try:
         plain_head = not output_layer_of(model).transforms_logits

@@ -1,14 +1,9 @@
 """What every rollout engine answers for the rest of opd (:class:`EngineKind`), and what ``opd plan`` asks it.
 
-Each engine's module holds its own kind (:class:`~opd.rollout.hf_generation.HFEngine`,
-:class:`~opd.rollout.vllm_generation.VllmEngine`): what it needs from the machine, which
-settings it cannot serve and why (its own messages), how many devices one engine spans,
-what it holds on a device while it samples, and how to build it. The registry of
-``generation.backend`` values (:data:`opd.rollout.engines.ENGINES`) only lists them.
-
-A kind reads the ``generation`` section through a protocol of its own (the fields it
-uses), so this module and the engines' modules need not import the section's class,
-which imports them.
+Each engine's module holds its kind (:class:`~opd.rollout.hf_generation.HFEngine`,
+:class:`~opd.rollout.vllm_generation.VllmEngine`); :data:`opd.rollout.engines.ENGINES` only lists them. A kind
+reads the ``generation`` section through a protocol of its own, so the engines need not import the section's
+class, which imports them.
 """
 
 from __future__ import annotations
@@ -40,8 +35,7 @@ def kv_bytes_per_token(config: PretrainedConfig, element_bytes: int = 2) -> int:
 
 
 def layer_activation_bytes_per_token(config: PretrainedConfig) -> int:
-    """One decoder layer's activations per token in 16 bits: the residual stream and attention projections
-    (about 4 × hidden) and the MLP's gate, up and product (about 3 × intermediate)."""
+    """One decoder layer's 16-bit activations per token: ≈ 4 × hidden (residual, attention) + 3 × intermediate (MLP)."""
     return 2 * (4 * config.hidden_size + 3 * config.intermediate_size)
 
 
@@ -50,15 +44,11 @@ class PlannedRollout:
     """One rollout engine's work on one device, as ``opd plan`` sizes it.
 
     Attributes:
-        device_bytes: the device's memory.
-        trainer_resident: what the trainer keeps on the device while the engine samples
-            (colocated placement: its weights, Adam moments and teacher unless offloaded; split: 0).
-        student: the student's model config.
+        trainer_resident: bytes the trainer keeps on the device while the engine samples
+            (colocated: its weights, Adam moments and teacher unless offloaded; split: 0).
         student_parameters: the student's distinct weights.
-        vocab_size: the tokenizer's vocabulary.
-        prompt_tokens: the longest prompt.
-        response_tokens: the longest response.
-        rows: sequences one engine samples in a rollout (its share of the prompts, times the samples of each).
+        prompt_tokens: the longest prompt (``response_tokens``: the longest response).
+        rows: sequences one engine samples in a rollout (its share of the prompts × samples per prompt).
     """
 
     device_bytes: int
@@ -85,12 +75,7 @@ class EngineMemory(Protocol):
 
 
 class EngineKind(ABC, Generic[SettingsT]):
-    """One value of ``generation.backend``.
-
-    Attributes:
-        name: the value of ``generation.backend``.
-        memory_arithmetic: how :meth:`planned_memory` counts, for the plan's heading.
-    """
+    """One value of ``generation.backend`` (:attr:`name`); :attr:`memory_arithmetic` heads its plan."""
 
     name: ClassVar[str]
     memory_arithmetic: ClassVar[str]
@@ -105,11 +90,8 @@ class EngineKind(ABC, Generic[SettingsT]):
     def config_problems(self, settings: SettingsT, max_new_tokens: int, key: str, colocated: bool = False) -> list[str]:
         """Why the engine cannot run as configured (default: nothing).
 
-        Args:
-            settings: the ``generation`` section.
-            max_new_tokens: the longest answer asked of it; ``key`` names that setting.
-            key: the setting of ``max_new_tokens``, for the message.
-            colocated: each engine shares one trainer device (``cluster.placement: colocated``).
+        ``max_new_tokens`` is the longest answer asked of it, ``key`` names that setting for the message;
+        ``colocated``: each engine shares one trainer device (``cluster.placement: colocated``).
         """
         return []
 

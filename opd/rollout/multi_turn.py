@@ -1,30 +1,17 @@
 """Multi-turn rollouts: the student's turns and an environment's answers, up to ``max_turns``.
 
-Built on :meth:`GenerationInterface.generate` alone, so every engine that samples a
-single-turn rollout (the in-process HF loop, vLLM, a pool of rollout workers) samples
-multi-turn ones too. Each turn is one ``generate`` call over the episodes still running,
-with the whole trajectory so far as the prompt; the engine stops each turn at its stop
-tokens (for a chat model, the end-of-turn token), and a turn that reaches
-``strategy.max_length`` tokens without one is cut there and ends its episode. A turn
-also ends at the chat template's own end-of-turn token (:meth:`TurnTemplate.turn_end_ids`)
-even where the engine does not stop at it (a base model's tokenizer, whose EOS is another
-token): what follows it is dropped, as an engine stopping there would never have sampled it.
+Built on :meth:`GenerationInterface.generate` alone, so every engine samples them. Each turn is one ``generate``
+call over the running episodes, with the trajectory so far as the prompt. A turn ends at a stop token or at the
+template's end-of-turn token (:meth:`TurnTemplate.turn_end_ids`, which a base model's tokenizer may not stop at;
+what follows it is dropped); a turn cut at ``strategy.max_length`` ends its episode. With ``max_episode_tokens``
+the whole sequence never exceeds that many tokens: a turn gets at most the tokens left, and an observation that
+leaves no room ends the episode (:meth:`~opd.rollout.environments.base.Episode.stop` gives the reward).
 
-With ``max_episode_tokens``, the whole sequence (prompt, turns and observations) never
-exceeds that many tokens, so it fits the student's and the teacher's context: each turn
-may take at most the tokens left, a turn cut there ends its episode, and an observation
-that leaves no room for another token ends the episode without it
-(:meth:`~opd.rollout.environments.base.Episode.stop` gives the reward).
-
-The trajectory's ids are the prompt, then each turn's ids as generated, then each
-observation tokenised once (:class:`~opd.rollout.environments.turn_template.TurnTemplate`), and
-so on: nothing is ever re-tokenised, so the teacher scores exactly the ids the student
-sampled. The result is the batch a single-turn rollout gives (``input_ids``,
-``input_lengths``, ``prompt_lengths``, ``response_lengths``, ``generation_logprobs``,
-``truncated``) where the "response" is everything after the prompt, plus ``token_mask``:
-1 on the student's own tokens (each turn's stop token included), 0 on the prompt, the
-observations (tool outputs and the template's markup between turns) and padding. The
-sampler's log-probs are 0 wherever the mask is.
+Ids are never re-tokenised (prompt, each turn as generated, each observation tokenised once by
+:class:`~opd.rollout.environments.turn_template.TurnTemplate`), so the teacher scores exactly the sampled ids.
+The batch is a single-turn rollout's, with everything after the prompt as the "response", plus ``token_mask``:
+1 on the student's tokens (stop tokens included), 0 on prompt, observations and padding, where the sampler's
+log-probs are 0 too.
 """
 
 from __future__ import annotations
@@ -51,16 +38,10 @@ class EpisodeRecord:
     """What one episode did (its metrics).
 
     Attributes:
-        turns: student turns generated.
-        tool_calls: calls made, over all turns.
-        well_formed_calls: calls that parsed.
-        successful_calls: calls whose tool ran within its limits.
-        environment_seconds: time spent in the environment's steps (tools, grading) and
-            in rendering observations.
+        environment_seconds: time in the environment's steps (tools, grading) and in rendering observations.
         reward: the final reward (None: the environment gave none).
         truncated: the last turn was cut at the turn's length limit.
-        capped: ``max_episode_tokens`` ended the episode (its last turn was cut at the
-            tokens left, or the next observation did not fit).
+        capped: ``max_episode_tokens`` ended the episode (last turn cut, or the next observation did not fit).
     """
 
     turns: int = 0
@@ -88,12 +69,7 @@ class _Trajectory:
 
 @dataclass
 class MultiTurnRollout:
-    """A multi-turn rollout: the training batch and each episode's record (rows in the same order).
-
-    Attributes:
-        batch: see the module docstring.
-        episodes: one record per row.
-    """
+    """A multi-turn rollout: the training batch (see the module docstring) and one record per row."""
 
     batch: BatchedDataDict
     episodes: list[EpisodeRecord]
@@ -110,12 +86,10 @@ class MultiTurnRollout:
 
 
 def episode_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
-    """Means over the episodes, and the environment's total time.
+    """Means over the episodes, and the environment's total time in seconds.
 
-    ``env/turns`` and ``env/tool_calls`` per episode; ``env/truncated_share``: the share of
-    episodes that ``max_episode_tokens`` ended; ``env/well_formed_share`` and
-    ``env/success_share`` of all calls (absent without calls); ``env/reward`` over the
-    episodes with a reward (absent without); ``timing/environment`` in seconds.
+    ``env/truncated_share`` is the share of episodes ``max_episode_tokens`` ended; the call shares are over all
+    calls and ``env/reward`` over rewarded episodes (each absent when there are none).
     """
     count = max(len(records), 1)
     calls = sum(record.tool_calls for record in records)
@@ -136,16 +110,10 @@ def episode_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Episodes:
-    """What runs a run's episodes besides the engine: the environment and the episode's limits.
+    """The environment and limits of a run's episodes (``max_episode_tokens`` counts the prompt too).
 
     Training (:class:`~opd.distillation.schedule.RolloutSchedule`) and validation
     (:func:`~opd.run.validation.validate`) run the same episodes from it.
-
-    Attributes:
-        environment: starts and answers the episodes.
-        max_turns: most student turns per episode.
-        max_episode_tokens: most tokens of a whole episode, prompt included (None: no limit
-            but ``max_turns`` turns of ``max_length`` tokens).
     """
 
     environment: Environment
@@ -171,15 +139,9 @@ class Episodes:
     ) -> MultiTurnRollout:
         """The episodes of prepared examples (their ``prompt_messages`` and ``ground_truth``).
 
-        Args:
-            generation: samples each turn (switched on by the caller).
-            tokenizer: the engine's tokenizer (its chat template joins the turns).
-            examples: prepared examples with ``prompt_messages`` (loaded with the tools).
-            strategy: sampling of each turn.
-            num_samples: episodes per example.
-            return_logprobs: ask the engine for the sampler's log-probs.
-            prompt_key: each episode's prompt ids are ``example[prompt_key]`` (a teacher's own
-                prompt: ``teacher_prompt_ids``); None renders ``prompt_messages`` with the tools.
+        ``generation`` must be switched on by the caller; ``tokenizer``'s chat template joins the turns.
+        ``prompt_key`` takes each prompt's ids from ``example[prompt_key]`` (a teacher's own prompt:
+        ``teacher_prompt_ids``); None renders ``prompt_messages`` with the tools.
 
         Raises:
             ValueError: an example has no ``prompt_messages`` (it was loaded without the tools).
@@ -218,30 +180,18 @@ def multi_turn_rollout(
 ) -> MultiTurnRollout:
     """Runs ``num_samples`` episodes per row, turn by turn, and lays them out as a training batch.
 
-    The engine must be switched on (:meth:`GenerationInterface.prepare_for_generation`)
-    by the caller, as for ``generate``.
+    The caller switches the engine on (:meth:`GenerationInterface.prepare_for_generation`), as for ``generate``.
 
     Args:
-        generation: samples each turn.
-        environment: starts an episode per sample and answers each turn.
-        template: renders the prompts (with the environment's tools) and the observations.
-        rows: the dataset rows the episodes start from.
         prompt_messages: each row's prompt conversation (up to the first assistant turn).
         strategy: sampling of each turn (``max_length``: new tokens per turn).
-        max_turns: most student turns per episode (>= 1).
-        pad_token_id: fills rows past their length.
         num_samples: episodes per row (adjacent in the batch).
-        return_logprobs: ask the engine for the sampler's log-probs.
-        prompt_ids: each row's prompt ids, where they are not ``prompt_messages`` rendered
-            by ``template`` (a teacher's prompt with its teacher-only context); the messages
-            still are the conversation the observations are rendered after.
-        max_episode_tokens: most tokens of an episode, prompt included (None: no limit).
-
-    Returns:
-        The batch and the episodes' records; see the module docstring.
+        prompt_ids: each row's prompt ids where they are not ``template``'s rendering of ``prompt_messages`` (a
+            teacher's prompt with teacher-only context); observations still follow the messages.
 
     Raises:
-        ValueError: a prompt leaves no room for a turn under ``max_episode_tokens``.
+        ValueError: ``max_turns`` < 1, the per-row lists differ in length, or a prompt leaves no room for a turn
+            under ``max_episode_tokens``.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -314,8 +264,7 @@ def _append_turn(
 ) -> tuple[list[int], bool]:
     """Appends the student's turn at ``position`` of the engine's answer; returns its ids and whether it ended.
 
-    The turn ends at the template's end of turn, whether or not the engine stopped there,
-    and stops at the trajectory's own ``room`` under the episode cap.
+    The turn ends at the template's end of turn even where the engine did not stop, and is cut at ``room``.
     """
     start, end = int(turns["prompt_lengths"][position]), int(turns["input_lengths"][position])
     turn_ids = turns["input_ids"][position, start:end].tolist()
@@ -345,10 +294,7 @@ def _answer_turn(
     last_turn: bool,
     max_episode_tokens: int | None,
 ) -> bool:
-    """The environment's answer to the turn just appended: its observation appended, or the episode's end.
-
-    Returns whether the episode goes on to another turn.
-    """
+    """Appends the environment's observation after the turn just appended; False when the episode ends instead."""
     tokenizer, record = template.tokenizer, trajectory.record
     turn = StudentTurn(tokenizer.decode(turn_ids, skip_special_tokens=True), tuple(turn_ids), ended)
     result = trajectory.episode.step(turn, last_turn=last_turn)

@@ -1,8 +1,6 @@
 """The batch every generation backend returns: ``[prompt | response | pad]`` rows.
 
-Backends differ in how they sample; what leaves them is the same right-padded layout
-with lengths, the sampler's per-token log-probs and a truncation flag, built here once so
-that the HF loop and vLLM cannot drift apart in a shift or a mask.
+Built here once so the backends cannot drift apart in a shift or a mask.
 """
 
 from __future__ import annotations
@@ -21,20 +19,11 @@ def build_rollout_batch(
     truncated: Sequence[bool] | torch.Tensor,
     pad_token_id: int,
 ) -> BatchedDataDict:
-    """Lays sampled responses out as right-padded rows (see ``GenerationInterface.generate``).
-
-    Args:
-        prompts: the prompt ids of each row.
-        responses: the response ids of each row, up to and including its EOS (if any).
-        response_logprobs: the sampler's log-prob of each response token, or None when
-            nobody asked for them (the batch then has no ``generation_logprobs``).
-        truncated: per row, True when the response ended without an EOS.
-        pad_token_id: fills the rows past their length.
+    """Lays sampled responses (each up to and including its EOS, if any) out as right-padded rows.
 
     Returns:
-        ``input_ids [N, L]``, ``input_lengths``, ``prompt_lengths``, ``response_lengths``,
-        ``truncated`` and, if log-probs were given, ``generation_logprobs [N, L]`` (each
-        response token's log-prob at that token's position, 0 elsewhere).
+        ``input_ids [N, L]``, ``input_lengths``, ``prompt_lengths``, ``response_lengths``, ``truncated`` and, if
+        ``response_logprobs`` is not None, ``generation_logprobs [N, L]`` (0 off the response tokens).
     """
     if len(responses) != len(prompts):
         raise ValueError(f"{len(responses)} responses for {len(prompts)} prompts")

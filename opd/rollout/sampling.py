@@ -1,19 +1,10 @@
 """From next-token logits to a sampled token: temperature / top-k / top-p, then a draw.
 
-The warpers reproduce transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``
-and ``TopPLogitsWarper`` (tested against them), so ``generate_strategy`` means the same
-thing in opd's decode loop and in ``generate``.
-
-The draw is an inverse-CDF lookup instead of ``torch.multinomial``. On CPU,
-``multinomial`` draws one exponential variate per vocabulary entry (an exponential race),
-and at a large vocabulary the random number generator costs more than the LM head
-itself. The inverse CDF needs one uniform variate per row (timings: guide section 5,
-"Where a step's time goes"). The cumulative sums are float64, so each entry's probability
-is exact up to float64 rounding (a float32 running total over 151k entries would not
-be). Over a long vocabulary the lookup works in two levels, which is cheaper than one
-float64 cumsum of every entry: pick a block of entries from the cumulative block masses,
-then the entry inside that block. Entries with probability 0 (masked by top-k / top-p)
-can never be drawn.
+The warpers match transformers' temperature, top-k and top-p warpers, so ``generate_strategy`` means the same in
+opd's decode loop and in ``generate``. The draw is an inverse-CDF lookup rather than ``torch.multinomial``, whose
+one variate per vocabulary entry costs more than the LM head on CPU; it needs one uniform per row. Sums are float64
+(a float32 total over 151k entries is not exact), in two levels over a long vocabulary: a block from the block
+masses, then the entry inside it. Entries with probability 0 are never drawn.
 """
 
 from __future__ import annotations
@@ -30,15 +21,7 @@ SINGLE_LEVEL_MAX_BLOCKS = 4
 
 
 def warp_logits(logits: torch.Tensor, strategy: GenerateStrategyConfig) -> torch.Tensor:
-    """Applies the strategy's temperature and its decoding method's filter (top-k, top-p).
-
-    Args:
-        logits: ``[B, V]`` next-token logits (any float dtype; the result is float32).
-        strategy: a sampling strategy (``decoding_method`` ``top_k`` or ``top_p``).
-
-    Returns:
-        ``[B, V]`` float32 logits of the sampling distribution; filtered entries are ``-inf``.
-    """
+    """Applies a sampling strategy's temperature and filter to ``[B, V]`` logits: float32, filtered entries ``-inf``."""
     return strategy.method.keep(logits.float() / strategy.temperature, strategy)
 
 
@@ -48,15 +31,11 @@ def sample_from_probs(
     """Draws one index per row with probability proportional to ``probs`` (two-level inverse CDF).
 
     Args:
-        probs: ``[B, V]`` non-negative weights; each row must have a positive sum (it need
-            not be exactly 1).
-        uniforms: ``[B]`` values in ``[0, 1)`` to use instead of fresh ``torch.rand``
-            draws (float64); for tests and reproducibility checks.
-        block_size: entries per first-level block.
+        probs: ``[B, V]`` non-negative weights, each row with a positive sum (not necessarily 1).
+        uniforms: ``[B]`` values in ``[0, 1)`` instead of fresh float64 ``torch.rand`` draws (reproducibility).
 
     Returns:
-        ``[B]`` int64 indices; index ``i`` is returned when ``u · total`` falls in
-        ``[cdf[i-1], cdf[i])`` of the float64 cumulative distribution.
+        ``[B]`` int64 indices: ``i`` where ``u · total`` falls in ``[cdf[i-1], cdf[i])`` of the float64 CDF.
     """
     rows, vocab = probs.shape
     blocks = -(-vocab // block_size)
@@ -79,12 +58,9 @@ def sample_from_probs(
 
 
 def _never_zero(weights: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
-    """Moves a lookup that ran off the end of the CDF to the row's last positive entry.
+    """Moves a lookup that ran off the end of the CDF (rounding put the target at the total) to the last positive entry.
 
-    With ``right=True`` a zero-weight entry i can only be returned past the end: its
-    cumulative sum equals entry i−1's, which would have been returned first. Past the end
-    happens when rounding puts the target at the total; that row then gets its last
-    entry with weight (checked lazily: it is rare, and the check is one gather).
+    With ``right=True`` a zero-weight entry can only come back that way: its CDF equals the previous entry's.
     """
     drawn = drawn.clamp(max=weights.shape[-1] - 1)
     hit_zero = weights.gather(-1, drawn) <= 0
@@ -97,16 +73,10 @@ def _never_zero(weights: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
 def next_tokens(
     logits: torch.Tensor, strategy: GenerateStrategyConfig, return_logprobs: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chooses each row's next token, and (if asked) its log-prob under the sampling distribution.
+    """Chooses each row's next token from ``[B, V]`` logits: ``([B] ids, [B] float32 log-probs or None)``.
 
-    Args:
-        logits: ``[B, V]`` next-token logits.
-        strategy: greedy takes the arg-max; top_k / top_p sample from the warped distribution.
-        return_logprobs: also return ``log p(token)`` under the distribution sampled from
-            (for greedy, the unwarped softmax, as ``generate``'s scores give).
-
-    Returns:
-        ``([B] token ids, [B] float32 log-probs or None)``.
+    Greedy takes the arg-max and its log-prob under the unwarped softmax (as ``generate``'s scores give); sampling
+    draws from the warped distribution.
     """
     if strategy.is_greedy:
         warped = logits.float()

@@ -1,11 +1,8 @@
 """Which token ids end a response.
 
-A chat model usually lists several: Qwen2.5-Instruct's ``generation_config.json`` names
-``<|im_end|>`` and ``<|endoftext|>``, Llama 3 Instruct three ids. Generation stops at the
-first of any of them, in every backend, and the response keeps that token (it is what the
-student must learn to emit). A backend that stopped only at ``tokenizer.eos_token_id``
-would let a response that ends with another listed id run on to ``max_length``, and the
-tokens after it would be trained on.
+A chat model often lists several (Qwen2.5-Instruct: ``<|im_end|>`` and ``<|endoftext|>``). Every backend stops at
+the first of any of them and keeps it in the response, as the student must learn to emit it; stopping only at
+``tokenizer.eos_token_id`` would train on tokens after another listed id.
 """
 
 from __future__ import annotations
@@ -28,13 +25,7 @@ def _as_ids(value: Any) -> list[int]:
 
 
 def stop_token_ids(tokenizer: Any, model: Any | None = None) -> tuple[int, ...]:
-    """The tokenizer's EOS plus every EOS id in the model's generation config, sorted.
-
-    Args:
-        tokenizer: supplies ``eos_token_id``.
-        model: a ``PreTrainedModel`` (or anything with a ``generation_config``); None
-            uses the tokenizer alone.
-    """
+    """The tokenizer's EOS plus every EOS id in ``model.generation_config`` (if any), sorted."""
     ids = set(_as_ids(tokenizer.eos_token_id))
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
@@ -60,10 +51,8 @@ def describe_tokens(tokenizer: Any, token_ids: Iterable[int]) -> str:
 def never_emitted_threshold(teacher: Any) -> float:
     """The probability of a uniform guess over the teacher's vocabulary, ``1 / V``.
 
-    A token the teacher gives less than that at every probed position counts as one it
-    never emits. The bound is scale-free: at Qwen's 152k vocabulary it is 6.6e-6, while a
-    chat template places the turn-end token after every turn, so a teacher that knows the
-    format predicts it there with a probability near 1.
+    A token the teacher gives less at every probed position counts as never emitted; a teacher that knows the chat
+    format predicts its turn-end token with a probability near 1.
     """
     return 1.0 / int(teacher.get_output_embeddings().weight.shape[0])
 
@@ -71,14 +60,7 @@ def never_emitted_threshold(teacher: Any) -> float:
 def highest_teacher_probability(
     teacher: Any, prompts: list[list[int]], token_ids: list[int], max_tokens: int = 256
 ) -> dict[int, float]:
-    """The highest probability the teacher gives each of ``token_ids`` at any position of ``prompts``.
-
-    Args:
-        teacher: an in-process causal LM.
-        prompts: token ids of a few rendered prompts (each cut to its first ``max_tokens``).
-        token_ids: the tokens to look up.
-        max_tokens: longest prompt prefix scored.
-    """
+    """An in-process teacher's highest probability of each of ``token_ids`` in ``prompts`` (cut to ``max_tokens``)."""
     best = dict.fromkeys(token_ids, 0.0)
     device = next(teacher.parameters()).device
     lookup = torch.tensor(token_ids, dtype=torch.long, device=device)
@@ -98,26 +80,15 @@ def check_stop_tokens(
     teacher: Any | None,
     probe_prompts: list[list[int]],
 ) -> str | None:
-    """Compares the student's and the teacher's stop tokens before training.
+    """Compares the student's and the teacher's stop tokens before training; a warning when they differ, else None.
 
-    A student that stops at a token the teacher never emits is taught, token after
-    token, that stopping is wrong (the teacher's log-prob of its stop token is huge and
-    negative): its responses grow to ``max_length``. This is the known failure of a base
-    student distilled from an instruct teacher.
-
-    Args:
-        tokenizer: names the tokens in messages.
-        student_stops: the ids that end the student's responses.
-        teacher_stops: the teacher's own stop ids; None when unknown (a served teacher).
-        teacher: the in-process teacher model, used to probe its probabilities; None skips the probe.
-        probe_prompts: a few rendered training prompts to probe the teacher on.
-
-    Returns:
-        A warning to report when the two lists differ, else None.
+    A student that stops at a token the teacher never emits is taught that stopping is wrong, and its responses
+    grow to ``max_length`` (the known failure of a base student distilled from an instruct teacher).
+    ``teacher_stops`` is None when unknown (a served teacher); ``teacher`` None skips the probe.
 
     Raises:
-        ModelCompatibilityError: if the student stops at a token to which the teacher
-            gives less than :func:`never_emitted_threshold` at every probed position.
+        ModelCompatibilityError: the student stops at a token the teacher gives less than
+            :func:`never_emitted_threshold` at every position of ``probe_prompts``.
     """
     if teacher_stops is None or set(student_stops) == set(teacher_stops):
         return None

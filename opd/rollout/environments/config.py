@@ -1,10 +1,7 @@
-"""The ``environment:`` config section, and the environment it builds.
+"""The ``environment:`` config section of multi-turn rollouts, and the environment it builds.
 
-``kind`` picks the environment from :data:`ENVIRONMENTS` (a registry: a new kind adds an
-entry, nothing dispatches on the string elsewhere); ``tools`` picks built-in tools by name
-from :data:`BUILT_IN_TOOLS`. The section says what a multi-turn rollout
-(:func:`opd.rollout.multi_turn.multi_turn_rollout`) runs: the environment, its tools'
-sandbox limits and ``max_turns``.
+``kind`` picks a builder from :data:`ENVIRONMENTS` (a new kind adds an entry there); ``tools`` names built-in tools
+from :data:`BUILT_IN_TOOLS`.
 """
 
 from __future__ import annotations

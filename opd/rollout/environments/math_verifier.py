@@ -1,11 +1,7 @@
-"""Math answer extraction and checking (validation accuracy, task rewards).
+"""Math answer extraction and checking, for validation accuracy and task rewards alike.
 
-The math prompt asks for ``<answer> ... </answer>`` tags and a final
-``\\boxed{...}``. :func:`extract_answer` takes the last ``\\boxed{}`` in the response (the
-innermost-balanced braces), else the last ``<answer>`` block; :func:`is_correct` compares
-it with the ground truth using Hugging Face's ``math-verify`` (symbolic equivalence, so
-``1/2`` equals ``0.5`` and ``\\frac{1}{2}``). :func:`grade_responses` grades a batch of
-generated rows, for validation accuracy and the task reward alike.
+The math prompt asks for ``<answer> ... </answer>`` tags and a final ``\\boxed{...}``. Answers are compared with
+Hugging Face's ``math-verify`` (symbolic equivalence: ``1/2`` equals ``0.5`` and ``\\frac{1}{2}``).
 """
 
 from __future__ import annotations
@@ -69,14 +65,10 @@ def grade_responses(
     ground_truths: list[str | None],
     tokenizer: Any,
 ) -> list[bool | None]:
-    """Decodes each row's response and checks it (None where there is no ground truth).
+    """Decodes each ``[prompt | response | pad]`` row's response (special tokens skipped) and checks it.
 
-    Args:
-        input_ids: ``[N, L]`` right-padded ``[prompt | response | pad]`` rows.
-        prompt_lengths: ``[N]`` where each response starts.
-        input_lengths: ``[N]`` where each response ends.
-        ground_truths: one per row.
-        tokenizer: decodes the responses (special tokens skipped).
+    ``prompt_lengths`` and ``input_lengths`` (``[N]``) are where each response starts and ends; the grade is None
+    where there is no ground truth.
     """
     grades: list[bool | None] = []
     for row, ground_truth in enumerate(ground_truths):

@@ -1,34 +1,16 @@
 """Running one tool call within limits: every failure becomes a message, never an exception.
 
-:func:`run_tool` checks the call's arguments against the tool's schema, runs the tool
-(on a thread or in a worker process, :attr:`SandboxLimits.isolation`) and waits at most
-``timeout_s`` for it, then turns what it returned into text no longer than
-``max_output_chars`` (longer output is cut, and the cut is said in the message). An
-unknown tool, arguments that do not fit the schema, an exception inside the tool, a
-timeout, a value that cannot be written as text, or (in a process) the tool ending its
-process each come back as a failed :class:`ToolOutcome` whose ``content`` tells the
-student what went wrong, so a misbehaving tool or a confused model never takes the run
-down.
+:func:`run_tool` checks the arguments against the tool's schema, runs the tool, waits at most ``timeout_s`` and
+cuts its text to ``max_output_chars``. Whatever goes wrong in the call (unknown tool, bad arguments, an exception,
+a timeout, output that is not text, the tool ending its process) comes back as a failed :class:`ToolOutcome`
+that tells the student why, so neither a tool nor the model takes the run down.
 
-``thread``: the tool runs on a daemon thread of this process. The time limit bounds how
-long the rollout waits, not what the tool computes: Python cannot stop a thread, so a
-tool that ignores the limit keeps running in the background (as a daemon, it does not
-keep the process alive), and a tool that ends the process ends the run.
-
-``process``: the tool runs in a warm worker process (started once with the
-``forkserver`` method where the platform has it, else ``spawn``, and reused for later
-calls; concurrent calls each take an idle worker or start one). A worker whose tool
-passes the limit is killed, with its process group (what the tool started), and the next
-call starts a fresh one, so a runaway tool stops at the limit; one whose tool ends it
-(``os._exit``, a crash) is replaced the same way.
-On Linux the worker's address space is capped at ``max_memory_mb`` (a tool that
-allocates past it sees ``MemoryError``). The tool's function and arguments are pickled
-to the worker: a function defined at the top level of an importable module (as the
-built-in tools are) is sent by its name and imported there; a lambda or a nested
-function cannot be, and the call raises :class:`ValueError` naming the tool.
-
-Tools should still bound their own work; the built-in calculator bounds its numbers
-before computing (:mod:`opd.rollout.environments.calculator`).
+``thread`` isolation bounds the wait, not the work: Python cannot stop a thread, so a runaway tool keeps running
+on its daemon thread, and a tool that ends the process ends the run. ``process`` isolation runs the tool in a warm
+worker process (``forkserver`` where available, else ``spawn``), killed with its process group at the limit or
+replaced when the tool ends it; on Linux its address space is capped at ``max_memory_mb``. The function is pickled
+by name, so it must be importable (a top-level function); a lambda raises :class:`ValueError`. Tools should still
+bound their own work, as the calculator does.
 """
 
 from __future__ import annotations
@@ -52,16 +34,7 @@ from opd.rollout.environments.tools import Tool, argument_problem
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Limits of every tool call.
-
-    Attributes:
-        timeout_s: longest wait for a tool's result, in seconds.
-        max_output_chars: longest tool output passed to the student; longer output is cut.
-        isolation: where the tool runs: ``thread`` (this process) or ``process`` (a worker
-            process, killed at the time limit).
-        max_memory_mb: in ``process`` isolation on Linux, the worker's address-space limit
-            in MiB (None: no limit).
-    """
+    """Limits of every tool call (``max_memory_mb``: the worker's address space, ``process`` on Linux only)."""
 
     timeout_s: float = 5.0
     max_output_chars: int = 2000
@@ -81,12 +54,7 @@ class SandboxLimits:
 
 @dataclass(frozen=True)
 class ToolOutcome:
-    """What one call gave the student.
-
-    Attributes:
-        content: the tool's output, or the error, as the ``tool`` message's text.
-        ok: the tool ran and returned within its limits (a cut output is still ok).
-    """
+    """What one call gave the student: the ``tool`` message's text, and ``ok`` when the tool returned in its limits."""
 
     content: str
     ok: bool
@@ -114,17 +82,10 @@ def _failure_detail(error: BaseException) -> str:
 
 
 def run_tool(tool: Tool | None, name: str, arguments: dict[str, Any], limits: SandboxLimits) -> ToolOutcome:
-    """Runs ``tool`` with ``arguments`` within ``limits``; a failure is a failed outcome.
-
-    Args:
-        tool: the registered tool, or None when no tool is called ``name``.
-        name: the name the call asked for.
-        arguments: the call's arguments.
-        limits: time and output-size limits, and where the tool runs.
+    """Runs ``tool`` (None: no tool is called ``name``) with ``arguments`` within ``limits``.
 
     Raises:
-        ValueError: in ``process`` isolation, when the tool's function cannot be sent to
-            a worker process (it is not importable by name): a setup error, not the student's.
+        ValueError: in ``process`` isolation, the tool's function is not importable by name (a setup error).
     """
     if tool is None:
         return ToolOutcome(error_message(f"there is no tool named {name!r}"), False)

@@ -1,17 +1,10 @@
-"""Parsing tool calls written in the chat template's own format.
-
-Qwen2.5's template (and the Hermes format it follows) asks the model for one JSON object
-per call, inside tags::
+"""Parsing tool calls in the chat template's format (Qwen2.5's, after Hermes): one JSON object per call::
 
     <tool_call>
     {"name": "calculator", "arguments": {"expression": "1234 * 567"}}
     </tool_call>
 
-:func:`parse_tool_calls` finds every ``<tool_call>`` a turn opens, in order. A call whose
-body is not a JSON object with a string ``name`` and an object ``arguments`` (or a JSON
-string holding one, as some models write), or that is never closed, is returned as a
-:class:`MalformedCall` with the reason, so the environment can answer it with an error
-the student sees instead of dropping it silently.
+A call that cannot be read is a :class:`MalformedCall` with the reason, answered with an error the student sees.
 """
 
 from __future__ import annotations
@@ -64,11 +57,7 @@ def _read_call(body: str) -> ToolCall | MalformedCall:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall | MalformedCall]:
-    """Every call opened in ``text``, in order (empty when the turn calls no tool).
-
-    A ``</tool_call>`` without an opening tag is ignored; an opening tag without a closing
-    one is a :class:`MalformedCall` (the turn was cut, or the model forgot to close it).
-    """
+    """Every call opened in ``text``, in order; an unclosed one is a :class:`MalformedCall`, a stray close ignored."""
     calls: list[ToolCall | MalformedCall] = []
     position = 0
     while (start := text.find(CALL_OPEN, position)) >= 0:

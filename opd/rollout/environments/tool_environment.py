@@ -1,18 +1,9 @@
 """The tool environment: the student calls tools in the template's format; the verifier gives the reward.
 
-Each turn of the student is read for tool calls (:mod:`opd.rollout.environments.tool_calls`).
-
-* A turn with calls: each call runs in the sandbox (:mod:`opd.rollout.environments.sandbox`) and
-  its result, or its error, comes back as one ``tool`` message, in the order of the
-  calls. A malformed call is answered with an error message too, so the student sees
-  every call it made answered and can correct itself.
-* A turn without calls is the student's answer: the episode ends, and the reward is the
-  math verifier's grade of that turn against the row's ``ground_truth``
-  (:func:`opd.rollout.environments.math_verifier.is_correct`: 1.0 or 0.0; None without a ground truth).
-* A turn cut at its length limit, or the rollout's last turn, also ends the episode with
-  the verifier's grade of the turn (no tool runs then: its result would never be read).
-* An episode the rollout stops after a turn with calls (its results would not fit under
-  ``max_episode_tokens``) is graded on that turn too (:meth:`ToolEpisode.stop`).
+Each call of a turn, malformed ones included, is answered by one ``tool`` message in call order (calls run in
+:mod:`opd.rollout.environments.sandbox`), so the student can correct itself. A turn without calls, a turn cut at
+its length limit and the last turn end the episode with the grader's reward (default :func:`math_reward`), running
+no tools; so does a turn whose results would not fit under ``max_episode_tokens`` (:meth:`ToolEpisode.stop`).
 """
 
 from __future__ import annotations
@@ -41,13 +32,7 @@ def math_reward(answer: str, row: Mapping[str, Any]) -> float | None:
 
 
 class ToolEnvironment(Environment):
-    """Runs the student's tool calls; grades its final answer.
-
-    Args:
-        tools: the tools the student may call.
-        limits: time and output-size limits of every call.
-        grader: the final reward (default: the math verifier against ``ground_truth``).
-    """
+    """Runs the student's tool calls within ``limits``; ``grader`` gives the final reward."""
 
     def __init__(self, tools: ToolRegistry, limits: SandboxLimits | None = None, grader: Grader = math_reward) -> None:
         self.tools = tools

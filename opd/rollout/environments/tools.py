@@ -1,11 +1,7 @@
 """Tools: plain Python callables registered by name, with a JSON schema for their arguments.
 
-A :class:`Tool` is called with keyword arguments (``tool.function(**arguments)``). Its
-schema is what the model is shown: :meth:`ToolRegistry.schemas` gives the list in the
-OpenAI function format that chat templates take as ``tools``
-(``apply_chat_template(..., tools=registry.schemas())``). The same schema checks a call's
-arguments before the tool runs (:func:`argument_problem`), so a tool is only ever called
-with the arguments it declared.
+The schema is shown to the model (OpenAI function format, a chat template's ``tools``) and checks each call's
+arguments before the tool runs (:func:`argument_problem`).
 """
 
 from __future__ import annotations
@@ -32,12 +28,10 @@ class Tool:
     """A callable the student may call by name.
 
     Attributes:
-        name: the name the model writes in its call.
-        function: called as ``function(**arguments)``; what it returns becomes the tool's
-            message (a string as it is, anything else as JSON).
+        function: called as ``function(**arguments)``; a string result is the tool's message as is, else JSON.
         description: what the tool does, shown to the model.
-        parameters: JSON schema of the arguments: an ``object`` with ``properties`` (and
-            ``required``, ``additionalProperties``).
+        parameters: JSON schema of the arguments: an ``object`` with ``properties`` (``required``,
+            ``additionalProperties``).
     """
 
     name: str
@@ -72,11 +66,7 @@ class ToolRegistry:
             self.add(tool)
 
     def add(self, tool: Tool) -> Tool:
-        """Registers ``tool``.
-
-        Raises:
-            ValueError: a tool of that name is registered already.
-        """
+        """Registers ``tool``; ValueError when its name is taken."""
         if tool.name in self._tools:
             raise ValueError(f"a tool named {tool.name!r} is registered already")
         self._tools[tool.name] = tool
@@ -110,9 +100,8 @@ class ToolRegistry:
 def argument_problem(schema: dict[str, Any], arguments: dict[str, Any]) -> str | None:
     """Why ``arguments`` do not fit the tool's ``schema``, or None when they do.
 
-    Checks what a tool needs to be called safely: required keys present, no undeclared
-    key where ``additionalProperties`` is false, and each declared key's JSON ``type``.
-    Nested schemas are not walked (the tool checks its own values).
+    Checks required keys, undeclared keys (``additionalProperties: false``) and each key's JSON ``type``; nested
+    schemas are the tool's own to check.
     """
     properties: dict[str, Any] = schema.get("properties", {})
     missing = [key for key in schema.get("required", []) if key not in arguments]

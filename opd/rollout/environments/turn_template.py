@@ -1,25 +1,15 @@
 """How the chat template joins turns: the prompt with the tools, and each observation's tokens.
 
-A multi-turn trajectory is built from ids that are never re-tokenised: the prompt, then
-each student turn as generated, then each observation tokenised once. The observation's
-text is what the chat template itself writes after the student's turn: the end of the
-assistant turn, the environment's messages in the template's markup, and the header of
-the next assistant turn. For Qwen's template, after a turn ending in ``<|im_end|>``::
+An observation's text is what the template writes after the student's turn: the turn's end, the environment's
+messages and the next assistant header. For Qwen's template, after a turn ending in ``<|im_end|>``::
 
     \\n<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n
 
-:meth:`TurnTemplate.observation_ids` finds that text by rendering the conversation so far
-with a placeholder as the student's last turn, followed by the observation, and taking
-everything after the placeholder. The part the student already generated (its stop
-token, e.g. ``<|im_end|>``) is removed from the front; if the student stopped with
-another token, the template's own turn end stays in the observation (it carries no loss).
-Only the template decides the markup, so the same code serves any chat template.
-
-What the template does to *earlier* turns when the whole conversation is rendered again
-(Qwen3-style templates drop the ``<think>`` reasoning of turns before the last user query,
-and write an empty ``<think></think>`` block before a final answer that had none) does not
-change the trajectory: its ids are the generated ones. A trainer that re-renders the
-conversation (fixed multi-turn data) sees those differences; the tests detect and pin them.
+:meth:`TurnTemplate.observation_ids` renders the conversation with a placeholder as the student's last turn and
+takes what follows it, less the stop token the student already generated (a different stop token leaves the
+template's turn end in the observation, where it carries no loss), so any chat template works. How a template
+re-renders *earlier* turns (Qwen3-style templates drop their ``<think>`` reasoning) does not change the trajectory,
+whose ids are the generated ones; only a trainer that re-renders the conversation sees it.
 """
 
 from __future__ import annotations
@@ -34,12 +24,7 @@ PLACEHOLDER = "\u2063OPD-STUDENT-TURN\u2063"
 
 
 class TurnTemplate:
-    """Renders a multi-turn conversation's prompt and observations with a tokenizer's chat template.
-
-    Args:
-        tokenizer: a Hugging Face tokenizer with a chat template.
-        tools: the tools' schemas for the template's ``tools`` (None: no tools section).
-    """
+    """Renders a conversation's prompt and observations with a tokenizer's chat template and ``tools`` schemas."""
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
@@ -56,11 +41,9 @@ class TurnTemplate:
         return encode_text(self.tokenizer, self.render(messages, add_generation_prompt=True))
 
     def turn_end_ids(self) -> list[int]:
-        """The special token(s) with which the template ends an assistant turn (``<|im_end|>`` for ChatML).
+        """The special token with which the template ends an assistant turn (``<|im_end|>`` for ChatML).
 
-        Found by rendering a finished assistant turn and reading the first token the
-        template writes after its content; empty where that is not a special token (a
-        template that ends turns with plain text: only the engine's stop tokens end a turn).
+        It is the first token written after a rendered turn's content; empty when that is not a special token.
         """
         messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": PLACEHOLDER}]
         text = self.render(messages, add_generation_prompt=False)
@@ -76,14 +59,11 @@ class TurnTemplate:
         """The template's text between the student's last turn and its next turn.
 
         Args:
-            history: the conversation before the student's last turn (prompt messages,
-                earlier turns as ``assistant`` messages, earlier observations).
+            history: the conversation before the student's last turn (earlier turns as ``assistant`` messages).
             turn_end: the text of the stop token the student's turn ended with ("" if none).
-            observation: the environment's messages.
 
         Raises:
-            DataError: the template does not write the assistant's content as given (it
-                cannot be used for multi-turn rollouts).
+            DataError: the template does not write the assistant's content as given.
         """
         messages = [*history, {"role": "assistant", "content": PLACEHOLDER}, *observation]
         text = self.render(messages, add_generation_prompt=True)
