@@ -1,14 +1,4 @@
-"""How the controller splits one global batch over the trainer ranks.
-
-* :func:`balance_by_tokens`: rows are dealt to ranks so that each rank gets the same
-  number of rows (±1) and about the same number of tokens: longest rows first, each to the
-  rank with the fewest tokens that still has room. Every rank keeps its rows in their
-  original order, so the split depends only on the lengths.
-* :func:`equalize_micro_batches`: FSDP2 gathers weights in every forward, a collective
-  that all ranks must join, so every rank must run the same number of micro-batches. A
-  rank with fewer gets *idle* micro-batches: a copy of its first one with no token
-  carrying loss, which adds exactly zero to the loss and to the gradients.
-"""
+"""How the controller splits one global batch over the trainer ranks."""
 
 from __future__ import annotations
 
@@ -18,7 +8,10 @@ from opd.data.batched_data_dict import BatchedDataDict
 
 
 def balance_by_tokens(lengths: list[int], ranks: int) -> list[list[int]]:
-    """Row indices of each rank (see the module docstring)."""
+    """Row indices of each rank: equal rows (±1), about equal tokens, each rank's rows in original order.
+
+    Longest rows first, each to the rank with the fewest tokens that still has room.
+    """
     # Every rank gets `base` rows and `extra` of them one more.
     base, extra = divmod(len(lengths), ranks)
     assigned: list[list[int]] = [[] for _ in range(ranks)]
@@ -44,9 +37,9 @@ def idle_micro_batch(template: BatchedDataDict) -> BatchedDataDict:
 
 
 def equalize_micro_batches(plans: list[list[BatchedDataDict]]) -> list[list[BatchedDataDict]]:
-    """Pads every rank's list of micro-batches with idle ones up to the longest list.
+    """Pads every rank's list of micro-batches with idle ones (zero loss and gradient) up to the longest list.
 
-    A rank with no rows at all borrows the shape of another rank's first micro-batch.
+    Every FSDP2 forward is a collective, so all ranks must run as many. A rank with no rows borrows another's shape.
     """
     count = max(len(plan) for plan in plans)
     template = next(plan[0] for plan in plans if plan)
@@ -54,8 +47,7 @@ def equalize_micro_batches(plans: list[list[BatchedDataDict]]) -> list[list[Batc
 
 
 def contiguous_blocks(data: BatchedDataDict, parts: int) -> tuple[list[BatchedDataDict], list[int]]:
-    """``data`` in ``parts`` contiguous blocks of rows, each with at least one row (a worker
-    that must join a collective gets a filler row); and how many real rows each block holds."""
+    """``data`` in ``parts`` contiguous row blocks (an empty one gets a filler row), and each block's real rows."""
     bounds = [data.size * part // parts for part in range(parts + 1)]
     blocks, counts = [], []
     for part in range(parts):

@@ -1,18 +1,9 @@
 """The teacher that lives in the trainer workers, as the driver holds it.
 
-With a colocated teacher (``cluster.teacher.placement: colocated``) every trainer worker
-loads the frozen teacher (sharded or whole, or each of several) and builds the run's
-teacher around it with the same assembly as one process
-(:func:`opd.distillation.teacher_plan.assemble_teacher`). Scoring there keeps the exact
-full-vocabulary loss as cheap as in one process: the teacher's logits are made chunk by
-chunk beside the student's, and never leave the device.
-
-The driver still holds the teacher and asks it for every micro-batch, as in every other
-placement: :class:`TeacherInTrainerWorkers` answers each question (``score_async``) with
-:class:`~opd.models.interfaces.AnsweredWhereTrained`, which tells the worker that receives
-the micro-batch to score it with the teacher it holds. Asked with ``score``, it sends top-k
-or token log-probs here, each rank scoring a block of the rows. So the object in
-``distillation_step`` is the one that answers, and a test can count its answers.
+Every trainer worker assembles the run's teacher as one process does
+(:func:`opd.distillation.teacher_plan.assemble_teacher`), so full-vocabulary logits never leave the device. The
+driver still asks this object for every micro-batch, as in any placement; the answer,
+:class:`~opd.models.interfaces.AnsweredWhereTrained`, tells the receiving worker to score it there.
 """
 
 from __future__ import annotations
@@ -37,10 +28,7 @@ from opd.models.interfaces import (
 class TeacherInTrainerWorkers(TeacherInterface):
     """The run's teacher, assembled in each trainer worker around its colocated models.
 
-    Args:
-        workers: the trainer workers, started with their teachers.
-        student_classes: what the teacher's top-k ids name when it has another tokenizer
-            (rank 0's assembled teacher reports it); None: student tokens.
+    ``student_classes``: what the teacher's top-k ids name with another tokenizer (from rank 0); None: tokens.
     """
 
     def __init__(self, workers: WorkerGroup, student_classes: torch.Tensor | None = None) -> None:
@@ -62,11 +50,7 @@ class TeacherInTrainerWorkers(TeacherInterface):
     def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
         """The driver's question for a micro-batch it trains or validates: answered where the rows go.
 
-        Each trainer worker scores the micro-batch it receives with the teacher it holds,
-        beside the student's hidden states (``train`` and ``compare_with_teacher`` of
-        :class:`~opd.distributed.fsdp_policy.FSDPPolicy`), so a full-vocabulary answer never
-        leaves the device. (The asynchronous schedules that score ahead are refused with a
-        colocated teacher: its workers are busy training.)
+        Schedules that score ahead are refused with a colocated teacher: its workers are busy training.
         """
         self.micro_batches_answered += 1
         return Done(AnsweredWhereTrained(request))
@@ -74,9 +58,7 @@ class TeacherInTrainerWorkers(TeacherInterface):
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
         """Top-k or token log-probs for ``data``, sent here: every rank scores a block of the rows.
 
-        Raises:
-            ValueError: for a full-vocabulary request: its ``[B, L, V]`` answer stays in the
-                trainer workers (:meth:`score_async` asks them to use it there).
+        Raises ValueError for a full-vocabulary request: ``[B, L, V]`` stays in the workers (:meth:`score_async`).
         """
         if isinstance(request, FullVocabRequest):
             raise ValueError(

@@ -1,26 +1,9 @@
 """The ``cluster:`` section: where the student trainer, the rollout engines and the teacher run.
 
-Without a ``cluster:`` section a run stays in one process (the embedded default, no Ray).
-With one, the same driver talks to Ray worker groups:
-
-* **trainer** — ``trainer.workers`` FSDP2 ranks that hold the student, sharded
-  data-parallel over the global batch (NCCL on GPUs, gloo on CPUs), over all ranks or,
-  with ``trainer.shard_group_size``, within groups and replicated across them (HSDP);
-* **rollout** — ``rollout.workers`` engines that sample from the student and are refit
-  from the trainer after each update;
-* **teacher** — ``colocated``: a frozen, sharded copy in every trainer worker (the exact
-  full-vocabulary loss stays available), or ``pool``: ``teacher.workers`` workers of their
-  own that answer top-k or token log-prob requests, each a whole replica or, with
-  ``teacher.shards_per_replica``, one FSDP2 shard of a replica. A served teacher
-  (``teacher.backend: remote`` at the top level) needs no workers.
-
-``placement`` maps the roles to resource pools: ``colocated`` puts the rollout engines and
-a teacher pool on the trainer's devices, where they take turns; ``split`` gives every role
-devices of its own (separate actor and rollout pools).
-
-Every wait on a worker is bounded: ``start_timeout_s`` for placing the pools and starting
-the workers, and for each call the role's own ``timeout_s`` (``worker_timeout_s`` unless
-set), so a hung worker of any role stops the run instead of hanging it.
+Without it a run stays in one process (no Ray). With it the same driver talks to Ray worker groups: FSDP2
+**trainer** ranks, **rollout** engines refit after each update, and a **teacher** colocated in the trainer
+workers or in a pool of its own (a served teacher, ``teacher.backend: remote``, needs no workers). Every wait on
+a worker is bounded (``start_timeout_s``, then each role's ``timeout_s``), so a hung worker stops the run.
 """
 
 from __future__ import annotations
@@ -242,8 +225,7 @@ class ClusterConfig(StrictConfig):
 
     @model_validator(mode="after")
     def _sharded_replicas_on_devices_of_their_own(self) -> ClusterConfig:
-        # Colocated, teacher worker r shares trainer bundle r mod trainer.workers: a replica's
-        # shards sit on distinct devices only if there are as many bundles (NCCL needs that).
+        # Colocated teacher worker r shares trainer bundle r mod trainer.workers; NCCL needs each shard on its own GPU.
         shards = self.teacher.shards_per_replica
         if self.teacher.in_pool and self.colocated and self.gpus_per_worker and shards > self.trainer.workers:
             raise ValueError(
@@ -278,8 +260,7 @@ class ClusterConfig(StrictConfig):
         """The backend must use the workers' devices, and colocated roles at most one worker per trainer bundle."""
         if self.backend not in ("auto", _BACKEND_FOR_DEVICES[bool(self.gpus_per_worker)]):
             raise ValueError(_BACKEND_WITHOUT_ITS_DEVICES[self.backend].format(gpus=self.gpus_per_worker))
-        # A teacher pool is checked at start (ray_cluster.check_colocated_sharing): its size depends on how many
-        # teachers run in pools, which this section does not know.
+        # A teacher pool's size depends on the teachers, unknown here: ray_cluster.check_colocated_sharing checks it.
         problem = colocated_sharing_problem("cluster.rollout.workers", self.rollout.workers, self.trainer.workers)
         if self.colocated and problem is not None:
             raise ValueError(problem)
@@ -300,9 +281,7 @@ class ClusterConfig(StrictConfig):
 def colocated_sharing_problem(key: str, count: int, trainer_workers: int) -> str | None:
     """Why ``count`` workers of a role cannot share the trainer's bundles (colocated placement), or None.
 
-    Each trainer bundle takes one worker of each other role beside its trainer rank: a
-    second one would ask for a share of the bundle's GPU that is already taken, and wait
-    for it forever.
+    A bundle takes one worker per other role; a second would wait forever for a GPU share already taken.
     """
     if count <= trainer_workers:
         return None

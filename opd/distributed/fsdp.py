@@ -1,24 +1,13 @@
 """FSDP2 for a Hugging Face causal LM: the process group, the sharding and whole tensors back.
 
-:func:`shard_model` applies ``fully_shard`` to every decoder layer and then to the whole
-model (whose own group holds the embedding, the final norm and the head, tied or not),
-and sets what distillation needs:
+:func:`shard_model` shards every decoder layer, then the root (embedding, final norm, head), and:
 
-* gradients are **summed** over the ranks, not averaged: every rank's loss is already
-  its share of the global-batch loss (normalised by the tokens of the whole batch), so
-  the sum is the gradient of one process over the whole batch. On the 2-D HSDP mesh of
-  :func:`init_process_group` (``shard_group_size``) that holds for both steps: the
-  reduce-scatter within a shard group and the all-reduce across the groups are sums;
-* with a 16-bit ``model.dtype`` the student keeps fp32 master weights, Adam moments and
-  gradient reductions, and computes in 16 bits (FSDP2's mixed precision, as NeMo-RL and
-  verl train): an update far below bf16's resolution (a learning rate of 1e-6) is not
+* **sums** gradients over ranks (also on the HSDP mesh): each rank's loss is already normalised by the global
+  batch's tokens, so the sum is the one-process gradient;
+* with a 16-bit ``model.dtype`` keeps fp32 master weights, moments and reductions, so tiny updates are not
   rounded away;
-* the model gets an ``opd_hidden_states(input_ids, attention_mask, position_ids)`` method
-  that runs under FSDP's hooks like ``forward``: the fused loss needs the final hidden
-  states without the ``[tokens × vocab]`` logits, and the head's weight afterwards (the
-  root's parameters stay gathered after its forward until the backward is done);
-* with ``activation_checkpointing``, each decoder layer keeps only its input for the
-  backward and runs its forward again there (:func:`checkpoint_activations`).
+* adds ``opd_hidden_states(input_ids, attention_mask, position_ids)``, run under FSDP's hooks, so the fused loss
+  gets final hidden states without ``[tokens × vocab]`` logits (the root stays gathered for the head).
 """
 
 from __future__ import annotations
@@ -68,14 +57,9 @@ def init_process_group(
 ) -> DeviceMesh:
     """Joins a process group of ``world_size`` ranks and returns the device mesh to shard over.
 
-    With ``shard_group_size`` None (or equal to the world size) the mesh is 1-D: plain
-    FSDP2, every tensor split over all ranks. With ``k`` smaller than the world it is
-    the 2-D HSDP mesh ``("replicate", "shard")`` of ``world_size // k`` groups of ``k``
-    consecutive ranks: ``fully_shard`` splits each tensor within a group and keeps one
-    copy per group, so the per-layer all-gathers stay inside a group (a node, when
-    ``k`` is its device count) and only the gradients cross groups.
-
-    ``timeout_s`` bounds every collective: a rank whose peer died fails instead of waiting forever.
+    ``shard_group_size`` None (or the world size) gives a 1-D FSDP2 mesh. A smaller ``k`` gives the 2-D HSDP mesh
+    ``("replicate", "shard")`` of groups of ``k`` consecutive ranks: all-gathers stay inside a group (a node) and
+    only gradients cross groups. ``timeout_s`` bounds every collective, so a rank whose peer died fails.
 
     Raises:
         ValueError: ``shard_group_size`` does not divide ``world_size``.
@@ -112,11 +96,8 @@ def _hidden_states(
 def checkpoint_activations(layer: torch.nn.Module) -> None:
     """Makes ``layer`` keep only its inputs for the backward and run its forward again there.
 
-    The layer's own ``forward`` is wrapped in place (``torch.utils.checkpoint``, the
-    non-reentrant form), so its parameters keep their names: checkpoints, the refit and
-    the final model see the same state dict as without it. Applied before ``fully_shard``,
-    the recomputation runs inside FSDP2's backward, where the layer's weights are
-    gathered already. Without gradients (a teacher, evaluation) the forward runs once, as usual.
+    ``forward`` is wrapped in place (non-reentrant), so the state dict keeps its names. Applied before
+    ``fully_shard``, the recomputation runs where the weights are already gathered. Without gradients it runs once.
     """
     forward = layer.forward
 
@@ -139,17 +120,10 @@ def shard_model(
     """Shards ``model`` in place with FSDP2 (see the module docstring) and returns it.
 
     Args:
-        model: the model, loaded in the dtype its sharded weights keep (fp32 master
-            weights for a trained student).
-        mesh: the trainer's device mesh.
-        compute_dtype: gather the weights in this dtype for forward and backward and
-            reduce the gradients in fp32 (FSDP2 mixed precision); None computes in the
-            weights' own dtype.
-        reshard_after_forward: free each layer's gathered weights after its forward
-            (gathered again for the backward); False keeps them until the backward,
-            saving one all-gather per layer at the cost of holding them.
-        activation_checkpointing: each decoder layer keeps only its input for the
-            backward and recomputes the rest there (:func:`checkpoint_activations`).
+        model: loaded in the dtype its shards keep (fp32 masters for a trained student).
+        compute_dtype: gather weights in this dtype and reduce gradients in fp32; None: the weights' dtype.
+        reshard_after_forward: False keeps gathered layers until the backward, saving an all-gather per layer.
+        activation_checkpointing: see :func:`checkpoint_activations`.
     """
     policy = (
         MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -183,18 +157,10 @@ def whole_state_dict_buckets(
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The model's state dict, whole, in buckets of about ``bucket_bytes``, one all-gather per bucket.
 
-    With ``dtype`` every floating-point tensor is cast to it *before* the gather, shard by
-    shard as its bucket fills (a refit sends the engine's dtype: bf16 moves half the
-    bytes of the fp32 master weights through the collective and everything after it);
-    ``bucket_bytes`` then counts bytes in ``dtype``. None keeps each tensor's own dtype.
-
-    Entries come in the state dict's order; a tensor held under two names (a head tied
-    to the embedding) comes once, under its first name, as a Hugging Face model
-    directory stores it. The shards of a bucket's tensors travel as one flat byte buffer
-    per rank, so a refit of a model of a few hundred tensors takes a few collectives
-    instead of one per tensor, and no more than one bucket is whole in memory beyond
-    what the caller keeps. A bucket holds at least one tensor (a tensor larger than
-    ``bucket_bytes`` is a bucket of its own). Every rank must iterate to the end.
+    With ``dtype``, floating-point tensors are cast *before* the gather (halving a bf16 refit's bytes) and
+    ``bucket_bytes`` counts bytes in ``dtype``. Entries keep state-dict order; tied tensors come once, under
+    their first name, as a Hugging Face directory stores them. At most one bucket is whole in memory; a tensor
+    larger than ``bucket_bytes`` is a bucket of its own. Every rank must iterate to the end.
     """
     yield from whole_buckets(_unique_state_dict(model), bucket_bytes, dtype)
 
@@ -204,8 +170,7 @@ def whole_buckets(
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """``(name, tensor)`` entries of a sharded model, whole, as :func:`whole_state_dict_buckets` gathers them.
 
-    For entries other than the state dict's own (a LoRA student's merged weights); every
-    rank must pass the same names in the same order and iterate to the end.
+    Every rank must pass the same names in the same order and iterate to the end.
     """
     if dtype is not None:
         # Lazily: only the shards of the bucket being filled exist in both dtypes at once.
@@ -226,12 +191,7 @@ def _unique_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
 
 
 def _row_shard_dim(tensor: DTensor) -> int | None:
-    """The mesh dimension over which ``tensor``'s rows are split, as ``fully_shard`` places parameters.
-
-    ``(Shard(0),)`` on a 1-D mesh (FSDP), ``(Replicate(), Shard(0))`` on the 2-D HSDP
-    mesh: rows split over one mesh dimension and whole copies over any other. None for
-    any other placement (made whole by DTensor itself).
-    """
+    """The mesh dimension over which ``tensor``'s rows are split (``Shard(0)``, other dims replicated), else None."""
     if tensor.dim() == 0:
         return None
     placements = tuple(tensor.placements)
@@ -244,13 +204,9 @@ def _row_shard_dim(tensor: DTensor) -> int | None:
 def _gather_bucket(entries: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """Whole tensors of ``entries``: the row-sharded ones gathered together in one flat all-gather.
 
-    ``fully_shard`` splits a tensor of ``n`` rows as ``torch.chunk`` does: ranks hold
-    ``ceil(n / world)`` rows each, the last ones fewer or none. Each rank pads its rows
-    to that count, so every rank sends a buffer of the same size, and the rows past
-    ``n`` are cut off after the gather. On the HSDP mesh the gather runs within each
-    shard group only: a group holds every row once, so no byte crosses groups (nodes),
-    and the groups gather at the same time. Any other tensor (replicated, or placed
-    otherwise) is made whole on its own.
+    ``fully_shard`` splits rows as ``torch.chunk`` does (``ceil(n / world)`` per rank, the last fewer), so each rank
+    pads to that count and the excess rows are cut after the gather. On HSDP the gather stays within each shard
+    group. Other tensors are made whole on their own.
     """
     sharded = [
         (name, tensor, dim)
@@ -285,8 +241,7 @@ def _gather_rows(members: list[tuple[str, DTensor, int]]) -> dict[str, torch.Ten
     gathered: dict[str, torch.Tensor] = {}
     offset = 0
     for name, tensor, rows, width in layout:
-        # Copies, so that every tensor owns its storage: a view would carry the whole
-        # buffer with it when pickled (into Ray's object store, for one).
+        # Copies: a view would carry the whole buffer with it when pickled (into Ray's object store).
         block = out[:, offset : offset + width].clone().view(tensor.dtype)
         block = block.reshape(world * rows, *tensor.shape[1:])
         gathered[name] = block if block.shape[0] == tensor.shape[0] else block[: tensor.shape[0]].clone()
@@ -295,10 +250,6 @@ def _gather_rows(members: list[tuple[str, DTensor, int]]) -> dict[str, torch.Ten
 
 
 def _all_gather_flat(out: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Every rank's ``flat`` concatenated into ``out``.
-
-    torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name
-    warns); the old name is the one torch 2.11 and 2.12 have.
-    """
+    """Every rank's ``flat`` concatenated into ``out`` (``all_gather_single`` from torch 2.13, else the old name)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, flat, group=group)

@@ -1,26 +1,11 @@
 """The student as N FSDP2 trainer workers, behind the same ``PolicyInterface`` as the in-process student.
 
-The driver calls :meth:`FSDPPolicy.train` with the global batch, as it would the
-in-process :class:`~opd.policy.hf_policy.HFPolicy`. The controller side here:
-
-1. counts the loss-carrying tokens and sequences of the *whole* batch (each rank's loss
-   is normalised by them, and FSDP2 sums the gradients, so N ranks compute the gradient
-   of one process);
-2. deals the rows to the ranks balanced by tokens and cuts each rank's share into
-   micro-batches, padded with idle ones to the same count on every rank
-   (:mod:`opd.distributed.batch_plan`);
-3. when the teacher runs elsewhere (a teacher pool or a served teacher), asks it for
-   every micro-batch's signal at once, collects the answers and sends them along; a
-   colocated teacher scores in the workers instead;
-4. runs the step on every rank and returns the global metrics.
-
-Validation's KL (:meth:`FSDPPolicy.compare_with_teacher`) is dealt the same way: each
-rank sums the KL over its rows from its own hidden states, with the colocated teacher
-scoring in place, and only the sums come back; no ``[B, L, V]`` tensor is sent.
-
-Checkpoints are sharded (``torch.distributed.checkpoint``, one file per rank plus
-metadata) and can be loaded by any number of ranks; ``save_pretrained`` gathers the
-whole model once, for ``final_model/`` and for ``opd export``.
+:meth:`FSDPPolicy.train` counts the *whole* batch's loss tokens and sequences (each rank normalises by them and
+FSDP2 sums gradients, so N ranks compute one process's gradient), deals rows to ranks balanced by tokens in equal
+numbers of micro-batches (:mod:`opd.distributed.batch_plan`), asks a teacher running elsewhere for every
+micro-batch at once, and runs the step on every rank. Validation's sums are dealt the same way; no
+``[B, L, V]`` tensor is sent. Checkpoints are sharded (``torch.distributed.checkpoint``) and load on any number
+of ranks.
 """
 
 from __future__ import annotations
@@ -53,11 +38,8 @@ from opd.utils.timer import Timer
 def _score_all(plans: list[list[BatchedDataDict]], teacher_signal: TeacherSignalFn) -> list[list[TeacherSignal]]:
     """The teacher's answer for every micro-batch of every rank.
 
-    A :class:`~opd.models.interfaces.MicroBatchScorer` gets every micro-batch before any
-    answer is collected, so a teacher in other processes has them all at once: the
-    replicas of a teacher pool score them together and back to back, instead of waiting
-    for the controller between micro-batches. A plain function is called micro-batch by
-    micro-batch.
+    A :class:`~opd.models.interfaces.MicroBatchScorer` gets every micro-batch before any answer is collected, so
+    a pool's replicas score back to back; a plain function is called micro-batch by micro-batch.
     """
     if not isinstance(teacher_signal, MicroBatchScorer):
         return [[teacher_signal(micro_batch) for micro_batch in plan] for plan in plans]
@@ -68,12 +50,8 @@ def _score_all(plans: list[list[BatchedDataDict]], teacher_signal: TeacherSignal
 class FSDPPolicy(PolicyInterface):
     """``PolicyInterface`` over a :class:`WorkerGroup` of :class:`~opd.distributed.trainer_worker.TrainerWorker`.
 
-    Args:
-        workers: the trainer ranks.
-        micro_batch_size: rows per forward/backward pass on each rank.
-        micro_batch_tokens: a padded-token budget per micro-batch instead (length-sorted).
-        sequence_packing: each micro-batch is packed into one row without padding.
-        on_close: called after the workers are gone (frees the cluster's resources).
+    ``micro_batch_tokens`` is a padded-token budget per micro-batch instead of ``micro_batch_size`` rows;
+    ``on_close`` runs after the workers are gone (frees the cluster's resources).
     """
 
     def __init__(
@@ -114,14 +92,9 @@ class FSDPPolicy(PolicyInterface):
         teacher_signal: TeacherSignalFn | None = None,
         timer: Timer | None = None,
     ) -> dict[str, float]:
-        """One optimizer step over the global batch on every rank (see the module docstring).
+        """One optimizer step over the global batch on every rank; returns the global metrics.
 
-        Adds to ``timer`` the phases timed here: ``teacher`` (the slowest rank's time in
-        its colocated teacher), ``trainer_compute`` (the slowest rank's time in the step)
-        and ``dispatch`` (the controller's time planning the micro-batches).
-
-        Returns:
-            The global metrics, as :meth:`HFPolicy.train` returns them.
+        Adds to ``timer`` the slowest rank's ``teacher`` and ``trainer_compute`` times and the planning ``dispatch``.
         """
         start = time.perf_counter()
         global_valid_tokens = int(shift_token_mask(data["token_mask"]).sum())
@@ -154,12 +127,7 @@ class FSDPPolicy(PolicyInterface):
     ) -> dict[str, float]:
         """Sums of ``comparison`` over ``data``: each rank sums over its rows where its hidden states are.
 
-        Rows are dealt as for :meth:`train` (idle micro-batches add nothing). The teacher
-        is asked for each micro-batch and its (top-k, token or hidden-state) answer sent
-        along; a colocated teacher answers that the workers score it themselves
-        (:class:`~opd.models.interfaces.AnsweredWhereTrained`), so with a full-vocabulary
-        request the ranks make both models' logits chunk by chunk from hidden states in
-        place. Only each rank's sums come back.
+        Rows are dealt as for :meth:`train`; only each rank's sums come back.
         """
         plans = self.plan(data, packed=False)
         signals = [[teacher_signal(micro_batch) for micro_batch in plan] for plan in plans]
@@ -184,8 +152,7 @@ class FSDPPolicy(PolicyInterface):
     def save_checkpoint(self, directory: Path, tokenizer: Any | None = None) -> None:
         """Every rank writes its shard of weights and optimizer; the tokenizer and model config go beside them.
 
-        The directory reaches the ranks absolute (each resolves nothing against its own
-        working directory); start-up checked that every node shares it
+        The directory is sent absolute; start-up checked that every node shares it
         (:mod:`opd.distributed.workers.shared_directory`).
         """
         directory = absolute_dir(directory)
@@ -201,8 +168,7 @@ class FSDPPolicy(PolicyInterface):
         """Gathers the whole student and writes it as a Hugging Face model directory (rank 0 writes).
 
         Raises:
-            OpdError: the directory, as the controller sees it, lacks the config or the
-                weights after rank 0 wrote them (rank 0's node does not share it).
+            OpdError: the controller does not see the config or weights rank 0 wrote (an unshared directory).
         """
         path = absolute_dir(directory)
         self.workers.call("save_pretrained", str(path))

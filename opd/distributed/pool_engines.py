@@ -1,19 +1,10 @@
 """What a teacher pool's workers score with: the values of ``cluster.teacher.engine``, each registered once.
 
-A pool engine says everything the rest of opd asks of it: which signals it can send
-(:meth:`PoolEngine.unsupported_reason`, its teacher class's own limits), which settings
-it cannot run with and why (:meth:`PoolEngine.config_problems`, its own messages), how many
-devices one worker spans and whether a replica may be sharded over several workers
-(its memory and placement facts, which ``opd plan`` reads through
-:meth:`PoolEngine.planned_placement`), how a worker builds its replica and how the replica
-answers. The pool's config, its workers (:class:`~opd.distributed.teacher_pool.TeacherWorker`),
-the pool itself and the plan all go through :data:`POOL_ENGINES`; a new engine is its
-teacher class plus, in this file, a subclass, its entry in :data:`POOL_ENGINES` and its
-value of :data:`PoolEngineName` (and a settings field in ``cluster.teacher``, if it has
-settings of its own).
-
-An engine reads ``cluster.teacher`` through a protocol of the fields it uses, so this
-module need not import the config, which imports it.
+A :class:`PoolEngine` answers everything opd asks of an engine (signals, config problems, devices, placement for
+``opd plan``, building and answering); config, workers, pool and plan all go through :data:`POOL_ENGINES`. A new
+engine is its teacher class plus, here, a subclass, a :data:`POOL_ENGINES` entry and a :data:`PoolEngineName`
+value. Engines read ``cluster.teacher`` through protocols, so this module need not import the config, which
+imports it.
 """
 
 from __future__ import annotations
@@ -64,10 +55,8 @@ class VllmPoolSettings(PoolSettings, Protocol):
 class PlannedPool:
     """How ``opd plan`` shows a pool of this engine.
 
-    Attributes:
-        label: the teacher's placement, for the table.
-        dry_run_shards: the devices of one replica, whose scoring the dry run measures;
-            None when the engine manages its memory itself (nothing to dry-run).
+    ``dry_run_shards``: devices of one replica, whose scoring the dry run measures; None when the engine manages
+    its own memory.
     """
 
     label: str
@@ -75,13 +64,7 @@ class PlannedPool:
 
 
 class PoolEngine(ABC, Generic[SettingsT]):
-    """One value of ``cluster.teacher.engine``.
-
-    Attributes:
-        name: the value of ``cluster.teacher.engine``.
-        teacher_class: the class of the replica it builds; its ``unsupported_reason``
-            lists the signals the engine cannot send.
-    """
+    """One value (``name``) of ``cluster.teacher.engine``; ``teacher_class`` is the replica's class."""
 
     name: ClassVar[str]
     teacher_class: ClassVar[type[TeacherInterface]]
@@ -95,13 +78,7 @@ class PoolEngine(ABC, Generic[SettingsT]):
         return 1
 
     def config_problems(self, pool: SettingsT, request: TeacherRequest | None, colocated: bool) -> list[str]:
-        """Why this engine cannot run as ``cluster.teacher`` says (default: nothing).
-
-        Args:
-            pool: ``cluster.teacher``.
-            request: what the loss asks of the teacher (None: no loss-specific request).
-            colocated: the teacher workers share the trainer's devices (``cluster.placement: colocated``).
-        """
+        """Why this engine cannot run as ``pool`` (``cluster.teacher``) says; ``colocated``: sharing trainer devices."""
         return []
 
     @abstractmethod
@@ -127,8 +104,7 @@ class PoolEngine(ABC, Generic[SettingsT]):
 class HFPoolEngine(PoolEngine[PoolSettings]):
     """``hf``: the teacher's Hugging Face model, whole in each worker or sharded with FSDP2 over a replica's workers.
 
-    It sends every signal: the full vocabulary as the final hidden states, which the
-    trainer workers bind to the output layer they hold.
+    Sends every signal; the full vocabulary as final hidden states, bound in the trainer workers.
     """
 
     name = "hf"
@@ -148,10 +124,8 @@ class HFPoolEngine(PoolEngine[PoolSettings]):
         return LocalTeacher(model, share_prompt_forward=share_prompt_forward)
 
     def answer(self, replica: TeacherInterface, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
-        """The full vocabulary as hidden states (never the ``[B, L, V]`` logits); a replica sharded with FSDP2 then
-        frees its root group's gathered weights, which no backward will use (as
-        :func:`~opd.distributed.trainer_worker.release_gathered_root` does for the trainer's teacher; that module
-        reaches the config, which imports this one)."""
+        """The full vocabulary as hidden states (never ``[B, L, V]`` logits); an FSDP2 replica then frees its root's
+        gathered weights (as ``trainer_worker.release_gathered_root``, not imported: it reaches the config)."""
         assert isinstance(replica, LocalTeacher)  # what build_replica and a sharded replica's start build
         if isinstance(request, FullVocabRequest):
             signal: TeacherSignal = TeacherHiddenStates(replica.get_hidden_states(data).hidden_states)
@@ -170,11 +144,7 @@ class HFPoolEngine(PoolEngine[PoolSettings]):
 
 
 class VllmPoolEngine(PoolEngine[VllmPoolSettings]):
-    """``vllm``: a vLLM engine in each worker (:class:`~opd.teachers.vllm_teacher.VllmTeacher`).
-
-    It sends top-k and token log-probs (vLLM's prompt log-probs), tensor parallel over
-    ``cluster.teacher.vllm.tensor_parallel_size`` devices of one worker.
-    """
+    """``vllm``: a vLLM engine per worker, tensor parallel within it; sends top-k and token log-probs only."""
 
     name = "vllm"
     teacher_class = VllmTeacher
@@ -230,8 +200,7 @@ class VllmPoolEngine(PoolEngine[VllmPoolSettings]):
 HF_POOL_ENGINE = HFPoolEngine()
 """The default engine (``cluster.teacher.engine: hf``)."""
 
-# Each engine reads cluster.teacher through its own protocol; the config, which imports this
-# module, hands every engine the whole section.
+# The config hands every engine the whole cluster.teacher section; each reads it through its own protocol.
 _ENGINES: tuple[PoolEngine[Any], ...] = (HF_POOL_ENGINE, VllmPoolEngine())
 POOL_ENGINES: dict[str, PoolEngine[Any]] = {engine.name: engine for engine in _ENGINES}
 """Every pool engine, by its ``cluster.teacher.engine`` value."""

@@ -1,26 +1,11 @@
 """Rollout workers: engines that sample from the student, refit from the trainer in buckets.
 
-:class:`RolloutWorker` is one Ray actor holding its own engine over a copy of the
-student: :class:`~opd.rollout.hf_generation.HFGeneration`, or with
-``generation.backend: vllm`` a :class:`~opd.rollout.vllm_generation.VllmGeneration`
-engine (one per worker, in the worker's process).
-:class:`RayGeneration` is the ``GenerationInterface`` the driver sees:
-
-* ``generate`` deals the prompts to the workers in contiguous blocks (each prompt's
-  samples stay together on one worker) and concatenates the answers in prompt order.
-  Each call draws one seed from the controller's torch generator (which checkpoints
-  save and resume restores) and worker ``r`` samples with ``seed + r``, so the rollouts
-  are the same for a given seed, across a resume too;
-* ``refit`` moves the trainer's new weights after each update, in buckets of
-  ``cluster.rollout.refit_bucket_mb`` cast to the engines' dtype, over the transport of
-  ``cluster.rollout.refit_transport`` (:mod:`opd.distributed.refit.transport`: Ray's
-  object store, a broadcast group, or CUDA IPC), and returns the bytes moved, which the
-  driver logs as ``refit/bytes`` and ``refit/bytes_delivered``.
-
-:class:`TeacherOnRolloutWorkers` lets the same workers answer with a teacher's weights
-instead (the validation baselines on a cluster, wherever the teacher itself runs): each
-worker loads the teacher into an HF engine of its own on first use, the prompts are dealt
-as for a rollout, and ``close`` frees the teacher's copy again.
+:class:`RolloutWorker` is one Ray actor with its own HF or vLLM engine over a copy of the student.
+:class:`RayGeneration`, the driver's ``GenerationInterface``, deals prompts to workers in contiguous blocks (a
+prompt's samples stay on one worker) and draws one seed per call from the controller's torch generator (saved in
+checkpoints); worker ``r`` samples with ``seed + r``, so rollouts are reproducible across a resume. Its ``refit``
+sends the trainer's weights in buckets of the engines' dtype over :mod:`opd.distributed.refit.transport`.
+:class:`TeacherOnRolloutWorkers` samples a teacher on the same workers (validation baselines).
 """
 
 from __future__ import annotations
@@ -59,16 +44,7 @@ _SEED_RANGE = 2**31 - 1
 
 @dataclass(frozen=True)
 class RolloutSpec:
-    """What every rollout worker builds.
-
-    Attributes:
-        model_path: the student's starting weights (refit replaces them before sampling).
-        loading: dtype and loading options.
-        tokenizer: the run's tokenizer.
-        generation: the engine (``generation:``; its ``backend`` picks the kind).
-        threads: torch threads of a CPU worker.
-        seed: the engine's seed (each worker adds its rank).
-    """
+    """What every rollout worker builds; ``seed`` is the engine's seed, to which each worker adds its rank."""
 
     model_path: str
     loading: ModelLoadingConfig
@@ -79,12 +55,7 @@ class RolloutSpec:
 
 
 class RolloutWorker:
-    """One rollout engine (a Ray actor): the student's weights and an HF sampler.
-
-    Args:
-        rank: this worker's rank among the rollout workers.
-        spec: what to build.
-    """
+    """One rollout engine (a Ray actor) over the student's weights; ``rank`` is among the rollout workers."""
 
     def __init__(self, rank: int, spec: RolloutSpec) -> None:
         torch.set_num_threads(spec.threads)
@@ -95,8 +66,7 @@ class RolloutWorker:
         model = load_causal_lm(spec.model_path, resolve_dtype(spec.loading.dtype, device), device, spec.loading)
         model.requires_grad_(False)
         self.model = model
-        # The worker's model is the engine's (an HF engine samples with it in place; vLLM
-        # starts from it and keeps its own copy).
+        # An HF engine samples with this model in place; vLLM starts from it and keeps its own copy.
         self.engine: InProcessGenerationInterface = spec.generation.build(
             model, spec.tokenizer, spec.seed + rank, False
         )
@@ -111,12 +81,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------ refit
 
     def load_buckets(self, bucket_refs: list[Any]) -> int:
-        """Copies the trainer's weights from Ray's object store into this worker's engine; returns the tensors loaded.
-
-        The HF engine samples with the worker's model, which takes the tensors in place; a
-        vLLM engine takes them through its own weight loader, all buckets in one call
-        (they are host memory here).
-        """
+        """Copies the trainer's weights from Ray's object store into the engine; returns the tensors loaded."""
         pairs = [pair for ref in bucket_refs for pair in ray.get(ref).items()]
         return self._load(pairs)
 
@@ -146,10 +111,7 @@ class RolloutWorker:
         return {name: tensor.detach().cpu().clone() for name, tensor in self.model.state_dict().items()}
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> int:
-        """Puts ``(name, tensor)`` pairs, already in the engine's dtype, into the engine.
-
-        In place in the HF model, or through vLLM's own weight loader.
-        """
+        """Puts ``(name, tensor)`` pairs, already in the engine's dtype, into the engine."""
         self.engine.load_weights(pairs)
         return len(pairs)
 
@@ -162,11 +124,7 @@ class RolloutWorker:
         seed: int,
         teacher: str | None = None,
     ) -> BatchedDataDict:
-        """Samples ``num_samples`` responses to each of ``prompts`` with the torch seed ``seed + rank``.
-
-        ``teacher`` names a model loaded with :meth:`load_teacher` to sample from instead
-        of the student's engine.
-        """
+        """Samples ``num_samples`` responses per prompt with seed ``seed + rank`` (``teacher``: a loaded teacher's)."""
         torch.manual_seed(seed + self.rank)
         engine = self.engine if teacher is None else self.teacher_engines[teacher]
         engine.prepare_for_generation()
@@ -176,11 +134,9 @@ class RolloutWorker:
             engine.finish_generation()
 
     def load_teacher(self, key: str, model_path: str, tokenizer: Any) -> None:
-        """Loads another model (a teacher) as ``key``, beside the student's engine, in an HF engine of its own.
+        """Loads a teacher as ``key`` into an HF engine of its own, beside the student's engine.
 
-        It is loaded like the student (``spec.loading``) and decodes with the run's HF
-        loop, whatever the student's engine is: a vLLM engine keeps its memory for the
-        student. ``tokenizer`` is the teacher's (its pad and EOS ids).
+        Always HF (loaded like the student) so a vLLM engine keeps its memory for the student.
         """
         if key in self.teacher_engines:
             return
@@ -206,16 +162,10 @@ class RayGeneration(GenerationInterface):
     """``GenerationInterface`` over a :class:`WorkerGroup` of :class:`RolloutWorker` (see the module docstring).
 
     Args:
-        workers: the rollout workers.
-        pad_token_id: pads the concatenated batch.
-        refit_bucket_bytes: size of one refit bucket.
-        refit_transport: ``object_store``, ``broadcast`` or ``cuda_ipc`` (resolved, see
-            :mod:`opd.distributed.refit.transport`).
-        timeout_s: bounds the setting up of a refit's process group.
-        offload_trainer: the trainer workers that share the engines' GPUs
-            (``cluster.trainer.offload_during_generation``): their optimizer state and
-            teacher go to host memory while the engines generate, and come back when the
-            rollout is collected. None leaves the trainer alone.
+        refit_transport: ``object_store``, ``broadcast`` or ``cuda_ipc`` (resolved).
+        timeout_s: bounds the setup of a refit's process group.
+        offload_trainer: trainer workers sharing the engines' GPUs; they offload to host while the engines
+            generate and reload when the rollout is collected. None leaves the trainer alone.
     """
 
     needs_refit = True
@@ -263,8 +213,7 @@ class RayGeneration(GenerationInterface):
     ) -> Pending[BatchedDataDict]:
         """Hands each worker its share of the prompts and returns while they sample.
 
-        The sampling seed is drawn here, from the controller's torch generator, so a
-        rollout depends on when it was asked for, not on when it is collected.
+        The seed is drawn now, so a rollout depends on when it was asked for, not when it is collected.
         """
         return self.deal(prompts, strategy, num_samples, return_logprobs)
 
@@ -301,12 +250,7 @@ class RayGeneration(GenerationInterface):
         return BatchedDataDict.concat(parts, pad_values={"input_ids": pad_token_id})
 
     def refit(self, policy: PolicyInterface) -> dict[str, float]:
-        """Loads ``policy``'s current weights into every worker, in buckets of the engines' dtype.
-
-        Returns:
-            ``refit/bytes`` (one copy of the weights as gathered) and ``refit/bytes_delivered``
-            (what the workers received, one copy each).
-        """
+        """Loads ``policy``'s weights into every worker; returns ``refit/bytes`` and ``refit/bytes_delivered``."""
         from opd.distributed.fsdp_policy import FSDPPolicy
 
         if isinstance(policy, FSDPPolicy):  # the trainer's ranks gather and send the buckets themselves
@@ -326,19 +270,10 @@ class RayGeneration(GenerationInterface):
 
 
 class TeacherOnRolloutWorkers(GenerationInterface):
-    """A teacher's answers, sampled by the rollout workers with the teacher's weights.
+    """A teacher's answers, sampled by the rollout workers with the teacher's weights (validation baselines).
 
-    The validation baselines' engine on a cluster, for a teacher that runs in the run
-    (colocated with the trainer or in a pool of its own): the rollout workers each load the
-    teacher from ``model_path`` once, on the first :meth:`generate`
-    (:meth:`RolloutWorker.load_teacher`), answer as they answer for the student (prompts
-    dealt in blocks, one seed per call), and free it on :meth:`close`.
-
-    Args:
-        rollout: the run's rollout engine (its workers answer).
-        key: names the teacher in the workers (one per teacher of the run).
-        model_path: the teacher's weights, as the workers load them.
-        tokenizer: the teacher's tokenizer (pad and EOS ids).
+    Workers load the teacher as ``key`` on the first :meth:`generate`, deal prompts as for the student, and free
+    it on :meth:`close`.
     """
 
     def __init__(self, rollout: RayGeneration, key: str, model_path: str, tokenizer: Any) -> None:

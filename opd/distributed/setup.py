@@ -1,10 +1,7 @@
 """Building the cluster's backends: the student, teacher and rollout worker groups behind their interfaces.
 
-:func:`build_cluster_backends` is what :func:`opd.distillation.setup.setup`
-calls instead of loading models in its own process when the config has a ``cluster:``
-section. It starts (or joins) Ray, places the pools, starts the workers and returns the
-facades the driver talks to. Ray is imported only here and below, so the in-process
-path never needs it.
+:func:`opd.distillation.setup.setup` calls :func:`build_cluster_backends` for a ``cluster:`` config. Ray is
+imported only here and below, so the in-process path never needs it.
 """
 
 from __future__ import annotations
@@ -41,16 +38,11 @@ log = logging.getLogger("opd")
 _MIB = 1024 * 1024
 
 TORCH_FLOOR = (2, 11)
-"""The oldest torch (major, minor) the cluster runs on, as ``pyproject.toml`` says: the oldest
-its trainer path has run on (FSDP2's summed-gradient settings and DTensor APIs are recent)."""
+"""The oldest torch (major, minor) the cluster runs on (FSDP2 and DTensor APIs), as in ``pyproject.toml``."""
 
 
 def check_torch_version(version: str = torch.__version__) -> None:
-    """Refuses a torch older than :data:`TORCH_FLOOR`, before anything starts (an older one fails deep in a worker).
-
-    Raises:
-        ConfigError: ``version`` is older than the floor.
-    """
+    """Raises ConfigError for a torch older than :data:`TORCH_FLOOR`, which would fail deep in a worker."""
     found = re.match(r"(\d+)\.(\d+)", str(version))
     if found is not None and (int(found[1]), int(found[2])) >= TORCH_FLOOR:
         return
@@ -65,39 +57,16 @@ def check_torch_version(version: str = torch.__version__) -> None:
 class ClusterRequest:
     """What the run needs from the cluster (everything else comes from ``cluster:``).
 
-    Attributes:
-        student_path: the student's starting weights.
-        teacher_paths: the teachers the cluster runs, by role name (``teacher``, or
-            ``teacher <name>`` for one of several): all colocated in the trainer workers,
-            or each in a pool of its own; empty when every teacher is served.
-        loading: dtype and loading options.
-        optimizer: AdamW and schedule settings.
-        total_steps: optimizer steps planned.
-        micro_batch_size: rows per forward/backward pass on each trainer rank.
-        micro_batch_tokens: a padded-token budget per micro-batch instead.
-        sequence_packing: pack each micro-batch without padding.
-        tokenizer: the run's tokenizer (the rollout workers decode with it).
-        generation: the rollout workers' engine (``generation:``).
-        seed: the run's seed (vLLM engines are seeded from it).
-        checkpoint_dir: where the trainer ranks write checkpoint shards; checked at start
-            to be one filesystem for every node (None: checkpointing is off).
-        teacher_head_path: the model whose output layer every trainer rank loads, to bind
-            the final hidden states that one teacher running apart (a pool, a served
-            teacher) sends for a full-vocabulary loss; None when no such signal comes.
-        lora: the student's LoRA settings (``model.lora``), or None to train every weight;
-            the rollout workers get the merged weights.
-        teacher_assembly: builds the teacher the trainer workers score with from their
-            colocated teachers, as loaded in ``teacher_paths`` order (the run's own teacher
-            builder: see ``TrainerSpec.teacher_assembly``); None: the one teacher as it is.
-        teacher_head_paths: with several teachers running apart (pools, served), each one's
-            model whose output layer every trainer rank loads, by position in
-            ``teachers.members`` (None: that member sends no hidden states); replaces
-            ``teacher_head_path``.
-        share_prompt_forward: each teacher's ``share_prompt_forward``, in ``teacher_paths``
-            order (empty: on for every one).
+    Paths are made absolute here, in the controller (:mod:`opd.utils.paths`), never in a worker.
 
-    Paths are made absolute here, in the controller (:mod:`opd.utils.paths`): a worker
-    never resolves one against its own working directory.
+    Attributes:
+        teacher_paths: teachers the cluster runs, by role (``teacher`` or ``teacher <name>``): all colocated in
+            the trainer workers, or each in its own pool; empty when every teacher is served.
+        micro_batch_tokens: a padded-token budget per micro-batch instead of ``micro_batch_size`` rows.
+        checkpoint_dir: where trainer ranks write shards, checked at start to be one filesystem on every node.
+        teacher_head_path, teacher_head_paths, teacher_assembly: as in
+            :class:`~opd.distributed.trainer_worker.TrainerSpec`.
+        share_prompt_forward: per teacher, in ``teacher_paths`` order (empty: on for every one).
     """
 
     student_path: str
@@ -143,18 +112,10 @@ class ClusterRequest:
 def build_cluster_backends(
     cluster: ClusterConfig, request: ClusterRequest
 ) -> tuple[FSDPPolicy, list[TeacherInterface], GenerationInterface]:
-    """Starts the workers and returns the student, the teachers the cluster runs and the rollout engine.
+    """Starts (or joins) Ray and the workers; returns the student, the cluster's teachers and the rollout engine.
 
-    Args:
-        cluster: the ``cluster:`` section.
-        request: what the run needs.
-
-    Returns:
-        The student, the teachers the cluster runs and the rollout engine. Teachers colocated
-        in the trainer workers are one: the run's teacher as every worker assembled it
-        around them (:class:`~opd.distributed.colocated_teacher.TeacherInTrainerWorkers`).
-        Teachers in pools are one per entry of ``request.teacher_paths``, in order, each in
-        its own pool of ``cluster.teacher.workers`` (served teachers are the caller's).
+    Colocated teachers come back as one :class:`~opd.distributed.colocated_teacher.TeacherInTrainerWorkers`;
+    pooled teachers as one :class:`TeacherPool` per ``request.teacher_paths`` entry, in order.
 
     Raises:
         ConfigError: a torch older than :data:`TORCH_FLOOR`, or colocated roles with more workers than
@@ -224,16 +185,11 @@ def _start_teachers(
     slots: list[Slot],
     groups: list[WorkerGroup],
 ) -> list[TeacherInterface]:
-    """The teachers the cluster runs, each pool it starts added to ``groups``.
-
-    Colocated: the one teacher the trainer workers assembled. Else one pool of
-    ``cluster.teacher.workers`` per teacher of ``request``, in order.
-    """
+    """The teachers the cluster runs (see :func:`build_cluster_backends`); each pool started is added to ``groups``."""
     if colocated:  # the workers hold them all and assemble the run's teacher; the driver asks this
         return [TeacherInTrainerWorkers(trainer, trainer.call("teacher_student_classes"))]
     per_pool = cluster.teacher.workers
-    # Their hidden states can be bound in the trainer workers: they hold the output layer of
-    # every teacher that runs apart when the loss takes the full vocabulary.
+    # The trainer workers hold each pooled teacher's output layer when the loss takes the full vocabulary.
     binds = any(path is not None for path in request.heads())
     shards, engine = cluster.teacher.shards_per_replica, cluster.teacher.pool_engine
     teachers: list[TeacherInterface] = []
@@ -283,8 +239,7 @@ def _start_trainer(
         optimizer=request.optimizer,
         total_steps=request.total_steps,
         backend=cluster.resolved_backend(),
-        # A collective may wait for a peer that is still loading its models at start; the
-        # controller's bounds on each call are what stop a hung step.
+        # A collective may wait for a peer still loading at start; the controller's call bounds stop a hung step.
         timeout_s=max(cluster.call_timeout("trainer")[0], cluster.start_timeout_s),
         threads=cluster.threads_per_worker,
         reshard_after_forward=cluster.trainer.reshard_after_forward,
@@ -322,9 +277,7 @@ def _start_teacher_pool(
 ) -> WorkerGroup:
     """The workers of one teacher (``cluster.teacher.placement: pool``); ``role`` names them in errors.
 
-    With ``cluster.teacher.shards_per_replica`` above 1, each replica's workers meet in a
-    process group of their own (on the node of the replica's first worker) and shard the
-    teacher over it.
+    With ``shards_per_replica`` above 1, each replica's workers shard the teacher in their own process group.
     """
     shards = cluster.teacher.shards_per_replica
     backend, timeout_s = cluster.resolved_backend(), cluster.worker_timeout_s

@@ -1,24 +1,10 @@
 """Loading a model straight into its FSDP2 shards: no rank ever holds the whole model.
 
-The plain way to shard (load the whole model on every rank, then ``fully_shard``) needs
-the whole model's memory once per rank: a 32B teacher in bf16 is 61 GiB, eight ranks on a
-node half a terabyte of host memory. Here instead:
-
-1. the model is built with its **parameters on the meta device** (no memory) and its
-   buffers real (rotary frequencies and the like are computed at construction and are
-   not in the weight files);
-2. the caller's sharding function (``fully_shard``) splits the meta parameters into
-   DTensors;
-3. each rank allocates only its local shards on its device (``to_empty``; the buffers
-   are put back afterwards);
-4. each rank reads **its own rows** of every tensor from the safetensors files, straight
-   into its shard (through one small reusable buffer where the dtype or device differs).
-
-Summed over the ranks, the memory is one copy of the model, plus one tensor's slice in
-flight per rank. Every rank needs the model directory (a hub download is per node, a
-shared filesystem serves all). A model without safetensors files (``tiny:`` presets,
-``pytorch_model.bin`` checkpoints, remote code that renames its weights) is loaded whole
-on each rank and then sharded, as before, with a log line that says so.
+Loading whole then sharding costs a full copy per rank. Instead the model is built with **parameters on the meta
+device** (buffers real: rotary frequencies are in no weight file), sharded, each rank allocates only its shards
+(``to_empty``) and reads **its own rows** of every tensor from the safetensors files. Summed over ranks that is
+one copy of the model. Every rank needs the model directory. A model without safetensors files (``tiny:``,
+``.bin``) is loaded whole on each rank and then sharded, with a log line.
 """
 
 from __future__ import annotations
@@ -49,8 +35,7 @@ log = logging.getLogger("opd")
 ShardFn = Callable[["PreTrainedModel"], "PreTrainedModel"]
 """Shards a model in place (``fully_shard`` over the trainer's mesh) and returns it."""
 AddedFn = Callable[["PreTrainedModel"], set[str]]
-"""Fills the parameters a sharding function added to the model (a LoRA student's adapters,
-in no weight file) on this rank's shards, and returns their names."""
+"""Fills the parameters a sharding function added (LoRA adapters, in no weight file) and returns their names."""
 
 # Wrappers that insert a path segment into parameter names but not into weight files.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -68,17 +53,10 @@ def load_sharded(
     """The causal LM at ``path``, sharded by ``shard``, each rank holding only its shards (module docstring).
 
     Args:
-        path: a model directory with safetensors files, a hub name already in the local
-            cache, or a path the whole-model loader handles (``tiny:``, ``.bin`` files).
-        dtype: the dtype the sharded parameters keep (fp32 master weights for a
-            trained student, the compute dtype for a frozen teacher).
-        device: this rank's compute device.
-        loading: trust_remote_code and attention implementation.
-        shard: applies ``fully_shard`` to the model (called on the meta-device model).
-        added: given when ``shard`` also wraps the model in new modules (peft's LoRA
-            layers): it fills the parameters they add, after the model is sharded; the
-            others are read from the files under their names without peft's
-            ``base_layer.`` segment.
+        path: a model directory, a hub name already in the local cache, or ``tiny:`` / ``.bin`` (loaded whole).
+        dtype: what the shards keep (fp32 masters for a student, compute dtype for a teacher).
+        added: when ``shard`` adds modules (LoRA), fills their parameters after sharding; the rest are read
+            under their names without peft's ``base_layer.`` segment.
 
     Raises:
         ConfigError: the directory cannot be read, or its files lack a parameter.
@@ -134,11 +112,7 @@ def _build_on_meta(path: str, dtype: torch.dtype, loading: ModelLoadingConfig) -
 
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered inside goes to the meta device; buffers stay where they are made.
-
-    A ``torch.device("meta")`` context would put the buffers there too, and the ones a
-    model computes at construction (rotary frequencies) are in no weight file.
-    """
+    """Every parameter registered inside goes to the meta device; buffers (not in weight files) stay real."""
     register = torch.nn.Module.register_parameter
 
     def register_on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
@@ -195,8 +169,7 @@ def _read_local_slices(
         )
 
 
-# The safetensors format: an 8-byte little-endian header length, a JSON header naming
-# each tensor's dtype, shape and byte range, then the tensors' bytes, row-major.
+# safetensors: 8-byte little-endian header length, JSON header (dtype, shape, byte range), row-major bytes.
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -229,8 +202,7 @@ def _safetensors_header(file: Path, path: str) -> tuple[dict[str, Any], int]:
 class _Staging:
     """One reusable host buffer that rows pass through when they change dtype or device.
 
-    A fresh temporary per tensor would be returned to the allocator, not to the system:
-    the process's resident memory would grow by the sum of all the slices read.
+    Fresh temporaries go back to the allocator, not the system, so resident memory would grow by every slice read.
     """
 
     BYTES = 64 * 2**20
@@ -264,9 +236,8 @@ def _copy_local_rows(
 ) -> None:
     """Reads the part of ``entry`` that this rank's shard of ``parameter`` holds, straight into it.
 
-    ``fully_shard`` splits rows, so a shard is a run of whole rows: one contiguous byte
-    range. A shard split along another dimension too reads its rows whole, chunk by
-    chunk through the staging buffer, and keeps its own part of each.
+    A row shard is one contiguous byte range; a shard also split on another dimension reads whole rows through
+    the staging buffer and keeps its part.
     """
     if isinstance(parameter, DTensor):
         local = parameter.to_local()

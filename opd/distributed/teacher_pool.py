@@ -1,17 +1,9 @@
 """The teacher on a Ray cluster as a pool of workers of its own (``cluster.teacher.placement: pool``).
 
-:class:`TeacherPool`: ``cluster.teacher.workers`` workers (:class:`TeacherWorker`),
-sharing the rows of each request. A replica is one worker with the whole model, or
-(``cluster.teacher.shards_per_replica: n``) ``n`` workers that hold one teacher sharded
-with FSDP2 over a process group of their own, for a teacher larger than one device. They
-send top-k or token log-probs, or for the full-vocabulary losses their final hidden
-states (:class:`~opd.models.interfaces.TeacherHiddenStates`, ``[B, L, D]`` in the
-teacher's dtype): never ``[B, L, V]`` logits, and never the output layer, which each
-trainer worker loaded once and binds them to. What a worker scores with
-(``cluster.teacher.engine``) is a pool engine
-(:data:`~opd.distributed.pool_engines.POOL_ENGINES`): it builds the replica, says what it
-can send and answers. A teacher colocated in the trainer workers is
-:class:`~opd.distributed.colocated_teacher.TeacherInTrainerWorkers`.
+A replica is one worker with the whole model, or ``shards_per_replica`` workers sharding it with FSDP2. Workers
+send top-k or token log-probs, or for full-vocabulary losses final hidden states (``[B, L, D]``, teacher dtype),
+never ``[B, L, V]`` logits; each trainer worker binds them to the output layer it loaded. What a worker scores
+with is a pool engine (:mod:`opd.distributed.pool_engines`).
 """
 
 from __future__ import annotations
@@ -80,27 +72,13 @@ def _on_host(signal: TeacherSignal) -> TeacherSignal:
 class TeacherWorker:
     """One worker of a teacher pool (a Ray actor): a whole replica, or one FSDP2 shard of one.
 
-    With ``shards_per_replica`` 1 the constructor loads the whole frozen teacher and the
-    worker answers on its own. With ``n > 1``, workers ``r·n … r·n + n − 1`` form replica
-    ``r``: a process group of their own (built in two calls, like the trainer's:
-    :meth:`rendezvous_address` on the replica's first worker, then :meth:`start` on all),
-    over which the teacher is sharded with FSDP2, forward only. Each worker of a replica
-    scores rows of its own, and every forward gathers each layer's weights from the
-    replica's workers, so all of them must be asked together (:class:`TeacherPool` does).
+    With ``shards_per_replica`` ``n > 1``, workers ``r·n … r·n + n − 1`` form replica ``r`` in a process group of
+    their own (:meth:`rendezvous_address` on the first, then :meth:`start` on all). Each scores its own rows, but
+    every forward gathers weights from all of them, so they must be asked together (:class:`TeacherPool` does).
 
     Args:
-        rank: this worker's rank in the pool.
-        model_path: the teacher's weights.
-        loading: dtype and loading options.
-        threads: torch threads of a CPU worker.
-        shards_per_replica: workers that hold one replica between them.
-        backend: torch.distributed backend of a replica's process group (``gloo`` or ``nccl``).
-        timeout_s: bound on every collective of a replica (``cluster.worker_timeout_s``).
-        pool: ``cluster.teacher``, whose ``engine`` builds the replica and answers
-            (:data:`~opd.distributed.pool_engines.POOL_ENGINES`); None: the HF engine.
-        seed: the engine's seed.
-        share_prompt_forward: an unsharded HF teacher runs each distinct prompt of a
-            micro-batch once (``teacher.share_prompt_forward``).
+        backend, timeout_s: a replica's process group's backend and bound on every collective.
+        pool: ``cluster.teacher``, whose ``engine`` builds the replica and answers; None: the HF engine.
     """
 
     def __init__(
@@ -142,8 +120,7 @@ class TeacherWorker:
             self.shard, self.shards_per_replica, master_addr, master_port, self.backend, self.timeout_s
         )
         device = rank_device(self.backend)
-        # Each worker reads only its own rows of the weights: neither the host nor the
-        # device ever holds the whole teacher.
+        # Each worker reads only its own rows of the weights, never the whole teacher.
         dtype = resolve_dtype(self.loading.dtype, device)
         model = load_sharded(self.model_path, dtype, device, self.loading, lambda whole: shard_model(whole, mesh))
         model.requires_grad_(False)
@@ -159,21 +136,13 @@ class TeacherWorker:
 class TeacherPool(TeacherInterface):
     """``TeacherInterface`` over a pool of :class:`TeacherWorker` replicas (see the module docstring).
 
-    Every request is split into contiguous blocks of rows, one per worker of the
-    replicas it uses, so all replicas (and all shards of a sharded replica) score at
-    the same time; :meth:`score_async` returns while they do, so a caller can have many
-    requests in flight at once (each worker runs its requests in the order they came).
-
-    A full-vocabulary request is answered with the teacher's final hidden states
-    (:class:`~opd.models.interfaces.TeacherHiddenStates`), when the trainer that receives
-    them holds the teacher's output layer (``binds_hidden_states``).
+    Every request is split into contiguous row blocks, one per worker used, so replicas and shards score at once;
+    many requests may be in flight (each worker runs its requests in arrival order).
 
     Args:
         workers: the :class:`TeacherWorker` workers, replica by replica.
-        shards_per_replica: workers that hold one replica between them.
-        binds_hidden_states: the trainer workers loaded this teacher's output layer, so
-            full-vocabulary requests can be answered with hidden states.
-        engine: what the workers score with (``cluster.teacher.pool_engine``): it says what they can send.
+        binds_hidden_states: the trainer workers hold this teacher's output layer (full-vocabulary requests).
+        engine: what the workers score with; it says what they can send.
     """
 
     def __init__(
@@ -189,8 +158,7 @@ class TeacherPool(TeacherInterface):
         self.shards_per_replica = shards_per_replica
         self.binds_hidden_states = binds_hidden_states
         self.engine = engine
-        # A sharded replica's workers run their forwards together: requests from several
-        # threads must reach all of a replica's workers in the same order.
+        # Requests from several threads must reach all of a sharded replica's workers in the same order.
         self._submitting = threading.Lock()
 
     @classmethod
@@ -218,9 +186,7 @@ class TeacherPool(TeacherInterface):
     def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
         """Hands the workers their blocks and returns while they score.
 
-        As many replicas as have rows to score take part, each with all of its workers
-        (a worker of a sharded replica without a row of its own scores a filler row,
-        dropped from the answer, because its forward gathers its peers' weights).
+        A sharded replica's worker without rows scores a dropped filler row, since its forward gathers its peers'.
         """
         reason = self.refusal(request)
         if reason is not None:

@@ -1,31 +1,13 @@
 """One rank of the FSDP2 student trainer: a Ray actor that holds a shard of the student.
 
-The controller (:class:`~opd.distributed.fsdp_policy.FSDPPolicy`) plans each rank's
-micro-batches and sends them; every rank runs forward and backward on its own, FSDP2
-sums the gradients over the ranks, and the ranks agree on the global metrics with one
-all-reduce before the optimizer step, so they all skip a non-finite step together.
-
-A colocated teacher is a frozen copy sharded the same way (no gradients, no optimizer),
-or with ``cluster.teacher.sharded: false`` a whole copy in every rank: it scores each
-micro-batch right where the student's hidden states are, so the exact full-vocabulary
-loss needs nothing to cross a process boundary. Several colocated teachers (``teachers:``)
-are each loaded so; the run's builder (``TrainerSpec.teacher_assembly``) puts them behind
-the teacher the run scores with (routing or mixture, a teacher-only context, another
-tokenizer's mapping), as it does in one process.
-
-A teacher that runs apart (a pool, a served teacher) sends its full-vocabulary answer as
-final hidden states alone (:class:`~opd.models.interfaces.TeacherHiddenStates`): every
-rank loads that teacher's output layer once (``TrainerSpec.teacher_head_paths``) and binds
-the hidden states it receives to it, so the fused loss makes the teacher's logits chunk by
-chunk, as with a colocated teacher. With several such teachers every rank holds each one's
-layer and binds each member's hidden states to its own (a routed part to its member's; a
-mixture's members each to theirs, then mixed here).
-
-A LoRA student (``model.lora``) is wrapped with peft before it is sharded: the frozen
-base weights are sharded like any others, only the adapters are in the optimizer, and
-checkpoints hold the adapters and their optimizer state. Whatever leaves the trainer as
-a model (the refit, ``final_model/``) is the merged plain model under the base model's
-names, as the in-process LoRA student gives it (:mod:`opd.policy.lora`).
+The controller (:class:`~opd.distributed.fsdp_policy.FSDPPolicy`) sends each rank its micro-batches; FSDP2 sums
+the gradients, and one all-reduce of the metrics before the optimizer step lets all ranks skip a non-finite step
+together. A colocated teacher (sharded the same way, or whole per rank with ``cluster.teacher.sharded: false``)
+scores each micro-batch where the student's hidden states are, so the full-vocabulary loss crosses no process
+boundary. A teacher that runs apart sends final hidden states only; every rank binds them to that teacher's output
+layer, loaded once. A LoRA student is wrapped with peft before sharding; only adapters are optimized and
+checkpointed, and whatever leaves the trainer as a model is merged under the base model's names
+(:mod:`opd.policy.lora`).
 """
 
 from __future__ import annotations
@@ -105,41 +87,22 @@ class TrainerSpec:
 
     Attributes:
         student_path: the student's starting weights (hub name, directory or ``tiny:``).
-        teacher_path: a colocated teacher's weights; None when the teacher runs elsewhere
-            (or when ``teacher_paths`` names several).
-        loading: dtype and loading options of both models.
-        optimizer: AdamW and schedule settings.
+        teacher_path: a colocated teacher's weights; None when it runs elsewhere or ``teacher_paths`` is set.
         total_steps: optimizer steps planned (for decaying schedules).
-        backend: ``gloo`` or ``nccl``.
         timeout_s: bound on every collective.
         threads: torch threads of a CPU rank.
-        reshard_after_forward: free the student's gathered layers after each forward
-            (``cluster.trainer.reshard_after_forward``).
-        teacher_sharded: shard a colocated teacher with FSDP2; False keeps a whole copy
-            in every rank (``cluster.teacher.sharded``).
-        shard_group_size: None shards over every rank (FSDP2); ``k`` shards within groups
-            of ``k`` ranks and replicates across them (HSDP, ``cluster.trainer.shard_group_size``).
-        activation_checkpointing: recompute each student layer's activations in the
-            backward (``cluster.trainer.activation_checkpointing``).
-        teacher_head_path: the model whose output layer (only that layer) every rank loads,
-            in ``loading.dtype``, to bind the hidden states that a teacher running apart (a
-            pool, a served teacher) sends for a full-vocabulary loss; None without one.
-        lora: train low-rank adapters on the frozen student (``model.lora``); None
-            trains every weight.
-        seed: the run's seed, which draws a LoRA student's starting adapter (as the
-            in-process student draws it).
-        teacher_paths: several colocated teachers' weights, in ``teachers.members`` order
-            (instead of ``teacher_path``).
-        teacher_assembly: builds the teacher the ranks score with from the colocated
-            teachers as loaded (in order): the run's own teacher builder, so that routing,
-            a mixture, a teacher-only context or another tokenizer wrap them as in one
-            process. None: the one colocated teacher as it is, under each row's
-            teacher-only context when the rows carry one.
-        teacher_head_paths: with several teachers running apart, each one's model whose
-            output layer every rank loads (by position in ``teachers.members``; None for a
-            member that sends no hidden states), instead of ``teacher_head_path``.
-        teacher_share_prompt_forward: each colocated teacher's ``share_prompt_forward``, in
-            :meth:`colocated_teachers` order (empty: on); a sharded teacher never shares.
+        teacher_sharded: shard a colocated teacher with FSDP2; False keeps a whole copy per rank.
+        shard_group_size: None shards over every rank; ``k`` shards within groups of ``k`` and replicates (HSDP).
+        teacher_head_path: model whose output layer alone every rank loads (``loading.dtype``) to bind the hidden
+            states a teacher running apart sends; None without one.
+        seed: draws a LoRA student's starting adapter, as the in-process student does.
+        teacher_paths: several colocated teachers' weights, in ``teachers.members`` order.
+        teacher_assembly: the run's teacher builder, applied to the loaded colocated teachers (routing, mixture,
+            context, tokenizer mapping). None: the one teacher, under each row's teacher-only context if any.
+        teacher_head_paths: ``teacher_head_path`` per member of several teachers running apart (None: no hidden
+            states).
+        teacher_share_prompt_forward: per colocated teacher, in :meth:`colocated_teachers` order (empty: on);
+            a sharded teacher never shares.
     """
 
     student_path: str
@@ -177,8 +140,7 @@ class ShardedTeacher(LocalTeacher):
     """A frozen teacher sharded with FSDP2: its forward gathers the weights, under ``no_grad``."""
 
     def __init__(self, model: Any) -> None:
-        # One forward per micro-batch: every rank gathers the weights in the same passes,
-        # whatever prompts its rows share (a shared prompt's pass would add one on some ranks).
+        # One forward per micro-batch, so every rank gathers the weights in the same passes.
         super().__init__(model, share_prompt_forward=False)
         self.no_grad_mode = torch.no_grad
 
@@ -189,14 +151,8 @@ class ShardedTeacher(LocalTeacher):
 def bind_members(signal: TeacherSignal, heads: Sequence[OutputLayer | None], holder: str) -> TeacherSignal:
     """A teacher's answer with every member's hidden states bound to that member's output layer.
 
-    One teacher's answer is bound to ``heads[0]``. A routed answer's parts are each bound
-    to the head of the member they came from. A mixture whose members sent hidden states
-    is mixed here, once each member's are bound (:meth:`MixedSignal.mix_bound`).
-
-    Args:
-        signal: the answer as received, on this process's device.
-        heads: each member's output layer by position (None where none was loaded).
-        holder: who should hold a missing layer, for the error.
+    One teacher binds to ``heads[0]``; routed parts to their member's head; a mixture is mixed here once its
+    members are bound (:meth:`MixedSignal.mix_bound`). ``holder`` names who lacks a missing layer in the error.
     """
 
     def head(member: int) -> OutputLayer | None:
@@ -217,14 +173,8 @@ def bind_members(signal: TeacherSignal, heads: Sequence[OutputLayer | None], hol
 class Lockstep:
     """Keeps the ranks' sharded colocated teachers in step: one forward each per micro-batch, in member order.
 
-    A sharded teacher's forward gathers its weights from every rank, so every rank must
-    run the same teachers' forwards in the same order. Routing scores only the members
-    that have rows in a rank's micro-batch: a member this rank has no rows for runs a
-    one-token forward in its turn instead, whose answer is dropped.
-
-    Args:
-        members: the colocated teachers, in member order.
-        device: where their inputs go.
+    A sharded forward gathers weights from every rank, so all ranks must run the same forwards in the same order.
+    A member with no routed rows on this rank runs a dropped one-token forward in its turn.
     """
 
     def __init__(self, members: Sequence[LocalTeacher], device: torch.device) -> None:
@@ -250,13 +200,7 @@ class Lockstep:
 
 
 class InTurn(TeacherInterface):
-    """A sharded colocated teacher that takes its turn (:class:`Lockstep`) before it scores.
-
-    Args:
-        teacher: the teacher.
-        position: its place in member order.
-        lockstep: the turns of the worker's colocated teachers.
-    """
+    """A sharded colocated teacher that takes its turn (:class:`Lockstep`) before it scores."""
 
     def __init__(self, teacher: LocalTeacher, position: int, lockstep: Lockstep) -> None:
         self.teacher, self.position, self.lockstep = teacher, position, lockstep
@@ -275,9 +219,8 @@ class InTurn(TeacherInterface):
 def release_gathered_root(model: Any) -> None:
     """Frees the root group's gathered weights (embedding, final norm, head) of an FSDP2 model.
 
-    FSDP2 keeps them after a forward for the backward that follows; a frozen teacher, or
-    a student scored under ``no_grad``, has none, so they would stay gathered (for a 32B
-    teacher, its 3.1 GB of bf16 embedding and head on every rank) until the next forward.
+    FSDP2 keeps them for the backward; without one (frozen teacher, ``no_grad``) they would stay gathered until the
+    next forward.
     """
     if isinstance(model, FSDPModule):
         model.reshard()
@@ -286,14 +229,8 @@ def release_gathered_root(model: Any) -> None:
 class TrainerWorker(RefitSender):
     """One FSDP2 rank (created by :class:`~opd.distributed.workers.worker_group.WorkerGroup` as a Ray actor).
 
-    Built in two calls, because rank 0 may be on another node than the controller: the
-    constructor only records its place, rank 0's :meth:`rendezvous_address` names where the
-    process group meets, and :meth:`start` joins it and builds the models.
-
-    Args:
-        rank: this rank.
-        world_size: trainer ranks in all.
-        spec: what to build.
+    Built in two calls because rank 0 may be on another node: rank 0's :meth:`rendezvous_address` names where the
+    process group meets, then :meth:`start` joins it and builds the models.
     """
 
     def __init__(self, rank: int, world_size: int, spec: TrainerSpec) -> None:
@@ -317,10 +254,9 @@ class TrainerWorker(RefitSender):
         self.build(mesh, rank_device(spec.backend))
 
     def build(self, mesh: DeviceMesh, device: torch.device) -> None:
-        """Loads and shards the student (and a colocated teacher) over ``mesh``; builds the optimizer.
+        """Loads and shards the student (and colocated teachers) over ``mesh``; builds the optimizer.
 
-        Separate from :meth:`start` so that a process group made elsewhere (a fake one,
-        for ``opd plan``'s dry run) builds the very same trainer.
+        Separate from :meth:`start` so that ``opd plan``'s fake process group builds the very same trainer.
         """
         spec = self.spec
         self.device = device
@@ -372,10 +308,7 @@ class TrainerWorker(RefitSender):
         release_cached_memory(self.device)
 
     def _load_teacher(self, path: str, mesh: DeviceMesh, dtype: torch.dtype, share_prompt: bool) -> LocalTeacher:
-        """One frozen colocated teacher: sharded over ``mesh``, or (``teacher_sharded`` off) whole.
-
-        ``share_prompt``: a whole copy shares its prompts' forward passes (a sharded one never does).
-        """
+        """One frozen colocated teacher: sharded over ``mesh``, or whole (then ``share_prompt`` applies)."""
         spec = self.spec
         if spec.teacher_sharded:
             model = load_sharded(path, dtype, self.device, spec.loading, lambda whole: shard_model(whole, mesh))
@@ -394,12 +327,9 @@ class TrainerWorker(RefitSender):
     # ------------------------------------------------------------------ sharing the device
 
     def offload_to_host(self) -> int:
-        """Moves the optimizer state and a colocated teacher to host memory; returns the bytes moved.
+        """Moves the optimizer state and colocated teachers to host memory; returns the bytes moved.
 
-        Called while colocated rollout engines generate on this rank's GPU (NeMo-RL's
-        offload): Adam's two moments are twice the student's fp32 weights, and a teacher
-        is often larger than the student, so this is most of what the engine needs.
-        The student's own weights stay: the refit reads them.
+        Frees the GPU for colocated rollout engines. The student's weights stay: the refit reads them.
         """
         host = torch.device("cpu")
         moved = self._move_optimizer_state(host) + self._move_teacher(host)
@@ -464,19 +394,12 @@ class TrainerWorker(RefitSender):
         """Forward and backward over this rank's micro-batches, then one optimizer step on every rank.
 
         Args:
-            loss_fn: called per micro-batch.
-            global_valid_tokens: loss-carrying tokens of the whole global batch.
-            global_valid_seqs: sequences of the whole global batch.
-            micro_batches: this rank's share, as many micro-batches as every other rank
-                (already packed when the run packs sequences).
-            teacher_signals: the teacher's answer for each micro-batch (from a colocated
-                teacher, :class:`~opd.models.interfaces.AnsweredWhereTrained`: score it
-                here); None when the loss asks for no teacher.
+            global_valid_tokens: loss-carrying tokens of the whole global batch (``global_valid_seqs``: sequences).
+            micro_batches: this rank's share; every rank gets as many (already packed if the run packs).
+            teacher_signals: the answer per micro-batch (``AnsweredWhereTrained``: score here); None: no teacher.
 
         Returns:
-            The global metrics (the same on every rank), plus this rank's own timings:
-            ``teacher_seconds`` (in its colocated teacher) and ``compute_seconds`` (the
-            whole call).
+            The global metrics (same on every rank) plus this rank's ``teacher_seconds`` and ``compute_seconds``.
         """
         start = time.perf_counter()
         teacher_seconds = 0.0
@@ -508,9 +431,7 @@ class TrainerWorker(RefitSender):
     def _sum_over_ranks(self, totals: dict[str, float]) -> dict[str, float]:
         """Each metric summed over the ranks, ``*_max`` ones maximised.
 
-        Ranks may hold different keys (several routed teachers: a rank whose rows all
-        went to one teacher has no metrics of the other), so the keys are gathered first
-        and a rank without a key adds nothing to it (0 to a sum, −inf to a maximum).
+        Ranks may hold different keys (routed teachers), so keys are gathered first; a missing key adds 0 or −inf.
         """
         gathered: list[list[str] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, sorted(totals))
@@ -530,11 +451,7 @@ class TrainerWorker(RefitSender):
         return reduced
 
     def _received(self, signal: TeacherSignal) -> TeacherSignal:
-        """A teacher's answer sent by the controller, on this rank's device (hidden states bound to their heads).
-
-        One teacher's hidden states are bound to the head of position 0; several teachers'
-        each to their own member's (:func:`bind_members`).
-        """
+        """A teacher's answer sent by the controller, on this rank's device, bound by :func:`bind_members`."""
         return bind_members(signal_to_device(signal, self.device), self.teacher_heads, f"trainer rank {self.rank}")
 
     def _answer(self, signal: TeacherSignal, micro_batch: BatchedDataDict) -> TeacherSignal:
@@ -546,11 +463,8 @@ class TrainerWorker(RefitSender):
     def _score_colocated(self, micro_batch: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
         """The colocated teachers' answer for a micro-batch, as the run's teacher gives it in one process.
 
-        With ``TrainerSpec.teacher_assembly`` the assembled teacher answers (several
-        teachers, a teacher-only context, another tokenizer: as built in one process).
-        Without one, the one teacher answers, under each row's teacher-only context when
-        the rows carry ``teacher_prompt_ids``
-        (:class:`~opd.teachers.context_teacher.ContextTeacher`).
+        Without ``TrainerSpec.teacher_assembly``, rows carrying ``teacher_prompt_ids`` are scored under a
+        :class:`~opd.teachers.context_teacher.ContextTeacher`.
         """
         if self.teacher is None:
             raise RuntimeError("this trainer has no colocated teacher; the controller must send teacher signals")
@@ -577,13 +491,9 @@ class TrainerWorker(RefitSender):
         micro_batches: list[BatchedDataDict],
         teacher_signals: list[TeacherSignal],
     ) -> dict[str, float]:
-        """This rank's sums of ``comparison`` over its micro-batches (every rank must call it).
+        """This rank's sums of ``comparison`` over its micro-batches (a collective: every rank calls it).
 
-        The student runs to its final hidden states without gradient; ``comparison`` makes
-        the logits from them chunk by chunk. The teacher's answers come from the controller,
-        or (:class:`~opd.models.interfaces.AnsweredWhereTrained`) from the colocated teacher,
-        which answers a full-vocabulary request with its own hidden states and head: no
-        ``[B, L, V]`` tensor is made or sent.
+        ``comparison`` makes logits chunk by chunk from hidden states, so no ``[B, L, V]`` tensor is made or sent.
         """
         totals: dict[str, float] = {}
         with torch.no_grad():
@@ -602,8 +512,7 @@ class TrainerWorker(RefitSender):
     def teacher_score(self, request: TeacherRequest, data: BatchedDataDict) -> TeacherSignal:
         """The run's teacher, as assembled here, on this rank's rows: top-k or token log-probs, sent back.
 
-        A full-vocabulary answer is refused: it stays in the worker (``train`` and
-        ``compare_with_teacher`` use it there), since ``[B, L, V]`` floats must not be sent.
+        Raises ValueError for a full-vocabulary request: ``[B, L, V]`` floats are used in the worker, never sent.
         """
         if isinstance(request, FullVocabRequest):
             raise ValueError("the colocated teacher's full vocabulary is used in the worker, never sent")
@@ -628,10 +537,7 @@ class TrainerWorker(RefitSender):
 
     @dispatch(gather=first)
     def whole_weights(self) -> dict[str, torch.Tensor]:
-        """Rank 0: every weight, whole, on CPU (the others gather with it and return nothing).
-
-        A LoRA student's are merged, under the base model's names (what the refit sends).
-        """
+        """Rank 0: every weight (LoRA merged), whole, on CPU; the other ranks gather with it and return nothing."""
         return self._whole(self.refit_entries())
 
     def _whole(self, entries: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -646,8 +552,7 @@ class TrainerWorker(RefitSender):
     def save_pretrained(self, directory: str) -> None:
         """Gathers the whole student; rank 0 writes it in ``model.dtype`` as a Hugging Face model directory.
 
-        A LoRA student is written as the in-process one writes it: merged into a plain
-        model in ``directory``, and its adapter alone in peft's format in ``directory/adapter/``.
+        A LoRA student is written merged, plus its adapter in peft's format in ``directory/adapter/``.
         """
         weights = self.whole_weights()
         if self.rank == 0:  # in model.dtype, as an in-process run writes it
@@ -670,17 +575,15 @@ class TrainerWorker(RefitSender):
 
     @dispatch(gather=nothing)
     def save_shards(self, directory: str) -> None:
-        """Writes this rank's shard of the model and optimizer (and, rank 0, the schedule) to ``directory``.
+        """Writes this rank's shard of the model and optimizer (rank 0: also the schedule) to ``directory``.
 
-        A LoRA student writes its adapters only (and their optimizer state): the frozen
-        base weights are the run's starting model, loaded again on resume.
+        A LoRA student writes only its adapters and their optimizer state; resume reloads the base model.
         """
         model_state, optim_state = self._checkpoint_state()
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(directory) / SHARDS_DIR))
         if self.rank == 0:
             torch.save(self.scheduler.state_dict(), Path(directory) / SCHEDULER_FILE)
-            # What `opd export` needs to rebuild a model around the consolidated weights
-            # (the fp32 masters, written in model.dtype).
+            # For `opd export` to rebuild a model around the consolidated fp32 masters (in model.dtype).
             self.model.config.dtype = self.compute_dtype
             self.model.config.save_pretrained(str(Path(directory) / MODEL_CONFIG_DIR))
             self.model.config.dtype = torch.float32
@@ -710,10 +613,9 @@ class TrainerWorker(RefitSender):
         return model_state, optim_state
 
     def _state_options(self) -> StateDictOptions:
-        """A checkpoint's model state: every weight, or (LoRA) the adapters alone.
+        """A checkpoint's model state: every weight, or (LoRA, non-strict) the adapters alone.
 
-        A LoRA student's state dict lacks the frozen weights, which a strict load would
-        call missing; ``dcp.load`` still fails on any adapter the checkpoint lacks.
+        ``dcp.load`` still fails on any adapter the checkpoint lacks.
         """
         lora = self.peft_model is not None
         return StateDictOptions(strict=not lora, ignore_frozen_params=lora)
@@ -727,9 +629,7 @@ class TrainerWorker(RefitSender):
     def write_marker(self, directory: str, token: str) -> tuple[str, str, str | None]:
         """Writes this rank's marker file into ``directory`` (see :mod:`opd.distributed.workers.shared_directory`).
 
-        Returns:
-            ``(file name, node, error)``: the error is why the write failed (the
-            directory cannot be made on this node), else None.
+        Returns ``(file name, node, error)``; error says why the write failed on this node, else None.
         """
         if not Path(directory).is_absolute():  # it would name a place in this worker's own working directory
             raise ValueError(f"the controller must send an absolute checkpoint directory, got {directory!r}")

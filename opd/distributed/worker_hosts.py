@@ -1,23 +1,11 @@
 """Worker processes kept warm between the runs of one Python process, on one machine's CPUs.
 
-A cluster run's workers are Ray actors. Starting one costs a process and the imports of
-torch and transformers: on a machine with few CPUs, most of a short run's start. A
-process that runs many short runs in a row (the test suite, a sweep in a notebook) can
-keep those processes instead: :func:`keep_workers_warm` turns it on, and
-every :class:`~opd.distributed.workers.worker_group.WorkerGroup` built by the cluster setup then
-takes its actors from :class:`WarmHosts`.
-
-A :class:`WorkerHost` is a Ray actor that holds one worker object at a time: it builds it
-(the worker class's constructor, as a fresh actor would run it), forwards the calls to it,
-and, when the run ends cleanly, drops it and leaves the default process group, so that the
-next run's worker starts from the same state. A group that fails is killed as before and
-its hosts are forgotten.
-
-Warm hosts take no CPU slot of their own and sit in no placement group: the run's
-placement groups still reserve its slots (so what a run may take is checked as before),
-but the processes are not pinned to those bundles. That is sound on one machine's CPUs
-alone, so warm hosts are never used for workers that take GPUs, and nothing turns them on
-in an ordinary run (``opd train`` never does).
+Starting a Ray actor costs a process and the torch/transformers imports. For many short runs in a row (tests, a
+sweep), :func:`keep_workers_warm` makes every :class:`~opd.distributed.workers.worker_group.WorkerGroup` take its
+actors from :class:`WarmHosts`. A :class:`WorkerHost` holds one worker at a time; a clean end drops it and its
+process group, a failed group is killed and its hosts forgotten. Hosts take no CPU slot and sit in no placement
+group (the run's groups still reserve its slots), which is sound only on one machine's CPUs: never for GPU
+workers, and ``opd train`` never turns them on.
 """
 
 from __future__ import annotations
@@ -94,18 +82,11 @@ class HostedActor:
 
 
 class WarmHosts:
-    """The idle worker hosts of one Ray cluster, each kept for one role, rank and environment.
+    """The idle worker hosts of one Ray cluster (``address``: its GCS), each kept for one role, rank and environment.
 
-    A host is only ever handed back to the rank of the role it served. Some of torch's
-    caches outlive a process group: DTensor's sharding caches are keyed by device meshes,
-    and two meshes of the same shape compare equal whatever rank built them, so a process
-    that was rank 1 and came back as rank 0 would read its shards through rank 1's
-    coordinates. A process that keeps its rank meets only what it computed itself.
-
-    Args:
-        address: the GCS address of the cluster the hosts belong to.
-        max_idle: how many idle hosts are kept (each holds torch and transformers in
-            memory); beyond it, those idle the longest are ended.
+    A host only ever serves the same rank again: DTensor's sharding caches outlive a process group and equal-shaped
+    meshes compare equal, so a former rank 1 reused as rank 0 would read shards through rank 1's coordinates.
+    Beyond ``max_idle`` idle hosts, those idle the longest are ended.
     """
 
     def __init__(self, address: str, max_idle: int = DEFAULT_MAX_IDLE) -> None:
@@ -151,11 +132,7 @@ _warm: WarmHosts | None = None
 def keep_workers_warm(max_idle: int = DEFAULT_MAX_IDLE) -> WarmHosts:
     """Keeps the cluster runs' worker processes between runs, on the Ray cluster this process is connected to.
 
-    Args:
-        max_idle: how many idle worker processes are kept at most (:class:`WarmHosts`).
-
-    Raises:
-        RuntimeError: Ray is not initialised in this process.
+    Raises RuntimeError when Ray is not initialised in this process.
     """
     global _warm
     if not ray.is_initialized():

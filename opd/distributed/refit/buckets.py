@@ -1,9 +1,6 @@
 """Weights packed into buckets in Ray's object store, for a refit of the rollout workers.
 
-One ``ray.put`` per bucket of about ``bucket_bytes`` instead of one per tensor: fewer
-objects and calls, and on one node each bucket is shared memory the workers map. The
-grouping (:func:`in_buckets`) is also how the FSDP2 trainer gathers its shards, one
-all-gather per bucket (:func:`opd.distributed.fsdp.whole_state_dict_buckets`).
+One ``ray.put`` per bucket rather than per tensor; :func:`in_buckets` also groups the FSDP2 trainer's all-gathers.
 """
 
 from __future__ import annotations

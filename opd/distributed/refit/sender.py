@@ -1,24 +1,7 @@
 """The trainer's end of a refit: its ranks gather the student's weights, in the engine's dtype, and send them.
 
-:class:`RefitSender` is a mixin of :class:`~opd.distributed.trainer_worker.TrainerWorker`.
-Every method that gathers is a collective of the trainer's ranks (the controller calls it
-on all of them); what goes out depends on the transport
-(:mod:`opd.distributed.refit.transport`):
-
-* **object store** (:meth:`RefitSender.weight_buckets`): rank 0 puts each bucket in Ray's
-  object store and returns the refs;
-* **broadcast** (:meth:`RefitSender.broadcast_weights`): rank 0 broadcasts each bucket as
-  one flat buffer over a process group of its own with the rollout workers (gloo on CPU,
-  NCCL on GPU);
-* **CUDA IPC** (:meth:`RefitSender.start_ipc_refit`, :meth:`RefitSender.next_ipc_bucket`):
-  every rank packs each gathered bucket into one buffer on its GPU and hands out an IPC
-  handle; the rollout worker on the same GPU copies from it. One bucket at a time: the
-  controller asks for the next only after the engines have copied this one, so at most
-  one packed bucket is held.
-
-Every path casts the shards to the engine's dtype before the all-gather
-(:func:`~opd.distributed.fsdp.whole_state_dict_buckets`), and reports the bytes of one
-whole copy of the weights it gathered.
+:class:`RefitSender` is a mixin of :class:`~opd.distributed.trainer_worker.TrainerWorker`. Every method that
+gathers is a collective of all trainer ranks; the transports are described in :mod:`opd.distributed.refit.transport`.
 """
 
 from __future__ import annotations
@@ -47,21 +30,14 @@ def bucket_bytes_of(bucket: list[tuple[str, torch.Tensor]]) -> int:
 
 
 class RefitSender:
-    """The refit methods of a trainer rank (see the module docstring).
-
-    The class it is mixed into sets ``model`` (the FSDP2 student), ``rank`` and ``device``.
-    """
+    """The refit methods of a trainer rank; the host class sets ``model`` (the FSDP2 student), ``rank``, ``device``."""
 
     model: Any
     rank: int
     device: torch.device
 
     def refit_entries(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """What a refit sends, still sharded, in order: the student's state dict, a tied tensor once.
-
-        Gathering it is a collective of every rank (a LoRA student, whose entries are its
-        merged weights, overrides this).
-        """
+        """What a refit sends, still sharded, in order: the state dict, a tied tensor once (LoRA overrides this)."""
         return _unique_state_dict(self.model)
 
     def refit_shapes(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -71,11 +47,7 @@ class RefitSender:
     def weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> tuple[list[Any], int]:
         """Rank 0: the weights in ``dtype``, in buckets of about ``bucket_bytes``, each put in Ray's object store.
 
-        On one node the object store is shared memory: a rollout worker maps a bucket
-        without a copy through a socket.
-
-        Returns:
-            The buckets' object refs and the bytes they hold (rank 0; other ranks: ``([], 0)``).
+        Returns the buckets' object refs and their bytes on rank 0; ``([], 0)`` on the others.
         """
         import ray  # only inside an actor
 
@@ -88,10 +60,7 @@ class RefitSender:
         return refs, sent
 
     def refit_layouts(self, bucket_bytes: int, dtype: torch.dtype) -> list[BucketLayout]:
-        """The layout of every bucket :meth:`broadcast_weights` and :meth:`next_ipc_bucket` send (no collective).
-
-        The same grouping as the gather's: the state dict's unique tensors, sized in ``dtype``.
-        """
+        """The layout of every bucket :meth:`broadcast_weights` and :meth:`next_ipc_bucket` send (no collective)."""
         entries = (
             (
                 name,
@@ -129,8 +98,8 @@ class RefitSender:
     def next_ipc_bucket(self) -> tuple[IpcHandle, BucketLayout] | None:
         """Gathers the next bucket and returns an IPC handle of it packed on this rank's GPU, and its layout.
 
-        The buffer of the previous bucket is released first: the controller calls this
-        only after the engines copied it. None (on every rank) when the weights are all sent.
+        Releases the previous buffer first (the controller calls only after the engines copied it), so at most one
+        packed bucket is held. None on every rank once all weights are sent.
         """
         self._ipc_buffer = None
         assert self._ipc_buckets is not None, "start_ipc_refit first"

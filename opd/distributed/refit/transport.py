@@ -1,26 +1,13 @@
 """How the student's new weights travel from the trainer to the rollout workers (``cluster.rollout.refit_transport``).
 
-A :class:`RefitTransport` runs one refit from the controller: it calls the trainer's
-ranks (:class:`~opd.distributed.refit.sender.RefitSender`) and the rollout workers
-(:class:`~opd.distributed.rollout.RolloutWorker`) and returns what moved. Every transport
-gathers the weights in buckets of ``cluster.rollout.refit_bucket_mb``, cast to the
-engines' dtype before the gather, so a bf16 engine gets half the bytes of the fp32
-master weights:
+A :class:`RefitTransport` runs one refit from the controller. Every transport gathers in buckets cast to the
+engines' dtype before the gather (a bf16 engine gets half the fp32 masters' bytes):
 
-* :class:`ObjectStoreTransport` (``object_store``, the CPU default): trainer rank 0 puts
-  each bucket in Ray's object store; every worker fetches every bucket (shared memory on
-  one node, Ray's transfer between nodes).
-* :class:`BroadcastTransport` (``broadcast``, split pools on GPUs): trainer rank 0 and the
-  rollout workers form a process group of their own at the first refit (NCCL on GPUs,
-  gloo on CPUs, which makes it testable without a GPU); rank 0 broadcasts each bucket as
-  one flat buffer.
-* :class:`CudaIpcTransport` (``cuda_ipc``, colocated on GPUs): every trainer rank holds
-  each gathered bucket on its GPU; the rollout worker on the same GPU maps it through a
-  CUDA IPC handle and copies it into its engine, with no host copy and no network.
-
-The bytes of one whole copy of the weights gathered (``refit/bytes``) and those the
-engines received (``refit/bytes_delivered``: one copy per rollout worker) are logged each
-step with ``timing/refit``.
+* ``object_store`` (CPU default): trainer rank 0 puts each bucket in Ray's object store; every worker fetches all.
+* ``broadcast`` (split pools on GPUs): rank 0 and the rollout workers form their own process group at the first
+  refit (NCCL, or gloo on CPUs, so it is testable without a GPU); rank 0 broadcasts each bucket as one buffer.
+* ``cuda_ipc`` (colocated on GPUs): each rollout worker maps the bucket held by the trainer rank on its GPU
+  through a CUDA IPC handle: no host copy, no network.
 """
 
 from __future__ import annotations
@@ -55,11 +42,7 @@ class RefitReport:
 class RefitTransport(ABC):
     """Moves the trainer's weights into the rollout workers' engines (see the module docstring).
 
-    Args:
-        rollout: the rollout workers.
-        bucket_bytes: bytes per bucket, counted in ``dtype``.
-        dtype: the engines' dtype (the weights are cast to it before the gather).
-        timeout_s: bounds the setting up of a process group (``cluster.worker_timeout_s``).
+    ``bucket_bytes`` counts in ``dtype``, the engines' dtype; ``timeout_s`` bounds setting up a process group.
     """
 
     name = ""
@@ -120,8 +103,7 @@ class BroadcastTransport(RefitTransport):
 class CudaIpcTransport(RefitTransport):
     """Each engine copies every bucket from the trainer rank on its own GPU, through a CUDA IPC handle.
 
-    Colocated placement puts rollout worker ``r`` on trainer rank ``r mod N``'s bundle, so
-    on that rank's GPU; all ranks hold each bucket whole after its all-gather.
+    Colocated, rollout worker ``r`` shares trainer rank ``r mod N``'s GPU; every rank holds each bucket whole.
     """
 
     name = "cuda_ipc"

@@ -1,17 +1,8 @@
 """What both ends of a refit share: a bucket's layout, its flat buffer, a broadcast group, CUDA IPC handles.
 
-The trainer (:mod:`opd.distributed.refit.sender`) and the rollout workers
-(:class:`~opd.distributed.rollout.RolloutWorker`) agree on each bucket's
-:data:`BucketLayout` once, before the first refit: the names, shapes and dtypes of its
-tensors, in order. A bucket then travels as one flat byte buffer (:func:`pack`), so a
-broadcast or an IPC handle covers a whole bucket, and the receiver cuts it back into
-tensors by the layout (:func:`unpack`) without any metadata on the wire.
-
-:func:`open_broadcast_group` builds a process group of trainer rank 0 and the rollout
-workers beside the trainer's own (a TCP store of its own and a bare gloo or NCCL
-backend, as vLLM's and NeMo-RL's stateless groups do): the trainer's ranks and the
-rollout workers are not one ``torch.distributed`` world, and the trainer's process group
-must not change.
+Both ends agree on each bucket's :data:`BucketLayout` before the first refit; a bucket then travels as one flat
+byte buffer (:func:`pack`, :func:`unpack`) with no metadata on the wire. :func:`open_broadcast_group` builds a
+stateless group (own TCP store, bare backend) beside the trainer's, whose process group must not change.
 """
 
 from __future__ import annotations
@@ -101,11 +92,8 @@ def open_broadcast_group(
 ) -> Any:
     """Joins the refit's broadcast group (rank 0: trainer rank 0, which hosts its store at ``address:port``).
 
-    NCCL when ``device`` is a GPU, gloo on CPU. Every member must call this at about the
-    same time; ``timeout_s`` bounds the meeting and every broadcast afterwards.
-
-    Returns:
-        The group's backend, for :func:`broadcast`.
+    NCCL on a GPU, gloo on CPU. All members must call at about the same time; ``timeout_s`` bounds the meeting
+    and every broadcast. Returns the group's backend, for :func:`broadcast`.
     """
     timeout = timedelta(seconds=timeout_s)
     store = dist.PrefixStore("opd_refit", dist.TCPStore(address, port, world_size, rank == 0, timeout=timeout))
@@ -136,10 +124,7 @@ def broadcast(group: Any, tensor: torch.Tensor, root: int = 0) -> None:
 
 
 def ipc_handle(tensor: torch.Tensor) -> IpcHandle:
-    """A handle through which another process on the same GPU maps ``tensor``'s memory without a copy.
-
-    The producer must keep ``tensor`` alive until every consumer has copied from it.
-    """
+    """A handle through which another process on the same GPU maps ``tensor``; keep ``tensor`` alive until copied."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     _rebuild, arguments = reduce_tensor(tensor.detach())

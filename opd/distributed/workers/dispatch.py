@@ -1,17 +1,9 @@
 """How a worker method's inputs are split over the ranks and its results gathered, declared on the method.
 
-A worker class marks each method the controller calls on every rank with
-:func:`dispatch`, as verl's ``@register(dispatch_mode=...)`` does:
-
-* ``split``: :attr:`Split.SAME` sends every rank the same arguments (put once in the
-  object store); :attr:`Split.PER_RANK` also takes ``shares``, one tuple of arguments per
-  rank, appended after the shared ones (each rank's rows, dealt by the caller);
-* ``gather``: a function of the ranks' results in rank order: :func:`every` (the list),
-  :func:`first` (rank 0's: the ranks hold the same, or only rank 0 answers),
-  :func:`nothing`, or :func:`summed` (per-rank metric sums added up).
-
-:meth:`~opd.distributed.workers.worker_group.WorkerGroup.call` reads the declaration, so a caller
-names the method and its arguments only, and a method called without one is refused.
+:func:`dispatch` marks each method the controller calls on every rank (like verl's ``@register``): ``split``
+says whether ranks get the same arguments or also one ``shares`` tuple each (:class:`Split`); ``gather`` maps
+the ranks' results, in rank order, to one. :meth:`~opd.distributed.workers.worker_group.WorkerGroup.call` reads
+the declaration and refuses a method without one.
 """
 
 from __future__ import annotations
@@ -68,11 +60,7 @@ class Dispatch:
     def arguments(
         self, method: str, size: int, shares: Sequence[tuple[Any, ...]] | None
     ) -> list[tuple[Any, ...]] | None:
-        """Each rank's own arguments, checked against the declaration.
-
-        Raises:
-            ValueError: shares given to a :attr:`Split.SAME` method, or missing or not one per rank.
-        """
+        """Each rank's own arguments; ValueError unless ``shares`` fits the declaration (one per rank, or none)."""
         if self.split is Split.SAME:
             if shares is not None:
                 raise ValueError(f"{method} sends every rank the same arguments; it takes no shares")
@@ -95,11 +83,7 @@ def dispatch(split: Split = Split.SAME, gather: Callable[[list[Any]], Any] = eve
 
 
 def declaration(worker_class: type, method: str) -> Dispatch:
-    """The declaration of ``worker_class.method``.
-
-    Raises:
-        TypeError: the method has none (it cannot be called on every rank through ``call``).
-    """
+    """The declaration of ``worker_class.method``; TypeError when it has none."""
     declared = getattr(getattr(worker_class, method, None), _ATTRIBUTE, None)
     if declared is None:
         raise TypeError(f"{worker_class.__name__}.{method} declares no dispatch (opd.distributed.workers.dispatch)")

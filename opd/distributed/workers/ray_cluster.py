@@ -1,16 +1,8 @@
 """Starting (or joining) Ray, and the resource pools that place each role's workers.
 
-A run without ``cluster.address`` starts a private Ray cluster on this machine, with its
-own temporary directory (nothing written to the home directory), no dashboard and no
-usage statistics. With an address it joins the cluster that ``ray start`` built.
-
-Pools are Ray placement groups of one bundle per worker slot (one GPU, or
-``threads_per_worker`` CPUs). ``colocated`` placement has one pool, the trainer's: the
-rollout engines and teacher replicas take a share of the trainer's bundles, as verl's
-colocated worker groups do, one worker of each role per bundle at most (a second would
-wait forever for its share of the GPU, so it is refused before anything starts).
-``split`` placement gives each role a pool of its own. A pool that cannot be placed within
-``cluster.start_timeout_s`` stops the run with what it asked for and what the cluster has.
+Without ``cluster.address`` a private, quiet Ray cluster starts (own temp directory, no dashboard or usage stats).
+Pools are placement groups of one bundle per worker slot. ``colocated`` has one pool, the trainer's, whose
+bundles each take at most one worker of every other role; ``split`` gives each role its own pool.
 """
 
 from __future__ import annotations
@@ -31,11 +23,8 @@ from opd.utils.errors import ConfigError
 
 log = logging.getLogger("opd")
 
-# Ray's own settings for a private, quiet cluster (set before ray.init reads them; a value
-# already in the environment wins). RAY_prestart_worker_first_driver=0: Ray otherwise starts
-# one idle task worker per CPU slot when the driver connects, each a Python process that
-# imports Ray; opd's workers are actors, which start processes of their own, so those idle
-# workers only take CPU from the run's start-up.
+# Set before ray.init unless already in the environment. prestart=0: opd uses only actors, so Ray's idle task
+# workers (one per CPU slot) would only slow start-up.
 RAY_ENVIRONMENT = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",
@@ -48,11 +37,7 @@ _PLACEMENT_POLL_S = 1.0
 def start_ray(config: ClusterConfig, cpus_needed: int) -> bool:
     """Starts a private local Ray cluster, or joins ``config.address``; a no-op if Ray runs already.
 
-    Returns:
-        Whether this call started or joined Ray (and the run should shut it down at the end).
-
-    Raises:
-        ConfigError: the address cannot be reached.
+    Returns whether this call started or joined Ray (so the run shuts it down). ConfigError: address unreachable.
     """
     for key, value in RAY_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
@@ -95,10 +80,9 @@ class ResourcePools:
 
 
 def _pool(count: int, cpus: int, gpus: int, name: str, config: ClusterConfig) -> object:
-    """A placement group of ``count`` bundles, ready within ``cluster.start_timeout_s`` (or a clear error).
+    """A placement group of ``count`` bundles, ready within ``cluster.start_timeout_s``, else ConfigError.
 
-    On the private cluster of one machine (no ``cluster.address``) a pool that Ray reports
-    infeasible (it asks for more than the machine has) fails at once: nothing will join.
+    On a private cluster an infeasible pool fails at once: no node will join.
     """
     bundle: dict[str, float] = {"CPU": float(cpus)}
     if gpus:
@@ -132,11 +116,7 @@ def _scheduling_state(group: object) -> str:
 
 
 def check_colocated_sharing(config: ClusterConfig, rollout_workers: int, teacher_workers: int) -> None:
-    """Refuses colocated roles with more workers than the trainer has bundles (before anything starts).
-
-    Raises:
-        ConfigError: rollout or teacher-pool workers would share a bundle twice (and, on GPUs, wait forever).
-    """
+    """Raises ConfigError for colocated roles with more workers than the trainer has bundles."""
     if not config.colocated:
         return
     pools = teacher_workers // max(config.teacher.workers, 1)
@@ -156,22 +136,14 @@ def build_pools(
 ) -> ResourcePools:
     """The slots of ``config.trainer.workers`` trainer ranks, and of the rollout and teacher workers.
 
-    Args:
-        config: the cluster section.
-        rollout_workers: rollout engines to place (0 when the trainer's model samples).
-        teacher_workers: teacher replicas to place (0 for a colocated or served teacher).
-        rollout_devices: GPUs one rollout engine spans (vLLM tensor parallel; split placement
-            only, the validator refuses it colocated).
-        teacher_devices: GPUs one teacher worker spans (a tensor-parallel vLLM teacher
-            engine; split placement only, likewise).
+    ``rollout_devices`` and ``teacher_devices`` are GPUs per worker (tensor-parallel vLLM; split placement only).
     """
     check_colocated_sharing(config, rollout_workers, teacher_workers)
     cpus, gpus = config.threads_per_worker, config.gpus_per_worker
     trainer_count = config.trainer.workers
     if config.colocated:
         group = _pool(trainer_count, cpus, gpus, "trainer", config)
-        # Roles sharing a bundle split its GPU (at most one worker of each role per bundle, checked
-        # above); on CPU they take turns on its cores.
+        # Roles sharing a bundle split its GPU; on CPU they take turns on its cores.
         sharing = 1 + int(rollout_workers > 0) + int(teacher_workers > 0)
         share = gpus / sharing
         return ResourcePools(

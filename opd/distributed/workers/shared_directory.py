@@ -1,11 +1,7 @@
 """The checkpoint directory is one filesystem for the controller and every trainer rank: checked at start.
 
-Each rank writes its shards of a checkpoint itself (``torch.distributed.checkpoint``),
-and the controller then publishes the checkpoint as complete and, on resume, reads it.
-With a directory on each node's own disk, the shards of a multi-node run end up spread
-over the nodes' disks, and the checkpoint cannot be resumed. :func:`check_shared_directory`
-finds this before the first step: every rank writes a marker file named with its rank
-and node into the directory, and the controller must see them all.
+Each rank writes its own shards and the controller publishes and resumes them, so node-local disks would leave a
+checkpoint that cannot be resumed.
 """
 
 from __future__ import annotations
@@ -21,8 +17,7 @@ if TYPE_CHECKING:  # the trainer worker imports this module, and needs no Ray at
     from opd.distributed.workers.worker_group import WorkerGroup
 
 MARKER_PREFIX = ".opd_shared_check"
-"""Marker file names start with it; each run's markers carry a fresh token, so none left
-by an earlier, killed run can pass for this run's."""
+"""Marker file names start with it; a fresh token per check keeps a killed run's markers from passing."""
 
 
 def marker_name(token: str, rank: int, node: str) -> str:
@@ -34,16 +29,10 @@ def marker_name(token: str, rank: int, node: str) -> str:
 def check_shared_directory(workers: WorkerGroup, directory: Path, key: str = "checkpointing.checkpoint_dir") -> None:
     """Every trainer rank writes a marker into ``directory``; the controller must see each one.
 
-    The markers are removed afterwards (each rank removes its own, wherever it wrote it).
-
-    Args:
-        workers: the trainer ranks (:class:`~opd.distributed.trainer_worker.TrainerWorker`).
-        directory: the absolute checkpoint directory (created if missing).
-        key: the config key that names it, for the error.
+    Each rank then removes its own marker. ``key`` names the directory's config key in the error.
 
     Raises:
-        ConfigError: a rank's marker is not visible to the controller, naming the
-            directory and the nodes whose markers are missing.
+        ConfigError: a rank's marker is not visible to the controller (naming the nodes).
     """
     directory.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex[:12]

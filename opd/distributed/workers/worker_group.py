@@ -1,19 +1,10 @@
 """A group of Ray actors of one role, called together, whose failures stop the run with one message.
 
-:class:`WorkerGroup` starts ``count`` actors of a worker class, each on its own slot of a
-resource pool, and calls a method on all of them (``run_all``) or on one (``run_rank``).
-Results are collected as they arrive, so the first actor that dies, runs out of memory
-or raises ends the wait at once, with a :class:`~opd.utils.errors.WorkerError` naming
-the role, the rank and its node, even while its peers are still blocked in a collective
-that the dead rank will never join. The group is then killed, which frees those peers.
-A rank's error that may only echo a peer's death (its collective lost the peer before
-Ray noticed the death) waits a few seconds for the peers, and a death found is named instead.
-
-No wait is unbounded. Each group has two bounds (:class:`Bound`): one for starting its actors
-(placed, constructed: models loaded) and one for every call. Ranks still running when
-their bound runs out are taken for hung (a deadlock, a stuck device, an actor that can
-never be placed): the group is killed and the ``WorkerError`` names the role, those
-ranks, their nodes, the call, the time waited and the config key that sets the bound.
+Results are collected as they arrive, so the first actor that dies, runs out of memory or raises ends the wait
+at once with a :class:`~opd.utils.errors.WorkerError` naming role, rank and node; the group is then killed, which
+frees peers blocked in a collective. A rank's error that may only echo a peer's death waits a short grace, and
+a death found is named instead. No wait is unbounded: a start bound and a call bound (:class:`Bound`) take
+ranks still running for hung, and the error names the config key that sets the bound.
 """
 
 from __future__ import annotations
@@ -65,20 +56,13 @@ class Slot:
 
 
 class WorkerGroup:
-    """``count`` Ray actors of ``worker_class`` (see the module docstring).
+    """One Ray actor ``worker_class(*init_args(rank))`` per :class:`Slot` (see the module docstring).
 
     Args:
         role: named in error messages (``trainer``, ``rollout``, ``teacher``).
-        worker_class: a plain class; each actor is ``worker_class(*init_args(rank))``.
-        slots: one :class:`Slot` per rank.
-        init_args: the constructor arguments of each rank.
-        env_vars: environment of every actor (thread counts, ...).
-        call_bound: how long any call on the workers may run (``run_all``, ``run_rank``,
-            a :meth:`pending` result), unless the call names its own.
-        start_bound: how long the actors may take to be placed and constructed
-            (``call_bound`` when None).
-        hosts: warm worker processes to build the workers in
-            (:mod:`~opd.distributed.worker_hosts`); ignored where a slot takes a GPU.
+        call_bound: default bound of every call, unless the call names its own.
+        start_bound: bound on placing and constructing the actors (``call_bound`` when None).
+        hosts: warm processes to build the workers in (:mod:`~opd.distributed.worker_hosts`); ignored with GPUs.
 
     Raises:
         WorkerError: an actor failed in its constructor, or did not start within ``start_bound``.
@@ -121,8 +105,7 @@ class WorkerGroup:
                 for rank, slot in enumerate(self.slots)
             ]
             started = [actor.__ray_ready__.remote() for actor in self._actors]
-        # Constructors run asynchronously: wait for them, so that a worker that cannot
-        # start (a bad model path, no memory, no room in its bundle) fails here, naming its rank.
+        # Wait for the constructors so that a worker that cannot start fails here, naming its rank.
         self.gather(started, what=_START, bound=start_bound)
         # Noted now: once a node is lost, its bundles no longer say where they were.
         for rank in range(self.size):
@@ -134,11 +117,7 @@ class WorkerGroup:
 
     @property
     def actors(self) -> list[Any]:
-        """The workers' actor handles, one per rank (``actor.method.remote(...)``).
-
-        Raises:
-            WorkerError: the group was stopped and its warm hosts given back.
-        """
+        """The workers' actor handles, one per rank; WorkerError once stopped and its warm hosts given back."""
         if self._released:
             raise WorkerError(f"the {self.role} workers were stopped", self.role, 0)
         return self._actors
@@ -152,11 +131,7 @@ class WorkerGroup:
     ) -> list[Any]:
         """Calls ``method`` on every actor and returns the results in rank order.
 
-        Args:
-            method: the worker method.
-            *args: arguments shared by every rank (put once in the object store).
-            per_rank: each rank's own arguments, appended after the shared ones.
-            bound: how long the call may run (the group's ``call_bound`` when None).
+        ``args`` are put once in the object store; ``per_rank`` arguments are appended after them.
         """
         shared = [ray.put(arg) for arg in args]
         refs = [
@@ -170,14 +145,7 @@ class WorkerGroup:
     ) -> Any:
         """Calls ``method`` on every rank as its :func:`~opd.distributed.workers.dispatch.dispatch` declares.
 
-        Args:
-            method: the worker method (declared with ``@dispatch``).
-            *args: arguments shared by every rank.
-            shares: a per-rank method's own arguments, one tuple per rank.
-            bound: as in :meth:`run_all`.
-
-        Returns:
-            The ranks' results gathered as declared.
+        ``shares`` holds a per-rank method's own arguments, one tuple per rank; results are gathered as declared.
         """
         declared = declaration(self.worker_class, method)
         per_rank = declared.arguments(method, self.size, shares)
@@ -192,16 +160,9 @@ class WorkerGroup:
     ) -> list[Any]:
         """The results of ``refs`` (one per rank), failing on the first worker that fails or on the bound.
 
-        Args:
-            refs: one call's result per rank.
-            ranks: the rank of each ref (0, 1, ... when None).
-            what: the method called, for the messages.
-            bound: how long to wait from now (the group's ``call_bound`` when None).
-
         Raises:
-            WorkerError: a worker died (killed, crashed, its node lost), ran out of
-                memory or raised, or ranks were still running when the bound ran out;
-                the group is killed first.
+            WorkerError: a worker died, ran out of memory or raised, or ranks were still running when ``bound``
+                (counted from now) ran out; the group is killed first.
         """
         bound = bound or self.call_bound
         rank_of = {ref: rank for ref, rank in zip(refs, ranks if ranks is not None else range(len(refs)), strict=True)}
@@ -233,9 +194,7 @@ class WorkerGroup:
     ) -> WorkerError | None:
         """The death of a peer that ``raised`` (rank ``raised_rank``'s error) may only echo, or None.
 
-        When a rank is killed, its peers' collectives fail at once ("connection reset"),
-        often before Ray has noticed the death. The death is the cause worth naming, so the
-        other ranks get a short grace to report it.
+        A killed rank's peers fail their collectives before Ray notices the death, so they get a short grace.
         """
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_DEATH_GRACE_S)
         for ref in sorted(ready, key=rank_of.__getitem__):
@@ -257,11 +216,7 @@ class WorkerGroup:
         what: str | None = None,
         bound: Bound | None = None,
     ) -> Pending[ResultT]:
-        """``combine(gather(refs))`` as a :class:`~opd.models.interfaces.Pending`: the workers run meanwhile.
-
-        The bound counts from when the result is asked for, so work started ahead of its
-        step is never cut short by the time it waited to be collected.
-        """
+        """``combine(gather(refs))`` as a :class:`~opd.models.interfaces.Pending`; the bound counts from collection."""
         return _Gathered(self, refs, combine, ranks, what, bound)
 
     def node(self, rank: int) -> str:
@@ -306,10 +261,7 @@ class WorkerGroup:
         return WorkerError(f"{where} failed: {_first_line(error)}", self.role, rank)
 
     def kill(self) -> None:
-        """Ends every actor of the group at once (frees peers stuck in a collective).
-
-        Warm hosts already given back are left alone: they may serve another group.
-        """
+        """Ends every actor of the group at once (frees peers stuck in a collective); given-back hosts are spared."""
         if self._released:
             return
         self._stopped = True
@@ -317,10 +269,7 @@ class WorkerGroup:
             ray.kill(actor, no_restart=True)
 
     def stop(self) -> None:
-        """Ends the group after a run: kills its actors, or releases its warm hosts for the next run.
-
-        A group already killed (a worker failed) is left as it is.
-        """
+        """Ends the group after a run: kills its actors, or releases its warm hosts; no-op once killed."""
         if self._stopped:
             return
         if self._hosts is None:
