@@ -1,8 +1,6 @@
-"""``BatchedDataDict``: a dict of equally long tensors and lists, with batch helpers.
+"""``BatchedDataDict``: a dict of equally long tensors and lists, passed between every stage of a step.
 
-Every stage of a step (generation, teacher scoring, training) passes one of these. All
-values share the leading (batch) dimension, so slicing, selecting, repeating and
-micro-batching act on every field at once and rows can never drift out of alignment.
+All values share the leading (batch) dimension, so row operations act on every field at once and rows stay aligned.
 """
 
 from __future__ import annotations
@@ -55,18 +53,10 @@ class BatchedDataDict(dict):
     def make_token_budget_microbatches(
         self, max_tokens: int, length_key: str = "input_lengths"
     ) -> Iterator[BatchedDataDict]:
-        """Yields micro-batches of at most ``max_tokens`` padded tokens, longest rows first.
+        """Yields micro-batches of at most ``max_tokens`` (``rows × longest row``) padded tokens, longest first.
 
-        Rows are sorted by length (descending) and filled greedily while
-        ``rows × longest row`` stays within the budget (dynamic batching): short sequences
-        travel many to a micro-batch, long ones few, and rows of similar length share one,
-        so little compute goes to padding. A row longer than the budget gets a micro-batch
-        of its own. Every row appears exactly once; the order differs from the input's,
-        which a globally normalised loss does not see.
-
-        Args:
-            max_tokens: budget of ``rows × max(length)`` per micro-batch.
-            length_key: the ``[B]`` field holding each row's length.
+        Greedy fill over rows sorted by ``length_key`` (``[B]``) keeps padding low; a row over the budget goes alone.
+        Every row appears once, in a new order (which a globally normalised loss does not see).
         """
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -88,12 +78,7 @@ class BatchedDataDict(dict):
 
     @staticmethod
     def concat(batches: Sequence[BatchedDataDict], pad_values: dict[str, Any] | None = None) -> BatchedDataDict:
-        """Concatenates batches row-wise, right-padding 2-D tensors to the longest.
-
-        Args:
-            batches: batches with the same keys.
-            pad_values: padding value per key for 2-D tensors (default 0).
-        """
+        """Concatenates batches (same keys) row-wise, right-padding 2-D tensors with ``pad_values[key]`` (0)."""
         pad_values = pad_values or {}
         out = BatchedDataDict()
         for key in batches[0]:

@@ -1,13 +1,4 @@
-"""Training batches built from prepared examples, outside any generation engine.
-
-* :func:`build_fixed_data_batch`: the fixed-data branch of a step (and every SFT step):
-  each prompt followed by the dataset's own assistant answer, one row per example;
-* :func:`attach_teacher_fields`: each row gets its example's teacher-side fields,
-  whichever branch made the row: the prompt its teacher sees (context distillation) and
-  its teacher assignment (several teachers);
-* :func:`unique_responses_per_prompt`: how many of a prompt's samples differ (greedy
-  samples, or a temperature too low, make copies that cost compute and teach nothing new).
-"""
+"""Training batches built from prepared examples, outside any generation engine (fixed data, SFT)."""
 
 from __future__ import annotations
 
@@ -23,8 +14,7 @@ def build_fixed_data_batch(
 ) -> BatchedDataDict:
     """Prompt + the dataset's assistant turn (or recorded episode), one right-padded row per example.
 
-    Raises:
-        ValueError: if an example has no response (checked against the data at start-up).
+    Raises ``ValueError`` if an example has no response (the data is checked for this at start-up).
     """
     sequences = []
     for example in examples:
@@ -37,8 +27,7 @@ def build_fixed_data_batch(
     batch["response_lengths"] = batch["input_lengths"] - batch["prompt_lengths"]
     batch["truncated"] = torch.zeros(batch.size, dtype=torch.bool)
     for row, example in enumerate(examples):
-        # A recorded episode: only the assistant's own turns carry loss (the tool results
-        # and the markup between turns are holes in the mask, as in a multi-turn rollout).
+        # Recorded episode: only the assistant's own turns carry loss (tool results and markup are mask holes).
         if "response_mask" in example:
             start = len(example["prompt_ids"])
             holes = torch.tensor(example["response_mask"], dtype=batch["token_mask"].dtype)
@@ -48,11 +37,10 @@ def build_fixed_data_batch(
 
 
 def attach_teacher_fields(batch: BatchedDataDict, examples: list[PreparedExample], num_samples: int) -> None:
-    """Gives each row its example's teacher-side fields (samples of one prompt are adjacent).
+    """Gives each row its example's teacher fields, where present (samples of one prompt are adjacent).
 
-    ``teacher_prompt_ids`` (context distillation: a list per row), ``teacher_index``
-    (routing: ``[N]`` int64) and ``teacher_weights`` (mixture: ``[N, teachers]`` float32),
-    where the examples have them.
+    ``teacher_prompt_ids`` (list per row), ``teacher_index`` (``[N]`` int64), ``teacher_weights`` (``[N, M]`` float32,
+    M teachers).
     """
     if not examples:
         return
@@ -66,10 +54,9 @@ def attach_teacher_fields(batch: BatchedDataDict, examples: list[PreparedExample
 
 
 def unique_responses_per_prompt(batch: BatchedDataDict, samples_per_prompt: int) -> float:
-    """The mean number of distinct responses among each prompt's ``samples_per_prompt`` adjacent rows.
+    """The mean number of distinct responses (by token ids) among each prompt's ``samples_per_prompt`` adjacent rows.
 
-    Two responses are the same when their token ids are; 1.0 means every prompt's samples
-    were copies of one another, ``samples_per_prompt`` that they all differ.
+    1.0 means all samples of a prompt were copies (compute spent for nothing new); ``samples_per_prompt``, all differ.
     """
     responses = [
         tuple(batch["input_ids"][row, int(batch["prompt_lengths"][row]) : int(batch["input_lengths"][row])].tolist())

@@ -5,9 +5,8 @@ For an offline cluster, or to inspect the prompts training will see::
     python -m opd.data.convert_math_cl --input pe-nlp/math-cl --output math_cl.jsonl \\
         --prompt-file examples/prompts/math_think_answer.txt
 
-Rows are read and checked by :func:`opd.data.datasets.load_chat_dataset` (any format it
-reads), converted by :func:`opd.data.converters.math_cl_to_chat`, and written only once
-all of them converted, so a bad row never leaves a half-written file.
+Reads any format :func:`opd.data.datasets.load_chat_dataset` reads; converts with
+:func:`opd.data.converters.math_cl_to_chat`.
 """
 
 import argparse
@@ -39,15 +38,7 @@ def _build_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the process exit status.
-
-    Args:
-        argv: Arguments without the program name; defaults to ``sys.argv[1:]``.
-
-    Returns:
-        0 on success, 2 if the input, prompt file or output is unusable (the
-        reason is printed to stderr as one line, without a traceback).
-    """
+    """Command-line entry point: 0 on success, 2 (a line on stderr) if the input, prompt file or output is unusable."""
     args = _build_arg_parser().parse_args(argv)
     try:
         # Load and convert everything before opening the output, so a bad row

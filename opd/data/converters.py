@@ -1,13 +1,8 @@
-"""Converters from task-specific dataset layouts to the chat format.
+"""Converters from task-specific dataset layouts to the chat format (``{"messages": [...], ...}``).
 
-opd trains on chat-format examples (``{"messages": [...], ...}``). Math datasets
-such as DeepScaleR are usually published as flat rows instead::
-
-    {"problem": "What is 1+1?", "ground_truth_answer": "2"}
-
-This module turns such "math-cl" rows into a single user turn built from a prompt
-template, keeping the answer under ``ground_truth`` for the reward environment.
-:mod:`opd.data.convert_math_cl` converts a whole dataset once, ahead of training.
+A "math-cl" row (``{"problem": ..., "ground_truth_answer": ...}``) becomes one user turn built from a prompt
+template, with the answer kept under ``ground_truth`` for the reward environment.
+:mod:`opd.data.convert_math_cl` converts a whole dataset ahead of training.
 """
 
 import string
@@ -20,22 +15,13 @@ PROMPT_PLACEHOLDER = "prompt"
 
 
 def load_prompt_template(path: str | Path) -> str:
-    """Reads a prompt template and checks that it is a usable ``str.format`` template.
+    """Reads a UTF-8 ``str.format`` template whose only placeholder is ``{prompt}`` (literal braces: ``{{ }}``).
 
-    The text is returned exactly as stored (no stripping): a trailing newline, or
-    the lack of one, changes what the model sees, e.g. a template that ends in
-    ``Assistant: <think>`` makes the student continue right after the tag.
-
-    Args:
-        path: UTF-8 text file containing exactly one kind of placeholder,
-            ``{prompt}``. Literal braces must be written as ``{{`` and ``}}``.
-
-    Returns:
-        The template text.
+    The text is returned unstripped: a trailing newline or its absence changes what the model sees.
 
     Raises:
-        DataError: If the file is missing or unreadable, has no ``{prompt}``
-            placeholder, or has other placeholders or unbalanced braces.
+        DataError: if the file is missing or unreadable, lacks ``{prompt}``, or has other placeholders or
+            unbalanced braces.
     """
     path = Path(path)
     try:
@@ -45,8 +31,7 @@ def load_prompt_template(path: str | Path) -> str:
     except (OSError, UnicodeDecodeError) as err:
         raise DataError(f"prompt file {path} could not be read as UTF-8 text: {err}") from None
 
-    # Parse the template up front so a stray brace is reported once, naming the
-    # file, rather than as a KeyError on the first example.
+    # Parse up front: a stray brace is reported once, naming the file, not as a KeyError on the first example.
     try:
         field_names = {field for _, field, _, _ in string.Formatter().parse(template) if field is not None}
     except ValueError as err:
@@ -67,23 +52,13 @@ def load_prompt_template(path: str | Path) -> str:
 
 
 def math_cl_to_chat(example: dict[str, Any], prompt_template: str) -> dict[str, Any]:
-    """Converts one math-cl row into a chat-format example.
+    """Converts one math-cl row into ``{"messages": [user, (assistant)], "ground_truth", "problem", **others}``.
 
-    Args:
-        example: A row with ``problem`` (str) and ``ground_truth_answer``
-            (str or number), and optionally ``solution`` (str), a worked answer that
-            becomes the assistant message. Other fields are kept as they are.
-        prompt_template: Template from :func:`load_prompt_template`; the problem
-            is substituted for ``{prompt}``.
-
-    Returns:
-        ``{"messages": [{"role": "user", "content": ...}, (assistant solution)],
-        "ground_truth": str, "problem": str, **other_fields}``.
+    ``problem`` (str) fills ``{prompt}``; ``ground_truth_answer`` (str or number) becomes the ``ground_truth`` string;
+    an optional ``solution`` (str) becomes the assistant turn. Other fields are kept.
 
     Raises:
-        DataError: If a field is missing or has the wrong type. The message does
-            not name the row; callers that know it (see ``load_chat_dataset``)
-            prefix it.
+        DataError: if a field is missing or has the wrong type; the message does not name the row (callers prefix it).
     """
     if not isinstance(example, dict):
         raise DataError(f'expected an object with "problem" and "ground_truth_answer", got {_type_name(example)}')
@@ -107,8 +82,7 @@ def math_cl_to_chat(example: dict[str, Any], prompt_template: str) -> dict[str, 
         raise DataError(f'"ground_truth_answer" must be a string or a number, got {_type_name(answer)}')
 
     messages = [{"role": "user", "content": prompt_template.format(prompt=problem)}]
-    # An optional worked solution becomes the assistant turn: the fixed data of λ < 1 steps
-    # and the target of SFT.
+    # The worked solution is the fixed data of λ < 1 steps and the target of SFT.
     solution = example.get("solution")
     if solution is not None:
         if not isinstance(solution, str) or not solution.strip():

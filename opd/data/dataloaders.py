@@ -1,10 +1,7 @@
-"""Tokenized training examples and resumable dataloaders.
+"""Tokenized training examples (prepared once, at start-up) and resumable dataloaders.
 
-Prompts are rendered with the chat template and tokenized once, at start-up. The
-training loader is torchdata's ``StatefulDataLoader`` (its ``state_dict`` goes into every
-checkpoint) over a sampler whose shuffle order is a function of ``(seed, epoch)`` only:
-``set_epoch(e)`` before each epoch, as with ``DistributedSampler``. A resumed run
-therefore sees exactly the batches an uninterrupted run would, in every later epoch too.
+The training loader is a ``StatefulDataLoader`` (its ``state_dict`` is checkpointed) whose shuffle order depends on
+``(seed, epoch)`` only, so a resumed run sees exactly the batches an uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -30,15 +27,10 @@ log = logging.getLogger("opd")
 class PreparedExample(TypedDict):
     """A tokenized example: the prompt ids, the fixed response ids, the ground truth.
 
-    ``teacher_prompt_ids`` (context distillation only) is the prompt the teacher sees:
-    the same conversation with the teacher-only context inserted. With several teachers,
-    ``teacher_index`` (routing) or ``teacher_weights`` (mixture) assigns the example its
-    teacher(s) (:mod:`opd.data.teacher_choice`). With an environment (multi-turn
-    rollouts), ``prompt_messages`` keeps the prompt's conversation, which the rollout
-    renders with the environment's tools, and ``row`` what the environment reads (its
-    ``ground_truth``). A recorded episode (with an environment, a row that goes on after
-    its first assistant turn) has ``response_mask``: 1 on the response ids that are the
-    assistant's own (:mod:`opd.data.episodes`).
+    Optional fields: ``teacher_prompt_ids``, the prompt the teacher sees (with its context, or its own tokenizer);
+    ``teacher_index`` (routing) or ``teacher_weights`` (mixture), see :mod:`opd.data.teacher_choice`;
+    ``prompt_messages``, the prompt conversation a multi-turn rollout renders with the environment's tools;
+    ``response_mask``, 1 on the assistant's own response ids of a recorded episode (:mod:`opd.data.episodes`).
     """
 
     prompt_ids: list[int]
@@ -61,22 +53,15 @@ def prepare_examples(
     teacher_tokenizer: Any | None = None,
     tools: list[dict] | None = None,
 ) -> list[PreparedExample]:
-    """Applies the chat template and tokenizes; drops prompts longer than the limit.
+    """Applies the chat template and tokenizes; drops prompts longer than ``max_prompt_length`` (student's prompt).
 
-    With a ``teacher_context``, each example also gets the teacher's prompt: the context
-    is inserted into the messages, then the chat template is applied and the whole
-    rendered prompt tokenized (``max_prompt_length`` applies to the student's prompt).
-    With a ``teacher_choice`` (several teachers), each example also gets its teacher
-    assignment. With a ``teacher_tokenizer`` (a teacher with its own tokenizer), the
-    teacher's prompt is rendered and tokenized by it (with the context, if any). With
-    ``tools`` (an environment's), the prompt lists them, ends before the first assistant
-    turn, and the example keeps its ``prompt_messages`` for multi-turn rollouts; what
-    follows is a recorded episode (its assistant turns learned, :mod:`opd.data.episodes`).
+    ``teacher_context`` / ``teacher_tokenizer`` give each example a teacher prompt, ``teacher_choice`` its teacher
+    assignment. With ``tools``, the prompt lists them and ends before the first assistant turn; the rest is a
+    recorded episode (:mod:`opd.data.episodes`).
 
     Raises:
-        DataError: if every prompt is over ``max_prompt_length``, or (naming the source
-            and the example) if an example lacks its per-example context or has a
-            malformed teacher assignment.
+        DataError: if every prompt is too long, or (naming the source and example) if an example lacks its
+            per-example context, has a malformed teacher assignment or a malformed episode.
     """
     prepared: list[PreparedExample] = []
     for index, example in enumerate(examples):
@@ -131,11 +116,7 @@ def _add_teacher_fields(
     teacher_tokenizer: Any | None,
     tools: list[dict] | None = None,
 ) -> None:
-    """The example's teacher prompt (a teacher-only context, or the teacher's own tokenizer) and assignment.
-
-    The teacher's prompt lists the environment's ``tools`` as the student's does: the
-    teacher grades turns that call them.
-    """
+    """The example's teacher prompt and assignment; the prompt lists ``tools`` too (the teacher grades their calls)."""
     if teacher_context is not None or teacher_tokenizer is not None:
         messages = prompt_messages
         if teacher_context is not None:
@@ -156,20 +137,18 @@ def _collate_examples(examples: list[PreparedExample]) -> list[PreparedExample]:
 def make_train_dataloader(
     examples: list[PreparedExample], batch_size: int, shuffle: bool, seed: int
 ) -> StatefulDataLoader:
-    """A resumable loader of full batches; call ``loader.sampler.set_epoch(e)`` per epoch.
+    """A resumable loader of full batches (an epoch is ``len(examples) // batch_size`` steps).
 
-    A single-replica ``DistributedSampler`` draws each epoch's permutation from
-    ``seed + epoch`` alone, so the order never depends on how many batches an earlier
-    process consumed. Incomplete last batches are dropped (every step has ``batch_size``
-    prompts), so an epoch is ``len(examples) // batch_size`` steps.
+    Call ``loader.sampler.set_epoch(e)`` per epoch: a single-replica ``DistributedSampler`` draws each permutation from
+    ``seed + epoch`` alone.
     """
     # A list is a map-style dataset (``__getitem__`` and ``__len__``), which is all the sampler reads.
     dataset = cast("Dataset[PreparedExample]", examples)
     sampler: DistributedSampler[PreparedExample] = DistributedSampler(
         dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=False
     )
-    # Its own generator: otherwise every new epoch iterator draws a seed from torch's global
-    # RNG, and a resumed run (which starts an iterator mid-epoch) would shift the sampling noise.
+    # Own generator: otherwise each epoch iterator draws from torch's global RNG, and a resumed run (an iterator
+    # started mid-epoch) would shift the sampling noise.
     private_generator = torch.Generator()
     private_generator.manual_seed(seed)
     return StatefulDataLoader(

@@ -1,19 +1,8 @@
-"""Loading chat datasets from local files, saved Hugging Face datasets, or the hub.
+"""Loading chat datasets (``{"messages": [...], **other_fields}`` dicts) from files, saved datasets, or the hub.
 
-Every training and evaluation dataset in opd ends up as a list of plain dicts::
-
-    {"messages": [{"role": "user", "content": "..."}, ...], **other_fields}
-
-Other fields (e.g. ``ground_truth``) are carried along untouched so that reward
-environments can use them. Datasets in other layouts are converted on load; see
-:mod:`opd.data.converters`.
-
-Every problem with the data raises :class:`~opd.utils.errors.DataError` with one
-message naming the source and the position of the bad example: ``line N`` for
-JSONL (1-based, as editors show it), ``item N`` for JSON and ``row N`` for parquet
-and Hugging Face datasets (also 1-based). JSONL files are streamed: a line longer than
-:data:`MAX_JSONL_LINE_BYTES`, bytes that are not UTF-8 and strings that are not valid
-Unicode (lone surrogates) are refused with their line.
+Other fields (e.g. ``ground_truth``) are kept for reward environments; other layouts are converted on load
+(:mod:`opd.data.converters`). A bad example raises :class:`~opd.utils.errors.DataError` naming the source and the
+1-based position: ``line N`` (JSONL), ``item N`` (JSON) or ``row N`` (parquet, Hugging Face datasets).
 """
 
 import codecs
@@ -32,14 +21,12 @@ logger = logging.getLogger(__name__)
 VALID_ROLES = ("system", "user", "assistant", "tool")
 DATA_FORMATS = ("chat", "math_cl")
 
-# Prefixes (and the suffixes of _FILE_READERS) that make a source unambiguously a local path.
-# A missing file that looks like this is reported as "not found" instead of being sent to
-# the hub, where it would fail with a confusing repository-name error.
+# Prefixes (and _FILE_READERS suffixes) that make a source a local path: if missing, it is reported "not found"
+# rather than sent to the hub, which fails with a confusing repository-name error.
 _LOCAL_PREFIXES = ("./", "../", "/", "~")
 
 MAX_JSONL_LINE_BYTES = 16 * 2**20
-"""The longest JSONL line read (16 MiB; a 128k-token example is well under 1 MiB). A longer
-line is refused before it is parsed, having read only this many bytes of it."""
+"""The longest JSONL line read; a longer one is refused after reading only this many bytes of it."""
 
 # (position label, raw row) pairs, e.g. ("line 7", {...}).
 _RawRows = Iterator[tuple[str, Any]]
@@ -53,37 +40,15 @@ def load_chat_dataset(
     prompt_file: str | None = None,
     max_examples: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Loads and validates a dataset of chat examples.
+    """Loads and validates the first ``max_examples`` chat examples of ``source``, in source order.
 
-    Args:
-        source: One of
-            - a ``.jsonl`` file with one JSON object per line (blank lines skipped);
-            - a ``.json`` file holding a list of objects, or an object with that
-              list under ``"data"``;
-            - a ``.parquet`` file;
-            - a directory written by ``Dataset.save_to_disk`` or
-              ``DatasetDict.save_to_disk``;
-            - otherwise, a Hugging Face hub dataset name, loaded with
-              ``datasets.load_dataset(source, split=split)``.
-        split: Split to use for a saved ``DatasetDict`` or a hub dataset. Ignored
-            for single files and saved single ``Dataset`` directories, which hold
-            exactly one split.
-        data_format: ``"chat"`` for examples that already have ``messages``, or
-            ``"math_cl"`` for ``problem`` / ``ground_truth_answer`` rows, which
-            are converted with :func:`~opd.data.converters.math_cl_to_chat`.
-        prompt_file: Prompt template for ``"math_cl"`` (required there, unused
-            for ``"chat"``).
-        max_examples: If set, keep only the first this many examples.
-
-    Returns:
-        The examples as plain dicts ``{"messages": [...], **other_fields}``, in
-        source order.
+    ``source``: a ``.jsonl`` file (blank lines skipped), a ``.json`` list (or ``{"data": [...]}``), a ``.parquet``
+    file, a ``save_to_disk`` directory, or else a hub dataset name. ``split`` applies only to a saved ``DatasetDict``
+    or a hub dataset. ``"math_cl"`` rows are converted with ``prompt_file`` (:mod:`opd.data.converters`).
 
     Raises:
-        ConfigError: If ``data_format`` or ``max_examples`` is invalid, or
-            ``prompt_file`` is missing for ``"math_cl"``.
-        DataError: If the source cannot be found or read, is empty, or any
-            example is malformed.
+        ConfigError: if ``data_format`` or ``max_examples`` is invalid, or ``prompt_file`` is missing for math_cl.
+        DataError: if the source cannot be found or read, is empty, or an example is malformed.
     """
     if data_format not in DATA_FORMATS:
         raise ConfigError(f"data.data_format must be one of {_quoted(DATA_FORMATS)}, got {data_format!r}")
@@ -120,29 +85,13 @@ def load_chat_dataset(
 def split_prompt_and_response(
     messages: list[dict[str, Any]],
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Separates the prompt from a reference response.
-
-    On-policy distillation only needs the prompt: the student writes its own
-    response. A conversation that ends with an assistant turn carries a reference
-    response, which is split off here (e.g. for evaluation or SFT warm-up).
-
-    Args:
-        messages: A validated ``messages`` list.
-
-    Returns:
-        ``(prompt, response)``. If the last message is from the assistant,
-        ``prompt`` is every message before it and ``response`` is that message;
-        otherwise ``prompt`` is all messages and ``response`` is ``None``. The
-        prompt is a new list; the message dicts themselves are not copied.
-    """
+    """Splits off a final assistant turn: ``(prompt, response or None)``; a new prompt list, messages not copied."""
     if messages and messages[-1].get("role") == "assistant":
         return list(messages[:-1]), messages[-1]
     return list(messages), None
 
 
-# ---------------------------------------------------------------------------
-# Validation
-# ---------------------------------------------------------------------------
+# --- Validation ---
 
 
 def _validate_chat_example(raw: Any, where: str) -> dict[str, Any]:
@@ -189,17 +138,13 @@ def _validate_message(message: Any, where: str) -> dict[str, Any]:
     if not isinstance(content, str):
         raise DataError(f'{where}: "content" must be a string, got {_type_name(content)}')
 
-    # Arrow stores a list of messages as a struct column with the union of all keys,
-    # filling absent ones with None (e.g. "name" on every message once one has it).
-    # Dropping None extras makes parquet and saved datasets load the same messages
-    # as the JSONL they were made from.
+    # Arrow stores messages as structs with the union of all keys, absent ones None; dropping None extras makes
+    # parquet and saved datasets load the same messages as the JSONL they were made from.
     extras = {key: value for key, value in message.items() if key not in ("role", "content") and value is not None}
     return {"role": role, "content": content, **extras}
 
 
-# ---------------------------------------------------------------------------
-# Readers: each yields (position label, raw row) pairs
-# ---------------------------------------------------------------------------
+# --- Readers: each yields (position label, raw row) pairs ---
 
 
 def _iter_raw_rows(source: str, split: str) -> _RawRows:
@@ -326,8 +271,7 @@ def _iter_saved_dataset(path: Path, source: str, split: str) -> _RawRows:
     # Importing `datasets` takes about a second, so only sources that need it pay for it.
     import datasets
 
-    # save_to_disk writes state.json for a Dataset and dataset_dict.json for a
-    # DatasetDict; any other directory is not something load_from_disk can read.
+    # save_to_disk writes state.json (Dataset) or dataset_dict.json (DatasetDict); load_from_disk reads nothing else.
     if not (path / "state.json").is_file() and not (path / "dataset_dict.json").is_file():
         raise DataError(
             f"data directory {source} is not a dataset saved with Dataset.save_to_disk or "
@@ -362,9 +306,7 @@ def _iter_hub_dataset(source: str, split: str) -> _RawRows:
         yield f"dataset {source} (split {split}), row {row_number}", row
 
 
-# ---------------------------------------------------------------------------
-# Message helpers
-# ---------------------------------------------------------------------------
+# --- Message helpers ---
 
 
 def _describe_source(source: str, split: str) -> str:

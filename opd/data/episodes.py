@@ -1,24 +1,12 @@
 """Fixed multi-turn data: a recorded episode as token ids, with the loss on the assistant's turns alone.
 
-With an environment (multi-turn rollouts), a step that draws fixed data (λ < 1) trains on
-recorded episodes: chat rows whose conversation goes on after the first assistant turn,
-with ``tool`` messages and assistant turns that call tools (written in the template's own
-format, or as ``tool_calls`` that the template renders). The student learns every
-assistant turn, and nothing else: tool results, later user messages and the template's
-markup between turns carry no loss, as in an on-policy multi-turn rollout.
+With an environment, fixed-data steps (λ < 1) train on chat rows that go on after the first assistant turn (tool
+calls, ``tool`` messages). Only assistant turns carry loss; tool results, later user messages and markup do not.
 
-The ids are laid out as a rollout's are (:mod:`opd.rollout.multi_turn`): the prompt
-(the messages before the first assistant turn, rendered with the tools), then each
-assistant turn up to and including the end-of-turn token, then the template's text up
-to the next assistant header, and so on; each piece is tokenised on its own, so a
-student turn never merges with the markup around it. The pieces come from the chat
-template itself: the whole conversation is rendered once, and each assistant turn starts
-where the conversation before it, rendered with the assistant header, ends (so a turn is
-written as the template writes the finished conversation: Qwen3-style templates give the
-last turn an empty ``<think>`` block, which is then part of it). A template that renders
-an earlier turn differently once later turns exist (one that drops the reasoning of
-turns before the last user message, say) cannot give the ids of a single growing
-conversation; such a row is refused, naming it.
+The ids are laid out as a rollout's (:mod:`opd.rollout.multi_turn`): each assistant turn through its end-of-turn
+token, then the template's text up to the next assistant header, each piece tokenised on its own so a turn never
+merges with its markup. Turns are cut from one rendering of the whole conversation, so a template that rewrites
+earlier turns once later ones exist (dropping old reasoning, say) cannot be laid out; such a row is refused.
 """
 
 from __future__ import annotations
@@ -42,13 +30,11 @@ def encode_episode(
 ) -> tuple[list[int], list[int]]:
     """The ids after the prompt, and a 0/1 mask over them that is 1 on the assistant's own tokens.
 
-    Each assistant turn's tokens run through its end-of-turn token (the tokenizer's EOS,
-    which the student generates to end a turn); what the template writes after it
-    belongs to the next piece. Messages after the last assistant turn add nothing.
+    A turn ends at the tokenizer's EOS; messages after the last assistant turn add nothing.
 
     Raises:
-        DataError: the episode has no assistant turn, or the template does not render the
-            conversation so far as a prefix of the longer one.
+        DataError: if the episode has no assistant turn, or the template does not render the conversation so far
+            as a prefix of the longer one.
     """
     if not any(message.get("role") == "assistant" for message in episode):
         raise DataError("a recorded episode needs at least one assistant turn after the prompt")

@@ -1,11 +1,7 @@
-"""Turning chat examples into token sequences and padded training batches.
+"""Turning chat examples into token sequences and padded or packed training batches.
 
-The chat template is applied here, and only here. A prompt is the conversation up to
-the assistant turn, rendered with ``add_generation_prompt=True``; a fixed-data response
-is the text that the template adds for the assistant message, cut after the first EOS.
-Sequences are right-padded: ``[prompt | response | padding]``, so the default position
-ids 0..L-1 are correct for every real token, and ``token_mask`` marks the tokens that
-carry loss.
+The chat template is applied here only. Rows are right-padded (``[prompt | response | padding]``), so default
+position ids are correct for every real token; ``token_mask`` marks the tokens that carry loss.
 """
 
 from __future__ import annotations
@@ -41,16 +37,12 @@ def encode_prompt(tokenizer: Any, prompt_messages: list[dict], tools: list[dict]
 
 
 def encode_response(tokenizer: Any, prompt_messages: list[dict], response: dict) -> list[int]:
-    """Token ids that the chat template adds for ``response`` after the prompt.
+    """Token ids that the chat template adds for ``response`` after the prompt, cut after the first EOS.
 
-    The response is rendered in context (so any per-turn markup is exactly the
-    template's), then tokenized on its own, so prompt ids + response ids is the same
-    prompt the student would be given at generation time. Everything after the first
-    EOS (e.g. ChatML's newline after ``<|im_end|>``) is dropped: generation stops there.
+    Rendered in context but tokenized alone, so the prompt ids are those the student gets at generation time.
 
     Raises:
-        DataError: if the template does not render the prompt as a prefix of the
-            whole conversation (such a template cannot be used for training).
+        DataError: if the template does not render the prompt as a prefix of the whole conversation.
     """
     prompt_text = render_chat(tokenizer, prompt_messages, add_generation_prompt=True)
     full_text = render_chat(tokenizer, [*prompt_messages, response], add_generation_prompt=False)
@@ -69,17 +61,9 @@ def encode_response(tokenizer: Any, prompt_messages: list[dict], response: dict)
 def build_token_mask(
     input_lengths: torch.Tensor, prompt_lengths: torch.Tensor, max_length: int, mask_prompt_tokens: bool
 ) -> torch.Tensor:
-    """Marks the tokens that carry loss in right-padded sequences.
+    """``[B, L]`` float mask of the tokens that carry loss in right-padded rows (``[B]`` lengths).
 
-    Args:
-        input_lengths: ``[B]`` real length of each sequence (prompt + response).
-        prompt_lengths: ``[B]`` prompt length of each sequence.
-        max_length: padded length L.
-        mask_prompt_tokens: if True only response tokens carry loss; otherwise every
-            real token except the first (which nothing predicts).
-
-    Returns:
-        ``[B, L]`` float mask: 1 on loss tokens, 0 on the prompt (if masked) and padding.
+    1 on response tokens, or with ``mask_prompt_tokens=False`` on every real token but the first (nothing predicts it).
     """
     positions = torch.arange(max_length).unsqueeze(0)
     start = prompt_lengths.unsqueeze(1) if mask_prompt_tokens else torch.ones_like(prompt_lengths).unsqueeze(1)
@@ -87,17 +71,9 @@ def build_token_mask(
 
 
 def shift_token_mask(token_mask: torch.Tensor) -> torch.Tensor:
-    """Aligns a per-token loss mask with next-token logits.
+    """The ``[B, L - 1]`` mask for ``logits[:, :-1]`` of a ``[B, L]`` token mask (the one place opd shifts masks).
 
-    ``token_mask[b, t]`` is 1 when token ``t`` carries loss. That token is predicted by
-    the logits at position ``t - 1``, so the mask for ``logits[:, :-1]`` is
-    ``token_mask[:, 1:]``. This is the one place where opd shifts masks.
-
-    Args:
-        token_mask: ``[B, L]`` 0/1 mask over the tokens of ``input_ids``.
-
-    Returns:
-        ``[B, L - 1]`` mask over the logit positions ``0 .. L - 2``.
+    Token ``t`` is predicted by the logits at position ``t - 1``.
     """
     return token_mask[:, 1:]
 
@@ -108,18 +84,7 @@ def pack_sequences(
     pad_token_id: int,
     mask_prompt_tokens: bool = True,
 ) -> BatchedDataDict:
-    """Right-pads token sequences into a training batch.
-
-    Args:
-        sequences: prompt + response ids per row.
-        prompt_lengths: prompt length per row.
-        pad_token_id: id used for padding (never carries loss).
-        mask_prompt_tokens: see :func:`build_token_mask`.
-
-    Returns:
-        A batch with ``input_ids [B, L]``, ``input_lengths [B]``, ``prompt_lengths [B]``
-        and ``token_mask [B, L]``.
-    """
+    """Right-pads prompt + response ids: ``input_ids [B, L]``, ``input_lengths``, ``prompt_lengths``, ``token_mask``."""
     lengths = torch.tensor([len(seq) for seq in sequences], dtype=torch.long)
     width = int(lengths.max()) if len(sequences) else 0
     input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
@@ -148,38 +113,21 @@ PER_SEQUENCE_TOKEN_FIELDS = ("task_reward", "staleness")
 """Per-sequence ``[B]`` fields that :func:`pack_padding_free` spreads over each sequence's tokens (``[1, T]``)."""
 
 PER_SEQUENCE_FIELDS = ("sample_index", "teacher_index", "teacher_weights")
-"""Per-sequence ``[B, ...]`` fields that :func:`pack_padding_free` keeps as ``[1, B, ...]``: the rows'
-places in a batch scored ahead, and which teacher scores each sequence (routing) or their weights (mixture)."""
+"""Per-sequence ``[B, ...]`` fields that :func:`pack_padding_free` keeps as ``[1, B, ...]``."""
 
 
 def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
-    """Concatenates the rows of a right-padded batch into one row without padding.
+    """Concatenates the rows of a right-padded batch into one row without padding (sequence packing).
 
-    Sequence packing: no compute is spent on padding. ``position_ids`` restart at 0 for
-    each sequence; a model called with them, ``attention_mask=None`` and no KV cache
-    attends within each sequence only (transformers detects the restarts and builds a
-    block-diagonal causal mask), so every token sees exactly the context it had in its
-    own row. The first token of each sequence gets ``token_mask = 0``: in the packed row
-    it would be "predicted" by the previous sequence's last token, which is not a real
-    prediction (in a padded row, nothing predicts it at all).
+    ``position_ids`` restart at 0 per sequence; called with them, ``attention_mask=None`` and no KV cache,
+    transformers builds a block-diagonal causal mask, so each token sees exactly its own row's context. Each
+    sequence's first token gets ``token_mask = 0`` (the previous sequence's last token does not predict it).
 
-    Args:
-        batch: right-padded batch with ``input_lengths`` and the per-token fields in
-            :data:`PACKED_TOKEN_FIELDS` (those present are packed; per-sequence fields
-            are dropped).
-
-    Returns:
-        A one-row batch with ``input_ids``, ``token_mask`` (and ``generation_logprobs``)
-        of shape ``[1, T]``, ``position_ids [1, T]``, ``segment_ids [1, T]`` (the index of
-        each token's sequence), ``input_lengths [1]`` (= T) and ``sequence_lengths``
-        (``[1, B]``, the packed sequences' lengths in order). A per-sequence
-        ``task_reward [B]`` or ``staleness [B]`` (an asynchronous schedule's samples)
-        becomes ``[1, T]``: each token holds its sequence's value. The fields of
-        :data:`PER_SEQUENCE_FIELDS` are kept as ``[1, B, ...]`` (``sample_index``: the rows'
-        places in a batch scored ahead, see :func:`~opd.distillation.schedule.signal_rows`;
-        ``teacher_index`` / ``teacher_weights``: several teachers).
-        With ``teacher_prompt_ids`` (context distillation), the row keeps them as a
-        one-element list of the B prompts, and ``prompt_lengths`` as ``[1, B]``.
+    Returns a one-row batch: the :data:`PACKED_TOKEN_FIELDS` present, ``position_ids`` and ``segment_ids`` (each
+    token's sequence) as ``[1, T]``; ``input_lengths [1]`` (= T); ``sequence_lengths [1, B]``;
+    :data:`PER_SEQUENCE_TOKEN_FIELDS` spread to ``[1, T]``; :data:`PER_SEQUENCE_FIELDS` as ``[1, B, ...]``
+    (``sample_index``: see :func:`~opd.teachers.signals.signal_rows`). With ``teacher_prompt_ids``, a
+    one-element list of the B prompts and ``prompt_lengths [1, B]``. Other per-sequence fields are dropped.
     """
     lengths = [int(length) for length in batch["input_lengths"]]
     packed = BatchedDataDict()
@@ -214,10 +162,7 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
 def unpack_padding_free(packed: BatchedDataDict, pad_token_id: int) -> BatchedDataDict:
     """The right-padded rows of a batch packed by :func:`pack_padding_free` (for a scorer that needs rows).
 
-    Returns:
-        ``input_ids [B, L]`` (padded with ``pad_token_id``), ``input_lengths [B]``, and what
-        the packed row kept of each sequence: ``prompt_lengths [B]``, ``teacher_prompt_ids``
-        (a list of B prompts), and the per-sequence fields of :data:`PER_SEQUENCE_FIELDS`.
+    Returns ``input_ids [B, L]``, ``input_lengths [B]`` and the per-sequence fields the packed row kept.
     """
     lengths = [int(length) for length in packed["sequence_lengths"][0]]
     segments = packed["input_ids"][0].split(lengths)
@@ -237,21 +182,10 @@ def unpack_padding_free(packed: BatchedDataDict, pad_token_id: int) -> BatchedDa
 
 
 def select_segments(packed: BatchedDataDict, segments: torch.Tensor) -> tuple[torch.Tensor, BatchedDataDict]:
-    """Some of a packed row's sequences, as a packed row of their own.
+    """The sequences ``segments`` (``[k]`` indices, in the new order) of a packed row, as a packed row of their own.
 
-    The sequences stay whole, so the selection is itself a packed row: each position
-    predicts the next token of its own sequence, and the first token of every sequence
-    carries no loss (what :func:`pack_padding_free` gives, so a loss computes the same
-    on it).
-
-    Args:
-        packed: a batch of :func:`pack_padding_free`.
-        segments: ``[k]`` the sequences to keep (their order in the packed row), in the
-            order they are to appear.
-
-    Returns:
-        ``(positions [n], batch)``: the kept tokens' positions in ``packed``'s row, in the
-        new row's order, and the new one-row batch.
+    Sequences stay whole, so a loss computes the same on the selection. Returns ``(positions [n], batch)``: the kept
+    tokens' positions in ``packed``'s row, in the new row's order, and the new one-row batch.
     """
     lengths = packed["sequence_lengths"][0].cpu()
     starts = torch.cat([torch.zeros(1, dtype=lengths.dtype), lengths.cumsum(0)[:-1]])
@@ -279,9 +213,10 @@ def select_segments(packed: BatchedDataDict, segments: torch.Tensor) -> tuple[to
 
 
 def pack_rows(values: torch.Tensor, lengths: Sequence[int], rows: Sequence[int] | None = None) -> torch.Tensor:
-    """``[1, Σ lengths, ...]``: row ``rows[i]`` (default ``i``) of a ``[B, L, ...]`` tensor cut to
-    ``lengths[i]``, one after another: a per-position answer for right-padded rows laid out like the
-    packed row of :func:`pack_padding_free` (position ``t`` of each sequence keeps its value)."""
+    """Lays ``[B, L, ...]`` per-position values out like :func:`pack_padding_free`'s row: ``[1, Σ lengths, ...]``.
+
+    Row ``rows[i]`` (default ``i``) is cut to ``lengths[i]``.
+    """
     order = range(len(lengths)) if rows is None else rows
     return torch.cat([values[int(row), :length] for row, length in zip(order, lengths, strict=True)]).unsqueeze(0)
 
@@ -289,9 +224,7 @@ def pack_rows(values: torch.Tensor, lengths: Sequence[int], rows: Sequence[int] 
 def model_inputs(batch: BatchedDataDict, device: torch.device | str) -> dict[str, torch.Tensor]:
     """Keyword arguments of a causal LM's forward for ``batch`` on ``device``.
 
-    A packed batch (it has ``position_ids``) is passed with them and no attention mask,
-    so each packed sequence attends only to itself; a right-padded batch with the
-    attention mask of its lengths.
+    A packed batch gets its ``position_ids`` and no attention mask; a right-padded one the mask of its lengths.
     """
     input_ids = batch["input_ids"].to(device)
     if "position_ids" in batch:

@@ -1,18 +1,7 @@
-"""Several teachers: which teacher scores each example, or with which weights they are mixed.
+"""Several teachers: which teacher scores each example (``route``), or with which weights they are mixed (``mixture``).
 
-With a ``teachers:`` section (:class:`~opd.models.config.TeachersConfig`) every prepared
-example carries its teacher assignment, read from the dataset once, when the data is
-loaded, so that a malformed row stops the run before any model loads:
-
-* **routing** (``teachers.mode: route``): ``teacher_index``, the position in
-  ``teachers.members`` of the teacher named by the example's ``teachers.route_key`` field
-  (through ``teachers.route_map`` when the field holds something else than teacher
-  names, e.g. a ``data_source``), or of ``teachers.default`` when the field is absent;
-* **mixture** (``teachers.mode: mixture``): ``teacher_weights``, one weight per member,
-  normalised to sum to 1: the members' fixed ``weight`` or, with
-  ``teachers.weights_key``, the example's own ``{teacher name: weight}`` object.
-
-Rows of a batch inherit their example's assignment (:func:`opd.data.batches.attach_teacher_fields`).
+Assignments are read once, when the data is loaded (:class:`~opd.teachers.config.TeachersConfig`), so a malformed
+row stops the run before any model loads. Batch rows inherit them (:func:`opd.data.batches.attach_teacher_fields`).
 """
 
 from __future__ import annotations
@@ -31,14 +20,9 @@ ROUTES_BY_MODE = {"route": True, "mixture": False}
 class TeacherChoice:
     """How each example is assigned its teacher(s).
 
-    Attributes:
-        names: the members' names, in ``teachers.members`` order.
-        mode: ``route`` or ``mixture``.
-        route_key: routing: the dataset field naming the example's teacher.
-        route_map: routing: field value → teacher name (None: the value is the name).
-        default: routing: the teacher of an example without the field (None: required).
-        weights: mixture: the fixed weight of each member.
-        weights_key: mixture: the dataset field with per-example weights (None: fixed).
+    Routing: ``route_key`` names the example's teacher, through ``route_map`` (None: the value is the name);
+    ``default`` serves examples without a usable value (None: required). Mixture: ``weights`` per member, or
+    ``weights_key``, a field holding ``{teacher name: weight}``. ``names`` follow ``teachers.members`` order.
     """
 
     names: tuple[str, ...]
@@ -55,12 +39,7 @@ class TeacherChoice:
         return ROUTES_BY_MODE[self.mode]
 
     def index_for(self, example: dict[str, Any]) -> int:
-        """Routing: the position in ``names`` of the example's teacher.
-
-        Raises:
-            DataError: naming the field and what was expected (the caller prefixes the
-                source and row).
-        """
+        """Routing: the position in ``names`` of the example's teacher; ``DataError`` (caller adds the row) if none."""
         assert self.route_key is not None  # a route config always has one (checked by the schema)
         value = example.get(self.route_key)
         if value is None:
@@ -87,12 +66,7 @@ class TeacherChoice:
         return self.names.index(name)
 
     def weights_for(self, example: dict[str, Any]) -> list[float]:
-        """Mixture: the example's weight of each teacher, normalised to sum to 1.
-
-        Raises:
-            DataError: naming the field and what was expected (the caller prefixes the
-                source and row).
-        """
+        """Mixture: the example's weight of each teacher, summing to 1; ``DataError`` (caller adds the row)."""
         if self.weights_key is None:
             raw = list(self.weights)
         else:

@@ -1,21 +1,8 @@
-"""Teacher-only context: the text the teacher sees in its prompt and the student does not.
+"""Teacher-only context: the text the teacher sees in its prompt and the student does not (context distillation).
 
-Context distillation (prime-rl's form): the teacher is given instructions, a system
-prompt or a worked demonstration; the student, trained on the teacher's scores of its own
-completions, learns to behave as if it had them. The context is inserted into the
-conversation's messages and the chat template is applied afterwards, so the teacher's
-prompt is exactly what a chat model would see with that context (its special tokens and
-markup included), tokenized as a whole.
-
-Where it goes (``distillation.teacher_context_placement``):
-
-* ``user_prefix``: before the first user message's text, followed by the separator;
-* ``system``: as a system message at the start, or, if the conversation already has one,
-  before that message's text.
-
-What it is: ``distillation.teacher_context`` (the same text for every example),
-``distillation.teacher_context_key`` (a per-example field of the dataset, e.g. a
-demonstration), or both (the fixed text first).
+The student, trained on the teacher's scores of its completions, learns to behave as if it had the context. The
+context is inserted into the messages before the chat template is applied, so the teacher's prompt is exactly what
+a chat model would see with it.
 """
 
 from __future__ import annotations
@@ -30,14 +17,10 @@ from opd.utils.errors import DataError
 
 @dataclass(frozen=True)
 class TeacherContext:
-    """How to build each example's teacher-only context.
+    """How to build each example's teacher-only context: fixed ``text``, the per-example field ``key``, or both.
 
-    Attributes:
-        text: the fixed context, or None.
-        key: the dataset field with a per-example context, or None.
-        placement: ``user_prefix`` or ``system``.
-        separator: between the context and the text it precedes (and between ``text``
-            and the per-example context when both are set).
+    ``placement`` (a :data:`PLACEMENTS` key); ``separator`` joins the context to the text it precedes, and ``text``
+    to the per-example context.
     """
 
     text: str | None
@@ -46,12 +29,7 @@ class TeacherContext:
     separator: str = "\n\n"
 
     def context_for(self, example: dict[str, Any]) -> str:
-        """This example's context.
-
-        Raises:
-            DataError: if the example lacks ``key`` or its value is not a non-empty string
-                (the caller prefixes the source and row).
-        """
+        """This example's context; ``DataError`` (caller adds the row) if ``key``'s value is not a non-empty string."""
         parts = [self.text] if self.text else []
         if self.key is not None:
             value = example.get(self.key)
@@ -70,11 +48,7 @@ class TeacherContext:
         return self.separator.join(parts)
 
     def apply(self, messages: list[dict[str, Any]], context: str) -> list[dict[str, Any]]:
-        """A copy of ``messages`` with ``context`` inserted (the input is not modified).
-
-        Raises:
-            DataError: for ``user_prefix`` when the conversation has no user message.
-        """
+        """A copy of ``messages`` with ``context`` inserted; ``DataError`` if ``user_prefix`` finds no user message."""
         return PLACEMENTS[self.placement](copy.deepcopy(messages), context, self.separator)
 
 

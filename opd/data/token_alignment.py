@@ -1,17 +1,9 @@
 """Aligning two tokenizations of one text by byte offsets (a teacher with another tokenizer).
 
-Every token of a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen) stands for an exact
-byte string: its characters are bytes written through GPT-2's byte-to-unicode table.
-Two tokenizations of the same text are then two ways of cutting one byte string, and
-they agree exactly at the byte offsets where both cut. Between two such common
-boundaries lies an aligned *group*: some student tokens and some teacher tokens with the
-same bytes. At the start of a group both models have read the same text and predict
-what comes next, so their next-token distributions can be compared there.
-
-This works on bytes, not on decoded text, so it is linear in the length, exact for any
-UTF-8 (a multi-byte character split differently by the two tokenizers is one group), and
-free of the normalisation drift of incremental decoding (a decoder that strips or merges
-spaces, or that cannot decode half a character).
+Each token stands for an exact byte string, so two tokenizations of one text are two ways of cutting one byte
+string. Between two common cut points lies an aligned *group* of student and teacher tokens with the same bytes; at
+its start both models have read the same text, so their next-token distributions can be compared there. Working on
+bytes, not decoded text, is linear, exact for any UTF-8, and free of incremental-decoding drift.
 """
 
 from __future__ import annotations
@@ -53,14 +45,10 @@ def _is_sentencepiece_style(tokenizer: Any) -> bool:
 
 
 def token_bytes(tokenizer: Any) -> list[bytes]:
-    """The bytes each id ``0 .. len(tokenizer) - 1`` stands for.
+    """The bytes each id ``0 .. len(tokenizer) - 1`` stands for (added tokens: their literal UTF-8 content).
 
-    Byte-level tokenizers: each character of the token string through GPT-2's table.
-    Added and special tokens (``<|im_end|>``): their literal UTF-8 content. Other
-    tokenizers (SentencePiece): ``▁`` is a space and ``<0xNN>`` a byte.
-
-    Raises:
-        ValueError: naming the tokenizer and the token whose bytes cannot be found.
+    Supports byte-level BPE (GPT-2's byte table) and SentencePiece-style (``▁`` = space, ``<0xNN>`` = a byte);
+    raises ``ValueError`` naming the token whose bytes cannot be found.
     """
     table = _unicode_to_byte()
     byte_level = _is_byte_level(tokenizer)
@@ -93,12 +81,10 @@ def token_bytes(tokenizer: Any) -> list[bytes]:
 
 
 def special_counterparts(student_tokenizer: Any, teacher_tokenizer: Any) -> dict[int, int]:
-    """Each student special token's teacher counterpart: ``{student id: teacher id}``.
+    """Each student special token's teacher counterpart, ``{student id: teacher id}``: the same content.
 
-    A special token of the same content; and the two end-of-sequence tokens, where their
-    contents differ and neither has a counterpart of its own (``<end_of_turn>`` and
-    ``<|im_end|>``): both end the response, one event for the two models, so the student
-    learns where to stop from the teacher's probability of stopping there.
+    The two EOS tokens are also paired when neither has a counterpart of its own: both end the response, so the
+    student learns where to stop from the teacher's probability of stopping there.
     """
     cache = getattr(student_tokenizer, "_opd_special_counterparts", None)
     if cache is not None and cache[0] is teacher_tokenizer:
@@ -126,11 +112,7 @@ def special_counterparts(student_tokenizer: Any, teacher_tokenizer: Any) -> dict
 
 
 def shared_vocabulary(student_tokenizer: Any, teacher_tokenizer: Any) -> torch.Tensor:
-    """``[V_student]`` int64: the teacher id with the same bytes as each student id, or −1.
-
-    Special tokens map only to special tokens of the same content, and normal tokens only
-    to normal ones.
-    """
+    """``[V_student]`` int64: the teacher id with the same bytes (and specialness) as each student id, or −1."""
     student_special = set(getattr(student_tokenizer, "added_tokens_decoder", {}))
     teacher_special = set(getattr(teacher_tokenizer, "added_tokens_decoder", {}))
     teacher_index = {
@@ -147,30 +129,17 @@ def shared_vocabulary(student_tokenizer: Any, teacher_tokenizer: Any) -> torch.T
 class PrefixClasses:
     """The events both models' next-token distributions can be compared on: classes of token strings.
 
-    A model's probability for its next token ``x`` is (with a tokenizer that takes the
-    longest token it can) the probability that the text goes on with ``x``'s bytes and not
-    with a longer token of *its own* vocabulary. So one string means different events to
-    two vocabularies that extend it differently: the teacher's ``" "`` before ``carry``
-    (which it spells ``" ", "c", "ar", "r", "y"``) includes the word the student writes as
-    one token ``" carry"``. What both can say exactly is the probability that the text goes
-    on with a string ``r`` that is a token in both vocabularies (a *root*), less the deeper
-    roots under it: on each side the sum of the tokens whose longest root prefix is ``r``.
-    Those sums are the classes compared. If the text goes on with bytes ``b``, each model's
-    next token is its longest token prefixing ``b``, and the longest root prefixing that
-    token is the longest root prefixing ``b`` (a root is a token of both), so the two
-    models put the same continuations in the same class.
-
-    A class is named by its root's student id. With two equal vocabularies every token is
-    a root and every class one token: the ordinary top-k comparison. Special tokens stand
-    alone, paired with their :func:`special_counterparts`.
+    A token's probability means "the text goes on with these bytes and not with a longer token of *this*
+    vocabulary", so one string is a different event in two vocabularies. A *root* is a string that is a token in
+    both; its class on each side is the sum over tokens whose longest root prefix it is. Both models put the same
+    continuations in the same class, so the classes compare exactly. Equal vocabularies give one token per class
+    (ordinary top-k); special tokens stand alone, paired by :func:`special_counterparts`.
 
     Attributes:
-        student_roots: ``[V_student]`` int64, the class of each student id: its root's
-            student id, or the id itself for a token with no root prefix (a class of one
-            that the teacher never lists, so its mass stays in the rest).
-        teacher_to_student: ``[V_teacher]`` int64, the class of each teacher id, or −1
-            for a token with no root prefix.
-        roots: how many roots (classes both sides can name).
+        student_roots: ``[V_student]`` int64, each student id's class (its root's student id), or the id itself
+            when it has no root prefix (a class the teacher never lists, so its mass stays in the rest).
+        teacher_to_student: ``[V_teacher]`` int64, each teacher id's class, or −1 without a root prefix.
+        roots: how many classes both sides can name.
     """
 
     student_roots: torch.Tensor
@@ -231,21 +200,11 @@ def prefix_classes(student_tokenizer: Any, teacher_tokenizer: Any) -> PrefixClas
 
 
 def pool_logits_by_class(logits: torch.Tensor, student_roots: torch.Tensor) -> torch.Tensor:
-    """``logits`` with each class's mass gathered on its root id (:class:`PrefixClasses`).
+    """``[..., V]`` logits with each class's mass on its root id (logsumexp there, −inf on other members).
 
-    At a root id: the logsumexp of its class's logits; at every other member of a class:
-    −inf; a token of its own class keeps its logit. The normaliser is unchanged, so
-    ``log_softmax`` of the result is each class's log-probability at its root, and a
-    top-k loss over it compares the classes exactly; the gradient reaches each member in
-    proportion to its share of its class.
-
-    Args:
-        logits: ``[..., V]`` student logits; ids beyond ``student_roots`` (a head padded
-            past the tokenizer) stand alone.
-        student_roots: ``[V_tokenizer]`` the class of each id.
-
-    Returns:
-        ``[..., V]`` float32 (float64 for float64 input).
+    The normaliser is unchanged, so ``log_softmax`` gives each class's log-probability at its root and the gradient
+    reaches members in proportion to their share. Ids beyond ``student_roots`` (``[V_tokenizer]``) stand alone.
+    Returns float32 (float64 for float64 input).
     """
     compute_dtype = torch.promote_types(logits.dtype, torch.float32)
     values = logits.to(compute_dtype)
@@ -280,13 +239,10 @@ class AlignedGroup:
 
 
 def align_tokens(student_pieces: list[bytes], teacher_pieces: list[bytes]) -> list[AlignedGroup]:
-    """The groups of two tokenizations of one byte string, cut at their common boundaries.
+    """The groups of two tokenizations of one byte string, cut at their common boundaries (linear time).
 
-    Linear in the number of tokens. A token of zero bytes belongs to the group that ends
-    where it does.
-
-    Raises:
-        ValueError: if the two byte strings differ, naming the first differing offset.
+    A zero-byte token belongs to the group that ends where it does. Raises ``ValueError`` (naming the first
+    differing offset) if the byte strings differ.
     """
     student_text, teacher_text = b"".join(student_pieces), b"".join(teacher_pieces)
     if student_text != teacher_text:
@@ -327,35 +283,14 @@ def teacher_tokens_for_response(
     student_pieces: list[bytes] | None = None,
     teacher_pieces: list[bytes] | None = None,
 ) -> tuple[list[int], list[AlignedGroup]]:
-    """The teacher's tokens for the student's response, and their alignment.
+    """``(teacher ids, groups)`` for the student's response ids (no prompt, no padding); groups in response indices.
 
-    The response is cut at its special tokens (e.g. the final ``<|im_end|>``); each text
-    run is decoded to text from its exact bytes and tokenized by the teacher on its own
-    (no special tokens added), and each special token becomes its teacher counterpart
-    (:func:`special_counterparts`: the same content, or the other end-of-sequence token),
-    a group of its own. What cannot be aligned is left out of every
-    group, so its student tokens get no teacher signal:
-
-    * bytes that are not valid UTF-8 (a response cut inside a character by the length
-      limit, or an invalid byte the student sampled): the run is aligned up to the last
-      student token that ends before them;
-    * a run that the teacher's tokenizer does not give back byte for byte (a tokenizer
-      that normalises text);
-    * a special token without a teacher counterpart.
-
-    Tokenizing each run on its own can differ from how the teacher would tokenize it
-    after its prompt (a merge across the prompt boundary); the chat template ends the
-    prompt with a newline, after which byte-level tokenizers start a new word anyway.
-
-    Args:
-        student_response_ids: the response's student ids (no prompt, no padding).
-        student_tokenizer: the student's tokenizer.
-        teacher_tokenizer: the teacher's tokenizer.
-        student_pieces: :func:`token_bytes` of the student's tokenizer (computed if None).
-        teacher_pieces: :func:`token_bytes` of the teacher's tokenizer (computed if None).
-
-    Returns:
-        ``(teacher ids of the response, groups)``, groups in response token indices.
+    The response is cut at its special tokens; each text run is tokenized by the teacher on its own, and each special
+    token becomes its :func:`special_counterparts` entry, a group of its own (none without a counterpart). Alignment
+    stops, leaving the rest without teacher signal, at invalid UTF-8 (after the last whole token before it) or at a
+    run the teacher's tokenizer does not return byte for byte (normalisation).
+    Tokenizing runs alone could miss a merge across the prompt boundary; chat templates end prompts with a newline.
+    ``student_pieces`` / ``teacher_pieces``: :func:`token_bytes`, computed if None.
     """
     student_pieces = student_pieces if student_pieces is not None else _cached_pieces(student_tokenizer)
     teacher_pieces = teacher_pieces if teacher_pieces is not None else _cached_pieces(teacher_tokenizer)
@@ -397,12 +332,7 @@ def _align_run(
     teacher_ids: list[int],
     groups: list[AlignedGroup],
 ) -> bool:
-    """Tokenizes the text run ``ids[start:end]`` for the teacher and appends its groups (shifted).
-
-    Returns:
-        Whether the whole run was aligned (False: it was cut at invalid UTF-8, or the
-        teacher's tokenizer did not give its bytes back).
-    """
+    """Tokenizes the text run ``ids[start:end]`` for the teacher and appends its groups; False if not all aligned."""
     pieces = [student_pieces[token] for token in ids[start:end]]
     # Keep whole student tokens within the valid UTF-8 prefix (repeat: cutting a token can cut a character).
     count = len(pieces)
