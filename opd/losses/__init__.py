@@ -1,3 +1,1 @@
-"""The objectives: the per-token divergences, the loss base class and its variants (full vocabulary, top-k,
-sampled token, hybrid, NLL, several teachers), their config and the off-policy correction.
-"""
+"""The objectives: per-token divergences, the loss classes and their variants, their config, off-policy correction."""

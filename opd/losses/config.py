@@ -1,9 +1,6 @@
-"""The ``loss_fn:`` section: one typed choice of objective, each with only its own keys.
+"""The ``loss_fn:`` section: one typed choice of objective (``type``), each with only the keys it reads.
 
-``loss_fn.type`` picks a variant; each variant carries just the keys that objective
-reads, builds its loss object and says which teacher signal it needs, so a combination
-that means nothing (a top-k ``k`` on the full-vocabulary loss, a temperature on the
-sampled-token loss, the JSD over a top-k signal) cannot be written:
+So a meaningless combination (a top-k ``k`` on the full-vocabulary loss, say) cannot be written:
 
 ========================  ==================================================  ==============================
 ``type``                  objective                                            teacher signal
@@ -15,13 +12,9 @@ sampled-token loss, the JSD over a top-k signal) cannot be written:
 ``hybrid_full_vocab``     τ-weighted reverse KL + task-reward policy gradient   logits
 ========================  ==================================================  ==============================
 
-Each variant is registered with the loss class it builds (:func:`loss_variant`); the union
-``loss_fn`` is parsed with (:data:`LossFnConfig`) and the tables :data:`LOSS_VARIANTS` and
-:data:`LOSS_CLASSES` are made from those registrations, and what a variant asks the
-teacher for is what its loss asks for. A new objective is its loss class and one
-decorated config class here. The loss objects themselves
-(:mod:`opd.losses.distillation_losses`, :mod:`opd.losses.sampled_token`,
-:mod:`opd.losses.hybrid_loss`) take no config and can be built directly.
+A new objective is its loss class plus one config class here decorated with :func:`loss_variant`, which feeds
+:data:`LossFnConfig`, :data:`LOSS_VARIANTS` and :data:`LOSS_CLASSES`; the teacher request is the loss's own. The
+loss classes take no config and can be built directly.
 """
 
 from __future__ import annotations
@@ -56,17 +49,15 @@ class _LossSettings(StrictConfig):
     """The loss these keys build (set by :func:`loss_variant`)."""
 
     compares_across_tokenizers: ClassVar[bool] = False
-    """The objective can be computed against a teacher with another tokenizer (its top k
-    mapped onto the strings both vocabularies share): only what needs no whole
-    distribution and no token of the student's own in the teacher's vocabulary."""
+    """The objective works against a teacher with another tokenizer (its top k mapped onto shared strings)."""
 
     weighs_stale_samples_by_default: ClassVar[bool] = False
-    """Whether ``training.off_policy_correction.enabled: auto`` weighs this objective's stale
-    samples under an asynchronous schedule. Off for the objectives whose loss at a position
-    is an exact expectation over the next token (full vocabulary, JSD, top-k): there the
-    truncated ratio only stands in for the prefix's likelihood ratio, and the correction
-    study (guide section 20, "Which correction, measured") found it slowed learning. The
-    sampled-token loss needs none: its clipped ratio is taken against the sampler."""
+    """Whether ``training.off_policy_correction.enabled: auto`` weighs this objective's stale samples.
+
+    Off where the loss is an exact expectation over the next token (full vocabulary, JSD, top-k): the ratio only
+    stands in for the prefix's, and it slowed learning (guide section 20). The sampled-token loss needs none: its
+    clipped ratio is taken against the sampler.
+    """
 
     def needs_own_samples(self, key: str) -> str | None:
         """Why this objective needs the student's own samples on every step (``key``: its section), or None."""
@@ -80,25 +71,15 @@ class _LossSettings(StrictConfig):
         return f"{reason}, but distillation.lambda = {lambda_}; set distillation.lambda = 1.0"
 
     def build(self, vocab_size: int, device_type: str) -> LossFunction:
-        """The loss object these keys describe (``vocab_size``: the tokenizer's; ``device_type``: the student's).
-
-        The class is the variant's :attr:`loss_class`; its arguments are :meth:`loss_arguments`.
-        """
+        """The :attr:`loss_class` object of these keys (``vocab_size``: tokenizer's; ``device_type``: student's)."""
         return self.loss_class(**self.loss_arguments(vocab_size, device_type))
 
     @abstractmethod
     def loss_arguments(self, vocab_size: int | None, device_type: str | None) -> dict[str, Any]:
-        """The keyword arguments of the loss class, from these keys.
-
-        ``device_type`` None: the loss is built only to be asked what it needs, never run,
-        so nothing is compiled for it.
-        """
+        """The loss class's keyword arguments; ``device_type`` None: built only to ask what it needs (no compiling)."""
 
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
-        """The signal the loss asks the teacher for: that of the loss these keys build.
-
-        Asked before the tokenizer is loaded too (``vocab_size`` None).
-        """
+        """The signal the built loss asks the teacher for (also before the tokenizer is loaded: ``vocab_size`` None)."""
         request = self.loss_class(**self.loss_arguments(vocab_size, None)).teacher_request
         assert request is not None, f"{self.type}: every distillation objective asks its teacher for a signal"
         return request
@@ -152,13 +133,9 @@ class FusedHeadSettings(StrictConfig):
 
 
 CPU_COMPILE_MIN_VOCAB = 1024
-"""On CPU, ``compile_kernels: auto`` compiles the loss kernels from this vocabulary size up.
+"""On CPU, ``compile_kernels: auto`` compiles the loss kernels from this vocabulary size up (GPU: any size).
 
-Below it, what the compiled kernels save per call is too small to win back, within a
-run, the seconds that compiling takes at its first step (the guide's section 5, "Where a
-step's time goes", gives the figures). Real tokenizers' vocabularies (tens of thousands of
-entries) are far above it; the tiny test and demo models are below. On a GPU ``auto``
-compiles at any size.
+Below it (tiny test models), a run does not win back the compile time (guide section 5).
 """
 
 
@@ -289,8 +266,7 @@ class HybridFullVocabLossConfig(_LossSettings, _Taus):
 
     type: Literal["hybrid_full_vocab"] = "hybrid_full_vocab"
     weighs_stale_samples_by_default: ClassVar[bool] = True
-    """Its task-reward term is a policy gradient on the sampled token, which a stale sample
-    makes off-policy: the ratio is that term's own importance weight."""
+    """Its task-reward term is a policy gradient, which a stale sample makes off-policy."""
 
     def loss_arguments(self, vocab_size: int | None, device_type: str | None) -> dict[str, Any]:
         return {

@@ -1,23 +1,13 @@
-"""The per-token divergences between teacher and student: pure tensor functions.
+"""The per-token divergences between teacher and student: pure tensor functions, no config, no I/O.
 
-:func:`token_kl` (forward, reverse or mixed KL over the whole vocabulary),
-:func:`generalized_jsd` (GKD's JSD(β)), :func:`topk_token_kl` (the KL over a teacher's top k
-plus a "rest" class) and :func:`full_vocab_divergence_with_grad` (the full-vocabulary ones
-with their gradient in closed form, for the fused loss) take no config and do no I/O, so
-other frameworks can call them. They follow the next-token convention used everywhere in
-opd (the logits at position ``t`` predict token ``t + 1``), return one value per position
-(no masking, no reduction), compute in float32 at least, and check their scalar arguments
-(``temperature`` finite and > 0, ``mixed_kl_weight`` and ``beta`` in [0, 1]), raising
-``ValueError`` naming the argument, as the loss objects and the YAML config do.
+The public functions take ``[..., V]`` logits (position ``t`` predicts token ``t + 1``) and return ``shape[:-1]``
+values (no masking, no reduction) in float32 at least (float64 for float64 input). They raise ``ValueError``, naming
+the argument, for an unknown ``kl_type``, ``temperature`` not finite and > 0, ``mixed_kl_weight`` or ``beta``
+outside [0, 1], or mismatched shapes. The loss classes build on the log-prob forms (:func:`kl_from_log_probs`,
+:func:`jsd_from_log_probs`; :class:`~opd.losses.distillation_losses.FullVocabLossFn`).
 
-The same divergences from log-probabilities (:func:`kl_from_log_probs`,
-:func:`jsd_from_log_probs`) are what the loss classes override their per-token
-divergence with (:class:`~opd.losses.distillation_losses.FullVocabLossFn`).
-
-Notation: P is the teacher distribution, Q the student's.
-forward KL = KL(P‖Q) = Σ_v P(v)·(log P(v) − log Q(v)) (mass-covering);
-reverse KL = KL(Q‖P) = Σ_v Q(v)·(log Q(v) − log P(v)) (mode-seeking);
-mixed = w·forward + (1 − w)·reverse, with w = ``mixed_kl_weight``.
+P is the teacher distribution, Q the student's. Forward KL(P‖Q) = Σ_v P(v)·(log P(v) − log Q(v)) (mass-covering);
+reverse KL(Q‖P) (mode-seeking); mixed = w·forward + (1 − w)·reverse, w = ``mixed_kl_weight``.
 """
 
 from __future__ import annotations
@@ -52,19 +42,16 @@ def check_temperature(temperature: float) -> None:
 
 
 def check_weight(name: str, value: float) -> None:
-    """A convex weight: outside [0, 1] the mixture has a negative coefficient, and the
-    "divergence" can go negative."""
+    """Raises ``ValueError`` outside [0, 1], where a mixture gets a negative coefficient and can go negative."""
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value}")
 
 
 def plogp_difference(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """Per-position Σ_v P(v)·(log P(v) − log Q(v)) with the convention 0·log 0 = 0.
+    """Per-position Σ_v P(v)·(log P(v) − log Q(v)) with 0·log 0 = 0.
 
-    Terms where P(v) = 0 exactly (log P = −inf, e.g. a masked-out vocabulary entry or an
-    extreme logit) contribute 0 instead of NaN. Both logs are replaced by 0 there *before*
-    the product, so no −inf ever enters the graph and the gradient stays finite (a
-    ``where`` applied after the product would still back-propagate 0·inf = NaN).
+    Where P(v) = 0 both logs are zeroed *before* the product, so no −inf enters the graph (a ``where`` after it would
+    still back-propagate 0·inf = NaN).
     """
     p = log_p.exp()
     support = p > 0
@@ -81,23 +68,9 @@ def token_kl(
     mixed_kl_weight: float = 0.5,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Per-position KL divergence between teacher and student on the full vocabulary.
+    """Per-position forward, reverse or mixed KL over the full vocabulary, both logits divided by ``temperature``.
 
-    Args:
-        student_logits: ``[..., V]`` student logits (gradients flow through these).
-        teacher_logits: ``[..., V]`` teacher logits (treated as given; no gradient is
-            needed, but none is blocked either).
-        kl_type: ``"forward"`` (KL(P‖Q)), ``"reverse"`` (KL(Q‖P)) or ``"mixed"``.
-        mixed_kl_weight: weight w of the forward term for ``"mixed"``, in [0, 1].
-        temperature: both logits are divided by it before the softmax (finite, > 0).
-
-    Returns:
-        ``student_logits.shape[:-1]`` divergences, in float32 (or float64 when the
-        inputs are float64). No masking, no reduction.
-
-    Raises:
-        ValueError: for an unknown ``kl_type``, ``mixed_kl_weight`` outside [0, 1], a
-            temperature that is not a finite positive number, or logits of different shapes.
+    Gradients flow through both logits (the teacher's are not detached).
     """
     check_kl_type(kl_type)
     check_weight("mixed_kl_weight", mixed_kl_weight)
@@ -109,12 +82,9 @@ def token_kl(
 def log_probs_at_temperature(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Student and teacher log-probabilities at ``temperature``, in at least float32.
+    """Student and teacher log-probabilities at ``temperature``, in at least float32 (never bf16: it loses digits).
 
-    bf16 log-probs lose ~3 significant digits, so the softmax never runs in it.
-
-    Raises:
-        ValueError: if the two logits differ in shape (e.g. vocabularies of different size).
+    Raises ``ValueError`` if the two logits differ in shape.
     """
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(
@@ -136,10 +106,7 @@ def forward_weight(kl_type: str, mixed_kl_weight: float) -> float:
 
 
 def kl_from_log_probs(log_q: torch.Tensor, log_p: torch.Tensor, weight: float) -> torch.Tensor:
-    """w·KL(P‖Q) + (1 − w)·KL(Q‖P) per position, from both models' log-probabilities (``[..., V]``).
-
-    ``weight`` is the w of :func:`forward_weight`: 1 for the forward KL, 0 for the reverse.
-    """
+    """w·KL(P‖Q) + (1 − w)·KL(Q‖P) per position from ``[..., V]`` log-probs; w from :func:`forward_weight`."""
     # A zero-weight direction is skipped, not multiplied by 0: it may be +inf (0·inf = NaN).
     if weight == 1.0:
         return plogp_difference(log_p, log_q)
@@ -169,24 +136,8 @@ def generalized_jsd(
 ) -> torch.Tensor:
     """Per-position generalized Jensen-Shannon divergence JSD(β) (GKD, TRL's convention).
 
-    With M = (1 − β)·Q + β·P, JSD(β) = β·KL(P‖M) + (1 − β)·KL(Q‖M). The end points are
-    the two KLs themselves: β = 0 gives forward KL(P‖Q) and β = 1 reverse KL(Q‖P) (the
-    mixture formula would give 0 there). Values lie in [0, ∞); for 0 < β < 1 they are
-    bounded by the binary entropy of β, so JSD stays finite even where one distribution
-    has zeros.
-
-    Args:
-        student_logits: ``[..., V]`` student logits Q (gradients flow through these).
-        teacher_logits: ``[..., V]`` teacher logits P.
-        beta: interpolation weight in [0, 1].
-        temperature: both logits are divided by it before the softmax (finite, > 0).
-
-    Returns:
-        ``student_logits.shape[:-1]`` divergences in float32 (float64 for float64 inputs).
-
-    Raises:
-        ValueError: for ``beta`` outside [0, 1] or a temperature that is not a finite
-            positive number.
+    With M = (1 − β)·Q + β·P, JSD(β) = β·KL(P‖M) + (1 − β)·KL(Q‖M). β = 0 gives forward KL(P‖Q) and β = 1 reverse
+    KL(Q‖P) (the mixture formula would give 0 there); for 0 < β < 1 it is bounded by the binary entropy of β.
     """
     check_weight("beta", beta)
     check_temperature(temperature)
@@ -202,36 +153,16 @@ def full_vocab_divergence_with_grad(
     jsd_beta: float | None = None,
     observe_log_probs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position divergence and its gradient with respect to the student's logits.
+    """``(values [C], ∂/∂student_logits [C, V])`` of :func:`token_kl`, or of :func:`generalized_jsd` with ``jsd_beta``.
 
-    The same values as :func:`token_kl` (or :func:`generalized_jsd` when ``jsd_beta`` is
-    given), with the gradient in closed form instead of autograd, for the fused loss:
-    autograd would keep about a dozen ``[positions × vocab]`` intermediates of the
-    softmaxes and the mixture alive for its backward pass; this keeps about five.
-    With Q = softmax(s / T) and g = ∂D/∂Q, the chain rule through the softmax gives
-    ∂D/∂s = Q ⊙ (g − Σ_v Q_v g_v) / T, where
+    The gradient is in closed form for the fused loss: autograd would keep about a dozen ``[C, V]`` intermediates
+    alive, this about five. With Q = softmax(s / T) and g = ∂D/∂Q, ∂D/∂s = Q ⊙ (g − Σ_v Q_v g_v) / T, where
 
     * forward KL(P‖Q): ∂D/∂s = (Q − P) / T;
     * reverse KL(Q‖P): g = log Q − log P (+1, which the centring cancels);
     * JSD(β), M = βP + (1 − β)Q: g = (1 − β)(log Q − log M) (the P/M and Q/M terms cancel).
 
-    Terms where Q = 0 exactly contribute nothing (0·log 0 = 0), as in the kernels.
-
-    Args:
-        student_logits: ``[C, V]`` student logits.
-        teacher_logits: ``[C, V]`` teacher logits.
-        kl_type: ``"forward"``, ``"reverse"`` or ``"mixed"`` (ignored for JSD).
-        mixed_kl_weight: weight of the forward KL for ``"mixed"``.
-        temperature: applied to both models' logits.
-        jsd_beta: if not None, the generalized JSD with this β instead of a KL.
-        observe_log_probs: called with ``(log Q, log P)`` once they exist, so that
-            per-step metrics can reuse them instead of a second pair of softmaxes.
-
-    Returns:
-        ``(values [C], gradient [C, V])`` in float32 (float64 for float64 input).
-
-    Raises:
-        ValueError: for the arguments :func:`token_kl` and :func:`generalized_jsd` refuse.
+    Terms where Q = 0 contribute nothing. ``observe_log_probs(log Q, log P)`` lets metrics reuse the softmaxes.
     """
     check_kl_type(kl_type)
     check_weight("mixed_kl_weight", mixed_kl_weight)
@@ -280,46 +211,19 @@ def topk_token_kl(
 ) -> torch.Tensor:
     """Per-position KL against a teacher that sent only its top-k log-probs and token ids.
 
-    With ``tail=True`` (the default) the divergence is taken over k + 1 classes: the k
-    teacher tokens and one "rest" class holding the teacher's remaining mass
-    1 − Σ_k P(v) and the student's mass on every other token. That is the exact KL of
-    the two distributions coarsened to those classes, so it is a true divergence:
-    never negative, zero when the distributions agree, a lower bound of the full KL, and
-    equal to it when the k ids cover the vocabulary. With ``tail=False`` both
-    distributions are renormalised over the k tokens (NeMo-RL's top-k approximation,
-    kept for comparison): it ignores mass outside the top k, so it can be zero while the
-    full distributions differ. Both rest masses are taken in log space
-    (:func:`_rest_class_log_probs`).
+    ``tail=True``: the exact KL over k + 1 classes, the k teacher tokens and a "rest" class; a true divergence (a
+    lower bound of the full KL, equal when the k ids cover the vocabulary). ``tail=False``: both renormalised over
+    the k (NeMo-RL's approximation, kept for comparison; can be zero while the distributions differ).
 
     Args:
-        student_logits: ``[..., V]`` student logits (full vocabulary).
-        teacher_topk_logprobs: ``[..., k]`` teacher log-probabilities of its top-k tokens,
-            normalised over the teacher's full vocabulary.
-        teacher_topk_ids: ``[..., k]`` the ids of those tokens (distinct per position). An
-            id of −1 marks an empty slot, which takes part in neither class (a
-            cross-tokenizer teacher's token with no counterpart in the student's
-            vocabulary: its mass is in the rest, see :mod:`opd.teachers.cross_tokenizer`).
-        kl_type: ``"forward"``, ``"reverse"`` or ``"mixed"``, as in :func:`token_kl`.
-        mixed_kl_weight: weight of the forward term for ``"mixed"``, in [0, 1].
-        tail: keep the rest class (True) or renormalise over the top k (False).
-        temperature: the student's logits are divided by it; the teacher's log-probs
-            must already be at the same temperature (the teacher applies it before its
-            top-k, since the top-k set itself depends on it only through ties).
-        teacher_rest_logprobs: optional ``[...]`` log of the teacher's mass outside its
-            top k (−inf where it is exactly 0), as computed by the teacher; None computes
-            it from ``teacher_topk_logprobs``. Unused with ``tail=False``.
-        student_classes: ``[V]`` the class (root id) of each student id, when the teacher's
-            ids name classes of student tokens (a teacher with another tokenizer,
-            :class:`~opd.data.token_alignment.PrefixClasses`): the student's probabilities
-            (at the temperature) are summed by class first. None: ids are tokens.
-
-    Returns:
-        ``student_logits.shape[:-1]`` divergences in float32 (float64 for float64 inputs).
-
-    Raises:
-        ValueError: for an unknown ``kl_type``, ``mixed_kl_weight`` outside [0, 1], a
-            temperature that is not a finite positive number, no top-k entries (k = 0),
-            or inputs whose shapes do not match.
+        teacher_topk_logprobs: ``[..., k]`` (k >= 1), normalised over the teacher's full vocabulary, already at
+            ``temperature`` (which divides only the student's logits here).
+        teacher_topk_ids: ``[..., k]`` distinct ids; −1 marks an empty slot, in neither class (a cross-tokenizer
+            token with no student counterpart, :mod:`opd.teachers.cross_tokenizer`).
+        teacher_rest_logprobs: ``[...]`` log of the teacher's mass outside its top k, as the teacher computed it;
+            None derives it from the top k. Unused with ``tail=False``.
+        student_classes: ``[V]`` each student id's class when the ids name
+            :class:`~opd.data.token_alignment.PrefixClasses` (the student's probabilities are summed by class first).
     """
     check_kl_type(kl_type)
     check_weight("mixed_kl_weight", mixed_kl_weight)
@@ -356,21 +260,10 @@ def _rest_class_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The student's and the teacher's log-mass outside the teacher's top k, each ``[..., 1]``.
 
-    Both are taken in log space, never as ``1 − Σ``: the student's is a logsumexp over its
-    other tokens; the teacher's is the one it sent (``teacher_rest_logprobs``, summed from
-    its full distribution), or else ``log1mexp(logsumexp(top k))`` in float64
-    (:func:`~opd.kernels.topk_rest.rest_logprobs_from_topk`), exact for the log-probs as
-    given. (Subtracting in float32 loses a rest mass of 1e-7 to rounding and moves the
-    divergence by several percent. The fallback cannot undo the rounding of the log-probs
-    themselves, e.g. the shared error of a float32 normaliser, so a teacher-sent rest is
-    the exact one; see ``benchmarks/rest_mass_precision.py``.)
-
-    Args:
-        log_q_full: ``[..., V]`` the student's log-probs (at the temperature).
-        listed_ids: ``[..., k]`` the teacher's ids, empty slots clamped to 0.
-        empty: ``[..., k]`` True at the empty slots (id −1).
-        teacher_topk_logprobs: ``[..., k]`` the teacher's top-k log-probs.
-        teacher_rest_logprobs: ``[...]`` the rest the teacher sent, or None.
+    Both in log space, never ``1 − Σ`` (in float32 that loses a 1e-7 rest and moves the divergence by percents):
+    the student's is a logsumexp over its other tokens; the teacher's the one it sent, which is exact, or else
+    :func:`~opd.kernels.topk_rest.rest_logprobs_from_topk` (float64, but cannot undo the log-probs' own rounding).
+    ``listed_ids``: the ids with the ``empty`` slots (id −1) clamped to 0.
     """
     # Counted, not written: an empty slot's placeholder id must not unmark a listed one.
     in_topk = torch.zeros_like(log_q_full, dtype=torch.int32).scatter_add_(-1, listed_ids, (~empty).int()) > 0
@@ -379,13 +272,10 @@ def _rest_class_log_probs(
     if teacher_rest_logprobs is None:
         teacher_rest_logprobs = rest_logprobs_from_topk(teacher_topk_logprobs.masked_fill(empty, float("-inf")))
     log_p_rest = teacher_rest_logprobs.to(log_q_full.dtype).unsqueeze(-1)
-    # A teacher with finite logits always has some rest mass, but below the dtype's
-    # smallest normal number it is lost to rounding (and Σ_k P can round to 1): it is
-    # floored there, so a student with mass outside the teacher's top k gets a large
-    # finite penalty instead of an infinite loss with NaN gradients.
+    # A rest mass below the dtype's smallest normal is lost to rounding; flooring it gives a student with mass
+    # outside the top k a large finite penalty, not an infinite loss with NaN gradients.
     log_p_rest = log_p_rest.clamp(min=math.log(torch.finfo(log_q_full.dtype).tiny))
-    # When the k ids cover the vocabulary the rest class is empty for both models; any
-    # teacher "rest" left by rounding is not mass the student could match.
+    # k ids covering the vocabulary leave no rest for either model; a rounding "rest" is not matchable mass.
     covers_vocabulary = in_topk.all(dim=-1, keepdim=True)
     return log_q_rest, log_p_rest.masked_fill(covers_vocabulary, float("-inf"))
 

@@ -1,29 +1,13 @@
 """The task-reward hybrid with the distillation terms taken over the whole vocabulary.
 
-The sampled-token form (:class:`~opd.losses.sampled_token.SampledTokenLossFn`) gives
-each sampled token x the advantage ``adv_tau · r + teacher_tau · log p(x) − student_tau ·
-log q(x)`` (``r`` the sequence's task reward, ``p`` the teacher, ``q`` the student) and
-follows the policy gradient ``−A · ∇ log q(x)``. Its expectation over x ~ q is the
-gradient of
+The sampled-token loss (:class:`~opd.losses.sampled_token.SampledTokenLossFn`) follows ``−A · ∇ log q(x)`` with
+``A = adv_tau · r + teacher_tau · log p(x) − student_tau · log q(x)``; its expectation over x ~ q is the gradient of
 
     L = Σ_t [ Σ_v q_t(v) (student_tau · log q_t(v) − teacher_tau · log p_t(v)) − adv_tau · r · log q_t(x_t) ]
 
-whose first part is exact, needing no sampling at all: with both τ = 1 it is the reverse
-KL(q‖p) at each position. :class:`FullVocabHybridLossFn` computes L from the two models'
-full logits (so it needs the teacher's logits: an in-process teacher) and keeps the
-task-reward term as a policy gradient on the sampled tokens, since the reward exists only
-for the sequence that was sampled. Normalised like the other losses
-(:class:`~opd.losses.token_loss.TokenLossFn`, whose per-position term L_t is).
-
-Under an asynchronous schedule (``training.off_policy_correction``) each position of a
-stale sample is weighted by the truncated importance weight
-``w_t = min(q_learner(x_t) / q_sampler(x_t), cap)`` of :mod:`opd.losses.off_policy`
-(the learner's probability of the sampled token now, against the sampler's when it drew
-it; zero where a bound masks it). For the task-reward term, a policy gradient on the sampled
-token, ``w_t`` is the token-level correction of the sampled action; the exact term is an
-expectation over the next token and gets the same per-position weight as the
-full-vocabulary losses do (a bounded stand-in for the stale prefix's likelihood ratio).
-Fresh samples have ``w_t = 1`` exactly, so a synchronous run is unchanged.
+whose first part (the reverse KL(q‖p) at τ = 1) is computed exactly here from both models' logits. The reward
+term stays a policy gradient on the sampled tokens: the reward exists only for the sampled sequence. Stale samples
+get the per-position weights of :mod:`opd.losses.off_policy`.
 """
 
 from __future__ import annotations
@@ -39,26 +23,12 @@ from opd.models.interfaces import FullVocabRequest, TeacherRequest
 
 
 class FullVocabHybridLossFn(TokenLossFn):
-    """``loss_fn.type: hybrid_full_vocab`` (see the module docstring).
+    """``loss_fn.type: hybrid_full_vocab``: the teacher's answer is its logits, or hidden states over its head.
 
-    The teacher's answer is its logits, or its final hidden states over its output layer
-    (a teacher that runs apart sends those: a pool, a served teacher, a batch scored
-    ahead), whose logits are made here.
-
-    Metrics (contributions to global token means): ``loss``, ``kl_forward``,
-    ``kl_reverse`` (at τ = 1), ``task_reward_term`` (the reward part of the loss, before
-    the off-policy weights), ``num_valid_tokens``, and with the off-policy correction the
-    ``is_*`` metrics of :func:`~opd.losses.token_loss.off_policy_row_weights`.
-
-    Args:
-        teacher_tau: weight of the teacher's log-probs.
-        student_tau: weight of the student's log-probs (an entropy term).
-        adv_tau: weight of the task reward (``data["task_reward"]``, on-policy steps).
-        kl_reduction: ``mean`` (per response token) or ``sum`` (per sequence).
-        vocab_size: the tokenizer's vocabulary (logits past it, padding, are cut).
-        off_policy: weigh the positions of stale samples (a micro-batch with
-            ``staleness`` and ``generation_logprobs``) by truncated importance weights;
-            None leaves every weight at 1.
+    Metrics: ``loss``, ``kl_forward``, ``kl_reverse`` (at τ = 1), ``task_reward_term`` (before off-policy weights),
+    ``num_valid_tokens``, and the ``is_*`` metrics of
+    :func:`~opd.losses.distillation_losses.off_policy_row_weights` with ``off_policy`` (None: every weight 1).
+    ``adv_tau`` weighs ``data["task_reward"]`` (on-policy steps only).
     """
 
     teacher_answer = "the teacher's logits"

@@ -11,13 +11,9 @@ from opd.models.lm_head import token_log_probs
 
 
 class NLLLossFn(TokenLossFn):
-    """Negative log-likelihood of the masked tokens; it asks the teacher for nothing.
+    """Negative log-likelihood −log Q(next token) of the masked tokens; it asks the teacher for nothing.
 
-    Its per-position term is −log Q(next token); rows, normalisation (by the global
-    batch's valid tokens by default) and the fused path are :class:`TokenLossFn`'s.
-
-    Args:
-        kl_reduction, vocab_size, fused_lm_head, chunk_size: as in :class:`TokenLossFn`.
+    Arguments, normalisation and the fused path are :class:`TokenLossFn`'s.
     """
 
     def __init__(

@@ -1,32 +1,18 @@
 """Off-policy correction: truncated importance weights for samples drawn by an older policy.
 
-An asynchronous schedule (:mod:`opd.distillation.schedule`) trains on samples that
-the rollout engine drew with weights one or two updates old. Each sample carries the
-sampler's log-prob of every token (``generation_logprobs``) and its ``staleness`` (how
-many updates the learner is ahead of the sampler). For a stale sample the loss weighs each
-response position ``t`` by
+An asynchronous schedule (:mod:`opd.distillation.step`) trains on samples drawn with weights one or two updates
+old; each carries ``generation_logprobs`` and its ``staleness``. A stale sample's response position ``t`` weighs
 
     ρ_t = π_learner(y_t | y_<t) / π_sampler(y_t | y_<t),     w_t = min(ρ_t, cap)
 
-where both probabilities are those of the *sampling* distribution (the strategy's
-temperature and top-k / top-p filter applied to each model's logits; greedy decoding: the
-plain softmax), so that ρ_t = 1 whenever the two models agree. With ``level: sequence``
-every position of a sequence gets the same weight instead, w = min(ρ̄, cap), where
-ρ̄ = exp(mean_t log ρ_t) is the sequence's geometric-mean ratio (a length-normalised
-stand-in for the whole response's likelihood ratio). Optionally a token whose ρ_t
-leaves ``token_bounds``, or every token of a sequence whose geometric-mean ratio
-exp(mean_t log ρ_t) leaves ``sequence_bounds``, gets weight 0. Masked tokens stay in the
-loss's normaliser (the global count of response tokens), as in truncated importance
-sampling elsewhere, so a masked token lowers the loss instead of re-weighting the rest.
+both under the *sampling* distribution (temperature and top-k / top-p filter; greedy: plain softmax), so ρ_t = 1
+when the models agree. ``level: sequence`` gives every position w = min(ρ̄, cap), ρ̄ = exp(mean_t log ρ_t) the
+geometric-mean ratio. A token whose ρ_t leaves ``token_bounds``, or a sequence whose ρ̄ leaves ``sequence_bounds``,
+gets weight 0 but stays in the loss's normaliser, so it lowers the loss instead of re-weighting the rest.
 
-The weights are detached: they scale each position's loss and gradient, never receive one.
-A sample with staleness 0 was drawn by the learner's own weights, so its weights are
-exactly 1 and nothing is computed for it: a synchronous run is unchanged, bit for bit.
-What ρ_t corrects, per loss type, is set out in the guide ("Overlapping rollout, teacher
-and training"): for the sampled-token loss it is the token-level correction of the
-sampled action; for the full-vocabulary and top-k losses, whose per-position loss is an
-exact expectation over the next token, it is a bounded per-token stand-in for the
-prefix's likelihood ratio ∏_{s<t} ρ_s, which is what makes a stale prefix off-policy.
+Weights are detached. Staleness 0 gives weights of exactly 1 and no computation: a synchronous run is unchanged,
+bit for bit. For the sampled-token loss ρ_t corrects the sampled action; for the full-vocabulary and top-k losses
+it stands in for the prefix's likelihood ratio ∏_{s<t} ρ_s (guide: "Overlapping rollout, teacher and training").
 """
 
 from __future__ import annotations
@@ -84,13 +70,7 @@ class OffPolicyCorrectionConfig(StrictConfig):
         return self
 
     def is_on(self, asynchronous: bool, by_default: bool = True) -> bool:
-        """Whether the correction applies under a schedule that is (or is not) asynchronous.
-
-        Args:
-            asynchronous: the schedule trains on stale samples.
-            by_default: what ``auto`` does under an asynchronous schedule for the objective
-                in question (its ``weighs_stale_samples_by_default``).
-        """
+        """Whether the correction applies; ``by_default``: the objective's ``weighs_stale_samples_by_default``."""
         if not self.weighs:  # monitor: the ratios are computed whenever samples are stale
             return asynchronous
         return bool(resolve_auto(self.enabled, lambda: asynchronous and by_default))
@@ -105,15 +85,8 @@ class OffPolicyCorrectionConfig(StrictConfig):
 class OffPolicyCorrection:
     """What the loss needs to weigh stale samples (built from the config; sent to trainer workers).
 
-    Attributes:
-        cap: truncation of each ratio (>= 1).
-        token_bounds: ``(low, high)`` token mask, or None.
-        sequence_bounds: ``(low, high)`` sequence mask on the geometric-mean ratio, or None.
-        strategy: the rollout's sampling strategy (the distribution both log-probs are of).
-        level: ``token`` (each position its own ratio) or ``sequence`` (the sequence's
-            geometric-mean ratio at every position).
-        monitor_only: compute the ratios and their metrics, but leave every weight at 1
-            (``enabled: monitor``): the loss and its gradient are those without a correction.
+    ``strategy`` is the rollout's sampling strategy (the distribution of both log-probs); ``monitor_only``
+    (``enabled: monitor``) computes the ratios and metrics but leaves every weight at 1.
     """
 
     cap: float
@@ -132,9 +105,7 @@ class OffPolicyCorrection:
 def filtered_sampling_warning(correction: OffPolicyCorrection) -> str | None:
     """A warning when the correction weighs samples drawn through a top-k or top-p filter; else None.
 
-    Such a filter leaves out tokens, so a token the sampler drew may lie outside the
-    learner's filtered set one update later: its ratio is 0 and its weight too (at
-    ``level: sequence``, its whole sequence's).
+    A sampled token may fall outside the learner's filtered set one update later: ratio and weight 0.
     """
     strategy = correction.strategy
     kept = strategy.sampling_filter
@@ -150,11 +121,9 @@ def filtered_sampling_warning(correction: OffPolicyCorrection) -> str | None:
 
 
 def sampling_log_probs(logits: torch.Tensor, targets: torch.Tensor, strategy: GenerateStrategyConfig) -> torch.Tensor:
-    """``[N]`` float32 log-probs of ``targets`` under the distribution ``strategy`` samples from.
+    """``[N]`` float32 log-probs of ``targets`` under the distribution ``strategy`` samples from (``-inf`` if filtered).
 
-    The same distribution the samplers report (:func:`opd.rollout.sampling.next_tokens`):
-    temperature and top-k / top-p filter for sampling, the plain softmax for greedy. A
-    target outside the filtered support gets ``-inf``.
+    The same distribution the samplers report (:func:`opd.rollout.sampling.next_tokens`).
     """
     warped = logits.float() if strategy.is_greedy else warp_logits(logits, strategy)
     return warped.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(warped, dim=-1)
@@ -166,16 +135,11 @@ def learner_log_probs(
 ) -> torch.Tensor:
     """``[N]`` log-probs of ``targets`` under the learner's sampling distribution, without gradient.
 
-    Args:
-        student_rows: ``[N, V]`` logits, or an :class:`LMHeadInput` with ``[N, D]`` hidden
-            states (the logits are then made a chunk of rows at a time).
-        targets: ``[N]`` the sampled token of each row.
-        strategy: the rollout's sampling strategy.
+    ``student_rows``: ``[N, V]`` logits, or an :class:`LMHeadInput` (``[N, D]``) whose logits are made in chunks.
     """
     if not isinstance(student_rows, LMHeadInput):
         return sampling_log_probs(student_rows.detach(), targets, strategy)
-    # The sampler drew from the whole output layer, so the ratio uses it too (no vocabulary
-    # cut), with the head's logit transform, as the model's forward applies it.
+    # The sampler drew from the whole output layer (no vocabulary cut), with the head's logit transform.
     head = dataclasses.replace(student_rows, vocab_size=None)
     parts = [
         sampling_log_probs(head.logits(slice(start, start + _LEARNER_CHUNK_ROWS)), chunk, strategy)
@@ -193,24 +157,12 @@ def importance_weights(
     sequence_ids: torch.Tensor,
     correction: OffPolicyCorrection,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Each loss row's weight, and sums for the metrics.
+    """``([N] float64 weights, metric sums)`` from ``[N]`` learner and sampler log-probs; exactly 1 on fresh rows.
 
-    Args:
-        learner_logprobs: ``[N]`` log π_learner of each row's sampled token.
-        sampler_logprobs: ``[N]`` log π_sampler of the same tokens.
-        stale: ``[N]`` bool, the row belongs to a sample with staleness > 0.
-        sequence_ids: ``[N]`` which sequence each row belongs to (for ``sequence_bounds`` and
-            ``level: sequence``); a micro-batch holds whole sequences.
-        correction: level, cap and bounds.
-
-    Returns:
-        ``([N] float64 weights, sums)``: weights are exactly 1 on fresh rows. ``sums`` are
-        over all rows, a fresh row counting as ρ = 1: ``is_ratio`` (Σ ρ),
-        ``is_abs_log_ratio`` (Σ |log ρ|), ``is_truncated`` (rows whose weight was cut: ρ > cap,
-        or at sequence level the sequence's ρ̄ > cap), ``is_outside_support`` (rows whose token the
-        learner's sampling distribution no longer allows: ρ = 0, e.g. outside its top-p set),
-        ``is_masked`` (rows given weight 0 by a bound) and ``is_ratio_max`` (the largest ρ;
-        0 without rows).
+    ``stale``: ``[N]`` bool; ``sequence_ids``: ``[N]`` each row's sequence (a micro-batch holds whole sequences).
+    Sums over all rows, a fresh row counting as ρ = 1: ``is_ratio`` (Σ ρ), ``is_abs_log_ratio`` (Σ |log ρ|),
+    ``is_truncated`` (weight cut by the cap), ``is_outside_support`` (ρ = 0), ``is_masked`` (weight 0 by a bound),
+    ``is_ratio_max`` (0 without rows).
     """
     log_ratio = (learner_logprobs.double() - sampler_logprobs.double()).masked_fill(~stale, 0.0)
     ratio = log_ratio.exp()

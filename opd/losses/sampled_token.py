@@ -1,9 +1,7 @@
 """The sampled-token objective: reverse KL on the tokens the student sampled, as a clipped policy gradient.
 
-The form used by the Thinking Machines cookbook, prime-rl and slime. The tensor math is in
-two pure functions (:func:`sampled_token_advantages`, :func:`sampled_token_pg_loss`, no
-config and no I/O); :class:`SampledTokenLossFn` is the loss object built on
-:class:`~opd.losses.token_loss.TokenLossFn`.
+The form of the Thinking Machines cookbook, prime-rl and slime. The tensor math is in two pure functions;
+:class:`SampledTokenLossFn` is the loss object.
 """
 
 from __future__ import annotations
@@ -28,35 +26,19 @@ def sampled_token_advantages(
     adv_tau: float = 0.0,
     segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token advantages of the sampled-token distillation objective (no gradient).
+    """``[B, T]`` per-token advantages of the sampled-token objective, float32 or wider, no gradient.
 
-    a_t = teacher_tau · log P(x_t) − student_tau · log Q(x_t) for each sampled token x_t,
-    plus ``adv_tau · task_reward`` of its sequence on every token (distillation and the
-    task reward in one advantage). With ``discount`` γ > 0 each token also collects the discounted a of the tokens after
-    it in the same sequence: A_t = Σ_{t' ≥ t} γ^{k(t, t')} a_{t'}, where k(t, t') counts the
-    masked-in tokens after t up to t' (the student's own tokens; on a multi-turn trajectory
-    the observation tokens between two turns are holes in ``mask`` and are not steps, so a
-    turn's tokens are discounted by how many student tokens lie between, not by how long
-    the tool's answer was). On one contiguous response k(t, t') = t' − t. With τ = 1 and γ = 0,
-    E[−A_t · ∇log Q(x_t)] is the gradient of the reverse KL(Q‖P) at that position.
+    a_t = teacher_tau · log P(x_t) − student_tau · log Q(x_t) + adv_tau · (the sequence's reward). With ``discount``
+    γ > 0, A_t = Σ_{t' ≥ t} γ^{k(t, t')} a_{t'} within the sequence, k counting the ``mask``-ed-in tokens between:
+    tool observations between turns are not steps. With τ = 1 and γ = 0, E[−A_t · ∇log Q(x_t)] is the gradient of
+    the reverse KL(Q‖P).
 
     Args:
-        student_logprobs: ``[B, T]`` log Q of the sampled tokens (detached here).
-        teacher_logprobs: ``[B, T]`` log P of the same tokens.
-        mask: ``[B, T]`` 1 on response tokens (the student's); advantages are 0 elsewhere,
-            and positions outside it are not steps of the discount.
-        teacher_tau, student_tau: weights of the two log-probabilities.
-        discount: γ in [0, 1].
-        task_reward: optional ``[B]`` per-sequence reward (e.g. 1.0 if the verifier
-            accepts the answer), or ``[B, T]`` with each token holding its sequence's
-            reward (packed rows).
-        adv_tau: weight of the task reward.
-        segment_ids: optional ``[B, T]`` index of the sequence each position belongs to,
-            for rows that pack several sequences: the discounted sum stops at a change of
-            segment. None: each row is one sequence.
+        mask: ``[B, T]`` 1 on the student's response tokens; advantages are 0 elsewhere.
+        task_reward: ``[B]`` per sequence, or ``[B, T]`` per token (packed rows).
+        segment_ids: ``[B, T]`` each position's sequence in packed rows (the sum stops at a change); None: one per row.
 
-    Returns:
-        ``[B, T]`` advantages in float32 (float64 for float64 inputs).
+    Raises ``ValueError`` for ``discount`` outside [0, 1].
     """
     if not 0.0 <= discount <= 1.0:
         raise ValueError(f"discount must be in [0, 1], got {discount}")
@@ -75,8 +57,7 @@ def sampled_token_advantages(
         if segment_ids is not None and t + 1 < per_token.shape[1]:
             # Position t + 1 starts another packed sequence: nothing of it flows back.
             running = running * (segment_ids[:, t] == segment_ids[:, t + 1]).to(dtype)
-        # A position outside the mask (an observation between turns, padding) is no step:
-        # the sum from the tokens after it passes through undiscounted.
+        # A position outside the mask (an observation, padding) is no step: the sum passes through undiscounted.
         running = torch.where(weights[:, t] != 0, per_token[:, t] + discount * running, running)
         advantages[:, t] = running
     return advantages * weights
@@ -88,21 +69,10 @@ def sampled_token_pg_loss(
     advantages: torch.Tensor,
     clip_ratio: float | None = 0.2,
 ) -> torch.Tensor:
-    """Per-token clipped policy-gradient loss −min(r·A, clip(r, 1 − ε, 1 + ε)·A).
+    """``[B, T]`` clipped policy-gradient losses −min(r·A, clip(r, 1 − ε, 1 + ε)·A), ε = ``clip_ratio`` (None: −r·A).
 
-    r = exp(log Q − log Q_sampler) corrects for the sampler's weights being older than
-    the student's (or a different engine's); with ``clip_ratio`` None the loss is −r·A.
-    Gradients flow only through ``student_logprobs``. No masking or reduction: the
-    advantages are already 0 off the response.
-
-    Args:
-        student_logprobs: ``[B, T]`` log Q of the sampled tokens under the current student.
-        sampler_logprobs: ``[B, T]`` log-probs the sampler drew them with.
-        advantages: ``[B, T]`` from :func:`sampled_token_advantages`.
-        clip_ratio: ε, or None for no clipping.
-
-    Returns:
-        ``[B, T]`` per-token losses.
+    r = exp(log Q − log Q_sampler) corrects for an older (or other engine's) sampler. Gradients flow only through
+    ``student_logprobs``; no masking or reduction (advantages are 0 off the response).
     """
     ratio = torch.exp(student_logprobs - sampler_logprobs.detach().to(student_logprobs.dtype))
     unclipped = ratio * advantages
@@ -113,22 +83,12 @@ def sampled_token_pg_loss(
 
 
 class SampledTokenLossFn(TokenLossFn):
-    """Reverse KL on the sampled tokens only, as a clipped policy gradient.
+    """Reverse KL on the sampled tokens only, as a clipped policy gradient; needs on-policy samples.
 
-    The form used by the Thinking Machines cookbook, prime-rl and slime: the teacher
-    sends one log-prob per position (that of the token the student sampled), the
-    per-token advantage is ``teacher_tau · log P − student_tau · log Q_sampler``
-    (:func:`sampled_token_advantages`, optionally discounted over later tokens and plus
-    ``adv_tau ·`` the sequence's task reward from ``data["task_reward"]``), and the loss is
-    :func:`sampled_token_pg_loss` with the importance ratio against the sampler's
-    log-probs (``data["generation_logprobs"]``). Normalised like every :class:`TokenLossFn`.
+    The teacher sends one log-prob per position; the advantages (:func:`sampled_token_advantages`, with Q_sampler)
+    feed :func:`sampled_token_pg_loss` against ``data["generation_logprobs"]``, so no off-policy weights apply.
 
-    It needs on-policy samples: fixed data has no sampler log-probs. It takes no
-    off-policy weights: its ratio is already taken against the sampler's log-probs.
-
-    Metrics: ``loss``, ``kl_reverse_estimate`` (mean of log Q_sampler − log P over the
-    sampled tokens, the single-sample reverse-KL estimate), ``advantage`` (mean),
-    ``num_valid_tokens``.
+    Metrics: ``loss``, ``kl_reverse_estimate`` (mean log Q_sampler − log P), ``advantage`` (mean), ``num_valid_tokens``.
     """
 
     teacher_answer = "the teacher's token log-probs"
@@ -178,15 +138,13 @@ class SampledTokenLossFn(TokenLossFn):
     ) -> LossInputs:
         """The sampled tokens, the sampler's log-probs and the advantages at the loss positions.
 
-        Raises:
-            ValueError: if ``data`` has no ``generation_logprobs``.
+        Raises ``ValueError`` if ``data`` has no ``generation_logprobs``.
         """
         if "generation_logprobs" not in data:
             raise ValueError("the sampled-token loss needs on-policy samples with the sampler's log-probs")
         sampler_logprobs = data["generation_logprobs"][:, 1:]
         teacher_logprobs = teacher_output[:, 1:].to(sampler_logprobs.device)
-        # Packed rows (sequence packing) carry each token's sequence index: the advantages
-        # of one sequence never collect the next one's.
+        # Packed rows: the advantages of one sequence never collect the next one's.
         segment_ids = data["segment_ids"][:, 1:] if "segment_ids" in data else None
         task_reward = data.get("task_reward")
         if task_reward is not None and task_reward.dim() == 2:  # per token (packed): align with the targets

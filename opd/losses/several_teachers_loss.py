@@ -1,23 +1,8 @@
 """The loss with several teachers: one objective, applied to each teacher's rows or to their mixture.
 
-The objective stays the one ``loss_fn`` describes; these wrappers only decide which
-teacher answer it sees (:mod:`opd.teachers.several_teachers`):
-
-* :class:`RoutedLoss` (routing): the micro-batch's rows are split by teacher and each
-  group gets its teacher's objective (``loss_fn``, or the member's own
-  ``teachers.members[i].loss_fn``) with that teacher's answer. Every loss is a sum over
-  positions divided by a global normaliser, so the sum of the group losses is the loss
-  of the whole micro-batch, and its gradient, exactly as with one teacher per row.
-* :class:`MixtureLoss` (mixture): the objective is applied once, to the mixture; each
-  member's answer is also compared with the student, without gradient, for its metrics.
-
-Per-teacher metrics (logged as ``train/teacher/<name>/...``):
-
-* ``kl_forward`` / ``kl_reverse`` (or ``kl_reverse_estimate`` for the sampled-token
-  loss): the student's KL to that teacher, a mean over the response tokens it scored
-  (routing: its own rows; mixture: every token);
-* ``token_share``: its share of the step's response tokens (mixture: its mean weight);
-* its scoring time is logged as ``timing/teacher/<name>``.
+The wrappers only decide which teacher answer (:mod:`opd.teachers.several_teachers`) the objective sees. Per-teacher
+metrics, logged as ``train/teacher/<name>/...``: the :data:`PER_TEACHER_MEANS` (over the tokens it scored) and
+``token_share``; its scoring time as ``timing/teacher/<name>``.
 """
 
 from __future__ import annotations
@@ -117,15 +102,9 @@ class _SeveralTeachersLoss(LossFunction):
 class RoutedLoss(_SeveralTeachersLoss):
     """Each teacher's objective applied to its rows with its answer (a :class:`RoutedSignal`).
 
-    Args:
-        objectives: one objective per teacher, in member order (the same object for
-            members without an objective of their own). They must agree on
-            ``fused_lm_head``: the student's output is computed once for all rows.
-        names: the teachers' names, in member order.
-
-    Raises:
-        ValueError: without one objective per name, or if the objectives disagree on
-            ``fused_lm_head``.
+    Every loss is a sum over positions over a global normaliser, so the group losses sum to the micro-batch's loss
+    and gradient exactly. ``objectives``: one per name, in member order (a member's own ``loss_fn`` or the shared
+    one), agreeing on ``fused_lm_head`` (the student's output is computed once); else ``ValueError``.
     """
 
     def __init__(self, objectives: Sequence[LossFunction], names: Sequence[str]) -> None:
@@ -167,11 +146,7 @@ class RoutedLoss(_SeveralTeachersLoss):
         global_valid_seqs: int,
         teacher_output: Any = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Σ over teachers of the objective on their rows; metrics summed, plus each teacher's share.
-
-        Raises:
-            TypeError: if ``teacher_output`` is not a :class:`RoutedSignal`.
-        """
+        """Σ over teachers of the objective on their rows; metrics summed and per teacher; ``TypeError`` if unrouted."""
         if not isinstance(teacher_output, RoutedSignal):
             raise TypeError(f"RoutedLoss needs the answer of RoutedTeachers, got {type(teacher_output).__name__}")
         total: torch.Tensor | None = None
@@ -214,11 +189,7 @@ class RoutedLoss(_SeveralTeachersLoss):
 class MixtureLoss(_SeveralTeachersLoss):
     """The objective applied to the teachers' mixture (a :class:`MixedSignal`); each teacher's KL as metrics.
 
-    Args:
-        objective: the ``loss_fn`` objective.
-        names: the teachers' names, in member order.
-        member_metrics: also compare the student with each member (no gradient; one
-            more evaluation of the objective per member).
+    ``member_metrics``: compare the student with each member too (no gradient; one more evaluation per member).
     """
 
     def __init__(self, objective: LossFunction, names: Sequence[str], member_metrics: bool = True) -> None:
@@ -233,11 +204,7 @@ class MixtureLoss(_SeveralTeachersLoss):
         global_valid_seqs: int,
         teacher_output: Any = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The objective on the mixture, and each member's KL and weight share as metrics.
-
-        Raises:
-            TypeError: if ``teacher_output`` is not a :class:`MixedSignal`.
-        """
+        """The objective on the mixture, and each member's KL and weight share (``TypeError`` if not mixed)."""
         if not isinstance(teacher_output, MixedSignal):
             raise TypeError(f"MixtureLoss needs the answer of TeacherMixture, got {type(teacher_output).__name__}")
         loss, metrics = self.objective(

@@ -10,22 +10,11 @@ from opd.losses.divergences import log_probs_at_temperature, plogp_difference, s
 
 
 class TeacherMetrics:
-    """Sums, over the loss positions, the per-step diagnostics of teacher vs student.
+    """Sums, over the loss positions, the per-step diagnostics of teacher vs student (never under autograd).
 
-    ``kl_forward`` / ``kl_reverse`` (over the k + 1 top-k classes when the teacher sent
-    only its top k, which is a lower bound of the full KL), the teacher's probability
-    mass on its top-k tokens, the student's mass on those same tokens, and the overlap of
-    the two models' top-k sets (|top-k_P ∩ top-k_Q| / k).
-
-    All of them are taken at the loss temperature T, i.e. between softmax(logits / T) of
-    both models, whichever signal the teacher sent. Why T and not 1: a top-k teacher
-    answers at T only (its top-k log-probs are normalised at T), and its distribution at
-    1 cannot be recovered from them (the normaliser at 1 needs the tokens it did not
-    send), so T is the one temperature at which both signals can report the same
-    quantity; it is also the one the loss optimises (for a forward or reverse KL loss the
-    matching metric equals the loss per token). At T = 1, the usual case and the only one
-    a served teacher supports, this is the models' own distributions.
-    Called on detached chunks, so it never adds to the autograd graph.
+    ``kl_forward`` / ``kl_reverse`` (over the k + 1 classes for a top-k teacher: a lower bound), the teacher's mass
+    on its top k, the student's mass there, and the top-k overlap |top-k_P ∩ top-k_Q| / k. All at the loss
+    temperature T: a top-k teacher's distribution is known only at T, and T is what the loss optimises.
     """
 
     def __init__(self, k: int, temperature: float, vocab_size: int | None, compile_kernels: bool = False) -> None:
@@ -52,8 +41,7 @@ class TeacherMetrics:
             compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
             student_logits = student_logits.to(compute_dtype) / self.temperature
             teacher_logits = teacher_logits.to(compute_dtype) / self.temperature
-        # Compiled: the KLs in a few fused passes, the top-k metrics from the logits and
-        # log-normalisers (top-k of the logits = top-k of the log-probs, row by row).
+        # Compiled: KLs in a few fused passes; top-k from logits and log-normalisers (same order as log-probs).
         kl_forward, kl_reverse, log_norm_q, log_norm_p = compiled(kl_metrics_from_logits)(
             student_logits, teacher_logits
         )
@@ -85,8 +73,7 @@ class TeacherMetrics:
         teacher_rest_logprobs: torch.Tensor | None = None,
         student_classes: torch.Tensor | None = None,
     ) -> None:
-        """Metrics from the student's logits and the teacher's top-k (both at the loss temperature;
-        ``student_classes`` as in :func:`topk_token_kl`)."""
+        """Metrics from the student's logits and the teacher's top k (``student_classes``: :func:`topk_token_kl`)."""
         temperature = self.temperature
         if student_classes is not None:  # pooled once, at the temperature, for every metric below
             compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
