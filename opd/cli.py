@@ -1,33 +1,9 @@
-"""The ``opd`` command line.
+"""The ``opd`` command line: ``train``, ``plan``, ``eval``, ``sft``, ``generate``, ``export``, ``prune``, ``plot``
+and ``serve-teacher`` (``opd SUBCOMMAND --help`` lists each one's options).
 
-* ``opd train --config FILE [key.sub=value ...]`` — distil (resumes if checkpoints exist);
-  ``--dry-run``: plan instead, as ``opd plan`` does;
-* ``opd plan --config FILE [key.sub=value ...] [--json] [--quick] [--every-layer]`` — a cluster run's memory per
-  device from its config alone: the trainer's real step on fake tensors over a fake process
-  group, at the real shapes, with a device audit (:mod:`opd.plan.memory_plan`);
-* ``opd eval --config FILE [key.sub=value ...]`` — validate one model and exit; with
-  ``--harness lm-eval --tasks a,b [--include-path DIR] [--limit N] [--compare teacher,student_before]``,
-  score it with lm-evaluation-harness instead (:mod:`opd.run.harness`), as set by
-  ``[--backend hf|vllm] [--num-fewshot N] [--max-gen-toks N] [--temperature T] [--top-p P]
-  [--repeats N] [--chat-template-kwargs JSON] [--system-instruction TEXT]
-  [--[no-]fewshot-as-multiturn] [--output-path DIR [--log-samples]]`` (each a ``validation.harness`` key);
-* ``opd sft --config FILE [key.sub=value ...]`` — supervised fine-tuning (resumes too);
-* ``opd generate --config FILE [key.sub=value ...]`` — one model's (the teacher's) answers to
-  the training prompts, as chat-format fixed data (resumes too; :mod:`opd.generate`);
-* ``opd export SOURCE DIR [--dtype D]`` — write a checkpoint's student (sharded or not), or a
-  GGUF model dequantised, as a Hugging Face model directory (:mod:`opd.run.checkpoint_export`);
-* ``opd prune SOURCE DIR --layers N [--method even|importance --calibration DATA] | --keep 0,4,...``
-  — a depth-pruned student made from a model: chosen layers kept, embeddings, head,
-  tokenizer and chat template carried over (:mod:`opd.models.depth_pruning`);
-* ``opd plot LOG_DIR`` — redraw the curves and summary from a run's ``metrics.jsonl``;
-* ``opd serve-teacher --model DIR [--port N ...]`` — serve a teacher's prompt log-probs
-  over HTTP for ``teacher.backend: remote`` (:mod:`opd.teachers.served.server`).
-
-User mistakes (config, data, incompatible models) end the run with one ``error:`` line
-and exit status 2, before any model is loaded where possible; no traceback is shown
-for them unless ``opd --debug ...`` or ``OPD_DEBUG=1`` asks for one. A run that diverges
-(too many non-finite steps) exits with status 1. Bugs in opd itself (any other
-exception) still show their traceback.
+User mistakes (config, data, incompatible models) end with one ``error:`` line and exit status 2, before any
+model loads where possible; ``opd --debug`` or ``OPD_DEBUG=1`` shows the traceback. A diverged run exits with 1.
+Bugs in opd itself show their traceback.
 """
 
 from __future__ import annotations
@@ -235,11 +211,7 @@ def run_export(args: argparse.Namespace) -> None:
 
 
 def quiet_third_party_output() -> None:
-    """Keeps the console to opd's own progress lines.
-
-    transformers draws a progress bar for every shard it writes or loads (one per
-    checkpoint), and torchdata warns about an internal call of its own on every start.
-    """
+    """Keeps the console to opd's own lines (no transformers shard progress bars, no torchdata start-up warning)."""
     import warnings
 
     import transformers
@@ -295,8 +267,7 @@ def run_harness(config_path: str, overrides: list[str]) -> None:
 def run_train(config_path: str, overrides: list[str], val_only: bool = False) -> None:
     """Loads and validates the config, then trains (or only validates, for ``opd eval``)."""
     _check_config_keys("train", config_path, overrides)
-    # Imported here, the training stack after the config has loaded: `opd --help` and a
-    # config error do not wait for the imports of models, engines and workers (seconds).
+    # Imported after the config loads, so `opd --help` and config errors do not wait for the training stack.
     from opd.distillation.config import MasterConfig
     from opd.utils.config import load_config
 

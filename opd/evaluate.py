@@ -1,16 +1,10 @@
 """``opd eval`` (and ``val_only: true``): validate one model against the teacher and exit.
 
-The model is ``validation.model_path`` (an HF model directory or a ``step_N``
-checkpoint), else the newest checkpoint of the run, else ``model.student_model_path``.
-It answers the validation prompts as in training's validation (in episodes, with an
-``environment:``); the metrics are printed
-and written to ``<log_dir>/eval_metrics.json``.
+The model is ``validation.model_path`` (an HF directory or a ``step_N`` checkpoint), else the run's newest
+checkpoint, else ``model.student_model_path``. Metrics are printed and written to ``<log_dir>/eval_metrics.json``.
 
-``opd eval --harness lm-eval --tasks ...`` (:func:`evaluate_with_harness_tasks`) scores the
-same model with an external harness instead, beside the teacher and the starting student
-when ``validation.harness.compare`` asks, and writes the table and the results (with what
-the harness recorded of each run) to ``<log_dir>``; lm-eval's own results and per-sample
-files go to ``validation.harness.output_path`` when it is set.
+``opd eval --harness lm-eval --tasks ...`` scores it with an external harness instead (with
+``validation.harness.compare``'s models beside it) and writes the table and results to ``<log_dir>``.
 """
 
 from __future__ import annotations
@@ -50,9 +44,7 @@ def resolve_eval_model(config: MasterConfig) -> str:
 def restore_teacher(teacher: TeacherInterface, model_path: str) -> None:
     """A teacher that follows the student (``teacher.self_teacher: ema``) as the evaluated checkpoint kept it.
 
-    ``model_path`` is a checkpoint's ``policy/`` when ``opd eval`` validates a checkpoint; a
-    model directory outside a run has no teacher state, and the teacher is then the
-    student's starting point (said in the log).
+    A model directory outside a run has no teacher state; the teacher then starts from the student (logged).
     """
     directory = Path(model_path)
     checkpoint = directory.parent

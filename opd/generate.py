@@ -1,37 +1,25 @@
 """``opd generate``: one model's answers to a dataset's prompts, written as fixed data.
 
-The fixed data of a λ < 1 run is teacher pre-generated sequences. A dataset
-such as pe-nlp/math-cl has prompts and ground-truth answers but no worked answers, so a
-λ < 1 run on it has nothing to train on in its fixed-data steps. This command lets a model
-(the teacher by default) answer every prompt once, ahead of training::
+A λ < 1 run trains on teacher pre-generated answers in its fixed-data steps; a dataset with prompts and ground
+truths only (pe-nlp/math-cl) has none. This command lets a model (the teacher by default) write them::
 
     opd generate --config examples/configs/generate_math.yaml
     opd train --config examples/configs/distillation_math.yaml distillation.lambda=0.5 \\
         data.train_path=results/generate_math/teacher_answers.jsonl data.data_format=chat
 
-The config is a training config (:class:`~opd.distillation.config.MasterConfig`)
-plus a ``generate`` section: the prompts are ``data.train_path`` read as training reads it
-(``data_format``, ``prompt_file``, ``chat_template``, ``max_prompt_length``,
-``max_train_examples``), the model loads as ``model`` says, and ``generation.backend``
-picks the engine (any :class:`~opd.models.interfaces.GenerationInterface`).
+The config is a training config plus a ``generate`` section; prompts are ``data.train_path`` read as training
+reads it, and ``generation.backend`` picks the engine.
 
-Each output row is a chat example: the prompt turns, one final assistant message (the
-answer, special tokens removed), the source row's other fields (``ground_truth`` among
-them, so validation accuracy and task rewards still work) and a ``generated`` record
-``{"source_index", "sample", "model", "correct", "truncated"}``. A prompt gets one row per
-kept answer, adjacent and in source order; a prompt none of whose answers was kept
-(``only_correct``, or truncation) has no row, so training never sees it.
+Each output row is a chat example: the prompt turns, the answer as a final assistant message (special tokens
+removed), the source row's other fields (``ground_truth`` too) and a ``generated`` record
+``{"source_index", "sample", "model", "correct", "truncated"}``. A prompt's kept answers are adjacent rows in
+source order; a prompt with none kept has no row.
 
-Resuming. Prompts are answered in fixed batches of ``generate.batch_size`` (batch ``k``
-holds the usable prompts ``k·B .. k·B+B-1``), each sampled from its own seed, derived
-from ``training.seed`` and ``k``. After a batch, its rows are appended to the output and
-synced to disk, and then one line recording the batch is appended to the progress file
-``<output>.progress.jsonl`` and synced. A rerun of the same command keeps exactly the rows
-of the recorded batches (a torn last line, or rows of a batch that was not recorded yet, are
-cut off) and continues with the next batch. A batch's answers depend only on its seed and
-its prompts, so the finished file is the same whether or not the run was interrupted.
-The progress file's first line holds the settings that decide the answers; a rerun with
-other settings stops with an error instead of mixing two kinds of answers in one file.
+Resuming: batch ``k`` holds usable prompts ``k·B .. k·B+B-1`` (``B = generate.batch_size``) and samples from a
+seed of ``(training.seed, k)``. Its rows are appended and synced, then a record line goes to
+``<output>.progress.jsonl`` and is synced. A rerun keeps the rows of recorded batches, cuts the rest and
+continues, so the finished file does not depend on interruptions. The progress file's first line holds the
+settings that decide the answers; a rerun with other settings fails rather than mix answers.
 """
 
 from __future__ import annotations
@@ -146,10 +134,8 @@ class SourcePrompt:
     """One usable prompt of the source data.
 
     Attributes:
-        index: 0-based position of the row in the source (after ``max_train_examples``).
+        index: 0-based row in the source (after ``max_train_examples``).
         messages: the prompt turns (a final assistant turn of the source is dropped).
-        prompt_ids: the rendered, tokenized prompt.
-        ground_truth: the row's answer, None if it has none.
         fields: the row's other fields, copied into every output row.
     """
 
@@ -230,9 +216,7 @@ def generate_data(config: GenerateMasterConfig) -> GenerateSummary:
     """Answers every usable prompt of ``data.train_path``, resuming a partial output (see the module docstring).
 
     Raises:
-        ConfigError: a setting the data or the output cannot serve (a missing ground truth
-            with ``only_correct``, an output path that is a directory, a rerun with other
-            settings, ...).
+        ConfigError: a setting the data or the output cannot serve.
         DataError: a malformed data file, or an output file that does not match its progress file.
     """
     start = time.perf_counter()
@@ -299,11 +283,7 @@ def _generate_batches(
 
 
 def resolve_generation_model(config: GenerateMasterConfig) -> str:
-    """``generate.model_path``, else the in-process teacher's path.
-
-    Raises:
-        ConfigError: a served teacher (it scores, it does not write answers) and no ``generate.model_path``.
-    """
+    """``generate.model_path``, else the in-process teacher's path; a served teacher raises ConfigError."""
     if config.generate.model_path is not None:
         return config.generate.model_path
     if config.teacher.served:
@@ -315,11 +295,7 @@ def resolve_generation_model(config: GenerateMasterConfig) -> str:
 
 
 def _output_paths(config: GenerateMasterConfig) -> tuple[Path, Path]:
-    """The output and progress files, after checking that the output path can be one.
-
-    Raises:
-        ConfigError: a directory, a name ``opd train`` would not read as JSONL, or the input file itself.
-    """
+    """The output and progress files; ConfigError for a directory, a non-``.jsonl`` name or the input itself."""
     output = Path(config.generate.output_path).expanduser()
     if output.is_dir():
         raise ConfigError(f"generate.output_path = {output} is a directory; name a .jsonl file to write")
@@ -341,11 +317,7 @@ def _check_environment(config: GenerateMasterConfig) -> None:
 
 
 def load_source_prompts(config: GenerateMasterConfig, tokenizer: Any) -> tuple[list[SourcePrompt], int]:
-    """Reads ``data.train_path`` as training does and renders each prompt with ``tokenizer``.
-
-    Returns:
-        The usable prompts in source order, and how many were skipped for being longer
-        than ``data.max_prompt_length``.
+    """The usable prompts of ``data.train_path`` in source order, rendered, and how many were too long.
 
     Raises:
         DataError: a malformed data file, or no prompt that fits ``data.max_prompt_length``.
@@ -380,11 +352,7 @@ def load_source_prompts(config: GenerateMasterConfig, tokenizer: Any) -> tuple[l
 
 
 def check_prompts_against_settings(config: GenerateMasterConfig, prompts: list[SourcePrompt]) -> None:
-    """``only_correct`` grades every answer against its row's ground truth: every row needs one.
-
-    Raises:
-        ConfigError: naming the file, how many rows lack a ground truth and the first of them.
-    """
+    """Raises ConfigError if ``only_correct`` is set and a row lacks a ground truth to grade against."""
     if not config.generate.only_correct:
         return
     missing = [prompt.index for prompt in prompts if prompt.ground_truth is None]
@@ -400,8 +368,7 @@ def check_prompts_against_settings(config: GenerateMasterConfig, prompts: list[S
 def settings_fingerprint(config: GenerateMasterConfig, model_path: str, prompts: list[SourcePrompt]) -> dict[str, Any]:
     """The settings that decide the output's rows; a rerun must match them to continue a file.
 
-    The prompts enter as a digest of their token ids and ground truths, so any change to
-    the data, the prompt file, the chat template or the tokenizer is caught too.
+    The prompts enter as a digest of token ids and ground truths, catching data, template and tokenizer changes.
     """
     digest = hashlib.sha256()
     for prompt in prompts:
@@ -445,13 +412,7 @@ def answer_batch(
 ) -> tuple[list[dict[str, Any]], BatchRecord]:
     """Samples until each prompt has ``num_samples_per_prompt`` accepted answers or has used its attempts.
 
-    An answer is accepted unless it was cut off at ``max_length`` (and ``keep_truncated``
-    is off) or it fails the verifier (and ``only_correct`` is on). Each round asks the
-    engine for the answers still missing, never more than the attempts left.
-
-    Returns:
-        The output rows (prompts in batch order, each prompt's answers in the order drawn)
-        and the batch's progress record.
+    Returns the output rows (batch order, then order drawn) and the batch's progress record.
     """
     target = settings.num_samples_per_prompt
     kept: list[list[dict[str, Any]]] = [[] for _ in batch]
@@ -526,11 +487,7 @@ def _grade(
 
 
 def append_batch(output: Path, progress: Path, rows: list[dict[str, Any]], record: BatchRecord) -> None:
-    """Appends a batch's rows, syncs them, then records the batch in the progress file and syncs that.
-
-    The order makes a crash safe: a batch is recorded only once its rows are on disk, and
-    rows of an unrecorded batch are cut off by the next run.
-    """
+    """Appends and syncs a batch's rows, then its progress record: a batch is recorded only once on disk."""
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     _append_synced(output, text)
     _append_synced(progress, json.dumps(vars(record)) + "\n")
@@ -549,15 +506,9 @@ def _append_synced(path: Path, text: str) -> None:
 def resume_output(output: Path, progress: Path, fingerprint: dict[str, Any]) -> list[BatchRecord]:
     """Prepares the files for writing and returns the batches already done (in order).
 
-    A fresh start writes a progress file holding ``fingerprint`` and an empty output. A
-    rerun checks the fingerprint, drops a torn last progress line and cuts the output
-    after the rows of the recorded batches.
-
     Raises:
-        ConfigError: an output without its progress file, a progress file with recorded
-            batches but no output, or settings other than those the files were started with.
-        DataError: an output with fewer rows than its progress file records, or a
-            corrupt line before the end of either file.
+        ConfigError: an output without progress file, recorded batches without output, or changed settings.
+        DataError: fewer output rows than recorded, or a corrupt line before the end of either file.
     """
     header, records = _read_progress(progress) if progress.is_file() else (None, [])
     if header is None:  # no progress yet (or a header torn by a crash): nothing was recorded
@@ -585,11 +536,7 @@ def resume_output(output: Path, progress: Path, fingerprint: dict[str, Any]) -> 
 
 
 def _read_progress(progress: Path) -> tuple[dict[str, Any] | None, list[BatchRecord]]:
-    """The header and batch records of a progress file, dropping (and cutting off) a torn last line.
-
-    Returns:
-        ``(None, [])`` if not even the header line was completed.
-    """
+    """The header and batch records of a progress file (cutting off a torn last line); ``(None, [])`` if no header."""
     data = progress.read_bytes()
     lines = data.split(b"\n")[:-1]  # the piece after the last newline is a torn write
     end = sum(len(line) + 1 for line in lines)
@@ -633,11 +580,7 @@ def _check_fingerprint(header: dict[str, Any], fingerprint: dict[str, Any], outp
 
 
 def _cut_output(output: Path, rows: int, progress: Path) -> None:
-    """Keeps the first ``rows`` lines of ``output`` (the recorded batches' rows) and drops the rest.
-
-    Raises:
-        DataError: if fewer rows are there, or one of them is not a JSON object.
-    """
+    """Keeps the first ``rows`` lines of ``output``; DataError if fewer are there or one is not valid JSON."""
     data = output.read_bytes()
     offset = 0
     for number in range(1, rows + 1):

@@ -1,11 +1,8 @@
 """Supervised fine-tuning (SFT) on fixed chat data: configs, ``setup()``, ``sft_train()``.
 
-The model learns the dataset's final assistant message by token-level NLL (prompt and
-padding never carry loss). SFT shares every piece of a distillation run except the step
-itself: the data loading and chat template, :class:`~opd.policy.hf_policy.HFPolicy`
-(micro-batching, gradient accumulation, the non-finite guard), validation, atomic
-checkpoints, exact resume and the logs (:mod:`opd.run.training_loop`). It prepares
-the CPU demo's teacher and student and is the baseline distillation is compared with.
+The model learns the dataset's final assistant message by token-level NLL (prompt and padding carry no loss).
+Everything but the step is shared with distillation: data, :class:`~opd.policy.hf_policy.HFPolicy`, validation,
+checkpoints, resume and logs (:mod:`opd.run.training_loop`).
 
     opd sft --config examples/configs/sft.yaml [key.sub=value ...]
 """
@@ -130,8 +127,7 @@ def setup(master_config: SFTMasterConfig) -> SFTComponents:
     """Builds what ``sft_train`` needs; resumes from the newest checkpoint if there is one.
 
     Raises:
-        ConfigError: if a training example has no assistant answer to learn, or the
-            batch is larger than the data.
+        ConfigError: a training example has no assistant answer, or the batch is larger than the data.
     """
     config = master_config
     checkpointer = CheckpointManager(config.checkpointing)

@@ -29,10 +29,8 @@ class ModelLoadingConfig(StrictConfig):
 class LoraConfig(StrictConfig):
     """Low-rank adapters on the student (``model.lora``), trained with ``peft`` instead of the full weights.
 
-    The section's presence switches LoRA on: ``model.lora: null`` (the default) is full
-    fine-tuning, and any given section (``model.lora: {r: 8}``, or an override such as
-    ``model.lora.r=8`` or ``model.lora.enabled=true``) trains adapters only.
-    ``enabled: false`` keeps the settings written down but trains the full model.
+    Giving the section (even one key, e.g. ``model.lora.r=8``) switches LoRA on; ``null`` (default) or
+    ``enabled: false`` trains the full model.
     """
 
     enabled: bool = Field(True, description="false = full fine-tuning despite the section")
@@ -71,11 +69,7 @@ class StudentLoraSettings(StrictConfig):
 
 
 class ModelConfig(ModelLoadingConfig, StudentLoraSettings):
-    """Teacher, student and tokenizer locations plus loading options.
-
-    Paths are Hugging Face hub names, local model directories, or ``tiny:<preset>``
-    for the locally built tiny models of :mod:`opd.models.tiny`.
-    """
+    """Teacher, student and tokenizer locations plus loading options."""
 
     teacher_model_path: str | None = Field(
         None, description="teacher: hub name, local directory or tiny:<preset> (required unless teacher.backend=remote)"

@@ -1,14 +1,9 @@
 """The values of ``generate_strategy.decoding_method``, each registered once.
 
-A decoding method says only what it is: whether it takes the arg-max
-(:attr:`DecodingMethod.greedy`) and which entries of the tempered logits it samples from
-(:meth:`DecodingMethod.filter`, a :class:`SamplingFilter`: the same filter as transformers'
-``TopKLogitsWarper`` / ``TopPLogitsWarper``). opd's decode loop and the off-policy
-correction apply that filter here (:meth:`SamplingFilter.keep`); each rollout engine
-spells it in its own sampling arguments (``model.generate``'s in
-:mod:`opd.rollout.hf_generation`, vLLM's ``SamplingParams`` in
-:mod:`opd.rollout.vllm_generation`). A new method is one subclass here and one entry in
-the config's ``decoding_method`` choices.
+A method says whether it takes the arg-max and which entries of the tempered logits it samples from
+(:class:`SamplingFilter`, as transformers' ``TopKLogitsWarper`` / ``TopPLogitsWarper``). The decode loop and the
+off-policy correction apply the filter here; each rollout engine spells it in its own sampling arguments. A new
+method is one subclass here and one entry in the config's ``decoding_method`` choices.
 """
 
 from __future__ import annotations
@@ -66,8 +61,7 @@ class SamplingFilter:
             threshold = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < threshold, float("-inf"))
         if self.top_p < 1.0:
-            # Sorted ascending, an entry is dropped when the mass of it and everything below it
-            # is at most 1 - top_p: whatever remains holds at least top_p.
+            # Sorted ascending, drop an entry while the mass up to it is at most 1 - top_p: the rest holds >= top_p.
             ascending, order = torch.sort(logits, dim=-1)
             mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)
             drop_sorted = mass_up_to <= 1.0 - self.top_p
@@ -81,9 +75,7 @@ class DecodingMethod(ABC):
     """One value of ``generate_strategy.decoding_method``.
 
     Attributes:
-        name: the value of ``decoding_method``.
-        greedy: the arg-max is taken (temperature and filters are ignored); the reported
-            log-probs are then the unwarped softmax's, as ``generate``'s scores give.
+        greedy: the arg-max is taken (temperature and filters ignored); log-probs are the unwarped softmax's.
     """
 
     name: ClassVar[str]
@@ -136,10 +128,8 @@ DECODING_METHODS: dict[str, DecodingMethod] = {method.name: method for method in
 class GenerateStrategyConfig(StrictConfig):
     """How the student samples its responses.
 
-    ``decoding_method``: ``greedy`` takes the arg-max token (``temperature``, ``top_k``
-    and ``top_p`` are ignored); ``top_k`` samples at ``temperature`` from the ``top_k``
-    most likely tokens; ``top_p`` samples at ``temperature`` from the smallest set of
-    tokens whose probability reaches ``top_p`` (nucleus sampling).
+    ``decoding_method``: ``greedy`` takes the arg-max (ignoring ``temperature``, ``top_k``, ``top_p``); ``top_k``
+    and ``top_p`` (nucleus) sample at ``temperature`` from the kept tokens.
     """
 
     max_length: int = Field(2048, ge=1, description="maximum number of new tokens per response")

@@ -1,24 +1,11 @@
 """A student made from its teacher: keep some of its decoder layers (``opd prune``).
 
-Depth pruning is how DistilBERT initialised its student (every other layer of BERT) and
-how NVIDIA's Minitron makes small models from large ones: the student starts as the
-teacher with fewer layers, embeddings, final norm and output layer copied, so it
-already speaks the teacher's tokenizer and chat format and distillation only has to
-repair what the missing layers did.
+The student starts as the teacher with fewer layers (as in DistilBERT and Minitron), so it shares the teacher's
+tokenizer and chat format. Layers kept: ``even`` (evenly spaced, first and last included) or ``importance``
+(highest block importance ``1 − cos(x_in, x_out)`` on calibration text, as in Minitron and ShortGPT).
 
-Which layers stay:
-
-* ``even``: evenly spaced over the depth, the first and the last always among them;
-* ``importance``: the layers that change their input most on calibration text, by
-  Minitron's (and ShortGPT's) block importance, ``1 − cos(x_in, x_out)`` averaged over
-  the real tokens: a layer whose output points where its input did adds little and goes
-  first.
-
-The pruned model is built anew from its config with fewer layers (so every layer's own
-index, which its KV cache slot and its attention kind follow, is right), and the kept
-layers' weights are copied under their new numbers. Per-layer lists in the config
-(``layer_types``: Gemma's and Qwen's sliding or full attention per layer) keep the kept
-layers' entries.
+The model is built anew from a config with fewer layers, so each layer's own index (its KV cache slot and
+attention kind) is right; per-layer config lists such as ``layer_types`` keep the kept layers' entries.
 """
 
 from __future__ import annotations
@@ -70,11 +57,7 @@ def _check_count(total: int, keep: int) -> None:
 
 
 def decoder_layers(model: PreTrainedModel) -> tuple[str, torch.nn.ModuleList]:
-    """The qualified name and the module list of a causal LM's decoder layers.
-
-    Raises:
-        ConfigError: the decoder keeps its layers other than in a ``layers`` module list.
-    """
+    """The qualified name and module list of a causal LM's decoder layers; ConfigError if no ``layers`` list."""
     layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ConfigError(f"opd prune: {type(model).__name__}'s decoder has no 'layers' list to prune")
@@ -86,12 +69,7 @@ def decoder_layers(model: PreTrainedModel) -> tuple[str, torch.nn.ModuleList]:
 
 @torch.no_grad()
 def block_importance(model: PreTrainedModel, batches: Sequence[dict[str, torch.Tensor]]) -> list[float]:
-    """Each decoder layer's block importance, ``1 − cos(input, output)`` averaged over real tokens.
-
-    Args:
-        model: the causal LM (evaluated, not changed).
-        batches: model inputs, ``input_ids`` and ``attention_mask`` (1 on real tokens).
-    """
+    """Each decoder layer's block importance, ``1 − cos(input, output)`` averaged over ``attention_mask`` tokens."""
     _, layers = decoder_layers(model)
     sums = torch.zeros(len(layers), dtype=torch.float64)
     tokens = 0
@@ -126,8 +104,7 @@ def pruned_config(config: PretrainedConfig, keep: Sequence[int]) -> PretrainedCo
     total = config.num_hidden_layers
     pruned = copy.deepcopy(config)
     for name, value in vars(config).items():
-        # Token ids are never per layer: a list of end tokens (Llama 3's three) as long as a
-        # small model is deep would otherwise lose the end tokens of the dropped layers' places.
+        # Token ids are never per layer, even when a list of them happens to be as long as the model is deep.
         not_per_layer = name == "architectures" or name.endswith(("token_id", "token_ids"))
         if isinstance(value, (list, tuple)) and len(value) == total and not not_per_layer:
             setattr(pruned, name, type(value)(value[index] for index in keep))
@@ -136,10 +113,7 @@ def pruned_config(config: PretrainedConfig, keep: Sequence[int]) -> PretrainedCo
 
 
 def prune_depth(model: PreTrainedModel, keep: Sequence[int]) -> PreTrainedModel:
-    """A new model of ``model``'s architecture holding only the decoder layers ``keep`` (in that order).
-
-    Embeddings, the final norm and the output layer are copied; tied embeddings stay
-    tied. The result is on the CPU in ``model``'s dtype.
+    """A new model (CPU, ``model``'s dtype) holding only the decoder layers ``keep``, in that order.
 
     Raises:
         ConfigError: ``keep`` is empty, repeats a layer or names one the model lacks.
@@ -203,10 +177,7 @@ def write_pruned_model(
 ) -> Path:
     """Prunes ``model`` as ``plan`` says and writes it, its tokenizer and the plan to ``output``.
 
-    The directory appears under its final name only when complete.
-
-    Raises:
-        ConfigError: ``output`` exists already.
+    The directory appears under its final name only when complete; ConfigError if it exists.
     """
     output = Path(output)
     _refuse_existing(output)
@@ -215,8 +186,7 @@ def write_pruned_model(
         shutil.rmtree(staging)
     pruned = prune_depth(model, plan.kept_layers)
     if dtype is not None:
-        # In place, through torch's own method: transformers types its .to() so that mypy
-        # rejects a dtype argument (as opd.models.tiny does too).
+        # torch's own method: transformers types its .to() so that mypy rejects a dtype argument.
         torch.nn.Module.to(pruned, dtype)
     pruned.save_pretrained(str(staging), safe_serialization=True)
     tokenizer.save_pretrained(str(staging))
@@ -245,13 +215,9 @@ def prune_source(
 
     Args:
         layers: how many decoder layers to keep (with ``method``), or None with ``keep``.
-        method: ``even`` or ``importance`` (block importance on ``calibration``).
         keep: the layer indices to keep, instead of ``layers`` and ``method``.
-        calibration: chat examples (JSONL, JSON, parquet, a saved dataset) whose whole
-            conversations, rendered with the chat template, measure importance.
-        calibration_examples: the first this many examples are used.
-        max_tokens: each example is cut to this many tokens.
-        dtype: the dtype the model is loaded in and written in.
+        calibration: chat examples whose whole rendered conversations measure importance.
+        calibration_examples: the first this many examples are used; each cut to ``max_tokens``.
 
     Raises:
         ConfigError: a bad combination of options, or a model or dataset that cannot be read.
@@ -268,8 +234,7 @@ def prune_source(
     measured = keep is None and method == "importance"
     if measured and calibration is None:
         raise ConfigError("opd prune: --method importance measures layers on text: give --calibration DATA.jsonl")
-    # The output and the data are checked first: an existing directory or a bad file is
-    # reported before the model's slow load (and an importance pass), not after them.
+    # The output and the data are checked before the model's slow load.
     _refuse_existing(Path(output))
     conversations = None
     if measured:

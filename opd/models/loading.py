@@ -1,9 +1,7 @@
 """Loading the tokenizer, student and teacher, and checking that they can be paired.
 
-Teacher and student must share a tokenizer: the divergence compares their
-distributions entry by entry over token ids, so id 1234 must mean the same string in
-both. :func:`check_tokenizer_compatibility` fails early, with the first difference, when
-they do not.
+Token-level distillation compares distributions id by id, so (unless ``teacher.cross_tokenizer``) both must
+share a tokenizer; :func:`check_tokenizer_compatibility` fails early with the first difference.
 """
 
 from __future__ import annotations
@@ -51,14 +49,11 @@ def load_tokenizer(
 ) -> Any:
     """Loads a tokenizer (or builds the tiny one) and makes sure it can pad.
 
-    Args:
-        chat_template: replaces the tokenizer's own template (``data.chat_template``): a
-            tokenizer that has none, such as a base model's, is usable with one.
-        require_chat_template: refuse a tokenizer without a template (every use that
-            renders chats); ``opd prune`` without calibration chats renders none.
+    ``chat_template`` replaces the tokenizer's own (``data.chat_template``); ``require_chat_template`` refuses a
+    tokenizer left without one.
 
     Raises:
-        ConfigError: if the tokenizer cannot be loaded or has no EOS token.
+        ConfigError: if the tokenizer cannot be loaded, has no EOS token, or lacks a required chat template.
     """
     tokenizer: Any
     if is_tiny_path(path):
@@ -87,12 +82,9 @@ _LOCAL_PREFIXES = ("/", "./", "../", "~")
 
 
 def _check_local_path(path: str, what: str) -> None:
-    """A path that can only be local (absolute, ./, ../, ~, or more than one '/') must exist.
+    """Raises ConfigError if a path that can only be local (absolute, ./, ../, ~, several '/') does not exist.
 
     Otherwise transformers takes it for a hub repository id and reports a malformed id.
-
-    Raises:
-        ConfigError: naming the missing directory.
     """
     looks_local = path.startswith(_LOCAL_PREFIXES) or path.count("/") > 1
     if looks_local and not Path(path).expanduser().exists():
@@ -131,12 +123,8 @@ def load_causal_lm(
 ) -> PreTrainedModel:
     """Loads ``AutoModelForCausalLM`` (or builds ``tiny:<preset>``, or dequantises a GGUF file) on ``device``.
 
-    Args:
-        device_map: spread the layers over the visible devices instead (``auto``,
-            ``balanced``, ...; Accelerate's placement); ``device`` is then ignored.
-
-    Raises:
-        ConfigError: if the model cannot be loaded.
+    ``device_map`` (Accelerate's ``auto``, ``balanced``, ...) spreads the layers instead of using ``device``.
+    Raises ConfigError if the model cannot be loaded.
     """
     model: PreTrainedModel
     if is_tiny_path(path):
@@ -204,21 +192,13 @@ def check_output_sizes(model: PreTrainedModel, vocab_size: int, name: str) -> No
 def load_output_layer(
     path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
 ) -> OutputLayer:
-    """Loads only a causal LM's output layer (and its logit transform), not its decoder.
+    """Loads only a causal LM's output layer and logit transform, to turn a served teacher's hidden states into logits.
 
-    What a trainer needs to turn a served teacher's final hidden states into exact logits.
-    The layer's parameter names come from the architecture (built on the meta device, so
-    no memory is used), which also resolves tied embeddings; the tensor itself is read
-    from the model directory's safetensors files alone.
-
-    Args:
-        path: local model directory, ``tiny:<preset>``, or a GGUF source (whose whole
-            model is dequantised: GGUF files cannot be read by tensor name).
-        dtype, device: where the layer is placed.
+    The parameter names come from the architecture built on the meta device (which resolves tied embeddings);
+    the tensor is read from the safetensors files alone. A GGUF source is dequantised whole.
 
     Raises:
-        ConfigError: no such directory, no safetensors weights, no linear output layer, or
-            the layer's tensor is not in the files.
+        ConfigError: no such directory, no safetensors weights, no linear output layer, or the tensor is missing.
     """
     if is_tiny_path(path) or gguf_source(path) is not None:
         model = load_causal_lm(

@@ -1,14 +1,8 @@
 """A model's shape (its ``config.json``) without its weights, for planning memory at real sizes.
 
-``opd plan`` (the dry run) builds the configured models from their configs alone. This
-module finds a model path's config:
-
-* ``tiny:<preset>``: the preset's ``Qwen2Config`` (:mod:`opd.models.tiny`);
-* a local model directory: its own ``config.json``;
-* a GGUF file (or a directory holding one): the config in its metadata;
-* a hub name of a model whose config ships with opd (``opd/models/shapes/``:
-  Qwen2.5-0.5B/1.5B/7B/32B-Instruct), so that a machine without network
-  access or downloaded weights can still plan a run at those sizes.
+A path's config comes from a ``tiny:`` preset, a local directory, a GGUF file's metadata, or, for hub names whose
+configs ship in ``opd/models/shapes/`` (Qwen2.5-0.5B/1.5B/7B/32B-Instruct), from opd itself, so ``opd plan``
+works offline at those sizes.
 """
 
 from __future__ import annotations
@@ -34,12 +28,7 @@ def shipped_shapes() -> list[str]:
 
 
 def model_config(path: str) -> PretrainedConfig:
-    """The config of the model at ``path`` (see the module docstring for where it is looked up).
-
-    Raises:
-        ConfigError: naming the path, when it is neither a tiny preset, a directory with a
-            ``config.json``, nor a shipped shape.
-    """
+    """The config of the model at ``path`` (see the module docstring); ConfigError naming it if none is found."""
     if is_tiny_path(path):
         tokenizer = build_tiny_tokenizer()
         return tiny_model_config(
@@ -61,11 +50,7 @@ def model_config(path: str) -> PretrainedConfig:
 
 
 def tokenizer_size(path: str) -> int:
-    """Tokens of the tokenizer at ``path``: a tiny preset's, a local directory's, or a shipped shape's.
-
-    Raises:
-        ConfigError: as :func:`model_config`.
-    """
+    """Tokens of the tokenizer at ``path``, found as :func:`model_config` finds the config."""
     if is_tiny_path(path):
         return len(build_tiny_tokenizer())
     if (source := gguf_source(path)) is not None:

@@ -1,13 +1,8 @@
 """Tiny Qwen2-architecture models and a byte-level tokenizer, built locally.
 
-Tests, the CPU demo and benchmarks need real Hugging Face models without downloading
-anything. This module builds them from a config: a byte-level BPE tokenizer with no
-merges (every UTF-8 byte is a token, so any text round-trips) plus ChatML special tokens
-and a Qwen-style chat template, and randomly initialised ``Qwen2ForCausalLM`` models of a
-few presets. A model path of the form ``tiny:<preset>`` in a config resolves here.
-
-Everything is deterministic for a given seed, so two processes building ``tiny:student``
-get bitwise-identical weights.
+Real Hugging Face models for tests and the CPU demo without downloads: a byte-level tokenizer with no merges
+(any text round-trips) with ChatML tokens and template, and seeded ``Qwen2ForCausalLM`` presets that resolve
+``tiny:<preset>`` paths. Two processes building the same preset get bitwise-identical weights.
 """
 
 from __future__ import annotations
@@ -27,11 +22,9 @@ if TYPE_CHECKING:  # imported where a model is built: it loads transformers' mod
 
 TINY_PREFIX = "tiny:"
 
-# ChatML, the format Qwen2.5-Instruct uses, without Qwen's default system prompt. With
-# ``tools`` (multi-turn rollouts), tools are listed in the system turn and called the way
-# Qwen2.5 calls them: the model writes <tool_call>{"name": ..., "arguments": ...}</tool_call>,
-# and tool results come back in one user turn, each inside <tool_response> tags. Without
-# tools and tool messages, the text is plain ChatML as before, byte for byte.
+# ChatML (Qwen2.5-Instruct's format) without Qwen's default system prompt. With ``tools``, they are listed in the
+# system turn, called as <tool_call>{"name": ..., "arguments": ...}</tool_call>, and results come back in one user
+# turn inside <tool_response> tags, as Qwen2.5 does. Without tools it is plain ChatML.
 CHATML_TEMPLATE = (
     "{% if tools %}"
     "<|im_start|>system\n"
@@ -80,21 +73,17 @@ class TinyPreset:
 
 
 TINY_PRESETS: dict[str, TinyPreset] = {
-    # The teacher is wider and deeper than the student, as in a real distillation pair.
-    # Its larger initial weights give it peaked, confident next-token distributions
-    # (entropy ~3.4 nats of a possible 5.6), so there is something clear to learn from it;
-    # a default-initialised model is nearly uniform.
+    # Wider and deeper than the student; larger initial weights give it peaked distributions to learn from
+    # (a default-initialised model is nearly uniform).
     "teacher": TinyPreset(128, 256, 4, 4, 2, seed=1234, initializer_range=0.2),
     "student": TinyPreset(64, 128, 2, 4, 2, seed=4321),
     # A second, independently initialised model of the student's shape (for tests).
     "student-b": TinyPreset(64, 128, 2, 4, 2, seed=999),
-    # The CPU demo's task models (examples/demo/prepare_models.py): trained with opd sft.
-    # Both have attention heads of 32 dimensions, the smallest vLLM's CPU attention
-    # kernels take, so the demo also runs with generation.backend=vllm.
+    # The CPU demo's models (examples/demo/prepare_models.py), with 32-dimensional heads, the smallest vLLM's CPU
+    # attention kernels take.
     "demo-teacher": TinyPreset(128, 512, 4, 4, 2, seed=11),
     "demo-student": TinyPreset(128, 256, 2, 4, 2, seed=12),
-    # The λ study's capacity-gap students (examples/demo/prepare_study_models.py): one
-    # layer, narrower than the demo student, still with 32-dimensional heads.
+    # The λ study's capacity-gap students (examples/demo/prepare_study_models.py).
     "study-student-small": TinyPreset(64, 128, 1, 2, 1, seed=13),
     "study-student-tiny": TinyPreset(32, 64, 1, 1, 1, seed=14),
 }
@@ -106,13 +95,7 @@ def is_tiny_path(path: str | None) -> bool:
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Builds the byte-level tokenizer shared by all tiny models.
-
-    Returns:
-        A fast tokenizer with 256 byte tokens followed by ``<|endoftext|>`` (padding),
-        ``<|im_start|>`` and ``<|im_end|>`` (end of turn, used as EOS), and a ChatML
-        chat template.
-    """
+    """The byte-level tokenizer of the tiny models: 256 byte tokens, then pad, ``<|im_start|>``, EOS ``<|im_end|>``."""
     byte_alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {symbol: index for index, symbol in enumerate(byte_alphabet)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -128,17 +111,9 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
     """Trains a small byte-level BPE tokenizer on a task's text (deterministic for the same texts).
 
-    It splits text exactly as Qwen2's tokenizer does (transformers' ``PRETOKENIZE_REGEX``:
-    words, single digits, punctuation runs) before byte-level BPE. That is not only
-    realistic: ``AutoTokenizer`` loads any tokenizer saved beside a Qwen2 model as a
-    ``Qwen2Tokenizer`` and re-applies that split, so a tokenizer trained with another
-    split would tokenize differently once saved and reloaded. Digits stay single tokens,
-    every byte has a token, and the special tokens and ChatML template are those of
-    :func:`build_tiny_tokenizer`.
-
-    Args:
-        texts: training text, e.g. rendered chat conversations of the task.
-        vocab_size: upper bound on the vocabulary (fewer if the text has fewer merges).
+    It pre-splits as Qwen2's tokenizer does (``PRETOKENIZE_REGEX``), because ``AutoTokenizer`` reloads a tokenizer
+    saved beside a Qwen2 model as ``Qwen2Tokenizer`` with that split. Special tokens and template are those of
+    :func:`build_tiny_tokenizer`; ``vocab_size`` is an upper bound.
     """
     from tokenizers import Regex
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -177,11 +152,7 @@ def build_model_for_tokenizer(preset_name: str, tokenizer: PreTrainedTokenizerFa
 
 
 def tiny_model_config(preset_name: str, vocab_size: int, eos_token_id: int, pad_token_id: int) -> Qwen2Config:
-    """Returns the ``Qwen2Config`` of a tiny preset.
-
-    Raises:
-        ConfigError: if the preset name is unknown.
-    """
+    """Returns the ``Qwen2Config`` of a tiny preset; ConfigError if the name is unknown."""
     if preset_name not in TINY_PRESETS:
         raise ConfigError(
             f"unknown tiny model '{TINY_PREFIX}{preset_name}'; available: "
@@ -205,27 +176,14 @@ def tiny_model_config(preset_name: str, vocab_size: int, eos_token_id: int, pad_
 
 
 def build_tiny_model(preset_name: str, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
-    """Builds a randomly initialised tiny Qwen2 causal LM, deterministically.
-
-    Args:
-        preset_name: a key of :data:`TINY_PRESETS` (without the ``tiny:`` prefix).
-        dtype: parameter dtype.
-
-    Returns:
-        The model, in train mode, with a generation config whose EOS/pad tokens match
-        :func:`build_tiny_tokenizer`.
-    """
+    """A seeded tiny Qwen2 causal LM of ``preset_name`` (no ``tiny:`` prefix), in train mode, for the tiny tokenizer."""
     model = build_model_for_tokenizer(preset_name, build_tiny_tokenizer())
     torch.nn.Module.to(model, dtype)  # in place (transformers' typing of its own .to() is unusable here)
     return model
 
 
 def save_tiny_pair(directory: str, preset_name: str) -> str:
-    """Builds a tiny model and its tokenizer and saves both as an HF model directory.
-
-    Returns:
-        The directory, loadable with ``AutoModelForCausalLM.from_pretrained``.
-    """
+    """Saves a tiny model and its tokenizer as an HF model directory and returns the directory."""
     build_tiny_model(preset_name).save_pretrained(directory)
     build_tiny_tokenizer().save_pretrained(directory)
     return directory

@@ -1,24 +1,11 @@
 """LoRA students through ``peft``: wrapping, the adapter's state, merged weights.
 
-:func:`wrap_with_lora` injects adapters into the student *in place* (peft replaces each
-targeted ``nn.Linear`` by a ``lora.Linear`` holding the frozen base layer and the
-trainable ``lora_A`` / ``lora_B``). Every holder of the student module — the policy's
-forward, the fused LM-head path, the in-process generation engine — therefore runs with
-the current adapter without knowing about peft. Only the adapter's parameters keep
-``requires_grad``.
+:func:`wrap_with_lora` injects adapters *in place*, so every holder of the student module runs with the current
+adapter without knowing about peft; only adapter parameters keep ``requires_grad``.
 
-A separate engine (vLLM) and ``final_model/`` need a plain model instead:
-:func:`merged_tensors` maps the wrapped model's tensors back to the base model's names,
-with ``W + (alpha / r)·B·A`` for every adapted weight, computed as peft's own
-``merge_and_unload`` does but without touching the module (an in-place merge and unmerge
-would not restore the base weights bit for bit, and exact resume needs them).
-
-The adapters start from :func:`initialise_adapters`: ``lora_B`` zero, ``lora_A`` drawn
-as peft draws it but from a generator seeded by the run's seed and the tensor's name, so
-an in-process student and the FSDP2 ranks of a cluster (each holding a shard, built
-after its own model loading) start from the same adapter. The same functions work on
-a model sharded with FSDP2: its parameters are DTensors, and :func:`merged_tensors`
-then yields merged DTensors sharded as the base weights are.
+A separate engine (vLLM) and ``final_model/`` need a plain model: :func:`merged_tensors` yields base-model names
+with ``W + (alpha / r)·B·A``, computed without touching the module (an in-place merge and unmerge would not restore
+the base weights bit for bit, and exact resume needs them). All functions also work on FSDP2 DTensors.
 """
 
 from __future__ import annotations
@@ -45,11 +32,7 @@ _BASE_LAYER = ".base_layer"
 
 
 def import_peft() -> Any:
-    """The ``peft`` module.
-
-    Raises:
-        ConfigError: if peft is not installed, saying how to install it.
-    """
+    """The ``peft`` module; ConfigError saying how to install it if missing."""
     try:
         import peft
     except ImportError:
@@ -60,13 +43,10 @@ def import_peft() -> Any:
 def wrap_with_lora(model: PreTrainedModel, config: LoraConfig) -> Any:
     """Injects LoRA adapters into ``model`` (in place) and freezes everything else.
 
-    Returns:
-        The ``peft.PeftModel`` around ``model`` (for saving the adapter); ``model`` itself
-        now computes with the adapters.
+    Returns the ``peft.PeftModel`` around ``model`` (for saving the adapter).
 
     Raises:
-        ConfigError: peft missing, no module matching ``model.lora.target_modules``, or an
-            adapter on the embedding or output layer.
+        ConfigError: peft missing, no module matching ``target_modules``, or an adapter on an embedding layer.
     """
     peft = import_peft()
     peft_config = peft.LoraConfig(
@@ -99,11 +79,8 @@ def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 def initialise_adapters(model: torch.nn.Module, seed: int) -> set[str]:
     """Sets every adapter of a wrapped ``model`` to its start and returns the adapters' parameter names.
 
-    ``lora_B`` is zero (the student starts as its base model); ``lora_A`` is drawn from
-    peft's own distribution (Kaiming-uniform with ``a = √5``) by a generator seeded from
-    ``seed`` and the parameter's name. Every process therefore draws the same values for
-    the same name, whatever it loaded or drew before: a sharded parameter (an FSDP2
-    DTensor) takes its own rows of the whole draw.
+    ``lora_B`` is zero; ``lora_A`` is peft's Kaiming-uniform (``a = √5``) from a generator seeded by ``seed`` and
+    the parameter's name, so every process and FSDP2 shard draws the same adapter.
 
     Raises:
         OpdError: a trainable parameter that is neither ``lora_A`` nor ``lora_B``.
@@ -137,12 +114,7 @@ def _copy_own_part(param: torch.Tensor, whole: torch.Tensor) -> None:
 def plain_entries(
     model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """What :func:`merged_tensors` yields, by name, shape and dtype, without computing any merge.
-
-    The base layer's tensors stand for the merged ones (the same shape and dtype): for
-    describing what a refit will send, where the merge's collectives (on a sharded model)
-    must not run.
-    """
+    """What :func:`merged_tensors` yields, by name, shape and dtype, without the merge or its collectives."""
     lora_layer = import_peft().tuners.lora.LoraLayer
     adapted = {name: module for name, module in model.named_modules() if isinstance(module, lora_layer)}
     for name, tensor in tensors:
@@ -180,20 +152,11 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
 def merged_tensors(
     model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``tensors`` of a LoRA-wrapped ``model`` as the plain base model names and holds them.
+    """``(name, tensor)`` pairs of a LoRA-wrapped ``model`` as the plain base model names and holds them.
 
-    Adapter tensors are dropped; ``<layer>.base_layer.<name>`` becomes ``<layer>.<name>``,
-    and an adapted layer's weight becomes ``W + ΔW`` in ``W``'s dtype (what peft's
-    merge writes). Everything else passes through detached.
-
-    On a model sharded with FSDP2 the tensors are DTensors: ``ΔW = B·A`` is then a
-    DTensor product, sharded as ``W`` (every rank must iterate to the end, in the same
-    order: the product gathers the small ``A``).
-
-    Args:
-        model: the wrapped model (to find each adapted layer).
-        tensors: ``(name, tensor)`` pairs of ``model``, e.g. ``named_parameters()`` or
-            ``state_dict().items()``.
+    Adapter tensors are dropped, ``<layer>.base_layer.<name>`` becomes ``<layer>.<name>``, and an adapted weight
+    becomes ``W + ΔW`` in ``W``'s dtype; the rest passes through detached. On FSDP2 every rank must iterate to
+    the end in the same order (the DTensor product gathers ``A``).
     """
     lora_layer = import_peft().tuners.lora.LoraLayer
     adapted = {name: module for name, module in model.named_modules() if isinstance(module, lora_layer)}

@@ -1,15 +1,9 @@
 """opd's one way into ``torch.compile``, with inductor's kernel cache kept apart per forced CPU level.
 
-PyTorch picks its CPU vector kernels from the CPU it runs on (AVX-512 where the CPU has
-it) unless the ``ATEN_CPU_CAPABILITY`` environment variable forces a level; opd's test
-suite forces ``avx2`` so that its recorded float32 references hold on every x86-64 CPU.
-Inductor's on-disk kernel cache (``TORCHINDUCTOR_CACHE_DIR``, by default
-``<tmp>/torchinductor_<user>``) does not keep the kernels compiled under a forced level
-apart from the others: on an AVX-512 CPU, a process at the default level that loaded
-the fused loss's kernels compiled under ``ATEN_CPU_CAPABILITY=avx2`` aborted with
-``double free or corruption`` (torch 2.13). So every process that forces a level and has
-not chosen a cache directory compiles into one of its own, named after the level, next
-to the default one; processes at the default level keep the default cache.
+opd's tests force ``ATEN_CPU_CAPABILITY=avx2`` so their float32 references hold on every x86-64 CPU. Inductor's
+kernel cache does not separate kernels compiled under a forced level, and a default-level process loading them
+can abort (``double free or corruption``). So a process that forces a level and chose no
+``TORCHINDUCTOR_CACHE_DIR`` gets a cache of its own, named after the level; others keep the default cache.
 """
 
 from __future__ import annotations
@@ -42,10 +36,8 @@ def kernel_cache_dir_for(capability: str) -> str:
 def separate_kernel_cache_for_forced_cpu_capability() -> None:
     """Points inductor at a cache of its own when ``ATEN_CPU_CAPABILITY`` is set (see the module docstring).
 
-    An explicit ``TORCHINDUCTOR_CACHE_DIR`` wins. Inductor fixes the variable for the
-    process the first time it needs its cache, which importing parts of torch's compiler
-    stack (e.g. through transformers) already does; ``import opd`` therefore calls this
-    first, and :func:`compile_function` again for processes that import opd late.
+    Inductor fixes the directory at its first use, which importing torch's compiler stack can trigger, so
+    ``import opd`` calls this first and :func:`compile_function` again.
     """
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
     if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
@@ -61,12 +53,7 @@ def compile_function(function: FunctionT, *, dynamic: bool = True) -> FunctionT:
 
 
 def compiler_toolchain_problem(device_type: str) -> str | None:
-    """Why ``torch.compile`` cannot build kernels for ``device_type`` here, or None if it can.
-
-    Inductor writes C++ for CPU kernels (it needs a C++ compiler: ``$CXX``, ``g++`` or
-    ``clang++``, and the Python headers its wrappers include, ``Python.h``) and Triton
-    for GPU kernels.
-    """
+    """What stops ``torch.compile`` building ``device_type`` kernels (no Triton, C++ compiler, Python.h), or None."""
     if is_cuda(device_type):
         try:
             import triton  # noqa: F401
@@ -89,15 +76,7 @@ def resolve_compile_kernels(
 ) -> bool:
     """A compile setting (``auto`` / true / false) → whether to compile.
 
-    ``auto`` compiles where the toolchain exists and the caller judges that compiling
-    pays off (``pays_off``: e.g. not for a loss over a vocabulary so small that the
-    seconds of compilation outlast what the compiled kernels save).
-
-    Args:
-        setting: the config value.
-        device_type: where the compiled code would run (``cpu``, ``cuda``).
-        key: the config key, for the error message.
-        pays_off: whether compiling is worth its cost here (``auto`` only).
+    ``auto`` compiles where the toolchain exists and the caller says it ``pays_off``. ``key`` names the setting.
 
     Raises:
         ConfigError: ``true`` was asked for but the toolchain is missing.

@@ -1,20 +1,14 @@
 """Loading YAML configs with command-line overrides, and validating them.
 
-A config file is YAML, read strictly (:mod:`opd.utils.strict_yaml`: YAML 1.2's
-booleans and numbers, no key written twice, UTF-8). It may name parent files under a top-level ``defaults`` key
-(a path or a list of paths, relative to the file), which are loaded first and then
-overridden by the file's own keys, as NeMo-RL's example configs do. Command-line
-overrides use dotted keys (``training.learning_rate=1e-5``) and are applied last.
-``${...}`` interpolations (e.g. ``${output_dir}/logs``) are resolved by OmegaConf.
+A file is strict YAML (:mod:`opd.utils.strict_yaml`). Parent files named under a top-level ``defaults`` key (paths
+relative to the file) load first and are overridden by the file's own keys; dotted command-line overrides
+(``training.learning_rate=1e-5``) apply last; OmegaConf resolves ``${...}`` interpolations.
 
-A section that is a choice of variants (``loss_fn``, chosen by its ``type``) follows one
-more rule: when a file or an override sets the section's ``type``, the keys it inherited
-from earlier layers that the chosen variant does not have are dropped, so a parent's
-documented defaults for one objective never leak into another.
+When a layer sets the ``type`` of a choice-of-variants section (``loss_fn``), inherited keys the chosen variant
+lacks are dropped, so one objective's defaults never leak into another.
 
-The merged tree is then validated by a pydantic model. Every problem (unknown key,
-wrong type, out-of-range value) becomes one :class:`~opd.utils.errors.ConfigError`
-whose message names the dotted key and what is allowed, before any model is loaded.
+Validation by pydantic turns every problem into one :class:`~opd.utils.errors.ConfigError` naming the dotted key
+and what is allowed, before any model is loaded.
 """
 
 from __future__ import annotations
@@ -39,8 +33,7 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 class StrictConfig(BaseModel):
     """Base for config sections: unknown keys are errors and values are re-checked on assignment.
 
-    A number is a number: a boolean (YAML 1.1's ``yes`` / ``on`` included) or a quoted
-    string given for a numeric key is refused, where pydantic would quietly convert it.
+    A boolean (YAML 1.1's ``yes`` / ``on`` included) or quoted string for a numeric key is refused, not coerced.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
@@ -165,17 +158,9 @@ def _override_layer(override: str) -> dict[str, Any]:
 def load_config_tree(
     config_path: str | Path, overrides: list[str] | None = None, variant_keys: VariantKeys | None = None
 ) -> dict[str, Any]:
-    """Loads a YAML config, applies ``key.sub=value`` overrides and resolves interpolations.
+    """Loads a YAML config as plain containers, applies ``key.sub=value`` overrides and resolves interpolations.
 
-    Args:
-        config_path: path to the YAML file.
-        overrides: command-line overrides such as ``["training.learning_rate=1e-5"]``;
-            those that set a section's ``type`` are applied first.
-        variant_keys: the keys of each variant of a choice section (see the module
-            docstring); None merges every section key by key.
-
-    Returns:
-        The merged config as plain Python containers.
+    Overrides that set a section's ``type`` apply first. ``variant_keys`` None merges every section key by key.
 
     Raises:
         ConfigError: on a missing/invalid file, a malformed override or a bad interpolation.
@@ -274,13 +259,8 @@ def misplaced_key_hint(key: str, section: str, owners: list[str], chosen: str) -
 def unknown_key_problem(parent: str, name: str, allowed: list[str], misplaced_hint: str = "") -> str:
     """The line naming an unknown key, what it may have meant, and the keys its section allows.
 
-    Made here for pydantic's report and by :mod:`opd.utils.config_keys`'s fast check alike.
-
-    Args:
-        parent: the dotted key of its section (list indices and variant tags left out); "" at the top.
-        name: the unknown key as written.
-        allowed: the keys the section allows.
-        misplaced_hint: :func:`misplaced_key_hint`'s note, when another variant has the key.
+    Shared by pydantic's report and :mod:`opd.utils.config_keys`. ``parent`` is the section's dotted key without
+    list indices and variant tags ("" at the top).
     """
     key = f"{parent}.{name}" if parent else name
     hint = difflib.get_close_matches(name, allowed, n=1)
@@ -335,8 +315,7 @@ def validate_config(model_cls: type[ModelT], tree: dict[str, Any]) -> ModelT:
     """Validates a config tree into a typed config object.
 
     Raises:
-        ConfigError: naming every offending key and what it allows, or, for a key an
-            older schema had (the class's ``moved_keys``), where it lives now.
+        ConfigError: naming every offending key and what it allows, or where a ``moved_keys`` key lives now.
     """
     moved = moved_key_problems(getattr(model_cls, "moved_keys", {}), tree)
     if moved:

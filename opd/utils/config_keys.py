@@ -1,18 +1,9 @@
 """A config's unknown keys, found before the config models are imported.
 
-The config models import the classes they register (losses, engines, teacher backends),
-and those import torch and transformers: a misspelt key would wait for those imports to be
-reported. :func:`check_config_keys` reads the config as :func:`opd.utils.config.load_config`
-does (``defaults``, overrides, a variant's inherited keys dropped) and walks it against
-``opd/config_keys.json``, the keys of every section that ``scripts/config_reference.py``
-writes from the models (``tests/unit/test_config_reference.py`` fails when it is stale).
-An unknown key is reported with the full validation's own words
-(:func:`opd.utils.config.unknown_key_problem`), in pydantic's order.
-
-It reports only unknown keys and moved keys; every other problem (a missing key, a wrong
-type, a value out of range) is left to the full validation, which runs next. Where the
-table does not follow a value (a free-form mapping, a value that may be a number or a
-section), nothing is refused: this check never refuses a config that the models accept.
+The config models import torch and transformers, so a misspelt key would wait for those imports. This reads the
+config as :func:`opd.utils.config.load_config` does and walks it against ``opd/config_keys.json`` (written from
+the models by ``scripts/config_reference.py``), reporting unknown and moved keys in the full validation's words
+and order. Everything else is left to the full validation; it never refuses a config the models accept.
 """
 
 from __future__ import annotations
@@ -44,15 +35,10 @@ def _key_table() -> dict[str, Any]:
 def check_config_keys(root: str, config_path: str | Path, overrides: list[str] | None = None) -> None:
     """Refuses a config with an unknown or moved key, as the full validation would word it.
 
-    Args:
-        root: the command's config, as the key table's ``roots`` name it: ``train`` (also
-            ``opd eval`` and ``opd plan``), ``sft`` or ``generate``.
-        config_path: the YAML file.
-        overrides: the command line's ``key.sub=value`` overrides.
+    ``root`` is the key table's root: ``train`` (also ``opd eval`` and ``opd plan``), ``sft`` or ``generate``.
 
     Raises:
-        ConfigError: naming every unknown key with what its section allows, or a moved key
-            with where it lives now; or whatever reading the file and the overrides raises.
+        ConfigError: every unknown key with what its section allows, a moved key, or a reading error.
     """
     table = _key_table()
     sections: dict[str, Any] = table["sections"]
@@ -80,14 +66,9 @@ def _section_problems(
     dotted: str,
     choice: tuple[str, dict[str, str], str] | None = None,
 ) -> list[str]:
-    """The unknown keys in one section's mapping and, first, in the sections it holds.
+    """The unknown keys in the sections one section holds (in field order), then its own (as written): pydantic's order.
 
-    pydantic validates a section's fields in their declared order and then reports the keys
-    it does not know, in the order written; the problems come out in that order too.
-
-    Args:
-        choice: for a variant of a choice, the choice's key, its variants and the chosen tag
-            (an unknown key that another variant has is named as misplaced).
+    ``choice`` is, for a variant, the choice's key, its variants and the chosen tag (to name misplaced keys).
     """
     section = sections[name]
     keys: dict[str, Any] = section["keys"]

@@ -1,8 +1,6 @@
 """What kind of device opd computes on: the one place a device's type is read.
 
-A device is given as a ``torch.device`` or by its name (``cuda``, ``cuda:1``, ``cpu``),
-as configs and process-group backends name it; torch is not imported here, so that
-modules which must not load it early (:mod:`opd.utils.compile_cache`) can ask too.
+A device is a ``torch.device`` or a name (``cuda:1``); torch is not imported, so :mod:`opd.utils.compile_cache` can ask.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """User-facing error types, and the one-line quoting of a library's error inside their messages.
 
-Everything a user can get wrong (a config key, a data line, a model pair) raises a
-subclass of :class:`OpdError`. The command-line entry point catches these, prints the
-one-line message and exits with status 2, so users never see a Python traceback for
-their own mistakes. Bugs in opd itself still raise ordinary exceptions.
+Everything a user can get wrong raises an :class:`OpdError`, which the CLI prints as one line, exiting with
+status 2 (no traceback). Bugs in opd itself raise ordinary exceptions.
 """
 
 
@@ -42,17 +40,6 @@ class WorkerError(OpdError):
 
 
 def first_line(error: BaseException) -> str:
-    """The first line of an exception's message, for a one-line error or warning.
-
-    Libraries such as OmegaConf, W&B and MLflow append multi-line context to their
-    messages; opd quotes only the first line inside its own message.
-
-    Args:
-        error: the exception to describe.
-
-    Returns:
-        The first line of ``str(error)`` without surrounding whitespace, or the name of
-        the exception's type when the message is empty.
-    """
+    """The first line of an exception's message (or its type's name if empty), for a one-line error or warning."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__

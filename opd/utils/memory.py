@@ -17,12 +17,7 @@ def peak_memory_mb() -> float:
 
 
 def release_cached_memory(device: torch.device) -> None:
-    """Hands the caching allocator's free blocks back to the device (a no-op off CUDA).
-
-    Called after sharding and between phases, so that the next phase (a vLLM engine
-    waking up in the same GPU, the teacher's forward) finds the memory the previous one
-    freed instead of blocks that only this process's allocator could reuse.
-    """
+    """Hands the caching allocator's free blocks back to the device (no-op off CUDA), for the next phase to use."""
     if is_cuda(device):
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()

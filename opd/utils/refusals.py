@@ -1,10 +1,7 @@
 """A config's refusals as data: when each applies, and what it says.
 
-A check that spans a config's settings is a sequence of checks tried in order, the first
-problem found being the one reported (its message names the keys that conflict and how to
-fix them). A combination that is refused outright is a :class:`Refusal`; one whose
-message tells what was found (another component's reason) is a :class:`Finding`; a check
-that needs a loop is a function returning its problem or None, listed beside them.
+A cross-setting check is a sequence of checks tried in order; the first problem found is reported, naming the
+conflicting keys and the fix. Each check is a :class:`Refusal`, a :class:`Finding`, or a function.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Capturing and restoring every random-number stream of a run, for exact resume.
 
-A resumed run must draw the same random numbers as an uninterrupted one: Python's
-``random`` and NumPy (data helpers), torch's CPU and CUDA generators (sampling during
-generation), and the dedicated λ coin. The state is stored as plain containers and
-tensors so that checkpoints load with ``torch.load(weights_only=True)``.
+Covers Python's, NumPy's, torch's CPU and CUDA generators and the λ coin, stored as plain containers and tensors
+so that checkpoints load with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Graceful stop on SIGINT / SIGTERM.
 
-The first signal only sets a flag: the training loop finishes the step it is in, writes a
-checkpoint and exits cleanly, so a cluster pre-emption (SIGTERM) or a Ctrl-C loses no
-work. A second signal restores the default behaviour and interrupts at once.
+The first signal sets a flag: the training loop finishes its step, checkpoints and exits. A second signal
+interrupts at once.
 """
 
 from __future__ import annotations
@@ -18,11 +17,7 @@ SignalHandler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal
 
 
 class GracefulStop:
-    """Context manager that turns the first SIGINT/SIGTERM into a stop request.
-
-    Attributes:
-        signal_name: name of the signal that asked to stop, or None.
-    """
+    """Context manager that turns the first SIGINT/SIGTERM into a stop request (``signal_name``)."""
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -1,11 +1,8 @@
 """Reading YAML configs strictly: YAML 1.2's scalars, no duplicate keys, UTF-8 named when it fails.
 
-PyYAML implements YAML 1.1, whose implicit scalars surprise config authors: ``yes``,
-``no``, ``on`` and ``off`` are booleans, ``1e-5`` (no dot) is a *string*, ``010`` is 8.
-:class:`StrictYamlLoader` resolves plain scalars as YAML 1.2's core schema does instead:
-booleans are only ``true`` / ``false``, ``1e-5`` is a float, ``010`` is 10, and every other
-word is a string (which a number field then refuses, naming the key). A key written twice
-in one mapping is an error naming both lines: in plain PyYAML the later one silently wins.
+PyYAML's YAML 1.1 reads ``yes`` / ``on`` as booleans, ``1e-5`` as a string and ``010`` as 8.
+:class:`StrictYamlLoader` uses YAML 1.2's core schema instead (only ``true`` / ``false`` are booleans, ``1e-5`` is
+a float, ``010`` is 10), and a key written twice in one mapping is an error naming both lines.
 """
 
 from __future__ import annotations
@@ -100,9 +97,7 @@ def read_yaml_file(path: Path) -> Any:
     """A YAML file's content, read strictly (see the module docstring).
 
     Raises:
-        ConfigError: naming the file when it is not UTF-8 (with the line of the first bad
-            byte), is empty, or is not valid YAML (with line and column, or both lines of a
-            duplicate key).
+        ConfigError: naming the file (and line) when it is not UTF-8, is empty, or is not valid YAML.
     """
     raw = path.read_bytes()
     try:

@@ -1,8 +1,6 @@
 """Wall-clock timing of a step's phases, in NeMo-RL's ``with timer.time("name"):`` style.
 
-The driver times every phase itself (generation, refit, teacher scoring, training), so no
-backend has to keep its own clock. A phase timed several times in one step (the teacher
-is asked once per micro-batch) accumulates.
+A phase timed several times in one step accumulates.
 """
 
 from __future__ import annotations
