@@ -6,10 +6,13 @@ The rule is the one users know from Hugging Face's ``EarlyStoppingCallback`` and
 * a validation *improves* when its value beats the best so far by more than
   ``min_delta`` (in the direction of ``mode``); the first finite value is the first best;
 * ``patience``: the run stops after that many validations in a row without improving;
-* ``target``: the run stops at the first validation whose value reaches it (at least the
-  target with ``mode: max``, at most with ``min``). ``target: teacher`` is the teacher's
-  own value from the teacher baseline (``validation.teacher_baseline``), e.g.
-  ``val/teacher_accuracy`` for ``val/accuracy``;
+* ``target``: the run stops at the first validation whose value reaches it, within
+  ``target_tolerance`` (at least ``target − target_tolerance`` with ``mode: max``, at most
+  ``target + target_tolerance`` with ``min``). ``target: teacher`` is the teacher's own
+  value from the teacher baseline (``validation.teacher_baseline``), e.g.
+  ``val/teacher_accuracy`` for ``val/accuracy``. A student may match its teacher on all but
+  one validation example and never on that one, so a target of ``teacher`` usually wants a
+  tolerance, such as one example's share of the accuracy (1/n for n validation examples);
 * a NaN or infinite value never improves and never reaches the target;
 * the validation before the first step (``validation.val_at_start``) sets the first best
   but neither counts against the patience nor stops the run: the rule judges training.
@@ -66,6 +69,13 @@ class EarlyStopConfig(StrictConfig):
         None,
         description="stop as soon as the metric reaches this value; teacher = the teacher's own value from "
         "validation.teacher_baseline; null = no target",
+    )
+    target_tolerance: float = Field(
+        0.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="the target counts as reached within this distance (e.g. 1/n for one of n validation "
+        "examples' accuracy)",
     )
 
     @field_validator("metric")
@@ -158,9 +168,10 @@ def observe(config: EarlyStopConfig, state: EarlyStopState, value: float, step: 
     if not judge:
         return None
     target = config.target_value(state["teacher_value"])
-    if target is not None and finite and sign * (value - target) >= 0:
+    if target is not None and finite and sign * (value - target) >= -config.target_tolerance:
         whose = " (the teacher's)" if config.targets_teacher else ""
-        reason = f"{config.metric} = {value:.4g} reached the target {target:.4g}{whose} at step {step}"
+        within = f" within {config.target_tolerance:.4g}" if config.target_tolerance else ""
+        reason = f"{config.metric} = {value:.4g} reached the target {target:.4g}{whose}{within} at step {step}"
     elif config.patience is not None and state["bad_validations"] >= config.patience:
         reason = (
             f"{config.metric} = {value:.4g} at step {step}: {state['bad_validations']} validations without "

@@ -44,6 +44,7 @@ def reference_stop(
     min_delta: float,
     target: float | None,
     start: float | None = None,
+    tolerance: float = 0.0,
 ) -> int | None:
     """The index of the validation that stops the run, or None: a plain statement of the rule.
 
@@ -59,7 +60,11 @@ def reference_stop(
             since_best = 0
         else:
             since_best = since_best + 1
-        if target is not None and finite and sign * (value - target) >= 0:
+        if (
+            target is not None
+            and finite
+            and (value >= target - tolerance if mode == "max" else value <= target + tolerance)
+        ):
             return index
         if patience is not None and since_best >= patience:
             return index
@@ -79,9 +84,13 @@ def rule_stop(rule: EarlyStopConfig, values: list[float], start: float | None = 
     return None
 
 
-def make_rule(mode: str = "max", patience: int | None = None, min_delta: float = 0.0, target=None) -> EarlyStopConfig:
+def make_rule(
+    mode: str = "max", patience: int | None = None, min_delta: float = 0.0, target=None, tolerance: float = 0.0
+) -> EarlyStopConfig:
     metric = "val/accuracy" if mode == "max" else "val/kl_reverse"
-    return EarlyStopConfig(metric=metric, mode=mode, patience=patience, min_delta=min_delta, target=target)
+    return EarlyStopConfig(
+        metric=metric, mode=mode, patience=patience, min_delta=min_delta, target=target, target_tolerance=tolerance
+    )
 
 
 # --------------------------------------------------------------------------- the rule
@@ -130,8 +139,10 @@ def test_rule_matches_the_reference_on_random_sequences():
         # Coarse values so that ties, exact targets and gains equal to min_delta occur.
         values = [NAN if generator.random() < 0.1 else round(generator.uniform(0, 1), 1) for _ in range(length)]
         start = generator.choice([None, NAN, round(generator.uniform(0, 1), 1)])
-        expected = reference_stop(values, mode, patience, min_delta, target, start)
-        rule = make_rule(mode, patience, min_delta, target)
+        # Tolerances off the values' 0.1 grid: no value sits exactly at target ± tolerance.
+        tolerance = generator.choice([0.0, 0.0, 0.05, 0.15]) if target is not None else 0.0
+        expected = reference_stop(values, mode, patience, min_delta, target, start, tolerance)
+        rule = make_rule(mode, patience, min_delta, target, tolerance)
         assert rule_stop(rule, values, start) == expected, (case, values, start, rule)
 
 
@@ -150,6 +161,17 @@ def test_the_teacher_target_is_the_value_kept_in_the_state():
     assert observe(rule, state, 0.7, 10) is None
     reason = observe(rule, state, 0.75, 20)
     assert reason == "val/accuracy = 0.75 reached the target 0.75 (the teacher's) at step 20"
+
+
+def test_a_tolerance_lets_the_student_stop_one_validation_example_short_of_the_teacher():
+    """127 of 128 validation answers right against the teacher's 128: within one example's share, not two."""
+    rule = make_rule("max", target="teacher", tolerance=1 / 128)
+    state = {**fresh_early_stop_state(), "teacher_value": 1.0}
+    assert observe(rule, state, 126 / 128, 10) is None
+    reason = observe(rule, state, 127 / 128, 20)
+    assert reason == "val/accuracy = 0.9922 reached the target 1 (the teacher's) within 0.007812 at step 20"
+    lower = make_rule("min", target=0.5, tolerance=0.05)
+    assert rule_stop(lower, [0.7, 0.56, 0.54]) == 2
 
 
 def test_the_patience_reason_names_metric_value_step_and_best():
