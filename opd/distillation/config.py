@@ -1,14 +1,7 @@
 """The configuration of a distillation run: one YAML file, validated into :class:`MasterConfig`.
 
-Sections: ``model``, ``teacher`` (or ``teachers``: several), ``distillation`` (the λ coin, sampling, context
-distillation), ``loss_fn`` (one typed objective, :mod:`opd.losses.config`),
-``generation``, ``training``, ``data``, ``validation``, ``logger``, ``checkpointing``.
-Every key is documented in ``examples/configs/distillation.yaml``.
-
-What one section cannot check alone, :class:`MasterConfig` checks across sections when it
-is validated, so a conflicting config stops before any file is read or model loaded.
-Keys that moved in a schema change are listed in :data:`MOVED_KEYS`; a config that still
-uses one gets an error naming the new place.
+Every key is documented in ``examples/configs/distillation.yaml``. :class:`MasterConfig` checks across sections, so a
+conflicting config stops before any file is read; a key listed in :data:`MOVED_KEYS` gets an error naming its place.
 """
 
 from __future__ import annotations
@@ -161,11 +154,7 @@ class TrainingConfig(TrainingLoopConfig):
         return self.depth > 1
 
     def correction_is_on(self, loss: LossFnConfig) -> bool:
-        """Whether ``loss``'s stale samples are weighted (``off_policy_correction.enabled``).
-
-        ``auto``: under an asynchronous schedule, as the objective's
-        ``weighs_stale_samples_by_default`` says; never under sync.
-        """
+        """Whether ``loss``'s stale samples are weighted; ``auto``: per the objective, and never under sync."""
         return self.off_policy_correction.is_on(self.asynchronous, loss.weighs_stale_samples_by_default)
 
 
@@ -520,14 +509,12 @@ _ACROSS_SECTIONS: tuple[Check[MasterConfig], ...] = (
 
 
 def resolve_micro_batching(config: MasterConfig) -> tuple[int, int]:
-    """Returns ``(micro_batch_size, gradient_accumulation_steps)`` from the config.
+    """``(micro_batch_size, gradient_accumulation_steps)`` for ``batch_size × num_samples_per_prompt`` sequences.
 
-    On-policy steps train ``batch_size × num_samples_per_prompt`` sequences. As in
-    DeepSpeed, either knob may be given and the other is derived; if both are given they
-    must multiply to that number.
+    As in DeepSpeed, either knob may be given and the other is derived; both given must multiply to that number.
 
     Raises:
-        ConfigError: if the two knobs disagree or do not divide the batch.
+        ConfigError: the knobs disagree, do not divide the batch, or are set beside ``micro_batch_tokens``.
     """
     training = config.training
     sequences = training.batch_size * config.distillation.num_samples_per_prompt

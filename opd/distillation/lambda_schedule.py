@@ -1,14 +1,7 @@
 """λ as a schedule: the probability of an on-policy step, as a function of the step.
 
-``distillation.lambda`` is a number (the same λ on every step) or a schedule:
-
-* ``linear``: from ``start`` at step 1 to ``end`` at step ``steps``, then ``end``;
-* ``step``: ``start`` before step ``steps``, ``end`` from it on.
-
-A student that starts far from the teacher learns faster per step from the teacher's
-sequences (fixed data, λ = 0) and, once close, from its own samples (λ = 1): a ramp from 0
-to 1 does both. The schedule is a pure function of the step, so a resumed run draws the
-same λ for the same step; the λ coin itself is checkpointed by the training loop.
+A student far from the teacher learns faster from fixed data (λ = 0) and, once close, from its own samples (λ = 1):
+a ramp does both. The schedule is a pure function of the step, so a resumed run gets the same λ per step.
 """
 
 from __future__ import annotations
@@ -52,4 +45,4 @@ def _step(schedule: LambdaSchedule, step: int) -> float:
 
 
 _SHAPES: dict[str, Callable[[LambdaSchedule, int], float]] = {"linear": _linear, "step": _step}
-"""λ of a step under each ``schedule`` (see the module docstring)."""
+"""λ of a step under each ``schedule``."""

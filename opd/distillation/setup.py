@@ -1,14 +1,7 @@
 """Building a distillation run's components from its config: :func:`setup`.
 
-Order matters: the config's environment needs (vLLM, a compiler, an API key) and the data
-files are checked before any model is loaded, so a malformed line fails in seconds, not
-after loading a 32B teacher; a served teacher is reached before the student loads. If the
-checkpoint directory holds a complete checkpoint, the run resumes from the newest one:
-the student's weights, optimizer, schedule and counters are restored here, the RNG
-streams and data position by the training loop.
-
-The result is a :class:`DistillationComponents`, whose fields are exactly the arguments of
-:func:`opd.distillation.step.distillation_train`.
+The machine's needs (vLLM, a compiler, an API key) and the data are checked before any model loads, so a malformed
+line fails in seconds, not after loading a 32B teacher; a served teacher is reached before the student loads.
 """
 
 from __future__ import annotations
@@ -97,20 +90,8 @@ STOP_TOKEN_PROBE_PROMPTS = 8
 class DistillationComponents:
     """Everything :func:`~opd.distillation.step.distillation_train` runs with.
 
-    Attributes:
-        student_policy: the trainable student.
-        teacher_policy: the teacher (in process, served, with a context, following the student, ...).
-        student_generation: samples from the student.
-        teacher_generation: the teachers that answer the validation prompts for the
-            baselines (:func:`teacher_engines`); empty when no baseline is asked for.
-        dataloader: resumable loader of prepared training examples.
-        val_dataloader: validation examples, or None without validation data.
-        tokenizer: shared by teacher and student.
-        loss_fn: the objective ``loss_fn`` chose.
-        logger: metric sink.
-        checkpointer: writes and finds ``step_N`` checkpoints.
-        distillation_save_state: the run's counters (fresh or restored).
-        master_config: the validated config.
+    ``teacher_generation`` answers the validation prompts for the baselines (:func:`teacher_engines`; empty without
+    them); ``distillation_save_state`` holds the run's counters, fresh or restored.
     """
 
     student_policy: PolicyInterface
@@ -155,12 +136,10 @@ def set_seed(seed: int) -> None:
 
 
 def check_environment(config: MasterConfig) -> None:
-    """What the config needs from this machine, checked before anything is read or loaded.
+    """Checks what the config needs from this machine, before anything is read or loaded.
 
     Raises:
-        ConfigError: vLLM asked for but not importable, ``compile_kernels`` /
-            ``compile_decode`` set to true without a compiler toolchain, an API key
-            variable that is unset, or ``model.lora`` without peft.
+        ConfigError: vLLM missing, compilation asked for without a toolchain, an API key unset, or LoRA without peft.
     """
     if config.model.active_lora() is not None:
         import_peft()
@@ -173,8 +152,7 @@ def check_environment(config: MasterConfig) -> None:
 
 
 def check_config_against_data(config: MasterConfig, train_examples: list[PreparedExample]) -> None:
-    """Cross-checks that need the data: λ < 1 needs fixed responses to train on, a task
-    reward needs ground-truth answers.
+    """Checks that need the data: λ < 1 needs fixed responses, a task reward (``adv_tau``) ground-truth answers.
 
     Raises:
         ConfigError: naming the key, the file and how many examples lack what it needs.
@@ -208,16 +186,12 @@ def run_tokenizer(config: MasterConfig) -> Any:
 def load_models(
     config: MasterConfig, tokenizer: Any, student_path: str
 ) -> tuple[PreTrainedModel, TeacherInterface | None]:
-    """Loads student (from ``student_path``) and builds the one teacher in process, after the tokenizer check.
+    """Loads the student from ``student_path`` and builds the one in-process teacher (None if served or several).
 
-    A served teacher (connected in :func:`setup`, before this) is not built here, nor are
-    several teachers (``teachers:``, see :func:`load_teacher_members`): the teacher is then None.
-    A teacher that follows the student (``teacher.self_teacher`` live or ema) is built after
-    the student: a live one scores with the student's own module.
+    A teacher following the student (``teacher.self_teacher``) is built after it: a live one uses the student's module.
 
     Raises:
-        ModelCompatibilityError: the teacher's tokenizer or an output layer does not
-            match the run's tokenizer.
+        ModelCompatibilityError: a tokenizer or output layer does not match the run's tokenizer.
         ConfigError: a model whose head the fused loss cannot take.
     """
     device = resolve_device(config.model.device)
@@ -245,14 +219,9 @@ def build_generation(config: MasterConfig, model: PreTrainedModel, tokenizer: An
 def build_loss(config: MasterConfig, tokenizer: Any, student_classes: torch.Tensor | None = None) -> LossFunction:
     """The ``loss_fn`` objective, weighing stale samples when ``training.off_policy_correction`` is on.
 
-    ``student_classes``: what the teacher's top-k ids name, when not student tokens (a
-    teacher with another tokenizer: :attr:`~opd.models.interfaces.TeacherInterface.student_classes`).
-
-    With several teachers, the objective is applied to each teacher's rows (routing) or to
-    their mixture (:mod:`opd.losses.several_teachers_loss`).
-
-    The sampled-token loss needs no weights of its own: its clipped ratio is already taken
-    against the sampler's log-probs, whatever weights drew them.
+    ``student_classes`` are what a cross-tokenizer teacher's top-k ids name. Several teachers get a routed or mixture
+    loss (:mod:`opd.losses.several_teachers_loss`). The sampled-token loss needs no weights: its clipped ratio is
+    already taken against the sampler's log-probs.
     """
     device_type = resolve_device(config.model.device).type
     built: dict[str, LossFunction] = {}  # one objective per key: members without their own share loss_fn's
@@ -288,10 +257,7 @@ def report_stop_tokens(
     teacher_model: PreTrainedModel | None,
     train_examples: list[PreparedExample],
 ) -> tuple[int, ...]:
-    """Logs the student's stop tokens and checks them against the teacher's (see :func:`check_stop_tokens`).
-
-    Returns:
-        The ids that end the student's responses.
+    """Logs the student's stop ids, checks them against the teacher's (:func:`check_stop_tokens`) and returns them.
 
     Raises:
         ModelCompatibilityError: the student stops at a token the teacher never emits.
@@ -321,21 +287,18 @@ def build_in_process(
     train_examples: list[PreparedExample],
     teacher_tokenizer: Any | None = None,
 ) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, list[TeacherEngine]]:
-    """Student, teacher and engines in this process: ``(student, teacher, student engine, teacher engines)``.
+    """``(student, teacher, student engine, teacher engines)`` in this process; a resume loads ``policy/``.
 
-    A resumed run loads the student's weights from the checkpoint's ``policy/``.
-    ``members``: the teachers built before the student (served, or several); None: the one
-    teacher is loaded here. ``teacher_tokenizer`` is a cross-tokenizer teacher's own (None: the run's).
+    ``members`` are the teachers built before the student (served, or several); None loads the one teacher here.
     """
     lora = config.model.active_lora()
-    # A LoRA run resumes from the base model plus the checkpoint's adapter (restored with
-    # the optimizer): the checkpoint's policy/ holds merged weights.
+    # LoRA resumes from the base model plus the adapter restored with the optimizer (policy/ holds merged weights).
     student_path = (
         str(resume_from / "policy") if resume_from is not None and lora is None else config.model.student_model_path
     )
     student_model, in_process = load_models(config, tokenizer, student_path)
     teacher_model = model_in_process(in_process)
-    # A teacher with its own tokenizer has other stop ids and cannot sample in the student's ids.
+    # A cross-tokenizer teacher has other stop ids.
     same_ids = not config.teacher.cross_tokenizer
     report_stop_tokens(config, tokenizer, student_model, teacher_model if same_ids else None, train_examples)
     if in_process is not None:
@@ -349,9 +312,8 @@ def build_in_process(
         config, tokenizer, teacher_tokenizer, lambda name, own: HFGeneration(models[name], own, decode_loop)
     )
 
-    # Built before HFPolicy injects LoRA adapters into student_model: vLLM's first load
-    # wants the plain model's names (every rollout is preceded by a refit with the merged
-    # weights); the HF engine shares the module and so samples with the current adapter.
+    # Before HFPolicy injects LoRA adapters: vLLM's first load wants the plain names (refits send merged weights);
+    # the HF engine shares the module, so it samples with the current adapter.
     student_generation = build_generation(config, student_model, tokenizer)
     student_policy = HFPolicy(
         student_model,
@@ -375,17 +337,11 @@ def build_on_cluster(
 ) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, list[TeacherEngine]]:
     """Student, teacher and rollout engines as Ray worker groups (``cluster:``), and the baselines' teacher engines.
 
-    The workers load the student's starting weights; a resumed run then loads its shards
-    (``restore_run``). For the validation baselines, a teacher of the run answers from the
-    rollout workers, which load its weights for that once (:func:`teacher_engines`).
-
-    Teachers colocated in the trainer workers (one, several, or one with another
-    tokenizer) are loaded there, and each worker builds the run's teacher around them with
-    :func:`~opd.distillation.teacher_plan.assemble_teacher`, the builder of every placement;
-    the driver then holds the facade of that teacher
-    (:class:`~opd.distributed.colocated_teacher.TeacherInTrainerWorkers`).
+    A resume loads the shards afterwards (``restore_run``). The baselines' teachers answer from the rollout workers.
+    Colocated teachers are assembled in each trainer worker (:func:`~opd.distillation.teacher_plan.assemble_teacher`);
+    the driver holds a facade (:class:`~opd.distributed.colocated_teacher.TeacherInTrainerWorkers`).
     """
-    # Imported here: Ray is an optional extra that the in-process path never needs.
+    # Ray is an optional extra the in-process path never needs.
     from opd.distributed.setup import ClusterRequest, build_cluster_backends
 
     assert config.cluster is not None
@@ -469,12 +425,8 @@ def _baseline_engines_on_cluster(
 def _teacher_head_paths(config: MasterConfig, remote_teacher: TeacherInterface | None) -> tuple[str | None, ...]:
     """The models whose output layers the trainer workers load, by teacher position (empty: none).
 
-    A teacher that runs apart from the trainer (a pool, or served) answers a
-    full-vocabulary objective with its final hidden states alone; each trainer worker
-    binds them to its own copy of that teacher's output layer (read once from this
-    model). With several teachers, each such member has its own (routing binds each
-    member's rows to it; a mixture binds each member, then mixes). A teacher colocated in
-    the workers needs none: its head is there already.
+    A teacher apart (pool or served) answers a full-vocabulary objective with hidden states alone, which each worker
+    binds to its own copy of the head; with several teachers, each such member has its own.
     """
     assert config.cluster is not None
     in_pool = config.cluster.teacher.in_pool
@@ -520,8 +472,7 @@ def _build_models(
     teacher_tokenizer: Any | None,
 ) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, list[TeacherEngine]]:
     """The student, the teacher and the engines, on the cluster or in this process (:func:`build_in_process`)."""
-    # A served teacher is checked before the student loads: an unreachable or mismatched
-    # server fails in seconds.
+    # Served teachers connect before the student loads: a bad server fails in seconds.
     served_or_several: list[TeacherInterface] | None = None
     if (config.teachers is not None and config.cluster is None) or (config.teachers is None and config.teacher.served):
         # On a cluster, several teachers' members are built with the workers.
@@ -542,7 +493,7 @@ def _build_models(
 
 
 def setup(master_config: MasterConfig) -> DistillationComponents:
-    """Builds everything ``distillation_train`` needs, checking user input first (see the module docstring).
+    """Builds everything ``distillation_train`` needs, checking user input first; resumes from the newest checkpoint.
 
     Raises:
         ConfigError: a config the machine or the data cannot serve.

@@ -1,7 +1,6 @@
-"""Loading and connecting the run's teachers: paths, tokenizers, checks, served clients, members and baseline engines.
+"""Loading and connecting the run's teachers, each checked against the run's tokenizer first.
 
-:mod:`opd.distillation.teacher_plan` says which teacher answers and assembles it; this module
-loads (or connects) its members, checking each against the run's tokenizer first."""
+:mod:`opd.distillation.teacher_plan` says which teacher answers and assembles it from these members."""
 
 from __future__ import annotations
 
@@ -55,13 +54,10 @@ def teacher_tokenizer_of(config: MasterConfig) -> Any | None:
 
 
 def resolve_teacher_path(config: MasterConfig) -> str:
-    """The in-process teacher's model path; ``student`` means the student's starting point.
+    """The in-process teacher's model path; ``student`` means ``model.student_model_path`` as given.
 
-    For self-distillation the teacher is ``model.student_model_path`` as given, never the
-    checkpoint a run resumes from: a frozen self-teacher stays the initial student for the
-    whole run (a second copy of the weights in memory, without gradients or optimizer
-    state); an EMA one starts there and a resumed run restores its average from the
-    checkpoint (``teacher.self_teacher``).
+    Never the checkpoint a run resumes from: a frozen self-teacher stays the initial student; an EMA one's average is
+    restored from the checkpoint.
 
     Raises:
         ConfigError: without ``model.teacher_model_path``.
@@ -75,11 +71,7 @@ def resolve_teacher_path(config: MasterConfig) -> str:
 class RunTeacherLoader:
     """How this run loads and connects teachers (:class:`~opd.teachers.backends.TeacherLoader`).
 
-    Args:
-        config: the run's config (dtype, device, loss).
-        tokenizer: the run's tokenizer, which a teacher must share.
-        student_path: the student's model, named in tokenizer mismatches.
-        own_tokenizer: a cross-tokenizer teacher's own tokenizer (its head is checked against it).
+    ``student_path`` is named in tokenizer mismatches; ``own_tokenizer`` is a cross-tokenizer teacher's.
     """
 
     def __init__(self, config: MasterConfig, tokenizer: Any, student_path: str, own_tokenizer: Any | None = None):
@@ -109,19 +101,14 @@ class RunTeacherLoader:
 def load_teacher_model(
     config: MasterConfig, tokenizer: Any, teacher_path: str, student_path: str, own_tokenizer: Any | None = None
 ) -> PreTrainedModel:
-    """Loads a frozen teacher in process, after checking that its tokenizer is the run's.
-
-    With ``own_tokenizer`` (``teacher.cross_tokenizer``) the teacher keeps its own
-    tokenizer, and its output layer is checked against that one instead.
+    """Loads a frozen teacher in process, after checking that its tokenizer is the run's (or ``own_tokenizer``).
 
     Raises:
-        ModelCompatibilityError: the teacher's tokenizer or output layer does not match
-            the run's tokenizer.
+        ModelCompatibilityError: the teacher's tokenizer or output layer does not match.
     """
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
-    # The teacher's own tokenizer is checked even when model.tokenizer_path overrides the
-    # student's: the teacher's logits are indexed by the ids its tokenizer defines.
+    # Checked even when model.tokenizer_path overrides the student's: its logits are indexed by its own ids.
     if own_tokenizer is None:
         teacher_tokenizer = load_tokenizer(teacher_path, config.model.trust_remote_code)
         check_tokenizer_compatibility(tokenizer, teacher_tokenizer, student_path, teacher_path)
@@ -132,11 +119,7 @@ def load_teacher_model(
 
 
 def check_fusable(config: MasterConfig, student: PreTrainedModel | None, teacher: PreTrainedModel | None) -> None:
-    """Fails before training if a model's head cannot be fused.
-
-    Each must be a linear layer whose logit transform, if any, opd knows (a multiplier,
-    a soft cap: the fused loss applies them, and differentiates them for the student).
-    """
+    """Raises ConfigError before training unless each head is linear with a known logit transform (multiplier, cap)."""
     if not (isinstance(config.loss_fn, FusedHeadSettings) and config.loss_fn.fused_lm_head):
         return
     # A served teacher's head is checked when it connects.
@@ -151,18 +134,11 @@ def check_fusable(config: MasterConfig, student: PreTrainedModel | None, teacher
 def connect_remote_teacher(
     config: MasterConfig, tokenizer: Any, remote: RemoteTeacherConfig | None = None, model_path: str | None = None
 ) -> RemoteTeacher:
-    """The client of the served teacher, after checking that it answers and tokenizes like ``tokenizer``.
+    """The served teacher's client, after checking that it answers and tokenizes like ``tokenizer``.
 
-    For a full-vocabulary loss it also loads the teacher's output layer (only that layer)
-    from ``model_path`` and checks it against the server's. On a cluster the layer is not
-    kept here: the client sends the hidden states on alone, and each trainer worker binds
-    them to its own copy of the layer (:func:`build_on_cluster` names the model to load).
-
-    Args:
-        config: the run's config.
-        tokenizer: the run's tokenizer.
-        remote: the server's settings (default: ``teacher.remote``).
-        model_path: the served model's directory (default: ``model.teacher_model_path``).
+    A full-vocabulary loss also loads the output layer alone from ``model_path`` (default ``model.teacher_model_path``);
+    on a cluster, each trainer worker binds the hidden states to its own copy instead. ``remote`` defaults to
+    ``teacher.remote``.
     """
     remote = remote or config.teacher.remote
     if remote.url is None:
@@ -191,7 +167,6 @@ def connect_remote_teacher(
         output_layer,
         binds_output_layer=config.cluster is None,
     )
-    # A teacher with its own tokenizer must tokenize as that tokenizer does.
     client.connect(teacher_tokenizer_of(config) or tokenizer)
     log.info("teacher: %s served at %s", client.model, remote.url)
     return client
@@ -206,13 +181,8 @@ def load_teacher_members(
 ) -> list[TeacherInterface]:
     """The run's teachers before :func:`~opd.distillation.teacher_plan.assemble_teacher` puts them together.
 
-    The one teacher: ``loaded`` (built in process), else its served client. Several
-    teachers: each of ``teachers.members`` in order, those in ``ready`` as they are (a
-    cluster's pools, servers connected already), the others loaded or connected here,
-    each checked like a single teacher (tokenizer, output layer, server).
-
-    Args:
-        student_path: the model the tokenizer checks name (default: the student's).
+    The one teacher: ``loaded``, else its served client. Several: each member in order, taken from ``ready``
+    (pools, connected servers) or loaded or connected here.
     """
     student_path = student_path or config.model.student_model_path
     if config.teachers is None:
@@ -235,16 +205,13 @@ def load_teacher_members(
 def assemble_in_worker(
     config: MasterConfig, tokenizer: Any, teacher_tokenizer: Any | None, loaded: list[TeacherInterface]
 ) -> TeacherInterface:
-    """The run's teacher in a trainer worker, around the teachers colocated there (``loaded``).
+    """The run's teacher in a trainer worker, around ``loaded`` (in :func:`_cluster_teacher_paths`'s order).
 
-    ``loaded`` are in the order of :func:`_cluster_teacher_paths`: the one teacher, or each
-    local member of ``teachers:``. A served member is connected from the worker, and binds
-    its own output layer there.
+    Served members connect from the worker and bind their output layer there.
     """
     members = loaded
     if config.teachers is not None:
         local = [member.name for member in config.teachers.members if not member.served]
-        # As in one process: a served member's client binds its hidden states to its head where it runs.
         here = config.model_copy(update={"cluster": None})
         members = load_teacher_members(here, tokenizer, ready=dict(zip(local, loaded, strict=True)))
     return assemble_teacher(config, tokenizer, teacher_tokenizer, members)
@@ -262,16 +229,11 @@ def teacher_engines(
     teacher_tokenizer: Any | None,
     engine_in_run: Callable[[str | None, Any], GenerationInterface],
 ) -> list[TeacherEngine]:
-    """The teachers that answer the validation prompts for the baselines, each where it runs.
+    """The teachers that answer the validation prompts for the baselines (none unless one is asked for).
 
-    A served teacher answers from its server (:class:`RemoteGeneration`, over
-    ``/v1/completions``); a teacher of the run answers from ``engine_in_run(name,
-    tokenizer)`` (``name`` None for the one teacher): in process, an HF engine over its
-    model; on a cluster, the rollout workers with its weights
-    (:class:`~opd.distributed.rollout.TeacherOnRolloutWorkers`). The one teacher samples
-    in its own tokens (a cross-tokenizer teacher with its own tokenizer, from its own
-    rendering of the prompts). With several teachers every member answers on its own:
-    with routing, the prompts routed to it. No engine is built unless a baseline is asked for.
+    A served teacher answers from its server (:class:`RemoteGeneration`); others from ``engine_in_run(name,
+    tokenizer)`` (``name`` None for the one teacher). A cross-tokenizer teacher samples in its own tokens; with
+    routing, each member answers the prompts routed to it.
     """
     validation = config.validation
     if not (validation.teacher_baseline or validation.eval_baseline):

@@ -1,14 +1,9 @@
 """Which teacher answers, resolved once from the config: the teacher plan, and the one assembly of it.
 
-Three settings decide together which teacher runs: ``teacher`` / ``teachers`` (what it is
-and whether it is served), ``cluster.teacher`` (in the trainer workers or in a pool, with
-HF or vLLM) and ``loss_fn`` (what it is asked for). :func:`plan_teacher` reads them once
-into a :class:`TeacherPlan`: each member, where it runs, what it sends, and the wrappers
-around it. ``opd train`` logs the plan at start and ``opd plan`` prints it.
-
-Every placement builds its teacher from the same members with :func:`assemble_teacher`:
-one process, the driver of a cluster whose teachers run in pools or are served, and each
-trainer worker that holds colocated teachers.
+``teacher`` / ``teachers``, ``cluster.teacher`` and ``loss_fn`` decide together; :func:`plan_teacher` reads them into
+a :class:`TeacherPlan` (each member, where it runs, what it sends, the wrappers), which ``opd train`` logs and
+``opd plan`` prints. Every placement (one process, a cluster's driver, each trainer worker) builds its teacher with
+:func:`assemble_teacher`.
 """
 
 from __future__ import annotations
@@ -45,15 +40,7 @@ class Placement(Enum):
 
 @dataclass(frozen=True)
 class PlannedMember:
-    """One teacher of the run, as the plan names it.
-
-    Attributes:
-        name: its name in ``teachers.members`` (None: the one teacher).
-        source: its model (``student (frozen|live|ema)`` for self-distillation) or its URL.
-        placement: where it runs.
-        detail: the pool's engine and size, when it runs in a pool.
-        sends: what it sends to the loss.
-    """
+    """One teacher as the plan names it (``name`` None: the one teacher; ``detail``: a pool's engine and size)."""
 
     name: str | None
     source: str
@@ -64,12 +51,7 @@ class PlannedMember:
 
 @dataclass(frozen=True)
 class TeacherPlan:
-    """The run's teacher: its members, and the wrappers around them, outermost last.
-
-    Attributes:
-        members: the one teacher, or each of ``teachers.members`` in order.
-        wrappers: e.g. ``teacher-only context``, ``cross-tokenizer``, ``route by <key>``, ``mixture``.
-    """
+    """The run's teacher: its members in order, and the wrappers around them, outermost last."""
 
     members: tuple[PlannedMember, ...]
     wrappers: tuple[str, ...]
@@ -117,7 +99,7 @@ def _source(config: MasterConfig, model_path: str | None, url: str | None, serve
 
 
 def plan_teacher(config: MasterConfig) -> TeacherPlan:
-    """The run's teacher plan (see the module docstring)."""
+    """The run's teacher plan."""
     wrappers: list[str] = []
     if config.distillation.teacher_context_spec() is not None:
         wrappers.append("teacher-only context")
@@ -143,12 +125,9 @@ def plan_teacher(config: MasterConfig) -> TeacherPlan:
 def assemble_teacher(
     config: MasterConfig, tokenizer: Any, teacher_tokenizer: Any | None, members: Sequence[TeacherInterface]
 ) -> TeacherInterface:
-    """The run's teacher around its ``members`` (the one teacher, or each of ``teachers.members`` in order).
+    """The run's teacher around its ``members``, with the wrappers :func:`plan_teacher` lists.
 
-    The same wrappers in every placement, as :func:`plan_teacher` lists them: several
-    teachers each see the teacher-only context and are routed or mixed; the one teacher
-    sees the context, or with its own tokenizer (``teacher_tokenizer``) scores the
-    re-tokenized response under its own prompt, which already holds the context.
+    A cross-tokenizer teacher scores the re-tokenized response under its own prompt, which already holds the context.
     """
     with_context = config.distillation.teacher_context_spec() is not None
     if config.teachers is None:

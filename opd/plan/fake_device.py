@@ -1,15 +1,8 @@
 """The fakes a dry run (:mod:`opd.plan.dry_run`) runs the trainer on, beside fake tensors.
 
-* the stand-in accelerator ``fakegpu`` (:func:`compute_device`): PyTorch's
-  ``privateuseone`` device type with a Python device guard and streams that do nothing;
-* :class:`DataDependentStandIns`: values read back and data-dependent selections, which
-  fake tensors do not hold, and :func:`gpu_attention_kernels`: the attention kernel a GPU
-  picks;
-* :class:`DeviceAudit`: every tensor handed to a collective must be on the compute device
-  (:class:`DeviceMismatchError` names the collective and the line of opd that called it);
-* :func:`fake_process_group`: ``torch.distributed``'s fake process group as one rank, and
-  what it needs around it (objects gathered symmetrically, tensors made from data on the
-  host, DTensor's sharding metadata worked out apart).
+The stand-in accelerator ``fakegpu`` exists because a CPU-only build cannot run fake CUDA tensors through every
+operator (``copy_`` asks for a CUDA device guard), while any non-``cpu`` device keeps host and device tensors apart,
+as the audit needs. It stays registered for the rest of the process, so a dry run needs a process of its own.
 """
 
 from __future__ import annotations
@@ -118,8 +111,7 @@ class _AcceleratorModule:
     def current_stream(self, device: Any = None) -> _NoStream:
         return self._stream
 
-    # The random-number state, which activation checkpointing saves and restores around
-    # its recomputation: there is none to keep.
+    # Activation checkpointing saves and restores the RNG state around recomputation: there is none.
     def get_rng_state(self, device: Any = None) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
 
@@ -158,11 +150,10 @@ def compute_device() -> torch.device:
 
 
 class DataDependentStandIns(TorchDispatchMode):
-    """Answers what a fake tensor cannot: values read back, data-dependent selections, the attention kernel.
+    """Answers what a fake tensor cannot: values read back and data-dependent selections.
 
-    Args:
-        response_tokens: loss positions per row: a boolean selection over ``[..., L]``
-            picks this many positions of each row (all of them when ``L`` is shorter).
+    A read gives 1 (``True`` for a flag); a boolean selection over ``[..., L]`` picks ``response_tokens`` positions
+    per row (the loss positions planned for), or all of a shorter row.
     """
 
     def __init__(self, response_tokens: int) -> None:
@@ -208,10 +199,8 @@ def _gpu_attention(
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` with the kernel a GPU picks: flash, or memory-efficient with a mask or in fp32.
 
-    On a device it does not know, PyTorch falls back to the math kernel, which holds the
-    ``[B, H, L, L]`` attention weights; both GPU kernels keep only the output and one
-    log-sum-exp per position. Grouped key/value heads are repeated first, as the kernels'
-    inputs must match.
+    On an unknown device PyTorch would use the math kernel, which holds ``[B, H, L, L]`` weights; the GPU kernels keep
+    the output and one log-sum-exp per position. Grouped key/value heads are repeated first.
     """
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
@@ -280,10 +269,7 @@ class DeviceAudit(TorchDispatchMode):
 
 
 def _symmetric_all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
-    """``all_gather_object`` over a fake group: every rank of a dry run holds what this rank holds.
-
-    A fake process group moves no bytes, so pickled objects cannot travel through it.
-    """
+    """``all_gather_object`` over a fake group (which moves no bytes): every rank holds what this rank holds."""
     object_list[:] = [obj] * len(object_list)
 
 
@@ -291,10 +277,7 @@ def _symmetric_all_gather_object(object_list: list[Any], obj: Any, group: Any = 
 def tensors_from_data_via_host() -> Iterator[None]:
     """``torch.tensor(data, device=...)`` made on the host, then moved to the device under the fake mode.
 
-    PyTorch builds a tensor from Python data below the dispatcher's modes, with a real
-    allocation on the target device, which the stand-in accelerator does not have. Made
-    on the host first, the move to the device is an ordinary (fake) operation; the
-    tensor's device, dtype and shape are what the code asked for.
+    PyTorch builds tensors from data below the dispatcher's modes, allocating really on a device fakegpu lacks.
     """
     originals = torch.tensor, torch.as_tensor
 
@@ -317,11 +300,7 @@ def tensors_from_data_via_host() -> Iterator[None]:
 def sharding_metadata_apart() -> Iterator[None]:
     """DTensor works out an operator's output metadata in a fake mode of its own, as it does on a GPU.
 
-    To find an output's global shape, DTensor runs the operator on fake tensors of the
-    global shapes, in the active fake mode when there is one. In the dry run that is the
-    tracked mode, which would count a whole, unsharded tensor for every sharded operation
-    (the optimizer's, the gradient norm's). On a real device there is no active fake mode
-    and those tensors cost nothing; a fresh mode restores that.
+    Otherwise it would use the tracked mode, which would count a whole unsharded tensor for every sharded operation.
     """
     from torch.distributed.tensor import _sharding_prop
 
@@ -335,11 +314,7 @@ def sharding_metadata_apart() -> Iterator[None]:
 
 @contextlib.contextmanager
 def fake_process_group(rank: int, world_size: int, shard_group_size: int | None = None) -> Iterator[Any]:
-    """``torch.distributed``'s fake process group as rank ``rank`` of ``world_size``; yields the trainer's mesh.
-
-    The mesh is the one a real trainer makes (:func:`opd.distributed.fsdp.device_mesh`):
-    1-D, or the 2-D HSDP mesh with ``shard_group_size``.
-    """
+    """The fake process group as rank ``rank`` of ``world_size``; yields the trainer's mesh (``device_mesh``)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     device = compute_device()
@@ -347,16 +322,14 @@ def fake_process_group(rank: int, world_size: int, shard_group_size: int | None 
         raise RuntimeError("the dry run needs a process of its own: a process group is already initialised")
     backends = "cpu:fake" if is_cpu(device) else f"cpu:fake,{device.type}:fake"
     dist.init_process_group(backends, store=FakeStore(), rank=rank, world_size=world_size)
-    # The fake backend registers as a custom one, so the group has no default backend and
-    # torch warns once per group when it is destroyed; naming it the default silences that.
+    # Silences torch's warning, on destroy, about a group without a default backend.
     dist.distributed_c10d._get_default_group()._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     original = dist.all_gather_object
     dist.all_gather_object = _symmetric_all_gather_object
     slicing = DeviceMesh.__getitem__
 
     def sliced_with_real_tensors(mesh: DeviceMesh, names: Any) -> DeviceMesh:
-        # A sub-mesh (HSDP's "shard" dimension) finds this rank's coordinates in the mesh's
-        # rank tensor, a data-dependent step that the fake modes would answer with stand-ins.
+        # A sub-mesh finds this rank's coordinates from real data, which the fake modes would stand in for.
         with _disable_current_modes():
             return slicing(mesh, names)
 

@@ -1,10 +1,7 @@
 """What one dry-run step (:mod:`opd.plan.dry_run`) runs under, and how its trace is read.
 
-* the models, built from their configs with no weights (:func:`skeleton`), at the depths
-  a trace cuts them to (:func:`layer_depths`), in place of the trainer's loading;
-* the step's shape (:class:`StepShape`) and a micro-batch of it;
-* :func:`fake_step`: every fake mode and stand-in of the step at once;
-* the trace at the models' real depths (:func:`traced_or_extrapolated`) and its peaks.
+Models are built from their configs without weights (:func:`skeleton`), possibly cut in depth (:func:`layer_depths`);
+:func:`fake_step` enters every fake mode at once; :func:`traced_or_extrapolated` gives the figures at real depth.
 """
 
 from __future__ import annotations
@@ -58,10 +55,9 @@ def layer_depths(depths: dict[str, int]) -> Iterator[None]:
 
 
 def skeleton(path: str, dtype: torch.dtype, depth: int | None = None) -> Any:
-    """The model at ``path`` built from its config alone, every tensor on the meta device.
+    """The model at ``path`` built from its config alone, on the meta device.
 
-    ``depth`` (else the depth a trace asked for, see :func:`layer_depths`) builds it with
-    that many decoder layers, when its layers are all alike.
+    ``depth`` (else :func:`layer_depths`'s) cuts a model of alike layers to that many decoder layers.
     """
     config = model_config(path)
     depth = depth or LAYER_DEPTHS.get(path)
@@ -73,13 +69,7 @@ def skeleton(path: str, dtype: torch.dtype, depth: int | None = None) -> Any:
 
 @contextlib.contextmanager
 def _models_from_their_configs() -> Iterator[None]:
-    """The trainer's model loading with the weights left out: each model is built from its config.
-
-    :func:`~opd.distributed.sharded_loading.load_sharded` builds a model on the meta
-    device, shards it and gives each rank storage for its shards, then reads its rows from
-    the weight files; here the last step is skipped, and the storage is fake. A whole
-    model (a teacher with ``cluster.teacher.sharded: false``) gets fake storage whole.
-    """
+    """The trainer's model loading (``load_sharded`` and the rest) on fake storage, the weight files never read."""
     from opd.distributed import trainer_worker
 
     def sharded(
@@ -99,7 +89,7 @@ def _models_from_their_configs() -> Iterator[None]:
         return model
 
     def head(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False) -> OutputLayer:
-        # The output layer is the same at any depth: one decoder layer is built, on the meta device.
+        # The output layer is the same at any depth: one decoder layer suffices.
         layer = output_layer_of(skeleton(path, dtype, depth=1), path)
         bias = None if layer.bias is None else torch.empty_like(layer.bias, device=device)
         return OutputLayer(
@@ -109,9 +99,7 @@ def _models_from_their_configs() -> Iterator[None]:
     wrap_with_lora = trainer_worker.wrap_with_lora
 
     def lora_on_meta(model: Any, config: Any) -> Any:
-        # peft makes a LoRA student's adapters where the context says, then moves them to
-        # the base layer's device, which a fake tensor refuses; made on the meta device,
-        # like the skeleton they join, they need no move.
+        # peft would move the adapters to the base layer's device, which a fake tensor refuses; on meta, no move.
         with unset_fake_temporarily(), torch.device("meta"):
             return wrap_with_lora(model, config)
 
@@ -127,12 +115,9 @@ def _models_from_their_configs() -> Iterator[None]:
 
 
 def hidden_states_as_module_call(model: Any) -> None:
-    """Routes ``model.opd_hidden_states`` through ``model.__call__``, where the memory tracker's hooks are.
+    """Routes ``model.opd_hidden_states`` through ``model.__call__``, whose hooks FSDPMemTracker wraps.
 
-    :func:`~opd.distributed.fsdp.shard_model` registers the method with FSDP2, which
-    calls its pre- and post-forward steps directly; FSDPMemTracker wraps the module hooks
-    that run the same steps. Run as the module's forward, the method does the same work
-    under the hooks the tracker sees.
+    FSDP2 runs a registered method's pre- and post-forward steps directly, where the tracker would not see them.
     """
 
     def as_call(
@@ -149,14 +134,7 @@ def hidden_states_as_module_call(model: Any) -> None:
 
 @dataclass(frozen=True)
 class StepShape:
-    """The micro-batches of one dry-run step on one rank.
-
-    Attributes:
-        micro_batch_size: rows per micro-batch.
-        prompt_tokens: prompt positions of each row.
-        response_tokens: response positions of each row (the positions that carry loss).
-        micro_batches: micro-batches per step on this rank (gradient accumulation).
-    """
+    """The micro-batches of one dry-run step on one rank; ``response_tokens`` per row carry loss."""
 
     micro_batch_size: int
     prompt_tokens: int
@@ -222,13 +200,10 @@ def fake_step(
 def traced_or_extrapolated(
     trace_at: Callable[[dict[str, int]], Trace], paths: Sequence[str], every_layer: bool
 ) -> Trace:
-    """The step's figures at the models' real depths: traced whole, or from two shallow traces.
+    """The step's figures at the models' real depths: traced whole, or extrapolated from shallow traces.
 
-    ``trace_at(depths)`` runs the dry run with the models at ``depths``'s paths cut to that
-    many layers. Models whose layers are all alike and that are deeper than
-    ``BASE_DEPTH + 1`` are traced at ``BASE_DEPTH`` layers and at one more, one model at a
-    time, and extrapolated (:mod:`opd.plan.layer_extrapolation`); with
-    ``every_layer``, or when no model qualifies, the step is traced at full depth.
+    ``trace_at(depths)`` runs the dry run with those paths cut to those depths. Each model that qualifies
+    (:func:`~opd.plan.layer_extrapolation.extrapolated_depths`) is traced at ``BASE_DEPTH`` and one deeper.
     """
     full_depths: dict[str, int] = {}
     for path in dict.fromkeys(paths):

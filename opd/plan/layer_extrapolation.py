@@ -1,28 +1,12 @@
 """A dry run of a few decoder layers, extrapolated to the model's real depth.
 
-The layers of a decoder are alike: each holds the same shards, gathers the same weights
-and leaves the same activations behind. At a given point of a step (say, the last op of
-the last layer's forward in the second micro-batch) every figure the memory tracker keeps
-is therefore an affine function of the number of layers: ``a + b · depth``. A dry run of a
-3- and a 4-layer copy of the model fixes ``a`` and ``b``, and gives the figure at 28 or 64
-layers without tracing them, which is most of a dry run's time.
-
-The peak itself is not affine: it is the largest of these figures over the whole step, and
-which point of the step holds it can change with depth (a deep student's activations
-overtake a teacher's gathered layer). So the step is cut into **phases**, and the peak
-is kept per phase (:class:`PhasePeaks`). A phase is a stretch of the step that has the
-same shape at every depth: inside the first, a middle or the last layer of a model, in the
-forward or the backward, of a given micro-batch, or the ops after one such stretch and
-before the next (the embedding, the final norm, the loss, the optimizer step). Within a
-phase, memory grows or shrinks by the same amount from one layer to the next, so its peak
-is at one of its ends and is affine in the depth; the step's peak is the largest of the
-phases' extrapolated peaks (:func:`extrapolate`).
-
-Extrapolation is used only where the layers really are alike: a model type whose layers
-opd knows to be uniform, with one kind of attention over all layers
-(:func:`uniform_depth`). Anything else is traced at its full depth. The test suite checks
-the extrapolated figures against full-depth traces, byte for byte
-(``tests/distributed/test_layer_extrapolation.py``).
+Alike decoder layers hold, gather and leave behind the same memory, so at a given point of a step every tracked
+figure is affine in the depth, ``a + b · depth``: traces at 3 and 4 layers give it at 28 or 64 without tracing them.
+The peak is not affine (which point holds it can change with depth), so it is kept per **phase** (:class:`PhasePeaks`):
+a stretch with the same shape at every depth (inside the first, a middle or the last layer, forward or backward, of a
+given micro-batch, or the ops between such stretches). A phase's peak is at one of its ends, so it is affine; the
+step's peak is the largest extrapolated phase peak (:func:`extrapolate`). Only models of alike layers
+(:func:`uniform_depth`) are extrapolated; the result equals a full-depth trace byte for byte.
 """
 
 from __future__ import annotations
@@ -48,11 +32,10 @@ Snapshot = dict[str, int]
 
 
 def uniform_depth(config: Any) -> int | None:
-    """The model's layer count when its layers are all alike, so that its dry run can be extrapolated; else None.
+    """The layer count of a model whose layers are all alike, else None.
 
-    Alike means a model type in :data:`UNIFORM_MODEL_TYPES` with one attention kind over
-    every layer (``layer_types``). A model with dense and mixture-of-experts layers, or
-    with full and sliding-window attention interleaved, is traced at full depth.
+    Alike: a type in :data:`UNIFORM_MODEL_TYPES` with one attention kind in ``layer_types`` (not dense and MoE, or
+    full and sliding-window, interleaved).
     """
     if getattr(config, "model_type", None) not in UNIFORM_MODEL_TYPES:
         return None
@@ -75,18 +58,12 @@ def with_depth(config: Any, depth: int) -> Any:
 
 
 def extrapolated_depths(depths: Mapping[str, int]) -> dict[str, int]:
-    """Of ``depths`` (a model path's full depth, for the paths with alike layers), those worth extrapolating.
-
-    A model of at most ``BASE_DEPTH + 1`` layers costs no more traced whole.
-    """
+    """The full depths by path worth extrapolating: deeper than ``BASE_DEPTH + 1`` (else a whole trace is as cheap)."""
     return {path: depth for path, depth in depths.items() if depth > BASE_DEPTH + 1}
 
 
 def decoder_layers(model: nn.Module, depth: int) -> Sequence[nn.Module]:
-    """The model's decoder layers: its ``layers`` list of ``depth`` modules (under any wrapper: FSDP2, peft).
-
-    Empty when the model keeps its layers otherwise (such a model is traced whole).
-    """
+    """The model's ``layers`` list of ``depth`` modules under any wrapper (FSDP2, peft); empty if it has none."""
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers" and len(module) == depth:
             return list(module)
@@ -94,17 +71,9 @@ def decoder_layers(model: nn.Module, depth: int) -> Sequence[nn.Module]:
 
 
 class PhasePeaks:
-    """Keeps a memory tracker's peak per phase of the step (see the module docstring).
+    """Keeps a ``MemTracker``'s (or ``FSDPMemTracker``'s) largest snapshot per phase and device; attach before entering.
 
-    Attached to a ``torch.distributed._tools`` ``MemTracker`` (or ``FSDPMemTracker``)
-    before it is entered: it names each decoder layer for the tracker's module tracker and
-    records, after every op the tracker counts, the current snapshot under the phase it
-    belongs to, keeping the largest per phase and device.
-
-    Args:
-        tracker: the memory tracker.
-        models: each model's name, and the model with its decoder layers.
-        micro_batch_root: the module whose every forward starts a micro-batch (the student).
+    ``models`` maps a name to (model, its decoder layers); each forward of ``micro_batch_root`` starts a micro-batch.
     """
 
     def __init__(
@@ -117,9 +86,7 @@ class PhasePeaks:
         self._layers: dict[str, tuple[str, str, int]] = {}
         modules = tracker._mod_tracker
         for model, (root, layers) in models.items():
-            # Every module is named up front, and marked as seen so that the module tracker
-            # keeps the names: it would otherwise name a model by its class, and a student
-            # and a teacher of one architecture alike.
+            # Named and marked seen up front; else the tracker names modules by class, a student and teacher alike.
             for path, module in root.named_modules():
                 modules._known_modules[module] = f"opd.{model}.{path}" if path else f"opd.{model}"
                 modules._seen_modules.add(module)
@@ -148,8 +115,7 @@ class PhasePeaks:
         if not active:
             return (self._micro_batches, "after", *self._after)
         backward = tracker.is_bw
-        # Two neighbouring layers are active together only at the hand-over from one to
-        # the next; the one being entered names the phase (the lower one in the backward).
+        # Two layers are active together only at a hand-over; the one entered names the phase.
         entered = min if backward else max
         model, position, _ = entered(active, key=lambda layer: layer[2])
         self._after = (model, "backward" if backward else "forward", position)
@@ -182,11 +148,7 @@ def largest_phase_peak(peaks: Mapping[Phase, Mapping[str, Snapshot]]) -> dict[st
 
 @dataclass
 class Trace:
-    """One dry run's figures: its scalars (bytes, counts) and its phase peaks.
-
-    ``extrapolated`` names the models whose figures were extrapolated (path → the depth
-    reached); empty for a trace of every layer.
-    """
+    """One dry run's scalars (bytes, counts), phase peaks, and ``extrapolated`` models (path → depth reached)."""
 
     scalars: dict[str, int]
     peaks: dict[Phase, dict[str, Snapshot]] = field(default_factory=dict)
@@ -194,15 +156,9 @@ class Trace:
 
 
 def extrapolate(base: Trace, deeper: Mapping[str, Trace], steps: Mapping[str, int]) -> Trace | None:
-    """The figures at full depth from a base trace and one trace one layer deeper per model path.
+    """The figures at full depth: ``base + Σ (deeper[path] − base) · steps[path]``, per phase and category.
 
-    Each figure is ``base + Σ (deeper[path] − base) · steps[path]``, where ``steps[path]``
-    is the number of layers the path's model has beyond its base depth: exact when every
-    figure is affine in every model's depth, as it is for alike layers. Phases are
-    extrapolated one by one, each category of their snapshots alike.
-
-    Returns None when the traces do not have the same phases (the step's shape changed
-    with depth, so the model cannot be extrapolated: trace it whole).
+    ``steps[path]`` is the layers beyond the base depth. None when the traces' phases differ (trace it whole).
     """
     if any(trace.peaks.keys() != base.peaks.keys() for trace in deeper.values()):
         return None
@@ -219,7 +175,7 @@ def extrapolate(base: Trace, deeper: Mapping[str, Trace], steps: Mapping[str, in
     }
     peaks: dict[Phase, dict[str, Snapshot]] = {}
     for phase, per_device in base.peaks.items():
-        # In the base trace's order, so that a breakdown lists its kinds as a full trace does.
+        # In the base trace's order, as a full trace lists them.
         devices = dict.fromkeys([*per_device, *(device for trace in deeper.values() for device in trace.peaks[phase])])
         peaks[phase] = {}
         for device in devices:

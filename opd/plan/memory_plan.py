@@ -1,18 +1,10 @@
-"""``opd plan``: what a cluster run will hold on each device, from its config alone.
+"""``opd plan``: what a cluster run will hold on each device (bytes), from its config alone.
 
-:func:`plan_memory` runs the trainer's real step on fake tensors
-(:func:`opd.plan.dry_run.dry_run_rank`) at the configured world size, micro-batch
-and sequence length, with and without activation checkpointing, and adds what needs no
-step to measure: the teacher's other placements, the loss's chunk, the rollout engine's
-memory. :func:`render_plan` prints it as a table, :meth:`MemoryPlan.as_dict` as JSON.
-
-Every figure is bytes on one device. Measured (by the fake step): the peak, its
-standing part (the student's shard of fp32 master weights, gradients and Adam moments,
-the colocated teacher) and the rest (activations, gathered layers, collective buffers, the
-loss's chunks). Computed from the shapes: the other teacher placements, the chunk, and
-the rollout engine, which ``generation.backend``'s engine works out itself
-(:meth:`~opd.rollout.engine_kind.EngineKind.planned_memory`: vLLM's share of the device
-and the KV cache left in it, or HF's copy of the student and its rows' KV cache).
+:func:`plan_memory` dry-runs the trainer's step (:func:`opd.plan.dry_run.dry_run_rank`) at the configured shapes,
+with and without activation checkpointing, which measures the peak and its standing part. Computed from the shapes
+instead: the other teacher placements, the loss's chunk, and the rollout engine
+(:meth:`~opd.rollout.engine_kind.EngineKind.planned_memory`). :func:`render_plan` prints a table,
+:meth:`MemoryPlan.as_dict` JSON.
 """
 
 from __future__ import annotations
@@ -142,17 +134,14 @@ def _plannable_cluster(config: MasterConfig) -> ClusterConfig:
 def _add_engine_budgets(
     plan: MemoryPlan, config: MasterConfig, cluster: ClusterConfig, student_config: PretrainedConfig, shape: StepShape
 ) -> None:
-    """What the rollout engine holds per device size, with the trainer's state kept or offloaded (the engine's own
-    arithmetic)."""
+    """What the rollout engine holds per device size, with the trainer's state kept or offloaded."""
     generation = config.generation
     first = next(iter(plan.ranks.values()))[0]
-    # cluster.trainer.offload_during_generation moves the Adam moments and the teacher to
-    # the host; the student's shard stays (the refit reads it).
+    # Offloading moves the Adam moments and the teacher to the host; the student's shard stays (the refit reads it).
     resident = {
         "kept": first.student_parameters + first.optimizer_state + first.teacher_parameters,
         "offloaded": first.student_parameters,
     }
-    # Each rollout worker samples its block of the prompts, every sample of each.
     prompts_per_engine = math.ceil(config.training.batch_size / cluster.rollout.workers)
     rows = prompts_per_engine * config.distillation.num_samples_per_prompt
     plan.engine_arithmetic = generation.engine.memory_arithmetic
@@ -214,8 +203,7 @@ class _TeacherPlacement:
 def _trainer_spec(
     config: MasterConfig, cluster: ClusterConfig, placement: _TeacherPlacement, checkpointing: bool
 ) -> TrainerSpec:
-    """The trainer ranks as the run builds them, for the dry run (adaptive Adam as CUDA gets it)."""
-    # What CUDA gets from `adam_implementation: auto` (the stand-in accelerator would get foreach).
+    """The trainer ranks as the run builds them, with the Adam implementation CUDA gets from ``auto`` (fused)."""
     optimizer = config.training
     if optimizer.adam_implementation == "auto":
         optimizer = optimizer.model_copy(update={"adam_implementation": "fused"})
@@ -243,8 +231,7 @@ def _step_shape(config: MasterConfig, world: int) -> StepShape:
     if config.data.max_prompt_length is None:
         raise ConfigError("opd plan sizes each row as data.max_prompt_length + the response's max_length: set it")
     micro_batch_size, accumulation = resolve_micro_batching(config)
-    # Two micro-batches when a rank gets several: the second runs beside the gradients
-    # the first left, as every later one does (more add no memory).
+    # At most two: the second runs beside the first's gradients, as every later one does (more add no memory).
     per_rank = math.ceil(accumulation / world)
     return StepShape(
         micro_batch_size,
@@ -265,26 +252,22 @@ def _eager_loss(config: MasterConfig, vocab: int) -> LossFunction:
 def plan_memory(
     config: MasterConfig, checkpointing_variants: tuple[bool, ...] = (False, True), *, every_layer: bool = False
 ) -> MemoryPlan:
-    """Dry-runs the configured cluster's trainer and works out the rest of the plan.
+    """Dry-runs the configured cluster's trainer (once per rank shown and checkpointing variant) and plans the rest.
 
-    Args:
-        config: a run config with a ``cluster:`` section.
-        checkpointing_variants: activation checkpointing off and/or on (each is one dry run per rank shown).
-        every_layer: trace every decoder layer; by default a deep model with alike layers
-            is traced at 3 and 4 layers and extrapolated (:mod:`opd.plan.layer_extrapolation`).
+    ``every_layer`` traces every decoder layer instead of extrapolating (:mod:`opd.plan.layer_extrapolation`).
 
     Raises:
-        ConfigError: no ``cluster:`` section, a teacher the dry run does not place in the
-            trainer (a pool or a served teacher), or a model without a config.
+        ConfigError: no ``cluster:`` section, several teachers, no ``data.max_prompt_length``, or a model without a
+            config.
     """
     cluster = _plannable_cluster(config)
     from opd.distillation.teacher_loading import resolve_teacher_path
 
     world = cluster.trainer.workers
-    # HSDP shards within groups of shard_group_size ranks (and replicates across them).
+    # HSDP shards within groups of shard_group_size ranks.
     shard_ranks = cluster.trainer.shard_group_size or world
     student_path = config.model.student_model_path
-    # A served top-k or token-log-prob teacher needs no path: nothing of it is on the cluster.
+    # A served top-k or token-log-prob teacher needs no path.
     teacher_path = resolve_teacher_path(config) if config.model.teacher_model_path is not None else None
     student_config = model_config(student_path)
     teacher_config = model_config(teacher_path) if teacher_path is not None else None

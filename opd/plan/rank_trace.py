@@ -62,11 +62,9 @@ def _teacher_answer(
 
 
 def adam_state_in_place(trainer: TrainerWorker) -> None:
-    """Gives every parameter Adam's moments, as any step after the first finds them.
+    """Gives every parameter Adam's moments, as every step after the first finds them.
 
-    One optimizer step over zero gradients (no model step): the tracked step then holds
-    the optimizer state throughout, as every step of a run but the first does. The
-    learning-rate schedule is not stepped.
+    One optimizer step over zero gradients; the learning-rate schedule is not stepped.
     """
     for parameter in trainer.model.parameters():
         if parameter.requires_grad:
@@ -88,9 +86,8 @@ def trace_rank(
     """One dry run of :func:`~opd.plan.dry_run.dry_run_rank`, at the depths the context sets."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    # A whole colocated teacher runs one pass over each row, as a pool replica's dry run
-    # does: the shared-prompt forward groups rows by their token values, which fake tensors
-    # do not hold (its prompt cache, the prompts' keys and values, is not counted).
+    # One pass per row: the shared-prompt forward groups rows by token values, which fake tensors lack
+    # (its prompt cache is not counted).
     spec = replace(spec, teacher_share_prompt_forward=(False,) * len(spec.colocated_teachers()))
     global_tokens = shape.micro_batch_size * shape.response_tokens * shape.micro_batches * world_size
     global_rows = shape.micro_batch_size * shape.micro_batches * world_size
@@ -98,7 +95,7 @@ def trace_rank(
     with fake_step(rank, world_size, spec.shard_group_size, shape, audit) as mesh:
         micro_batch = planned_micro_batch(shape, vocab_size)  # fake host tensors, as the controller sends them
         request = loss_fn.teacher_request
-        # A teacher apart sends its answer; a colocated one answers in the worker (as the driver's facade says).
+        # A teacher apart sends its answer; a colocated one answers in the worker.
         signals: list[TeacherSignal] | None = (
             None
             if request is None
@@ -109,8 +106,7 @@ def trace_rank(
         trainer = TrainerWorker(rank, world_size, spec)
         trainer.build(mesh, device)
         adam_state_in_place(trainer)
-        # The teacher's weights on this rank: a colocated copy, or the output layer that binds
-        # the hidden states of a teacher apart.
+        # A colocated copy, or the output layer that binds a teacher apart's hidden states.
         teacher_tensors: list[torch.Tensor] = []
         if trainer.teacher_members:
             teacher_tensors = list(trainer.teacher_members[0].model.parameters())
@@ -131,8 +127,7 @@ def trace_rank(
         phases = phase_peaks(tracker, models, trainer.model)
         with tracker:
             phases.record()
-            # The tracker refuses a second forward of the root (a next micro-batch) unless
-            # its per-module statistics are cleared; the peak it keeps is unaffected.
+            # Else the tracker refuses the root's next forward; the peak is unaffected.
             trainer.model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
             trainer.train(loss_fn, global_tokens, global_rows, [micro_batch] * shape.micro_batches, signals)
         parameters = list(trainer.model.parameters())
@@ -141,9 +136,7 @@ def trace_rank(
         )
     figures = {
         "student_parameters": local_bytes(parameters),
-        # Gradients live from the backward to the optimizer step (zero_grad sets them to
-        # None): one sharded copy of the trained weights (a LoRA student's adapters alone)
-        # in the master weights' dtype.
+        # Live from backward to optimizer step: one sharded copy of the trained weights (LoRA: adapters alone).
         "student_gradients": local_bytes(parameter for parameter in parameters if parameter.requires_grad),
         "optimizer_state": optimizer_state,
         "teacher_parameters": teacher_bytes,

@@ -41,11 +41,9 @@ def trace_teacher_replica(
         model.to_empty(device=device)
         if shards_per_replica == 1 and getattr(model.config, "tie_word_embeddings", False):
             model.tie_weights()  # to_empty gave the tied head a tensor of its own
-        # One pass over each row: the shared-prompt forward groups rows by their token values,
-        # which fake tensors do not hold (its prompt cache, the prompts' keys and values, is not counted).
+        # One pass per row: the shared-prompt forward groups rows by token values, which fake tensors lack.
         teacher = ShardedTeacher(model) if shards_per_replica > 1 else LocalTeacher(model, share_prompt_forward=False)
-        # The tracker hooks every parameter's gradient, which a frozen weight refuses; the
-        # teacher still scores without gradients (its own no-grad mode), so nothing changes.
+        # The tracker hooks every parameter's gradient, which a frozen weight refuses; scoring stays no-grad.
         model.requires_grad_(True)
         weights = local_bytes(model.parameters())
         batch = planned_micro_batch(shape, model.config.vocab_size)

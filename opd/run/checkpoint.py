@@ -1,37 +1,23 @@
-"""Crash-safe checkpoints: ``step_N/`` directories written under a temporary name.
+"""Crash-safe checkpoints: ``step_N/`` directories written as ``.tmp_step_N`` and renamed once every file is on disk.
 
-Layout of one checkpoint::
+Layout (``.pt`` files are loaded with ``weights_only=True``)::
 
     checkpoint_dir/step_N/
-      policy/                 # the student as an HF model directory (safetensors + tokenizer);
-                              # a LoRA student: merged weights, plus policy/adapter/ (peft)
-      optimizer.pt            # optimizer + scheduler state (loaded with weights_only=True);
-                              # a LoRA student's adapter tensors too (``lora_adapter``): its
-                              # run resumes from the base model and these exact tensors
-      training_state.pt       # RNG states and dataloader state (weights_only=True)
-      teacher_state.pt        # only for a teacher whose weights change during the run
-                              # (teacher.self_teacher: ema): its average (weights_only=True)
-      save_state.json         # step, epoch, consumed samples, best metric
-      config.yaml             # the resolved config of the run
-      manifest.json           # every other file's size and CRC-32, written last
+      policy/             # HF model dir (safetensors + tokenizer); LoRA: merged weights + policy/adapter/ (peft)
+      optimizer.pt        # optimizer + scheduler state; LoRA: also the adapter tensors resume starts from
+      training_state.pt   # RNG and dataloader state
+      teacher_state.pt    # only a teacher whose weights change (teacher.self_teacher: ema): its average
+      save_state.json     # step, epoch, consumed samples, best metric
+      config.yaml         # the resolved config
+      manifest.json       # every other file's size and CRC-32, written last
 
-A student trained by FSDP2 workers (a ``cluster:`` run) writes, instead of ``policy/``
-and ``optimizer.pt``, its shards (:mod:`opd.distributed.trainer_worker`)::
+An FSDP2 (``cluster:``) student writes instead of ``policy/`` and ``optimizer.pt``
+(:mod:`opd.distributed.trainer_worker`): ``policy_shards/`` (weights + optimizer, torch.distributed.checkpoint),
+``scheduler.pt``, ``model_config/`` (config.json, for ``opd export``) and ``tokenizer/``.
 
-      policy_shards/          # weights + optimizer, torch.distributed.checkpoint, one file per rank
-      scheduler.pt            # the learning-rate schedule
-      model_config/           # the student's config.json (for `opd export`)
-      tokenizer/              # the run's tokenizer
-
-A checkpoint is written to ``.tmp_step_N`` and renamed to ``step_N`` only when every file
-is on disk, so a crash mid-write never leaves a directory that resume would pick.
-
-Resume checks the newest checkpoint against its manifest before loading anything
-(:meth:`CheckpointManager.verify`): a file missing, truncated or changed since it was
-written stops the run with one message naming the file, and nothing is deleted or
-overwritten. The policy is to stop, not to fall back silently: the message gives the
-command that resumes from the previous complete checkpoint (moving the damaged one
-aside), so going back in training time is the user's decision.
+Resume verifies the newest checkpoint against its manifest first (:meth:`CheckpointManager.verify`); damage stops
+the run without deleting anything, and the message says how to resume from the previous checkpoint: going back in
+training time is the user's decision.
 """
 
 from __future__ import annotations
@@ -76,10 +62,7 @@ WEIGHT_FILES = (
 
 
 def check_model_directory(directory: Path, writer: str) -> None:
-    """``directory`` holds a whole Hugging Face model as this process sees it: ``config.json`` and its weights.
-
-    Another process (a distributed student's rank 0, possibly on another node) wrote it;
-    this checks that it landed where this process reads, whole.
+    """Checks that ``directory``, written by another process (maybe another node), holds a whole HF model here.
 
     Raises:
         OpdError: naming the directory, what is missing and who wrote it.
@@ -116,16 +99,11 @@ class CheckpointingConfig(StrictConfig):
 
 
 class CheckpointManager:
-    """Writes, lists, prunes and loads ``step_N`` checkpoints.
-
-    Args:
-        config: the ``checkpointing`` config section.
-    """
+    """Writes, lists, prunes and loads ``step_N`` checkpoints."""
 
     def __init__(self, config: CheckpointingConfig) -> None:
         self.config = config
-        # Absolute from the start: a distributed student's ranks write into it from their
-        # own working directories (see opd.utils.paths).
+        # Absolute: a distributed student's ranks write into it from their own working directories.
         self.root = absolute_dir(config.checkpoint_dir)
         self.protected_step: int | None = None
         """A step whose checkpoint pruning never deletes (the best one so far)."""
@@ -165,20 +143,10 @@ class CheckpointManager:
         config_yaml: str,
         teacher_state: dict[str, Any] | None = None,
     ) -> Path:
-        """Writes ``step_<step>`` atomically and prunes old checkpoints.
+        """Writes ``step_<step>`` atomically, prunes old checkpoints and returns the new directory.
 
-        Args:
-            step: optimizer step just completed.
-            policy: has ``save_checkpoint(dir, tokenizer=...)`` (weights, optimizer and
-                scheduler state; sharded for a distributed trainer).
-            tokenizer: saved beside the model.
-            save_state: JSON-serialisable run counters.
-            training_state: tensors/containers (RNG, dataloader) saved with torch.save.
-            config_yaml: the resolved config.
-            teacher_state: a teacher's state (tensors, saved with torch.save); None or empty: no file.
-
-        Returns:
-            The final checkpoint directory.
+        ``policy`` has ``save_checkpoint(dir, tokenizer=...)``; ``save_state`` is JSON, ``training_state`` and
+        ``teacher_state`` (None or empty: no file) go through torch.save.
         """
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step}"
@@ -210,13 +178,10 @@ class CheckpointManager:
                 shutil.rmtree(path, ignore_errors=True)
 
     def verify(self, checkpoint: Path) -> None:
-        """Checks every file of ``checkpoint`` against its manifest (sizes, then CRC-32s).
-
-        A checkpoint written before manifests existed has none; it is loaded unchecked.
+        """Checks every file of ``checkpoint`` against its manifest; a checkpoint without one is not checked.
 
         Raises:
-            CheckpointDamagedError: naming the damaged file, what is wrong with it, and how
-                to resume from the previous complete checkpoint instead.
+            CheckpointDamagedError: naming the file, its damage, and how to resume from the previous checkpoint.
         """
         problem = manifest_problem(checkpoint)
         if problem is None:
@@ -253,14 +218,7 @@ class CheckpointManager:
 
 @contextlib.contextmanager
 def reading_checkpoint(checkpoint: Path) -> Iterator[None]:
-    """Turns a failure to read ``checkpoint`` (truncated, garbage, refused pickle) into one clear error.
-
-    The manifest catches damage done after a checkpoint was written; this covers
-    checkpoints written before manifests existed, and damage a manifest cannot see.
-
-    Raises:
-        CheckpointDamagedError: naming the checkpoint and the reader's complaint.
-    """
+    """Turns a failure to read ``checkpoint`` into one :class:`CheckpointDamagedError` (damage no manifest sees)."""
     try:
         yield
     except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError, SafetensorError) as error:
@@ -291,10 +249,9 @@ def write_manifest(directory: Path) -> None:
 
 
 def manifest_problem(directory: Path) -> str | None:
-    """What does not match ``directory``'s manifest (the first problem found), or None.
+    """The first mismatch with ``directory``'s manifest, or None: all sizes first (cheap), then CRC-32s.
 
-    Sizes are compared first for every file (cheap, and what a truncation changes), then
-    the checksums. Files added since (none are expected) are not reported.
+    Files added since are not reported.
     """
     path = directory / MANIFEST_FILE
     if not path.is_file():

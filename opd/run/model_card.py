@@ -1,11 +1,7 @@
 """``final_model/README.md``: a Hugging Face model card saying what produced the model.
 
-The card has the YAML metadata block the Hub reads (``library_name``, ``pipeline_tag``,
-``tags``, and ``base_model`` / ``datasets`` where they are Hub names rather than local
-paths), then the run in prose and tables: the algorithm, teacher and student, the data,
-λ, the loss, the steps taken, the last validation metrics and the opd version. Everything
-comes from the run's validated config and its logged metrics, so the card cannot
-disagree with the run.
+The Hub's YAML metadata (``base_model`` / ``datasets`` only for Hub names, not local paths), then the run in prose
+and tables. Everything comes from the validated config and the logged metrics, so the card cannot disagree with the run.
 """
 
 from __future__ import annotations
@@ -111,14 +107,7 @@ def render_model_card(
     validation: tuple[int, Mapping[str, float]] | None,
     harness_table: str | None = None,
 ) -> str:
-    """The card's text.
-
-    Args:
-        config: the run's config as a plain dict (``model_dump(mode="json", by_alias=True)``).
-        steps: optimizer steps taken.
-        validation: ``(step, metrics)`` of the last validation, or None when none ran.
-        harness_table: the external harness's results as a Markdown table, or None.
-    """
+    """The card's text; ``config`` is ``model_dump(mode="json", by_alias=True)``, ``validation`` the last or None."""
     distillation = _get(config, "distillation") is not None
     student = _get(config, "model.student_model_path") or _get(config, "model.model_path")
     lines = ["---", yaml.safe_dump(_metadata(config, distillation), sort_keys=False).rstrip(), "---", ""]

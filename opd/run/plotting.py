@@ -1,13 +1,7 @@
-"""Curves and a text summary from a run's ``metrics.jsonl``.
+"""``opd plot LOG_DIR|metrics.jsonl``: ``curves.png`` and ``summary.txt`` beside a run's ``metrics.jsonl``.
 
-``opd plot LOG_DIR`` (or ``opd plot path/to/metrics.jsonl``) writes ``curves.png`` and
-``summary.txt`` next to the metrics file. The file holds one JSON object per line:
-training records carry ``train/loss`` (and ``train/*``, ``timing/*``, ``perf/*``),
-validation records carry ``val/*``. Non-finite floats were written as the strings
-``"nan"``, ``"inf"`` and ``"-inf"``; :func:`read_metrics` turns them back into floats.
-
-If a step appears more than once (a resumed run whose file was not truncated), the
-latest record of that step wins in the curves and the summary.
+Training records carry ``train/loss``; validation records ``val/*``. Where a step appears twice (a resume whose file
+was not truncated), its latest record wins.
 """
 
 from __future__ import annotations
@@ -52,17 +46,10 @@ def metrics_file(path: str | Path) -> Path:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Reads every record of a ``metrics.jsonl`` file.
-
-    Args:
-        path: the file, or the log directory that holds ``metrics.jsonl``.
-
-    Returns:
-        The records in file order; ``"nan"``/``"inf"``/``"-inf"`` strings become floats.
+    """The records of ``metrics.jsonl`` (or of a log directory's) in file order, ``"nan"``/``"inf"`` back as floats.
 
     Raises:
-        DataError: the file is missing, or a line is not a JSON object with an integer
-            ``step`` (the message names the file and the 1-based line number).
+        DataError: the file is missing, or a line (named) is not a JSON object with an integer ``step``.
     """
     file = metrics_file(path)
     if not file.is_file():
@@ -128,20 +115,9 @@ def _run_label(file: Path) -> str:
 
 
 def plot_curves(path: str | Path, output_png: str | Path | None = None) -> Path:
-    """Draws the run's learning curves into one PNG.
+    """Draws the :data:`_PANELS` present in the file into one PNG (default ``<log dir>/curves.png``); returns its path.
 
-    Panels (only for metrics present in the file): training loss; train KL forward and
-    reverse; validation KL forward and reverse; validation accuracy. The x axis is the
-    optimizer step and the figure is titled with the run directory's name. Rendering uses
-    Matplotlib's Agg canvas directly, so no display is needed and the global backend is
-    left untouched.
-
-    Args:
-        path: ``metrics.jsonl`` or the log directory holding it.
-        output_png: where to write; default ``<log dir>/curves.png``.
-
-    Returns:
-        The path of the written PNG.
+    Matplotlib's Agg canvas is used directly: no display needed, the global backend untouched.
 
     Raises:
         DataError: unreadable file, or none of the plotted metrics is present.
@@ -243,8 +219,7 @@ def summarize(records: list[dict[str, Any]], label: str = "run") -> str:
 
     timing_keys = sorted({key for record in records for key in record if key.startswith("timing/")})
     for key in timing_keys:
-        # Phases of a training step are averaged over steps; others (timing/validation,
-        # timing/checkpoint) come in records of their own and are averaged per occurrence.
+        # Step phases are averaged per step; others (timing/validation, ...) per occurrence.
         in_train = any(key in record for record in train)
         _, values = _series(train if in_train else validation, key)
         if values:
@@ -260,22 +235,7 @@ def summarize(records: list[dict[str, Any]], label: str = "run") -> str:
 
 
 def write_summary(path: str | Path, output_txt: str | Path | None = None) -> str:
-    """Writes a short text summary of a run and returns it.
-
-    It gives the number of training steps; first, last and minimum ``train/loss``; first
-    and last ``train/kl_forward`` / ``train/kl_reverse`` with the means of the first 5
-    and last 5 steps; first, last and best ``val/accuracy`` (max) and ``val/kl_*`` (min)
-    with their steps; the total time; the mean of each ``timing/*`` per step (per
-    occurrence for keys outside training records, e.g. ``timing/validation``); the mean ``perf/tokens_per_s`` and the
-    maximum ``perf/peak_memory_mb``. Numbers have 6 significant digits.
-
-    Args:
-        path: ``metrics.jsonl`` or the log directory holding it.
-        output_txt: where to write; default ``<log dir>/summary.txt``.
-
-    Raises:
-        DataError: the file is missing or malformed.
-    """
+    """Writes :func:`summarize`'s text (default ``<log dir>/summary.txt``) and returns it; DataError for a bad file."""
     file = metrics_file(path)
     text = summarize(read_metrics(file), _run_label(file))
     output = Path(output_txt) if output_txt is not None else file.parent / "summary.txt"
@@ -288,14 +248,7 @@ def write_summary(path: str | Path, output_txt: str | Path | None = None) -> str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``opd plot LOG_DIR_OR_JSONL [--output PNG]``: writes curves.png and summary.txt.
-
-    Args:
-        argv: the arguments after ``plot`` (``sys.argv[2:]`` when None).
-
-    Returns:
-        0 on success, 2 for a user error (printed as ``opd: error: ...`` on stderr).
-    """
+    """``opd plot LOG_DIR_OR_JSONL [--output PNG]`` (``argv`` after ``plot``); returns 0, or 2 for a user error."""
     parser = argparse.ArgumentParser(
         prog="opd plot",
         description="Plot learning curves and summarise a run from its metrics.jsonl.",

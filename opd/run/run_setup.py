@@ -1,8 +1,6 @@
 """Start-up steps that distillation and SFT share: tokenizer, data, run length, resume.
 
-Each algorithm's ``setup()`` calls these in the same order: the tokenizer and the data
-first (a malformed line fails in seconds, before any model loads), then the checkpoint to
-resume from, the models, and the restored optimizer state and counters.
+Data comes before any model loads, so a malformed line fails in seconds.
 """
 
 from __future__ import annotations
@@ -44,18 +42,9 @@ def load_examples(
 ) -> list[PreparedExample]:
     """Reads, checks and tokenizes the training or validation data of ``data``.
 
-    With ``data.val_holdout``, validation is that many rows of the training source, drawn
-    with ``data.val_holdout_seed`` (see :func:`holdout_rows`), and training gets the rest.
-
-    Args:
-        data: the ``data`` section.
-        tokenizer: applies the chat template.
-        split: which of the section's datasets.
-        teacher_context: context distillation's teacher-only context, if any.
-        path: a file to read instead of the section's (``opd eval`` on a test split).
-        teacher_choice: with several teachers, how each example is assigned its teacher(s).
-        teacher_tokenizer: a teacher's own tokenizer, which renders its prompts (cross-tokenizer mode).
-        tools: an environment's tools, listed in every prompt (multi-turn rollouts).
+    With ``data.val_holdout``, validation is that many training rows (:func:`holdout_rows`); training gets the rest.
+    ``path`` replaces the section's file (``opd eval`` on a test split); ``teacher_tokenizer`` renders the teacher's
+    prompts in cross-tokenizer mode; ``tools`` are listed in every prompt.
     """
     source: str | None
     validation = split == "val"
@@ -93,10 +82,7 @@ def load_examples(
 
 
 def holdout_rows(num_rows: int, holdout: int, seed: int, source: str) -> set[int]:
-    """The indices of the ``holdout`` validation rows among a source's ``num_rows``.
-
-    Drawn without replacement by a generator of its own, so the set depends on the seed
-    and the row count only, never on ``training.seed`` or on what else the run draws.
+    """The indices of the ``holdout`` validation rows, set by ``seed`` and ``num_rows`` alone (own generator).
 
     Raises:
         ConfigError: if the holdout would leave no training rows.
@@ -110,11 +96,7 @@ def holdout_rows(num_rows: int, holdout: int, seed: int, source: str) -> set[int
 
 
 def report_overlap(train: list[PreparedExample], val: list[PreparedExample] | None, data: DataConfig) -> int:
-    """Warns when validation prompts also appear in the training data; returns their count.
-
-    Prompts are compared as token ids (what the model sees), so the same problem from two
-    files counts, and the count is exact.
-    """
+    """Warns when validation prompts (compared as token ids) also appear in the training data; returns their count."""
     if not val:
         return 0
     train_prompts = {tuple(example["prompt_ids"]) for example in train}
@@ -155,11 +137,7 @@ def restore_run(
     config: StrictConfig,
     total_steps: int,
 ) -> RunSaveState:
-    """The run's counters: fresh, or those of ``resume_from`` with the optimizer state restored.
-
-    The weights were loaded from the checkpoint already; the RNG streams and the data
-    position are restored by the training loop.
-    """
+    """The run's counters: fresh, or ``resume_from``'s with the optimizer restored (the loop restores RNG and data)."""
     if resume_from is None:
         return fresh_save_state()
     warn_on_config_change(resume_from, config)

@@ -1,22 +1,8 @@
 """The run lifecycle shared by every algorithm: steps, validation, checkpoints, resume, stop.
 
-``distillation_train`` and ``sft_train`` differ only in what one step does. Everything
-around the step lives here, once:
-
-* resume: restore RNG streams (including an algorithm's own coin) and the data position
-  from the checkpoint ``setup()`` resumed from, and drop log records of steps to redo;
-* epochs: ``sampler.set_epoch(e)`` so each epoch's order depends on (seed, epoch) only;
-* per step: counters, the non-finite guard, logging;
-* every ``val_freq`` / ``save_freq`` steps: validation (with best-metric tracking) and
-  atomic checkpoints;
-* ``training.early_stop``: the end of the run when a validation metric stops improving
-  or reaches its target (:mod:`opd.run.early_stop`);
-* SIGINT / SIGTERM: finish the step, checkpoint, exit cleanly;
-* at the end: final validation, last checkpoint, ``final_model/`` written atomically.
-
-The config object only needs the sections both algorithms share: ``output_dir``,
-``training`` (``val_freq``, ``save_freq``, ``max_consecutive_nonfinite_steps``, ``early_stop``),
-``validation`` (``val_at_start``, ``val_at_end``) and ``checkpointing``.
+``distillation_train`` and ``sft_train`` differ only in what one step does (:class:`TrainingCallbacks`); resume
+(RNG streams, data position, truncated logs), epochs, the non-finite guard, periodic validation and checkpoints,
+early stopping (:mod:`opd.run.early_stop`), SIGINT / SIGTERM and the atomic ``final_model/`` live here, once.
 """
 
 from __future__ import annotations
@@ -94,9 +80,9 @@ class RunSaveState(TypedDict):
     best_step: int | None
     consecutive_nonfinite_steps: int
     train_time_s: float
-    """Seconds spent in optimizer steps so far (validation and checkpoints excluded)."""
+    """Seconds spent in optimizer steps (validation and checkpoints excluded)."""
     early_stop: EarlyStopState
-    """The counters of ``training.early_stop`` (kept also while it is off)."""
+    """Kept also while ``training.early_stop`` is off."""
 
 
 def fresh_save_state() -> RunSaveState:
@@ -189,9 +175,8 @@ NextBatch = Callable[[], list[Any]]
 """Draws the next batch of examples from the training data, across epochs."""
 
 StepFn = Callable[[NextBatch], tuple[int, dict[str, Any]]]
-"""Runs one optimizer step, drawing the batches it needs (an asynchronous schedule draws
-ahead); returns the number of examples trained and namespaced metrics (``train/*``,
-``timing/*``, ...) including ``train/skipped_nonfinite``."""
+"""One optimizer step, drawing the batches it needs; returns the examples trained and metrics (with
+``train/skipped_nonfinite``)."""
 
 
 class InFlight(Protocol):
@@ -225,18 +210,7 @@ class TeacherState(Protocol):
 
 @dataclass
 class RunParts:
-    """What a run trains and where it writes: the same for every algorithm.
-
-    Attributes:
-        policy: the trained model (saved with ``save_pretrained`` and ``state_dict``).
-        tokenizer: saved with every checkpoint and the final model.
-        dataloader: the resumable training loader (one batch per step).
-        logger: metric sink; its ``total_steps`` is the run length.
-        checkpointer: writes and finds ``step_N`` checkpoints.
-        state: the save state (``step``, ``epoch``, ``consumed_samples``, ``best_metric``,
-            ``best_step``, ``consecutive_nonfinite_steps``); updated in place.
-        config: the run's validated config (saved as ``config.yaml`` in checkpoints).
-    """
+    """What a run trains and where it writes; ``logger.total_steps`` is the run length, ``state`` updated in place."""
 
     policy: PolicyInterface
     tokenizer: Any
@@ -248,11 +222,7 @@ class RunParts:
 
 
 class TrainingCallbacks(ABC):
-    """What an algorithm plugs into the shared loop: its step, and optionally the rest.
-
-    Only :meth:`train_step` is required; every other member has a default that does
-    nothing, so a new algorithm overrides what it has and the loop asks no more.
-    """
+    """What an algorithm plugs into the shared loop: :meth:`train_step`, and optionally members that default to none."""
 
     console_keys: tuple[str, ...] = ()
     """Step metrics shown on the console."""
@@ -266,11 +236,7 @@ class TrainingCallbacks(ABC):
         return None
 
     def before_first_step(self) -> dict[str, float]:
-        """Runs once on a fresh (not resumed) run, before the start validation (e.g. a teacher baseline).
-
-        Returns the metrics it logged: the teacher's ``val/teacher_*`` values are the
-        targets of ``early_stop.target: teacher``.
-        """
+        """Runs once on a fresh run before the start validation; its ``val/teacher_*`` are ``target: teacher``'s."""
         return {}
 
     @property
@@ -280,10 +246,7 @@ class TrainingCallbacks(ABC):
 
     @property
     def in_flight(self) -> InFlight | None:
-        """Work started ahead of its step (an asynchronous rollout schedule), checkpointed with the rest.
-
-        The data position saved is then that many batches past the step.
-        """
+        """Work started ahead of its step, checkpointed; the saved data position is then past the step."""
         return None
 
     @property
@@ -297,10 +260,8 @@ def run_training_loop(parts: RunParts, callbacks: TrainingCallbacks) -> None:
 
     Raises:
         TrainingDivergedError: after ``max_consecutive_nonfinite_steps`` skipped steps.
-        ConfigError: ``training.early_stop`` watches a metric the run's validation (or,
-            for ``target: teacher``, the teacher baseline) did not report.
-        WorkerError: a distributed run lost a worker; the message names the role, the
-            rank and the newest complete checkpoint.
+        ConfigError: validation (or the teacher baseline) did not report the metric ``training.early_stop`` watches.
+        WorkerError: a distributed run lost a worker; names the role, rank and newest complete checkpoint.
     """
     state, config, logger, checkpointer = parts.state, parts.config, parts.logger, parts.checkpointer
     run = _TrainingRun(parts, callbacks)
@@ -308,7 +269,7 @@ def run_training_loop(parts: RunParts, callbacks: TrainingCallbacks) -> None:
         run.finish_complete_run()
         return
     if state["step"] > 0:
-        # Read before anything of the run is rewritten: a damaged checkpoint stops it with the logs intact.
+        # Before anything is rewritten: a damaged checkpoint stops the run with the logs intact.
         run.restore_position()
     # Records past the resumed step belong to steps that are about to be re-run.
     logger.truncate_after(state["step"])
@@ -333,7 +294,7 @@ def run_training_loop(parts: RunParts, callbacks: TrainingCallbacks) -> None:
                 return
         run.finish()
     except WorkerError as error:
-        # A distributed run lost a worker: nothing more can be saved, so say what can be resumed.
+        # Nothing more can be saved: say what can be resumed.
         logger.close()
         latest = checkpointer.latest_checkpoint()
         where = f"the newest complete checkpoint is {latest}" if latest is not None else "no checkpoint was written"
@@ -371,11 +332,7 @@ class _TrainingRun:
         return self.state["step"] >= self.total_steps
 
     def note_baselines(self, metrics: dict[str, float]) -> None:
-        """Keeps the teacher's value of the watched metric, the target of ``early_stop.target: teacher``.
-
-        Raises:
-            ConfigError: the teacher baseline did not report that metric.
-        """
+        """Keeps the teacher's value of the watched metric for ``target: teacher``; ConfigError if it is missing."""
         rule = self.early_stop
         if rule is None or not rule.targets_teacher:
             return
@@ -403,11 +360,7 @@ class _TrainingRun:
     def check_early_stop(self, metrics: dict[str, float] | None, step: int) -> bool:
         """Counts a validation for ``training.early_stop``; returns whether the run stops at ``step``.
 
-        The validation before the first step only sets the first best. A stop is logged
-        as one line and as an ``early_stop/*`` record of ``metrics.jsonl``.
-
-        Raises:
-            ConfigError: the validation did not report the watched metric.
+        Step 0 only sets the first best. Raises ConfigError when the watched metric was not reported.
         """
         rule = self.early_stop
         if rule is None or metrics is None:
@@ -589,11 +542,7 @@ class _TrainingRun:
         self.logger.close()
 
     def _evaluate_with_harness(self, step: int) -> None:
-        """``validation.harness_tasks``: the final model (and the comparisons) through the external harness.
-
-        The scores go into the metrics log at the last step, beside the log as a table and a
-        JSON file, and into the final model's card.
-        """
+        """Runs ``validation.harness_tasks``; scores go to the metrics log, files beside it, and the model card."""
         settings = self.config.validation.harness
         comparisons = self.config.harness_comparisons()
         paths: dict[str, str] = {"model": str(self.final_dir)}
@@ -609,15 +558,7 @@ class _TrainingRun:
 
 
 class _ContinuousData:
-    """The training batches one after another across epochs, counting how many were drawn.
-
-    Each epoch's order is set by ``sampler.set_epoch(epoch)`` when the epoch starts, where
-    the epoch of a batch is its position // batches per epoch.
-
-    Args:
-        dataloader: the resumable loader (positioned at ``position`` by the caller).
-        position: batches drawn before this object (a resumed run's data position).
-    """
+    """The training batches across epochs, counting them from ``position`` (where the caller put ``dataloader``)."""
 
     def __init__(self, dataloader: StatefulDataLoader, position: int) -> None:
         self.dataloader = dataloader
@@ -649,11 +590,7 @@ def _set_epoch(dataloader: StatefulDataLoader, epoch: int) -> None:
 
 
 def find_resume_checkpoint(checkpointing_enabled: bool, checkpointer: CheckpointManager) -> Path | None:
-    """The checkpoint a run resumes from: the newest complete ``step_N``, or None.
-
-    Half-written ``.tmp_step_N`` directories left by a killed write are removed first
-    (with a warning), so they can never be mistaken for a checkpoint. The newest one is
-    checked against its manifest before anything is loaded from it.
+    """The newest complete, verified ``step_N``, or None; half-written ``.tmp_step_N`` are removed first.
 
     Raises:
         CheckpointDamagedError: the newest checkpoint is damaged (see :meth:`CheckpointManager.verify`).
@@ -669,13 +606,7 @@ def find_resume_checkpoint(checkpointing_enabled: bool, checkpointer: Checkpoint
 
 
 def check_output_is_fresh(output_dir: str, checkpointer: CheckpointManager) -> None:
-    """Refuses to overwrite the final model of an earlier run that left no checkpoint.
-
-    With checkpoints, rerunning the same command resumes instead.
-
-    Raises:
-        ConfigError: naming the directory that already holds a final model.
-    """
+    """Raises ConfigError rather than overwrite the final model of an earlier run that left no checkpoint to resume."""
     if (Path(output_dir) / "final_model").exists() and checkpointer.latest_checkpoint() is None:
         raise ConfigError(
             f"output_dir '{output_dir}' already holds final_model/ from an earlier run that left no "
@@ -700,11 +631,7 @@ def warn_on_config_change(checkpoint: Path, config: BaseModel) -> None:
 
 
 def write_final_model(policy: PolicyInterface, tokenizer: Any, final_dir: Path, model_card: str | None = None) -> None:
-    """Writes the model as an HF model directory, atomically (temporary dir, then rename).
-
-    A kill mid-write leaves the previous ``final_model/`` (or none), never a partial one.
-    ``model_card``, when given, is written as the directory's ``README.md``.
-    """
+    """Writes the model (and ``model_card`` as README.md) as an HF directory atomically: never a partial one."""
     staging = final_dir.with_name(f".tmp_{final_dir.name}")
     if staging.exists():
         shutil.rmtree(staging)

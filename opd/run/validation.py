@@ -1,10 +1,8 @@
 """Validation: a model answers the validation prompts; accuracy, KL to the teacher, lengths.
 
-Shared by distillation (student vs teacher) and SFT (no teacher: accuracy and lengths
-only). Answers are checked with :mod:`opd.rollout.environments.math_verifier`. With an
-environment (``environment:``), the model plays whole episodes instead of answering in one
-turn (:class:`~opd.rollout.multi_turn.Episodes`, the same rollout training samples),
-and the environment's final reward grades them.
+SFT has no teacher, so no KL. Answers are graded by :mod:`opd.rollout.environments.math_verifier`; with an
+``environment:``, the model plays whole episodes (:class:`~opd.rollout.multi_turn.Episodes`, as in training) graded
+by the final reward.
 """
 
 from __future__ import annotations
@@ -74,18 +72,11 @@ class TeacherEngine:
     """A teacher that answers the validation prompts for the baselines (``validation.teacher_baseline``).
 
     Attributes:
-        generation: samples from the teacher where it runs: an HF engine over its model in
-            process, its server (:class:`~opd.teachers.served.remote_generation.RemoteGeneration`),
-            or a cluster's rollout workers holding its weights
-            (:class:`~opd.distributed.rollout.TeacherOnRolloutWorkers`); the baselines close
-            it once the teacher has answered.
-        name: the teacher's name among several teachers (its metrics are ``val/teacher_<name>_*``);
-            None for the one teacher (``val/teacher_*``).
-        tokenizer: decodes and grades its answers: the run's, or a cross-tokenizer teacher's own.
-        prompt_key: ``teacher_prompt_ids`` where the teacher's prompt differs from the student's
-            (a teacher-only context, or the teacher's own tokenizer), else ``prompt_ids``.
-        route: with routing, the teacher answers only the prompts routed to it (the examples
-            whose ``teacher_index`` is ``route``); None: every prompt.
+        generation: in process, its server or a cluster's rollout workers; the baselines close it afterwards.
+        name: among several teachers (metrics ``val/teacher_<name>_*``); None for the one (``val/teacher_*``).
+        tokenizer: decodes and grades its answers (a cross-tokenizer teacher's own).
+        prompt_key: ``teacher_prompt_ids`` where its prompt differs from the student's.
+        route: with routing, it answers only examples whose ``teacher_index`` is ``route``; None: all.
     """
 
     generation: GenerationInterface
@@ -113,42 +104,13 @@ def validate(
     keep: Callable[[PreparedExample], bool] | None = None,
     episodes: Episodes | None = None,
 ) -> dict[str, float]:
-    """A model generates on the validation prompts; reports accuracy, KL and lengths.
+    """``generation`` answers the validation prompts; returns ``{prefix}``-named accuracy, KL and length metrics.
 
-    Validation draws its own random numbers (``fork_rng``), so how often and with which
-    decoding it runs never changes the training run's sampling.
-
-    Args:
-        generation: engine that answers the prompts.
-        policy: the student whose distribution is compared with the teacher's (needed
-            with a teacher).
-        teacher: the teacher for ``kl_*``; None skips the KL (SFT, teacher baseline).
-        val_dataloader: validation examples.
-        tokenizer: decodes responses for answer checking.
-        generate_strategy: the decoding used for validation.
-        teacher_topk: the k asked of a teacher that cannot send its full vocabulary as
-            configured, when the loss is not itself top-k (see :func:`kl_request`).
-        prefix: metric-name prefix (``val/`` or ``val/teacher_``).
-        prompt_key: which prompt of each example the model answers: ``prompt_ids``, or
-            ``teacher_prompt_ids`` for a teacher answering with its teacher-only context.
-        loss_request: the signal the training loss asks the teacher for; its top-k is what
-            validation falls back to (see :func:`kl_request`).
-        keep: answers only the examples for which it is true (a routed teacher's own
-            prompts); None answers every example.
-        episodes: with an environment, the model plays an episode per prompt (up to its
-            ``max_turns``, each turn decoded with ``generate_strategy``) and is graded by the
-            environment's final reward; None answers in one turn.
-
-    Returns:
-        ``{prefix}kl_forward`` / ``kl_reverse`` (token means over the generated
-        responses; left out when the teacher answers none of :func:`kl_request`'s
-        signals), ``mean_response_length``, ``truncation_rate``, and ``accuracy`` when the
-        data has ground truth. With ``episodes``: the KL is over the model's own tokens of
-        each episode (its turns, not the observations), the response is everything after
-        the prompt, ``accuracy`` is the mean final reward (the share graded correct, for
-        the math verifier), and the episode metrics (:func:`~opd.rollout.multi_turn.episode_metrics`)
-        come with the prefix: ``turns``, ``tool_calls``, ``truncated_share``,
-        ``well_formed_share``, ``success_share`` and ``reward``.
+    Validation forks the RNG, so it never changes the training run's sampling. ``teacher`` None skips the KL;
+    ``teacher_topk`` and ``loss_request`` feed :func:`kl_request`; ``keep`` filters examples (a routed teacher's).
+    The KL (token means; absent when the teacher answers no request) needs ``policy``; ``accuracy`` needs ground truth.
+    With ``episodes`` the model plays one episode per prompt: the KL covers its own turns only, ``accuracy`` is the
+    mean final reward, and :func:`~opd.rollout.multi_turn.episode_metrics` are added under ``prefix``.
     """
     comparison, teacher_signal = _teacher_comparison(teacher, policy, loss_request, len(tokenizer), teacher_topk)
     totals = {"kl_forward": 0.0, "kl_reverse": 0.0, "tokens": 0.0, "length": 0.0, "truncated": 0.0}
@@ -237,7 +199,7 @@ def _answer(
         if episodes is None:
             prompts = [example[prompt_key] for example in examples]
             return generation.generate(prompts, generate_strategy, 1, return_logprobs=False), []
-        # The student's own prompt is rendered from its messages, as in training.
+        # The student's prompt is rendered from its messages, as in training.
         rollout = episodes.rollout(
             generation,
             tokenizer,
@@ -287,20 +249,10 @@ def _grade(
 def kl_request(
     teacher: TeacherInterface, loss_request: TeacherRequest | None, vocab_size: int, teacher_topk: int
 ) -> TeacherRequest | None:
-    """The signal validation's KL asks ``teacher`` for: the most exact one it answers as configured.
+    """The most exact signal ``teacher`` answers (:meth:`TeacherInterface.refusal`) for validation's KL, or None.
 
-    The teacher says itself what it answers (:meth:`TeacherInterface.refusal`), so a
-    served teacher without its output layer, a teacher pool or a teacher with another
-    tokenizer is never asked for its full vocabulary. In order:
-
-    1. the full vocabulary: exact KLs;
-    2. the loss's own top-k, at temperature 1: the k this teacher is known to serve (a
-       vLLM server answers at most its ``--max-logprobs``);
-    3. the top ``teacher_topk``.
-
-    Top-k KLs are over the k + 1 classes of
-    :func:`~opd.losses.divergences.topk_token_kl`. Returns None when the teacher
-    answers none of these; validation then reports no KL.
+    Tried in order: the full vocabulary; the loss's own top-k at temperature 1 (a k the teacher is known to serve,
+    e.g. within a vLLM server's ``--max-logprobs``); the top ``teacher_topk``.
     """
     candidates: list[TeacherRequest] = [FullVocabRequest()]
     if isinstance(loss_request, TopKRequest):
@@ -314,22 +266,11 @@ def kl_request(
 
 
 class ValidationKL(TeacherComparison):
-    """Forward and reverse token KL to the teacher, summed over the response tokens, with their count.
+    """Forward and reverse token KL to the teacher (temperature 1), summed over the response tokens, with their count.
 
-    Called by the policy on each micro-batch where the student's final hidden states are
-    (:meth:`~opd.models.interfaces.PolicyInterface.compare_with_teacher`): the student's
-    logits (and, from hidden states, the teacher's) are made chunk by chunk over the
-    response tokens, so no ``[tokens × vocab]`` tensor exists beyond one chunk, and only
-    the three sums leave. The divergences are :func:`token_kl` (full vocabulary) and
-    :func:`topk_token_kl` (the k + 1 classes of a top-k answer), at temperature 1.
-
-    Args:
-        teacher_request: the signal asked of the teacher (:func:`kl_request`); a
-            full-vocabulary request asks for hidden states and head where the teacher has them.
-        vocab_size: only the first ``vocab_size`` outputs of either head are tokens.
-        chunk_rows: positions per chunk; None picks :func:`default_chunk_rows`.
-        student_classes: what the teacher's top-k ids name when not student tokens
-            (:attr:`~opd.models.interfaces.TeacherInterface.student_classes`).
+    Runs where the student's hidden states are (:meth:`~opd.models.interfaces.PolicyInterface.compare_with_teacher`);
+    logits are made ``chunk_rows`` positions at a time, so no ``[tokens × vocab]`` tensor exists and only three sums
+    leave. Only the first ``vocab_size`` outputs of either head are tokens.
     """
 
     def __init__(
@@ -389,8 +330,7 @@ def _head_over(head: LMHeadInput, hidden_rows: torch.Tensor, vocab_size: int) ->
 def _teacher_rows(
     answer: SingleTeacherSignal, mask: torch.Tensor, vocab_size: int
 ) -> LMHeadInput | torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The teacher's answer at the selected logit positions: a head over them, ``[N, V]`` logits,
-    or the top-k ``(log-probs [N, k], ids [N, k], rest log-probs [N] or None)``."""
+    """The teacher's answer at the masked positions: a head, ``[N, V]`` logits, or top-k (logprobs, ids, rest|None)."""
     device = mask.device
     if isinstance(answer, LMHeadInput):
         return _head_over(answer, answer.hidden_states[:, :-1].to(device)[mask], vocab_size)
@@ -409,12 +349,11 @@ def _teacher_rows(
 
 
 def _one_answer(teacher: TeacherInterface, request: TeacherRequest, data: BatchedDataDict) -> TeacherSignal:
-    """The teacher's answer for a micro-batch; several teachers' as one (each row's teacher, or the mixture).
+    """The teacher's answer for a micro-batch, several teachers' combined into one.
 
-    Several teachers' hidden states alone stay apart: they are combined where each member's
-    output layer is (a trainer worker binds them; :class:`ValidationKL` combines them there).
+    Hidden states that still need their members' output layers stay apart; :class:`ValidationKL` combines them.
     """
-    # As a training step asks it: a teacher in the trainer's workers answers where the rows go.
+    # As a training step asks: a teacher in the trainer's workers answers where the rows go.
     answer = teacher.score_async(data, request).result()
     if isinstance(answer, SeveralTeachersSignal) and not waits_for_heads(answer):
         return answer.combined()
