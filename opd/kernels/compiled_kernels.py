@@ -1,14 +1,8 @@
 """``torch.compile`` for the fused loss's per-chunk kernels (``loss_fn.compile``).
 
-The closed-form divergence and the per-step KL metrics are chains of element-wise
-operations and row reductions over ``[positions × vocabulary]`` tensors. Run eagerly,
-every operation is one pass over memory; compiled, inductor fuses them into a few
-passes, which pays at a large vocabulary (timings: guide section 5, "Loss").
-
-Compilation happens once per process and kernel variant (faster when inductor's on-disk
-cache already holds the kernels); chunks of other lengths reuse it
-(``dynamic=True``). It needs a C++ compiler on CPU and Triton on GPU, as ``torch.compile``
-always does.
+The closed-form divergence and the KL metrics are element-wise chains and row reductions over
+``[positions × vocabulary]`` tensors: eagerly one memory pass per operation, compiled a few fused passes. Compiled
+once per process and kernel variant, dynamic in the chunk length; needs a C++ compiler on CPU and Triton on GPU.
 """
 
 from __future__ import annotations
@@ -33,19 +27,11 @@ def compiled(kernel: KernelT) -> KernelT:
 def kl_metrics_from_logits(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both KLs at temperature 1, summed over positions, and each row's log-normaliser.
+    """Both KLs at temperature 1 summed over positions, and each row's log-normaliser, from ``[C, V]`` logits.
 
-    The metric part of :class:`opd.losses.teacher_metrics.TeacherMetrics` in a form
-    that compiles into a few passes and never writes the ``[C, V]`` log-probabilities:
-    the top-k metrics work from the logits and the returned log-normalisers instead.
-
-    Args:
-        student_logits: ``[C, V]`` student logits Q (any float dtype; float32 math at least).
-        teacher_logits: ``[C, V]`` teacher logits P.
-
-    Returns:
-        ``(Σ KL(P‖Q), Σ KL(Q‖P), [C] logsumexp of the student's logits, [C] of the teacher's)``;
-        terms where a probability is exactly 0 contribute 0.
+    The metric part of :class:`opd.losses.teacher_metrics.TeacherMetrics`, compiling into a few passes without writing
+    the ``[C, V]`` log-probabilities. Returns ``(Σ KL(P‖Q), Σ KL(Q‖P), [C] logsumexp of the student's logits Q, [C] of
+    the teacher's P)``, in float32 at least; terms where a probability is exactly 0 contribute 0.
     """
     compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
     student = student_logits.to(compute_dtype)

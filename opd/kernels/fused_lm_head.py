@@ -1,25 +1,16 @@
 """Exact divergences fused with the LM head, in chunks of positions.
 
-With Qwen's 151,669-token vocabulary a naive loss holds several ``[tokens × vocab]``
-fp32 tensors at once (student logits, both log-softmaxes, their gradients): 8,192
-tokens make 5 GB *each*. The fused path never builds them. It takes the student's final
-hidden states and its ``lm_head`` weight, and for each chunk of positions it
+A naive loss holds several fp32 ``[tokens × vocab]`` tensors at once (student logits, both log-softmaxes, their
+gradients): at Qwen's 151,669-token vocabulary, 5 GB each for 8,192 tokens. The fused path takes the student's final
+hidden states and ``lm_head`` weight and, for each chunk of positions, (1) makes the chunk's logits, with the
+architecture's logit transform (a multiplier, Gemma 2's soft cap) and, for an in-process teacher, the teacher's
+logits; (2) computes the divergence and its gradient with respect to the logits, by autograd through the unfused
+path's kernel or by the loss's closed form (``value_and_grad``; fewer temporaries), chained through the transform;
+(3) turns it into the gradients of the hidden states and the weight (two matmuls) and drops the chunk.
 
-1. makes that chunk's student logits: the matmul, then the logit transform of the
-   student's architecture if it has one (a multiplier, Gemma 2's soft cap), and, for an
-   in-process teacher, the teacher's logits from the teacher's hidden states and head,
-2. computes the divergence and its gradient with respect to the chunk's logits, by
-   autograd through the same kernel the unfused path calls (and through the transform),
-   or by a closed form of that gradient when the loss supplies one (``value_and_grad``;
-   fewer temporaries), chained through the transform's derivative,
-3. turns that gradient into the gradients of the hidden states and of the head weight
-   (two matmuls) and drops the chunk's logits.
-
-The gradients are computed during the forward pass and handed to autograd in
-``backward`` (the approach of Liger-Kernel's fused-linear losses), so nothing is
-recomputed and peak memory is one chunk's worth of ``[chunk × vocab]`` tensors plus the
-weight gradient that any backward pass needs anyway (held once: autograd adopts it).
-Values and gradients equal the unfused computation's to floating-point rounding.
+Gradients are made in forward and handed to autograd in ``backward`` (as Liger-Kernel's fused-linear losses do):
+nothing is recomputed, and peak memory is one chunk plus the weight gradient (held once: autograd adopts it).
+Values and gradients equal the unfused computation's up to floating-point rounding.
 """
 
 from __future__ import annotations
@@ -60,12 +51,10 @@ def _chunk_of(row_input: Any, rows: slice) -> Any:
 def _transformed_with_slope(
     raw: torch.Tensor, multiplier: float, softcap: float | None, accumulate: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor | float | None]:
-    """``(logits, d logits / d raw)`` for the head's transform of the raw matmul ``raw``.
+    """``(logits, d logits / d raw)`` for the head's transform of the raw matmul (as in ``transform_logits``).
 
-    The logits are :func:`~opd.models.lm_head.transform_logits`'s, computed by the same
-    operations. The slope is elementwise, in ``accumulate``: ``m · (1 − tanh²(m · raw / cap))``
-    with a soft cap (the tanh the logits were made from: autograd's own formula for tanh's
-    derivative), ``m`` alone without one, None for no transform (slope 1).
+    The slope is elementwise in ``accumulate``: ``m · (1 − tanh²(m · raw / cap))`` with a soft cap (autograd's formula),
+    ``m`` without one, None for no transform.
     """
     if softcap is None:
         return transform_logits(raw, multiplier), (multiplier if multiplier != 1.0 else None)
@@ -152,9 +141,8 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             )
         grad_hidden, grad_weight, grad_bias = ctx.gradients
         ctx.gradients = None
-        # The loss is usually the graph's root (grad_output = 1): hand the saved gradients
-        # over as they are. Scaling would allocate a second [V, D] weight gradient, which
-        # at Qwen's vocabulary is most of this loss's memory.
+        # The loss is usually the graph's root (grad_output = 1): hand the gradients over as they are, since
+        # scaling would allocate a second [V, D] weight gradient, most of this loss's memory at a large vocabulary.
         unit = bool(grad_output == 1)
 
         def scaled(gradient: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
@@ -188,25 +176,11 @@ def chunked_lm_head_loss(
 ) -> torch.Tensor:
     """Σ_i w_i · divergence(student_logits_i, row_inputs_i) without materialising the logits.
 
-    The value equals ``(divergence(student.logits(), *row_inputs) * position_weights).sum()``
-    and so do its gradients with respect to the hidden states, the head weight and bias,
-    to floating-point rounding; only one chunk of ``[chunk_rows × V]`` logits exists at a
-    time. A head that transforms its logits (``student.logit_multiplier``,
-    ``student.logit_softcap``) has the transform applied to each chunk and differentiated.
-
-    Args:
-        student: ``[N, D]`` student hidden states (one row per loss position) and head.
-        divergence: per-position loss of a chunk: ``(logits [C, V], *inputs) -> [C]``.
-        row_inputs: per-position inputs, sliced (or, for an :class:`LMHeadInput`, turned
-            into logits without gradient) chunk by chunk.
-        position_weights: ``[N]`` weight of each position (e.g. 1 / global token count).
-        chunk_rows: positions per chunk; None picks :func:`default_chunk_rows`.
-        observer: called on each chunk's detached logits and inputs, e.g. for metrics.
-        value_and_grad: optional closed-form ``(losses, gradient)`` of ``divergence``;
-            used instead of autograd when given (fewer ``[chunk × V]`` temporaries).
-
-    Returns:
-        The scalar loss, differentiable with respect to ``student``'s tensors.
+    Value and gradients (hidden states, head weight and bias, through any logit transform) equal those of
+    ``(divergence(student.logits(), *row_inputs) * position_weights).sum()`` up to rounding, with one
+    ``[chunk_rows × V]`` chunk at a time (None: :func:`default_chunk_rows`). ``student``: ``[N, D]`` hidden states and
+    head; ``row_inputs``: :data:`RowInputs`; ``position_weights``: ``[N]``; ``observer`` sees each chunk's detached
+    logits and inputs (metrics); ``value_and_grad``: a closed form of ``divergence`` used instead of autograd.
     """
     weight, bias = student.head()
     hidden = student.hidden_states

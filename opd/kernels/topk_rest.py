@@ -1,25 +1,16 @@
 """The "rest" class of a top-k teacher signal: log(1 − Σ_k P) without cancellation.
 
-A teacher that sends only its top k log-probs per position leaves a rest mass
-1 − Σ_k P(v) on every other token, which the top-k loss keeps as one class
-(:func:`~opd.losses.divergences.topk_token_kl`). Computed by subtraction in the
-dtype of the log-probs, that mass is lost to cancellation when it is small: in float32,
-Σ_k P carries an absolute rounding error of about 1e-7, so a rest mass of 1e-6 comes out
-tens of percent wrong and one of 1e-7 can come out 0 or negative. Both ways of getting
-it right live here, in log space:
+The top-k loss (:func:`~opd.losses.divergences.topk_token_kl`) keeps the mass outside a teacher's top k as one
+class. By subtraction in float32, Σ_k P's rounding error (about 1e-7) makes a small rest mass tens of percent wrong,
+or even 0 or negative. Both ways of getting it right, in log space:
 
-* :func:`rest_logprobs_outside`: a teacher that holds its full log-softmax takes the
-  logsumexp of the entries *outside* its top k. Every term is positive, so there is
-  nothing to cancel and float32 keeps its relative precision (LocalTeacher sends this);
-  :func:`rest_logprobs_outside_summed_in_float64` sums the same terms in float64 (what
-  ``opd serve-teacher`` sends).
-* :func:`rest_logprobs_from_topk`: anyone holding only the top-k log-probs computes
-  ``log1mexp(logsumexp(top k))`` in float64. That is exact for the log-probs as given;
-  what it cannot undo is their own rounding (float32 log-probs carry a relative error of
-  about 1e-7 each), which is why a teacher that can send the rest itself should.
+* :func:`rest_logprobs_outside`: a holder of the full log-softmax takes the logsumexp of the entries outside its top
+  k, all positive (LocalTeacher); :func:`rest_logprobs_outside_summed_in_float64` sums them in float64
+  (``opd serve-teacher``).
+* :func:`rest_logprobs_from_topk`: from the top-k log-probs alone, ``log1mexp(logsumexp(top k))`` in float64. Exact
+  for the values given but not for their own rounding, so a teacher that can send the rest itself should.
 
-This module belongs to neither side: the teachers (``opd.models``) and the loss
-(``opd.algorithms``) both import it.
+Teachers and losses both import this module.
 """
 
 from __future__ import annotations
@@ -32,18 +23,10 @@ _MINUS_LN2 = -math.log(2.0)
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 − exp(x)) for x ≤ 0, accurate over the whole range.
+    """log(1 − exp(x)) for x ≤ 0, accurate over the whole range, in ``x``'s shape and dtype (x > 0 gives NaN).
 
-    Near 0, 1 − exp(x) is itself a cancellation, so it is taken as −expm1(x); far below
-    0, exp(x) is tiny and log1p(−exp(x)) keeps it. The switch at −ln 2 is where both
-    forms lose the least (Mächler, "Accurately computing log(1 − exp(−|a|))", 2012).
-    log1mexp(0) = −inf (nothing is left), log1mexp(−inf) = 0; x > 0 gives NaN.
-
-    Args:
-        x: log-probabilities (any float dtype; computed in it).
-
-    Returns:
-        ``log(1 − exp(x))``, same shape and dtype.
+    −expm1(x) near 0, log1p(−exp(x)) far below it, switching at −ln 2 (Mächler, "Accurately computing
+    log(1 − exp(−|a|))", 2012); log1mexp(0) = −inf, log1mexp(−inf) = 0.
     """
     # Each branch sees only inputs from its own range, so neither produces an infinite
     # (or NaN) value or derivative that torch.where would then multiply by 0.
@@ -54,46 +37,24 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 def rest_logprobs_from_topk(topk_logprobs: torch.Tensor) -> torch.Tensor:
-    """log(1 − Σ_k P) per position from top-k log-probs alone, computed in float64.
+    """``[...]`` float64 log(1 − Σ_k P) from ``[..., k]`` top-k log-probs normalised over the full vocabulary.
 
-    Rounding of the inputs can make Σ_k P reach or pass 1; the rest is then −inf (no mass
-    left), never NaN. The caller decides what an empty rest means (the top-k loss floors
-    it unless the k ids cover the vocabulary).
-
-    Args:
-        topk_logprobs: ``[..., k]`` log-probs normalised over the full vocabulary.
-
-    Returns:
-        ``[...]`` float64 log rest masses.
+    Σ_k P rounded to or past 1 gives −inf, never NaN; the caller decides what an empty rest means.
     """
     log_topk_mass = torch.logsumexp(topk_logprobs.to(torch.float64), dim=-1)
     return log1mexp(log_topk_mass.clamp(max=0.0))
 
 
 def rest_logprobs_outside(log_probs: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """log Σ_{v ∉ top-k} P(v) per position from the full log-softmax (no subtraction).
-
-    Args:
-        log_probs: ``[..., V]`` log-probabilities over the whole vocabulary.
-        topk_ids: ``[..., k]`` the ids sent as the top k.
-
-    Returns:
-        ``[...]`` log rest masses in the dtype of ``log_probs``; −inf where the ids cover
-        the vocabulary (the rest is exactly empty).
-    """
+    """log Σ_{v ∉ top-k} P(v) per position from ``[..., V]`` log-probs, in their dtype; −inf where the ids cover all."""
     outside = log_probs.scatter(-1, topk_ids, float("-inf"))
     return torch.logsumexp(outside, dim=-1)
 
 
 def rest_logprobs_outside_summed_in_float64(log_probs: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """:func:`rest_logprobs_outside` as a float64 answer: what a teacher server sends.
+    """:func:`rest_logprobs_outside` in float64, as a teacher server sends it (−inf where the ids cover the vocabulary).
 
-    Each outside probability is exponentiated in the input's precision, relative to the
-    largest of them (so that no tiny rest underflows), and they are summed in float64: the
-    sum of positive terms loses nothing to cancellation or to accumulated rounding.
-
-    Returns:
-        ``[...]`` float64 log rest masses; −inf where the ids cover the vocabulary.
+    Terms are exponentiated relative to the largest (no tiny rest underflows) and summed in float64.
     """
     outside = log_probs.scatter(-1, topk_ids, float("-inf"))
     largest = outside.amax(dim=-1, keepdim=True)

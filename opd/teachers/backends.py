@@ -1,19 +1,11 @@
 """Where a teacher runs: the values of ``teacher.backend`` and ``teachers.members[i].backend``, each registered once.
 
-A backend says everything the rest of opd asks of where a teacher runs: whether it is
-served (answers over HTTP, so the run loads no copy of it and connects to it before the
-student loads), what it needs from the machine (:meth:`TeacherBackend.check_environment`),
-which settings it cannot do without (:meth:`TeacherBackend.problem`), which signals it
-cannot send (:meth:`TeacherBackend.unsupported_reason`, its teacher class's own limits),
-and how it builds the teacher, alone or as a member of several
-(:meth:`TeacherBackend.build`). The settings of one teacher (:class:`TeacherSourceConfig`,
-which ``teacher:`` and each of ``teachers.members`` extend), the validator and the set-up
-all go through :data:`TEACHER_BACKENDS`: a new backend is one subclass here, its entry in
-:data:`TEACHER_BACKENDS` and its value of :data:`TeacherBackendName`, all in this file.
-
-Building goes through a :class:`TeacherLoader`, which the run provides: it loads and
-checks models and connects to servers the way the run's config says (dtype, device,
-tokenizer checks, the output layer a full-vocabulary loss needs).
+A :class:`TeacherBackend` answers everything the rest of opd asks about where a teacher runs: whether it is served
+(over HTTP: no copy loaded, connected before the student loads), what it needs from the machine, which settings it
+needs, which signals it cannot send, and how it builds the teacher, alone or as a member of several. Config,
+validator and set-up go through :data:`TEACHER_BACKENDS`: a new backend is one subclass, its entry and its
+:data:`TeacherBackendName` value, all in this file. Building goes through the run's :class:`TeacherLoader` (dtype,
+device, tokenizer checks, the output layer a full-vocabulary loss needs).
 """
 
 from __future__ import annotations
@@ -47,14 +39,7 @@ class TeacherLoader(Protocol):
 
 
 class TeacherBackend(ABC):
-    """One value of a teacher's ``backend``.
-
-    Attributes:
-        name: the value of ``backend``.
-        served: the teacher answers over HTTP; the run loads no copy of it.
-        teacher_class: the class of the teacher it builds; its ``unsupported_reason`` lists
-            the signals the backend cannot send.
-    """
+    """One value of a teacher's ``backend``; ``teacher_class.unsupported_reason`` lists the signals it cannot send."""
 
     name: ClassVar[str]
     served: ClassVar[bool]
@@ -75,11 +60,8 @@ class TeacherBackend(ABC):
     def build(self, loader: TeacherLoader, source: TeacherSourceConfig, model_path: str | None) -> TeacherInterface:
         """The teacher ``source`` describes, alone or as a member of several.
 
-        Args:
-            loader: the run's loading and connecting.
-            source: the teacher's settings.
-            model_path: its model (``student``: the student's starting point); for a
-                served teacher, where its output layer is read (None: the run's default).
+        ``model_path``: its model (``student``: the student's starting point); for a served teacher, where its output
+        layer is read (None: the run's default).
         """
 
 
@@ -180,11 +162,5 @@ class TeacherSourceConfig(StrictConfig):
         return self.teacher_backend.served
 
     def build(self, loader: TeacherLoader, model_path: str | None) -> TeacherInterface:
-        """The teacher these settings describe, built by its backend with the run's ``loader``.
-
-        Args:
-            loader: how the run loads and connects teachers.
-            model_path: the teacher's model (``student``: the student's starting point); for
-                a served teacher, the model whose output layer is read (None: the run's default).
-        """
+        """These settings' teacher, built by its backend; ``model_path`` as in :meth:`TeacherBackend.build`."""
         return self.teacher_backend.build(loader, self, model_path)

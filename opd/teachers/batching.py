@@ -1,14 +1,8 @@
 """Dynamic batching for the teacher server: concurrent requests share one forward pass.
 
-Each request becomes a :class:`ScoringJob`: its sequences, the positions it wants, and a
-``finish`` function that turns its hidden rows into its answer. The
-:class:`ScoringBatcher` runs one loop: it takes every job waiting, up to a token budget,
-runs one padded decoder pass over all their sequences on the model thread, then each
-job's ``finish``. Requests that arrive while a pass runs wait for the next one and are
-coalesced then, so nothing waits on a timer: an idle server answers at once, and a busy
-one batches as much as its budget allows.
-
-The model runs on one thread (a model is not re-entrant), away from the event loop, so
+:class:`ScoringBatcher` loops: it takes every waiting :class:`ScoringJob` up to a token budget, runs one padded decoder
+pass over all their sequences, then each job's ``finish``. Requests arriving during a pass are coalesced into the
+next, so nothing waits on a timer. The model runs on one thread (a model is not re-entrant), off the event loop, so
 the server keeps accepting, refusing and answering health checks while it computes.
 """
 
@@ -37,11 +31,8 @@ THROUGHPUT_WINDOW_S = 60.0
 class ScoringJob:
     """One request's share of a batch.
 
-    Attributes:
-        sequences: token ids to score.
-        first_positions: per sequence, the first position whose hidden state is wanted.
-        finish: turns this job's hidden rows (one ``[n_i, D]`` tensor per sequence) into
-            its answer; runs on the model thread.
+    ``finish`` turns its hidden rows (one ``[n_i, D]`` per sequence, from ``first_positions``) into its answer, on the
+    model thread.
     """
 
     sequences: list[list[int]]
@@ -84,12 +75,9 @@ class BatcherStats:
 
 
 class ScoringBatcher:
-    """Coalesces concurrent :class:`ScoringJob` s into forward passes of at most ``max_batch_tokens`` padded tokens.
+    """Coalesces jobs into passes of at most ``max_batch_tokens`` padded tokens (sequences × longest).
 
-    Args:
-        scorer: the model.
-        max_batch_tokens: padded tokens (sequences × longest) per forward pass; a single
-            sequence longer than this still runs, alone.
+    A single sequence longer than the budget still runs, alone.
     """
 
     def __init__(self, scorer: PromptScorer, max_batch_tokens: int) -> None:
@@ -131,11 +119,7 @@ class ScoringBatcher:
         return await job.future
 
     async def run_alone(self, work: Callable[[], Any]) -> Any:
-        """Runs ``work`` on the model thread, between two forward passes, and returns its result.
-
-        For what cannot share a padded pass (a generation request decodes many steps); the
-        one model thread keeps it from running alongside a scoring pass.
-        """
+        """Runs ``work`` on the model thread between two passes (for what cannot share one: generation)."""
         if self._stopping:
             raise RuntimeError("the scoring batcher is not running")
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, work)

@@ -19,12 +19,7 @@ if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling
 
 
 class TeacherConfig(TeacherSourceConfig):
-    """Where the teacher runs: in the trainer's process (``local``) or behind HTTP (``remote``).
-
-    With ``model.teacher_model_path: student``, ``self_teacher`` says which of the student's
-    weights the teacher scores with (:mod:`opd.teachers.self_teacher`, whose
-    :func:`~opd.teachers.self_teacher.self_teacher_problem` says what it cannot run with).
-    """
+    """Where the teacher runs (``local`` or ``remote``); ``self_teacher``: see :mod:`opd.teachers.self_teacher`."""
 
     backend: TeacherBackendName = Field("local", description="local = model.teacher_model_path in process")
     cross_tokenizer: bool = Field(
@@ -67,12 +62,10 @@ class TeacherMemberConfig(TeacherSourceConfig):
 
 
 class TeachersConfig(StrictConfig):
-    """Several teachers (``teachers:``): each example routed to one, or every token scored by a mixture.
+    """Several teachers (``teachers:``, instead of ``model.teacher_model_path`` / ``teacher:``): routed or mixed.
 
-    Set instead of ``model.teacher_model_path`` / ``teacher:``. Every member answers the
-    signal ``loss_fn`` asks for; with routing, a distillation run may give a member an
-    objective (and so a signal) of its own
-    (:class:`~opd.distillation.config.DistillationTeachersConfig`).
+    Every member answers the signal ``loss_fn`` asks for; when routing, a distillation run may give a member an
+    objective of its own (:class:`~opd.distillation.config.DistillationTeachersConfig`).
     """
 
     mode: Literal["route", "mixture"] = Field(

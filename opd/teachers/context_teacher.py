@@ -1,20 +1,10 @@
 """Context distillation: the teacher scores the student's completion under its own, longer prompt.
 
-The student sees ``[prompt | completion]``; the teacher sees ``[teacher prompt |
-completion]``, where the teacher prompt is the same conversation with a teacher-only
-context inserted (:mod:`opd.data.teacher_context`) and rendered through the chat template
-on its own. The completion's token ids are appended as they are, never re-tokenized, so
-completion token ``j`` is the same id in both rows and only its position differs: it sits
-at ``p + j`` in the student's row and at ``q + j`` in the teacher's (``p``, ``q`` the two
-prompt lengths).
-
-:class:`ContextTeacher` wraps any teacher (in process or served): it builds the teacher's
-rows from a micro-batch, asks the wrapped teacher, and moves each answer back to the
-student's positions, so the loss never knows there was a context. Positions outside the
-completion (the prompt, padding) carry zeros: the loss masks them.
-
-Both micro-batch layouts are handled: right-padded rows, and the one packed row of
-``training.sequence_packing`` (whose ``sequence_lengths`` give the segments).
+The student sees ``[prompt | completion]``, the teacher ``[teacher prompt | completion]``: the same conversation with
+a teacher-only context inserted (:mod:`opd.data.teacher_context`). The completion ids are appended as they are,
+never re-tokenized, so completion token ``j`` sits at ``p + j`` in the student's row and ``q + j`` in the teacher's.
+:class:`ContextTeacher` wraps any teacher and moves its answers back to the student's positions (zeros outside the
+completion, which the loss masks), for right-padded rows and packed rows (``sequence_lengths``).
 """
 
 from __future__ import annotations
@@ -77,16 +67,7 @@ def _segments(data: BatchedDataDict) -> list[_Segment]:
 
 
 class ContextTeacher(TeacherInterface):
-    """A teacher that sees each sequence with its own teacher-only prompt.
-
-    It answers what the wrapped teacher answers, so
-    :meth:`~opd.models.interfaces.TeacherInterface.unsupported_reason` is asked of the
-    wrapped teacher's class.
-
-    Args:
-        teacher: the wrapped teacher (``LocalTeacher`` or ``RemoteTeacher``).
-        pad_token_id: fills the teacher rows past their length.
-    """
+    """Wraps ``teacher`` so each sequence is scored under its teacher-only prompt (rows padded by ``pad_token_id``)."""
 
     def __init__(self, teacher: TeacherInterface, pad_token_id: int) -> None:
         self.teacher = teacher
@@ -136,11 +117,9 @@ class ContextTeacher(TeacherInterface):
     def _to_student_positions(
         self, data: BatchedDataDict, segments: list[_Segment], teacher_output: torch.Tensor, predicts_next: bool
     ) -> torch.Tensor:
-        """Moves the teacher's per-position answers to the student's positions.
+        """The teacher's per-position answers at the student's positions.
 
-        ``predicts_next``: position ``t`` describes token ``t + 1`` (logits, top-k, hidden
-        states), so the completion's answers start one position before it; otherwise
-        position ``t`` describes token ``t`` (token log-probs).
+        ``predicts_next``: position ``t`` describes token ``t + 1`` (all but token log-probs).
         """
         shape = (*data["input_ids"].shape, *teacher_output.shape[2:])
         out = torch.zeros(shape, dtype=teacher_output.dtype, device=teacher_output.device)
@@ -159,11 +138,7 @@ class ContextTeacher(TeacherInterface):
     # ------------------------------------------------------------------ TeacherInterface
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
-        """The wrapped teacher's answer for ``[teacher prompt | completion]``, at the student's positions.
-
-        Zeros outside the completions (the loss masks them). Logits, hidden states and
-        top-k describe the next token; token log-probs describe the token at their position.
-        """
+        """The wrapped teacher's answer for ``[teacher prompt | completion]`` at the student's positions, else zeros."""
         return self.score_async(data, request).result()
 
     def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:

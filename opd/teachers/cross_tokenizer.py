@@ -1,42 +1,25 @@
 """A teacher with another tokenizer: it scores the student's response text under its own tokenization.
 
-Token-level distillation compares the two models' next-token distributions at each
-position, which needs one vocabulary. A teacher from another family (a Llama teacher for
-a Qwen student) tokenizes the same text differently. :class:`CrossTokenizerTeacher` wraps
-such a teacher (in process or served) and turns its answers into the student's terms:
+Token-level distillation needs one vocabulary; a teacher of another family (Llama for a Qwen student) tokenizes the
+same text differently. :class:`CrossTokenizerTeacher` wraps such a teacher (in process or served):
 
-1. **Its own rows.** For each sequence, the teacher sees its own rendering of the prompt
-   (``teacher_prompt_ids``: the conversation through the teacher's chat template, with the
-   teacher-only context if any) followed by the student's response *text*, re-tokenized
-   by the teacher's tokenizer (:func:`opd.data.token_alignment.teacher_tokens_for_response`).
-2. **Alignment by bytes.** The two tokenizations of the response are cut into groups at
-   the byte offsets where both have a token boundary. At the start of each group, both
-   models have read the same text and predict what comes next.
-3. **Classes both vocabularies can name.** There the teacher's top k (in its vocabulary,
-   at the loss temperature) are gathered into the classes of
-   :class:`~opd.data.token_alignment.PrefixClasses`: each token goes to the longest string
-   that prefixes it and is a token in both vocabularies (its root). A class is one event
-   for both models (the text goes on with its root and not with a deeper root), so its
-   teacher mass, the sum of its listed members, is compared with the student's mass on
-   the same class, the sum over all the student's tokens in it (the loss pools the
-   student's logits by class, :func:`~opd.data.token_alignment.pool_logits_by_class`).
-   Comparing single shared strings instead would be wrong wherever the two vocabularies
-   extend a string differently: the teacher's ``" "`` may be the start of a word the
-   student writes as one token, and mapping it onto the student's ``" "`` would teach the
-   student the teacher's spelling. The classes are sent heaviest first, named by their
-   root's student id; the mass of listed tokens with no root joins the teacher's rest.
-   The loss (``loss_fn.type: topk``) is then the exact KL over the classes listed plus
-   one rest class, up to the members of a listed class outside the teacher's top k,
-   whose mass the teacher counts in its rest.
-4. **The rest of the positions** (inside a group of several tokens, where the two models
-   have read different amounts of text) get no teacher token at all: every slot empty,
-   all mass in the rest on both sides, so they add nothing to the loss.
+1. **Its own rows**: the teacher's rendering of the prompt (``teacher_prompt_ids``) followed by the student's
+   response *text*, re-tokenized by the teacher (:func:`opd.data.token_alignment.teacher_tokens_for_response`).
+2. **Alignment by bytes**: both tokenizations of the response are cut into groups at the byte offsets where both
+   have a token boundary; at a group's start both models have read the same text.
+3. **Classes both vocabularies can name**: there the teacher's top k (at the loss temperature) are gathered into the
+   classes of :class:`~opd.data.token_alignment.PrefixClasses`, each token under its root (the longest string that
+   prefixes it and is a token in both vocabularies). A class is one event for both models, so its teacher mass is
+   compared with the student's mass over all its tokens (:func:`~opd.data.token_alignment.pool_logits_by_class`).
+   Single shared strings would be wrong where the vocabularies extend a string differently (the teacher's ``" "``
+   may start a word the student writes as one token). Classes are sent heaviest first, as their root's student id;
+   listed tokens without a root join the teacher's rest. The top-k loss is then the exact KL over the listed
+   classes plus one rest class, up to class members outside the teacher's top k (counted in its rest).
+4. **Other positions** (inside a multi-token group) get no teacher token: all mass in the rest on both sides, so
+   they add nothing to the loss.
 
-With two identical tokenizers every group is one token long and every class one token,
-so the answer is exactly the teacher's own top k, and the loss the ordinary top-k loss.
-What the cross-tokenizer loss gives up against a shared vocabulary is described in the
-guide (section 15): positions inside multi-token groups, the distinctions inside a class,
-and the full-vocabulary loss.
+With identical tokenizers this is the teacher's own top k and the ordinary top-k loss. What the cross-tokenizer loss
+gives up is described in the guide (section 15).
 """
 
 from __future__ import annotations
@@ -60,13 +43,7 @@ from opd.models.interfaces import (
 
 
 class CrossTokenizerTeacher(TeacherInterface):
-    """Wraps a teacher whose tokenizer differs from the student's (see the module docstring).
-
-    Args:
-        teacher: the teacher, in its own vocabulary (local or served).
-        student_tokenizer: the run's (student's) tokenizer.
-        teacher_tokenizer: the teacher's tokenizer.
-    """
+    """Wraps a ``teacher`` whose tokenizer differs from the student's (see the module docstring)."""
 
     def __init__(self, teacher: TeacherInterface, student_tokenizer: Any, teacher_tokenizer: Any) -> None:
         self.teacher = teacher
@@ -99,12 +76,8 @@ class CrossTokenizerTeacher(TeacherInterface):
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
         """The teacher's top k at the student's group starts, in student ids (empty slots −1).
 
-        Raises:
-            ValueError: for a request other than top-k, or rows without
-                ``teacher_prompt_ids`` (the teacher's rendering of each prompt).
-
-        A packed micro-batch (``training.sequence_packing``) is scored as its right-padded
-        rows and the answer packed as the rows are.
+        A packed micro-batch is scored as its rows and the answer packed like them. Raises ValueError for a request
+        other than top-k, or rows without ``teacher_prompt_ids``.
         """
         if not isinstance(request, TopKRequest):
             raise ValueError(self.unsupported_reason(request))
@@ -184,16 +157,10 @@ class CrossTokenizerTeacher(TeacherInterface):
 
 
 def _by_class(values: torch.Tensor, classes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The teacher's listed tokens gathered by class: ``(log-probs, class ids, log of the mass not sent)``.
+    """The teacher's listed tokens gathered by class: ``(log-probs, class ids, log-mass not sent)``.
 
-    Args:
-        values: ``[P, k]`` log-probs of the teacher's listed tokens.
-        classes: ``[P, k]`` their classes (root student ids), −1 for a token in none.
-
-    Returns:
-        Per position, the classes by mass, each at the slot of its first listed member
-        (``[P, k]``, empty slots −1 with log-prob 0), and the ``[P]`` log-mass of the listed
-        tokens in no class (−inf if none).
+    ``values``, ``classes``: ``[P, k]`` log-probs and classes (root student ids, −1 for none). Classes come by mass,
+    each at its first member's slot (empty slots: id −1, log-prob 0); the ``[P]`` unsent mass is −inf if there is none.
     """
     slots = values.shape[-1]
     same = (classes.unsqueeze(-1) == classes.unsqueeze(-2)) & (classes >= 0).unsqueeze(-1)

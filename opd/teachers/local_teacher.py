@@ -1,24 +1,11 @@
 """A frozen teacher that runs in the trainer's process.
 
-It scores exactly the token ids it is given, in ``torch.inference_mode``, and answers
-:meth:`LocalTeacher.score` in whichever form the loss's request names
-(:mod:`opd.models.interfaces`):
-
-* full-vocabulary logits ``[B, L, V]`` (the plain exact loss);
-* final hidden states and its output head (the fused loss makes the logits chunk by
-  chunk, so no ``[B, L, V]`` teacher tensor ever exists);
-* its top-k log-probs and token ids per position (what a served teacher would send),
-  with the log of the mass outside them, summed from the full log-softmax so that a
-  tiny rest mass is not lost to cancellation (:mod:`opd.kernels.topk_rest`);
-* the log-prob of each actual token (the sampled-token loss).
-
-The last two are computed from the hidden states in chunks of positions, so they too
-never hold the full ``[B, L, V]`` logits. Everything is produced one micro-batch at a
-time, when the student's trainer asks for it.
-
-With ``share_prompt_forward`` (the default), rows that begin with the same prompt (the
-samples of one prompt, the episodes of one multi-turn task) share one forward pass over
-it (:mod:`opd.teachers.shared_prompt`); the answer is the one-pass answer.
+It scores exactly the token ids it is given and answers in the form the loss requests
+(:mod:`opd.models.interfaces`): full-vocabulary logits; final hidden states with its output head (the fused loss
+makes the logits chunk by chunk); top-k log-probs and ids with the rest mass summed from the full log-softmax
+(:mod:`opd.kernels.topk_rest`); or each actual token's log-prob. The last two are computed from the hidden states
+in chunks of positions, never holding ``[B, L, V]`` logits. With ``share_prompt_forward``, rows that begin with the
+same prompt share one forward pass over it (:mod:`opd.teachers.shared_prompt`), with the one-pass answer.
 """
 
 from __future__ import annotations
@@ -50,18 +37,11 @@ if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling
 
 
 class LocalTeacher(TeacherInterface):
-    """``TeacherInterface`` over an in-process, frozen ``PreTrainedModel``.
-
-    Args:
-        model: the teacher; it is switched to eval mode with gradients off.
-        share_prompt_forward: rows with the same prompt share one forward pass over it
-            (same answer; less work when several samples of a prompt are scored together).
-    """
+    """``TeacherInterface`` over an in-process ``PreTrainedModel``, frozen here (eval mode, gradients off)."""
 
     def __init__(self, model: PreTrainedModel, share_prompt_forward: bool = True) -> None:
-        # inference_mode is the cheapest no-gradient mode; a teacher whose weights are
-        # gathered during its forward (FSDP2) uses no_grad, because tensors made under
-        # inference_mode cannot take part in the student's backward pass.
+        # inference_mode is the cheapest no-gradient mode; a teacher whose weights are gathered in its forward
+        # (FSDP2) uses no_grad: tensors made under inference_mode cannot take part in the student's backward pass.
         self.no_grad_mode: Callable[[], AbstractContextManager[Any]] = torch.inference_mode
         self.model = model
         # A model whose layers do not all attend to the whole context scores in one pass.
@@ -75,11 +55,7 @@ class LocalTeacher(TeacherInterface):
         return None
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
-        """Answers ``request`` for ``data`` (see :meth:`TeacherInterface.score`).
-
-        Raises:
-            ValueError: for a :class:`~opd.models.interfaces.PerTeacherRequest` (one teacher, one signal).
-        """
+        """Answers ``request`` for ``data``; ValueError for a :class:`~opd.models.interfaces.PerTeacherRequest`."""
         if isinstance(request, FullVocabRequest):
             return self.get_hidden_states(data) if request.prefer_hidden_states else self.get_logits(data)
         if isinstance(request, TopKRequest):
@@ -99,8 +75,7 @@ class LocalTeacher(TeacherInterface):
                 logits = self.model(**self._inputs(data), use_cache=False).logits
             else:
                 logits = output_layer_of(self.model, "the teacher").over(hidden).logits()
-        # Inference-mode tensors cannot be saved for the student's backward pass; a clone
-        # made outside inference mode is an ordinary constant tensor.
+        # Inference-mode tensors cannot be saved for backward; a clone made outside it is an ordinary tensor.
         return logits.clone()
 
     def get_hidden_states(self, data: BatchedDataDict) -> LMHeadInput:
@@ -118,10 +93,7 @@ class LocalTeacher(TeacherInterface):
         return final_hidden_states(self.model, **inputs)
 
     def _shared_prompt_hidden_states(self, data: BatchedDataDict) -> torch.Tensor | None:
-        """``[B, L, D]`` with each distinct prompt run once, or None where ``data`` is scored in one pass.
-
-        None when sharing is off or saves nothing (:func:`~opd.teachers.shared_prompt.prompt_groups`).
-        """
+        """``[B, L, D]`` with each distinct prompt run once, or None where sharing is off or saves nothing."""
         if not self.share_prompt_forward:
             return None
         groups = prompt_groups(data)
@@ -140,19 +112,10 @@ class LocalTeacher(TeacherInterface):
     def get_topk_logprobs(
         self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
     ) -> TopKLogprobs:
-        """The teacher's top-k log-probs and token ids at every position, and its rest mass.
+        """Top-k log-probs and ids of softmax(logits / temperature) per position, sorted, with the rest mass.
 
-        Args:
-            data: right-padded ``input_ids`` / ``input_lengths``.
-            k: tokens per position (capped at the vocabulary size).
-            temperature: log-probs are of softmax(logits / temperature).
-            vocab_size: only the first ``vocab_size`` outputs are real tokens.
-
-        Returns:
-            ``([B, L, k] float32 log-probs, [B, L, k] int64 ids)``, sorted by probability,
-            with ``rest_logprobs`` ``[B, L]``: log Σ of the other tokens' probabilities
-            (−inf when k covers the vocabulary); position ``t`` describes the token that
-            follows it (like logits).
+        ``[B, L, k]`` float32 / int64 (k capped at the vocabulary; only the first ``vocab_size`` outputs are tokens) and
+        ``rest_logprobs`` ``[B, L]`` (−inf when k covers the vocabulary); position ``t`` describes token ``t + 1``.
         """
         values, ids, rests = [], [], []
         for log_p, _ in self._log_prob_chunks(data, vocab_size, temperature):

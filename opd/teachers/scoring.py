@@ -1,24 +1,12 @@
 """What ``opd serve-teacher`` computes: a frozen causal LM's view of token-id sequences.
 
-Scoring is two stages, so that a server can coalesce many requests into one forward pass
-(:mod:`opd.teachers.batching`) and still answer each in the form it asked for:
-
-1. :meth:`PromptScorer.hidden_rows`: one padded pass through the decoder for all the
-   sequences of a batch; per sequence, the final hidden states (after the final norm) at
-   the positions asked for. Position ``p`` describes the token at ``p + 1``.
-2. Per request, from those rows and the output layer, chunk by chunk over the positions
-   so that no ``[positions × vocab]`` logits tensor exists at once:
-
-   * :meth:`PromptScorer.topk`: the ``k`` most likely tokens and their log-probs, with the
-     log of the mass outside them summed in float64 over the rest of the distribution
-     (exact where 1 − Σ_k P computed by a client would cancel);
-   * :meth:`PromptScorer.token_logprobs`: the log-prob of each actual next token;
-   * :meth:`PromptScorer.prompt_logprobs`: vLLM's ``prompt_logprobs`` shape (the actual
-     token with its rank, and the top k) for the OpenAI-compatible route;
-   * the hidden rows themselves, for a trainer that applies the teacher's output layer.
-
-Log-probs are at temperature 1 over the tokenizer's real vocabulary, with the logit
-transform the architecture applies (soft-capping, scaling; :class:`~opd.models.lm_head.OutputLayer`).
+Two stages, so that a server can coalesce requests into one forward pass (:mod:`opd.teachers.batching`) and still
+answer each in its own form: :meth:`PromptScorer.hidden_rows` runs one padded decoder pass and keeps each sequence's
+final hidden states at the positions asked for (position ``p`` describes token ``p + 1``); then, per request and
+chunk by chunk so that no ``[positions × vocab]`` logits exist at once, :meth:`~PromptScorer.topk` (rest mass summed
+in float64), :meth:`~PromptScorer.token_logprobs`, :meth:`~PromptScorer.prompt_logprobs` (vLLM's shape), or the
+rows themselves. Log-probs are at temperature 1 over the tokenizer's vocabulary, with the architecture's logit
+transform (:class:`~opd.models.lm_head.OutputLayer`).
 """
 
 from __future__ import annotations
@@ -55,11 +43,9 @@ class PositionLogprobs:
 
 
 def head_checksum(weight: torch.Tensor, dtype: torch.dtype) -> str:
-    """``sha256:<hex>`` of an output layer's weight as the server holds it.
+    """``sha256:<hex>`` of an output layer's weight rounded to ``dtype`` (the served model's), hashed as float32.
 
-    The weight is rounded to ``dtype`` (the served model's) and hashed as float32, row block
-    by row block; a trainer that loaded the same layer from disk in another precision gets
-    the same digest after the same rounding, and a different layer gets another.
+    A trainer that loaded the same layer in another precision gets the same digest.
     """
     digest = hashlib.sha256()
     digest.update(str(tuple(weight.shape)).encode())
@@ -70,17 +56,10 @@ def head_checksum(weight: torch.Tensor, dtype: torch.dtype) -> str:
 
 
 class PromptScorer:
-    """Scores token-id sequences with a frozen causal LM.
+    """Scores token-id sequences with a frozen causal LM (on several devices, the hidden states come from its last).
 
-    Args:
-        model: the teacher (switched to eval mode, gradients off); it may be spread over
-            several devices (``device_map``): the hidden states come from its last one.
-        vocab_size: the tokenizer's size; outputs beyond it (padding rows of the
-            embedding matrix) are not tokens and are excluded from the softmax.
-
-    Raises:
-        ValueError: the model has no linear output layer, or transforms its logits in a
-            way opd does not reproduce.
+    Outputs beyond ``vocab_size`` (embedding padding) are excluded from the softmax. Raises ValueError for a model
+    without a linear output layer, or with a logit transform opd does not reproduce.
     """
 
     def __init__(self, model: PreTrainedModel, vocab_size: int) -> None:
@@ -148,12 +127,7 @@ class PromptScorer:
 
     @torch.inference_mode()
     def prompt_logprobs(self, rows: torch.Tensor, sequence: list[int], k: int) -> list[PositionLogprobs | None]:
-        """vLLM's ``prompt_logprobs`` for a whole sequence, from its rows at positions ``0 … len − 2``.
-
-        Returns:
-            One entry per position: ``None`` at position 0, then the :class:`PositionLogprobs`
-            of the token at that position.
-        """
+        """vLLM's ``prompt_logprobs`` of a sequence from its rows (positions ``0 … len − 2``); None at position 0."""
         entries: list[PositionLogprobs | None] = [None]
         actual = torch.tensor(sequence[1:], dtype=torch.long, device=self.layer.weight.device)
         for log_p, span in log_softmax_chunks(self._head(rows)):

@@ -1,31 +1,21 @@
 """Self-distillation teachers that follow the student: ``teacher.self_teacher`` = ``live`` or ``ema``.
 
-With ``model.teacher_model_path: student`` the teacher is the student's own model, usually
-reading a privileged context the student does not see (``distillation.teacher_context_key``:
-a reference solution, a hint; :class:`~opd.teachers.context_teacher.ContextTeacher`
-builds its rows). Which weights it scores with is ``teacher.self_teacher``:
+With ``model.teacher_model_path: student`` the teacher is the student's own model, usually reading a teacher-only
+context (``distillation.teacher_context_key``; :class:`~opd.teachers.context_teacher.ContextTeacher`).
+``teacher.self_teacher`` picks its weights:
 
-* ``frozen`` (the default): a copy of the student's initial weights, loaded like any
-  in-process teacher (:class:`~opd.teachers.local_teacher.LocalTeacher`); not built here;
-* ``live`` (:class:`LiveTeacher`): the student's current weights, with no second copy: it
-  scores with the very module the student trains, without gradient and in eval mode for
-  the scoring only (each submodule's train/eval mode is put back afterwards), and it never
-  freezes the student's parameters. A LoRA student's adapters are injected into that module
-  in place, so the live teacher scores with base + current adapter, as the student does. It
-  needs a teacher-only context: without one it answers exactly what the student does;
-* ``ema`` (:class:`EmaTeacher`): a frozen copy of the student's initial weights that follows
-  the student after every optimizer step, θ_T ← d·θ_T + (1 − d)·θ_S with d = ``teacher.ema_decay``.
-  θ_S are the student's weights as a refit sends them (:meth:`PolicyInterface.weights_for_refit`:
-  a LoRA student's merged weights). The driver applies the update through
-  :meth:`TeacherInterface.follow_student` right after the student's update, before anything
-  scores the next batch; the average (and the number of updates in it) is checkpointed with
-  the run (:meth:`EmaTeacher.state_dict`), and a checkpoint without it is refused on resume
-  rather than the average restarted from the student. A model held in bfloat16 or float16
-  keeps its average in float32 (the update (1 − d)·(θ_S − θ_T) is below those formats'
-  resolution at d near 1), copied into the model after each update.
+* ``frozen`` (the default): a copy of the initial weights, an ordinary
+  :class:`~opd.teachers.local_teacher.LocalTeacher` (not built here);
+* ``live`` (:class:`LiveTeacher`): the student's current weights, the very module it trains (a LoRA student's
+  adapters included). Without a teacher-only context it answers exactly what the student does;
+* ``ema`` (:class:`EmaTeacher`): a copy following θ_T ← d·θ_T + (1 − d)·θ_S (d = ``teacher.ema_decay``), θ_S as a
+  refit sends them (:meth:`PolicyInterface.weights_for_refit`: LoRA merged). The driver calls
+  :meth:`TeacherInterface.follow_student` after each optimizer step, before anything scores the next batch. The
+  average is checkpointed (:meth:`EmaTeacher.state_dict`); a checkpoint without it is refused on resume rather than
+  restarted from the student. A bf16 / fp16 model keeps its average in float32: (1 − d)·(θ_S − θ_T) is below their
+  resolution at d near 1.
 
-:data:`FOLLOWING_TEACHERS` builds each (``teacher.self_teacher`` → builder), and
-:func:`self_teacher_problem` says which settings they cannot run with.
+:data:`FOLLOWING_TEACHERS` builds each; :func:`self_teacher_problem` says which settings they cannot run with.
 """
 
 from __future__ import annotations
@@ -60,17 +50,11 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class LiveTeacher(LocalTeacher):
-    """The student as its own teacher, with its current weights: the very module the student trains.
+    """The student as its own teacher, scoring with the very module the student trains.
 
-    Scores without gradient (``torch.no_grad``, not inference mode: the module is the
-    student's, whose tensors take part in its backward pass) and in eval mode for the
-    scoring only. Unlike :class:`LocalTeacher` it neither switches the model to eval mode
-    for good nor turns its gradients off.
-
-    Args:
-        model: the student's module (after any LoRA wrapping, or before it: peft injects
-            the adapters into this same module).
-        share_prompt_forward: as in :class:`LocalTeacher`.
+    Scores under ``torch.no_grad`` (not inference mode: the tensors take part in the student's backward pass), in eval
+    mode for the scoring only; unlike :class:`LocalTeacher` it neither freezes the model nor leaves it in eval mode.
+    ``model`` may be taken before or after LoRA wrapping: peft injects the adapters into this same module.
     """
 
     def __init__(self, model: PreTrainedModel, share_prompt_forward: bool = True) -> None:
@@ -91,13 +75,7 @@ class LiveTeacher(LocalTeacher):
 
 
 class EmaTeacher(LocalTeacher):
-    """A frozen copy of the student whose weights follow the student's by an exponential moving average.
-
-    Args:
-        model: the copy, loaded with the student's initial weights (it is frozen here).
-        decay: d in θ_T ← d·θ_T + (1 − d)·θ_S, 0 < d < 1.
-        share_prompt_forward: as in :class:`LocalTeacher`.
-    """
+    """A frozen copy of the student, loaded with its initial weights, that follows it by an EMA (0 < ``decay`` < 1)."""
 
     def __init__(self, model: PreTrainedModel, decay: float, share_prompt_forward: bool = True) -> None:
         if not 0.0 < decay < 1.0:
@@ -115,11 +93,9 @@ class EmaTeacher(LocalTeacher):
         }
 
     def follow_student(self, student: PolicyInterface, version: int, timer: Timer | None = None) -> None:
-        """Averages the student's weights after its optimizer step ``version`` in, once per step.
+        """Averages in the student's weights after optimizer step ``version``, once per step.
 
-        Raises:
-            OpdError: a step missed (``version`` is not the next one), or a student whose
-                weights are not this copy's (other names).
+        Raises OpdError for a skipped step or a student whose weight names are not this copy's.
         """
         if version <= self.version:  # this step is in the average already
             return
@@ -153,12 +129,7 @@ class EmaTeacher(LocalTeacher):
         return {"ema_version": self.version, "ema_weights": dict(self.average)}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restores a checkpoint's average, exactly.
-
-        Raises:
-            OpdError: the checkpoint holds no average (it was written with another
-                ``teacher.self_teacher``), or one of other weights.
-        """
+        """Restores a checkpoint's average; OpdError if it has none (another ``self_teacher``) or other weights."""
         if state is None or "ema_weights" not in state:
             raise OpdError(
                 "teacher.self_teacher = ema: the checkpoint holds no EMA teacher (it was written with another "
@@ -187,20 +158,13 @@ def _live(loader: TeacherLoader, student: PreTrainedModel, decay: float, share_p
 
 
 def _ema(loader: TeacherLoader, student: PreTrainedModel, decay: float, share_prompt_forward: bool) -> LocalTeacher:
-    # A copy of the student's starting point, loaded (and checked) like a frozen self-teacher:
-    # a resumed run then restores the checkpoint's average into it.
+    # The student's starting point, loaded like a frozen self-teacher; a resumed run restores its average into it.
     return EmaTeacher(loader.load(SELF_DISTILLATION_TEACHER), decay, share_prompt_forward)
 
 
 @dataclass(frozen=True)
 class FollowingTeacher:
-    """One value of ``teacher.self_teacher`` whose teacher follows the student.
-
-    Attributes:
-        build: makes the teacher.
-        is_the_student: it scores with the student's own weights, so without a teacher-only
-            context it answers what the student does (every divergence 0).
-    """
+    """A ``teacher.self_teacher`` following the student; ``is_the_student``: it scores with the student's weights."""
 
     build: FollowingTeacherBuilder
     is_the_student: bool
@@ -210,24 +174,16 @@ FOLLOWING_TEACHERS: dict[str, FollowingTeacher] = {
     "live": FollowingTeacher(_live, is_the_student=True),
     "ema": FollowingTeacher(_ema, is_the_student=False),
 }
-"""The values of ``teacher.self_teacher`` whose teacher follows the student
-(``frozen`` is an ordinary in-process teacher, built by its backend)."""
+"""The values of ``teacher.self_teacher`` whose teacher follows the student (``frozen`` is built by its backend)."""
 
 
 @dataclass(frozen=True)
 class SelfTeacherSetting:
     """``teacher.self_teacher`` and the settings it must agree with.
 
-    Attributes:
-        value: its value.
-        model_path: ``model.teacher_model_path``.
-        served: the teacher is served (``teacher.backend`` = remote).
-        several: ``teachers:`` is set.
-        cross_tokenizer: ``teacher.cross_tokenizer``.
-        on_cluster: ``cluster:`` is set.
-        scores_ahead: ``training.scheduler`` scores a batch while the student trains on another.
-        has_context: the teacher reads a teacher-only context (``distillation.teacher_context``
-            or ``teacher_context_key``).
+    ``served``: ``teacher.backend`` = remote; ``several``: ``teachers:`` set; ``on_cluster``: ``cluster:`` set;
+    ``scores_ahead``: ``training.scheduler`` scores a batch while the student trains on another; ``has_context``:
+    ``distillation.teacher_context`` or ``teacher_context_key`` set.
     """
 
     value: str

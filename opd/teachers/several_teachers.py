@@ -1,32 +1,20 @@
-"""Several teachers behind one :class:`~opd.models.interfaces.TeacherInterface`.
+"""Several teachers behind one :class:`~opd.models.interfaces.TeacherInterface` (the ``teachers:`` section).
 
-The driver keeps talking to one teacher; with a ``teachers:`` section it is one of these:
+* :class:`RoutedTeachers` (``teachers.mode: route``): every row goes to the one member its example names
+  (``teacher_index``, :mod:`opd.data.teacher_choice`), asked for one signal for all or, where members have
+  objectives of their own, a :class:`~opd.models.interfaces.PerTeacherRequest`. A member without rows costs
+  nothing; a full-vocabulary member still sends hidden states and its head to the fused loss. The answer, a
+  :class:`RoutedSignal`, is applied row group by row group by :class:`~opd.losses.several_teachers_loss.RoutedLoss`.
+* :class:`TeacherMixture` (``teachers.mode: mixture``): every member scores every row and the student matches
+  ``p_mix = Σ_i w_i p_i`` with the example's ``teacher_weights``. The answer is a :class:`MixedSignal`.
 
-* :class:`RoutedTeachers` (``teachers.mode: route``): every row goes to the one teacher
-  its example names (``teacher_index``, see :mod:`opd.data.teacher_choice`). Each member
-  scores only its own rows, with the signal the loss asked for (one signal for all, or a
-  :class:`~opd.models.interfaces.PerTeacherRequest` when members have objectives of their
-  own), so a member with no row in a micro-batch costs nothing and a full-vocabulary
-  member still sends hidden states and its own head to the fused loss. The answer is a :class:`RoutedSignal`: each
-  member's part, which :class:`~opd.losses.several_teachers_loss.RoutedLoss` applies
-  row group by row group.
-* :class:`TeacherMixture` (``teachers.mode: mixture``): every member scores every row and
-  the student matches the mixture ``p_mix = Σ_i w_i p_i`` of their distributions, with the
-  example's weights (``teacher_weights``). The answer is a :class:`MixedSignal`: the
-  mixture, in the form of the signal asked for, plus each member's own answer (for the
-  per-teacher metrics).
+The mixture per signal (``w_i`` sum to 1 per row; ``T`` the loss temperature):
 
-The mixture for each signal (``w_i`` sum to 1 for every row; ``T`` the loss temperature):
-
-* full vocabulary: ``p_mix = Σ_i w_i softmax(z_i / T)``, sent as the logits
-  ``T · log p_mix``, so that the loss's own ``softmax(· / T)`` gives back ``p_mix``;
-* top-k: each member sends its top k at temperature ``T`` and its rest mass. A candidate
-  token (one in any member's top k) gets ``Σ_i w_i p_i(token)``, where a member that did
-  not list the token counts 0 for it: that member's probability of it stays in its rest.
-  The k most likely candidates are sent, and the rest is ``Σ_i w_i rest_i`` plus the
-  candidates not sent, summed from positive terms. It is a true distribution over the k
-  tokens and one rest class, exact when the members list the same tokens or k covers
-  the vocabulary; otherwise it moves mass from listed tokens into the rest;
+* full vocabulary: the logits ``T · log Σ_i w_i softmax(z_i / T)``, whose ``softmax(· / T)`` is ``p_mix``;
+* top-k: a candidate (in any member's top k at ``T``) gets ``Σ_i w_i p_i(token)``, a member that did not list it
+  counting 0 (its mass stays in that member's rest). The k most likely candidates are sent; the rest is
+  ``Σ_i w_i rest_i`` plus the unsent candidates, summed from positive terms. A true distribution, exact when the
+  members list the same tokens or k covers the vocabulary; otherwise mass moves from listed tokens into the rest;
 * token log-probs: ``log Σ_i w_i p_i(token)``, exact.
 """
 
@@ -119,11 +107,7 @@ def _map_single(signal: TeacherSignal, per_row: Callable[[torch.Tensor], torch.T
 
 
 class _Combined(Pending[TeacherSignal]):
-    """Several members' pending answers, combined into one answer when collected.
-
-    Each member's time is the time from the start of scoring to the collection of its
-    answer (members score at once where they can, so the times overlap).
-    """
+    """Members' pending answers, combined when collected; each one's time runs from the start to its collection."""
 
     def __init__(
         self,
@@ -145,11 +129,7 @@ class _Combined(Pending[TeacherSignal]):
 
 
 def waits_for_heads(signal: TeacherSignal) -> bool:
-    """Whether several teachers' answer holds a member's hidden states alone (:class:`TeacherHiddenStates`).
-
-    Such an answer can be combined only where those members' output layers are (a trainer
-    worker binds them): a routed part's hidden states, or a mixture not mixed yet.
-    """
+    """Whether the answer holds members' bare hidden states, combinable only where their heads are (trainer workers)."""
     if isinstance(signal, RoutedSignal):
         return any(isinstance(part.signal, TeacherHiddenStates) for part in signal.parts)
     return isinstance(signal, MixedSignal) and signal.mixed is None
@@ -160,15 +140,11 @@ def waits_for_heads(signal: TeacherSignal) -> bool:
 
 @dataclass
 class RoutedPart:
-    """One member's answer for the rows routed to it.
+    """One member's answer for the rows routed to it; ``teacher`` indexes ``teachers.members``.
 
-    Attributes:
-        teacher: the member's position in ``teachers.members``.
-        rows: ``[b]`` int64 positions of its rows in the micro-batch; in a packed
-            micro-batch, the positions of its sequences' tokens in the packed row.
-        signal: the member's answer for those rows (in that order); packed: one row of
-            its sequences, one after another.
-        segments: packed: which sequences of the packed row are its (in ``rows``' order); else None.
+    ``rows``: ``[b]`` int64 positions of its rows in the micro-batch (packed: of its sequences' tokens in the row);
+    ``signal``: its answer for them, in that order (packed: one row of its sequences); ``segments``: packed only, which
+    sequences of the packed row are its.
     """
 
     teacher: int
@@ -181,11 +157,8 @@ class RoutedPart:
 class RoutedSignal(SeveralTeachersSignal):
     """Several teachers' answers, each for its own rows of one micro-batch.
 
-    Attributes:
-        parts: one per member that had rows, in member order.
-        batch_size: rows of the micro-batch (1 when packed).
-        seconds: each member's scoring time, by name.
-        packed_length: a packed micro-batch's tokens (its parts hold token positions); None for rows.
+    ``parts``: one per member with rows, in member order; ``batch_size``: 1 when packed; ``seconds``: scoring time by
+    member name; ``packed_length``: a packed micro-batch's tokens (the parts hold token positions), else None.
     """
 
     parts: list[RoutedPart]
@@ -194,11 +167,7 @@ class RoutedSignal(SeveralTeachersSignal):
     packed_length: int | None = None
 
     def combined(self) -> SingleTeacherSignal:
-        """The parts put back in row order, as one answer of the same kind.
-
-        Hidden states become logits; logits of members with different output widths are
-        cut to the narrowest (the extra outputs are padding, never tokens).
-        """
+        """The parts in row order as one answer; logits cut to the narrowest width (wider outputs are padding)."""
         signals = [_as_dense(part.signal) for part in self.parts]
         rows = [part.rows for part in self.parts]
         size = self.batch_size if self.packed_length is None else self.packed_length
@@ -226,11 +195,7 @@ class RoutedSignal(SeveralTeachersSignal):
         return RoutedSignal(parts, self.batch_size, dict(self.seconds), self.packed_length)
 
     def select_rows(self, rows: torch.Tensor, width: int) -> RoutedSignal:
-        """Each member's answer for those of its rows that are among ``rows``, renumbered in ``rows``' order.
-
-        The members' scoring times stay with the whole batch's answer (they were spent
-        when it was scored): the selection carries none.
-        """
+        """Each member's answer for its rows among ``rows``, renumbered in their order; carries no scoring times."""
         rows = rows.cpu()
         place = torch.full((self.batch_size,), -1, dtype=torch.long)
         place[rows] = torch.arange(rows.numel())
@@ -284,12 +249,7 @@ def _scatter_rows(pieces: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], 
 
 
 class RoutedTeachers(TeacherInterface):
-    """Each row is scored by the one member its example was routed to (``teacher_index``).
-
-    Args:
-        names: the members' names (metric names).
-        members: the teachers, in ``teachers.members`` order.
-    """
+    """Each row is scored by the member its example was routed to (``teacher_index``); ``names`` name the metrics."""
 
     def __init__(self, names: Sequence[str], members: Sequence[TeacherInterface]) -> None:
         if len(names) != len(members) or not members:
@@ -317,11 +277,10 @@ class RoutedTeachers(TeacherInterface):
         return list(request.requests)
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> RoutedSignal:
-        """Each member scores its own rows, with its own request; members without rows are not called.
+        """Each member scores its own rows with its own request; members without rows are not called.
 
         Raises:
-            ValueError: if ``data`` has no ``teacher_index`` or one outside the members, or a
-                :class:`PerTeacherRequest` has not one request per member.
+            ValueError: no or an out-of-range ``teacher_index``, or a PerTeacherRequest without one request per member.
         """
         parts: list[RoutedPart] = []
         seconds: dict[str, float] = {}
@@ -335,8 +294,7 @@ class RoutedTeachers(TeacherInterface):
         return RoutedSignal(parts, data.size, seconds, _packed_length(data))
 
     def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
-        """Starts every member with rows on its rows (each member scores in the background where it
-        can: a pool, a server) and puts their answers together when collected (as :meth:`score`)."""
+        """Starts each member with rows on them (in the background where it can); combined as :meth:`score` does."""
         requests = self._requests(request)
         routes = self._routes(data)
         selections = [_routed_rows(data, rows) for _, rows in routes]
@@ -380,11 +338,7 @@ def _packed_length(data: BatchedDataDict) -> int | None:
 def _routed_rows(
     data: BatchedDataDict, rows: torch.Tensor
 ) -> tuple[BatchedDataDict, torch.Tensor, torch.Tensor | None]:
-    """What one member scores: ``(its micro-batch, the part's rows, its segments)``.
-
-    Right-padded: its rows. Packed: its sequences, as a packed row of their own
-    (:func:`~opd.data.sequences.select_segments`); the part's rows are their tokens' positions.
-    """
+    """``(micro-batch, part rows, segments)`` one member scores: its rows, or (packed) its sequences as a packed row."""
     if "sequence_lengths" not in data:
         return data.select_indices(rows), rows, None
     positions, selected = select_segments(data, rows)
@@ -396,18 +350,10 @@ def _routed_rows(
 
 @dataclass
 class MixedSignal(SeveralTeachersSignal):
-    """A mixture of teachers' answers, and each member's own answer.
+    """A mixture of teachers' answers, and each member's own answer (for the per-teacher metrics).
 
-    Attributes:
-        mixed: the mixture, in the form of the signal asked for; None while members in
-            other processes sent hidden states alone (:class:`TeacherHiddenStates`): the
-            mixture is made where their output layers are (:meth:`mix_bound`).
-        members: each member's answer (dense: logits, top-k or token log-probs; or hidden
-            states alone, until bound).
-        weights: ``[B, members]`` each row's weight of each member (rows sum to 1); in a packed
-            row ``[1, T, members]``, each token's.
-        seconds: each member's scoring time, by name.
-        temperature: the loss temperature a full-vocabulary mixture is taken at.
+    ``mixed`` is None while members in other processes sent bare hidden states: it is made where their heads are
+    (:meth:`mix_bound`). ``weights``: ``[B, members]``, rows summing to 1 (packed: ``[1, T, members]`` per token).
     """
 
     mixed: SingleTeacherSignal | None
@@ -417,21 +363,13 @@ class MixedSignal(SeveralTeachersSignal):
     temperature: float = 1.0
 
     def combined(self) -> SingleTeacherSignal:
-        """The mixture.
-
-        Raises:
-            ValueError: the members sent hidden states that were not bound to their heads yet.
-        """
+        """The mixture; ValueError while the members' hidden states are not bound to their output layers."""
         if self.mixed is None:
             raise ValueError("the mixture's members sent hidden states: bind them to their output layers first")
         return self.mixed
 
     def mix_bound(self, members: Sequence[TeacherSignal]) -> MixedSignal:
-        """This mixture with ``members`` (its members' answers, hidden states bound to their heads), mixed.
-
-        A mixture made already keeps its mixture; one that waited for the heads is made
-        now, as :class:`TeacherMixture` makes it in one process (:func:`mix_logits`).
-        """
+        """This mixture, made (:func:`mix_logits`) from ``members``' answers with hidden states bound, if not yet."""
         if self.mixed is not None:
             return self
         dense = [_as_dense(member) for member in members]
@@ -445,10 +383,7 @@ class MixedSignal(SeveralTeachersSignal):
         return MixedSignal(mixed, members, self.weights.to(device), dict(self.seconds), self.temperature)
 
     def select_rows(self, rows: torch.Tensor, width: int) -> MixedSignal:
-        """The mixture, each member's answer and the weights of rows ``rows``, cut to ``width`` positions.
-
-        The members' scoring times stay with the whole batch's answer: the selection carries none.
-        """
+        """The mixture, answers and weights of ``rows``, cut to ``width`` positions; carries no scoring times."""
         members = [_signal_rows(member, rows, width) for member in self.members]
         mixed = None if self.mixed is None else _signal_rows(self.mixed, rows, width)
         return MixedSignal(mixed, members, self.weights[rows.to(self.weights.device)], temperature=self.temperature)
@@ -466,14 +401,7 @@ class MixedSignal(SeveralTeachersSignal):
 
 
 class TeacherMixture(TeacherInterface):
-    """Every row is scored by every member; the answer is the weighted mixture of their distributions.
-
-    Args:
-        names: the members' names (metric names).
-        members: the teachers, in ``teachers.members`` order.
-        temperature: the loss temperature ``T``: a full-vocabulary mixture mixes the
-            members' ``softmax(z / T)`` (top-k requests carry their own temperature).
-    """
+    """Every row is scored by every member; full-vocabulary answers are mixed at the loss ``temperature``."""
 
     def __init__(self, names: Sequence[str], members: Sequence[TeacherInterface], temperature: float = 1.0) -> None:
         if len(names) != len(members) or not members:
@@ -496,11 +424,10 @@ class TeacherMixture(TeacherInterface):
         return _refusal_of_members(self.names, self.members, [request] * len(self.members))
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> MixedSignal:
-        """Every member scores every row; their answers are mixed with the rows' ``teacher_weights``.
+        """Every member scores every row; answers mixed with the rows' ``teacher_weights``.
 
         Raises:
-            ValueError: if ``data`` has no ``teacher_weights`` of one column per member, or
-                for a :class:`PerTeacherRequest`.
+            ValueError: no ``teacher_weights`` of one column per member, or a :class:`PerTeacherRequest`.
         """
         weights, request = self._checked(data, request)
         answers: list[TeacherSignal] = []
@@ -512,8 +439,7 @@ class TeacherMixture(TeacherInterface):
         return self._mix(answers, weights, request, seconds)
 
     def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
-        """Starts every member on every row (in the background where it can) and mixes their answers
-        when collected (as :meth:`score`)."""
+        """Starts every member on every row (in the background where it can); mixed as :meth:`score` does."""
         weights, request = self._checked(data, request)
         pending = [member.score_async(data, request) for member in self.members]
         return _Combined(self.names, pending, lambda answers, seconds: self._mix(answers, weights, request, seconds))
@@ -571,11 +497,7 @@ def _member_weights(weights: torch.Tensor, member: int) -> torch.Tensor:
 
 
 def _log_weights(weights: torch.Tensor, like: torch.Tensor, extra_dims: int) -> torch.Tensor:
-    """Log-weights broadcastable against stacked ``[members, B, L, ...]`` values.
-
-    ``weights`` are per row ``[B, members]`` (``extra_dims`` dimensions follow ``B``) or,
-    in a packed row, per token ``[B, L, members]``.
-    """
+    """Log-weights broadcastable against ``[members, B, L, ...]``, from ``[B, members]`` or ``[B, L, members]``."""
     logs = weights.to(device=like.device, dtype=torch.float32).clamp_min(0).log()
     if weights.dim() == 3:
         logs = logs.permute(2, 0, 1)
@@ -585,15 +507,10 @@ def _log_weights(weights: torch.Tensor, like: torch.Tensor, extra_dims: int) -> 
 
 
 def mix_logits(logits: Sequence[torch.Tensor], weights: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``T · log Σ_i w_i softmax(z_i / T)``: logits whose tempered softmax is the mixture.
+    """``T · log Σ_i w_i softmax(z_i / T)``, float32 ``[B, L, V]``: logits whose tempered softmax is the mixture.
 
-    Args:
-        logits: each member's ``[B, L, V_i]`` logits (cut to the narrowest ``V``).
-        weights: ``[B, members]``, rows summing to 1 (or ``[B, L, members]`` per token).
-        temperature: ``T``.
-
-    Returns:
-        ``[B, L, V]`` float32.
+    ``logits``: each member's ``[B, L, V_i]`` (cut to the narrowest); ``weights``: ``[B, members]`` rows summing to 1,
+    or per token ``[B, L, members]``.
     """
     width = min(member.shape[-1] for member in logits)
     log_probs = torch.stack([torch.log_softmax(member[..., :width].float() / temperature, dim=-1) for member in logits])
@@ -608,17 +525,10 @@ def mix_token_logprobs(logprobs: Sequence[torch.Tensor], weights: torch.Tensor) 
 
 
 def mix_topk(answers: Sequence[tuple[torch.Tensor, torch.Tensor]], weights: torch.Tensor, k: int) -> TopKLogprobs:
-    """The mixture's k most likely candidate tokens and its rest mass (see the module docstring).
+    """The mixture's ``min(k, candidates)`` most likely candidates, sorted, and its rest (see the module docstring).
 
-    Args:
-        answers: each member's ``([B, L, k_i] log-probs, [B, L, k_i] ids)``, with its rest
-            mass where it is a :class:`TopKLogprobs` that carries one.
-        weights: ``[B, members]``, rows summing to 1 (or ``[B, L, members]`` per token).
-        k: tokens to send per position.
-
-    Returns:
-        ``([B, L, k'] log-probs, ids, [B, L] rest log-probs)`` with ``k' = min(k, candidates)``,
-        sorted by probability.
+    ``answers``: each member's ``[B, L, k_i]`` log-probs and ids (with its rest mass if a TopKLogprobs carries one);
+    ``weights`` as in :func:`mix_logits`.
     """
     ids = torch.cat([answer[1] for answer in answers], dim=-1)  # [B, L, C] candidates
     probs = torch.zeros(ids.shape, dtype=torch.float64, device=ids.device)
@@ -631,8 +541,7 @@ def mix_topk(answers: Sequence[tuple[torch.Tensor, torch.Tensor]], weights: torc
         if member_rest is None:
             member_rest = rest_logprobs_from_topk(answer[0].double())
         rest += w * member_rest.double().exp()
-    # A token listed by several members is one candidate (with the same mixed probability
-    # at each occurrence): every occurrence after the first is dropped.
+    # A token listed by several members is one candidate: every occurrence after the first is dropped.
     sorted_ids, order = ids.sort(dim=-1, stable=True)
     repeat_sorted = torch.zeros_like(sorted_ids, dtype=torch.bool)
     repeat_sorted[..., 1:] = sorted_ids[..., 1:] == sorted_ids[..., :-1]
@@ -647,11 +556,7 @@ def mix_topk(answers: Sequence[tuple[torch.Tensor, torch.Tensor]], weights: torc
 
 
 def _probability_where_listed(candidates: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-    """``[..., C]`` float64: a member's probability of each candidate where it listed it, else 0.
-
-    A binary search in the member's sorted ids (unique per position), so memory stays
-    ``O(C)`` per position.
-    """
+    """``[..., C]`` float64: a member's probability of each candidate it listed, else 0 (binary search: O(C) memory)."""
     sorted_ids, order = ids.sort(dim=-1)
     place = torch.searchsorted(sorted_ids.contiguous(), candidates.contiguous()).clamp_max(ids.shape[-1] - 1)
     listed = sorted_ids.gather(-1, place) == candidates

@@ -1,30 +1,15 @@
 """One teacher forward per distinct prompt: the samples of a prompt share its pass.
 
-With ``num_samples_per_prompt`` > 1, a micro-batch holds several sequences that begin
-with the same prompt tokens. A causal LM's states over a prefix do not depend on what
-follows it, so the prompt needs one pass, not one per sample:
+A causal LM's states over a prefix do not depend on what follows, so (1) the distinct prompts run once each,
+right-padded, keeping their keys and values; (2) the cache is expanded to the batch's rows; (3) each row's response
+(everything after its prompt: all turns of a multi-turn trajectory) runs on top at the positions after its prompt,
+with the padding between a shorter prompt and the widest masked. The hidden states land where a one-pass forward puts
+them, so everything computed from them is the one-pass result up to float rounding (padding positions hold zeros).
+Rows are grouped by prompt tokens; groups of unequal prompt length share one pass.
 
-1. the distinct prompts run once each, right-padded, keeping their keys and values;
-2. the cache is expanded to the batch's rows (each row takes its prompt's entries);
-3. each row's response (everything after its prompt: one turn, or on a multi-turn
-   trajectory all turns and observations) runs on top, at the positions that follow
-   its prompt, attending to its prompt's keys (the padding between a shorter prompt and
-   the widest one is masked out) and causally to its own earlier response tokens.
-
-The final hidden states are put back at the positions a one-pass forward over the
-right-padded batch gives them, so everything computed from them (logits, top-k, token
-log-probs, the fused loss's head) is the one-pass result up to float rounding. Rows are
-grouped by their prompt tokens, not by their place in the batch: a row whose prompt
-differs is its own group, and groups of unequal prompt length share one pass. Padding
-positions (after a row's length) hold zeros, where a one-pass forward leaves states that
-nothing reads.
-
-A batch is scored in one pass instead (:func:`prompt_groups` returns None) when sharing
-cannot save anything (every prompt distinct), when it has no ``prompt_lengths``, or when
-it packs several sequences into a row (``position_ids``); and a model is, whatever the
-batch, when some of its layers do not attend to the whole context
-(:func:`sharing_problem`: sliding-window or recurrent layers keep a cache that is not
-every earlier key and value).
+A batch is scored in one pass where sharing saves nothing or does not apply (:func:`prompt_groups` returns None),
+and a model always is when some layers do not attend to the whole context (:func:`sharing_problem`: sliding-window
+or recurrent caches do not hold every earlier key and value).
 """
 
 from __future__ import annotations
@@ -44,14 +29,7 @@ if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling
 
 @dataclass(frozen=True)
 class PromptGroups:
-    """Which rows of a batch share which prompt.
-
-    Attributes:
-        group_of_row: ``[B]`` index of each row's prompt in ``prompts``.
-        prompts: the distinct prompts' token ids, in order of first appearance.
-        prompt_lengths: ``[B]`` each row's prompt length.
-        input_lengths: ``[B]`` each row's length (prompt and response).
-    """
+    """Which rows share which prompt: ``group_of_row`` indexes ``prompts`` (in order of first appearance)."""
 
     group_of_row: list[int]
     prompts: list[list[int]]
@@ -75,10 +53,9 @@ def sharing_problem(model: PreTrainedModel) -> str | None:
 
 
 def prompt_groups(data: BatchedDataDict) -> PromptGroups | None:
-    """The rows of right-padded ``data`` grouped by identical prompt tokens, or None where sharing saves nothing.
+    """Rows of right-padded ``data`` grouped by identical prompt tokens, or None where sharing saves nothing.
 
-    None when ``data`` packs sequences (``position_ids``), has no ``prompt_lengths``, has
-    an empty prompt, or when no two rows share a prompt.
+    None also for packed sequences (``position_ids``), no ``prompt_lengths`` or an empty prompt.
     """
     if "position_ids" in data or "prompt_lengths" not in data:
         return None
@@ -105,17 +82,7 @@ def prompt_groups(data: BatchedDataDict) -> PromptGroups | None:
 def shared_prompt_hidden_states(
     model: PreTrainedModel, input_ids: torch.Tensor, groups: PromptGroups, device: torch.device
 ) -> torch.Tensor:
-    """The decoder's final hidden states ``[B, L, D]`` of right-padded ``input_ids``, each prompt run once.
-
-    Args:
-        model: a Hugging Face causal LM (its decoder runs, with a key-value cache).
-        input_ids: ``[B, L]`` right-padded token ids.
-        groups: the rows' prompts (:func:`prompt_groups`).
-        device: where the model's inputs go.
-
-    Returns:
-        The hidden states at every real position (zeros at padding), in the model's dtype.
-    """
+    """Final hidden states ``[B, L, D]`` of right-padded ``input_ids`` (zeros at padding), each prompt run once."""
     decoder = model.get_decoder()
     # The cache argument's name changed within transformers 5 (past_key_values, then cache).
     cache_argument = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"

@@ -1,21 +1,10 @@
 """A frozen teacher scored by a vLLM engine in this process: top-k and token log-probs.
 
-A teacher-pool worker (``cluster.teacher.engine: vllm``) holds one of these. vLLM's
-``prompt_logprobs`` gives, at each position of a sequence sent as the prompt, the log-probs
-of its most likely next tokens and of the token actually there, from the model's raw
-logits (temperature 1), which is what the top-k and token-log-prob losses read. The
-engine can spread the teacher over several devices with tensor parallelism
-(``tensor_parallel_size``), so one pool worker holds a teacher larger than one GPU.
-
-What it cannot send is the full-vocabulary signal: vLLM returns log-probs, not the final
-hidden states that the exact loss binds to the teacher's output layer. A pool that must
-answer a full-vocabulary loss uses the HF engine (sharded with FSDP2 across the replica's
-workers when the teacher is larger than one device).
-
-The engine loads the teacher from its directory itself (no copy through this process); a
-``tiny:`` preset is written to a scratch directory first. Answers are checked as the
-served teacher's are (:mod:`opd.teachers.served.openai_protocol`): every position scores
-the token sent there, with a finite log-prob, and at least ``k`` candidates.
+A teacher-pool worker (``cluster.teacher.engine: vllm``) holds one. vLLM's ``prompt_logprobs`` gives per position
+the log-probs of the most likely next tokens and of the actual one, from the raw logits (temperature 1); tensor
+parallelism (``tensor_parallel_size``) lets one worker hold a teacher larger than one GPU. The full-vocabulary signal
+needs final hidden states, which vLLM does not return: that takes the HF engine. Answers are checked as a served
+teacher's are (:mod:`opd.teachers.served.openai_protocol`).
 """
 
 from __future__ import annotations
@@ -84,11 +73,9 @@ class VllmScoringConfig(StrictConfig):
 
 
 def _model_directory(path: str, scratch: str) -> str:
-    """A directory vLLM can load: ``path`` itself, or a ``tiny:`` preset or GGUF model written to ``scratch``.
+    """A directory vLLM can load: ``path``, or a ``tiny:`` preset or GGUF model written to ``scratch``.
 
-    A GGUF teacher is written dequantised (with its tokenizer): vLLM's own GGUF reader
-    would keep it quantised, and the teacher must score with the weights opd's other
-    backends use.
+    GGUF is written dequantised: vLLM's reader would keep it quantised, unlike opd's other backends.
     """
     if is_tiny_path(path):
         build_tiny_model(path[len(TINY_PREFIX) :]).save_pretrained(scratch)
@@ -118,14 +105,7 @@ def _scored(output: Any, sent: list[int]) -> ScoredSequence:
 
 
 class VllmTeacher(TeacherInterface):
-    """``TeacherInterface`` over an in-process vLLM engine: top-k and token log-probs (see the module docstring).
-
-    Args:
-        model_path: the teacher's directory (or a ``tiny:`` preset).
-        config: the engine's settings.
-        on_gpu: whether the engine runs on CUDA devices (else vLLM's CPU backend).
-        seed: the engine's seed (scoring draws nothing; kept for a reproducible engine).
-    """
+    """``TeacherInterface`` over an in-process vLLM engine; ``seed`` only makes the engine reproducible."""
 
     def __init__(self, model_path: str, config: VllmScoringConfig, on_gpu: bool, seed: int = 0) -> None:
         from opd.rollout.vllm_generation import configure_vllm_environment, engine_resources, import_vllm
@@ -175,11 +155,7 @@ class VllmTeacher(TeacherInterface):
         return reason
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
-        """Answers a top-k or token-log-prob ``request`` for ``data`` (CPU tensors).
-
-        Raises:
-            ConfigError: for a request the engine cannot answer (see :meth:`refusal`).
-        """
+        """Answers a top-k or token-log-prob ``request`` for ``data`` (CPU tensors); ConfigError where refused."""
         reason = self.refusal(request)
         if reason is not None:
             raise ConfigError(reason)

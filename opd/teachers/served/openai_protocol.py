@@ -1,13 +1,7 @@
-"""Reading vLLM's ``prompt_logprobs`` answers (the OpenAI-compatible JSON route).
+"""Reading vLLM's ``prompt_logprobs`` answers: the served teacher's JSON route, e.g. against ``vllm serve``.
 
-The client of a served teacher (:mod:`opd.teachers.served.remote_teacher`) uses this route
-against ``vllm serve``, which does not speak opd's binary protocol. Every answer is
-checked before use: one choice per sequence, ``prompt_token_ids`` (when returned) equal
-to the ids sent, one entry per position, each position naming the very token that was
-sent there with a finite log-prob, at least ``k`` candidates, and a rest mass (the
-``prompt_topk_rest_mass`` field ``opd serve-teacher`` adds; vLLM sends none) in [0, 1]
-that adds up with the top k to 1. :class:`~opd.teachers.served.wire.WireError` names the
-first thing that does not match.
+Every answer is checked against what was sent before use (:func:`parse_prompt_logprobs`);
+:class:`~opd.teachers.served.wire.WireError` names the first mismatch.
 """
 
 from __future__ import annotations
@@ -27,10 +21,7 @@ REST_MASS_FIELD = "prompt_topk_rest_mass"
 
 @dataclass(frozen=True)
 class ScoredSequence:
-    """One sequence's answer: per position ``{token id: log-prob}`` and, if the server sent it, the rest mass.
-
-    Index 0 of both lists stands for position 0, which has no prediction (``{}`` / None).
-    """
+    """One sequence's ``{token id: log-prob}`` and rest mass (if sent) per position; index 0 is no prediction."""
 
     candidates: list[dict[int, float]]
     rest_mass: list[float] | None
@@ -44,12 +35,7 @@ def top_k(candidates: dict[int, float], k: int) -> list[tuple[int, float]]:
 def _parse_rest_mass(
     choice: dict[str, Any], number: int, candidates: list[dict[int, float]], k: int
 ) -> list[float] | None:
-    """The choice's ``prompt_topk_rest_mass``, checked against its top-k log-probs; None if absent.
-
-    Raises:
-        WireError: a malformed list, a mass outside [0, 1], or one that does not add up
-            with the top k to 1 (it would describe other tokens than those sent).
-    """
+    """The choice's ``prompt_topk_rest_mass`` or None; WireError unless each is in [0, 1] and adds up with the top k."""
     served = choice.get(REST_MASS_FIELD)
     if served is None or k == 0:
         return None
@@ -69,11 +55,7 @@ def _parse_rest_mass(
 
 
 def parse_prompt_logprobs(payload: dict[str, Any], sequences: list[list[int]], k: int) -> list[ScoredSequence]:
-    """Checks a ``/v1/completions`` answer against the ids sent and extracts the log-probs (and rest masses).
-
-    Raises:
-        WireError: naming the first thing that does not match.
-    """
+    """The log-probs (and rest masses) of a ``/v1/completions`` answer, checked against the ids sent (WireError)."""
     choices = payload.get("choices")
     if not isinstance(choices, list) or len(choices) != len(sequences):
         raise WireError(
@@ -124,12 +106,10 @@ def parse_prompt_logprobs(payload: dict[str, Any], sequences: list[list[int]], k
 
 
 def placeholder_topk(rows: int, width: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float64 top-k log-probs, ids and rest log-mass ``[rows, width(, k)]`` for positions no answer covers.
+    """float64 top-k log-probs, ids and rest log-mass ``[rows, width(, k)]`` for the positions no answer covers.
 
-    Each position holds a placeholder distribution (ids ``0 … k-1``, each with probability
-    ``1 / (2k)``, rest 1/2): the loss masks those positions (before the response, a
-    sequence's last token, padding), and they keep every value finite. float64 until the
-    rest is known: JSON carries doubles, and the rest computed from the top k needs them.
+    A finite placeholder the loss masks: ids ``0 … k-1`` at ``1 / (2k)`` each, rest 1/2. float64 because JSON carries
+    doubles and a rest computed from the top k needs them.
     """
     values = torch.full((rows, width, k), math.log(0.5 / k), dtype=torch.float64)
     ids = torch.arange(k, dtype=torch.long).expand(rows, width, k).clone()
@@ -142,9 +122,7 @@ def fill_topk_from_scored(
 ) -> None:
     """Writes each sequence's top k (position t describes token t + 1) into ``values``, ``ids`` and ``rest``.
 
-    ``rest`` gets log(1 − Σ_k P): the answer's own rest mass where it has one, else computed
-    from the top k in float64 (exact for the log-probs received, which a float32
-    subtraction would not be).
+    The rest is the answer's own where it has one, else log(1 − Σ_k P) in float64 (exact for the values received).
     """
     has_rest = torch.zeros(rest.shape, dtype=torch.bool)
     served_rest = torch.ones(rest.shape, dtype=torch.float64)

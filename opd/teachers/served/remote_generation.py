@@ -1,19 +1,10 @@
 """A served teacher's own answers to prompts: the validation baselines' engine for ``teacher.backend: remote``.
 
-:class:`RemoteGeneration` is a :class:`~opd.models.interfaces.GenerationInterface` over
-the ``/v1/completions`` route that both ``opd serve-teacher`` and vLLM's OpenAI-compatible
-server answer, whichever ``teacher.remote.protocol`` the run scores with: the prompts go
-out as token ids, the decoding as vLLM's fields (``temperature`` 0 for greedy, else
-``temperature`` with ``top_k`` or ``top_p``; ``max_tokens``; ``n``; ``seed``), and the
-run's stop tokens as ``stop_token_ids``, on top of the server's own EOS ids. The response
-ids come back as each choice's ``token_ids`` (``return_token_ids``, vLLM 0.10.2 and
-later, and ``opd serve-teacher``); from an older vLLM, as the ``token_id:<id>`` strings of
-``logprobs.tokens`` (``return_tokens_as_token_ids`` with ``logprobs: 0``). A choice whose
-``finish_reason`` is ``length`` is truncated.
-
-The engine answers without the sampler's log-probs: it serves validation, which does not
-read them. Transport failures and HTTP 408 / 429 / 5xx are retried as the scoring
-client retries them (:mod:`opd.teachers.served.remote_teacher`).
+:class:`RemoteGeneration` asks ``/v1/completions`` (``opd serve-teacher`` and vLLM answer it whatever
+``teacher.remote.protocol`` says) with token-id prompts, vLLM's decoding fields and the run's stop tokens as
+``stop_token_ids``. Response ids come back as ``token_ids`` (vLLM 0.10.2 and later, ``opd serve-teacher``), or from
+an older vLLM as ``token_id:<id>`` strings in ``logprobs.tokens``; ``finish_reason`` ``length`` means truncated.
+No sampler log-probs (validation does not read them). Failures are retried as the scoring client retries them.
 """
 
 from __future__ import annotations
@@ -76,18 +67,7 @@ def response_ids(choice: dict[str, Any]) -> list[int]:
 
 
 class RemoteGeneration(GenerationInterface):
-    """``GenerationInterface`` over a served teacher's ``/v1/completions`` (see the module docstring).
-
-    Args:
-        url: the server's base URL.
-        model: the served model name; None asks ``/v1/models`` for the first one.
-        api_key: bearer token, if the server requires one.
-        stop_ids: the tokens that end a response besides the server's own EOS ids.
-        pad_token_id: pads the rows of the returned batch.
-        timeout_s: per-request timeout (a whole batch of answers comes in one request).
-        max_retries: further attempts after a retryable failure.
-        backoff_s: wait before the first retry; doubled for each next one.
-    """
+    """``GenerationInterface`` over a served teacher's ``/v1/completions``; ``stop_ids`` add to the server's EOS ids."""
 
     def __init__(
         self,
@@ -139,15 +119,11 @@ class RemoteGeneration(GenerationInterface):
         num_samples: int = 1,
         return_logprobs: bool = True,
     ) -> BatchedDataDict:
-        """The server's answers to ``prompts``, in one request (see ``GenerationInterface.generate``).
-
-        The seed sent is drawn from torch's generator, so sampled answers follow the
-        caller's seed (validation's own random stream).
+        """The server's answers to ``prompts``, in one request; the seed sent is drawn from torch's generator.
 
         Raises:
-            ValueError: ``return_logprobs`` (this engine sends no sampler log-probs).
-            TeacherServiceError: no usable answer after the retries, or an answer with
-                another number of choices or without token ids.
+            ValueError: ``return_logprobs`` (no sampler log-probs are sent).
+            TeacherServiceError: no usable answer after the retries, another number of choices, or no token ids.
         """
         if return_logprobs:
             raise ValueError("a served teacher's answers carry no sampler log-probs; ask with return_logprobs=False")

@@ -1,35 +1,21 @@
 """A teacher served over HTTP: ``opd serve-teacher`` or vLLM's OpenAI-compatible server.
 
-The client sends the student's token ids and turns the answers into the signal the loss
-requested (:meth:`RemoteTeacher.score`). It speaks two protocols, each a
-:class:`WireProtocol` in :data:`PROTOCOLS`, chosen once per server when it connects
-(``protocol``: ``auto`` takes the first of :data:`AUTO_ORDER` the server speaks):
+The client sends the student's token ids and turns the answers into the signal the loss requested. It speaks one
+:class:`WireProtocol` of :data:`PROTOCOLS` per server, chosen on connecting (``protocol: auto``: the first of
+:data:`AUTO_ORDER` the server speaks):
 
-* **opd's binary protocol** (:mod:`opd.teachers.served.wire`, ``opd serve-teacher``):
-  flat tensors, only at the positions the loss reads. It answers every request:
+* ``opd`` (:mod:`opd.teachers.served.wire`, ``opd serve-teacher``): flat tensors, only at the positions the loss
+  reads; every signal. Full-vocabulary requests get the final hidden states, which the trainer turns into logits with
+  the teacher's output layer, loaded locally and checked against the server's (shape, logit transform, checksum) on
+  connecting; on a cluster (``binds_output_layer=False``) the bare hidden states go to the trainer workers, which
+  hold the layer. Top-k comes with the rest log-mass the server summed in float64.
+* ``openai`` (``/v1/completions`` with ``prompt_logprobs``, :mod:`opd.teachers.served.openai_protocol`): top-k and
+  token log-probs only; the rest mass is the server's where sent, else log(1 − Σ_k P) in float64 here.
 
-  * a :class:`~opd.models.interfaces.FullVocabRequest`: the teacher's final hidden
-    states, which the trainer turns into exact full-vocabulary logits with the teacher's
-    output layer, loaded locally (:func:`~opd.models.loading.load_output_layer`) and
-    checked against the server's (shape, logit transform, checksum) when connecting. On a
-    cluster (``binds_output_layer=False``) the client passes the hidden states on alone
-    (:class:`~opd.models.interfaces.TeacherHiddenStates`) to the trainer workers, which
-    hold the layer themselves;
-  * a :class:`~opd.models.interfaces.TopKRequest`: top-k ids and log-probs with the rest
-    log-mass the server summed in float64;
-  * a :class:`~opd.models.interfaces.TokenLogprobsRequest`: each actual token's log-prob.
-* **vLLM's JSON** (``/v1/completions`` with ``prompt_logprobs``,
-  :mod:`opd.teachers.served.openai_protocol`): top-k and token log-probs only. The rest
-  mass is the server's where it sends one, else log(1 − Σ_k P) computed here in float64.
-
-Robustness: sequences go out in requests of ``sequences_per_request``, at most
-``max_concurrency`` at a time; a request that fails in transport (refused connection,
-timeout, truncated body), with HTTP 408 / 429 / 5xx, or with an answer that does not
-match what was sent (:class:`~opd.teachers.served.wire.WireError`: other token ids, a
-wrong shape or dtype, a checksum mismatch, a NaN) is retried up to ``max_retries`` times
-with exponential backoff, so a server restarted within that window is picked up. A
-misaligned answer is never fed to the loss. Other HTTP errors (400, 401, 404, 413) stop
-at once with the server's message.
+Sequences go out ``sequences_per_request`` per request, ``max_concurrency`` requests at a time. Transport failures,
+HTTP 408 / 429 / 5xx and answers that do not match the request (:class:`~opd.teachers.served.wire.WireError`) are
+retried up to ``max_retries`` times with exponential backoff, so a misaligned answer never reaches the loss and a
+restarted server is picked up. Other HTTP errors fail at once with the server's message.
 """
 
 from __future__ import annotations
@@ -117,28 +103,14 @@ def first_loss_positions(data: BatchedDataDict) -> list[int]:
 
 
 class RemoteTeacher(TeacherInterface):
-    """``TeacherInterface`` over a served teacher.
+    """``TeacherInterface`` over a served teacher; arguments as in :class:`~opd.teachers.backends.RemoteTeacherConfig`.
 
     Args:
-        url: base URL of the server, e.g. ``http://127.0.0.1:8000``.
-        model: the served model name sent with each request (None: the server's first model).
-        api_key: bearer token, if the server requires one.
-        max_concurrency: requests in flight at once.
-        sequences_per_request: sequences per request.
-        timeout_s: per-request timeout (connect, read and write).
-        max_retries: further attempts after a retryable failure.
-        backoff_s: wait before the first retry; doubled for each next one.
-        protocol: ``opd`` (binary), ``openai`` (vLLM's JSON) or ``auto`` (``opd`` where the
-            server offers it).
-        hidden_dtype: precision of the hidden states on the wire (``auto``: the served
-            model's own).
-        output_layer: the teacher's output layer, loaded locally; needed for full-vocabulary
-            requests and checked against the server's in :meth:`connect`.
-        binds_output_layer: full-vocabulary answers are the hidden states over the output
-            layer (an :class:`~opd.models.lm_head.LMHeadInput`, for a loss in this
-            process); False answers with the hidden states alone
-            (:class:`~opd.models.interfaces.TeacherHiddenStates`), for trainer workers that
-            hold the layer themselves, and drops the layer here once :meth:`connect` checked it.
+        output_layer: the teacher's output layer, loaded locally: needed for full-vocabulary requests, checked
+            against the server's in :meth:`connect`.
+        binds_output_layer: False answers full-vocabulary requests with bare
+            :class:`~opd.models.interfaces.TeacherHiddenStates` for trainer workers that hold the layer, and drops
+            the layer here once :meth:`connect` checked it.
     """
 
     def __init__(
@@ -184,16 +156,13 @@ class RemoteTeacher(TeacherInterface):
     # ------------------------------------------------------------------ set-up checks
 
     def connect(self, tokenizer: Any) -> None:
-        """Checks, before training, that the server answers, tokenizes like ``tokenizer`` and holds the right head.
+        """Checks before training that the server answers, tokenizes like ``tokenizer`` and holds ``output_layer``.
 
-        Resolves the served model name when none was given and, for ``protocol: auto``,
-        the protocol; asks the server to tokenize a probe text (different ids mean a
-        different tokenizer, whose log-probs would describe other tokens); and, with an
-        ``output_layer``, compares it with the server's.
+        Also resolves the served model name and, for ``protocol: auto``, the protocol.
 
         Raises:
-            TeacherServiceError: unreachable server, unknown model, a tokenizer mismatch, a
-                server without opd's protocol where it is required, or another output layer.
+            TeacherServiceError: unreachable server, unknown model, another tokenizer, no opd protocol where required,
+                or another output layer.
         """
         models = self._request("GET", "/v1/models", None)
         served = [entry.get("id") for entry in models.get("data", []) if isinstance(entry, dict)]
@@ -232,8 +201,7 @@ class RemoteTeacher(TeacherInterface):
 
     @property
     def wire_protocol(self) -> WireProtocol:
-        """The protocol requests go out in: the one :meth:`connect` chose; before it, the configured one
-        (``auto``: the OpenAI-compatible one, which every server speaks)."""
+        """The protocol :meth:`connect` chose; before it, the configured one (``auto``: ``openai``, spoken by all)."""
         return self._chosen or PROTOCOLS.get(self.protocol_setting) or PROTOCOLS["openai"]
 
     @property
@@ -242,12 +210,7 @@ class RemoteTeacher(TeacherInterface):
         return self.wire_protocol.name
 
     def check_output_layer(self, layer: OutputLayer) -> None:
-        """Fails unless ``layer`` is the served model's output layer.
-
-        Raises:
-            TeacherServiceError: no hidden states from this server, or a different shape,
-                logit transform or checksum (the weights of another model).
-        """
+        """Raises TeacherServiceError unless the server sends hidden states and ``layer`` is its output layer."""
         if not self.wire_protocol.sends_hidden_states or self.head_info is None:
             raise TeacherServiceError(
                 f"teacher server {self.url} does not send hidden states (it speaks vLLM's JSON); a full-vocabulary "
@@ -281,22 +244,13 @@ class RemoteTeacher(TeacherInterface):
 
     @classmethod
     def unsupported_reason(cls, request: TeacherRequest) -> str | None:
-        """Top-k at a temperature other than 1 is refused (servers answer at temperature 1).
-
-        Full-vocabulary requests are answered with hidden states, which needs opd's
-        protocol and the teacher's output layer (checked in :meth:`connect`).
-        """
+        """Refuses top-k at a temperature other than 1 (servers answer at temperature 1)."""
         if isinstance(request, TopKRequest) and request.temperature != 1.0:
             return f"a served teacher answers top-k at temperature 1, not {request.temperature}"
         return None
 
     def refusal(self, request: TeacherRequest) -> str | None:
-        """This client's reason as configured: full-vocabulary answers need the checked output layer.
-
-        The class accepts full-vocabulary requests (a config may load the output layer);
-        this client answers them only when it holds the layer and the server sends hidden
-        states (opd's protocol), which :meth:`connect` checked.
-        """
+        """Also refuses full-vocabulary requests unless :meth:`connect` checked the output layer with opd's protocol."""
         reason = super().refusal(request)
         if reason is None and isinstance(request, FullVocabRequest) and not self.sends_hidden_states:
             return _FULL_VOCABULARY_NEEDS
@@ -308,11 +262,7 @@ class RemoteTeacher(TeacherInterface):
         return self.head_checked and self.head_info is not None
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
-        """Answers ``request`` for ``data`` (see :meth:`TeacherInterface.score`).
-
-        Raises:
-            TeacherServiceError: for a request this server cannot answer, or no usable answer.
-        """
+        """Answers ``request`` for ``data``; TeacherServiceError for an unanswerable request or no usable answer."""
         reason = self.unsupported_reason(request)
         if reason is not None:
             raise TeacherServiceError(reason)
@@ -327,23 +277,16 @@ class RemoteTeacher(TeacherInterface):
         return self.get_token_logprobs(data, request.vocab_size)
 
     def score_async(self, data: BatchedDataDict, request: TeacherRequest) -> Pending[TeacherSignal]:
-        """Scores on a background thread (the server does the work) and returns at once.
-
-        One background thread: requests started this way are answered in order.
-        """
+        """Scores on one background thread (requests started this way are answered in order) and returns at once."""
         if self._background is None:
             self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-teacher-async")
         return _InThread(self._background.submit(self.score, data, request))
 
     def get_hidden_states(self, data: BatchedDataDict) -> LMHeadInput | TeacherHiddenStates:
-        """The teacher's final hidden states ``[B, L, D]`` with its output layer, as an ``LMHeadInput``.
+        """The teacher's final hidden states ``[B, L, D]`` over its output layer, zeros where the loss does not read.
 
-        Only the positions the loss reads are sent; the others hold zeros (masked). With
-        ``binds_output_layer=False`` the hidden states come alone, in the wire's dtype, as
-        :class:`~opd.models.interfaces.TeacherHiddenStates` (the receiver binds them).
-
-        Raises:
-            TeacherServiceError: without opd's protocol or a checked output layer.
+        With ``binds_output_layer=False``: bare :class:`~opd.models.interfaces.TeacherHiddenStates` in the wire's dtype.
+        Raises TeacherServiceError without opd's protocol or a checked output layer.
         """
         layer, head = self.output_layer, self.head_info
         if not self.sends_hidden_states or head is None:
@@ -362,18 +305,11 @@ class RemoteTeacher(TeacherInterface):
     def get_topk_logprobs(
         self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
     ) -> TopKLogprobs:
-        """The teacher's top-k log-probs and ids at each position (position t describes token t + 1).
+        """Top-k log-probs and ids per position (position t describes token t + 1), with ``rest_logprobs``.
 
-        ``rest_logprobs`` holds log(1 − Σ_k P): the server's own rest mass where it sends one,
-        else computed from the top-k in float64 (exact for the log-probs received, which a
-        float32 subtraction would not be).
-
-        Positions the server did not score (before the response, a sequence's last token,
-        padding) hold a placeholder distribution (ids ``0 … k-1``, each with probability
-        ``1 / (2k)``, rest 1/2): the loss masks them, and they keep every value finite.
-
-        Raises:
-            TeacherServiceError: if ``temperature`` is not 1 (servers answer at temperature 1).
+        The rest is the server's where sent, else log(1 − Σ_k P) in float64 (exact for the values received). Unscored
+        positions hold a finite placeholder that the loss masks (:func:`.openai_protocol.placeholder_topk`).
+        Raises TeacherServiceError unless ``temperature`` is 1.
         """
         if temperature != 1.0:
             raise TeacherServiceError(
@@ -524,13 +460,8 @@ class ProtocolNotOffered(Exception):
 class WireProtocol(ABC):
     """One value of ``teacher.remote.protocol``: how a client asks a server for each signal.
 
-    The client chooses one when it connects (:data:`PROTOCOLS`, :data:`AUTO_ORDER`) and
-    sends every request through it; a new protocol is one subclass and one entry.
-
-    Attributes:
-        name: the value of ``teacher.remote.protocol``.
-        sends_hidden_states: whether the server can send final hidden states (the
-            full-vocabulary losses need them).
+    A new protocol is one subclass and one entry of :data:`PROTOCOLS`. ``sends_hidden_states``: the server can send
+    final hidden states (full-vocabulary losses need them).
     """
 
     name: ClassVar[str]
@@ -538,11 +469,9 @@ class WireProtocol(ABC):
 
     @abstractmethod
     def connect(self, client: RemoteTeacher) -> dict[str, Any] | None:
-        """Checks that the server speaks this protocol; returns the output layer it describes, if it does.
+        """The output layer the server describes, if any.
 
-        Raises:
-            ProtocolNotOffered: the server does not speak it.
-            TeacherServiceError: it answers, but not as this protocol expects.
+        Raises ProtocolNotOffered if the server does not speak this protocol, TeacherServiceError if it answers wrongly.
         """
 
     def refusal(self, request: TeacherRequest) -> str | None:

@@ -2,41 +2,25 @@
 
 Two protocols, one model:
 
-* **vLLM's OpenAI-compatible subset**, so the same client works against ``vllm serve``:
-  ``POST /v1/completions`` with token-id prompts, ``"max_tokens": 1`` and
-  ``"prompt_logprobs": k`` (each choice's ``prompt_logprobs``: ``null`` at position 0,
-  then per position a map ``"token id" → {"logprob", "rank", "decoded_token"}`` with the
-  actual token and the top k; ``prompt_token_ids`` when ``"return_token_ids": true``),
-  plus one field vLLM does not send, ``prompt_topk_rest_mass`` (the mass outside the top
-  k, summed over the full distribution); ``POST /tokenize``; ``GET /v1/models``.
-  Without ``prompt_logprobs`` the same route generates, as vLLM's does: ``max_tokens``
-  new tokens per prompt (``n`` samples each), greedy at ``"temperature": 0``, else
-  sampled with ``top_k`` or ``top_p``, from the torch seed ``seed`` if given, stopping at
-  the model's EOS ids and ``stop_token_ids``; each choice's ``token_ids`` (with
-  ``"return_token_ids": true``) hold the response up to and including its stop token,
-  ``finish_reason`` is ``stop`` or ``length``. The validation baselines ask a served
-  teacher for its answers this way (:mod:`opd.teachers.served.remote_generation`).
-* **opd's binary protocol** (:mod:`opd.teachers.served.wire`): ``POST /opd/v1/score``
-  answers top-k, token log-probs or final hidden states as flat tensors, only at the
-  positions asked for; ``GET /opd/v1/info`` describes the output layer (shape, logit
-  transform, checksum) that a trainer applies to the hidden states.
+* **vLLM's OpenAI-compatible subset**, so one client also works against ``vllm serve``: ``POST /v1/completions``
+  with token-id prompts, ``"max_tokens": 1`` and ``"prompt_logprobs": k`` (per position ``"token id" → {"logprob",
+  "rank", "decoded_token"}`` for the actual token and the top k, ``null`` at position 0; ``prompt_token_ids`` with
+  ``"return_token_ids": true``), plus ``prompt_topk_rest_mass`` (the mass outside the top k; not in vLLM);
+  ``POST /tokenize``; ``GET /v1/models``. Without ``prompt_logprobs`` the route generates as vLLM's does
+  (``max_tokens``, ``n``, greedy at ``"temperature": 0`` else ``top_k`` or ``top_p``, ``seed``, stopping at the EOS
+  ids and ``stop_token_ids``; ``token_ids`` up to and including the stop token; ``finish_reason`` ``stop`` or
+  ``length``), for the validation baselines (:mod:`opd.teachers.served.remote_generation`).
+* **opd's binary protocol** (:mod:`opd.teachers.served.wire`): ``POST /opd/v1/score`` answers top-k, token log-probs
+  or final hidden states as flat tensors at the positions asked for; ``GET /opd/v1/info`` describes the output layer
+  (shape, logit transform, checksum) a trainer applies to the hidden states.
 
-Concurrent requests of both kinds are coalesced into shared forward passes
-(:mod:`opd.teachers.batching`). ``GET /health`` answers without a token;
-``GET /metrics`` reports requests, tokens, forward passes, tokens per second and the
-queue depth in Prometheus' text format.
+Concurrent requests share forward passes (:mod:`opd.teachers.batching`). ``GET /health`` needs no token;
+``GET /metrics`` is Prometheus text. The server binds 127.0.0.1 unless told otherwise (another interface needs a
+bearer token or ``--allow-unauthenticated``), refuses bodies over ``--max-request-bytes`` unread (HTTP 413) or slower
+than ``--body-timeout-s`` (HTTP 408), and on SIGTERM or Ctrl-C finishes the requests in flight before it exits.
 
-It binds 127.0.0.1 unless told otherwise (another interface needs a bearer token, or
-``--allow-unauthenticated``), checks ``Authorization: Bearer <key>`` on every route but
-``/health`` when started with an API key, refuses bodies over ``--max-request-bytes``
-(HTTP 413) before reading them, and gives a body ``--body-timeout-s`` to arrive
-(HTTP 408). On SIGTERM or Ctrl-C it stops
-accepting connections and finishes the requests in flight before it exits.
-
-Why FastAPI and uvicorn rather than Ray Serve: a teacher server runs on the teacher's
-machine, often without the trainer's Ray cluster (or with ``vllm serve`` instead), and
-must start with one command; an asyncio server gives the batching loop and graceful
-shutdown with two small dependencies (the ``serve`` extra).
+FastAPI and uvicorn rather than Ray Serve: a teacher server often runs without the trainer's Ray cluster and must
+start with one command; asyncio gives the batching loop and graceful shutdown with two small dependencies.
 """
 
 from __future__ import annotations
@@ -98,8 +82,10 @@ def _is_int(value: Any) -> bool:
 
 
 def _strategy(body: dict[str, Any], max_tokens: int) -> GenerateStrategyConfig:
-    """A generation request's decoding, read as vLLM reads it: temperature 0 is greedy,
-    ``top_k`` of 0 or -1 and ``top_p`` of 1 keep every token; one of the two may cut."""
+    """A generation request's decoding as vLLM reads it: temperature 0 is greedy.
+
+    ``top_k`` 0 or -1 and ``top_p`` 1 keep every token; one of the two may cut.
+    """
     temperature = body.get("temperature")
     temperature = 1.0 if temperature is None else temperature
     top_k = body.get("top_k")
@@ -122,16 +108,7 @@ def _strategy(body: dict[str, Any], max_tokens: int) -> GenerateStrategyConfig:
 
 
 class TeacherService:
-    """The request logic, independent of HTTP (tested directly and through the server).
-
-    Args:
-        scorer: the model.
-        tokenizer: the teacher's tokenizer (``/tokenize`` and ``decoded_token``).
-        model_name: the name ``/v1/models`` reports and requests may name.
-        max_logprobs: the largest top-k accepted (vLLM's ``--max-logprobs``).
-        max_model_len: the longest sequence accepted, in tokens.
-        max_batch_tokens: padded tokens per coalesced forward pass.
-    """
+    """The request logic, independent of HTTP; the limits are the command-line options of the same names."""
 
     def __init__(
         self,
@@ -402,10 +379,7 @@ class TeacherService:
     def _finisher(
         self, signal: str, body: dict[str, Any], sequences: list[list[int]], firsts: list[int]
     ) -> Callable[[list[torch.Tensor]], bytes]:
-        """What turns the request's hidden rows into its answer body (run on the model thread).
-
-        The signal's codec (:data:`~opd.teachers.served.wire.CODECS`) reads its options and makes its tensors.
-        """
+        """Makes the answer body from the hidden rows (on the model thread) with the signal's ``wire.CODECS`` codec."""
         try:
             answer = wire.CODECS[signal].answerer(
                 self.scorer, body, sequences, firsts, lambda k: self._check_k(k, "k", 1)
@@ -553,11 +527,7 @@ def build_app(
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A bound, listening TCP socket (port 0: any free port).
-
-    Raises:
-        OSError: the address is in use or cannot be bound.
-    """
+    """A bound, listening TCP socket (port 0: any free port); OSError if the address cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -720,8 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     host, port = sock.getsockname()[:2]
     app = build_app(service, api_key, args.max_request_bytes, args.body_timeout_s)
     server = uvicorn_server(app, args.graceful_timeout_s)
-    # uvicorn drains the requests in flight on SIGTERM / Ctrl-C, then re-raises the signal
-    # to the handlers it found; these make that a clean exit (status 0) after the drain.
+    # uvicorn drains the requests in flight on SIGTERM / Ctrl-C, then re-raises the signal: exit 0 after the drain.
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, lambda number, frame: None)
     # One parseable line, flushed: scripts and tests wait for it.

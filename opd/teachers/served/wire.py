@@ -1,9 +1,7 @@
 """opd's binary scoring protocol: what ``POST /opd/v1/score`` takes and answers.
 
-vLLM's JSON answer spends its bytes and its time on text: one object per candidate per
-position, each with a decoded token. opd's own protocol sends the same content as flat
-arrays in a safetensors body (a JSON header with each tensor's name, dtype and shape,
-then the raw bytes), which both sides read without a per-candidate loop.
+vLLM's JSON spends bytes and time on one object per candidate per position. This protocol sends flat arrays in a
+safetensors body (a JSON header with each tensor's name, dtype and shape, then raw bytes), read without such a loop.
 
 **Request** (JSON)::
 
@@ -12,13 +10,10 @@ then the raw bytes), which both sides read without a per-candidate loop.
      "k": 16,                      # topk only
      "hidden_dtype": "bfloat16"}   # hidden_states only: float32, bfloat16, float16 or "auto"
 
-Sequence ``i`` is scored at positions ``first_positions[i] … len_i − 2``: position ``p``
-describes the token at ``p + 1`` (the next-token convention of logits). A client asks
-only for the positions its loss reads (the response), so a long prompt costs nothing on
-the wire.
+Sequence ``i`` is scored at positions ``first_positions[i] … len_i − 2``; position ``p`` describes token ``p + 1``.
+A client asks only for the positions its loss reads, so a long prompt costs nothing on the wire.
 
-**Answer** (``application/vnd.opd.tensors``): one row per scored position, sequences one
-after another (``N = Σ_i (len_i − 1 − first_i)`` rows):
+**Answer** (``application/vnd.opd.tensors``): one row per scored position, ``N = Σ_i (len_i − 1 − first_i)``:
 
 =================== ========= ======================================================
 ``token_ids``       int32     ``[T]`` every sequence's ids, concatenated (an echo)
@@ -26,23 +21,16 @@ after another (``N = Σ_i (len_i − 1 − first_i)`` rows):
 ``first_positions`` int32     ``[S]`` (an echo)
 ``topk_ids``        int32     ``[N, k]`` most likely first (topk)
 ``topk_logprobs``   float32   ``[N, k]`` (topk)
-``rest_logprobs``   float64   ``[N]`` log of the mass outside the k ids, summed in
-                              float64 over the full distribution; −inf when they cover
-                              the vocabulary (topk)
+``rest_logprobs``   float64   ``[N]`` log mass outside the k ids, summed in float64 over the full
+                              distribution; −inf when they cover the vocabulary (topk)
 ``token_logprobs``  float32   ``[N]`` log P(token p + 1) (token_logprobs)
-``hidden_states``   as asked  ``[N, D]`` final hidden states, after the final norm
-                              (hidden_states)
+``hidden_states``   as asked  ``[N, D]`` final hidden states, after the final norm (hidden_states)
 =================== ========= ======================================================
 
-The header's metadata carries ``format`` (:data:`FORMAT`), ``signal`` and ``checksum``: a
-CRC-32 over every tensor's bytes in name order. The client checks all of it (names,
-dtypes, shapes, the echo of what it sent, the checksum, the values' ranges) before
-anything reaches the loss; :class:`WireError` names the first thing that does not match.
-
-Each signal is a :class:`SignalCodec` in :data:`CODECS`: its tensors, the checks of its
-values, and the server's side (reading its options, making its tensors from the scored
-hidden rows). The client's :func:`decode` and the server both go through it, so a new
-signal is one subclass and one entry.
+The metadata carries ``format`` (:data:`FORMAT`), ``signal`` and ``checksum`` (CRC-32 over every tensor's bytes in
+name order). The client checks names, dtypes, shapes, echoes, checksum and value ranges before anything reaches the
+loss (:class:`WireError` names the first mismatch). Each signal is a :class:`SignalCodec` in :data:`CODECS`, which
+both ends go through: a new signal is one subclass and one entry.
 """
 
 from __future__ import annotations
@@ -121,22 +109,10 @@ def decode(
     hidden: tuple[int, torch.dtype] | None = None,
     vocab_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Reads an answer and checks it against the request it answers.
+    """Reads an answer and checks it against the request (``sequences``, ``first_positions``, ``signal``, ``k``).
 
-    Args:
-        body: the response body.
-        sequences, first_positions: what was sent.
-        signal: what was asked for.
-        k: top-k width (``topk``).
-        hidden: ``(hidden size, dtype)`` expected (``hidden_states``).
-        vocab_size: top-k ids must be below it (None: not checked).
-
-    Returns:
-        The signal's tensors by name (see the module docstring), echoes removed.
-
-    Raises:
-        WireError: naming the first mismatch (format, checksum, a missing tensor, a
-            dtype, a shape, the echo, a value out of range).
+    ``hidden``: the expected ``(hidden size, dtype)`` (hidden_states); ``vocab_size`` bounds top-k ids (None: no check).
+    Returns the signal's tensors by name, echoes removed; raises :class:`WireError` at the first mismatch.
     """
     metadata = _metadata(body)
     if metadata.get("format") != FORMAT:
@@ -211,13 +187,7 @@ Answerer = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 
 
 class SignalCodec(ABC):
-    """One value of a request's ``signal``: its tensors on the wire, the checks of an answer, and the server's side.
-
-    Both ends go through :data:`CODECS`, so a new signal is one subclass and one entry.
-
-    Attributes:
-        name: the request's ``signal`` value.
-    """
+    """One value of a request's ``signal``: its tensors, an answer's checks and the server's side (:data:`CODECS`)."""
 
     name: ClassVar[Signal]
 
@@ -240,10 +210,9 @@ class SignalCodec(ABC):
         first_positions: list[int],
         read_k: Callable[[Any], int],
     ) -> Answerer:
-        """Reads the signal's own options from the request ``body`` and returns what makes its answer.
+        """Reads the signal's options from ``body`` and returns what makes its answer.
 
-        ``read_k`` checks a requested width against the server's limit. Raises
-        :class:`BadRequest` (or what ``read_k`` raises) for malformed options.
+        ``read_k`` checks a width against the server's limit. Raises :class:`BadRequest` for bad options.
         """
 
 
@@ -269,7 +238,6 @@ class TopKCodec(SignalCodec):
             raise WireError("a top-k log-prob is NaN or positive")
         if bool((ids < 0).any()) or (vocab_size is not None and bool((ids >= vocab_size).any())):
             raise WireError(f"a top-k id is outside the vocabulary [0, {vocab_size})")
-        # The top k and the rest must make one distribution: else they describe other tokens.
         total = logprobs.double().exp().sum(dim=-1) + rest.exp()
         if bool(torch.isnan(rest).any()) or bool(((total - 1.0).abs() > REST_MASS_TOLERANCE).any()):
             raise WireError("a position's top-k mass and rest mass do not add up to 1")
