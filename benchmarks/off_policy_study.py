@@ -14,7 +14,7 @@ that weight does to learning, cell by cell of a full grid:
 Every run is an ``opd train`` of ``examples/configs/demo.yaml`` in one process, one
 thread, λ = 1, forward KL, with a constant learning rate after 10 warm-up steps (as in
 the λ study). In one process an asynchronous schedule runs its phases one after another
-and draws exactly the samples a cluster run draws (``opd.distillation.schedule``),
+and draws exactly the samples a cluster run draws (``opd.distillation.step``),
 so the learning dynamics are those of the overlapped run; only the overlap's speed is
 missing, and it does not differ between the corrections of one cell. Each run trains for
 ``--run-seconds`` of training time (validation excluded), so the cells are compared at

@@ -1,59 +1,85 @@
-"""On-policy knowledge distillation: the driver, ``distillation_train``.
+"""On-policy knowledge distillation: the driver's step, and where each step's batch comes from.
 
 One optimizer step (:meth:`DistillationRun.train_step`, walked through in ``docs/guide/``):
 
-1. the rollout schedule (:mod:`opd.distillation.schedule`, ``training.scheduler``)
-   hands over the step's batch. It flipped the λ coin (a dedicated, checkpointed RNG)
-   when it started the batch: with probability ``lambda`` the step is on-policy and the
-   student sampled ``num_samples_per_prompt`` responses per prompt (after a weight sync,
-   when the engine holds its own weights); otherwise the step uses fixed data (the
-   dataset's assistant turn). ``sync`` samples now; ``one_step_off`` and
-   ``two_step_off`` sampled one or two steps ago, while earlier steps trained;
-2. the teacher scores the very same token ids, micro-batch by micro-batch, with the
-   signal the loss asked for (or the schedule had it scored ahead);
+1. :meth:`RolloutSchedule.next_batch` hands over the step's batch. It flipped the λ coin
+   (a dedicated, checkpointed RNG) when it started the batch: with probability ``lambda``
+   the step is on-policy and the student sampled ``num_samples_per_prompt`` responses per
+   prompt (after a weight sync, when the engine holds its own weights); otherwise the step
+   uses the dataset's assistant turn;
+2. the teacher scores the very same token ids, micro-batch by micro-batch, with the signal
+   the loss asked for (or the schedule had it scored ahead);
 3. the student minimises the loss on response tokens, normalised over the whole global
-   batch, with gradient accumulation over micro-batches and one optimizer step; a
-   teacher that follows the student (an EMA of its weights) then takes the update
-   (:meth:`~opd.models.interfaces.TeacherInterface.follow_student`, a no-op for the others);
-4. the step's metrics and the time of each phase are returned to the training loop,
-   which logs them, validates every ``val_freq`` steps and checkpoints every
-   ``save_freq`` steps (:mod:`opd.run.training_loop`, shared with SFT).
+   batch, with one optimizer step; a teacher that follows the student (an EMA of its
+   weights) then takes the update;
+4. the step's metrics go back to the training loop (:mod:`opd.run.training_loop`, shared
+   with SFT), which logs, validates and checkpoints.
+
+``training.scheduler`` says what runs while the student trains (as verl's asynchronous
+on-policy distillation recipe does). With policy version ``v`` = optimizer steps taken, step
+``t`` updates version ``t − 1`` to ``t``:
+
+* ``sync`` (depth 0): step t's rollout is sampled at the start of step t; nothing overlaps.
+* ``one_step_off`` (depth 1): during update t the engine samples batch t + 1 with version
+  t − 1 (one step stale); the weight sync happens while the teacher scores batch t.
+* ``two_step_off`` (depth 2): during update t the engine samples batch t + 2 and the
+  teacher scores batch t + 1 (for a full-vocabulary loss as final hidden states), so the
+  teacher's time hides behind the update too; samples are two steps stale.
+
+Every batch records ``sampled_version``; ``staleness`` is ``v − sampled_version``. In one
+process the same schedule runs its phases one after another and draws the same samples.
+Checkpoints keep the batches in flight (:meth:`RolloutSchedule.state_dict`), so a resumed
+run trains exactly the samples the uninterrupted run would have.
 
 The driver calls only the interfaces of :mod:`opd.models.interfaces`, as NeMo-RL's
-``grpo_train`` does; :func:`opd.distillation.setup.setup` builds the backends
-and :mod:`opd.distillation.config` holds the config.
+``grpo_train`` does; :func:`opd.distillation.setup.setup` builds the backends.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import random
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
-from torchdata.stateful_dataloader import StatefulDataLoader
+import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
-from opd.data.batches import unique_responses_per_prompt
-from opd.distillation.config import MasterConfig
-from opd.distillation.schedule import RolloutSchedule, ScheduledBatch, signal_rows
+from opd.data.batches import attach_teacher_fields, build_fixed_data_batch, unique_responses_per_prompt
+from opd.data.dataloaders import PreparedExample
+from opd.data.sequences import build_token_mask
+from opd.distillation.baselines import validation_baselines
+from opd.distillation.config import DEPTHS, MasterConfig
 from opd.distillation.setup import DistillationComponents
 from opd.models.interfaces import (
     Done,
+    FullVocabRequest,
     GenerationInterface,
+    LossFunction,
     MicroBatchScorer,
     Pending,
+    PerTeacherRequest,
+    PolicyInterface,
     TeacherInterface,
+    TeacherRequest,
     TeacherSignal,
     TimedPending,
 )
-from opd.rollout.multi_turn import Episodes
+from opd.rollout.environments.config import build_environment
+from opd.rollout.environments.math_verifier import grade_responses
+from opd.rollout.environments.turn_template import TurnTemplate
+from opd.rollout.multi_turn import Episodes, MultiTurnRollout, multi_turn_rollout
 from opd.run.training_loop import NextBatch, RunSaveState, TrainingCallbacks, run_training_loop
-from opd.run.validation import TeacherEngine, validate
+from opd.run.validation import validate
+from opd.teachers.several_teachers import MixedSignal
+from opd.teachers.signals import holds_hidden_states, signal_from_state, signal_rows, signal_to_state
+from opd.utils.errors import ConfigError
 from opd.utils.memory import peak_memory_mb
 from opd.utils.timer import Timer
-
-log = logging.getLogger("opd")
 
 DistillationSaveState = RunSaveState
 """Counters saved in every checkpoint (see :class:`~opd.run.training_loop.RunSaveState`)."""
@@ -266,70 +292,422 @@ class DistillationRun(TrainingCallbacks):
         return self.parts.teacher_policy
 
 
-def validation_baselines(
-    student_generation: GenerationInterface,
-    teacher_generation: list[TeacherEngine],
-    val_dataloader: StatefulDataLoader,
-    tokenizer: Any,
-    config: MasterConfig,
-) -> dict[str, float]:
-    """``validation.teacher_baseline`` / ``eval_baseline``: how teacher and student answer before training.
+# ---------------------------------------------------------------- where each step's batch comes from
 
-    Each teacher answers with its teacher-only context, if any, and in its own tokens (a
-    cross-tokenizer teacher decodes and is graded with its own tokenizer). With several
-    teachers each is measured on its own (:class:`TeacherEngine`): with routing on the
-    prompts routed to it, in a mixture on every prompt; its metrics are
-    ``val/teacher_<name>_*``. The eval baseline compares the student as it starts, without
-    the context, with each teacher on that teacher's prompts
-    (``val/baseline_student_accuracy``, ``val/baseline_teacher_accuracy`` and
-    ``val/baseline_accuracy_gap``; with several teachers ``..._<name>`` at the end of each).
-    Each teacher's engine is closed once it has answered: rollout workers that loaded a
-    teacher's weights for it free them before the next teacher loads.
+NextExamples = Callable[[], list[PreparedExample]]
+"""Draws the next batch of prompts from the training data (across epochs)."""
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's training input, as the schedule hands it to the driver.
+
+    Attributes:
+        batch: the rollout (or fixed-data) batch with ``token_mask`` (and ``task_reward``,
+            ``staleness``, ``sample_index`` where they apply).
+        examples: the prompts it was made from.
+        on_policy: whether the λ coin chose the student's own samples.
+        sampled_version: the policy version the rollout was sampled with (None for fixed data).
+        staleness: optimizer steps between sampling and this update (None for fixed data).
+        teacher_signal: the whole batch's teacher signal when it was scored ahead, else
+            None (the trainer then scores each micro-batch itself).
+        seconds: the time the controller spent on this step's inputs, by phase.
+        refit_metrics: what the step's weight syncs moved (``refit/bytes``,
+            ``refit/bytes_delivered``, summed over the step's syncs); empty without one.
+        rollout_metrics: a multi-turn rollout's episode metrics (``env/...``); empty otherwise.
     """
-    if not (config.validation.teacher_baseline or config.validation.eval_baseline):
-        return {}
-    strategy = config.validation.generate_strategy
-    episodes = Episodes.from_config(config.environment)  # with an environment, each answers in episodes
-    metrics: dict[str, float] = {}
-    for engine in teacher_generation:
-        prefix = "val/teacher_" if engine.name is None else f"val/teacher_{engine.name}_"
+
+    batch: BatchedDataDict
+    examples: list[PreparedExample]
+    on_policy: bool
+    sampled_version: int | None
+    staleness: int | None
+    teacher_signal: TeacherSignal | None
+    seconds: dict[str, float]
+    refit_metrics: dict[str, float] = field(default_factory=dict)
+    rollout_metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Slot:
+    """A batch started but not yet trained."""
+
+    examples: list[PreparedExample]
+    on_policy: bool
+    sampled_version: int | None
+    rollout: Pending[Any] | None = None  # running or done; None once collected
+    finish: Callable[[Any], BatchedDataDict] | None = None  # makes the collected rollout a training batch
+    batch: BatchedDataDict | None = None  # the collected training batch
+    teacher: Pending[TeacherSignal] | None = None
+    teacher_signal: TeacherSignal | None = None
+    teacher_started: bool = False
+    rollout_metrics: dict[str, float] = field(default_factory=dict)  # a multi-turn rollout's episode metrics
+
+
+class RolloutSchedule:
+    """Starts rollouts and teacher scores ahead of the update, as ``training.scheduler`` says.
+
+    Args:
+        scheduler: ``sync``, ``one_step_off`` or ``two_step_off``.
+        generation: samples from the student (a :class:`GenerationInterface`).
+        teacher: scores batches ahead when the schedule asks (top-k and token signals).
+        policy: the student, the source of every weight sync.
+        loss_fn: says what the teacher must send and whether the sampler's log-probs are read.
+        tokenizer: pads fixed-data batches and grades answers for a task reward.
+        config: the run config (λ, sampling, masking).
+        lambda_coin: the λ coin (checkpointed by the training loop).
+        sampler_logprobs: ask the engine for the sampler's log-probs even when the loss
+            does not read them (the off-policy correction and its metrics do).
+    """
+
+    def __init__(
+        self,
+        scheduler: str,
+        generation: GenerationInterface,
+        teacher: TeacherInterface,
+        policy: PolicyInterface,
+        loss_fn: LossFunction,
+        tokenizer: Any,
+        config: MasterConfig,
+        lambda_coin: Any,
+        sampler_logprobs: bool = False,
+    ) -> None:
+        self.depth = DEPTHS[scheduler]
+        self.generation, self.teacher, self.policy = generation, teacher, policy
+        self.loss_fn, self.tokenizer, self.config, self.lambda_coin = loss_fn, tokenizer, config, lambda_coin
+        self.return_logprobs = loss_fn.needs_sampler_logprobs or sampler_logprobs
+        request = loss_fn.teacher_request
+        # Top-k and token signals are small enough to score a whole batch ahead; the full
+        # vocabulary is scored by the trainer, micro-batch by micro-batch, as in sync,
+        # unless the schedule must score the next batch during the update (two_step_off).
+        # Several routed teachers of which one asks for the full vocabulary score at the step.
+        full_vocab = isinstance(request, FullVocabRequest)
+        self.scores_ahead = (
+            self.depth > 0
+            and request is not None
+            and not _routes_full_vocab(request)
+            and (self.depth == 2 or not full_vocab)
+        )
+        # A whole batch's full vocabulary is scored ahead as final hidden states, never as logits.
+        self.ahead_request = FullVocabRequest(prefer_hidden_states=True) if full_vocab else request
+        self.queue: deque[_Slot] = deque()
+        self.rollout_version: int | None = None
+        """The policy version the engine's weights are (None: not known, refit before sampling)."""
+        self.refit_metrics: dict[str, float] = {}
+        """What the weight syncs timed for the step being prepared moved (handed to its :class:`ScheduledBatch`)."""
+        self.environment = build_environment(config.environment) if config.environment is not None else None
+        """Multi-turn rollouts' environment (``environment:``), or None for one turn per rollout."""
+        self._episodes: ThreadPoolExecutor | None = None
+        """Runs multi-turn rollouts in the background (asynchronous schedules, engines in other processes)."""
+        self._episodes_in_flight: list[Future[Any]] = []
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether rollouts are sampled ahead of the update."""
+        return self.depth > 0
+
+    @property
+    def ahead(self) -> int:
+        """Batches drawn from the data but not yet trained."""
+        return len(self.queue)
+
+    # ------------------------------------------------------------------ the step
+
+    def next_batch(self, next_examples: NextExamples, version: int) -> ScheduledBatch:
+        """The batch to train at policy version ``version``, after starting the rollouts due now.
+
+        Args:
+            next_examples: draws the next batch of prompts from the data.
+            version: optimizer steps taken so far.
+        """
+        seconds: dict[str, float] = {}
+        if not self.queue:  # sync, or the first step of an asynchronous run
+            self.queue.append(self._start(next_examples(), version, seconds, version + 1 + len(self.queue)))
+        current = self.queue[0]
+        self._collect(current, seconds)
+        if self.depth == 2:
+            if len(self.queue) < 2:  # warm-up: the second batch, with the initial weights too
+                self.queue.append(self._start(next_examples(), version, seconds, version + 1 + len(self.queue)))
+            self._collect(self.queue[1], seconds)  # its teacher now scores while the student trains
+        while len(self.queue) < self.depth + 1:  # sampled with the weights of now, trained later
+            self.queue.append(self._start(next_examples(), version, seconds, version + 1 + len(self.queue)))
+        teacher_signal = None
+        if current.teacher is not None:
+            start = time.perf_counter()
+            teacher_signal = current.teacher.result()
+            seconds["wait_prev_teacher"] = seconds.get("wait_prev_teacher", 0.0) + time.perf_counter() - start
+            current.teacher = None
+        elif current.teacher_signal is not None:  # restored from a checkpoint
+            teacher_signal = current.teacher_signal
+        self.queue.popleft()
+        assert current.batch is not None  # collected above
+        return self._scheduled(current, version, teacher_signal, seconds)
+
+    def sync_weights(self, version: int, seconds: dict[str, float] | None = None) -> None:
+        """Loads the policy's weights (version ``version``) into the engine, if it holds others."""
+        if not self.generation.needs_refit or self.rollout_version == version:
+            return
+        start = time.perf_counter()
+        # A multi-turn rollout still running samples each turn with the weights it started
+        # with: the engine is refit only once its episodes are done.
+        for episodes in self._episodes_in_flight:
+            episodes.result()
+        self._episodes_in_flight.clear()
+        moved = self.generation.refit(self.policy)
+        self.rollout_version = version
+        if seconds is not None:
+            key = "sync_rollout_weights" if self.asynchronous else "refit"
+            seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
+            for name, value in moved.items():
+                self.refit_metrics[name] = self.refit_metrics.get(name, 0.0) + value
+
+    def refresh_for_validation(self, version: int) -> None:
+        """Before validation samples: rollouts in flight finish (and are kept), then the engine gets ``version``."""
+        self._drain()
+        self.sync_weights(version)
+
+    def _start(self, examples: list[PreparedExample], version: int, seconds: dict[str, float], step: int) -> _Slot:
+        """Flips the λ coin of optimizer step ``step`` (the batch's place in the queue says which) and starts
+        its rollout (synced to ``version`` first) or builds its fixed data."""
+        on_policy = self.lambda_coin.random() < self.config.distillation.lambda_at(step)
+        if not on_policy:
+            slot = _Slot(examples, False, None)
+            slot.batch = build_fixed_data_batch(
+                examples, self.tokenizer.pad_token_id, self.config.distillation.mask_prompt_tokens
+            )
+            self._start_teacher(slot)
+            return slot
+        self.sync_weights(version, seconds)
+        distillation = self.config.distillation
+        if self.environment is not None:
+            return self._start_multi_turn(examples, version, seconds)
+        start = time.perf_counter()
+        rollout = self.generation.generate_async(
+            [example["prompt_ids"] for example in examples],
+            distillation.generate_strategy,
+            distillation.num_samples_per_prompt,
+            return_logprobs=self.return_logprobs,
+        )
+        if not self.asynchronous:
+            # In sync the rollout is the step's generation phase: it is collected at once.
+            slot = _Slot(examples, True, version, batch=self._finish_rollout(rollout.result(), examples))
+            seconds["generation"] = seconds.get("generation", 0.0) + time.perf_counter() - start
+            return slot
+        return _Slot(examples, True, version, rollout=rollout, finish=lambda raw: self._finish_rollout(raw, examples))
+
+    def _start_multi_turn(self, examples: list[PreparedExample], version: int, seconds: dict[str, float]) -> _Slot:
+        """Starts a multi-turn rollout (:mod:`opd.rollout.multi_turn`); its batch is built when it is collected.
+
+        Every turn is a ``generate`` call, so any engine serves it. Under an asynchronous
+        schedule with an engine in other processes (rollout workers), the whole episode
+        loop runs on a background thread while the student trains, as a single-turn
+        rollout does on the workers; the engine is not refit until it ends
+        (:meth:`sync_weights`). Otherwise it runs to its end now.
+        """
+        assert self.environment is not None and self.config.environment is not None
+        missing = [index for index, example in enumerate(examples) if "prompt_messages" not in example]
+        if missing:
+            raise ValueError("multi-turn rollouts need each example's prompt_messages (prepare_examples with tools)")
+        slot = _Slot(examples, True, version, finish=lambda raw: self._finish_multi_turn(raw, slot))
+        if self.asynchronous and self.generation.samples_elsewhere:
+            if self._episodes is None:
+                self._episodes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-episodes")
+            future = self._episodes.submit(self._run_episodes, examples)
+            self._episodes_in_flight.append(future)
+            slot.rollout = _FromThread(future)
+            return slot
+        start = time.perf_counter()
+        rollout = self._run_episodes(examples)
+        slot.rollout = None
+        slot.batch = self._finish_multi_turn(rollout, slot)
+        rollout_seconds = time.perf_counter() - start
+        environment_seconds = slot.rollout_metrics.get("timing/environment", 0.0)
+        seconds["environment"] = seconds.get("environment", 0.0) + environment_seconds
+        seconds["generation"] = seconds.get("generation", 0.0) + rollout_seconds - environment_seconds
+        slot.rollout_metrics.pop("timing/environment", None)
+        self._start_teacher(slot)
+        return slot
+
+    def _run_episodes(self, examples: list[PreparedExample]) -> MultiTurnRollout:
+        """The episodes of ``examples``, turn by turn, with the engine switched on around them."""
+        environment, config = self.environment, self.config
+        assert environment is not None and config.environment is not None
+        distillation = config.distillation
+        self.generation.prepare_for_generation()
         try:
-            teacher_metrics = validate(
-                engine.generation,
-                None,
-                None,
-                val_dataloader,
-                engine.tokenizer,
-                strategy,
-                prefix=prefix,
-                prompt_key=engine.prompt_key,
-                keep=engine.answers,
-                episodes=episodes,
+            return multi_turn_rollout(
+                self.generation,
+                environment,
+                TurnTemplate(self.tokenizer, environment.tool_schemas()),
+                [{"ground_truth": example["ground_truth"]} for example in examples],
+                [example["prompt_messages"] for example in examples],
+                distillation.generate_strategy,
+                config.environment.max_turns,
+                self.tokenizer.pad_token_id,
+                distillation.num_samples_per_prompt,
+                self.return_logprobs,
+                max_episode_tokens=config.environment.max_episode_tokens,
             )
         finally:
-            engine.generation.close()
-        if config.validation.teacher_baseline:
-            metrics.update(teacher_metrics)
-        if not config.validation.eval_baseline:
-            continue
-        student_metrics = validate(
-            student_generation,
-            None,
-            None,
-            val_dataloader,
-            tokenizer,
-            strategy,
-            prefix="val/student_",
-            keep=engine.answers,
-            episodes=episodes,
+            self.generation.finish_generation()
+
+    def _finish_multi_turn(self, rollout: MultiTurnRollout, slot: _Slot) -> BatchedDataDict:
+        """A multi-turn rollout made a training batch (its own mask kept); its episode metrics go on the slot."""
+        slot.rollout_metrics = rollout.metrics()
+        batch = rollout.batch
+        attach_teacher_fields(batch, slot.examples, self.config.distillation.num_samples_per_prompt)
+        if self.loss_fn.needs_task_reward:
+            batch["task_reward"] = torch.nan_to_num(rollout.rewards(), nan=0.0)
+        return batch
+
+    def _collect(self, slot: _Slot, seconds: dict[str, float]) -> None:
+        """Waits for a slot's rollout (timed as ``wait_prev_gen``) and starts its teacher."""
+        if slot.rollout is not None:
+            start = time.perf_counter()
+            raw = slot.rollout.result()
+            seconds["wait_prev_gen"] = seconds.get("wait_prev_gen", 0.0) + time.perf_counter() - start
+            assert slot.finish is not None  # every started rollout has one
+            slot.batch = slot.finish(raw)
+            slot.rollout = None
+            environment_seconds = slot.rollout_metrics.pop("timing/environment", None)
+            if environment_seconds is not None:  # spent in the background thread, beside the update
+                seconds["environment"] = seconds.get("environment", 0.0) + environment_seconds
+        self._start_teacher(slot)
+
+    def _start_teacher(self, slot: _Slot) -> None:
+        if self.scores_ahead and not slot.teacher_started and slot.batch is not None:
+            request = self.ahead_request
+            assert request is not None  # scores_ahead implies a request
+            slot.teacher = self.teacher.score_async(slot.batch, request)
+            slot.teacher_started = True
+
+    def _finish_rollout(self, batch: BatchedDataDict, examples: list[PreparedExample]) -> BatchedDataDict:
+        """A rollout made a training batch: its loss mask, the teacher's prompts, a task reward."""
+        distillation = self.config.distillation
+        batch["token_mask"] = build_token_mask(
+            batch["input_lengths"],
+            batch["prompt_lengths"],
+            batch["input_ids"].shape[1],
+            distillation.mask_prompt_tokens,
         )
-        student_accuracy = student_metrics.get("val/student_accuracy")
-        teacher_accuracy = teacher_metrics.get(f"{prefix}accuracy")
-        if student_accuracy is None or teacher_accuracy is None:
-            log.warning("validation.eval_baseline: the validation data has no ground truth; no accuracies")
-            continue
-        suffix = "" if engine.name is None else f"_{engine.name}"
-        metrics[f"val/baseline_student_accuracy{suffix}"] = student_accuracy
-        metrics[f"val/baseline_teacher_accuracy{suffix}"] = teacher_accuracy
-        metrics[f"val/baseline_accuracy_gap{suffix}"] = teacher_accuracy - student_accuracy
-    return metrics
+        attach_teacher_fields(batch, examples, distillation.num_samples_per_prompt)
+        if self.loss_fn.needs_task_reward:
+            batch["task_reward"] = task_rewards(batch, examples, distillation.num_samples_per_prompt, self.tokenizer)
+        return batch
+
+    def _scheduled(
+        self, slot: _Slot, version: int, teacher_signal: TeacherSignal | None, seconds: dict[str, float]
+    ) -> ScheduledBatch:
+        batch = slot.batch
+        assert batch is not None
+        staleness = version - slot.sampled_version if slot.sampled_version is not None else None
+        if staleness is not None and self.asynchronous:
+            batch["staleness"] = torch.full((batch.size,), staleness, dtype=torch.long)
+        if teacher_signal is not None:
+            batch["sample_index"] = torch.arange(batch.size)  # micro-batches find their rows of the signal
+        refit_metrics, self.refit_metrics = self.refit_metrics, {}
+        return ScheduledBatch(
+            batch,
+            slot.examples,
+            slot.on_policy,
+            slot.sampled_version,
+            staleness,
+            teacher_signal,
+            seconds,
+            refit_metrics,
+            slot.rollout_metrics,
+        )
+
+    def _drain(self) -> None:
+        """Collects every rollout and teacher score in flight (results are kept for their steps)."""
+        for slot in self.queue:
+            self._collect(slot, {})
+            if slot.teacher is not None:
+                slot.teacher_signal = slot.teacher.result()
+                slot.teacher = None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The batches in flight, collected, as plain tensors and lists (``torch.load(weights_only=True)``)."""
+        self._drain()
+        return {
+            "depth": self.depth,
+            "slots": [
+                {
+                    "examples": slot.examples,
+                    "on_policy": slot.on_policy,
+                    "sampled_version": slot.sampled_version,
+                    "batch": dict(slot.batch) if slot.batch is not None else None,
+                    "rollout_metrics": slot.rollout_metrics,
+                    **_teacher_state(slot),
+                }
+                for slot in self.queue
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restores the batches in flight of a checkpoint; the engine is refit before its next rollout.
+
+        Raises:
+            ConfigError: the checkpoint was written under another ``training.scheduler``
+                with batches in flight.
+        """
+        self.queue.clear()
+        self.rollout_version = None
+        if state is None or not state["slots"]:
+            return
+        if state["depth"] != self.depth:
+            names = {depth: name for name, depth in DEPTHS.items()}
+            raise ConfigError(
+                f"the checkpoint was written with training.scheduler = {names[state['depth']]} and has batches "
+                f"in flight; resume it with that scheduler (this run has {names[self.depth]})"
+            )
+        for saved in state["slots"]:
+            slot = _Slot(saved["examples"], saved["on_policy"], saved["sampled_version"])
+            slot.batch = BatchedDataDict(saved["batch"]) if saved["batch"] is not None else None
+            slot.teacher_signal = signal_from_state(saved["teacher_signal"])
+            slot.teacher_started = saved["teacher_started"]
+            slot.rollout_metrics = saved.get("rollout_metrics", {})
+            self.queue.append(slot)
+
+
+class _FromThread(Pending[Any]):
+    """A result computed on a background thread (a multi-turn rollout running beside the update)."""
+
+    def __init__(self, future: Future[Any]) -> None:
+        self.future = future
+
+    def result(self) -> Any:
+        """Waits for the thread's result; raises what it raised."""
+        return self.future.result()
+
+
+def _teacher_state(slot: _Slot) -> dict[str, Any]:
+    """A slot's teacher signal for a checkpoint; hidden states are left out, and the batch scored again on resume.
+
+    A mixture of members that sent hidden states alone (mixed where their heads are) is left out too.
+    """
+    signal = slot.teacher_signal
+    unmixed = isinstance(signal, MixedSignal) and signal.mixed is None
+    if holds_hidden_states(signal) or unmixed:
+        return {"teacher_signal": None, "teacher_started": False}
+    return {"teacher_signal": signal_to_state(slot.teacher_signal), "teacher_started": slot.teacher_started}
+
+
+def _routes_full_vocab(request: TeacherRequest) -> bool:
+    """Whether ``request`` routes rows to several teachers of which one asks for the full vocabulary."""
+    return isinstance(request, PerTeacherRequest) and any(
+        isinstance(part, FullVocabRequest) for part in request.requests
+    )
+
+
+def task_rewards(
+    batch: BatchedDataDict, examples: list[PreparedExample], num_samples: int, tokenizer: Any
+) -> torch.Tensor:
+    """``[N]`` task reward of each sampled response: 1.0 if the math verifier accepts it, else 0."""
+    ground_truths = [examples[row // num_samples]["ground_truth"] for row in range(batch.size)]  # samples adjacent
+    grades = grade_responses(
+        batch["input_ids"], batch["prompt_lengths"], batch["input_lengths"], ground_truths, tokenizer
+    )
+    return torch.tensor([float(grade is True) for grade in grades], dtype=torch.float32)

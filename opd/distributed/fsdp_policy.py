@@ -29,7 +29,7 @@ from opd.models.interfaces import (
     TeacherSignal,
     TeacherSignalFn,
 )
-from opd.policy.optimization import plan_micro_batches
+from opd.policy.hf_policy import plan_micro_batches
 from opd.run.checkpoint import check_model_directory
 from opd.utils.paths import absolute_dir
 from opd.utils.timer import Timer

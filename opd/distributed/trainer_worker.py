@@ -50,21 +50,21 @@ from opd.models.interfaces import (
 )
 from opd.models.lm_head import LMHeadInput, OutputLayer, output_layer_of
 from opd.models.loading import load_causal_lm, load_output_layer, resolve_dtype
-from opd.policy.hf_policy import ADAPTER_DIR
-from opd.policy.lora import (
-    adapter_parameters,
-    initialise_adapters,
-    merged_tensors,
-    plain_entries,
-    wrap_with_lora,
-)
-from opd.policy.optimization import (
+from opd.policy.hf_policy import (
+    ADAPTER_DIR,
     accumulate_gradients,
     accumulate_metrics,
     apply_gradients,
     build_optimizer,
     build_scheduler,
     student_output,
+)
+from opd.policy.lora import (
+    adapter_parameters,
+    initialise_adapters,
+    merged_tensors,
+    plain_entries,
+    wrap_with_lora,
 )
 from opd.teachers.context_teacher import ContextTeacher
 from opd.teachers.local_teacher import LocalTeacher

@@ -1,23 +1,32 @@
-"""The losses that compare the teacher's and the student's next-token distributions.
+"""The per-token losses: the shared base, and the losses that compare the two models' distributions.
 
-:class:`DistillationLossFn` is their base: the temperature and the teacher metrics, on
-top of :class:`~opd.losses.token_loss.TokenLossFn`'s rows, normalisation, fused path and
-weights. :class:`FullVocabLossFn` takes the teacher's whole distribution; a divergence
-over it is one subclass overriding one method, :meth:`FullVocabLossFn.token_divergence`
-(as :class:`KLLossFn` and :class:`JSDLossFn` do). :class:`TopKKLLossFn` takes only the
+:class:`TokenLossFn` is the base of every loss that sums a per-position term over the loss
+positions. It owns what they share (row selection, the vocabulary cut, the global
+normalisation, the fused or logits path, the off-policy row weights, the per-position cap
+and the metrics dict), so that a variant only says what the teacher sends and what its
+per-position term is; the hybrid and NLL losses stand on it too.
+
+:class:`DistillationLossFn` adds the temperature and the teacher metrics.
+:class:`FullVocabLossFn` takes the teacher's whole distribution; a divergence over it is one
+subclass overriding one method, :meth:`FullVocabLossFn.token_divergence` (as
+:class:`KLLossFn` and :class:`JSDLossFn` do). :class:`TopKKLLossFn` takes only the
 teacher's top k.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from opd.data.sequences import shift_token_mask
 from opd.kernels.compiled_kernels import compiled
+from opd.kernels.fused_lm_head import chunked_lm_head_loss
 from opd.kernels.topk_rest import rest_logprobs_from_topk
 from opd.losses.divergences import (
     check_kl_type,
@@ -30,13 +39,369 @@ from opd.losses.divergences import (
     log_probs_at_temperature,
     topk_token_kl,
 )
-from opd.losses.off_policy import OffPolicyCorrection
+from opd.losses.off_policy import OffPolicyCorrection, importance_weights, learner_log_probs
 from opd.losses.teacher_metrics import TeacherMetrics
-from opd.losses.token_loss import LossInputs, TokenLossFn, loss_rows
-from opd.models.interfaces import FullVocabRequest, TeacherRequest, TopKLogprobs, TopKRequest
+from opd.models.interfaces import FullVocabRequest, LossFunction, TeacherRequest, TopKLogprobs, TopKRequest
+from opd.models.lm_head import LMHeadInput
+
+_NORMALISER_COUNTS: dict[str, Callable[[int, int], int]] = {
+    "mean": lambda tokens, sequences: tokens,
+    "sum": lambda tokens, sequences: sequences,
+}
+"""The count each ``kl_reduction`` divides the global batch's loss by: its valid tokens or its sequences."""
+
+
+def _global_normalizer(reduction: str, global_valid_tokens: int, global_valid_seqs: int) -> float:
+    """The denominator of the global-batch loss (at least 1, so an all-masked batch gives 0)."""
+    return float(max(_NORMALISER_COUNTS[reduction](global_valid_tokens, global_valid_seqs), 1))
+
+
+def loss_rows(value: Any, mask: torch.Tensor, shift: int = 0) -> Any:
+    """The loss positions of a per-position input laid out ``[B, L, ...]``.
+
+    ``shift = 0`` for inputs indexed by logit position (``t`` predicts token ``t + 1``:
+    logits, top-k), ``1`` for inputs indexed by token position (a token's own log-prob).
+    """
+    if isinstance(value, LMHeadInput):
+        return value.with_rows(value.hidden_states[:, :-1][mask])
+    if shift == 0:
+        return value[:, :-1][mask]
+    return value[:, 1:][mask]
+
+
+def _apply_loss(
+    student_rows: torch.Tensor | LMHeadInput,
+    divergence: Callable[..., torch.Tensor],
+    row_inputs: tuple[Any, ...],
+    normalizer: float,
+    chunk_rows: int | None,
+    observer: Callable[..., None] | None,
+    value_and_grad: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    row_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Σ_positions w · divergence / normalizer, fused with the LM head when given hidden states.
+
+    ``row_weights`` (``[N]``, detached; None = all 1) are the off-policy importance
+    weights (:mod:`opd.losses.off_policy`).
+    """
+    if isinstance(student_rows, LMHeadInput):
+        device = student_rows.hidden_states.device
+        if row_weights is None:
+            rows = student_rows.hidden_states.shape[:1]
+            weights = torch.full(rows, 1.0 / normalizer, dtype=torch.float64, device=device)
+        else:
+            weights = row_weights.to(device=device, dtype=torch.float64) / normalizer
+        return chunked_lm_head_loss(student_rows, divergence, row_inputs, weights, chunk_rows, observer, value_and_grad)
+    materialised = tuple(
+        row_input.logits() if isinstance(row_input, LMHeadInput) else row_input for row_input in row_inputs
+    )
+    # sum() of an empty selection is 0 with a graph attached, so an all-masked
+    # micro-batch contributes zero loss and zero gradient.
+    per_position = divergence(student_rows, *materialised)
+    if row_weights is not None:
+        per_position = per_position * row_weights.to(device=per_position.device, dtype=per_position.dtype)
+    loss = per_position.sum() / normalizer
+    if observer is not None:
+        observer(student_rows.detach(), *materialised)
+    return loss
+
+
+def off_policy_row_weights(
+    student_rows: torch.Tensor | LMHeadInput,
+    data: dict[str, Any],
+    loss_mask: torch.Tensor,
+    correction: OffPolicyCorrection,
+    global_valid_tokens: int,
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The importance weight of each loss position of a micro-batch, and its metrics.
+
+    ``data["staleness"]`` is per sequence (``[B]``) or, in a packed row, per token
+    (``[1, T]``); ``data["generation_logprobs"]`` is indexed by token position, like the
+    targets. Rows of fresh samples are not computed: their weight is 1.
+
+    Returns:
+        ``([N] weights, metrics)``; the metrics are this micro-batch's share of the global
+        means over response tokens (``is_ratio_mean``, ``is_abs_log_ratio_mean``,
+        ``is_truncated_fraction``, ``is_masked_fraction``, ``is_outside_support_fraction``) and
+        its ``is_ratio_max``. The weights are None (all 1) when the correction only
+        monitors (``enabled: monitor``); the truncated and masked fractions then count the
+        positions the correction would have cut or masked.
+    """
+    staleness = data["staleness"]
+    per_token = staleness if staleness.dim() == 2 else staleness.unsqueeze(-1).expand_as(data["input_ids"])
+    stale = loss_rows(per_token, loss_mask, shift=1) > 0
+    sampler = loss_rows(data["generation_logprobs"], loss_mask, shift=1)
+    learner = torch.zeros_like(sampler)
+    if bool(stale.any()):
+        rows = stale.nonzero().squeeze(-1)
+        stale_rows = (
+            student_rows.with_rows(student_rows.hidden_states[rows])  # the same head, its transform too
+            if isinstance(student_rows, LMHeadInput)
+            else student_rows[rows]
+        )
+        targets = loss_rows(data["input_ids"], loss_mask, shift=1)
+        learner[rows] = learner_log_probs(stale_rows, targets[rows], correction.strategy).to(learner.dtype)
+    # Sequence of each position: its row, and its segment in a packed row.
+    input_ids = data["input_ids"]
+    row_index = torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(-1).expand_as(input_ids)
+    sequence_ids = loss_rows(row_index, loss_mask, shift=1)
+    if "segment_ids" in data:
+        segments = data["segment_ids"]
+        sequence_ids = sequence_ids * (int(segments.max()) + 1) + loss_rows(segments, loss_mask, shift=1)
+    weights, sums = importance_weights(learner, sampler, stale, sequence_ids, correction)
+    tokens = float(max(global_valid_tokens, 1))
+    metrics = {
+        "is_ratio_mean": sums["is_ratio"] / tokens,
+        "is_abs_log_ratio_mean": sums["is_abs_log_ratio"] / tokens,
+        "is_truncated_fraction": sums["is_truncated"] / tokens,
+        "is_masked_fraction": sums["is_masked"] / tokens,
+        "is_outside_support_fraction": sums["is_outside_support"] / tokens,
+        "is_ratio_max": sums["is_ratio_max"],
+    }
+    return (None if correction.monitor_only else weights), metrics
+
+
+@dataclasses.dataclass
+class LossInputs:
+    """What a :class:`TokenLossFn` variant hands the base class for one micro-batch.
+
+    Attributes:
+        row_inputs: the per-position inputs of the variant's ``_divergence`` after the
+            student's logits, one row per loss position (tensors with the positions on
+            dim 0, or an :class:`LMHeadInput` whose logits are made chunk by chunk).
+        observer: called on each chunk's detached student logits and inputs (metrics).
+        value_and_grad: a closed form of ``_divergence`` and its gradient for the fused
+            path, or None for autograd through ``_divergence``.
+        metrics: called after the loss with the global token count and the loss's
+            normaliser (:class:`TokenLossFn`'s N); returns this micro-batch's share of the
+            variant's own metrics (token means, or shares of the loss).
+    """
+
+    row_inputs: tuple[Any, ...]
+    observer: Callable[..., None] | None = None
+    value_and_grad: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    metrics: Callable[[float, float], dict[str, float]] = dataclasses.field(default=lambda tokens, normaliser: {})
+
+
+class TokenLossFn(LossFunction):
+    """Base of the losses that sum a per-position term over the loss positions.
+
+    It owns everything the objectives share, so that a variant only says what the
+    teacher sends and what the per-position term is:
+
+    * row selection: the positions whose next token carries loss (the shifted
+      ``token_mask``) are selected once, for the student's output and the teacher's
+      answer, so prompt and padding rows never see a softmax;
+    * the vocabulary cut to ``vocab_size`` (padded output layers);
+    * normalisation by the *global* batch's valid tokens (``kl_reduction="mean"``) or
+      sequences (``"sum"``), so gradient accumulation gives the gradient of one batch;
+    * the computation: on ``[B, L, V]`` logits, or with ``fused_lm_head`` chunk by chunk
+      from hidden states (:func:`~opd.kernels.fused_lm_head.chunked_lm_head_loss`);
+    * per-position weights: the off-policy importance weights of stale samples when
+      ``off_policy`` is set (:func:`off_policy_row_weights`), 1 otherwise;
+    * the per-position cap ``token_clip`` (:class:`_TokenClip`): a position whose term
+      exceeds it contributes the cap and no gradient, on both the plain and the fused path;
+    * the metrics dict: ``loss``, the variant's metrics, the weights' metrics,
+      ``num_valid_tokens`` and, with a cap, ``clipped_token_fraction``.
+
+    A variant implements :meth:`_loss_inputs` (the teacher's rows and how chunks are
+    observed) and :meth:`_divergence` (the per-position term), and says what it asks the
+    teacher for (``teacher_request``; None, the default, for a loss without a teacher,
+    which is then never asked for ``teacher_output``). A correction term that depends on the position
+    joins the per-position term (extra row inputs, added in ``_divergence``); one that
+    reweighs positions overrides :meth:`_row_weights`.
+
+    Args:
+        kl_reduction: ``"mean"`` (per token) or ``"sum"`` (per sequence).
+        vocab_size: if set, logits are cut to their first ``vocab_size`` entries.
+        fused_lm_head: take hidden states and compute the loss chunk by chunk.
+        chunk_size: positions per fused chunk, >= 1 (None: ~128 MiB of fp32 logits per chunk).
+        off_policy: weigh the positions of stale samples (a micro-batch with
+            ``staleness`` and ``generation_logprobs``) by truncated importance weights
+            (:mod:`opd.losses.off_policy`); None leaves every weight at 1.
+        token_clip: cap on each position's term, a finite number > 0: a position above it
+            contributes the cap and zero gradient (``clamp(max=token_clip)``); None: no cap.
+
+    Raises:
+        ValueError: naming the argument, for a value outside its range.
+    """
+
+    teacher_answer = "the teacher's output"
+    """What the error for a missing ``teacher_output`` says the loss needs."""
+
+    def __init__(
+        self,
+        kl_reduction: str = "mean",
+        vocab_size: int | None = None,
+        fused_lm_head: bool = False,
+        chunk_size: int | None = None,
+        off_policy: OffPolicyCorrection | None = None,
+        token_clip: float | None = None,
+    ) -> None:
+        if kl_reduction not in _NORMALISER_COUNTS:
+            raise ValueError(f"kl_reduction must be 'mean' or 'sum', got {kl_reduction!r}")
+        if token_clip is not None and not (math.isfinite(token_clip) and token_clip > 0):
+            raise ValueError(f"token_clip must be a finite number > 0 (or None: no cap), got {token_clip}")
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1 (or None: the whole output layer), got {vocab_size}")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1 (or None: chosen from the vocabulary size), got {chunk_size}")
+        self.kl_reduction = kl_reduction
+        self.vocab_size = vocab_size
+        self.fused_lm_head = fused_lm_head
+        self.chunk_size = chunk_size
+        self.off_policy = off_policy
+        self.token_clip = token_clip
+
+    @abstractmethod
+    def _loss_inputs(
+        self, teacher_output: Any, data: dict[str, Any], loss_mask: torch.Tensor, fused: bool
+    ) -> LossInputs:
+        """The per-position inputs of :meth:`_divergence` for this micro-batch, and its metric hooks.
+
+        ``loss_mask`` is ``[B, L − 1]``, True where logit position ``t`` carries loss;
+        ``fused``: the student's output is hidden states (the chunked path runs).
+        """
+
+    @abstractmethod
+    def _divergence(self, student_logits: torch.Tensor, *row_inputs: Any) -> torch.Tensor:
+        """The per-position term: ``(student logits [C, V], *row inputs [C, ...]) -> [C]``."""
+
+    def _row_weights(
+        self, student_output: Any, data: dict[str, Any], loss_mask: torch.Tensor, global_valid_tokens: int
+    ) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """``([N] weights or None for all 1, metrics)``: the off-policy weights when asked for and the data has them."""
+        if self.off_policy is None or "staleness" not in data or "generation_logprobs" not in data:
+            return None, {}
+        return off_policy_row_weights(
+            loss_rows(student_output, loss_mask), data, loss_mask, self.off_policy, global_valid_tokens
+        )
+
+    def _cut_vocabulary(self, value: Any) -> Any:
+        if self.vocab_size is None:
+            return value
+        if isinstance(value, LMHeadInput):
+            return dataclasses.replace(value, vocab_size=self.vocab_size)
+        return value[..., : self.vocab_size]
+
+    def __call__(
+        self,
+        student_output: torch.Tensor | LMHeadInput,
+        data: dict[str, Any],
+        global_valid_tokens: int,
+        global_valid_seqs: int,
+        teacher_output: Any = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Computes this micro-batch's share of the global loss.
+
+        Args:
+            student_output: ``[B, L, V_s]`` logits for ``data["input_ids"]``, or (fused)
+                an :class:`LMHeadInput` with ``[B, L, D]`` hidden states.
+            data: micro-batch with ``token_mask [B, L]`` (and what the variant reads).
+            global_valid_tokens: valid loss tokens in the whole global batch.
+            global_valid_seqs: sequences in the whole global batch.
+            teacher_output: the teacher's answer to :attr:`teacher_request`.
+
+        Returns:
+            ``(loss, metrics)``; metrics hold this micro-batch's contributions to the
+            global ``loss``, the variant's metrics (token means, of the uncapped terms),
+            the weights' metrics, ``num_valid_tokens`` and, with ``token_clip``, its
+            share of ``clipped_token_fraction`` (capped positions / the global batch's
+            loss tokens).
+
+        Raises:
+            ValueError: without ``teacher_output``, for a loss that asks the teacher for one.
+        """
+        if teacher_output is None and self.teacher_request is not None:
+            raise ValueError(f"{type(self).__name__} needs {self.teacher_answer}")
+        loss_mask = shift_token_mask(data["token_mask"]).bool()
+        # Only the selected positions ever see a softmax: prompt and padding rows are
+        # skipped instead of computed and then masked to zero.
+        student_rows = loss_rows(self._cut_vocabulary(student_output), loss_mask)
+        fused = isinstance(student_rows, LMHeadInput)
+        inputs = self._loss_inputs(teacher_output, data, loss_mask, fused)
+        row_weights, weight_metrics = self._row_weights(student_output, data, loss_mask, global_valid_tokens)
+        divergence, value_and_grad = self._divergence, inputs.value_and_grad
+        clip = _TokenClip(self.token_clip) if self.token_clip is not None else None
+        if clip is not None:
+            divergence = clip.divergence(divergence)
+            value_and_grad = clip.value_and_grad(value_and_grad) if value_and_grad is not None else None
+        normaliser = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
+        loss = _apply_loss(
+            student_rows,
+            divergence,
+            inputs.row_inputs,
+            normaliser,
+            self.chunk_size,
+            inputs.observer,
+            value_and_grad,
+            row_weights,
+        )
+        metrics = {
+            "loss": float(loss.detach()),
+            **inputs.metrics(float(max(global_valid_tokens, 1)), normaliser),
+            **weight_metrics,
+            "num_valid_tokens": float(loss_mask.sum()),
+        }
+        if clip is not None:
+            metrics["clipped_token_fraction"] = clip.fraction(global_valid_tokens)
+        return loss, metrics
+
+
+class _TokenClip:
+    """``token_clip``: caps each position's term at ``cap`` and counts the positions it capped.
+
+    A capped position contributes ``cap`` and no gradient, as ``clamp(max=cap)`` does: the
+    plain path (and the fused path's autograd) clamps the per-position term; the fused
+    path's closed form clamps its values and zeroes the gradient rows of the capped
+    positions. The count stays a tensor on the device, added up over the chunks of a
+    micro-batch, and is read once when the micro-batch's metrics are made.
+
+    Args:
+        cap: the largest term a position contributes (> 0).
+    """
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+        self.clipped: torch.Tensor | None = None
+
+    def _count(self, over: torch.Tensor) -> None:
+        count = over.sum()
+        self.clipped = count if self.clipped is None else self.clipped + count
+
+    def divergence(self, divergence: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``divergence`` capped (autograd gives zero gradient above the cap)."""
+
+        def capped(student_logits: torch.Tensor, *row_inputs: Any) -> torch.Tensor:
+            per_position = divergence(student_logits, *row_inputs)
+            self._count(per_position.detach() > self.cap)
+            return per_position.clamp(max=self.cap)
+
+        return capped
+
+    def value_and_grad(
+        self, value_and_grad: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """A closed form ``(values [C], gradient [C, V])`` capped: values clamped, capped rows' gradients zero."""
+
+        def capped(student_logits: torch.Tensor, *row_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            losses, grad = value_and_grad(student_logits, *row_inputs)
+            over = losses.detach() > self.cap
+            self._count(over)
+            # In place: the gradient is this chunk's own temporary, and a copy would be [C, V] more.
+            return losses.clamp(max=self.cap), grad.masked_fill_(over.unsqueeze(-1), 0.0)
+
+        return capped
+
+    def fraction(self, global_valid_tokens: int) -> float:
+        """The capped positions as a share of the global batch's loss tokens (the one host sync)."""
+        if self.clipped is None:
+            return 0.0
+        return float(self.clipped) / max(global_valid_tokens, 1)
+
 
 ChunkHooks = tuple[Callable[..., None] | None, Callable[..., tuple[torch.Tensor, torch.Tensor]] | None]
-"""``(observer, value_and_grad)`` of :class:`~opd.losses.token_loss.LossInputs`."""
+"""``(observer, value_and_grad)`` of :class:`LossInputs`."""
 
 
 class DistillationLossFn(TokenLossFn):

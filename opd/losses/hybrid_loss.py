@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from opd.losses.distillation_losses import LossInputs, TokenLossFn, loss_rows
 from opd.losses.divergences import log_probs_at_temperature, plogp_difference
 from opd.losses.off_policy import OffPolicyCorrection
-from opd.losses.token_loss import LossInputs, TokenLossFn, loss_rows
 from opd.models.interfaces import FullVocabRequest, TeacherRequest
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from opd.losses.token_loss import LossInputs, TokenLossFn, loss_rows
+from opd.losses.distillation_losses import LossInputs, TokenLossFn, loss_rows
 from opd.models.lm_head import token_log_probs
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from opd.losses.token_loss import LossInputs, TokenLossFn
+from opd.losses.distillation_losses import LossInputs, TokenLossFn
 from opd.models.interfaces import TeacherRequest, TokenLogprobsRequest
 from opd.models.lm_head import token_log_probs
 

@@ -17,7 +17,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import select_segments, shift_token_mask
 from opd.models.interfaces import LossFunction, PerTeacherRequest, TeacherRequest
 from opd.models.lm_head import LMHeadInput
-from opd.policy.optimization import accumulate_metrics
+from opd.policy.hf_policy import accumulate_metrics
 from opd.teachers.several_teachers import MixedSignal, RoutedSignal
 
 PER_TEACHER_MEANS = ("kl_forward", "kl_reverse", "kl_reverse_estimate")

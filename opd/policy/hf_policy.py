@@ -1,21 +1,31 @@
-"""The trainable student: a Hugging Face causal LM with its optimizer and schedule.
+"""The student that trains: one optimizer step's parts, and ``HFPolicy``, the in-process student.
 
-``train`` performs one optimizer step over a global batch: it counts the valid tokens of
-the whole batch first, then runs forward/backward micro-batch by micro-batch (asking the
-teacher for the same micro-batch's output when a teacher is given), so the loss
-function can normalise globally and gradient accumulation is exact. For a fused loss
-the student's forward stops at the final hidden states and the loss makes the logits
-chunk by chunk.
+The step's parts are shared by :class:`HFPolicy` and the FSDP2 trainer workers
+(:mod:`opd.distributed.trainer_worker`), so a run on N workers and a run in one process
+differ only in where the gradients are summed:
 
-With ``lora`` settings the student is wrapped with peft adapters
-(:mod:`opd.policy.lora`): only the adapters are trained and held by AdamW, the
-refit weights and ``final_model/`` are the merged plain model, the adapter is saved
-beside them (``adapter/``) and in the checkpoint's optimizer state.
+* :func:`build_optimizer` / :func:`build_scheduler`: AdamW without weight decay on biases
+  and norms, and the learning-rate schedule;
+* :func:`plan_micro_batches`: a global batch (or one rank's share) cut into micro-batches,
+  each trimmed to its longest row;
+* :func:`student_output`: the student's logits, or its final hidden states and head for
+  the fused loss;
+* :func:`accumulate_gradients`: the micro-batch loop (teacher answer, forward, loss,
+  backward, metrics summed);
+* :func:`apply_gradients`: the global gradient norm, the non-finite guard, clipping and
+  the optimizer and schedule steps.
+
+``HFPolicy.train`` counts the valid tokens of the whole batch first, so the loss normalises
+globally and gradient accumulation is exact. With ``lora`` settings the student is wrapped
+with peft adapters (:mod:`opd.policy.lora`): only the adapters train, the refit weights and
+``final_model/`` are the merged plain model, and the adapter is saved beside them
+(``adapter/``) and in the checkpoint's optimizer state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,20 +43,228 @@ from opd.policy.lora import (
     merged_tensors,
     wrap_with_lora,
 )
-from opd.policy.optimization import (
-    accumulate_gradients,
-    accumulate_metrics,
-    apply_gradients,
-    build_optimizer,
-    build_scheduler,
-    plan_micro_batches,
-    student_output,
-)
+from opd.utils.config import resolve_auto
 from opd.utils.errors import OpdError
 from opd.utils.timer import Timer
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
     from transformers import PreTrainedModel
+
+# Devices with a fused AdamW kernel in torch ≥ 2.4 (CPU included).
+_FUSED_ADAM_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
+def adam_kernel_kwargs(implementation: str, params: list[torch.nn.Parameter]) -> dict[str, bool]:
+    """``torch.optim.AdamW`` keyword arguments for the chosen kernel.
+
+    The fused kernel updates all parameters in one pass, much faster than the per-tensor
+    loop on CPU for a student with a large embedding, which is why ``auto`` picks it
+    wherever it exists (TRL's default ``adamw_torch_fused`` does too).
+    """
+    fusable = all(p.device.type in _FUSED_ADAM_DEVICES and p.is_floating_point() for p in params)
+    implementation = resolve_auto(implementation, lambda: "fused" if fusable else "foreach")
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[implementation]
+
+
+def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; no weight decay on biases and norms (the usual transformer recipe)."""
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.dim() < 2 or "norm" in name.lower() else decay).append(param)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.learning_rate,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_epsilon,
+        **adam_kernel_kwargs(config.adam_implementation, decay + no_decay),
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerConfig, total_steps: int) -> Any:
+    """The learning-rate schedule ``config.lr_scheduler`` names, over ``total_steps`` optimizer steps."""
+    # Imported here: transformers' scheduler module imports peft, a slow import that only
+    # the processes that train need (not the rollout, teacher or evaluation ones).
+    from transformers import get_scheduler
+
+    return get_scheduler(
+        config.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=config.warmup_steps,
+        num_training_steps=max(total_steps, 1),
+    )
+
+
+def plan_micro_batches(
+    data: BatchedDataDict, micro_batch_size: int, micro_batch_tokens: int | None = None
+) -> list[BatchedDataDict]:
+    """``data`` cut into micro-batches, each trimmed to its own longest row (padding costs compute).
+
+    Micro-batches hold ``micro_batch_size`` rows in order, or, with ``micro_batch_tokens``,
+    length-sorted rows up to that budget of padded tokens.
+    """
+    chunks = (
+        data.make_token_budget_microbatches(micro_batch_tokens)
+        if micro_batch_tokens is not None
+        else data.make_microbatches(micro_batch_size)
+    )
+    planned = []
+    for chunk in chunks:
+        width = int(chunk["input_lengths"].max())
+        padded = chunk["input_ids"].shape[1]
+        # Only per-position fields are trimmed; per-row ones ([B, teachers] weights) keep their width.
+        planned.append(
+            BatchedDataDict({k: v[:, :width] if _per_position(k, v, padded) else v for k, v in chunk.items()})
+        )
+    return planned
+
+
+HiddenStatesFn = Callable[..., torch.Tensor]
+"""Runs a model's decoder to its final hidden states (``input_ids``, ``attention_mask``, ``position_ids``)."""
+
+
+def student_output(
+    model: PreTrainedModel,
+    micro_batch: BatchedDataDict,
+    device: torch.device,
+    fused_lm_head: bool,
+    hidden_states: HiddenStatesFn | None = None,
+) -> torch.Tensor | LMHeadInput:
+    """The student's logits, or (fused loss) its final hidden states and output head.
+
+    The fused head carries the logit transform of the student's architecture (Gemma 2's
+    soft cap, a logit scale), which the fused loss applies and differentiates.
+
+    Args:
+        hidden_states: how to run the decoder alone; default :func:`final_hidden_states`
+            (an FSDP2 student passes the method its hooks are registered on).
+    """
+    inputs = model_inputs(micro_batch, device)
+    if fused_lm_head:
+        run_decoder = hidden_states if hidden_states is not None else lambda **kw: final_hidden_states(model, **kw)
+        hidden = run_decoder(**inputs)
+        # Read after the forward: an FSDP2 head is whole only once it has run.
+        return output_layer_of(model, "the student").trained_over(hidden)
+    return model(**inputs, use_cache=False).logits
+
+
+def accumulate_gradients(
+    micro_batches: Iterable[BatchedDataDict],
+    device: torch.device,
+    forward: Callable[[BatchedDataDict, bool], torch.Tensor | LMHeadInput],
+    loss_fn: LossFunction,
+    teacher_answer: Callable[[int, BatchedDataDict], TeacherSignal | None],
+    global_valid_tokens: int,
+    global_valid_seqs: int,
+) -> dict[str, float]:
+    """Forward and backward over micro-batches, gradients accumulating; returns the loss's metrics summed.
+
+    The one micro-batch loop of every trainer: the in-process student runs it over the
+    whole batch, each FSDP2 rank over its share (with the teacher's answers sent to it, or
+    its colocated teacher scoring). Each micro-batch's loss is its share of the global
+    mean (``global_valid_tokens`` / ``global_valid_seqs``), so the summed gradients are
+    those of the whole batch.
+
+    Args:
+        micro_batches: the micro-batches, in order (moved to ``device`` here).
+        device: where the student computes.
+        forward: the student's output for a micro-batch (:func:`student_output`).
+        loss_fn: called per micro-batch.
+        teacher_answer: the teacher's signal for micro-batch ``index`` (None: the loss needs none).
+        global_valid_tokens: loss-carrying tokens of the whole global batch.
+        global_valid_seqs: sequences of the whole global batch.
+    """
+    totals: dict[str, float] = {}
+    for index, micro_batch in enumerate(micro_batches):
+        micro_batch = micro_batch.to(device)
+        teacher_output = teacher_answer(index, micro_batch)
+        output = forward(micro_batch, loss_fn.fused_lm_head)
+        loss, metrics = loss_fn(
+            output, micro_batch, global_valid_tokens, global_valid_seqs, teacher_output=teacher_output
+        )
+        loss.backward()
+        del teacher_output, output  # freed before the next micro-batch's forward
+        accumulate_metrics(totals, metrics)
+    return totals
+
+
+_PER_ROW_MATRICES = ("teacher_weights",)
+"""``[B, n]`` batch fields that are not laid out by position (a mixture's weight of each teacher)."""
+
+
+def _per_position(key: str, value: object, padded_width: int) -> bool:
+    return (
+        key not in _PER_ROW_MATRICES
+        and isinstance(value, torch.Tensor)
+        and value.dim() == 2
+        and value.shape[1] == padded_width
+    )
+
+
+def accumulate_metrics(totals: dict[str, float], metrics: dict[str, float]) -> None:
+    """Adds a micro-batch's metrics to the step's: summed, except ``*_max`` keys, which keep the largest.
+
+    Loss functions report each micro-batch's share of a global mean, so the sum over
+    micro-batches (and over ranks) is the global mean; a ``*_max`` metric is a maximum.
+    """
+    for key, value in metrics.items():
+        if key not in totals:
+            totals[key] = value
+        elif key.endswith("_max"):
+            totals[key] = max(totals[key], value)
+        else:
+            totals[key] += value
+
+
+def global_grad_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The L2 norm of all gradients together; a sharded (DTensor) norm is reduced over the ranks first."""
+    gradients = [param.grad for param in parameters if param.grad is not None]
+    if not gradients:
+        return torch.tensor(0.0)
+    norm = torch.nn.utils.get_total_norm(gradients)
+    full_tensor = getattr(norm, "full_tensor", None)  # FSDP2 gradients are DTensors
+    return full_tensor() if full_tensor is not None else norm
+
+
+def apply_gradients(
+    parameters: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    max_grad_norm: float | None,
+    totals: dict[str, float],
+) -> dict[str, float]:
+    """Clips and applies the accumulated gradients, unless the loss or gradient is NaN/inf.
+
+    A non-finite loss or gradient would poison the weights and Adam's moments for good:
+    such a step is skipped entirely (no optimizer or schedule step) and reported.
+
+    Args:
+        parameters: every trainable parameter (with its accumulated ``grad``).
+        optimizer: steps them.
+        scheduler: the learning-rate schedule, stepped after the optimizer.
+        max_grad_norm: clip the global norm to this; None disables clipping.
+        totals: the step's summed loss metrics (``loss`` is checked for NaN/inf).
+
+    Returns:
+        ``totals`` plus ``grad_norm`` (before clipping), ``lr`` (used for this step) and
+        ``skipped_nonfinite`` (1.0 when the step was skipped).
+    """
+    with_grad = [param for param in parameters if param.grad is not None]
+    grad_norm = global_grad_norm(with_grad)
+    totals["grad_norm"] = float(grad_norm)
+    totals["lr"] = scheduler.get_last_lr()[0]
+    finite = math.isfinite(totals.get("loss", 0.0)) and math.isfinite(totals["grad_norm"])
+    totals["skipped_nonfinite"] = 0.0 if finite else 1.0
+    if finite:
+        if max_grad_norm is not None and with_grad:
+            torch.nn.utils.clip_grads_with_norm_(with_grad, max_grad_norm, grad_norm)
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return totals
+
 
 ADAPTER_DIR = "adapter"
 """Where :meth:`HFPolicy.save_pretrained` puts a LoRA student's adapter (peft's format)."""

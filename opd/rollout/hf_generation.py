@@ -221,7 +221,7 @@ class SnapshotHFGeneration(HFGeneration):
     """An in-process HF engine on a deep copy of the student, refreshed only by :meth:`refit`.
 
     Sampling with the last refit's weights, as a rollout worker does, lets an asynchronous schedule
-    (:mod:`opd.distillation.schedule`) draw in one process exactly the samples it would on a cluster. Nothing
+    (:mod:`opd.distillation.step`) draw in one process exactly the samples it would on a cluster. Nothing
     overlaps, so it reproduces and debugs an asynchronous run; it does not speed one up.
     """
 

@@ -112,7 +112,7 @@ def episode_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
 class Episodes:
     """The environment and limits of a run's episodes (``max_episode_tokens`` counts the prompt too).
 
-    Training (:class:`~opd.distillation.schedule.RolloutSchedule`) and validation
+    Training (:class:`~opd.distillation.step.RolloutSchedule`) and validation
     (:func:`~opd.run.validation.validate`) run the same episodes from it.
     """
 

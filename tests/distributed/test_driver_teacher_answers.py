@@ -23,7 +23,7 @@ from opd.distillation.step import distillation_train
 from opd.distillation.teacher_plan import Placement, plan_teacher
 from opd.models.interfaces import PolicyInterface, TeacherInterface
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
-from opd.policy.optimization import plan_micro_batches
+from opd.policy.hf_policy import plan_micro_batches
 from opd.teachers.scoring import PromptScorer
 from opd.teachers.served.server import TeacherService
 from opd.utils.config import load_config

@@ -19,11 +19,17 @@ from pathlib import Path
 import pytest
 
 from opd.losses.config import LOSS_VARIANTS
-from opd.losses.distillation_losses import DistillationLossFn, FullVocabLossFn, JSDLossFn, KLLossFn, TopKKLLossFn
+from opd.losses.distillation_losses import (
+    DistillationLossFn,
+    FullVocabLossFn,
+    JSDLossFn,
+    KLLossFn,
+    TokenLossFn,
+    TopKKLLossFn,
+)
 from opd.losses.hybrid_loss import FullVocabHybridLossFn
 from opd.losses.nll import NLLLossFn
 from opd.losses.sampled_token import SampledTokenLossFn
-from opd.losses.token_loss import TokenLossFn
 from opd.models.interfaces import (
     FullVocabRequest,
     GenerationInterface,

@@ -31,11 +31,11 @@ from opd_test_helpers import short_run_overrides
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distillation.config import MasterConfig
-from opd.distillation.schedule import RolloutSchedule, _signal_from_state, _signal_to_state, signal_rows
 from opd.distillation.setup import setup
-from opd.distillation.step import distillation_train
+from opd.distillation.step import RolloutSchedule, distillation_train
 from opd.models.interfaces import TopKLogprobs
 from opd.teachers.several_teachers import MixedSignal, RoutedPart, RoutedSignal
+from opd.teachers.signals import signal_from_state, signal_rows, signal_to_state
 from opd.utils.config import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -242,4 +242,4 @@ def test_several_teachers_answers_scored_ahead_are_cut_per_micro_batch_and_check
     assert torch.equal(cut_mixed.members[1].rest_logprobs, mixed.members[1].rest_logprobs[[3, 1], :4])
 
     for signal in (routed, mixed):
-        _same(_signal_from_state(_signal_to_state(signal)), signal)
+        _same(signal_from_state(signal_to_state(signal)), signal)

@@ -32,9 +32,8 @@ from opd.data.batches import build_fixed_data_batch
 from opd.data.dataloaders import prepare_examples
 from opd.data.sequences import attention_mask_from_lengths, encode_prompt
 from opd.distillation.config import MasterConfig, resolve_micro_batching
-from opd.distillation.schedule import RolloutSchedule
 from opd.distillation.setup import check_config_against_data, setup
-from opd.distillation.step import distillation_train
+from opd.distillation.step import RolloutSchedule, distillation_train
 from opd.losses.distillation_losses import KLLossFn
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.loading import check_tokenizer_compatibility

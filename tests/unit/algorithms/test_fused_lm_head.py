@@ -32,8 +32,7 @@ from opd.models.lm_head import (
     transform_logits,
 )
 from opd.models.tiny import build_tiny_model
-from opd.policy.hf_policy import HFPolicy, OptimizerConfig
-from opd.policy.optimization import student_output
+from opd.policy.hf_policy import HFPolicy, OptimizerConfig, student_output
 from opd.teachers.local_teacher import LocalTeacher
 
 N, D, V = 11, 6, 17

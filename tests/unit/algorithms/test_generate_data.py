@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import opd.distillation.schedule as schedule_module
+import opd.distillation.step as schedule_module
 from opd.cli import main
 from opd.data.converters import load_prompt_template, math_cl_to_chat
 from opd.data.dataloaders import prepare_examples

@@ -20,11 +20,10 @@ from pydantic import TypeAdapter
 
 from opd.kernels.fused_lm_head import LMHeadInput
 from opd.losses.config import LOSS_CLASSES, LOSS_VARIANTS, LossFnConfig
-from opd.losses.distillation_losses import FullVocabLossFn, JSDLossFn, KLLossFn
+from opd.losses.distillation_losses import FullVocabLossFn, JSDLossFn, KLLossFn, TokenLossFn
 from opd.losses.nll import NLLLossFn
 from opd.losses.off_policy import OffPolicyCorrection
 from opd.losses.sampled_token import SampledTokenLossFn
-from opd.losses.token_loss import TokenLossFn
 from opd.models.decoding import GenerateStrategyConfig
 
 B, L, V, D = 2, 6, 7, 5

@@ -23,10 +23,9 @@ import pytest
 import torch
 from opd_test_helpers import short_run_overrides
 
-from opd.distillation.config import MasterConfig
-from opd.distillation.schedule import DEPTHS, RolloutSchedule
+from opd.distillation.config import DEPTHS, MasterConfig
 from opd.distillation.setup import setup
-from opd.distillation.step import distillation_train
+from opd.distillation.step import RolloutSchedule, distillation_train
 from opd.models.tiny import build_tiny_model
 from opd.rollout.hf_generation import HFGeneration, SnapshotHFGeneration
 from opd.utils.config import load_config

@@ -28,13 +28,14 @@ from opd_test_helpers import short_run_overrides
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distillation.config import MasterConfig
-from opd.distillation.schedule import RolloutSchedule, signal_rows
 from opd.distillation.setup import setup
+from opd.distillation.step import RolloutSchedule
 from opd.models.interfaces import FullVocabRequest, TeacherHiddenStates, bind_teacher_head
 from opd.models.lm_head import LMHeadInput, output_layer_of
 from opd.models.tiny import build_tiny_model
 from opd.teachers.context_teacher import ContextTeacher
 from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.signals import signal_rows
 from opd.utils.config import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -43,7 +43,7 @@ from opd.models.interfaces import (
 )
 from opd.models.lm_head import LMHeadInput
 from opd.models.tiny import build_tiny_tokenizer
-from opd.policy.optimization import accumulate_metrics
+from opd.policy.hf_policy import accumulate_metrics
 from opd.teachers.several_teachers import (
     MixedSignal,
     RoutedTeachers,

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from opd.models.tiny import build_tiny_model
-from opd.policy.hf_policy import HFPolicy, OptimizerConfig
-from opd.policy.optimization import adam_kernel_kwargs
+from opd.policy.hf_policy import HFPolicy, OptimizerConfig, adam_kernel_kwargs
 from opd.utils.config import validate_config
 from opd.utils.errors import ConfigError
 

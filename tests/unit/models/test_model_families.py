@@ -8,7 +8,7 @@ final-logit soft-capping, Gemma 3's mix of sliding and global layers, Phi-3's fu
 projections):
 
 1. the student's fused loss (its final hidden states and output layer through
-   :func:`~opd.policy.optimization.student_output`, the in-process teacher's hidden
+   :func:`~opd.policy.hf_policy.student_output`, the in-process teacher's hidden
    states and output layer) gives the loss value and the gradient of every parameter that
    the plain path gives (``model(input_ids, attention_mask).logits``, the teacher's
    logits, the same loss unfused), on right-padded rows of unequal length;
@@ -55,7 +55,7 @@ from opd.data.sequences import attention_mask_from_lengths, pack_sequences, shif
 from opd.losses.distillation_losses import KLLossFn, TopKKLLossFn
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput, output_layer_of
-from opd.policy.optimization import student_output
+from opd.policy.hf_policy import student_output
 from opd.rollout.hf_generation import HFGeneration
 from opd.teachers.local_teacher import LocalTeacher
 from opd.teachers.scoring import PromptScorer

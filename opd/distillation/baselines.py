@@ -1,0 +1,84 @@
+"""How the teachers and the student answer before training (``validation.teacher_baseline`` / ``eval_baseline``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from opd.distillation.config import MasterConfig
+from opd.models.interfaces import GenerationInterface
+from opd.rollout.multi_turn import Episodes
+from opd.run.validation import TeacherEngine, validate
+
+log = logging.getLogger("opd")
+
+
+def validation_baselines(
+    student_generation: GenerationInterface,
+    teacher_generation: list[TeacherEngine],
+    val_dataloader: StatefulDataLoader,
+    tokenizer: Any,
+    config: MasterConfig,
+) -> dict[str, float]:
+    """``validation.teacher_baseline`` / ``eval_baseline``: how teacher and student answer before training.
+
+    Each teacher answers with its teacher-only context, if any, and in its own tokens (a
+    cross-tokenizer teacher decodes and is graded with its own tokenizer). With several
+    teachers each is measured on its own (:class:`TeacherEngine`): with routing on the
+    prompts routed to it, in a mixture on every prompt; its metrics are
+    ``val/teacher_<name>_*``. The eval baseline compares the student as it starts, without
+    the context, with each teacher on that teacher's prompts
+    (``val/baseline_student_accuracy``, ``val/baseline_teacher_accuracy`` and
+    ``val/baseline_accuracy_gap``; with several teachers ``..._<name>`` at the end of each).
+    Each teacher's engine is closed once it has answered: rollout workers that loaded a
+    teacher's weights for it free them before the next teacher loads.
+    """
+    if not (config.validation.teacher_baseline or config.validation.eval_baseline):
+        return {}
+    strategy = config.validation.generate_strategy
+    episodes = Episodes.from_config(config.environment)  # with an environment, each answers in episodes
+    metrics: dict[str, float] = {}
+    for engine in teacher_generation:
+        prefix = "val/teacher_" if engine.name is None else f"val/teacher_{engine.name}_"
+        try:
+            teacher_metrics = validate(
+                engine.generation,
+                None,
+                None,
+                val_dataloader,
+                engine.tokenizer,
+                strategy,
+                prefix=prefix,
+                prompt_key=engine.prompt_key,
+                keep=engine.answers,
+                episodes=episodes,
+            )
+        finally:
+            engine.generation.close()
+        if config.validation.teacher_baseline:
+            metrics.update(teacher_metrics)
+        if not config.validation.eval_baseline:
+            continue
+        student_metrics = validate(
+            student_generation,
+            None,
+            None,
+            val_dataloader,
+            tokenizer,
+            strategy,
+            prefix="val/student_",
+            keep=engine.answers,
+            episodes=episodes,
+        )
+        student_accuracy = student_metrics.get("val/student_accuracy")
+        teacher_accuracy = teacher_metrics.get(f"{prefix}accuracy")
+        if student_accuracy is None or teacher_accuracy is None:
+            log.warning("validation.eval_baseline: the validation data has no ground truth; no accuracies")
+            continue
+        suffix = "" if engine.name is None else f"_{engine.name}"
+        metrics[f"val/baseline_student_accuracy{suffix}"] = student_accuracy
+        metrics[f"val/baseline_teacher_accuracy{suffix}"] = teacher_accuracy
+        metrics[f"val/baseline_accuracy_gap{suffix}"] = teacher_accuracy - student_accuracy
+    return metrics
