@@ -162,7 +162,9 @@ def output_head_of(model: PreTrainedModel, model_name: str = "model") -> tuple[t
     config = getattr(model, "config", None)
     for attribute in _LOGIT_TRANSFORM_ATTRIBUTES:
         value = getattr(config, attribute, None)
-        if value not in (None, 1, 1.0):
+        # A soft cap of 0 is no cap (as in logit_transform_of); for the other attributes 1 changes nothing.
+        neutral = (None, 0, 0.0) if attribute == "final_logit_softcapping" else (None, 1, 1.0)
+        if value not in neutral:
             raise ValueError(
                 f"{model_name} sets config.{attribute} = {value}, which a bare (weight, bias) head does not apply; "
                 "take the head with its logit transform (opd.models.lm_head.output_layer_of)"

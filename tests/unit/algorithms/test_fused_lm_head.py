@@ -27,6 +27,7 @@ from opd.models.lm_head import (
     LMHeadInput,
     default_chunk_rows,
     final_hidden_states,
+    logit_transform_of,
     output_head_of,
     output_layer_of,
     transform_logits,
@@ -435,6 +436,19 @@ def test_the_student_head_carries_its_logit_transform_and_the_bare_head_refuses_
     # The bare (weight, bias) pair would lose the transform: refused, with the reason.
     with pytest.raises(ValueError, match=f"config.{attribute} = 30.0, which a bare \\(weight, bias\\) head"):
         output_head_of(model, "the student")
+
+
+@pytest.mark.parametrize("cap", [0, 0.0])
+def test_a_soft_cap_of_zero_is_no_cap_for_the_bare_head_and_the_transform_alike(cap):
+    model = tiny_qwen2(final_logit_softcapping=cap)
+    assert logit_transform_of(model.config) == (1.0, None)
+    weight, bias = output_head_of(model, "the student")  # nothing to lose: accepted
+    assert weight is model.lm_head.weight and bias is None
+    # A cap of 1 is a cap (1 · tanh(logits)): applied by the transform, so the bare head refuses it.
+    capped = tiny_qwen2(final_logit_softcapping=1.0)
+    assert logit_transform_of(capped.config) == (1.0, 1.0)
+    with pytest.raises(ValueError, match=r"config\.final_logit_softcapping = 1\.0"):
+        output_head_of(capped, "the student")
 
 
 def test_a_head_opd_cannot_reproduce_is_refused_with_its_reason():
