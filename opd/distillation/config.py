@@ -289,13 +289,18 @@ def _loss_problem(config: MasterConfig) -> str | None:
         if problem is not None:
             return problem
         if _fused(loss) != _fused(config.loss_fn):
-            settable = key if isinstance(loss, FusedHeadSettings) else "loss_fn"
-            return (
-                f"{key} takes the student's {'hidden states' if _fused(loss) else 'logits'} but loss_fn takes its "
-                f"{'hidden states' if _fused(config.loss_fn) else 'logits'}: the student's output is computed once "
-                f"for every teacher; set {settable}.fused_lm_head so that both agree"
-            )
+            return _fused_mismatch(key, loss, config.loss_fn)
     return None
+
+
+def _fused_mismatch(key: str, loss: LossFnConfig, loss_fn: LossFnConfig) -> str:
+    """A teacher's objective and ``loss_fn`` disagree on whether the student sends logits or hidden states."""
+    settable = key if isinstance(loss, FusedHeadSettings) else "loss_fn"
+    return (
+        f"{key} takes the student's {'hidden states' if _fused(loss) else 'logits'} but loss_fn takes its "
+        f"{'hidden states' if _fused(loss_fn) else 'logits'}: the student's output is computed once "
+        f"for every teacher; set {settable}.fused_lm_head so that both agree"
+    )
 
 
 def _fused(loss: LossFnConfig) -> bool:

@@ -29,6 +29,7 @@ from opd.models.interfaces import (
 from opd.models.loading import load_causal_lm, resolve_device, resolve_dtype
 from opd.teachers.local_teacher import LocalTeacher
 from opd.teachers.vllm_teacher import VllmScoringConfig, VllmTeacher
+from opd.utils.refusals import Check, Refusal, all_problems
 
 SettingsT = TypeVar("SettingsT", contravariant=True)
 """What an engine reads of ``cluster.teacher``: a protocol declared beside it."""
@@ -143,6 +144,43 @@ class HFPoolEngine(PoolEngine[PoolSettings]):
         )
 
 
+@dataclass(frozen=True)
+class _PoolAsked:
+    """What a pool engine's checks read: ``cluster.teacher``, the loss's request, whether workers share devices."""
+
+    pool: VllmPoolSettings
+    request: TeacherRequest | None
+    colocated: bool
+
+
+_VLLM_POOL_NOT_IN_POOL = (
+    "cluster.teacher.engine = vllm runs teacher workers of their own; set cluster.teacher.placement = pool"
+)
+
+_VLLM_POOL_REFUSALS: tuple[Check[_PoolAsked], ...] = (
+    Refusal(
+        lambda asked: asked.pool.shards_per_replica > 1,
+        "cluster.teacher.engine = vllm spreads a teacher over several devices with tensor parallelism "
+        "(cluster.teacher.vllm.tensor_parallel_size), not FSDP2 shards: set cluster.teacher.shards_per_replica = 1",
+    ),
+    Refusal(
+        lambda asked: asked.pool.vllm.tensor_parallel_size > 1 and asked.colocated,
+        lambda asked: (
+            f"cluster.teacher.vllm.tensor_parallel_size = {asked.pool.vllm.tensor_parallel_size} spans "
+            "several devices, but a colocated teacher worker shares one trainer device; set cluster.placement = split"
+        ),
+    ),
+    Refusal(
+        lambda asked: isinstance(asked.request, TopKRequest) and asked.request.k > asked.pool.vllm.max_logprobs,
+        lambda asked: (
+            f"loss_fn.k = {getattr(asked.request, 'k', None)} is more than the vLLM teacher engine returns "
+            f"per position (cluster.teacher.vllm.max_logprobs = {asked.pool.vllm.max_logprobs}); raise max_logprobs"
+        ),
+    ),
+)
+"""The vLLM pool's refusals, all reported (each names its keys and the fix)."""
+
+
 class VllmPoolEngine(PoolEngine[VllmPoolSettings]):
     """``vllm``: a vLLM engine per worker, tensor parallel within it; sends top-k and token log-probs only."""
 
@@ -156,29 +194,9 @@ class VllmPoolEngine(PoolEngine[VllmPoolSettings]):
     def config_problems(self, pool: VllmPoolSettings, request: TeacherRequest | None, colocated: bool) -> list[str]:
         """Workers of its own, one worker per replica, a device per tensor-parallel rank, and the loss's k."""
         if not pool.in_pool:
-            return [
-                "cluster.teacher.engine = vllm runs teacher workers of their own; set cluster.teacher.placement = pool"
-            ]
-        problems = []
-        if pool.shards_per_replica > 1:
-            problems.append(
-                "cluster.teacher.engine = vllm spreads a teacher over several devices with tensor parallelism "
-                "(cluster.teacher.vllm.tensor_parallel_size), not FSDP2 shards: "
-                "set cluster.teacher.shards_per_replica = 1"
-            )
-        tensor_parallel = pool.vllm.tensor_parallel_size
-        if tensor_parallel > 1 and colocated:
-            problems.append(
-                f"cluster.teacher.vllm.tensor_parallel_size = {tensor_parallel} spans several devices, "
-                "but a colocated teacher worker shares one trainer device; set cluster.placement = split"
-            )
-        if isinstance(request, TopKRequest) and request.k > pool.vllm.max_logprobs:
-            problems.append(
-                f"loss_fn.k = {request.k} is more than the vLLM teacher engine returns per position "
-                f"(cluster.teacher.vllm.max_logprobs = {pool.vllm.max_logprobs}); raise max_logprobs"
-            )
+            return [_VLLM_POOL_NOT_IN_POOL]
         reason = self.unsupported_reason(request) if request is not None else None
-        return problems + ([reason] if reason is not None else [])
+        return all_problems(_VLLM_POOL_REFUSALS, _PoolAsked(pool, request, colocated)) + ([reason] if reason else [])
 
     def build_replica(
         self,

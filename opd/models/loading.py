@@ -99,19 +99,24 @@ def _loading_problem(path: str, error: Exception, what: str = "model") -> str:
             f"cannot load {what} from '{path}': it needs its own Python code; set model.trust_remote_code = true "
             "if you trust that code"
         )
-    directory = Path(path).expanduser()
-    if what == "model" and directory.is_dir():
-        for file in sorted(directory.glob("*.safetensors")):
-            try:
-                with safe_open(str(file), framework="pt") as handle:
-                    for name in handle.keys():  # noqa: SIM118 (safe_open has keys(), not __contains__)
-                        handle.get_slice(name)
-            except (SafetensorError, OSError) as damage:
-                return (
-                    f"cannot load model from '{path}': the weights file {file} is damaged or truncated "
-                    f"({str(damage).splitlines()[0]}); copy it again"
-                )
+    damaged = _damaged_weights_file(Path(path).expanduser()) if what == "model" else None
+    if damaged is not None:
+        return f"cannot load model from '{path}': {damaged}; copy it again"
     return f"cannot load {what} from '{path}': {message}"
+
+
+def _damaged_weights_file(directory: Path) -> str | None:
+    """Which ``*.safetensors`` file of ``directory`` cannot be read through, and why, or None."""
+    if not directory.is_dir():
+        return None
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open has keys(), not __contains__)
+                    handle.get_slice(name)
+        except (SafetensorError, OSError) as damage:
+            return f"the weights file {file} is damaged or truncated ({str(damage).splitlines()[0]})"
+    return None
 
 
 def load_causal_lm(
@@ -208,11 +213,11 @@ def load_output_layer(
         return OutputLayer(
             layer.weight.detach().to(device), _detached(layer.bias, device), layer.logit_multiplier, layer.logit_softcap
         )
-    directory = Path(path)
+    directory = Path(path).expanduser()  # transformers takes an unexpanded '~/...' for a hub repository id
     if not directory.is_dir():
         raise ConfigError(f"the teacher's output layer is read from a local model directory; '{path}' is not one")
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
         layer = output_layer_of(skeleton, path)

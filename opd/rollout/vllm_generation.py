@@ -42,6 +42,7 @@ from opd.rollout.stop_tokens import ends_with_stop, stop_token_ids
 from opd.utils.config import StrictConfig
 from opd.utils.devices import is_cuda
 from opd.utils.errors import ConfigError
+from opd.utils.refusals import Check, Refusal, all_problems
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
     from transformers import PreTrainedModel
@@ -392,6 +393,36 @@ class VllmEngineBudget:
         )
 
 
+@dataclass(frozen=True)
+class _EngineAsked:
+    """What the engine's checks read: its settings, the response budget (and its key), whether it shares a device."""
+
+    vllm: VllmGenerationConfig
+    max_new_tokens: int
+    key: str
+    colocated: bool
+
+
+_VLLM_ENGINE_REFUSALS: tuple[Check[_EngineAsked], ...] = (
+    Refusal(
+        lambda asked: asked.vllm.max_model_len is not None and asked.vllm.max_model_len <= asked.max_new_tokens,
+        lambda asked: (
+            f"generation.vllm.max_model_len = {asked.vllm.max_model_len} leaves no room for a prompt "
+            f"before {asked.key} = {asked.max_new_tokens} new tokens"
+        ),
+    ),
+    Refusal(
+        lambda asked: asked.vllm.tensor_parallel_size > 1 and asked.colocated,
+        lambda asked: (
+            f"generation.vllm.tensor_parallel_size = {asked.vllm.tensor_parallel_size} spans several "
+            "devices, but a colocated rollout worker shares one trainer device; set cluster.placement = split (each "
+            "rollout worker then holds that many GPUs)"
+        ),
+    ),
+)
+"""The vLLM engine's refusals, all reported (each names its keys and the fix)."""
+
+
 class VllmEngine(EngineKind[VllmSettings]):
     """``vllm``: a vLLM engine in this process (:class:`VllmGeneration`), always on weights of its own."""
 
@@ -410,21 +441,7 @@ class VllmEngine(EngineKind[VllmSettings]):
         self, settings: VllmSettings, max_new_tokens: int, key: str, colocated: bool = False
     ) -> list[str]:
         """The context length must leave room for a prompt; a tensor-parallel engine needs devices of its own."""
-        problems = []
-        max_model_len = settings.vllm.max_model_len
-        if max_model_len is not None and max_model_len <= max_new_tokens:
-            problems.append(
-                f"generation.vllm.max_model_len = {max_model_len} leaves no room for a prompt before "
-                f"{key} = {max_new_tokens} new tokens"
-            )
-        devices = self.devices(settings)
-        if devices > 1 and colocated:
-            problems.append(
-                f"generation.vllm.tensor_parallel_size = {devices} spans several devices, but a colocated "
-                "rollout worker shares one trainer device; set cluster.placement = split (each rollout worker then "
-                "holds that many GPUs)"
-            )
-        return problems
+        return all_problems(_VLLM_ENGINE_REFUSALS, _EngineAsked(settings.vllm, max_new_tokens, key, colocated))
 
     def planned_memory(self, settings: VllmSettings, rollout: PlannedRollout) -> VllmEngineBudget:
         """One device's share of the engine: its weights, profiling activations, and the KV cache in what is left.

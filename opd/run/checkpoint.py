@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import pickle
 import re
@@ -41,7 +42,11 @@ from opd.utils.config import StrictConfig
 from opd.utils.errors import OpdError, first_line
 from opd.utils.paths import absolute_dir
 
+log = logging.getLogger(__name__)
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_RETIRED_DIR = re.compile(r"^\.old_(step_\d+)$")
+"""A re-saved step's previous ``step_N`` is renamed to ``.old_step_N`` until the new one is in its place."""
 MANIFEST_FILE = "manifest.json"
 TEACHER_STATE_FILE = "teacher_state.pt"
 MANIFEST_FORMAT = "opd-checkpoint-manifest/1"
@@ -109,9 +114,24 @@ class CheckpointManager:
         """A step whose checkpoint pruning never deletes (the best one so far)."""
 
     def remove_incomplete(self) -> list[Path]:
-        """Deletes temporary directories left by a write that was killed; returns them."""
+        """Deletes temporary directories left by a write that was killed; returns them.
+
+        A ``.old_step_N`` left by a re-save that was killed goes back to ``step_N`` if no ``step_N`` replaced it
+        (it is the only copy of that step), and is deleted if one did.
+        """
         if not self.root.is_dir():
             return []
+        for retired in sorted(self.root.iterdir()):
+            match = _RETIRED_DIR.match(retired.name)
+            if match is None:
+                continue
+            final = self.root / match.group(1)
+            if final.exists():
+                log.warning("removing %s, superseded by %s (a re-save of that step was interrupted)", retired, final)
+                shutil.rmtree(retired, ignore_errors=True)
+            else:
+                log.warning("restoring %s to %s (a re-save of that step was interrupted)", retired, final)
+                os.replace(retired, final)
         leftovers = [child for child in self.root.iterdir() if child.name.startswith(".tmp_step_")]
         for path in leftovers:
             shutil.rmtree(path, ignore_errors=True)
@@ -163,9 +183,16 @@ class CheckpointManager:
         # The manifest describes every file written above, so it is written last.
         write_manifest(staging)
         _fsync_tree(staging)
-        if final.exists():  # re-saving the same step (e.g. after a resume)
-            shutil.rmtree(final)
+        # Re-saving the same step (e.g. after a resume): the old copy is renamed aside, not deleted, until the new
+        # one is in place, so a crash in between still leaves it (remove_incomplete puts it back).
+        retired = self.root / f".old_step_{step}"
+        if final.exists():
+            if retired.exists():  # from an earlier interrupted re-save that step_N had already replaced
+                shutil.rmtree(retired)
+            os.replace(final, retired)
         os.replace(staging, final)
+        if retired.exists():
+            shutil.rmtree(retired)
         self._prune()
         return final
 
@@ -248,6 +275,15 @@ def write_manifest(directory: Path) -> None:
     (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
 
 
+def _manifest_files(path: Path) -> dict[str, Any]:
+    """The ``files`` table of a manifest (name → bytes and CRC-32); raises if it is not one of opd's."""
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    files = manifest["files"]
+    if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+        raise ValueError(f"format {manifest.get('format')!r}")
+    return files
+
+
 def manifest_problem(directory: Path) -> str | None:
     """The first mismatch with ``directory``'s manifest, or None: all sizes first (cheap), then CRC-32s.
 
@@ -257,10 +293,7 @@ def manifest_problem(directory: Path) -> str | None:
     if not path.is_file():
         return None
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
-            raise ValueError(f"format {manifest.get('format')!r}")
+        files = _manifest_files(path)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
         return f"{MANIFEST_FILE} is unreadable ({error})"
     for name, expected in files.items():

@@ -81,15 +81,18 @@ def _section_problems(
             problems += _value_problems(sections, shape, value[given], f"{dotted}.{given}" if dotted else given)
     if section.get("open"):
         return problems
-    for given in value:
-        if given in accepted:
-            continue
-        hint = ""
-        if choice is not None:
-            owners = sorted(tag for tag, variant in choice[1].items() if given in sections[variant]["keys"])
-            hint = misplaced_key_hint(str(given), choice[0], owners, choice[2])
-        problems.append(unknown_key_problem(dotted, str(given), list(keys), hint))
-    return problems
+    unknown = [given for given in value if given not in accepted]
+    return problems + [
+        unknown_key_problem(dotted, str(given), list(keys), _hint(sections, given, choice)) for given in unknown
+    ]
+
+
+def _hint(sections: dict[str, Any], given: Any, choice: tuple[str, dict[str, str], str] | None) -> str:
+    """For a key unknown to a variant: which other variants of the choice take it (empty outside a choice)."""
+    if choice is None:
+        return ""
+    owners = sorted(tag for tag, variant in choice[1].items() if given in sections[variant]["keys"])
+    return misplaced_key_hint(str(given), choice[0], owners, choice[2])
 
 
 def _value_problems(sections: dict[str, Any], shape: Any, value: Any, dotted: str) -> list[str]:

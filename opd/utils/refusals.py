@@ -48,3 +48,8 @@ class Check(Protocol[SubjectT_contra]):
 def first_problem(checks: Iterable[Check[SubjectT]], subject: SubjectT) -> str | None:
     """The first problem that ``checks``, in order, find in ``subject``, or None."""
     return next((problem for check in checks if (problem := check(subject)) is not None), None)
+
+
+def all_problems(checks: Iterable[Check[SubjectT]], subject: SubjectT) -> list[str]:
+    """Every problem that ``checks``, in order, find in ``subject``."""
+    return [problem for check in checks if (problem := check(subject)) is not None]

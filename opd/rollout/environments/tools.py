@@ -113,11 +113,14 @@ def argument_problem(schema: dict[str, Any], arguments: dict[str, Any]) -> str |
             return f"unknown argument(s) {', '.join(unknown)} (expected {', '.join(properties) or 'none'})"
     for key, value in arguments.items():
         declared = properties.get(key, {}).get("type")
-        if declared is None:
-            continue
         names = declared if isinstance(declared, list) else [declared]
-        allowed = tuple(kind for name in names for kind in _JSON_TYPES.get(name, (object,)))
-        # bool is an int in Python but not a JSON integer or number.
-        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        if declared is not None and not _is_json_type(value, names):
             return f"argument {key} must be of type {'/'.join(names)}, got {type(value).__name__}"
     return None
+
+
+def _is_json_type(value: Any, names: list[str]) -> bool:
+    """Whether ``value`` is of one of the JSON schema types ``names`` (an unknown type name accepts anything)."""
+    allowed = tuple(kind for name in names for kind in _JSON_TYPES.get(name, (object,)))
+    # bool is an int in Python but not a JSON integer or number.
+    return isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
