@@ -24,16 +24,10 @@ def validation_baselines(
 ) -> dict[str, float]:
     """``validation.teacher_baseline`` / ``eval_baseline``: how teacher and student answer before training.
 
-    Each teacher answers with its teacher-only context, if any, and in its own tokens (a
-    cross-tokenizer teacher decodes and is graded with its own tokenizer). With several
-    teachers each is measured on its own (:class:`TeacherEngine`): with routing on the
-    prompts routed to it, in a mixture on every prompt; its metrics are
-    ``val/teacher_<name>_*``. The eval baseline compares the student as it starts, without
-    the context, with each teacher on that teacher's prompts
-    (``val/baseline_student_accuracy``, ``val/baseline_teacher_accuracy`` and
-    ``val/baseline_accuracy_gap``; with several teachers ``..._<name>`` at the end of each).
-    Each teacher's engine is closed once it has answered: rollout workers that loaded a
-    teacher's weights for it free them before the next teacher loads.
+    Each teacher answers with its teacher-only context, if any, in its own tokens, graded with its own tokenizer;
+    of several, each on its routed prompts or, in a mixture, every prompt (``val/teacher_<name>_*``). The eval
+    baseline compares the starting student, without the context, with each teacher on its prompts. Each engine is
+    closed once it has answered, so rollout workers free a teacher's weights before the next one loads.
     """
     if not (config.validation.teacher_baseline or config.validation.eval_baseline):
         return {}

@@ -1,38 +1,27 @@
-"""On-policy knowledge distillation: the driver's step, and where each step's batch comes from.
+"""On-policy distillation: the driver's step, and the rollout schedule that supplies each step's batch.
 
 One optimizer step (:meth:`DistillationRun.train_step`, walked through in ``docs/guide/``):
 
-1. :meth:`RolloutSchedule.next_batch` hands over the step's batch. It flipped the λ coin
-   (a dedicated, checkpointed RNG) when it started the batch: with probability ``lambda``
-   the step is on-policy and the student sampled ``num_samples_per_prompt`` responses per
-   prompt (after a weight sync, when the engine holds its own weights); otherwise the step
-   uses the dataset's assistant turn;
-2. the teacher scores the very same token ids, micro-batch by micro-batch, with the signal
-   the loss asked for (or the schedule had it scored ahead);
-3. the student minimises the loss on response tokens, normalised over the whole global
-   batch, with one optimizer step; a teacher that follows the student (an EMA of its
-   weights) then takes the update;
-4. the step's metrics go back to the training loop (:mod:`opd.run.training_loop`, shared
-   with SFT), which logs, validates and checkpoints.
+1. :meth:`RolloutSchedule.next_batch` hands over the batch: with probability ``lambda`` (the λ coin, a checkpointed
+   RNG flipped when the batch was started) the student's own samples, ``num_samples_per_prompt`` per prompt, else
+   the dataset's assistant turn;
+2. the teacher scores the same token ids per micro-batch with the signal the loss asks for (unless scored ahead);
+3. the student takes one optimizer step on the loss over response tokens, normalised over the global batch; a
+   teacher that follows the student (an EMA of its weights) then takes the update;
+4. the metrics go back to :mod:`opd.run.training_loop`, which logs, validates and checkpoints.
 
-``training.scheduler`` says what runs while the student trains (as verl's asynchronous
-on-policy distillation recipe does). With policy version ``v`` = optimizer steps taken, step
-``t`` updates version ``t − 1`` to ``t``:
+``training.scheduler`` says what runs while the student trains. Policy version ``v`` = optimizer steps taken;
+step ``t`` updates version ``t − 1`` to ``t``:
 
 * ``sync`` (depth 0): step t's rollout is sampled at the start of step t; nothing overlaps.
-* ``one_step_off`` (depth 1): during update t the engine samples batch t + 1 with version
-  t − 1 (one step stale); the weight sync happens while the teacher scores batch t.
-* ``two_step_off`` (depth 2): during update t the engine samples batch t + 2 and the
-  teacher scores batch t + 1 (for a full-vocabulary loss as final hidden states), so the
-  teacher's time hides behind the update too; samples are two steps stale.
+* ``one_step_off`` (1): during update t the engine samples batch t + 1 with version t − 1; the weight sync
+  happens while the teacher scores batch t.
+* ``two_step_off`` (2): during update t the engine samples batch t + 2 and the teacher scores batch t + 1 (a
+  full-vocabulary loss as final hidden states); samples are two steps stale.
 
-Every batch records ``sampled_version``; ``staleness`` is ``v − sampled_version``. In one
-process the same schedule runs its phases one after another and draws the same samples.
-Checkpoints keep the batches in flight (:meth:`RolloutSchedule.state_dict`), so a resumed
-run trains exactly the samples the uninterrupted run would have.
-
-The driver calls only the interfaces of :mod:`opd.models.interfaces`, as NeMo-RL's
-``grpo_train`` does; :func:`opd.distillation.setup.setup` builds the backends.
+``staleness`` is ``v − sampled_version``. In one process the phases run one after another and draw the same
+samples. Checkpoints keep the batches in flight, so a resumed run trains the samples the uninterrupted run would.
+The driver calls only :mod:`opd.models.interfaces`; :func:`opd.distillation.setup.setup` builds the backends.
 """
 
 from __future__ import annotations
@@ -104,24 +93,11 @@ def step_metrics(
 ) -> dict[str, Any]:
     """A step's logged metrics: the trainer's (``train/*``), the batch's, and each phase's time.
 
-    ``timing/training`` excludes the teacher, which is scored inside the trainer's
-    micro-batch loop and reported as ``timing/teacher``, and a distributed trainer's
-    ``timing/dispatch`` (planning each rank's micro-batches). A distributed trainer also
-    reports ``timing/trainer_compute``: the slowest rank's own time in the step, part of
-    ``timing/training`` (the rest is the cost of calling the workers). On-policy steps also log
-    ``train/unique_responses_per_prompt`` (out of ``samples_per_prompt``) and
-    ``train/sampled_version``.
-
-    An asynchronous schedule logs, instead of ``timing/generation``, what the step waited
-    for: ``timing/wait_prev_gen`` (the rollout started earlier),
-    ``timing/wait_prev_teacher`` (the teacher's score started earlier) and
-    ``timing/sync_rollout_weights`` (the weight sync to the rollout engine), and for
-    on-policy steps ``train/staleness_mean`` / ``train/staleness_max`` (the policy-version
-    lag of the step's samples).
-
-    A step whose weight sync went to engines in other processes (rollout workers) also logs
-    ``refit/bytes`` (one copy of the weights, in the engines' dtype) and
-    ``refit/bytes_delivered`` (what the engines received, one copy per worker).
+    ``timing/training`` excludes ``timing/teacher`` (scored inside the trainer's micro-batch loop) and a distributed
+    trainer's ``timing/dispatch``; ``timing/trainer_compute`` is the slowest rank's own part of it. An asynchronous
+    schedule logs what the step waited for (``timing/wait_prev_*``, ``timing/sync_rollout_weights``) instead of
+    ``timing/generation``. ``refit/bytes`` is one copy of the weights in the engines' dtype, ``refit/bytes_delivered``
+    one copy per rollout worker.
     """
     batch = scheduled.batch
     metrics: dict[str, Any] = {f"train/{key}": value for key, value in train_metrics.items()}
@@ -130,8 +106,7 @@ def step_metrics(
         metrics["train/unique_responses_per_prompt"] = unique_responses_per_prompt(batch, samples_per_prompt)
         metrics["train/sampled_version"] = scheduled.sampled_version
         if asynchronous:
-            # A batch is sampled from one version, so its lag is one number; mean and max keep their
-            # meaning if samples ever mix versions.
+            # One version per batch, so one lag; mean and max keep their meaning if samples ever mix versions.
             metrics["train/staleness_mean"] = float(scheduled.staleness or 0)
             metrics["train/staleness_max"] = scheduled.staleness or 0
     if "task_reward" in batch:
@@ -162,10 +137,8 @@ def step_metrics(
 def distillation_train(components: DistillationComponents) -> None:
     """Runs on-policy distillation until ``max_num_steps`` or ``num_epochs`` is reached.
 
-    If the components' save state comes from a checkpoint (step > 0), the RNG streams,
-    the λ coin and the data position are restored from that checkpoint first, so the
-    remaining steps are exactly those of an uninterrupted run. SIGINT / SIGTERM finish
-    the current step, write a checkpoint and return.
+    A resumed run (save state at step > 0) restores the RNG streams, the λ coin and the data position first, so
+    it takes the uninterrupted run's steps. SIGINT / SIGTERM finish the step, write a checkpoint and return.
 
     Raises:
         TrainingDivergedError: after ``max_consecutive_nonfinite_steps`` skipped steps.
@@ -174,11 +147,7 @@ def distillation_train(components: DistillationComponents) -> None:
 
 
 class DistillationRun(TrainingCallbacks):
-    """One distillation run: its components, its rollout schedule, and the step the training loop calls.
-
-    Args:
-        components: what :func:`~opd.distillation.setup.setup` built.
-    """
+    """One distillation run: its components (from :func:`~opd.distillation.setup.setup`), schedule and step."""
 
     console_keys = _CONSOLE_KEYS
 
@@ -203,11 +172,7 @@ class DistillationRun(TrainingCallbacks):
         """Optimizer steps taken so far: the version of the weights being trained."""
 
     def train_step(self, next_batch: NextBatch) -> tuple[int, dict[str, Any]]:
-        """One optimizer step: the schedule's batch (rollout or fixed data) → teacher → train.
-
-        Returns:
-            The number of prompts trained and the step's metrics.
-        """
+        """One optimizer step (the schedule's batch → teacher → train); returns ``(prompts trained, metrics)``."""
         student, teacher, loss_fn = self.parts.student_policy, self.parts.teacher_policy, self.parts.loss_fn
         timer = Timer()
         with timer.time("step"):
@@ -303,18 +268,12 @@ class ScheduledBatch:
     """One step's training input, as the schedule hands it to the driver.
 
     Attributes:
-        batch: the rollout (or fixed-data) batch with ``token_mask`` (and ``task_reward``,
-            ``staleness``, ``sample_index`` where they apply).
-        examples: the prompts it was made from.
-        on_policy: whether the λ coin chose the student's own samples.
-        sampled_version: the policy version the rollout was sampled with (None for fixed data).
-        staleness: optimizer steps between sampling and this update (None for fixed data).
-        teacher_signal: the whole batch's teacher signal when it was scored ahead, else
-            None (the trainer then scores each micro-batch itself).
-        seconds: the time the controller spent on this step's inputs, by phase.
-        refit_metrics: what the step's weight syncs moved (``refit/bytes``,
-            ``refit/bytes_delivered``, summed over the step's syncs); empty without one.
-        rollout_metrics: a multi-turn rollout's episode metrics (``env/...``); empty otherwise.
+        batch: with ``token_mask`` (and ``task_reward``, ``staleness``, ``sample_index`` where they apply).
+        sampled_version, staleness: the rollout's policy version, and steps since (None for fixed data).
+        teacher_signal: the whole batch's signal when scored ahead, else None (the trainer scores each micro-batch).
+        seconds: the controller's time on this step's inputs, by phase.
+        refit_metrics: ``refit/bytes`` and ``refit/bytes_delivered``, summed over the step's weight syncs.
+        rollout_metrics: a multi-turn rollout's episode metrics (``env/...``).
     """
 
     batch: BatchedDataDict
@@ -347,17 +306,9 @@ class _Slot:
 class RolloutSchedule:
     """Starts rollouts and teacher scores ahead of the update, as ``training.scheduler`` says.
 
-    Args:
-        scheduler: ``sync``, ``one_step_off`` or ``two_step_off``.
-        generation: samples from the student (a :class:`GenerationInterface`).
-        teacher: scores batches ahead when the schedule asks (top-k and token signals).
-        policy: the student, the source of every weight sync.
-        loss_fn: says what the teacher must send and whether the sampler's log-probs are read.
-        tokenizer: pads fixed-data batches and grades answers for a task reward.
-        config: the run config (λ, sampling, masking).
-        lambda_coin: the λ coin (checkpointed by the training loop).
-        sampler_logprobs: ask the engine for the sampler's log-probs even when the loss
-            does not read them (the off-policy correction and its metrics do).
+    ``policy`` is the source of every weight sync; ``lambda_coin`` is checkpointed by the training loop.
+    ``sampler_logprobs`` asks the engine for the sampler's log-probs even when the loss does not read them
+    (the off-policy correction and its metrics do).
     """
 
     def __init__(
@@ -377,10 +328,9 @@ class RolloutSchedule:
         self.loss_fn, self.tokenizer, self.config, self.lambda_coin = loss_fn, tokenizer, config, lambda_coin
         self.return_logprobs = loss_fn.needs_sampler_logprobs or sampler_logprobs
         request = loss_fn.teacher_request
-        # Top-k and token signals are small enough to score a whole batch ahead; the full
-        # vocabulary is scored by the trainer, micro-batch by micro-batch, as in sync,
-        # unless the schedule must score the next batch during the update (two_step_off).
-        # Several routed teachers of which one asks for the full vocabulary score at the step.
+        # Top-k and token signals are small enough to score a whole batch ahead; the full vocabulary is scored by
+        # the trainer per micro-batch, unless two_step_off scores the next batch during the update. Routed teachers
+        # of which one asks for the full vocabulary score at the step.
         full_vocab = isinstance(request, FullVocabRequest)
         self.scores_ahead = (
             self.depth > 0
@@ -414,12 +364,7 @@ class RolloutSchedule:
     # ------------------------------------------------------------------ the step
 
     def next_batch(self, next_examples: NextExamples, version: int) -> ScheduledBatch:
-        """The batch to train at policy version ``version``, after starting the rollouts due now.
-
-        Args:
-            next_examples: draws the next batch of prompts from the data.
-            version: optimizer steps taken so far.
-        """
+        """The batch to train at policy version ``version`` (steps taken), after starting the rollouts due now."""
         seconds: dict[str, float] = {}
         if not self.queue:  # sync, or the first step of an asynchronous run
             self.queue.append(self._start(next_examples(), version, seconds, version + 1 + len(self.queue)))
@@ -448,8 +393,7 @@ class RolloutSchedule:
         if not self.generation.needs_refit or self.rollout_version == version:
             return
         start = time.perf_counter()
-        # A multi-turn rollout still running samples each turn with the weights it started
-        # with: the engine is refit only once its episodes are done.
+        # A multi-turn rollout samples every turn with the weights it started with: refit once its episodes end.
         for episodes in self._episodes_in_flight:
             episodes.result()
         self._episodes_in_flight.clear()
@@ -498,11 +442,8 @@ class RolloutSchedule:
     def _start_multi_turn(self, examples: list[PreparedExample], version: int, seconds: dict[str, float]) -> _Slot:
         """Starts a multi-turn rollout (:mod:`opd.rollout.multi_turn`); its batch is built when it is collected.
 
-        Every turn is a ``generate`` call, so any engine serves it. Under an asynchronous
-        schedule with an engine in other processes (rollout workers), the whole episode
-        loop runs on a background thread while the student trains, as a single-turn
-        rollout does on the workers; the engine is not refit until it ends
-        (:meth:`sync_weights`). Otherwise it runs to its end now.
+        Each turn is a ``generate`` call, so any engine serves it. Asynchronous with rollout workers, the episodes
+        run on a background thread beside the update (no refit until they end); otherwise they run to the end now.
         """
         assert self.environment is not None and self.config.environment is not None
         missing = [index for index, example in enumerate(examples) if "prompt_messages" not in example]
@@ -647,12 +588,7 @@ class RolloutSchedule:
         }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restores the batches in flight of a checkpoint; the engine is refit before its next rollout.
-
-        Raises:
-            ConfigError: the checkpoint was written under another ``training.scheduler``
-                with batches in flight.
-        """
+        """Restores a checkpoint's batches in flight; ConfigError if made under another ``training.scheduler``."""
         self.queue.clear()
         self.rollout_version = None
         if state is None or not state["slots"]:
@@ -684,10 +620,8 @@ class _FromThread(Pending[Any]):
 
 
 def _teacher_state(slot: _Slot) -> dict[str, Any]:
-    """A slot's teacher signal for a checkpoint; hidden states are left out, and the batch scored again on resume.
+    """A slot's teacher signal for a checkpoint; hidden states or an unmixed mixture are left out (scored on resume)."""
 
-    A mixture of members that sent hidden states alone (mixed where their heads are) is left out too.
-    """
     signal = slot.teacher_signal
     unmixed = isinstance(signal, MixedSignal) and signal.mixed is None
     if holds_hidden_states(signal) or unmixed:

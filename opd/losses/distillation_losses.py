@@ -1,16 +1,8 @@
-"""The per-token losses: the shared base, and the losses that compare the two models' distributions.
+"""The per-token losses: :class:`TokenLossFn`, their shared base, and the losses comparing both models' distributions.
 
-:class:`TokenLossFn` is the base of every loss that sums a per-position term over the loss
-positions. It owns what they share (row selection, the vocabulary cut, the global
-normalisation, the fused or logits path, the off-policy row weights, the per-position cap
-and the metrics dict), so that a variant only says what the teacher sends and what its
-per-position term is; the hybrid and NLL losses stand on it too.
-
-:class:`DistillationLossFn` adds the temperature and the teacher metrics.
-:class:`FullVocabLossFn` takes the teacher's whole distribution; a divergence over it is one
-subclass overriding one method, :meth:`FullVocabLossFn.token_divergence` (as
-:class:`KLLossFn` and :class:`JSDLossFn` do). :class:`TopKKLLossFn` takes only the
-teacher's top k.
+The hybrid and NLL losses build on :class:`TokenLossFn` too. :class:`DistillationLossFn` adds the temperature and
+the teacher metrics; its variants (:class:`KLLossFn`, :class:`JSDLossFn`, :class:`TopKKLLossFn`) say only what
+the teacher sends and what the per-position term is.
 """
 
 from __future__ import annotations
@@ -59,8 +51,8 @@ def _global_normalizer(reduction: str, global_valid_tokens: int, global_valid_se
 def loss_rows(value: Any, mask: torch.Tensor, shift: int = 0) -> Any:
     """The loss positions of a per-position input laid out ``[B, L, ...]``.
 
-    ``shift = 0`` for inputs indexed by logit position (``t`` predicts token ``t + 1``:
-    logits, top-k), ``1`` for inputs indexed by token position (a token's own log-prob).
+    ``shift`` is 0 for inputs indexed by logit position (``t`` predicts token ``t + 1``: logits, top-k), 1 for
+    inputs indexed by token position (a token's own log-prob).
     """
     if isinstance(value, LMHeadInput):
         return value.with_rows(value.hidden_states[:, :-1][mask])
@@ -81,8 +73,7 @@ def _apply_loss(
 ) -> torch.Tensor:
     """Σ_positions w · divergence / normalizer, fused with the LM head when given hidden states.
 
-    ``row_weights`` (``[N]``, detached; None = all 1) are the off-policy importance
-    weights (:mod:`opd.losses.off_policy`).
+    ``row_weights``: ``[N]`` detached off-policy importance weights (:mod:`opd.losses.off_policy`); None = all 1.
     """
     if isinstance(student_rows, LMHeadInput):
         device = student_rows.hidden_states.device
@@ -115,17 +106,9 @@ def off_policy_row_weights(
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
     """The importance weight of each loss position of a micro-batch, and its metrics.
 
-    ``data["staleness"]`` is per sequence (``[B]``) or, in a packed row, per token
-    (``[1, T]``); ``data["generation_logprobs"]`` is indexed by token position, like the
-    targets. Rows of fresh samples are not computed: their weight is 1.
-
-    Returns:
-        ``([N] weights, metrics)``; the metrics are this micro-batch's share of the global
-        means over response tokens (``is_ratio_mean``, ``is_abs_log_ratio_mean``,
-        ``is_truncated_fraction``, ``is_masked_fraction``, ``is_outside_support_fraction``) and
-        its ``is_ratio_max``. The weights are None (all 1) when the correction only
-        monitors (``enabled: monitor``); the truncated and masked fractions then count the
-        positions the correction would have cut or masked.
+    ``data["staleness"]`` is ``[B]``, or ``[1, T]`` in a packed row; fresh samples' rows keep weight 1. The metrics
+    are this micro-batch's share of the global means over response tokens, and its ``is_ratio_max``. With
+    ``enabled: monitor`` the weights are None (all 1) and the fractions count what the correction would cut or mask.
     """
     staleness = data["staleness"]
     per_token = staleness if staleness.dim() == 2 else staleness.unsqueeze(-1).expand_as(data["input_ids"])
@@ -166,15 +149,11 @@ class LossInputs:
     """What a :class:`TokenLossFn` variant hands the base class for one micro-batch.
 
     Attributes:
-        row_inputs: the per-position inputs of the variant's ``_divergence`` after the
-            student's logits, one row per loss position (tensors with the positions on
-            dim 0, or an :class:`LMHeadInput` whose logits are made chunk by chunk).
+        row_inputs: ``_divergence``'s inputs after the student's logits, one row per loss position (dim 0), or an
+            :class:`LMHeadInput` whose logits are made chunk by chunk.
         observer: called on each chunk's detached student logits and inputs (metrics).
-        value_and_grad: a closed form of ``_divergence`` and its gradient for the fused
-            path, or None for autograd through ``_divergence``.
-        metrics: called after the loss with the global token count and the loss's
-            normaliser (:class:`TokenLossFn`'s N); returns this micro-batch's share of the
-            variant's own metrics (token means, or shares of the loss).
+        value_and_grad: closed-form value and gradient of ``_divergence`` for the fused path (None: autograd).
+        metrics: ``(global tokens, normaliser) ->`` this micro-batch's share of the variant's own metrics.
     """
 
     row_inputs: tuple[Any, ...]
@@ -184,43 +163,23 @@ class LossInputs:
 
 
 class TokenLossFn(LossFunction):
-    """Base of the losses that sum a per-position term over the loss positions.
+    """Base of the losses that sum a per-position term over the loss positions; it owns what they all share.
 
-    It owns everything the objectives share, so that a variant only says what the
-    teacher sends and what the per-position term is:
-
-    * row selection: the positions whose next token carries loss (the shifted
-      ``token_mask``) are selected once, for the student's output and the teacher's
-      answer, so prompt and padding rows never see a softmax;
-    * the vocabulary cut to ``vocab_size`` (padded output layers);
-    * normalisation by the *global* batch's valid tokens (``kl_reduction="mean"``) or
-      sequences (``"sum"``), so gradient accumulation gives the gradient of one batch;
-    * the computation: on ``[B, L, V]`` logits, or with ``fused_lm_head`` chunk by chunk
-      from hidden states (:func:`~opd.kernels.fused_lm_head.chunked_lm_head_loss`);
-    * per-position weights: the off-policy importance weights of stale samples when
-      ``off_policy`` is set (:func:`off_policy_row_weights`), 1 otherwise;
-    * the per-position cap ``token_clip`` (:class:`_TokenClip`): a position whose term
-      exceeds it contributes the cap and no gradient, on both the plain and the fused path;
-    * the metrics dict: ``loss``, the variant's metrics, the weights' metrics,
-      ``num_valid_tokens`` and, with a cap, ``clipped_token_fraction``.
-
-    A variant implements :meth:`_loss_inputs` (the teacher's rows and how chunks are
-    observed) and :meth:`_divergence` (the per-position term), and says what it asks the
-    teacher for (``teacher_request``; None, the default, for a loss without a teacher,
-    which is then never asked for ``teacher_output``). A correction term that depends on the position
-    joins the per-position term (extra row inputs, added in ``_divergence``); one that
-    reweighs positions overrides :meth:`_row_weights`.
+    Only positions whose next token carries loss (the shifted ``token_mask``) are selected, for student and
+    teacher, so prompt and padding rows never see a softmax. The sum is divided by the *global* batch's valid
+    tokens (``kl_reduction="mean"``) or sequences (``"sum"``), so gradient accumulation gives one batch's gradient.
+    A variant implements :meth:`_loss_inputs` and :meth:`_divergence` and sets ``teacher_request`` (None, the
+    default: never asked for ``teacher_output``). A per-position correction joins ``_divergence`` as extra row
+    inputs; one that reweighs positions overrides :meth:`_row_weights`.
 
     Args:
         kl_reduction: ``"mean"`` (per token) or ``"sum"`` (per sequence).
-        vocab_size: if set, logits are cut to their first ``vocab_size`` entries.
-        fused_lm_head: take hidden states and compute the loss chunk by chunk.
+        vocab_size: if set, logits are cut to their first ``vocab_size`` entries (padded output layers).
+        fused_lm_head: take hidden states; the loss runs chunk by chunk (:mod:`opd.kernels.fused_lm_head`).
         chunk_size: positions per fused chunk, >= 1 (None: ~128 MiB of fp32 logits per chunk).
-        off_policy: weigh the positions of stale samples (a micro-batch with
-            ``staleness`` and ``generation_logprobs``) by truncated importance weights
-            (:mod:`opd.losses.off_policy`); None leaves every weight at 1.
-        token_clip: cap on each position's term, a finite number > 0: a position above it
-            contributes the cap and zero gradient (``clamp(max=token_clip)``); None: no cap.
+        off_policy: weigh stale samples' positions (a micro-batch with ``staleness`` and ``generation_logprobs``)
+            by truncated importance weights (:func:`off_policy_row_weights`); None: every weight 1.
+        token_clip: cap on each position's term, finite and > 0 (:class:`_TokenClip`); None: no cap.
 
     Raises:
         ValueError: naming the argument, for a value outside its range.
@@ -259,8 +218,7 @@ class TokenLossFn(LossFunction):
     ) -> LossInputs:
         """The per-position inputs of :meth:`_divergence` for this micro-batch, and its metric hooks.
 
-        ``loss_mask`` is ``[B, L − 1]``, True where logit position ``t`` carries loss;
-        ``fused``: the student's output is hidden states (the chunked path runs).
+        ``loss_mask``: ``[B, L − 1]``, True where logit position ``t`` carries loss; ``fused``: the chunked path runs.
         """
 
     @abstractmethod
@@ -292,22 +250,13 @@ class TokenLossFn(LossFunction):
         global_valid_seqs: int,
         teacher_output: Any = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Computes this micro-batch's share of the global loss.
+        """This micro-batch's share of the global loss, and its metrics.
 
-        Args:
-            student_output: ``[B, L, V_s]`` logits for ``data["input_ids"]``, or (fused)
-                an :class:`LMHeadInput` with ``[B, L, D]`` hidden states.
-            data: micro-batch with ``token_mask [B, L]`` (and what the variant reads).
-            global_valid_tokens: valid loss tokens in the whole global batch.
-            global_valid_seqs: sequences in the whole global batch.
-            teacher_output: the teacher's answer to :attr:`teacher_request`.
-
-        Returns:
-            ``(loss, metrics)``; metrics hold this micro-batch's contributions to the
-            global ``loss``, the variant's metrics (token means, of the uncapped terms),
-            the weights' metrics, ``num_valid_tokens`` and, with ``token_clip``, its
-            share of ``clipped_token_fraction`` (capped positions / the global batch's
-            loss tokens).
+        ``student_output`` is ``[B, L, V_s]`` logits or (fused) an :class:`LMHeadInput` with ``[B, L, D]`` hidden
+        states; ``data`` holds ``token_mask [B, L]``; the global counts are the whole batch's loss tokens and
+        sequences. The metrics are this micro-batch's shares of the global ``loss``, the variant's metrics (of the
+        uncapped terms), the weights' metrics, ``num_valid_tokens`` and, with ``token_clip``,
+        ``clipped_token_fraction`` (capped positions / the global batch's loss tokens).
 
         Raises:
             ValueError: without ``teacher_output``, for a loss that asks the teacher for one.
@@ -315,8 +264,6 @@ class TokenLossFn(LossFunction):
         if teacher_output is None and self.teacher_request is not None:
             raise ValueError(f"{type(self).__name__} needs {self.teacher_answer}")
         loss_mask = shift_token_mask(data["token_mask"]).bool()
-        # Only the selected positions ever see a softmax: prompt and padding rows are
-        # skipped instead of computed and then masked to zero.
         student_rows = loss_rows(self._cut_vocabulary(student_output), loss_mask)
         fused = isinstance(student_rows, LMHeadInput)
         inputs = self._loss_inputs(teacher_output, data, loss_mask, fused)
@@ -349,16 +296,10 @@ class TokenLossFn(LossFunction):
 
 
 class _TokenClip:
-    """``token_clip``: caps each position's term at ``cap`` and counts the positions it capped.
+    """``token_clip``: caps each position's term at ``cap`` (> 0) and counts the positions it capped.
 
-    A capped position contributes ``cap`` and no gradient, as ``clamp(max=cap)`` does: the
-    plain path (and the fused path's autograd) clamps the per-position term; the fused
-    path's closed form clamps its values and zeroes the gradient rows of the capped
-    positions. The count stays a tensor on the device, added up over the chunks of a
-    micro-batch, and is read once when the micro-batch's metrics are made.
-
-    Args:
-        cap: the largest term a position contributes (> 0).
+    A capped position contributes ``cap`` and no gradient, as ``clamp(max=cap)`` does, on the plain and the fused
+    path. The count stays a device tensor, summed over a micro-batch's chunks and read once (:meth:`fraction`).
     """
 
     def __init__(self, cap: float) -> None:
@@ -405,31 +346,16 @@ ChunkHooks = tuple[Callable[..., None] | None, Callable[..., tuple[torch.Tensor,
 
 
 class DistillationLossFn(TokenLossFn):
-    """Divergence between the teacher's and the student's next-token distributions.
+    """Divergence between the teacher's and the student's next-token distributions: ``Σ_positions w_t · D_t / N``.
 
-    The loss is ``Σ_{valid positions} w_t · D_t / N`` (see :class:`TokenLossFn` for N and
-    w). The variants choose D_t and the teacher signal:
-
-    ==========================  ==============================================  ===========================
-    variant                     D_t                                             teacher signal
-    ==========================  ==============================================  ===========================
-    :class:`KLLossFn`           forward / reverse / mixed KL (:func:`token_kl`)  logits or hidden states
-    :class:`JSDLossFn`          generalized JSD(β) (:func:`generalized_jsd`)     logits or hidden states
-    :class:`TopKKLLossFn`       KL over the top k + rest (:func:`topk_token_kl`)  top-k log-probs and ids
-    ==========================  ==============================================  ===========================
-
-    The metrics (``kl_forward``, ``kl_reverse``, ``teacher_topk_mass``,
-    ``student_mass_on_teacher_topk``, ``topk_overlap``) are token means taken at the loss
-    temperature for every teacher signal (see :class:`TeacherMetrics` for why).
+    N and w are :class:`TokenLossFn`'s; each variant chooses D_t and the teacher signal. The metrics (``kl_forward``,
+    ``kl_reverse``, ``teacher_topk_mass``, ``student_mass_on_teacher_topk``, ``topk_overlap``) are token means at
+    the loss temperature for every signal (:class:`TeacherMetrics` says why).
 
     Args:
-        temperature: distillation temperature applied to both models' logits (separate
-            from the sampling temperature); a finite number > 0.
-        kl_reduction, vocab_size, fused_lm_head, chunk_size, off_policy, token_clip: as in
-            :class:`TokenLossFn`. Models often pad their output layer beyond the tokenizer
-            (Qwen2.5-32B has 152,064 outputs, 1.5B has 151,936, the tokenizer 151,665):
-            ``vocab_size`` keeps those entries out of the divergence.
+        temperature: applied to both models' logits (not the sampling temperature); finite and > 0.
         metrics_topk: k of the top-k metrics (>= 1).
+        the rest: as in :class:`TokenLossFn`.
     """
 
     compile_kernels = False
@@ -475,24 +401,15 @@ class DistillationLossFn(TokenLossFn):
 
 
 class FullVocabLossFn(DistillationLossFn):
-    """A divergence over the whole vocabulary: the teacher sends logits (or hidden states and head).
+    """A divergence over the whole vocabulary: the teacher sends logits (or, fused, hidden states and head).
 
-    A new divergence is a subclass that overrides one method, :meth:`token_divergence`:
-    the per-position value from both models' log-probabilities at the loss temperature.
-    The base class makes those log-probabilities (in float32 at least), and everything
-    else: row selection, normalisation, the fused path (autograd chunk by chunk), weights,
-    the cap and the metrics. With ``fused_lm_head`` an in-process teacher sends hidden
-    states too, and its logits are made chunk by chunk as well.
-
-    Where :func:`~opd.losses.divergences.full_vocab_divergence_with_grad` computes the same
-    divergence, a subclass may also override :meth:`_closed_form_arguments`, so the fused
-    path takes the closed-form gradient (fewer ``[chunk × vocab]`` temporaries) and the
-    metrics reuse its log-probabilities.
+    A new divergence overrides :meth:`token_divergence` only (both log-probabilities in float32 at least; the fused
+    path runs autograd chunk by chunk). Where :func:`~opd.losses.divergences.full_vocab_divergence_with_grad`
+    computes the same divergence, :meth:`_closed_form_arguments` gives the fused path its closed-form gradient
+    (fewer ``[chunk × vocab]`` temporaries) and the metrics its log-probabilities.
 
     Args:
-        compile_kernels: ``torch.compile`` the per-chunk kernels (the closed-form
-            divergence with ``fused_lm_head``, and the metrics); see
-            :mod:`opd.kernels.compiled_kernels`.
+        compile_kernels: ``torch.compile`` the per-chunk kernels (:mod:`opd.kernels.compiled_kernels`).
         the rest: as in :class:`DistillationLossFn`.
     """
 
@@ -528,9 +445,8 @@ class FullVocabLossFn(DistillationLossFn):
         return self.token_divergence(*log_probs_at_temperature(student_logits, row_inputs[0], self.temperature))
 
     def _closed_form_arguments(self) -> tuple[str, float, float | None] | None:
-        """``(kl_type, mixed_kl_weight, jsd_beta)`` of :func:`full_vocab_divergence_with_grad` when it
-        computes this variant's divergence in closed form; None (the default): autograd
-        through :meth:`token_divergence` on the fused path."""
+        """``(kl_type, mixed_kl_weight, jsd_beta)`` of :func:`full_vocab_divergence_with_grad` for this divergence,
+        or None (the default): autograd through :meth:`token_divergence` on the fused path."""
         return None
 
     def _divergence_with_grad(
@@ -539,11 +455,7 @@ class FullVocabLossFn(DistillationLossFn):
         teacher_logits: torch.Tensor,
         observe_log_probs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Closed-form value and gradient of :meth:`_divergence` (the fused path's).
-
-        Raises:
-            NotImplementedError: for a variant without :meth:`_closed_form_arguments`.
-        """
+        """Closed-form value and gradient of :meth:`_divergence` (fused path); NotImplementedError without one."""
         arguments = self._closed_form_arguments()
         if arguments is None:
             raise NotImplementedError(f"{type(self).__name__} has no closed-form gradient")
@@ -661,9 +573,8 @@ class JSDLossFn(FullVocabLossFn):
 def _topk_rows(teacher_output: Any, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss positions of a top-k answer: ``(log-probs [N, k], ids [N, k], rest log-probs [N])``.
 
-    The rest is the teacher's own where it sent one (a :class:`TopKLogprobs` with
-    ``rest_logprobs``, or a triple), else computed here from the top-k log-probs in
-    float64, without cancellation, for the selected positions only.
+    The rest is the teacher's own where it sent one (:class:`TopKLogprobs` with ``rest_logprobs``, or a triple
+    with ``[B, L]`` rest third), else computed from the top-k in float64, without cancellation.
     """
     if len(teacher_output) == 3:
         logprobs, ids, rest = teacher_output
@@ -681,16 +592,14 @@ def _topk_rows(teacher_output: Any, mask: torch.Tensor) -> tuple[torch.Tensor, t
 class TopKKLLossFn(DistillationLossFn):
     """``loss_fn.type: topk``: KL against a teacher that sends its top-k log-probs (:func:`topk_token_kl`).
 
+    ``student_classes``: None (the teacher's ids are student tokens), or the classes of student tokens a teacher
+    with another tokenizer names (:attr:`~opd.models.interfaces.TeacherInterface.student_classes`).
+
     Args:
         kl_type, mixed_kl_weight: as in :class:`KLLossFn`.
         k: the teacher's tokens per position (also the k of the top-k metrics), >= 1.
         tail: keep the rest class (True) or renormalise over the top k (False, NeMo-RL's variant).
         the rest: as in :class:`DistillationLossFn`.
-
-    Attributes:
-        student_classes: None (the teacher's ids are student tokens), or what a teacher with
-            another tokenizer names (:attr:`~opd.models.interfaces.TeacherInterface.student_classes`):
-            the loss and its metrics then compare classes of student tokens.
     """
 
     teacher_answer = "the teacher's top-k log-probs"
@@ -740,9 +649,6 @@ class TopKKLLossFn(DistillationLossFn):
         )
 
     def _teacher_rows(self, teacher_output: Any, loss_mask: torch.Tensor) -> tuple[Any, ...]:
-        """``([N, k] log-probs, [N, k] ids, [N] rest)`` from a :class:`TopKLogprobs` carrying the
-        teacher's rest mass, a plain pair (the rest is then computed from the top-k), or a
-        triple with ``[B, L]`` rest log-probs third."""
         return _topk_rows(teacher_output, loss_mask)
 
     def _chunk_hooks(self, metrics: TeacherMetrics, fused: bool) -> ChunkHooks:

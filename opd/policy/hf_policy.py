@@ -1,25 +1,8 @@
-"""The student that trains: one optimizer step's parts, and ``HFPolicy``, the in-process student.
+"""The student that trains: one optimizer step's parts, and :class:`HFPolicy`, the in-process student.
 
-The step's parts are shared by :class:`HFPolicy` and the FSDP2 trainer workers
-(:mod:`opd.distributed.trainer_worker`), so a run on N workers and a run in one process
-differ only in where the gradients are summed:
-
-* :func:`build_optimizer` / :func:`build_scheduler`: AdamW without weight decay on biases
-  and norms, and the learning-rate schedule;
-* :func:`plan_micro_batches`: a global batch (or one rank's share) cut into micro-batches,
-  each trimmed to its longest row;
-* :func:`student_output`: the student's logits, or its final hidden states and head for
-  the fused loss;
-* :func:`accumulate_gradients`: the micro-batch loop (teacher answer, forward, loss,
-  backward, metrics summed);
-* :func:`apply_gradients`: the global gradient norm, the non-finite guard, clipping and
-  the optimizer and schedule steps.
-
-``HFPolicy.train`` counts the valid tokens of the whole batch first, so the loss normalises
-globally and gradient accumulation is exact. With ``lora`` settings the student is wrapped
-with peft adapters (:mod:`opd.policy.lora`): only the adapters train, the refit weights and
-``final_model/`` are the merged plain model, and the adapter is saved beside them
-(``adapter/``) and in the checkpoint's optimizer state.
+The FSDP2 trainer workers (:mod:`opd.distributed.trainer_worker`) build their step from the same functions
+(optimizer and schedule, micro-batch plan, student output, gradient accumulation and application), so a run on
+N workers and a run in one process differ only in where the gradients are summed.
 """
 
 from __future__ import annotations
@@ -55,11 +38,9 @@ _FUSED_ADAM_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
 
 def adam_kernel_kwargs(implementation: str, params: list[torch.nn.Parameter]) -> dict[str, bool]:
-    """``torch.optim.AdamW`` keyword arguments for the chosen kernel.
+    """``torch.optim.AdamW`` keyword arguments for the chosen kernel; ``auto``: fused wherever it exists.
 
-    The fused kernel updates all parameters in one pass, much faster than the per-tensor
-    loop on CPU for a student with a large embedding, which is why ``auto`` picks it
-    wherever it exists (TRL's default ``adamw_torch_fused`` does too).
+    The fused kernel updates all parameters in one pass: much faster on CPU for a student with a large embedding.
     """
     fusable = all(p.device.type in _FUSED_ADAM_DEVICES and p.is_floating_point() for p in params)
     implementation = resolve_auto(implementation, lambda: "fused" if fusable else "foreach")
@@ -85,8 +66,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerConfig, total_steps: int) -> Any:
     """The learning-rate schedule ``config.lr_scheduler`` names, over ``total_steps`` optimizer steps."""
-    # Imported here: transformers' scheduler module imports peft, a slow import that only
-    # the processes that train need (not the rollout, teacher or evaluation ones).
+    # Imported here: transformers' scheduler module imports peft, slow and needed only by processes that train.
     from transformers import get_scheduler
 
     return get_scheduler(
@@ -102,8 +82,7 @@ def plan_micro_batches(
 ) -> list[BatchedDataDict]:
     """``data`` cut into micro-batches, each trimmed to its own longest row (padding costs compute).
 
-    Micro-batches hold ``micro_batch_size`` rows in order, or, with ``micro_batch_tokens``,
-    length-sorted rows up to that budget of padded tokens.
+    With ``micro_batch_tokens``, rows are length-sorted and filled up to that budget of padded tokens.
     """
     chunks = (
         data.make_token_budget_microbatches(micro_batch_tokens)
@@ -134,12 +113,9 @@ def student_output(
 ) -> torch.Tensor | LMHeadInput:
     """The student's logits, or (fused loss) its final hidden states and output head.
 
-    The fused head carries the logit transform of the student's architecture (Gemma 2's
-    soft cap, a logit scale), which the fused loss applies and differentiates.
-
-    Args:
-        hidden_states: how to run the decoder alone; default :func:`final_hidden_states`
-            (an FSDP2 student passes the method its hooks are registered on).
+    The fused head carries the architecture's logit transform (Gemma 2's soft cap, a logit scale), which the
+    fused loss applies and differentiates. ``hidden_states`` runs the decoder alone (default
+    :func:`final_hidden_states`; an FSDP2 student passes the method its hooks are registered on).
     """
     inputs = model_inputs(micro_batch, device)
     if fused_lm_head:
@@ -161,20 +137,10 @@ def accumulate_gradients(
 ) -> dict[str, float]:
     """Forward and backward over micro-batches, gradients accumulating; returns the loss's metrics summed.
 
-    The one micro-batch loop of every trainer: the in-process student runs it over the
-    whole batch, each FSDP2 rank over its share (with the teacher's answers sent to it, or
-    its colocated teacher scoring). Each micro-batch's loss is its share of the global
-    mean (``global_valid_tokens`` / ``global_valid_seqs``), so the summed gradients are
-    those of the whole batch.
-
-    Args:
-        micro_batches: the micro-batches, in order (moved to ``device`` here).
-        device: where the student computes.
-        forward: the student's output for a micro-batch (:func:`student_output`).
-        loss_fn: called per micro-batch.
-        teacher_answer: the teacher's signal for micro-batch ``index`` (None: the loss needs none).
-        global_valid_tokens: loss-carrying tokens of the whole global batch.
-        global_valid_seqs: sequences of the whole global batch.
+    The micro-batch loop of every trainer: the in-process student runs it over the whole batch, each FSDP2 rank
+    over its share. Each micro-batch's loss is its share of the global mean (the global batch's valid tokens or
+    sequences), so the summed gradients are the whole batch's. ``teacher_answer(index, micro_batch)`` is the
+    teacher's signal (None: the loss needs none); micro-batches are moved to ``device`` here.
     """
     totals: dict[str, float] = {}
     for index, micro_batch in enumerate(micro_batches):
@@ -206,8 +172,7 @@ def _per_position(key: str, value: object, padded_width: int) -> bool:
 def accumulate_metrics(totals: dict[str, float], metrics: dict[str, float]) -> None:
     """Adds a micro-batch's metrics to the step's: summed, except ``*_max`` keys, which keep the largest.
 
-    Loss functions report each micro-batch's share of a global mean, so the sum over
-    micro-batches (and over ranks) is the global mean; a ``*_max`` metric is a maximum.
+    Losses report each micro-batch's share of a global mean, so the sum over micro-batches and ranks is that mean.
     """
     for key, value in metrics.items():
         if key not in totals:
@@ -237,19 +202,9 @@ def apply_gradients(
 ) -> dict[str, float]:
     """Clips and applies the accumulated gradients, unless the loss or gradient is NaN/inf.
 
-    A non-finite loss or gradient would poison the weights and Adam's moments for good:
-    such a step is skipped entirely (no optimizer or schedule step) and reported.
-
-    Args:
-        parameters: every trainable parameter (with its accumulated ``grad``).
-        optimizer: steps them.
-        scheduler: the learning-rate schedule, stepped after the optimizer.
-        max_grad_norm: clip the global norm to this; None disables clipping.
-        totals: the step's summed loss metrics (``loss`` is checked for NaN/inf).
-
-    Returns:
-        ``totals`` plus ``grad_norm`` (before clipping), ``lr`` (used for this step) and
-        ``skipped_nonfinite`` (1.0 when the step was skipped).
+    A non-finite step would poison the weights and Adam's moments for good, so it is skipped entirely (no optimizer
+    or schedule step). ``max_grad_norm`` None: no clipping. Returns ``totals`` (the summed loss metrics) plus
+    ``grad_norm`` (before clipping), ``lr`` (used for this step) and ``skipped_nonfinite`` (1.0 if skipped).
     """
     with_grad = [param for param in parameters if param.grad is not None]
     grad_norm = global_grad_norm(with_grad)
@@ -271,23 +226,15 @@ ADAPTER_DIR = "adapter"
 
 
 class HFPolicy(PolicyInterface):
-    """``PolicyInterface`` for an in-process ``PreTrainedModel``.
+    """``PolicyInterface`` for an in-process ``PreTrainedModel``, trained in place.
 
     Args:
-        model: the student (trained in place).
-        optimizer_config: AdamW / schedule settings.
-        micro_batch_size: sequences per forward/backward pass.
-        total_steps: optimizer steps planned (for decaying schedules).
-        micro_batch_tokens: if set, micro-batches are formed by this budget of padded
-            tokens instead (length-sorted dynamic batching) and ``micro_batch_size`` is
-            not used.
-        sequence_packing: concatenate each micro-batch's sequences into one row without
-            padding (:func:`~opd.data.sequences.pack_padding_free`); same loss.
-        lora: LoRA settings, or None to train every weight. With LoRA, ``model`` gets its
-            adapters in place (anything else holding it, e.g. the HF generation engine,
-            samples with the current adapter) and its base weights are frozen.
-        seed: seeds a LoRA student's starting adapter (:func:`~opd.policy.lora.initialise_adapters`:
-            the FSDP2 trainer starts from the same one).
+        micro_batch_tokens: if set, replaces ``micro_batch_size`` (:func:`plan_micro_batches`).
+        sequence_packing: each micro-batch's sequences in one row without padding (same loss).
+        lora: LoRA settings (:mod:`opd.policy.lora`), or None to train every weight. ``model`` gets its adapters
+            in place (whatever else holds it, e.g. the HF generation engine, samples with the current adapter)
+            and its base weights are frozen.
+        seed: seeds a LoRA student's starting adapter (the FSDP2 trainer starts from the same one).
     """
 
     def __init__(
@@ -330,21 +277,11 @@ class HFPolicy(PolicyInterface):
         teacher_signal: TeacherSignalFn | None = None,
         timer: Timer | None = None,
     ) -> dict[str, float]:
-        """One optimizer step over ``data`` (the whole global batch).
+        """One optimizer step over ``data``, the whole right-padded global batch; returns its metrics.
 
-        Args:
-            data: right-padded batch with ``input_ids``, ``input_lengths``, ``token_mask``.
-            loss_fn: called per micro-batch; if it sets ``fused_lm_head`` it receives
-                hidden states and the head, not logits.
-            teacher_signal: the teacher's answer for a micro-batch (what the loss's
-                ``teacher_request`` asks for); None for losses that need no teacher (SFT).
-            timer: unused: every phase of an in-process step is timed by the driver.
-
-        Returns:
-            Global-batch metrics: the loss function's metrics summed over micro-batches,
-            plus ``grad_norm`` (before clipping), ``lr`` (used for this step) and
-            ``skipped_nonfinite`` (1 if the loss or gradient was NaN/inf and the step was
-            skipped without touching the weights).
+        The valid tokens of the whole batch are counted first, so the loss normalises globally and gradient
+        accumulation is exact. ``teacher_signal`` is None for losses without a teacher (SFT); ``timer`` is
+        unused (the driver times every phase of an in-process step).
         """
         global_valid_tokens = int(shift_token_mask(data["token_mask"]).sum())
         global_valid_seqs = data.size
@@ -371,10 +308,9 @@ class HFPolicy(PolicyInterface):
     def compare_with_teacher(
         self, data: BatchedDataDict, comparison: TeacherComparison, teacher_signal: TeacherSignalFn
     ) -> dict[str, float]:
-        """Sums of ``comparison`` over ``data``, micro-batch by micro-batch (see :class:`PolicyInterface`).
+        """Sums of ``comparison`` over :meth:`train`'s micro-batches, unpacked (see :class:`PolicyInterface`).
 
-        The micro-batches are those of :meth:`train` (unpacked); each one's student is its
-        final hidden states and output layer, so the comparison makes the logits chunk by chunk.
+        The student is given as final hidden states and output layer, so the comparison makes logits chunk by chunk.
         """
         totals: dict[str, float] = {}
         for micro_batch in plan_micro_batches(data, self.micro_batch_size, self.micro_batch_tokens):
@@ -388,11 +324,7 @@ class HFPolicy(PolicyInterface):
         return totals
 
     def weights_for_refit(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter by name, detached (the engine copies them).
-
-        A LoRA student yields the merged weights under the base model's names, so the
-        engine sees a plain model.
-        """
+        """Every parameter by name, detached; a LoRA student's merged under the base names (a plain model)."""
         if self.lora is not None:
             yield from merged_tensors(self.model, self.model.named_parameters())
             return
@@ -402,10 +334,8 @@ class HFPolicy(PolicyInterface):
     def state_dict(self) -> dict[str, Any]:
         """Optimizer and LR-schedule state, plus a LoRA student's adapter weights.
 
-        A full fine-tuning run's weights are saved as an HF model directory; a LoRA run
-        resumes from the base model and these adapter tensors (exact copies), because the
-        merged weights of its model directory are not the base weights plus the adapter
-        bit for bit.
+        A LoRA run resumes from the base model and these exact adapter tensors: the merged weights of its model
+        directory are not the base weights plus the adapter bit for bit.
         """
         state: dict[str, Any] = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         if self.lora is not None:
@@ -413,11 +343,7 @@ class HFPolicy(PolicyInterface):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores what :meth:`state_dict` returned.
-
-        Raises:
-            OpdError: a LoRA checkpoint restored without ``model.lora``, or the reverse.
-        """
+        """Restores what :meth:`state_dict` returned; OpdError if the checkpoint and ``model.lora`` disagree on LoRA."""
         if (self.lora is not None) != ("lora_adapter" in state):
             written = "with" if "lora_adapter" in state else "without"
             raise OpdError(
@@ -432,10 +358,8 @@ class HFPolicy(PolicyInterface):
     def save_pretrained(self, directory: str, tokenizer: Any | None = None) -> None:
         """Writes the student (safetensors) and optionally its tokenizer to ``directory``.
 
-        A LoRA student is written twice: merged into a plain model in ``directory``
-        (loadable with ``AutoModelForCausalLM.from_pretrained``, no peft keys) and as the
-        adapter alone in ``directory/adapter/`` (peft's ``adapter_config.json`` and
-        ``adapter_model.safetensors``, for ``PeftModel.from_pretrained(base, ...)``).
+        A LoRA student is written merged into a plain model (no peft keys) and as the adapter alone in
+        ``directory/adapter/`` (peft's format, for ``PeftModel.from_pretrained(base, ...)``).
         """
         if self.peft_model is None:
             self.model.save_pretrained(directory, safe_serialization=True)

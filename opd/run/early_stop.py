@@ -1,25 +1,22 @@
 """Early stopping (``training.early_stop``): end a run when a validation metric stops improving or reaches a target.
 
-The rule is the one users know from Hugging Face's ``EarlyStoppingCallback`` and Keras's
-``EarlyStopping``, plus a target:
+The rule follows Hugging Face's ``EarlyStoppingCallback``, plus a target:
 
-* a validation *improves* when its value beats the best so far by more than
-  ``min_delta`` (in the direction of ``mode``); the first finite value is the first best;
+* a validation *improves* when its value beats the best so far by more than ``min_delta`` (in the direction of
+  ``mode``); the first finite value is the first best;
 * ``patience``: the run stops after that many validations in a row without improving;
-* ``target``: the run stops at the first validation whose value reaches it, within
-  ``target_tolerance`` (at least ``target − target_tolerance`` with ``mode: max``, at most
-  ``target + target_tolerance`` with ``min``). ``target: teacher`` is the teacher's own
-  value from the teacher baseline (``validation.teacher_baseline``), e.g.
-  ``val/teacher_accuracy`` for ``val/accuracy``. A student may match its teacher on all but
-  one validation example and never on that one, so a target of ``teacher`` usually wants a
-  tolerance, such as one example's share of the accuracy (1/n for n validation examples);
+* ``target``: the run stops at the first validation whose value reaches it, within ``target_tolerance`` (at
+  least ``target − target_tolerance`` with ``mode: max``, at most ``target + target_tolerance`` with ``min``).
+  ``target: teacher`` is the teacher's own value from the teacher baseline (``validation.teacher_baseline``),
+  e.g. ``val/teacher_accuracy`` for ``val/accuracy``. A student may match its teacher on all but one validation
+  example and never on that one, so a target of ``teacher`` usually wants a tolerance, such as one example's
+  share of the accuracy (1/n for n validation examples);
 * a NaN or infinite value never improves and never reaches the target;
-* the validation before the first step (``validation.val_at_start``) sets the first best
-  but neither counts against the patience nor stops the run: the rule judges training.
+* the validation before the first step (``validation.val_at_start``) sets the first best but neither counts
+  against the patience nor stops the run: the rule judges training.
 
-The rule acts at the periodic validations (``training.val_freq``). Its counters live in
-the run's save state (:class:`EarlyStopState`), so a resumed run counts on from its
-checkpoint and stops where the uninterrupted run would have.
+The rule acts at the periodic validations (``training.val_freq``). Its counters are checkpointed
+(:class:`EarlyStopState`), so a resumed run stops where the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ BETTER: dict[str, Literal["max", "min"] | None] = {
     "val/truncation_rate": "min",
     "val/mean_response_length": None,
 }
-"""The metrics validation reports after every validation, and which direction is better
-(None: neither; ``mode`` must say)."""
+"""The metrics every validation reports, and which direction is better (None: neither; ``mode`` must say)."""
 
 TEACHER_PREFIX = "val/teacher_"
 """The teacher baseline's metrics: ``val/teacher_<name>`` for validation's ``val/<name>``."""
@@ -143,18 +139,7 @@ def fresh_early_stop_state() -> EarlyStopState:
 
 
 def observe(config: EarlyStopConfig, state: EarlyStopState, value: float, step: int, judge: bool = True) -> str | None:
-    """Counts one validation's value; returns why the run stops now, or None to go on.
-
-    Args:
-        config: the rule.
-        state: its counters, updated in place (``stopped`` included).
-        value: the validation's value of ``config.metric``.
-        step: the step of the validation.
-        judge: False for the validation before the first step, which only sets the first best.
-
-    Returns:
-        None, or one sentence naming the metric, its value, the step and the reason.
-    """
+    """Counts one validation (``judge`` False: the one before the first step); returns why the run stops, or None."""
     mode = config.resolved_mode()
     assert mode is not None, "an EarlyStopConfig without a direction is refused when the config is validated"
     finite = math.isfinite(value)

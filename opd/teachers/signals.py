@@ -1,10 +1,7 @@
 """What the driver does with a teacher's whole-batch answer: one micro-batch's rows of it, and its checkpoint form.
 
-A batch scored ahead (an asynchronous schedule, :mod:`opd.distillation.step`) is answered
-once for the whole batch; each micro-batch takes its rows with :func:`signal_rows`. The
-batches in flight are checkpointed as plain tensors (:func:`signal_to_state`); hidden
-states are never saved (``[B, L, D]`` per batch would outweigh the checkpoint), so the
-frozen teacher scores such a batch again after a resume.
+A batch scored ahead (:mod:`opd.distillation.step`) is checkpointed as plain tensors while in flight; hidden states
+are never saved (``[B, L, D]`` per batch would outweigh the checkpoint), so the teacher scores it again on resume.
 """
 
 from __future__ import annotations
@@ -37,11 +34,7 @@ def holds_hidden_states(signal: TeacherSignal | None) -> bool:
 
 
 def signal_to_state(signal: TeacherSignal | None) -> dict[str, Any] | None:
-    """A top-k or token signal as plain tensors (checkpoints are loaded with ``weights_only``).
-
-    Several teachers' answers keep their parts (routing: each member's rows and answer;
-    mixture: the mixture, each member's answer and the weights).
-    """
+    """A signal as plain tensors (checkpoints load with ``weights_only``); several teachers' answers keep parts."""
     if signal is None:
         return None
     if isinstance(signal, RoutedSignal):
@@ -89,15 +82,10 @@ def _single(state: dict[str, Any]) -> SingleTeacherSignal:
 
 
 def signal_rows(signal: TeacherSignal, micro_batch: BatchedDataDict) -> TeacherSignal:
-    """The rows of a whole batch's teacher signal that a micro-batch holds, cut to its width.
+    """The rows of a whole batch's teacher signal that a micro-batch holds (``sample_index``), cut to its width.
 
-    The micro-batch carries ``sample_index`` (its rows' places in the batch) and may be
-    trimmed to its own longest row, so the signal is cut to the same number of positions.
-    Several teachers' answers select their own rows (:meth:`SeveralTeachersSignal.select_rows`).
-    A packed micro-batch (``training.sequence_packing``: one row with ``sequence_lengths``)
-    gets its sequences' rows packed as its tokens are: each row cut to its sequence's
-    length and the rows concatenated, so every position keeps the teacher's answer for
-    it (what the teacher answers when it scores the packed row itself).
+    A packed micro-batch (one row with ``sequence_lengths``) gets its rows packed as its tokens are, so each
+    position keeps the teacher's answer for it (what the teacher answers when it scores the packed row itself).
     """
     if "sequence_lengths" in micro_batch:
         rows = micro_batch["sample_index"][0].cpu()
