@@ -5,6 +5,10 @@ damages the newest one as a disk, a copy or a hand edit would, reruns the same c
 and checks: exit status 2, one ``error:`` line naming the checkpoint and the file, no
 traceback, and every file of the run byte-identical afterwards. Following the message's
 advice (moving the damaged checkpoint aside) resumes from ``step_2``.
+
+A step saved again (after a resume) is never lost to a crash during the re-save: the
+manager's rename and delete steps are made to fail, and the old or the new copy is left,
+whole, where resume finds it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import pytest
 from opd_test_helpers import REPO_ROOT, short_run_overrides
 
 from opd.cli import main
+from opd.run import checkpoint
+from opd.run.checkpoint import CheckpointingConfig, CheckpointManager
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 RUN_OVERRIDES = ["training.max_num_steps=4", "training.save_freq=2", "checkpointing.keep_top_k=null",
@@ -119,3 +125,68 @@ def test_a_checkpoint_without_a_manifest_is_still_checked_when_read(finished_run
     assert status == 2 and "Traceback" not in err
     assert f"checkpoint {newest} could not be read" in err
     assert snapshot(run) == before
+
+
+class FileWritingPolicy:
+    """Stands in for a policy: ``save_checkpoint`` writes one weights file holding ``weights``."""
+
+    def __init__(self, weights: bytes) -> None:
+        self.weights = weights
+
+    def save_checkpoint(self, directory: Path, tokenizer=None) -> None:
+        (directory / "policy").mkdir()
+        (directory / "policy" / "model.safetensors").write_bytes(self.weights)
+
+
+def save_step_3(manager: CheckpointManager, weights: bytes) -> Path:
+    return manager.save(3, FileWritingPolicy(weights), None, {"step": 3, "weights": weights.decode()},
+                        {"rng": 1}, "seed: 1\n")
+
+
+def test_a_crash_while_a_step_is_saved_again_leaves_its_old_checkpoint(tmp_path, monkeypatch):
+    manager = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "checkpoints"), keep_top_k=None))
+    step_3 = save_step_3(manager, b"old weights")
+    real_replace = checkpoint.os.replace
+
+    def killed_before_publishing(source, target):
+        if Path(source).name.startswith(".tmp_step_"):
+            raise OSError("killed")
+        real_replace(source, target)
+
+    monkeypatch.setattr(checkpoint.os, "replace", killed_before_publishing)
+    with pytest.raises(OSError, match="killed"):
+        save_step_3(manager, b"new weights")
+    monkeypatch.undo()
+    # The rerun's resume puts the old copy back, verifies it and loads it; the unpublished new one is removed.
+    assert manager.remove_incomplete() == [tmp_path / "checkpoints" / ".tmp_step_3"]
+    assert manager.latest_checkpoint() == step_3
+    manager.verify(step_3)
+    assert manager.load_save_state(step_3)["weights"] == "old weights"
+    assert (step_3 / "policy" / "model.safetensors").read_bytes() == b"old weights"
+    assert sorted(path.name for path in step_3.parent.iterdir()) == ["step_3"]
+
+
+def test_a_crash_after_a_step_was_saved_again_leaves_the_new_checkpoint_and_no_old_copy(tmp_path, monkeypatch):
+    manager = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "checkpoints"), keep_top_k=None))
+    step_3 = save_step_3(manager, b"old weights")
+    real_rmtree = checkpoint.shutil.rmtree
+
+    def killed_while_deleting_the_old_copy(path, *args, **kwargs):
+        if Path(path).name.startswith(".old_step_"):
+            raise OSError("killed")
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_while_deleting_the_old_copy)
+    with pytest.raises(OSError, match="killed"):
+        save_step_3(manager, b"new weights")
+    monkeypatch.undo()
+    assert (step_3.parent / ".old_step_3").is_dir()
+    assert manager.list_checkpoints() == [(3, step_3)]  # the old copy is never taken for a checkpoint
+    assert manager.remove_incomplete() == []
+    assert sorted(path.name for path in step_3.parent.iterdir()) == ["step_3"]
+    manager.verify(step_3)
+    assert manager.load_save_state(step_3)["weights"] == "new weights"
+    # A later re-save of the step goes through as usual.
+    assert save_step_3(manager, b"newer weights") == step_3
+    assert manager.load_save_state(step_3)["weights"] == "newer weights"
+    assert sorted(path.name for path in step_3.parent.iterdir()) == ["step_3"]
