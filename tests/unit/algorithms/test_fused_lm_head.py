@@ -506,6 +506,18 @@ def test_teacher_heads_that_transform_logits_reproduce_the_models_own_logits(fam
     assert not torch.allclose(LMHeadInput(head.hidden_states, head.weight).logits(), expected, atol=1e-2)
 
 
+def test_a_teacher_output_layer_under_home_is_read_from_a_tilde_path(tmp_path, monkeypatch):
+    """``~`` is expanded as for the other local model paths, not taken for a hub repository id."""
+    from opd.models.loading import load_output_layer
+
+    model = tiny_qwen2()
+    model.save_pretrained(tmp_path / "models" / "teacher")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    layer = load_output_layer("~/models/teacher", torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(layer.weight, model.lm_head.weight.detach(), rtol=0, atol=0)
+    assert layer.bias is None and (layer.logit_multiplier, layer.logit_softcap) == (1.0, None)
+
+
 def test_bfloat16_models_run_through_the_fused_path():
     """A bf16 student: logits and matmuls in bf16, divergences in fp32, weight gradient
     accumulated in fp32 and returned in bf16; close to the plain bf16 path."""
