@@ -328,7 +328,7 @@ class VllmGeneration(InProcessGenerationInterface):
         ]
         outputs = self.llm.generate([{"prompt_token_ids": prompt} for prompt in expanded], params, use_tqdm=False)
         responses, logprobs, truncated = [], [], []
-        for _prompt, output in zip(expanded, outputs):
+        for output in outputs:
             completion = output.outputs[0]
             token_ids = list(completion.token_ids)
             responses.append(token_ids)
