@@ -23,7 +23,13 @@ ROWS_BUDGET_ELEMENTS = 2**25
 """Default chunk size in logits elements (``chunk_rows × vocab``): 128 MiB per fp32 chunk."""
 
 # Configs that change logits after the head's matmul; a bare (weight, bias) head would skip them.
-_LOGIT_TRANSFORM_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_LOGIT_TRANSFORM_NEUTRAL: dict[str, tuple[float | None, ...]] = {
+    "final_logit_softcapping": (None, 0, 0.0),  # a soft cap of 0 is no cap, as in logit_transform_of
+    "logit_scale": (None, 1, 1.0),
+    "logits_scaling": (None, 1, 1.0),
+    "output_multiplier_scale": (None, 1, 1.0),
+}
+"""Config attributes that transform the logits, and the values with which they change nothing."""
 
 
 @dataclass
@@ -160,10 +166,8 @@ def output_head_of(model: PreTrainedModel, model_name: str = "model") -> tuple[t
         ValueError: the model transforms its logits after the head, or has no plain linear output layer.
     """
     config = getattr(model, "config", None)
-    for attribute in _LOGIT_TRANSFORM_ATTRIBUTES:
+    for attribute, neutral in _LOGIT_TRANSFORM_NEUTRAL.items():
         value = getattr(config, attribute, None)
-        # A soft cap of 0 is no cap (as in logit_transform_of); for the other attributes 1 changes nothing.
-        neutral = (None, 0, 0.0) if attribute == "final_logit_softcapping" else (None, 1, 1.0)
         if value not in neutral:
             raise ValueError(
                 f"{model_name} sets config.{attribute} = {value}, which a bare (weight, bias) head does not apply; "
