@@ -355,7 +355,7 @@ class DistillationLossFn(TokenLossFn):
     Args:
         temperature: applied to both models' logits (not the sampling temperature); finite and > 0.
         metrics_topk: k of the top-k metrics (>= 1).
-        the rest: as in :class:`TokenLossFn`.
+        kl_reduction, vocab_size, options: as in :class:`TokenLossFn` (the rest by keyword).
     """
 
     compile_kernels = False
@@ -367,15 +367,12 @@ class DistillationLossFn(TokenLossFn):
         kl_reduction: str = "mean",
         vocab_size: int | None = None,
         metrics_topk: int = 64,
-        fused_lm_head: bool = False,
-        chunk_size: int | None = None,
-        off_policy: OffPolicyCorrection | None = None,
-        token_clip: float | None = None,
+        **options: Any,
     ) -> None:
         check_temperature(temperature)
         if metrics_topk < 1:
             raise ValueError(f"metrics_topk must be >= 1, got {metrics_topk}")
-        super().__init__(kl_reduction, vocab_size, fused_lm_head, chunk_size, off_policy, token_clip)
+        super().__init__(kl_reduction, vocab_size, **options)
         self.temperature = temperature
         self.metrics_topk = metrics_topk
 
@@ -409,27 +406,14 @@ class FullVocabLossFn(DistillationLossFn):
     (fewer ``[chunk × vocab]`` temporaries) and the metrics its log-probabilities.
 
     Args:
-        compile_kernels: ``torch.compile`` the per-chunk kernels (:mod:`opd.kernels.compiled_kernels`).
+        compile_kernels: ``torch.compile`` the per-chunk kernels (:mod:`opd.kernels.compiled_kernels`), by keyword.
         the rest: as in :class:`DistillationLossFn`.
     """
 
     teacher_answer = "the teacher's logits"
 
-    def __init__(
-        self,
-        temperature: float = 1.0,
-        kl_reduction: str = "mean",
-        vocab_size: int | None = None,
-        metrics_topk: int = 64,
-        fused_lm_head: bool = False,
-        chunk_size: int | None = None,
-        compile_kernels: bool = False,
-        off_policy: OffPolicyCorrection | None = None,
-        token_clip: float | None = None,
-    ) -> None:
-        super().__init__(
-            temperature, kl_reduction, vocab_size, metrics_topk, fused_lm_head, chunk_size, off_policy, token_clip
-        )
+    def __init__(self, *args: Any, compile_kernels: bool = False, **options: Any) -> None:
+        super().__init__(*args, **options)
         self.compile_kernels = compile_kernels
 
     @abstractmethod
@@ -489,33 +473,10 @@ class KLLossFn(FullVocabLossFn):
         the rest: as in :class:`FullVocabLossFn`.
     """
 
-    def __init__(
-        self,
-        kl_type: str = "reverse",
-        mixed_kl_weight: float = 0.5,
-        temperature: float = 1.0,
-        kl_reduction: str = "mean",
-        vocab_size: int | None = None,
-        metrics_topk: int = 64,
-        fused_lm_head: bool = False,
-        chunk_size: int | None = None,
-        compile_kernels: bool = False,
-        off_policy: OffPolicyCorrection | None = None,
-        token_clip: float | None = None,
-    ) -> None:
+    def __init__(self, kl_type: str = "reverse", mixed_kl_weight: float = 0.5, *args: Any, **options: Any) -> None:
         check_kl_type(kl_type)
         check_weight("mixed_kl_weight", mixed_kl_weight)
-        super().__init__(
-            temperature,
-            kl_reduction,
-            vocab_size,
-            metrics_topk,
-            fused_lm_head,
-            chunk_size,
-            compile_kernels,
-            off_policy,
-            token_clip,
-        )
+        super().__init__(*args, **options)
         self.kl_type = kl_type
         self.mixed_kl_weight = mixed_kl_weight
         self.forward_weight = forward_weight(kl_type, mixed_kl_weight)
@@ -535,31 +496,9 @@ class JSDLossFn(FullVocabLossFn):
         the rest: as in :class:`FullVocabLossFn`.
     """
 
-    def __init__(
-        self,
-        beta: float = 0.5,
-        temperature: float = 1.0,
-        kl_reduction: str = "mean",
-        vocab_size: int | None = None,
-        metrics_topk: int = 64,
-        fused_lm_head: bool = False,
-        chunk_size: int | None = None,
-        compile_kernels: bool = False,
-        off_policy: OffPolicyCorrection | None = None,
-        token_clip: float | None = None,
-    ) -> None:
+    def __init__(self, beta: float = 0.5, *args: Any, **options: Any) -> None:
         check_weight("jsd_beta", beta)
-        super().__init__(
-            temperature,
-            kl_reduction,
-            vocab_size,
-            metrics_topk,
-            fused_lm_head,
-            chunk_size,
-            compile_kernels,
-            off_policy,
-            token_clip,
-        )
+        super().__init__(*args, **options)
         self.beta = beta
 
     def token_divergence(self, student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor) -> torch.Tensor:
@@ -599,7 +538,7 @@ class TopKKLLossFn(DistillationLossFn):
         kl_type, mixed_kl_weight: as in :class:`KLLossFn`.
         k: the teacher's tokens per position (also the k of the top-k metrics), >= 1.
         tail: keep the rest class (True) or renormalise over the top k (False, NeMo-RL's variant).
-        the rest: as in :class:`DistillationLossFn`.
+        the rest: as in :class:`DistillationLossFn`, but for ``metrics_topk`` (which is ``k``).
     """
 
     teacher_answer = "the teacher's top-k log-probs"
@@ -611,19 +550,14 @@ class TopKKLLossFn(DistillationLossFn):
         mixed_kl_weight: float = 0.5,
         k: int = 64,
         tail: bool = True,
-        temperature: float = 1.0,
-        kl_reduction: str = "mean",
-        vocab_size: int | None = None,
-        fused_lm_head: bool = False,
-        chunk_size: int | None = None,
-        off_policy: OffPolicyCorrection | None = None,
-        token_clip: float | None = None,
+        *args: Any,
+        **options: Any,
     ) -> None:
         check_kl_type(kl_type)
         check_weight("mixed_kl_weight", mixed_kl_weight)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        super().__init__(temperature, kl_reduction, vocab_size, k, fused_lm_head, chunk_size, off_policy, token_clip)
+        super().__init__(*args, metrics_topk=k, **options)
         self.kl_type = kl_type
         self.mixed_kl_weight = mixed_kl_weight
         self.k = k
