@@ -354,7 +354,7 @@ class DistillationLossFn(TokenLossFn):
 
     Args:
         temperature: applied to both models' logits (not the sampling temperature); finite and > 0.
-        metrics_topk: k of the top-k metrics (>= 1).
+        metrics_topk: k of the top-k metrics (>= 1), by keyword.
         kl_reduction, vocab_size, options: as in :class:`TokenLossFn` (the rest by keyword).
     """
 
@@ -366,6 +366,7 @@ class DistillationLossFn(TokenLossFn):
         temperature: float = 1.0,
         kl_reduction: str = "mean",
         vocab_size: int | None = None,
+        *,
         metrics_topk: int = 64,
         **options: Any,
     ) -> None:
