@@ -18,7 +18,7 @@ from pydantic import Field
 
 from opd.models.interfaces import TeacherInterface, TeacherRequest
 from opd.teachers.local_teacher import LocalTeacher
-from opd.teachers.served.remote_teacher import RemoteTeacher
+from opd.teachers.served.remote_teacher import REQUEST_TIMEOUT_S, RemoteTeacher
 from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError
 
@@ -121,7 +121,7 @@ class RemoteTeacherConfig(StrictConfig):
     api_key_env: str | None = Field(None, description="environment variable holding the bearer token, if any")
     max_concurrency: int = Field(4, ge=1, description="requests in flight at once")
     sequences_per_request: int = Field(8, ge=1, description="sequences scored per request")
-    timeout_s: float = Field(120.0, gt=0, description="per-request timeout in seconds")
+    timeout_s: float = Field(REQUEST_TIMEOUT_S, gt=0, description="per-request timeout in seconds")
     max_retries: int = Field(4, ge=0, description="further attempts after a failed request (exponential backoff)")
     backoff_s: float = Field(0.5, ge=0, description="wait before the first retry, doubled for each next one")
     protocol: Literal["auto", "opd", "openai"] = Field(

@@ -24,7 +24,7 @@ from opd.models.interfaces import GenerationInterface
 from opd.rollout.rollout_batch import build_rollout_batch
 from opd.rollout.stop_tokens import stop_token_ids
 from opd.teachers.backends import RemoteTeacherConfig
-from opd.teachers.served.remote_teacher import RETRYABLE_STATUS, TeacherServiceError
+from opd.teachers.served.remote_teacher import REQUEST_TIMEOUT_S, RETRYABLE_STATUS, TeacherServiceError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class RemoteGeneration(GenerationInterface):
         api_key: str | None,
         stop_ids: Sequence[int],
         pad_token_id: int,
-        timeout_s: float = 120.0,
+        timeout_s: float = REQUEST_TIMEOUT_S,
         max_retries: int = 4,
         backoff_s: float = 0.5,
     ) -> None:

@@ -58,6 +58,8 @@ from opd.utils.errors import OpdError
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+REQUEST_TIMEOUT_S = 120.0
+"""Default per-request timeout of a served teacher: ``teacher.remote.timeout_s`` and the clients' own default."""
 _FULL_VOCABULARY_NEEDS = (
     "a full-vocabulary loss with a served teacher needs opd serve-teacher and the teacher's output "
     "layer (model.teacher_model_path), checked when connecting"
@@ -120,7 +122,7 @@ class RemoteTeacher(TeacherInterface):
         api_key: str | None = None,
         max_concurrency: int = 4,
         sequences_per_request: int = 8,
-        timeout_s: float = 60.0,
+        timeout_s: float = REQUEST_TIMEOUT_S,
         max_retries: int = 4,
         backoff_s: float = 0.5,
         protocol: Protocol = "auto",

@@ -50,8 +50,10 @@ from opd.models.interfaces import FullVocabRequest
 from opd.models.lm_head import LMHeadInput, output_layer_of
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.backends import RemoteTeacherConfig
 from opd.teachers.scoring import PromptScorer
 from opd.teachers.served import wire
+from opd.teachers.served.remote_generation import RemoteGeneration
 from opd.teachers.served.remote_teacher import RemoteTeacher, TeacherServiceError
 from opd.teachers.served.server import REST_MASS_FIELD, TeacherService
 from opd.utils.config import load_config
@@ -313,6 +315,16 @@ def test_malformed_requests_get_a_4xx_with_a_reason(served, body, message):
     response = httpx.post(f"{served.url}/v1/completions", json=body)
     assert 400 <= response.status_code < 500
     assert message in response.json()["error"]["message"]
+
+
+def test_a_client_built_without_a_timeout_waits_as_long_as_the_configs_default():
+    default = RemoteTeacherConfig().timeout_s
+    clients = (RemoteTeacher("http://127.0.0.1:9"), RemoteGeneration("http://127.0.0.1:9", None, None, [2], 0))
+    for client in clients:  # never connected: nothing is sent
+        try:
+            assert client._client.timeout == httpx.Timeout(default), type(client).__name__
+        finally:
+            client.close()
 
 
 def test_a_tokenizer_mismatch_stops_at_connect(served, tokenizer):
