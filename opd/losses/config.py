@@ -13,15 +13,15 @@ So a meaningless combination (a top-k ``k`` on the full-vocabulary loss, say) ca
 ========================  ==================================================  ==============================
 
 A new objective is its loss class plus one config class here decorated with :func:`loss_variant`, which feeds
-:data:`LossFnConfig`, :data:`LOSS_VARIANTS` and :data:`LOSS_CLASSES`; the teacher request is the loss's own. The
-loss classes take no config and can be built directly.
+:data:`LossFnConfig`, :data:`LOSS_VARIANTS` and :data:`LOSS_CLASSES`; the teacher request is the loss's own. Its
+keys are named as the loss class's arguments (:meth:`_LossSettings.loss_arguments`). The loss classes take no
+config and can be built directly.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-from abc import abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeAlias, TypeVar
 
@@ -74,9 +74,13 @@ class _LossSettings(StrictConfig):
         """The :attr:`loss_class` object of these keys (``vocab_size``: tokenizer's; ``device_type``: student's)."""
         return self.loss_class(**self.loss_arguments(vocab_size, device_type))
 
-    @abstractmethod
     def loss_arguments(self, vocab_size: int | None, device_type: str | None) -> dict[str, Any]:
-        """The loss class's keyword arguments; ``device_type`` None: built only to ask what it needs (no compiling)."""
+        """The loss class's keyword arguments: each key under its own name, ``reduction`` as ``kl_reduction``.
+
+        ``device_type`` None: built only to ask what it needs (no compiling).
+        """
+        keys = self.model_dump(exclude={"type", "reduction"})
+        return {**keys, "kl_reduction": self.reduction, "vocab_size": vocab_size}
 
     def teacher_request(self, vocab_size: int | None) -> TeacherRequest:
         """The signal the built loss asks the teacher for (also before the tokenizer is loaded: ``vocab_size`` None)."""
@@ -153,25 +157,11 @@ class FullVocabKernelSettings(FusedHeadSettings):
     )
     metrics_topk: int = Field(64, ge=1, description="k of the teacher_topk_mass / topk_overlap metrics")
 
-
-def _full_vocab_arguments(
-    settings: _LossSettings | FullVocabKernelSettings,
-    temperature: float,
-    vocab_size: int | None,
-    device_type: str | None,
-) -> dict[str, Any]:
-    """The arguments every full-vocabulary loss class takes from its config (temperature, reduction, kernels)."""
-    assert isinstance(settings, _LossSettings) and isinstance(settings, FullVocabKernelSettings)
-    runs = device_type is not None and vocab_size is not None
-    return {
-        "temperature": temperature,
-        "kl_reduction": settings.reduction,
-        "vocab_size": vocab_size,
-        "metrics_topk": settings.metrics_topk,
-        "fused_lm_head": settings.fused_lm_head,
-        "chunk_size": settings.chunk_size,
-        "compile_kernels": runs and compile_loss_kernels(settings.compile_kernels, device_type, vocab_size),
-    }
+    def compiles_kernels(self, vocab_size: int | None, device_type: str | None) -> bool:
+        """The loss's ``compile_kernels``: ``auto`` resolved for the device; never when only asked what it needs."""
+        if device_type is None or vocab_size is None:
+            return False
+        return compile_loss_kernels(self.compile_kernels, device_type, vocab_size)
 
 
 @loss_variant(KLLossFn)
@@ -181,12 +171,8 @@ class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKe
     type: Literal["full_vocab"] = "full_vocab"
 
     def loss_arguments(self, vocab_size: int | None, device_type: str | None) -> dict[str, Any]:
-        return {
-            "kl_type": self.kl_type,
-            "mixed_kl_weight": self.mixed_kl_weight,
-            "token_clip": self.token_clip,
-            **_full_vocab_arguments(self, self.temperature, vocab_size, device_type),
-        }
+        compile_kernels = self.compiles_kernels(vocab_size, device_type)
+        return {**super().loss_arguments(vocab_size, device_type), "compile_kernels": compile_kernels}
 
 
 @loss_variant(JSDLossFn)
@@ -197,11 +183,8 @@ class JSDLossConfig(_LossSettings, _Temperature, FullVocabKernelSettings, _Token
     beta: float = Field(0.5, ge=0.0, le=1.0, description="interpolation: 0 = forward KL, 1 = reverse KL")
 
     def loss_arguments(self, vocab_size: int | None, device_type: str | None) -> dict[str, Any]:
-        return {
-            "beta": self.beta,
-            "token_clip": self.token_clip,
-            **_full_vocab_arguments(self, self.temperature, vocab_size, device_type),
-        }
+        compile_kernels = self.compiles_kernels(vocab_size, device_type)
+        return {**super().loss_arguments(vocab_size, device_type), "compile_kernels": compile_kernels}
 
 
 @loss_variant(TopKKLLossFn)
@@ -212,20 +195,6 @@ class TopKLossConfig(_LossSettings, _KLDirection, _Temperature, FusedHeadSetting
     compares_across_tokenizers: ClassVar[bool] = True
     k: int = Field(64, ge=1, description="teacher tokens per position")
     tail: bool = Field(True, description="keep a 'rest' class (a true divergence); false renormalises over the k")
-
-    def loss_arguments(self, vocab_size: int | None, device_type: str | None) -> dict[str, Any]:
-        return {
-            "kl_type": self.kl_type,
-            "mixed_kl_weight": self.mixed_kl_weight,
-            "k": self.k,
-            "tail": self.tail,
-            "temperature": self.temperature,
-            "kl_reduction": self.reduction,
-            "vocab_size": vocab_size,
-            "fused_lm_head": self.fused_lm_head,
-            "chunk_size": self.chunk_size,
-            "token_clip": self.token_clip,
-        }
 
 
 class _Taus(StrictConfig):
@@ -242,19 +211,6 @@ class SampledTokenLossConfig(_LossSettings, _Taus, FusedHeadSettings):
     discount: float = Field(0.0, ge=0.0, le=1.0, description="discount over future tokens' advantages")
     clip_ratio: float | None = Field(0.2, gt=0.0, description="importance-ratio clip; null: none")
 
-    def loss_arguments(self, vocab_size: int | None, device_type: str | None) -> dict[str, Any]:
-        return {
-            "teacher_tau": self.teacher_tau,
-            "student_tau": self.student_tau,
-            "discount": self.discount,
-            "adv_tau": self.adv_tau,
-            "clip_ratio": self.clip_ratio,
-            "kl_reduction": self.reduction,
-            "fused_lm_head": self.fused_lm_head,
-            "chunk_size": self.chunk_size,
-            "vocab_size": vocab_size,
-        }
-
     def needs_own_samples(self, key: str) -> str | None:
         """The sampled-token gradient needs the student's own samples, which a fixed-data step does not have."""
         return f"{key}.type = sampled_token needs the student's own samples on every step"
@@ -267,15 +223,6 @@ class HybridFullVocabLossConfig(_LossSettings, _Taus):
     type: Literal["hybrid_full_vocab"] = "hybrid_full_vocab"
     weighs_stale_samples_by_default: ClassVar[bool] = True
     """Its task-reward term is a policy gradient, which a stale sample makes off-policy."""
-
-    def loss_arguments(self, vocab_size: int | None, device_type: str | None) -> dict[str, Any]:
-        return {
-            "teacher_tau": self.teacher_tau,
-            "student_tau": self.student_tau,
-            "adv_tau": self.adv_tau,
-            "kl_reduction": self.reduction,
-            "vocab_size": vocab_size,
-        }
 
     def needs_own_samples(self, key: str) -> str | None:
         """A task reward (``adv_tau``) rewards the student's own answers, which only on-policy steps have."""
