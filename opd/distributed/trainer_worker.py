@@ -629,7 +629,13 @@ class TrainerWorker(RefitSender):
     def write_marker(self, directory: str, token: str) -> tuple[str, str, str | None]:
         """Writes this rank's marker file into ``directory`` (see :mod:`opd.distributed.workers.shared_directory`).
 
-        Returns ``(file name, node, error)``; error says why the write failed on this node, else None.
+        Returns ``(file name, node, error)``; error says why the write failed on this node (an ``OSError``), else
+        None, and :func:`~opd.distributed.workers.shared_directory.check_shared_directory` adds it to the nodes it
+        names.
+
+        Raises:
+            ValueError: ``directory`` is relative: the controller's mistake, not a filesystem the nodes do not share,
+                so it fails the call instead of being reported as this node's.
         """
         if not Path(directory).is_absolute():  # it would name a place in this worker's own working directory
             raise ValueError(f"the controller must send an absolute checkpoint directory, got {directory!r}")

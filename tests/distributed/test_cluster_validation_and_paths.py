@@ -92,6 +92,21 @@ class NodeLocalTrainerWorker(TrainerWorker):
         super().remove_marker(self._own_view(directory), token)
 
 
+def test_a_marker_write_that_fails_is_reported_and_a_relative_directory_is_refused(tmp_path, monkeypatch):
+    """The marker logic alone, without Ray: an OSError comes back as the tuple's error; a relative path raises."""
+    worker = object.__new__(TrainerWorker)  # the constructor only sets torch's thread count, which this leaves alone
+    worker.rank, worker.world_size = 1, 2
+    monkeypatch.setattr(worker, "node_name", lambda: "host/10.0.0.2")
+    name, node, error = worker.write_marker(str(tmp_path / "shared"), "token")
+    assert error is None and node == "host/10.0.0.2"
+    assert (tmp_path / "shared" / name).read_text(encoding="utf-8") == "rank 1 of 2 on host/10.0.0.2\n"
+    (tmp_path / "a file").write_text("", encoding="utf-8")
+    name, node, error = worker.write_marker(str(tmp_path / "a file" / "checkpoints"), "token")
+    assert error is not None and error.startswith(("FileExistsError", "NotADirectoryError")), error
+    with pytest.raises(ValueError, match="must send an absolute checkpoint directory, got 'run/checkpoints'"):
+        worker.write_marker("run/checkpoints", "token")
+
+
 def test_a_checkpoint_directory_that_one_node_does_not_share_stops_the_run(ray_cluster, tmp_path):
     # Two real trainer actors (their constructors load nothing; the markers need no model).
     spec = TrainerSpec("tiny:student", None, ModelLoadingConfig(), OptimizerConfig(), 1, "gloo", 60.0, 1)
