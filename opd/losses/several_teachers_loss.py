@@ -47,20 +47,14 @@ def _rows_of(data: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
     return out
 
 
-def _student_rows(student_output: torch.Tensor | LMHeadInput, rows: torch.Tensor) -> torch.Tensor | LMHeadInput:
-    if isinstance(student_output, LMHeadInput):
-        return student_output.with_rows(student_output.hidden_states[rows.to(student_output.hidden_states.device)])
-    return student_output[rows.to(student_output.device)]
-
-
-def _student_positions(
-    student_output: torch.Tensor | LMHeadInput, positions: torch.Tensor
+def _student_at(
+    student_output: torch.Tensor | LMHeadInput, index: torch.Tensor, packed: bool
 ) -> torch.Tensor | LMHeadInput:
-    """The student's output at some positions of a packed row (``[1, n, ...]``)."""
-    if isinstance(student_output, LMHeadInput):
-        hidden = student_output.hidden_states
-        return student_output.with_rows(hidden[:, positions.to(hidden.device)])
-    return student_output[:, positions.to(student_output.device)]
+    """The student's output at rows ``index``, or (``packed``) at positions ``index`` of its one row ``[1, n, ...]``."""
+    values = student_output.hidden_states if isinstance(student_output, LMHeadInput) else student_output
+    index = index.to(values.device)
+    selected = values[:, index] if packed else values[index]
+    return student_output.with_rows(selected) if isinstance(student_output, LMHeadInput) else selected
 
 
 def _detached(student_output: torch.Tensor | LMHeadInput) -> torch.Tensor | LMHeadInput:
@@ -76,12 +70,13 @@ def _detached(student_output: torch.Tensor | LMHeadInput) -> torch.Tensor | LMHe
 
 
 class _SeveralTeachersLoss(LossFunction):
-    """Delegates everything but the call to the objective it wraps."""
+    """Delegates everything but the call to the objectives it wraps (``objective``: the first)."""
 
-    def __init__(self, objective: LossFunction, names: Sequence[str]) -> None:
-        self.objective = objective
+    def __init__(self, objectives: Sequence[LossFunction], names: Sequence[str]) -> None:
+        self.objectives = list(objectives)
+        self.objective = self.objectives[0]
         self.names = list(names)
-        self.fused_lm_head = objective.fused_lm_head
+        self.fused_lm_head = self.objective.fused_lm_head
 
     @property
     def teacher_request(self) -> TeacherRequest | None:
@@ -90,13 +85,13 @@ class _SeveralTeachersLoss(LossFunction):
 
     @property
     def needs_task_reward(self) -> bool:
-        """As the objective."""
-        return self.objective.needs_task_reward
+        """Whether any teacher's objective rewards the task."""
+        return any(objective.needs_task_reward for objective in self.objectives)
 
     @property
     def needs_sampler_logprobs(self) -> bool:
-        """As the objective."""
-        return self.objective.needs_sampler_logprobs
+        """Whether any teacher's objective needs the sampler's log-probs."""
+        return any(objective.needs_sampler_logprobs for objective in self.objectives)
 
 
 class RoutedLoss(_SeveralTeachersLoss):
@@ -112,8 +107,7 @@ class RoutedLoss(_SeveralTeachersLoss):
             raise ValueError("RoutedLoss needs one objective per teacher")
         if len({objective.fused_lm_head for objective in objectives}) > 1:
             raise ValueError("the teachers' objectives must all take the fused LM head, or all take logits")
-        super().__init__(objectives[0], names)
-        self.objectives = list(objectives)
+        super().__init__(objectives, names)
 
     @property
     def teacher_request(self) -> TeacherRequest | None:
@@ -127,16 +121,6 @@ class RoutedLoss(_SeveralTeachersLoss):
         if all(request == singles[0] for request in singles):
             return singles[0]
         return PerTeacherRequest(tuple(singles))
-
-    @property
-    def needs_task_reward(self) -> bool:
-        """Whether any teacher's objective rewards the task."""
-        return any(objective.needs_task_reward for objective in self.objectives)
-
-    @property
-    def needs_sampler_logprobs(self) -> bool:
-        """Whether any teacher's objective needs the sampler's log-probs."""
-        return any(objective.needs_sampler_logprobs for objective in self.objectives)
 
     def __call__(
         self,
@@ -153,9 +137,9 @@ class RoutedLoss(_SeveralTeachersLoss):
         metrics: dict[str, float] = {}
         for part in teacher_output.parts:
             if part.segments is None:
-                student, part_data = _student_rows(student_output, part.rows), _rows_of(data, part.rows)
+                student, part_data = _student_at(student_output, part.rows, packed=False), _rows_of(data, part.rows)
             else:  # packed: the teacher's sequences, a packed row of their own
-                student = _student_positions(student_output, part.rows)
+                student = _student_at(student_output, part.rows, packed=True)
                 part_data = select_segments(BatchedDataDict(data), part.segments)[1]
             loss, part_metrics = self.objectives[part.teacher](
                 student, part_data, global_valid_tokens, global_valid_seqs, part.signal
@@ -193,7 +177,7 @@ class MixtureLoss(_SeveralTeachersLoss):
     """
 
     def __init__(self, objective: LossFunction, names: Sequence[str], member_metrics: bool = True) -> None:
-        super().__init__(objective, names)
+        super().__init__([objective], names)
         self.member_metrics = member_metrics
 
     def __call__(
