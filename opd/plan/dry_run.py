@@ -13,6 +13,7 @@ from configs, fake modes, depth extrapolation), :mod:`opd.plan.rank_trace` (a tr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -20,8 +21,7 @@ import torch
 from opd.distributed.trainer_worker import TrainerSpec
 from opd.models.interfaces import LossFunction, TeacherRequest
 from opd.plan.fake_device import compute_device
-from opd.plan.fake_step import StepShape, layer_depths, peak_on, traced_or_extrapolated
-from opd.plan.layer_extrapolation import Trace, largest_phase_peak
+from opd.plan.fake_step import StepShape, peak_on, traced_or_extrapolated
 from opd.plan.rank_trace import trace_rank
 from opd.plan.replica_trace import trace_teacher_replica
 
@@ -90,13 +90,9 @@ def dry_run_teacher_replica(
     deep teachers are extrapolated unless ``every_layer`` (:func:`~opd.plan.fake_step.traced_or_extrapolated`).
     """
     device = compute_device()
-
-    def trace_at(depths: dict[str, int]) -> Trace:
-        with layer_depths(depths):
-            return trace_teacher_replica(path, dtype, shards_per_replica, shape, request, device)
-
+    trace_at = functools.partial(trace_teacher_replica, path, dtype, shards_per_replica, shape, request, device)
     trace = traced_or_extrapolated(trace_at, [path], every_layer)
-    _, snapshot = peak_on(largest_phase_peak(trace.peaks), device)
+    _, snapshot = peak_on(trace.peaks, device)
     return ReplicaMemory(
         peak=snapshot.get("Total", 0),
         weights=trace.scalars["weights"],
@@ -126,13 +122,11 @@ def dry_run_rank(
         DeviceMismatchError: a collective got a tensor off the compute device.
     """
     device = compute_device()
-
-    def trace_at(depths: dict[str, int]) -> Trace:
-        with layer_depths(depths):
-            return trace_rank(spec, world_size, rank, shape, loss_fn, vocab_size, teacher_hidden_size, device)
-
+    trace_at = functools.partial(
+        trace_rank, spec, world_size, rank, shape, loss_fn, vocab_size, teacher_hidden_size, device
+    )
     trace = traced_or_extrapolated(trace_at, [spec.student_path, *spec.colocated_teachers()], every_layer)
-    host_peak, snapshot = peak_on(largest_phase_peak(trace.peaks), device)
+    host_peak, snapshot = peak_on(trace.peaks, device)
     return RankMemory(
         rank=rank,
         peak=snapshot.get("Total", 0),

@@ -38,32 +38,33 @@ class DeviceMismatchError(RuntimeError):
     """A collective received a tensor that is not on the compute device (a bug in opd, found by the dry run)."""
 
 
+@contextlib.contextmanager
+def attributes_replaced(owner: Any, **stand_ins: Any) -> Iterator[None]:
+    """``owner``'s attributes named in ``stand_ins`` replaced by them for the block; the originals put back after."""
+    originals = {name: getattr(owner, name) for name in stand_ins}
+    for name, stand_in in stand_ins.items():
+        setattr(owner, name, stand_in)
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(owner, name, original)
+
+
 # ---------------------------------------------------------------------------- the stand-in accelerator
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    """A call of the stand-in accelerator that has nothing to do: any arguments, no effect."""
 
 
 class _NoStream:
     """A stream and event of the stand-in accelerator: there is nothing to order, every call is a no-op."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
+    __init__ = wait_stream = wait_event = record = wait = synchronize = _nothing
 
     def record_event(self, event: Any = None) -> _NoStream:
         return _NoStream()
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
 
     def query(self) -> bool:
         return True
@@ -99,27 +100,16 @@ class _AcceleratorModule:
     def device_count(self) -> int:
         return 1
 
-    def set_device(self, device: Any) -> None:
-        pass
-
-    def manual_seed_all(self, seed: int) -> None:
-        pass
-
-    def synchronize(self, device: Any = None) -> None:
-        pass
+    set_device = manual_seed_all = synchronize = _nothing
 
     def current_stream(self, device: Any = None) -> _NoStream:
         return self._stream
 
     # Activation checkpointing saves and restores the RNG state around recomputation: there is none.
+    set_rng_state = manual_seed = _nothing
+
     def get_rng_state(self, device: Any = None) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
-
-    def set_rng_state(self, state: torch.Tensor, device: Any = None) -> None:
-        pass
-
-    def manual_seed(self, seed: int) -> None:
-        pass
 
     def device(self, device: Any) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
@@ -187,7 +177,7 @@ class DataDependentStandIns(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _gpu_attention(
+def gpu_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -212,17 +202,6 @@ def _gpu_attention(
     return _aten._scaled_dot_product_efficient_attention(
         query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
     )[0]
-
-
-@contextlib.contextmanager
-def gpu_attention_kernels() -> Iterator[None]:
-    """``torch.nn.functional.scaled_dot_product_attention`` is :func:`_gpu_attention` for the dry run."""
-    original = torch.nn.functional.scaled_dot_product_attention
-    torch.nn.functional.scaled_dot_product_attention = _gpu_attention
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
 
 
 def _caller() -> str:
@@ -273,13 +252,11 @@ def _symmetric_all_gather_object(object_list: list[Any], obj: Any, group: Any = 
     object_list[:] = [obj] * len(object_list)
 
 
-@contextlib.contextmanager
-def tensors_from_data_via_host() -> Iterator[None]:
+def tensors_from_data_via_host() -> contextlib.AbstractContextManager[None]:
     """``torch.tensor(data, device=...)`` made on the host, then moved to the device under the fake mode.
 
     PyTorch builds tensors from data below the dispatcher's modes, allocating really on a device fakegpu lacks.
     """
-    originals = torch.tensor, torch.as_tensor
 
     def via_host(original: Any) -> Any:
         @functools.wraps(original)
@@ -289,27 +266,17 @@ def tensors_from_data_via_host() -> Iterator[None]:
 
         return make
 
-    torch.tensor, torch.as_tensor = via_host(torch.tensor), via_host(torch.as_tensor)
-    try:
-        yield
-    finally:
-        torch.tensor, torch.as_tensor = originals
+    return attributes_replaced(torch, tensor=via_host(torch.tensor), as_tensor=via_host(torch.as_tensor))
 
 
-@contextlib.contextmanager
-def sharding_metadata_apart() -> Iterator[None]:
+def sharding_metadata_apart() -> contextlib.AbstractContextManager[None]:
     """DTensor works out an operator's output metadata in a fake mode of its own, as it does on a GPU.
 
     Otherwise it would use the tracked mode, which would count a whole unsharded tensor for every sharded operation.
     """
     from torch.distributed.tensor import _sharding_prop
 
-    original = _sharding_prop.detect_fake_mode
-    _sharding_prop.detect_fake_mode = lambda *args: None
-    try:
-        yield
-    finally:
-        _sharding_prop.detect_fake_mode = original
+    return attributes_replaced(_sharding_prop, detect_fake_mode=lambda *args: None)
 
 
 @contextlib.contextmanager
@@ -324,8 +291,6 @@ def fake_process_group(rank: int, world_size: int, shard_group_size: int | None 
     dist.init_process_group(backends, store=FakeStore(), rank=rank, world_size=world_size)
     # Silences torch's warning, on destroy, about a group without a default backend.
     dist.distributed_c10d._get_default_group()._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
-    original = dist.all_gather_object
-    dist.all_gather_object = _symmetric_all_gather_object
     slicing = DeviceMesh.__getitem__
 
     def sliced_with_real_tensors(mesh: DeviceMesh, names: Any) -> DeviceMesh:
@@ -333,10 +298,11 @@ def fake_process_group(rank: int, world_size: int, shard_group_size: int | None 
         with _disable_current_modes():
             return slicing(mesh, names)
 
-    setattr(DeviceMesh, "__getitem__", sliced_with_real_tensors)  # noqa: B010 (a method, assigned for the run)
     try:
-        yield device_mesh(device.type, world_size, shard_group_size)
+        with (
+            attributes_replaced(dist, all_gather_object=_symmetric_all_gather_object),
+            attributes_replaced(DeviceMesh, __getitem__=sliced_with_real_tensors),
+        ):
+            yield device_mesh(device.type, world_size, shard_group_size)
     finally:
-        setattr(DeviceMesh, "__getitem__", slicing)  # noqa: B010
-        dist.all_gather_object = original
         dist.destroy_process_group()

@@ -23,19 +23,22 @@ from opd.models.model_shapes import model_config
 from opd.plan.fake_device import (
     DataDependentStandIns,
     DeviceAudit,
+    attributes_replaced,
     fake_process_group,
-    gpu_attention_kernels,
+    gpu_attention,
     sharding_metadata_apart,
     tensors_from_data_via_host,
 )
 from opd.plan.layer_extrapolation import (
     BASE_DEPTH,
+    Phase,
     PhasePeaks,
     Snapshot,
     Trace,
     decoder_layers,
     extrapolate,
     extrapolated_depths,
+    largest_phase_peak,
     uniform_depth,
     with_depth,
 )
@@ -67,8 +70,7 @@ def skeleton(path: str, dtype: torch.dtype, depth: int | None = None) -> Any:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-@contextlib.contextmanager
-def _models_from_their_configs() -> Iterator[None]:
+def _models_from_their_configs() -> contextlib.AbstractContextManager[None]:
     """The trainer's model loading (``load_sharded`` and the rest) on fake storage, the weight files never read."""
     from opd.distributed import trainer_worker
 
@@ -103,15 +105,9 @@ def _models_from_their_configs() -> Iterator[None]:
         with unset_fake_temporarily(), torch.device("meta"):
             return wrap_with_lora(model, config)
 
-    names = ("load_sharded", "load_causal_lm", "load_output_layer", "wrap_with_lora")
-    originals = [getattr(trainer_worker, name) for name in names]
-    for name, stand_in in zip(names, (sharded, whole, head, lora_on_meta), strict=True):
-        setattr(trainer_worker, name, stand_in)
-    try:
-        yield
-    finally:
-        for name, original in zip(names, originals, strict=True):
-            setattr(trainer_worker, name, original)
+    return attributes_replaced(
+        trainer_worker, load_sharded=sharded, load_causal_lm=whole, load_output_layer=head, wrap_with_lora=lora_on_meta
+    )
 
 
 def hidden_states_as_module_call(model: Any) -> None:
@@ -147,20 +143,15 @@ class StepShape:
         return self.prompt_tokens + self.response_tokens
 
 
+def local_tensor(tensor: Any) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def local_bytes(tensors: Any) -> int:
     """Bytes of the distinct storages of ``tensors`` (a DTensor counts its local shard)."""
-    seen: set[int] = set()
-    total = 0
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        storage = local.untyped_storage()
-        if id(storage) in seen:
-            continue
-        seen.add(id(storage))
-        total += storage.nbytes()
-    return total
+    storages = (local_tensor(tensor).untyped_storage() for tensor in tensors if tensor is not None)
+    return sum({id(storage): storage.nbytes() for storage in storages}.values())
 
 
 def planned_micro_batch(shape: StepShape, vocab_size: int) -> BatchedDataDict:
@@ -188,7 +179,7 @@ def fake_step(
         fake_process_group(rank, world_size, shard_group_size) as mesh,
         FakeTensorMode(allow_non_fake_inputs=True),
         tensors_from_data_via_host(),
-        gpu_attention_kernels(),
+        attributes_replaced(torch.nn.functional, scaled_dot_product_attention=gpu_attention),
         sharding_metadata_apart(),
         _models_from_their_configs(),
         DataDependentStandIns(shape.response_tokens),
@@ -197,14 +188,17 @@ def fake_step(
         yield mesh
 
 
-def traced_or_extrapolated(
-    trace_at: Callable[[dict[str, int]], Trace], paths: Sequence[str], every_layer: bool
-) -> Trace:
+def traced_or_extrapolated(trace: Callable[[], Trace], paths: Sequence[str], every_layer: bool) -> Trace:
     """The step's figures at the models' real depths: traced whole, or extrapolated from shallow traces.
 
-    ``trace_at(depths)`` runs the dry run with those paths cut to those depths. Each model that qualifies
+    ``trace()`` runs the dry run, under :func:`layer_depths`. Each model that qualifies
     (:func:`~opd.plan.layer_extrapolation.extrapolated_depths`) is traced at ``BASE_DEPTH`` and one deeper.
     """
+
+    def trace_at(depths: dict[str, int]) -> Trace:
+        with layer_depths(depths):
+            return trace()
+
     full_depths: dict[str, int] = {}
     for path in dict.fromkeys(paths):
         depth = uniform_depth(model_config(path))
@@ -235,12 +229,13 @@ def phase_peaks(tracker: Any, models: dict[str, Any], micro_batch_root: Any) -> 
 def check_phase_peaks(phases: PhasePeaks, tracker: Any, device: torch.device) -> None:
     """The largest phase peak is the tracker's own peak on every device: no op went unrecorded."""
     own = {dev.type: int(values.get("Total", 0)) for dev, values in tracker.get_tracker_snapshot("peak").items()}
-    kept = {kind: snapshot["Total"] for kind, snapshot in phases.peak().items()}
+    kept = {kind: snapshot["Total"] for kind, snapshot in largest_phase_peak(phases.peaks).items()}
     if own != kept:
         raise RuntimeError(f"the dry run's phase peaks {kept} are not the memory tracker's peaks {own}")
 
 
-def peak_on(peak: dict[str, Snapshot], device: torch.device) -> tuple[int, Snapshot]:
-    """The compute device's peak snapshot, and the host's peak bytes (the other devices' peaks, summed)."""
+def peak_on(peaks: dict[Phase, dict[str, Snapshot]], device: torch.device) -> tuple[int, Snapshot]:
+    """From a trace's phase peaks: the host's peak bytes (the other devices' peaks, summed), the compute device's."""
+    peak = largest_phase_peak(peaks)
     host = sum(snapshot.get("Total", 0) for kind, snapshot in peak.items() if kind != device.type)
     return host, peak.get(device.type, {})

@@ -131,10 +131,6 @@ class PhasePeaks:
             if key not in kept or kept[key]["Total"] < total:
                 kept[key] = {str(getattr(kind, "value", kind)): int(value) for kind, value in snapshot.items()}
 
-    def peak(self) -> dict[str, Snapshot]:
-        """The step's peak per device: the largest phase peak."""
-        return largest_phase_peak(self.peaks)
-
 
 def largest_phase_peak(peaks: Mapping[Phase, Mapping[str, Snapshot]]) -> dict[str, Snapshot]:
     """Per device, the snapshot of the phase whose ``Total`` is the largest (the first such phase on a tie)."""

@@ -26,6 +26,7 @@ from opd.plan.fake_step import (
     fake_step,
     hidden_states_as_module_call,
     local_bytes,
+    local_tensor,
     phase_peaks,
     planned_micro_batch,
 )
@@ -118,8 +119,7 @@ def trace_rank(
         kinds = _tracked_kinds()
         tracker._ref_class = kinds
         for tensor in teacher_tensors:  # the tracker counts only the student's own weights unless told
-            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            tracker._update_and_maybe_create_winfos(local, kinds.TEACHER)
+            tracker._update_and_maybe_create_winfos(local_tensor(tensor), kinds.TEACHER)
         hidden_states_as_module_call(trainer.model)
         models = {"student": (spec.student_path, trainer.model)}
         for index, (path, member) in enumerate(zip(spec.colocated_teachers(), trainer.teacher_members, strict=True)):
