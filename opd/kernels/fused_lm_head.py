@@ -154,14 +154,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             scaled(grad_hidden, ctx.needs_input_grad[0]),
             scaled(grad_weight, ctx.needs_input_grad[1]),
             scaled(grad_bias, ctx.needs_input_grad[2]),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
+            *([None] * 8),  # forward's other arguments take no gradient
         )
 
 

@@ -22,13 +22,8 @@ class TeacherMetrics:
         self.temperature = temperature
         self.vocab_size = vocab_size
         self.compile_kernels = compile_kernels
-        self.sums = {
-            "kl_forward": 0.0,
-            "kl_reverse": 0.0,
-            "teacher_topk_mass": 0.0,
-            "student_mass_on_teacher_topk": 0.0,
-            "topk_overlap": 0.0,
-        }
+        keys = ("kl_forward", "kl_reverse", "teacher_topk_mass", "student_mass_on_teacher_topk", "topk_overlap")
+        self.sums = dict.fromkeys(keys, 0.0)
 
     @torch.no_grad()
     def full_vocab(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
