@@ -22,7 +22,7 @@ from opd.data.config import DataConfig
 from opd.data.dataloaders import PreparedExample, make_eval_dataloader, make_train_dataloader
 from opd.losses.nll import NLLLossFn
 from opd.models.config import ModelLoadingConfig, StudentLoraSettings
-from opd.models.interfaces import GenerationInterface, LossFunction, PolicyInterface
+from opd.models.interfaces import GenerationInterface, LossFunction
 from opd.models.loading import check_output_sizes, load_causal_lm, resolve_device, resolve_dtype
 from opd.policy.hf_policy import HFPolicy
 from opd.rollout.hf_generation import HFGeneration
@@ -39,7 +39,6 @@ from opd.run.training_loop import (
     NextBatch,
     RunConfig,
     RunParts,
-    RunSaveState,
     TrainingCallbacks,
     TrainingLoopConfig,
     check_output_is_fresh,
@@ -91,36 +90,13 @@ class SFTMasterConfig(RunConfig):
         return {"student_before": self.model.model_path}
 
 
-SFTSaveState = RunSaveState
-"""Counters saved in every checkpoint (see :class:`~opd.run.training_loop.RunSaveState`)."""
-
-
 @dataclass
-class SFTComponents:
-    """Everything :func:`sft_train` runs with."""
+class SFTComponents(RunParts):
+    """Everything :func:`sft_train` runs with: the shared loop's parts, and what a step and validation use."""
 
-    policy: PolicyInterface
     generation: GenerationInterface
-    dataloader: StatefulDataLoader
     val_dataloader: StatefulDataLoader | None
-    tokenizer: Any
     loss_fn: LossFunction
-    logger: Logger
-    checkpointer: CheckpointManager
-    sft_save_state: SFTSaveState
-    master_config: SFTMasterConfig
-
-    def run_parts(self) -> RunParts:
-        """What the shared training loop trains and where it writes."""
-        return RunParts(
-            self.policy,
-            self.tokenizer,
-            self.dataloader,
-            self.logger,
-            self.checkpointer,
-            self.sft_save_state,
-            self.master_config,
-        )
 
 
 def setup(master_config: SFTMasterConfig) -> SFTComponents:
@@ -174,23 +150,23 @@ def setup(master_config: SFTMasterConfig) -> SFTComponents:
     )
     return SFTComponents(
         policy=policy,
-        generation=HFGeneration(model, tokenizer),
+        tokenizer=tokenizer,
         dataloader=make_train_dataloader(
             train_examples, config.training.batch_size, config.data.shuffle, config.training.seed
         ),
-        val_dataloader=make_eval_dataloader(val_examples, config.validation.batch_size) if val_examples else None,
-        tokenizer=tokenizer,
-        loss_fn=NLLLossFn(),
         logger=logger,
         checkpointer=checkpointer,
-        sft_save_state=save_state,
-        master_config=config,
+        state=save_state,
+        config=config,
+        generation=HFGeneration(model, tokenizer),
+        val_dataloader=make_eval_dataloader(val_examples, config.validation.batch_size) if val_examples else None,
+        loss_fn=NLLLossFn(),
     )
 
 
 def sft_train(components: SFTComponents) -> None:
     """Fine-tunes the policy on the dataset's assistant turns until the step budget is spent."""
-    run_training_loop(components.run_parts(), SFTRun(components))
+    run_training_loop(components, SFTRun(components))
 
 
 class SFTRun(TrainingCallbacks):
@@ -199,12 +175,9 @@ class SFTRun(TrainingCallbacks):
     console_keys = ("train/loss", "train/grad_norm", "train/lr", "perf/tokens_per_s")
 
     def __init__(self, components: SFTComponents) -> None:
-        self.policy, self.generation, self.val_dataloader = (
-            components.policy,
-            components.generation,
-            components.val_dataloader,
-        )
-        self.tokenizer, self.loss_fn, self.config = components.tokenizer, components.loss_fn, components.master_config
+        self.policy, self.generation, self.tokenizer = components.policy, components.generation, components.tokenizer
+        self.val_dataloader, self.loss_fn = components.val_dataloader, components.loss_fn
+        self.config = components.config
 
     def train_step(self, next_batch: NextBatch) -> tuple[int, dict[str, Any]]:
         """One optimizer step on the next batch's assistant turns (prompt tokens masked)."""
