@@ -17,6 +17,8 @@ from opd.teachers.served.wire import REST_MASS_TOLERANCE, WireError
 
 REST_MASS_FIELD = "prompt_topk_rest_mass"
 """The choice field with each position's probability mass outside its top k (not in vLLM's API)."""
+TopKBuffers = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""float64 top-k log-probs ``[B, L, k]``, int64 ids ``[B, L, k]`` and float64 rest log-mass ``[B, L]``, filled in."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def parse_prompt_logprobs(payload: dict[str, Any], sequences: list[list[int]], k
     return answers
 
 
-def placeholder_topk(rows: int, width: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def placeholder_topk(rows: int, width: int, k: int) -> TopKBuffers:
     """float64 top-k log-probs, ids and rest log-mass ``[rows, width(, k)]`` for the positions no answer covers.
 
     A finite placeholder the loss masks: ids ``0 … k-1`` at ``1 / (2k)`` each, rest 1/2. float64 because JSON carries

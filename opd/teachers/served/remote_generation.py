@@ -4,18 +4,16 @@
 ``teacher.remote.protocol`` says) with token-id prompts, vLLM's decoding fields and the run's stop tokens as
 ``stop_token_ids``. Response ids come back as ``token_ids`` (vLLM 0.10.2 and later, ``opd serve-teacher``), or from
 an older vLLM as ``token_id:<id>`` strings in ``logprobs.tokens``; ``finish_reason`` ``length`` means truncated.
-No sampler log-probs (validation does not read them). Failures are retried as the scoring client retries them.
+No sampler log-probs (validation does not read them). Failures are retried as the scoring client retries them
+(:class:`~opd.teachers.served.remote_teacher.ServedClient`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import httpx
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
@@ -24,9 +22,7 @@ from opd.models.interfaces import GenerationInterface
 from opd.rollout.rollout_batch import build_rollout_batch
 from opd.rollout.stop_tokens import stop_token_ids
 from opd.teachers.backends import RemoteTeacherConfig
-from opd.teachers.served.remote_teacher import REQUEST_TIMEOUT_S, RETRYABLE_STATUS, TeacherServiceError
-
-log = logging.getLogger(__name__)
+from opd.teachers.served.remote_teacher import REQUEST_TIMEOUT_S, ServedClient, TeacherServiceError
 
 COMPLETIONS_PATH = "/v1/completions"
 TOKEN_ID_PREFIX = "token_id:"
@@ -66,7 +62,7 @@ def response_ids(choice: dict[str, Any]) -> list[int]:
     )
 
 
-class RemoteGeneration(GenerationInterface):
+class RemoteGeneration(ServedClient, GenerationInterface):
     """``GenerationInterface`` over a served teacher's ``/v1/completions``; ``stop_ids`` add to the server's EOS ids."""
 
     def __init__(
@@ -80,14 +76,10 @@ class RemoteGeneration(GenerationInterface):
         max_retries: int = 4,
         backoff_s: float = 0.5,
     ) -> None:
-        self.url = url.rstrip("/")
+        super().__init__(url, api_key, timeout_s, max_retries, backoff_s)
         self.model = model
         self.stop_ids = list(stop_ids)
         self.pad_token_id = pad_token_id
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
 
     @classmethod
     def from_config(cls, remote: RemoteTeacherConfig, tokenizer: Any) -> RemoteGeneration:
@@ -140,7 +132,7 @@ class RemoteGeneration(GenerationInterface):
             "return_tokens_as_token_ids": True,
             **sampling_fields(strategy),
         }
-        answer = self._send("POST", COMPLETIONS_PATH, body)
+        answer = self._request("POST", COMPLETIONS_PATH, body)
         choices = sorted(answer.get("choices") or [], key=lambda choice: choice.get("index", 0))
         expanded = [prompt for prompt in prompts for _ in range(num_samples)]
         if len(choices) != len(expanded):
@@ -152,46 +144,8 @@ class RemoteGeneration(GenerationInterface):
         truncated = [choice.get("finish_reason") == "length" for choice in choices]
         return build_rollout_batch(expanded, responses, None, truncated, self.pad_token_id)
 
-    def close(self) -> None:
-        """Closes the connections."""
-        self._client.close()
-
     def _model_name(self) -> str:
         """The configured model, else the first one the server lists (asked once)."""
         if self.model is None:
-            listed = self._send("GET", "/v1/models", None).get("data") or []
-            names = [entry.get("id") for entry in listed if isinstance(entry, dict)]
-            if not names:
-                raise TeacherServiceError(f"teacher server {self.url} lists no models at /v1/models")
-            self.model = str(names[0])
+            self.model = str(self._served_models()[0])
         return self.model
-
-    def _send(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        """One JSON exchange, retried after a transport failure or HTTP 408 / 429 / 5xx."""
-        wait = self.backoff_s
-        for attempt in range(self.max_retries + 1):
-            try:
-                response = self._client.request(method, path, json=body)
-                problem = f"HTTP {response.status_code}: {response.text[:200]}"
-                retry = response.status_code in RETRYABLE_STATUS
-            except httpx.TransportError as error:  # refused, reset, timed out, cut short
-                problem, retry, response = f"{type(error).__name__}: {error}", True, None
-            if response is not None and response.status_code == 200:
-                try:
-                    payload = response.json()
-                except ValueError as error:  # cut short, or not JSON at all
-                    payload = f"the answer is not valid JSON ({error})"
-                if isinstance(payload, dict):
-                    return payload
-                problem, retry = str(payload) if isinstance(payload, str) else "the answer is not a JSON object", True
-            if not retry:
-                raise TeacherServiceError(f"teacher server {self.url}{path} answered {problem[:500]}")
-            if attempt == self.max_retries:
-                break
-            log.warning("teacher server %s%s: %s; retrying in %.1f s", self.url, path, problem, wait)
-            time.sleep(wait)
-            wait *= 2
-        raise TeacherServiceError(
-            f"teacher server {self.url}{path} gave no usable answer after {self.max_retries + 1} attempts; "
-            f"last problem: {problem}"
-        )

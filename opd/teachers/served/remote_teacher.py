@@ -48,6 +48,7 @@ from opd.teachers.scoring import head_checksum
 from opd.teachers.served import wire
 from opd.teachers.served.openai_protocol import (
     ScoredSequence,
+    TopKBuffers,
     fill_token_logprobs_from_scored,
     fill_topk_from_scored,
     parse_prompt_logprobs,
@@ -66,6 +67,7 @@ _FULL_VOCABULARY_NEEDS = (
 )
 Protocol = Literal["auto", "opd", "openai"]
 AnswerT = TypeVar("AnswerT")
+ItemT = TypeVar("ItemT")
 
 
 class TeacherServiceError(OpdError):
@@ -104,7 +106,82 @@ def first_loss_positions(data: BatchedDataDict) -> list[int]:
     return firsts
 
 
-class RemoteTeacher(TeacherInterface):
+class ServedClient:
+    """HTTP to a teacher server: JSON exchanges retried as the module docstring says (``client_options``: httpx's)."""
+
+    def __init__(
+        self, url: str, api_key: str | None, timeout_s: float, max_retries: int, backoff_s: float, **client_options: Any
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, **client_options)
+        self.retries = 0
+        """Retried requests so far (logged; a growing count means an unhealthy server)."""
+        self.bytes_received = 0
+        """Answer bytes received so far (the wire cost of the teacher signal)."""
+
+    def close(self) -> None:
+        """Closes the connections."""
+        self._client.close()
+
+    def _served_models(self) -> list[Any]:
+        """The model names the server lists at ``/v1/models``; TeacherServiceError if it lists none."""
+        listed = self._request("GET", "/v1/models", None).get("data") or []
+        names = [entry.get("id") for entry in listed if isinstance(entry, dict)]
+        if not names:
+            raise TeacherServiceError(f"teacher server {self.url} lists no models at /v1/models")
+        return names
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        return self._with_retries(lambda: self._send(method, path, body), path)
+
+    def _exchange(self, method: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
+        """One HTTP exchange with a 200 answer; raises :class:`_Retryable` or :class:`TeacherServiceError`."""
+        try:
+            response = self._client.request(method, path, json=body)
+        except httpx.TransportError as error:  # refused, reset, timed out, cut short
+            raise _Retryable(f"{type(error).__name__}: {error}") from None
+        if response.status_code in RETRYABLE_STATUS:
+            raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
+        if response.status_code != 200:
+            raise TeacherServiceError(
+                f"teacher server {self.url}{path} answered HTTP {response.status_code}: {response.text[:500]}"
+            )
+        self.bytes_received += len(response.content)
+        return response
+
+    def _send(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        """A JSON exchange."""
+        response = self._exchange(method, path, body)
+        try:
+            payload = response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise _Retryable(f"the answer is not valid JSON ({error}); truncated?") from None
+        if not isinstance(payload, dict):
+            raise _Retryable("the answer is not a JSON object")
+        return payload
+
+    def _with_retries(self, attempt: Callable[[], AnswerT], path: str) -> AnswerT:
+        wait = self.backoff_s
+        for attempt_number in range(self.max_retries + 1):
+            try:
+                return attempt()
+            except (_Retryable, wire.WireError) as problem:
+                if attempt_number == self.max_retries:
+                    raise TeacherServiceError(
+                        f"teacher server {self.url}{path} gave no usable answer after {self.max_retries + 1} "
+                        f"attempts; last problem: {problem}"
+                    ) from None
+                self.retries += 1
+                log.warning("teacher server %s%s: %s; retrying in %.1f s", self.url, path, problem, wait)
+                time.sleep(wait)
+                wait *= 2
+        raise AssertionError("unreachable")
+
+
+class RemoteTeacher(ServedClient, TeacherInterface):
     """``TeacherInterface`` over a served teacher; arguments as in :class:`~opd.teachers.backends.RemoteTeacherConfig`.
 
     Args:
@@ -130,11 +207,11 @@ class RemoteTeacher(TeacherInterface):
         output_layer: OutputLayer | None = None,
         binds_output_layer: bool = True,
     ) -> None:
-        self.url = url.rstrip("/")
+        super().__init__(
+            url, api_key, timeout_s, max_retries, backoff_s, limits=httpx.Limits(max_connections=max_concurrency)
+        )
         self.max_concurrency = max_concurrency
         self.sequences_per_request = sequences_per_request
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
         self.protocol_setting: Protocol = protocol
         self._chosen: WireProtocol | None = None  # set by connect
         self.hidden_dtype = hidden_dtype
@@ -142,18 +219,10 @@ class RemoteTeacher(TeacherInterface):
         self.binds_output_layer = binds_output_layer
         self.head_checked = False
         """Whether an output layer was checked against the served model's (full-vocabulary answers need it)."""
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(
-            base_url=self.url, headers=headers, timeout=timeout_s, limits=httpx.Limits(max_connections=max_concurrency)
-        )
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="opd-teacher")
         self._background: ThreadPoolExecutor | None = None  # score_async's thread, made on first use
         self.model = model
         self.head_info: dict[str, Any] | None = None
-        self.retries = 0
-        """Retried requests so far (logged; a growing count means an unhealthy server)."""
-        self.bytes_received = 0
-        """Answer bytes received so far (the wire cost of the teacher signal)."""
 
     # ------------------------------------------------------------------ set-up checks
 
@@ -166,11 +235,8 @@ class RemoteTeacher(TeacherInterface):
             TeacherServiceError: unreachable server, unknown model, another tokenizer, no opd protocol where required,
                 or another output layer.
         """
-        models = self._request("GET", "/v1/models", None)
-        served = [entry.get("id") for entry in models.get("data", []) if isinstance(entry, dict)]
+        served = self._served_models()
         if self.model is None:
-            if not served:
-                raise TeacherServiceError(f"teacher server {self.url} lists no models at /v1/models")
             self.model = served[0]
         elif self.model not in served:
             raise TeacherServiceError(f"teacher server {self.url} does not serve {self.model!r} (it serves {served})")
@@ -318,8 +384,9 @@ class RemoteTeacher(TeacherInterface):
                 f"a served teacher answers at temperature 1, not {temperature}; set loss_fn.temperature = 1"
             )
         input_ids = data["input_ids"]
-        values, ids, rest = placeholder_topk(input_ids.shape[0], input_ids.shape[1], k)
-        self.wire_protocol.fill_topk(self, data, k, values, ids, rest)
+        topk = placeholder_topk(input_ids.shape[0], input_ids.shape[1], k)
+        self.wire_protocol.fill_topk(self, data, k, topk)
+        values, ids, rest = topk
         device = input_ids.device
         return TopKLogprobs(values.float().to(device), ids.to(device), rest.float().to(device))
 
@@ -335,22 +402,18 @@ class RemoteTeacher(TeacherInterface):
         if self._background is not None:
             self._background.shutdown(wait=True)
         self._pool.shutdown(wait=True)
-        self._client.close()
+        super().close()
 
     # ------------------------------------------------------------------ requests
 
-    def _groups(self, count: int) -> list[range]:
-        return [
-            range(begin, min(begin + self.sequences_per_request, count))
-            for begin in range(0, count, self.sequences_per_request)
-        ]
+    def _per_request(self, count: int, one_request: Callable[[range], list[ItemT]]) -> list[ItemT]:
+        """``one_request`` over ``sequences_per_request`` rows at a time, requests in parallel; items in row order."""
+        per = self.sequences_per_request
+        groups = [range(begin, min(begin + per, count)) for begin in range(0, count, per)]
+        return [item for group in self._pool.map(one_request, groups) for item in group]
 
     def _score_binary(
-        self,
-        data: BatchedDataDict,
-        body: dict[str, Any],
-        hidden: tuple[int, torch.dtype] | None,
-        k: int = 0,
+        self, data: BatchedDataDict, body: dict[str, Any], hidden: wire.Hidden | None, k: int = 0
     ) -> list[tuple[int, int, dict[str, torch.Tensor]]]:
         """Per row ``(row, first position, that row's tensors)`` from ``/opd/v1/score``, requests in parallel."""
         input_ids, lengths = data["input_ids"].cpu(), data["input_lengths"].tolist()
@@ -375,7 +438,15 @@ class RemoteTeacher(TeacherInterface):
                 for index, (row, first) in enumerate(zip(rows, starts))
             ]
 
-        return [item for group in self._pool.map(one_request, self._groups(len(sequences))) for item in group]
+        return self._per_request(len(sequences), one_request)
+
+    def _send_binary(self, body: dict[str, Any]) -> bytes:
+        """A ``/opd/v1/score`` exchange: the raw tensor payload."""
+        response = self._exchange("POST", wire.SCORE_PATH, body)
+        media_type = response.headers.get("content-type", "")
+        if not media_type.startswith(wire.MEDIA_TYPE):
+            raise _Retryable(f"the answer is {media_type or 'untyped'}, not {wire.MEDIA_TYPE}")
+        return response.content
 
     def _score_json(self, input_ids: torch.Tensor, lengths: torch.Tensor, k: int) -> list[ScoredSequence]:
         """Per sequence: ``{token id: log-prob}`` per position ``t ≥ 1`` (index 0: ``{}``), and the rest mass."""
@@ -395,61 +466,7 @@ class RemoteTeacher(TeacherInterface):
                 lambda: parse_prompt_logprobs(self._send("POST", "/v1/completions", body), sent, k), "/v1/completions"
             )
 
-        return [answer for group in self._pool.map(one_request, self._groups(len(sequences))) for answer in group]
-
-    def _request(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        return self._with_retries(lambda: self._send(method, path, body), path)
-
-    def _exchange(self, method: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
-        """One HTTP exchange with a 200 answer; raises :class:`_Retryable` or :class:`TeacherServiceError`."""
-        try:
-            response = self._client.request(method, path, json=body)
-        except httpx.TransportError as error:  # refused, reset, timed out, cut short
-            raise _Retryable(f"{type(error).__name__}: {error}") from None
-        if response.status_code in RETRYABLE_STATUS:
-            raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
-        if response.status_code != 200:
-            raise TeacherServiceError(
-                f"teacher server {self.url}{path} answered HTTP {response.status_code}: {response.text[:500]}"
-            )
-        self.bytes_received += len(response.content)
-        return response
-
-    def _send(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        """A JSON exchange."""
-        response = self._exchange(method, path, body)
-        try:
-            payload = response.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise _Retryable(f"the answer is not valid JSON ({error}); truncated?") from None
-        if not isinstance(payload, dict):
-            raise _Retryable("the answer is not a JSON object")
-        return payload
-
-    def _send_binary(self, body: dict[str, Any]) -> bytes:
-        """A ``/opd/v1/score`` exchange: the raw tensor payload."""
-        response = self._exchange("POST", wire.SCORE_PATH, body)
-        media_type = response.headers.get("content-type", "")
-        if not media_type.startswith(wire.MEDIA_TYPE):
-            raise _Retryable(f"the answer is {media_type or 'untyped'}, not {wire.MEDIA_TYPE}")
-        return response.content
-
-    def _with_retries(self, attempt: Callable[[], AnswerT], path: str) -> AnswerT:
-        wait = self.backoff_s
-        for attempt_number in range(self.max_retries + 1):
-            try:
-                return attempt()
-            except (_Retryable, wire.WireError) as problem:
-                if attempt_number == self.max_retries:
-                    raise TeacherServiceError(
-                        f"teacher server {self.url}{path} gave no usable answer after {self.max_retries + 1} "
-                        f"attempts; last problem: {problem}"
-                    ) from None
-                self.retries += 1
-                log.warning("teacher server %s%s: %s; retrying in %.1f s", self.url, path, problem, wait)
-                time.sleep(wait)
-                wait *= 2
-        raise AssertionError("unreachable")
+        return self._per_request(len(sequences), one_request)
 
 
 # ---------------------------------------------------------------------------- wire protocols
@@ -468,6 +485,8 @@ class WireProtocol(ABC):
 
     name: ClassVar[str]
     sends_hidden_states: ClassVar[bool]
+    description: ClassVar[str]
+    """The protocol in words, for messages."""
 
     @abstractmethod
     def connect(self, client: RemoteTeacher) -> dict[str, Any] | None:
@@ -482,22 +501,9 @@ class WireProtocol(ABC):
             return f"its hidden states, which {self.description} does not carry"
         return None
 
-    @property
     @abstractmethod
-    def description(self) -> str:
-        """The protocol in words, for messages."""
-
-    @abstractmethod
-    def fill_topk(
-        self,
-        client: RemoteTeacher,
-        data: BatchedDataDict,
-        k: int,
-        values: torch.Tensor,
-        ids: torch.Tensor,
-        rest: torch.Tensor,
-    ) -> None:
-        """Writes the top-k answer for ``data`` into ``values`` / ``ids`` / ``rest`` (float64, at scored positions)."""
+    def fill_topk(self, client: RemoteTeacher, data: BatchedDataDict, k: int, topk: TopKBuffers) -> None:
+        """Writes the top-k answer for ``data`` into ``topk``'s values / ids / rest (float64, at scored positions)."""
 
     @abstractmethod
     def fill_token_logprobs(self, client: RemoteTeacher, data: BatchedDataDict, result: torch.Tensor) -> None:
@@ -509,11 +515,7 @@ class OpdProtocol(WireProtocol):
 
     name = "opd"
     sends_hidden_states = True
-
-    @property
-    def description(self) -> str:
-        """opd's binary protocol."""
-        return "opd's binary protocol"
+    description = "opd's binary protocol"
 
     def connect(self, client: RemoteTeacher) -> dict[str, Any] | None:
         """Reads ``/opd/v1/info``: the format and the output layer the server applies."""
@@ -534,16 +536,9 @@ class OpdProtocol(WireProtocol):
         head: dict[str, Any] = info["head"]
         return head
 
-    def fill_topk(
-        self,
-        client: RemoteTeacher,
-        data: BatchedDataDict,
-        k: int,
-        values: torch.Tensor,
-        ids: torch.Tensor,
-        rest: torch.Tensor,
-    ) -> None:
+    def fill_topk(self, client: RemoteTeacher, data: BatchedDataDict, k: int, topk: TopKBuffers) -> None:
         """The server's top-k and float64 rest mass, row by row."""
+        values, ids, rest = topk
         for row, first, answer in client._score_binary(data, {"signal": "topk", "k": k}, None, k):
             end = first + answer["topk_ids"].shape[0]
             ids[row, first:end] = answer["topk_ids"].long()
@@ -563,27 +558,15 @@ class OpenAIProtocol(WireProtocol):
 
     name = "openai"
     sends_hidden_states = False
-
-    @property
-    def description(self) -> str:
-        """vLLM's JSON."""
-        return "vLLM's JSON"
+    description = "vLLM's JSON"
 
     def connect(self, client: RemoteTeacher) -> dict[str, Any] | None:
         """Every server speaks it (the model list and tokenizer were checked already); it describes no head."""
         return None
 
-    def fill_topk(
-        self,
-        client: RemoteTeacher,
-        data: BatchedDataDict,
-        k: int,
-        values: torch.Tensor,
-        ids: torch.Tensor,
-        rest: torch.Tensor,
-    ) -> None:
+    def fill_topk(self, client: RemoteTeacher, data: BatchedDataDict, k: int, topk: TopKBuffers) -> None:
         """The top-k of each position; the rest mass the server's where it sends one, else log(1 − Σ_k P) here."""
-        fill_topk_from_scored(client._score_json(data["input_ids"], data["input_lengths"], k), k, values, ids, rest)
+        fill_topk_from_scored(client._score_json(data["input_ids"], data["input_lengths"], k), k, *topk)
 
     def fill_token_logprobs(self, client: RemoteTeacher, data: BatchedDataDict, result: torch.Tensor) -> None:
         """Each actual token's log-prob from the JSON's per-position candidates."""

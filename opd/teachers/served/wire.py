@@ -55,8 +55,10 @@ Signal = Literal["topk", "token_logprobs", "hidden_states"]
 REST_MASS_TOLERANCE = 1e-3
 """How far Σ_k P + rest may be from 1 before an answer is taken to describe other tokens."""
 HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-_ECHO = {"token_ids": torch.int32, "lengths": torch.int32, "first_positions": torch.int32}
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+"""``(shape, dtype)`` of each tensor of an answer, by name."""
+Hidden = tuple[int, torch.dtype]
+"""The hidden states an answer should hold: ``(hidden size, dtype)``."""
 
 
 class WireError(Exception):
@@ -106,7 +108,7 @@ def decode(
     first_positions: list[int],
     signal: Signal,
     k: int = 0,
-    hidden: tuple[int, torch.dtype] | None = None,
+    hidden: Hidden | None = None,
     vocab_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Reads an answer and checks it against the request (``sequences``, ``first_positions``, ``signal``, ``k``).
@@ -128,7 +130,7 @@ def decode(
     rows = scored_rows([len(ids) for ids in sequences], first_positions)
     codec = CODECS[signal]
     own = codec.expected(rows, k, hidden)
-    expected = {
+    expected: Layout = {
         "token_ids": ((sum(len(ids) for ids in sequences),), torch.int32),
         "lengths": ((len(sequences),), torch.int32),
         "first_positions": ((len(sequences),), torch.int32),
@@ -192,9 +194,7 @@ class SignalCodec(ABC):
     name: ClassVar[Signal]
 
     @abstractmethod
-    def expected(
-        self, rows: int, k: int, hidden: tuple[int, torch.dtype] | None
-    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def expected(self, rows: int, k: int, hidden: Hidden | None) -> Layout:
         """``(shape, dtype)`` of each tensor the answer holds for ``rows`` scored positions (echoes apart)."""
 
     @abstractmethod
@@ -221,9 +221,7 @@ class TopKCodec(SignalCodec):
 
     name = "topk"
 
-    def expected(
-        self, rows: int, k: int, hidden: tuple[int, torch.dtype] | None
-    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def expected(self, rows: int, k: int, hidden: Hidden | None) -> Layout:
         """``topk_ids`` / ``topk_logprobs`` ``[rows, k]`` and ``rest_logprobs`` ``[rows]``."""
         return {
             "topk_ids": ((rows, k), torch.int32),
@@ -265,9 +263,7 @@ class TokenLogprobsCodec(SignalCodec):
 
     name = "token_logprobs"
 
-    def expected(
-        self, rows: int, k: int, hidden: tuple[int, torch.dtype] | None
-    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def expected(self, rows: int, k: int, hidden: Hidden | None) -> Layout:
         """``token_logprobs`` ``[rows]`` float32."""
         return {"token_logprobs": ((rows,), torch.float32)}
 
@@ -302,9 +298,7 @@ class HiddenStatesCodec(SignalCodec):
 
     name = "hidden_states"
 
-    def expected(
-        self, rows: int, k: int, hidden: tuple[int, torch.dtype] | None
-    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def expected(self, rows: int, k: int, hidden: Hidden | None) -> Layout:
         """``hidden_states`` ``[rows, hidden size]`` in the expected dtype."""
         assert hidden is not None, "decode(hidden_states) needs the expected (hidden size, dtype)"
         return {"hidden_states": ((rows, hidden[0]), hidden[1])}
