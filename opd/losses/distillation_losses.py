@@ -18,7 +18,7 @@ import torch
 
 from opd.data.sequences import shift_token_mask
 from opd.kernels.compiled_kernels import compiled
-from opd.kernels.fused_lm_head import chunked_lm_head_loss
+from opd.kernels.fused_lm_head import ChunkObserver, DivergenceFn, ValueAndGradFn, chunked_lm_head_loss
 from opd.kernels.topk_rest import rest_logprobs_from_topk
 from opd.losses.divergences import (
     check_kl_type,
@@ -63,12 +63,12 @@ def loss_rows(value: Any, mask: torch.Tensor, shift: int = 0) -> Any:
 
 def _apply_loss(
     student_rows: torch.Tensor | LMHeadInput,
-    divergence: Callable[..., torch.Tensor],
+    divergence: DivergenceFn,
     row_inputs: tuple[Any, ...],
     normalizer: float,
     chunk_rows: int | None,
-    observer: Callable[..., None] | None,
-    value_and_grad: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    observer: ChunkObserver | None,
+    value_and_grad: ValueAndGradFn | None = None,
     row_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ_positions w · divergence / normalizer, fused with the LM head when given hidden states.
@@ -157,8 +157,8 @@ class LossInputs:
     """
 
     row_inputs: tuple[Any, ...]
-    observer: Callable[..., None] | None = None
-    value_and_grad: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    observer: ChunkObserver | None = None
+    value_and_grad: ValueAndGradFn | None = None
     metrics: Callable[[float, float], dict[str, float]] = dataclasses.field(default=lambda tokens, normaliser: {})
 
 
@@ -310,7 +310,7 @@ class _TokenClip:
         count = over.sum()
         self.clipped = count if self.clipped is None else self.clipped + count
 
-    def divergence(self, divergence: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def divergence(self, divergence: DivergenceFn) -> DivergenceFn:
         """``divergence`` capped (autograd gives zero gradient above the cap)."""
 
         def capped(student_logits: torch.Tensor, *row_inputs: Any) -> torch.Tensor:
@@ -320,9 +320,7 @@ class _TokenClip:
 
         return capped
 
-    def value_and_grad(
-        self, value_and_grad: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    def value_and_grad(self, value_and_grad: ValueAndGradFn) -> ValueAndGradFn:
         """A closed form ``(values [C], gradient [C, V])`` capped: values clamped, capped rows' gradients zero."""
 
         def capped(student_logits: torch.Tensor, *row_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,7 +339,7 @@ class _TokenClip:
         return float(self.clipped) / max(global_valid_tokens, 1)
 
 
-ChunkHooks = tuple[Callable[..., None] | None, Callable[..., tuple[torch.Tensor, torch.Tensor]] | None]
+ChunkHooks = tuple[ChunkObserver | None, ValueAndGradFn | None]
 """``(observer, value_and_grad)`` of :class:`LossInputs`."""
 
 

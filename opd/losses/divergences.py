@@ -119,10 +119,8 @@ def kl_from_log_probs(log_q: torch.Tensor, log_p: torch.Tensor, weight: float) -
 
 def jsd_from_log_probs(log_q: torch.Tensor, log_p: torch.Tensor, beta: float) -> torch.Tensor:
     """JSD(β) per position (see :func:`generalized_jsd`), from both models' log-probabilities (``[..., V]``)."""
-    if beta == 0.0:
-        return plogp_difference(log_p, log_q)
-    if beta == 1.0:
-        return plogp_difference(log_q, log_p)
+    if beta in (0.0, 1.0):  # forward KL at β = 0, reverse at β = 1
+        return kl_from_log_probs(log_q, log_p, 1.0 - beta)
     # log M by logsumexp of the weighted logs: exact where either distribution underflows.
     log_m = torch.logsumexp(torch.stack([log_q + math.log(1.0 - beta), log_p + math.log(beta)]), dim=0)
     return beta * plogp_difference(log_p, log_m) + (1.0 - beta) * plogp_difference(log_q, log_m)

@@ -16,15 +16,6 @@ class NLLLossFn(TokenLossFn):
     Arguments, normalisation and the fused path are :class:`TokenLossFn`'s.
     """
 
-    def __init__(
-        self,
-        kl_reduction: str = "mean",
-        vocab_size: int | None = None,
-        fused_lm_head: bool = False,
-        chunk_size: int | None = None,
-    ) -> None:
-        super().__init__(kl_reduction, vocab_size, fused_lm_head, chunk_size)
-
     def _loss_inputs(
         self, teacher_output: Any, data: dict[str, Any], loss_mask: torch.Tensor, fused: bool
     ) -> LossInputs:
