@@ -24,6 +24,7 @@ settings that decide the answers; a rerun with other settings fails rather than 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -166,16 +167,8 @@ class BatchRecord:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
-_COUNT_FIELDS = (
-    "prompts",
-    "rows",
-    "samples",
-    "graded",
-    "correct",
-    "rejected_incorrect",
-    "rejected_truncated",
-    "prompts_without_answer",
-)
+_COUNT_FIELDS = tuple(field.name for field in dataclasses.fields(BatchRecord)[1:])
+"""Every field of :class:`BatchRecord` but ``batch``."""
 
 
 @dataclass
