@@ -508,25 +508,6 @@ class JSDLossFn(FullVocabLossFn):
         return "forward", 0.5, self.beta
 
 
-def _topk_rows(teacher_output: Any, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The loss positions of a top-k answer: ``(log-probs [N, k], ids [N, k], rest log-probs [N])``.
-
-    The rest is the teacher's own where it sent one (:class:`TopKLogprobs` with ``rest_logprobs``, or a triple
-    with ``[B, L]`` rest third), else computed from the top-k in float64, without cancellation.
-    """
-    if len(teacher_output) == 3:
-        logprobs, ids, rest = teacher_output
-    else:
-        logprobs, ids = teacher_output
-        rest = teacher_output.rest_logprobs if isinstance(teacher_output, TopKLogprobs) else None
-    logprob_rows = loss_rows(logprobs, mask)
-    if rest is None:
-        rest_rows = rest_logprobs_from_topk(logprob_rows).to(torch.promote_types(logprob_rows.dtype, torch.float32))
-    else:
-        rest_rows = loss_rows(rest, mask)
-    return logprob_rows, loss_rows(ids, mask), rest_rows
-
-
 class TopKKLLossFn(DistillationLossFn):
     """``loss_fn.type: topk``: KL against a teacher that sends its top-k log-probs (:func:`topk_token_kl`).
 
@@ -582,9 +563,22 @@ class TopKKLLossFn(DistillationLossFn):
         )
 
     def _teacher_rows(self, teacher_output: Any, loss_mask: torch.Tensor) -> tuple[Any, ...]:
-        return _topk_rows(teacher_output, loss_mask)
+        """The loss positions of a top-k answer: ``(log-probs [N, k], ids [N, k], rest log-probs [N])``.
+
+        The rest is the teacher's own where it sent one (:class:`TopKLogprobs` with ``rest_logprobs``, or a triple
+        with ``[B, L]`` rest third), else computed from the top-k in float64, without cancellation.
+        """
+        if len(teacher_output) == 3:
+            logprobs, ids, rest = teacher_output
+        else:
+            logprobs, ids = teacher_output
+            rest = teacher_output.rest_logprobs if isinstance(teacher_output, TopKLogprobs) else None
+        logprob_rows = loss_rows(logprobs, loss_mask)
+        if rest is None:
+            rest_rows = rest_logprobs_from_topk(logprob_rows).to(torch.promote_types(logprob_rows.dtype, torch.float32))
+        else:
+            rest_rows = loss_rows(rest, loss_mask)
+        return logprob_rows, loss_rows(ids, loss_mask), rest_rows
 
     def _chunk_hooks(self, metrics: TeacherMetrics, fused: bool) -> ChunkHooks:
-        if self.student_classes is None:
-            return metrics.topk, None
         return functools.partial(metrics.topk, student_classes=self.student_classes), None
