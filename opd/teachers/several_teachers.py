@@ -26,6 +26,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -50,6 +51,8 @@ from opd.models.interfaces import (
 )
 from opd.models.lm_head import LMHeadInput
 
+KindT = TypeVar("KindT")
+
 
 def _refusal_of_members(
     names: Sequence[str], members: Sequence[TeacherInterface], requests: Sequence[TeacherRequest]
@@ -62,36 +65,35 @@ def _refusal_of_members(
     return None
 
 
-def _as_dense(signal: TeacherSignal) -> SingleTeacherSignal:
-    """Logits instead of hidden states and a head (answers that must be combined position by position)."""
+def _single(signal: TeacherSignal) -> SingleTeacherSignal:
+    """``signal`` as one member's answer; TypeError for a group's."""
     if isinstance(signal, SeveralTeachersSignal):
         raise TypeError("a member of several teachers is one teacher, not a group")
+    return signal
+
+
+def _as_dense(signal: TeacherSignal) -> SingleTeacherSignal:
+    """Logits instead of hidden states and a head (answers that must be combined position by position)."""
+    signal = _single(signal)
     return signal.logits() if isinstance(signal, LMHeadInput) else signal
 
 
-def _tensors(signals: Sequence[SingleTeacherSignal]) -> list[torch.Tensor]:
-    tensors = [signal for signal in signals if isinstance(signal, torch.Tensor)]
-    if len(tensors) != len(signals):
+def _all_of(kind: type[KindT], signals: Sequence[SingleTeacherSignal]) -> list[KindT]:
+    """``signals``, every one of type ``kind`` (the answers of one request); TypeError otherwise."""
+    found = [signal for signal in signals if isinstance(signal, kind)]
+    if len(found) != len(signals):
         raise TypeError("the teachers answered one request with different kinds of signal")
-    return tensors
+    return found
 
 
-def _pairs(signals: Sequence[SingleTeacherSignal]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    pairs = [signal for signal in signals if isinstance(signal, tuple)]
-    if len(pairs) != len(signals):
-        raise TypeError("the teachers answered one request with different kinds of signal")
-    return pairs
+def single_rows(signal: TeacherSignal, rows: torch.Tensor, width: int) -> SingleTeacherSignal:
+    """Rows ``rows`` of one teacher's ``[B, L, ...]`` answer, cut to ``width`` positions."""
+    return map_single(signal, lambda tensor: tensor[rows.to(tensor.device), :width])
 
 
-def _signal_rows(signal: TeacherSignal, rows: torch.Tensor, width: int) -> SingleTeacherSignal:
-    """Rows ``rows`` of one member's ``[B, L, ...]`` answer, cut to ``width`` positions."""
-    return _map_single(signal, lambda tensor: tensor[rows.to(tensor.device), :width])
-
-
-def _map_single(signal: TeacherSignal, per_row: Callable[[torch.Tensor], torch.Tensor]) -> SingleTeacherSignal:
-    """One member's answer with ``per_row`` applied to each of its ``[B, L, ...]`` tensors."""
-    if isinstance(signal, SeveralTeachersSignal):
-        raise TypeError("a member of several teachers is one teacher, not a group")
+def map_single(signal: TeacherSignal, per_row: Callable[[torch.Tensor], torch.Tensor]) -> SingleTeacherSignal:
+    """One teacher's answer with ``per_row`` applied to each of its ``[B, L, ...]`` tensors."""
+    signal = _single(signal)
     if isinstance(signal, LMHeadInput):
         return dataclasses.replace(signal, hidden_states=per_row(signal.hidden_states))
     if isinstance(signal, TeacherHiddenStates):
@@ -174,14 +176,14 @@ class RoutedSignal(SeveralTeachersSignal):
         # Packed parts are one row each: their positions are along the second dimension.
         scatter = _scatter_rows if self.packed_length is None else _scatter_positions
         if isinstance(signals[0], tuple):
-            pairs = _pairs(signals)
+            pairs = _all_of(tuple, signals)
             logprobs = scatter([pair[0] for pair in pairs], rows, size)
             ids = scatter([pair[1] for pair in pairs], rows, size)
             rests = [pair.rest_logprobs for pair in pairs if isinstance(pair, TopKLogprobs)]
             known = [rest for rest in rests if rest is not None]
             rest = scatter(known, rows, size) if len(known) == len(pairs) else None
             return TopKLogprobs(logprobs, ids, rest)
-        tensors = _tensors(signals)
+        tensors = _all_of(torch.Tensor, signals)
         if tensors[0].dim() == 3:
             width = min(tensor.shape[-1] for tensor in tensors)
             tensors = [tensor[..., :width] for tensor in tensors]
@@ -204,7 +206,7 @@ class RoutedSignal(SeveralTeachersSignal):
             local = place[part.rows.cpu()]
             kept = (local >= 0).nonzero().squeeze(-1)
             if kept.numel():
-                parts.append(RoutedPart(part.teacher, local[kept], _signal_rows(part.signal, kept, width)))
+                parts.append(RoutedPart(part.teacher, local[kept], single_rows(part.signal, kept, width)))
         return RoutedSignal(parts, rows.numel())
 
     def pack(self, lengths: list[int]) -> RoutedSignal:
@@ -215,20 +217,13 @@ class RoutedSignal(SeveralTeachersSignal):
             segments = [int(row) for row in part.rows]
             positions = torch.cat([torch.arange(starts[row], starts[row] + lengths[row]) for row in segments])
             own_lengths = [lengths[row] for row in segments]
-            signal = _map_single(part.signal, functools.partial(_packed, lengths=own_lengths))
+            signal = map_single(part.signal, functools.partial(pack_rows, lengths=own_lengths))
             parts.append(RoutedPart(part.teacher, positions, signal, torch.tensor(segments)))
         return RoutedSignal(parts, 1, dict(self.seconds), sum(lengths))
 
 
 def _single_to(signal: TeacherSignal, device: torch.device) -> SingleTeacherSignal:
-    moved = signal_to_device(signal, device)
-    if isinstance(moved, SeveralTeachersSignal):
-        raise TypeError("a member of several teachers is one teacher, not a group")
-    return moved
-
-
-def _packed(tensor: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    return pack_rows(tensor, lengths)
+    return _single(signal_to_device(signal, device))
 
 
 def _scatter_positions(pieces: Sequence[torch.Tensor], positions: Sequence[torch.Tensor], length: int) -> torch.Tensor:
@@ -248,12 +243,12 @@ def _scatter_rows(pieces: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], 
     return out
 
 
-class RoutedTeachers(TeacherInterface):
-    """Each row is scored by the member its example was routed to (``teacher_index``); ``names`` name the metrics."""
+class _SeveralTeachers(TeacherInterface):
+    """Members behind one teacher; ``names`` name the metrics."""
 
     def __init__(self, names: Sequence[str], members: Sequence[TeacherInterface]) -> None:
         if len(names) != len(members) or not members:
-            raise ValueError("RoutedTeachers needs one name per member, and at least one member")
+            raise ValueError(f"{type(self).__name__} needs one name per member, and at least one member")
         self.names = list(names)
         self.members = list(members)
 
@@ -261,6 +256,15 @@ class RoutedTeachers(TeacherInterface):
     def unsupported_reason(cls, request: TeacherRequest) -> str | None:
         """Depends on the members (see :meth:`refusal`)."""
         return None
+
+    def close(self) -> None:
+        """Closes every member."""
+        for member in self.members:
+            member.close()
+
+
+class RoutedTeachers(_SeveralTeachers):
+    """Each row is scored by the member its example was routed to (``teacher_index``)."""
 
     def refusal(self, request: TeacherRequest) -> str | None:
         """The first member's refusal of its request, naming that member."""
@@ -324,11 +328,6 @@ class RoutedTeachers(TeacherInterface):
         routes = [(position, (index == position).nonzero().squeeze(-1).cpu()) for position in range(len(self.members))]
         return [(position, rows) for position, rows in routes if rows.numel()]
 
-    def close(self) -> None:
-        """Closes every member."""
-        for member in self.members:
-            member.close()
-
 
 def _packed_length(data: BatchedDataDict) -> int | None:
     """A packed micro-batch's tokens, None for right-padded rows."""
@@ -373,7 +372,7 @@ class MixedSignal(SeveralTeachersSignal):
         if self.mixed is not None:
             return self
         dense = [_as_dense(member) for member in members]
-        mixed = mix_logits(_tensors(dense), self.weights, self.temperature)
+        mixed = mix_logits(_all_of(torch.Tensor, dense), self.weights, self.temperature)
         return MixedSignal(mixed, dense, self.weights, dict(self.seconds), self.temperature)
 
     def to(self, device: torch.device) -> MixedSignal:
@@ -384,38 +383,27 @@ class MixedSignal(SeveralTeachersSignal):
 
     def select_rows(self, rows: torch.Tensor, width: int) -> MixedSignal:
         """The mixture, answers and weights of ``rows``, cut to ``width`` positions; carries no scoring times."""
-        members = [_signal_rows(member, rows, width) for member in self.members]
-        mixed = None if self.mixed is None else _signal_rows(self.mixed, rows, width)
+        members = [single_rows(member, rows, width) for member in self.members]
+        mixed = None if self.mixed is None else single_rows(self.mixed, rows, width)
         return MixedSignal(mixed, members, self.weights[rows.to(self.weights.device)], temperature=self.temperature)
 
     def pack(self, lengths: list[int]) -> MixedSignal:
         """The mixture and each member's answer packed like the rows; the weights become per token."""
-
-        def packed(tensor: torch.Tensor) -> torch.Tensor:
-            return pack_rows(tensor, lengths)
-
-        members = [_map_single(member, packed) for member in self.members]
-        mixed = None if self.mixed is None else _map_single(self.mixed, packed)
+        packed = functools.partial(pack_rows, lengths=lengths)
+        members = [map_single(member, packed) for member in self.members]
+        mixed = None if self.mixed is None else map_single(self.mixed, packed)
         weights = _weights_per_token(self.weights, lengths)
         return MixedSignal(mixed, members, weights, dict(self.seconds), self.temperature)
 
 
-class TeacherMixture(TeacherInterface):
+class TeacherMixture(_SeveralTeachers):
     """Every row is scored by every member; full-vocabulary answers are mixed at the loss ``temperature``."""
 
     def __init__(self, names: Sequence[str], members: Sequence[TeacherInterface], temperature: float = 1.0) -> None:
-        if len(names) != len(members) or not members:
-            raise ValueError("TeacherMixture needs one name per member, and at least one member")
+        super().__init__(names, members)
         if not (math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-        self.names = list(names)
-        self.members = list(members)
         self.temperature = temperature
-
-    @classmethod
-    def unsupported_reason(cls, request: TeacherRequest) -> str | None:
-        """Depends on the members (see :meth:`refusal`)."""
-        return None
 
     def refusal(self, request: TeacherRequest) -> str | None:
         """A signal per teacher (they are mixed, so all answer one), else the first member's refusal."""
@@ -472,17 +460,12 @@ class TeacherMixture(TeacherInterface):
             # Members in other processes sent hidden states alone: mixed where their heads are (mix_bound).
             return MixedSignal(None, answers, weights, seconds, self.temperature)
         if isinstance(request, FullVocabRequest):
-            mixed = mix_logits(_tensors(answers), weights, self.temperature)
+            mixed = mix_logits(_all_of(torch.Tensor, answers), weights, self.temperature)
         elif isinstance(request, TopKRequest):
-            mixed = mix_topk(_pairs(answers), weights, request.k)
+            mixed = mix_topk(_all_of(tuple, answers), weights, request.k)
         else:
-            mixed = mix_token_logprobs(_tensors(answers), weights)
+            mixed = mix_token_logprobs(_all_of(torch.Tensor, answers), weights)
         return MixedSignal(mixed, answers, weights, seconds, self.temperature)
-
-    def close(self) -> None:
-        """Closes every member."""
-        for member in self.members:
-            member.close()
 
 
 def _weights_per_token(weights: torch.Tensor, lengths: list[int]) -> torch.Tensor:

@@ -6,7 +6,6 @@ are never saved (``[B, L, D]`` per batch would outweigh the checkpoint), so the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from opd.models.interfaces import (
     TopKLogprobs,
 )
 from opd.models.lm_head import LMHeadInput
-from opd.teachers.several_teachers import MixedSignal, RoutedPart, RoutedSignal
+from opd.teachers.several_teachers import MixedSignal, RoutedPart, RoutedSignal, map_single, single_rows
 
 
 def holds_hidden_states(signal: TeacherSignal | None) -> bool:
@@ -92,28 +91,9 @@ def signal_rows(signal: TeacherSignal, micro_batch: BatchedDataDict) -> TeacherS
         lengths = [int(length) for length in micro_batch["sequence_lengths"][0]]
         if isinstance(signal, SeveralTeachersSignal):
             return signal.select_rows(rows, max(lengths)).pack(lengths)
-        if isinstance(signal, TeacherHiddenStates):
-            return TeacherHiddenStates(pack_rows(signal.hidden_states, lengths, rows.tolist()))
-        if isinstance(signal, LMHeadInput):
-            return signal.with_rows(pack_rows(signal.hidden_states, lengths, rows.tolist()))
-        return _map_tensors(signal, lambda part: pack_rows(part, lengths, rows.tolist()))
+        return map_single(signal, lambda part: pack_rows(part, lengths, rows.tolist()))
     rows = micro_batch["sample_index"].cpu()
     width = micro_batch["input_ids"].shape[1]
-    if isinstance(signal, TeacherHiddenStates):
-        return signal.rows(rows, width)
-    if isinstance(signal, LMHeadInput):
-        return signal.with_rows(signal.hidden_states[rows.to(signal.hidden_states.device), :width])
     if isinstance(signal, SeveralTeachersSignal):
         return signal.select_rows(rows, width)
-    return _map_tensors(signal, lambda part: part[rows.to(part.device), :width])
-
-
-def _map_tensors(signal: TeacherSignal, per_row: Callable[[torch.Tensor], torch.Tensor]) -> TeacherSignal:
-    """One teacher's top-k or token signal with ``per_row`` applied to each of its ``[B, L, ...]`` tensors."""
-    if isinstance(signal, TopKLogprobs):
-        rest = per_row(signal.rest_logprobs) if signal.rest_logprobs is not None else None
-        return TopKLogprobs(per_row(signal.logprobs), per_row(signal.ids), rest)
-    if isinstance(signal, tuple):
-        return tuple(per_row(part) for part in signal)  # type: ignore[return-value]
-    assert isinstance(signal, torch.Tensor)  # full-vocabulary signals are scored by the trainer
-    return per_row(signal)
+    return single_rows(signal, rows, width)
