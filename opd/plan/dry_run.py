@@ -95,9 +95,8 @@ def dry_run_teacher_replica(
     _, snapshot = peak_on(trace.peaks, device)
     return ReplicaMemory(
         peak=snapshot.get("Total", 0),
-        weights=trace.scalars["weights"],
-        answer=trace.scalars["answer"],
         extrapolated_layers=trace.extrapolated,
+        **trace.scalars,  # weights, answer
     )
 
 
@@ -131,11 +130,7 @@ def dry_run_rank(
         rank=rank,
         peak=snapshot.get("Total", 0),
         peak_breakdown={kind: value for kind, value in snapshot.items() if value and kind != "Total"},
-        student_parameters=trace.scalars["student_parameters"],
-        student_gradients=trace.scalars["student_gradients"],
-        optimizer_state=trace.scalars["optimizer_state"],
-        teacher_parameters=trace.scalars["teacher_parameters"],
-        collectives=trace.scalars["collectives"],
         host_peak=host_peak,
         extrapolated_layers=trace.extrapolated,
+        **trace.scalars,  # the parameters, gradients, optimizer state, teacher and collectives rank_trace counts
     )

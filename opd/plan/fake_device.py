@@ -61,7 +61,7 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 class _NoStream:
     """A stream and event of the stand-in accelerator: there is nothing to order, every call is a no-op."""
 
-    __init__ = wait_stream = wait_event = record = wait = synchronize = _nothing
+    __init__ = wait_stream = wait_event = record = wait = synchronize = __exit__ = _nothing
 
     def record_event(self, event: Any = None) -> _NoStream:
         return _NoStream()
@@ -71,9 +71,6 @@ class _NoStream:
 
     def __enter__(self) -> _NoStream:
         return self
-
-    def __exit__(self, *args: Any) -> None:
-        return None
 
 
 class _AcceleratorModule:
@@ -88,8 +85,7 @@ class _AcceleratorModule:
     def is_initialized(self) -> bool:
         return True
 
-    def is_available(self) -> bool:
-        return True
+    is_available = is_initialized
 
     def _is_in_bad_fork(self) -> bool:
         return False
@@ -112,14 +108,14 @@ class _AcceleratorModule:
         return torch.empty(0, dtype=torch.uint8)
 
     def device(self, device: Any) -> contextlib.AbstractContextManager[Any]:
+        """No device to select (and, as ``stream``, no stream to enter)."""
         return contextlib.nullcontext()
+
+    stream = device
 
     def get_amp_supported_dtype(self) -> list[torch.dtype]:
         """What ``torch.autocast`` asks of a device (checkpointing's recomputation enters it)."""
         return [torch.float16, torch.bfloat16]
-
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
 
 
 @functools.cache

@@ -158,34 +158,22 @@ def extrapolate(base: Trace, deeper: Mapping[str, Trace], steps: Mapping[str, in
     """
     if any(trace.peaks.keys() != base.peaks.keys() for trace in deeper.values()):
         return None
+    traces = [base, *deeper.values()]
+    deeper_steps = [steps[path] for path in deeper]
 
-    def affine(start: int, one_deeper: Mapping[str, int]) -> int:
-        return start + sum((value - start) * steps[path] for path, value in one_deeper.items())
+    def affine(values: list[int]) -> int:
+        """``values``: a figure of the base trace, then of each deeper trace."""
+        start, *one_deeper = values
+        return start + sum((value - start) * step for value, step in zip(one_deeper, deeper_steps, strict=True))
 
-    def bytes_of(trace: Trace, phase: Phase, device: str, kind: str) -> int:
-        return trace.peaks[phase].get(device, {}).get(kind, 0)
-
-    scalars = {
-        name: affine(value, {path: trace.scalars.get(name, 0) for path, trace in deeper.items()})
-        for name, value in base.scalars.items()
-    }
+    scalars = {name: affine([trace.scalars.get(name, 0) for trace in traces]) for name in base.scalars}
     peaks: dict[Phase, dict[str, Snapshot]] = {}
-    for phase, per_device in base.peaks.items():
-        # In the base trace's order, as a full trace lists them.
-        devices = dict.fromkeys([*per_device, *(device for trace in deeper.values() for device in trace.peaks[phase])])
+    for phase in base.peaks:
+        per_trace = [trace.peaks[phase] for trace in traces]
         peaks[phase] = {}
-        for device in devices:
-            kinds = dict.fromkeys(
-                [
-                    *per_device.get(device, {}),
-                    *(kind for trace in deeper.values() for kind in trace.peaks[phase].get(device, {})),
-                ]
-            )
-            peaks[phase][device] = {
-                kind: affine(
-                    bytes_of(base, phase, device, kind),
-                    {path: bytes_of(trace, phase, device, kind) for path, trace in deeper.items()},
-                )
-                for kind in kinds
-            }
+        # Devices and kinds in the base trace's order, as a full trace lists them.
+        for device in dict.fromkeys(device for per_device in per_trace for device in per_device):
+            snapshots = [per_device.get(device, {}) for per_device in per_trace]
+            kinds = dict.fromkeys(kind for snapshot in snapshots for kind in snapshot)
+            peaks[phase][device] = {kind: affine([snapshot.get(kind, 0) for snapshot in snapshots]) for kind in kinds}
     return Trace(scalars, peaks, {path: BASE_DEPTH + step for path, step in steps.items()})

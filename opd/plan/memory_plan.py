@@ -31,8 +31,6 @@ DEVICES = {"80 GB": 81_559 * 1024**2, "141 GB": 143_771 * 1024**2}
 """Device memory as ``nvidia-smi`` reports it: H100 80 GB (81,559 MiB) and H200 141 GB (143,771 MiB)."""
 RUNTIME_RESERVE = int(1.5 * GIB)
 """Held outside PyTorch's tensors on every device: the CUDA context, NCCL's buffers, allocator slack."""
-CHECKPOINTING_KEYS = {False: "off", True: "on"}
-"""The key of the ranks dry-run without and with activation checkpointing."""
 RESIDENT_STATES = {
     "kept": "trainer state kept on the device",
     "offloaded": "Adam moments, teacher offloaded",
@@ -76,10 +74,6 @@ class MemoryPlan:
     teacher_replica: ReplicaMemory | None = None
     """A teacher pool: what the first device of one replica holds while it scores a micro-batch."""
     teacher_shards_per_replica: int = 1
-
-    def peak(self, checkpointing: bool) -> int:
-        """The largest peak over the ranks dry-run with or without activation checkpointing."""
-        return self.peak_of(CHECKPOINTING_KEYS[checkpointing])
 
     def peak_of(self, key: str) -> int:
         """The largest peak over the ranks dry-run under ``key`` (``"off"`` / ``"on"``)."""
@@ -273,7 +267,6 @@ def plan_memory(
     teacher_config = model_config(teacher_path) if teacher_path is not None else None
     vocab = tokenizer_size(config.model.tokenizer_path or student_path)
     shape = _step_shape(config, world)
-    micro_batch_size = shape.micro_batch_size
     loss_fn = _eager_loss(config, vocab)
     placement = _TeacherPlacement.of(config, cluster, teacher_path, loss_fn)
     student_shapes = _parameter_shapes(student_config)
@@ -300,7 +293,7 @@ def plan_memory(
         teacher=teacher_path,
         teacher_placement=placement.label,
         teacher_in_trainer=placement.in_trainer,
-        micro_batch_size=micro_batch_size,
+        micro_batch_size=shape.micro_batch_size,
         prompt_tokens=shape.prompt_tokens,
         response_tokens=shape.response_tokens,
         vocab_size=vocab,
@@ -330,10 +323,6 @@ def plan_memory(
 # ---------------------------------------------------------------------------- the table
 
 
-def _gib(value: int) -> str:
-    return f"{value / GIB:8.2f}"
-
-
 def _layers_line(plan: MemoryPlan) -> str:
     """Which models the dry runs traced whole, and which at a few layers and extrapolated."""
     depths: dict[str, int] = {}
@@ -352,8 +341,7 @@ def _layers_line(plan: MemoryPlan) -> str:
 
 def render_plan(plan: MemoryPlan) -> str:
     """The plan as plain-text tables: GiB per device, one column per dry run."""
-    keys = list(plan.ranks)
-    columns = [(key, rank) for key in keys for rank in plan.ranks[key]]
+    columns = [(key, rank) for key, ranks in plan.ranks.items() for rank in ranks]
     header = "".join(f"  AC {key:>3} r{rank.rank:<2}" for key, rank in columns)
     lines = [
         f"opd plan: {plan.world_size} trainer ranks; student {plan.student} "
@@ -374,7 +362,7 @@ def render_plan(plan: MemoryPlan) -> str:
     ]
 
     def row(label: str, values: list[int]) -> None:
-        lines.append(f"{label:<38}" + "".join(f"  {_gib(value):>13}" for value in values))
+        lines.append(f"{label:<38}" + "".join(f"  {value / GIB:13.2f}" for value in values))
 
     if plan.lora:
         lines.append(
