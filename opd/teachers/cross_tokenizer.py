@@ -24,6 +24,7 @@ gives up is described in the guide (section 15).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -40,6 +41,7 @@ from opd.models.interfaces import (
     TopKLogprobs,
     TopKRequest,
 )
+from opd.teachers.several_teachers import map_single
 
 
 class CrossTokenizerTeacher(TeacherInterface):
@@ -86,11 +88,7 @@ class CrossTokenizerTeacher(TeacherInterface):
             lengths = [int(length) for length in data["sequence_lengths"][0]]
             answer = self.score(unpack_padding_free(data, self.student_tokenizer.pad_token_id), request)
             assert isinstance(answer, TopKLogprobs) and answer.rest_logprobs is not None
-            return TopKLogprobs(
-                pack_rows(answer.logprobs, lengths),
-                pack_rows(answer.ids, lengths),
-                pack_rows(answer.rest_logprobs, lengths),
-            )
+            return map_single(answer, functools.partial(pack_rows, lengths=lengths))
         if "teacher_prompt_ids" not in data:
             raise ValueError("a teacher with another tokenizer needs data['teacher_prompt_ids'] (its own prompts)")
         rows, groups_per_row = self._teacher_rows(data)
@@ -138,7 +136,10 @@ class CrossTokenizerTeacher(TeacherInterface):
             student_positions = torch.tensor([prompt_length + j - 1 for j, _ in starts], device=device)
             teacher_positions = torch.tensor([teacher_prompt_length + j - 1 for _, j in starts], device=device)
             values = teacher_logprobs[row, teacher_positions].float()
-            own_rest = _rest_from(values) if teacher_rest is None else teacher_rest[row, teacher_positions].float()
+            if teacher_rest is None:  # log(1 − Σ_k P) in float64, for a teacher that sent no rest mass
+                own_rest = rest_logprobs_from_topk(values.double()).float()
+            else:
+                own_rest = teacher_rest[row, teacher_positions].float()
             class_logprobs, class_ids, unsent = _by_class(values, mapping[teacher_ids[row, teacher_positions]])
             # The mass of listed tokens in no class sent joins the rest (summed in log space, never 1 - Σ).
             rest[row, student_positions] = torch.logaddexp(own_rest, unsent)
@@ -173,11 +174,6 @@ def _by_class(values: torch.Tensor, classes: torch.Tensor) -> tuple[torch.Tensor
     class_logprobs = class_mass.gather(-1, order).masked_fill(~sent, 0.0)
     unsent = torch.logsumexp(values.masked_fill(classes >= 0, -math.inf), dim=-1)
     return class_logprobs, class_ids, unsent
-
-
-def _rest_from(topk_logprobs: torch.Tensor) -> torch.Tensor:
-    """log(1 − Σ_k P) in float64, for a teacher that sent no rest mass."""
-    return rest_logprobs_from_topk(topk_logprobs.double()).float()
 
 
 def _right_padded(rows: list[list[int]], prompt_lengths: list[int], pad_id: int) -> BatchedDataDict:

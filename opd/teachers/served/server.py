@@ -72,13 +72,13 @@ class RequestError(Exception):
         self.status = status
 
 
-def _is_token_list(value: Any) -> bool:
-    # bool is an int subclass: True/False are not token ids.
-    return isinstance(value, list) and all(isinstance(token, int) and not isinstance(token, bool) for token in value)
-
-
 def _is_int(value: Any) -> bool:
+    # bool is an int subclass: True/False are not integers (token ids, counts) here.
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(token) for token in value)
 
 
 def _strategy(body: dict[str, Any], max_tokens: int) -> GenerateStrategyConfig:
@@ -161,27 +161,19 @@ class TeacherService:
     def metrics_text(self) -> str:
         """Prometheus' text exposition format."""
         stats = self.batcher.stats
-        lines = [
-            "# TYPE opd_teacher_requests_total counter",
-            *(
-                f'opd_teacher_requests_total{{route="{route}"}} {count}'
-                for route, count in sorted(self.requests.items())
-            ),
-            "# TYPE opd_teacher_sequences_total counter",
-            f"opd_teacher_sequences_total {stats.sequences}",
-            "# TYPE opd_teacher_tokens_total counter",
-            f"opd_teacher_tokens_total {stats.tokens}",
-            "# TYPE opd_teacher_forward_passes_total counter",
-            f"opd_teacher_forward_passes_total {stats.forward_passes}",
-            "# TYPE opd_teacher_batched_requests_total counter",
-            f"opd_teacher_batched_requests_total {stats.jobs}",
-            "# TYPE opd_teacher_busy_seconds_total counter",
-            f"opd_teacher_busy_seconds_total {stats.busy_seconds:.6f}",
-            "# TYPE opd_teacher_tokens_per_second gauge",
-            f"opd_teacher_tokens_per_second {stats.tokens_per_second():.3f}",
-            "# TYPE opd_teacher_queue_depth gauge",
-            f"opd_teacher_queue_depth {self.batcher.queue_depth}",
-        ]
+        routes = sorted(self.requests.items())
+        lines = ["# TYPE opd_teacher_requests_total counter"]
+        lines += [f'opd_teacher_requests_total{{route="{route}"}} {count}' for route, count in routes]
+        for name, kind, value in (
+            ("opd_teacher_sequences_total", "counter", stats.sequences),
+            ("opd_teacher_tokens_total", "counter", stats.tokens),
+            ("opd_teacher_forward_passes_total", "counter", stats.forward_passes),
+            ("opd_teacher_batched_requests_total", "counter", stats.jobs),
+            ("opd_teacher_busy_seconds_total", "counter", f"{stats.busy_seconds:.6f}"),
+            ("opd_teacher_tokens_per_second", "gauge", f"{stats.tokens_per_second():.3f}"),
+            ("opd_teacher_queue_depth", "gauge", self.batcher.queue_depth),
+        ):
+            lines += [f"# TYPE {name} {kind}", f"{name} {value}"]
         return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------------ checks
@@ -194,7 +186,7 @@ class TeacherService:
             )
 
     def _check_k(self, k: Any, name: str, minimum: int) -> int:
-        if not isinstance(k, int) or isinstance(k, bool) or not minimum <= k <= self.max_logprobs:
+        if not _is_int(k) or not minimum <= k <= self.max_logprobs:
             raise RequestError(
                 HTTPStatus.BAD_REQUEST,
                 f"'{name}' must be an integer in [{minimum}, {self.max_logprobs}] "
@@ -262,15 +254,7 @@ class TeacherService:
                 choice["prompt_token_ids"] = ids
                 choice["token_ids"] = []
             choices.append(choice)
-        tokens = sum(len(ids) for ids in prompts)
-        return {
-            "id": f"cmpl-opd-{time.time_ns()}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
-        }
+        return self._completion(choices, sum(len(ids) for ids in prompts), 0)
 
     async def _generate(self, body: dict[str, Any]) -> dict[str, Any]:
         """Answers the prompts with new tokens (the module docstring lists the fields), on the model thread."""
@@ -325,7 +309,10 @@ class TeacherService:
                 choice["token_ids"] = response
             choices.append(choice)
         prompt_tokens = sum(len(prompt) for prompt in prompts) * samples
-        completion_tokens = int(batch["response_lengths"].sum())
+        return self._completion(choices, prompt_tokens, int(batch["response_lengths"].sum()))
+
+    def _completion(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """vLLM's ``text_completion`` answer around ``choices``, with its token usage."""
         return {
             "id": f"cmpl-opd-{time.time_ns()}",
             "object": "text_completion",
@@ -680,12 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(error))
     max_model_len = args.max_model_len or int(getattr(model.config, "max_position_embeddings", 32768))
     service = TeacherService(
-        scorer,
-        tokenizer,
-        args.served_model_name or args.model,
-        args.max_logprobs,
-        max_model_len,
-        args.max_batch_tokens,
+        scorer, tokenizer, args.served_model_name or args.model, args.max_logprobs, max_model_len, args.max_batch_tokens
     )
     host, port = sock.getsockname()[:2]
     app = build_app(service, api_key, args.max_request_bytes, args.body_timeout_s)
