@@ -64,17 +64,16 @@ def loss_rows(value: Any, mask: torch.Tensor, shift: int = 0) -> Any:
 def _apply_loss(
     student_rows: torch.Tensor | LMHeadInput,
     divergence: DivergenceFn,
-    row_inputs: tuple[Any, ...],
+    inputs: LossInputs,
     normalizer: float,
     chunk_rows: int | None,
-    observer: ChunkObserver | None,
-    value_and_grad: ValueAndGradFn | None = None,
     row_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ_positions w · divergence / normalizer, fused with the LM head when given hidden states.
 
     ``row_weights``: ``[N]`` detached off-policy importance weights (:mod:`opd.losses.off_policy`); None = all 1.
     """
+    row_inputs, observer = inputs.row_inputs, inputs.observer
     if isinstance(student_rows, LMHeadInput):
         device = student_rows.hidden_states.device
         if row_weights is None:
@@ -82,6 +81,7 @@ def _apply_loss(
             weights = torch.full(rows, 1.0 / normalizer, dtype=torch.float64, device=device)
         else:
             weights = row_weights.to(device=device, dtype=torch.float64) / normalizer
+        value_and_grad = inputs.value_and_grad
         return chunked_lm_head_loss(student_rows, divergence, row_inputs, weights, chunk_rows, observer, value_and_grad)
     materialised = tuple(
         row_input.logits() if isinstance(row_input, LMHeadInput) else row_input for row_input in row_inputs
@@ -268,22 +268,14 @@ class TokenLossFn(LossFunction):
         fused = isinstance(student_rows, LMHeadInput)
         inputs = self._loss_inputs(teacher_output, data, loss_mask, fused)
         row_weights, weight_metrics = self._row_weights(student_output, data, loss_mask, global_valid_tokens)
-        divergence, value_and_grad = self._divergence, inputs.value_and_grad
+        divergence = self._divergence
         clip = _TokenClip(self.token_clip) if self.token_clip is not None else None
         if clip is not None:
             divergence = clip.divergence(divergence)
-            value_and_grad = clip.value_and_grad(value_and_grad) if value_and_grad is not None else None
+            if inputs.value_and_grad is not None:
+                inputs = dataclasses.replace(inputs, value_and_grad=clip.value_and_grad(inputs.value_and_grad))
         normaliser = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
-        loss = _apply_loss(
-            student_rows,
-            divergence,
-            inputs.row_inputs,
-            normaliser,
-            self.chunk_size,
-            inputs.observer,
-            value_and_grad,
-            row_weights,
-        )
+        loss = _apply_loss(student_rows, divergence, inputs, normaliser, self.chunk_size, row_weights)
         metrics = {
             "loss": float(loss.detach()),
             **inputs.metrics(float(max(global_valid_tokens, 1)), normaliser),

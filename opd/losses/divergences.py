@@ -233,20 +233,15 @@ def topk_token_kl(
     listed_ids = teacher_topk_ids.clamp_min(0)
     log_q = log_q_full.gather(-1, listed_ids).masked_fill(empty, float("-inf"))
     log_p = teacher_topk_logprobs.to(compute_dtype).masked_fill(empty, float("-inf"))
-    if not tail:
-        return kl_from_log_probs(
-            log_q - torch.logsumexp(log_q, dim=-1, keepdim=True),
-            log_p - torch.logsumexp(log_p, dim=-1, keepdim=True),
-            forward_weight(kl_type, mixed_kl_weight),
+    if tail:
+        log_q_rest, log_p_rest = _rest_class_log_probs(
+            log_q_full, listed_ids, empty, teacher_topk_logprobs, teacher_rest_logprobs
         )
-    log_q_rest, log_p_rest = _rest_class_log_probs(
-        log_q_full, listed_ids, empty, teacher_topk_logprobs, teacher_rest_logprobs
-    )
-    return kl_from_log_probs(
-        torch.cat([log_q, log_q_rest], dim=-1),
-        torch.cat([log_p, log_p_rest], dim=-1),
-        forward_weight(kl_type, mixed_kl_weight),
-    )
+        log_q, log_p = torch.cat([log_q, log_q_rest], dim=-1), torch.cat([log_p, log_p_rest], dim=-1)
+    else:
+        log_q = log_q - torch.logsumexp(log_q, dim=-1, keepdim=True)
+        log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)
+    return kl_from_log_probs(log_q, log_p, forward_weight(kl_type, mixed_kl_weight))
 
 
 def _rest_class_log_probs(
