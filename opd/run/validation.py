@@ -135,8 +135,10 @@ def validate(
             correct += batch_correct
             graded += batch_graded
     metrics = _means(totals, rows, comparison is not None, correct, graded, prefix)
-    if episodes is not None:
-        metrics.update(_prefixed_episode_metrics(records, prefix))
+    if episodes is not None:  # the episode metrics, under ``prefix`` instead of ``env/``
+        for key, value in episode_metrics(records).items():
+            if key.startswith("env/"):
+                metrics[prefix + key.removeprefix("env/")] = value
     return metrics
 
 
@@ -174,15 +176,6 @@ def _teacher_comparison(
         raise ValueError("validate needs the student policy to compare with the teacher")
     comparison = ValidationKL(request, vocab_size, student_classes=teacher.student_classes)
     return comparison, functools.partial(_one_answer, teacher, comparison.teacher_request)
-
-
-def _prefixed_episode_metrics(records: list[EpisodeRecord], prefix: str) -> dict[str, float]:
-    """The episode metrics (:func:`~opd.rollout.multi_turn.episode_metrics`) under ``prefix`` instead of ``env/``."""
-    return {
-        prefix + key.removeprefix("env/"): value
-        for key, value in episode_metrics(records).items()
-        if key.startswith("env/")
-    }
 
 
 def _answer(
