@@ -46,38 +46,30 @@ def load_examples(
     ``path`` replaces the section's file (``opd eval`` on a test split); ``teacher_tokenizer`` renders the teacher's
     prompts in cross-tokenizer mode; ``tools`` are listed in every prompt.
     """
-    source: str | None
     validation = split == "val"
     if validation:
         source, hf_split, limit = data.val_path, data.val_split, data.max_val_examples
     else:
         source, hf_split, limit = data.train_path, data.train_split, data.max_train_examples
-    if path is not None:
-        source = path
-    elif data.val_holdout is not None:
-        raw = load_chat_dataset(
+    if path is None and data.val_holdout is not None:
+        rows = load_chat_dataset(
             data.train_path, split=data.train_split, data_format=data.data_format, prompt_file=data.prompt_file
         )
-        held_out = holdout_rows(len(raw), data.val_holdout, data.val_holdout_seed, data.train_path)
-        rows = [row for index, row in enumerate(raw) if (index in held_out) == validation]
-        where = f"{data.train_path} ({'held-out validation' if validation else 'training'} rows)"
-        return prepare_examples(
-            rows[:limit] if limit else rows,
-            tokenizer,
-            data.max_prompt_length,
-            where,
-            teacher_context,
-            teacher_choice,
-            teacher_tokenizer,
-            tools,
+        held_out = holdout_rows(len(rows), data.val_holdout, data.val_holdout_seed, data.train_path)
+        rows = [row for index, row in enumerate(rows) if (index in held_out) == validation]
+        rows = rows[:limit] if limit else rows
+        source = f"{data.train_path} ({'held-out validation' if validation else 'training'} rows)"
+    else:
+        source = path if path is not None else source
+        if source is None:
+            raise ConfigError(
+                f"no {split} data: set data.{split}_path" + (" or data.val_holdout" if validation else "")
+            )
+        rows = load_chat_dataset(
+            source, split=hf_split, max_examples=limit, data_format=data.data_format, prompt_file=data.prompt_file
         )
-    if source is None:
-        raise ConfigError(f"no {split} data: set data.{split}_path" + (" or data.val_holdout" if validation else ""))
-    raw = load_chat_dataset(
-        source, split=hf_split, max_examples=limit, data_format=data.data_format, prompt_file=data.prompt_file
-    )
     return prepare_examples(
-        raw, tokenizer, data.max_prompt_length, source, teacher_context, teacher_choice, teacher_tokenizer, tools
+        rows, tokenizer, data.max_prompt_length, source, teacher_context, teacher_choice, teacher_tokenizer, tools
     )
 
 
