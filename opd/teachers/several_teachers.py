@@ -80,7 +80,7 @@ def _as_dense(signal: TeacherSignal) -> SingleTeacherSignal:
 
 def _all_of(kind: type[KindT], signals: Sequence[SingleTeacherSignal]) -> list[KindT]:
     """``signals``, every one of type ``kind`` (the answers of one request); TypeError otherwise."""
-    found = [signal for signal in signals if isinstance(signal, kind)]
+    found: list[KindT] = [signal for signal in signals if isinstance(signal, kind)]
     if len(found) != len(signals):
         raise TypeError("the teachers answered one request with different kinds of signal")
     return found
