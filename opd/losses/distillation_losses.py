@@ -378,7 +378,7 @@ class DistillationLossFn(TokenLossFn):
     def _loss_inputs(
         self, teacher_output: Any, data: dict[str, Any], loss_mask: torch.Tensor, fused: bool
     ) -> LossInputs:
-        collector = TeacherMetrics(self.metrics_topk, self.temperature, self.vocab_size, self.compile_kernels)
+        collector = TeacherMetrics(self.metrics_topk, self.temperature, self.compile_kernels)
         observer, value_and_grad = self._chunk_hooks(collector, fused)
         return LossInputs(
             self._teacher_rows(teacher_output, loss_mask),

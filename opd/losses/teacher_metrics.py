@@ -17,10 +17,9 @@ class TeacherMetrics:
     temperature T: a top-k teacher's distribution is known only at T, and T is what the loss optimises.
     """
 
-    def __init__(self, k: int, temperature: float, vocab_size: int | None, compile_kernels: bool = False) -> None:
+    def __init__(self, k: int, temperature: float, compile_kernels: bool = False) -> None:
         self.k = k
         self.temperature = temperature
-        self.vocab_size = vocab_size
         self.compile_kernels = compile_kernels
         keys = ("kl_forward", "kl_reverse", "teacher_topk_mass", "student_mass_on_teacher_topk", "topk_overlap")
         self.sums = dict.fromkeys(keys, 0.0)
@@ -70,8 +69,8 @@ class TeacherMetrics:
     ) -> None:
         """Metrics from the student's logits and the teacher's top k (``student_classes``: :func:`topk_token_kl`)."""
         temperature = self.temperature
+        compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
         if student_classes is not None:  # pooled once, at the temperature, for every metric below
-            compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
             scaled = student_logits.to(compute_dtype) / temperature
             student_logits, temperature = pool_logits_by_class(scaled, student_classes), 1.0
         for kl_type in ("forward", "reverse"):
@@ -85,7 +84,6 @@ class TeacherMetrics:
                     teacher_rest_logprobs=teacher_rest_logprobs,
                 ).sum()
             )
-        compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
         log_q = scaled_log_probs(student_logits.to(compute_dtype), temperature, None)
         self._topk(log_q, teacher_topk_logprobs.to(compute_dtype), teacher_topk_ids)
 
