@@ -21,7 +21,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -137,8 +137,8 @@ class Logger:
         self.total_steps = total_steps
         self.log_dir = Path(config.log_dir)
         # Imported before anything is created, so a missing package leaves nothing open.
-        wandb_module = _import_optional("wandb", "wandb") if config.wandb else None
-        mlflow_module = _import_optional("mlflow", "mlflow") if config.mlflow else None
+        wandb_module = _import_optional("wandb") if config.wandb else None
+        mlflow_module = _import_optional("mlflow") if config.mlflow else None
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.start_time = time.perf_counter()
         # Seconds spent before a resume (truncate_after), so the JSONL "time" keeps growing.
@@ -351,12 +351,10 @@ class Logger:
         for start in range(0, len(entries), batch):
             self._mlflow_client.log_batch(self._mlflow_run_id, metrics=entries[start : start + batch])
 
-    def log_hyperparams(self, params: Mapping[str, Any] | BaseModel) -> None:
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Records the run config as dotted keys with W&B, MLflow (values cut to its limits) and TensorBoard."""
         if self._closed:
             raise RuntimeError("Logger.log_hyperparams called after close()")
-        if isinstance(params, BaseModel):
-            params = params.model_dump(mode="json", by_alias=True)
         flat = flatten_dict(params)
         if not flat:
             return
@@ -454,20 +452,14 @@ class Logger:
             except Exception as error:
                 log.warning("could not end the MLflow run: %s", first_line(error))
 
-    def __enter__(self) -> Logger:
-        return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-def _import_optional(module_name: str, extra: str) -> Any:
-    """Imports an optional backend package or raises the install hint as a ConfigError."""
+def _import_optional(module_name: str) -> Any:
+    """Imports an optional backend package or raises the install hint (its extra has its name) as a ConfigError."""
     try:
         return __import__(module_name)
     except ImportError:
         raise ConfigError(
-            f"logger.{module_name} is on but {module_name} is not installed: pip install 'opd[{extra}]'"
+            f"logger.{module_name} is on but {module_name} is not installed: pip install 'opd[{module_name}]'"
         ) from None
 
 
