@@ -177,6 +177,10 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
+def _first_last(steps: list[int], values: list[float]) -> str:
+    return f"first {_fmt(values[0])} at step {steps[0]}, last {_fmt(values[-1])} at step {steps[-1]}"
+
+
 def summarize(records: list[dict[str, Any]], label: str = "run") -> str:
     """The text of :func:`write_summary` for already-read records."""
     lines = [f"run: {label}"]
@@ -189,15 +193,12 @@ def summarize(records: list[dict[str, Any]], label: str = "run") -> str:
     steps, values = _series(train, "train/loss")
     if values:
         low = min(range(len(values)), key=values.__getitem__)
-        lines.append(
-            f"train/loss: first {_fmt(values[0])} at step {steps[0]}, last {_fmt(values[-1])} at step {steps[-1]}, "
-            f"min {_fmt(values[low])} at step {steps[low]}"
-        )
+        lines.append(f"train/loss: {_first_last(steps, values)}, min {_fmt(values[low])} at step {steps[low]}")
     for key in ("train/kl_forward", "train/kl_reverse"):
         steps, values = _series(train, key)
         if values:
             lines.append(
-                f"{key}: first {_fmt(values[0])} at step {steps[0]}, last {_fmt(values[-1])} at step {steps[-1]}; "
+                f"{key}: {_first_last(steps, values)}; "
                 f"mean of first 5 {_fmt(_mean(values[:5]))}, mean of last 5 {_fmt(_mean(values[-5:]))}"
             )
 
@@ -209,8 +210,7 @@ def summarize(records: list[dict[str, Any]], label: str = "run") -> str:
         sign = SIGN_OF_BETTER[direction]
         best = max(range(len(values)), key=lambda index: sign * values[index])
         lines.append(
-            f"{key}: first {_fmt(values[0])} at step {steps[0]}, last {_fmt(values[-1])} at step {steps[-1]}, "
-            f"best ({direction}) {_fmt(values[best])} at step {steps[best]}"
+            f"{key}: {_first_last(steps, values)}, best ({direction}) {_fmt(values[best])} at step {steps[best]}"
         )
 
     times = [value for record in records if (value := _number(record.get("time"))) is not None]
