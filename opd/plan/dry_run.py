@@ -93,11 +93,7 @@ def dry_run_teacher_replica(
     trace_at = functools.partial(trace_teacher_replica, path, dtype, shards_per_replica, shape, request, device)
     trace = traced_or_extrapolated(trace_at, [path], every_layer)
     _, snapshot = peak_on(trace.peaks, device)
-    return ReplicaMemory(
-        peak=snapshot.get("Total", 0),
-        extrapolated_layers=trace.extrapolated,
-        **trace.scalars,  # weights, answer
-    )
+    return ReplicaMemory(peak=snapshot.get("Total", 0), extrapolated_layers=trace.extrapolated, **trace.scalars)
 
 
 def dry_run_rank(

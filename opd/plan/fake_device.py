@@ -21,7 +21,6 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from opd.distributed.fsdp import device_mesh
-from opd.utils.devices import is_cpu
 
 ACCELERATOR = "fakegpu"
 """The stand-in compute device type: PyTorch's ``privateuseone`` under this name (see :mod:`opd.plan.dry_run`)."""
@@ -119,16 +118,11 @@ class _AcceleratorModule:
 
 
 @functools.cache
-def _register_accelerator() -> None:
-    """Registers the stand-in accelerator once per process (PyTorch allows one registration)."""
+def compute_device() -> torch.device:
+    """The dry run's compute device (the stand-in accelerator's device 0), registered once (PyTorch allows one)."""
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     _setup_privateuseone_for_python_backend(rename=ACCELERATOR, backend_module=_AcceleratorModule())
-
-
-def compute_device() -> torch.device:
-    """The dry run's compute device (the stand-in accelerator's device 0)."""
-    _register_accelerator()
     return torch.device(ACCELERATOR, 0)
 
 
@@ -283,8 +277,7 @@ def fake_process_group(rank: int, world_size: int, shard_group_size: int | None 
     device = compute_device()
     if dist.is_initialized():
         raise RuntimeError("the dry run needs a process of its own: a process group is already initialised")
-    backends = "cpu:fake" if is_cpu(device) else f"cpu:fake,{device.type}:fake"
-    dist.init_process_group(backends, store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group(f"cpu:fake,{device.type}:fake", store=FakeStore(), rank=rank, world_size=world_size)
     # Silences torch's warning, on destroy, about a group without a default backend.
     dist.distributed_c10d._get_default_group()._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     slicing = DeviceMesh.__getitem__

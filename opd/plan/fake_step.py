@@ -199,11 +199,8 @@ def traced_or_extrapolated(trace: Callable[[], Trace], paths: Sequence[str], eve
         with layer_depths(depths):
             return trace()
 
-    full_depths: dict[str, int] = {}
-    for path in dict.fromkeys(paths):
-        depth = uniform_depth(model_config(path))
-        if depth is not None:
-            full_depths[path] = depth
+    depths = {path: uniform_depth(model_config(path)) for path in dict.fromkeys(paths)}
+    full_depths = {path: depth for path, depth in depths.items() if depth is not None}
     varied = {} if every_layer else extrapolated_depths(full_depths)
     if varied:
         base_depths = dict.fromkeys(varied, BASE_DEPTH)
@@ -226,7 +223,7 @@ def phase_peaks(tracker: Any, models: dict[str, Any], micro_batch_root: Any) -> 
     return PhasePeaks(tracker, layers, micro_batch_root)
 
 
-def check_phase_peaks(phases: PhasePeaks, tracker: Any, device: torch.device) -> None:
+def check_phase_peaks(phases: PhasePeaks, tracker: Any) -> None:
     """The largest phase peak is the tracker's own peak on every device: no op went unrecorded."""
     own = {dev.type: int(values.get("Total", 0)) for dev, values in tracker.get_tracker_snapshot("peak").items()}
     kept = {kind: snapshot["Total"] for kind, snapshot in largest_phase_peak(phases.peaks).items()}

@@ -105,11 +105,6 @@ def _parameter_shapes(config: PretrainedConfig) -> list[torch.Size]:
     return [parameter.shape for parameter in model.parameters()]
 
 
-def _needs_last_rank(shapes: list[torch.Size], world_size: int) -> bool:
-    """Whether some parameter's rows do not divide by the ranks (then the last rank holds fewer)."""
-    return any(len(shape) and shape[0] % world_size for shape in shapes)
-
-
 def _plannable_cluster(config: MasterConfig) -> ClusterConfig:
     """The config's ``cluster:`` section, if the dry run can plan it (see :func:`plan_memory`'s errors)."""
     cluster = config.cluster
@@ -271,7 +266,9 @@ def plan_memory(
     placement = _TeacherPlacement.of(config, cluster, teacher_path, loss_fn)
     student_shapes = _parameter_shapes(student_config)
     teacher_shapes = _parameter_shapes(teacher_config) if teacher_config is not None else []
-    uneven = _needs_last_rank(student_shapes + (teacher_shapes if placement.sharded_in_trainer else []), shard_ranks)
+    sharded_shapes = student_shapes + (teacher_shapes if placement.sharded_in_trainer else [])
+    # The last rank holds fewer rows when some parameter's rows do not divide by the ranks.
+    uneven = any(len(shape) and shape[0] % shard_ranks for shape in sharded_shapes)
     ranks_to_run = [0, world - 1] if uneven and world > 1 else [0]
     hidden_size = teacher_config.hidden_size if teacher_config is not None else None
     runs = {

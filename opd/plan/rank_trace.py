@@ -142,5 +142,5 @@ def trace_rank(
         "teacher_parameters": teacher_bytes,
         "collectives": audit.collectives,
     }
-    check_phase_peaks(phases, tracker, device)
+    check_phase_peaks(phases, tracker)
     return Trace(figures, phases.peaks)

@@ -58,5 +58,5 @@ def trace_teacher_replica(
                 answer = teacher.score(batch, request)
         # Top-k: the pair of tensors and the rest mass; the other answers are one tensor.
         answer_bytes = local_bytes([answer] if torch.is_tensor(answer) else [*answer, answer.rest_logprobs])
-    check_phase_peaks(phases, tracker, device)
+    check_phase_peaks(phases, tracker)
     return Trace({"weights": weights, "answer": answer_bytes}, phases.peaks)
