@@ -40,10 +40,6 @@ class ScoringJob:
     finish: Callable[[list[torch.Tensor]], Any]
     future: asyncio.Future[Any] | None = field(default=None, repr=False)
 
-    @property
-    def tokens(self) -> int:
-        return sum(len(sequence) for sequence in self.sequences)
-
 
 @dataclass
 class BatcherStats:

@@ -17,16 +17,16 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.interfaces import (
+    AnsweredWhereTrained,
     Pending,
     PolicyInterface,
-    TeacherHiddenStates,
+    SeveralTeachersSignal,
     TeacherInterface,
     TeacherRequest,
     TeacherSignal,
     TokenLogprobsRequest,
-    TopKLogprobs,
 )
-from opd.models.lm_head import LMHeadInput
+from opd.teachers.several_teachers import map_single
 from opd.utils.timer import Timer
 
 
@@ -90,15 +90,13 @@ class ContextTeacher(TeacherInterface):
         rows = []
         masks = []
         for segment in segments:
-            start = segment.offset + segment.prompt_length
-            completion = data["input_ids"][segment.row, start : segment.offset + segment.length].tolist()
+            span = slice(segment.offset + segment.prompt_length, segment.offset + segment.length)
+            completion = data["input_ids"][segment.row, span].tolist()
             rows.append(segment.teacher_prompt + completion)
-            completion_mask = (
-                data["token_mask"][segment.row, start : segment.offset + segment.length]
-                if "token_mask" in data
-                else torch.ones(len(completion))
-            )
-            masks.append([0.0] * len(segment.teacher_prompt) + completion_mask.tolist())
+            in_loss = [1.0] * len(completion)
+            if "token_mask" in data:
+                in_loss = data["token_mask"][segment.row, span].tolist()
+            masks.append([0.0] * len(segment.teacher_prompt) + in_loss)
         width = max((len(row) for row in rows), default=0)
         device = data["input_ids"].device
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
@@ -151,24 +149,11 @@ class ContextTeacher(TeacherInterface):
         self, data: BatchedDataDict, segments: list[_Segment], answer: TeacherSignal, request: TeacherRequest
     ) -> TeacherSignal:
         """The wrapped teacher's answer moved to the student's positions (see :meth:`score`)."""
-        predicts_next = not isinstance(request, TokenLogprobsRequest)
-        if isinstance(answer, LMHeadInput):
-            hidden = self._to_student_positions(data, segments, answer.hidden_states, predicts_next)
-            return answer.with_rows(hidden)
-        if isinstance(answer, TeacherHiddenStates):  # a teacher in other processes: the trainer binds its head
-            return TeacherHiddenStates(self._to_student_positions(data, segments, answer.hidden_states, predicts_next))
-        if isinstance(answer, tuple):
-            values, ids = answer
-            # The wrapped teacher's rest mass (when it sent one) moves with its top k.
-            rest = answer.rest_logprobs if isinstance(answer, TopKLogprobs) else None
-            return TopKLogprobs(
-                self._to_student_positions(data, segments, values, predicts_next),
-                self._to_student_positions(data, segments, ids, predicts_next),
-                self._to_student_positions(data, segments, rest, predicts_next) if rest is not None else None,
-            )
-        if not isinstance(answer, torch.Tensor):
+        if isinstance(answer, (SeveralTeachersSignal, AnsweredWhereTrained)):
             raise TypeError("a teacher-only context wraps each of several teachers, not the group")
-        return self._to_student_positions(data, segments, answer, predicts_next)
+        predicts_next = not isinstance(request, TokenLogprobsRequest)
+        # Every tensor of the answer moves: hidden states (bound or bare), top k with its rest mass, or log-probs.
+        return map_single(answer, lambda values: self._to_student_positions(data, segments, values, predicts_next))
 
     def follow_student(self, student: PolicyInterface, version: int, timer: Timer | None = None) -> None:
         """The wrapped teacher follows the student (a context changes the rows, not the weights)."""

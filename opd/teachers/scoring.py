@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,17 @@ class PositionLogprobs:
     top_logprobs: list[float]
     rest_mass: float | None = None
     """Σ of the probabilities outside ``top_ids`` (0.0 when they cover the vocabulary); None for k = 0."""
+
+
+def right_padded(sequences: Sequence[Sequence[int] | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``[N, longest]`` ids right-padded with 0 (at least one sequence), and the attention mask (1: a token)."""
+    width = max(len(sequence) for sequence in sequences)
+    input_ids = torch.zeros((len(sequences), width), dtype=torch.long)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        input_ids[row, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
+        attention[row, : len(sequence)] = 1
+    return input_ids, attention
 
 
 def head_checksum(weight: torch.Tensor, dtype: torch.dtype) -> str:
@@ -87,12 +99,7 @@ class PromptScorer:
     @torch.inference_mode()
     def hidden_rows(self, sequences: list[list[int]], first_positions: list[int]) -> list[torch.Tensor]:
         """One padded decoder pass; per sequence, ``[n_i, D]`` hidden states at positions ``first_i … len_i − 2``."""
-        width = max(len(sequence) for sequence in sequences)
-        input_ids = torch.zeros((len(sequences), width), dtype=torch.long)
-        attention = torch.zeros((len(sequences), width), dtype=torch.long)
-        for row, sequence in enumerate(sequences):
-            input_ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
-            attention[row, : len(sequence)] = 1
+        input_ids, attention = right_padded(sequences)
         hidden = final_hidden_states(self.model, input_ids.to(self.input_device), attention.to(self.input_device))
         return [
             hidden[row, first : max(len(sequence) - 1, first)]
@@ -135,9 +142,7 @@ class PromptScorer:
             actual_logprobs = token_log_probs(log_p, tokens)
             ranks = (log_p > actual_logprobs[:, None]).sum(dim=-1) + 1
             top = log_p.topk(min(k, self.vocab_size), dim=-1) if k > 0 else None
-            rests = None
-            if top is not None:
-                rests = rest_logprobs_outside_summed_in_float64(log_p, top.indices).tolist()
+            rests = rest_logprobs_outside_summed_in_float64(log_p, top.indices).tolist() if top is not None else None
             for offset in range(log_p.shape[0]):
                 entries.append(
                     PositionLogprobs(
@@ -150,8 +155,3 @@ class PromptScorer:
                     )
                 )
         return entries
-
-    def score(self, sequences: list[list[int]], k: int) -> list[list[PositionLogprobs | None]]:
-        """vLLM-shaped prompt log-probs of each sequence (one decoder pass for all)."""
-        rows = self.hidden_rows(sequences, [0] * len(sequences))
-        return [self.prompt_logprobs(hidden, sequence, k) for hidden, sequence in zip(rows, sequences)]

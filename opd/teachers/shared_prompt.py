@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from opd.data.batched_data_dict import BatchedDataDict
+from opd.teachers.scoring import right_padded
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
     from transformers import PreTrainedModel
@@ -64,18 +65,13 @@ def prompt_groups(data: BatchedDataDict) -> PromptGroups | None:
     input_lengths = [int(length) for length in data["input_lengths"].tolist()]
     if any(length < 1 for length in prompt_lengths):
         return None
-    index_of: dict[tuple[int, ...], int] = {}
-    prompts: list[list[int]] = []
-    group_of_row: list[int] = []
-    for row, length in enumerate(prompt_lengths):
-        tokens = input_ids[row, :length].tolist()
-        key = tuple(tokens)
-        if key not in index_of:
-            index_of[key] = len(prompts)
-            prompts.append(tokens)
-        group_of_row.append(index_of[key])
-    if len(prompts) == len(group_of_row):
+    keys = [tuple(input_ids[row, :length].tolist()) for row, length in enumerate(prompt_lengths)]
+    # Distinct prompts in order of first appearance, each numbered.
+    index_of = {key: index for index, key in enumerate(dict.fromkeys(keys))}
+    if len(index_of) == len(keys):
         return None
+    prompts = [list(key) for key in index_of]
+    group_of_row = [index_of[key] for key in keys]
     return PromptGroups(group_of_row, prompts, prompt_lengths, input_lengths)
 
 
@@ -88,19 +84,14 @@ def shared_prompt_hidden_states(
     cache_argument = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
     cache = DynamicCache(config=model.config)
     rows, width = input_ids.shape
-    widest_prompt = max(len(prompt) for prompt in groups.prompts)
-    prompt_ids = torch.zeros((len(groups.prompts), widest_prompt), dtype=torch.long)
-    prompt_mask = torch.zeros((len(groups.prompts), widest_prompt), dtype=torch.long)
-    for group, prompt in enumerate(groups.prompts):
-        prompt_ids[group, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        prompt_mask[group, : len(prompt)] = 1
+    prompt_ids, prompt_mask = right_padded(groups.prompts)
     prompt_mask = prompt_mask.to(device)
     # Right padding: every query position sees at least the first token, so no attention
     # row is fully masked and the padded slots' keys and values stay finite.
     prefix = decoder(
         input_ids=prompt_ids.to(device),
         attention_mask=prompt_mask,
-        position_ids=torch.arange(widest_prompt, device=device).expand(len(groups.prompts), -1),
+        position_ids=torch.arange(prompt_ids.shape[1], device=device).expand(len(groups.prompts), -1),
         use_cache=True,
         **{cache_argument: cache},
     )
@@ -109,15 +100,13 @@ def shared_prompt_hidden_states(
     cache.batch_select_indices(group_of_row)  # each row takes its prompt's keys and values
 
     response_lengths = [length - prompt for length, prompt in zip(groups.input_lengths, groups.prompt_lengths)]
+    spans = list(zip(groups.prompt_lengths, response_lengths))
     longest_response = max(response_lengths)
     hidden = prompt_hidden.new_zeros((rows, width, prompt_hidden.shape[-1]))
     response_hidden = None
     if longest_response > 0:
-        response_ids = torch.zeros((rows, longest_response), dtype=torch.long)
-        response_mask = torch.zeros((rows, longest_response), dtype=torch.long)
-        for row, (begin, length) in enumerate(zip(groups.prompt_lengths, response_lengths)):
-            response_ids[row, :length] = input_ids[row, begin : begin + length].cpu()
-            response_mask[row, :length] = 1
+        responses = [input_ids[row, begin : begin + length].cpu() for row, (begin, length) in enumerate(spans)]
+        response_ids, response_mask = right_padded(responses)
         starts = torch.tensor(groups.prompt_lengths, dtype=torch.long, device=device)
         response_hidden = decoder(
             input_ids=response_ids.to(device),
