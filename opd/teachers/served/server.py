@@ -329,16 +329,12 @@ class TeacherService:
     def _position_json(self, entry: PositionLogprobs | None) -> dict[str, dict[str, Any]] | None:
         if entry is None:
             return None
-        answer = {
-            str(token): {"logprob": logprob, "rank": rank + 1, "decoded_token": self.tokenizer.decode([token])}
-            for rank, (token, logprob) in enumerate(zip(entry.top_ids, entry.top_logprobs))
+        ranked = zip(entry.top_ids, entry.top_logprobs, range(1, len(entry.top_ids) + 1))
+        # The actual token comes last: where it is among the top k too, its own entry is the one kept.
+        return {
+            str(token): {"logprob": logprob, "rank": rank, "decoded_token": self.tokenizer.decode([token])}
+            for token, logprob, rank in [*ranked, (entry.token_id, entry.logprob, entry.rank)]
         }
-        answer[str(entry.token_id)] = {
-            "logprob": entry.logprob,
-            "rank": entry.rank,
-            "decoded_token": self.tokenizer.decode([entry.token_id]),
-        }
-        return answer
 
     # ------------------------------------------------------------------ opd's binary scoring
 
@@ -574,24 +570,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="VAR",
         help="environment variable holding the bearer token clients must send (default: none)",
     )
-    parser.add_argument(
-        "--max-logprobs",
-        type=_positive,
-        default=DEFAULT_MAX_LOGPROBS,
-        help=f"largest top-k accepted (default {DEFAULT_MAX_LOGPROBS})",
-    )
-    parser.add_argument(
-        "--max-request-bytes",
-        type=_positive,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help=f"larger request bodies get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES})",
-    )
-    parser.add_argument(
-        "--max-batch-tokens",
-        type=_positive,
-        default=DEFAULT_MAX_BATCH_TOKENS,
-        help=f"padded tokens per coalesced forward pass (default {DEFAULT_MAX_BATCH_TOKENS})",
-    )
+    for flag, default, meaning in (
+        ("--max-logprobs", DEFAULT_MAX_LOGPROBS, "largest top-k accepted"),
+        ("--max-request-bytes", DEFAULT_MAX_REQUEST_BYTES, "larger request bodies get HTTP 413"),
+        ("--max-batch-tokens", DEFAULT_MAX_BATCH_TOKENS, "padded tokens per coalesced forward pass"),
+    ):
+        parser.add_argument(flag, type=_positive, default=default, help=f"{meaning} (default {default})")
     parser.add_argument("--max-model-len", type=_positive, help="longest sequence accepted (default: the model's)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (ignored with --device-map)")

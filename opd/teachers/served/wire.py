@@ -40,12 +40,15 @@ import struct
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+
+if TYPE_CHECKING:  # the server's side only: a client never loads the model
+    from opd.teachers.scoring import PromptScorer
 
 FORMAT = "opd-tensors/1"
 MEDIA_TYPE = "application/vnd.opd.tensors"
@@ -130,12 +133,8 @@ def decode(
     rows = scored_rows([len(ids) for ids in sequences], first_positions)
     codec = CODECS[signal]
     own = codec.expected(rows, k, hidden)
-    expected: Layout = {
-        "token_ids": ((sum(len(ids) for ids in sequences),), torch.int32),
-        "lengths": ((len(sequences),), torch.int32),
-        "first_positions": ((len(sequences),), torch.int32),
-        **own,
-    }
+    echoes = _echoes(sequences, first_positions)
+    expected: Layout = {**{name: (tuple(echo.shape), echo.dtype) for name, echo in echoes.items()}, **own}
     if set(tensors) != set(expected):
         raise WireError(f"the answer holds tensors {sorted(tensors)}, expected {sorted(expected)}")
     for name, (shape, dtype) in expected.items():
@@ -143,12 +142,9 @@ def decode(
             raise WireError(f"{name} is {tensors[name].dtype}, expected {dtype}")
         if tuple(tensors[name].shape) != shape:
             raise WireError(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
-    sent = torch.tensor([token for ids in sequences for token in ids], dtype=torch.int32)
-    if not torch.equal(tensors["token_ids"], sent):
+    if not torch.equal(tensors["token_ids"], echoes["token_ids"]):
         raise WireError("the server scored other token ids than were sent")
-    if tensors["lengths"].tolist() != [len(ids) for ids in sequences] or tensors["first_positions"].tolist() != list(
-        first_positions
-    ):
+    if not all(torch.equal(tensors[name], echoes[name]) for name in ("lengths", "first_positions")):
         raise WireError("the answer's sequence lengths or first positions differ from the request's")
     codec.check_values(tensors, vocab_size)
     return {name: tensors[name] for name in own}
@@ -158,13 +154,16 @@ def build_answer(
     sequences: list[list[int]], first_positions: list[int], signal: str, values: Mapping[str, torch.Tensor]
 ) -> bytes:
     """The server's side of :func:`decode`: echoes plus the signal's tensors, encoded."""
-    tensors = {
+    return encode({**_echoes(sequences, first_positions), **values}, signal)
+
+
+def _echoes(sequences: list[list[int]], first_positions: list[int]) -> dict[str, torch.Tensor]:
+    """What every answer repeats of its request: the token ids, each sequence's length and first scored position."""
+    return {
         "token_ids": torch.tensor([token for ids in sequences for token in ids], dtype=torch.int32),
         "lengths": torch.tensor([len(ids) for ids in sequences], dtype=torch.int32),
         "first_positions": torch.tensor(first_positions, dtype=torch.int32),
-        **values,
     }
-    return encode(tensors, signal)
 
 
 # ---------------------------------------------------------------------------- one codec per signal
@@ -172,16 +171,6 @@ def build_answer(
 
 class BadRequest(ValueError):
     """A score request whose options for its signal are malformed (the server answers HTTP 400 with the message)."""
-
-
-class _Scorer(Protocol):
-    """What a codec asks of the server's model (:class:`~opd.teachers.scoring.PromptScorer`)."""
-
-    dtype: torch.dtype
-
-    def topk(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-    def token_logprobs(self, rows: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor: ...
 
 
 Answerer = Callable[[torch.Tensor], dict[str, torch.Tensor]]
@@ -204,7 +193,7 @@ class SignalCodec(ABC):
     @abstractmethod
     def answerer(
         self,
-        scorer: _Scorer,
+        scorer: PromptScorer,
         body: Mapping[str, Any],
         sequences: list[list[int]],
         first_positions: list[int],
@@ -242,7 +231,7 @@ class TopKCodec(SignalCodec):
 
     def answerer(
         self,
-        scorer: _Scorer,
+        scorer: PromptScorer,
         body: Mapping[str, Any],
         sequences: list[list[int]],
         first_positions: list[int],
@@ -276,7 +265,7 @@ class TokenLogprobsCodec(SignalCodec):
 
     def answerer(
         self,
-        scorer: _Scorer,
+        scorer: PromptScorer,
         body: Mapping[str, Any],
         sequences: list[list[int]],
         first_positions: list[int],
@@ -310,7 +299,7 @@ class HiddenStatesCodec(SignalCodec):
 
     def answerer(
         self,
-        scorer: _Scorer,
+        scorer: PromptScorer,
         body: Mapping[str, Any],
         sequences: list[list[int]],
         first_positions: list[int],
