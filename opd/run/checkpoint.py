@@ -170,9 +170,7 @@ class CheckpointManager:
         """
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step}"
-        staging = self.root / f".tmp_step_{step}"
-        if staging.exists():
-            shutil.rmtree(staging)
+        staging = staging_directory(final)
         staging.mkdir()
         policy.save_checkpoint(staging, tokenizer=tokenizer)
         torch.save(training_state, staging / "training_state.pt")
@@ -183,16 +181,8 @@ class CheckpointManager:
         # The manifest describes every file written above, so it is written last.
         write_manifest(staging)
         _fsync_tree(staging)
-        # Re-saving the same step (e.g. after a resume): the old copy is renamed aside, not deleted, until the new
-        # one is in place, so a crash in between still leaves it (remove_incomplete puts it back).
-        retired = self.root / f".old_step_{step}"
-        if final.exists():
-            if retired.exists():  # from an earlier interrupted re-save that step_N had already replaced
-                shutil.rmtree(retired)
-            os.replace(final, retired)
-        os.replace(staging, final)
-        if retired.exists():
-            shutil.rmtree(retired)
+        # Re-saving the same step (e.g. after a resume) keeps the old copy until the new one is in place.
+        publish_directory(staging, final)
         self._prune()
         return final
 
@@ -254,6 +244,30 @@ def reading_checkpoint(checkpoint: Path) -> Iterator[None]:
             f"checkpoint {checkpoint} could not be read ({type(error).__name__}: {first_line(error)}); nothing "
             f"was changed or deleted; move it aside (mv {checkpoint} {aside}) to resume from the previous checkpoint"
         ) from None
+
+
+def staging_directory(final: Path) -> Path:
+    """``.tmp_<name>`` beside ``final``, where ``final`` is written first; emptied of an interrupted write's files."""
+    staging = final.with_name(f".tmp_{final.name}")
+    if staging.exists():
+        shutil.rmtree(staging)
+    return staging
+
+
+def publish_directory(staging: Path, final: Path) -> None:
+    """Puts the complete ``staging`` in ``final``'s place.
+
+    An existing ``final`` is renamed to ``.old_<name>``, not deleted, until the new one is in place, so a crash in
+    between still leaves it (for a checkpoint, :meth:`CheckpointManager.remove_incomplete` puts it back).
+    """
+    retired = final.with_name(f".old_{final.name}")
+    if final.exists():
+        if retired.exists():  # from an earlier interrupted re-save that final had already replaced
+            shutil.rmtree(retired)
+        os.replace(final, retired)
+    os.replace(staging, final)
+    if retired.exists():
+        shutil.rmtree(retired)
 
 
 def _crc32(path: Path) -> str:

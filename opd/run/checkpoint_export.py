@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from opd.run.checkpoint import staging_directory
 from opd.utils.errors import OpdError
 
 POLICY_DIR = "policy"
@@ -32,9 +33,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
     checkpoint, output = Path(checkpoint), Path(output)
     if output.exists():
         raise OpdError(f"opd export: {output} exists already; choose a new directory")
-    staging = output.with_name(f".tmp_{output.name}")
-    if staging.exists():
-        shutil.rmtree(staging)
+    staging = staging_directory(output)
     if not (checkpoint / "save_state.json").is_file():
         raise OpdError(
             f"opd export: {checkpoint} is not a complete opd checkpoint (no save_state.json); "

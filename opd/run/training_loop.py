@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
-import shutil
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -26,7 +24,13 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from opd.models.config import ModelLoadingConfig, OptimizerConfig
 from opd.models.interfaces import PolicyInterface
-from opd.run.checkpoint import CheckpointingConfig, CheckpointManager, reading_checkpoint
+from opd.run.checkpoint import (
+    CheckpointingConfig,
+    CheckpointManager,
+    publish_directory,
+    reading_checkpoint,
+    staging_directory,
+)
 from opd.run.early_stop import (
     TEACHER_PREFIX,
     EarlyStopConfig,
@@ -315,13 +319,12 @@ class _TrainingRun:
         self.callbacks = callbacks
         self.algorithm_rng = callbacks.algorithm_rng or random.Random(0)
         self.in_flight = callbacks.in_flight
-        state, logger, config, dataloader = parts.state, parts.logger, parts.config, parts.dataloader
-        self.data = _ContinuousData(dataloader, state["step"])
-        self.total_steps = logger.total_steps
-        self.time_budget = config.training.max_train_time_s
-        self.final_dir = Path(config.output_dir) / "final_model"
+        self.data = _ContinuousData(self.dataloader, self.state["step"])
+        self.total_steps = self.logger.total_steps
+        self.time_budget = self.config.training.max_train_time_s
+        self.final_dir = Path(self.config.output_dir) / "final_model"
         self.last_validation: tuple[int, dict[str, float]] | None = None
-        self.early_stop = config.training.early_stop
+        self.early_stop = self.config.training.early_stop
 
     def is_complete(self) -> bool:
         """Whether the run already took all its steps (or ran out of its time budget, or stopped early)."""
@@ -632,18 +635,8 @@ def warn_on_config_change(checkpoint: Path, config: BaseModel) -> None:
 
 def write_final_model(policy: PolicyInterface, tokenizer: Any, final_dir: Path, model_card: str | None = None) -> None:
     """Writes the model (and ``model_card`` as README.md) as an HF directory atomically: never a partial one."""
-    staging = final_dir.with_name(f".tmp_{final_dir.name}")
-    if staging.exists():
-        shutil.rmtree(staging)
+    staging = staging_directory(final_dir)
     policy.save_pretrained(str(staging), tokenizer=tokenizer)
     if model_card is not None:
         (staging / CARD_FILENAME).write_text(model_card, encoding="utf-8")
-    if final_dir.exists():
-        retired = final_dir.with_name(f".old_{final_dir.name}")
-        if retired.exists():
-            shutil.rmtree(retired)
-        os.replace(final_dir, retired)
-        os.replace(staging, final_dir)
-        shutil.rmtree(retired)
-    else:
-        os.replace(staging, final_dir)
+    publish_directory(staging, final_dir)
