@@ -181,8 +181,7 @@ class CheckpointManager:
         # The manifest describes every file written above, so it is written last.
         write_manifest(staging)
         _fsync_tree(staging)
-        # Re-saving the same step (e.g. after a resume) keeps the old copy until the new one is in place.
-        publish_directory(staging, final)
+        publish_directory(staging, final)  # re-saving a step (after a resume) keeps the old copy until then
         self._prune()
         return final
 
@@ -255,11 +254,7 @@ def staging_directory(final: Path) -> Path:
 
 
 def publish_directory(staging: Path, final: Path) -> None:
-    """Puts the complete ``staging`` in ``final``'s place.
-
-    An existing ``final`` is renamed to ``.old_<name>``, not deleted, until the new one is in place, so a crash in
-    between still leaves it (for a checkpoint, :meth:`CheckpointManager.remove_incomplete` puts it back).
-    """
+    """Renames ``staging`` to ``final``; an existing ``final`` waits as ``.old_<name>`` until then (crash-safe)."""
     retired = final.with_name(f".old_{final.name}")
     if final.exists():
         if retired.exists():  # from an earlier interrupted re-save that final had already replaced
