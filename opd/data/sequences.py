@@ -19,11 +19,9 @@ def render_chat(
     tokenizer: Any, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
 ) -> str:
     """Applies the tokenizer's chat template and returns the text (with the tools' schemas, if any)."""
-    if tools:
-        return tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:

@@ -60,9 +60,10 @@ class ToolOutcome:
     ok: bool
 
 
-def error_message(reason: str) -> str:
-    """How a failed call reads to the student."""
-    return f"Error: {reason}"
+def failure(reason: str, max_output_chars: int | None = None) -> ToolOutcome:
+    """A failed call, as it reads to the student (cut to ``max_output_chars`` where given)."""
+    text = f"Error: {reason}"
+    return ToolOutcome(text if max_output_chars is None else _cut(text, max_output_chars), False)
 
 
 def _as_text(value: Any) -> str:
@@ -88,10 +89,10 @@ def run_tool(tool: Tool | None, name: str, arguments: dict[str, Any], limits: Sa
         ValueError: in ``process`` isolation, the tool's function is not importable by name (a setup error).
     """
     if tool is None:
-        return ToolOutcome(error_message(f"there is no tool named {name!r}"), False)
+        return failure(f"there is no tool named {name!r}")
     problem = argument_problem(tool.parameters, arguments)
     if problem is not None:
-        return ToolOutcome(error_message(f"{name}: {problem}"), False)
+        return failure(f"{name}: {problem}")
     return _ISOLATIONS[limits.isolation](tool, name, arguments, limits)
 
 
@@ -109,10 +110,9 @@ def _run_on_thread(tool: Tool, name: str, arguments: dict[str, Any], limits: San
     worker.start()
     worker.join(limits.timeout_s)
     if worker.is_alive():
-        return ToolOutcome(error_message(f"{name} did not finish within {limits.timeout_s:g} s"), False)
+        return failure(f"{name} did not finish within {limits.timeout_s:g} s")
     if "error" in result:
-        detail = _failure_detail(result["error"])
-        return ToolOutcome(_cut(error_message(f"{name} failed: {detail}"), limits.max_output_chars), False)
+        return failure(f"{name} failed: {_failure_detail(result['error'])}", limits.max_output_chars)
     return ToolOutcome(_cut(result["value"], limits.max_output_chars), True)
 
 
@@ -242,19 +242,16 @@ def _run_in_process(tool: Tool, name: str, arguments: dict[str, Any], limits: Sa
         # Loading the function (importing its module in a fresh worker) is not the tool's time.
         if not worker.connection.poll(WORKER_START_TIMEOUT_S):
             worker.stop()
-            return ToolOutcome(
-                error_message(f"{name}: its function did not load within {WORKER_START_TIMEOUT_S:g} s"), False
-            )
+            return failure(f"{name}: its function did not load within {WORKER_START_TIMEOUT_S:g} s")
         reply, text = worker.connection.recv()
         if reply == "loaded":
             if not worker.connection.poll(limits.timeout_s):
                 worker.stop()  # the runaway tool ends here, with its process
-                return ToolOutcome(error_message(f"{name} did not finish within {limits.timeout_s:g} s"), False)
+                return failure(f"{name} did not finish within {limits.timeout_s:g} s")
             reply, text = worker.connection.recv()
     except (EOFError, OSError):  # the tool ended its process (os._exit, a crash, the memory limit's kill)
         worker.stop()
-        code = worker.process.exitcode
-        return ToolOutcome(error_message(f"{name} ended its process (exit code {code})"), False)
+        return failure(f"{name} ended its process (exit code {worker.process.exitcode})")
     WORKERS.give_back(worker)
     if reply == "unloadable":
         raise ValueError(
@@ -262,7 +259,7 @@ def _run_in_process(tool: Tool, name: str, arguments: dict[str, Any], limits: Sa
             f"import its function ({text}); define it at the top level of a module on the worker's sys.path"
         )
     if reply == "error":
-        return ToolOutcome(_cut(error_message(f"{name} failed: {text}"), limits.max_output_chars), False)
+        return failure(f"{name} failed: {text}", limits.max_output_chars)
     return ToolOutcome(text, True)
 
 

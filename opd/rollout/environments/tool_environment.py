@@ -13,7 +13,7 @@ from typing import Any
 
 from opd.rollout.environments.base import Environment, Episode, StepResult, StudentTurn
 from opd.rollout.environments.math_verifier import is_correct
-from opd.rollout.environments.sandbox import SandboxLimits, ToolOutcome, error_message, run_tool
+from opd.rollout.environments.sandbox import SandboxLimits, failure, run_tool
 from opd.rollout.environments.tool_calls import MalformedCall, parse_tool_calls
 from opd.rollout.environments.tools import ToolRegistry
 
@@ -64,13 +64,12 @@ class ToolEpisode(Episode):
         if not calls or not turn.ended or last_turn:
             reward = self.environment.grader(turn.text, self.row)
             return StepResult([], True, reward, len(calls), well_formed, 0)
-        outcomes: list[ToolOutcome] = []
-        for call in calls:
-            if isinstance(call, MalformedCall):
-                outcomes.append(ToolOutcome(error_message(f"malformed tool call: {call.reason}"), False))
-            else:
-                tool = self.environment.tools.get(call.name)
-                outcomes.append(run_tool(tool, call.name, call.arguments, self.environment.limits))
+        outcomes = [
+            failure(f"malformed tool call: {call.reason}")
+            if isinstance(call, MalformedCall)
+            else run_tool(self.environment.tools.get(call.name), call.name, call.arguments, self.environment.limits)
+            for call in calls
+        ]
         messages = [{"role": TOOL_ROLE, "content": outcome.content} for outcome in outcomes]
         return StepResult(messages, False, None, len(calls), well_formed, sum(outcome.ok for outcome in outcomes))
 

@@ -82,10 +82,6 @@ class ToolRegistry:
         """The tool called ``name``, or None."""
         return self._tools.get(name)
 
-    def names(self) -> list[str]:
-        """The registered names, in registration order."""
-        return list(self._tools)
-
     def schemas(self) -> list[dict[str, Any]]:
         """Every tool's schema, for the chat template's ``tools``."""
         return [tool.schema() for tool in self._tools.values()]

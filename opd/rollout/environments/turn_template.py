@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from opd.data.sequences import encode_text
+from opd.data.sequences import encode_prompt, encode_text, render_chat
 from opd.utils.errors import DataError
 
 PLACEHOLDER = "\u2063OPD-STUDENT-TURN\u2063"
@@ -30,15 +30,15 @@ class TurnTemplate:
         self.tokenizer = tokenizer
         self.tools = tools or None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """The template's text for ``messages`` (with the tools, if any)."""
-        return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The episode's prompt: ``messages`` rendered with the tools and the assistant header."""
-        return encode_text(self.tokenizer, self.render(messages, add_generation_prompt=True))
+        return encode_prompt(self.tokenizer, messages, self.tools)
+
+    def _text_after_placeholder(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str | None:
+        """What the template writes after the last :data:`PLACEHOLDER` turn; None if it does not write it as given."""
+        text = render_chat(self.tokenizer, messages, add_generation_prompt, self.tools)
+        at = text.rfind(PLACEHOLDER)
+        return text[at + len(PLACEHOLDER) :] if at >= 0 else None
 
     def turn_end_ids(self) -> list[int]:
         """The special token with which the template ends an assistant turn (``<|im_end|>`` for ChatML).
@@ -46,9 +46,7 @@ class TurnTemplate:
         It is the first token written after a rendered turn's content; empty when that is not a special token.
         """
         messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": PLACEHOLDER}]
-        text = self.render(messages, add_generation_prompt=False)
-        at = text.rfind(PLACEHOLDER)
-        after = text[at + len(PLACEHOLDER) :] if at >= 0 else ""
+        after = self._text_after_placeholder(messages, add_generation_prompt=False)
         ids = encode_text(self.tokenizer, after) if after else []
         special = set(self.tokenizer.all_special_ids) | {
             token_id for token_id, token in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if token.special
@@ -66,17 +64,13 @@ class TurnTemplate:
             DataError: the template does not write the assistant's content as given.
         """
         messages = [*history, {"role": "assistant", "content": PLACEHOLDER}, *observation]
-        text = self.render(messages, add_generation_prompt=True)
-        at = text.rfind(PLACEHOLDER)
-        if at < 0:
+        after = self._text_after_placeholder(messages, add_generation_prompt=True)
+        if after is None:
             raise DataError(
                 "the chat template does not write an assistant turn's content as given, so the text "
                 "between turns cannot be found; multi-turn rollouts need a template that does"
             )
-        after = text[at + len(PLACEHOLDER) :]
-        if turn_end and after.startswith(turn_end):
-            after = after[len(turn_end) :]
-        return after
+        return after.removeprefix(turn_end)
 
     def observation_ids(
         self, history: list[dict[str, Any]], turn_end: str, observation: list[dict[str, Any]]
