@@ -34,8 +34,6 @@ class TeacherInTrainerWorkers(TeacherInterface):
     def __init__(self, workers: WorkerGroup, student_classes: torch.Tensor | None = None) -> None:
         self.workers = workers
         self._student_classes = student_classes
-        self.micro_batches_answered = 0
-        """How many micro-batches the driver asked this teacher about (each scored in a worker)."""
 
     @property
     def student_classes(self) -> torch.Tensor | None:
@@ -52,7 +50,6 @@ class TeacherInTrainerWorkers(TeacherInterface):
 
         Schedules that score ahead are refused with a colocated teacher: its workers are busy training.
         """
-        self.micro_batches_answered += 1
         return Done(AnsweredWhereTrained(request))
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:

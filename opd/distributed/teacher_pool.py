@@ -31,42 +31,30 @@ from opd.models.interfaces import (
     TeacherRequest,
     TeacherSignal,
     TopKLogprobs,
+    signal_to_device,
 )
 from opd.models.loading import resolve_dtype
 
 
 def concat_blocks(signals: list[Any], counts: list[int]) -> TeacherSignal:
     """The blocks' answers joined back into one, dropping the filler rows."""
+
+    def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([part[:count] for part, count in zip(parts, counts, strict=True)])
+
     if isinstance(signals[0], TopKLogprobs):
         rests = [signal.rest_logprobs for signal in signals]
         return TopKLogprobs(
-            torch.cat([signal.logprobs[:count] for signal, count in zip(signals, counts, strict=True)]),
-            torch.cat([signal.ids[:count] for signal, count in zip(signals, counts, strict=True)]),
-            None
-            if any(rest is None for rest in rests)
-            else torch.cat([rest[:count] for rest, count in zip(rests, counts, strict=True)]),
+            joined([signal.logprobs for signal in signals]),
+            joined([signal.ids for signal in signals]),
+            None if any(rest is None for rest in rests) else joined(rests),
         )
     if isinstance(signals[0], TeacherHiddenStates):
-        return TeacherHiddenStates(
-            torch.cat([signal.hidden_states[:count] for signal, count in zip(signals, counts, strict=True)])
-        )
+        return TeacherHiddenStates(joined([signal.hidden_states for signal in signals]))
     if isinstance(signals[0], tuple):
-        return tuple(
-            torch.cat([signal[part][:count] for signal, count in zip(signals, counts, strict=True)])
-            for part in range(len(signals[0]))
-        )  # type: ignore[return-value]
-    return torch.cat([signal[:count] for signal, count in zip(signals, counts, strict=True)])
-
-
-def _on_host(signal: TeacherSignal) -> TeacherSignal:
-    """A worker's answer with its tensors in host memory (what Ray sends back)."""
-    if isinstance(signal, TopKLogprobs):
-        rest = signal.rest_logprobs
-        return TopKLogprobs(signal.logprobs.cpu(), signal.ids.cpu(), rest.cpu() if rest is not None else None)
-    if isinstance(signal, TeacherHiddenStates):
-        return TeacherHiddenStates(signal.hidden_states.cpu())
-    assert isinstance(signal, torch.Tensor)  # token log-probs
-    return signal.cpu()
+        parts = range(len(signals[0]))
+        return tuple(joined([signal[part] for signal in signals]) for part in parts)  # type: ignore[return-value]
+    return joined(signals)
 
 
 class TeacherWorker:
@@ -123,14 +111,13 @@ class TeacherWorker:
         # Each worker reads only its own rows of the weights, never the whole teacher.
         dtype = resolve_dtype(self.loading.dtype, device)
         model = load_sharded(self.model_path, dtype, device, self.loading, lambda whole: shard_model(whole, mesh))
-        model.requires_grad_(False)
         self.teacher = ShardedTeacher(model)
 
     def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
         """The teacher's answer for ``data``, on CPU (a sharded replica's workers must be asked together)."""
         if self.teacher is None:
             raise RuntimeError(f"teacher worker {self.rank} was not started (a sharded replica's workers need start)")
-        return _on_host(self.engine.answer(self.teacher, data, request))
+        return signal_to_device(self.engine.answer(self.teacher, data, request), torch.device("cpu"))
 
 
 class TeacherPool(TeacherInterface):

@@ -310,13 +310,11 @@ class TrainerWorker(RefitSender):
     def _load_teacher(self, path: str, mesh: DeviceMesh, dtype: torch.dtype, share_prompt: bool) -> LocalTeacher:
         """One frozen colocated teacher: sharded over ``mesh``, or whole (then ``share_prompt`` applies)."""
         spec = self.spec
-        if spec.teacher_sharded:
+        if spec.teacher_sharded:  # LocalTeacher freezes the model, sharded or whole
             model = load_sharded(path, dtype, self.device, spec.loading, lambda whole: shard_model(whole, mesh))
-            model.requires_grad_(False)
             return ShardedTeacher(model)
         # A whole copy scores as the in-process teacher does, with no collective at all.
         model = load_causal_lm(path, dtype, self.device, spec.loading)
-        model.requires_grad_(False)
         return LocalTeacher(model, share_prompt_forward=share_prompt)
 
     def _release_teachers(self) -> None:
@@ -450,15 +448,12 @@ class TrainerWorker(RefitSender):
                 reduced.update(zip(keys, values.tolist(), strict=True))
         return reduced
 
-    def _received(self, signal: TeacherSignal) -> TeacherSignal:
-        """A teacher's answer sent by the controller, on this rank's device, bound by :func:`bind_members`."""
-        return bind_members(signal_to_device(signal, self.device), self.teacher_heads, f"trainer rank {self.rank}")
-
     def _answer(self, signal: TeacherSignal, micro_batch: BatchedDataDict) -> TeacherSignal:
-        """The teacher's answer for ``micro_batch``: as sent, or made here when the driver's teacher says so."""
+        """The teacher's answer for ``micro_batch``: made here when the driver's teacher says so, else as sent
+        (on this rank's device, bound by :func:`bind_members`)."""
         if isinstance(signal, AnsweredWhereTrained):
             return self._score_colocated(micro_batch, signal.request)
-        return self._received(signal)
+        return bind_members(signal_to_device(signal, self.device), self.teacher_heads, f"trainer rank {self.rank}")
 
     def _score_colocated(self, micro_batch: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
         """The colocated teachers' answer for a micro-batch, as the run's teacher gives it in one process.
