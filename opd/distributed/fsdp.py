@@ -84,15 +84,6 @@ def device_mesh(device_type: str, world_size: int, shard_group_size: int | None 
     )
 
 
-def _hidden_states(
-    self: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return final_hidden_states(self, input_ids, attention_mask, position_ids)
-
-
 def checkpoint_activations(layer: torch.nn.Module) -> None:
     """Makes ``layer`` keep only its inputs for the backward and run its forward again there.
 
@@ -125,11 +116,8 @@ def shard_model(
         reshard_after_forward: False keeps gathered layers until the backward, saving an all-gather per layer.
         activation_checkpointing: see :func:`checkpoint_activations`.
     """
-    policy = (
-        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        if compute_dtype is not None
-        else MixedPrecisionPolicy()
-    )
+    reduce_dtype = torch.float32 if compute_dtype is not None else None  # None: the weights' own dtype
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     decoder = model.get_decoder()
     for layer in decoder.layers:
         if activation_checkpointing:
@@ -141,7 +129,7 @@ def shard_model(
             # Sum, as plain SUM collectives: gloo has no pre-multiplied sum.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    setattr(model, HIDDEN_STATES_METHOD, types.MethodType(_hidden_states, model))
+    setattr(model, HIDDEN_STATES_METHOD, types.MethodType(final_hidden_states, model))
     register_fsdp_forward_method(model, HIDDEN_STATES_METHOD)
     return model
 
@@ -208,17 +196,11 @@ def _gather_bucket(entries: list[tuple[str, torch.Tensor]]) -> list[tuple[str, t
     pads to that count and the excess rows are cut after the gather. On HSDP the gather stays within each shard
     group. Other tensors are made whole on their own.
     """
-    sharded = [
-        (name, tensor, dim)
-        for name, tensor in entries
-        if isinstance(tensor, DTensor) and (dim := _row_shard_dim(tensor)) is not None
-    ]
-    gathered: dict[str, torch.Tensor] = {}
     by_group: dict[tuple[int, int], list[tuple[str, DTensor, int]]] = {}
-    for name, tensor, dim in sharded:  # one mesh in practice (one model); keyed so that any mix stays right
-        by_group.setdefault((id(tensor.device_mesh), dim), []).append((name, tensor, dim))
-    for members in by_group.values():
-        gathered.update(_gather_rows(members))
+    for name, tensor in entries:  # one mesh in practice (one model); keyed so that any mix stays right
+        if isinstance(tensor, DTensor) and (dim := _row_shard_dim(tensor)) is not None:
+            by_group.setdefault((id(tensor.device_mesh), dim), []).append((name, tensor, dim))
+    gathered = {name: tensor for members in by_group.values() for name, tensor in _gather_rows(members).items()}
     return [(name, gathered[name] if name in gathered else whole(tensor)) for name, tensor in entries]
 
 

@@ -7,6 +7,7 @@ stateless group (own TCP store, bare backend) beside the trainer's, whose proces
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -37,7 +38,7 @@ def _offsets(layout: BucketLayout) -> tuple[list[tuple[int, int]], int]:
     spans, offset = [], 0
     for _, shape, dtype in layout:
         offset = -(-offset // ALIGNMENT) * ALIGNMENT
-        width = _numel(shape) * _element_size(dtype)
+        width = math.prod(shape) * dtype.itemsize
         spans.append((offset, width))
         offset += width
     return spans, offset
@@ -71,17 +72,6 @@ def unpack(buffer: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.
         (name, buffer[start : start + width].view(dtype).reshape(shape))
         for (name, shape, dtype), (start, width) in zip(layout, spans, strict=True)
     ]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 # --------------------------------------------------------------------------- broadcast group
