@@ -61,18 +61,22 @@ class RolloutWorker:
         torch.set_num_threads(spec.threads)
         self.rank = rank
         self.spec = spec
-        device = resolve_device(spec.loading.device)
-        self.device = device
-        model = load_causal_lm(spec.model_path, resolve_dtype(spec.loading.dtype, device), device, spec.loading)
-        model.requires_grad_(False)
-        self.model = model
+        self.device = resolve_device(spec.loading.device)
+        self.model = self._load_frozen(spec.model_path)
         # An HF engine samples with this model in place; vLLM starts from it and keeps its own copy.
         self.engine: InProcessGenerationInterface = spec.generation.build(
-            model, spec.tokenizer, spec.seed + rank, False
+            self.model, spec.tokenizer, spec.seed + rank, False
         )
         self._refit_group: Any = None
         self.teacher_engines: dict[str, HFGeneration] = {}
         """Teachers loaded for the validation baselines, by key (:meth:`load_teacher`)."""
+
+    def _load_frozen(self, path: str) -> Any:
+        """The model at ``path`` on this worker's device, loaded as ``loading`` says, without gradients."""
+        model = load_causal_lm(
+            path, resolve_dtype(self.spec.loading.dtype, self.device), self.device, self.spec.loading
+        )
+        return model.requires_grad_(False)
 
     def engine_dtype(self) -> torch.dtype:
         """The dtype the engine holds its weights in: the trainer casts to it before sending."""
@@ -140,9 +144,7 @@ class RolloutWorker:
         """
         if key in self.teacher_engines:
             return
-        dtype = resolve_dtype(self.spec.loading.dtype, self.device)
-        model = load_causal_lm(model_path, dtype, self.device, self.spec.loading)
-        model.requires_grad_(False)
+        model = self._load_frozen(model_path)
         self.teacher_engines[key] = HFGeneration(model, tokenizer, self.spec.generation.decode_loop)
 
     def free_teacher(self, key: str) -> None:
@@ -210,24 +212,15 @@ class RayGeneration(GenerationInterface):
         strategy: GenerateStrategyConfig,
         num_samples: int = 1,
         return_logprobs: bool = True,
+        teacher: str | None = None,
+        pad_token_id: int | None = None,
     ) -> Pending[BatchedDataDict]:
         """Hands each worker its share of the prompts and returns while they sample.
 
         The seed is drawn now, so a rollout depends on when it was asked for, not when it is collected.
+        ``teacher``: sample from that teacher the workers loaded (:class:`TeacherOnRolloutWorkers`) instead of
+        the student, its rows padded with ``pad_token_id``.
         """
-        return self.deal(prompts, strategy, num_samples, return_logprobs)
-
-    def deal(
-        self,
-        prompts: list[list[int]],
-        strategy: GenerateStrategyConfig,
-        num_samples: int,
-        return_logprobs: bool,
-        teacher: str | None = None,
-        pad_token_id: int | None = None,
-    ) -> Pending[BatchedDataDict]:
-        """:meth:`generate_async` from the student's engines, or from the teacher ``teacher`` the
-        workers loaded (:class:`TeacherOnRolloutWorkers`), whose rows are padded with ``pad_token_id``."""
         seed = int(torch.randint(_SEED_RANGE, (1,)))
         if self.offload_trainer is not None:
             self.offload_trainer.run_all("offload_to_host")
@@ -300,7 +293,7 @@ class TeacherOnRolloutWorkers(GenerationInterface):
         if not self.loaded:
             self.rollout.workers.run_all("load_teacher", self.key, self.model_path, self.tokenizer)
             self.loaded = True
-        pending = self.rollout.deal(
+        pending = self.rollout.generate_async(
             prompts, strategy, num_samples, return_logprobs, self.key, self.tokenizer.pad_token_id
         )
         return pending.result()
