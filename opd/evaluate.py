@@ -22,8 +22,9 @@ from opd.models.interfaces import CHECKPOINT_POLICY_DIR, TeacherInterface
 from opd.policy.hf_policy import HFPolicy
 from opd.rollout.multi_turn import Episodes
 from opd.run.checkpoint import CheckpointManager, reading_checkpoint
-from opd.run.harness import HarnessResults, evaluate_with_harness, load_for_harness
+from opd.run.harness import HarnessResults
 from opd.run.run_setup import load_examples
+from opd.run.training_loop import evaluate_run_models
 from opd.run.validation import validate
 from opd.utils.errors import ConfigError
 
@@ -129,13 +130,10 @@ def evaluate_with_harness_tasks(config: MasterConfig) -> HarnessResults:
     if not tasks:
         raise ConfigError("opd eval --harness needs tasks: --tasks a,b (or validation.harness_tasks)")
     settings = config.validation.harness
-    comparisons = config.harness_comparisons()
-    paths: dict[str, str] = {"model": resolve_eval_model(config)}
-    paths.update((name, comparisons[name]) for name in settings.compare)
-    results = evaluate_with_harness(paths, tasks, settings, lambda path: load_for_harness(path, config.model))
+    results = evaluate_run_models(config, resolve_eval_model(config))
     table_path = results.write(Path(config.logger.log_dir), settings)
     print(results.table())
-    print(f"evaluated {', '.join(paths.values())} with {settings.name}; written to {table_path}")
+    print(f"evaluated {', '.join(results.model_paths.values())} with {settings.name}; written to {table_path}")
     if settings.output_path is not None:
         print(f"{settings.name}'s own results{' and samples' if settings.log_samples else ''}: {settings.output_path}")
     return results

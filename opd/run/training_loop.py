@@ -38,7 +38,7 @@ from opd.run.early_stop import (
     fresh_early_stop_state,
     observe,
 )
-from opd.run.harness import evaluate_with_harness, load_for_harness
+from opd.run.harness import HarnessResults, evaluate_with_harness, load_for_harness
 from opd.run.logger import Logger, flatten_dict
 from opd.run.model_card import CARD_FILENAME, last_validation, render_model_card
 from opd.run.plotting import read_metrics
@@ -546,16 +546,9 @@ class _TrainingRun:
 
     def _evaluate_with_harness(self, step: int) -> None:
         """Runs ``validation.harness_tasks``; scores go to the metrics log, files beside it, and the model card."""
-        settings = self.config.validation.harness
-        comparisons = self.config.harness_comparisons()
-        paths: dict[str, str] = {"model": str(self.final_dir)}
-        paths.update((name, comparisons[name]) for name in settings.compare)
-        loading = self.config.model_loading()
-        results = evaluate_with_harness(
-            paths, self.config.validation.harness_tasks, settings, lambda path: load_for_harness(path, loading)
-        )
+        results = evaluate_run_models(self.config, str(self.final_dir))
         self.logger.log_metrics(results.metrics(), step, console_keys=list(results.metrics()))
-        table = results.write(Path(self.logger.log_dir), settings)
+        table = results.write(Path(self.logger.log_dir), self.config.validation.harness)
         (self.final_dir / CARD_FILENAME).write_text(self._model_card(results.table()), encoding="utf-8")
         log.info("harness results written to %s and the model card", table)
 
@@ -590,6 +583,15 @@ def _set_epoch(dataloader: StatefulDataLoader, epoch: int) -> None:
     if not isinstance(sampler, DistributedSampler):
         raise TypeError(f"the training loader needs a DistributedSampler (set_epoch), not {type(sampler).__name__}")
     sampler.set_epoch(epoch)
+
+
+def evaluate_run_models(config: RunConfig, model_path: str) -> HarnessResults:
+    """``validation.harness_tasks`` on ``model_path`` (``model``) and on the models ``validation.harness.compare``."""
+    settings, loading = config.validation.harness, config.model_loading()
+    comparisons = config.harness_comparisons()
+    paths = {"model": model_path, **{name: comparisons[name] for name in settings.compare}}
+    tasks = config.validation.harness_tasks
+    return evaluate_with_harness(paths, tasks, settings, lambda path: load_for_harness(path, loading))
 
 
 def find_resume_checkpoint(checkpointing_enabled: bool, checkpointer: CheckpointManager) -> Path | None:
