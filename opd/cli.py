@@ -14,7 +14,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from opd.utils.errors import ConfigError, OpdError, TrainingDivergedError
 
@@ -52,52 +52,33 @@ def _add_harness_arguments(parser: argparse.ArgumentParser) -> None:
         help="score the model with an external harness instead (pip install 'opd[eval]')",
     )
     parser.add_argument("--tasks", help="the harness's tasks, comma-separated (validation.harness_tasks)")
-    parser.add_argument(
-        "--include-path", help="a directory of local task definitions (validation.harness.include_path)"
-    )
-    parser.add_argument("--limit", type=int, help="only the first N documents of each task (validation.harness.limit)")
-    parser.add_argument(
-        "--compare",
-        help="also score these models beside it, comma-separated: teacher, student_before (validation.harness.compare)",
-    )
-    parser.add_argument(
-        "--backend", choices=["hf", "vllm"], help="how lm-eval runs each model (validation.harness.backend)"
-    )
-    parser.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (validation.harness.num_fewshot)")
-    parser.add_argument(
-        "--max-gen-toks", type=int, help="the most tokens per response (validation.harness.max_gen_toks)"
-    )
-    parser.add_argument(
-        "--temperature", type=float, help="sampling temperature, 0 = greedy (validation.harness.temperature)"
-    )
-    parser.add_argument("--top-p", type=float, help="nucleus sampling's top-p (validation.harness.top_p)")
-    parser.add_argument(
-        "--repeats", type=int, help="samples per document, for avg@n / pass@k (validation.harness.repeats)"
-    )
-    parser.add_argument(
-        "--chat-template-kwargs",
+
+    def option(key: str, text: str, **options: Any) -> None:
+        """``--<key with dashes>``, its help naming ``validation.harness.<key>``."""
+        parser.add_argument("--" + key.replace("_", "-"), help=f"{text} (validation.harness.{key})", **options)
+
+    option("include_path", "a directory of local task definitions")
+    option("limit", "only the first N documents of each task", type=int)
+    option("compare", "also score these models beside it, comma-separated: teacher, student_before")
+    option("backend", "how lm-eval runs each model", choices=["hf", "vllm"])
+    option("num_fewshot", "few-shot examples per prompt", type=int)
+    option("max_gen_toks", "the most tokens per response", type=int)
+    option("temperature", "sampling temperature, 0 = greedy", type=float)
+    option("top_p", "nucleus sampling's top-p", type=float)
+    option("repeats", "samples per document, for avg@n / pass@k", type=int)
+    option(
+        "chat_template_kwargs",
+        "the chat template's keyword arguments, e.g. '{\"enable_thinking\": false}'",
         metavar="JSON",
-        help="the chat template's keyword arguments, e.g. '{\"enable_thinking\": false}' "
-        "(validation.harness.chat_template_kwargs)",
     )
-    parser.add_argument(
-        "--system-instruction", help="a system message before each prompt (validation.harness.system_instruction)"
-    )
-    parser.add_argument(
-        "--fewshot-as-multiturn",
+    option("system_instruction", "a system message before each prompt")
+    option(
+        "fewshot_as_multiturn",
+        "few-shot examples as chat turns, or one user turn",
         action=argparse.BooleanOptionalAction,
-        help="few-shot examples as chat turns, or one user turn (validation.harness.fewshot_as_multiturn)",
     )
-    parser.add_argument(
-        "--output-path",
-        metavar="DIR",
-        help="where lm-eval writes its own results of each model (validation.harness.output_path)",
-    )
-    parser.add_argument(
-        "--log-samples",
-        action="store_true",
-        help="also write lm-eval's per-sample JSONL under --output-path (validation.harness.log_samples)",
-    )
+    option("output_path", "where lm-eval writes its own results of each model", metavar="DIR")
+    option("log_samples", "also write lm-eval's per-sample JSONL under --output-path", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="run on-policy distillation (student learns from teacher)")
     _add_config_arguments(train)
     train.add_argument("--dry-run", action="store_true", help="print the memory plan instead of training (opd plan)")
+    train.set_defaults(json=False, quick=False, every_layer=False)  # opd plan's options, off for --dry-run
     plan = commands.add_parser(
         "plan", help="memory per device of a cluster run: its real step on fake tensors, no weights, no GPU"
     )
@@ -170,7 +152,6 @@ def run_prune(args: argparse.Namespace) -> None:
     import torch
 
     from opd.models.depth_pruning import prune_source
-    from opd.utils.errors import ConfigError
 
     quiet_third_party_output()
     try:
@@ -292,8 +273,6 @@ def run_plan(
     config_path: str, overrides: list[str], as_json: bool = False, quick: bool = False, every_layer: bool = False
 ) -> None:
     """Loads the config and prints its teacher plan and memory plan (``opd plan``, ``opd train --dry-run``)."""
-    import json
-
     _check_config_keys("train", config_path, overrides)
     from opd.distillation.config import MasterConfig
     from opd.distillation.teacher_plan import plan_teacher
@@ -386,13 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "generate":
             run_generate(args.config, args.overrides)
         elif args.command == "plan" or getattr(args, "dry_run", False):
-            run_plan(
-                args.config,
-                args.overrides,
-                getattr(args, "json", False),
-                getattr(args, "quick", False),
-                getattr(args, "every_layer", False),
-            )
+            run_plan(args.config, args.overrides, args.json, args.quick, args.every_layer)
         elif args.command == "eval" and args.harness is not None:
             run_harness(args.config, [*args.overrides, *harness_overrides(args)])
         else:
