@@ -1,6 +1,6 @@
 """What one dry-run step (:mod:`opd.plan.dry_run`) runs under, and how its trace is read.
 
-Models are built from their configs without weights (:func:`skeleton`), possibly cut in depth (:func:`layer_depths`);
+Models are built from their configs without weights (:func:`skeleton`), possibly cut in depth (:data:`LAYER_DEPTHS`);
 :func:`fake_step` enters every fake mode at once; :func:`traced_or_extrapolated` gives the figures at real depth.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,23 +44,13 @@ from opd.plan.layer_extrapolation import (
 )
 
 LAYER_DEPTHS: dict[str, int] = {}
-"""Model paths built with fewer layers than their config has, for a trace to extrapolate (see :func:`layer_depths`)."""
-
-
-@contextlib.contextmanager
-def layer_depths(depths: dict[str, int]) -> Iterator[None]:
-    """Builds the models at these paths with these many decoder layers (:mod:`opd.plan.layer_extrapolation`)."""
-    LAYER_DEPTHS.update(depths)
-    try:
-        yield
-    finally:
-        LAYER_DEPTHS.clear()
+"""Model paths built with fewer layers than their config has, during one trace (:func:`traced_or_extrapolated`)."""
 
 
 def skeleton(path: str, dtype: torch.dtype, depth: int | None = None) -> Any:
     """The model at ``path`` built from its config alone, on the meta device.
 
-    ``depth`` (else :func:`layer_depths`'s) cuts a model of alike layers to that many decoder layers.
+    ``depth`` (else :data:`LAYER_DEPTHS`'s) cuts a model of alike layers to that many decoder layers.
     """
     config = model_config(path)
     depth = depth or LAYER_DEPTHS.get(path)
@@ -94,9 +84,7 @@ def _models_from_their_configs() -> contextlib.AbstractContextManager[None]:
         # The output layer is the same at any depth: one decoder layer suffices.
         layer = output_layer_of(skeleton(path, dtype, depth=1), path)
         bias = None if layer.bias is None else torch.empty_like(layer.bias, device=device)
-        return OutputLayer(
-            torch.empty_like(layer.weight, device=device), bias, layer.logit_multiplier, layer.logit_softcap
-        )
+        return replace(layer, weight=torch.empty_like(layer.weight, device=device), bias=bias)
 
     wrap_with_lora = trainer_worker.wrap_with_lora
 
@@ -191,13 +179,16 @@ def fake_step(
 def traced_or_extrapolated(trace: Callable[[], Trace], paths: Sequence[str], every_layer: bool) -> Trace:
     """The step's figures at the models' real depths: traced whole, or extrapolated from shallow traces.
 
-    ``trace()`` runs the dry run, under :func:`layer_depths`. Each model that qualifies
+    ``trace()`` runs the dry run, with :data:`LAYER_DEPTHS` set for it. Each model that qualifies
     (:func:`~opd.plan.layer_extrapolation.extrapolated_depths`) is traced at ``BASE_DEPTH`` and one deeper.
     """
 
     def trace_at(depths: dict[str, int]) -> Trace:
-        with layer_depths(depths):
+        LAYER_DEPTHS.update(depths)
+        try:
             return trace()
+        finally:
+            LAYER_DEPTHS.clear()
 
     depths = {path: uniform_depth(model_config(path)) for path in dict.fromkeys(paths)}
     full_depths = {path: depth for path, depth in depths.items() if depth is not None}
