@@ -55,11 +55,10 @@ def _loss_summary(loss: Mapping[str, Any] | None) -> str:
     return f"{loss.get('type', '?')} ({settings})" if settings else str(loss.get("type", "?"))
 
 
-def _metadata(config: Mapping[str, Any], distillation: bool) -> dict[str, Any]:
+def _metadata(config: Mapping[str, Any], student: Any, distillation: bool) -> dict[str, Any]:
     tags = ["opd", "knowledge-distillation", "on-policy-distillation"] if distillation else ["opd", "sft"]
     metadata: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation", "tags": tags}
-    student = _hub_id(_get(config, "model.student_model_path") or _get(config, "model.model_path"))
-    if student:
+    if _hub_id(student):
         metadata["base_model"] = student
     dataset = _hub_id(_get(config, "data.train_path"))
     if dataset:
@@ -67,9 +66,8 @@ def _metadata(config: Mapping[str, Any], distillation: bool) -> dict[str, Any]:
     return metadata
 
 
-def _run_rows(config: Mapping[str, Any], steps: int, distillation: bool) -> list[tuple[str, str]]:
+def _run_rows(config: Mapping[str, Any], student: Any, steps: int, distillation: bool) -> list[tuple[str, str]]:
     """The "Training" table: one (what, value) row per fact, those that apply to this run."""
-    student = _get(config, "model.student_model_path") or _get(config, "model.model_path")
     rows = [("algorithm", "on-policy distillation" if distillation else "supervised fine-tuning")]
     if distillation:
         remote = _get(config, "teacher.backend") == "remote"
@@ -110,7 +108,7 @@ def render_model_card(
     """The card's text; ``config`` is ``model_dump(mode="json", by_alias=True)``, ``validation`` the last or None."""
     distillation = _get(config, "distillation") is not None
     student = _get(config, "model.student_model_path") or _get(config, "model.model_path")
-    lines = ["---", yaml.safe_dump(_metadata(config, distillation), sort_keys=False).rstrip(), "---", ""]
+    lines = ["---", yaml.safe_dump(_metadata(config, student, distillation), sort_keys=False).rstrip(), "---", ""]
     if distillation:
         title = f"{Path(str(student)).name}, distilled from {_get(config, 'model.teacher_model_path') or 'a teacher'}"
         lines += [
@@ -124,7 +122,7 @@ def render_model_card(
     else:
         lines += [f"# {Path(str(student)).name}, fine-tuned", "", "Supervised fine-tuning with opd."]
     lines += ["", "## Training", "", "| | |", "|---|---|"]
-    lines += [f"| {what} | {value} |" for what, value in _run_rows(config, steps, distillation)]
+    lines += [f"| {what} | {value} |" for what, value in _run_rows(config, student, steps, distillation)]
     lines += ["", "## Validation", ""]
     if validation is None:
         lines.append("No validation ran in this run.")
