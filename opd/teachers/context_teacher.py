@@ -25,6 +25,7 @@ from opd.models.interfaces import (
     TeacherRequest,
     TeacherSignal,
     TokenLogprobsRequest,
+    TopKLogprobs,
 )
 from opd.teachers.several_teachers import map_single
 from opd.utils.timer import Timer
@@ -151,6 +152,8 @@ class ContextTeacher(TeacherInterface):
         """The wrapped teacher's answer moved to the student's positions (see :meth:`score`)."""
         if isinstance(answer, (SeveralTeachersSignal, AnsweredWhereTrained)):
             raise TypeError("a teacher-only context wraps each of several teachers, not the group")
+        if isinstance(answer, tuple) and not isinstance(answer, TopKLogprobs):
+            answer = TopKLogprobs(answer[0], answer[1], None)  # a top-k answer leaves as TopKLogprobs
         predicts_next = not isinstance(request, TokenLogprobsRequest)
         # Every tensor of the answer moves: hidden states (bound or bare), top k with its rest mass, or log-probs.
         return map_single(answer, lambda values: self._to_student_positions(data, segments, values, predicts_next))

@@ -13,6 +13,7 @@ import torch
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_rows
 from opd.models.interfaces import (
+    AnsweredWhereTrained,
     SeveralTeachersSignal,
     SingleTeacherSignal,
     TeacherHiddenStates,
@@ -86,6 +87,7 @@ def signal_rows(signal: TeacherSignal, micro_batch: BatchedDataDict) -> TeacherS
     A packed micro-batch (one row with ``sequence_lengths``) gets its rows packed as its tokens are, so each
     position keeps the teacher's answer for it (what the teacher answers when it scores the packed row itself).
     """
+    assert not isinstance(signal, AnsweredWhereTrained)  # answered per micro-batch where it trains: nothing to cut
     if "sequence_lengths" in micro_batch:
         rows = micro_batch["sample_index"][0].cpu()
         lengths = [int(length) for length in micro_batch["sequence_lengths"][0]]
