@@ -283,7 +283,6 @@ def run_training_loop(parts: RunParts, callbacks: TrainingCallbacks) -> None:
             run.check_early_stop(run.validate(0), 0)
     else:
         run.check_teacher_target()
-    console_keys = list(callbacks.console_keys)
     try:
         with GracefulStop() as stop:
             while state["step"] < run.total_steps and not stop.requested:
@@ -291,7 +290,7 @@ def run_training_loop(parts: RunParts, callbacks: TrainingCallbacks) -> None:
                 step_start = time.perf_counter()
                 trained, metrics = callbacks.train_step(run.data.next)
                 state["train_time_s"] += time.perf_counter() - step_start
-                if run.after_step(trained, metrics, console_keys):
+                if run.after_step(trained, metrics):
                     break
             if stop.requested and state["step"] < run.total_steps:
                 run.stop_on_signal(stop.signal_name)
@@ -424,7 +423,7 @@ class _TrainingRun:
         if position % len(self.dataloader):  # mid-epoch: continue after the last drawn batch
             self.dataloader.load_state_dict(training_state["dataloader"])
 
-    def after_step(self, batch_size: int, metrics: dict[str, Any], console_keys: list[str] | None) -> bool:
+    def after_step(self, batch_size: int, metrics: dict[str, Any]) -> bool:
         """Counts, logs, guards, validates and checkpoints after a step; returns whether it was the last.
 
         Raises:
@@ -436,7 +435,7 @@ class _TrainingRun:
         skipped = bool(metrics.get("train/skipped_nonfinite"))
         state["consecutive_nonfinite_steps"] = state["consecutive_nonfinite_steps"] + 1 if skipped else 0
         metrics["train/epoch"] = state["epoch"]
-        self.logger.log_metrics(metrics, state["step"], console_keys=console_keys)
+        self.logger.log_metrics(metrics, state["step"], console_keys=list(self.callbacks.console_keys))
         if skipped:
             self._guard_nonfinite()
         step = state["step"]
