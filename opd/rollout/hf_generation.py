@@ -133,10 +133,9 @@ class HFGeneration(InProcessGenerationInterface):
             new_tokens, new_token_logprobs = self._sample(left_padded, attention, strategy, return_logprobs)
         # Tensors born in inference mode cannot enter the student's autograd graph later;
         # clones made outside it are ordinary tensors.
-        batch = self._right_pad(
+        return self._right_pad(
             expanded, new_tokens.clone(), new_token_logprobs.clone() if new_token_logprobs is not None else None
         )
-        return batch
 
     def _sample_with_opd_loop(
         self,
@@ -202,9 +201,7 @@ class HFGeneration(InProcessGenerationInterface):
         stops = is_stop(new_tokens, torch.tensor(self.stop_ids, dtype=torch.long))
         has_stop = stops.any(dim=1)
         # Response = tokens up to and including the first stop token (all of them if none).
-        first_stop = torch.where(
-            has_stop, stops.int().argmax(dim=1), torch.full_like(has_stop, new_tokens.shape[1] - 1, dtype=torch.long)
-        )
+        first_stop = torch.where(has_stop, stops.int().argmax(dim=1), new_tokens.shape[1] - 1)
         response_lengths = (first_stop + 1).tolist()
         return build_rollout_batch(
             prompts,
@@ -227,17 +224,10 @@ class SnapshotHFGeneration(HFGeneration):
 
     needs_refit = True
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: Any,
-        decode_loop: str = "opd",
-        compile_decode: bool = False,
-        stop_ids: Sequence[int] | None = None,
-    ) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, **options: Any) -> None:
         snapshot = copy.deepcopy(model)
         snapshot.requires_grad_(False)
-        super().__init__(snapshot, tokenizer, decode_loop, compile_decode, stop_ids)
+        super().__init__(snapshot, tokenizer, **options)
 
     def refit(self, policy: PolicyInterface) -> dict[str, float]:
         """Copies the policy's current weights into the engine's copy (within this process: nothing to log)."""
@@ -318,7 +308,7 @@ class HFEngine(EngineKind[HFSettings]):
         return engine(
             model,
             tokenizer,
-            settings.decode_loop,
-            resolve_compile_kernels(settings.compile_decode, device_type, "generation.compile_decode"),
-            settings.stop_token_ids,
+            decode_loop=settings.decode_loop,
+            compile_decode=resolve_compile_kernels(settings.compile_decode, device_type, "generation.compile_decode"),
+            stop_ids=settings.stop_token_ids,
         )

@@ -39,7 +39,7 @@ from opd.rollout.engine_kind import (
 )
 from opd.rollout.rollout_batch import build_rollout_batch
 from opd.rollout.stop_tokens import ends_with_stop, stop_token_ids
-from opd.utils.config import StrictConfig
+from opd.utils.config import StrictConfig, resolve_auto
 from opd.utils.devices import is_cuda
 from opd.utils.errors import ConfigError
 from opd.utils.refusals import Check, Refusal, all_problems
@@ -102,11 +102,6 @@ def configure_vllm_environment(on_gpu: bool) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def resolve_auto(setting: Literal["auto"] | bool, auto: bool) -> bool:
-    """A ``true`` / ``false`` / ``auto`` setting resolved: ``auto`` takes the value ``auto`` gives for this machine."""
-    return auto if setting == "auto" else bool(setting)
-
-
 def import_vllm() -> Any:
     """Imports vLLM or stops with the way to install it."""
     try:
@@ -141,7 +136,7 @@ def engine_resources(config: Any, on_gpu: bool) -> dict[str, Any]:
     Several devices use vLLM's multiprocessing executor; on CPU the KV cache defaults to :data:`CPU_KV_CACHE_BYTES`.
     """
     resources: dict[str, Any] = {
-        "enforce_eager": resolve_auto(config.enforce_eager, auto=not on_gpu),
+        "enforce_eager": resolve_auto(config.enforce_eager, lambda: not on_gpu),
         "distributed_executor_backend": "uni" if config.tensor_parallel_size == 1 else "mp",
         "tensor_parallel_size": config.tensor_parallel_size,
     }
@@ -204,7 +199,7 @@ class VllmGeneration(InProcessGenerationInterface):
         self.stop_ids = tuple(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
         self.tied_embeddings = bool(getattr(model.config, "tie_word_embeddings", False))
         self.tensor_parallel_size = config.tensor_parallel_size
-        self.sleep_enabled = resolve_auto(config.enable_sleep_mode, auto=on_gpu)
+        self.sleep_enabled = resolve_auto(config.enable_sleep_mode, lambda: on_gpu)
         if self.sleep_enabled and not on_gpu:
             raise ConfigError(
                 "generation.vllm.enable_sleep_mode = true needs a CUDA device (vLLM's sleep mode is GPU-only)"
