@@ -588,7 +588,7 @@ def evaluate_run_models(config: RunConfig, model_path: str) -> HarnessResults:
     """``validation.harness_tasks`` on ``model_path`` (``model``) and on the models ``validation.harness.compare``."""
     settings, loading = config.validation.harness, config.model_loading()
     comparisons = config.harness_comparisons()
-    paths = {"model": model_path, **{name: comparisons[name] for name in settings.compare}}
+    paths: dict[str, str] = {"model": model_path, **{name: comparisons[name] for name in settings.compare}}
     tasks = config.validation.harness_tasks
     return evaluate_with_harness(paths, tasks, settings, lambda path: load_for_harness(path, loading))
 
