@@ -61,12 +61,12 @@ def math_cl_to_chat(example: dict[str, Any], prompt_template: str) -> dict[str, 
         DataError: if a field is missing or has the wrong type; the message does not name the row (callers prefix it).
     """
     if not isinstance(example, dict):
-        raise DataError(f'expected an object with "problem" and "ground_truth_answer", got {_type_name(example)}')
+        raise DataError(f'expected an object with "problem" and "ground_truth_answer", got {type_name(example)}')
 
     problem = example.get("problem")
     if problem is None:
         raise DataError(
-            f'missing "problem" (math_cl rows need "problem" and "ground_truth_answer"); {_keys_hint(example)}'
+            f'missing "problem" (math_cl rows need "problem" and "ground_truth_answer"); {keys_hint(example)}'
         )
     if not isinstance(problem, str) or not problem.strip():
         raise DataError(f'"problem" must be a non-empty string, got {_describe(problem)}')
@@ -75,11 +75,11 @@ def math_cl_to_chat(example: dict[str, Any], prompt_template: str) -> dict[str, 
     if answer is None:
         raise DataError(
             f'missing "ground_truth_answer" (math_cl rows need "problem" and "ground_truth_answer"); '
-            f"{_keys_hint(example)}"
+            f"{keys_hint(example)}"
         )
     # bool is a subclass of int, but True as a math answer is almost surely a bad column.
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise DataError(f'"ground_truth_answer" must be a string or a number, got {_type_name(answer)}')
+        raise DataError(f'"ground_truth_answer" must be a string or a number, got {type_name(answer)}')
 
     messages = [{"role": "user", "content": prompt_template.format(prompt=problem)}]
     # The worked solution is the fixed data of λ < 1 steps and the target of SFT.
@@ -93,17 +93,17 @@ def math_cl_to_chat(example: dict[str, Any], prompt_template: str) -> dict[str, 
     return {**extra, "messages": messages, "ground_truth": str(answer), "problem": problem}
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     """Names a value's type the way a user who wrote JSON would recognise it."""
     return "null" if value is None else type(value).__name__
 
 
 def _describe(value: Any) -> str:
     """Describes a bad value: an empty string is shown as such, anything else by type."""
-    return "an empty string" if isinstance(value, str) else _type_name(value)
+    return "an empty string" if isinstance(value, str) else type_name(value)
 
 
-def _keys_hint(example: dict[str, Any]) -> str:
+def keys_hint(example: dict[str, Any]) -> str:
     """Lists the keys a row does have, which usually reveals a renamed column."""
     keys = ", ".join(sorted(map(str, example))) or "none"
     return f"found keys: {keys}"

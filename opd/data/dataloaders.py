@@ -73,25 +73,17 @@ def prepare_examples(
         prompt_ids = encode_prompt(tokenizer, prompt_messages, tools)
         if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
             continue
-        response_mask: list[int] | None = None
-        if tools is None or not episode:
-            response_ids = encode_response(tokenizer, prompt_messages, episode[0]) if episode else None
-        else:
-            try:
-                response_ids, response_mask = encode_episode(tokenizer, prompt_messages, episode, tools)
-            except DataError as error:
-                raise DataError(f"{source}: example {index + 1}: {error}") from None
         ground_truth = example.get("ground_truth")
         item = PreparedExample(
             prompt_ids=prompt_ids,
-            response_ids=response_ids,
+            response_ids=encode_response(tokenizer, prompt_messages, episode[0]) if episode and tools is None else None,
             ground_truth=None if ground_truth is None else str(ground_truth),
         )
         if tools is not None:
             item["prompt_messages"] = prompt_messages
-        if response_mask is not None:
-            item["response_mask"] = response_mask
         try:
+            if tools is not None and episode:
+                item["response_ids"], item["response_mask"] = encode_episode(tokenizer, prompt_messages, episode, tools)
             _add_teacher_fields(
                 item, example, prompt_messages, tokenizer, teacher_context, teacher_choice, teacher_tokenizer, tools
             )
@@ -147,18 +139,16 @@ def make_train_dataloader(
     sampler: DistributedSampler[PreparedExample] = DistributedSampler(
         dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=False
     )
-    # Own generator: otherwise each epoch iterator draws from torch's global RNG, and a resumed run (an iterator
-    # started mid-epoch) would shift the sampling noise.
-    private_generator = torch.Generator()
-    private_generator.manual_seed(seed)
     return StatefulDataLoader(
-        examples,  # a list is a map-style dataset
+        examples,
         batch_size=batch_size,
         sampler=sampler,
         drop_last=True,
         collate_fn=_collate_examples,
         num_workers=0,
-        generator=private_generator,
+        # Own generator: otherwise each epoch iterator draws from torch's global RNG, and a resumed run (an iterator
+        # started mid-epoch) would shift the sampling noise.
+        generator=torch.Generator().manual_seed(seed),
     )
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from opd.data.converters import load_prompt_template, math_cl_to_chat
+from opd.data.converters import keys_hint, load_prompt_template, math_cl_to_chat, type_name
 from opd.utils.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -97,18 +97,15 @@ def split_prompt_and_response(
 def _validate_chat_example(raw: Any, where: str) -> dict[str, Any]:
     """Checks one chat example and returns it as ``{"messages": [...], **other_fields}``."""
     if not isinstance(raw, dict):
-        raise DataError(f'{where}: expected an object with a "messages" list, got {_type_name(raw)}')
+        raise DataError(f'{where}: expected an object with a "messages" list, got {type_name(raw)}')
 
     if "messages" not in raw:
         hint = ' (rows with "problem" and "ground_truth_answer" need data_format="math_cl")' if "problem" in raw else ""
-        keys = ", ".join(sorted(map(str, raw))) or "none"
-        raise DataError(f'{where}: missing "messages"{hint}; found keys: {keys}')
+        raise DataError(f'{where}: missing "messages"{hint}; {keys_hint(raw)}')
 
     messages = raw["messages"]
     if not isinstance(messages, list):
-        raise DataError(
-            f'{where}: "messages" must be a list of {{"role", "content"}} dicts, got {_type_name(messages)}'
-        )
+        raise DataError(f'{where}: "messages" must be a list of {{"role", "content"}} dicts, got {type_name(messages)}')
     if not messages:
         raise DataError(f'{where}: "messages" must not be empty')
 
@@ -125,7 +122,7 @@ def _validate_chat_example(raw: Any, where: str) -> dict[str, Any]:
 def _validate_message(message: Any, where: str) -> dict[str, Any]:
     """Checks one message; ``where`` already names the example and the message index."""
     if not isinstance(message, dict):
-        raise DataError(f'{where} must be a {{"role", "content"}} dict, got {_type_name(message)}')
+        raise DataError(f'{where} must be a {{"role", "content"}} dict, got {type_name(message)}')
 
     role = message.get("role")
     if role not in VALID_ROLES:
@@ -136,7 +133,7 @@ def _validate_message(message: Any, where: str) -> dict[str, Any]:
     if content is None and role == "assistant" and message.get("tool_calls"):
         content = ""  # an assistant turn that only calls tools (the OpenAI format writes its content as null)
     if not isinstance(content, str):
-        raise DataError(f'{where}: "content" must be a string, got {_type_name(content)}')
+        raise DataError(f'{where}: "content" must be a string, got {type_name(content)}')
 
     # Arrow stores messages as structs with the union of all keys, absent ones None; dropping None extras makes
     # parquet and saved datasets load the same messages as the JSONL they were made from.
@@ -240,7 +237,7 @@ def _iter_json(path: Path, source: str) -> _RawRows:
     if not isinstance(data, list):
         raise DataError(
             f'data file {source}: expected a JSON list of examples or an object with a "data" list, '
-            f"got {_type_name(data)}"
+            f"got {type_name(data)}"
         )
     for item_number, row in enumerate(data, start=1):
         yield f"data file {source}, item {item_number}", row
@@ -316,11 +313,6 @@ def _describe_source(source: str, split: str) -> str:
     if path.is_dir() and not (path / "dataset_dict.json").is_file():
         return f"dataset {source}"
     return f"dataset {source} (split {split})"
-
-
-def _type_name(value: Any) -> str:
-    """Names a value's type the way a user who wrote JSON would recognise it."""
-    return "null" if value is None else type(value).__name__
 
 
 def _quoted(names: tuple[str, ...]) -> str:

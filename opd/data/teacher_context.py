@@ -34,13 +34,8 @@ class TeacherContext:
         if self.key is not None:
             value = example.get(self.key)
             if not isinstance(value, str) or not value.strip():
-                found = (
-                    "missing"
-                    if value is None
-                    else f"a {type(value).__name__}"
-                    if not isinstance(value, str)
-                    else "an empty string"
-                )
+                kind = "an empty string" if isinstance(value, str) else f"a {type(value).__name__}"
+                found = "missing" if value is None else kind
                 raise DataError(
                     f'field "{self.key}" (distillation.teacher_context_key) must be a non-empty string, found {found}'
                 )

@@ -54,27 +54,25 @@ def token_bytes(tokenizer: Any) -> list[bytes]:
     byte_level = _is_byte_level(tokenizer)
     sentencepiece = not byte_level and _is_sentencepiece_style(tokenizer)
     added = {index: token.content for index, token in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    name = getattr(tokenizer, "name_or_path", "?")
     pieces: list[bytes] = []
     for index, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
         if index in added:
             pieces.append(added[index].encode("utf-8"))
         elif token is None:
-            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')}: id {index} has no token")
+            raise ValueError(f"tokenizer {name}: id {index} has no token")
         elif byte_level:
             try:
                 pieces.append(bytes(table[character] for character in token))
             except KeyError:
-                raise ValueError(
-                    f"tokenizer {getattr(tokenizer, 'name_or_path', '?')}: token {token!r} (id {index}) is not "
-                    "byte-level"
-                ) from None
+                raise ValueError(f"tokenizer {name}: token {token!r} (id {index}) is not byte-level") from None
         elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
             pieces.append(bytes([int(token[3:5], 16)]))
         elif sentencepiece:
             pieces.append(token.replace("▁", " ").encode("utf-8"))
         else:
             raise ValueError(
-                f"tokenizer {getattr(tokenizer, 'name_or_path', '?')}: cannot tell the bytes of token {token!r} "
+                f"tokenizer {name}: cannot tell the bytes of token {token!r} "
                 f"(id {index}): only byte-level BPE and SentencePiece-style (▁, <0xNN>) tokenizers are supported"
             )
     return pieces
@@ -169,25 +167,18 @@ def prefix_classes(student_tokenizer: Any, teacher_tokenizer: Any) -> PrefixClas
         if index not in student_special and piece in teacher_strings:
             root_ids.setdefault(piece, index)
 
-    def root_of(piece: bytes) -> int:
-        for end in range(len(piece), 0, -1):
-            root = root_ids.get(piece[:end])
-            if root is not None:
-                return root
-        return -1
+    def root_of(piece: bytes, missing: int) -> int:
+        """The student id of ``piece``'s longest root prefix, or ``missing``."""
+        return next((root_ids[piece[:end]] for end in range(len(piece), 0, -1) if piece[:end] in root_ids), missing)
 
-    student_roots = []
-    for index, piece in enumerate(student_pieces):
-        if index in student_special:
-            student_roots.append(index)
-            continue
-        root = root_of(piece)
-        student_roots.append(index if root < 0 else root)
+    student_roots = [
+        index if index in student_special else root_of(piece, index) for index, piece in enumerate(student_pieces)
+    ]
     student_special_by_teacher = {
         teacher: student for student, teacher in special_counterparts(student_tokenizer, teacher_tokenizer).items()
     }
     teacher_to_student = [
-        student_special_by_teacher.get(index, -1) if index in teacher_special else root_of(piece)
+        student_special_by_teacher.get(index, -1) if index in teacher_special else root_of(piece, -1)
         for index, piece in enumerate(teacher_pieces)
     ]
     classes = PrefixClasses(
@@ -277,11 +268,7 @@ def _valid_utf8_length(data: bytes) -> int:
 
 
 def teacher_tokens_for_response(
-    student_response_ids: list[int],
-    student_tokenizer: Any,
-    teacher_tokenizer: Any,
-    student_pieces: list[bytes] | None = None,
-    teacher_pieces: list[bytes] | None = None,
+    student_response_ids: list[int], student_tokenizer: Any, teacher_tokenizer: Any
 ) -> tuple[list[int], list[AlignedGroup]]:
     """``(teacher ids, groups)`` for the student's response ids (no prompt, no padding); groups in response indices.
 
@@ -290,10 +277,8 @@ def teacher_tokens_for_response(
     stops, leaving the rest without teacher signal, at invalid UTF-8 (after the last whole token before it) or at a
     run the teacher's tokenizer does not return byte for byte (normalisation).
     Tokenizing runs alone could miss a merge across the prompt boundary; chat templates end prompts with a newline.
-    ``student_pieces`` / ``teacher_pieces``: :func:`token_bytes`, computed if None.
     """
-    student_pieces = student_pieces if student_pieces is not None else _cached_pieces(student_tokenizer)
-    teacher_pieces = teacher_pieces if teacher_pieces is not None else _cached_pieces(teacher_tokenizer)
+    student_pieces, teacher_pieces = _cached_pieces(student_tokenizer), _cached_pieces(teacher_tokenizer)
     student_special = set(getattr(student_tokenizer, "added_tokens_decoder", {}))
     counterparts = special_counterparts(student_tokenizer, teacher_tokenizer)
     teacher_ids: list[int] = []
