@@ -115,15 +115,7 @@ def plain_entries(
     model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """What :func:`merged_tensors` yields, by name, shape and dtype, without the merge or its collectives."""
-    lora_layer = import_peft().tuners.lora.LoraLayer
-    adapted = {name: module for name, module in model.named_modules() if isinstance(module, lora_layer)}
-    for name, tensor in tensors:
-        owner, _, leaf = name.rpartition(".")
-        layer_name = _adapted_ancestor(owner, adapted)
-        if layer_name is None:
-            yield name, tensor
-        elif owner == layer_name + _BASE_LAYER:
-            yield f"{layer_name}.{leaf}", tensor
+    return ((name, tensor) for name, tensor, _ in _base_model_entries(model, tensors))
 
 
 def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -158,19 +150,27 @@ def merged_tensors(
     becomes ``W + ΔW`` in ``W``'s dtype; the rest passes through detached. On FSDP2 every rank must iterate to
     the end in the same order (the DTensor product gathers ``A``).
     """
+    for name, tensor, adapted_layer in _base_model_entries(model, tensors):
+        value = tensor.detach()
+        if adapted_layer is not None:
+            with torch.no_grad():  # the adapter's parameters require grad
+                value = (value + adapted_layer.get_delta_weight(ADAPTER_NAME)).to(value.dtype)
+        yield name, value
+
+
+def _base_model_entries(
+    model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor, Any]]:
+    """``(base-model name, tensor, the adapted layer whose delta its weight takes or None)``, adapters dropped."""
     lora_layer = import_peft().tuners.lora.LoraLayer
     adapted = {name: module for name, module in model.named_modules() if isinstance(module, lora_layer)}
     for name, tensor in tensors:
         owner, _, leaf = name.rpartition(".")
         layer_name = _adapted_ancestor(owner, adapted)
         if layer_name is None:
-            yield name, tensor.detach()
+            yield name, tensor, None
         elif owner == layer_name + _BASE_LAYER:
-            value = tensor.detach()
-            if leaf == "weight":
-                with torch.no_grad():  # the adapter's parameters require grad
-                    value = (value + adapted[layer_name].get_delta_weight(ADAPTER_NAME)).to(value.dtype)
-            yield f"{layer_name}.{leaf}", value
+            yield f"{layer_name}.{leaf}", tensor, adapted[layer_name] if leaf == "weight" else None
         # else: lora_A / lora_B of an adapted layer, which the merged weight already holds
 
 
