@@ -173,10 +173,8 @@ def output_head_of(model: PreTrainedModel, model_name: str = "model") -> tuple[t
                 f"{model_name} sets config.{attribute} = {value}, which a bare (weight, bias) head does not apply; "
                 "take the head with its logit transform (opd.models.lm_head.output_layer_of)"
             )
-    head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        raise ValueError(f"{model_name}'s output layer is {type(head).__name__}, not a linear layer")
-    return head.weight, head.bias
+    layer = output_layer_of(model, model_name)  # its transform is neutral: checked just above
+    return layer.weight, layer.bias
 
 
 def final_hidden_states(

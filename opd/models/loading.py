@@ -210,37 +210,32 @@ def load_output_layer(
             path, dtype, torch.device("cpu"), ModelLoadingConfig(trust_remote_code=trust_remote_code)
         )
         layer = output_layer_of(model, path)
-        return OutputLayer(
-            layer.weight.detach().to(device), _detached(layer.bias, device), layer.logit_multiplier, layer.logit_softcap
-        )
-    directory = Path(path).expanduser()  # transformers takes an unexpanded '~/...' for a hub repository id
-    if not directory.is_dir():
-        raise ConfigError(f"the teacher's output layer is read from a local model directory; '{path}' is not one")
-    try:
-        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-        layer = output_layer_of(skeleton, path)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"cannot read the output layer of '{path}': {str(error).splitlines()[0]}") from None
-    parameters = list(skeleton.named_parameters(remove_duplicate=False))
-    weight_names = [name for name, parameter in parameters if parameter is layer.weight]
-    bias_names = [name for name, parameter in parameters if layer.bias is not None and parameter is layer.bias]
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"'{path}' holds no *.safetensors files to read the teacher's output layer from")
-    weight = _read_tensor(files, weight_names, path)
-    bias = _read_tensor(files, bias_names, path) if bias_names else None
+        weight, bias = layer.weight.detach(), layer.bias
+    else:
+        directory = Path(path).expanduser()  # transformers takes an unexpanded '~/...' for a hub repository id
+        if not directory.is_dir():
+            raise ConfigError(f"the teacher's output layer is read from a local model directory; '{path}' is not one")
+        try:
+            config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            layer = output_layer_of(skeleton, path)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"cannot read the output layer of '{path}': {str(error).splitlines()[0]}") from None
+        parameters = list(skeleton.named_parameters(remove_duplicate=False))
+        weight_names = [name for name, parameter in parameters if parameter is layer.weight]
+        bias_names = [name for name, parameter in parameters if layer.bias is not None and parameter is layer.bias]
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"'{path}' holds no *.safetensors files to read the teacher's output layer from")
+        weight = _read_tensor(files, weight_names, path)
+        bias = _read_tensor(files, bias_names, path) if bias_names else None
     return OutputLayer(
         weight.to(device=device, dtype=dtype),
-        None if bias is None else bias.to(device=device, dtype=dtype),
+        None if bias is None else bias.detach().to(device=device, dtype=dtype),
         layer.logit_multiplier,
         layer.logit_softcap,
     )
-
-
-def _detached(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if tensor is None else tensor.detach().to(device)
 
 
 def _read_tensor(files: list[Path], names: list[str], path: str) -> torch.Tensor:

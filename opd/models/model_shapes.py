@@ -30,10 +30,7 @@ def shipped_shapes() -> list[str]:
 def model_config(path: str) -> PretrainedConfig:
     """The config of the model at ``path`` (see the module docstring); ConfigError naming it if none is found."""
     if is_tiny_path(path):
-        tokenizer = build_tiny_tokenizer()
-        return tiny_model_config(
-            path[len(TINY_PREFIX) :], len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id
-        )
+        return tiny_model_config(path[len(TINY_PREFIX) :], build_tiny_tokenizer())
     if (source := gguf_source(path)) is not None:
         return load_gguf_config(source)
     directory = Path(path).expanduser()

@@ -140,7 +140,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrai
 
 def build_model_for_tokenizer(preset_name: str, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
     """A randomly initialised tiny preset sized for ``tokenizer``'s vocabulary (deterministic)."""
-    config = tiny_model_config(preset_name, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    config = tiny_model_config(preset_name, tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_PRESETS[preset_name].seed)
         from transformers import Qwen2ForCausalLM
@@ -151,8 +151,8 @@ def build_model_for_tokenizer(preset_name: str, tokenizer: PreTrainedTokenizerFa
     return model
 
 
-def tiny_model_config(preset_name: str, vocab_size: int, eos_token_id: int, pad_token_id: int) -> Qwen2Config:
-    """Returns the ``Qwen2Config`` of a tiny preset; ConfigError if the name is unknown."""
+def tiny_model_config(preset_name: str, tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
+    """Returns the ``Qwen2Config`` of a tiny preset sized for ``tokenizer``; ConfigError if the name is unknown."""
     if preset_name not in TINY_PRESETS:
         raise ConfigError(
             f"unknown tiny model '{TINY_PREFIX}{preset_name}'; available: "
@@ -160,7 +160,7 @@ def tiny_model_config(preset_name: str, vocab_size: int, eos_token_id: int, pad_
         )
     preset = TINY_PRESETS[preset_name]
     return Qwen2Config(
-        vocab_size=vocab_size,
+        vocab_size=len(tokenizer),
         hidden_size=preset.hidden_size,
         intermediate_size=preset.intermediate_size,
         num_hidden_layers=preset.num_hidden_layers,
@@ -169,8 +169,8 @@ def tiny_model_config(preset_name: str, vocab_size: int, eos_token_id: int, pad_
         max_position_embeddings=4096,
         initializer_range=preset.initializer_range,
         tie_word_embeddings=True,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
 
