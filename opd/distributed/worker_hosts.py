@@ -10,7 +10,9 @@ workers, and ``opd train`` never turns them on.
 
 from __future__ import annotations
 
+import functools
 import gc
+import types
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -53,16 +55,6 @@ class WorkerHost:
         gc.collect()
 
 
-class _RemoteMethod:
-    """``host.call.remote(method, ...)`` spelled as a Ray actor method's ``.remote(...)``."""
-
-    def __init__(self, host: Any, method: str) -> None:
-        self.host, self.method = host, method
-
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
-        return self.host.call.remote(self.method, *args, **kwargs)
-
-
 _ANSWERED_BY_THE_HOST = {"__ray_call__": "apply", "__ray_ready__": "__ray_ready__"}
 """Ray's own actor methods that a hosted worker answers through its host (the host's method of each)."""
 
@@ -78,7 +70,8 @@ class HostedActor:
             return getattr(self.host, _ANSWERED_BY_THE_HOST[method])
         if method.startswith("__"):  # copy, pickle and the like must not reach the worker
             raise AttributeError(method)
-        return _RemoteMethod(self.host, method)
+        # ``host.call.remote(method, ...)``, spelled as a Ray actor method's ``.remote(...)``.
+        return types.SimpleNamespace(remote=functools.partial(self.host.call.remote, method))
 
 
 class WarmHosts:

@@ -70,10 +70,8 @@ class BroadcastTransport(RefitTransport):
     """Trainer rank 0 broadcasts each bucket to the rollout workers over a group of their own."""
 
     name = "broadcast"
-
-    def __init__(self, rollout: WorkerGroup, bucket_bytes: int, dtype: torch.dtype, timeout_s: float) -> None:
-        super().__init__(rollout, bucket_bytes, dtype, timeout_s)
-        self.layouts: list[BucketLayout] | None = None
+    layouts: list[BucketLayout] | None = None
+    """The buckets' layouts, agreed at the first refit (:meth:`_open`)."""
 
     def _open(self, trainer: WorkerGroup) -> list[BucketLayout]:
         """The first refit: the buckets' layouts, and the group of trainer rank 0 (its rank 0) and the workers."""

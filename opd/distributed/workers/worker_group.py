@@ -9,6 +9,7 @@ ranks still running for hung, and the error names the config key that sets the b
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -217,7 +218,7 @@ class WorkerGroup:
         bound: Bound | None = None,
     ) -> Pending[ResultT]:
         """``combine(gather(refs))`` as a :class:`~opd.models.interfaces.Pending`; the bound counts from collection."""
-        return _Gathered(self, refs, combine, ranks, what, bound)
+        return _Gathered(lambda: combine(self.gather(refs, ranks, what, bound)))
 
     def node(self, rank: int) -> str:
         """The IP address of the node that holds ``rank``'s bundle, or why there is none."""
@@ -288,26 +289,12 @@ class WorkerGroup:
 class _Gathered(Pending[ResultT]):
     """Results of calls already submitted to a group's workers, gathered (once) when asked for."""
 
-    def __init__(
-        self,
-        group: WorkerGroup,
-        refs: list[Any],
-        combine: Callable[[list[Any]], ResultT],
-        ranks: Sequence[int] | None,
-        what: str | None,
-        bound: Bound | None,
-    ) -> None:
-        self.group, self.refs, self.combine, self.ranks = group, refs, combine, ranks
-        self.what, self.bound = what, bound
-        self.value: ResultT | None = None
-        self.gathered = False
+    def __init__(self, gather: Callable[[], ResultT]) -> None:
+        self.gather = functools.cache(gather)  # a failed gather is not cached: it raises again
 
     def result(self) -> ResultT:
         """Waits for every worker's part and combines them (fails as :meth:`WorkerGroup.gather` does)."""
-        if not self.gathered:
-            self.value = self.combine(self.group.gather(self.refs, self.ranks, self.what, self.bound))
-            self.gathered = True
-        return self.value  # type: ignore[return-value]
+        return self.gather()
 
 
 _START = "__start__"
