@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
@@ -48,10 +50,6 @@ def equalize_micro_batches(plans: list[list[BatchedDataDict]]) -> list[list[Batc
 
 def contiguous_blocks(data: BatchedDataDict, parts: int) -> tuple[list[BatchedDataDict], list[int]]:
     """``data`` in ``parts`` contiguous row blocks (an empty one gets a filler row), and each block's real rows."""
-    bounds = [data.size * part // parts for part in range(parts + 1)]
-    blocks, counts = [], []
-    for part in range(parts):
-        begin, end = bounds[part], bounds[part + 1]
-        counts.append(end - begin)
-        blocks.append(data.slice(begin, end) if end > begin else data.slice(0, 1))
-    return blocks, counts
+    spans = list(itertools.pairwise(data.size * part // parts for part in range(parts + 1)))
+    blocks = [data.slice(begin, end) if end > begin else data.slice(0, 1) for begin, end in spans]
+    return blocks, [end - begin for begin, end in spans]

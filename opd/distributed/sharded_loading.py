@@ -139,14 +139,11 @@ def _read_local_slices(
     model: PreTrainedModel, files: list[Path], path: str, skip: Container[str] = (), strip_base_layer: bool = False
 ) -> None:
     """Copies this rank's slice of every parameter but ``skip`` from the files (tied parameters once)."""
-    wanted: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, parameter in model.named_parameters():  # tied parameters come once, under their first name
-        if name in skip:
-            continue
-        if id(parameter) not in seen:
-            seen.add(id(parameter))
-            wanted[_file_name(name, strip_base_layer)] = parameter
+    wanted = {  # named_parameters yields a tied parameter once, under its first name
+        _file_name(name, strip_base_layer): parameter
+        for name, parameter in model.named_parameters()
+        if name not in skip
+    }
     missing = set(wanted)
     staging = _Staging()
     for file in files:
