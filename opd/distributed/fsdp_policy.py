@@ -103,23 +103,15 @@ class FSDPPolicy(PolicyInterface):
         signals: list[Any] = [None] * len(plans)
         if teacher_signal is not None:  # timed by the driver as teacher time (a colocated teacher's: below)
             signals = _score_all(plans, teacher_signal)
-        results = self.workers.call(
-            "train",
-            loss_fn,
-            global_valid_tokens,
-            data.size,
-            shares=[(plan, signal) for plan, signal in zip(plans, signals, strict=True)],
-        )
-        metrics = dict(results[0])
-        teacher_seconds = max(result["teacher_seconds"] for result in results)
-        compute_seconds = max(result["compute_seconds"] for result in results)
+        shares = list(zip(plans, signals, strict=True))
+        results = self.workers.call("train", loss_fn, global_valid_tokens, data.size, shares=shares)
         if timer is not None:
             # The slowest rank's colocated teacher time (zero when it scored elsewhere).
-            timer.add("teacher", teacher_seconds)
-            timer.add("trainer_compute", compute_seconds)
+            timer.add("teacher", max(result["teacher_seconds"] for result in results))
+            timer.add("trainer_compute", max(result["compute_seconds"] for result in results))
             timer.add("dispatch", dispatch_seconds)
-        metrics.pop("teacher_seconds")
-        metrics.pop("compute_seconds")
+        metrics = dict(results[0])
+        del metrics["teacher_seconds"], metrics["compute_seconds"]  # rank 0's own times
         return metrics
 
     def compare_with_teacher(
@@ -131,11 +123,7 @@ class FSDPPolicy(PolicyInterface):
         """
         plans = self.plan(data, packed=False)
         signals = [[teacher_signal(micro_batch) for micro_batch in plan] for plan in plans]
-        return self.workers.call(
-            "compare_with_teacher",
-            comparison,
-            shares=[(plan, signal) for plan, signal in zip(plans, signals, strict=True)],
-        )
+        return self.workers.call("compare_with_teacher", comparison, shares=list(zip(plans, signals, strict=True)))
 
     def weights_for_refit(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight, whole, gathered from the ranks (rank 0 sends them)."""
