@@ -251,9 +251,7 @@ def _start_trainer(
         teacher_paths=paths if len(paths) > 1 else (),
         teacher_assembly=request.teacher_assembly if colocated_teacher else None,
         teacher_head_paths=() if colocated_teacher else request.heads(),
-        teacher_share_prompt_forward=tuple(request.sharing(role) for role in request.teacher_paths)
-        if colocated_teacher
-        else (),
+        teacher_share_prompt_forward=request.share_prompt_forward if colocated_teacher else (),
     )
     world_size = cluster.trainer.workers
     bounds = _bounds(cluster, "trainer")
