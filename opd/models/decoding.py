@@ -10,25 +10,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Protocol
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
 
 from opd.utils.config import StrictConfig
-
-
-class SamplingSettings(Protocol):
-    """What a method reads of ``generate_strategy`` (:class:`GenerateStrategyConfig`)."""
-
-    @property
-    def temperature(self) -> float: ...
-
-    @property
-    def top_k(self) -> int: ...
-
-    @property
-    def top_p(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -82,10 +69,10 @@ class DecodingMethod(ABC):
     greedy: ClassVar[bool] = False
 
     @abstractmethod
-    def filter(self, strategy: SamplingSettings) -> SamplingFilter:
+    def filter(self, strategy: GenerateStrategyConfig) -> SamplingFilter:
         """Which entries of the tempered logits this method samples from (a greedy method: all)."""
 
-    def keep(self, logits: torch.Tensor, strategy: SamplingSettings) -> torch.Tensor:
+    def keep(self, logits: torch.Tensor, strategy: GenerateStrategyConfig) -> torch.Tensor:
         """The tempered ``[B, V]`` float32 ``logits`` with the entries this method never samples set to ``-inf``."""
         return self.filter(strategy).keep(logits)
 
@@ -96,7 +83,7 @@ class Greedy(DecodingMethod):
     name = "greedy"
     greedy = True
 
-    def filter(self, strategy: SamplingSettings) -> SamplingFilter:
+    def filter(self, strategy: GenerateStrategyConfig) -> SamplingFilter:
         """No cut: the arg-max ignores the filters."""
         return SamplingFilter()
 
@@ -106,7 +93,7 @@ class TopK(DecodingMethod):
 
     name = "top_k"
 
-    def filter(self, strategy: SamplingSettings) -> SamplingFilter:
+    def filter(self, strategy: GenerateStrategyConfig) -> SamplingFilter:
         """``top_k`` with the nucleus off."""
         return SamplingFilter(top_k=strategy.top_k)
 
@@ -116,7 +103,7 @@ class TopP(DecodingMethod):
 
     name = "top_p"
 
-    def filter(self, strategy: SamplingSettings) -> SamplingFilter:
+    def filter(self, strategy: GenerateStrategyConfig) -> SamplingFilter:
         """``top_p`` with top-k off (``top_p = 1`` keeps every token)."""
         return SamplingFilter(top_p=strategy.top_p)
 
