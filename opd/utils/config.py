@@ -228,27 +228,15 @@ def _keys_of(section: type[BaseModel] | None) -> list[str]:
 
 def _misplaced_key_hint(model_cls: type[BaseModel], location: tuple[Any, ...], key: str) -> str:
     """For a key refused by one variant of a union (``location`` ends section, tag, key): the variants that have it."""
-    parent: type[BaseModel] | None = model_cls
-    index = 0
-    while parent is not None and index < len(location) - 1:
-        part = location[index]
-        index += 1
-        if isinstance(part, int):  # an item of a list of sections (teachers.members[i])
-            continue
-        info = parent.model_fields.get(str(part))
-        if info is None:
-            return ""
-        variants = _variants(info.annotation)
-        if len(variants) < 2:
-            parent = next(iter(variants.values()), None)
-            continue
-        chosen = str(location[index])  # pydantic puts the chosen variant's tag after the section
-        if index + 2 == len(location):
-            owners = sorted(tag for tag, section in variants.items() if key in _keys_of(section))
-            return misplaced_key_hint(key, str(part), owners, chosen)
-        parent = variants.get(chosen)
-        index += 1
-    return ""
+    if len(location) < 3:
+        return ""
+    parent, _ = _section_at(model_cls, location[:-3])
+    info = parent.model_fields.get(str(location[-3])) if parent is not None else None
+    variants = _variants(info.annotation) if info is not None else {}
+    if len(variants) < 2:
+        return ""
+    owners = sorted(tag for tag, section in variants.items() if key in _keys_of(section))
+    return misplaced_key_hint(key, str(location[-3]), owners, str(location[-2]))
 
 
 def misplaced_key_hint(key: str, section: str, owners: list[str], chosen: str) -> str:
