@@ -65,6 +65,16 @@ class PlannedRollout:
         """Prompt plus response: the longest sequence."""
         return self.prompt_tokens + self.response_tokens
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The student's 16-bit keys and values of one token (:func:`kv_bytes_per_token`)."""
+        return kv_bytes_per_token(self.student)
+
+    @property
+    def layer_activation_bytes_per_token(self) -> int:
+        """One student layer's 16-bit activations per token (:func:`layer_activation_bytes_per_token`)."""
+        return layer_activation_bytes_per_token(self.student)
+
 
 class EngineMemory(Protocol):
     """An engine's planned share of one device: a dataclass (``opd plan --json`` writes its fields)."""

@@ -20,13 +20,7 @@ from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import InProcessGenerationInterface, PolicyInterface
 from opd.models.lm_head import token_log_probs
 from opd.rollout.decode_loop import compile_decode_step, decode
-from opd.rollout.engine_kind import (
-    EngineKind,
-    PlannedRollout,
-    gib,
-    kv_bytes_per_token,
-    layer_activation_bytes_per_token,
-)
+from opd.rollout.engine_kind import EngineKind, PlannedRollout, gib
 from opd.rollout.rollout_batch import build_rollout_batch
 from opd.rollout.stop_tokens import is_stop, stop_token_ids
 from opd.utils.compile_cache import resolve_compile_kernels
@@ -286,14 +280,13 @@ class HFEngine(EngineKind[HFSettings]):
 
     def planned_memory(self, settings: HFSettings, rollout: PlannedRollout) -> HFEngineMemory:
         """A rollout worker's copy of the student, the KV cache of its rows at full length, the prefill and logits."""
-        student = rollout.student
-        prefill = rollout.rows * rollout.prompt_tokens * layer_activation_bytes_per_token(student)
+        prefill = rollout.rows * rollout.prompt_tokens * rollout.layer_activation_bytes_per_token
         logits = LOGITS_COPIES * rollout.rows * rollout.vocab_size * 4
         return HFEngineMemory(
             device_bytes=rollout.device_bytes,
             trainer_resident=rollout.trainer_resident,
             weights=2 * rollout.student_parameters,
-            kv_cache=rollout.rows * rollout.row_tokens * kv_bytes_per_token(student),
+            kv_cache=rollout.rows * rollout.row_tokens * rollout.kv_bytes_per_token,
             activations=max(prefill, logits),
             rows=rollout.rows,
             row_tokens=rollout.row_tokens,

@@ -30,13 +30,7 @@ from pydantic import Field
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import InProcessGenerationInterface, PolicyInterface
-from opd.rollout.engine_kind import (
-    EngineKind,
-    PlannedRollout,
-    gib,
-    kv_bytes_per_token,
-    layer_activation_bytes_per_token,
-)
+from opd.rollout.engine_kind import EngineKind, PlannedRollout, gib
 from opd.rollout.rollout_batch import build_rollout_batch
 from opd.rollout.stop_tokens import ends_with_stop, stop_token_ids
 from opd.utils.config import StrictConfig, resolve_auto
@@ -444,16 +438,16 @@ class VllmEngine(EngineKind[VllmSettings]):
         With tensor parallel each device holds a slice of the weights and KV heads (heads are replicated where there
         are fewer than devices).
         """
-        student, tensor_parallel = rollout.student, settings.vllm.tensor_parallel_size
+        tensor_parallel = settings.vllm.tensor_parallel_size
         share = int(rollout.device_bytes * settings.vllm.gpu_memory_utilization)
         weights = 2 * rollout.student_parameters // tensor_parallel
         activations = (
-            VLLM_PROFILE_TOKENS * layer_activation_bytes_per_token(student)
+            VLLM_PROFILE_TOKENS * rollout.layer_activation_bytes_per_token
             + VLLM_PROFILE_SEQUENCES * rollout.vocab_size * 4
         )
         kv_cache = max(share - rollout.trainer_resident - weights - activations, 0)
-        kv_slices = min(tensor_parallel, student.num_key_value_heads)
-        tokens = kv_cache // -(-kv_bytes_per_token(student) // kv_slices)
+        kv_slices = min(tensor_parallel, rollout.student.num_key_value_heads)
+        tokens = kv_cache // -(-rollout.kv_bytes_per_token // kv_slices)
         return VllmEngineBudget(
             share,
             rollout.trainer_resident,
