@@ -90,8 +90,7 @@ def decode(
             **{cache_keyword: cache},
         )
         next_position = next_position + 1
-    tokens = tokens[:, :steps_run]
-    return tokens, logprobs[:, :steps_run] if logprobs is not None else None
+    return tokens[:, :steps_run], logprobs[:, :steps_run] if logprobs is not None else None
 
 
 def _prefill(

@@ -200,7 +200,15 @@ def multi_turn_rollout(
     if prompt_ids is not None and len(prompt_ids) != len(rows):
         raise ValueError(f"{len(rows)} rows but {len(prompt_ids)} prompts")
     turn_ends = set(template.turn_end_ids())
-    trajectories = _start(environment, template, rows, prompt_messages, num_samples, prompt_ids, max_episode_tokens)
+    trajectories: list[_Trajectory] = []
+    for position, (row, messages) in enumerate(zip(rows, prompt_messages)):
+        prompt = template.prompt_ids(messages) if prompt_ids is None else list(prompt_ids[position])
+        if max_episode_tokens is not None and len(prompt) >= max_episode_tokens:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens leaves no room for a turn under environment.max_episode_tokens "
+                f"= {max_episode_tokens}; raise it above data.max_prompt_length"
+            )
+        trajectories += [_Trajectory(prompt, list(messages), environment.start(row)) for _ in range(num_samples)]
     running = list(range(len(trajectories)))
     for turn_index in range(max_turns):
         if not running:
@@ -228,29 +236,6 @@ def multi_turn_rollout(
             trajectory.record.environment_seconds += time.perf_counter() - began
         running = still_running
     return MultiTurnRollout(_batch(trajectories, pad_token_id, return_logprobs), [t.record for t in trajectories])
-
-
-def _start(
-    environment: Environment,
-    template: TurnTemplate,
-    rows: Sequence[Mapping[str, Any]],
-    prompt_messages: Sequence[list[dict[str, Any]]],
-    num_samples: int,
-    prompt_ids: Sequence[list[int]] | None,
-    max_episode_tokens: int | None,
-) -> list[_Trajectory]:
-    """``num_samples`` fresh trajectories per row, each with its prompt and its environment's episode."""
-    trajectories = []
-    for position, (row, messages) in enumerate(zip(rows, prompt_messages)):
-        prompt = template.prompt_ids(messages) if prompt_ids is None else list(prompt_ids[position])
-        if max_episode_tokens is not None and len(prompt) >= max_episode_tokens:
-            raise ValueError(
-                f"a prompt of {len(prompt)} tokens leaves no room for a turn under environment.max_episode_tokens "
-                f"= {max_episode_tokens}; raise it above data.max_prompt_length"
-            )
-        for _ in range(num_samples):
-            trajectories.append(_Trajectory(prompt, list(messages), environment.start(row)))
-    return trajectories
 
 
 def _append_turn(
