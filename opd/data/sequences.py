@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.utils.errors import DataError
@@ -164,10 +165,7 @@ def unpack_padding_free(packed: BatchedDataDict, pad_token_id: int) -> BatchedDa
     """
     lengths = [int(length) for length in packed["sequence_lengths"][0]]
     segments = packed["input_ids"][0].split(lengths)
-    input_ids = torch.full((len(lengths), max(lengths, default=0)), pad_token_id, dtype=torch.long)
-    for row, segment in enumerate(segments):
-        input_ids[row, : len(segment)] = segment.cpu()
-    rows = BatchedDataDict(input_ids=input_ids.to(packed["input_ids"].device))
+    rows = BatchedDataDict(input_ids=pad_sequence(segments, batch_first=True, padding_value=pad_token_id))
     rows["input_lengths"] = torch.tensor(lengths, device=packed["input_ids"].device)
     if "prompt_lengths" in packed:
         rows["prompt_lengths"] = packed["prompt_lengths"].reshape(-1)

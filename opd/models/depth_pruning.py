@@ -15,7 +15,7 @@ import json
 import re
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -150,9 +150,6 @@ class PruningPlan:
     calibration: str | None = None
     calibration_examples: int = 0
 
-    def as_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
-
 
 def calibration_batches(
     tokenizer: Any, texts: Sequence[str], max_tokens: int, batch_size: int = 4
@@ -190,7 +187,7 @@ def write_pruned_model(
         torch.nn.Module.to(pruned, dtype)
     pruned.save_pretrained(str(staging), safe_serialization=True)
     tokenizer.save_pretrained(str(staging))
-    (staging / PRUNING_RECORD).write_text(json.dumps(plan.as_dict(), indent=1) + "\n")
+    (staging / PRUNING_RECORD).write_text(json.dumps(asdict(plan), indent=1) + "\n")
     staging.rename(output)
     return output
 

@@ -28,8 +28,7 @@ KEY_TABLE = "config_keys.json"
 
 @cache
 def _key_table() -> dict[str, Any]:
-    table: dict[str, Any] = json.loads(resources.files("opd").joinpath(KEY_TABLE).read_text(encoding="utf-8"))
-    return table
+    return json.loads(resources.files("opd").joinpath(KEY_TABLE).read_text(encoding="utf-8"))
 
 
 def check_config_keys(root: str, config_path: str | Path, overrides: list[str] | None = None) -> None:
