@@ -67,15 +67,11 @@ def failure(reason: str, max_output_chars: int | None = None) -> ToolOutcome:
 
 
 def _as_text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, ensure_ascii=False)
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def _cut(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}\n[output cut: {len(text)} characters, the limit is {limit}]"
+    return text if len(text) <= limit else f"{text[:limit]}\n[output cut: {len(text)} characters, the limit is {limit}]"
 
 
 def _failure_detail(error: BaseException) -> str:
