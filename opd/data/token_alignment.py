@@ -288,16 +288,10 @@ def teacher_tokens_for_response(
         at_end = position == len(student_response_ids)
         if not at_end and student_response_ids[position] not in student_special:
             continue
-        whole = _align_run(
-            student_response_ids,
-            run_start,
-            position,
-            student_pieces,
-            teacher_tokenizer,
-            teacher_pieces,
-            teacher_ids,
-            groups,
-        )
+        run = [student_pieces[token] for token in student_response_ids[run_start:position]]
+        run_ids, run_groups, whole = _align_run(run, run_start, len(teacher_ids), teacher_tokenizer, teacher_pieces)
+        teacher_ids += run_ids
+        groups += run_groups
         if not whole:  # what follows was read after other text by the two models: not comparable
             break
         if not at_end and student_response_ids[position] in counterparts:
@@ -308,17 +302,12 @@ def teacher_tokens_for_response(
 
 
 def _align_run(
-    ids: list[int],
-    start: int,
-    end: int,
-    student_pieces: list[bytes],
-    teacher_tokenizer: Any,
-    teacher_pieces: list[bytes],
-    teacher_ids: list[int],
-    groups: list[AlignedGroup],
-) -> bool:
-    """Tokenizes the text run ``ids[start:end]`` for the teacher and appends its groups; False if not all aligned."""
-    pieces = [student_pieces[token] for token in ids[start:end]]
+    pieces: list[bytes], start: int, offset: int, teacher_tokenizer: Any, teacher_pieces: list[bytes]
+) -> tuple[list[int], list[AlignedGroup], bool]:
+    """Tokenizes a text run (the student's token ``pieces``) for the teacher: its ids, groups and whether all aligned.
+
+    The groups count student tokens from ``start`` and teacher tokens from ``offset``.
+    """
     # Keep whole student tokens within the valid UTF-8 prefix (repeat: cutting a token can cut a character).
     count = len(pieces)
     while True:
@@ -330,20 +319,18 @@ def _align_run(
         count = kept
     text = b"".join(pieces[:count]).decode("utf-8")
     if not text:
-        return count == len(pieces)
+        return [], [], count == len(pieces)
     # Special-token text the student spelled in plain bytes stays text for the teacher too.
     run_teacher = teacher_tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     try:
         run_groups = align_tokens(pieces[:count], [teacher_pieces[token] for token in run_teacher])
     except ValueError:
-        return False  # the teacher's tokenizer changed the text (normalisation): nothing aligns
-    offset = len(teacher_ids)
-    teacher_ids.extend(run_teacher)
-    groups.extend(
+        return [], [], False  # the teacher's tokenizer changed the text (normalisation): nothing aligns
+    shifted = [
         AlignedGroup(start + g.student_start, start + g.student_end, offset + g.teacher_start, offset + g.teacher_end)
         for g in run_groups
-    )
-    return count == len(pieces)
+    ]
+    return run_teacher, shifted, count == len(pieces)
 
 
 def _cached_pieces(tokenizer: Any) -> list[bytes]:
