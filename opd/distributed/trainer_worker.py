@@ -271,15 +271,9 @@ class TrainerWorker(RefitSender):
                 self.peft_model = wrap_with_lora(model, spec.lora)
             return shard_model(model, mesh, compute_dtype, spec.reshard_after_forward, spec.activation_checkpointing)
 
+        added = (lambda model: initialise_adapters(model, spec.seed)) if spec.lora is not None else None
         # Each rank reads only its shards of the weights: the whole model is never in one process.
-        self.model = load_sharded(
-            spec.student_path,
-            torch.float32,
-            self.device,
-            spec.loading,
-            shard_student,
-            (lambda model: initialise_adapters(model, spec.seed)) if spec.lora is not None else None,
-        )
+        self.model = load_sharded(spec.student_path, torch.float32, self.device, spec.loading, shard_student, added)
         self.model.train()
         self.optimizer = build_optimizer(self.model, spec.optimizer)
         self.scheduler = build_scheduler(self.optimizer, spec.optimizer, spec.total_steps)
