@@ -177,10 +177,6 @@ class TeacherHiddenStates:
         weight = layer.weight
         return layer.over(self.hidden_states.to(device=weight.device, dtype=weight.dtype))
 
-    def rows(self, rows: torch.Tensor, width: int) -> TeacherHiddenStates:
-        """The hidden states of ``rows``, cut to the first ``width`` positions."""
-        return TeacherHiddenStates(self.hidden_states[rows, :width])
-
 
 def bind_teacher_head(signal: TeacherSignal, layer: OutputLayer | None, holder: str = "this process") -> TeacherSignal:
     """``signal`` with its hidden states bound to the teacher's output ``layer``; other signals as they are.

@@ -20,8 +20,7 @@ from opd.utils.config import StrictConfig
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
     from transformers import PreTrainedModel
 
-_KINDS: tuple[EngineKind[GenerationConfig], ...] = (HFEngine(), VllmEngine())
-ENGINES: dict[str, EngineKind[GenerationConfig]] = {kind.name: kind for kind in _KINDS}
+ENGINES: dict[str, EngineKind[GenerationConfig]] = {kind.name: kind for kind in (HFEngine(), VllmEngine())}
 """Every engine kind, by its ``generation.backend`` value."""
 
 
