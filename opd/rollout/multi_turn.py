@@ -209,30 +209,29 @@ def multi_turn_rollout(
                 f"= {max_episode_tokens}; raise it above data.max_prompt_length"
             )
         trajectories += [_Trajectory(prompt, list(messages), environment.start(row)) for _ in range(num_samples)]
-    running = list(range(len(trajectories)))
+    running = list(trajectories)
     for turn_index in range(max_turns):
         if not running:
             break
-        rooms = [_room(trajectories[index], max_episode_tokens) for index in running]
+        rooms = [_room(trajectory, max_episode_tokens) for trajectory in running]
         turn_strategy = strategy
         if min(rooms) < strategy.max_length:  # the cap shortens some turn: no turn needs more than the most room
             turn_strategy = strategy.model_copy(update={"max_length": max(1, min(strategy.max_length, max(rooms)))})
         turns = generation.generate(
-            [trajectories[index].prompt_ids + trajectories[index].ids for index in running],
+            [trajectory.prompt_ids + trajectory.ids for trajectory in running],
             turn_strategy,
             num_samples=1,
             return_logprobs=return_logprobs,
         )
         still_running = []
-        for position, index in enumerate(running):
-            trajectory = trajectories[index]
+        for position, trajectory in enumerate(running):
             turn_ids, ended = _append_turn(
                 trajectory, turns, position, rooms[position], strategy.max_length, turn_ends, return_logprobs
             )
             began = time.perf_counter()
             last_turn = turn_index == max_turns - 1
             if _answer_turn(trajectory, template, turn_ids, ended, last_turn, max_episode_tokens):
-                still_running.append(index)
+                still_running.append(trajectory)
             trajectory.record.environment_seconds += time.perf_counter() - began
         running = still_running
     return MultiTurnRollout(_batch(trajectories, pad_token_id, return_logprobs), [t.record for t in trajectories])
