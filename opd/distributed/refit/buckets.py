@@ -30,6 +30,11 @@ def in_buckets(
         yield bucket
 
 
+def bucket_bytes_of(bucket: list[tuple[str, torch.Tensor]]) -> int:
+    """The bytes of a bucket's tensors."""
+    return sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+
+
 def put_in_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[list[Any], int]:
     """Object refs of ``{name: CPU tensor}`` buckets of about ``bucket_bytes`` each, in order, and their bytes."""
     import ray  # only where the weights go to rollout workers
@@ -37,5 +42,5 @@ def put_in_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: in
     refs, sent = [], 0
     for bucket in in_buckets(weights, bucket_bytes):
         refs.append(ray.put({name: tensor.cpu() for name, tensor in bucket}))
-        sent += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+        sent += bucket_bytes_of(bucket)
     return refs, sent

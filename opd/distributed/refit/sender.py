@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from opd.distributed.fsdp import _unique_state_dict, whole_buckets
-from opd.distributed.refit.buckets import in_buckets
+from opd.distributed.refit.buckets import bucket_bytes_of, in_buckets
 from opd.distributed.refit.wire import (
     BucketLayout,
     IpcHandle,
@@ -22,11 +22,6 @@ from opd.distributed.refit.wire import (
     open_broadcast_group,
     pack,
 )
-
-
-def bucket_bytes_of(bucket: list[tuple[str, torch.Tensor]]) -> int:
-    """The bytes of a bucket's whole tensors."""
-    return sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
 
 
 class RefitSender:
