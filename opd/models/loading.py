@@ -20,7 +20,7 @@ from opd.models.lm_head import OutputLayer, output_layer_of
 from opd.models.tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer, is_tiny_path
 from opd.utils.config import resolve_auto
 from opd.utils.devices import is_cuda
-from opd.utils.errors import ConfigError, ModelCompatibilityError
+from opd.utils.errors import ConfigError, ModelCompatibilityError, first_line
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
     from transformers import PreTrainedModel
@@ -93,7 +93,7 @@ def _check_local_path(path: str, what: str) -> None:
 
 def _loading_problem(path: str, error: Exception, what: str = "model") -> str:
     """One line saying why ``path`` did not load, and what to do."""
-    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    message = first_line(error)
     if "trust_remote_code" in str(error):
         return (
             f"cannot load {what} from '{path}': it needs its own Python code; set model.trust_remote_code = true "
@@ -115,7 +115,7 @@ def _damaged_weights_file(directory: Path) -> str | None:
                 for name in handle.keys():  # noqa: SIM118 (safe_open has keys(), not __contains__)
                     handle.get_slice(name)
         except (SafetensorError, OSError) as damage:
-            return f"the weights file {file} is damaged or truncated ({str(damage).splitlines()[0]})"
+            return f"the weights file {file} is damaged or truncated ({first_line(damage)})"
     return None
 
 
@@ -221,7 +221,7 @@ def load_output_layer(
                 skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
             layer = output_layer_of(skeleton, path)
         except (OSError, ValueError) as error:
-            raise ConfigError(f"cannot read the output layer of '{path}': {str(error).splitlines()[0]}") from None
+            raise ConfigError(f"cannot read the output layer of '{path}': {first_line(error)}") from None
         parameters = list(skeleton.named_parameters(remove_duplicate=False))
         weight_names = [name for name, parameter in parameters if parameter is layer.weight]
         bias_names = [name for name, parameter in parameters if layer.bias is not None and parameter is layer.bias]

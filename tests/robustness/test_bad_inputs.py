@@ -231,3 +231,11 @@ def test_fuzzed_http_bodies_get_a_4xx_or_an_answer_never_a_5xx_or_a_hang(server,
     response = httpx.post(f"{server.url}{path}", content=body, headers={"Content-Type": "application/json"},
                           timeout=30)
     assert response.status_code == 200 or 400 <= response.status_code < 500, response.text
+
+
+@pytest.mark.parametrize("text", ["", "\n", "   "])
+def test_a_load_error_without_a_message_is_named_by_its_type(text):
+    """An exception whose message is empty still gives one line (its type), not an IndexError."""
+    from opd.models.loading import _loading_problem
+
+    assert _loading_problem("/nonexistent/model", OSError(text)) == "cannot load model from '/nonexistent/model': OSError"
