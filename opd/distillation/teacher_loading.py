@@ -65,6 +65,11 @@ def resolve_teacher_path(config: MasterConfig) -> str:
     path = config.model.teacher_model_path
     if path is None:
         raise ConfigError("model.teacher_model_path is required for an in-process teacher")
+    return _model_path(config, path)
+
+
+def _model_path(config: MasterConfig, path: str) -> str:
+    """``path``, or ``model.student_model_path`` where it is ``student`` (the student's starting point)."""
     return config.model.student_model_path if path == SELF_DISTILLATION_TEACHER else path
 
 
@@ -81,41 +86,32 @@ class RunTeacherLoader:
         self.own_tokenizer = own_tokenizer
 
     def load(self, path: str) -> PreTrainedModel:
-        """The frozen teacher at ``path`` (``student``: the student's starting point), its head checked for fusing."""
-        model = load_teacher_model(
-            self.config, self.tokenizer, self._resolve(path), self.student_path, self.own_tokenizer
-        )
-        check_fusable(self.config, None, model)
+        """The frozen teacher at ``path`` (``student``: the student's starting point), its tokenizer and head checked.
+
+        Raises:
+            ModelCompatibilityError: its tokenizer (unless it has ``own_tokenizer``) or output layer does not match.
+            ConfigError: a head the fused loss cannot take.
+        """
+        config = self.config
+        teacher_path = _model_path(config, path)
+        device = resolve_device(config.model.device)
+        dtype = resolve_dtype(config.model.dtype, device)
+        # Checked even when model.tokenizer_path overrides the student's: its logits are indexed by its own ids.
+        if self.own_tokenizer is None:
+            teacher_tokenizer = load_tokenizer(teacher_path, config.model.trust_remote_code)
+            check_tokenizer_compatibility(self.tokenizer, teacher_tokenizer, self.student_path, teacher_path)
+        log.info("loading teacher %s (%s on %s)", teacher_path, str(dtype).replace("torch.", ""), device)
+        model = load_causal_lm(teacher_path, dtype, device, config.model)
+        own = self.own_tokenizer if self.own_tokenizer is not None else self.tokenizer
+        check_output_sizes(model, len(own), teacher_path)
+        check_fusable(config, None, model)
         return model
 
     def connect(self, remote: RemoteTeacherConfig, model_path: str | None) -> RemoteTeacher:
         """The served teacher's client (:func:`connect_remote_teacher`)."""
         return connect_remote_teacher(
-            self.config, self.tokenizer, remote, None if model_path is None else self._resolve(model_path)
+            self.config, self.tokenizer, remote, None if model_path is None else _model_path(self.config, model_path)
         )
-
-    def _resolve(self, path: str) -> str:
-        return self.config.model.student_model_path if path == SELF_DISTILLATION_TEACHER else path
-
-
-def load_teacher_model(
-    config: MasterConfig, tokenizer: Any, teacher_path: str, student_path: str, own_tokenizer: Any | None = None
-) -> PreTrainedModel:
-    """Loads a frozen teacher in process, after checking that its tokenizer is the run's (or ``own_tokenizer``).
-
-    Raises:
-        ModelCompatibilityError: the teacher's tokenizer or output layer does not match.
-    """
-    device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device)
-    # Checked even when model.tokenizer_path overrides the student's: its logits are indexed by its own ids.
-    if own_tokenizer is None:
-        teacher_tokenizer = load_tokenizer(teacher_path, config.model.trust_remote_code)
-        check_tokenizer_compatibility(tokenizer, teacher_tokenizer, student_path, teacher_path)
-    log.info("loading teacher %s (%s on %s)", teacher_path, str(dtype).replace("torch.", ""), device)
-    teacher_model = load_causal_lm(teacher_path, dtype, device, config.model)
-    check_output_sizes(teacher_model, len(own_tokenizer if own_tokenizer is not None else tokenizer), teacher_path)
-    return teacher_model
 
 
 def check_fusable(config: MasterConfig, student: PreTrainedModel | None, teacher: PreTrainedModel | None) -> None:
@@ -220,7 +216,7 @@ def assemble_in_worker(
 def member_teacher_path(config: MasterConfig, member: TeacherMemberConfig) -> str:
     """A local member's model path (``student``: the student's starting point)."""
     assert member.model_path is not None  # checked with the config
-    return config.model.student_model_path if member.model_path == SELF_DISTILLATION_TEACHER else member.model_path
+    return _model_path(config, member.model_path)
 
 
 def teacher_engines(
