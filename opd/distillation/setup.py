@@ -282,25 +282,25 @@ def build_in_process(
     tokenizer: Any,
     total_steps: int,
     micro_batch_size: int,
-    members: list[TeacherInterface] | None,
     resume_from: Path | None,
     train_examples: list[PreparedExample],
     teacher_tokenizer: Any | None = None,
 ) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, list[TeacherEngine]]:
     """``(student, teacher, student engine, teacher engines)`` in this process; a resume loads ``policy/``.
 
-    ``members`` are the teachers built before the student (served, or several); None loads the one teacher here.
+    Served or several teachers are built before the student; the one teacher in process with it (:func:`load_models`).
     """
+    # Served teachers connect before the student loads: a bad server fails in seconds.
+    members = load_teacher_members(config, tokenizer) if config.teachers is not None or config.teacher.served else None
     lora = config.model.active_lora()
     # LoRA resumes from the base model plus the adapter restored with the optimizer (policy/ holds merged weights).
     student_path = (
         str(resume_from / "policy") if resume_from is not None and lora is None else config.model.student_model_path
     )
     student_model, in_process = load_models(config, tokenizer, student_path)
-    teacher_model = model_in_process(in_process)
     # A cross-tokenizer teacher has other stop ids.
-    same_ids = not config.teacher.cross_tokenizer
-    report_stop_tokens(config, tokenizer, student_model, teacher_model if same_ids else None, train_examples)
+    teacher_model = model_in_process(in_process) if not config.teacher.cross_tokenizer else None
+    report_stop_tokens(config, tokenizer, student_model, teacher_model, train_examples)
     if in_process is not None:
         members = [in_process]
     if members is None:
@@ -329,11 +329,7 @@ def build_in_process(
 
 
 def build_on_cluster(
-    config: MasterConfig,
-    tokenizer: Any,
-    total_steps: int,
-    micro_batch_size: int,
-    remote_teacher: TeacherInterface | None,
+    config: MasterConfig, tokenizer: Any, total_steps: int, micro_batch_size: int
 ) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, list[TeacherEngine]]:
     """Student, teacher and rollout engines as Ray worker groups (``cluster:``), and the baselines' teacher engines.
 
@@ -341,6 +337,9 @@ def build_on_cluster(
     Colocated teachers are assembled in each trainer worker (:func:`~opd.distillation.teacher_plan.assemble_teacher`);
     the driver holds a facade (:class:`~opd.distributed.colocated_teacher.TeacherInTrainerWorkers`).
     """
+    # Served teachers connect before the workers start: a bad server fails in seconds.
+    one_served = config.teachers is None and config.teacher.served
+    remote_teacher = load_teacher_members(config, tokenizer)[0] if one_served else None
     # Ray is an optional extra the in-process path never needs.
     from opd.distributed.setup import ClusterRequest, build_cluster_backends
 
@@ -350,16 +349,11 @@ def build_on_cluster(
     for path in teacher_paths.values() if same_tokenizer else ():  # before any worker loads a model
         teacher_tokenizer = load_tokenizer(path, config.model.trust_remote_code)
         check_tokenizer_compatibility(tokenizer, teacher_tokenizer, config.model.student_model_path, path)
-    # Served members connect before the workers start: a bad server fails in seconds.
-    served = (
-        {
-            member.name: connect_remote_teacher(config, tokenizer, member.remote, member.model_path)
-            for member in config.teachers.members
-            if member.served
-        }
-        if config.teachers is not None
-        else {}
-    )
+    served = {  # several teachers' served members
+        member.name: connect_remote_teacher(config, tokenizer, member.remote, member.model_path)
+        for member in (config.teachers.members if config.teachers is not None else ())
+        if member.served
+    }
     request = ClusterRequest(
         student_path=config.model.student_model_path,
         teacher_paths=teacher_paths,
@@ -380,13 +374,9 @@ def build_on_cluster(
     )
     policy, on_cluster, generation = build_cluster_backends(config.cluster, request)
     try:
-        baselines = _baseline_engines_on_cluster(config, tokenizer, generation)
-    except BaseException:
-        policy.close()  # stops the workers
-        raise
-    if teacher_paths and not config.cluster.teacher.in_pool:  # assembled in the workers, asked through this facade
-        return policy, on_cluster[0], generation, baselines
-    try:
+        baselines = _baseline_engines_on_cluster(config, tokenizer, generation, teacher_paths)
+        if teacher_paths and not config.cluster.teacher.in_pool:  # assembled in the workers, asked through this facade
+            return policy, on_cluster[0], generation, baselines
         if config.teachers is None:
             members = [remote_teacher if remote_teacher is not None else on_cluster[0]]
         else:
@@ -395,29 +385,23 @@ def build_on_cluster(
             members = load_teacher_members(config, tokenizer, ready={**served, **pools})
         teacher = assemble_teacher(config, tokenizer, teacher_tokenizer_of(config), members)
     except BaseException:
-        policy.close()
+        policy.close()  # stops the workers
         raise
     return policy, teacher, generation, baselines
 
 
 def _baseline_engines_on_cluster(
-    config: MasterConfig, tokenizer: Any, generation: GenerationInterface
+    config: MasterConfig, tokenizer: Any, generation: GenerationInterface, teacher_paths: dict[str, str]
 ) -> list[TeacherEngine]:
-    """The baselines' teacher engines on a cluster: the rollout workers answer for each teacher of the run."""
+    """The baselines' teacher engines on a cluster: the rollout workers answer for each local teacher of the run
+    (``teacher_paths``: :func:`_cluster_teacher_paths`)."""
     from opd.distributed.rollout import RayGeneration, TeacherOnRolloutWorkers
 
     assert isinstance(generation, RayGeneration)
-    paths: dict[str | None, str] = (
-        {member.name: member_teacher_path(config, member) for member in config.teachers.members if not member.served}
-        if config.teachers is not None
-        else {None: resolve_teacher_path(config)}
-        if not config.teacher.served
-        else {}
-    )
 
     def on_rollout_workers(name: str | None, own_tokenizer: Any) -> GenerationInterface:
         key = "teacher" if name is None else f"teacher {name}"
-        return TeacherOnRolloutWorkers(generation, key, absolute_model_path(paths[name]), own_tokenizer)
+        return TeacherOnRolloutWorkers(generation, key, absolute_model_path(teacher_paths[key]), own_tokenizer)
 
     return teacher_engines(config, tokenizer, teacher_tokenizer_of(config), on_rollout_workers)
 
@@ -462,36 +446,6 @@ def _cluster_prompt_sharing(config: MasterConfig, teacher_paths: dict[str, str])
     return tuple(by_role[role] for role in teacher_paths)
 
 
-def _build_models(
-    config: MasterConfig,
-    tokenizer: Any,
-    total_steps: int,
-    micro_batch_size: int,
-    resume_from: Path | None,
-    train_examples: list[PreparedExample],
-    teacher_tokenizer: Any | None,
-) -> tuple[PolicyInterface, TeacherInterface, GenerationInterface, list[TeacherEngine]]:
-    """The student, the teacher and the engines, on the cluster or in this process (:func:`build_in_process`)."""
-    # Served teachers connect before the student loads: a bad server fails in seconds.
-    served_or_several: list[TeacherInterface] | None = None
-    if (config.teachers is not None and config.cluster is None) or (config.teachers is None and config.teacher.served):
-        # On a cluster, several teachers' members are built with the workers.
-        served_or_several = load_teacher_members(config, tokenizer)
-    if config.cluster is not None:
-        remote_teacher = served_or_several[0] if served_or_several is not None else None
-        return build_on_cluster(config, tokenizer, total_steps, micro_batch_size, remote_teacher)
-    return build_in_process(
-        config,
-        tokenizer,
-        total_steps,
-        micro_batch_size,
-        served_or_several,
-        resume_from,
-        train_examples,
-        teacher_tokenizer,
-    )
-
-
 def setup(master_config: MasterConfig) -> DistillationComponents:
     """Builds everything ``distillation_train`` needs, checking user input first; resumes from the newest checkpoint.
 
@@ -521,20 +475,21 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     )  # fmt: skip
     train_examples = examples_of(split="train")
     check_config_against_data(config, train_examples)
+    training = config.training
     steps_per_epoch, total_steps = plan_run_length(
-        len(train_examples),
-        config.training.batch_size,
-        config.training.num_epochs,
-        config.training.max_num_steps,
-        config.data.train_path,
+        len(train_examples), training.batch_size, training.num_epochs, training.max_num_steps, config.data.train_path
     )
     val_examples = examples_of(split="val") if config.data.has_validation else None  # episodes too
     report_overlap(train_examples, val_examples, config.data)
 
     resume_from = find_resume_checkpoint(config.checkpointing.enabled, checkpointer)
-    student_policy, teacher, student_generation, teacher_generation = _build_models(
-        config, tokenizer, total_steps, micro_batch_size, resume_from, train_examples, teacher_tokenizer
-    )
+    if config.cluster is not None:
+        built = build_on_cluster(config, tokenizer, total_steps, micro_batch_size)
+    else:
+        built = build_in_process(
+            config, tokenizer, total_steps, micro_batch_size, resume_from, train_examples, teacher_tokenizer
+        )
+    student_policy, teacher, student_generation, teacher_generation = built
     save_state = restore_run(resume_from, student_policy, checkpointer, config, total_steps)
     logger = Logger(config.logger, total_steps)
     logger.log_hyperparams(config.model_dump(mode="json", by_alias=True))
@@ -544,21 +499,18 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
         len(val_examples) if val_examples else 0,
         total_steps,
         steps_per_epoch,
-        config.training.batch_size * config.distillation.num_samples_per_prompt,
+        training.batch_size * config.distillation.num_samples_per_prompt,
         micro_batch_size,
     )
-    teacher_policy = teacher
     return DistillationComponents(
         student_policy=student_policy,
-        teacher_policy=teacher_policy,
+        teacher_policy=teacher,
         student_generation=student_generation,
         teacher_generation=teacher_generation,
-        dataloader=make_train_dataloader(
-            train_examples, config.training.batch_size, config.data.shuffle, config.training.seed
-        ),
+        dataloader=make_train_dataloader(train_examples, training.batch_size, config.data.shuffle, training.seed),
         val_dataloader=make_eval_dataloader(val_examples, config.validation.batch_size) if val_examples else None,
         tokenizer=tokenizer,
-        loss_fn=build_loss(config, tokenizer, teacher_policy.student_classes),
+        loss_fn=build_loss(config, tokenizer, teacher.student_classes),
         logger=logger,
         checkpointer=checkpointer,
         distillation_save_state=save_state,
