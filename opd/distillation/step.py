@@ -54,7 +54,6 @@ from opd.models.interfaces import (
     PerTeacherRequest,
     PolicyInterface,
     TeacherInterface,
-    TeacherRequest,
     TeacherSignal,
     TimedPending,
 )
@@ -62,26 +61,13 @@ from opd.rollout.environments.config import build_environment
 from opd.rollout.environments.math_verifier import grade_responses
 from opd.rollout.environments.turn_template import TurnTemplate
 from opd.rollout.multi_turn import Episodes, MultiTurnRollout, multi_turn_rollout
-from opd.run.training_loop import NextBatch, RunSaveState, TrainingCallbacks, run_training_loop
+from opd.run.training_loop import NextBatch, TrainingCallbacks, run_training_loop
 from opd.run.validation import validate
 from opd.teachers.several_teachers import MixedSignal
 from opd.teachers.signals import holds_hidden_states, signal_from_state, signal_rows, signal_to_state
 from opd.utils.errors import ConfigError
 from opd.utils.memory import peak_memory_mb
 from opd.utils.timer import Timer
-
-DistillationSaveState = RunSaveState
-"""Counters saved in every checkpoint (see :class:`~opd.run.training_loop.RunSaveState`)."""
-
-_CONSOLE_KEYS = (
-    "train/loss",
-    "train/kl_forward",
-    "train/kl_reverse",
-    "train/kl_reverse_estimate",
-    "train/on_policy",
-    "train/mean_response_length",
-    "perf/tokens_per_s",
-)
 
 
 def step_metrics(
@@ -149,7 +135,15 @@ def distillation_train(components: DistillationComponents) -> None:
 class DistillationRun(TrainingCallbacks):
     """One distillation run: its components (from :func:`~opd.distillation.setup.setup`), schedule and step."""
 
-    console_keys = _CONSOLE_KEYS
+    console_keys = (
+        "train/loss",
+        "train/kl_forward",
+        "train/kl_reverse",
+        "train/kl_reverse_estimate",
+        "train/on_policy",
+        "train/mean_response_length",
+        "perf/tokens_per_s",
+    )
 
     def __init__(self, components: DistillationComponents) -> None:
         self.parts = components
@@ -206,15 +200,12 @@ class DistillationRun(TrainingCallbacks):
             metrics["train/lambda"] = self.config.distillation.lambda_at(self.policy_version)
         return len(scheduled.examples), metrics
 
-    def _refresh_generation(self) -> None:
-        # Validation samples too, from the weights just trained (rollouts in flight finish first).
-        self.schedule.refresh_for_validation(self.policy_version)
-
     def validate(self) -> dict[str, float] | None:
         """The student's accuracy, lengths and KL to the teacher (:func:`validate`); None without data."""
         if self.parts.val_dataloader is None:
             return None
-        self._refresh_generation()
+        # Validation samples too, from the weights just trained (rollouts in flight finish first).
+        self.schedule.refresh_for_validation(self.policy_version)
         return validate(
             self.parts.student_generation,
             self.parts.student_policy,
@@ -233,7 +224,7 @@ class DistillationRun(TrainingCallbacks):
         if parts.val_dataloader is None or not parts.teacher_generation:
             return {}
         if self.config.validation.eval_baseline:  # the student answers too: from its current weights
-            self._refresh_generation()
+            self.schedule.refresh_for_validation(self.policy_version)
         metrics = validation_baselines(
             parts.student_generation, parts.teacher_generation, parts.val_dataloader, parts.tokenizer, self.config
         )
@@ -294,7 +285,7 @@ class _Slot:
     examples: list[PreparedExample]
     on_policy: bool
     sampled_version: int | None
-    rollout: Pending[Any] | None = None  # running or done; None once collected
+    rollout: Pending[Any] | Future[Any] | None = None  # running or done (a Future: on a thread); None once collected
     finish: Callable[[Any], BatchedDataDict] | None = None  # makes the collected rollout a training batch
     batch: BatchedDataDict | None = None  # the collected training batch
     teacher: Pending[TeacherSignal] | None = None
@@ -332,11 +323,11 @@ class RolloutSchedule:
         # the trainer per micro-batch, unless two_step_off scores the next batch during the update. Routed teachers
         # of which one asks for the full vocabulary score at the step.
         full_vocab = isinstance(request, FullVocabRequest)
+        routes_full_vocab = isinstance(request, PerTeacherRequest) and any(
+            isinstance(part, FullVocabRequest) for part in request.requests
+        )
         self.scores_ahead = (
-            self.depth > 0
-            and request is not None
-            and not _routes_full_vocab(request)
-            and (self.depth == 2 or not full_vocab)
+            self.depth > 0 and request is not None and not routes_full_vocab and (self.depth == 2 or not full_vocab)
         )
         # A whole batch's full vocabulary is scored ahead as final hidden states, never as logits.
         self.ahead_request = FullVocabRequest(prefer_hidden_states=True) if full_vocab else request
@@ -367,15 +358,15 @@ class RolloutSchedule:
         """The batch to train at policy version ``version`` (steps taken), after starting the rollouts due now."""
         seconds: dict[str, float] = {}
         if not self.queue:  # sync, or the first step of an asynchronous run
-            self.queue.append(self._start(next_examples(), version, seconds, version + 1 + len(self.queue)))
+            self.queue.append(self._start(next_examples(), version, seconds))
         current = self.queue[0]
         self._collect(current, seconds)
         if self.depth == 2:
             if len(self.queue) < 2:  # warm-up: the second batch, with the initial weights too
-                self.queue.append(self._start(next_examples(), version, seconds, version + 1 + len(self.queue)))
+                self.queue.append(self._start(next_examples(), version, seconds))
             self._collect(self.queue[1], seconds)  # its teacher now scores while the student trains
         while len(self.queue) < self.depth + 1:  # sampled with the weights of now, trained later
-            self.queue.append(self._start(next_examples(), version, seconds, version + 1 + len(self.queue)))
+            self.queue.append(self._start(next_examples(), version, seconds))
         teacher_signal = None
         if current.teacher is not None:
             start = time.perf_counter()
@@ -410,9 +401,10 @@ class RolloutSchedule:
         self._drain()
         self.sync_weights(version)
 
-    def _start(self, examples: list[PreparedExample], version: int, seconds: dict[str, float], step: int) -> _Slot:
-        """Flips the λ coin of optimizer step ``step`` (the batch's place in the queue says which) and starts
+    def _start(self, examples: list[PreparedExample], version: int, seconds: dict[str, float]) -> _Slot:
+        """Flips the λ coin of the optimizer step the batch will train (its place in the queue says which) and starts
         its rollout (synced to ``version`` first) or builds its fixed data."""
+        step = version + 1 + len(self.queue)
         on_policy = self.lambda_coin.random() < self.config.distillation.lambda_at(step)
         if not on_policy:
             slot = _Slot(examples, False, None)
@@ -446,8 +438,7 @@ class RolloutSchedule:
         run on a background thread beside the update (no refit until they end); otherwise they run to the end now.
         """
         assert self.environment is not None and self.config.environment is not None
-        missing = [index for index, example in enumerate(examples) if "prompt_messages" not in example]
-        if missing:
+        if any("prompt_messages" not in example for example in examples):
             raise ValueError("multi-turn rollouts need each example's prompt_messages (prepare_examples with tools)")
         slot = _Slot(examples, True, version, finish=lambda raw: self._finish_multi_turn(raw, slot))
         if self.asynchronous and self.generation.samples_elsewhere:
@@ -455,17 +446,14 @@ class RolloutSchedule:
                 self._episodes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-episodes")
             future = self._episodes.submit(self._run_episodes, examples)
             self._episodes_in_flight.append(future)
-            slot.rollout = _FromThread(future)
+            slot.rollout = future
             return slot
         start = time.perf_counter()
-        rollout = self._run_episodes(examples)
-        slot.rollout = None
-        slot.batch = self._finish_multi_turn(rollout, slot)
+        slot.batch = self._finish_multi_turn(self._run_episodes(examples), slot)
         rollout_seconds = time.perf_counter() - start
-        environment_seconds = slot.rollout_metrics.get("timing/environment", 0.0)
+        environment_seconds = slot.rollout_metrics.pop("timing/environment", 0.0)
         seconds["environment"] = seconds.get("environment", 0.0) + environment_seconds
         seconds["generation"] = seconds.get("generation", 0.0) + rollout_seconds - environment_seconds
-        slot.rollout_metrics.pop("timing/environment", None)
         self._start_teacher(slot)
         return slot
 
@@ -608,32 +596,13 @@ class RolloutSchedule:
             self.queue.append(slot)
 
 
-class _FromThread(Pending[Any]):
-    """A result computed on a background thread (a multi-turn rollout running beside the update)."""
-
-    def __init__(self, future: Future[Any]) -> None:
-        self.future = future
-
-    def result(self) -> Any:
-        """Waits for the thread's result; raises what it raised."""
-        return self.future.result()
-
-
 def _teacher_state(slot: _Slot) -> dict[str, Any]:
     """A slot's teacher signal for a checkpoint; hidden states or an unmixed mixture are left out (scored on resume)."""
-
     signal = slot.teacher_signal
     unmixed = isinstance(signal, MixedSignal) and signal.mixed is None
     if holds_hidden_states(signal) or unmixed:
         return {"teacher_signal": None, "teacher_started": False}
-    return {"teacher_signal": signal_to_state(slot.teacher_signal), "teacher_started": slot.teacher_started}
-
-
-def _routes_full_vocab(request: TeacherRequest) -> bool:
-    """Whether ``request`` routes rows to several teachers of which one asks for the full vocabulary."""
-    return isinstance(request, PerTeacherRequest) and any(
-        isinstance(part, FullVocabRequest) for part in request.requests
-    )
+    return {"teacher_signal": signal_to_state(signal), "teacher_started": slot.teacher_started}
 
 
 def task_rewards(
