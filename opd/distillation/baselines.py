@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -31,23 +32,25 @@ def validation_baselines(
     """
     if not (config.validation.teacher_baseline or config.validation.eval_baseline):
         return {}
-    strategy = config.validation.generate_strategy
-    episodes = Episodes.from_config(config.environment)  # with an environment, each answers in episodes
+    # Answers without a KL (no policy, no teacher to compare with); with an environment, in episodes.
+    answer = functools.partial(
+        validate,
+        policy=None,
+        teacher=None,
+        val_dataloader=val_dataloader,
+        generate_strategy=config.validation.generate_strategy,
+        episodes=Episodes.from_config(config.environment),
+    )
     metrics: dict[str, float] = {}
     for engine in teacher_generation:
         prefix = "val/teacher_" if engine.name is None else f"val/teacher_{engine.name}_"
         try:
-            teacher_metrics = validate(
+            teacher_metrics = answer(
                 engine.generation,
-                None,
-                None,
-                val_dataloader,
-                engine.tokenizer,
-                strategy,
+                tokenizer=engine.tokenizer,
                 prefix=prefix,
                 prompt_key=engine.prompt_key,
                 keep=engine.answers,
-                episodes=episodes,
             )
         finally:
             engine.generation.close()
@@ -55,17 +58,7 @@ def validation_baselines(
             metrics.update(teacher_metrics)
         if not config.validation.eval_baseline:
             continue
-        student_metrics = validate(
-            student_generation,
-            None,
-            None,
-            val_dataloader,
-            tokenizer,
-            strategy,
-            prefix="val/student_",
-            keep=engine.answers,
-            episodes=episodes,
-        )
+        student_metrics = answer(student_generation, tokenizer=tokenizer, prefix="val/student_", keep=engine.answers)
         student_accuracy = student_metrics.get("val/student_accuracy")
         teacher_accuracy = teacher_metrics.get(f"{prefix}accuracy")
         if student_accuracy is None or teacher_accuracy is None:
