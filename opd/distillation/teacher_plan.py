@@ -16,6 +16,7 @@ from typing import Any
 
 from opd.distillation.config import MasterConfig
 from opd.models.interfaces import FullVocabRequest, TeacherInterface, TopKRequest
+from opd.teachers.backends import TeacherSourceConfig
 from opd.teachers.context_teacher import ContextTeacher
 from opd.teachers.cross_tokenizer import CrossTokenizerTeacher
 from opd.teachers.self_teacher import SELF_DISTILLATION_TEACHER
@@ -90,9 +91,9 @@ def _sends(request: Any, placement: Placement) -> str:
     return "log-probs of the sampled tokens"
 
 
-def _source(config: MasterConfig, model_path: str | None, url: str | None, served: bool) -> str:
-    if served:
-        return str(url)
+def _source(config: MasterConfig, model_path: str | None, teacher: TeacherSourceConfig) -> str:
+    if teacher.served:
+        return str(teacher.remote.url)
     if model_path == SELF_DISTILLATION_TEACHER:
         return f"student ({config.teacher.self_teacher})"
     return str(model_path)
@@ -103,23 +104,20 @@ def plan_teacher(config: MasterConfig) -> TeacherPlan:
     wrappers: list[str] = []
     if config.distillation.teacher_context_spec() is not None:
         wrappers.append("teacher-only context")
+    teachers: list[tuple[str | None, str | None, TeacherSourceConfig]]  # name, model path, where it runs
     if config.teachers is None:
-        served = config.teacher.served
-        placement, detail = _placement(config, served)
-        request = config.loss_fn.teacher_request(None)
-        source = _source(config, config.model.teacher_model_path, config.teacher.remote.url, served)
+        teachers = [(None, config.model.teacher_model_path, config.teacher)]
         if config.teacher.cross_tokenizer:
             wrappers.append("cross-tokenizer (classes of tokens both vocabularies share)")
-        planned = PlannedMember(None, source, placement, detail, _sends(request, placement))
-        return TeacherPlan((planned,), tuple(wrappers))
+    else:
+        teachers = [(member.name, member.model_path, member) for member in config.teachers.members]
+        wrappers.append(f"route by {config.teachers.route_key}" if config.teachers.routes else "mixture")
     members = []
-    for member, (_, loss) in zip(config.teachers.members, config.teacher_losses(), strict=True):
-        placement, detail = _placement(config, member.served)
-        source = _source(config, member.model_path, member.remote.url, member.served)
+    for (name, model_path, teacher), (_, loss) in zip(teachers, config.teacher_losses(), strict=True):
+        placement, detail = _placement(config, teacher.served)
         sends = _sends(loss.teacher_request(None), placement)
-        members.append(PlannedMember(member.name, source, placement, detail, sends))
-    combination = f"route by {config.teachers.route_key}" if config.teachers.routes else "mixture"
-    return TeacherPlan(tuple(members), (*wrappers, combination))
+        members.append(PlannedMember(name, _source(config, model_path, teacher), placement, detail, sends))
+    return TeacherPlan(tuple(members), tuple(wrappers))
 
 
 def assemble_teacher(
