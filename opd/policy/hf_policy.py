@@ -100,16 +100,12 @@ def plan_micro_batches(
     return planned
 
 
-HiddenStatesFn = Callable[..., torch.Tensor]
-"""Runs a model's decoder to its final hidden states (``input_ids``, ``attention_mask``, ``position_ids``)."""
-
-
 def student_output(
     model: PreTrainedModel,
     micro_batch: BatchedDataDict,
     device: torch.device,
     fused_lm_head: bool,
-    hidden_states: HiddenStatesFn | None = None,
+    hidden_states: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor | LMHeadInput:
     """The student's logits, or (fused loss) its final hidden states and output head.
 

@@ -99,10 +99,6 @@ class EarlyStopConfig(StrictConfig):
         """Whether the target is the teacher's own value (``target: teacher``), measured by the teacher baseline."""
         return self.target == "teacher"
 
-    def target_value(self, teacher_value: float | None) -> float | None:
-        """The value that stops the run (None: no target): ``target``, or ``teacher_value`` for ``target: teacher``."""
-        return teacher_value if isinstance(self.target, str) else self.target
-
     def problem(self) -> str | None:
         """What makes the section unusable on its own (each message names the key), or None."""
         if self.resolved_mode() is None:
@@ -152,7 +148,8 @@ def observe(config: EarlyStopConfig, state: EarlyStopState, value: float, step: 
         state["bad_validations"] += 1
     if not judge:
         return None
-    target = config.target_value(state["teacher_value"])
+    # The value that stops the run (None: no target): the teacher baseline's for target: teacher.
+    target = state["teacher_value"] if isinstance(config.target, str) else config.target
     if target is not None and finite and sign * (value - target) >= -config.target_tolerance:
         whose = " (the teacher's)" if config.targets_teacher else ""
         within = f" within {config.target_tolerance:.4g}" if config.target_tolerance else ""
