@@ -356,43 +356,40 @@ class RolloutSchedule:
 
     def next_batch(self, next_examples: NextExamples, version: int) -> ScheduledBatch:
         """The batch to train at policy version ``version`` (steps taken), after starting the rollouts due now."""
-        seconds: dict[str, float] = {}
+        timer = Timer()
         if not self.queue:  # sync, or the first step of an asynchronous run
-            self.queue.append(self._start(next_examples(), version, seconds))
+            self.queue.append(self._start(next_examples(), version, timer))
         current = self.queue[0]
-        self._collect(current, seconds)
+        self._collect(current, timer)
         if self.depth == 2:
             if len(self.queue) < 2:  # warm-up: the second batch, with the initial weights too
-                self.queue.append(self._start(next_examples(), version, seconds))
-            self._collect(self.queue[1], seconds)  # its teacher now scores while the student trains
+                self.queue.append(self._start(next_examples(), version, timer))
+            self._collect(self.queue[1], timer)  # its teacher now scores while the student trains
         while len(self.queue) < self.depth + 1:  # sampled with the weights of now, trained later
-            self.queue.append(self._start(next_examples(), version, seconds))
+            self.queue.append(self._start(next_examples(), version, timer))
         teacher_signal = None
         if current.teacher is not None:
-            start = time.perf_counter()
-            teacher_signal = current.teacher.result()
-            seconds["wait_prev_teacher"] = seconds.get("wait_prev_teacher", 0.0) + time.perf_counter() - start
+            with timer.time("wait_prev_teacher"):
+                teacher_signal = current.teacher.result()
             current.teacher = None
         elif current.teacher_signal is not None:  # restored from a checkpoint
             teacher_signal = current.teacher_signal
         self.queue.popleft()
         assert current.batch is not None  # collected above
-        return self._scheduled(current, version, teacher_signal, seconds)
+        return self._scheduled(current, version, teacher_signal, timer.pop())
 
-    def sync_weights(self, version: int, seconds: dict[str, float] | None = None) -> None:
-        """Loads the policy's weights (version ``version``) into the engine, if it holds others."""
+    def sync_weights(self, version: int, timer: Timer | None = None) -> None:
+        """Loads the policy's weights (version ``version``) into the engine, if it holds others (timed for a step)."""
         if not self.generation.needs_refit or self.rollout_version == version:
             return
-        start = time.perf_counter()
-        # A multi-turn rollout samples every turn with the weights it started with: refit once its episodes end.
-        for episodes in self._episodes_in_flight:
-            episodes.result()
-        self._episodes_in_flight.clear()
-        moved = self.generation.refit(self.policy)
+        with (timer or Timer()).time("sync_rollout_weights" if self.asynchronous else "refit"):
+            # A multi-turn rollout samples every turn with the weights it started with: refit once its episodes end.
+            for episodes in self._episodes_in_flight:
+                episodes.result()
+            self._episodes_in_flight.clear()
+            moved = self.generation.refit(self.policy)
         self.rollout_version = version
-        if seconds is not None:
-            key = "sync_rollout_weights" if self.asynchronous else "refit"
-            seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
+        if timer is not None:
             for name, value in moved.items():
                 self.refit_metrics[name] = self.refit_metrics.get(name, 0.0) + value
 
@@ -401,7 +398,7 @@ class RolloutSchedule:
         self._drain()
         self.sync_weights(version)
 
-    def _start(self, examples: list[PreparedExample], version: int, seconds: dict[str, float]) -> _Slot:
+    def _start(self, examples: list[PreparedExample], version: int, timer: Timer) -> _Slot:
         """Flips the λ coin of the optimizer step the batch will train (its place in the queue says which) and starts
         its rollout (synced to ``version`` first) or builds its fixed data."""
         step = version + 1 + len(self.queue)
@@ -413,10 +410,10 @@ class RolloutSchedule:
             )
             self._start_teacher(slot)
             return slot
-        self.sync_weights(version, seconds)
+        self.sync_weights(version, timer)
         distillation = self.config.distillation
         if self.environment is not None:
-            return self._start_multi_turn(examples, version, seconds)
+            return self._start_multi_turn(examples, version, timer)
         start = time.perf_counter()
         rollout = self.generation.generate_async(
             [example["prompt_ids"] for example in examples],
@@ -427,11 +424,11 @@ class RolloutSchedule:
         if not self.asynchronous:
             # In sync the rollout is the step's generation phase: it is collected at once.
             slot = _Slot(examples, True, version, batch=self._finish_rollout(rollout.result(), examples))
-            seconds["generation"] = seconds.get("generation", 0.0) + time.perf_counter() - start
+            timer.add("generation", time.perf_counter() - start)
             return slot
         return _Slot(examples, True, version, rollout=rollout, finish=lambda raw: self._finish_rollout(raw, examples))
 
-    def _start_multi_turn(self, examples: list[PreparedExample], version: int, seconds: dict[str, float]) -> _Slot:
+    def _start_multi_turn(self, examples: list[PreparedExample], version: int, timer: Timer) -> _Slot:
         """Starts a multi-turn rollout (:mod:`opd.rollout.multi_turn`); its batch is built when it is collected.
 
         Each turn is a ``generate`` call, so any engine serves it. Asynchronous with rollout workers, the episodes
@@ -452,8 +449,8 @@ class RolloutSchedule:
         slot.batch = self._finish_multi_turn(self._run_episodes(examples), slot)
         rollout_seconds = time.perf_counter() - start
         environment_seconds = slot.rollout_metrics.pop("timing/environment", 0.0)
-        seconds["environment"] = seconds.get("environment", 0.0) + environment_seconds
-        seconds["generation"] = seconds.get("generation", 0.0) + rollout_seconds - environment_seconds
+        timer.add("environment", environment_seconds)
+        timer.add("generation", rollout_seconds - environment_seconds)
         self._start_teacher(slot)
         return slot
 
@@ -489,18 +486,17 @@ class RolloutSchedule:
             batch["task_reward"] = torch.nan_to_num(rollout.rewards(), nan=0.0)
         return batch
 
-    def _collect(self, slot: _Slot, seconds: dict[str, float]) -> None:
+    def _collect(self, slot: _Slot, timer: Timer) -> None:
         """Waits for a slot's rollout (timed as ``wait_prev_gen``) and starts its teacher."""
         if slot.rollout is not None:
-            start = time.perf_counter()
-            raw = slot.rollout.result()
-            seconds["wait_prev_gen"] = seconds.get("wait_prev_gen", 0.0) + time.perf_counter() - start
+            with timer.time("wait_prev_gen"):
+                raw = slot.rollout.result()
             assert slot.finish is not None  # every started rollout has one
             slot.batch = slot.finish(raw)
             slot.rollout = None
             environment_seconds = slot.rollout_metrics.pop("timing/environment", None)
             if environment_seconds is not None:  # spent in the background thread, beside the update
-                seconds["environment"] = seconds.get("environment", 0.0) + environment_seconds
+                timer.add("environment", environment_seconds)
         self._start_teacher(slot)
 
     def _start_teacher(self, slot: _Slot) -> None:
@@ -550,7 +546,7 @@ class RolloutSchedule:
     def _drain(self) -> None:
         """Collects every rollout and teacher score in flight (results are kept for their steps)."""
         for slot in self.queue:
-            self._collect(slot, {})
+            self._collect(slot, Timer())
             if slot.teacher is not None:
                 slot.teacher_signal = slot.teacher.result()
                 slot.teacher = None
