@@ -344,7 +344,7 @@ def build_on_cluster(
     from opd.distributed.setup import ClusterRequest, build_cluster_backends
 
     assert config.cluster is not None
-    teacher_paths = _cluster_teacher_paths(config, remote_teacher)
+    teacher_paths = _cluster_teacher_paths(config)
     same_tokenizer = not config.teacher.cross_tokenizer  # a cross-tokenizer teacher was checked as such
     for path in teacher_paths.values() if same_tokenizer else ():  # before any worker loads a model
         teacher_tokenizer = load_tokenizer(path, config.model.trust_remote_code)
@@ -369,7 +369,7 @@ def build_on_cluster(
         checkpoint_dir=config.checkpointing.checkpoint_dir if config.checkpointing.enabled else None,
         lora=config.model.active_lora(),
         teacher_assembly=functools.partial(assemble_in_worker, config, tokenizer, teacher_tokenizer_of(config)),
-        teacher_head_paths=_teacher_head_paths(config, remote_teacher),
+        teacher_head_paths=_teacher_head_paths(config),
         share_prompt_forward=_cluster_prompt_sharing(config, teacher_paths),
     )
     policy, on_cluster, generation = build_cluster_backends(config.cluster, request)
@@ -406,7 +406,7 @@ def _baseline_engines_on_cluster(
     return teacher_engines(config, tokenizer, teacher_tokenizer_of(config), on_rollout_workers)
 
 
-def _teacher_head_paths(config: MasterConfig, remote_teacher: TeacherInterface | None) -> tuple[str | None, ...]:
+def _teacher_head_paths(config: MasterConfig) -> tuple[str | None, ...]:
     """The models whose output layers the trainer workers load, by teacher position (empty: none).
 
     A teacher apart (pool or served) answers a full-vocabulary objective with hidden states alone, which each worker
@@ -415,7 +415,7 @@ def _teacher_head_paths(config: MasterConfig, remote_teacher: TeacherInterface |
     assert config.cluster is not None
     in_pool = config.cluster.teacher.in_pool
     if config.teachers is None:
-        apart = remote_teacher is not None or in_pool
+        apart = config.teacher.served or in_pool
         if apart and isinstance(config.loss_fn.teacher_request(None), FullVocabRequest):
             return (resolve_teacher_path(config),)
         return ()
@@ -427,7 +427,7 @@ def _teacher_head_paths(config: MasterConfig, remote_teacher: TeacherInterface |
     return tuple(heads) if any(head is not None for head in heads) else ()
 
 
-def _cluster_teacher_paths(config: MasterConfig, remote_teacher: TeacherInterface | None) -> dict[str, str]:
+def _cluster_teacher_paths(config: MasterConfig) -> dict[str, str]:
     """The teachers the cluster runs, by worker role: the one teacher, or each local member of ``teachers:``."""
     if config.teachers is not None:
         return {
@@ -435,7 +435,7 @@ def _cluster_teacher_paths(config: MasterConfig, remote_teacher: TeacherInterfac
             for member in config.teachers.members
             if not member.served
         }
-    return {} if remote_teacher is not None else {"teacher": resolve_teacher_path(config)}
+    return {} if config.teacher.served else {"teacher": resolve_teacher_path(config)}
 
 
 def _cluster_prompt_sharing(config: MasterConfig, teacher_paths: dict[str, str]) -> tuple[bool, ...]:
