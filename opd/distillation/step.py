@@ -401,17 +401,15 @@ class RolloutSchedule:
     def _start(self, examples: list[PreparedExample], version: int, timer: Timer) -> _Slot:
         """Flips the λ coin of the optimizer step the batch will train (its place in the queue says which) and starts
         its rollout (synced to ``version`` first) or builds its fixed data."""
+        distillation = self.config.distillation
         step = version + 1 + len(self.queue)
-        on_policy = self.lambda_coin.random() < self.config.distillation.lambda_at(step)
+        on_policy = self.lambda_coin.random() < distillation.lambda_at(step)
         if not on_policy:
-            slot = _Slot(examples, False, None)
-            slot.batch = build_fixed_data_batch(
-                examples, self.tokenizer.pad_token_id, self.config.distillation.mask_prompt_tokens
-            )
+            batch = build_fixed_data_batch(examples, self.tokenizer.pad_token_id, distillation.mask_prompt_tokens)
+            slot = _Slot(examples, False, None, batch=batch)
             self._start_teacher(slot)
             return slot
         self.sync_weights(version, timer)
-        distillation = self.config.distillation
         if self.environment is not None:
             return self._start_multi_turn(examples, version, timer)
         start = time.perf_counter()
