@@ -55,7 +55,7 @@ _MAX_SEED = 2**31 - 1
 
 
 class VllmGenerationConfig(StrictConfig):
-    """The colocated vLLM engine (``generation.vllm``, used when ``generation.backend = vllm``; see the module)."""
+    """The colocated vLLM engine (``generation.vllm``, used when ``generation.backend = vllm``)."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="engine dtype; auto = the student's dtype (greedy rollouts then match HF's)"

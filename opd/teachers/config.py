@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling
 
 
 class TeacherConfig(TeacherSourceConfig):
-    """Where the teacher runs (``local`` or ``remote``); ``self_teacher``: see :mod:`opd.teachers.self_teacher`."""
+    """The teacher runs in process (``local``), behind HTTP (``remote``), or is the student (``self_teacher``)."""
 
     backend: TeacherBackendName = Field("local", description="local = model.teacher_model_path in process")
     cross_tokenizer: bool = Field(
