@@ -205,14 +205,14 @@ def test_the_switch_reaches_the_cluster_teachers(tmp_path):
 
     tiny = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
     one = load_config(MasterConfig, tiny, [*short_run_overrides(tmp_path), "teacher.share_prompt_forward=false"])
-    assert _cluster_prompt_sharing(one, _cluster_teacher_paths(one, None)) == (False,)
+    assert _cluster_prompt_sharing(one, _cluster_teacher_paths(one)) == (False,)
     members = (
         "teachers.members=[{name: add, model_path: 'tiny:teacher', share_prompt_forward: false}, "
         "{name: sub, model_path: 'tiny:student-b'}]"
     )
     two_overrides = ["teachers.mode=route", "teachers.route_key=task", "model.teacher_model_path=null", members]
     two = load_config(MasterConfig, tiny, [*short_run_overrides(tmp_path), *two_overrides])
-    paths = _cluster_teacher_paths(two, None)
+    paths = _cluster_teacher_paths(two)
     assert list(paths) == ["teacher add", "teacher sub"]
     assert _cluster_prompt_sharing(two, paths) == (False, True)
     for share in (False, True):
