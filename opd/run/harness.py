@@ -14,6 +14,7 @@ without it, or without vLLM for ``backend: vllm``, the run stops before any mode
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import json
@@ -257,12 +258,9 @@ def _lm_eval_vllm_module() -> Any:
     import importlib.metadata as metadata
 
     name = "lm_eval.models.vllm_causallms"
-    try:
+    with contextlib.suppress(metadata.PackageNotFoundError):
         metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        pass
-    else:
-        return importlib.import_module(name)
+        return importlib.import_module(name)  # vLLM installed under its own name: nothing to patch
     import vllm
     from vllm.platforms import current_platform  # noqa: F401 (detected on first access, here)
 
