@@ -53,7 +53,6 @@ from opd.models.loading import load_causal_lm, load_output_layer, resolve_dtype
 from opd.policy.hf_policy import (
     ADAPTER_DIR,
     accumulate_gradients,
-    accumulate_metrics,
     apply_gradients,
     build_optimizer,
     build_scheduler,
@@ -71,6 +70,7 @@ from opd.teachers.local_teacher import LocalTeacher
 from opd.teachers.several_teachers import MixedSignal, RoutedSignal
 from opd.utils.devices import is_cpu, is_cuda
 from opd.utils.memory import release_cached_memory
+from opd.utils.step_metrics import MetricValue, accumulate_metrics
 
 SHARDS_DIR = "policy_shards"
 """Where a checkpoint keeps the trainer's sharded model and optimizer (torch.distributed.checkpoint)."""
@@ -413,33 +413,37 @@ class TrainerWorker(RefitSender):
         if self.teacher_members:
             # Kept gathered over the micro-batches (one all-gather per step), freed for what comes next.
             self._release_teachers()
-        totals = self._sum_over_ranks(totals)
         parameters = [param for param in self.model.parameters() if param.requires_grad]
-        totals = apply_gradients(parameters, self.optimizer, self.scheduler, self.spec.optimizer.max_grad_norm, totals)
-        totals["teacher_seconds"] = teacher_seconds
-        totals["compute_seconds"] = time.perf_counter() - start
-        return totals
+        metrics = apply_gradients(
+            parameters, self.optimizer, self.scheduler, self.spec.optimizer.max_grad_norm, self._sum_over_ranks(totals)
+        )
+        metrics["teacher_seconds"] = teacher_seconds
+        metrics["compute_seconds"] = time.perf_counter() - start
+        return metrics
 
-    def _sum_over_ranks(self, totals: dict[str, float]) -> dict[str, float]:
-        """Each metric summed over the ranks, ``*_max`` ones maximised.
+    def _sum_over_ranks(self, totals: dict[str, MetricValue]) -> dict[str, MetricValue]:
+        """Each metric summed over the ranks, ``*_max`` ones maximised, left on the device (read with the norm).
 
         Ranks may hold different keys (routed teachers), so keys are gathered first; a missing key adds 0 or −inf.
         """
         gathered: list[list[str] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, sorted(totals))
         every_key = sorted({key for keys in gathered for key in keys or []})
-        reduced: dict[str, float] = {}
+        reduced: dict[str, MetricValue] = {}
         for op, keys, missing in (
             (dist.ReduceOp.SUM, [key for key in every_key if not key.endswith("_max")], 0.0),
             (dist.ReduceOp.MAX, [key for key in every_key if key.endswith("_max")], -math.inf),
         ):
             if keys:
                 # On the compute device: an NCCL process group has no CPU backend.
-                values = torch.tensor(
-                    [totals.get(key, missing) for key in keys], dtype=torch.float64, device=self.device
+                values = torch.stack(
+                    [
+                        torch.as_tensor(totals.get(key, missing), dtype=torch.float64, device=self.device).reshape(())
+                        for key in keys
+                    ]
                 )
                 dist.all_reduce(values, op=op)
-                reduced.update(zip(keys, values.tolist(), strict=True))
+                reduced.update(zip(keys, values.unbind(), strict=True))
         return reduced
 
     def _answer(self, signal: TeacherSignal, micro_batch: BatchedDataDict) -> TeacherSignal:

@@ -141,14 +141,14 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             )
         grad_hidden, grad_weight, grad_bias = ctx.gradients
         ctx.gradients = None
-        # The loss is usually the graph's root (grad_output = 1): hand the gradients over as they are, since
-        # scaling would allocate a second [V, D] weight gradient, most of this loss's memory at a large vocabulary.
-        unit = bool(grad_output == 1)
+        # Scaled in place: the gradients are this function's own, and a scaled copy would be a second [V, D]
+        # weight gradient, most of this loss's memory at a large vocabulary. Always scaled, even by the usual 1:
+        # testing grad_output == 1 would read it from the device (a host sync at every backward).
 
         def scaled(gradient: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
             if gradient is None or not needed:
                 return None
-            return gradient if unit else gradient * grad_output.to(gradient.dtype)
+            return gradient.mul_(grad_output.to(gradient.dtype))
 
         return (
             scaled(grad_hidden, ctx.needs_input_grad[0]),

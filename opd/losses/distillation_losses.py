@@ -35,6 +35,7 @@ from opd.losses.off_policy import OffPolicyCorrection, importance_weights, learn
 from opd.losses.teacher_metrics import TeacherMetrics
 from opd.models.interfaces import FullVocabRequest, LossFunction, TeacherRequest, TopKLogprobs, TopKRequest
 from opd.models.lm_head import LMHeadInput
+from opd.utils.step_metrics import MetricValue, metric_share
 
 _NORMALISER_COUNTS: dict[str, Callable[[int, int], int]] = {
     "mean": lambda tokens, sequences: tokens,
@@ -103,37 +104,33 @@ def off_policy_row_weights(
     loss_mask: torch.Tensor,
     correction: OffPolicyCorrection,
     global_valid_tokens: int,
-) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """The importance weight of each loss position of a micro-batch, and its metrics.
+) -> tuple[torch.Tensor | None, dict[str, MetricValue]]:
+    """The importance weight of each loss position of a micro-batch, and its metrics (not yet read).
 
     ``data["staleness"]`` is ``[B]``, or ``[1, T]`` in a packed row; fresh samples' rows keep weight 1. The metrics
     are this micro-batch's share of the global means over response tokens, and its ``is_ratio_max``. With
     ``enabled: monitor`` the weights are None (all 1) and the fractions count what the correction would cut or mask.
+    The learner's log-probs are computed for every row, fresh ones too: choosing the stale rows first would read
+    the device (a host sync per micro-batch), and fresh rows' values are masked out by ``importance_weights``.
     """
     staleness = data["staleness"]
     per_token = staleness if staleness.dim() == 2 else staleness.unsqueeze(-1).expand_as(data["input_ids"])
     stale = loss_rows(per_token, loss_mask, shift=1) > 0
     sampler = loss_rows(data["generation_logprobs"], loss_mask, shift=1)
-    learner = torch.zeros_like(sampler)
-    if bool(stale.any()):
-        rows = stale.nonzero().squeeze(-1)
-        stale_rows = (
-            student_rows.with_rows(student_rows.hidden_states[rows])  # the same head, its transform too
-            if isinstance(student_rows, LMHeadInput)
-            else student_rows[rows]
-        )
-        targets = loss_rows(data["input_ids"], loss_mask, shift=1)
-        learner[rows] = learner_log_probs(stale_rows, targets[rows], correction.strategy).to(learner.dtype)
-    # Sequence of each position: its row, and its segment in a packed row.
+    targets = loss_rows(data["input_ids"], loss_mask, shift=1)
+    learner = learner_log_probs(student_rows, targets, correction.strategy).to(sampler.dtype)
+    # Sequence of each position: its row, and its segment in a packed row (a segment id is below the row length).
     input_ids = data["input_ids"]
-    row_index = torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(-1).expand_as(input_ids)
+    rows, width = input_ids.shape
+    row_index = torch.arange(rows, device=input_ids.device).unsqueeze(-1).expand_as(input_ids)
     sequence_ids = loss_rows(row_index, loss_mask, shift=1)
+    sequence_id_bound = rows
     if "segment_ids" in data:
-        segments = data["segment_ids"]
-        sequence_ids = sequence_ids * (int(segments.max()) + 1) + loss_rows(segments, loss_mask, shift=1)
-    weights, sums = importance_weights(learner, sampler, stale, sequence_ids, correction)
+        sequence_ids = sequence_ids * (width + 1) + loss_rows(data["segment_ids"], loss_mask, shift=1)
+        sequence_id_bound = rows * (width + 1)
+    weights, sums = importance_weights(learner, sampler, stale, sequence_ids, correction, sequence_id_bound)
     tokens = float(max(global_valid_tokens, 1))
-    metrics = {
+    metrics: dict[str, MetricValue] = {
         "is_ratio_mean": sums["is_ratio"] / tokens,
         "is_abs_log_ratio_mean": sums["is_abs_log_ratio"] / tokens,
         "is_truncated_fraction": sums["is_truncated"] / tokens,
@@ -153,13 +150,14 @@ class LossInputs:
             :class:`LMHeadInput` whose logits are made chunk by chunk.
         observer: called on each chunk's detached student logits and inputs (metrics).
         value_and_grad: closed-form value and gradient of ``_divergence`` for the fused path (None: autograd).
-        metrics: ``(global tokens, normaliser) ->`` this micro-batch's share of the variant's own metrics.
+        metrics: ``(global tokens, normaliser) ->`` this micro-batch's share of the variant's own metrics (0-dim
+            tensors, not yet read: :mod:`opd.utils.step_metrics`).
     """
 
     row_inputs: tuple[Any, ...]
     observer: ChunkObserver | None = None
     value_and_grad: ValueAndGradFn | None = None
-    metrics: Callable[[float, float], dict[str, float]] = dataclasses.field(default=lambda tokens, normaliser: {})
+    metrics: Callable[[float, float], dict[str, MetricValue]] = dataclasses.field(default=lambda tokens, normaliser: {})
 
 
 class TokenLossFn(LossFunction):
@@ -227,7 +225,7 @@ class TokenLossFn(LossFunction):
 
     def _row_weights(
         self, student_output: Any, data: dict[str, Any], loss_mask: torch.Tensor, global_valid_tokens: int
-    ) -> tuple[torch.Tensor | None, dict[str, float]]:
+    ) -> tuple[torch.Tensor | None, dict[str, MetricValue]]:
         """``([N] weights or None for all 1, metrics)``: the off-policy weights when asked for and the data has them."""
         if self.off_policy is None or "staleness" not in data or "generation_logprobs" not in data:
             return None, {}
@@ -242,15 +240,15 @@ class TokenLossFn(LossFunction):
             return dataclasses.replace(value, vocab_size=self.vocab_size)
         return value[..., : self.vocab_size]
 
-    def __call__(
+    def loss_and_metrics(
         self,
         student_output: torch.Tensor | LMHeadInput,
         data: dict[str, Any],
         global_valid_tokens: int,
         global_valid_seqs: int,
         teacher_output: Any = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """This micro-batch's share of the global loss, and its metrics.
+    ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+        """This micro-batch's share of the global loss, and its metrics (0-dim tensors, not yet read).
 
         ``student_output`` is ``[B, L, V_s]`` logits or (fused) an :class:`LMHeadInput` with ``[B, L, D]`` hidden
         states; ``data`` holds ``token_mask [B, L]``; the global counts are the whole batch's loss tokens and
@@ -277,10 +275,10 @@ class TokenLossFn(LossFunction):
         normaliser = _global_normalizer(self.kl_reduction, global_valid_tokens, global_valid_seqs)
         loss = _apply_loss(student_rows, divergence, inputs, normaliser, self.chunk_size, row_weights)
         metrics = {
-            "loss": float(loss.detach()),
+            "loss": loss.detach(),
             **inputs.metrics(float(max(global_valid_tokens, 1)), normaliser),
             **weight_metrics,
-            "num_valid_tokens": float(loss_mask.sum()),
+            "num_valid_tokens": loss_mask.sum(),
         }
         if clip is not None:
             metrics["clipped_token_fraction"] = clip.fraction(global_valid_tokens)
@@ -291,7 +289,7 @@ class _TokenClip:
     """``token_clip``: caps each position's term at ``cap`` (> 0) and counts the positions it capped.
 
     A capped position contributes ``cap`` and no gradient, as ``clamp(max=cap)`` does, on the plain and the fused
-    path. The count stays a device tensor, summed over a micro-batch's chunks and read once (:meth:`fraction`).
+    path. The count stays a device tensor, summed over a micro-batch's chunks (:meth:`fraction`, not read).
     """
 
     def __init__(self, cap: float) -> None:
@@ -324,11 +322,11 @@ class _TokenClip:
 
         return capped
 
-    def fraction(self, global_valid_tokens: int) -> float:
-        """The capped positions as a share of the global batch's loss tokens (the one host sync)."""
+    def fraction(self, global_valid_tokens: int) -> MetricValue:
+        """The capped positions as a share of the global batch's loss tokens (a tensor once a chunk has run)."""
         if self.clipped is None:
             return 0.0
-        return float(self.clipped) / max(global_valid_tokens, 1)
+        return metric_share(self.clipped, max(global_valid_tokens, 1))
 
 
 ChunkHooks = tuple[ChunkObserver | None, ValueAndGradFn | None]

@@ -20,6 +20,7 @@ from opd.losses.distillation_losses import LossInputs, TokenLossFn, loss_rows
 from opd.losses.divergences import log_probs_at_temperature, plogp_difference
 from opd.losses.off_policy import OffPolicyCorrection
 from opd.models.interfaces import FullVocabRequest, TeacherRequest
+from opd.utils.step_metrics import MetricValue, metric_share
 
 
 class FullVocabHybridLossFn(TokenLossFn):
@@ -71,20 +72,20 @@ class FullVocabHybridLossFn(TokenLossFn):
                 loss_rows(data["input_ids"], loss_mask, shift=1),
                 loss_rows(per_position, loss_mask, shift=1),
             )
-        sums = {"kl_forward": 0.0, "kl_reverse": 0.0, "task_reward_term": 0.0}
+        sums: dict[str, MetricValue] = {"kl_forward": 0.0, "kl_reverse": 0.0, "task_reward_term": 0.0}
 
         def observe(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *rewards: torch.Tensor) -> None:
             log_q, log_p = log_probs_at_temperature(student_logits, teacher_logits, 1.0)
-            sums["kl_forward"] += float(plogp_difference(log_p, log_q).sum())
-            sums["kl_reverse"] += float(plogp_difference(log_q, log_p).sum())
+            sums["kl_forward"] += plogp_difference(log_p, log_q).sum().double()
+            sums["kl_reverse"] += plogp_difference(log_q, log_p).sum().double()
             if rewards:
-                sums["task_reward_term"] += float(self._reward_term(log_q, *rewards).sum())
+                sums["task_reward_term"] += self._reward_term(log_q, *rewards).sum().double()
 
-        def metrics(tokens: float, normaliser: float) -> dict[str, float]:
+        def metrics(tokens: float, normaliser: float) -> dict[str, MetricValue]:
             return {
-                "kl_forward": sums["kl_forward"] / tokens,
-                "kl_reverse": sums["kl_reverse"] / tokens,
-                "task_reward_term": sums["task_reward_term"] / normaliser,
+                "kl_forward": metric_share(sums["kl_forward"], tokens),
+                "kl_reverse": metric_share(sums["kl_reverse"], tokens),
+                "task_reward_term": metric_share(sums["task_reward_term"], normaliser),
             }
 
         teacher_rows = loss_rows(self._cut_vocabulary(teacher_output), loss_mask)

@@ -142,9 +142,10 @@ def learner_log_probs(
     # The sampler drew from the whole output layer (no vocabulary cut), with the head's logit transform.
     head = dataclasses.replace(student_rows, vocab_size=None)
     parts = [
-        sampling_log_probs(head.logits(slice(start, start + _LEARNER_CHUNK_ROWS)), chunk, strategy)
-        for start, chunk in zip(
-            range(0, head.hidden_states.shape[0], _LEARNER_CHUNK_ROWS), targets.split(_LEARNER_CHUNK_ROWS), strict=True
+        sampling_log_probs(head.logits(rows), targets[rows], strategy)
+        for rows in (
+            slice(start, start + _LEARNER_CHUNK_ROWS)
+            for start in range(0, head.hidden_states.shape[0], _LEARNER_CHUNK_ROWS)
         )
     ]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32, device=targets.device)
@@ -156,10 +157,12 @@ def importance_weights(
     stale: torch.Tensor,
     sequence_ids: torch.Tensor,
     correction: OffPolicyCorrection,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    sequence_id_bound: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``([N] float64 weights, metric sums)`` from ``[N]`` learner and sampler log-probs; exactly 1 on fresh rows.
 
-    ``stale``: ``[N]`` bool; ``sequence_ids``: ``[N]`` each row's sequence (a micro-batch holds whole sequences).
+    ``stale``: ``[N]`` bool; ``sequence_ids``: ``[N]`` each row's sequence (a micro-batch holds whole sequences),
+    each below ``sequence_id_bound`` where given (no host sync then). The sums are 0-dim tensors, not yet read.
     Sums over all rows, a fresh row counting as ρ = 1: ``is_ratio`` (Σ ρ), ``is_abs_log_ratio`` (Σ |log ρ|),
     ``is_truncated`` (weight cut by the cap), ``is_outside_support`` (ρ = 0), ``is_masked`` (weight 0 by a bound),
     ``is_ratio_max`` (0 without rows).
@@ -167,9 +170,10 @@ def importance_weights(
     log_ratio = (learner_logprobs.double() - sampler_logprobs.double()).masked_fill(~stale, 0.0)
     ratio = log_ratio.exp()
     per_sequence = correction.level == "sequence"
+    # Without stale rows every log-ratio is 0 and the geometric mean 1: no test needed (it would be a host sync).
     geometric_mean = (
-        _sequence_geometric_mean(log_ratio, sequence_ids)
-        if bool(stale.any()) and (per_sequence or correction.sequence_bounds is not None)
+        _sequence_geometric_mean(log_ratio, sequence_ids, sequence_id_bound)
+        if per_sequence or correction.sequence_bounds is not None
         else torch.ones_like(ratio)
     )
     # Exactly 1 on fresh rows: exp(0) = 1 <= cap (a sequence is stale or fresh as a whole).
@@ -185,20 +189,30 @@ def importance_weights(
     keep |= ~stale  # fresh rows are never masked: they are on-policy
     weights = torch.where(keep, weights, torch.zeros_like(weights))
     sums = {
-        "is_ratio": float(ratio.sum()),
-        "is_abs_log_ratio": float(log_ratio.abs().sum()),
-        "is_truncated": float((weighed > correction.cap).sum()),
-        "is_masked": float((~keep).sum()),
-        "is_outside_support": float((ratio == 0).sum()),
-        "is_ratio_max": float(ratio.max()) if ratio.numel() else 0.0,
+        "is_ratio": ratio.sum(),
+        "is_abs_log_ratio": log_ratio.abs().sum(),
+        "is_truncated": (weighed > correction.cap).sum().double(),
+        "is_masked": (~keep).sum().double(),
+        "is_outside_support": (ratio == 0).sum().double(),
+        "is_ratio_max": ratio.max() if ratio.numel() else ratio.new_zeros(()),
     }
     return weights, sums
 
 
-def _sequence_geometric_mean(log_ratio: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
-    """``[N]`` each row's sequence's geometric-mean ratio exp(mean log ρ) over the sequence's rows."""
-    _, sequence = torch.unique(sequence_ids, return_inverse=True)
-    count = torch.zeros(int(sequence.max()) + 1, dtype=torch.float64, device=log_ratio.device)
+def _sequence_geometric_mean(
+    log_ratio: torch.Tensor, sequence_ids: torch.Tensor, sequence_id_bound: int | None
+) -> torch.Tensor:
+    """``[N]`` each row's sequence's geometric-mean ratio exp(mean log ρ) over the sequence's rows.
+
+    With ``sequence_id_bound`` the ids index the sums directly; without, they are renumbered first (``unique``,
+    which reads its output size from the device).
+    """
+    if sequence_id_bound is None:
+        _, sequence = torch.unique(sequence_ids, return_inverse=True)
+        sequence_id_bound = sequence.numel()
+    else:
+        sequence = sequence_ids
+    count = torch.zeros(sequence_id_bound, dtype=torch.float64, device=log_ratio.device)
     total = torch.zeros_like(count)
     count.index_add_(0, sequence, torch.ones_like(log_ratio))
     total.index_add_(0, sequence, log_ratio)

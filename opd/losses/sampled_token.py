@@ -13,6 +13,7 @@ import torch
 from opd.losses.distillation_losses import LossInputs, TokenLossFn
 from opd.models.interfaces import TeacherRequest, TokenLogprobsRequest
 from opd.models.lm_head import token_log_probs
+from opd.utils.step_metrics import MetricValue, metric_share
 
 
 def sampled_token_advantages(
@@ -161,10 +162,10 @@ class SampledTokenLossFn(TokenLossFn):
             segment_ids,
         )
 
-        def metrics(tokens: float, normaliser: float) -> dict[str, float]:
+        def metrics(tokens: float, normaliser: float) -> dict[str, MetricValue]:
             return {
-                "kl_reverse_estimate": float((sampler_logprobs - teacher_logprobs)[loss_mask].sum()) / tokens,
-                "advantage": float(advantages[loss_mask].sum()) / tokens,
+                "kl_reverse_estimate": metric_share((sampler_logprobs - teacher_logprobs)[loss_mask].sum(), tokens),
+                "advantage": metric_share(advantages[loss_mask].sum(), tokens),
             }
 
         row_inputs = (data["input_ids"][:, 1:][loss_mask], sampler_logprobs[loss_mask], advantages[loss_mask])

@@ -17,8 +17,8 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import select_segments, shift_token_mask
 from opd.models.interfaces import LossFunction, PerTeacherRequest, TeacherRequest
 from opd.models.lm_head import LMHeadInput
-from opd.policy.hf_policy import accumulate_metrics
 from opd.teachers.several_teachers import MixedSignal, RoutedSignal
+from opd.utils.step_metrics import MetricValue, accumulate_metrics, metric_share
 
 PER_TEACHER_MEANS = ("kl_forward", "kl_reverse", "kl_reverse_estimate")
 """Metrics of the objective that are token means, reported for each teacher."""
@@ -122,26 +122,26 @@ class RoutedLoss(_SeveralTeachersLoss):
             return singles[0]
         return PerTeacherRequest(tuple(singles))
 
-    def __call__(
+    def loss_and_metrics(
         self,
         student_output: Any,
         data: dict[str, Any],
         global_valid_tokens: int,
         global_valid_seqs: int,
         teacher_output: Any = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
         """Σ over teachers of the objective on their rows; metrics summed and per teacher; ``TypeError`` if unrouted."""
         if not isinstance(teacher_output, RoutedSignal):
             raise TypeError(f"RoutedLoss needs the answer of RoutedTeachers, got {type(teacher_output).__name__}")
         total: torch.Tensor | None = None
-        metrics: dict[str, float] = {}
+        metrics: dict[str, MetricValue] = {}
         for part in teacher_output.parts:
             if part.segments is None:
                 student, part_data = _student_at(student_output, part.rows, packed=False), _rows_of(data, part.rows)
             else:  # packed: the teacher's sequences, a packed row of their own
                 student = _student_at(student_output, part.rows, packed=True)
                 part_data = select_segments(BatchedDataDict(data), part.segments)[1]
-            loss, part_metrics = self.objectives[part.teacher](
+            loss, part_metrics = self.objectives[part.teacher].loss_and_metrics(
                 student, part_data, global_valid_tokens, global_valid_seqs, part.signal
             )
             total = loss if total is None else total + loss
@@ -180,18 +180,18 @@ class MixtureLoss(_SeveralTeachersLoss):
         super().__init__([objective], names)
         self.member_metrics = member_metrics
 
-    def __call__(
+    def loss_and_metrics(
         self,
         student_output: Any,
         data: dict[str, Any],
         global_valid_tokens: int,
         global_valid_seqs: int,
         teacher_output: Any = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
         """The objective on the mixture, and each member's KL and weight share (``TypeError`` if not mixed)."""
         if not isinstance(teacher_output, MixedSignal):
             raise TypeError(f"MixtureLoss needs the answer of TeacherMixture, got {type(teacher_output).__name__}")
-        loss, metrics = self.objective(
+        loss, metrics = self.objective.loss_and_metrics(
             student_output, data, global_valid_tokens, global_valid_seqs, teacher_output.mixed
         )
         loss_tokens = shift_token_mask(data["token_mask"]).to(torch.float64)  # [B, L - 1]
@@ -201,11 +201,11 @@ class MixtureLoss(_SeveralTeachersLoss):
         for member, name in enumerate(self.names):
             # Per row [B, members], or per token [1, T, members] in a packed row (each loss token's own).
             share = weights[:, 1:, member] if weights.dim() == 3 else weights[:, member].unsqueeze(-1)
-            metrics[_teacher_key(name, "token_share")] = float((share * loss_tokens).sum()) / normaliser
+            metrics[_teacher_key(name, "token_share")] = metric_share((share * loss_tokens).sum(), normaliser)
             if student is None:
                 continue
             with torch.no_grad():
-                _, member_metrics = self.objective(
+                _, member_metrics = self.objective.loss_and_metrics(
                     student, data, global_valid_tokens, global_valid_seqs, teacher_output.members[member]
                 )
             for key in PER_TEACHER_MEANS:

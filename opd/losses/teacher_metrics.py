@@ -7,6 +7,7 @@ import torch
 from opd.data.token_alignment import pool_logits_by_class
 from opd.kernels.compiled_kernels import compiled, kl_metrics_from_logits
 from opd.losses.divergences import log_probs_at_temperature, plogp_difference, scaled_log_probs, topk_token_kl
+from opd.utils.step_metrics import MetricValue, metric_share
 
 
 class TeacherMetrics:
@@ -15,6 +16,7 @@ class TeacherMetrics:
     ``kl_forward`` / ``kl_reverse`` (over the k + 1 classes for a top-k teacher: a lower bound), the teacher's mass
     on its top k, the student's mass there, and the top-k overlap |top-k_P ∩ top-k_Q| / k. All at the loss
     temperature T: a top-k teacher's distribution is known only at T, and T is what the loss optimises.
+    The sums stay on the device: no host sync per chunk.
     """
 
     def __init__(self, k: int, temperature: float, compile_kernels: bool = False) -> None:
@@ -22,7 +24,7 @@ class TeacherMetrics:
         self.temperature = temperature
         self.compile_kernels = compile_kernels
         keys = ("kl_forward", "kl_reverse", "teacher_topk_mass", "student_mass_on_teacher_topk", "topk_overlap")
-        self.sums = dict.fromkeys(keys, 0.0)
+        self.sums: dict[str, MetricValue] = dict.fromkeys(keys, 0.0)
 
     @torch.no_grad()
     def full_vocab(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
@@ -39,8 +41,8 @@ class TeacherMetrics:
         kl_forward, kl_reverse, log_norm_q, log_norm_p = compiled(kl_metrics_from_logits)(
             student_logits, teacher_logits
         )
-        self.sums["kl_forward"] += float(kl_forward)
-        self.sums["kl_reverse"] += float(kl_reverse)
+        self.sums["kl_forward"] += kl_forward.double()
+        self.sums["kl_reverse"] += kl_reverse.double()
         k = min(self.k, teacher_logits.shape[-1])
         compute_dtype = log_norm_q.dtype
         teacher_top_logits, teacher_topk_ids = teacher_logits.topk(k, dim=-1)
@@ -52,8 +54,8 @@ class TeacherMetrics:
     @torch.no_grad()
     def from_log_probs(self, log_q: torch.Tensor, log_p: torch.Tensor) -> None:
         """Metrics from both models' log-probabilities at the loss temperature (``[C, V]``)."""
-        self.sums["kl_forward"] += float(plogp_difference(log_p, log_q).sum())
-        self.sums["kl_reverse"] += float(plogp_difference(log_q, log_p).sum())
+        self.sums["kl_forward"] += plogp_difference(log_p, log_q).sum().double()
+        self.sums["kl_reverse"] += plogp_difference(log_q, log_p).sum().double()
         k = min(self.k, log_p.shape[-1])
         teacher_topk_logprobs, teacher_topk_ids = log_p.topk(k, dim=-1)
         self._topk(log_q, teacher_topk_logprobs, teacher_topk_ids)
@@ -74,7 +76,7 @@ class TeacherMetrics:
             scaled = student_logits.to(compute_dtype) / temperature
             student_logits, temperature = pool_logits_by_class(scaled, student_classes), 1.0
         for kl_type in ("forward", "reverse"):
-            self.sums[f"kl_{kl_type}"] += float(
+            self.sums[f"kl_{kl_type}"] += (
                 topk_token_kl(
                     student_logits,
                     teacher_topk_logprobs,
@@ -82,7 +84,9 @@ class TeacherMetrics:
                     kl_type,
                     temperature=temperature,
                     teacher_rest_logprobs=teacher_rest_logprobs,
-                ).sum()
+                )
+                .sum()
+                .double()
             )
         log_q = scaled_log_probs(student_logits.to(compute_dtype), temperature, None)
         self._topk(log_q, teacher_topk_logprobs.to(compute_dtype), teacher_topk_ids)
@@ -104,11 +108,11 @@ class TeacherMetrics:
         student_topk_ids: torch.Tensor,
     ) -> None:
         k = teacher_topk_ids.shape[-1]
-        self.sums["teacher_topk_mass"] += float(teacher_topk_logprobs.exp().sum())
-        self.sums["student_mass_on_teacher_topk"] += float(student_logprobs_at_teacher_topk.exp().sum())
+        self.sums["teacher_topk_mass"] += teacher_topk_logprobs.exp().sum().double()
+        self.sums["student_mass_on_teacher_topk"] += student_logprobs_at_teacher_topk.exp().sum().double()
         shared = (teacher_topk_ids.unsqueeze(-1) == student_topk_ids.unsqueeze(-2)).any(dim=-1).sum()
-        self.sums["topk_overlap"] += float(shared) / k
+        self.sums["topk_overlap"] += shared.double() / k
 
-    def metrics(self, token_normalizer: float) -> dict[str, float]:
-        """The sums as this micro-batch's share of the global token means."""
-        return {key: value / token_normalizer for key, value in self.sums.items()}
+    def metrics(self, token_normalizer: float) -> dict[str, MetricValue]:
+        """The sums as this micro-batch's share of the global token means (0-dim tensors, not yet read)."""
+        return {key: metric_share(value, token_normalizer) for key, value in self.sums.items()}

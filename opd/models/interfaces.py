@@ -32,6 +32,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput, OutputLayer
 from opd.utils.errors import OpdError
+from opd.utils.step_metrics import MetricValue, read_metrics
 from opd.utils.timer import Timer
 
 ResultT = TypeVar("ResultT")
@@ -275,7 +276,29 @@ class LossFunction(ABC):
         """The step's metrics from their sums over micro-batches and ranks; a ratio of two sums is divided here."""
         return metrics
 
+    def with_diagnostics(self, diagnostics: bool) -> LossFunction:
+        """This loss with its vocabulary-wide diagnostics on or off for one step (``loss_fn.diagnostics_every``).
+
+        A loss without such diagnostics is returned as it is; one with them returns a copy, never changing itself.
+        """
+        return self
+
     @abstractmethod
+    def loss_and_metrics(
+        self,
+        student_output: Any,
+        data: dict[str, Any],
+        global_valid_tokens: int,
+        global_valid_seqs: int,
+        teacher_output: Any = None,
+    ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+        """The loss and its metrics, both already divided by the global normaliser; the metrics are not read.
+
+        ``student_output`` is ``[B, L, V]`` logits, or an ``LMHeadInput`` when ``fused_lm_head`` is set;
+        ``teacher_output`` answers ``teacher_request``. Metric values may be 0-dim device tensors: the trainers
+        sum them over micro-batches and read them once per step (:mod:`opd.utils.step_metrics`).
+        """
+
     def __call__(
         self,
         student_output: Any,
@@ -284,11 +307,11 @@ class LossFunction(ABC):
         global_valid_seqs: int,
         teacher_output: Any = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Returns the loss and metrics, both already divided by the global normaliser.
-
-        ``student_output`` is ``[B, L, V]`` logits, or an ``LMHeadInput`` when ``fused_lm_head`` is set;
-        ``teacher_output`` answers ``teacher_request``.
-        """
+        """:meth:`loss_and_metrics` with the metrics read as floats (one host sync)."""
+        loss, metrics = self.loss_and_metrics(
+            student_output, data, global_valid_tokens, global_valid_seqs, teacher_output
+        )
+        return loss, read_metrics(metrics)
 
 
 class TeacherComparison(ABC):

@@ -28,6 +28,7 @@ from opd.policy.lora import (
 )
 from opd.utils.config import resolve_auto
 from opd.utils.errors import OpdError
+from opd.utils.step_metrics import MetricValue, accumulate_metrics, read_metrics
 from opd.utils.timer import Timer
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
@@ -84,14 +85,15 @@ def plan_micro_batches(
 
     With ``micro_batch_tokens``, rows are length-sorted and filled up to that budget of padded tokens.
     """
-    chunks = (
+    chunks = list(
         data.make_token_budget_microbatches(micro_batch_tokens)
         if micro_batch_tokens is not None
         else data.make_microbatches(micro_batch_size)
     )
+    # Every chunk's width read at once: one read of the batch per step, not one per micro-batch.
+    widths = torch.stack([chunk["input_lengths"].max() for chunk in chunks]).tolist() if chunks else []
     planned = []
-    for chunk in chunks:
-        width = int(chunk["input_lengths"].max())
+    for chunk, width in zip(chunks, widths, strict=True):
         padded = chunk["input_ids"].shape[1]
         # Only per-position fields are trimmed; per-row ones ([B, teachers] weights) keep their width.
         planned.append(
@@ -130,20 +132,23 @@ def accumulate_gradients(
     teacher_answer: Callable[[int, BatchedDataDict], TeacherSignal | None],
     global_valid_tokens: int,
     global_valid_seqs: int,
-) -> dict[str, float]:
-    """Forward and backward over micro-batches, gradients accumulating; returns the loss's metrics summed.
+) -> dict[str, MetricValue]:
+    """Forward and backward over micro-batches, gradients accumulating; returns the loss's metrics summed, not read.
 
     The micro-batch loop of every trainer: the in-process student runs it over the whole batch, each FSDP2 rank
     over its share. Each micro-batch's loss is its share of the global mean (the global batch's valid tokens or
     sequences), so the summed gradients are the whole batch's. ``teacher_answer(index, micro_batch)`` is the
-    teacher's signal (None: the loss needs none); micro-batches are moved to ``device`` here.
+    teacher's signal (None: the loss needs none), asked with the micro-batch still where the batch came from (the
+    host): a teacher that reads the tokens (prompt sharing, another tokenizer, a server) then reads no device.
+    Micro-batches are moved to ``device`` here. Nothing is read from the device in the loop: the metrics stay 0-dim
+    tensors until :func:`apply_gradients` reads them.
     """
-    totals: dict[str, float] = {}
-    for index, micro_batch in enumerate(micro_batches):
-        micro_batch = micro_batch.to(device)
-        teacher_output = teacher_answer(index, micro_batch)
+    totals: dict[str, MetricValue] = {}
+    for index, host_micro_batch in enumerate(micro_batches):
+        teacher_output = teacher_answer(index, host_micro_batch)
+        micro_batch = host_micro_batch.to(device)
         output = forward(micro_batch, loss_fn.fused_lm_head)
-        loss, metrics = loss_fn(
+        loss, metrics = loss_fn.loss_and_metrics(
             output, micro_batch, global_valid_tokens, global_valid_seqs, teacher_output=teacher_output
         )
         loss.backward()
@@ -165,20 +170,6 @@ def _per_position(key: str, value: object, padded_width: int) -> bool:
     )
 
 
-def accumulate_metrics(totals: dict[str, float], metrics: dict[str, float]) -> None:
-    """Adds a micro-batch's metrics to the step's: summed, except ``*_max`` keys, which keep the largest.
-
-    Losses report each micro-batch's share of a global mean, so the sum over micro-batches and ranks is that mean.
-    """
-    for key, value in metrics.items():
-        if key not in totals:
-            totals[key] = value
-        elif key.endswith("_max"):
-            totals[key] = max(totals[key], value)
-        else:
-            totals[key] += value
-
-
 def global_grad_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
     """The L2 norm of all gradients together; a sharded (DTensor) norm is reduced over the ranks first."""
     gradients = [param.grad for param in parameters if param.grad is not None]
@@ -194,27 +185,28 @@ def apply_gradients(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     max_grad_norm: float | None,
-    totals: dict[str, float],
+    totals: dict[str, MetricValue],
 ) -> dict[str, float]:
     """Clips and applies the accumulated gradients, unless the loss or gradient is NaN/inf.
 
     A non-finite step would poison the weights and Adam's moments for good, so it is skipped entirely (no optimizer
     or schedule step). ``max_grad_norm`` None: no clipping. Returns ``totals`` (the summed loss metrics) plus
-    ``grad_norm`` (before clipping), ``lr`` (used for this step) and ``skipped_nonfinite`` (1.0 if skipped).
+    ``grad_norm`` (before clipping), ``lr`` (used for this step) and ``skipped_nonfinite`` (1.0 if skipped), read
+    from the device together: the step's one host sync for its metrics.
     """
     with_grad = [param for param in parameters if param.grad is not None]
     grad_norm = global_grad_norm(with_grad)
-    totals["grad_norm"] = float(grad_norm)
-    totals["lr"] = scheduler.get_last_lr()[0]
-    finite = math.isfinite(totals.get("loss", 0.0)) and math.isfinite(totals["grad_norm"])
-    totals["skipped_nonfinite"] = 0.0 if finite else 1.0
+    metrics = read_metrics({**totals, "grad_norm": grad_norm})
+    metrics["lr"] = scheduler.get_last_lr()[0]
+    finite = math.isfinite(metrics.get("loss", 0.0)) and math.isfinite(metrics["grad_norm"])
+    metrics["skipped_nonfinite"] = 0.0 if finite else 1.0
     if finite:
         if max_grad_norm is not None and with_grad:
             torch.nn.utils.clip_grads_with_norm_(with_grad, max_grad_norm, grad_norm)
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return totals
+    return metrics
 
 
 ADAPTER_DIR = "adapter"

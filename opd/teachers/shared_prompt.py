@@ -60,12 +60,13 @@ def prompt_groups(data: BatchedDataDict) -> PromptGroups | None:
     """
     if "position_ids" in data or "prompt_lengths" not in data:
         return None
-    input_ids = data["input_ids"].cpu()
     prompt_lengths = [int(length) for length in data["prompt_lengths"].tolist()]
     input_lengths = [int(length) for length in data["input_lengths"].tolist()]
     if any(length < 1 for length in prompt_lengths):
         return None
-    keys = [tuple(input_ids[row, :length].tolist()) for row, length in enumerate(prompt_lengths)]
+    # One read of the prompts' columns (the micro-batch is normally still on the host), cut per row in Python.
+    prompt_columns = data["input_ids"][:, : max(prompt_lengths)].tolist()
+    keys = [tuple(ids[:length]) for ids, length in zip(prompt_columns, prompt_lengths, strict=True)]
     # Distinct prompts in order of first appearance, each numbered.
     index_of = {key: index for index, key in enumerate(dict.fromkeys(keys))}
     if len(index_of) == len(keys):

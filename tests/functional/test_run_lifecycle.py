@@ -444,8 +444,8 @@ class NaNOnSomeSteps(LossFunction):
     def needs_sampler_logprobs(self) -> bool:
         return self.loss.needs_sampler_logprobs
 
-    def __call__(self, *args, **kwargs):
-        value, metrics = self.loss(*args, **kwargs)
+    def loss_and_metrics(self, *args, **kwargs):
+        value, metrics = self.loss.loss_and_metrics(*args, **kwargs)
         if self.poisoned():
             value = value * float("nan")
         return value, metrics

@@ -43,7 +43,6 @@ from opd.models.interfaces import (
 )
 from opd.models.lm_head import LMHeadInput
 from opd.models.tiny import build_tiny_tokenizer
-from opd.policy.hf_policy import accumulate_metrics
 from opd.teachers.several_teachers import (
     MixedSignal,
     RoutedTeachers,
@@ -54,6 +53,7 @@ from opd.teachers.several_teachers import (
 )
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError, DataError
+from opd.utils.step_metrics import accumulate_metrics
 
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 B, L, V, D = 6, 9, 13, 5

@@ -48,6 +48,7 @@ from safetensors.torch import load_file
 from opd.data.batches import build_fixed_data_batch
 from opd.data.dataloaders import prepare_examples
 from opd.losses.nll import NLLLossFn
+from opd.utils.step_metrics import read_metrics
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.policy.hf_policy import HFPolicy, OptimizerConfig
 from opd.sft import SFTMasterConfig, setup, sft_train
@@ -159,9 +160,9 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def spy_on_nll_loss(monkeypatch) -> list[dict]:
-    """Records every call of ``NLLLossFn.__call__`` (inputs and returned metrics)."""
+    """Records every call of ``NLLLossFn.loss_and_metrics`` (inputs and returned metrics, read)."""
     calls: list[dict] = []
-    original = NLLLossFn.__call__
+    original = NLLLossFn.loss_and_metrics
 
     def spy(self, student_logits, data, global_valid_tokens, global_valid_seqs, teacher_output=None):
         loss, metrics = original(self, student_logits, data, global_valid_tokens, global_valid_seqs,
@@ -173,11 +174,11 @@ def spy_on_nll_loss(monkeypatch) -> list[dict]:
             "global_valid_tokens": global_valid_tokens,
             "global_valid_seqs": global_valid_seqs,
             "teacher_output": teacher_output,
-            "metrics": dict(metrics),
+            "metrics": read_metrics(metrics),
         })
         return loss, metrics
 
-    monkeypatch.setattr(NLLLossFn, "__call__", spy)
+    monkeypatch.setattr(NLLLossFn, "loss_and_metrics", spy)
     return calls
 
 
