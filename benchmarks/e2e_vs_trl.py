@@ -1,10 +1,11 @@
-"""End-to-end on-policy distillation speed and memory: opd vs TRL's ``GKDTrainer``.
+"""End-to-end on-policy distillation speed and memory: opd vs TRL's ``DistillationTrainer`` and ``GKDTrainer``.
 
 What is compared: one optimizer step of fully on-policy distillation (λ = 1) — the
 student samples responses to a batch of prompts, the frozen teacher scores them, the
 student takes one AdamW step on the generalized JSD (β = 0.5) between the two — run by
-opd (``setup`` + ``distillation_train``) and by TRL's ``trl.experimental.gkd.GKDTrainer``,
-on the same CPU, with the same models, tokenizer, prompts and settings. Two sizes:
+opd (``setup`` + ``distillation_train``), by TRL's stable ``trl.DistillationTrainer``
+(**Distill**) and by its experimental ``trl.experimental.gkd.GKDTrainer`` (**GKD**), on
+the same CPU, with the same models, tokenizer, prompts and settings. Two sizes:
 
 * ``small``: a byte-level BPE tokenizer trained on the benchmark's prompts (≈2k tokens);
 * ``qwen_vocab``: the real Qwen2/2.5 vocabulary size, 151,669 outputs. The tokenizer is
@@ -37,19 +38,70 @@ How the comparison is made fair:
   same lr, betas, eps and weight decay 0 (TRL's default ``adamw_torch_fused``, opd's
   ``adam_implementation: auto``), constant learning rate without warm-up, max_grad_norm 1;
 * TRL's defaults are kept otherwise (``bf16=False`` for fp32 like opd; no saving,
-  evaluation or reporting), and TRL runs twice: **TRL** as shipped, with
-  ``gradient_checkpointing=True`` (``GKDConfig``'s default: activations are recomputed in
-  the backward pass and ``GKDTrainer`` turns the KV cache off during generation), and
-  **TRL gc-off** with ``gradient_checkpointing=False``, which does the same work as opd
-  (KV cache on, no recomputation);
+  evaluation or reporting), and each TRL trainer runs twice: as shipped, with
+  ``gradient_checkpointing=True`` (both configs' default: activations are recomputed in
+  the backward pass), and with ``gradient_checkpointing=False`` (**gc-off**), which does
+  the same work as opd (no recomputation). With checkpointing on, ``GKDTrainer`` also
+  generates without the KV cache, while ``DistillationTrainer`` turns checkpointing off
+  around ``generate`` and keeps the cache;
+* how ``DistillationConfig`` is mapped onto the same run (GKD's settings above apply to it
+  unchanged where the two configs share a field: batch, steps, optimizer, lr, scheduler,
+  clipping, precision, checkpointing, seed, logging every step):
+
+  - data: the same JSONL rows. ``DistillationTrainer`` reads a conversational ``prompt``
+    column, so each row's user turn becomes its ``prompt`` — what GKD's collator keeps as
+    the prompt of the same row (it drops the assistant turn); both render it with the
+    chat template and ``add_generation_prompt``, so the prompts are the same tokens;
+  - λ: ``DistillationTrainer`` has no ``lmbda`` and no ``seq_kd``: every step samples its
+    completions with the student itself, which is λ = 1 (GKD's ``lmbda=1.0``, opd's
+    ``distillation.lambda: 1``);
+  - β: ``beta=0.5``. Both TRL trainers define the divergence the same way — mixture
+    ``m = (1 - β) p_student + β p_teacher``, loss ``β KL(p_teacher‖m) + (1 - β)
+    KL(p_student‖m)``, 0 = forward KL, 1 = reverse KL — and so does opd's ``jsd`` loss;
+    only the default differs (1.0 in ``DistillationConfig``), so it is set explicitly;
+  - temperature: ``DistillationConfig.temperature`` is both the sampling temperature and
+    the softmax temperature of the divergence, where GKD's only samples (its loss runs at
+    1) and opd keeps the two apart (``generate_strategy.temperature`` and
+    ``loss_fn.temperature``). So ``temperature=1.0`` sets the loss's temperature to 1,
+    as in GKD and opd, and ``generation_kwargs={"temperature": <sampling>}`` overrides the
+    sampling temperature alone (``generation_kwargs`` is applied over the trainer's own
+    generation settings);
+  - sampling: ``top_k=0`` and ``top_p=1.0`` (its defaults, spelled out, = GKD's fixed
+    values), ``max_completion_length`` = GKD's ``max_new_tokens`` = opd's
+    ``generate_strategy.max_length``; generation stops at the tokenizer's and the model's
+    EOS ids (GKD: the model's; opd: both), here one and the same ``<|im_end|>``;
+    ``use_vllm=False`` (no GPU here), so it samples with the student's own HF
+    ``generate``, like GKD;
+  - batching: ``shuffle_dataset=True`` (its default; GKD's loader shuffles too) with the
+    same seed, and ``pad_to_multiple_of`` left at ``"auto"``, which pads nothing off
+    Neuron: every prompt has the same length, so each step has GKD's shapes whatever rows
+    it draws;
+  - loss and reduction: ``DistillationTrainer`` has one loss path, the chunked
+    ``ChunkedDivergenceFunction``: the student's and teacher's final hidden states are
+    projected through their LM heads tile by tile (``TOKEN_CHUNK_SIZE`` 4096 positions ×
+    ``VOCAB_CHUNK_SIZE`` 32,768 logits, module constants that no config field sets), so
+    neither model's full logits exist, like opd's ``fused_lm_head`` loss and unlike GKD,
+    which builds both models' full logits. Off Triton devices (this CPU) it projects every
+    position of the completion block, padding included, and masks the padded ones
+    afterwards. The loss is the sum over response tokens (to EOS) over their number, as in
+    GKD and opd. There is no other loss or chunking option to set;
+  - dropout: ``disable_dropout=True``, GKD's default (``DistillationConfig``'s is
+    ``False``); the tiny models have no dropout, so it changes nothing here;
+  - what cannot be matched: ``DistillationTrainer`` tokenizes the prompts inside the
+    training step (``_prepare_inputs`` → ``_generate``), so its step time includes the chat
+    template and tokenization, where GKD's collator runs in the data loader before
+    ``on_step_begin``; with checkpointing on it still generates with the KV cache (see
+    above), which ``GKDTrainer`` does not; and it runs the teacher's decoder only, its LM
+    head being applied inside the chunked loss (so counted as training below), as in opd,
+    where GKD's teacher forward includes the head;
 * opd also runs twice: **opd** with its own defaults (notably ``loss_fn.fused_lm_head:
   true`` and ``generation.decode_loop: opd``), and **opd compiled** with the one option
   that is off by default, ``generation.compile_decode: true`` (``torch.compile`` of the
   one-token decode step). Validation and checkpoints are off in both.
 
-What is measured, per size, in fresh processes that alternate TRL, TRL gc-off, opd, opd
-compiled, … (``--rounds`` of each), each process running ``--warmup`` untimed and
-``--steps`` timed steps:
+What is measured, per size, in fresh processes that alternate Distill, Distill gc-off,
+GKD, GKD gc-off, opd, opd compiled, … (``--rounds`` of each), each process running
+``--warmup`` untimed and ``--steps`` timed steps:
 
 * step time: the median over all timed steps of the framework's own step — TRL: a
   ``TrainerCallback`` from ``on_step_begin`` to ``on_step_end`` (generation, forward,
@@ -57,13 +109,20 @@ compiled, … (``--rounds`` of each), each process running ``--warmup`` untimed 
   ``metrics.jsonl`` (the same span). ``loop s`` is the median interval between the ends of
   consecutive steps, which also holds data loading and logging;
 * per-phase times: opd's ``timing/generation``, ``timing/teacher``, ``timing/training``;
-  for TRL the generation call and the teacher's forward are timed by wrappers/hooks and
-  the rest of the step is "training";
+  for TRL the generation call (GKD: ``generate_on_policy_outputs``; Distill:
+  ``_generate_single_turn``, i.e. padding, ``generate`` and the EOS mask) and the
+  teacher's forward (GKD: the whole model; Distill: its decoder) are timed by
+  wrappers/hooks and the rest of the step is "training";
 * tokens/s: (prompt + response tokens of the step, padding excluded, response up to and
   including EOS) / step time, the median over steps, defined identically for both;
 * peak RSS: the process's ``VmHWM`` at the end of the last timed step (imports, models,
   optimizer state and the steps included); ``Δ train`` is the peak during the steps minus
   the RSS just before the first one (the high-water mark is reset there);
+* per run: a second table puts opd, Distill and GKD side by side with one figure per
+  process — its median timed step and its peak RSS — as the median and range over the
+  ``--rounds`` runs, and opd's (and opd compiled's) ratios to Distill's, each round's opd
+  run over the same round's Distill run (runs of one round are neighbours in time), as
+  the median and range over the rounds;
 * compile seconds of ``compile_decode``, which the median step time leaves out: the
   compilation happens in the first steps (mostly the warm-up, and once more whenever a
   new shape appears, e.g. a single row left decoding). Per run, the one-time time is the
@@ -81,8 +140,9 @@ timed next to it for reference), the teacher's decoder forward to its final hidd
 states (``inference_mode``), and the student's forward + opd's fused JSD loss + backward
 + clipping + AdamW step — and prints opd compiled's step time over their sum, next to
 its own per-phase timings. Once, untimed, it also checks on one batch that opd's loss
-equals TRL's ``generalized_jsd_loss`` (same weights, same tokens), i.e. that both runs
-optimise the same objective.
+equals GKD's ``generalized_jsd_loss`` and ``DistillationTrainer``'s chunked loss
+(``_chunked_divergence_loss`` with the settings above; same weights, same tokens), i.e.
+that all the runs optimise the same objective.
 
 ``--smoke`` runs one round of one warm-up and one timed step per framework at the 2k
 vocabulary, with 4-token responses to batches of 2, and times the parts alone on eager
@@ -91,7 +151,10 @@ kernels (the opd runs compile the same loss kernels and decode step).
 The last lines are machine-readable:
 ``e2e opd/trl_gc_off step_time small=<ratio> qwen_vocab=<ratio> peak_rss small=<ratio> qwen_vocab=<ratio>``
 then the same with ``e2e opd/trl``, ``e2e opd_compiled/trl_gc_off`` and
-``e2e opd_compiled/trl``, then
+``e2e opd_compiled/trl`` (``trl`` is GKD; ratios of the medians pooled over all runs), then
+``e2e opd/distill_gc_off``, ``e2e opd/distill``, ``e2e opd_compiled/distill_gc_off`` and
+``e2e opd_compiled/distill`` in the same form (the median over rounds of the per-round
+ratios of the second table), then
 ``e2e compile_decode compile_s small=<s> qwen_vocab=<s> break_even_steps small=<n> qwen_vocab=<n>``.
 
 Usage: ``python benchmarks/e2e_vs_trl.py [--steps 8] [--warmup 2] [--rounds 3]
@@ -134,11 +197,22 @@ LEARNING_RATE = 1e-5
 SEED = 42
 NUM_PROMPTS = 64
 SIZES = ("small", "qwen_vocab")
-FRAMEWORKS = ("trl", "trl_nogc", "opd", "opd_compiled")
-"""Alternated in this order: TRL as shipped, TRL with gradient checkpointing off, opd, opd with compile_decode."""
+FRAMEWORKS = ("distill", "distill_nogc", "trl", "trl_nogc", "opd", "opd_compiled")
+"""Alternated in this order: TRL's DistillationTrainer as shipped and with gradient checkpointing off, TRL's
+GKDTrainer likewise (named ``trl`` so that its machine-readable lines keep their names), opd, opd with
+compile_decode."""
 OPD_RUNS = ("opd", "opd_compiled")
-TRL_RUNS = ("trl", "trl_nogc")
-LABELS = {"trl": "TRL", "trl_nogc": "TRL gc-off", "opd": "opd", "opd_compiled": "opd compiled"}
+DISTILL_RUNS = ("distill", "distill_nogc")
+GKD_RUNS = ("trl", "trl_nogc")
+TRL_RUNS = DISTILL_RUNS + GKD_RUNS
+LABELS = {
+    "distill": "Distill",
+    "distill_nogc": "Distill gc-off",
+    "trl": "GKD",
+    "trl_nogc": "GKD gc-off",
+    "opd": "opd",
+    "opd_compiled": "opd compiled",
+}
 MIB = 2**20
 
 
@@ -347,6 +421,116 @@ def _read_rows(workdir: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in handle]
 
 
+def _trl_step_timer(total_steps: int, phases: dict[str, float], step_tokens: list[dict[str, float]]) -> Any:
+    """The ``TrainerCallback`` that measures a TRL run: each step ``on_step_begin`` → ``on_step_end``.
+
+    Both TRL trainers are measured by this one callback, so their columns mean the same.
+
+    Args:
+        total_steps: warm-up and timed steps; the peak RSS is read at the end of the last.
+        phases: the current step's generation and teacher seconds, added to by the trainer's
+            wrappers and hooks; zeroed at the start of every step.
+        step_tokens: token counts appended by the trainer once per step.
+
+    Returns:
+        The callback; after training, its ``records`` hold one entry per step and its
+        ``result_memory`` the peak RSS figures.
+    """
+    from transformers import TrainerCallback
+
+    peak = _PeakTracker()
+
+    class StepTimer(TrainerCallback):
+        """``on_step_begin`` → ``on_step_end``: the whole optimizer step."""
+
+        def __init__(self) -> None:
+            self.begin = 0.0
+            self.last_end: float | None = None
+            self.records: list[dict[str, float]] = []
+            self.result_memory: dict[str, Any] = {}
+
+        def on_train_begin(self, *_: Any, **__: Any) -> None:
+            peak.start_training()
+
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            phases["generation"] = phases["teacher"] = 0.0
+            self.begin = time.perf_counter()
+
+        def on_step_end(self, _args: Any, state: Any, *__: Any, **___: Any) -> None:
+            end = time.perf_counter()
+            step = end - self.begin
+            self.records.append(
+                {
+                    "step": step,
+                    "loop": end - self.last_end if self.last_end is not None else float("nan"),
+                    "generation": phases["generation"],
+                    "teacher": phases["teacher"],
+                    "training": step - phases["generation"] - phases["teacher"],
+                    **step_tokens[-1],
+                }
+            )
+            self.last_end = end
+            if state.global_step == total_steps:
+                self.result_memory = peak.finish()
+
+    return StepTimer()
+
+
+def _time_teacher_forward(module: Any, phases: dict[str, float]) -> None:
+    """Adds the seconds of every forward of ``module`` to ``phases["teacher"]``."""
+
+    def pre_hook(*_: Any) -> None:
+        phases["teacher_start"] = time.perf_counter()
+
+    def post_hook(*_: Any) -> None:
+        phases["teacher"] += time.perf_counter() - phases["teacher_start"]
+
+    module.register_forward_pre_hook(pre_hook)
+    module.register_forward_hook(post_hook)
+
+
+def _trl_training_arguments(args: argparse.Namespace, run_name: str, gradient_checkpointing: bool) -> dict[str, Any]:
+    """The ``TrainingArguments`` fields both TRL configs share, set alike (see the module docstring)."""
+    return {
+        "output_dir": str(Path(args.workdir) / f"{run_name}_out_{args.size}_{args.run_index}"),
+        "per_device_train_batch_size": args.batch_size,
+        "gradient_accumulation_steps": 1,
+        "max_steps": args.warmup + args.steps,
+        "learning_rate": LEARNING_RATE,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.999,
+        "adam_epsilon": 1e-8,
+        "max_grad_norm": 1.0,
+        "optim": "adamw_torch_fused",  # TRL's default, spelled out: the kernel opd's auto picks on CPU
+        "gradient_checkpointing": gradient_checkpointing,  # TRL's default True: recompute in backward
+        "bf16": False,
+        "fp16": False,
+        "use_cpu": True,
+        "report_to": "none",
+        "save_strategy": "no",
+        "eval_strategy": "no",
+        "logging_steps": 1,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "seed": SEED,
+    }
+
+
+def _load_models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(tokenizer, student, teacher) of ``args.size``, fp32, as every TRL run loads them."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = Path(args.workdir) / args.size
+    tokenizer = AutoTokenizer.from_pretrained(model_dir / "student")
+    student = AutoModelForCausalLM.from_pretrained(model_dir / "student", dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir / "teacher", dtype=torch.float32)
+    return tokenizer, student, teacher
+
+
 def run_trl(args: argparse.Namespace, gradient_checkpointing: bool = True) -> dict[str, Any]:
     """One TRL ``GKDTrainer`` run; returns per-step timings, tokens and peak RSS.
 
@@ -357,16 +541,10 @@ def run_trl(args: argparse.Namespace, gradient_checkpointing: bool = True) -> di
     """
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    workdir = Path(args.workdir)
-    model_dir = workdir / args.size
-    tokenizer = AutoTokenizer.from_pretrained(model_dir / "student")
-    student = AutoModelForCausalLM.from_pretrained(model_dir / "student", dtype=torch.float32)
-    teacher = AutoModelForCausalLM.from_pretrained(model_dir / "teacher", dtype=torch.float32)
-    dataset = Dataset.from_list(_read_rows(workdir))
-    total_steps = args.warmup + args.steps
+    tokenizer, student, teacher = _load_models(args)
+    dataset = Dataset.from_list(_read_rows(Path(args.workdir)))
 
     phases = {"generation": 0.0, "teacher": 0.0}
     step_tokens: list[dict[str, float]] = []
@@ -396,72 +574,14 @@ def run_trl(args: argparse.Namespace, gradient_checkpointing: bool = True) -> di
             )
             return loss
 
-    peak = _PeakTracker()
-    records: list[dict[str, float]] = []
-
-    class StepTimer(TrainerCallback):
-        """``on_step_begin`` → ``on_step_end``: the whole optimizer step."""
-
-        def __init__(self) -> None:
-            self.begin = 0.0
-            self.last_end: float | None = None
-            self.result_memory: dict[str, Any] = {}
-
-        def on_train_begin(self, *_: Any, **__: Any) -> None:
-            peak.start_training()
-
-        def on_step_begin(self, *_: Any, **__: Any) -> None:
-            phases["generation"] = phases["teacher"] = 0.0
-            self.begin = time.perf_counter()
-
-        def on_step_end(self, _args: Any, state: Any, *__: Any, **___: Any) -> None:
-            end = time.perf_counter()
-            step = end - self.begin
-            records.append(
-                {
-                    "step": step,
-                    "loop": end - self.last_end if self.last_end is not None else float("nan"),
-                    "generation": phases["generation"],
-                    "teacher": phases["teacher"],
-                    "training": step - phases["generation"] - phases["teacher"],
-                    **step_tokens[-1],
-                }
-            )
-            self.last_end = end
-            if state.global_step == total_steps:
-                self.result_memory = peak.finish()
-
     config = GKDConfig(
-        output_dir=str(workdir / f"trl_out_{args.size}_{args.run_index}"),
         lmbda=1.0,
         beta=JSD_BETA,
         temperature=args.temperature,
         max_new_tokens=args.max_new_tokens,
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=1,
-        max_steps=total_steps,
-        learning_rate=LEARNING_RATE,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        adam_epsilon=1e-8,
-        max_grad_norm=1.0,
-        optim="adamw_torch_fused",  # TRL's default, spelled out: the kernel opd's auto picks on CPU
-        gradient_checkpointing=gradient_checkpointing,  # TRL default True: recompute + no KV cache
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        eval_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=SEED,
+        **_trl_training_arguments(args, "trl", gradient_checkpointing),
     )
-    timer = StepTimer()
+    timer = _trl_step_timer(args.warmup + args.steps, phases, step_tokens)
     trainer = TimedGKDTrainer(
         model=student,
         teacher_model=teacher,
@@ -470,19 +590,106 @@ def run_trl(args: argparse.Namespace, gradient_checkpointing: bool = True) -> di
         processing_class=tokenizer,
         callbacks=[timer],
     )
-
-    def teacher_pre_hook(*_: Any) -> None:
-        phases["teacher_start"] = time.perf_counter()
-
-    def teacher_post_hook(*_: Any) -> None:
-        phases["teacher"] += time.perf_counter() - phases["teacher_start"]
-
-    trainer.teacher_model.register_forward_pre_hook(teacher_pre_hook)
-    trainer.teacher_model.register_forward_hook(teacher_post_hook)
+    _time_teacher_forward(trainer.teacher_model, phases)
     trainer.train()
     return {
-        "records": records[args.warmup :],
+        "records": timer.records[args.warmup :],
         "generation_use_cache": bool(trainer.generation_config.use_cache),
+        "threads": torch.get_num_threads(),
+        **timer.result_memory,
+    }
+
+
+def run_distill(args: argparse.Namespace, gradient_checkpointing: bool = True) -> dict[str, Any]:
+    """One TRL ``DistillationTrainer`` run, measured as :func:`run_trl` measures ``GKDTrainer``.
+
+    Args:
+        args: the worker's arguments.
+        gradient_checkpointing: ``DistillationConfig``'s default ``True`` (activations
+            recomputed in the backward pass; the trainer lifts it around ``generate``, so the
+            KV cache stays on), or ``False`` (equal work to opd).
+    """
+    import torch
+    from datasets import Dataset
+    from trl import DistillationConfig, DistillationTrainer
+
+    tokenizer, student, teacher = _load_models(args)
+    # The same rows as GKD's: the user turn is the prompt GKD's collator keeps from each row.
+    dataset = Dataset.from_list([{"prompt": row["messages"][:1]} for row in _read_rows(Path(args.workdir))])
+
+    phases = {"generation": 0.0, "teacher": 0.0}
+    step_tokens: list[dict[str, float]] = []
+    # Whether generate used the KV cache is observed, not read from the trainer's
+    # GenerationConfig, which leaves use_cache unset (generate's default, True, then applies):
+    # with the cache, every student forward after a generate's first feeds one token per row.
+    decode_widths: list[int] = []
+    generations_with_cache: list[bool] = []
+
+    def record_decode_width(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("input_ids") is not None:
+            decode_widths.append(kwargs["input_ids"].shape[1])
+
+    class TimedDistillationTrainer(DistillationTrainer):
+        """DistillationTrainer plus measurement: the generation call is timed, tokens are counted."""
+
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):  # type: ignore[override]
+            decode_widths.clear()
+            hook = self.model.register_forward_pre_hook(record_decode_width, with_kwargs=True)
+            start = time.perf_counter()
+            completion_ids = super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
+            phases["generation"] += time.perf_counter() - start
+            hook.remove()
+            generations_with_cache.append(all(width == 1 for width in decode_widths[1:]))
+            return completion_ids
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[override]
+            # The generated batch: left-padded prompts and right-padded completions whose
+            # mask ends at the first EOS, as GKD's attention mask does.
+            prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
+            rows = prompt_mask.shape[0]
+            step_tokens.append(
+                {
+                    "tokens": float(prompt_mask.sum() + completion_mask.sum()),
+                    "response_length": float(completion_mask.sum()) / rows,
+                    "prompt_length": float(prompt_mask.sum()) / rows,
+                }
+            )
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    config = DistillationConfig(
+        beta=JSD_BETA,
+        # The loss's softmax temperature (1, as GKD's loss and opd's loss_fn.temperature);
+        # generation_kwargs below overrides the sampling temperature alone.
+        temperature=1.0,
+        generation_kwargs={"temperature": args.temperature},
+        top_k=0,
+        top_p=1.0,
+        max_completion_length=args.max_new_tokens,
+        disable_dropout=True,  # GKDConfig's default
+        use_vllm=False,
+        **_trl_training_arguments(args, "distill", gradient_checkpointing),
+    )
+    timer = _trl_step_timer(args.warmup + args.steps, phases, step_tokens)
+    trainer = TimedDistillationTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
+    # The mapping above relies on generation_kwargs overriding the shared temperature.
+    if trainer.generation_config.temperature != args.temperature:
+        raise SystemExit(
+            f"DistillationTrainer samples at temperature {trainer.generation_config.temperature}, "
+            f"not {args.temperature}"
+        )
+    # The loss runs the teacher's decoder alone (base_model), its head inside the chunked loss.
+    _time_teacher_forward(trainer.teacher_model.base_model, phases)
+    trainer.train()
+    return {
+        "records": timer.records[args.warmup :],
+        "generation_use_cache": all(generations_with_cache),
         "threads": torch.get_num_threads(),
         **timer.result_memory,
     }
@@ -756,14 +963,19 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _objective_check(student: Any, teacher: Any, batch: Any, mask: Any, loss_fn: Any) -> dict[str, float]:
-    """opd's loss and TRL's ``GKDTrainer.generalized_jsd_loss`` on one batch, same weights.
+    """opd's loss, ``GKDTrainer.generalized_jsd_loss`` and ``DistillationTrainer``'s chunked loss on one batch.
 
-    TRL's loss is called as its ``compute_loss`` calls it: full logits of both models,
+    GKD's loss is called as its ``compute_loss`` calls it: full logits of both models,
     shifted by one, labels ``-100`` outside the response, temperature 1, batch-mean over
-    the valid labels. Equal values show that both runs optimise the same objective.
+    the valid labels. ``DistillationTrainer``'s as its ``_compute_loss`` calls it: both
+    decoders' final hidden states (``base_model``) without the last position, the two LM
+    heads, the response positions as the mask, β and temperature 1 as the run maps them,
+    mean over the masked positions. Equal values show that all runs optimise the same
+    objective.
     """
     import torch
     from trl.experimental.gkd import GKDTrainer
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
     from opd.data.sequences import shift_token_mask
     from opd.models.lm_head import LMHeadInput, final_hidden_states, output_head_of
@@ -786,12 +998,29 @@ def _objective_check(student: Any, teacher: Any, batch: Any, mask: Any, loss_fn:
             labels=labels[:, 1:],
             beta=JSD_BETA,
         )
-    return {"opd_loss": float(opd_loss), "trl_loss": float(trl_loss)}
+        # Position t predicts token t + 1: its loss counts where token t + 1 is a response token.
+        distill_loss, _, _ = _chunked_divergence_loss(
+            student.base_model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1],
+            teacher.base_model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1],
+            weight,
+            teacher_weight,
+            batch["token_mask"][:, 1:],
+            JSD_BETA,
+            student_lm_head_bias=bias,
+            teacher_lm_head_bias=teacher_bias,
+            temperature=1.0,
+        )
+    return {"opd_loss": float(opd_loss), "trl_loss": float(trl_loss), "distill_loss": float(distill_loss)}
 
 
 def run_trl_without_checkpointing(args: argparse.Namespace) -> dict[str, Any]:
     """TRL with ``gradient_checkpointing=False``: the same work as opd (KV cache on, no recompute)."""
     return run_trl(args, gradient_checkpointing=False)
+
+
+def run_distill_without_checkpointing(args: argparse.Namespace) -> dict[str, Any]:
+    """``DistillationTrainer`` with ``gradient_checkpointing=False``: the same work as opd (no recompute)."""
+    return run_distill(args, gradient_checkpointing=False)
 
 
 def run_opd_compiled(args: argparse.Namespace) -> dict[str, Any]:
@@ -800,6 +1029,8 @@ def run_opd_compiled(args: argparse.Namespace) -> dict[str, Any]:
 
 
 WORKERS = {
+    "distill": run_distill,
+    "distill_nogc": run_distill_without_checkpointing,
     "trl": run_trl,
     "trl_nogc": run_trl_without_checkpointing,
     "opd": run_opd,
@@ -909,6 +1140,40 @@ def _compile_cost(runs: dict[str, list[dict[str, Any]]], summary: dict[str, dict
     }
 
 
+def _per_run_comparison(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """One size's figures per run, and opd's ratios to DistillationTrainer's per round.
+
+    Args:
+        runs: one size's results per framework, rounds in order.
+
+    Returns:
+        ``figures[framework][key]``: per run, its median timed step (``step``) and its peak
+        RSS (``peak_rss_mib``); ``ratios[(opd_run, distill_run)][key]``: per round, the opd
+        run's figure over the Distill run's of the same round.
+    """
+    figures = {
+        framework: {
+            "step": [_median([record["step"] for record in result["records"]]) for result in results],
+            "peak_rss_mib": [result["peak_rss_mib"] for result in results],
+        }
+        for framework, results in runs.items()
+    }
+    ratios = {
+        (opd_run, distill_run): {
+            key: [opd / distill for opd, distill in zip(figures[opd_run][key], figures[distill_run][key], strict=True)]
+            for key in ("step", "peak_rss_mib")
+        }
+        for opd_run in OPD_RUNS
+        for distill_run in DISTILL_RUNS
+    }
+    return {"figures": figures, "ratios": ratios}
+
+
+def _spread(values: list[float], digits: int) -> str:
+    """``median [min–max]`` of one figure over runs."""
+    return f"{_fmt(_median(values), digits)} [{_fmt(min(values), digits)}–{_fmt(max(values), digits)}]"
+
+
 def _cpu_seconds() -> tuple[float, float]:
     """(CPU-seconds the whole machine has been busy, CPU-seconds of this process and its children)."""
     with open("/proc/stat", encoding="ascii") as stat:
@@ -980,23 +1245,28 @@ def main(args: argparse.Namespace) -> None:
             "(same tokenization, Qwen-sized output layer)"
         )
         print(
-            "# TRL = GKDTrainer with its defaults (gradient_checkpointing=True: activations recomputed in backward "
-            "and the KV cache off in generation); TRL gc-off = the same with gradient_checkpointing=False "
-            "(equal work to opd). Both: bf16=False (fp32 like opd), TRL's default fused AdamW. "
+            "# Distill = TRL's DistillationTrainer with its defaults (gradient_checkpointing=True: activations "
+            "recomputed in backward; the KV cache stays on in generation), beta=0.5, loss temperature 1 and the "
+            "sampling temperature through generation_kwargs, disable_dropout=True, no vLLM; GKD = TRL's "
+            "experimental GKDTrainer with its defaults (gradient_checkpointing=True, which also turns the KV cache "
+            "off in generation), lmbda=1; gc-off = the same with gradient_checkpointing=False (equal work to opd). "
+            "All TRL runs: bf16=False (fp32 like opd), TRL's default fused AdamW. "
             "opd: its defaults; opd compiled: its defaults + generation.compile_decode=true"
         )
         print("runs:", flush=True)
 
         summaries: dict[str, dict[str, dict[str, float]]] = {}
         compile_costs: dict[str, dict[str, Any]] = {}
+        comparisons: dict[str, dict[str, Any]] = {}
         parts: dict[str, dict[str, Any]] = {}
         for size in sizes:
             runs: dict[str, list[dict[str, Any]]] = {framework: [] for framework in FRAMEWORKS}
             for round_index in range(args.rounds):
-                for framework in FRAMEWORKS:  # alternating: trl, trl_nogc, opd, opd_compiled, trl, ...
+                for framework in FRAMEWORKS:  # alternating: distill, distill_nogc, trl, ..., opd_compiled, distill, ...
                     runs[framework].append(_spawn(framework, size, round_index, args, workdir))
             summaries[size] = {framework: _summarise(runs[framework]) for framework in FRAMEWORKS}
             compile_costs[size] = _compile_cost(runs, summaries[size])
+            comparisons[size] = _per_run_comparison(runs)
             if not args.skip_parts:
                 parts[size] = _spawn("parts", size, 0, args, workdir)
 
@@ -1016,7 +1286,7 @@ def main(args: argparse.Namespace) -> None:
         "peak RSS",
         "Δ train",
     )
-    widths = [10, 23] + [10] * (len(columns) - 2)
+    widths = [10, 27] + [10] * (len(columns) - 2)
 
     def row(cells: list[str]) -> str:
         return "  ".join(f"{cell:>{width}}" for cell, width in zip(cells, widths))
@@ -1070,6 +1340,43 @@ def main(args: argparse.Namespace) -> None:
 
     print()
     print(
+        f"per run: opd, TRL DistillationTrainer and TRL GKDTrainer side by side (median [min–max] over {args.rounds} "
+        "runs of each run's median timed step and its peak RSS; opd/Distill pairs each round's opd run with the "
+        "same round's Distill run)"
+    )
+    run_widths = [10, 27, 22, 22]
+
+    def run_row(cells: list[str]) -> str:
+        return "  ".join(f"{cell:>{width}}" for cell, width in zip(cells, run_widths))
+
+    print(run_row(["size", "framework", "step s", "peak RSS MiB"]))
+    for size in sizes:
+        figures, ratios = comparisons[size]["figures"], comparisons[size]["ratios"]
+        for framework in (*OPD_RUNS, *DISTILL_RUNS, *GKD_RUNS):
+            print(
+                run_row(
+                    [
+                        size,
+                        LABELS[framework],
+                        _spread(figures[framework]["step"], 3),
+                        _spread(figures[framework]["peak_rss_mib"], 0),
+                    ]
+                )
+            )
+        for (opd_run, distill_run), ratio_runs in ratios.items():
+            print(
+                run_row(
+                    [
+                        size,
+                        f"{LABELS[opd_run]}/{LABELS[distill_run]}",
+                        _spread(ratio_runs["step"], 2),
+                        _spread(ratio_runs["peak_rss_mib"], 2),
+                    ]
+                )
+            )
+
+    print()
+    print(
         "compile_decode: compile seconds outside the timed steps (opd compiled's one-time time minus opd's, "
         "median over rounds) and the steps after which compiling pays off"
     )
@@ -1096,9 +1403,12 @@ def main(args: argparse.Namespace) -> None:
         for size in sizes:
             opd, part = summaries[size]["opd_compiled"], parts[size]["times"]
             opd_loss, trl_loss = parts[size]["opd_loss"], parts[size]["trl_loss"]
+            distill_loss = parts[size]["distill_loss"]
             print(
-                f"  {size}: objective check on one batch: opd loss {opd_loss:.6f}, TRL generalized_jsd_loss "
-                f"{trl_loss:.6f} (relative difference {abs(opd_loss - trl_loss) / abs(trl_loss):.1e})"
+                f"  {size}: objective check on one batch: opd loss {opd_loss:.6f}, GKD generalized_jsd_loss "
+                f"{trl_loss:.6f} (relative difference {abs(opd_loss - trl_loss) / abs(trl_loss):.1e}), "
+                f"DistillationTrainer chunked loss {distill_loss:.6f} "
+                f"(relative difference {abs(opd_loss - distill_loss) / abs(distill_loss):.1e})"
             )
             alone = {key: _median(values) for key, values in part.items()}
             total = sum(alone.values())
@@ -1126,8 +1436,8 @@ def main(args: argparse.Namespace) -> None:
             return "nan"
         return f"{summaries[size][opd_run][key] / summaries[size][trl][key]:.3f}"
 
-    # Each opd run against TRL with gradient checkpointing off (equal work), then against
-    # TRL as shipped, which is what a user gets from GKDConfig's defaults.
+    # Each opd run against GKD with gradient checkpointing off (equal work), then against
+    # GKD as shipped, which is what a user gets from GKDConfig's defaults.
     for opd_run in OPD_RUNS:
         for trl, name in (("trl_nogc", "trl_gc_off"), ("trl", "trl")):
             print(
@@ -1135,6 +1445,22 @@ def main(args: argparse.Namespace) -> None:
                 f"qwen_vocab={ratio('qwen_vocab', 'step', opd_run, trl)} "
                 f"peak_rss small={ratio('small', 'peak_rss_mib', opd_run, trl)} "
                 f"qwen_vocab={ratio('qwen_vocab', 'peak_rss_mib', opd_run, trl)}"
+            )
+
+    def round_ratio(size: str, key: str, opd_run: str, distill_run: str) -> str:
+        if size not in comparisons:
+            return "nan"
+        return f"{_median(comparisons[size]['ratios'][(opd_run, distill_run)][key]):.3f}"
+
+    # The same against DistillationTrainer, gc-off (equal work) then as shipped: the
+    # medians of the per-round ratios of the per-run table.
+    for opd_run in OPD_RUNS:
+        for distill_run, name in (("distill_nogc", "distill_gc_off"), ("distill", "distill")):
+            print(
+                f"e2e {opd_run}/{name} step_time small={round_ratio('small', 'step', opd_run, distill_run)} "
+                f"qwen_vocab={round_ratio('qwen_vocab', 'step', opd_run, distill_run)} "
+                f"peak_rss small={round_ratio('small', 'peak_rss_mib', opd_run, distill_run)} "
+                f"qwen_vocab={round_ratio('qwen_vocab', 'peak_rss_mib', opd_run, distill_run)}"
             )
 
     def cost(size: str, key: str, digits: int) -> str:
