@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 
 import torch
@@ -25,10 +24,14 @@ from opd.utils.config import load_config
 
 
 def _sum_over_ranks_on_the_host(self, totals):
-    """``TrainerWorker._sum_over_ranks`` before c206a4c: the values all-reduced as a CPU tensor."""
+    """``TrainerWorker._sum_over_ranks`` before c206a4c: the values all-reduced as a CPU tensor.
+
+    (The planted tensor holds zeros: the metrics themselves are device tensors now, which the stand-in accelerator
+    cannot read, and the defect is where the collective's tensor lives, not what it holds.)
+    """
     reduced = {}
     for op, keys in ((dist.ReduceOp.SUM, [k for k in sorted(totals) if not k.endswith("_max")]),):
-        values = torch.tensor([totals.get(key, -math.inf) for key in keys], dtype=torch.float64)
+        values = torch.zeros(len(keys), dtype=torch.float64)
         dist.all_reduce(values, op=op)
         reduced.update(zip(keys, values.tolist(), strict=True))
     return reduced

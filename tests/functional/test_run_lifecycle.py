@@ -602,13 +602,13 @@ def cli(capsys):
 def test_cli_diverging_run_exits_1_with_one_error_line(tmp_path, cli, monkeypatch):
     from opd.losses.distillation_losses import DistillationLossFn
 
-    original_call = DistillationLossFn.__call__
+    original_call = DistillationLossFn.loss_and_metrics
 
     def nan_call(self, *args, **kwargs):
         loss, metrics = original_call(self, *args, **kwargs)
         return loss * float("nan"), metrics
 
-    monkeypatch.setattr(DistillationLossFn, "__call__", nan_call)
+    monkeypatch.setattr(DistillationLossFn, "loss_and_metrics", nan_call)
     output_dir = tmp_path / "run"
     status, out, err = cli(*train_argv(output_dir, "training.max_consecutive_nonfinite_steps=3",
                                        "logger.console=false"))
