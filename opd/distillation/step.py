@@ -184,7 +184,8 @@ class DistillationRun(TrainingCallbacks):
 
             with timer.time("training"):
                 scorer = MicroBatchScorer(submit) if request is not None else None
-                train_metrics = student.train(scheduled.batch, loss_fn, scorer, timer)
+                step_loss = loss_fn.for_step(self.policy_version + 1)
+                train_metrics = student.train(scheduled.batch, step_loss, scorer, timer)
             # Before anything scores the next batch (or a checkpoint keeps the teacher's state).
             teacher.follow_student(student, self.policy_version + 1, timer)
             train_metrics = loss_fn.finish_metrics(train_metrics)

@@ -129,6 +129,18 @@ class _TokenClip(StrictConfig):
     )
 
 
+class _Diagnostics(StrictConfig):
+    """How often the teacher-vs-student metrics are taken: vocabulary-wide work in every loss chunk."""
+
+    diagnostics_every: int = Field(
+        1,
+        ge=0,
+        description="take train/kl_forward, kl_reverse, teacher_topk_mass, student_mass_on_teacher_topk and "
+        "topk_overlap on the steps that are multiples of this (two top-k and both log-normalisers over the "
+        "vocabulary per chunk); 1 = every step, 0 = never; the loss and its gradient are the same either way",
+    )
+
+
 class FusedHeadSettings(StrictConfig):
     """Memory-lean computation: logits made chunk by chunk from hidden states."""
 
@@ -165,7 +177,7 @@ class FullVocabKernelSettings(FusedHeadSettings):
 
 
 @loss_variant(KLLossFn)
-class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKernelSettings, _TokenClip):
+class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKernelSettings, _TokenClip, _Diagnostics):
     """``type: full_vocab``: the exact KL over the whole vocabulary (the default)."""
 
     type: Literal["full_vocab"] = "full_vocab"
@@ -176,7 +188,7 @@ class FullVocabLossConfig(_LossSettings, _KLDirection, _Temperature, FullVocabKe
 
 
 @loss_variant(JSDLossFn)
-class JSDLossConfig(_LossSettings, _Temperature, FullVocabKernelSettings, _TokenClip):
+class JSDLossConfig(_LossSettings, _Temperature, FullVocabKernelSettings, _TokenClip, _Diagnostics):
     """``type: jsd``: the generalized Jensen-Shannon divergence of GKD / TRL."""
 
     type: Literal["jsd"] = "jsd"
@@ -188,7 +200,7 @@ class JSDLossConfig(_LossSettings, _Temperature, FullVocabKernelSettings, _Token
 
 
 @loss_variant(TopKKLLossFn)
-class TopKLossConfig(_LossSettings, _KLDirection, _Temperature, FusedHeadSettings, _TokenClip):
+class TopKLossConfig(_LossSettings, _KLDirection, _Temperature, FusedHeadSettings, _TokenClip, _Diagnostics):
     """``type: topk``: the teacher sends its top ``k`` log-probs per position (what a served teacher sends)."""
 
     type: Literal["topk"] = "topk"

@@ -7,6 +7,7 @@ the teacher sends and what the per-position term is.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -340,9 +341,13 @@ class DistillationLossFn(TokenLossFn):
     ``kl_reverse``, ``teacher_topk_mass``, ``student_mass_on_teacher_topk``, ``topk_overlap``) are token means at
     the loss temperature for every signal (:class:`TeacherMetrics` says why).
 
+    The metrics cost vocabulary-wide work in every chunk (two top-k, both log-normalisers), so they can be taken
+    on every ``diagnostics_every``-th step only (:meth:`for_step`); the loss and its gradient never change.
+
     Args:
         temperature: applied to both models' logits (not the sampling temperature); finite and > 0.
         metrics_topk: k of the top-k metrics (>= 1), by keyword.
+        diagnostics_every: the metrics on steps that are multiples of it (>= 0; 0: never), by keyword.
         kl_reduction, vocab_size, options: as in :class:`TokenLossFn` (the rest by keyword).
     """
 
@@ -356,26 +361,44 @@ class DistillationLossFn(TokenLossFn):
         vocab_size: int | None = None,
         *,
         metrics_topk: int = 64,
+        diagnostics_every: int = 1,
         **options: Any,
     ) -> None:
         check_temperature(temperature)
         if metrics_topk < 1:
             raise ValueError(f"metrics_topk must be >= 1, got {metrics_topk}")
+        if diagnostics_every < 0:
+            raise ValueError(f"diagnostics_every must be >= 0 (0: never), got {diagnostics_every}")
         super().__init__(kl_reduction, vocab_size, **options)
         self.temperature = temperature
         self.metrics_topk = metrics_topk
+        self.diagnostics_every = diagnostics_every
+        self.diagnoses = diagnostics_every == 1
+        """Whether this object takes the metrics (set per step by :meth:`for_step`)."""
+
+    def for_step(self, step: int) -> LossFunction:
+        """This loss for optimizer step ``step``: a copy with the metrics on or off, or itself where they agree."""
+        diagnoses = self.diagnostics_every > 0 and step % self.diagnostics_every == 0
+        if diagnoses == self.diagnoses:
+            return self
+        stepped = copy.copy(self)
+        stepped.diagnoses = diagnoses
+        return stepped
 
     @abstractmethod
     def _teacher_rows(self, teacher_output: Any, loss_mask: torch.Tensor) -> tuple[Any, ...]:
         """The loss positions of the teacher's answer: the row inputs of :meth:`_divergence`."""
 
     @abstractmethod
-    def _chunk_hooks(self, metrics: TeacherMetrics, fused: bool) -> ChunkHooks:
-        """``(observer, value_and_grad)`` of :class:`LossInputs`, the observer feeding ``metrics``."""
+    def _chunk_hooks(self, metrics: TeacherMetrics | None, fused: bool) -> ChunkHooks:
+        """``(observer, value_and_grad)`` of :class:`LossInputs`, the observer feeding ``metrics`` (None: no metrics,
+        no observer)."""
 
     def _loss_inputs(
         self, teacher_output: Any, data: dict[str, Any], loss_mask: torch.Tensor, fused: bool
     ) -> LossInputs:
+        if not self.diagnoses:
+            return LossInputs(self._teacher_rows(teacher_output, loss_mask), *self._chunk_hooks(None, fused))
         collector = TeacherMetrics(self.metrics_topk, self.temperature, self.compile_kernels)
         observer, value_and_grad = self._chunk_hooks(collector, fused)
         return LossInputs(
@@ -443,9 +466,11 @@ class FullVocabLossFn(DistillationLossFn):
     def _teacher_rows(self, teacher_output: Any, loss_mask: torch.Tensor) -> tuple[Any, ...]:
         return (loss_rows(self._cut_vocabulary(teacher_output), loss_mask),)
 
-    def _chunk_hooks(self, metrics: TeacherMetrics, fused: bool) -> ChunkHooks:
+    def _chunk_hooks(self, metrics: TeacherMetrics | None, fused: bool) -> ChunkHooks:
         if self._closed_form_arguments() is None:
-            return metrics.full_vocab, None
+            return (metrics.full_vocab if metrics is not None else None), None
+        if metrics is None:
+            return None, self._divergence_with_grad
         if fused and not self.compile_kernels:
             # The metrics are at the loss temperature: reuse the fused loss's log-probabilities.
             # (Compiled kernels recompute them instead: fused passes beat writing them out.)
@@ -570,5 +595,7 @@ class TopKKLLossFn(DistillationLossFn):
             rest_rows = loss_rows(rest, loss_mask)
         return logprob_rows, loss_rows(ids, loss_mask), rest_rows
 
-    def _chunk_hooks(self, metrics: TeacherMetrics, fused: bool) -> ChunkHooks:
+    def _chunk_hooks(self, metrics: TeacherMetrics | None, fused: bool) -> ChunkHooks:
+        if metrics is None:
+            return None, None
         return functools.partial(metrics.topk, student_classes=self.student_classes), None

@@ -7,6 +7,7 @@ metrics, logged as ``train/teacher/<name>/...``: the :data:`PER_TEACHER_MEANS` (
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -82,6 +83,15 @@ class _SeveralTeachersLoss(LossFunction):
     def teacher_request(self) -> TeacherRequest | None:
         """Every teacher is asked for the objective's signal."""
         return self.objective.teacher_request
+
+    def for_step(self, step: int) -> LossFunction:
+        """A copy whose objectives are those of step ``step``, or itself where none changes."""
+        objectives = [objective.for_step(step) for objective in self.objectives]
+        if all(new is old for new, old in zip(objectives, self.objectives, strict=True)):
+            return self
+        stepped = copy.copy(self)
+        stepped.objectives, stepped.objective = objectives, objectives[0]
+        return stepped
 
     @property
     def needs_task_reward(self) -> bool:

@@ -276,11 +276,9 @@ class LossFunction(ABC):
         """The step's metrics from their sums over micro-batches and ranks; a ratio of two sums is divided here."""
         return metrics
 
-    def with_diagnostics(self, diagnostics: bool) -> LossFunction:
-        """This loss with its vocabulary-wide diagnostics on or off for one step (``loss_fn.diagnostics_every``).
-
-        A loss without such diagnostics is returned as it is; one with them returns a copy, never changing itself.
-        """
+    def for_step(self, step: int) -> LossFunction:
+        """This loss as optimizer step ``step`` (from 1) computes it: a copy where the step changes what it reports
+        (``loss_fn.diagnostics_every``), else itself; never changed in place."""
         return self
 
     @abstractmethod
