@@ -52,6 +52,14 @@ class TrainerPoolConfig(StrictConfig):
             )
         return self
 
+    reduce_gradients: Literal["once_per_step", "every_micro_batch"] = Field(
+        "once_per_step",
+        description="once_per_step: the micro-batches of a step accumulate each rank's whole fp32 gradients and "
+        "they are reduced once, after the last (one reduce-scatter per layer per step, and under HSDP one "
+        "all-reduce across the groups instead of one per micro-batch), holding one unsharded gradient of the "
+        "student per rank while they accumulate (`opd plan` counts it); every_micro_batch: reduce-scatter after "
+        "each micro-batch (least memory, one reduction per micro-batch)",
+    )
     offload_during_generation: bool = Field(
         False,
         description="colocated rollouts: move each trainer rank's optimizer state and colocated teacher to host "

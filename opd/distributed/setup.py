@@ -243,6 +243,7 @@ def _start_trainer(
         timeout_s=max(cluster.call_timeout("trainer")[0], cluster.start_timeout_s),
         threads=cluster.threads_per_worker,
         reshard_after_forward=cluster.trainer.reshard_after_forward,
+        reduce_gradients_once_per_step=cluster.trainer.reduce_gradients == "once_per_step",
         teacher_sharded=cluster.teacher.sharded,
         shard_group_size=cluster.trainer.shard_group_size,
         activation_checkpointing=cluster.trainer.activation_checkpointing,
@@ -267,7 +268,35 @@ def _start_trainer(
     # The process group meets on rank 0's node, which need not be the controller's.
     master_addr, master_port = trainer.run_rank(0, "rendezvous_address", bound=bounds["start_bound"])
     trainer.run_all("start", master_addr, master_port, bound=bounds["start_bound"])  # loads the models
+    if colocated_teacher and cluster.teacher.sharded and cluster.trainer.shard_group_size is None and world_size > 1:
+        warning = cross_node_teacher_warning(
+            trainer.run_all("node_name", bound=bounds["start_bound"]),
+            trainer.run_rank(0, "colocated_teacher_bytes", bound=bounds["start_bound"]),
+        )
+        if warning is not None:
+            log.warning(warning)
     return trainer
+
+
+def cross_node_teacher_warning(nodes: list[str], teacher_bytes: int) -> str | None:
+    """Why a colocated teacher sharded over trainer ranks on several nodes is slow, or None on one node.
+
+    ``nodes``: each rank's node (:meth:`TrainerWorker.node_name`). Every micro-batch's teacher forward gathers the
+    teacher's layers from every rank, so each rank receives ``(ranks − 1) / ranks`` of its weights, most of it
+    from other nodes.
+    """
+    hosts = sorted(set(nodes))
+    if len(hosts) < 2:
+        return None
+    ranks = len(nodes)
+    per_node = max(nodes.count(host) for host in hosts)
+    gathered = teacher_bytes * (ranks - 1) / ranks / 2**30
+    return (
+        f"the colocated teacher is sharded over {ranks} trainer ranks on {len(hosts)} nodes: every micro-batch's "
+        f"teacher forward gathers {gathered:.1f} GiB per rank, across nodes; set cluster.trainer.shard_group_size = "
+        f"{per_node} (the ranks of one node) to shard it within each node instead, or cluster.teacher.placement = "
+        "pool"
+    )
 
 
 def _start_teacher_pool(

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from opd.models.config import ModelLoadingConfig
 from opd.models.loading import load_causal_lm
 from opd.models.tiny import is_tiny_path
+from opd.utils.devices import use_tf32_matmuls
 from opd.utils.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
@@ -61,6 +62,7 @@ def load_sharded(
     Raises:
         ConfigError: the directory cannot be read, or its files lack a parameter.
     """
+    use_tf32_matmuls(loading.tf32, device)
     files = _safetensors_files(path)
     if not files:
         log.info("loading %s whole on each rank, then sharding (no safetensors files to read slices of)", path)

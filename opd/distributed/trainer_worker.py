@@ -91,6 +91,8 @@ class TrainerSpec:
         total_steps: optimizer steps planned (for decaying schedules).
         timeout_s: bound on every collective.
         threads: torch threads of a CPU rank.
+        reduce_gradients_once_per_step: gradients reduced after a step's last micro-batch only (each rank
+            accumulating whole ones until then), not after each (``cluster.trainer.reduce_gradients``).
         teacher_sharded: shard a colocated teacher with FSDP2; False keeps a whole copy per rank.
         shard_group_size: None shards over every rank; ``k`` shards within groups of ``k`` and replicates (HSDP).
         teacher_head_path: model whose output layer alone every rank loads (``loading.dtype``) to bind the hidden
@@ -114,6 +116,7 @@ class TrainerSpec:
     timeout_s: float
     threads: int
     reshard_after_forward: bool = True
+    reduce_gradients_once_per_step: bool = True
     teacher_sharded: bool = True
     shard_group_size: int | None = None
     activation_checkpointing: bool = False
@@ -311,6 +314,14 @@ class TrainerWorker(RefitSender):
         model = load_causal_lm(path, dtype, self.device, spec.loading)
         return LocalTeacher(model, share_prompt_forward=share_prompt)
 
+    def colocated_teacher_bytes(self) -> int:
+        """The whole (unsharded) size of the colocated teachers' weights: what a sharded one gathers per forward."""
+        return sum(
+            parameter.numel() * parameter.element_size()  # a DTensor's numel is its whole tensor's
+            for member in self.teacher_members
+            for parameter in member.model.parameters()
+        )
+
     def _release_teachers(self) -> None:
         """Frees what the colocated teachers' forwards left gathered (see :func:`release_gathered_root`)."""
         for member in self.teacher_members:
@@ -408,7 +419,14 @@ class TrainerWorker(RefitSender):
             return answer
 
         totals = accumulate_gradients(
-            micro_batches, self.device, self._forward, loss_fn, teacher_answer, global_valid_tokens, global_valid_seqs
+            micro_batches,
+            self.device,
+            self._forward,
+            loss_fn,
+            teacher_answer,
+            global_valid_tokens,
+            global_valid_seqs,
+            self.model.set_requires_gradient_sync if self.spec.reduce_gradients_once_per_step else None,
         )
         if self.teacher_members:
             # Kept gathered over the micro-batches (one all-gather per step), freed for what comes next.

@@ -24,6 +24,11 @@ class ModelLoadingConfig(StrictConfig):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     trust_remote_code: bool = False
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
+    tf32: bool = Field(
+        True,
+        description="on CUDA, float32 matmuls (the fused loss's fp32 accumulations, a float32 model) run on TF32 "
+        "tensor cores, in every process that loads a model; false keeps them in full float32 (no effect on CPU)",
+    )
 
 
 class LoraConfig(StrictConfig):

@@ -19,7 +19,7 @@ from opd.models.gguf_source import gguf_source, load_gguf_causal_lm, load_gguf_t
 from opd.models.lm_head import OutputLayer, output_layer_of
 from opd.models.tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer, is_tiny_path
 from opd.utils.config import resolve_auto
-from opd.utils.devices import is_cuda
+from opd.utils.devices import is_cuda, use_tf32_matmuls
 from opd.utils.errors import ConfigError, ModelCompatibilityError, first_line
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
@@ -131,6 +131,7 @@ def load_causal_lm(
     ``device_map`` (Accelerate's ``auto``, ``balanced``, ...) spreads the layers instead of using ``device``.
     Raises ConfigError if the model cannot be loaded.
     """
+    use_tf32_matmuls(config.tf32, device)
     model: PreTrainedModel
     if is_tiny_path(path):
         model = build_tiny_model(path[len(TINY_PREFIX) :], dtype=dtype)

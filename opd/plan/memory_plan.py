@@ -74,6 +74,10 @@ class MemoryPlan:
     teacher_replica: ReplicaMemory | None = None
     """A teacher pool: what the first device of one replica holds while it scores a micro-batch."""
     teacher_shards_per_replica: int = 1
+    reduce_gradients_once_per_step: bool = False
+    """``cluster.trainer.reduce_gradients: once_per_step`` (whole gradients held while micro-batches accumulate)."""
+    micro_batches: int = 1
+    """Micro-batches per rank per step in the dry run."""
 
     def peak_of(self, key: str) -> int:
         """The largest peak over the ranks dry-run under ``key`` (``"off"`` / ``"on"``)."""
@@ -206,6 +210,7 @@ def _trainer_spec(
         timeout_s=cluster.worker_timeout_s,
         threads=1,
         reshard_after_forward=cluster.trainer.reshard_after_forward,
+        reduce_gradients_once_per_step=cluster.trainer.reduce_gradients == "once_per_step",
         teacher_sharded=cluster.teacher.sharded,
         shard_group_size=cluster.trainer.shard_group_size,
         activation_checkpointing=checkpointing,
@@ -305,6 +310,8 @@ def plan_memory(
         kv_bytes_per_token=kv_bytes_per_token(student_config),
         shard_ranks=shard_ranks,
         lora=config.model.active_lora() is not None,
+        reduce_gradients_once_per_step=cluster.trainer.reduce_gradients == "once_per_step",
+        micro_batches=shape.micro_batches,
     )
     if placement.pool_shards is not None:
         assert teacher_path is not None and loss_fn.teacher_request is not None
@@ -334,6 +341,19 @@ def _layers_line(plan: MemoryPlan) -> str:
         f"layers: traced at {BASE_DEPTH} and {BASE_DEPTH + 1} and extrapolated ({models}); "
         "--every-layer traces every layer"
     )
+
+
+def _gradients_line(plan: MemoryPlan) -> str:
+    """How the step reduces gradients, and what that holds (``cluster.trainer.reduce_gradients``)."""
+    if plan.micro_batches < 2:
+        return "gradients: one micro-batch per rank, reduce-scattered after its backward"
+    if plan.reduce_gradients_once_per_step:
+        return (
+            f"gradients: reduced once per step; while the {plan.micro_batches} micro-batches accumulate, each rank "
+            "holds the student's whole fp32 gradients (in the peak above; reduce_gradients: every_micro_batch "
+            "holds shards only)"
+        )
+    return f"gradients: reduce-scattered after each of the {plan.micro_batches} micro-batches"
 
 
 def render_plan(plan: MemoryPlan) -> str:
@@ -394,6 +414,9 @@ def render_plan(plan: MemoryPlan) -> str:
         f"pool replica (whole, one device): {gib(plan.teacher_whole_bytes)} GiB",
         f"loss: fused chunks of {plan.loss_chunk_rows} positions × {plan.vocab_size:,} = "
         f"{plan.loss_chunk_bytes / 2**20:.0f} MiB of fp32 logits per chunk (in the peak above)",
+        _gradients_line(plan),
+        "not traced (leave room for them): validation's generation and scoring, the teacher baselines, the refit's "
+        "buffers, the checkpoint save, and what the caching allocator reserves beyond the allocated peak",
         "",
         "verdict (peak + 1.5 GiB runtime reserve):",
     ]

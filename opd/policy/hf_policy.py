@@ -132,6 +132,7 @@ def accumulate_gradients(
     teacher_answer: Callable[[int, BatchedDataDict], TeacherSignal | None],
     global_valid_tokens: int,
     global_valid_seqs: int,
+    gradient_sync: Callable[[bool], None] | None = None,
 ) -> dict[str, MetricValue]:
     """Forward and backward over micro-batches, gradients accumulating; returns the loss's metrics summed, not read.
 
@@ -141,9 +142,12 @@ def accumulate_gradients(
     teacher's signal (None: the loss needs none), asked with the micro-batch still where the batch came from (the
     host): a teacher that reads the tokens (prompt sharing, another tokenizer, a server) then reads no device.
     Micro-batches are moved to ``device`` here. Nothing is read from the device in the loop: the metrics stay 0-dim
-    tensors until :func:`apply_gradients` reads them.
+    tensors until :func:`apply_gradients` reads them. ``gradient_sync(reduce)`` (a sharded student's
+    ``set_requires_gradient_sync``) is told before each backward whether it is the step's last: the gradients are
+    then reduced across ranks once per step, not once per micro-batch.
     """
     totals: dict[str, MetricValue] = {}
+    micro_batches = list(micro_batches)
     for index, host_micro_batch in enumerate(micro_batches):
         teacher_output = teacher_answer(index, host_micro_batch)
         micro_batch = host_micro_batch.to(device)
@@ -151,6 +155,8 @@ def accumulate_gradients(
         loss, metrics = loss_fn.loss_and_metrics(
             output, micro_batch, global_valid_tokens, global_valid_seqs, teacher_output=teacher_output
         )
+        if gradient_sync is not None:
+            gradient_sync(index == len(micro_batches) - 1)
         loss.backward()
         del teacher_output, output  # freed before the next micro-batch's forward
         accumulate_metrics(totals, metrics)

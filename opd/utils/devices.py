@@ -21,6 +21,18 @@ def is_cpu(device: torch.device | str) -> bool:
     return _device_type(device) == "cpu"
 
 
+def use_tf32_matmuls(enabled: bool, device: torch.device | str) -> None:
+    """On CUDA, float32 matmuls in TF32 (``enabled``) or full float32; nothing elsewhere.
+
+    Process-wide (torch's backend flags): every process that loads a model for ``device`` sets it the same way.
+    """
+    if not is_cuda(device):
+        return
+    import torch
+
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if enabled else "ieee"
+
+
 def _device_type(device: torch.device | str) -> str:
     """``cuda`` of ``cuda:1`` or of ``torch.device("cuda", 1)``: the device's type without its index."""
     return str(device).partition(":")[0]

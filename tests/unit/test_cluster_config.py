@@ -20,7 +20,7 @@ from opd_test_helpers import REPO_ROOT
 
 from opd.distillation.config import MasterConfig
 from opd.distributed.config import ClusterConfig
-from opd.distributed.setup import TORCH_FLOOR, check_torch_version
+from opd.distributed.setup import TORCH_FLOOR, check_torch_version, cross_node_teacher_warning
 from opd.distributed.workers.ray_cluster import check_colocated_sharing
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError
@@ -115,3 +115,15 @@ def test_the_floor_is_the_one_pyproject_states():
     pyproject = (REPO_ROOT / "pyproject.toml").read_text()
     stated = re.search(r'"torch>=(\d+)\.(\d+)"', pyproject)
     assert stated is not None and (int(stated[1]), int(stated[2])) == TORCH_FLOOR
+
+
+def test_a_teacher_sharded_across_nodes_is_warned_about_with_its_gather_volume():
+    nodes = ["a/10.0.0.1"] * 4 + ["b/10.0.0.2"] * 4
+    teacher_bytes = 64 * 2**30  # a 32B teacher in bf16
+    warning = cross_node_teacher_warning(nodes, teacher_bytes)
+    assert warning is not None
+    # Each of 8 ranks receives 7/8 of the teacher per micro-batch.
+    assert "sharded over 8 trainer ranks on 2 nodes" in warning and "gathers 56.0 GiB per rank" in warning
+    assert "cluster.trainer.shard_group_size = 4" in warning
+    assert cross_node_teacher_warning(["a/10.0.0.1"] * 8, teacher_bytes) is None
+

@@ -13,11 +13,17 @@ Four real gloo ranks (``torch.multiprocessing``, no Ray) run the trainer's own c
   runs is over 2 ranks), and bitwise equal what the ranks hold;
 * a sharded checkpoint written by the HSDP ranks after step 2 loads back into freshly
   built HSDP ranks, and into plain FSDP2 ranks, whose step 3 equals the uninterrupted run's;
-* a colocated teacher sharded over the HSDP mesh sends the in-process teacher's top-k.
+* a colocated teacher sharded over the HSDP mesh sends the in-process teacher's top-k;
+* gradients are reduced once per step (``cluster.trainer.reduce_gradients: once_per_step``): with two
+  micro-batches per rank, FSDP2 reduce-scatters each sharded module's gradients once per step, and HSDP
+  all-reduces them across the groups once, counted on gloo; ``every_micro_batch`` does both twice.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import sys
 import types
 from pathlib import Path
 
@@ -26,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from opd_float_tolerance import adam_weight_tolerance, metric_tolerance, tiny_student_entries
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from opd.data.batched_data_dict import BatchedDataDict
@@ -85,7 +92,7 @@ def scored_rows(rank: int) -> BatchedDataDict:
     return BatchedDataDict({"input_ids": ids, "input_lengths": lengths, "token_mask": torch.ones_like(ids)})
 
 
-def spec(teacher: bool = False) -> TrainerSpec:
+def spec(teacher: bool = False, once_per_step: bool = True) -> TrainerSpec:
     return TrainerSpec(
         student_path="tiny:student",
         teacher_path="tiny:teacher" if teacher else None,
@@ -95,6 +102,7 @@ def spec(teacher: bool = False) -> TrainerSpec:
         backend="gloo",
         timeout_s=120.0,
         threads=1,
+        reduce_gradients_once_per_step=once_per_step,
     )
 
 
@@ -104,6 +112,44 @@ def train_step(worker: TrainerWorker, data: BatchedDataDict, rank: int) -> dict[
     plan = planner.plan(data)[rank]
     tokens = int(shift_token_mask(data["token_mask"]).sum())
     return worker.train(NLLLossFn(), tokens, data.size, plan, None)
+
+
+GRADIENT_REDUCTIONS = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
+"""The collectives FSDP2 reduces gradients with (counted when its collectives module calls them)."""
+
+
+@contextlib.contextmanager
+def counted_gradient_reductions():
+    """Counts, by name, the collectives FSDP2's gradient reduction issues while open."""
+    counts: collections.Counter[str] = collections.Counter()
+    originals = {name: getattr(dist, name) for name in GRADIENT_REDUCTIONS}
+
+    def counting(name: str, original):
+        def collective(*args, **kwargs):
+            if sys._getframe(1).f_code.co_filename.endswith("_fsdp_collectives.py"):
+                counts["reduce_scatter" if name.startswith("reduce_scatter") else name] += 1
+            return original(*args, **kwargs)
+
+        return collective
+
+    for name, original in originals.items():
+        setattr(dist, name, counting(name, original))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def reductions_of_one_step(
+    worker: TrainerWorker, data: BatchedDataDict, rank: int
+) -> tuple[dict[str, float], dict[str, int]]:
+    """One step's metrics, and its gradient collectives with the step's micro-batches and sharded modules here."""
+    with counted_gradient_reductions() as counts:
+        metrics = train_step(worker, data, rank)
+    planner = FSDPPolicy(types.SimpleNamespace(size=WORLD), MICRO_BATCH_SIZE, None, False)  # type: ignore[arg-type]
+    units = sum(isinstance(module, FSDPModule) for module in worker.model.modules())
+    return metrics, {**counts, "micro_batches": len(planner.plan(data)[rank]), "units": units}
 
 
 def recorded_gathers(worker: TrainerWorker) -> tuple[dict[str, torch.Tensor], list[int]]:
@@ -136,7 +182,13 @@ def _rank(rank: int, port: int, result_dir: str) -> None:
             results["hsdp_placements"] = placements
             # The colocated teacher, sharded over the same 2-D mesh, scores this rank's rows.
             results["teacher_topk"] = worker.teacher_score(TopKRequest(k=4), scored_rows(rank))
-        metrics = [train_step(worker, data[step], rank) for step in range(STEPS - 1)]
+        # Step 1's gradient collectives, counted here and on a trainer that reduces after every micro-batch.
+        every = TrainerWorker(rank, WORLD, spec(once_per_step=False))
+        every.build(mesh, torch.device("cpu"))
+        results[f"{label}_reductions_every_micro_batch"] = reductions_of_one_step(every, data[0], rank)[1]
+        del every
+        first, results[f"{label}_reductions"] = reductions_of_one_step(worker, data[0], rank)
+        metrics = [first, *(train_step(worker, data[step], rank) for step in range(1, STEPS - 1))]
         if label == "hsdp":
             worker.save_shards(result_dir)
         metrics.append(train_step(worker, data[STEPS - 1], rank))
@@ -192,6 +244,19 @@ def test_four_ranks_match_one_process(ranks, one_process, label):
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=WEIGHT_TOLERANCE, msg=name)
     assert max(float((initial[name] - weights[name]).abs().max()) for name in weights) > 5 * WEIGHT_TOLERANCE
+
+
+@pytest.mark.parametrize("label", ["hsdp", "fsdp"])
+def test_gradients_are_reduced_once_per_step(ranks, label):
+    for results in ranks:
+        once, every = results[f"{label}_reductions"], results[f"{label}_reductions_every_micro_batch"]
+        assert once["micro_batches"] == every["micro_batches"] >= 2 and once["units"] >= 3
+        assert once["reduce_scatter"] == once["units"]
+        assert every["reduce_scatter"] == once["units"] * once["micro_batches"]
+        # HSDP adds one all-reduce across the groups per reduce-scatter; plain FSDP2 none.
+        replicas = once["reduce_scatter"] if label == "hsdp" else 0
+        assert once.get("all_reduce", 0) == replicas
+        assert every.get("all_reduce", 0) == replicas * once["micro_batches"]
 
 
 def test_hsdp_gathers_whole_weights_within_a_shard_group(ranks):

@@ -20,3 +20,23 @@ from opd.utils.devices import is_cpu, is_cuda
 def test_device_type(device: torch.device | str, cuda: bool, cpu: bool) -> None:
     assert is_cuda(device) is cuda
     assert is_cpu(device) is cpu
+
+
+def test_tf32_is_set_for_cuda_loads_only():
+    """``model.tf32``: process-wide torch flags, set where a model is loaded for CUDA, never for the CPU."""
+    import torch
+
+    from opd.models.config import ModelLoadingConfig
+    from opd.utils.devices import use_tf32_matmuls
+
+    assert ModelLoadingConfig().tf32 is True
+    before = torch.backends.cuda.matmul.fp32_precision
+    try:
+        use_tf32_matmuls(True, "cpu")
+        assert torch.backends.cuda.matmul.fp32_precision == before
+        use_tf32_matmuls(True, "cuda:0")
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        use_tf32_matmuls(False, torch.device("cuda", 1))
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
