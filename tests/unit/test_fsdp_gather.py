@@ -16,6 +16,8 @@ uneven splits and empty shards occur), spawned with ``torch.multiprocessing``; n
 
 from __future__ import annotations
 
+import itertools
+
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 
 from opd.distributed import fsdp
 from opd.distributed.fsdp import shard_model, whole_state_dict_buckets
+from opd.distributed.refit.buckets import module_group
 from opd.distributed.refit.sender import RefitSender
 from opd.distributed.refit.wire import layout_of
 from opd.models.tiny import build_tiny_model
@@ -134,18 +137,19 @@ def test_every_gathered_tensor_owns_its_storage(gathered, label, bucket_bytes):
 
 
 @pytest.mark.parametrize("label", LABELS)
-def test_buckets_close_at_the_first_tensor_that_fills_them(gathered, label):
+def test_buckets_close_where_the_module_that_fills_them_ends(gathered, label):
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in reference_state(label)}
     for bucket_bytes in BUCKET_SIZES:
         buckets = gathered[0][(label, bucket_bytes)]["buckets"]
         for index, names in enumerate(buckets):
             assert names, "an empty bucket"
-            filled = sum(sizes[name] for name in names)
-            before_last = filled - sizes[names[-1]]
-            assert before_last < bucket_bytes, "a bucket went on after it was full"
+            cumulative = list(itertools.accumulate(sizes[name] for name in names))
+            full_at = next((at for at, filled in enumerate(cumulative) if filled >= bucket_bytes), len(names) - 1)
+            finishing = {module_group(name) for name in names[full_at:]}
+            assert finishing == {module_group(names[full_at])}, "a bucket went on past the module that filled it"
             if index < len(buckets) - 1:
-                assert filled >= bucket_bytes, "a bucket closed before it was full"
-    assert len(gathered[0][(label, 1)]["buckets"]) == len(sizes)
+                assert cumulative[-1] >= bucket_bytes, "a bucket closed before it was full"
+    assert len(gathered[0][(label, 1)]["buckets"]) == len({module_group(name) for name in sizes})
     assert len(gathered[0][(label, 10**9)]["buckets"]) == 1
 
 

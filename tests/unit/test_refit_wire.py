@@ -73,3 +73,23 @@ def test_an_explicit_transport_is_kept():
 def test_cuda_ipc_where_it_cannot_work_is_refused(settings, match):
     with pytest.raises(ValueError, match=match):
         ClusterConfig.model_validate({**settings, "rollout": {"refit_transport": "cuda_ipc"}})
+
+
+def test_buckets_close_only_between_decoder_layers_and_modules():
+    """A vLLM engine reloads each call's layers whole: a bucket holding only q_proj of a fused q/k/v layer would
+    leave k and v uninitialised (scripts/gpu_checks/vllm_refit.py found it on the broadcast refit)."""
+    from opd.distributed.refit.buckets import in_buckets, module_group
+    from opd.models.tiny import build_tiny_model
+
+    named = list(build_tiny_model("student").state_dict().items())
+    layer_bytes = sum(t.numel() * t.element_size() for name, t in named if name.startswith("model.layers.0."))
+    for bucket_bytes in (1, 4096, layer_bytes // 3, layer_bytes, 2 * layer_bytes + 1):
+        buckets = list(in_buckets(named, bucket_bytes))
+        assert [entry for bucket in buckets for entry in bucket] == named  # every weight once, in order
+        groups = [{module_group(name) for name, _ in bucket} for bucket in buckets]
+        for earlier, later in zip(groups, groups[1:]):
+            assert not earlier & later, f"bucket size {bucket_bytes}: a module split across buckets"
+        for bucket in buckets[:-1]:  # each closed bucket reached the size (a last one may be smaller)
+            assert sum(t.numel() * t.element_size() for _, t in bucket) >= bucket_bytes
+    assert module_group("model.layers.12.self_attn.q_proj.weight") == "model.layers.12"
+    assert module_group("model.norm.weight") == "model.norm" and module_group("lm_head.weight") == "lm_head"

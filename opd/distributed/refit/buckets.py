@@ -11,21 +11,37 @@ from typing import Any
 import torch
 
 
+def module_group(name: str) -> str:
+    """The part of the model a weight belongs to, which a bucket never splits: its decoder layer, else its module.
+
+    ``model.layers.3.self_attn.q_proj.weight`` → ``model.layers.3`` (the path up to its first numeric part);
+    ``model.norm.weight`` → ``model.norm``. A vLLM engine fuses a layer's q/k/v and gate/up projections into one
+    parameter and reloads a layer from each ``load_weights`` call: a call holding only some of its parts leaves
+    the rest of the fused parameter uninitialised.
+    """
+    parts = name.split(".")
+    for index, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: index + 1])
+    return ".".join(parts[:-1]) or name
+
+
 def in_buckets(
     entries: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """``entries`` in order, grouped: a bucket closes at the first tensor that brings it to ``bucket_bytes``.
+    """``entries`` in order, grouped: a bucket that has reached ``bucket_bytes`` closes where its last
+    :func:`module_group` ends, so no decoder layer or module is split between buckets.
 
-    A tensor larger than ``bucket_bytes`` is a bucket of its own; no bucket is empty.
+    A group larger than ``bucket_bytes`` is a bucket of its own; no bucket is empty.
     """
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in entries:
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
+        if size >= bucket_bytes and module_group(name) != module_group(bucket[-1][0]):
             yield bucket
             bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
     if bucket:
         yield bucket
 
