@@ -20,8 +20,10 @@ Checks:
 * ``offload``: optimizer state and teacher to host and back: GPU memory before and after;
 * ``sharded_loading``: a Qwen2.5-0.5B-shaped student (random weights, bf16 file) loaded
   straight into its shard: peak GPU memory against the fp32 master weights' size;
-* ``qwen05b_step``: one training step of that student at the real vocabulary: step time
-  and peak memory, beside ``opd plan``'s prediction for the same shapes;
+* ``qwen05b_step``: one training step of that student at the real vocabulary: step time,
+  TFLOP/s and MFU (student 6·N·T plus teacher 2·N·T), host syncs per step
+  (``torch.cuda.set_sync_debug_mode``), and peak memory allocated and reserved, beside
+  ``opd plan``'s prediction for the same shapes;
 * ``qwen15b_step``: the same at the specification's student shape (Qwen2.5-1.5B);
 * ``qwen15b_checkpointed``: the same with the student's activation checkpointing;
 * ``pooled_hidden_states``: the exact loss with the teacher apart (a teacher-pool worker
@@ -311,10 +313,40 @@ class _VocabularyOnly:
         return SHIPPED_TOKENIZER_SIZE
 
 
-def _qwen_step(shape: str, checkpointing: bool = False) -> dict[str, Any]:
-    """Three steps of ``shape`` as student and colocated teacher: the steady step's time and peak, and the plan's.
+BF16_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12, "L40S": 362e12}
+"""Dense bf16 tensor-core peak by device name (the vendors' figures, without sparsity)."""
 
-    ``checkpointing``: the student recomputes each layer's activations in the backward pass.
+
+def _peak_flops(torch: Any) -> float | None:
+    name = torch.cuda.get_device_name() if not REHEARSAL else ""
+    # The longest match first: "H200" must not be read as "H20".
+    matches = [key for key in BF16_PEAK_FLOPS if key in name]
+    return BF16_PEAK_FLOPS[max(matches, key=len)] if matches else None
+
+
+def _host_syncs(torch: Any, run: Callable[[], Any]) -> int:
+    """How often ``run`` made the host wait for the GPU (``torch.cuda.set_sync_debug_mode``'s warnings)."""
+    import warnings
+
+    if REHEARSAL:
+        run()
+        return 0
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(warning.message) for warning in caught)
+
+
+def _qwen_step(shape: str, checkpointing: bool = False) -> dict[str, Any]:
+    """Four steps of ``shape`` as student and colocated teacher: the steady step's time, MFU, host syncs and peak
+    (allocated and reserved), and the plan's peak.
+
+    ``checkpointing``: the student recomputes each layer's activations in the backward pass. MFU counts the
+    student's 6·N·T and the teacher's 2·N·T over every token of the micro-batch (N: parameters, a tied head once).
     """
     torch = _cuda()
     from opd.data.sequences import pack_sequences
@@ -339,18 +371,28 @@ def _qwen_step(shape: str, checkpointing: bool = False) -> dict[str, Any]:
         worker.train(loss_fn, tokens, rows, [batch], in_place(loss_fn, 1))
         cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-    peak = cuda.max_memory_allocated()
+    peak, reserved = cuda.max_memory_allocated(), cuda.max_memory_reserved()
+    syncs = _host_syncs(torch, lambda: worker.train(loss_fn, tokens, rows, [batch], in_place(loss_fn, 1)))
+    parameters = sum(p.numel() for p in worker.model.parameters())  # the same shape is the teacher
     worker.shutdown()
+    step_s = min(seconds[1:])
+    flops = (6 + 2) * parameters * rows * length
+    peak_flops = _peak_flops(torch)
+    mfu = f", MFU {flops / step_s / peak_flops:.1%}" if peak_flops else ""
     figure = (
         f"{rows} x {length} tokens, fused {config.loss_fn.type} loss, the same shape as colocated teacher"
         f"{', activation checkpointing' if checkpointing else ''}: "
-        f"step {min(seconds[1:]) * 1000:.0f} ms, peak {peak / GIB:.2f} GiB"
+        f"step {step_s * 1000:.0f} ms, {flops / step_s / 1e12:.0f} TFLOP/s{mfu}, {syncs} host syncs per step, "
+        f"peak {peak / GIB:.2f} GiB allocated, {reserved / GIB:.2f} GiB reserved"
     )
     ok = True
     if not REHEARSAL:
         predicted = _dry_run_prediction(shape, checkpointing)
         error = (predicted - peak) / peak
-        figure += f"; opd plan predicts {predicted / GIB:.2f} GiB ({error:+.1%})"
+        figure += (
+            f"; opd plan predicts {predicted / GIB:.2f} GiB ({error:+.1%} of the allocated peak, "
+            f"{(predicted - reserved) / reserved:+.1%} of the reserved)"
+        )
         ok = abs(error) <= 0.15
     return {"ok": ok, "figure": figure}
 

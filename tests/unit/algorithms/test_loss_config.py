@@ -123,7 +123,7 @@ _SAMPLE_VALUES = {
     "kl_type": "forward", "mixed_kl_weight": "0.3", "temperature": "1.0", "reduction": "sum",
     "fused_lm_head": "false", "chunk_size": "8", "compile_kernels": "false", "metrics_topk": "8", "beta": "0.5",
     "k": "4", "tail": "false", "teacher_tau": "1.0", "student_tau": "1.0", "adv_tau": "0.0", "discount": "0.5",
-    "clip_ratio": "0.3", "token_clip": "2.0",
+    "clip_ratio": "0.3", "token_clip": "2.0", "diagnostics_every": "4",
 }
 _ALL_KEYS = sorted({key for variant in LOSS_VARIANTS.values() for key in variant.model_fields} - {"type"})
 FOREIGN_KEYS = [(tag, key) for tag, variant in LOSS_VARIANTS.items() for key in _ALL_KEYS
