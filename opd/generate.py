@@ -20,6 +20,11 @@ seed of ``(training.seed, k)``. Its rows are appended and synced, then a record 
 ``<output>.progress.jsonl`` and is synced. A rerun keeps the rows of recorded batches, cuts the rest and
 continues, so the finished file does not depend on interruptions. The progress file's first line holds the
 settings that decide the answers; a rerun with other settings fails rather than mix answers.
+
+With ``generate.teacher_signal``, the teacher also scores each batch's kept rows as training's fixed-data steps
+would (the run's tokenizer and chat template, the teacher in process), and the signal goes to a cache beside the
+output (:mod:`opd.data.teacher_signal_cache`), written before the batch's rows; a rerun keeps the files of the
+recorded batches and removes the rest. Training then reads it instead of running the teacher on those rows.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -41,20 +46,38 @@ from pydantic import Field, model_validator
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from opd.data.batches import build_fixed_data_batch
+from opd.data.dataloaders import prepare_examples
 from opd.data.datasets import load_chat_dataset, split_prompt_and_response
 from opd.data.sequences import encode_prompt
-from opd.distillation.config import MasterConfig
-from opd.distillation.setup import build_generation
-from opd.distillation.teacher_loading import resolve_teacher_path
+from opd.data.teacher_signal_cache import (
+    cache_directory,
+    describe_signal,
+    remove_cache_files,
+    resume_cache,
+    write_batch_file,
+)
+from opd.distillation.cached_teacher_signal import (
+    CachedRequest,
+    cache_setting_problem,
+    per_row_tensors,
+    request_to_json,
+    wanted_manifest,
+)
+from opd.distillation.config import MasterConfig, resolve_micro_batching
+from opd.distillation.setup import build_generation, run_tokenizer
+from opd.distillation.teacher_loading import RunTeacherLoader, resolve_teacher_path
 from opd.models.decoding import GenerateStrategyConfig
-from opd.models.interfaces import GenerationInterface
+from opd.models.interfaces import GenerationInterface, TeacherInterface, TokenLogprobsRequest, TopKRequest
 from opd.models.loading import check_output_sizes, load_causal_lm, resolve_device, resolve_dtype
 from opd.rollout.environments.math_verifier import is_correct
 from opd.run.logger import flatten_dict
 from opd.run.run_setup import load_run_tokenizer
+from opd.teachers.local_teacher import LocalTeacher
 from opd.utils.compile_cache import resolve_compile_kernels
 from opd.utils.config import StrictConfig
 from opd.utils.errors import ConfigError, DataError
+from opd.utils.paths import absolute_model_path
 
 log = logging.getLogger("opd")
 
@@ -63,6 +86,26 @@ PROGRESS_SUFFIX = ".progress.jsonl"
 
 PROGRESS_FORMAT = 1
 """Version of the progress file's layout (its first line says which)."""
+
+
+class GenerateTeacherSignalConfig(StrictConfig):
+    """``generate.teacher_signal``: the teacher's signal for the kept rows, stored for training's fixed-data steps."""
+
+    kind: Literal["topk", "token_logprobs"] = Field(
+        "topk",
+        description="topk: the k most likely tokens' log-probs and ids with the rest mass (what loss_fn.type topk "
+        "asks for); token_logprobs: each token's log-prob at temperature 1",
+    )
+    k: int = Field(64, ge=1, description="kind topk: tokens per position (loss_fn.k)")
+    temperature: float = Field(
+        1.0, gt=0.0, description="kind topk: log-probs of softmax(logits / temperature) (loss_fn.temperature)"
+    )
+
+    def request(self, vocab_size: int) -> CachedRequest:
+        """What the teacher is asked; ``vocab_size`` is the run tokenizer's, as the loss's request has it."""
+        if self.kind == "topk":
+            return TopKRequest(self.k, self.temperature, vocab_size)
+        return TokenLogprobsRequest(vocab_size)
 
 
 class GenerateDataConfig(StrictConfig):
@@ -90,6 +133,12 @@ class GenerateDataConfig(StrictConfig):
         default_factory=GenerateStrategyConfig, description="how the model samples (max_length, decoding, ...)"
     )
     progress_bar: bool = Field(True, description="draw a tqdm progress bar over the prompts")
+    teacher_signal: GenerateTeacherSignalConfig | None = Field(
+        None,
+        description="also store the teacher's signal for the kept rows in a directory beside the output (its name "
+        "+ .teacher_signal), which training's fixed-data steps read instead of running the teacher "
+        "(distillation.teacher_signal_cache); null = off",
+    )
 
     @property
     def attempts(self) -> int:
@@ -182,6 +231,7 @@ class GenerateSummary:
     seconds: float
     skipped_long_prompts: int = 0
     batches_this_run: int = 0
+    signal_directory: Path | None = None
 
     def line(self) -> str:
         """The one summary line the command prints."""
@@ -193,12 +243,13 @@ class GenerateSummary:
             if self.skipped_long_prompts
             else ""
         )
+        signal = f"; the teacher's signal in {self.signal_directory}" if self.signal_directory is not None else ""
         return (
             f"opd generate: {t.rows} rows for {t.prompts} of {self.total_prompts} prompts written to "
             f"{self.output_path}; {t.samples} samples drawn, {t.rows} kept, "
             f"{t.rejected_incorrect + t.rejected_truncated} rejected ({t.rejected_incorrect} incorrect, "
             f"{t.rejected_truncated} truncated){accuracy}; {t.prompts_without_answer} prompts without an answer; "
-            f"{self.seconds:.1f} s{resumed}{skipped}"
+            f"{self.seconds:.1f} s{resumed}{skipped}{signal}"
         )
 
 
@@ -210,28 +261,38 @@ def generate_data(config: GenerateMasterConfig) -> GenerateSummary:
 
     Raises:
         ConfigError: a setting the data or the output cannot serve.
-        DataError: a malformed data file, or an output file that does not match its progress file.
+        DataError: a malformed data file, or an output file (or its teacher-signal cache) that does not match its
+            progress file.
     """
     start = time.perf_counter()
     settings = config.generate
     output, progress = _output_paths(config)
     _check_environment(config)
     model_path = resolve_generation_model(config)
+    _check_signal_settings(config)
     tokenizer = load_run_tokenizer(model_path, config.model.trust_remote_code, config.data)
     prompts, skipped = load_source_prompts(config, tokenizer)
     check_prompts_against_settings(config, prompts)
-    fingerprint = settings_fingerprint(config, model_path, prompts)
+    signal = SignalPlan.from_config(config, output) if settings.teacher_signal is not None else None
+    fingerprint = settings_fingerprint(config, model_path, prompts, signal)
     done = resume_output(output, progress, fingerprint)
+    if signal is not None:
+        resume_cache(signal.directory, signal.manifest, [record.rows for record in done])
+    elif not done:  # a fresh output starts without the signal an earlier one may have left
+        remove_cache_files(cache_directory(output))
     batches = [prompts[i : i + settings.batch_size] for i in range(0, len(prompts), settings.batch_size)]
     totals = BatchRecord(batch=-1)
     for record in done:
         totals.add(record)
     summary = GenerateSummary(output, len(prompts), totals, totals.prompts, 0.0, skipped)
+    summary.signal_directory = signal.directory if signal is not None else None
     if len(done) < len(batches):
-        generation = _load_generation(config, model_path, tokenizer)
+        model = _load_model(config, model_path, tokenizer)
+        generation = build_generation(config, model, tokenizer)
         try:
+            recorder = signal.recorder(config, model, model_path) if signal is not None else None
             summary.batches_this_run = _generate_batches(
-                generation, tokenizer, config, model_path, batches, len(done), (output, progress), totals
+                generation, tokenizer, config, model_path, batches, len(done), (output, progress), totals, recorder
             )
         finally:
             generation.close()
@@ -248,8 +309,10 @@ def _generate_batches(
     first_batch: int,
     files: tuple[Path, Path],
     totals: BatchRecord,
+    recorder: SignalRecorder | None = None,
 ) -> int:
-    """Answers ``batches[first_batch:]`` one by one, appending each to the files; returns how many ran."""
+    """Answers ``batches[first_batch:]`` one by one, appending each to the files (its teacher signal first, with a
+    ``recorder``); returns how many ran."""
     settings = config.generate
     bar = tqdm(
         total=sum(len(batch) for batch in batches),
@@ -264,6 +327,8 @@ def _generate_batches(
         for number in range(first_batch, len(batches)):
             torch.manual_seed(batch_seed(config.training.seed, number))
             rows, record = answer_batch(generation, tokenizer, batches[number], settings, model_path, number)
+            if recorder is not None:  # on disk before the rows: a recorded batch always has its signal
+                recorder.record(number, rows)
             append_batch(files[0], files[1], rows, record)
             totals.add(record)
             rejected = totals.rejected_incorrect + totals.rejected_truncated
@@ -358,8 +423,10 @@ def check_prompts_against_settings(config: GenerateMasterConfig, prompts: list[S
         )
 
 
-def settings_fingerprint(config: GenerateMasterConfig, model_path: str, prompts: list[SourcePrompt]) -> dict[str, Any]:
-    """The settings that decide the output's rows; a rerun must match them to continue a file.
+def settings_fingerprint(
+    config: GenerateMasterConfig, model_path: str, prompts: list[SourcePrompt], signal: SignalPlan | None = None
+) -> dict[str, Any]:
+    """The settings that decide the output's rows (and its cached signal); a rerun must match them to continue a file.
 
     The prompts enter as a digest of token ids and ground truths, catching data, template and tokenizer changes.
     """
@@ -373,6 +440,16 @@ def settings_fingerprint(config: GenerateMasterConfig, model_path: str, prompts:
         "training.seed": config.training.seed,
         "prompts": f"{len(prompts)} prompts, sha256 {digest.hexdigest()}",
         **{f"generate.{key}": value for key, value in flatten_dict(sampling).items()},
+        **(
+            {
+                "teacher_signal.teacher": signal.manifest["teacher"],
+                "teacher_signal.dtype": signal.manifest["dtype"],
+                "teacher_signal.vocab_size": len(signal.tokenizer),
+                "teacher_signal.tokenizer": absolute_model_path(signal.tokenizer_path),
+            }
+            if signal is not None
+            else {}
+        ),
     }
 
 
@@ -381,15 +458,103 @@ def batch_seed(seed: int, batch: int) -> int:
     return int(np.random.SeedSequence([seed, batch]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def _load_generation(config: GenerateMasterConfig, model_path: str, tokenizer: Any) -> GenerationInterface:
-    """Loads the answering model and wraps it in the engine ``generation.backend`` names."""
+def _load_model(config: GenerateMasterConfig, model_path: str, tokenizer: Any) -> Any:
+    """Loads the answering model (``generation.backend`` wraps it in its engine)."""
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     log.info("loading %s (%s on %s) to answer the prompts", model_path, str(dtype).replace("torch.", ""), device)
     model = load_causal_lm(model_path, dtype, device, config.model)
     check_output_sizes(model, len(tokenizer), model_path)
     model.eval()
-    return build_generation(config, model, tokenizer)
+    return model
+
+
+# --------------------------------------------------------------------------- the teacher's signal
+
+
+def _check_signal_settings(config: GenerateMasterConfig) -> None:
+    """ConfigError, before anything loads, for a cache that no training run with this config could read."""
+    if config.generate.teacher_signal is None:
+        return
+    problem = cache_setting_problem(config)
+    if problem is not None:
+        raise ConfigError(
+            f"generate.teacher_signal: {problem}, so training would never read the cached signal; "
+            "set generate.teacher_signal: null"
+        )
+    resolve_teacher_path(config)  # ConfigError without model.teacher_model_path
+
+
+@dataclass
+class SignalPlan:
+    """What ``generate.teacher_signal`` stores: the request, the cache's manifest and directory, and the run's
+    tokenizer, which renders each kept row as training will (so the cache scores the ids training trains on)."""
+
+    request: CachedRequest
+    manifest: dict[str, Any]
+    directory: Path
+    tokenizer: Any
+    tokenizer_path: str
+
+    @classmethod
+    def from_config(cls, config: GenerateMasterConfig, output: Path) -> SignalPlan:
+        """The plan of ``config``; warns when ``loss_fn`` asks for another signal (training would score live)."""
+        settings = config.generate.teacher_signal
+        assert settings is not None
+        tokenizer_path = config.model.tokenizer_path or config.model.student_model_path
+        tokenizer = run_tokenizer(config)
+        request = settings.request(len(tokenizer))
+        loss_request = config.loss_fn.teacher_request(len(tokenizer))
+        if loss_request != request:
+            log.warning(
+                "generate.teacher_signal stores %s, but loss_fn (type %s) asks the teacher for %s: training with this "
+                "config scores its fixed data live",
+                describe_signal(request_to_json(request)),
+                config.loss_fn.type,
+                loss_request,
+            )
+        return cls(request, wanted_manifest(config, request), cache_directory(output), tokenizer, tokenizer_path)
+
+    def recorder(self, config: GenerateMasterConfig, answering: Any, model_path: str) -> SignalRecorder:
+        """The recorder scoring with the teacher: the answering model itself where it is the teacher, else loaded."""
+        teacher: TeacherInterface
+        if absolute_model_path(model_path) == self.manifest["teacher"]:
+            teacher = LocalTeacher(answering, share_prompt_forward=config.teacher.share_prompt_forward)
+        else:
+            loader = RunTeacherLoader(config, self.tokenizer, config.model.student_model_path, None)
+            teacher = config.teacher.build(loader, resolve_teacher_path(config))
+        rows_per_call, _ = resolve_micro_batching(config)
+        return SignalRecorder(self, teacher, rows_per_call, config.distillation.mask_prompt_tokens)
+
+
+class SignalRecorder:
+    """Scores each batch's kept rows as a fixed-data step of training would, and writes them to the cache.
+
+    The teacher is asked for as many rows at a time as a training micro-batch holds, so it needs no more memory
+    than in training.
+    """
+
+    def __init__(self, plan: SignalPlan, teacher: TeacherInterface, rows_per_call: int, mask_prompt_tokens: bool):
+        self.plan = plan
+        self.teacher = teacher
+        self.rows_per_call = rows_per_call
+        self.mask_prompt_tokens = mask_prompt_tokens
+
+    def record(self, number: int, rows: list[dict[str, Any]]) -> None:
+        """Scores the output rows of batch ``number`` and writes its cache file."""
+        plan = self.plan
+        # The rows as training reads them back from the file (a JSON round trip), rendered by its tokenizer.
+        readable = [json.loads(json.dumps(row, ensure_ascii=False)) for row in rows]
+        examples = prepare_examples(readable, plan.tokenizer, None, f"batch {number}") if readable else []
+        token_ids = [example["prompt_ids"] + (example["response_ids"] or []) for example in examples]
+        scored: list[tuple[torch.Tensor, ...]] = []
+        for first in range(0, len(examples), self.rows_per_call):
+            chunk = examples[first : first + self.rows_per_call]
+            batch = build_fixed_data_batch(chunk, plan.tokenizer.pad_token_id, self.mask_prompt_tokens)
+            signal = self.teacher.score(batch, plan.request)
+            lengths = [len(ids) for ids in token_ids[first : first + self.rows_per_call]]
+            scored.extend(per_row_tensors(plan.request, signal, lengths))
+        write_batch_file(plan.directory, number, plan.manifest["signal"]["kind"], token_ids, scored)
 
 
 # --------------------------------------------------------------------------- sampling

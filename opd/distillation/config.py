@@ -54,7 +54,8 @@ MOVED_KEYS: dict[str, str] = {
 
 
 class DistillationConfig(StrictConfig):
-    """The distillation strategy: the λ coin, on-policy sampling and the teacher-only context."""
+    """The distillation strategy: the λ coin, on-policy sampling, the teacher-only context and the fixed data's
+    cached teacher signal."""
 
     lambda_: Annotated[float, Field(ge=0.0, le=1.0)] | LambdaSchedule = Field(
         1.0,
@@ -75,6 +76,12 @@ class DistillationConfig(StrictConfig):
         "user_prefix", description="user_prefix = before the first user message; system = as / in the system message"
     )
     teacher_context_separator: str = Field("\n\n", description="between the context and the text after it")
+    teacher_signal_cache: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: fixed-data steps read the teacher's signal from the cache beside data.train_path (its "
+        "name + .teacher_signal, written by opd generate with generate.teacher_signal) where it holds what the loss "
+        "asks of this teacher, else the teacher scores (a log line says why); off: the teacher always scores",
+    )
 
     @model_validator(mode="after")
     def _check_samples_can_differ(self) -> DistillationConfig:

@@ -5,7 +5,8 @@ One optimizer step (:meth:`DistillationRun.train_step`, walked through in ``docs
 1. :meth:`RolloutSchedule.next_batch` hands over the batch: with probability ``lambda`` (the λ coin, a checkpointed
    RNG flipped when the batch was started) the student's own samples, ``num_samples_per_prompt`` per prompt, else
    the dataset's assistant turn;
-2. the teacher scores the same token ids per micro-batch with the signal the loss asks for (unless scored ahead);
+2. the teacher scores the same token ids per micro-batch with the signal the loss asks for (unless scored ahead, or
+   a fixed-data batch whose signal ``opd generate`` stored: :mod:`opd.distillation.cached_teacher_signal`);
 3. the student takes one optimizer step on the loss over response tokens, normalised over the global batch; a
    teacher that follows the student (an EMA of its weights) then takes the update;
 4. the metrics go back to :mod:`opd.run.training_loop`, which logs, validates and checkpoints.
@@ -33,7 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,6 +43,7 @@ from opd.data.batches import attach_teacher_fields, build_fixed_data_batch, uniq
 from opd.data.dataloaders import PreparedExample
 from opd.data.sequences import build_token_mask
 from opd.distillation.baselines import validation_baselines
+from opd.distillation.cached_teacher_signal import FixedDataSignals, open_fixed_data_signals
 from opd.distillation.config import DEPTHS, MasterConfig
 from opd.distillation.setup import DistillationComponents
 from opd.models.interfaces import (
@@ -149,6 +151,7 @@ class DistillationRun(TrainingCallbacks):
         self.parts = components
         config = components.master_config
         self.config = config
+        train_examples = cast("list[PreparedExample]", components.dataloader.dataset)  # the loader's own list
         self.lambda_coin = random.Random(config.training.seed + 1)
         """The λ coin: a dedicated, checkpointed RNG."""
         self.schedule = RolloutSchedule(
@@ -161,6 +164,7 @@ class DistillationRun(TrainingCallbacks):
             config,
             self.lambda_coin,
             sampler_logprobs=any(config.training.correction_is_on(loss) for _, loss in config.teacher_losses()),
+            fixed_data_signals=open_fixed_data_signals(config, components.loss_fn.teacher_request, train_examples),
         )
         self.policy_version = components.distillation_save_state["step"]
         """Optimizer steps taken so far: the version of the weights being trained."""
@@ -300,7 +304,8 @@ class RolloutSchedule:
 
     ``policy`` is the source of every weight sync; ``lambda_coin`` is checkpointed by the training loop.
     ``sampler_logprobs`` asks the engine for the sampler's log-probs even when the loss does not read them
-    (the off-policy correction and its metrics do).
+    (the off-policy correction and its metrics do). ``fixed_data_signals`` gives fixed-data batches their teacher
+    signal from a cache, where it holds every row; the teacher scores the others.
     """
 
     def __init__(
@@ -314,8 +319,10 @@ class RolloutSchedule:
         config: MasterConfig,
         lambda_coin: Any,
         sampler_logprobs: bool = False,
+        fixed_data_signals: FixedDataSignals | None = None,
     ) -> None:
         self.depth = DEPTHS[scheduler]
+        self.fixed_data_signals = fixed_data_signals
         self.generation, self.teacher, self.policy = generation, teacher, policy
         self.loss_fn, self.tokenizer, self.config, self.lambda_coin = loss_fn, tokenizer, config, lambda_coin
         self.return_logprobs = loss_fn.needs_sampler_logprobs or sampler_logprobs
@@ -373,7 +380,7 @@ class RolloutSchedule:
             with timer.time("wait_prev_teacher"):
                 teacher_signal = current.teacher.result()
             current.teacher = None
-        elif current.teacher_signal is not None:  # restored from a checkpoint
+        elif current.teacher_signal is not None:  # read from the teacher-signal cache, or restored from a checkpoint
             teacher_signal = current.teacher_signal
         self.queue.popleft()
         assert current.batch is not None  # collected above
@@ -408,6 +415,9 @@ class RolloutSchedule:
         if not on_policy:
             batch = build_fixed_data_batch(examples, self.tokenizer.pad_token_id, distillation.mask_prompt_tokens)
             slot = _Slot(examples, False, None, batch=batch)
+            if self.fixed_data_signals is not None:
+                with timer.time("teacher_cache"):
+                    slot.teacher_signal = self.fixed_data_signals.signal_for(examples, batch["input_ids"].shape[1])
             self._start_teacher(slot)
             return slot
         self.sync_weights(version, timer)
@@ -499,7 +509,8 @@ class RolloutSchedule:
         self._start_teacher(slot)
 
     def _start_teacher(self, slot: _Slot) -> None:
-        if self.scores_ahead and not slot.teacher_started and slot.batch is not None:
+        """Starts scoring a collected batch ahead of its step, if the schedule does and it has no signal yet."""
+        if self.scores_ahead and not slot.teacher_started and slot.teacher_signal is None and slot.batch is not None:
             request = self.ahead_request
             assert request is not None  # scores_ahead implies a request
             slot.teacher = self.teacher.score_async(slot.batch, request)
