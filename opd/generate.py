@@ -23,7 +23,7 @@ settings that decide the answers; a rerun with other settings fails rather than 
 
 With ``generate.teacher_signal``, the teacher also scores each batch's kept rows as training's fixed-data steps
 would (the run's tokenizer and chat template, the teacher in process), and the signal goes to a cache beside the
-output (:mod:`opd.data.teacher_signal_cache`), written before the batch's rows; a rerun keeps the files of the
+output (:mod:`opd.distillation.teacher_signal_cache`), written before the batch's rows; a rerun keeps the files of the
 recorded batches and removes the rest. Training then reads it instead of running the teacher on those rows.
 """
 
@@ -50,13 +50,6 @@ from opd.data.batches import build_fixed_data_batch
 from opd.data.dataloaders import prepare_examples
 from opd.data.datasets import load_chat_dataset, split_prompt_and_response
 from opd.data.sequences import encode_prompt
-from opd.data.teacher_signal_cache import (
-    cache_directory,
-    describe_signal,
-    remove_cache_files,
-    resume_cache,
-    write_batch_file,
-)
 from opd.distillation.cached_teacher_signal import (
     CachedRequest,
     cache_setting_problem,
@@ -67,6 +60,13 @@ from opd.distillation.cached_teacher_signal import (
 from opd.distillation.config import MasterConfig, resolve_micro_batching
 from opd.distillation.setup import build_generation, run_tokenizer
 from opd.distillation.teacher_loading import RunTeacherLoader, resolve_teacher_path
+from opd.distillation.teacher_signal_cache import (
+    cache_directory,
+    describe_signal,
+    remove_cache_files,
+    resume_cache,
+    write_batch_file,
+)
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import GenerationInterface, TeacherInterface, TokenLogprobsRequest, TopKRequest
 from opd.models.loading import check_output_sizes, load_causal_lm, resolve_device, resolve_dtype

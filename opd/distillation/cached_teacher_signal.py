@@ -1,7 +1,7 @@
 """When a teacher-signal cache may stand in for the teacher, and the fixed-data steps that read it.
 
-A cache (:mod:`opd.data.teacher_signal_cache`, written by ``opd generate``) answers for the teacher only where the
-run's teacher would answer the same: one teacher in process that does not follow the student, scoring exactly the
+A cache (:mod:`opd.distillation.teacher_signal_cache`, written by ``opd generate``) answers for the teacher only where
+the run's teacher would answer the same: one teacher in process that does not follow the student, scoring exactly the
 training row's ids (no teacher-only context, no tokenizer of its own), the same model at the same dtype, asked for
 the same signal as the one cached. ``opd generate`` refuses to write a cache no such run could read
 (:func:`cache_setting_problem`); training checks all of it when it opens the cache, then each fixed-data batch: a batch
@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from opd.data.dataloaders import PreparedExample
-from opd.data.teacher_signal_cache import (
+from opd.distillation.config import MasterConfig
+from opd.distillation.teacher_loading import resolve_teacher_path
+from opd.distillation.teacher_signal_cache import (
     CacheFileError,
     TeacherSignalCache,
     cache_directory,
@@ -27,8 +29,6 @@ from opd.data.teacher_signal_cache import (
     manifest_differences,
     pad_rows,
 )
-from opd.distillation.config import MasterConfig
-from opd.distillation.teacher_loading import resolve_teacher_path
 from opd.models.interfaces import TeacherRequest, TeacherSignal, TokenLogprobsRequest, TopKLogprobs, TopKRequest
 from opd.models.loading import resolve_device, resolve_dtype
 from opd.utils.errors import DataError

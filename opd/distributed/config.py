@@ -43,6 +43,11 @@ class TrainerPoolConfig(StrictConfig):
         "multiple of k",
     )
 
+    @property
+    def reduces_gradients_once_per_step(self) -> bool:
+        """``reduce_gradients: once_per_step`` (what the trainer ranks' spec carries)."""
+        return self.reduce_gradients == "once_per_step"
+
     @model_validator(mode="after")
     def _groups_divide_the_workers(self) -> TrainerPoolConfig:
         if self.shard_group_size is not None and self.workers % self.shard_group_size:

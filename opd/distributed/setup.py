@@ -243,7 +243,7 @@ def _start_trainer(
         timeout_s=max(cluster.call_timeout("trainer")[0], cluster.start_timeout_s),
         threads=cluster.threads_per_worker,
         reshard_after_forward=cluster.trainer.reshard_after_forward,
-        reduce_gradients_once_per_step=cluster.trainer.reduce_gradients == "once_per_step",
+        reduce_gradients_once_per_step=cluster.trainer.reduces_gradients_once_per_step,
         teacher_sharded=cluster.teacher.sharded,
         shard_group_size=cluster.trainer.shard_group_size,
         activation_checkpointing=cluster.trainer.activation_checkpointing,

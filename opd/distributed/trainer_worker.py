@@ -50,6 +50,7 @@ from opd.models.interfaces import (
 )
 from opd.models.lm_head import LMHeadInput, OutputLayer, output_layer_of
 from opd.models.loading import load_causal_lm, load_output_layer, resolve_dtype
+from opd.models.step_metrics import MetricValue, accumulate_metrics
 from opd.policy.hf_policy import (
     ADAPTER_DIR,
     accumulate_gradients,
@@ -70,7 +71,6 @@ from opd.teachers.local_teacher import LocalTeacher
 from opd.teachers.several_teachers import MixedSignal, RoutedSignal
 from opd.utils.devices import is_cpu, is_cuda
 from opd.utils.memory import release_cached_memory
-from opd.utils.step_metrics import MetricValue, accumulate_metrics
 
 SHARDS_DIR = "policy_shards"
 """Where a checkpoint keeps the trainer's sharded model and optimizer (torch.distributed.checkpoint)."""

@@ -36,7 +36,7 @@ from opd.losses.off_policy import OffPolicyCorrection, importance_weights, learn
 from opd.losses.teacher_metrics import TeacherMetrics
 from opd.models.interfaces import FullVocabRequest, LossFunction, TeacherRequest, TopKLogprobs, TopKRequest
 from opd.models.lm_head import LMHeadInput
-from opd.utils.step_metrics import MetricValue, metric_share
+from opd.models.step_metrics import MetricValue, metric_share
 
 _NORMALISER_COUNTS: dict[str, Callable[[int, int], int]] = {
     "mean": lambda tokens, sequences: tokens,
@@ -152,7 +152,7 @@ class LossInputs:
         observer: called on each chunk's detached student logits and inputs (metrics).
         value_and_grad: closed-form value and gradient of ``_divergence`` for the fused path (None: autograd).
         metrics: ``(global tokens, normaliser) ->`` this micro-batch's share of the variant's own metrics (0-dim
-            tensors, not yet read: :mod:`opd.utils.step_metrics`).
+            tensors, not yet read: :mod:`opd.models.step_metrics`).
     """
 
     row_inputs: tuple[Any, ...]

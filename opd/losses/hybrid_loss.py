@@ -20,7 +20,7 @@ from opd.losses.distillation_losses import LossInputs, TokenLossFn, loss_rows
 from opd.losses.divergences import log_probs_at_temperature, plogp_difference
 from opd.losses.off_policy import OffPolicyCorrection
 from opd.models.interfaces import FullVocabRequest, TeacherRequest
-from opd.utils.step_metrics import MetricValue, metric_share
+from opd.models.step_metrics import MetricValue, metric_share
 
 
 class FullVocabHybridLossFn(TokenLossFn):

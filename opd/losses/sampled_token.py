@@ -13,7 +13,7 @@ import torch
 from opd.losses.distillation_losses import LossInputs, TokenLossFn
 from opd.models.interfaces import TeacherRequest, TokenLogprobsRequest
 from opd.models.lm_head import token_log_probs
-from opd.utils.step_metrics import MetricValue, metric_share
+from opd.models.step_metrics import MetricValue, metric_share
 
 
 def sampled_token_advantages(

@@ -18,8 +18,8 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import select_segments, shift_token_mask
 from opd.models.interfaces import LossFunction, PerTeacherRequest, TeacherRequest
 from opd.models.lm_head import LMHeadInput
+from opd.models.step_metrics import MetricValue, accumulate_metrics, metric_share
 from opd.teachers.several_teachers import MixedSignal, RoutedSignal
-from opd.utils.step_metrics import MetricValue, accumulate_metrics, metric_share
 
 PER_TEACHER_MEANS = ("kl_forward", "kl_reverse", "kl_reverse_estimate")
 """Metrics of the objective that are token means, reported for each teacher."""

@@ -7,7 +7,7 @@ import torch
 from opd.data.token_alignment import pool_logits_by_class
 from opd.kernels.compiled_kernels import compiled, kl_metrics_from_logits
 from opd.losses.divergences import log_probs_at_temperature, plogp_difference, scaled_log_probs, topk_token_kl
-from opd.utils.step_metrics import MetricValue, metric_share
+from opd.models.step_metrics import MetricValue, metric_share
 
 
 class TeacherMetrics:

@@ -31,8 +31,8 @@ import torch
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.lm_head import LMHeadInput, OutputLayer
+from opd.models.step_metrics import MetricValue, read_metrics
 from opd.utils.errors import OpdError
-from opd.utils.step_metrics import MetricValue, read_metrics
 from opd.utils.timer import Timer
 
 ResultT = TypeVar("ResultT")
@@ -294,7 +294,7 @@ class LossFunction(ABC):
 
         ``student_output`` is ``[B, L, V]`` logits, or an ``LMHeadInput`` when ``fused_lm_head`` is set;
         ``teacher_output`` answers ``teacher_request``. Metric values may be 0-dim device tensors: the trainers
-        sum them over micro-batches and read them once per step (:mod:`opd.utils.step_metrics`).
+        sum them over micro-batches and read them once per step (:mod:`opd.models.step_metrics`).
         """
 
     def __call__(

@@ -210,7 +210,7 @@ def _trainer_spec(
         timeout_s=cluster.worker_timeout_s,
         threads=1,
         reshard_after_forward=cluster.trainer.reshard_after_forward,
-        reduce_gradients_once_per_step=cluster.trainer.reduce_gradients == "once_per_step",
+        reduce_gradients_once_per_step=cluster.trainer.reduces_gradients_once_per_step,
         teacher_sharded=cluster.teacher.sharded,
         shard_group_size=cluster.trainer.shard_group_size,
         activation_checkpointing=checkpointing,
@@ -310,7 +310,7 @@ def plan_memory(
         kv_bytes_per_token=kv_bytes_per_token(student_config),
         shard_ranks=shard_ranks,
         lora=config.model.active_lora() is not None,
-        reduce_gradients_once_per_step=cluster.trainer.reduce_gradients == "once_per_step",
+        reduce_gradients_once_per_step=cluster.trainer.reduces_gradients_once_per_step,
         micro_batches=shape.micro_batches,
     )
     if placement.pool_shards is not None:

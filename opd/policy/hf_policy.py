@@ -19,6 +19,7 @@ from opd.data.sequences import model_inputs, pack_padding_free, shift_token_mask
 from opd.models.config import LoraConfig, OptimizerConfig
 from opd.models.interfaces import LossFunction, PolicyInterface, TeacherComparison, TeacherSignal, TeacherSignalFn
 from opd.models.lm_head import LMHeadInput, final_hidden_states, output_layer_of
+from opd.models.step_metrics import MetricValue, accumulate_metrics, read_metrics
 from opd.policy.lora import (
     adapter_parameters,
     initialise_adapters,
@@ -28,7 +29,6 @@ from opd.policy.lora import (
 )
 from opd.utils.config import resolve_auto
 from opd.utils.errors import OpdError
-from opd.utils.step_metrics import MetricValue, accumulate_metrics, read_metrics
 from opd.utils.timer import Timer
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)

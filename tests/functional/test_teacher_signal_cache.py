@@ -33,7 +33,7 @@ import opd.distillation.step as step_module
 from opd.data.batches import build_fixed_data_batch
 from opd.data.dataloaders import prepare_examples
 from opd.data.datasets import load_chat_dataset
-from opd.data.teacher_signal_cache import TeacherSignalCache, batch_file, cache_directory
+from opd.distillation.teacher_signal_cache import TeacherSignalCache, batch_file, cache_directory
 from opd.distillation.cached_teacher_signal import cached_signal
 from opd.distillation.config import MasterConfig
 from opd.distillation.setup import run_tokenizer, setup

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
-from opd.utils.step_metrics import accumulate_metrics
+from opd.models.step_metrics import accumulate_metrics
 
 MethodT = TypeVar("MethodT", bound=Callable[..., Any])
 

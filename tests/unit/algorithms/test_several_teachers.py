@@ -42,6 +42,7 @@ from opd.models.interfaces import (
     TopKRequest,
 )
 from opd.models.lm_head import LMHeadInput
+from opd.models.step_metrics import accumulate_metrics
 from opd.models.tiny import build_tiny_tokenizer
 from opd.teachers.several_teachers import (
     MixedSignal,
@@ -53,7 +54,6 @@ from opd.teachers.several_teachers import (
 )
 from opd.utils.config import load_config
 from opd.utils.errors import ConfigError, DataError
-from opd.utils.step_metrics import accumulate_metrics
 
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
 B, L, V, D = 6, 9, 13, 5

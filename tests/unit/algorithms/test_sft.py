@@ -48,7 +48,7 @@ from safetensors.torch import load_file
 from opd.data.batches import build_fixed_data_batch
 from opd.data.dataloaders import prepare_examples
 from opd.losses.nll import NLLLossFn
-from opd.utils.step_metrics import read_metrics
+from opd.models.step_metrics import read_metrics
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
 from opd.policy.hf_policy import HFPolicy, OptimizerConfig
 from opd.sft import SFTMasterConfig, setup, sft_train
