@@ -61,6 +61,7 @@ from opd.distillation.config import MasterConfig, resolve_micro_batching
 from opd.distillation.setup import build_generation, run_tokenizer
 from opd.distillation.teacher_loading import RunTeacherLoader, resolve_teacher_path
 from opd.distillation.teacher_signal_cache import (
+    SIGNAL_KINDS,
     cache_directory,
     describe_signal,
     remove_cache_files,
@@ -68,7 +69,7 @@ from opd.distillation.teacher_signal_cache import (
     write_batch_file,
 )
 from opd.models.decoding import GenerateStrategyConfig
-from opd.models.interfaces import GenerationInterface, TeacherInterface, TokenLogprobsRequest, TopKRequest
+from opd.models.interfaces import GenerationInterface, TeacherInterface
 from opd.models.loading import check_output_sizes, load_causal_lm, resolve_device, resolve_dtype
 from opd.rollout.environments.math_verifier import is_correct
 from opd.run.logger import flatten_dict
@@ -103,9 +104,7 @@ class GenerateTeacherSignalConfig(StrictConfig):
 
     def request(self, vocab_size: int) -> CachedRequest:
         """What the teacher is asked; ``vocab_size`` is the run tokenizer's, as the loss's request has it."""
-        if self.kind == "topk":
-            return TopKRequest(self.k, self.temperature, vocab_size)
-        return TokenLogprobsRequest(vocab_size)
+        return SIGNAL_KINDS[self.kind].request(vocab_size, self.k, self.temperature)
 
 
 class GenerateDataConfig(StrictConfig):
@@ -554,7 +553,7 @@ class SignalRecorder:
             signal = self.teacher.score(batch, plan.request)
             lengths = [len(ids) for ids in token_ids[first : first + self.rows_per_call]]
             scored.extend(per_row_tensors(plan.request, signal, lengths))
-        write_batch_file(plan.directory, number, plan.manifest["signal"]["kind"], token_ids, scored)
+        write_batch_file(plan.directory, number, SIGNAL_KINDS[plan.manifest["signal"]["kind"]], token_ids, scored)
 
 
 # --------------------------------------------------------------------------- sampling

@@ -20,6 +20,7 @@ import torch
 from opd.data.dataloaders import PreparedExample
 from opd.distillation.config import MasterConfig
 from opd.distillation.teacher_loading import resolve_teacher_path
+from opd.distillation.teacher_plan import Placement, plan_teacher
 from opd.distillation.teacher_signal_cache import (
     CacheFileError,
     TeacherSignalCache,
@@ -27,7 +28,6 @@ from opd.distillation.teacher_signal_cache import (
     cache_manifest,
     describe_signal,
     manifest_differences,
-    pad_rows,
 )
 from opd.models.interfaces import TeacherRequest, TeacherSignal, TokenLogprobsRequest, TopKLogprobs, TopKRequest
 from opd.models.loading import resolve_device, resolve_dtype
@@ -70,22 +70,21 @@ def cached_signal(
     read = cache.read_rows(rows)
     if read is None:
         return None
-    padded = tuple(tensor.to(device) for tensor in pad_rows(cache.kind, read, width))
-    return TopKLogprobs(*padded) if cache.kind == "topk" else padded[0]
+    padded = cache.kind.padded(read, width)
+    if isinstance(padded, TopKLogprobs):
+        assert padded.rest_logprobs is not None
+        return TopKLogprobs(padded[0].to(device), padded[1].to(device), padded.rest_logprobs.to(device))
+    return padded.to(device)
 
 
 def cache_setting_problem(config: MasterConfig) -> str | None:
     """Why this config's teacher would not answer as a cached signal does, or None."""
-    if config.teachers is not None:
-        return "several teachers (teachers:) answer by routing or mixture"
-    if config.teacher.served:
-        return "teacher.backend = remote: the served teacher's scores are not those of a model in process"
-    if config.teacher.follows_student:
-        return f"teacher.self_teacher = {config.teacher.self_teacher}: the teacher changes as the student trains"
-    if config.teacher.cross_tokenizer:
-        return "teacher.cross_tokenizer = true: the teacher scores its own tokenization"
-    if config.distillation.has_teacher_context:
-        return "the teacher reads a teacher-only context (distillation.teacher_context): it scores another prompt"
+    plan = plan_teacher(config)
+    if plan.wrappers:
+        return f"the teacher is wrapped in {', '.join(plan.wrappers)}: it does not score the training row alone"
+    teacher = plan.members[0]
+    if teacher.placement is Placement.SERVED or config.teacher.follows_student:
+        return f"the teacher ({teacher.source}, {teacher.placement.value}) is not a fixed model in this process"
     if config.environment is not None:
         return "environment: prompts list the environment's tools and fixed rows are recorded episodes"
     return None
@@ -143,7 +142,7 @@ def open_fixed_data_signals(
 ) -> FixedDataSignals | None:
     """The cache of ``data.train_path`` if this run's fixed-data steps can use it, else None (with a log line saying
     why, where a cache exists). ``request`` is the loss's; ``examples`` the training rows, counted in the log."""
-    if config.distillation.teacher_signal_cache == "off" or config.distillation.lowest_lambda() >= 1.0:
+    if not config.distillation.teacher_signal_cache or config.distillation.lowest_lambda() >= 1.0:
         return None
     directory = cache_directory(config.data.train_path)
     if not directory.is_dir():

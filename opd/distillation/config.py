@@ -76,11 +76,11 @@ class DistillationConfig(StrictConfig):
         "user_prefix", description="user_prefix = before the first user message; system = as / in the system message"
     )
     teacher_context_separator: str = Field("\n\n", description="between the context and the text after it")
-    teacher_signal_cache: Literal["auto", "off"] = Field(
-        "auto",
-        description="auto: fixed-data steps read the teacher's signal from the cache beside data.train_path (its "
+    teacher_signal_cache: bool = Field(
+        True,
+        description="true: fixed-data steps read the teacher's signal from the cache beside data.train_path (its "
         "name + .teacher_signal, written by opd generate with generate.teacher_signal) where it holds what the loss "
-        "asks of this teacher, else the teacher scores (a log line says why); off: the teacher always scores",
+        "asks of this teacher, else the teacher scores (a log line says why); false: the teacher always scores",
     )
 
     @model_validator(mode="after")

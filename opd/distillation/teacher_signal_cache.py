@@ -35,6 +35,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
+from opd.models.interfaces import TokenLogprobsRequest, TopKLogprobs, TopKRequest
 from opd.utils.errors import DataError
 
 log = logging.getLogger("opd")
@@ -48,9 +49,83 @@ CACHE_FORMAT = 1
 MANIFEST_NAME = "manifest.json"
 _BATCH_FILE = re.compile(r"^batch_(\d+)\.safetensors(\.tmp)?$")
 
-SIGNAL_TENSORS = {"topk": ("topk_logprobs", "topk_ids", "rest_logprobs"), "token_logprobs": ("token_logprobs",)}
-"""The per-position tensors of each kind of signal a cache holds, in the order a row's tensors list them: the top-k
-log-probs, ids and rest mass, or each token's log-prob."""
+
+class SignalKind:
+    """One kind of signal a cache holds: its name in the manifest, its per-position tensors (in the order a row's
+    tensors list them), and how rows of it are read back as a teacher's right-padded answer."""
+
+    name: str
+    tensors: tuple[str, ...]
+
+    def describe(self, signal: dict[str, Any]) -> str:
+        """The manifest's ``signal`` for log lines."""
+        raise NotImplementedError
+
+    def request(self, vocab_size: int, k: int, temperature: float) -> TopKRequest | TokenLogprobsRequest:
+        """What the teacher is asked for this kind (``k`` and ``temperature``: top-k only)."""
+        raise NotImplementedError
+
+    def padded(self, rows: list[tuple[torch.Tensor, ...]], width: int) -> TopKLogprobs | torch.Tensor:
+        """Rows' ``[length, ...]`` tensors as the teacher's right-padded ``[B, width, ...]`` answer.
+
+        Positions past a row's end hold a finite placeholder, which a loss never reads (it takes the positions whose
+        next token carries loss).
+        """
+        raise NotImplementedError
+
+
+class TopKSignal(SignalKind):
+    """The k most likely tokens' log-probs and ids, with the rest mass (``loss_fn.type: topk``)."""
+
+    name = "topk"
+    tensors = ("topk_logprobs", "topk_ids", "rest_logprobs")
+
+    def describe(self, signal: dict[str, Any]) -> str:
+        return f"top-k {signal.get('k')} at temperature {signal.get('temperature')} {_vocabulary(signal)}"
+
+    def request(self, vocab_size: int, k: int, temperature: float) -> TopKRequest:
+        return TopKRequest(k, temperature, vocab_size)
+
+    def padded(self, rows: list[tuple[torch.Tensor, ...]], width: int) -> TopKLogprobs:
+        # The placeholder a served teacher leaves where it did not score: ids 0..k-1 at 1/(2k) each, rest 1/2.
+        # Ids go back to int64, as a teacher sends them.
+        k = rows[0][0].shape[-1]
+        logprobs = torch.full((len(rows), width, k), math.log(0.5 / k), dtype=rows[0][0].dtype)
+        ids = torch.arange(k, dtype=torch.long).expand(len(rows), width, k).clone()
+        rest = torch.full((len(rows), width), math.log(0.5), dtype=rows[0][2].dtype)
+        for index, (row_logprobs, row_ids, row_rest) in enumerate(rows):
+            length = len(row_rest)
+            logprobs[index, :length] = row_logprobs
+            ids[index, :length] = row_ids.to(torch.long)
+            rest[index, :length] = row_rest
+        return TopKLogprobs(logprobs, ids, rest)
+
+
+class TokenLogprobsSignal(SignalKind):
+    """Each token's log-prob at temperature 1 (the sampled-token losses)."""
+
+    name = "token_logprobs"
+    tensors = ("token_logprobs",)
+
+    def describe(self, signal: dict[str, Any]) -> str:
+        return f"token log-probs {_vocabulary(signal)}"
+
+    def request(self, vocab_size: int, k: int, temperature: float) -> TokenLogprobsRequest:
+        return TokenLogprobsRequest(vocab_size)
+
+    def padded(self, rows: list[tuple[torch.Tensor, ...]], width: int) -> torch.Tensor:
+        values = torch.zeros((len(rows), width), dtype=rows[0][0].dtype)  # placeholder: log-prob 0
+        for index, (row,) in enumerate(rows):
+            values[index, : len(row)] = row
+        return values
+
+
+SIGNAL_KINDS: dict[str, SignalKind] = {kind.name: kind for kind in (TopKSignal(), TokenLogprobsSignal())}
+"""Each kind of signal a cache can hold, by its name in the manifest (``generate.teacher_signal.kind``)."""
+
+
+def _vocabulary(signal: dict[str, Any]) -> str:
+    return f"over {signal.get('vocab_size')} tokens"
 
 
 def cache_directory(data_file: str | Path) -> Path:
@@ -74,10 +149,7 @@ def token_digest(token_ids: Sequence[int]) -> str:
 
 def describe_signal(signal: dict[str, Any]) -> str:
     """``top-k 64 at temperature 1.0 over 151665 tokens`` or ``token log-probs over ...``, for log lines."""
-    vocabulary = f"over {signal.get('vocab_size')} tokens"
-    if signal.get("kind") == "topk":
-        return f"top-k {signal.get('k')} at temperature {signal.get('temperature')} {vocabulary}"
-    return f"token log-probs {vocabulary}"
+    return SIGNAL_KINDS[signal["kind"]].describe(signal)
 
 
 def cache_manifest(signal: dict[str, Any], teacher: str, dtype: str) -> dict[str, Any]:
@@ -95,7 +167,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise DataError(f"teacher-signal cache manifest {path} could not be read: {error}") from None
     if not isinstance(manifest, dict) or manifest.get("opd_teacher_signal_cache") != CACHE_FORMAT:
         raise DataError(f"{path} is not a teacher-signal cache manifest of format {CACHE_FORMAT}")
-    if not isinstance(manifest.get("signal"), dict) or manifest["signal"].get("kind") not in SIGNAL_TENSORS:
+    if not isinstance(manifest.get("signal"), dict) or manifest["signal"].get("kind") not in SIGNAL_KINDS:
         raise DataError(f"{path}: unknown signal {manifest.get('signal')!r}")
     return manifest
 
@@ -115,11 +187,11 @@ def manifest_differences(cached: dict[str, Any], wanted: dict[str, Any]) -> list
 
 
 def write_batch_file(
-    directory: Path, batch: int, kind: str, token_ids: list[list[int]], rows: list[tuple[torch.Tensor, ...]]
+    directory: Path, batch: int, kind: SignalKind, token_ids: list[list[int]], rows: list[tuple[torch.Tensor, ...]]
 ) -> Path:
-    """Writes batch ``batch``'s rows, their ids and their ``[length, ...]`` tensors of :data:`SIGNAL_TENSORS`
-    ``[kind]``, and syncs the file and the directory."""
-    names = SIGNAL_TENSORS[kind]
+    """Writes batch ``batch``'s rows, their ids and their ``[length, ...]`` tensors (``kind.tensors``), and syncs
+    the file and the directory."""
+    names = kind.tensors
     tensors = {"token_ids": torch.tensor([token for ids in token_ids for token in ids], dtype=torch.int32)}
     for position, name in enumerate(names):
         # A batch whose answers were all rejected still gets its (empty) file.
@@ -128,7 +200,7 @@ def write_batch_file(
         tensors[name] = tensor.to(torch.int32) if name == "topk_ids" else tensor.contiguous()
     metadata = {
         "opd_teacher_signal_cache": str(CACHE_FORMAT),
-        "kind": kind,
+        "kind": kind.name,
         "lengths": json.dumps([len(ids) for ids in token_ids]),
         "digests": json.dumps([token_digest(ids) for ids in token_ids]),
     }
@@ -264,8 +336,7 @@ class TeacherSignalCache:
         """Reads the manifest and each batch file's header; DataError (naming the file) for a bad manifest."""
         self.directory = directory
         self.manifest = read_manifest(directory)
-        self.kind: str = self.manifest["signal"]["kind"]
-        """A key of :data:`SIGNAL_TENSORS`."""
+        self.kind = SIGNAL_KINDS[self.manifest["signal"]["kind"]]
         self.index: dict[str, RowLocation] = {}
         self.unreadable: list[str] = []
         for path in sorted(directory.glob("batch_*.safetensors")):
@@ -286,7 +357,7 @@ class TeacherSignalCache:
         self.index = {digest: location for digest, location in self.index.items() if location.file != file}
 
     def read_rows(self, rows: list[list[int]]) -> list[tuple[torch.Tensor, ...]] | None:
-        """Each row's ``[length, ...]`` tensors (:data:`SIGNAL_TENSORS` of the cache's kind), for rows given as their
+        """Each row's ``[length, ...]`` tensors (those of the cache's kind), for rows given as their
         token ids; None if a row is not in the cache.
 
         Raises:
@@ -299,7 +370,7 @@ class TeacherSignalCache:
         for row, location in enumerate(locations):
             assert location is not None
             by_file.setdefault(location.file, []).append(row)
-        names = SIGNAL_TENSORS[self.kind]
+        names = self.kind.tensors
         read: list[tuple[torch.Tensor, ...]] = [()] * len(rows)
         for path, members in by_file.items():
             try:
@@ -317,28 +388,3 @@ class TeacherSignalCache:
             except (OSError, SafetensorError, ValueError, RuntimeError) as error:
                 raise CacheFileError(f"teacher-signal cache file {path} could not be read: {error}", path) from None
         return read
-
-
-def pad_rows(kind: str, rows: list[tuple[torch.Tensor, ...]], width: int) -> tuple[torch.Tensor, ...]:
-    """Rows' ``[length, ...]`` tensors as right-padded ``[B, width, ...]`` ones (top-k ids as int64, as a teacher
-    sends them).
-
-    Positions past a row's end hold a finite placeholder, which a loss never reads (it takes the positions whose
-    next token carries loss): a token log-prob of 0; top-k ids 0..k-1 at 1/(2k) each with rest 1/2, the
-    placeholder a served teacher leaves where it did not score.
-    """
-    if kind == "token_logprobs":
-        values = torch.zeros((len(rows), width), dtype=rows[0][0].dtype)
-        for index, (row,) in enumerate(rows):
-            values[index, : len(row)] = row
-        return (values,)
-    k = rows[0][0].shape[-1]
-    logprobs = torch.full((len(rows), width, k), math.log(0.5 / k), dtype=rows[0][0].dtype)
-    ids = torch.arange(k, dtype=torch.long).expand(len(rows), width, k).clone()
-    rest = torch.full((len(rows), width), math.log(0.5), dtype=rows[0][2].dtype)
-    for index, (row_logprobs, row_ids, row_rest) in enumerate(rows):
-        length = len(row_rest)
-        logprobs[index, :length] = row_logprobs
-        ids[index, :length] = row_ids.to(torch.long)
-        rest[index, :length] = row_rest
-    return logprobs, ids, rest

@@ -306,12 +306,11 @@ def manifest_problem(directory: Path) -> str | None:
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
         return f"{MANIFEST_FILE} is unreadable ({error})"
     for name, expected in files.items():
-        file = directory / name
-        if not file.is_file():
-            return f"{name} is missing"
-        size = file.stat().st_size
+        size = (directory / name).stat().st_size if (directory / name).is_file() else None
         if size != expected["bytes"]:
-            return f"{name} has {size} bytes, {expected['bytes']} were written"
+            return (
+                f"{name} is missing" if size is None else f"{name} has {size} bytes, {expected['bytes']} were written"
+            )
     for name, expected in files.items():
         if _crc32(directory / name) != expected["crc32"]:
             return f"{name} has changed since it was written (CRC-32 mismatch)"

@@ -9,6 +9,7 @@ can abort (``double free or corruption``). So a process that forces a level and 
 from __future__ import annotations
 
 import getpass
+import importlib.util
 import os
 import shutil
 import sysconfig
@@ -54,12 +55,9 @@ def compile_function(function: FunctionT, *, dynamic: bool = True) -> FunctionT:
 
 def compiler_toolchain_problem(device_type: str) -> str | None:
     """What stops ``torch.compile`` building ``device_type`` kernels (no Triton, C++ compiler, Python.h), or None."""
-    if is_cuda(device_type):
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return "Triton is not installed (it ships with the CUDA builds of torch)"
-        return None
+    if is_cuda(device_type):  # looked up without importing it, which takes seconds
+        missing = importlib.util.find_spec("triton") is None
+        return "Triton is not installed (it ships with the CUDA builds of torch)" if missing else None
     if is_cpu(device_type):
         candidates = [os.environ.get("CXX", ""), "g++", "clang++", "c++"]
         if not any(candidate and shutil.which(candidate) for candidate in candidates):

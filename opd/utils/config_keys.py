@@ -99,11 +99,10 @@ def _value_problems(sections: dict[str, Any], shape: Any, value: Any, dotted: st
     if isinstance(shape, str):
         return _section_problems(sections, shape, value, dotted) if isinstance(value, dict) else []
     if isinstance(shape, list):
-        if not isinstance(value, list):
-            return []
+        items = value if isinstance(value, list) else []
         return [
             problem
-            for item in value
+            for item in items
             if isinstance(item, dict)
             for problem in _section_problems(sections, shape[0], item, dotted)
         ]

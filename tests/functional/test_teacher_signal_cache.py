@@ -4,7 +4,7 @@ Tiny models (``tiny:teacher`` / ``tiny:student``, built locally) and the arithme
 on CPU. ``opd generate`` writes 16 teacher answers in 4 batches with the teacher's top-8 log-probs beside them; a
 λ = 0 training run (every step on that fixed data, 6 steps: over an epoch's end, so rows come back) then trains:
 
-* with the cache and without it (``distillation.teacher_signal_cache: off``, the teacher scores live), the runs log the
+* with the cache and without it (``distillation.teacher_signal_cache: false``, the teacher scores live), the runs log the
   same losses and end with the same weights: the cache holds what the live teacher computes for those ids;
 * with the cache, the teacher is never asked to score, also under the schedules that score batches ahead;
 * when the loss asks for another signal (another k or temperature), the cache is not used (the teacher scores,
@@ -43,7 +43,7 @@ from opd.models.interfaces import TokenLogprobsRequest, TopKLogprobs, TopKReques
 from opd.models.loading import load_causal_lm
 from opd.teachers.local_teacher import LocalTeacher
 from opd.utils.config import load_config
-from opd.utils.errors import DataError
+from opd.utils.errors import ConfigError, DataError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
@@ -177,7 +177,7 @@ def train(data: Path, run_dir: Path, *overrides: str) -> TrainedRun:
 @pytest.fixture(scope="module")
 def live_run(generated: Path, tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
     """The reference: the same training with the cache off, every fixed-data batch scored by the teacher."""
-    return train(generated, tmp_path_factory.mktemp("live"), "distillation.teacher_signal_cache=off")
+    return train(generated, tmp_path_factory.mktemp("live"), "distillation.teacher_signal_cache=false")
 
 
 # --------------------------------------------------------------------------- training
@@ -326,3 +326,28 @@ def test_a_recorded_batch_without_its_cache_file_is_an_error_naming_it(generated
     batch_file(cache_directory(output), 1).unlink()
     with pytest.raises(DataError, match=r"batch_000001\.safetensors could not be read"):
         generate_data(generate_config(output))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (["distillation.teacher_context=Answer briefly."], "the teacher is wrapped in teacher-only context"),
+        (["teacher.cross_tokenizer=true"], r"the teacher is wrapped in cross-tokenizer \(classes"),
+        (
+            ["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:9", "generate.model_path=tiny:teacher"],
+            r"the teacher \(http://127\.0\.0\.1:9, served\) is not a fixed model",
+        ),
+        (
+            ["teacher.self_teacher=ema", "model.teacher_model_path=student"],
+            r"the teacher \(student \(ema\), in process\)",
+        ),
+        (["environment.kind=tool"], "environment: prompts list the environment's tools"),
+    ],
+)
+def test_generate_refuses_a_cache_no_training_run_could_read(tmp_path: Path, overrides: list[str], reason: str) -> None:
+    """A teacher that would not answer as the cached signal does (wrapped, served, following the student, or
+    scoring an environment's episodes) makes ``opd generate`` refuse the cache before it loads or writes anything."""
+    output = tmp_path / "answers.jsonl"
+    with pytest.raises(ConfigError, match=rf"generate\.teacher_signal: {reason}.*set generate\.teacher_signal: null"):
+        generate_data(generate_config(output, *overrides))
+    assert list(tmp_path.iterdir()) == []

@@ -86,7 +86,7 @@ def run_tool(tool: Tool | None, name: str, arguments: dict[str, Any], limits: Sa
     """
     if tool is None:
         return failure(f"there is no tool named {name!r}")
-    problem = argument_problem(tool.parameters, arguments)
+    problem = argument_problem(tool, arguments)
     if problem is not None:
         return failure(f"{name}: {problem}")
     return _ISOLATIONS[limits.isolation](tool, name, arguments, limits)

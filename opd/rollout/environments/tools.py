@@ -7,20 +7,16 @@ arguments before the tool runs (:func:`argument_problem`).
 from __future__ import annotations
 
 import re
+import reprlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError, best_match
+
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
-_JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "array": (list,),
-    "object": (dict,),
-    "null": (type(None),),
-}
 
 
 @dataclass(frozen=True)
@@ -30,8 +26,8 @@ class Tool:
     Attributes:
         function: called as ``function(**arguments)``; a string result is the tool's message as is, else JSON.
         description: what the tool does, shown to the model.
-        parameters: JSON schema of the arguments: an ``object`` with ``properties`` (``required``,
-            ``additionalProperties``).
+        parameters: JSON schema (draft 2020-12) of the arguments: an ``object`` with ``properties``; every call's
+            arguments are checked against all of it before the tool runs.
     """
 
     name: str
@@ -48,6 +44,15 @@ class Tool:
             raise ValueError(
                 f"tool {self.name!r}: parameters must be a JSON schema with type 'object' and a 'properties' mapping"
             )
+        try:
+            Draft202012Validator.check_schema(self.parameters)
+        except SchemaError as error:
+            raise ValueError(f"tool {self.name!r}: parameters is not a valid JSON schema: {error.message}") from None
+
+    @cached_property
+    def validator(self) -> Draft202012Validator:
+        """Checks a call's arguments against :attr:`parameters`."""
+        return Draft202012Validator(self.parameters)
 
     def schema(self) -> dict[str, Any]:
         """The tool as a chat template lists it (OpenAI function format)."""
@@ -93,30 +98,15 @@ class ToolRegistry:
         return len(self._tools)
 
 
-def argument_problem(schema: dict[str, Any], arguments: dict[str, Any]) -> str | None:
-    """Why ``arguments`` do not fit the tool's ``schema``, or None when they do.
-
-    Checks required keys, undeclared keys (``additionalProperties: false``) and each key's JSON ``type``; nested
-    schemas are the tool's own to check.
-    """
-    properties: dict[str, Any] = schema.get("properties", {})
-    missing = [key for key in schema.get("required", []) if key not in arguments]
-    if missing:
-        return f"missing required argument(s) {', '.join(missing)}"
-    if schema.get("additionalProperties") is False:
-        unknown = [key for key in arguments if key not in properties]
-        if unknown:
-            return f"unknown argument(s) {', '.join(unknown)} (expected {', '.join(properties) or 'none'})"
-    for key, value in arguments.items():
-        declared = properties.get(key, {}).get("type")
-        names = declared if isinstance(declared, list) else [declared]
-        if declared is not None and not _is_json_type(value, names):
-            return f"argument {key} must be of type {'/'.join(names)}, got {type(value).__name__}"
-    return None
-
-
-def _is_json_type(value: Any, names: list[str]) -> bool:
-    """Whether ``value`` is of one of the JSON schema types ``names`` (an unknown type name accepts anything)."""
-    allowed = tuple(kind for name in names for kind in _JSON_TYPES.get(name, (object,)))
-    # bool is an int in Python but not a JSON integer or number.
-    return isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
+def argument_problem(tool: Tool, arguments: dict[str, Any]) -> str | None:
+    """Why ``arguments`` do not fit ``tool``'s schema (the most relevant error, naming where), or None when they do."""
+    error = best_match(tool.validator.iter_errors(arguments))
+    if error is None:
+        return None
+    where = "".join(f"[{part!r}]" for part in error.absolute_path)
+    message = error.message
+    if len(message) > 200:  # it quotes the value the model wrote, which may be of any length
+        message = (
+            f"{reprlib.repr(error.instance)} does not satisfy {error.validator}: {reprlib.repr(error.validator_value)}"
+        )
+    return f"arguments{where}: {message}"

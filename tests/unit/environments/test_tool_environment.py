@@ -10,7 +10,7 @@ from opd.rollout.environments.base import StudentTurn
 from opd.rollout.environments.calculator import calculator_tool
 from opd.rollout.environments.sandbox import SandboxLimits
 from opd.rollout.environments.tool_environment import ToolEnvironment
-from opd.rollout.environments.tools import Tool, ToolRegistry
+from opd.rollout.environments.tools import Tool, ToolRegistry, argument_problem
 
 ROW = {"messages": [{"role": "user", "content": "What is 1234 * 567?"}], "ground_truth": "699678"}
 RELEASE = threading.Event()
@@ -63,9 +63,17 @@ def test_structured_result_is_json():
             0,
         ),
         (_call("search", '{"q": "x"}'), "Error: there is no tool named 'search'", 1),
-        (_call("calculator", "{}"), "Error: calculator: missing required argument(s) expression", 1),
-        (_call("calculator", '{"expression": 3}'), "Error: calculator: argument expression must be of type string", 1),
-        (_call("calculator", '{"expression": "1", "x": 1}'), "Error: calculator: unknown argument(s) x", 1),
+        (_call("calculator", "{}"), "Error: calculator: arguments: 'expression' is a required property", 1),
+        (
+            _call("calculator", '{"expression": 3}'),
+            "Error: calculator: arguments['expression']: 3 is not of type 'string'",
+            1,
+        ),
+        (
+            _call("calculator", '{"expression": "1", "x": 1}'),
+            "Error: calculator: arguments: Additional properties are not allowed ('x' was unexpected)",
+            1,
+        ),
         (_call("calculator", '{"expression": "os.system(1)"}'), "Error: calculator failed: CalculatorError", 1),
         (_call("fail", '{"reason": "disk full"}'), "Error: fail failed: RuntimeError: disk full", 1),
         (_call("stuck", "{}"), "Error: stuck did not finish within 0.2 s", 1),
@@ -122,3 +130,38 @@ def test_registry_refuses_bad_tools():
         Tool("t", print, "", {"type": "string"})
     with pytest.raises(ValueError, match="tool name"):
         Tool("bad name", print, "", {"type": "object", "properties": {}})
+
+
+NESTED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "unit": {"enum": ["m", "s"]},
+        "points": {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "number", "minimum": 0}}}},
+    },
+    "required": ["unit"],
+}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        ({"unit": "m", "points": [{"x": 1.5}, {"x": 0}]}, None),
+        ({"unit": "kg"}, "arguments['unit']: 'kg' is not one of ['m', 's']"),
+        (
+            {"unit": "m", "points": [{"x": 1}, {"x": -2}]},
+            "arguments['points'][1]['x']: -2 is less than the minimum of 0",
+        ),
+        ({"unit": "m", "points": [{"x": True}]}, "arguments['points'][0]['x']: True is not of type 'number'"),
+        # A value the model wrote at any length is quoted shortened: the observation names the rule, not the value.
+        ({"unit": "m" * 10_000}, "arguments['unit']: 'mmmmmmmmmmmm...mmmmmmmmmmmmm' does not satisfy enum: ['m', 's']"),
+    ],
+)
+def test_arguments_are_checked_against_the_whole_schema(arguments, expected):
+    """Nested items, enums and bounds are checked before the tool runs (JSON schema draft 2020-12)."""
+    tool = Tool("measure", lambda **kwargs: "ok", "", NESTED_SCHEMA)
+    assert argument_problem(tool, arguments) == expected
+
+
+def test_a_tool_with_an_invalid_schema_is_refused_at_registration():
+    with pytest.raises(ValueError, match="tool 'measure': parameters is not a valid JSON schema"):
+        Tool("measure", lambda **kwargs: "ok", "", {"type": "object", "properties": {"x": {"type": "strung"}}})

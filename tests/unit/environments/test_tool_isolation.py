@@ -55,7 +55,7 @@ def _run(function, isolation, arguments=None, **limits):
     [
         (fail, {"reason": "disk full"}, "Error: fail failed: RuntimeError: disk full", False),
         (leave, None, "Error: leave failed: SystemExit: 1", False),
-        (fail, {"reason": 3}, "Error: fail: argument reason must be of type string", False),
+        (fail, {"reason": 3}, "Error: fail: arguments['reason']: 3 is not of type 'string'", False),
         (not_text, None, "Error: not_text failed: TypeError: Object of type object is not JSON serializable", False),
         (big, None, "x" * 100 + "\n[output cut: 500 characters, the limit is 100]", True),
         (structured, None, '{"total": 3}', True),
