@@ -85,7 +85,11 @@ class RolloutPoolConfig(StrictConfig):
 
     workers: int = Field(1, ge=1, description="rollout engines; each prompt's samples stay on one engine")
     refit_bucket_mb: float = Field(
-        256.0, gt=0, description="the trainer sends new weights to the engines in buckets of this many MiB"
+        256.0,
+        gt=0,
+        description="the trainer sends new weights to the engines in buckets of this many MiB; broadcast and cuda_ipc "
+        "keep two buffers of the largest bucket at each end from the first refit on (one fills while the other is "
+        "sent)",
     )
     refit_transport: Literal["auto", "object_store", "broadcast", "cuda_ipc"] = Field(
         "auto",

@@ -24,10 +24,11 @@ from opd.distributed.refit.transport import TRANSPORTS, RefitReport
 from opd.distributed.refit.wire import (
     BucketLayout,
     IpcHandle,
-    broadcast,
+    RefitBuffers,
     layout_bytes,
     open_broadcast_group,
     open_ipc_handle,
+    start_broadcast,
     unpack,
 )
 from opd.distributed.workers.worker_group import WorkerGroup
@@ -62,12 +63,14 @@ class RolloutWorker:
         self.rank = rank
         self.spec = spec
         self.device = resolve_device(spec.loading.device)
-        self.model = self._load_frozen(spec.model_path)
-        # An HF engine samples with this model in place; vLLM starts from it and keeps its own copy.
+        # An HF engine samples with this model in place; vLLM loads it once into its own copy, and the worker keeps
+        # no reference: a vLLM rollout worker holds the student once, in the engine.
         self.engine: InProcessGenerationInterface = spec.generation.build(
-            self.model, spec.tokenizer, spec.seed + rank, False
+            self._load_frozen(spec.model_path), spec.tokenizer, spec.seed + rank, False
         )
         self._refit_group: Any = None
+        self._receive_buffers: RefitBuffers | None = None
+        self._ipc_mappings: dict[IpcHandle, torch.Tensor] = {}
         self.teacher_engines: dict[str, HFGeneration] = {}
         """Teachers loaded for the validation baselines, by key (:meth:`load_teacher`)."""
 
@@ -86,33 +89,69 @@ class RolloutWorker:
 
     def load_buckets(self, bucket_refs: list[Any]) -> int:
         """Copies the trainer's weights from Ray's object store into the engine; returns the tensors loaded."""
-        pairs = [pair for ref in bucket_refs for pair in ray.get(ref).items()]
-        return self._load(pairs)
+        self.engine.begin_refit()
+        loaded = sum(self._load(list(ray.get(ref).items())) for ref in bucket_refs)
+        self.engine.finish_refit()
+        return loaded
 
     def join_refit_group(self, address: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         """Joins the broadcast group of trainer rank 0 (its rank 0) and the rollout workers, as ``rank``."""
         self._refit_group = open_broadcast_group(address, port, rank, world_size, self.device, timeout_s)
 
     def receive_broadcast(self, layouts: list[BucketLayout]) -> int:
-        """Receives every bucket trainer rank 0 broadcasts and loads it; returns the tensors loaded."""
+        """Receives every bucket trainer rank 0 broadcasts and loads it; returns the tensors loaded.
+
+        Double-buffered: bucket i+1 arrives in one buffer while bucket i loads from the other. Both buffers are
+        this worker's for its lifetime (:class:`RefitBuffers`).
+        """
+        if self._receive_buffers is None:
+            self._receive_buffers = RefitBuffers(max(map(layout_bytes, layouts)), self.device)
+        buffers = self._receive_buffers
+        self.engine.begin_refit()
         loaded = 0
-        for layout in layouts:
-            buffer = torch.empty(layout_bytes(layout), dtype=torch.uint8, device=self.device)
-            broadcast(self._refit_group, buffer)
-            loaded += self._load(unpack(buffer, layout))
+        arriving = start_broadcast(self._refit_group, buffers.view(0, layout_bytes(layouts[0])))
+        for index, layout in enumerate(layouts):
+            arriving.wait()
+            if index + 1 < len(layouts):  # the other buffer's bucket (index - 1) is loaded already
+                arriving = start_broadcast(self._refit_group, buffers.view(index + 1, layout_bytes(layouts[index + 1])))
+            loaded += self._load(unpack(buffers.view(index, layout_bytes(layout)), layout))
+        self.engine.finish_refit()
         return loaded
 
+    def refit_buffer_addresses(self) -> tuple[int, int] | None:
+        """Where this worker's broadcast receive buffers are (None before its first): refits reuse them."""
+        return None if self._receive_buffers is None else self._receive_buffers.pointers()
+
+    def begin_refit(self) -> None:
+        """Opens a refit whose buckets arrive one call each (:meth:`load_ipc_bucket`)."""
+        self.engine.begin_refit()
+
+    def finish_refit(self) -> None:
+        """Closes the refit :meth:`begin_refit` opened: the engine's post-load work and cache reset, once."""
+        self.engine.finish_refit()
+
     def load_ipc_bucket(self, handle: IpcHandle, layout: BucketLayout) -> int:
-        """Copies one bucket from the trainer rank on this GPU (a CUDA IPC handle) into the engine."""
-        buffer = open_ipc_handle(handle, self.device)
+        """Copies one bucket from the trainer rank on this GPU (a CUDA IPC handle) into the engine.
+
+        The trainer's buffers live as long as it does: each handle is opened once and its mapping kept.
+        """
+        if handle not in self._ipc_mappings:
+            self._ipc_mappings[handle] = open_ipc_handle(handle, self.device)
+        buffer = self._ipc_mappings[handle][: layout_bytes(layout)]
         loaded = self._load(unpack(buffer, layout))
-        # The trainer frees the buffer once every engine returns: the copies must be done.
+        # The trainer packs the next bucket but one into this buffer once every engine returns: copies must be done.
         torch.cuda.current_stream(buffer.device).synchronize()
         return loaded
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The HF engine's weights, on CPU (tests compare what the refits loaded; a vLLM engine keeps its own)."""
-        return {name: tensor.detach().cpu().clone() for name, tensor in self.model.state_dict().items()}
+        """The HF engine's weights, on CPU (tests compare what the refits loaded).
+
+        Raises:
+            TypeError: the engine is not an HF one (a vLLM engine's weights live in vLLM alone).
+        """
+        if not isinstance(self.engine, HFGeneration):
+            raise TypeError(f"a {type(self.engine).__name__} engine holds its weights itself; there is no HF copy")
+        return {name: tensor.detach().cpu().clone() for name, tensor in self.engine.model.state_dict().items()}
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> int:
         """Puts ``(name, tensor)`` pairs, already in the engine's dtype, into the engine."""

@@ -510,7 +510,16 @@ class InProcessGenerationInterface(GenerationInterface):
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies ``(name, tensor)`` pairs, under the student's parameter names, into the engine's weights."""
+        """Copies ``(name, tensor)`` pairs, under the student's parameter names, into the engine's weights: a part of
+        the refit :meth:`begin_refit` opened, or a whole refit of its own. The caller may overwrite the tensors'
+        memory once this returns (a refit's buffers carry the next bucket)."""
+
+    def begin_refit(self) -> None:
+        """Opens a refit whose weights arrive in parts (buckets): work that needs them all waits for
+        :meth:`finish_refit`."""
+
+    def finish_refit(self) -> None:
+        """Closes the refit :meth:`begin_refit` opened (an engine's post-load processing, cache invalidation)."""
 
 
 class TeacherInterface(ABC):

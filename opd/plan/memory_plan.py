@@ -416,7 +416,9 @@ def render_plan(plan: MemoryPlan) -> str:
         f"{plan.loss_chunk_bytes / 2**20:.0f} MiB of fp32 logits per chunk (in the peak above)",
         _gradients_line(plan),
         "not traced (leave room for them): validation's generation and scoring, the teacher baselines, the refit's "
-        "buffers, the checkpoint save, and what the caching allocator reserves beyond the allocated peak",
+        "buffers (kept from the first refit: 2 × cluster.rollout.refit_bucket_mb per trainer rank under cuda_ipc, "
+        "on rank 0 under broadcast), the checkpoint save, and what the caching allocator reserves beyond the "
+        "allocated peak",
         "",
         "verdict (peak + 1.5 GiB runtime reserve):",
     ]

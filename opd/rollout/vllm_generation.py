@@ -143,12 +143,21 @@ def engine_resources(config: Any, on_gpu: bool) -> dict[str, Any]:
     return resources
 
 
-def _reload_worker_weights(worker: Any, weights: Any, tied_embeddings: bool) -> int:
-    """Runs inside vLLM's worker: loads checkpoint-format ``(name, tensor)`` pairs in place; returns how many.
+def _begin_worker_reload(worker: Any) -> None:
+    """Runs inside vLLM's worker: opens one in-place reload (vLLM's layerwise reload), which the parts loaded next
+    fill in; a layer is processed once all of its weights have arrived, whichever part brought them."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-    With tied embeddings the head's post-load processing is re-run: kernels that keep a repacked copy of its weight
-    (vLLM's CPU GEMM) would otherwise go on using the old one.
-    """
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def _load_worker_part(worker: Any, weights: Any) -> int:
+    """Runs inside vLLM's worker: loads checkpoint-format ``(name, tensor)`` pairs into the open reload; returns how
+    many it took."""
+    from vllm.config import set_current_vllm_config
+
     counted: list[int] = [0]
 
     def counting(pairs: Any) -> Any:
@@ -156,13 +165,32 @@ def _reload_worker_weights(worker: Any, weights: Any, tied_embeddings: bool) -> 
             counted[0] += 1
             yield pair
 
-    worker.reload_weights(weights_iterator=counting(weights))
+    with set_current_vllm_config(worker.vllm_config):
+        worker.model_runner.get_model().load_weights(counting(weights))
+    return counted[0]
+
+
+def _finish_worker_reload(worker: Any, tied_embeddings: bool) -> None:
+    """Runs inside vLLM's worker: processes what no part completed and closes the reload, then drops the state the
+    old weights made (as vLLM's own ``reload_weights`` does).
+
+    With tied embeddings the head's post-load processing is re-run: kernels that keep a repacked copy of its weight
+    (vLLM's CPU GEMM) would otherwise go on using the old one.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(runner.get_model(), worker.vllm_config.model_config)
+    runner.reset_lora_state()
+    runner.reset_encoder_cache()
+    runner.reset_mm_cache()
     if tied_embeddings:
-        head = getattr(worker.model_runner.get_model(), "lm_head", None)
+        head = getattr(runner.get_model(), "lm_head", None)
         quant_method = getattr(head, "quant_method", None)
         if quant_method is not None:
             quant_method.process_weights_after_loading(head)
-    return counted[0]
 
 
 class VllmGeneration(InProcessGenerationInterface):
@@ -225,6 +253,7 @@ class VllmGeneration(InProcessGenerationInterface):
         VllmGeneration._open_engine = self
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self._asleep: set[str] = set()
+        self._refit_open = False
         self.refit_from_model(model)
 
     # ------------------------------------------------------------------ refit
@@ -243,22 +272,42 @@ class VllmGeneration(InProcessGenerationInterface):
         """The engine's dtype (``generation.vllm.dtype``, or the student's with ``auto``)."""
         return self._weights_dtype
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Streams ``(name, tensor)`` pairs into the engine and drops the prefix cache; RuntimeError if any is lost."""
-        weights = list(weights)
+    def begin_refit(self) -> None:
+        """Opens a refit: the weights load in parts (:meth:`load_weights`, one per bucket), and the post-load
+        processing and the prefix-cache reset run once, in :meth:`finish_refit`."""
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
+        self.llm.collective_rpc(_begin_worker_reload)
+        self._refit_open = True
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Streams ``(name, tensor)`` pairs into the engine (a part of the open refit, else a whole refit of its own);
+        RuntimeError if any is lost."""
+        if not self._refit_open:
+            self.begin_refit()
+            self.load_weights(weights)
+            self.finish_refit()
+            return
+        weights = list(weights)
         if self.tensor_parallel_size > 1:
             # The model's processes receive the pairs pickled: host tensors, a list (not an
             # iterator). Each keeps its own slice of every tensor as it loads.
             payload: Any = [(name, tensor.detach().cpu()) for name, tensor in weights]
         else:
-            payload = iter(weights)
+            # vLLM holds a layer's tensors until the layer is complete, which may be a later part (or the finish):
+            # copies, since the caller reuses its buffers for the next bucket once this returns.
+            payload = ((name, tensor.detach().clone()) for name, tensor in weights)
         with torch.no_grad():
-            loaded = self.llm.collective_rpc(_reload_worker_weights, args=(payload, self.tied_embeddings))
+            loaded = self.llm.collective_rpc(_load_worker_part, args=(payload,))
         if any(count != len(weights) for count in loaded):
             raise RuntimeError(f"vLLM refit: the engine took {loaded} tensors, the student has {len(weights)}")
+
+    def finish_refit(self) -> None:
+        """Closes the refit :meth:`begin_refit` opened: layers no part completed are processed, caches dropped."""
+        with torch.no_grad():
+            self.llm.collective_rpc(_finish_worker_reload, args=(self.tied_embeddings,))
+        self._refit_open = False
         # Cached prefixes hold keys and values computed with the old weights.
         self.llm.reset_prefix_cache()
 

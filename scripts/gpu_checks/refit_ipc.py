@@ -5,9 +5,12 @@ Needs one CUDA GPU (nothing here runs without one); about a minute on an H100.
 Part 1, ``ipc``: two processes on one GPU, as a colocated trainer rank and rollout engine
 are. The producer makes Qwen2.5-1.5B-shaped weights in bf16 (random, from a seed: 1.54 B
 parameters, 3.1 GB, the head tied to the embedding), packs them into buckets of
-``--bucket-mb`` (:func:`opd.distributed.refit.wire.pack`) and hands out one CUDA IPC
-handle per bucket; the consumer maps each one, copies it into its own weights and
-acknowledges, and the producer then frees the bucket. At the end the consumer regenerates
+``--bucket-mb`` as opd's refit does: bucket i into buffer i mod 2 of two it keeps
+(:class:`opd.distributed.refit.wire.RefitBuffers`), one CUDA IPC handle per buffer, which
+the consumer opens once; the consumer copies each bucket into its own weights and
+acknowledges, and the producer packs bucket i+1 meanwhile, reusing a buffer only once its
+bucket is acknowledged. The clock starts once the consumer reports ready (its start-up,
+CUDA context and zero-filled weights are not the refit's). At the end the consumer regenerates
 the weights from the seed and checks its copies bitwise. Printed: GB moved, seconds,
 GB/s, and the same bytes through host memory (device → pinned host → device, what the
 object store path costs at least) for comparison.
@@ -76,18 +79,22 @@ def seeded_weight(index: int, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _consumer(handles: mp.Queue, acks: mp.Queue) -> None:
-    from opd.distributed.refit.wire import open_ipc_handle, unpack
+    from opd.distributed.refit.wire import layout_bytes, open_ipc_handle, unpack
 
     torch.cuda.set_device(0)
     own = {name: torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for name, shape in qwen_1_5b_shapes()}
+    torch.cuda.synchronize()
+    acks.put("ready")  # the producer's clock starts only now: start-up, CUDA context and zero-fill are not the refit's
+    mapped: dict[tuple, torch.Tensor] = {}  # the producer's two buffers, each opened once
     while (message := handles.get()) is not None:
         handle, layout = message
-        buffer = open_ipc_handle(handle, torch.device("cuda", 0))
-        for name, tensor in unpack(buffer, layout):
+        if handle not in mapped:
+            mapped[handle] = open_ipc_handle(handle, torch.device("cuda", 0))
+        for name, tensor in unpack(mapped[handle][: layout_bytes(layout)], layout):
             own[name].copy_(tensor)
         torch.cuda.current_stream().synchronize()
-        del buffer
         acks.put(True)
+    mapped.clear()
     wrong = [
         name
         for index, (name, shape) in enumerate(qwen_1_5b_shapes())
@@ -97,26 +104,36 @@ def _consumer(handles: mp.Queue, acks: mp.Queue) -> None:
 
 
 def check_ipc(bucket_bytes: int) -> dict[str, object]:
+    """opd's CUDA IPC protocol between two processes: two buffers kept by the producer (one handle each, opened once
+    by the consumer), bucket i+1 packed while bucket i is copied; the clock starts after the consumer is ready."""
     from opd.distributed.refit.buckets import in_buckets
-    from opd.distributed.refit.wire import ipc_handle, layout_bytes, layout_of, pack
+    from opd.distributed.refit.wire import RefitBuffers, ipc_handle, layout_bytes, layout_of, pack
 
     torch.cuda.set_device(0)
     weights = [(name, seeded_weight(index, shape)) for index, (name, shape) in enumerate(qwen_1_5b_shapes())]
     total = sum(tensor.numel() * tensor.element_size() for _, tensor in weights)
+    largest = max(layout_bytes(layout_of(bucket)) for bucket in in_buckets(weights, bucket_bytes))
+    buffers = RefitBuffers(largest, torch.device("cuda", 0))
+    buffer_handles = tuple(ipc_handle(buffer) for buffer in buffers.buffers)
     context = mp.get_context("spawn")
     handles, acks = context.Queue(), context.Queue()
     consumer = context.Process(target=_consumer, args=(handles, acks))
     consumer.start()
+    if acks.get(timeout=600) != "ready":
+        raise SystemExit("the IPC consumer did not start")
     torch.cuda.synchronize()
     start = time.perf_counter()
     buckets = 0
-    for bucket in in_buckets(weights, bucket_bytes):
-        buffer = pack(bucket)
+    for index, bucket in enumerate(in_buckets(weights, bucket_bytes)):
+        if index >= 2:
+            acks.get(timeout=120)  # bucket i - 2 is copied: its buffer may be packed again
+        layout = layout_of(bucket)
+        pack(bucket, buffers.view(index, layout_bytes(layout)))
         torch.cuda.current_stream().synchronize()
-        handles.put((ipc_handle(buffer), layout_of(bucket)))
-        acks.get(timeout=120)  # the consumer copied it: the bucket may go
-        del buffer
+        handles.put((buffer_handles[index % 2], layout))
         buckets += 1
+    for _ in range(min(buckets, 2)):
+        acks.get(timeout=120)
     seconds = time.perf_counter() - start
     handles.put(None)
     wrong = acks.get(timeout=600)
@@ -124,7 +141,6 @@ def check_ipc(bucket_bytes: int) -> dict[str, object]:
 
     # The host round trip the object store needs at the least (pinned, both ways).
     # A bucket holds at least one tensor: the embedding alone (467 MB) outgrows a 256 MB bucket.
-    largest = max(layout_bytes(layout_of(bucket)) for bucket in in_buckets(weights, bucket_bytes))
     staging = torch.empty(largest, dtype=torch.uint8, pin_memory=True)
     torch.cuda.synchronize()
     host_start = time.perf_counter()

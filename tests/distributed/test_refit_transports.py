@@ -10,7 +10,9 @@ moved the trainer's weights away from what the engines hold:
   ``refit/bytes_delivered`` = that × 2 workers;
 * a broadcast over a gloo group of trainer rank 0 and the rollout workers (small buckets,
   so several go out) leaves bitwise what an object-store refit of the same weights leaves,
-  with the same byte counts.
+  with the same byte counts; it is double-buffered at both ends, and a second broadcast
+  refit, after another step, travels in the same buffers (nothing allocated per refit) and
+  again leaves the trainer's weights bitwise.
 
 One Ray cluster serves the module; every worker runs one thread.
 """
@@ -115,3 +117,13 @@ def test_a_gloo_broadcast_refit_leaves_what_the_object_store_leaves(components):
         assert by_broadcast.keys() == by_object_store.keys()
         for name, tensor in by_object_store.items():
             assert torch.equal(by_broadcast[name], tensor), name
+    # A second broadcast refit after another step: the same buffers at both ends, the new weights bitwise.
+    addresses = trainer.run_rank(0, "refit_buffer_addresses"), generation.workers.run_all("refit_buffer_addresses")
+    assert addresses[0] is not None and all(address is not None for address in addresses[1])
+    train_one_step(components)
+    expected = trainer_weights_in_bf16(components)
+    broadcast.send(trainer)
+    assert_holds(rollout_weights(components), expected)
+    assert (trainer.run_rank(0, "refit_buffer_addresses"), generation.workers.run_all("refit_buffer_addresses")) == (
+        addresses
+    )

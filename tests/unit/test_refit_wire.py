@@ -3,6 +3,9 @@ in ``tests/distributed/test_refit_transports.py``).
 
 * a bucket packed into one flat buffer comes back bitwise, by its layout, for mixed
   dtypes and shapes (a scalar, an empty tensor); a buffer of the wrong size is refused;
+* double buffering: bucket i+1 is gathered while bucket i is still being sent, a send is
+  waited for only before its buffer is packed again, every bucket travels in one of the
+  same two buffers (none allocated per bucket), and each arrives bitwise;
 * ``cluster.rollout.refit_transport``: ``auto`` picks the object store on CPU workers,
   CUDA IPC colocated and the broadcast split on GPUs; CUDA IPC on CPU workers or split
   pools is a config error that names the key.
@@ -14,7 +17,7 @@ import pytest
 import torch
 
 from opd.distributed.config import ClusterConfig
-from opd.distributed.refit.wire import layout_bytes, layout_of, pack, unpack
+from opd.distributed.refit.wire import RefitBuffers, layout_bytes, layout_of, pack, send_double_buffered, unpack
 
 
 def bucket() -> list[tuple[str, torch.Tensor]]:
@@ -45,6 +48,58 @@ def test_a_buffer_of_another_size_is_refused():
     entries = bucket()
     with pytest.raises(ValueError, match="layout says"):
         unpack(pack(entries)[:-1], layout_of(entries))
+
+
+def test_double_buffering_gathers_the_next_bucket_while_the_last_is_sent():
+    buckets = [[(f"w{index}", torch.full((index + 1, 3), float(index)))] for index in range(5)]
+    capacity = max(layout_bytes(layout_of(bucket)) for bucket in buckets)
+    buffers = RefitBuffers(capacity, torch.device("cpu"))
+    events: list[str] = []
+    arrived: list[list[tuple[str, torch.Tensor]]] = []
+    used: list[int] = []
+
+    def gathered():
+        for index, bucket in enumerate(buckets):
+            events.append(f"gather {index}")
+            yield bucket
+
+    class Sending:
+        def __init__(self, index: int, packed: torch.Tensor) -> None:
+            self.index, self.packed = index, packed
+
+        def wait(self) -> None:
+            # What the receiver gets is read only now: a buffer packed again before this would corrupt it.
+            arrived.append(
+                [(name, tensor.clone()) for name, tensor in unpack(self.packed, layout_of(buckets[self.index]))]
+            )
+            events.append(f"wait {self.index}")
+
+    def start_send(packed: torch.Tensor) -> Sending:
+        index = len(used)
+        used.append(packed.data_ptr())
+        events.append(f"send {index}")
+        return Sending(index, packed)
+
+    sent = send_double_buffered(gathered(), buffers, start_send)
+    assert events == [
+        "gather 0", "send 0",
+        "gather 1", "send 1",
+        "gather 2", "wait 0", "send 2",  # bucket 2 reuses bucket 0's buffer: bucket 0 must be gone first
+        "gather 3", "wait 1", "send 3",
+        "gather 4", "wait 2", "send 4",
+        "wait 3", "wait 4",
+    ]  # fmt: skip
+    assert used == [buffers.pointers()[index % 2] for index in range(5)]
+    assert sent == sum(layout_bytes(layout_of(bucket)) for bucket in buckets)
+    received = sorted(arrived, key=lambda bucket: bucket[0][0])
+    for got, expected in zip(received, buckets, strict=True):
+        assert got[0][0] == expected[0][0] and torch.equal(got[0][1], expected[0][1])
+
+
+def test_a_bucket_larger_than_the_buffers_is_refused():
+    buffers = RefitBuffers(64, torch.device("cpu"))
+    with pytest.raises(ValueError, match="a bucket of 65 bytes, the buffers hold 64"):
+        buffers.view(3, 65)
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ away from the rollout workers' starting point; the driver's refit sends the whol
 weights in buckets to two vLLM rollout workers, each with its own engine in its own
 process. Their greedy rollouts must be those of an in-process HF student holding the
 trainer's weights, token for token, with each prompt's answer in prompt order.
+The vLLM workers keep no HF copy of the student beside their engines.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from opd.distributed.workers.worker_environment import init_local_ray, worker_en
 from opd.losses.nll import NLLLossFn  # noqa: E402
 from opd.rollout.hf_generation import HFGeneration  # noqa: E402
 from opd.utils.config import load_config  # noqa: E402
+from opd.utils.errors import WorkerError  # noqa: E402
 
 DEMO_CONFIG = REPO_ROOT / "examples" / "configs" / "demo.yaml"
 STUDENT_DIR = REPO_ROOT / "examples" / "demo" / "models" / "student"
@@ -77,3 +79,6 @@ def test_vllm_rollout_workers_generate_what_the_trainers_weights_generate(compon
     assert actual["input_lengths"].tolist() == expected["input_lengths"].tolist()
     for row, length in enumerate(expected["input_lengths"].tolist()):
         assert actual["input_ids"][row, :length].tolist() == expected["input_ids"][row, :length].tolist(), row
+    # A vLLM rollout worker holds the student once, in its engine: no HF copy beside it.
+    with pytest.raises(WorkerError, match="holds its weights itself; there is no HF copy"):
+        components.student_generation.workers.run_all("weights")

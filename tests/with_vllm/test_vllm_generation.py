@@ -3,7 +3,8 @@
 * greedy rollouts equal the HF backend's token for token, in the same batch layout, and
   the sampler's log-probs agree;
 * after a training step the engine is stale; after ``refit`` its greedy rollouts equal
-  the updated HF student's again (tied embeddings included);
+  the updated HF student's again (tied embeddings included), also when the refit arrives
+  in buckets that split decoder layers, with one post-load pass and one prefix-cache reset;
 * every stop id (not only the tokenizer's EOS) ends a response, as in the HF backend;
 * a LoRA student refits the engine with merged weights under the base names, after
   which the engine's greedy rollouts equal the adapter model's;
@@ -162,6 +163,47 @@ def test_refit_after_a_training_step_matches_the_updated_student(engine, student
         engine.refit_from_model(model)
         assert_same_rollouts(engine.generate(prompts, greedy(48)), updated)
     finally:
+        engine.refit_from_model(student)  # the other tests use the engine with the student's weights
+
+
+def test_a_refit_in_buckets_processes_and_resets_once(engine, student, tokenizer, prompts, monkeypatch):
+    """A refit whose tensors arrive one per bucket, in an order that splits every decoder layer across buckets, each
+    bucket's memory overwritten once it is loaded, leaves the updated student's weights; the post-load processing and
+    the prefix-cache reset run once."""
+    model = copy.deepcopy(student)
+    one_training_step(model, tokenizer, prompts)
+    model.eval()
+    updated = HFGeneration(model, tokenizer).generate(prompts, greedy(48))
+    calls: list[str] = []
+    rpc, reset = engine.llm.collective_rpc, engine.llm.reset_prefix_cache
+
+    def counted_rpc(method, *args, **kwargs):
+        calls.append(method.__name__)
+        return rpc(method, *args, **kwargs)
+
+    def counted_reset():
+        calls.append("reset_prefix_cache")
+        return reset()
+
+    monkeypatch.setattr(engine.llm, "collective_rpc", counted_rpc)
+    monkeypatch.setattr(engine.llm, "reset_prefix_cache", counted_reset)
+    pairs = [(name, parameter.detach()) for name, parameter in model.named_parameters()]
+    try:
+        engine.begin_refit()
+        for name, tensor in reversed(pairs):  # last layer first, each of its tensors a bucket of its own
+            bucket = tensor.clone()
+            engine.load_weights([(name, bucket)])
+            bucket.fill_(float("nan"))  # a refit reuses its buffer for the next bucket once the load returns
+        engine.finish_refit()
+        assert calls == [
+            "_begin_worker_reload",
+            *["_load_worker_part"] * len(pairs),
+            "_finish_worker_reload",
+            "reset_prefix_cache",
+        ]
+        assert_same_rollouts(engine.generate(prompts, greedy(48)), updated)
+    finally:
+        monkeypatch.undo()
         engine.refit_from_model(student)  # the other tests use the engine with the student's weights
 
 

@@ -4,8 +4,10 @@ The GPU run is rare and short; a check that breaks between two of them would was
 the same script runs on CPU workers (a vLLM rollout worker on Ray refit from a trainer rank in
 several buckets, over the object store and a gloo broadcast) and must pass: exit status 0 and
 ``"ok": true`` in its last line, the row ``scripts/gpu_check.py`` prints. It found that buckets split a
-decoder layer between two vLLM reloads, which left fused projections uninitialised; buckets now close only
-between layers (:func:`opd.distributed.refit.buckets.module_group`).
+decoder layer between two vLLM reloads, which left fused projections uninitialised (a refit is now one reload,
+and buckets close only between layers, :func:`opd.distributed.refit.buckets.module_group`), and that vLLM keeps
+a layer's tensors until the layer is complete, so a double-buffered broadcast overwrote them (the engine now
+copies what it is handed).
 """
 
 from __future__ import annotations

@@ -16,11 +16,14 @@ from opd.distributed.refit.buckets import bucket_bytes_of, in_buckets
 from opd.distributed.refit.wire import (
     BucketLayout,
     IpcHandle,
-    broadcast,
+    RefitBuffers,
     ipc_handle,
+    layout_bytes,
     layout_of,
     open_broadcast_group,
     pack,
+    send_double_buffered,
+    start_broadcast,
 )
 
 
@@ -65,6 +68,19 @@ class RefitSender:
         )
         return [layout_of(bucket) for bucket in in_buckets(entries, bucket_bytes)]
 
+    def _buffers(self, bucket_bytes: int, dtype: torch.dtype) -> RefitBuffers:
+        """This rank's two send buffers, sized to the largest bucket at the first refit and kept (a GPU holds
+        twice ``bucket_bytes`` for them from then on)."""
+        if getattr(self, "_refit_buffers", None) is None:
+            capacity = max(map(layout_bytes, self.refit_layouts(bucket_bytes, dtype)))
+            self._refit_buffers = RefitBuffers(capacity, self.device)
+        return self._refit_buffers
+
+    def refit_buffer_addresses(self) -> tuple[int, int] | None:
+        """Where this rank's send buffers are (None before its first broadcast or IPC refit): refits reuse them."""
+        buffers = getattr(self, "_refit_buffers", None)
+        return None if buffers is None else buffers.pointers()
+
     # ------------------------------------------------------------------ broadcast
 
     def join_refit_group(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
@@ -72,39 +88,47 @@ class RefitSender:
         self._refit_group = open_broadcast_group(address, port, 0, world_size, self.device, timeout_s)
 
     def broadcast_weights(self, bucket_bytes: int, dtype: torch.dtype) -> int:
-        """Gathers each bucket (every rank) and broadcasts it from rank 0; returns the bytes sent (rank 0)."""
-        sent = 0
-        for bucket in whole_buckets(self.refit_entries(), bucket_bytes, dtype):
-            if self.rank == 0:
-                buffer = pack(bucket)
-                broadcast(self._refit_group, buffer)
-                sent += buffer.numel()
-        return sent
+        """Gathers each bucket (every rank) and broadcasts it from rank 0; returns the bytes sent (rank 0).
+
+        Double-buffered (:func:`send_double_buffered`): rank 0 gathers bucket i+1 while bucket i is on the wire.
+        """
+        buckets = whole_buckets(self.refit_entries(), bucket_bytes, dtype)
+        if self.rank != 0:
+            for _ in buckets:  # every rank joins each bucket's gather
+                pass
+            return 0
+        group = self._refit_group
+        return send_double_buffered(
+            buckets, self._buffers(bucket_bytes, dtype), lambda packed: start_broadcast(group, packed)
+        )
 
     # ------------------------------------------------------------------ CUDA IPC
 
     def start_ipc_refit(self, bucket_bytes: int, dtype: torch.dtype) -> None:
         """Begins a refit over CUDA IPC: :meth:`next_ipc_bucket` then gathers one bucket per call."""
-        self._ipc_buckets: Iterator[list[tuple[str, torch.Tensor]]] | None = whole_buckets(
-            self.refit_entries(), bucket_bytes, dtype
+        buffers = self._buffers(bucket_bytes, dtype)
+        if getattr(self, "_ipc_handles", None) is None:  # the buffers live as long as this rank: one handle each
+            self._ipc_handles = tuple(ipc_handle(buffer) for buffer in buffers.buffers)
+        self._ipc_buckets: Iterator[tuple[int, list[tuple[str, torch.Tensor]]]] | None = enumerate(
+            whole_buckets(self.refit_entries(), bucket_bytes, dtype)
         )
-        self._ipc_buffer: torch.Tensor | None = None
 
     def next_ipc_bucket(self) -> tuple[IpcHandle, BucketLayout] | None:
-        """Gathers the next bucket and returns an IPC handle of it packed on this rank's GPU, and its layout.
+        """Gathers the next bucket, packs it into this rank's buffer for it, and returns that buffer's IPC handle
+        and the bucket's layout; None on every rank once all weights are sent.
 
-        Releases the previous buffer first (the controller calls only after the engines copied it), so at most one
-        packed bucket is held. None on every rank once all weights are sent.
+        Bucket i goes in buffer i mod 2: the controller asks for bucket i+1 while the engines copy bucket i, and
+        for bucket i+2 only once they have.
         """
-        self._ipc_buffer = None
         assert self._ipc_buckets is not None, "start_ipc_refit first"
-        bucket = next(self._ipc_buckets, None)
-        if bucket is None:
+        step = next(self._ipc_buckets, None)
+        if step is None:
             self._ipc_buckets = None
             return None
+        index, bucket = step
         layout = layout_of(bucket)
-        self._ipc_buffer = pack(bucket)
+        pack(bucket, self._refit_buffers.view(index, layout_bytes(layout)))
         del bucket
         # The engine reads this memory from another process: the packing must be done.
-        torch.cuda.current_stream(self._ipc_buffer.device).synchronize()
-        return ipc_handle(self._ipc_buffer), layout
+        torch.cuda.current_stream(self.device).synchronize()
+        return self._ipc_handles[index % 2], layout

@@ -108,17 +108,22 @@ class CudaIpcTransport(RefitTransport):
 
     def send(self, trainer: WorkerGroup) -> RefitReport:
         trainer.run_all("start_ipc_refit", self.bucket_bytes, self.dtype)
+        self.rollout.run_all("begin_refit")
+        handles: list[Any] = trainer.run_all("next_ipc_bucket")
         gathered = 0
-        while True:
-            handles: list[Any] = trainer.run_all("next_ipc_bucket")
-            if handles[0] is None:
-                return RefitReport(gathered, gathered * self.rollout.size)
+        while handles[0] is not None:
             layout = handles[0][1]
             gathered += layout_bytes(layout)
+            # The trainer gathers and packs bucket i+1 into its other buffer while the engines copy bucket i.
+            following = [actor.next_ipc_bucket.remote() for actor in trainer.actors]
             self.rollout.run_all(
                 "load_ipc_bucket",
                 per_rank=[(handles[rank % trainer.size][0], layout) for rank in range(self.rollout.size)],
             )
+            handles = trainer.gather(following)
+        # The engines' post-load processing and prefix-cache reset, once per refit.
+        self.rollout.run_all("finish_refit")
+        return RefitReport(gathered, gathered * self.rollout.size)
 
 
 TRANSPORTS: dict[str, type[RefitTransport]] = {

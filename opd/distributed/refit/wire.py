@@ -8,9 +8,10 @@ stateless group (own TCP store, bare backend) beside the trainer's, whose proces
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,14 +50,38 @@ def layout_bytes(layout: BucketLayout) -> int:
     return _offsets(layout)[1]
 
 
-def pack(bucket: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
-    """The bucket's tensors as one flat ``uint8`` buffer on their device, in order, each aligned."""
+def pack(bucket: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bucket's tensors as one flat ``uint8`` buffer on their device, in order, each aligned: written into ``out``
+    (a buffer of at least that size, whose first bytes are returned) or a new one."""
     spans, size = _offsets(layout_of(bucket))
     device = bucket[0][1].device if bucket else torch.device("cpu")
-    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+    buffer = torch.zeros(size, dtype=torch.uint8, device=device) if out is None else out[:size]
     for (_, tensor), (start, width) in zip(bucket, spans, strict=True):
         buffer[start : start + width] = tensor.contiguous().reshape(-1).view(torch.uint8)
     return buffer
+
+
+class RefitBuffers:
+    """Two flat byte buffers that one end of a refit keeps for its lifetime: bucket i travels in buffer i mod 2, so
+    the next bucket fills one while the other is still being sent or loaded (double buffering), and no refit
+    allocates. The gaps between aligned tensors are never read."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.buffers = (
+            torch.empty(capacity, dtype=torch.uint8, device=device),
+            torch.empty(capacity, dtype=torch.uint8, device=device),
+        )
+
+    def view(self, bucket: int, size: int) -> torch.Tensor:
+        """The first ``size`` bytes of bucket ``bucket``'s buffer."""
+        buffer = self.buffers[bucket % 2]
+        if size > buffer.numel():
+            raise ValueError(f"refit: a bucket of {size} bytes, the buffers hold {buffer.numel()}")
+        return buffer[:size]
+
+    def pointers(self) -> tuple[int, int]:
+        """The buffers' addresses (tests check that refits reuse them)."""
+        return self.buffers[0].data_ptr(), self.buffers[1].data_ptr()
 
 
 def unpack(buffer: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.Tensor]]:
@@ -72,6 +97,35 @@ def unpack(buffer: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.
         (name, buffer[start : start + width].view(dtype).reshape(shape))
         for (name, shape, dtype), (start, width) in zip(layout, spans, strict=True)
     ]
+
+
+class InFlight(Protocol):
+    """A send that has started: ``wait()`` returns once its buffer may be written again."""
+
+    def wait(self) -> None: ...
+
+
+def send_double_buffered(
+    buckets: Iterable[Sequence[tuple[str, torch.Tensor]]],
+    buffers: RefitBuffers,
+    start_send: Callable[[torch.Tensor], InFlight],
+) -> int:
+    """Packs each bucket into buffer i mod 2 and starts sending it; returns the bytes sent, once all have gone.
+
+    The next bucket is drawn from ``buckets`` (a gather) while the last one is still on its way: a send is waited
+    for only before its buffer is packed again, two buckets later.
+    """
+    in_flight: deque[InFlight] = deque()  # oldest first; bucket i - 2 used the buffer bucket i goes in
+    sent = 0
+    for index, bucket in enumerate(buckets):
+        if len(in_flight) == len(buffers.buffers):
+            in_flight.popleft().wait()
+        packed = pack(bucket, buffers.view(index, layout_bytes(layout_of(bucket))))
+        in_flight.append(start_send(packed))
+        sent += packed.numel()
+    while in_flight:
+        in_flight.popleft().wait()
+    return sent
 
 
 # --------------------------------------------------------------------------- broadcast group
@@ -100,14 +154,30 @@ def open_broadcast_group(
     return group
 
 
-def broadcast(group: Any, tensor: torch.Tensor, root: int = 0) -> None:
-    """Broadcasts ``tensor`` in place from ``root`` to every member of ``group`` (waits for it)."""
+class _Broadcast:
+    """A broadcast in flight (:func:`start_broadcast`)."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self.work, self.tensor = work, tensor
+
+    def wait(self) -> None:
+        """Returns once the tensor holds the root's bytes (or has been sent, on the root)."""
+        self.work.wait()
+        if self.tensor.is_cuda:  # NCCL's wait orders the streams; the caller reads the tensor next
+            torch.cuda.current_stream(self.tensor.device).synchronize()
+
+
+def start_broadcast(group: Any, tensor: torch.Tensor, root: int = 0) -> _Broadcast:
+    """Starts broadcasting ``tensor`` in place from ``root`` to every member of ``group``; ``wait()`` on the result."""
     options = dist.BroadcastOptions()
     options.rootRank = root
     options.rootTensor = 0
-    group.broadcast([tensor], options).wait()
-    if tensor.is_cuda:  # NCCL's wait orders the streams; the caller reads the tensor next
-        torch.cuda.current_stream(tensor.device).synchronize()
+    return _Broadcast(group.broadcast([tensor], options), tensor)
+
+
+def broadcast(group: Any, tensor: torch.Tensor, root: int = 0) -> None:
+    """Broadcasts ``tensor`` in place from ``root`` to every member of ``group`` (waits for it)."""
+    start_broadcast(group, tensor, root).wait()
 
 
 # --------------------------------------------------------------------------- CUDA IPC

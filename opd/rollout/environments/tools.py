@@ -26,8 +26,8 @@ class Tool:
     Attributes:
         function: called as ``function(**arguments)``; a string result is the tool's message as is, else JSON.
         description: what the tool does, shown to the model.
-        parameters: JSON schema (draft 2020-12) of the arguments: an ``object`` with ``properties``; every call's
-            arguments are checked against all of it before the tool runs.
+        parameters: JSON schema of the arguments, an ``object`` with ``properties``; every call's arguments are
+            checked against all of it (the current draft, ``Draft202012Validator``) before the tool runs.
     """
 
     name: str
