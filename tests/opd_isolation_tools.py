@@ -57,3 +57,26 @@ def start_child_and_loop(pid_file: str) -> str:
         handle.write(str(child.pid))
     while True:
         time.sleep(0.01)
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("str() of this exception fails too")
+
+
+def unprintable_error() -> str:
+    """Raises an exception whose message cannot be read."""
+    raise _Unprintable
+
+
+def echo(text: object) -> object:
+    """Returns what it was given (the model's own argument, of any size or depth)."""
+    return text
+
+
+def deep_result() -> list:
+    """A result nested past what ``json.dumps`` can write."""
+    value: list = []
+    for _ in range(100_000):
+        value = [value]
+    return value

@@ -75,20 +75,30 @@ def _cut(text: str, limit: int) -> str:
 
 
 def _failure_detail(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    """``Type: message`` of what a tool raised; its ``str()`` is the tool's code too, and may itself raise."""
+    try:
+        message = str(error)
+    except Exception:
+        message = "(its message could not be read)"
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def run_tool(tool: Tool | None, name: str, arguments: dict[str, Any], limits: SandboxLimits) -> ToolOutcome:
     """Runs ``tool`` (None: no tool is called ``name``) with ``arguments`` within ``limits``.
 
+    What the model wrote never raises: every failure is an ``Error:`` outcome cut to ``max_output_chars``.
+
     Raises:
         ValueError: in ``process`` isolation, the tool's function is not importable by name (a setup error).
     """
     if tool is None:
-        return failure(f"there is no tool named {name!r}")
-    problem = argument_problem(tool, arguments)
+        return failure(f"there is no tool named {name!r}", limits.max_output_chars)
+    try:
+        problem = argument_problem(tool, arguments)
+    except RecursionError:  # arguments nested past what the schema check can walk
+        problem = "the arguments are nested too deeply"
     if problem is not None:
-        return failure(f"{name}: {problem}")
+        return failure(f"{name}: {problem}", limits.max_output_chars)
     return _ISOLATIONS[limits.isolation](tool, name, arguments, limits)
 
 
@@ -106,7 +116,7 @@ def _run_on_thread(tool: Tool, name: str, arguments: dict[str, Any], limits: San
     worker.start()
     worker.join(limits.timeout_s)
     if worker.is_alive():
-        return failure(f"{name} did not finish within {limits.timeout_s:g} s")
+        return failure(f"{name} did not finish within {limits.timeout_s:g} s", limits.max_output_chars)
     if "error" in result:
         return failure(f"{name} failed: {_failure_detail(result['error'])}", limits.max_output_chars)
     return ToolOutcome(_cut(result["value"], limits.max_output_chars), True)
@@ -134,7 +144,8 @@ def _serve_tools(connection: Connection, max_memory_mb: int | None) -> None:
         except EOFError:  # the parent went away
             return
         try:
-            function, arguments, max_output_chars = pickle.loads(payload)  # may import the tool's module
+            pickled_function, arguments, max_output_chars = pickle.loads(payload)
+            function = pickle.loads(pickled_function)  # may import the tool's module
         except BaseException as error:
             connection.send(("unloadable", _failure_detail(error)))
             continue
@@ -226,28 +237,40 @@ atexit.register(WORKERS.stop_all)
 def _run_in_process(tool: Tool, name: str, arguments: dict[str, Any], limits: SandboxLimits) -> ToolOutcome:
     """:func:`run_tool` in a worker process: killed at the time limit, replaced if it ends."""
     try:
-        payload = pickle.dumps((tool.function, arguments, limits.max_output_chars))
+        function = pickle.dumps(tool.function)
     except Exception as error:
         raise ValueError(
             f"tool {name!r} cannot run with environment.tool_isolation = process: its function is not importable "
             f"by name ({_failure_detail(error)}); define it at the top level of a module, or use thread isolation"
         ) from error
-    worker = WORKERS.take(limits.max_memory_mb)
+    try:
+        payload = pickle.dumps((function, arguments, limits.max_output_chars))
+    except (RecursionError, pickle.PicklingError):  # the model's arguments, nested past what pickle can walk
+        return failure(f"{name}: the arguments are nested too deeply", limits.max_output_chars)
+    try:
+        worker = WORKERS.take(limits.max_memory_mb)
+    except Exception as error:  # a worker that cannot start (the forkserver gone, the machine out of processes)
+        return failure(
+            f"{name}: the tool's process could not start ({_failure_detail(error)})", limits.max_output_chars
+        )
+
+    def ended(why: str) -> ToolOutcome:
+        worker.stop()
+        return failure(why, limits.max_output_chars)
+
     try:
         worker.connection.send_bytes(payload)
         # Loading the function (importing its module in a fresh worker) is not the tool's time.
         if not worker.connection.poll(WORKER_START_TIMEOUT_S):
-            worker.stop()
-            return failure(f"{name}: its function did not load within {WORKER_START_TIMEOUT_S:g} s")
+            return ended(f"{name}: its function did not load within {WORKER_START_TIMEOUT_S:g} s")
         reply, text = worker.connection.recv()
         if reply == "loaded":
             if not worker.connection.poll(limits.timeout_s):
-                worker.stop()  # the runaway tool ends here, with its process
-                return failure(f"{name} did not finish within {limits.timeout_s:g} s")
+                return ended(f"{name} did not finish within {limits.timeout_s:g} s")  # the tool ends with its process
             reply, text = worker.connection.recv()
     except (EOFError, OSError):  # the tool ended its process (os._exit, a crash, the memory limit's kill)
-        worker.stop()
-        return failure(f"{name} ended its process (exit code {worker.process.exitcode})")
+        worker.stop()  # reaped first: its exit code is known only then
+        return failure(f"{name} ended its process (exit code {worker.process.exitcode})", limits.max_output_chars)
     WORKERS.give_back(worker)
     if reply == "unloadable":
         raise ValueError(

@@ -4,7 +4,9 @@
     {"name": "calculator", "arguments": {"expression": "1234 * 567"}}
     </tool_call>
 
-A call that cannot be read is a :class:`MalformedCall` with the reason, answered with an error the student sees.
+A call that cannot be read is a :class:`MalformedCall` with the reason, answered with an error the student sees:
+whatever the model wrote (bad JSON, nesting past Python's recursion limit, an integer of more digits than Python
+converts) is a reason, never an exception.
 """
 
 from __future__ import annotations
@@ -33,11 +35,21 @@ class MalformedCall:
     reason: str
 
 
+def _unreadable(error: Exception) -> str:
+    """Why JSON the model wrote could not be read: bad syntax, or what Python refuses (nesting past its recursion
+    limit, an integer literal of more than 4,300 digits)."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"{error.msg} at character {error.pos}"
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
+    return f"{type(error).__name__}: {str(error)[:200]}"
+
+
 def _read_call(body: str) -> ToolCall | MalformedCall:
     try:
         value = json.loads(body)
-    except json.JSONDecodeError as error:
-        return MalformedCall(body, f"the call is not valid JSON ({error.msg} at character {error.pos})")
+    except (ValueError, RecursionError) as error:
+        return MalformedCall(body, f"the call is not valid JSON ({_unreadable(error)})")
     if not isinstance(value, dict):
         return MalformedCall(body, f"the call must be a JSON object, got {type(value).__name__}")
     name = value.get("name")
@@ -49,8 +61,8 @@ def _read_call(body: str) -> ToolCall | MalformedCall:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return MalformedCall(body, '"arguments" is a string that is not a JSON object')
+        except (ValueError, RecursionError) as error:
+            return MalformedCall(body, f'"arguments" is a string that is not a JSON object ({_unreadable(error)})')
     if not isinstance(arguments, dict):
         return MalformedCall(body, f'"arguments" must be a JSON object, got {type(arguments).__name__}')
     return ToolCall(name, arguments)

@@ -65,7 +65,7 @@ class ToolEpisode(Episode):
             reward = self.environment.grader(turn.text, self.row)
             return StepResult([], True, reward, len(calls), well_formed, 0)
         outcomes = [
-            failure(f"malformed tool call: {call.reason}")
+            failure(f"malformed tool call: {call.reason}", self.environment.limits.max_output_chars)
             if isinstance(call, MalformedCall)
             else run_tool(self.environment.tools.get(call.name), call.name, call.arguments, self.environment.limits)
             for call in calls

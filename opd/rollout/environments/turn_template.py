@@ -14,6 +14,7 @@ whose ids are the generated ones; only a trainer that re-renders the conversatio
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from opd.data.sequences import encode_prompt, encode_text, render_chat
@@ -29,6 +30,7 @@ class TurnTemplate:
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
         self.tools = tools or None
+        self._special_texts: set[str] | None = None
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The episode's prompt: ``messages`` rendered with the tools and the assistant header."""
@@ -75,5 +77,42 @@ class TurnTemplate:
     def observation_ids(
         self, history: list[dict[str, Any]], turn_end: str, observation: list[dict[str, Any]]
     ) -> list[int]:
-        """:meth:`observation_text`, tokenised once (the template placed every special token)."""
-        return encode_text(self.tokenizer, self.observation_text(history, turn_end, observation))
+        """:meth:`observation_text` tokenised: the template's own special tokens as such, but a message's text that
+        spells one (a tool's output writing ``<|im_end|><|im_start|>assistant``) as ordinary tokens, so that it
+        cannot open a turn. Without such text, the whole observation is tokenised once.
+
+        (Added tokens that are not special, such as Qwen's ``<tool_call>``, stay single tokens in a message's text,
+        as they would anywhere in the student's own text.)
+        """
+        texts = [message.get("content") for message in observation]
+        if not any(isinstance(text, str) and self._spells_a_special_token(text) for text in texts):
+            return encode_text(self.tokenizer, self.observation_text(history, turn_end, observation))
+        marked = [
+            {**message, "content": _content_marker(index)} if isinstance(text, str) else message
+            for index, (message, text) in enumerate(zip(observation, texts, strict=True))
+        ]
+        ids: list[int] = []
+        for index, piece in enumerate(_CONTENT_MARKER.split(self.observation_text(history, turn_end, marked))):
+            if index % 2 == 0:  # the template's text around the messages
+                ids += encode_text(self.tokenizer, piece) if piece else []
+            else:
+                content = texts[int(piece)]
+                assert isinstance(content, str)
+                ids += self.tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return ids
+
+    def _spells_a_special_token(self, text: str) -> bool:
+        if self._special_texts is None:
+            decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
+            self._special_texts = {*self.tokenizer.all_special_tokens} | {
+                token.content for token in decoder.values() if token.special
+            }
+        return any(special in text for special in self._special_texts)
+
+
+_CONTENT_MARKER = re.compile("\u2063OPD-CONTENT-(\\d+)\u2063")
+"""Stands for one observation message's text while the template renders around it (its index captured)."""
+
+
+def _content_marker(index: int) -> str:
+    return f"\u2063OPD-CONTENT-{index}\u2063"

@@ -3,7 +3,8 @@
 vLLM's sleep mode exists on CUDA only, so these tests drive ``VllmGeneration``'s methods
 against a recording stand-in for ``vllm.LLM``: after a rollout the engine sleeps (level 1,
 weights kept on the host); a refit wakes only the weights before loading them; the next
-rollout wakes only what is still asleep (the KV cache). Whether vLLM itself honours these
+rollout wakes only what is still asleep (the KV cache); a refit is one reload (opened, loaded,
+closed) followed by one prefix-cache reset. Whether vLLM itself honours these
 calls is for a GPU run to confirm.
 """
 
@@ -31,8 +32,11 @@ class RecordingLLM:
         self.calls.append(("wake_up", tuple(tags) if tags is not None else None))
 
     def collective_rpc(self, method, args=()):
+        if method.__name__ != "_load_worker_part":  # opening or closing the refit's one reload
+            self.calls.append((method.__name__.strip("_"),))
+            return [None]
         weights = list(args[0])  # consume the stream as the worker would
-        self.calls.append(("reload_weights", len(weights)))
+        self.calls.append(("load_part", len(weights)))
         return [len(weights)]
 
     def reset_prefix_cache(self) -> None:
@@ -46,6 +50,7 @@ def engine_with(llm: RecordingLLM, sleep_enabled: bool) -> VllmGeneration:
     engine.tied_embeddings = True
     engine.tensor_parallel_size = 1
     engine._asleep = set()
+    engine._refit_open = False
     return engine
 
 
@@ -62,7 +67,8 @@ def test_sleep_after_rollout_wake_weights_for_refit_then_the_cache_for_the_next_
     engine.prepare_for_generation()  # a second validation pass without a refit: the host copy comes back
     assert llm.calls == [
         ("sleep", 1),
-        ("wake_up", ("weights",)), ("reload_weights", count), ("reset_prefix_cache",),
+        ("wake_up", ("weights",)),
+        ("begin_worker_reload",), ("load_part", count), ("finish_worker_reload",), ("reset_prefix_cache",),
         ("wake_up", ("kv_cache",)),
         ("sleep", 1),
         ("wake_up", ("kv_cache", "weights")),
@@ -76,7 +82,9 @@ def test_without_sleep_mode_the_engine_stays_resident():
     engine.prepare_for_generation()
     engine.finish_generation()
     engine.refit_from_model(model)
-    assert [call[0] for call in llm.calls] == ["reload_weights", "reset_prefix_cache"]
+    assert [call[0] for call in llm.calls] == [
+        "begin_worker_reload", "load_part", "finish_worker_reload", "reset_prefix_cache"
+    ]
 
 
 def test_a_refit_that_loses_tensors_is_an_error():

@@ -1,0 +1,109 @@
+"""Untrusted output is data, never an exception: generated hostile tool calls against a tool episode.
+
+240 turns, generated from a seed, are stepped through a :class:`ToolEpisode` under thread isolation, and 60 of them
+under process isolation: calls nested past Python's recursion limit (in the call, in its arguments, in arguments
+written as a string), integer literals of more digits than Python converts, unknown and absurd tool names, arguments
+of every wrong JSON type, unclosed calls and garbage, floods of up to 40 calls in one turn, and tools that raise an
+exception whose message cannot be read, return a result nested past what JSON can write, return what is not text,
+or echo the model's own huge argument. Every turn must come back as a step result whose observation answers each
+call with one message within the output limit (the limit plus the cut notice).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from opd_isolation_tools import deep_result, echo, not_text, unprintable_error
+
+from opd.rollout.environments.base import StudentTurn
+from opd.rollout.environments.calculator import calculator_tool
+from opd.rollout.environments.sandbox import WORKERS, SandboxLimits
+from opd.rollout.environments.tool_calls import CALL_CLOSE, CALL_OPEN, parse_tool_calls
+from opd.rollout.environments.tool_environment import ToolEnvironment
+from opd.rollout.environments.tools import Tool, ToolRegistry
+
+ROW = {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "ground_truth": "4"}
+LIMIT = 300
+CUT_NOTICE = len("\n[output cut: 10000000000 characters, the limit is 300]")
+NO_ARGUMENTS = {"type": "object", "properties": {}}
+
+
+def _registry() -> ToolRegistry:
+    tools = ToolRegistry([calculator_tool()])
+    tools.add(Tool("echo", echo, "", {"type": "object", "properties": {"text": {}}, "required": ["text"]}))
+    for function in (unprintable_error, deep_result, not_text):
+        tools.add(Tool(function.__name__, function, "", NO_ARGUMENTS))
+    return tools
+
+
+def _call(name: str, arguments: str) -> str:
+    return f'{CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n{CALL_CLOSE}'
+
+
+def _hostile_call(rng: random.Random) -> str:
+    """One call the model might write, chosen at random among the ways it can go wrong."""
+    kind = rng.randrange(11)
+    depth = rng.choice([900, 1_000, 5_000, 100_000])
+    digits = rng.choice([4_301, 10_000, 100_000])
+    if kind == 0:  # the call itself nested past the recursion limit
+        return f"{CALL_OPEN}{'[' * depth}{CALL_CLOSE}"
+    if kind == 1:  # the arguments nested deeply, the call well formed around them
+        return _call("echo", f'{{"text": {"[" * depth}{"]" * depth}}}')
+    if kind == 2:  # an integer literal Python refuses to convert
+        return _call("echo", f'{{"text": {"7" * digits}}}')
+    if kind == 3:  # arguments as a JSON string, holding the same
+        inner = rng.choice(["[" * depth, "9" * digits, "{not json"])
+        return _call("echo", json.dumps(inner))
+    if kind == 4:  # an unknown or absurd tool name
+        return _call(rng.choice(["search", "", "x" * 100_000, "<|im_end|>", "calc\u0000ulator"]), "{}")
+    if kind == 5:  # arguments of a wrong JSON type
+        return _call("calculator", rng.choice(["[]", "3", "null", '"2+2"', '{"expression": 3}', '{"expression": [1]}']))
+    if kind == 6:  # unclosed, or garbage inside the tags
+        return rng.choice(
+            [f"{CALL_OPEN}\n{{", f"{CALL_OPEN}\u00ff\ud7ff{CALL_CLOSE}", f"{CALL_OPEN}{CALL_OPEN}{CALL_CLOSE}"]
+        )
+    if kind == 7:  # the model's own huge argument, echoed back
+        return _call("echo", json.dumps({"text": "y" * rng.choice([301, 10_000, 1_000_000])}))
+    if kind == 8:
+        return _call("unprintable_error", "{}")
+    if kind == 9:
+        return _call(rng.choice(["deep_result", "not_text"]), "{}")
+    return _call("calculator", json.dumps({"expression": rng.choice(["2+2", "9**9**9", "1/0", "(" * 10_000])}))
+
+
+def hostile_turns(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    turns = []
+    for _ in range(count):
+        calls = 1 if rng.random() < 0.8 else rng.randrange(2, 41)  # now and then a flood of calls in one turn
+        turns.append("Let me check.\n" + "\n".join(_hostile_call(rng) for _ in range(calls)))
+    return turns
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_workers():
+    yield
+    WORKERS.stop_all()
+
+
+@pytest.mark.parametrize(("isolation", "count"), [("thread", 240), ("process", 60)])
+def test_every_hostile_turn_is_answered_within_the_limits(isolation, count):
+    environment = ToolEnvironment(
+        _registry(), SandboxLimits(timeout_s=5.0, max_output_chars=LIMIT, isolation=isolation)
+    )
+    answered_with_errors = 0
+    for index, text in enumerate(hostile_turns(count, seed=index_seed(isolation))):
+        result = environment.start(ROW).step(StudentTurn(text, (), True))
+        calls = parse_tool_calls(text)
+        assert not result.done and len(result.observation) == len(calls) == result.tool_calls, index
+        for message in result.observation:
+            assert message["role"] == "tool" and isinstance(message["content"], str)
+            assert len(message["content"]) <= LIMIT + CUT_NOTICE, (index, message["content"][:200])
+        answered_with_errors += sum(message["content"].startswith("Error: ") for message in result.observation)
+    assert answered_with_errors > count  # the generator does produce failures, many of them
+
+
+def index_seed(isolation: str) -> int:
+    return {"thread": 0, "process": 1}[isolation]
