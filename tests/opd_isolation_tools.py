@@ -80,3 +80,29 @@ def deep_result() -> list:
     for _ in range(100_000):
         value = [value]
     return value
+
+
+def print_and_return(text: str) -> str:
+    """Prints to both standard streams, at the Python level and the file-descriptor level, then returns."""
+    import sys
+
+    print(f"LEAKED-STDOUT {text}")
+    print(f"LEAKED-STDERR {text}", file=sys.stderr)
+    os.write(1, f"LEAKED-FD1 {text}\n".encode())
+    os.write(2, f"LEAKED-FD2 {text}\n".encode())
+    return "printed"
+
+
+def start_escaping_children(pid_file: str) -> str:
+    """Starts a child that leaves the process group (setsid) and a grandchild orphaned by a double fork, writes both
+    pids to ``pid_file`` and returns at once, as a tool that leaves daemons behind would."""
+    import subprocess
+
+    escaped = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    daemon_pid_file = pid_file + ".daemon"
+    subprocess.run(
+        ["sh", "-c", f"sleep 60 & echo $! > {daemon_pid_file}"], start_new_session=True, check=True
+    )  # sh exits at once: its sleep is orphaned
+    with open(pid_file, "w") as handle:
+        handle.write(f"{escaped.pid} {open(daemon_pid_file).read().strip()}")
+    return "started"

@@ -356,6 +356,14 @@ def _gradients_line(plan: MemoryPlan) -> str:
     return f"gradients: reduce-scattered after each of the {plan.micro_batches} micro-batches"
 
 
+NOT_TRACED = (
+    "not traced (leave room for them): validation's generation and scoring, the teacher baselines, the refit's "
+    "buffers (kept from the first refit: 2 × cluster.rollout.refit_bucket_mb per trainer rank under cuda_ipc, on rank "
+    "0 under broadcast), the checkpoint save, and what the caching allocator reserves beyond the allocated peak"
+)
+"""What the plan's peak leaves out, printed with its table."""
+
+
 def render_plan(plan: MemoryPlan) -> str:
     """The plan as plain-text tables: GiB per device, one column per dry run."""
     columns = [(key, rank) for key, ranks in plan.ranks.items() for rank in ranks]
@@ -415,10 +423,7 @@ def render_plan(plan: MemoryPlan) -> str:
         f"loss: fused chunks of {plan.loss_chunk_rows} positions × {plan.vocab_size:,} = "
         f"{plan.loss_chunk_bytes / 2**20:.0f} MiB of fp32 logits per chunk (in the peak above)",
         _gradients_line(plan),
-        "not traced (leave room for them): validation's generation and scoring, the teacher baselines, the refit's "
-        "buffers (kept from the first refit: 2 × cluster.rollout.refit_bucket_mb per trainer rank under cuda_ipc, "
-        "on rank 0 under broadcast), the checkpoint save, and what the caching allocator reserves beyond the "
-        "allocated peak",
+        NOT_TRACED,
         "",
         "verdict (peak + 1.5 GiB runtime reserve):",
     ]

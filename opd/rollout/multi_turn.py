@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import GenerationInterface
-from opd.rollout.environments.base import Environment, Episode, StudentTurn
+from opd.rollout.environments.base import Environment, Episode, StepResult, StudentTurn
 from opd.rollout.environments.config import EnvironmentConfig, build_environment
 from opd.rollout.environments.turn_template import TurnTemplate
 from opd.rollout.rollout_batch import build_rollout_batch
@@ -223,14 +224,19 @@ def multi_turn_rollout(
             num_samples=1,
             return_logprobs=return_logprobs,
         )
+        appended = [
+            _append_turn(trajectory, turns, position, rooms[position], strategy.max_length, turn_ends, return_logprobs)
+            for position, trajectory in enumerate(running)
+        ]
+        student_turns = [
+            StudentTurn(template.tokenizer.decode(turn_ids, skip_special_tokens=True), tuple(turn_ids), ended)
+            for turn_ids, ended in appended
+        ]
+        results = _step_episodes(environment, running, student_turns, last_turn=turn_index == max_turns - 1)
         still_running = []
-        for position, trajectory in enumerate(running):
-            turn_ids, ended = _append_turn(
-                trajectory, turns, position, rooms[position], strategy.max_length, turn_ends, return_logprobs
-            )
+        for trajectory, (turn_ids, ended), result in zip(running, appended, results, strict=True):
             began = time.perf_counter()
-            last_turn = turn_index == max_turns - 1
-            if _answer_turn(trajectory, template, turn_ids, ended, last_turn, max_episode_tokens):
+            if _answer_turn(trajectory, template, turn_ids, ended, result, max_episode_tokens):
                 still_running.append(trajectory)
             trajectory.record.environment_seconds += time.perf_counter() - began
         running = still_running
@@ -270,18 +276,36 @@ def _append_turn(
     return turn_ids, ended
 
 
+def _step_episodes(
+    environment: Environment, running: list[_Trajectory], turns: list[StudentTurn], last_turn: bool
+) -> list[StepResult]:
+    """Each running episode's answer to its turn, ``environment.parallelism`` episodes at a time (each one's time
+    added to its record)."""
+
+    def step(trajectory: _Trajectory, turn: StudentTurn) -> StepResult:
+        began = time.perf_counter()
+        result = trajectory.episode.step(turn, last_turn=last_turn)
+        trajectory.record.environment_seconds += time.perf_counter() - began
+        return result
+
+    workers = min(environment.parallelism, len(running))
+    if workers <= 1:
+        return [step(trajectory, turn) for trajectory, turn in zip(running, turns, strict=True)]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="episode") as pool:
+        return list(pool.map(step, running, turns))
+
+
 def _answer_turn(
     trajectory: _Trajectory,
     template: TurnTemplate,
     turn_ids: list[int],
     ended: bool,
-    last_turn: bool,
+    result: StepResult,
     max_episode_tokens: int | None,
 ) -> bool:
-    """Appends the environment's observation after the turn just appended; False when the episode ends instead."""
+    """Appends the environment's observation (``result``) after the turn just appended; False when the episode ends
+    instead."""
     tokenizer, record = template.tokenizer, trajectory.record
-    turn = StudentTurn(tokenizer.decode(turn_ids, skip_special_tokens=True), tuple(turn_ids), ended)
-    result = trajectory.episode.step(turn, last_turn=last_turn)
     record.tool_calls += result.tool_calls
     record.well_formed_calls += result.well_formed_calls
     record.successful_calls += result.successful_calls

@@ -70,6 +70,10 @@ class Episode(ABC):
 class Environment(ABC):
     """Makes episodes from dataset rows, and says which tools the chat template lists."""
 
+    parallelism: int = 1
+    """Episodes the rollout steps at once (threads): more than 1 only where :meth:`Episode.step` of different
+    episodes may run concurrently."""
+
     @abstractmethod
     def start(self, row: Mapping[str, Any]) -> Episode:
         """A new episode for ``row`` (a dataset row: its ``messages``, ``ground_truth``, ...)."""

@@ -40,6 +40,8 @@ class CalculatorError(ValueError):
 
 
 def _check_size(value: int | float) -> int | float:
+    if isinstance(value, complex):  # a fractional power of a negative number
+        raise CalculatorError("the result is not a real number")
     if isinstance(value, int) and abs(value).bit_length() > MAX_INTEGER_DIGITS * 3.33:
         raise CalculatorError(f"a number in the computation has more than {MAX_INTEGER_DIGITS} digits")
     if isinstance(value, float) and not math.isfinite(value):
@@ -107,4 +109,5 @@ CALCULATOR_SCHEMA: dict[str, Any] = {
 
 def calculator_tool(name: str = "calculator") -> Tool:
     """The calculator as a :class:`~opd.rollout.environments.tools.Tool` named ``name``."""
-    return Tool(name, calculate, "Evaluates an arithmetic expression exactly.", CALCULATOR_SCHEMA)
+    # Bounded pure Python that cannot end its process: safe on a thread of the rollout's process.
+    return Tool(name, calculate, "Evaluates an arithmetic expression exactly.", CALCULATOR_SCHEMA, thread_safe=True)

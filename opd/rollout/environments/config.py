@@ -50,10 +50,33 @@ class EnvironmentConfig(StrictConfig):
     tool_max_output_chars: int = Field(
         2000, ge=1, description="longest tool output the student sees; longer output is cut and the cut said"
     )
-    tool_isolation: Literal["thread", "process"] = Field(
-        "thread",
-        description="thread = each call on a thread of the rollout's process (a runaway tool cannot be stopped); "
-        "process = in a warm worker process, killed at tool_timeout_s and restarted, its memory capped",
+    tool_max_memory_mb: int | None = Field(
+        2048, ge=1, description="address space of a tool's worker process (process isolation, Linux); null = no cap"
+    )
+    tool_isolation: Literal["auto", "thread", "process"] = Field(
+        "auto",
+        description="auto = tools declared safe (the calculator) on a thread, every other tool in a process; "
+        "thread = each call on a thread of the rollout's process (it can neither be stopped nor its memory capped, "
+        "and its prints reach the run's output); process = in a warm worker process, killed at tool_timeout_s with "
+        "every process it started, its memory capped, its prints dropped",
+    )
+    tool_calls_per_turn: int = Field(
+        8, ge=1, description="calls of one turn that run; further calls are answered with an error, not run"
+    )
+    tool_time_per_turn_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="wall time one turn's calls may take together; a call gets at most what is left and one that "
+        "starts after it is spent is not run; null = each call's own limit only",
+    )
+    tool_time_per_episode_s: float | None = Field(
+        None, gt=0.0, description="the same over all turns of an episode; null = no cap"
+    )
+    parallelism: int = Field(
+        8,
+        ge=1,
+        description="episodes stepped at once and tool calls running at once (over all episodes); a slow tool "
+        "holds up its own episode only",
     )
 
     @field_validator("tools")
@@ -69,7 +92,16 @@ class EnvironmentConfig(StrictConfig):
 
 def _tool_environment(config: EnvironmentConfig) -> Environment:
     tools = ToolRegistry([BUILT_IN_TOOLS[name]() for name in config.tools])
-    limits = SandboxLimits(config.tool_timeout_s, config.tool_max_output_chars, isolation=config.tool_isolation)
+    limits = SandboxLimits(
+        timeout_s=config.tool_timeout_s,
+        max_output_chars=config.tool_max_output_chars,
+        isolation=config.tool_isolation,
+        max_memory_mb=config.tool_max_memory_mb,
+        max_calls_per_turn=config.tool_calls_per_turn,
+        turn_time_s=config.tool_time_per_turn_s,
+        episode_time_s=config.tool_time_per_episode_s,
+        parallelism=config.parallelism,
+    )
     return ToolEnvironment(tools, limits)
 
 

@@ -27,29 +27,59 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, Literal
 
 from opd.rollout.environments.tools import Tool, argument_problem
+from opd.utils.config import resolve_auto
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Limits of every tool call (``max_memory_mb``: the worker's address space, ``process`` on Linux only)."""
+    """Limits of tool calls.
+
+    Attributes:
+        timeout_s, max_output_chars, max_memory_mb: per call (``max_memory_mb``: the worker's address space,
+            process isolation on Linux only).
+        isolation: ``auto`` runs a tool declared ``thread_safe`` on a thread and any other in a worker process;
+            ``thread`` and ``process`` run every tool so.
+        max_calls_per_turn: calls of one turn that run; the rest are answered with an error, not run.
+        turn_time_s: the wall time one turn's calls may take together (None: no cap but each call's own); a call
+            gets at most the time left, and one that starts after it is spent is not run.
+        episode_time_s: the same over all turns of an episode (None: no cap).
+        parallelism: tool calls that run at once, over all episodes of a rollout; episodes are stepped that many
+            at a time too.
+    """
 
     timeout_s: float = 5.0
     max_output_chars: int = 2000
-    isolation: Literal["thread", "process"] = "thread"
+    isolation: Literal["auto", "thread", "process"] = "auto"
     max_memory_mb: int | None = 2048
+    max_calls_per_turn: int = 8
+    turn_time_s: float | None = None
+    episode_time_s: float | None = None
+    parallelism: int = 8
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.max_output_chars < 1:
             raise ValueError(f"max_output_chars must be >= 1, got {self.max_output_chars}")
-        if self.isolation not in ("thread", "process"):
-            raise ValueError(f"isolation must be 'thread' or 'process', got {self.isolation!r}")
+        if self.isolation not in ("auto", "thread", "process"):
+            raise ValueError(f"isolation must be 'auto', 'thread' or 'process', got {self.isolation!r}")
         if self.max_memory_mb is not None and self.max_memory_mb < 1:
             raise ValueError(f"max_memory_mb must be >= 1 or None, got {self.max_memory_mb}")
+        for key in ("max_calls_per_turn", "parallelism"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("turn_time_s", "episode_time_s"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ValueError(f"{key} must be > 0 or None, got {value}")
+
+    def isolation_of(self, tool: Tool) -> Literal["thread", "process"]:
+        """Where ``tool``'s calls run."""
+        return resolve_auto(self.isolation, lambda: "thread" if tool.thread_safe else "process")
 
 
 @dataclass(frozen=True)
@@ -99,7 +129,7 @@ def run_tool(tool: Tool | None, name: str, arguments: dict[str, Any], limits: Sa
         problem = "the arguments are nested too deeply"
     if problem is not None:
         return failure(f"{name}: {problem}", limits.max_output_chars)
-    return _ISOLATIONS[limits.isolation](tool, name, arguments, limits)
+    return _ISOLATIONS[limits.isolation_of(tool)](tool, name, arguments, limits)
 
 
 def _run_on_thread(tool: Tool, name: str, arguments: dict[str, Any], limits: SandboxLimits) -> ToolOutcome:
@@ -129,9 +159,16 @@ WORKER_START_TIMEOUT_S = 60.0
 
 
 def _serve_tools(connection: Connection, max_memory_mb: int | None) -> None:
-    """A worker process's loop: receive ``(function, arguments, max_output_chars)``, answer ``(reply, text)``."""
+    """A worker process's loop: receive ``(function, arguments, max_output_chars)``, answer ``(reply, text)``.
+
+    What a call starts ends with it: the worker is a child subreaper (Linux), so every process the tool started,
+    also one that left the process group or was orphaned, stays its descendant and is killed when the call returns.
+    What tools print is dropped: file descriptors 1 and 2 point at ``/dev/null``.
+    """
     if hasattr(os, "setsid"):
         os.setsid()  # its own process group: a kill at the limit also reaches what the tool started
+    _become_subreaper()
+    _drop_output()
     if max_memory_mb is not None and sys.platform == "linux":
         import resource
 
@@ -154,7 +191,79 @@ def _serve_tools(connection: Connection, max_memory_mb: int | None) -> None:
             reply = ("value", _cut(_as_text(function(**arguments)), max_output_chars))
         except BaseException as error:  # whatever the tool raises (even SystemExit) is an observation
             reply = ("error", _failure_detail(error))
+        kill_descendants(os.getpid())
         connection.send(reply)
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> None:
+    """Linux: orphans of this process's descendants are re-parented to it rather than to init, so they can be
+    found (and killed) as its descendants. Elsewhere nothing: a process that leaves the group escapes there."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError, TypeError):  # no prctl outside Linux
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _drop_output() -> None:
+    """Points file descriptors 1 and 2 (and ``sys.stdout``, ``sys.stderr``) at ``/dev/null``: a tool's prints,
+    its children's included, never reach the run's output."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for descriptor in (1, 2):
+        os.dup2(null, descriptor)
+    os.close(null)
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - this process's streams, for its lifetime
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (Linux: read from ``/proc``; elsewhere none are found)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as handle:
+                stat = handle.read()
+        except OSError:  # ended meanwhile
+            continue
+        parent = int(stat[stat.rindex(b")") + 2 :].split()[1])  # after "pid (comm) state": the parent's pid
+        children.setdefault(parent, []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children.get(parent, [])]
+        found += frontier
+    return found
+
+
+def _has_children() -> bool:
+    """Whether this process has a child (Linux's per-thread ``children`` lists; True where they cannot be read)."""
+    try:
+        return any(
+            Path(f"/proc/self/task/{task}/children").read_text().strip() for task in os.listdir("/proc/self/task")
+        )
+    except OSError:
+        return True
+
+
+def kill_descendants(pid: int) -> None:
+    """Kills every process below ``pid`` (stopped first, so none forks meanwhile) and reaps the ones that are its
+    children; a few rounds catch what was forked between a look and the kill."""
+    if pid == os.getpid() and not _has_children():  # the common case, without reading all of /proc
+        return
+    for _ in range(10):
+        found = _descendants(pid)
+        if not found:
+            return
+        for signal_number in (signal.SIGSTOP, signal.SIGKILL):
+            for descendant in found:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(descendant, signal_number)
+        if pid == os.getpid():  # its children (an orphan's subreaper included) are reaped here
+            with contextlib.suppress(ChildProcessError):
+                while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                    pass
 
 
 class _ToolWorker:
@@ -184,8 +293,11 @@ class _ToolWorker:
             raise
 
     def stop(self) -> None:
-        """Kills the process and its process group (whatever the tool started), and waits for it."""
+        """Kills the process, every process below it and its process group (whatever the tool started), and waits
+        for it."""
         pid = self.process.pid
+        if pid is not None:
+            kill_descendants(pid)  # first: once the worker is gone, its orphans would leave its tree
         if pid is not None and hasattr(os, "killpg"):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)

@@ -28,12 +28,16 @@ class Tool:
         description: what the tool does, shown to the model.
         parameters: JSON schema of the arguments, an ``object`` with ``properties``; every call's arguments are
             checked against all of it (the current draft, ``Draft202012Validator``) before the tool runs.
+        thread_safe: declared safe to run on a thread of the rollout's process: bounded pure-Python work that
+            neither prints, nor starts processes, nor can end its process (the ``ast`` calculator). Other tools run
+            in a worker process under ``isolation: auto``.
     """
 
     name: str
     function: Callable[..., Any]
     description: str
     parameters: dict[str, Any]
+    thread_safe: bool = False
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -78,10 +82,16 @@ class ToolRegistry:
         return tool
 
     def register(
-        self, name: str, function: Callable[..., Any], parameters: dict[str, Any], description: str = ""
+        self,
+        name: str,
+        function: Callable[..., Any],
+        parameters: dict[str, Any],
+        description: str = "",
+        thread_safe: bool = False,
     ) -> Tool:
         """Registers ``function`` as the tool ``name`` with the argument schema ``parameters``."""
-        return self.add(Tool(name, function, description or (function.__doc__ or "").strip(), parameters))
+        description = description or (function.__doc__ or "").strip()
+        return self.add(Tool(name, function, description, parameters, thread_safe))
 
     def get(self, name: str) -> Tool | None:
         """The tool called ``name``, or None."""

@@ -31,7 +31,7 @@ def _environment() -> ToolEnvironment:
     tools.register("stuck", _stuck, {"type": "object", "properties": {}})
     tools.register("big", lambda: "x" * 500, {"type": "object", "properties": {}})
     tools.register("structured", lambda: {"total": 3}, {"type": "object", "properties": {}})
-    return ToolEnvironment(tools, SandboxLimits(timeout_s=0.2, max_output_chars=100))
+    return ToolEnvironment(tools, SandboxLimits(timeout_s=0.2, max_output_chars=100, isolation="thread"))
 
 
 def _call(name: str, arguments: str) -> str:
