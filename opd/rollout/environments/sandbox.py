@@ -352,8 +352,9 @@ def _run_in_process(tool: Tool, name: str, arguments: dict[str, Any], limits: Sa
         function = pickle.dumps(tool.function)
     except Exception as error:
         raise ValueError(
-            f"tool {name!r} cannot run with environment.tool_isolation = process: its function is not importable "
-            f"by name ({_failure_detail(error)}); define it at the top level of a module, or use thread isolation"
+            f"tool {name!r} cannot run in a worker process (environment.tool_isolation = {limits.isolation}): its "
+            f"function is not importable by name ({_failure_detail(error)}); define it at the top level of a module, "
+            "or, for bounded pure-Python work, declare it thread_safe"
         ) from error
     try:
         payload = pickle.dumps((function, arguments, limits.max_output_chars))
@@ -386,8 +387,8 @@ def _run_in_process(tool: Tool, name: str, arguments: dict[str, Any], limits: Sa
     WORKERS.give_back(worker)
     if reply == "unloadable":
         raise ValueError(
-            f"tool {name!r} cannot run with environment.tool_isolation = process: the worker process could not "
-            f"import its function ({text}); define it at the top level of a module on the worker's sys.path"
+            f"tool {name!r} cannot run in a worker process (environment.tool_isolation = {limits.isolation}): the "
+            f"worker could not import its function ({text}); define it at the top level of a module on its sys.path"
         )
     if reply == "error":
         return failure(f"{name} failed: {text}", limits.max_output_chars)

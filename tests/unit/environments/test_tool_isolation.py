@@ -103,8 +103,12 @@ def test_a_worker_s_memory_is_capped():
 def test_a_tool_not_importable_by_name_is_a_setup_error_in_a_process():
     anonymous = Tool("anonymous", lambda: "hi", "", NO_ARGUMENTS)
     assert run_tool(anonymous, "anonymous", {}, SandboxLimits(isolation="thread")).content == "hi"
-    with pytest.raises(ValueError, match=r"tool .anonymous. cannot run with environment\.tool_isolation = process"):
-        run_tool(anonymous, "anonymous", {}, SandboxLimits(isolation="process"))
+    for isolation in ("process", "auto"):  # auto: a tool not declared thread_safe runs in a process
+        with pytest.raises(
+            ValueError,
+            match=rf"tool .anonymous. cannot run in a worker process \(environment\.tool_isolation = {isolation}\)",
+        ):
+            run_tool(anonymous, "anonymous", {}, SandboxLimits(isolation=isolation))
 
 
 def test_the_config_runs_the_built_in_tools_in_a_process():
