@@ -130,7 +130,7 @@ def test_a_function_the_worker_cannot_import_is_a_setup_error():
     nested.__module__ = opd_isolation_tools.__name__
     opd_isolation_tools.ghost = nested  # picklable here, by that name
     try:
-        with pytest.raises(ValueError, match="the worker process could not import its function"):
+        with pytest.raises(ValueError, match="the worker could not import its function"):
             run_tool(_tool(nested), "ghost", {}, SandboxLimits(isolation="process"))
     finally:
         del opd_isolation_tools.ghost
