@@ -106,3 +106,12 @@ def start_escaping_children(pid_file: str) -> str:
     with open(pid_file, "w") as handle:
         handle.write(f"{escaped.pid} {open(daemon_pid_file).read().strip()}")
     return "started"
+
+
+def is_running(pid: int) -> bool:
+    """The process exists and is not a zombie (killed, not yet reaped); reads ``/proc`` (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,28 +51,28 @@ MANIFEST_NAME = "manifest.json"
 _BATCH_FILE = re.compile(r"^batch_(\d+)\.safetensors(\.tmp)?$")
 
 
-class SignalKind:
+class SignalKind(ABC):
     """One kind of signal a cache holds: its name in the manifest, its per-position tensors (in the order a row's
     tensors list them), and how rows of it are read back as a teacher's right-padded answer."""
 
     name: str
     tensors: tuple[str, ...]
 
+    @abstractmethod
     def describe(self, signal: dict[str, Any]) -> str:
         """The manifest's ``signal`` for log lines."""
-        raise NotImplementedError
 
+    @abstractmethod
     def request(self, vocab_size: int, k: int, temperature: float) -> TopKRequest | TokenLogprobsRequest:
         """What the teacher is asked for this kind (``k`` and ``temperature``: top-k only)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def padded(self, rows: list[tuple[torch.Tensor, ...]], width: int) -> TopKLogprobs | torch.Tensor:
         """Rows' ``[length, ...]`` tensors as the teacher's right-padded ``[B, width, ...]`` answer.
 
         Positions past a row's end hold a finite placeholder, which a loss never reads (it takes the positions whose
         next token carries loss).
         """
-        raise NotImplementedError
 
 
 class TopKSignal(SignalKind):

@@ -6,6 +6,7 @@ gathers is a collective of all trainer ranks; the transports are described in :m
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -94,8 +95,7 @@ class RefitSender:
         """
         buckets = whole_buckets(self.refit_entries(), bucket_bytes, dtype)
         if self.rank != 0:
-            for _ in buckets:  # every rank joins each bucket's gather
-                pass
+            deque(buckets, maxlen=0)  # drains the generator: every rank joins each bucket's gather
             return 0
         group = self._refit_group
         return send_double_buffered(

@@ -17,6 +17,7 @@ from opd_isolation_tools import (
     big,
     exit_process,
     fail,
+    is_running,
     leave,
     loop_forever,
     not_text,
@@ -151,15 +152,6 @@ def test_an_idle_worker_killed_from_outside_is_replaced():
     assert second != first and WORKERS.worker_pids() == [second]
 
 
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie (killed, not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_what_a_runaway_tool_started_is_killed_with_it(tmp_path):
     pid_file = tmp_path / "child.pid"
@@ -171,7 +163,7 @@ def test_what_a_runaway_tool_started_is_killed_with_it(tmp_path):
     assert outcome.content == "Error: spawner did not finish within 1 s"
     child = int(pid_file.read_text())
     for _ in range(500):  # SIGKILL lands asynchronously
-        if not _running(child):
+        if not is_running(child):
             break
         time.sleep(0.01)
-    assert not _running(child)
+    assert not is_running(child)
