@@ -23,6 +23,7 @@ training time is the user's decision.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -55,6 +56,20 @@ _READ_BLOCK = 8 * 2**20
 
 class CheckpointDamagedError(OpdError):
     """A checkpoint's file is missing, truncated, changed or unreadable; nothing was loaded or removed."""
+
+
+class CheckpointWriteError(OpdError):
+    """A checkpoint could not be written for lack of space; its partial files were removed, older ones are intact."""
+
+
+_NO_SPACE = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "a file reached the largest size allowed for one file (ulimit -f)",
+}
+"""The write failures that a rerun with more room resumes from, and what each means to a user."""
+_NEARLY_FULL_BYTES = 2**20
+"""Free space below which a failed write is put down to a full disk when its error names no errno (torch.save's)."""
 
 
 WEIGHT_FILES = (
@@ -166,24 +181,52 @@ class CheckpointManager:
         """Writes ``step_<step>`` atomically, prunes old checkpoints and returns the new directory.
 
         ``policy`` has ``save_checkpoint(dir, tokenizer=...)``; ``save_state`` is JSON, ``training_state`` and
-        ``teacher_state`` (None or empty: no file) go through torch.save.
+        ``teacher_state`` (None or empty: no file) go through torch.save. A write that fails leaves no partial
+        directory behind.
+
+        Raises:
+            CheckpointWriteError: the disk (or quota, or file size limit) had no room for the checkpoint.
         """
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step}"
         staging = staging_directory(final)
         staging.mkdir()
-        policy.save_checkpoint(staging, tokenizer=tokenizer)
-        torch.save(training_state, staging / "training_state.pt")
-        if teacher_state:
-            torch.save(teacher_state, staging / TEACHER_STATE_FILE)
-        (staging / "config.yaml").write_text(config_yaml, encoding="utf-8")
-        (staging / "save_state.json").write_text(json.dumps(save_state, indent=2), encoding="utf-8")
-        # The manifest describes every file written above, so it is written last.
-        write_manifest(staging)
-        _fsync_tree(staging)
+        try:
+            policy.save_checkpoint(staging, tokenizer=tokenizer)
+            torch.save(training_state, staging / "training_state.pt")
+            if teacher_state:
+                torch.save(teacher_state, staging / TEACHER_STATE_FILE)
+            (staging / "config.yaml").write_text(config_yaml, encoding="utf-8")
+            (staging / "save_state.json").write_text(json.dumps(save_state, indent=2), encoding="utf-8")
+            # The manifest describes every file written above, so it is written last.
+            write_manifest(staging)
+            _fsync_tree(staging)
+        except Exception as error:
+            # A disk that fills mid-write used to end the run with the writer's traceback (safetensors' or
+            # torch's, naming neither the checkpoint nor the cause) and leave the partial .tmp_step_N holding
+            # the space the logs and the rerun need. It is removed here; older checkpoints were never touched.
+            self._raise_if_out_of_space(error, staging, final)
+            raise
         publish_directory(staging, final)  # re-saving a step (after a resume) keeps the old copy until then
         self._prune()
         return final
+
+    def _raise_if_out_of_space(self, error: Exception, staging: Path, final: Path) -> None:
+        """Removes ``staging`` and, when ``error`` is a lack of space, raises :class:`CheckpointWriteError` for it.
+
+        The free space is read before the removal frees what the partial checkpoint took.
+        """
+        reason = _no_space_reason(error, staging)
+        shutil.rmtree(staging, ignore_errors=True)
+        if reason is None:
+            return
+        latest = self.latest_checkpoint()
+        kept = f"the newest complete checkpoint, {latest}, is intact" if latest else "no earlier checkpoint exists"
+        raise CheckpointWriteError(
+            f"checkpoint {final} could not be written: {reason} ({type(error).__name__}: {first_line(error)}). "
+            f"Its partial files were removed and {kept}; make room under {self.root} and rerun the same command "
+            "to resume"
+        ) from error
 
     def _prune(self) -> None:
         """Deletes all but the newest ``keep_top_k`` checkpoints and the protected (best) one."""
@@ -263,6 +306,30 @@ def publish_directory(staging: Path, final: Path) -> None:
     os.replace(staging, final)
     if retired.exists():
         shutil.rmtree(retired)
+
+
+def _no_space_reason(error: BaseException, directory: Path) -> str | None:
+    """What :data:`_NO_SPACE` says of ``error`` (or an error it was raised from), or None if it is no lack of space.
+
+    Writers outside Python give no ``errno``: safetensors puts ``(os error N)`` in its message, and torch.save
+    only says that a write failed, so then the free space under ``directory`` decides.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in _NO_SPACE:
+            return _NO_SPACE[cause.errno]
+        text = str(cause)
+        for number, reason in _NO_SPACE.items():
+            if f"os error {number})" in text or f"[Errno {number}]" in text or os.strerror(number) in text:
+                return reason
+        cause = cause.__cause__ or cause.__context__
+    try:
+        nearly_full = shutil.disk_usage(directory).free < _NEARLY_FULL_BYTES
+    except OSError:
+        return None
+    return _NO_SPACE[errno.ENOSPC] if nearly_full else None
 
 
 def _crc32(path: Path) -> str:

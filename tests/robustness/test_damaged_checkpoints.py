@@ -9,14 +9,23 @@ advice (moving the damaged checkpoint aside) resumes from ``step_2``.
 A step saved again (after a resume) is never lost to a crash during the re-save: the
 manager's rename and delete steps are made to fail, and the old or the new copy is left,
 whole, where resume finds it.
+
+A disk that fills while a checkpoint is written (the kernel refuses the write: a file size
+limit in this process, or a writer failing with ENOSPC) stops the run with one error line
+that names the checkpoint and the cause, removes the partial write, and leaves the
+previous checkpoint byte for byte; the rerun with room resumes from it exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
+import resource
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -24,11 +33,17 @@ from opd_test_helpers import REPO_ROOT, short_run_overrides
 
 from opd.cli import main
 from opd.run import checkpoint
-from opd.run.checkpoint import CheckpointingConfig, CheckpointManager
+from opd.run.checkpoint import CheckpointingConfig, CheckpointManager, CheckpointWriteError
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
-RUN_OVERRIDES = ["training.max_num_steps=4", "training.save_freq=2", "checkpointing.keep_top_k=null",
-                 "training.batch_size=2", "training.micro_batch_size=null", "distillation.generate_strategy.max_length=8"]
+RUN_OVERRIDES = [
+    "training.max_num_steps=4",
+    "training.save_freq=2",
+    "checkpointing.keep_top_k=null",
+    "training.batch_size=2",
+    "training.micro_batch_size=null",
+    "distillation.generate_strategy.max_length=8",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +60,11 @@ def finished_run(tmp_path_factory):
 
 
 def snapshot(directory: Path) -> dict[str, str]:
-    return {path.relative_to(directory).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(directory.rglob("*")) if path.is_file()}
+    return {
+        path.relative_to(directory).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
 
 
 def truncate(path: Path) -> None:
@@ -98,6 +116,7 @@ def test_following_the_advice_resumes_from_the_previous_checkpoint(finished_run,
     status, _, err = cli("train", "--config", str(TINY), *short_run_overrides(tmp_path, "run"), *RUN_OVERRIDES)
     assert status == 0, err
     assert "resuming from" in err and "step_2" in err
+
     # The rerun redid steps 3 and 4 from step_2: the first run's losses (resume is exact).
     def losses(directory: Path) -> dict[int, float]:
         records = [json.loads(line) for line in (directory / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -139,8 +158,9 @@ class FileWritingPolicy:
 
 
 def save_step_3(manager: CheckpointManager, weights: bytes) -> Path:
-    return manager.save(3, FileWritingPolicy(weights), None, {"step": 3, "weights": weights.decode()},
-                        {"rng": 1}, "seed: 1\n")
+    return manager.save(
+        3, FileWritingPolicy(weights), None, {"step": 3, "weights": weights.decode()}, {"rng": 1}, "seed: 1\n"
+    )
 
 
 def test_a_crash_while_a_step_is_saved_again_leaves_its_old_checkpoint(tmp_path, monkeypatch):
@@ -190,3 +210,96 @@ def test_a_crash_after_a_step_was_saved_again_leaves_the_new_checkpoint_and_no_o
     assert save_step_3(manager, b"newer weights") == step_3
     assert manager.load_save_state(step_3)["weights"] == "newer weights"
     assert sorted(path.name for path in step_3.parent.iterdir()) == ["step_3"]
+
+
+# ------------------------------------------------------------------------ a disk that fills
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """This process may write no file past ``limit`` bytes: the kernel refuses the write with EFBIG.
+
+    SIGXFSZ, whose default action would end the process, is ignored, as a daemon's is, so the
+    writer sees the failed write. The soft limit goes back afterwards (the hard one is untouched).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous_handler)
+
+
+def test_a_disk_that_fills_during_a_checkpoint_stops_the_run_and_keeps_the_previous_one(finished_run, tmp_path, cli):
+    """The rerun of a run killed after step_2 cannot write step_4's weights; then, with room, it resumes exactly."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "final_model").rename(tmp_path / "final_model")
+    shutil.rmtree(run / "checkpoints" / "step_4")
+    previous = run / "checkpoints" / "step_2"
+    before = snapshot(previous)
+    weights_bytes = (previous / "policy" / "model.safetensors").stat().st_size
+    argv = ["train", "--config", str(TINY), *short_run_overrides(tmp_path, "run"), *RUN_OVERRIDES]
+    # Every small file (config, logs, captured output) fits; the student's weights do not.
+    with file_size_limit(weights_bytes // 2):
+        status, _, err = cli(*argv)
+    assert status == 2 and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("opd: error:")]
+    assert len(lines) == 1, err
+    failed = run / "checkpoints" / "step_4"
+    assert f"checkpoint {failed} could not be written: a file reached the largest size allowed" in lines[0]
+    assert "File too large" in lines[0]  # the writer's own words
+    assert f"the newest complete checkpoint, {previous}, is intact" in lines[0]
+    assert "rerun the same command to resume" in lines[0]
+    # The partial write is gone (its space freed), and the previous checkpoint is untouched and whole.
+    assert sorted(path.name for path in (run / "checkpoints").iterdir()) == ["step_2"]
+    assert snapshot(previous) == before
+    CheckpointManager(CheckpointingConfig(checkpoint_dir=str(run / "checkpoints"))).verify(previous)
+    assert not (run / "final_model").exists()
+
+    status, _, err = cli(*argv)
+    assert status == 0, err
+    assert f"resuming from {previous}" in err
+    final = (run / "final_model" / "model.safetensors").read_bytes()
+    assert final == (finished_run / "final_model" / "model.safetensors").read_bytes()  # resume is exact
+
+
+class SpaceRunningOutPolicy(FileWritingPolicy):
+    """Writes its weights as far as a full disk lets it: the write fails with ENOSPC, as ``write(2)`` reports it."""
+
+    def save_checkpoint(self, directory: Path, tokenizer=None) -> None:
+        (directory / "policy").mkdir()
+        with open(directory / "policy" / "model.safetensors", "wb") as handle:
+            handle.write(self.weights[: len(self.weights) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory / "policy" / "model.safetensors"))
+
+
+def test_a_full_disk_during_a_checkpoint_is_named_and_the_partial_write_removed(tmp_path):
+    manager = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "checkpoints"), keep_top_k=None))
+    step_3 = save_step_3(manager, b"old weights")
+    with pytest.raises(CheckpointWriteError) as raised:
+        manager.save(6, SpaceRunningOutPolicy(b"new weights"), None, {"step": 6}, {"rng": 1}, "seed: 1\n")
+    message = str(raised.value)
+    assert message.startswith(
+        f"checkpoint {tmp_path / 'checkpoints' / 'step_6'} could not be written: the disk is full"
+    )
+    assert "No space left on device" in message and f"the newest complete checkpoint, {step_3}, is intact" in message
+    assert sorted(path.name for path in step_3.parent.iterdir()) == ["step_3"]
+    manager.verify(step_3)
+    assert (step_3 / "policy" / "model.safetensors").read_bytes() == b"old weights"
+
+
+def test_a_checkpoint_write_that_fails_for_another_reason_is_raised_as_it_was(tmp_path):
+    """Only a lack of space is turned into a CheckpointWriteError; the partial write is removed either way."""
+
+    class FailingPolicy(FileWritingPolicy):
+        def save_checkpoint(self, directory: Path, tokenizer=None) -> None:
+            super().save_checkpoint(directory, tokenizer)
+            raise PermissionError(errno.EACCES, "Permission denied")
+
+    manager = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "checkpoints")))
+    with pytest.raises(PermissionError):
+        manager.save(1, FailingPolicy(b"weights"), None, {"step": 1}, {"rng": 1}, "seed: 1\n")
+    assert list((tmp_path / "checkpoints").iterdir()) == []
