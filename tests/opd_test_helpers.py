@@ -172,13 +172,16 @@ def served_and_in_process_losses(loss: str, kl_type: str, batch, student, remote
 
 
 class RunningServer:
-    """The teacher server's app on uvicorn, on a free port of 127.0.0.1, in a background thread."""
+    """The teacher server's app on uvicorn, on 127.0.0.1, in a background thread.
 
-    def __init__(self, service, **options) -> None:
+    ``port`` 0 takes a free port; another (a stopped server's) starts it again where clients look for it.
+    """
+
+    def __init__(self, service, port: int = 0, **options) -> None:
         from opd.teachers.served.server import build_app, listening_socket, uvicorn_server
 
         self.service = service
-        sock = listening_socket("127.0.0.1", 0)
+        sock = listening_socket("127.0.0.1", port)
         self.port = sock.getsockname()[1]
         self.server = uvicorn_server(build_app(service, **options))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)

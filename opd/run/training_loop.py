@@ -44,7 +44,7 @@ from opd.run.model_card import CARD_FILENAME, last_validation, render_model_card
 from opd.run.plotting import read_metrics
 from opd.run.validation import ValidationConfig
 from opd.utils.config import StrictConfig, config_to_yaml
-from opd.utils.errors import ConfigError, TrainingDivergedError, WorkerError
+from opd.utils.errors import ConfigError, ResumableError, TrainingDivergedError
 from opd.utils.rng import capture_rng_state, restore_rng_state
 from opd.utils.signals import GracefulStop
 
@@ -265,7 +265,8 @@ def run_training_loop(parts: RunParts, callbacks: TrainingCallbacks) -> None:
     Raises:
         TrainingDivergedError: after ``max_consecutive_nonfinite_steps`` skipped steps.
         ConfigError: validation (or the teacher baseline) did not report the metric ``training.early_stop`` watches.
-        WorkerError: a distributed run lost a worker; names the role, rank and newest complete checkpoint.
+        ResumableError: a distributed run lost a worker (WorkerError: names the role and rank) or a served teacher
+            stayed down past its retries; the message names the newest complete checkpoint to resume from.
     """
     state, config, logger, checkpointer = parts.state, parts.config, parts.logger, parts.checkpointer
     run = _TrainingRun(parts, callbacks)
@@ -296,16 +297,18 @@ def run_training_loop(parts: RunParts, callbacks: TrainingCallbacks) -> None:
                 run.stop_on_signal(stop.signal_name)
                 return
         run.finish()
-    except WorkerError as error:
-        # Nothing more can be saved: say what can be resumed.
+    except ResumableError as error:
+        # Nothing more can be saved: say what can be resumed. A served teacher that stayed down past its
+        # retries used to stop the run with the client's message alone, which said neither where the run
+        # stood nor that rerunning resumes it; it is told like a lost worker now.
         logger.close()
         latest = checkpointer.latest_checkpoint()
         where = f"the newest complete checkpoint is {latest}" if latest is not None else "no checkpoint was written"
-        raise WorkerError(
+        # The same error, its type and attributes kept (a WorkerError's role and rank), with the run's position.
+        error.args = (
             f"{error} after step {state['step']} of {run.total_steps}; {where}; rerun the same command to resume",
-            error.role,
-            error.rank,
-        ) from None
+        )
+        raise error from None
 
 
 class _TrainingRun:

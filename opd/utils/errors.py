@@ -25,7 +25,15 @@ class TrainingDivergedError(OpdError):
     """Too many consecutive steps had a non-finite loss or gradient; the run stopped."""
 
 
-class WorkerError(OpdError):
+class ResumableError(OpdError):
+    """Something outside the run's process failed mid-run (a worker, a served teacher); the run stopped.
+
+    Nothing of the run's own state was lost: rerunning the same command resumes from its newest checkpoint,
+    which the training loop adds to the message.
+    """
+
+
+class WorkerError(ResumableError):
     """A worker of a distributed run died, ran out of memory or failed; the run stopped.
 
     Attributes:

@@ -54,7 +54,7 @@ from opd.teachers.served.openai_protocol import (
     parse_prompt_logprobs,
     placeholder_topk,
 )
-from opd.utils.errors import OpdError
+from opd.utils.errors import ResumableError
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +70,11 @@ AnswerT = TypeVar("AnswerT")
 ItemT = TypeVar("ItemT")
 
 
-class TeacherServiceError(OpdError):
-    """The served teacher could not give a usable answer (after retries, where retrying made sense)."""
+class TeacherServiceError(ResumableError):
+    """The served teacher could not give a usable answer (after retries, where retrying made sense).
+
+    Mid-run it stops the run resumably: the server is outside the run, and a rerun resumes once it answers.
+    """
 
 
 class _Retryable(Exception):

@@ -15,6 +15,10 @@
   a clear error, never fed to the loss;
 * the server process killed mid-run, and restarted within the retry window; SIGTERM
   finishes the request in flight; a port in use is a one-line error;
+* a server that flaps during a training run (down, then up on the same port): back within
+  the bounded retries, the run goes on as if nothing happened; down for longer, the run
+  stops with one error naming the server, its attempts and the checkpoint to resume from,
+  and the rerun resumes to the very weights of the run that recovered;
 * a distillation run against the served teacher equals the same run with the teacher in
   process, for a top-k and for the exact full-vocabulary loss.
 """
@@ -22,6 +26,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -40,6 +45,7 @@ from opd_test_helpers import REPO_ROOT, BackgroundProcess, RunningServer, served
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from opd.cli import main as opd_main
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.distillation.config import MasterConfig
 from opd.distillation.setup import check_environment, setup
@@ -49,8 +55,9 @@ from opd.losses.distillation_losses import JSDLossFn, KLLossFn, TopKKLLossFn
 from opd.models.interfaces import FullVocabRequest
 from opd.models.lm_head import LMHeadInput, output_layer_of
 from opd.models.tiny import build_tiny_model, build_tiny_tokenizer
-from opd.teachers.local_teacher import LocalTeacher
+from opd.run.logger import Logger
 from opd.teachers.backends import RemoteTeacherConfig
+from opd.teachers.local_teacher import LocalTeacher
 from opd.teachers.scoring import PromptScorer
 from opd.teachers.served import wire
 from opd.teachers.served.remote_generation import RemoteGeneration
@@ -109,8 +116,11 @@ def served(teacher_model, tokenizer):
 
 def batch_of(tokenizer, texts: list[str]) -> BatchedDataDict:
     """Right-padded rows of different lengths (the layout every stage uses)."""
-    rows = [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                          add_generation_prompt=True) + text for text in texts]
+    rows = [
+        tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        + text
+        for text in texts
+    ]
     ids = [tokenizer(row, add_special_tokens=False)["input_ids"] for row in rows]
     width = max(map(len, ids))
     input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -127,8 +137,13 @@ TEXTS = ["What is 2 + 3?", "hi", "Count to five, please, and then stop now."]
 
 
 def client(url: str, **overrides) -> RemoteTeacher:
-    settings = {"max_concurrency": 2, "sequences_per_request": 2, "timeout_s": 10.0, "max_retries": 3,
-                "backoff_s": 0.01}
+    settings = {
+        "max_concurrency": 2,
+        "sequences_per_request": 2,
+        "timeout_s": 10.0,
+        "max_retries": 3,
+        "backoff_s": 0.01,
+    }
     settings.update(overrides)
     return RemoteTeacher(url, **settings)
 
@@ -164,8 +179,9 @@ def test_served_topk_and_token_logprobs_equal_the_in_process_teacher(served, tea
         assert torch.equal(ids[row, scored], local_ids[row, scored])
         assert torch.isfinite(values[row]).all()
         # The server's own rest mass, not one the client subtracted.
-        torch.testing.assert_close(answer.rest_logprobs[row, scored], local_answer.rest_logprobs[row, scored],
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            answer.rest_logprobs[row, scored], local_answer.rest_logprobs[row, scored], rtol=0, atol=1e-4
+        )
         assert torch.isfinite(answer.rest_logprobs[row]).all()
     token = remote.get_token_logprobs(batch, vocab)
     local_token = local.get_token_logprobs(batch, vocab)
@@ -182,8 +198,14 @@ def test_loss_from_the_served_teacher_equals_the_in_process_one(served, teacher_
     torch.manual_seed(0)
     remote = connected(served.url, tokenizer, protocol=protocol)
     served_loss, local_loss = served_and_in_process_losses(
-        loss, "reverse", batch_of(tokenizer, TEXTS), build_tiny_model("student"), remote, LocalTeacher(teacher_model),
-        K, len(tokenizer),
+        loss,
+        "reverse",
+        batch_of(tokenizer, TEXTS),
+        build_tiny_model("student"),
+        remote,
+        LocalTeacher(teacher_model),
+        K,
+        len(tokenizer),
     )
     assert torch.isfinite(served_loss)
     torch.testing.assert_close(served_loss, local_loss, rtol=1e-5, atol=1e-6)
@@ -195,21 +217,31 @@ def teacher_layer(teacher_model):
     return type(layer)(layer.weight.detach().clone(), None, layer.logit_multiplier, layer.logit_softcap)
 
 
-@pytest.mark.parametrize("kl_type, divergence, fused", [
-    ("forward", "kl", True), ("reverse", "kl", True), ("mixed", "kl", True), ("reverse", "jsd", True),
-    ("mixed", "kl", False),
-])
+@pytest.mark.parametrize(
+    "kl_type, divergence, fused",
+    [
+        ("forward", "kl", True),
+        ("reverse", "kl", True),
+        ("mixed", "kl", True),
+        ("reverse", "jsd", True),
+        ("mixed", "kl", False),
+    ],
+)
 def test_full_vocabulary_loss_from_served_hidden_states_equals_the_in_process_loss(
     served, teacher_model, tokenizer, kl_type, divergence, fused
 ):
     """Exact: the server sends fp32 hidden states, the trainer applies the teacher's head."""
-    remote = connected(served.url, tokenizer, protocol="opd", hidden_dtype="float32",
-                       output_layer=teacher_layer(teacher_model))
+    remote = connected(
+        served.url, tokenizer, protocol="opd", hidden_dtype="float32", output_layer=teacher_layer(teacher_model)
+    )
     local = LocalTeacher(teacher_model)
     batch = batch_of(tokenizer, TEXTS)
     student = build_tiny_model("student")
-    loss_fn = (JSDLossFn(vocab_size=len(tokenizer), fused_lm_head=fused) if divergence == "jsd"
-               else KLLossFn(kl_type=kl_type, mixed_kl_weight=0.3, vocab_size=len(tokenizer), fused_lm_head=fused))
+    loss_fn = (
+        JSDLossFn(vocab_size=len(tokenizer), fused_lm_head=fused)
+        if divergence == "jsd"
+        else KLLossFn(kl_type=kl_type, mixed_kl_weight=0.3, vocab_size=len(tokenizer), fused_lm_head=fused)
+    )
     request = loss_fn.teacher_request
     assert isinstance(request, FullVocabRequest) and request.prefer_hidden_states == fused
     served_signal, local_signal = remote.score(batch, request), local.score(batch, request)
@@ -237,8 +269,14 @@ def test_hidden_states_in_bfloat16_cost_half_the_bytes_and_stay_close(served, te
     batch = batch_of(tokenizer, TEXTS)
     sizes, heads = {}, {}
     for dtype in ("float32", "bfloat16"):
-        remote = connected(served.url, tokenizer, protocol="opd", hidden_dtype=dtype,
-                           output_layer=teacher_layer(teacher_model), sequences_per_request=len(TEXTS))
+        remote = connected(
+            served.url,
+            tokenizer,
+            protocol="opd",
+            hidden_dtype=dtype,
+            output_layer=teacher_layer(teacher_model),
+            sequences_per_request=len(TEXTS),
+        )
         before = remote.bytes_received
         heads[dtype] = remote.get_hidden_states(batch)
         sizes[dtype] = remote.bytes_received - before
@@ -265,7 +303,7 @@ def test_the_full_vocabulary_needs_opds_protocol_and_the_right_output_layer(serv
         connected(served.url, tokenizer, output_layer=type(student)(student.weight.detach()))
     perturbed = teacher_layer(teacher_model)
     perturbed.weight[3, 5] += 1e-3
-    with pytest.raises(TeacherServiceError, match="checksum sha256:.*model.teacher_model_path must hold the weights"):
+    with pytest.raises(TeacherServiceError, match=r"checksum sha256:.*model.teacher_model_path must hold the weights"):
         connected(served.url, tokenizer, output_layer=perturbed)
 
 
@@ -294,8 +332,9 @@ def test_bearer_token_is_required_when_configured(teacher_model, tokenizer):
 def test_oversized_requests_are_rejected_before_reading(teacher_model, tokenizer):
     running = RunningServer(make_service(teacher_model, tokenizer), max_request_bytes=200)
     try:
-        response = httpx.post(f"{running.url}/v1/completions", json={"prompt": list(range(100)), "max_tokens": 1,
-                                                                      "prompt_logprobs": 1})
+        response = httpx.post(
+            f"{running.url}/v1/completions", json={"prompt": list(range(100)), "max_tokens": 1, "prompt_logprobs": 1}
+        )
         assert response.status_code == 413
         assert "exceeds the server's limit of 200" in response.json()["error"]["message"]
         with pytest.raises(TeacherServiceError, match="HTTP 413"):
@@ -304,13 +343,16 @@ def test_oversized_requests_are_rejected_before_reading(teacher_model, tokenizer
         running.stop()
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"prompt": "text", "max_tokens": 1, "prompt_logprobs": 1}, "scores token ids, not text"),
-    ({"prompt": [1, 2], "max_tokens": 5, "prompt_logprobs": 1}, "set 'max_tokens' to 1"),
-    ({"prompt": [1, 2], "max_tokens": 1, "prompt_logprobs": 500}, "--max-logprobs"),
-    ({"prompt": [1, 10**9], "max_tokens": 1, "prompt_logprobs": 1}, "token ids in"),
-    ({"prompt": [1, 2], "max_tokens": 1, "prompt_logprobs": 1, "model": "other"}, "not served here"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"prompt": "text", "max_tokens": 1, "prompt_logprobs": 1}, "scores token ids, not text"),
+        ({"prompt": [1, 2], "max_tokens": 5, "prompt_logprobs": 1}, "set 'max_tokens' to 1"),
+        ({"prompt": [1, 2], "max_tokens": 1, "prompt_logprobs": 500}, "--max-logprobs"),
+        ({"prompt": [1, 10**9], "max_tokens": 1, "prompt_logprobs": 1}, "token ids in"),
+        ({"prompt": [1, 2], "max_tokens": 1, "prompt_logprobs": 1, "model": "other"}, "not served here"),
+    ],
+)
 def test_malformed_requests_get_a_4xx_with_a_reason(served, body, message):
     response = httpx.post(f"{served.url}/v1/completions", json=body)
     assert 400 <= response.status_code < 500
@@ -368,11 +410,13 @@ class FaultProxy:
 
             def _forward(self, method: str) -> httpx.Response:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0") or 0))
-                return httpx.request(method, f"{target}{self.path}", content=body or None,
-                                     headers={"Content-Type": "application/json"})
+                return httpx.request(
+                    method, f"{target}{self.path}", content=body or None, headers={"Content-Type": "application/json"}
+                )
 
-            def _send(self, status: int, data: bytes, length: int | None = None,
-                      media_type: str = "application/json") -> None:
+            def _send(
+                self, status: int, data: bytes, length: int | None = None, media_type: str = "application/json"
+            ) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", media_type)
                 self.send_header("Content-Length", str(len(data) if length is None else length))
@@ -445,8 +489,9 @@ def damaged_binary(body: bytes, fault: str) -> bytes:
     if fault == "shape":
         tensors[name] = tensors[name][1:]
     # Re-encoded with a valid checksum: the client must notice the content, not the damage.
-    return save_safetensors(tensors, metadata={"format": wire.FORMAT, "signal": signal_,
-                                               "checksum": wire.checksum(tensors)})
+    return save_safetensors(
+        tensors, metadata={"format": wire.FORMAT, "signal": signal_, "checksum": wire.checksum(tensors)}
+    )
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -455,8 +500,9 @@ def test_transient_faults_are_retried_and_the_answer_is_exact(served, teacher_mo
     proxy = FaultProxy(served.url, faults)
     batch = batch_of(tokenizer, TEXTS)
     try:
-        remote = connected(proxy.url, tokenizer, timeout_s=1.0, sequences_per_request=len(TEXTS), max_concurrency=1,
-                           protocol=protocol)
+        remote = connected(
+            proxy.url, tokenizer, timeout_s=1.0, sequences_per_request=len(TEXTS), max_concurrency=1, protocol=protocol
+        )
         token = remote.get_token_logprobs(batch, len(tokenizer))
     finally:
         proxy.running.stop()
@@ -468,17 +514,20 @@ def test_transient_faults_are_retried_and_the_answer_is_exact(served, teacher_mo
         torch.testing.assert_close(token[row, first:n], expected[row, first:n], rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("protocol, fault, message", [
-    ("openai", "misalign", "scored other token ids than were sent"),
-    ("openai", "short", "prompt_logprobs entries for"),
-    ("openai", "500", "HTTP 500"),
-    ("openai", "bad_rest", "do not add up to 1"),
-    ("opd", "misalign", "scored other token ids than were sent"),
-    ("opd", "checksum", "checksum mismatch"),
-    ("opd", "dtype", "rest_logprobs is torch.float16, expected torch.float64"),
-    ("opd", "shape", "has shape"),
-    ("opd", "truncate", "(truncated|RemoteProtocol|incomplete)"),
-])
+@pytest.mark.parametrize(
+    "protocol, fault, message",
+    [
+        ("openai", "misalign", "scored other token ids than were sent"),
+        ("openai", "short", "prompt_logprobs entries for"),
+        ("openai", "500", "HTTP 500"),
+        ("openai", "bad_rest", "do not add up to 1"),
+        ("opd", "misalign", "scored other token ids than were sent"),
+        ("opd", "checksum", "checksum mismatch"),
+        ("opd", "dtype", "rest_logprobs is torch.float16, expected torch.float64"),
+        ("opd", "shape", "has shape"),
+        ("opd", "truncate", "(truncated|RemoteProtocol|incomplete)"),
+    ],
+)
 def test_persistent_faults_stop_with_a_clear_error_and_nothing_reaches_the_loss(
     served, tokenizer, protocol, fault, message
 ):
@@ -521,10 +570,12 @@ def test_without_served_rest_masses_the_client_computes_them_from_the_top_k(serv
     assert answer.rest_logprobs is not None and local.rest_logprobs is not None
     for row, n in enumerate(batch["input_lengths"].tolist()):
         received = answer.logprobs[row, : n - 1]
-        torch.testing.assert_close(answer.rest_logprobs[row, : n - 1],
-                                   rest_logprobs_from_topk(received).float(), rtol=0, atol=1e-6)
-        torch.testing.assert_close(answer.rest_logprobs[row, : n - 1], local.rest_logprobs[row, : n - 1],
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            answer.rest_logprobs[row, : n - 1], rest_logprobs_from_topk(received).float(), rtol=0, atol=1e-6
+        )
+        torch.testing.assert_close(
+            answer.rest_logprobs[row, : n - 1], local.rest_logprobs[row, : n - 1], rtol=0, atol=1e-4
+        )
 
 
 def test_the_server_sends_rest_masses_only_with_top_k(served):
@@ -552,8 +603,11 @@ def free_port() -> int:
 
 def start_server_process(tmp_path: Path, port: int, name: str) -> BackgroundProcess:
     process = BackgroundProcess(
-        name, [sys.executable, "-m", "opd", "serve-teacher", "--model", "tiny:teacher", "--port", str(port)],
-        tmp_path, dict(os.environ), timeout=120,
+        name,
+        [sys.executable, "-m", "opd", "serve-teacher", "--model", "tiny:teacher", "--port", str(port)],
+        tmp_path,
+        dict(os.environ),
+        timeout=120,
     )
     process.wait_until(lambda: "serving" in process.stdout, "the server to start")
     return process
@@ -570,7 +624,7 @@ def test_server_killed_mid_run_stops_with_a_clear_error_and_a_restart_is_picked_
         before = remote.get_token_logprobs(batch)
         first.send(signal.SIGKILL)
         first.wait()
-        with pytest.raises(TeacherServiceError, match="after 3 attempts.*(Connect|Remote|Read)"):
+        with pytest.raises(TeacherServiceError, match=r"after 3 attempts.*(Connect|Remote|Read)"):
             remote.get_token_logprobs(batch)
         # Restarted while the client is backing off: the same request then succeeds.
         slow_retry = client(f"http://127.0.0.1:{port}", max_retries=8, backoff_s=0.5, protocol="opd")
@@ -587,23 +641,194 @@ def test_server_killed_mid_run_stops_with_a_clear_error_and_a_restart_is_picked_
             process.stop_if_running()
 
 
+# ------------------------------------------------------------------ a server that flaps during a run
+
+
+FLAP_STEPS = 4
+FLAP_RETRIES = 4
+FLAP_OVERRIDES = [
+    f"data.train_path={TRAIN_DATA}",
+    "data.val_path=null",
+    "validation.val_at_start=false",
+    "validation.val_at_end=false",
+    "logger.console=false",
+    "training.batch_size=2",
+    "training.micro_batch_size=null",
+    f"training.max_num_steps={FLAP_STEPS}",
+    "training.save_freq=2",
+    "distillation.generate_strategy.max_length=8",
+    "loss_fn.type=topk",
+    f"loss_fn.k={K}",
+    "teacher.backend=remote",
+    # One request at a time, the whole batch in it: the server answers each step's batch alone, so every
+    # run's answers are bitwise alike (coalesced requests would be padded by what else arrived).
+    "teacher.remote.max_concurrency=1",
+    "teacher.remote.sequences_per_request=16",
+    f"teacher.remote.max_retries={FLAP_RETRIES}",
+    "teacher.remote.backoff_s=0.2",
+]
+
+
+class FlappingServer:
+    """The served teacher on one port of 127.0.0.1, taken down (connections refused) and brought up again.
+
+    Each start serves a new ``make_service()``, as a restarted server process would (a stopped
+    server's service has stopped its batcher).
+    """
+
+    def __init__(self, make_service) -> None:
+        self.make_service = make_service
+        self.running: RunningServer | None = RunningServer(make_service())
+        self.port = self.running.port
+        self.downs = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def down(self) -> None:
+        assert self.running is not None
+        self.running.stop()
+        self.running = None
+        self.downs += 1
+
+    def up(self) -> None:
+        self.running = RunningServer(self.make_service(), port=self.port)
+
+    def close(self) -> None:
+        if self.running is not None:
+            self.running.stop()
+
+
+class RetryWarnings(logging.Handler):
+    """Counts the served-teacher client's retry warnings; ``first`` is set at the first."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+        self.first = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "retrying in" in record.getMessage():
+            self.count += 1
+            self.first.set()
+
+
+@pytest.fixture
+def retry_warnings():
+    handler = RetryWarnings()
+    client_log = logging.getLogger("opd.teachers.served.remote_teacher")
+    client_log.addHandler(handler)
+    yield handler
+    client_log.removeHandler(handler)
+
+
+def down_after_step(monkeypatch, server: FlappingServer, step: int) -> None:
+    """Takes ``server`` down once the training record of ``step`` is written (before step + 1 asks the teacher)."""
+    original = Logger.log_metrics
+
+    def log_metrics(self, metrics, logged_step, *args, **kwargs):
+        original(self, metrics, logged_step, *args, **kwargs)
+        if logged_step == step and "train/loss" in metrics and server.running is not None:
+            server.down()
+
+    monkeypatch.setattr(Logger, "log_metrics", log_metrics)
+
+
+def train_records(output_dir: Path) -> dict[int, float]:
+    lines = (output_dir / "logs" / "metrics.jsonl").read_text().splitlines()
+    return {record["step"]: record["train/loss"] for record in map(json.loads, lines) if "train/loss" in record}
+
+
+def test_a_teacher_that_flaps_during_a_run_is_retried_then_recovered_or_stopped_resumably(
+    tmp_path, teacher_model, tokenizer, capsys, monkeypatch, retry_warnings
+):
+    server = FlappingServer(lambda: make_service(teacher_model, tokenizer))
+
+    def train(name: str) -> tuple[int, str]:
+        status = opd_main(
+            [
+                "train",
+                "--config",
+                str(TINY_CONFIG),
+                f"output_dir={tmp_path / name}",
+                f"teacher.remote.url={server.url}",
+                *FLAP_OVERRIDES,
+            ]
+        )
+        return status, capsys.readouterr().err
+
+    try:
+        # Down after step 2, up again at the first retry: within the retries, the run never notices.
+        down_after_step(monkeypatch, server, 2)
+        restarter = threading.Thread(target=lambda: retry_warnings.first.wait(timeout=60) and server.up())
+        restarter.start()
+        status, err = train("recovered")
+        restarter.join(timeout=60)
+        assert status == 0, err
+        assert server.downs == 1 and server.running is not None
+        assert 1 <= retry_warnings.count <= FLAP_RETRIES, err
+        assert sorted(train_records(tmp_path / "recovered")) == list(range(1, FLAP_STEPS + 1))
+
+        # Down after step 3 and left down: after its bounded retries the run stops, saying where to resume.
+        monkeypatch.undo()
+        down_after_step(monkeypatch, server, 3)
+        retry_warnings.count = 0
+        status, err = train("stopped")
+        assert status == 2 and "Traceback" not in err, err
+        assert server.downs == 2 and server.running is None
+        assert retry_warnings.count == FLAP_RETRIES  # bounded: one request, retried FLAP_RETRIES times
+        lines = [line for line in err.splitlines() if line.startswith("opd: error:")]
+        assert len(lines) == 1, err
+        newest = tmp_path / "stopped" / "checkpoints" / "step_2"
+        assert f"teacher server {server.url}" in lines[0] and f"after {FLAP_RETRIES + 1} attempts" in lines[0]
+        assert f"after step 3 of {FLAP_STEPS}; the newest complete checkpoint is {newest}" in lines[0]
+        assert lines[0].endswith("rerun the same command to resume")
+
+        # Up again: the same command resumes from step_2 and ends where the recovered run ended, bit for bit.
+        monkeypatch.undo()
+        server.up()
+        status, err = train("stopped")
+        assert status == 0, err
+        assert f"resuming from {newest}" in err
+    finally:
+        server.close()
+    assert train_records(tmp_path / "stopped") == train_records(tmp_path / "recovered")
+    final = {
+        name: (tmp_path / name / "final_model" / "model.safetensors").read_bytes() for name in ("recovered", "stopped")
+    }
+    assert final["stopped"] == final["recovered"]
+
+
 # ------------------------------------------------------------------ distillation, end to end
 
 
-@pytest.mark.parametrize("loss", [["loss_fn.type=topk", f"loss_fn.k={K}"],
-                                  ["loss_fn.type=full_vocab", "teacher.remote.hidden_dtype=float32"]])
+@pytest.mark.parametrize(
+    "loss",
+    [["loss_fn.type=topk", f"loss_fn.k={K}"], ["loss_fn.type=full_vocab", "teacher.remote.hidden_dtype=float32"]],
+)
 def test_distillation_with_the_served_teacher_equals_the_in_process_run(served, tmp_path, loss):
     common = [
-        f"data.train_path={TRAIN_DATA}", "data.val_path=null", "validation.val_at_start=false",
-        "validation.val_at_end=false", "checkpointing.enabled=false", "logger.console=false",
-        "training.batch_size=2", "training.micro_batch_size=null", "training.warmup_steps=0",
-        "training.max_num_steps=3", "distillation.num_samples_per_prompt=1",
-        "distillation.generate_strategy.max_length=8", *loss,
+        f"data.train_path={TRAIN_DATA}",
+        "data.val_path=null",
+        "validation.val_at_start=false",
+        "validation.val_at_end=false",
+        "checkpointing.enabled=false",
+        "logger.console=false",
+        "training.batch_size=2",
+        "training.micro_batch_size=null",
+        "training.warmup_steps=0",
+        "training.max_num_steps=3",
+        "distillation.num_samples_per_prompt=1",
+        "distillation.generate_strategy.max_length=8",
+        *loss,
     ]
     losses = {}
-    for name, extra in (("local", []), ("remote", ["teacher.backend=remote", f"teacher.remote.url={served.url}",
-                                                    "teacher.remote.backoff_s=0.01"])):
-        config = load_config(MasterConfig, TINY_CONFIG, common + [f"output_dir={tmp_path / name}"] + extra)
+    for name, extra in (
+        ("local", []),
+        ("remote", ["teacher.backend=remote", f"teacher.remote.url={served.url}", "teacher.remote.backoff_s=0.01"]),
+    ):
+        config = load_config(MasterConfig, TINY_CONFIG, [*common, f"output_dir={tmp_path / name}", *extra])
         parts = setup(config)
         assert isinstance(parts.teacher_policy, RemoteTeacher if name == "remote" else LocalTeacher)
         distillation_train(parts)
@@ -616,33 +841,74 @@ def test_distillation_with_the_served_teacher_equals_the_in_process_run(served, 
     assert losses["remote"] == pytest.approx(losses["local"], rel=tolerance, abs=1e-7)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["teacher.backend=remote"], "needs teacher.remote.url"),
-    (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=full_vocab",
-      "teacher.remote.protocol=openai"], "vLLM's JSON does not carry"),
-    (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=full_vocab",
-      "model.teacher_model_path=null"], "set model.teacher_model_path to the served model's directory"),
-    (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=topk",
-      "loss_fn.temperature=2.0"], "answers top-k at temperature 1"),
-    (["teacher.backend=remote", "teacher.remote.url=http://127.0.0.1:1", "loss_fn.type=topk",
-      "teacher.remote.api_key_env=OPD_TEST_UNSET_KEY"], "OPD_TEST_UNSET_KEY"),
-    (["model.teacher_model_path=null"], "model.teacher_model_path is required"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["teacher.backend=remote"], "needs teacher.remote.url"),
+        (
+            [
+                "teacher.backend=remote",
+                "teacher.remote.url=http://127.0.0.1:1",
+                "loss_fn.type=full_vocab",
+                "teacher.remote.protocol=openai",
+            ],
+            "vLLM's JSON does not carry",
+        ),
+        (
+            [
+                "teacher.backend=remote",
+                "teacher.remote.url=http://127.0.0.1:1",
+                "loss_fn.type=full_vocab",
+                "model.teacher_model_path=null",
+            ],
+            "set model.teacher_model_path to the served model's directory",
+        ),
+        (
+            [
+                "teacher.backend=remote",
+                "teacher.remote.url=http://127.0.0.1:1",
+                "loss_fn.type=topk",
+                "loss_fn.temperature=2.0",
+            ],
+            "answers top-k at temperature 1",
+        ),
+        (
+            [
+                "teacher.backend=remote",
+                "teacher.remote.url=http://127.0.0.1:1",
+                "loss_fn.type=topk",
+                "teacher.remote.api_key_env=OPD_TEST_UNSET_KEY",
+            ],
+            "OPD_TEST_UNSET_KEY",
+        ),
+        (["model.teacher_model_path=null"], "model.teacher_model_path is required"),
+    ],
+)
 def test_teacher_config_mistakes_name_the_keys(tmp_path, overrides, message, monkeypatch):
     monkeypatch.delenv("OPD_TEST_UNSET_KEY", raising=False)
     # Cross-section mistakes stop the config's validation; an unset API key variable stops
     # the environment check that setup runs before anything is loaded.
     with pytest.raises(ConfigError, match=re.escape(message)):
-        config = load_config(MasterConfig, TINY_CONFIG,
-                             [f"output_dir={tmp_path}", f"data.train_path={TRAIN_DATA}"] + overrides)
+        config = load_config(
+            MasterConfig, TINY_CONFIG, [f"output_dir={tmp_path}", f"data.train_path={TRAIN_DATA}", *overrides]
+        )
         check_environment(config)
 
 
 def test_an_unreachable_teacher_server_fails_setup_before_the_student_loads(tmp_path):
-    config = load_config(MasterConfig, TINY_CONFIG, [
-        f"output_dir={tmp_path / 'run'}", f"data.train_path={TRAIN_DATA}", "data.val_path=null",
-        "teacher.backend=remote", f"teacher.remote.url=http://127.0.0.1:{free_port()}", "loss_fn.type=topk",
-        "teacher.remote.max_retries=1", "teacher.remote.backoff_s=0.01",
-    ])
+    config = load_config(
+        MasterConfig,
+        TINY_CONFIG,
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"data.train_path={TRAIN_DATA}",
+            "data.val_path=null",
+            "teacher.backend=remote",
+            f"teacher.remote.url=http://127.0.0.1:{free_port()}",
+            "loss_fn.type=topk",
+            "teacher.remote.max_retries=1",
+            "teacher.remote.backoff_s=0.01",
+        ],
+    )
     with pytest.raises(TeacherServiceError, match="/v1/models gave no usable answer after 2 attempts"):
         setup(config)
