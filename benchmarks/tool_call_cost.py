@@ -24,7 +24,8 @@ from harness import parse_arguments
 from timing import median_and_range
 
 from opd.rollout.environments.calculator import calculator_tool
-from opd.rollout.environments.sandbox import WORKERS, SandboxLimits, run_tool
+from opd.rollout.environments.sandbox import SandboxLimits, run_tool
+from opd.rollout.environments.tool_workers import WORKERS
 
 ARGUMENTS = {"expression": "1234 * 567"}
 

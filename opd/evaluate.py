@@ -83,7 +83,7 @@ def evaluate(master_config: MasterConfig) -> dict[str, float]:
         context,
         teacher_choice=choice,
         teacher_tokenizer=teacher_tokenizer,
-        tools=None if episodes is None else episodes.environment.tool_schemas() or [],
+        tools=None if episodes is None else episodes.tools_of,
     )
     model_path = resolve_eval_model(config)
     student_model, in_process = load_models(config, tokenizer, model_path)

@@ -7,6 +7,7 @@ The training loader is a ``StatefulDataLoader`` (its ``state_dict`` is checkpoin
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, TypedDict, cast
 
 import torch
@@ -30,7 +31,8 @@ class PreparedExample(TypedDict):
     Optional fields: ``teacher_prompt_ids``, the prompt the teacher sees (with its context, or its own tokenizer);
     ``teacher_index`` (routing) or ``teacher_weights`` (mixture), see :mod:`opd.data.teacher_choice`;
     ``prompt_messages``, the prompt conversation a multi-turn rollout renders with the environment's tools;
-    ``response_mask``, 1 on the assistant's own response ids of a recorded episode (:mod:`opd.data.episodes`).
+    ``response_mask``, 1 on the assistant's own response ids of a recorded episode (:mod:`opd.data.episodes`);
+    ``environment``, the name of the environment that plays it where a run has several.
     """
 
     prompt_ids: list[int]
@@ -41,6 +43,12 @@ class PreparedExample(TypedDict):
     teacher_weights: NotRequired[list[float]]
     prompt_messages: NotRequired[list[dict]]
     response_mask: NotRequired[list[int]]
+    environment: NotRequired[str]
+
+
+ToolsOf = Callable[[dict], tuple[str | None, list[dict]]]
+"""An example's environment, where a run has several (None: the only one), and the tools its prompt lists; raises
+:class:`~opd.utils.errors.DataError` for an example it cannot place."""
 
 
 def prepare_examples(
@@ -51,13 +59,14 @@ def prepare_examples(
     teacher_context: TeacherContext | None = None,
     teacher_choice: TeacherChoice | None = None,
     teacher_tokenizer: Any | None = None,
-    tools: list[dict] | None = None,
+    tools: list[dict] | ToolsOf | None = None,
 ) -> list[PreparedExample]:
     """Applies the chat template and tokenizes; drops prompts longer than ``max_prompt_length`` (student's prompt).
 
     ``teacher_context`` / ``teacher_tokenizer`` give each example a teacher prompt, ``teacher_choice`` its teacher
     assignment. With ``tools``, the prompt lists them and ends before the first assistant turn; the rest is a
-    recorded episode (:mod:`opd.data.episodes`).
+    recorded episode (:mod:`opd.data.episodes`). ``tools`` given as a function (:data:`ToolsOf`) names each
+    example's environment (kept as ``environment``) and its tools.
 
     Raises:
         DataError: if every prompt is too long, or (naming the source and example) if an example lacks its
@@ -65,27 +74,47 @@ def prepare_examples(
     """
     prepared: list[PreparedExample] = []
     for index, example in enumerate(examples):
-        if tools is None:
+        environment: str | None = None
+        example_tools: list[dict] | None = None if callable(tools) else tools
+        if callable(tools):  # several environments: the example's own, and its tools
+            try:
+                environment, example_tools = tools(example)
+            except DataError as error:
+                raise DataError(f"{source}: example {index + 1}: {error}") from None
+        if example_tools is None:
             prompt_messages, response = split_prompt_and_response(example["messages"])
             episode = [response] if response else []
         else:  # an episode starts at the first assistant turn: every later message is part of it
             prompt_messages, episode = split_at_first_assistant(example["messages"])
-        prompt_ids = encode_prompt(tokenizer, prompt_messages, tools)
+        prompt_ids = encode_prompt(tokenizer, prompt_messages, example_tools)
         if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
             continue
         ground_truth = example.get("ground_truth")
         item = PreparedExample(
             prompt_ids=prompt_ids,
-            response_ids=encode_response(tokenizer, prompt_messages, episode[0]) if episode and tools is None else None,
+            response_ids=encode_response(tokenizer, prompt_messages, episode[0])
+            if episode and example_tools is None
+            else None,
             ground_truth=None if ground_truth is None else str(ground_truth),
         )
-        if tools is not None:
+        if example_tools is not None:
             item["prompt_messages"] = prompt_messages
+        if environment is not None:
+            item["environment"] = environment
         try:
-            if tools is not None and episode:
-                item["response_ids"], item["response_mask"] = encode_episode(tokenizer, prompt_messages, episode, tools)
+            if example_tools is not None and episode:
+                item["response_ids"], item["response_mask"] = encode_episode(
+                    tokenizer, prompt_messages, episode, example_tools
+                )
             _add_teacher_fields(
-                item, example, prompt_messages, tokenizer, teacher_context, teacher_choice, teacher_tokenizer, tools
+                item,
+                example,
+                prompt_messages,
+                tokenizer,
+                teacher_context,
+                teacher_choice,
+                teacher_tokenizer,
+                example_tools,
             )
         except DataError as error:
             raise DataError(f"{source}: example {index + 1}: {error}") from None

@@ -109,7 +109,8 @@ PACKED_TOKEN_FIELDS = ("input_ids", "token_mask", "generation_logprobs")
 
 
 PER_SEQUENCE_TOKEN_FIELDS = ("task_reward", "staleness")
-"""Per-sequence ``[B]`` fields that :func:`pack_padding_free` spreads over each sequence's tokens (``[1, T]``)."""
+"""Per-sequence ``[B]`` fields that :func:`pack_padding_free` spreads over each sequence's tokens (``[1, T]``);
+given per token (``[B, L]``: a multi-turn rollout's returns) they are packed as the token fields are."""
 
 PER_SEQUENCE_FIELDS = ("sample_index", "teacher_index", "teacher_weights")
 """Per-sequence ``[B, ...]`` fields that :func:`pack_padding_free` keeps as ``[1, B, ...]``."""
@@ -144,7 +145,9 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
         torch.arange(len(lengths), device=device), lengths_tensor
     ).unsqueeze(0)
     for field in PER_SEQUENCE_TOKEN_FIELDS:
-        if field in batch:
+        if field in batch and batch[field].dim() == 2:
+            packed[field] = torch.cat([batch[field][row, :length] for row, length in enumerate(lengths)]).unsqueeze(0)
+        elif field in batch:
             packed[field] = torch.repeat_interleave(batch[field], lengths_tensor.to(batch[field].device)).unsqueeze(0)
     for field in PER_SEQUENCE_FIELDS:
         if field in batch:

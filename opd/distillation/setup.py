@@ -58,8 +58,8 @@ from opd.models.loading import (
 )
 from opd.policy.hf_policy import HFPolicy
 from opd.policy.lora import import_peft
-from opd.rollout.environments.config import build_environment
 from opd.rollout.hf_generation import HFGeneration
+from opd.rollout.multi_turn import Episodes
 from opd.rollout.stop_tokens import check_stop_tokens, describe_tokens, stop_token_ids
 from opd.run.checkpoint import CheckpointManager
 from opd.run.logger import Logger
@@ -468,7 +468,8 @@ def setup(master_config: MasterConfig) -> DistillationComponents:
     choice = config.teachers.choice() if config.teachers is not None else None
     teacher_tokenizer = teacher_tokenizer_of(config)
     # Multi-turn rollouts: every training and validation prompt lists the environment's tools and keeps its messages.
-    tools = (build_environment(config.environment).tool_schemas() or []) if config.environment is not None else None
+    episodes = Episodes.from_config(config.environment)
+    tools = episodes.tools_of if episodes is not None else None
     examples_of = functools.partial(
         load_examples, config.data, tokenizer, teacher_context=context, teacher_choice=choice,
         teacher_tokenizer=teacher_tokenizer, tools=tools,

@@ -59,10 +59,8 @@ from opd.models.interfaces import (
     TeacherSignal,
     TimedPending,
 )
-from opd.rollout.environments.config import build_environment
 from opd.rollout.environments.math_verifier import grade_responses
-from opd.rollout.environments.turn_template import TurnTemplate
-from opd.rollout.multi_turn import Episodes, MultiTurnRollout, multi_turn_rollout
+from opd.rollout.multi_turn import Episodes, MultiTurnRollout
 from opd.run.training_loop import NextBatch, TrainingCallbacks, run_training_loop
 from opd.run.validation import validate
 from opd.teachers.several_teachers import MixedSignal
@@ -98,7 +96,12 @@ def step_metrics(
             metrics["train/staleness_mean"] = float(scheduled.staleness or 0)
             metrics["train/staleness_max"] = scheduled.staleness or 0
     if "task_reward" in batch:
-        metrics["train/task_reward"] = float(batch["task_reward"].mean())
+        reward = batch["task_reward"]
+        if reward.dim() == 2:  # per token (multi-turn returns): the mean over the student's tokens
+            mask = batch["token_mask"]
+            metrics["train/task_reward"] = float((reward * mask).sum() / mask.sum().clamp(min=1))
+        else:
+            metrics["train/task_reward"] = float(reward.mean())
     metrics["train/mean_response_length"] = float(batch["response_lengths"].float().mean())
     metrics["train/truncation_rate"] = float(batch["truncated"].float().mean())
     if asynchronous:
@@ -344,8 +347,8 @@ class RolloutSchedule:
         """The policy version the engine's weights are (None: not known, refit before sampling)."""
         self.refit_metrics: dict[str, float] = {}
         """What the weight syncs timed for the step being prepared moved (handed to its :class:`ScheduledBatch`)."""
-        self.environment = build_environment(config.environment) if config.environment is not None else None
-        """Multi-turn rollouts' environment (``environment:``), or None for one turn per rollout."""
+        self.episodes = Episodes.from_config(config.environment)
+        """Multi-turn rollouts' environment and limits (``environment:``), or None for one turn per rollout."""
         self._episodes: ThreadPoolExecutor | None = None
         """Runs multi-turn rollouts in the background (asynchronous schedules, engines in other processes)."""
         self._episodes_in_flight: list[Future[Any]] = []
@@ -421,7 +424,7 @@ class RolloutSchedule:
             self._start_teacher(slot)
             return slot
         self.sync_weights(version, timer)
-        if self.environment is not None:
+        if self.episodes is not None:
             return self._start_multi_turn(examples, version, timer)
         start = time.perf_counter()
         rollout = self.generation.generate_async(
@@ -443,7 +446,7 @@ class RolloutSchedule:
         Each turn is a ``generate`` call, so any engine serves it. Asynchronous with rollout workers, the episodes
         run on a background thread beside the update (no refit until they end); otherwise they run to the end now.
         """
-        assert self.environment is not None and self.config.environment is not None
+        assert self.episodes is not None
         if any("prompt_messages" not in example for example in examples):
             raise ValueError("multi-turn rollouts need each example's prompt_messages (prepare_examples with tools)")
         slot = _Slot(examples, True, version, finish=lambda raw: self._finish_multi_turn(raw, slot))
@@ -465,23 +468,17 @@ class RolloutSchedule:
 
     def _run_episodes(self, examples: list[PreparedExample]) -> MultiTurnRollout:
         """The episodes of ``examples``, turn by turn, with the engine switched on around them."""
-        environment, config = self.environment, self.config
-        assert environment is not None and config.environment is not None
-        distillation = config.distillation
+        assert self.episodes is not None
+        distillation = self.config.distillation
         self.generation.prepare_for_generation()
         try:
-            return multi_turn_rollout(
+            return self.episodes.rollout(
                 self.generation,
-                environment,
-                TurnTemplate(self.tokenizer, environment.tool_schemas()),
-                [{"ground_truth": example["ground_truth"]} for example in examples],
-                [example["prompt_messages"] for example in examples],
+                self.tokenizer,
+                examples,
                 distillation.generate_strategy,
-                config.environment.max_turns,
-                self.tokenizer.pad_token_id,
                 distillation.num_samples_per_prompt,
                 self.return_logprobs,
-                max_episode_tokens=config.environment.max_episode_tokens,
             )
         finally:
             self.generation.finish_generation()
@@ -492,7 +489,7 @@ class RolloutSchedule:
         batch = rollout.batch
         attach_teacher_fields(batch, slot.examples, self.config.distillation.num_samples_per_prompt)
         if self.loss_fn.needs_task_reward:
-            batch["task_reward"] = torch.nan_to_num(rollout.rewards(), nan=0.0)
+            batch["task_reward"] = rollout.task_rewards()
         return batch
 
     def _collect(self, slot: _Slot, timer: Timer) -> None:

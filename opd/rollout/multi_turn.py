@@ -12,6 +12,11 @@ Ids are never re-tokenised (prompt, each turn as generated, each observation tok
 The batch is a single-turn rollout's, with everything after the prompt as the "response", plus ``token_mask``:
 1 on the student's tokens (stop tokens included), 0 on prompt, observations and padding, where the sampler's
 log-probs are 0 too.
+
+Rewards: an environment may reward any turn (:attr:`~opd.rollout.environments.base.StepResult.reward`), the last
+one with the final reward. A student token's task reward is its return: the sum of the rewards of its own turn and
+every later turn (:meth:`MultiTurnRollout.task_rewards`); with a final reward alone, every token of an episode
+gets that reward, as in a single-turn rollout.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import GenerationInterface
 from opd.rollout.environments.base import Environment, Episode, StepResult, StudentTurn
 from opd.rollout.environments.config import EnvironmentConfig, build_environment
+from opd.rollout.environments.routed_environment import ROUTE_FIELD
 from opd.rollout.environments.turn_template import TurnTemplate
 from opd.rollout.rollout_batch import build_rollout_batch
 
@@ -41,6 +47,7 @@ class EpisodeRecord:
     Attributes:
         environment_seconds: time in the environment's steps (tools, grading) and in rendering observations.
         reward: the final reward (None: the environment gave none).
+        turn_rewards: the reward of each student turn before the last (None where the environment gave none).
         truncated: the last turn was cut at the turn's length limit.
         capped: ``max_episode_tokens`` ended the episode (last turn cut, or the next observation did not fit).
     """
@@ -51,8 +58,18 @@ class EpisodeRecord:
     successful_calls: int = 0
     environment_seconds: float = 0.0
     reward: float | None = None
+    turn_rewards: list[float | None] = field(default_factory=list)
     truncated: bool = False
     capped: bool = False
+
+    def returns(self) -> list[float]:
+        """Each student turn's return: its reward plus every later turn's, the final reward included (0 for none)."""
+        rewards = [reward or 0.0 for reward in self.turn_rewards] + [self.reward or 0.0]
+        returns, total = [], 0.0
+        for reward in reversed(rewards):
+            total += reward
+            returns.append(total)
+        return returns[::-1][: self.turns]
 
 
 @dataclass
@@ -62,7 +79,9 @@ class _Trajectory:
     prompt_ids: list[int]
     history: list[dict[str, Any]]
     episode: Episode
+    template: TurnTemplate  # renders its observations with its environment's tools
     ids: list[int] = field(default_factory=list)  # everything after the prompt
+    turn_starts: list[int] = field(default_factory=list)  # where each student turn starts in ``ids``
     mask: list[float] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     record: EpisodeRecord = field(default_factory=EpisodeRecord)
@@ -74,12 +93,27 @@ class MultiTurnRollout:
 
     batch: BatchedDataDict
     episodes: list[EpisodeRecord]
+    turn_starts: list[list[int]] = field(default_factory=list)
+    """Where each student turn of each row starts, counted from the end of its prompt."""
 
     def rewards(self) -> torch.Tensor:
         """``[N]`` float32 final rewards (NaN where an episode has none)."""
         return torch.tensor(
             [math.nan if record.reward is None else record.reward for record in self.episodes], dtype=torch.float32
         )
+
+    def task_rewards(self) -> torch.Tensor:
+        """The task reward of the batch's tokens: ``[N]`` final rewards (0 for none) where no turn before the last
+        was rewarded, else ``[N, L]``, each student token's return (see the module; 0 elsewhere)."""
+        if not any(reward is not None for record in self.episodes for reward in record.turn_rewards):
+            return torch.nan_to_num(self.rewards(), nan=0.0)
+        per_token = torch.zeros(self.batch["input_ids"].shape, dtype=torch.float32)
+        for row, (record, starts) in enumerate(zip(self.episodes, self.turn_starts, strict=True)):
+            prompt_length = int(self.batch["prompt_lengths"][row])
+            ends = [*starts[1:], int(self.batch["input_lengths"][row]) - prompt_length]
+            for start, end, value in zip(starts, ends, record.returns(), strict=True):
+                per_token[row, prompt_length + start : prompt_length + end] = value
+        return per_token * self.batch["token_mask"]  # a turn's span runs on over the observation after it
 
     def metrics(self) -> dict[str, float]:
         """The episodes' metrics (:func:`episode_metrics`)."""
@@ -90,7 +124,8 @@ def episode_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
     """Means over the episodes, and the environment's total time in seconds.
 
     ``env/truncated_share`` is the share of episodes ``max_episode_tokens`` ended; the call shares are over all
-    calls and ``env/reward`` over rewarded episodes (each absent when there are none).
+    calls, ``env/reward`` over rewarded episodes and ``env/turn_reward`` over rewarded turns before the last (each
+    absent when there are none).
     """
     count = max(len(records), 1)
     calls = sum(record.tool_calls for record in records)
@@ -106,6 +141,9 @@ def episode_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
     rewards = [record.reward for record in records if record.reward is not None]
     if rewards:
         metrics["env/reward"] = sum(rewards) / len(rewards)
+    turn_rewards = [reward for record in records for reward in record.turn_rewards if reward is not None]
+    if turn_rewards:
+        metrics["env/turn_reward"] = sum(turn_rewards) / len(turn_rewards)
     return metrics
 
 
@@ -128,6 +166,13 @@ class Episodes:
             return None
         return cls(build_environment(config), config.max_turns, config.max_episode_tokens)
 
+    def tools_of(self, example: Mapping[str, Any]) -> tuple[str | None, list[dict[str, Any]]]:
+        """A dataset example's environment (None where the run has one) and the tools its prompt lists
+        (:data:`~opd.data.dataloaders.ToolsOf`); DataError for an example no environment plays."""
+        name = self.environment.route(example)
+        row = example if name is None else {ROUTE_FIELD: name}
+        return name, self.environment.tool_schemas(row) or []
+
     def rollout(
         self,
         generation: GenerationInterface,
@@ -149,11 +194,12 @@ class Episodes:
         """
         if any("prompt_messages" not in example for example in examples):
             raise ValueError("multi-turn episodes need each example's prompt_messages (prepare_examples with tools)")
+        rows = [_row(example) for example in examples]
         return multi_turn_rollout(
             generation,
             self.environment,
-            TurnTemplate(tokenizer, self.environment.tool_schemas()),
-            [{"ground_truth": example.get("ground_truth")} for example in examples],
+            [TurnTemplate(tokenizer, self.environment.tool_schemas(row)) for row in rows],
+            rows,
             [example["prompt_messages"] for example in examples],
             strategy,
             self.max_turns,
@@ -165,10 +211,18 @@ class Episodes:
         )
 
 
+def _row(example: Mapping[str, Any]) -> dict[str, Any]:
+    """What an episode starts from: the example's ground truth and, where a run has several, its environment."""
+    row = {"ground_truth": example.get("ground_truth")}
+    if ROUTE_FIELD in example:
+        row[ROUTE_FIELD] = example[ROUTE_FIELD]
+    return row
+
+
 def multi_turn_rollout(
     generation: GenerationInterface,
     environment: Environment,
-    template: TurnTemplate,
+    template: TurnTemplate | Sequence[TurnTemplate],
     rows: Sequence[Mapping[str, Any]],
     prompt_messages: Sequence[list[dict[str, Any]]],
     strategy: GenerateStrategyConfig,
@@ -184,6 +238,7 @@ def multi_turn_rollout(
     The caller switches the engine on (:meth:`GenerationInterface.prepare_for_generation`), as for ``generate``.
 
     Args:
+        template: how the chat template joins turns, or one per row (rows whose environments list different tools).
         prompt_messages: each row's prompt conversation (up to the first assistant turn).
         strategy: sampling of each turn (``max_length``: new tokens per turn).
         num_samples: episodes per row (adjacent in the batch).
@@ -200,16 +255,46 @@ def multi_turn_rollout(
         raise ValueError(f"{len(rows)} rows but {len(prompt_messages)} prompt conversations")
     if prompt_ids is not None and len(prompt_ids) != len(rows):
         raise ValueError(f"{len(rows)} rows but {len(prompt_ids)} prompts")
-    turn_ends = set(template.turn_end_ids())
+    templates = [template] * len(rows) if isinstance(template, TurnTemplate) else list(template)
+    if len(templates) != len(rows):
+        raise ValueError(f"{len(rows)} rows but {len(templates)} templates")
     trajectories: list[_Trajectory] = []
-    for position, (row, messages) in enumerate(zip(rows, prompt_messages)):
-        prompt = template.prompt_ids(messages) if prompt_ids is None else list(prompt_ids[position])
+    for position, (row, messages, row_template) in enumerate(zip(rows, prompt_messages, templates)):
+        prompt = row_template.prompt_ids(messages) if prompt_ids is None else list(prompt_ids[position])
         if max_episode_tokens is not None and len(prompt) >= max_episode_tokens:
             raise ValueError(
                 f"a prompt of {len(prompt)} tokens leaves no room for a turn under environment.max_episode_tokens "
                 f"= {max_episode_tokens}; raise it above data.max_prompt_length"
             )
-        trajectories += [_Trajectory(prompt, list(messages), environment.start(row)) for _ in range(num_samples)]
+        trajectories += [
+            _Trajectory(prompt, list(messages), environment.start(row), row_template) for _ in range(num_samples)
+        ]
+    try:
+        _play(generation, environment, trajectories, strategy, max_turns, return_logprobs, max_episode_tokens)
+    finally:  # whatever ended the rollout, no episode keeps what it holds (a stateful tool's process)
+        for trajectory in trajectories:
+            trajectory.episode.close()
+    return MultiTurnRollout(
+        _batch(trajectories, pad_token_id, return_logprobs),
+        [trajectory.record for trajectory in trajectories],
+        [trajectory.turn_starts for trajectory in trajectories],
+    )
+
+
+def _play(
+    generation: GenerationInterface,
+    environment: Environment,
+    trajectories: list[_Trajectory],
+    strategy: GenerateStrategyConfig,
+    max_turns: int,
+    return_logprobs: bool,
+    max_episode_tokens: int | None,
+) -> None:
+    """Plays the episodes turn by turn until each ends or ``max_turns`` turns were played."""
+    if not trajectories:
+        return
+    tokenizer = trajectories[0].template.tokenizer
+    turn_ends = set(trajectories[0].template.turn_end_ids())  # the chat template's, whatever tools a row lists
     running = list(trajectories)
     for turn_index in range(max_turns):
         if not running:
@@ -229,18 +314,17 @@ def multi_turn_rollout(
             for position, trajectory in enumerate(running)
         ]
         student_turns = [
-            StudentTurn(template.tokenizer.decode(turn_ids, skip_special_tokens=True), tuple(turn_ids), ended)
+            StudentTurn(tokenizer.decode(turn_ids, skip_special_tokens=True), tuple(turn_ids), ended)
             for turn_ids, ended in appended
         ]
         results = _step_episodes(environment, running, student_turns, last_turn=turn_index == max_turns - 1)
         still_running = []
         for trajectory, (turn_ids, ended), result in zip(running, appended, results, strict=True):
             began = time.perf_counter()
-            if _answer_turn(trajectory, template, turn_ids, ended, result, max_episode_tokens):
+            if _answer_turn(trajectory, turn_ids, ended, result, max_episode_tokens):
                 still_running.append(trajectory)
             trajectory.record.environment_seconds += time.perf_counter() - began
         running = still_running
-    return MultiTurnRollout(_batch(trajectories, pad_token_id, return_logprobs), [t.record for t in trajectories])
 
 
 def _append_turn(
@@ -269,6 +353,7 @@ def _append_turn(
         turn_ids, turn_logprobs, ended = turn_ids[:room], turn_logprobs[:room], False
     record = trajectory.record
     record.capped = not ended and room < max_length and len(turn_ids) >= room
+    trajectory.turn_starts.append(len(trajectory.ids))
     trajectory.ids += turn_ids
     trajectory.mask += [1.0] * len(turn_ids)
     trajectory.logprobs += turn_logprobs
@@ -297,7 +382,6 @@ def _step_episodes(
 
 def _answer_turn(
     trajectory: _Trajectory,
-    template: TurnTemplate,
     turn_ids: list[int],
     ended: bool,
     result: StepResult,
@@ -305,13 +389,15 @@ def _answer_turn(
 ) -> bool:
     """Appends the environment's observation (``result``) after the turn just appended; False when the episode ends
     instead."""
-    tokenizer, record = template.tokenizer, trajectory.record
+    template, record = trajectory.template, trajectory.record
+    tokenizer = template.tokenizer
     record.tool_calls += result.tool_calls
     record.well_formed_calls += result.well_formed_calls
     record.successful_calls += result.successful_calls
     if result.done or not result.observation:
         record.reward, record.truncated = result.reward, not ended
         return False
+    record.turn_rewards.append(result.reward)
     turn_end = tokenizer.decode(turn_ids[-1:]) if ended else ""
     observation = template.observation_ids(trajectory.history, turn_end, result.observation)
     if len(observation) >= _room(trajectory, max_episode_tokens):  # no room for a token after it

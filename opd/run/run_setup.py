@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from opd.data.config import DataConfig
-from opd.data.dataloaders import PreparedExample, prepare_examples
+from opd.data.dataloaders import PreparedExample, ToolsOf, prepare_examples
 from opd.data.datasets import load_chat_dataset
 from opd.data.teacher_choice import TeacherChoice
 from opd.data.teacher_context import TeacherContext
@@ -38,13 +38,14 @@ def load_examples(
     path: str | None = None,
     teacher_choice: TeacherChoice | None = None,
     teacher_tokenizer: Any | None = None,
-    tools: list[dict] | None = None,
+    tools: list[dict] | ToolsOf | None = None,
 ) -> list[PreparedExample]:
     """Reads, checks and tokenizes the training or validation data of ``data``.
 
     With ``data.val_holdout``, validation is that many training rows (:func:`holdout_rows`); training gets the rest.
     ``path`` replaces the section's file (``opd eval`` on a test split); ``teacher_tokenizer`` renders the teacher's
-    prompts in cross-tokenizer mode; ``tools`` are listed in every prompt.
+    prompts in cross-tokenizer mode; ``tools`` are listed in every prompt (a function: each example's own, see
+    :func:`prepare_examples`).
     """
     validation = split == "val"
     if validation:

@@ -35,7 +35,8 @@ class StepResult:
 
     Attributes:
         observation: the chat messages (``{"role", "content"}``) the student sees next; empty when ``done``.
-        reward: the final reward, only where ``done`` (None: no reward, e.g. a row without a ground truth).
+        reward: the reward of this turn: where ``done`` the final one (None: no reward, e.g. a row without a
+            ground truth), else a per-turn reward (None: none for this turn). An episode's return is their sum.
         tool_calls: every ``<tool_call>`` opened; ``well_formed_calls`` those that parsed (any tool name);
             ``successful_calls`` those whose tool returned within its limits.
     """
@@ -49,7 +50,11 @@ class StepResult:
 
 
 class Episode(ABC):
-    """One trajectory's environment state, from the row it started on to its end."""
+    """One trajectory's environment state, from the row it started on to its end.
+
+    Its life: :meth:`Environment.start` creates it, :meth:`step` answers each turn, :meth:`close` releases what it
+    holds (a stateful tool's process). The rollout closes every episode it started, however it ends.
+    """
 
     @abstractmethod
     def step(self, turn: StudentTurn, last_turn: bool = False) -> StepResult:
@@ -66,6 +71,9 @@ class Episode(ABC):
         """
         return None
 
+    def close(self) -> None:  # noqa: B027 - optional: most episodes hold nothing to release
+        """Releases what the episode holds; called once it ended (or the rollout stopped), more than once allowed."""
+
 
 class Environment(ABC):
     """Makes episodes from dataset rows, and says which tools the chat template lists."""
@@ -78,6 +86,14 @@ class Environment(ABC):
     def start(self, row: Mapping[str, Any]) -> Episode:
         """A new episode for ``row`` (a dataset row: its ``messages``, ``ground_truth``, ...)."""
 
-    def tool_schemas(self) -> list[dict[str, Any]] | None:
-        """The tools' JSON schemas, passed as the chat template's ``tools``; None without tools."""
+    def route(self, example: Mapping[str, Any]) -> str | None:
+        """The name of the environment that plays a dataset example, where a run has several (None: this one).
+
+        Read once, when the data is loaded; a row it cannot place raises :class:`~opd.utils.errors.DataError`.
+        """
+        return None
+
+    def tool_schemas(self, row: Mapping[str, Any] | None = None) -> list[dict[str, Any]] | None:
+        """The tools' JSON schemas for ``row``'s episodes (None without tools), passed as the chat template's
+        ``tools``; the same for every row unless the environment routes rows to several."""
         return None

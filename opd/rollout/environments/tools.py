@@ -31,6 +31,10 @@ class Tool:
         thread_safe: declared safe to run on a thread of the rollout's process: bounded pure-Python work that
             neither prints, nor starts processes, nor can end its process (the ``ast`` calculator). Other tools run
             in a worker process under ``isolation: auto``.
+        stateful: the tool keeps state between the calls of one episode (the Python tool's variables): each
+            episode calls it in a worker process of its own, started at its first call and ended with the episode,
+            so what a call leaves in the process (module globals) is there for the episode's next call and never
+            for another episode's.
     """
 
     name: str
@@ -38,10 +42,13 @@ class Tool:
     description: str
     parameters: dict[str, Any]
     thread_safe: bool = False
+    stateful: bool = False
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
             raise ValueError(f"tool name {self.name!r} must be 1-64 letters, digits, '_', '.' or '-' (not first)")
+        if self.stateful and self.thread_safe:
+            raise ValueError(f"tool {self.name!r}: a stateful tool runs in a process of its own, not on a thread")
         if not callable(self.function):
             raise ValueError(f"tool {self.name!r}: function must be callable, got {type(self.function).__name__}")
         if self.parameters.get("type") != "object" or not isinstance(self.parameters.get("properties", {}), dict):
@@ -88,10 +95,11 @@ class ToolRegistry:
         parameters: dict[str, Any],
         description: str = "",
         thread_safe: bool = False,
+        stateful: bool = False,
     ) -> Tool:
         """Registers ``function`` as the tool ``name`` with the argument schema ``parameters``."""
         description = description or (function.__doc__ or "").strip()
-        return self.add(Tool(name, function, description, parameters, thread_safe))
+        return self.add(Tool(name, function, description, parameters, thread_safe, stateful))
 
     def get(self, name: str) -> Tool | None:
         """The tool called ``name``, or None."""

@@ -28,7 +28,8 @@ from opd_isolation_tools import (
 
 from opd.rollout.environments.calculator import calculator_tool
 from opd.rollout.environments.config import EnvironmentConfig, build_environment
-from opd.rollout.environments.sandbox import WORKERS, SandboxLimits, run_tool
+from opd.rollout.environments.sandbox import SandboxLimits, run_tool
+from opd.rollout.environments.tool_workers import WORKERS
 from opd.rollout.environments.tools import Tool
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}

@@ -23,8 +23,9 @@ from opd_isolation_tools import is_running, print_and_return, process_id, start_
 
 from opd.rollout.environments.base import StudentTurn
 from opd.rollout.environments.calculator import calculator_tool
-from opd.rollout.environments.sandbox import WORKERS, SandboxLimits, run_tool
+from opd.rollout.environments.sandbox import SandboxLimits, run_tool
 from opd.rollout.environments.tool_environment import ToolEnvironment
+from opd.rollout.environments.tool_workers import WORKERS
 from opd.rollout.environments.tools import Tool, ToolRegistry
 from opd.rollout.multi_turn import _step_episodes
 
