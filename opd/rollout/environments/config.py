@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from opd.rollout.environments.base import Environment
 from opd.rollout.environments.calculator import calculator_tool
+from opd.rollout.environments.mcp_tools import McpServerConfig, mcp_tools
 from opd.rollout.environments.python_tool import python_tool
 from opd.rollout.environments.routed_environment import RoutedEnvironment
 from opd.rollout.environments.sandbox import SandboxLimits
@@ -47,6 +48,11 @@ class ToolSetConfig(StrictConfig):
         "declared ones ({function: package.module:attribute, name, description, parameters, thread_safe, "
         "stateful}; parameters null = the JSON schema of its type hints)",
     )
+    mcp_servers: list[McpServerConfig] = Field(
+        default_factory=list,
+        description="MCP servers whose tools are offered too (stdio; pip install 'opd[mcp]'): each {command: [...], "
+        "env, tools: [names] or null for all, prefix, timeout_s}; started when the environment is built",
+    )
     grader: str = Field(
         "math",
         description="the final reward: math (the math verifier against the row's ground_truth), none, or "
@@ -76,9 +82,22 @@ class ToolSetConfig(StrictConfig):
             import_callable(grader, "grader")
         return grader
 
-    def registry(self, key: str = "environment.tools") -> ToolRegistry:
-        """The tools, built."""
-        return ToolRegistry(_build_tools(self.tools, key))
+    def registry(self, key: str = "environment") -> ToolRegistry:
+        """The tools, built, and the MCP servers' tools (each server started, if this process has not yet).
+
+        Raises:
+            ValueError: two tools have one name (an MCP server's ``prefix`` keeps them apart).
+        """
+        registry = ToolRegistry(_build_tools(self.tools, f"{key}.tools"))
+        for index, server in enumerate(self.mcp_servers):
+            for tool in mcp_tools(server):
+                if registry.get(tool.name) is not None:
+                    raise ValueError(
+                        f"{key}.mcp_servers[{index}] offers a tool named {tool.name!r}, as another tool is; give "
+                        "the server a prefix"
+                    )
+                registry.add(tool)
+        return registry
 
     def grader_function(self) -> Grader:
         """The grader named by ``grader``."""
@@ -188,7 +207,7 @@ def _tool_environment(config: EnvironmentConfig) -> Environment:
     running_calls = threading.BoundedSemaphore(limits.parallelism)  # parallelism bounds all members' calls together
     members: dict[str, Environment] = {
         name: ToolEnvironment(
-            member.registry(f"environment.members.{name}.tools"),
+            member.registry(f"environment.members.{name}"),
             limits,
             member.grader_function(),
             member.failed_call_reward,
