@@ -1,6 +1,6 @@
 """What running a tool call costs, on a thread and in a worker process.
 
-The built-in calculator (``1234 * 567``) through :func:`opd.rollout.environments.sandbox.run_tool`, side by side:
+The built-in calculator (``1234 * 567``) through :func:`opd.rollout.tools.sandbox.run_tool`, side by side:
 
 * **warm**: the median (with its range) of ``--calls`` calls, after one untimed call, on a thread of this process
   and in a warm worker process (pickling, the pipe's round trip, and the check for processes the call left);
@@ -23,9 +23,9 @@ import time
 from harness import parse_arguments
 from timing import median_and_range
 
-from opd.rollout.environments.calculator import calculator_tool
-from opd.rollout.environments.sandbox import SandboxLimits, run_tool
-from opd.rollout.environments.tool_workers import WORKERS
+from opd.rollout.tools.calculator import calculator_tool
+from opd.rollout.tools.sandbox import SandboxLimits, run_tool
+from opd.rollout.tools.workers import WORKERS
 
 ARGUMENTS = {"expression": "1234 * 567"}
 

@@ -1,4 +1,4 @@
-"""A tiny MCP server over stdio for the tests of opd.rollout.environments.mcp_tools: ``python opd_mcp_server.py``.
+"""A tiny MCP server over stdio for the tests of opd.rollout.tools.mcp_tools: ``python opd_mcp_server.py``.
 
 Written for the SDK's high-level server of either major version (``FastMCP`` in 1.x, ``MCPServer`` in 2.x).
 """

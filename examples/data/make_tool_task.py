@@ -61,7 +61,7 @@ def answer_text(value: int | str) -> str:
 def tools_system_text() -> str:
     """The text of the system turn that the tiny chat template writes for the calculator's schema."""
     from opd.models.tiny import build_tiny_tokenizer
-    from opd.rollout.environments.calculator import calculator_tool
+    from opd.rollout.tools.calculator import calculator_tool
 
     tokenizer = build_tiny_tokenizer()
     rendered = tokenizer.apply_chat_template(
@@ -93,7 +93,7 @@ def operands(problem: str) -> tuple[int, int]:
 
 def recorded_episode(row: dict[str, Any], prompt_template: str) -> dict[str, Any]:
     """The teacher's trajectory on ``row``: call, the calculator's result, answer (a chat row)."""
-    from opd.rollout.environments.calculator import calculate
+    from opd.rollout.tools.calculator import calculate
 
     a, b = operands(row["problem"])
     expression = f"{a} * {b}"

@@ -28,12 +28,12 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import GenerationInterface
 from opd.rollout.environments.base import Environment, Episode, StepResult, StudentTurn
-from opd.rollout.environments.calculator import calculator_tool
 from opd.rollout.environments.tool_environment import ToolEnvironment
-from opd.rollout.environments.tools import ToolRegistry
 from opd.rollout.environments.turn_template import TurnTemplate
 from opd.rollout.multi_turn import multi_turn_rollout
 from opd.rollout.rollout_batch import build_rollout_batch
+from opd.rollout.tools.calculator import calculator_tool
+from opd.rollout.tools.registry import ToolRegistry
 
 IM_END = "<|im_end|>"
 ASSISTANT = "<|im_start|>assistant\n"

@@ -1,7 +1,7 @@
 """The ``environment:`` config section of multi-turn rollouts, and the environment it builds.
 
 ``kind`` picks a builder from :data:`ENVIRONMENTS` (a new kind adds an entry there). ``tools`` names built-in
-tools from :data:`BUILT_IN_TOOLS` and declares others (:class:`~opd.rollout.environments.tool_specs.ToolSpec`);
+tools from :data:`BUILT_IN_TOOLS` and declares others (:class:`~opd.rollout.tools.specs.ToolSpec`);
 ``grader`` names a grader from :data:`GRADERS` or an importable one. With ``members``, each example is played in
 the member its ``route_key`` field names (:class:`~opd.rollout.environments.routed_environment.RoutedEnvironment`).
 """
@@ -15,14 +15,14 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from opd.rollout.environments.base import Environment
-from opd.rollout.environments.calculator import calculator_tool
-from opd.rollout.environments.mcp_tools import McpServerConfig, mcp_tools
-from opd.rollout.environments.python_tool import python_tool
 from opd.rollout.environments.routed_environment import RoutedEnvironment
-from opd.rollout.environments.sandbox import SandboxLimits
 from opd.rollout.environments.tool_environment import Grader, ToolEnvironment, math_reward
-from opd.rollout.environments.tool_specs import ToolSpec, import_callable
-from opd.rollout.environments.tools import Tool, ToolRegistry
+from opd.rollout.tools.calculator import calculator_tool
+from opd.rollout.tools.mcp_tools import McpServerConfig, mcp_tools
+from opd.rollout.tools.python_tool import python_tool
+from opd.rollout.tools.registry import Tool, ToolRegistry
+from opd.rollout.tools.sandbox import SandboxLimits
+from opd.rollout.tools.specs import ToolSpec, import_callable
 from opd.utils.config import StrictConfig
 
 BUILT_IN_TOOLS: dict[str, Callable[[], Tool]] = {"calculator": calculator_tool, "python": python_tool}

@@ -1,7 +1,7 @@
 """The tool environment: the student calls tools in the template's format; the verifier gives the reward.
 
 Each call of a turn, malformed ones included, is answered by one ``tool`` message in call order (calls run at once,
-in :mod:`opd.rollout.environments.sandbox`, within the limits per call, per turn and per episode; the calls of one
+in :mod:`opd.rollout.tools.sandbox`, within the limits per call, per turn and per episode; the calls of one
 stateful tool run one after another, in order, in the episode's own process), so the student can correct itself.
 With ``failed_call_reward`` each failed call adds that much to its turn's reward (a per-turn reward). A turn
 without calls, a turn cut at its length limit and the last turn end the episode with the grader's reward (default
@@ -21,11 +21,11 @@ from typing import Any
 
 from opd.rollout.environments.base import Environment, Episode, StepResult, StudentTurn
 from opd.rollout.environments.math_verifier import is_correct
-from opd.rollout.environments.sandbox import SandboxLimits, run_tool
 from opd.rollout.environments.tool_calls import MalformedCall, ToolCall, parse_tool_calls
-from opd.rollout.environments.tool_outcome import ToolOutcome, failure
-from opd.rollout.environments.tool_workers import EpisodeWorkers
-from opd.rollout.environments.tools import ToolRegistry
+from opd.rollout.tools.outcome import ToolOutcome, failure
+from opd.rollout.tools.registry import ToolRegistry
+from opd.rollout.tools.sandbox import SandboxLimits, run_tool
+from opd.rollout.tools.workers import EpisodeWorkers
 
 Grader = Callable[[str, Mapping[str, Any]], float | None]
 """Grades the final turn's text against its row: the episode's reward (None: no reward)."""

@@ -28,7 +28,7 @@ from opd.data.datasets import load_chat_dataset
 from opd.data.episodes import encode_episode, split_at_first_assistant
 from opd.data.sequences import encode_prompt, render_chat
 from opd.models.tiny import build_tiny_tokenizer
-from opd.rollout.environments.calculator import CALCULATOR_SCHEMA
+from opd.rollout.tools.calculator import CALCULATOR_SCHEMA
 from opd.utils.errors import DataError
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "arithmetic", "parameters": CALCULATOR_SCHEMA}}]

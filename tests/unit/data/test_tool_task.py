@@ -17,10 +17,10 @@ from opd.data.episodes import encode_episode, split_at_first_assistant
 from opd.data.sequences import render_chat
 from opd.models.tiny import build_tiny_tokenizer
 from opd.rollout.environments.base import StudentTurn
-from opd.rollout.environments.calculator import calculator_tool
 from opd.rollout.environments.tool_calls import MalformedCall, parse_tool_calls
 from opd.rollout.environments.tool_environment import ToolEnvironment
-from opd.rollout.environments.tools import ToolRegistry
+from opd.rollout.tools.calculator import calculator_tool
+from opd.rollout.tools.registry import ToolRegistry
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "examples" / "data" / "make_tool_task.py"

@@ -6,7 +6,7 @@ import builtins
 
 import pytest
 
-from opd.rollout.environments.calculator import CalculatorError, calculate, calculator_tool
+from opd.rollout.tools.calculator import CalculatorError, calculate, calculator_tool
 
 
 @pytest.mark.parametrize(

@@ -14,12 +14,12 @@ from opd_scripted_engine import ScriptedGeneration
 
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.tiny import build_tiny_tokenizer
-from opd.rollout.environments.calculator import calculator_tool
 from opd.rollout.environments.config import EnvironmentConfig
 from opd.rollout.environments.tool_environment import ToolEnvironment
-from opd.rollout.environments.tools import ToolRegistry
 from opd.rollout.environments.turn_template import TurnTemplate
 from opd.rollout.multi_turn import multi_turn_rollout
+from opd.rollout.tools.calculator import calculator_tool
+from opd.rollout.tools.registry import ToolRegistry
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
 ANSWER = "\\boxed{42}"

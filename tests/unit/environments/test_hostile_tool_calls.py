@@ -18,12 +18,12 @@ import pytest
 from opd_isolation_tools import deep_result, echo, not_text, unprintable_error
 
 from opd.rollout.environments.base import StudentTurn
-from opd.rollout.environments.calculator import calculator_tool
-from opd.rollout.environments.sandbox import SandboxLimits
 from opd.rollout.environments.tool_calls import CALL_CLOSE, CALL_OPEN, parse_tool_calls
 from opd.rollout.environments.tool_environment import ToolEnvironment
-from opd.rollout.environments.tool_workers import WORKERS
-from opd.rollout.environments.tools import Tool, ToolRegistry
+from opd.rollout.tools.calculator import calculator_tool
+from opd.rollout.tools.registry import Tool, ToolRegistry
+from opd.rollout.tools.sandbox import SandboxLimits
+from opd.rollout.tools.workers import WORKERS
 
 ROW = {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "ground_truth": "4"}
 LIMIT = 300

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 pytest.importorskip("mcp")
 
-from opd.rollout.environments.mcp_tools import (
+from opd.rollout.tools.mcp_tools import (
     INSTALL_HINT,
     McpClient,
     McpServerConfig,
@@ -27,8 +27,8 @@ from opd.rollout.environments.mcp_tools import (
     mcp_tools,
     tool_from_listing,
 )
-from opd.rollout.environments.sandbox import SandboxLimits, run_tool
-from opd.rollout.environments.tools import Tool
+from opd.rollout.tools.registry import Tool
+from opd.rollout.tools.sandbox import SandboxLimits, run_tool
 
 SERVER = str(Path(__file__).resolve().parents[2] / "opd_mcp_server.py")
 LIMITS = SandboxLimits(timeout_s=5.0, max_output_chars=200)

@@ -13,11 +13,11 @@ import pytest
 from opd_isolation_tools import is_running
 
 from opd.rollout.environments.base import StudentTurn
-from opd.rollout.environments.python_tool import python_tool, run_python
-from opd.rollout.environments.sandbox import SandboxLimits
 from opd.rollout.environments.tool_environment import ToolEnvironment, ToolEpisode
-from opd.rollout.environments.tool_workers import WORKERS
-from opd.rollout.environments.tools import ToolRegistry
+from opd.rollout.tools.python_tool import python_tool, run_python
+from opd.rollout.tools.registry import ToolRegistry
+from opd.rollout.tools.sandbox import SandboxLimits
+from opd.rollout.tools.workers import WORKERS
 
 LIMITS = SandboxLimits(timeout_s=5.0, max_output_chars=400, max_memory_mb=1024)
 

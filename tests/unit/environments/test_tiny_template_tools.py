@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from opd.models.tiny import build_tiny_tokenizer
-from opd.rollout.environments.calculator import calculator_tool
+from opd.rollout.tools.calculator import calculator_tool
 
 PLAIN_CHATML = (
     "{% for message in messages %}"

@@ -7,10 +7,10 @@ import threading
 import pytest
 
 from opd.rollout.environments.base import StudentTurn
-from opd.rollout.environments.calculator import calculator_tool
-from opd.rollout.environments.sandbox import SandboxLimits
 from opd.rollout.environments.tool_environment import ToolEnvironment
-from opd.rollout.environments.tools import Tool, ToolRegistry, argument_problem
+from opd.rollout.tools.calculator import calculator_tool
+from opd.rollout.tools.registry import Tool, ToolRegistry, argument_problem
+from opd.rollout.tools.sandbox import SandboxLimits
 
 ROW = {"messages": [{"role": "user", "content": "What is 1234 * 567?"}], "ground_truth": "699678"}
 RELEASE = threading.Event()

@@ -26,11 +26,11 @@ from opd_isolation_tools import (
     structured,
 )
 
-from opd.rollout.environments.calculator import calculator_tool
 from opd.rollout.environments.config import EnvironmentConfig, build_environment
-from opd.rollout.environments.sandbox import SandboxLimits, run_tool
-from opd.rollout.environments.tool_workers import WORKERS
-from opd.rollout.environments.tools import Tool
+from opd.rollout.tools.calculator import calculator_tool
+from opd.rollout.tools.registry import Tool
+from opd.rollout.tools.sandbox import SandboxLimits, run_tool
+from opd.rollout.tools.workers import WORKERS
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}
 

@@ -22,12 +22,12 @@ import pytest
 from opd_isolation_tools import is_running, print_and_return, process_id, start_escaping_children
 
 from opd.rollout.environments.base import StudentTurn
-from opd.rollout.environments.calculator import calculator_tool
-from opd.rollout.environments.sandbox import SandboxLimits, run_tool
 from opd.rollout.environments.tool_environment import ToolEnvironment
-from opd.rollout.environments.tool_workers import WORKERS
-from opd.rollout.environments.tools import Tool, ToolRegistry
 from opd.rollout.multi_turn import _step_episodes
+from opd.rollout.tools.calculator import calculator_tool
+from opd.rollout.tools.registry import Tool, ToolRegistry
+from opd.rollout.tools.sandbox import SandboxLimits, run_tool
+from opd.rollout.tools.workers import WORKERS
 
 ROW = {"messages": [{"role": "user", "content": "?"}], "ground_truth": "4"}
 NO_ARGUMENTS = {"type": "object", "properties": {}}

@@ -12,8 +12,8 @@ from opd_config_tools import describe, multiply
 from opd.rollout.environments.base import StudentTurn
 from opd.rollout.environments.config import EnvironmentConfig, build_environment
 from opd.rollout.environments.routed_environment import ROUTE_FIELD, RoutedEnvironment
-from opd.rollout.environments.sandbox import SandboxLimits, run_tool
-from opd.rollout.environments.tool_specs import ToolSpec, schema_from_signature
+from opd.rollout.tools.sandbox import SandboxLimits, run_tool
+from opd.rollout.tools.specs import ToolSpec, schema_from_signature
 from opd.utils.errors import DataError
 
 

@@ -16,11 +16,11 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_padding_free
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.tiny import build_tiny_tokenizer
-from opd.rollout.environments.calculator import calculator_tool
 from opd.rollout.environments.tool_environment import ToolEnvironment
-from opd.rollout.environments.tools import ToolRegistry
 from opd.rollout.environments.turn_template import TurnTemplate
 from opd.rollout.multi_turn import EpisodeRecord, multi_turn_rollout
+from opd.rollout.tools.calculator import calculator_tool
+from opd.rollout.tools.registry import ToolRegistry
 
 GOOD = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
 BAD = "<tool_call>\n{not json\n</tool_call>"

@@ -3,7 +3,7 @@
 Only numbers, ``+ - * / // % **``, unary signs and parentheses are accepted and computed node by node, so a model
 cannot reach a builtin, an import or an attribute. The expression's length, the exponent and every intermediate
 integer are bounded before the work is done, so ``9**9**9`` is refused at once (a thread cannot be stopped, see
-:mod:`opd.rollout.environments.sandbox`).
+:mod:`opd.rollout.tools.sandbox`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from opd.rollout.environments.tools import Tool
+from opd.rollout.tools.registry import Tool
 
 MAX_EXPRESSION_CHARS = 256
 """Longest expression accepted."""
@@ -108,6 +108,6 @@ CALCULATOR_SCHEMA: dict[str, Any] = {
 
 
 def calculator_tool(name: str = "calculator") -> Tool:
-    """The calculator as a :class:`~opd.rollout.environments.tools.Tool` named ``name``."""
+    """The calculator as a :class:`~opd.rollout.tools.registry.Tool` named ``name``."""
     # Bounded pure Python that cannot end its process: safe on a thread of the rollout's process.
     return Tool(name, calculate, "Evaluates an arithmetic expression exactly.", CALCULATOR_SCHEMA, thread_safe=True)

@@ -9,7 +9,7 @@ that tells the student why, so neither a tool nor the model takes the run down.
 on its daemon thread, and a tool that ends the process ends the run. ``process`` isolation runs the tool in a warm
 worker process (``forkserver`` where available, else ``spawn``), killed with its process group at the limit or
 replaced when the tool ends it; on Linux its address space is capped at ``max_memory_mb``
-(:mod:`opd.rollout.environments.tool_workers`). A stateful tool always runs so, in its episode's own worker. The
+(:mod:`opd.rollout.tools.workers`). A stateful tool always runs so, in its episode's own worker. The
 function is pickled by name, so it must be importable (a top-level function); a lambda raises :class:`ValueError`.
 Tools should still bound their own work, as the calculator does.
 """
@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from opd.rollout.environments.tool_outcome import ToolOutcome, as_text, cut, failure, failure_detail
-from opd.rollout.environments.tool_workers import WORKER_START_TIMEOUT_S, WORKERS, EpisodeWorkers
-from opd.rollout.environments.tools import Tool, argument_problem
+from opd.rollout.tools.outcome import ToolOutcome, as_text, cut, failure, failure_detail
+from opd.rollout.tools.registry import Tool, argument_problem
+from opd.rollout.tools.workers import WORKER_START_TIMEOUT_S, WORKERS, EpisodeWorkers
 from opd.utils.config import resolve_auto
 
 

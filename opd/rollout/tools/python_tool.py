@@ -1,6 +1,6 @@
 """The built-in ``python`` tool: runs the student's Python code, keeping its variables across one episode's calls.
 
-It is a stateful tool (:attr:`~opd.rollout.environments.tools.Tool.stateful`): each episode runs it in a worker
+It is a stateful tool (:attr:`~opd.rollout.tools.registry.Tool.stateful`): each episode runs it in a worker
 process of its own, started at its first call and ended with the episode, within the sandbox's limits (time,
 memory, output; whatever the code starts is killed when the call returns). The variables live in that process's
 :data:`_NAMESPACE`, so an episode sees its own earlier calls' variables and never another episode's.
@@ -17,7 +17,7 @@ import io
 import traceback
 from typing import Any
 
-from opd.rollout.environments.tools import Tool
+from opd.rollout.tools.registry import Tool
 
 MAX_CODE_CHARS = 20_000
 """Longest code accepted in one call."""

@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from opd.rollout.environments.tool_outcome import as_text, cut, failure_detail
+from opd.rollout.tools.outcome import as_text, cut, failure_detail
 
 WORKER_START_TIMEOUT_S = 60.0
 """Longest wait for a new worker process to be ready (not counted in a call's time limit)."""

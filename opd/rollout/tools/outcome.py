@@ -1,7 +1,7 @@
 """What a tool call gave the student: its text and whether the tool returned within its limits.
 
-Shared by the sandbox (:mod:`opd.rollout.environments.sandbox`) and its worker processes
-(:mod:`opd.rollout.environments.tool_workers`), which format results and failures the same way.
+Shared by the sandbox (:mod:`opd.rollout.tools.sandbox`) and its worker processes
+(:mod:`opd.rollout.tools.workers`), which format results and failures the same way.
 """
 
 from __future__ import annotations

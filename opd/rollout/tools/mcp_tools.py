@@ -1,9 +1,9 @@
 """Tools from an MCP server (Model Context Protocol) over stdio, through the official ``mcp`` SDK.
 
 ``pip install 'opd[mcp]'``. :func:`mcp_tools` starts the server's command as a child process, lists its tools and
-returns one :class:`~opd.rollout.environments.tools.Tool` per server tool: its JSON schema is the server's
+returns one :class:`~opd.rollout.tools.registry.Tool` per server tool: its JSON schema is the server's
 ``inputSchema`` and its function calls the tool on the server and returns the text of the result. A result the
-server marks as an error raises :class:`McpToolError`, which :func:`~opd.rollout.environments.sandbox.run_tool`
+server marks as an error raises :class:`McpToolError`, which :func:`~opd.rollout.tools.sandbox.run_tool`
 turns into an ``Error:`` observation like any other failure.
 
 One :class:`McpClient` per server and process holds the session, on an event-loop thread of its own (the SDK is
@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from pydantic import Field
 
-from opd.rollout.environments.tools import Tool
+from opd.rollout.tools.registry import Tool
 from opd.utils.config import StrictConfig
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from typing import Any
 import pydantic
 from pydantic import Field, field_validator
 
-from opd.rollout.environments.tools import Tool
+from opd.rollout.tools.registry import Tool
 from opd.utils.config import StrictConfig
 
 _PROPERTIES = "properties"
