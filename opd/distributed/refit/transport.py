@@ -20,6 +20,7 @@ import torch
 
 from opd.distributed.refit.wire import BucketLayout, layout_bytes
 from opd.distributed.workers.worker_group import WorkerGroup
+from opd.utils.errors import WorkerError
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,7 @@ class BroadcastTransport(RefitTransport):
             actor.join_refit_group.remote(address, port, 1 + rank, world_size, self.timeout_s)
             for rank, actor in enumerate(self.rollout.actors)
         ]
-        trainer.gather([host], ranks=[0])
-        self.rollout.gather(members)
+        self._gather_both(trainer, [host], members, trainer_ranks=[0])
         return layouts
 
     def send(self, trainer: WorkerGroup) -> RefitReport:
@@ -93,9 +93,28 @@ class BroadcastTransport(RefitTransport):
             self.layouts = self._open(trainer)
         senders = [actor.broadcast_weights.remote(self.bucket_bytes, self.dtype) for actor in trainer.actors]
         receivers = [actor.receive_broadcast.remote(self.layouts) for actor in self.rollout.actors]
-        gathered = trainer.gather(senders)[0]
-        self.rollout.gather(receivers)
+        gathered = self._gather_both(trainer, senders, receivers)[0]
         return RefitReport(gathered, gathered * self.rollout.size)
+
+    def _gather_both(
+        self, trainer: WorkerGroup, senders: list[Any], receivers: list[Any], trainer_ranks: list[int] | None = None
+    ) -> list[Any]:
+        """The trainer ranks' results, once the rollout workers' are in too; names a receiver that died.
+
+        A rollout worker that dies inside the group's collective reaches trainer rank 0 first, as an error on the
+        collective's socket ("Connection reset by peer"): that error only echoes the death. The run used to stop
+        blaming trainer worker 0; the dead rollout worker is named now, and the echo follows it.
+        """
+        try:
+            results = trainer.gather(senders, ranks=trainer_ranks)
+        except WorkerError as failure:
+            death = self.rollout.death_among(receivers)
+            if death is None:
+                raise
+            self.rollout.kill()  # the other receivers wait in the collective for a sender that is gone
+            raise WorkerError(f"{death}; then {failure}", death.role, death.rank) from None
+        self.rollout.gather(receivers)
+        return results
 
 
 class CudaIpcTransport(RefitTransport):

@@ -197,16 +197,27 @@ class WorkerGroup:
 
         A killed rank's peers fail their collectives before Ray notices the death, so they get a short grace.
         """
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_DEATH_GRACE_S)
+        death = self.death_among(pending, [rank_of[ref] for ref in pending])
+        if death is None:
+            return None
+        cause = raised.cause if isinstance(raised, ray.exceptions.RayTaskError) else raised
+        echo = f"{self.role} worker {raised_rank} then failed: {_first_line(cause)}"
+        return WorkerError(f"{death}; {echo}", self.role, death.rank)
+
+    def death_among(self, refs: list[Any], ranks: Sequence[int] | None = None) -> WorkerError | None:
+        """The death of the lowest rank among ``refs`` (one call per rank) whose worker died, or None.
+
+        Waits up to :data:`PEER_DEATH_GRACE_S` for the calls to end: a killed worker's peers, in this group or
+        another one sharing a collective with it, fail before Ray notices the death.
+        """
+        rank_of = dict(zip(refs, ranks if ranks is not None else range(len(refs)), strict=True))
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=PEER_DEATH_GRACE_S)
         for ref in sorted(ready, key=rank_of.__getitem__):
             try:
                 ray.get(ref)
             except Exception as error:
                 if _is_death(error):
-                    death = self._worker_error(error, rank_of[ref]).args[0]
-                    cause = raised.cause if isinstance(raised, ray.exceptions.RayTaskError) else raised
-                    echo = f"{self.role} worker {raised_rank} then failed: {_first_line(cause)}"
-                    return WorkerError(f"{death}; {echo}", self.role, rank_of[ref])
+                    return self._worker_error(error, rank_of[ref])
         return None
 
     def pending(
