@@ -325,6 +325,8 @@ def _no_space_reason(error: BaseException, directory: Path) -> str | None:
             if f"os error {number})" in text or f"[Errno {number}]" in text or os.strerror(number) in text:
                 return reason
         cause = cause.__cause__ or cause.__context__
+    if not isinstance(error, (OSError, RuntimeError)):  # not a failed write (a bug, a lost worker)
+        return None
     try:
         nearly_full = shutil.disk_usage(directory).free < _NEARLY_FULL_BYTES
     except OSError:
