@@ -115,6 +115,10 @@ given per token (``[B, L]``: a multi-turn rollout's returns) they are packed as 
 PER_SEQUENCE_FIELDS = ("sample_index", "teacher_index", "teacher_weights")
 """Per-sequence ``[B, ...]`` fields that :func:`pack_padding_free` keeps as ``[1, B, ...]``."""
 
+PER_SEQUENCE_LISTS = ("teacher_prompt_ids", "episode_layout")
+"""Per-sequence lists (a teacher's own prompt; a multi-turn row's turns and messages) that :func:`pack_padding_free`
+keeps as a one-element list of the B entries."""
+
 
 def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
     """Concatenates the rows of a right-padded batch into one row without padding (sequence packing).
@@ -126,8 +130,8 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
     Returns a one-row batch: the :data:`PACKED_TOKEN_FIELDS` present, ``position_ids`` and ``segment_ids`` (each
     token's sequence) as ``[1, T]``; ``input_lengths [1]`` (= T); ``sequence_lengths [1, B]``;
     :data:`PER_SEQUENCE_TOKEN_FIELDS` spread to ``[1, T]``; :data:`PER_SEQUENCE_FIELDS` as ``[1, B, ...]``
-    (``sample_index``: see :func:`~opd.teachers.signals.signal_rows`). With ``teacher_prompt_ids``, a
-    one-element list of the B prompts and ``prompt_lengths [1, B]``. Other per-sequence fields are dropped.
+    (``sample_index``: see :func:`~opd.teachers.signals.signal_rows`). :data:`PER_SEQUENCE_LISTS` as one-element
+    lists of the B entries, with ``prompt_lengths [1, B]``. Other per-sequence fields are dropped.
     """
     lengths = [int(length) for length in batch["input_lengths"]]
     packed = BatchedDataDict()
@@ -154,10 +158,11 @@ def pack_padding_free(batch: BatchedDataDict) -> BatchedDataDict:
             packed[field] = batch[field].unsqueeze(0)
     packed["input_lengths"] = torch.tensor([sum(lengths)], device=device)
     packed["sequence_lengths"] = torch.tensor([lengths], device=device)
-    if "teacher_prompt_ids" in batch:
-        # Context distillation: the teacher rebuilds each sequence under its own prompt.
-        packed["teacher_prompt_ids"] = [list(batch["teacher_prompt_ids"])]
-        packed["prompt_lengths"] = batch["prompt_lengths"].reshape(1, -1)
+    for field in PER_SEQUENCE_LISTS:
+        if field in batch:
+            # A teacher that rebuilds each sequence (its own prompt, its own template) needs them per sequence.
+            packed[field] = [list(batch[field])]
+            packed["prompt_lengths"] = batch["prompt_lengths"].reshape(1, -1)
     return packed
 
 
@@ -172,8 +177,9 @@ def unpack_padding_free(packed: BatchedDataDict, pad_token_id: int) -> BatchedDa
     rows["input_lengths"] = torch.tensor(lengths, device=packed["input_ids"].device)
     if "prompt_lengths" in packed:
         rows["prompt_lengths"] = packed["prompt_lengths"].reshape(-1)
-    if "teacher_prompt_ids" in packed:
-        rows["teacher_prompt_ids"] = list(packed["teacher_prompt_ids"][0])
+    for field in PER_SEQUENCE_LISTS:
+        if field in packed:
+            rows[field] = list(packed[field][0])
     for field in PER_SEQUENCE_FIELDS:
         if field in packed:
             rows[field] = packed[field][0]
@@ -197,7 +203,7 @@ def select_segments(packed: BatchedDataDict, segments: torch.Tensor) -> tuple[to
     total = int(packed["input_ids"].shape[1])
     selected = BatchedDataDict()
     for key, value in packed.items():
-        if key == "teacher_prompt_ids":
+        if key in PER_SEQUENCE_LISTS:
             selected[key] = [[value[0][int(segment)] for segment in chosen]]
         elif key in ("sequence_lengths", "prompt_lengths", *PER_SEQUENCE_FIELDS):
             selected[key] = value[:, chosen.to(value.device)]

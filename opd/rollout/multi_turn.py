@@ -11,7 +11,8 @@ Ids are never re-tokenised (prompt, each turn as generated, each observation tok
 :class:`~opd.rollout.environments.turn_template.TurnTemplate`), so the teacher scores exactly the sampled ids.
 The batch is a single-turn rollout's, with everything after the prompt as the "response", plus ``token_mask``:
 1 on the student's tokens (stop tokens included), 0 on prompt, observations and padding, where the sampler's
-log-probs are 0 too.
+log-probs are 0 too; and ``episode_layout``, each row's turns and messages (:class:`EpisodeLayout`), from which a
+teacher with another tokenizer renders the observations in its own chat template.
 
 Rewards: an environment may reward any turn (:attr:`~opd.rollout.environments.base.StepResult.reward`), the last
 one with the final reward. A student token's task reward is its return: the sum of the rewards of its own turn and
@@ -81,7 +82,8 @@ class _Trajectory:
     episode: Episode
     template: TurnTemplate  # renders its observations with its environment's tools
     ids: list[int] = field(default_factory=list)  # everything after the prompt
-    turn_starts: list[int] = field(default_factory=list)  # where each student turn starts in ``ids``
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)  # each student turn's ``[start, end)`` in ids
+    answered: list[tuple[str, list[dict[str, Any]]]] = field(default_factory=list)  # (turn's content, observation)
     mask: list[float] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     record: EpisodeRecord = field(default_factory=EpisodeRecord)
@@ -93,8 +95,6 @@ class MultiTurnRollout:
 
     batch: BatchedDataDict
     episodes: list[EpisodeRecord]
-    turn_starts: list[list[int]] = field(default_factory=list)
-    """Where each student turn of each row starts, counted from the end of its prompt."""
 
     def rewards(self) -> torch.Tensor:
         """``[N]`` float32 final rewards (NaN where an episode has none)."""
@@ -108,12 +108,11 @@ class MultiTurnRollout:
         if not any(reward is not None for record in self.episodes for reward in record.turn_rewards):
             return torch.nan_to_num(self.rewards(), nan=0.0)
         per_token = torch.zeros(self.batch["input_ids"].shape, dtype=torch.float32)
-        for row, (record, starts) in enumerate(zip(self.episodes, self.turn_starts, strict=True)):
+        for row, (record, layout) in enumerate(zip(self.episodes, self.batch["episode_layout"], strict=True)):
             prompt_length = int(self.batch["prompt_lengths"][row])
-            ends = [*starts[1:], int(self.batch["input_lengths"][row]) - prompt_length]
-            for start, end, value in zip(starts, ends, record.returns(), strict=True):
+            for (start, end), value in zip(layout["turns"], record.returns(), strict=True):
                 per_token[row, prompt_length + start : prompt_length + end] = value
-        return per_token * self.batch["token_mask"]  # a turn's span runs on over the observation after it
+        return per_token
 
     def metrics(self) -> dict[str, float]:
         """The episodes' metrics (:func:`episode_metrics`)."""
@@ -274,11 +273,7 @@ def multi_turn_rollout(
     finally:  # whatever ended the rollout, no episode keeps what it holds (a stateful tool's process)
         for trajectory in trajectories:
             trajectory.episode.close()
-    return MultiTurnRollout(
-        _batch(trajectories, pad_token_id, return_logprobs),
-        [trajectory.record for trajectory in trajectories],
-        [trajectory.turn_starts for trajectory in trajectories],
-    )
+    return MultiTurnRollout(_batch(trajectories, pad_token_id, return_logprobs), [t.record for t in trajectories])
 
 
 def _play(
@@ -353,7 +348,7 @@ def _append_turn(
         turn_ids, turn_logprobs, ended = turn_ids[:room], turn_logprobs[:room], False
     record = trajectory.record
     record.capped = not ended and room < max_length and len(turn_ids) >= room
-    trajectory.turn_starts.append(len(trajectory.ids))
+    trajectory.turn_spans.append((len(trajectory.ids), len(trajectory.ids) + len(turn_ids)))
     trajectory.ids += turn_ids
     trajectory.mask += [1.0] * len(turn_ids)
     trajectory.logprobs += turn_logprobs
@@ -405,6 +400,7 @@ def _answer_turn(
         return False
     content = tokenizer.decode(turn_ids[:-1] if ended else turn_ids)
     trajectory.history += [{"role": "assistant", "content": content}, *result.observation]
+    trajectory.answered.append((content, list(result.observation)))
     trajectory.ids += observation
     trajectory.mask += [0.0] * len(observation)
     trajectory.logprobs += [0.0] * len(observation)
@@ -432,4 +428,22 @@ def _batch(trajectories: list[_Trajectory], pad_token_id: int, with_logprobs: bo
         start = len(trajectory.prompt_ids)
         token_mask[row, start : start + len(trajectory.mask)] = torch.tensor(trajectory.mask, dtype=torch.float32)
     batch["token_mask"] = token_mask
+    batch["episode_layout"] = [_layout(trajectory) for trajectory in trajectories]
     return batch
+
+
+EpisodeLayout = dict[str, Any]
+"""One row's episode, for whoever re-renders it: ``prompt_messages``; ``turns``, each student turn's ``[start, end)``
+in the response (after the prompt); ``contents``, the assistant message each answered turn became, and
+``observations``, the messages that answered it (one per turn but the last); ``tools``, the tools' schemas listed."""
+
+
+def _layout(trajectory: _Trajectory) -> EpisodeLayout:
+    messages_after_prompt = sum(1 + len(observation) for _, observation in trajectory.answered)
+    return {
+        "prompt_messages": trajectory.history[: len(trajectory.history) - messages_after_prompt],
+        "turns": [list(span) for span in trajectory.turn_spans],
+        "contents": [content for content, _ in trajectory.answered],
+        "observations": [observation for _, observation in trajectory.answered],
+        "tools": trajectory.template.tools,
+    }

@@ -17,6 +17,10 @@ same text differently. :class:`CrossTokenizerTeacher` wraps such a teacher (in p
    classes plus one rest class, up to class members outside the teacher's top k (counted in its rest).
 4. **Other positions** (inside a multi-token group) get no teacher token: all mass in the rest on both sides, so
    they add nothing to the loss.
+5. **Multi-turn rows** (with ``episode_layout``): only the student's turns are re-tokenized; each observation
+   between them is rendered by the teacher's own chat template (its tool-result markup and assistant header, see
+   :class:`~opd.rollout.environments.turn_template.TurnTemplate`), so the teacher reads the episode as it would
+   write it. Observations get no teacher token: they carry no loss.
 
 With identical tokenizers this is the teacher's own top k and the ordinary top-k loss. What the cross-tokenizer loss
 gives up is described in the guide (section 15).
@@ -32,7 +36,7 @@ import torch
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_rows, unpack_padding_free
-from opd.data.token_alignment import PrefixClasses, prefix_classes, teacher_tokens_for_response
+from opd.data.token_alignment import AlignedGroup, PrefixClasses, prefix_classes, teacher_tokens_for_response
 from opd.kernels.topk_rest import rest_logprobs_from_topk
 from opd.models.interfaces import (
     TeacherInterface,
@@ -41,6 +45,7 @@ from opd.models.interfaces import (
     TopKLogprobs,
     TopKRequest,
 )
+from opd.rollout.environments.turn_template import TurnTemplate
 from opd.teachers.several_teachers import map_single
 
 
@@ -101,15 +106,51 @@ class CrossTokenizerTeacher(TeacherInterface):
     def _teacher_rows(self, data: BatchedDataDict) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
         """Each row's ``[teacher prompt | re-tokenized response]`` and its group starts ``(student j, teacher j')``."""
         rows, starts = [], []
+        layouts = data.get("episode_layout")
         for row, teacher_prompt in enumerate(data["teacher_prompt_ids"]):
             prompt_length, length = int(data["prompt_lengths"][row]), int(data["input_lengths"][row])
             response = data["input_ids"][row, prompt_length:length].tolist()
-            teacher_response, groups = teacher_tokens_for_response(
-                response, self.student_tokenizer, self.teacher_tokenizer
-            )
+            if layouts is None:
+                teacher_response, groups = teacher_tokens_for_response(
+                    response, self.student_tokenizer, self.teacher_tokenizer
+                )
+            else:
+                teacher_response, groups = self._episode_tokens(response, layouts[row])
             rows.append(list(teacher_prompt) + list(teacher_response))
             starts.append([(group.student_start, group.teacher_start) for group in groups])
         return rows, starts
+
+    def _episode_tokens(self, response: list[int], layout: dict[str, Any]) -> tuple[list[int], list[AlignedGroup]]:
+        """A multi-turn response for the teacher: each student turn re-tokenized, each observation rendered by the
+        teacher's chat template; groups (in response indices) on the turns only. ``layout``: the row's
+        :data:`~opd.rollout.multi_turn.EpisodeLayout`."""
+        template = TurnTemplate(self.teacher_tokenizer, layout["tools"])
+        turn_end = template.turn_end_ids()
+        history = list(layout["prompt_messages"])
+        ids: list[int] = []
+        groups: list[AlignedGroup] = []
+        for index, (start, end) in enumerate(layout["turns"]):
+            turn_ids, turn_groups = teacher_tokens_for_response(
+                response[start:end], self.student_tokenizer, self.teacher_tokenizer
+            )
+            groups += [
+                AlignedGroup(
+                    start + group.student_start, start + group.student_end,
+                    len(ids) + group.teacher_start, len(ids) + group.teacher_end,
+                )
+                for group in turn_groups
+            ]  # fmt: skip
+            ids += turn_ids
+            if index >= len(layout["observations"]):  # the last turn: nothing answered it
+                break
+            # The student's stop token became the teacher's end of turn where they correspond; else the teacher's
+            # template writes its own after the turn.
+            ended = bool(turn_end) and turn_ids[-1:] == turn_end
+            observation = layout["observations"][index]
+            turn_end_text = self.teacher_tokenizer.decode(turn_end) if ended else ""
+            ids += template.observation_ids(history, turn_end_text, observation)
+            history += [{"role": "assistant", "content": layout["contents"][index]}, *observation]
+        return ids, groups
 
     def _to_student(
         self,
