@@ -115,3 +115,13 @@ def is_running(pid: int) -> bool:
             return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def leave_daemons() -> str:
+    """Starts a child in a session of its own and an orphaned grandchild, then returns at once (no pid file: the
+    fuzz finds them by the process tree)."""
+    import subprocess
+
+    subprocess.Popen(["sleep", "60"], start_new_session=True)
+    subprocess.run(["sh", "-c", "sleep 60 &"], start_new_session=True, check=True)
+    return "started"
