@@ -5,6 +5,8 @@ The tiny random student never writes a tool call, so the first turn of every epi
 tool of the episode's environment (the engine is wrapped, nothing else); the environment runs it for real and the
 engine writes the second turn. Each run checks what the teacher scored: the prompt lists exactly the episode's
 tools, the tool's answer follows the call, the observation is a hole in the loss mask; and the episode metrics.
+The two-environment run trains the sampled-token loss with a task reward: each student token's reward is its
+turn's return, the per-turn reward of a failed call included.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from opd_test_helpers import REPO_ROOT, short_run_overrides
 
 from opd.distillation.config import MasterConfig
@@ -105,7 +108,8 @@ def _train_data(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_configured_environment_trains_two_steps(tmp_path, case):
     section, calls = CASES[case]
-    if case == "two_environments":
+    rewarded = case == "two_environments"
+    if rewarded:
         section = {**section, "default": "math"}
     overrides = [
         *short_run_overrides(tmp_path),
@@ -118,9 +122,10 @@ def test_a_configured_environment_trains_two_steps(tmp_path, case):
         "data.shuffle=false",  # rows in file order: both environments play in the first two steps
         "distillation.num_samples_per_prompt=1",
         "distillation.generate_strategy.max_length=6",
-        "loss_fn.compile_kernels=false",
+        *([] if rewarded else ["loss_fn.compile_kernels=false"]),
         "data.max_prompt_length=1024",
         f"environment={json.dumps({**section, 'max_turns': 2})}",
+        *(["loss_fn={type: sampled_token, adv_tau: 1.0}"] if rewarded else []),
     ]
     config = load_config(MasterConfig, TINY_CONFIG, overrides)
     parts = setup(config)
@@ -129,7 +134,8 @@ def test_a_configured_environment_trains_two_steps(tmp_path, case):
     real_score = parts.teacher_policy.score
 
     def recording_score(batch, request):
-        scored.append({key: batch[key].clone() for key in ("input_ids", "input_lengths", "token_mask")})
+        keys = ("input_ids", "input_lengths", "token_mask", "task_reward")
+        scored.append({key: batch[key].clone() for key in keys if key in batch})
         return real_score(batch, request)
 
     parts.teacher_policy.score = recording_score  # type: ignore[method-assign]
@@ -145,11 +151,18 @@ def test_a_configured_environment_trains_two_steps(tmp_path, case):
             assert f"<|im_start|>user\n<tool_response>\n{answer}" in text, "the tool's answer follows the call"
             mask = batch["token_mask"][row, : int(batch["input_lengths"][row])]
             assert int((mask[1:] != mask[:-1]).sum()) >= 2, "the observation is a hole in the mask"
+            if rewarded:  # per token: the first turn's return (-0.5 for the failed python call, else the final 0)
+                reward = batch["task_reward"][row, : int(batch["input_lengths"][row])]
+                first_turn = mask.nonzero().flatten()
+                first_turn = first_turn[first_turn < int(((mask[1:] == 0) & (mask[:-1] == 1)).nonzero()[0]) + 1]
+                assert torch.all(reward[first_turn] == (-0.5 if listed == "python" else 0.0)), (listed, reward)
+                assert torch.all(reward[mask == 0] == 0)
     assert seen == set(calls), "every environment played its examples"
     records = [json.loads(line) for line in (Path(config.logger.log_dir) / "metrics.jsonl").read_text().splitlines()]
     train = [record for record in records if "train/on_policy" in record]
     assert len(train) == 2
     for record in train:
         assert record["env/turns"] == 2.0 and record["env/tool_calls"] == 1.0
-    if case == "two_environments":  # the code member's failing call is rewarded -0.5 on its turn
+    if rewarded:  # the code member's failing call is rewarded -0.5 on its turn
         assert all(record["env/turn_reward"] == -0.5 for record in train)
+        assert all(record["train/task_reward"] < 0 for record in train)
