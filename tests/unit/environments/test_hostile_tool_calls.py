@@ -115,8 +115,23 @@ def _stop_workers():
 
 
 def _left_below(baseline: set[int]) -> set[int]:
-    """Processes below this one that were not there before the fuzz and are not idle warm workers."""
-    return set(_descendants(os.getpid())) - baseline - set(WORKERS.worker_pids())
+    """Processes below this one that were not there before the fuzz, are not idle warm workers and still run (a
+    worker killed at a limit may be a zombie until the forkserver reaps it: ended, so nothing left running)."""
+    return {
+        pid
+        for pid in set(_descendants(os.getpid())) - baseline - set(WORKERS.worker_pids())
+        if _state(pid) not in ("Z", "X", "")
+    }
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from ``/proc`` ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return ""
+    return stat[stat.rindex(b")") + 2 :].split()[0].decode()
 
 
 @pytest.mark.parametrize(("isolation", "count"), [("thread", 240), ("process", 200)])
