@@ -2,15 +2,16 @@
 
 A replica is one worker with the whole model, or ``shards_per_replica`` workers sharding it with FSDP2. Workers
 send top-k or token log-probs, or for full-vocabulary losses final hidden states (``[B, L, D]``, teacher dtype),
-never ``[B, L, V]`` logits; each trainer worker binds them to the output layer it loaded. What a worker scores
-with is a pool engine (:mod:`opd.distributed.pool_engines`).
+never ``[B, L, V]`` logits; each trainer worker binds them to the output layer it loaded. The hidden states stay
+in Ray's object store until the trainer rank that binds them fetches them: the controller passes references on.
+What a worker scores with is a pool engine (:mod:`opd.distributed.pool_engines`).
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -26,6 +27,7 @@ from opd.models.config import ModelLoadingConfig
 from opd.models.interfaces import (
     FullVocabRequest,
     Pending,
+    StoredHiddenStates,
     TeacherHiddenStates,
     TeacherInterface,
     TeacherRequest,
@@ -51,6 +53,8 @@ def concat_blocks(signals: list[Any], counts: list[int]) -> TeacherSignal:
         )
     if isinstance(signals[0], TeacherHiddenStates):
         return TeacherHiddenStates(joined([signal.hidden_states for signal in signals]))
+    if isinstance(signals[0], StoredHiddenStates):  # references only: the blocks are joined where they are fetched
+        return StoredHiddenStates(tuple(block for signal in signals for block in signal.blocks), tuple(counts))
     if isinstance(signals[0], tuple):
         parts = range(len(signals[0]))
         return tuple(joined([signal[part] for signal in signals]) for part in parts)  # type: ignore[return-value]
@@ -113,11 +117,20 @@ class TeacherWorker:
         model = load_sharded(self.model_path, dtype, device, self.loading, lambda whole: shard_model(whole, mesh))
         self.teacher = ShardedTeacher(model)
 
-    def score(self, data: BatchedDataDict, request: TeacherRequest) -> TeacherSignal:
-        """The teacher's answer for ``data``, on CPU (a sharded replica's workers must be asked together)."""
+    def score(self, data: BatchedDataDict, request: TeacherRequest, in_store: bool = False) -> TeacherSignal:
+        """The teacher's answer for ``data``, on CPU (a sharded replica's workers must be asked together).
+
+        ``in_store``: hidden states are put in Ray's object store and only their reference is returned
+        (:class:`~opd.models.interfaces.StoredHiddenStates`), for the trainer rank that binds them to fetch.
+        """
         if self.teacher is None:
             raise RuntimeError(f"teacher worker {self.rank} was not started (a sharded replica's workers need start)")
-        return signal_to_device(self.engine.answer(self.teacher, data, request), torch.device("cpu"))
+        signal = signal_to_device(self.engine.answer(self.teacher, data, request), torch.device("cpu"))
+        if in_store and isinstance(signal, TeacherHiddenStates):
+            import ray  # only inside a Ray actor
+
+            return StoredHiddenStates((ray.put(signal),), (data.size,))
+        return signal
 
 
 class TeacherPool(TeacherInterface):
@@ -128,9 +141,15 @@ class TeacherPool(TeacherInterface):
 
     Args:
         workers: the :class:`TeacherWorker` workers, replica by replica.
-        binds_hidden_states: the trainer workers hold this teacher's output layer (full-vocabulary requests).
+        binds_hidden_states: the trainer workers hold this teacher's output layer (full-vocabulary requests); the
+            workers then leave the hidden states in Ray's object store and the trainer ranks fetch them, so they
+            never pass through the controller (:class:`~opd.models.interfaces.StoredHiddenStates`).
         engine: what the workers score with; it says what they can send.
     """
+
+    hidden_states_in_store: ClassVar[bool] = True
+    """Hidden states for trainer workers stay in the object store (False: they come back through this process,
+    as before; the controller-memory test measures that for contrast)."""
 
     def __init__(
         self,
@@ -182,8 +201,11 @@ class TeacherPool(TeacherInterface):
         replicas = min(self.workers.size // shards, -(-data.size // shards))
         count = replicas * shards
         blocks, counts = contiguous_blocks(data, count)
+        in_store = self.hidden_states_in_store and self.binds_hidden_states and isinstance(request, FullVocabRequest)
         with self._submitting:
-            refs = [self.workers.actors[rank].score.remote(block, request) for rank, block in enumerate(blocks)]
+            refs = [
+                self.workers.actors[rank].score.remote(block, request, in_store) for rank, block in enumerate(blocks)
+            ]
         return self.workers.pending(
             refs, functools.partial(concat_blocks, counts=counts), ranks=list(range(count)), what="score"
         )

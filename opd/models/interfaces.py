@@ -179,18 +179,63 @@ class TeacherHiddenStates:
         return layer.over(self.hidden_states.to(device=weight.device, dtype=weight.dtype))
 
 
+@dataclass(frozen=True)
+class StoredHiddenStates:
+    """A teacher pool's final hidden states left in Ray's object store, fetched where they are bound.
+
+    Each pool worker puts its block there and sends only the reference, so the controller passes references on
+    and never holds the ``[B, L, D]`` states; the trainer rank that binds them fetches them
+    (:func:`bind_teacher_head`). Row selections made on the way (a micro-batch's rows of a batch scored ahead,
+    packing, routing) are kept as ``steps`` and applied after the fetch.
+
+    Attributes:
+        blocks: each worker's :class:`TeacherHiddenStates` (Ray object references), in row order.
+        counts: the real rows of each block (a sharded replica's filler rows are dropped).
+        steps: functions of the joined ``[B, L, D]`` states, applied in order after the fetch.
+    """
+
+    blocks: tuple[Any, ...]
+    counts: tuple[int, ...]
+    steps: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = ()
+
+    def then(self, step: Callable[[torch.Tensor], torch.Tensor]) -> StoredHiddenStates:
+        """These states with ``step`` applied after the fetch (a row selection, packing)."""
+        return dataclasses.replace(self, steps=(*self.steps, step))
+
+    def fetch(self) -> TeacherHiddenStates:
+        """The states, fetched from the object store, joined and with the steps applied (on the CPU)."""
+        import ray  # only where a teacher pool ran
+
+        parts = ray.get(list(self.blocks))
+        hidden = torch.cat([part.hidden_states[:count] for part, count in zip(parts, self.counts, strict=True)])
+        for step in self.steps:
+            hidden = step(hidden)
+        return TeacherHiddenStates(hidden)
+
+    def to(self, device: torch.device) -> StoredHiddenStates:
+        """Unchanged: the states reach a device when they are fetched and bound."""
+        return self
+
+
+HIDDEN_STATE_SIGNALS = (TeacherHiddenStates, StoredHiddenStates)
+"""A teacher's bare hidden states, here or in the object store: bound to its output layer where that is."""
+
+
 def bind_teacher_head(signal: TeacherSignal, layer: OutputLayer | None, holder: str = "this process") -> TeacherSignal:
     """``signal`` with its hidden states bound to the teacher's output ``layer``; other signals as they are.
 
-    Raises ValueError (naming ``holder``) when hidden states arrive but no layer was loaded.
+    Raises ValueError (naming ``holder``) when hidden states arrive but no layer was loaded. States left in the
+    object store (:class:`StoredHiddenStates`) are fetched here.
     """
-    if not isinstance(signal, TeacherHiddenStates):
+    if not isinstance(signal, HIDDEN_STATE_SIGNALS):
         return signal
     if layer is None:
         raise ValueError(
             f"the teacher sent its final hidden states, but {holder} holds no copy of the teacher's output layer "
             "to make its logits with"
         )
+    if isinstance(signal, StoredHiddenStates):
+        signal = signal.fetch()
     return signal.bind(layer)
 
 
@@ -210,7 +255,12 @@ class AnsweredWhereTrained:
 
 
 SingleTeacherSignal = (
-    torch.Tensor | LMHeadInput | TeacherHiddenStates | tuple[torch.Tensor, torch.Tensor] | AnsweredWhereTrained
+    torch.Tensor
+    | LMHeadInput
+    | TeacherHiddenStates
+    | StoredHiddenStates
+    | tuple[torch.Tensor, torch.Tensor]
+    | AnsweredWhereTrained
 )
 """One teacher's answer (see :data:`TeacherSignal`)."""
 

@@ -34,6 +34,7 @@ from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_rows, select_segments
 from opd.kernels.topk_rest import rest_logprobs_from_topk
 from opd.models.interfaces import (
+    HIDDEN_STATE_SIGNALS,
     AnsweredWhereTrained,
     FullVocabRequest,
     Pending,
@@ -41,6 +42,7 @@ from opd.models.interfaces import (
     SeveralTeachersSignal,
     SingleTeacherRequest,
     SingleTeacherSignal,
+    StoredHiddenStates,
     TeacherHiddenStates,
     TeacherInterface,
     TeacherRequest,
@@ -98,6 +100,8 @@ def map_single(signal: TeacherSignal, per_row: Callable[[torch.Tensor], torch.Te
         return dataclasses.replace(signal, hidden_states=per_row(signal.hidden_states))
     if isinstance(signal, TeacherHiddenStates):
         return TeacherHiddenStates(per_row(signal.hidden_states))
+    if isinstance(signal, StoredHiddenStates):  # applied where they are fetched
+        return signal.then(per_row)
     if isinstance(signal, TopKLogprobs):
         rest = per_row(signal.rest_logprobs) if signal.rest_logprobs is not None else None
         return TopKLogprobs(per_row(signal.logprobs), per_row(signal.ids), rest)
@@ -133,7 +137,7 @@ class _Combined(Pending[TeacherSignal]):
 def waits_for_heads(signal: TeacherSignal) -> bool:
     """Whether the answer holds members' bare hidden states, combinable only where their heads are (trainer workers)."""
     if isinstance(signal, RoutedSignal):
-        return any(isinstance(part.signal, TeacherHiddenStates) for part in signal.parts)
+        return any(isinstance(part.signal, HIDDEN_STATE_SIGNALS) for part in signal.parts)
     return isinstance(signal, MixedSignal) and signal.mixed is None
 
 
@@ -456,7 +460,9 @@ class TeacherMixture(_SeveralTeachers):
         """The members' answers mixed with the rows' weights."""
         answers = [_as_dense(signal) for signal in signals]
         mixed: SingleTeacherSignal
-        if isinstance(request, FullVocabRequest) and any(isinstance(answer, TeacherHiddenStates) for answer in answers):
+        if isinstance(request, FullVocabRequest) and any(
+            isinstance(answer, HIDDEN_STATE_SIGNALS) for answer in answers
+        ):
             # Members in other processes sent hidden states alone: mixed where their heads are (mix_bound).
             return MixedSignal(None, answers, weights, seconds, self.temperature)
         if isinstance(request, FullVocabRequest):

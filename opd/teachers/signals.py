@@ -13,10 +13,10 @@ import torch
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_rows
 from opd.models.interfaces import (
+    HIDDEN_STATE_SIGNALS,
     AnsweredWhereTrained,
     SeveralTeachersSignal,
     SingleTeacherSignal,
-    TeacherHiddenStates,
     TeacherSignal,
     TopKLogprobs,
 )
@@ -30,7 +30,7 @@ def holds_hidden_states(signal: TeacherSignal | None) -> bool:
         return any(holds_hidden_states(part.signal) for part in signal.parts)
     if isinstance(signal, MixedSignal):
         return any(holds_hidden_states(member) for member in (signal.mixed, *signal.members))
-    return isinstance(signal, (LMHeadInput, TeacherHiddenStates))
+    return isinstance(signal, (LMHeadInput, *HIDDEN_STATE_SIGNALS))
 
 
 def signal_to_state(signal: TeacherSignal | None) -> dict[str, Any] | None:

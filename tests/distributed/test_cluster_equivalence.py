@@ -38,7 +38,7 @@ from opd.distillation.setup import setup
 from opd.distillation.step import distillation_train
 from opd.models.interfaces import (
     FullVocabRequest,
-    TeacherHiddenStates,
+    StoredHiddenStates,
     TokenLogprobsRequest,
     TopKLogprobs,
     TopKRequest,
@@ -47,6 +47,7 @@ from opd.models.loading import load_causal_lm
 from opd.models.tiny import build_tiny_model
 from opd.run.plotting import read_metrics
 from opd.teachers.local_teacher import LocalTeacher
+from opd.teachers.several_teachers import single_rows
 from opd.utils.config import load_config
 
 TINY = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
@@ -219,10 +220,16 @@ def test_teacher_pool_sends_the_in_process_signal(ray_cluster, tmp_path):
         # The full vocabulary: hidden states alone, where the trainer holds the output layer to bind them to.
         with pytest.raises(ValueError, match="teacher pool"):
             TeacherPool(workers).score(batch, FullVocabRequest())
-        hidden = TeacherPool(workers, binds_hidden_states=True).score(batch, FullVocabRequest())
-        assert isinstance(hidden, TeacherHiddenStates)
+        # They stay in the object store (two workers' blocks) until the rank that binds them fetches them.
+        stored = TeacherPool(workers, binds_hidden_states=True).score(batch, FullVocabRequest())
+        assert isinstance(stored, StoredHiddenStates) and len(stored.blocks) == 2
         expected_hidden = reference.get_hidden_states(batch).hidden_states
-        assert_same_signal(hidden.hidden_states, expected_hidden, batch["input_lengths"])
+        assert_same_signal(stored.fetch().hidden_states, expected_hidden, batch["input_lengths"])
+        # Rows taken on the way (a micro-batch of a batch scored ahead) are taken after the fetch.
+        rows = torch.tensor([2, 0])
+        taken = single_rows(stored, rows, 5)
+        assert isinstance(taken, StoredHiddenStates)
+        assert torch.equal(taken.fetch().hidden_states, stored.fetch().hidden_states[rows, :5])
     finally:
         workers.kill()
         pools.remove()
