@@ -95,6 +95,9 @@ class MultiTurnRollout:
 
     batch: BatchedDataDict
     episodes: list[EpisodeRecord]
+    environment_seconds: float = 0.0
+    """Wall time in the environment (its steps, grading and rendering observations); episodes are stepped at
+    once, so it is less than the sum of the episodes' own times."""
 
     def rewards(self) -> torch.Tensor:
         """``[N]`` float32 final rewards (NaN where an episode has none)."""
@@ -115,12 +118,12 @@ class MultiTurnRollout:
         return per_token
 
     def metrics(self) -> dict[str, float]:
-        """The episodes' metrics (:func:`episode_metrics`)."""
-        return episode_metrics(self.episodes)
+        """The episodes' metrics (:func:`episode_metrics`) and the environment's wall time in seconds."""
+        return {**episode_metrics(self.episodes), "timing/environment": self.environment_seconds}
 
 
 def episode_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
-    """Means over the episodes, and the environment's total time in seconds.
+    """Means over the episodes.
 
     ``env/truncated_share`` is the share of episodes ``max_episode_tokens`` ended; the call shares are over all
     calls, ``env/reward`` over rewarded episodes and ``env/turn_reward`` over rewarded turns before the last (each
@@ -132,7 +135,6 @@ def episode_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
         "env/turns": sum(record.turns for record in records) / count,
         "env/tool_calls": calls / count,
         "env/truncated_share": sum(record.capped for record in records) / count,
-        "timing/environment": sum(record.environment_seconds for record in records),
     }
     if calls:
         metrics["env/well_formed_share"] = sum(record.well_formed_calls for record in records) / calls
@@ -269,11 +271,12 @@ def multi_turn_rollout(
             _Trajectory(prompt, list(messages), environment.start(row), row_template) for _ in range(num_samples)
         ]
     try:
-        _play(generation, environment, trajectories, strategy, max_turns, return_logprobs, max_episode_tokens)
+        seconds = _play(generation, environment, trajectories, strategy, max_turns, return_logprobs, max_episode_tokens)
     finally:  # whatever ended the rollout, no episode keeps what it holds (a stateful tool's process)
         for trajectory in trajectories:
             trajectory.episode.close()
-    return MultiTurnRollout(_batch(trajectories, pad_token_id, return_logprobs), [t.record for t in trajectories])
+    records = [trajectory.record for trajectory in trajectories]
+    return MultiTurnRollout(_batch(trajectories, pad_token_id, return_logprobs), records, seconds)
 
 
 def _play(
@@ -284,10 +287,12 @@ def _play(
     max_turns: int,
     return_logprobs: bool,
     max_episode_tokens: int | None,
-) -> None:
-    """Plays the episodes turn by turn until each ends or ``max_turns`` turns were played."""
+) -> float:
+    """Plays the episodes turn by turn until each ends or ``max_turns`` turns were played; returns the wall time
+    spent in the environment."""
+    environment_seconds = 0.0
     if not trajectories:
-        return
+        return environment_seconds
     tokenizer = trajectories[0].template.tokenizer
     turn_ends = set(trajectories[0].template.turn_end_ids())  # the chat template's, whatever tools a row lists
     running = list(trajectories)
@@ -312,6 +317,7 @@ def _play(
             StudentTurn(tokenizer.decode(turn_ids, skip_special_tokens=True), tuple(turn_ids), ended)
             for turn_ids, ended in appended
         ]
+        turn_began = time.perf_counter()
         results = _step_episodes(environment, running, student_turns, last_turn=turn_index == max_turns - 1)
         still_running = []
         for trajectory, (turn_ids, ended), result in zip(running, appended, results, strict=True):
@@ -319,7 +325,9 @@ def _play(
             if _answer_turn(trajectory, turn_ids, ended, result, max_episode_tokens):
                 still_running.append(trajectory)
             trajectory.record.environment_seconds += time.perf_counter() - began
+        environment_seconds += time.perf_counter() - turn_began
         running = still_running
+    return environment_seconds
 
 
 def _append_turn(

@@ -20,10 +20,14 @@ import time
 
 import pytest
 from opd_isolation_tools import is_running, print_and_return, process_id, start_escaping_children
+from opd_scripted_engine import ScriptedGeneration
 
+from opd.models.decoding import GenerateStrategyConfig
+from opd.models.tiny import build_tiny_tokenizer
 from opd.rollout.environments.base import StudentTurn
 from opd.rollout.environments.tool_environment import ToolEnvironment
-from opd.rollout.multi_turn import _step_episodes
+from opd.rollout.environments.turn_template import TurnTemplate
+from opd.rollout.multi_turn import _step_episodes, multi_turn_rollout
 from opd.rollout.tools.calculator import calculator_tool
 from opd.rollout.tools.registry import Tool, ToolRegistry
 from opd.rollout.tools.sandbox import SandboxLimits, run_tool
@@ -127,9 +131,30 @@ def test_episodes_and_their_calls_run_at_once_up_to_the_parallelism(parallelism)
     assert waves * NAP_S <= elapsed < waves * NAP_S + 2.0
 
 
+def test_the_rollouts_environment_time_is_wall_time_not_the_sum_of_its_episodes():
+    nap = Nap()
+    tokenizer = build_tiny_tokenizer()
+    environment = _environment(nap, parallelism=8)
+    rollout = multi_turn_rollout(
+        ScriptedGeneration(tokenizer, [_call("nap") + "<|im_end|>", "done<|im_end|>"], (tokenizer.eos_token_id,)),
+        environment,
+        TurnTemplate(tokenizer, environment.tool_schemas()),
+        [ROW] * 16,
+        [ROW["messages"]] * 16,
+        GenerateStrategyConfig(max_length=200),
+        max_turns=2,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    summed = sum(record.environment_seconds for record in rollout.episodes)
+    wall = rollout.metrics()["timing/environment"]
+    assert summed >= 16 * NAP_S  # each episode waited for its own nap
+    assert 2 * NAP_S <= wall < summed / 2  # two waves of 8 naps at once
+
+
 @pytest.mark.skipif(
     not os.path.isdir("/proc"),
-    reason="the process-tree cleanup it checks reads /proc, which only Linux has (elsewhere only the process group is killed)",
+    reason="the process-tree cleanup it checks reads /proc, which only Linux has "
+    "(elsewhere only the process group is killed)",
 )
 def test_what_a_call_started_ends_with_the_call_even_when_it_returned(tmp_path):
     pid_file = tmp_path / "children"
