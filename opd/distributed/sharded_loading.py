@@ -83,18 +83,53 @@ def load_sharded(
 
 
 def _safetensors_files(path: str) -> list[Path]:
-    """The model's safetensors files: in ``path`` itself, or in the hub cache's snapshot of it."""
+    """The model's safetensors files: in ``path`` itself, or in this node's hub cache's snapshot of it.
+
+    Raises:
+        ConfigError: ``path`` names a hub model this node's cache lacks (naming the node). Loading it whole on
+            every rank instead would put the whole model on every device, and download it once per rank.
+    """
     if is_tiny_path(path):
         return []
     directory = Path(path).expanduser()
     if not directory.is_dir():
-        try:  # a hub name: its files are where transformers cached them (nothing is downloaded here)
-            from huggingface_hub import snapshot_download
-
-            directory = Path(snapshot_download(path, local_files_only=True))
-        except Exception:  # not cached, or not a hub name: the whole-model loader reports it
+        if directory.exists() or not _is_hub_name(path):  # one file (GGUF), or no model: the whole-model loader
             return []
+        from huggingface_hub import constants, snapshot_download
+
+        try:  # its files are where transformers cached them (nothing is downloaded here)
+            directory = Path(snapshot_download(path, local_files_only=True))
+        except Exception as error:
+            raise ConfigError(
+                f"the model {path!r} is not in the Hugging Face cache of node {_node_name()} "
+                f"({constants.HF_HUB_CACHE}; {type(error).__name__}): every rank reads its own slices of the "
+                f"weights from local files, so download it on every node first (`hf download {path}`), or give "
+                "a directory every node reads"
+            ) from None
     return sorted(directory.glob("*.safetensors"))
+
+
+def _is_hub_name(path: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _node_name() -> str:
+    """This machine's host name, and its Ray node address inside a Ray worker."""
+    import socket
+
+    name = socket.gethostname()
+    with contextlib.suppress(Exception):  # outside Ray, or Ray without a node address
+        import ray
+
+        if ray.is_initialized():
+            name = f"{name} ({ray.util.get_node_ip_address()})"
+    return name
 
 
 def _build_on_meta(path: str, dtype: torch.dtype, loading: ModelLoadingConfig) -> PreTrainedModel:

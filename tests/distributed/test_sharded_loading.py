@@ -169,6 +169,44 @@ def _load_rank(rank: int, world: int, init_file: str, model_dir: str, result_dir
     dist.destroy_process_group()
 
 
+def test_a_hub_model_missing_from_this_nodes_cache_is_refused_naming_the_node(tmp_path, monkeypatch):
+    """Not loaded whole on every rank (the whole model on each device, a download per rank): refused, naming the
+    node and its cache. A hub model in the cache is read from its snapshot, slice by slice."""
+    import socket
+
+    from huggingface_hub import constants
+
+    from opd.utils.errors import ConfigError
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError) as refused:
+        load_sharded("some-org/not-cached-anywhere", torch.float32, torch.device("cpu"), ModelLoadingConfig(),
+                     lambda model: pytest.fail("nothing may load"))  # fmt: skip
+    message = str(refused.value)
+    assert socket.gethostname() in message and str(tmp_path / "empty-cache") in message
+    assert "hf download some-org/not-cached-anywhere" in message
+
+    # The same name once in the cache (the layout huggingface_hub writes): read from its snapshot.
+    model = build_tiny_model("student")
+    snapshot = tmp_path / "cache" / "models--some-org--tiny" / "snapshots" / "0123abcd"
+    model.save_pretrained(snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        loaded = load_sharded(
+            "some-org/tiny", torch.float32, torch.device("cpu"), ModelLoadingConfig(), lambda m: shard_model(m, mesh)
+        )
+        for name, weight in model.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name].full_tensor(), weight), name
+    finally:
+        dist.destroy_process_group()
+
+
 def test_two_ranks_hold_at_most_one_copy_of_a_240_mb_model(tmp_path):
     config = Qwen2Config(
         vocab_size=32_000,
