@@ -59,7 +59,8 @@ def reference(student, teacher, data, teacher_tau, student_tau, adv_tau, normali
             log_q = torch.log_softmax(student[b, t - 1], -1)
             log_p = torch.log_softmax(teacher[b, t - 1], -1)
             total = total + (log_q.exp() * (student_tau * log_q - teacher_tau * log_p)).sum()
-            total = total - adv_tau * data["task_reward"][b] * log_q[data["input_ids"][b, t]]
+            reward = data["task_reward"][b] if data["task_reward"].dim() == 1 else data["task_reward"][b, t]
+            total = total - adv_tau * reward * log_q[data["input_ids"][b, t]]
     return total / normalizer
 
 
@@ -75,6 +76,16 @@ def test_value_equals_the_float64_reference(reduction, scale):
     assert torch.isfinite(loss)
     torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
     assert metrics["num_valid_tokens"] == tokens
+
+
+def test_per_token_rewards_that_vary_within_a_row_equal_the_float64_reference():
+    # A multi-turn rollout's returns: each token its own turn's return (random here, any sign).
+    student, teacher, data = inputs()
+    data["task_reward"] = torch.randn(B, L, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    tokens = int(data["token_mask"][:, 1:].sum())
+    loss_fn = FullVocabHybridLossFn(teacher_tau=0.7, student_tau=0.4, adv_tau=0.5)
+    loss, _ = loss_fn(student, data, tokens, B, teacher_output=teacher)
+    torch.testing.assert_close(loss, reference(student, teacher, data, 0.7, 0.4, 0.5, tokens), rtol=1e-10, atol=1e-12)
 
 
 def test_packed_per_token_rewards_equal_per_sequence_rewards():

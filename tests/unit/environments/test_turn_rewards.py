@@ -14,6 +14,7 @@ from opd_scripted_engine import ScriptedGeneration
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import pack_padding_free
+from opd.losses.sampled_token import sampled_token_advantages
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.tiny import build_tiny_tokenizer
 from opd.rollout.environments.tool_environment import ToolEnvironment
@@ -114,3 +115,13 @@ def test_packing_keeps_per_token_rewards_in_place(tokenizer):
     expected = torch.cat([batch["task_reward"][row, :length] for row, length in enumerate(lengths)])
     assert torch.equal(packed["task_reward"][0], expected)
     assert packed["task_reward"].shape == packed["input_ids"].shape
+
+
+def test_the_sampled_token_advantage_adds_each_tokens_own_return():
+    generator = torch.Generator().manual_seed(3)
+    student, teacher = (torch.randn(2, 6, generator=generator, dtype=torch.float64) for _ in range(2))
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1], [0, 0, 1, 1, 1, 0]], dtype=torch.float64)
+    returns = torch.randn(2, 6, generator=generator, dtype=torch.float64)
+    advantages = sampled_token_advantages(student, teacher, mask, 0.7, 1.3, task_reward=returns, adv_tau=0.5)
+    expected = (0.7 * teacher - 1.3 * student + 0.5 * returns) * mask
+    torch.testing.assert_close(advantages, expected, rtol=1e-12, atol=1e-12)
