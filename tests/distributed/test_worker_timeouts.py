@@ -77,9 +77,9 @@ def hung_scoring_teacher_class() -> type:
     """The real teacher replica (the tiny teacher loaded), hanging while it scores."""
 
     class HungScoringTeacherWorker(TeacherWorker):
-        def score(self, data, request):
+        def score(self, data, request, in_store=False):
             threading.Event().wait()
-            return super().score(data, request)
+            return super().score(data, request, in_store)
 
     return HungScoringTeacherWorker
 

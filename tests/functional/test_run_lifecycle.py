@@ -94,10 +94,12 @@ class Process(BackgroundProcess):
 
 
 def read_records(output_dir: Path) -> list[dict]:
+    """The whole records of ``metrics.jsonl`` (a run still writing may have left its last line half written)."""
     path = output_dir / "logs" / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    whole = path.read_text().rpartition("\n")[0]  # up to the last newline: a line without one is still being written
+    return [json.loads(line) for line in whole.splitlines() if line.strip()]
 
 
 def train_records(output_dir: Path) -> list[dict]:
