@@ -200,8 +200,9 @@ class RunningServer:
         self.thread.join(timeout=30)
 
 
-def first_turn_calls_the_tool(generation, tokenizer, call: str) -> None:
-    """Makes ``generation``'s first turn of every episode the text ``call`` (a tool call), in place.
+def first_turn_calls_the_tool(generation, tokenizer, call: str | Callable[[str], str]) -> None:
+    """Makes ``generation``'s first turn of every episode the text ``call`` (a tool call), in place; ``call`` may
+    be a function of the prompt's text (a call to the tool that prompt lists).
 
     A tiny random student never writes a tool call on its own. Wrapped this way, the
     engine still generates every later turn (those whose prompt holds a tool response)
@@ -223,7 +224,8 @@ def first_turn_calls_the_tool(generation, tokenizer, call: str) -> None:
                 if return_logprobs:
                     logprobs.append(later["generation_logprobs"][row, start:stop].tolist())
             else:
-                responses.append(tokenizer(call, add_special_tokens=False)["input_ids"] + [end])
+                text = call(tokenizer.decode(prompt)) if callable(call) else call
+                responses.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [end])
                 logprobs.append([-0.25] * len(responses[-1]))
         truncated = [response[-1] != end for response in responses]
         sampled = logprobs if return_logprobs else None

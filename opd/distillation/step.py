@@ -223,7 +223,7 @@ class DistillationRun(TrainingCallbacks):
             self.config.validation.generate_strategy,
             self.config.validation.teacher_topk,
             loss_request=self.parts.loss_fn.teacher_request,
-            episodes=Episodes.from_config(self.config.environment),
+            episodes=self.schedule.episodes,  # the environment built once, with its tools
         )
 
     def before_first_step(self) -> dict[str, float]:

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from opd_test_helpers import REPO_ROOT, short_run_overrides
+from opd_test_helpers import REPO_ROOT, first_turn_calls_the_tool, short_run_overrides
 
 from opd.distillation.config import MasterConfig
 from opd.distillation.setup import setup
 from opd.distillation.step import distillation_train
-from opd.rollout.rollout_batch import build_rollout_batch
 from opd.utils.config import load_config
 
 TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "distillation_tiny.yaml"
@@ -71,30 +70,10 @@ def _tools_listed(text: str) -> list[str]:
     return sorted(name for name in ("calculator", "multiply", "python", "m_add") if f'"name": "{name}"' in text)
 
 
-def _first_turn_calls_a_listed_tool(generation, tokenizer, calls: dict[str, tuple[str, str]]) -> None:
-    """The first turn of every episode calls the tool its prompt lists (see the module)."""
-    real_generate = generation.generate
-    end = tokenizer.eos_token_id
-
-    def generate(prompts, strategy, num_samples=1, return_logprobs=True):
-        later = real_generate(prompts, strategy, num_samples, return_logprobs)
-        responses, logprobs = [], []
-        for row, prompt in enumerate(prompts):
-            text = tokenizer.decode(prompt)
-            start, stop = int(later["prompt_lengths"][row]), int(later["input_lengths"][row])
-            if "<tool_response>" in text:
-                responses.append(later["input_ids"][row, start:stop].tolist())
-                logprobs.append(later["generation_logprobs"][row, start:stop].tolist() if return_logprobs else [])
-            else:
-                (listed,) = _tools_listed(text.split("<|im_start|>user")[0])
-                responses.append(tokenizer(calls[listed][0], add_special_tokens=False)["input_ids"] + [end])
-                logprobs.append([-0.25] * len(responses[-1]))
-        truncated = [response[-1] != end for response in responses]
-        return build_rollout_batch(
-            prompts, responses, logprobs if return_logprobs else None, truncated, tokenizer.pad_token_id
-        )
-
-    generation.generate = generate
+def _only_tool_listed(prompt: str) -> str:
+    """The one tool a prompt's system part lists."""
+    (listed,) = _tools_listed(prompt.split("<|im_start|>user")[0])
+    return listed
 
 
 def _train_data(tmp_path: Path) -> Path:
@@ -129,7 +108,12 @@ def test_a_configured_environment_trains_two_steps(tmp_path, case):
     ]
     config = load_config(MasterConfig, TINY_CONFIG, overrides)
     parts = setup(config)
-    _first_turn_calls_a_listed_tool(parts.student_generation, parts.tokenizer, calls)
+    # The first turn of every episode calls the tool its prompt lists.
+    first_turn_calls_the_tool(
+        parts.student_generation,
+        parts.tokenizer,
+        lambda prompt: calls[_only_tool_listed(prompt)][0],
+    )
     scored = []
     real_score = parts.teacher_policy.score
 
@@ -145,9 +129,9 @@ def test_a_configured_environment_trains_two_steps(tmp_path, case):
     for batch in scored:
         for row in range(batch["input_ids"].shape[0]):
             text = parts.tokenizer.decode(batch["input_ids"][row, : int(batch["input_lengths"][row])])
-            (listed,) = _tools_listed(text.split("<|im_start|>user")[0])  # the prompt lists its environment's tool
+            listed = _only_tool_listed(text)  # the prompt lists its environment's tool
             seen.add(listed)
-            call, answer = calls[listed]
+            _, answer = calls[listed]
             assert f"<|im_start|>user\n<tool_response>\n{answer}" in text, "the tool's answer follows the call"
             mask = batch["token_mask"][row, : int(batch["input_lengths"][row])]
             assert int((mask[1:] != mask[:-1]).sum()) >= 2, "the observation is a hole in the mask"

@@ -130,8 +130,9 @@ def kill_descendants(pid: int) -> None:
                     os.kill(descendant, signal_number)
         if pid == os.getpid():  # its children (an orphan's subreaper included) are reaped here
             with contextlib.suppress(ChildProcessError):
-                while os.waitpid(-1, os.WNOHANG)[0] > 0:
-                    pass
+                reaped = os.waitpid(-1, os.WNOHANG)[0]
+                while reaped > 0:
+                    reaped = os.waitpid(-1, os.WNOHANG)[0]
 
 
 class ToolWorker:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from opd_isolation_tools import is_running
 from pydantic import ValidationError
 
 pytest.importorskip("mcp")
@@ -40,15 +41,6 @@ def server_config(**overrides) -> McpServerConfig:
 
 def run(tool: Tool, limits: SandboxLimits = LIMITS, **arguments):
     return run_tool(tool, tool.name, arguments, limits)
-
-
-def is_running(pid: int) -> bool:
-    """The process exists and is not a zombie (reads ``/proc``)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def ended_within(pid: int, seconds: float) -> bool:
