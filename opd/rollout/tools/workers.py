@@ -166,7 +166,11 @@ class ToolWorker:
         for it."""
         pid = self.process.pid
         if pid is not None:
-            kill_descendants(pid)  # first: once the worker is gone, its orphans would leave its tree
+            # Stopped first: a tool still running (killed at its limit mid-spawn) would otherwise start a child
+            # after the last look for descendants, which the worker's death then orphans out of its tree.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGSTOP)
+            kill_descendants(pid)  # before the worker goes: once it is gone, its orphans would leave its tree
         if pid is not None and hasattr(os, "killpg"):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
