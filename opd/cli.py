@@ -42,6 +42,25 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="trace every decoder layer instead of 3 and 4 and extrapolating (slower; the same bytes for alike layers)",
     )
+    parser.add_argument(
+        "--reserved-factor",
+        type=_reserved_factor,
+        metavar="F",
+        help="the caching allocator's reserved peak over the dry run's allocated peak, which the verdicts count "
+        "(default: the plan's stated assumption, printed with its verdict; a GPU's max_memory_reserved() / "
+        "max_memory_allocated() measures it)",
+    )
+
+
+def _reserved_factor(text: str) -> float:
+    """``--reserved-factor``'s value: a number of at least 1 (the allocator reserves at least what it allocates)."""
+    try:
+        factor = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not factor >= 1.0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be at least 1 (reserved memory includes the allocated), got {text}")
+    return factor
 
 
 def _add_harness_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="run on-policy distillation (student learns from teacher)")
     _add_config_arguments(train)
     train.add_argument("--dry-run", action="store_true", help="print the memory plan instead of training (opd plan)")
-    train.set_defaults(json=False, quick=False, every_layer=False)  # opd plan's options, off for --dry-run
+    # opd plan's options, off for --dry-run
+    train.set_defaults(json=False, quick=False, every_layer=False, reserved_factor=None)
     plan = commands.add_parser(
         "plan", help="memory per device of a cluster run: its real step on fake tensors, no weights, no GPU"
     )
@@ -270,10 +290,20 @@ def run_train(config_path: str, overrides: list[str], val_only: bool = False) ->
 
 
 def run_plan(
-    config_path: str, overrides: list[str], as_json: bool = False, quick: bool = False, every_layer: bool = False
+    config_path: str,
+    overrides: list[str],
+    as_json: bool = False,
+    quick: bool = False,
+    every_layer: bool = False,
+    reserved_factor: float | None = None,
 ) -> None:
-    """Loads the config and prints its teacher plan and memory plan (``opd plan``, ``opd train --dry-run``)."""
+    """Loads the config and prints its teacher plan and memory plan (``opd plan``, ``opd train --dry-run``).
+
+    ``reserved_factor``: the reserved peak over the allocated peak; None keeps the plan's stated assumption.
+    """
     _check_config_keys("train", config_path, overrides)
+    from dataclasses import replace
+
     from opd.distillation.config import MasterConfig
     from opd.distillation.teacher_plan import plan_teacher
     from opd.plan.memory_plan import plan_memory, render_plan
@@ -283,6 +313,8 @@ def run_plan(
     config = load_config(MasterConfig, config_path, overrides)
     configured = config.cluster.trainer.activation_checkpointing if config.cluster is not None else False
     plan = plan_memory(config, (configured,) if quick else (False, True), every_layer=every_layer)
+    if reserved_factor is not None:
+        plan = replace(plan, reserved_factor=reserved_factor)
     teacher_plan = plan_teacher(config).lines()
     if as_json:
         print(json.dumps({**plan.as_dict(), "teacher_plan": teacher_plan}, indent=1))
@@ -365,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "generate":
             run_generate(args.config, args.overrides)
         elif args.command == "plan" or getattr(args, "dry_run", False):
-            run_plan(args.config, args.overrides, args.json, args.quick, args.every_layer)
+            run_plan(args.config, args.overrides, args.json, args.quick, args.every_layer, args.reserved_factor)
         elif args.command == "eval" and args.harness is not None:
             run_harness(args.config, [*args.overrides, *harness_overrides(args)])
         else:

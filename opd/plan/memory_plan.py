@@ -1,9 +1,12 @@
 """``opd plan``: what a cluster run will hold on each device (bytes), from its config alone.
 
 :func:`plan_memory` dry-runs the trainer's step (:func:`opd.plan.dry_run.dry_run_rank`) at the configured shapes,
-with and without activation checkpointing, which measures the peak and its standing part. Computed from the shapes
-instead: the other teacher placements, the loss's chunk, and the rollout engine
-(:meth:`~opd.rollout.engine_kind.EngineKind.planned_memory`). :func:`render_plan` prints a table,
+with and without activation checkpointing, which measures the peak and its standing part. The dry run counts
+allocated bytes; the verdicts count what the caching allocator reserves, the allocated peak × a stated factor
+(:data:`RESERVED_FACTOR`). Computed from the shapes instead: the other teacher placements, the loss's chunk, the
+rollout engine and its worker's process (:meth:`~opd.rollout.engine_kind.EngineKind.planned_memory`,
+:meth:`~opd.rollout.engine_kind.EngineKind.worker_memory`), and, where the engines share the trainer's devices,
+the busier moment of such a device (:meth:`MemoryPlan.colocated_checks`). :func:`render_plan` prints a table,
 :meth:`MemoryPlan.as_dict` JSON.
 """
 
@@ -24,18 +27,49 @@ from opd.models.lm_head import default_chunk_rows
 from opd.models.model_shapes import model_config, tokenizer_size
 from opd.plan.dry_run import RankMemory, ReplicaMemory, StepShape, dry_run_rank, dry_run_teacher_replica
 from opd.plan.layer_extrapolation import BASE_DEPTH
-from opd.rollout.engine_kind import GIB, EngineMemory, PlannedRollout, gib, kv_bytes_per_token
+from opd.rollout.engine_kind import (
+    GIB,
+    RUNTIME_RESERVE,
+    EngineMemory,
+    HeldMemory,
+    PlannedRollout,
+    RolloutWorkerMemory,
+    gib,
+    kv_bytes_per_token,
+)
 from opd.utils.errors import ConfigError
 
 DEVICES = {"80 GB": 81_559 * 1024**2, "141 GB": 143_771 * 1024**2}
 """Device memory as ``nvidia-smi`` reports it: H100 80 GB (81,559 MiB) and H200 141 GB (143,771 MiB)."""
-RUNTIME_RESERVE = int(1.5 * GIB)
-"""Held outside PyTorch's tensors on every device: the CUDA context, NCCL's buffers, allocator slack."""
+RESERVED_FACTOR = 1.15
+"""The trainer's reserved peak over its allocated peak (``torch.cuda.max_memory_reserved()`` over
+``max_memory_allocated()``): an assumption, not a measurement of opd's step.
+
+The dry run counts the bytes of live tensors. PyTorch's caching allocator reserves more: blocks rounded up and
+split, segments that fragment as activations of many sizes come and go, and FSDP2's all-gather and reduce-scatter
+buffers, allocated on streams of their own, whose freed blocks the compute stream does not reuse. Reports of
+FSDP2 training commonly put the reserved peak some 5 to 25% above the allocated one; 1.15 is a middle value.
+``scripts/gpu_check.py``'s ``qwen*_step`` checks print both peaks of opd's step on a GPU; ``opd plan
+--reserved-factor`` replaces the figure with a measured one.
+"""
 RESIDENT_STATES = {
     "kept": "trainer state kept on the device",
     "offloaded": "Adam moments, teacher offloaded",
 }
 """What the trainer keeps on the device while the engine samples, by ``cluster.trainer.offload_during_generation``."""
+EMPTIES_CACHE_BEFORE_SAMPLING = {"kept": False, "offloaded": True}
+"""Whether the trainer hands its cached blocks back to the device before a colocated engine samples, by resident
+state: offloading ends with ``torch.cuda.empty_cache()`` (``TrainerWorker.offload_to_host``); otherwise nothing
+empties the trainer's cache between its step and the rollout, so it still reserves its step's peak."""
+_OFFLOAD_REMEDY = "set cluster.trainer.offload_during_generation: true"
+
+
+def _trainer_peak_remedy(checkpointing: bool) -> str:
+    """The settings that lower the trainer's peak, given whether it already checkpoints its activations."""
+    settings = "a smaller training.micro_batch_size"
+    if not checkpointing:
+        settings = "cluster.trainer.activation_checkpointing: true, or " + settings
+    return f"lower the trainer's peak ({settings})"
 
 
 @dataclass
@@ -78,17 +112,79 @@ class MemoryPlan:
     """``cluster.trainer.reduce_gradients: once_per_step`` (whole gradients held while micro-batches accumulate)."""
     micro_batches: int = 1
     """Micro-batches per rank per step in the dry run."""
+    reserved_factor: float = RESERVED_FACTOR
+    """The caching allocator's reserved peak over the allocated peak (``opd plan --reserved-factor``)."""
+    colocated: bool = False
+    """The rollout engines share the trainer's devices (``cluster.placement: colocated``)."""
+    trainer_resident: dict[str, int] = field(default_factory=dict)
+    """``"kept"`` / ``"offloaded"`` → the allocated bytes a trainer rank keeps on its device while the engines
+    sample."""
+    rollout_worker: RolloutWorkerMemory | None = None
+    """What a rollout worker's process holds on its device beside its engine."""
 
     def peak_of(self, key: str) -> int:
         """The largest peak over the ranks dry-run under ``key`` (``"off"`` / ``"on"``)."""
         return max((rank.peak for rank in self.ranks.get(key, [])), default=0)
 
+    def reserved(self, allocated: int) -> int:
+        """What the caching allocator reserves for an ``allocated`` peak (× :attr:`reserved_factor`)."""
+        return math.ceil(allocated * self.reserved_factor)
+
+    def reserved_peak_of(self, key: str) -> int:
+        """The reserved peak of the dry runs under ``key`` (``"off"`` / ``"on"``)."""
+        return self.reserved(self.peak_of(key))
+
+    def configured_key(self) -> str:
+        """The dry runs of the configured activation checkpointing, or of the larger peak where those did not run."""
+        configured = "on" if self.activation_checkpointing else "off"
+        return configured if configured in self.ranks else max(self.ranks, key=self.peak_of)
+
     def verdicts(self) -> dict[str, dict[str, bool]]:
-        """Device → ``"off"`` / ``"on"`` → whether the trainer's peak plus the runtime reserve fits."""
+        """Device → ``"off"`` / ``"on"`` → whether the trainer's reserved peak plus the runtime reserve fits."""
         return {
-            device: {key: self.peak_of(key) + RUNTIME_RESERVE <= size for key in self.ranks}
+            device: {key: self.reserved_peak_of(key) + RUNTIME_RESERVE <= size for key in self.ranks}
             for device, size in DEVICES.items()
         }
+
+    def colocated_checks(self) -> dict[str, dict[str, ColocatedCheck]]:
+        """Device → ``"kept"`` / ``"offloaded"`` → the busier moment of a device an engine shares with a trainer rank.
+
+        Empty when the engines have devices of their own (``cluster.placement: split``).
+        """
+        if not self.colocated or self.rollout_worker is None:
+            return {}
+        return {
+            device: {
+                label: max(self._shared_device_moments(label, budget, DEVICES[device]), key=lambda check: check.total)
+                for label, budget in budgets.items()
+            }
+            for device, budgets in self.engine.items()
+        }
+
+    def _shared_device_moments(
+        self, label: str, budget: EngineMemory, device_bytes: int
+    ) -> tuple[ColocatedCheck, ColocatedCheck]:
+        """The device while the engine samples, and at the refit (right after the step, the trainer's cache full).
+
+        The trainer's cache keeps its step's reserved peak until something empties it (see
+        :data:`EMPTIES_CACHE_BEFORE_SAMPLING`); the rollout worker's process and the trainer's each need their runtime.
+        """
+        assert self.rollout_worker is not None
+        key = self.configured_key()
+        remedy = _trainer_peak_remedy(checkpointing=key == "on")
+        at_peak = HeldMemory(self.reserved_peak_of(key), "trainer (reserved peak)", remedy)
+        if EMPTIES_CACHE_BEFORE_SAMPLING[label]:
+            sampling_trainer = HeldMemory(self.trainer_resident[label], "trainer (resident, cache emptied)")
+        else:
+            sampling_trainer = HeldMemory(at_peak.size, at_peak.what, _OFFLOAD_REMEDY)
+        beside = (
+            HeldMemory(self.rollout_worker.total, "rollout worker"),
+            HeldMemory(RUNTIME_RESERVE, "runtime reserve"),
+        )
+        return (
+            ColocatedCheck("while sampling", (sampling_trainer, budget.while_sampling, *beside), device_bytes),
+            ColocatedCheck("at the refit", (at_peak, budget.at_refit, *beside), device_bytes),
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """Everything as plain JSON values (``opd plan --json``)."""
@@ -98,9 +194,45 @@ class MemoryPlan:
             for key, runs in self.ranks.items()
         }
         data["verdicts"] = self.verdicts()
+        data["reserved_peaks"] = {key: self.reserved_peak_of(key) for key in self.ranks}
+        data["colocated_checks"] = {
+            device: {label: check.as_dict() for label, check in checks.items()}
+            for device, checks in self.colocated_checks().items()
+        }
         data["devices"] = DEVICES
         data["runtime_reserve"] = RUNTIME_RESERVE
         return data
+
+
+@dataclass(frozen=True)
+class ColocatedCheck:
+    """One moment of a device a rollout engine shares with a trainer rank: what each part holds, against the device."""
+
+    moment: str
+    parts: tuple[HeldMemory, ...]
+    device_bytes: int
+
+    @property
+    def total(self) -> int:
+        """Every part's bytes."""
+        return sum(part.size for part in self.parts)
+
+    @property
+    def fits(self) -> bool:
+        """The parts fit the device."""
+        return self.total <= self.device_bytes
+
+    def describe(self) -> str:
+        """The sum against the device, and where it does not fit, the settings that make its parts smaller."""
+        terms = " + ".join(f"{part.what} {gib(part.size)}" for part in self.parts)
+        line = f"{self.moment}: {terms} = {gib(self.total)} of {gib(self.device_bytes)} GiB: "
+        if self.fits:
+            return line + "fits"
+        return line + "DOES NOT FIT (" + "; ".join(part.remedy for part in self.parts if part.remedy) + ")"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The check as plain JSON values (``opd plan --json``)."""
+        return {**asdict(self), "total": self.total, "fits": self.fits}
 
 
 def _parameter_shapes(config: PretrainedConfig) -> list[torch.Size]:
@@ -124,37 +256,48 @@ def _plannable_cluster(config: MasterConfig) -> ClusterConfig:
     return cluster
 
 
+def _gpu_element_bytes(dtype: str) -> int:
+    """Bytes of one weight loaded on a GPU in ``model.dtype`` (``auto`` is bfloat16 there)."""
+    return 2 if dtype in ("bfloat16", "float16", "auto") else 4
+
+
 def _add_engine_budgets(
     plan: MemoryPlan, config: MasterConfig, cluster: ClusterConfig, student_config: PretrainedConfig, shape: StepShape
 ) -> None:
-    """What the rollout engine holds per device size, with the trainer's state kept or offloaded."""
+    """What the rollout engine and its worker hold per device size, with the trainer's state kept or offloaded."""
     generation = config.generation
     first = next(iter(plan.ranks.values()))[0]
     # Offloading moves the Adam moments and the teacher to the host; the student's shard stays (the refit reads it).
-    resident = {
+    plan.trainer_resident = {
         "kept": first.student_parameters + first.optimizer_state + first.teacher_parameters,
         "offloaded": first.student_parameters,
     }
+    plan.colocated = cluster.colocated
     prompts_per_engine = math.ceil(config.training.batch_size / cluster.rollout.workers)
     rows = prompts_per_engine * config.distillation.num_samples_per_prompt
     plan.engine_arithmetic = generation.engine.memory_arithmetic
+
+    def rollout(device_bytes: int, trainer_bytes: int) -> PlannedRollout:
+        """One engine's rollout on a device of ``device_bytes``, beside ``trainer_bytes`` where it shares one."""
+        return PlannedRollout(
+            device_bytes,
+            trainer_bytes if cluster.colocated else 0,
+            student_config,
+            plan.student_parameters_total,
+            plan.vocab_size,
+            shape.prompt_tokens,
+            shape.response_tokens,
+            rows,
+            _gpu_element_bytes(config.model.dtype),
+        )
+
     for device, size in DEVICES.items():
         plan.engine[device] = {
-            label: generation.engine.planned_memory(
-                generation,
-                PlannedRollout(
-                    size,
-                    trainer_bytes if cluster.colocated else 0,
-                    student_config,
-                    plan.student_parameters_total,
-                    plan.vocab_size,
-                    shape.prompt_tokens,
-                    shape.response_tokens,
-                    rows,
-                ),
-            )
-            for label, trainer_bytes in resident.items()
+            label: generation.engine.planned_memory(generation, rollout(size, trainer_bytes))
+            for label, trainer_bytes in plan.trainer_resident.items()
         }
+    # The worker's process holds the same on any device.
+    plan.rollout_worker = generation.engine.worker_memory(generation, rollout(next(iter(DEVICES.values())), 0))
 
 
 @dataclass(frozen=True)
@@ -287,7 +430,7 @@ def plan_memory(
     # model.parameters() yields a tied head once, so these count distinct weights.
     student_parameters = sum(math.prod(shape) for shape in student_shapes)
     teacher_parameters = sum(math.prod(shape) for shape in teacher_shapes)
-    teacher_dtype_bytes = 2 if config.model.dtype in ("bfloat16", "float16", "auto") else 4
+    teacher_dtype_bytes = _gpu_element_bytes(config.model.dtype)
     chunk_rows = getattr(loss_fn, "chunk_size", None) or default_chunk_rows(vocab)
     plan = MemoryPlan(
         world_size=world,
@@ -358,33 +501,18 @@ def _gradients_line(plan: MemoryPlan) -> str:
 
 NOT_TRACED = (
     "not traced (leave room for them): validation's generation and scoring, the teacher baselines, the refit's "
-    "buffers (kept from the first refit: 2 × cluster.rollout.refit_bucket_mb per trainer rank under cuda_ipc, on rank "
-    "0 under broadcast), the checkpoint save, and what the caching allocator reserves beyond the allocated peak"
+    "buffers (kept from the first refit: 2 × cluster.rollout.refit_bucket_mb per trainer rank under cuda_ipc; on "
+    "trainer rank 0 and on each rollout worker under broadcast), the checkpoint save, and fragmentation beyond the "
+    "reserved factor"
 )
 """What the plan's peak leaves out, printed with its table."""
 
 
-def render_plan(plan: MemoryPlan) -> str:
-    """The plan as plain-text tables: GiB per device, one column per dry run."""
+def _trainer_table(plan: MemoryPlan) -> list[str]:
+    """The trainer's bytes per device, GiB, one column per dry run: its standing parts, the peak and its reserve."""
     columns = [(key, rank) for key, ranks in plan.ranks.items() for rank in ranks]
     header = "".join(f"  AC {key:>3} r{rank.rank:<2}" for key, rank in columns)
-    lines = [
-        f"opd plan: {plan.world_size} trainer ranks; student {plan.student} "
-        f"({plan.student_parameters_total / 1e9:.2f} B parameters), teacher {plan.teacher} "
-        f"({plan.teacher_parameters_total / 1e9:.2f} B, {plan.teacher_placement}); micro-batch "
-        f"{plan.micro_batch_size} × ({plan.prompt_tokens} prompt + {plan.response_tokens} response) tokens; "
-        f"vocabulary {plan.vocab_size:,}",
-        "ranks: "
-        + (
-            f"all {plan.world_size} hold equal shards (every parameter's rows divide by {plan.world_size}); "
-            "rank 0 shown"
-            if plan.ranks_equal
-            else f"uneven shards: rank 0 and rank {plan.world_size - 1} shown"
-        ),
-        _layers_line(plan),
-        "",
-        f"trainer, GiB per device{'':14}" + header,
-    ]
+    lines = [f"trainer, GiB per device{'':14}" + header]
 
     def row(label: str, values: list[int]) -> None:
         lines.append(f"{label:<38}" + "".join(f"  {value / GIB:13.2f}" for value in values))
@@ -402,18 +530,87 @@ def render_plan(plan: MemoryPlan) -> str:
     for kind in ("Activation", "Temp", "All Gather", "Unsharded Param", "Reduce Scatter"):
         if any(rank.peak_breakdown.get(kind) for _, rank in columns):
             row(f"  at the peak: {kind.lower()}", [rank.peak_breakdown.get(kind, 0) for _, rank in columns])
+    row(f"reserved (allocated peak × {plan.reserved_factor:g})", [plan.reserved(rank.peak) for _, rank in columns])
+    return lines
+
+
+def _replica_lines(plan: MemoryPlan, replica: ReplicaMemory) -> list[str]:
+    """A teacher pool replica's first device while it scores a micro-batch, and whether it fits each device."""
+    reserved = plan.reserved(replica.peak)
+    return [
+        "",
+        f"teacher {plan.teacher_placement}, GiB per device of a replica scoring one micro-batch:",
+        f"  weights {gib(replica.weights)}   answer sent {gib(replica.answer)}   "
+        f"peak (measured by the dry run) {gib(replica.peak)}   reserved (× {plan.reserved_factor:g}) {gib(reserved)}   "
+        + "   ".join(
+            f"{device}: {'fits' if reserved + RUNTIME_RESERVE <= size else 'DOES NOT FIT'}"
+            for device, size in DEVICES.items()
+        ),
+    ]
+
+
+def _verdict_lines(plan: MemoryPlan) -> list[str]:
+    """Whether each dry run's reserved peak, with the runtime reserve, fits each device."""
+    lines = [
+        f"verdict (reserved peak + {gib(RUNTIME_RESERVE)} GiB runtime reserve; reserved = allocated peak × "
+        f"{plan.reserved_factor:g}, an assumption until measured on a GPU: --reserved-factor sets it):"
+    ]
+    for device, by_key in plan.verdicts().items():
+        verdict = ", ".join(
+            f"activation checkpointing {key}: {'fits' if fits else 'DOES NOT FIT'} "
+            f"({gib(plan.reserved_peak_of(key) + RUNTIME_RESERVE)} GiB)"
+            for key, fits in by_key.items()
+        )
+        lines.append(f"  {device:>6}: {verdict}")
+    return lines
+
+
+def _engine_lines(plan: MemoryPlan) -> list[str]:
+    """The rollout engine's budget per device and resident state, and its worker's process."""
+    lines = [f"rollout engine ({plan.engine_arithmetic}, KV cache at {plan.kv_bytes_per_token:,} bytes per token):"]
+    for device, budgets in plan.engine.items():
+        for label, budget in budgets.items():
+            lines.append(f"  {device:>6}, {RESIDENT_STATES[label]:<33}: {budget.describe()}")
+    if plan.rollout_worker is not None:
+        lines.append(f"  rollout worker, per device: {plan.rollout_worker.describe()}")
+    return lines
+
+
+def _colocated_lines(plan: MemoryPlan) -> list[str]:
+    """The busier moment of each device an engine shares with a trainer rank, or why there is none."""
+    if not plan.colocated:
+        return ["colocated check: does not apply (cluster.placement: split gives each engine devices of its own)"]
+    lines = [
+        f"colocated: the engine beside the trainer, the busier of sampling and the refit (activation checkpointing "
+        f"{plan.configured_key()}; the trainer's cache keeps its step's reserved peak until offloading empties it):"
+    ]
+    for device, checks in plan.colocated_checks().items():
+        for label, check in checks.items():
+            lines.append(f"  {device:>6}, {RESIDENT_STATES[label]:<33}: {check.describe()}")
+    return lines
+
+
+def render_plan(plan: MemoryPlan) -> str:
+    """The plan as plain-text tables: GiB per device, one column per dry run."""
+    lines = [
+        f"opd plan: {plan.world_size} trainer ranks; student {plan.student} "
+        f"({plan.student_parameters_total / 1e9:.2f} B parameters), teacher {plan.teacher} "
+        f"({plan.teacher_parameters_total / 1e9:.2f} B, {plan.teacher_placement}); micro-batch "
+        f"{plan.micro_batch_size} × ({plan.prompt_tokens} prompt + {plan.response_tokens} response) tokens; "
+        f"vocabulary {plan.vocab_size:,}",
+        "ranks: "
+        + (
+            f"all {plan.world_size} hold equal shards (every parameter's rows divide by {plan.world_size}); "
+            "rank 0 shown"
+            if plan.ranks_equal
+            else f"uneven shards: rank 0 and rank {plan.world_size - 1} shown"
+        ),
+        _layers_line(plan),
+        "",
+        *_trainer_table(plan),
+    ]
     if plan.teacher_replica is not None:
-        replica = plan.teacher_replica
-        lines += [
-            "",
-            f"teacher {plan.teacher_placement}, GiB per device of a replica scoring one micro-batch:",
-            f"  weights {gib(replica.weights)}   answer sent {gib(replica.answer)}   "
-            f"peak (measured by the dry run) {gib(replica.peak)}   "
-            + "   ".join(
-                f"{device}: {'fits' if replica.peak + RUNTIME_RESERVE <= size else 'DOES NOT FIT'}"
-                for device, size in DEVICES.items()
-            ),
-        ]
+        lines += _replica_lines(plan, plan.teacher_replica)
     lines += [
         "",
         "teacher placements, weights per device (16 bits):",
@@ -425,20 +622,10 @@ def render_plan(plan: MemoryPlan) -> str:
         _gradients_line(plan),
         NOT_TRACED,
         "",
-        "verdict (peak + 1.5 GiB runtime reserve):",
-    ]
-    for device, by_key in plan.verdicts().items():
-        verdict = ", ".join(
-            f"activation checkpointing {key}: {'fits' if fits else 'DOES NOT FIT'} "
-            f"({gib(plan.peak_of(key) + RUNTIME_RESERVE)} GiB)"
-            for key, fits in by_key.items()
-        )
-        lines.append(f"  {device:>6}: {verdict}")
-    lines += [
+        *_verdict_lines(plan),
         "",
-        f"rollout engine ({plan.engine_arithmetic}, KV cache at {plan.kv_bytes_per_token:,} bytes per token):",
+        *_engine_lines(plan),
+        "",
+        *_colocated_lines(plan),
     ]
-    for device, budgets in plan.engine.items():
-        for label, budget in budgets.items():
-            lines.append(f"  {device:>6}, {RESIDENT_STATES[label]:<33}: {budget.describe()}")
     return "\n".join(lines)

@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling
     from transformers import PretrainedConfig, PreTrainedModel
 
 GIB = 1024**3
+RUNTIME_RESERVE = int(1.5 * GIB)
+"""Held outside PyTorch's tensors by each process on a device: the CUDA context, NCCL's buffers, allocator slack."""
 
 SettingsT = TypeVar("SettingsT", contravariant=True)
 """What a kind reads of the ``generation`` section: a protocol its module declares."""
@@ -59,6 +61,9 @@ class PlannedRollout:
     prompt_tokens: int
     response_tokens: int
     rows: int
+    student_element_bytes: int = 2
+    """Bytes of one of the student's weights as a rollout worker loads it (``model.dtype``; ``auto`` is bfloat16 on a
+    GPU)."""
 
     @property
     def row_tokens(self) -> int:
@@ -76,11 +81,69 @@ class PlannedRollout:
         return layer_activation_bytes_per_token(self.student)
 
 
+@dataclass(frozen=True)
+class HeldMemory:
+    """Bytes one part of a device holds at one moment, as the plan's check names them.
+
+    Attributes:
+        what: the part, in the plan's words (``vLLM share``).
+        remedy: the setting that makes it smaller, as an instruction; empty when no setting does.
+    """
+
+    size: int
+    what: str
+    remedy: str = ""
+
+
+@dataclass(frozen=True)
+class RolloutWorkerMemory:
+    """What a rollout worker's process holds on its device besides its engine's budget, in bytes.
+
+    Attributes:
+        context: the process's CUDA context and runtime (:data:`RUNTIME_RESERVE`: a process of its own, as each
+            trainer rank is).
+        student_copy: the student the worker loaded and samples with in place (the HF engine); 0 where the engine
+            holds its weights in its own budget (vLLM).
+        copy_note: what the copy is, or why there is none (the plan's words).
+    """
+
+    context: int
+    student_copy: int
+    copy_note: str
+
+    @property
+    def total(self) -> int:
+        """The process's bytes on the device beside the engine's budget."""
+        return self.context + self.student_copy
+
+    def describe(self) -> str:
+        """The worker's bytes as one line of the plan (GiB)."""
+        context = f"CUDA context and runtime {gib(self.context)} (the runtime reserve: a process of its own)"
+        if not self.student_copy:
+            return f"{context} = {gib(self.total)} GiB; no copy of the student ({self.copy_note})"
+        copy = f"its copy of the student {gib(self.student_copy)} ({self.copy_note})"
+        return f"{context} + {copy} = {gib(self.total)} GiB"
+
+
 class EngineMemory(Protocol):
-    """An engine's planned share of one device: a dataclass (``opd plan --json`` writes its fields)."""
+    """An engine's planned share of one device: a dataclass (``opd plan --json`` writes its fields).
+
+    Its two moments are those of a device the engine shares with a trainer rank (``cluster.placement: colocated``),
+    counted beside the rollout worker's own memory (:class:`RolloutWorkerMemory`).
+    """
 
     def describe(self) -> str:
         """The share as one line of the plan's table (GiB)."""
+        ...
+
+    @property
+    def while_sampling(self) -> HeldMemory:
+        """What the engine holds on the device while it samples."""
+        ...
+
+    @property
+    def at_refit(self) -> HeldMemory:
+        """What it holds while the trainer refits it, right after the trainer's step."""
         ...
 
 
@@ -108,6 +171,15 @@ class EngineKind(ABC, Generic[SettingsT]):
     @abstractmethod
     def planned_memory(self, settings: SettingsT, rollout: PlannedRollout) -> EngineMemory:
         """What one engine holds on one device while it samples ``rollout`` (``opd plan``)."""
+
+    @abstractmethod
+    def worker_memory(self, settings: SettingsT, rollout: PlannedRollout) -> RolloutWorkerMemory:
+        """What a rollout worker's process holds on one of its devices beside the engine's budget (``opd plan``).
+
+        Every worker loads the student (:class:`~opd.distributed.rollout.RolloutWorker`) and builds its engine on it
+        with ``own_copy=False``: an engine that samples in place keeps that copy, one that copies it into weights of
+        its own drops it.
+        """
 
     @abstractmethod
     def build(

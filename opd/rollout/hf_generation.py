@@ -20,7 +20,7 @@ from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import InProcessGenerationInterface, PolicyInterface
 from opd.models.lm_head import token_log_probs
 from opd.rollout.decode_loop import compile_decode_step, decode
-from opd.rollout.engine_kind import EngineKind, PlannedRollout, gib
+from opd.rollout.engine_kind import RUNTIME_RESERVE, EngineKind, HeldMemory, PlannedRollout, RolloutWorkerMemory, gib
 from opd.rollout.rollout_batch import build_rollout_batch
 from opd.rollout.stop_tokens import is_stop, stop_token_ids
 from opd.utils.compile_cache import resolve_compile_kernels
@@ -35,6 +35,7 @@ _Sampler = Callable[
 
 LOGITS_COPIES = 3
 """fp32 ``[rows, V]`` tensors a decode step holds at once: the logits, the warped logits, their softmax."""
+_ROWS_REMEDY = "sample fewer rows per engine (training.batch_size, distillation.num_samples_per_prompt)"
 
 
 def sampling_kwargs(strategy: GenerateStrategyConfig) -> dict[str, Any]:
@@ -248,6 +249,7 @@ class HFEngineMemory:
 
     It reserves nothing up front; the KV cache grows up to every row at full length (``rows`` × ``row_tokens``).
     ``activations`` estimates the larger of the prefill's one layer over every prompt and a step's fp32 logits.
+    ``weights`` is the worker's copy of the student (:meth:`HFEngine.worker_memory` counts it as the worker's).
     """
 
     device_bytes: int
@@ -263,6 +265,16 @@ class HFEngineMemory:
         """The trainer's resident state plus everything the engine holds."""
         return self.trainer_resident + self.weights + self.kv_cache + self.activations
 
+    @property
+    def while_sampling(self) -> HeldMemory:
+        """The rows' KV cache and activations (its weights are the worker's copy, counted with the worker)."""
+        return HeldMemory(self.kv_cache + self.activations, "HF KV cache and activations", _ROWS_REMEDY)
+
+    @property
+    def at_refit(self) -> HeldMemory:
+        """The same: the worker's caching allocator keeps the last rollout's blocks (nothing empties it)."""
+        return HeldMemory(self.kv_cache + self.activations, "HF KV cache and activations (cached)", _ROWS_REMEDY)
+
     def describe(self) -> str:
         """The sum, against the device."""
         return (
@@ -270,6 +282,11 @@ class HFEngineMemory:
             f"({self.rows:,} sequences of {self.row_tokens}) + activations {gib(self.activations)} "
             f"= {gib(self.total)} of {gib(self.device_bytes)} GiB"
         )
+
+
+def _student_copy_bytes(rollout: PlannedRollout) -> int:
+    """The student's weights as a rollout worker loads them (``model.dtype``)."""
+    return rollout.student_element_bytes * rollout.student_parameters
 
 
 class HFEngine(EngineKind[HFSettings]):
@@ -285,12 +302,19 @@ class HFEngine(EngineKind[HFSettings]):
         return HFEngineMemory(
             device_bytes=rollout.device_bytes,
             trainer_resident=rollout.trainer_resident,
-            weights=2 * rollout.student_parameters,
+            weights=_student_copy_bytes(rollout),
             kv_cache=rollout.rows * rollout.row_tokens * rollout.kv_bytes_per_token,
             activations=max(prefill, logits),
             rows=rollout.rows,
             row_tokens=rollout.row_tokens,
         )
+
+    def worker_memory(self, settings: HFSettings, rollout: PlannedRollout) -> RolloutWorkerMemory:
+        """The worker's CUDA context and the student it loaded, which the engine samples in place (one copy: the worker
+        builds the engine with ``own_copy=False``, so no snapshot of it is made)."""
+        copy_bytes = _student_copy_bytes(rollout)
+        element = f"{rollout.student_element_bytes * 8}-bit"
+        return RolloutWorkerMemory(RUNTIME_RESERVE, copy_bytes, f"{element}, the HF engine's weights above")
 
     def build(
         self, settings: HFSettings, model: PreTrainedModel, tokenizer: Any, seed: int, own_copy: bool

@@ -30,7 +30,7 @@ from pydantic import Field
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.models.decoding import GenerateStrategyConfig
 from opd.models.interfaces import InProcessGenerationInterface, PolicyInterface
-from opd.rollout.engine_kind import EngineKind, PlannedRollout, gib
+from opd.rollout.engine_kind import RUNTIME_RESERVE, EngineKind, HeldMemory, PlannedRollout, RolloutWorkerMemory, gib
 from opd.rollout.rollout_batch import build_rollout_batch
 from opd.rollout.stop_tokens import ends_with_stop, stop_token_ids
 from opd.utils.config import StrictConfig, resolve_auto
@@ -52,6 +52,10 @@ VLLM_PROFILE_SEQUENCES = 256
 """Sequences of that forward (vLLM's default ``max_num_seqs``): one row of fp32 logits each."""
 
 _MAX_SEED = 2**31 - 1
+
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes of one weight in each ``generation.vllm.dtype`` but ``auto`` (the student's dtype)."""
+_SHARE_REMEDY = "lower generation.vllm.gpu_memory_utilization"
 
 
 class VllmGenerationConfig(StrictConfig):
@@ -411,6 +415,8 @@ class VllmEngineBudget:
         activations: the profiling forward's activations and logits (an estimate).
         kv_cache: what is left for the KV cache; ``kv_tokens``: its tokens over all the engine's devices.
         kv_sequences: sequences of ``row_tokens`` (prompt + response) that fit.
+        sleeps: sleep mode (``generation.vllm.enable_sleep_mode``; ``auto`` is on with CUDA): between rollouts the
+            engine frees its share, and a refit wakes its weights alone.
     """
 
     share: int
@@ -421,6 +427,19 @@ class VllmEngineBudget:
     kv_tokens: int
     kv_sequences: int
     row_tokens: int
+    sleeps: bool
+
+    @property
+    def while_sampling(self) -> HeldMemory:
+        """Its whole share: vLLM allocates ``gpu_memory_utilization`` × the device for the instance when it wakes."""
+        return HeldMemory(self.share, "vLLM share", _SHARE_REMEDY)
+
+    @property
+    def at_refit(self) -> HeldMemory:
+        """Its weights, which the refit wakes (sleep mode); without sleep mode its share, held throughout."""
+        if self.sleeps:
+            return HeldMemory(self.weights, "vLLM weights (woken for the refit)")
+        return HeldMemory(self.share, "vLLM share (no sleep mode: held throughout)", _SHARE_REMEDY)
 
     def describe(self) -> str:
         """The share, less what else it holds, as KV cache."""
@@ -489,7 +508,8 @@ class VllmEngine(EngineKind[VllmSettings]):
         """
         tensor_parallel = settings.vllm.tensor_parallel_size
         share = int(rollout.device_bytes * settings.vllm.gpu_memory_utilization)
-        weights = 2 * rollout.student_parameters // tensor_parallel
+        element_bytes = _ELEMENT_BYTES.get(settings.vllm.dtype, rollout.student_element_bytes)
+        weights = element_bytes * rollout.student_parameters // tensor_parallel
         activations = (
             VLLM_PROFILE_TOKENS * rollout.layer_activation_bytes_per_token
             + VLLM_PROFILE_SEQUENCES * rollout.vocab_size * 4
@@ -506,7 +526,17 @@ class VllmEngine(EngineKind[VllmSettings]):
             tokens,
             tokens // rollout.row_tokens,
             rollout.row_tokens,
+            # The plan is for GPUs, where auto turns sleep mode on.
+            sleeps=resolve_auto(settings.vllm.enable_sleep_mode, lambda: True),
         )
+
+    def worker_memory(self, settings: VllmSettings, rollout: PlannedRollout) -> RolloutWorkerMemory:
+        """The worker's CUDA context; no copy of the student beside vLLM's weights, which are in its share.
+
+        The student the worker loads at start-up is copied into the engine and dropped; its blocks go back to the
+        device when the engine first sleeps (vLLM's sleep empties the process's cache).
+        """
+        return RolloutWorkerMemory(RUNTIME_RESERVE, 0, "vLLM's weights are in its share")
 
     def build(
         self, settings: VllmSettings, model: PreTrainedModel, tokenizer: Any, seed: int, own_copy: bool

@@ -62,4 +62,31 @@ def test_every_engine_plans_its_memory():
     student = model_config(STUDENT)
     for name, engine in ENGINES.items():
         settings = GenerationConfig(backend=name)
-        assert engine.planned_memory(settings, _rollout(student)).describe()
+        budget = engine.planned_memory(settings, _rollout(student))
+        assert budget.describe()
+        assert budget.while_sampling.size >= budget.at_refit.size > 0, name
+        assert engine.worker_memory(settings, _rollout(student)).context == int(1.5 * 1024**3), name
+
+
+def test_a_vllm_engine_wakes_its_share_to_sample_and_its_weights_for_the_refit():
+    student = model_config(STUDENT)
+    sleeping = GenerationConfig(backend="vllm", vllm=VllmGenerationConfig(gpu_memory_utilization=0.5))
+    budget = sleeping.engine.planned_memory(sleeping, _rollout(student))
+    assert budget.while_sampling.size == int(DEVICES["80 GB"] * 0.5)
+    assert budget.at_refit.size == 2 * PARAMETERS  # 16-bit weights, woken alone
+    awake = GenerationConfig(backend="vllm", vllm=VllmGenerationConfig(enable_sleep_mode=False))
+    assert awake.engine.planned_memory(awake, _rollout(student)).at_refit.size == int(DEVICES["80 GB"] * 0.3)
+    # Its weights are in its share: the worker's process adds its CUDA context alone.
+    assert sleeping.engine.worker_memory(sleeping, _rollout(student)).student_copy == 0
+
+
+def test_the_hf_engines_copy_is_the_workers_in_the_loading_dtype():
+    student = model_config(STUDENT)
+    settings = GenerationConfig()
+    fp32 = PlannedRollout(DEVICES["80 GB"], 0, student, PARAMETERS, VOCAB, 1024, 3072, 8, student_element_bytes=4)
+    budget = settings.engine.planned_memory(settings, fp32)
+    worker = settings.engine.worker_memory(settings, fp32)
+    assert budget.weights == worker.student_copy == 4 * PARAMETERS
+    assert worker.total == int(1.5 * 1024**3) + 4 * PARAMETERS
+    # Sampling adds the rows' KV cache and activations to the worker's copy; its cache keeps them after.
+    assert budget.while_sampling.size == budget.at_refit.size == budget.kv_cache + budget.activations
