@@ -53,24 +53,10 @@ class BatchedDataDict(dict):
     def make_token_budget_microbatches(
         self, max_tokens: int, length_key: str = "input_lengths"
     ) -> Iterator[BatchedDataDict]:
-        """Yields micro-batches of at most ``max_tokens`` (``rows × longest row``) padded tokens, longest first.
-
-        Greedy fill over rows sorted by ``length_key`` (``[B]``) keeps padding low; a row over the budget goes alone.
-        Every row appears once, in a new order (which a globally normalised loss does not see).
-        """
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        lengths = self[length_key].tolist()
-        order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
-        group: list[int] = []
-        for row in order:
-            # Sorted descending, so the group's first row is its longest.
-            if group and (len(group) + 1) * lengths[group[0]] > max_tokens:
-                yield self.select_indices(group)
-                group = []
-            group.append(row)
-        if group:
-            yield self.select_indices(group)
+        """Yields micro-batches of at most ``max_tokens`` (``rows × longest row``) padded tokens, longest first
+        (:func:`token_budget_groups` over ``length_key``, ``[B]``)."""
+        for rows in token_budget_groups(self[length_key].tolist(), max_tokens):
+            yield self.select_indices(rows)
 
     def to(self, device: torch.device | str) -> BatchedDataDict:
         """Moves tensor fields to ``device`` (lists are left as they are)."""
@@ -94,3 +80,24 @@ class BatchedDataDict(dict):
             else:
                 out[key] = [item for value in values for item in value]
         return out
+
+
+def token_budget_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Rows grouped into micro-batches of at most ``max_tokens`` (``rows × longest row``) padded tokens.
+
+    Greedy fill over the rows sorted longest first keeps padding low; a row over the budget goes alone. Every
+    row appears once, in a new order (which a globally normalised loss does not see).
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    groups: list[list[int]] = []
+    group: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda row: -lengths[row]):
+        # Sorted descending, so the group's first row is its longest.
+        if group and (len(group) + 1) * lengths[group[0]] > max_tokens:
+            groups.append(group)
+            group = []
+        group.append(row)
+    if group:
+        groups.append(group)
+    return groups

@@ -132,7 +132,9 @@ class TrainingConfig(TrainingLoopConfig):
     """Loop, batch and optimizer settings (``training.*``)."""
 
     batch_size: int = Field(8, ge=1, description="prompts per optimizer step")
-    micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward/backward pass")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="sequences per forward/backward pass (a step's sequences sorted by length first)"
+    )
     micro_batch_tokens: int | None = Field(
         None, ge=1, description="padded-token budget per forward/backward pass (length-sorted dynamic batching)"
     )

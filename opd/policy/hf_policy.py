@@ -7,14 +7,15 @@ N workers and a run in one process differ only in where the gradients are summed
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from opd.data.batched_data_dict import BatchedDataDict
+from opd.data.batched_data_dict import BatchedDataDict, token_budget_groups
 from opd.data.sequences import model_inputs, pack_padding_free, shift_token_mask
 from opd.models.config import LoraConfig, OptimizerConfig
 from opd.models.interfaces import LossFunction, PolicyInterface, TeacherComparison, TeacherSignal, TeacherSignalFn
@@ -83,18 +84,23 @@ def plan_micro_batches(
 ) -> list[BatchedDataDict]:
     """``data`` cut into micro-batches, each trimmed to its own longest row (padding costs compute).
 
-    With ``micro_batch_tokens``, rows are length-sorted and filled up to that budget of padded tokens.
+    Rows are sorted longest first before they are cut, so that rows of like length share a micro-batch and pad
+    each other little: with ``micro_batch_tokens``, up to that budget of padded tokens each; otherwise
+    ``micro_batch_size`` rows each and a remainder (:func:`_cut_longest_first`). The loss is
+    normalised over the whole batch and each row's teacher signal is found by its ``sample_index``, so the order
+    changes only the order in which the gradients are summed. A batch that is one micro-batch keeps its order.
     """
-    chunks = list(
-        data.make_token_budget_microbatches(micro_batch_tokens)
-        if micro_batch_tokens is not None
-        else data.make_microbatches(micro_batch_size)
-    )
-    # Every chunk's width read at once: one read of the batch per step, not one per micro-batch.
-    widths = torch.stack([chunk["input_lengths"].max() for chunk in chunks]).tolist() if chunks else []
+    lengths = data["input_lengths"].tolist()  # the step's one read of the batch
+    if micro_batch_tokens is not None:
+        groups: Sequence[Sequence[int]] = token_budget_groups(lengths, micro_batch_tokens)
+    elif micro_batch_size < len(lengths):
+        groups = _cut_longest_first(lengths, micro_batch_size)
+    else:
+        groups = [range(len(lengths))] if lengths else []
     planned = []
-    for chunk, width in zip(chunks, widths, strict=True):
-        padded = chunk["input_ids"].shape[1]
+    for rows in groups:
+        chunk = data.slice(rows.start, rows.stop) if isinstance(rows, range) else data.select_indices(rows)
+        width, padded = max(lengths[row] for row in rows), chunk["input_ids"].shape[1]
         # Only per-position fields are trimmed; per-row ones ([B, teachers] weights) keep their width.
         planned.append(
             BatchedDataDict({k: v[:, :width] if _per_position(k, v, padded) else v for k, v in chunk.items()})
@@ -165,6 +171,29 @@ def accumulate_gradients(
 
 _PER_ROW_MATRICES = ("teacher_weights",)
 """``[B, n]`` batch fields that are not laid out by position (a mixture's weight of each teacher)."""
+
+
+def _cut_longest_first(lengths: list[int], micro_batch_size: int) -> list[list[int]]:
+    """The rows by length, longest first (ties keep their order), cut into consecutive micro-batches of
+    ``micro_batch_size`` rows and one smaller remainder, placed where it pads the least.
+
+    A micro-batch pads every row to its longest, so it costs its rows × its longest row. Some cut into consecutive
+    runs of the sorted rows pads the least of any grouping into these sizes (the group holding the longest row
+    loses nothing by taking the next longest ones too); which one depends only on where the remainder goes.
+    """
+    order = sorted(range(len(lengths)), key=lambda row: -lengths[row])  # sorted() is stable
+    full, remainder = divmod(len(order), micro_batch_size)
+    choices = [[micro_batch_size] * full]
+    if remainder:
+        choices = [[micro_batch_size] * at + [remainder] + [micro_batch_size] * (full - at) for at in range(full + 1)]
+
+    def padded(sizes: list[int]) -> int:
+        starts = itertools.accumulate(sizes[:-1], initial=0)
+        return sum(size * lengths[order[start]] for size, start in zip(sizes, starts, strict=True))
+
+    sizes = min(choices, key=padded)
+    starts = itertools.accumulate(sizes[:-1], initial=0)
+    return [order[start : start + size] for size, start in zip(sizes, starts, strict=True)]
 
 
 def _per_position(key: str, value: object, padded_width: int) -> bool:
