@@ -14,7 +14,10 @@ cd "$(dirname "$0")/.."
 source scripts/python_env.sh
 EXTRAS="${1:-}"
 export PIP_ROOT_USER_ACTION=ignore  # installing as root in a container is deliberate
-PIP=("$PYTHON" -m pip install --quiet --disable-pip-version-check)
+# --no-compile: pip would byte-compile every module of every package it installs (tens of
+# thousands of files here, most of the install's CPU time); Python compiles the modules a
+# program imports on their first import instead, and keeps them.
+PIP=("$PYTHON" -m pip install --quiet --disable-pip-version-check --no-compile)
 
 # pyproject.toml's bound on torch (the newest torch API opd calls sets it).
 TORCH_FLOOR="$(sed -n 's/^ *"torch>=\([0-9.]*\)",$/\1/p' pyproject.toml)"

@@ -235,6 +235,18 @@ _QUICK_PATHS = [
 ]
 
 
+# Rerun by CI's second run beside the slow tier, at the machine's own CPU kernel level
+# (marker `kernel_rerun`): the recorded losses and tiny runs, and the multi-turn cluster runs
+# against one process. The other cluster comparisons are rerun there by the slow tier's
+# feature pairs; scripts/test_kernel_levels.sh reruns any of them at any level.
+_KERNEL_RERUN_PATHS = ["reference", "distributed/test_cluster_multi_turn.py"]
+_SLOW_AND_KERNEL_RERUN = "slow or kernel_rerun"
+
+
+def _under(name: str, paths: list[str]) -> bool:
+    return any(name == path or name.startswith(path + "/") for path in paths)
+
+
 def _relative_path(item) -> str | None:
     try:
         return Path(item.path).resolve().relative_to(_TESTS_DIR).as_posix()
@@ -243,26 +255,34 @@ def _relative_path(item) -> str | None:
 
 
 def pytest_ignore_collect(collection_path, config):
-    """With ``-m slow`` alone (CI's second run), leaves out the test files that mark no test `slow`.
+    """With ``-m slow`` (CI's second run: ``slow or kernel_rerun``), leaves out the test files that mark no test
+    `slow` (and are no kernel-level rerun).
 
     Collecting a file imports it and what it imports (torch, transformers, Ray, TRL...):
     the whole suite's collection costs each pytest worker most of 20 CPU-seconds, to
     select a dozen tests from three files in a hundred. A file that marks a test slow
     names ``mark.slow`` (a decorator, ``pytestmark`` or a parameter's ``marks=``).
     """
-    if config.getoption("markexpr", default="") != "slow" or collection_path.suffix != ".py":
+    markexpr = config.getoption("markexpr", default="")
+    if markexpr not in ("slow", _SLOW_AND_KERNEL_RERUN) or collection_path.suffix != ".py":
         return None
     if not collection_path.name.startswith("test_"):
         return None
+    if markexpr == _SLOW_AND_KERNEL_RERUN:
+        path = Path(collection_path).resolve()
+        if path.is_relative_to(_TESTS_DIR) and _under(path.relative_to(_TESTS_DIR).as_posix(), _KERNEL_RERUN_PATHS):
+            return None
     return "mark.slow" not in collection_path.read_text(encoding="utf-8")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks the quick tier."""
+    """Marks the quick tier and the kernel-level reruns."""
     for item in items:
         name = _relative_path(item)
-        if name is not None and any(name == path or name.startswith(path + "/") for path in _QUICK_PATHS):
+        if name is not None and _under(name, _QUICK_PATHS):
             item.add_marker(pytest.mark.quick)
+        if name is not None and _under(name, _KERNEL_RERUN_PATHS):
+            item.add_marker(pytest.mark.kernel_rerun)
 
 
 @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
