@@ -65,6 +65,29 @@ def _transformed_with_slope(
     return logits, (1.0 - squashed * squashed).mul_(multiplier)
 
 
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def add_weight_gradient(
+    grad_weight: torch.Tensor, grad_logits: torch.Tensor, grad_logits_as_weight: torch.Tensor, hidden: torch.Tensor
+) -> None:
+    """``grad_weight += grad_logitsᵀ · hidden`` for one chunk of positions; ``grad_weight`` is fp32 (or fp64).
+
+    A model that computes in fp32 gets the product in fp32. One that computes in 16 bits gets it from a 16-bit
+    matmul (``grad_logits_as_weight``, the gradient already cast to the weight's dtype for the hidden states'
+    gradient, times the 16-bit ``hidden``): on a GPU that is the tensor cores' rate, with fp32 accumulation inside
+    the matmul, where an fp32 matmul over ``[V, rows] × [rows, D]`` was the largest of the head's costs. Its result
+    is rounded once to 16 bits per chunk, then summed over the chunks in fp32: as autograd computes a 16-bit
+    weight's gradient, but without autograd's rounding of the running sum: each element is within 2u·Σ|g·h| (u =
+    2⁻⁸ for bf16, 2⁻¹¹ for fp16: one rounding of the cast gradient, one of the chunk's product) plus fp32's
+    rounding of the sums (tested against float64).
+    """
+    if hidden.dtype in _SIXTEEN_BIT and grad_logits_as_weight.dtype == hidden.dtype:
+        grad_weight.add_(grad_logits_as_weight.T @ hidden)
+    else:
+        grad_weight.addmm_(grad_logits.T, hidden.to(grad_weight.dtype))
+
+
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     """Σ_i w_i · divergence_i with the gradients made in forward, chunk by chunk."""
 
@@ -119,8 +142,9 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             grad_logits = grad_logits.to(accumulate)
             # In the weight's own dtype, as autograd would: casting a bf16 [V, D] weight
             # to fp32 here would copy it once per chunk.
-            grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            grad_weight.addmm_(grad_logits.T, chunk_hidden.to(accumulate))
+            grad_logits_as_weight = grad_logits.to(weight.dtype)
+            grad_hidden[rows] = (grad_logits_as_weight @ weight).to(hidden.dtype)
+            add_weight_gradient(grad_weight, grad_logits, grad_logits_as_weight, chunk_hidden)
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(dim=0)
             del grad_logits

@@ -19,7 +19,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import attention_mask_from_lengths, pack_sequences
-from opd.kernels.fused_lm_head import chunked_lm_head_loss
+from opd.kernels.fused_lm_head import add_weight_gradient, chunked_lm_head_loss
 from opd.losses.distillation_losses import JSDLossFn, KLLossFn, TopKKLLossFn
 from opd.losses.divergences import full_vocab_divergence_with_grad, generalized_jsd, token_kl, topk_token_kl
 from opd.losses.sampled_token import SampledTokenLossFn, sampled_token_pg_loss
@@ -535,3 +535,39 @@ def test_bfloat16_models_run_through_the_fused_path():
     for got, want, leaf in zip(gradients(fused, fused_leaves), expected_grads, fused_leaves):
         assert got.dtype == leaf.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(("dtype", "unit"), [(torch.bfloat16, 2.0**-8), (torch.float16, 2.0**-11)])
+def test_a_16_bit_weight_gradient_runs_in_16_bits_and_is_summed_in_fp32(dtype, unit):
+    """Each chunk's gᵀ·h is a 16-bit matmul (its result is a 16-bit number); the chunks' sum is fp32's and stays
+    within the rounding the docstring derives: 2u·Σ|g·h| for the cast gradient and the chunk's product, and fp32's
+    unit roundoff once per row summed inside a chunk and once per chunk summed after it."""
+    generator = torch.Generator().manual_seed(5)
+    chunks, rows, vocab, width = 4, 16, 96, 24
+    # Gradients spanning magnitudes, with signs that cancel in the sums.
+    grad_logits = torch.randn(chunks * rows, vocab, generator=generator) * torch.logspace(-3, 1, vocab)
+    hidden = torch.randn(chunks * rows, width, generator=generator).to(dtype)
+    grad_weight = torch.zeros(vocab, width)
+    for chunk in range(chunks):
+        part = slice(chunk * rows, (chunk + 1) * rows)
+        add_weight_gradient(grad_weight, grad_logits[part], grad_logits[part].to(dtype), hidden[part])
+        if chunk == 0:  # one chunk's product, held in fp32, is a 16-bit number: the matmul ran in 16 bits
+            torch.testing.assert_close(grad_weight, grad_weight.to(dtype).float(), rtol=0, atol=0)
+    exact = grad_logits.double().T @ hidden.double()
+    magnitude = grad_logits.double().abs().T @ hidden.double().abs()
+    bound = (2 * unit + (rows + chunks) * 2.0**-24) * magnitude
+    error = (grad_weight.double() - exact).abs()
+    assert (error <= bound).all(), float((error / bound).max())
+    assert float(error.max()) > 0  # not the fp32 path by accident
+
+
+def test_an_fp32_weight_gradient_stays_fp32():
+    """Within fp32's rounding of the row sum, far below any 16-bit rounding."""
+    generator = torch.Generator().manual_seed(6)
+    rows = 16
+    grad_logits, hidden = torch.randn(rows, 40, generator=generator), torch.randn(rows, 8, generator=generator)
+    grad_weight = torch.zeros(40, 8)
+    add_weight_gradient(grad_weight, grad_logits, grad_logits, hidden)
+    magnitude = grad_logits.double().abs().T @ hidden.double().abs()
+    error = (grad_weight.double() - grad_logits.double().T @ hidden.double()).abs()
+    assert (error <= (rows + 1) * 2.0**-24 * magnitude).all()
