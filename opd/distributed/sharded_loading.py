@@ -23,7 +23,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from opd.models.config import ModelLoadingConfig
-from opd.models.loading import load_causal_lm
+from opd.models.loading import attention_implementation_for, load_causal_lm
 from opd.models.tiny import is_tiny_path
 from opd.utils.devices import use_tf32_matmuls
 from opd.utils.errors import ConfigError
@@ -70,7 +70,7 @@ def load_sharded(
         if added is not None:  # the wrapper's own start is replaced by the caller's
             added(model)
         return model
-    model = _build_on_meta(path, dtype, loading)
+    model = _build_on_meta(path, dtype, device, loading)
     model = shard(model)
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     model.to_empty(device=device)
@@ -132,15 +132,15 @@ def _node_name() -> str:
     return name
 
 
-def _build_on_meta(path: str, dtype: torch.dtype, loading: ModelLoadingConfig) -> PreTrainedModel:
+def _build_on_meta(path: str, dtype: torch.dtype, device: torch.device, loading: ModelLoadingConfig) -> PreTrainedModel:
     """The architecture of ``path`` with its parameters on the meta device and its buffers computed."""
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=loading.trust_remote_code)
     except (OSError, ValueError) as error:
         raise ConfigError(f"cannot read the model config of '{path}': {str(error).splitlines()[0]}") from None
     kwargs: dict[str, Any] = {"trust_remote_code": loading.trust_remote_code, "dtype": dtype}
-    if loading.attn_implementation:
-        kwargs["attn_implementation"] = loading.attn_implementation
+    if attention := attention_implementation_for(loading, device, dtype):
+        kwargs["attn_implementation"] = attention
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, **kwargs)
     model.tie_weights()

@@ -23,7 +23,12 @@ class ModelLoadingConfig(StrictConfig):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     trust_remote_code: bool = False
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] | None = Field(
+        "auto",
+        description="auto: flash_attention_2 for a 16-bit model on CUDA where the flash_attn package is installed "
+        "(packed rows, training.sequence_packing, then run its variable-length kernel), else transformers' default, "
+        "sdpa (packed rows get a block-diagonal mask); null: transformers' default",
+    )
     tf32: bool = Field(
         True,
         description="on CUDA, float32 matmuls (the fused loss's fp32 accumulations, a float32 model) run on TF32 "

@@ -6,7 +6,9 @@ share a tokenizer; :func:`check_tokenizer_compatibility` fails early with the fi
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,6 +121,29 @@ def _damaged_weights_file(directory: Path) -> str | None:
     return None
 
 
+def attention_implementation(
+    requested: str | None, device: torch.device, dtype: torch.dtype, flash_attn_installed: Callable[[], bool]
+) -> str | None:
+    """The ``attn_implementation`` to load a model with (None: transformers' default), ``auto`` resolved.
+
+    Flash attention runs on CUDA in 16 bits only, and needs the ``flash_attn`` package (transformers' own
+    check). ``flash_attn_installed`` is asked only when the rest holds.
+    """
+
+    def choose() -> str | None:
+        flash = is_cuda(device) and dtype in (torch.bfloat16, torch.float16) and flash_attn_installed()
+        return "flash_attention_2" if flash else None
+
+    return resolve_auto(requested, choose)
+
+
+def attention_implementation_for(config: ModelLoadingConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+    """``config.attn_implementation`` for a model of ``dtype`` on ``device`` (:func:`attention_implementation`)."""
+    return attention_implementation(
+        config.attn_implementation, device, dtype, lambda: importlib.util.find_spec("flash_attn") is not None
+    )
+
+
 def load_causal_lm(
     path: str,
     dtype: torch.dtype,
@@ -136,11 +161,11 @@ def load_causal_lm(
     if is_tiny_path(path):
         model = build_tiny_model(path[len(TINY_PREFIX) :], dtype=dtype)
     elif (source := gguf_source(path)) is not None:
-        model = load_gguf_causal_lm(source, dtype, config.attn_implementation)
+        model = load_gguf_causal_lm(source, dtype, attention_implementation_for(config, device, dtype))
     else:
         kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": config.trust_remote_code}
-        if config.attn_implementation:
-            kwargs["attn_implementation"] = config.attn_implementation
+        if attention := attention_implementation_for(config, device, dtype):
+            kwargs["attn_implementation"] = attention
         if device_map is not None:
             kwargs["device_map"] = device_map
         _check_local_path(path, "model")

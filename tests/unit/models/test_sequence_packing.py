@@ -167,3 +167,45 @@ def test_packed_sampled_token_run_logs_the_padded_run_losses(tmp_path):
         losses[packing] = [r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r]
     assert len(losses["true"]) == 2
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-4)
+
+
+CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "dtype", "installed", "expected"),
+    [
+        ("auto", CUDA, torch.bfloat16, True, "flash_attention_2"),
+        ("auto", CUDA, torch.float16, True, "flash_attention_2"),
+        ("auto", CUDA, torch.float32, True, None),  # flash attention has no fp32 kernel
+        ("auto", CUDA, torch.bfloat16, False, None),  # the stated fallback: transformers' default (sdpa)
+        ("auto", CPU, torch.bfloat16, True, None),
+        ("sdpa", CUDA, torch.bfloat16, True, "sdpa"),
+        ("eager", CPU, torch.float32, False, "eager"),
+        (None, CUDA, torch.bfloat16, True, None),
+    ],
+)
+def test_auto_attention_is_flash_attention_where_it_can_run(requested, device, dtype, installed, expected):
+    from opd.models.loading import attention_implementation
+
+    asked = []
+
+    def flash_attn_installed() -> bool:
+        asked.append(True)
+        return installed
+
+    assert attention_implementation(requested, device, dtype, flash_attn_installed) == expected
+    if device.type == "cpu" or requested != "auto":
+        assert not asked  # the package is looked for only where it could run
+
+
+@pytest.mark.parametrize(("requested", "loaded"), [("auto", "sdpa"), ("eager", "eager")])
+def test_a_model_on_cpu_loads_with_the_resolved_attention(tmp_path, requested, loaded):
+    from opd.models.config import ModelLoadingConfig
+    from opd.models.loading import load_causal_lm
+
+    build_tiny_model("student").save_pretrained(tmp_path / "student")
+    model = load_causal_lm(
+        str(tmp_path / "student"), torch.float32, CPU, ModelLoadingConfig(attn_implementation=requested)
+    )
+    assert model.config._attn_implementation == loaded
