@@ -6,7 +6,8 @@ allocated bytes; the verdicts count what the caching allocator reserves, the all
 (:data:`RESERVED_FACTOR`). Computed from the shapes instead: the other teacher placements, the loss's chunk, the
 rollout engine and its worker's process (:meth:`~opd.rollout.engine_kind.EngineKind.planned_memory`,
 :meth:`~opd.rollout.engine_kind.EngineKind.worker_memory`), and, where the engines share the trainer's devices,
-the busier moment of such a device (:meth:`MemoryPlan.colocated_checks`). :func:`render_plan` prints a table,
+the busier moment of such a device (:meth:`MemoryPlan.colocated_checks`). From a sample of the training data:
+the share of a step's tokens that is padding (:mod:`opd.plan.padding`). :func:`render_plan` prints a table,
 :meth:`MemoryPlan.as_dict` JSON.
 """
 
@@ -27,6 +28,7 @@ from opd.models.lm_head import default_chunk_rows
 from opd.models.model_shapes import model_config, tokenizer_size
 from opd.plan.dry_run import RankMemory, ReplicaMemory, StepShape, dry_run_rank, dry_run_teacher_replica
 from opd.plan.layer_extrapolation import BASE_DEPTH
+from opd.plan.padding import PaddingShare, UnknownPadding, estimate_padding
 from opd.rollout.engine_kind import (
     GIB,
     RUNTIME_RESERVE,
@@ -121,6 +123,8 @@ class MemoryPlan:
     sample."""
     rollout_worker: RolloutWorkerMemory | None = None
     """What a rollout worker's process holds on its device beside its engine."""
+    padding: PaddingShare | UnknownPadding | None = None
+    """The share of a step's tokens that is padding, from a sample of the training data (:mod:`opd.plan.padding`)."""
 
     def peak_of(self, key: str) -> int:
         """The largest peak over the ranks dry-run under ``key`` (``"off"`` / ``"on"``)."""
@@ -199,6 +203,7 @@ class MemoryPlan:
             device: {label: check.as_dict() for label, check in checks.items()}
             for device, checks in self.colocated_checks().items()
         }
+        data["padding"] = self.padding.as_dict() if self.padding is not None else None
         data["devices"] = DEVICES
         data["runtime_reserve"] = RUNTIME_RESERVE
         return data
@@ -455,6 +460,7 @@ def plan_memory(
         lora=config.model.active_lora() is not None,
         reduce_gradients_once_per_step=cluster.trainer.reduces_gradients_once_per_step,
         micro_batches=shape.micro_batches,
+        padding=estimate_padding(config, world),
     )
     if placement.pool_shards is not None:
         assert teacher_path is not None and loss_fn.teacher_request is not None
@@ -620,6 +626,7 @@ def render_plan(plan: MemoryPlan) -> str:
         f"loss: fused chunks of {plan.loss_chunk_rows} positions × {plan.vocab_size:,} = "
         f"{plan.loss_chunk_bytes / 2**20:.0f} MiB of fp32 logits per chunk (in the peak above)",
         _gradients_line(plan),
+        *([plan.padding.describe()] if plan.padding is not None else []),
         NOT_TRACED,
         "",
         *_verdict_lines(plan),

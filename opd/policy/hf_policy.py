@@ -86,19 +86,13 @@ def plan_micro_batches(
 
     Rows are sorted longest first before they are cut, so that rows of like length share a micro-batch and pad
     each other little: with ``micro_batch_tokens``, up to that budget of padded tokens each; otherwise
-    ``micro_batch_size`` rows each and a remainder (:func:`_cut_longest_first`). The loss is
+    ``micro_batch_size`` rows each and a remainder (:func:`cut_longest_first`). The loss is
     normalised over the whole batch and each row's teacher signal is found by its ``sample_index``, so the order
     changes only the order in which the gradients are summed. A batch that is one micro-batch keeps its order.
     """
     lengths = data["input_lengths"].tolist()  # the step's one read of the batch
-    if micro_batch_tokens is not None:
-        groups: Sequence[Sequence[int]] = token_budget_groups(lengths, micro_batch_tokens)
-    elif micro_batch_size < len(lengths):
-        groups = _cut_longest_first(lengths, micro_batch_size)
-    else:
-        groups = [range(len(lengths))] if lengths else []
     planned = []
-    for rows in groups:
+    for rows in micro_batch_groups(lengths, micro_batch_size, micro_batch_tokens):
         chunk = data.slice(rows.start, rows.stop) if isinstance(rows, range) else data.select_indices(rows)
         width, padded = max(lengths[row] for row in rows), chunk["input_ids"].shape[1]
         # Only per-position fields are trimmed; per-row ones ([B, teachers] weights) keep their width.
@@ -106,6 +100,20 @@ def plan_micro_batches(
             BatchedDataDict({k: v[:, :width] if _per_position(k, v, padded) else v for k, v in chunk.items()})
         )
     return planned
+
+
+def micro_batch_groups(
+    lengths: list[int], micro_batch_size: int, micro_batch_tokens: int | None = None
+) -> Sequence[Sequence[int]]:
+    """The rows of each micro-batch of :func:`plan_micro_batches`, from the rows' lengths alone.
+
+    ``opd plan`` cuts a sample of the training data's lengths with it (:mod:`opd.plan.padding`).
+    """
+    if micro_batch_tokens is not None:
+        return token_budget_groups(lengths, micro_batch_tokens)
+    if micro_batch_size < len(lengths):
+        return cut_longest_first(lengths, micro_batch_size)
+    return [range(len(lengths))] if lengths else []
 
 
 def student_output(
@@ -173,7 +181,7 @@ _PER_ROW_MATRICES = ("teacher_weights",)
 """``[B, n]`` batch fields that are not laid out by position (a mixture's weight of each teacher)."""
 
 
-def _cut_longest_first(lengths: list[int], micro_batch_size: int) -> list[list[int]]:
+def cut_longest_first(lengths: list[int], micro_batch_size: int) -> list[list[int]]:
     """The rows by length, longest first (ties keep their order), cut into consecutive micro-batches of
     ``micro_batch_size`` rows and one smaller remainder, placed where it pads the least.
 
