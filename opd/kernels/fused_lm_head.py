@@ -66,6 +66,8 @@ def _transformed_with_slope(
 
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+_WEIGHT_GRADIENT_BLOCK_BYTES = 64 * 2**20
+"""The most bytes of a 16-bit weight-gradient product held at once (:func:`add_weight_gradient`)."""
 
 
 def add_weight_gradient(
@@ -83,7 +85,12 @@ def add_weight_gradient(
     rounding of the sums (tested against float64).
     """
     if hidden.dtype in _SIXTEEN_BIT and grad_logits_as_weight.dtype == hidden.dtype:
-        grad_weight.add_(grad_logits_as_weight.T @ hidden)
+        # The 16-bit product is a temporary before it is added: made for a block of vocabulary rows at a time,
+        # it stays small beside the fp32 gradient it is added to (one [V, D] product would be half its size).
+        block = max(1, _WEIGHT_GRADIENT_BLOCK_BYTES // (hidden.shape[1] * hidden.element_size()))
+        for start in range(0, grad_weight.shape[0], block):
+            rows = slice(start, start + block)
+            grad_weight[rows].add_(grad_logits_as_weight[:, rows].T @ hidden)
     else:
         grad_weight.addmm_(grad_logits.T, hidden.to(grad_weight.dtype))
 

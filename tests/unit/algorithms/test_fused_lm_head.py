@@ -19,6 +19,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.data.sequences import attention_mask_from_lengths, pack_sequences
+from opd.kernels import fused_lm_head
 from opd.kernels.fused_lm_head import add_weight_gradient, chunked_lm_head_loss
 from opd.losses.distillation_losses import JSDLossFn, KLLossFn, TopKKLLossFn
 from opd.losses.divergences import full_vocab_divergence_with_grad, generalized_jsd, token_kl, topk_token_kl
@@ -537,11 +538,14 @@ def test_bfloat16_models_run_through_the_fused_path():
         torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("block_rows", [None, 7])  # the whole vocabulary at once, or blocks of 7 rows
 @pytest.mark.parametrize(("dtype", "unit"), [(torch.bfloat16, 2.0**-8), (torch.float16, 2.0**-11)])
-def test_a_16_bit_weight_gradient_runs_in_16_bits_and_is_summed_in_fp32(dtype, unit):
+def test_a_16_bit_weight_gradient_runs_in_16_bits_and_is_summed_in_fp32(dtype, unit, block_rows, monkeypatch):
     """Each chunk's gᵀ·h is a 16-bit matmul (its result is a 16-bit number); the chunks' sum is fp32's and stays
     within the rounding the docstring derives: 2u·Σ|g·h| for the cast gradient and the chunk's product, and fp32's
     unit roundoff once per row summed inside a chunk and once per chunk summed after it."""
+    if block_rows is not None:  # vocabulary rows per block of the temporary product: 96 = 13 blocks of 7 and 5
+        monkeypatch.setattr(fused_lm_head, "_WEIGHT_GRADIENT_BLOCK_BYTES", block_rows * 24 * dtype.itemsize)
     generator = torch.Generator().manual_seed(5)
     chunks, rows, vocab, width = 4, 16, 96, 24
     # Gradients spanning magnitudes, with signs that cancel in the sums.
