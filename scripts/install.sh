@@ -14,10 +14,10 @@ cd "$(dirname "$0")/.."
 source scripts/python_env.sh
 EXTRAS="${1:-}"
 export PIP_ROOT_USER_ACTION=ignore  # installing as root in a container is deliberate
-# --no-compile: pip would byte-compile every module of every package it installs (tens of
-# thousands of files here, most of the install's CPU time); Python compiles the modules a
-# program imports on their first import instead, and keeps them.
-PIP=("$PYTHON" -m pip install --quiet --disable-pip-version-check --no-compile)
+# pip byte-compiles every module it installs (most of an install's CPU time), and must: where
+# PYTHONDONTWRITEBYTECODE is set (as in many container images) Python never keeps the modules
+# it compiles on import, so every process would compile everything it imports, every time.
+PIP=("$PYTHON" -m pip install --quiet --disable-pip-version-check)
 
 # pyproject.toml's bound on torch (the newest torch API opd calls sets it).
 TORCH_FLOOR="$(sed -n 's/^ *"torch>=\([0-9.]*\)",$/\1/p' pyproject.toml)"

@@ -28,10 +28,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[vllm-env] creating $VENV"
   "$BASE_PYTHON" -m venv "$VENV"
 fi
-# --no-compile: pip would byte-compile every module of every package it installs (tens of
-# thousands of files here, most of the install's CPU time); Python compiles the modules a
-# program imports on their first import instead, and keeps them.
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)
+# pip byte-compiles every module it installs (most of an install's CPU time), and must: where
+# PYTHONDONTWRITEBYTECODE is set (as in many container images) Python never keeps the modules
+# it compiles on import, so every process would compile everything it imports, every time.
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # Whether a package is installed, and its version, from its metadata: importing vLLM takes
 # seconds, and the vLLM stage runs this script before its tests every time.
 installed() {  # installed PACKAGE...: exits 1 unless every import package is installed
