@@ -64,5 +64,8 @@ if [ -n "$EXTRAS" ]; then
 else
   "${PIP[@]}" -e .
 fi
+# opd's own modules byte-compiled once: an editable install leaves them to Python, which
+# keeps nothing where PYTHONDONTWRITEBYTECODE is set, so every process would compile them.
+"$PYTHON" -m compileall -q opd >/dev/null || true
 { echo "$KEY" > "$STAMP"; } 2>/dev/null || true  # a prefix we may not write to keeps no stamp
 echo "[install] opd installed into $PREFIX"

@@ -59,6 +59,7 @@ if [ "$WITH_OPD" = 1 ]; then
     || ! installed opd; then
     rm -f "$STAMP"
     "${PIP[@]}" -e ".[$(IFS=,; echo "${EXTRAS[*]}")]"
+    "$VENV/bin/python" -m compileall -q opd >/dev/null || true  # as scripts/install.sh
     echo "$KEY" > "$STAMP"
   fi
   installed vllm torch opd lm_eval || { echo "[vllm-env] error: vllm, torch, opd or lm_eval is missing from $VENV after the install" >&2; exit 1; }
