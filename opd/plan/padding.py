@@ -122,7 +122,7 @@ class UnknownPadding:
 def estimate_padding(config: MasterConfig, ranks: int) -> PaddingShare | UnknownPadding:
     """The padding share of ``config``'s training steps on ``ranks`` trainer ranks (see the module docstring).
 
-    Never raises for data it cannot read (not on this machine, malformed, a tokenizer that will not load):
+    Never raises for data it cannot read (absent where opd plan runs, malformed, a tokenizer that will not load):
     the answer is then :class:`UnknownPadding`, saying why.
     """
     packing = config.training.sequence_packing
@@ -162,7 +162,7 @@ def share_of_steps(config: MasterConfig, steps: list[list[PreparedExample]], ran
 
 
 def _unreadable_reason(config: MasterConfig) -> str | None:
-    """Why the sample cannot be read on this machine, or None if it can be tried."""
+    """Why the sample cannot be read where opd plan runs, or None if it can be tried."""
     if config.environment is not None:
         return "multi-turn episodes (environment:) are as long as their turns make them, known only once played"
     source = config.data.train_path
