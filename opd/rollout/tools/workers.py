@@ -16,6 +16,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -85,9 +86,14 @@ def _drop_output() -> None:
     sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - this process's streams, for its lifetime
 
 
-def _descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (Linux: read from ``/proc``; elsewhere none are found)."""
+def _descendants(pid: int, running_only: bool = False) -> list[int]:
+    """The processes below ``pid`` (Linux: read from ``/proc``; elsewhere none are found).
+
+    ``running_only`` leaves out the ones that have ended (zombies not yet reaped, state Z or X): still below
+    ``pid``, but nothing left to kill.
+    """
     children: dict[int, list[int]] = {}
+    ended: set[int] = set()
     for entry in os.scandir("/proc") if os.path.isdir("/proc") else []:
         if not entry.name.isdigit():
             continue
@@ -96,13 +102,15 @@ def _descendants(pid: int) -> list[int]:
                 stat = handle.read()
         except OSError:  # ended meanwhile
             continue
-        parent = int(stat[stat.rindex(b")") + 2 :].split()[1])  # after "pid (comm) state": the parent's pid
-        children.setdefault(parent, []).append(int(entry.name))
+        state, parent = stat[stat.rindex(b")") + 2 :].split()[:2]  # after "pid (comm) ": state, the parent's pid
+        children.setdefault(int(parent), []).append(int(entry.name))
+        if state in (b"Z", b"X"):
+            ended.add(int(entry.name))
     found, frontier = [], [pid]
     while frontier:
         frontier = [child for parent in frontier for child in children.get(parent, [])]
         found += frontier
-    return found
+    return [process for process in found if process not in ended] if running_only else found
 
 
 def _has_children() -> bool:
@@ -115,17 +123,28 @@ def _has_children() -> bool:
         return True
 
 
+KILL_DEADLINE_S = 10.0
+"""Longest wait for the processes below a worker to end once killed (one in uninterruptible sleep may not)."""
+
+
 def kill_descendants(pid: int) -> None:
-    """Kills every process below ``pid`` (stopped first, so none forks meanwhile) and reaps the ones that are its
-    children; a few rounds catch what was forked between a look and the kill."""
+    """Kills every process below ``pid`` (stopped first, so none forks meanwhile), reaps the ones that are its
+    children, and returns once none of them runs (or after :data:`KILL_DEADLINE_S`).
+
+    It looks again until nothing below ``pid`` runs, not for a fixed number of rounds: a killed process runs on
+    until it is next scheduled (on busy cores, after any number of quick rounds), and one killed in the middle of a
+    ``fork`` leaves its new child to be re-parented to the subreaper only when it ends.
+    """
     if pid == os.getpid() and not _has_children():  # the common case, without reading all of /proc
         return
-    for _ in range(10):
-        found = _descendants(pid)
-        if not found:
+    deadline = time.monotonic() + KILL_DEADLINE_S
+    pause = 0.0
+    while True:
+        running = _descendants(pid, running_only=True)
+        if not running or time.monotonic() > deadline:
             return
         for signal_number in (signal.SIGSTOP, signal.SIGKILL):
-            for descendant in found:
+            for descendant in running:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(descendant, signal_number)
         if pid == os.getpid():  # its children (an orphan's subreaper included) are reaped here
@@ -133,6 +152,8 @@ def kill_descendants(pid: int) -> None:
                 reaped = os.waitpid(-1, os.WNOHANG)[0]
                 while reaped > 0:
                     reaped = os.waitpid(-1, os.WNOHANG)[0]
+        time.sleep(pause)  # the first look again at once; then give the killed processes time to end
+        pause = min(2 * pause or 0.001, 0.05)
 
 
 class ToolWorker:

@@ -168,3 +168,34 @@ def test_what_a_runaway_tool_started_is_killed_with_it(tmp_path):
             break
         time.sleep(0.01)
     assert not is_running(child)
+
+
+def test_the_kill_looks_again_until_nothing_below_runs(monkeypatch):
+    """A process killed in the middle of a fork runs on until it is next scheduled (on busy cores, for longer than
+    any fixed number of quick looks), and its new child appears only then, re-parented to the worker. Simulated:
+    the forking process is still running for 25 looks after the kill; then it has ended and its child runs. The kill
+    must reach the child, and must not return while anything it killed still runs."""
+    import signal
+
+    from opd.rollout.tools import workers
+
+    forker, child = 1001, 1002
+    looks = {"count": 0}
+    killed: set[int] = set()
+
+    def descendants(pid, running_only=False):
+        assert running_only
+        looks["count"] += 1
+        if looks["count"] <= 25 or forker not in killed:
+            return [forker]
+        return [child] if child not in killed else []
+
+    def kill(pid, signal_number):
+        if signal_number == signal.SIGKILL:
+            killed.add(pid)
+
+    monkeypatch.setattr(workers, "_descendants", descendants)
+    monkeypatch.setattr(workers.os, "kill", kill)
+    monkeypatch.setattr(workers.time, "sleep", lambda seconds: None)
+    workers.kill_descendants(4242)  # another process (a worker stopped at its limit): nothing to reap here
+    assert killed == {forker, child} and looks["count"] == 27
