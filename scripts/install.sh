@@ -17,6 +17,7 @@ export PIP_ROOT_USER_ACTION=ignore  # installing as root in a container is delib
 # pip byte-compiles every module it installs (most of an install's CPU time), and must: where
 # PYTHONDONTWRITEBYTECODE is set (as in many container images) Python never keeps the modules
 # it compiles on import, so every process would compile everything it imports, every time.
+# (.ci/run keeps Python's cache on and turns pip's compilation off: PIP_COMPILE=false.)
 PIP=("$PYTHON" -m pip install --quiet --disable-pip-version-check)
 
 # pyproject.toml's bound on torch (the newest torch API opd calls sets it).

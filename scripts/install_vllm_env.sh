@@ -31,6 +31,7 @@ fi
 # pip byte-compiles every module it installs (most of an install's CPU time), and must: where
 # PYTHONDONTWRITEBYTECODE is set (as in many container images) Python never keeps the modules
 # it compiles on import, so every process would compile everything it imports, every time.
+# (.ci/run keeps Python's cache on and turns pip's compilation off: PIP_COMPILE=false.)
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # Whether a package is installed, and its version, from its metadata: importing vLLM takes
 # seconds, and the vLLM stage runs this script before its tests every time.
