@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypedDict, cast
 
 import torch
@@ -17,7 +18,7 @@ from typing_extensions import NotRequired  # in typing from Python 3.11
 
 from opd.data.datasets import split_prompt_and_response
 from opd.data.episodes import encode_episode, split_at_first_assistant
-from opd.data.sequences import encode_prompt, encode_response
+from opd.data.sequences import encode_prompt, encode_texts, render_chat, response_ids, response_text
 from opd.data.teacher_choice import TeacherChoice
 from opd.data.teacher_context import TeacherContext
 from opd.utils.errors import DataError
@@ -72,52 +73,50 @@ def prepare_examples(
         DataError: if every prompt is too long, or (naming the source and example) if an example lacks its
             per-example context, has a malformed teacher assignment or a malformed episode.
     """
+    # Three passes, so that the tokenizer is called once per block of texts, not once per text (most of a large
+    # data set's preparation): render every prompt, tokenize the prompts and drop the long ones, tokenize the kept
+    # examples' responses. Episodes and teacher prompts (rarer) are tokenized per example.
+    rendered = [_render_prompt(index, example, tokenizer, source, tools) for index, example in enumerate(examples)]
+    prompt_ids = encode_texts(tokenizer, [prompt.text for prompt in rendered])
+    kept = [
+        (prompt, ids)
+        for prompt, ids in zip(rendered, prompt_ids, strict=True)
+        if max_prompt_length is None or len(ids) <= max_prompt_length
+    ]
+    fixed_response = [bool(prompt.episode) and prompt.tools is None for prompt, _ in kept]
+    response_texts = [
+        _response_text(prompt, tokenizer, source) for (prompt, _), fixed in zip(kept, fixed_response) if fixed
+    ]
+    encoded_responses = iter(encode_texts(tokenizer, response_texts))
     prepared: list[PreparedExample] = []
-    for index, example in enumerate(examples):
-        environment: str | None = None
-        example_tools: list[dict] | None = None if callable(tools) else tools
-        if callable(tools):  # several environments: the example's own, and its tools
-            try:
-                environment, example_tools = tools(example)
-            except DataError as error:
-                raise DataError(f"{source}: example {index + 1}: {error}") from None
-        if example_tools is None:
-            prompt_messages, response = split_prompt_and_response(example["messages"])
-            episode = [response] if response else []
-        else:  # an episode starts at the first assistant turn: every later message is part of it
-            prompt_messages, episode = split_at_first_assistant(example["messages"])
-        prompt_ids = encode_prompt(tokenizer, prompt_messages, example_tools)
-        if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
-            continue
-        ground_truth = example.get("ground_truth")
+    for (prompt, ids), fixed in zip(kept, fixed_response, strict=True):
+        ground_truth = prompt.example.get("ground_truth")
         item = PreparedExample(
-            prompt_ids=prompt_ids,
-            response_ids=encode_response(tokenizer, prompt_messages, episode[0])
-            if episode and example_tools is None
-            else None,
+            prompt_ids=ids,
+            response_ids=response_ids(tokenizer, next(encoded_responses)) if fixed else None,
             ground_truth=None if ground_truth is None else str(ground_truth),
         )
-        if example_tools is not None:
-            item["prompt_messages"] = prompt_messages
-        if environment is not None:
-            item["environment"] = environment
+        if prompt.tools is not None:
+            item["prompt_messages"] = prompt.messages
+        if prompt.environment is not None:
+            item["environment"] = prompt.environment
         try:
-            if example_tools is not None and episode:
+            if prompt.tools is not None and prompt.episode:
                 item["response_ids"], item["response_mask"] = encode_episode(
-                    tokenizer, prompt_messages, episode, example_tools
+                    tokenizer, prompt.messages, prompt.episode, prompt.tools
                 )
             _add_teacher_fields(
                 item,
-                example,
-                prompt_messages,
+                prompt.example,
+                prompt.messages,
                 tokenizer,
                 teacher_context,
                 teacher_choice,
                 teacher_tokenizer,
-                example_tools,
+                prompt.tools,
             )
         except DataError as error:
-            raise DataError(f"{source}: example {index + 1}: {error}") from None
+            raise DataError(f"{source}: example {prompt.index + 1}: {error}") from None
         prepared.append(item)
     skipped = len(examples) - len(prepared)
     if skipped:
@@ -125,6 +124,48 @@ def prepare_examples(
     if not prepared:
         raise DataError(f"{source}: no prompt fits data.max_prompt_length = {max_prompt_length}")
     return prepared
+
+
+@dataclass
+class _RenderedPrompt:
+    """An example split at its prompt's end, with the prompt rendered for generation (``text``)."""
+
+    index: int
+    example: dict
+    messages: list[dict]
+    episode: list[dict]
+    """The response as one message, or with tools the recorded episode from the first assistant turn (may be empty)."""
+    tools: list[dict] | None
+    environment: str | None
+    text: str
+
+
+def _render_prompt(
+    index: int, example: dict, tokenizer: Any, source: str, tools: list[dict] | ToolsOf | None
+) -> _RenderedPrompt:
+    """Splits ``example`` (with its environment's tools, where ``tools`` is a function) and renders its prompt."""
+    environment: str | None = None
+    example_tools: list[dict] | None = None if callable(tools) else tools
+    if callable(tools):  # several environments: the example's own, and its tools
+        try:
+            environment, example_tools = tools(example)
+        except DataError as error:
+            raise DataError(f"{source}: example {index + 1}: {error}") from None
+    if example_tools is None:
+        prompt_messages, response = split_prompt_and_response(example["messages"])
+        episode = [response] if response else []
+    else:  # an episode starts at the first assistant turn: every later message is part of it
+        prompt_messages, episode = split_at_first_assistant(example["messages"])
+    text = render_chat(tokenizer, prompt_messages, add_generation_prompt=True, tools=example_tools)
+    return _RenderedPrompt(index, example, prompt_messages, episode, example_tools, environment, text)
+
+
+def _response_text(prompt: _RenderedPrompt, tokenizer: Any, source: str) -> str:
+    """The text of the example's fixed response; DataError naming the source and example if it cannot be split."""
+    try:
+        return response_text(tokenizer, prompt.messages, prompt.episode[0], prompt.text)
+    except DataError as error:
+        raise DataError(f"{source}: example {prompt.index + 1}: {error}") from None
 
 
 def _add_teacher_fields(

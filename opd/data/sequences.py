@@ -30,31 +30,65 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+ENCODE_BLOCK = 4096
+"""Texts per tokenizer call in :func:`encode_texts`: few calls, and a bounded transient result for a large dataset."""
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """:func:`encode_text` of each text, with one tokenizer call per block of texts.
+
+    A fast tokenizer encodes a batch in Rust; a call per text costs most of a data set's preparation in Python
+    overhead. Each text is still encoded on its own (no padding, no truncation), so the ids are those of
+    :func:`encode_text`.
+    """
+    ids: list[list[int]] = []
+    for start in range(0, len(texts), ENCODE_BLOCK):
+        block = list(texts[start : start + ENCODE_BLOCK])
+        ids.extend(list(row) for row in tokenizer(block, add_special_tokens=False)["input_ids"])
+    return ids
+
+
 def encode_prompt(tokenizer: Any, prompt_messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """Token ids of a prompt (listing ``tools`` where given), ending with the template's assistant header."""
     return encode_text(tokenizer, render_chat(tokenizer, prompt_messages, add_generation_prompt=True, tools=tools))
 
 
-def encode_response(tokenizer: Any, prompt_messages: list[dict], response: dict) -> list[int]:
-    """Token ids that the chat template adds for ``response`` after the prompt, cut after the first EOS.
+def response_text(tokenizer: Any, prompt_messages: list[dict], response: dict, prompt_text: str) -> str:
+    """The text the chat template adds for ``response`` after ``prompt_text`` (the prompt rendered for generation).
 
-    Rendered in context but tokenized alone, so the prompt ids are those the student gets at generation time.
+    Rendered in context but tokenized alone (:func:`response_ids`), so the prompt ids are those the student gets at
+    generation time.
 
     Raises:
         DataError: if the template does not render the prompt as a prefix of the whole conversation.
     """
-    prompt_text = render_chat(tokenizer, prompt_messages, add_generation_prompt=True)
     full_text = render_chat(tokenizer, [*prompt_messages, response], add_generation_prompt=False)
     if not full_text.startswith(prompt_text):
         raise DataError(
             "the chat template does not render the prompt (with add_generation_prompt=True) "
             "as a prefix of the full conversation; cannot split prompt and response tokens"
         )
-    response_ids = encode_text(tokenizer, full_text[len(prompt_text) :])
+    return full_text[len(prompt_text) :]
+
+
+def response_ids(tokenizer: Any, ids: list[int]) -> list[int]:
+    """The ids of a tokenized :func:`response_text`, cut after the first EOS (the end the student learns)."""
     eos_id = tokenizer.eos_token_id
-    if eos_id is not None and eos_id in response_ids:
-        response_ids = response_ids[: response_ids.index(eos_id) + 1]
-    return response_ids
+    if eos_id is not None and eos_id in ids:
+        return ids[: ids.index(eos_id) + 1]
+    return ids
+
+
+def encode_response(tokenizer: Any, prompt_messages: list[dict], response: dict) -> list[int]:
+    """Token ids that the chat template adds for ``response`` after the prompt, cut after the first EOS.
+
+    Raises:
+        DataError: if the template does not render the prompt as a prefix of the whole conversation.
+    """
+    prompt_text = render_chat(tokenizer, prompt_messages, add_generation_prompt=True)
+    return response_ids(
+        tokenizer, encode_text(tokenizer, response_text(tokenizer, prompt_messages, response, prompt_text))
+    )
 
 
 def build_token_mask(
