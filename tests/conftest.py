@@ -178,21 +178,31 @@ _SLOWEST_FILES = [
     "unit/algorithms/test_sft.py",
     "distributed/test_worker_errors.py",
     "unit/models/test_remote_teacher.py",
+    # The vLLM stage (scripts/test_vllm.sh: these files and the feature pairs' vLLM test), longest first, so that
+    # its two workers end together (they skip at once in the suite above). By CI's 2-core durations of 2026-11-30:
+    # 48, 47, 38, 27, 22, 16, 14 and 13 s, then the short ones.
+    "with_vllm/test_vllm_teacher_pool.py",
     "functional/test_feature_pairs.py",
+    "with_vllm/test_vllm_refit_gpu_check.py",
+    "with_vllm/test_vllm_cluster.py",
+    "with_vllm/test_vllm_served_teacher.py",
+    "with_vllm/test_vllm_tensor_parallel.py",
+    "with_vllm/test_vllm_async_in_process.py",
+    "with_vllm/test_vllm_harness.py",
 ]
 _SLOWEST_SLOW_FILES = [
     # Two workers (CI's 2 cores). A worker is handed its next file as soon as at most 2 of its
     # tests are left, so a file of one or two tests takes the next file along at once. By CI's
-    # 2-core times (2026-11-27, 02:05 UTC run): the fault runs 233 s, the cluster pairs and spec
-    # case 90 s, kill-and-rerun 103 s, compiling 55 s, the trainer-worker teachers 52 s, the dry
-    # run 29 s, baselines 26 s.
+    # 2-core durations of 2026-11-30 (08:48 UTC run): the fault runs 125 s, SmolLM2 86 s,
+    # kill-and-rerun 78 s, the cluster pairs and spec case 70 s, the trainer-worker teachers 52 s,
+    # compiling 51 s, Gemma 3 compiled 36 s, the dry run 31 s, baselines 18 s.
     "distributed/test_cluster_faults.py",  # five `opd train` processes
     "functional/test_real_model_smollm2.py",  # SmolLM2 exported and pruned, five 3-step runs with a real 135M teacher
-    "functional/test_feature_pairs.py",  # every accepted cluster pair and the spec case, each also in one process
     "distributed/test_async_cluster.py",  # three `opd train` processes
+    "functional/test_feature_pairs.py",  # every accepted cluster pair and the spec case, each also in one process
+    "distributed/test_trainer_worker_teachers.py",
     "unit/utils/test_compile_cache.py",
     "unit/models/test_model_families.py",  # its slow test compiles a Gemma 3 decode step
-    "distributed/test_trainer_worker_teachers.py",
     "distributed/test_dry_run_accuracy.py",
     "distributed/test_cluster_baselines.py",
 ]
