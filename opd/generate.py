@@ -49,7 +49,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from opd.data.batches import build_fixed_data_batch
 from opd.data.dataloaders import prepare_examples
 from opd.data.datasets import load_chat_dataset, split_prompt_and_response
-from opd.data.sequences import encode_prompt
+from opd.data.sequences import encode_texts, render_chat
 from opd.distillation.cached_teacher_signal import (
     CachedRequest,
     cache_setting_problem,
@@ -387,10 +387,12 @@ def load_source_prompts(config: GenerateMasterConfig, tokenizer: Any) -> tuple[l
         prompt_file=data.prompt_file,
         max_examples=data.max_train_examples,
     )
+    conversations = [split_prompt_and_response(row["messages"])[0] for row in rows]
+    # One tokenizer call per block of prompts (encode_texts), not one per prompt: the same ids.
+    texts = [render_chat(tokenizer, messages, add_generation_prompt=True) for messages in conversations]
+    all_prompt_ids = encode_texts(tokenizer, texts)
     prompts: list[SourcePrompt] = []
-    for index, row in enumerate(rows):
-        messages, _reference = split_prompt_and_response(row["messages"])
-        prompt_ids = encode_prompt(tokenizer, messages)
+    for index, (row, messages, prompt_ids) in enumerate(zip(rows, conversations, all_prompt_ids, strict=True)):
         if data.max_prompt_length is not None and len(prompt_ids) > data.max_prompt_length:
             continue
         ground_truth = row.get("ground_truth")
