@@ -100,6 +100,8 @@ class MemoryPlan:
     """Device → ``"kept"`` / ``"offloaded"`` (``cluster.trainer.offload_during_generation``) → the engine's memory."""
     engine_arithmetic: str = ""
     """How ``generation.backend``'s engine counts its memory (the table's heading)."""
+    engine_untraced: str = ""
+    """What the engine holds that its budget leaves out (printed under it)."""
     dry_run_steps: int = 1
     teacher_in_trainer: str = ""
     """What of the teacher a trainer rank holds: a colocated copy, a pooled or served teacher's output layer, none."""
@@ -281,6 +283,7 @@ def _add_engine_budgets(
     prompts_per_engine = math.ceil(config.training.batch_size / cluster.rollout.workers)
     rows = prompts_per_engine * config.distillation.num_samples_per_prompt
     plan.engine_arithmetic = generation.engine.memory_arithmetic
+    plan.engine_untraced = generation.engine.untraced_memory
 
     def rollout(device_bytes: int, trainer_bytes: int) -> PlannedRollout:
         """One engine's rollout on a device of ``device_bytes``, beside ``trainer_bytes`` where it shares one."""
@@ -575,10 +578,14 @@ def _engine_lines(plan: MemoryPlan) -> list[str]:
     """The rollout engine's budget per device and resident state, and its worker's process."""
     lines = [f"rollout engine ({plan.engine_arithmetic}, KV cache at {plan.kv_bytes_per_token:,} bytes per token):"]
     for device, budgets in plan.engine.items():
-        for label, budget in budgets.items():
-            lines.append(f"  {device:>6}, {RESIDENT_STATES[label]:<33}: {budget.describe()}")
+        described = {RESIDENT_STATES[label]: budget.describe() for label, budget in budgets.items()}
+        if len(set(described.values())) == 1:  # the engine's budget does not depend on what the trainer keeps
+            described = {"trainer state kept or offloaded": next(iter(described.values()))}
+        lines += [f"  {device:>6}, {state:<33}: {description}" for state, description in described.items()]
     if plan.rollout_worker is not None:
         lines.append(f"  rollout worker, per device: {plan.rollout_worker.describe()}")
+    if plan.engine_untraced:
+        lines.append(f"  not counted: {plan.engine_untraced}")
     return lines
 
 

@@ -152,6 +152,8 @@ class EngineKind(ABC, Generic[SettingsT]):
 
     name: ClassVar[str]
     memory_arithmetic: ClassVar[str]
+    untraced_memory: ClassVar[str] = ""
+    """What the engine holds that its plan does not count (printed under it), if anything."""
 
     def check_environment(self, settings: SettingsT) -> None:
         """Fails at once, with the way to fix it, when this machine cannot run the engine (default: it can)."""

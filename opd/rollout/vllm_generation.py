@@ -409,29 +409,37 @@ class VllmSettings(Protocol):
 class VllmEngineBudget:
     """The vLLM engine's share of one device, in bytes (vLLM's arithmetic).
 
+    vLLM asks for ``gpu_memory_utilization`` × the device for the instance alone, refuses to start where that much
+    is not free, and sizes its KV cache within it: the share less the weights and the profiling forward's peak.
+    What else the device holds (a colocated trainer) does not shrink the KV cache; it must fit beside the share
+    (``opd plan``'s colocated check). With ``kv_cache_memory_bytes`` set, the KV cache is that size and the engine
+    holds its weights, activations and that cache.
+
     Attributes:
-        share: ``gpu_memory_utilization`` × the device.
+        share: what the engine holds while it samples: ``gpu_memory_utilization`` × the device, or with
+            ``kv_cache_memory_bytes`` its weights, activations and that cache.
         weights: the student in 16 bits (this device's slice with tensor parallel).
         activations: the profiling forward's activations and logits (an estimate).
-        kv_cache: what is left for the KV cache; ``kv_tokens``: its tokens over all the engine's devices.
+        kv_cache: the KV cache on this device; ``kv_tokens``: its tokens over all the engine's devices.
         kv_sequences: sequences of ``row_tokens`` (prompt + response) that fit.
+        kv_cache_set: ``kv_cache`` is ``generation.vllm.kv_cache_memory_bytes``, not what the share leaves.
         sleeps: sleep mode (``generation.vllm.enable_sleep_mode``; ``auto`` is on with CUDA): between rollouts the
             engine frees its share, and a refit wakes its weights alone.
     """
 
     share: int
-    trainer_resident: int
     weights: int
     activations: int
     kv_cache: int
     kv_tokens: int
     kv_sequences: int
     row_tokens: int
+    kv_cache_set: bool
     sleeps: bool
 
     @property
     def while_sampling(self) -> HeldMemory:
-        """Its whole share: vLLM allocates ``gpu_memory_utilization`` × the device for the instance when it wakes."""
+        """Its whole share: vLLM allocates it for the instance when it wakes."""
         return HeldMemory(self.share, "vLLM share", _SHARE_REMEDY)
 
     @property
@@ -442,11 +450,16 @@ class VllmEngineBudget:
         return HeldMemory(self.share, "vLLM share (no sleep mode: held throughout)", _SHARE_REMEDY)
 
     def describe(self) -> str:
-        """The share, less what else it holds, as KV cache."""
+        """The share, less its weights and activations, as KV cache (or the set cache and what it adds up to)."""
+        tokens = f"{self.kv_tokens:,} tokens = {self.kv_sequences:,} sequences of {self.row_tokens}"
+        if self.kv_cache_set:
+            return (
+                f"KV {gib(self.kv_cache)} GiB as set (generation.vllm.kv_cache_memory_bytes) = {tokens}; held: "
+                f"weights {gib(self.weights)} + activations {gib(self.activations)} + KV = {gib(self.share)} GiB"
+            )
         return (
-            f"share {gib(self.share)} − trainer {gib(self.trainer_resident)} − weights {gib(self.weights)} "
-            f"− activations {gib(self.activations)} = KV {gib(self.kv_cache)} GiB = {self.kv_tokens:,} tokens "
-            f"= {self.kv_sequences:,} sequences of {self.row_tokens}"
+            f"share {gib(self.share)} − weights {gib(self.weights)} − activations {gib(self.activations)} "
+            f"= KV {gib(self.kv_cache)} GiB = {tokens}"
         )
 
 
@@ -485,6 +498,10 @@ class VllmEngine(EngineKind[VllmSettings]):
 
     name = "vllm"
     memory_arithmetic = "vLLM's arithmetic"
+    untraced_memory = (
+        "vLLM's CUDA graphs, captured after its KV cache and beyond its share unless "
+        "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1 (generation.vllm.enforce_eager: true captures none)"
+    )
 
     def check_environment(self, settings: VllmSettings) -> None:
         """vLLM must be importable."""
@@ -504,28 +521,33 @@ class VllmEngine(EngineKind[VllmSettings]):
         """One device's share of the engine: its weights, profiling activations, and the KV cache in what is left.
 
         With tensor parallel each device holds a slice of the weights and KV heads (heads are replicated where there
-        are fewer than devices).
+        are fewer than devices). vLLM's profiling counts this instance's memory only (see :class:`VllmEngineBudget`).
         """
         tensor_parallel = settings.vllm.tensor_parallel_size
-        share = int(rollout.device_bytes * settings.vllm.gpu_memory_utilization)
         element_bytes = _ELEMENT_BYTES.get(settings.vllm.dtype, rollout.student_element_bytes)
         weights = element_bytes * rollout.student_parameters // tensor_parallel
         activations = (
             VLLM_PROFILE_TOKENS * rollout.layer_activation_bytes_per_token
             + VLLM_PROFILE_SEQUENCES * rollout.vocab_size * 4
         )
-        kv_cache = max(share - rollout.trainer_resident - weights - activations, 0)
+        kv_cache_set = settings.vllm.kv_cache_memory_bytes is not None
+        if settings.vllm.kv_cache_memory_bytes is not None:
+            kv_cache = settings.vllm.kv_cache_memory_bytes
+            share = weights + activations + kv_cache
+        else:
+            share = int(rollout.device_bytes * settings.vllm.gpu_memory_utilization)
+            kv_cache = max(share - weights - activations, 0)
         kv_slices = min(tensor_parallel, rollout.student.num_key_value_heads)
         tokens = kv_cache // -(-rollout.kv_bytes_per_token // kv_slices)
         return VllmEngineBudget(
             share,
-            rollout.trainer_resident,
             weights,
             activations,
             kv_cache,
             tokens,
             tokens // rollout.row_tokens,
             rollout.row_tokens,
+            kv_cache_set,
             # The plan is for GPUs, where auto turns sleep mode on.
             sleeps=resolve_auto(settings.vllm.enable_sleep_mode, lambda: True),
         )

@@ -221,9 +221,13 @@ def check_cluster_plan(plan: dict) -> None:
         assert plan["reserved_peaks"]["off"] == math.ceil(rank["peak"] * plan["reserved_factor"])
         assert plan["verdicts"][device]["off"] == (plan["reserved_peaks"]["off"] + plan["runtime_reserve"] <= size)
         kept, offloaded = plan["engine"][device]["kept"], plan["engine"][device]["offloaded"]
-        assert offloaded["kv_cache"] - kept["kv_cache"] == kept["trainer_resident"] - offloaded["trainer_resident"]
-        assert offloaded["trainer_resident"] == rank["student_parameters"]  # the refit reads the shard
+        # vLLM sizes its KV cache within its own share (what the trainer keeps must fit beside it: the check below).
+        assert kept == offloaded and kept["share"] == int(size * 0.3)
+        assert kept["kv_cache"] == kept["share"] - kept["weights"] - kept["activations"]
         assert kept["kv_tokens"] == kept["kv_cache"] // plan["kv_bytes_per_token"]
+        assert plan["trainer_resident"]["offloaded"] == rank["student_parameters"]  # the refit reads the shard
+        beside_share = plan["colocated_checks"][device]["kept"]
+        assert beside_share["parts"][1]["size"] == kept["share"] and beside_share["total"] > kept["share"]
 
 
 def run_plan(name: str, overrides: list[str]) -> dict:

@@ -2,7 +2,8 @@
 
 Over ``n`` devices a vLLM engine holds ``1/n`` of the weights and of the KV heads on each
 (heads are replicated where there are fewer heads than devices), so for the same device
-share it fits more tokens. The HF engine reserves nothing: it holds a copy of the
+share it fits more tokens. Its KV cache is what its share leaves after its own weights and
+activations (a colocated trainer does not shrink it), or the size set. The HF engine reserves nothing: it holds a copy of the
 student and the KV cache of the rows it samples. Both checked against the arithmetic
 written out here.
 """
@@ -19,8 +20,8 @@ STUDENT = "Qwen/Qwen2.5-1.5B-Instruct"  # 2 KV heads
 PARAMETERS, VOCAB = 1_543_714_304, 151_936
 
 
-def _rollout(student, rows=1) -> PlannedRollout:
-    return PlannedRollout(DEVICES["80 GB"], 0, student, PARAMETERS, VOCAB, 1024, 3072, rows)
+def _rollout(student, rows=1, trainer_resident=0) -> PlannedRollout:
+    return PlannedRollout(DEVICES["80 GB"], trainer_resident, student, PARAMETERS, VOCAB, 1024, 3072, rows)
 
 
 def _whole_token(student) -> int:
@@ -45,6 +46,29 @@ def test_tensor_parallel_splits_the_weights_and_the_kv_heads():
     assert four.kv_tokens == four.kv_cache // (whole_token // 2)
     assert two.kv_cache - one.kv_cache == one.weights - two.weights
     assert one.kv_sequences == one.kv_tokens // 4096
+
+
+def test_vllm_sizes_its_kv_cache_within_its_own_share_whatever_else_the_device_holds():
+    # vLLM (>= 0.32, the extra's floor) asks for gpu_memory_utilization x the device for the instance alone and
+    # refuses to start where that much is not free; its profiling counts its own weights and activations only.
+    student = model_config(STUDENT)
+    settings = GenerationConfig(backend="vllm")
+    alone, beside_a_trainer = (
+        settings.engine.planned_memory(settings, _rollout(student, trainer_resident=resident))
+        for resident in (0, 10 * 1024**3)
+    )
+    assert alone == beside_a_trainer
+    assert alone.kv_cache == alone.share - alone.weights - alone.activations > 0
+    assert "share" in alone.describe() and "trainer" not in alone.describe()
+
+
+def test_a_set_kv_cache_size_is_the_cache_and_the_engine_holds_it_with_its_weights():
+    student = model_config(STUDENT)
+    settings = GenerationConfig(backend="vllm", vllm=VllmGenerationConfig(kv_cache_memory_bytes=2 * 1024**3))
+    budget = settings.engine.planned_memory(settings, _rollout(student))
+    assert budget.kv_cache == 2 * 1024**3 and budget.kv_tokens == 2 * 1024**3 // _whole_token(student)
+    assert budget.while_sampling.size == budget.share == budget.weights + budget.activations + 2 * 1024**3
+    assert "as set (generation.vllm.kv_cache_memory_bytes)" in budget.describe()
 
 
 def test_the_hf_engine_holds_a_copy_of_the_student_and_its_rows_kv_cache():
