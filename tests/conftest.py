@@ -178,17 +178,9 @@ _SLOWEST_FILES = [
     "unit/algorithms/test_sft.py",
     "distributed/test_worker_errors.py",
     "unit/models/test_remote_teacher.py",
-    # The vLLM stage (scripts/test_vllm.sh: these files and the feature pairs' vLLM test), longest first, so that
-    # its two workers end together (they skip at once in the suite above). By CI's 2-core durations of 2026-11-30:
-    # 48, 47, 38, 27, 22, 16, 14 and 13 s, then the short ones.
-    "with_vllm/test_vllm_teacher_pool.py",
     "functional/test_feature_pairs.py",
-    "with_vllm/test_vllm_refit_gpu_check.py",
-    "with_vllm/test_vllm_cluster.py",
-    "with_vllm/test_vllm_served_teacher.py",
-    "with_vllm/test_vllm_tensor_parallel.py",
-    "with_vllm/test_vllm_async_in_process.py",
-    "with_vllm/test_vllm_harness.py",
+    # Not the vLLM stage's files (scripts/test_vllm.sh): ordered longest first, its two workers ran two
+    # multi-process vLLM engines at once, and the stage took 183 s instead of 159-178 s (2026-11-30).
 ]
 _SLOWEST_SLOW_FILES = [
     # Two workers (CI's 2 cores). A worker is handed its next file as soon as at most 2 of its
