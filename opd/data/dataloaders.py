@@ -71,7 +71,8 @@ def prepare_examples(
 
     Raises:
         DataError: if every prompt is too long, or (naming the source and example) if an example lacks its
-            per-example context, has a malformed teacher assignment or a malformed episode.
+            per-example context, has a malformed teacher assignment or a malformed episode, or if the chat template
+            does not render its prompt as a prefix of the conversation.
     """
     # Three passes, so that the tokenizer is called once per block of texts, not once per text (most of a large
     # data set's preparation): render every prompt, tokenize the prompts and drop the long ones, tokenize the kept
