@@ -18,7 +18,7 @@ from typing_extensions import NotRequired  # in typing from Python 3.11
 
 from opd.data.datasets import split_prompt_and_response
 from opd.data.episodes import encode_episode, split_at_first_assistant
-from opd.data.sequences import encode_prompt, encode_texts, render_chat, response_ids, response_text
+from opd.data.sequences import cut_after_eos, encode_prompt, encode_texts, render_chat, response_text
 from opd.data.teacher_choice import TeacherChoice
 from opd.data.teacher_context import TeacherContext
 from opd.utils.errors import DataError
@@ -74,9 +74,9 @@ def prepare_examples(
             per-example context, has a malformed teacher assignment or a malformed episode, or if the chat template
             does not render its prompt as a prefix of the conversation.
     """
-    # Three passes, so that the tokenizer is called once per block of texts, not once per text (most of a large
-    # data set's preparation): render every prompt, tokenize the prompts and drop the long ones, tokenize the kept
-    # examples' responses. Episodes and teacher prompts (rarer) are tokenized per example.
+    # Three passes, so that each prompt is rendered once and the tokenizer is called once per block of texts (it
+    # then encodes on every core it may use): render every prompt, tokenize the prompts and drop the long ones,
+    # tokenize the kept examples' responses. Episodes and teacher prompts (rarer) are tokenized per example.
     rendered = [_render_prompt(index, example, tokenizer, source, tools) for index, example in enumerate(examples)]
     prompt_ids = encode_texts(tokenizer, [prompt.text for prompt in rendered])
     kept = [
@@ -94,7 +94,7 @@ def prepare_examples(
         ground_truth = prompt.example.get("ground_truth")
         item = PreparedExample(
             prompt_ids=ids,
-            response_ids=response_ids(tokenizer, next(encoded_responses)) if fixed else None,
+            response_ids=cut_after_eos(tokenizer, next(encoded_responses)) if fixed else None,
             ground_truth=None if ground_truth is None else str(ground_truth),
         )
         if prompt.tools is not None:

@@ -37,8 +37,8 @@ ENCODE_BLOCK = 4096
 def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     """:func:`encode_text` of each text, with one tokenizer call per block of texts.
 
-    A fast tokenizer encodes a batch in Rust; a call per text costs most of a data set's preparation in Python
-    overhead. Each text is still encoded on its own (no padding, no truncation), so the ids are those of
+    A fast tokenizer encodes a batch in Rust on every core it may use (``TOKENIZERS_PARALLELISM``); one call per
+    text uses one. Each text is still encoded on its own (no padding, no truncation), so the ids are those of
     :func:`encode_text`.
     """
     ids: list[list[int]] = []
@@ -56,8 +56,8 @@ def encode_prompt(tokenizer: Any, prompt_messages: list[dict], tools: list[dict]
 def response_text(tokenizer: Any, prompt_messages: list[dict], response: dict, prompt_text: str) -> str:
     """The text the chat template adds for ``response`` after ``prompt_text`` (the prompt rendered for generation).
 
-    Rendered in context but tokenized alone (:func:`response_ids`), so the prompt ids are those the student gets at
-    generation time.
+    Rendered in context but tokenized alone (then :func:`cut_after_eos`), so the prompt ids are those the student
+    gets at generation time.
 
     Raises:
         DataError: if the template does not render the prompt as a prefix of the whole conversation.
@@ -71,7 +71,7 @@ def response_text(tokenizer: Any, prompt_messages: list[dict], response: dict, p
     return full_text[len(prompt_text) :]
 
 
-def response_ids(tokenizer: Any, ids: list[int]) -> list[int]:
+def cut_after_eos(tokenizer: Any, ids: list[int]) -> list[int]:
     """The ids of a tokenized :func:`response_text`, cut after the first EOS (the end the student learns)."""
     eos_id = tokenizer.eos_token_id
     if eos_id is not None and eos_id in ids:
@@ -86,7 +86,7 @@ def encode_response(tokenizer: Any, prompt_messages: list[dict], response: dict)
         DataError: if the template does not render the prompt as a prefix of the whole conversation.
     """
     prompt_text = render_chat(tokenizer, prompt_messages, add_generation_prompt=True)
-    return response_ids(
+    return cut_after_eos(
         tokenizer, encode_text(tokenizer, response_text(tokenizer, prompt_messages, response, prompt_text))
     )
 
