@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from opd.distributed.trainer_worker import TrainerSpec, TrainerWorker
+from opd.kernels.fused_lm_head import alike_chunks_traced_once
 from opd.models.interfaces import (
     AnsweredWhereTrained,
     FullVocabRequest,
@@ -125,7 +126,7 @@ def trace_rank(
         for index, (path, member) in enumerate(zip(spec.colocated_teachers(), trainer.teacher_members, strict=True)):
             models[f"teacher{index}"] = (path, member.model)
         phases = phase_peaks(tracker, models, trainer.model)
-        with tracker:
+        with tracker, alike_chunks_traced_once():
             phases.record()
             # Else the tracker refuses the root's next forward; the peak is unaffected.
             trainer.model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)

@@ -38,3 +38,13 @@ def test_opds_trainer_passes_the_device_audit():
     assert "error" not in result, result
     assert result["collectives"] > 0  # FSDP2's all-gathers and reduce-scatters, the metrics' all-reduce
     assert result["peak"] >= result["student_parameters"] + result["optimizer_state"] + result["teacher_parameters"]
+
+
+def test_tracing_the_first_two_loss_chunks_and_the_last_gives_the_memory_of_every_chunk():
+    # 2 rows of 200 response positions in chunks of 64: 7 chunks, 6 of one shape and a last of 16 positions. At
+    # this size the loss's chunks hold the rank's peak, so a trace that left out a chunk that matters misses it.
+    result = dry_run("chunks")
+    assert result["alike_once"]["chunks_per_call"] == [3]
+    assert result["every_chunk"]["chunks_per_call"] == [7]
+    assert result["alike_once"]["memory"] == result["every_chunk"]["memory"]
+    assert result["every_chunk"]["memory"]["peak"] > 0

@@ -325,6 +325,39 @@ def test_extreme_logits_stay_finite_in_the_fused_path():
         assert torch.isfinite(loss) and torch.isfinite(grad).all(), name
 
 
+def _peak_bytes_of_a_fused_step(positions: int, chunk_rows: int, vocab: int) -> int:
+    """The peak of the tensors a fused loss and its backward hold (torch's MemTracker), at ``positions``."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, 8, generator=generator).requires_grad_(True)
+    hidden = torch.randn(positions, 8, generator=generator).requires_grad_(True)
+    targets = torch.randint(0, vocab, (positions,), generator=generator)
+
+    def negative_log_likelihood(logits: torch.Tensor, chunk_targets: torch.Tensor) -> torch.Tensor:
+        return -logits.log_softmax(-1).gather(-1, chunk_targets.unsqueeze(-1)).squeeze(-1)
+
+    tracker = MemTracker()
+    with tracker:
+        loss = chunked_lm_head_loss(
+            LMHeadInput(hidden, weight), negative_log_likelihood, (targets,), torch.ones(positions), chunk_rows
+        )
+        loss.backward()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def test_the_fused_loss_holds_one_chunk_at_a_time():
+    # Only [positions]-sized inputs grow with the positions here (ids, weights, hidden states of width 8), so four
+    # chunks must peak where one does, give or take those: a [chunk × V] tensor of one chunk kept alive through the
+    # next chunk's logits (as a leftover name did before) adds a whole chunk.
+    chunk_rows, vocab = 16, 4096
+    one_chunk = _peak_bytes_of_a_fused_step(chunk_rows, chunk_rows, vocab)
+    four_chunks = _peak_bytes_of_a_fused_step(4 * chunk_rows, chunk_rows, vocab)
+    chunk_bytes = chunk_rows * vocab * 4
+    assert one_chunk >= chunk_bytes  # the tracker sees the chunk's logits
+    assert four_chunks - one_chunk < chunk_bytes // 4, (one_chunk, four_chunks)
+
+
 def test_default_chunk_is_128_mib_of_fp32_logits():
     assert default_chunk_rows(151_669) == 222
     assert default_chunk_rows(151_669) * 151_669 * 4 <= 129 * 2**20
