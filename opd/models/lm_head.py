@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
     from transformers import PreTrainedModel
+
+T = TypeVar("T")
 
 ROWS_BUDGET_ELEMENTS = 2**25
 """Default chunk size in logits elements (``chunk_rows × vocab``): 128 MiB per fp32 chunk."""
@@ -197,13 +199,24 @@ def default_chunk_rows(vocab_size: int) -> int:
     return max(1, math.ceil(ROWS_BUDGET_ELEMENTS / max(vocab_size, 1)))
 
 
-def log_softmax_chunks(head: LMHeadInput, temperature: float = 1.0) -> Iterator[tuple[torch.Tensor, slice]]:
-    """Yields ``(log_softmax(logits / temperature) [C, V] float32, rows)`` over ``[N, D]`` hidden states, no grad."""
+def map_log_softmax_chunks(
+    head: LMHeadInput, per_chunk: Callable[[torch.Tensor, slice], T], temperature: float = 1.0
+) -> list[T]:
+    """``per_chunk(log_softmax(logits / temperature) [C, V] float32, rows)`` for each chunk of ``[N, D]`` hidden states.
+
+    No grad. One chunk's log-probabilities exist at a time, so ``per_chunk`` should return something smaller (top-k,
+    gathered log-probs). (A generator would not do: its consumer's loop variable keeps the last chunk alive while the
+    next one is made.)
+    """
     rows_per_chunk = default_chunk_rows(head.head()[0].shape[0])
+    results = []
     with torch.no_grad():
         for begin in range(0, head.hidden_states.shape[0], rows_per_chunk):
             rows = slice(begin, begin + rows_per_chunk)
-            yield torch.log_softmax(head.logits(rows).float() / temperature, dim=-1), rows
+            log_p = torch.log_softmax(head.logits(rows).float() / temperature, dim=-1)
+            results.append(per_chunk(log_p, rows))
+            del log_p
+    return results
 
 
 def token_log_probs(log_probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,9 @@ same prompt share one forward pass over it (:mod:`opd.teachers.shared_prompt`), 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -29,11 +29,19 @@ from opd.models.interfaces import (
     TopKLogprobs,
     TopKRequest,
 )
-from opd.models.lm_head import LMHeadInput, final_hidden_states, log_softmax_chunks, output_layer_of, token_log_probs
+from opd.models.lm_head import (
+    LMHeadInput,
+    final_hidden_states,
+    map_log_softmax_chunks,
+    output_layer_of,
+    token_log_probs,
+)
 from opd.teachers.shared_prompt import prompt_groups, shared_prompt_hidden_states, sharing_problem
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
     from transformers import PreTrainedModel
+
+T = TypeVar("T")
 
 
 class LocalTeacher(TeacherInterface):
@@ -101,13 +109,17 @@ class LocalTeacher(TeacherInterface):
             return None
         return shared_prompt_hidden_states(self.model, data["input_ids"], groups, next(self.model.parameters()).device)
 
-    def _log_prob_chunks(
-        self, data: BatchedDataDict, vocab_size: int | None, temperature: float
-    ) -> Iterator[tuple[torch.Tensor, slice]]:
-        """Yields ``(log_softmax(logits / T) [C, V], rows)`` over the flattened ``B × L`` positions."""
+    def _map_log_prob_chunks(
+        self,
+        data: BatchedDataDict,
+        vocab_size: int | None,
+        temperature: float,
+        per_chunk: Callable[[torch.Tensor, slice], T],
+    ) -> list[T]:
+        """``per_chunk(log_softmax(logits / T) [C, V], rows)`` over the flattened ``B × L`` positions, by chunks."""
         head = self.get_hidden_states(data)
         flat = dataclasses.replace(head, hidden_states=head.hidden_states.flatten(0, 1), vocab_size=vocab_size)
-        return log_softmax_chunks(flat, temperature)
+        return map_log_softmax_chunks(flat, per_chunk, temperature)
 
     def get_topk_logprobs(
         self, data: BatchedDataDict, k: int, temperature: float = 1.0, vocab_size: int | None = None
@@ -117,13 +129,13 @@ class LocalTeacher(TeacherInterface):
         ``[B, L, k]`` float32 / int64 (k capped at the vocabulary; only the first ``vocab_size`` outputs are tokens) and
         ``rest_logprobs`` ``[B, L]`` (−inf when k covers the vocabulary); position ``t`` describes token ``t + 1``.
         """
-        values, ids, rests = [], [], []
-        for log_p, _ in self._log_prob_chunks(data, vocab_size, temperature):
+
+        def chunk_topk(log_p: torch.Tensor, _: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             top = log_p.topk(min(k, log_p.shape[-1]), dim=-1)
-            values.append(top.values)
-            ids.append(top.indices)
             # Summed over the other entries (all positive): 1 − Σ_k P would cancel.
-            rests.append(rest_logprobs_outside(log_p, top.indices))
+            return top.values, top.indices, rest_logprobs_outside(log_p, top.indices)
+
+        values, ids, rests = zip(*self._map_log_prob_chunks(data, vocab_size, temperature, chunk_topk), strict=True)
         shape = data["input_ids"].shape
         return TopKLogprobs(
             torch.cat(values).reshape(*shape, -1), torch.cat(ids).reshape(*shape, -1), torch.cat(rests).reshape(shape)
@@ -136,6 +148,6 @@ class LocalTeacher(TeacherInterface):
         next_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1).flatten()
         next_ids = next_ids.to(next(self.model.parameters()).device)
         predicted = torch.cat(
-            [token_log_probs(log_p, next_ids[rows]) for log_p, rows in self._log_prob_chunks(data, vocab_size, 1.0)]
+            self._map_log_prob_chunks(data, vocab_size, 1.0, lambda log_p, rows: token_log_probs(log_p, next_ids[rows]))
         ).reshape(input_ids.shape)
         return torch.cat([torch.zeros_like(predicted[:, :1]), predicted[:, :-1]], dim=1)

@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from opd.kernels.topk_rest import rest_logprobs_outside_summed_in_float64
-from opd.models.lm_head import LMHeadInput, final_hidden_states, log_softmax_chunks, output_layer_of, token_log_probs
+from opd.models.lm_head import (
+    LMHeadInput,
+    final_hidden_states,
+    map_log_softmax_chunks,
+    output_layer_of,
+    token_log_probs,
+)
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling stack (seconds)
     from transformers import PreTrainedModel
@@ -113,31 +119,33 @@ class PromptScorer:
     def topk(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(ids int32 [N, k], log-probs float32 [N, k], rest log-mass float64 [N])`` for ``[N, D]`` rows."""
         k = min(k, self.vocab_size)
-        ids, values, rests = [], [], []
-        for log_p, _ in log_softmax_chunks(self._head(rows)):
+
+        def chunk_topk(log_p: torch.Tensor, _: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             top = log_p.topk(k, dim=-1)
-            ids.append(top.indices.int())
-            values.append(top.values)
             # Σ over the other tokens' probabilities (all positive) in float64: no cancellation.
-            rests.append(rest_logprobs_outside_summed_in_float64(log_p, top.indices))
-        if not ids:
+            return top.indices.int(), top.values, rest_logprobs_outside_summed_in_float64(log_p, top.indices)
+
+        chunks = map_log_softmax_chunks(self._head(rows), chunk_topk)
+        if not chunks:
             empty = torch.zeros((0, k))
             return empty.int(), empty.float(), torch.zeros(0, dtype=torch.float64)
-        return torch.cat(ids).cpu(), torch.cat(values).cpu(), torch.cat(rests).cpu()
+        ids, values, rests = (torch.cat(parts).cpu() for parts in zip(*chunks, strict=True))
+        return ids, values, rests
 
     @torch.inference_mode()
     def token_logprobs(self, rows: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """float32 ``[N]``: log P(``next_ids[i]``) under row ``i``'s distribution."""
         next_ids = next_ids.to(self.layer.weight.device)
-        parts = [token_log_probs(log_p, next_ids[span]) for log_p, span in log_softmax_chunks(self._head(rows))]
+        parts = map_log_softmax_chunks(self._head(rows), lambda log_p, span: token_log_probs(log_p, next_ids[span]))
         return torch.cat(parts).cpu() if parts else torch.zeros(0)
 
     @torch.inference_mode()
     def prompt_logprobs(self, rows: torch.Tensor, sequence: list[int], k: int) -> list[PositionLogprobs | None]:
         """vLLM's ``prompt_logprobs`` of a sequence from its rows (positions ``0 … len − 2``); None at position 0."""
-        entries: list[PositionLogprobs | None] = [None]
         actual = torch.tensor(sequence[1:], dtype=torch.long, device=self.layer.weight.device)
-        for log_p, span in log_softmax_chunks(self._head(rows)):
+
+        def chunk_entries(log_p: torch.Tensor, span: slice) -> list[PositionLogprobs]:
+            entries = []
             tokens = actual[span]
             actual_logprobs = token_log_probs(log_p, tokens)
             ranks = (log_p > actual_logprobs[:, None]).sum(dim=-1) + 1
@@ -154,4 +162,7 @@ class PromptScorer:
                         rest_mass=math.exp(rests[offset]) if rests is not None else None,
                     )
                 )
-        return entries
+            return entries
+
+        per_chunk = map_log_softmax_chunks(self._head(rows), chunk_entries)
+        return [None, *(entry for entries in per_chunk for entry in entries)]

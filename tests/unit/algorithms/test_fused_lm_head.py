@@ -12,6 +12,7 @@ log-probs, and one optimizer step. (Every decoder family: ``tests/unit/models/te
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,11 +25,13 @@ from opd.kernels.fused_lm_head import add_weight_gradient, chunked_lm_head_loss
 from opd.losses.distillation_losses import JSDLossFn, KLLossFn, TopKKLLossFn
 from opd.losses.divergences import full_vocab_divergence_with_grad, generalized_jsd, token_kl, topk_token_kl
 from opd.losses.sampled_token import SampledTokenLossFn, sampled_token_pg_loss
+from opd.models import lm_head
 from opd.models.lm_head import (
     LMHeadInput,
     default_chunk_rows,
     final_hidden_states,
     logit_transform_of,
+    map_log_softmax_chunks,
     output_head_of,
     output_layer_of,
     transform_logits,
@@ -325,10 +328,18 @@ def test_extreme_logits_stay_finite_in_the_fused_path():
         assert torch.isfinite(loss) and torch.isfinite(grad).all(), name
 
 
-def _peak_bytes_of_a_fused_step(positions: int, chunk_rows: int, vocab: int) -> int:
-    """The peak of the tensors a fused loss and its backward hold (torch's MemTracker), at ``positions``."""
+def _peak_bytes(run: Callable[[], object]) -> int:
+    """The peak of the tensors ``run`` holds at once (torch's MemTracker)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    tracker = MemTracker()
+    with tracker:
+        run()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def _peak_bytes_of_a_fused_step(positions: int, chunk_rows: int, vocab: int) -> int:
+    """The peak of the tensors a fused loss and its backward hold, at ``positions``."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(vocab, 8, generator=generator).requires_grad_(True)
     hidden = torch.randn(positions, 8, generator=generator).requires_grad_(True)
@@ -337,13 +348,13 @@ def _peak_bytes_of_a_fused_step(positions: int, chunk_rows: int, vocab: int) -> 
     def negative_log_likelihood(logits: torch.Tensor, chunk_targets: torch.Tensor) -> torch.Tensor:
         return -logits.log_softmax(-1).gather(-1, chunk_targets.unsqueeze(-1)).squeeze(-1)
 
-    tracker = MemTracker()
-    with tracker:
+    def step() -> None:
         loss = chunked_lm_head_loss(
             LMHeadInput(hidden, weight), negative_log_likelihood, (targets,), torch.ones(positions), chunk_rows
         )
         loss.backward()
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+    return _peak_bytes(step)
 
 
 def test_the_fused_loss_holds_one_chunk_at_a_time():
@@ -355,6 +366,23 @@ def test_the_fused_loss_holds_one_chunk_at_a_time():
     four_chunks = _peak_bytes_of_a_fused_step(4 * chunk_rows, chunk_rows, vocab)
     chunk_bytes = chunk_rows * vocab * 4
     assert one_chunk >= chunk_bytes  # the tracker sees the chunk's logits
+    assert four_chunks - one_chunk < chunk_bytes // 4, (one_chunk, four_chunks)
+
+
+def test_a_teachers_top_k_over_log_softmax_chunks_holds_one_chunk_at_a_time(monkeypatch):
+    # As the fused loss: only the [positions × k] results grow with the positions, never a second [chunk × V].
+    chunk_rows, vocab = 16, 4096
+    monkeypatch.setattr(lm_head, "default_chunk_rows", lambda vocab_size, *_: chunk_rows)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, 8, generator=generator)
+
+    def top_k_peak(positions: int) -> int:
+        head = LMHeadInput(torch.randn(positions, 8, generator=generator), weight)
+        return _peak_bytes(lambda: map_log_softmax_chunks(head, lambda log_p, _: log_p.topk(4, dim=-1)))
+
+    one_chunk, four_chunks = top_k_peak(chunk_rows), top_k_peak(4 * chunk_rows)
+    chunk_bytes = chunk_rows * vocab * 4
+    assert one_chunk >= chunk_bytes
     assert four_chunks - one_chunk < chunk_bytes // 4, (one_chunk, four_chunks)
 
 

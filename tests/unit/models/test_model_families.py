@@ -36,7 +36,7 @@ the SIMD width (AVX2, AVX-512) and the reduction order it picks, while every def
 tests exist for (a missed soft cap, an unscaled embedding, a sliding window applied to
 the wrong positions) moves the values by 1e-3 or more. The decode loop's and the teacher's log-probs are float32 by contract
 (:func:`~opd.rollout.sampling.next_tokens` and
-:func:`~opd.models.lm_head.log_softmax_chunks` cast the logits), so they are compared to
+:func:`~opd.models.lm_head.map_log_softmax_chunks` cast the logits), so they are compared to
 float32 rounding of values of magnitude ≤ 20 (:data:`FLOAT32_LOGPROB_TOLERANCE`).
 """
 
