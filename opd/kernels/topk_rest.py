@@ -46,9 +46,16 @@ def rest_logprobs_from_topk(topk_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def rest_logprobs_outside(log_probs: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """log Σ_{v ∉ top-k} P(v) per position from ``[..., V]`` log-probs, in their dtype; −inf where the ids cover all."""
+    """log Σ_{v ∉ top-k} P(v) per position from ``[..., V]`` log-probs, in their dtype; −inf where the ids cover all.
+
+    ``torch.logsumexp``'s steps (the largest entry, the exponentials relative to it, their sum), done in place on the
+    one ``[..., V]`` copy: ``logsumexp`` would make a second, one more vocabulary-wide tensor in a teacher's peak.
+    """
     outside = log_probs.scatter(-1, topk_ids, float("-inf"))
-    return torch.logsumexp(outside, dim=-1)
+    largest = outside.amax(dim=-1, keepdim=True)
+    empty = torch.isneginf(largest)
+    total = outside.sub_(torch.where(empty, 0.0, largest)).exp_().sum(dim=-1)
+    return torch.where(empty.squeeze(-1), float("-inf"), total.log() + largest.squeeze(-1))
 
 
 def rest_logprobs_outside_summed_in_float64(log_probs: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import math
 
 import pytest
 import torch
+from opd_test_helpers import json_from_a_process_of_its_own
 
 from opd.data.batched_data_dict import BatchedDataDict
 from opd.kernels.fused_lm_head import LMHeadInput
@@ -462,3 +463,29 @@ def test_fused_metrics_at_a_temperature_equal_the_unfused_ones():
             assert fused[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
         # The metric of the optimised direction is the loss itself (per token, mean reduction).
         assert fused[f"kl_{kl_type}"] == pytest.approx(fused["loss"], rel=1e-5)
+
+
+# A process of its own reads its resident-memory high-water mark around one call: the rest mass's kernels make their
+# temporaries inside aten (a logsumexp's exponentials), where no Python-level memory tracker sees them.
+_REST_PEAK_SCRIPT = """
+import ctypes, json, torch
+from opd.kernels.topk_rest import rest_logprobs_outside
+torch.set_num_threads(1)
+def kib(key):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key))
+log_probs = torch.randn(256, 151_669).log_softmax(-1)
+ids = log_probs.topk(8, dim=-1).indices
+rest_logprobs_outside(log_probs[:2], ids[:2])
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM restarts from VmRSS
+before = kib("VmRSS")
+rest_logprobs_outside(log_probs, ids)
+print(json.dumps({"peak_bytes": (kib("VmHWM") - before) * 1024, "input_bytes": log_probs.numel() * 4}))
+"""
+
+
+def test_the_rest_mass_makes_one_vocabulary_wide_copy():
+    # The copy with the top k masked is needed (the input stays the caller's); torch.logsumexp of it would add its
+    # exponentials, a second [rows × V] tensor in a teacher's peak.
+    result = json_from_a_process_of_its_own(["-c", _REST_PEAK_SCRIPT], timeout_s=120)
+    assert result["peak_bytes"] < 1.5 * result["input_bytes"], result
