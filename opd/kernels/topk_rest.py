@@ -49,7 +49,8 @@ def rest_logprobs_outside(log_probs: torch.Tensor, topk_ids: torch.Tensor) -> to
     """log Σ_{v ∉ top-k} P(v) per position from ``[..., V]`` log-probs, in their dtype; −inf where the ids cover all.
 
     ``torch.logsumexp``'s steps (the largest entry, the exponentials relative to it, their sum), done in place on the
-    one ``[..., V]`` copy: ``logsumexp`` would make a second, one more vocabulary-wide tensor in a teacher's peak.
+    one ``[..., V]`` copy: ``logsumexp`` would hold its exponentials as a second vocabulary-wide tensor, in a
+    teacher's peak.
     """
     outside = log_probs.scatter(-1, topk_ids, float("-inf"))
     largest = outside.amax(dim=-1, keepdim=True)
