@@ -294,23 +294,26 @@ class ValidationKL(TeacherComparison):
             for begin in range(0, student_rows.hidden_states.shape[0], self.chunk_rows):
                 rows = slice(begin, begin + self.chunk_rows)
                 student_logits = student_rows.logits(rows)
+                if isinstance(teacher_rows, tuple):
+                    logprobs, ids, rest = teacher_rows
+                    kl_in = functools.partial(
+                        topk_token_kl,
+                        student_logits,
+                        logprobs[rows],
+                        ids[rows],
+                        teacher_rest_logprobs=None if rest is None else rest[rows],
+                        student_classes=self.student_classes,
+                    )
+                else:  # the teacher's logits made once for both directions
+                    teacher_logits = (
+                        teacher_rows.logits(rows) if isinstance(teacher_rows, LMHeadInput) else teacher_rows[rows]
+                    )
+                    kl_in = functools.partial(token_kl, student_logits, teacher_logits)
+                    del teacher_logits  # the partial holds it
                 for direction in ("forward", "reverse"):
-                    if isinstance(teacher_rows, tuple):
-                        logprobs, ids, rest = teacher_rows
-                        kl = topk_token_kl(
-                            student_logits,
-                            logprobs[rows],
-                            ids[rows],
-                            direction,
-                            teacher_rest_logprobs=None if rest is None else rest[rows],
-                            student_classes=self.student_classes,
-                        )
-                    else:
-                        teacher_logits = (
-                            teacher_rows.logits(rows) if isinstance(teacher_rows, LMHeadInput) else teacher_rows[rows]
-                        )
-                        kl = token_kl(student_logits, teacher_logits, direction)
-                    sums[f"kl_{direction}"] += float(kl.sum(dtype=torch.float64))
+                    sums[f"kl_{direction}"] += float(kl_in(direction).sum(dtype=torch.float64))
+                # Else this chunk's [chunk × V] logits would live on while the next chunk's are made.
+                del student_logits, kl_in
         return sums
 
 

@@ -89,6 +89,24 @@ def test_full_vocabulary_sums_in_chunks_equal_the_whole_logits_kl(answer):
     assert_sums_equal(actual, expected)
 
 
+def test_the_teachers_logits_are_made_once_per_chunk_for_both_directions(monkeypatch):
+    student, teacher, data = random_case()
+    chunks_made = []
+    whole = LMHeadInput.logits
+
+    def counted(head: LMHeadInput, rows: slice | None = None) -> torch.Tensor:
+        if head.head()[0].data_ptr() == teacher.head()[0].data_ptr():  # the teacher's output layer, not the student's
+            chunks_made.append(rows)
+        return whole(head, rows)
+
+    monkeypatch.setattr(LMHeadInput, "logits", counted)
+    ValidationKL(FullVocabRequest(), VOCAB, chunk_rows=3)(student, teacher, data)
+    positions = int(shift_token_mask(data["token_mask"]).sum())
+    chunks = -(-positions // 3)
+    # Each chunk of 3 response positions made once, not once per direction.
+    assert chunks >= 2 and len(chunks_made) == len(set(map(str, chunks_made))) == chunks
+
+
 @pytest.mark.parametrize("with_rest", [True, False], ids=["teacher_rest", "rest_from_topk"])
 def test_topk_sums_in_chunks_equal_the_whole_logits_kl(with_rest):
     student, teacher, data = random_case(1)
