@@ -46,17 +46,8 @@ def rest_logprobs_from_topk(topk_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def rest_logprobs_outside(log_probs: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """log Σ_{v ∉ top-k} P(v) per position from ``[..., V]`` log-probs, in their dtype; −inf where the ids cover all.
-
-    ``torch.logsumexp``'s steps (the largest entry, the exponentials relative to it, their sum), done in place on the
-    one ``[..., V]`` copy: ``logsumexp`` would hold its exponentials as a second vocabulary-wide tensor, in a
-    teacher's peak.
-    """
-    outside = log_probs.scatter(-1, topk_ids, float("-inf"))
-    largest = outside.amax(dim=-1, keepdim=True)
-    empty = torch.isneginf(largest)
-    total = outside.sub_(torch.where(empty, 0.0, largest)).exp_().sum(dim=-1)
-    return torch.where(empty.squeeze(-1), float("-inf"), total.log() + largest.squeeze(-1))
+    """log Σ_{v ∉ top-k} P(v) per position from ``[..., V]`` log-probs, in their dtype; −inf where the ids cover all."""
+    return _logsumexp_outside(log_probs, topk_ids, log_probs.dtype)
 
 
 def rest_logprobs_outside_summed_in_float64(log_probs: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -64,9 +55,18 @@ def rest_logprobs_outside_summed_in_float64(log_probs: torch.Tensor, topk_ids: t
 
     Terms are exponentiated relative to the largest (no tiny rest underflows) and summed in float64.
     """
+    return _logsumexp_outside(log_probs, topk_ids, torch.float64)
+
+
+def _logsumexp_outside(log_probs: torch.Tensor, topk_ids: torch.Tensor, sum_dtype: torch.dtype) -> torch.Tensor:
+    """``torch.logsumexp``'s steps over the entries outside ``topk_ids``, summed in ``sum_dtype``.
+
+    The largest entry, the exponentials relative to it and their sum, in place on the one ``[..., V]`` copy with the
+    top k masked: ``torch.logsumexp`` would hold its exponentials as a second vocabulary-wide tensor, in a teacher's
+    peak.
+    """
     outside = log_probs.scatter(-1, topk_ids, float("-inf"))
     largest = outside.amax(dim=-1, keepdim=True)
     empty = torch.isneginf(largest)
-    # In place: the [rows × vocab] copy above is the only one made.
-    total = outside.sub_(torch.where(empty, 0.0, largest)).exp_().sum(dim=-1, dtype=torch.float64)
-    return torch.where(empty.squeeze(-1), float("-inf"), total.log() + largest.squeeze(-1).double())
+    total = outside.sub_(torch.where(empty, 0.0, largest)).exp_().sum(dim=-1, dtype=sum_dtype)
+    return torch.where(empty.squeeze(-1), float("-inf"), total.log() + largest.squeeze(-1).to(sum_dtype))
