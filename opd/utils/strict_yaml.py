@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
-from yaml.constructor import SafeConstructor
+from yaml.constructor import ConstructorError, SafeConstructor
 
 from opd.utils.errors import ConfigError
 
@@ -20,6 +20,16 @@ _BOOL = "tag:yaml.org,2002:bool"
 _INT = "tag:yaml.org,2002:int"
 _FLOAT = "tag:yaml.org,2002:float"
 _MERGE = "tag:yaml.org,2002:merge"
+_TIMESTAMP = "tag:yaml.org,2002:timestamp"
+# YAML 1.1's types beyond JSON's, which a config cannot hold (OmegaConf refuses them): with an explicit tag
+# (`!!binary`), an error naming the line; unquoted, a date is a string, as in YAML 1.2's core schema.
+_NOT_CONFIG_VALUES = {
+    _TIMESTAMP: "a date",
+    "tag:yaml.org,2002:binary": "binary data",
+    "tag:yaml.org,2002:set": "a set",
+    "tag:yaml.org,2002:omap": "an ordered mapping",
+    "tag:yaml.org,2002:pairs": "a list of pairs",
+}
 
 # YAML 1.2 core schema (https://yaml.org/spec/1.2.2/#1032-tag-resolution).
 _BOOL_PATTERN = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
@@ -43,7 +53,7 @@ class StrictYamlLoader(yaml.SafeLoader):
 
     # YAML 1.1's bool / int / float resolvers out; YAML 1.2's are added below.
     yaml_implicit_resolvers: ClassVar[dict[Any, list[tuple[str, re.Pattern[str]]]]] = {
-        first: [(tag, pattern) for tag, pattern in resolvers if tag not in (_BOOL, _INT, _FLOAT)]
+        first: [(tag, pattern) for tag, pattern in resolvers if tag not in (_BOOL, _INT, _FLOAT, _TIMESTAMP)]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
 
@@ -67,12 +77,23 @@ class StrictYamlLoader(yaml.SafeLoader):
             return int(text[2:], 16)
         return int(text, 10)  # 010 is ten, not YAML 1.1's octal eight
 
+    def refuse_value(self, node: yaml.Node) -> None:
+        raise ConstructorError(
+            None,
+            None,
+            f"{node.tag.rsplit(':', 1)[-1]} ({_NOT_CONFIG_VALUES[node.tag]}) is not a config value; "
+            "write plain strings, numbers, booleans, lists and mappings",
+            node.start_mark,
+        )
+
 
 StrictYamlLoader.add_implicit_resolver(_BOOL, _BOOL_PATTERN, list("tTfF"))
 StrictYamlLoader.add_implicit_resolver(_INT, _INT_PATTERN, list("-+0123456789"))
 StrictYamlLoader.add_implicit_resolver(_FLOAT, _FLOAT_PATTERN, list("-+0123456789."))
 StrictYamlLoader.add_constructor(_INT, StrictYamlLoader.construct_yaml_int)
 StrictYamlLoader.add_constructor(_FLOAT, SafeConstructor.construct_yaml_float)
+for _tag in _NOT_CONFIG_VALUES:
+    StrictYamlLoader.add_constructor(_tag, StrictYamlLoader.refuse_value)
 
 
 def yaml_problem(error: yaml.YAMLError) -> str:

@@ -202,6 +202,95 @@ def test_yaml_12_numbers_and_booleans(tmp_path):
     assert load("training.learning_rate=2e-4").training.learning_rate == 2e-4
 
 
+def test_types_beyond_json_are_strings_or_a_named_error(tmp_path):
+    # YAML 1.2's core schema has no dates: an unquoted date is a string, refused where a number belongs (it
+    # was a datetime.date, which OmegaConf could not hold: a traceback). An explicit tag is an error at its line.
+    assert "training.seed = '2024-01-01': expected an integer, got the string '2024-01-01'" in config_error(
+        "training.seed=2024-01-01")
+    assert load("output_dir=2024-01-01").output_dir == "2024-01-01"
+    dated = tmp_path / "dated.yaml"
+    dated.write_text(f"defaults: {TINY}\ntraining:\n  seed: 2024-01-01\n", encoding="utf-8")
+    assert "expected an integer, got the string '2024-01-01'" in config_error(path=dated)
+    for tag, words in (("!!set {a, b}", "set (a set)"), ("!!binary aGk=", "binary (binary data)"),
+                       ("!!timestamp 2024-01-01", "timestamp (a date)")):
+        tagged = tmp_path / "tagged.yaml"
+        tagged.write_text(f"defaults: {TINY}\ntraining:\n  seed: {tag}\n", encoding="utf-8")
+        message = config_error(path=tagged)
+        assert f"config file {tagged} is not valid YAML: {words} is not a config value" in message
+        assert "(line 3, column 9)" in message
+        assert f"override 'training.seed={tag}': the value is not valid YAML: {words}" in config_error(
+            f"training.seed={tag}")
+
+
+@pytest.mark.parametrize("override", ["training=[1]", "training=3", "training=null", "loss_fn=[]"])
+def test_a_section_replaced_by_another_kind_of_value_is_one_line(override):
+    # OmegaConf's merge raised a bare TypeError (a traceback) for a list in place of a section.
+    message = config_error(override)
+    assert override.split("=")[0] in message and "\n" not in message
+
+
+def test_a_broken_interpolation_in_a_file_names_its_key(tmp_path):
+    for value, detail in (("${", "no viable alternative"), ("${nope}", "Interpolation key 'nope' not found")):
+        path = tmp_path / "interpolation.yaml"
+        path.write_text(f"defaults: {TINY}\ncheckpointing:\n  checkpoint_dir: {value}\n", encoding="utf-8")
+        message = config_error(path=path)
+        assert message.startswith("config interpolation failed at checkpointing.checkpoint_dir: ") and detail in message
+
+
+def _random_tree(generator, depth: int) -> dict:
+    """A nested mapping over a few shared keys: scalars, lists, null, interpolations and sub-mappings."""
+    tree = {}
+    for key in generator.sample(["a", "b", "c", "d", "type"], generator.randint(0, 4)):
+        kind = generator.choice(["int", "float", "str", "bool", "null", "list", "interpolation", "map", "map"])
+        if kind == "map" and depth < 3:
+            tree[key] = _random_tree(generator, depth + 1)
+        elif kind == "list":
+            tree[key] = [generator.randint(0, 9) for _ in range(generator.randint(0, 3))]
+        else:
+            tree[key] = {"int": generator.randint(-5, 5), "float": generator.random(), "str": "x",
+                         "bool": True, "null": None, "interpolation": "${a}"}.get(kind, 7)
+    return tree
+
+
+def _scribble_over(tree) -> None:
+    """Adds an entry to every mapping and list in ``tree``."""
+    for value in list(tree.values()) if isinstance(tree, dict) else list(tree):
+        if isinstance(value, (dict, list)):
+            _scribble_over(value)
+    if isinstance(tree, dict):
+        tree["scribbled"] = 1
+    else:
+        tree.append("scribbled")
+
+
+def test_the_merge_is_omegaconfs_on_random_trees():
+    # The reference is OmegaConf's merge, which the config loader used before; the plain merge must equal it
+    # wherever OmegaConf merges at all (it refuses a list meeting a mapping; there the later value now wins).
+    import copy
+    import random
+
+    from omegaconf import OmegaConf
+
+    from opd.utils.config import _merge
+
+    generator = random.Random(0)
+    compared = 0
+    for _ in range(400):
+        base, incoming = _random_tree(generator, 0), _random_tree(generator, 0)
+        before = copy.deepcopy((base, incoming))
+        try:
+            expected = OmegaConf.to_container(
+                OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(incoming)), resolve=False)
+        except TypeError:  # "Cannot merge incompatible container types": a list meets a mapping or interpolation
+            continue
+        merged = _merge(base, incoming)
+        assert merged == expected, (base, incoming)
+        _scribble_over(merged)  # the result shares no container with the inputs: they stay as they were
+        assert (base, incoming) == before
+        compared += 1
+    assert compared > 300
+
+
 @pytest.mark.parametrize("text, lines", [
     ("training:\n  batch_size: 4\ndata:\n  val_path: null\ntraining:\n  max_num_steps: 3\n", "lines 1 and 5"),
     ("training:\n  batch_size: 4\n  warmup_steps: 0\n  batch_size: 8\n", "lines 2 and 4"),
