@@ -187,7 +187,8 @@ def load_config_tree(
             raise ConfigError(f"override '{override}' must look like key.sub=value (e.g. training.learning_rate=1e-5)")
         try:
             layer = _override_layer(override)
-            OmegaConf.create(layer)  # an interpolation's syntax, checked here to name the override
+            if "${" in override:
+                OmegaConf.create(layer)  # an interpolation's syntax, checked here to name the override
             tree = _merge(_drop_keys_of_other_variants(tree, layer, variant_keys), layer)
         except yaml.YAMLError as error:  # the value after '=' is parsed as YAML
             raise ConfigError(f"override '{override}': the value is not valid YAML: {yaml_problem(error)}") from None

@@ -464,3 +464,25 @@ def test_template_keeps_the_specification_key_names():
         for part in section.split("."):
             node = node[part]
         assert set(keys) <= set(node), (section, set(keys) - set(node))
+
+
+def test_the_pure_python_parser_reads_every_shipped_config_as_libyaml_does(monkeypatch):
+    # opd parses with libyaml where PyYAML has it (its wheels do) and falls back to PyYAML's own parser.
+    import importlib
+
+    import opd.utils.strict_yaml as strict_yaml
+
+    assert yaml.__with_libyaml__ and issubclass(strict_yaml.StrictYamlLoader, yaml.CSafeLoader)
+    paths = sorted(CONFIGS.glob("*.yaml"))
+    assert len(paths) > 10
+    with_libyaml = [strict_yaml.read_yaml_file(path) for path in paths]
+    monkeypatch.setattr(yaml, "__with_libyaml__", False)
+    try:
+        importlib.reload(strict_yaml)
+        assert not issubclass(strict_yaml.StrictYamlLoader, yaml.CSafeLoader)
+        assert [strict_yaml.read_yaml_file(path) for path in paths] == with_libyaml
+        assert strict_yaml.parse_yaml_value("[1e-5, 010, yes, 2024-01-01]") == [1e-5, 10, "yes", "2024-01-01"]
+    finally:
+        monkeypatch.undo()
+        importlib.reload(strict_yaml)
+    assert strict_yaml.parse_yaml_value("[1e-5, 010, yes, 2024-01-01]") == [1e-5, 10, "yes", "2024-01-01"]
