@@ -54,7 +54,7 @@ class DuplicateKeyError(yaml.YAMLError):
 _SafeLoader: type = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader
 
 
-class StrictYamlLoader(_SafeLoader):  # type: ignore[valid-type,misc]
+class StrictYamlLoader(_SafeLoader):
     """PyYAML's safe loader with YAML 1.2 core scalars and duplicate keys refused."""
 
     # YAML 1.1's bool / int / float resolvers out; YAML 1.2's are added below.
