@@ -48,9 +48,9 @@ class DuplicateKeyError(yaml.YAMLError):
         self.lines = (first_line, second_line)
 
 
-# libyaml's parser where PyYAML was built with it (its wheels are): a tenth of the pure-Python parser's time, and
-# every command reads its config's files twice (the key check, then the full load). The resolvers and constructors
-# below are Python either way.
+# libyaml's parser (C) where PyYAML was built with it, as its wheels are: every command reads its config's files
+# twice (the key check, then the full load), and the pure-Python parser was most of that (guide 05 has the cost).
+# The resolvers and constructors below are Python either way.
 _SafeLoader: type = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader
 
 
