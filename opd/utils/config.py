@@ -96,19 +96,23 @@ VariantKeys = Callable[[str, str], "set[str] | None"]
 
 def _merge(base: dict[str, Any], incoming: dict[str, Any]) -> dict[str, Any]:
     """``incoming`` merged into ``base``, deeply: a mapping into a mapping key by key, anything else replaces
-    (a list whole, ``null`` a section); interpolations stay unresolved. The result is a copy: it shares nothing
-    with the inputs.
+    (a list whole, ``null`` a section); interpolations stay unresolved. Keys keep ``base``'s order, new ones
+    follow. The result is a copy: it shares nothing with the inputs.
 
     Plain dictionaries, not OmegaConf's merge: a config is merged once per file and per override, and OmegaConf
     copies the whole tree into its nodes and back each time (guide 05 has the cost), and it raises a bare
     ``TypeError`` where an override puts a list in place of a section.
     """
-    merged = {key: copy.deepcopy(value) for key, value in base.items() if key not in incoming}
-    for key, value in incoming.items():
-        inherited = base.get(key)
-        if isinstance(value, dict) and isinstance(inherited, dict):
-            merged[key] = _merge(inherited, value)
+    merged: dict[str, Any] = {}
+    for key, inherited in base.items():
+        if key not in incoming:
+            merged[key] = copy.deepcopy(inherited)
+        elif isinstance(incoming[key], dict) and isinstance(inherited, dict):
+            merged[key] = _merge(inherited, incoming[key])
         else:
+            merged[key] = copy.deepcopy(incoming[key])
+    for key, value in incoming.items():
+        if key not in base:
             merged[key] = copy.deepcopy(value)
     return merged
 

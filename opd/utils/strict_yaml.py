@@ -1,8 +1,8 @@
 """Reading YAML configs strictly: YAML 1.2's scalars, no duplicate keys, UTF-8 named when it fails.
 
-PyYAML's YAML 1.1 reads ``yes`` / ``on`` as booleans, ``1e-5`` as a string and ``010`` as 8.
-:class:`StrictYamlLoader` uses YAML 1.2's core schema instead (only ``true`` / ``false`` are booleans, ``1e-5`` is
-a float, ``010`` is 10), and a key written twice in one mapping is an error naming both lines.
+PyYAML's YAML 1.1 reads ``yes`` / ``on`` as booleans, ``1e-5`` as a string, ``010`` as 8 and an ISO date as a
+date. :class:`StrictYamlLoader` uses YAML 1.2's core schema instead (only ``true`` / ``false`` are booleans, ``1e-5``
+is a float, ``010`` is 10, a date is a string), and a key written twice in one mapping is an error naming both lines.
 """
 
 from __future__ import annotations

@@ -267,6 +267,7 @@ def test_the_merge_is_omegaconfs_on_random_trees():
     # The reference is OmegaConf's merge, which the config loader used before; the plain merge must equal it
     # wherever OmegaConf merges at all (it refuses a list meeting a mapping; there the later value now wins).
     import copy
+    import json
     import random
 
     from omegaconf import OmegaConf
@@ -284,7 +285,7 @@ def test_the_merge_is_omegaconfs_on_random_trees():
         except TypeError:  # "Cannot merge incompatible container types": a list meets a mapping or interpolation
             continue
         merged = _merge(base, incoming)
-        assert merged == expected, (base, incoming)
+        assert json.dumps(merged) == json.dumps(expected), (base, incoming)  # the values and every key's place
         _scribble_over(merged)  # the result shares no container with the inputs: they stay as they were
         assert (base, incoming) == before
         compared += 1
