@@ -23,7 +23,8 @@ Checks:
 * ``qwen05b_step``: one training step of that student at the real vocabulary: step time,
   TFLOP/s and MFU (student 6·N·T plus teacher 2·N·T), host syncs per step
   (``torch.cuda.set_sync_debug_mode``), and peak memory allocated and reserved, beside
-  ``opd plan``'s prediction for the same shapes;
+  ``opd plan``'s prediction for the same shapes; then the same step without the per-step
+  diagnostics (``loss_fn.diagnostics_every: 0``), whose time and MFU show their share;
 * ``qwen15b_step``: the same at the specification's student shape (Qwen2.5-1.5B);
 * ``qwen15b_checkpointed``: the same with the student's activation checkpointing;
 * ``pooled_hidden_states``: the exact loss with the teacher apart (a teacher-pool worker
@@ -356,7 +357,8 @@ def _qwen_step(shape: str, checkpointing: bool = False) -> dict[str, Any]:
 
     directory = _qwen_directory(shape)
     rows, prompt, length = (STEP_ROWS, STEP_PROMPT, STEP_PROMPT + STEP_RESPONSE) if not REHEARSAL else (1, 16, 64)
-    config = load_config(MasterConfig, SPEC_CLUSTER_CONFIG, _step_overrides(shape))
+    overrides = _step_overrides(shape)
+    config = load_config(MasterConfig, SPEC_CLUSTER_CONFIG, overrides)
     loss_fn = build_loss(config, _VocabularyOnly())
     worker = _trainer(directory, directory, activation_checkpointing=checkpointing)
     generator = torch.Generator().manual_seed(0)
@@ -373,17 +375,30 @@ def _qwen_step(shape: str, checkpointing: bool = False) -> dict[str, Any]:
         seconds.append(time.perf_counter() - start)
     peak, reserved = cuda.max_memory_allocated(), cuda.max_memory_reserved()
     syncs = _host_syncs(torch, lambda: worker.train(loss_fn, tokens, rows, [batch], in_place(loss_fn, 1)))
+    # The same step without the per-step diagnostics (two top-k and both log-normalisers in every loss chunk):
+    # their share of the step, measured beside it, says whether diagnostics_every's default should change.
+    quiet_loss = build_loss(
+        load_config(MasterConfig, SPEC_CLUSTER_CONFIG, [*overrides, "loss_fn.diagnostics_every=0"]), _VocabularyOnly()
+    )
+    quiet_seconds = []
+    for _ in range(2):
+        start = time.perf_counter()
+        worker.train(quiet_loss, tokens, rows, [batch], in_place(quiet_loss, 1))
+        cuda.synchronize()
+        quiet_seconds.append(time.perf_counter() - start)
     parameters = sum(p.numel() for p in worker.model.parameters())  # the same shape is the teacher
     worker.shutdown()
-    step_s = min(seconds[1:])
+    step_s, quiet_s = min(seconds[1:]), min(quiet_seconds)
     flops = (6 + 2) * parameters * rows * length
     peak_flops = _peak_flops(torch)
     mfu = f", MFU {flops / step_s / peak_flops:.1%}" if peak_flops else ""
+    quiet_mfu = f", MFU {flops / quiet_s / peak_flops:.1%}" if peak_flops else ""
     figure = (
         f"{rows} x {length} tokens, fused {config.loss_fn.type} loss, the same shape as colocated teacher"
         f"{', activation checkpointing' if checkpointing else ''}: "
         f"step {step_s * 1000:.0f} ms, {flops / step_s / 1e12:.0f} TFLOP/s{mfu}, {syncs} host syncs per step, "
-        f"peak {peak / GIB:.2f} GiB allocated, {reserved / GIB:.2f} GiB reserved"
+        f"peak {peak / GIB:.2f} GiB allocated, {reserved / GIB:.2f} GiB reserved; "
+        f"without the per-step diagnostics {quiet_s * 1000:.0f} ms{quiet_mfu}"
     )
     ok = True
     if not REHEARSAL:
