@@ -365,40 +365,42 @@ def _qwen_step(shape: str, checkpointing: bool = False) -> dict[str, Any]:
     sequences = [torch.randint(3, 151_000, (length,), generator=generator).tolist() for _ in range(rows)]
     batch = pack_sequences(sequences, [prompt] * rows, 0, True)
     tokens = int(batch["token_mask"][:, 1:].sum())
-    seconds = []
-    for step in range(3):
-        if step == 1:  # steady state: Adam's moments exist from the first step on
-            cuda.reset_peak_memory_stats()
+
+    def step(loss: Any) -> None:
+        worker.train(loss, tokens, rows, [batch], in_place(loss, 1))
+
+    def timed_step(loss: Any) -> float:
         start = time.perf_counter()
-        worker.train(loss_fn, tokens, rows, [batch], in_place(loss_fn, 1))
+        step(loss)
         cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    seconds = [timed_step(loss_fn)]
+    cuda.reset_peak_memory_stats()  # steady state: Adam's moments exist from the first step on
+    seconds += [timed_step(loss_fn) for _ in range(2)]
     peak, reserved = cuda.max_memory_allocated(), cuda.max_memory_reserved()
-    syncs = _host_syncs(torch, lambda: worker.train(loss_fn, tokens, rows, [batch], in_place(loss_fn, 1)))
+    syncs = _host_syncs(torch, lambda: step(loss_fn))
     # The same step without the per-step diagnostics (two top-k and both log-normalisers in every loss chunk):
     # their share of the step, measured beside it, says whether diagnostics_every's default should change.
     quiet_loss = build_loss(
         load_config(MasterConfig, SPEC_CLUSTER_CONFIG, [*overrides, "loss_fn.diagnostics_every=0"]), _VocabularyOnly()
     )
-    quiet_seconds = []
-    for _ in range(2):
-        start = time.perf_counter()
-        worker.train(quiet_loss, tokens, rows, [batch], in_place(quiet_loss, 1))
-        cuda.synchronize()
-        quiet_seconds.append(time.perf_counter() - start)
+    quiet_seconds = [timed_step(quiet_loss) for _ in range(2)]
     parameters = sum(p.numel() for p in worker.model.parameters())  # the same shape is the teacher
     worker.shutdown()
     step_s, quiet_s = min(seconds[1:]), min(quiet_seconds)
     flops = (6 + 2) * parameters * rows * length
     peak_flops = _peak_flops(torch)
-    mfu = f", MFU {flops / step_s / peak_flops:.1%}" if peak_flops else ""
-    quiet_mfu = f", MFU {flops / quiet_s / peak_flops:.1%}" if peak_flops else ""
+
+    def mfu(seconds: float) -> str:
+        return f", MFU {flops / seconds / peak_flops:.1%}" if peak_flops else ""
+
     figure = (
         f"{rows} x {length} tokens, fused {config.loss_fn.type} loss, the same shape as colocated teacher"
         f"{', activation checkpointing' if checkpointing else ''}: "
-        f"step {step_s * 1000:.0f} ms, {flops / step_s / 1e12:.0f} TFLOP/s{mfu}, {syncs} host syncs per step, "
+        f"step {step_s * 1000:.0f} ms, {flops / step_s / 1e12:.0f} TFLOP/s{mfu(step_s)}, {syncs} host syncs per step, "
         f"peak {peak / GIB:.2f} GiB allocated, {reserved / GIB:.2f} GiB reserved; "
-        f"without the per-step diagnostics {quiet_s * 1000:.0f} ms{quiet_mfu}"
+        f"without the per-step diagnostics {quiet_s * 1000:.0f} ms{mfu(quiet_s)}"
     )
     ok = True
     if not REHEARSAL:
