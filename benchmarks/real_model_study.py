@@ -12,6 +12,13 @@ the training questions (120 questions, greedy, graded by ``is_correct``). Arms:
 * ``seq_kd_greedy``: ``opd sft`` on the teacher's greedy answers (Kim & Rush's mode);
 * ``sft_reference``: ``opd sft`` on the task's reference answers ("The capital of X is Y.").
 
+Two more on-policy arms, added after the first five had run (the guide reports both rounds):
+the first round's on-policy arm trailed the greedy and reference arms, and its limits named
+the two settings it had not tried. Each differs from ``on_policy`` in one setting:
+
+* ``on_policy_reverse_kl``: the reverse KL (mode-seeking; Thinking Machines' recipe);
+* ``on_policy_t05``: the student samples at temperature 0.5 instead of 1.
+
 The teacher's answers are drawn by ``opd generate`` once per seed (temperature 1, top-p 1,
 at most 24 tokens; a truncated answer is redrawn, up to 4 draws per prompt); the greedy
 answers once for all seeds, but each run is charged their whole generation, as a single
@@ -36,7 +43,8 @@ each other arm, the paired difference (arm − on-policy, same seed: the same da
 the same training seed) is averaged over the seeds with a 95% Student-t interval. An arm
 is *better* or *worse* when the interval excludes 0; the two are *level* only when the
 whole interval lies within ±``THRESHOLD`` (0.10, 12 of the 120 questions); otherwise the
-difference is *unresolved*.
+difference is *unresolved*. The two later arms are also compared, by the same rule, with
+``seq_kd_greedy`` (the first round's best distillation arm); this was fixed before their runs.
 
 Each run: one process, one thread (``OMP_NUM_THREADS=1``), ``--jobs`` runs at a time. The
 study is resumable: each run's result goes to ``<out>/runs/<arm>_seed<s>.json`` and a rerun
@@ -86,7 +94,15 @@ LEARNING_RATE = 5.0e-5
 TEACHER_DRAWS = 4
 THRESHOLD = 0.10
 """Accuracy difference (fraction of the 120 test questions) below which two arms would be called level."""
-ARMS = ("on_policy", "supervised_kd", "seq_kd", "seq_kd_greedy", "sft_reference")
+ON_POLICY_ARMS = {
+    "on_policy": [],
+    "on_policy_reverse_kl": ["loss_fn.kl_type=reverse"],
+    "on_policy_t05": ["distillation.generate_strategy.temperature=0.5"],
+}
+"""Each λ = 1 arm's settings on top of the example's config."""
+ARMS = ("on_policy", "supervised_kd", "seq_kd", "seq_kd_greedy", "sft_reference", *list(ON_POLICY_ARMS)[1:])
+LATER_ARMS_BASELINE = "seq_kd_greedy"
+"""The arm the later on-policy arms are compared with besides ``on_policy``."""
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -241,7 +257,7 @@ def arm_plan(arm: str, seed: int, costs: Costs, tokenizer, out: Path, teacher: P
     train_rows = read_rows(TASK_DIR / "train.jsonl")[: args.train_rows]
     prompt_mean = statistics.mean(p for p, _ in chat_lengths(tokenizer, train_rows))
     budget = ON_POLICY_STEPS * costs.on_policy_step([prompt_mean + NOMINAL_ON_POLICY_ANSWER_TOKENS] * BATCH)
-    if arm == "on_policy":
+    if arm in ON_POLICY_ARMS:
         return {
             "data": TASK_DIR / "train.jsonl",
             "steps": args.steps or ON_POLICY_STEPS,
@@ -296,7 +312,7 @@ def run_one(arm: str, seed: int, costs: Costs, tokenizer, models: tuple[Path, Pa
         f"data.max_train_examples={args.train_rows}",
     ]
     start = time.perf_counter()
-    if arm in ("on_policy", "supervised_kd"):
+    if arm in ON_POLICY_ARMS or arm == "supervised_kd":
         run_opd(
             [
                 "train",
@@ -305,7 +321,8 @@ def run_one(arm: str, seed: int, costs: Costs, tokenizer, models: tuple[Path, Pa
                 *common,
                 f"model.teacher_model_path={teacher}",
                 f"model.student_model_path={student}",
-                f"distillation.lambda={1.0 if arm == 'on_policy' else 0.0}",
+                f"distillation.lambda={1.0 if arm in ON_POLICY_ARMS else 0.0}",
+                *ON_POLICY_ARMS.get(arm, []),
             ],
             args.out / "logs" / f"{arm}_seed{seed}.log",
         )
@@ -326,7 +343,7 @@ def run_one(arm: str, seed: int, costs: Costs, tokenizer, models: tuple[Path, Pa
     train_seconds = time.perf_counter() - start
     records = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines() if line]
     steps = [r for r in records if "train/loss" in r]
-    if arm == "on_policy":  # the answers' real lengths, from the log
+    if arm in ON_POLICY_ARMS:  # the answers' real lengths, from the log
         spent = sum(
             costs.on_policy_step([plan["prompt_mean"] + r["train/num_valid_tokens"] / BATCH] * BATCH) for r in steps
         )
@@ -383,7 +400,7 @@ def report(results: list[dict], teacher_accuracy: float, student_accuracy: float
     print(f"\nteacher {teacher_accuracy:.3f}, student before {student_accuracy:.3f} (greedy, test questions)")
     budget = statistics.median(r["budget_flops"] for r in results)
     print(f"budget {budget:.3e} FLOPs per run: {ON_POLICY_STEPS} on-policy steps of {BATCH} prompts")
-    print(f"{'arm':<15} {'seeds':>5} {'steps':>6} {'FLOPs/budget':>12} {'accuracy median [range]':>26} {'mean':>6}")
+    print(f"{'arm':<20} {'seeds':>5} {'steps':>6} {'FLOPs/budget':>12} {'accuracy median [range]':>26} {'mean':>6}")
     for arm, runs in by_arm.items():
         if not runs:
             continue
@@ -391,17 +408,21 @@ def report(results: list[dict], teacher_accuracy: float, student_accuracy: float
         spent = statistics.median(r["spent_flops"] / r["budget_flops"] for r in runs.values())
         steps = statistics.median(r["steps"] for r in runs.values())
         print(
-            f"{arm:<15} {len(runs):>5} {steps:>6.0f} {spent:>12.2f} "
+            f"{arm:<20} {len(runs):>5} {steps:>6.0f} {spent:>12.2f} "
             f"{statistics.median(accuracies):>9.3f} [{min(accuracies):.3f}, {max(accuracies):.3f}]"
             f"{statistics.mean(accuracies):>12.3f}"
         )
-    print(f"\npaired difference, arm - on_policy (95% t interval; level only within ±{THRESHOLD})")
-    for arm, runs in by_arm.items():
-        seeds = sorted(set(runs) & set(by_arm["on_policy"]))
-        if arm == "on_policy" or not seeds:
-            continue
-        mean, low, high = paired_interval([runs[s]["accuracy"] - by_arm["on_policy"][s]["accuracy"] for s in seeds])
-        print(f"{arm:<15} {mean:+.3f} [{low:+.3f}, {high:+.3f}]  {verdict(low, high)}  ({len(seeds)} seeds)")
+    later_arms = list(ON_POLICY_ARMS)[1:]
+    for baseline, arms in (("on_policy", ARMS), (LATER_ARMS_BASELINE, later_arms)):
+        print(f"\npaired difference, arm - {baseline} (95% t interval; level only within ±{THRESHOLD})")
+        for arm in arms:
+            runs = by_arm[arm]
+            seeds = sorted(set(runs) & set(by_arm[baseline]))
+            if arm == baseline or not seeds:
+                continue
+            differences = [runs[s]["accuracy"] - by_arm[baseline][s]["accuracy"] for s in seeds]
+            mean, low, high = paired_interval(differences)
+            print(f"{arm:<20} {mean:+.3f} [{low:+.3f}, {high:+.3f}]  {verdict(low, high)}  ({len(seeds)} seeds)")
     means = " ".join(
         f"{arm}={statistics.mean(r['accuracy'] for r in runs.values()):.3f}" for arm, runs in by_arm.items() if runs
     )
