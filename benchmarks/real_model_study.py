@@ -19,6 +19,12 @@ the two settings it had not tried. Each differs from ``on_policy`` in one settin
 * ``on_policy_reverse_kl``: the reverse KL (mode-seeking; Thinking Machines' recipe);
 * ``on_policy_t05``: the student samples at temperature 0.5 instead of 1.
 
+A third round asks what the teacher's whole distribution adds to its greedy answers, the
+first round's best distillation data:
+
+* ``supervised_kd_greedy``: λ = 0, the forward KL over the full vocabulary on the teacher's
+  greedy answers (``supervised_kd``'s loss on ``seq_kd_greedy``'s data).
+
 The teacher's answers are drawn by ``opd generate`` once per seed (temperature 1, top-p 1,
 at most 24 tokens; a truncated answer is redrawn, up to 4 draws per prompt); the greedy
 answers once for all seeds, but each run is charged their whole generation, as a single
@@ -43,8 +49,9 @@ each other arm, the paired difference (arm − on-policy, same seed: the same da
 the same training seed) is averaged over the seeds with a 95% Student-t interval. An arm
 is *better* or *worse* when the interval excludes 0; the two are *level* only when the
 whole interval lies within ±``THRESHOLD`` (0.10, 12 of the 120 questions); otherwise the
-difference is *unresolved*. The two later arms are also compared, by the same rule, with
-``seq_kd_greedy`` (the first round's best distillation arm); this was fixed before their runs.
+difference is *unresolved*. The later arms are also compared, by the same rule, with
+``seq_kd_greedy`` (the first round's best distillation arm); this was fixed before each
+round's runs.
 
 Each run: one process, one thread (``OMP_NUM_THREADS=1``), ``--jobs`` runs at a time. The
 study is resumable: each run's result goes to ``<out>/runs/<arm>_seed<s>.json`` and a rerun
@@ -100,9 +107,15 @@ ON_POLICY_ARMS = {
     "on_policy_t05": ["distillation.generate_strategy.temperature=0.5"],
 }
 """Each λ = 1 arm's settings on top of the example's config."""
-ARMS = ("on_policy", "supervised_kd", "seq_kd", "seq_kd_greedy", "sft_reference", *list(ON_POLICY_ARMS)[1:])
+GREEDY_DATA_ARMS = ("seq_kd_greedy", "supervised_kd_greedy")
+"""The arms trained on the teacher's greedy answers (the other KD arms: on its samples for their seed)."""
+SUPERVISED_KD_ARMS = ("supervised_kd", "supervised_kd_greedy")
+"""The λ = 0 arms: ``opd train`` with the teacher scoring fixed answers."""
+LATER_ARMS = (*list(ON_POLICY_ARMS)[1:], "supervised_kd_greedy")
+"""The arms added after the first round."""
+ARMS = ("on_policy", "supervised_kd", "seq_kd", "seq_kd_greedy", "sft_reference", *LATER_ARMS)
 LATER_ARMS_BASELINE = "seq_kd_greedy"
-"""The arm the later on-policy arms are compared with besides ``on_policy``."""
+"""The arm the later arms are compared with besides ``on_policy``."""
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -268,12 +281,13 @@ def arm_plan(arm: str, seed: int, costs: Costs, tokenizer, out: Path, teacher: P
     if arm == "sft_reference":
         data, generation = TASK_DIR / "train.jsonl", 0.0
     else:
-        data, drawn = teacher_answers(out, teacher, None if arm == "seq_kd_greedy" else seed, args)
+        data, drawn = teacher_answers(out, teacher, None if arm in GREEDY_DATA_ARMS else seed, args)
         kept = [p + a for p, a in chat_lengths(tokenizer, read_rows(data))]
         # Kept answers at their length; redrawn (truncated) ones at the full answer length.
         generation = costs.generation(kept) + costs.generation([prompt_mean + ANSWER_TOKENS] * drawn["truncated"])
     lengths = [p + a for p, a in chat_lengths(tokenizer, read_rows(data))]
-    step = (costs.supervised_kd_step if arm == "supervised_kd" else costs.sft_step)([statistics.mean(lengths)] * BATCH)
+    step_cost = costs.supervised_kd_step if arm in SUPERVISED_KD_ARMS else costs.sft_step
+    step = step_cost([statistics.mean(lengths)] * BATCH)
     steps = args.steps or int((budget - generation) // step)
     return {
         "data": data,
@@ -312,7 +326,7 @@ def run_one(arm: str, seed: int, costs: Costs, tokenizer, models: tuple[Path, Pa
         f"data.max_train_examples={args.train_rows}",
     ]
     start = time.perf_counter()
-    if arm in ON_POLICY_ARMS or arm == "supervised_kd":
+    if arm in ON_POLICY_ARMS or arm in SUPERVISED_KD_ARMS:
         run_opd(
             [
                 "train",
@@ -412,8 +426,7 @@ def report(results: list[dict], teacher_accuracy: float, student_accuracy: float
             f"{statistics.median(accuracies):>9.3f} [{min(accuracies):.3f}, {max(accuracies):.3f}]"
             f"{statistics.mean(accuracies):>12.3f}"
         )
-    later_arms = list(ON_POLICY_ARMS)[1:]
-    for baseline, arms in (("on_policy", ARMS), (LATER_ARMS_BASELINE, later_arms)):
+    for baseline, arms in (("on_policy", ARMS), (LATER_ARMS_BASELINE, LATER_ARMS)):
         print(f"\npaired difference, arm - {baseline} (95% t interval; level only within ±{THRESHOLD})")
         for arm in arms:
             runs = by_arm[arm]
@@ -465,7 +478,7 @@ def main() -> None:
         reference_path.parent.mkdir(parents=True, exist_ok=True)
         reference_path.write_text(json.dumps(reference), encoding="utf-8")
     # The teacher's answers first: two arms of a seed read the same file.
-    draws = [None] if "seq_kd_greedy" in args.only else []
+    draws = [None] if set(GREEDY_DATA_ARMS) & set(args.only) else []
     draws += args.seeds if {"seq_kd", "supervised_kd"} & set(args.only) else []
     jobs = [(arm, seed) for seed in args.seeds for arm in args.only]
     with ThreadPoolExecutor(args.jobs) as pool:
