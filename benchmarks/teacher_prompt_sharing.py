@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> None:
             real = torch.arange(batch["input_ids"].shape[1])[None, :] < batch["input_lengths"][:, None]
             expected = one_pass.score(batch, request).hidden_states[real]
             difference = float((shared.score(batch, request).hidden_states[real] - expected).abs().max())
-            base = median_and_range(lambda: one_pass.score(batch, request), arguments.repeats)
-            fast = median_and_range(lambda: shared.score(batch, request), arguments.repeats)
+            base = median_and_range(lambda batch=batch: one_pass.score(batch, request), arguments.repeats)
+            fast = median_and_range(lambda batch=batch: shared.score(batch, request), arguments.repeats)
             print(
                 f"| {prompt_length} | {samples} | {batch['input_ids'].shape[0]} "
                 f"| {base[0]:.4f} ({base[1]:.4f}–{base[2]:.4f}) | {fast[0]:.4f} ({fast[1]:.4f}–{fast[2]:.4f}) "

@@ -68,7 +68,7 @@ from opd.data.datasets import load_chat_dataset  # noqa: E402
 from opd.data.sequences import attention_mask_from_lengths, build_token_mask, shift_token_mask  # noqa: E402
 from opd.distillation.config import MasterConfig  # noqa: E402
 from opd.losses.divergences import KL_TYPES, token_kl, topk_token_kl  # noqa: E402
-from opd.models.decoding import GenerateStrategyConfig
+from opd.models.decoding import GenerateStrategyConfig  # noqa: E402
 from opd.models.loading import check_tokenizer_compatibility, load_tokenizer  # noqa: E402
 from opd.rollout.hf_generation import HFGeneration  # noqa: E402
 from opd.utils.config import load_config  # noqa: E402

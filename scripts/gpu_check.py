@@ -187,8 +187,8 @@ def check_bf16_fused_loss() -> dict[str, Any]:
     teacher_weight = torch.randn(vocab, hidden_size, device=DEVICE, generator=generator) * 0.02
     weights = torch.full((positions,), 1.0 / positions, device=DEVICE)
     reference = 0.0
-    for start in range(0, positions, 256):  # float64, in chunks (a [2048 × 151936] float64 is 2.5 GB)
-        rows = slice(start, start + 256)
+    for first in range(0, positions, 256):  # float64, in chunks (a [2048 × 151936] float64 is 2.5 GB)
+        rows = slice(first, first + 256)
         student_logits = hidden[rows].double() @ weight.double().T
         teacher_logits = teacher_hidden[rows].double() @ teacher_weight.double().T
         reference += float((token_kl(student_logits, teacher_logits, "forward") * weights[rows].double()).sum())
@@ -199,7 +199,7 @@ def check_bf16_fused_loss() -> dict[str, Any]:
     loss = chunked_lm_head_loss(
         student,
         lambda logits, teacher_logits: token_kl(logits.float(), teacher_logits.float(), "forward"),
-        [teacher],
+        (teacher,),
         weights,
     )
     loss.backward()
