@@ -25,6 +25,14 @@ first round's best distillation data:
 * ``supervised_kd_greedy``: λ = 0, the forward KL over the full vocabulary on the teacher's
   greedy answers (``supervised_kd``'s loss on ``seq_kd_greedy``'s data).
 
+A fourth round mixes the two kinds of data:
+
+* ``mixed_greedy``: λ = 0.5, the same loss, each step on the student's own samples with
+  probability 0.5 and otherwise on the teacher's greedy answers. Its steps are planned at
+  the mean cost of the two kinds; the FLOPs it spent are recounted from which steps were
+  on-policy (``train/on_policy`` in its log). Besides the two comparisons above, it is
+  compared with ``supervised_kd_greedy`` (λ = 0 on the same data), by the same rule.
+
 The teacher's answers are drawn by ``opd generate`` once per seed (temperature 1, top-p 1,
 at most 24 tokens; a truncated answer is redrawn, up to 4 draws per prompt); the greedy
 answers once for all seeds, but each run is charged their whole generation, as a single
@@ -107,15 +115,19 @@ ON_POLICY_ARMS = {
     "on_policy_t05": ["distillation.generate_strategy.temperature=0.5"],
 }
 """Each λ = 1 arm's settings on top of the example's config."""
-GREEDY_DATA_ARMS = ("seq_kd_greedy", "supervised_kd_greedy")
+MIXED_ARMS = {"mixed_greedy": 0.5}
+"""The arms that mix on-policy steps with fixed-data steps, and their λ."""
+GREEDY_DATA_ARMS = ("seq_kd_greedy", "supervised_kd_greedy", *MIXED_ARMS)
 """The arms trained on the teacher's greedy answers (the other KD arms: on its samples for their seed)."""
 SUPERVISED_KD_ARMS = ("supervised_kd", "supervised_kd_greedy")
 """The λ = 0 arms: ``opd train`` with the teacher scoring fixed answers."""
-LATER_ARMS = (*list(ON_POLICY_ARMS)[1:], "supervised_kd_greedy")
+LATER_ARMS = (*list(ON_POLICY_ARMS)[1:], "supervised_kd_greedy", *MIXED_ARMS)
 """The arms added after the first round."""
 ARMS = ("on_policy", "supervised_kd", "seq_kd", "seq_kd_greedy", "sft_reference", *LATER_ARMS)
 LATER_ARMS_BASELINE = "seq_kd_greedy"
 """The arm the later arms are compared with besides ``on_policy``."""
+MIXED_ARMS_BASELINES = (("supervised_kd_greedy", tuple(MIXED_ARMS)),)
+"""The mixed arms' third comparison: λ = 0 on the same fixed data."""
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -286,9 +298,13 @@ def arm_plan(arm: str, seed: int, costs: Costs, tokenizer, out: Path, teacher: P
         # Kept answers at their length; redrawn (truncated) ones at the full answer length.
         generation = costs.generation(kept) + costs.generation([prompt_mean + ANSWER_TOKENS] * drawn["truncated"])
     lengths = [p + a for p, a in chat_lengths(tokenizer, read_rows(data))]
-    step_cost = costs.supervised_kd_step if arm in SUPERVISED_KD_ARMS else costs.sft_step
-    step = step_cost([statistics.mean(lengths)] * BATCH)
-    steps = args.steps or int((budget - generation) // step)
+    distilled = arm in SUPERVISED_KD_ARMS or arm in MIXED_ARMS
+    step = (costs.supervised_kd_step if distilled else costs.sft_step)([statistics.mean(lengths)] * BATCH)
+    planned_step = step
+    if arm in MIXED_ARMS:  # planned at the expected cost; the fixed-data steps' cost stays ``step_flops``
+        on_policy = costs.on_policy_step([prompt_mean + NOMINAL_ON_POLICY_ANSWER_TOKENS] * BATCH)
+        planned_step = MIXED_ARMS[arm] * on_policy + (1.0 - MIXED_ARMS[arm]) * step
+    steps = args.steps or int((budget - generation) // planned_step)
     return {
         "data": data,
         "steps": steps,
@@ -326,7 +342,7 @@ def run_one(arm: str, seed: int, costs: Costs, tokenizer, models: tuple[Path, Pa
         f"data.max_train_examples={args.train_rows}",
     ]
     start = time.perf_counter()
-    if arm in ON_POLICY_ARMS or arm in SUPERVISED_KD_ARMS:
+    if arm in ON_POLICY_ARMS or arm in SUPERVISED_KD_ARMS or arm in MIXED_ARMS:
         run_opd(
             [
                 "train",
@@ -335,7 +351,7 @@ def run_one(arm: str, seed: int, costs: Costs, tokenizer, models: tuple[Path, Pa
                 *common,
                 f"model.teacher_model_path={teacher}",
                 f"model.student_model_path={student}",
-                f"distillation.lambda={1.0 if arm in ON_POLICY_ARMS else 0.0}",
+                f"distillation.lambda={1.0 if arm in ON_POLICY_ARMS else MIXED_ARMS.get(arm, 0.0)}",
                 *ON_POLICY_ARMS.get(arm, []),
             ],
             args.out / "logs" / f"{arm}_seed{seed}.log",
@@ -357,9 +373,15 @@ def run_one(arm: str, seed: int, costs: Costs, tokenizer, models: tuple[Path, Pa
     train_seconds = time.perf_counter() - start
     records = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").read_text().splitlines() if line]
     steps = [r for r in records if "train/loss" in r]
-    if arm in ON_POLICY_ARMS:  # the answers' real lengths, from the log
-        spent = sum(
-            costs.on_policy_step([plan["prompt_mean"] + r["train/num_valid_tokens"] / BATCH] * BATCH) for r in steps
+
+    def on_policy_flops(record: dict) -> float:  # the answers' real lengths, from the log
+        return costs.on_policy_step([plan["prompt_mean"] + record["train/num_valid_tokens"] / BATCH] * BATCH)
+
+    if arm in ON_POLICY_ARMS:
+        spent = sum(on_policy_flops(r) for r in steps)
+    elif arm in MIXED_ARMS:
+        spent = plan["generation_flops"] + sum(
+            on_policy_flops(r) if r["train/on_policy"] else plan["step_flops"] for r in steps
         )
     else:
         spent = plan["generation_flops"] + plan["step_flops"] * len(steps)
@@ -376,7 +398,10 @@ def run_one(arm: str, seed: int, costs: Costs, tokenizer, models: tuple[Path, Pa
         "train_seconds": train_seconds,
         "machine": f"{platform.machine()} x{os.cpu_count()}",
         "jobs": args.jobs,
-        "curve": [{k: r.get(k) for k in ("step", "train/loss", "train/lr", "train/num_valid_tokens")} for r in steps],
+        "curve": [
+            {k: r.get(k) for k in ("step", "train/loss", "train/lr", "train/num_valid_tokens", "train/on_policy")}
+            for r in steps
+        ],
         "data": str(Path(plan["data"]).relative_to(REPO) if Path(plan["data"]).is_relative_to(REPO) else plan["data"]),
     }
     result_path.parent.mkdir(parents=True, exist_ok=True)
@@ -426,7 +451,7 @@ def report(results: list[dict], teacher_accuracy: float, student_accuracy: float
             f"{statistics.median(accuracies):>9.3f} [{min(accuracies):.3f}, {max(accuracies):.3f}]"
             f"{statistics.mean(accuracies):>12.3f}"
         )
-    for baseline, arms in (("on_policy", ARMS), (LATER_ARMS_BASELINE, LATER_ARMS)):
+    for baseline, arms in (("on_policy", ARMS), (LATER_ARMS_BASELINE, LATER_ARMS), *MIXED_ARMS_BASELINES):
         print(f"\npaired difference, arm - {baseline} (95% t interval; level only within ±{THRESHOLD})")
         for arm in arms:
             runs = by_arm[arm]
