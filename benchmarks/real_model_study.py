@@ -12,7 +12,7 @@ the training questions (120 questions, greedy, graded by ``is_correct``). Arms:
 * ``seq_kd_greedy``: ``opd sft`` on the teacher's greedy answers (Kim & Rush's mode);
 * ``sft_reference``: ``opd sft`` on the task's reference answers ("The capital of X is Y.").
 
-Two more on-policy arms, added after the first five had run (the guide reports both rounds):
+Two more on-policy arms, added after the first five had run (the guide reports every round):
 the first round's on-policy arm trailed the greedy and reference arms, and its limits named
 the two settings it had not tried. Each differs from ``on_policy`` in one setting:
 
