@@ -121,6 +121,8 @@ GREEDY_DATA_ARMS = ("seq_kd_greedy", "supervised_kd_greedy", *MIXED_ARMS)
 """The arms trained on the teacher's greedy answers (the other KD arms: on its samples for their seed)."""
 SUPERVISED_KD_ARMS = ("supervised_kd", "supervised_kd_greedy")
 """The λ = 0 arms: ``opd train`` with the teacher scoring fixed answers."""
+LAMBDAS = {**dict.fromkeys(ON_POLICY_ARMS, 1.0), **dict.fromkeys(SUPERVISED_KD_ARMS, 0.0), **MIXED_ARMS}
+"""λ of each arm that ``opd train`` runs (the others are ``opd sft`` runs)."""
 LATER_ARMS = (*list(ON_POLICY_ARMS)[1:], "supervised_kd_greedy", *MIXED_ARMS)
 """The arms added after the first round."""
 ARMS = ("on_policy", "supervised_kd", "seq_kd", "seq_kd_greedy", "sft_reference", *LATER_ARMS)
@@ -298,8 +300,7 @@ def arm_plan(arm: str, seed: int, costs: Costs, tokenizer, out: Path, teacher: P
         # Kept answers at their length; redrawn (truncated) ones at the full answer length.
         generation = costs.generation(kept) + costs.generation([prompt_mean + ANSWER_TOKENS] * drawn["truncated"])
     lengths = [p + a for p, a in chat_lengths(tokenizer, read_rows(data))]
-    distilled = arm in SUPERVISED_KD_ARMS or arm in MIXED_ARMS
-    step = (costs.supervised_kd_step if distilled else costs.sft_step)([statistics.mean(lengths)] * BATCH)
+    step = (costs.supervised_kd_step if arm in LAMBDAS else costs.sft_step)([statistics.mean(lengths)] * BATCH)
     planned_step = step
     if arm in MIXED_ARMS:  # planned at the expected cost; the fixed-data steps' cost stays ``step_flops``
         on_policy = costs.on_policy_step([prompt_mean + NOMINAL_ON_POLICY_ANSWER_TOKENS] * BATCH)
@@ -342,7 +343,7 @@ def run_one(arm: str, seed: int, costs: Costs, tokenizer, models: tuple[Path, Pa
         f"data.max_train_examples={args.train_rows}",
     ]
     start = time.perf_counter()
-    if arm in ON_POLICY_ARMS or arm in SUPERVISED_KD_ARMS or arm in MIXED_ARMS:
+    if arm in LAMBDAS:
         run_opd(
             [
                 "train",
@@ -351,7 +352,7 @@ def run_one(arm: str, seed: int, costs: Costs, tokenizer, models: tuple[Path, Pa
                 *common,
                 f"model.teacher_model_path={teacher}",
                 f"model.student_model_path={student}",
-                f"distillation.lambda={1.0 if arm in ON_POLICY_ARMS else MIXED_ARMS.get(arm, 0.0)}",
+                f"distillation.lambda={LAMBDAS[arm]}",
                 *ON_POLICY_ARMS.get(arm, []),
             ],
             args.out / "logs" / f"{arm}_seed{seed}.log",
